@@ -1,0 +1,3 @@
+from dmlkit.cli import main
+
+main()

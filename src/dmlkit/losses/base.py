@@ -1,0 +1,155 @@
+"""What every loss shares: the calling convention, the registry, and empty-batch handling.
+
+Calling convention (``../design.md``)::
+
+    loss(embeddings (B, D), labels (B,), indices=None, ref_emb=None, ref_labels=None) -> scalar
+
+* ``indices`` is a miner's output: pairs ``(anchor1, positive, anchor2, negative)`` or
+  triplets ``(anchor, positive, negative)``. Anchors index ``embeddings``; positives and
+  negatives index the reference set, which is ``embeddings`` itself unless ``ref_emb`` /
+  ``ref_labels`` are given (cross-batch memory).
+* A batch with no valid pair/triplet returns a zero that still has a gradient (``0 * sum``)
+  and increments :attr:`BaseLoss.num_empty_batches`.
+* Classification/proxy losses subclass :class:`ProxyLoss`: they take ``num_classes`` and
+  ``embedding_size``, own their parameters (``loss.parameters()``) so the trainer can give
+  them their own optimiser/learning rate, and expect labels in ``[0, num_classes)``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TypeVar
+
+import torch
+from torch import nn
+
+from dmlkit.distances import BaseDistance, get_distance
+from dmlkit.exceptions import NonFiniteError, ShapeError
+
+__all__ = ["LOSSES", "BaseLoss", "ProxyLoss", "get_loss", "register_loss"]
+
+LOSSES: dict[str, type[BaseLoss]] = {}
+_T = TypeVar("_T", bound=type)
+
+
+def register_loss(*names: str) -> Callable[[_T], _T]:
+    """Class decorator: make a loss available to :func:`get_loss` and configs by name(s)."""
+
+    def decorator(cls: _T) -> _T:
+        for name in names:
+            if name in LOSSES and LOSSES[name] is not cls:
+                raise RuntimeError(f"loss name {name!r} registered twice")
+            LOSSES[name] = cls
+        return cls
+
+    return decorator
+
+
+def get_loss(name: str, **kwargs) -> BaseLoss:
+    """Instantiate a registered loss by name, e.g. ``get_loss("triplet", margin=0.1)``."""
+    from dmlkit.losses import _import_all
+
+    _import_all()
+    try:
+        cls = LOSSES[name]
+    except KeyError:
+        raise ValueError(f"unknown loss {name!r}; available: {sorted(LOSSES)}") from None
+    return cls(**kwargs)
+
+
+class BaseLoss(nn.Module):
+    """Base of every dmlkit loss. Subclasses implement :meth:`compute`."""
+
+    #: True for losses that consume a miner's pairs/triplets.
+    accepts_indices: bool = False
+
+    def __init__(self, distance: BaseDistance | str | None = None) -> None:
+        super().__init__()
+        self.distance = get_distance(distance) if distance is not None else self.default_distance()
+        self.num_empty_batches = 0
+
+    @staticmethod
+    def default_distance() -> BaseDistance:
+        from dmlkit.distances import CosineSimilarity
+
+        return CosineSimilarity()
+
+    def forward(
+        self,
+        embeddings: torch.Tensor,
+        labels: torch.Tensor,
+        indices: tuple[torch.Tensor, ...] | None = None,
+        ref_emb: torch.Tensor | None = None,
+        ref_labels: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        check_inputs(embeddings, labels)
+        if (ref_emb is None) != (ref_labels is None):
+            raise ShapeError("pass both ref_emb and ref_labels, or neither")
+        if ref_emb is not None:
+            check_inputs(ref_emb, ref_labels, name="ref_emb")
+        return self.compute(embeddings, labels, indices, ref_emb, ref_labels)
+
+    def compute(
+        self,
+        embeddings: torch.Tensor,
+        labels: torch.Tensor,
+        indices: tuple[torch.Tensor, ...] | None,
+        ref_emb: torch.Tensor | None,
+        ref_labels: torch.Tensor | None,
+    ) -> torch.Tensor:
+        raise NotImplementedError
+
+    def zero_loss(self, embeddings: torch.Tensor) -> torch.Tensor:
+        """A zero connected to the graph (so ``backward()`` works), counted as an empty batch."""
+        self.num_empty_batches += 1
+        params = [p for p in self.parameters() if p.requires_grad]
+        zero = embeddings.sum() * 0
+        for p in params:
+            zero = zero + p.sum() * 0
+        return zero
+
+
+class ProxyLoss(BaseLoss):
+    """Base of classification- and proxy-based losses (own weights, labels in [0, C))."""
+
+    requires_num_classes: bool = True
+
+    def __init__(
+        self, num_classes: int, embedding_size: int, distance: BaseDistance | str | None = None
+    ) -> None:
+        super().__init__(distance)
+        if num_classes < 1 or embedding_size < 1:
+            raise ValueError(
+                f"num_classes and embedding_size must be positive, got {num_classes}, {embedding_size}"
+            )
+        self.num_classes = int(num_classes)
+        self.embedding_size = int(embedding_size)
+
+    def forward(self, embeddings, labels, indices=None, ref_emb=None, ref_labels=None):
+        if embeddings.dim() == 2 and embeddings.shape[1] != self.embedding_size:
+            raise ShapeError(
+                f"{type(self).__name__} was built for embedding_size={self.embedding_size}, "
+                f"got embeddings of size {embeddings.shape[1]}"
+            )
+        if labels.numel() and (int(labels.min()) < 0 or int(labels.max()) >= self.num_classes):
+            raise ShapeError(
+                f"{type(self).__name__} needs labels in [0, {self.num_classes}); got "
+                f"[{int(labels.min())}, {int(labels.max())}]: remap labels to contiguous ids"
+            )
+        return super().forward(embeddings, labels, indices, ref_emb, ref_labels)
+
+
+def check_inputs(embeddings: torch.Tensor, labels: torch.Tensor, name: str = "embeddings") -> None:
+    """Validate ``embeddings (B, D)`` float and ``labels (B,)`` integer tensors."""
+    if embeddings.dim() != 2:
+        raise ShapeError(f"{name} must be (B, D), got shape {tuple(embeddings.shape)}")
+    if not embeddings.is_floating_point():
+        raise ShapeError(f"{name} must be a floating-point tensor, got {embeddings.dtype}")
+    if labels.dim() != 1 or labels.shape[0] != embeddings.shape[0]:
+        raise ShapeError(
+            f"labels must be (B,) with B = {embeddings.shape[0]}, got shape {tuple(labels.shape)}"
+        )
+    if labels.is_floating_point():
+        raise ShapeError(f"labels must be integers, got {labels.dtype}")
+    if not torch.isfinite(embeddings).all():
+        raise NonFiniteError(f"{name} contain NaN or infinity: check the model and learning rate")

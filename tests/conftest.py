@@ -1,0 +1,46 @@
+"""Shared test fixtures: deterministic seeds and the real-data root."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _find_data_root() -> Path | None:
+    env = os.environ.get("DMLKIT_DATA")
+    candidates = [Path(env)] if env else []
+    candidates += [REPO.parent / "shared" / "data", REPO / "shared" / "data"]
+    for c in candidates:
+        if (c / "README.md").exists():
+            return c
+    return None
+
+
+DATA_ROOT = _find_data_root()
+
+
+@pytest.fixture(scope="session")
+def data_root() -> Path:
+    """The real-data root (``$DMLKIT_DATA`` or ``../shared/data``); skips when absent."""
+    if DATA_ROOT is None:
+        pytest.skip("real data not found: set DMLKIT_DATA or put shared/data beside the repo")
+    return DATA_ROOT
+
+
+@pytest.fixture(autouse=True)
+def _fixed_seed():
+    torch.manual_seed(0)
+    np.random.seed(0)
+    yield
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _threads():
+    torch.set_num_threads(min(2, os.cpu_count() or 1))
+    yield
