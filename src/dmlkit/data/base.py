@@ -1,0 +1,394 @@
+"""Datasets for metric learning: every sample has an integer class id, splits are by class.
+
+:class:`MetricDataset` is the common interface (a ``torch.utils.data.Dataset``):
+
+- ``ds[i] -> (x, label)``: ``x`` is the transformed sample, ``label`` the original class id;
+- ``ds.labels``: ``np.int64 (N,)`` original class ids (never re-indexed);
+- ``ds.classes``: sorted unique class ids; ``ds.class_names``: ``{class_id: name}``;
+- ``ds.class_groups``: ``{class_id: group}``, the dataset's own class partition (e.g. Omniglot's
+  ``background`` / ``evaluation``, CUB's ``train`` / ``test``) used by
+  :func:`dmlkit.data.default_split`; ``ds.split_groups`` names which group is train/test;
+- ``ds.sample_groups``: optional per-sample partition (In-Shop's ``train/query/gallery``);
+- ``ds.subset_classes(ids)``, ``ds.subset(indices)``, ``ds.with_transform(t)``,
+  ``ds.fingerprint()`` (stable string for caches), ``ds.paths`` (or ``None``),
+  ``ds.thumbnail(i)`` (a PIL image of the raw sample, for reports).
+
+Two storage back-ends share the interface: :class:`ArrayDataset` (images or feature vectors
+held in memory as a NumPy array) and :class:`ImageFileDataset` (image files loaded with PIL).
+Subsets are views: they keep the storage and select rows.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import os
+import warnings
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch.utils.data import Dataset
+
+from dmlkit.exceptions import DataError, ShapeError
+
+__all__ = ["ArrayDataset", "ImageFileDataset", "MetricDataset", "load_image"]
+
+Transform = Callable[[Any], Any]
+
+
+class MetricDataset(Dataset):
+    """Base class: labels, class bookkeeping, subsets and fingerprints (storage in subclasses).
+
+    Subclasses implement :meth:`_raw` (the untransformed sample of a storage row),
+    :meth:`_default_tensor` (what ``ds[i]`` returns without a transform) and
+    :meth:`_storage_fingerprint`.
+    """
+
+    def __init__(
+        self,
+        labels: Sequence[int] | np.ndarray,
+        *,
+        class_names: Mapping[int, str] | None = None,
+        class_groups: Mapping[int, str] | None = None,
+        split_groups: Mapping[str, str] | None = None,
+        sample_groups: Sequence[str] | np.ndarray | None = None,
+        transform: Transform | None = None,
+        name: str = "dataset",
+        meta: Mapping[str, Any] | None = None,
+    ) -> None:
+        labels = np.asarray(labels)
+        if labels.ndim != 1:
+            raise ShapeError(f"labels must be 1-D (N,), got shape {labels.shape}")
+        if labels.size and not np.issubdtype(labels.dtype, np.integer):
+            raise DataError(f"labels must be integer class ids, got dtype {labels.dtype}")
+        self._all_labels = labels.astype(np.int64, copy=False)
+        self._rows = np.arange(len(labels), dtype=np.int64)
+        self.transform = transform
+        self.name = name
+        self.meta: dict[str, Any] = dict(meta or {})
+        self.split_groups: dict[str, str] = dict(split_groups or {})
+        self._all_sample_groups = None if sample_groups is None else np.asarray(sample_groups, dtype=str)
+        if self._all_sample_groups is not None and self._all_sample_groups.shape != labels.shape:
+            raise ShapeError(
+                f"sample_groups must have one entry per sample ({len(labels)}), "
+                f"got {self._all_sample_groups.shape}"
+            )
+        self._all_class_names = {int(k): str(v) for k, v in (class_names or {}).items()}
+        self._all_class_groups = {int(k): str(v) for k, v in (class_groups or {}).items()}
+        self._fingerprint: str | None = None
+        self._refresh()
+
+    # -- bookkeeping -----------------------------------------------------------------------
+    def _refresh(self) -> None:
+        self.labels: np.ndarray = self._all_labels[self._rows]
+        self.classes: np.ndarray = np.unique(self.labels)
+        present = set(self.classes.tolist())
+        self.class_names: dict[int, str] = {
+            c: self._all_class_names.get(c, str(c)) for c in self.classes.tolist()
+        }
+        self.class_groups: dict[int, str] = {
+            c: g for c, g in self._all_class_groups.items() if c in present
+        }
+        self.sample_groups: np.ndarray | None = (
+            None if self._all_sample_groups is None else self._all_sample_groups[self._rows]
+        )
+
+    @property
+    def num_classes(self) -> int:
+        return int(self.classes.size)
+
+    def __len__(self) -> int:
+        return int(self._rows.size)
+
+    def _row(self, index: int) -> int:
+        n = len(self)
+        if not -n <= index < n:
+            raise IndexError(f"index {index} out of range for a dataset of {n} samples")
+        return int(self._rows[index])
+
+    def __getitem__(self, index: int) -> tuple[Any, int]:
+        row = self._row(index)
+        x = self._raw(row)
+        x = self.transform(x) if self.transform is not None else self._default_tensor(x)
+        return x, int(self._all_labels[row])
+
+    def __repr__(self) -> str:
+        return (
+            f"{type(self).__name__}(name={self.name!r}, samples={len(self)}, "
+            f"classes={self.num_classes})"
+        )
+
+    # -- storage hooks ---------------------------------------------------------------------
+    def _raw(self, row: int) -> Any:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def _default_tensor(self, x: Any) -> Any:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def _storage_fingerprint(self) -> str:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    @property
+    def paths(self) -> list[str] | None:
+        """File paths of the samples (in order), or ``None`` for in-memory data."""
+        return None
+
+    # -- views -----------------------------------------------------------------------------
+    def subset(self, indices: Iterable[int] | np.ndarray) -> MetricDataset:
+        """A view of the samples at ``indices`` (positions in *this* dataset), same storage."""
+        idx = np.asarray(list(indices) if not isinstance(indices, np.ndarray) else indices)
+        if idx.dtype == bool:
+            if idx.shape != (len(self),):
+                raise ShapeError(f"boolean mask must have shape ({len(self)},), got {idx.shape}")
+            idx = np.flatnonzero(idx)
+        idx = idx.astype(np.int64, copy=False)
+        if idx.size and (idx.min() < -len(self) or idx.max() >= len(self)):
+            raise IndexError(f"subset indices out of range for a dataset of {len(self)} samples")
+        new = copy.copy(self)
+        new._rows = self._rows[idx]
+        new._fingerprint = None
+        new._refresh()
+        return new
+
+    def subset_classes(self, class_ids: Iterable[int]) -> MetricDataset:
+        """The samples whose class id is in ``class_ids`` (original ids, order kept).
+
+        Raises :class:`DataError` when an id is not a class of this dataset.
+        """
+        ids = np.asarray(sorted({int(c) for c in class_ids}), dtype=np.int64)
+        missing = np.setdiff1d(ids, self.classes)
+        if missing.size:
+            shown = ", ".join(map(str, missing[:10].tolist()))
+            raise DataError(
+                f"{missing.size} class id(s) not in dataset {self.name!r}: {shown}"
+                f"{' ...' if missing.size > 10 else ''}; its classes are "
+                f"{self.classes.min() if self.classes.size else '-'}.."
+                f"{self.classes.max() if self.classes.size else '-'}"
+            )
+        return self.subset(np.flatnonzero(np.isin(self.labels, ids)))
+
+    def subset_group(self, group: str) -> MetricDataset:
+        """The samples of one class group (e.g. ``"background"``) or sample group (``"query"``)."""
+        if self.sample_groups is not None and group in set(self.sample_groups.tolist()):
+            return self.subset(np.flatnonzero(self.sample_groups == group))
+        ids = [c for c, g in self.class_groups.items() if g == group]
+        if not ids:
+            known = sorted(set(self.class_groups.values()) | set(
+                [] if self.sample_groups is None else self.sample_groups.tolist()))
+            raise DataError(f"dataset {self.name!r} has no group {group!r}; groups: {known}")
+        return self.subset_classes(ids)
+
+    def with_transform(self, transform: Transform | None) -> MetricDataset:
+        """The same samples with another transform (a shallow copy; storage is shared)."""
+        new = copy.copy(self)
+        new.transform = transform
+        return new
+
+    # -- identity --------------------------------------------------------------------------
+    def fingerprint(self) -> str:
+        """A stable hex string identifying the samples and labels (not the transform).
+
+        SHA-256 over the dataset name, the storage fingerprint (array bytes or file paths with
+        sizes and modification times) and the selected rows' labels.
+        """
+        if self._fingerprint is None:
+            h = hashlib.sha256()
+            h.update(type(self).__name__.encode())
+            h.update(self.name.encode())
+            h.update(self._storage_fingerprint().encode())
+            h.update(self._rows.tobytes())
+            h.update(self.labels.tobytes())
+            self._fingerprint = h.hexdigest()[:32]
+        return self._fingerprint
+
+    def thumbnail(self, index: int, size: int | None = 96):
+        """The raw sample ``index`` as a PIL image (for reports), at most ``size`` pixels wide."""
+        img = self._to_pil(self._raw(self._row(index)))
+        if size is not None:
+            img = img.copy()
+            img.thumbnail((size, size))
+        return img
+
+    def _to_pil(self, x: Any):
+        return x
+
+    def class_counts(self) -> dict[int, int]:
+        """``{class_id: number of samples}``."""
+        ids, counts = np.unique(self.labels, return_counts=True)
+        return dict(zip(ids.tolist(), counts.tolist()))
+
+
+# -- in-memory data --------------------------------------------------------------------------
+class ArrayDataset(MetricDataset):
+    """Samples held in memory in one NumPy array.
+
+    ``kind="image"``: ``data`` is ``(N, H, W)`` (grayscale) or ``(N, H, W, C)`` uint8 (or bool /
+    float in ``[0, 1]``); a transform receives a PIL image, and without a transform ``ds[i]`` is
+    a float tensor ``(C, H, W)`` in ``[0, 1]``.
+    ``kind="features"``: ``data`` is ``(N, D)``; ``ds[i]`` is a float32 tensor ``(D,)`` (the
+    transform, if any, receives that tensor). Used for cached trunk features.
+    """
+
+    def __init__(self, data: np.ndarray | torch.Tensor, labels: Sequence[int] | np.ndarray, *,
+                 kind: str = "image", **kwargs: Any) -> None:
+        if isinstance(data, torch.Tensor):
+            data = data.detach().cpu().numpy()
+        data = np.asarray(data)
+        labels = np.asarray(labels)
+        if data.shape[0] != labels.shape[0]:
+            raise ShapeError(f"data has {data.shape[0]} rows but labels has {labels.shape[0]}")
+        if kind not in ("image", "features"):
+            raise DataError(f"kind must be 'image' or 'features', got {kind!r}")
+        if kind == "image" and data.ndim not in (3, 4):
+            raise ShapeError(f"image arrays must be (N, H, W) or (N, H, W, C), got {data.shape}")
+        if kind == "features" and data.ndim != 2:
+            raise ShapeError(f"feature arrays must be (N, D), got {data.shape}")
+        if data.dtype == bool:
+            data = data.astype(np.uint8) * 255
+        self.data = data
+        self.kind = kind
+        self._storage_cache: dict[str, str] = {}  # shared by views (shallow copies)
+        super().__init__(labels, **kwargs)
+
+    def _raw(self, row: int) -> Any:
+        return self.data[row]
+
+    def _default_tensor(self, x: Any) -> torch.Tensor:
+        if self.kind == "features":
+            return torch.from_numpy(np.asarray(x, dtype=np.float32))
+        arr = np.asarray(x)
+        t = torch.from_numpy(arr.astype(np.float32) / 255.0 if arr.dtype == np.uint8
+                             else arr.astype(np.float32))
+        return t.unsqueeze(0) if t.ndim == 2 else t.permute(2, 0, 1).contiguous()
+
+    def __getitem__(self, index: int) -> tuple[Any, int]:
+        row = self._row(index)
+        x = self.data[row]
+        if self.kind == "image":
+            x = self.transform(self._to_pil(x)) if self.transform is not None else self._default_tensor(x)
+        else:
+            x = self._default_tensor(x)
+            if self.transform is not None:
+                x = self.transform(x)
+        return x, int(self._all_labels[row])
+
+    def _to_pil(self, x: Any):
+        from PIL import Image
+
+        arr = np.asarray(x)
+        if self.kind == "features":
+            raise DataError("a feature dataset has no images to show; use the image dataset")
+        if arr.dtype != np.uint8:
+            arr = np.clip(arr * 255.0, 0, 255).astype(np.uint8)
+        if arr.ndim == 3 and arr.shape[2] == 1:
+            arr = arr[:, :, 0]
+        return Image.fromarray(arr)
+
+    def _storage_fingerprint(self) -> str:
+        cached = self._storage_cache.get("fingerprint")
+        if cached is not None:
+            return cached
+        h = hashlib.sha256()
+        h.update(str((self.kind, self.data.shape, str(self.data.dtype))).encode())
+        h.update(np.ascontiguousarray(self.data).view(np.uint8).reshape(-1).data)
+        self._storage_cache["fingerprint"] = h.hexdigest()
+        return self._storage_cache["fingerprint"]
+
+    @property
+    def arrays(self) -> np.ndarray:
+        """The selected rows of the storage array (a copy), e.g. features ``(N, D)``."""
+        return self.data[self._rows]
+
+
+# -- image files -----------------------------------------------------------------------------
+def load_image(path: str | os.PathLike, mode: str | None = "RGB"):
+    """Open an image with PIL, fully decoded, converted to ``mode`` (``None``: keep).
+
+    Raises :class:`DataError` naming the file when it is missing, truncated or not an image.
+    """
+    from PIL import Image, UnidentifiedImageError
+
+    try:
+        with Image.open(path) as img:
+            img.load()
+            out = img.convert(mode) if mode is not None and img.mode != mode else img.copy()
+    except FileNotFoundError as exc:
+        raise DataError(f"image file not found: {path}") from exc
+    except (UnidentifiedImageError, OSError, ValueError, SyntaxError) as exc:
+        raise DataError(
+            f"cannot read image {path}: {exc}. Replace or delete the file, or load the dataset "
+            "with skip_corrupt=True to skip unreadable images"
+        ) from exc
+    return out
+
+
+class ImageFileDataset(MetricDataset):
+    """Samples are image files opened with PIL (converted to ``mode``, ``"RGB"`` by default).
+
+    ``skip_corrupt=False`` (default): an unreadable image raises :class:`DataError` naming the
+    file when it is loaded. ``skip_corrupt=True``: every image is decoded once at construction
+    (threads), unreadable ones are dropped and listed in ``ds.skipped`` (a warning gives the
+    count).
+    """
+
+    def __init__(self, paths: Sequence[str | os.PathLike], labels: Sequence[int] | np.ndarray, *,
+                 mode: str | None = "RGB", skip_corrupt: bool = False, num_threads: int = 4,
+                 **kwargs: Any) -> None:
+        if len(paths) != len(labels):
+            raise ShapeError(f"{len(paths)} paths but {len(labels)} labels")
+        self._paths = np.asarray([os.fspath(p) for p in paths], dtype=object)
+        self.mode = mode
+        self.skip_corrupt = skip_corrupt
+        self.skipped: list[str] = []
+        super().__init__(labels, **kwargs)
+        if skip_corrupt and len(self):
+            ok = self._check_readable(num_threads)
+            if not ok.all():
+                self.skipped = [str(p) for p in self._paths[~ok]]
+                warnings.warn(
+                    f"{self.name}: skipped {len(self.skipped)} unreadable image(s), e.g. "
+                    f"{self.skipped[0]}",
+                    stacklevel=2,
+                )
+                self._rows = self._rows[ok]
+                self._refresh()
+
+    def _check_readable(self, num_threads: int) -> np.ndarray:
+        def readable(p: str) -> bool:
+            try:
+                load_image(p, None)
+            except DataError:
+                return False
+            return True
+
+        with ThreadPoolExecutor(max_workers=max(1, num_threads)) as pool:
+            return np.fromiter(pool.map(readable, self._paths.tolist()), dtype=bool,
+                               count=len(self._paths))
+
+    def _raw(self, row: int) -> Any:
+        return load_image(self._paths[row], self.mode)
+
+    def _default_tensor(self, x: Any) -> torch.Tensor:
+        arr = np.asarray(x, dtype=np.float32) / 255.0
+        t = torch.from_numpy(arr)
+        return t.unsqueeze(0) if t.ndim == 2 else t.permute(2, 0, 1).contiguous()
+
+    @property
+    def paths(self) -> list[str]:
+        return [str(p) for p in self._paths[self._rows]]
+
+    def _storage_fingerprint(self) -> str:
+        h = hashlib.sha256()
+        h.update(str(self.mode).encode())
+        for p in self._paths[self._rows]:
+            h.update(str(p).encode())
+            try:
+                st = Path(p).stat()
+                h.update(f"{st.st_size}:{int(st.st_mtime)}".encode())
+            except OSError:
+                h.update(b"missing")
+        return h.hexdigest()

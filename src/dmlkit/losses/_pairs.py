@@ -1,0 +1,207 @@
+"""Shared internals of the pair- and triplet-based losses (label masks, miner indices, LSE).
+
+Everything here works on ``(B, R)`` structures: ``B`` anchors (rows of ``embeddings``) against
+``R`` references (``ref_emb`` if given, else ``embeddings`` itself), so no helper ever builds a
+``B x B x B`` tensor.
+
+Public (stable) API, used by every pair/triplet loss module:
+
+* :func:`label_masks` - ``(pos_mask, neg_mask)`` from labels; the diagonal is excluded from
+  the positives when the reference set is the batch itself (``ref_labels is None``).
+* :func:`check_indices` / :func:`indices_kind` - validate a miner's output, ``"pair"`` or
+  ``"triplet"``.
+* :func:`to_pair_indices` - pairs ``(a1, p, a2, n)`` from pairs or triplets; a triplet
+  ``(a, p, n)`` gives the positive pair ``(a, p)`` and the negative pair ``(a, n)``, duplicates
+  kept (the same convention as pytorch-metric-learning's ``convert_to_pairs``).
+* :func:`indices_to_masks` - dense, de-duplicated ``(pos_mask, neg_mask)`` from pairs or triplets.
+* :func:`pair_masks` - the masks a loss should use: from ``indices`` when given, else from labels.
+* :func:`masked_logsumexp` - ``log sum_{j: mask} exp(x_j)`` (optionally ``log(1 + ...)``) along
+  a dim; rows with no selected entry give ``empty`` (default 0) with a finite (zero) gradient.
+* :func:`compact_mask` - the column indices of the ``True`` entries of each row, padded to the
+  largest row count, with a validity mask (e.g. the positives of each anchor).
+* :func:`compute_dtype` / :func:`upcast` - losses compute in float32 when given half precision
+  (bfloat16/float16) so that sums, cumulative sums and ``acos`` stay accurate.
+* :func:`as_distance` - a "larger is farther" view of a distance/similarity matrix.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from dmlkit.distances import BaseDistance
+from dmlkit.exceptions import ShapeError
+
+__all__ = [
+    "as_distance",
+    "check_indices",
+    "compact_mask",
+    "compute_dtype",
+    "indices_kind",
+    "indices_to_masks",
+    "label_masks",
+    "masked_logsumexp",
+    "pair_masks",
+    "to_pair_indices",
+    "upcast",
+]
+
+Indices = tuple[torch.Tensor, ...]
+
+
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """float32 for half-precision dtypes (bfloat16, float16), the dtype itself otherwise."""
+    return torch.float32 if dtype in (torch.bfloat16, torch.float16) else dtype
+
+
+def upcast(x: torch.Tensor) -> torch.Tensor:
+    """``x`` in :func:`compute_dtype` (a no-op for float32/float64)."""
+    return x.to(compute_dtype(x.dtype))
+
+
+def as_distance(mat: torch.Tensor, distance: BaseDistance) -> torch.Tensor:
+    """``mat`` if ``distance`` is a distance (smaller = closer), ``-mat`` if it is a similarity."""
+    return -mat if distance.higher_is_closer else mat
+
+
+def label_masks(
+    labels: torch.Tensor, ref_labels: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Boolean ``(pos_mask, neg_mask)`` of shape ``(B, R)``.
+
+    ``pos_mask[i, j]`` is True when ``labels[i] == ref_labels[j]`` and ``neg_mask`` when they
+    differ. With ``ref_labels=None`` the reference set is the batch, and ``i == j`` is *not* a
+    positive pair. With a separate reference set nothing is excluded (a cross-batch memory that
+    already contains the current batch should pass explicit ``indices`` instead).
+    """
+    ref = labels if ref_labels is None else ref_labels
+    same = labels.unsqueeze(1) == ref.unsqueeze(0)
+    neg = ~same
+    if ref_labels is None:
+        same.fill_diagonal_(False)
+    return same, neg
+
+
+def indices_kind(indices: Indices) -> str:
+    """``"pair"`` for ``(a1, p, a2, n)``, ``"triplet"`` for ``(a, p, n)``; else ShapeError."""
+    if not isinstance(indices, tuple | list) or len(indices) not in (3, 4):
+        raise ShapeError(
+            "indices must be a miner's output: a tuple (anchor, positive, negative) of triplets "
+            f"or (anchor1, positive, anchor2, negative) of pairs; got {type(indices).__name__}"
+            + (f" of length {len(indices)}" if isinstance(indices, tuple | list) else "")
+        )
+    return "pair" if len(indices) == 4 else "triplet"
+
+
+def check_indices(indices: Indices, num_anchors: int, num_refs: int) -> str:
+    """Validate a miner's output against ``num_anchors`` rows and ``num_refs`` references.
+
+    Returns its kind (see :func:`indices_kind`). Raises ShapeError for non-integer or
+    non-1-D tensors, mismatched lengths, or indices out of range.
+    """
+    kind = indices_kind(indices)
+    for t in indices:
+        if not isinstance(t, torch.Tensor) or t.dim() != 1 or t.is_floating_point():
+            raise ShapeError("each index tensor of a miner's output must be a 1-D integer tensor")
+    groups = [(indices[0], indices[1], indices[2])] if kind == "triplet" else [
+        (indices[0], indices[1]),
+        (indices[2], indices[3]),
+    ]
+    for group in groups:
+        if len({int(t.numel()) for t in group}) != 1:
+            raise ShapeError(
+                "miner indices of one pair/triplet set must have equal lengths, got "
+                f"{[int(t.numel()) for t in group]}"
+            )
+    bounds = (num_anchors, num_refs, num_refs) if kind == "triplet" else (
+        num_anchors, num_refs, num_anchors, num_refs
+    )
+    for t, bound in zip(indices, bounds):
+        if t.numel() and (int(t.min()) < 0 or int(t.max()) >= bound):
+            raise ShapeError(
+                f"miner index out of range [0, {bound}): anchors index embeddings, positives and "
+                "negatives index ref_emb (or embeddings when ref_emb is not given)"
+            )
+    return kind
+
+
+def to_pair_indices(indices: Indices) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(a1, p, a2, n)`` from pairs (returned as is) or triplets ``(a, p, n) -> (a, p, a, n)``."""
+    if indices_kind(indices) == "pair":
+        a1, p, a2, n = indices
+        return a1, p, a2, n
+    a, p, n = indices
+    return a, p, a, n
+
+
+def indices_to_masks(
+    indices: Indices, num_anchors: int, num_refs: int, device: torch.device | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dense boolean ``(pos_mask, neg_mask)`` ``(num_anchors, num_refs)`` from pairs or triplets.
+
+    Duplicated pairs collapse to one entry. A pair marked both positive and negative (an
+    inconsistent miner output) raises ShapeError.
+    """
+    a1, p, a2, n = to_pair_indices(indices)
+    device = device if device is not None else a1.device
+    pos = torch.zeros(num_anchors, num_refs, dtype=torch.bool, device=device)
+    neg = torch.zeros_like(pos)
+    pos[a1.to(device), p.to(device)] = True
+    neg[a2.to(device), n.to(device)] = True
+    if (pos & neg).any():
+        raise ShapeError("a pair cannot be both positive and negative in a miner's output")
+    return pos, neg
+
+
+def pair_masks(
+    labels: torch.Tensor,
+    indices: Indices | None = None,
+    ref_labels: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ``(B, R)`` positive/negative masks a loss uses: from ``indices`` if given, else labels."""
+    if indices is None:
+        return label_masks(labels, ref_labels)
+    num_refs = labels.shape[0] if ref_labels is None else ref_labels.shape[0]
+    check_indices(indices, labels.shape[0], num_refs)
+    return indices_to_masks(indices, labels.shape[0], num_refs, device=labels.device)
+
+
+def masked_logsumexp(
+    x: torch.Tensor,
+    mask: torch.Tensor,
+    dim: int = -1,
+    add_one: bool = False,
+    keepdim: bool = False,
+    empty: float = 0.0,
+) -> torch.Tensor:
+    """``log(sum_{j: mask_j} exp(x_j))`` along ``dim`` (``log(1 + sum ...)`` with ``add_one``).
+
+    Stable (log-sum-exp with the max subtracted, via :func:`torch.logsumexp`), and safe for
+    rows where ``mask`` selects nothing: those rows give ``empty`` (or ``0 = log 1`` with
+    ``add_one``), and their gradient is exactly zero rather than NaN. Masked-out entries get
+    zero gradient. ``x`` and ``mask`` must broadcast to the same shape.
+    """
+    x, mask = torch.broadcast_tensors(x, mask)
+    filler = torch.finfo(x.dtype).min
+    filled = x.masked_fill(~mask, filler)
+    if add_one:
+        zeros = torch.zeros_like(filled.narrow(dim, 0, 1))
+        filled = torch.cat([filled, zeros], dim=dim)
+    out = torch.logsumexp(filled, dim=dim, keepdim=True)
+    has_any = mask.any(dim=dim, keepdim=True)
+    if not add_one:
+        out = out.masked_fill(~has_any, empty)
+    return out if keepdim else out.squeeze(dim)
+
+
+def compact_mask(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Column indices of the ``True`` entries of each row of a ``(B, R)`` mask.
+
+    Returns ``(cols, valid)``, both ``(B, K)`` with ``K`` the largest row count: row ``i`` lists
+    its ``True`` columns in increasing order, padded (with column 0) where ``valid`` is False.
+    Memory ``O(B R)``; used to walk e.g. the positives of each anchor without a ``B x B`` loop.
+    """
+    counts = mask.sum(dim=1)
+    k = int(counts.max()) if mask.numel() else 0
+    order = torch.sort(mask.to(torch.uint8), dim=1, descending=True, stable=True).indices[:, :k]
+    valid = torch.arange(k, device=mask.device).unsqueeze(0) < counts.unsqueeze(1)
+    return order.masked_fill(~valid, 0), valid

@@ -1,0 +1,415 @@
+"""Pair-weighting and softmax-over-pairs losses: multi-similarity, NT-Xent, supervised
+contrastive, SNR contrastive, NCA, distance-based logistic and coupled clusters.
+
+All of them work on the ``(B, R)`` matrix between the batch (rows, the anchors) and the
+reference set (columns: ``ref_emb`` when given, otherwise the batch itself with the diagonal
+excluded) and on two boolean ``(B, R)`` masks of positive and negative pairs:
+
+* without ``indices``: positives = same label (not the pair ``(i, i)``), negatives = other label;
+* with a miner's pairs ``(a1, p, a2, n)``: positives ``[a1, p]``, negatives ``[a2, n]``;
+* with triplets ``(a, p, n)``: positives ``[a, p]``, negatives ``[a, n]`` (duplicates collapse).
+
+Everything is ``O(B R)`` memory (no ``B x B x B`` tensor, no ``positive pairs x negative pairs``
+mask), vectorised, and uses masked log-sum-exp, so large scales give no NaN/inf. Half-precision
+inputs are upcast to float32 before the distance matrix; the loss is returned in float32.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from dmlkit.distances import BaseDistance, LpDistance, SNRDistance
+from dmlkit.exceptions import ConfigError
+from dmlkit.losses._pairs import masked_logsumexp, pair_masks, upcast
+from dmlkit.losses.base import BaseLoss, register_loss
+from dmlkit.losses.prototypical import class_means, distance_to_centres
+
+__all__ = [
+    "CoupledClustersLoss",
+    "DistanceLogisticLoss",
+    "MultiSimilarityLoss",
+    "NCALoss",
+    "NTXentLoss",
+    "SNRContrastiveLoss",
+    "SupConLoss",
+]
+
+
+# -- shared helpers ---------------------------------------------------------------------------
+def _lse(x: torch.Tensor, mask: torch.Tensor, add_one: bool = False) -> torch.Tensor:
+    """Row-wise masked log-sum-exp (rows with an empty mask give 0, with zero gradient)."""
+    return masked_logsumexp(x, mask, dim=1, add_one=add_one)
+
+
+class _PairMatrixLoss(BaseLoss):
+    """Shared setup: distance matrix in the working dtype and the pos/neg masks."""
+
+    accepts_indices = True
+
+    def _setup(self, embeddings, labels, indices, ref_emb, ref_labels):
+        ref = None if ref_emb is None else upcast(ref_emb)
+        mat = self.distance(upcast(embeddings), ref)
+        pos, neg = pair_masks(labels, indices, ref_labels)
+        return mat, pos, neg
+
+
+# -- multi-similarity ---------------------------------------------------------------------------
+@register_loss("multi_similarity", "ms")
+class MultiSimilarityLoss(_PairMatrixLoss):
+    """Multi-similarity loss (Wang, Han, Huang, Dong, Scott, "Multi-Similarity Loss with General
+    Pair Weighting for Deep Metric Learning", CVPR 2019), eq. 6::
+
+        L = 1/B sum_i [ 1/alpha log(1 + sum_{p in P_i} exp(-alpha (S_ip - lambda)))
+                      + 1/beta  log(1 + sum_{n in N_i} exp( beta  (S_in - lambda))) ]
+
+    ``S`` is cosine similarity by default; with a distance ``d`` the signs flip
+    (``exp(alpha (d_ip - lambda))``, ``exp(-beta (d_in - lambda))``). Averaged over all ``B``
+    anchors (the paper's code divides by the batch size). The paper's pair mining is a separate
+    miner (``multi_similarity`` in :mod:`dmlkit.miners`); pass its indices.
+    Equivalent to ``pytorch_metric_learning.losses.MultiSimilarityLoss(alpha, beta, base)``.
+
+    Args:
+        alpha: positive-pair scale (paper 2).
+        beta: negative-pair scale (paper 50).
+        base: the similarity threshold lambda (paper 0.5).
+    """
+
+    def __init__(
+        self,
+        alpha: float = 2.0,
+        beta: float = 50.0,
+        base: float = 0.5,
+        distance: BaseDistance | str | None = None,
+    ) -> None:
+        super().__init__(distance)
+        if alpha <= 0 or beta <= 0:
+            raise ConfigError(f"alpha and beta must be positive, got {alpha}, {beta}")
+        self.alpha, self.beta, self.base = float(alpha), float(beta), float(base)
+
+    def compute(self, embeddings, labels, indices, ref_emb, ref_labels):
+        mat, pos, neg = self._setup(embeddings, labels, indices, ref_emb, ref_labels)
+        if not bool(pos.any() or neg.any()):
+            return self.zero_loss(embeddings)
+        pos_exp = -self.alpha * self.distance.margin(mat, self.base)
+        neg_exp = -self.beta * self.distance.margin(self.base, mat)
+        pos_lse = _lse(pos_exp, pos, add_one=True)
+        neg_lse = _lse(neg_exp, neg, add_one=True)
+        return (pos_lse / self.alpha + neg_lse / self.beta).mean()
+
+
+# -- NT-Xent and supervised contrastive ----------------------------------------------------------
+class _TemperatureLoss(_PairMatrixLoss):
+    def __init__(self, temperature: float = 0.1, distance: BaseDistance | str | None = None) -> None:
+        super().__init__(distance)
+        if temperature <= 0:
+            raise ConfigError(f"temperature must be positive, got {temperature}")
+        self.temperature = float(temperature)
+
+    def _logits(self, mat: torch.Tensor) -> torch.Tensor:
+        return self.distance.closeness(mat) / self.temperature
+
+
+@register_loss("ntxent", "nt_xent", "infonce")
+class NTXentLoss(_TemperatureLoss):
+    """NT-Xent / InfoNCE over labelled pairs (Chen, Kornblith, Norouzi, Hinton, "A Simple
+    Framework for Contrastive Learning of Visual Representations", ICML 2020; supervised form
+    as in pytorch-metric-learning). For every positive pair ``(a, p)``::
+
+        l_ap = -log( exp(s_ap / tau) / (exp(s_ap / tau) + sum_{n in N_a} exp(s_an / tau)) )
+             = softplus( logsumexp_{n in N_a}(s_an / tau) - s_ap / tau )
+        L = mean over positive pairs of l_ap
+
+    ``s`` is cosine similarity by default (a distance is negated). The denominator holds the
+    positive itself and the anchor's negatives only (not its other positives). Computed as one
+    masked log-sum-exp per anchor row, ``O(B R)`` memory: no ``positives x negatives`` mask.
+    Equivalent to ``pytorch_metric_learning.losses.NTXentLoss(temperature)``.
+
+    Args:
+        temperature: tau (SimCLR's best setting 0.1; pml's default is 0.07).
+    """
+
+    def compute(self, embeddings, labels, indices, ref_emb, ref_labels):
+        mat, pos, neg = self._setup(embeddings, labels, indices, ref_emb, ref_labels)
+        num_pos = pos.sum()
+        if int(num_pos) == 0:
+            return self.zero_loss(embeddings)
+        logits = self._logits(mat)
+        neg_lse, has_neg = _lse(logits, neg), neg.any(1)
+        per_pair = F.softplus(neg_lse.unsqueeze(1) - logits)
+        per_pair = torch.where(pos & has_neg.unsqueeze(1), per_pair, torch.zeros_like(per_pair))
+        return per_pair.sum() / num_pos
+
+
+@register_loss("supcon", "supervised_contrastive")
+class SupConLoss(_TemperatureLoss):
+    """Supervised contrastive loss, the "L_out" form (Khosla et al., "Supervised Contrastive
+    Learning", NeurIPS 2020, eq. 2)::
+
+        L_i = -1/|P(i)| sum_{p in P(i)} log( exp(s_ip / tau) / sum_{a in A(i)} exp(s_ia / tau) )
+        L   = mean over anchors i with |P(i)| > 0
+
+    ``A(i)`` = every reference except ``i`` itself (positives and negatives, or the mined ones),
+    ``P(i)`` = its positives; ``s`` is cosine similarity by default. Matches
+    ``pytorch_metric_learning.losses.SupConLoss(temperature)`` (whose reducer additionally drops
+    anchors whose loss is exactly 0).
+
+    Args:
+        temperature: tau (paper 0.1).
+    """
+
+    def compute(self, embeddings, labels, indices, ref_emb, ref_labels):
+        mat, pos, neg = self._setup(embeddings, labels, indices, ref_emb, ref_labels)
+        num_pos = pos.sum(1)
+        has_pos = num_pos > 0
+        if not bool(has_pos.any()):
+            return self.zero_loss(embeddings)
+        logits = self._logits(mat)
+        lse_all = _lse(logits, pos | neg)
+        log_prob = logits - lse_all.unsqueeze(1)
+        sum_pos = torch.where(pos, log_prob, torch.zeros_like(log_prob)).sum(1)
+        per_anchor = -sum_pos[has_pos] / num_pos[has_pos].to(sum_pos.dtype)
+        return per_anchor.mean()
+
+
+# -- SNR contrastive ------------------------------------------------------------------------------
+def _nonzero_mean(x: torch.Tensor) -> torch.Tensor:
+    """Mean over the strictly positive entries of ``x`` (0, with gradient, if there are none)."""
+    count = (x > 0).sum()
+    return x.sum() / count.clamp_min(1).to(x.dtype)
+
+
+@register_loss("snr_contrastive", "snr")
+class SNRContrastiveLoss(_PairMatrixLoss):
+    """Contrastive loss on the signal-to-noise-ratio distance, with its zero-mean regulariser
+    (Yuan, Deng, Tang, Tang, Chen, "Signal-To-Noise Ratio: A Robust Distance Metric for Deep
+    Metric Learning", CVPR 2019)::
+
+        d_ij = Var(h_j - h_i) / Var(h_i)                           (SNR distance)
+        L = mean_{pos}^{>0} [d_ij - m_pos]_+ + mean_{neg}^{>0} [m_neg - d_ij]_+
+            + lambda * 1/B sum_i |sum_k h_ik|                      (zero-mean regulariser)
+
+    ``mean^{>0}`` averages over the pairs with a non-zero loss (``reduction="nonzero"``, the
+    Reality Check / pytorch-metric-learning convention) or over all pairs (``"mean"``).
+    The regulariser keeps the features zero-mean, as the SNR derivation assumes.
+    Equivalent to ``pml.losses.SignalToNoiseRatioContrastiveLoss(pos_margin, neg_margin,
+    distance=SNRDistance(normalize_embeddings=...), embedding_regularizer=ZeroMeanRegularizer(),
+    embedding_reg_weight=lambda)``. Note pml's ``SNRDistance`` normalises by default, dmlkit's not.
+
+    Args:
+        pos_margin: ``m_pos`` (0).
+        neg_margin: ``m_neg`` (1).
+        regularizer_weight: ``lambda`` of the zero-mean regulariser (default 0.001; 0 disables).
+        reduction: ``"nonzero"`` or ``"mean"``.
+        distance: must be an :class:`~dmlkit.distances.SNRDistance` (default un-normalised).
+    """
+
+    def __init__(
+        self,
+        pos_margin: float = 0.0,
+        neg_margin: float = 1.0,
+        regularizer_weight: float = 0.001,
+        reduction: str = "nonzero",
+        distance: BaseDistance | str | None = None,
+    ) -> None:
+        super().__init__(distance)
+        if not isinstance(self.distance, SNRDistance):
+            raise ConfigError(
+                f"snr_contrastive needs the SNR distance, got {self.distance!r}; use "
+                "distance='snr' (or the 'contrastive' loss for other distances)"
+            )
+        if reduction not in ("nonzero", "mean"):
+            raise ConfigError(f"reduction must be 'nonzero' or 'mean', got {reduction!r}")
+        if regularizer_weight < 0:
+            raise ConfigError(f"regularizer_weight must be >= 0, got {regularizer_weight}")
+        self.pos_margin, self.neg_margin = float(pos_margin), float(neg_margin)
+        self.regularizer_weight = float(regularizer_weight)
+        self.reduction = reduction
+
+    @staticmethod
+    def default_distance() -> BaseDistance:
+        return SNRDistance()
+
+    def compute(self, embeddings, labels, indices, ref_emb, ref_labels):
+        mat, pos, neg = self._setup(embeddings, labels, indices, ref_emb, ref_labels)
+        if not bool(pos.any() or neg.any()):
+            return self.zero_loss(embeddings)
+        pos_loss = F.relu(-self.distance.margin(mat[pos], self.pos_margin))
+        neg_loss = F.relu(-self.distance.margin(self.neg_margin, mat[neg]))
+        if self.reduction == "nonzero":
+            loss = _nonzero_mean(pos_loss) + _nonzero_mean(neg_loss)
+        else:
+            zero = mat.sum() * 0
+            loss = (pos_loss.mean() if pos_loss.numel() else zero) + (
+                neg_loss.mean() if neg_loss.numel() else zero
+            )
+        if self.regularizer_weight > 0:
+            loss = loss + self.regularizer_weight * upcast(embeddings).sum(1).abs().mean()
+        return loss
+
+
+# -- NCA ------------------------------------------------------------------------------------------
+@register_loss("nca")
+class NCALoss(_PairMatrixLoss):
+    """Neighbourhood components analysis (Goldberger, Roweis, Hinton, Salakhutdinov, NIPS 2004 /
+    NeurIPS 2005), the log-likelihood form used for deep embeddings::
+
+        p_ij = exp(-s d_ij) / sum_{k != i} exp(-s d_ik)      (softmax over the others, p_ii = 0)
+        p_i  = sum_{j in C_i} p_ij                            (prob. of picking a same-class one)
+        L    = mean_{i: C_i non-empty} -log p_i
+             = mean_i [ logsumexp_{k != i}(-s d_ik) - logsumexp_{j in C_i}(-s d_ij) ]
+
+    ``d`` is the squared Euclidean distance by default (on L2-normalised embeddings, as
+    ``LpDistance(power=2)``); a similarity is used as ``+s * sim``. With miner indices the
+    softmax runs over each anchor's mined positives and negatives and ``C_i`` = its mined
+    positives. Equivalent to ``pml.losses.NCALoss(softmax_scale=scale)`` without a miner
+    (pml drops anchors whose ``p_i`` underflows to 0; dmlkit keeps them, finite, via
+    log-sum-exp).
+
+    Args:
+        scale: ``s``, the softmax scale (paper 1).
+    """
+
+    def __init__(self, scale: float = 1.0, distance: BaseDistance | str | None = None) -> None:
+        super().__init__(distance)
+        if scale <= 0:
+            raise ConfigError(f"scale must be positive, got {scale}")
+        self.scale = float(scale)
+
+    @staticmethod
+    def default_distance() -> BaseDistance:
+        return LpDistance(power=2)
+
+    def compute(self, embeddings, labels, indices, ref_emb, ref_labels):
+        mat, pos, neg = self._setup(embeddings, labels, indices, ref_emb, ref_labels)
+        has_pos = pos.any(1)
+        if not bool(has_pos.any()):
+            return self.zero_loss(embeddings)
+        logits = self.scale * self.distance.closeness(mat)
+        lse_all = _lse(logits, pos | neg)
+        lse_pos = _lse(logits, pos)
+        return (lse_all - lse_pos)[has_pos].mean()
+
+
+# -- distance-based logistic ----------------------------------------------------------------------
+@register_loss("distance_logistic", "dbl")
+class DistanceLogisticLoss(_PairMatrixLoss):
+    """Distance-based logistic loss (Vo, Hays, "Localizing and Orienting Street Views Using
+    Overhead Imagery", ECCV 2016; seed 003)::
+
+        p(x1, x2) = (1 + exp(-m)) / (1 + exp(D - m))          (probability of "same")
+        L = -[ y_same log p + (1 - y_same) log(1 - p) ]        (binary cross-entropy)
+
+    in log space: ``log p = softplus(-m) - softplus(D - m)`` and
+    ``log(1 - p) = -m + log(expm1(D)) - softplus(D - m)``. ``D`` is the Euclidean distance by
+    default; ``D`` is clamped below at ``min_distance`` so a negative pair at distance 0 gives
+    a large finite loss rather than ``inf``. Averaged over all pairs (``"mean"``) or as the mean
+    of the positive-pair and negative-pair means (``"balanced"``).
+
+    Args:
+        margin: ``m``, the distance at which the logistic is centred (1.0 here: the midpoint of
+            the ``[0, 2]`` range of distances between unit vectors).
+        reduction: ``"mean"`` or ``"balanced"``.
+        min_distance: lower clamp of ``D`` in ``log(1 - p)`` (1e-6).
+        distance: a distance (smaller is closer) such as Euclidean or SNR; not a similarity.
+    """
+
+    def __init__(
+        self,
+        margin: float = 1.0,
+        reduction: str = "mean",
+        min_distance: float = 1e-6,
+        distance: BaseDistance | str | None = None,
+    ) -> None:
+        super().__init__(distance)
+        if self.distance.higher_is_closer:
+            raise ConfigError(
+                "distance_logistic needs a distance (smaller is closer), e.g. 'euclidean'; "
+                f"got the similarity {self.distance!r}"
+            )
+        if reduction not in ("mean", "balanced"):
+            raise ConfigError(f"reduction must be 'mean' or 'balanced', got {reduction!r}")
+        if min_distance <= 0:
+            raise ConfigError(f"min_distance must be positive, got {min_distance}")
+        self.margin, self.reduction, self.min_distance = float(margin), reduction, float(min_distance)
+
+    @staticmethod
+    def default_distance() -> BaseDistance:
+        return LpDistance()
+
+    def compute(self, embeddings, labels, indices, ref_emb, ref_labels):
+        mat, pos, neg = self._setup(embeddings, labels, indices, ref_emb, ref_labels)
+        if not bool(pos.any() or neg.any()):
+            return self.zero_loss(embeddings)
+        m = self.margin
+        sp_m = F.softplus(torch.tensor(-m, dtype=mat.dtype, device=mat.device))
+        d_pos = mat[pos]
+        pos_loss = F.softplus(d_pos - m) - sp_m
+        d_neg = mat[neg].clamp_min(self.min_distance)
+        # log(expm1(D)) = D + log(-expm1(-D)), stable for small and large D
+        log_expm1 = d_neg + torch.log(-torch.expm1(-d_neg))
+        neg_loss = m - log_expm1 + F.softplus(d_neg - m)
+        if self.reduction == "mean":
+            return torch.cat([pos_loss, neg_loss]).mean()
+        parts = [x.mean() for x in (pos_loss, neg_loss) if x.numel()]
+        return torch.stack(parts).mean()
+
+
+# -- coupled clusters -----------------------------------------------------------------------------
+@register_loss("coupled_clusters", "coupled_cluster")
+class CoupledClustersLoss(BaseLoss):
+    """Coupled clusters loss (Liu, Tian, Yang, Pang, Huang, "Deep Relative Distance Learning:
+    Tell the Difference Between Similar Vehicles", CVPR 2016; seed 003). For each class ``k``
+    in the batch, with centre ``c_k`` = mean of its embeddings and ``x*_k`` = the negative
+    nearest to ``c_k``::
+
+        L_k = sum_{i in class k} [ m + d(c_k, x_i) - d(c_k, x*_k) ]_+
+        L   = (sum_k L_k) / (number of samples in classes that have a negative)
+
+    ``d`` is the squared Euclidean distance by default (as in the paper; the paper's factor
+    1/2 is dropped: it only rescales the margin and learning rate); with a similarity the hinge
+    is ``[m - s(c_k, x_i) + s(c_k, x*_k)]_+``. Centres are means of the embeddings after the
+    distance's normalisation and are not re-normalised (except by cosine similarity).
+    With ``ref_emb`` the nearest negative is searched in the reference set (e.g. a cross-batch
+    memory) instead of the batch; centres always come from the batch. The loss mines its own
+    negatives, so miner indices are refused. A class with one sample still counts (its
+    centre is the sample).
+
+    Args:
+        margin: ``m`` (1.0 for squared distances of unit vectors, range ``[0, 4]``).
+    """
+
+    accepts_indices = False
+
+    def __init__(self, margin: float = 1.0, distance: BaseDistance | str | None = None) -> None:
+        super().__init__(distance)
+        self.margin = float(margin)
+
+    @staticmethod
+    def default_distance() -> BaseDistance:
+        return LpDistance(power=2)
+
+    def compute(self, embeddings, labels, indices, ref_emb, ref_labels):
+        if indices is not None:
+            raise ConfigError(
+                "coupled_clusters mines its own hardest negative per class: remove the miner"
+            )
+        x = upcast(self.distance.normalize(embeddings))
+        if ref_emb is None:
+            ref, ref_lab = x, labels
+        else:
+            ref, ref_lab = upcast(self.distance.normalize(ref_emb)), ref_labels
+        classes, centres, inverse = class_means(x, labels)
+        to_ref = distance_to_centres(self.distance, ref, centres, x_is_query=False)  # (K, R)
+        is_neg = classes.unsqueeze(1) != ref_lab.unsqueeze(0)
+        has_neg = is_neg.any(1)
+        if not bool(has_neg.any()):
+            return self.zero_loss(embeddings)
+        closeness = self.distance.closeness(to_ref).masked_fill(~is_neg, float("-inf"))
+        hardest = closeness.argmax(1)
+        hard_neg = to_ref.gather(1, hardest.unsqueeze(1)).squeeze(1)  # (K,)
+        to_own = distance_to_centres(self.distance, x, centres, x_is_query=False)  # (K, B)
+        own = to_own.gather(0, inverse.unsqueeze(0)).squeeze(0)  # d(c_{y_i}, x_i), (B,)
+        per_sample = F.relu(self.margin - self.distance.margin(own, hard_neg[inverse]))
+        valid = has_neg[inverse]
+        return per_sample[valid].sum() / valid.sum().to(per_sample.dtype)

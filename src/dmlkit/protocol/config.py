@@ -1,0 +1,409 @@
+"""The benchmark config: fixed settings, the protocol, and the methods under comparison.
+
+A :class:`BenchConfig` has three parts (Musgrave, Belongie & Lim, "A Metric Learning Reality
+Check", ECCV 2020, section 4):
+
+``fixed``
+    Everything that must be identical for every method: the trunk, embedding size, batch
+    construction (C classes x M samples), augmentation, optimiser and learning rates, frozen
+    BatchNorm, L2 normalisation and training length. It reuses the sections of the training
+    config (:class:`dmlkit.training.config.ExperimentConfig`): ``seed``, ``data``, ``model``,
+    ``sampler``, ``optimizer``, ``training``, plus an optional ``classification_sampler`` that
+    replaces ``sampler`` for classification/proxy losses (the seed uses C=8 x M=4 for
+    embedding losses and C=32 x M=1 for classification losses).
+``protocol``
+    How classes are split (``halves``: first half of the classes for cross-validation, second
+    half for test, as in the seed; ``ratio_4_1_5``: train/val/test 4:1:5 of Oi et al., seed
+    004), in the dataset's default class order or a seeded random order; the number of
+    class-disjoint folds; the Bayesian search (Optuna TPE, trials, storage); the seeds of the
+    final runs; the metrics.
+``methods``
+    A list of ``{name, loss {name, params}, miner {name, params} | null, search {...}}``.
+    A method may only choose its loss and miner and declare which of *their* hyperparameters
+    (and the learning rate of the loss's own weights, ``optimizer.loss_lr``) are searched.
+    Anything else is a fixed setting and is rejected with :class:`ConfigError`.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import re
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from dmlkit.exceptions import ConfigError
+from dmlkit.training.config import (
+    DataConfig,
+    ExperimentConfig,
+    LossConfig,
+    MinerConfig,
+    ModelConfig,
+    OptimizerConfig,
+    SamplerConfig,
+    TrainingConfig,
+    config_from_dict,
+    parse_overrides,
+)
+
+__all__ = [
+    "DEFAULT_METRICS",
+    "METHOD_KEYS",
+    "SEARCHABLE_OPTIMIZER_KEYS",
+    "BenchConfig",
+    "FixedSettings",
+    "MethodConfig",
+    "ProtocolConfig",
+    "SearchParam",
+    "load_bench_config",
+]
+
+#: The seed's three accuracy metrics (the table's columns).
+DEFAULT_METRICS: tuple[str, ...] = ("precision_at_1", "r_precision", "map_at_r")
+#: The only keys a method may set; everything else is fixed across methods.
+METHOD_KEYS: frozenset[str] = frozenset({"name", "loss", "miner", "search", "description"})
+#: Optimiser settings that belong to a method: the learning rate of the loss's own weights.
+SEARCHABLE_OPTIMIZER_KEYS: frozenset[str] = frozenset({"loss_lr"})
+_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.+-]*$")
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class FixedSettings(_Strict):
+    """The settings every method shares (the training config's fixed sections)."""
+
+    seed: int = 0
+    data: DataConfig
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    sampler: SamplerConfig = Field(default_factory=SamplerConfig)
+    classification_sampler: SamplerConfig | None = None
+    optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig)
+    training: TrainingConfig = Field(default_factory=TrainingConfig)
+
+    @model_validator(mode="after")
+    def _split_is_the_protocols(self) -> FixedSettings:
+        if self.data.split.kind != "default" or self.data.split.val_fraction:
+            raise ValueError(
+                "fixed.data.split is decided by the protocol: remove it and set "
+                "protocol.split / protocol.order instead"
+            )
+        return self
+
+
+class SearchParam(_Strict):
+    """One searched hyperparameter: a float/int range (optionally log-scaled) or choices."""
+
+    type: Literal["float", "int", "categorical"] = "float"
+    low: float | None = None
+    high: float | None = None
+    log: bool = False
+    step: float | None = None
+    choices: list[Any] | None = None
+
+    @model_validator(mode="after")
+    def _check(self) -> SearchParam:
+        if self.type == "categorical":
+            if not self.choices:
+                raise ValueError("a categorical search parameter needs a non-empty 'choices' list")
+            return self
+        if self.low is None or self.high is None:
+            raise ValueError(f"a {self.type} search parameter needs 'low' and 'high'")
+        if self.low > self.high:
+            raise ValueError(f"low ({self.low}) must not exceed high ({self.high})")
+        if self.log and self.low <= 0:
+            raise ValueError(f"a log-scaled range needs low > 0, got {self.low}")
+        if self.log and self.step is not None:
+            raise ValueError("'step' and 'log' cannot be combined (Optuna)")
+        if self.type == "int" and (self.low != int(self.low) or self.high != int(self.high)):
+            raise ValueError("an int search parameter needs integer 'low' and 'high'")
+        return self
+
+
+class MethodConfig(_Strict):
+    """A method under comparison: its loss, its miner and its searched hyperparameters."""
+
+    name: str
+    description: str | None = None
+    loss: LossConfig
+    miner: MinerConfig | None = None
+    search: dict[str, SearchParam] = Field(default_factory=dict)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _only_method_keys(cls, data: Any) -> Any:
+        if isinstance(data, Mapping):
+            name = data.get("name", "?")
+            extra = sorted(set(data) - METHOD_KEYS)
+            if extra:
+                raise ValueError(
+                    f"method {name!r} sets {', '.join(extra)}: these are fixed settings that must "
+                    "be identical across methods (trunk, embedding size, batches, augmentation, "
+                    "optimiser, training length). Put them once under 'fixed'; a method may only "
+                    "set name, loss, miner and search"
+                )
+        return data
+
+    @field_validator("name")
+    @classmethod
+    def _check_name(cls, value: str) -> str:
+        if not _NAME_RE.match(value) or value == "pretrained":
+            raise ValueError(
+                f"method name {value!r} must be letters, digits, '_', '-', '.', '+' "
+                "(and not 'pretrained', the reserved baseline row)"
+            )
+        return value
+
+    @model_validator(mode="after")
+    def _check_search(self) -> MethodConfig:
+        for key in self.search:
+            section, _, param = key.partition(".")
+            if not param or "." in param:
+                raise ValueError(
+                    f"method {self.name!r}: search key {key!r} must be 'loss.<param>', "
+                    "'miner.<param>' or 'optimizer.loss_lr'"
+                )
+            if section == "loss":
+                continue
+            if section == "miner":
+                if self.miner is None:
+                    raise ValueError(f"method {self.name!r} searches {key!r} but has no miner")
+                continue
+            if section == "optimizer" and param in SEARCHABLE_OPTIMIZER_KEYS:
+                continue
+            raise ValueError(
+                f"method {self.name!r} searches {key!r}: only the method's own hyperparameters "
+                "(loss.*, miner.*, optimizer.loss_lr) may vary; every other setting is fixed and "
+                "must be identical across methods (set it once under 'fixed')"
+            )
+        return self
+
+
+class ProtocolConfig(_Strict):
+    """Splits, cross-validation, search and final runs."""
+
+    split: Literal["halves", "ratio_4_1_5"] = "halves"
+    order: Literal["default", "random"] = "default"
+    order_seed: int = 0
+    num_classes: int | None = Field(None, gt=3)
+    folds: int | None = Field(None, ge=1)
+    trials: int = Field(50, ge=1)
+    sampler: Literal["tpe", "random"] = "tpe"
+    sampler_seed: int = 0
+    n_startup_trials: int = Field(10, ge=0)
+    storage: str | None = None
+    study_prefix: str | None = None
+    heartbeat_interval: int = Field(30, ge=1)
+    grace_period: int = Field(120, ge=2)
+    seeds: list[int] | None = None
+    repeats: int = Field(1, ge=1)
+    metrics: list[str] = Field(default_factory=lambda: list(DEFAULT_METRICS))
+    keep_search_checkpoints: bool = False
+    pretrained: bool = True
+
+    @model_validator(mode="after")
+    def _resolve(self) -> ProtocolConfig:
+        if self.folds is None:
+            self.folds = 4 if self.split == "halves" else 1
+        if self.split == "ratio_4_1_5" and self.folds != 1:
+            raise ValueError(
+                "split 'ratio_4_1_5' has one fixed train/validation/test split (Oi et al.): set "
+                "folds: 1, or use split 'halves' for k-fold cross-validation"
+            )
+        if self.split == "halves" and self.folds < 2:
+            raise ValueError("split 'halves' cross-validates: folds must be >= 2 (the seed uses 4)")
+        if self.seeds is None:
+            self.seeds = list(range(self.repeats))
+        else:
+            if len(set(self.seeds)) != len(self.seeds):
+                raise ValueError(f"protocol.seeds must be distinct, got {self.seeds}")
+            self.repeats = len(self.seeds)
+        self.metrics = list(dict.fromkeys([*DEFAULT_METRICS, *self.metrics]))
+        if self.storage is not None and not self.storage.startswith(
+            ("sqlite:", "postgresql:", "postgresql+", "postgres:", "mysql")
+        ):
+            raise ValueError(
+                f"protocol.storage {self.storage!r} must be a database URL "
+                "(sqlite:///path/study.db or postgresql://user@host:port/db) or null"
+            )
+        return self
+
+
+class BenchConfig(_Strict):
+    """A whole fair comparison: ``name``, ``fixed``, ``protocol``, ``methods``."""
+
+    name: str = "bench"
+    fixed: FixedSettings
+    protocol: ProtocolConfig = Field(default_factory=ProtocolConfig)
+    methods: list[MethodConfig] = Field(min_length=1)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _top_level(cls, data: Any) -> Any:
+        if isinstance(data, Mapping):
+            stray = sorted(set(data) & {"data", "model", "sampler", "optimizer", "training", "loss", "miner", "seed"})
+            if stray:
+                raise ValueError(
+                    f"{', '.join(stray)} at the top level: fixed settings go under 'fixed', "
+                    "losses/miners under 'methods'"
+                )
+        return data
+
+    @model_validator(mode="after")
+    def _unique(self) -> BenchConfig:
+        names = [m.name for m in self.methods]
+        dup = sorted({n for n in names if names.count(n) > 1})
+        if dup:
+            raise ValueError(f"method names must be unique, repeated: {dup}")
+        return self
+
+    # -- derived -------------------------------------------------------------------------
+    def method(self, name: str) -> MethodConfig:
+        for m in self.methods:
+            if m.name == name:
+                return m
+        raise ConfigError(f"no method {name!r} in the config (have: {[m.name for m in self.methods]})")
+
+    def experiment(
+        self, method: MethodConfig | None, params: Mapping[str, Any] | None = None, *, seed: int | None = None,
+        name: str | None = None,
+    ) -> ExperimentConfig:
+        """The training config of ``method`` with searched ``params`` applied.
+
+        ``method=None`` gives the config of the untrained baseline (the ``pretrained`` row): the
+        fixed settings with a placeholder loss that is never trained.
+        """
+        fixed = self.fixed.model_dump(mode="json")
+        cls_sampler = fixed.pop("classification_sampler")
+        data: dict[str, Any] = {
+            "name": name or f"{self.name}-{method.name if method else 'pretrained'}",
+            **fixed,
+        }
+        if seed is not None:
+            data["seed"] = int(seed)
+        if method is None:
+            data["loss"] = {"name": "contrastive", "params": {}}
+            data["miner"] = None
+            return config_from_dict(data, source="bench config (pretrained)")
+        data["loss"] = method.loss.model_dump(mode="json")
+        data["miner"] = None if method.miner is None else method.miner.model_dump(mode="json")
+        if cls_sampler is not None and _is_classification_loss(method.loss.name):
+            data["sampler"] = cls_sampler
+        for key, value in (params or {}).items():
+            section, _, param = key.partition(".")
+            if section in ("loss", "miner"):
+                data[section]["params"][param] = value
+            else:
+                data[section][param] = value
+        return config_from_dict(data, source=f"bench config (method {method.name!r})")
+
+    def fixed_fingerprint(self) -> dict[str, Any]:
+        return self.fixed.model_dump(mode="json")
+
+
+def _is_classification_loss(name: str) -> bool:
+    from dmlkit.losses import LOSSES
+
+    cls = LOSSES.get(name)
+    return bool(getattr(cls, "requires_num_classes", False))
+
+
+# -- loading -----------------------------------------------------------------------------------
+def _format_error(exc: ValidationError, source: str | None) -> str:
+    lines = []
+    for err in exc.errors():
+        loc = []
+        for part in err.get("loc", ()):
+            loc.append(str(part))
+        key = ".".join(loc) or "<root>"
+        msg = err.get("msg", "invalid")
+        if msg.startswith("Value error, "):
+            msg = msg[len("Value error, "):]
+        if err.get("type") == "extra_forbidden":
+            msg = "unknown key (see docs/readme/protocol.md for every key)"
+        elif err.get("type") == "missing":
+            msg = "required key is missing"
+        lines.append(f"  {key}: {msg}")
+    where = f" in {source}" if source else ""
+    return f"invalid bench config{where}:\n" + "\n".join(lines)
+
+
+def _set_dotted(data: dict[str, Any], key: str, value: Any) -> None:
+    parts = key.split(".")
+    node: Any = data
+    for part in parts[:-1]:
+        if isinstance(node, list):
+            try:
+                node = node[int(part)]
+            except (ValueError, IndexError):
+                raise ConfigError(f"cannot set {key!r}: {part!r} is not an index of the list") from None
+            continue
+        child = node.get(part)
+        if child is None:
+            child = {}
+            node[part] = child
+        if not isinstance(child, dict | list):
+            raise ConfigError(f"cannot set {key!r}: {part!r} is a value, not a section")
+        node = child
+    if isinstance(node, list):
+        raise ConfigError(f"cannot set {key!r}: replace the whole list instead")
+    node[parts[-1]] = value
+
+
+def bench_config_from_dict(data: Mapping[str, Any], source: str | None = None) -> BenchConfig:
+    """Validate a mapping into a :class:`BenchConfig`; every problem is a :class:`ConfigError`."""
+    if not isinstance(data, Mapping):
+        raise ConfigError(f"a bench config must be a mapping, got {type(data).__name__}")
+    try:
+        config = BenchConfig.model_validate(dict(data))
+    except ValidationError as exc:
+        raise ConfigError(_format_error(exc, source)) from None
+    # every method must give a valid training config (unknown loss/miner names, bad params)
+    for method in config.methods:
+        config.experiment(method)
+        _check_registered(method)
+    return config
+
+
+def _check_registered(method: MethodConfig) -> None:
+    from dmlkit.losses import LOSSES
+    from dmlkit.miners import MINERS
+
+    if method.loss.name not in LOSSES:
+        raise ConfigError(f"method {method.name!r}: unknown loss {method.loss.name!r}; known: {sorted(LOSSES)}")
+    if method.miner is not None and method.miner.name not in MINERS:
+        raise ConfigError(
+            f"method {method.name!r}: unknown miner {method.miner.name!r}; known: {sorted(MINERS)}"
+        )
+
+
+def load_bench_config(
+    path: str | os.PathLike, overrides: Iterable[str] | Mapping[str, Any] | None = None
+) -> BenchConfig:
+    """Read a bench YAML file and apply ``key.sub=value`` overrides (values parsed as YAML).
+
+    Overrides address list items by index, e.g. ``methods.0.loss.params.margin=0.2``.
+    """
+    path = Path(path)
+    if not path.exists():
+        raise ConfigError(f"bench config not found: {path} (see configs/bench_*.yaml)")
+    try:
+        data = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path} is not valid YAML: {exc}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path} must hold a mapping with 'fixed', 'protocol' and 'methods'")
+    data = copy.deepcopy(data)
+    for key, value in parse_overrides(overrides).items():
+        _set_dotted(data, key, value)
+    return bench_config_from_dict(data, source=str(path))
+
+
+def dump_bench_config(config: BenchConfig) -> str:
+    """The resolved config as YAML (written beside the results)."""
+    return yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False, default_flow_style=None)

@@ -1,0 +1,186 @@
+"""Class splits and class-disjoint cross-validation folds of the fair protocol.
+
+* ``halves`` (Musgrave et al. 2020, section 4.2): the first half of the classes (in the chosen
+  order) is used for cross-validation, the second half is the test set. The development
+  classes are cut into ``k`` contiguous, deterministic blocks: with ``k = 4`` the first
+  0-12.5 % of all classes form partition 1, 12.5-25 % partition 2, and so on. Fold ``f``
+  trains on the other ``k - 1`` blocks and validates on block ``f``.
+* ``ratio_4_1_5`` (Oi, Kawakami & Naemura, seed 004): train / validation / test = 4:1:5 of
+  the classes, one fixed split (one "fold").
+
+Either can use the dataset's default class order or a random order drawn from a seeded
+generator (seed 004 shows the default order biases results: related classes sit together).
+
+The test classes never reach the search: :class:`TestClassGuard` checks every dataset handed
+to training during the search and raises :class:`TestSetLeakError` if it holds a test class.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from dmlkit.exceptions import ConfigError, DataError
+
+__all__ = [
+    "BenchSplit",
+    "Fold",
+    "TestClassGuard",
+    "TestSetLeakError",
+    "make_bench_split",
+    "order_classes",
+]
+
+
+class TestSetLeakError(DataError):
+    """A test class reached a stage that must not see it (search or model selection)."""
+
+    __test__ = False  # not a pytest class
+
+
+@dataclass(frozen=True)
+class Fold:
+    """One cross-validation fold: train on ``train`` classes, select models on ``val`` classes."""
+
+    index: int
+    train: tuple[int, ...]
+    val: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class BenchSplit:
+    """Development (cross-validation) classes, their folds, and the held-out test classes."""
+
+    kind: str
+    order: str
+    order_seed: int
+    dev: tuple[int, ...]
+    test: tuple[int, ...]
+    folds: tuple[Fold, ...]
+    class_order: tuple[int, ...] = field(repr=False, default=())
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "kind": self.kind,
+            "order": self.order,
+            "order_seed": self.order_seed,
+            "dev": list(self.dev),
+            "test": list(self.test),
+            "folds": [{"index": f.index, "train": list(f.train), "val": list(f.val)} for f in self.folds],
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> BenchSplit:
+        return cls(
+            kind=data["kind"], order=data["order"], order_seed=int(data["order_seed"]),
+            dev=tuple(int(c) for c in data["dev"]), test=tuple(int(c) for c in data["test"]),
+            folds=tuple(Fold(int(f["index"]), tuple(map(int, f["train"])), tuple(map(int, f["val"])))
+                        for f in data["folds"]),
+        )
+
+    def class_split(self, fold: int | None = None):
+        """The :class:`dmlkit.data.ClassSplit` of one fold (or train = all dev classes)."""
+        from dmlkit.data import ClassSplit
+
+        if fold is None:
+            return ClassSplit(train=list(self.dev), val=[], test=list(self.test))
+        f = self.folds[fold]
+        return ClassSplit(train=list(f.train), val=list(f.val), test=list(self.test))
+
+
+def order_classes(classes: Iterable[int], order: str = "default", seed: int = 0) -> list[int]:
+    """``classes`` sorted (the dataset's default order) or in a seeded random permutation."""
+    ordered = sorted(int(c) for c in classes)
+    if order == "default":
+        return ordered
+    if order == "random":
+        rng = np.random.default_rng(seed)
+        return [ordered[i] for i in rng.permutation(len(ordered))]
+    raise ConfigError(f"class order must be 'default' or 'random', got {order!r}")
+
+
+def _blocks(items: Sequence[int], k: int) -> list[list[int]]:
+    """``k`` contiguous blocks of nearly equal size (sizes differ by at most one)."""
+    bounds = np.linspace(0, len(items), k + 1).round().astype(int)
+    return [list(items[bounds[i]:bounds[i + 1]]) for i in range(k)]
+
+
+def make_bench_split(
+    classes: Iterable[int],
+    kind: str = "halves",
+    *,
+    order: str = "default",
+    seed: int = 0,
+    folds: int = 4,
+    num_classes: int | None = None,
+) -> BenchSplit:
+    """The protocol's split of ``classes`` (ids).
+
+    ``num_classes`` keeps only the first ``num_classes`` classes of the chosen order (quick
+    presets). ``halves``: dev = first ``n // 2``, test = the rest, ``folds`` contiguous blocks
+    of dev. ``ratio_4_1_5``: 40 % train, 10 % validation, 50 % test, one fold.
+    """
+    ordered = order_classes(classes, order, seed)
+    if num_classes is not None:
+        if num_classes > len(ordered):
+            raise ConfigError(f"protocol.num_classes = {num_classes} but the dataset has {len(ordered)} classes")
+        ordered = ordered[:num_classes]
+    n = len(ordered)
+    if kind == "halves":
+        n_dev = n // 2
+        dev, test = ordered[:n_dev], ordered[n_dev:]
+        if n_dev < 2 * folds:
+            raise DataError(
+                f"{n} classes give {n_dev} cross-validation classes: too few for {folds} folds "
+                "(need at least 2 classes per fold); use more classes or fewer folds"
+            )
+        blocks = _blocks(dev, folds)
+        fold_list = tuple(
+            Fold(i, tuple(c for j, b in enumerate(blocks) if j != i for c in b), tuple(blocks[i]))
+            for i in range(folds)
+        )
+    elif kind == "ratio_4_1_5":
+        if folds != 1:
+            raise ConfigError("split 'ratio_4_1_5' is one fixed split: folds must be 1")
+        n_train = round(n * 0.4)
+        n_val = round(n * 0.1)
+        train, val, test = ordered[:n_train], ordered[n_train:n_train + n_val], ordered[n_train + n_val:]
+        if len(train) < 2 or len(val) < 2 or len(test) < 2:
+            raise DataError(f"{n} classes are too few for a 4:1:5 split (need >= 2 per part)")
+        dev = train + val
+        fold_list = (Fold(0, tuple(train), tuple(val)),)
+    else:
+        raise ConfigError(f"unknown split {kind!r}: use 'halves' or 'ratio_4_1_5'")
+    return BenchSplit(
+        kind=kind, order=order, order_seed=seed, dev=tuple(dev), test=tuple(test),
+        folds=fold_list, class_order=tuple(ordered),
+    )
+
+
+class TestClassGuard:
+    """Refuses any dataset that contains a test class (used on everything the search touches)."""
+
+    __test__ = False
+
+    def __init__(self, test_classes: Iterable[int]):
+        self.test_classes = frozenset(int(c) for c in test_classes)
+
+    def check_labels(self, labels: Any, where: str) -> None:
+        present = set(np.unique(np.asarray(labels)).tolist())
+        leaked = present & self.test_classes
+        if leaked:
+            shown = sorted(leaked)[:10]
+            raise TestSetLeakError(
+                f"{where} holds {len(leaked)} test class(es) (e.g. {shown}): the test split must not "
+                "be used before the final evaluation"
+            )
+
+    def check(self, dataset: Any, where: str) -> Any:
+        """Return ``dataset`` unchanged after checking its labels; raise if a test class is in it."""
+        if dataset is None:
+            return dataset
+        self.check_labels(getattr(dataset, "labels"), where)
+        return dataset

@@ -1,0 +1,147 @@
+"""Statistics of the protocol: confidence intervals over repeats, per-query retrieval scores,
+and the paired bootstrap used by ``dmlkit compare``.
+
+* :func:`mean_ci` -- mean and the half-width of the two-sided 95 % Student-t confidence
+  interval over independent repeats: ``t_{0.975, n-1} * s / sqrt(n)`` with ``s`` the sample
+  standard deviation (``ddof = 1``); undefined (``None``) for a single repeat. This is the
+  "+-" of the Reality Check tables (Musgrave et al. 2020).
+* :func:`per_query_scores` -- Precision@1, R-Precision and MAP@R of every query (Musgrave et
+  al. 2020, section 3.2): with ``R`` the number of references of the query's class (the query
+  excluded) and ``c_i`` = 1 when the ``i``-th nearest reference is of that class,
+  ``P@1 = c_1``, ``RP = (1/R) sum_{i<=R} c_i``, ``MAP@R = (1/R) sum_{i<=R} c_i P(i)`` with
+  ``P(i) = (1/i) sum_{j<=i} c_j``. Queries without a positive are dropped (``valid`` mask).
+* :func:`paired_bootstrap` -- percentile bootstrap (Efron & Tibshirani 1993) of the mean
+  difference of two methods' per-query scores, resampling the same queries for both methods
+  (paired), seeded.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from dmlkit.exceptions import ShapeError
+
+__all__ = [
+    "PER_QUERY_METRICS",
+    "BootstrapResult",
+    "l2_normalize",
+    "mean_ci",
+    "paired_bootstrap",
+    "per_query_scores",
+]
+
+#: Metrics :func:`per_query_scores` can compute (the seed's table columns).
+PER_QUERY_METRICS: tuple[str, ...] = ("precision_at_1", "r_precision", "map_at_r")
+
+
+def mean_ci(values: Sequence[float], confidence: float = 0.95) -> tuple[float, float | None]:
+    """``(mean, half_width)`` of the Student-t confidence interval; ``None`` width when n < 2."""
+    from scipy import stats
+
+    arr = np.asarray(values, dtype=np.float64)
+    if arr.size == 0:
+        raise ShapeError("mean_ci needs at least one value")
+    mean = float(arr.mean())
+    if arr.size < 2:
+        return mean, None
+    sem = float(arr.std(ddof=1)) / math.sqrt(arr.size)
+    t = float(stats.t.ppf(0.5 + confidence / 2.0, df=arr.size - 1))
+    return mean, t * sem
+
+
+def l2_normalize(x: np.ndarray, eps: float = 1e-12) -> np.ndarray:
+    """Rows scaled to unit L2 norm."""
+    x = np.asarray(x, dtype=np.float32)
+    norms = np.linalg.norm(x, axis=1, keepdims=True)
+    return x / np.maximum(norms, eps)
+
+
+def per_query_scores(
+    embeddings: Any, labels: Any, *, block: int = 1024
+) -> tuple[dict[str, np.ndarray], np.ndarray]:
+    """Per-query P@1, R-Precision and MAP@R with cosine similarity, query excluded from references.
+
+    Exact blockwise search (never an ``N x N`` matrix); ties in similarity are broken by the
+    lower reference index. Returns ``(scores, valid)``: each score array has one value per
+    query with a positive (``valid`` marks them among all rows).
+    """
+    import torch
+
+    emb = torch.as_tensor(l2_normalize(np.asarray(embeddings)))
+    lab = torch.as_tensor(np.asarray(labels, dtype=np.int64))
+    if emb.ndim != 2 or lab.ndim != 1 or emb.shape[0] != lab.shape[0]:
+        raise ShapeError(f"need embeddings (N, D) and labels (N,), got {tuple(emb.shape)} and {tuple(lab.shape)}")
+    n = emb.shape[0]
+    _, inverse, counts = torch.unique(lab, return_inverse=True, return_counts=True)
+    r_all = counts[inverse] - 1  # same-class references per query
+    valid = r_all > 0
+    max_r = int(r_all.max().item()) if n else 0
+    k = max(1, max_r)
+    out = {m: np.zeros(n, dtype=np.float64) for m in PER_QUERY_METRICS}
+    arange_k = torch.arange(1, k + 1, dtype=torch.float64)
+    for start in range(0, n, block):
+        stop = min(n, start + block)
+        sims = emb[start:stop] @ emb.T
+        rows = torch.arange(stop - start)
+        sims[rows, rows + start] = -float("inf")  # exclude the query itself
+        # stable order: similarity descending, then index ascending
+        _, idx = torch.sort(sims, dim=1, descending=True, stable=True)
+        idx = idx[:, :k]
+        correct = (lab[idx] == lab[start:stop, None]).to(torch.float64)
+        r = r_all[start:stop].to(torch.float64)
+        within = (arange_k[None, :] <= r[:, None]).to(torch.float64)
+        c = correct * within
+        precision_at_i = torch.cumsum(c, dim=1) / arange_k[None, :]
+        r_safe = r.clamp(min=1)
+        out["precision_at_1"][start:stop] = correct[:, 0].numpy()
+        out["r_precision"][start:stop] = (c.sum(1) / r_safe).numpy()
+        out["map_at_r"][start:stop] = ((precision_at_i * c).sum(1) / r_safe).numpy()
+    mask = valid.numpy()
+    return {m: v[mask] for m, v in out.items()}, mask
+
+
+@dataclass(frozen=True)
+class BootstrapResult:
+    """Mean difference ``a - b`` with its percentile bootstrap CI."""
+
+    diff: float
+    low: float
+    high: float
+    resamples: int
+    confidence: float
+
+    @property
+    def excludes_zero(self) -> bool:
+        return self.low > 0 or self.high < 0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "diff": self.diff, "ci_low": self.low, "ci_high": self.high,
+            "excludes_zero": self.excludes_zero, "resamples": self.resamples,
+            "confidence": self.confidence,
+        }
+
+
+def paired_bootstrap(
+    a: Any, b: Any, *, resamples: int = 1000, confidence: float = 0.95, seed: int = 0, chunk: int = 100
+) -> BootstrapResult:
+    """Paired percentile bootstrap of ``mean(a) - mean(b)`` over the same resampled queries."""
+    a = np.asarray(a, dtype=np.float64)
+    b = np.asarray(b, dtype=np.float64)
+    if a.shape != b.shape or a.ndim != 1 or a.size == 0:
+        raise ShapeError(f"paired scores must be two equal-length 1-D arrays, got {a.shape} and {b.shape}")
+    d = a - b
+    rng = np.random.default_rng(seed)
+    means = np.empty(resamples, dtype=np.float64)
+    for start in range(0, resamples, chunk):
+        stop = min(resamples, start + chunk)
+        idx = rng.integers(0, d.size, size=(stop - start, d.size))
+        means[start:stop] = d[idx].mean(axis=1)
+    alpha = (1.0 - confidence) / 2.0
+    low, high = np.quantile(means, [alpha, 1.0 - alpha])
+    return BootstrapResult(float(d.mean()), float(low), float(high), resamples, confidence)

@@ -1,0 +1,369 @@
+"""Figures of an embedding space, as pure functions that return a matplotlib ``Figure``.
+
+Every figure is print quality: labelled axes with units, a title, line styles and hatching
+that stay readable in greyscale, and no dependence on colour alone for meaning (markers and
+line styles differ too). Save them with :func:`save_figure` (PNG + SVG).
+
+Figures:
+
+* :func:`training_curves` - training loss and validation MAP@R / P@1 per evaluation step,
+  one line per fold or run.
+* :func:`embedding_map` - a 2-D map of embeddings (UMAP, t-SNE or PCA) coloured by class,
+  optionally with image thumbnails at a sample of points.
+* :func:`similarity_histograms` - the positive/negative similarity histograms of Oi et al.
+  ("Analysis of Evaluation Metrics with the Distance between Positive Pairs and Negative
+  Pairs in Deep Metric Learning"), each normalised to area 1, with their Jensen-Shannon
+  divergence in the legend; several panels (before/after training, train/val/test).
+* :func:`retrieval_gallery` - queries and their top-k neighbours, correct ones marked.
+* :func:`per_class_bars` - the best and worst classes by a per-class metric.
+* :func:`relative_improvement` - each method's relative improvement over contrastive and
+  triplet (the Reality Check's "papers versus reality" view) with a line at zero.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+os.environ.setdefault("MPLBACKEND", "Agg")
+
+import matplotlib  # noqa: E402
+
+matplotlib.use("Agg", force=False)
+import matplotlib.pyplot as plt  # noqa: E402
+from matplotlib.figure import Figure  # noqa: E402
+
+from dmlkit.exceptions import DataError, ShapeError  # noqa: E402
+
+__all__ = [
+    "embedding_map",
+    "per_class_bars",
+    "project_2d",
+    "relative_improvement",
+    "retrieval_gallery",
+    "save_figure",
+    "similarity_histograms",
+    "training_curves",
+]
+
+_LINESTYLES = ["-", "--", "-.", ":"]
+_MARKERS = ["o", "s", "^", "D", "v", "P", "X", "*"]
+_HATCHES = ["", "//", "..", "xx", "\\\\", "++", "oo", "--"]
+
+plt.rcParams.update(
+    {
+        "figure.dpi": 110,
+        "savefig.dpi": 200,
+        "font.size": 10,
+        "axes.titlesize": 11,
+        "axes.grid": True,
+        "grid.alpha": 0.3,
+        "legend.fontsize": 8,
+    }
+)
+
+
+def save_figure(fig: Figure, path_without_suffix: str | os.PathLike, formats: Sequence[str] = ("png", "svg")) -> list[Path]:
+    """Save ``fig`` as ``<path>.png`` and ``<path>.svg`` (print quality) and close it."""
+    base = Path(path_without_suffix)
+    base.parent.mkdir(parents=True, exist_ok=True)
+    written = []
+    for fmt in formats:
+        out = base.with_suffix(f".{fmt}")
+        fig.savefig(out, bbox_inches="tight")
+        written.append(out)
+    plt.close(fig)
+    return written
+
+
+# -- training curves -------------------------------------------------------------------------
+def training_curves(
+    runs: Mapping[str, Sequence[Mapping[str, Any]]],
+    metrics: Sequence[str] = ("map_at_r", "precision_at_1"),
+) -> Figure:
+    """Loss and validation metrics against the training step.
+
+    Args:
+        runs: ``{run name (e.g. "fold 0"): log records}``, the records of a run's
+            ``log.jsonl`` (``{"event": "train", "step", "loss"}`` and
+            ``{"event": "eval", "step", <metric>...}``).
+        metrics: validation metrics to plot, one panel each.
+    """
+    if not runs:
+        raise DataError("no training logs to plot")
+    fig, axes = plt.subplots(1, 1 + len(metrics), figsize=(4.2 * (1 + len(metrics)), 3.4))
+    axes = np.atleast_1d(axes)
+    for i, (name, records) in enumerate(runs.items()):
+        style = dict(linestyle=_LINESTYLES[i % 4], marker=_MARKERS[i % len(_MARKERS)], markevery=0.1)
+        train = [r for r in records if r.get("event") == "train" and r.get("loss") is not None]
+        if train:
+            steps = np.array([r["step"] for r in train])
+            loss = np.array([r["loss"] for r in train], dtype=float)
+            axes[0].plot(steps, _smooth(loss), label=name, markersize=3, **style)
+        evals = [r for r in records if r.get("event") == "eval"]
+        for ax, metric in zip(axes[1:], metrics):
+            pts = [(r["step"], r[metric]) for r in evals if metric in r]
+            if pts:
+                s, v = zip(*pts)
+                ax.plot(s, 100 * np.asarray(v, dtype=float), label=name, markersize=4, **style)
+    axes[0].set(title="Training loss (smoothed)", xlabel="step (batches)", ylabel="loss")
+    for ax, metric in zip(axes[1:], metrics):
+        ax.set(title=f"Validation {_pretty(metric)}", xlabel="step (batches)", ylabel=f"{_pretty(metric)} (%)")
+    for ax in axes:
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend()
+    fig.tight_layout()
+    return fig
+
+
+def _smooth(values: np.ndarray, window: int = 0) -> np.ndarray:
+    window = window or max(1, len(values) // 50)
+    if window <= 1:
+        return values
+    kernel = np.ones(window) / window
+    padded = np.concatenate([np.full(window - 1, values[0]), values])
+    return np.convolve(padded, kernel, mode="valid")
+
+
+# -- 2-D maps ---------------------------------------------------------------------------------
+def project_2d(embeddings: np.ndarray, method: str = "umap", seed: int = 0) -> np.ndarray:
+    """Project ``(N, D)`` embeddings to ``(N, 2)`` with ``umap``, ``tsne`` or ``pca``.
+
+    UMAP (McInnes et al. 2018, umap-learn) and t-SNE (van der Maaten & Hinton 2008,
+    scikit-learn) use cosine geometry since dmlkit embeddings are L2-normalised; PCA is the
+    fast fallback. UMAP falls back to PCA when umap-learn is not installed.
+    """
+    x = np.asarray(embeddings, dtype=np.float32)
+    if x.ndim != 2:
+        raise ShapeError(f"embeddings must be (N, D), got {x.shape}")
+    n = len(x)
+    if n < 3:
+        raise DataError("a 2-D map needs at least 3 embeddings")
+    if method == "pca" or x.shape[1] <= 2:
+        from sklearn.decomposition import PCA
+
+        out = PCA(n_components=2, random_state=seed).fit_transform(x) if x.shape[1] > 2 else x
+        return np.asarray(out, dtype=np.float32)
+    if method == "tsne":
+        from sklearn.manifold import TSNE
+
+        perplexity = float(min(30.0, max(2.0, (n - 1) / 3)))
+        return TSNE(
+            n_components=2, metric="cosine", init="pca", perplexity=perplexity, random_state=seed
+        ).fit_transform(x).astype(np.float32)
+    if method == "umap":
+        try:
+            import umap
+        except ImportError:  # optional extra
+            return project_2d(x, "pca", seed)
+        reducer = umap.UMAP(
+            n_components=2, metric="cosine", n_neighbors=min(15, n - 1), random_state=seed, n_jobs=1
+        )
+        return np.asarray(reducer.fit_transform(x), dtype=np.float32)
+    raise ValueError(f"unknown projection {method!r}: use umap, tsne or pca")
+
+
+def embedding_map(
+    points_2d: np.ndarray,
+    labels: np.ndarray,
+    title: str,
+    thumbnails: Mapping[int, np.ndarray] | None = None,
+    max_legend_classes: int = 12,
+) -> Figure:
+    """Scatter of 2-D points coloured (and shaped) by class, with optional thumbnails.
+
+    Args:
+        points_2d: ``(N, 2)`` from :func:`project_2d`.
+        labels: ``(N,)`` class ids.
+        title: e.g. ``"UMAP of test embeddings"``.
+        thumbnails: ``{row index: image array (H, W) or (H, W, 3) in [0, 1]}`` drawn at
+            their points.
+    """
+    from matplotlib.offsetbox import AnnotationBbox, OffsetImage
+
+    pts = np.asarray(points_2d)
+    labels = np.asarray(labels)
+    if pts.shape != (len(labels), 2):
+        raise ShapeError(f"points must be (N, 2) matching labels, got {pts.shape} and {labels.shape}")
+    classes = np.unique(labels)
+    fig, ax = plt.subplots(figsize=(6.5, 6.0))
+    cmap = plt.get_cmap("tab20" if len(classes) > 10 else "tab10")
+    for i, c in enumerate(classes):
+        sel = labels == c
+        ax.scatter(
+            pts[sel, 0], pts[sel, 1], s=10, alpha=0.75, color=cmap(i % cmap.N),
+            marker=_MARKERS[i % len(_MARKERS)], label=str(c) if i < max_legend_classes else None,
+            linewidths=0,
+        )
+    if thumbnails:
+        for idx, image in thumbnails.items():
+            img = np.asarray(image)
+            zoom = 24.0 / max(img.shape[:2])
+            box = OffsetImage(img, zoom=zoom, cmap="gray" if img.ndim == 2 else None)
+            ax.add_artist(AnnotationBbox(box, tuple(pts[idx]), frameon=True, pad=0.1))
+    ax.set(title=f"{title} ({len(classes)} classes, {len(labels)} points)", xlabel="component 1 (a.u.)", ylabel="component 2 (a.u.)")
+    if len(classes) <= max_legend_classes:
+        ax.legend(title="class", markerscale=2, loc="best")
+    fig.tight_layout()
+    return fig
+
+
+# -- similarity histograms --------------------------------------------------------------------
+def similarity_histograms(panels: Mapping[str, Mapping[str, Any]]) -> Figure:
+    """Positive vs negative pair similarity histograms, each normalised to area 1.
+
+    Args:
+        panels: ``{panel title: histogram}`` where a histogram is the mapping returned by
+            :func:`dmlkit.metrics.pos_neg_histograms`: ``bin_edges``, ``positive_density``,
+            ``negative_density`` and ``js_divergence`` (base 2, in [0, 1]).
+    """
+    if not panels:
+        raise DataError("no histograms to plot")
+    n = len(panels)
+    fig, axes = plt.subplots(1, n, figsize=(4.0 * n, 3.3), sharey=False)
+    axes = np.atleast_1d(axes)
+    for ax, (title, h) in zip(axes, panels.items()):
+        edges = np.asarray(h["bin_edges"], dtype=float)
+        pos = np.asarray(h["positive_density"], dtype=float)
+        neg = np.asarray(h["negative_density"], dtype=float)
+        ax.stairs(neg, edges, fill=True, alpha=0.35, color="0.45", hatch="//", label="negative pairs")
+        ax.stairs(pos, edges, fill=False, linewidth=1.8, color="black", label="positive pairs")
+        ax.set(
+            title=f"{title}\nJS divergence = {float(h['js_divergence']):.3f}",
+            xlabel="cosine similarity", ylabel="density (area = 1)",
+        )
+        ax.legend(loc="upper left")
+    fig.tight_layout()
+    return fig
+
+
+# -- retrieval gallery ------------------------------------------------------------------------
+def retrieval_gallery(
+    rows: Sequence[Mapping[str, Any]],
+    image_of: Any = None,
+    title: str = "Retrieval gallery",
+) -> Figure:
+    """Queries (left column) and their top-k neighbours, correct ones marked.
+
+    Args:
+        rows: one per query: ``{"query": index, "query_label": label, "neighbors": [indices],
+            "neighbor_labels": [labels], "caption": str}``.
+        image_of: callable ``index -> image array`` (thumbnails) or ``None`` to draw labels.
+    """
+    if not rows:
+        raise DataError("no queries for the gallery")
+    k = max(len(r["neighbors"]) for r in rows)
+    fig, axes = plt.subplots(len(rows), k + 1, figsize=(1.25 * (k + 1), 1.45 * len(rows)), squeeze=False)
+    for i, row in enumerate(rows):
+        cells = [(row["query"], row["query_label"], None)] + [
+            (n, lab, lab == row["query_label"]) for n, lab in zip(row["neighbors"], row["neighbor_labels"])
+        ]
+        for j in range(k + 1):
+            ax = axes[i, j]
+            ax.set_xticks([])
+            ax.set_yticks([])
+            ax.grid(False)
+            if j >= len(cells):
+                ax.axis("off")
+                continue
+            index, label, correct = cells[j]
+            if image_of is not None:
+                img = np.asarray(image_of(int(index)))
+                ax.imshow(img, cmap="gray" if img.ndim == 2 else None)
+            else:
+                ax.text(0.5, 0.5, str(label), ha="center", va="center", fontsize=9)
+            if correct is None:
+                colour, mark, width = "black", "query", 2.5
+            elif correct:
+                colour, mark, width = "tab:green", "✓ correct", 3.0
+            else:
+                colour, mark, width = "tab:red", "✗ wrong", 1.0
+            for spine in ax.spines.values():
+                spine.set_edgecolor(colour)
+                spine.set_linewidth(width)
+                spine.set_linestyle("-" if correct is not False else "--")
+            ax.set_xlabel(f"{mark}\nclass {label}", fontsize=7)
+        axes[i, 0].set_ylabel(row.get("caption", ""), fontsize=7)
+    fig.suptitle(f"{title}: query, then nearest neighbours (rank 1 to {k})")
+    fig.tight_layout()
+    return fig
+
+
+# -- per-class metric -------------------------------------------------------------------------
+def per_class_bars(values: Mapping[Any, float], metric: str = "map_at_r", top: int = 10) -> Figure:
+    """The ``top`` best and worst classes by a per-class metric, as horizontal bars."""
+    if not values:
+        raise DataError("no per-class values to plot")
+    items = sorted(values.items(), key=lambda kv: kv[1])
+    worst = items[:top]
+    best = items[-top:][::-1]
+    fig, axes = plt.subplots(1, 2, figsize=(9, 0.32 * max(len(best), len(worst)) + 1.4))
+    for ax, chosen, name, hatch in ((axes[0], best, "best", ""), (axes[1], worst, "worst", "//")):
+        labels = [str(c) for c, _ in chosen][::-1]
+        vals = [100 * v for _, v in chosen][::-1]
+        ax.barh(labels, vals, color="0.55" if hatch else "0.25", hatch=hatch, edgecolor="black")
+        ax.set(title=f"{top} {name} classes", xlabel=f"{_pretty(metric)} (%)", ylabel="class")
+    mean = 100 * float(np.mean(list(values.values())))
+    for ax in axes:
+        ax.axvline(mean, color="black", linestyle=":", label=f"mean {mean:.1f}%")
+        ax.legend(loc="lower right")
+    fig.tight_layout()
+    return fig
+
+
+# -- relative improvement ---------------------------------------------------------------------
+def relative_improvement(
+    results: Mapping[str, Mapping[str, float]],
+    baselines: Sequence[str] = ("contrastive", "triplet"),
+    metric: str = "map_at_r",
+) -> Figure:
+    """Relative improvement ``100 * (m - m_base) / m_base`` of each method over each baseline.
+
+    Args:
+        results: ``{method: {metric: value}}`` (e.g. the concatenated MAP@R of a benchmark).
+        baselines: methods to compare against; those absent from ``results`` are skipped.
+    """
+    present = [b for b in baselines if b in results]
+    if not present:
+        raise DataError(f"none of the baselines {list(baselines)} is among the methods {sorted(results)}")
+    methods = [m for m in results if m not in present and m != "pretrained"] or [m for m in results if m not in present]
+    fig, ax = plt.subplots(figsize=(max(5.0, 1.1 * len(methods) + 2), 3.6))
+    width = 0.8 / len(present)
+    x = np.arange(len(methods))
+    for i, base in enumerate(present):
+        ref = results[base][metric]
+        rel = [100 * (results[m][metric] - ref) / ref if ref else np.nan for m in methods]
+        bars = ax.bar(x + (i - (len(present) - 1) / 2) * width, rel, width, label=f"vs {base}",
+                      color=("0.3", "0.7")[i % 2], hatch=_HATCHES[i % len(_HATCHES)], edgecolor="black")
+        ax.bar_label(bars, fmt="%+.1f", fontsize=7, padding=2)
+    ax.axhline(0, color="black", linewidth=1.2, linestyle="--", label="no improvement")
+    ax.set_xticks(x, methods, rotation=20, ha="right")
+    ax.set(title=f"Relative improvement in {_pretty(metric)}", ylabel="relative improvement (%)", xlabel="method")
+    ax.legend()
+    fig.tight_layout()
+    return fig
+
+
+_PRETTY = {
+    "map_at_r": "MAP@R",
+    "precision_at_1": "P@1",
+    "r_precision": "R-Precision",
+    "nmi": "NMI",
+    "ami": "AMI",
+    "pair_f1": "F1",
+    "pos_neg_js": "JS divergence",
+}
+
+
+def _pretty(metric: str) -> str:
+    if metric in _PRETTY:
+        return _PRETTY[metric]
+    if metric.startswith("recall_at_"):
+        return f"Recall@{metric.rsplit('_', 1)[1]}"
+    if metric.startswith("precision_at_"):
+        return f"P@{metric.rsplit('_', 1)[1]}"
+    return metric

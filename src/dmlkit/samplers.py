@@ -1,0 +1,283 @@
+"""Batch samplers for metric learning: class-balanced batches and few-shot episodes.
+
+Both are *batch samplers*: iterate to get lists of dataset indices, and pass them to
+``DataLoader(dataset, batch_sampler=sampler)``. Both are deterministic given ``seed`` and the
+epoch: call ``sampler.set_epoch(epoch)`` before each epoch (as with ``DistributedSampler``);
+without it, each new iteration moves to the next epoch by itself. ``state_dict()`` /
+``load_state_dict()`` save and restore that position for resumable training.
+
+* :class:`MPerClassSampler` - each batch holds ``C`` classes x ``M`` samples (the Reality
+  Check's ``C = 8, M = 4`` for embedding losses and ``C = 32, M = 1`` for classification
+  losses; the "balanced batch sampler" of seed 003).
+* :class:`EpisodeSampler` - ``N``-way ``K``-shot episodes with ``Q`` queries per class
+  (Snell et al., "Prototypical Networks for Few-shot Learning", NeurIPS 2017), and
+  :func:`split_episode` to cut an episode batch into its support and query parts.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import numpy as np
+from torch.utils.data import Sampler
+
+from dmlkit.exceptions import ConfigError, DataError
+
+__all__ = ["EpisodeSampler", "MPerClassSampler", "split_episode"]
+
+
+def _as_label_array(labels: Any) -> np.ndarray:
+    if hasattr(labels, "detach"):  # torch tensor
+        labels = labels.detach().cpu().numpy()
+    arr = np.asarray(labels)
+    if arr.ndim != 1:
+        raise DataError(f"labels must be one-dimensional, got shape {arr.shape}")
+    if arr.size == 0:
+        raise DataError("labels are empty: the dataset has no items")
+    return arr
+
+
+def _class_members(labels: np.ndarray) -> tuple[np.ndarray, list[np.ndarray]]:
+    classes, inverse = np.unique(labels, return_inverse=True)
+    order = np.argsort(inverse, kind="stable")
+    bounds = np.cumsum(np.bincount(inverse, minlength=len(classes)))[:-1]
+    return classes, np.split(order, bounds)
+
+
+def _positive_int(name: str, value: int) -> int:
+    if int(value) != value or value < 1:
+        raise ConfigError(f"{name} must be a positive integer, got {value!r}")
+    return int(value)
+
+
+class _EpochSampler(Sampler[list[int]]):
+    """Shared seed/epoch handling."""
+
+    def __init__(self, seed: int) -> None:
+        self.seed = int(seed)
+        self.epoch = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        """Fix the epoch of the next iteration (the batches are a function of seed and epoch)."""
+        self.epoch = int(epoch)
+
+    def state_dict(self) -> dict[str, int]:
+        return {"seed": self.seed, "epoch": self.epoch}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.seed = int(state["seed"])
+        self.epoch = int(state["epoch"])
+
+    def _next_rng(self) -> np.random.Generator:
+        rng = np.random.default_rng([self.seed, self.epoch])
+        self.epoch += 1
+        return rng
+
+
+class MPerClassSampler(_EpochSampler):
+    """Batches of ``classes_per_batch`` (C) classes x ``samples_per_class`` (M) items.
+
+    Each batch lists its C classes one after the other (class-major: items
+    ``[c * M, (c + 1) * M)`` share a label) and no class appears twice in a batch. Classes are
+    taken from a shuffled cycle over all usable classes, so within an epoch every class is
+    used about equally often; a class's items are taken from a shuffled cycle over that class,
+    without repetition inside a batch.
+
+    Args:
+        labels: one label per dataset item (array-like or tensor of hashable ids).
+        samples_per_class: M.
+        classes_per_batch: C (batch size = C x M).
+        batches_per_epoch: fixed epoch length; default ``len(labels) // (C * M)`` (at least 1).
+        seed: base seed; batches depend only on ``(seed, epoch)``.
+        small_classes: what to do with classes that have fewer than M items: ``"replace"``
+            (default; use all their items and fill up by sampling them again, so the batch
+            contains duplicates), ``"drop"`` (never sample those classes) or ``"error"``
+            (raise :class:`~dmlkit.exceptions.DataError`).
+
+    Raises :class:`~dmlkit.exceptions.DataError` when fewer than C (usable) classes exist.
+    """
+
+    def __init__(
+        self,
+        labels: Sequence[Any] | np.ndarray,
+        samples_per_class: int,
+        classes_per_batch: int,
+        batches_per_epoch: int | None = None,
+        seed: int = 0,
+        small_classes: str = "replace",
+    ) -> None:
+        super().__init__(seed)
+        self.samples_per_class = _positive_int("samples_per_class", samples_per_class)
+        self.classes_per_batch = _positive_int("classes_per_batch", classes_per_batch)
+        if small_classes not in ("replace", "drop", "error"):
+            raise ConfigError(
+                f"small_classes must be 'replace', 'drop' or 'error', got {small_classes!r}"
+            )
+        self.small_classes = small_classes
+        arr = _as_label_array(labels)
+        classes, members = _class_members(arr)
+        m = self.samples_per_class
+        small = [c for c, idx in zip(classes, members) if len(idx) < m]
+        if small and small_classes == "error":
+            raise DataError(
+                f"{len(small)} classes have fewer than samples_per_class={m} items (e.g. class "
+                f"{small[0]!r}); lower samples_per_class, or set small_classes='replace' or 'drop'"
+            )
+        if small_classes == "drop":
+            keep = [i for i, idx in enumerate(members) if len(idx) >= m]
+            classes = classes[keep]
+            members = [members[i] for i in keep]
+        if len(classes) < self.classes_per_batch:
+            extra = f" with at least {m} items" if small_classes == "drop" else ""
+            raise DataError(
+                f"only {len(classes)} classes{extra} but classes_per_batch="
+                f"{self.classes_per_batch}: lower classes_per_batch or use more classes"
+            )
+        self.classes = classes
+        self._members = members
+        if batches_per_epoch is None:
+            batches_per_epoch = max(1, len(arr) // self.batch_size)
+        self.batches_per_epoch = _positive_int("batches_per_epoch", batches_per_epoch)
+
+    @property
+    def batch_size(self) -> int:
+        return self.classes_per_batch * self.samples_per_class
+
+    def __len__(self) -> int:
+        return self.batches_per_epoch
+
+    def __iter__(self) -> Iterator[list[int]]:
+        rng = self._next_rng()
+        num_classes, c, m = len(self._members), self.classes_per_batch, self.samples_per_class
+        class_queue: list[int] = []
+        item_perm = [rng.permutation(idx) for idx in self._members]
+        item_pos = [0] * num_classes
+        for _ in range(self.batches_per_epoch):
+            chosen = class_queue[:c]
+            class_queue = class_queue[c:]
+            if len(chosen) < c:
+                # next cycle over the classes; the r classes already taken from the old cycle
+                # move to the end of the new one, so no class repeats inside a batch and every
+                # class still appears once per cycle
+                taken = set(chosen)
+                fresh = [int(k) for k in rng.permutation(num_classes) if int(k) not in taken]
+                need = c - len(chosen)
+                class_queue = fresh[need:] + chosen
+                chosen = chosen + fresh[:need]
+            batch: list[int] = []
+            for k in chosen:
+                batch.extend(self._take(k, m, item_perm, item_pos, rng))
+            yield batch
+
+    def _take(self, k: int, m: int, perm: list[np.ndarray], pos: list[int], rng) -> list[int]:
+        idx = self._members[k]
+        if len(idx) < m:  # small class, small_classes == "replace"
+            extra = rng.choice(idx, size=m - len(idx), replace=True)
+            return [int(i) for i in rng.permutation(idx)] + [int(i) for i in extra]
+        if pos[k] + m > len(idx):
+            perm[k] = rng.permutation(idx)
+            pos[k] = 0
+        out = perm[k][pos[k] : pos[k] + m]
+        pos[k] += m
+        return [int(i) for i in out]
+
+    def __repr__(self) -> str:
+        return (
+            f"MPerClassSampler(C={self.classes_per_batch}, M={self.samples_per_class}, "
+            f"batches_per_epoch={self.batches_per_epoch}, classes={len(self.classes)}, "
+            f"seed={self.seed}, small_classes={self.small_classes!r})"
+        )
+
+
+class EpisodeSampler(_EpochSampler):
+    """Few-shot episodes: ``n_way`` classes, ``k_shot`` support + ``n_query`` query items each.
+
+    Layout of each yielded index list (length ``n_way * (k_shot + n_query)``), class-major with
+    support before query inside each class::
+
+        [c0 s0 .. c0 s(K-1), c0 q0 .. c0 q(Q-1),  c1 s0 .. c1 s(K-1), c1 q0 .., ...]
+
+    so a batch reshaped to ``(n_way, k_shot + n_query, ...)`` has the support in ``[:, :K]``
+    and the queries in ``[:, K:]``; :func:`split_episode` (or :meth:`split`) does that cut.
+    Classes are drawn uniformly without replacement among those with at least
+    ``k_shot + n_query`` items; items within a class are distinct.
+
+    Raises :class:`~dmlkit.exceptions.DataError` when fewer than ``n_way`` classes have enough
+    items.
+    """
+
+    def __init__(
+        self,
+        labels: Sequence[Any] | np.ndarray,
+        n_way: int,
+        k_shot: int,
+        n_query: int,
+        episodes: int,
+        seed: int = 0,
+    ) -> None:
+        super().__init__(seed)
+        self.n_way = _positive_int("n_way", n_way)
+        self.k_shot = _positive_int("k_shot", k_shot)
+        if int(n_query) != n_query or n_query < 0:
+            raise ConfigError(f"n_query must be a non-negative integer, got {n_query!r}")
+        self.n_query = int(n_query)
+        self.episodes = _positive_int("episodes", episodes)
+        arr = _as_label_array(labels)
+        classes, members = _class_members(arr)
+        need = self.k_shot + self.n_query
+        keep = [i for i, idx in enumerate(members) if len(idx) >= need]
+        if len(keep) < self.n_way:
+            raise DataError(
+                f"only {len(keep)} classes have at least k_shot + n_query = {need} items but "
+                f"n_way={self.n_way}: lower n_way, k_shot or n_query"
+            )
+        self.classes = classes[keep]
+        self._members = [members[i] for i in keep]
+
+    @property
+    def batch_size(self) -> int:
+        return self.n_way * (self.k_shot + self.n_query)
+
+    def __len__(self) -> int:
+        return self.episodes
+
+    def __iter__(self) -> Iterator[list[int]]:
+        rng = self._next_rng()
+        per_class = self.k_shot + self.n_query
+        for _ in range(self.episodes):
+            chosen = rng.choice(len(self._members), size=self.n_way, replace=False)
+            batch: list[int] = []
+            for k in chosen:
+                picks = rng.choice(self._members[k], size=per_class, replace=False)
+                batch.extend(int(i) for i in picks)
+            yield batch
+
+    def split(self, batch):
+        """``(support, query)`` of an episode batch; see :func:`split_episode`."""
+        return split_episode(batch, self.n_way, self.k_shot, self.n_query)
+
+    def __repr__(self) -> str:
+        return (
+            f"EpisodeSampler(n_way={self.n_way}, k_shot={self.k_shot}, n_query={self.n_query}, "
+            f"episodes={self.episodes}, classes={len(self.classes)}, seed={self.seed})"
+        )
+
+
+def split_episode(batch, n_way: int, k_shot: int, n_query: int):
+    """Cut an episode batch (tensor or array, first dim ``n_way * (k_shot + n_query)``, in
+    :class:`EpisodeSampler`'s layout) into ``support`` ``(n_way * k_shot, ...)`` and ``query``
+    ``(n_way * n_query, ...)``, both class-major (support ``i`` belongs to way ``i // k_shot``,
+    query ``j`` to way ``j // n_query``). Works for images, embeddings and labels alike."""
+    per_class = k_shot + n_query
+    if isinstance(batch, list):
+        batch = np.asarray(batch)
+    if batch.shape[0] != n_way * per_class:
+        raise DataError(
+            f"episode batch has {batch.shape[0]} items, expected n_way * (k_shot + n_query) = "
+            f"{n_way * per_class}"
+        )
+    grouped = batch.reshape(n_way, per_class, *batch.shape[1:])
+    support = grouped[:, :k_shot].reshape(n_way * k_shot, *batch.shape[1:])
+    query = grouped[:, k_shot:].reshape(n_way * n_query, *batch.shape[1:])
+    return support, query

@@ -1,0 +1,141 @@
+"""Checkpoints: atomic writes, RNG state capture/restore, and loading a trained model back.
+
+A checkpoint is a ``torch.save`` dict that loads with ``weights_only=True`` (tensors, numbers,
+strings, lists, tuples and dicts only). Keys::
+
+    format            "dmlkit-checkpoint-1"
+    config            the resolved ExperimentConfig as plain data
+    model             the EmbeddingModel state dict (trunk + head, always complete)
+    optimizer, scaler optimiser / GradScaler state
+    loss, miner       their state dicts (learnable weights, cross-batch memory buffers, ...)
+    sampler_epoch     epochs the M-per-class sampler has completed
+    rng               torch / numpy / python (/ cuda) generator states
+    epoch, step       epochs completed, optimiser steps taken
+    trainer           best metric, best step, patience counter, history, elapsed time, flags
+    train_classes     the original class ids of the training set (label i <-> train_classes[i])
+"""
+
+from __future__ import annotations
+
+import os
+import random
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from dmlkit.exceptions import CheckpointError
+from dmlkit.utils import atomic_torch_save
+
+__all__ = [
+    "CHECKPOINT_FORMAT",
+    "capture_rng_state",
+    "find_checkpoint",
+    "load_checkpoint",
+    "read_checkpoint",
+    "restore_rng_state",
+    "save_checkpoint",
+]
+
+CHECKPOINT_FORMAT = "dmlkit-checkpoint-1"
+
+
+def capture_rng_state() -> dict[str, Any]:
+    """The state of every random generator the trainer touches, in a weights_only-safe form."""
+    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    state: dict[str, Any] = {
+        "torch": torch.get_rng_state(),
+        "numpy": {
+            "kind": str(kind),
+            "keys": torch.from_numpy(np.asarray(keys, dtype=np.int64)),
+            "pos": int(pos),
+            "has_gauss": int(has_gauss),
+            "cached_gaussian": float(cached),
+        },
+        "python": _python_state_to_lists(random.getstate()),
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def restore_rng_state(state: dict[str, Any]) -> None:
+    """Inverse of :func:`capture_rng_state`."""
+    torch.set_rng_state(state["torch"])
+    npy = state["numpy"]
+    np.random.set_state(
+        (npy["kind"], npy["keys"].numpy().astype(np.uint32), npy["pos"], npy["has_gauss"], npy["cached_gaussian"])
+    )
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def _python_state_to_lists(state: tuple) -> list:
+    version, internal, gauss = state
+    return [version, list(internal), gauss]
+
+
+def save_checkpoint(payload: dict[str, Any], path: str | os.PathLike) -> Path:
+    """Write a checkpoint atomically (never a half-written file, even if killed)."""
+    payload = {"format": CHECKPOINT_FORMAT, **payload}
+    try:
+        return atomic_torch_save(payload, path)
+    except OSError as exc:
+        raise CheckpointError(f"cannot write checkpoint {path}: {exc} (check free disk space)") from exc
+
+
+def find_checkpoint(path: str | os.PathLike) -> Path:
+    """``path`` itself if it is a file, else ``RUN_DIR/checkpoints/best.pt`` (or ``last.pt``)."""
+    path = Path(path)
+    if path.is_file():
+        return path
+    if path.is_dir():
+        for candidate in (path / "checkpoints" / "best.pt", path / "checkpoints" / "last.pt",
+                          path / "best.pt", path / "last.pt"):
+            if candidate.is_file():
+                return candidate
+        raise CheckpointError(
+            f"{path} holds no checkpoint (looked for checkpoints/best.pt and checkpoints/last.pt): "
+            "pass a run directory written by `dmlkit train` or a .pt file"
+        )
+    raise CheckpointError(f"checkpoint not found: {path}")
+
+
+def read_checkpoint(path: str | os.PathLike, map_location: str | torch.device = "cpu") -> dict[str, Any]:
+    """Load a checkpoint dict written by :func:`save_checkpoint` (``weights_only=True``)."""
+    path = find_checkpoint(path)
+    try:
+        payload = torch.load(path, map_location=map_location, weights_only=True)
+    except Exception as exc:  # torch raises many types for corrupt/foreign files
+        raise CheckpointError(
+            f"cannot read checkpoint {path}: {exc}. It may be truncated or not a dmlkit checkpoint; "
+            "resume from another one or retrain"
+        ) from exc
+    if not isinstance(payload, dict) or payload.get("format") != CHECKPOINT_FORMAT:
+        raise CheckpointError(f"{path} is not a dmlkit checkpoint (format {CHECKPOINT_FORMAT!r} expected)")
+    return payload
+
+
+def load_checkpoint(path: str | os.PathLike, device: str | torch.device = "cpu"):
+    """``(model, config)`` from a checkpoint file or run directory, model in eval mode.
+
+    The model is rebuilt from the stored config without downloading pretrained weights (the
+    checkpoint holds every weight) and moved to ``device``.
+    """
+    from dmlkit.training.config import config_from_dict
+    from dmlkit.training.trainer import build_model
+
+    payload = read_checkpoint(path)
+    config = config_from_dict(payload["config"], source=str(path))
+    model = build_model(config, pretrained=False)
+    try:
+        model.load_state_dict(payload["model"])
+    except RuntimeError as exc:
+        raise CheckpointError(
+            f"the weights in {path} do not fit the model its config describes: {exc}"
+        ) from exc
+    model.to(device).eval()
+    return model, config

@@ -1,0 +1,106 @@
+"""Run logs: ``log.jsonl`` (always), ``log.csv`` (optional) and TensorBoard (optional).
+
+Every line of ``log.jsonl`` is one JSON object (see ``docs/architecture.md``)::
+
+    {"event": "train", "epoch", "step", "loss", "lr", "time", ...}
+    {"event": "eval", "epoch", "step", "split": "val", <metric keys>..., "time"}
+
+``time`` is the training time in seconds since the run started (resumes included); ``wall``
+is the Unix time at which the line was written.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+from dmlkit.utils import atomic_write_text
+
+__all__ = ["RunLogger", "read_log"]
+
+logger = logging.getLogger("dmlkit.training")
+
+
+def read_log(path: str | Path) -> list[dict[str, Any]]:
+    """Every record of a ``log.jsonl`` file (a torn last line from a kill is skipped)."""
+    path = Path(path)
+    if not path.exists():
+        return []
+    records = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        line = line.strip()
+        if not line:
+            continue
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return records
+
+
+class RunLogger:
+    """Appends records to ``RUN_DIR/log.jsonl``; mirrors them to CSV and TensorBoard on request."""
+
+    def __init__(self, run_dir: str | Path, *, csv_log: bool = False, tensorboard: bool = False) -> None:
+        self.run_dir = Path(run_dir)
+        self.path = self.run_dir / "log.jsonl"
+        self.csv_log = csv_log
+        self._writer = None
+        if tensorboard:
+            from dmlkit.exceptions import require
+
+            require("tensorboard", "tensorboard")
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._writer = SummaryWriter(log_dir=str(self.run_dir / "tensorboard"))
+        self._fh = None
+
+    def truncate_after(self, step: int) -> None:
+        """Drop records logged after ``step`` (work lost by a kill, redone on resume)."""
+        kept = [r for r in read_log(self.path) if int(r.get("step", 0)) <= step]
+        atomic_write_text(self.path, "".join(json.dumps(r) + "\n" for r in kept))
+
+    def log(self, record: dict[str, Any]) -> None:
+        record = {**record, "wall": round(time.time(), 3)}
+        if self._fh is None:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self._fh = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 - kept open for the run
+        self._fh.write(json.dumps(record) + "\n")
+        self._fh.flush()
+        if self._writer is not None:
+            prefix = record.get("split", record["event"])
+            for key, value in record.items():
+                if key in ("event", "epoch", "step", "split", "wall") or not isinstance(value, int | float):
+                    continue
+                self._writer.add_scalar(f"{prefix}/{key}", value, global_step=int(record.get("step", 0)))
+
+    def flush(self) -> None:
+        """Write ``log.csv`` (when enabled) from ``log.jsonl``; called at every checkpoint."""
+        if self._fh is not None:
+            self._fh.flush()
+        if self._writer is not None:
+            self._writer.flush()
+        if self.csv_log:
+            records = read_log(self.path)
+            columns: list[str] = []
+            for r in records:
+                columns += [k for k in r if k not in columns]
+            buffer = io.StringIO()
+            writer = csv.DictWriter(buffer, fieldnames=columns)
+            writer.writeheader()
+            writer.writerows(records)
+            atomic_write_text(self.run_dir / "log.csv", buffer.getvalue())
+
+    def close(self) -> None:
+        self.flush()
+        if self._fh is not None:
+            self._fh.close()
+            self._fh = None
+        if self._writer is not None:
+            self._writer.close()
+            self._writer = None

@@ -1,0 +1,70 @@
+"""The report's figure functions on small synthetic inputs: they draw what they are given."""
+
+import numpy as np
+import pytest
+
+from dmlkit.exceptions import DataError, ShapeError
+from dmlkit.report import figures
+
+
+def _clustered(n_per=15, classes=4, dim=16, seed=0):
+    rng = np.random.default_rng(seed)
+    centres = rng.normal(size=(classes, dim)) * 3
+    x = np.concatenate([c + rng.normal(size=(n_per, dim)) for c in centres]).astype(np.float32)
+    y = np.repeat(np.arange(classes), n_per)
+    return x, y
+
+
+@pytest.mark.parametrize("method", ["pca", "tsne", "umap"])
+def test_projection_separates_clusters(method):
+    x, y = _clustered()
+    pts = figures.project_2d(x, method, seed=0)
+    assert pts.shape == (len(x), 2) and np.isfinite(pts).all()
+    # class centroids in 2-D are farther apart than the spread within classes
+    cents = np.stack([pts[y == c].mean(0) for c in range(4)])
+    within = np.mean([np.linalg.norm(pts[y == c] - cents[c], axis=1).mean() for c in range(4)])
+    between = np.mean([np.linalg.norm(a - b) for i, a in enumerate(cents) for b in cents[i + 1:]])
+    assert between > 2 * within
+
+
+def test_projection_rejects_bad_input():
+    with pytest.raises(ShapeError):
+        figures.project_2d(np.zeros(5))
+    with pytest.raises(ValueError, match="unknown projection"):
+        figures.project_2d(np.zeros((5, 3)), "isomap")
+
+
+def test_figures_save_png_and_svg(tmp_path):
+    x, y = _clustered()
+    pts = figures.project_2d(x, "pca")
+    thumbs = {0: np.ones((8, 8)) * 0.5}
+    fig = figures.embedding_map(pts, y, "PCA of test embeddings", thumbnails=thumbs)
+    written = figures.save_figure(fig, tmp_path / "map")
+    assert {p.suffix for p in written} == {".png", ".svg"}
+    assert all(p.stat().st_size > 1000 for p in written)
+    assert (tmp_path / "map.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_histogram_panel_titles_show_js():
+    edges = np.linspace(-1, 1, 11)
+    h = {"bin_edges": edges, "positive_density": np.r_[np.zeros(5), np.full(5, 1.0)],
+         "negative_density": np.r_[np.full(5, 1.0), np.zeros(5)], "js_divergence": 1.0}
+    fig = figures.similarity_histograms({"after training": h})
+    assert "JS divergence = 1.000" in fig.axes[0].get_title()
+
+
+def test_curves_gallery_bars_improvement():
+    log = [{"event": "train", "step": s, "loss": 1.0 / (s + 1)} for s in range(20)]
+    log += [{"event": "eval", "step": s, "map_at_r": 0.1 * k, "precision_at_1": 0.2 * k} for k, s in enumerate((5, 10, 15))]
+    fig = figures.training_curves({"fold 0": log})
+    assert len(fig.axes) == 3 and fig.axes[1].get_ylabel() == "MAP@R (%)"
+    rows = [{"query": 0, "query_label": 1, "neighbors": [1, 2], "neighbor_labels": [1, 3], "caption": "q"}]
+    fig = figures.retrieval_gallery(rows, image_of=lambda i: np.zeros((6, 6)))
+    assert "correct" in fig.axes[1].get_xlabel() and "wrong" in fig.axes[2].get_xlabel()
+    fig = figures.per_class_bars({c: c / 10 for c in range(30)}, top=5)
+    assert len(fig.axes[0].patches) == 5
+    fig = figures.relative_improvement({"contrastive": {"map_at_r": 0.2}, "triplet": {"map_at_r": 0.25}, "arcface": {"map_at_r": 0.3}})
+    labels = [t.get_text() for t in fig.axes[0].texts]
+    assert "+50.0" in labels and "+20.0" in labels
+    with pytest.raises(DataError):
+        figures.relative_improvement({"arcface": {"map_at_r": 0.3}})
