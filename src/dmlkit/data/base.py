@@ -228,13 +228,15 @@ class ArrayDataset(MetricDataset):
 
     ``kind="image"``: ``data`` is ``(N, H, W)`` (grayscale) or ``(N, H, W, C)`` uint8 (or bool /
     float in ``[0, 1]``); a transform receives a PIL image, and without a transform ``ds[i]`` is
-    a float tensor ``(C, H, W)`` in ``[0, 1]``.
+    a float tensor ``(C, H, W)`` in ``[0, 1]``. Bool images stay bool in memory (True = 255)
+    and are converted per sample; ``invert=True`` flips the pixel values (``255 - x``), e.g.
+    for Omniglot whose files store True for the background.
     ``kind="features"``: ``data`` is ``(N, D)``; ``ds[i]`` is a float32 tensor ``(D,)`` (the
     transform, if any, receives that tensor). Used for cached trunk features.
     """
 
     def __init__(self, data: np.ndarray | torch.Tensor, labels: Sequence[int] | np.ndarray, *,
-                 kind: str = "image", **kwargs: Any) -> None:
+                 kind: str = "image", invert: bool = False, **kwargs: Any) -> None:
         if isinstance(data, torch.Tensor):
             data = data.detach().cpu().numpy()
         data = np.asarray(data)
@@ -247,15 +249,11 @@ class ArrayDataset(MetricDataset):
             raise ShapeError(f"image arrays must be (N, H, W) or (N, H, W, C), got {data.shape}")
         if kind == "features" and data.ndim != 2:
             raise ShapeError(f"feature arrays must be (N, D), got {data.shape}")
-        if data.dtype == bool:
-            data = data.astype(np.uint8) * 255
+        self.invert = bool(invert)
         self.data = data
         self.kind = kind
         self._storage_cache: dict[str, str] = {}  # shared by views (shallow copies)
         super().__init__(labels, **kwargs)
-
-    def _raw(self, row: int) -> Any:
-        return self.data[row]
 
     def _default_tensor(self, x: Any) -> torch.Tensor:
         if self.kind == "features":
@@ -265,9 +263,19 @@ class ArrayDataset(MetricDataset):
                              else arr.astype(np.float32))
         return t.unsqueeze(0) if t.ndim == 2 else t.permute(2, 0, 1).contiguous()
 
+    def _raw(self, row: int) -> Any:
+        x = self.data[row]
+        if self.kind == "features":
+            return x
+        if x.dtype == bool:
+            return ((x ^ self.invert).astype(np.uint8) * np.uint8(255))
+        if self.invert:
+            return (255 - x) if x.dtype == np.uint8 else 1.0 - x
+        return x
+
     def __getitem__(self, index: int) -> tuple[Any, int]:
         row = self._row(index)
-        x = self.data[row]
+        x = self._raw(row)
         if self.kind == "image":
             x = self.transform(self._to_pil(x)) if self.transform is not None else self._default_tensor(x)
         else:
@@ -293,14 +301,14 @@ class ArrayDataset(MetricDataset):
         if cached is not None:
             return cached
         h = hashlib.sha256()
-        h.update(str((self.kind, self.data.shape, str(self.data.dtype))).encode())
+        h.update(str((self.kind, self.data.shape, str(self.data.dtype), self.invert)).encode())
         h.update(np.ascontiguousarray(self.data).view(np.uint8).reshape(-1).data)
         self._storage_cache["fingerprint"] = h.hexdigest()
         return self._storage_cache["fingerprint"]
 
     @property
     def arrays(self) -> np.ndarray:
-        """The selected rows of the storage array (a copy), e.g. features ``(N, D)``."""
+        """The selected rows as stored (a copy, before ``invert``), e.g. features ``(N, D)``."""
         return self.data[self._rows]
 
 

@@ -259,8 +259,12 @@ class LargeMarginSoftmaxLoss(ProxyLoss):
         self.scale = float(scale)
         self.feature_norm_scale = bool(feature_norm_scale)
         self.anneal = bool(anneal)
-        self.lambda_params = (float(lambda_base), float(lambda_gamma), float(lambda_power),
-                              float(lambda_min))
+        self.lambda_params = (
+            float(lambda_base),
+            float(lambda_gamma),
+            float(lambda_power),
+            float(lambda_min),
+        )
         self.register_buffer("anneal_step", torch.zeros((), dtype=torch.long))
         self.weight = nn.Parameter(torch.empty(num_classes, embedding_size))
         nn.init.normal_(self.weight, std=0.01)
@@ -344,9 +348,16 @@ class SphereFaceLoss(LargeMarginSoftmaxLoss):
         lambda_min: float = 5.0,
     ) -> None:
         super().__init__(
-            num_classes, embedding_size, m1=margin, scale=scale, feature_norm_scale=True,
-            anneal=anneal, lambda_base=lambda_base, lambda_gamma=lambda_gamma,
-            lambda_power=lambda_power, lambda_min=lambda_min,
+            num_classes,
+            embedding_size,
+            m1=margin,
+            scale=scale,
+            feature_norm_scale=True,
+            anneal=anneal,
+            lambda_base=lambda_base,
+            lambda_gamma=lambda_gamma,
+            lambda_power=lambda_power,
+            lambda_min=lambda_min,
         )
         self.margin = self.m1
 

@@ -142,7 +142,9 @@ class CrossBatchMemory(BaseLoss):
         b = embeddings.shape[0]
         if b == 0:
             return
-        rows = (int(self.queue_ptr) + torch.arange(b, device=self.label_memory.device)) % self.memory_size
+        rows = (
+            int(self.queue_ptr) + torch.arange(b, device=self.label_memory.device)
+        ) % self.memory_size
         self.embedding_memory[rows] = embeddings.detach().to(self.embedding_memory.dtype)
         self.label_memory[rows] = labels.to(self.label_memory.device, torch.long)
         self.queue_ptr.fill_((int(self.queue_ptr) + b) % self.memory_size)

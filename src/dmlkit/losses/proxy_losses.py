@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dmlkit.distances import BaseDistance, CosineSimilarity, LpDistance
+from dmlkit.distances import BaseDistance, LpDistance
 from dmlkit.exceptions import ConfigError
 from dmlkit.losses.base import ProxyLoss, register_loss
 from dmlkit.losses.classification_losses import (
@@ -192,12 +192,19 @@ class SoftTripleLoss(ProxyLoss):
     ) -> None:
         super().__init__(num_classes, embedding_size)
         if int(centers_per_class) != centers_per_class or centers_per_class < 1:
-            raise ConfigError(f"centers_per_class must be a positive integer, got {centers_per_class}")
+            raise ConfigError(
+                f"centers_per_class must be a positive integer, got {centers_per_class}"
+            )
         _check_positive(la=la, gamma=gamma)
         if tau < 0:
             raise ConfigError(f"tau must be >= 0, got {tau}")
         self.centers_per_class = int(centers_per_class)
-        self.la, self.gamma, self.tau, self.margin = float(la), float(gamma), float(tau), float(margin)
+        self.la, self.gamma, self.tau, self.margin = (
+            float(la),
+            float(gamma),
+            float(tau),
+            float(margin),
+        )
         fc = torch.empty(embedding_size, num_classes * self.centers_per_class)
         nn.init.kaiming_uniform_(fc, a=math.sqrt(5))
         self.centers = nn.Parameter(fc.T.contiguous())  # row c * K + k is centre k of class c

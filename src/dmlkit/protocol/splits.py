@@ -17,7 +17,7 @@ to training during the search and raises :class:`TestSetLeakError` if it holds a
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -60,7 +60,7 @@ class BenchSplit:
     dev: tuple[int, ...]
     test: tuple[int, ...]
     folds: tuple[Fold, ...]
-    class_order: tuple[int, ...] = field(repr=False, default=())
+    class_order: tuple[int, ...] = field(repr=False, compare=False, default=())
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -70,6 +70,7 @@ class BenchSplit:
             "dev": list(self.dev),
             "test": list(self.test),
             "folds": [{"index": f.index, "train": list(f.train), "val": list(f.val)} for f in self.folds],
+            "class_order": list(self.class_order),
         }
 
     @classmethod
@@ -79,20 +80,26 @@ class BenchSplit:
             dev=tuple(int(c) for c in data["dev"]), test=tuple(int(c) for c in data["test"]),
             folds=tuple(Fold(int(f["index"]), tuple(map(int, f["train"])), tuple(map(int, f["val"])))
                         for f in data["folds"]),
+            class_order=tuple(int(c) for c in data.get("class_order", ())),
         )
 
-    def class_split(self, fold: int | None = None):
-        """The :class:`dmlkit.data.ClassSplit` of one fold (or train = all dev classes)."""
-        from dmlkit.data import ClassSplit
+    def class_split(self):
+        """The :class:`dmlkit.data.ClassSplit` (train = development classes) with the folds in
+        its ``meta``, as written to ``split.json``."""
+        from dmlkit.data.splits import ClassSplit
 
-        if fold is None:
-            return ClassSplit(train=list(self.dev), val=[], test=list(self.test))
-        f = self.folds[fold]
-        return ClassSplit(train=list(f.train), val=list(f.val), test=list(self.test))
+        if self.kind == "ratio_4_1_5":
+            f = self.folds[0]
+            return ClassSplit(train=f.train, val=f.val, test=self.test, meta=self.to_dict())
+        return ClassSplit(train=self.dev, val=(), test=self.test, meta=self.to_dict())
 
 
 def order_classes(classes: Iterable[int], order: str = "default", seed: int = 0) -> list[int]:
-    """``classes`` sorted (the dataset's default order) or in a seeded random permutation."""
+    """``classes`` sorted (the dataset's default order) or in a seeded random permutation.
+
+    The random order is ``numpy.random.default_rng(seed).permutation`` of the sorted ids, the
+    same order :func:`dmlkit.data.split_classes` uses.
+    """
     ordered = sorted(int(c) for c in classes)
     if order == "default":
         return ordered
@@ -100,12 +107,6 @@ def order_classes(classes: Iterable[int], order: str = "default", seed: int = 0)
         rng = np.random.default_rng(seed)
         return [ordered[i] for i in rng.permutation(len(ordered))]
     raise ConfigError(f"class order must be 'default' or 'random', got {order!r}")
-
-
-def _blocks(items: Sequence[int], k: int) -> list[list[int]]:
-    """``k`` contiguous blocks of nearly equal size (sizes differ by at most one)."""
-    bounds = np.linspace(0, len(items), k + 1).round().astype(int)
-    return [list(items[bounds[i]:bounds[i + 1]]) for i in range(k)]
 
 
 def make_bench_split(
@@ -120,24 +121,31 @@ def make_bench_split(
     """The protocol's split of ``classes`` (ids).
 
     ``num_classes`` keeps only the first ``num_classes`` classes of the chosen order (quick
-    presets). ``halves``: dev = first ``n // 2``, test = the rest, ``folds`` contiguous blocks
-    of dev. ``ratio_4_1_5``: 40 % train, 10 % validation, 50 % test, one fold.
+    presets). ``halves``: dev = the first half (:func:`dmlkit.data.split_classes` with ratios
+    1:1), test = the rest, and ``folds`` contiguous blocks of dev in the chosen order
+    (:func:`dmlkit.data.kfold_class_partitions`). ``ratio_4_1_5``: 40 % train, 10 %
+    validation, 50 % test, one fold.
     """
+    from dmlkit.data.splits import kfold_class_partitions, split_classes
+
     ordered = order_classes(classes, order, seed)
     if num_classes is not None:
         if num_classes > len(ordered):
             raise ConfigError(f"protocol.num_classes = {num_classes} but the dataset has {len(ordered)} classes")
         ordered = ordered[:num_classes]
     n = len(ordered)
+    # ``ordered`` is already in the chosen order: cut it as given
     if kind == "halves":
-        n_dev = n // 2
-        dev, test = ordered[:n_dev], ordered[n_dev:]
-        if n_dev < 2 * folds:
+        if n // 2 < 2 * folds:
             raise DataError(
-                f"{n} classes give {n_dev} cross-validation classes: too few for {folds} folds "
+                f"{n} classes give {n // 2} cross-validation classes: too few for {folds} folds "
                 "(need at least 2 classes per fold); use more classes or fewer folds"
             )
-        blocks = _blocks(dev, folds)
+        parts = split_classes(ordered, (1, 0, 1), order="default")
+        dev_set = set(parts.train)
+        dev = [c for c in ordered if c in dev_set]
+        test = [c for c in ordered if c not in dev_set]
+        blocks = kfold_class_partitions(dev, folds)
         fold_list = tuple(
             Fold(i, tuple(c for j, b in enumerate(blocks) if j != i for c in b), tuple(blocks[i]))
             for i in range(folds)
@@ -145,11 +153,13 @@ def make_bench_split(
     elif kind == "ratio_4_1_5":
         if folds != 1:
             raise ConfigError("split 'ratio_4_1_5' is one fixed split: folds must be 1")
-        n_train = round(n * 0.4)
-        n_val = round(n * 0.1)
-        train, val, test = ordered[:n_train], ordered[n_train:n_train + n_val], ordered[n_train + n_val:]
-        if len(train) < 2 or len(val) < 2 or len(test) < 2:
+        parts = split_classes(ordered, (4, 1, 5), order="default")
+        if len(parts.train) < 2 or len(parts.val) < 2 or len(parts.test) < 2:
             raise DataError(f"{n} classes are too few for a 4:1:5 split (need >= 2 per part)")
+        rank = {c: i for i, c in enumerate(ordered)}
+        train = sorted(parts.train, key=rank.__getitem__)
+        val = sorted(parts.val, key=rank.__getitem__)
+        test = sorted(parts.test, key=rank.__getitem__)
         dev = train + val
         fold_list = (Fold(0, tuple(train), tuple(val)),)
     else:
@@ -182,5 +192,5 @@ class TestClassGuard:
         """Return ``dataset`` unchanged after checking its labels; raise if a test class is in it."""
         if dataset is None:
             return dataset
-        self.check_labels(getattr(dataset, "labels"), where)
+        self.check_labels(dataset.labels, where)
         return dataset

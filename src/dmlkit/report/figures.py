@@ -31,13 +31,13 @@ import numpy as np
 
 os.environ.setdefault("MPLBACKEND", "Agg")
 
-import matplotlib  # noqa: E402
+import matplotlib
 
 matplotlib.use("Agg", force=False)
-import matplotlib.pyplot as plt  # noqa: E402
-from matplotlib.figure import Figure  # noqa: E402
+import matplotlib.pyplot as plt
+from matplotlib.figure import Figure
 
-from dmlkit.exceptions import DataError, ShapeError  # noqa: E402
+from dmlkit.exceptions import DataError, ShapeError
 
 __all__ = [
     "embedding_map",

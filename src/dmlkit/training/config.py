@@ -133,9 +133,14 @@ class DataConfig(_Section):
 
 
 class ModelConfig(_Section):
-    """Trunk + embedder head (``dmlkit.models``)."""
+    """Trunk + embedder head (``dmlkit.models``).
+
+    ``trunk_options`` are extra keyword arguments of the trunk (e.g. ``widths`` of
+    ``small_cnn``); ``weights`` a local weights file that replaces the download.
+    """
 
     trunk: str = "bn_inception"
+    trunk_options: dict[str, Any] = Field(default_factory=dict)
     pretrained: bool = True
     weights: str | None = None
     in_channels: int = Field(3, gt=0)

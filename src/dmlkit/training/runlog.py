@@ -69,7 +69,7 @@ class RunLogger:
         record = {**record, "wall": round(time.time(), 3)}
         if self._fh is None:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            self._fh = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 - kept open for the run
+            self._fh = open(self.path, "a", encoding="utf-8")
         self._fh.write(json.dumps(record) + "\n")
         self._fh.flush()
         if self._writer is not None:

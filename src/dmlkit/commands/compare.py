@@ -1,0 +1,71 @@
+"""``dmlkit compare RESULTS...``: paired bootstrap differences and "papers versus reality"."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+
+
+def register(app: typer.Typer) -> None:
+    @app.command("compare")
+    def compare_command(
+        results: list[Path] = typer.Argument(..., help="results.json files or bench directories."),
+        method: list[str] = typer.Option(None, "--method", "-m", help="Methods to compare (default: all); repeatable."),
+        baseline: str | None = typer.Option(None, "--baseline", help="Compare every method against this one only."),
+        metric: list[str] = typer.Option(None, "--metric", help="precision_at_1 | r_precision | map_at_r (default: all three)."),
+        mode: list[str] = typer.Option(None, "--mode", help="concatenated | separated (default: both)."),
+        resamples: int = typer.Option(1000, "--resamples", "-B", min=100, help="Bootstrap resamples."),
+        seed: int = typer.Option(0, "--seed", help="Bootstrap seed."),
+        out: Path | None = typer.Option(None, "--out", "-o", help="Also write the report (.json or .md)."),
+    ) -> None:
+        """Differences between methods per metric with paired bootstrap 95 % CIs over test queries
+        (recomputed from the saved embeddings), and relative improvements over contrastive/triplet."""
+
+
+        from rich.console import Console
+        from rich.table import Table
+
+        from dmlkit.protocol.compare import compare_results, render_compare_markdown
+        from dmlkit.protocol.results import MODES, metric_label
+        from dmlkit.protocol.stats import PER_QUERY_METRICS
+        from dmlkit.utils import atomic_write_json, atomic_write_text
+
+        report = compare_results(
+            results, methods=method or None, baseline=baseline,
+            metrics=metric or list(PER_QUERY_METRICS), modes=mode or list(MODES),
+            resamples=resamples, seed=seed,
+        )
+        console = Console()
+        table = Table(title=f"paired bootstrap over {report['queries']} test queries (B={resamples}), points")
+        for col in ("A", "B", "mode", "metric"):
+            table.add_column(col)
+        table.add_column("A − B", justify="right")
+        table.add_column("95 % CI", justify="right")
+        table.add_column("excl. 0", justify="center")
+        for c in report["comparisons"]:
+            table.add_row(c["a"], c["b"], c["mode"], metric_label(c["metric"]), f"{100 * c['diff']:+.2f}",
+                          f"[{100 * c['ci_low']:+.2f}, {100 * c['ci_high']:+.2f}]",
+                          "[green]yes[/]" if c["excludes_zero"] else "no")
+        console.print(table)
+        for base, info in report["relative_improvement"].items():
+            rel = Table(title=f"relative improvement over {base} ({info['method']}), %")
+            rel.add_column("method")
+            rows = info["relative_percent"]
+            if not rows:
+                continue
+            metrics = list(next(iter(rows.values()))["concatenated"])
+            for m_ in MODES:
+                for met in metrics:
+                    rel.add_column(f"{m_[:6]}. {metric_label(met)}", justify="right")
+            for name, modes in rows.items():
+                rel.add_row(name, *[("n/a" if modes[m_].get(met) is None else f"{modes[m_][met]:+.1f}")
+                                    for m_ in MODES for met in metrics])
+            console.print(rel)
+        if out is not None:
+            if out.suffix == ".md":
+                atomic_write_text(out, render_compare_markdown(report))
+            else:
+                atomic_write_json(out, report)
+            console.print(f"written: {out}")
+

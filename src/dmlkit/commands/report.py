@@ -1,0 +1,177 @@
+"""``dmlkit report`` and ``dmlkit plot``: the HTML report and its figures one at a time."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+
+plot_app = typer.Typer(help="Make one figure from embeddings files or logs (PNG + SVG).", no_args_is_help=True)
+
+
+def register(app: typer.Typer) -> None:
+    app.command("report")(report)
+    app.add_typer(plot_app, name="plot")
+
+
+def report(
+    directory: Path = typer.Argument(..., help="A run directory (dmlkit train) or benchmark directory (dmlkit bench)."),
+    output: Path | None = typer.Option(None, "-o", "--output", help="The HTML file (default DIRECTORY/report.html)."),
+    data_root: Path | None = typer.Option(None, "--data-root", help="Dataset root (default $DMLKIT_DATA)."),
+    maps: str = typer.Option("umap,tsne,pca", help="2-D maps to draw, comma-separated (umap, tsne, pca)."),
+    max_points: int = typer.Option(2000, help="Samples per split for the histograms and maps."),
+    no_thumbnails: bool = typer.Option(False, "--no-thumbnails", help="Do not draw image thumbnails."),
+    seed: int = typer.Option(0, help="Seed for every random choice in the report."),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress messages."),
+) -> None:
+    """Write a self-contained HTML report (figures embedded, no network needed to open it)."""
+    from rich.console import Console
+
+    from dmlkit.report import ReportOptions, build_report
+
+    console = Console(stderr=True, quiet=quiet)
+    options = ReportOptions(
+        maps=tuple(m.strip() for m in maps.split(",") if m.strip()),
+        max_points=max_points, thumbnails=not no_thumbnails, data_root=data_root, seed=seed,
+        progress=lambda message: console.print(f"[dim]{message}[/]"),
+    )
+    page = build_report(directory, output, options)
+    typer.echo(str(page))
+
+
+def _load(path: Path):
+    from dmlkit.utils import load_embeddings
+
+    emb, labels, _ = load_embeddings(path)
+    return emb, labels
+
+
+def _out(output: Path | None, default: str) -> Path:
+    return (output or Path(default)).with_suffix("")
+
+
+@plot_app.command("map")
+def plot_map(
+    embeddings: Path = typer.Argument(..., help="Embeddings file (.npz/.pt with labels)."),
+    method: str = typer.Option("umap", help="umap, tsne or pca."),
+    classes: int = typer.Option(20, help="Number of classes to show."),
+    output: Path | None = typer.Option(None, "-o", "--output", help="Output path (PNG and SVG are written)."),
+    seed: int = typer.Option(0),
+) -> None:
+    """A 2-D map of embeddings coloured by class."""
+    import numpy as np
+
+    from dmlkit.report import figures
+
+    emb, labels = _load(embeddings)
+    keep = np.isin(labels, np.unique(labels)[:classes])
+    pts = figures.project_2d(emb[keep], method, seed=seed)
+    written = figures.save_figure(figures.embedding_map(pts, labels[keep], f"{method.upper()} of {embeddings.name}"),
+                                  _out(output, f"map_{method}"))
+    typer.echo("\n".join(map(str, written)))
+
+
+@plot_app.command("histograms")
+def plot_histograms(
+    embeddings: list[Path] = typer.Argument(..., help="One or more embeddings files, one panel each."),
+    bins: int = typer.Option(100, help="Number of bins over [-1, 1]."),
+    output: Path | None = typer.Option(None, "-o", "--output"),
+) -> None:
+    """Positive/negative cosine-similarity histograms (area 1) with their JS divergence."""
+    from dmlkit.metrics import pos_neg_histograms
+    from dmlkit.report import figures
+    from dmlkit.report.builder import _hist_dict
+
+    panels = {}
+    for path in embeddings:
+        emb, labels = _load(path)
+        panels[path.stem] = _hist_dict(pos_neg_histograms(emb, labels, bins=bins))
+    written = figures.save_figure(figures.similarity_histograms(panels), _out(output, "histograms"))
+    typer.echo("\n".join(map(str, written)))
+
+
+@plot_app.command("per-class")
+def plot_per_class(
+    embeddings: Path = typer.Argument(...),
+    top: int = typer.Option(10, help="How many best and worst classes."),
+    output: Path | None = typer.Option(None, "-o", "--output"),
+) -> None:
+    """The best and worst classes by MAP@R."""
+    import math
+
+    from dmlkit.metrics import per_class
+    from dmlkit.report import figures
+
+    emb, labels = _load(embeddings)
+    values = {c: r["map_at_r"] for c, r in per_class(emb, labels, metrics=["map_at_r"]).items()
+              if not math.isnan(r["map_at_r"])}
+    written = figures.save_figure(figures.per_class_bars(values, "map_at_r", top), _out(output, "per_class"))
+    typer.echo("\n".join(map(str, written)))
+
+
+@plot_app.command("gallery")
+def plot_gallery(
+    embeddings: Path = typer.Argument(...),
+    queries: int = typer.Option(6, help="Number of random queries."),
+    k: int = typer.Option(6, help="Neighbours per query."),
+    output: Path | None = typer.Option(None, "-o", "--output"),
+    seed: int = typer.Option(0),
+) -> None:
+    """Random queries with their nearest neighbours (class labels; correct ones marked)."""
+    import numpy as np
+
+    from dmlkit.metrics import knn
+    from dmlkit.report import figures
+
+    emb, labels = _load(embeddings)
+    rng = np.random.default_rng(seed)
+    chosen = rng.choice(len(emb), size=min(queries, len(emb)), replace=False)
+    result = knn(emb[chosen], emb, k=k + 1)
+    rows = []
+    for q, neigh in zip(chosen, result.indices.numpy()):
+        neigh = [int(n) for n in neigh if n != q][:k]
+        rows.append({"query": int(q), "query_label": int(labels[q]), "neighbors": neigh,
+                     "neighbor_labels": [int(labels[n]) for n in neigh], "caption": f"query {q}"})
+    written = figures.save_figure(figures.retrieval_gallery(rows, None), _out(output, "gallery"))
+    typer.echo("\n".join(map(str, written)))
+
+
+@plot_app.command("curves")
+def plot_curves(
+    run_dirs: list[Path] = typer.Argument(..., help="Run directories with log.jsonl."),
+    output: Path | None = typer.Option(None, "-o", "--output"),
+) -> None:
+    """Training loss and validation MAP@R / P@1 per step, one line per run."""
+    from dmlkit.exceptions import DataNotFoundError
+    from dmlkit.report import figures
+    from dmlkit.report.builder import _read_jsonl
+
+    logs = {}
+    for d in run_dirs:
+        if not (d / "log.jsonl").exists():
+            raise DataNotFoundError(f"{d / 'log.jsonl'} not found: pass run directories of dmlkit train")
+        logs[d.name] = _read_jsonl(d / "log.jsonl")
+    written = figures.save_figure(figures.training_curves(logs), _out(output, "curves"))
+    typer.echo("\n".join(map(str, written)))
+
+
+@plot_app.command("improvement")
+def plot_improvement(
+    results: Path = typer.Argument(..., help="results.json of dmlkit bench."),
+    metric: str = typer.Option("map_at_r"),
+    mode: str = typer.Option("concatenated", help="concatenated or separated."),
+    output: Path | None = typer.Option(None, "-o", "--output"),
+) -> None:
+    """Relative improvement of each method over contrastive and triplet."""
+    import json
+
+    from dmlkit.exceptions import DataNotFoundError
+    from dmlkit.report import figures
+    from dmlkit.report.builder import _mean
+
+    if not results.exists():
+        raise DataNotFoundError(f"{results} not found")
+    methods = json.loads(results.read_text()).get("methods", {})
+    values = {n: {metric: _mean(r.get(mode, {}).get(metric))} for n, r in methods.items()}
+    written = figures.save_figure(figures.relative_improvement(values, metric=metric), _out(output, "improvement"))
+    typer.echo("\n".join(map(str, written)))

@@ -1,0 +1,44 @@
+"""Datasets, class-disjoint splits and transforms for metric learning.
+
+>>> from dmlkit.data import load_dataset, default_split, get_transforms
+>>> ds = load_dataset("omniglot")                      # doctest: +SKIP
+>>> split = default_split(ds, val_fraction=0.2)        # doctest: +SKIP
+>>> parts = split.apply(ds)                            # doctest: +SKIP
+"""
+
+from dmlkit.data.base import ArrayDataset, ImageFileDataset, MetricDataset, load_image
+from dmlkit.data.datasets import (
+    DATASETS,
+    IMAGE_EXTENSIONS,
+    load_dataset,
+    register_dataset,
+    verify_sha256,
+)
+from dmlkit.data.splits import (
+    ClassSplit,
+    default_split,
+    fold_split,
+    kfold_class_partitions,
+    split_classes,
+)
+from dmlkit.data.transforms import IMAGENET_MEAN, IMAGENET_STD, get_transforms
+
+__all__ = [
+    "DATASETS",
+    "IMAGENET_MEAN",
+    "IMAGENET_STD",
+    "IMAGE_EXTENSIONS",
+    "ArrayDataset",
+    "ClassSplit",
+    "ImageFileDataset",
+    "MetricDataset",
+    "default_split",
+    "fold_split",
+    "get_transforms",
+    "kfold_class_partitions",
+    "load_dataset",
+    "load_image",
+    "register_dataset",
+    "split_classes",
+    "verify_sha256",
+]

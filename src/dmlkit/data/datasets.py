@@ -1,0 +1,715 @@
+"""Dataset loaders with the standard layouts, file checks and helpful "where to put it" errors.
+
+``load_dataset(name, root=None, download=False, **kw)`` returns a
+:class:`~dmlkit.data.base.MetricDataset` with *every* class of the dataset; the class groups it
+carries give the literature's split (:func:`dmlkit.data.default_split`).
+
+| name | layout under ``root`` | classes (train / test) |
+| --- | --- | --- |
+| ``omniglot`` | ``omniglot/images_{background,evaluation}.npz`` or the official ``.zip`` files or ``omniglot-py/`` | 964 background / 659 evaluation |
+| ``att_faces`` | ``att_faces/s1..s40/1..10.pgm`` | 1-20 / 21-40 |
+| ``binary_alphadigits`` | ``binary_alphadigits/binaryalphadigs.mat`` | '0'..'H' / 'I'..'Z' (18 / 18) |
+| ``cub200`` | ``CUB_200_2011/{images.txt,image_class_labels.txt,classes.txt,images/}`` | 1-100 / 101-200 |
+| ``cars196`` | ``cars196/{cars_annos.mat,car_ims/}`` | 1-98 / 99-196 |
+| ``sop`` | ``Stanford_Online_Products/{Ebay_train.txt,Ebay_test.txt,*_final/}`` | 11,318 / 11,316 |
+| ``inshop`` | ``InShop/{list_eval_partition.txt or Eval/list_eval_partition.txt, img/}`` | 3,997 / 3,985 (query / gallery) |
+| ``image_folder`` | ``root/<class>/<image>`` | first half / second half |
+| ``csv`` | a CSV file ``path,label[,split]`` | the split column, else halves |
+
+``root`` defaults to :func:`dmlkit.utils.data_root` (``--data-root`` > ``$DMLKIT_DATA`` >
+``~/.cache/dmlkit/data``).
+"""
+
+from __future__ import annotations
+
+import csv as _csv
+import hashlib
+import io
+import os
+import re
+import warnings
+import zipfile
+from collections.abc import Callable, Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from dmlkit.data.base import ArrayDataset, ImageFileDataset, MetricDataset
+from dmlkit.exceptions import ConfigError, DataError, DataNotFoundError
+from dmlkit.utils import data_root
+
+__all__ = ["DATASETS", "IMAGE_EXTENSIONS", "load_dataset", "register_dataset", "verify_sha256"]
+
+IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".pgm", ".ppm", ".tif", ".tiff", ".webp", ".gif")
+
+DatasetFactory = Callable[..., MetricDataset]
+DATASETS: dict[str, DatasetFactory] = {}
+
+
+def register_dataset(name: str) -> Callable[[DatasetFactory], DatasetFactory]:
+    """Decorator: make ``fn(root: Path | None, download: bool, **kw)`` loadable by ``name``."""
+
+    def deco(fn: DatasetFactory) -> DatasetFactory:
+        DATASETS[name] = fn
+        return fn
+
+    return deco
+
+
+def load_dataset(name: str, root: str | os.PathLike | None = None, download: bool = False,
+                 **kwargs: Any) -> MetricDataset:
+    """Load dataset ``name`` (see the module table) with all its classes.
+
+    ``root``: the data root holding the dataset folder (or the dataset folder itself); for
+    ``image_folder`` the class-folder root, for ``csv`` the CSV file. ``download=True`` fetches
+    missing files from the original source where one is public. Other keyword arguments go to
+    the loader (``transform``, ``skip_corrupt``, ``verify``, ...).
+    """
+    key = name.lower().replace("-", "_")
+    aliases = {"cub": "cub200", "cub_200_2011": "cub200", "cars": "cars196",
+               "stanford_online_products": "sop", "in_shop": "inshop", "att": "att_faces",
+               "orl": "att_faces", "alphadigits": "binary_alphadigits", "folder": "image_folder"}
+    key = aliases.get(key, key)
+    if key not in DATASETS:
+        raise ConfigError(f"unknown dataset {name!r}; choose one of {sorted(DATASETS)}")
+    return DATASETS[key](root=root, download=download, **kwargs)
+
+
+# -- helpers ---------------------------------------------------------------------------------
+def _root(root: str | os.PathLike | None) -> Path:
+    return data_root(root)
+
+
+def _find_dir(root: Path, folder_names: Sequence[str], marker: str) -> Path | None:
+    """The first of ``root/<name>`` or ``root`` that contains ``marker``."""
+    for cand in [root / n for n in folder_names] + [root]:
+        if (cand / marker).exists():
+            return cand
+    return None
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for chunk in iter(lambda: fh.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def verify_sha256(path: Path, expected: str) -> None:
+    """Raise :class:`DataError` if the SHA-256 of ``path`` is not ``expected``."""
+    got = _sha256(path)
+    if got != expected.lower():
+        raise DataError(
+            f"checksum mismatch for {path}: SHA-256 {got}, expected {expected}. The file is "
+            "corrupt or a different version: delete it and download it again"
+        )
+
+
+def _read_sha256sums(folder: Path) -> dict[str, str]:
+    """``{relative path: sha256}`` from ``folder/SHA256SUMS`` (``sha256  ./path`` lines)."""
+    sums = folder / "SHA256SUMS"
+    if not sums.exists():
+        return {}
+    out: dict[str, str] = {}
+    for line in sums.read_text().splitlines():
+        parts = line.strip().split(maxsplit=1)
+        if len(parts) == 2:
+            out[os.path.normpath(parts[1].lstrip("*"))] = parts[0].lower()
+    return out
+
+
+def _verify_listed(folder: Path, relpaths: Iterable[str], published: dict[str, str]) -> None:
+    """Check ``relpaths`` against checksums from ``folder/SHA256SUMS`` or ``published``."""
+    sums = {**published, **_read_sha256sums(folder)}
+    for rel in relpaths:
+        key = os.path.normpath(rel)
+        if key in sums:
+            verify_sha256(folder / rel, sums[key])
+
+
+def _count_check(name: str, what: str, found: int, expected: int, strict: bool) -> None:
+    if found == expected:
+        return
+    msg = f"{name}: found {found:,} {what}, the official release has {expected:,}"
+    if strict:
+        raise DataError(msg + "; re-extract the archive (or pass strict=False to use a subset)")
+    warnings.warn(msg + " (using what is there)", stacklevel=3)
+
+
+def _missing(name: str, root: Path, expected: str, how: str) -> DataNotFoundError:
+    return DataNotFoundError(
+        f"{name} not found: expected {expected} under {root}. {how} "
+        "Use --data-root / $DMLKIT_DATA to point at another data root."
+    )
+
+
+def _download(url: str, root: Path, md5: str | None = None, filename: str | None = None) -> None:
+    """Download and extract an archive with torchvision's helper (needs internet)."""
+    from torchvision.datasets.utils import download_and_extract_archive
+
+    try:
+        download_and_extract_archive(url, download_root=str(root), filename=filename, md5=md5)
+    except Exception as exc:  # network errors come in many types
+        raise DataNotFoundError(
+            f"download of {url} failed ({type(exc).__name__}: {exc}); download it by hand and "
+            f"extract it into {root}"
+        ) from exc
+
+
+def _groups_by_range(classes: Iterable[int], last_train: int) -> dict[int, str]:
+    return {int(c): ("train" if int(c) <= last_train else "test") for c in classes}
+
+
+TRAIN_TEST = {"train": "train", "val": "val", "test": "test"}
+
+
+# -- Omniglot --------------------------------------------------------------------------------
+OMNIGLOT_SETS = ("background", "evaluation")
+OMNIGLOT_NUM_CLASSES = {"background": 964, "evaluation": 659}
+# Published checksums (GitHub bitsandscraps/omniglot *.sha256) and of the official zips.
+OMNIGLOT_SHA256 = {
+    "images_background.npz": "8bf84167413cd00beacdce3fe582f780ab538d8dbef043a6d688f2527bbce199",
+    "images_evaluation.npz": "0b84c7ffd94c4841c0040e529c86a82eaaccb986d8eadad5673f7991b7475276",
+}
+OMNIGLOT_URL = "https://raw.githubusercontent.com/brendenlake/omniglot/master/python"
+_OMNI_NAME = re.compile(r"images_(background|evaluation)/([^/]+)/(character\d+)/(\d+)_(\d+)\.png$")
+
+
+def _omniglot_names(folder: Path) -> dict[int, str]:
+    """``{class id: "Alphabet/characterNN"}`` from ``alphabets.csv`` (class id = global id - 1)."""
+    path = folder / "alphabets.csv"
+    names: dict[int, str] = {}
+    if not path.exists():
+        return names
+    with open(path, newline="") as fh:
+        for row in _csv.DictReader(fh):
+            first, last = int(row["first_char_id"]), int(row["last_char_id"])
+            for gid in range(first, last + 1):
+                names[gid - 1] = f"{row['alphabet']}/character{gid - first + 1:02d}"
+    return names
+
+
+def _omniglot_from_png_entries(entries: Iterable[tuple[str, Callable[[], bytes]]]):
+    from PIL import Image
+
+    imgs, labels, names, sets = [], [], {}, {}
+    for name, read in entries:
+        m = _OMNI_NAME.search(name.replace("\\", "/"))
+        if not m:
+            continue
+        which, alphabet, char, gid, _drawer = m.groups()
+        cid = int(gid) - 1
+        try:
+            with Image.open(io.BytesIO(read())) as img:
+                arr = np.asarray(img.convert("L")) >= 128  # True = background, as the npz
+        except OSError as exc:
+            raise DataError(f"cannot read Omniglot image {name}: {exc}") from exc
+        imgs.append(arr)
+        labels.append(cid)
+        names[cid] = f"{alphabet}/{char}"
+        sets[cid] = which
+    return imgs, labels, names, sets
+
+
+@register_dataset("omniglot")
+def load_omniglot(root: str | os.PathLike | None = None, download: bool = False, *,
+                  sets: Sequence[str] = OMNIGLOT_SETS, source: str = "auto", verify: bool = True,
+                  transform=None) -> ArrayDataset:
+    """Omniglot (Lake, Salakhutdinov & Tenenbaum, Science 2015): 1,623 characters x 20 drawers.
+
+    Class id = global character id - 1 (0..963 background, 964..1622 evaluation); class
+    group ``background`` (train) / ``evaluation`` (test). Images are ``105 x 105`` uint8 with
+    the ink white (255) on black (0). Sources, tried in this order with ``source="auto"``:
+    ``images_{set}.npz`` (numpy copies, fastest), the official ``images_{set}.zip`` files,
+    the extracted torchvision folder ``omniglot-py/images_{set}/``. ``download=True`` uses
+    ``torchvision.datasets.Omniglot`` (original GitHub source).
+    """
+    base = _root(root)
+    sets = tuple(sets)
+    bad = set(sets) - set(OMNIGLOT_SETS)
+    if bad or not sets:
+        raise ConfigError(f"omniglot sets must be among {OMNIGLOT_SETS}, got {sets}")
+    folder = _find_dir(base, ["omniglot"], f"images_{sets[0]}.npz") or \
+        _find_dir(base, ["omniglot"], f"images_{sets[0]}.zip") or \
+        _find_dir(base, ["omniglot"], f"omniglot-py/images_{sets[0]}") or \
+        _find_dir(base, ["omniglot"], f"images_{sets[0]}")
+    if folder is None and download:
+        from torchvision.datasets import Omniglot
+
+        target = base / "omniglot"
+        for s in sets:
+            try:
+                Omniglot(str(target), background=(s == "background"), download=True)
+            except Exception as exc:  # network errors come in many types
+                raise DataNotFoundError(
+                    f"Omniglot download failed ({type(exc).__name__}: {exc}); download "
+                    f"{OMNIGLOT_URL}/images_{s}.zip by hand into {target}"
+                ) from exc
+        folder = target
+    if folder is None:
+        raise _missing(
+            "omniglot", base, "omniglot/images_background.npz + images_evaluation.npz, or the "
+            "official omniglot/images_background.zip + images_evaluation.zip",
+            f"Download {OMNIGLOT_URL}/images_background.zip and images_evaluation.zip into "
+            f"{base / 'omniglot'} (or pass download=True).",
+        )
+    names = _omniglot_names(folder)
+    all_imgs: list[np.ndarray] = []
+    all_labels: list[np.ndarray] = []
+    groups: dict[int, str] = {}
+    used: list[str] = []
+    for s in sets:
+        npz, zpath = folder / f"images_{s}.npz", folder / f"images_{s}.zip"
+        dirs = [folder / "omniglot-py" / f"images_{s}", folder / f"images_{s}"]
+        offset = 0 if s == "background" else OMNIGLOT_NUM_CLASSES["background"]
+        if source in ("auto", "npz") and npz.exists():
+            if verify:
+                _verify_listed(folder, [npz.name], OMNIGLOT_SHA256)
+            with np.load(npz) as d:
+                images, labels = d["images"], d["labels"]
+            if images.ndim != 4 or images.shape[1:] != (20, 105, 105):
+                raise DataError(f"{npz}: expected images (C, 20, 105, 105), got {images.shape}")
+            imgs = images.reshape(-1, 105, 105)
+            lab = labels.reshape(-1).astype(np.int64) + offset
+            for c in np.unique(lab).tolist():
+                groups[c] = s
+            used.append(npz.name)
+        elif source in ("auto", "zip") and zpath.exists():
+            if verify:
+                _verify_listed(folder, [zpath.name], {})
+            with zipfile.ZipFile(zpath) as zf:
+                members = sorted((n for n in zf.namelist() if n.endswith(".png")),
+                                 key=lambda n: n.rsplit("/", 1)[-1])  # by global id, drawer
+                lst, labs, nm, st = _omniglot_from_png_entries(
+                    (n, (lambda n=n: zf.read(n))) for n in members)
+            imgs, lab = np.stack(lst), np.asarray(labs, dtype=np.int64)
+            names.update(nm)
+            groups.update(st)
+            used.append(zpath.name)
+        elif source in ("auto", "folder") and any(d.is_dir() for d in dirs):
+            d = next(d for d in dirs if d.is_dir())
+            files = sorted(d.rglob("*.png"), key=lambda f: f.name)
+            lst, labs, nm, st = _omniglot_from_png_entries(
+                (f"images_{s}/" + f.relative_to(d).as_posix(), f.read_bytes) for f in files)
+            if not lst:
+                raise DataError(f"no Omniglot PNGs found in {d}")
+            imgs, lab = np.stack(lst), np.asarray(labs, dtype=np.int64)
+            names.update(nm)
+            groups.update(st)
+            used.append(str(d.relative_to(folder)))
+        else:
+            raise _missing(
+                "omniglot", folder, f"images_{s}.npz or images_{s}.zip (source={source!r})",
+                f"Download {OMNIGLOT_URL}/images_{s}.zip into {folder} (or pass download=True).",
+            )
+        n_classes = np.unique(lab).size
+        if n_classes != OMNIGLOT_NUM_CLASSES[s] or lab.size != 20 * n_classes:
+            raise DataError(
+                f"omniglot {s}: found {n_classes} classes / {lab.size} images, expected "
+                f"{OMNIGLOT_NUM_CLASSES[s]} x 20; the files are incomplete: download them again"
+            )
+        all_imgs.append(imgs)
+        all_labels.append(lab)
+    data = all_imgs[0] if len(all_imgs) == 1 else np.concatenate(all_imgs)
+    labels = np.concatenate(all_labels)
+    return ArrayDataset(
+        data, labels, kind="image", invert=True, class_names=names, class_groups=groups,
+        split_groups={"train": "background", "test": "evaluation"}, transform=transform,
+        name="omniglot", meta={"root": str(folder), "files": used, "ink": "white on black"},
+    )
+
+
+# -- AT&T faces ------------------------------------------------------------------------------
+@register_dataset("att_faces")
+def load_att_faces(root: str | os.PathLike | None = None, download: bool = False, *,
+                   verify: bool = True, strict: bool = True, transform=None,
+                   skip_corrupt: bool = False) -> ImageFileDataset:
+    """AT&T / ORL faces (Samaria & Harter 1994): 40 subjects x 10 grayscale 92 x 112 PGMs.
+
+    Class id = subject number (1..40); subjects 1-20 train, 21-40 test. Images load in PIL
+    mode ``"L"`` (the ``imagenet`` transforms convert to RGB). Files listed in the folder's
+    ``SHA256SUMS`` are checked when ``verify=True``.
+    """
+    base = _root(root)
+    folder = _find_dir(base, ["att_faces", "orl_faces"], "s1")
+    how = ("The database is no longer on AT&T's site; copies are redistributed for research "
+           "(see its README); put the folders s1..s40 with 1.pgm..10.pgm in "
+           f"{base / 'att_faces'}.")
+    if folder is None:
+        raise _missing("att_faces", base, "att_faces/s1/1.pgm ... att_faces/s40/10.pgm", how)
+    paths, labels = [], []
+    for subject in range(1, 41):
+        for i in range(1, 11):
+            p = folder / f"s{subject}" / f"{i}.pgm"
+            if p.exists():
+                paths.append(p)
+                labels.append(subject)
+    _count_check("att_faces", "images", len(paths), 400, strict)
+    if not paths:
+        raise _missing("att_faces", folder, "s1/1.pgm ... s40/10.pgm", how)
+    if verify:
+        _verify_listed(folder, [str(p.relative_to(folder)) for p in paths], {})
+    return ImageFileDataset(
+        paths, labels, mode="L", class_names={s: f"s{s}" for s in range(1, 41)},
+        class_groups=_groups_by_range(range(1, 41), 20), split_groups=TRAIN_TEST,
+        transform=transform, name="att_faces", skip_corrupt=skip_corrupt,
+        meta={"root": str(folder)},
+    )
+
+
+# -- Binary Alphadigits ------------------------------------------------------------------------
+ALPHADIGITS_SHA256 = "3ee9392e64e4e3bb7b35502b69bf2555a0b4197c1b31048c4189b84bc0bc6ea7"
+ALPHADIGITS_URL = "https://cs.nyu.edu/~roweis/data/binaryalphadigs.mat"
+
+
+@register_dataset("binary_alphadigits")
+def load_binary_alphadigits(root: str | os.PathLike | None = None, download: bool = False, *,
+                            verify: bool = True, transform=None) -> ArrayDataset:
+    """Binary Alphadigits (Roweis): 36 classes ('0'-'9', 'A'-'Z') x 39 images of 20 x 16.
+
+    Class id 0..35 in the file's order; classes 0-17 train, 18-35 test (18 / 18). Pixels are
+    uint8 0 / 255 (ink white).
+    """
+    import scipy.io
+
+    base = _root(root)
+    folder = _find_dir(base, ["binary_alphadigits"], "binaryalphadigs.mat")
+    if folder is None and download:
+        target = base / "binary_alphadigits"
+        target.mkdir(parents=True, exist_ok=True)
+        from torchvision.datasets.utils import download_url
+
+        try:
+            download_url(ALPHADIGITS_URL, str(target))
+        except Exception as exc:  # network errors come in many types
+            raise DataNotFoundError(f"download of {ALPHADIGITS_URL} failed: {exc}") from exc
+        folder = target
+    if folder is None:
+        raise _missing("binary_alphadigits", base, "binary_alphadigits/binaryalphadigs.mat",
+                       f"Download {ALPHADIGITS_URL} into {base / 'binary_alphadigits'}.")
+    path = folder / "binaryalphadigs.mat"
+    if verify:
+        verify_sha256(path, ALPHADIGITS_SHA256)
+    m = scipy.io.loadmat(path)
+    dat = m["dat"]
+    n_cls, n_per = dat.shape
+    images = np.stack([np.asarray(dat[c, k]) > 0 for c in range(n_cls) for k in range(n_per)])
+    labels = np.repeat(np.arange(n_cls, dtype=np.int64), n_per)
+    names = {c: str(np.asarray(m["classlabels"][0, c]).reshape(-1)[0]) for c in range(n_cls)}
+    return ArrayDataset(
+        images, labels, kind="image", class_names=names,
+        class_groups=_groups_by_range(range(n_cls), n_cls // 2 - 1), split_groups=TRAIN_TEST,
+        transform=transform, name="binary_alphadigits", meta={"root": str(folder)},
+    )
+
+
+# -- CUB-200-2011 ------------------------------------------------------------------------------
+CUB_URL = "https://data.caltech.edu/records/65de6-vp158/files/CUB_200_2011.tgz"
+CUB_MD5 = "97eceeb196236b17998738112f37df78"
+
+
+def _read_table(path: Path, ncols: int) -> list[list[str]]:
+    rows = []
+    with open(path) as fh:
+        for line in fh:
+            parts = line.strip().split(maxsplit=ncols - 1)
+            if len(parts) == ncols:
+                rows.append(parts)
+    return rows
+
+
+def _check_files(name: str, folder: Path, paths: Sequence[Path]) -> None:
+    missing = [p for p in paths if not p.exists()]
+    if missing:
+        raise DataNotFoundError(
+            f"{name}: {len(missing):,} of {len(paths):,} listed images are missing under "
+            f"{folder}, e.g. {missing[0]}; extract the full archive again"
+        )
+
+
+@register_dataset("cub200")
+def load_cub200(root: str | os.PathLike | None = None, download: bool = False, *,
+                strict: bool = False, transform=None, skip_corrupt: bool = False) -> ImageFileDataset:
+    """CUB-200-2011 (Wah et al. 2011): 200 bird species, 11,788 images.
+
+    Class id = the official 1..200; classes 1-100 train, 101-200 test (the DML convention).
+    """
+    base = _root(root)
+    folder = _find_dir(base, ["CUB_200_2011", "cub200/CUB_200_2011", "cub200"], "images.txt")
+    if folder is None and download:
+        _download(CUB_URL, base, md5=CUB_MD5)
+        folder = _find_dir(base, ["CUB_200_2011"], "images.txt")
+    if folder is None:
+        raise _missing(
+            "cub200", base, "CUB_200_2011/{images.txt, image_class_labels.txt, classes.txt, images/}",
+            f"Download {CUB_URL} and extract it into {base} (or pass download=True).",
+        )
+    for f in ("image_class_labels.txt", "classes.txt"):
+        if not (folder / f).exists():
+            raise _missing("cub200", folder, f, "Extract the full CUB_200_2011.tgz archive.")
+    images = dict(_read_table(folder / "images.txt", 2))
+    cls_of = {k: int(v) for k, v in _read_table(folder / "image_class_labels.txt", 2)}
+    names = {int(k): v for k, v in _read_table(folder / "classes.txt", 2)}
+    ids = sorted(images, key=int)
+    paths = [folder / "images" / images[i] for i in ids]
+    labels = [cls_of[i] for i in ids]
+    _check_files("cub200", folder, paths)
+    _count_check("cub200", "images", len(paths), 11788, strict)
+    return ImageFileDataset(
+        paths, labels, class_names=names, class_groups=_groups_by_range(set(labels), 100),
+        split_groups=TRAIN_TEST, transform=transform, name="cub200", skip_corrupt=skip_corrupt,
+        meta={"root": str(folder)},
+    )
+
+
+# -- Cars196 -----------------------------------------------------------------------------------
+CARS_URL = "http://ai.stanford.edu/~jkrause/car196/car_ims.tgz"
+CARS_ANNOS_URL = "http://ai.stanford.edu/~jkrause/car196/cars_annos.mat"
+
+
+@register_dataset("cars196")
+def load_cars196(root: str | os.PathLike | None = None, download: bool = False, *,
+                 strict: bool = False, transform=None, skip_corrupt: bool = False) -> ImageFileDataset:
+    """Cars196 / Stanford Cars (Krause et al. 2013): 196 car models, 16,185 images.
+
+    Layout of the DML literature: ``cars_annos.mat`` (fields ``relative_im_path``, ``class``,
+    ``test``, plus ``class_names``) and ``car_ims/``. Class id = the official 1..196; classes
+    1-98 train, 99-196 test.
+    """
+    import scipy.io
+
+    base = _root(root)
+    folder = _find_dir(base, ["cars196", "stanford_cars", "CARS196"], "cars_annos.mat")
+    if folder is None and download:
+        target = base / "cars196"
+        _download(CARS_URL, target)
+        from torchvision.datasets.utils import download_url
+
+        try:
+            download_url(CARS_ANNOS_URL, str(target))
+        except Exception as exc:  # network errors come in many types
+            raise DataNotFoundError(f"download of {CARS_ANNOS_URL} failed: {exc}") from exc
+        folder = target
+    if folder is None:
+        raise _missing(
+            "cars196", base, "cars196/cars_annos.mat and cars196/car_ims/*.jpg",
+            f"Download {CARS_URL} (extract it) and {CARS_ANNOS_URL} into {base / 'cars196'} "
+            "(the original site is often offline; mirrors of car_ims.tgz + cars_annos.mat "
+            "have the same layout).",
+        )
+    try:
+        m = scipy.io.loadmat(folder / "cars_annos.mat", squeeze_me=True, struct_as_record=False)
+    except (OSError, ValueError) as exc:
+        raise DataError(f"cannot read {folder / 'cars_annos.mat'}: {exc}") from exc
+    annos = np.atleast_1d(m["annotations"])
+    paths = [folder / str(a.relative_im_path) for a in annos]
+    labels = [int(a.__getattribute__("class")) for a in annos]
+    names: dict[int, str] = {}
+    if "class_names" in m:
+        for i, n in enumerate(np.atleast_1d(m["class_names"]).tolist(), start=1):
+            names[i] = str(n)
+    _check_files("cars196", folder, paths)
+    _count_check("cars196", "images", len(paths), 16185, strict)
+    return ImageFileDataset(
+        paths, labels, class_names=names, class_groups=_groups_by_range(set(labels), 98),
+        split_groups=TRAIN_TEST, transform=transform, name="cars196", skip_corrupt=skip_corrupt,
+        meta={"root": str(folder)},
+    )
+
+
+# -- Stanford Online Products ------------------------------------------------------------------
+SOP_URL = "ftp://cs.stanford.edu/cs/cvgl/Stanford_Online_Products.zip"
+
+
+@register_dataset("sop")
+def load_sop(root: str | os.PathLike | None = None, download: bool = False, *,
+             strict: bool = False, transform=None, skip_corrupt: bool = False) -> ImageFileDataset:
+    """Stanford Online Products (Oh Song et al. 2016): 22,634 products, 120,053 images.
+
+    ``Ebay_train.txt`` (11,318 classes, 59,551 images) and ``Ebay_test.txt`` (11,316 classes,
+    60,502 images), lines ``image_id class_id super_class_id path``. Class id = the official
+    ``class_id``; groups train / test from the file each class is listed in.
+    """
+    base = _root(root)
+    folder = _find_dir(base, ["Stanford_Online_Products", "sop", "SOP"], "Ebay_train.txt")
+    if folder is None and download:
+        _download(SOP_URL, base)
+        folder = _find_dir(base, ["Stanford_Online_Products"], "Ebay_train.txt")
+    if folder is None:
+        raise _missing(
+            "sop", base, "Stanford_Online_Products/{Ebay_train.txt, Ebay_test.txt, *_final/}",
+            f"Download {SOP_URL} (also mirrored by many DML repositories) and extract it into "
+            f"{base}.",
+        )
+    paths, labels, groups, names = [], [], {}, {}
+    for part, fname, n_cls, n_img in (("train", "Ebay_train.txt", 11318, 59551),
+                                      ("test", "Ebay_test.txt", 11316, 60502)):
+        f = folder / fname
+        if not f.exists():
+            raise _missing("sop", folder, fname, "Extract the full archive.")
+        rows = _read_table(f, 4)
+        rows = [r for r in rows if r[0].isdigit()]  # skip the header
+        part_classes = set()
+        for _img_id, cls, _super, rel in rows:
+            c = int(cls)
+            paths.append(folder / rel)
+            labels.append(c)
+            part_classes.add(c)
+            groups[c] = part
+            names.setdefault(c, f"{rel.split('/')[0].removesuffix('_final')}/{c}")
+        _count_check("sop", f"{part} classes", len(part_classes), n_cls, strict)
+        _count_check("sop", f"{part} images", len(rows), n_img, strict)
+    _check_files("sop", folder, paths)
+    return ImageFileDataset(
+        paths, labels, class_names=names, class_groups=groups, split_groups=TRAIN_TEST,
+        transform=transform, name="sop", skip_corrupt=skip_corrupt, meta={"root": str(folder)},
+    )
+
+
+# -- In-Shop Clothes Retrieval ------------------------------------------------------------------
+INSHOP_URL = "https://mmlab.ie.cuhk.edu.hk/projects/DeepFashion/InShopRetrieval.html"
+
+
+@register_dataset("inshop")
+def load_inshop(root: str | os.PathLike | None = None, download: bool = False, *,
+                strict: bool = False, transform=None, skip_corrupt: bool = False) -> ImageFileDataset:
+    """DeepFashion In-Shop Clothes Retrieval (Liu et al. 2016): 7,982 items, 52,712 images.
+
+    ``list_eval_partition.txt`` (line 1: count, line 2: header, then ``image_name item_id
+    evaluation_status``) assigns each image to ``train`` (3,997 items, 25,882 images),
+    ``query`` (14,218) or ``gallery`` (12,612); query and gallery share the 3,985 test items.
+    Class id = the item number (``id_00000002`` -> 2); ``ds.sample_groups`` holds the
+    partition and ``ds.subset_group("query")`` / ``("gallery")`` give the retrieval sets.
+    """
+    base = _root(root)
+    folder = None
+    for marker in ("list_eval_partition.txt", "Eval/list_eval_partition.txt"):
+        folder = _find_dir(base, ["InShop", "inshop", "In-shop Clothes Retrieval Benchmark",
+                                  "In-shop_Clothes_Retrieval_Benchmark"], marker)
+        if folder is not None:
+            part_file = folder / marker
+            break
+    if folder is None:
+        raise _missing(
+            "inshop", base, "InShop/list_eval_partition.txt (or InShop/Eval/...) and InShop/img/",
+            f"Download img.zip and list_eval_partition.txt from {INSHOP_URL} (Google Drive; no "
+            f"direct download) and extract them into {base / 'InShop'}.",
+        )
+    lines = part_file.read_text().splitlines()
+    rows = [ln.split() for ln in lines[2:] if ln.strip()]
+    paths, labels, status = [], [], []
+    for r in rows:
+        if len(r) != 3:
+            raise DataError(f"{part_file}: malformed line {' '.join(r)!r}")
+        rel, item, st = r
+        paths.append(folder / rel)
+        labels.append(int(item.removeprefix("id_")))
+        status.append(st)
+    _check_files("inshop", folder, paths)
+    _count_check("inshop", "images", len(paths), 52712, strict)
+    groups: dict[int, str] = {}
+    for c, st in zip(labels, status):
+        g = "train" if st == "train" else "test"
+        if groups.setdefault(c, g) != g:
+            raise DataError(f"{part_file}: item id_{c:08d} is in both train and query/gallery")
+    return ImageFileDataset(
+        paths, labels, class_names={c: f"id_{c:08d}" for c in set(labels)}, class_groups=groups,
+        split_groups=TRAIN_TEST, sample_groups=status, transform=transform, name="inshop",
+        skip_corrupt=skip_corrupt, meta={"root": str(folder)},
+    )
+
+
+# -- generic: image folder and CSV --------------------------------------------------------------
+@register_dataset("image_folder")
+def load_image_folder(root: str | os.PathLike | None = None, download: bool = False, *,
+                      path: str | os.PathLike | None = None, mode: str | None = "RGB",
+                      extensions: Sequence[str] = IMAGE_EXTENSIONS, transform=None,
+                      skip_corrupt: bool = False) -> ImageFileDataset:
+    """One sub-folder per class (``root/<class>/**/<image>``), as torchvision's ImageFolder.
+
+    Class ids 0..C-1 follow the sorted folder names (``ds.class_names`` maps them back). No
+    class groups: :func:`default_split` uses the first / second half of the class order.
+    """
+    folder = Path(path or root or "")
+    if not str(path or root or "") or not folder.is_dir():
+        raise DataNotFoundError(
+            f"image_folder: folder {folder} not found; pass root=<folder> with one sub-folder "
+            "per class holding its images"
+        )
+    exts = tuple(e.lower() for e in extensions)
+    class_dirs = sorted(d for d in folder.iterdir() if d.is_dir() and not d.name.startswith("."))
+    paths, labels, names = [], [], {}
+    for cid, d in enumerate(class_dirs):
+        files = sorted(f for f in d.rglob("*") if f.is_file() and f.suffix.lower() in exts)
+        names[cid] = d.name
+        paths.extend(files)
+        labels.extend([cid] * len(files))
+    if not paths:
+        raise DataNotFoundError(
+            f"image_folder: no images ({', '.join(exts)}) in class sub-folders of {folder}"
+        )
+    return ImageFileDataset(paths, labels, mode=mode, class_names=names, transform=transform,
+                            name=f"image_folder:{folder.name}", skip_corrupt=skip_corrupt,
+                            meta={"root": str(folder)})
+
+
+@register_dataset("csv")
+def load_csv(root: str | os.PathLike | None = None, download: bool = False, *,
+             path: str | os.PathLike | None = None, image_root: str | os.PathLike | None = None,
+             mode: str | None = "RGB", transform=None, skip_corrupt: bool = False) -> ImageFileDataset:
+    """A CSV with a header and columns ``path,label[,split]``.
+
+    Relative paths are resolved against ``image_root`` (default: the CSV's folder). Integer
+    labels are kept as class ids; other labels get ids 0..C-1 in sorted order. A ``split``
+    column (``train`` / ``val`` / ``test`` per class, or ``query`` / ``gallery`` per sample)
+    defines the default split; a class listed under two of train/val/test is an error.
+    """
+    csv_path = Path(path or root or "")
+    if not str(path or root or "") or not csv_path.is_file():
+        raise DataNotFoundError(
+            f"csv: file {csv_path} not found; pass root=<file.csv> with a header line "
+            "'path,label[,split]'"
+        )
+    base = Path(image_root) if image_root is not None else csv_path.parent
+    with open(csv_path, newline="") as fh:
+        reader = _csv.DictReader(fh)
+        fields = [f.strip().lower() for f in (reader.fieldnames or [])]
+        if "path" not in fields or "label" not in fields:
+            raise DataError(f"{csv_path}: the header must name columns 'path' and 'label' "
+                            f"(and optionally 'split'), got {reader.fieldnames}")
+        rows = [{k.strip().lower(): (v or "").strip() for k, v in r.items() if k} for r in reader]
+    if not rows:
+        raise DataError(f"{csv_path}: no rows")
+    raw_labels = [r["label"] for r in rows]
+    if all(re.fullmatch(r"-?\d+", s) for s in raw_labels):
+        labels = [int(s) for s in raw_labels]
+        names = {c: str(c) for c in set(labels)}
+    else:
+        uniq = sorted(set(raw_labels))
+        ids = {s: i for i, s in enumerate(uniq)}
+        labels = [ids[s] for s in raw_labels]
+        names = {i: s for s, i in ids.items()}
+    paths = [Path(r["path"]) if Path(r["path"]).is_absolute() else base / r["path"] for r in rows]
+    _check_files("csv", base, paths)
+    class_groups: dict[int, str] = {}
+    sample_groups = None
+    if "split" in fields and any(r.get("split") for r in rows):
+        splits = [r.get("split", "").lower() for r in rows]
+        for c, s in zip(labels, splits):
+            g = "test" if s in ("query", "gallery") else s
+            if g not in ("train", "val", "test"):
+                raise DataError(f"{csv_path}: split must be train/val/test/query/gallery, got {s!r}")
+            if class_groups.setdefault(c, g) != g:
+                raise DataError(
+                    f"{csv_path}: class {names[c]!r} appears in both {class_groups[c]} and {g}; "
+                    "splits must be class-disjoint"
+                )
+        if any(s in ("query", "gallery") for s in splits):
+            sample_groups = splits
+    return ImageFileDataset(
+        paths, labels, mode=mode, class_names=names, class_groups=class_groups,
+        split_groups=TRAIN_TEST, sample_groups=sample_groups, transform=transform,
+        name=f"csv:{csv_path.stem}", skip_corrupt=skip_corrupt, meta={"root": str(base)},
+    )

@@ -1,0 +1,375 @@
+"""Triplet-based losses: triplet margin (hard/soft, batch-all/non-zero/hard), angular, N-pairs,
+tuplet margin.
+
+None of them builds a ``B x B x B`` tensor. "All triplets" are handled per anchor on the
+``(B, R)`` positive/negative structure:
+
+* hinge triplet, batch-all: each anchor's negatives are sorted once; for a positive ``p`` the
+  violating negatives are a prefix found by binary search, and their summed hinge is
+  ``c * (d_ap + m) - (sum of the c smallest d_an)`` from a cumulative sum (float64) -
+  ``O(B R log R)`` time, ``O(B R)`` memory, exact value and gradient;
+* soft-margin triplet and angular: blocks of anchors (or positive pairs), each checkpointed, so
+  memory stays ``O(block x R)`` while the time is the number of triplets.
+
+Half-precision inputs are computed in float32 (the returned loss is float32). A batch without
+a usable triplet or pair returns :meth:`BaseLoss.zero_loss`.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+from dmlkit.distances import BaseDistance, CosineSimilarity, DotProductSimilarity, LpDistance
+from dmlkit.exceptions import ConfigError
+from dmlkit.losses._pairs import (
+    as_distance,
+    check_indices,
+    compact_mask,
+    indices_kind,
+    label_masks,
+    masked_logsumexp,
+    pair_masks,
+    to_pair_indices,
+    upcast,
+)
+from dmlkit.losses.base import BaseLoss, register_loss
+
+__all__ = ["AngularLoss", "NPairsLoss", "TripletMarginLoss", "TupletMarginLoss"]
+
+#: Elements per block in the blocked (checkpointed) all-triplet computations.
+BLOCK_ELEMENTS = 1 << 22
+
+
+def _matrix(distance: BaseDistance, embeddings: torch.Tensor, ref_emb: torch.Tensor | None):
+    return distance(upcast(embeddings), None if ref_emb is None else upcast(ref_emb))
+
+
+def _blocks(n: int, per_item: int) -> list[tuple[int, int]]:
+    size = max(1, BLOCK_ELEMENTS // max(1, per_item))
+    return [(s, min(n, s + size)) for s in range(0, n, size)]
+
+
+def _maybe_checkpoint(fn, *args):
+    if torch.is_grad_enabled() and any(a.requires_grad for a in args):
+        return checkpoint(fn, *args, use_reentrant=False)
+    return fn(*args)
+
+
+def hinge_triplet_sums(
+    dist: torch.Tensor, pos_mask: torch.Tensor, neg_mask: torch.Tensor, margin: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-anchor ``sum_{p, n} [d_ap - d_an + m]_+`` and the count of non-zero terms.
+
+    ``dist`` is ``(B, R)`` with larger = farther. Sorting-based (see module docstring); no
+    ``B x B x B`` tensor. Returns ``(sums (B,), counts (B,))``.
+    """
+    inf = torch.tensor(float("inf"), dtype=dist.dtype, device=dist.device)
+    neg_sorted, _ = torch.sort(torch.where(neg_mask, dist, inf), dim=1)
+    thresholds = dist + margin
+    counts = torch.searchsorted(neg_sorted.detach().contiguous(), thresholds.detach().contiguous())
+    counts = counts.masked_fill(~pos_mask, 0)
+    csum = torch.cumsum(neg_sorted.to(torch.float64), dim=1)
+    csum = torch.cat([torch.zeros_like(csum[:, :1]), csum], dim=1)
+    prefix = csum.gather(1, counts)
+    per_pair = counts.to(torch.float64) * thresholds.to(torch.float64) - prefix
+    per_pair = torch.where(pos_mask, per_pair, 0.0)
+    return per_pair.sum(1).to(dist.dtype), counts.sum(1)
+
+
+def soft_triplet_sums(
+    dist: torch.Tensor, pos_mask: torch.Tensor, neg_mask: torch.Tensor, margin: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-anchor ``sum_{p, n} softplus(d_ap - d_an + m)`` and the count of non-zero terms.
+
+    Blocks of anchors over ``(block, K, R)`` with ``K`` the largest number of positives of an
+    anchor; each block is checkpointed so that the backward pass recomputes it.
+    """
+    cols, valid = compact_mask(pos_mask)
+    d_pos = dist.gather(1, cols)  # (B, K)
+    k, r = cols.shape[1], dist.shape[1]
+
+    def block(dp, dn, v, nm):
+        x = dp.unsqueeze(2) - dn.unsqueeze(1) + margin
+        keep = v.unsqueeze(2) & nm.unsqueeze(1)
+        terms = torch.where(keep, F.softplus(x), 0.0)
+        return terms.sum((1, 2)), (terms > 0).sum((1, 2))
+
+    sums, counts = [], []
+    for s, e in _blocks(dist.shape[0], k * r):
+        out_sum, out_count = _maybe_checkpoint(
+            lambda dp, dn, s=s, e=e: block(dp, dn, valid[s:e], neg_mask[s:e]),
+            d_pos[s:e],
+            dist[s:e],
+        )
+        sums.append(out_sum)
+        counts.append(out_count)
+    return torch.cat(sums), torch.cat(counts)
+
+
+# --------------------------------------------------------------------------------------------
+@register_loss("triplet", "triplet_margin")
+class TripletMarginLoss(BaseLoss):
+    r"""Triplet margin loss, hard or soft margin, over all or mined triplets.
+
+    For a triplet ``(a, p, n)``::
+
+        hard margin:  l = [d_ap - d_an + m]_+            (Schroff et al., FaceNet, CVPR 2015)
+        soft margin:  l = softplus(d_ap - d_an + m)      (Hermans et al. 2017 use m = 0)
+
+    Reductions (Hermans, Beyer, Leibe, "In Defense of the Triplet Loss for Person
+    Re-Identification", arXiv:1703.07737; seed 003):
+
+    * ``"batch_all"``: mean of ``l`` over all valid triplets (``L_BA``);
+    * ``"batch_all_nonzero"`` (default): mean over the triplets with ``l > 0`` (``L_BA!=0``;
+      pytorch-metric-learning's ``AvgNonZeroReducer``);
+    * ``"batch_hard"``: per anchor the hardest positive and hardest negative,
+      ``[m + max_p d_ap - min_n d_an]_+``, averaged over anchors (``L_BH``); with mined
+      triplets, each anchor's largest ``l`` (the same thing over its triplets).
+
+    Triplets: without ``indices`` every valid ``(a, p, n)`` of the batch (``a != p``, computed
+    per anchor in ``O(B R)`` memory); with pair ``indices`` every ``(a, p, n)`` such that
+    ``(a, p)`` is a mined positive and ``(a, n)`` a mined negative pair; with triplet
+    ``indices`` exactly those triplets.
+
+    Defaults: ``margin = 0.2`` (FaceNet), Euclidean distance on L2-normalised embeddings
+    (``distance=LpDistance()``; ``LpDistance(power=2)`` for FaceNet's squared distance).
+    pml equivalent: ``pml.losses.TripletMarginLoss(margin=m, smooth_loss=soft_margin)`` with
+    its default ``AvgNonZeroReducer`` = ``reduction="batch_all_nonzero"``.
+    """
+
+    accepts_indices = True
+
+    def __init__(
+        self,
+        margin: float = 0.2,
+        distance: BaseDistance | str | None = None,
+        soft_margin: bool = False,
+        reduction: str = "batch_all_nonzero",
+    ) -> None:
+        super().__init__(distance)
+        if reduction not in ("batch_all", "batch_all_nonzero", "batch_hard"):
+            raise ConfigError(
+                "reduction must be 'batch_all', 'batch_all_nonzero' or 'batch_hard', "
+                f"got {reduction!r}"
+            )
+        self.margin = float(margin)
+        self.soft_margin = soft_margin
+        self.reduction = reduction
+
+    @staticmethod
+    def default_distance() -> BaseDistance:
+        return LpDistance()
+
+    def _term(self, x: torch.Tensor) -> torch.Tensor:
+        return F.softplus(x) if self.soft_margin else F.relu(x)
+
+    def compute(self, embeddings, labels, indices, ref_emb, ref_labels):
+        dist = as_distance(_matrix(self.distance, embeddings, ref_emb), self.distance)
+        if indices is not None and indices_kind(indices) == "triplet":
+            return self._from_triplets(embeddings, dist, indices)
+        pos_mask, neg_mask = pair_masks(labels, indices, ref_labels)
+        has_pos, has_neg = pos_mask.any(1), neg_mask.any(1)
+        valid = has_pos & has_neg
+        if not valid.any():
+            return self.zero_loss(embeddings)
+        if self.reduction == "batch_hard":
+            hardest_pos = dist.masked_fill(~pos_mask, float("-inf")).amax(1)
+            hardest_neg = dist.masked_fill(~neg_mask, float("inf")).amin(1)
+            terms = self._term(hardest_pos - hardest_neg + self.margin)
+            return torch.where(valid, terms, 0.0).sum() / valid.sum()
+        if self.soft_margin:
+            sums, counts = soft_triplet_sums(dist, pos_mask, neg_mask, self.margin)
+        else:
+            sums, counts = hinge_triplet_sums(dist, pos_mask, neg_mask, self.margin)
+        if self.reduction == "batch_all":
+            n_triplets = (pos_mask.sum(1) * neg_mask.sum(1)).sum()
+            return sums.sum() / n_triplets
+        return sums.sum() / counts.sum().clamp_min(1)
+
+    def _from_triplets(self, embeddings, dist, indices):
+        check_indices(indices, embeddings.shape[0], dist.shape[1])
+        a, p, n = indices
+        if a.numel() == 0:
+            return self.zero_loss(embeddings)
+        terms = self._term(dist[a, p] - dist[a, n] + self.margin)
+        if self.reduction == "batch_all":
+            return terms.mean()
+        if self.reduction == "batch_all_nonzero":
+            return terms.sum() / (terms > 0).sum().clamp_min(1)
+        hardest = torch.zeros(dist.shape[0], dtype=terms.dtype, device=terms.device)
+        hardest = hardest.scatter_reduce(0, a, terms, reduce="amax", include_self=False)
+        present = torch.bincount(a, minlength=dist.shape[0]) > 0
+        return hardest[present].mean()
+
+
+# --------------------------------------------------------------------------------------------
+@register_loss("angular")
+class AngularLoss(BaseLoss):
+    r"""Angular loss, N-pair form (Wang et al. 2017, eq. 8).
+
+    With L2-normalised embeddings and, for every positive pair ``(a, p)``, all negatives ``n``
+    of ``a``::
+
+        f_apn = 4 tan^2(alpha) (x_a + x_p)^T x_n - 2 (1 + tan^2(alpha)) x_a^T x_p
+        L     = mean over positive pairs of  log(1 + sum_n exp(f_apn))
+
+    Wang, Zhou, Wen, Liu, Lin, "Deep Metric Learning with Angular Loss", ICCV 2017; ``alpha``
+    in degrees (the paper uses 36-55; default 40, pytorch-metric-learning's). The distance is
+    fixed (Euclidean geometry of normalised embeddings), so there is no ``distance`` argument.
+    Memory ``O(block x R)``: positive pairs are processed in checkpointed blocks.
+
+    Positive pairs: all of the batch, or the mined ones (pairs, or a triplet's ``(a, p)``,
+    duplicates kept); negatives: every reference whose label differs from the anchor's (as
+    ``pml.losses.AngularLoss(alpha=40)``, which this equals).
+    """
+
+    accepts_indices = True
+
+    def __init__(self, alpha: float = 40.0) -> None:
+        super().__init__(LpDistance(p=2, power=1, normalize_embeddings=True))
+        if not 0 < alpha < 90:
+            raise ConfigError(f"alpha is an angle in degrees in (0, 90), got {alpha}")
+        self.alpha = float(alpha)
+
+    def compute(self, embeddings, labels, indices, ref_emb, ref_labels):
+        x = F.normalize(upcast(embeddings), dim=1)
+        ref = x if ref_emb is None else F.normalize(upcast(ref_emb), dim=1)
+        ref_lab = labels if ref_labels is None else ref_labels
+        if indices is None:
+            pos_mask, _ = label_masks(labels, ref_labels)
+            a1, p = pos_mask.nonzero(as_tuple=True)
+        else:
+            check_indices(indices, x.shape[0], ref.shape[0])
+            a1, p, _, _ = to_pair_indices(indices)
+        neg_mask = labels.unsqueeze(1) != ref_lab.unsqueeze(0)
+        if a1.numel() == 0 or not neg_mask[a1].any():
+            return self.zero_loss(embeddings)
+        tan2 = math.tan(math.radians(self.alpha)) ** 2
+        sim_an = x @ ref.T  # (B, R)
+        sim_pn = ref @ ref.T if ref_emb is not None else sim_an  # (R, R)
+
+        def block(s_an, s_pn, xa, xp, ia, ip):
+            # gathers happen inside the checkpointed block, so only the (B, R) inputs are kept
+            f = 4 * tan2 * (s_an[ia] + s_pn[ip]) - 2 * (1 + tan2) * (xa[ia] * xp[ip]).sum(
+                1, keepdim=True
+            )
+            return masked_logsumexp(f, neg_mask[ia], dim=1, add_one=True)
+
+        losses = []
+        for s, e in _blocks(a1.numel(), ref.shape[0]):
+            ia, ip = a1[s:e], p[s:e]
+            losses.append(
+                _maybe_checkpoint(
+                    lambda s_an, s_pn, xa, xp, ia=ia, ip=ip: block(s_an, s_pn, xa, xp, ia, ip),
+                    sim_an,
+                    sim_pn,
+                    x,
+                    ref,
+                )
+            )
+        return torch.cat(losses).mean()
+
+
+# --------------------------------------------------------------------------------------------
+@register_loss("n_pairs", "npairs")
+class NPairsLoss(BaseLoss):
+    r"""Multi-class N-pair loss (Sohn 2016).
+
+    One positive pair ``(x_i, x_i^+)`` per class present (the first anchor of each class and
+    its first positive), and for each::
+
+        L_i = log(1 + sum_{j != i} exp(s(x_i, x_j^+) - s(x_i, x_i^+)))
+            = cross-entropy of the row s(x_i, x_.^+) with target i
+
+    Sohn, "Improved Deep Metric Learning with Multi-class N-pair Loss Objective", NIPS 2016.
+    ``s`` is the dot product (default ``DotProductSimilarity()``, on L2-normalised embeddings
+    as in pytorch-metric-learning; Sohn uses raw embeddings with an L2 penalty: pass
+    ``DotProductSimilarity(normalize_embeddings=False)``); for a distance ``s = -d``.
+    With mined ``indices``: the first mined positive pair of each anchor class. Equal to
+    ``pml.losses.NPairsLoss()``. With ``ref_emb`` the positives come from the reference set.
+    """
+
+    accepts_indices = True
+
+    @staticmethod
+    def default_distance() -> BaseDistance:
+        return DotProductSimilarity()
+
+    def compute(self, embeddings, labels, indices, ref_emb, ref_labels):
+        ref = embeddings if ref_emb is None else ref_emb
+        if indices is None:
+            pos_mask, _ = label_masks(labels, ref_labels)
+            cand = pos_mask.any(1).nonzero(as_tuple=True)[0]
+            a_all, p_all = cand, None
+        else:
+            check_indices(indices, embeddings.shape[0], ref.shape[0])
+            a_all, p_all, _, _ = to_pair_indices(indices)
+        if a_all.numel() == 0:
+            return self.zero_loss(embeddings)
+        uniq, inverse = torch.unique(labels[a_all], return_inverse=True)
+        order = torch.arange(a_all.numel(), device=a_all.device)
+        first = torch.full((uniq.numel(),), a_all.numel(), device=a_all.device, dtype=order.dtype)
+        first = first.scatter_reduce(0, inverse, order, reduce="amin")
+        anchors = a_all[first]
+        if p_all is None:
+            positives = pos_mask[anchors].to(torch.uint8).argmax(1)
+        else:
+            positives = p_all[first]
+        sim = self.distance(upcast(embeddings[anchors]), upcast(ref[positives]))
+        logits = sim if self.distance.higher_is_closer else -sim
+        targets = torch.arange(anchors.numel(), device=logits.device)
+        return F.cross_entropy(logits, targets)
+
+
+# --------------------------------------------------------------------------------------------
+@register_loss("tuplet_margin")
+class TupletMarginLoss(BaseLoss):
+    r"""Tuplet margin loss (Yu & Tao 2019).
+
+    With cosine similarities, ``theta_ap = arccos(s_ap)``, for every positive pair ``(a, p)``
+    and the negatives ``n`` of ``a``::
+
+        L_ap = log(1 + sum_n exp(s * (cos(theta_an) - cos(theta_ap - beta))))
+        L    = mean over positive pairs
+
+    Yu, Tao, "Deep Metric Learning with Tuplet Margin Loss", ICCV 2019: slack margin
+    ``beta = 5.73`` degrees (0.1 rad), scale ``s = 64``. Per anchor the negatives' log-sum-exp
+    is computed once, so ``L_ap = softplus(LSE_n(s cos theta_an) - s cos(theta_ap - beta))``
+    in ``O(B R)``. Needs a similarity of normalised embeddings (default cosine). With
+    ``indices`` the positive and negative pairs are the mined ones (duplicates count once).
+    Equal to ``pml.losses.TupletMarginLoss(margin=5.73, scale=64)``. ``arccos`` is taken on
+    similarities clamped to ``[-1 + 1e-7, 1 - 1e-7]`` so identical embeddings give a finite
+    gradient.
+    """
+
+    accepts_indices = True
+
+    def __init__(
+        self, margin: float = 5.73, scale: float = 64.0, distance: BaseDistance | str | None = None
+    ) -> None:
+        super().__init__(distance)
+        if not (self.distance.higher_is_closer and self.distance.normalize_embeddings):
+            raise ConfigError("TupletMarginLoss needs distance='cosine' (the default)")
+        self.margin = float(margin)
+        self.scale = float(scale)
+
+    @staticmethod
+    def default_distance() -> BaseDistance:
+        return CosineSimilarity()
+
+    def compute(self, embeddings, labels, indices, ref_emb, ref_labels):
+        sim = _matrix(self.distance, embeddings, ref_emb)
+        pos_mask, neg_mask = pair_masks(labels, indices, ref_labels)
+        if not pos_mask.any() or not neg_mask.any():
+            return self.zero_loss(embeddings)
+        eps = 1e-7
+        theta = torch.acos(sim.clamp(-1 + eps, 1 - eps))
+        pos_term = self.scale * torch.cos(theta - math.radians(self.margin))
+        floor = torch.finfo(sim.dtype).min
+        neg_lse = masked_logsumexp(self.scale * sim, neg_mask, dim=1, empty=floor)
+        terms = F.softplus(neg_lse.unsqueeze(1) - pos_term)
+        return torch.where(pos_mask, terms, 0.0).sum() / pos_mask.sum()

@@ -1,0 +1,250 @@
+"""One entry point for every metric: :func:`evaluate`, plus :func:`per_class` breakdowns."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from dmlkit.distances import BaseDistance, get_distance
+from dmlkit.exceptions import ConfigError, ShapeError
+from dmlkit.metrics._validation import DEFAULT_MEMORY_BUDGET, as_embeddings, as_labels, check_budget
+from dmlkit.metrics.clustering import CLUSTERING_METRICS, cluster_metrics
+from dmlkit.metrics.histograms import pos_neg_histograms
+from dmlkit.metrics.knn import knn
+from dmlkit.metrics.retrieval import full_ranking_ap, num_positives, per_query_from_neighbours
+
+__all__ = ["DEFAULT_METRICS", "METRIC_NAMES", "evaluate", "per_class", "per_query"]
+
+#: What :func:`evaluate` computes when ``metrics`` is None.
+DEFAULT_METRICS = ("precision_at_1", "recall_at_k", "r_precision", "map_at_r")
+
+#: Accepted names; ``recall_at_k`` / ``precision_at_k`` expand over ``k_values`` and
+#: ``recall_at_<K>`` / ``precision_at_<K>`` ask for one K.
+METRIC_NAMES = (
+    "precision_at_1", "recall_at_k", "precision_at_k", "r_precision", "map_at_r", "map",
+    "nmi", "ami", "pair_f1", "pos_neg_js",
+)
+_KNN_METRICS = ("precision_at_1", "r_precision", "map_at_r")
+_AT_K = re.compile(r"^(recall|precision)_at_(\d+)$")
+
+
+def _expand(metrics: Sequence[str] | None, k_values: Sequence[int]) -> list[str]:
+    if metrics is None:
+        metrics = DEFAULT_METRICS
+    if isinstance(metrics, str):
+        metrics = [m.strip() for m in metrics.split(",") if m.strip()]
+    ks = [int(k) for k in k_values]
+    if any(k < 1 for k in ks):
+        raise ConfigError(f"k_values must be positive integers, got {list(k_values)}")
+    names: list[str] = []
+    for m in metrics:
+        m = m.strip().lower()
+        if m in ("recall_at_k", "precision_at_k"):
+            expanded = [f"{m[:-2]}_{k}" for k in ks]
+        elif m in METRIC_NAMES or _AT_K.match(m):
+            expanded = [m]
+        else:
+            raise ConfigError(
+                f"unknown metric {m!r}; choose from {', '.join(METRIC_NAMES)} "
+                "(or recall_at_<K> / precision_at_<K>)"
+            )
+        names += [e for e in expanded if e not in names]
+    if not names:
+        raise ConfigError("no metric requested")
+    return names
+
+
+class _Inputs:
+    """Validated query/reference tensors and labels."""
+
+    def __init__(self, query, query_labels, reference, reference_labels, distance) -> None:
+        self.same = reference is None
+        self.q = as_embeddings(query, "query embeddings")
+        self.ql = as_labels(query_labels, self.q.shape[0], "query labels")
+        if self.same:
+            if reference_labels is not None:
+                raise ShapeError("reference_labels given without reference embeddings")
+            self.r, self.rl = self.q, self.ql
+        else:
+            if reference_labels is None:
+                raise ShapeError("pass reference_labels together with reference embeddings")
+            self.r = as_embeddings(reference, "reference embeddings").to(self.q.device)
+            self.rl = as_labels(reference_labels, self.r.shape[0], "reference labels")
+            if self.r.shape[1] != self.q.shape[1]:
+                raise ShapeError(
+                    f"query has {self.q.shape[1]} dimensions but reference has {self.r.shape[1]}"
+                )
+        try:
+            self.distance: BaseDistance = get_distance(distance)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
+        self.r_q = num_positives(self.ql, self.rl, exclude_self=self.same)
+
+
+def _retrieval_per_query(
+    inp: _Inputs, names: list[str], backend: str, budget: int
+) -> dict[str, torch.Tensor]:
+    knn_names = [n for n in names if n in _KNN_METRICS or _AT_K.match(n)]
+    out: dict[str, torch.Tensor] = {}
+    if knn_names:
+        need = 1
+        for n in knn_names:
+            if _AT_K.match(n):
+                need = max(need, int(n.rsplit("_", 1)[1]))
+        if any(n in ("r_precision", "map_at_r") for n in knn_names):
+            need = max(need, int(inp.r_q.max()))
+        order = torch.argsort(inp.ql, stable=True) if inp.same else None
+        res = knn(
+            inp.q, None if inp.same else inp.r, need, distance=inp.distance,
+            backend=backend, memory_budget=budget, order=order,
+        )
+        labels = inp.rl[res.indices.cpu()]
+        out.update(per_query_from_neighbours(labels, inp.ql, inp.r_q, knn_names))
+    if "map" in names:
+        out["map"] = _full_map(inp, budget)
+    return out
+
+
+def _full_map(inp: _Inputs, budget: int) -> torch.Tensor:
+    """Full-ranking average precision per query: O(N M log M), rows processed in blocks."""
+    from dmlkit.metrics.knn import _mask_self, _Scorer
+
+    scorer = _Scorer(inp.distance)
+    q = scorer.prepare(inp.q)
+    r = q if inp.same else scorer.prepare(inp.r)
+    nq_, nr_ = scorer.sq_norms(q), scorer.sq_norms(r)
+    m = r.shape[0]
+    rows = max(1, budget // (m * 40))
+    ap = torch.empty(q.shape[0], dtype=torch.float64)
+    rl = inp.rl.to(q.device)
+    for a0 in range(0, q.shape[0], rows):
+        a1 = min(q.shape[0], a0 + rows)
+        s = scorer.block(q[a0:a1], r, None if nq_ is None else nq_[a0:a1], nr_)
+        if inp.same:
+            _mask_self(s, a0, 0)
+        ap[a0:a1] = full_ranking_ap(s, inp.ql[a0:a1].to(q.device), rl, inp.r_q[a0:a1].to(q.device)).cpu()
+    return ap
+
+
+def per_query(
+    query: Any,
+    query_labels: Any,
+    reference: Any | None = None,
+    reference_labels: Any | None = None,
+    metrics: Sequence[str] | None = None,
+    *,
+    distance: str | BaseDistance = "cosine",
+    k_values: Sequence[int] = (1, 2, 4, 8),
+    backend: str = "auto",
+    memory_budget: int = DEFAULT_MEMORY_BUDGET,
+) -> tuple[dict[str, np.ndarray], np.ndarray]:
+    """Per-query retrieval scores (float64 arrays, NaN where ``R_q = 0``) and ``R_q``.
+
+    Only retrieval metrics (not clustering or histogram ones) have per-query values.
+    """
+    names = [n for n in _expand(metrics, k_values) if n not in (*CLUSTERING_METRICS, "pos_neg_js")]
+    budget = check_budget(memory_budget)
+    inp = _Inputs(query, query_labels, reference, reference_labels, distance)
+    scores = _retrieval_per_query(inp, names, backend, budget)
+    valid = inp.r_q > 0
+    out = {}
+    for name, v in scores.items():
+        v = v.clone()
+        v[~valid] = float("nan")
+        out[name] = v.numpy()
+    return out, inp.r_q.numpy()
+
+
+def evaluate(
+    query: Any,
+    query_labels: Any,
+    reference: Any | None = None,
+    reference_labels: Any | None = None,
+    metrics: Sequence[str] | None = None,
+    *,
+    distance: str | BaseDistance = "cosine",
+    k_values: Sequence[int] = (1, 2, 4, 8),
+    backend: str = "auto",
+    memory_budget: int = DEFAULT_MEMORY_BUDGET,
+    cluster_restarts: int = 3,
+    seed: int = 0,
+    bins: int = 100,
+) -> dict[str, float | int]:
+    """Evaluate embeddings; returns ``{metric: value}`` with fractions in ``[0, 1]``.
+
+    Args:
+        query, query_labels: ``(N, D)`` embeddings and ``(N,)`` integer labels.
+        reference, reference_labels: a separate reference set; ``None`` uses the query set,
+            excluding each query from its own neighbours (by index).
+        metrics: names from :data:`METRIC_NAMES` (default :data:`DEFAULT_METRICS`);
+            ``recall_at_k`` / ``precision_at_k`` expand to one key per ``k_values`` entry.
+        distance: a :mod:`dmlkit.distances` name or object (default cosine).
+        k_values: the K of Recall@K / Precision@K.
+        backend: kNN backend, ``"auto"`` / ``"torch"`` / ``"faiss"`` (:func:`knn`).
+        memory_budget: working memory of the blockwise computations, in bytes.
+        cluster_restarts, seed: k-means runs averaged by the clustering metrics, and their
+            first seed.
+        bins: histogram bins of ``pos_neg_js``.
+
+    Retrieval metrics are means over the queries with at least one same-class reference
+    (``R_q > 0``); the result also holds ``num_queries`` and ``num_queries_without_positive``.
+    Clustering metrics cluster the query set (embeddings normalised as the distance does).
+    """
+    names = _expand(metrics, k_values)
+    budget = check_budget(memory_budget)
+    inp = _Inputs(query, query_labels, reference, reference_labels, distance)
+    result: dict[str, float | int] = {}
+    valid = inp.r_q > 0
+    n_valid = int(valid.sum())
+    retrieval = [n for n in names if n not in (*CLUSTERING_METRICS, "pos_neg_js")]
+    if retrieval:
+        scores = _retrieval_per_query(inp, retrieval, backend, budget) if n_valid else {}
+        for name in retrieval:
+            result[name] = float(scores[name][valid].mean()) if n_valid else float("nan")
+    clustering = [n for n in names if n in CLUSTERING_METRICS]
+    if clustering:
+        emb = inp.distance.normalize(inp.q).cpu().numpy()
+        result.update(
+            cluster_metrics(emb, inp.ql.numpy(), clustering, restarts=cluster_restarts, seed=seed)
+        )
+    if "pos_neg_js" in names:
+        hist = pos_neg_histograms(
+            inp.q, inp.ql, None if inp.same else inp.r, None if inp.same else inp.rl,
+            distance=inp.distance, bins=bins, memory_budget=budget,
+        )
+        result["pos_neg_js"] = hist.js
+    result["num_queries"] = int(inp.q.shape[0])
+    result["num_queries_without_positive"] = int(inp.q.shape[0] - n_valid)
+    return {n: result[n] for n in [*names, "num_queries", "num_queries_without_positive"]}
+
+
+def per_class(
+    query: Any,
+    query_labels: Any,
+    reference: Any | None = None,
+    reference_labels: Any | None = None,
+    metrics: Sequence[str] | None = ("precision_at_1", "r_precision", "map_at_r"),
+    **kwargs: Any,
+) -> dict[int, dict[str, float | int]]:
+    """Retrieval metrics averaged per query class: ``{label: {metric: value, "num_queries": n}}``.
+
+    Queries with ``R_q = 0`` are left out of the class means (a class whose every query
+    has none gets NaN); keyword arguments are those of :func:`per_query`.
+    """
+    scores, r_q = per_query(query, query_labels, reference, reference_labels, metrics, **kwargs)
+    labels = as_labels(query_labels, r_q.shape[0], "query labels").numpy()
+    out: dict[int, dict[str, float | int]] = {}
+    for c in np.unique(labels):
+        sel = labels == c
+        ok = sel & (r_q > 0)
+        row: dict[str, float | int] = {
+            name: float(v[ok].mean()) if ok.any() else float("nan") for name, v in scores.items()
+        }
+        row["num_queries"] = int(sel.sum())
+        row["num_queries_without_positive"] = int((sel & (r_q <= 0)).sum())
+        out[int(c)] = row
+    return out

@@ -1,0 +1,196 @@
+"""Positive/negative similarity histograms and their Jensen-Shannon divergence.
+
+Oi, Kawakami, Naemura, "Analysis of Evaluation Metrics with the Distance between Positive Pairs
+and Negative Pairs in Deep Metric Learning": take the similarities (inner products of
+L2-normalised embeddings) of *all* positive pairs (same class) and of *all* negative pairs,
+histogram each and normalise each to area 1, so the score does not depend on the number of
+classes; compare the two with the Jensen-Shannon divergence
+
+    JS(P || Q) = (KL(P || M) + KL(Q || M)) / 2,   M = (P + Q) / 2,
+
+in base 2, so ``0`` (identical) <= JS <= ``1`` (no overlap). Larger = better separated.
+
+Pairs are counted exactly (no sampling) block by block: when the query set is the reference
+set only the upper triangle ``i < j`` is visited (each unordered pair once); otherwise every
+query x reference pair. Per block, all values and the positive values are binned with integer
+counts; the negative histogram is the difference.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from dmlkit.distances import BaseDistance, CosineSimilarity, get_distance
+from dmlkit.exceptions import ConfigError, DataError, ShapeError
+from dmlkit.metrics._validation import DEFAULT_MEMORY_BUDGET, as_embeddings, as_labels, check_budget
+
+__all__ = ["PosNegHistograms", "js_divergence", "pos_neg_histograms"]
+
+
+@dataclass(frozen=True)
+class PosNegHistograms:
+    """Histograms of positive- and negative-pair values.
+
+    ``edges`` has ``bins + 1`` entries; ``*_density`` integrate to 1 over the edges (area 1,
+    as in the paper); ``*_counts`` are exact pair counts; ``js`` is the base-2 JS divergence.
+    """
+
+    edges: np.ndarray
+    pos_counts: np.ndarray
+    neg_counts: np.ndarray
+    pos_density: np.ndarray = field(repr=False)
+    neg_density: np.ndarray = field(repr=False)
+    js: float
+    num_positive_pairs: int
+    num_negative_pairs: int
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "edges": self.edges.tolist(),
+            "pos_density": self.pos_density.tolist(),
+            "neg_density": self.neg_density.tolist(),
+            "js": self.js,
+            "num_positive_pairs": self.num_positive_pairs,
+            "num_negative_pairs": self.num_negative_pairs,
+        }
+
+
+def js_divergence(p: Any, q: Any) -> float:
+    """Base-2 Jensen-Shannon divergence of two histograms (normalised here to sum 1)."""
+    p = np.asarray(p, dtype=np.float64)
+    q = np.asarray(q, dtype=np.float64)
+    if p.shape != q.shape or p.sum() <= 0 or q.sum() <= 0:
+        raise DataError("JS divergence needs two non-empty histograms over the same bins")
+    p, q = p / p.sum(), q / q.sum()
+    m = (p + q) / 2
+
+    def kl(a: np.ndarray) -> float:
+        nz = a > 0
+        return float(np.sum(a[nz] * np.log2(a[nz] / m[nz])))
+
+    return float(min(1.0, max(0.0, (kl(p) + kl(q)) / 2)))
+
+
+def _bin_index(values: torch.Tensor, lo: float, hi: float, bins: int) -> torch.Tensor:
+    """``floor((v - lo) / width)`` clamped to ``[0, bins - 1]`` (``hi`` falls in the last bin)."""
+    idx = ((values - lo) * (bins / (hi - lo))).floor_()
+    return idx.clamp_(0, bins - 1).to(torch.int64)
+
+
+def _blocks(n: int, m: int, same: bool, budget: int):
+    """Tiles ``(a0, a1, b0, b1)`` covering the pairs; with ``same`` only tiles with b0 >= a0."""
+    # a tile holds floats + int64 bin indices + a bool mask: ~13 bytes per pair, twice over
+    side = int(max(16, math.isqrt(max(1, budget // 32))))
+    for a0 in range(0, n, side):
+        for b0 in range(a0 if same else 0, m, side):
+            yield a0, min(n, a0 + side), b0, min(m, b0 + side)
+
+
+def pos_neg_histograms(
+    query: Any,
+    query_labels: Any,
+    reference: Any | None = None,
+    reference_labels: Any | None = None,
+    *,
+    distance: str | BaseDistance = "cosine",
+    bins: int = 100,
+    range: tuple[float, float] | None = None,  # noqa: A002 - the numpy name
+    memory_budget: int = DEFAULT_MEMORY_BUDGET,
+) -> PosNegHistograms:
+    """Histograms of all positive-pair and all negative-pair values and their JS divergence.
+
+    Args:
+        query, query_labels: ``(N, D)`` embeddings and ``(N,)`` labels.
+        reference, reference_labels: another set; ``None`` uses the pairs within ``query``.
+        distance: pairs are valued by this distance (default cosine similarity, as in the paper).
+        bins: number of equal-width bins.
+        range: ``(low, high)`` of the bins; default ``(-1, 1)`` for cosine, else the observed
+            minimum and maximum (one extra pass).
+        memory_budget: working memory in bytes.
+    """
+    budget = check_budget(memory_budget)
+    if not isinstance(bins, int) or bins < 1:
+        raise ConfigError(f"bins must be a positive integer, got {bins!r}")
+    same = reference is None
+    q = as_embeddings(query, "query embeddings")
+    ql = as_labels(query_labels, q.shape[0], "query labels").to(q.device)
+    if same:
+        r, rl = q, ql
+    else:
+        if reference_labels is None:
+            raise ShapeError("pass reference_labels together with reference")
+        r = as_embeddings(reference, "reference embeddings").to(q.device)
+        rl = as_labels(reference_labels, r.shape[0], "reference labels").to(q.device)
+        if r.shape[1] != q.shape[1]:
+            raise ShapeError(f"query has {q.shape[1]} dimensions but reference has {r.shape[1]}")
+    try:
+        dist = get_distance(distance)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    n, m = q.shape[0], r.shape[0]
+
+    def tile_values(a0: int, a1: int, b0: int, b1: int) -> tuple[torch.Tensor, torch.Tensor]:
+        vals = dist(q[a0:a1], r[b0:b1]).to(torch.float32)
+        valid = torch.ones_like(vals, dtype=torch.bool)
+        if same and a0 == b0:  # diagonal tile: strict upper triangle only
+            valid = torch.ones_like(valid).triu_(1)
+        return vals, valid
+
+    if range is None:
+        if isinstance(dist, CosineSimilarity):
+            lo, hi = -1.0, 1.0
+        else:
+            lo, hi = math.inf, -math.inf
+            for a0, a1, b0, b1 in _blocks(n, m, same, budget):
+                vals, valid = tile_values(a0, a1, b0, b1)
+                if valid.any():
+                    lo = min(lo, float(vals[valid].min()))
+                    hi = max(hi, float(vals[valid].max()))
+            if not math.isfinite(lo):
+                raise DataError("need at least two samples to form a pair")
+            if hi <= lo:
+                hi = lo + 1.0
+    else:
+        lo, hi = float(range[0]), float(range[1])
+        if not hi > lo:
+            raise ConfigError(f"range must be (low, high) with low < high, got {range}")
+
+    pos = torch.zeros(bins, dtype=torch.int64, device=q.device)
+    total = torch.zeros(bins, dtype=torch.int64, device=q.device)
+    for a0, a1, b0, b1 in _blocks(n, m, same, budget):
+        vals, valid = tile_values(a0, a1, b0, b1)
+        idx = _bin_index(vals, lo, hi, bins)
+        same_class = ql[a0:a1, None] == rl[None, b0:b1]
+        if same and a0 == b0:
+            idx = idx[valid]
+            same_class = same_class[valid]
+        else:
+            idx = idx.reshape(-1)
+            same_class = same_class.reshape(-1)
+        total += torch.bincount(idx, minlength=bins)
+        pos += torch.bincount(idx[same_class], minlength=bins)
+    pos_c = pos.cpu().numpy()
+    neg_c = (total - pos).cpu().numpy()
+    n_pos, n_neg = int(pos_c.sum()), int(neg_c.sum())
+    if n_pos == 0:
+        raise DataError("no positive pair: every class has a single sample; the histogram metric "
+                        "needs at least one class with two or more samples")
+    if n_neg == 0:
+        raise DataError("no negative pair: all samples share one class; add other classes")
+    edges = np.linspace(lo, hi, bins + 1)
+    width = (hi - lo) / bins
+    return PosNegHistograms(
+        edges=edges,
+        pos_counts=pos_c,
+        neg_counts=neg_c,
+        pos_density=pos_c / (n_pos * width),
+        neg_density=neg_c / (n_neg * width),
+        js=js_divergence(pos_c, neg_c),
+        num_positive_pairs=n_pos,
+        num_negative_pairs=n_neg,
+    )

@@ -1,0 +1,393 @@
+"""Exact, memory-bounded k-nearest-neighbour search.
+
+:func:`knn` returns, for every query row, the ``k`` closest reference rows under a
+:mod:`dmlkit.distances` distance, **exactly** (no approximation) and without ever forming the
+``N x M`` distance matrix: the work is cut into tiles whose size follows from an explicit memory
+budget. Ranking is by closeness (larger similarity / smaller distance first); ties are broken by
+the smaller reference index, so results are deterministic.
+
+Two backends give the same neighbours:
+
+* ``"torch"`` - per query block, ``matmul`` against reference chunks and an exact
+  ``topk`` merge (any device; used on GPUs and for distances other than cosine, dot and
+  Euclidean). Ties are resolved exactly by reference index.
+* ``"faiss"`` - the same tiles, with each tile fed to faiss's per-row heaps
+  (``faiss.float_minheap_array_t.addn``, the selection kernel of ``faiss.knn``). When the
+  query set is the reference set the similarity matrix is symmetric, so every off-diagonal
+  tile product ``X_i X_j^T`` serves both row block ``i`` and (transposed) row block ``j``:
+  half the arithmetic of an ordinary search. Rows may be processed in a caller-given
+  ``order`` (:func:`dmlkit.metrics.evaluate` sorts by label) and tiles near the diagonal come
+  first, so the heaps fill with good candidates early and later tiles are mostly rejected by
+  a single comparison. Rows whose kept neighbours contain exactly equal values are re-sorted
+  by index; which of several references at *exactly* the k-th value is kept is faiss's choice.
+
+``backend="auto"`` picks faiss on CPU tensors when it is installed, else torch.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from dmlkit.distances import BaseDistance, DotProductSimilarity, LpDistance, get_distance
+from dmlkit.exceptions import ConfigError, DataError, ShapeError
+from dmlkit.metrics._validation import DEFAULT_MEMORY_BUDGET, as_embeddings, check_budget
+
+__all__ = ["KNNResult", "knn", "faiss_available"]
+
+_BACKENDS = ("auto", "torch", "faiss")
+
+
+@dataclass(frozen=True)
+class KNNResult:
+    """Neighbours of each query, closest first.
+
+    Attributes:
+        indices: ``(N, k)`` int64 reference row indices.
+        values: ``(N, k)`` float32 similarities or distances (the distance's own units).
+        higher_is_closer: ``True`` for similarities (cosine, dot), ``False`` for distances.
+    """
+
+    indices: torch.Tensor
+    values: torch.Tensor
+    higher_is_closer: bool
+
+    @property
+    def k(self) -> int:
+        return int(self.indices.shape[1])
+
+
+def faiss_available() -> bool:
+    """Whether the optional ``faiss`` backend can be imported."""
+    try:
+        import faiss  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+# -- scoring: closeness of two blocks of rows --------------------------------------------------
+class _Scorer:
+    """Maps a distance to a block function ``closeness(A, B)`` (larger = closer).
+
+    ``kind`` is ``"ip"`` (cosine / dot: closeness = inner product), ``"l2"`` (Euclidean:
+    closeness = minus the squared distance, from one matmul) or ``"generic"`` (anything else,
+    through the distance object). ``ip`` and ``l2`` are symmetric.
+    """
+
+    def __init__(self, distance: BaseDistance) -> None:
+        self.distance = distance
+        if isinstance(distance, DotProductSimilarity):  # includes CosineSimilarity
+            self.kind = "ip"
+        elif isinstance(distance, LpDistance) and distance.p == 2:
+            self.kind = "l2"
+        else:
+            self.kind = "generic"
+        self.symmetric = self.kind in ("ip", "l2")
+
+    def prepare(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kind == "generic":
+            return x
+        return self.distance.normalize(x).contiguous()
+
+    def sq_norms(self, x: torch.Tensor) -> torch.Tensor | None:
+        return x.pow(2).sum(1) if self.kind == "l2" else None
+
+    def block(
+        self,
+        a: torch.Tensor,
+        b: torch.Tensor,
+        na: torch.Tensor | None = None,
+        nb: torch.Tensor | None = None,
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        if self.kind == "ip":
+            return torch.mm(a, b.T, out=out) if out is not None else a @ b.T
+        if self.kind == "l2":
+            bias = -(na[:, None] + nb[None, :])
+            if out is not None:
+                return torch.addmm(bias, a, b.T, alpha=2.0, out=out)
+            return torch.addmm(bias, a, b.T, alpha=2.0)
+        return self.distance.closeness(self.distance.pairwise(a, b))
+
+    def to_values(self, closeness: torch.Tensor) -> torch.Tensor:
+        """Closeness back to the distance's own units."""
+        if self.kind == "ip":
+            return closeness
+        if self.kind == "l2":
+            sq = (-closeness).clamp_min(0)
+            return sq if self.distance.power == 2 else sq.sqrt()
+        return closeness if self.distance.higher_is_closer else -closeness
+
+
+# -- exact top-k with index tie-breaking --------------------------------------------------------
+def _sort_rows_by_value_then_index(v: torch.Tensor, i: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sort each row by (value descending, index ascending) with two stable sorts."""
+    o = torch.argsort(i, dim=1, stable=True)
+    v, i = v.gather(1, o), i.gather(1, o)
+    o = torch.argsort(v, dim=1, descending=True, stable=True)
+    return v.gather(1, o), i.gather(1, o)
+
+
+def exact_topk(
+    values: torch.Tensor, k: int, indices: torch.Tensor | None = None, offset: int = 0
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ``k`` largest entries of each row, ties broken by the smaller index.
+
+    ``indices`` (same shape as ``values``) gives each entry's index; by default the column
+    number plus ``offset``. ``torch.topk`` does the work; rows where it could have chosen or
+    ordered equal values arbitrarily (a tie inside the result or at its boundary) are re-done
+    with two stable sorts, so the result is exact and deterministic.
+    """
+    top_v, pos = values.topk(k, dim=1, largest=True, sorted=True)
+    top_i = pos + offset if indices is None else indices.gather(1, pos)
+    if k == 0:
+        return top_v, top_i
+    boundary = top_v[:, -1:]
+    ambiguous = (values == boundary).sum(1, dtype=torch.int32) != (top_v == boundary).sum(
+        1, dtype=torch.int32
+    )
+    if k > 1:
+        ambiguous |= (top_v[:, 1:] == top_v[:, :-1]).any(1)
+    rows = ambiguous.nonzero().squeeze(1)
+    if rows.numel():
+        sub_v = values[rows]
+        if indices is None:
+            sub_i = torch.arange(values.shape[1], device=values.device).expand_as(sub_v) + offset
+        else:
+            sub_i = indices[rows]
+        sv, si = _sort_rows_by_value_then_index(sub_v, sub_i)
+        top_v[rows] = sv[:, :k]
+        top_i[rows] = si[:, :k]
+    return top_v, top_i
+
+
+def _mask_self(block: torch.Tensor, a0: int, b0: int) -> None:
+    """Set ``block[r - a0, r - b0] = -inf`` for every global row ``r`` in both ranges."""
+    lo = max(a0, b0)
+    hi = min(a0 + block.shape[0], b0 + block.shape[1])
+    if lo < hi:
+        r = torch.arange(lo, hi, device=block.device)
+        block[r - a0, r - b0] = -math.inf
+
+
+# -- torch backend ------------------------------------------------------------------------------
+def _knn_torch(
+    scorer: _Scorer, q: torch.Tensor, r: torch.Tensor, k: int, exclude_self: bool, budget: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    nq, m = q.shape[0], r.shape[0]
+    # reference chunk: 16384 columns at the default budget, fewer for small budgets
+    chunk = min(m, max(2 * k, min(16384, budget // 4096)))
+    # per query row: the chunk (float32) + its compare masks + topk output and the merge buffers
+    per_row = chunk * 4 * 3 + (2 * k) * (4 + 8) * 3
+    rows = max(1, min(nq, budget // per_row))
+    nq_, nr_ = scorer.sq_norms(q), scorer.sq_norms(r)
+    out_c = torch.empty(nq, k, dtype=torch.float32, device=q.device)
+    out_i = torch.empty(nq, k, dtype=torch.int64, device=q.device)
+    for a0 in range(0, nq, rows):
+        a1 = min(nq, a0 + rows)
+        qa = q[a0:a1]
+        na = None if nq_ is None else nq_[a0:a1]
+        run_c = run_i = None
+        for c0 in range(0, m, chunk):
+            c1 = min(m, c0 + chunk)
+            s = scorer.block(qa, r[c0:c1], na, None if nr_ is None else nr_[c0:c1])
+            if exclude_self:
+                _mask_self(s, a0, c0)
+            v, i = exact_topk(s, min(k, c1 - c0), offset=c0)
+            if run_c is None:
+                run_c, run_i = v, i
+            else:
+                cat_v, cat_i = torch.cat([run_c, v], 1), torch.cat([run_i, i], 1)
+                run_c, run_i = exact_topk(cat_v, min(k, cat_v.shape[1]), indices=cat_i)
+        out_c[a0:a1], out_i[a0:a1] = run_c, run_i
+    return out_c, out_i
+
+
+# -- faiss backend ------------------------------------------------------------------------------
+def _knn_faiss(
+    scorer: _Scorer,
+    q: torch.Tensor,
+    r: torch.Tensor | None,
+    k: int,
+    exclude_self: bool,
+    budget: int,
+    order: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    import faiss
+
+    same = r is None
+    if order is not None:
+        q = q[order].contiguous()
+    ref = q if same else r
+    nq, m = q.shape[0], ref.shape[0]
+    nq_, nr_ = scorer.sq_norms(q), scorer.sq_norms(ref)
+    # two float32 tiles (the product and its transpose) fill the budget, at most 1024 x 1024
+    # (a tile that stays in the L2/L3 cache keeps the matmul near peak and the heaps' scan fast)
+    tile = int(max(64, min(1024, math.isqrt(budget // 8))))
+    dist = np.full((nq, k), -np.inf, dtype=np.float32)
+    ids = np.full((nq, k), -1, dtype=np.int64)
+    heaps = faiss.float_minheap_array_t()
+    heaps.nh, heaps.k = nq, k
+    heaps.val, heaps.ids = faiss.swig_ptr(dist), faiss.swig_ptr(ids)
+    buf = torch.empty(tile * tile, dtype=torch.float32)
+    buf_t = torch.empty(tile * tile, dtype=torch.float32)
+
+    def add(block: torch.Tensor, row0: int, col0: int) -> None:
+        arr = block.numpy()
+        heaps.addn(block.shape[1], faiss.swig_ptr(arr), col0, row0, block.shape[0])
+
+    def product(a0: int, a1: int, b0: int, b1: int) -> torch.Tensor:
+        out = buf[: (a1 - a0) * (b1 - b0)].view(a1 - a0, b1 - b0)
+        return scorer.block(
+            q[a0:a1], ref[b0:b1],
+            None if nq_ is None else nq_[a0:a1], None if nr_ is None else nr_[b0:b1],
+            out=out,
+        )
+
+    if same:
+        nb = (nq + tile - 1) // tile
+        # bands of tiles by distance from the diagonal: neighbours in `order` come first
+        for band in range(nb):
+            for bi in range(nb - band):
+                bj = bi + band
+                a0, a1 = bi * tile, min(nq, (bi + 1) * tile)
+                b0, b1 = bj * tile, min(nq, (bj + 1) * tile)
+                s = product(a0, a1, b0, b1)
+                if band == 0:
+                    if exclude_self:
+                        s.fill_diagonal_(-math.inf)
+                    add(s, a0, b0)
+                    continue
+                add(s, a0, b0)
+                st = buf_t[: s.numel()].view(b1 - b0, a1 - a0)
+                st.copy_(s.T)
+                add(st, b0, a0)
+    else:
+        for a0 in range(0, nq, tile):
+            a1 = min(nq, a0 + tile)
+            for b0 in range(0, m, tile):
+                b1 = min(m, b0 + tile)
+                s = product(a0, a1, b0, b1)
+                if exclude_self:
+                    _mask_self(s, a0, b0)
+                add(s, a0, b0)
+    heaps.reorder()
+    top_c = torch.from_numpy(dist)
+    top_i = torch.from_numpy(ids)
+    if order is not None and same:
+        top_i = order[top_i]  # permuted positions -> original reference indices
+    if k > 1:  # equal values inside a row: order them by index, like the torch backend
+        tied = (top_c[:, 1:] == top_c[:, :-1]).any(1).nonzero().squeeze(1)
+        if tied.numel():
+            top_c[tied], top_i[tied] = _sort_rows_by_value_then_index(top_c[tied], top_i[tied])
+    if order is not None:  # rows back to the caller's order
+        inv_c, inv_i = torch.empty_like(top_c), torch.empty_like(top_i)
+        inv_c[order], inv_i[order] = top_c, top_i
+        top_c, top_i = inv_c, inv_i
+    return top_c, top_i
+
+
+# -- public entry point -------------------------------------------------------------------------
+def knn(
+    query: Any,
+    reference: Any | None = None,
+    k: int = 1,
+    *,
+    distance: str | BaseDistance = "cosine",
+    exclude_self: bool | None = None,
+    backend: str = "auto",
+    memory_budget: int = DEFAULT_MEMORY_BUDGET,
+    order: Any | None = None,
+) -> KNNResult:
+    """Exact k nearest references of every query, closest first, ties by reference index.
+
+    Args:
+        query: ``(N, D)`` embeddings (numpy or torch).
+        reference: ``(M, D)`` embeddings; ``None`` searches the query set itself.
+        k: neighbours per query; capped at the number of available references.
+        distance: a :mod:`dmlkit.distances` name or object (default cosine similarity).
+        exclude_self: drop reference ``i`` from query ``i``'s neighbours (by index, not by
+            value, so duplicates of a query still count). Default: ``True`` when
+            ``reference`` is ``None`` (or is the query object itself), else ``False``.
+        backend: ``"auto"``, ``"torch"`` or ``"faiss"`` (see the module docstring).
+        memory_budget: working memory in bytes for the tiles (the ``N x k`` result is extra).
+        order: optional permutation of the query rows used by the faiss backend on a
+            self-search to process similar rows together (speed only, same result).
+
+    Returns:
+        :class:`KNNResult` with ``(N, k)`` indices and values.
+    """
+    if backend not in _BACKENDS:
+        raise ConfigError(f"unknown kNN backend {backend!r}; choose one of {list(_BACKENDS)}")
+    budget = check_budget(memory_budget)
+    same = reference is None or reference is query
+    q = as_embeddings(query, "query embeddings")
+    r = q if same else as_embeddings(reference, "reference embeddings").to(q.device)
+    if r.shape[1] != q.shape[1]:
+        raise ShapeError(
+            f"query has {q.shape[1]} dimensions but reference has {r.shape[1]}: embed both with "
+            "the same model"
+        )
+    if exclude_self is None:
+        exclude_self = same
+    if exclude_self and r.shape[0] != q.shape[0]:
+        raise ShapeError("exclude_self needs query and reference sets of the same size")
+    try:
+        dist = get_distance(distance)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    available = r.shape[0] - (1 if exclude_self else 0)
+    if not isinstance(k, int | np.integer) or k < 1:
+        raise ConfigError(f"k must be a positive integer, got {k!r}")
+    if available < 1:
+        raise DataError("the reference set has no row other than the query itself: add references")
+    k = int(min(k, available))
+    scorer = _Scorer(dist)
+    use_faiss = backend == "faiss" or (
+        backend == "auto" and q.device.type == "cpu" and scorer.symmetric and faiss_available()
+    )
+    if use_faiss:
+        if not faiss_available():
+            from dmlkit.exceptions import require
+
+            require("faiss", "faiss")
+        if q.device.type != "cpu" or not scorer.symmetric:
+            raise ConfigError(
+                "the faiss backend needs CPU tensors and a cosine, dot or Euclidean distance; "
+                "use backend='torch'"
+            )
+    qp = scorer.prepare(q)
+    rp = qp if same else scorer.prepare(r)
+    if use_faiss:
+        perm = None
+        if order is not None and same:
+            perm = torch.as_tensor(np.asarray(order) if not isinstance(order, torch.Tensor) else order)
+            perm = perm.to(torch.int64).cpu()
+            if perm.shape != (q.shape[0],) or not torch.equal(
+                torch.sort(perm).values, torch.arange(q.shape[0])
+            ):
+                raise ShapeError("order must be a permutation of the query rows")
+        # torch and faiss each bundle an OpenMP runtime; when both run parallel regions in turn
+        # their idle threads spin against each other and a 2-core machine slows down ~4x. So
+        # the tile products run on one torch thread while faiss's heaps use the threads.
+        threads = torch.get_num_threads()
+        import faiss
+
+        faiss_threads = faiss.omp_get_max_threads()
+        torch.set_num_threads(1)
+        faiss.omp_set_num_threads(threads)
+        try:
+            closeness, idx = _knn_faiss(
+                scorer, qp, None if same else rp, k, exclude_self, budget, perm
+            )
+        finally:
+            torch.set_num_threads(threads)
+            faiss.omp_set_num_threads(faiss_threads)
+    else:
+        closeness, idx = _knn_torch(scorer, qp, rp, k, exclude_self, budget)
+    return KNNResult(indices=idx, values=scorer.to_values(closeness), higher_is_closer=dist.higher_is_closer)

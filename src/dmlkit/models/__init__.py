@@ -1,0 +1,53 @@
+"""Trunks, embedder heads, frozen BatchNorm and cached frozen-trunk features.
+
+>>> from dmlkit.models import build_trunk, EmbeddingModel, freeze_batchnorm
+>>> trunk, dim = build_trunk("resnet18", pretrained=False)
+>>> model = freeze_batchnorm(EmbeddingModel(trunk, dim, 128))
+"""
+
+from dmlkit.models.bn_inception import BN_INCEPTION_URL, BNInception
+from dmlkit.models.embedder import (
+    EmbeddingModel,
+    FrozenBatchNorm1d,
+    FrozenBatchNorm2d,
+    FrozenBatchNorm3d,
+    build_embedder,
+    freeze_batchnorm,
+    is_batchnorm_frozen,
+    unfreeze_batchnorm,
+)
+from dmlkit.models.features import extract_features, feature_cache_key, state_dict_digest
+from dmlkit.models.trunks import (
+    TRUNKS,
+    EfficientNetLiteTrunk,
+    SmallCNN,
+    adapt_input_channels,
+    build_trunk,
+    load_weights_file,
+    register_trunk,
+    trunk_names,
+)
+
+__all__ = [
+    "BN_INCEPTION_URL",
+    "TRUNKS",
+    "BNInception",
+    "EfficientNetLiteTrunk",
+    "EmbeddingModel",
+    "FrozenBatchNorm1d",
+    "FrozenBatchNorm2d",
+    "FrozenBatchNorm3d",
+    "SmallCNN",
+    "adapt_input_channels",
+    "build_embedder",
+    "build_trunk",
+    "extract_features",
+    "feature_cache_key",
+    "freeze_batchnorm",
+    "is_batchnorm_frozen",
+    "load_weights_file",
+    "register_trunk",
+    "state_dict_digest",
+    "trunk_names",
+    "unfreeze_batchnorm",
+]

@@ -1,0 +1,229 @@
+"""The results table in the Reality Check's layout, with 95 % confidence intervals.
+
+Rows are methods (``pretrained`` first), columns are ``{concatenated, separated} x {P@1, RP,
+MAP@R}`` (plus any extra metrics), each cell ``mean +- half-width`` in percent, the half-width
+being the Student-t 95 % interval over the repeats (:func:`dmlkit.protocol.stats.mean_ci`;
+``n/a`` with a single repeat). The best mean of each column (the pretrained row excluded) is in
+bold, as in the paper's tables. Written as ``results.json`` (everything, traceable),
+``results.csv`` (one row per method x mode x metric) and ``results.md``.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from dmlkit.exceptions import DataError, DataNotFoundError
+from dmlkit.protocol.stats import mean_ci
+from dmlkit.utils import atomic_write_json, atomic_write_text, provenance
+
+__all__ = [
+    "METRIC_LABELS",
+    "MODES",
+    "build_results",
+    "format_cell",
+    "load_results",
+    "render_csv",
+    "render_markdown",
+    "rich_table",
+    "write_results",
+]
+
+MODES: tuple[str, ...] = ("concatenated", "separated")
+METRIC_LABELS: dict[str, str] = {
+    "precision_at_1": "P@1", "r_precision": "RP", "map_at_r": "MAP@R", "map": "mAP",
+    "nmi": "NMI", "ami": "AMI", "pair_f1": "F1", "pos_neg_js": "JS",
+}
+FORMAT = "dmlkit.bench_results/1"
+
+
+def metric_label(metric: str) -> str:
+    if metric in METRIC_LABELS:
+        return METRIC_LABELS[metric]
+    if metric.startswith("recall_at_"):
+        return "R@" + metric[len("recall_at_"):]
+    if metric.startswith("precision_at_"):
+        return "P@" + metric[len("precision_at_"):]
+    return metric
+
+
+def summarize(values: Sequence[float]) -> dict[str, Any]:
+    mean, ci = mean_ci(values)
+    return {"mean": mean, "ci95": ci, "values": [float(v) for v in values], "n": len(values)}
+
+
+def format_cell(cell: Mapping[str, Any], scale: float = 100.0, digits: int = 2) -> str:
+    """``"68.13 ± 0.31"`` (``"51.05 ± n/a"`` with one repeat)."""
+    mean = cell["mean"] * scale
+    ci = cell.get("ci95")
+    return f"{mean:.{digits}f} ± " + ("n/a" if ci is None else f"{ci * scale:.{digits}f}")
+
+
+def build_results(config, split, entries: Mapping[str, Mapping[str, Any]], *, bench_dir: Path,
+                  storage_url: str | None = None) -> dict[str, Any]:
+    """Assemble ``results.json`` from the evaluated final runs of every method."""
+    from dmlkit.protocol.study import _redact
+
+    metrics = list(config.protocol.metrics)
+    emb = config.fixed.model.embedding_size
+    k = len(split.folds)
+    methods: dict[str, Any] = {}
+    for name, entry in entries.items():
+        ev = entry["evaluation"]
+        methods[name] = {
+            mode: {m: summarize(ev[mode][m]) for m in metrics} for mode in MODES
+        }
+        methods[name].update({
+            "best_params": dict(entry.get("best_params") or {}),
+            "search": entry.get("search"),
+            "loss": entry.get("loss"),
+            "miner": entry.get("miner"),
+            "seeds": list(ev["seeds"]),
+            "runs": [
+                {"seed": r.seed, "fold": r.fold, "run_dir": str(r.run_dir),
+                 "checkpoint": None if r.checkpoint is None else str(r.checkpoint),
+                 "embeddings": str(r.embeddings)}
+                for r in entry["runs"]
+            ],
+        })
+    return {
+        "format": FORMAT,
+        "name": config.name,
+        "bench_dir": str(Path(bench_dir).resolve()),
+        "metrics": metrics,
+        "modes": {"concatenated": k * emb, "separated": emb},
+        "split": {"kind": split.kind, "order": split.order, "order_seed": split.order_seed,
+                  "folds": k, "dev_classes": len(split.dev), "test_classes": len(split.test),
+                  "file": str(Path(bench_dir).resolve() / "split.json")},
+        "seeds": list(config.protocol.seeds or []),
+        "trials": config.protocol.trials,
+        "storage": None if storage_url is None else _redact(storage_url),
+        "methods": methods,
+        "config": config.model_dump(mode="json"),
+        "provenance": provenance(config.fixed.seed),
+    }
+
+
+def _best_by_column(results: Mapping[str, Any]) -> dict[tuple[str, str], str]:
+    best: dict[tuple[str, str], tuple[float, str]] = {}
+    for name, row in results["methods"].items():
+        if name == "pretrained":
+            continue
+        for mode in MODES:
+            for m in results["metrics"]:
+                v = row[mode][m]["mean"]
+                if (mode, m) not in best or v > best[(mode, m)][0]:
+                    best[(mode, m)] = (v, name)
+    return {key: name for key, (_, name) in best.items()}
+
+
+def _ordered_methods(results: Mapping[str, Any]) -> list[str]:
+    names = list(results["methods"])
+    return (["pretrained"] if "pretrained" in names else []) + [n for n in names if n != "pretrained"]
+
+
+def render_markdown(results: Mapping[str, Any]) -> str:
+    """The seed's two-level table as Markdown (group row, then metric row)."""
+    metrics = results["metrics"]
+    dims = results.get("modes", {})
+    best = _best_by_column(results)
+    groups = []
+    for mode in MODES:
+        label = f"{mode.capitalize()} ({dims.get(mode, '?')}-dim)"
+        groups += [label] + [""] * (len(metrics) - 1)
+    header = "| Method | " + " | ".join(groups) + " |"
+    sep = "|---|" + "|".join(["---:"] * (len(metrics) * len(MODES))) + "|"
+    sub = "| | " + " | ".join(f"**{metric_label(m)}**" for _ in MODES for m in metrics) + " |"
+    lines = [header, sep, sub]
+    for name in _ordered_methods(results):
+        row = results["methods"][name]
+        cells = []
+        for mode in MODES:
+            for m in metrics:
+                text = format_cell(row[mode][m])
+                cells.append(f"**{text}**" if best.get((mode, m)) == name else text)
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    split = results.get("split", {})
+    seeds = results.get("seeds", [])
+    lines.append("")
+    lines.append(
+        f"Split: {split.get('kind')} ({split.get('dev_classes')} cross-validation classes in "
+        f"{split.get('folds')} folds, {split.get('test_classes')} test classes), class order "
+        f"{split.get('order')}"
+        + (f" (seed {split.get('order_seed')})" if split.get("order") == "random" else "")
+        + f"; {results.get('trials')} search trials per method; {len(seeds)} seed(s) {seeds}; "
+        "mean ± 95 % CI (Student t over seeds), in %."
+    )
+    return "\n".join(lines) + "\n"
+
+
+def render_csv(results: Mapping[str, Any]) -> str:
+    """One row per method x mode x metric: mean, ci95, n, values."""
+    buf = io.StringIO()
+    writer = csv.writer(buf)
+    writer.writerow(["method", "mode", "metric", "mean", "ci95", "n", "values"])
+    for name in _ordered_methods(results):
+        row = results["methods"][name]
+        for mode in MODES:
+            for m in results["metrics"]:
+                cell = row[mode][m]
+                writer.writerow([
+                    name, mode, m, f"{cell['mean']:.6f}",
+                    "" if cell["ci95"] is None else f"{cell['ci95']:.6f}", cell["n"],
+                    " ".join(f"{v:.6f}" for v in cell["values"]),
+                ])
+    return buf.getvalue()
+
+
+def rich_table(results: Mapping[str, Any]):
+    """The table as a :class:`rich.table.Table` for the terminal."""
+    from rich.table import Table
+
+    metrics = results["metrics"]
+    dims = results.get("modes", {})
+    best = _best_by_column(results)
+    table = Table(title=f"{results.get('name', 'bench')}: test accuracy (%), mean ± 95 % CI")
+    table.add_column("Method")
+    for mode in MODES:
+        for i, m in enumerate(metrics):
+            head = f"{mode[:6]}. ({dims.get(mode, '?')}-d)\n" if i == 0 else "\n"
+            table.add_column(head + metric_label(m), justify="right")
+    for name in _ordered_methods(results):
+        row = results["methods"][name]
+        cells = []
+        for mode in MODES:
+            for m in metrics:
+                text = format_cell(row[mode][m])
+                cells.append(f"[bold]{text}[/]" if best.get((mode, m)) == name else text)
+        table.add_row(name, *cells)
+    return table
+
+
+def write_results(results: Mapping[str, Any], bench_dir: str | Path) -> dict[str, Path]:
+    d = Path(bench_dir)
+    return {
+        "json": atomic_write_json(d / "results.json", results),
+        "csv": atomic_write_text(d / "results.csv", render_csv(results)),
+        "md": atomic_write_text(d / "results.md", render_markdown(results)),
+    }
+
+
+def load_results(path: str | Path) -> dict[str, Any]:
+    """Read ``results.json`` (or a bench directory holding one)."""
+    path = Path(path)
+    if path.is_dir():
+        path = path / "results.json"
+    if not path.exists():
+        raise DataNotFoundError(f"results not found: {path} (run `dmlkit bench` first)")
+    try:
+        data = json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise DataError(f"{path} is not valid JSON: {exc}") from exc
+    if not isinstance(data, dict) or "methods" not in data:
+        raise DataError(f"{path} is not a dmlkit bench results file (no 'methods')")
+    data.setdefault("_path", str(path))
+    return data

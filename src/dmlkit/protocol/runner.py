@@ -1,0 +1,569 @@
+"""``dmlkit bench``: the Reality Check protocol end to end (Musgrave et al., ECCV 2020).
+
+1. split the classes (:mod:`dmlkit.protocol.splits`) and write ``split.json``;
+2. for every method, a Bayesian search (Optuna TPE) whose objective is the mean validation
+   MAP@R over the class-disjoint cross-validation folds (:class:`SearchStage`); the search only
+   ever receives the development classes, and a :class:`TestClassGuard` checks every dataset
+   it trains or validates on;
+3. with each method's best hyperparameters, one model per fold and seed, each embedding the
+   test classes; "separated" (each fold model's own accuracy, averaged over folds) and
+   "concatenated" (the fold models' embeddings concatenated and L2-normalised) accuracies per
+   seed (:class:`FinalStage`), plus the "pretrained" row (trunk + untrained embedder);
+4. the results table with 95 % confidence intervals over seeds (:mod:`dmlkit.protocol.results`).
+
+Directory layout (``docs/architecture.md``)::
+
+    BENCH_DIR/config.yaml, provenance.json, split.json, study.db
+    BENCH_DIR/search/<method>/trial<k>/fold<f>/     search runs
+    BENCH_DIR/final/<method>/seed<s>/fold<f>/       final runs; embeddings/test.npz
+    BENCH_DIR/results.{json,csv,md}
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from dmlkit.exceptions import ConfigError, DataError, DmlkitError
+from dmlkit.protocol.config import BenchConfig, MethodConfig, dump_bench_config
+from dmlkit.protocol.space import suggest
+from dmlkit.protocol.splits import BenchSplit, TestClassGuard, make_bench_split
+from dmlkit.protocol.stats import l2_normalize
+from dmlkit.protocol.study import (
+    count_finished,
+    fail_running_trials,
+    make_storage,
+    open_study,
+    resolve_storage_url,
+    run_worker,
+    study_summary,
+)
+from dmlkit.utils import (
+    atomic_write_json,
+    atomic_write_text,
+    load_embeddings,
+    provenance,
+    save_embeddings,
+)
+
+__all__ = ["Bench", "FinalStage", "SearchStage", "run_seed"]
+
+logger = logging.getLogger(__name__)
+PRETRAINED = "pretrained"
+
+
+def run_seed(seed: int, fold: int) -> int:
+    """The training seed of fold ``fold`` in repeat ``seed``: ``1000 * seed + fold``.
+
+    Fold models of one repeat start from different initialisations (as the seed's four
+    independent models do); the pretrained row uses the same seeds.
+    """
+    return 1000 * int(seed) + int(fold)
+
+
+def _say(console: Any, message: str) -> None:
+    if console is not None:
+        console.print(message)
+
+
+def _with_transform(dataset, config: BenchConfig, train: bool):
+    """Apply the fixed data transform (train-time augmentation only for training sets)."""
+    d = config.fixed.data
+    if d.transform is None:
+        return dataset
+    from dmlkit.data import get_transforms
+
+    augment = train and not config.fixed.model.frozen_trunk
+    return dataset.with_transform(get_transforms(d.transform, train=augment, image_size=d.image_size))
+
+
+def load_full_dataset(config: BenchConfig, data_root: str | Path | None = None):
+    """Every class of the configured dataset (``dmlkit.data.load_dataset``)."""
+    from dmlkit.data import load_dataset
+    from dmlkit.utils import data_root as resolve_root
+
+    d = config.fixed.data
+    root = resolve_root(data_root if data_root is not None else d.root)
+    try:
+        return load_dataset(d.dataset, root=root, **d.options)
+    except TypeError as exc:
+        raise ConfigError(f"fixed.data.options for {d.dataset!r}: {exc}") from exc
+
+
+# -- search ---------------------------------------------------------------------------------------
+class SearchStage:
+    """Cross-validated Bayesian search of one method, on the development classes only.
+
+    ``dev_dataset`` must hold only development classes (the guard checks it): the search has no
+    reference to the test classes at all.
+    """
+
+    def __init__(
+        self, config: BenchConfig, split: BenchSplit, dev_dataset, bench_dir: Path, *,
+        guard: TestClassGuard, train_fn: Callable[..., Any] | None = None, console: Any = None,
+    ) -> None:
+        self.config = config
+        self.split = split
+        self.guard = guard
+        self.dev = guard.check(dev_dataset, "the search's dataset")
+        self.bench_dir = Path(bench_dir)
+        self.console = console
+        if train_fn is None:
+            from dmlkit.training import train as train_fn
+        self.train_fn = train_fn
+        self._fold_sets: dict[int, tuple[Any, Any]] = {}
+
+    def fold_sets(self, fold: int) -> tuple[Any, Any]:
+        if fold not in self._fold_sets:
+            f = self.split.folds[fold]
+            train_set = _with_transform(self.dev.subset_classes(list(f.train)), self.config, train=True)
+            val_set = _with_transform(self.dev.subset_classes(list(f.val)), self.config, train=False)
+            self.guard.check(train_set, f"fold {fold}'s training set")
+            self.guard.check(val_set, f"fold {fold}'s validation set")
+            self._fold_sets[fold] = (train_set, val_set)
+        return self._fold_sets[fold]
+
+    def objective(self, method: MethodConfig) -> Callable[[Any], float]:
+        protocol = self.config.protocol
+
+        def objective(trial) -> float:
+            params = suggest(trial, method.search)
+            trial.set_user_attr("params", params)
+            values = []
+            for fold in self.split.folds:
+                train_set, val_set = self.fold_sets(fold.index)
+                cfg = self.config.experiment(
+                    method, params, seed=self.config.fixed.seed + fold.index,
+                    name=f"{self.config.name}-{method.name}-trial{trial.number}-fold{fold.index}",
+                )
+                run_dir = self.bench_dir / "search" / method.name / f"trial{trial.number}" / f"fold{fold.index}"
+                if run_dir.exists():  # a previous, interrupted attempt of this very trial number
+                    shutil.rmtree(run_dir)
+                result = self.train_fn(cfg, run_dir, train_set=train_set, val_set=val_set, progress=False)
+                value = float(result.val_metrics["map_at_r"])
+                values.append(value)
+                trial.set_user_attr(f"fold{fold.index}_val", dict(result.val_metrics))
+                trial.report(float(np.mean(values)), step=fold.index)
+                if not protocol.keep_search_checkpoints:
+                    shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)
+            mean = float(np.mean(values))
+            trial.set_user_attr("fold_map_at_r", values)
+            return mean
+
+        return objective
+
+
+def method_fingerprint(config: BenchConfig, method: MethodConfig, split: BenchSplit) -> dict[str, Any]:
+    """What a study depends on: resuming with a different one is refused."""
+    blob = json.dumps({
+        "fixed": config.fixed.model_dump(mode="json"),
+        "method": method.model_dump(mode="json"),
+        "split": split.to_dict(),
+    }, sort_keys=True)
+    return {"sha256": hashlib.sha256(blob.encode()).hexdigest()}
+
+
+# -- final runs -----------------------------------------------------------------------------------
+@dataclass
+class FinalRun:
+    method: str
+    seed: int
+    fold: int
+    run_dir: Path
+    embeddings: Path
+    checkpoint: Path | None
+
+
+class FinalStage:
+    """Train the fold models with the best hyperparameters and embed the test classes."""
+
+    def __init__(
+        self, config: BenchConfig, split: BenchSplit, full_dataset, bench_dir: Path, *,
+        train_fn: Callable[..., Any] | None = None, console: Any = None,
+    ) -> None:
+        self.config = config
+        self.split = split
+        self.bench_dir = Path(bench_dir)
+        self.console = console
+        dev = full_dataset.subset_classes(list(split.dev))
+        self.test = _with_transform(full_dataset.subset_classes(list(split.test)), config, train=False)
+        self.dev = dev
+        if train_fn is None:
+            from dmlkit.training import train as train_fn
+        self.train_fn = train_fn
+
+    def _fold_sets(self, fold: int):
+        f = self.split.folds[fold]
+        return (_with_transform(self.dev.subset_classes(list(f.train)), self.config, train=True),
+                _with_transform(self.dev.subset_classes(list(f.val)), self.config, train=False))
+
+    def run_method(self, method: MethodConfig, params: dict[str, Any]) -> list[FinalRun]:
+        runs = []
+        for seed in self.config.protocol.seeds or [0]:
+            for fold in self.split.folds:
+                run_dir = self.bench_dir / "final" / method.name / f"seed{seed}" / f"fold{fold.index}"
+                emb_path = run_dir / "embeddings" / "test.npz"
+                if not (emb_path.exists() and (run_dir / "metrics.json").exists()):
+                    train_set, val_set = self._fold_sets(fold.index)
+                    cfg = self.config.experiment(
+                        method, params, seed=run_seed(seed, fold.index),
+                        name=f"{self.config.name}-{method.name}-seed{seed}-fold{fold.index}",
+                    )
+                    resume = (run_dir / "checkpoints" / "last.pt").exists()
+                    _say(self.console, f"  final {method.name}: seed {seed} fold {fold.index}"
+                         + (" (resuming)" if resume else ""))
+                    self.train_fn(cfg, run_dir, train_set=train_set, val_set=val_set, test_set=self.test,
+                                  resume=resume, progress=False)
+                runs.append(FinalRun(method.name, seed, fold.index, run_dir, emb_path,
+                                     run_dir / "checkpoints" / "best.pt"))
+        return runs
+
+    def run_pretrained(self) -> list[FinalRun]:
+        """Trunk + untrained embedder, one per fold and seed (initialised as the fold models are)."""
+        import torch
+
+        from dmlkit.training import build_model, embed_split
+        from dmlkit.utils import seed_everything
+
+        runs = []
+        for seed in self.config.protocol.seeds or [0]:
+            for fold in self.split.folds:
+                run_dir = self.bench_dir / "final" / PRETRAINED / f"seed{seed}" / f"fold{fold.index}"
+                emb_path = run_dir / "embeddings" / "test.npz"
+                if not emb_path.exists():
+                    cfg = self.config.experiment(None, seed=run_seed(seed, fold.index))
+                    seed_everything(cfg.seed)
+                    model = build_model(cfg)
+                    with torch.no_grad():
+                        emb, lab = embed_split(model, self.test, cfg, cfg.training.device)
+                    save_embeddings(emb_path, emb, lab)
+                    atomic_write_text(run_dir / "config.yaml", _dump(cfg))
+                runs.append(FinalRun(PRETRAINED, seed, fold.index, run_dir, emb_path, None))
+        return runs
+
+
+def _dump(cfg) -> str:
+    from dmlkit.training import dump_config
+
+    return dump_config(cfg)
+
+
+def evaluate_runs(runs: Sequence[FinalRun], metrics: Sequence[str]) -> dict[str, Any]:
+    """Per seed: separated (mean over fold models) and concatenated metrics."""
+    from dmlkit.metrics import evaluate
+
+    by_seed: dict[int, list[FinalRun]] = {}
+    for r in runs:
+        by_seed.setdefault(r.seed, []).append(r)
+    separated: dict[str, list[float]] = {m: [] for m in metrics}
+    concatenated: dict[str, list[float]] = {m: [] for m in metrics}
+    for seed in sorted(by_seed):
+        fold_runs = sorted(by_seed[seed], key=lambda r: r.fold)
+        embs, labels = [], None
+        per_fold: dict[str, list[float]] = {m: [] for m in metrics}
+        for r in fold_runs:
+            emb, lab, _ = load_embeddings(r.embeddings)
+            if labels is not None and not np.array_equal(labels, lab):
+                raise DataError(f"{r.embeddings}: test labels differ between fold models of seed {seed}")
+            labels = lab
+            embs.append(emb)
+            res = evaluate(emb, lab, metrics=list(metrics))
+            for m in metrics:
+                per_fold[m].append(float(res[m]))
+        for m in metrics:
+            separated[m].append(float(np.mean(per_fold[m])))
+        cat = l2_normalize(np.concatenate(embs, axis=1))
+        res = evaluate(cat, labels, metrics=list(metrics))
+        for m in metrics:
+            concatenated[m].append(float(res[m]))
+    return {"seeds": sorted(by_seed), "separated": separated, "concatenated": concatenated}
+
+
+# -- the whole benchmark ------------------------------------------------------------------------
+class Bench:
+    """One benchmark directory: split, searches, final runs and results."""
+
+    def __init__(
+        self, config: BenchConfig, bench_dir: str | Path, *, data_root: str | Path | None = None,
+        console: Any = None, train_fn: Callable[..., Any] | None = None,
+        config_path: str | Path | None = None, overrides: Sequence[str] = (), threads: int | None = None,
+    ) -> None:
+        self.config = config
+        self.dir = Path(bench_dir)
+        self.data_root = data_root
+        self.console = console
+        self.train_fn = train_fn
+        self.config_path = None if config_path is None else Path(config_path)
+        self.overrides = list(overrides)
+        self.threads = threads
+        self._storage = None
+        self._split: BenchSplit | None = None
+
+    # -- shared pieces ----------------------------------------------------------------------
+    @property
+    def storage_url(self) -> str:
+        return resolve_storage_url(self.config.protocol.storage, self.dir)
+
+    @property
+    def storage(self):
+        if self._storage is None:
+            p = self.config.protocol
+            self._storage = make_storage(self.storage_url, heartbeat_interval=p.heartbeat_interval,
+                                         grace_period=p.grace_period)
+        return self._storage
+
+    def study_name(self, method: MethodConfig) -> str:
+        prefix = self.config.protocol.study_prefix or self.config.name
+        return f"{prefix}/{method.name}"
+
+    def split(self, full_dataset=None) -> BenchSplit:
+        """The protocol's split (``split.json`` if it exists, else computed from the dataset)."""
+        if self._split is not None:
+            return self._split
+        path = self.dir / "split.json"
+        p = self.config.protocol
+        if path.exists():
+            data = json.loads(path.read_text())
+            split = BenchSplit.from_dict(data["meta"])
+            if (split.kind, split.order, split.order_seed, len(split.folds)) != (p.split, p.order, p.order_seed, p.folds):
+                raise ConfigError(
+                    f"{path} was made with another protocol split ({split.kind}, order {split.order}, "
+                    f"{len(split.folds)} folds); use a new bench directory"
+                )
+        else:
+            if full_dataset is None:
+                full_dataset = load_full_dataset(self.config, self.data_root)
+            split = make_bench_split(
+                full_dataset.classes.tolist(), p.split, order=p.order, seed=p.order_seed,
+                folds=int(p.folds or 1), num_classes=p.num_classes,
+            )
+            split.class_split().to_json(path)
+        self._split = split
+        return split
+
+    def prepare(self) -> None:
+        """Write config/provenance; refuse a directory made by a different config."""
+        self.dir.mkdir(parents=True, exist_ok=True)
+        cfg_path = self.dir / "config.yaml"
+        text = dump_bench_config(self.config)
+        if cfg_path.exists():
+            import yaml
+
+            from dmlkit.protocol.config import bench_config_from_dict
+
+            old = bench_config_from_dict(yaml.safe_load(cfg_path.read_text()))
+            a, b = old.model_dump(mode="json"), self.config.model_dump(mode="json")
+            for d in (a, b):  # these may grow/change on resume
+                d["protocol"].pop("trials", None)
+                d["protocol"].pop("storage", None)
+            if a != b:
+                raise ConfigError(
+                    f"{self.dir} holds a benchmark with another config ({cfg_path}); "
+                    "use a new --out directory, or rerun with the same config to resume"
+                )
+        atomic_write_text(cfg_path, text)
+        prov_path = self.dir / "provenance.json"
+        if not prov_path.exists():
+            atomic_write_json(prov_path, provenance(self.config.fixed.seed, extra={
+                "bench_dir": str(self.dir.resolve()), "config_path": str(self.config_path),
+                "overrides": self.overrides}))
+
+    # -- search -----------------------------------------------------------------------------
+    def _dev_dataset(self):
+        full = load_full_dataset(self.config, self.data_root)
+        split = self.split(full)
+        dev = full.subset_classes(list(split.dev))
+        del full  # the search keeps no reference to the test classes
+        return dev, split
+
+    def search(self, *, methods: Sequence[str] | None = None, exclusive: bool = True,
+               max_trials: int | None = None) -> dict[str, dict[str, Any]]:
+        """Run (or join, or resume) every method's search; returns a summary per method.
+
+        ``exclusive`` (the local coordinator, no other worker alive) marks RUNNING trials left by
+        a killed process as interrupted at once; shared workers rely on heartbeats instead.
+        """
+        dev, split = self._dev_dataset()
+        guard = TestClassGuard(split.test)
+        stage = SearchStage(self.config, split, dev, self.dir, guard=guard, train_fn=self.train_fn,
+                            console=self.console)
+        p = self.config.protocol
+        summary: dict[str, dict[str, Any]] = {}
+        for method in self._methods(methods):
+            if not method.search:
+                summary[method.name] = {"finished": 0, "note": "no searched hyperparameters"}
+                continue
+            study = open_study(
+                self.storage, self.study_name(method), p.trials, sampler=p.sampler,
+                seed=p.sampler_seed, n_startup_trials=p.n_startup_trials,
+                fingerprint=method_fingerprint(self.config, method, split),
+            )
+            if exclusive:
+                n = fail_running_trials(study)
+                if n:
+                    _say(self.console, f"[yellow]{method.name}: {n} interrupted trial(s) will be rerun[/]")
+            done = count_finished(study)
+            _say(self.console, f"[bold]{method.name}[/]: search {done}/{p.trials} trials finished")
+
+            def on_end(frozen, method=method, study=study) -> None:
+                value = "failed: " + str(frozen.user_attrs.get("error", "?")) if frozen.value is None else f"{frozen.value:.4f}"
+                _say(self.console, f"  {method.name} trial {frozen.number}: {frozen.params} -> {value}"
+                     f"  [{count_finished(study)}/{p.trials}]")
+
+            run_worker(study, stage.objective(method), heartbeat_interval=p.heartbeat_interval,
+                       max_trials=max_trials, on_trial_end=on_end)
+            summary[method.name] = study_summary(study)
+        return summary
+
+    def _methods(self, names: Sequence[str] | None) -> list[MethodConfig]:
+        if not names:
+            return list(self.config.methods)
+        return [self.config.method(n) for n in names]
+
+    def best_params(self, method: MethodConfig) -> tuple[dict[str, Any], dict[str, Any]]:
+        """The best trial's parameters (and a summary); ``{}`` for a method with nothing searched."""
+        if not method.search:
+            return {}, {"trials": 0}
+        import optuna
+
+        try:
+            study = optuna.load_study(storage=self.storage, study_name=self.study_name(method))
+        except KeyError:
+            raise DmlkitError(f"no search study for {method.name!r}: run the search first") from None
+        p = self.config.protocol
+        finished = count_finished(study)
+        if finished < p.trials:
+            raise DmlkitError(
+                f"the search of {method.name!r} has {finished}/{p.trials} finished trials: rerun "
+                "`dmlkit bench` (it resumes) or wait for the workers to finish"
+            )
+        try:
+            best = study.best_trial
+        except ValueError:
+            raise DmlkitError(
+                f"every search trial of {method.name!r} failed (see the 'error' attribute of the "
+                f"trials in {self.storage_url}); fix the method's config or search ranges"
+            ) from None
+        return dict(best.params), {
+            "trial": best.number, "val_map_at_r": best.value,
+            "fold_map_at_r": best.user_attrs.get("fold_map_at_r"), **study_summary(study),
+        }
+
+    # -- final --------------------------------------------------------------------------------
+    def final(self, *, methods: Sequence[str] | None = None) -> dict[str, Any]:
+        from dmlkit.protocol.results import build_results, write_results
+
+        full = load_full_dataset(self.config, self.data_root)
+        split = self.split(full)
+        stage = FinalStage(self.config, split, full, self.dir, train_fn=self.train_fn, console=self.console)
+        metrics = list(self.config.protocol.metrics)
+        entries: dict[str, dict[str, Any]] = {}
+        if self.config.protocol.pretrained:
+            _say(self.console, "[bold]pretrained[/]: embedding the test classes with untrained embedders")
+            runs = stage.run_pretrained()
+            entries[PRETRAINED] = {"runs": runs, "evaluation": evaluate_runs(runs, metrics),
+                                   "best_params": {}, "search": None}
+        for method in self._methods(methods):
+            params, search_info = self.best_params(method)
+            _say(self.console, f"[bold]{method.name}[/]: final runs with {params or 'the default parameters'}")
+            runs = stage.run_method(method, params)
+            entries[method.name] = {"runs": runs, "evaluation": evaluate_runs(runs, metrics),
+                                    "best_params": params, "search": search_info,
+                                    "loss": method.loss.model_dump(mode="json"),
+                                    "miner": None if method.miner is None else method.miner.model_dump(mode="json")}
+        results = build_results(self.config, split, entries, bench_dir=self.dir,
+                                storage_url=self.storage_url)
+        write_results(results, self.dir)
+        return results
+
+    # -- orchestration -----------------------------------------------------------------------------
+    def run(self, *, workers: int = 1, methods: Sequence[str] | None = None, stage: str = "all") -> dict[str, Any] | None:
+        self.prepare()
+        with _bench_lock(self.dir) if self.config.protocol.storage is None else contextlib.nullcontext():
+            if stage in ("all", "search"):
+                if workers > 1:
+                    self._spawn_workers(workers, methods)
+                else:
+                    self.search(methods=methods, exclusive=True)
+            if stage in ("all", "final"):
+                return self.final(methods=methods)
+        return None
+
+    def _spawn_workers(self, workers: int, methods: Sequence[str] | None) -> None:
+        """Run ``workers`` worker processes on the shared study and wait for them."""
+        if self.config_path is None:
+            raise ConfigError("--workers needs the config file path (to start worker processes)")
+        # the coordinator is the only process alive: interrupted trials can be reset now
+        for method in self._methods(methods):
+            if not method.search:
+                continue
+            p = self.config.protocol
+            dev_split = self.split()
+            study = open_study(self.storage, self.study_name(method), p.trials, sampler=p.sampler,
+                               seed=p.sampler_seed, n_startup_trials=p.n_startup_trials,
+                               fingerprint=method_fingerprint(self.config, method, dev_split))
+            fail_running_trials(study)
+        threads = self.threads or max(1, (os.cpu_count() or 1) // workers)
+        env = {**os.environ, "DMLKIT_NUM_THREADS": str(threads), "OMP_NUM_THREADS": str(threads)}
+        cmd = [sys.executable, "-m", "dmlkit", "bench", str(self.config_path), "--out", str(self.dir),
+               "--worker", "--quiet"]
+        for o in self.overrides:
+            cmd += ["--set", o]
+        if self.data_root is not None:
+            cmd += ["--data-root", str(self.data_root)]
+        for m in methods or []:
+            cmd += ["--method", m]
+        procs = []
+        for i in range(workers):
+            log = open(self.dir / f"worker{i}.log", "ab")
+            procs.append((subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env), log))
+            time.sleep(0.5)
+        _say(self.console, f"started {workers} worker processes (logs: {self.dir}/worker*.log)")
+        failed = []
+        for proc, log in procs:
+            rc = proc.wait()
+            log.close()
+            if rc != 0:
+                failed.append(rc)
+        if failed:
+            raise DmlkitError(
+                f"{len(failed)} worker(s) failed (exit codes {failed}); see {self.dir}/worker*.log, "
+                "then rerun the same command to resume"
+            )
+
+
+@contextlib.contextmanager
+def _bench_lock(bench_dir: Path):
+    """An exclusive lock on the bench directory (one local coordinator at a time)."""
+    import fcntl
+
+    path = Path(bench_dir) / "bench.lock"
+    fh = open(path, "w")
+    try:
+        try:
+            fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise DmlkitError(
+                f"another `dmlkit bench` is running in {bench_dir}; to help it, start "
+                "`dmlkit bench CONFIG --worker` with a shared storage URL instead"
+            ) from None
+        fh.write(str(os.getpid()))
+        fh.flush()
+        yield
+    finally:
+        with contextlib.suppress(OSError):
+            fcntl.flock(fh, fcntl.LOCK_UN)
+        fh.close()

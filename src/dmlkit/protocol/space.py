@@ -1,0 +1,49 @@
+"""Search spaces: a method's declared hyperparameters -> Optuna suggestions.
+
+Keys are ``loss.<param>``, ``miner.<param>`` or ``optimizer.loss_lr`` (validated by
+:class:`dmlkit.protocol.config.MethodConfig`); each value is a :class:`SearchParam`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from dmlkit.protocol.config import SearchParam
+
+__all__ = ["distributions", "suggest"]
+
+
+def suggest(trial: Any, space: Mapping[str, SearchParam]) -> dict[str, Any]:
+    """Ask ``trial`` for every parameter of ``space`` (in a stable, sorted order)."""
+    params: dict[str, Any] = {}
+    for key in sorted(space):
+        spec = space[key]
+        if spec.type == "categorical":
+            params[key] = trial.suggest_categorical(key, list(spec.choices or []))
+        elif spec.type == "int":
+            step = int(spec.step) if spec.step is not None else 1
+            params[key] = trial.suggest_int(key, int(spec.low), int(spec.high), step=step, log=spec.log)
+        else:
+            params[key] = trial.suggest_float(key, float(spec.low), float(spec.high), step=spec.step, log=spec.log)
+    return params
+
+
+def distributions(space: Mapping[str, SearchParam]) -> dict[str, Any]:
+    """The Optuna distributions of ``space`` (for fingerprints and reporting)."""
+    import optuna
+
+    out: dict[str, Any] = {}
+    for key in sorted(space):
+        spec = space[key]
+        if spec.type == "categorical":
+            out[key] = optuna.distributions.CategoricalDistribution(list(spec.choices or []))
+        elif spec.type == "int":
+            out[key] = optuna.distributions.IntDistribution(
+                int(spec.low), int(spec.high), log=spec.log, step=int(spec.step or 1)
+            )
+        else:
+            out[key] = optuna.distributions.FloatDistribution(
+                float(spec.low), float(spec.high), log=spec.log, step=spec.step
+            )
+    return out

@@ -1,0 +1,328 @@
+"""Optuna studies in a database, shared by worker processes, run exactly ``trials`` times.
+
+Storage is an Optuna :class:`~optuna.storages.RDBStorage`: a SQLite file in the bench
+directory by default, or a PostgreSQL URL so that processes on several machines share one
+study (Akiba et al., "Optuna", KDD 2019).
+
+Exactly-once trials across workers and restarts
+    When a study is created its ``trials`` slots are enqueued as WAITING trials, once: the
+    worker whose ``create_study`` succeeds (study names are unique in the database, so exactly
+    one does) enqueues them and records it in the study's user attributes. Every worker then
+    claims WAITING trials one at a time (the storage's compare-and-set on the trial state makes
+    a claim atomic) and stops when none is left, so no worker ever creates an extra trial. TPE
+    samples each claimed trial's parameters from all finished trials at that moment.
+
+Failures and interruptions
+    An exception in a trial (a NaN loss -> :class:`~dmlkit.exceptions.NonFiniteError`, out of
+    memory, anything else) marks it FAIL, stores the error text in its user attributes, and the
+    study goes on; failed trials count as finished. A *killed* worker leaves a RUNNING trial
+    behind; workers record heartbeats, and a trial whose heartbeat is older than the grace
+    period (or, for the single local coordinator, any RUNNING trial found at start-up) is
+    marked FAIL and re-enqueued with the same parameters
+    (:class:`optuna.storages.RetryHeartbeatStaleTrialCallback`). Interrupted trials do not count,
+    so a resumed study finishes exactly the requested number of trials, none run twice.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+import traceback
+import warnings
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+from dmlkit.exceptions import ConfigError, DmlkitError
+
+__all__ = [
+    "claim_waiting_trial",
+    "count_finished",
+    "make_storage",
+    "open_study",
+    "resolve_storage_url",
+    "run_worker",
+    "study_summary",
+]
+
+_SLOTS_ATTR = "dmlkit_slots"
+
+
+def resolve_storage_url(storage: str | None, bench_dir: str | Path) -> str:
+    """``None`` -> ``sqlite:///BENCH_DIR/study.db``; ``postgresql://`` -> the psycopg 3 driver."""
+    if storage is None:
+        path = Path(bench_dir).resolve() / "study.db"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        return f"sqlite:///{path}"
+    if storage.startswith("postgres://"):
+        storage = "postgresql://" + storage[len("postgres://"):]
+    if storage.startswith("postgresql://"):
+        # SQLAlchemy's default PostgreSQL driver is psycopg2; dmlkit[postgres] installs psycopg 3
+        from dmlkit.exceptions import require
+
+        require("psycopg", "postgres")
+        storage = "postgresql+psycopg://" + storage[len("postgresql://"):]
+    return storage
+
+
+def make_storage(url: str, *, heartbeat_interval: int = 30, grace_period: int = 120):
+    """An :class:`optuna.storages.RDBStorage` with heartbeats and retry of stale trials."""
+    import optuna
+    from optuna.storages import RDBStorage
+
+    engine_kwargs: dict[str, Any] = {}
+    if url.startswith("sqlite"):
+        engine_kwargs = {"connect_args": {"timeout": 120}}
+    else:
+        engine_kwargs = {"pool_pre_ping": True}
+    last_exc: Exception | None = None
+    for attempt in range(6):
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+                return RDBStorage(
+                    url,
+                    engine_kwargs=engine_kwargs,
+                    heartbeat_interval=heartbeat_interval,
+                    grace_period=grace_period,
+                    heartbeat_stale_trial_callback=_RetryInterrupted(),
+                )
+        except Exception as exc:  # sqlalchemy.exc.OperationalError and friends
+            if isinstance(exc, DmlkitError):
+                raise
+            last_exc = exc
+            # two workers creating the schema at the same time: the loser retries
+            if "already exists" in str(exc) or "UniqueViolation" in str(exc) or "locked" in str(exc):
+                time.sleep(0.5 * (attempt + 1))
+                continue
+            break
+    raise ConfigError(
+        f"cannot open the study storage {_redact(url)}: {last_exc.__class__.__name__}: {last_exc}. "
+        "Check the URL, that the server runs and the database exists"
+    ) from last_exc
+
+
+def _redact(url: str) -> str:
+    if "@" in url and "://" in url:
+        scheme, rest = url.split("://", 1)
+        creds, host = rest.rsplit("@", 1)
+        return f"{scheme}://{creds.split(':')[0]}:***@{host}" if ":" in creds else url
+    return url
+
+
+class _RetryInterrupted:
+    """Re-enqueue a stale (interrupted) trial with the same parameters.
+
+    The new WAITING trial records the interrupted trial's number in its ``retry_history``
+    system attribute; :func:`interrupted_numbers` reads it back.
+    """
+
+    def __call__(self, study, trial) -> None:
+        from optuna.storages import RetryHeartbeatStaleTrialCallback
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            RetryHeartbeatStaleTrialCallback()(study, trial)
+
+
+def interrupted_numbers(trials) -> set[int]:
+    """Numbers of trials that were interrupted (killed worker) and re-enqueued."""
+    out: set[int] = set()
+    for t in trials:
+        out.update(int(n) for n in t.system_attrs.get("retry_history", []))
+    return out
+
+
+def _make_sampler(kind: str, seed: int, n_startup_trials: int):
+    import optuna
+
+    if kind == "tpe":
+        return optuna.samplers.TPESampler(seed=seed, n_startup_trials=n_startup_trials)
+    if kind == "random":
+        return optuna.samplers.RandomSampler(seed=seed)
+    raise ConfigError(f"unknown search sampler {kind!r}: use 'tpe' or 'random'")
+
+
+def open_study(
+    storage, name: str, trials: int, *, sampler: str = "tpe", seed: int = 0, n_startup_trials: int = 10,
+    fingerprint: dict[str, Any] | None = None, wait_s: float = 120.0,
+):
+    """Create or load study ``name`` (maximising) with exactly ``trials`` slots enqueued once.
+
+    ``fingerprint`` (the method's search space and fixed settings) must match a loaded study's:
+    resuming a study with another search space would mix incomparable trials.
+    """
+    import optuna
+
+    smp = _make_sampler(sampler, seed, n_startup_trials)
+    try:
+        study = optuna.create_study(storage=storage, study_name=name, direction="maximize", sampler=smp)
+        created = True
+    except optuna.exceptions.DuplicatedStudyError:
+        study = optuna.load_study(storage=storage, study_name=name, sampler=smp)
+        created = False
+    if created:
+        if fingerprint is not None:
+            study.set_user_attr("dmlkit_fingerprint", fingerprint)
+        for _ in range(trials):
+            study.enqueue_trial({}, skip_if_exists=False)
+        study.set_user_attr(_SLOTS_ATTR, trials)
+        return study
+    deadline = time.monotonic() + wait_s
+    while _SLOTS_ATTR not in study.user_attrs:  # another worker is creating it right now
+        if time.monotonic() > deadline:
+            # the creator died before enqueueing: enqueue the missing slots now
+            existing = len(study.get_trials(deepcopy=False))
+            for _ in range(max(0, trials - existing)):
+                study.enqueue_trial({}, skip_if_exists=False)
+            study.set_user_attr(_SLOTS_ATTR, trials)
+            break
+        time.sleep(0.5)
+    if fingerprint is not None:
+        old = study.user_attrs.get("dmlkit_fingerprint")
+        if old is not None and old != fingerprint:
+            raise ConfigError(
+                f"study {name!r} was created with another search space or fixed settings; "
+                "use a new bench directory (or study_prefix) instead of resuming it"
+            )
+    slots = int(study.user_attrs[_SLOTS_ATTR])
+    if trials > slots:  # the user asked for more trials: add slots
+        for _ in range(trials - slots):
+            study.enqueue_trial({}, skip_if_exists=False)
+        study.set_user_attr(_SLOTS_ATTR, trials)
+    elif trials < slots:
+        raise ConfigError(
+            f"study {name!r} already has {slots} trial slots; protocol.trials = {trials} cannot shrink it"
+        )
+    return study
+
+
+def counted_trials(study) -> list:
+    """Finished trials: COMPLETE + FAIL, without interrupted ones (those are retried)."""
+    from optuna.trial import TrialState
+
+    trials = study.get_trials(deepcopy=False)
+    skip = interrupted_numbers(trials)
+    return [t for t in trials if t.state == TrialState.COMPLETE
+            or (t.state == TrialState.FAIL and t.number not in skip)]
+
+
+def count_finished(study) -> int:
+    """How many trials are finished (:func:`counted_trials`)."""
+    return len(counted_trials(study))
+
+
+def study_summary(study) -> dict[str, Any]:
+    from optuna.trial import TrialState
+
+    trials = study.get_trials(deepcopy=False)
+    states = {s.name: 0 for s in TrialState}
+    for t in trials:
+        states[t.state.name] += 1
+    interrupted = len(interrupted_numbers(trials))
+    return {"finished": count_finished(study), "states": states, "interrupted": interrupted}
+
+
+def fail_running_trials(study) -> int:
+    """Mark every RUNNING trial interrupted and re-enqueue it (only when no other worker is alive)."""
+    import optuna
+    from optuna.trial import TrialState
+
+    n = 0
+    callback = _RetryInterrupted()
+    for trial in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
+        try:
+            changed = study._storage.set_trial_state_values(trial._trial_id, state=TrialState.FAIL)
+        except optuna.exceptions.UpdateFinishedTrialError:  # finished meanwhile
+            continue
+        if changed:
+            callback(study, study._storage.get_trial(trial._trial_id))
+            n += 1
+    return n
+
+
+def claim_waiting_trial(study):
+    """Atomically take one WAITING trial (-> RUNNING) and return it as an ``optuna.Trial``, or None."""
+    import optuna
+    from optuna.trial import TrialState
+
+    storage = study._storage
+    for frozen in study.get_trials(deepcopy=False, states=(TrialState.WAITING,)):
+        try:
+            if storage.set_trial_state_values(frozen._trial_id, state=TrialState.RUNNING):
+                return optuna.Trial(study, frozen._trial_id)
+        except optuna.exceptions.UpdateFinishedTrialError:
+            continue
+    return None
+
+
+@contextlib.contextmanager
+def _heartbeat(storage, trial_id: int, interval: float) -> Iterator[None]:
+    stop = threading.Event()
+
+    def beat() -> None:
+        while True:
+            with contextlib.suppress(Exception):
+                storage.record_heartbeat(trial_id)
+            if stop.wait(interval):
+                return
+
+    thread = threading.Thread(target=beat, name=f"dmlkit-heartbeat-{trial_id}", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join(timeout=5)
+
+
+def run_worker(
+    study,
+    objective: Callable[[Any], float],
+    *,
+    heartbeat_interval: float = 30.0,
+    max_trials: int | None = None,
+    on_trial_end: Callable[[Any], None] | None = None,
+) -> int:
+    """Claim and run WAITING trials until none is left (or ``max_trials``); returns how many ran.
+
+    ``objective(trial) -> float`` is maximised. An exception marks the trial FAIL (its message
+    in the ``error`` user attribute) and the loop goes on; a non-finite value is a FAIL too.
+    ``KeyboardInterrupt``/``SystemExit`` propagate, leaving the trial RUNNING for the retry logic.
+    """
+    import math
+
+    import optuna
+    from optuna.storages import fail_stale_trials
+    from optuna.trial import TrialState
+
+    ran = 0
+    while max_trials is None or ran < max_trials:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+            fail_stale_trials(study)
+        trial = claim_waiting_trial(study)
+        if trial is None:
+            break
+        state, value = TrialState.FAIL, None
+        with _heartbeat(study._storage, trial._trial_id, heartbeat_interval):
+            try:
+                value = float(objective(trial))
+                if math.isfinite(value):
+                    state = TrialState.COMPLETE
+                else:
+                    trial.set_user_attr("error", f"objective is not finite ({value})")
+            except optuna.TrialPruned:
+                state = TrialState.PRUNED
+            except Exception as exc:  # a failed trial is recorded; the study goes on
+                trial.set_user_attr("error", f"{exc.__class__.__name__}: {exc}")
+                trial.set_user_attr("traceback", traceback.format_exc(limit=20)[-4000:])
+        if state == TrialState.COMPLETE:
+            frozen = study.tell(trial, value)
+        else:
+            frozen = study.tell(trial, state=state)
+        ran += 1
+        if on_trial_end is not None:
+            on_trial_end(frozen)
+    return ran

@@ -1,0 +1,418 @@
+"""Build the HTML report of a training run directory or a benchmark directory.
+
+``build_report(path)`` looks at ``path``: a benchmark directory has ``results.json`` (written by
+``dmlkit bench``), a run directory has ``config.yaml`` and ``log.jsonl`` (written by
+``dmlkit train``). It writes ``report.html`` and ``figures/*.png|svg`` into the directory (or
+``out``) and returns the page's path. Figures that need data which is not available (e.g. the
+images, for thumbnails) are left out with a note saying why, never faked.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from dmlkit.exceptions import DataError, DataNotFoundError, DmlkitError
+from dmlkit.report import figures
+from dmlkit.report.html import Figure, Section, render_page, table_html
+from dmlkit.utils import atomic_write_text, load_embeddings
+
+__all__ = ["ReportOptions", "build_report"]
+
+_MAIN_METRICS = ("precision_at_1", "r_precision", "map_at_r")
+
+
+@dataclass
+class ReportOptions:
+    """What to draw and how much of it.
+
+    Attributes:
+        maps: 2-D projections to draw (``umap``, ``tsne``, ``pca``).
+        map_classes: classes shown in the 2-D maps (the first ones in test order).
+        max_points: samples per split used for the histograms and maps.
+        gallery_queries: random and worst queries in the retrieval gallery (each).
+        gallery_k: neighbours per gallery row.
+        thumbnails: draw image thumbnails where the data are images and can be loaded.
+        data_root: where the run's dataset lives (default: the run's config / ``$DMLKIT_DATA``).
+        seed: for every random choice (sampled queries, classes, projections).
+    """
+
+    maps: Sequence[str] = ("umap", "tsne", "pca")
+    map_classes: int = 20
+    max_points: int = 2000
+    gallery_queries: int = 4
+    gallery_k: int = 6
+    thumbnails: bool = True
+    data_root: str | os.PathLike | None = None
+    seed: int = 0
+    progress: Callable[[str], None] = field(default=lambda message: None)
+
+
+def build_report(path: str | os.PathLike, out: str | os.PathLike | None = None,
+                 options: ReportOptions | None = None) -> Path:
+    """Write ``report.html`` (+ ``figures/``) for a run or benchmark directory; return its path."""
+    src = Path(path)
+    if not src.is_dir():
+        raise DataNotFoundError(f"{src} is not a directory: pass a run directory (dmlkit train) "
+                                "or a benchmark directory (dmlkit bench)")
+    options = options or ReportOptions()
+    page = Path(out) if out is not None else src / "report.html"
+    fig_dir = page.parent / "figures"
+    fig_dir.mkdir(parents=True, exist_ok=True)
+    if (src / "results.json").exists():
+        title, subtitle, sections = _bench_sections(src, fig_dir, options)
+    elif (src / "config.yaml").exists():
+        title, subtitle, sections = _run_sections(src, fig_dir, options)
+    else:
+        raise DataError(f"{src} holds neither results.json (benchmark) nor config.yaml (training run)")
+    atomic_write_text(page, render_page(title, subtitle, sections, page))
+    return page
+
+
+# -- embeddings of a run ------------------------------------------------------------------------
+@dataclass
+class _Split:
+    name: str
+    embeddings: np.ndarray
+    labels: np.ndarray
+    image_of: Callable[[int], np.ndarray] | None = None
+
+
+def _sample_rows(labels: np.ndarray, max_points: int, seed: int) -> np.ndarray:
+    """Rows of whole classes (so every sample keeps its positives), up to ``max_points``."""
+    if len(labels) <= max_points:
+        return np.arange(len(labels))
+    rng = np.random.default_rng(seed)
+    rows: list[np.ndarray] = []
+    total = 0
+    for c in rng.permutation(np.unique(labels)):
+        members = np.flatnonzero(labels == c)
+        if total + len(members) > max_points and total:
+            break
+        rows.append(members)
+        total += len(members)
+    return np.sort(np.concatenate(rows))
+
+
+def _image_getter(dataset) -> Callable[[int], np.ndarray] | None:
+    if dataset is None or not hasattr(dataset, "thumbnail"):
+        return None
+
+    def image_of(i: int) -> np.ndarray:
+        img = np.asarray(dataset.thumbnail(int(i), size=64), dtype=np.float32)
+        return img / 255.0 if img.max() > 1 else img
+
+    try:
+        image_of(0)
+    except Exception:  # features or unreadable images: no thumbnails
+        return None
+    return image_of
+
+
+def _run_embeddings(run_dir: Path, options: ReportOptions, notes: list[str]) -> tuple[dict[str, _Split], dict[str, _Split]]:
+    """``(trained, untrained)`` embeddings per split; falls back to ``embeddings/test.npz``."""
+    from dmlkit.training import (
+        build_datasets,
+        build_model,
+        embed_split,
+        load_checkpoint,
+        load_config,
+    )
+    from dmlkit.utils import seed_everything
+
+    trained: dict[str, _Split] = {}
+    untrained: dict[str, _Split] = {}
+    try:
+        config = load_config(run_dir / "config.yaml")
+        datasets = build_datasets(config, ("train", "val", "test"), data_root=options.data_root)
+        model, _ = load_checkpoint(run_dir)
+        seed_everything(config.seed)
+        initial = build_model(config).eval()
+    except DmlkitError as exc:
+        notes.append(f"The run's data or checkpoint could not be loaded ({exc}); figures use the "
+                     "saved test embeddings only.")
+        saved = run_dir / "embeddings" / "test.npz"
+        if saved.exists():
+            emb, lab, _ = load_embeddings(saved)
+            trained["test"] = _Split("test", emb, lab)
+        return trained, untrained
+    for name in ("train", "val", "test"):
+        ds = datasets.get(name)
+        if ds is None:
+            continue
+        options.progress(f"embedding the {name} split")
+        labels = np.asarray(ds.labels)
+        rows = np.arange(len(labels)) if name == "test" else _sample_rows(labels, options.max_points, options.seed)
+        sub = ds.subset(rows) if len(rows) < len(labels) else ds
+        emb, lab = embed_split(model, sub, config, device="cpu")
+        getter = _image_getter(sub) if options.thumbnails else None
+        trained[name] = _Split(name, emb, lab, getter)
+        if name == "test":
+            emb0, lab0 = embed_split(initial, sub, config, device="cpu")
+            untrained[name] = _Split(name, emb0, lab0, getter)
+    return trained, untrained
+
+
+# -- sections shared by runs and benchmarks ------------------------------------------------------
+def _embedding_sections(test: _Split, before: _Split | None, others: Mapping[str, _Split],
+                        fig_dir: Path, options: ReportOptions, what: str) -> list[Section]:
+    from dmlkit.metrics import per_class, per_query, pos_neg_histograms
+
+    sections: list[Section] = []
+    # histograms: before/after and train/val/test
+    panels: dict[str, Any] = {}
+    hist_rows = []
+    rows = _sample_rows(test.labels, options.max_points, options.seed)
+    def histogram(emb: np.ndarray, labels: np.ndarray):
+        # bins over the observed similarity range, so that a model whose similarities all lie
+        # in, say, [0.95, 1] still gets a readable histogram (and a meaningful divergence)
+        x = emb / np.maximum(np.linalg.norm(emb, axis=1, keepdims=True), 1e-12)
+        sims = x @ x.T
+        np.fill_diagonal(sims, np.nan)
+        lo, hi = float(np.nanmin(sims)), float(np.nanmax(sims))
+        pad = max(1e-6, 1e-3 * (hi - lo))
+        return pos_neg_histograms(emb, labels, bins=60, range=(lo - pad, hi + pad))
+
+    if before is not None:
+        panels["test, before training"] = histogram(before.embeddings[rows], before.labels[rows])
+    panels["test, after training"] = histogram(test.embeddings[rows], test.labels[rows])
+    for name, split in others.items():
+        r = _sample_rows(split.labels, options.max_points, options.seed)
+        panels[f"{name}, after training"] = histogram(split.embeddings[r], split.labels[r])
+    for title, h in panels.items():
+        hist_rows.append([title, f"{h.js:.4f}", h.num_positive_pairs, h.num_negative_pairs])
+    png = figures.save_figure(figures.similarity_histograms({k: _hist_dict(v) for k, v in panels.items()}),
+                              fig_dir / "histograms")
+    sections.append(Section(
+        "Positive and negative pair similarities",
+        ["Histograms of the cosine similarities of all positive (same-class) and all negative pairs, "
+         "each normalised to area 1 (Oi et al.), with 60 bins over each panel's observed range. The "
+         "Jensen-Shannon divergence (base 2) measures how well they separate: 0 = identical "
+         "distributions, 1 = disjoint."],
+        [table_html(["split", "JS divergence", "positive pairs", "negative pairs"], hist_rows)],
+        [Figure(png[0], f"Similarity histograms of {what}", png[1])],
+    ))
+    # 2-D maps
+    classes = np.unique(test.labels)[: options.map_classes]
+    sel = np.flatnonzero(np.isin(test.labels, classes))
+    sel = sel[: options.max_points]
+    map_figs = []
+    for method in options.maps:
+        options.progress(f"{method} map")
+        pts = figures.project_2d(test.embeddings[sel], method, seed=options.seed)
+        thumbs = None
+        if test.image_of is not None:
+            rng = np.random.default_rng(options.seed)
+            picks = rng.choice(len(sel), size=min(12, len(sel)), replace=False)
+            thumbs = {int(p): test.image_of(int(sel[p])) for p in picks}
+        fig = figures.embedding_map(pts, test.labels[sel], f"{method.upper()} of test embeddings", thumbs)
+        png = figures.save_figure(fig, fig_dir / f"map_{method}")
+        map_figs.append(Figure(png[0], f"{method.upper()} map of {what} ({len(classes)} test classes)", png[1]))
+    sections.append(Section("Maps of the test embeddings", [
+        "Each point is a test sample, coloured and shaped by class; thumbnails show a sample of the "
+        "images where the data are images. UMAP and t-SNE preserve neighbourhoods, not distances; "
+        "PCA is linear and fast."], [], map_figs))
+    # gallery and per-class
+    from dmlkit.metrics import knn
+
+    scores, r_q = per_query(test.embeddings, test.labels, metrics=["map_at_r"])
+    ap = scores["map_at_r"]
+    rng = np.random.default_rng(options.seed)
+    valid = np.flatnonzero(r_q > 0)
+    if len(valid):
+        random_q = rng.choice(valid, size=min(options.gallery_queries, len(valid)), replace=False)
+        worst_q = valid[np.argsort(ap[valid], kind="stable")[: options.gallery_queries]]
+        chosen = [(int(q), "random") for q in random_q] + [(int(q), "worst") for q in worst_q]
+        nn = knn(test.embeddings[[q for q, _ in chosen]], test.embeddings, k=options.gallery_k + 1)
+        rows_g = []
+        for (q, kind), neigh in zip(chosen, nn.indices.numpy()):
+            neigh = [int(n) for n in neigh if n != q][: options.gallery_k]
+            rows_g.append({"query": q, "query_label": int(test.labels[q]), "neighbors": neigh,
+                           "neighbor_labels": [int(test.labels[n]) for n in neigh],
+                           "caption": f"{kind}\nAP@R={100 * ap[q]:.0f}%"})
+        png = figures.save_figure(figures.retrieval_gallery(rows_g, test.image_of, "Test retrieval"),
+                                  fig_dir / "gallery")
+        sections.append(Section("Retrieval gallery", [
+            f"{options.gallery_queries} random and the {options.gallery_queries} worst-scoring test queries "
+            "(by average precision at R) with their nearest neighbours; green solid frames are correct "
+            "(same class), red dashed frames are wrong."], [], [Figure(png[0], "Retrieval gallery", png[1])]))
+    pc = per_class(test.embeddings, test.labels, metrics=["map_at_r"])
+    values = {c: row["map_at_r"] for c, row in pc.items() if np.isfinite(row["map_at_r"])}
+    if values:
+        png = figures.save_figure(figures.per_class_bars(values, "map_at_r"), fig_dir / "per_class")
+        sections.append(Section("Per-class MAP@R", [
+            f"MAP@R of each test class (mean over its queries); {len(values)} classes."], [],
+            [Figure(png[0], "Best and worst test classes by MAP@R", png[1])]))
+    return sections
+
+
+def _hist_dict(h) -> dict[str, Any]:
+    return {"bin_edges": h.edges, "positive_density": h.pos_density,
+            "negative_density": h.neg_density, "js_divergence": h.js}
+
+
+def _read_jsonl(path: Path) -> list[dict[str, Any]]:
+    if not path.exists():
+        return []
+    out = []
+    for line in path.read_text().splitlines():
+        line = line.strip()
+        if line:
+            try:
+                out.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue  # a line cut by a crash: the rest of the log is still useful
+    return out
+
+
+def _fmt(v: Any) -> str:
+    return f"{100 * v:.2f}" if isinstance(v, (int, float)) and np.isfinite(v) else "n/a"
+
+
+# -- a training run -----------------------------------------------------------------------------
+def _run_sections(run_dir: Path, fig_dir: Path, options: ReportOptions) -> tuple[str, str, list[Section]]:
+    notes: list[str] = []
+    sections: list[Section] = []
+    metrics = json.loads((run_dir / "metrics.json").read_text()) if (run_dir / "metrics.json").exists() else {}
+    rows = []
+    for split in ("val", "test"):
+        m = metrics.get(split) or {}
+        if m:
+            rows.append([split] + [_fmt(m.get(k)) for k in _MAIN_METRICS])
+    results_html = [table_html(["split", "P@1 (%)", "R-Precision (%)", "MAP@R (%)"], rows)] if rows else []
+    if not rows:
+        notes.append("metrics.json has no results yet (the run may still be going or was interrupted).")
+    log = _read_jsonl(run_dir / "log.jsonl")
+    if log:
+        png = figures.save_figure(figures.training_curves({run_dir.name: log}), fig_dir / "curves")
+        curve_figs = [Figure(png[0], "Training loss and validation metrics", png[1])]
+    else:
+        curve_figs = []
+        notes.append("log.jsonl is empty: no training curves.")
+    trained, untrained = _run_embeddings(run_dir, options, notes)
+    sections.append(Section("Results", [f"Best step: {metrics.get('best_step', 'n/a')}."], results_html))
+    sections.append(Section("Training curves", [], [], curve_figs))
+    if "test" in trained:
+        others = {k: v for k, v in trained.items() if k != "test"}
+        sections += _embedding_sections(trained["test"], untrained.get("test"), others, fig_dir, options,
+                                        "the trained model")
+    else:
+        notes.append("No test embeddings: run `dmlkit embed RUN_DIR --split test` first.")
+    sections.append(_config_section(run_dir))
+    if notes:
+        sections.insert(0, Section("Notes", notes))
+    return f"dmlkit run report: {run_dir.name}", f"Run directory {run_dir.resolve()}", sections
+
+
+def _config_section(directory: Path) -> Section:
+    blocks = []
+    for name in ("config.yaml", "provenance.json", "split.json"):
+        p = directory / name
+        if p.exists():
+            import html as _html
+
+            text = p.read_text()
+            if len(text) > 20000:
+                text = text[:20000] + "\n... (cut)"
+            blocks.append(f"<h3>{name}</h3><pre>{_html.escape(text)}</pre>")
+    return Section("Configuration and provenance", ["Everything needed to reproduce these numbers."], blocks)
+
+
+# -- a benchmark ---------------------------------------------------------------------------------
+def _bench_sections(bench_dir: Path, fig_dir: Path, options: ReportOptions) -> tuple[str, str, list[Section]]:
+    results = json.loads((bench_dir / "results.json").read_text())
+    methods: dict[str, Any] = results.get("methods", {})
+    if not methods:
+        raise DataError(f"{bench_dir / 'results.json'} lists no methods")
+    sections: list[Section] = []
+    header = ["method"] + [f"{mode} {_short(k)}" for mode in ("concatenated", "separated") for k in _MAIN_METRICS]
+    rows = []
+    for name, res in methods.items():
+        row = [name]
+        for mode in ("concatenated", "separated"):
+            for k in _MAIN_METRICS:
+                row.append(_with_ci(res.get(mode, {}).get(k)))
+        rows.append(row)
+    best = max(range(len(rows)), key=lambda i: _mean(methods[rows[i][0]].get("concatenated", {}).get("map_at_r")))
+    sections.append(Section("Results", [
+        "Test-set accuracy (%) in the layout of Musgrave et al. (2020): concatenated = the fold models' "
+        "embeddings concatenated and L2-normalised; separated = each fold model alone, averaged. "
+        "± is the 95% confidence interval over repeated runs (n/a with a single repeat)."],
+        [table_html(header, rows, best_row=best)]))
+    concat = {n: {"map_at_r": _mean(r.get("concatenated", {}).get("map_at_r"))} for n, r in methods.items()}
+    if any(b in concat for b in ("contrastive", "triplet")):
+        png = figures.save_figure(figures.relative_improvement(concat), fig_dir / "relative_improvement")
+        sections.append(Section("Papers versus reality", [
+            "Relative improvement of each method's concatenated MAP@R over contrastive and triplet "
+            "loss under identical settings; the dashed line is no improvement."], [],
+            [Figure(png[0], "Relative improvement over contrastive and triplet", png[1])]))
+    curve_figs = []
+    for name in methods:
+        logs = {}
+        for log_path in sorted((bench_dir / "final" / name).glob("seed*/fold*/log.jsonl")):
+            logs[f"{log_path.parent.parent.name} {log_path.parent.name}"] = _read_jsonl(log_path)
+        logs = {k: v for k, v in logs.items() if v}
+        if logs:
+            png = figures.save_figure(figures.training_curves(logs), fig_dir / f"curves_{_slug(name)}")
+            curve_figs.append(Figure(png[0], f"{name}: training curves of the final runs", png[1]))
+    if curve_figs:
+        sections.append(Section("Training curves", ["One line per fold model and seed."], [], curve_figs))
+    best_name = rows[best][0]
+    test = _concatenated_test(bench_dir, best_name)
+    before = _concatenated_test(bench_dir, "pretrained") if best_name != "pretrained" else None
+    if test is not None:
+        sections += _embedding_sections(test, before, {}, fig_dir, options,
+                                        f"{best_name} (concatenated fold models)")
+    sections.append(_config_section(bench_dir))
+    return f"dmlkit benchmark report: {bench_dir.name}", f"Benchmark directory {bench_dir.resolve()}", sections
+
+
+def _concatenated_test(bench_dir: Path, method: str) -> _Split | None:
+    seeds = sorted((bench_dir / "final" / method).glob("seed*"))
+    if not seeds:
+        return None
+    parts = []
+    labels = None
+    for fold_dir in sorted(seeds[0].glob("fold*")):
+        f = fold_dir / "embeddings" / "test.npz"
+        if f.exists():
+            emb, lab, _ = load_embeddings(f)
+            if labels is not None and not np.array_equal(lab, labels):
+                raise DataError(f"{f}: test labels differ between folds; cannot concatenate")
+            labels = lab
+            parts.append(emb)
+    if not parts:
+        return None
+    emb = np.concatenate(parts, axis=1)
+    emb /= np.maximum(np.linalg.norm(emb, axis=1, keepdims=True), 1e-12)
+    return _Split("test", emb, labels)
+
+
+def _mean(cell: Any) -> float:
+    if isinstance(cell, Mapping):
+        return float(cell.get("mean", float("nan")))
+    return float(cell) if cell is not None else float("nan")
+
+
+def _with_ci(cell: Any) -> str:
+    if cell is None:
+        return "n/a"
+    mean = _mean(cell)
+    ci = cell.get("ci95") if isinstance(cell, Mapping) else None
+    if ci is None or not np.isfinite(ci):
+        return _fmt(mean)
+    return f"{_fmt(mean)} ± {100 * ci:.2f}"
+
+
+def _short(metric: str) -> str:
+    return {"precision_at_1": "P@1", "r_precision": "RP", "map_at_r": "MAP@R"}.get(metric, metric)
+
+
+def _slug(name: str) -> str:
+    return "".join(ch if ch.isalnum() else "_" for ch in name)

@@ -1,0 +1,151 @@
+"""BenchConfig validation: fixed settings are fixed, methods only choose loss/miner/search."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import yaml
+
+from dmlkit.exceptions import ConfigError
+from dmlkit.protocol.config import bench_config_from_dict, load_bench_config
+
+BASE = {
+    "name": "t",
+    "fixed": {
+        "seed": 3,
+        "data": {"dataset": "omniglot"},
+        "model": {"trunk": "small_cnn", "pretrained": False, "embedding_size": 16},
+        "sampler": {"classes_per_batch": 8, "samples_per_class": 4},
+        "classification_sampler": {"classes_per_batch": 32, "samples_per_class": 1},
+        "optimizer": {"preset": "cpu_quick"},
+        "training": {"epochs": 1},
+    },
+    "protocol": {"trials": 3},
+    "methods": [
+        {"name": "contrastive", "loss": {"name": "contrastive", "params": {}},
+         "search": {"loss.pos_margin": {"low": 0.0, "high": 0.5},
+                    "loss.neg_margin": {"low": 0.5, "high": 1.5}}},
+        {"name": "triplet", "loss": {"name": "triplet"}, "miner": {"name": "batch_hard"},
+         "search": {"loss.margin": {"low": 0.01, "high": 1.0, "log": True}}},
+        {"name": "arcface", "loss": {"name": "arcface"},
+         "search": {"loss.margin": {"low": 10, "high": 60, "type": "float"},
+                    "optimizer.loss_lr": {"low": 1e-5, "high": 1e-2, "log": True}}},
+    ],
+}
+
+
+def make(mutate=None):
+    data = copy.deepcopy(BASE)
+    if mutate:
+        mutate(data)
+    return bench_config_from_dict(data)
+
+
+def test_valid_config_resolves_defaults():
+    cfg = make()
+    p = cfg.protocol
+    assert p.split == "halves" and p.folds == 4 and p.trials == 3 and p.sampler == "tpe"
+    assert p.seeds == [0] and p.repeats == 1
+    assert p.metrics[:3] == ["precision_at_1", "r_precision", "map_at_r"]
+
+
+def test_experiment_applies_params_and_keeps_fixed_settings():
+    cfg = make()
+    arc = cfg.method("arcface")
+    exp = cfg.experiment(arc, {"loss.margin": 28.6, "optimizer.loss_lr": 1e-3}, seed=7)
+    assert exp.loss.name == "arcface" and exp.loss.params["margin"] == 28.6
+    assert exp.optimizer.loss_lr == 1e-3 and exp.seed == 7
+    # classification losses get the classification sampler (the seed's 32 x 1)
+    assert (exp.sampler.classes_per_batch, exp.sampler.samples_per_class) == (32, 1)
+    con = cfg.experiment(cfg.method("contrastive"), {"loss.pos_margin": 0.1})
+    assert (con.sampler.classes_per_batch, con.sampler.samples_per_class) == (8, 4)
+    # every fixed section is identical across methods
+    a = cfg.experiment(cfg.method("triplet")).fixed_part()
+    b = cfg.experiment(cfg.method("contrastive")).fixed_part()
+    assert a == b
+    assert exp.model == con.model and exp.training == con.training
+    assert exp.optimizer.trunk_lr == con.optimizer.trunk_lr
+
+
+@pytest.mark.parametrize("key,value", [
+    ("model", {"embedding_size": 64}),
+    ("optimizer", {"trunk_lr": 1e-3}),
+    ("sampler", {"classes_per_batch": 4}),
+    ("training", {"epochs": 100}),
+    ("data", {"dataset": "cub200"}),
+])
+def test_method_cannot_set_fixed_settings(key, value):
+    def mutate(d):
+        d["methods"][0][key] = value
+
+    with pytest.raises(ConfigError, match="identical across methods") as info:
+        make(mutate)
+    assert key in str(info.value) and "fixed" in str(info.value)
+
+
+@pytest.mark.parametrize("key", ["model.embedding_size", "optimizer.trunk_lr", "training.epochs",
+                                 "sampler.samples_per_class", "lr"])
+def test_search_outside_method_parameters_is_rejected(key):
+    def mutate(d):
+        d["methods"][0]["search"][key] = {"low": 1, "high": 2}
+
+    with pytest.raises(ConfigError, match=r"identical across methods|must be 'loss"):
+        make(mutate)
+
+
+def test_other_errors_are_clear():
+    with pytest.raises(ConfigError, match="no miner"):
+        make(lambda d: d["methods"][0]["search"].update({"miner.epsilon": {"low": 0.0, "high": 1.0}}))
+    with pytest.raises(ConfigError, match="unique"):
+        make(lambda d: d["methods"].append(copy.deepcopy(d["methods"][0])))
+    with pytest.raises(ConfigError, match="log-scaled range needs low > 0"):
+        make(lambda d: d["methods"][1]["search"].update({"loss.margin": {"low": 0, "high": 1, "log": True}}))
+    with pytest.raises(ConfigError, match="choices"):
+        make(lambda d: d["methods"][1]["search"].update({"loss.margin": {"type": "categorical"}}))
+    with pytest.raises(ConfigError, match="unknown loss"):
+        make(lambda d: d["methods"][1]["loss"].update({"name": "no_such_loss"}))
+    with pytest.raises(ConfigError, match="under 'fixed'"):
+        make(lambda d: d.update({"model": {"embedding_size": 3}}))
+    with pytest.raises(ConfigError, match="protocol.split"):
+        make(lambda d: d["fixed"]["data"].update({"split": {"kind": "ratio", "ratios": [4, 1, 5]}}))
+    with pytest.raises(ConfigError, match="folds: 1"):
+        make(lambda d: d["protocol"].update({"split": "ratio_4_1_5", "folds": 4}))
+    with pytest.raises(ConfigError, match="reserved"):
+        make(lambda d: d["methods"][0].update({"name": "pretrained"}))
+    with pytest.raises(ConfigError, match="database URL"):
+        make(lambda d: d["protocol"].update({"storage": "study.db"}))
+
+
+def test_seeds_and_ratio_split():
+    cfg = make(lambda d: d["protocol"].update({"split": "ratio_4_1_5", "seeds": [4, 5, 6]}))
+    assert cfg.protocol.folds == 1 and cfg.protocol.repeats == 3 and cfg.protocol.seeds == [4, 5, 6]
+    cfg = make(lambda d: d["protocol"].update({"repeats": 2}))
+    assert cfg.protocol.seeds == [0, 1]
+
+
+def test_load_with_overrides(tmp_path):
+    path = tmp_path / "b.yaml"
+    path.write_text(yaml.safe_dump(BASE))
+    cfg = load_bench_config(path, ["protocol.trials=7", "methods.1.loss.params.margin=0.3"])
+    assert cfg.protocol.trials == 7
+    assert cfg.method("triplet").loss.params == {"margin": 0.3}
+    with pytest.raises(ConfigError, match="not found"):
+        load_bench_config(tmp_path / "missing.yaml")
+
+
+@pytest.mark.parametrize("name", ["bench_cub200", "bench_cars196", "bench_sop", "bench_quick"])
+def test_shipped_presets_are_valid(name):
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "configs" / f"{name}.yaml"
+    if not path.exists():
+        pytest.skip(f"{path} not written yet")
+    cfg = load_bench_config(path)
+    names = {m.loss.name for m in cfg.methods}
+    if name != "bench_quick":
+        assert cfg.protocol.trials == 50 and cfg.protocol.folds == 4
+        assert cfg.fixed.model.embedding_size == 128 and cfg.fixed.optimizer.trunk_lr == 1e-6
+        assert (cfg.fixed.sampler.classes_per_batch, cfg.fixed.sampler.samples_per_class) == (8, 4)
+    assert {"contrastive", "triplet", "multi_similarity", "normalized_softmax", "arcface",
+            "proxy_anchor"} <= names

@@ -1,0 +1,143 @@
+"""ExperimentConfig: validation messages, presets, overrides, YAML round trip."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from dmlkit.exceptions import ConfigError
+from dmlkit.training.config import (
+    FIXED_SECTIONS,
+    ExperimentConfig,
+    apply_overrides,
+    config_from_dict,
+    dump_config,
+    load_config,
+    parse_overrides,
+)
+
+REPO = Path(__file__).resolve().parents[1]
+MINIMAL = {"data": {"dataset": "omniglot"}, "loss": {"name": "triplet"}}
+
+
+def test_defaults_are_the_reality_check_settings():
+    cfg = config_from_dict(MINIMAL)
+    assert cfg.optimizer.preset == "reality_check"
+    assert cfg.optimizer.name == "rmsprop"
+    assert cfg.optimizer.trunk_lr == cfg.optimizer.embedder_lr == 1e-6
+    assert (cfg.sampler.classes_per_batch, cfg.sampler.samples_per_class) == (8, 4)
+    assert cfg.sampler.batch_size == 32
+    assert cfg.model.embedding_size == 128 and cfg.model.normalize and cfg.model.freeze_batchnorm
+    assert cfg.model.trunk == "bn_inception"
+    assert cfg.miner is None
+    assert "map_at_r" in cfg.training.eval_metrics
+
+
+def test_preset_fills_only_missing_keys():
+    cfg = config_from_dict({**MINIMAL, "optimizer": {"preset": "cpu_quick", "embedder_lr": 0.01}})
+    assert cfg.optimizer.name == "adam"
+    assert cfg.optimizer.embedder_lr == 0.01
+    assert cfg.optimizer.trunk_lr == 1e-3
+
+
+def test_unknown_key_names_the_key():
+    with pytest.raises(ConfigError) as err:
+        config_from_dict({**MINIMAL, "model": {"embeding_size": 64}})
+    assert "model.embeding_size" in str(err.value)
+    assert "unknown key" in str(err.value)
+
+
+def test_bad_value_names_the_key_and_value():
+    with pytest.raises(ConfigError) as err:
+        config_from_dict({**MINIMAL, "optimizer": {"name": "adagrad"}})
+    assert "optimizer.name" in str(err.value) and "adagrad" in str(err.value)
+    with pytest.raises(ConfigError, match="sampler.classes_per_batch"):
+        config_from_dict({**MINIMAL, "sampler": {"classes_per_batch": 0}})
+    with pytest.raises(ConfigError, match=r"data\b"):
+        config_from_dict({"loss": {"name": "triplet"}})
+
+
+def test_split_kind_checks():
+    with pytest.raises(ConfigError, match="ratios"):
+        config_from_dict({**MINIMAL, "data": {"dataset": "x", "split": {"kind": "ratio"}}})
+    with pytest.raises(ConfigError, match="path"):
+        config_from_dict({**MINIMAL, "data": {"dataset": "x", "split": {"kind": "file"}}})
+    cfg = config_from_dict({**MINIMAL, "data": {"dataset": "x", "split": {"kind": "ratio", "ratios": [4, 1, 5]}}})
+    assert cfg.data.split.ratios == (4, 1, 5)
+
+
+def test_overrides_parse_yaml_values_and_create_sections(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump(MINIMAL))
+    cfg = load_config(path, [
+        "loss.params.margin=0.2",
+        "miner.name=semi_hard",
+        "training.eval_metrics=[precision_at_1, map_at_r]",
+        "training.grad_clip=1e-1",
+        "model.weights=null",
+    ])
+    assert cfg.loss.params == {"margin": 0.2}
+    assert cfg.miner is not None and cfg.miner.name == "semi_hard"
+    assert cfg.training.eval_metrics == ["precision_at_1", "map_at_r"]
+    assert cfg.training.grad_clip == pytest.approx(0.1)
+    assert parse_overrides(["a.b=[1, 2]", "c=yes", "d="]) == {"a.b": [1, 2], "c": True, "d": None}
+
+
+def test_bad_overrides():
+    cfg = config_from_dict(MINIMAL)
+    with pytest.raises(ConfigError, match="key.sub=value"):
+        apply_overrides(cfg, ["training.epochs"])
+    with pytest.raises(ConfigError, match="training.epochs"):
+        apply_overrides(cfg, ["training.epochs=-3"])
+    with pytest.raises(ConfigError, match="not a section"):
+        apply_overrides(cfg, ["seed.x=1"])
+    with pytest.raises(ConfigError, match="training.epoch"):
+        apply_overrides(cfg, ["training.epoch=3"])
+
+
+def test_switching_preset_on_a_resolved_config():
+    cfg = config_from_dict(MINIMAL)
+    quick = apply_overrides(cfg, ["optimizer.preset=cpu_quick"])
+    assert quick.optimizer.name == "adam" and quick.optimizer.embedder_lr == 1e-3
+    both = cfg.override({"optimizer.preset": "cpu_quick", "optimizer.loss_lr": 0.5})
+    assert both.optimizer.loss_lr == 0.5
+
+
+def test_dump_load_round_trip(tmp_path):
+    cfg = load_config(None, [
+        "data.dataset=omniglot", "loss.name=arcface", "loss.params={margin: 0.3}",
+        "optimizer.preset=cpu_quick", "optimizer.loss_lr=0.01", "seed=7",
+    ])
+    text = dump_config(cfg, tmp_path / "resolved.yaml")
+    again = load_config(tmp_path / "resolved.yaml")
+    assert again == cfg
+    assert yaml.safe_load(text)["optimizer"]["loss_lr"] == 0.01
+
+
+def test_with_method_keeps_the_fixed_part():
+    cfg = config_from_dict({**MINIMAL, "model": {"embedding_size": 64}, "miner": {"name": "batch_hard"}})
+    other = cfg.with_method({"name": "arcface", "params": {"margin": 0.5}})
+    assert other.loss.name == "arcface" and other.miner is None
+    assert other.fixed_part() == cfg.fixed_part()
+    assert set(cfg.fixed_part()) == set(FIXED_SECTIONS)
+
+
+def test_missing_or_invalid_file(tmp_path):
+    with pytest.raises(ConfigError, match="not found"):
+        load_config(tmp_path / "nope.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("data: [unclosed\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(bad)
+    lst = tmp_path / "list.yaml"
+    lst.write_text("- 1\n- 2\n")
+    with pytest.raises(ConfigError, match="mapping"):
+        load_config(lst)
+
+
+@pytest.mark.parametrize("name", sorted(p.name for p in (REPO / "configs").glob("*.yaml") if not p.name.startswith("bench_")))
+def test_shipped_configs_validate(name):
+    cfg = load_config(REPO / "configs" / name)
+    assert isinstance(cfg, ExperimentConfig)
