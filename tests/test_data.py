@@ -269,7 +269,7 @@ def test_image_folder_and_corrupt_images(tmp_path):
 
 
 def test_csv_dataset(tmp_path):
-    root = _image_folder(tmp_path / "imgs")
+    _image_folder(tmp_path / "imgs")
     lines = ["path,label,split"]
     for c, split in enumerate(["train", "train", "val", "test"]):
         lines += [f"class_{c}/{j}.jpg,bird{c},{split}" for j in range(3)]

@@ -51,15 +51,18 @@ def register(app: typer.Typer) -> None:
             raise ConfigError(f"--stage must be all, search or final, got {stage!r}")
         cfg = load_bench_config(config, set_ or [])
         bench_dir = out if out is not None else Path("runs") / "bench" / cfg.name
-        console = Console()
+        console = Console() if Console().is_terminal else Console(width=160)
         bench = Bench(cfg, bench_dir, data_root=data_root, console=None if quiet else console,
                       config_path=config, overrides=set_ or [], threads=threads)
         if worker:
             bench.dir.mkdir(parents=True, exist_ok=True)
-            summary = bench.search(methods=method or None, exclusive=False)
-            if not quiet:
-                for name, info in summary.items():
-                    console.print(f"{name}: {info}")
+            if stage in ("all", "search"):
+                summary = bench.search(methods=method or None, exclusive=False)
+                if not quiet:
+                    for name, info in summary.items():
+                        console.print(f"{name}: {info}")
+            if stage == "final":  # final runs need this machine's bench directory
+                bench.final_worker(methods=method or None)
             return
         results = bench.run(workers=workers, methods=method or None, stage=stage)
         if results is not None:

@@ -30,7 +30,11 @@ CLUSTERING_METRICS = ("nmi", "ami", "pair_f1")
 def kmeans_labels(
     embeddings: np.ndarray, n_clusters: int, seed: int = 0, *, niter: int = 20, backend: str = "auto"
 ) -> np.ndarray:
-    """Cluster assignments of k-means with ``n_clusters`` clusters (one run, fixed seed)."""
+    """Cluster assignments of k-means with ``n_clusters`` clusters for one seed.
+
+    faiss (when installed and ``backend`` is ``"auto"`` or ``"faiss"``): best of 5 random
+    initialisations by the k-means objective; scikit-learn: one k-means++ initialisation.
+    """
     x = np.ascontiguousarray(embeddings, dtype=np.float32)
     if n_clusters < 1 or n_clusters > x.shape[0]:
         raise DataError(f"k-means needs 1 <= clusters <= samples, got {n_clusters} for {x.shape[0]} samples")
@@ -45,7 +49,8 @@ def kmeans_labels(
     if use_faiss:
         import faiss
 
-        km = faiss.Kmeans(x.shape[1], n_clusters, niter=niter, seed=int(seed) + 1, verbose=False,
+        # faiss initialises at random points (no k-means++): keep the best of a few inits
+        km = faiss.Kmeans(x.shape[1], n_clusters, niter=niter, seed=int(seed) + 1, verbose=False, nredo=5,
                           max_points_per_centroid=max(256, x.shape[0]), min_points_per_centroid=1)
         km.train(x)
         _, assign = km.index.search(x, 1)

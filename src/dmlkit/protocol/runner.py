@@ -210,13 +210,18 @@ class FinalStage:
         return (_with_transform(self.dev.subset_classes(list(f.train)), self.config, train=True),
                 _with_transform(self.dev.subset_classes(list(f.val)), self.config, train=False))
 
-    def run_method(self, method: MethodConfig, params: dict[str, Any]) -> list[FinalRun]:
+    def run_method(self, method: MethodConfig, params: dict[str, Any], *, claim: bool = False) -> list[FinalRun]:
+        """Train (or reuse) every fold model of every seed; with ``claim``, skip runs another
+        worker process has claimed (a ``.claimed`` file created atomically in the run directory)."""
         runs = []
         for seed in self.config.protocol.seeds or [0]:
             for fold in self.split.folds:
                 run_dir = self.bench_dir / "final" / method.name / f"seed{seed}" / f"fold{fold.index}"
                 emb_path = run_dir / "embeddings" / "test.npz"
-                if not (emb_path.exists() and (run_dir / "metrics.json").exists()):
+                done = emb_path.exists() and (run_dir / "metrics.json").exists()
+                if not done and claim and not _claim(run_dir):
+                    continue
+                if not done:
                     train_set, val_set = self._fold_sets(fold.index)
                     cfg = self.config.experiment(
                         method, params, seed=run_seed(seed, fold.index),
@@ -253,6 +258,26 @@ class FinalStage:
                     atomic_write_text(run_dir / "config.yaml", _dump(cfg))
                 runs.append(FinalRun(PRETRAINED, seed, fold.index, run_dir, emb_path, None))
         return runs
+
+
+def _claim(run_dir: Path) -> bool:
+    run_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        fd = os.open(run_dir / ".claimed", os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+    except FileExistsError:
+        return False
+    os.write(fd, str(os.getpid()).encode())
+    os.close(fd)
+    return True
+
+
+def release_claims(bench_dir: Path) -> int:
+    """Remove every final-run claim (only when no worker is alive); returns how many."""
+    n = 0
+    for path in Path(bench_dir).glob("final/*/seed*/fold*/.claimed"):
+        path.unlink(missing_ok=True)
+        n += 1
+    return n
 
 
 def _dump(cfg) -> str:
@@ -310,6 +335,9 @@ class Bench:
         self.overrides = list(overrides)
         self.threads = threads
         self._storage = None
+        import optuna
+
+        optuna.logging.set_verbosity(optuna.logging.WARNING)
         self._split: BenchSplit | None = None
 
     # -- shared pieces ----------------------------------------------------------------------
@@ -463,6 +491,15 @@ class Bench:
         }
 
     # -- final --------------------------------------------------------------------------------
+    def final_worker(self, *, methods: Sequence[str] | None = None) -> None:
+        """Train unclaimed final runs (a worker process of ``--workers N``)."""
+        full = load_full_dataset(self.config, self.data_root)
+        stage = FinalStage(self.config, self.split(full), full, self.dir, train_fn=self.train_fn,
+                           console=self.console)
+        for method in self._methods(methods):
+            params, _ = self.best_params(method)
+            stage.run_method(method, params, claim=True)
+
     def final(self, *, methods: Sequence[str] | None = None) -> dict[str, Any]:
         from dmlkit.protocol.results import build_results, write_results
 
@@ -495,19 +532,22 @@ class Bench:
         with _bench_lock(self.dir) if self.config.protocol.storage is None else contextlib.nullcontext():
             if stage in ("all", "search"):
                 if workers > 1:
-                    self._spawn_workers(workers, methods)
+                    self._spawn_workers(workers, methods, "search")
                 else:
                     self.search(methods=methods, exclusive=True)
             if stage in ("all", "final"):
+                release_claims(self.dir)
+                if workers > 1:
+                    self._spawn_workers(workers, methods, "final")
                 return self.final(methods=methods)
         return None
 
-    def _spawn_workers(self, workers: int, methods: Sequence[str] | None) -> None:
-        """Run ``workers`` worker processes on the shared study and wait for them."""
+    def _spawn_workers(self, workers: int, methods: Sequence[str] | None, stage: str) -> None:
+        """Run ``workers`` worker processes (search trials or final runs) and wait for them."""
         if self.config_path is None:
             raise ConfigError("--workers needs the config file path (to start worker processes)")
         # the coordinator is the only process alive: interrupted trials can be reset now
-        for method in self._methods(methods):
+        for method in self._methods(methods) if stage == "search" else []:
             if not method.search:
                 continue
             p = self.config.protocol
@@ -519,7 +559,7 @@ class Bench:
         threads = self.threads or max(1, (os.cpu_count() or 1) // workers)
         env = {**os.environ, "DMLKIT_NUM_THREADS": str(threads), "OMP_NUM_THREADS": str(threads)}
         cmd = [sys.executable, "-m", "dmlkit", "bench", str(self.config_path), "--out", str(self.dir),
-               "--worker", "--quiet"]
+               "--worker", "--stage", stage, "--quiet"]
         for o in self.overrides:
             cmd += ["--set", o]
         if self.data_root is not None:
@@ -528,10 +568,10 @@ class Bench:
             cmd += ["--method", m]
         procs = []
         for i in range(workers):
-            log = open(self.dir / f"worker{i}.log", "ab")
+            log = open(self.dir / f"worker{i}-{stage}.log", "ab")
             procs.append((subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env), log))
             time.sleep(0.5)
-        _say(self.console, f"started {workers} worker processes (logs: {self.dir}/worker*.log)")
+        _say(self.console, f"{stage}: started {workers} worker processes (logs: {self.dir}/worker*-{stage}.log)")
         failed = []
         for proc, log in procs:
             rc = proc.wait()

@@ -1,0 +1,157 @@
+"""Few-shot classification with an embedding: nearest class prototype (Snell et al. 2017).
+
+* :func:`prototype_predict` - label of the nearest class mean of the support embeddings.
+* :func:`few_shot_accuracy` - N-way K-shot accuracy over random episodes (drawn by
+  :class:`dmlkit.samplers.EpisodeSampler`) with a 95 % confidence interval.
+* :func:`load_omniglot_one_shot_runs` / :func:`omniglot_one_shot_error` - the 20 official
+  20-way one-shot runs of Lake et al. (Science 2015), scored as classification error.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import re
+import zipfile
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from dmlkit.exceptions import DataError, DataNotFoundError
+
+__all__ = [
+    "OneShotRun",
+    "few_shot_accuracy",
+    "load_omniglot_one_shot_runs",
+    "omniglot_one_shot_error",
+    "prototype_predict",
+]
+
+
+def prototype_predict(support: Any, support_labels: Any, query: Any, distance: str = "euclidean") -> np.ndarray:
+    """Predicted label of each query: the class whose prototype (support mean) is closest.
+
+    ``distance="euclidean"`` is the squared-Euclidean rule of prototypical networks;
+    ``"cosine"`` compares directions.
+    """
+    import torch
+
+    from dmlkit.distances import LpDistance, get_distance
+    from dmlkit.losses.prototypical import class_means, distance_to_centres
+
+    dist = LpDistance(power=2, normalize_embeddings=False) if distance == "euclidean" else get_distance(distance)
+    s = torch.as_tensor(np.asarray(support, dtype=np.float32))
+    q = torch.as_tensor(np.asarray(query, dtype=np.float32))
+    y = torch.as_tensor(np.asarray(support_labels, dtype=np.int64))
+    with torch.no_grad():
+        classes, centres, _ = class_means(dist.normalize(s), y)
+        d = distance_to_centres(dist, dist.normalize(q), centres)
+        best = d.argmax(1) if dist.higher_is_closer else d.argmin(1)
+    return classes[best].numpy()
+
+
+def few_shot_accuracy(embeddings: Any, labels: Any, n_way: int = 5, k_shot: int = 1, n_query: int = 5,
+                      episodes: int = 1000, distance: str = "euclidean", seed: int = 0) -> dict[str, float]:
+    """Mean N-way K-shot accuracy over episodes, with the 95 % CI half-width (normal approx.)."""
+    from dmlkit.samplers import EpisodeSampler, split_episode
+
+    x = np.asarray(embeddings, dtype=np.float32)
+    y = np.asarray(labels, dtype=np.int64)
+    sampler = EpisodeSampler(y, n_way, k_shot, n_query, episodes, seed=seed)
+    accs = []
+    for episode in sampler:
+        idx = np.asarray(episode)
+        s_idx, q_idx = split_episode(idx, n_way, k_shot, n_query)
+        pred = prototype_predict(x[s_idx], y[s_idx], x[q_idx], distance)
+        accs.append(float((pred == y[q_idx]).mean()))
+    a = np.asarray(accs)
+    ci = 1.96 * a.std(ddof=1) / np.sqrt(len(a)) if len(a) > 1 else float("nan")
+    return {"accuracy": float(a.mean()), "ci95": float(ci), "episodes": len(a),
+            "n_way": n_way, "k_shot": k_shot, "n_query": n_query}
+
+
+@dataclass
+class OneShotRun:
+    """One official run: 20 training images (one per class) and 20 test images."""
+
+    name: str
+    train_images: np.ndarray  # (20, 105, 105) bool, True = background
+    test_images: np.ndarray  # (20, 105, 105) bool
+    answers: np.ndarray  # (20,) index of the correct training image for each test image
+
+
+_LINE = re.compile(r"(run\d+)/test/item(\d+)\.png\s+(run\d+)/training/class(\d+)\.png")
+
+
+def load_omniglot_one_shot_runs(root: str | os.PathLike | None = None) -> list[OneShotRun]:
+    """The 20 one-shot runs from ``omniglot/one_shot_all_runs.zip`` (or an extracted folder).
+
+    Images are read as the Omniglot dataset reads them (``L`` mode, ``>= 128`` = background).
+    """
+    from PIL import Image
+
+    from dmlkit.utils import data_root
+
+    base = data_root(root)
+    candidates = [base / "omniglot" / "one_shot_all_runs.zip", base / "one_shot_all_runs.zip"]
+    zpath = next((c for c in candidates if c.exists()), None)
+    if zpath is None:
+        raise DataNotFoundError(
+            f"Omniglot one-shot runs not found under {base}: put one_shot_all_runs.zip (from "
+            "github.com/brendenlake/omniglot, python/one-shot-classification/all_runs.zip) in "
+            f"{base / 'omniglot'}"
+        )
+
+    def read(zf: zipfile.ZipFile, name: str) -> np.ndarray:
+        with Image.open(io.BytesIO(zf.read(name))) as img:
+            return np.asarray(img.convert("L")) >= 128
+
+    runs = []
+    with zipfile.ZipFile(zpath) as zf:
+        names = set(zf.namelist())
+        for r in range(1, 21):
+            run = f"run{r:02d}"
+            if f"{run}/class_labels.txt" not in names:
+                raise DataError(f"{zpath} has no {run}/class_labels.txt: the archive is incomplete")
+            pairs = _LINE.findall(zf.read(f"{run}/class_labels.txt").decode())
+            if len(pairs) != 20:
+                raise DataError(f"{zpath}:{run}/class_labels.txt lists {len(pairs)} items, expected 20")
+            test = np.stack([read(zf, f"{run}/test/item{int(t):02d}.png") for _, t, _, _ in pairs])
+            train = np.stack([read(zf, f"{run}/training/class{c:02d}.png") for c in range(1, 21)])
+            answers = np.array([int(c) - 1 for _, _, _, c in pairs])
+            runs.append(OneShotRun(run, train, test, answers))
+    return runs
+
+
+def omniglot_one_shot_error(embed: Callable[[np.ndarray], np.ndarray], runs: list[OneShotRun],
+                            distance: str = "cosine") -> dict[str, Any]:
+    """Classification error (%) on the one-shot runs: each test image takes the class of its
+    nearest training image. ``embed`` maps ``(n, 105, 105)`` bool images to ``(n, D)``."""
+    errors = []
+    for run in runs:
+        emb = np.asarray(embed(np.concatenate([run.train_images, run.test_images])), dtype=np.float32)
+        train, test = emb[:20], emb[20:]
+        pred = prototype_predict(train, np.arange(20), test, distance)
+        errors.append(100.0 * float((pred != run.answers).mean()))
+    return {"error_percent": float(np.mean(errors)), "per_run_error_percent": errors, "runs": len(runs)}
+
+
+def checkpoint_image_embedder(checkpoint: str | os.PathLike, device: str = "cpu") -> Callable[[np.ndarray], np.ndarray]:
+    """``images -> embeddings`` with a trained model and its config's evaluation transform."""
+    from dmlkit.data import get_transforms
+    from dmlkit.data.base import ArrayDataset
+    from dmlkit.training import embed_split, load_checkpoint
+
+    model, config = load_checkpoint(Path(checkpoint), device=device)
+
+    def embed(images: np.ndarray) -> np.ndarray:
+        ds = ArrayDataset(images, np.zeros(len(images), dtype=np.int64), kind="image", invert=True)
+        if config.data.transform is not None:
+            ds = ds.with_transform(get_transforms(config.data.transform, train=False, image_size=config.data.image_size))
+        emb, _ = embed_split(model, ds, config, device=device)
+        return emb
+
+    return embed

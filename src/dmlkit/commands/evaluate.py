@@ -1,0 +1,72 @@
+"""``dmlkit evaluate EMB [--reference REF] ...``: retrieval, clustering and histogram metrics."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import typer
+
+_COUNTS = ("num_queries", "num_queries_without_positive")
+
+
+def register(app: typer.Typer) -> None:
+    @app.command("evaluate")
+    def evaluate_command(
+        embeddings: Path = typer.Argument(..., help="Query embeddings: .npz / .pt (embeddings + labels) or .npy."),
+        reference: Path | None = typer.Option(None, "--reference", "-r", help="Separate reference set (same formats); default: the query set, each query excluded from its own neighbours."),
+        labels: Path | None = typer.Option(None, "--labels", help="Labels of a .npy query file (.npy / .txt / .csv, one integer per row)."),
+        reference_labels: Path | None = typer.Option(None, "--reference-labels", help="Labels of a .npy reference file."),
+        metrics: str = typer.Option("precision_at_1,recall_at_k,r_precision,map_at_r", "--metrics", "-m", help="Comma-separated: precision_at_1, recall_at_k, precision_at_k, r_precision, map_at_r, map, nmi, ami, pair_f1, pos_neg_js (or recall_at_<K>)."),
+        k: str = typer.Option("1,2,4,8", "--k", help="Comma-separated K values of recall_at_k / precision_at_k."),
+        distance: str = typer.Option("cosine", "--distance", "-d", help="cosine | dot | euclidean | snr."),
+        backend: str = typer.Option("auto", "--backend", help="kNN backend: auto | torch | faiss."),
+        memory_mb: int = typer.Option(256, "--memory-mb", min=1, help="Working-memory budget of the blockwise kNN, MiB."),
+        restarts: int = typer.Option(3, "--restarts", min=1, help="k-means restarts averaged by nmi / ami / pair_f1."),
+        seed: int = typer.Option(0, "--seed", help="First k-means seed."),
+        per_class_out: Path | None = typer.Option(None, "--per-class", help="Also write per-class retrieval metrics to this JSON file."),
+        as_json: bool = typer.Option(False, "--json", help="Print JSON instead of a table."),
+    ) -> None:
+        """Evaluate embeddings: P@1, Recall@K, R-Precision, MAP@R, NMI/AMI/F1, pos/neg JS divergence."""
+        from dmlkit.exceptions import ConfigError
+        from dmlkit.metrics import evaluate, per_class
+        from dmlkit.utils import atomic_write_json, load_embeddings
+
+        try:
+            k_values = [int(v) for v in k.split(",") if v.strip()]
+        except ValueError:
+            raise ConfigError(f"--k must be comma-separated integers, got {k!r}") from None
+        q, ql, _ = load_embeddings(embeddings, labels)
+        r = rl = None
+        if reference is not None:
+            r, rl, _ = load_embeddings(reference, reference_labels)
+        elif reference_labels is not None:
+            raise ConfigError("--reference-labels needs --reference")
+        kwargs = dict(distance=distance, k_values=k_values, backend=backend,
+                      memory_budget=memory_mb * 2**20)
+        result = evaluate(q, ql, r, rl, metrics=metrics, cluster_restarts=restarts, seed=seed,
+                          **kwargs)
+        if per_class_out is not None:
+            names = [m for m in result if m not in _COUNTS and m not in
+                     ("nmi", "ami", "pair_f1", "pos_neg_js")]
+            table = per_class(q, ql, r, rl, names or None, **kwargs)
+            atomic_write_json(per_class_out, {str(c): v for c, v in table.items()})
+        if as_json:
+            typer.echo(json.dumps(result, indent=2, allow_nan=True))
+            return
+        from rich.console import Console
+        from rich.table import Table
+
+        title = f"{embeddings.name}" + (f" vs {reference.name}" if reference else " (leave-one-out)")
+        out = Table(title=title)
+        out.add_column("metric")
+        out.add_column("value (%)", justify="right")
+        for name, value in result.items():
+            if name in _COUNTS:
+                continue
+            out.add_row(name, f"{100 * value:.2f}")
+        Console().print(out)
+        typer.echo(
+            f"{result['num_queries']} queries, {result['num_queries_without_positive']} without a "
+            "same-class reference (left out of the retrieval means)"
+        )

@@ -1,0 +1,156 @@
+"""Retrieval index, verification and few-shot applications."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from typer.testing import CliRunner
+
+from dmlkit.apps import (
+    EmbeddingIndex,
+    few_shot_accuracy,
+    kfold_threshold_accuracy,
+    load_omniglot_one_shot_runs,
+    make_pairs,
+    omniglot_one_shot_error,
+    prototype_predict,
+    verify,
+)
+from dmlkit.cli import app
+from dmlkit.exceptions import DataError, DataNotFoundError, ShapeError
+from dmlkit.utils import save_embeddings
+
+
+def _clusters(classes=6, per=8, dim=8, noise=0.3, seed=0):
+    rng = np.random.default_rng(seed)
+    centres = rng.normal(size=(classes, dim))
+    x = np.concatenate([c + noise * rng.normal(size=(per, dim)) for c in centres]).astype(np.float32)
+    return x, np.repeat(np.arange(classes), per)
+
+
+# -- index -----------------------------------------------------------------------------------
+def test_index_search_matches_brute_force_and_round_trips(tmp_path):
+    x, y = _clusters()
+    ids = [f"img{i}.png" for i in range(len(x))]
+    idx = EmbeddingIndex(x[:40], y[:40], ids[:40])
+    idx.add(x[40:], y[40:], ids[40:])
+    q = x[:5] + 0.01
+    res = idx.search(q, k=4)
+    xn = x / np.linalg.norm(x, axis=1, keepdims=True)
+    qn = q / np.linalg.norm(q, axis=1, keepdims=True)
+    brute = np.argsort(-(qn @ xn.T), axis=1, kind="stable")[:, :4]
+    np.testing.assert_array_equal(res.indices, brute)
+    assert res.ids[0, 0] == "img0.png" and res.labels[0, 0] == y[0]
+    assert np.all(np.diff(res.scores, axis=1) <= 1e-7)
+    np.testing.assert_array_equal(idx.classify(q, k=3), y[:5])
+    idx.save(tmp_path / "i.npz")
+    again = EmbeddingIndex.load(tmp_path / "i.npz")
+    np.testing.assert_array_equal(again.search(q, 4).indices, res.indices)
+    assert again.distance == "cosine" and len(again) == len(x)
+
+
+def test_index_errors():
+    x, y = _clusters()
+    with pytest.raises(ShapeError):
+        EmbeddingIndex(x[0])
+    idx = EmbeddingIndex(x)
+    with pytest.raises(DataError, match="no labels"):
+        idx.classify(x[:2])
+    with pytest.raises(ShapeError):
+        idx.search(np.zeros((2, 3)))
+    with pytest.raises(DataError):
+        EmbeddingIndex(np.full((2, 2), np.nan))
+    with pytest.raises(ValueError, match="unknown distance"):
+        EmbeddingIndex(x, distance="hamming")
+
+
+# -- verification ----------------------------------------------------------------------------
+def test_pairs_are_balanced_and_correctly_labelled():
+    _, y = _clusters()
+    i, j, same = make_pairs(y, num_pairs=200, seed=1)
+    assert same.sum() == (~same).sum() == 100
+    np.testing.assert_array_equal(y[i] == y[j], same)
+    assert np.all(i != j)
+    with pytest.raises(DataError):
+        make_pairs(np.arange(5))
+
+
+def test_kfold_threshold_never_sees_its_fold():
+    # perfectly separable except one fold whose scores are shifted: a threshold fitted on the
+    # other folds must fail on it, which in-fold fitting would hide
+    scores = np.r_[np.linspace(0.6, 1, 50), np.linspace(0, 0.4, 50)]
+    same = np.r_[np.ones(50, bool), np.zeros(50, bool)]
+    order = np.random.default_rng(0).permutation(100)
+    scores, same = scores[order], same[order]
+    res = kfold_threshold_accuracy(scores, same, folds=10)
+    assert res["accuracy"] == 1.0 and 0.4 < res["threshold"] < 0.6
+    shifted = scores.copy()
+    shifted[:10] -= 0.5
+    res = kfold_threshold_accuracy(shifted, same, folds=10)
+    # fitted on fold 0 itself, a threshold would separate it perfectly; fitted elsewhere it cannot
+    from dmlkit.apps.verification import _best_threshold
+
+    assert _best_threshold(shifted[:10], same[:10])[1] == 1.0
+    assert res["fold_accuracies"][0] < 1.0
+
+
+def test_verify_separable_vs_random():
+    x, y = _clusters(noise=0.05)
+    good = verify(x, y, num_pairs=400, seed=0)
+    assert good.accuracy > 0.95 and good.roc_auc > 0.99 and good.eer < 0.05
+    rng = np.random.default_rng(0)
+    bad = verify(rng.normal(size=x.shape), y, num_pairs=400, seed=0)
+    assert 0.3 < bad.roc_auc < 0.7
+
+
+# -- few-shot --------------------------------------------------------------------------------
+def test_prototype_predict_against_loops():
+    rng = np.random.default_rng(3)
+    s, sl, q = rng.normal(size=(9, 4)), np.repeat([5, 7, 9], 3), rng.normal(size=(6, 4))
+    protos = {c: s[sl == c].mean(0) for c in (5, 7, 9)}
+    expected = [min(protos, key=lambda c: np.sum((qq - protos[c]) ** 2)) for qq in q]
+    np.testing.assert_array_equal(prototype_predict(s, sl, q), expected)
+
+
+def test_few_shot_accuracy_with_ci():
+    x, y = _clusters(classes=10, per=10, noise=0.1)
+    res = few_shot_accuracy(x, y, n_way=5, k_shot=1, n_query=3, episodes=50)
+    assert res["accuracy"] > 0.95 and res["episodes"] == 50 and res["ci95"] >= 0
+    rng = np.random.default_rng(0)
+    chance = few_shot_accuracy(rng.normal(size=x.shape), y, n_way=5, k_shot=1, n_query=3, episodes=200)
+    assert 0.1 < chance["accuracy"] < 0.35
+
+
+def test_omniglot_one_shot_runs(data_root):
+    runs = load_omniglot_one_shot_runs(data_root)
+    assert len(runs) == 20 and runs[0].train_images.shape == (20, 105, 105)
+    assert sorted(runs[0].answers) == list(range(20))  # each class is the answer once
+    # raw pixels as the embedding: the classic baseline is far from chance (95% error)
+    res = omniglot_one_shot_error(lambda imgs: (~imgs).reshape(len(imgs), -1).astype(np.float32), runs[:5])
+    assert res["error_percent"] < 90 and res["runs"] == 5
+
+
+def test_one_shot_runs_missing(tmp_path):
+    with pytest.raises(DataNotFoundError, match="one_shot_all_runs.zip"):
+        load_omniglot_one_shot_runs(tmp_path)
+
+
+# -- CLI -------------------------------------------------------------------------------------
+def test_cli_index_query_verify_fewshot(tmp_path):
+    x, y = _clusters(classes=8, per=8, noise=0.1)
+    save_embeddings(tmp_path / "ref.npz", x, y, paths=np.array([f"p{i}" for i in range(len(x))]))
+    runner = CliRunner()
+    res = runner.invoke(app, ["index", str(tmp_path / "ref.npz"), "-o", str(tmp_path / "idx.npz")])
+    assert res.exit_code == 0, res.output
+    res = runner.invoke(app, ["query", str(tmp_path / "idx.npz"), str(tmp_path / "ref.npz"), "-k", "2", "--json"])
+    assert res.exit_code == 0, res.output
+    records = json.loads(res.output)
+    assert records[3][0]["index"] == 3 and records[3][0]["id"] == "p3"
+    res = runner.invoke(app, ["verify", str(tmp_path / "ref.npz"), "--pairs", "200", "--folds", "5", "--json"])
+    assert res.exit_code == 0, res.output
+    assert json.loads(res.output)["accuracy"] > 0.9
+    res = runner.invoke(app, ["fewshot", str(tmp_path / "ref.npz"), "--episodes", "20", "--json"])
+    assert res.exit_code == 0, res.output
+    assert json.loads(res.output)["accuracy"] > 0.9

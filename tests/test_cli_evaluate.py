@@ -1,0 +1,112 @@
+"""``dmlkit evaluate``: files in, table or JSON out, exit code 2 on bad input."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from dmlkit.cli import main
+from dmlkit.metrics import evaluate
+from dmlkit.utils import save_embeddings
+
+
+@pytest.fixture()
+def emb_files(tmp_path):
+    rng = np.random.default_rng(0)
+    y = np.repeat(np.arange(8), 6)
+    x = (rng.normal(size=(8, 5))[y] + 0.7 * rng.normal(size=(48, 5))).astype(np.float32)
+    ref_y = np.repeat(np.arange(8), 3)
+    ref_x = (rng.normal(size=(24, 5))).astype(np.float32)
+    save_embeddings(tmp_path / "q.npz", x, y)
+    save_embeddings(tmp_path / "r.npz", ref_x, ref_y)
+    np.save(tmp_path / "q.npy", x)
+    np.savetxt(tmp_path / "labels.txt", y, fmt="%d")
+    torch.save({"embeddings": torch.from_numpy(x), "labels": torch.from_numpy(y)}, tmp_path / "q.pt")
+    return tmp_path, x, y, ref_x, ref_y
+
+
+def run(argv, capsys):
+    code = 0
+    try:
+        main(argv)
+    except SystemExit as exc:
+        code = exc.code
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def test_json_output_matches_evaluate(emb_files, capsys):
+    tmp, x, y, *_ = emb_files
+    code, out, _ = run(["evaluate", str(tmp / "q.npz"), "--json", "--metrics",
+                        "precision_at_1,r_precision,map_at_r,recall_at_k", "--k", "1,3"], capsys)
+    assert code == 0
+    got = json.loads(out)
+    want = evaluate(x, y, metrics=["precision_at_1", "r_precision", "map_at_r", "recall_at_k"],
+                    k_values=(1, 3))
+    assert got == pytest.approx(want)
+    assert list(got)[-2:] == ["num_queries", "num_queries_without_positive"]
+
+
+@pytest.mark.parametrize("source", ["q.pt", "q.npy"])
+def test_other_formats_give_same_numbers(emb_files, capsys, source):
+    tmp, *_ = emb_files
+    base = run(["evaluate", str(tmp / "q.npz"), "--json"], capsys)[1]
+    extra = ["--labels", str(tmp / "labels.txt")] if source.endswith(".npy") else []
+    code, out, _ = run(["evaluate", str(tmp / source), "--json", *extra], capsys)
+    assert code == 0 and json.loads(out) == json.loads(base)
+
+
+def test_reference_table_and_per_class(emb_files, capsys):
+    tmp, x, y, rx, ry = emb_files
+    per_class_path = tmp / "per_class.json"
+    code, out, _ = run(["evaluate", str(tmp / "q.npz"), "--reference", str(tmp / "r.npz"),
+                        "--metrics", "map_at_r,precision_at_1", "--per-class", str(per_class_path)],
+                       capsys)
+    assert code == 0
+    assert "map_at_r" in out and "q.npz vs r.npz" in out and "48 queries" in out
+    want = evaluate(x, y, rx, ry, metrics=["map_at_r"])["map_at_r"]
+    assert f"{100 * want:.2f}" in out
+    table = json.loads(per_class_path.read_text())
+    assert set(table) == {str(c) for c in range(8)} and "map_at_r" in table["0"]
+
+
+def test_clustering_and_histogram_metrics(emb_files, capsys):
+    tmp, *_ = emb_files
+    code, out, _ = run(["evaluate", str(tmp / "q.npz"), "--json", "--metrics", "nmi,pair_f1,pos_neg_js",
+                        "--restarts", "1"], capsys)
+    assert code == 0
+    res = json.loads(out)
+    assert 0 <= res["nmi"] <= 1 and 0 <= res["pos_neg_js"] <= 1
+
+
+def test_bad_inputs_exit_2(emb_files, capsys):
+    tmp, x, y, *_ = emb_files
+    code, _, err = run(["evaluate", str(tmp / "missing.npz")], capsys)
+    assert code == 2 and "not found" in err
+    bad = x.copy()
+    bad[3, 0] = np.nan
+    save_embeddings(tmp / "nan.npz", bad, y)
+    code, _, err = run(["evaluate", str(tmp / "nan.npz")], capsys)
+    assert code == 2 and "NaN" in err and "Traceback" not in err
+    code, _, err = run(["evaluate", str(tmp / "q.npz"), "--metrics", "accuracy"], capsys)
+    assert code == 2 and "unknown metric" in err
+    code, _, err = run(["evaluate", str(tmp / "q.npy")], capsys)  # no labels
+    assert code == 2 and "labels" in err
+    code, _, err = run(["evaluate", str(tmp / "q.npz"), "--k", "one"], capsys)
+    assert code == 2
+
+
+def test_console_script_subprocess(emb_files):
+    tmp, *_ = emb_files
+    ok = subprocess.run([sys.executable, "-m", "dmlkit", "evaluate", str(tmp / "q.npz"), "--json"],
+                        capture_output=True, text=True, timeout=120)
+    assert ok.returncode == 0, ok.stderr
+    assert "map_at_r" in json.loads(ok.stdout)
+    bad = subprocess.run([sys.executable, "-m", "dmlkit", "evaluate", str(tmp / "nope.npy")],
+                         capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "Traceback" not in bad.stderr

@@ -1,0 +1,155 @@
+"""Clustering metrics and positive/negative histograms against brute-force references."""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+from scipy.spatial.distance import jensenshannon
+from sklearn.metrics import adjusted_mutual_info_score, normalized_mutual_info_score
+
+from dmlkit.exceptions import ConfigError, DataError
+from dmlkit.metrics import (
+    cluster_metrics,
+    evaluate,
+    faiss_available,
+    js_divergence,
+    kmeans_labels,
+    pair_f1,
+    pos_neg_histograms,
+)
+
+
+# -- clustering -----------------------------------------------------------------------------------
+def ref_pair_f1(labels, clusters):
+    tp = fp = fn = 0
+    for i, j in itertools.combinations(range(len(labels)), 2):
+        same_c, same_k = labels[i] == labels[j], clusters[i] == clusters[j]
+        tp += same_c and same_k
+        fp += same_k and not same_c
+        fn += same_c and not same_k
+    if tp == 0:
+        return 0.0
+    p, r = tp / (tp + fp), tp / (tp + fn)
+    return 2 * p * r / (p + r)
+
+
+def test_pair_f1_matches_pair_enumeration():
+    rng = np.random.default_rng(0)
+    for _ in range(5):
+        y = rng.integers(0, 6, size=70)
+        c = rng.integers(0, 5, size=70)
+        assert pair_f1(y, c) == pytest.approx(ref_pair_f1(y, c), abs=1e-12)
+    assert pair_f1([0, 0, 1, 1], [5, 5, 7, 7]) == 1.0
+    assert pair_f1([0, 1, 2], [0, 0, 0]) == 0.0  # no positive pair at all
+
+
+def blobs(n_per=30, classes=5, d=8, spread=0.05, seed=0):
+    rng = np.random.default_rng(seed)
+    centers = rng.normal(size=(classes, d)) * 3
+    y = np.repeat(np.arange(classes), n_per)
+    x = centers[y] + spread * rng.normal(size=(y.size, d))
+    return x.astype(np.float32), y
+
+
+@pytest.mark.parametrize("backend", ["sklearn", pytest.param("faiss", marks=pytest.mark.skipif(
+    not faiss_available(), reason="faiss"))])
+def test_separated_clusters_score_one(backend):
+    x, y = blobs()
+    res = cluster_metrics(x, y, restarts=2, backend=backend)
+    assert res == pytest.approx({"nmi": 1.0, "ami": 1.0, "pair_f1": 1.0}, abs=1e-9)
+
+
+def test_cluster_metrics_average_seeded_restarts():
+    x, y = blobs(spread=2.5, seed=1)  # overlapping: the seed matters
+    runs = [kmeans_labels(x, 5, seed=s, backend="sklearn") for s in (3, 4, 5)]
+    want = {
+        "nmi": np.mean([normalized_mutual_info_score(y, a) for a in runs]),
+        "ami": np.mean([adjusted_mutual_info_score(y, a) for a in runs]),
+        "pair_f1": np.mean([ref_pair_f1(y, a) for a in runs]),
+    }
+    got = cluster_metrics(x, y, restarts=3, seed=3, backend="sklearn")
+    assert got == pytest.approx(want, abs=1e-12)
+    assert cluster_metrics(x, y, restarts=3, seed=3, backend="sklearn") == got  # deterministic
+
+
+def test_evaluate_clustering_keys():
+    x, y = blobs()
+    res = evaluate(x, y, metrics=["nmi", "ami", "pair_f1"], cluster_restarts=1)
+    assert res["nmi"] == pytest.approx(1.0) and res["pair_f1"] == pytest.approx(1.0)
+    with pytest.raises(DataError):
+        cluster_metrics(x, y, restarts=0)
+
+
+# -- histograms ------------------------------------------------------------------------------------
+def pair_values(q, ql, r=None, rl=None):
+    qn = q / np.linalg.norm(q, axis=1, keepdims=True)
+    if r is None:
+        s = qn @ qn.T
+        iu = np.triu_indices(len(q), 1)
+        return s[iu], (ql[:, None] == ql[None, :])[iu]
+    rn = r / np.linalg.norm(r, axis=1, keepdims=True)
+    return (qn @ rn.T).ravel(), (ql[:, None] == rl[None, :]).ravel()
+
+
+@pytest.mark.parametrize("same", [True, False])
+def test_histograms_match_numpy(same):
+    rng = np.random.default_rng(4)
+    q = rng.normal(size=(300, 5)).astype(np.float32)
+    ql = rng.integers(0, 9, size=300)
+    r = rl = None
+    if not same:
+        r = rng.normal(size=(250, 5)).astype(np.float32)
+        rl = rng.integers(0, 9, size=250)
+    h = pos_neg_histograms(q, ql, r, rl, bins=20, memory_budget=2**20)
+    vals, pos = pair_values(q.astype(np.float64), ql, None if r is None else r.astype(np.float64), rl)
+    edges = np.linspace(-1, 1, 21)
+    want_pos, _ = np.histogram(vals[pos], bins=edges)
+    want_neg, _ = np.histogram(vals[~pos], bins=edges)
+    # float32 vs float64 may move a value sitting on a bin edge by one bin
+    assert np.abs(h.pos_counts - want_pos).sum() <= 2
+    assert np.abs(h.neg_counts - want_neg).sum() <= 2
+    assert h.num_positive_pairs == int(pos.sum()) and h.num_negative_pairs == int((~pos).sum())
+    width = edges[1] - edges[0]
+    assert (h.pos_density * width).sum() == pytest.approx(1.0)
+    assert (h.neg_density * width).sum() == pytest.approx(1.0)
+    assert h.js == pytest.approx(jensenshannon(h.pos_counts, h.neg_counts, base=2) ** 2, abs=1e-12)
+    np.testing.assert_allclose(h.edges, edges)
+
+
+def test_histograms_blockwise_equals_one_block():
+    rng = np.random.default_rng(8)
+    x = rng.normal(size=(900, 4)).astype(np.float32)
+    y = rng.integers(0, 30, size=900)
+    a = pos_neg_histograms(x, y, bins=50, memory_budget=2**20)  # many tiles
+    b = pos_neg_histograms(x, y, bins=50, memory_budget=2**30)  # one tile
+    np.testing.assert_array_equal(a.pos_counts, b.pos_counts)
+    np.testing.assert_array_equal(a.neg_counts, b.neg_counts)
+    assert a.num_positive_pairs + a.num_negative_pairs == 900 * 899 // 2
+
+
+def test_histograms_other_distance_and_range():
+    rng = np.random.default_rng(9)
+    x = rng.normal(size=(80, 3)).astype(np.float32)
+    y = rng.integers(0, 4, size=80)
+    h = pos_neg_histograms(x, y, distance="euclidean", bins=10)
+    assert h.edges[0] >= 0 and h.edges[-1] <= 2.0 + 1e-6  # distances of unit vectors
+    assert h.num_positive_pairs + h.num_negative_pairs == 80 * 79 // 2
+    h2 = pos_neg_histograms(x, y, bins=4, range=(0.0, 1.0))
+    assert h2.edges.tolist() == [0.0, 0.25, 0.5, 0.75, 1.0]
+    assert h2.to_dict()["js"] == h2.js
+    with pytest.raises(ConfigError):
+        pos_neg_histograms(x, y, range=(1.0, 0.0))
+
+
+def test_js_bounds_and_errors():
+    assert js_divergence([1, 0], [0, 1]) == pytest.approx(1.0)
+    assert js_divergence([3, 1], [6, 2]) == pytest.approx(0.0)
+    # perfectly separated embeddings: positives at similarity 1, negatives at 0
+    x = np.array([[1, 0], [1, 0], [0, 1], [0, 1]], dtype=np.float32)
+    assert evaluate(x, [0, 0, 1, 1], metrics=["pos_neg_js"])["pos_neg_js"] == pytest.approx(1.0)
+    with pytest.raises(DataError, match="no positive pair"):
+        pos_neg_histograms(np.eye(3, dtype=np.float32), [0, 1, 2])
+    with pytest.raises(DataError, match="no negative pair"):
+        pos_neg_histograms(np.eye(3, dtype=np.float32), [0, 0, 0])
