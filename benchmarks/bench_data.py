@@ -79,9 +79,20 @@ def main() -> None:
         target = Path(tmp) / "omniglot-py"
         with zipfile.ZipFile(root / "omniglot" / "images_evaluation.zip") as zf:
             zf.extractall(target)
-        tv = Omniglot(tmp, background=False, download=False, transform=tf_tv)
-        # both list images by alphabet/character/drawer; check the first samples agree
-        same = all(torch.allclose(ev[i][0], tv[i][0]) for i in (0, 1, 19, 20))
+        # the shared zips are rebuilt from the npz copies, so torchvision's md5 check of the
+        # original zip cannot pass: skip it (the PNG folder layout is the official one)
+        class LocalOmniglot(Omniglot):
+            def _check_integrity(self) -> bool:
+                return True
+
+        tv = LocalOmniglot(tmp, background=False, download=False, transform=tf_tv)
+        # torchvision lists folders in file-system order; match samples by file name
+        # XXXX_YY.png (global character id, drawer) = dmlkit row (XXXX - 965) * 20 + YY - 1
+        def row(i: int) -> int:
+            gid, drawer = tv._flat_character_images[i][0].removesuffix(".png").split("_")
+            return (int(gid) - 965) * 20 + int(drawer) - 1
+
+        same = all(torch.allclose(ev[row(i)][0], tv[i][0], atol=0.02) for i in (0, 1, 19, 20, 5000))
         r_dml = _throughput(ev, indices, args.repeats)
         r_tv = _throughput(tv, indices, args.repeats)
 

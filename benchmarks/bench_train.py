@@ -4,17 +4,21 @@ pytorch-metric-learning loop.
 Both sides get the identical model (``dmlkit.training.build_model`` from the same seed), the
 identical batches (``dmlkit.samplers.MPerClassSampler`` with the same seed, through the same
 ``DataLoader``/transforms) and the same optimiser; the peer side replaces dmlkit's trainer,
-loss and miner with ``pml.losses.TripletMarginLoss`` + ``pml.miners.BatchHardMiner`` in a
-hand-written loop (no validation, logging or checkpoints). dmlkit's time is the whole
+loss and miner with pytorch-metric-learning's (``TripletMarginLoss`` + ``BatchHardMiner``, or
+``MultiSimilarityLoss`` + ``MultiSimilarityMiner``) in a hand-written loop (no validation,
+logging or checkpoints). dmlkit's time is the whole
 ``train()`` loop as a user runs it: logging to ``log.jsonl`` and an atomic checkpoint at every
 epoch end included (validation is off on both sides).
 
 Scenarios:
-  * ``omniglot-cnn``: the quickstart's small CNN on 28 x 28 Omniglot images (augmentation on)
-  * ``frozen-features``: a linear head on cached 1280-d features (the frozen-trunk mode), where
-    per-step overhead matters most.
+  * ``omniglot-cnn``: configs/quickstart.yaml (small CNN, 28 x 28 Omniglot with augmentation,
+    batch 32 x 4, triplet + batch-hard miner);
+  * ``frozen-features``: configs/att_faces_efficientnet.yaml (a linear head on cached 1280-d
+    EfficientNet-Lite0 features, batch 8 x 4, multi-similarity + its miner), where per-step
+    overhead matters most.
 
-Run:  python benchmarks/bench_train.py [--repeats 3] [--steps 60] [--out docs/bench/training.md]
+Run:  python benchmarks/bench_train.py --data-root ../shared/data [--repeats 3] [--steps 60]
+      [--out docs/bench/training.md]
 """
 
 from __future__ import annotations
@@ -35,95 +39,50 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def _config(scenario: str, steps: int):
-    from dmlkit.training import config_from_dict
+    from dmlkit.training import load_config
 
-    common = {
-        "seed": 0,
-        "loss": {"name": "triplet", "params": {"margin": 0.2}},
-        "miner": {"name": "batch_hard"},
-        "optimizer": {"preset": "cpu_quick"},
-        "training": {"epochs": 2, "device": "cpu", "log_every": 10},
-    }
-    if scenario == "omniglot-cnn":
-        return config_from_dict({
-            **common, "name": "bench-omniglot",
-            "data": {"dataset": "omniglot", "transform": "grayscale", "image_size": 28},
-            "model": {"trunk": "small_cnn", "pretrained": False, "in_channels": 1,
-                      "embedding_size": 64, "freeze_batchnorm": False},
-            "sampler": {"classes_per_batch": 32, "samples_per_class": 4,
-                        "batches_per_epoch": steps // 2},
-        })
-    return config_from_dict({
-        **common, "name": "bench-features",
-        "data": {"dataset": "features"},
-        "model": {"trunk": "small_cnn", "pretrained": False, "in_channels": 1,
-                  "embedding_size": 128, "freeze_batchnorm": False},
-        "sampler": {"classes_per_batch": 8, "samples_per_class": 4, "batches_per_epoch": steps // 2},
-    })
+    if scenario == "omniglot-cnn":  # the quickstart's model, loss, miner and batches
+        return load_config(REPO / "configs" / "quickstart.yaml", [
+            "training.epochs=2", f"sampler.batches_per_epoch={steps // 2}", "training.device=cpu",
+            "training.patience=null",
+        ])
+    # frozen EfficientNet-Lite0 features of AT&T faces, linear head, multi-similarity + miner
+    return load_config(REPO / "configs" / "att_faces_efficientnet.yaml", [
+        "training.epochs=2", f"sampler.batches_per_epoch={steps // 2}", "training.device=cpu",
+        "training.patience=null",
+    ])
 
 
-def _datasets(scenario: str, data_root: Path | None):
-    from dmlkit.data import ArrayDataset, get_transforms, load_dataset
+def _datasets(cfg, data_root: Path | None):
+    """The training dataset; in frozen-trunk mode also the cached trunk features."""
+    import warnings
 
-    if scenario == "omniglot-cnn":
-        ds = load_dataset("omniglot", root=data_root, sets=("background",))
-        return ds.subset_classes(range(200)).with_transform(
-            get_transforms("grayscale", train=True, image_size=28))
-    rng = np.random.default_rng(0)  # stand-in for cached trunk features: 200 classes x 20
-    centres = rng.normal(size=(200, 1280)).astype(np.float32)
-    labels = np.repeat(np.arange(200), 20)
-    feats = centres[labels] + rng.normal(scale=2.0, size=(labels.size, 1280)).astype(np.float32)
-    return ArrayDataset(feats, labels, kind="features", name="features")
+    from dmlkit.training import build_datasets, build_model
+    from dmlkit.training.trainer import trunk_features
 
-
-class _Head(torch.nn.Module):
-    """Linear head + L2 normalisation, the frozen-trunk model (same init on both sides)."""
-
-    def __init__(self, dim: int, size: int) -> None:
-        super().__init__()
-        self.linear = torch.nn.Linear(dim, size)
-
-    def forward(self, x):
-        return torch.nn.functional.normalize(self.linear(x), dim=1)
+    train_set = build_datasets(cfg, ("train",), data_root=data_root)["train"]
+    if not cfg.model.frozen_trunk:
+        return train_set, train_set
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        feats = trunk_features(build_model(cfg), train_set, cfg, torch.device("cpu"))
+    return train_set, feats
 
 
-def run_dmlkit(scenario, cfg, dataset) -> tuple[float, int]:
+def run_dmlkit(cfg, train_set, _features) -> tuple[float, int]:
+    """dmlkit's train() as a user runs it (log.jsonl, checkpoints), no validation."""
+    import warnings
+
     from dmlkit.training import train
 
-    with tempfile.TemporaryDirectory() as tmp:
-        if scenario == "frozen-features":
-            import dmlkit.training.trainer as trainer
-
-            original = trainer.build_model
-            trainer.build_model = lambda config, **kw: _HeadModel(dataset.arrays.shape[1], 128)
-            try:
-                t0 = time.perf_counter()
-                result = train(cfg, Path(tmp) / "run", train_set=dataset, progress=False)
-                wall = time.perf_counter() - t0
-            finally:
-                trainer.build_model = original
-        else:
-            t0 = time.perf_counter()
-            result = train(cfg, Path(tmp) / "run", train_set=dataset, progress=False)
-            wall = time.perf_counter() - t0
-    del wall
+    with tempfile.TemporaryDirectory() as tmp, warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "no validation classes"
+        result = train(cfg, Path(tmp) / "run", train_set=train_set, progress=False)
     return result.train_seconds, result.steps
 
 
-class _HeadModel(torch.nn.Module):
-    """An EmbeddingModel-shaped wrapper (empty trunk, linear embedder) for the features case."""
-
-    def __init__(self, dim: int, size: int) -> None:
-        super().__init__()
-        self.trunk = torch.nn.Identity()
-        self.embedder = torch.nn.Linear(dim, size)
-        self.embedding_size = size
-
-    def forward(self, x):
-        return torch.nn.functional.normalize(self.embedder(self.trunk(x)), dim=1)
-
-
-def run_pml(scenario, cfg, dataset) -> tuple[float, int]:
+def run_pml(cfg, train_set, features) -> tuple[float, int]:
+    """The same model, batches and optimiser in a plain loop with pml's loss and miner."""
     from pytorch_metric_learning import losses, miners
 
     from dmlkit.samplers import MPerClassSampler
@@ -131,15 +90,19 @@ def run_pml(scenario, cfg, dataset) -> tuple[float, int]:
     from dmlkit.utils import seed_everything
 
     seed_everything(cfg.seed)
-    if scenario == "frozen-features":
-        model = _HeadModel(dataset.arrays.shape[1], 128)
+    model = build_model(cfg)
+    if cfg.loss.name == "triplet":
+        loss_fn = losses.TripletMarginLoss(margin=cfg.loss.params.get("margin", 0.2))
+        miner = miners.BatchHardMiner()
     else:
-        model = build_model(cfg)
-    loss_fn = losses.TripletMarginLoss(margin=0.2)
-    miner = miners.BatchHardMiner()
-    opt = torch.optim.Adam(model.parameters(), lr=cfg.optimizer.embedder_lr,
-                           weight_decay=cfg.optimizer.weight_decay)
-    sampler = MPerClassSampler(dataset.labels, cfg.sampler.samples_per_class,
+        loss_fn, miner = losses.MultiSimilarityLoss(), miners.MultiSimilarityMiner()
+    frozen = cfg.model.frozen_trunk
+    step_fn = model.embed_features if frozen else model
+    params = [p for p in (model.embedder if frozen else model).parameters() if p.requires_grad]
+    opt = torch.optim.Adam(params, lr=cfg.optimizer.embedder_lr, weight_decay=cfg.optimizer.weight_decay)
+    data = features if frozen else train_set
+    classes = torch.as_tensor(np.unique(data.labels))
+    sampler = MPerClassSampler(np.asarray(data.labels), cfg.sampler.samples_per_class,
                                cfg.sampler.classes_per_batch, cfg.sampler.batches_per_epoch,
                                seed=cfg.seed)
     steps = 0
@@ -147,8 +110,9 @@ def run_pml(scenario, cfg, dataset) -> tuple[float, int]:
     for epoch in range(cfg.training.epochs):
         sampler.set_epoch(epoch)
         model.train()
-        for x, y in DataLoader(dataset, batch_sampler=sampler):
-            emb = model(x)
+        for x, y in DataLoader(data, batch_sampler=sampler):
+            y = torch.searchsorted(classes, y)
+            emb = step_fn(x)
             loss = loss_fn(emb, y, miner(emb, y))
             opt.zero_grad(set_to_none=True)
             loss.backward()
@@ -163,21 +127,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=60, help="optimiser steps per run")
     parser.add_argument("--data-root", type=Path, default=None)
     parser.add_argument("--scenarios", nargs="+", default=["omniglot-cnn", "frozen-features"])
+    parser.add_argument("--threads", type=int, default=2, help="torch intra-op threads (at most 2)")
     parser.add_argument("--out", type=Path, default=None, help="write a Markdown table here")
     args = parser.parse_args(argv)
-    torch.set_num_threads(2)
+    torch.set_num_threads(max(1, min(2, args.threads)))
     import pytorch_metric_learning
 
     rows = []
     for scenario in args.scenarios:
         cfg = _config(scenario, args.steps)
-        dataset = _datasets(scenario, args.data_root)
+        train_set, features = _datasets(cfg, args.data_root)
         batch = cfg.sampler.classes_per_batch * cfg.sampler.samples_per_class
-        run_dmlkit(scenario, cfg, dataset)  # warm-up (imports, allocator, caches)
+        run_dmlkit(cfg, train_set, features)  # warm-up (imports, allocator, caches)
         ours, peer = [], []
         for _ in range(args.repeats):
             for runner, sink in ((run_dmlkit, ours), (run_pml, peer)):  # interleaved
-                seconds, steps = runner(scenario, cfg, dataset)
+                seconds, steps = runner(cfg, train_set, features)
                 sink.append(steps * batch / seconds)
         med_ours, med_peer = statistics.median(ours), statistics.median(peer)
         rows.append((scenario, batch, args.steps, med_ours, med_peer, med_ours / med_peer))

@@ -151,7 +151,8 @@ def test_train_kill_resume_embed_evaluate(tmp_path, data_root):
     with np.load(out) as x:
         again = evaluate(x["embeddings"], x["labels"], metrics=["map_at_r", "precision_at_1"])
     assert again["map_at_r"] == pytest.approx(metrics["test"]["map_at_r"], abs=1e-6)
-    evaluated = _cli("evaluate", str(out))
-    if "No such command" in evaluated.stderr:
-        pytest.skip("`dmlkit evaluate` is not available yet")
+    evaluated = _cli("evaluate", str(out), "--json", "--metrics", "map_at_r,precision_at_1")
     assert evaluated.returncode == 0, evaluated.stderr
+    printed = json.loads(evaluated.stdout)
+    assert printed["map_at_r"] == pytest.approx(metrics["test"]["map_at_r"], abs=1e-6)
+    assert printed["precision_at_1"] == pytest.approx(metrics["test"]["precision_at_1"], abs=1e-6)

@@ -362,6 +362,9 @@ def test_errors_and_api(name):
     params = list(loss.parameters())
     assert params and params[0].shape == (4, 8)
     # empty batch: zero with a gradient
+    # any integer label dtype
+    labels = torch.tensor([0, 3, 2])
+    torch.testing.assert_close(loss(x, labels.int()), loss(x, labels))
     e = torch.zeros(0, 8, requires_grad=True)
     z = loss(e, torch.zeros(0, dtype=torch.long))
     z.backward()

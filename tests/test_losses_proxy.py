@@ -289,6 +289,9 @@ def test_errors_and_api(name):
         loss(x, torch.tensor([0, 1, 2]), indices=(torch.tensor([0]),) * 3)
     with pytest.raises(ConfigError, match="ref_emb"):
         loss(x, torch.tensor([0, 1, 2]), ref_emb=x, ref_labels=torch.tensor([0, 1, 2]))
+    # any integer label dtype
+    labels = torch.tensor([0, 3, 2])
+    torch.testing.assert_close(loss(x, labels.int()), loss(x, labels))
     e = torch.zeros(0, 8, requires_grad=True)
     z = loss(e, torch.zeros(0, dtype=torch.long))
     z.backward()

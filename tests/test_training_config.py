@@ -141,3 +141,14 @@ def test_missing_or_invalid_file(tmp_path):
 def test_shipped_configs_validate(name):
     cfg = load_config(REPO / "configs" / name)
     assert isinstance(cfg, ExperimentConfig)
+
+
+@pytest.mark.parametrize("name", sorted(p.name for p in (REPO / "configs").glob("*.yaml") if not p.name.startswith("bench_")))
+def test_shipped_configs_name_real_losses_and_miners(name):
+    from dmlkit.training import build_loss, build_miner
+
+    cfg = load_config(REPO / "configs" / name)
+    miner = build_miner(cfg)
+    loss = build_loss(cfg, num_classes=10, embedding_size=cfg.model.embedding_size, miner=miner)
+    assert loss is not None
+    assert (miner is None) == (cfg.miner is None)

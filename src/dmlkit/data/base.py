@@ -326,7 +326,8 @@ def load_image(path: str | os.PathLike, mode: str | None = "RGB"):
             out = img.convert(mode) if mode is not None and img.mode != mode else img.copy()
     except FileNotFoundError as exc:
         raise DataError(f"image file not found: {path}") from exc
-    except (UnidentifiedImageError, OSError, ValueError, SyntaxError) as exc:
+    except (UnidentifiedImageError, Image.DecompressionBombError, OSError, ValueError,
+            SyntaxError) as exc:
         raise DataError(
             f"cannot read image {path}: {exc}. Replace or delete the file, or load the dataset "
             "with skip_corrupt=True to skip unreadable images"

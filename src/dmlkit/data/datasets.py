@@ -301,7 +301,8 @@ def load_omniglot(root: str | os.PathLike | None = None, download: bool = False,
             used.append(str(d.relative_to(folder)))
         else:
             raise _missing(
-                "omniglot", folder, f"images_{s}.npz or images_{s}.zip (source={source!r})",
+                "omniglot", folder,
+                f"images_{s}.npz, images_{s}.zip or omniglot-py/images_{s}/ (source={source!r})",
                 f"Download {OMNIGLOT_URL}/images_{s}.zip into {folder} (or pass download=True).",
             )
         n_classes = np.unique(lab).size

@@ -117,6 +117,7 @@ class SoftmaxLoss(ProxyLoss):
 
     def compute(self, embeddings, labels, indices, ref_emb, ref_labels):
         reject_pairs_and_refs(self, indices, ref_emb)
+        labels = labels.long()
         if embeddings.shape[0] == 0:
             return self.zero_loss(embeddings)
         logits = self.get_logits(embeddings)
@@ -171,6 +172,7 @@ class NormalizedSoftmaxLoss(ProxyLoss):
 
     def compute(self, embeddings, labels, indices, ref_emb, ref_labels):
         reject_pairs_and_refs(self, indices, ref_emb)
+        labels = labels.long()
         if embeddings.shape[0] == 0:
             return self.zero_loss(embeddings)
         logits = self.get_logits(embeddings)
@@ -294,6 +296,7 @@ class LargeMarginSoftmaxLoss(ProxyLoss):
 
     def compute(self, embeddings, labels, indices, ref_emb, ref_labels):
         reject_pairs_and_refs(self, indices, ref_emb)
+        labels = labels.long()
         if embeddings.shape[0] == 0:
             return self.zero_loss(embeddings)
         dtype = compute_dtype(embeddings, self.weight)

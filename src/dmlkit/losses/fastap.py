@@ -38,25 +38,27 @@ def soft_histograms(
     Returns ``(B, num_bins + 1)`` tensors: ``h[i, l] = sum_{j: mask[i, j]} max(0, 1 - |d_ij -
     z_l| / Delta)`` with ``z_l = l * d_max / num_bins``. Distances beyond ``d_max + Delta`` (or
     below ``-Delta``) contribute nothing, exactly as the kernel says. Differentiable in ``dist``.
+    The masks must be disjoint: all of them are filled by the same two ``scatter_add`` calls
+    (lower and upper neighbouring bin), each mask owning its own block of columns.
     """
+    width = num_bins + 2  # bins 0..num_bins, plus one spare column per block
     delta = d_max / num_bins
-    pos = dist / delta
-    lower = torch.floor(pos.detach())
-    frac = pos - lower  # in [0, 1): weight of the upper bin
-    lower_idx = lower.long()
-    b = dist.shape[0]
-    out = []
-    for mask in masks:
-        hist = dist.new_zeros(b, num_bins + 3)
-        for offset, weight in ((0, 1 - frac), (1, frac)):
-            idx = lower_idx + offset
-            ok = mask & (idx >= 0) & (idx <= num_bins)
-            # out-of-range bins go to the spare column num_bins + 1 (then dropped)
-            idx = torch.where(ok, idx, torch.full_like(idx, num_bins + 1))
-            w = torch.where(ok, weight, torch.zeros_like(weight))
-            hist = hist.scatter_add(1, idx, w)
-        out.append(hist[:, : num_bins + 1])
-    return out
+    scaled = dist / delta
+    lower = torch.floor(scaled.detach())
+    frac = scaled - lower  # in [0, 1): weight of the upper bin
+    block = torch.full(dist.shape, len(masks), dtype=torch.long, device=dist.device)
+    for k, mask in enumerate(masks):
+        block.masked_fill_(mask, k)
+    used = block < len(masks)
+    base = lower.long().clamp(-1, num_bins + 1)
+    hist = dist.new_zeros(dist.shape[0], width * len(masks) + 1)
+    dump = width * len(masks)  # excluded pairs and out-of-range bins land here
+    for offset, weight in ((0, 1 - frac), (1, frac)):
+        idx = base + offset
+        ok = used & (idx >= 0) & (idx <= num_bins)
+        col = torch.where(ok, idx + block * width, dump)
+        hist = hist.scatter_add(1, col, torch.where(ok, weight, 0.0))
+    return [hist[:, k * width : k * width + num_bins + 1] for k in range(len(masks))]
 
 
 @register_loss("fastap", "fast_ap")
@@ -103,7 +105,8 @@ class FastAPLoss(BaseLoss):
         ref = None if ref_emb is None else upcast(ref_emb)
         dist = self.distance(upcast(embeddings), ref)
         d_max = float(2**self.distance.power)
-        h_pos, h_all = soft_histograms(dist, (pos, pos | neg), self.num_bins, d_max)
+        h_pos, h_neg = soft_histograms(dist, (pos, neg & ~pos), self.num_bins, d_max)
+        h_all = h_pos + h_neg
         cum_pos = torch.cumsum(h_pos, 1)
         cum_all = torch.cumsum(h_all, 1)
         numer = h_pos * cum_pos

@@ -85,6 +85,7 @@ class ProxyNCALoss(ProxyLoss):
 
     def compute(self, embeddings, labels, indices, ref_emb, ref_labels):
         reject_pairs_and_refs(self, indices, ref_emb)
+        labels = labels.long()
         if embeddings.shape[0] == 0:
             return self.zero_loss(embeddings)
         logits = self.get_logits(embeddings)
@@ -147,6 +148,7 @@ class ProxyAnchorLoss(ProxyLoss):
 
     def compute(self, embeddings, labels, indices, ref_emb, ref_labels):
         reject_pairs_and_refs(self, indices, ref_emb)
+        labels = labels.long()
         if embeddings.shape[0] == 0:
             return self.zero_loss(embeddings)
         dtype = compute_dtype(embeddings, self.proxies)
@@ -234,6 +236,7 @@ class SoftTripleLoss(ProxyLoss):
 
     def compute(self, embeddings, labels, indices, ref_emb, ref_labels):
         reject_pairs_and_refs(self, indices, ref_emb)
+        labels = labels.long()
         if embeddings.shape[0] == 0:
             return self.zero_loss(embeddings)
         sim = self.class_similarity(embeddings)

@@ -16,6 +16,8 @@ inputs are upcast to float32 before the distance matrix; the loss is returned in
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 
@@ -415,16 +417,21 @@ class DistanceLogisticLoss(_PairMatrixLoss):
         if mat is None:
             return self.zero_loss(embeddings)
         m = self.margin
-        sp_m = F.softplus(torch.tensor(-m, dtype=mat.dtype, device=mat.device))
-        d_pos = mat[pos]
-        pos_loss = F.softplus(d_pos - m) - sp_m
-        d_neg = mat[neg].clamp_min(self.min_distance)
-        # log(expm1(D)) = D + log(-expm1(-D)), stable for small and large D
-        log_expm1 = d_neg + torch.log(-torch.expm1(-d_neg))
-        neg_loss = m - log_expm1 + F.softplus(d_neg - m)
+        sp_m = math.log1p(math.exp(-m)) if m > -30 else -m  # softplus(-m)
+        sp = F.softplus(mat - m)
+        # -log p on the whole matrix, -log(1 - p) = m - log(expm1(D)) + softplus(D - m) with
+        # log(expm1(D)) = D + log(-expm1(-D)); selected per entry, masked entries get 0
+        d_c = mat.clamp_min(self.min_distance)
+        neg_loss = sp + (m - d_c) - torch.log(-torch.expm1(-d_c))
+        per_pair = torch.where(pos, sp - sp_m, neg_loss)
+        num_pos, num_neg = pos.sum(), neg.sum()
         if self.reduction == "mean":
-            return torch.cat([pos_loss, neg_loss]).mean()
-        parts = [x.mean() for x in (pos_loss, neg_loss) if x.numel()]
+            return torch.where(pos | neg, per_pair, 0.0).sum() / (num_pos + num_neg)
+        parts = []
+        if int(num_pos):
+            parts.append(torch.where(pos, per_pair, 0.0).sum() / num_pos)
+        if int(num_neg):
+            parts.append(torch.where(neg, per_pair, 0.0).sum() / num_neg)
         return torch.stack(parts).mean()
 
 

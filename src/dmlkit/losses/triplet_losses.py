@@ -42,6 +42,8 @@ __all__ = ["AngularLoss", "NPairsLoss", "TripletMarginLoss", "TupletMarginLoss"]
 
 #: Elements per block in the blocked (checkpointed) all-triplet computations.
 BLOCK_ELEMENTS = 1 << 22
+#: Hinge triplets over all triplets use the sorting path when an anchor has more positives.
+SORT_ABOVE_POSITIVES = 8
 
 
 def _matrix(distance: BaseDistance, embeddings: torch.Tensor, ref_emb: torch.Tensor | None):
@@ -53,8 +55,9 @@ def _blocks(n: int, per_item: int) -> list[tuple[int, int]]:
     return [(s, min(n, s + size)) for s in range(0, n, size)]
 
 
-def _maybe_checkpoint(fn, *args):
-    if torch.is_grad_enabled() and any(a.requires_grad for a in args):
+def _maybe_checkpoint(fn, *args, single_block: bool = False):
+    """``fn(*args)``, checkpointed (recomputed in backward) unless it is the only block."""
+    if not single_block and torch.is_grad_enabled() and any(a.requires_grad for a in args):
         return checkpoint(fn, *args, use_reentrant=False)
     return fn(*args)
 
@@ -80,14 +83,21 @@ def hinge_triplet_sums(
     return per_pair.sum(1).to(dist.dtype), counts.sum(1)
 
 
-def soft_triplet_sums(
-    dist: torch.Tensor, pos_mask: torch.Tensor, neg_mask: torch.Tensor, margin: float
+def blocked_triplet_sums(
+    dist: torch.Tensor,
+    pos_mask: torch.Tensor,
+    neg_mask: torch.Tensor,
+    margin: float,
+    soft: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-anchor ``sum_{p, n} softplus(d_ap - d_an + m)`` and the count of non-zero terms.
+    """Per-anchor ``sum_{p, n} l(d_ap - d_an + m)`` and the count of non-zero terms, with
+    ``l = softplus`` (``soft``) or ``relu``.
 
     Blocks of anchors over ``(block, K, R)`` with ``K`` the largest number of positives of an
-    anchor; each block is checkpointed so that the backward pass recomputes it.
+    anchor; when there is more than one block each is checkpointed so that the backward pass
+    recomputes it and memory stays ``O(B R + block)``.
     """
+    term = F.softplus if soft else F.relu
     cols, valid = compact_mask(pos_mask)
     d_pos = dist.gather(1, cols)  # (B, K)
     k, r = cols.shape[1], dist.shape[1]
@@ -95,15 +105,17 @@ def soft_triplet_sums(
     def block(dp, dn, v, nm):
         x = dp.unsqueeze(2) - dn.unsqueeze(1) + margin
         keep = v.unsqueeze(2) & nm.unsqueeze(1)
-        terms = torch.where(keep, F.softplus(x), 0.0)
+        terms = torch.where(keep, term(x), 0.0)
         return terms.sum((1, 2)), (terms > 0).sum((1, 2))
 
     sums, counts = [], []
-    for s, e in _blocks(dist.shape[0], k * r):
+    blocks = _blocks(dist.shape[0], k * r)
+    for s, e in blocks:
         out_sum, out_count = _maybe_checkpoint(
             lambda dp, dn, s=s, e=e: block(dp, dn, valid[s:e], neg_mask[s:e]),
             d_pos[s:e],
             dist[s:e],
+            single_block=len(blocks) == 1,
         )
         sums.append(out_sum)
         counts.append(out_count)
@@ -181,8 +193,11 @@ class TripletMarginLoss(BaseLoss):
             hardest_neg = dist.masked_fill(~neg_mask, float("inf")).amin(1)
             terms = self._term(hardest_pos - hardest_neg + self.margin)
             return torch.where(valid, terms, 0.0).sum() / valid.sum()
-        if self.soft_margin:
-            sums, counts = soft_triplet_sums(dist, pos_mask, neg_mask, self.margin)
+        max_pos = int(pos_mask.sum(1).max())
+        if self.soft_margin or max_pos <= SORT_ABOVE_POSITIVES:
+            sums, counts = blocked_triplet_sums(
+                dist, pos_mask, neg_mask, self.margin, soft=self.soft_margin
+            )
         else:
             sums, counts = hinge_triplet_sums(dist, pos_mask, neg_mask, self.margin)
         if self.reduction == "batch_all":
@@ -260,7 +275,8 @@ class AngularLoss(BaseLoss):
             return masked_logsumexp(f, neg_mask[ia], dim=1, add_one=True)
 
         losses = []
-        for s, e in _blocks(a1.numel(), ref.shape[0]):
+        blocks = _blocks(a1.numel(), ref.shape[0])
+        for s, e in blocks:
             ia, ip = a1[s:e], p[s:e]
             losses.append(
                 _maybe_checkpoint(
@@ -269,6 +285,7 @@ class AngularLoss(BaseLoss):
                     sim_pn,
                     x,
                     ref,
+                    single_block=len(blocks) == 1,
                 )
             )
         return torch.cat(losses).mean()

@@ -41,7 +41,7 @@ def kmeans_labels(
     use_faiss = backend == "faiss"
     if backend == "auto":
         try:
-            import faiss  # noqa: F401
+            import faiss
 
             use_faiss = True
         except ImportError:

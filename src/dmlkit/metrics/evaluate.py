@@ -102,8 +102,7 @@ def _retrieval_per_query(
             inp.q, None if inp.same else inp.r, need, distance=inp.distance,
             backend=backend, memory_budget=budget, order=order,
         )
-        labels = inp.rl[res.indices.cpu()]
-        out.update(per_query_from_neighbours(labels, inp.ql, inp.r_q, knn_names))
+        out.update(per_query_from_neighbours(res.indices.cpu(), inp.rl, inp.ql, inp.r_q, knn_names))
     if "map" in names:
         out["map"] = _full_map(inp, budget)
     return out

@@ -99,7 +99,7 @@ def pos_neg_histograms(
     *,
     distance: str | BaseDistance = "cosine",
     bins: int = 100,
-    range: tuple[float, float] | None = None,  # noqa: A002 - the numpy name
+    range: tuple[float, float] | None = None,
     memory_budget: int = DEFAULT_MEMORY_BUDGET,
 ) -> PosNegHistograms:
     """Histograms of all positive-pair and all negative-pair values and their JS divergence.

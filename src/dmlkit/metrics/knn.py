@@ -226,70 +226,104 @@ def _knn_faiss(
     ref = q if same else r
     nq, m = q.shape[0], ref.shape[0]
     nq_, nr_ = scorer.sq_norms(q), scorer.sq_norms(ref)
-    # two float32 tiles (the product and its transpose) fill the budget, at most 1024 x 1024
-    # (a tile that stays in the L2/L3 cache keeps the matmul near peak and the heaps' scan fast)
-    tile = int(max(64, min(1024, math.isqrt(budget // 8))))
+    # Threads: torch and faiss each bundle an OpenMP runtime, and when both run parallel
+    # regions in turn their idle threads spin against each other (a 2-core machine slows down
+    # ~4x). So every kernel here runs single-threaded and the parallelism is a pipeline:
+    # `workers` Python threads compute tile products (torch releases the GIL) while this
+    # thread feeds finished tiles to the heaps, in order.
+    workers = max(1, torch.get_num_threads())
+    inflight = workers + 1
+    # `inflight` pairs of float32 tiles (product and transpose) fill the budget, at most
+    # 1024 x 1024 (a tile in the L2/L3 cache keeps the matmul near peak and the heap scan fast)
+    tile = int(max(64, min(1024, math.isqrt(budget // (8 * inflight)))))
     dist = np.full((nq, k), -np.inf, dtype=np.float32)
     ids = np.full((nq, k), -1, dtype=np.int64)
     heaps = faiss.float_minheap_array_t()
     heaps.nh, heaps.k = nq, k
     heaps.val, heaps.ids = faiss.swig_ptr(dist), faiss.swig_ptr(ids)
-    buf = torch.empty(tile * tile, dtype=torch.float32)
-    buf_t = torch.empty(tile * tile, dtype=torch.float32)
+    bufs = [torch.empty(tile * tile, dtype=torch.float32) for _ in range(inflight)]
+    bufs_t = [torch.empty(tile * tile, dtype=torch.float32) for _ in range(inflight)]
 
-    def add(block: torch.Tensor, row0: int, col0: int) -> None:
-        arr = block.numpy()
-        heaps.addn(block.shape[1], faiss.swig_ptr(arr), col0, row0, block.shape[0])
+    def tasks():
+        """Tiles ``(a0, a1, b0, b1, transpose_too)``; for a self-search only ``b0 >= a0``, in
+        bands by distance from the diagonal (neighbours in ``order`` come first)."""
+        if same:
+            nb = (nq + tile - 1) // tile
+            for band in range(nb):
+                for bi in range(nb - band):
+                    bj = bi + band
+                    yield (bi * tile, min(nq, (bi + 1) * tile),
+                           bj * tile, min(nq, (bj + 1) * tile), band > 0)
+        else:
+            for a0 in range(0, nq, tile):
+                for b0 in range(0, m, tile):
+                    yield a0, min(nq, a0 + tile), b0, min(m, b0 + tile), False
 
-    def product(a0: int, a1: int, b0: int, b1: int) -> torch.Tensor:
-        out = buf[: (a1 - a0) * (b1 - b0)].view(a1 - a0, b1 - b0)
-        return scorer.block(
+    def compute(slot: int, a0: int, a1: int, b0: int, b1: int, both: bool):
+        size = (a1 - a0) * (b1 - b0)
+        s = scorer.block(
             q[a0:a1], ref[b0:b1],
             None if nq_ is None else nq_[a0:a1], None if nr_ is None else nr_[b0:b1],
-            out=out,
+            out=bufs[slot][:size].view(a1 - a0, b1 - b0),
         )
+        if exclude_self:
+            _mask_self(s, a0, b0)
+        st = None
+        if both:
+            st = bufs_t[slot][:size].view(b1 - b0, a1 - a0)
+            st.copy_(s.T)
+        return s, st
 
-    if same:
-        nb = (nq + tile - 1) // tile
-        # bands of tiles by distance from the diagonal: neighbours in `order` come first
-        for band in range(nb):
-            for bi in range(nb - band):
-                bj = bi + band
-                a0, a1 = bi * tile, min(nq, (bi + 1) * tile)
-                b0, b1 = bj * tile, min(nq, (bj + 1) * tile)
-                s = product(a0, a1, b0, b1)
-                if band == 0:
-                    if exclude_self:
-                        s.fill_diagonal_(-math.inf)
-                    add(s, a0, b0)
-                    continue
+    def add(block: torch.Tensor, row0: int, col0: int) -> None:
+        heaps.addn(block.shape[1], faiss.swig_ptr(block.numpy()), col0, row0, block.shape[0])
+
+    from collections import deque
+    from concurrent.futures import ThreadPoolExecutor
+
+    threads, faiss_threads = torch.get_num_threads(), faiss.omp_get_max_threads()
+    torch.set_num_threads(1)
+    faiss.omp_set_num_threads(1)
+    try:
+        with ThreadPoolExecutor(max_workers=workers) as pool:
+            pending: deque = deque()
+
+            def consume() -> None:
+                (a0, _, b0, _, _), fut = pending.popleft()
+                s, st = fut.result()
                 add(s, a0, b0)
-                st = buf_t[: s.numel()].view(b1 - b0, a1 - a0)
-                st.copy_(s.T)
-                add(st, b0, a0)
-    else:
-        for a0 in range(0, nq, tile):
-            a1 = min(nq, a0 + tile)
-            for b0 in range(0, m, tile):
-                b1 = min(m, b0 + tile)
-                s = product(a0, a1, b0, b1)
-                if exclude_self:
-                    _mask_self(s, a0, b0)
-                add(s, a0, b0)
+                if st is not None:
+                    add(st, b0, a0)
+
+            for n_task, (a0, a1, b0, b1, both) in enumerate(tasks()):
+                if len(pending) == inflight:
+                    consume()  # frees the slot that this task reuses
+                fut = pool.submit(compute, n_task % inflight, a0, a1, b0, b1, both)
+                pending.append(((a0, a1, b0, b1, both), fut))
+            while pending:
+                consume()
+    finally:
+        torch.set_num_threads(threads)
+        faiss.omp_set_num_threads(faiss_threads)
     heaps.reorder()
     top_c = torch.from_numpy(dist)
     top_i = torch.from_numpy(ids)
-    if order is not None and same:
-        top_i = order[top_i]  # permuted positions -> original reference indices
-    if k > 1:  # equal values inside a row: order them by index, like the torch backend
+    if k > 1:  # equal values inside a row: order them by reference index, like the torch backend
         tied = (top_c[:, 1:] == top_c[:, :-1]).any(1).nonzero().squeeze(1)
         if tied.numel():
-            top_c[tied], top_i[tied] = _sort_rows_by_value_then_index(top_c[tied], top_i[tied])
-    if order is not None:  # rows back to the caller's order
-        inv_c, inv_i = torch.empty_like(top_c), torch.empty_like(top_i)
-        inv_c[order], inv_i[order] = top_c, top_i
-        top_c, top_i = inv_c, inv_i
-    return top_c, top_i
+            sub_i = top_i[tied] if order is None or not same else order[top_i[tied]]
+            sv, si = _sort_rows_by_value_then_index(top_c[tied], sub_i)
+            top_c[tied] = sv
+            top_i[tied] = si if order is None or not same else torch.argsort(order)[si]
+    if order is None:
+        return top_c, top_i
+    # back to the caller's row order and reference indices, a block of rows at a time
+    out_c, out_i = torch.empty_like(top_c), torch.empty_like(top_i)
+    step = max(1, (1 << 22) // k)
+    for a0 in range(0, nq, step):
+        rows = order[a0 : a0 + step]
+        out_c[rows] = top_c[a0 : a0 + step]
+        out_i[rows] = order[top_i[a0 : a0 + step]] if same else top_i[a0 : a0 + step]
+    return out_c, out_i
 
 
 # -- public entry point -------------------------------------------------------------------------
@@ -372,22 +406,7 @@ def knn(
                 torch.sort(perm).values, torch.arange(q.shape[0])
             ):
                 raise ShapeError("order must be a permutation of the query rows")
-        # torch and faiss each bundle an OpenMP runtime; when both run parallel regions in turn
-        # their idle threads spin against each other and a 2-core machine slows down ~4x. So
-        # the tile products run on one torch thread while faiss's heaps use the threads.
-        threads = torch.get_num_threads()
-        import faiss
-
-        faiss_threads = faiss.omp_get_max_threads()
-        torch.set_num_threads(1)
-        faiss.omp_set_num_threads(threads)
-        try:
-            closeness, idx = _knn_faiss(
-                scorer, qp, None if same else rp, k, exclude_self, budget, perm
-            )
-        finally:
-            torch.set_num_threads(threads)
-            faiss.omp_set_num_threads(faiss_threads)
+        closeness, idx = _knn_faiss(scorer, qp, None if same else rp, k, exclude_self, budget, perm)
     else:
         closeness, idx = _knn_torch(scorer, qp, rp, k, exclude_self, budget)
     return KNNResult(indices=idx, values=scorer.to_values(closeness), higher_is_closer=dist.higher_is_closer)

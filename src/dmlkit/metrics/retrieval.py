@@ -46,23 +46,24 @@ def num_positives(
 
 
 def per_query_from_neighbours(
-    neighbour_labels: torch.Tensor,
+    neighbours: torch.Tensor,
+    reference_labels: torch.Tensor,
     query_labels: torch.Tensor,
     r: torch.Tensor,
     names: list[str],
 ) -> dict[str, torch.Tensor]:
-    """Per-query float64 scores for ``names`` from the ranked neighbour labels.
+    """Per-query float64 scores for ``names`` from the ranked neighbours.
 
-    ``neighbour_labels`` is ``(N, k)`` (closest first), ``r`` is ``R_q``. R-based metrics use
+    ``neighbours`` is ``(N, k)`` reference indices (closest first), ``r`` is ``R_q``. R-based metrics use
     the first ``min(R_q, k)`` columns, so ``k`` must be at least ``max R_q`` for them to be
     exact (:func:`dmlkit.metrics.evaluate` ensures it).
     """
-    n, k = neighbour_labels.shape
+    n, k = neighbours.shape
     out = {name: torch.empty(n, dtype=torch.float64) for name in names}
     ranks = torch.arange(1, k + 1, dtype=torch.float64)
     for a0 in range(0, n, _ROW_BLOCK):
         a1 = min(n, a0 + _ROW_BLOCK)
-        rel = neighbour_labels[a0:a1] == query_labels[a0:a1, None]
+        rel = reference_labels[neighbours[a0:a1]] == query_labels[a0:a1, None]
         rq = r[a0:a1]
         need_r = any(name in ("r_precision", "map_at_r") for name in names)
         if need_r:
@@ -103,6 +104,6 @@ def full_ranking_ap(
     finite = torch.isfinite(closeness_rows.gather(1, order))
     rel &= finite
     hits = rel.cumsum(1, dtype=torch.int64).to(torch.float64)
-    ranks = torch.arange(1, rel.shape[1] + 1, dtype=torch.float64)
+    ranks = torch.arange(1, rel.shape[1] + 1, dtype=torch.float64, device=rel.device)
     prec = torch.where(rel, hits / ranks, 0.0)
     return prec.sum(1) / r.clamp_min(1).to(torch.float64)

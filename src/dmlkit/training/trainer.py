@@ -413,7 +413,16 @@ def _set_train_mode(module: nn.Module, model: nn.Module, config: ExperimentConfi
 
 
 def _scalar_metrics(metrics: dict[str, Any]) -> dict[str, float]:
-    return {k: float(v) for k, v in metrics.items() if isinstance(v, int | float | np.floating | np.integer)}
+    """The numeric entries of an ``evaluate`` result (counts stay ints) as plain Python numbers."""
+    out: dict[str, Any] = {}
+    for k, v in metrics.items():
+        if isinstance(v, bool):
+            continue
+        if isinstance(v, int | np.integer):
+            out[k] = int(v)
+        elif isinstance(v, float | np.floating):
+            out[k] = float(v)
+    return out
 
 
 def train(
@@ -619,8 +628,10 @@ def train(
                 value = float(loss.detach())
                 if step % config.training.log_every == 0 or step == 1:
                     state["elapsed"] = time.perf_counter() - t_start
+                    lrs = {g.get("name", str(i)): g["lr"] for i, g in enumerate(optimizer.param_groups)}
                     record = {"event": "train", "epoch": epoch + 1, "step": step, "loss": value,
-                              "lr": optimizer.param_groups[0]["lr"],
+                              "lr": lrs.get("embedder", next(iter(lrs.values()))),
+                              **{f"lr_{k}": v for k, v in lrs.items()},
                               "time": round(state["elapsed"], 3)}
                     if use_miner_in_loop and getattr(miner, "stats", None):
                         record.update({f"miner_{k}": v for k, v in miner.stats.items()})

@@ -1,0 +1,178 @@
+"""P@1 + R-Precision + MAP@R: dmlkit.metrics.evaluate vs pytorch-metric-learning's AccuracyCalculator.
+
+Synthetic clustered embeddings (C class centres ~ N(0, I_d); each sample = its centre + sigma *
+N(0, I_d), L2-normalised; sigma = 1.7 * (d / 128) ** 0.25 gives mid-range scores, MAP@R about
+0.15-0.45), classes of equal size, labels shuffled. Every (case, side, repeat) runs in its own
+subprocess so that the peak resident memory (``ru_maxrss``) of each side is measured alone;
+both sides run in the same invocation, alternating, and the medians are compared.
+
+The peer runs as its authors recommend for these metrics: faiss kNN with
+``k="max_bin_count"`` (k = largest class size - 1 with the query set as reference; its default
+k = the whole reference set needs N^2 memory) and ``ref_includes_query=True`` via
+``reference=None``. Its kNN index is ``IndexFlatIP`` by default (``--peer-index ip``): inner
+product = cosine similarity on these unit vectors, the distance dmlkit uses. With the peer's
+default ``IndexFlatL2`` the float32 rounding of ``|x|^2 + |y|^2 - 2<x, y>`` reorders a few
+near-ties (R-Precision off by one neighbour, 1e-6 at N = 10k). Both sides use 2 threads.
+
+    python benchmarks/bench_metrics.py                      # small grid: N=10k, d=128
+    python benchmarks/bench_metrics.py --n 100000 --d 128 --classes n/50 100 --repeats 3
+    python benchmarks/bench_metrics.py --full               # N in {10k,50k,100k} x d in {128,512}
+
+Prints one row per case (medians over repeats) and writes JSON with every measurement
+(``--out``). Exit status 1 if any metric differs by more than ``--tol`` (default 1e-6).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+METRICS = ("precision_at_1", "r_precision", "map_at_r")
+PEER_KEYS = {"precision_at_1": "precision_at_1", "r_precision": "r_precision",
+             "map_at_r": "mean_average_precision_at_r"}
+
+
+def make_data(n: int, d: int, classes: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """Clustered unit vectors with ``classes`` equal-size classes (labels shuffled)."""
+    rng = np.random.default_rng(seed)
+    sigma = 1.7 * (d / 128) ** 0.25
+    centers = rng.standard_normal((classes, d), dtype=np.float32)
+    labels = np.arange(n) % classes
+    rng.shuffle(labels)
+    x = centers[labels] + np.float32(sigma) * rng.standard_normal((n, d), dtype=np.float32)
+    x /= np.linalg.norm(x, axis=1, keepdims=True)
+    return x.astype(np.float32), labels.astype(np.int64)
+
+
+# -- workers (run in a fresh subprocess each) --------------------------------------------------------
+def _worker(side: str, data: str, threads: int, peer_index: str = "ip") -> None:
+    import resource
+
+    import torch
+
+    torch.set_num_threads(threads)
+    arrays = np.load(data)
+    x, y = arrays["x"], arrays["y"]
+    if side == "dmlkit":
+        from dmlkit.metrics import evaluate
+
+        t0 = time.perf_counter()
+        res = evaluate(x, y, metrics=list(METRICS))
+        elapsed = time.perf_counter() - t0
+        values = {m: float(res[m]) for m in METRICS}
+    else:
+        import faiss
+        from pytorch_metric_learning.utils.accuracy_calculator import AccuracyCalculator
+        from pytorch_metric_learning.utils.inference import FaissKNN
+
+        faiss.omp_set_num_threads(threads)
+        index = faiss.IndexFlatIP if peer_index == "ip" else faiss.IndexFlatL2
+        calc = AccuracyCalculator(include=tuple(PEER_KEYS.values()), k="max_bin_count",
+                                  device=torch.device("cpu"), knn_func=FaissKNN(index_init_fn=index))
+        xt, yt = torch.from_numpy(x), torch.from_numpy(y)
+        t0 = time.perf_counter()
+        res = calc.get_accuracy(xt, yt)  # reference=None: ref_includes_query=True
+        elapsed = time.perf_counter() - t0
+        values = {m: float(res[k]) for m, k in PEER_KEYS.items()}
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+    print(json.dumps({"side": side, "time_s": elapsed, "peak_bytes": peak, "metrics": values}))
+
+
+def _run_side(side: str, data: Path, threads: int, timeout: int, peer_index: str) -> dict:
+    cmd = [sys.executable, __file__, "--worker", side, "--data", str(data), "--threads", str(threads),
+           "--peer-index", peer_index]
+    env = dict(os.environ, OMP_NUM_THREADS=str(threads))
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+    if out.returncode != 0:
+        raise RuntimeError(f"{side} worker failed:\n{out.stderr[-3000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def _classes(spec: str, n: int) -> int:
+    return max(2, n // int(spec.split("/")[1])) if spec.startswith("n/") else int(spec)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--n", type=int, nargs="+", default=[10_000])
+    p.add_argument("--d", type=int, nargs="+", default=[128])
+    p.add_argument("--classes", nargs="+", default=["n/50", "100"],
+                   help="class counts: an integer or n/<size> (classes of that size)")
+    p.add_argument("--full", action="store_true", help="N in {10k, 50k, 100k}, d in {128, 512}")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--sides", nargs="+", default=["dmlkit", "peer"], choices=["dmlkit", "peer"])
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--tol", type=float, default=1e-6)
+    p.add_argument("--peer-index", choices=["ip", "l2"], default="ip",
+                   help="the peer's faiss index: inner product (= cosine here) or its default L2")
+    p.add_argument("--timeout", type=int, default=1800, help="seconds per subprocess")
+    p.add_argument("--out", type=Path, default=None, help="write all measurements as JSON")
+    p.add_argument("--worker", choices=["dmlkit", "peer"], help=argparse.SUPPRESS)
+    p.add_argument("--data", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.worker:
+        _worker(args.worker, args.data, args.threads, args.peer_index)
+        return 0
+    if args.full:
+        args.n, args.d = [10_000, 50_000, 100_000], [128, 512]
+    rows, failed = [], False
+    header = (f"{'N':>7} {'d':>4} {'C':>5} | {'dmlkit s':>9} {'peer s':>9} {'time x':>7} | "
+              f"{'dmlkit GB':>9} {'peer GB':>8} {'mem x':>6} | {'max |diff|':>10}  P@1 / RP / MAP@R")
+    print(f"{args.repeats} repeat(s), medians; {args.threads} threads; peer index {args.peer_index}; "
+          f"{time.strftime('%Y-%m-%d %H:%M:%S')}; load average {os.getloadavg()[0]:.1f}")
+    print(header)
+    with tempfile.TemporaryDirectory() as tmp:
+        for n in args.n:
+            for d in args.d:
+                for spec in args.classes:
+                    c = _classes(spec, n)
+                    data = Path(tmp) / f"data_{n}_{d}_{c}.npz"
+                    x, y = make_data(n, d, c)
+                    np.savez(data, x=x, y=y)
+                    del x, y
+                    runs: dict[str, list[dict]] = {s: [] for s in args.sides}
+                    for rep in range(args.repeats):
+                        order = args.sides if rep % 2 == 0 else args.sides[::-1]
+                        for side in order:
+                            runs[side].append(_run_side(side, data, args.threads, args.timeout,
+                                                       args.peer_index))
+                    row = {"n": n, "d": d, "classes": c, "runs": runs}
+                    med = {s: {"time_s": statistics.median(r["time_s"] for r in rs),
+                               "peak_bytes": statistics.median(r["peak_bytes"] for r in rs),
+                               "metrics": rs[0]["metrics"]} for s, rs in runs.items()}
+                    row["median"] = med
+                    line = f"{n:>7} {d:>4} {c:>5} | "
+                    if "dmlkit" in med and "peer" in med:
+                        a, b = med["dmlkit"], med["peer"]
+                        diff = max(abs(a["metrics"][m] - b["metrics"][m]) for m in METRICS)
+                        row["max_abs_diff"] = diff
+                        failed |= diff > args.tol
+                        line += (f"{a['time_s']:>9.2f} {b['time_s']:>9.2f} {a['time_s'] / b['time_s']:>7.2f} | "
+                                 f"{a['peak_bytes'] / 1e9:>9.2f} {b['peak_bytes'] / 1e9:>8.2f} "
+                                 f"{a['peak_bytes'] / b['peak_bytes']:>6.2f} | {diff:>10.1e}  ")
+                    else:
+                        s = next(iter(med))
+                        line += f"{s}: {med[s]['time_s']:.2f} s, {med[s]['peak_bytes'] / 1e9:.2f} GB | "
+                    m = next(iter(med.values()))["metrics"]
+                    line += " / ".join(f"{100 * m[k]:.2f}" for k in METRICS)
+                    print(line, flush=True)
+                    rows.append(row)
+                    data.unlink()
+    if args.out:
+        args.out.write_text(json.dumps(rows, indent=2))
+    if failed:
+        print(f"FAIL: a metric differs by more than {args.tol}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
