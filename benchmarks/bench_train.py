@@ -165,7 +165,7 @@ def main(argv: list[str] | None = None) -> int:
             f"Command: `{cmd.strip()}`  \n"
             f"Machine: 2-core CPU, 24 GB, shared with other jobs ({platform.processor() or platform.machine()}); "
             f"torch {torch.__version__}, pytorch-metric-learning {pytorch_metric_learning.__version__}, "
-            f"`torch.set_num_threads(2)`; median of {args.repeats} interleaved runs after a warm-up.\n\n"
+            f"`torch.set_num_threads({max(1, min(2, args.threads))})`; median of {args.repeats} interleaved runs after a warm-up.\n\n"
             f"{table}\n"
         )
     return 0

@@ -54,7 +54,7 @@ def ref_proxy_nca(x, labels, proxies, scale, exclude_positive=False, distance="s
 
 
 def ref_proxy_anchor(x, labels, proxies, alpha, delta):
-    """Kim et al. 2020, eq. 4, with explicit sums over proxies and samples."""
+    """Kim et al. 2020, with explicit sums over proxies and samples."""
     num_classes = len(proxies)
     pos_total, neg_total, with_pos = 0.0, 0.0, 0
     for c in range(num_classes):
@@ -77,7 +77,7 @@ def ref_proxy_anchor(x, labels, proxies, alpha, delta):
 
 
 def ref_soft_triple(x, labels, centers, num_classes, k, la, gamma, tau, delta):
-    """Qian et al. 2019, eqs. 8-11 and the code's regulariser, loops over classes and centres."""
+    """Qian et al. 2019 and the regulariser of its code, loops over classes and centres."""
     losses = []
     for i in range(len(x)):
         y = int(labels[i])
@@ -337,3 +337,19 @@ def test_memory_is_b_by_classes():
         loss = get_loss(name, num_classes=100, embedding_size=64)
         loss(x, labels).backward()
     assert torch.isfinite(x.grad).all()
+
+
+@pytest.mark.parametrize("exclude_positive", [False, True])
+def test_proxy_nca_fast_path_equals_distance_logits(exclude_positive):
+    """The unit squared-Euclidean shortcut (2 s cos) gives the loss of the public logits."""
+    loss = ProxyNCALoss(6, 5, scale=3.0, exclude_positive=exclude_positive).double()
+    x = torch.randn(10, 5, dtype=torch.float64)
+    labels = torch.arange(10) % 6
+    logits = loss.get_logits(x)  # -3 |x - p|^2
+    if exclude_positive:
+        pos = logits.gather(1, labels[:, None]).squeeze(1)
+        others = logits.scatter(1, labels[:, None], float("-inf"))
+        expected = (torch.logsumexp(others, 1) - pos).mean()
+    else:
+        expected = torch.nn.functional.cross_entropy(logits, labels)
+    torch.testing.assert_close(loss(x, labels), expected)

@@ -347,10 +347,11 @@ def test_invalid_arguments():
                                            torch.tensor([7])))
 
 
-def test_all_triplets_memory_is_quadratic():
+def test_all_triplets_memory_is_quadratic(monkeypatch):
     """B = 128 with 2 classes has 520k triplets (2 MB of float32); what autograd keeps for the
     backward pass stays below eight float64 (B, B) matrices (1 MB): blocks are checkpointed,
     so only (B, R) tensors are held."""
+    monkeypatch.setattr(tl, "BLOCK_ELEMENTS", 1 << 15)  # force several blocks at this small B
     g = torch.Generator().manual_seed(15)
     b = 128
     x = torch.randn(b, 32, generator=g, requires_grad=True)

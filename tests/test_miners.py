@@ -27,6 +27,7 @@ from dmlkit.miners import (
     triplets_from_pairs,
 )
 
+
 @pytest.fixture(autouse=True, scope="module")
 def _one_thread():
     """The CPU is shared by many jobs: torch's thread pool then spins and slows ops 10-20x."""
@@ -206,10 +207,11 @@ def test_batch_hard(kind, use_ref, dist):
     assert miner.stats == {"num_triplets": len(expected)} and miner.num_mined == len(expected)
 
 
+@pytest.mark.parametrize("strategy", ["blocks", "sort"])
 @pytest.mark.parametrize("nonzero", [True, False])
 @pytest.mark.parametrize("dist", ["cosine", "euclidean"])
 @pytest.mark.parametrize(("kind", "use_ref"), CASES, ids=CASE_IDS)
-def test_batch_all(kind, use_ref, dist, nonzero):
+def test_batch_all(kind, use_ref, dist, nonzero, strategy):
     emb, labels, remb, rlab = ref_case(kind, use_ref)
     ref = Ref(emb, labels, remb, rlab, dist)
     expected = {
@@ -217,14 +219,16 @@ def test_batch_all(kind, use_ref, dist, nonzero):
         for (a, p, n) in ref.triplets()
         if not nonzero or ref.f[a][n] - ref.f[a][p] < MARGIN
     }
-    got = run(BatchAllMiner(margin=MARGIN, nonzero=nonzero, distance=DIST_OBJ[dist]()), emb, labels, remb, rlab)
+    miner = BatchAllMiner(margin=MARGIN, nonzero=nonzero, distance=DIST_OBJ[dist](), strategy=strategy)
+    got = run(miner, emb, labels, remb, rlab)
     assert as_set(*got) == expected and len(got[0]) == len(expected)
 
 
+@pytest.mark.parametrize("strategy", ["blocks", "sort"])
 @pytest.mark.parametrize("fallback", ["easiest", "hardest", "none"])
 @pytest.mark.parametrize("dist", ["cosine", "euclidean"])
 @pytest.mark.parametrize(("kind", "use_ref"), CASES, ids=CASE_IDS)
-def test_semi_hard(kind, use_ref, dist, fallback):
+def test_semi_hard(kind, use_ref, dist, fallback, strategy):
     emb, labels, remb, rlab = ref_case(kind, use_ref)
     ref = Ref(emb, labels, remb, rlab, dist)
     margin = 0.3
@@ -243,9 +247,9 @@ def test_semi_hard(kind, use_ref, dist, fallback):
                 pick = max if fallback == "easiest" else min
                 hardest.add((a, p, pick(ref.neg[a], key=lambda j: ref.f[a][j])))
     d = DIST_OBJ[dist]()
-    got = run(SemiHardMiner(margin, fallback=fallback, distance=d), emb, labels, remb, rlab)
+    got = run(SemiHardMiner(margin, fallback=fallback, distance=d, strategy=strategy), emb, labels, remb, rlab)
     assert as_set(*got) == hardest and len(got[0]) == len(hardest)
-    got = run(SemiHardMiner(margin, negatives="all", distance=d), emb, labels, remb, rlab)
+    got = run(SemiHardMiner(margin, negatives="all", distance=d, strategy=strategy), emb, labels, remb, rlab)
     assert as_set(*got) == every and len(got[0]) == len(every)
 
 
@@ -433,6 +437,20 @@ def test_input_errors():
         miner(bad, labels)
     with pytest.raises(ConfigError):
         SemiHardMiner(negatives="some")
+
+
+def test_block_boundaries(monkeypatch):
+    """Tiny blocks (a few positive pairs each) give the same triplets as one block."""
+    import dmlkit.miners as miners_mod
+
+    emb, labels = make_batch("classes", seed=3)
+    big = [m(emb, labels) for m in (BatchAllMiner(strategy="blocks"), SemiHardMiner(0.3, strategy="blocks"))]
+    monkeypatch.setattr(miners_mod, "_BLOCK_ELEMENTS", 40)
+    small = [m(emb, labels) for m in (BatchAllMiner(strategy="blocks"), SemiHardMiner(0.3, strategy="blocks"))]
+    for x, y in zip(big, small):
+        assert as_set(*x) == as_set(*y) and len(x[0]) == len(y[0])
+    with pytest.raises(ConfigError, match="max_triplets"):
+        BatchAllMiner(max_triplets=5, strategy="blocks")(emb, labels)
 
 
 def test_all_triplets_size_limit():

@@ -77,3 +77,11 @@ def test_guard_rejects_test_classes():
         guard.check(DS(), "the search")
     DS.labels = np.array([1, 2, 3])
     assert guard.check(DS(), "the search") is not None
+
+
+def test_default_split_uses_the_published_training_classes():
+    s = make_bench_split(range(1, 23), "default", folds=4, default_dev=range(1, 13))
+    assert s.dev == tuple(range(1, 13)) and s.test == tuple(range(13, 23))
+    assert [f.val for f in s.folds] == [(1, 2, 3), (4, 5, 6), (7, 8, 9), (10, 11, 12)]
+    with pytest.raises(ConfigError, match="default_dev"):
+        make_bench_split(range(10), "default")

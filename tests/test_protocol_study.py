@@ -19,6 +19,7 @@ import pytest
 from dmlkit.protocol.study import (
     count_finished,
     fail_running_trials,
+    make_sampler,
     make_storage,
     open_study,
     resolve_storage_url,
@@ -53,7 +54,8 @@ def worker_main() -> None:  # run in a subprocess: argv = url, name, trials, log
     url, name, trials, log, sleep = sys.argv[1:6]
     storage = make_storage(url, heartbeat_interval=1, grace_period=3)
     study = open_study(storage, name, int(trials), seed=os.getpid() % 1000, n_startup_trials=2)
-    run_worker(study, _objective_factory(log, float(sleep)), heartbeat_interval=1)
+    run_worker(study, _objective_factory(log, float(sleep)), heartbeat_interval=1,
+               sampler_factory=lambda n: make_sampler("tpe", 100 + n, 2))
 
 
 def _spawn(url, name, trials, log, sleep) -> subprocess.Popen:
@@ -102,14 +104,16 @@ def test_exact_trials_failures_recorded(tmp_path):
         open_study(storage, "fp", 2, fingerprint={"a": 1}) and open_study(storage, "fp", 2, fingerprint={"a": 2})
 
 
-def test_tpe_is_seeded(tmp_path):
+def test_tpe_is_seeded_per_trial(tmp_path):
     xs = []
     for i in range(2):
         storage = make_storage(f"sqlite:///{tmp_path}/seeded{i}.db")
         study = open_study(storage, "s", 5, seed=11, n_startup_trials=2)
-        run_worker(study, lambda t: -t.suggest_float("x", 0, 1) ** 2)
+        run_worker(study, lambda t: -t.suggest_float("x", 0, 1) ** 2,
+                   sampler_factory=lambda n: make_sampler("tpe", 11 + n, 2))
         xs.append([t.params["x"] for t in study.trials])
-    assert xs[0] == xs[1]
+    assert xs[0] == xs[1]  # reproducible
+    assert len(set(xs[0])) == 5  # and every trial samples a new point
 
 
 def _wait_for(predicate, timeout=60.0):
@@ -180,6 +184,8 @@ def _two_workers(url: str, tmp_path: Path, trials: int = 8) -> None:
     _check_exact(study, trials, calls)
     assert len(calls) == trials  # nobody ran an extra trial
     assert len({c["pid"] for c in calls}) == 2, "both workers should have run trials"
+    # workers do not repeat each other's points (per-trial seeds, constant liar)
+    assert len({round(c["x"], 12) for c in calls}) == trials
 
 
 @pytest.mark.slow

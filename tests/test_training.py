@@ -76,8 +76,9 @@ def _assert_same_state(a, b):
 
 def test_train_writes_the_run_directory(tmp_path, omniglot_slice):
     train_set, val_set = omniglot_slice
-    result = train(make_config(), tmp_path / "run", train_set=train_set, val_set=val_set,
-                   test_set=val_set, progress=False)
+    with pytest.warns(UserWarning, match="test classes overlap"):  # val doubles as test here
+        result = train(make_config(), tmp_path / "run", train_set=train_set, val_set=val_set,
+                       test_set=val_set, progress=False)
     run = tmp_path / "run"
     for name in ("config.yaml", "provenance.json", "log.jsonl", "metrics.json",
                  "checkpoints/last.pt", "checkpoints/best.pt", "embeddings/test.npz"):
@@ -241,6 +242,9 @@ def test_frozen_trunk_trains_the_head_on_cached_features(tmp_path, omniglot_slic
                          "training.epochs": 2})
     result = train(cfg, tmp_path / "a", train_set=train_set, val_set=val_set, progress=False)
     assert any(cache.rglob("*")), "trunk features were not cached"
+    raw = torch.load(tmp_path / "a" / "checkpoints" / "last.pt", weights_only=True)
+    assert raw["trunk_file"] == "trunk.pt"  # the fixed trunk is stored once, not per epoch
+    assert not any(k.startswith("trunk.") for k in raw["model"])
     first = read_checkpoint(tmp_path / "a" / "checkpoints" / "last.pt")["model"]
     init_model = _initial_model(cfg)
     init = init_model.state_dict()

@@ -333,49 +333,99 @@ class AllPairsMiner(BaseMiner):
         return a1, p, a2, n
 
 
-class _BandTripletMiner(BaseMiner):
-    """Triplet miners that read, for each positive pair, a band of its anchor's negatives.
+_BLOCK_ELEMENTS = 2**22  # (positive pairs x references) per block of the block strategy
 
-    Each anchor's negatives are sorted once by farness; the wanted negatives of a positive
-    pair ``(a, p)`` are then a contiguous run ``[lo, hi)`` of that sorted row, found with
-    ``torch.searchsorted``. Extra memory: ``O(B^2 + output)``.
+
+class _BandTripletMiner(BaseMiner):
+    """Triplet miners that select, for each positive pair ``(a, p)``, negatives of ``a`` by
+    comparing ``d(a, n)`` with ``d(a, p)``. Two exact strategies, same triplets:
+
+    * ``"blocks"``: positive pairs are processed in blocks of ``~4M / R`` pairs; for each
+      block the ``(pairs x R)`` comparison is one vectorised mask. Work ``O(P R)`` for ``P``
+      positive pairs, memory ``O(B^2 + output)``; best when anchors have few positives (the
+      usual ``M = 4`` batches: ``P = 3B``).
+    * ``"sort"``: each anchor's negatives are sorted once (``O(B R log R)``) and every
+      positive pair reads a contiguous band of its sorted row (``torch.searchsorted``); best
+      when anchors have many positives (few classes per batch).
+
+    ``strategy="auto"`` (default) takes ``"blocks"`` when ``P <= 8 B``. Triplets are grouped by
+    positive pair; the order of the negatives within a pair is not specified.
     """
 
-    def __init__(self, distance=None, max_triplets: int | None = None) -> None:
+    def __init__(
+        self, distance=None, max_triplets: int | None = None, strategy: str = "auto"
+    ) -> None:
         super().__init__(distance)
         if max_triplets is not None and max_triplets < 0:
             raise ConfigError(f"max_triplets must be >= 0 or None, got {max_triplets}")
+        if strategy not in ("auto", "blocks", "sort"):
+            raise ConfigError(f"strategy must be 'auto', 'blocks' or 'sort', got {strategy!r}")
         self.max_triplets = max_triplets
+        self.strategy = strategy
 
-    def _sorted_negatives(self, f: torch.Tensor, neg: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        masked = f.masked_fill(~neg, math.inf)
-        return torch.sort(masked, dim=1)
+    def _use_blocks(self, num_pos_pairs: int, batch: int) -> bool:
+        if self.strategy == "auto":
+            return num_pos_pairs <= 8 * batch
+        return self.strategy == "blocks"
 
     def _check_size(self, total: int) -> None:
         if self.max_triplets is not None and total > self.max_triplets:
             gib = total * 3 * 8 / 2**30
             raise ConfigError(
-                f"{type(self).__name__} would return {total:,} triplets ({gib:.1f} GiB of "
-                f"indices), above max_triplets={self.max_triplets:,}. Call the loss without "
+                f"{type(self).__name__} would return at least {total:,} triplets ({gib:.1f} GiB "
+                f"of indices), above max_triplets={self.max_triplets:,}. Call the loss without "
                 "indices (its built-in all-triplets mode, O(B^2) memory), use the batch_all "
                 "miner with nonzero=True or batch_hard/semi_hard, use a smaller batch, or "
                 "raise max_triplets."
             )
 
-    def _gather(
-        self,
-        a: torch.Tensor,
-        p: torch.Tensor,
-        lo: torch.Tensor,
-        hi: torch.Tensor,
-        order: torch.Tensor,
-    ) -> Triplets:
+    # -- label-only expansion (every negative of the anchor) ------------------------------
+    def _all_negatives(self, a: torch.Tensor, p: torch.Tensor, neg: torch.Tensor) -> Triplets:
+        """Every ``(a, p, n)`` with ``n`` a negative of ``a``, in lexicographic order, without
+        any sort: the row-major list of negatives plus per-anchor offsets."""
+        _, n_flat = torch.where(neg)
+        count = neg.sum(1)
+        start = torch.cumsum(count, 0) - count
+        counts = count[a]
+        self._check_size(int(counts.sum()))
+        a_t, p_t, k = _expand(a, p, counts)
+        return a_t, p_t, n_flat[start[a_t] + k]
+
+    # -- block strategy --------------------------------------------------------------------
+    @staticmethod
+    def _blocks(a: torch.Tensor, p: torch.Tensor, f: torch.Tensor, neg: torch.Tensor):
+        """Yield ``(a_blk, p_blk, f[a_blk], d(a, p) as (blk, 1), neg[a_blk])``."""
+        step = max(1, _BLOCK_ELEMENTS // max(1, f.shape[1]))
+        for s in range(0, a.numel(), step):
+            ab, pb = a[s : s + step], p[s : s + step]
+            fa = f[ab]
+            yield ab, pb, fa, fa.gather(1, pb.unsqueeze(1)), neg[ab]
+
+    def _block_select(self, a, p, f, neg, condition) -> Triplets:
+        """Triplets where ``condition(f_an (blk, R), f_ap (blk, 1), is_neg (blk, R))`` holds."""
+        parts: list[Triplets] = []
+        total = 0
+        for ab, pb, fa, fap, na in self._blocks(a, p, f, neg):
+            rows, n = torch.nonzero(condition(fa, fap, na), as_tuple=True)
+            total += rows.numel()
+            self._check_size(total)
+            parts.append((ab[rows], pb[rows], n))
+        if not parts:
+            return _empty_like(f.device, 3)
+        return tuple(torch.cat(t) for t in zip(*parts))
+
+    # -- sort strategy ---------------------------------------------------------------------
+    @staticmethod
+    def _sorted_negatives(f: torch.Tensor, neg: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return torch.sort(f.masked_fill(~neg, math.inf), dim=1)
+
+    def _band(self, a, p, lo, hi, order) -> Triplets:
+        """Triplets ``(a, p, order[a, lo + k])`` for ``k < hi - lo``."""
         counts = (hi - lo).clamp_min(0)
         self._check_size(int(counts.sum()))
         a_t, p_t, k = _expand(a, p, counts)
         lo_t = torch.repeat_interleave(lo, counts, output_size=a_t.numel())
-        n_t = order[a_t, lo_t + k]
-        return a_t, p_t, n_t
+        return a_t, p_t, order[a_t, lo_t + k]
 
 
 @register_miner("all_triplets")
@@ -383,7 +433,8 @@ class AllTripletsMiner(_BandTripletMiner):
     """Every valid triplet ``(a, p, n)``: ``y_a == y_p != y_n``, ``a != p``.
 
     There are ``sum_a P_a N_a`` of them (``O(B^3)``), returned in lexicographic ``(a, p, n)``
-    order (as pytorch-metric-learning's ``get_all_triplets_indices``). Only for small batches:
+    order (as pytorch-metric-learning's ``get_all_triplets_indices``), built from the
+    ``O(B^2)`` label masks with memory proportional to the output. Only for small batches:
     above ``max_triplets`` (default ``2**25``, i.e. ~0.8 GiB of int64 indices) a
     :class:`~dmlkit.exceptions.ConfigError` points to the losses' built-in all-triplets mode
     (call the loss without ``indices``), which never materialises the triplets.
@@ -394,11 +445,8 @@ class AllTripletsMiner(_BandTripletMiner):
 
     def mine(self, embeddings, labels, ref_emb, ref_labels, same):
         pos, neg = label_masks(labels, ref_labels, exclude_self=same)
-        # negatives of each row first, in index order (stable sort of "is not a negative")
-        order = torch.sort((~neg).to(torch.uint8), dim=1, stable=True).indices
         a, p = torch.where(pos)
-        hi = neg.sum(1)[a]
-        return self._gather(a, p, torch.zeros_like(hi), hi, order)
+        return self._all_negatives(a, p, neg)
 
 
 # --------------------------------------------------------------------------------------------
@@ -438,10 +486,10 @@ class BatchAllMiner(_BandTripletMiner):
     mean = "BA != 0". Equivalent to pytorch-metric-learning's
     ``TripletMarginMiner(margin, type_of_triplets="all")`` (which keeps ``m <= margin``).
 
-    The output has up to ``O(B^3)`` triplets. They are produced per positive pair from each
-    anchor's sorted negatives (violators are a prefix of that sorted row), so memory is
-    ``O(B^2 + output)`` without any ``B^3`` intermediate; ``max_triplets`` (default ``None`` =
-    no limit) raises a clear error instead of allocating more.
+    The output has up to ``O(B^3)`` triplets; they are mined per block of positive pairs (or
+    from sorted negatives, see ``strategy``) in ``O(B^2 + output)`` memory, never a ``B^3``
+    tensor; ``max_triplets`` (default ``None`` = no limit) raises a clear error instead of
+    allocating more.
     """
 
     def __init__(
@@ -450,21 +498,24 @@ class BatchAllMiner(_BandTripletMiner):
         nonzero: bool = True,
         distance=None,
         max_triplets: int | None = None,
+        strategy: str = "auto",
     ) -> None:
-        super().__init__(distance, max_triplets)
+        super().__init__(distance, max_triplets, strategy)
         self.margin = float(margin)
         self.nonzero = bool(nonzero)
 
     def mine(self, embeddings, labels, ref_emb, ref_labels, same):
-        f = self.farness(embeddings, ref_emb, same)
         pos, neg = label_masks(labels, ref_labels, exclude_self=same)
-        sorted_f, order = self._sorted_negatives(f, neg)
         a, p = torch.where(pos)
-        if self.nonzero:
-            hi = torch.searchsorted(sorted_f, (f + self.margin).contiguous(), side="left")[a, p]
-        else:
-            hi = neg.sum(1)[a]
-        return self._gather(a, p, torch.zeros_like(hi), hi, order)
+        if not self.nonzero:
+            return self._all_negatives(a, p, neg)
+        f = self.farness(embeddings, ref_emb, same)
+        margin = self.margin
+        if self._use_blocks(a.numel(), f.shape[0]):
+            return self._block_select(a, p, f, neg, lambda fa, fap, na: na & (fa < fap + margin))
+        sorted_f, order = self._sorted_negatives(f, neg)
+        hi = torch.searchsorted(sorted_f, f + margin, side="left")[a, p]
+        return self._band(a, p, torch.zeros_like(hi), hi, order)
 
     def extra_repr(self) -> str:
         return f"margin={self.margin}, nonzero={self.nonzero}, {super().extra_repr()}"
@@ -489,6 +540,8 @@ class SemiHardMiner(_BandTripletMiner):
     * ``negatives="all"``: every semi-hard negative of every positive pair (what
       pytorch-metric-learning's ``TripletMarginMiner(type_of_triplets="semihard")`` returns);
       ``fallback`` is not used.
+
+    ``strategy`` as for :class:`BatchAllMiner` (same triplets either way).
     """
 
     def __init__(
@@ -498,8 +551,9 @@ class SemiHardMiner(_BandTripletMiner):
         fallback: str = "easiest",
         distance=None,
         max_triplets: int | None = None,
+        strategy: str = "auto",
     ) -> None:
-        super().__init__(distance, max_triplets)
+        super().__init__(distance, max_triplets, strategy)
         if negatives not in ("hardest", "all"):
             raise ConfigError(f"negatives must be 'hardest' or 'all', got {negatives!r}")
         if fallback not in ("easiest", "hardest", "none"):
@@ -511,23 +565,47 @@ class SemiHardMiner(_BandTripletMiner):
     def mine(self, embeddings, labels, ref_emb, ref_labels, same):
         f = self.farness(embeddings, ref_emb, same)
         pos, neg = label_masks(labels, ref_labels, exclude_self=same)
-        sorted_f, order = self._sorted_negatives(f, neg)
         a, p = torch.where(pos)
-        f = f.contiguous()
+        margin = self.margin
+        if self._use_blocks(a.numel(), f.shape[0]):
+            if self.negatives == "all":
+                return self._block_select(
+                    a, p, f, neg, lambda fa, fap, na: na & (fa > fap) & (fa < fap + margin)
+                )
+            return self._hardest_blocks(a, p, f, neg)
+        sorted_f, order = self._sorted_negatives(f, neg)
         lo = torch.searchsorted(sorted_f, f, side="right")[a, p]
-        hi = torch.searchsorted(sorted_f, f + self.margin, side="left")[a, p]
+        hi = torch.searchsorted(sorted_f, f + margin, side="left")[a, p]
         if self.negatives == "all":
-            return self._gather(a, p, lo, hi, order)
+            return self._band(a, p, lo, hi, order)
         num_neg = neg.sum(1)[a]
-        has_semi = lo < hi
         n = order[a, lo.clamp_max(order.shape[1] - 1)]
-        keep = has_semi
+        keep = lo < hi
         if self.fallback != "none":
             all_hard = (lo >= num_neg) & (num_neg > 0)
             col = num_neg - 1 if self.fallback == "easiest" else torch.zeros_like(num_neg)
             n = torch.where(all_hard, order[a, col.clamp_min(0)], n)
             keep = keep | all_hard
         return a[keep], p[keep], n[keep]
+
+    def _hardest_blocks(self, a, p, f, neg) -> Triplets:
+        if self.fallback != "none":
+            fallback_f = f.masked_fill(~neg, -math.inf if self.fallback == "easiest" else math.inf)
+            fallback_n = fallback_f.argmax(1) if self.fallback == "easiest" else fallback_f.argmin(1)
+            has_neg = neg.any(1)
+        parts: list[Triplets] = []
+        for ab, pb, fa, fap, na in self._blocks(a, p, f, neg):
+            farther = na & (fa > fap)
+            closest, n = fa.masked_fill(~farther, math.inf).min(1)
+            keep = closest < fap.squeeze(1) + self.margin
+            if self.fallback != "none":
+                all_hard = ~farther.any(1) & has_neg[ab]
+                n = torch.where(all_hard, fallback_n[ab], n)
+                keep = keep | all_hard
+            parts.append((ab[keep], pb[keep], n[keep]))
+        if not parts:
+            return _empty_like(f.device, 3)
+        return tuple(torch.cat(t) for t in zip(*parts))
 
     def extra_repr(self) -> str:
         return (

@@ -182,14 +182,12 @@ def masked_logsumexp(
     """
     x, mask = torch.broadcast_tensors(x, mask)
     filler = torch.finfo(x.dtype).min
-    filled = x.masked_fill(~mask, filler)
+    out = torch.logsumexp(torch.where(mask, x, filler), dim=dim, keepdim=True)
     if add_one:
-        zeros = torch.zeros_like(filled.narrow(dim, 0, 1))
-        filled = torch.cat([filled, zeros], dim=dim)
-    out = torch.logsumexp(filled, dim=dim, keepdim=True)
-    has_any = mask.any(dim=dim, keepdim=True)
-    if not add_one:
-        out = out.masked_fill(~has_any, empty)
+        # log(1 + sum exp x) = logaddexp(LSE, 0); an empty row has LSE ~ finfo.min -> exactly 0
+        out = torch.logaddexp(out, torch.zeros((), dtype=out.dtype, device=out.device))
+    else:
+        out = out.masked_fill(~mask.any(dim=dim, keepdim=True), empty)
     return out if keepdim else out.squeeze(dim)
 
 

@@ -185,7 +185,7 @@ def psi_margin(cos: torch.Tensor, m1: float, m2: float, m3: float) -> torch.Tens
     """Monotone extension of ``cos(m1 theta + m2) - m3`` over ``theta in [0, pi]``.
 
     ``psi(theta) = (-1)^k cos(m1 theta + m2) - 2k - m3`` with ``k = floor((m1 theta + m2) / pi)``
-    (SphereFace, Liu et al. 2017, eq. 7, extended to an additive angle). It equals the plain
+    (SphereFace, Liu et al. 2017, extended to an additive angle). It equals the plain
     margin while ``m1 theta + m2 <= pi`` and keeps decreasing (continuously) beyond it, so a
     large margin never *rewards* a larger angle. ``k`` carries no gradient.
     """

@@ -162,15 +162,18 @@ class CrossBatchMemory(BaseLoss):
         return super().forward(embeddings, labels, indices)
 
     def compute(self, embeddings, labels, indices, ref_emb, ref_labels):
+        # The queue is stored in at least float32 (bf16/fp16 batches are upcast when stored,
+        # float64 batches upgrade it) and read back in the batch's dtype.
+        store_dtype = torch.promote_types(self.embedding_memory.dtype, embeddings.dtype)
         if (
             self.embedding_memory.device != embeddings.device
-            or self.embedding_memory.dtype != embeddings.dtype
+            or self.embedding_memory.dtype != store_dtype
         ):
-            self.embedding_memory = self.embedding_memory.to(embeddings.device, embeddings.dtype)
+            self.embedding_memory = self.embedding_memory.to(embeddings.device, store_dtype)
             self.label_memory = self.label_memory.to(embeddings.device)
         labels = labels.to(torch.long)
         mem_emb, mem_labels = self.memory()
-        ref_emb = torch.cat([embeddings, mem_emb.detach()], dim=0)
+        ref_emb = torch.cat([embeddings, mem_emb.detach().to(embeddings.dtype)], dim=0)
         ref_labels = torch.cat([labels, mem_labels], dim=0)
 
         if self.miner is not None:

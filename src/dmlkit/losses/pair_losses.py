@@ -143,7 +143,8 @@ class ContrastiveLoss(BaseLoss):
             v = _pos_violation(self.distance, values, self.pos_margin)
         else:
             v = _neg_violation(self.distance, values, self.neg_margin)
-        return F.relu(v).pow(self.hinge_power)
+        v = F.relu(v)
+        return v * v if self.hinge_power == 2 else v
 
     def _reduce(self, terms: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
         if self.reduction == "mean_nonzero":
@@ -157,7 +158,7 @@ class ContrastiveLoss(BaseLoss):
             n_pos, n_neg = pos_mask.sum(), neg_mask.sum()
             if int(n_pos) + int(n_neg) == 0:
                 return self.zero_loss(embeddings)
-            pos_terms = torch.where(pos_mask, self._terms(mat, True), 0.0)
+            pos_terms = self._terms(mat[pos_mask], True)  # usually few: gather them
             neg_terms = torch.where(neg_mask, self._terms(mat, False), 0.0)
         else:
             check_indices(indices, embeddings.shape[0], mat.shape[1])

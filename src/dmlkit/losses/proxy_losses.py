@@ -83,12 +83,24 @@ class ProxyNCALoss(ProxyLoss):
             values = self.distance(embeddings.to(dtype), self.proxies.to(dtype))
             return self.scale * self.distance.closeness(values)
 
+    def _uses_unit_squared_euclidean(self) -> bool:
+        d = self.distance
+        return isinstance(d, LpDistance) and d.p == 2 and d.power == 2 and d.normalize_embeddings
+
     def compute(self, embeddings, labels, indices, ref_emb, ref_labels):
         reject_pairs_and_refs(self, indices, ref_emb)
         labels = labels.long()
         if embeddings.shape[0] == 0:
             return self.zero_loss(embeddings)
-        logits = self.get_logits(embeddings)
+        if self._uses_unit_squared_euclidean():
+            # |x - p|^2 = 2 - 2 cos(x, p) for unit vectors, and a softmax (or the NCA ratio)
+            # is unchanged by the constant -2s: same loss and gradient, fewer (B, C) passes.
+            dtype = compute_dtype(embeddings, self.proxies)
+            with full_precision(embeddings):
+                logits = cosine_to_rows(embeddings.to(dtype), self.proxies.to(dtype))
+                logits = logits * (2.0 * self.scale)
+        else:
+            logits = self.get_logits(embeddings)
         with full_precision(embeddings):
             if not self.exclude_positive:
                 return F.cross_entropy(logits, labels)

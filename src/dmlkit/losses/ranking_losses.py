@@ -12,6 +12,11 @@ excluded) and on two boolean ``(B, R)`` masks of positive and negative pairs:
 Everything is ``O(B R)`` memory (no ``B x B x B`` tensor, no ``positive pairs x negative pairs``
 mask), vectorised, and uses masked log-sum-exp, so large scales give no NaN/inf. Half-precision
 inputs are upcast to float32 before the distance matrix; the loss is returned in float32.
+
+Without ``indices``, multi-similarity, SupCon and NCA take a faster path that needs no
+``B x R`` boolean mask for the sparse positive set: per-class sums are formed with
+``index_add`` into ``(B, classes)`` or the positives are gathered into a ``(B, max class size)``
+block (same values, tested against the mask form and the loop references).
 """
 
 from __future__ import annotations
@@ -44,15 +49,15 @@ def _lse(x: torch.Tensor, mask: torch.Tensor, add_one: bool = False) -> torch.Te
 
     Rows with an empty mask give 0 (``log 1`` with ``add_one``) with a zero gradient. Unlike
     :func:`dmlkit.losses._pairs.masked_logsumexp` (same values), ``exp`` is never evaluated on
-    filler values: the shifted masked-out entries are set to 0 before ``exp`` and multiplied
-    away after it, which avoids the slow underflow path of vectorised ``exp`` (3-10x faster on
+    filler values: the shifted masked-out entries are set to 0 before ``exp`` and zeroed
+    again after it, which avoids the slow underflow path of vectorised ``exp`` (3-10x faster on
     CPU for half-empty masks) and can never produce ``inf * 0``.
     """
     off = ~mask
     m = x.detach().masked_fill(off, float("-inf")).amax(1, keepdim=True)
     nonempty = m > float("-inf")
     m = m.clamp_min(0) if add_one else torch.where(nonempty, m, torch.zeros_like(m))
-    s = torch.exp((x - m).masked_fill(off, 0)).masked_fill(off, 0).sum(1, keepdim=True)
+    s = torch.exp((x - m).masked_fill_(off, 0)).masked_fill(off, 0).sum(1, keepdim=True)
     if add_one:
         s = s + torch.exp(-m)
     else:
@@ -68,7 +73,12 @@ class _PairMatrixLoss(BaseLoss):
     def _setup(self, embeddings, labels, indices, ref_emb, ref_labels):
         """``(mat, pos, neg)``; ``mat`` is None when there is no pair at all (skip the distance)."""
         pos, neg = pair_masks(labels, indices, ref_labels)
-        if not bool(pos.any() or neg.any()):
+        if indices is None:  # every (i, j) is a pair, except (i, i) within the batch
+            num_ref = labels.shape[0] if ref_labels is None else ref_labels.shape[0]
+            empty = labels.shape[0] * (num_ref - int(ref_labels is None)) <= 0
+        else:
+            empty = all(t.numel() == 0 for t in indices)
+        if empty:
             return None, pos, neg
         ref = None if ref_emb is None else upcast(ref_emb)
         return self.distance(upcast(embeddings), ref), pos, neg
@@ -108,6 +118,8 @@ class MultiSimilarityLoss(_PairMatrixLoss):
         self.alpha, self.beta, self.base = float(alpha), float(beta), float(base)
 
     def compute(self, embeddings, labels, indices, ref_emb, ref_labels):
+        if indices is None:
+            return self._compute_labels(embeddings, labels, ref_emb, ref_labels)
         mat, pos, neg = self._setup(embeddings, labels, indices, ref_emb, ref_labels)
         if mat is None:
             return self.zero_loss(embeddings)
@@ -116,6 +128,51 @@ class MultiSimilarityLoss(_PairMatrixLoss):
         pos_lse = _lse(pos_exp, pos, add_one=True)
         neg_lse = _lse(neg_exp, neg, add_one=True)
         return (pos_lse / self.alpha + neg_lse / self.beta).mean()
+
+    def _compute_labels(self, embeddings, labels, ref_emb, ref_labels):
+        """All pairs from labels: the (few) positives of each row are gathered into a
+        ``(B, max class size)`` block, the negatives are the row with its class masked out."""
+        same_set = ref_labels is None
+        ref_labels = labels if same_set else ref_labels
+        b, r = labels.shape[0], ref_labels.shape[0]
+        if b * (r - int(same_set)) <= 0:
+            return self.zero_loss(embeddings)
+        ref = None if ref_emb is None else upcast(ref_emb)
+        mat = self.distance(upcast(embeddings), ref)
+        cols, valid, cls_q, cls_r, counts = _class_columns(labels, ref_labels, same_set)
+        pos_vals = mat.gather(1, cols)
+        pos_lse = _lse(-self.alpha * self.distance.margin(pos_vals, self.base), valid, add_one=True)
+        same = cls_q.unsqueeze(1) == cls_r.unsqueeze(0)  # includes (i, i)
+        has_neg = counts[cls_q] < r
+        if not bool(has_neg.all()):  # keep rows without negatives finite (they are zeroed below)
+            same &= has_neg.unsqueeze(1)
+        neg_exp = (-self.beta * self.distance.margin(self.base, mat)).masked_fill(same, float("-inf"))
+        # log(1 + sum exp) = softplus(logsumexp)
+        neg_lse = torch.where(has_neg, F.softplus(torch.logsumexp(neg_exp, 1)), 0.0)
+        return (pos_lse / self.alpha + neg_lse / self.beta).mean()
+
+
+def _class_columns(
+    labels: torch.Tensor, ref_labels: torch.Tensor, same_set: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """For each anchor, the reference columns of its class, padded: ``(cols, valid)`` of shape
+    ``(B, max class size)``, plus the class ids of anchors/references and the class counts.
+
+    ``O(B x max class size)`` memory; the anchor's own column is invalid when ``same_set``.
+    """
+    classes, inverse = torch.unique(torch.cat([labels, ref_labels]), return_inverse=True)
+    cls_q, cls_r = inverse[: len(labels)], inverse[len(labels) :]
+    counts = torch.bincount(cls_r, minlength=len(classes))
+    order = torch.argsort(cls_r, stable=True)
+    starts = torch.cumsum(counts, 0) - counts
+    width = max(int(counts.max()), 1)
+    slot = torch.arange(width, device=labels.device)
+    table = order[(starts.unsqueeze(1) + slot).clamp_max(len(cls_r) - 1)]  # (K, width)
+    table_valid = slot < counts.unsqueeze(1)
+    cols, valid = table[cls_q], table_valid[cls_q]
+    if same_set:
+        valid &= cols != torch.arange(len(labels), device=labels.device).unsqueeze(1)
+    return cols, valid, cls_q, cls_r, counts
 
 
 # -- NT-Xent and supervised contrastive ----------------------------------------------------------
@@ -180,6 +237,8 @@ class SupConLoss(_TemperatureLoss):
     """
 
     def compute(self, embeddings, labels, indices, ref_emb, ref_labels):
+        if indices is None:
+            return self._compute_labels(embeddings, labels, ref_emb, ref_labels)
         mat, pos, neg = self._setup(embeddings, labels, indices, ref_emb, ref_labels)
         num_pos = pos.sum(1)
         has_pos = num_pos > 0
@@ -190,6 +249,32 @@ class SupConLoss(_TemperatureLoss):
         npos = num_pos.to(logits.dtype)
         # sum_p log_prob_ip = sum_p s_ip / tau - |P(i)| lse_all(i)
         sum_pos = torch.where(pos, logits, 0.0).sum(1) - npos * lse_all
+        return (-sum_pos[has_pos] / npos[has_pos]).mean()
+
+    def _compute_labels(self, embeddings, labels, ref_emb, ref_labels):
+        """All pairs from labels without a ``B x R`` mask: ``A(i)`` is the whole row (minus the
+        diagonal), and the positives' logits are summed per class with ``index_add``."""
+        same_set = ref_labels is None
+        ref_labels = labels if same_set else ref_labels
+        classes, inverse = torch.unique(torch.cat([labels, ref_labels]), return_inverse=True)
+        cls_q, cls_r = inverse[: len(labels)], inverse[len(labels) :]
+        num_pos = torch.bincount(cls_r, minlength=len(classes))[cls_q] - int(same_set)
+        has_pos = num_pos > 0
+        if not bool(has_pos.any()):
+            return self.zero_loss(embeddings)
+        ref = None if ref_emb is None else upcast(ref_emb)
+        logits = self._logits(self.distance(upcast(embeddings), ref))
+        if same_set:
+            off_diag = logits.clone()
+            off_diag.fill_diagonal_(float("-inf"))
+            lse_all = torch.logsumexp(off_diag, 1)
+            no_self = logits.clone()
+            no_self.fill_diagonal_(0.0)
+        else:
+            lse_all, no_self = torch.logsumexp(logits, 1), logits
+        per_class = logits.new_zeros(logits.shape[0], len(classes)).index_add(1, cls_r, no_self)
+        npos = num_pos.to(logits.dtype)
+        sum_pos = per_class.gather(1, cls_q.unsqueeze(1)).squeeze(1) - npos * lse_all
         return (-sum_pos[has_pos] / npos[has_pos]).mean()
 
 

@@ -178,8 +178,8 @@ def pos_neg_histograms(
     neg_c = (total - pos).cpu().numpy()
     n_pos, n_neg = int(pos_c.sum()), int(neg_c.sum())
     if n_pos == 0:
-        raise DataError("no positive pair: every class has a single sample; the histogram metric "
-                        "needs at least one class with two or more samples")
+        raise DataError("no positive pair: no two samples (query and reference) share a class; "
+                        "the histogram metric needs at least one class with two or more samples")
     if n_neg == 0:
         raise DataError("no negative pair: all samples share one class; add other classes")
     edges = np.linspace(lo, hi, bins + 1)

@@ -13,7 +13,8 @@ Check", ECCV 2020, section 4):
     embedding losses and C=32 x M=1 for classification losses).
 ``protocol``
     How classes are split (``halves``: first half of the classes for cross-validation, second
-    half for test, as in the seed; ``ratio_4_1_5``: train/val/test 4:1:5 of Oi et al., seed
+    half for test, as in the seed; ``default``: the dataset's published train/test classes,
+    e.g. SOP's 11,318 / 11,316; ``ratio_4_1_5``: train/val/test 4:1:5 of Oi et al., seed
     004), in the dataset's default class order or a seeded random order; the number of
     class-disjoint folds; the Bayesian search (Optuna TPE, trials, storage); the seeds of the
     final runs; the metrics.
@@ -187,7 +188,7 @@ class MethodConfig(_Strict):
 class ProtocolConfig(_Strict):
     """Splits, cross-validation, search and final runs."""
 
-    split: Literal["halves", "ratio_4_1_5"] = "halves"
+    split: Literal["halves", "default", "ratio_4_1_5"] = "halves"
     order: Literal["default", "random"] = "default"
     order_seed: int = 0
     num_classes: int | None = Field(None, gt=3)
@@ -215,8 +216,10 @@ class ProtocolConfig(_Strict):
                 "split 'ratio_4_1_5' has one fixed train/validation/test split (Oi et al.): set "
                 "folds: 1, or use split 'halves' for k-fold cross-validation"
             )
-        if self.split == "halves" and self.folds < 2:
-            raise ValueError("split 'halves' cross-validates: folds must be >= 2 (the seed uses 4)")
+        if self.split in ("halves", "default") and self.folds < 2:
+            raise ValueError(f"split {self.split!r} cross-validates: folds must be >= 2 (the seed uses 4)")
+        if self.split == "default" and self.num_classes is not None:
+            raise ValueError("num_classes cannot be combined with the dataset's default split")
         if self.seeds is None:
             self.seeds = list(range(self.repeats))
         else:

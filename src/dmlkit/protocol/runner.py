@@ -45,6 +45,7 @@ from dmlkit.protocol.stats import l2_normalize
 from dmlkit.protocol.study import (
     count_finished,
     fail_running_trials,
+    make_sampler,
     make_storage,
     open_study,
     resolve_storage_url,
@@ -374,9 +375,15 @@ class Bench:
         else:
             if full_dataset is None:
                 full_dataset = load_full_dataset(self.config, self.data_root)
+            default_dev = None
+            if p.split == "default":
+                from dmlkit.data.splits import default_split
+
+                published = default_split(full_dataset)
+                default_dev = [*published.train, *published.val]
             split = make_bench_split(
                 full_dataset.classes.tolist(), p.split, order=p.order, seed=p.order_seed,
-                folds=int(p.folds or 1), num_classes=p.num_classes,
+                folds=int(p.folds or 1), num_classes=p.num_classes, default_dev=default_dev,
             )
             split.class_split().to_json(path)
         self._split = split
@@ -452,7 +459,9 @@ class Bench:
                      f"  [{count_finished(study)}/{p.trials}]")
 
             run_worker(study, stage.objective(method), heartbeat_interval=p.heartbeat_interval,
-                       max_trials=max_trials, on_trial_end=on_end)
+                       max_trials=max_trials, on_trial_end=on_end,
+                       sampler_factory=lambda number: make_sampler(
+                           p.sampler, p.sampler_seed + 7919 * number, p.n_startup_trials))
             summary[method.name] = study_summary(study)
         return summary
 

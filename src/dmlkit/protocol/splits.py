@@ -117,6 +117,7 @@ def make_bench_split(
     seed: int = 0,
     folds: int = 4,
     num_classes: int | None = None,
+    default_dev: Iterable[int] | None = None,
 ) -> BenchSplit:
     """The protocol's split of ``classes`` (ids).
 
@@ -135,7 +136,21 @@ def make_bench_split(
         ordered = ordered[:num_classes]
     n = len(ordered)
     # ``ordered`` is already in the chosen order: cut it as given
-    if kind == "halves":
+    if kind == "default":
+        if default_dev is None:
+            raise ConfigError("split 'default' needs the dataset's training classes (default_dev)")
+        dev_set = {int(c) for c in default_dev}
+        dev = [c for c in ordered if c in dev_set]
+        test = [c for c in ordered if c not in dev_set]
+        if len(dev) < 2 * folds or not test:
+            raise DataError(f"the default split leaves {len(dev)} training / {len(test)} test classes: "
+                            f"too few for {folds} folds")
+        blocks = kfold_class_partitions(dev, folds)
+        fold_list = tuple(
+            Fold(i, tuple(c for j, b in enumerate(blocks) if j != i for c in b), tuple(blocks[i]))
+            for i in range(folds)
+        )
+    elif kind == "halves":
         if n // 2 < 2 * folds:
             raise DataError(
                 f"{n} classes give {n // 2} cross-validation classes: too few for {folds} folds "
@@ -163,7 +178,7 @@ def make_bench_split(
         dev = train + val
         fold_list = (Fold(0, tuple(train), tuple(val)),)
     else:
-        raise ConfigError(f"unknown split {kind!r}: use 'halves' or 'ratio_4_1_5'")
+        raise ConfigError(f"unknown split {kind!r}: use 'halves', 'default' or 'ratio_4_1_5'")
     return BenchSplit(
         kind=kind, order=order, order_seed=seed, dev=tuple(dev), test=tuple(test),
         folds=fold_list, class_order=tuple(ordered),

@@ -134,11 +134,16 @@ def interrupted_numbers(trials) -> set[int]:
     return out
 
 
-def _make_sampler(kind: str, seed: int, n_startup_trials: int):
+def make_sampler(kind: str, seed: int, n_startup_trials: int):
+    """A seeded Optuna sampler: ``tpe`` (Bergstra et al. 2011; constant liar for parallel
+    workers, so running trials are not suggested twice) or ``random``."""
     import optuna
 
     if kind == "tpe":
-        return optuna.samplers.TPESampler(seed=seed, n_startup_trials=n_startup_trials)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+            return optuna.samplers.TPESampler(seed=seed, n_startup_trials=n_startup_trials,
+                                              constant_liar=True)
     if kind == "random":
         return optuna.samplers.RandomSampler(seed=seed)
     raise ConfigError(f"unknown search sampler {kind!r}: use 'tpe' or 'random'")
@@ -155,7 +160,7 @@ def open_study(
     """
     import optuna
 
-    smp = _make_sampler(sampler, seed, n_startup_trials)
+    smp = make_sampler(sampler, seed, n_startup_trials)
     try:
         study = optuna.create_study(storage=storage, study_name=name, direction="maximize", sampler=smp)
         created = True
@@ -229,8 +234,13 @@ def fail_running_trials(study) -> int:
     import optuna
     from optuna.trial import TrialState
 
-    n = 0
     callback = _RetryInterrupted()
+    with storage_lock(study._storage):
+        return _fail_running(study, callback, optuna, TrialState)
+
+
+def _fail_running(study, callback, optuna, TrialState) -> int:
+    n = 0
     for trial in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
         try:
             changed = study._storage.set_trial_state_values(trial._trial_id, state=TrialState.FAIL)
@@ -242,19 +252,53 @@ def fail_running_trials(study) -> int:
     return n
 
 
-def claim_waiting_trial(study):
-    """Atomically take one WAITING trial (-> RUNNING) and return it as an ``optuna.Trial``, or None."""
+def claim_waiting_trial(study, sampler_factory: Callable[[int], Any] | None = None):
+    """Atomically take one WAITING trial (-> RUNNING) and return it as an ``optuna.Trial``, or None.
+
+    ``sampler_factory(trial_number)`` gives the sampler of that trial: seeding it per trial
+    number keeps a single worker reproducible and lets parallel workers (which would otherwise
+    share one seed and draw the same random start-up points) explore different points.
+    """
     import optuna
     from optuna.trial import TrialState
 
     storage = study._storage
-    for frozen in study.get_trials(deepcopy=False, states=(TrialState.WAITING,)):
+    with storage_lock(storage):
+        for frozen in study.get_trials(deepcopy=False, states=(TrialState.WAITING,)):
+            try:
+                if storage.set_trial_state_values(frozen._trial_id, state=TrialState.RUNNING):
+                    break
+            except optuna.exceptions.UpdateFinishedTrialError:
+                continue
+        else:
+            return None
+    if sampler_factory is not None:
+        study.sampler = sampler_factory(frozen.number)
+    return optuna.Trial(study, frozen._trial_id)
+
+
+@contextlib.contextmanager
+def storage_lock(storage) -> Iterator[None]:
+    """Serialise trial-state changes between processes sharing a SQLite file.
+
+    Optuna's compare-and-set of a trial's state (WAITING -> RUNNING) reads with
+    ``SELECT ... FOR UPDATE``: a row lock on PostgreSQL/MySQL, but nothing on SQLite, where two
+    processes can both claim one trial. For a SQLite storage (always a local file) an exclusive
+    ``fcntl`` lock beside the database file closes that race; other databases need none.
+    """
+    url = str(getattr(storage, "url", ""))
+    if not url.startswith("sqlite:///") or url.endswith(":memory:"):
+        yield
+        return
+    import fcntl
+
+    lock_path = Path(url[len("sqlite:///"):]).with_suffix(".lock")
+    with open(lock_path, "a") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)
         try:
-            if storage.set_trial_state_values(frozen._trial_id, state=TrialState.RUNNING):
-                return optuna.Trial(study, frozen._trial_id)
-        except optuna.exceptions.UpdateFinishedTrialError:
-            continue
-    return None
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
 
 
 @contextlib.contextmanager
@@ -284,6 +328,7 @@ def run_worker(
     heartbeat_interval: float = 30.0,
     max_trials: int | None = None,
     on_trial_end: Callable[[Any], None] | None = None,
+    sampler_factory: Callable[[int], Any] | None = None,
 ) -> int:
     """Claim and run WAITING trials until none is left (or ``max_trials``); returns how many ran.
 
@@ -299,10 +344,10 @@ def run_worker(
 
     ran = 0
     while max_trials is None or ran < max_trials:
-        with warnings.catch_warnings():
+        with warnings.catch_warnings(), storage_lock(study._storage):
             warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
             fail_stale_trials(study)
-        trial = claim_waiting_trial(study)
+        trial = claim_waiting_trial(study, sampler_factory)
         if trial is None:
             break
         state, value = TrialState.FAIL, None
@@ -316,12 +361,18 @@ def run_worker(
             except optuna.TrialPruned:
                 state = TrialState.PRUNED
             except Exception as exc:  # a failed trial is recorded; the study goes on
-                trial.set_user_attr("error", f"{exc.__class__.__name__}: {exc}")
-                trial.set_user_attr("traceback", traceback.format_exc(limit=20)[-4000:])
-        if state == TrialState.COMPLETE:
-            frozen = study.tell(trial, value)
-        else:
-            frozen = study.tell(trial, state=state)
+                with contextlib.suppress(optuna.exceptions.UpdateFinishedTrialError):
+                    trial.set_user_attr("error", f"{exc.__class__.__name__}: {exc}")
+                    trial.set_user_attr("traceback", traceback.format_exc(limit=20)[-4000:])
+        try:
+            if state == TrialState.COMPLETE:
+                frozen = study.tell(trial, value)
+            else:
+                frozen = study.tell(trial, state=state)
+        except (optuna.exceptions.UpdateFinishedTrialError, ValueError):
+            # finished meanwhile by another process (it was declared stale): theirs counts
+            ran += 1
+            continue
         ran += 1
         if on_trial_end is not None:
             on_trial_end(frozen)

@@ -5,7 +5,10 @@ strings, lists, tuples and dicts only). Keys::
 
     format            "dmlkit-checkpoint-1"
     config            the resolved ExperimentConfig as plain data
-    model             the EmbeddingModel state dict (trunk + head, always complete)
+    model             the EmbeddingModel state dict (trunk + head). In frozen-trunk runs the
+                      fixed trunk is stored once in ``trunk.pt`` beside the checkpoint
+                      (``trunk_file``) and :func:`read_checkpoint` merges it back, so
+                      ``payload["model"]`` is always complete
     optimizer, scaler optimiser / GradScaler state
     loss, miner       their state dicts (learnable weights, cross-batch memory buffers, ...)
     sampler_epoch     epochs the M-per-class sampler has completed
@@ -36,6 +39,7 @@ __all__ = [
     "read_checkpoint",
     "restore_rng_state",
     "save_checkpoint",
+    "save_trunk",
 ]
 
 CHECKPOINT_FORMAT = "dmlkit-checkpoint-1"
@@ -116,7 +120,26 @@ def read_checkpoint(path: str | os.PathLike, map_location: str | torch.device = 
         ) from exc
     if not isinstance(payload, dict) or payload.get("format") != CHECKPOINT_FORMAT:
         raise CheckpointError(f"{path} is not a dmlkit checkpoint (format {CHECKPOINT_FORMAT!r} expected)")
+    trunk_file = payload.get("trunk_file")
+    if trunk_file and "model" in payload:
+        # frozen-trunk runs store the (fixed) trunk once, beside the checkpoints
+        trunk_path = path.parent / trunk_file
+        if not trunk_path.is_file():
+            raise CheckpointError(
+                f"{path} keeps its frozen trunk's weights in {trunk_path}, which is missing: "
+                "copy checkpoints/ as a whole"
+            )
+        trunk = torch.load(trunk_path, map_location=map_location, weights_only=True)
+        payload["model"] = {**{f"trunk.{k}": v for k, v in trunk["trunk"].items()}, **payload["model"]}
     return payload
+
+
+def save_trunk(trunk_state: dict[str, Any], path: str | os.PathLike) -> Path:
+    """Write a frozen trunk's weights once (``checkpoints/trunk.pt``), atomically."""
+    try:
+        return atomic_torch_save({"format": CHECKPOINT_FORMAT, "trunk": trunk_state}, path)
+    except OSError as exc:
+        raise CheckpointError(f"cannot write {path}: {exc} (check free disk space)") from exc
 
 
 def load_checkpoint(path: str | os.PathLike, device: str | torch.device = "cpu"):

@@ -39,6 +39,7 @@ from dmlkit.training.checkpoint import (
     read_checkpoint,
     restore_rng_state,
     save_checkpoint,
+    save_trunk,
 )
 from dmlkit.training.config import ExperimentConfig, config_from_dict, dump_config
 from dmlkit.training.embed import embed, resolve_device
@@ -494,13 +495,26 @@ def train(
     if val_set is not None and np.intersect1d(val_set.labels, train_classes).size:
         warnings.warn("validation classes overlap the training classes: the split is not "
                       "class-disjoint, so validation MAP@R is optimistic", stacklevel=2)
+    if test_set is not None:
+        seen = train_classes if val_set is None else np.union1d(train_classes, val_set.labels)
+        if np.intersect1d(test_set.labels, seen).size:
+            warnings.warn("test classes overlap the training/validation classes: the test "
+                          "metrics are not those of unseen classes", stacklevel=2)
 
     model = build_model(config).to(device)
     frozen = config.model.frozen_trunk
     if frozen:
         for p in model.trunk.parameters():
             p.requires_grad_(False)
-        train_input = trunk_features(model, train_set, config, device, progress=progress)
+        feature_set = train_set
+        if config.data.transform is not None and hasattr(train_set, "with_transform"):
+            # features are computed once, so a random augmentation could not vary by epoch:
+            # use the deterministic evaluation transform (also keeps the feature cache valid)
+            from dmlkit.data import get_transforms
+
+            feature_set = train_set.with_transform(get_transforms(
+                config.data.transform, train=False, image_size=config.data.image_size))
+        train_input = trunk_features(model, feature_set, config, device, progress=progress)
         val_input = None if val_set is None else trunk_features(model, val_set, config, device, progress=progress)
         step_module: nn.Module = _HeadOnly(model)
         num_workers = 0
@@ -553,10 +567,23 @@ def train(
             state["stop_reason"] = None  # the run was extended with more epochs
         logger.info("resumed %s at epoch %d, step %d", run_dir, epoch, step)
 
+    trunk_file = None
+    if frozen:  # the trunk never changes: store it once instead of in every checkpoint
+        trunk_file = "trunk.pt"
+        if not (ckpt_dir / trunk_file).exists():
+            save_trunk(model.trunk.state_dict(), ckpt_dir / trunk_file)
+
+    def model_state() -> dict[str, Any]:
+        state_dict = model.state_dict()
+        if trunk_file is None:
+            return state_dict
+        return {k: v for k, v in state_dict.items() if not k.startswith("trunk.")}
+
     def make_payload(epoch_done: int) -> dict[str, Any]:
         return {
             "config": config.model_dump(mode="json"),
-            "model": model.state_dict(),
+            "model": model_state(),
+            "trunk_file": trunk_file,
             "optimizer": optimizer.state_dict(),
             "scaler": scaler.state_dict() if scaler.is_enabled() else None,
             "loss": loss_fn.state_dict(),
@@ -705,7 +732,8 @@ def train(
 
 def _best_payload(payload: dict[str, Any]) -> dict[str, Any]:
     """best.pt keeps what inference needs (no optimiser/RNG state)."""
-    keep = ("config", "model", "loss", "epoch", "step", "trainer", "train_classes", "embedding_size")
+    keep = ("config", "model", "trunk_file", "loss", "epoch", "step", "trainer", "train_classes",
+            "embedding_size")
     return {k: payload[k] for k in keep}
 
 

@@ -1,0 +1,141 @@
+"""Results table (layout, CIs, n/a for one repeat), concatenated vs separated evaluation, and
+``compare`` (paired bootstrap over queries, relative improvements) on synthetic embeddings."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from dmlkit.protocol.compare import compare_results, relative_improvements, render_compare_markdown
+from dmlkit.protocol.config import bench_config_from_dict
+from dmlkit.protocol.results import (
+    build_results,
+    format_cell,
+    render_csv,
+    render_markdown,
+    rich_table,
+)
+from dmlkit.protocol.runner import FinalRun, evaluate_runs
+from dmlkit.protocol.splits import make_bench_split
+from dmlkit.utils import save_embeddings
+
+CFG = {
+    "name": "synthetic",
+    "fixed": {"data": {"dataset": "omniglot"}, "model": {"embedding_size": 8}},
+    "protocol": {"seeds": [0, 1, 2], "trials": 2},
+    "methods": [
+        {"name": "contrastive", "loss": {"name": "contrastive"}},
+        {"name": "triplet", "loss": {"name": "triplet"}},
+        {"name": "good", "loss": {"name": "multi_similarity"}},
+    ],
+}
+LABELS = np.repeat(np.arange(30), 5)
+
+
+def _emb(noise: float, seed: int) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    centres = np.random.default_rng(123).normal(size=(30, 8))
+    return (centres[LABELS] + noise * rng.normal(size=(LABELS.size, 8))).astype(np.float32)
+
+
+def _runs(tmp_path, name: str, noise: float, seeds=(0, 1, 2), folds=4) -> list[FinalRun]:
+    runs = []
+    for s in seeds:
+        for f in range(folds):
+            path = tmp_path / name / f"seed{s}" / f"fold{f}" / "embeddings" / "test.npz"
+            save_embeddings(path, _emb(noise, 1000 * s + f + sum(map(ord, name))), LABELS)
+            runs.append(FinalRun(name, s, f, path.parents[1], path, path.parents[1] / "best.pt"))
+    return runs
+
+
+@pytest.fixture
+def results(tmp_path):
+    cfg = bench_config_from_dict(CFG)
+    split = make_bench_split(range(60), "halves", folds=4)
+    metrics = list(cfg.protocol.metrics)
+    entries = {}
+    for name, noise in [("pretrained", 2.5), ("contrastive", 1.5), ("triplet", 1.6), ("good", 0.9)]:
+        runs = _runs(tmp_path, name, noise)
+        entries[name] = {"runs": runs, "evaluation": evaluate_runs(runs, metrics), "best_params": {},
+                         "loss": {"name": name}}
+    return build_results(cfg, split, entries, bench_dir=tmp_path)
+
+
+def test_concatenated_and_separated(tmp_path):
+    from dmlkit.metrics import evaluate
+    from dmlkit.protocol.stats import l2_normalize
+
+    runs = _runs(tmp_path, "m", 1.5, seeds=(0,), folds=4)
+    ev = evaluate_runs(runs, ["map_at_r"])
+    embs = [_emb(1.5, f + sum(map(ord, "m"))) for f in range(4)]
+    sep = np.mean([evaluate(e, LABELS, metrics=["map_at_r"])["map_at_r"] for e in embs])
+    cat = evaluate(l2_normalize(np.concatenate(embs, axis=1)), LABELS, metrics=["map_at_r"])["map_at_r"]
+    assert ev["separated"]["map_at_r"] == [pytest.approx(sep)]
+    assert ev["concatenated"]["map_at_r"] == [pytest.approx(cat)]
+    assert cat > sep  # an ensemble of 4 noisy views is better than one
+
+
+def test_table_layout_and_cis(results):
+    assert results["modes"] == {"concatenated": 32, "separated": 8}
+    row = results["methods"]["good"]["concatenated"]["map_at_r"]
+    assert len(row["values"]) == 3 and row["ci95"] > 0
+    md = render_markdown(results)
+    lines = md.splitlines()
+    assert lines[0].startswith("| Method | Concatenated (32-dim) |") and "Separated (8-dim)" in lines[0]
+    assert lines[2] == "| | **P@1** | **RP** | **MAP@R** | **P@1** | **RP** | **MAP@R** |"
+    assert lines[3].startswith("| pretrained |")  # the baseline row first
+    good = next(line for line in lines if line.startswith("| good |"))
+    assert good.count("**") == 12  # best in all six columns
+    assert format_cell(row) in good
+    csv_lines = render_csv(results).splitlines()
+    assert len(csv_lines) == 1 + 4 * 2 * 3
+    from rich.console import Console
+
+    console = Console(width=200, record=True)
+    console.print(rich_table(results))
+    text = console.export_text()
+    assert "MAP@R" in text and "good" in text and "±" in text
+
+
+def test_format_cell():
+    assert format_cell({"mean": 0.68131, "ci95": 0.00312}) == "68.13 ± 0.31"
+    assert format_cell({"mean": 0.5105, "ci95": None}) == "51.05 ± n/a"
+
+
+def test_compare_paired_bootstrap(results):
+    report = compare_results([results], methods=["good", "contrastive", "triplet"], resamples=300, seed=1)
+    assert report["queries"] == LABELS.size
+    by = {(c["a"], c["b"], c["mode"], c["metric"]): c for c in report["comparisons"]}
+    c = by[("good", "contrastive", "concatenated", "map_at_r")]
+    assert c["diff"] > 0 and c["excludes_zero"] and c["ci_low"] <= c["diff"] <= c["ci_high"]
+    # the bootstrap is seeded
+    again = compare_results([results], methods=["good", "contrastive", "triplet"], resamples=300, seed=1)
+    assert again["comparisons"] == report["comparisons"]
+    md = render_compare_markdown(report)
+    assert "| good | contrastive | concatenated | MAP@R |" in md
+    assert "Relative improvement over contrastive" in md and "Relative improvement over triplet" in md
+    base = compare_results([results], methods=["good", "triplet"], baseline="triplet", resamples=200)
+    assert {(c["a"], c["b"]) for c in base["comparisons"]} == {("good", "triplet")}
+
+
+def test_compare_same_method_twice_is_not_significant(results, tmp_path):
+    other = {**results, "name": "copy", "methods": {"contrastive": results["methods"]["contrastive"]}}
+    report = compare_results([results, other], methods=["contrastive", "contrastive@copy"], resamples=300)
+    assert all(c["diff"] == 0 and not c["excludes_zero"] for c in report["comparisons"])
+
+
+def test_relative_improvement_arithmetic(results):
+    rel = relative_improvements(results["methods"], ["map_at_r"])
+    g = results["methods"]["good"]["separated"]["map_at_r"]["mean"]
+    c = results["methods"]["contrastive"]["separated"]["map_at_r"]["mean"]
+    assert rel["contrastive"]["relative_percent"]["good"]["separated"]["map_at_r"] == pytest.approx(100 * (g - c) / c)
+    assert "contrastive" not in rel["contrastive"]["relative_percent"]
+
+
+def test_compare_errors(results):
+    from dmlkit.exceptions import ConfigError
+
+    with pytest.raises(ConfigError, match="at least two"):
+        compare_results([results], methods=["good"])
+    with pytest.raises(ConfigError, match="unknown method"):
+        compare_results([results], methods=["good", "nope"])
