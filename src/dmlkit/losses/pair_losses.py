@@ -70,7 +70,7 @@ def _require_similarity(loss: str, distance: BaseDistance) -> None:
 
 def _mean_nonzero(values: torch.Tensor) -> torch.Tensor:
     """Mean of the strictly positive entries of ``values`` (0 with a gradient when none)."""
-    count = (values > 0).sum()
+    count = torch.count_nonzero(values)  # values are >= 0 (hinges)
     return values.sum() / count.clamp_min(1)
 
 
@@ -155,7 +155,7 @@ class ContrastiveLoss(BaseLoss):
         mat = _pair_matrix(self.distance, embeddings, ref_emb)
         if indices is None:
             pos_mask, neg_mask = label_masks(labels, ref_labels)
-            n_pos, n_neg = pos_mask.sum(), neg_mask.sum()
+            n_pos, n_neg = torch.count_nonzero(pos_mask), torch.count_nonzero(neg_mask)
             if int(n_pos) + int(n_neg) == 0:
                 return self.zero_loss(embeddings)
             pos_terms = self._terms(mat[pos_mask], True)  # usually few: gather them
@@ -240,7 +240,7 @@ class LiftedStructureLoss(BaseLoss):
         lse = torch.where(any_neg, lse, 0.0)
         j = lse + _pos_violation(self.distance, mat, self.pos_margin)
         terms = torch.where(pos_mask, F.relu(j).pow(2) / 2, 0.0)
-        return terms.sum() / pos_mask.sum()
+        return terms.sum() / torch.count_nonzero(pos_mask)
 
 
 # --------------------------------------------------------------------------------------------
@@ -370,7 +370,7 @@ class MarginLoss(BaseLoss):
             neg = torch.where(neg_mask, neg, 0.0)
             n_pairs_beta = (
                 (beta.squeeze(1) * (pos_mask.sum(1) + neg_mask.sum(1))).sum()
-                / (pos_mask.sum() + neg_mask.sum())
+                / (torch.count_nonzero(pos_mask) + torch.count_nonzero(neg_mask))
             )
         else:
             check_indices(indices, embeddings.shape[0], mat.shape[1])
@@ -382,7 +382,7 @@ class MarginLoss(BaseLoss):
             pos = F.relu(_pos_violation(self.distance, mat[a1, p], beta_p) + self.margin)
             neg = F.relu(_neg_violation(self.distance, mat[a2, n], beta_n) + self.margin)
             n_pairs_beta = torch.cat([beta_p, beta_n]).mean()
-        active = (pos > 0).sum() + (neg > 0).sum()
+        active = torch.count_nonzero(pos) + torch.count_nonzero(neg)  # hinges are >= 0
         loss = (pos.sum() + neg.sum()) / active.clamp_min(1)
         if self.nu:
             reg = self.beta[0] if self.num_classes is None else n_pairs_beta

@@ -106,7 +106,7 @@ def blocked_triplet_sums(
         x = dp.unsqueeze(2) - dn.unsqueeze(1) + margin
         keep = v.unsqueeze(2) & nm.unsqueeze(1)
         terms = torch.where(keep, term(x), 0.0)
-        return terms.sum((1, 2)), (terms > 0).sum((1, 2))
+        return terms.sum((1, 2)), torch.count_nonzero(terms, dim=(1, 2))  # terms >= 0
 
     sums, counts = [], []
     blocks = _blocks(dist.shape[0], k * r)
@@ -193,7 +193,7 @@ class TripletMarginLoss(BaseLoss):
             hardest_neg = dist.masked_fill(~neg_mask, float("inf")).amin(1)
             terms = self._term(hardest_pos - hardest_neg + self.margin)
             return torch.where(valid, terms, 0.0).sum() / valid.sum()
-        max_pos = int(pos_mask.sum(1).max())
+        max_pos = int(torch.count_nonzero(pos_mask, dim=1).max())
         if self.soft_margin or max_pos <= SORT_ABOVE_POSITIVES:
             sums, counts = blocked_triplet_sums(
                 dist, pos_mask, neg_mask, self.margin, soft=self.soft_margin
@@ -201,7 +201,9 @@ class TripletMarginLoss(BaseLoss):
         else:
             sums, counts = hinge_triplet_sums(dist, pos_mask, neg_mask, self.margin)
         if self.reduction == "batch_all":
-            n_triplets = (pos_mask.sum(1) * neg_mask.sum(1)).sum()
+            n_triplets = (
+                torch.count_nonzero(pos_mask, dim=1) * torch.count_nonzero(neg_mask, dim=1)
+            ).sum()
             return sums.sum() / n_triplets
         return sums.sum() / counts.sum().clamp_min(1)
 
@@ -261,7 +263,7 @@ class AngularLoss(BaseLoss):
             check_indices(indices, x.shape[0], ref.shape[0])
             a1, p, _, _ = to_pair_indices(indices)
         neg_mask = labels.unsqueeze(1) != ref_lab.unsqueeze(0)
-        if a1.numel() == 0 or not neg_mask[a1].any():
+        if a1.numel() == 0 or not neg_mask.any(1)[a1].any():
             return self.zero_loss(embeddings)
         tan2 = math.tan(math.radians(self.alpha)) ** 2
         sim_an = x @ ref.T  # (B, R)
@@ -389,4 +391,4 @@ class TupletMarginLoss(BaseLoss):
         floor = torch.finfo(sim.dtype).min
         neg_lse = masked_logsumexp(self.scale * sim, neg_mask, dim=1, empty=floor)
         terms = F.softplus(neg_lse.unsqueeze(1) - pos_term)
-        return torch.where(pos_mask, terms, 0.0).sum() / pos_mask.sum()
+        return torch.where(pos_mask, terms, 0.0).sum() / torch.count_nonzero(pos_mask)

