@@ -183,7 +183,11 @@ def _two_workers(url: str, tmp_path: Path, trials: int = 8) -> None:
     barrier = tmp_path / "barrier"
     barrier.mkdir()
     procs = [_spawn(url, "shared", trials, log, 0.3, barrier) for _ in range(2)]
-    assert _wait_for(lambda: len(list(barrier.glob("ready-*"))) == 2, 180), "workers did not start"
+    if not _wait_for(lambda: len(list(barrier.glob("ready-*"))) == 2 or any(p.poll() is not None for p in procs), 180) \
+            or any(p.poll() is not None for p in procs):
+        for p in procs:
+            p.kill()
+        pytest.fail("workers did not start: " + " | ".join(p.communicate()[0].decode()[-1500:] for p in procs))
     (barrier / "go").touch()
     outs = []
     for p in procs:

@@ -61,7 +61,7 @@ def soft_histograms(
     return [hist[:, k * width : k * width + num_bins + 1] for k in range(len(masks))]
 
 
-@register_loss("fastap", "fast_ap")
+@register_loss("fastap")
 class FastAPLoss(BaseLoss):
     """FastAP (Cakir et al., "Deep Metric Learning to Rank", CVPR 2019); see the module docstring.
 

@@ -173,7 +173,7 @@ class ContrastiveLoss(BaseLoss):
 
 
 # --------------------------------------------------------------------------------------------
-@register_loss("lifted_structure", "lifted")
+@register_loss("lifted_structure")
 class LiftedStructureLoss(BaseLoss):
     r"""Lifted structured loss, the smooth upper bound (Oh Song et al. 2016), per positive pair.
 
@@ -244,7 +244,7 @@ class LiftedStructureLoss(BaseLoss):
 
 
 # --------------------------------------------------------------------------------------------
-@register_loss("generalized_lifted_structure", "generalised_lifted_structure")
+@register_loss("generalized_lifted_structure")
 class GeneralizedLiftedStructureLoss(BaseLoss):
     r"""Generalised lifted structure loss (Hermans, Beyer, Leibe 2017), one term per anchor.
 

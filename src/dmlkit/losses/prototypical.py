@@ -148,7 +148,7 @@ def _resolve_distance(distance: BaseDistance | str | None) -> BaseDistance:
     return get_distance(distance)
 
 
-@register_loss("prototypical", "protonet")
+@register_loss("prototypical")
 class PrototypicalLoss(BaseLoss):
     """Prototypical-network loss (Snell, Swersky, Zemel, NeurIPS 2017).
 

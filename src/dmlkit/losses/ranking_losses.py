@@ -85,7 +85,7 @@ class _PairMatrixLoss(BaseLoss):
 
 
 # -- multi-similarity ---------------------------------------------------------------------------
-@register_loss("multi_similarity", "ms")
+@register_loss("multi_similarity")
 class MultiSimilarityLoss(_PairMatrixLoss):
     """Multi-similarity loss (Wang, Han, Huang, Dong, Scott, "Multi-Similarity Loss with General
     Pair Weighting for Deep Metric Learning", CVPR 2019), eq. 6::
@@ -187,7 +187,7 @@ class _TemperatureLoss(_PairMatrixLoss):
         return self.distance.closeness(mat) / self.temperature
 
 
-@register_loss("ntxent", "nt_xent", "infonce")
+@register_loss("ntxent")
 class NTXentLoss(_TemperatureLoss):
     """NT-Xent / InfoNCE over labelled pairs (Chen, Kornblith, Norouzi, Hinton, "A Simple
     Framework for Contrastive Learning of Visual Representations", ICML 2020; supervised form
@@ -219,7 +219,7 @@ class NTXentLoss(_TemperatureLoss):
         return torch.where(has_neg, per_pair, torch.zeros_like(per_pair)).sum() / num_pos
 
 
-@register_loss("supcon", "supervised_contrastive")
+@register_loss("supcon")
 class SupConLoss(_TemperatureLoss):
     """Supervised contrastive loss, the "L_out" form (Khosla et al., "Supervised Contrastive
     Learning", NeurIPS 2020, eq. 2)::
@@ -285,7 +285,7 @@ def _nonzero_mean(x: torch.Tensor) -> torch.Tensor:
     return x.sum() / count.clamp_min(1).to(x.dtype)
 
 
-@register_loss("snr_contrastive", "snr")
+@register_loss("snr_contrastive")
 class SNRContrastiveLoss(_PairMatrixLoss):
     """Contrastive loss on the signal-to-noise-ratio distance, with its zero-mean regulariser
     (Yuan, Deng, Tang, Tang, Chen, "Signal-To-Noise Ratio: A Robust Distance Metric for Deep
@@ -452,7 +452,7 @@ class NCALoss(_PairMatrixLoss):
 
 
 # -- distance-based logistic ----------------------------------------------------------------------
-@register_loss("distance_logistic", "dbl")
+@register_loss("distance_logistic")
 class DistanceLogisticLoss(_PairMatrixLoss):
     """Distance-based logistic loss (Vo, Hays, "Localizing and Orienting Street Views Using
     Overhead Imagery", ECCV 2016; seed 003)::
@@ -521,7 +521,7 @@ class DistanceLogisticLoss(_PairMatrixLoss):
 
 
 # -- coupled clusters -----------------------------------------------------------------------------
-@register_loss("coupled_clusters", "coupled_cluster")
+@register_loss("coupled_clusters")
 class CoupledClustersLoss(BaseLoss):
     """Coupled clusters loss (Liu, Tian, Yang, Pang, Huang, "Deep Relative Distance Learning:
     Tell the Difference Between Similar Vehicles", CVPR 2016; seed 003). For each class ``k``

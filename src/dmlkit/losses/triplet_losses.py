@@ -123,7 +123,7 @@ def blocked_triplet_sums(
 
 
 # --------------------------------------------------------------------------------------------
-@register_loss("triplet", "triplet_margin")
+@register_loss("triplet")
 class TripletMarginLoss(BaseLoss):
     r"""Triplet margin loss, hard or soft margin, over all or mined triplets.
 
@@ -294,7 +294,7 @@ class AngularLoss(BaseLoss):
 
 
 # --------------------------------------------------------------------------------------------
-@register_loss("n_pairs", "npairs")
+@register_loss("n_pairs")
 class NPairsLoss(BaseLoss):
     r"""Multi-class N-pair loss (Sohn 2016).
 

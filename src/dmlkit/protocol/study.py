@@ -81,19 +81,22 @@ def make_storage(url: str, *, heartbeat_interval: int = 30, grace_period: int = 
         try:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
-                return RDBStorage(
-                    url,
-                    engine_kwargs=engine_kwargs,
-                    heartbeat_interval=heartbeat_interval,
-                    grace_period=grace_period,
-                    heartbeat_stale_trial_callback=_RetryInterrupted(),
-                )
+                with _sqlite_file_lock(url):  # one process creates a new SQLite schema at a time
+                    return RDBStorage(
+                        url,
+                        engine_kwargs=engine_kwargs,
+                        heartbeat_interval=heartbeat_interval,
+                        grace_period=grace_period,
+                        heartbeat_stale_trial_callback=_RetryInterrupted(),
+                    )
         except Exception as exc:  # sqlalchemy.exc.OperationalError and friends
             if isinstance(exc, DmlkitError):
                 raise
             last_exc = exc
             # two workers creating the schema at the same time: the loser retries
-            if "already exists" in str(exc) or "UniqueViolation" in str(exc) or "locked" in str(exc):
+            text = str(exc)
+            if any(k in text for k in ("already exists", "UniqueViolation", "UNIQUE constraint",
+                                       "IntegrityError", "locked")):
                 time.sleep(0.5 * (attempt + 1))
                 continue
             break
@@ -161,12 +164,20 @@ def open_study(
     import optuna
 
     smp = make_sampler(sampler, seed, n_startup_trials)
-    try:
-        study = optuna.create_study(storage=storage, study_name=name, direction="maximize", sampler=smp)
-        created = True
-    except optuna.exceptions.DuplicatedStudyError:
-        study = optuna.load_study(storage=storage, study_name=name, sampler=smp)
-        created = False
+    for attempt in range(20):
+        try:
+            try:
+                study = optuna.create_study(storage=storage, study_name=name, direction="maximize",
+                                            sampler=smp)
+                created = True
+            except optuna.exceptions.DuplicatedStudyError:
+                study = optuna.load_study(storage=storage, study_name=name, sampler=smp)
+                created = False
+            break
+        except Exception as exc:  # SQLite "database is locked" while another worker writes
+            if "locked" not in str(exc) or attempt == 19:
+                raise
+            time.sleep(0.2 * (attempt + 1))
     if created:
         if fingerprint is not None:
             study.set_user_attr("dmlkit_fingerprint", fingerprint)
@@ -286,7 +297,12 @@ def storage_lock(storage) -> Iterator[None]:
     processes can both claim one trial. For a SQLite storage (always a local file) an exclusive
     ``fcntl`` lock beside the database file closes that race; other databases need none.
     """
-    url = str(getattr(storage, "url", ""))
+    with _sqlite_file_lock(str(getattr(storage, "url", ""))):
+        yield
+
+
+@contextlib.contextmanager
+def _sqlite_file_lock(url: str) -> Iterator[None]:
     if not url.startswith("sqlite:///") or url.endswith(":memory:"):
         yield
         return
