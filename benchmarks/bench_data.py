@@ -59,6 +59,7 @@ def main() -> None:
     from torchvision.datasets import Omniglot
 
     from dmlkit.data import load_dataset
+    from dmlkit.utils import atomic_write_text
 
     root = _data_root()
     t = time.perf_counter()
@@ -118,8 +119,7 @@ def main() -> None:
     text = "\n".join(lines)
     print(text)
     if args.markdown:
-        args.markdown.parent.mkdir(parents=True, exist_ok=True)
-        args.markdown.write_text(text)
+        atomic_write_text(args.markdown, text)
 
 
 if __name__ == "__main__":

@@ -49,6 +49,7 @@ def main() -> None:
 
     from dmlkit.data import get_transforms, load_dataset
     from dmlkit.models import build_trunk, extract_features
+    from dmlkit.utils import atomic_write_text
 
     env = os.environ.get("DMLKIT_DATA")
     root = Path(env) if env else Path(__file__).resolve().parents[1].parent / "shared" / "data"
@@ -85,8 +86,7 @@ def main() -> None:
     ])
     print(text)
     if args.markdown:
-        args.markdown.parent.mkdir(parents=True, exist_ok=True)
-        args.markdown.write_text(text)
+        atomic_write_text(args.markdown, text)
 
 
 if __name__ == "__main__":

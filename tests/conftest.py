@@ -44,3 +44,15 @@ def _fixed_seed():
 def _threads():
     torch.set_num_threads(min(2, os.cpu_count() or 1))
     yield
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """One intra-op torch thread for a whole module (use with
+    ``pytestmark = pytest.mark.usefixtures("one_thread")``): tiny models run faster on one thread
+    than on two on a shared 2-core machine, where torch's thread pool spins and slows ops 10-20x.
+    """
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

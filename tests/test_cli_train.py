@@ -19,6 +19,7 @@ import pytest
 import torch
 import yaml
 
+from _reference import tiny_sections
 from dmlkit.cli import main
 
 REPO = Path(__file__).resolve().parents[1]
@@ -33,12 +34,9 @@ def _write_config(tmp_path: Path, epochs: int = 4) -> Path:
         "data": {"dataset": "omniglot", "options": {"sets": ["background", "evaluation"]},
                  "split": {"kind": "file", "path": str(tmp_path / "split.json")},
                  "transform": "grayscale", "image_size": 28},
-        "model": {"trunk": "small_cnn", "trunk_options": {"widths": [8, 16]}, "pretrained": False, "in_channels": 1,
-                  "embedding_size": 16, "freeze_batchnorm": False},
-        "loss": {"name": "triplet", "params": {"margin": 0.2}},
+        **tiny_sections(),  # model, loss, optimizer
         "miner": {"name": "semi_hard"},
         "sampler": {"classes_per_batch": 4, "samples_per_class": 4, "batches_per_epoch": 6},
-        "optimizer": {"preset": "cpu_quick"},
         "training": {"epochs": epochs, "device": "cpu", "log_every": 2, "csv_log": True},
     }
     path = tmp_path / "config.yaml"
@@ -52,12 +50,7 @@ def _cli(*args: str) -> subprocess.CompletedProcess:
                           env=env, timeout=300)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _run_main(capsys, *args: str) -> tuple[int, str]:

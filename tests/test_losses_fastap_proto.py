@@ -5,6 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from _reference import assert_allclose_value_and_grad as assert_matches
+from _reference import backward_value_and_grad as _value_and_grad
 from dmlkit.distances import CosineSimilarity, LpDistance
 from dmlkit.exceptions import ConfigError, DataError
 from dmlkit.losses import get_loss
@@ -24,20 +26,6 @@ def _x(n, d=5, seed=0, scale=1.0, dtype=torch.float64):
 
 def _unit(v):
     return v / torch.sqrt((v * v).sum())
-
-
-def _value_and_grad(fn, x):
-    x = x.detach().clone().requires_grad_(True)
-    out = fn(x)
-    out.backward()
-    return out.detach(), x.grad.detach()
-
-
-def assert_matches(fn, ref, x, atol=1e-9):
-    v, g = _value_and_grad(fn, x)
-    rv, rg = _value_and_grad(ref, x)
-    assert torch.allclose(v, rv, atol=atol, rtol=1e-7), (float(v), float(rv))
-    assert torch.allclose(g, rg, atol=atol, rtol=1e-6), (g - rg).abs().max()
 
 
 LABELSETS = {

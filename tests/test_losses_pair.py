@@ -14,7 +14,16 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from dmlkit.distances import CosineSimilarity, LpDistance
+from _reference import (
+    LABEL_SETS,
+    assert_value_and_grad_match,
+    batch,
+    check_bfloat16_is_finite,
+    lse,
+    make_distance,
+    value_and_grad,
+)
+from _reference import unit as _norm
 from dmlkit.exceptions import ConfigError, ShapeError
 from dmlkit.losses import get_loss
 from dmlkit.losses._pairs import (
@@ -34,18 +43,8 @@ from dmlkit.losses.pair_losses import (
     MarginLoss,
 )
 
-LABEL_SETS = {
-    "several": [0, 0, 0, 1, 1, 2, 2, 2, 3, 4],  # several classes, two singletons
-    "one_class": [5] * 6,
-    "singletons": [0, 1, 2, 3, 4, 5],
-}
-
 
 # ------------------------------------------------------------------ reference building blocks
-def _norm(v):
-    return v / v.norm()
-
-
 def ref_dist(kind, u, v):
     """Distance (larger = farther) or similarity between two single vectors, from scratch."""
     u, v = _norm(u), _norm(v)
@@ -56,14 +55,6 @@ def ref_dist(kind, u, v):
     if kind == "cosine":
         return (u * v).sum()
     raise ValueError(kind)
-
-
-def make_distance(kind):
-    return {
-        "euclidean": LpDistance(),
-        "sqeuclidean": LpDistance(power=2),
-        "cosine": CosineSimilarity(),
-    }[kind]
 
 
 def all_pairs(y, ry=None):
@@ -78,29 +69,8 @@ def all_pairs(y, ry=None):
     return out
 
 
-def lse(values):
-    m = max(v.item() for v in values)
-    return m + torch.log(sum(torch.exp(v - m) for v in values))
-
-
-def batch(labels, dim=5, seed=0, dtype=torch.float64):
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(len(labels), dim, generator=g, dtype=dtype)
-    return x, torch.tensor(labels)
-
-
-def value_and_grad(fn, x, *args, **kwargs):
-    x = x.clone().requires_grad_(True)
-    out = fn(x, *args, **kwargs)
-    (grad,) = torch.autograd.grad(out, x, allow_unused=True)
-    return out.detach(), (torch.zeros_like(x) if grad is None else grad)
-
-
 def assert_matches(loss, reference, x, y, **kwargs):
-    v1, g1 = value_and_grad(lambda e: loss(e, y, **kwargs), x)
-    v2, g2 = value_and_grad(lambda e: reference(e), x)
-    torch.testing.assert_close(v1, v2.to(v1.dtype), rtol=1e-9, atol=1e-10)
-    torch.testing.assert_close(g1, g2, rtol=1e-7, atol=1e-9)
+    assert_value_and_grad_match(lambda e: loss(e, y, **kwargs), reference, x)
 
 
 # ------------------------------------------------------------------ reference losses
@@ -449,14 +419,7 @@ def test_empty_batch_gives_zero_with_gradient(name):
 @pytest.mark.parametrize("name", list(ALL))
 @pytest.mark.parametrize("scale", [1.0, 1e3])
 def test_bfloat16_is_finite(name, scale):
-    g = torch.Generator().manual_seed(12)
-    x = (torch.randn(64, 16, generator=g) * scale).bfloat16().requires_grad_(True)
-    y = torch.randint(0, 8, (64,), generator=g)
-    out = get_loss(name)(x, y)
-    out.backward()
-    assert torch.isfinite(out) and torch.isfinite(x.grad.float()).all()
-    ref = get_loss(name)(x.detach().float(), y)
-    assert abs(out.item() - ref.item()) < 0.05 * (1 + abs(ref.item()))
+    check_bfloat16_is_finite(name, scale, seed=12)
 
 
 def test_large_scale_float32_is_finite():

@@ -2,14 +2,22 @@
 
 from __future__ import annotations
 
-import importlib
 import math
 
 import pytest
 import torch
-from torch.func import functional_call
 
-from dmlkit.exceptions import ConfigError, ShapeError
+from _reference import (
+    check_bfloat16_close_to_float32,
+    check_finite_with_gradients,
+    check_gradcheck,
+    check_matches_loop_reference,
+    check_proxy_loss_errors_and_empty_batch,
+    dot,
+    needs_pml,
+    pml_losses,
+)
+from dmlkit.exceptions import ConfigError
 from dmlkit.losses import get_loss
 from dmlkit.losses.proxy_losses import ProxyAnchorLoss, ProxyNCALoss, SoftTripleLoss
 
@@ -17,17 +25,13 @@ NAMES = ["proxy_nca", "proxy_anchor", "soft_triple"]
 
 
 # ------------------------------------------------------------------ slow references (loops)
-def _dot(a, b):
-    return sum(a[d] * b[d] for d in range(len(a)))
-
-
 def _unit(a):
-    n = torch.sqrt(_dot(a, a))
+    n = torch.sqrt(dot(a, a))
     return [a[d] / n for d in range(len(a))]
 
 
 def _cos(a, b):
-    return _dot(_unit(a), _unit(b))
+    return dot(_unit(a), _unit(b))
 
 
 def _sqdist_normalized(a, b):
@@ -152,33 +156,15 @@ def test_value_and_gradient_match_loop_reference(name, kw, kind):
     torch.manual_seed(1)
     loss = get_loss(name, num_classes=5, embedding_size=4, **kw).double()
     x, labels = _batch(kind)
-    x1 = x.clone().requires_grad_()
-    params = {n: p.detach().clone().requires_grad_() for n, p in loss.named_parameters()}
-    ours = functional_call(loss, params, (x1, labels))
-    ours.backward()
-    x2 = x.clone().requires_grad_()
-    ref_params = {n: p.detach().clone().requires_grad_() for n, p in params.items()}
-    ref = _reference(loss, x2, labels, ref_params)
-    ref.backward()
-    torch.testing.assert_close(ours, ref, rtol=1e-9, atol=1e-10)
-    torch.testing.assert_close(x1.grad, x2.grad, rtol=1e-7, atol=1e-9)
-    for n in params:
-        torch.testing.assert_close(params[n].grad, ref_params[n].grad, rtol=1e-7, atol=1e-9)
+    check_matches_loop_reference(
+        loss, x, labels, lambda x2, y, ref_params: _reference(loss, x2, y, ref_params)
+    )
 
 
 @pytest.mark.parametrize(("name", "kw"), CASES)
 def test_gradcheck(name, kw):
     torch.manual_seed(2)
-    loss = get_loss(name, num_classes=3, embedding_size=3, **kw).double()
-    labels = torch.tensor([0, 2, 2, 1])
-    x = torch.randn(4, 3, dtype=torch.float64, requires_grad=True)
-    names = [n for n, _ in loss.named_parameters()]
-    params = [p.detach().clone().requires_grad_() for _, p in loss.named_parameters()]
-
-    def fn(x, *ps):
-        return functional_call(loss, dict(zip(names, ps)), (x, labels))
-
-    assert torch.autograd.gradcheck(fn, (x, *params), eps=1e-6, atol=1e-5)
+    check_gradcheck(get_loss(name, num_classes=3, embedding_size=3, **kw).double())
 
 
 def test_soft_triple_regulariser_zero_when_centres_merge():
@@ -209,15 +195,7 @@ def test_bfloat16_finite_and_close_to_float32(name):
     loss = get_loss(name, num_classes=10, embedding_size=32)
     x = torch.randn(64, 32)
     labels = torch.randint(0, 10, (64,))
-    ref = loss(x, labels)
-    xb = x.bfloat16().requires_grad_()
-    lb = loss.to(torch.bfloat16)
-    out = lb(xb, labels)
-    out.backward()
-    assert out.dtype == torch.float32 and torch.isfinite(out)
-    assert xb.grad.dtype == torch.bfloat16 and torch.isfinite(xb.grad.float()).all()
-    assert all(torch.isfinite(p.grad.float()).all() for p in lb.parameters())
-    torch.testing.assert_close(out, ref, rtol=0.05, atol=0.05)
+    check_bfloat16_close_to_float32(loss, x, labels)
 
 
 STRESS = [
@@ -236,24 +214,10 @@ def test_large_scale_stays_finite(name, kw, dtype):
     x = torch.randn(128, 16) * 100
     x[0] = 0.0
     labels = torch.randint(0, 50, (128,))
-    x = x.to(dtype).requires_grad_()
-    out = loss(x, labels)
-    out.backward()
-    assert torch.isfinite(out)
-    assert torch.isfinite(x.grad.float()).all()
-    assert all(torch.isfinite(p.grad.float()).all() for p in loss.parameters())
+    check_finite_with_gradients(loss, x.to(dtype).requires_grad_(), labels)
 
 
 # ------------------------------------------------------------------ peer library
-try:
-    pml_losses = importlib.import_module("pytorch_metric_learning.losses")
-except ImportError:  # the peer library is a benchmark/test extra
-    pml_losses = None
-needs_pml = pytest.mark.skipif(
-    pml_losses is None, reason="pytorch-metric-learning not installed: pip install 'dmlkit[bench]'"
-)
-
-
 @needs_pml
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 @pytest.mark.parametrize("which", ["proxy_nca", "proxy_nca_scaled", "proxy_anchor", "soft_triple"])
@@ -286,24 +250,7 @@ def test_matches_pytorch_metric_learning(which, dtype):
 @pytest.mark.parametrize("name", NAMES)
 def test_errors_and_api(name):
     loss = get_loss(name, num_classes=4, embedding_size=8)
-    x = torch.randn(3, 8)
-    with pytest.raises(ShapeError, match=r"\[0, 4\)"):
-        loss(x, torch.tensor([0, 1, 4]))
-    with pytest.raises(ShapeError, match=r"\[0, 4\)"):
-        loss(x, torch.tensor([-1, 1, 2]))
-    with pytest.raises(ShapeError, match="embedding_size=8"):
-        loss(torch.randn(3, 5), torch.tensor([0, 1, 2]))
-    with pytest.raises(ConfigError, match="miner"):
-        loss(x, torch.tensor([0, 1, 2]), indices=(torch.tensor([0]),) * 3)
-    with pytest.raises(ConfigError, match="ref_emb"):
-        loss(x, torch.tensor([0, 1, 2]), ref_emb=x, ref_labels=torch.tensor([0, 1, 2]))
-    # any integer label dtype
-    labels = torch.tensor([0, 3, 2])
-    torch.testing.assert_close(loss(x, labels.int()), loss(x, labels))
-    e = torch.zeros(0, 8, requires_grad=True)
-    z = loss(e, torch.zeros(0, dtype=torch.long))
-    z.backward()
-    assert z.item() == 0.0 and loss.num_empty_batches == 1
+    check_proxy_loss_errors_and_empty_batch(loss, negative_labels=[-1, 1, 2])
 
 
 @pytest.mark.parametrize("dim", [2, 7, 128])

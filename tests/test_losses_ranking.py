@@ -13,6 +13,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from _reference import assert_allclose_value_and_grad as assert_matches
+from _reference import backward_value_and_grad as _value_and_grad
 from dmlkit.distances import CosineSimilarity, LpDistance
 from dmlkit.exceptions import ConfigError, ShapeError
 from dmlkit.losses import get_loss
@@ -190,20 +192,6 @@ LABELSETS = {
     "singletons": torch.tensor([0, 1, 2, 3, 4, 5, 6]),
     "mixed_singletons": torch.tensor([0, 0, 1, 2, 3, 3, 3, 4]),
 }
-
-
-def _value_and_grad(fn, x):
-    x = x.detach().clone().requires_grad_(True)
-    out = fn(x)
-    out.backward()
-    return out.detach(), x.grad.detach()
-
-
-def assert_matches(loss_fn, ref_fn, x, atol=1e-9):
-    v, g = _value_and_grad(loss_fn, x)
-    rv, rg = _value_and_grad(ref_fn, x)
-    assert torch.allclose(v, rv, atol=atol, rtol=1e-7), (float(v), float(rv))
-    assert torch.allclose(g, rg, atol=atol, rtol=1e-6), (g - rg).abs().max()
 
 
 def _x(n, d=5, seed=0, scale=1.0):

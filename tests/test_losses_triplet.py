@@ -14,7 +14,17 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from dmlkit.distances import CosineSimilarity, DotProductSimilarity, LpDistance
+from _reference import (
+    LABEL_SETS,
+    batch,
+    check_bfloat16_is_finite,
+    lse,
+    make_distance,
+    value_and_grad,
+)
+from _reference import assert_value_and_grad_match as assert_matches
+from _reference import unit as _norm
+from dmlkit.distances import DotProductSimilarity
 from dmlkit.exceptions import ConfigError, ShapeError
 from dmlkit.losses import get_loss
 from dmlkit.losses import triplet_losses as tl
@@ -25,21 +35,6 @@ from dmlkit.losses.triplet_losses import (
     TupletMarginLoss,
 )
 
-LABEL_SETS = {
-    "several": [0, 0, 0, 1, 1, 2, 2, 2, 3, 4],
-    "one_class": [5] * 6,
-    "singletons": [0, 1, 2, 3, 4, 5],
-}
-
-
-def batch(labels, dim=5, seed=0, dtype=torch.float64):
-    g = torch.Generator().manual_seed(seed)
-    return torch.randn(len(labels), dim, generator=g, dtype=dtype), torch.tensor(labels)
-
-
-def _norm(v):
-    return v / v.norm()
-
 
 def ref_dist(kind, u, v):
     """Larger = farther: Euclidean, squared Euclidean, or minus the cosine similarity."""
@@ -49,14 +44,6 @@ def ref_dist(kind, u, v):
     if kind == "sqeuclidean":
         return ((u - v) ** 2).sum()
     return -(u * v).sum()
-
-
-def make_distance(kind):
-    return {
-        "euclidean": LpDistance(),
-        "sqeuclidean": LpDistance(power=2),
-        "cosine": CosineSimilarity(),
-    }[kind]
 
 
 def all_triplets(y, ry=None):
@@ -70,25 +57,6 @@ def all_triplets(y, ry=None):
                 if ref[n] != y[a]:
                     out.append((a, p, n))
     return out
-
-
-def lse(values):
-    m = max(v.item() for v in values)
-    return m + torch.log(sum(torch.exp(v - m) for v in values))
-
-
-def value_and_grad(fn, x):
-    x = x.clone().requires_grad_(True)
-    out = fn(x)
-    (grad,) = torch.autograd.grad(out, x, allow_unused=True)
-    return out.detach(), (torch.zeros_like(x) if grad is None else grad)
-
-
-def assert_matches(loss_fn, reference, x):
-    v1, g1 = value_and_grad(loss_fn, x)
-    v2, g2 = value_and_grad(reference, x)
-    torch.testing.assert_close(v1, v2.to(v1.dtype), rtol=1e-9, atol=1e-10)
-    torch.testing.assert_close(g1, g2, rtol=1e-7, atol=1e-9)
 
 
 # ------------------------------------------------------------------ references
@@ -318,14 +286,7 @@ def test_gradcheck_triplet_variants(kwargs):
 @pytest.mark.parametrize("name", ALL)
 @pytest.mark.parametrize("scale", [1.0, 1e3])
 def test_bfloat16_is_finite(name, scale):
-    g = torch.Generator().manual_seed(14)
-    x = (torch.randn(64, 16, generator=g) * scale).bfloat16().requires_grad_(True)
-    y = torch.randint(0, 8, (64,), generator=g)
-    out = get_loss(name)(x, y)
-    out.backward()
-    assert torch.isfinite(out) and torch.isfinite(x.grad.float()).all()
-    ref = get_loss(name)(x.detach().float(), y)
-    assert abs(out.item() - ref.item()) < 0.05 * (1 + abs(ref.item()))
+    check_bfloat16_is_finite(name, scale, seed=14)
 
 
 def test_unnormalized_npairs_large_scale_is_finite():

@@ -27,14 +27,7 @@ from dmlkit.miners import (
     triplets_from_pairs,
 )
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """The CPU is shared by many jobs: torch's thread pool then spins and slows ops 10-20x."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])

@@ -11,6 +11,7 @@ import pytest
 import torch
 from torch import nn
 
+from _reference import tiny_sections
 from dmlkit.exceptions import CheckpointError, ConfigError, NonFiniteError
 from dmlkit.training import (
     UnusedParametersWarning,
@@ -27,13 +28,7 @@ TRAIN_CLASSES = list(range(100, 120))  # non-contiguous ids on purpose (remapped
 VAL_CLASSES = list(range(200, 206))
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny models: one intra-op thread is faster than two on a shared 2-core machine."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def make_config(**overrides):
@@ -41,12 +36,9 @@ def make_config(**overrides):
         "name": "tiny",
         "seed": 3,
         "data": {"dataset": "omniglot", "transform": "grayscale", "image_size": 28},
-        "model": {"trunk": "small_cnn", "trunk_options": {"widths": [8, 16]}, "pretrained": False, "in_channels": 1,
-                  "embedding_size": 16, "freeze_batchnorm": False},
-        "loss": {"name": "triplet", "params": {"margin": 0.2}},
+        **tiny_sections(),  # model, loss, optimizer
         "miner": {"name": "batch_hard"},
         "sampler": {"classes_per_batch": 4, "samples_per_class": 4, "batches_per_epoch": 4},
-        "optimizer": {"preset": "cpu_quick"},
         "training": {"epochs": 3, "device": "cpu", "log_every": 1, "eval_batch_size": 128},
     }
     cfg = config_from_dict(base)

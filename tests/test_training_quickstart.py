@@ -30,13 +30,7 @@ SHORT_RUN = [  # only the run length and device change; model, loss, miner, opti
 ]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """A small CNN: one intra-op thread is faster than two on a shared 2-core machine."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _first_classes(dataset, n: int):

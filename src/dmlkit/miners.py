@@ -48,6 +48,7 @@ from torch import nn
 
 from dmlkit.distances import BaseDistance, CosineSimilarity, LpDistance, get_distance
 from dmlkit.exceptions import ConfigError, NonFiniteError, ShapeError
+from dmlkit.utils import registering
 
 __all__ = [
     "MINERS",
@@ -76,15 +77,7 @@ Triplets = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 
 def register_miner(*names: str) -> Callable[[_T], _T]:
     """Class decorator: make a miner available to :func:`get_miner` and configs by name(s)."""
-
-    def decorator(cls: _T) -> _T:
-        for name in names:
-            if name in MINERS and MINERS[name] is not cls:
-                raise RuntimeError(f"miner name {name!r} registered twice")
-            MINERS[name] = cls
-        return cls
-
-    return decorator
+    return registering(MINERS, "miner", names)
 
 
 def get_miner(name: str, **kwargs) -> BaseMiner:

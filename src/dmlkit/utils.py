@@ -9,11 +9,11 @@ import random
 import subprocess
 import sys
 import tempfile
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, MutableMapping
 from datetime import UTC, datetime
 from importlib import metadata
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -27,9 +27,32 @@ __all__ = [
     "data_root",
     "load_embeddings",
     "provenance",
+    "registering",
     "save_embeddings",
     "seed_everything",
 ]
+
+_T = TypeVar("_T", bound=type)
+
+
+def registering(
+    registry: MutableMapping[str, type], kind: str, names: tuple[str, ...]
+) -> Callable[[_T], _T]:
+    """Class decorator storing ``cls`` in ``registry`` under each of ``names``.
+
+    Shared by :func:`dmlkit.losses.base.register_loss` and :func:`dmlkit.miners.register_miner`.
+    Registering a *different* class under a taken name raises ``RuntimeError`` (``kind`` names
+    the registry in the message); registering the same class again is a no-op.
+    """
+
+    def decorator(cls: _T) -> _T:
+        for name in names:
+            if name in registry and registry[name] is not cls:
+                raise RuntimeError(f"{kind} name {name!r} registered twice")
+            registry[name] = cls
+        return cls
+
+    return decorator
 
 
 def seed_everything(seed: int, deterministic: bool = False) -> None:

@@ -430,6 +430,21 @@ def _check_files(name: str, folder: Path, paths: Sequence[Path]) -> None:
         )
 
 
+def _class_halves_dataset(
+    name: str, folder: Path, paths: list[Path], labels: list[int], names: dict[int, str], *,
+    expected: int, last_train: int, strict: bool, transform, skip_corrupt: bool,
+) -> ImageFileDataset:
+    """The common end of the CUB-200 / Cars196 loaders: check the files and their count
+    (``expected`` images), then classes ``<= last_train`` train and the rest test."""
+    _check_files(name, folder, paths)
+    _count_check(name, "images", len(paths), expected, strict)
+    return ImageFileDataset(
+        paths, labels, class_names=names, class_groups=_groups_by_range(set(labels), last_train),
+        split_groups=TRAIN_TEST, transform=transform, name=name, skip_corrupt=skip_corrupt,
+        meta={"root": str(folder)},
+    )
+
+
 @register_dataset("cub200")
 def load_cub200(root: str | os.PathLike | None = None, download: bool = False, *,
                 strict: bool = False, transform=None, skip_corrupt: bool = False) -> ImageFileDataset:
@@ -456,12 +471,9 @@ def load_cub200(root: str | os.PathLike | None = None, download: bool = False, *
     ids = sorted(images, key=int)
     paths = [folder / "images" / images[i] for i in ids]
     labels = [cls_of[i] for i in ids]
-    _check_files("cub200", folder, paths)
-    _count_check("cub200", "images", len(paths), 11788, strict)
-    return ImageFileDataset(
-        paths, labels, class_names=names, class_groups=_groups_by_range(set(labels), 100),
-        split_groups=TRAIN_TEST, transform=transform, name="cub200", skip_corrupt=skip_corrupt,
-        meta={"root": str(folder)},
+    return _class_halves_dataset(
+        "cub200", folder, paths, labels, names, expected=11788, last_train=100, strict=strict,
+        transform=transform, skip_corrupt=skip_corrupt,
     )
 
 
@@ -511,12 +523,9 @@ def load_cars196(root: str | os.PathLike | None = None, download: bool = False, 
     if "class_names" in m:
         for i, n in enumerate(np.atleast_1d(m["class_names"]).tolist(), start=1):
             names[i] = str(n)
-    _check_files("cars196", folder, paths)
-    _count_check("cars196", "images", len(paths), 16185, strict)
-    return ImageFileDataset(
-        paths, labels, class_names=names, class_groups=_groups_by_range(set(labels), 98),
-        split_groups=TRAIN_TEST, transform=transform, name="cars196", skip_corrupt=skip_corrupt,
-        meta={"root": str(folder)},
+    return _class_halves_dataset(
+        "cars196", folder, paths, labels, names, expected=16185, last_train=98, strict=strict,
+        transform=transform, skip_corrupt=skip_corrupt,
     )
 
 

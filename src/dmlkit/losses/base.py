@@ -25,6 +25,7 @@ from torch import nn
 
 from dmlkit.distances import BaseDistance, get_distance
 from dmlkit.exceptions import NonFiniteError, ShapeError
+from dmlkit.utils import registering
 
 __all__ = ["LOSSES", "BaseLoss", "ProxyLoss", "get_loss", "register_loss"]
 
@@ -34,15 +35,7 @@ _T = TypeVar("_T", bound=type)
 
 def register_loss(*names: str) -> Callable[[_T], _T]:
     """Class decorator: make a loss available to :func:`get_loss` and configs by name(s)."""
-
-    def decorator(cls: _T) -> _T:
-        for name in names:
-            if name in LOSSES and LOSSES[name] is not cls:
-                raise RuntimeError(f"loss name {name!r} registered twice")
-            LOSSES[name] = cls
-        return cls
-
-    return decorator
+    return registering(LOSSES, "loss", names)
 
 
 def get_loss(name: str, **kwargs) -> BaseLoss:

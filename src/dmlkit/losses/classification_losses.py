@@ -79,6 +79,21 @@ def cosine_to_rows(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return F.normalize(x, dim=1) @ F.normalize(weight, dim=1).T
 
 
+def _logits_cross_entropy(loss, embeddings, labels, indices, ref_emb) -> torch.Tensor:
+    """``mean_i -log softmax(loss.get_logits(x))_{i, y_i}`` (in full precision): the softmax losses.
+
+    Rejects miner indices / reference embeddings, and returns the loss's zero (counted as an
+    empty batch) for an empty batch.
+    """
+    reject_pairs_and_refs(loss, indices, ref_emb)
+    labels = labels.long()
+    if embeddings.shape[0] == 0:
+        return loss.zero_loss(embeddings)
+    logits = loss.get_logits(embeddings)
+    with full_precision(embeddings):
+        return F.cross_entropy(logits, labels)
+
+
 def _check_positive(**values: float) -> None:
     for name, value in values.items():
         if not (value > 0 and math.isfinite(value)):
@@ -116,13 +131,7 @@ class SoftmaxLoss(ProxyLoss):
             return F.linear(embeddings.to(dtype), self.weight.to(dtype), bias)
 
     def compute(self, embeddings, labels, indices, ref_emb, ref_labels):
-        reject_pairs_and_refs(self, indices, ref_emb)
-        labels = labels.long()
-        if embeddings.shape[0] == 0:
-            return self.zero_loss(embeddings)
-        logits = self.get_logits(embeddings)
-        with full_precision(embeddings):
-            return F.cross_entropy(logits, labels)
+        return _logits_cross_entropy(self, embeddings, labels, indices, ref_emb)
 
 
 # --------------------------------------------------------------------------- normalised softmax
@@ -171,13 +180,7 @@ class NormalizedSoftmaxLoss(ProxyLoss):
             return cosine_to_rows(embeddings.to(dtype), self.weight.to(dtype)) / self.temperature
 
     def compute(self, embeddings, labels, indices, ref_emb, ref_labels):
-        reject_pairs_and_refs(self, indices, ref_emb)
-        labels = labels.long()
-        if embeddings.shape[0] == 0:
-            return self.zero_loss(embeddings)
-        logits = self.get_logits(embeddings)
-        with full_precision(embeddings):
-            return F.cross_entropy(logits, labels)
+        return _logits_cross_entropy(self, embeddings, labels, indices, ref_emb)
 
 
 # --------------------------------------------------------------------------- margin family

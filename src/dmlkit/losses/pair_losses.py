@@ -173,8 +173,34 @@ class ContrastiveLoss(BaseLoss):
 
 
 # --------------------------------------------------------------------------------------------
+class _LiftedStructureBase(BaseLoss):
+    """Shared constructor of the two lifted structure losses: margins ``m_neg`` / ``m_pos``.
+
+    Args:
+        neg_margin, pos_margin: ``m_neg`` and ``m_pos``.
+        distance: default ``LpDistance()`` (Euclidean on L2-normalised embeddings).
+    """
+
+    accepts_indices = True
+
+    def __init__(
+        self,
+        neg_margin: float = 1.0,
+        pos_margin: float = 0.0,
+        distance: BaseDistance | str | None = None,
+    ) -> None:
+        super().__init__(distance)
+        self.neg_margin = float(neg_margin)
+        self.pos_margin = float(pos_margin)
+
+    @staticmethod
+    def default_distance() -> BaseDistance:
+        return LpDistance()
+
+
+# --------------------------------------------------------------------------------------------
 @register_loss("lifted_structure")
-class LiftedStructureLoss(BaseLoss):
+class LiftedStructureLoss(_LiftedStructureBase):
     r"""Lifted structured loss, the smooth upper bound (Oh Song et al. 2016), per positive pair.
 
     For each positive pair :math:`(i, j)` with negatives :math:`N_i` of ``i`` and :math:`N_j`
@@ -200,22 +226,6 @@ class LiftedStructureLoss(BaseLoss):
         neg_margin, pos_margin: ``m_neg`` (the paper's ``alpha``) and ``m_pos``.
         distance: default ``LpDistance()`` (Euclidean on L2-normalised embeddings).
     """
-
-    accepts_indices = True
-
-    def __init__(
-        self,
-        neg_margin: float = 1.0,
-        pos_margin: float = 0.0,
-        distance: BaseDistance | str | None = None,
-    ) -> None:
-        super().__init__(distance)
-        self.neg_margin = float(neg_margin)
-        self.pos_margin = float(pos_margin)
-
-    @staticmethod
-    def default_distance() -> BaseDistance:
-        return LpDistance()
 
     def _neg_lse(self, mat: torch.Tensor, neg_mask: torch.Tensor) -> torch.Tensor:
         floor = torch.finfo(mat.dtype).min
@@ -245,7 +255,7 @@ class LiftedStructureLoss(BaseLoss):
 
 # --------------------------------------------------------------------------------------------
 @register_loss("generalized_lifted_structure")
-class GeneralizedLiftedStructureLoss(BaseLoss):
+class GeneralizedLiftedStructureLoss(_LiftedStructureBase):
     r"""Generalised lifted structure loss (Hermans, Beyer, Leibe 2017), one term per anchor.
 
     ::
@@ -263,22 +273,6 @@ class GeneralizedLiftedStructureLoss(BaseLoss):
         neg_margin, pos_margin: ``m_neg`` and ``m_pos``.
         distance: default ``LpDistance()``.
     """
-
-    accepts_indices = True
-
-    def __init__(
-        self,
-        neg_margin: float = 1.0,
-        pos_margin: float = 0.0,
-        distance: BaseDistance | str | None = None,
-    ) -> None:
-        super().__init__(distance)
-        self.neg_margin = float(neg_margin)
-        self.pos_margin = float(pos_margin)
-
-    @staticmethod
-    def default_distance() -> BaseDistance:
-        return LpDistance()
 
     def compute(self, embeddings, labels, indices, ref_emb, ref_labels):
         mat = _pair_matrix(self.distance, embeddings, ref_emb)

@@ -113,9 +113,12 @@ def training_curves(
     axes[0].set(title="Training loss (smoothed)", xlabel="step (batches)", ylabel="loss")
     for ax, metric in zip(axes[1:], metrics):
         ax.set(title=f"Validation {_pretty(metric)}", xlabel="step (batches)", ylabel=f"{_pretty(metric)} (%)")
-    for ax in axes:
-        if ax.get_legend_handles_labels()[0]:
-            ax.legend()
+    if len(runs) <= 4:
+        for ax in axes:
+            if ax.get_legend_handles_labels()[0]:
+                ax.legend()
+    elif axes[0].get_legend_handles_labels()[0]:  # many runs: one compact legend beside the panels
+        fig.legend(*axes[0].get_legend_handles_labels(), loc="center left", bbox_to_anchor=(1.0, 0.5), fontsize=7)
     fig.tight_layout()
     return fig
 

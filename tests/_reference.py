@@ -1,0 +1,209 @@
+"""Reference building blocks and checks shared by the loss tests.
+
+Pair/triplet losses (``test_losses_pair.py``, ``test_losses_triplet.py``): the label sets,
+float64 batches, the distance objects under test, a loop log-sum-exp and a value + gradient
+comparison. Classification/proxy losses (``test_losses_classification.py``,
+``test_losses_proxy.py``): a loop dot product, the optional peer library, and the checks that
+both families must pass (loop reference with parameter gradients, gradcheck, bfloat16, large
+scales, API errors and empty batches). Training tests (``test_training.py``,
+``test_cli_train.py``): the tiny model, loss and optimiser sections of their configs.
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib
+from collections.abc import Callable
+
+import pytest
+import torch
+from torch.func import functional_call
+
+from dmlkit.distances import CosineSimilarity, LpDistance
+from dmlkit.exceptions import ConfigError, ShapeError
+
+# ------------------------------------------------------------------ pair / triplet losses
+LABEL_SETS = {
+    "several": [0, 0, 0, 1, 1, 2, 2, 2, 3, 4],  # several classes, two singletons
+    "one_class": [5] * 6,
+    "singletons": [0, 1, 2, 3, 4, 5],
+}
+
+
+def batch(labels, dim=5, seed=0, dtype=torch.float64):
+    """``(len(labels), dim)`` standard-normal embeddings from a seeded generator, and labels."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(len(labels), dim, generator=g, dtype=dtype)
+    return x, torch.tensor(labels)
+
+
+def unit(v):
+    """``v / |v|`` for one vector."""
+    return v / v.norm()
+
+
+def make_distance(kind):
+    return {
+        "euclidean": LpDistance(),
+        "sqeuclidean": LpDistance(power=2),
+        "cosine": CosineSimilarity(),
+    }[kind]
+
+
+def lse(values):
+    """``log sum exp`` of a list of 0-d tensors, shifted by the maximum."""
+    m = max(v.item() for v in values)
+    return m + torch.log(sum(torch.exp(v - m) for v in values))
+
+
+def value_and_grad(fn, x, *args, **kwargs):
+    """``fn(x)`` (detached) and its gradient in ``x`` (zeros when ``x`` is not used)."""
+    x = x.clone().requires_grad_(True)
+    out = fn(x, *args, **kwargs)
+    (grad,) = torch.autograd.grad(out, x, allow_unused=True)
+    return out.detach(), (torch.zeros_like(x) if grad is None else grad)
+
+
+def assert_value_and_grad_match(loss_fn, reference, x):
+    """``loss_fn`` and the loop ``reference`` agree in value and gradient at ``x`` (float64)."""
+    v1, g1 = value_and_grad(loss_fn, x)
+    v2, g2 = value_and_grad(reference, x)
+    torch.testing.assert_close(v1, v2.to(v1.dtype), rtol=1e-9, atol=1e-10)
+    torch.testing.assert_close(g1, g2, rtol=1e-7, atol=1e-9)
+
+
+def check_bfloat16_is_finite(name, scale, seed):
+    """A loss built by name on a bfloat16 batch (64 x 16, 8 classes, times ``scale``) is finite
+    with finite gradients and within 5 % (+0.05) of the float32 loss."""
+    from dmlkit.losses import get_loss
+
+    g = torch.Generator().manual_seed(seed)
+    x = (torch.randn(64, 16, generator=g) * scale).bfloat16().requires_grad_(True)
+    y = torch.randint(0, 8, (64,), generator=g)
+    out = get_loss(name)(x, y)
+    out.backward()
+    assert torch.isfinite(out) and torch.isfinite(x.grad.float()).all()
+    ref = get_loss(name)(x.detach().float(), y)
+    assert abs(out.item() - ref.item()) < 0.05 * (1 + abs(ref.item()))
+
+
+def backward_value_and_grad(fn, x):
+    """``fn(x)`` (detached) and its gradient in ``x``, by ``backward()`` (``x`` must be used)."""
+    x = x.detach().clone().requires_grad_(True)
+    out = fn(x)
+    out.backward()
+    return out.detach(), x.grad.detach()
+
+
+def assert_allclose_value_and_grad(loss_fn, ref_fn, x, atol=1e-9):
+    """``torch.allclose`` of value (rtol 1e-7) and gradient (rtol 1e-6) of two functions at
+    ``x``; the ranking/FastAP/ProtoNCE tests' tolerance."""
+    v, g = backward_value_and_grad(loss_fn, x)
+    rv, rg = backward_value_and_grad(ref_fn, x)
+    assert torch.allclose(v, rv, atol=atol, rtol=1e-7), (float(v), float(rv))
+    assert torch.allclose(g, rg, atol=atol, rtol=1e-6), (g - rg).abs().max()
+
+
+# ------------------------------------------------------------------ classification / proxy losses
+def dot(a, b):
+    """Dot product of two vectors as an explicit loop over dimensions."""
+    return sum(a[d] * b[d] for d in range(len(a)))
+
+
+try:
+    pml_losses = importlib.import_module("pytorch_metric_learning.losses")
+except ImportError:  # the peer library is a benchmark/test extra
+    pml_losses = None
+needs_pml = pytest.mark.skipif(
+    pml_losses is None, reason="pytorch-metric-learning not installed: pip install 'dmlkit[bench]'"
+)
+
+
+def check_matches_loop_reference(loss, x, labels, reference: Callable) -> None:
+    """Value, embedding gradient and parameter gradients of ``loss`` equal ``reference(x,
+    labels, params)`` (a loop over the same named parameters), in float64."""
+    x1 = x.clone().requires_grad_()
+    params = {n: p.detach().clone().requires_grad_() for n, p in loss.named_parameters()}
+    ours = functional_call(loss, params, (x1, labels))
+    ours.backward()
+    x2 = x.clone().requires_grad_()
+    ref_params = {n: p.detach().clone().requires_grad_() for n, p in params.items()}
+    ref = reference(x2, labels, ref_params)
+    ref.backward()
+    torch.testing.assert_close(ours, ref, rtol=1e-9, atol=1e-10)
+    torch.testing.assert_close(x1.grad, x2.grad, rtol=1e-7, atol=1e-9)
+    for n in params:
+        torch.testing.assert_close(params[n].grad, ref_params[n].grad, rtol=1e-7, atol=1e-9)
+
+
+def check_gradcheck(loss) -> None:
+    """``torch.autograd.gradcheck`` in the embeddings and all parameters (3 classes, D = 3)."""
+    labels = torch.tensor([0, 2, 2, 1])
+    x = torch.randn(4, 3, dtype=torch.float64, requires_grad=True)
+    names = [n for n, _ in loss.named_parameters()]
+    params = [p.detach().clone().requires_grad_() for _, p in loss.named_parameters()]
+
+    def fn(x, *ps):
+        return functional_call(loss, dict(zip(names, ps)), (x, labels))
+
+    assert torch.autograd.gradcheck(fn, (x, *params), eps=1e-6, atol=1e-5)
+
+
+def check_bfloat16_close_to_float32(loss, x, labels) -> None:
+    """In bfloat16 the loss is a finite float32 close to the float32 loss, gradients finite."""
+    ref = loss(x, labels)
+    xb = x.bfloat16().requires_grad_()
+    lb = loss.to(torch.bfloat16)
+    out = lb(xb, labels)
+    out.backward()
+    assert out.dtype == torch.float32
+    assert torch.isfinite(out) and torch.isfinite(xb.grad.float()).all()
+    assert xb.grad.dtype == torch.bfloat16
+    assert all(torch.isfinite(p.grad.float()).all() for p in lb.parameters())
+    torch.testing.assert_close(out, ref, rtol=0.05, atol=0.05)
+
+
+def check_finite_with_gradients(loss, x, labels) -> None:
+    """Loss, embedding gradient and parameter gradients are all finite (``x`` requires grad)."""
+    out = loss(x, labels)
+    out.backward()
+    assert torch.isfinite(out)
+    assert torch.isfinite(x.grad.float()).all()
+    assert all(torch.isfinite(p.grad.float()).all() for p in loss.parameters())
+
+
+def check_proxy_loss_errors_and_empty_batch(loss, negative_labels) -> None:
+    """For a loss built with 4 classes and D = 8: bad labels/sizes, miner indices and a
+    reference set are rejected; any integer label dtype works; an empty batch gives a zero with
+    a gradient and counts one empty batch. ``negative_labels`` holds a label below 0."""
+    x = torch.randn(3, 8)
+    with pytest.raises(ShapeError, match=r"\[0, 4\)"):
+        loss(x, torch.tensor([0, 1, 4]))
+    with pytest.raises(ShapeError, match=r"\[0, 4\)"):
+        loss(x, torch.tensor(negative_labels))
+    with pytest.raises(ShapeError, match="embedding_size=8"):
+        loss(torch.randn(3, 5), torch.tensor([0, 1, 2]))
+    with pytest.raises(ConfigError, match="miner"):
+        loss(x, torch.tensor([0, 1, 2]), indices=(torch.tensor([0]),) * 3)
+    with pytest.raises(ConfigError, match="ref_emb"):
+        loss(x, torch.tensor([0, 1, 2]), ref_emb=x, ref_labels=torch.tensor([0, 1, 2]))
+    labels = torch.tensor([0, 3, 2])
+    torch.testing.assert_close(loss(x, labels.int()), loss(x, labels))
+    e = torch.zeros(0, 8, requires_grad=True)
+    z = loss(e, torch.zeros(0, dtype=torch.long))
+    z.backward()
+    assert z.item() == 0.0 and loss.num_empty_batches == 1
+
+
+# ------------------------------------------------------------------ tiny training runs
+#: Config sections shared by the quick training tests: a two-block CNN with a 16-d embedding
+#: on 28 x 28 grayscale images, trained with the triplet loss and the ``cpu_quick`` preset.
+TINY_MODEL = {"trunk": "small_cnn", "trunk_options": {"widths": [8, 16]}, "pretrained": False,
+              "in_channels": 1, "embedding_size": 16, "freeze_batchnorm": False}
+TINY_LOSS = {"name": "triplet", "params": {"margin": 0.2}}
+TINY_OPTIMIZER = {"preset": "cpu_quick"}
+
+
+def tiny_sections() -> dict:
+    """Fresh copies of the ``model``, ``loss`` and ``optimizer`` config sections above."""
+    return copy.deepcopy({"model": TINY_MODEL, "loss": TINY_LOSS, "optimizer": TINY_OPTIMIZER})
