@@ -20,23 +20,9 @@ import sys
 import time
 from pathlib import Path
 
-import numpy as np
 import torch
 
-
-def map_at_r(emb: np.ndarray, labels: np.ndarray) -> float:
-    """MAP@R (Musgrave et al. 2020) with cosine similarity; the query itself is excluded."""
-    emb = emb / np.linalg.norm(emb, axis=1, keepdims=True)
-    sim = emb @ emb.T
-    np.fill_diagonal(sim, -np.inf)
-    scores = []
-    for i in range(len(labels)):
-        r = int((labels == labels[i]).sum()) - 1
-        order = np.argsort(-sim[i], kind="stable")[:r]
-        hit = labels[order] == labels[i]
-        precision = np.cumsum(hit) / np.arange(1, r + 1)
-        scores.append(float((precision * hit).sum() / r))
-    return float(np.mean(scores))
+from dmlkit.metrics import evaluate
 
 
 def main() -> None:
@@ -69,7 +55,7 @@ def main() -> None:
         feats = extract_features(trunk, test.with_transform(tf), batch_size=50,
                                  cache_dir=args.cache_dir, key=f"efficientnet_lite0:{space}")
         dt = time.perf_counter() - t
-        score = map_at_r(feats.arrays, feats.labels)
+        score = evaluate(feats.arrays, feats.labels, metrics=["map_at_r"])["map_at_r"]
         rate = "cached" if feats.meta["cache_hit"] else f"{len(test) / dt:.1f}"
         rows.append(f"| {name} | {score:.3f} | {rate} |")
         print(rows[-1], flush=True)

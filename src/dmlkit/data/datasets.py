@@ -158,6 +158,17 @@ def _download(url: str, root: Path, md5: str | None = None, filename: str | None
         ) from exc
 
 
+def _download_file(url: str, root: Path) -> None:
+    """Download one file (no extraction) into ``root`` with torchvision's helper."""
+    from torchvision.datasets.utils import download_url
+
+    root.mkdir(parents=True, exist_ok=True)
+    try:
+        download_url(url, str(root))
+    except Exception as exc:  # network errors come in many types
+        raise DataNotFoundError(f"download of {url} failed: {exc}") from exc
+
+
 def _groups_by_range(classes: Iterable[int], last_train: int) -> dict[int, str]:
     return {int(c): ("train" if int(c) <= last_train else "test") for c in classes}
 
@@ -379,13 +390,7 @@ def load_binary_alphadigits(root: str | os.PathLike | None = None, download: boo
     folder = _find_dir(base, ["binary_alphadigits"], "binaryalphadigs.mat")
     if folder is None and download:
         target = base / "binary_alphadigits"
-        target.mkdir(parents=True, exist_ok=True)
-        from torchvision.datasets.utils import download_url
-
-        try:
-            download_url(ALPHADIGITS_URL, str(target))
-        except Exception as exc:  # network errors come in many types
-            raise DataNotFoundError(f"download of {ALPHADIGITS_URL} failed: {exc}") from exc
+        _download_file(ALPHADIGITS_URL, target)
         folder = target
     if folder is None:
         raise _missing("binary_alphadigits", base, "binary_alphadigits/binaryalphadigs.mat",
@@ -498,12 +503,7 @@ def load_cars196(root: str | os.PathLike | None = None, download: bool = False, 
     if folder is None and download:
         target = base / "cars196"
         _download(CARS_URL, target)
-        from torchvision.datasets.utils import download_url
-
-        try:
-            download_url(CARS_ANNOS_URL, str(target))
-        except Exception as exc:  # network errors come in many types
-            raise DataNotFoundError(f"download of {CARS_ANNOS_URL} failed: {exc}") from exc
+        _download_file(CARS_ANNOS_URL, target)
         folder = target
     if folder is None:
         raise _missing(
