@@ -146,6 +146,6 @@ def test_bench_report_from_results(tmp_path):
     (tmp_path / "results.json").write_text(json.dumps({"methods": methods}))
     page = build_report(tmp_path, options=ReportOptions(maps=("pca",)))
     html = page.read_text()
-    assert "60.00 ± 1.00" in html and ">Papers versus reality</h2>" in html
+    assert "60.00 ± 1.00" in html and "60.00 ± n/a" in html and ">Papers versus reality</h2>" in html
     assert '<tr class="best"><td>arcface</td>' in html
     assert (tmp_path / "figures" / "relative_improvement.png").exists()

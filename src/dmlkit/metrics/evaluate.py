@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from dmlkit.distances import BaseDistance, get_distance
+from dmlkit.distances import BaseDistance, DotProductSimilarity, LpDistance, get_distance
 from dmlkit.exceptions import ConfigError, ShapeError
 from dmlkit.metrics._validation import DEFAULT_MEMORY_BUDGET, as_embeddings, as_labels, check_budget
 from dmlkit.metrics.clustering import CLUSTERING_METRICS, cluster_metrics
@@ -102,10 +102,80 @@ def _retrieval_per_query(
             inp.q, None if inp.same else inp.r, need, distance=inp.distance,
             backend=backend, memory_budget=budget, order=order,
         )
-        out.update(per_query_from_neighbours(res.indices.cpu(), inp.rl, inp.ql, inp.r_q, knn_names))
+        neighbours = _resolve_near_ties(inp, res.indices.cpu(), res.values.cpu(), res.higher_is_closer)
+        out.update(per_query_from_neighbours(neighbours, inp.rl, inp.ql, inp.r_q, knn_names))
     if "map" in names:
         out["map"] = _full_map(inp, budget)
     return out
+
+
+_NEAR_TIE_ULPS = 8
+_TIE_ROW_BLOCK = 4096
+
+
+def _resolve_near_ties(
+    inp: _Inputs, idx: torch.Tensor, values: torch.Tensor, higher_is_closer: bool, rounds: int = 4
+) -> torch.Tensor:
+    """Order adjacent neighbours of *different relevance* whose float32 scores are within a few
+    ulps of each other by their float64 scores (exact ties then by reference index).
+
+    The kNN ranks float32 scores, and two references whose true similarities differ by less than
+    float32 rounding can come out in either order (different summation orders in BLAS or faiss
+    give different answers). Only swaps between a positive and a negative change P@1,
+    R-Precision or MAP@R, so only those pairs are re-scored, in float64, with odd-even
+    transposition passes (chains of near-ties settle in a few rounds). Cosine, dot product and
+    Euclidean distances only; the cost is a few passes over the ``(N, k)`` result.
+    """
+    dist = inp.distance
+    if not isinstance(dist, DotProductSimilarity | LpDistance) or (
+        isinstance(dist, LpDistance) and dist.p != 2
+    ) or idx.shape[1] < 2:
+        return idx
+    closeness = (values if higher_is_closer else -values).to(torch.float32).clone()
+    idx = idx.clone()
+    q = dist.normalize(inp.q).cpu()
+    r = q if inp.same else dist.normalize(inp.r).cpu()
+    ql, rl = inp.ql.cpu(), inp.rl.cpu()
+    eps = torch.finfo(torch.float32).eps * _NEAR_TIE_ULPS
+    euclidean = isinstance(dist, LpDistance)
+
+    def score64(rows: torch.Tensor, refs: torch.Tensor) -> torch.Tensor:
+        a, b = q[rows].double(), r[refs].double()
+        return -(a - b).pow(2).sum(1) if euclidean else (a * b).sum(1)
+
+    k = idx.shape[1]
+    for _ in range(rounds):
+        changed = False
+        for parity in (0, 1):
+            cols = torch.arange(parity, k - 1, 2)
+            if cols.numel() == 0:
+                continue
+            for a0 in range(0, idx.shape[0], _TIE_ROW_BLOCK):
+                a1 = min(idx.shape[0], a0 + _TIE_ROW_BLOCK)
+                ca, cb = closeness[a0:a1, cols], closeness[a0:a1, cols + 1]
+                tol = eps * torch.maximum(ca.abs(), cb.abs()).clamp_min(1.0)
+                near = (ca - cb).abs() <= tol
+                if not near.any():
+                    continue
+                ia, ib = idx[a0:a1, cols], idx[a0:a1, cols + 1]
+                lab = ql[a0:a1, None]
+                cand = near & ((rl[ia] == lab) != (rl[ib] == lab))
+                rows, j = cand.nonzero(as_tuple=True)
+                if rows.numel() == 0:
+                    continue
+                rows_abs, c = rows + a0, cols[j]
+                ref_a, ref_b = idx[rows_abs, c], idx[rows_abs, c + 1]
+                va, vb = score64(rows_abs, ref_a), score64(rows_abs, ref_b)
+                swap = (vb > va) | ((vb == va) & (ref_b < ref_a))
+                if swap.any():
+                    changed = True
+                    rs, cs = rows_abs[swap], c[swap]
+                    idx[rs, cs], idx[rs, cs + 1] = ref_b[swap], ref_a[swap]
+                    first, second = closeness[rs, cs].clone(), closeness[rs, cs + 1].clone()
+                    closeness[rs, cs], closeness[rs, cs + 1] = second, first
+        if not changed:
+            break
+    return idx
 
 
 def _full_map(inp: _Inputs, budget: int) -> torch.Tensor:

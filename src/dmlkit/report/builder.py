@@ -331,13 +331,17 @@ def _bench_sections(bench_dir: Path, fig_dir: Path, options: ReportOptions) -> t
     if not methods:
         raise DataError(f"{bench_dir / 'results.json'} lists no methods")
     sections: list[Section] = []
-    header = ["method"] + [f"{mode} {_short(k)}" for mode in ("concatenated", "separated") for k in _MAIN_METRICS]
+    from dmlkit.protocol.results import format_cell, metric_label
+
+    metrics = results.get("metrics", list(_MAIN_METRICS))
+    header = ["method"] + [f"{mode} {metric_label(k)}" for mode in ("concatenated", "separated") for k in metrics]
     rows = []
     for name, res in methods.items():
         row = [name]
         for mode in ("concatenated", "separated"):
-            for k in _MAIN_METRICS:
-                row.append(_with_ci(res.get(mode, {}).get(k)))
+            for k in metrics:
+                cell = res.get(mode, {}).get(k)
+                row.append("n/a" if cell is None else format_cell(cell))
         rows.append(row)
     best = max(range(len(rows)), key=lambda i: _mean(methods[rows[i][0]].get("concatenated", {}).get("map_at_r")))
     sections.append(Section("Results", [
@@ -398,20 +402,6 @@ def _mean(cell: Any) -> float:
     if isinstance(cell, Mapping):
         return float(cell.get("mean", float("nan")))
     return float(cell) if cell is not None else float("nan")
-
-
-def _with_ci(cell: Any) -> str:
-    if cell is None:
-        return "n/a"
-    mean = _mean(cell)
-    ci = cell.get("ci95") if isinstance(cell, Mapping) else None
-    if ci is None or not np.isfinite(ci):
-        return _fmt(mean)
-    return f"{_fmt(mean)} ± {100 * ci:.2f}"
-
-
-def _short(metric: str) -> str:
-    return {"precision_at_1": "P@1", "r_precision": "RP", "map_at_r": "MAP@R"}.get(metric, metric)
 
 
 def _slug(name: str) -> str:
