@@ -266,3 +266,21 @@ def _initial_model(cfg):
 
     seed_everything(cfg.seed)
     return build_model(cfg)
+
+
+def test_tensorboard_mirrors_the_log(tmp_path):
+    """``training.tensorboard: true`` writes the logged scalars as TensorBoard events."""
+    pytest.importorskip("tensorboard", reason="tensorboard is not installed (pip install 'dmlkit[tensorboard]')")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from dmlkit.training.runlog import RunLogger
+
+    log = RunLogger(tmp_path, tensorboard=True)
+    log.log({"event": "train", "epoch": 1, "step": 3, "loss": 0.5})
+    log.log({"event": "eval", "epoch": 1, "step": 3, "split": "val", "map_at_r": 0.25})
+    log.close()
+    events = EventAccumulator(str(tmp_path / "tensorboard"))
+    events.Reload()
+    assert {"train/loss", "val/map_at_r"} <= set(events.Tags()["scalars"])
+    assert events.Scalars("val/map_at_r")[0].value == pytest.approx(0.25)
+    assert (tmp_path / "log.jsonl").read_text().count("\n") == 2
