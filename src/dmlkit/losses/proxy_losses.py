@@ -229,7 +229,9 @@ class SoftTripleLoss(ProxyLoss):
         with full_precision(embeddings):
             sim = cosine_to_rows(embeddings.to(dtype), self.centers.to(dtype))
             sim = sim.view(-1, self.num_classes, self.centers_per_class)
-            weights = F.softmax(sim / self.gamma, dim=2)
+            # softmax over the K centres of each class; taken over dim 1 of the transposed view
+            # because torch's CPU softmax over a short innermost dimension is 4-8x slower
+            weights = F.softmax(sim.transpose(1, 2) / self.gamma, dim=1).transpose(1, 2)
             return (weights * sim).sum(2)
 
     get_logits = class_similarity

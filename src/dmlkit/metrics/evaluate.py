@@ -131,48 +131,47 @@ def _resolve_near_ties(
         isinstance(dist, LpDistance) and dist.p != 2
     ) or idx.shape[1] < 2:
         return idx
-    closeness = (values if higher_is_closer else -values).to(torch.float32).clone()
-    idx = idx.clone()
+    closeness = values if higher_is_closer else -values
+    tol = torch.finfo(torch.float32).eps * _NEAR_TIE_ULPS * max(1.0, float(closeness.abs().max()))
+    # candidate adjacent pairs (row, j) with |score_j - score_{j+1}| within a few ulps; found once,
+    # since the positions stay the same whichever way each pair is ordered
+    found_rows, found_cols = [], []
+    for a0 in range(0, idx.shape[0], _TIE_ROW_BLOCK):
+        block = closeness[a0 : a0 + _TIE_ROW_BLOCK]
+        rows, cols = ((block[:, :-1] - block[:, 1:]) <= tol).nonzero(as_tuple=True)
+        found_rows.append(rows + a0)
+        found_cols.append(cols)
+    rows, cols = torch.cat(found_rows), torch.cat(found_cols)
+    if rows.numel() == 0:
+        return idx
     q = dist.normalize(inp.q).cpu()
     r = q if inp.same else dist.normalize(inp.r).cpu()
     ql, rl = inp.ql.cpu(), inp.rl.cpu()
-    eps = torch.finfo(torch.float32).eps * _NEAR_TIE_ULPS
     euclidean = isinstance(dist, LpDistance)
 
-    def score64(rows: torch.Tensor, refs: torch.Tensor) -> torch.Tensor:
-        a, b = q[rows].double(), r[refs].double()
+    def score64(query_rows: torch.Tensor, refs: torch.Tensor) -> torch.Tensor:
+        a, b = q[query_rows].double(), r[refs].double()
         return -(a - b).pow(2).sum(1) if euclidean else (a * b).sum(1)
 
-    k = idx.shape[1]
-    for _ in range(rounds):
+    copied = False
+    for _ in range(rounds):  # odd-even transposition: chains of near-ties settle in a few rounds
         changed = False
         for parity in (0, 1):
-            cols = torch.arange(parity, k - 1, 2)
-            if cols.numel() == 0:
+            sel = cols % 2 == parity
+            rs, cs = rows[sel], cols[sel]
+            ref_a, ref_b = idx[rs, cs], idx[rs, cs + 1]
+            lab = ql[rs]
+            differ = (rl[ref_a] == lab) != (rl[ref_b] == lab)
+            if not differ.any():
                 continue
-            for a0 in range(0, idx.shape[0], _TIE_ROW_BLOCK):
-                a1 = min(idx.shape[0], a0 + _TIE_ROW_BLOCK)
-                ca, cb = closeness[a0:a1, cols], closeness[a0:a1, cols + 1]
-                tol = eps * torch.maximum(ca.abs(), cb.abs()).clamp_min(1.0)
-                near = (ca - cb).abs() <= tol
-                if not near.any():
-                    continue
-                ia, ib = idx[a0:a1, cols], idx[a0:a1, cols + 1]
-                lab = ql[a0:a1, None]
-                cand = near & ((rl[ia] == lab) != (rl[ib] == lab))
-                rows, j = cand.nonzero(as_tuple=True)
-                if rows.numel() == 0:
-                    continue
-                rows_abs, c = rows + a0, cols[j]
-                ref_a, ref_b = idx[rows_abs, c], idx[rows_abs, c + 1]
-                va, vb = score64(rows_abs, ref_a), score64(rows_abs, ref_b)
-                swap = (vb > va) | ((vb == va) & (ref_b < ref_a))
-                if swap.any():
-                    changed = True
-                    rs, cs = rows_abs[swap], c[swap]
-                    idx[rs, cs], idx[rs, cs + 1] = ref_b[swap], ref_a[swap]
-                    first, second = closeness[rs, cs].clone(), closeness[rs, cs + 1].clone()
-                    closeness[rs, cs], closeness[rs, cs + 1] = second, first
+            rs, cs, ref_a, ref_b = rs[differ], cs[differ], ref_a[differ], ref_b[differ]
+            va, vb = score64(rs, ref_a), score64(rs, ref_b)
+            swap = (vb > va) | ((vb == va) & (ref_b < ref_a))
+            if swap.any():
+                if not copied:
+                    idx, copied = idx.clone(), True
+                changed = True
+                idx[rs[swap], cs[swap]], idx[rs[swap], cs[swap] + 1] = ref_b[swap], ref_a[swap]
         if not changed:
             break
     return idx
