@@ -10,7 +10,7 @@ Measures, on the real Omniglot data (``$DMLKIT_DATA`` or ``../shared/data``):
    official PNGs (extracted from ``images_evaluation.zip`` into a temporary folder, as
    torchvision lays them out).
 
-Run:  python benchmarks/bench_data.py [--samples 2000] [--repeats 3] [--markdown docs/bench/data_models.md]
+Run:  python benchmarks/bench_data.py [--samples 2000] [--repeats 3] [--markdown FILE.md]
 """
 
 from __future__ import annotations

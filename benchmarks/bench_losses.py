@@ -27,7 +27,7 @@ Close calls at B = 256 and 1024 (dmlkit slower than 0.9x pml) are measured a sec
 the reverse order and each library keeps its faster median (``--no-confirm`` to skip).
 
 Run:  python benchmarks/bench_losses.py [--batch-sizes 32,256,1024,4096] [--only a,b]
-          [--repeats 15] [--threads 1] [--markdown docs/bench/losses.md] [--json out.json]
+          [--repeats 15] [--threads 1] [--markdown FILE.md] [--json out.json]
 """
 
 from __future__ import annotations

@@ -18,7 +18,7 @@ Scenarios:
     overhead matters most.
 
 Run:  python benchmarks/bench_train.py --data-root ../shared/data [--repeats 3] [--steps 60]
-      [--out docs/bench/training.md]
+      [--out FILE.md]
 """
 
 from __future__ import annotations

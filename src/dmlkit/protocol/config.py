@@ -328,7 +328,7 @@ def _format_error(exc: ValidationError, source: str | None) -> str:
         if msg.startswith("Value error, "):
             msg = msg[len("Value error, "):]
         if err.get("type") == "extra_forbidden":
-            msg = "unknown key (see docs/readme/protocol.md for every key)"
+            msg = "unknown key (see 'The fair benchmark' in README.md for every key)"
         elif err.get("type") == "missing":
             msg = "required key is missing"
         lines.append(f"  {key}: {msg}")

@@ -277,7 +277,7 @@ def _format_validation_error(exc: ValidationError, source: str | None) -> str:
         key = ".".join(str(p) for p in err.get("loc", ())) or "<root>"
         msg = err.get("msg", "invalid")
         if err.get("type") == "extra_forbidden":
-            msg = "unknown key (check the spelling; see docs/readme/training.md for every key)"
+            msg = "unknown key (check the spelling; see 'The config' in README.md for every key)"
         elif err.get("type") == "missing":
             msg = "required key is missing"
         if msg.startswith("Value error, "):
