@@ -27,11 +27,9 @@ Check", ECCV 2020, section 4):
 
 from __future__ import annotations
 
-import copy
 import os
 import re
 from collections.abc import Iterable, Mapping
-from pathlib import Path
 from typing import Any, Literal
 
 import yaml
@@ -47,8 +45,9 @@ from dmlkit.training.config import (
     OptimizerConfig,
     SamplerConfig,
     TrainingConfig,
+    apply_dict_overrides,
     config_from_dict,
-    parse_overrides,
+    read_yaml_mapping,
 )
 
 __all__ = [
@@ -336,28 +335,6 @@ def _format_error(exc: ValidationError, source: str | None) -> str:
     return f"invalid bench config{where}:\n" + "\n".join(lines)
 
 
-def _set_dotted(data: dict[str, Any], key: str, value: Any) -> None:
-    parts = key.split(".")
-    node: Any = data
-    for part in parts[:-1]:
-        if isinstance(node, list):
-            try:
-                node = node[int(part)]
-            except (ValueError, IndexError):
-                raise ConfigError(f"cannot set {key!r}: {part!r} is not an index of the list") from None
-            continue
-        child = node.get(part)
-        if child is None:
-            child = {}
-            node[part] = child
-        if not isinstance(child, dict | list):
-            raise ConfigError(f"cannot set {key!r}: {part!r} is a value, not a section")
-        node = child
-    if isinstance(node, list):
-        raise ConfigError(f"cannot set {key!r}: replace the whole list instead")
-    node[parts[-1]] = value
-
-
 def bench_config_from_dict(data: Mapping[str, Any], source: str | None = None) -> BenchConfig:
     """Validate a mapping into a :class:`BenchConfig`; every problem is a :class:`ConfigError`."""
     if not isinstance(data, Mapping):
@@ -392,19 +369,8 @@ def load_bench_config(
 
     Overrides address list items by index, e.g. ``methods.0.loss.params.margin=0.2``.
     """
-    path = Path(path)
-    if not path.exists():
-        raise ConfigError(f"bench config not found: {path} (see configs/bench_*.yaml)")
-    try:
-        data = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"{path} is not valid YAML: {exc}") from None
-    if not isinstance(data, dict):
-        raise ConfigError(f"{path} must hold a mapping with 'fixed', 'protocol' and 'methods'")
-    data = copy.deepcopy(data)
-    for key, value in parse_overrides(overrides).items():
-        _set_dotted(data, key, value)
-    return bench_config_from_dict(data, source=str(path))
+    data = read_yaml_mapping(path, "'fixed', 'protocol' and 'methods'", "configs/bench_*.yaml")
+    return bench_config_from_dict(apply_dict_overrides(data, overrides), source=str(path))
 
 
 def dump_bench_config(config: BenchConfig) -> str:

@@ -321,21 +321,44 @@ def parse_overrides(overrides: Iterable[str] | Mapping[str, Any] | None) -> dict
 
 
 def _set_dotted(data: dict[str, Any], key: str, value: Any) -> None:
+    """Set ``a.b.c = value`` in nested mappings; a numeric part indexes a list (``methods.0.x``)."""
     parts = key.split(".")
-    node = data
+    node: Any = data
     for i, part in enumerate(parts[:-1]):
+        if isinstance(node, list):
+            try:
+                node = node[int(part)]
+            except (ValueError, IndexError):
+                raise ConfigError(f"cannot set {key!r}: {part!r} is not an index of the list") from None
+            continue
         child = node.get(part)
         if child is None:
             child = {}
             node[part] = child
-        if not isinstance(child, dict):
+        if not isinstance(child, dict | list):
             prefix = ".".join(parts[: i + 1])
             raise ConfigError(f"cannot set {key!r}: {prefix!r} is a value ({child!r}), not a section")
         node = child
+    if isinstance(node, list):
+        raise ConfigError(f"cannot set {key!r}: replace the whole list instead")
     node[parts[-1]] = value
 
 
-def _apply_to_dict(data: dict[str, Any], overrides: Iterable[str] | Mapping[str, Any] | None) -> dict[str, Any]:
+def read_yaml_mapping(path: str | os.PathLike, holds: str, examples: str) -> dict[str, Any]:
+    """The mapping in a YAML file, or a :class:`ConfigError` saying what is wrong with it."""
+    path = Path(path)
+    if not path.exists():
+        raise ConfigError(f"config file not found: {path} (see {examples})")
+    try:
+        data = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path} is not valid YAML: {exc}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path} must hold a mapping of {holds}")
+    return data
+
+
+def apply_dict_overrides(data: dict[str, Any], overrides: Iterable[str] | Mapping[str, Any] | None) -> dict[str, Any]:
     data = copy.deepcopy(data)
     for key, value in parse_overrides(overrides).items():
         _set_dotted(data, key, value)
@@ -352,7 +375,7 @@ def apply_overrides(
         # a resolved config holds the old preset's values explicitly: switching the preset
         # starts the optimiser section afresh (other optimizer.* overrides still apply)
         base["optimizer"] = {}
-    return config_from_dict(_apply_to_dict(base, parsed), source="overrides")
+    return config_from_dict(apply_dict_overrides(base, parsed), source="overrides")
 
 
 def load_config(
@@ -362,17 +385,9 @@ def load_config(
     data: Any = {}
     source = None
     if path is not None:
-        path = Path(path)
         source = str(path)
-        if not path.exists():
-            raise ConfigError(f"config file not found: {path} (see configs/ for examples)")
-        try:
-            data = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
-        except yaml.YAMLError as exc:
-            raise ConfigError(f"{path} is not valid YAML: {exc}") from None
-        if not isinstance(data, dict):
-            raise ConfigError(f"{path} must hold a mapping of sections (data, model, loss, ...)")
-    data = _apply_to_dict(data, overrides)
+        data = read_yaml_mapping(path, "sections (data, model, loss, ...)", "configs/ for examples")
+    data = apply_dict_overrides(data, overrides)
     return config_from_dict(data, source=source)
 
 
