@@ -15,7 +15,7 @@ from dmlkit.metrics import evaluate, exact_topk, faiss_available, knn, per_class
 #: raw inner product (no normalisation): exact in float32 on small integer vectors
 DOT = DotProductSimilarity(normalize_embeddings=False)
 
-BACKENDS = ["torch", pytest.param("faiss", marks=pytest.mark.skipif(not faiss_available(), reason="faiss"))]
+BACKENDS = ["torch", "numba", pytest.param("faiss", marks=pytest.mark.skipif(not faiss_available(), reason="faiss"))]
 
 
 # -- slow references ------------------------------------------------------------------------------

@@ -20,7 +20,7 @@ def register(app: typer.Typer) -> None:
         metrics: str = typer.Option("precision_at_1,recall_at_k,r_precision,map_at_r", "--metrics", "-m", help="Comma-separated: precision_at_1, recall_at_k, precision_at_k, r_precision, map_at_r, map, nmi, ami, pair_f1, pos_neg_js (or recall_at_<K>)."),
         k: str = typer.Option("1,2,4,8", "--k", help="Comma-separated K values of recall_at_k / precision_at_k."),
         distance: str = typer.Option("cosine", "--distance", "-d", help="cosine | dot | euclidean | snr."),
-        backend: str = typer.Option("auto", "--backend", help="kNN backend: auto | torch | faiss."),
+        backend: str = typer.Option("auto", "--backend", help="kNN backend: auto | torch | numba | faiss."),
         memory_mb: int = typer.Option(256, "--memory-mb", min=1, help="Working-memory budget of the blockwise kNN, MiB."),
         restarts: int = typer.Option(3, "--restarts", min=1, help="k-means restarts averaged by nmi / ami / pair_f1."),
         seed: int = typer.Option(0, "--seed", help="First k-means seed."),

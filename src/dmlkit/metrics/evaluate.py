@@ -144,14 +144,15 @@ def _resolve_near_ties(
     rows, cols = torch.cat(found_rows), torch.cat(found_cols)
     if rows.numel() == 0:
         return idx
-    q = dist.normalize(inp.q).cpu()
-    r = q if inp.same else dist.normalize(inp.r).cpu()
+    from dmlkit.metrics._kernels import pair_scores64
+
+    q = dist.normalize(inp.q).cpu().contiguous().numpy()
+    r = q if inp.same else dist.normalize(inp.r).cpu().contiguous().numpy()
     ql, rl = inp.ql.cpu(), inp.rl.cpu()
     euclidean = isinstance(dist, LpDistance)
 
     def score64(query_rows: torch.Tensor, refs: torch.Tensor) -> torch.Tensor:
-        a, b = q[query_rows].double(), r[refs].double()
-        return -(a - b).pow(2).sum(1) if euclidean else (a * b).sum(1)
+        return torch.from_numpy(pair_scores64(q, r, query_rows.numpy(), refs.numpy(), euclidean))
 
     copied = False
     for _ in range(rounds):  # odd-even transposition: chains of near-ties settle in a few rounds
@@ -252,7 +253,7 @@ def evaluate(
             ``recall_at_k`` / ``precision_at_k`` expand to one key per ``k_values`` entry.
         distance: a :mod:`dmlkit.distances` name or object (default cosine).
         k_values: the K of Recall@K / Precision@K.
-        backend: kNN backend, ``"auto"`` / ``"torch"`` / ``"faiss"`` (:func:`knn`).
+        backend: kNN backend, ``"auto"`` / ``"torch"`` / ``"numba"`` / ``"faiss"`` (:func:`knn`).
         memory_budget: working memory of the blockwise computations, in bytes.
         cluster_restarts, seed: k-means runs averaged by the clustering metrics, and their
             first seed.

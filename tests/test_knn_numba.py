@@ -1,0 +1,207 @@
+"""The numba kNN backend: packed keys, reservoir selection, bfloat16 prefilter, guessed thresholds."""
+
+from __future__ import annotations
+
+import importlib
+
+import numpy as np
+import pytest
+import torch
+
+from dmlkit.metrics import _kernels, evaluate, knn
+from test_metrics import (
+    ALL_RETRIEVAL,
+    DOT,
+    _compare,
+    ref_closeness,
+    ref_metrics,
+    ref_rankings,
+    tied_data,
+)
+
+knn_module = importlib.import_module("dmlkit.metrics.knn")
+
+
+# -- keys -----------------------------------------------------------------------------------------
+def test_keys_order_by_value_then_smaller_index():
+    values = np.array([-np.inf, -3.5, -1e-30, -0.0, 0.0, 1e-30, 0.25, 0.25, 7.0, np.inf], np.float32)
+    index = np.array([0, 4, 9, 2, 1, 3, 8, 5, 6, 7])
+    keys = np.array([_kernels.pack_keys(values[i : i + 1], int(index[i]))[0] for i in range(len(values))])
+    want = sorted(range(len(values)), key=lambda i: (values[i], -index[i]))  # -0.0 == 0.0
+    assert list(np.argsort(keys, kind="stable")) == want
+    np.testing.assert_array_equal(_kernels.unpack_values(keys), values + np.float32(0.0))
+    assert _kernels.LOWEST_KEY <= keys.min()
+
+
+def test_select_rows_keeps_the_k_largest():
+    rng = np.random.default_rng(0)
+    for k, n in [(1, 1), (1, 9), (5, 5), (5, 40), (37, 74), (100, 150)]:
+        buf = rng.permutation(np.arange(-500, 500, dtype=np.int64))[: 2 * n].reshape(2, n).copy()
+        want = np.sort(buf, axis=1)[:, -k:]
+        _kernels.select_rows(buf, np.array([n, n]), k)
+        np.testing.assert_array_equal(np.sort(buf[:, :k], axis=1), want)
+
+
+# -- the backend against torch and the slow reference ----------------------------------------------
+@pytest.mark.parametrize("distance", ["cosine", "euclidean", "dot"])
+@pytest.mark.parametrize("same", [True, False])
+@pytest.mark.parametrize("k", [1, 12, 399])
+def test_numba_matches_torch(distance, same, k):
+    rng = np.random.default_rng(11)
+    q = rng.normal(size=(400, 16)).astype(np.float32)
+    r = None if same else rng.normal(size=(450, 16)).astype(np.float32)
+    a = knn(q, r, k, distance=distance, backend="torch")
+    b = knn(q, r, k, distance=distance, backend="numba", memory_budget=2**20)  # tiles of 362 rows
+    torch.testing.assert_close(a.values, b.values, rtol=1e-5, atol=1e-5)
+    if k < 399:
+        assert torch.equal(a.indices, b.indices)
+    else:  # everything ranked: float32 near-ties may order differently between tilings
+        assert torch.equal(a.indices.sort(1).values, b.indices.sort(1).values)
+    if same:
+        assert not (b.indices == torch.arange(400)[:, None]).any()
+
+
+def float32_rankings(q, r, same, distance):
+    """The numba backend's ranking with bfloat16 tiles: float64 scores rounded once to float32,
+    ties by index."""
+    c = ref_closeness(q, r, distance).astype(np.float32)
+    return [
+        sorted((j for j in range(r.shape[0]) if not (same and j == i)), key=lambda j: (-c[i, j], j))
+        for i in range(q.shape[0])
+    ]
+
+
+def test_numba_exact_ties_by_index():
+    x, _ = tied_data()  # small integer vectors: every dot product exact, many exact ties
+    res = knn(x, None, 7, distance=DOT, backend="numba", memory_budget=2**20)
+    assert res.indices.tolist() == [r[:7] for r in ref_rankings(x, x, True, "dot")]
+
+
+def test_numba_excludes_self_by_index_not_value():
+    x = np.array([[1.0, 0.0], [1.0, 0.0], [0.0, 1.0], [0.6, 0.8]], dtype=np.float32)
+    res = knn(x, None, 3, backend="numba")
+    assert res.indices[0, 0] == 1 and res.indices[1, 0] == 0
+    assert all(i not in row for i, row in enumerate(res.indices.tolist()))
+
+
+def test_numba_metrics_match_reference():
+    x, y = tied_data()
+    _compare(evaluate(x, y, metrics=ALL_RETRIEVAL, distance=DOT, backend="numba"), ref_metrics(x, y, distance="dot"))
+
+
+def test_numba_rejects_other_distances_and_devices():
+    from dmlkit.exceptions import ConfigError
+
+    with pytest.raises(ConfigError, match="numba backend"):
+        knn(np.eye(4, dtype=np.float32), None, 1, distance="snr", backend="numba")
+
+
+# -- bfloat16 prefilter ----------------------------------------------------------------------------
+@pytest.fixture
+def force_bf16(monkeypatch):
+    monkeypatch.setattr(knn_module, "_BF16_MIN_PAIRS", 0)
+    monkeypatch.setattr(knn_module, "_bf16_is_faster", lambda d: True)
+
+
+@pytest.mark.parametrize("distance", ["cosine", "dot"])
+@pytest.mark.parametrize("same", [True, False])
+def test_bf16_prefilter_is_exact(force_bf16, distance, same):
+    rng = np.random.default_rng(5)
+    q = rng.normal(size=(600, 24)).astype(np.float32)
+    q *= rng.uniform(0.1, 10.0, size=(600, 1)).astype(np.float32)  # norms vary: per-tile bounds
+    r = None if same else (rng.normal(size=(500, 24)) * rng.uniform(0.1, 10.0, (500, 1))).astype(np.float32)
+    want = float32_rankings(q, q if same else r, same, distance)
+    dist = DOT if distance == "dot" else distance
+    for k in (1, 30):
+        a = knn(q, r, k, distance=dist, backend="torch")
+        b = knn(q, r, k, distance=dist, backend="numba", memory_budget=2**20)
+        assert b.indices.tolist() == [row[:k] for row in want]
+        torch.testing.assert_close(a.values, b.values, rtol=1e-5, atol=1e-5)
+
+
+def test_bf16_prefilter_keeps_entries_its_rounding_pushed_below_the_threshold(force_bf16):
+    """Similarities packed in [0.995, 0.998), where bfloat16 rounds them all to 0.99609: the
+    threshold after the first tile is above that, so a slack smaller than the error bound would
+    drop the true neighbours of the second tile."""
+    rng = np.random.default_rng(4)
+    cos = rng.uniform(0.995, 0.998, size=700)
+    ref = np.zeros((700, 8), np.float32)
+    ref[:, 0], ref[:, 1] = cos, np.sqrt(1 - cos**2)
+    q = np.eye(8, dtype=np.float32)[:1].repeat(3, 0)
+    q[1, 2], q[2, 3] = 1e-3, -1e-3
+    res = knn(q, ref, 30, distance="cosine", backend="numba", memory_budget=2**20)
+    assert res.indices.tolist() == [row[:30] for row in float32_rankings(q, ref, False, "cosine")]
+
+
+def test_bf16_values_are_rounded_float64_scores(force_bf16):
+    rng = np.random.default_rng(2)
+    x = rng.normal(size=(300, 40)).astype(np.float32)
+    res = knn(x, None, 5, distance=DOT, backend="numba")
+    want = np.take_along_axis(x.astype(np.float64) @ x.T.astype(np.float64), res.indices.numpy(), 1)
+    np.testing.assert_array_equal(res.values.numpy(), want.astype(np.float32))
+
+
+def test_bf16_used_only_for_inner_products(force_bf16, monkeypatch):
+    seen = []
+    real = knn_module._Tiles.__init__
+
+    def spy(self, scorer, q, ref, bf16):
+        seen.append(bf16)
+        real(self, scorer, q, ref, bf16)
+
+    monkeypatch.setattr(knn_module._Tiles, "__init__", spy)
+    x = np.random.default_rng(0).normal(size=(50, 4)).astype(np.float32)
+    knn(x, None, 3, distance="cosine", backend="numba")
+    knn(x, None, 3, distance="euclidean", backend="numba")
+    assert seen == [True, False]
+
+
+# -- guessed thresholds ----------------------------------------------------------------------------
+@pytest.mark.parametrize("bf16", [False, True])
+def test_guessed_thresholds_and_fallback_rows_stay_exact(monkeypatch, bf16):
+    if bf16:
+        monkeypatch.setattr(knn_module, "_BF16_MIN_PAIRS", 0)
+        monkeypatch.setattr(knn_module, "_bf16_is_faster", lambda d: True)
+    monkeypatch.setattr(knn_module, "_GUESS_SAMPLE", 0.25)
+    monkeypatch.setattr(knn_module, "_GUESS_MIN_EXPECTED", 0.0)
+    real = knn_module._guess_thresholds
+    calls = []
+
+    def too_high_for_some(*args, **kwargs):
+        guess = real(*args, **kwargs)
+        calls.append(guess is not None)
+        guess[::7] = 0.999  # above these rows' k-th closeness: they must be redone
+        return guess
+
+    monkeypatch.setattr(knn_module, "_guess_thresholds", too_high_for_some)
+    redone = []
+    real_rows = knn_module._knn_rows_torch
+
+    def count_rows(scorer, q, ref, rows, *args):
+        redone.append(rows.numel())
+        return real_rows(scorer, q, ref, rows, *args)
+
+    monkeypatch.setattr(knn_module, "_knn_rows_torch", count_rows)
+    rng = np.random.default_rng(9)
+    for same in (True, False):
+        q = rng.normal(size=(700, 12)).astype(np.float32)
+        r = None if same else rng.normal(size=(650, 12)).astype(np.float32)
+        a = knn(q, r, 40, backend="torch")
+        b = knn(q, r, 40, backend="numba", memory_budget=2**20)
+        torch.testing.assert_close(a.values, b.values, rtol=1e-5, atol=1e-5)
+        if bf16:  # float64-rounded scores against float32 BLAS ones: same sets, near-ties may swap
+            assert torch.equal(a.indices.sort(1).values, b.indices.sort(1).values)
+        else:
+            assert torch.equal(a.indices, b.indices)
+    assert calls == [True, True] and min(redone) >= 100
+
+
+def test_fallback_rows_drop_self_when_not_among_closest():
+    """With raw dot products a row's own entry is not necessarily its closest."""
+    x = np.array([[0.1, 0.0], [1.0, 0.0], [2.0, 0.0], [3.0, 0.0], [0.0, 1.0]], dtype=np.float32)
+    scorer = knn_module._Scorer(DOT)
+    q = torch.from_numpy(x)
+    v, i = knn_module._knn_rows_torch(scorer, q, q, torch.tensor([0, 3]), 2, True, 2**20)
+    assert i.tolist() == [[3, 2], [2, 1]]
+    v, i = knn_module._knn_rows_torch(scorer, q, q, torch.tensor([4]), 4, True, 2**20)
+    assert i.tolist() == [[0, 1, 2, 3]]
