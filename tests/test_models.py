@@ -242,3 +242,31 @@ def test_extract_features_cache(tmp_path):
     assert not extract_features(trunk, ds, cache_dir=tmp_path).meta["cache_hit"]
     # no cache dir: computed, nothing written
     assert extract_features(trunk, ds, cache_dir=None).meta["cache_file"] is None
+
+
+# -- timm trunks (the dev extra installs timm; weights never come from the network here) --------------
+def test_timm_trunk_builds_loads_local_weights_and_adapts_channels(tmp_path, monkeypatch):
+    pytest.importorskip("timm", reason="timm is not installed (pip install 'dmlkit[timm]')")
+    import timm.models._hub as timm_hub
+
+    trunk, dim = build_trunk("timm:resnet18", pretrained=False)
+    assert dim == 512 and trunk(torch.randn(2, 3, 64, 64)).shape == (2, 512)
+    path = tmp_path / "resnet18.pth"
+    shifted = {k: v + 0.5 if v.is_floating_point() else v for k, v in trunk.state_dict().items()}
+    torch.save(shifted, path)  # distinct from a fresh initialisation
+    loaded, _ = build_trunk("timm:resnet18", weights=path)
+    for (name, want), got in zip(torch.load(path).items(), loaded.state_dict().values()):
+        assert torch.equal(want, got), name
+    gray, _ = build_trunk("timm:resnet18", weights=path, in_channels=1)  # RGB filters summed
+    assert torch.allclose(gray.conv1.weight, loaded.conv1.weight.sum(1, keepdim=True))
+    assert gray(torch.randn(2, 1, 64, 64)).shape == (2, 512)
+    with pytest.raises(ConfigError, match="unknown timm model"):
+        build_trunk("timm:no_such_model", pretrained=False)
+
+    def offline(*args, **kwargs):
+        raise OSError("no network")
+
+    monkeypatch.setattr(timm_hub, "hf_hub_download", offline)
+    with pytest.raises(DataNotFoundError, match="timm:resnet18") as info:
+        build_trunk("timm:resnet18", pretrained=True)
+    assert "weights=" in str(info.value)
