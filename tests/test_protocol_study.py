@@ -12,6 +12,7 @@ import socket
 import subprocess
 import sys
 import time
+import warnings
 from pathlib import Path
 
 import pytest
@@ -284,3 +285,30 @@ def test_storage_url_resolution(tmp_path):
     assert resolve_storage_url("postgres://u@h/db", tmp_path) == "postgresql+psycopg://u@h/db"
     assert resolve_storage_url("sqlite:////x/y.db", tmp_path) == "sqlite:////x/y.db"
     assert not math.isnan(0.0)
+
+
+def test_trial_has_a_heartbeat_before_its_objective_runs(tmp_path, monkeypatch):
+    """A worker killed before its heartbeat thread first ran must still leave a trial that goes
+    stale and is retried (Optuna never declares a trial without any heartbeat stale)."""
+    import threading
+
+    import optuna
+    from optuna.storages import fail_stale_trials
+    from optuna.trial import TrialState
+
+    from dmlkit.protocol import study as study_mod
+
+    storage = make_storage(resolve_storage_url(None, tmp_path), heartbeat_interval=1, grace_period=1)
+    study = open_study(storage, "beat", 1)
+    trial = study_mod.claim_waiting_trial(study)
+    monkeypatch.setattr(threading.Thread, "start", lambda self: None)  # the beat thread never runs
+    monkeypatch.setattr(threading.Thread, "join", lambda self, timeout=None: None)
+    with study_mod._heartbeat(study._storage, trial._trial_id, 3600):
+        pass  # the worker "dies" here
+    monkeypatch.undo()
+    time.sleep(2.5)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+        fail_stale_trials(study)
+    states = [t.state for t in study.get_trials(deepcopy=False)]
+    assert states == [TrialState.FAIL, TrialState.WAITING]  # failed and re-enqueued

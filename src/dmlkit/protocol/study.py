@@ -319,14 +319,20 @@ def _sqlite_file_lock(url: str) -> Iterator[None]:
 
 @contextlib.contextmanager
 def _heartbeat(storage, trial_id: int, interval: float) -> Iterator[None]:
+    """Record the trial's heartbeat now, then every ``interval`` seconds on a thread.
+
+    The first beat is written before the objective starts: Optuna only declares a RUNNING
+    trial stale once it has a heartbeat, so a worker killed before its beat thread got to run
+    (seen under CI load) would otherwise leave a trial RUNNING that no worker ever retries.
+    """
     stop = threading.Event()
+    with contextlib.suppress(Exception):
+        storage.record_heartbeat(trial_id)
 
     def beat() -> None:
-        while True:
+        while not stop.wait(interval):
             with contextlib.suppress(Exception):
                 storage.record_heartbeat(trial_id)
-            if stop.wait(interval):
-                return
 
     thread = threading.Thread(target=beat, name=f"dmlkit-heartbeat-{trial_id}", daemon=True)
     thread.start()
