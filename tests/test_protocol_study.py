@@ -312,3 +312,17 @@ def test_trial_has_a_heartbeat_before_its_objective_runs(tmp_path, monkeypatch):
         fail_stale_trials(study)
     states = [t.state for t in study.get_trials(deepcopy=False)]
     assert states == [TrialState.FAIL, TrialState.WAITING]  # failed and re-enqueued
+
+
+def test_claims_are_locked_through_optunas_storage_cache(tmp_path):
+    """``study._storage`` is Optuna's cache wrapper; the SQLite claim lock must still engage."""
+    from dmlkit.protocol.study import storage_lock
+
+    storage = make_storage(resolve_storage_url(None, tmp_path))
+    study = open_study(storage, "locked", 1)
+    assert study._storage is not storage  # the wrapper, not the RDBStorage
+    import fcntl
+
+    with storage_lock(study._storage), open(tmp_path / "study.lock", "a") as other:
+        with pytest.raises(BlockingIOError):  # held: another claimer would wait here
+            fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)

@@ -297,8 +297,23 @@ def storage_lock(storage) -> Iterator[None]:
     processes can both claim one trial. For a SQLite storage (always a local file) an exclusive
     ``fcntl`` lock beside the database file closes that race; other databases need none.
     """
-    with _sqlite_file_lock(str(getattr(storage, "url", ""))):
+    with _sqlite_file_lock(_storage_url(storage)):
         yield
+
+
+def _storage_url(storage) -> str:
+    """The database URL of an Optuna storage, looking through Optuna's cache layer.
+
+    ``study._storage`` of an RDB study is a ``_CachedStorage`` wrapping the ``RDBStorage``
+    (``_backend``); only the latter has the ``url``. (Reading the wrapper alone gave "" and
+    silently turned the SQLite lock off: two workers could claim the same trial.)
+    """
+    while storage is not None:
+        url = getattr(storage, "url", None)
+        if url:
+            return str(url)
+        storage = getattr(storage, "_backend", None)
+    return ""
 
 
 @contextlib.contextmanager
