@@ -6,6 +6,7 @@ import itertools
 
 import numpy as np
 import pytest
+import torch
 from scipy.spatial.distance import jensenshannon
 from sklearn.metrics import adjusted_mutual_info_score, normalized_mutual_info_score
 
@@ -153,3 +154,23 @@ def test_js_bounds_and_errors():
         pos_neg_histograms(np.eye(3, dtype=np.float32), [0, 1, 2])
     with pytest.raises(DataError, match="no negative pair"):
         pos_neg_histograms(np.eye(3, dtype=np.float32), [0, 0, 0])
+
+
+@pytest.mark.parametrize("same", [True, False])
+def test_histogram_counts_compiled_equals_torch(same):
+    """The CPU path (compiled kernel on threads) and the device path (torch ops) count alike,
+    including values exactly on bin edges and at the clamped ends."""
+    from dmlkit.distances import DotProductSimilarity
+    from dmlkit.metrics.histograms import _count_cpu, _count_torch
+
+    rng = np.random.default_rng(8)
+    q = torch.from_numpy(rng.integers(-3, 4, size=(700, 3)).astype(np.float32))  # exact, on edges
+    ql = torch.from_numpy(rng.integers(0, 9, size=700))
+    r, rl = (q, ql) if same else (q[:450] + 1, ql[:450])
+    dot = DotProductSimilarity(normalize_embeddings=False)
+    for lo, hi, bins in [(-10.0, 10.0, 20), (-5.0, 7.0, 7)]:
+        a = _count_cpu(dot, q, ql, r, rl, same, lo, hi, bins, 2**20)
+        b = _count_torch(dot, q, ql, r, rl, same, lo, hi, bins, 2**20)
+        np.testing.assert_array_equal(a[0], b[0])
+        np.testing.assert_array_equal(a[1], b[1])
+        assert a[1].sum() == (700 * 699 // 2 if same else 700 * 450)

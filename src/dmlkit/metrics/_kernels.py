@@ -1,4 +1,4 @@
-"""Numba kernels of the metrics: exact top-k selection and float64 pair scores.
+"""Numba kernels of the metrics: exact top-k selection, float64 pair scores, pair histograms.
 
 **Top-k selection** (:func:`dmlkit.metrics.knn`'s ``"numba"`` backend).
 
@@ -28,6 +28,8 @@ row blocks must not be updated by two threads at once (the caller holds a lock p
 
 from __future__ import annotations
 
+import math
+
 import numba
 import numpy as np
 from llvmlite import ir
@@ -35,7 +37,8 @@ from numba import types
 from numba.extending import intrinsic, overload
 
 __all__ = [
-    "LOWEST_KEY", "pack_keys", "pair_scores64", "scan_tile", "select_rows", "unpack_rows", "unpack_values",
+    "LOWEST_KEY", "histogram_tile", "pack_keys", "pair_scores64", "scan_tile", "select_rows",
+    "unpack_rows", "unpack_values",
 ]
 
 _ID_MASK = np.int64(0xFFFFFFFF)
@@ -326,3 +329,31 @@ def pair_scores64(
                 acc += np.float64(a[t]) * np.float64(b[t])
         out[p] = acc
     return out
+
+
+@numba.njit(nogil=True, cache=True, boundscheck=False)
+def histogram_tile(
+    values: np.ndarray,
+    query_labels: np.ndarray,
+    reference_labels: np.ndarray,
+    upper_only: bool,
+    low: np.float32,
+    scale: np.float32,
+    positive: np.ndarray,
+    total: np.ndarray,
+) -> None:
+    """Add a tile of pair values to the positive-pair and all-pair histograms.
+
+    Bin ``floor((v - low) * scale)`` in float32 arithmetic, clamped to ``[0, bins - 1]`` (the
+    same bins as :func:`dmlkit.metrics.histograms._bin_index`); with ``upper_only`` (a diagonal
+    tile of a self-search) only entries above the diagonal count.
+    """
+    last = total.shape[0] - 1
+    for r in range(values.shape[0]):
+        label = query_labels[r]
+        for c in range(r + 1 if upper_only else 0, values.shape[1]):
+            b = np.int64(math.floor((values[r, c] - low) * scale))
+            b = min(max(b, 0), last)
+            total[b] += 1
+            if reference_labels[c] == label:
+                positive[b] += 1

@@ -578,7 +578,7 @@ def _knn_numba(
 def _run_threads(fn: Callable[[Any], None], items: Iterable[Any], workers: int) -> None:
     """``fn(item)`` for every item on ``workers`` threads pulling from one shared iterator
     (cheaper than a future per item for ~10^4 small items); the first error is re-raised."""
-    it = iter(items)
+    it = iter(list(items))  # a list iterator, unlike a generator, may be shared by threads
     errors: list[BaseException] = []
 
     def loop() -> None:
