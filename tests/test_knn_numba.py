@@ -205,3 +205,10 @@ def test_fallback_rows_drop_self_when_not_among_closest():
     assert i.tolist() == [[3, 2], [2, 1]]
     v, i = knn_module._knn_rows_torch(scorer, q, q, torch.tensor([4]), 4, True, 2**20)
     assert i.tolist() == [[0, 1, 2, 3]]
+
+
+def test_bf16_needs_its_error_bound_to_hold(monkeypatch):
+    """The one-off check refuses bfloat16 tiles whose error exceeds the assumed bound."""
+    probe = knn_module._bf16_is_faster.__wrapped__  # uncached
+    monkeypatch.setattr(knn_module, "_bf16_relative_bound", lambda d: 1e-9)
+    assert probe(64) is False

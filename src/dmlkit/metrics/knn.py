@@ -369,8 +369,9 @@ class _Tiles:
     (Higham, *Accuracy and Stability of Numerical Algorithms*, 2nd ed., sec. 3.1, for the
     float32 sum in any order). The kernel lets an entry through when it comes within ``eps``
     of a threshold and ranks it by its float64-recomputed value, so the result stays exact.
-    ``bf16`` is used for cosine / dot products on large searches when a one-off timing on this
-    machine shows it at least 1.5x faster; Euclidean tiles and everything else stay float32.
+    ``bf16`` is used for cosine / dot products on large searches when a one-off check on this
+    machine shows it at least 1.5x faster and within that bound (:func:`_bf16_is_faster`);
+    Euclidean tiles and everything else stay float32.
     """
 
     def __init__(self, scorer: _Scorer, q: torch.Tensor, ref: torch.Tensor, bf16: bool) -> None:
@@ -381,8 +382,7 @@ class _Tiles:
             self.qb = q.to(torch.bfloat16)
             self.rb = self.qb if ref is q else ref.to(torch.bfloat16)
             d = q.shape[1]
-            u = 2.0**-8
-            self.rel = 3 * u + 4 * u * u + 2 * d * 2.0**-24
+            self.rel = _bf16_relative_bound(d)
             self.abs = d * 1e-30
             self.q_norm = q.norm(dim=1)
             self.r_norm = self.q_norm if ref is q else ref.norm(dim=1)
@@ -426,10 +426,16 @@ _BF16_MIN_PAIRS = 2**26
 
 @functools.cache
 def _bf16_is_faster(d: int) -> bool:
-    """Whether a bfloat16 tile product beats a float32 one by 1.5x here (one timing, cached)."""
+    """Whether bfloat16 tiles are safe and pay here: one timing and one check, cached.
+
+    ``True`` when a bfloat16 product of two 1024 x ``d`` blocks is at least 1.5x faster than a
+    float32 one *and* its error against float64 stays within the bound :class:`_Tiles`
+    assumes (a safety net against a BLAS that accumulated in lower precision).
+    """
     import time
 
-    a, b = torch.randn(1024, d), torch.randn(1024, d)
+    gen = torch.Generator().manual_seed(0)
+    a, b = torch.randn(1024, d, generator=gen), torch.randn(1024, d, generator=gen)
     ab, bb = a.to(torch.bfloat16), b.to(torch.bfloat16)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -443,9 +449,18 @@ def _bf16_is_faster(d: int) -> bool:
                 x @ y.T
                 times.append(time.perf_counter() - t0)
             best[name] = min(times)
+        approx = (ab @ bb.T).double()
     finally:
         torch.set_num_threads(threads)
-    return best["bf16"] * 1.5 <= best["f32"]
+    exact = a.double() @ b.double().T
+    bound = a.norm(dim=1).double()[:, None] * b.norm(dim=1).double()[None, :] * _bf16_relative_bound(d)
+    return best["bf16"] * 1.5 <= best["f32"] and bool(((approx - exact).abs() <= bound).all())
+
+
+def _bf16_relative_bound(d: int) -> float:
+    """``eps / (|x| |y|)`` of a bfloat16 inner product of length ``d`` (see :class:`_Tiles`)."""
+    u = 2.0**-8
+    return 3 * u + 4 * u * u + 2 * d * 2.0**-24
 
 
 def _guess_thresholds(
