@@ -96,7 +96,9 @@ def _retrieval_per_query(
             if _AT_K.match(n):
                 need = max(need, int(n.rsplit("_", 1)[1]))
         if any(n in ("r_precision", "map_at_r") for n in knn_names):
-            need = max(need, int(inp.r_q.max()))
+            # one past the largest R: a near-tie between the R-th and the next neighbour is
+            # then re-ordered by float64 scores too (knn caps k at the references available)
+            need = max(need, int(inp.r_q.max()) + 1)
         order = torch.argsort(inp.ql, stable=True) if inp.same else None
         res = knn(
             inp.q, None if inp.same else inp.r, need, distance=inp.distance,
