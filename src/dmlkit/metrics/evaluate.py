@@ -99,7 +99,8 @@ def _retrieval_per_query(
             # one past the largest R: a near-tie between the R-th and the next neighbour is
             # then re-ordered by float64 scores too (knn caps k at the references available)
             need = max(need, int(inp.r_q.max()) + 1)
-        order = torch.argsort(inp.ql, stable=True) if inp.same else None
+        # rows sorted by label help only the faiss backend's heaps fill early
+        order = torch.argsort(inp.ql, stable=True) if inp.same and backend == "faiss" else None
         res = knn(
             inp.q, None if inp.same else inp.r, need, distance=inp.distance,
             backend=backend, memory_budget=budget, order=order,

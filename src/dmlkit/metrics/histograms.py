@@ -121,12 +121,9 @@ def _count_cpu(
     from queue import SimpleQueue
 
     from dmlkit.metrics import _kernels
-    from dmlkit.metrics.knn import _run_threads
+    from dmlkit.metrics._threads import run_threads, single_threaded_torch
 
-    workers = max(1, torch.get_num_threads())
     counts: SimpleQueue = SimpleQueue()
-    for _ in range(workers):
-        counts.put((np.zeros(bins, np.int64), np.zeros(bins, np.int64)))
     ql_np, rl_np = ql.numpy(), rl.numpy()
     low, scale = np.float32(lo), np.float32(bins / (hi - lo))
 
@@ -140,12 +137,10 @@ def _count_cpu(
         finally:
             counts.put((pos, total))
 
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        _run_threads(tile, _blocks(q.shape[0], r.shape[0], same, budget // workers), workers)
-    finally:
-        torch.set_num_threads(threads)
+    with single_threaded_torch() as workers:
+        for _ in range(workers):
+            counts.put((np.zeros(bins, np.int64), np.zeros(bins, np.int64)))
+        run_threads(tile, _blocks(q.shape[0], r.shape[0], same, budget // workers), workers)
     pos_c, total_c = np.zeros(bins, np.int64), np.zeros(bins, np.int64)
     while not counts.empty():
         pos, total = counts.get()

@@ -23,7 +23,7 @@ similarities differ by less than an ulp):
   references when ``k`` is large (rows it overshot are recomputed), and, where this CPU does
   bfloat16 dot products much faster than float32 ones, bfloat16 inner-product tiles read
   through their rounding-error bound, with every survivor recomputed in float64 (see
-  :class:`_Tiles`). Work is spread over ``torch.get_num_threads()`` Python threads.
+  :class:`_Tiles`). Work is spread over ``torch.get_num_threads()`` Python threads (:mod:`._threads`).
 * ``"faiss"`` - the same symmetric tiles fed to faiss's per-row heaps
   (``faiss.float_minheap_array_t.addn``, the selection kernel of ``faiss.knn``). Rows may be
   processed in a caller-given ``order`` (:func:`dmlkit.metrics.evaluate` sorts by label) so
@@ -39,7 +39,6 @@ from __future__ import annotations
 import functools
 import math
 import threading
-from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -48,9 +47,10 @@ import torch
 
 from dmlkit.distances import BaseDistance, DotProductSimilarity, LpDistance, get_distance
 from dmlkit.exceptions import ConfigError, DataError, ShapeError
+from dmlkit.metrics._threads import run_threads, single_threaded_torch
 from dmlkit.metrics._validation import DEFAULT_MEMORY_BUDGET, as_embeddings, check_budget
 
-__all__ = ["KNNResult", "faiss_available", "knn", "numba_available"]
+__all__ = ["KNNResult", "faiss_available", "knn"]
 
 _BACKENDS = ("auto", "torch", "numba", "faiss")
 
@@ -347,15 +347,6 @@ _GUESS_SAMPLE = 1 / 32
 _GUESS_MIN_EXPECTED = 4.0
 
 
-def numba_available() -> bool:
-    """Whether the ``numba`` backend's kernels can be imported."""
-    try:
-        import numba  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
 class _Tiles:
     """Closeness tiles for the numba backend: exact float32, or bfloat16 with an error bound.
 
@@ -437,9 +428,7 @@ def _bf16_is_faster(d: int) -> bool:
     gen = torch.Generator().manual_seed(0)
     a, b = torch.randn(1024, d, generator=gen), torch.randn(1024, d, generator=gen)
     ab, bb = a.to(torch.bfloat16), b.to(torch.bfloat16)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
+    with single_threaded_torch():
         best = {}
         for name, (x, y) in {"f32": (a, b), "bf16": (ab, bb)}.items():
             x @ y.T  # warm-up
@@ -450,8 +439,6 @@ def _bf16_is_faster(d: int) -> bool:
                 times.append(time.perf_counter() - t0)
             best[name] = min(times)
         approx = (ab @ bb.T).double()
-    finally:
-        torch.set_num_threads(threads)
     exact = a.double() @ b.double().T
     bound = a.norm(dim=1).double()[:, None] * b.norm(dim=1).double()[None, :] * _bf16_relative_bound(d)
     return best["bf16"] * 1.5 <= best["f32"] and bool(((approx - exact).abs() <= bound).all())
@@ -494,7 +481,7 @@ def _guess_thresholds(
         if tiles.bf16:  # the sampled values are approximate: step below them by the error bound
             guess[a0:a1] -= np.float32(tiles.slack(a0, a1, 0, m_ref))
 
-    _run_threads(block, range(0, nq, rows), workers)
+    run_threads(block, range(0, nq, rows), workers)
     return guess
 
 
@@ -510,18 +497,13 @@ def _knn_numba(
     nq, m = q.shape[0], ref.shape[0]
     bf16 = scorer.kind == "ip" and nq * m >= _BF16_MIN_PAIRS and _bf16_is_faster(q.shape[1])
     tiles = _Tiles(scorer, q, ref, bf16)
-    workers = max(1, torch.get_num_threads())
-    # one tile per worker in the budget, at most 1024 x 1024 (measured faster than 512 on a
-    # 2-core EPYC: fewer calls, a slightly faster matmul; the scan reads it from L3)
-    tile = int(max(64, min(1024, math.isqrt(budget // (4 * workers)))))
-    cap = max(2 * k, k + 32)
-    blocks = [(a0, min(nq, a0 + tile)) for a0 in range(0, nq, tile)]
-    ref_blocks = blocks if same else [(b0, min(m, b0 + tile)) for b0 in range(0, m, tile)]
-    # Each kernel runs single-threaded and releases the GIL; the parallelism is `workers`
-    # Python threads (torch's and numba's thread pools would otherwise compete for the cores).
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
+    with single_threaded_torch() as workers:  # kernels and matmuls on `workers` Python threads
+        # one tile per worker in the budget, at most 1024 x 1024 (measured faster than 512 on a
+        # 2-core EPYC: fewer calls, a slightly faster matmul; the scan reads it from L3)
+        tile = int(max(64, min(1024, math.isqrt(budget // (4 * workers)))))
+        cap = max(2 * k, k + 32)
+        blocks = [(a0, min(nq, a0 + tile)) for a0 in range(0, nq, tile)]
+        ref_blocks = blocks if same else [(b0, min(m, b0 + tile)) for b0 in range(0, m, tile)]
         guess = _guess_thresholds(tiles, k, exclude_self, budget, workers)
         state = []
         for a0, a1 in blocks:
@@ -577,10 +559,8 @@ def _knn_numba(
             _kernels.unpack_rows(np.sort(buf[:, :k], axis=1), out_v[a0:a1], out_i[a0:a1])
             state[bi] = (None, counts, None, None)  # the reservoir's memory goes back now
 
-        _run_threads(run, tasks, workers)
-        _run_threads(finish, range(len(blocks)), workers)
-    finally:
-        torch.set_num_threads(threads)
+        run_threads(run, tasks, workers)
+        run_threads(finish, range(len(blocks)), workers)
     counts = np.concatenate([st[1] for st in state])
     short = np.flatnonzero(counts < k)
     values, indices = torch.from_numpy(out_v), torch.from_numpy(out_i)
@@ -588,30 +568,6 @@ def _knn_numba(
         rows = torch.from_numpy(short)
         values[rows], indices[rows] = _knn_rows_torch(scorer, q, ref, rows, k, exclude_self, budget)
     return values, indices
-
-
-def _run_threads(fn: Callable[[Any], None], items: Iterable[Any], workers: int) -> None:
-    """``fn(item)`` for every item on ``workers`` threads pulling from one shared iterator
-    (cheaper than a future per item for ~10^4 small items); the first error is re-raised."""
-    it = iter(list(items))  # a list iterator, unlike a generator, may be shared by threads
-    errors: list[BaseException] = []
-
-    def loop() -> None:
-        try:
-            for item in it:  # next() on a shared iterator is atomic under the GIL
-                if errors:
-                    return
-                fn(item)
-        except BaseException as exc:
-            errors.append(exc)
-
-    pool = [threading.Thread(target=loop, daemon=True) for _ in range(max(1, workers))]
-    for t in pool:
-        t.start()
-    for t in pool:
-        t.join()
-    if errors:
-        raise errors[0]
 
 
 def _knn_rows_torch(
@@ -685,31 +641,19 @@ def knn(
         raise DataError("the reference set has no row other than the query itself: add references")
     k = int(min(k, available))
     scorer = _Scorer(dist)
+    cpu_symmetric = q.device.type == "cpu" and scorer.symmetric
     if backend == "auto":
-        backend = "torch"
-        if q.device.type == "cpu" and scorer.symmetric:
-            backend = "numba" if numba_available() else "faiss" if faiss_available() else "torch"
+        backend = "numba" if cpu_symmetric else "torch"
+    if backend in ("numba", "faiss") and not cpu_symmetric:
+        raise ConfigError(
+            f"the {backend} backend needs CPU tensors and a cosine, dot or Euclidean distance; "
+            "use backend='torch'"
+        )
     use_faiss = backend == "faiss"
-    if backend == "numba":
-        if not numba_available():
-            from dmlkit.exceptions import DependencyError
+    if use_faiss and not faiss_available():
+        from dmlkit.exceptions import require
 
-            raise DependencyError("the numba backend needs numba: pip install numba")
-        if q.device.type != "cpu" or not scorer.symmetric:
-            raise ConfigError(
-                "the numba backend needs CPU tensors and a cosine, dot or Euclidean distance; "
-                "use backend='torch'"
-            )
-    if use_faiss:
-        if not faiss_available():
-            from dmlkit.exceptions import require
-
-            require("faiss", "faiss")
-        if q.device.type != "cpu" or not scorer.symmetric:
-            raise ConfigError(
-                "the faiss backend needs CPU tensors and a cosine, dot or Euclidean distance; "
-                "use backend='torch'"
-            )
+        require("faiss", "faiss")
     qp = scorer.prepare(q)
     rp = qp if same else scorer.prepare(r)
     if use_faiss:
