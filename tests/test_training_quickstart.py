@@ -92,22 +92,29 @@ def test_quickstart_settings_beat_the_untrained_network(tmp_path, data_root):
     assert result.steps == STEPS
     after = result.test_metrics
     assert after is not None
-    # measured: MAP@R 0.092 -> 0.321, P@1 0.376 -> 0.718 (the earlier setup without the BN
-    # neck, lr 1e-3, margin 0.2: 0.092 -> 0.163 and 0.376 -> 0.547, which fails both checks)
-    assert after["map_at_r"] > 2.5 * before["map_at_r"], (before, after)
-    assert after["precision_at_1"] > before["precision_at_1"] + 0.25, (before, after)
+    # What the method guarantees, with margin, on any CPU (float rounding differs between AMD
+    # EPYC and Intel Xeon with AMX, so a bound beside one machine's value is not a test).
+    # Measured on AMD EPYC, seeds 0-4 (benchmarks/quickstart_spread.py runs this body): MAP@R
+    # 0.08-0.11 -> 0.30-0.34 (x2.9-4.2), P@1 0.33-0.42 -> 0.70-0.74 (+0.30-0.41). The earlier
+    # setup without the BN neck reached only x1.8 (and +0.17): it fails the MAP@R check.
+    assert after["map_at_r"] > 2.0 * before["map_at_r"], (before, after)
+    assert after["precision_at_1"] > before["precision_at_1"] + 0.15, (before, after)
 
     test_npz = np.load(tmp_path / "run" / "embeddings" / "test.npz")
     neg = _negative_cosines(test_npz["embeddings"], test_npz["labels"])
     # a spread-out embedding, not a narrow cone: median cosine of different characters
-    # measured 0.68 (the collapsed earlier setup: 0.999, all in [0.998, 1])
+    # measured 0.64-0.76 over seeds 0-4 (the collapsed earlier setup: 0.999, all in [0.998, 1])
     assert np.median(neg) < 0.9, np.percentile(neg, [1, 50, 99])
 
-    # the trained checkpoint also does one-shot classification on the official Omniglot runs
-    # (chance: 95 % error); this exercises `dmlkit oneshot`'s image path end to end
+    # the trained checkpoint also does one-shot classification on the official Omniglot runs;
+    # this exercises `dmlkit oneshot`'s image path end to end. Chance is 95 % error. Each run
+    # has only 20 test images (per-run errors 10-70 %), so all 20 runs are used: their mean
+    # measured 42-47 % over seeds 0-4 here (an Intel Xeon gave 51 % on the first 5 runs alone);
+    # 75 % is far below chance and far above that spread.
     from dmlkit.apps import load_omniglot_one_shot_runs, omniglot_one_shot_error
     from dmlkit.apps.fewshot import checkpoint_image_embedder
 
-    runs = load_omniglot_one_shot_runs(data_root)[:5]
+    runs = load_omniglot_one_shot_runs(data_root)
+    assert len(runs) == 20
     one_shot = omniglot_one_shot_error(checkpoint_image_embedder(tmp_path / "run"), runs)
-    assert one_shot["error_percent"] < 50, one_shot
+    assert one_shot["error_percent"] < 75, one_shot

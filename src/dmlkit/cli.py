@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib
 import pkgutil
 import sys
+import warnings
 
 import typer
 from rich.console import Console
@@ -27,6 +28,7 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
 )
 _err = Console(stderr=True)
+INTERRUPTED = 130  # the shell's exit code for SIGINT
 
 
 def _version_callback(value: bool) -> None:
@@ -51,12 +53,22 @@ for _info in sorted(pkgutil.iter_modules(dmlkit.commands.__path__), key=lambda m
         importlib.import_module(f"dmlkit.commands.{_info.name}").register(app)
 
 
+def _show_warning(message: Warning | str, category: type[Warning], filename: str, lineno: int,
+                  file: object = None, line: str | None = None) -> None:
+    """Warnings as one readable line (``warning: ...``), not Python's ``path:line: Category``."""
+    text = " ".join(str(message).split())
+    _err.print(Text.assemble(("warning: ", "bold yellow"), text), soft_wrap=True)
+
+
 def main(argv: list[str] | None = None) -> None:
     """Entry point of the ``dmlkit`` console script."""
+    warnings.showwarning = _show_warning
     try:
-        app(args=argv, standalone_mode=False, prog_name="dmlkit")
+        # Non-standalone typer returns (not raises) the code of a ``typer.Exit`` and turns
+        # Ctrl-C into ``Exit(130)``: the code must reach the shell, not be dropped.
+        code = app(args=argv, standalone_mode=False, prog_name="dmlkit")
     except DmlkitError as exc:
-        _err.print(Text.assemble(("error: ", "bold red"), str(exc)))
+        _err.print(Text.assemble(("error: ", "bold red"), str(exc)), soft_wrap=True)
         sys.exit(exc.exit_code)
     except typer.Exit as exc:
         sys.exit(exc.exit_code)
@@ -67,8 +79,12 @@ def main(argv: list[str] | None = None) -> None:
         exc.show()
         sys.exit(getattr(exc, "exit_code", 2))
     except KeyboardInterrupt:
-        _err.print("interrupted")
-        sys.exit(130)
+        code = INTERRUPTED
+    if code == INTERRUPTED:
+        _err.print("interrupted: stopped by Ctrl-C (files already written are complete; "
+                    "a training run continues with --resume)", soft_wrap=True)
+    if isinstance(code, int) and code != 0:
+        sys.exit(code)
 
 
 if __name__ == "__main__":  # pragma: no cover

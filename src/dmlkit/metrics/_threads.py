@@ -46,7 +46,23 @@ def run_threads(fn: Callable[[Any], None], items: Iterable[Any], workers: int) -
     pool = [threading.Thread(target=loop, daemon=True) for _ in range(max(1, workers))]
     for t in pool:
         t.start()
-    for t in pool:
-        t.join()
+    try:
+        for t in pool:
+            t.join()
+    except BaseException as exc:  # Ctrl-C in the caller: let every worker finish its item
+        errors.append(exc)  # stops the loops at their next item
+        _join_through_interrupts(pool)
+        raise
     if errors:
         raise errors[0]
+
+
+def _join_through_interrupts(pool: list[threading.Thread]) -> None:
+    """Join ``pool`` even if more Ctrl-Cs arrive: exiting while a worker is inside a compiled
+    kernel aborts the process (``terminate called without an active exception``)."""
+    for t in pool:
+        while t.is_alive():
+            try:
+                t.join()
+            except KeyboardInterrupt:
+                continue
