@@ -108,6 +108,8 @@ def test_compare_paired_bootstrap(results):
     by = {(c["a"], c["b"], c["mode"], c["metric"]): c for c in report["comparisons"]}
     c = by[("good", "contrastive", "concatenated", "map_at_r")]
     assert c["diff"] > 0 and c["excludes_zero"] and c["ci_low"] <= c["diff"] <= c["ci_high"]
+    assert c["significant"] is True and c["resampling"] == "seeds and queries"  # 3 seeds each
+    assert report["seeds"] == {"good": 3, "contrastive": 3, "triplet": 3} and not report["warnings"]
     # the bootstrap is seeded
     again = compare_results([results], methods=["good", "contrastive", "triplet"], resamples=300, seed=1)
     assert again["comparisons"] == report["comparisons"]
@@ -122,6 +124,23 @@ def test_compare_same_method_twice_is_not_significant(results, tmp_path):
     other = {**results, "name": "copy", "methods": {"contrastive": results["methods"]["contrastive"]}}
     report = compare_results([results, other], methods=["contrastive", "contrastive@copy"], resamples=300)
     assert all(c["diff"] == 0 and not c["excludes_zero"] for c in report["comparisons"])
+
+
+def test_compare_with_two_seeds_warns_and_never_says_significant(tmp_path):
+    cfg = bench_config_from_dict({**CFG, "protocol": {"seeds": [0, 1], "trials": 2}})
+    split = make_bench_split(range(60), "halves", folds=4)
+    metrics = list(cfg.protocol.metrics)
+    entries = {}
+    for name, noise in [("contrastive", 1.5), ("good", 0.9)]:
+        runs = _runs(tmp_path, name, noise, seeds=(0, 1), folds=1)
+        entries[name] = {"runs": runs, "evaluation": evaluate_runs(runs, metrics), "best_params": {},
+                         "loss": {"name": name}}
+    report = compare_results([build_results(cfg, split, entries, bench_dir=tmp_path)], resamples=200)
+    assert len(report["warnings"]) == 2 and "too few" in report["warnings"][0]
+    big = [c for c in report["comparisons"] if c["excludes_zero"]]
+    assert big and all(c["significant"] is None for c in report["comparisons"])
+    md = render_compare_markdown(report)
+    assert "too few seeds" in md and "| yes |" not in md
 
 
 def test_relative_improvement_arithmetic(results):

@@ -105,3 +105,37 @@ def test_paired_bootstrap():
     assert noise.low < 0 < noise.high  # a reshuffle of the same scores: no real difference
     with pytest.raises(ShapeError):
         paired_bootstrap(a, a[:-1])
+
+
+def test_hierarchical_bootstrap_includes_the_seed_variance():
+    from dmlkit.protocol.stats import hierarchical_bootstrap
+
+    rng = np.random.default_rng(0)
+    base = rng.uniform(0.2, 0.8, size=500)  # per-query difficulty, shared by both methods
+    # the methods differ only by which training seeds got lucky: per-seed offsets of +-0.3
+    a = base + np.array([0.3, -0.2, 0.25, -0.1, 0.05])[:, None]
+    b = base + np.array([0.0, 0.1, -0.15, 0.2, -0.05])[:, None]
+    # a bootstrap over queries of the seed-averaged scores sees a constant +0.04: "significant"
+    queries_only = paired_bootstrap(a.mean(0), b.mean(0), seed=0)
+    assert queries_only.excludes_zero and queries_only.significant is None
+    res = hierarchical_bootstrap(a, b, resamples=2000, seed=0)
+    assert res.diff == pytest.approx(a.mean() - b.mean())
+    assert res.low < 0 < res.high and res.significant is False
+    assert res.to_dict()["resampling"] == "seeds and queries" and res.seeds == (5, 5)
+    assert hierarchical_bootstrap(a, b, resamples=2000, seed=0) == res  # seeded
+
+
+def test_hierarchical_bootstrap_finds_a_real_difference_and_refuses_two_seeds():
+    from dmlkit.protocol.stats import MIN_SEEDS_FOR_SIGNIFICANCE, hierarchical_bootstrap
+
+    rng = np.random.default_rng(1)
+    base = rng.uniform(0.2, 0.8, size=400)
+    a = base + 0.10 + rng.normal(0, 0.01, size=(5, 1)) + rng.normal(0, 0.05, size=(5, 400))
+    b = base + rng.normal(0, 0.01, size=(6, 1)) + rng.normal(0, 0.05, size=(6, 400))
+    res = hierarchical_bootstrap(a, b, seed=2)
+    assert res.significant is True and 0.05 < res.low < res.diff < res.high < 0.15
+    # two seeds: the interval is reported, "significant" is never claimed
+    two = hierarchical_bootstrap(a[:2], b[:2], seed=2)
+    assert MIN_SEEDS_FOR_SIGNIFICANCE == 3 and two.excludes_zero and two.significant is None
+    with pytest.raises(ShapeError):
+        hierarchical_bootstrap(a, b[:, :-1])

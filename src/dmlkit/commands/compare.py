@@ -19,14 +19,19 @@ def register(app: typer.Typer) -> None:
         seed: int = typer.Option(0, "--seed", help="Bootstrap seed."),
         out: Path | None = typer.Option(None, "--out", "-o", help="Also write the report (.json or .md)."),
     ) -> None:
-        """Differences between methods per metric with paired bootstrap 95 % CIs over test queries
-        (recomputed from the saved embeddings), and relative improvements over contrastive/triplet."""
-
+        """Differences between methods per metric with 95 % CIs from a hierarchical bootstrap over
+        training seeds and test queries (recomputed from the saved embeddings), and relative
+        improvements over contrastive/triplet. "significant" needs >= 3 seeds per method."""
+        import warnings
 
         from rich.console import Console
         from rich.table import Table
 
-        from dmlkit.protocol.compare import compare_results, render_compare_markdown
+        from dmlkit.protocol.compare import (
+            compare_results,
+            render_compare_markdown,
+            significance_label,
+        )
         from dmlkit.protocol.results import MODES, metric_label
         from dmlkit.protocol.stats import PER_QUERY_METRICS
         from dmlkit.utils import atomic_write_json, atomic_write_text
@@ -36,17 +41,21 @@ def register(app: typer.Typer) -> None:
             metrics=metric or list(PER_QUERY_METRICS), modes=mode or list(MODES),
             resamples=resamples, seed=seed,
         )
+        for message in report["warnings"]:
+            warnings.warn(message, stacklevel=1)
         console = Console()
-        table = Table(title=f"paired bootstrap over {report['queries']} test queries (B={resamples}), points")
+        seeds = ", ".join(f"{n}: {k}" for n, k in report["seeds"].items())
+        table = Table(title=f"hierarchical bootstrap over seeds ({seeds}) and {report['queries']} "
+                            f"test queries (B={resamples}), points")
         for col in ("A", "B", "mode", "metric"):
             table.add_column(col)
         table.add_column("A − B", justify="right")
         table.add_column("95 % CI", justify="right")
-        table.add_column("excl. 0", justify="center")
+        table.add_column("significant", justify="center")
         for c in report["comparisons"]:
             table.add_row(c["a"], c["b"], c["mode"], metric_label(c["metric"]), f"{100 * c['diff']:+.2f}",
                           f"[{100 * c['ci_low']:+.2f}, {100 * c['ci_high']:+.2f}]",
-                          "[green]yes[/]" if c["excludes_zero"] else "no")
+                          {"yes": "[green]yes[/]"}.get(significance_label(c), significance_label(c)))
         console.print(table)
         for base, info in report["relative_improvement"].items():
             rel = Table(title=f"relative improvement over {base} ({info['method']}), %")

@@ -1,11 +1,16 @@
 """Honest comparisons between benchmarked methods (``dmlkit compare``).
 
-* Paired bootstrap of metric differences over test queries: every method's per-query
-  P@1 / R-Precision / MAP@R are recomputed from its saved test embeddings (concatenated: per
-  seed, the fold models' embeddings concatenated and L2-normalised; separated: each fold
-  model's own embeddings), averaged over seeds (and folds), and the mean difference between two
-  methods gets a percentile bootstrap CI resampling the same queries for both (seeded). A
-  difference whose CI excludes zero is one the test set supports.
+* Hierarchical bootstrap of metric differences over training seeds and test queries: every
+  method's per-query P@1 / R-Precision / MAP@R are recomputed from its saved test embeddings
+  per seed (concatenated: the seed's fold models' embeddings concatenated and L2-normalised;
+  separated: each fold model's own embeddings, averaged over the folds), and the mean
+  difference between two methods gets a percentile bootstrap CI that resamples each method's
+  seeds and, inside, the same test queries for both (seeded; see
+  :func:`dmlkit.protocol.stats.hierarchical_bootstrap`). A difference is called significant
+  only when that CI excludes zero *and* each method has at least
+  :data:`~dmlkit.protocol.stats.MIN_SEEDS_FOR_SIGNIFICANCE` seeds; with fewer the report says
+  "too few seeds to tell" and warns: a bootstrap over queries alone ignores how much a method
+  moves between training runs, which is usually the larger part.
 * "Papers versus reality" (Musgrave et al. 2020, figure 4): each method's relative improvement
   over the contrastive and the triplet loss, ``100 * (m - base) / base``.
 """
@@ -22,14 +27,23 @@ import numpy as np
 from dmlkit.exceptions import ConfigError, DataError
 from dmlkit.protocol.results import MODES, load_results, metric_label
 from dmlkit.protocol.stats import (
+    MIN_SEEDS_FOR_SIGNIFICANCE,
     PER_QUERY_METRICS,
+    hierarchical_bootstrap,
     l2_normalize,
-    paired_bootstrap,
     per_query_scores,
 )
 from dmlkit.utils import load_embeddings
 
-__all__ = ["BASELINES", "compare_results", "method_per_query", "relative_improvements", "render_compare_markdown"]
+__all__ = [
+    "BASELINES",
+    "compare_results",
+    "method_per_query",
+    "method_per_seed_query",
+    "relative_improvements",
+    "render_compare_markdown",
+    "significance_label",
+]
 
 BASELINES: tuple[str, ...] = ("contrastive", "triplet")
 
@@ -46,15 +60,16 @@ def _merge(results_list: Sequence[Mapping[str, Any]]) -> dict[str, dict[str, Any
     return merged
 
 
-def method_per_query(entry: Mapping[str, Any], mode: str) -> tuple[dict[str, np.ndarray], np.ndarray]:
-    """Per-query scores of one method (averaged over seeds, and over folds when separated)."""
+def method_per_seed_query(entry: Mapping[str, Any], mode: str) -> tuple[dict[str, np.ndarray], np.ndarray]:
+    """Per-query scores of one method, one row per training seed: ``{metric: (seeds, queries)}``
+    (separated: each seed's row is the mean over its fold models), and the query labels."""
     runs = entry.get("runs") or []
     if not runs:
         raise DataError("a method in the results has no runs (embedding files) to compare")
     by_seed: dict[int, list[Mapping[str, Any]]] = {}
     for r in runs:
         by_seed.setdefault(int(r["seed"]), []).append(r)
-    collected: dict[str, list[np.ndarray]] = {m: [] for m in PER_QUERY_METRICS}
+    rows: dict[str, list[np.ndarray]] = {m: [] for m in PER_QUERY_METRICS}
     labels_ref: np.ndarray | None = None
     for seed in sorted(by_seed):
         fold_runs = sorted(by_seed[seed], key=lambda r: int(r["fold"]))
@@ -68,12 +83,17 @@ def method_per_query(entry: Mapping[str, Any], mode: str) -> tuple[dict[str, np.
                 raise DataError(f"{path}: the test queries differ from the method's other runs")
             embs.append(emb)
         sets = [l2_normalize(np.concatenate(embs, axis=1))] if mode == "concatenated" else embs
-        for emb in sets:
-            scores, _ = per_query_scores(emb, labels_ref)
-            for m in PER_QUERY_METRICS:
-                collected[m].append(scores[m])
+        per_set = [per_query_scores(emb, labels_ref)[0] for emb in sets]
+        for m in PER_QUERY_METRICS:
+            rows[m].append(np.mean(np.stack([scores[m] for scores in per_set]), axis=0))
     assert labels_ref is not None
-    return {m: np.mean(np.stack(v), axis=0) for m, v in collected.items()}, labels_ref
+    return {m: np.stack(v) for m, v in rows.items()}, labels_ref
+
+
+def method_per_query(entry: Mapping[str, Any], mode: str) -> tuple[dict[str, np.ndarray], np.ndarray]:
+    """Per-query scores of one method averaged over seeds (and over folds when separated)."""
+    per_seed, labels = method_per_seed_query(entry, mode)
+    return {m: v.mean(axis=0) for m, v in per_seed.items()}, labels
 
 
 def _baseline_of(name: str, entry: Mapping[str, Any], base: str) -> bool:
@@ -142,7 +162,7 @@ def compare_results(
     labels_seen: np.ndarray | None = None
     for name in names:
         for mode in modes:
-            scores, labels = method_per_query(merged[name], mode)
+            scores, labels = method_per_seed_query(merged[name], mode)
             if labels_seen is None:
                 labels_seen = labels
             elif not np.array_equal(labels_seen, labels):
@@ -151,17 +171,28 @@ def compare_results(
                     "comparison needs the same test set (same dataset, split and order)"
                 )
             per_query[(name, mode)] = scores
+    seeds = {name: int(per_query[(name, modes[0])][metrics[0]].shape[0]) for name in names}
+    warnings = [
+        f"{name} has {n} seed{'s' if n != 1 else ''}: too few to tell a real difference from "
+        f"seed noise (need {MIN_SEEDS_FOR_SIGNIFICANCE}, the protocol's default is 5); its "
+        "differences are reported but never called significant"
+        for name, n in seeds.items() if n < MIN_SEEDS_FOR_SIGNIFICANCE
+    ]
     comparisons = []
     for a, b in pairs:
         for mode in modes:
             for m in metrics:
-                res = paired_bootstrap(per_query[(a, mode)][m], per_query[(b, mode)][m],
-                                       resamples=resamples, confidence=confidence, seed=seed)
+                res = hierarchical_bootstrap(per_query[(a, mode)][m], per_query[(b, mode)][m],
+                                             resamples=resamples, confidence=confidence, seed=seed)
                 comparisons.append({"a": a, "b": b, "mode": mode, "metric": m, **res.to_dict()})
     table_metrics = [m for m in metrics if all(m in merged[n]["separated"] for n in names)]
     return {
         "methods": names,
-        "queries": int(next(iter(per_query.values()))[metrics[0]].size),
+        "test": "hierarchical percentile bootstrap over training seeds and test queries",
+        "queries": int(next(iter(per_query.values()))[metrics[0]].shape[1]),
+        "seeds": seeds,
+        "min_seeds_for_significance": MIN_SEEDS_FOR_SIGNIFICANCE,
+        "warnings": warnings,
         "resamples": resamples,
         "seed": seed,
         "confidence": confidence,
@@ -170,21 +201,31 @@ def compare_results(
     }
 
 
+def significance_label(comparison: Mapping[str, Any]) -> str:
+    """``yes`` / ``no`` / ``too few seeds`` for one comparison of :func:`compare_results`."""
+    value = comparison.get("significant")
+    return "too few seeds" if value is None else ("yes" if value else "no")
+
+
 def render_compare_markdown(report: Mapping[str, Any]) -> str:
     """Two Markdown tables: paired differences, and relative improvements over the baselines."""
     conf = int(round(100 * report["confidence"]))
+    seeds = ", ".join(f"{n}: {k}" for n, k in report["seeds"].items())
     lines = [
-        f"Paired bootstrap over {report['queries']} test queries ({report['resamples']} resamples, "
-        f"seed {report['seed']}); differences in percentage points, {conf} % CI.",
+        f"Hierarchical bootstrap over training seeds ({seeds}) and {report['queries']} test "
+        f"queries ({report['resamples']} resamples, seed {report['seed']}); differences in "
+        f"percentage points, {conf} % CI; significant = the CI excludes 0 with at least "
+        f"{report['min_seeds_for_significance']} seeds per method.",
+        *[f"\nWarning: {w}." for w in report["warnings"]],
         "",
-        "| A | B | mode | metric | A − B | CI | excludes 0 |",
+        "| A | B | mode | metric | A − B | CI | significant |",
         "|---|---|---|---|---:|---|:---:|",
     ]
     for c in report["comparisons"]:
         lines.append(
             f"| {c['a']} | {c['b']} | {c['mode']} | {metric_label(c['metric'])} | "
             f"{100 * c['diff']:+.2f} | [{100 * c['ci_low']:+.2f}, {100 * c['ci_high']:+.2f}] | "
-            f"{'yes' if c['excludes_zero'] else 'no'} |"
+            f"{significance_label(c)} |"
         )
     for base, info in report["relative_improvement"].items():
         rows = info["relative_percent"]

@@ -12,7 +12,14 @@ and the paired bootstrap used by ``dmlkit compare``.
   ``P(i) = (1/i) sum_{j<=i} c_j``. Queries without a positive are dropped (``valid`` mask).
 * :func:`paired_bootstrap` -- percentile bootstrap (Efron & Tibshirani 1993) of the mean
   difference of two methods' per-query scores, resampling the same queries for both methods
-  (paired), seeded.
+  (paired), seeded. It sees the variance of the test queries only.
+* :func:`hierarchical_bootstrap` -- the same difference with both sources of variance a
+  benchmark has: each method's training seeds are resampled (independently per method: seed
+  ``s`` of one method shares nothing with seed ``s`` of another but the data) and, inside, the
+  test queries (the same resampled queries for both methods). A two-level bootstrap of
+  multi-level data (Davison & Hinkley, *Bootstrap Methods and their Application*, 1997, sec.
+  3.8; Saravanan et al., *Application of the hierarchical bootstrap to multi-level data in
+  neuroscience*, NBDC 2020). This is what ``dmlkit compare`` reports.
 """
 
 from __future__ import annotations
@@ -28,7 +35,9 @@ from dmlkit.exceptions import ShapeError
 
 __all__ = [
     "PER_QUERY_METRICS",
+    "MIN_SEEDS_FOR_SIGNIFICANCE",
     "BootstrapResult",
+    "hierarchical_bootstrap",
     "l2_normalize",
     "mean_ci",
     "paired_bootstrap",
@@ -37,6 +46,10 @@ __all__ = [
 
 #: Metrics :func:`per_query_scores` can compute (the seed's table columns).
 PER_QUERY_METRICS: tuple[str, ...] = ("precision_at_1", "r_precision", "map_at_r")
+
+#: Fewer training seeds than this per method and a bootstrap over seeds cannot tell seed noise
+#: from a real difference (2 seeds give 3 distinct resamples): never called "significant".
+MIN_SEEDS_FOR_SIGNIFICANCE = 3
 
 
 def mean_ci(values: Sequence[float], confidence: float = 0.95) -> tuple[float, float | None]:
@@ -107,23 +120,43 @@ def per_query_scores(
 
 @dataclass(frozen=True)
 class BootstrapResult:
-    """Mean difference ``a - b`` with its percentile bootstrap CI."""
+    """Mean difference ``a - b`` with its percentile bootstrap CI.
+
+    ``seeds`` is ``(seeds of a, seeds of b)`` for a bootstrap over seeds and queries (``None``
+    for queries only). ``significant`` is ``True``/``False`` only when the interval includes
+    the seed variance of at least :data:`MIN_SEEDS_FOR_SIGNIFICANCE` seeds per method, and
+    ``None`` ("too few seeds to tell") otherwise.
+    """
 
     diff: float
     low: float
     high: float
     resamples: int
     confidence: float
+    seeds: tuple[int, int] | None = None
 
     @property
     def excludes_zero(self) -> bool:
         return self.low > 0 or self.high < 0
 
+    @property
+    def resampling(self) -> str:
+        return "queries" if self.seeds is None else "seeds and queries"
+
+    @property
+    def significant(self) -> bool | None:
+        if self.seeds is None or min(self.seeds) < MIN_SEEDS_FOR_SIGNIFICANCE:
+            return None
+        return self.excludes_zero
+
     def to_dict(self) -> dict[str, Any]:
         return {
             "diff": self.diff, "ci_low": self.low, "ci_high": self.high,
-            "excludes_zero": self.excludes_zero, "resamples": self.resamples,
-            "confidence": self.confidence,
+            "excludes_zero": self.excludes_zero, "significant": self.significant,
+            "resampling": self.resampling,
+            "seeds_a": None if self.seeds is None else self.seeds[0],
+            "seeds_b": None if self.seeds is None else self.seeds[1],
+            "resamples": self.resamples, "confidence": self.confidence,
         }
 
 
@@ -145,3 +178,49 @@ def paired_bootstrap(
     alpha = (1.0 - confidence) / 2.0
     low, high = np.quantile(means, [alpha, 1.0 - alpha])
     return BootstrapResult(float(d.mean()), float(low), float(high), resamples, confidence)
+
+
+def hierarchical_bootstrap(
+    a: Any, b: Any, *, resamples: int = 1000, confidence: float = 0.95, seed: int = 0
+) -> BootstrapResult:
+    """Percentile bootstrap of ``mean(a) - mean(b)`` over training seeds *and* test queries.
+
+    ``a`` is ``(S_a, Q)`` and ``b`` is ``(S_b, Q)``: one row of per-query scores per training
+    seed, the same ``Q`` queries in the same order. Each resample draws ``Q`` queries with
+    replacement (the same for both methods: the pairing of the test set), ``S_a`` of a's seeds
+    and ``S_b`` of b's seeds with replacement (independently), and takes
+    ``mean_{s in seeds_a} mean_{q} a[s, q] - mean_{s in seeds_b} mean_{q} b[s, q]``.
+    The point estimate is the difference of the grand means.
+    """
+    a = np.atleast_2d(np.asarray(a, dtype=np.float64))
+    b = np.atleast_2d(np.asarray(b, dtype=np.float64))
+    if a.ndim != 2 or b.ndim != 2 or a.shape[1] != b.shape[1] or a.size == 0 or b.size == 0:
+        raise ShapeError(f"need (seeds, queries) score arrays over the same queries, got {a.shape} and {b.shape}")
+    if not (np.isfinite(a).all() and np.isfinite(b).all()):
+        raise ShapeError("per-query scores must be finite")
+    rng = np.random.default_rng(seed)
+    n_queries = a.shape[1]
+    chunk = max(1, min(100, 4_000_000 // (max(a.shape[0], b.shape[0]) * n_queries)))  # ~32 MB
+    means = np.empty(resamples, dtype=np.float64)
+    for start in range(0, resamples, chunk):
+        stop = min(resamples, start + chunk)
+        c = stop - start
+        q = rng.integers(0, n_queries, size=(c, n_queries))
+        # per resample and seed: the mean over the resampled queries -> (c, S)
+        a_q = a[:, q].mean(axis=2).T
+        b_q = b[:, q].mean(axis=2).T
+        wa = _seed_weights(rng, c, a.shape[0])
+        wb = _seed_weights(rng, c, b.shape[0])
+        means[start:stop] = (wa * a_q).sum(axis=1) - (wb * b_q).sum(axis=1)
+    alpha = (1.0 - confidence) / 2.0
+    low, high = np.quantile(means, [alpha, 1.0 - alpha])
+    return BootstrapResult(float(a.mean() - b.mean()), float(low), float(high), resamples, confidence,
+                           seeds=(a.shape[0], b.shape[0]))
+
+
+def _seed_weights(rng: np.random.Generator, resamples: int, n_seeds: int) -> np.ndarray:
+    """``(resamples, n_seeds)`` weights of seeds drawn with replacement (counts / n_seeds)."""
+    draws = rng.integers(0, n_seeds, size=(resamples, n_seeds))
+    counts = np.zeros((resamples, n_seeds), dtype=np.float64)
+    np.add.at(counts, (np.arange(resamples)[:, None], draws), 1.0)
+    return counts / n_seeds
