@@ -179,33 +179,50 @@ def _embedding_sections(test: _Split, before: _Split | None, others: Mapping[str
         pad = max(1e-6, 1e-3 * (hi - lo))
         return pos_neg_histograms(emb, labels, bins=60, range=(lo - pad, hi + pad))
 
+    candidates: list[tuple[str, _Split, np.ndarray]] = []
     if before is not None:
-        panels["test, before training"] = histogram(before.embeddings[rows], before.labels[rows])
-    panels["test, after training"] = histogram(test.embeddings[rows], test.labels[rows])
+        candidates.append(("test, before training", before, rows))
+    candidates.append(("test, after training", test, rows))
     for name, split in others.items():
-        r = _sample_rows(split.labels, options.max_points, options.seed)
-        panels[f"{name}, after training"] = histogram(split.embeddings[r], split.labels[r])
+        candidates.append((f"{name}, after training", split,
+                           _sample_rows(split.labels, options.max_points, options.seed)))
+    for title, split, r in candidates:
+        try:
+            panels[title] = histogram(split.embeddings[r], split.labels[r])
+        except DmlkitError as exc:  # e.g. one class: no negative pair -- say why, draw the rest
+            hist_rows.append([title, "n/a", "n/a", f"not drawn: {exc}"])
     for title, h in panels.items():
         hist_rows.append([title, f"{h.js:.4f}", h.num_positive_pairs, h.num_negative_pairs])
-    png = figures.save_figure(figures.similarity_histograms({k: _hist_dict(v) for k, v in panels.items()}),
-                              fig_dir / "histograms")
+    hist_figs = []
+    if panels:
+        png = figures.save_figure(figures.similarity_histograms({k: _hist_dict(v) for k, v in panels.items()}),
+                                  fig_dir / "histograms")
+        hist_figs.append(Figure(png[0], f"Similarity histograms of {what}", png[1]))
     sections.append(Section(
         "Positive and negative pair similarities",
         ["Histograms of the cosine similarities of all positive (same-class) and all negative pairs, "
          "each normalised to area 1 (Oi et al.), with 60 bins over each panel's observed range. The "
          "Jensen-Shannon divergence (base 2) measures how well they separate: 0 = identical "
-         "distributions, 1 = disjoint."],
+         "distributions, 1 = disjoint. A split without both kinds of pair has no histogram."],
         [table_html(["split", "JS divergence", "positive pairs", "negative pairs"], hist_rows)],
-        [Figure(png[0], f"Similarity histograms of {what}", png[1])],
+        hist_figs,
     ))
     # 2-D maps
     classes = np.unique(test.labels)[: options.map_classes]
     sel = np.flatnonzero(np.isin(test.labels, classes))
     sel = sel[: options.max_points]
     map_figs = []
+    map_notes = []
     for method in options.maps:
         options.progress(f"{method} map")
-        pts = figures.project_2d(test.embeddings[sel], method, seed=options.seed)
+        if len(sel) < 4:
+            map_notes.append(f"No {method.upper()} map: {len(sel)} test samples are too few to project.")
+            continue
+        try:
+            pts = figures.project_2d(test.embeddings[sel], method, seed=options.seed)
+        except (DmlkitError, ValueError) as exc:  # e.g. t-SNE's perplexity above the sample count
+            map_notes.append(f"No {method.upper()} map: {exc}")
+            continue
         thumbs = None
         if test.image_of is not None:
             rng = np.random.default_rng(options.seed)
@@ -217,7 +234,7 @@ def _embedding_sections(test: _Split, before: _Split | None, others: Mapping[str
     sections.append(Section("Maps of the test embeddings", [
         "Each point is a test sample, coloured and shaped by class; thumbnails show a sample of the "
         "images where the data are images. UMAP and t-SNE preserve neighbourhoods, not distances; "
-        "PCA is linear and fast."], [], map_figs))
+        "PCA is linear and fast.", *map_notes], [], map_figs))
     # gallery and per-class
     from dmlkit.metrics import knn
 
