@@ -233,7 +233,27 @@ class ProtocolConfig(_Strict):
                 f"protocol.storage {self.storage!r} must be a database URL "
                 "(sqlite:///path/study.db or postgresql://user@host:port/db) or null"
             )
+        if self.storage is not None and _url_has_password(self.storage):
+            raise ValueError(
+                "protocol.storage holds a password; dmlkit writes its config, argv and results to "
+                "disk and never stores a password: drop it from the URL "
+                "(postgresql://user@host:port/db) and give it to PostgreSQL through the "
+                "PGPASSWORD environment variable or a ~/.pgpass line (host:port:db:user:password, "
+                "mode 0600), which libpq reads"
+            )
         return self
+
+
+def _url_has_password(url: str) -> bool:
+    """A password in the URL's user info (``user:pw@host``) or its query (``?password=``)."""
+    from urllib.parse import parse_qs, urlsplit
+
+    parts = urlsplit(url)
+    try:
+        in_userinfo = parts.password is not None
+    except ValueError:  # an unparsable netloc: look for user:pw@ by hand
+        in_userinfo = ":" in parts.netloc.rpartition("@")[0]
+    return in_userinfo or any(k.lower() == "password" for k in parse_qs(parts.query))
 
 
 class BenchConfig(_Strict):
