@@ -52,11 +52,39 @@ def _positive_int(name: str, value: int) -> int:
 
 
 class _EpochSampler(Sampler[list[int]]):
-    """Shared seed/epoch handling."""
+    """Shared seed/epoch handling and the rank's share of each global batch."""
 
-    def __init__(self, seed: int) -> None:
+    def __init__(self, seed: int, num_replicas: int = 1, rank: int = 0) -> None:
         self.seed = int(seed)
         self.epoch = 0
+        self.num_replicas = _positive_int("num_replicas", num_replicas)
+        if int(rank) != rank or not 0 <= rank < self.num_replicas:
+            raise ConfigError(f"rank must be in [0, {self.num_replicas}), got {rank!r}")
+        self.rank = int(rank)
+
+    @property
+    def batch_size(self) -> int:  # the global batch
+        raise NotImplementedError
+
+    @property
+    def local_batch_size(self) -> int:
+        """Items this rank yields per batch: ``batch_size / num_replicas``."""
+        return self.batch_size // self.num_replicas
+
+    def _check_divisible(self, structure: str) -> None:
+        if self.batch_size % self.num_replicas:
+            raise ConfigError(
+                f"the global batch of {structure} = {self.batch_size} items cannot be split evenly "
+                f"over {self.num_replicas} processes: make it a multiple of {self.num_replicas} "
+                "(or start another number of processes)"
+            )
+
+    def _share(self, batch: list[int]) -> list[int]:
+        """This rank's contiguous share of a global batch."""
+        if self.num_replicas == 1:
+            return batch
+        n = self.local_batch_size
+        return batch[self.rank * n : (self.rank + 1) * n]
 
     def set_epoch(self, epoch: int) -> None:
         """Fix the epoch of the next iteration (the batches are a function of seed and epoch)."""
@@ -94,6 +122,8 @@ class MPerClassSampler(_EpochSampler):
             (default; use all their items and fill up by sampling them again, so the batch
             contains duplicates), ``"drop"`` (never sample those classes) or ``"error"``
             (raise :class:`~dmlkit.exceptions.DataError`).
+        num_replicas, rank: distributed training: yield this rank's share of each global
+            C x M batch (see the module docstring); C x M must be divisible by num_replicas.
 
     Raises :class:`~dmlkit.exceptions.DataError` when fewer than C (usable) classes exist.
     """
@@ -106,8 +136,10 @@ class MPerClassSampler(_EpochSampler):
         batches_per_epoch: int | None = None,
         seed: int = 0,
         small_classes: str = "replace",
+        num_replicas: int = 1,
+        rank: int = 0,
     ) -> None:
-        super().__init__(seed)
+        super().__init__(seed, num_replicas, rank)
         self.samples_per_class = _positive_int("samples_per_class", samples_per_class)
         self.classes_per_batch = _positive_int("classes_per_batch", classes_per_batch)
         if small_classes not in ("replace", "drop", "error"):
@@ -139,6 +171,8 @@ class MPerClassSampler(_EpochSampler):
         if batches_per_epoch is None:
             batches_per_epoch = max(1, len(arr) // self.batch_size)
         self.batches_per_epoch = _positive_int("batches_per_epoch", batches_per_epoch)
+        self._check_divisible(f"classes_per_batch x samples_per_class = "
+                              f"{self.classes_per_batch} x {self.samples_per_class}")
 
     @property
     def batch_size(self) -> int:
@@ -168,7 +202,7 @@ class MPerClassSampler(_EpochSampler):
             batch: list[int] = []
             for k in chosen:
                 batch.extend(self._take(k, m, item_perm, item_pos, rng))
-            yield batch
+            yield self._share(batch)
 
     def _take(self, k: int, m: int, perm: list[np.ndarray], pos: list[int], rng) -> list[int]:
         idx = self._members[k]
@@ -186,7 +220,8 @@ class MPerClassSampler(_EpochSampler):
         return (
             f"MPerClassSampler(C={self.classes_per_batch}, M={self.samples_per_class}, "
             f"batches_per_epoch={self.batches_per_epoch}, classes={len(self.classes)}, "
-            f"seed={self.seed}, small_classes={self.small_classes!r})"
+            f"seed={self.seed}, small_classes={self.small_classes!r}"
+            + (f", rank={self.rank}/{self.num_replicas})" if self.num_replicas > 1 else ")")
         )
 
 
@@ -204,7 +239,8 @@ class EpisodeSampler(_EpochSampler):
     ``k_shot + n_query`` items; items within a class are distinct.
 
     Raises :class:`~dmlkit.exceptions.DataError` when fewer than ``n_way`` classes have enough
-    items.
+    items. ``num_replicas``/``rank``: distributed training, this rank's contiguous share of each
+    episode (the episode's size must be divisible by ``num_replicas``).
     """
 
     def __init__(
@@ -215,8 +251,10 @@ class EpisodeSampler(_EpochSampler):
         n_query: int,
         episodes: int,
         seed: int = 0,
+        num_replicas: int = 1,
+        rank: int = 0,
     ) -> None:
-        super().__init__(seed)
+        super().__init__(seed, num_replicas, rank)
         self.n_way = _positive_int("n_way", n_way)
         self.k_shot = _positive_int("k_shot", k_shot)
         if int(n_query) != n_query or n_query < 0:
@@ -234,6 +272,7 @@ class EpisodeSampler(_EpochSampler):
             )
         self.classes = classes[keep]
         self._members = [members[i] for i in keep]
+        self._check_divisible(f"n_way x (k_shot + n_query) = {self.n_way} x {need}")
 
     @property
     def batch_size(self) -> int:
@@ -251,7 +290,7 @@ class EpisodeSampler(_EpochSampler):
             for k in chosen:
                 picks = rng.choice(self._members[k], size=per_class, replace=False)
                 batch.extend(int(i) for i in picks)
-            yield batch
+            yield self._share(batch)
 
     def split(self, batch):
         """``(support, query)`` of an episode batch; see :func:`split_episode`."""

@@ -1,0 +1,274 @@
+"""The few :mod:`torch.distributed` helpers every stage shares (training, embedding, evaluation).
+
+dmlkit runs on PyTorch's own engine: processes are started by ``torchrun`` (one node:
+``torchrun --nproc-per-node N``; several: ``--nnodes``/``--rdzv-endpoint``; SLURM: ``srun
+torchrun ...``), which sets ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR`` and
+``MASTER_PORT``. :func:`init_distributed` joins the process group those variables describe
+(NCCL on GPUs, gloo on CPUs) with a timeout on every collective, so a rank that dies or never
+arrives ends the job with an error instead of a hang. Without those variables everything here
+is a no-op for one process, so the same code runs alone and under ``torchrun``.
+
+The global batch of metric learning: losses and miners must see every rank's embeddings (a
+triplet's negative may live on another GPU). :func:`all_gather_with_grad` concatenates the
+ranks' embeddings in rank order (rank-major: the global batch in the order a one-process run
+would see it, when each rank holds its contiguous share, as the samplers' ``num_replicas`` /
+``rank`` give) and sends the gradient of each slice back to the rank that owns it, summed over
+ranks (an all-reduce of the gradient; PyTorch's public autograd collectives in
+``torch.distributed.nn`` are deprecated in favour of a private module, so this 20-line
+:class:`torch.autograd.Function` uses the plain collectives). When every rank computes the same loss ``L`` of the gathered batch, rank ``r``'s
+embeddings receive ``W * dL/dx_r``; ``DistributedDataParallel`` averages the parameter
+gradients over the ``W`` ranks, so the update is exactly the one-process gradient of ``L``
+(no world-size factor to add, unlike pytorch-metric-learning's ``DistributedLossWrapper``).
+"""
+
+from __future__ import annotations
+
+import datetime
+import hashlib
+import json
+import os
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from dmlkit.exceptions import ConfigError, DmlkitError
+
+__all__ = [
+    "DistributedContext",
+    "all_gather_object",
+    "all_gather_unequal",
+    "all_gather_with_grad",
+    "all_reduce_sum",
+    "all_reduce_with_grad",
+    "barrier",
+    "check_same_config",
+    "config_digest",
+    "context",
+    "init_distributed",
+    "is_main_process",
+    "launched_by_torchrun",
+    "main_process_first",
+    "shutdown",
+]
+
+#: Seconds a collective may wait for the other ranks before the job fails (default 10 min).
+DEFAULT_TIMEOUT_S = 600
+_TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+class DistributedError(DmlkitError):
+    """A distributed job that cannot start or went out of step (exit code 2, one line)."""
+
+
+@dataclass(frozen=True)
+class DistributedContext:
+    """Where this process stands: ``rank`` of ``world_size`` (``0`` of ``1`` alone)."""
+
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    backend: str | None = None
+
+    @property
+    def enabled(self) -> bool:
+        return self.world_size > 1
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def context() -> DistributedContext:
+    """The current process group's rank and size (one process when none is initialised)."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return DistributedContext()
+    return DistributedContext(dist.get_rank(), dist.get_world_size(),
+                              int(os.environ.get("LOCAL_RANK", 0)), str(dist.get_backend()))
+
+
+def is_main_process() -> bool:
+    """Rank 0 (or no process group): the one process that writes files, logs and progress."""
+    return context().is_main
+
+
+def launched_by_torchrun(env: Mapping[str, str] | None = None) -> bool:
+    """``WORLD_SIZE`` > 1 in the environment (torchrun, ``srun torchrun``, or by hand)."""
+    env = os.environ if env is None else env
+    try:
+        return int(env.get("WORLD_SIZE", "1")) > 1
+    except ValueError as exc:
+        raise DistributedError(f"WORLD_SIZE={env.get('WORLD_SIZE')!r} is not an integer") from exc
+
+
+def init_distributed(device: str | torch.device | None = None, *, backend: str | None = None,
+                     timeout_s: float = DEFAULT_TIMEOUT_S) -> DistributedContext:
+    """Join the process group that torchrun's environment describes; no-op for one process.
+
+    ``backend`` defaults to NCCL when ``device`` is CUDA and gloo otherwise. Every collective
+    fails after ``timeout_s`` seconds instead of hanging. Missing or malformed launcher
+    variables raise :class:`DistributedError` naming them and the command that sets them.
+    """
+    if dist.is_available() and dist.is_initialized():
+        return context()
+    if not launched_by_torchrun():
+        return DistributedContext()
+    if not dist.is_available():
+        raise DistributedError("this PyTorch build has no torch.distributed: run one process")
+    missing = [v for v in _TORCHRUN_VARS if not os.environ.get(v)]
+    if missing:
+        raise DistributedError(
+            f"WORLD_SIZE={os.environ['WORLD_SIZE']} but {', '.join(missing)} not set: start the "
+            "job with `torchrun --nproc-per-node N dmlkit ...` (several machines: add --nnodes "
+            "and --rdzv-endpoint HOST:PORT), which sets them"
+        )
+    dev = torch.device(device) if device is not None else None
+    use_cuda = dev is not None and dev.type == "cuda"
+    backend = backend or ("nccl" if use_cuda else "gloo")
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    if use_cuda:
+        torch.cuda.set_device(local_rank)
+    try:
+        dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=timeout_s))
+    except (RuntimeError, ValueError) as exc:  # rendezvous failed: unreachable master, timeout
+        raise DistributedError(
+            f"could not join the process group at {os.environ['MASTER_ADDR']}:"
+            f"{os.environ['MASTER_PORT']} ({backend}): {str(exc).splitlines()[0]}"
+        ) from None
+    return context()
+
+
+def shutdown() -> None:
+    """Leave the process group (safe to call when none was joined)."""
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def barrier() -> None:
+    if context().enabled:
+        dist.barrier()
+
+
+def all_gather_with_grad(x: torch.Tensor) -> torch.Tensor:
+    """Concatenate every rank's ``x`` (same shape on all ranks) along dim 0, in rank order,
+    keeping the autograd graph: the gradient of each slice returns to its rank, summed over
+    ranks. Returns ``x`` itself for one process."""
+    ctx = context()
+    if not ctx.enabled:
+        return x
+    _check_same_shape(x)
+    return _GatherWithGrad.apply(x)
+
+
+def all_reduce_with_grad(x: torch.Tensor) -> torch.Tensor:
+    """Sum of ``x`` over ranks, differentiable: the gradient of the sum is all-reduced back
+    (each rank's ``x`` receives the sum of every rank's gradient of the result)."""
+    if not context().enabled:
+        return x
+    return _AllReduceWithGrad.apply(x)
+
+
+class _GatherWithGrad(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
+        x = x.contiguous()
+        parts = [torch.empty_like(x) for _ in range(dist.get_world_size())]
+        dist.all_gather(parts, x)
+        ctx.rows = x.shape[0]
+        return torch.cat(parts, dim=0)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        grad = grad.contiguous().clone()
+        dist.all_reduce(grad, op=dist.ReduceOp.SUM)
+        start = dist.get_rank() * ctx.rows
+        return grad[start : start + ctx.rows]
+
+
+class _AllReduceWithGrad(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
+        y = x.detach().clone().contiguous()
+        dist.all_reduce(y, op=dist.ReduceOp.SUM)
+        return y
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        grad = grad.contiguous().clone()
+        dist.all_reduce(grad, op=dist.ReduceOp.SUM)
+        return grad
+
+
+def all_gather_unequal(x: torch.Tensor) -> torch.Tensor:
+    """Concatenate every rank's ``x`` in rank order when the ranks hold different numbers of
+    rows (no gradient): pad to the largest, gather, cut the padding away."""
+    ctx = context()
+    if not ctx.enabled:
+        return x
+    sizes = all_gather_object(int(x.shape[0]))
+    biggest = max(sizes)
+    padded = torch.zeros((biggest, *x.shape[1:]), dtype=x.dtype, device=x.device)
+    padded[: x.shape[0]] = x
+    parts = [torch.empty_like(padded) for _ in range(ctx.world_size)]
+    dist.all_gather(parts, padded)
+    return torch.cat([p[:n] for p, n in zip(parts, sizes)], dim=0)
+
+
+def all_gather_object(obj: Any) -> list[Any]:
+    """Every rank's (picklable) ``obj``, in rank order; ``[obj]`` for one process."""
+    ctx = context()
+    if not ctx.enabled:
+        return [obj]
+    out: list[Any] = [None] * ctx.world_size
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def all_reduce_sum(x: torch.Tensor) -> torch.Tensor:
+    """Sum of ``x`` over ranks (a new tensor, no gradient); ``x`` for one process."""
+    if not context().enabled:
+        return x
+    y = x.detach().clone()
+    dist.all_reduce(y, op=dist.ReduceOp.SUM)
+    return y
+
+
+def config_digest(config: Any) -> str:
+    """SHA-256 of a config's canonical JSON (pydantic models, dicts): equal configs, equal digests."""
+    data = config.model_dump(mode="json") if hasattr(config, "model_dump") else config
+    return hashlib.sha256(json.dumps(data, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def check_same_config(config: Any, what: str = "config") -> None:
+    """Refuse to start when the ranks were given different configs (one clear line)."""
+    digests = all_gather_object(config_digest(config))
+    if len(set(digests)) > 1:
+        groups: dict[str, list[int]] = {}
+        for rank, d in enumerate(digests):
+            groups.setdefault(d, []).append(rank)
+        listing = "; ".join(f"ranks {r} have {d[:12]}" for d, r in groups.items())
+        raise ConfigError(f"the ranks were started with different {what}s ({listing}): start "
+                          "every rank with the same config file and --set overrides")
+
+
+def _check_same_shape(x: torch.Tensor) -> None:
+    shapes = all_gather_object(tuple(x.shape))
+    if len(set(shapes)) > 1:
+        raise DistributedError(f"ranks hold batches of different shapes {shapes}: every rank "
+                               "must get an equal share of the global batch")
+
+
+@contextmanager
+def main_process_first() -> Iterator[None]:
+    """Rank 0 runs the block first (e.g. a download or a cache write), then the others."""
+    ctx = context()
+    if ctx.enabled and not ctx.is_main:
+        dist.barrier()
+    try:
+        yield
+    finally:
+        if ctx.enabled and ctx.is_main:
+            dist.barrier()

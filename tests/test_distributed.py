@@ -1,0 +1,196 @@
+"""Two gloo processes on the CPU train exactly like one process on the same global batches.
+
+For every loss family (pair loss with a triplet miner, multi-similarity with its miner, ArcFace,
+Proxy Anchor, prototypical episodes, cross-batch memory), with frozen and with synchronised
+BatchNorm: 2 ranks, each embedding its share of the global batch, gathering the embeddings
+with gradient (:func:`dmlkit.distributed.all_gather_with_grad`) under
+``DistributedDataParallel``, give the same per-step loss and the same final parameters as
+one process (relative 1e-5; parameters: the norm of the difference relative to the tensor's
+norm). The ranks are real processes (``torch.multiprocessing.spawn``).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from dmlkit.distributed import all_gather_with_grad, context
+from dmlkit.samplers import EpisodeSampler, MPerClassSampler
+
+CASES = ["contrastive+batch_hard", "multi_similarity+miner", "arcface", "proxy_anchor",
+         "prototypical", "xbm_triplet"]
+BN_MODES = ["frozen", "sync"]
+STEPS = 3
+NUM_CLASSES, PER_CLASS, DIM_IN, DIM_EMB = 20, 10, 16, 8
+
+
+def _data():
+    g = torch.Generator().manual_seed(0)
+    labels = torch.arange(NUM_CLASSES).repeat_interleave(PER_CLASS)
+    centres = torch.randn(NUM_CLASSES, DIM_IN, generator=g)
+    x = centres[labels] + 0.7 * torch.randn(labels.numel(), DIM_IN, generator=g)
+    return x, labels
+
+
+def _model(bn_mode: str) -> nn.Module:
+    from dmlkit.models import freeze_batchnorm
+
+    torch.manual_seed(1)
+    model = nn.Sequential(nn.Linear(DIM_IN, 32), nn.BatchNorm1d(32), nn.ReLU(), nn.Linear(32, DIM_EMB))
+    with torch.no_grad():  # non-trivial running statistics for the frozen case
+        model[1].running_mean.uniform_(-0.2, 0.2)
+        model[1].running_var.uniform_(0.5, 1.5)
+    if bn_mode == "frozen":
+        freeze_batchnorm(model)
+    return model
+
+
+def _loss_and_miner(case: str):
+    from dmlkit.losses import CrossBatchMemory, get_loss
+    from dmlkit.miners import get_miner
+
+    torch.manual_seed(2)
+    if case == "contrastive+batch_hard":
+        return get_loss("contrastive"), get_miner("batch_hard")
+    if case == "multi_similarity+miner":
+        return get_loss("multi_similarity"), get_miner("multi_similarity")
+    if case == "arcface":
+        return get_loss("arcface", num_classes=NUM_CLASSES, embedding_size=DIM_EMB), None
+    if case == "proxy_anchor":
+        return get_loss("proxy_anchor", num_classes=NUM_CLASSES, embedding_size=DIM_EMB), None
+    if case == "prototypical":
+        return get_loss("prototypical", k_shot=2), None
+    if case == "xbm_triplet":
+        return CrossBatchMemory(get_loss("triplet", margin=0.1), embedding_size=DIM_EMB, memory_size=48), None
+    raise AssertionError(case)
+
+
+def _sampler(case: str, labels, num_replicas: int, rank: int):
+    if case == "prototypical":
+        return EpisodeSampler(labels, n_way=4, k_shot=2, n_query=2, episodes=STEPS, seed=3,
+                              num_replicas=num_replicas, rank=rank)
+    return MPerClassSampler(labels, samples_per_class=4, classes_per_batch=6, batches_per_epoch=STEPS,
+                            seed=3, num_replicas=num_replicas, rank=rank)
+
+
+def _train(case: str, bn_mode: str, num_replicas: int = 1, rank: int = 0):
+    """K steps; returns (per-step global losses, final model + loss parameters)."""
+    from dmlkit.models.sync_batchnorm import convert_sync_batchnorm
+
+    x, labels = _data()
+    model = _model(bn_mode)
+    loss_fn, miner = _loss_and_miner(case)
+    net: nn.Module = model
+    if num_replicas > 1:
+        model = convert_sync_batchnorm(model)
+        net = nn.parallel.DistributedDataParallel(model)
+    params = [p for p in model.parameters() if p.requires_grad] + list(loss_fn.parameters())
+    optimizer = torch.optim.SGD(params, lr=0.01, momentum=0.9)
+    model.train()
+    losses = []
+    for idx in _sampler(case, labels, num_replicas, rank):
+        emb = all_gather_with_grad(net(x[idx]))
+        y = all_gather_with_grad(labels[idx])
+        loss = loss_fn(emb, y, miner(emb, y) if miner is not None else None)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        losses.append(float(loss.detach()))
+    state = {f"model.{k}": v.detach().clone() for k, v in model.state_dict().items()}
+    state.update({f"loss.{k}": v.detach().clone() for k, v in loss_fn.state_dict().items()})
+    return losses, state
+
+
+def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
+    os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
+                       "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank)})
+    torch.set_num_threads(1)
+    from dmlkit.distributed import init_distributed, shutdown
+
+    ctx = init_distributed("cpu", timeout_s=120)
+    assert ctx.world_size == world and ctx.backend == "gloo"
+    results = {}
+    for case in CASES:
+        for bn_mode in BN_MODES:
+            results[(case, bn_mode)] = _train(case, bn_mode, world, rank)
+    torch.save(results, Path(out_dir) / f"rank{rank}.pt")
+    shutdown()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def two_rank_results(tmp_path_factory):
+    import torch.multiprocessing as mp
+
+    out = tmp_path_factory.mktemp("ddp")
+    mp.spawn(_worker, args=(2, _free_port(), str(out)), nprocs=2, join=True)
+    return [torch.load(out / f"rank{r}.pt", weights_only=True) for r in range(2)]
+
+
+@pytest.mark.parametrize("bn_mode", BN_MODES)
+@pytest.mark.parametrize("case", CASES)
+def test_two_ranks_equal_one_process(two_rank_results, case, bn_mode):
+    torch.set_num_threads(1)
+    ref_losses, ref_state = _train(case, bn_mode)
+    for rank, results in enumerate(two_rank_results):
+        losses, state = results[(case, bn_mode)]
+        np.testing.assert_allclose(losses, ref_losses, rtol=1e-5, atol=1e-7, err_msg=f"rank {rank}")
+        assert state.keys() == ref_state.keys()
+        for key, ref in ref_state.items():
+            if ref.is_floating_point():  # relative to the tensor's norm: ArcFace's s = 64 makes
+                # its class weights ~10 and float32 rounding of large gradients ~1e-5 absolute
+                diff = float((state[key].double() - ref.double()).norm())
+                assert diff <= 1e-5 * max(float(ref.double().norm()), 1e-3), (key, rank, diff)
+            else:
+                assert torch.equal(state[key], ref), key
+        assert any(abs(a - b) > 1e-4 for a, b in zip(ref_losses, ref_losses[1:])) or case == "xbm_triplet"
+
+
+def test_one_process_helpers_are_no_ops():
+    x = torch.randn(4, 3, requires_grad=True)
+    assert all_gather_with_grad(x) is x
+    assert not context().enabled and context().is_main
+
+
+def test_rank_shares_rebuild_the_global_batch():
+    labels = np.repeat(np.arange(12), 5)
+    whole = list(MPerClassSampler(labels, 4, 6, batches_per_epoch=4, seed=7))
+    shares = [list(MPerClassSampler(labels, 4, 6, batches_per_epoch=4, seed=7, num_replicas=3, rank=r))
+              for r in range(3)]
+    for b, batch in enumerate(whole):
+        assert sum((s[b] for s in shares), []) == batch
+    episodes = list(EpisodeSampler(labels, 3, 2, 2, episodes=2, seed=1))
+    halves = [list(EpisodeSampler(labels, 3, 2, 2, episodes=2, seed=1, num_replicas=2, rank=r))
+              for r in range(2)]
+    assert [h0 + h1 for h0, h1 in zip(*halves)] == episodes
+
+
+def test_a_world_size_that_does_not_divide_the_batch_is_refused():
+    from dmlkit.exceptions import ConfigError
+
+    with pytest.raises(ConfigError, match="cannot be split evenly over 3 processes"):
+        MPerClassSampler(np.repeat(np.arange(10), 4), 4, 5, num_replicas=3, rank=0)
+    with pytest.raises(ConfigError, match="rank must be in"):
+        MPerClassSampler(np.repeat(np.arange(10), 4), 4, 4, num_replicas=2, rank=2)
+
+
+def test_missing_launcher_variables_are_one_clear_error(monkeypatch):
+    from dmlkit.distributed import DistributedError, init_distributed
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.delenv("MASTER_ADDR", raising=False)
+    monkeypatch.delenv("MASTER_PORT", raising=False)
+    with pytest.raises(DistributedError, match="MASTER_ADDR, MASTER_PORT not set: start the job with `torchrun"):
+        init_distributed("cpu")
