@@ -158,3 +158,27 @@ def test_compare_errors(results):
         compare_results([results], methods=["good"])
     with pytest.raises(ConfigError, match="unknown method"):
         compare_results([results], methods=["good", "nope"])
+
+
+@pytest.mark.parametrize("content", [
+    b"\x89PNG\r\n\x1a\n\x00\x00garbage\xff\xfe",                     # not text at all
+    b'{"methods": {"contrastive": {"concatenated": ',               # truncated
+    b'{"name": "x"}',                                               # no methods
+    b'{"methods": {"a": {"concatenated": {}, "separated": {}, "runs": [{"seed": 0}]}}}',
+    b'{"methods": {"a": {"concatenated": {"map_at_r": {"mean": "high"}}, "separated": {}}}}',
+])
+def test_a_corrupt_results_file_is_one_clear_error(tmp_path, content, capsys):
+    from dmlkit.cli import main
+    from dmlkit.exceptions import DataError
+    from dmlkit.protocol.results import load_results
+
+    bad = tmp_path / "results.json"
+    bad.write_bytes(content)
+    with pytest.raises(DataError, match="results"):
+        load_results(bad)
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as info:
+        main(["compare", str(bad), str(bad)])
+    err = capsys.readouterr().err
+    assert info.value.code == 2 and "Traceback" not in err, err
+    assert len([line for line in err.splitlines() if line.strip()]) == 1, err

@@ -220,10 +220,36 @@ def load_results(path: str | Path) -> dict[str, Any]:
     if not path.exists():
         raise DataNotFoundError(f"results not found: {path} (run `dmlkit bench` first)")
     try:
-        data = json.loads(path.read_text())
-    except json.JSONDecodeError as exc:
-        raise DataError(f"{path} is not valid JSON: {exc}") from exc
-    if not isinstance(data, dict) or "methods" not in data:
-        raise DataError(f"{path} is not a dmlkit bench results file (no 'methods')")
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise DataError(f"{path} is not a results file (not valid UTF-8 JSON: {exc}); "
+                        "point to the results.json that `dmlkit bench` wrote") from None
+    except OSError as exc:
+        raise DataError(f"cannot read {path}: {exc.strerror or exc}") from None
+    problem = _results_problem(data)
+    if problem:
+        raise DataError(f"{path} is not a complete dmlkit bench results file: {problem}; "
+                        "rerun `dmlkit bench CONFIG --stage final` to rewrite it")
     data.setdefault("_path", str(path))
     return data
+
+
+def _results_problem(data: Any) -> str | None:
+    """What makes ``data`` unusable as a results file (``None`` when it is fine)."""
+    if not isinstance(data, dict) or not isinstance(data.get("methods"), dict) or not data["methods"]:
+        return "no 'methods' table"
+    for name, entry in data["methods"].items():
+        if not isinstance(entry, dict):
+            return f"method {name!r} is not a mapping"
+        for mode in MODES:
+            if not isinstance(entry.get(mode), dict):
+                return f"method {name!r} has no {mode!r} results"
+            for metric, cell in entry[mode].items():
+                if not isinstance(cell, dict) or not isinstance(cell.get("mean"), (int, float, type(None))):
+                    return f"method {name!r}, {mode} {metric}: no numeric 'mean'"
+        runs = entry.get("runs", [])
+        if not isinstance(runs, list) or not all(
+            isinstance(r, dict) and {"seed", "fold", "embeddings"} <= r.keys() for r in runs
+        ):
+            return f"method {name!r}: 'runs' must list {{seed, fold, embeddings}} entries"
+    return None
