@@ -26,8 +26,12 @@ shared machine; such cases are reported as ``OOM``.
 Close calls at B = 256 and 1024 (dmlkit slower than 0.9x pml) are measured a second time in
 the reverse order and each library keeps its faster median (``--no-confirm`` to skip).
 
+``--interleaved`` instead times both libraries in one process per loss, their steps
+alternating, and reports the ratio of the medians (time only): the steadier comparison on a
+busy machine.
+
 Run:  python benchmarks/bench_losses.py [--batch-sizes 32,256,1024,4096] [--only a,b]
-          [--repeats 15] [--threads 1] [--markdown FILE.md] [--json out.json]
+          [--repeats 15] [--threads 1] [--markdown FILE.md] [--json out.json] [--interleaved]
 """
 
 from __future__ import annotations
@@ -118,6 +122,13 @@ SPECS: list[Spec] = [
          }, note="pml's SNRDistance with normalize_embeddings=False (dmlkit's default)"),
     Spec("nca", "nca", {}, "NCALoss", lambda pml: {"softmax_scale": 1}),
     Spec("fastap", "fastap", {"num_bins": 10}, "FastAPLoss", lambda pml: {"num_bins": 10}),
+    Spec("ranked_list", "ranked_list", {"margin": 0.4, "Tn": 10.0, "Tp": 0.0}, "RankedListLoss",
+         lambda pml: {"margin": 0.4, "Tn": 10, "Tp": 0}, equivalent=False,
+         note="pml adds 1e-5 per column to each weight sum (relative difference about "
+              "1e-5 B / #positives with Tp = 0) and skips negatives at distance 0; with those "
+              "two deviations the formulas are equal (tests/test_losses_ranked_list.py)"),
+    Spec("triplet_swap", "triplet", {"margin": 0.2, "swap": True}, "TripletMarginLoss",
+         lambda pml: {"margin": 0.2, "swap": True}, note="anchor swap (Balntas et al. 2016)"),
     # -- classification and proxy losses -----------------------------------------------------
     Spec("normalized_softmax", "normalized_softmax", {"temperature": 0.05}, "NormalizedSoftmaxLoss",
          lambda pml: {"temperature": 0.05}, kind="proxy"),
@@ -285,6 +296,65 @@ def worker(spec_key: str, lib: str, batches: list[int], repeats: int, threads: i
         except Exception as exc:  # report, keep going with the next size
             result.update(status="error", error=f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}")
         print(json.dumps(result), flush=True)
+
+
+def interleaved_worker(spec_key: str, batches: list[int], repeats: int, threads: int) -> None:
+    """Both libraries in this one process, their steps alternating (dmlkit, pml, dmlkit, ...):
+    on a shared machine a burst of load then hits both, so the ratio of the medians is far
+    steadier than that of two separate processes. Time only (no memory: one process)."""
+    import torch
+
+    torch.set_num_threads(threads)
+    spec = next(s for s in SPECS if s.key == spec_key)
+    fns = {lib: _build(spec, lib, torch) for lib in ("dmlkit", "pml")}
+    for fn in fns.values():
+        _init_weights(fn, torch)
+    for batch in batches:
+        emb, labels, _ = _inputs(spec, batch, torch, torch.float32)
+        times: dict[str, list[float]] = {lib: [] for lib in fns}
+        for fn in fns.values():  # warm-up
+            _step(fn, spec, emb, labels, torch)
+        for _ in range(repeats):
+            for lib, fn in fns.items():
+                t0 = time.perf_counter()
+                _step(fn, spec, emb, labels, torch)
+                times[lib].append(time.perf_counter() - t0)
+        med = {lib: statistics.median(t) for lib, t in times.items()}
+        low = {lib: min(t) for lib, t in times.items()}
+        print(json.dumps({"key": spec.key, "batch": batch, "n": repeats, "dmlkit_s": med["dmlkit"],
+                          "pml_s": med["pml"], "ratio": med["dmlkit"] / med["pml"],
+                          "min_ratio": low["dmlkit"] / low["pml"]}), flush=True)
+
+
+def run_interleaved(specs: list[Spec], args) -> str:
+    """``--interleaved``: one subprocess per spec running :func:`interleaved_worker`."""
+    import torch
+
+    lines = [f"Interleaved timing (`--interleaved`): forward + backward, median of {args.repeats} "
+             f"alternating steps per library in one process, torch {torch.__version__}, "
+             f"{args.threads} thread(s), load average before the run "
+             f"{os.getloadavg()[0]:.1f}.", "",
+             "| loss | B | dmlkit median | pml median | ratio of medians | ratio of minima |",
+             "|---|---|---|---|---|---|"]
+    for s in specs:
+        if s.kind == "miner":
+            continue
+        cmd = [sys.executable, __file__, "--interleaved-worker", s.key, "--batch-sizes",
+               ",".join(map(str, args.batch_sizes)), "--repeats", str(args.repeats),
+               "--threads", str(args.threads)]
+        env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), PYTHONWARNINGS="ignore")
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=REPO,
+                              timeout=args.process_timeout)
+        for line in proc.stdout.splitlines():
+            if line.startswith("{"):
+                r = json.loads(line)
+                row = (f"| {r['key']} | {r['batch']} | {r['dmlkit_s'] * 1e3:.2f} ms | "
+                       f"{r['pml_s'] * 1e3:.2f} ms | {r['ratio']:.2f} | {r['min_ratio']:.2f} |")
+                print(row, flush=True)
+                lines.append(row)
+        if proc.returncode:
+            lines.append(f"| {s.key} | - | failed: {proc.stderr.strip().splitlines()[-1][:80]} | | | |")
+    return "\n".join(lines) + "\n"
 
 
 # ------------------------------------------------------------------------------------------
@@ -494,6 +564,9 @@ def main(argv: list[str] | None = None) -> None:
                     help="do not re-measure close calls at B = 256/1024")
     ap.add_argument("--markdown", default="")
     ap.add_argument("--json", default="")
+    ap.add_argument("--interleaved", action="store_true",
+                    help="time only: both libraries alternating in one process per loss")
+    ap.add_argument("--interleaved-worker", default="", help=argparse.SUPPRESS)
     ap.add_argument("--worker", default="", help=argparse.SUPPRESS)
     ap.add_argument("--lib", default="dmlkit", help=argparse.SUPPRESS)
     raw = sys.argv[1:] if argv is None else argv
@@ -504,6 +577,9 @@ def main(argv: list[str] | None = None) -> None:
     if args.worker:
         worker(args.worker, args.lib, args.batch_sizes, args.repeats, args.threads,
                args.mem_cap_gb, args.time_budget)
+        return
+    if args.interleaved_worker:
+        interleaved_worker(args.interleaved_worker, args.batch_sizes, args.repeats, args.threads)
         return
 
     sys.path.insert(0, str(REPO / "src"))
@@ -516,6 +592,11 @@ def main(argv: list[str] | None = None) -> None:
     for s in specs:
         if s not in present:
             print(f"skip {s.key}: dmlkit has no {s.kind} named {s.name!r} yet", flush=True)
+    if args.interleaved:
+        text = run_interleaved(present, args)
+        if args.markdown:
+            Path(args.markdown).write_text(text)
+        return
     skip_pml = {int(b) for b in args.skip_pml_at.split(",") if b}
     results: list[dict] = []
     t_start = time.perf_counter()

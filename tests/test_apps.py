@@ -19,7 +19,7 @@ from dmlkit.apps import (
     verify,
 )
 from dmlkit.cli import app
-from dmlkit.exceptions import DataError, DataNotFoundError, ShapeError
+from dmlkit.exceptions import DataError, DataNotFoundError, NonFiniteError, ShapeError
 from dmlkit.utils import save_embeddings
 
 
@@ -60,7 +60,7 @@ def test_index_errors():
         idx.classify(x[:2])
     with pytest.raises(ShapeError):
         idx.search(np.zeros((2, 3)))
-    with pytest.raises(DataError):
+    with pytest.raises(NonFiniteError):
         EmbeddingIndex(np.full((2, 2), np.nan))
     with pytest.raises(ValueError, match="unknown distance"):
         EmbeddingIndex(x, distance="hamming")
@@ -154,3 +154,61 @@ def test_cli_index_query_verify_fewshot(tmp_path):
     res = runner.invoke(app, ["fewshot", str(tmp_path / "ref.npz"), "--episodes", "20", "--json"])
     assert res.exit_code == 0, res.output
     assert json.loads(res.output)["accuracy"] > 0.9
+
+
+# -- user errors: one line, exit 2 (issue 11, points 4 and 9) ----------------------------------
+def _main(capsys, *args: str) -> tuple[int, str]:
+    from dmlkit.cli import main
+
+    try:
+        main(list(args))
+        code = 0
+    except SystemExit as exc:
+        code = int(exc.code or 0)
+    out = capsys.readouterr()
+    return code, out.out + out.err
+
+
+def test_nan_embeddings_are_refused_by_verify_and_few_shot(tmp_path, capsys):
+    x, y = _clusters(classes=8, per=8)
+    bad = x.copy()
+    bad[5] = np.nan
+    with pytest.raises(NonFiniteError, match="1 row"):
+        verify(bad, y, num_pairs=100)
+    with pytest.raises(NonFiniteError):
+        few_shot_accuracy(np.full_like(x, np.nan), y, episodes=5)
+    with pytest.raises(NonFiniteError):
+        prototype_predict(x[:4], y[:4], bad[5:6])
+    save_embeddings(tmp_path / "nan.npz", bad, y)
+    for cmd in (["verify", str(tmp_path / "nan.npz"), "--pairs", "100"],
+                ["fewshot", str(tmp_path / "nan.npz"), "--episodes", "5"]):
+        code, text = _main(capsys, *cmd)
+        assert code == 2 and "NaN" in text and "Traceback" not in text, text
+        assert len(text.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("args, match", [
+    (["--pairs", "0"], "at least 2"),
+    (["--folds", "1"], "folds must be at least 2"),
+    (["--folds", "500", "--pairs", "100"], "exceeds the number of pairs"),
+    (["--distance", "bogus"], "unknown distance 'bogus'"),
+])
+def test_cli_verify_user_errors_are_one_line(tmp_path, capsys, args, match):
+    x, y = _clusters(classes=8, per=8)
+    save_embeddings(tmp_path / "e.npz", x, y)
+    code, text = _main(capsys, "verify", str(tmp_path / "e.npz"), *args)
+    assert code == 2 and match in " ".join(text.split()) and "Traceback" not in text, text
+    assert len(text.strip().splitlines()) == 1
+
+
+def test_cli_fewshot_and_verify_argument_errors(tmp_path, capsys):
+    x, y = _clusters(classes=8, per=8)
+    save_embeddings(tmp_path / "e.npz", x, y)
+    code, text = _main(capsys, "fewshot", str(tmp_path / "e.npz"), "--queries", "0")
+    assert code == 2 and "at least one query" in text
+    code, text = _main(capsys, "fewshot", str(tmp_path / "e.npz"), "--distance", "bogus")
+    assert code == 2 and "unknown distance" in text
+    code, text = _main(capsys, "verify")
+    assert code == 2 and "either EMBEDDINGS" in " ".join(text.split())
+    code, text = _main(capsys, "verify", str(tmp_path / "e.npz"), "--pair-list", str(tmp_path / "none.txt"))
+    assert code == 2 and "pair list not found" in " ".join(text.split())

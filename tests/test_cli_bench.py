@@ -150,8 +150,8 @@ def test_results_table_and_traceability(bench_run):
     assert res["provenance"]["versions"]["torch"] and "git_commit" in res["provenance"]
     assert res["config"]["protocol"]["trials"] == 3
     # the separated value of one seed is the mean of its fold models' own metrics
+    from dmlkit.embeddings import load_embeddings
     from dmlkit.metrics import evaluate
-    from dmlkit.utils import load_embeddings
 
     seed0 = [r for r in res["methods"]["triplet"]["runs"] if r["seed"] == 0]
     maps = [evaluate(*load_embeddings(r["embeddings"])[:2], metrics=["map_at_r"])["map_at_r"] for r in seed0]
@@ -237,3 +237,30 @@ def test_cli_rejects_a_method_that_changes_a_fixed_setting(tmp_path):
     assert r.returncode == 2
     assert "identical across methods" in r.stderr + r.stdout and "Traceback" not in r.stderr
     assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.slow
+def test_bench_workers_start_from_python_without_the_cli(tmp_path, data_root, monkeypatch):
+    """``Bench.run(workers=2)`` starts its worker processes itself (multiprocessing, no
+    ``python -m dmlkit`` subprocess), so the protocol works from Python."""
+    import optuna
+
+    from dmlkit.protocol import Bench, bench_config_from_dict
+    from dmlkit.protocol.study import count_finished
+
+    real_popen = subprocess.Popen
+
+    def no_dmlkit_cli(cmd, *args, **kwargs):
+        assert "dmlkit" not in " ".join(map(str, cmd)), f"the bench shelled out: {cmd}"
+        return real_popen(cmd, *args, **kwargs)  # e.g. provenance's `git rev-parse`
+
+    monkeypatch.setattr(subprocess, "Popen", no_dmlkit_cli)
+    fixed = {**TINY["fixed"], "data": {"dataset": "att_faces", "transform": "grayscale", "image_size": 28}}
+    data = {**TINY, "fixed": fixed, "methods": TINY["methods"][:1],
+            "protocol": {**TINY["protocol"], "trials": 2, "seeds": [0]}}
+    bench = Bench(bench_config_from_dict(data), tmp_path / "b", data_root=data_root, threads=1)
+    assert bench.run(workers=2, stage="search") is None
+    study = optuna.load_study(storage=bench.storage_url, study_name="tiny/triplet")
+    assert count_finished(study) == 2
+    logs = sorted(p.name for p in (tmp_path / "b").glob("worker*-search.log"))
+    assert logs == ["worker0-search.log", "worker1-search.log"]

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from dmlkit.cli import main
+from dmlkit.embeddings import save_embeddings
 from dmlkit.metrics import evaluate
-from dmlkit.utils import save_embeddings
 
 
 @pytest.fixture()
@@ -107,3 +107,36 @@ def test_console_script_exit_code(emb_files):
     bad = subprocess.run([sys.executable, "-m", "dmlkit", "evaluate", str(tmp / "nope.npy")],
                          capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and "not found" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_labels_are_validated_not_cast(emb_files, capsys):
+    """Issue 11.2: fractional or NaN labels exit 2 with one line (never truncated to one class);
+    string labels are class names, kept in the per-class output."""
+    tmp, x, y, *_ = emb_files
+    np.savez(tmp / "frac.npz", embeddings=x, labels=(y % 10) / 10)
+    code, _, err = run(["evaluate", str(tmp / "frac.npz")], capsys)
+    assert code == 2 and "fractional" in err and "Traceback" not in err
+    np.savez(tmp / "nanlab.npz", embeddings=x, labels=np.where(y == 3, np.nan, y))
+    code, _, err = run(["evaluate", str(tmp / "nanlab.npz")], capsys)
+    assert code == 2 and "NaN" in err
+    names = np.array([f"species {c}" for c in y])
+    (tmp / "names.txt").write_text("\n".join(names) + "\n")
+    base = json.loads(run(["evaluate", str(tmp / "q.npz"), "--json"], capsys)[1])
+    code, out, _ = run(["evaluate", str(tmp / "q.npy"), "--labels", str(tmp / "names.txt"), "--json",
+                        "--per-class", str(tmp / "pc.json")], capsys)
+    assert code == 0 and json.loads(out) == base
+    table = json.loads((tmp / "pc.json").read_text())
+    assert sorted(table) == sorted(set(names.tolist()))
+    np.savez(tmp / "named.npz", embeddings=x, labels=names)
+    assert json.loads(run(["evaluate", str(tmp / "named.npz"), "--json"], capsys)[1]) == base
+
+
+def test_scale_overflow_exits_2(emb_files, capsys):
+    """Issue 11.3: cosine is scale-invariant; an unnormalised distance (SNR) that would overflow
+    refuses."""
+    tmp, x, y, *_ = emb_files
+    np.savez(tmp / "huge.npz", embeddings=x * np.float32(1e19), labels=y)
+    base = json.loads(run(["evaluate", str(tmp / "q.npz"), "--json"], capsys)[1])
+    assert json.loads(run(["evaluate", str(tmp / "huge.npz"), "--json"], capsys)[1]) == base
+    code, _, err = run(["evaluate", str(tmp / "huge.npz"), "--distance", "snr"], capsys)
+    assert code == 2 and "too large" in err and "Traceback" not in err

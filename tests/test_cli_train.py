@@ -149,3 +149,31 @@ def test_train_kill_resume_embed_evaluate(tmp_path, data_root):
     printed = json.loads(evaluated.stdout)
     assert printed["map_at_r"] == pytest.approx(metrics["test"]["map_at_r"], abs=1e-6)
     assert printed["precision_at_1"] == pytest.approx(metrics["test"]["precision_at_1"], abs=1e-6)
+
+
+@pytest.mark.slow
+def test_train_from_python_writes_the_same_run_directory_as_the_cli(tmp_path, capsys, data_root):
+    """``dmlkit.training.train`` owns the run directory: split.json, test embeddings, metrics."""
+    from dmlkit.config import load_config
+    from dmlkit.training import train
+
+    cfg = _write_config(tmp_path, epochs=1)
+    sets = ["--set", "sampler.batches_per_epoch=2"]
+    code, text = _run_main(capsys, "train", str(cfg), "--run-dir", str(tmp_path / "cli"), "--data-root",
+                           str(data_root), "--quiet", *sets)
+    assert code == 0, text
+    result = train(load_config(cfg, ["sampler.batches_per_epoch=2"]), tmp_path / "py", progress=False,
+                   data_root=data_root)
+
+    def files(run):
+        return sorted(str(p.relative_to(run)) for p in run.rglob("*") if p.is_file())
+
+    assert files(tmp_path / "cli") == files(tmp_path / "py")
+    assert {"split.json", "embeddings/test.npz", "metrics.json", "config.yaml"} <= set(files(tmp_path / "py"))
+    cli_metrics = json.loads((tmp_path / "cli" / "metrics.json").read_text())
+    assert json.loads((tmp_path / "py" / "metrics.json").read_text()) == cli_metrics
+    assert result.test_metrics == cli_metrics["test"]
+    assert yaml.safe_load((tmp_path / "py" / "config.yaml").read_text())["data"]["root"] == str(data_root)
+    with np.load(tmp_path / "cli" / "embeddings" / "test.npz") as a, np.load(tmp_path / "py" / "embeddings" / "test.npz") as b:
+        np.testing.assert_array_equal(a["embeddings"], b["embeddings"])
+        np.testing.assert_array_equal(a["indices"], b["indices"])

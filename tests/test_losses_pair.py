@@ -38,6 +38,7 @@ from dmlkit.losses._pairs import (
 from dmlkit.losses.pair_losses import (
     CircleLoss,
     ContrastiveLoss,
+    CosineSimilarityLoss,
     GeneralizedLiftedStructureLoss,
     LiftedStructureLoss,
     MarginLoss,
@@ -362,9 +363,66 @@ def test_circle_needs_a_similarity():
         CircleLoss(distance="euclidean")
 
 
+# ------------------------------------------------------------------ cosine similarity loss
+def ref_cosine_similarity(x, y, negative_target=0.0, reduction="mean", pairs=None, r=None,
+                          ry=None):
+    """Seed 003: 1/2 (y - cos)^2 per pair, y = 1 (same class) or negative_target."""
+    ref = x if r is None else r
+    pairs = all_pairs(y, ry) if pairs is None else pairs
+    pos = [0.5 * (1 - ref_dist("cosine", x[i], ref[j])) ** 2 for i, j, same in pairs if same]
+    neg = [0.5 * (negative_target - ref_dist("cosine", x[i], ref[j])) ** 2
+           for i, j, same in pairs if not same]
+    if reduction == "mean":
+        return sum(pos + neg) / len(pos + neg)
+    means = [sum(t) / len(t) for t in (pos, neg) if t]
+    return sum(means) / len(means)
+
+
+@pytest.mark.parametrize("labels", list(LABEL_SETS))
+@pytest.mark.parametrize("params", [{}, {"negative_target": -1.0},
+                                    {"negative_target": 0.2, "reduction": "balanced"}])
+def test_cosine_similarity_matches_formula(labels, params):
+    x, y = batch(LABEL_SETS[labels], seed=21)
+    assert_matches(get_loss("cosine_similarity", **params),
+                   lambda e: ref_cosine_similarity(e, y, **params), x, y)
+
+
+def test_cosine_similarity_by_hand_and_with_pairs_triplets_reference_set():
+    # cos = 0 (orthogonal), 1 (same direction), -0.6: the seed's 1/0 labels by hand
+    x = torch.tensor([[1.0, 0.0], [0.0, 2.0], [3.0, 0.0], [-0.6, 0.8]], dtype=torch.float64)
+    y = torch.tensor([0, 1, 0, 1])
+    loss = CosineSimilarityLoss()
+    a1, p = torch.tensor([0]), torch.tensor([2])  # same class, cos 1 -> 0
+    a2, n = torch.tensor([0, 0]), torch.tensor([1, 3])  # different, cos 0 -> 0 and -0.6 -> 0.18
+    assert loss(x, y, indices=(a1, p, a2, n)).item() == pytest.approx((0 + 0 + 0.18) / 3)
+    # with targets +-1 it is half the contrastive loss on cosine with squared hinges (1, -1)
+    contrastive = ContrastiveLoss(pos_margin=1.0, neg_margin=-1.0, distance="cosine",
+                                  hinge_power=2, reduction="mean")
+    for idx in ((a1, p, a1[:0], p[:0]), (a1[:0], p[:0], a2[:1], n[:1]), (a1[:0], p[:0], a2[1:], n[1:])):
+        half = CosineSimilarityLoss(negative_target=-1.0)(x, y, indices=idx)
+        assert half.item() == pytest.approx(contrastive(x, y, indices=idx).item() / 2)
+    # mined triplets give (a, p) and (a, n); a reference set gives batch x reference pairs
+    xr, yr = batch(LABEL_SETS["several"], seed=22)
+    trip = (torch.tensor([0, 3]), torch.tensor([1, 4]), torch.tensor([5, 0]))
+    pairs = [(0, 1, True), (3, 4, True), (0, 5, False), (3, 0, False)]
+    assert_matches(loss, lambda e: ref_cosine_similarity(e, yr, pairs=pairs), xr, yr,
+                   indices=trip)
+    r, ry = batch([0, 1, 1, 2, 7], seed=23)
+    torch.testing.assert_close(loss(xr, yr, ref_emb=r, ref_labels=ry),
+                               ref_cosine_similarity(xr, yr, r=r, ry=ry))
+
+
+def test_cosine_similarity_invalid_arguments():
+    with pytest.raises(ConfigError):
+        CosineSimilarityLoss(negative_target=1.0)
+    with pytest.raises(ConfigError):
+        CosineSimilarityLoss(reduction="sum")
+
+
 # ------------------------------------------------------------------ all pair losses
 ALL = {
     "contrastive": {},
+    "cosine_similarity": {},
     "lifted_structure": {},
     "generalized_lifted_structure": {},
     "margin": {},
@@ -393,6 +451,7 @@ def test_gradcheck(name):
 EMPTY = {
     # (labels with no usable pair for this loss)
     "contrastive": [3],
+    "cosine_similarity": [3],
     "lifted_structure": [1, 1, 1, 1],
     "generalized_lifted_structure": [0, 1, 2, 3],
     "margin": [3],

@@ -1,4 +1,4 @@
-"""Tests of dmlkit.losses.ranking_losses against slow loop references written from the formulas.
+"""Tests of dmlkit.losses.pair_weighting_losses against slow loop references written from the formulas.
 
 Each reference below walks pairs/anchors with explicit Python loops on float64 scalars, so
 autograd through it gives the reference gradient too.
@@ -18,7 +18,7 @@ from _reference import backward_value_and_grad as _value_and_grad
 from dmlkit.distances import CosineSimilarity, LpDistance
 from dmlkit.exceptions import ConfigError, ShapeError
 from dmlkit.losses import get_loss
-from dmlkit.losses.ranking_losses import (
+from dmlkit.losses.pair_weighting_losses import (
     CoupledClustersLoss,
     DistanceLogisticLoss,
     MultiSimilarityLoss,

@@ -61,13 +61,27 @@ def all_triplets(y, ry=None):
 
 # ------------------------------------------------------------------ references
 def ref_triplet(x, y, margin=0.2, kind="euclidean", soft=False, reduction="batch_all_nonzero",
-                triplets=None, r=None, ry=None):
+                triplets=None, r=None, ry=None, swap=False):
     ref = x if r is None else r
+    if swap and reduction == "batch_hard" and triplets is None:
+        # hardest positive and hardest negative of each anchor, then the swap on that triplet
+        hard = {}
+        for a, p, n in all_triplets(y, ry):
+            hp, hn = hard.get(a, (p, n))
+            if ref_dist(kind, x[a], ref[p]) > ref_dist(kind, x[a], ref[hp]):
+                hp = p
+            if ref_dist(kind, x[a], ref[n]) < ref_dist(kind, x[a], ref[hn]):
+                hn = n
+            hard[a] = (hp, hn)
+        triplets = [(a, p, n) for a, (p, n) in hard.items()]
     triplets = all_triplets(y, ry) if triplets is None else triplets
     per_anchor: dict[int, list] = {}
     terms = []
     for a, p, n in triplets:
-        v = ref_dist(kind, x[a], ref[p]) - ref_dist(kind, x[a], ref[n]) + margin
+        d_an = ref_dist(kind, x[a], ref[n])
+        if swap:  # Balntas et al. 2016: the positive is the anchor if it is nearer the negative
+            d_an = torch.minimum(d_an, ref_dist(kind, ref[p], ref[n]))
+        v = ref_dist(kind, x[a], ref[p]) - d_an + margin
         t = F.softplus(v) if soft else F.relu(v)
         terms.append(t)
         per_anchor.setdefault(a, []).append(t)
@@ -156,6 +170,54 @@ def test_triplet_mined_indices_and_reference_set(reduction):
     r, ry = batch([0, 1, 1, 2, 3, 0, 4], seed=3)
     torch.testing.assert_close(loss(x, y, ref_emb=r, ref_labels=ry),
                                ref_triplet(x, y, 0.4, reduction=reduction, r=r, ry=ry))
+
+
+@pytest.mark.parametrize("reduction", ["batch_all", "batch_all_nonzero", "batch_hard"])
+@pytest.mark.parametrize("soft", [False, True])
+@pytest.mark.parametrize("kind", ["euclidean", "sqeuclidean", "cosine"])
+def test_triplet_swap_matches_reference(reduction, soft, kind):
+    labels = [0] * 10 + [1] * 3 + [2, 2, 3]  # > SORT_ABOVE_POSITIVES positives: no sorting path
+    x, y = batch(labels, seed=4)
+    loss = TripletMarginLoss(margin=0.3, distance=make_distance(kind), soft_margin=soft,
+                             reduction=reduction, swap=True)
+    assert_matches(lambda e: loss(e, y),
+                   lambda e: ref_triplet(e, y, 0.3, kind, soft, reduction, swap=True), x)
+    if reduction != "batch_hard":  # the swap changes the value on this batch
+        plain = TripletMarginLoss(margin=0.3, distance=make_distance(kind), soft_margin=soft,
+                                  reduction=reduction)
+        assert abs(loss(x, y).item() - plain(x, y).item()) > 1e-6
+
+
+def test_triplet_swap_batch_hard_by_hand():
+    # anchor (1, 0), its positive (-1, 0) at distance 2 and the negative (-0.8, 0.6) at
+    # distance sqrt(3.6) from the anchor but sqrt(0.4) from the positive
+    x = torch.tensor([[1.0, 0.0], [-1.0, 0.0], [-0.8, 0.6]], dtype=torch.float64)
+    y = torch.tensor([0, 0, 1])
+    loss = TripletMarginLoss(margin=0.1, reduction="batch_hard", swap=True)
+    # anchor 0: [2 - sqrt(0.4) + 0.1]; anchor 1 (positive 0, negative 2): the same triplet
+    # mirrored, [2 - min(sqrt(0.4), sqrt(3.6)) + 0.1]; anchor 2 has no positive
+    expected = 2 - 0.4 ** 0.5 + 0.1
+    assert loss(x, y).item() == pytest.approx(expected, rel=1e-12)
+    without = TripletMarginLoss(margin=0.1, reduction="batch_hard")(x, y).item()
+    assert without == pytest.approx(((2 - 3.6 ** 0.5 + 0.1) + (2 - 0.4 ** 0.5 + 0.1)) / 2)
+
+
+@pytest.mark.parametrize("reduction", ["batch_all_nonzero", "batch_hard"])
+def test_triplet_swap_with_indices_and_reference_set(reduction, monkeypatch):
+    x, y = batch(LABEL_SETS["several"], seed=5)
+    loss = TripletMarginLoss(margin=0.4, reduction=reduction, swap=True)
+    trip = [(0, 1, 3), (0, 2, 9), (0, 1, 9), (3, 4, 5), (5, 6, 8), (5, 7, 0)]
+    idx = tuple(torch.tensor(c) for c in zip(*trip))
+    assert_matches(lambda e: loss(e, y, indices=idx),
+                   lambda e: ref_triplet(e, y, 0.4, reduction=reduction, triplets=trip, swap=True),
+                   x)
+    r, ry = batch([0, 1, 1, 2, 3, 0, 4], seed=6)
+    torch.testing.assert_close(loss(x, y, ref_emb=r, ref_labels=ry),
+                               ref_triplet(x, y, 0.4, reduction=reduction, r=r, ry=ry, swap=True))
+    # several checkpointed blocks give the same value and gradient as one
+    monkeypatch.setattr("dmlkit.losses.triplet_losses.BLOCK_ELEMENTS", 8)
+    assert_matches(lambda e: loss(e, y),
+                   lambda e: ref_triplet(e, y, 0.4, reduction=reduction, swap=True), x)
 
 
 def test_triplet_soft_margin_blocks_agree(monkeypatch):
@@ -347,13 +409,17 @@ def _pml_cases():
          pl.TripletMarginLoss(margin=0.2, smooth_loss=True)),
         ("triplet", {"margin": 0.1, "distance": "cosine"},
          pl.TripletMarginLoss(margin=0.1, distance=pd.CosineSimilarity())),
+        ("triplet", {"margin": 0.2, "swap": True}, pl.TripletMarginLoss(margin=0.2, swap=True)),
+        ("triplet", {"margin": 0.1, "distance": "cosine", "swap": True, "soft_margin": True},
+         pl.TripletMarginLoss(margin=0.1, distance=pd.CosineSimilarity(), swap=True,
+                              smooth_loss=True)),
         ("angular", {}, pl.AngularLoss(alpha=40)),
         ("n_pairs", {}, pl.NPairsLoss()),
         ("tuplet_margin", {}, pl.TupletMarginLoss()),
     ]
 
 
-@pytest.mark.parametrize("case", range(6))
+@pytest.mark.parametrize("case", range(8))
 def test_equal_to_pml(case):
     from pytorch_metric_learning.utils import loss_and_miner_utils as lmu
 

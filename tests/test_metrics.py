@@ -298,3 +298,72 @@ def test_near_ties_of_different_relevance_are_ordered_in_float64():
     # far-apart scores are left as the kNN ranked them
     values = torch.tensor([[0.9, 0.8, 0.1]])
     assert _resolve_near_ties(inp, idx, values, higher_is_closer=True).tolist() == [[0, 1, 2]]
+
+
+# -- full-ranking MAP without sorting (issue 11.27) ------------------------------------------------
+@pytest.fixture(params=["small", "numba"])
+def map_path(request, monkeypatch):
+    """Full-ranking MAP through the small-input path (float64 scores, a sort) or the no-sort
+    numba path that larger inputs take."""
+    if request.param == "numba":
+        import importlib
+
+        monkeypatch.setattr(importlib.import_module("dmlkit.metrics.evaluate"), "SMALL_SEARCH_PAIRS", 0)
+    return request.param
+
+
+@pytest.mark.parametrize("distance", ["cosine", "euclidean", "dot"])
+@pytest.mark.parametrize("same", [True, False])
+def test_full_map_matches_reference_with_row_groups_and_small_tiles(distance, same, monkeypatch, map_path):
+    import dmlkit.metrics.average_precision as ap_module
+
+    rng = np.random.default_rng(13)
+    q = rng.normal(size=(260, 6)).astype(np.float32)
+    ql = rng.integers(0, 14, size=260)
+    r = None if same else rng.normal(size=(300, 6)).astype(np.float32)
+    rl = None if same else rng.integers(0, 16, size=300)
+    dist = DOT if distance == "dot" else distance
+    want = ref_metrics(q, ql, r, rl, distance=distance)["map"]
+    got = evaluate(q, ql, r, rl, metrics=["map"], distance=dist, memory_budget=2**20)["map"]
+    assert got == pytest.approx(want, abs=1e-12)
+    # state for only ~20 rows at a time: row groups, each against every reference tile
+    monkeypatch.setattr(ap_module, "_STATE_BYTES", 2**20 // 2 // 400)
+    grouped = evaluate(q, ql, r, rl, metrics=["map"], distance=dist, memory_budget=2**20)["map"]
+    assert grouped == pytest.approx(want, abs=1e-12)
+    # the sort-based path (other devices and distances) agrees
+    torch_path = per_query(q, ql, r, rl, metrics=["map"], distance=dist)[0]["map"]
+    assert np.nanmean(torch_path) == pytest.approx(want, abs=1e-12)
+
+
+def test_full_map_orders_float32_near_ties_by_float64(map_path):
+    """References whose inner products with the query differ far below float32 rounding (one
+    ulp in one coordinate of d = 256), alternately positive and negative: the float32 tiles
+    cannot order them, the float64 comparison does - so ``map`` is the float64 ranking's AP on
+    any CPU and BLAS."""
+    rng = np.random.default_rng(3)
+    d, pairs = 256, 40
+    q = rng.normal(size=(1, d)).astype(np.float32)
+    base = rng.normal(size=(pairs, d)).astype(np.float32)
+    twin = base.copy()
+    coord = rng.integers(0, d, size=pairs)
+    twin[np.arange(pairs), coord] = np.nextafter(base[np.arange(pairs), coord], np.float32(np.inf))
+    refs = np.concatenate([base, twin])
+    labels = np.concatenate([np.arange(pairs) % 2, 1 - np.arange(pairs) % 2])  # twins differ
+    got = evaluate(q, [1], refs, labels, metrics=["map"], distance=DOT)["map"]
+    want = ref_metrics(q, np.array([1]), refs, labels, distance="dot")["map"]
+    assert got == pytest.approx(want, abs=1e-12)
+
+
+def test_closeness_tolerance_bounds_float32_inner_products():
+    from dmlkit.metrics.average_precision import closeness_tolerance
+
+    rng = np.random.default_rng(0)
+    for d in (3, 64, 700):
+        a = rng.normal(size=(200, d)).astype(np.float32)
+        b = np.abs(rng.normal(size=(200, d))).astype(np.float32)  # same-sign sums: the worst case
+        a = np.abs(a)
+        err = np.abs((torch.from_numpy(a) @ torch.from_numpy(b).T).double().numpy()
+                     - a.astype(np.float64) @ b.astype(np.float64).T)
+        na, nb = np.linalg.norm(a, axis=1), np.linalg.norm(b, axis=1)
+        assert (err <= closeness_tolerance("ip", d, na.max(), nb.max())).all()
+        assert err.max() > 0 or d < 8  # the check is not vacuous

@@ -54,7 +54,7 @@ def blobs(n_per=30, classes=5, d=8, spread=0.05, seed=0):
     return x.astype(np.float32), y
 
 
-@pytest.mark.parametrize("backend", ["sklearn", pytest.param("faiss", marks=pytest.mark.skipif(
+@pytest.mark.parametrize("backend", ["dmlkit", "sklearn", pytest.param("faiss", marks=pytest.mark.skipif(
     not faiss_available(), reason="faiss"))])
 def test_separated_clusters_score_one(backend):
     x, y = blobs()
@@ -81,6 +81,56 @@ def test_evaluate_clustering_keys():
     assert res["nmi"] == pytest.approx(1.0) and res["pair_f1"] == pytest.approx(1.0)
     with pytest.raises(DataError):
         cluster_metrics(x, y, restarts=0)
+
+
+def test_dmlkit_kmeans_is_lloyd_with_exact_assignments():
+    """Every returned label is the nearest final centroid (the mean of its cluster); seeds are
+    reproducible and one k-means++ run separates well-separated blobs."""
+    x, y = blobs(n_per=40, classes=12, d=6, spread=0.6, seed=2)
+    a = kmeans_labels(x, 12, seed=7, backend="dmlkit")
+    assert np.array_equal(a, kmeans_labels(x, 12, seed=7, backend="dmlkit"))
+    centres = np.stack([x[a == c].astype(np.float64).mean(0) for c in np.unique(a)])
+    d2 = ((x[:, None, :].astype(np.float64) - centres[None]) ** 2).sum(-1)
+    # converged on this easy data: the labels are a fixed point of Lloyd's iteration
+    assert np.array_equal(np.unique(a)[d2.argmin(1)], a)
+    # equidistant blobs far apart against their spread: k-means++ seeds one per blob (a second
+    # seed in a seeded blob has probability ~1e-4 per draw), whatever the seed
+    rng = np.random.default_rng(0)
+    y = np.repeat(np.arange(12), 30)
+    x = (100 * np.eye(12)[y] + 0.3 * rng.normal(size=(y.size, 12))).astype(np.float32)
+    for seed in range(5):
+        assert normalized_mutual_info_score(y, kmeans_labels(x, 12, seed=seed)) == pytest.approx(1.0)
+
+
+def test_dmlkit_kmeans_handles_duplicates_and_empty_clusters():
+    x = np.repeat(np.eye(3, dtype=np.float32), [5, 5, 2], axis=0)  # 3 distinct points, k = 5
+    a = kmeans_labels(x, 5, seed=0)
+    assert a.shape == (12,) and a.min() >= 0 and a.max() < 5
+    # rows that are equal end in the same cluster
+    assert len(set(a[:5])) == 1 and len(set(a[5:10])) == 1 and len(set(a[10:])) == 1
+    with pytest.raises(ConfigError, match="k-means backend"):
+        kmeans_labels(x, 2, backend="annoy")
+
+
+def test_ami_equals_scikit_learn_over_distinct_sizes():
+    from dmlkit.metrics.clustering import adjusted_mutual_info
+
+    rng = np.random.default_rng(0)
+    for n, c, k in [(500, 10, 12), (3000, 60, 45), (40, 3, 3), (50, 1, 4), (50, 4, 1), (7, 7, 7)]:
+        y = rng.integers(0, c, n)
+        a = np.where(rng.random(n) < 0.6, y, rng.integers(0, k, n))
+        assert adjusted_mutual_info(y, a) == pytest.approx(adjusted_mutual_info_score(y, a), abs=1e-10)
+
+
+def test_clustering_spread_over_restarts():
+    x, y = blobs(spread=2.5, seed=1)
+    got = cluster_metrics(x, y, restarts=3, seed=3, backend="sklearn", spread=True)
+    runs = [normalized_mutual_info_score(y, kmeans_labels(x, 5, seed=s, backend="sklearn")) for s in (3, 4, 5)]
+    assert got["nmi_std"] == pytest.approx(np.std(runs, ddof=1), abs=1e-12)
+    assert set(got) == {"nmi", "ami", "pair_f1", "nmi_std", "ami_std", "pair_f1_std"}
+    res = evaluate(x, y, metrics=["nmi", "map_at_r"], cluster_restarts=2)
+    assert list(res) == ["nmi", "map_at_r", "num_queries", "num_queries_without_positive", "nmi_std"]
+    assert evaluate(x, y, metrics=["ami"], cluster_restarts=1)["ami_std"] == 0.0
 
 
 # -- histograms ------------------------------------------------------------------------------------
@@ -174,3 +224,32 @@ def test_histogram_counts_compiled_equals_torch(same):
         np.testing.assert_array_equal(a[0], b[0])
         np.testing.assert_array_equal(a[1], b[1])
         assert a[1].sum() == (700 * 699 // 2 if same else 700 * 450)
+
+
+def test_bf16_assignments_equal_float64_argmin(monkeypatch):
+    """The k-means assignment with bfloat16 products (where a CPU has them) is the float64
+    nearest centroid, ties by index - the same answer on every CPU."""
+    import importlib
+
+    clustering_module = importlib.import_module("dmlkit.metrics.clustering")
+    knn_module = importlib.import_module("dmlkit.metrics.knn")
+
+    rng = np.random.default_rng(6)
+    x = rng.normal(size=(700, 20)).astype(np.float32)
+    c = x[:40] + 0.3 * rng.normal(size=(40, 20)).astype(np.float32)
+    c[7] = c[3]  # an exact tie: the smaller index wins
+    x_aug = torch.from_numpy(np.concatenate([x, np.ones((700, 1), np.float32)], 1))
+    c64 = c.astype(np.float64)
+    c_aug = torch.from_numpy(np.concatenate([c, (-0.5 * (c64**2).sum(1, keepdims=True)).astype(np.float32)], 1))
+    exact = x_aug.double().numpy() @ c_aug.double().numpy().T
+    want = exact.argmax(1)  # first maximum: the smaller index
+    for bf16 in (False, True):
+        got = clustering_module._nearest(x_aug, c_aug, bf16).numpy()
+        np.testing.assert_array_equal(got, want)
+    # and through k-means itself, forced onto the bfloat16 path
+    monkeypatch.setattr(clustering_module, "_BF16_MIN_PAIRS", 0)
+    monkeypatch.setattr(knn_module, "_bf16_is_faster", lambda d: True)
+    a = kmeans_labels(x, 40, seed=1)
+    monkeypatch.setattr(knn_module, "_bf16_is_faster", lambda d: False)
+    b = kmeans_labels(x, 40, seed=1)
+    assert normalized_mutual_info_score(a, b) > 0.99  # same seeds; float32 near-ties may differ

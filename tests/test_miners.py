@@ -476,3 +476,21 @@ def test_large_batch_quadratic_memory():
         assert out[0].numel() > 0
     out = BatchAllMiner(margin=0.05)(emb, labels)
     assert 0 < out[0].numel() < 1024 * 3 * 1020
+
+
+def test_mining_under_bfloat16_autocast_uses_float32_distances():
+    # the anchor's two negatives have cosines 0.899 and 0.900: equal in bfloat16 (8-bit
+    # mantissa), so a bfloat16 matrix product would pick the first, not the hardest
+    def at(c):
+        return torch.tensor([c, (1 - c * c) ** 0.5, 0.0])
+
+    x = torch.stack([torch.tensor([1.0, 0.0, 0.0]), at(0.5), at(0.899), at(0.900)])
+    y = torch.tensor([0, 0, 1, 2])
+    miner = get_miner("batch_hard")
+    expected = miner(x, y)
+    assert expected[2][0].item() == 3  # the hardest negative of anchor 0
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = miner(x, y)
+        unguarded = miner.mine(x, y, x, y, True)  # what autocast alone would give
+    assert all(torch.equal(g, e) for g, e in zip(got, expected))
+    assert unguarded[2][0].item() == 2  # (so this batch does test the guard)

@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from dmlkit.data import ArrayDataset, get_transforms
+from dmlkit.embeddings import extract_features
 from dmlkit.exceptions import ConfigError, DataNotFoundError, DependencyError
 from dmlkit.models import (
     BNInception,
@@ -18,7 +19,6 @@ from dmlkit.models import (
     SmallCNN,
     adapt_input_channels,
     build_trunk,
-    extract_features,
     freeze_batchnorm,
     is_batchnorm_frozen,
     unfreeze_batchnorm,
@@ -126,13 +126,13 @@ def test_trunk_errors(tmp_path, monkeypatch):
     def offline(*args, **kwargs):
         raise OSError("no network")
 
-    monkeypatch.setattr(torch.hub, "load_state_dict_from_url", offline)
+    # every download goes through torch.hub.download_url_to_file (then a SHA-256 check);
+    # an empty hub cache, so nothing cached on this machine is read and nothing is fetched
+    monkeypatch.setattr(torch.hub, "download_url_to_file", offline)
+    monkeypatch.setattr(torch.hub, "get_dir", lambda: str(tmp_path / "hub"))
     with pytest.raises(DataNotFoundError, match="bn_inception-52deb4733.pth") as info:
         build_trunk("bn_inception", pretrained=True)
     assert "weights=" in str(info.value)
-    import torchvision.models._api as tv_api
-
-    monkeypatch.setattr(tv_api, "load_state_dict_from_url", offline)
     with pytest.raises(DataNotFoundError, match="resnet18"):
         build_trunk("resnet18", pretrained=True)
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from dmlkit.embeddings import save_embeddings
 from dmlkit.protocol.compare import compare_results, relative_improvements, render_compare_markdown
 from dmlkit.protocol.config import bench_config_from_dict
 from dmlkit.protocol.results import (
@@ -17,7 +18,6 @@ from dmlkit.protocol.results import (
 )
 from dmlkit.protocol.runner import FinalRun, evaluate_runs
 from dmlkit.protocol.splits import make_bench_split
-from dmlkit.utils import save_embeddings
 
 CFG = {
     "name": "synthetic",

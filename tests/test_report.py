@@ -131,7 +131,7 @@ def test_bench_report_from_results(tmp_path):
     """A benchmark directory: the seed's table with CIs and the relative-improvement chart."""
     import numpy as np
 
-    from dmlkit.utils import save_embeddings
+    from dmlkit.embeddings import save_embeddings
 
     rng = np.random.default_rng(0)
     labels = np.repeat(np.arange(6), 5)

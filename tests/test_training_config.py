@@ -7,8 +7,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from dmlkit.exceptions import ConfigError
-from dmlkit.training.config import (
+from dmlkit.config import (
     FIXED_SECTIONS,
     ExperimentConfig,
     apply_overrides,
@@ -17,8 +16,14 @@ from dmlkit.training.config import (
     load_config,
     parse_overrides,
 )
+from dmlkit.exceptions import ConfigError
 
 REPO = Path(__file__).resolve().parents[1]
+#: configs/ files that are not experiment configs: benchmark configs (tests/test_protocol_config.py)
+#: and the app configs of patch matching and tracking (validated by their apps' tests).
+OTHER_CONFIG_PREFIXES = ("bench_", "patches_", "siamfc_")
+EXPERIMENT_CONFIGS = sorted(p.name for p in (REPO / "configs").glob("*.yaml")
+                            if not p.name.startswith(OTHER_CONFIG_PREFIXES))
 MINIMAL = {"data": {"dataset": "omniglot"}, "loss": {"name": "triplet"}}
 
 
@@ -137,13 +142,13 @@ def test_missing_or_invalid_file(tmp_path):
         load_config(lst)
 
 
-@pytest.mark.parametrize("name", sorted(p.name for p in (REPO / "configs").glob("*.yaml") if not p.name.startswith("bench_")))
+@pytest.mark.parametrize("name", EXPERIMENT_CONFIGS)
 def test_shipped_configs_validate(name):
     cfg = load_config(REPO / "configs" / name)
     assert isinstance(cfg, ExperimentConfig)
 
 
-@pytest.mark.parametrize("name", sorted(p.name for p in (REPO / "configs").glob("*.yaml") if not p.name.startswith("bench_")))
+@pytest.mark.parametrize("name", EXPERIMENT_CONFIGS)
 def test_shipped_configs_name_real_losses_and_miners(name):
     from dmlkit.training import build_loss, build_miner
 

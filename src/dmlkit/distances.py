@@ -18,9 +18,9 @@ Available:
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
-from dmlkit.exceptions import ShapeError
+from dmlkit.exceptions import ConfigError, NonFiniteError, ShapeError
+from dmlkit.validation import check_product_range, safe_normalize
 
 __all__ = [
     "BaseDistance",
@@ -36,10 +36,14 @@ class BaseDistance:
     """A pairwise distance or similarity.
 
     Args:
-        normalize_embeddings: L2-normalise both inputs before comparing them.
+        normalize_embeddings: L2-normalise both inputs before comparing them (scale-safe:
+            :func:`dmlkit.validation.safe_normalize`, so any finite float32 scale gives the
+            same result).
 
     Call the object as ``distance(query, reference=None)``; ``reference=None`` compares the
-    query set with itself.
+    query set with itself. Without normalisation, inputs whose squared norms overflow (or
+    underflow) the floating type raise :class:`~dmlkit.exceptions.NonFiniteError` instead of
+    returning infinite, NaN or meaningless values (:meth:`prepare`).
     """
 
     higher_is_closer: bool = False
@@ -73,7 +77,16 @@ class BaseDistance:
         return closer - farther if self.higher_is_closer else farther - closer
 
     def normalize(self, x: torch.Tensor) -> torch.Tensor:
-        return F.normalize(x, p=2, dim=-1) if self.normalize_embeddings else x
+        """``x / ||x||_2`` per row if ``normalize_embeddings`` (overflow/underflow-safe), else ``x``."""
+        return safe_normalize(x, dim=-1) if self.normalize_embeddings else x
+
+    def prepare(self, x: torch.Tensor, name: str = "embeddings") -> torch.Tensor:
+        """:meth:`normalize`, then (without normalisation) a check that the products this
+        distance forms stay representable (:func:`dmlkit.validation.check_product_range`)."""
+        x = self.normalize(x)
+        if not self.normalize_embeddings:
+            check_product_range(x, name, f"the {self.name} distance without normalisation")
+        return x
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(normalize_embeddings={self.normalize_embeddings})"
@@ -92,14 +105,14 @@ class BaseDistance:
         if query.dim() != 2:
             raise ShapeError(f"embeddings must be (N, D), got shape {tuple(query.shape)}")
         if reference is None:
-            query = self.normalize(query)
+            query = self.prepare(query)
             return query, query
         if reference.dim() != 2 or reference.shape[1] != query.shape[1]:
             raise ShapeError(
                 f"query {tuple(query.shape)} and reference {tuple(reference.shape)} must both be "
                 "(N, D) with the same D"
             )
-        return self.normalize(query), self.normalize(reference)
+        return self.prepare(query, "query embeddings"), self.prepare(reference, "reference embeddings")
 
 
 class DotProductSimilarity(BaseDistance):
@@ -122,7 +135,7 @@ class CosineSimilarity(DotProductSimilarity):
 
     def __init__(self, normalize_embeddings: bool = True) -> None:
         if not normalize_embeddings:
-            raise ValueError("CosineSimilarity always normalises; use DotProductSimilarity instead")
+            raise ConfigError("CosineSimilarity always normalises; use DotProductSimilarity instead")
         super().__init__(normalize_embeddings=True)
 
     def __repr__(self) -> str:
@@ -152,12 +165,12 @@ class LpDistance(BaseDistance):
 
     def __init__(self, p: float = 2.0, power: int = 1, normalize_embeddings: bool = True) -> None:
         super().__init__(normalize_embeddings)
-        if p <= 0:
-            raise ValueError(f"p must be positive, got {p}")
+        if not p > 0:
+            raise ConfigError(f"p must be positive, got {p}")
         if power not in (1, 2):
-            raise ValueError(f"power must be 1 or 2, got {power}")
+            raise ConfigError(f"power must be 1 or 2, got {power}")
         if power == 2 and p != 2:
-            raise ValueError("power=2 (squared distance) is only defined here for p=2")
+            raise ConfigError("power=2 (squared distance) is only defined here for p=2")
         self.p = float(p)
         self.power = power
 
@@ -168,14 +181,14 @@ class LpDistance(BaseDistance):
             norms = query.pow(2).sum(1).unsqueeze(1) + reference.pow(2).sum(1).unsqueeze(0)
             sq = torch.addmm(norms, query, reference.T, alpha=-2)
             return sq.clamp_min(0) if self.power == 2 else _safe_sqrt(sq)
-        return torch.cdist(query, reference, p=self.p)
+        return _finite(torch.cdist(query, reference, p=self.p), self)
 
     def _paired(self, x, y):
         diff = x - y
         if self.p == 2:
             sq = diff.pow(2).sum(-1)
             return sq if self.power == 2 else _safe_sqrt(sq)
-        return diff.abs().pow(self.p).sum(-1).pow(1 / self.p)
+        return _finite(diff.abs().pow(self.p).sum(-1).pow(1 / self.p), self)
 
     def __repr__(self) -> str:
         return (
@@ -210,10 +223,33 @@ class SNRDistance(BaseDistance):
         )
         mean_diff = reference.mean(1).unsqueeze(0) - query.mean(1, keepdim=True)
         noise = ((sum_sq - d * mean_diff.pow(2)) / (d - 1)).clamp_min(0)
-        return noise / query.var(dim=1, keepdim=True)
+        return noise / _anchor_variance(query)
 
     def _paired(self, x, y):
-        return torch.var(y - x, dim=1) / torch.var(x, dim=1)
+        if x.shape[1] < 2:
+            raise ShapeError("SNRDistance needs at least 2 embedding dimensions")
+        return torch.var(y - x, dim=1) / _anchor_variance(x).squeeze(1)
+
+
+def _anchor_variance(x: torch.Tensor) -> torch.Tensor:
+    """``Var(x)`` per row (the SNR's signal), refusing constant rows (the SNR is undefined)."""
+    var = x.var(dim=1, keepdim=True)
+    if not bool((var > 0).all()):
+        raise NonFiniteError(
+            "SNRDistance is undefined for an anchor whose features are all equal (zero variance) "
+            "or not finite: check the embeddings, or use another distance"
+        )
+    return var
+
+
+def _finite(values: torch.Tensor, dist: BaseDistance) -> torch.Tensor:
+    """``values`` if all finite, else a clear error (an Lp sum of powers overflowed)."""
+    if not bool(torch.isfinite(values).all()):
+        raise NonFiniteError(
+            f"{dist!r} gave NaN or infinity (NaN inputs, or a sum of |x - y|^p beyond the "
+            "floating range): check the embeddings, rescale or normalise them, or use a smaller p"
+        )
+    return values
 
 
 _REGISTRY: dict[str, type[BaseDistance]] = {
@@ -231,8 +267,8 @@ def get_distance(name: str | BaseDistance, **kwargs) -> BaseDistance:
         return name
     try:
         cls = _REGISTRY[name.lower()]
-    except KeyError:
-        raise ValueError(
+    except (KeyError, AttributeError):
+        raise ConfigError(
             f"unknown distance {name!r}; choose one of {sorted(_REGISTRY)}"
         ) from None
     return cls(**kwargs)

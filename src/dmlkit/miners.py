@@ -48,6 +48,8 @@ from torch import nn
 
 from dmlkit.distances import BaseDistance, CosineSimilarity, LpDistance, get_distance
 from dmlkit.exceptions import ConfigError, NonFiniteError, ShapeError
+from dmlkit.losses._pairs import label_masks  # the one label-mask helper of losses and miners
+from dmlkit.losses.base import full_precision
 from dmlkit.utils import registering
 
 __all__ = [
@@ -95,36 +97,6 @@ def get_miner(name: str, **kwargs) -> BaseMiner:
 # --------------------------------------------------------------------------------------------
 # Label masks and index conversion
 # --------------------------------------------------------------------------------------------
-def label_masks(
-    labels: torch.Tensor,
-    ref_labels: torch.Tensor | None = None,
-    *,
-    exclude_self: bool | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Boolean ``(N, M)`` masks of positive and negative pairs.
-
-    ``pos[i, j] = labels[i] == ref_labels[j]`` (minus the diagonal when the reference set is the
-    batch itself) and ``neg[i, j] = labels[i] != ref_labels[j]``.
-
-    Args:
-        labels: ``(N,)`` integer labels of the anchors.
-        ref_labels: ``(M,)`` labels of the reference set; ``None`` means ``labels``.
-        exclude_self: drop ``i == j`` from the positives; default: ``ref_labels is None``.
-    """
-    same = ref_labels is None
-    if ref_labels is None:
-        ref_labels = labels
-    if exclude_self is None:
-        exclude_self = same
-    pos = labels.unsqueeze(1) == ref_labels.unsqueeze(0)
-    neg = ~pos
-    if exclude_self:
-        if pos.shape[0] != pos.shape[1]:
-            raise ShapeError("exclude_self needs a square mask (the batch as its own reference)")
-        pos.fill_diagonal_(False)
-    return pos, neg
-
-
 def pairs_from_triplets(
     anchors: torch.Tensor,
     positives: torch.Tensor,
@@ -252,7 +224,8 @@ class BaseMiner(nn.Module):
                 )
         labels = labels.to(embeddings.device)
         ref_labels = ref_labels.to(embeddings.device)
-        out = self.mine(embeddings.detach(), labels, ref_emb.detach(), ref_labels, same)
+        with full_precision(embeddings):  # under autocast, distances stay in float32
+            out = self.mine(embeddings.detach(), labels, ref_emb.detach(), ref_labels, same)
         self._record(out, labels.shape[0])
         return out
 
@@ -269,7 +242,8 @@ class BaseMiner(nn.Module):
     # -- helpers for subclasses ----------------------------------------------------------------
     def farness(self, embeddings: torch.Tensor, ref_emb: torch.Tensor, same: bool) -> torch.Tensor:
         """``(B, M)`` matrix where *smaller is closer* (the distance, or minus the similarity),
-        in at least float32 (mining compares values, so bfloat16 is upcast)."""
+        in at least float32 (mining compares values, so bfloat16 is upcast, and
+        :meth:`forward` disables autocast around :meth:`mine`)."""
         if embeddings.dtype in (torch.float16, torch.bfloat16):
             embeddings, ref_emb = embeddings.float(), ref_emb.float()
         mat = self.distance(embeddings, None if same else ref_emb)

@@ -1,4 +1,8 @@
-"""Small shared helpers: seeding, atomic writes, provenance, and embeddings files."""
+"""Small shared helpers: registries, seeding, the data root, atomic writes, provenance.
+
+Embeddings files moved to :mod:`dmlkit.embeddings` (``save_embeddings``/``load_embeddings``
+stay importable from here, with a ``DeprecationWarning``).
+"""
 
 from __future__ import annotations
 
@@ -17,18 +21,14 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from dmlkit.exceptions import DataError, DataNotFoundError, ShapeError
-
 __all__ = [
     "atomic_write_bytes",
     "atomic_write_json",
     "atomic_write_text",
     "atomic_torch_save",
     "data_root",
-    "load_embeddings",
     "provenance",
     "registering",
-    "save_embeddings",
     "seed_everything",
 ]
 
@@ -168,95 +168,18 @@ def provenance(seed: int | None = None, extra: Mapping[str, Any] | None = None) 
     return info
 
 
-# -- embeddings files ------------------------------------------------------------------------
-def save_embeddings(
-    path: str | os.PathLike, embeddings: Any, labels: Any, **extra: Any
-) -> Path:
-    """Save ``embeddings (N, D)`` and ``labels (N,)`` (+ extra arrays) to ``.npz`` atomically.
-
-    The file holds the keys ``embeddings`` (float32) and ``labels`` (int64) and any ``extra``
-    arrays (e.g. ``paths``). :func:`load_embeddings` reads it back.
-    """
-    import io
-
-    emb = _to_numpy(embeddings).astype(np.float32, copy=False)
-    lab = _to_numpy(labels).astype(np.int64, copy=False)
-    if emb.ndim != 2 or lab.ndim != 1 or emb.shape[0] != lab.shape[0]:
-        raise ShapeError(f"need embeddings (N, D) and labels (N,), got {emb.shape} and {lab.shape}")
-    buffer = io.BytesIO()
-    np.savez(buffer, embeddings=emb, labels=lab, **{k: np.asarray(v) for k, v in extra.items()})
-    return atomic_write_bytes(path, buffer.getvalue())
+# -- moved names --------------------------------------------------------------------------
+#: Names that moved to a module higher up the layers; served here with a DeprecationWarning.
+_MOVED = {"save_embeddings": "dmlkit.embeddings", "load_embeddings": "dmlkit.embeddings"}
 
 
-def load_embeddings(
-    path: str | os.PathLike, labels_path: str | os.PathLike | None = None
-) -> tuple[np.ndarray, np.ndarray, dict[str, np.ndarray]]:
-    """Read ``(embeddings, labels, extra)`` from ``.npz``, ``.npy`` or ``.pt``.
+def __getattr__(name: str) -> Any:
+    if name not in _MOVED:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    import warnings
 
-    ``.npz`` and ``.pt`` files hold ``embeddings`` and ``labels`` (a ``.pt`` may also be a
-    ``(embeddings, labels)`` tuple). A ``.npy`` holds embeddings only: pass ``labels_path``
-    (``.npy``/``.txt``/``.csv``, one integer label per row).
-    """
-    path = Path(path)
-    if not path.exists():
-        raise DataNotFoundError(f"embeddings file not found: {path}")
-    extra: dict[str, np.ndarray] = {}
-    suffix = path.suffix.lower()
-    labels: np.ndarray | None = None
-    try:
-        if suffix == ".npz":
-            with np.load(path, allow_pickle=False) as data:
-                if "embeddings" not in data:
-                    raise DataError(f"{path} has no 'embeddings' array (keys: {sorted(data.files)})")
-                emb = data["embeddings"]
-                labels = data["labels"] if "labels" in data else None
-                extra = {k: data[k] for k in data.files if k not in ("embeddings", "labels")}
-        elif suffix == ".npy":
-            emb = np.load(path, allow_pickle=False)
-        elif suffix in (".pt", ".pth"):
-            import torch
+    from dmlkit import embeddings  # lazy: deprecation shim of a name that moved up the layers
 
-            obj = torch.load(path, map_location="cpu", weights_only=True)
-            if isinstance(obj, dict):
-                if "embeddings" not in obj:
-                    raise DataError(f"{path} holds a dict without 'embeddings' (keys: {sorted(obj)})")
-                emb, labels = _to_numpy(obj["embeddings"]), obj.get("labels")
-            elif isinstance(obj, (tuple, list)) and len(obj) == 2:
-                emb, labels = _to_numpy(obj[0]), obj[1]
-            else:
-                emb = _to_numpy(obj)
-            labels = None if labels is None else _to_numpy(labels)
-        else:
-            raise DataError(f"unsupported embeddings file {path}: use .npz, .npy or .pt")
-    except (OSError, ValueError) as exc:
-        raise DataError(f"cannot read embeddings from {path}: {exc}") from exc
-    if labels_path is not None:
-        labels = _load_labels(Path(labels_path))
-    if labels is None:
-        raise DataError(
-            f"{path} has no labels: save an .npz with 'embeddings' and 'labels', or pass a labels file"
-        )
-    emb = np.asarray(emb)
-    labels = np.asarray(labels)
-    if emb.ndim != 2:
-        raise ShapeError(f"embeddings in {path} must be 2-D (N, D), got shape {emb.shape}")
-    if labels.ndim != 1 or labels.shape[0] != emb.shape[0]:
-        raise ShapeError(f"labels must be (N,) with N = {emb.shape[0]}, got shape {labels.shape}")
-    return emb.astype(np.float32, copy=False), labels.astype(np.int64, copy=False), extra
-
-
-def _load_labels(path: Path) -> np.ndarray:
-    if not path.exists():
-        raise DataNotFoundError(f"labels file not found: {path}")
-    if path.suffix.lower() == ".npy":
-        return np.load(path, allow_pickle=False)
-    return np.loadtxt(path, dtype=np.int64, delimiter="," if path.suffix.lower() == ".csv" else None)
-
-
-def _to_numpy(x: Any) -> np.ndarray:
-    if hasattr(x, "detach"):
-        x = x.detach().cpu()
-        if x.dtype.is_floating_point and x.dtype != x.new_empty(0).float().dtype:
-            x = x.float()
-        return x.numpy()
-    return np.asarray(x)
+    warnings.warn(f"dmlkit.utils.{name} moved to {_MOVED[name]}.{name}; import it from there",
+                  DeprecationWarning, stacklevel=2)
+    return getattr(embeddings, name)

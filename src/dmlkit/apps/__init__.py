@@ -7,22 +7,31 @@ from dmlkit.apps.fewshot import (
     prototype_predict,
 )
 from dmlkit.apps.index import EmbeddingIndex, SearchResult
+from dmlkit.apps.reid import ReidResult, evaluate_reid, k_reciprocal_distances, vehicleid_protocol
 from dmlkit.apps.verification import (
     VerificationResult,
     kfold_threshold_accuracy,
     make_pairs,
     verify,
+    verify_pair_list,
+    verify_scores,
 )
 
 __all__ = [
     "EmbeddingIndex",
+    "ReidResult",
     "SearchResult",
     "VerificationResult",
+    "evaluate_reid",
     "few_shot_accuracy",
+    "k_reciprocal_distances",
     "kfold_threshold_accuracy",
     "load_omniglot_one_shot_runs",
     "make_pairs",
     "omniglot_one_shot_error",
     "prototype_predict",
+    "vehicleid_protocol",
     "verify",
+    "verify_pair_list",
+    "verify_scores",
 ]

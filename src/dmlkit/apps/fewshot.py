@@ -20,7 +20,15 @@ from typing import Any
 
 import numpy as np
 
-from dmlkit.exceptions import DataError, DataNotFoundError
+from dmlkit.data import get_transforms
+from dmlkit.data.base import ArrayDataset
+from dmlkit.distances import LpDistance, get_distance
+from dmlkit.exceptions import ConfigError, DataError, DataNotFoundError, ShapeError
+from dmlkit.losses.prototypical import class_means, distance_to_centres
+from dmlkit.samplers import EpisodeSampler, split_episode
+from dmlkit.training import embed_split, load_checkpoint
+from dmlkit.utils import data_root
+from dmlkit.validation import check_embeddings, check_labels
 
 __all__ = [
     "OneShotRun",
@@ -39,13 +47,16 @@ def prototype_predict(support: Any, support_labels: Any, query: Any, distance: s
     """
     import torch
 
-    from dmlkit.distances import LpDistance, get_distance
-    from dmlkit.losses.prototypical import class_means, distance_to_centres
-
-    dist = LpDistance(power=2, normalize_embeddings=False) if distance == "euclidean" else get_distance(distance)
-    s = torch.as_tensor(np.asarray(support, dtype=np.float32))
-    q = torch.as_tensor(np.asarray(query, dtype=np.float32))
-    y = torch.as_tensor(np.asarray(support_labels, dtype=np.int64))
+    dist = _distance(distance)
+    s = check_embeddings(support, "support embeddings").cpu()
+    q = check_embeddings(query, "query embeddings").cpu()
+    if q.shape[1] != s.shape[1]:
+        raise ShapeError(f"query embeddings have {q.shape[1]} dimensions but the support has {s.shape[1]}")
+    codes, names = check_labels(support_labels, len(s), "support labels")
+    if names is not None:  # class-name strings: predict names
+        pred = prototype_predict(s, codes, q, distance)
+        return np.asarray(names)[pred]
+    y = torch.as_tensor(codes)
     with torch.no_grad():
         classes, centres, _ = class_means(dist.normalize(s), y)
         d = distance_to_centres(dist, dist.normalize(q), centres)
@@ -53,13 +64,28 @@ def prototype_predict(support: Any, support_labels: Any, query: Any, distance: s
     return classes[best].numpy()
 
 
+def _distance(distance: str):
+    """``euclidean``: squared Euclidean on raw embeddings (prototypical networks); others by name."""
+    if distance == "euclidean":
+        return LpDistance(power=2, normalize_embeddings=False)
+    try:
+        return get_distance(distance)
+    except ValueError as exc:
+        raise ConfigError(f"{exc} (few-shot: 'euclidean' is the prototypical-network rule)") from None
+
+
 def few_shot_accuracy(embeddings: Any, labels: Any, n_way: int = 5, k_shot: int = 1, n_query: int = 5,
                       episodes: int = 1000, distance: str = "euclidean", seed: int = 0) -> dict[str, float]:
-    """Mean N-way K-shot accuracy over episodes, with the 95 % CI half-width (normal approx.)."""
-    from dmlkit.samplers import EpisodeSampler, split_episode
+    """Mean N-way K-shot accuracy over episodes, with the 95 % CI half-width (normal approx.).
 
-    x = np.asarray(embeddings, dtype=np.float32)
-    y = np.asarray(labels, dtype=np.int64)
+    Embeddings with NaN/infinite rows are refused (:mod:`dmlkit.validation`), as by
+    ``evaluate``, instead of scoring them as if they were wrong answers.
+    """
+    x = check_embeddings(embeddings).cpu().numpy()
+    y, _ = check_labels(labels, len(x))
+    _distance(distance)
+    if int(n_query) < 1:
+        raise ConfigError(f"few-shot accuracy needs at least one query per class, got n_query={n_query}")
     sampler = EpisodeSampler(y, n_way, k_shot, n_query, episodes, seed=seed)
     accs = []
     for episode in sampler:
@@ -92,8 +118,6 @@ def load_omniglot_one_shot_runs(root: str | os.PathLike | None = None) -> list[O
     Images are read as the Omniglot dataset reads them (``L`` mode, ``>= 128`` = background).
     """
     from PIL import Image
-
-    from dmlkit.utils import data_root
 
     base = data_root(root)
     candidates = [base / "omniglot" / "one_shot_all_runs.zip", base / "one_shot_all_runs.zip"]
@@ -130,9 +154,15 @@ def omniglot_one_shot_error(embed: Callable[[np.ndarray], np.ndarray], runs: lis
                             distance: str = "cosine") -> dict[str, Any]:
     """Classification error (%) on the one-shot runs: each test image takes the class of its
     nearest training image. ``embed`` maps ``(n, 105, 105)`` bool images to ``(n, D)``."""
+    _distance(distance)
+    if not runs:
+        raise DataError("no one-shot runs to score")
     errors = []
     for run in runs:
-        emb = np.asarray(embed(np.concatenate([run.train_images, run.test_images])), dtype=np.float32)
+        emb = check_embeddings(embed(np.concatenate([run.train_images, run.test_images])),
+                               f"embeddings of {run.name}").cpu().numpy()
+        if len(emb) != 40:
+            raise ShapeError(f"the embedder returned {len(emb)} rows for the 40 images of {run.name}")
         train, test = emb[:20], emb[20:]
         pred = prototype_predict(train, np.arange(20), test, distance)
         errors.append(100.0 * float((pred != run.answers).mean()))
@@ -141,10 +171,6 @@ def omniglot_one_shot_error(embed: Callable[[np.ndarray], np.ndarray], runs: lis
 
 def checkpoint_image_embedder(checkpoint: str | os.PathLike, device: str = "cpu") -> Callable[[np.ndarray], np.ndarray]:
     """``images -> embeddings`` with a trained model and its config's evaluation transform."""
-    from dmlkit.data import get_transforms
-    from dmlkit.data.base import ArrayDataset
-    from dmlkit.training import embed_split, load_checkpoint
-
     model, config = load_checkpoint(Path(checkpoint), device=device)
 
     def embed(images: np.ndarray) -> np.ndarray:

@@ -1,22 +1,58 @@
 """Verification: are two samples the same identity? Thresholds chosen by k-fold cross-validation.
 
-The protocol of face verification benchmarks such as LFW (Huang et al. 2007), as described in
-seed 003: pairs are split into ``k`` folds; for each fold the similarity threshold that
-maximises accuracy on the other ``k - 1`` folds is applied to it, so the threshold never sees
-the pairs it is scored on. Also reported: ROC AUC, the equal error rate (EER) and the true
-accept rate at fixed false accept rates (TAR@FAR), all threshold-free or on all pairs.
+The protocol of face verification benchmarks such as LFW (Huang et al., "Labeled Faces in the
+Wild", UMass TR 07-49, 2007), as described in seed 003: pairs are split into ``k`` folds; for
+each fold the similarity threshold that maximises accuracy on the other ``k - 1`` folds is
+applied to it, so the threshold never sees the pairs it is scored on. The reported accuracy is
+the mean over folds with the standard deviation over folds (``ddof=0``, as the common
+face-recognition evaluation code, e.g. FaceNet's and InsightFace's, reports "mean +- std") and
+the standard error of the mean that LFW's own protocol asks for
+(``S_E = sigma / sqrt(k)`` with ``sigma`` the ``ddof=1`` standard deviation). Also reported, over all pairs
+at once: ROC AUC, the equal error rate (EER: the ROC point where the false accept rate equals
+the false reject rate; the mean of the two at the closest point) and the true accept rate at
+fixed false accept rates (TAR@FAR: the highest TPR whose FPR does not exceed the target).
+
+Pairs come from three places:
+
+* :func:`verify` draws balanced random pairs from class labels (:func:`make_pairs`);
+* :func:`verify_pair_list` scores a fixed list (LFW ``pairs.txt`` or a CSV, read by
+  :func:`dmlkit.data.pairs.load_pair_list`) on the list's own folds;
+* :func:`verify_scores` evaluates any pair scores with given or generated folds.
 """
 
 from __future__ import annotations
 
+import os
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from dmlkit.exceptions import DataError, ShapeError
+from dmlkit.data import get_transforms
+from dmlkit.data.base import ImageFileDataset
+from dmlkit.distances import get_distance
+from dmlkit.exceptions import ConfigError, DataError, NonFiniteError, ShapeError
+from dmlkit.training import embed_split, find_checkpoint, load_checkpoint
+from dmlkit.validation import check_embeddings
 
-__all__ = ["VerificationResult", "kfold_threshold_accuracy", "make_pairs", "pair_scores", "verify"]
+if TYPE_CHECKING:
+    from dmlkit.data.pairs import PairList
+
+__all__ = [
+    "VerificationResult",
+    "embed_image_files",
+    "kfold_threshold_accuracy",
+    "make_pairs",
+    "pair_scores",
+    "stratified_folds",
+    "verify",
+    "verify_pair_list",
+    "verify_scores",
+]
+
+DEFAULT_FAR_TARGETS = (1e-3, 1e-2, 1e-1)
 
 
 def make_pairs(labels: Any, num_pairs: int = 6000, seed: int = 0) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -29,6 +65,8 @@ def make_pairs(labels: Any, num_pairs: int = 6000, seed: int = 0) -> tuple[np.nd
     y = np.asarray(labels)
     if y.ndim != 1 or len(y) < 2:
         raise ShapeError(f"labels must be (N,) with N >= 2, got shape {y.shape}")
+    if int(num_pairs) < 2:
+        raise ConfigError(f"the number of pairs must be at least 2 (one positive, one negative), got {num_pairs}")
     rng = np.random.default_rng(seed)
     pos_i, pos_j = [], []
     for c in np.unique(y):
@@ -41,8 +79,6 @@ def make_pairs(labels: Any, num_pairs: int = 6000, seed: int = 0) -> tuple[np.nd
         raise DataError("no class has two samples: verification needs positive pairs")
     pi, pj = np.concatenate(pos_i), np.concatenate(pos_j)
     n_pos = min(num_pairs // 2, len(pi))
-    if n_pos < 1:
-        raise ValueError(f"num_pairs must be at least 2, got {num_pairs}")
     pick = rng.choice(len(pi), size=n_pos, replace=False)
     pi, pj = pi[pick], pj[pick]
     if len(np.unique(y)) < 2:
@@ -64,14 +100,25 @@ def make_pairs(labels: Any, num_pairs: int = 6000, seed: int = 0) -> tuple[np.nd
     return i[order], j[order], same[order]
 
 
+def _check_distance(distance: str):
+    try:
+        return get_distance(distance)
+    except ValueError as exc:  # an unknown name: a user error, one line
+        raise ConfigError(str(exc)) from None
+
+
+def _finite_embeddings(embeddings: Any) -> np.ndarray:
+    """``(N, D)`` float32 with every value finite, else :class:`NonFiniteError` (the one
+    validation path of :mod:`dmlkit.validation`, shared with ``evaluate``/``index``/``query``)."""
+    return check_embeddings(embeddings).cpu().numpy()
+
+
 def pair_scores(embeddings: Any, i: np.ndarray, j: np.ndarray, distance: str = "cosine") -> np.ndarray:
     """Scores of pairs, larger = more likely the same (distances are negated)."""
     import torch
 
-    from dmlkit.distances import get_distance
-
-    dist = get_distance(distance)
-    x = torch.as_tensor(np.asarray(embeddings, dtype=np.float32))
+    dist = _check_distance(distance)
+    x = torch.as_tensor(_finite_embeddings(embeddings))
     with torch.no_grad():
         values = dist.paired(x[torch.as_tensor(i)], x[torch.as_tensor(j)])
     return dist.closeness(values).numpy().astype(np.float64)
@@ -98,29 +145,62 @@ def _best_threshold(scores: np.ndarray, same: np.ndarray) -> tuple[float, float]
     return float(t), float(acc[n])
 
 
-def kfold_threshold_accuracy(scores: Any, same: Any, folds: int = 10) -> dict[str, Any]:
-    """Accuracy with thresholds chosen on the other folds (LFW protocol); folds are contiguous."""
+def stratified_folds(same: Any, folds: int) -> np.ndarray:
+    """Fold ids dealing positives and negatives round-robin in order: the ``r``-th positive
+    (and the ``r``-th negative) goes to fold ``r mod folds``, so every fold keeps the ratio."""
+    y = np.asarray(same, dtype=bool)
+    if folds < 2 or folds > len(y):
+        raise ConfigError(f"folds must be in [2, {len(y)}] (the number of pairs), got {folds}")
+    ids = np.empty(len(y), dtype=np.int64)
+    for mask in (y, ~y):
+        ids[mask] = np.arange(int(mask.sum())) % folds
+    return ids
+
+
+def kfold_threshold_accuracy(scores: Any, same: Any, folds: int | Sequence[int] | np.ndarray = 10) -> dict[str, Any]:
+    """Accuracy with thresholds chosen on the other folds (LFW protocol).
+
+    ``folds``: an int ``k`` splits the pairs into ``k`` contiguous blocks (for pairs in random
+    order, as :func:`make_pairs` returns them); an array gives each pair's fold id (a pair
+    list's own folds, or :func:`stratified_folds`).
+    """
     s = np.asarray(scores, dtype=np.float64)
     y = np.asarray(same, dtype=bool)
     if s.shape != y.shape or s.ndim != 1:
         raise ShapeError(f"scores and same must be equal (P,) arrays, got {s.shape} and {y.shape}")
-    if folds < 2 or folds > len(s):
-        raise ValueError(f"folds must be in [2, {len(s)}], got {folds}")
-    parts = np.array_split(np.arange(len(s)), folds)
+    if np.ndim(folds) == 0:
+        k = int(folds)  # type: ignore[arg-type]
+        if k < 2 or k > len(s):
+            raise ConfigError(f"folds must be in [2, {len(s)}] (the number of pairs), got {k}")
+        fold_ids = np.repeat(np.arange(k), [len(p) for p in np.array_split(np.arange(len(s)), k)])
+    else:
+        fold_ids = np.asarray(folds, dtype=np.int64)
+        if fold_ids.shape != s.shape:
+            raise ShapeError(f"fold ids must have one entry per pair ({len(s)}), got {fold_ids.shape}")
+    names = np.unique(fold_ids)
+    if len(names) < 2:
+        raise ConfigError("the k-fold protocol needs at least 2 folds; the pairs have one")
     accs, thresholds = [], []
-    for k in range(folds):
-        test = parts[k]
-        train = np.concatenate([p for m, p in enumerate(parts) if m != k])
-        t, _ = _best_threshold(s[train], y[train])
+    for f in names:
+        test = fold_ids == f
+        t, _ = _best_threshold(s[~test], y[~test])
         thresholds.append(t)
         accs.append(float(((s[test] >= t) == y[test]).mean()))
     return {"accuracy": float(np.mean(accs)), "accuracy_std": float(np.std(accs)),
+            "accuracy_sem": float(np.std(accs, ddof=1) / np.sqrt(len(accs))),
             "threshold": float(np.mean(thresholds)), "fold_accuracies": accs, "fold_thresholds": thresholds}
 
 
 @dataclass
 class VerificationResult:
-    """Verification scores of one embedding set (fractions in [0, 1])."""
+    """Verification scores of one embedding set (fractions in [0, 1]).
+
+    ``accuracy`` is the mean of the fold accuracies, ``accuracy_std`` their standard deviation
+    (``ddof=0``), ``accuracy_sem`` LFW's standard error of the mean; ``threshold`` is the mean
+    of the fold thresholds (on the score, larger = same). ``fold_source``: ``"list"`` (the pair
+    list's own folds), ``"stratified"`` or ``"contiguous"`` (generated, see
+    :func:`kfold_threshold_accuracy`).
+    """
 
     accuracy: float
     accuracy_std: float
@@ -131,27 +211,133 @@ class VerificationResult:
     num_pairs: int
     folds: int
     fold_accuracies: list[float] = field(default_factory=list)
+    fold_thresholds: list[float] = field(default_factory=list)
+    num_positive: int = 0
+    num_negative: int = 0
+    fold_source: str = "contiguous"
+    accuracy_sem: float = 0.0
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
 
-def verify(embeddings: Any, labels: Any, *, num_pairs: int = 6000, folds: int = 10,
-           distance: str = "cosine", far_targets: tuple[float, ...] = (1e-3, 1e-2, 1e-1),
-           seed: int = 0) -> VerificationResult:
-    """Balanced pairs from ``labels``, k-fold threshold accuracy, ROC AUC, EER and TAR@FAR."""
+def verify_scores(scores: Any, same: Any, folds: int | Sequence[int] | np.ndarray = 10, *,
+                  far_targets: Sequence[float] = DEFAULT_FAR_TARGETS,
+                  fold_source: str | None = None) -> VerificationResult:
+    """k-fold threshold accuracy, ROC AUC, EER and TAR@FAR of pair ``scores`` (larger = same).
+
+    ``folds`` as in :func:`kfold_threshold_accuracy`. Both classes must occur.
+    """
     from sklearn.metrics import roc_auc_score, roc_curve
 
-    i, j, same = make_pairs(labels, num_pairs, seed)
-    scores = pair_scores(embeddings, i, j, distance)
-    kfold = kfold_threshold_accuracy(scores, same, folds=min(folds, len(scores)))
-    fpr, tpr, _ = roc_curve(same, scores)
+    s = np.asarray(scores, dtype=np.float64)
+    y = np.asarray(same, dtype=bool)
+    if s.ndim != 1 or s.shape != y.shape:
+        raise ShapeError(f"scores and same must be equal (P,) arrays, got {s.shape} and {y.shape}")
+    if not np.all(np.isfinite(s)):
+        raise NonFiniteError(f"{int((~np.isfinite(s)).sum())} pair score(s) are NaN or infinite: "
+                             "check the embeddings")
+    n_pos = int(y.sum())
+    if n_pos == 0 or n_pos == len(y):
+        raise DataError(f"verification needs both matched and mismatched pairs; got {n_pos} matched "
+                        f"of {len(y)}")
+    for far in far_targets:
+        if not 0 < far <= 1:
+            raise ConfigError(f"FAR targets must be in (0, 1], got {far}")
+    kfold = kfold_threshold_accuracy(s, y, folds=folds)
+    fpr, tpr, _ = roc_curve(y, s, drop_intermediate=False)
     fnr = 1 - tpr
     e = int(np.argmin(np.abs(fnr - fpr)))
     eer = float((fpr[e] + fnr[e]) / 2)
     tar = {f"{far:g}": float(tpr[np.searchsorted(fpr, far, side="right") - 1]) for far in far_targets}
     return VerificationResult(
         accuracy=kfold["accuracy"], accuracy_std=kfold["accuracy_std"], threshold=kfold["threshold"],
-        roc_auc=float(roc_auc_score(same, scores)), eer=eer, tar_at_far=tar, num_pairs=len(scores),
-        folds=min(folds, len(scores)), fold_accuracies=kfold["fold_accuracies"],
+        roc_auc=float(roc_auc_score(y, s)), eer=eer, tar_at_far=tar, num_pairs=len(s),
+        folds=len(kfold["fold_accuracies"]), fold_accuracies=kfold["fold_accuracies"],
+        fold_thresholds=kfold["fold_thresholds"], num_positive=n_pos, num_negative=len(y) - n_pos,
+        fold_source=fold_source or ("contiguous" if np.ndim(folds) == 0 else "given"),
+        accuracy_sem=kfold["accuracy_sem"],
     )
+
+
+def verify(embeddings: Any, labels: Any, *, num_pairs: int = 6000, folds: int = 10,
+           distance: str = "cosine", far_targets: Sequence[float] = DEFAULT_FAR_TARGETS,
+           seed: int = 0) -> VerificationResult:
+    """Balanced random pairs from ``labels``, k-fold threshold accuracy, ROC AUC, EER, TAR@FAR.
+
+    ``folds`` must lie in ``[2, number of pairs]``; NaN/infinite embeddings are refused
+    (:class:`~dmlkit.exceptions.NonFiniteError`).
+    """
+    x = _finite_embeddings(embeddings)
+    y = np.asarray(labels)
+    if y.ndim != 1 or len(y) != len(x):
+        raise ShapeError(f"labels must be (N,) with N = {len(x)}, got shape {y.shape}")
+    _check_distance(distance)
+    if int(folds) < 2:
+        raise ConfigError(f"folds must be at least 2 (the threshold is fitted on the other folds), got {folds}")
+    i, j, same = make_pairs(y, num_pairs, seed)
+    if int(folds) > len(same):
+        raise ConfigError(f"folds ({folds}) exceeds the number of pairs ({len(same)}): lower --folds")
+    scores = pair_scores(x, i, j, distance)
+    return verify_scores(scores, same, int(folds), far_targets=far_targets, fold_source="contiguous")
+
+
+def _match_rows(pair_list: PairList, paths: Sequence[str]) -> np.ndarray:
+    """Row of ``paths`` holding each image of ``pair_list.paths`` (same file, any spelling)."""
+    def key(p: str) -> str:
+        return os.path.normcase(os.path.realpath(os.fspath(p)))
+
+    row = {key(p): r for r, p in enumerate(paths)}
+    missing = [p for p in pair_list.paths if key(p) not in row]
+    if missing:
+        shown = "; ".join(missing[:20])
+        more = f"; ... and {len(missing) - 20} more" if len(missing) > 20 else ""
+        raise DataError(
+            f"{len(missing)} image(s) of the pair list have no embedding (dmlkit verify "
+            f"--checkpoint RUN_DIR embeds the list's images itself): {shown}{more}"
+        )
+    return np.fromiter((row[key(p)] for p in pair_list.paths), np.int64, len(pair_list.paths))
+
+
+def verify_pair_list(embeddings: Any, pair_list: PairList, paths: Sequence[str] | None = None, *,
+                     distance: str = "cosine", folds: int = 10,
+                     far_targets: Sequence[float] = DEFAULT_FAR_TARGETS) -> VerificationResult:
+    """Verification on a fixed pair list, on the list's own folds.
+
+    ``embeddings``: one row per image; row ``r`` is the image ``paths[r]`` (default: the list's
+    own ``pair_list.paths``, e.g. from :func:`embed_image_files`). A list with two or more folds
+    (LFW ``pairs.txt``: 10 folds of 300 + 300 pairs) is scored on those folds; a list without
+    folds (a CSV without a ``fold`` column, LFW's one-fold development lists) on ``folds``
+    :func:`stratified_folds` dealt in file order.
+    """
+    x = _finite_embeddings(embeddings)
+    _check_distance(distance)
+    if paths is None:
+        if len(x) != len(pair_list.paths):
+            raise ShapeError(f"{len(x)} embeddings for a pair list of {len(pair_list.paths)} images: "
+                             "pass paths= naming the image of each row")
+        rows = np.arange(len(x))
+    else:
+        if len(paths) != len(x):
+            raise ShapeError(f"{len(paths)} paths for {len(x)} embeddings")
+        rows = _match_rows(pair_list, paths)
+    scores = pair_scores(x, rows[pair_list.left], rows[pair_list.right], distance)
+    if pair_list.num_folds >= 2:
+        return verify_scores(scores, pair_list.same, pair_list.folds, far_targets=far_targets,
+                             fold_source="list")
+    return verify_scores(scores, pair_list.same, stratified_folds(pair_list.same, int(folds)),
+                         far_targets=far_targets, fold_source="stratified")
+
+
+def embed_image_files(checkpoint: str | os.PathLike, paths: Sequence[str | os.PathLike], *,
+                      device: str = "cpu", progress: bool = False) -> np.ndarray:
+    """Embeddings ``(len(paths), D)`` of image files with a trained model (checkpoint file or
+    run directory), using its config's evaluation transform and image mode."""
+    model, config = load_checkpoint(find_checkpoint(Path(checkpoint)), device=device)
+    mode = "L" if config.model.in_channels == 1 else "RGB"
+    ds = ImageFileDataset([os.fspath(p) for p in paths], np.zeros(len(paths), dtype=np.int64), mode=mode,
+                          name="pair_list")
+    if config.data.transform is not None:
+        ds = ds.with_transform(get_transforms(config.data.transform, train=False, image_size=config.data.image_size))
+    emb, _ = embed_split(model, ds, config, device=device, progress=progress)
+    return np.asarray(emb, dtype=np.float32)

@@ -1,4 +1,4 @@
-"""``dmlkit index | query | verify | fewshot | oneshot``: use a trained embedding."""
+"""``dmlkit verify | fewshot | oneshot``: use a trained embedding (index/query: ``search.py``)."""
 
 from __future__ import annotations
 
@@ -9,8 +9,6 @@ import typer
 
 
 def register(app: typer.Typer) -> None:
-    app.command("index")(index)
-    app.command("query")(query)
     app.command("verify")(verify)
     app.command("fewshot")(fewshot)
     app.command("oneshot")(oneshot)
@@ -35,73 +33,71 @@ def _print(data: dict, as_json: bool, title: str) -> None:
     Console().print(table)
 
 
-def index(
-    embeddings: Path = typer.Argument(..., help="Reference embeddings (.npz from dmlkit embed, .npy, .pt)."),
-    output: Path = typer.Option(..., "-o", "--output", help="Index file to write (.npz)."),
-    distance: str = typer.Option("cosine", help="cosine, euclidean or dot."),
-) -> None:
-    """Build a searchable index from reference embeddings (labels and ids are kept)."""
-    from dmlkit.apps import EmbeddingIndex
-    from dmlkit.utils import load_embeddings
-
-    emb, labels, extra = load_embeddings(embeddings)
-    ids = extra.get("paths", extra.get("ids", extra.get("indices")))
-    idx = EmbeddingIndex(emb, labels, ids, distance=distance)
-    idx.save(output)
-    typer.echo(f"indexed {len(idx)} embeddings of size {idx.dim} -> {output}")
-
-
-def query(
-    index_file: Path = typer.Argument(..., help="An index from `dmlkit index`."),
-    queries: Path = typer.Argument(..., help="Query embeddings (.npz/.npy/.pt)."),
-    k: int = typer.Option(5, "-k", help="Neighbours per query."),
-    as_json: bool = typer.Option(False, "--json", help="Print JSON."),
-) -> None:
-    """The k nearest references of each query, with scores, labels and ids."""
-    import numpy as np
-
-    from dmlkit.apps import EmbeddingIndex
-    from dmlkit.exceptions import DataError
-
-    idx = EmbeddingIndex.load(index_file)
-    if queries.suffix == ".npy":
-        q = np.load(queries)
-    else:
-        from dmlkit.utils import load_embeddings
-
-        try:
-            q, _, _ = load_embeddings(queries)
-        except DataError:  # queries need no labels
-            with np.load(queries) as data:
-                q = data["embeddings"]
-    result = idx.search(q, k)
-    records = result.to_records()
-    if as_json:
-        typer.echo(json.dumps(records, indent=2))
-        return
-    for qi, row in enumerate(records):
-        shown = ", ".join(
-            f"#{r['index']}" + (f" (label {r['label']})" if "label" in r else "") + f" {r['score']:.3f}" for r in row
-        )
-        typer.echo(f"query {qi}: {shown}")
-
-
 def verify(
-    embeddings: Path = typer.Argument(..., help="Embeddings with labels (.npz/.pt)."),
-    pairs: int = typer.Option(6000, help="Number of balanced pairs (half positive)."),
-    folds: int = typer.Option(10, help="Folds for choosing the threshold (LFW protocol)."),
-    distance: str = typer.Option("cosine"),
+    embeddings: Path | None = typer.Argument(None, help="Embeddings with labels (.npz/.pt); with --pair-list an .npz with a 'paths' array."),
+    pairs: int = typer.Option(6000, help="Number of balanced random pairs (half positive), without --pair-list."),
+    folds: int = typer.Option(10, help="Folds for choosing the threshold (LFW protocol); a pair list's own folds win."),
+    pair_list: Path | None = typer.Option(None, "--pair-list", help="LFW pairs.txt or CSV path1,path2,same[,fold]."),
+    images: Path | None = typer.Option(None, "--images", help="Image folder of the pair list (LFW: holds <Name>/<Name>_0001.jpg)."),
+    checkpoint: Path | None = typer.Option(None, "--checkpoint", help="Run directory or checkpoint: embed the pair list's images with it."),
+    distance: str = typer.Option("cosine", help="cosine, euclidean, dot or snr."),
     seed: int = typer.Option(0),
+    device: str = typer.Option("cpu", help="Device for --checkpoint: cpu or cuda."),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar while embedding."),
     as_json: bool = typer.Option(False, "--json"),
 ) -> None:
-    """Verification accuracy with k-fold thresholds, ROC AUC, EER and TAR@FAR."""
-    from dmlkit.apps import verify as run_verify
-    from dmlkit.utils import load_embeddings
+    """Verification accuracy with k-fold thresholds, ROC AUC, EER and TAR@FAR.
 
-    emb, labels, _ = load_embeddings(embeddings)
-    result = run_verify(emb, labels, num_pairs=pairs, folds=folds, distance=distance, seed=seed).to_dict()
+    Balanced random pairs from the labels of EMBEDDINGS, or a fixed --pair-list (LFW pairs.txt: scored on its own folds) embedded with --checkpoint or found in the 'paths' of EMBEDDINGS.
+    """
+    from dmlkit.apps import verify as run_verify
+    from dmlkit.apps.verification import embed_image_files, verify_pair_list
+    from dmlkit.embeddings import load_embeddings
+    from dmlkit.exceptions import ConfigError
+
+    if (embeddings is None) == (checkpoint is None):
+        raise ConfigError("pass either EMBEDDINGS (a file) or --checkpoint RUN_DIR (with --pair-list), not both or neither")
+    if pair_list is None:
+        if checkpoint is not None:
+            raise ConfigError("--checkpoint needs --pair-list: it embeds the images the list names")
+        emb, labels, _ = load_embeddings(embeddings)
+        result = run_verify(emb, labels, num_pairs=pairs, folds=folds, distance=distance, seed=seed).to_dict()
+        title = f"Verification: {embeddings.name}"
+    else:
+        from dmlkit.data.pairs import load_pair_list
+
+        plist = load_pair_list(pair_list, images)
+        if checkpoint is not None:
+            emb = embed_image_files(checkpoint, plist.paths, device=device, progress=not quiet)
+            paths = None
+        else:
+            emb, paths = _embeddings_with_paths(embeddings)
+        result = verify_pair_list(emb, plist, paths, distance=distance, folds=folds).to_dict()
+        title = f"Verification on {pair_list.name} ({result['fold_source']} folds)"
     result.pop("fold_accuracies")
-    _print(result, as_json, f"Verification: {embeddings.name}")
+    result.pop("fold_thresholds")
+    _print(result, as_json, title)
+
+
+def _embeddings_with_paths(path: Path) -> tuple:
+    """``(embeddings, paths)`` of an ``.npz`` holding ``embeddings`` and ``paths`` (labels optional)."""
+    import numpy as np
+
+    from dmlkit.exceptions import DataError, DataNotFoundError
+
+    if not path.is_file():
+        raise DataNotFoundError(f"embeddings file not found: {path}")
+    hint = ("embed the pair list with --checkpoint RUN_DIR, or write an .npz with "
+            "save_embeddings(path, emb, labels, paths=...)")
+    if path.suffix.lower() != ".npz":
+        raise DataError(f"{path}: with --pair-list the embeddings must be an .npz with a 'paths' array; {hint}")
+    try:
+        with np.load(path, allow_pickle=False) as data:
+            if "embeddings" not in data or "paths" not in data:
+                raise DataError(f"{path} needs 'embeddings' and 'paths' arrays (has {sorted(data.files)}); {hint}")
+            return data["embeddings"], [str(p) for p in data["paths"].tolist()]
+    except (OSError, ValueError) as exc:
+        raise DataError(f"cannot read embeddings from {path}: {exc}") from exc
 
 
 def fewshot(
@@ -116,7 +112,7 @@ def fewshot(
 ) -> None:
     """N-way K-shot accuracy of nearest-prototype classification over random episodes."""
     from dmlkit.apps import few_shot_accuracy
-    from dmlkit.utils import load_embeddings
+    from dmlkit.embeddings import load_embeddings
 
     emb, labels, _ = load_embeddings(embeddings)
     result = few_shot_accuracy(emb, labels, way, shot, queries, episodes, distance, seed)

@@ -34,6 +34,9 @@ def register(app: typer.Typer) -> None:
 
         Writes OUT/{config.yaml, provenance.json, split.json, study.db, search/, final/,
         results.json, results.csv, results.md}. Rerunning the same command resumes.
+
+        Inference and metric settings are the config's fixed.evaluation section, e.g.
+        --set fixed.evaluation.memory_mb=512.
         """
         import os
 

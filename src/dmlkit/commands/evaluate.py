@@ -10,12 +10,88 @@ import typer
 _COUNTS = ("num_queries", "num_queries_without_positive")
 
 
+def _read_labels_file(path: Path):
+    """Labels from ``.npy`` or a text file with one label per line (``.txt`` / ``.csv``):
+    integers stay integers, other text is kept as class-name strings; ``dmlkit.validation``
+    decides what is acceptable."""
+    import numpy as np
+
+    from dmlkit.exceptions import DataError, DataNotFoundError
+
+    if not path.exists():
+        raise DataNotFoundError(f"labels file not found: {path}")
+    if path.suffix.lower() == ".npy":
+        try:
+            return np.load(path, allow_pickle=False)
+        except (OSError, ValueError) as exc:
+            raise DataError(f"cannot read labels from {path}: {exc}") from None
+    try:
+        lines = [line.strip() for line in path.read_text(encoding="utf-8").splitlines()]
+    except (OSError, UnicodeDecodeError) as exc:
+        raise DataError(f"cannot read labels from {path}: {exc}") from None
+    while lines and not lines[-1]:
+        lines.pop()
+    for cast in (int, float):
+        try:
+            return np.asarray([cast(v) for v in lines])
+        except ValueError:
+            continue
+    return np.asarray(lines, dtype=str)
+
+
+def _read_set(path: Path, labels_path: Path | None):
+    """``(embeddings, labels)`` of a ``.npz`` / ``.pt`` (``embeddings`` + ``labels``) or ``.npy``
+    file, *as stored*: labels are not cast here (float labels must not be truncated, string
+    labels keep their names); :func:`dmlkit.metrics.evaluate` validates both through
+    :mod:`dmlkit.validation`. Only numpy is imported for ``.npz`` / ``.npy`` files."""
+    import numpy as np
+
+    from dmlkit.exceptions import DataError, DataNotFoundError
+
+    if not path.exists():
+        raise DataNotFoundError(f"embeddings file not found: {path}")
+    suffix = path.suffix.lower()
+    labels = None
+    try:
+        if suffix == ".npz":
+            with np.load(path, allow_pickle=False) as data:
+                if "embeddings" not in data.files:
+                    raise DataError(f"{path} has no 'embeddings' array (keys: {sorted(data.files)})")
+                emb = data["embeddings"]
+                labels = data["labels"] if "labels" in data.files else None
+        elif suffix == ".npy":
+            emb = np.load(path, allow_pickle=False)
+        elif suffix in (".pt", ".pth"):
+            import torch
+
+            obj = torch.load(path, map_location="cpu", weights_only=True)
+            if isinstance(obj, dict):
+                if "embeddings" not in obj:
+                    raise DataError(f"{path} holds a dict without 'embeddings' (keys: {sorted(obj)})")
+                emb, labels = obj["embeddings"], obj.get("labels")
+            elif isinstance(obj, tuple | list) and len(obj) == 2:
+                emb, labels = obj
+            else:
+                emb = obj
+        else:
+            raise DataError(f"unsupported embeddings file {path}: use .npz, .npy or .pt")
+    except (OSError, ValueError, RuntimeError) as exc:
+        raise DataError(f"cannot read embeddings from {path}: {exc}") from None
+    if labels_path is not None:
+        labels = _read_labels_file(labels_path)
+    if labels is None:
+        raise DataError(
+            f"{path} has no labels: save an .npz with 'embeddings' and 'labels', or pass --labels"
+        )
+    return emb, labels
+
+
 def register(app: typer.Typer) -> None:
     @app.command("evaluate")
     def evaluate_command(
         embeddings: Path = typer.Argument(..., help="Query embeddings: .npz / .pt (embeddings + labels) or .npy."),
         reference: Path | None = typer.Option(None, "--reference", "-r", help="Separate reference set (same formats); default: the query set, each query excluded from its own neighbours."),
-        labels: Path | None = typer.Option(None, "--labels", help="Labels of a .npy query file (.npy / .txt / .csv, one integer per row)."),
+        labels: Path | None = typer.Option(None, "--labels", help="Labels of a .npy query file (.npy / .txt / .csv, one per row): integer class ids or class-name strings."),
         reference_labels: Path | None = typer.Option(None, "--reference-labels", help="Labels of a .npy reference file."),
         metrics: str = typer.Option("precision_at_1,recall_at_k,r_precision,map_at_r", "--metrics", "-m", help="Comma-separated: precision_at_1, recall_at_k, precision_at_k, r_precision, map_at_r, map, nmi, ami, pair_f1, pos_neg_js (or recall_at_<K>)."),
         k: str = typer.Option("1,2,4,8", "--k", help="Comma-separated K values of recall_at_k / precision_at_k."),
@@ -30,16 +106,16 @@ def register(app: typer.Typer) -> None:
         """Evaluate embeddings: P@1, Recall@K, R-Precision, MAP@R, NMI/AMI/F1, pos/neg JS divergence."""
         from dmlkit.exceptions import ConfigError
         from dmlkit.metrics import evaluate, per_class
-        from dmlkit.utils import atomic_write_json, load_embeddings
+        from dmlkit.utils import atomic_write_json
 
         try:
             k_values = [int(v) for v in k.split(",") if v.strip()]
         except ValueError:
             raise ConfigError(f"--k must be comma-separated integers, got {k!r}") from None
-        q, ql, _ = load_embeddings(embeddings, labels)
+        q, ql = _read_set(embeddings, labels)
         r = rl = None
         if reference is not None:
-            r, rl, _ = load_embeddings(reference, reference_labels)
+            r, rl = _read_set(reference, reference_labels)
         elif reference_labels is not None:
             raise ConfigError("--reference-labels needs --reference")
         kwargs = dict(distance=distance, k_values=k_values, backend=backend,
@@ -47,7 +123,7 @@ def register(app: typer.Typer) -> None:
         result = evaluate(q, ql, r, rl, metrics=metrics, cluster_restarts=restarts, seed=seed,
                           **kwargs)
         if per_class_out is not None:
-            names = [m for m in result if m not in _COUNTS and m not in
+            names = [m for m in result if m not in _COUNTS and not m.endswith("_std") and m not in
                      ("nmi", "ami", "pair_f1", "pos_neg_js")]
             table = per_class(q, ql, r, rl, names or None, **kwargs)
             atomic_write_json(per_class_out, {str(c): v for c, v in table.items()})
@@ -62,10 +138,14 @@ def register(app: typer.Typer) -> None:
         out.add_column("metric")
         out.add_column("value (%)", justify="right")
         for name, value in result.items():
-            if name in _COUNTS:
+            if name in _COUNTS or name.endswith("_std"):
                 continue
-            out.add_row(name, f"{100 * value:.2f}")
+            spread = result.get(f"{name}_std")
+            shown = f"{100 * value:.2f}" + ("" if spread is None else f" ± {100 * spread:.2f}")
+            out.add_row(name, shown)
         Console().print(out)
+        if any(name.endswith("_std") for name in result):
+            typer.echo(f"clustering metrics: mean ± standard deviation over {restarts} k-means run(s)")
         typer.echo(
             f"{result['num_queries']} queries, {result['num_queries_without_positive']} without a "
             "same-class reference (left out of the retrieval means)"

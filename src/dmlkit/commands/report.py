@@ -40,7 +40,7 @@ def report(
 
 
 def _load(path: Path):
-    from dmlkit.utils import load_embeddings
+    from dmlkit.embeddings import load_embeddings
 
     emb, labels, _ = load_embeddings(path)
     return emb, labels
@@ -80,12 +80,12 @@ def plot_histograms(
     """Positive/negative cosine-similarity histograms (area 1) with their JS divergence."""
     from dmlkit.metrics import pos_neg_histograms
     from dmlkit.report import figures
-    from dmlkit.report.builder import _hist_dict
+    from dmlkit.report.builder import hist_dict
 
     panels = {}
     for path in embeddings:
         emb, labels = _load(path)
-        panels[path.stem] = _hist_dict(pos_neg_histograms(emb, labels, bins=bins))
+        panels[path.stem] = hist_dict(pos_neg_histograms(emb, labels, bins=bins))
     written = figures.save_figure(figures.similarity_histograms(panels), _out(output, "histograms"))
     typer.echo("\n".join(map(str, written)))
 
@@ -144,13 +144,13 @@ def plot_curves(
     """Training loss and validation MAP@R / P@1 per step, one line per run."""
     from dmlkit.exceptions import DataNotFoundError
     from dmlkit.report import figures
-    from dmlkit.report.builder import _read_jsonl
+    from dmlkit.report.builder import read_jsonl
 
     logs = {}
     for d in run_dirs:
         if not (d / "log.jsonl").exists():
             raise DataNotFoundError(f"{d / 'log.jsonl'} not found: pass run directories of dmlkit train")
-        logs[d.name] = _read_jsonl(d / "log.jsonl")
+        logs[d.name] = read_jsonl(d / "log.jsonl")
     written = figures.save_figure(figures.training_curves(logs), _out(output, "curves"))
     typer.echo("\n".join(map(str, written)))
 
@@ -167,11 +167,11 @@ def plot_improvement(
 
     from dmlkit.exceptions import DataNotFoundError
     from dmlkit.report import figures
-    from dmlkit.report.builder import _mean
+    from dmlkit.report.builder import mean_of
 
     if not results.exists():
         raise DataNotFoundError(f"{results} not found")
     methods = json.loads(results.read_text()).get("methods", {})
-    values = {n: {metric: _mean(r.get(mode, {}).get(metric))} for n, r in methods.items()}
+    values = {n: {metric: mean_of(r.get(mode, {}).get(metric))} for n, r in methods.items()}
     written = figures.save_figure(figures.relative_improvement(values, metric=metric), _out(output, "improvement"))
     typer.echo("\n".join(map(str, written)))

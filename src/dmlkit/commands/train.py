@@ -52,33 +52,22 @@ def register(app: typer.Typer) -> None:
     ) -> None:
         """Train an embedding model; embed the test split with the best checkpoint and print its metrics.
 
-        Writes RUN_DIR/{config.yaml, provenance.json, log.jsonl, checkpoints/{last,best}.pt,
-        embeddings/test.npz, metrics.json, split.json}.
+        Writes RUN_DIR/{config.yaml, provenance.json, split.json, log.jsonl,
+        checkpoints/{last,best}.pt, embeddings/test.npz, metrics.json}, as train() of
+        dmlkit.training does from Python.
+
+        Inference and metric settings are the config's evaluation section, e.g.
+        --set evaluation.memory_mb=512.
         """
         from rich.console import Console
 
-        from dmlkit.training import build_datasets, load_config, train
+        from dmlkit.config import load_config
+        from dmlkit.training import train
 
         _setup_logging(quiet)
-        overrides = list(set_ or [])
-        if data_root is not None:
-            overrides.append(f"data.root={data_root}")
-        cfg = load_config(config, overrides)
+        cfg = load_config(config, list(set_ or []))
         out_dir = run_dir if run_dir is not None else Path("runs") / cfg.name
-        sets = build_datasets(cfg, ("train", "val", "test"))
-        out_dir.mkdir(parents=True, exist_ok=True)
-        sets["split"].to_json(out_dir / "split.json")
-        console = Console(stderr=True, quiet=quiet)
-        console.print(
-            f"[bold]dmlkit train[/bold] {cfg.name}: {len(sets['train'])} train samples / "
-            f"{sets['train'].num_classes} classes, "
-            f"{0 if sets['val'] is None else sets['val'].num_classes} val classes, "
-            f"{0 if sets['test'] is None else sets['test'].num_classes} test classes -> {out_dir}"
-        )
-        result = train(
-            cfg, out_dir, train_set=sets["train"], val_set=sets["val"], test_set=sets["test"],
-            resume=resume, progress=not quiet,
-        )
+        result = train(cfg, out_dir, resume=resume, progress=not quiet, data_root=data_root)
         rows = {"val (best)": result.val_metrics or None, "test": result.test_metrics}
         Console().print(_metrics_table(f"{cfg.name}: best step {result.best_step} "
                                        f"({result.stop_reason}, {result.train_seconds:.0f} s)", rows))
@@ -97,27 +86,9 @@ def register(app: typer.Typer) -> None:
         quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bars."),
     ) -> None:
         """Embed a split with a trained model; the .npz works with `dmlkit evaluate`."""
-        from dmlkit.exceptions import ConfigError, DataError
-        from dmlkit.training import build_datasets, embed_split, find_checkpoint, load_checkpoint
-        from dmlkit.training.trainer import dataset_rows
-        from dmlkit.utils import save_embeddings
+        from dmlkit.training.trainer import embed_run
 
-        if split not in ("train", "val", "test"):
-            raise ConfigError(f"--split must be train, val or test, got {split!r}")
-        ckpt = find_checkpoint(checkpoint)
-        model, cfg = load_checkpoint(ckpt)
-        sets = build_datasets(cfg, (split,), data_root=data_root)
-        dataset = sets[split]
-        if dataset is None:
-            raise DataError(f"the config's class split has no {split} classes")
-        if split == "train" and cfg.data.transform is not None:
-            from dmlkit.data import get_transforms
-
-            dataset = dataset.with_transform(get_transforms(cfg.data.transform, train=False, image_size=cfg.data.image_size))
-        emb, labels = embed_split(model, dataset, cfg, device, progress=not quiet)
-        if output is None:
-            run = ckpt.parent.parent if ckpt.parent.name == "checkpoints" else ckpt.parent
-            output = run / "embeddings" / f"{split}.npz"
-        save_embeddings(output, emb, labels, indices=dataset_rows(dataset))
+        output, emb, labels, cfg = embed_run(checkpoint, split, output=output, data_root=data_root,
+                                             device=device, progress=not quiet)
         typer.echo(f"wrote {output}: {emb.shape[0]} x {emb.shape[1]} embeddings, "
                    f"{len(set(labels.tolist()))} classes ({split} split of {cfg.data.dataset})")

@@ -14,6 +14,8 @@ from dmlkit.data.datasets import (
     register_dataset,
     verify_sha256,
 )
+from dmlkit.data.pairs import load_lfw  # registers the lfw loader
+from dmlkit.data.reid import REID_DATASETS, ReidDataset  # registers the re-id loaders
 from dmlkit.data.splits import (
     ClassSplit,
     default_split,
@@ -29,9 +31,12 @@ __all__ = [
     "IMAGENET_STD",
     "IMAGE_EXTENSIONS",
     "ArrayDataset",
+    "load_lfw",
     "ClassSplit",
     "ImageFileDataset",
     "MetricDataset",
+    "REID_DATASETS",
+    "ReidDataset",
     "default_split",
     "fold_split",
     "get_transforms",

@@ -35,7 +35,7 @@ from torch.utils.data import Dataset
 
 from dmlkit.exceptions import DataError, ShapeError
 
-__all__ = ["ArrayDataset", "ImageFileDataset", "MetricDataset", "load_image"]
+__all__ = ["HIGH_DEPTH_MODES", "ArrayDataset", "ImageFileDataset", "MetricDataset", "load_image", "to_8bit"]
 
 Transform = Callable[[Any], Any]
 
@@ -226,8 +226,8 @@ class MetricDataset(Dataset):
 class ArrayDataset(MetricDataset):
     """Samples held in memory in one NumPy array.
 
-    ``kind="image"``: ``data`` is ``(N, H, W)`` (grayscale) or ``(N, H, W, C)`` uint8 (or bool /
-    float in ``[0, 1]``); a transform receives a PIL image, and without a transform ``ds[i]`` is
+    ``kind="image"``: ``data`` is ``(N, H, W)`` (grayscale) or ``(N, H, W, C)`` uint8 (or uint16,
+    scaled by ``1 / 65535``, bool, or float in ``[0, 1]``); a transform receives a PIL image, and without a transform ``ds[i]`` is
     a float tensor ``(C, H, W)`` in ``[0, 1]``. Bool images stay bool in memory (True = 255)
     and are converted per sample; ``invert=True`` flips the pixel values (``255 - x``), e.g.
     for Omniglot whose files store True for the background.
@@ -259,8 +259,8 @@ class ArrayDataset(MetricDataset):
         if self.kind == "features":
             return torch.from_numpy(np.asarray(x, dtype=np.float32))
         arr = np.asarray(x)
-        t = torch.from_numpy(arr.astype(np.float32) / 255.0 if arr.dtype == np.uint8
-                             else arr.astype(np.float32))
+        scale = {np.dtype(np.uint8): 255.0, np.dtype(np.uint16): 65535.0}.get(arr.dtype, 1.0)
+        t = torch.from_numpy(arr.astype(np.float32) / np.float32(scale))
         return t.unsqueeze(0) if t.ndim == 2 else t.permute(2, 0, 1).contiguous()
 
     def _raw(self, row: int) -> Any:
@@ -290,7 +290,9 @@ class ArrayDataset(MetricDataset):
         arr = np.asarray(x)
         if self.kind == "features":
             raise DataError("a feature dataset has no images to show; use the image dataset")
-        if arr.dtype != np.uint8:
+        if arr.dtype == np.uint16:  # 16-bit images: scale the full range, never clip
+            arr = np.rint(arr / 257.0).astype(np.uint8)
+        elif arr.dtype != np.uint8:
             arr = np.clip(arr * 255.0, 0, 255).astype(np.uint8)
         if arr.ndim == 3 and arr.shape[2] == 1:
             arr = arr[:, :, 0]
@@ -313,9 +315,53 @@ class ArrayDataset(MetricDataset):
 
 
 # -- image files -----------------------------------------------------------------------------
+#: PIL modes with more than 8 bits per sample; ``Image.convert("L"/"RGB")`` *clips* them
+#: (a 16-bit PNG becomes almost solid white, a float image in [0, 1] black).
+HIGH_DEPTH_MODES = ("I;16", "I;16L", "I;16B", "I;16N", "I", "F")
+#: Fewer 8-bit grey levels than this from a non-constant source counts as "blank".
+_MIN_LEVELS = 4
+
+
+def to_8bit(img: Any, source: str | os.PathLike | None = None):
+    """A high-bit-depth PIL image (:data:`HIGH_DEPTH_MODES`) as 8-bit ``"L"``, by *scaling*.
+
+    Integer modes (16-bit PNG/TIFF: ``I;16``; ``I``) must hold values in ``[0, 65535]`` and are
+    scaled by ``255 / 65535`` (the full 16-bit range maps to the full 8-bit range, as OpenCV
+    and torchvision's ``decode_png`` do); float images (``F``) must lie in ``[0, 1]`` and are
+    scaled by 255. Other modes are returned unchanged. Raises :class:`DataError` (never returns
+    a blank image) when values fall outside that range, or when a non-constant image would keep
+    fewer than 4 grey levels (e.g. a 16-bit file using only values 0..700).
+    """
+    from PIL import Image
+
+    mode = getattr(img, "mode", None)
+    if not isinstance(mode, str) or not (mode in HIGH_DEPTH_MODES or mode.startswith("I;")):
+        return img
+    name = f"image {source}" if source is not None else "the image"
+    arr = np.asarray(img)
+    if arr.dtype.kind == "f":
+        lo, hi, top = float(np.nanmin(arr)), float(np.nanmax(arr)), 1.0
+        if not np.isfinite(arr).all() or lo < 0.0 or hi > 1.0:
+            raise DataError(f"{name} is a float image (mode F) with values outside [0, 1] (or NaN): "
+                            "rescale it to [0, 1] or save it as 8- or 16-bit")
+    else:
+        lo, hi, top = int(arr.min()), int(arr.max()), 65535.0
+        if lo < 0 or hi > 65535:
+            raise DataError(f"{name} ({img.mode}) holds values {lo}..{hi} outside the 16-bit range "
+                            "0..65535: rescale it or save it as an 8- or 16-bit image")
+    out = np.rint(arr.astype(np.float64) * (255.0 / top)).astype(np.uint8)
+    if hi > lo and int(out.max()) - int(out.min()) < _MIN_LEVELS:
+        raise DataError(
+            f"{name} ({img.mode}) uses only values {lo:g}..{hi:g} of 0..{top:g}: scaled to 8 bits it "
+            "would be blank; stretch it to the full range (or convert it to 8-bit) before training"
+        )
+    return Image.fromarray(out, mode="L")
+
+
 def load_image(path: str | os.PathLike, mode: str | None = "RGB"):
     """Open an image with PIL, fully decoded, converted to ``mode`` (``None``: keep).
 
+    16-bit and float images are scaled to 8 bits first (:func:`to_8bit`), never clipped.
     Raises :class:`DataError` naming the file when it is missing, truncated or not an image.
     """
     from PIL import Image, UnidentifiedImageError
@@ -323,7 +369,11 @@ def load_image(path: str | os.PathLike, mode: str | None = "RGB"):
     try:
         with Image.open(path) as img:
             img.load()
-            out = img.convert(mode) if mode is not None and img.mode != mode else img.copy()
+            out = to_8bit(img, path)
+            if out is img:
+                out = img.convert(mode) if mode is not None and img.mode != mode else img.copy()
+            elif mode is not None and out.mode != mode:
+                out = out.convert(mode)
     except FileNotFoundError as exc:
         raise DataError(f"image file not found: {path}") from exc
     except (UnidentifiedImageError, Image.DecompressionBombError, OSError, ValueError,

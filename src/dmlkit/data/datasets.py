@@ -14,6 +14,7 @@ carries give the literature's split (:func:`dmlkit.data.default_split`).
 | ``sop`` | ``Stanford_Online_Products/{Ebay_train.txt,Ebay_test.txt,*_final/}`` | 11,318 / 11,316 |
 | ``inshop`` | ``InShop/{list_eval_partition.txt or Eval/list_eval_partition.txt, img/}`` | 3,997 / 3,985 (query / gallery) |
 | ``image_folder`` | ``root/<class>/<image>`` | first half / second half |
+| ``lfw`` | ``lfw/<Name>/<Name>_0001.jpg`` (or a flat folder); pair lists: :mod:`dmlkit.data.pairs` | first half / second half |
 | ``csv`` | a CSV file ``path,label[,split]`` | the split column, else halves |
 
 ``root`` defaults to :func:`dmlkit.utils.data_root` (``--data-root`` > ``$DMLKIT_DATA`` >
@@ -663,6 +664,8 @@ def load_image_folder(root: str | os.PathLike | None = None, download: bool = Fa
     return ImageFileDataset(paths, labels, mode=mode, class_names=names, transform=transform,
                             name=f"image_folder:{folder.name}", skip_corrupt=skip_corrupt,
                             meta={"root": str(folder)})
+
+
 
 
 @register_dataset("csv")

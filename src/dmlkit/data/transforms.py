@@ -19,7 +19,8 @@ faces): optional resize, a small random affine jitter for training, tensor in ``
 standardised with ``mean = std = 0.5`` (so values lie in ``[-1, 1]``).
 ``none`` returns ``None``: the dataset's default tensor conversion.
 
-All presets accept PIL images of any mode (converted to RGB or L first) and have a stable
+All presets accept PIL images of any mode (converted to RGB or L first; 16-bit and float
+images are scaled to 8 bits by :func:`dmlkit.data.base.to_8bit`, not clipped) and have a stable
 ``repr`` used by the feature cache.
 """
 
@@ -27,6 +28,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from dmlkit.data.base import to_8bit
 from dmlkit.exceptions import ConfigError
 
 __all__ = ["IMAGENET_MEAN", "IMAGENET_STD", "PRESETS", "ToMode", "get_transforms"]
@@ -43,6 +45,7 @@ class ToMode:
         self.mode = mode
 
     def __call__(self, img: Any) -> Any:
+        img = to_8bit(img)  # 16-bit / float images are scaled, never clipped to white
         return img if getattr(img, "mode", self.mode) == self.mode else img.convert(self.mode)
 
     def __repr__(self) -> str:

@@ -1,24 +1,100 @@
 """Metric learning losses, one module per family; see :mod:`dmlkit.losses.base`.
 
-Every loss registered with :func:`register_loss` is importable from here by class name and
-constructible by config name with :func:`get_loss`.
+Every loss is registered by its config name (:func:`get_loss`, ``LOSSES``) and importable from
+here by class name. The modules:
+
+* :mod:`~dmlkit.losses.base` - ``BaseLoss``, ``ProxyLoss``, the registry;
+* :mod:`~dmlkit.losses._pairs` - the helpers the losses and miners share (label masks,
+  miner-index conversion, the masked log-sum-exp, scale-safe normalisation);
+* :mod:`~dmlkit.losses.pair_losses` - contrastive, cosine similarity, lifted structure,
+  margin, circle;
+* :mod:`~dmlkit.losses.triplet_losses` - triplet margin, angular, N-pairs, tuplet margin;
+* :mod:`~dmlkit.losses.pair_weighting_losses` - multi-similarity, NT-Xent, SupCon, SNR
+  contrastive, NCA, distance-based logistic, ranked list, coupled clusters (formerly
+  ``ranking_losses``, still importable under that name with a deprecation warning);
+* :mod:`~dmlkit.losses.fastap`, :mod:`~dmlkit.losses.prototypical`;
+* :mod:`~dmlkit.losses.classification_losses` - softmax, normalised softmax, SphereFace,
+  CosFace, ArcFace; :mod:`~dmlkit.losses.proxy_losses` - ProxyNCA, ProxyAnchor, SoftTriple;
+* :mod:`~dmlkit.losses.combined` - a weighted sum of losses;
+* :mod:`~dmlkit.losses.cross_batch_memory` - the cross-batch memory wrapper.
 """
 
 from __future__ import annotations
 
-import importlib
-import pkgutil
+from dmlkit.losses.base import LOSSES, BaseLoss, ProxyLoss, get_loss, register_loss
+from dmlkit.losses.classification_losses import (
+    ArcFaceLoss,
+    CosFaceLoss,
+    LargeMarginSoftmaxLoss,
+    NormalizedSoftmaxLoss,
+    SoftmaxLoss,
+    SphereFaceLoss,
+)
+from dmlkit.losses.combined import CombinedLoss
+from dmlkit.losses.cross_batch_memory import CrossBatchMemory
+from dmlkit.losses.fastap import FastAPLoss
+from dmlkit.losses.pair_losses import (
+    CircleLoss,
+    ContrastiveLoss,
+    CosineSimilarityLoss,
+    GeneralizedLiftedStructureLoss,
+    LiftedStructureLoss,
+    MarginLoss,
+)
+from dmlkit.losses.pair_weighting_losses import (
+    CoupledClustersLoss,
+    DistanceLogisticLoss,
+    MultiSimilarityLoss,
+    NCALoss,
+    NTXentLoss,
+    RankedListLoss,
+    SNRContrastiveLoss,
+    SupConLoss,
+)
+from dmlkit.losses.prototypical import PrototypicalLoss
+from dmlkit.losses.proxy_losses import ProxyAnchorLoss, ProxyNCALoss, SoftTripleLoss
+from dmlkit.losses.triplet_losses import (
+    AngularLoss,
+    NPairsLoss,
+    TripletMarginLoss,
+    TupletMarginLoss,
+)
 
-from dmlkit.losses.base import LOSSES, BaseLoss, ProxyLoss, get_loss, register_loss  # noqa: F401
-from dmlkit.losses.cross_batch_memory import CrossBatchMemory  # noqa: F401
-
-
-def _import_all() -> None:
-    for info in pkgutil.iter_modules(__path__):
-        if not info.name.startswith("_") and info.name != "base":
-            importlib.import_module(f"{__name__}.{info.name}")
-
-
-_import_all()
-globals().update({cls.__name__: cls for cls in LOSSES.values()})
-__all__ = sorted({"LOSSES", "BaseLoss", "CrossBatchMemory", "ProxyLoss", "get_loss", "register_loss"} | {c.__name__ for c in LOSSES.values()})
+__all__ = [
+    "LOSSES",
+    "AngularLoss",
+    "ArcFaceLoss",
+    "BaseLoss",
+    "CircleLoss",
+    "CombinedLoss",
+    "ContrastiveLoss",
+    "CosFaceLoss",
+    "CosineSimilarityLoss",
+    "CoupledClustersLoss",
+    "CrossBatchMemory",
+    "DistanceLogisticLoss",
+    "FastAPLoss",
+    "GeneralizedLiftedStructureLoss",
+    "LargeMarginSoftmaxLoss",
+    "LiftedStructureLoss",
+    "MarginLoss",
+    "MultiSimilarityLoss",
+    "NCALoss",
+    "NPairsLoss",
+    "NTXentLoss",
+    "NormalizedSoftmaxLoss",
+    "PrototypicalLoss",
+    "ProxyAnchorLoss",
+    "ProxyLoss",
+    "ProxyNCALoss",
+    "RankedListLoss",
+    "SNRContrastiveLoss",
+    "SoftTripleLoss",
+    "SoftmaxLoss",
+    "SphereFaceLoss",
+    "SupConLoss",
+    "TripletMarginLoss",
+    "TupletMarginLoss",
+    "get_loss",
+    "register_loss",
+]

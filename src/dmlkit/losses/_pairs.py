@@ -17,23 +17,31 @@ Public (stable) API, used by every pair/triplet loss module:
 * :func:`pair_masks` - the masks a loss should use: from ``indices`` when given, else from labels.
 * :func:`masked_logsumexp` - ``log sum_{j: mask} exp(x_j)`` (optionally ``log(1 + ...)``) along
   a dim; rows with no selected entry give ``empty`` (default 0) with a finite (zero) gradient.
+* :func:`class_columns` - each anchor's same-class reference columns, padded, from labels alone
+  (no ``B x R`` mask), with the class ids and counts.
 * :func:`compact_mask` - the column indices of the ``True`` entries of each row, padded to the
   largest row count, with a validity mask (e.g. the positives of each anchor).
 * :func:`compute_dtype` / :func:`upcast` - losses compute in float32 when given half precision
   (bfloat16/float16) so that sums, cumulative sums and ``acos`` stay accurate.
 * :func:`as_distance` - a "larger is farther" view of a distance/similarity matrix.
+* :func:`safe_norm` / :func:`safe_normalize` - L2 norm and normalisation that neither overflow
+  nor underflow anywhere in the float32 range (direct where the norms are moderate, else
+  rescaled; ``safe_normalize`` then defers to :func:`dmlkit.validation.safe_normalize`, the
+  one the distances use); :func:`pair_matrix` - the distance matrix a loss uses.
 """
 
 from __future__ import annotations
 
 import torch
 
+from dmlkit import validation
 from dmlkit.distances import BaseDistance
 from dmlkit.exceptions import ShapeError
 
 __all__ = [
     "as_distance",
     "check_indices",
+    "class_columns",
     "compact_mask",
     "compute_dtype",
     "indices_kind",
@@ -41,6 +49,9 @@ __all__ = [
     "label_masks",
     "masked_logsumexp",
     "pair_masks",
+    "pair_matrix",
+    "safe_norm",
+    "safe_normalize",
     "to_pair_indices",
     "upcast",
 ]
@@ -58,25 +69,95 @@ def upcast(x: torch.Tensor) -> torch.Tensor:
     return x.to(compute_dtype(x.dtype))
 
 
+#: Norms in ``[2^-60, 2^60]`` are computed directly (their squares cannot overflow or lose
+#: precision to underflow in float32); anything else takes the rescaled path.
+_DIRECT_NORM_RANGE = (2.0**-60, 2.0**60)
+
+
+def _row_scale(x: torch.Tensor, dim: int) -> torch.Tensor:
+    """``max_j |x_j|`` along ``dim`` (kept), detached, with 1 where it is 0 or not finite."""
+    scale = x.detach().abs().amax(dim=dim, keepdim=True)
+    return torch.where((scale > 0) & torch.isfinite(scale), scale, torch.ones_like(scale))
+
+
+def _direct_ok(norm: torch.Tensor) -> bool:
+    low, high = _DIRECT_NORM_RANGE
+    return bool(((norm >= low) & (norm <= high)).all())
+
+
+def safe_norm(x: torch.Tensor, dim: int = -1, keepdim: bool = False) -> torch.Tensor:
+    """``||x||_2`` along ``dim`` without overflow or underflow.
+
+    ``torch.linalg.vector_norm`` squares the entries, so it returns ``inf`` for float32 rows of
+    magnitude ``1e19`` and loses all precision below ``1e-19``. When every norm lies in
+    ``[2^-60, 2^60]`` the direct norm is exact and is returned (one extra check, no extra
+    pass); otherwise ``c ||x / c||`` with ``c = max |x_j|`` (detached): the norm is
+    1-homogeneous, so value and gradient are those of the norm.
+    """
+    norm = torch.linalg.vector_norm(x, dim=dim, keepdim=True)
+    if x.numel() and not _direct_ok(norm.detach()):
+        scale = _row_scale(x, dim)
+        norm = torch.linalg.vector_norm(x / scale, dim=dim, keepdim=True) * scale
+    return norm if keepdim else norm.squeeze(dim)
+
+
+def safe_normalize(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
+    """``x / ||x||_2`` along ``dim``, exact across the whole float32 range.
+
+    When every norm lies in ``[2^-60, 2^60]`` this is ``x / ||x||`` computed directly (the cost
+    of ``F.normalize`` plus one check); otherwise it is
+    :func:`dmlkit.validation.safe_normalize` (rows divided by a power of two at their largest
+    entry first, the function the distances use), so ``1e-20`` and ``1e19`` embeddings give the
+    directions of unit-sized ones. All-zero rows give 0, as with ``F.normalize``.
+    """
+    if x.numel() == 0:
+        return x
+    norm = torch.linalg.vector_norm(x, dim=dim, keepdim=True)
+    if _direct_ok(norm.detach()):
+        return x / norm
+    return validation.safe_normalize(x, dim=dim)
+
+
+def pair_matrix(
+    distance: BaseDistance, embeddings: torch.Tensor, ref_emb: torch.Tensor | None = None
+) -> torch.Tensor:
+    """The ``(B, R)`` matrix ``distance(embeddings, ref_emb)`` in :func:`compute_dtype`.
+
+    Distances normalise scale-safely (:func:`dmlkit.validation.safe_normalize`), so a loss on a
+    normalising distance is scale-invariant over the float32 range; a non-normalising one
+    raises :class:`~dmlkit.exceptions.NonFiniteError` where its products would overflow.
+    """
+    return distance(upcast(embeddings), None if ref_emb is None else upcast(ref_emb))
+
+
 def as_distance(mat: torch.Tensor, distance: BaseDistance) -> torch.Tensor:
     """``mat`` if ``distance`` is a distance (smaller = closer), ``-mat`` if it is a similarity."""
     return -mat if distance.higher_is_closer else mat
 
 
 def label_masks(
-    labels: torch.Tensor, ref_labels: torch.Tensor | None = None
+    labels: torch.Tensor,
+    ref_labels: torch.Tensor | None = None,
+    *,
+    exclude_self: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Boolean ``(pos_mask, neg_mask)`` of shape ``(B, R)``.
+    """Boolean ``(pos_mask, neg_mask)`` of shape ``(B, R)``; the one label-mask helper of the
+    losses and miners.
 
     ``pos_mask[i, j]`` is True when ``labels[i] == ref_labels[j]`` and ``neg_mask`` when they
     differ. With ``ref_labels=None`` the reference set is the batch, and ``i == j`` is *not* a
     positive pair. With a separate reference set nothing is excluded (a cross-batch memory that
-    already contains the current batch should pass explicit ``indices`` instead).
+    already contains the current batch should pass explicit ``indices`` instead), unless
+    ``exclude_self=True`` (a square mask whose row ``i`` and column ``i`` are the same sample).
     """
+    if exclude_self is None:
+        exclude_self = ref_labels is None
     ref = labels if ref_labels is None else ref_labels
     same = labels.unsqueeze(1) == ref.unsqueeze(0)
     neg = ~same
-    if ref_labels is None:
+    if exclude_self:
+        if same.shape[0] != same.shape[1]:
+            raise ShapeError("exclude_self needs a square mask (the batch as its own reference)")
         same.fill_diagonal_(False)
     return same, neg
 
@@ -175,20 +256,52 @@ def masked_logsumexp(
 ) -> torch.Tensor:
     """``log(sum_{j: mask_j} exp(x_j))`` along ``dim`` (``log(1 + sum ...)`` with ``add_one``).
 
-    Stable (log-sum-exp with the max subtracted, via :func:`torch.logsumexp`), and safe for
-    rows where ``mask`` selects nothing: those rows give ``empty`` (or ``0 = log 1`` with
-    ``add_one``), and their gradient is exactly zero rather than NaN. Masked-out entries get
-    zero gradient. ``x`` and ``mask`` must broadcast to the same shape.
+    The one masked log-sum-exp of the losses and miners. Stable (the selected maximum, detached,
+    is subtracted before ``exp``), and safe for slices where ``mask`` selects nothing: those
+    give ``empty`` (or ``0 = log 1`` with ``add_one``) with an exactly zero gradient, never NaN.
+    Masked-out entries get zero gradient. ``exp`` is never evaluated on filler values: the
+    shifted masked-out entries are set to 0 before ``exp`` and zeroed after it, which avoids
+    the slow underflow path of vectorised ``exp`` (3-10x faster on CPU than ``logsumexp`` over
+    ``finfo.min`` fillers for half-empty masks) and can never produce ``inf * 0``.
+    ``x`` and ``mask`` must broadcast to the same shape.
     """
     x, mask = torch.broadcast_tensors(x, mask)
-    filler = torch.finfo(x.dtype).min
-    out = torch.logsumexp(torch.where(mask, x, filler), dim=dim, keepdim=True)
+    off = ~mask
+    m = x.detach().masked_fill(off, float("-inf")).amax(dim, keepdim=True)
+    nonempty = m > float("-inf")
+    m = m.clamp_min(0) if add_one else torch.where(nonempty, m, torch.zeros_like(m))
+    s = torch.exp((x - m).masked_fill(off, 0)).masked_fill(off, 0).sum(dim, keepdim=True)
     if add_one:
-        # log(1 + sum exp x) = logaddexp(LSE, 0); an empty row has LSE ~ finfo.min -> exactly 0
-        out = torch.logaddexp(out, torch.zeros((), dtype=out.dtype, device=out.device))
+        s = s + torch.exp(-m)
     else:
-        out = out.masked_fill(~mask.any(dim=dim, keepdim=True), empty)
+        s = torch.where(nonempty, s, torch.ones_like(s))
+    out = torch.log(s) + m
+    if not add_one and empty != 0.0:
+        out = out.masked_fill(~nonempty, empty)
     return out if keepdim else out.squeeze(dim)
+
+
+def class_columns(
+    labels: torch.Tensor, ref_labels: torch.Tensor, same_set: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """For each anchor, the reference columns of its class, padded: ``(cols, valid)`` of shape
+    ``(B, max class size)``, plus the class ids of anchors/references and the class counts.
+
+    ``O(B x max class size)`` memory; the anchor's own column is invalid when ``same_set``.
+    """
+    classes, inverse = torch.unique(torch.cat([labels, ref_labels]), return_inverse=True)
+    cls_q, cls_r = inverse[: len(labels)], inverse[len(labels) :]
+    counts = torch.bincount(cls_r, minlength=len(classes))
+    order = torch.argsort(cls_r, stable=True)
+    starts = torch.cumsum(counts, 0) - counts
+    width = max(int(counts.max()), 1)
+    slot = torch.arange(width, device=labels.device)
+    table = order[(starts.unsqueeze(1) + slot).clamp_max(len(cls_r) - 1)]  # (K, width)
+    table_valid = slot < counts.unsqueeze(1)
+    cols, valid = table[cls_q], table_valid[cls_q]
+    if same_set:
+        valid &= cols != torch.arange(len(labels), device=labels.device).unsqueeze(1)
+    return cols, valid, cls_q, cls_r, counts
 
 
 def compact_mask(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -10,6 +10,13 @@ Calling convention (``../design.md``)::
   ``ref_labels`` are given (cross-batch memory).
 * A batch with no valid pair/triplet returns a zero that still has a gradient (``0 * sum``)
   and increments :attr:`BaseLoss.num_empty_batches`.
+* Every loss computes in float32 (float64 inputs stay float64): half-precision inputs are
+  upcast and autocast is disabled inside :meth:`BaseLoss.forward`, so under
+  ``torch.autocast(dtype=torch.bfloat16)`` the matrices, log-sum-exps and the returned loss
+  are float32; the gradient flows back to the half-precision embeddings in their own dtype.
+* A loss that is not finite on finite inputs (only possible when the embeddings overflow a
+  float32 computation, e.g. raw squared distances of ``1e19``-sized vectors) raises
+  :class:`~dmlkit.exceptions.NonFiniteError` instead of returning NaN/inf to the optimiser.
 * Classification/proxy losses subclass :class:`ProxyLoss`: they take ``num_classes`` and
   ``embedding_size``, own their parameters (``loss.parameters()``) so the trainer can give
   them their own optimiser/learning rate, and expect labels in ``[0, num_classes)``.
@@ -18,13 +25,15 @@ Calling convention (``../design.md``)::
 from __future__ import annotations
 
 from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from typing import TypeVar
 
 import torch
 from torch import nn
 
-from dmlkit.distances import BaseDistance, get_distance
-from dmlkit.exceptions import NonFiniteError, ShapeError
+from dmlkit.distances import BaseDistance, CosineSimilarity, get_distance
+from dmlkit.exceptions import ConfigError, NonFiniteError, ShapeError
+from dmlkit.losses._pairs import upcast
 from dmlkit.utils import registering
 
 __all__ = ["LOSSES", "BaseLoss", "ProxyLoss", "get_loss", "register_loss"]
@@ -39,14 +48,15 @@ def register_loss(*names: str) -> Callable[[_T], _T]:
 
 
 def get_loss(name: str, **kwargs) -> BaseLoss:
-    """Instantiate a registered loss by name, e.g. ``get_loss("triplet", margin=0.1)``."""
-    from dmlkit.losses import _import_all
+    """Instantiate a registered loss by name, e.g. ``get_loss("triplet", margin=0.1)``.
 
-    _import_all()
+    Every loss module is imported by :mod:`dmlkit.losses` (which runs before this module), so
+    the registry is complete. An unknown name raises :class:`~dmlkit.exceptions.ConfigError`.
+    """
     try:
         cls = LOSSES[name]
-    except KeyError:
-        raise ValueError(f"unknown loss {name!r}; available: {sorted(LOSSES)}") from None
+    except (KeyError, TypeError):
+        raise ConfigError(f"unknown loss {name!r}; available: {sorted(LOSSES)}") from None
     return cls(**kwargs)
 
 
@@ -63,8 +73,6 @@ class BaseLoss(nn.Module):
 
     @staticmethod
     def default_distance() -> BaseDistance:
-        from dmlkit.distances import CosineSimilarity
-
         return CosineSimilarity()
 
     def forward(
@@ -80,7 +88,16 @@ class BaseLoss(nn.Module):
             raise ShapeError("pass both ref_emb and ref_labels, or neither")
         if ref_emb is not None:
             check_inputs(ref_emb, ref_labels, name="ref_emb")
-        return self.compute(embeddings, labels, indices, ref_emb, ref_labels)
+        with full_precision(embeddings):
+            loss = self.compute(
+                upcast(embeddings),
+                labels,
+                indices,
+                None if ref_emb is None else upcast(ref_emb),
+                ref_labels,
+            )
+        check_finite_loss(self, loss, embeddings, ref_emb)
+        return loss
 
     def compute(
         self,
@@ -130,6 +147,38 @@ class ProxyLoss(BaseLoss):
                 f"[{int(labels.min())}, {int(labels.max())}]: remap labels to contiguous ids"
             )
         return super().forward(embeddings, labels, indices, ref_emb, ref_labels)
+
+
+def full_precision(x: torch.Tensor) -> AbstractContextManager:
+    """A context that disables autocast for ``x``'s device while it is enabled (else a no-op),
+    so that matrix products inside a loss are not silently computed in bfloat16/float16."""
+    device = x.device.type
+    try:
+        enabled = torch.is_autocast_enabled(device)
+    except (RuntimeError, TypeError):  # a device type autocast does not know
+        return nullcontext()
+    return torch.autocast(device_type=device, enabled=False) if enabled else nullcontext()
+
+
+def check_finite_loss(
+    loss_fn: nn.Module, loss: torch.Tensor, embeddings: torch.Tensor, ref_emb: torch.Tensor | None
+) -> None:
+    """Raise :class:`~dmlkit.exceptions.NonFiniteError` if ``loss`` is NaN or infinite.
+
+    Inputs were checked to be finite, so a non-finite loss means that the embeddings (or the
+    loss's own parameters) overflow its float32 computation: training on it would be garbage.
+    """
+    if bool(torch.isfinite(loss).all()):
+        return
+    largest = float(embeddings.detach().abs().max()) if embeddings.numel() else 0.0
+    if ref_emb is not None and ref_emb.numel():
+        largest = max(largest, float(ref_emb.detach().abs().max()))
+    raise NonFiniteError(
+        f"{type(loss_fn).__name__} is {float(loss.detach().float().flatten()[0])} on finite "
+        f"embeddings (largest |value| {largest:.3g}): its {loss.dtype} computation overflowed. "
+        "L2-normalise the embeddings (a distance with normalize_embeddings=True), lower the "
+        "learning rate or the loss's scale, or check the model's output"
+    )
 
 
 def check_inputs(embeddings: torch.Tensor, labels: torch.Tensor, name: str = "embeddings") -> None:

@@ -23,14 +23,14 @@ inputs are kept in float64 (for gradient checks).
 from __future__ import annotations
 
 import math
-from contextlib import AbstractContextManager
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from dmlkit.exceptions import ConfigError
-from dmlkit.losses.base import ProxyLoss, register_loss
+from dmlkit.losses._pairs import safe_norm, safe_normalize
+from dmlkit.losses.base import ProxyLoss, full_precision, register_loss
 
 __all__ = [
     "ArcFaceLoss",
@@ -54,11 +54,6 @@ def compute_dtype(*tensors: torch.Tensor) -> torch.dtype:
     return dtype
 
 
-def full_precision(x: torch.Tensor) -> AbstractContextManager:
-    """Disable autocast for the loss body so logits are not silently computed in bf16/fp16."""
-    return torch.autocast(device_type=x.device.type, enabled=False)
-
-
 def reject_pairs_and_refs(loss: nn.Module, indices, ref_emb) -> None:
     """Classification/proxy losses use neither a miner's indices nor a reference set."""
     name = type(loss).__name__
@@ -76,7 +71,7 @@ def reject_pairs_and_refs(loss: nn.Module, indices, ref_emb) -> None:
 
 def cosine_to_rows(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """``(B, C)`` cosine similarities between the rows of ``x`` and the rows of ``weight``."""
-    return F.normalize(x, dim=1) @ F.normalize(weight, dim=1).T
+    return safe_normalize(x, dim=1) @ safe_normalize(weight, dim=1).T
 
 
 def _logits_cross_entropy(loss, embeddings, labels, indices, ref_emb) -> torch.Tensor:
@@ -287,7 +282,7 @@ class LargeMarginSoftmaxLoss(ProxyLoss):
 
     def _scale(self, logits: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         if self.feature_norm_scale:
-            return logits * (self.scale * x.norm(dim=1, keepdim=True))
+            return logits * (self.scale * safe_norm(x, dim=1, keepdim=True))
         return logits * self.scale
 
     def get_logits(self, embeddings: torch.Tensor) -> torch.Tensor:

@@ -24,7 +24,7 @@ import torch
 
 from dmlkit.distances import BaseDistance, LpDistance
 from dmlkit.exceptions import ConfigError
-from dmlkit.losses._pairs import pair_masks, upcast
+from dmlkit.losses._pairs import pair_masks, pair_matrix
 from dmlkit.losses.base import BaseLoss, register_loss
 
 __all__ = ["FastAPLoss", "soft_histograms"]
@@ -102,8 +102,7 @@ class FastAPLoss(BaseLoss):
         has_pos = num_pos > 0
         if not bool(has_pos.any()):
             return self.zero_loss(embeddings)
-        ref = None if ref_emb is None else upcast(ref_emb)
-        dist = self.distance(upcast(embeddings), ref)
+        dist = pair_matrix(self.distance, embeddings, ref_emb)
         d_max = float(2**self.distance.power)
         h_pos, h_neg = soft_histograms(dist, (pos, neg & ~pos), self.num_bins, d_max)
         h_all = h_pos + h_neg

@@ -1,4 +1,5 @@
-"""Pair-based losses: contrastive, lifted structure, generalised lifted structure, margin, circle.
+"""Pair-based losses: contrastive, cosine similarity, lifted structure, generalised lifted
+structure, margin, circle.
 
 Every loss here works on the ``(B, R)`` matrix between the batch and the reference set (the
 batch itself, or ``ref_emb`` from a cross-batch memory) and boolean masks of the positive and
@@ -22,17 +23,19 @@ from dmlkit.distances import BaseDistance, CosineSimilarity, LpDistance
 from dmlkit.exceptions import ConfigError
 from dmlkit.losses._pairs import (
     check_indices,
+    class_columns,
     label_masks,
     masked_logsumexp,
     pair_masks,
+    pair_matrix,
     to_pair_indices,
-    upcast,
 )
 from dmlkit.losses.base import BaseLoss, register_loss
 
 __all__ = [
     "CircleLoss",
     "ContrastiveLoss",
+    "CosineSimilarityLoss",
     "GeneralizedLiftedStructureLoss",
     "LiftedStructureLoss",
     "MarginLoss",
@@ -42,9 +45,8 @@ __all__ = [
 def _pair_matrix(
     distance: BaseDistance, embeddings: torch.Tensor, ref_emb: torch.Tensor | None
 ) -> torch.Tensor:
-    """``(B, R)`` distance/similarity matrix, computed in float32 for half-precision inputs."""
-    emb = upcast(embeddings)
-    return distance(emb, None if ref_emb is None else upcast(ref_emb))
+    """``(B, R)`` distance/similarity matrix (float32 for half-precision inputs, scale-safe)."""
+    return pair_matrix(distance, embeddings, ref_emb)
 
 
 def _ref_labels(labels: torch.Tensor, ref_labels: torch.Tensor | None) -> torch.Tensor:
@@ -146,30 +148,120 @@ class ContrastiveLoss(BaseLoss):
         v = F.relu(v)
         return v * v if self.hinge_power == 2 else v
 
+    def _dense_negative_terms(self, mat: torch.Tensor, same: torch.Tensor) -> torch.Tensor:
+        """:meth:`_terms` of every entry of ``mat`` as a negative pair, 0 where ``same``.
+
+        Same values as ``_terms(mat, False).masked_fill(same, 0)``, but the masking and the
+        hinge work in place on the one fresh ``(B, R)`` violation tensor (neither the
+        subtraction nor the mask needs it for the backward pass), so the forward pass allocates
+        one ``(B, R)`` float tensor instead of three.
+        """
+        values = mat.pow(2) if self.distance_power == 2 else mat
+        v = _neg_violation(self.distance, values, self.neg_margin)  # a new tensor
+        v = v.masked_fill_(same, 0.0).relu_()
+        return v * v if self.hinge_power == 2 else v
+
     def _reduce(self, terms: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
         if self.reduction == "mean_nonzero":
             return _mean_nonzero(terms)
         return terms.sum() / count.clamp_min(1)
 
     def compute(self, embeddings, labels, indices, ref_emb, ref_labels):
-        mat = _pair_matrix(self.distance, embeddings, ref_emb)
         if indices is None:
-            pos_mask, neg_mask = label_masks(labels, ref_labels)
-            n_pos, n_neg = torch.count_nonzero(pos_mask), torch.count_nonzero(neg_mask)
+            same_set = ref_labels is None
+            ref_labels = labels if same_set else ref_labels
+            # the few positives of each anchor are gathered (no B x R mask for them); the
+            # negatives are the whole row with the anchor's class masked out
+            cols, valid, cls_q, cls_r, counts = class_columns(labels, ref_labels, same_set)
+            n_pos = valid.sum()
+            n_neg = (ref_labels.shape[0] - counts[cls_q]).sum()
             if int(n_pos) + int(n_neg) == 0:
                 return self.zero_loss(embeddings)
-            pos_terms = self._terms(mat[pos_mask], True)  # usually few: gather them
-            neg_terms = torch.where(neg_mask, self._terms(mat, False), 0.0)
-        else:
-            check_indices(indices, embeddings.shape[0], mat.shape[1])
-            a1, p, a2, n = to_pair_indices(indices)
-            if a1.numel() + a2.numel() == 0:
-                return self.zero_loss(embeddings)
-            pos_terms = self._terms(mat[a1, p], True)
-            neg_terms = self._terms(mat[a2, n], False)
-            n_pos = torch.tensor(a1.numel(), device=mat.device)
-            n_neg = torch.tensor(a2.numel(), device=mat.device)
+            mat = _pair_matrix(self.distance, embeddings, ref_emb)
+            pos_terms = torch.where(valid, self._terms(mat.gather(1, cols), True), 0.0)
+            same = cls_q.unsqueeze(1) == cls_r.unsqueeze(0)
+            neg_terms = self._dense_negative_terms(mat, same)
+            return self._reduce(pos_terms, n_pos) + self._reduce(neg_terms, n_neg)
+        mat = _pair_matrix(self.distance, embeddings, ref_emb)
+        check_indices(indices, embeddings.shape[0], mat.shape[1])
+        a1, p, a2, n = to_pair_indices(indices)
+        if a1.numel() + a2.numel() == 0:
+            return self.zero_loss(embeddings)
+        pos_terms = self._terms(mat[a1, p], True)
+        neg_terms = self._terms(mat[a2, n], False)
+        n_pos = torch.tensor(a1.numel(), device=mat.device)
+        n_neg = torch.tensor(a2.numel(), device=mat.device)
         return self._reduce(pos_terms, n_pos) + self._reduce(neg_terms, n_neg)
+
+
+# --------------------------------------------------------------------------------------------
+@register_loss("cosine_similarity")
+class CosineSimilarityLoss(BaseLoss):
+    r"""Cosine similarity loss: squared error between the pair's cosine and a target.
+
+    For a pair ``(x1, x2)`` with target ``y``::
+
+        L(x1, x2, y) = 1/2 (y - cos(f(x1), f(x2)))^2,   cos(u, v) = <u, v> / (|u| |v|)
+        y = 1 for a same-class pair, y = negative_target (default 0) otherwise
+        L = mean over the pairs
+
+    Seed 003 (J. Serrat, "Deep Metric Learning", the "Cosine distance" slide), with its labels
+    ``y in {1, 0}``: similar pairs are pulled to cosine 1, dissimilar ones to cosine 0
+    (orthogonal), so dissimilar pairs are not pushed to opposite directions. The loss is bounded
+    (``cos in [-1, 1]``), so no pair produces an extreme gradient. ``negative_target=-1``
+    gives ``+-1`` labels; only then is it half of the contrastive loss on cosine similarity
+    with squared hinges and margins ``pos_margin=1, neg_margin=-1`` pair by pair (the hinges
+    never clip: ``[1 - cos]_+^2 = (1 - cos)^2``, ``[cos + 1]_+^2 = (-1 - cos)^2``); a negative
+    target of 0 has no contrastive counterpart (a hinge at 0 leaves negative cosines alone).
+
+    Pairs: without ``indices`` every pair ``(i, j)``, ``i != j``, of the batch (or every
+    ``(i, j)`` against ``ref_emb``); with ``indices`` the mined pairs (a triplet gives
+    ``(a, p)`` and ``(a, n)``, duplicates kept).
+
+    Args:
+        negative_target: ``y`` of a different-class pair, in ``[-1, 1)`` (default 0, the seed's).
+        reduction: ``"mean"`` (default, over all pairs as in the seed) or ``"balanced"`` (the
+            mean of the positive-pair mean and the negative-pair mean, for batches with far
+            more negative than positive pairs).
+    """
+
+    accepts_indices = True
+
+    def __init__(self, negative_target: float = 0.0, reduction: str = "mean") -> None:
+        super().__init__(CosineSimilarity())
+        if not -1.0 <= negative_target < 1.0:
+            raise ConfigError(f"negative_target must be in [-1, 1), got {negative_target}")
+        if reduction not in ("mean", "balanced"):
+            raise ConfigError(f"reduction must be 'mean' or 'balanced', got {reduction!r}")
+        self.negative_target = float(negative_target)
+        self.reduction = reduction
+
+    def _reduce(self, pos_terms, neg_terms, n_pos, n_neg) -> torch.Tensor:
+        if self.reduction == "mean":
+            return (pos_terms.sum() + neg_terms.sum()) / (n_pos + n_neg)
+        parts = [t.sum() / n for t, n in ((pos_terms, n_pos), (neg_terms, n_neg)) if n]
+        return sum(parts[1:], parts[0]) / len(parts)
+
+    def compute(self, embeddings, labels, indices, ref_emb, ref_labels):
+        if indices is None:
+            pos_mask, neg_mask = label_masks(labels, ref_labels)
+            n_pos, n_neg = int(pos_mask.sum()), int(neg_mask.sum())
+            if n_pos + n_neg == 0:
+                return self.zero_loss(embeddings)
+            cos = _pair_matrix(self.distance, embeddings, ref_emb)
+            pos_terms = torch.where(pos_mask, (1.0 - cos).pow(2) / 2, 0.0)
+            neg_terms = torch.where(neg_mask, (self.negative_target - cos).pow(2) / 2, 0.0)
+            return self._reduce(pos_terms, neg_terms, n_pos, n_neg)
+        ref = embeddings if ref_emb is None else ref_emb
+        check_indices(indices, embeddings.shape[0], ref.shape[0])
+        a1, p, a2, n = to_pair_indices(indices)
+        if a1.numel() + a2.numel() == 0:
+            return self.zero_loss(embeddings)
+        cos_p = self.distance.paired(embeddings[a1], ref[p])
+        cos_n = self.distance.paired(embeddings[a2], ref[n])
+        pos_terms = (1.0 - cos_p).pow(2) / 2
+        neg_terms = (self.negative_target - cos_n).pow(2) / 2
+        return self._reduce(pos_terms, neg_terms, a1.numel(), a2.numel())
 
 
 # --------------------------------------------------------------------------------------------

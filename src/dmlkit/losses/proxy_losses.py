@@ -19,6 +19,7 @@ from torch import nn
 
 from dmlkit.distances import BaseDistance, LpDistance
 from dmlkit.exceptions import ConfigError
+from dmlkit.losses._pairs import masked_logsumexp, pair_matrix, safe_normalize
 from dmlkit.losses.base import ProxyLoss, register_loss
 from dmlkit.losses.classification_losses import (
     _check_positive,
@@ -80,7 +81,7 @@ class ProxyNCALoss(ProxyLoss):
         """``(B, C)`` logits ``s * closeness(x_i, p_j)``."""
         dtype = compute_dtype(embeddings, self.proxies)
         with full_precision(embeddings):
-            values = self.distance(embeddings.to(dtype), self.proxies.to(dtype))
+            values = pair_matrix(self.distance, embeddings.to(dtype), self.proxies.to(dtype))
             return self.scale * self.distance.closeness(values)
 
     def _uses_unit_squared_euclidean(self) -> bool:
@@ -107,13 +108,6 @@ class ProxyNCALoss(ProxyLoss):
             positive = logits.gather(1, labels[:, None]).squeeze(1)
             others = logits.scatter(1, labels[:, None], float("-inf"))
             return (torch.logsumexp(others, dim=1) - positive).mean()
-
-
-def _log1p_sum_exp(logits: torch.Tensor, mask: torch.Tensor, dim: int) -> torch.Tensor:
-    """``log(1 + sum_{mask} exp(logits))`` along ``dim`` by log-sum-exp (0 where mask is empty)."""
-    masked = logits.masked_fill(~mask, float("-inf"))
-    zeros = torch.zeros_like(masked.narrow(dim, 0, 1))
-    return torch.logsumexp(torch.cat([masked, zeros], dim=dim), dim=dim)
 
 
 @register_loss("proxy_anchor")
@@ -165,10 +159,10 @@ class ProxyAnchorLoss(ProxyLoss):
             return self.zero_loss(embeddings)
         dtype = compute_dtype(embeddings, self.proxies)
         with full_precision(embeddings):
-            sim = self.distance(embeddings.to(dtype), self.proxies.to(dtype))  # (B, C)
+            sim = pair_matrix(self.distance, embeddings.to(dtype), self.proxies.to(dtype))
             pos_mask = F.one_hot(labels, self.num_classes).bool()
-            pos_term = _log1p_sum_exp(-self.alpha * (sim - self.margin), pos_mask, dim=0)
-            neg_term = _log1p_sum_exp(self.alpha * (sim + self.margin), ~pos_mask, dim=0)
+            pos_term = masked_logsumexp(-self.alpha * (sim - self.margin), pos_mask, dim=0, add_one=True)
+            neg_term = masked_logsumexp(self.alpha * (sim + self.margin), ~pos_mask, dim=0, add_one=True)
             num_with_pos = pos_mask.any(0).sum()
             # pos_term is exactly 0 for proxies without positives, so the plain sum is right.
             return pos_term.sum() / num_with_pos + neg_term.sum() / self.num_classes
@@ -239,7 +233,7 @@ class SoftTripleLoss(ProxyLoss):
     def regularizer(self) -> torch.Tensor:
         """``R``: mean distance between the centres of the same class (0 when ``K = 1``)."""
         k = self.centers_per_class
-        centers = F.normalize(self.centers.to(compute_dtype(self.centers)), dim=1)
+        centers = safe_normalize(self.centers.to(compute_dtype(self.centers)), dim=1)
         if k == 1:
             return centers.sum() * 0
         centers = centers.view(self.num_classes, k, -1)

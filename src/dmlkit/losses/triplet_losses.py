@@ -33,6 +33,8 @@ from dmlkit.losses._pairs import (
     label_masks,
     masked_logsumexp,
     pair_masks,
+    pair_matrix,
+    safe_normalize,
     to_pair_indices,
     upcast,
 )
@@ -47,7 +49,7 @@ SORT_ABOVE_POSITIVES = 8
 
 
 def _matrix(distance: BaseDistance, embeddings: torch.Tensor, ref_emb: torch.Tensor | None):
-    return distance(upcast(embeddings), None if ref_emb is None else upcast(ref_emb))
+    return pair_matrix(distance, embeddings, ref_emb)
 
 
 def _blocks(n: int, per_item: int) -> list[tuple[int, int]]:
@@ -57,7 +59,11 @@ def _blocks(n: int, per_item: int) -> list[tuple[int, int]]:
 
 def _maybe_checkpoint(fn, *args, single_block: bool = False):
     """``fn(*args)``, checkpointed (recomputed in backward) unless it is the only block."""
-    if not single_block and torch.is_grad_enabled() and any(a.requires_grad for a in args):
+    if (
+        not single_block
+        and torch.is_grad_enabled()
+        and any(a is not None and a.requires_grad for a in args)
+    ):
         return checkpoint(fn, *args, use_reentrant=False)
     return fn(*args)
 
@@ -89,21 +95,27 @@ def blocked_triplet_sums(
     neg_mask: torch.Tensor,
     margin: float,
     soft: bool = True,
+    swap_dist: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-anchor ``sum_{p, n} l(d_ap - d_an + m)`` and the count of non-zero terms, with
     ``l = softplus`` (``soft``) or ``relu``.
 
     Blocks of anchors over ``(block, K, R)`` with ``K`` the largest number of positives of an
     anchor; when there is more than one block each is checkpointed so that the backward pass
-    recomputes it and memory stays ``O(B R + block)``.
+    recomputes it and memory stays ``O(B R + block)``. With ``swap_dist`` (the ``(R, R)``
+    reference-to-reference matrix, larger = farther) ``d_an`` is replaced by
+    ``min(d_an, d_pn)`` (the anchor swap of Balntas et al. 2016).
     """
     term = F.softplus if soft else F.relu
     cols, valid = compact_mask(pos_mask)
     d_pos = dist.gather(1, cols)  # (B, K)
     k, r = cols.shape[1], dist.shape[1]
 
-    def block(dp, dn, v, nm):
-        x = dp.unsqueeze(2) - dn.unsqueeze(1) + margin
+    def block(dp, dn, sd, c, v, nm):
+        dn = dn.unsqueeze(1)
+        if sd is not None:
+            dn = torch.minimum(dn, sd[c])  # (block, K, R): d_pn of each positive
+        x = dp.unsqueeze(2) - dn + margin
         keep = v.unsqueeze(2) & nm.unsqueeze(1)
         terms = torch.where(keep, term(x), 0.0)
         return terms.sum((1, 2)), torch.count_nonzero(terms, dim=(1, 2))  # terms >= 0
@@ -112,9 +124,10 @@ def blocked_triplet_sums(
     blocks = _blocks(dist.shape[0], k * r)
     for s, e in blocks:
         out_sum, out_count = _maybe_checkpoint(
-            lambda dp, dn, s=s, e=e: block(dp, dn, valid[s:e], neg_mask[s:e]),
+            lambda dp, dn, sd, s=s, e=e: block(dp, dn, sd, cols[s:e], valid[s:e], neg_mask[s:e]),
             d_pos[s:e],
             dist[s:e],
+            swap_dist,
             single_block=len(blocks) == 1,
         )
         sums.append(out_sum)
@@ -147,10 +160,23 @@ class TripletMarginLoss(BaseLoss):
     ``(a, p)`` is a mined positive and ``(a, n)`` a mined negative pair; with triplet
     ``indices`` exactly those triplets.
 
+    Anchor swap (``swap=True``; Balntas, Riba, Ponsa, Mikolajczyk, "Learning local feature
+    descriptors with triplets and shallow convolutional neural networks", BMVC 2016): the
+    negative's distance is the smaller of ``d_an`` and ``d_pn`` (the positive acts as the
+    anchor when it is closer to the negative)::
+
+        l = [d_ap - min(d_an, d_pn) + m]_+        (for a similarity: max(s_an, s_pn))
+
+    ``d_pn`` is measured between the positive and the negative in the reference set (with
+    ``ref_emb`` both come from it). With ``reduction="batch_hard"`` and no triplet indices the
+    swap is applied to each anchor's hardest positive and hardest negative (as
+    pytorch-metric-learning's batch-hard miner followed by its swapped loss). The swapped all-triplets hinge uses the blocked path
+    (``O(block x K x R)`` memory) instead of the sorting path.
+
     Defaults: ``margin = 0.2`` (FaceNet), Euclidean distance on L2-normalised embeddings
     (``distance=LpDistance()``; ``LpDistance(power=2)`` for FaceNet's squared distance).
-    pml equivalent: ``pml.losses.TripletMarginLoss(margin=m, smooth_loss=soft_margin)`` with
-    its default ``AvgNonZeroReducer`` = ``reduction="batch_all_nonzero"``.
+    pml equivalent: ``pml.losses.TripletMarginLoss(margin=m, swap=swap, smooth_loss=soft_margin)``
+    with its default ``AvgNonZeroReducer`` = ``reduction="batch_all_nonzero"``.
     """
 
     accepts_indices = True
@@ -161,6 +187,7 @@ class TripletMarginLoss(BaseLoss):
         distance: BaseDistance | str | None = None,
         soft_margin: bool = False,
         reduction: str = "batch_all_nonzero",
+        swap: bool = False,
     ) -> None:
         super().__init__(distance)
         if reduction not in ("batch_all", "batch_all_nonzero", "batch_hard"):
@@ -171,6 +198,7 @@ class TripletMarginLoss(BaseLoss):
         self.margin = float(margin)
         self.soft_margin = soft_margin
         self.reduction = reduction
+        self.swap = bool(swap)
 
     @staticmethod
     def default_distance() -> BaseDistance:
@@ -179,24 +207,38 @@ class TripletMarginLoss(BaseLoss):
     def _term(self, x: torch.Tensor) -> torch.Tensor:
         return F.softplus(x) if self.soft_margin else F.relu(x)
 
+    def _ref_dist(self, dist: torch.Tensor, ref_emb: torch.Tensor | None) -> torch.Tensor:
+        """The ``(R, R)`` reference-to-reference distances (larger = farther) for the swap."""
+        if ref_emb is None:
+            return dist
+        return as_distance(_matrix(self.distance, ref_emb, None), self.distance)
+
     def compute(self, embeddings, labels, indices, ref_emb, ref_labels):
         dist = as_distance(_matrix(self.distance, embeddings, ref_emb), self.distance)
         if indices is not None and indices_kind(indices) == "triplet":
-            return self._from_triplets(embeddings, dist, indices)
+            return self._from_triplets(embeddings, dist, indices, ref_emb)
         pos_mask, neg_mask = pair_masks(labels, indices, ref_labels)
         has_pos, has_neg = pos_mask.any(1), neg_mask.any(1)
         valid = has_pos & has_neg
         if not valid.any():
             return self.zero_loss(embeddings)
         if self.reduction == "batch_hard":
-            hardest_pos = dist.masked_fill(~pos_mask, float("-inf")).amax(1)
-            hardest_neg = dist.masked_fill(~neg_mask, float("inf")).amin(1)
+            hardest_pos, p_idx = dist.masked_fill(~pos_mask, float("-inf")).max(1)
+            hardest_neg, n_idx = dist.masked_fill(~neg_mask, float("inf")).min(1)
+            if self.swap:
+                d_pn = self._ref_dist(dist, ref_emb)[p_idx, n_idx]
+                hardest_neg = torch.minimum(hardest_neg, d_pn)
             terms = self._term(hardest_pos - hardest_neg + self.margin)
             return torch.where(valid, terms, 0.0).sum() / valid.sum()
         max_pos = int(torch.count_nonzero(pos_mask, dim=1).max())
-        if self.soft_margin or max_pos <= SORT_ABOVE_POSITIVES:
+        if self.swap or self.soft_margin or max_pos <= SORT_ABOVE_POSITIVES:
             sums, counts = blocked_triplet_sums(
-                dist, pos_mask, neg_mask, self.margin, soft=self.soft_margin
+                dist,
+                pos_mask,
+                neg_mask,
+                self.margin,
+                soft=self.soft_margin,
+                swap_dist=self._ref_dist(dist, ref_emb) if self.swap else None,
             )
         else:
             sums, counts = hinge_triplet_sums(dist, pos_mask, neg_mask, self.margin)
@@ -207,12 +249,17 @@ class TripletMarginLoss(BaseLoss):
             return sums.sum() / n_triplets
         return sums.sum() / counts.sum().clamp_min(1)
 
-    def _from_triplets(self, embeddings, dist, indices):
+    def _from_triplets(self, embeddings, dist, indices, ref_emb):
         check_indices(indices, embeddings.shape[0], dist.shape[1])
         a, p, n = indices
         if a.numel() == 0:
             return self.zero_loss(embeddings)
-        terms = self._term(dist[a, p] - dist[a, n] + self.margin)
+        d_an = dist[a, n]
+        if self.swap:
+            ref = embeddings if ref_emb is None else ref_emb
+            d_pn = self.distance.paired(upcast(ref[p]), upcast(ref[n]))
+            d_an = torch.minimum(d_an, as_distance(d_pn, self.distance))
+        terms = self._term(dist[a, p] - d_an + self.margin)
         if self.reduction == "batch_all":
             return terms.mean()
         if self.reduction == "batch_all_nonzero":
@@ -253,8 +300,8 @@ class AngularLoss(BaseLoss):
         self.alpha = float(alpha)
 
     def compute(self, embeddings, labels, indices, ref_emb, ref_labels):
-        x = F.normalize(upcast(embeddings), dim=1)
-        ref = x if ref_emb is None else F.normalize(upcast(ref_emb), dim=1)
+        x = safe_normalize(upcast(embeddings), dim=1)
+        ref = x if ref_emb is None else safe_normalize(upcast(ref_emb), dim=1)
         ref_lab = labels if ref_labels is None else ref_labels
         if indices is None:
             pos_mask, _ = label_masks(labels, ref_labels)
@@ -338,7 +385,7 @@ class NPairsLoss(BaseLoss):
             positives = pos_mask[anchors].to(torch.uint8).argmax(1)
         else:
             positives = p_all[first]
-        sim = self.distance(upcast(embeddings[anchors]), upcast(ref[positives]))
+        sim = pair_matrix(self.distance, embeddings[anchors], ref[positives])
         logits = sim if self.distance.higher_is_closer else -sim
         targets = torch.arange(anchors.numel(), device=logits.device)
         return F.cross_entropy(logits, targets)

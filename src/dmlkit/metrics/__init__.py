@@ -22,6 +22,7 @@ from dmlkit.metrics.evaluate import (
 )
 from dmlkit.metrics.histograms import PosNegHistograms, js_divergence, pos_neg_histograms
 from dmlkit.metrics.knn import KNNResult, exact_topk, faiss_available, knn
+from dmlkit.metrics.roc import RocCurve, fpr95, fpr_at_tpr, roc_auc, roc_curve
 
 __all__ = [
     "CLUSTERING_METRICS",
@@ -40,4 +41,10 @@ __all__ = [
     "per_class",
     "per_query",
     "pos_neg_histograms",
+    # ROC of pair scores (metrics/roc.py)
+    "RocCurve",
+    "fpr95",
+    "fpr_at_tpr",
+    "roc_auc",
+    "roc_curve",
 ]

@@ -356,3 +356,285 @@ def histogram_tile(
             total[b] += 1
             if reference_labels[c] == label:
                 positive[b] += 1
+
+
+# -- full-ranking average precision -----------------------------------------------------------
+@numba.njit(inline="always")
+def _closeness64(a: np.ndarray, b: np.ndarray, euclidean: bool) -> np.float64:
+    if euclidean:
+        acc = 0.0
+        for t in range(a.shape[0]):
+            diff = np.float64(a[t]) - np.float64(b[t])
+            acc -= diff * diff
+        return acc
+    return _dot64(a, b)
+
+
+@numba.njit(inline="always")
+def _negatives_gap(
+    v: np.float64, i: int, j: int, pos_ptr, pos_val, pos_ref, tol: np.float64, qrow, rrow, euclidean: bool
+) -> np.int64:
+    """How many of row ``i``'s positives rank above negative ``j`` of float32 closeness ``v``.
+
+    Positives are sorted by float64 closeness, descending. Those more than ``tol`` above ``v``
+    are above it whatever the float32 rounding; those within ``tol`` are compared with the
+    negative's float64 closeness (ties by the smaller reference index).
+    """
+    lo, hi = pos_ptr[i], pos_ptr[i + 1]
+    upper = v + tol
+    # first positive not certainly above: a branch-free lower bound (the comparison outcome is
+    # unpredictable, so a conditional move rather than a branch)
+    a = lo
+    n = hi - lo
+    while n > 1:
+        half = n >> 1
+        a = a + half if pos_val[a + half - 1] > upper else a
+        n -= half
+    if n == 1 and pos_val[a] > upper:
+        a += 1
+    g = a - lo
+    lower = v - tol
+    have = False
+    neg = 0.0
+    p = a
+    while p < hi and pos_val[p] >= lower:
+        if not have:
+            neg = _closeness64(qrow, rrow, euclidean)
+            have = True
+        if pos_val[p] > neg or (pos_val[p] == neg and pos_ref[p] < j):
+            g += 1
+        p += 1
+    return g
+
+
+@numba.njit(nogil=True, cache=True, boundscheck=False)
+def ap_scan_tile(
+    s: np.ndarray,
+    row0: int,
+    col0: int,
+    state0: int,
+    exclude_self: bool,
+    both: bool,
+    query_labels: np.ndarray,
+    reference_labels: np.ndarray,
+    pos_ptr: np.ndarray,
+    pos_val: np.ndarray,
+    pos_ref: np.ndarray,
+    lowest: np.ndarray,
+    gaps: np.ndarray,
+    tol: np.float64,
+    query: np.ndarray,
+    reference: np.ndarray,
+    euclidean: bool,
+) -> None:
+    """Count, for every negative of a float32 closeness tile, how many positives rank above it.
+
+    ``s[r, c]`` is the closeness of query ``row0 + r`` and reference ``col0 + c``. Row state is
+    indexed from global row ``state0``: positives of state row ``i`` are
+    ``pos_val / pos_ref[pos_ptr[i]:pos_ptr[i + 1]]`` (float64 closeness, descending; ties by
+    index), ``lowest[i]`` is the float32 below which a negative ranks after every positive (it
+    changes no precision) and ``gaps[pos_ptr[i] + g]`` counts the negatives with exactly ``g``
+    positives above. With ``both`` (a self-search tile off the diagonal) each entry also
+    counts for query ``col0 + c`` against reference ``row0 + r``.
+    """
+    nr, nc = s.shape
+    for r in range(nr):
+        gi = row0 + r
+        i = gi - state0
+        t = lowest[i]
+        label = query_labels[gi]
+        row = s[r]
+        for c in range(nc):
+            x = row[c]
+            gj = col0 + c
+            if x >= t and reference_labels[gj] != label and not (exclude_self and gi == gj):
+                g = _negatives_gap(np.float64(x), i, gj, pos_ptr, pos_val, pos_ref, tol,
+                                   query[gi], reference[gj], euclidean)
+                if g < pos_ptr[i + 1] - pos_ptr[i]:
+                    gaps[pos_ptr[i] + g] += 1
+            if both:  # the same entry for query col0 + c and reference row0 + r
+                ic = gj - state0
+                if x >= lowest[ic] and query_labels[gj] != reference_labels[gi]:
+                    g = _negatives_gap(np.float64(x), ic, gi, pos_ptr, pos_val, pos_ref, tol,
+                                       query[gj], reference[gi], euclidean)
+                    if g < pos_ptr[ic + 1] - pos_ptr[ic]:
+                        gaps[pos_ptr[ic] + g] += 1
+
+
+@numba.njit(nogil=True, cache=True, boundscheck=False)
+def ap_from_gaps(pos_ptr: np.ndarray, gaps: np.ndarray, out: np.ndarray) -> None:
+    """Average precision of every state row from its negatives-per-gap counts.
+
+    With ``n_p`` negatives above the ``p``-th positive (1-based), ``AP = (1/R) sum_p p / (p + n_p)``.
+    """
+    for i in range(out.shape[0]):
+        lo, hi = pos_ptr[i], pos_ptr[i + 1]
+        total = 0.0
+        above = 0
+        for p in range(lo, hi):
+            above += gaps[p]
+            rank_in = p - lo + 1
+            total += rank_in / (rank_in + above)
+        out[i] = total / (hi - lo) if hi > lo else 0.0
+
+
+@numba.njit(nogil=True, cache=True, boundscheck=False)
+def gather_positives(
+    row0: int,
+    query_codes: np.ndarray,
+    class_start: np.ndarray,
+    class_count: np.ndarray,
+    by_class: np.ndarray,
+    exclude_self: bool,
+    pos_ptr: np.ndarray,
+    rows: np.ndarray,
+    pos_ref: np.ndarray,
+) -> None:
+    """Fill each row's positives (reference indices in ascending order, self left out)."""
+    for i in range(pos_ptr.shape[0] - 1):
+        gi = row0 + i
+        code = query_codes[gi]
+        out = pos_ptr[i]
+        if code >= 0:
+            start = class_start[code]
+            for t in range(start, start + class_count[code]):
+                j = by_class[t]
+                if exclude_self and j == gi:
+                    continue
+                rows[out] = gi
+                pos_ref[out] = j
+                out += 1
+
+
+# -- expected mutual information (AMI) ----------------------------------------------------------
+@numba.njit(nogil=True, cache=True)
+def expected_mutual_information(
+    sizes_a: np.ndarray, count_a: np.ndarray, sizes_b: np.ndarray, count_b: np.ndarray, n: int
+) -> float:
+    """E[MI] of two random labellings with the given cluster sizes (Vinh, Epps, Bailey, JMLR
+    2010, eq. 24 - the sum scikit-learn evaluates), over *distinct* sizes.
+
+    Every term depends on a cluster's size only, so a pair of distinct sizes ``(a, b)`` is
+    evaluated once and weighted by how many cluster pairs share it: ``O(|A| |B| min(a, b))``
+    for the distinct sizes against ``O(R C min(a, b))`` for every pair of clusters (with
+    C = 2,000 classes of equal size, 4 million pairs become a few thousand).
+    """
+    emi = 0.0
+    log_n = math.log(n)
+    gln_n = math.lgamma(n + 1)
+    for i in range(sizes_a.shape[0]):
+        a = sizes_a[i]
+        for j in range(sizes_b.shape[0]):
+            b = sizes_b[j]
+            weight = float(count_a[i]) * float(count_b[j])
+            start = max(1, a - n + b)
+            end = min(a, b) + 1
+            gln_ab = (math.lgamma(a + 1) + math.lgamma(b + 1) + math.lgamma(n - a + 1)
+                      + math.lgamma(n - b + 1) - gln_n)
+            log_ab = math.log(a) + math.log(b)
+            acc = 0.0
+            for nij in range(start, end):
+                term2 = log_n + math.log(nij) - log_ab
+                gln = (gln_ab - math.lgamma(nij + 1) - math.lgamma(a - nij + 1)
+                       - math.lgamma(b - nij + 1) - math.lgamma(n - a - b + nij + 1))
+                acc += nij / n * term2 * math.exp(gln)
+            emi += weight * acc
+    return emi
+
+
+# -- k-means++ seeding ----------------------------------------------------------------------------
+@numba.njit(nogil=True, cache=True, boundscheck=False, fastmath=True)
+def _sq_dist(a: np.ndarray, b: np.ndarray) -> np.float32:
+    """Squared distance in float32 (SIMD; seeding needs no more precision)."""
+    acc = np.float32(0.0)
+    for t in range(a.shape[0]):
+        diff = a[t] - b[t]
+        acc += diff * diff
+    return acc
+
+
+@numba.njit(nogil=True, cache=True, boundscheck=False)
+def kmeans_plusplus(x: np.ndarray, first: int, uniforms: np.ndarray) -> np.ndarray:
+    """k-means++ seeding (Arthur and Vassilvitskii, SODA 2007): row ``first``, then each next
+    centre drawn with probability proportional to its squared distance to the nearest centre
+    chosen so far, by inverse CDF of ``uniforms[i]`` in ``[0, 1)`` (``k - 1`` of them).
+    Returns the ``k`` chosen row indices. ``O(k n d)``."""
+    n = x.shape[0]
+    k = uniforms.shape[0] + 1
+    chosen = np.empty(k, np.int64)
+    chosen[0] = first
+    best = np.empty(n, np.float32)
+    for i in range(n):
+        best[i] = _sq_dist(x[i], x[first])
+    for c in range(1, k):
+        total = 0.0
+        for i in range(n):
+            total += np.float64(best[i])
+        if total <= 0.0:  # fewer distinct points than centres: any row (duplicates a centre)
+            pick = c % n
+        else:
+            target = uniforms[c - 1] * total
+            acc = 0.0
+            pick = n - 1
+            for i in range(n):
+                acc += np.float64(best[i])
+                if acc > target and best[i] > 0.0:
+                    pick = i
+                    break
+        chosen[c] = pick
+        centre = x[pick]
+        for i in range(n):
+            dist = _sq_dist(x[i], centre)
+            if dist < best[i]:
+                best[i] = dist
+    return chosen
+
+
+# -- nearest centroid (k-means assignment) ------------------------------------------------------
+@numba.njit(nogil=True, cache=True, boundscheck=False)
+def argmax_rows(
+    s: np.ndarray, row0: int, slack: np.float32, query: np.ndarray, reference: np.ndarray, out: np.ndarray
+) -> None:
+    """Each tile row's closest reference, exactly: ``out[row0 + r]`` = the column of largest
+    closeness, ties by the smaller column.
+
+    ``s`` is a float32 tile (``slack = 0``: its values are ranked) or a bfloat16 tile (uint16
+    bits) whose entries are within ``slack`` of the true inner products: every entry within
+    ``2 slack`` of the row's approximate maximum is re-scored in float64 from ``query[row0 + r]``
+    and ``reference[c]``; any other entry is below the approximate maximum's true value.
+    """
+    nr, nc = s.shape
+    for r in range(nr):
+        row = s[r]
+        top = np.float32(-np.inf)
+        for c in range(nc):  # vectorised maximum
+            x = _tile_float(row[c])
+            top = max(top, x)
+        if slack == 0:
+            for c in range(nc):
+                if _tile_float(row[c]) == top:
+                    out[row0 + r] = c
+                    break
+            continue
+        low = top - 2 * slack
+        best = -np.inf
+        pick = -1
+        for c in range(nc):
+            if _tile_float(row[c]) >= low:
+                value = _dot64(query[row0 + r], reference[c])
+                if value > best:
+                    best = value
+                    pick = c
+        out[row0 + r] = pick
+
+
+@numba.njit(nogil=True, cache=True, boundscheck=False)
+def cluster_sums(x: np.ndarray, assign: np.ndarray, sums: np.ndarray, counts: np.ndarray) -> None:
+    """Add every row of ``x`` to ``sums[assign[i]]`` (float64) and count it."""
+    for i in range(x.shape[0]):
+        c = assign[i]
+        counts[c] += 1
+        row = sums[c]
+        xi = x[i]
+        for t in range(x.shape[1]):
+            row[t] += xi[t]

@@ -11,10 +11,16 @@ import torch
 
 from dmlkit.distances import BaseDistance, DotProductSimilarity, LpDistance, get_distance
 from dmlkit.exceptions import ConfigError, ShapeError
-from dmlkit.metrics._validation import DEFAULT_MEMORY_BUDGET, as_embeddings, as_labels, check_budget
+from dmlkit.metrics._validation import (
+    DEFAULT_MEMORY_BUDGET,
+    as_embeddings,
+    as_label_pair,
+    check_budget,
+)
+from dmlkit.metrics.average_precision import full_ranking_map
 from dmlkit.metrics.clustering import CLUSTERING_METRICS, cluster_metrics
 from dmlkit.metrics.histograms import pos_neg_histograms
-from dmlkit.metrics.knn import knn
+from dmlkit.metrics.knn import SMALL_SEARCH_PAIRS, _mask_self, _Scorer, knn
 from dmlkit.metrics.retrieval import full_ranking_ap, num_positives, per_query_from_neighbours
 
 __all__ = ["DEFAULT_METRICS", "METRIC_NAMES", "evaluate", "per_class", "per_query"]
@@ -64,16 +70,18 @@ class _Inputs:
     def __init__(self, query, query_labels, reference, reference_labels, distance) -> None:
         self.same = reference is None
         self.q = as_embeddings(query, "query embeddings")
-        self.ql = as_labels(query_labels, self.q.shape[0], "query labels")
         if self.same:
             if reference_labels is not None:
                 raise ShapeError("reference_labels given without reference embeddings")
+            self.ql, _, self.class_names = as_label_pair(query_labels, self.q.shape[0], None, 0)
             self.r, self.rl = self.q, self.ql
         else:
             if reference_labels is None:
                 raise ShapeError("pass reference_labels together with reference embeddings")
             self.r = as_embeddings(reference, "reference embeddings").to(self.q.device)
-            self.rl = as_labels(reference_labels, self.r.shape[0], "reference labels")
+            self.ql, self.rl, self.class_names = as_label_pair(
+                query_labels, self.q.shape[0], reference_labels, self.r.shape[0]
+            )
             if self.r.shape[1] != self.q.shape[1]:
                 raise ShapeError(
                     f"query has {self.q.shape[1]} dimensions but reference has {self.r.shape[1]}"
@@ -147,15 +155,22 @@ def _resolve_near_ties(
     rows, cols = torch.cat(found_rows), torch.cat(found_cols)
     if rows.numel() == 0:
         return idx
-    from dmlkit.metrics._kernels import pair_scores64
-
-    q = dist.normalize(inp.q).cpu().contiguous().numpy()
-    r = q if inp.same else dist.normalize(inp.r).cpu().contiguous().numpy()
+    q = dist.normalize(inp.q).cpu().contiguous()
+    r = q if inp.same else dist.normalize(inp.r).cpu().contiguous()
     ql, rl = inp.ql.cpu(), inp.rl.cpu()
     euclidean = isinstance(dist, LpDistance)
 
     def score64(query_rows: torch.Tensor, refs: torch.Tensor) -> torch.Tensor:
-        return torch.from_numpy(pair_scores64(q, r, query_rows.numpy(), refs.numpy(), euclidean))
+        """Float64 closeness of the pairs: torch for a few (no compiled-kernel load), the numba
+        kernel (no float64 copies of the rows) for many."""
+        if query_rows.numel() <= 4096:
+            a, b = q[query_rows].double(), r[refs].double()
+            return -(a - b).pow(2).sum(1) if euclidean else (a * b).sum(1)
+        # lazy: the numba kernels load only when a compiled path runs
+        from dmlkit.metrics._kernels import pair_scores64
+
+        return torch.from_numpy(pair_scores64(q.numpy(), r.numpy(), query_rows.numpy(), refs.numpy(),
+                                              euclidean))
 
     copied = False
     for _ in range(rounds):  # odd-even transposition: chains of near-ties settle in a few rounds
@@ -182,14 +197,31 @@ def _resolve_near_ties(
 
 
 def _full_map(inp: _Inputs, budget: int) -> torch.Tensor:
-    """Full-ranking average precision per query: O(N M log M), rows processed in blocks."""
-    from dmlkit.metrics.knn import _mask_self, _Scorer
+    """Full-ranking average precision per query.
 
+    CPU cosine / dot / Euclidean: :func:`dmlkit.metrics.average_precision.full_ranking_map`
+    (no sort; exact in float64 near ties). Other distances and devices: a stable sort of every
+    row, O(N M log M), rows processed in blocks.
+    """
     scorer = _Scorer(inp.distance)
-    q = scorer.prepare(inp.q)
-    r = q if inp.same else scorer.prepare(inp.r)
-    nq_, nr_ = scorer.sq_norms(q), scorer.sq_norms(r)
+    q = scorer.prepare(inp.q, "query embeddings")
+    r = q if inp.same else scorer.prepare(inp.r, "reference embeddings")
     m = r.shape[0]
+    if scorer.symmetric and q.device.type == "cpu" and q.shape[0] * m >= SMALL_SEARCH_PAIRS:
+        return full_ranking_map(scorer, q, None if inp.same else r, inp.ql, inp.rl, budget)
+    if scorer.symmetric and q.device.type == "cpu":  # small: float64 scores, an exact sort
+        q, r = q.double(), r.double()
+        nq_, nr_ = scorer.sq_norms(q), scorer.sq_norms(r)
+        rows = max(1, budget // (m * 48))
+        ap = torch.empty(q.shape[0], dtype=torch.float64)
+        for a0 in range(0, q.shape[0], rows):
+            a1 = min(q.shape[0], a0 + rows)
+            s = scorer.block(q[a0:a1], r, None if nq_ is None else nq_[a0:a1], nr_)
+            if inp.same:
+                _mask_self(s, a0, 0)
+            ap[a0:a1] = full_ranking_ap(s, inp.ql[a0:a1], inp.rl, inp.r_q[a0:a1])
+        return ap
+    nq_, nr_ = scorer.sq_norms(q), scorer.sq_norms(r)
     rows = max(1, budget // (m * 40))
     ap = torch.empty(q.shape[0], dtype=torch.float64)
     rl = inp.rl.to(q.device)
@@ -218,6 +250,16 @@ def per_query(
 
     Only retrieval metrics (not clustering or histogram ones) have per-query values.
     """
+    out, r_q, _ = _per_query(
+        query, query_labels, reference, reference_labels, metrics, distance=distance,
+        k_values=k_values, backend=backend, memory_budget=memory_budget,
+    )
+    return out, r_q
+
+
+def _per_query(
+    query, query_labels, reference, reference_labels, metrics, *, distance, k_values, backend, memory_budget
+) -> tuple[dict[str, np.ndarray], np.ndarray, _Inputs]:
     names = [n for n in _expand(metrics, k_values) if n not in (*CLUSTERING_METRICS, "pos_neg_js")]
     budget = check_budget(memory_budget)
     inp = _Inputs(query, query_labels, reference, reference_labels, distance)
@@ -228,7 +270,7 @@ def per_query(
         v = v.clone()
         v[~valid] = float("nan")
         out[name] = v.numpy()
-    return out, inp.r_q.numpy()
+    return out, inp.r_q.numpy(), inp
 
 
 def evaluate(
@@ -264,7 +306,9 @@ def evaluate(
 
     Retrieval metrics are means over the queries with at least one same-class reference
     (``R_q > 0``); the result also holds ``num_queries`` and ``num_queries_without_positive``.
-    Clustering metrics cluster the query set (embeddings normalised as the distance does).
+    Clustering metrics cluster the query set (embeddings normalised as the distance does) and
+    are means over ``cluster_restarts`` k-means runs; each comes with ``<metric>_std``, their
+    standard deviation over the restarts (after the counts).
     """
     names = _expand(metrics, k_values)
     budget = check_budget(memory_budget)
@@ -279,10 +323,9 @@ def evaluate(
             result[name] = float(scores[name][valid].mean()) if n_valid else float("nan")
     clustering = [n for n in names if n in CLUSTERING_METRICS]
     if clustering:
-        emb = inp.distance.normalize(inp.q).cpu().numpy()
-        result.update(
-            cluster_metrics(emb, inp.ql.numpy(), clustering, restarts=cluster_restarts, seed=seed)
-        )
+        emb = inp.distance.prepare(inp.q, "query embeddings").cpu().numpy()
+        result.update(cluster_metrics(emb, inp.ql.numpy(), clustering, restarts=cluster_restarts,
+                                      seed=seed, spread=True))
     if "pos_neg_js" in names:
         hist = pos_neg_histograms(
             inp.q, inp.ql, None if inp.same else inp.r, None if inp.same else inp.rl,
@@ -291,7 +334,8 @@ def evaluate(
         result["pos_neg_js"] = hist.js
     result["num_queries"] = int(inp.q.shape[0])
     result["num_queries_without_positive"] = int(inp.q.shape[0] - n_valid)
-    return {n: result[n] for n in [*names, "num_queries", "num_queries_without_positive"]}
+    spreads = [f"{n}_std" for n in clustering]
+    return {n: result[n] for n in [*names, "num_queries", "num_queries_without_positive", *spreads]}
 
 
 def per_class(
@@ -300,16 +344,25 @@ def per_class(
     reference: Any | None = None,
     reference_labels: Any | None = None,
     metrics: Sequence[str] | None = ("precision_at_1", "r_precision", "map_at_r"),
-    **kwargs: Any,
-) -> dict[int, dict[str, float | int]]:
+    *,
+    distance: str | BaseDistance = "cosine",
+    k_values: Sequence[int] = (1, 2, 4, 8),
+    backend: str = "auto",
+    memory_budget: int = DEFAULT_MEMORY_BUDGET,
+) -> dict[int | str, dict[str, float | int]]:
     """Retrieval metrics averaged per query class: ``{label: {metric: value, "num_queries": n}}``.
 
     Queries with ``R_q = 0`` are left out of the class means (a class whose every query
-    has none gets NaN); keyword arguments are those of :func:`per_query`.
+    has none gets NaN); keyword arguments are those of :func:`per_query`. Integer labels key
+    the result by id, string labels (class names) by name.
     """
-    scores, r_q = per_query(query, query_labels, reference, reference_labels, metrics, **kwargs)
-    labels = as_labels(query_labels, r_q.shape[0], "query labels").numpy()
-    out: dict[int, dict[str, float | int]] = {}
+    scores, r_q, inp = _per_query(
+        query, query_labels, reference, reference_labels, metrics, distance=distance,
+        k_values=k_values, backend=backend, memory_budget=memory_budget,
+    )
+    labels = inp.ql.numpy()
+    names = inp.class_names
+    out: dict[int | str, dict[str, float | int]] = {}
     for c in np.unique(labels):
         sel = labels == c
         ok = sel & (r_q > 0)
@@ -318,5 +371,5 @@ def per_class(
         }
         row["num_queries"] = int(sel.sum())
         row["num_queries_without_positive"] = int((sel & (r_q <= 0)).sum())
-        out[int(c)] = row
+        out[int(c) if names is None else names[int(c)]] = row
     return out

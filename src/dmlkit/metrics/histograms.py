@@ -27,7 +27,13 @@ import torch
 
 from dmlkit.distances import BaseDistance, CosineSimilarity, get_distance
 from dmlkit.exceptions import ConfigError, DataError, ShapeError
-from dmlkit.metrics._validation import DEFAULT_MEMORY_BUDGET, as_embeddings, as_labels, check_budget
+from dmlkit.metrics._threads import run_threads, single_threaded_torch
+from dmlkit.metrics._validation import (
+    DEFAULT_MEMORY_BUDGET,
+    as_embeddings,
+    as_label_pair,
+    check_budget,
+)
 
 __all__ = ["PosNegHistograms", "js_divergence", "pos_neg_histograms"]
 
@@ -120,8 +126,8 @@ def _count_cpu(
     their own counts (4x faster than ``bincount`` on torch's thread pool at N = 100k)."""
     from queue import SimpleQueue
 
+    # lazy: the numba kernels load only when a compiled path runs
     from dmlkit.metrics import _kernels
-    from dmlkit.metrics._threads import run_threads, single_threaded_torch
 
     counts: SimpleQueue = SimpleQueue()
     ql_np, rl_np = ql.numpy(), rl.numpy()
@@ -176,14 +182,15 @@ def pos_neg_histograms(
         raise ConfigError(f"bins must be a positive integer, got {bins!r}")
     same = reference is None
     q = as_embeddings(query, "query embeddings")
-    ql = as_labels(query_labels, q.shape[0], "query labels").to(q.device)
     if same:
+        ql = as_label_pair(query_labels, q.shape[0], None, 0)[0].to(q.device)
         r, rl = q, ql
     else:
         if reference_labels is None:
             raise ShapeError("pass reference_labels together with reference")
         r = as_embeddings(reference, "reference embeddings").to(q.device)
-        rl = as_labels(reference_labels, r.shape[0], "reference labels").to(q.device)
+        ql, rl, _ = as_label_pair(query_labels, q.shape[0], reference_labels, r.shape[0])
+        ql, rl = ql.to(q.device), rl.to(q.device)
         if r.shape[1] != q.shape[1]:
             raise ShapeError(f"query has {q.shape[1]} dimensions but reference has {r.shape[1]}")
     try:

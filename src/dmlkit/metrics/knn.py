@@ -31,7 +31,8 @@ similarities differ by less than an ulp):
   values are re-sorted by index; which of several references at *exactly* the k-th value is
   kept is faiss's choice.
 
-``backend="auto"`` picks numba on CPU tensors for cosine, dot and Euclidean, else torch.
+``backend="auto"`` picks numba on CPU tensors for cosine, dot and Euclidean from
+:data:`SMALL_SEARCH_PAIRS` query-reference pairs on, else torch.
 """
 
 from __future__ import annotations
@@ -46,13 +47,15 @@ import numpy as np
 import torch
 
 from dmlkit.distances import BaseDistance, DotProductSimilarity, LpDistance, get_distance
-from dmlkit.exceptions import ConfigError, DataError, ShapeError
+from dmlkit.exceptions import ConfigError, DataError, ShapeError, require
 from dmlkit.metrics._threads import run_threads, single_threaded_torch
 from dmlkit.metrics._validation import DEFAULT_MEMORY_BUDGET, as_embeddings, check_budget
 
 __all__ = ["KNNResult", "faiss_available", "knn"]
 
 _BACKENDS = ("auto", "torch", "numba", "faiss")
+#: ``backend="auto"`` uses the numba backend from this many query-reference pairs on.
+SMALL_SEARCH_PAIRS = 2**22
 
 
 @dataclass(frozen=True)
@@ -102,10 +105,11 @@ class _Scorer:
             self.kind = "generic"
         self.symmetric = self.kind in ("ip", "l2")
 
-    def prepare(self, x: torch.Tensor) -> torch.Tensor:
+    def prepare(self, x: torch.Tensor, name: str = "embeddings") -> torch.Tensor:
+        """Normalised (scale-safe) or range-checked rows (:meth:`BaseDistance.prepare`)."""
         if self.kind == "generic":
             return x
-        return self.distance.normalize(x).contiguous()
+        return self.distance.prepare(x, name).contiguous()
 
     def sq_norms(self, x: torch.Tensor) -> torch.Tensor | None:
         return x.pow(2).sum(1) if self.kind == "l2" else None
@@ -392,7 +396,7 @@ class _Tiles:
         """The ``(a1 - a0, b1 - b0)`` tile: float32, or bfloat16 as its uint16 bits."""
         view = out[: (a1 - a0) * (b1 - b0)].view(a1 - a0, b1 - b0)
         if self.bf16:
-            torch.mm(self.qb[a0:a1], self.rb[b0:b1].T, out=view)
+            _bf16_mm(self.qb[a0:a1], self.rb[b0:b1], out=view)
             return view.view(torch.int16).numpy().view(np.uint16)
         nq_, nr_ = self.nq_, self.nr_
         return self.scorer.block(
@@ -403,7 +407,7 @@ class _Tiles:
     def closeness(self, a0: int, a1: int, cols: torch.Tensor) -> torch.Tensor:
         """Float32 closeness of query rows ``a0:a1`` to the references ``cols`` (for the guess)."""
         if self.bf16:
-            return (self.qb[a0:a1] @ self.rb[cols].T).float()
+            return _bf16_mm(self.qb[a0:a1], self.rb[cols]).float()
         nq_ = self.nq_
         sample = self.ref[cols]
         return self.scorer.block(
@@ -415,33 +419,84 @@ class _Tiles:
 _BF16_MIN_PAIRS = 2**26
 
 
+def _bf16_mm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``a @ b.T`` of two bfloat16 blocks: the one product every bfloat16 tile, guess and the
+    one-off check go through (tests replace it to simulate other BLAS behaviours)."""
+    return torch.mm(a, b.T, out=out) if out is not None else torch.mm(a, b.T)
+
+
+#: Minimum measured speed-up of bfloat16 over float32 tiles for the numba backend to use them.
+_BF16_MIN_SPEEDUP = 1.5
+
+
 @functools.cache
 def _bf16_is_faster(d: int) -> bool:
-    """Whether bfloat16 tiles are safe and pay here: one timing and one check, cached.
+    """Whether bfloat16 tiles are safe and pay here: one timing and one check, cached per ``d``.
 
-    ``True`` when a bfloat16 product of two 1024 x ``d`` blocks is at least 1.5x faster than a
-    float32 one *and* its error against float64 stays within the bound :class:`_Tiles`
-    assumes (a safety net against a BLAS that accumulated in lower precision).
+    ``True`` when a bfloat16 product of two 1024 x ``d`` blocks is at least
+    :data:`_BF16_MIN_SPEEDUP` times faster than a float32 one (:func:`_bf16_speedup`; a CPU
+    without bfloat16 dot-product instructions converts and is slower) *and* its error against
+    float64 stays within the bound :class:`_Tiles` assumes on inputs built to expose a BLAS that
+    accumulates in reduced precision (:func:`_bf16_within_bound`). Any error in either check
+    (e.g. no bfloat16 kernel at all) means float32 tiles. The result is exact either way.
     """
+    try:
+        return _bf16_speedup(d) >= _BF16_MIN_SPEEDUP and _bf16_within_bound(d)
+    except (RuntimeError, TypeError):  # a torch build or CPU without a bfloat16 matmul
+        return False
+
+
+def _bf16_speedup(d: int) -> float:
+    """Best-of-3 float32 time over best-of-3 bfloat16 time of a 1024 x ``d`` by ``d`` x 1024
+    product, on one thread."""
     import time
 
     gen = torch.Generator().manual_seed(0)
     a, b = torch.randn(1024, d, generator=gen), torch.randn(1024, d, generator=gen)
     ab, bb = a.to(torch.bfloat16), b.to(torch.bfloat16)
+    products = {"f32": lambda: a @ b.T, "bf16": lambda: _bf16_mm(ab, bb)}
+    best = {}
     with single_threaded_torch():
-        best = {}
-        for name, (x, y) in {"f32": (a, b), "bf16": (ab, bb)}.items():
-            x @ y.T  # warm-up
+        for name, product in products.items():
+            product()  # warm-up
             times = []
             for _ in range(3):
                 t0 = time.perf_counter()
-                x @ y.T
+                product()
                 times.append(time.perf_counter() - t0)
-            best[name] = min(times)
-        approx = (ab @ bb.T).double()
-    exact = a.double() @ b.double().T
-    bound = a.norm(dim=1).double()[:, None] * b.norm(dim=1).double()[None, :] * _bf16_relative_bound(d)
-    return best["bf16"] * 1.5 <= best["f32"] and bool(((approx - exact).abs() <= bound).all())
+            best[name] = max(min(times), 1e-9)
+    return best["f32"] / best["bf16"]
+
+
+def _bf16_within_bound(d: int) -> bool:
+    """Whether bfloat16 products stay within :func:`_bf16_relative_bound` of float64 on inputs
+    that expose reduced-precision accumulation, in the shapes the tiles use.
+
+    Random Gaussian rows alone would not: their partial sums stay small against ``|x| |y|``.
+    So the check includes near-parallel pairs (the neighbours that matter; partial sums grow
+    to ``|x| |y|``) and all-positive rows (monotone partial sums), and runs a full 1024-row
+    tile, an odd-shaped edge tile and a single row (BLAS libraries pick other kernels there).
+    """
+    gen = torch.Generator().manual_seed(1)
+    base = torch.randn(1024, d, generator=gen)
+    base[512:] = base[512:].abs()
+    other = torch.randn(1024, d, generator=gen)
+    other[:256] = base[:256] + 1e-2 * other[:256]  # near-parallel pairs (i, i)
+    other[512:] = other[512:].abs() + 0.1  # all-positive against all-positive rows
+    a, b = base.to(torch.bfloat16), other.to(torch.bfloat16)
+    rel = _bf16_relative_bound(d)
+    with single_threaded_torch():
+        for rows, cols in ((slice(0, 1024), slice(0, 1024)), (slice(3, 336), slice(500, 1017)),
+                           (slice(600, 601), slice(0, 1024))):
+            x, y = a[rows], b[cols]
+            approx = _bf16_mm(x, y).double()
+            # against the float32 inputs' float64 products: the bound covers rounding the inputs
+            # to bfloat16, the accumulation and the output rounding
+            xs, ys = base[rows].double(), other[cols].double()
+            bound = xs.norm(dim=1)[:, None] * ys.norm(dim=1)[None, :] * rel
+            if not bool(((approx - xs @ ys.T).abs() <= bound).all()):
+                return False
+    return True
 
 
 def _bf16_relative_bound(d: int) -> float:
@@ -490,6 +545,7 @@ def _knn_numba(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     from queue import SimpleQueue
 
+    # lazy: the numba kernels load only when a compiled path runs
     from dmlkit.metrics import _kernels
 
     same = r is None
@@ -643,7 +699,9 @@ def knn(
     scorer = _Scorer(dist)
     cpu_symmetric = q.device.type == "cpu" and scorer.symmetric
     if backend == "auto":
-        backend = "numba" if cpu_symmetric else "torch"
+        # small searches: torch (no numba import or compiled-kernel load, ~125 MB and a second
+        # or two of start-up for a few milliseconds of work)
+        backend = "numba" if cpu_symmetric and q.shape[0] * r.shape[0] >= SMALL_SEARCH_PAIRS else "torch"
     if backend in ("numba", "faiss") and not cpu_symmetric:
         raise ConfigError(
             f"the {backend} backend needs CPU tensors and a cosine, dot or Euclidean distance; "
@@ -651,11 +709,9 @@ def knn(
         )
     use_faiss = backend == "faiss"
     if use_faiss and not faiss_available():
-        from dmlkit.exceptions import require
-
         require("faiss", "faiss")
-    qp = scorer.prepare(q)
-    rp = qp if same else scorer.prepare(r)
+    qp = scorer.prepare(q, "query embeddings")
+    rp = qp if same else scorer.prepare(r, "reference embeddings")
     if use_faiss:
         perm = None
         if order is not None and same:

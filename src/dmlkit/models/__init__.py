@@ -1,10 +1,11 @@
-"""Trunks, embedder heads, frozen BatchNorm and cached frozen-trunk features.
+"""Trunks, embedder heads and frozen BatchNorm (cached trunk features: :mod:`dmlkit.embeddings`).
 
 >>> from dmlkit.models import build_trunk, EmbeddingModel, freeze_batchnorm
 >>> trunk, dim = build_trunk("resnet18", pretrained=False)
 >>> model = freeze_batchnorm(EmbeddingModel(trunk, dim, 128))
 """
 
+from dmlkit.models import features as _features
 from dmlkit.models.bn_inception import BN_INCEPTION_URL, BNInception
 from dmlkit.models.embedder import (
     EmbeddingModel,
@@ -16,7 +17,6 @@ from dmlkit.models.embedder import (
     is_batchnorm_frozen,
     unfreeze_batchnorm,
 )
-from dmlkit.models.features import extract_features, feature_cache_key, state_dict_digest
 from dmlkit.models.trunks import (
     TRUNKS,
     EfficientNetLiteTrunk,
@@ -41,13 +41,17 @@ __all__ = [
     "adapt_input_channels",
     "build_embedder",
     "build_trunk",
-    "extract_features",
-    "feature_cache_key",
     "freeze_batchnorm",
     "is_batchnorm_frozen",
     "load_weights_file",
     "register_trunk",
-    "state_dict_digest",
     "trunk_names",
     "unfreeze_batchnorm",
 ]
+
+
+def __getattr__(name: str) -> object:
+    """Deprecation shim: the frozen-trunk feature cache moved to :mod:`dmlkit.embeddings`."""
+    if name in _features.MOVED:
+        return _features.__getattr__(name)  # warns (DeprecationWarning)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

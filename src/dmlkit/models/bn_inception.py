@@ -14,9 +14,15 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-__all__ = ["BN_INCEPTION_URL", "BNInception"]
+__all__ = ["BN_INCEPTION_SHA256", "BN_INCEPTION_URL", "BNInception"]
 
-BN_INCEPTION_URL = "http://data.lip6.fr/cadene/pretrainedmodels/bn_inception-52deb4733.pth"
+#: The port's ImageNet weights (Cadene's ``pretrainedmodels``), over https (the host serves it).
+BN_INCEPTION_URL = "https://data.lip6.fr/cadene/pretrainedmodels/bn_inception-52deb4733.pth"
+#: SHA-256 of that file. The file name publishes its first 9 hex digits (``52deb4733``, the
+#: torchvision naming convention); the full digest is the one recorded publicly for this file
+#: and agrees with that prefix. It could not be recomputed here (no network); a download that
+#: does not match it is refused (:func:`dmlkit.models.trunks.fetch_weights`).
+BN_INCEPTION_SHA256 = "52deb473314542a5c2f87e9e6f26f4ca42fe863d15f986414dbae8c2dfdd2353"
 
 _IMAGENET_MEAN = (0.485, 0.456, 0.406)
 _IMAGENET_STD = (0.229, 0.224, 0.225)

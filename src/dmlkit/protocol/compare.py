@@ -24,6 +24,7 @@ from typing import Any
 
 import numpy as np
 
+from dmlkit.embeddings import load_embeddings
 from dmlkit.exceptions import ConfigError, DataError
 from dmlkit.protocol.results import MODES, load_results, metric_label
 from dmlkit.protocol.stats import (
@@ -33,7 +34,6 @@ from dmlkit.protocol.stats import (
     l2_normalize,
     per_query_scores,
 )
-from dmlkit.utils import load_embeddings
 
 __all__ = [
     "BASELINES",

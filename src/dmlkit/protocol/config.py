@@ -7,8 +7,8 @@ Check", ECCV 2020, section 4):
     Everything that must be identical for every method: the trunk, embedding size, batch
     construction (C classes x M samples), augmentation, optimiser and learning rates, frozen
     BatchNorm, L2 normalisation and training length. It reuses the sections of the training
-    config (:class:`dmlkit.training.config.ExperimentConfig`): ``seed``, ``data``, ``model``,
-    ``sampler``, ``optimizer``, ``training``, plus an optional ``classification_sampler`` that
+    config (:class:`dmlkit.config.ExperimentConfig`): ``seed``, ``data``, ``model``,
+    ``sampler``, ``optimizer``, ``training``, ``evaluation``, plus an optional ``classification_sampler`` that
     replaces ``sampler`` for classification/proxy losses (the seed uses C=8 x M=4 for
     embedding losses and C=32 x M=1 for classification losses).
 ``protocol``
@@ -35,9 +35,9 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from dmlkit.exceptions import ConfigError
-from dmlkit.training.config import (
+from dmlkit.config import (
     DataConfig,
+    EvaluationConfig,
     ExperimentConfig,
     LossConfig,
     MinerConfig,
@@ -47,8 +47,13 @@ from dmlkit.training.config import (
     TrainingConfig,
     apply_dict_overrides,
     config_from_dict,
+    format_validation_error,
+    move_legacy_keys,
     read_yaml_mapping,
 )
+from dmlkit.exceptions import ConfigError
+from dmlkit.losses import LOSSES
+from dmlkit.miners import MINERS
 
 __all__ = [
     "DEFAULT_METRICS",
@@ -85,6 +90,12 @@ class FixedSettings(_Strict):
     classification_sampler: SamplerConfig | None = None
     optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig)
     training: TrainingConfig = Field(default_factory=TrainingConfig)
+    evaluation: EvaluationConfig = Field(default_factory=EvaluationConfig)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _legacy_keys(cls, data: Any) -> Any:
+        return move_legacy_keys(data)
 
     @model_validator(mode="after")
     def _split_is_the_protocols(self) -> FixedSettings:
@@ -325,36 +336,24 @@ class BenchConfig(_Strict):
         return config_from_dict(data, source=f"bench config (method {method.name!r})")
 
     def fixed_fingerprint(self) -> dict[str, Any]:
-        return self.fixed.model_dump(mode="json")
+        """The fixed settings that decide the results, in the shape studies were keyed by.
+
+        The ``evaluation`` section changes memory and speed only, so it is left out; its batch
+        size stands where it stood before the section existed (``training.eval_batch_size``),
+        so that searches started by an earlier version still resume.
+        """
+        fixed = self.fixed.model_dump(mode="json")
+        evaluation = fixed.pop("evaluation")
+        fixed["training"]["eval_batch_size"] = evaluation["batch_size"]
+        return fixed
 
 
 def _is_classification_loss(name: str) -> bool:
-    from dmlkit.losses import LOSSES
-
     cls = LOSSES.get(name)
     return bool(getattr(cls, "requires_num_classes", False))
 
 
 # -- loading -----------------------------------------------------------------------------------
-def _format_error(exc: ValidationError, source: str | None) -> str:
-    lines = []
-    for err in exc.errors():
-        loc = []
-        for part in err.get("loc", ()):
-            loc.append(str(part))
-        key = ".".join(loc) or "<root>"
-        msg = err.get("msg", "invalid")
-        if msg.startswith("Value error, "):
-            msg = msg[len("Value error, "):]
-        if err.get("type") == "extra_forbidden":
-            msg = "unknown key (see 'The fair benchmark' in README.md for every key)"
-        elif err.get("type") == "missing":
-            msg = "required key is missing"
-        lines.append(f"  {key}: {msg}")
-    where = f" in {source}" if source else ""
-    return f"invalid bench config{where}:\n" + "\n".join(lines)
-
-
 def bench_config_from_dict(data: Mapping[str, Any], source: str | None = None) -> BenchConfig:
     """Validate a mapping into a :class:`BenchConfig`; every problem is a :class:`ConfigError`."""
     if not isinstance(data, Mapping):
@@ -362,7 +361,7 @@ def bench_config_from_dict(data: Mapping[str, Any], source: str | None = None) -
     try:
         config = BenchConfig.model_validate(dict(data))
     except ValidationError as exc:
-        raise ConfigError(_format_error(exc, source)) from None
+        raise ConfigError(format_validation_error(exc, source, "bench config", show_values=False)) from None
     # every method must give a valid training config (unknown loss/miner names, bad params)
     for method in config.methods:
         config.experiment(method)
@@ -371,9 +370,6 @@ def bench_config_from_dict(data: Mapping[str, Any], source: str | None = None) -
 
 
 def _check_registered(method: MethodConfig) -> None:
-    from dmlkit.losses import LOSSES
-    from dmlkit.miners import MINERS
-
     if method.loss.name not in LOSSES:
         raise ConfigError(f"method {method.name!r}: unknown loss {method.loss.name!r}; known: {sorted(LOSSES)}")
     if method.miner is not None and method.miner.name not in MINERS:

@@ -19,6 +19,7 @@ from typing import Any
 
 from dmlkit.exceptions import DataError, DataNotFoundError
 from dmlkit.protocol.stats import mean_ci
+from dmlkit.protocol.study import _redact
 from dmlkit.utils import atomic_write_json, atomic_write_text, provenance
 
 __all__ = [
@@ -63,13 +64,21 @@ def format_cell(cell: Mapping[str, Any], scale: float = 100.0, digits: int = 2) 
     return f"{mean:.{digits}f} ± " + ("n/a" if ci is None else f"{ci * scale:.{digits}f}")
 
 
+def _embedding_size(entries: Mapping[str, Mapping[str, Any]], config) -> int:
+    """The fold models' embedding size as their saved embeddings have it: the model owns it (an
+    ``identity`` head gives the trunk's width, not ``model.embedding_size``)."""
+    for entry in entries.values():
+        size = entry["evaluation"].get("embedding_size")
+        if size:
+            return int(size)
+    return int(config.fixed.model.embedding_size)
+
+
 def build_results(config, split, entries: Mapping[str, Mapping[str, Any]], *, bench_dir: Path,
                   storage_url: str | None = None) -> dict[str, Any]:
     """Assemble ``results.json`` from the evaluated final runs of every method."""
-    from dmlkit.protocol.study import _redact
-
     metrics = list(config.protocol.metrics)
-    emb = config.fixed.model.embedding_size
+    emb = _embedding_size(entries, config)
     k = len(split.folds)
     methods: dict[str, Any] = {}
     for name, entry in entries.items():

@@ -25,20 +25,32 @@ import contextlib
 import hashlib
 import json
 import logging
+import multiprocessing
 import os
 import shutil
-import subprocess
-import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+import torch
+import yaml
 
+from dmlkit.config import dump_config
+from dmlkit.data import get_transforms, load_dataset
+from dmlkit.data.splits import default_split
+from dmlkit.embeddings import embed_split, load_embeddings, save_embeddings
 from dmlkit.exceptions import ConfigError, DataError, DmlkitError
-from dmlkit.protocol.config import BenchConfig, MethodConfig, dump_bench_config
+from dmlkit.metrics import evaluate
+from dmlkit.protocol.config import (
+    BenchConfig,
+    MethodConfig,
+    bench_config_from_dict,
+    dump_bench_config,
+)
+from dmlkit.protocol.results import build_results, write_results
 from dmlkit.protocol.space import suggest
 from dmlkit.protocol.splits import BenchSplit, TestClassGuard, make_bench_split
 from dmlkit.protocol.stats import l2_normalize
@@ -52,13 +64,9 @@ from dmlkit.protocol.study import (
     run_worker,
     study_summary,
 )
-from dmlkit.utils import (
-    atomic_write_json,
-    atomic_write_text,
-    load_embeddings,
-    provenance,
-    save_embeddings,
-)
+from dmlkit.training import build_model, train
+from dmlkit.utils import atomic_write_json, atomic_write_text, provenance, seed_everything
+from dmlkit.utils import data_root as resolve_data_root
 
 __all__ = ["Bench", "FinalStage", "SearchStage", "run_seed"]
 
@@ -85,19 +93,15 @@ def _with_transform(dataset, config: BenchConfig, train: bool):
     d = config.fixed.data
     if d.transform is None:
         return dataset
-    from dmlkit.data import get_transforms
-
     augment = train and not config.fixed.model.frozen_trunk
     return dataset.with_transform(get_transforms(d.transform, train=augment, image_size=d.image_size))
 
 
 def load_full_dataset(config: BenchConfig, data_root: str | Path | None = None):
-    """Every class of the configured dataset (``dmlkit.data.load_dataset``)."""
-    from dmlkit.data import load_dataset
-    from dmlkit.utils import data_root as resolve_root
-
+    """Every class of the configured dataset (``dmlkit.data.load_dataset``); the data root is
+    ``data_root`` (``--data-root``), else ``fixed.data.root``, else ``$DMLKIT_DATA``."""
     d = config.fixed.data
-    root = resolve_root(data_root if data_root is not None else d.root)
+    root = resolve_data_root(data_root if data_root is not None else d.root)
     try:
         return load_dataset(d.dataset, root=root, **d.options)
     except TypeError as exc:
@@ -122,9 +126,7 @@ class SearchStage:
         self.dev = guard.check(dev_dataset, "the search's dataset")
         self.bench_dir = Path(bench_dir)
         self.console = console
-        if train_fn is None:
-            from dmlkit.training import train as train_fn
-        self.train_fn = train_fn
+        self.train_fn = train if train_fn is None else train_fn
         self._fold_sets: dict[int, tuple[Any, Any]] = {}
 
     def fold_sets(self, fold: int) -> tuple[Any, Any]:
@@ -170,7 +172,7 @@ class SearchStage:
 def method_fingerprint(config: BenchConfig, method: MethodConfig, split: BenchSplit) -> dict[str, Any]:
     """What a study depends on: resuming with a different one is refused."""
     blob = json.dumps({
-        "fixed": config.fixed.model_dump(mode="json"),
+        "fixed": config.fixed_fingerprint(),
         "method": method.model_dump(mode="json"),
         "split": split.to_dict(),
     }, sort_keys=True)
@@ -202,9 +204,7 @@ class FinalStage:
         dev = full_dataset.subset_classes(list(split.dev))
         self.test = _with_transform(full_dataset.subset_classes(list(split.test)), config, train=False)
         self.dev = dev
-        if train_fn is None:
-            from dmlkit.training import train as train_fn
-        self.train_fn = train_fn
+        self.train_fn = train if train_fn is None else train_fn
 
     def _fold_sets(self, fold: int):
         f = self.split.folds[fold]
@@ -239,11 +239,6 @@ class FinalStage:
 
     def run_pretrained(self) -> list[FinalRun]:
         """Trunk + untrained embedder, one per fold and seed (initialised as the fold models are)."""
-        import torch
-
-        from dmlkit.training import build_model, embed_split
-        from dmlkit.utils import seed_everything
-
         runs = []
         for seed in self.config.protocol.seeds or [0]:
             for fold in self.split.folds:
@@ -252,11 +247,11 @@ class FinalStage:
                 if not emb_path.exists():
                     cfg = self.config.experiment(None, seed=run_seed(seed, fold.index))
                     seed_everything(cfg.seed)
-                    model = build_model(cfg)
+                    model = build_model(cfg.model)
                     with torch.no_grad():
                         emb, lab = embed_split(model, self.test, cfg, cfg.training.device)
                     save_embeddings(emb_path, emb, lab)
-                    atomic_write_text(run_dir / "config.yaml", _dump(cfg))
+                    atomic_write_text(run_dir / "config.yaml", dump_config(cfg))
                 runs.append(FinalRun(PRETRAINED, seed, fold.index, run_dir, emb_path, None))
         return runs
 
@@ -281,16 +276,14 @@ def release_claims(bench_dir: Path) -> int:
     return n
 
 
-def _dump(cfg) -> str:
-    from dmlkit.training import dump_config
+def evaluate_runs(runs: Sequence[FinalRun], metrics: Sequence[str], **options: Any) -> dict[str, Any]:
+    """Per seed: separated (mean over fold models) and concatenated metrics.
 
-    return dump_config(cfg)
-
-
-def evaluate_runs(runs: Sequence[FinalRun], metrics: Sequence[str]) -> dict[str, Any]:
-    """Per seed: separated (mean over fold models) and concatenated metrics."""
-    from dmlkit.metrics import evaluate
-
+    ``options`` are keyword arguments of :func:`dmlkit.metrics.evaluate` (backend, memory
+    budget, cluster restarts: ``EvaluationConfig.metric_options()``). The result also holds
+    the fold models' ``embedding_size`` (read from their embeddings: the model owns it).
+    """
+    embedding_size = None
     by_seed: dict[int, list[FinalRun]] = {}
     for r in runs:
         by_seed.setdefault(r.seed, []).append(r)
@@ -306,16 +299,18 @@ def evaluate_runs(runs: Sequence[FinalRun], metrics: Sequence[str]) -> dict[str,
                 raise DataError(f"{r.embeddings}: test labels differ between fold models of seed {seed}")
             labels = lab
             embs.append(emb)
-            res = evaluate(emb, lab, metrics=list(metrics))
+            embedding_size = int(emb.shape[1])
+            res = evaluate(emb, lab, metrics=list(metrics), **options)
             for m in metrics:
                 per_fold[m].append(float(res[m]))
         for m in metrics:
             separated[m].append(float(np.mean(per_fold[m])))
         cat = l2_normalize(np.concatenate(embs, axis=1))
-        res = evaluate(cat, labels, metrics=list(metrics))
+        res = evaluate(cat, labels, metrics=list(metrics), **options)
         for m in metrics:
             concatenated[m].append(float(res[m]))
-    return {"seeds": sorted(by_seed), "separated": separated, "concatenated": concatenated}
+    return {"seeds": sorted(by_seed), "separated": separated, "concatenated": concatenated,
+            "embedding_size": embedding_size}
 
 
 # -- the whole benchmark ------------------------------------------------------------------------
@@ -377,8 +372,6 @@ class Bench:
                 full_dataset = load_full_dataset(self.config, self.data_root)
             default_dev = None
             if p.split == "default":
-                from dmlkit.data.splits import default_split
-
                 published = default_split(full_dataset)
                 default_dev = [*published.train, *published.val]
             split = make_bench_split(
@@ -395,10 +388,6 @@ class Bench:
         cfg_path = self.dir / "config.yaml"
         text = dump_bench_config(self.config)
         if cfg_path.exists():
-            import yaml
-
-            from dmlkit.protocol.config import bench_config_from_dict
-
             old = bench_config_from_dict(yaml.safe_load(cfg_path.read_text()))
             a, b = old.model_dump(mode="json"), self.config.model_dump(mode="json")
             for d in (a, b):  # these may grow/change on resume
@@ -510,23 +499,23 @@ class Bench:
             stage.run_method(method, params, claim=True)
 
     def final(self, *, methods: Sequence[str] | None = None) -> dict[str, Any]:
-        from dmlkit.protocol.results import build_results, write_results
-
+        """Final runs of every method (and the pretrained row), evaluated; writes the results."""
         full = load_full_dataset(self.config, self.data_root)
         split = self.split(full)
         stage = FinalStage(self.config, split, full, self.dir, train_fn=self.train_fn, console=self.console)
         metrics = list(self.config.protocol.metrics)
+        options = self.config.fixed.evaluation.metric_options()
         entries: dict[str, dict[str, Any]] = {}
         if self.config.protocol.pretrained:
             _say(self.console, "[bold]pretrained[/]: embedding the test classes with untrained embedders")
             runs = stage.run_pretrained()
-            entries[PRETRAINED] = {"runs": runs, "evaluation": evaluate_runs(runs, metrics),
+            entries[PRETRAINED] = {"runs": runs, "evaluation": evaluate_runs(runs, metrics, **options),
                                    "best_params": {}, "search": None}
         for method in self._methods(methods):
             params, search_info = self.best_params(method)
             _say(self.console, f"[bold]{method.name}[/]: final runs with {params or 'the default parameters'}")
             runs = stage.run_method(method, params)
-            entries[method.name] = {"runs": runs, "evaluation": evaluate_runs(runs, metrics),
+            entries[method.name] = {"runs": runs, "evaluation": evaluate_runs(runs, metrics, **options),
                                     "best_params": params, "search": search_info,
                                     "loss": method.loss.model_dump(mode="json"),
                                     "miner": None if method.miner is None else method.miner.model_dump(mode="json")}
@@ -553,9 +542,11 @@ class Bench:
         return None
 
     def _spawn_workers(self, workers: int, methods: Sequence[str] | None, stage: str) -> None:
-        """Run ``workers`` worker processes (search trials or final runs) and wait for them."""
-        if self.config_path is None:
-            raise ConfigError("--workers needs the config file path (to start worker processes)")
+        """Run ``workers`` worker processes (search trials or final runs) and wait for them.
+
+        Each is a ``multiprocessing`` (spawn) process running :func:`_worker_main` on this
+        bench's config, so ``Bench.run(workers=N)`` works from Python as well as from the CLI.
+        """
         # with the local SQLite study the coordinator is the only process alive: trials left
         # RUNNING by a killed run can be reset now (a shared database relies on heartbeats)
         reset = stage == "search" and self.config.protocol.storage is None
@@ -569,32 +560,59 @@ class Bench:
                                fingerprint=method_fingerprint(self.config, method, dev_split))
             fail_running_trials(study)
         threads = self.threads or max(1, (os.cpu_count() or 1) // workers)
-        env = {**os.environ, "DMLKIT_NUM_THREADS": str(threads), "OMP_NUM_THREADS": str(threads)}
-        cmd = [sys.executable, "-m", "dmlkit", "bench", str(self.config_path), "--out", str(self.dir),
-               "--worker", "--stage", stage, "--quiet"]
-        for o in self.overrides:
-            cmd += ["--set", o]
-        if self.data_root is not None:
-            cmd += ["--data-root", str(self.data_root)]
-        for m in methods or []:
-            cmd += ["--method", m]
+        args = (self.config.model_dump(mode="json"), str(self.dir), stage, list(methods or []),
+                None if self.data_root is None else str(self.data_root), threads)
+        # spawn, not fork: a forked copy of a process that already runs torch threads can hang
+        context = multiprocessing.get_context("spawn")
         procs = []
-        for i in range(workers):
-            log = open(self.dir / f"worker{i}-{stage}.log", "ab")
-            procs.append((subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env), log))
-            time.sleep(0.5)
+        with _environment(DMLKIT_NUM_THREADS=str(threads), OMP_NUM_THREADS=str(threads)):
+            for i in range(workers):
+                log = self.dir / f"worker{i}-{stage}.log"
+                proc = context.Process(target=_worker_main, args=(*args, str(log)), name=f"dmlkit-{stage}-{i}")
+                proc.start()
+                procs.append(proc)
+                time.sleep(0.5)
         _say(self.console, f"{stage}: started {workers} worker processes (logs: {self.dir}/worker*-{stage}.log)")
         failed = []
-        for proc, log in procs:
-            rc = proc.wait()
-            log.close()
-            if rc != 0:
-                failed.append(rc)
+        for proc in procs:
+            proc.join()
+            if proc.exitcode != 0:
+                failed.append(proc.exitcode)
         if failed:
             raise DmlkitError(
                 f"{len(failed)} worker(s) failed (exit codes {failed}); see {self.dir}/worker*.log, "
                 "then rerun the same command to resume"
             )
+
+
+@contextlib.contextmanager
+def _environment(**values: str) -> Iterator[None]:
+    """Set environment variables while worker processes start (they inherit them)."""
+    saved = {key: os.environ.get(key) for key in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+def _worker_main(config: dict[str, Any], bench_dir: str, stage: str, methods: list[str],
+                 data_root: str | None, threads: int, log_path: str) -> None:
+    """A worker process of ``Bench.run(workers=N)``: search trials of the shared study, or
+    unclaimed final runs. Its output goes to ``log_path``."""
+    with open(log_path, "ab", buffering=0) as log:
+        os.dup2(log.fileno(), 1)
+        os.dup2(log.fileno(), 2)
+        torch.set_num_threads(threads)
+        bench = Bench(bench_config_from_dict(config), bench_dir, data_root=data_root, threads=threads)
+        if stage == "search":
+            bench.search(methods=methods or None, exclusive=False)
+        else:
+            bench.final_worker(methods=methods or None)
 
 
 @contextlib.contextmanager

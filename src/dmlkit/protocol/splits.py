@@ -23,6 +23,7 @@ from typing import Any
 
 import numpy as np
 
+from dmlkit.data.splits import ClassSplit, kfold_class_partitions, split_classes
 from dmlkit.exceptions import ConfigError, DataError
 
 __all__ = [
@@ -86,8 +87,6 @@ class BenchSplit:
     def class_split(self):
         """The :class:`dmlkit.data.ClassSplit` (train = development classes) with the folds in
         its ``meta``, as written to ``split.json``."""
-        from dmlkit.data.splits import ClassSplit
-
         if self.kind == "ratio_4_1_5":
             f = self.folds[0]
             return ClassSplit(train=f.train, val=f.val, test=self.test, meta=self.to_dict())
@@ -127,8 +126,6 @@ def make_bench_split(
     (:func:`dmlkit.data.kfold_class_partitions`). ``ratio_4_1_5``: 40 % train, 10 %
     validation, 50 % test, one fold.
     """
-    from dmlkit.data.splits import kfold_class_partitions, split_classes
-
     ordered = order_classes(classes, order, seed)
     if num_classes is not None:
         if num_classes > len(ordered):

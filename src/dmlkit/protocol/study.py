@@ -34,7 +34,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from dmlkit.exceptions import ConfigError, DmlkitError
+from dmlkit.exceptions import ConfigError, DmlkitError, require
 
 __all__ = [
     "claim_waiting_trial",
@@ -59,8 +59,6 @@ def resolve_storage_url(storage: str | None, bench_dir: str | Path) -> str:
         storage = "postgresql://" + storage[len("postgres://"):]
     if storage.startswith("postgresql://"):
         # SQLAlchemy's default PostgreSQL driver is psycopg2; dmlkit[postgres] installs psycopg 3
-        from dmlkit.exceptions import require
-
         require("psycopg", "postgres")
         storage = "postgresql+psycopg://" + storage[len("postgresql://"):]
     return storage

@@ -18,12 +18,18 @@ from typing import Any
 
 import numpy as np
 
+from dmlkit.config import load_config
+from dmlkit.data import load_image
+from dmlkit.embeddings import embed_split, load_embeddings
 from dmlkit.exceptions import DataError, DataNotFoundError, DmlkitError
+from dmlkit.metrics import knn, per_class, per_query, pos_neg_histograms
+from dmlkit.protocol.results import format_cell, metric_label
 from dmlkit.report import figures
 from dmlkit.report.html import Figure, Section, render_page, table_html
-from dmlkit.utils import atomic_write_text, load_embeddings
+from dmlkit.training import build_datasets, build_model, load_checkpoint, read_log
+from dmlkit.utils import atomic_write_text, seed_everything
 
-__all__ = ["ReportOptions", "build_report"]
+__all__ = ["ReportOptions", "build_report", "hist_dict", "mean_of", "read_jsonl"]
 
 _MAIN_METRICS = ("precision_at_1", "r_precision", "map_at_r")
 
@@ -117,15 +123,6 @@ def _image_getter(dataset) -> Callable[[int], np.ndarray] | None:
 
 def _run_embeddings(run_dir: Path, options: ReportOptions, notes: list[str]) -> tuple[dict[str, _Split], dict[str, _Split]]:
     """``(trained, untrained)`` embeddings per split; falls back to ``embeddings/test.npz``."""
-    from dmlkit.training import (
-        build_datasets,
-        build_model,
-        embed_split,
-        load_checkpoint,
-        load_config,
-    )
-    from dmlkit.utils import seed_everything
-
     trained: dict[str, _Split] = {}
     untrained: dict[str, _Split] = {}
     try:
@@ -162,8 +159,6 @@ def _run_embeddings(run_dir: Path, options: ReportOptions, notes: list[str]) -> 
 # -- sections shared by runs and benchmarks ------------------------------------------------------
 def _embedding_sections(test: _Split, before: _Split | None, others: Mapping[str, _Split],
                         fig_dir: Path, options: ReportOptions, what: str) -> list[Section]:
-    from dmlkit.metrics import per_class, per_query, pos_neg_histograms
-
     sections: list[Section] = []
     # histograms: before/after and train/val/test
     panels: dict[str, Any] = {}
@@ -195,7 +190,7 @@ def _embedding_sections(test: _Split, before: _Split | None, others: Mapping[str
         hist_rows.append([title, f"{h.js:.4f}", h.num_positive_pairs, h.num_negative_pairs])
     hist_figs = []
     if panels:
-        png = figures.save_figure(figures.similarity_histograms({k: _hist_dict(v) for k, v in panels.items()}),
+        png = figures.save_figure(figures.similarity_histograms({k: hist_dict(v) for k, v in panels.items()}),
                                   fig_dir / "histograms")
         hist_figs.append(Figure(png[0], f"Similarity histograms of {what}", png[1]))
     sections.append(Section(
@@ -236,8 +231,6 @@ def _embedding_sections(test: _Split, before: _Split | None, others: Mapping[str
         "images where the data are images. UMAP and t-SNE preserve neighbourhoods, not distances; "
         "PCA is linear and fast.", *map_notes], [], map_figs))
     # gallery and per-class
-    from dmlkit.metrics import knn
-
     scores, r_q = per_query(test.embeddings, test.labels, metrics=["map_at_r"])
     ap = scores["map_at_r"]
     rng = np.random.default_rng(options.seed)
@@ -269,23 +262,15 @@ def _embedding_sections(test: _Split, before: _Split | None, others: Mapping[str
     return sections
 
 
-def _hist_dict(h) -> dict[str, Any]:
+def hist_dict(h) -> dict[str, Any]:
+    """A :func:`dmlkit.metrics.pos_neg_histograms` result as the mapping the figures take."""
     return {"bin_edges": h.edges, "positive_density": h.pos_density,
             "negative_density": h.neg_density, "js_divergence": h.js}
 
 
-def _read_jsonl(path: Path) -> list[dict[str, Any]]:
-    if not path.exists():
-        return []
-    out = []
-    for line in path.read_text().splitlines():
-        line = line.strip()
-        if line:
-            try:
-                out.append(json.loads(line))
-            except json.JSONDecodeError:
-                continue  # a line cut by a crash: the rest of the log is still useful
-    return out
+def read_jsonl(path: Path) -> list[dict[str, Any]]:
+    """Every record of a run's ``log.jsonl`` (a line cut by a crash is skipped; no file: ``[]``)."""
+    return read_log(path)
 
 
 def _fmt(v: Any) -> str:
@@ -305,7 +290,7 @@ def _run_sections(run_dir: Path, fig_dir: Path, options: ReportOptions) -> tuple
     results_html = [table_html(["split", "P@1 (%)", "R-Precision (%)", "MAP@R (%)"], rows)] if rows else []
     if not rows:
         notes.append("metrics.json has no results yet (the run may still be going or was interrupted).")
-    log = _read_jsonl(run_dir / "log.jsonl")
+    log = read_jsonl(run_dir / "log.jsonl")
     if log:
         png = figures.save_figure(figures.training_curves({run_dir.name: log}), fig_dir / "curves")
         curve_figs = [Figure(png[0], "Training loss and validation metrics", png[1])]
@@ -321,10 +306,38 @@ def _run_sections(run_dir: Path, fig_dir: Path, options: ReportOptions) -> tuple
                                         "the trained model")
     else:
         notes.append("No test embeddings: run `dmlkit embed RUN_DIR --split test` first.")
+    if (run_dir / "reid.json").exists():
+        sections.append(_reid_section(run_dir / "reid.json", fig_dir))
     sections.append(_config_section(run_dir))
     if notes:
         sections.insert(0, Section("Notes", notes))
     return f"dmlkit run report: {run_dir.name}", f"Run directory {run_dir.resolve()}", sections
+
+
+def _reid_section(path: Path, fig_dir: Path) -> Section:
+    """``dmlkit reid``'s results: the CMC/mAP table, the CMC curve and a ranked-gallery strip."""
+    res = json.loads(path.read_text())
+    if res.get("protocol") != "market1501":
+        rows = [[k, _fmt(v["mean"]), _fmt(v["std"])] for k, v in res.items()
+                if isinstance(v, dict) and "mean" in v]
+        return Section("Re-identification (VehicleID)", [f"{res.get('repeats')} gallery draws."],
+                       [table_html(["metric", "mean (%)", "std (%)"], rows)])
+    keys = [k for k in res if k.startswith("rank_")] + ["map", "minp"]
+    runs = {"plain": res} | ({"re-ranked": res["rerank"]} if res.get("rerank") else {})
+    rows = [[name] + [_fmt(r.get(k)) for k in keys] for name, r in runs.items()]
+    html = [table_html(["ranking"] + [k.replace("rank_", "Rank-").replace("minp", "mINP")
+                                      .replace("map", "mAP") + " (%)" for k in keys], rows)]
+    png = figures.save_figure(figures.cmc_curve({n: r["cmc"] for n, r in runs.items()}),
+                              fig_dir / "cmc")
+    figs = [Figure(png[0], "CMC curve (ranks 1-50)", png[1])]
+    if res.get("examples"):
+        png = figures.save_figure(figures.reid_strip(res["examples"], lambda p: load_image(p, None)),
+                                  fig_dir / "reid_strip")
+        figs.append(Figure(png[0], "Queries and their ranked gallery; junk marked grey", png[1]))
+    return Section("Re-identification", [
+        f"{res['num_valid_queries']} valid queries ({res['num_skipped_queries']} without a "
+        f"cross-camera positive skipped), {res['num_gallery']} gallery images; metric "
+        f"{res.get('metric')}. Source: {path.name} (dmlkit reid)."], html, figs)
 
 
 def _config_section(directory: Path) -> Section:
@@ -348,8 +361,6 @@ def _bench_sections(bench_dir: Path, fig_dir: Path, options: ReportOptions) -> t
     if not methods:
         raise DataError(f"{bench_dir / 'results.json'} lists no methods")
     sections: list[Section] = []
-    from dmlkit.protocol.results import format_cell, metric_label
-
     metrics = results.get("metrics", list(_MAIN_METRICS))
     header = ["method"] + [f"{mode} {metric_label(k)}" for mode in ("concatenated", "separated") for k in metrics]
     rows = []
@@ -360,13 +371,13 @@ def _bench_sections(bench_dir: Path, fig_dir: Path, options: ReportOptions) -> t
                 cell = res.get(mode, {}).get(k)
                 row.append("n/a" if cell is None else format_cell(cell))
         rows.append(row)
-    best = max(range(len(rows)), key=lambda i: _mean(methods[rows[i][0]].get("concatenated", {}).get("map_at_r")))
+    best = max(range(len(rows)), key=lambda i: mean_of(methods[rows[i][0]].get("concatenated", {}).get("map_at_r")))
     sections.append(Section("Results", [
         "Test-set accuracy (%) in the layout of Musgrave et al. (2020): concatenated = the fold models' "
         "embeddings concatenated and L2-normalised; separated = each fold model alone, averaged. "
         "± is the 95% confidence interval over repeated runs (n/a with a single repeat)."],
         [table_html(header, rows, best_row=best)]))
-    concat = {n: {"map_at_r": _mean(r.get("concatenated", {}).get("map_at_r"))} for n, r in methods.items()}
+    concat = {n: {"map_at_r": mean_of(r.get("concatenated", {}).get("map_at_r"))} for n, r in methods.items()}
     if any(b in concat for b in ("contrastive", "triplet")):
         png = figures.save_figure(figures.relative_improvement(concat), fig_dir / "relative_improvement")
         sections.append(Section("Papers versus reality", [
@@ -377,7 +388,7 @@ def _bench_sections(bench_dir: Path, fig_dir: Path, options: ReportOptions) -> t
     for name in methods:
         logs = {}
         for log_path in sorted((bench_dir / "final" / name).glob("seed*/fold*/log.jsonl")):
-            logs[f"{log_path.parent.parent.name} {log_path.parent.name}"] = _read_jsonl(log_path)
+            logs[f"{log_path.parent.parent.name} {log_path.parent.name}"] = read_jsonl(log_path)
         logs = {k: v for k, v in logs.items() if v}
         if logs:
             png = figures.save_figure(figures.training_curves(logs), fig_dir / f"curves_{_slug(name)}")
@@ -415,7 +426,8 @@ def _concatenated_test(bench_dir: Path, method: str) -> _Split | None:
     return _Split("test", emb, labels)
 
 
-def _mean(cell: Any) -> float:
+def mean_of(cell: Any) -> float:
+    """The ``mean`` of a ``results.json`` cell (or the number itself; NaN when missing)."""
     if isinstance(cell, Mapping):
         return float(cell.get("mean", float("nan")))
     return float(cell) if cell is not None else float("nan")

@@ -40,9 +40,11 @@ from matplotlib.figure import Figure
 from dmlkit.exceptions import DataError, ShapeError
 
 __all__ = [
+    "cmc_curve",
     "embedding_map",
     "per_class_bars",
     "project_2d",
+    "reid_strip",
     "relative_improvement",
     "retrieval_gallery",
     "save_figure",
@@ -370,3 +372,69 @@ def _pretty(metric: str) -> str:
     if metric.startswith("precision_at_"):
         return f"P@{metric.rsplit('_', 1)[1]}"
     return metric
+
+
+# -- re-identification ------------------------------------------------------------------------
+def cmc_curve(curves: Mapping[str, Sequence[float]], title: str = "CMC curve",
+              max_rank: int = 50) -> Figure:
+    """Cumulative matching characteristic: ``{name: [CMC(1), CMC(2), ...]}`` in ``[0, 1]``."""
+    if not curves:
+        raise DataError("no CMC curve to draw")
+    fig, ax = plt.subplots(figsize=(5.5, 3.8))
+    for i, (name, cmc) in enumerate(curves.items()):
+        y = 100 * np.asarray(cmc, dtype=float)[:max_rank]
+        ax.plot(np.arange(1, y.size + 1), y, _LINESTYLES[i % 4], marker=_MARKERS[i % 8],
+                markevery=max(1, y.size // 10), label=f"{name} (Rank-1 {y[0]:.1f} %)")
+    ax.set_xlabel("rank")
+    ax.set_ylabel("matching rate (%)")
+    ax.set_title(title)
+    ax.legend(loc="lower right")
+    fig.tight_layout()
+    return fig
+
+
+def reid_strip(examples: Sequence[Mapping[str, Any]], image_of_path: Any = None,
+               title: str = "Re-id ranking") -> Figure:
+    """Queries and their ranked gallery, junk included: positive (green, solid), negative
+    (red, dashed), junk (grey, dotted: same identity + same camera or a junk id; ignored by
+    the protocol).
+
+    Args:
+        examples: ``{"query_id", "gallery_ids", "status": [...], "query_path"?,
+            "gallery_paths"?}`` per query (``dmlkit reid``'s ``reid.json``).
+        image_of_path: callable ``path -> image array`` or ``None`` to draw the ids.
+    """
+    if not examples:
+        raise DataError("no re-id examples to draw")
+    k = max(len(e["status"]) for e in examples)
+    fig, axes = plt.subplots(len(examples), k + 1, figsize=(1.1 * (k + 1), 1.55 * len(examples)),
+                             squeeze=False)
+    style = {"query": ("black", "-", 2.5), "positive": ("tab:green", "-", 3.0),
+             "negative": ("tab:red", "--", 1.0), "junk": ("tab:gray", ":", 1.5)}
+    for i, e in enumerate(examples):
+        paths = [e.get("query_path")] + list(e.get("gallery_paths") or [None] * len(e["status"]))
+        ids = [e["query_id"]] + list(e["gallery_ids"])
+        kinds = ["query"] + list(e["status"])
+        for j in range(k + 1):
+            ax = axes[i, j]
+            ax.set_xticks([])
+            ax.set_yticks([])
+            ax.grid(False)
+            if j >= len(kinds):
+                ax.axis("off")
+                continue
+            if image_of_path is not None and paths[j] is not None:
+                img = np.asarray(image_of_path(paths[j]))
+                ax.imshow(img, cmap="gray" if img.ndim == 2 else None)
+            else:
+                ax.text(0.5, 0.5, str(ids[j]), ha="center", va="center", fontsize=9)
+            colour, line, width = style[kinds[j]]
+            for spine in ax.spines.values():
+                spine.set_edgecolor(colour)
+                spine.set_linewidth(width)
+                spine.set_linestyle(line)
+            label = kinds[j] if j == 0 else f"{j}: {kinds[j]}"
+            ax.set_xlabel(f"{label}\nid {ids[j]}", fontsize=6)
+    fig.suptitle(f"{title}: query, then the gallery by rank (junk shown, not counted)")
+    fig.tight_layout()
+    return fig

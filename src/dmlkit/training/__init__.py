@@ -1,21 +1,28 @@
-"""Training: the experiment config, one trainer for every loss/miner, checkpoints and inference.
+"""Training: builders from config sections, one trainer for every loss/miner, checkpoints.
 
 Public API::
 
-    from dmlkit.training import ExperimentConfig, load_config, dump_config, train, embed, load_checkpoint
+    from dmlkit.training import load_config, train, load_checkpoint
 
     config = load_config("configs/quickstart.yaml", ["training.epochs=2"])
-    result = train(config, "runs/quickstart")            # -> TrainResult
+    result = train(config, "runs/quickstart")            # -> TrainResult; writes the run directory
     model, config = load_checkpoint("runs/quickstart")   # best checkpoint, eval mode
+
+Modules: :mod:`~dmlkit.training.builders` (config section -> object),
+:mod:`~dmlkit.training.loop` (:class:`Trainer` over a :class:`TrainState`),
+:mod:`~dmlkit.training.checkpoint` (checkpoints, resume checks),
+:mod:`~dmlkit.training.runlog` (``log.jsonl``) and :mod:`~dmlkit.training.trainer`
+(:func:`train`). The experiment config lives in :mod:`dmlkit.config` and inference in
+:mod:`dmlkit.embeddings`; their names are re-exported here so existing imports keep working.
 """
 
 from __future__ import annotations
 
-from dmlkit.training.checkpoint import find_checkpoint, load_checkpoint, read_checkpoint
-from dmlkit.training.config import (
+from dmlkit.config import (
     FIXED_SECTIONS,
     OPTIMIZER_PRESETS,
     DataConfig,
+    EvaluationConfig,
     ExperimentConfig,
     LossConfig,
     MinerConfig,
@@ -30,25 +37,27 @@ from dmlkit.training.config import (
     load_config,
     parse_overrides,
 )
-from dmlkit.training.embed import embed, resolve_device
-from dmlkit.training.runlog import read_log
-from dmlkit.training.trainer import (
-    TrainResult,
+from dmlkit.embeddings import embed, embed_split, resolve_device
+from dmlkit.training.builders import (
     UnusedParametersWarning,
     build_datasets,
     build_loss,
     build_miner,
     build_model,
     build_optimizer,
+    build_sampler,
     build_split,
-    embed_split,
-    train,
 )
+from dmlkit.training.checkpoint import find_checkpoint, load_checkpoint, read_checkpoint
+from dmlkit.training.loop import Trainer, TrainState
+from dmlkit.training.runlog import read_log
+from dmlkit.training.trainer import TrainResult, embed_run, train
 
 __all__ = [
     "FIXED_SECTIONS",
     "OPTIMIZER_PRESETS",
     "DataConfig",
+    "EvaluationConfig",
     "ExperimentConfig",
     "LossConfig",
     "MinerConfig",
@@ -57,6 +66,8 @@ __all__ = [
     "SamplerConfig",
     "SplitConfig",
     "TrainResult",
+    "TrainState",
+    "Trainer",
     "TrainingConfig",
     "UnusedParametersWarning",
     "apply_overrides",
@@ -65,10 +76,12 @@ __all__ = [
     "build_miner",
     "build_model",
     "build_optimizer",
+    "build_sampler",
     "build_split",
     "config_from_dict",
     "dump_config",
     "embed",
+    "embed_run",
     "embed_split",
     "find_checkpoint",
     "load_checkpoint",

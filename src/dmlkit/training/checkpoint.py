@@ -1,4 +1,4 @@
-"""Checkpoints: atomic writes, RNG state capture/restore, and loading a trained model back.
+"""Checkpoints: atomic writes, RNG state capture/restore, resume checks, loading a model back.
 
 A checkpoint is a ``torch.save`` dict that loads with ``weights_only=True`` (tensors, numbers,
 strings, lists, tuples and dicts only). Keys::
@@ -28,12 +28,17 @@ from typing import Any
 import numpy as np
 import torch
 
+from dmlkit.config import ExperimentConfig, config_from_dict
 from dmlkit.exceptions import CheckpointError
+from dmlkit.models.trunks import load_failure_reason
+from dmlkit.training.builders import build_model
 from dmlkit.utils import atomic_torch_save
 
 __all__ = [
     "CHECKPOINT_FORMAT",
+    "RESUMABLE_CHANGES",
     "capture_rng_state",
+    "check_resumable",
     "find_checkpoint",
     "load_checkpoint",
     "read_checkpoint",
@@ -43,6 +48,51 @@ __all__ = [
 ]
 
 CHECKPOINT_FORMAT = "dmlkit-checkpoint-1"
+
+#: Keys that may differ between a checkpoint's config and the config used to resume it: they
+#: change where data lives, how long the run goes on, or how it logs and evaluates, never the
+#: trained weights of the steps already taken.
+RESUMABLE_CHANGES = frozenset({
+    "name",
+    "data.root",
+    "data.num_workers",
+    "model.feature_cache_dir",
+    "training.epochs",
+    "training.patience",
+    "training.device",
+    "training.log_every",
+    "training.tensorboard",
+    "training.csv_log",
+    "evaluation.batch_size",
+    "evaluation.memory_mb",
+    "evaluation.backend",
+    "evaluation.cluster_restarts",
+})
+
+
+def _flatten(data: Any, prefix: str = "") -> dict[str, Any]:
+    if isinstance(data, dict):
+        out: dict[str, Any] = {}
+        for k, v in data.items():
+            out.update(_flatten(v, f"{prefix}{k}."))
+        return out
+    return {prefix[:-1]: data}
+
+
+def check_resumable(saved: dict[str, Any], config: ExperimentConfig) -> None:
+    """Refuse to resume a checkpoint whose config (``saved``, plain data) differs from ``config``
+    in anything but :data:`RESUMABLE_CHANGES` (:class:`CheckpointError` names the keys)."""
+    # validate the saved config too, so keys renamed since it was written compare equal
+    old = _flatten(config_from_dict(saved, source="the checkpoint").model_dump(mode="json"))
+    new = _flatten(config.model_dump(mode="json"))
+    changed = sorted(k for k in set(old) | set(new)
+                     if old.get(k) != new.get(k) and k not in RESUMABLE_CHANGES)
+    if changed:
+        raise CheckpointError(
+            "cannot resume: the config differs from the checkpoint's in "
+            + ", ".join(f"{k} ({old.get(k)!r} -> {new.get(k)!r})" for k in changed)
+            + ". Resume with the run's own config.yaml, or start a new run directory"
+        )
 
 
 def capture_rng_state() -> dict[str, Any]:
@@ -115,9 +165,9 @@ def read_checkpoint(path: str | os.PathLike, map_location: str | torch.device = 
         payload = torch.load(path, map_location=map_location, weights_only=True)
     except Exception as exc:  # torch raises many types for corrupt/foreign files
         raise CheckpointError(
-            f"cannot read checkpoint {path}: {exc}. It may be truncated or not a dmlkit checkpoint; "
-            "resume from another one or retrain"
-        ) from exc
+            f"cannot read checkpoint {path}: {load_failure_reason(exc)}; resume from another "
+            "one or retrain"
+        ) from None
     if not isinstance(payload, dict) or payload.get("format") != CHECKPOINT_FORMAT:
         raise CheckpointError(f"{path} is not a dmlkit checkpoint (format {CHECKPOINT_FORMAT!r} expected)")
     trunk_file = payload.get("trunk_file")
@@ -129,8 +179,13 @@ def read_checkpoint(path: str | os.PathLike, map_location: str | torch.device = 
                 f"{path} keeps its frozen trunk's weights in {trunk_path}, which is missing: "
                 "copy checkpoints/ as a whole"
             )
-        trunk = torch.load(trunk_path, map_location=map_location, weights_only=True)
-        payload["model"] = {**{f"trunk.{k}": v for k, v in trunk["trunk"].items()}, **payload["model"]}
+        try:
+            trunk = torch.load(trunk_path, map_location=map_location, weights_only=True)
+            trunk_state = trunk["trunk"]
+        except Exception as exc:  # truncated or foreign trunk file
+            raise CheckpointError(f"cannot read the frozen trunk {trunk_path}: "
+                                  f"{load_failure_reason(exc)}; copy checkpoints/ as a whole or retrain") from None
+        payload["model"] = {**{f"trunk.{k}": v for k, v in trunk_state.items()}, **payload["model"]}
     return payload
 
 
@@ -148,12 +203,9 @@ def load_checkpoint(path: str | os.PathLike, device: str | torch.device = "cpu")
     The model is rebuilt from the stored config without downloading pretrained weights (the
     checkpoint holds every weight) and moved to ``device``.
     """
-    from dmlkit.training.config import config_from_dict
-    from dmlkit.training.trainer import build_model
-
     payload = read_checkpoint(path)
     config = config_from_dict(payload["config"], source=str(path))
-    model = build_model(config, pretrained=False)
+    model = build_model(config.model, pretrained=False)
     try:
         model.load_state_dict(payload["model"])
     except RuntimeError as exc:

@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from dmlkit.exceptions import require
 from dmlkit.utils import atomic_write_text
 
 __all__ = ["RunLogger", "read_log"]
@@ -52,8 +53,6 @@ class RunLogger:
         self.csv_log = csv_log
         self._writer = None
         if tensorboard:
-            from dmlkit.exceptions import require
-
             require("tensorboard", "tensorboard")
             from torch.utils.tensorboard import SummaryWriter
 

@@ -1,0 +1,241 @@
+"""EmbeddingIndex (flat / IVF-Flat / IVF-PQ / HNSW) vs calling faiss directly, and the service under load.
+
+Data: clustered unit vectors (``C = N / 50`` class centres ~ N(0, I_d), each sample = its centre +
+``sigma`` N(0, I_d), L2-normalised; sigma = 1.7 as in bench_metrics.py: overlapping classes, so
+the neighbours are not trivially one cell), plus ``--queries`` held-out queries from the same centres.
+For every kind, dmlkit builds the index with ``target_recall`` (default 0.95 recall@10, tuned on
+1,000 indexed rows held out from the quantiser's training) and then, on the held-out queries:
+
+* recall@10 against exact search (``dmlkit.metrics.knn``);
+* single-query latency (p50 / p99 over ``--single`` queries, one ``search`` call each);
+* batch throughput (all queries in one call, queries per second);
+
+and the same three numbers for faiss called directly on the *same* trained faiss structure with
+the same settings (``index.search(x, k, params=...)``; IVF-PQ: ``faiss.IndexRefineFlat`` with
+the same ``k_factor``; flat: ``faiss.IndexFlatIP``), so the ratio is dmlkit's overhead. The two
+sides are interleaved (query by query, alternating order; batch calls alternating, best of 3) so
+both see the same load; ``ovh 1q`` is the median over queries of dmlkit's / faiss's time - 1,
+``ovh QPS`` faiss's / dmlkit's batch throughput - 1. Build time (including the recall tuning) and
+memory (faiss structure + the float32 vectors dmlkit keeps) are reported too.
+
+``--service`` also starts ``dmlkit serve``'s app on 127.0.0.1 over an HNSW index and measures
+p50/p99 latency and throughput of ``--service-requests`` embedding queries from
+``--service-clients`` concurrent keep-alive clients.
+
+    python benchmarks/bench_index.py                       # N = 200k, d = 128
+    python benchmarks/bench_index.py --n 1000000 --kinds ivf_flat hnsw
+    python benchmarks/bench_index.py --n 50000 --service   # quick, with the service load test
+
+Writes every measurement as JSON (``--out``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+
+def make_data(n: int, q: int, d: int, sigma: float, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    classes = max(1, n // 50)
+    centres = rng.standard_normal((classes, d), dtype=np.float32)
+
+    def draw(m: int) -> np.ndarray:
+        lab = rng.integers(0, classes, m)
+        x = centres[lab] + np.float32(sigma) * rng.standard_normal((m, d), dtype=np.float32)
+        return x / np.linalg.norm(x, axis=1, keepdims=True)
+
+    return draw(n).astype(np.float32), draw(q).astype(np.float32)
+
+
+def _interleaved_latencies(fns, queries: np.ndarray, count: int) -> list[np.ndarray]:
+    """Single-query latencies (ms) of each function, interleaved query by query (order alternating),
+    so that every side sees the same machine load."""
+    out: list[list[float]] = [[] for _ in fns]
+    for i in range(min(count, len(queries))):
+        order = range(len(fns)) if i % 2 == 0 else reversed(range(len(fns)))
+        for j in order:
+            t0 = time.perf_counter()
+            fns[j](queries[i:i + 1])
+            out[j].append(time.perf_counter() - t0)
+    return [np.asarray(v) * 1000 for v in out]
+
+
+def _interleaved_throughput(fns, queries: np.ndarray, repeats: int = 3) -> list[float]:
+    """Queries per second of one batch call, best of ``repeats`` alternating runs per side."""
+    best = [float("inf")] * len(fns)
+    for r in range(repeats):
+        order = range(len(fns)) if r % 2 == 0 else reversed(range(len(fns)))
+        for j in order:
+            t0 = time.perf_counter()
+            fns[j](queries)
+            best[j] = min(best[j], time.perf_counter() - t0)
+    return [len(queries) / b for b in best]
+
+
+def _faiss_direct(idx, kind: str):
+    """A function ``queries -> keys`` calling faiss on the same structure with the same settings."""
+    import faiss
+
+    k = 10
+    if kind == "flat":
+        flat = faiss.IndexFlatIP(idx.dim)
+        flat.add(idx.embeddings)
+        return lambda q: flat.search(q, k)[1]
+    index = idx._faiss_index
+    if kind == "hnsw":
+        params = faiss.SearchParametersHNSW(efSearch=int(idx.params["ef_search"]))
+        return lambda q: index.search(q, k, params=params)[1]
+    ivf = faiss.SearchParametersIVF(nprobe=int(idx.params["nprobe"]))
+    if kind == "ivf_flat":
+        return lambda q: index.search(q, k, params=ivf)[1]
+    refine = faiss.IndexRefineFlat(index, faiss.swig_ptr(np.ascontiguousarray(idx.embeddings)))
+    params = faiss.IndexRefineSearchParameters(k_factor=float(idx.params["rerank"]), base_index_params=ivf)
+    keep = (index, ivf)  # the refine index and the parameters point into these
+
+    def search(q: np.ndarray, _keep=keep) -> np.ndarray:
+        return refine.search(q, k, params=params)[1]
+
+    return search
+
+
+def bench_kind(kind: str, x: np.ndarray, queries: np.ndarray, exact: np.ndarray, args) -> dict:
+    from dmlkit.apps import EmbeddingIndex
+    from dmlkit.apps.index import recall_at_k
+
+    t0 = time.perf_counter()
+    idx = EmbeddingIndex(x, kind=kind, recall_queries=args.recall_queries,
+                         target_recall=None if kind == "flat" else args.target_recall)
+    build = time.perf_counter() - t0
+    tuned = {} if kind == "flat" else {k: v for k, v in idx.recall.items() if k not in ("tried",)}
+    ours = lambda q: idx.search(q, 10)  # noqa: E731
+    direct = _faiss_direct(idx, kind)
+    # warm both
+    ours(queries[:8])
+    direct(queries[:8])
+    fns = [ours, direct]
+    lat = _interleaved_latencies(fns, queries, args.single)
+    qps = _interleaved_throughput(fns, queries)
+    rows = {}
+    for j, side in enumerate(("dmlkit", "faiss")):
+        found = fns[j](queries)
+        found = found.indices if hasattr(found, "indices") else found
+        if side == "faiss" and kind != "flat":
+            found = np.where(found >= 0, np.searchsorted(idx._keys, np.maximum(found, 0)), -1)
+        rows[side] = {"recall_at_10": recall_at_k(found, exact, 10), "p50_ms": float(np.median(lat[j])),
+                      "p99_ms": float(np.percentile(lat[j], 99)), "qps_batch": qps[j]}
+    rows["median_ratio"] = float(np.median(lat[0] / lat[1]))
+    return {
+        "kind": kind, "n": len(x), "d": x.shape[1], "build_s": build, "tuned": tuned,
+        "settings": {k: v for k, v in idx.params.items() if v is not None},
+        "faiss_bytes": idx.index_bytes(), "vector_bytes": int(idx.embeddings.nbytes),
+        "dmlkit": rows["dmlkit"], "faiss": rows["faiss"],
+        "overhead_p50": rows["median_ratio"] - 1,  # median over queries of dmlkit/faiss time
+        "overhead_batch": rows["faiss"]["qps_batch"] / rows["dmlkit"]["qps_batch"] - 1,
+    }
+
+
+def bench_service(x: np.ndarray, queries: np.ndarray, args) -> dict:
+    from concurrent.futures import ThreadPoolExecutor
+
+    import httpx
+
+    from dmlkit.apps import EmbeddingIndex
+    from dmlkit.apps.service import ServiceConfig, create_app, start_background_server
+
+    idx = EmbeddingIndex(x, kind="hnsw", target_recall=args.target_recall, recall_queries=args.recall_queries)
+    app = create_app(ServiceConfig(index="(in memory)"), index=idx)
+    server, thread, url = start_background_server(app)
+    bodies = [queries[i % len(queries)].tolist() for i in range(args.service_requests)]
+    try:
+        with httpx.Client(timeout=60) as http:
+            http.post(f"{url}/api/query/embedding", json={"embedding": bodies[0], "k": 10})
+
+            def one(i: int) -> tuple[float, int]:
+                t0 = time.perf_counter()
+                r = http.post(f"{url}/api/query/embedding", json={"embedding": bodies[i], "k": 10})
+                return time.perf_counter() - t0, r.status_code
+
+            t0 = time.perf_counter()
+            with ThreadPoolExecutor(max_workers=args.service_clients) as pool:
+                out = list(pool.map(one, range(args.service_requests)))
+            wall = time.perf_counter() - t0
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)
+    lat = np.asarray([t for t, _ in out]) * 1000
+    return {"requests": len(out), "clients": args.service_clients, "ok": sum(s == 200 for _, s in out),
+            "p50_ms": float(np.median(lat)), "p99_ms": float(np.percentile(lat, 99)),
+            "throughput_rps": len(out) / wall, "index": "hnsw", "n": len(x)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--n", type=int, default=200_000)
+    ap.add_argument("--d", type=int, default=128)
+    ap.add_argument("--queries", type=int, default=1000)
+    ap.add_argument("--single", type=int, default=300, help="queries timed one by one")
+    ap.add_argument("--sigma", type=float, default=1.7, help="cluster spread (smaller: easier ANN)")
+    ap.add_argument("--kinds", nargs="+", default=["flat", "ivf_flat", "ivf_pq", "hnsw"])
+    ap.add_argument("--target-recall", type=float, default=0.95)
+    ap.add_argument("--recall-queries", type=int, default=1000)
+    ap.add_argument("--service", action="store_true", help="also run the service load test")
+    ap.add_argument("--service-requests", type=int, default=2000)
+    ap.add_argument("--service-clients", type=int, default=4)
+    ap.add_argument("--threads", type=int, default=1,
+                    help="faiss/torch threads (1: no OpenMP spin-waiting on a shared, busy machine)")
+    ap.add_argument("--out", type=Path, default=Path("bench_index.json"))
+    args = ap.parse_args(argv)
+
+    import faiss
+    import torch
+    from threadpoolctl import threadpool_limits
+
+    faiss.omp_set_num_threads(args.threads)
+    torch.set_num_threads(args.threads)
+    threadpool_limits(args.threads)  # numpy's BLAS too (stays set for the process)
+    os.environ["NUMBA_NUM_THREADS"] = str(args.threads)
+
+    from dmlkit.metrics import knn
+
+    t0 = time.perf_counter()
+    x, queries = make_data(args.n, args.queries, args.d, args.sigma)
+    exact = knn(queries, x, k=10, distance="cosine", exclude_self=False).indices.numpy()
+    print(f"data N={args.n} d={args.d}, {args.queries} held-out queries; exact top-10 in "
+          f"{time.perf_counter() - t0:.1f} s", flush=True)
+    results = {"n": args.n, "d": args.d, "threads": args.threads, "cpu": os.cpu_count(),
+               "load_before": os.getloadavg(), "kinds": []}
+    header = (f"{'kind':9} {'build s':>8} {'MiB':>7} {'setting':>22} {'recall':>7} "
+              f"{'p50 ms':>7} {'p99 ms':>7} {'QPS':>8} | {'faiss p50':>9} {'faiss QPS':>9} {'ovh 1q':>8} {'ovh QPS':>8}")
+    print(header)
+    for kind in args.kinds:
+        r = bench_kind(kind, x, queries, exact, args)
+        results["kinds"].append(r)
+        setting = ",".join(f"{k}={v}" for k, v in (r["tuned"].get("setting") or {}).items()) or "exact"
+        mib = (r["faiss_bytes"] + r["vector_bytes"]) / 2**20
+        print(f"{kind:9} {r['build_s']:8.1f} {mib:7.0f} {setting:>22} {r['dmlkit']['recall_at_10']:7.4f} "
+              f"{r['dmlkit']['p50_ms']:7.3f} {r['dmlkit']['p99_ms']:7.3f} {r['dmlkit']['qps_batch']:8.0f} | "
+              f"{r['faiss']['p50_ms']:9.3f} {r['faiss']['qps_batch']:9.0f} {100 * r['overhead_p50']:7.1f}% "
+              f"{100 * r['overhead_batch']:7.1f}%", flush=True)
+    if args.service:
+        s = bench_service(x, queries, args)
+        results["service"] = s
+        print(f"service (hnsw, {s['clients']} clients, {s['requests']} requests): p50 {s['p50_ms']:.1f} ms, "
+              f"p99 {s['p99_ms']:.1f} ms, {s['throughput_rps']:.0f} req/s, {s['ok']} OK")
+    results["load_after"] = os.getloadavg()
+    results["peak_rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    results["wall_s"] = time.perf_counter() - t0
+    args.out.write_text(json.dumps(results, indent=2))
+    print(f"peak RSS {results['peak_rss_mib']:.0f} MiB; wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

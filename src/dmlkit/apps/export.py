@@ -1,0 +1,271 @@
+"""Export a trained embedding model to ONNX or TorchScript, checked for parity on real images.
+
+``export_model(run_dir, format="onnx")`` writes the model (batch axis dynamic) and a manifest
+``<file>.json`` holding the preprocessing (transform preset, image size, channels) and the
+parity figures measured on real test images of the run's dataset:
+
+* numerical parity: ``max |f_torch(x) - f_export(x)|`` over all embedding entries;
+* retrieval parity: the fraction of queries whose top-10 neighbour lists (exact cosine kNN
+  within the sample, self excluded) are identical, their mean overlap, and MAP@R (Musgrave et
+  al., ECCV 2020) computed from both sets of embeddings.
+
+onnxruntime (CPU provider) is the reference runtime for ONNX. :func:`load_embedder` returns an
+``images -> embeddings`` callable for a run directory or an export, used by ``dmlkit serve``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import warnings
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from dmlkit.data import get_transforms
+from dmlkit.exceptions import (
+    CheckpointError,
+    ConfigError,
+    DataError,
+    DataNotFoundError,
+    NonFiniteError,
+    require,
+)
+from dmlkit.metrics import evaluate, knn
+from dmlkit.training import build_datasets, load_checkpoint
+from dmlkit.utils import atomic_write_text
+
+__all__ = ["ImageEmbedder", "export_model", "load_embedder", "parity_report"]
+
+FORMATS = ("onnx", "torchscript")
+_SUFFIX = {"onnx": ".onnx", "torchscript": ".pt"}
+_MANIFEST_FORMAT = "dmlkit-export-v1"
+
+
+@dataclass
+class ImageEmbedder:
+    """``embedder(images) -> (N, D) float32`` for PIL images, with the model's preprocessing.
+
+    ``forward`` maps a preprocessed ``(N, C, H, W)`` float32 array to embeddings; ``runtime``
+    names it (``torch``, ``onnxruntime``, ``torchscript``).
+    """
+
+    forward: Callable[[np.ndarray], np.ndarray]
+    transform: str | None
+    image_size: int | None
+    in_channels: int
+    runtime: str
+    batch_size: int = 64
+
+    @property
+    def mode(self) -> str:
+        """The PIL mode images are converted to before the transform."""
+        return "L" if self.in_channels == 1 else "RGB"
+
+    def preprocess(self, images: Sequence[Any]) -> np.ndarray:
+        """PIL images -> ``(N, C, H, W)`` float32 with the run's evaluation transform."""
+        import torch
+
+        if not images:
+            raise DataError("no images to embed")
+        t = get_transforms(self.transform or "none", train=False, image_size=self.image_size)
+        out = []
+        for img in images:
+            x = t(img.convert(self.mode)) if t is not None else None
+            if not isinstance(x, torch.Tensor):
+                arr = np.asarray(img.convert(self.mode), dtype=np.float32) / 255.0
+                x = torch.from_numpy(arr[None] if arr.ndim == 2 else arr.transpose(2, 0, 1))
+            out.append(x)
+        shapes = {tuple(x.shape) for x in out}
+        if len(shapes) > 1:
+            raise DataError(f"images preprocess to different shapes {sorted(shapes)}: the model's transform "
+                            "must fix the size (set data.image_size)")
+        return torch.stack(out).numpy().astype(np.float32, copy=False)
+
+    def __call__(self, images: Sequence[Any]) -> np.ndarray:
+        x = self.preprocess(images)
+        parts = [self.forward(x[i:i + self.batch_size]) for i in range(0, len(x), self.batch_size)]
+        emb = np.concatenate(parts).astype(np.float32, copy=False)
+        if not np.isfinite(emb).all():
+            raise NonFiniteError("the model produced NaN/inf embeddings for these images")
+        return emb
+
+
+def _torch_forward(model: Any, device: str) -> Callable[[np.ndarray], np.ndarray]:
+    import torch
+
+    def forward(x: np.ndarray) -> np.ndarray:
+        with torch.no_grad():
+            return model(torch.from_numpy(np.ascontiguousarray(x)).to(device)).float().cpu().numpy()
+
+    return forward
+
+
+def _onnx_forward(path: Path) -> Callable[[np.ndarray], np.ndarray]:
+    ort = require("onnxruntime", "export")
+    try:
+        session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    except Exception as exc:  # onnxruntime raises its own exception types
+        raise CheckpointError(f"onnxruntime cannot load {path}: {exc}") from exc
+    name = session.get_inputs()[0].name
+
+    def forward(x: np.ndarray) -> np.ndarray:
+        return session.run(None, {name: np.ascontiguousarray(x, dtype=np.float32)})[0]
+
+    return forward
+
+
+def _torchscript_load(path: Path) -> Any:
+    import torch
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        try:
+            return torch.jit.load(str(path), map_location="cpu").eval()
+        except RuntimeError as exc:
+            raise CheckpointError(f"{path} is not a TorchScript model: {exc}") from exc
+
+
+def _manifest_path(model_file: Path) -> Path:
+    return model_file.with_name(model_file.name + ".json")
+
+
+def load_embedder(path: str | os.PathLike, device: str = "cpu") -> ImageEmbedder:
+    """An :class:`ImageEmbedder` for a run directory/checkpoint or an exported ``.onnx``/``.pt``.
+
+    Exports are read with the preprocessing stored in their manifest (``<file>.json``).
+    """
+    path = Path(path)
+    if not path.exists():
+        raise DataNotFoundError(f"model not found: {path} (a run directory from `dmlkit train` or an export)")
+    if path.is_file() and path.suffix in (".onnx", ".pt", ".ts") and _manifest_path(path).exists():
+        manifest = json.loads(_manifest_path(path).read_text())
+        pre = manifest["preprocessing"]
+        if manifest["format"] == "onnx":
+            forward, runtime = _onnx_forward(path), "onnxruntime"
+        else:
+            forward, runtime = _torch_forward(_torchscript_load(path), "cpu"), "torchscript"
+        return ImageEmbedder(forward, pre["transform"], pre["image_size"], int(pre["in_channels"]), runtime)
+    if path.is_file() and path.suffix == ".onnx":
+        raise DataError(f"{path} has no manifest {_manifest_path(path).name}: export it with `dmlkit export`")
+    model, config = load_checkpoint(path, device=device)
+    return ImageEmbedder(_torch_forward(model, device), config.data.transform, config.data.image_size,
+                         int(config.model.in_channels), "torch")
+
+
+def _knn_top(emb: np.ndarray, k: int) -> np.ndarray:
+    return knn(emb, None, k=min(k, len(emb) - 1), distance="cosine").indices.numpy()
+
+
+def parity_report(reference: np.ndarray, exported: np.ndarray, labels: np.ndarray, *,
+                  atol: float = 1e-4, map_tol: float = 1e-3) -> dict[str, Any]:
+    """Numerical and retrieval parity of two embeddings of the same images (see the module doc).
+
+    ``passed`` when ``max_abs_diff <= atol`` and ``|MAP@R_ref - MAP@R_export| <= map_tol``.
+    """
+    if reference.shape != exported.shape:
+        raise DataError(f"exported model gives shape {exported.shape}, PyTorch {reference.shape}")
+    diff = float(np.max(np.abs(reference.astype(np.float64) - exported.astype(np.float64))))
+    top_ref, top_exp = _knn_top(reference, 10), _knn_top(exported, 10)
+    identical = float(np.mean(np.all(top_ref == top_exp, axis=1)))
+    overlap = float(np.mean([len(np.intersect1d(a, b)) / a.size for a, b in zip(top_ref, top_exp)]))
+    metrics = ["map_at_r", "precision_at_1"]
+    m_ref = evaluate(reference, labels, metrics=metrics)
+    m_exp = evaluate(exported, labels, metrics=metrics)
+    return {
+        "num_samples": int(len(reference)), "max_abs_diff": diff,
+        "top10_identical": identical, "top10_overlap": overlap,
+        "map_at_r_torch": m_ref["map_at_r"], "map_at_r_export": m_exp["map_at_r"],
+        "precision_at_1_torch": m_ref["precision_at_1"], "precision_at_1_export": m_exp["precision_at_1"],
+        "atol": atol, "map_tol": map_tol,
+        "passed": diff <= atol and abs(m_ref["map_at_r"] - m_exp["map_at_r"]) <= map_tol,
+    }
+
+
+def _real_inputs(config: Any, data_root: Any, count: int) -> tuple[np.ndarray, np.ndarray, str]:
+    """Up to ``count`` preprocessed real images (spread over the split) and their labels."""
+    import torch
+
+    for split in ("test", "val", "train"):
+        ds = build_datasets(config, (split,), data_root=data_root).get(split)
+        if ds is not None and len(ds) > 1:
+            break
+    else:
+        raise DataError("the run's dataset has no split with two or more images for the parity check")
+    if config.data.transform is not None and split == "train" and not config.model.frozen_trunk:
+        ds = ds.with_transform(get_transforms(config.data.transform, train=False, image_size=config.data.image_size))
+    rows = np.unique(np.linspace(0, len(ds) - 1, num=min(count, len(ds))).round().astype(int))
+    xs, ys = [], []
+    for r in rows:
+        x, y = ds[int(r)]
+        xs.append(x if isinstance(x, torch.Tensor) else torch.as_tensor(np.asarray(x)))
+        ys.append(int(y))
+    return torch.stack(xs).float().numpy(), np.asarray(ys, dtype=np.int64), split
+
+
+def export_model(run_dir: str | os.PathLike, format: str = "onnx", output: str | os.PathLike | None = None, *,
+                 parity_samples: int = 256, data_root: str | os.PathLike | None = None, opset: int = 17,
+                 atol: float = 1e-4) -> dict[str, Any]:
+    """Export the run's model and check parity on real images; returns (and stores) the report.
+
+    Args:
+        run_dir: run directory or checkpoint from ``dmlkit train``.
+        format: ``onnx`` (legacy TorchScript-based ``torch.onnx.export``, dynamic batch axis) or
+            ``torchscript`` (``torch.jit.trace``).
+        output: model file (default ``RUN_DIR/export/model.onnx`` or ``model.pt``); the manifest
+            with preprocessing and parity goes to ``<output>.json``.
+        parity_samples: real images of the run's test split used for the parity check (at least 12).
+    """
+    import torch
+
+    if format not in FORMATS:
+        raise ConfigError(f"unknown export format {format!r}: choose onnx or torchscript")
+    if parity_samples < 12:
+        raise ConfigError(f"parity_samples must be at least 12 (top-10 neighbours need 11 others), got {parity_samples}")
+    run_dir = Path(run_dir)
+    model, config = load_checkpoint(run_dir, device="cpu")
+    model.eval()
+    base = run_dir if run_dir.is_dir() else run_dir.parent
+    out = Path(output) if output is not None else base / "export" / f"model{_SUFFIX[format]}"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    x, labels, split = _real_inputs(config, data_root, parity_samples)
+    example = torch.from_numpy(x[:2])
+    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        warnings.simplefilter("ignore", FutureWarning)
+        warnings.simplefilter("ignore", UserWarning)
+        if format == "onnx":
+            require("onnx", "export")
+            torch.onnx.export(model, (example,), str(tmp), dynamo=False, input_names=["images"],
+                              output_names=["embeddings"], opset_version=opset,
+                              dynamic_axes={"images": {0: "batch"}, "embeddings": {0: "batch"}})
+        else:
+            traced = torch.jit.trace(model, example)
+            traced.save(str(tmp))
+    os.replace(tmp, out)
+    if format == "onnx":
+        import onnx
+
+        onnx.checker.check_model(str(out))
+        forward, runtime = _onnx_forward(out), "onnxruntime"
+    else:
+        forward, runtime = _torch_forward(_torchscript_load(out), "cpu"), "torchscript"
+    reference = np.concatenate([_torch_forward(model, "cpu")(x[i:i + 64]) for i in range(0, len(x), 64)])
+    exported = np.concatenate([forward(x[i:i + 64]) for i in range(0, len(x), 64)])
+    parity = parity_report(reference, exported, labels, atol=atol)
+    parity["split"] = split
+    manifest = {
+        "format": format, "manifest": _MANIFEST_FORMAT, "output": str(out), "runtime": runtime,
+        "source": str(run_dir), "opset": opset if format == "onnx" else None,
+        "preprocessing": {"transform": config.data.transform, "image_size": config.data.image_size,
+                          "in_channels": int(config.model.in_channels), "input_shape": list(x.shape[1:])},
+        "embedding_size": int(reference.shape[1]), "parity": parity,
+    }
+    parity_file = _manifest_path(out)
+    atomic_write_text(parity_file, json.dumps(manifest, indent=2))
+    manifest["parity_file"] = str(parity_file)
+    return manifest

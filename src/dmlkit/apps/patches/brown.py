@@ -1,0 +1,240 @@
+"""The Brown "multi-view stereo correspondence" patch dataset, read from and written to its official layout.
+
+Brown, Hua & Winder, "Discriminative learning of local image descriptors", TPAMI 2011
+(subsets Liberty, Notre Dame, Yosemite). One folder per subset::
+
+    <root>/<subset>/patches0000.bmp ...   1024 x 1024 grayscale sheets, 16 x 16 patches of
+                                          64 x 64, read row by row, sheets in name order
+    <root>/<subset>/info.txt              one line per patch: "<3D point id> <image id>"
+    <root>/<subset>/m50_<n>_<n>_0.txt     <n> pairs, one per line:
+                                          "patch1 point1 unused patch2 point2 unused unused";
+                                          a pair matches when point1 == point2
+
+This is the layout ``torchvision.datasets.PhotoTour`` reads (``root/<name>/``, ``.bmp``,
+``info.txt``, ``m50_100000_100000_0.txt``) and the order in which it cuts patches, so a folder
+written by :func:`write_brown_subset` loads with both. The protocol of Brown et al. and
+Zagoruyko & Komodakis (CVPR 2015): train on one subset, test on the 100k pairs of
+``m50_100000_100000_0.txt`` of another.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from dmlkit.exceptions import DataError, DataNotFoundError
+from dmlkit.utils import atomic_write_bytes, atomic_write_text
+
+__all__ = [
+    "BROWN_SUBSETS",
+    "PATCH_SIZE",
+    "PatchPairs",
+    "PatchSubset",
+    "load_subset",
+    "match_files",
+    "read_info",
+    "read_matches",
+    "read_patch_sheets",
+    "write_brown_subset",
+]
+
+#: The subsets of the original dataset, as torchvision names their folders.
+BROWN_SUBSETS = ("liberty", "notredame", "yosemite")
+#: Side of one patch in the sheets (pixels).
+PATCH_SIZE = 64
+_SHEET = 1024
+_PER_SIDE = _SHEET // PATCH_SIZE
+_MATCH_RE = re.compile(r"^m50_(\d+)_(\d+)_(\d+)\.txt$")
+
+
+def _sheet_files(folder: Path) -> list[Path]:
+    return sorted(p for p in folder.iterdir() if p.suffix.lower() == ".bmp")
+
+
+def read_patch_sheets(folder: str | Path, n: int | None = None) -> np.ndarray:
+    """All patches of ``folder``'s ``.bmp`` sheets as ``uint8 (N, 64, 64)``, in PhotoTour's order.
+
+    Sheets are read in sorted name order, each row by row (left to right, top to bottom);
+    ``n`` keeps the first ``n`` patches (the last sheet is usually only partly filled).
+    """
+    from PIL import Image
+
+    folder = Path(folder)
+    files = _sheet_files(folder)
+    if not files:
+        raise DataNotFoundError(f"no .bmp patch sheets in {folder}: unpack the subset there (Brown layout)")
+    out: list[np.ndarray] = []
+    total = 0
+    for f in files:
+        with Image.open(f) as im:
+            a = np.asarray(im.convert("L"), dtype=np.uint8)
+        h, w = a.shape
+        if h % PATCH_SIZE or w % PATCH_SIZE:
+            raise DataError(f"{f}: sheet of {w}x{h} pixels is not a grid of {PATCH_SIZE}x{PATCH_SIZE} patches")
+        grid = a.reshape(h // PATCH_SIZE, PATCH_SIZE, w // PATCH_SIZE, PATCH_SIZE).transpose(0, 2, 1, 3)
+        out.append(grid.reshape(-1, PATCH_SIZE, PATCH_SIZE))
+        total += out[-1].shape[0]
+        if n is not None and total >= n:
+            break
+    patches = np.concatenate(out)
+    if n is not None:
+        if patches.shape[0] < n:
+            raise DataError(f"{folder}: info.txt lists {n} patches but the sheets hold only {patches.shape[0]}")
+        patches = patches[:n]
+    return np.ascontiguousarray(patches)
+
+
+def read_info(folder: str | Path) -> np.ndarray:
+    """The 3D point id of every patch (first column of ``info.txt``), ``int64 (N,)``."""
+    path = Path(folder) / "info.txt"
+    if not path.is_file():
+        raise DataNotFoundError(f"{path} is missing: every Brown subset folder has an info.txt")
+    try:
+        table = np.loadtxt(path, dtype=np.int64, ndmin=2)
+    except ValueError as exc:
+        raise DataError(f"{path}: expected integer columns '<3D point id> <image id>': {exc}") from exc
+    return table[:, 0].copy()
+
+
+def match_files(folder: str | Path) -> dict[int, Path]:
+    """The ``m50_<n>_<n>_0.txt`` files of a subset folder, keyed by their number of pairs."""
+    found: dict[int, Path] = {}
+    for p in sorted(Path(folder).glob("m50_*.txt")):
+        m = _MATCH_RE.match(p.name)
+        if m:
+            found[int(m.group(1))] = p
+    return found
+
+
+@dataclass(frozen=True)
+class PatchPairs:
+    """Pairs of patch indices and their ground truth: ``left``, ``right`` (int64), ``label`` (1/0)."""
+
+    left: np.ndarray
+    right: np.ndarray
+    label: np.ndarray
+    source: str = ""
+
+    def __len__(self) -> int:
+        return int(self.left.shape[0])
+
+    def subset(self, idx: np.ndarray) -> PatchPairs:
+        return PatchPairs(self.left[idx], self.right[idx], self.label[idx], self.source)
+
+
+def read_matches(path: str | Path, num_patches: int | None = None) -> PatchPairs:
+    """Pairs from an ``m50_*`` file: columns 0 and 3 are patch ids, 1 and 4 their 3D points."""
+    path = Path(path)
+    if not path.is_file():
+        raise DataNotFoundError(f"{path} is missing: expected a Brown match file m50_<n>_<n>_0.txt")
+    try:
+        t = np.loadtxt(path, dtype=np.int64, ndmin=2)
+    except ValueError as exc:
+        raise DataError(f"{path}: expected 7 integer columns per line: {exc}") from exc
+    if t.shape[1] < 5:
+        raise DataError(f"{path}: expected 7 integer columns per line, got {t.shape[1]}")
+    left, right = t[:, 0].copy(), t[:, 3].copy()
+    if num_patches is not None and (left.max(initial=0) >= num_patches or right.max(initial=0) >= num_patches):
+        raise DataError(f"{path}: patch ids go beyond the {num_patches} patches of info.txt")
+    return PatchPairs(left, right, (t[:, 1] == t[:, 4]).astype(np.int64), source=path.name)
+
+
+@dataclass
+class PatchSubset:
+    """One subset in memory: ``patches`` uint8 ``(N, 64, 64)``, ``point_ids`` int64 ``(N,)``,
+    and its match files (``pairs(n)`` reads one)."""
+
+    name: str
+    folder: Path
+    patches: np.ndarray
+    point_ids: np.ndarray
+    matches: dict[int, Path] = field(default_factory=dict)
+
+    def __len__(self) -> int:
+        return int(self.patches.shape[0])
+
+    def pairs(self, num_pairs: int | str | None = None, *, largest: bool = True) -> PatchPairs:
+        """Pairs of the ``m50_<num_pairs>_*`` file (a number or a file name); ``None``: the largest
+        file (``largest=True``, training) or the smallest (test; 100k for the Brown data)."""
+        if not self.matches:
+            raise DataNotFoundError(f"{self.folder}: no m50_<n>_<n>_0.txt match file")
+        if num_pairs is None:
+            key = max(self.matches) if largest else min(self.matches)
+            path = self.matches[key]
+        elif isinstance(num_pairs, str) and not num_pairs.isdigit():
+            path = self.folder / num_pairs
+        else:
+            if int(num_pairs) not in self.matches:
+                raise DataNotFoundError(
+                    f"{self.folder}: no match file with {num_pairs} pairs; found {sorted(self.matches)}"
+                )
+            path = self.matches[int(num_pairs)]
+        return read_matches(path, len(self))
+
+
+def load_subset(root: str | Path, name: str) -> PatchSubset:
+    """Read ``<root>/<name>/`` (Brown layout) into memory."""
+    folder = Path(root).expanduser() / name
+    if not folder.is_dir():
+        hint = (
+            "download it from the Brown/Winder multi-view stereo page (or torchvision.datasets.PhotoTour) "
+            "and unpack it there"
+            if name in BROWN_SUBSETS
+            else "build it with `dmlkit patches build-data`"
+        )
+        raise DataNotFoundError(f"patch subset '{name}' not found at {folder}: {hint}")
+    ids = read_info(folder)
+    patches = read_patch_sheets(folder, len(ids))
+    return PatchSubset(name=name, folder=folder, patches=patches, point_ids=ids, matches=match_files(folder))
+
+
+def write_brown_subset(
+    folder: str | Path,
+    patches: np.ndarray,
+    point_ids: np.ndarray,
+    image_ids: np.ndarray,
+    pairs: dict[int, PatchPairs],
+) -> Path:
+    """Write patches, ``info.txt`` and ``m50_<n>_<n>_0.txt`` files in the Brown layout.
+
+    ``patches``: uint8 ``(N, 64, 64)``; sheets ``patches%04d.bmp`` of 16 x 16 patches, the last
+    one padded with black. ``pairs[n]`` is written to ``m50_<n>_<n>_0.txt`` (``n == len``).
+    """
+    from PIL import Image
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    patches = np.asarray(patches)
+    if patches.dtype != np.uint8 or patches.ndim != 3 or patches.shape[1:] != (PATCH_SIZE, PATCH_SIZE):
+        raise DataError(f"patches must be uint8 (N, {PATCH_SIZE}, {PATCH_SIZE}), got {patches.dtype} {patches.shape}")
+    n = patches.shape[0]
+    if point_ids.shape != (n,) or image_ids.shape != (n,):
+        raise DataError("point_ids and image_ids need one entry per patch")
+    per_sheet = _PER_SIDE * _PER_SIDE
+    for old in _sheet_files(folder):
+        old.unlink()
+    import io
+
+    for s in range(0, n, per_sheet):
+        chunk = patches[s : s + per_sheet]
+        full = np.zeros((per_sheet, PATCH_SIZE, PATCH_SIZE), np.uint8)
+        full[: len(chunk)] = chunk
+        sheet = full.reshape(_PER_SIDE, _PER_SIDE, PATCH_SIZE, PATCH_SIZE).transpose(0, 2, 1, 3)
+        buf = io.BytesIO()
+        Image.fromarray(sheet.reshape(_SHEET, _SHEET), mode="L").save(buf, format="BMP")
+        atomic_write_bytes(folder / f"patches{s // per_sheet:04d}.bmp", buf.getvalue())
+    atomic_write_text(folder / "info.txt", "".join(f"{p} {i}\n" for p, i in zip(point_ids.tolist(), image_ids.tolist())))
+    for count, pp in pairs.items():
+        if len(pp) != count:
+            raise DataError(f"pairs[{count}] holds {len(pp)} pairs")
+        pl, pr = point_ids[pp.left], point_ids[pp.right]
+        if not np.array_equal(pl == pr, pp.label.astype(bool)):
+            raise DataError("pair labels disagree with the 3D point ids")
+        lines = "".join(
+            f"{a} {b} 0 {c} {d} 0 0\n" for a, b, c, d in zip(pp.left.tolist(), pl.tolist(), pp.right.tolist(), pr.tolist())
+        )
+        atomic_write_text(folder / f"m50_{count}_{count}_0.txt", lines)
+    return folder

@@ -1,0 +1,344 @@
+"""The cross-subset protocol of Brown et al. / Zagoruyko & Komodakis and the paper's Table 1.
+
+Train each architecture once per training subset (on that subset's largest ``m50`` file),
+test it on the pairs of every other subset it is paired with (the smallest ``m50`` file:
+``m50_100000_100000_0.txt`` for the Brown data), report FPR95 (and ROC AUC) for each
+train/test combination and the mean over the combinations, one column per architecture.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from dmlkit.apps.patches.brown import load_subset
+from dmlkit.apps.patches.models import build_patch_model, prepare_patches
+from dmlkit.apps.patches.training import TrainSettings, score_pairs, train_patch_model
+from dmlkit.exceptions import CheckpointError, ConfigError, DataNotFoundError
+from dmlkit.metrics.roc import fpr95, roc_auc
+from dmlkit.utils import (
+    atomic_torch_save,
+    atomic_write_json,
+    atomic_write_text,
+    provenance,
+    seed_everything,
+)
+from dmlkit.utils import data_root as default_root
+
+__all__ = [
+    "PatchExperimentConfig",
+    "evaluate_patch_run",
+    "hardest_pairs_figure",
+    "load_patch_config",
+    "load_patch_model",
+    "results_table",
+    "run_patch_protocol",
+    "subsets_root",
+]
+
+#: The six train/test combinations of the paper, on the Brown subsets.
+BROWN_COMBINATIONS = [
+    ("yosemite", "notredame"), ("yosemite", "liberty"), ("notredame", "yosemite"),
+    ("notredame", "liberty"), ("liberty", "yosemite"), ("liberty", "notredame"),
+]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class PatchDataConfig(_Strict):
+    root: str | None = None  # folder holding one folder per subset; None: <data root>/patches_offline
+    combinations: list[tuple[str, str]] = Field(default_factory=lambda: list(BROWN_COMBINATIONS))
+    train_pairs: int | None = None  # m50 file for training: None = the largest
+    test_pairs: int | None = None  # m50 file for testing: None = the smallest (100k for Brown)
+    max_test_pairs: int | None = None
+
+    @field_validator("combinations")
+    @classmethod
+    def _distinct(cls, v: list[tuple[str, str]]) -> list[tuple[str, str]]:
+        if not v:
+            raise ValueError("give at least one [train, test] combination")
+        for a, b in v:
+            if a == b:
+                raise ValueError(f"train and test subsets must differ, got {a}/{b}")
+        return v
+
+
+class PatchModelConfig(_Strict):
+    architectures: list[str] = Field(default_factory=lambda: ["2ch-2stream", "2ch-deep", "2ch", "siam", "siam-l2"])
+    patch_size: int = 32
+    width: float = 0.25
+
+
+class PatchTrainingConfig(_Strict):
+    epochs: int = 2
+    batch_size: int = 128
+    lr: float = 1e-3
+    optimizer: str = "adam"
+    weight_decay: float = 5e-4
+    max_train_pairs: int | None = None
+    augment: bool = True
+    l2_margin: float = 1.0
+    triplet_margin: float = 1.0
+    threads: int | None = None
+    device: str = "auto"  # auto (cuda when available) | cpu | cuda
+    decision_output: str = "tanh"  # hinge on tanh(z) (the paper) or on the linear z
+
+
+class PatchExperimentConfig(_Strict):
+    """``configs/patches*.yaml``: data, model and training sections plus a seed."""
+
+    seed: int = 0
+    data: PatchDataConfig = Field(default_factory=PatchDataConfig)
+    model: PatchModelConfig = Field(default_factory=PatchModelConfig)
+    training: PatchTrainingConfig = Field(default_factory=PatchTrainingConfig)
+
+
+def load_patch_config(path: str | Path, overrides: list[str] | None = None) -> PatchExperimentConfig:
+    """Read a YAML config; ``overrides`` like ``training.epochs=1`` (YAML values)."""
+    import yaml
+    from pydantic import ValidationError
+
+    path = Path(path)
+    if not path.is_file():
+        raise DataNotFoundError(f"config {path} not found")
+    raw = yaml.safe_load(path.read_text()) or {}
+    for item in overrides or []:
+        if "=" not in item:
+            raise ConfigError(f"override '{item}' must look like section.key=value")
+        key, value = item.split("=", 1)
+        node = raw
+        parts = key.split(".")
+        for p in parts[:-1]:
+            node = node.setdefault(p, {})
+        node[parts[-1]] = yaml.safe_load(value)
+    try:
+        return PatchExperimentConfig.model_validate(raw)
+    except ValidationError as exc:
+        raise ConfigError(f"{path}: {exc.errors()[0]['loc']}: {exc.errors()[0]['msg']}") from exc
+
+
+def subsets_root(cfg: PatchExperimentConfig, data_root: str | Path | None) -> Path:
+    """The folder holding one folder per subset: ``data.root`` (relative to the data root) or
+    ``<data root>/patches_offline``."""
+    if cfg.data.root is not None:
+        p = Path(cfg.data.root).expanduser()
+        return p if p.is_absolute() else default_root(data_root) / p
+    return default_root(data_root) / "patches_offline"
+
+
+def load_patch_model(path: str | Path):
+    """A model saved by :func:`run_patch_protocol` (``torch.load(weights_only=True)``)."""
+    import torch
+
+    path = Path(path)
+    if not path.is_file():
+        raise CheckpointError(f"checkpoint {path} not found: train it with `dmlkit patches train`")
+    try:
+        ck = torch.load(path, map_location="cpu", weights_only=True)
+        model = build_patch_model(ck["arch"], int(ck["patch_size"]), float(ck["width"]))
+        model.load_state_dict(ck["state_dict"])
+    except (KeyError, RuntimeError, EOFError) as exc:
+        raise CheckpointError(f"{path} is not a patch-network checkpoint: {exc}") from exc
+    model.eval()
+    return model
+
+
+class _Subsets:
+    """Subsets loaded once and their network inputs, cached by name."""
+
+    def __init__(self, root: Path, patch_size: int) -> None:
+        self.root, self.patch_size, self._cache = root, patch_size, {}
+
+    def get(self, name: str):
+        if name not in self._cache:
+            sub = load_subset(self.root, name)
+            self._cache[name] = (sub, prepare_patches(sub.patches, self.patch_size))
+        return self._cache[name]
+
+
+def _device(name: str):
+    import torch
+
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name not in ("cpu", "cuda") or (name == "cuda" and not torch.cuda.is_available()):
+        raise ConfigError(f"training.device must be auto, cpu or cuda (with a GPU), got {name!r}")
+    return torch.device(name)
+
+
+def _test_pairs(sub, cfg: PatchExperimentConfig, seed: int):
+    pairs = sub.pairs(cfg.data.test_pairs, largest=False)
+    m = cfg.data.max_test_pairs
+    if m is not None and len(pairs) > m:
+        pairs = pairs.subset(np.sort(np.random.default_rng(seed).choice(len(pairs), m, replace=False)))
+    return pairs
+
+
+def run_patch_protocol(
+    cfg: PatchExperimentConfig,
+    out_dir: str | Path,
+    *,
+    data_root: str | Path | None = None,
+    resume: bool = True,
+    log: Callable[[str], None] | None = None,
+) -> dict[str, Any]:
+    """Train every architecture on every training subset, test on the paired subsets.
+
+    Writes ``OUT/config.yaml``, ``OUT/provenance.json``, ``OUT/models/<arch>/<train>.pt``,
+    ``OUT/scores/<arch>/<train>__<test>.npz`` (pair indices, labels, scores) and
+    ``OUT/results.json`` / ``results.md`` (the table). With ``resume`` a model whose
+    checkpoint exists is loaded instead of retrained.
+    """
+    import torch
+    import yaml
+
+    say = log or (lambda _m: None)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(out / "config.yaml", yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
+    atomic_write_json(out / "provenance.json", provenance(cfg.seed))
+    if cfg.training.threads:
+        torch.set_num_threads(cfg.training.threads)
+    device = _device(cfg.training.device)
+    for a in cfg.model.architectures:
+        build_patch_model(a, cfg.model.patch_size, cfg.model.width)  # fail fast on bad names
+    subsets = _Subsets(subsets_root(cfg, data_root), cfg.model.patch_size)
+    trains = list(dict.fromkeys(a for a, _ in cfg.data.combinations))
+    rows: dict[tuple[str, str], dict[str, dict[str, float]]] = {tuple(c): {} for c in cfg.data.combinations}
+    timing: dict[str, dict[str, float]] = {a: {} for a in cfg.model.architectures}
+    for train_name in trains:
+        sub, inputs = subsets.get(train_name)
+        train_pairs = sub.pairs(cfg.data.train_pairs, largest=True)
+        for arch in cfg.model.architectures:
+            ck = out / "models" / arch / f"{train_name}.pt"
+            if resume and ck.is_file():
+                model = load_patch_model(ck).to(device)
+                secs = torch.load(ck, map_location="cpu", weights_only=True).get("train_seconds")
+                if secs is not None:
+                    timing[arch][train_name] = float(secs)
+                say(f"{arch} trained on {train_name}: loaded {ck}")
+            else:
+                seed_everything(cfg.seed)
+                model = build_patch_model(arch, cfg.model.patch_size, cfg.model.width).to(device)
+                t = cfg.training
+                settings = TrainSettings(
+                    epochs=t.epochs, batch_size=t.batch_size, lr=t.lr, optimizer=t.optimizer,
+                    weight_decay=t.weight_decay, max_train_pairs=t.max_train_pairs, augment=t.augment,
+                    l2_margin=t.l2_margin, triplet_margin=t.triplet_margin, seed=cfg.seed,
+                    decision_output=t.decision_output,
+                )
+                t0 = time.perf_counter()
+                history = train_patch_model(model, inputs, train_pairs, sub.point_ids, settings)
+                secs = time.perf_counter() - t0
+                timing[arch][train_name] = secs
+                atomic_torch_save(
+                    {"arch": arch, "patch_size": cfg.model.patch_size, "width": cfg.model.width,
+                     "state_dict": {k: v.cpu() for k, v in model.state_dict().items()}, "train": train_name, "history": history,
+                     "train_seconds": secs},
+                    ck,
+                )
+                say(f"{arch} trained on {train_name} in {secs:.0f} s (final loss {history[-1]['loss']:.3f})")
+            for train2, test_name in cfg.data.combinations:
+                if train2 != train_name:
+                    continue
+                tsub, tinputs = subsets.get(test_name)
+                pairs = _test_pairs(tsub, cfg, cfg.seed)
+                scores = score_pairs(model, tinputs, pairs)
+                res = {"fpr95": fpr95(scores, pairs.label), "roc_auc": roc_auc(scores, pairs.label)}
+                rows[(train_name, test_name)][arch] = res
+                path = out / "scores" / arch / f"{train_name}__{test_name}.npz"
+                path.parent.mkdir(parents=True, exist_ok=True)
+                np.savez(path, left=pairs.left, right=pairs.right, label=pairs.label, scores=scores)
+                say(f"  {arch} {train_name} -> {test_name}: FPR95 {100 * res['fpr95']:.2f} %, AUC {res['roc_auc']:.4f}")
+    results = _assemble(cfg, rows, timing)
+    atomic_write_json(out / "results.json", results)
+    atomic_write_text(out / "results.md", results_table(results, markdown=True))
+    return results
+
+
+def _assemble(cfg: PatchExperimentConfig, rows, timing) -> dict[str, Any]:
+    archs = cfg.model.architectures
+    table = [{"train": a, "test": b, **{k: v for k, v in r.items()}} for (a, b), r in rows.items()]
+    mean = {
+        arch: {m: float(np.mean([r[arch][m] for r in rows.values()])) for m in ("fpr95", "roc_auc")}
+        for arch in archs
+    }
+    return {"architectures": archs, "rows": table, "mean": mean, "train_seconds": timing,
+            "config": cfg.model_dump(mode="json")}
+
+
+def results_table(results: dict[str, Any], *, markdown: bool = False, metric: str = "fpr95") -> str:
+    """The paper's Table 1: one row per train/test pair plus the mean, FPR95 in percent."""
+    archs = results["architectures"]
+    head = ["Train", "Test", *archs]
+    lines = []
+    for r in results["rows"]:
+        lines.append([r["train"], r["test"], *[f"{100 * r[a][metric]:.2f}" for a in archs]])
+    lines.append(["mean", "", *[f"{100 * results['mean'][a][metric]:.2f}" for a in archs]])
+    if markdown:
+        out = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+        out += ["| " + " | ".join(x) + " |" for x in lines]
+        return "\n".join(out) + "\n"
+    widths = [max(len(str(x[i])) for x in [head, *lines]) for i in range(len(head))]
+    return "\n".join("  ".join(str(c).rjust(w) for c, w in zip(x, widths)) for x in [head, *lines]) + "\n"
+
+
+def evaluate_patch_run(
+    run_dir: str | Path,
+    *,
+    data_root: str | Path | None = None,
+    max_test_pairs: int | None = None,
+) -> dict[str, Any]:
+    """Re-score a run's checkpoints on its test combinations (e.g. on another data root)."""
+    import yaml
+
+    run = Path(run_dir)
+    if not (run / "config.yaml").is_file():
+        raise CheckpointError(f"{run} is not a patch run directory (no config.yaml): run `dmlkit patches train` first")
+    cfg = PatchExperimentConfig.model_validate(yaml.safe_load((run / "config.yaml").read_text()))
+    if max_test_pairs is not None:
+        cfg.data.max_test_pairs = max_test_pairs
+    subsets = _Subsets(subsets_root(cfg, data_root), cfg.model.patch_size)
+    rows: dict[tuple[str, str], dict[str, dict[str, float]]] = {tuple(c): {} for c in cfg.data.combinations}
+    for arch in cfg.model.architectures:
+        for train_name, test_name in cfg.data.combinations:
+            model = load_patch_model(run / "models" / arch / f"{train_name}.pt").to(_device(cfg.training.device))
+            tsub, tinputs = subsets.get(test_name)
+            pairs = _test_pairs(tsub, cfg, cfg.seed)
+            s = score_pairs(model, tinputs, pairs)
+            rows[(train_name, test_name)][arch] = {"fpr95": fpr95(s, pairs.label), "roc_auc": roc_auc(s, pairs.label)}
+    return _assemble(cfg, rows, {})
+
+
+def hardest_pairs_figure(patches: np.ndarray, left, right, label, scores, k: int = 8, title: str = ""):
+    """The ``k`` highest-scoring non-matches (false positives) and ``k`` lowest-scoring matches
+    (false negatives), each pair drawn as two patches side by side with its score."""
+    from matplotlib.figure import Figure
+
+    label = np.asarray(label).astype(bool)
+    neg, pos = np.flatnonzero(~label), np.flatnonzero(label)
+    fp = neg[np.argsort(-scores[neg], kind="stable")[:k]]
+    fn = pos[np.argsort(scores[pos], kind="stable")[:k]]
+    fig = Figure(figsize=(1.6 * k, 4.0))
+    axes = fig.subplots(2, k, squeeze=False)
+    for row, (idx, name) in enumerate(((fp, "hardest false positives"), (fn, "hardest false negatives"))):
+        for c in range(k):
+            ax = axes[row][c]
+            ax.axis("off")
+            if c < len(idx):
+                i = idx[c]
+                gap = np.full((patches.shape[1], 3), 255, np.uint8)
+                pair = np.concatenate([patches[left[i]], gap, patches[right[i]]], axis=1)
+                ax.imshow(pair, cmap="gray", vmin=0, vmax=255)
+                ax.set_title(f"{scores[i]:.2f}", fontsize=8)
+        axes[row][0].text(-0.1, 0.5, name, transform=axes[row][0].transAxes, rotation=90, va="center", ha="right", fontsize=8)
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    return fig

@@ -1,0 +1,61 @@
+"""Input checks and sizes shared by the re-id evaluation, re-ranking and VehicleID modules."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from dmlkit.exceptions import ConfigError, NonFiniteError, ShapeError
+
+METRICS = ("euclidean", "cosine", "dot")
+DEFAULT_MEMORY_BUDGET = 256 * 2**20
+
+
+# -- inputs ----------------------------------------------------------------------------
+def _as_float(x: Any, name: str) -> np.ndarray:
+    if hasattr(x, "detach"):
+        x = x.detach().cpu().float().numpy()
+    arr = np.ascontiguousarray(np.asarray(x, dtype=np.float32))
+    if arr.ndim != 2:
+        raise ShapeError(f"{name} must be 2-D (N, D), got shape {arr.shape}")
+    if not np.isfinite(arr.sum(dtype=np.float64)):  # NaN / inf propagate; no (N, D) mask
+        raise NonFiniteError(f"{name} contain NaN or infinity: check the model's outputs")
+    return arr
+
+
+def _as_ids(x: Any, n: int, name: str, default: int | None = None) -> np.ndarray:
+    if x is None:
+        if default is None:
+            raise ShapeError(f"{name} are required")
+        return np.full(n, default, dtype=np.int64)
+    if hasattr(x, "detach"):
+        x = x.detach().cpu().numpy()
+    arr = np.asarray(x)
+    if arr.ndim != 1 or arr.shape[0] != n:
+        raise ShapeError(f"{name} must be 1-D with {n} entries, got shape {arr.shape}")
+    if arr.size and not np.issubdtype(arr.dtype, np.integer):
+        raise ShapeError(f"{name} must be integers, got dtype {arr.dtype}")
+    return np.ascontiguousarray(arr, dtype=np.int64)
+
+
+def _check_metric(metric: str) -> None:
+    if metric not in METRICS:
+        raise ConfigError(f"metric must be one of {METRICS}, got {metric!r}")
+
+
+def _check_ap_mode(ap_mode: str) -> bool:
+    if ap_mode not in ("standard", "trapezoid"):
+        raise ConfigError(f"ap_mode must be 'standard' or 'trapezoid', got {ap_mode!r}")
+    return ap_mode == "trapezoid"
+
+
+def _block_rows(n_cols: int, memory_budget: int) -> int:
+    return int(max(1, min(4096, memory_budget // max(1, 8 * n_cols))))
+
+
+def _sq_norms(x, rows: int = 8192):
+    """Row-wise squared norms, a chunk of rows at a time (no temporary as large as ``x``)."""
+    import torch
+
+    return torch.cat([(c * c).sum(1) for c in x.split(rows)]) if x.shape[0] else x.new_zeros(0)

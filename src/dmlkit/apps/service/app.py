@@ -1,0 +1,454 @@
+"""The HTTP API and web page of ``dmlkit serve``.
+
+(No ``from __future__ import annotations`` here: FastAPI reads the endpoint annotations, which
+name models defined inside :func:`create_app`.)
+
+Endpoints (JSON unless noted; the OpenAPI schema is at ``/openapi.json``, docs at ``/docs``):
+
+* ``GET /api/health``, ``GET /api/info``, ``GET /api/metrics`` (request counts, status
+  classes, p50/p99 latency per route over the last 1000 requests, uptime);
+* ``POST /api/query/embedding`` ``{"embedding": [...], "k": 10}``;
+* ``POST /api/query/id`` ``{"id": "...", "k": 10, "exclude_self": true}``;
+* ``POST /api/query/image`` (multipart ``file``, form ``k``): needs a model;
+* ``POST /api/verify`` (multipart ``image1``, ``image2``): same/different against the
+  calibrated threshold of ``dmlkit verify``;
+* ``GET /api/items/{id}`` (label, metadata) and ``GET /api/items/{id}/thumbnail`` (PNG);
+* ``GET /`` the web page (``static/index.html`` + ``static/app.js``).
+
+Bad input gets a 4xx with ``{"detail": "<what to do>"}``: 400 not an image, 404 unknown id,
+409 the service lacks a model or threshold, 413 body over the limit or image too large, 422
+wrong embedding size, non-finite values or k out of range.
+"""
+
+
+import io
+import json
+import math
+import threading
+import time
+from collections import defaultdict, deque
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+from typing import Annotated, Any
+from urllib.parse import quote
+
+import numpy as np
+
+from dmlkit.exceptions import ConfigError, DataError, DataNotFoundError, DmlkitError, require
+
+STATIC = Path(__file__).parent / "static"
+
+
+@dataclass
+class ServiceConfig:
+    """What ``dmlkit serve`` serves.
+
+    Args:
+        index: an index directory/file from ``dmlkit index``.
+        model: run directory or exported model for image queries (``None``: embedding and id
+            queries only).
+        threshold: verification threshold on the score (``same`` when ``score >= threshold``).
+        verification: JSON of ``dmlkit verify --json`` (its ``threshold``; ``distance`` if present).
+        data_root: where relative item ids (dataset paths) are found for thumbnails (default:
+            the ``data_root`` recorded in the index).
+        max_upload_bytes: largest request body; larger ones get 413.
+        max_k: largest ``k`` a request may ask for.
+        max_image_pixels: decoded images larger than this get 413 (decompression bombs).
+    """
+
+    index: Path | str
+    model: Path | str | None = None
+    threshold: float | None = None
+    verification: Path | str | None = None
+    data_root: Path | str | None = None
+    max_upload_bytes: int = 8 * 2**20
+    max_k: int = 100
+    max_image_pixels: int = 40_000_000
+    device: str = "cpu"
+    thumbnail_size: int = 160
+
+
+class _Metrics:
+    """Thread-safe request counters and a latency window per route."""
+
+    def __init__(self, window: int = 1000) -> None:
+        self.started = time.time()
+        self.lock = threading.Lock()
+        self.counts: dict[str, int] = defaultdict(int)
+        self.status: dict[str, int] = defaultdict(int)
+        self.latency: dict[str, deque[float]] = defaultdict(lambda: deque(maxlen=window))
+
+    def record(self, route: str, status: int, seconds: float) -> None:
+        with self.lock:
+            self.counts[route] += 1
+            self.status[f"{status // 100}xx"] += 1
+            self.latency[route].append(seconds * 1000)
+
+    def snapshot(self) -> dict[str, Any]:
+        with self.lock:
+            lat = {r: {"count": len(v), "p50_ms": float(np.percentile(list(v), 50)),
+                       "p99_ms": float(np.percentile(list(v), 99))} for r, v in self.latency.items() if v}
+            return {"uptime_s": time.time() - self.started, "requests": dict(self.counts),
+                    "status": dict(self.status), "latency": lat}
+
+
+class _BodyLimit:
+    """ASGI middleware: buffer request bodies up to ``max_bytes``; answer 413 beyond."""
+
+    def __init__(self, app: Any, max_bytes: int) -> None:
+        self.app, self.max_bytes = app, max_bytes
+
+    async def _reject(self, send: Any, size: str) -> None:
+        body = json.dumps({"detail": f"request body {size} exceeds the limit of {self.max_bytes} bytes: "
+                                     "send a smaller image (or start the server with a larger --max-upload-mb)"}).encode()
+        await send({"type": "http.response.start", "status": 413,
+                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
+        await send({"type": "http.response.body", "body": body})
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        headers = dict(scope.get("headers") or [])
+        length = headers.get(b"content-length")
+        if length is not None:
+            try:
+                declared = int(length)
+            except ValueError:
+                declared = -1
+            if declared > self.max_bytes:
+                await self._reject(send, f"of {declared} bytes")
+                return
+        chunks, total, more = [], 0, True
+        while more:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return
+            chunk = message.get("body", b"")
+            total += len(chunk)
+            if total > self.max_bytes:
+                await self._reject(send, f"of more than {self.max_bytes} bytes")
+                return
+            chunks.append(chunk)
+            more = message.get("more_body", False)
+        body, sent = b"".join(chunks), False
+
+        async def replay() -> dict[str, Any]:
+            nonlocal sent
+            if not sent:
+                sent = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            return await receive()
+
+        await self.app(scope, replay, send)
+
+
+def _load_threshold(config: ServiceConfig) -> tuple[float | None, str | None]:
+    if config.threshold is not None and config.verification is not None:
+        raise ConfigError("pass --threshold or --verification, not both")
+    if config.threshold is not None:
+        if not math.isfinite(config.threshold):
+            raise ConfigError(f"the threshold must be a finite number, got {config.threshold}")
+        return float(config.threshold), None
+    if config.verification is None:
+        return None, None
+    path = Path(config.verification)
+    if not path.is_file():
+        raise DataNotFoundError(f"verification file not found: {path} (write it with `dmlkit verify ... --json > FILE`)")
+    try:
+        data = json.loads(path.read_text())
+        return float(data["threshold"]), data.get("distance")
+    except (ValueError, KeyError, TypeError) as exc:
+        raise DataError(f"{path} holds no 'threshold': write it with `dmlkit verify ... --json > FILE`") from exc
+
+
+def create_app(config: ServiceConfig, *, index: Any = None, embedder: Any = None) -> Any:
+    """The FastAPI app serving ``config`` (``index``/``embedder`` objects override the paths)."""
+    fastapi = require("fastapi", "serve")
+    require("python_multipart", "serve")
+    from fastapi import File, Form, HTTPException, Request, UploadFile
+    from fastapi.exceptions import RequestValidationError
+    from fastapi.responses import FileResponse, JSONResponse, Response
+    from pydantic import BaseModel, Field
+
+    from dmlkit.apps.index import EmbeddingIndex  # lazy: faiss and numpy load when an app is built
+    from dmlkit.apps.verification import pair_scores  # lazy: torch loads when an app is built
+
+    idx = index if index is not None else EmbeddingIndex.load(config.index)
+    if embedder is None and config.model is not None:
+        from dmlkit.apps.export import load_embedder  # lazy: torch/onnxruntime only with a model
+
+        embedder = load_embedder(config.model, device=config.device)
+    if embedder is not None and idx.dim and embedder(_probe_image(embedder)).shape[1] != idx.dim:
+        raise ConfigError(f"the model gives {embedder(_probe_image(embedder)).shape[1]}-d embeddings but the index "
+                          f"holds {idx.dim}-d ones: serve the model the index was built with")
+    threshold, verify_distance = _load_threshold(config)
+    verify_distance = verify_distance or idx.distance
+    root = config.data_root or idx.info.get("data_root")
+    root_path = Path(root).resolve() if root else None
+    metrics = _Metrics()
+    max_k = int(config.max_k)
+
+    app = fastapi.FastAPI(
+        title="dmlkit visual search",
+        version="1",
+        description="Nearest-neighbour search over a trained embedding: query by image, embedding or id; "
+                    "verify two images against a calibrated threshold.",
+    )
+
+    @app.middleware("http")
+    async def _record(request: Request, call_next: Any) -> Any:
+        t0 = time.perf_counter()
+        response = await call_next(request)
+        route = request.scope.get("route")
+        metrics.record(getattr(route, "path", "other"), response.status_code, time.perf_counter() - t0)
+        return response
+
+    app.add_middleware(_BodyLimit, max_bytes=int(config.max_upload_bytes))
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, exc: RequestValidationError) -> Any:
+        # FastAPI's default echoes the input, which fails on NaN; give locations and messages only
+        errors = [{"loc": [str(p) for p in e.get("loc", ())], "msg": str(e.get("msg", ""))} for e in exc.errors()]
+        summary = "; ".join(f"{'.'.join(e['loc'])}: {e['msg']}" for e in errors[:5])
+        return JSONResponse(status_code=422, content={"detail": f"invalid request: {summary}", "errors": errors[:20]})
+
+    @app.exception_handler(DmlkitError)
+    async def _dmlkit_error(request: Request, exc: DmlkitError) -> Any:
+        status = 404 if isinstance(exc, DataError) and "not in the index" in str(exc) else 422
+        return JSONResponse(status_code=status, content={"detail": str(exc)})
+
+    class Neighbour(BaseModel):
+        rank: int
+        id: str
+        score: float
+        label: int | None = None
+        metadata: dict[str, Any] | None = None
+        thumbnail: str
+
+    class SearchResponse(BaseModel):
+        results: list[Neighbour]
+        k: int
+        took_ms: float
+
+    class EmbeddingQuery(BaseModel):
+        embedding: list[Annotated[float, Field(allow_inf_nan=False)]] = Field(
+            ..., min_length=1, max_length=65536, description=f"a {idx.dim}-d query embedding")
+        k: int = Field(10, ge=1, description=f"neighbours to return (at most {max_k})")
+
+    class IdQuery(BaseModel):
+        id: str = Field(..., min_length=1, max_length=4096, description="an indexed item's id")
+        k: int = Field(10, ge=1)
+        exclude_self: bool = Field(True, description="drop the item itself from its results")
+
+    class VerifyResponse(BaseModel):
+        same: bool
+        score: float
+        threshold: float
+        distance: str
+
+    def check_k(k: int) -> int:
+        if k > max_k:
+            raise HTTPException(422, f"k={k} is larger than this service's limit of {max_k}")
+        return k
+
+    def results(vectors: np.ndarray, k: int, exclude: str | None = None) -> dict[str, Any]:
+        t0 = time.perf_counter()
+        if vectors.shape[1] != idx.dim:
+            raise HTTPException(422, f"the embedding has {vectors.shape[1]} values; this index holds {idx.dim}-d embeddings")
+        res = idx.search(vectors, k, exclude_ids=None if exclude is None else [exclude])
+        rows = []
+        for rec in res.to_records()[0]:
+            rows.append({"rank": rec["rank"], "id": rec["id"], "score": rec["score"], "label": rec.get("label"),
+                         "metadata": rec.get("metadata"),
+                         "thumbnail": f"/api/items/{quote(rec['id'], safe='')}/thumbnail"})
+        return {"results": rows, "k": k, "took_ms": (time.perf_counter() - t0) * 1000}
+
+    async def read_image(upload: UploadFile) -> Any:
+        from PIL import Image, UnidentifiedImageError
+
+        data = await upload.read()
+        if not data:
+            raise HTTPException(400, f"{upload.filename or 'the upload'} is empty: send an image file")
+        try:
+            with Image.open(io.BytesIO(data)) as img:
+                w, h = img.size
+                if w * h > config.max_image_pixels:
+                    raise HTTPException(413, f"the image has {w}x{h} pixels, more than the limit of "
+                                             f"{config.max_image_pixels}: send a smaller image")
+                img.load()
+                return img.copy()
+        except HTTPException:
+            raise
+        except (UnidentifiedImageError, OSError, ValueError, Image.DecompressionBombError) as exc:
+            why = "" if isinstance(exc, UnidentifiedImageError) else f": {exc}"
+            raise HTTPException(400, f"{upload.filename or 'the upload'} is not an image PIL can read "
+                                     f"(PNG, JPEG, PGM, ...){why}") from exc
+
+    def need_model() -> Any:
+        if embedder is None:
+            raise HTTPException(409, "this service has no model: start it with --model RUN_DIR or an export "
+                                     "to query by image")
+        return embedder
+
+    @app.get("/api/health", tags=["service"])
+    def health() -> dict[str, Any]:
+        """Liveness and what is loaded."""
+        return {"status": "ok", "items": len(idx), "dim": idx.dim, "kind": idx.kind, "distance": idx.distance,
+                "model": None if embedder is None else embedder.runtime, "verification": threshold is not None}
+
+    @app.get("/api/info", tags=["service"])
+    def info() -> dict[str, Any]:
+        """The index (kind, settings, measured recall), limits and verification threshold."""
+        d = idx.describe()
+        if d.get("recall"):
+            d["recall"] = {k: v for k, v in d["recall"].items() if k != "tried"}
+        return {"index": d, "threshold": threshold, "verify_distance": verify_distance, "max_k": max_k,
+                "max_upload_bytes": config.max_upload_bytes,
+                "model": None if embedder is None else embedder.runtime}
+
+    @app.get("/api/metrics", tags=["service"])
+    def get_metrics() -> dict[str, Any]:
+        """Request counts, status classes and p50/p99 latency per route (last 1000 requests)."""
+        return metrics.snapshot()
+
+    @app.post("/api/query/embedding", response_model=SearchResponse, tags=["search"])
+    def query_embedding(q: EmbeddingQuery) -> dict[str, Any]:
+        """The k nearest items of an embedding."""
+        with np.errstate(over="ignore"):  # beyond float32: refused as non-finite (422)
+            vec = np.asarray(q.embedding, dtype=np.float32)[None]
+        return results(vec, check_k(q.k))
+
+    @app.post("/api/query/id", response_model=SearchResponse, tags=["search"])
+    def query_id(q: IdQuery) -> dict[str, Any]:
+        """The k nearest items of an indexed item."""
+        check_k(q.k)
+        try:
+            vec = idx.get([q.id])
+        except DataError as exc:
+            raise HTTPException(404, str(exc)) from exc
+        return results(np.asarray(vec, dtype=np.float32), q.k, exclude=q.id if q.exclude_self else None)
+
+    @app.post("/api/query/image", response_model=SearchResponse, tags=["search"])
+    async def query_image(file: UploadFile = File(..., description="an image"),
+                          k: int = Form(10, ge=1)) -> dict[str, Any]:
+        """The k nearest items of an uploaded image (embedded with the served model)."""
+        model = need_model()
+        check_k(k)
+        img = await read_image(file)
+        return results(model([img]), k)
+
+    @app.post("/api/verify", response_model=VerifyResponse, tags=["verification"])
+    async def verify(image1: UploadFile = File(...), image2: UploadFile = File(...)) -> dict[str, Any]:
+        """Same or different identity/class: ``score >= threshold`` (threshold of `dmlkit verify`)."""
+        model = need_model()
+        if threshold is None:
+            raise HTTPException(409, "this service has no verification threshold: start it with --threshold T or "
+                                     "--verification FILE (the JSON of `dmlkit verify --json`)")
+        a, b = await read_image(image1), await read_image(image2)
+        emb = model([a, b])
+        score = float(pair_scores(emb, np.array([0]), np.array([1]), distance=verify_distance)[0])
+        return {"same": score >= threshold, "score": score, "threshold": threshold, "distance": verify_distance}
+
+    def item_file(item_id: str) -> Path:
+        meta = idx.metadata[idx.positions([item_id])[0]] if idx.metadata is not None else None
+        name = (meta or {}).get("path") or item_id
+        p = Path(name)
+        if not p.is_absolute():
+            if root_path is None:
+                raise HTTPException(404, f"no image for {item_id!r}: start the server with --data-root")
+            p = (root_path / p).resolve()
+            if root_path not in p.parents:
+                raise HTTPException(404, f"{item_id!r} points outside the data root")
+        if not p.is_file():
+            raise HTTPException(404, f"the image of {item_id!r} is not at {p}")
+        return p
+
+    @lru_cache(maxsize=4096)
+    def thumbnail_bytes(path: str) -> bytes:
+        from PIL import Image
+
+        with Image.open(path) as img:
+            img = img.convert("RGB")
+            img.thumbnail((config.thumbnail_size, config.thumbnail_size))
+            buf = io.BytesIO()
+            img.save(buf, format="PNG")
+            return buf.getvalue()
+
+    def known(item_id: str) -> int:
+        try:
+            return int(idx.positions([item_id])[0])
+        except DataError as exc:
+            raise HTTPException(404, str(exc)) from exc
+
+    @app.get("/api/items/{item_id:path}/thumbnail", tags=["items"],
+             responses={200: {"content": {"image/png": {}}}})
+    def thumbnail(item_id: str) -> Response:
+        """A PNG thumbnail of an indexed item's image."""
+        known(item_id)
+        try:
+            data = thumbnail_bytes(str(item_file(item_id)))
+        except OSError as exc:
+            raise HTTPException(404, f"the image of {item_id!r} cannot be read: {exc}") from exc
+        return Response(content=data, media_type="image/png", headers={"Cache-Control": "max-age=3600"})
+
+    @app.get("/api/items/{item_id:path}", tags=["items"])
+    def item(item_id: str) -> dict[str, Any]:
+        """An indexed item's label and metadata."""
+        pos = known(item_id)
+        return {"id": item_id, "label": None if idx.labels is None else int(idx.labels[pos]),
+                "metadata": None if idx.metadata is None else idx.metadata[pos]}
+
+    @app.get("/", include_in_schema=False)
+    def page() -> FileResponse:
+        return FileResponse(STATIC / "index.html", media_type="text/html")
+
+    @app.get("/static/{name}", include_in_schema=False)
+    def static(name: str) -> FileResponse:
+        files = {p.name: p for p in STATIC.iterdir() if p.is_file()}
+        if name not in files:
+            raise HTTPException(404, f"no static file {name!r}")
+        return FileResponse(files[name])
+
+    app.state.index, app.state.embedder, app.state.metrics = idx, embedder, metrics
+    return app
+
+
+def _probe_image(embedder: Any) -> list[Any]:
+    from PIL import Image
+
+    size = embedder.image_size or 64
+    return [Image.new(embedder.mode, (size, size), color=128)]
+
+
+def start_background_server(app: Any, host: str = "127.0.0.1", port: int = 0, timeout: float = 30.0
+                            ) -> tuple[Any, threading.Thread, str]:
+    """Serve ``app`` with uvicorn in a daemon thread; returns ``(server, thread, base_url)``.
+
+    Stop it with ``server.should_exit = True; thread.join()``. ``port=0`` picks a free port.
+    """
+    uvicorn = require("uvicorn", "serve")
+    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False))
+    thread = threading.Thread(target=server.run, daemon=True, name="dmlkit-serve")
+    thread.start()
+    deadline = time.time() + timeout
+    while not server.started:
+        if not thread.is_alive() or time.time() > deadline:
+            raise DmlkitError(f"the server did not start on {host}:{port}")
+        time.sleep(0.02)
+    bound = server.servers[0].sockets[0].getsockname()
+    return server, thread, f"http://{bound[0]}:{bound[1]}"
+
+
+def run_server(config: ServiceConfig, host: str = "127.0.0.1", port: int = 8000) -> None:
+    """Serve until interrupted (uvicorn)."""
+    uvicorn = require("uvicorn", "serve")
+    app = create_app(config)
+    if host not in ("127.0.0.1", "localhost", "::1"):
+        import warnings
+
+        warnings.warn(f"serving on {host}: reachable from other machines; put it behind a proxy with "
+                      "authentication for anything but a trusted network", stacklevel=2)
+    print(f"dmlkit serve: {len(app.state.index)} items on http://{host}:{port}/ (API docs: /docs)")
+    uvicorn.run(app, host=host, port=port, log_level="info")

@@ -1,0 +1,233 @@
+"""Tracking sequences on disk: GOT-10k and OTB layouts, folders of frames and video files.
+
+* GOT-10k (Huang et al., TPAMI 2019): ``ROOT/[train|val|test]/GOT-10k_Train_000001/00000001.jpg``
+  with ``groundtruth.txt`` (one ``x,y,w,h`` per frame) and optionally ``absence.label``
+  (1 = target absent in that frame; such frames get a NaN box and are skipped by training
+  and evaluation).
+* OTB (Wu et al., CVPR 2013): ``ROOT/Seq/img/0001.jpg`` with ``groundtruth_rect.txt``
+  (``x,y,w,h`` separated by commas, tabs or spaces). Sequences with several targets have
+  ``groundtruth_rect.1.txt``, ``groundtruth_rect.2.txt``...: each becomes ``Seq.1``, ``Seq.2``.
+
+Frames are read lazily (``seq.frame(i)`` is an ``(H, W, 3)`` uint8 RGB array).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from dmlkit.exceptions import DataError, DataNotFoundError, require
+
+IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".bmp", ".pgm", ".ppm", ".tif", ".tiff")
+VIDEO_SUFFIXES = (".mp4", ".avi", ".mov", ".mkv", ".webm", ".gif", ".mpg", ".mpeg", ".m4v")
+
+
+def read_image(path: str | Path) -> np.ndarray:
+    """An image file as an ``(H, W, 3)`` uint8 RGB array (Pillow)."""
+    from PIL import Image
+
+    try:
+        with Image.open(path) as im:
+            return np.asarray(im.convert("RGB"))
+    except FileNotFoundError:
+        raise DataNotFoundError(f"frame {path} does not exist") from None
+    except OSError as exc:
+        raise DataError(f"cannot read frame {path}: {exc}") from None
+
+
+def _natural_key(path: Path) -> tuple:
+    return tuple(int(t) if t.isdigit() else t for t in re.split(r"(\d+)", path.name))
+
+
+def list_frames(folder: str | Path) -> list[Path]:
+    """Image files of a folder in natural order (``2.jpg`` before ``10.jpg``)."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise DataNotFoundError(f"frame folder {folder} does not exist")
+    frames = sorted((p for p in folder.iterdir() if p.suffix.lower() in IMAGE_SUFFIXES),
+                    key=_natural_key)
+    if not frames:
+        raise DataNotFoundError(
+            f"no image files ({', '.join(IMAGE_SUFFIXES)}) in {folder}"
+        )
+    return frames
+
+
+def read_boxes(path: str | Path) -> np.ndarray:
+    """A ground-truth file: one box ``x,y,w,h`` per line (commas, tabs or spaces) -> ``(N, 4)``."""
+    path = Path(path)
+    if not path.is_file():
+        raise DataNotFoundError(f"ground-truth file {path} does not exist")
+    rows = []
+    for lineno, line in enumerate(path.read_text().splitlines(), 1):
+        parts = [p for p in re.split(r"[,\s]+", line.strip()) if p]
+        if not parts:
+            continue
+        try:
+            values = [float(p) for p in parts]
+        except ValueError:
+            raise DataError(f"{path}:{lineno}: not a box 'x,y,w,h': {line!r}") from None
+        if len(values) != 4:
+            raise DataError(
+                f"{path}:{lineno}: expected 4 numbers x,y,w,h, got {len(values)} "
+                "(polygon annotations are not supported; convert them to axis-aligned boxes)"
+            )
+        rows.append(values)
+    if not rows:
+        raise DataError(f"{path} has no boxes")
+    return np.asarray(rows, dtype=np.float64)
+
+
+@dataclass
+class Sequence:
+    """One annotated (or unannotated) video: frame files and a box per frame.
+
+    ``boxes`` is ``(N, 4)`` ``x, y, w, h`` (NaN rows where the target is absent) or ``None``
+    for an unannotated video; ``frames`` are paths, or in-memory ``(H, W, 3)`` uint8 arrays.
+    """
+
+    name: str
+    frames: list
+    boxes: np.ndarray | None = None
+
+    def __post_init__(self) -> None:
+        if not self.frames:
+            raise DataError(f"sequence {self.name!r} has no frames")
+        if self.boxes is not None:
+            self.boxes = np.asarray(self.boxes, dtype=np.float64)
+            if len(self.boxes) != len(self.frames):
+                raise DataError(
+                    f"sequence {self.name!r}: {len(self.frames)} frames but "
+                    f"{len(self.boxes)} ground-truth boxes; they must match one to one"
+                )
+
+    def __len__(self) -> int:
+        return len(self.frames)
+
+    def frame(self, i: int) -> np.ndarray:
+        f = self.frames[i]
+        return f if isinstance(f, np.ndarray) else read_image(f)
+
+    def __iter__(self) -> Iterator[np.ndarray]:
+        for i in range(len(self)):
+            yield self.frame(i)
+
+    @property
+    def valid(self) -> np.ndarray:
+        """Frames with a usable box (finite, positive width and height)."""
+        if self.boxes is None:
+            return np.zeros(len(self), dtype=bool)
+        b = self.boxes
+        return np.isfinite(b).all(axis=1) & (b[:, 2] > 0) & (b[:, 3] > 0)
+
+
+def _got10k_dirs(root: Path, split: str | None) -> list[Path]:
+    base = root / split if split and (root / split).is_dir() else root
+    dirs = sorted(p for p in base.iterdir() if p.is_dir() and (p / "groundtruth.txt").is_file())
+    if not dirs:
+        raise DataNotFoundError(
+            f"no GOT-10k sequences under {base}: expected {base}/GOT-10k_Train_000001/"
+            "00000001.jpg ... with groundtruth.txt"
+        )
+    return dirs
+
+
+def load_got10k(root: str | Path, split: str | None = "train") -> list[Sequence]:
+    """Sequences in the GOT-10k layout (``split`` sub-folder if it exists, else ``root`` itself)."""
+    root = Path(root)
+    if not root.is_dir():
+        raise DataNotFoundError(f"GOT-10k root {root} does not exist")
+    sequences = []
+    for d in _got10k_dirs(root, split):
+        frames = list_frames(d)
+        boxes = read_boxes(d / "groundtruth.txt")
+        if len(boxes) == 1 and len(frames) > 1:  # GOT-10k test split: first box only
+            boxes = np.vstack([boxes, np.full((len(frames) - 1, 4), np.nan)])
+        absence = d / "absence.label"
+        if absence.is_file():
+            flags = np.array([int(v) for v in absence.read_text().split()], dtype=bool)
+            if len(flags) == len(boxes):
+                boxes[flags] = np.nan
+        sequences.append(Sequence(d.name, frames, boxes))
+    return sequences
+
+
+def load_otb(root: str | Path) -> list[Sequence]:
+    """Sequences in the OTB layout: ``root/Seq/img/*.jpg`` + ``root/Seq/groundtruth_rect*.txt``."""
+    root = Path(root)
+    if not root.is_dir():
+        raise DataNotFoundError(f"OTB root {root} does not exist")
+    sequences = []
+    for d in sorted(p for p in root.iterdir() if p.is_dir()):
+        gts = sorted(d.glob("groundtruth_rect*.txt"),
+                     key=lambda p: (p.name != "groundtruth_rect.txt", _natural_key(p)))
+        if not gts or not (d / "img").is_dir():
+            continue
+        frames = list_frames(d / "img")
+        for gt in gts:
+            suffix = gt.name[len("groundtruth_rect"):-len(".txt")]
+            name = d.name + suffix
+            boxes = read_boxes(gt)
+            if len(boxes) != len(frames):
+                raise DataError(
+                    f"OTB sequence {name}: {len(frames)} frames in {d / 'img'} but {len(boxes)} "
+                    f"boxes in {gt.name}; keep only the annotated frames in img/"
+                )
+            sequences.append(Sequence(name, frames, boxes))
+    if not sequences:
+        raise DataNotFoundError(
+            f"no OTB sequences under {root}: expected {root}/<Seq>/img/0001.jpg ... and "
+            f"{root}/<Seq>/groundtruth_rect.txt"
+        )
+    return sequences
+
+
+def load_tracking_dataset(kind: str, root: str | Path, split: str | None = None) -> list[Sequence]:
+    """``kind`` is ``otb`` or ``got10k`` (GOT-10k ``split`` defaults to ``train``, then ``val``)."""
+    kind = kind.lower().replace("-", "")
+    if kind == "otb":
+        return load_otb(root)
+    if kind == "got10k":
+        return load_got10k(root, split or "train")
+    raise DataError(f"unknown tracking dataset layout {kind!r}: use 'otb' or 'got10k'")
+
+
+def read_video(source: str | Path, max_frames: int | None = None) -> tuple[list, float | None]:
+    """Frames of a folder of images (paths, read lazily) or a video file (decoded arrays).
+
+    Returns ``(frames, fps)``; fps is the video's frame rate or ``None`` for a folder.
+    Video files are decoded with imageio (the ``tracking`` extra: ``imageio`` + ``av``).
+    """
+    source = Path(source)
+    if source.is_dir():
+        frames = list_frames(source)
+        return (frames[:max_frames] if max_frames else frames), None
+    if not source.is_file():
+        raise DataNotFoundError(f"{source} is neither a folder of frames nor a video file")
+    if source.suffix.lower() in IMAGE_SUFFIXES:
+        raise DataError(f"{source} is a single image: pass the folder that holds the frames")
+    iio = require("imageio.v3", "tracking")
+    fps = None
+    try:
+        meta = iio.immeta(source)
+        fps = meta.get("fps") or (1000.0 / meta["duration"] if meta.get("duration") else None)
+    except Exception:  # metadata is optional
+        fps = None
+    frames = []
+    try:
+        for frame in iio.imiter(source):
+            arr = np.asarray(frame)
+            if arr.ndim == 2:
+                arr = np.repeat(arr[:, :, None], 3, axis=2)
+            frames.append(np.ascontiguousarray(arr[:, :, :3]).astype(np.uint8, copy=False))
+            if max_frames and len(frames) >= max_frames:
+                break
+    except OSError as exc:
+        raise DataError(f"cannot decode video {source}: {exc}") from None
+    if not frames:
+        raise DataError(f"video {source} has no frames")
+    return frames, (float(fps) if fps else None)

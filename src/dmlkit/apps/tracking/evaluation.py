@@ -1,0 +1,249 @@
+"""OTB one-pass evaluation (OPE): success and precision plots.
+
+Y. Wu, J. Lim, M.-H. Yang, "Online Object Tracking: A Benchmark", CVPR 2013 (and TPAMI 2015).
+The tracker is initialised with the ground truth of the first frame and run once to the end.
+For frame t with ground truth box g_t and predicted box p_t:
+
+* overlap  ``S_t = |p_t ∩ g_t| / |p_t ∪ g_t|`` (intersection over union of the rectangles);
+* centre location error ``e_t = ||c(p_t) - c(g_t)||_2`` in pixels.
+
+Success plot: ``succ(θ) = #{t : S_t > θ} / n`` for the 21 thresholds θ = 0, 0.05, ..., 1;
+its area under the curve (AUC) is the mean of those 21 values (the benchmark's ranking score).
+Precision plot: ``prec(τ) = #{t : e_t <= τ} / n`` for τ = 0, 1, ..., 50 pixels; the
+representative score is ``prec(20)``. The comparisons (strict ``>`` for overlap, ``<=`` for
+the error) are those of the OTB toolkit. Over a dataset each sequence's curve is computed
+first and the curves are averaged with equal weight per sequence (as in the OTB toolkit and
+the GOT-10k toolkit's OTB experiment).
+
+Frames whose ground truth is missing (NaN) or empty (w <= 0 or h <= 0, e.g. target absent)
+are left out of the averages of their sequence; the first frame is counted.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from dmlkit.exceptions import ShapeError
+
+SUCCESS_THRESHOLDS = np.linspace(0.0, 1.0, 21)
+PRECISION_THRESHOLDS = np.arange(0, 51, dtype=np.float64)
+
+
+def _boxes(boxes: np.ndarray | Sequence, name: str) -> np.ndarray:
+    arr = np.asarray(boxes, dtype=np.float64)
+    if arr.ndim == 1 and arr.shape[0] == 4:
+        arr = arr[None]
+    if arr.ndim != 2 or arr.shape[1] != 4:
+        raise ShapeError(f"{name} must be (N, 4) boxes (x, y, w, h), got shape {arr.shape}")
+    return arr
+
+
+def _pair(pred: np.ndarray | Sequence, gt: np.ndarray | Sequence) -> tuple[np.ndarray, np.ndarray]:
+    p, g = _boxes(pred, "predicted boxes"), _boxes(gt, "ground-truth boxes")
+    if p.shape != g.shape:
+        raise ShapeError(
+            f"{len(p)} predicted boxes but {len(g)} ground-truth boxes: one box per frame each"
+        )
+    return p, g
+
+
+def valid_frames(gt: np.ndarray | Sequence) -> np.ndarray:
+    """Mask of frames with a usable ground truth: finite values and positive width and height."""
+    g = _boxes(gt, "ground-truth boxes")
+    return np.isfinite(g).all(axis=1) & (g[:, 2] > 0) & (g[:, 3] > 0)
+
+
+def overlap(pred: np.ndarray | Sequence, gt: np.ndarray | Sequence) -> np.ndarray:
+    """Per-frame intersection over union of ``(x, y, w, h)`` boxes, in [0, 1]."""
+    p, g = _pair(pred, gt)
+    pw, ph = np.clip(p[:, 2], 0, None), np.clip(p[:, 3], 0, None)
+    gw, gh = np.clip(g[:, 2], 0, None), np.clip(g[:, 3], 0, None)
+    iw = np.clip(np.minimum(p[:, 0] + pw, g[:, 0] + gw) - np.maximum(p[:, 0], g[:, 0]), 0, None)
+    ih = np.clip(np.minimum(p[:, 1] + ph, g[:, 1] + gh) - np.maximum(p[:, 1], g[:, 1]), 0, None)
+    inter = iw * ih
+    union = pw * ph + gw * gh - inter
+    with np.errstate(invalid="ignore", divide="ignore"):
+        iou = np.where(union > 0, inter / np.where(union > 0, union, 1.0), 0.0)
+    return np.nan_to_num(iou, nan=0.0)
+
+
+def center_error(pred: np.ndarray | Sequence, gt: np.ndarray | Sequence) -> np.ndarray:
+    """Per-frame Euclidean distance between box centres, in pixels."""
+    p, g = _pair(pred, gt)
+    pc = p[:, :2] + p[:, 2:] / 2.0
+    gc = g[:, :2] + g[:, 2:] / 2.0
+    err = np.sqrt(((pc - gc) ** 2).sum(axis=1))
+    return np.where(np.isfinite(err), err, np.inf)
+
+
+def success_curve(ious: np.ndarray, thresholds: np.ndarray = SUCCESS_THRESHOLDS) -> np.ndarray:
+    """Fraction of frames with overlap strictly above each threshold."""
+    ious = np.asarray(ious, dtype=np.float64)
+    if ious.size == 0:
+        raise ShapeError("success_curve needs at least one frame")
+    return (ious[:, None] > np.asarray(thresholds)[None, :]).mean(axis=0)
+
+
+def precision_curve(
+    errors: np.ndarray, thresholds: np.ndarray = PRECISION_THRESHOLDS
+) -> np.ndarray:
+    """Fraction of frames with centre error at most each threshold (pixels)."""
+    errors = np.asarray(errors, dtype=np.float64)
+    if errors.size == 0:
+        raise ShapeError("precision_curve needs at least one frame")
+    return (errors[:, None] <= np.asarray(thresholds)[None, :]).mean(axis=0)
+
+
+@dataclass
+class SequenceResult:
+    """One sequence's one-pass result: per-frame measures and curves."""
+
+    name: str
+    ious: np.ndarray
+    center_errors: np.ndarray
+    success: np.ndarray
+    precision: np.ndarray
+    fps: float | None = None
+
+    @property
+    def auc(self) -> float:
+        return float(self.success.mean())
+
+    @property
+    def precision_at_20(self) -> float:
+        return float(self.precision[20])
+
+
+@dataclass
+class OPEResult:
+    """A tracker's one-pass evaluation over a set of sequences."""
+
+    sequences: list[SequenceResult]
+    success: np.ndarray = field(init=False)
+    precision: np.ndarray = field(init=False)
+
+    def __post_init__(self) -> None:
+        if not self.sequences:
+            raise ShapeError("an OPE result needs at least one sequence")
+        self.success = np.mean([s.success for s in self.sequences], axis=0)
+        self.precision = np.mean([s.precision for s in self.sequences], axis=0)
+
+    @property
+    def auc(self) -> float:
+        """Success AUC: mean of the 21-point success curve."""
+        return float(self.success.mean())
+
+    @property
+    def precision_at_20(self) -> float:
+        return float(self.precision[20])
+
+    @property
+    def fps(self) -> float | None:
+        """Frames per second over all sequences (total frames / total time), if timed."""
+        rates = [s for s in self.sequences if s.fps]
+        if not rates:
+            return None
+        frames = sum(len(s.ious) for s in rates)
+        return float(frames / sum(len(s.ious) / s.fps for s in rates))
+
+    def summary(self) -> dict[str, float | int | None]:
+        return {
+            "success_auc": self.auc,
+            "precision_at_20": self.precision_at_20,
+            "num_sequences": len(self.sequences),
+            "num_frames": int(sum(len(s.ious) for s in self.sequences)),
+            "fps": self.fps,
+        }
+
+    def to_dict(self) -> dict:
+        return {
+            **self.summary(),
+            "success_thresholds": SUCCESS_THRESHOLDS.tolist(),
+            "success_curve": self.success.tolist(),
+            "precision_thresholds": PRECISION_THRESHOLDS.tolist(),
+            "precision_curve": self.precision.tolist(),
+            "per_sequence": {
+                s.name: {"success_auc": s.auc, "precision_at_20": s.precision_at_20,
+                         "frames": len(s.ious), "fps": s.fps}
+                for s in self.sequences
+            },
+        }
+
+
+def evaluate_sequence(
+    pred: np.ndarray | Sequence, gt: np.ndarray | Sequence, name: str = "seq",
+    fps: float | None = None,
+) -> SequenceResult:
+    """One-pass measures of one sequence (frames with invalid ground truth left out)."""
+    p, g = _pair(pred, gt)
+    keep = valid_frames(g)
+    if not keep.any():
+        raise ShapeError(f"sequence {name!r} has no frame with a valid ground-truth box")
+    ious = overlap(p[keep], g[keep])
+    errs = center_error(p[keep], g[keep])
+    return SequenceResult(name, ious, errs, success_curve(ious), precision_curve(errs), fps)
+
+
+def evaluate_ope(
+    predictions: Mapping[str, np.ndarray], ground_truth: Mapping[str, np.ndarray],
+    fps: Mapping[str, float] | None = None,
+) -> OPEResult:
+    """OTB one-pass evaluation of ``{sequence: (N, 4) boxes}`` against the ground truth."""
+    missing = sorted(set(ground_truth) - set(predictions))
+    if missing:
+        raise ShapeError(f"no predictions for sequences {missing[:5]}: run the tracker on them")
+    fps = fps or {}
+    return OPEResult([
+        evaluate_sequence(predictions[name], ground_truth[name], name, fps.get(name))
+        for name in ground_truth
+    ])
+
+
+def plot_ope(results: Mapping[str, OPEResult], title: str = "OPE"):
+    """Success and precision plots (matplotlib figure, two axes) of several trackers.
+
+    Legends carry the ranking scores as in the OTB paper: AUC for success, precision at
+    20 pixels for precision.
+    """
+    import matplotlib
+
+    matplotlib.use("Agg", force=False)
+    import matplotlib.pyplot as plt
+
+    fig, (ax_s, ax_p) = plt.subplots(1, 2, figsize=(10, 4.2))
+    for name, res in sorted(results.items(), key=lambda kv: -kv[1].auc):
+        ax_s.plot(SUCCESS_THRESHOLDS, res.success, label=f"{name} [{res.auc:.3f}]")
+    for name, res in sorted(results.items(), key=lambda kv: -kv[1].precision_at_20):
+        ax_p.plot(PRECISION_THRESHOLDS, res.precision, label=f"{name} [{res.precision_at_20:.3f}]")
+    ax_s.set(title=f"Success plots of {title}", xlabel="Overlap threshold",
+             ylabel="Success rate", xlim=(0, 1), ylim=(0, 1.02))
+    ax_p.set(title=f"Precision plots of {title}", xlabel="Location error threshold (pixels)",
+             ylabel="Precision", xlim=(0, 50), ylim=(0, 1.02))
+    for ax in (ax_s, ax_p):
+        ax.grid(alpha=0.3)
+        ax.legend(loc="lower left" if ax is ax_s else "lower right", fontsize=8)
+    fig.tight_layout()
+    return fig
+
+
+def run_ope(tracker, sequences, progress: bool = False) -> tuple[OPEResult, dict[str, np.ndarray]]:
+    """Run ``tracker`` (anything with ``track(frames, init_box)``) once over each annotated
+    sequence from its first ground-truth box; returns the OPE result and the predicted boxes."""
+    preds, gts, fps = {}, {}, {}
+    bar = None
+    if progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=sum(len(s) for s in sequences), desc="tracking", unit="frame")
+    for seq in sequences:
+        if seq.boxes is None or not np.isfinite(seq.boxes[0]).all():
+            raise ShapeError(f"sequence {seq.name!r} has no ground-truth box in its first frame")
+        result = tracker.track(seq, seq.boxes[0],
+                               progress=(lambda: bar.update(1)) if bar else None)
+        preds[seq.name], gts[seq.name], fps[seq.name] = result.boxes, seq.boxes, result.fps
+    if bar is not None:
+        bar.close()
+    return evaluate_ope(preds, gts, fps), preds

@@ -1,0 +1,71 @@
+"""Drawing tracked boxes on frames and writing them as a GIF, a video or a folder of images."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+
+import numpy as np
+
+from dmlkit.apps.tracking.datasets import read_image
+from dmlkit.exceptions import ConfigError, require
+
+
+def draw_box(frame: np.ndarray, box, color=(255, 40, 40), width: int = 2,
+             label: str | None = None) -> np.ndarray:
+    """A copy of ``frame`` with the ``(x, y, w, h)`` rectangle (and a label) drawn on it."""
+    from PIL import Image, ImageDraw
+
+    im = Image.fromarray(np.asarray(frame, dtype=np.uint8))
+    draw = ImageDraw.Draw(im)
+    x, y, w, h = (float(v) for v in box)
+    if np.isfinite([x, y, w, h]).all():
+        draw.rectangle([x, y, x + w - 1, y + h - 1], outline=tuple(color), width=width)
+    if label:
+        draw.text((4, 4), label, fill=tuple(color))
+    return np.asarray(im)
+
+
+def annotate(frames: Iterable[np.ndarray], boxes: np.ndarray,
+             ground_truth: np.ndarray | None = None) -> Iterator[np.ndarray]:
+    """Frames (arrays or image paths) with the predicted boxes (red) and, if given, the ground
+    truth (green)."""
+    for i, frame in enumerate(frames):
+        out = frame if isinstance(frame, np.ndarray) else read_image(frame)
+        if ground_truth is not None:
+            out = draw_box(out, ground_truth[i], color=(40, 220, 40))
+        yield draw_box(out, boxes[i], label=f"#{i + 1}")
+
+
+def write_frames(frames: Iterable[np.ndarray], out: str | Path, fps: float = 15.0) -> Path:
+    """Write frames to ``out``: ``.gif`` (Pillow), ``.mp4`` / ``.avi`` / ... (imageio + PyAV),
+    or a folder (``00001.jpg`` ...) when ``out`` has no suffix."""
+    from PIL import Image
+
+    out = Path(out)
+    suffix = out.suffix.lower()
+    if fps <= 0:
+        raise ConfigError(f"fps must be positive, got {fps}")
+    if suffix == "":
+        out.mkdir(parents=True, exist_ok=True)
+        for i, f in enumerate(frames):
+            Image.fromarray(f).save(out / f"{i + 1:05d}.jpg", quality=92)
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    if suffix == ".gif":
+        images = [Image.fromarray(f) for f in frames]
+        if not images:
+            raise ConfigError("no frames to write")
+        images[0].save(out, save_all=True, append_images=images[1:], loop=0,
+                       duration=int(round(1000 / fps)), optimize=False)
+        return out
+    if suffix in (".mp4", ".avi", ".mov", ".mkv", ".webm"):
+        iio = require("imageio.v3", "tracking")
+        arrays = []
+        for f in frames:  # even sizes for yuv420p codecs
+            h, w = f.shape[0] // 2 * 2, f.shape[1] // 2 * 2
+            arrays.append(np.ascontiguousarray(f[:h, :w]))
+        iio.imwrite(out, np.stack(arrays), fps=fps, plugin="pyav", codec="libx264"
+                    if suffix in (".mp4", ".mkv", ".mov") else "mpeg4")
+        return out
+    raise ConfigError(f"cannot write {out}: use .gif, .mp4, .avi, .mov, .mkv, .webm or a folder")

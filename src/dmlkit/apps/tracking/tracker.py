@@ -1,0 +1,253 @@
+"""The SiamFC tracker (inference of Bertinetto et al. 2016, Sec. 2.4 and 4.1) and an NCC baseline.
+
+Per frame, around the previous centre:
+
+1. crop the search region at ``num_scales`` scales ``s_x * step^k``,
+   ``k = -(n-1)/2 .. (n-1)/2`` and resize each to 255 x 255;
+2. score them against the first frame's exemplar: ``num_scales`` 17 x 17 maps;
+3. upsample each map x16 with bicubic interpolation (272 x 272) and multiply the maps of the
+   changed scales by ``scale_penalty``; take the scale with the highest peak;
+4. normalise that map to sum 1 and blend a cosine (Hann) window, the displacement penalty:
+   ``r <- (1 - window_influence) r + window_influence * hann``;
+5. move the centre by the peak's displacement from the map centre mapped back to image pixels
+   (``/ 16 * 8`` to search-image pixels, ``* s_x / 255`` to the frame);
+6. damp the scale update: ``s <- (1 - scale_lr) s + scale_lr * s * step^k*`` for both the
+   target size and the search region.
+
+Defaults are those of the paper's 3-scale tracker (SiamFC-3s, the public release's
+hyper-parameters): step 1.0375, penalty 0.9745, scale_lr 0.59, window influence 0.176.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass, field
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from dmlkit.apps.tracking.datasets import read_image
+from dmlkit.apps.tracking.geometry import (
+    box_to_center,
+    center_to_box,
+    crop_and_resize,
+    exemplar_side,
+    image_to_tensor,
+)
+from dmlkit.apps.tracking.model import EXEMPLAR_SIZE, INSTANCE_SIZE, SiamFC
+from dmlkit.exceptions import ConfigError, ShapeError, require
+
+
+@dataclass
+class TrackerConfig:
+    """Hyper-parameters of the SiamFC tracker (paper defaults, 3 scales)."""
+
+    num_scales: int = 3
+    scale_step: float = 1.0375
+    scale_penalty: float = 0.9745
+    scale_lr: float = 0.59
+    window_influence: float = 0.176
+    response_up: int = 16
+    context: float = 0.5
+    exemplar_size: int = EXEMPLAR_SIZE
+    instance_size: int = INSTANCE_SIZE
+    min_size: float = 4.0
+
+    def __post_init__(self) -> None:
+        if self.num_scales < 1 or self.num_scales % 2 == 0:
+            raise ConfigError(f"num_scales must be odd and >= 1 (3 or 5), got {self.num_scales}")
+        if not 0.0 <= self.window_influence <= 1.0 or not 0.0 <= self.scale_lr <= 1.0:
+            raise ConfigError("window_influence and scale_lr must be in [0, 1]")
+        if self.scale_step < 1.0 or not 0.0 < self.scale_penalty <= 1.0:
+            raise ConfigError("scale_step must be >= 1 and scale_penalty in (0, 1]")
+        if self.response_up < 1:
+            raise ConfigError(f"response_up must be >= 1, got {self.response_up}")
+
+    @classmethod
+    def five_scales(cls) -> TrackerConfig:
+        """SiamFC-5s: 5 scales, step 1.025 and penalty 0.962 (the paper's slower variant)."""
+        return cls(num_scales=5, scale_step=1.025, scale_penalty=0.962)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass
+class TrackResult:
+    """Boxes ``(N, 4)`` (the first is the initial box), per-frame seconds and peak scores."""
+
+    boxes: np.ndarray
+    seconds: np.ndarray
+    scores: np.ndarray = field(default_factory=lambda: np.zeros(0))
+
+    @property
+    def fps(self) -> float:
+        """Frames per second of the updates (initialisation excluded, as in the paper)."""
+        t = float(self.seconds[1:].sum()) if len(self.seconds) > 1 else 0.0
+        return (len(self.seconds) - 1) / t if t > 0 else float("nan")
+
+
+class BaseTracker:
+    """``init(frame, box)`` then ``update(frame) -> box``; ``track(frames, box)`` runs a video."""
+
+    def init(self, frame: np.ndarray, box: np.ndarray) -> None:
+        raise NotImplementedError
+
+    def update(self, frame: np.ndarray) -> np.ndarray:
+        raise NotImplementedError
+
+    last_score: float = float("nan")
+
+    def track(self, frames: Iterable[np.ndarray], init_box, progress=None) -> TrackResult:
+        """One pass over ``frames`` starting from ``init_box`` (x, y, w, h) in the first frame.
+
+        ``frames`` yields ``(H, W, 3)`` arrays or image paths (read with Pillow); ``progress``
+        is called after each frame.
+        """
+        box0 = np.asarray(init_box, dtype=np.float64)
+        if box0.shape != (4,) or not np.isfinite(box0).all() or box0[2] <= 0 or box0[3] <= 0:
+            raise ShapeError(f"the initial box must be finite x, y, w, h with w, h > 0, got {init_box}")
+        boxes, secs, scores = [], [], []
+        for i, frame in enumerate(frames):
+            if not isinstance(frame, np.ndarray | torch.Tensor):
+                frame = read_image(frame)
+            t0 = time.perf_counter()
+            if i == 0:
+                self.init(frame, box0)
+                box = box0.copy()
+            else:
+                box = self.update(frame)
+            secs.append(time.perf_counter() - t0)
+            boxes.append(box)
+            scores.append(self.last_score if i else 1.0)
+            if progress is not None:
+                progress()
+        if not boxes:
+            raise ShapeError("no frames to track")
+        return TrackResult(np.asarray(boxes), np.asarray(secs), np.asarray(scores))
+
+
+def _hann(n: int) -> np.ndarray:
+    w = np.hanning(n)
+    out = np.outer(w, w)
+    return out / out.sum()
+
+
+class SiamFCTracker(BaseTracker):
+    """Track one object with a :class:`SiamFC` network (see the module docstring)."""
+
+    def __init__(self, model: SiamFC, config: TrackerConfig | None = None,
+                 device: str | torch.device = "cpu") -> None:
+        self.model = model.to(device).eval()
+        self.config = config or TrackerConfig()
+        self.device = torch.device(device)
+        c = self.config
+        self.response_size = (c.instance_size - c.exemplar_size) // model.total_stride + 1
+        self.upscale_size = self.response_size * c.response_up
+        self.window = _hann(self.upscale_size)
+        k = np.arange(c.num_scales) - (c.num_scales - 1) / 2.0
+        self.scale_factors = c.scale_step ** k
+        self.penalties = np.where(k == 0, 1.0, c.scale_penalty)
+
+    @torch.no_grad()
+    def init(self, frame: np.ndarray, box: np.ndarray) -> None:
+        c = self.config
+        image = image_to_tensor(frame).to(self.device)
+        self.center, self.size = box_to_center(box)
+        self.frame_shape = image.shape[-2:]
+        self.avg_color = image.mean(dim=(1, 2))
+        self.z_side = exemplar_side(self.size, c.context)
+        self.x_side = self.z_side * c.instance_size / c.exemplar_size
+        self.x_side_range = (0.2 * self.x_side, 5.0 * self.x_side)
+        z = crop_and_resize(image, self.center, self.z_side, c.exemplar_size, self.avg_color)
+        self.kernel = self.model.embed(z)
+
+    @torch.no_grad()
+    def response(self, frame: np.ndarray) -> tuple[np.ndarray, torch.Tensor]:
+        """The upsampled, scale-penalised response maps ``(S, 272, 272)`` and the crops."""
+        c = self.config
+        image = image_to_tensor(frame).to(self.device)
+        x = crop_and_resize(image, self.center, self.x_side * self.scale_factors,
+                            c.instance_size, self.avg_color)
+        scores = self.model.score(self.kernel, self.model.embed(x))
+        up = F.interpolate(scores, size=(self.upscale_size, self.upscale_size), mode="bicubic",
+                           align_corners=False)
+        maps = up[:, 0].cpu().double().numpy() * self.penalties[:, None, None]
+        return maps, x
+
+    @torch.no_grad()
+    def update(self, frame: np.ndarray) -> np.ndarray:
+        c = self.config
+        maps, _ = self.response(frame)
+        best = int(np.argmax(maps.reshape(len(maps), -1).max(axis=1)))
+        r = maps[best]
+        self.last_score = float(r.max())
+        r = r - r.min()
+        r = r / (r.sum() + 1e-16)
+        r = (1.0 - c.window_influence) * r + c.window_influence * self.window
+        loc = np.array(np.unravel_index(int(np.argmax(r)), r.shape), dtype=np.float64)
+        disp_response = loc - (self.upscale_size - 1) / 2.0
+        disp_instance = disp_response * self.model.total_stride / c.response_up
+        scale = self.scale_factors[best]
+        disp_image = disp_instance * self.x_side * scale / c.instance_size
+        self.center = self.center + disp_image
+        h, w = int(self.frame_shape[0]), int(self.frame_shape[1])
+        self.center = np.clip(self.center, [0.0, 0.0], [h, w])
+        damped = (1.0 - c.scale_lr) + c.scale_lr * scale
+        self.size = np.maximum(self.size * damped, c.min_size)
+        self.x_side = float(np.clip(self.x_side * damped, *self.x_side_range))
+        return center_to_box(self.center, self.size)
+
+
+class NCCTracker(BaseTracker):
+    """Baseline that needs no learning: normalised cross-correlation template matching.
+
+    The first frame's target patch (gray levels) is matched by zero-mean normalised
+    cross-correlation (``skimage.feature.match_template``, Lewis 1995 "Fast normalized
+    cross-correlation") over a search window of ``search_factor`` times the target size around
+    the previous position; the box moves to the best match, its size stays the first one.
+    """
+
+    def __init__(self, search_factor: float = 2.0) -> None:
+        if search_factor < 1.0:
+            raise ConfigError(f"search_factor must be >= 1, got {search_factor}")
+        self.search_factor = search_factor
+
+    @staticmethod
+    def _gray(frame: np.ndarray) -> np.ndarray:
+        f = np.asarray(frame, dtype=np.float32)
+        return f if f.ndim == 2 else f[:, :, :3] @ np.array([0.299, 0.587, 0.114], np.float32)
+
+    def init(self, frame: np.ndarray, box: np.ndarray) -> None:
+        gray = self._gray(frame)
+        x, y, w, h = (int(round(v)) for v in box)
+        H, W = gray.shape
+        x0, y0 = max(0, x), max(0, y)
+        x1, y1 = min(W, x + max(w, 1)), min(H, y + max(h, 1))
+        if x1 - x0 < 2 or y1 - y0 < 2:
+            raise ShapeError(f"the initial box {box.tolist()} is (almost) outside the frame {W}x{H}")
+        self.template = gray[y0:y1, x0:x1]
+        self.box = np.array([x0, y0, x1 - x0, y1 - y0], dtype=np.float64)
+
+    def update(self, frame: np.ndarray) -> np.ndarray:
+        feature = require("skimage.feature", "tracking")
+        gray = self._gray(frame)
+        H, W = gray.shape
+        th, tw = self.template.shape
+        x, y, w, h = self.box
+        cx, cy = x + w / 2, y + h / 2
+        sw, sh = max(tw + 2, int(w * self.search_factor)), max(th + 2, int(h * self.search_factor))
+        x0 = int(np.clip(round(cx - sw / 2), 0, max(0, W - tw)))
+        y0 = int(np.clip(round(cy - sh / 2), 0, max(0, H - th)))
+        x1, y1 = min(W, x0 + sw), min(H, y0 + sh)
+        window = gray[y0:y1, x0:x1]
+        if window.shape[0] < th or window.shape[1] < tw:
+            self.last_score = float("nan")
+            return self.box.copy()
+        ncc = feature.match_template(window, self.template)
+        dy, dx = np.unravel_index(int(np.argmax(ncc)), ncc.shape)
+        self.last_score = float(ncc[dy, dx])
+        self.box = np.array([x0 + dx, y0 + dy, tw, th], dtype=np.float64)
+        return self.box.copy()

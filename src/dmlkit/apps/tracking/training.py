@@ -1,0 +1,366 @@
+"""Training SiamFC on pairs of frames (Bertinetto et al. 2016, Sec. 2.2 and 4.1).
+
+A training pair is an exemplar z (127 x 127, the target in frame a with context) and a search
+image x (255 x 255, centred near the target in frame b, ``|a - b| <= T``) of one sequence. Every
+position u of the 17 x 17 score map is a sample with label
+
+    y[u] = +1  if  k * ||u - c|| <= R  (k = 8 the network stride, c = the target's cell),
+           -1  otherwise
+
+and the loss is the class-balanced mean of the logistic loss, Eq. (2)-(3) of the paper:
+
+    L(y, v) = sum_u w[u] * log(1 + exp(-y[u] v[u])),   w = 1/(2 |pos|) on positives,
+                                                           1/(2 |neg|) on negatives,
+
+averaged over the batch (``softplus(-y v)`` evaluates ``log(1 + exp(-y v))`` stably).
+Augmentation follows the public SiamFC training code: a random stretch of the crop sides
+(+-5 %), a random shift of the target in the search image (+-``max_shift`` pixels, the labels
+follow it) and gray-scale pairs with probability 0.25. Optimiser: SGD, momentum 0.9, weight
+decay 5e-4, learning rate decayed geometrically from ``lr`` to ``lr_end`` (the paper: 1e-2 to
+1e-5 over 50 epochs of 53,200 pairs; the CPU configs here run far fewer pairs).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from pydantic import BaseModel, ConfigDict, Field
+
+from dmlkit.apps.tracking.datasets import Sequence, load_tracking_dataset
+from dmlkit.apps.tracking.geometry import (
+    box_to_center,
+    crop_and_resize,
+    exemplar_side,
+    image_to_tensor,
+)
+from dmlkit.apps.tracking.model import EXEMPLAR_SIZE, INSTANCE_SIZE, TOTAL_STRIDE, SiamFC
+from dmlkit.apps.tracking.tracker import TrackerConfig
+from dmlkit.exceptions import CheckpointError, ConfigError, DataError, NonFiniteError, ShapeError
+from dmlkit.utils import (
+    atomic_torch_save,
+    atomic_write_json,
+    atomic_write_text,
+    provenance,
+    seed_everything,
+)
+
+CHECKPOINT_FORMAT = "dmlkit-siamfc-v1"
+
+
+def make_labels(
+    response_size: int = 17, stride: int = TOTAL_STRIDE, radius: float = 16.0,
+    shift: tuple[float, float] = (0.0, 0.0),
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Labels (+1 / -1) and class-balanced weights of one score map.
+
+    ``shift`` is the target's offset ``(dy, dx)`` from the search image centre in search-image
+    pixels. Position u is positive iff ``||stride * (u - centre) - shift|| <= radius``. The
+    weights are ``1 / (2 #pos)`` on positives and ``1 / (2 #neg)`` on negatives (sum 1).
+    """
+    if response_size < 1 or stride < 1 or radius < 0:
+        raise ConfigError("make_labels needs response_size >= 1, stride >= 1 and radius >= 0")
+    r = torch.arange(response_size, dtype=torch.float64) - (response_size - 1) / 2.0
+    dy = stride * r[:, None] - float(shift[0])
+    dx = stride * r[None, :] - float(shift[1])
+    pos = (dy**2 + dx**2).sqrt() <= radius
+    labels = torch.where(pos, 1.0, -1.0)
+    n_pos, n_neg = int(pos.sum()), int((~pos).sum())
+    weights = torch.zeros_like(labels)
+    if n_pos:
+        weights[pos] = 0.5 / n_pos if n_neg else 1.0 / n_pos
+    if n_neg:
+        weights[~pos] = 0.5 / n_neg if n_pos else 1.0 / n_neg
+    return labels.float(), weights.float()
+
+
+def logistic_loss(scores: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """``mean_b sum_u w[b, u] log(1 + exp(-y[b, u] v[b, u]))`` (SiamFC Eq. 2-3)."""
+    if scores.shape != labels.shape or scores.shape != weights.shape:
+        raise ShapeError(
+            f"scores {tuple(scores.shape)}, labels {tuple(labels.shape)} and weights "
+            f"{tuple(weights.shape)} must have the same shape"
+        )
+    per_map = (weights * F.softplus(-labels * scores)).flatten(1).sum(dim=1)
+    return per_map.mean()
+
+
+class PairConfig(BaseModel):
+    """How training pairs are drawn and augmented."""
+
+    model_config = ConfigDict(extra="forbid")
+    max_frame_gap: int = Field(100, ge=0, description="T: frames a and b at most T apart")
+    context: float = Field(0.5, gt=0)
+    radius: float = Field(16.0, ge=0, description="R: positive radius in search-image pixels")
+    max_shift: float = Field(8.0, ge=0, description="random target shift in the search image")
+    stretch: float = Field(0.05, ge=0, lt=1, description="random crop-side stretch (fraction)")
+    gray_prob: float = Field(0.25, ge=0, le=1)
+
+
+class SiamFCPairs(torch.utils.data.Dataset):
+    """Random (exemplar, search, labels, weights) pairs from annotated sequences.
+
+    Item ``i`` of epoch ``e`` is a pure function of ``(seed, e, i)``: a sequence (chosen in
+    proportion to its number of valid frames), two valid frames at most ``T`` apart, the crops
+    and the augmentation. ``len`` is ``pairs_per_epoch``.
+    """
+
+    def __init__(self, sequences: list[Sequence], pairs_per_epoch: int, config: PairConfig | None = None,
+                 seed: int = 0) -> None:
+        self.config = config or PairConfig()
+        usable = [s for s in sequences if s.boxes is not None and s.valid.sum() >= 2]
+        if not usable:
+            raise DataError("SiamFC training needs sequences with at least two annotated frames")
+        if pairs_per_epoch < 1:
+            raise ConfigError(f"pairs_per_epoch must be >= 1, got {pairs_per_epoch}")
+        self.sequences = usable
+        self.valid_idx = [np.flatnonzero(s.valid) for s in usable]
+        counts = np.array([len(v) for v in self.valid_idx], dtype=np.float64)
+        self.seq_prob = counts / counts.sum()
+        self.pairs_per_epoch = int(pairs_per_epoch)
+        self.seed = int(seed)
+        self.epoch = 0
+        self.response_size = (INSTANCE_SIZE - EXEMPLAR_SIZE) // TOTAL_STRIDE + 1
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = int(epoch)
+
+    def __len__(self) -> int:
+        return self.pairs_per_epoch
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, ...]:
+        c = self.config
+        rng = np.random.default_rng([self.seed, self.epoch, int(i)])
+        s = int(rng.choice(len(self.sequences), p=self.seq_prob))
+        seq, valid = self.sequences[s], self.valid_idx[s]
+        a = int(rng.choice(valid))
+        near = valid[(np.abs(valid - a) <= c.max_frame_gap) & (valid != a)]
+        b = int(rng.choice(near)) if len(near) else a
+        img_a = image_to_tensor(seq.frame(a))
+        img_b = img_a if b == a else image_to_tensor(seq.frame(b))
+        center_a, size_a = box_to_center(seq.boxes[a])
+        center_b, size_b = box_to_center(seq.boxes[b])
+        z_side = exemplar_side(size_a, c.context) * (1.0 + rng.uniform(-c.stretch, c.stretch))
+        x_side = (exemplar_side(size_b, c.context) * INSTANCE_SIZE / EXEMPLAR_SIZE
+                  * (1.0 + rng.uniform(-c.stretch, c.stretch)))
+        shift = rng.uniform(-c.max_shift, c.max_shift, size=2)  # target offset in x, pixels
+        crop_center = center_b - shift * x_side / INSTANCE_SIZE
+        z = crop_and_resize(img_a, center_a, z_side, EXEMPLAR_SIZE)[0]
+        x = crop_and_resize(img_b, crop_center, x_side, INSTANCE_SIZE)[0]
+        if rng.random() < c.gray_prob:
+            w = torch.tensor([0.299, 0.587, 0.114]).view(3, 1, 1)
+            z = (z * w).sum(0, keepdim=True).expand(3, -1, -1).contiguous()
+            x = (x * w).sum(0, keepdim=True).expand(3, -1, -1).contiguous()
+        labels, weights = make_labels(self.response_size, TOTAL_STRIDE, c.radius, tuple(shift))
+        return z, x, labels[None], weights[None]
+
+
+class SiamFCTrainConfig(BaseModel):
+    """The ``configs/siamfc*.yaml`` schema: data, model width, pairs, optimiser."""
+
+    model_config = ConfigDict(extra="forbid")
+    seed: int = 0
+    dataset: str = Field("got10k", description="otb | got10k layout")
+    data_dir: str = Field(..., description="root of the training sequences")
+    split: str | None = Field(None, description="GOT-10k sub-folder (train)")
+    width: float = Field(1.0, gt=0, le=4, description="backbone channel multiplier (1 = paper)")
+    epochs: int = Field(1, ge=1)
+    pairs_per_epoch: int = Field(1000, ge=1)
+    batch_size: int = Field(8, ge=1)
+    lr: float = Field(1e-2, gt=0)
+    lr_end: float = Field(1e-5, gt=0)
+    momentum: float = Field(0.9, ge=0, lt=1)
+    weight_decay: float = Field(5e-4, ge=0)
+    num_workers: int = Field(0, ge=0)
+    threads: int | None = Field(None, ge=1, description="torch CPU threads (None: torch's default)")
+    device: str = "cpu"
+    pairs: PairConfig = Field(default_factory=PairConfig)
+    tracker: dict[str, Any] = Field(default_factory=dict, description="TrackerConfig overrides")
+
+    @classmethod
+    def from_yaml(cls, path: str | Path, overrides: list[str] | None = None) -> SiamFCTrainConfig:
+        import yaml
+        from pydantic import ValidationError
+
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"config file {path} does not exist")
+        data = yaml.safe_load(path.read_text()) or {}
+        for item in overrides or []:
+            if "=" not in item:
+                raise ConfigError(f"override {item!r} must be key=value (e.g. epochs=2)")
+            key, value = item.split("=", 1)
+            node = data
+            parts = key.split(".")
+            for p in parts[:-1]:
+                node = node.setdefault(p, {})
+            node[parts[-1]] = yaml.safe_load(value)
+        try:
+            return cls.model_validate(data)
+        except ValidationError as exc:
+            raise ConfigError(f"invalid SiamFC config {path}: {exc}") from None
+
+
+def save_siamfc(path: str | Path, model: SiamFC, tracker: TrackerConfig | None = None,
+                extra: dict[str, Any] | None = None,
+                train_state: dict[str, Any] | None = None) -> Path:
+    """Write a SiamFC checkpoint (state dict, width, tracker hyper-parameters) atomically.
+
+    ``train_state`` (optimiser, scheduler, shuffling generator, epoch, step, losses) lets
+    :func:`train_siamfc` resume; everything in it loads with ``weights_only=True``.
+    """
+    state = {
+        "format": CHECKPOINT_FORMAT,
+        "width": float(model.width),
+        "model": {k: v.detach().cpu() for k, v in model.state_dict().items()},
+        "tracker": (tracker or TrackerConfig()).to_dict(),
+        "extra": json.loads(json.dumps(extra or {}, default=str)),
+    }
+    if train_state is not None:
+        state["train_state"] = train_state
+    return atomic_torch_save(state, path)
+
+
+def load_siamfc(path: str | Path, map_location: str = "cpu") -> tuple[SiamFC, TrackerConfig]:
+    """Read a checkpoint of :func:`save_siamfc` (or a run directory holding one)."""
+    path = Path(path)
+    if path.is_dir():
+        path = path / "checkpoints" / "last.pt"
+    if not path.is_file():
+        raise CheckpointError(f"SiamFC checkpoint {path} does not exist: train one with "
+                              "`dmlkit track train CONFIG`")
+    try:
+        state = torch.load(path, map_location=map_location, weights_only=True)
+    except Exception as exc:
+        raise CheckpointError(f"cannot read SiamFC checkpoint {path}: {exc}") from None
+    if not isinstance(state, dict) or state.get("format") != CHECKPOINT_FORMAT:
+        raise CheckpointError(f"{path} is not a dmlkit SiamFC checkpoint ({CHECKPOINT_FORMAT})")
+    model = SiamFC(width=float(state["width"]))
+    try:
+        model.load_state_dict(state["model"])
+    except RuntimeError as exc:
+        raise CheckpointError(f"{path}: weights do not fit the SiamFC network: {exc}") from None
+    return model.eval(), TrackerConfig(**state.get("tracker", {}))
+
+
+def train_siamfc(
+    config: SiamFCTrainConfig, run_dir: str | Path, sequences: list[Sequence] | None = None,
+    progress: bool = True, resume: bool = False, max_epochs: int | None = None,
+) -> dict[str, Any]:
+    """Train SiamFC; writes ``run_dir/{config.yaml, provenance.json, log.jsonl, checkpoints/last.pt}``.
+
+    ``checkpoints/last.pt`` is written after every epoch with the optimiser, scheduler and
+    shuffling state: ``resume=True`` continues an interrupted run from its last finished epoch
+    and gives the same weights as an uninterrupted run. ``max_epochs`` stops this call after
+    that many epochs (train a CPU budget in chunks, then resume). Returns ``{"steps", "epochs",
+    "pairs", "seconds", "first_loss", "last_loss", "checkpoint"}``; the losses are means over
+    the first and last 10 % of the steps so far.
+    """
+    import yaml
+
+    run_dir = Path(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    ckpt_path = run_dir / "checkpoints" / "last.pt"
+    seed_everything(config.seed)
+    if config.threads:
+        torch.set_num_threads(config.threads)
+    if sequences is None:
+        sequences = load_tracking_dataset(config.dataset, config.data_dir, config.split)
+    tracker_cfg = TrackerConfig(**config.tracker)
+    pairs = SiamFCPairs(sequences, config.pairs_per_epoch, config.pairs, seed=config.seed)
+    device = torch.device(config.device)
+    model = SiamFC(width=config.width).to(device)
+    opt = torch.optim.SGD(model.parameters(), lr=config.lr, momentum=config.momentum,
+                          weight_decay=config.weight_decay)
+    steps_per_epoch = math.ceil(len(pairs) / config.batch_size)
+    total = steps_per_epoch * config.epochs
+    gamma = (config.lr_end / config.lr) ** (1.0 / max(1, total - 1))
+    sched = torch.optim.lr_scheduler.ExponentialLR(opt, gamma)
+    gen = torch.Generator().manual_seed(config.seed)
+    losses: list[float] = []
+    start_epoch, step, elapsed = 0, 0, 0.0
+    log_path = run_dir / "log.jsonl"
+    if resume and ckpt_path.is_file():
+        state = torch.load(ckpt_path, map_location="cpu", weights_only=True)
+        ts = state.get("train_state") if isinstance(state, dict) else None
+        if state.get("format") != CHECKPOINT_FORMAT or ts is None:
+            raise CheckpointError(f"{ckpt_path} holds no training state to resume from: "
+                                  "train again without --resume")
+        if float(state["width"]) != float(config.width):
+            raise CheckpointError(f"{ckpt_path} has width {state['width']} but the config "
+                                  f"says {config.width}: resume with the run's config.yaml")
+        model.load_state_dict(state["model"])
+        opt.load_state_dict(ts["optimizer"])
+        sched.load_state_dict(ts["scheduler"])
+        gen.set_state(ts["generator"])
+        start_epoch, step = int(ts["epoch"]), int(ts["step"])
+        losses, elapsed = [float(v) for v in ts["losses"]], float(ts["seconds"])
+        lines = log_path.read_text().splitlines() if log_path.is_file() else []
+        log_path.write_text("".join(line + "\n" for line in lines[:step]))
+    else:
+        atomic_write_text(run_dir / "config.yaml",
+                          yaml.safe_dump(config.model_dump(), sort_keys=False))
+        atomic_write_json(run_dir / "provenance.json", provenance(config.seed))
+        log_path.write_text("")
+    end_epoch = config.epochs if max_epochs is None else min(config.epochs, start_epoch + max_epochs)
+    t_start = time.perf_counter() - elapsed
+    bar = None
+    if progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=total, initial=step, desc="siamfc", unit="step")
+    model.train()
+    with log_path.open("a") as log:
+        for epoch in range(start_epoch, end_epoch):
+            pairs.set_epoch(epoch)
+            loader = torch.utils.data.DataLoader(
+                pairs, batch_size=config.batch_size, shuffle=True, generator=gen,
+                num_workers=config.num_workers, drop_last=False,
+            )
+            for z, x, labels, weights in loader:
+                z, x = z.to(device), x.to(device)
+                labels, weights = labels.to(device), weights.to(device)
+                loss = logistic_loss(model(z, x), labels, weights)
+                if not torch.isfinite(loss):
+                    raise NonFiniteError(f"SiamFC loss became {loss.item()} at step {step}: "
+                                         "lower the learning rate (lr) in the config")
+                opt.zero_grad(set_to_none=True)
+                loss.backward()
+                opt.step()
+                lr = opt.param_groups[0]["lr"]
+                sched.step()
+                step += 1
+                losses.append(float(loss.detach()))
+                log.write(json.dumps({"event": "train", "epoch": epoch, "step": step,
+                                      "loss": losses[-1], "lr": lr,
+                                      "time": time.perf_counter() - t_start}) + "\n")
+                log.flush()
+                if bar is not None:
+                    bar.update(1)
+                    bar.set_postfix(loss=f"{losses[-1]:.4f}")
+            train_state = {
+                "optimizer": opt.state_dict(), "scheduler": sched.state_dict(),
+                "generator": gen.get_state(), "epoch": epoch + 1, "step": step,
+                "losses": losses, "seconds": time.perf_counter() - t_start,
+            }
+            save_siamfc(ckpt_path, model, tracker_cfg,
+                        {"epoch": epoch + 1, "step": step, "seed": config.seed}, train_state)
+    if bar is not None:
+        bar.close()
+    if not losses:
+        raise CheckpointError(f"{run_dir} has already finished all {config.epochs} epochs")
+    k = max(1, len(losses) // 10)
+    result = {
+        "steps": step, "epochs": end_epoch, "pairs": len(pairs) * end_epoch,
+        "seconds": time.perf_counter() - t_start,
+        "first_loss": float(np.mean(losses[:k])), "last_loss": float(np.mean(losses[-k:])),
+        "checkpoint": str(ckpt_path),
+    }
+    atomic_write_json(run_dir / "metrics.json", result)
+    return result

@@ -1,0 +1,139 @@
+"""``dmlkit patches build-data | train | evaluate``: patch correspondence (Zagoruyko & Komodakis)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import typer
+
+patches_app = typer.Typer(
+    help="Patch correspondence: decision networks and descriptors, FPR95, the Brown cross-subset protocol.",
+    no_args_is_help=True,
+)
+
+
+def register(app: typer.Typer) -> None:
+    app.add_typer(patches_app, name="patches")
+
+
+def _print_table(results: dict, title: str, as_json: bool) -> None:
+    if as_json:
+        typer.echo(json.dumps({k: results[k] for k in ("architectures", "rows", "mean")}, indent=2))
+        return
+    from rich.console import Console
+    from rich.table import Table
+
+    archs = results["architectures"]
+    table = Table(title=title)
+    table.add_column("Train")
+    table.add_column("Test")
+    for a in archs:
+        table.add_column(a, justify="right")
+    best = {}
+    for r in results["rows"]:
+        best[(r["train"], r["test"])] = min(r[a]["fpr95"] for a in archs)
+    for r in results["rows"]:
+        cells = []
+        for a in archs:
+            v = f"{100 * r[a]['fpr95']:.2f}"
+            cells.append(f"[bold]{v}[/bold]" if r[a]["fpr95"] == best[(r["train"], r["test"])] else v)
+        table.add_row(r["train"], r["test"], *cells)
+    means = [results["mean"][a]["fpr95"] for a in archs]
+    table.add_row("mean", "", *[(f"[bold]{100 * m:.2f}[/bold]" if m == min(means) else f"{100 * m:.2f}") for m in means])
+    Console().print(table)
+
+
+@patches_app.command("build-data")
+def build_data(
+    output: Path | None = typer.Option(None, "-o", "--output", help="Folder for the subsets (default: DATA_ROOT/patches_offline)."),
+    data_root: Path | None = typer.Option(None, "--data-root", help="Data root (default $DMLKIT_DATA or ~/.cache/dmlkit/data)."),
+    seed: int = typer.Option(0, help="Seed of every random draw."),
+    points: int = typer.Option(2000, help="3D points per subset (at most)."),
+    views: int = typer.Option(4, help="Views (patches) per point."),
+    train_pairs: int = typer.Option(20000, help="Pairs in the training match file."),
+    test_pairs: int = typer.Option(10000, help="Pairs in the test match file."),
+    subsets: list[str] = typer.Option([], "--subset", help="Build only these subsets (repeatable; default all three)."),
+) -> None:
+    """Build real patch correspondences from scikit-image's bundled photographs, in the Brown layout."""
+    from dmlkit.apps.patches.offline import OfflineSpec, build_offline_dataset
+    from dmlkit.utils import data_root as default_root
+
+    out = output or default_root(data_root) / "patches_offline"
+    spec = OfflineSpec(points_per_subset=points, views=views, train_pairs=train_pairs, test_pairs=test_pairs, seed=seed)
+    summary = build_offline_dataset(out, spec, tuple(subsets) or None)
+    for name, info in summary["subsets"].items():
+        typer.echo(f"{name}: {info['points']} points, {info['patches']} patches from {', '.join(info['sources'])}")
+    typer.echo(f"-> {out} (manifest.json)")
+
+
+@patches_app.command("train")
+def train(
+    config: Path = typer.Argument(..., help="A configs/patches*.yaml file."),
+    output: Path = typer.Option(Path("runs/patches"), "-o", "--output", help="Run directory."),
+    data_root: Path | None = typer.Option(None, "--data-root", help="Data root (default $DMLKIT_DATA or ~/.cache/dmlkit/data)."),
+    overrides: list[str] = typer.Option([], "--set", help="Config override, e.g. training.epochs=1 (repeatable)."),
+    fresh: bool = typer.Option(False, "--fresh", help="Retrain models whose checkpoint exists."),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress lines."),
+    as_json: bool = typer.Option(False, "--json", help="Print the table as JSON."),
+) -> None:
+    """Train every architecture on each training subset and print the FPR95 table (the paper's Table 1)."""
+    from dmlkit.apps.patches.protocol import load_patch_config, run_patch_protocol
+
+    cfg = load_patch_config(config, overrides)
+    say = None if quiet or as_json else (lambda m: typer.echo(m, err=True))
+    results = run_patch_protocol(cfg, output, data_root=data_root, resume=not fresh, log=say)
+    _print_table(results, f"FPR95 (%), {output}", as_json)
+
+
+@patches_app.command("evaluate")
+def evaluate(
+    run_dir: Path = typer.Argument(..., help="A run directory from `dmlkit patches train`."),
+    data_root: Path | None = typer.Option(None, "--data-root", help="Data root (default $DMLKIT_DATA or ~/.cache/dmlkit/data)."),
+    rescore: bool = typer.Option(False, "--rescore", help="Score the checkpoints again instead of reading results.json."),
+    max_test_pairs: int | None = typer.Option(None, help="With --rescore: at most this many test pairs."),
+    figure: Path | None = typer.Option(None, "--figure", help="Write a figure of the hardest false positives/negatives (.png)."),
+    arch: str | None = typer.Option(None, help="Architecture of the figure (default: the best mean FPR95)."),
+    k: int = typer.Option(8, "-k", help="Pairs per row of the figure."),
+    as_json: bool = typer.Option(False, "--json", help="Print the table as JSON."),
+) -> None:
+    """Print a run's FPR95 table; optionally the figure of its hardest mistakes."""
+    from dmlkit.apps.patches.protocol import evaluate_patch_run
+    from dmlkit.exceptions import CheckpointError, ConfigError
+
+    res_file = run_dir / "results.json"
+    if rescore or not res_file.is_file():
+        results = evaluate_patch_run(run_dir, data_root=data_root, max_test_pairs=max_test_pairs)
+    else:
+        results = json.loads(res_file.read_text())
+    _print_table(results, f"FPR95 (%), {run_dir}", as_json)
+    if figure is None:
+        return
+    import numpy as np
+    import yaml
+
+    from dmlkit.apps.patches.brown import load_subset
+    from dmlkit.apps.patches.protocol import (
+        PatchExperimentConfig,
+        hardest_pairs_figure,
+        subsets_root,
+    )
+
+    archs = results["architectures"]
+    name = arch or min(archs, key=lambda a: results["mean"][a]["fpr95"])
+    if name not in archs:
+        raise ConfigError(f"architecture '{name}' is not in this run: {', '.join(archs)}")
+    row = results["rows"][0]
+    scores_file = run_dir / "scores" / name / f"{row['train']}__{row['test']}.npz"
+    if not scores_file.is_file():
+        raise CheckpointError(f"{scores_file} is missing: run `dmlkit patches train` to write the pair scores")
+    cfg = PatchExperimentConfig.model_validate(yaml.safe_load((run_dir / "config.yaml").read_text()))
+    sub = load_subset(subsets_root(cfg, data_root), row["test"])
+    with np.load(scores_file) as z:
+        fig = hardest_pairs_figure(
+            sub.patches, z["left"], z["right"], z["label"], z["scores"], k=k,
+            title=f"{name}: trained on {row['train']}, tested on {row['test']}",
+        )
+    figure.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(figure, dpi=120)
+    typer.echo(f"figure -> {figure}")

@@ -1,0 +1,220 @@
+"""``dmlkit reid SOURCE``: the re-id protocol (CMC, mAP, mINP; VehicleID; k-reciprocal re-ranking)."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import typer
+
+_SHOWN = ("rank_1", "rank_5", "rank_10", "rank_20", "map", "minp")
+
+
+def register(app: typer.Typer) -> None:
+    app.command("reid")(reid)
+
+
+def reid(
+    source: Path = typer.Argument(..., help="A run directory (its test split is embedded or read from embeddings/test.npz), or an .npz of embeddings + labels (+ 'cams', and 'groups' = query/gallery unless --gallery is given)."),
+    gallery: Path | None = typer.Option(None, "--gallery", "-g", help="Gallery embeddings (.npz with embeddings, labels, optional cams); SOURCE is then the query file."),
+    data_root: Path | None = typer.Option(None, "--data-root", help="Data root for a run directory's dataset."),
+    metric: str = typer.Option("euclidean", "--metric", "-d", help="euclidean (squared, torchreid's default) | cosine | dot."),
+    normalize: bool = typer.Option(False, "--normalize", help="L2-normalise the embeddings first."),
+    rerank: bool = typer.Option(False, "--rerank", help="Also evaluate k-reciprocal re-ranking (Zhong et al. 2017) and time it."),
+    k1: int = typer.Option(20, "--k1", min=1, help="Re-ranking k1."),
+    k2: int = typer.Option(6, "--k2", min=1, help="Re-ranking k2 (local query expansion)."),
+    lambda_value: float = typer.Option(0.3, "--lambda", help="Re-ranking weight of the original distance."),
+    ap_mode: str = typer.Option("standard", "--ap-mode", help="standard (torchreid / fast-reid) | trapezoid (official Market-1501 MATLAB code)."),
+    no_camera_rule: bool = typer.Option(False, "--no-camera-rule", help="Keep same-id same-camera gallery items (they are junk by default)."),
+    ranks: str = typer.Option("1,5,10,20", "--ranks", help="CMC ranks shown."),
+    repeats: int = typer.Option(10, "--repeats", min=1, help="VehicleID: gallery draws."),
+    seed: int = typer.Option(0, "--seed", help="VehicleID: seed of the gallery draws."),
+    device: str = typer.Option("auto", "--device", help="Device to embed with (a run without saved test embeddings)."),
+    memory_mb: int = typer.Option(256, "--memory-mb", min=1, help="Working memory of the streamed evaluation, MiB."),
+    examples: int = typer.Option(8, "--examples", min=0, help="Queries whose top-10 ranked gallery is stored in reid.json (report strip)."),
+    out: Path | None = typer.Option(None, "--out", "-o", help="Write the results (full CMC, examples) as JSON here; default RUN_DIR/reid.json for a run."),
+    as_json: bool = typer.Option(False, "--json", help="Print JSON instead of a table."),
+) -> None:
+    """Re-identification evaluation: Market-1501 protocol (CMC, mAP, mINP) or VehicleID.
+
+    For a run directory the test split of its dataset is used: query/gallery groups and camera
+    ids come from the dataset (market1501, dukemtmc_reid, msmt17, cuhk03, veri776,
+    att_faces_reid; vehicleid runs the VehicleID protocol).
+    """
+    from dmlkit.exceptions import ConfigError
+
+    if ap_mode not in ("standard", "trapezoid"):
+        raise ConfigError(f"--ap-mode must be 'standard' or 'trapezoid', got {ap_mode!r}")
+    try:
+        shown_ranks = [int(v) for v in ranks.split(",") if v.strip()]
+    except ValueError:
+        raise ConfigError(f"--ranks must be comma-separated integers, got {ranks!r}") from None
+    data = _load_source(source, gallery, data_root, device)
+    common: dict[str, Any] = dict(metric=metric, normalize=normalize,
+                                  memory_budget=memory_mb * 2**20)
+    result: dict[str, Any] = {"source": str(source), "metric": metric, "normalize": normalize}
+    if data["protocol"] == "vehicleid":
+        from dmlkit.apps.reid import vehicleid_protocol
+
+        res = vehicleid_protocol(data["emb"], data["ids"], repeats=repeats, seed=seed,
+                                 ks=shown_ranks, **common)
+        result.update(protocol="vehicleid", **res.to_dict())
+        _finish(result, source, out, as_json, vehicleid=True)
+        return
+    from dmlkit.apps.reid import evaluate_reid, ranked_examples
+
+    q, g = data["query"], data["gallery"]
+    cams = (q["cams"], g["cams"]) if q["cams"] is not None and g["cams"] is not None else (None, None)
+    kw: dict[str, Any] = dict(exclude_same_camera=not no_camera_rule, ap_mode=ap_mode, **common)
+    t0 = time.perf_counter()
+    res = evaluate_reid(q["emb"], g["emb"], q["ids"], g["ids"], *cams, **kw)
+    result.update(protocol="market1501", seconds=time.perf_counter() - t0,
+                  **res.to_dict(shown_ranks), cmc=res.cmc[:100].tolist())
+    if rerank:
+        t0 = time.perf_counter()
+        rr = evaluate_reid(q["emb"], g["emb"], q["ids"], g["ids"], *cams,
+                           rerank={"k1": k1, "k2": k2, "lambda_value": lambda_value}, **kw)
+        result["rerank"] = {"k1": k1, "k2": k2, "lambda": lambda_value,
+                            "seconds": time.perf_counter() - t0, **rr.to_dict(shown_ranks),
+                            "cmc": rr.cmc[:100].tolist()}
+    if examples:
+        import numpy as np
+
+        rng = np.random.default_rng(seed)
+        valid = np.flatnonzero(res.valid)
+        chosen = np.sort(rng.choice(valid, size=min(examples, valid.size), replace=False))
+        ex = ranked_examples(q["emb"], g["emb"], q["ids"], g["ids"], *cams, queries=chosen,
+                             metric=metric, normalize=normalize)
+        for e in ex:
+            e["query_id"] = int(q["ids"][e["query"]])
+            e["gallery_ids"] = [int(g["ids"][j]) for j in e["gallery"]]
+            if q.get("paths") is not None and g.get("paths") is not None:
+                e["query_path"] = str(q["paths"][e["query"]])
+                e["gallery_paths"] = [str(g["paths"][j]) for j in e["gallery"]]
+        result["examples"] = ex
+    _finish(result, source, out, as_json)
+
+
+def _finish(result: dict[str, Any], source: Path, out: Path | None, as_json: bool,
+            vehicleid: bool = False) -> None:
+    from dmlkit.utils import atomic_write_json
+
+    if out is None and source.is_dir():
+        out = source / "reid.json"
+    if out is not None:
+        atomic_write_json(out, result)
+    if as_json:
+        brief = {k: v for k, v in result.items() if k not in ("cmc", "examples")}
+        if "rerank" in brief:
+            brief["rerank"] = {k: v for k, v in brief["rerank"].items() if k != "cmc"}
+        typer.echo(json.dumps(brief, indent=2))
+        return
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console()
+    if vehicleid:
+        table = Table(title=f"VehicleID: {result['num_identities']} identities, "
+                            f"{result['repeats']} gallery draws")
+        table.add_column("metric")
+        table.add_column("mean (%)", justify="right")
+        table.add_column("std (%)", justify="right")
+        for key, val in result.items():
+            if isinstance(val, dict) and "mean" in val:
+                table.add_row(key, f"{100 * val['mean']:.2f}", f"{100 * val['std']:.2f}")
+        console.print(table)
+        return
+    table = Table(title=f"re-id: {result['num_valid_queries']} valid queries "
+                        f"({result['num_skipped_queries']} skipped), {result['num_gallery']} gallery")
+    table.add_column("metric")
+    table.add_column("value (%)", justify="right")
+    rr = result.get("rerank")
+    if rr:
+        table.add_column("re-ranked (%)", justify="right")
+    for key, val in result.items():
+        if key.startswith("rank_") or key in ("map", "minp"):
+            row = [key.replace("rank_", "Rank-").replace("minp", "mINP").replace("map", "mAP"),
+                   f"{100 * val:.2f}"]
+            if rr:
+                row.append(f"{100 * rr[key]:.2f}")
+            table.add_row(*row)
+    console.print(table)
+    line = f"evaluation {result['seconds']:.2f} s"
+    if rr:
+        line += f"; re-ranking (k1={rr['k1']}, k2={rr['k2']}, lambda={rr['lambda']}) {rr['seconds']:.2f} s"
+    typer.echo(line)
+
+
+def _npz(path: Path) -> dict[str, Any]:
+    from dmlkit.embeddings import load_embeddings
+
+    emb, ids, extra = load_embeddings(path)
+    cams = extra.get("cams", extra.get("camids"))
+    return {"emb": emb, "ids": ids, "cams": cams, "paths": extra.get("paths"),
+            "groups": extra.get("groups")}
+
+
+def _select(d: dict[str, Any], mask) -> dict[str, Any]:
+    return {k: (None if v is None else v[mask]) for k, v in d.items() if k != "groups"}
+
+
+def _load_source(source: Path, gallery: Path | None, data_root: Path | None,
+                 device: str) -> dict[str, Any]:
+    import numpy as np
+
+    from dmlkit.exceptions import DataError, DataNotFoundError
+
+    if gallery is not None:
+        return {"protocol": "market1501", "query": _npz(source), "gallery": _npz(gallery)}
+    if source.is_dir():
+        d = _embed_run(source, data_root, device)
+    elif source.exists():
+        d = _npz(source)
+    else:
+        raise DataNotFoundError(f"{source} is neither a run directory nor an embeddings file")
+    groups = d.get("groups")
+    if groups is None:
+        raise DataError(f"{source}: no query/gallery groups; pass --gallery GALLERY.npz or save "
+                        "a 'groups' array (query/gallery per row)")
+    groups = np.asarray(groups).astype(str)
+    if "query" in groups:
+        return {"protocol": "market1501", "query": _select(d, groups == "query"),
+                "gallery": _select(d, groups == "gallery")}
+    if set(groups.tolist()) == {"test"}:
+        return {"protocol": "vehicleid", "emb": d["emb"], "ids": d["ids"]}
+    raise DataError(f"{source}: groups must be query/gallery (or all 'test' for VehicleID), got "
+                    f"{sorted(set(groups.tolist()))}")
+
+
+def _embed_run(run_dir: Path, data_root: Path | None, device: str) -> dict[str, Any]:
+    """The run's test split: embeddings (saved ones when they match), ids, cams, groups."""
+    import numpy as np
+
+    from dmlkit.embeddings import dataset_rows, load_embeddings
+    from dmlkit.exceptions import DataError, DataNotFoundError
+    from dmlkit.training import build_datasets, embed_split, load_checkpoint, load_config
+
+    cfg_path = run_dir / "config.yaml"
+    if not cfg_path.exists():
+        raise DataNotFoundError(f"{run_dir} has no config.yaml: is it a run directory of dmlkit train?")
+    config = load_config(cfg_path)
+    test = build_datasets(config, ("test",), data_root=data_root)["test"]
+    if test is None or test.sample_groups is None:
+        raise DataError(f"the run's dataset {config.data.dataset!r} has no query/gallery groups: "
+                        "use a re-id dataset (e.g. market1501, att_faces_reid)")
+    rows = dataset_rows(test)
+    saved = run_dir / "embeddings" / "test.npz"
+    emb = None
+    if saved.exists():
+        e, labels, extra = load_embeddings(saved)
+        idx = extra.get("indices")
+        if idx is not None and np.array_equal(idx, rows) and np.array_equal(labels, test.labels):
+            emb = e
+    if emb is None:
+        model, cfg = load_checkpoint(run_dir, device="cpu" if device == "auto" else device)
+        emb, _ = embed_split(model, test, cfg, device=device)
+    cams = getattr(test, "cams", None)
+    return {"emb": np.asarray(emb), "ids": test.labels, "cams": cams, "groups": test.sample_groups,
+            "paths": None if test.paths is None else np.asarray(test.paths)}

@@ -1,0 +1,222 @@
+"""``dmlkit index | query | export | serve``: retrieval with a trained embedding, at scale."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import typer
+
+_KINDS = "flat (exact), ivf_flat, ivf_pq or hnsw"
+
+
+def register(app: typer.Typer) -> None:
+    app.command("index")(index)
+    app.command("query")(query)
+    app.command("export")(export)
+    app.command("serve")(serve)
+
+
+def _load_any_embeddings(path: Path):
+    """``(embeddings, labels or None, extra)`` of an .npz/.npy/.pt file (labels optional)."""
+    import numpy as np
+
+    from dmlkit.embeddings import load_embeddings
+    from dmlkit.exceptions import DataError, DataNotFoundError
+
+    if not path.exists():
+        raise DataNotFoundError(f"embeddings file not found: {path}")
+    if path.suffix.lower() == ".npy":
+        return np.load(path, allow_pickle=False), None, {}
+    try:
+        return load_embeddings(path)
+    except DataError:
+        if path.suffix.lower() != ".npz":
+            raise
+        with np.load(path, allow_pickle=False) as data:  # embeddings without labels
+            if "embeddings" not in data:
+                raise
+            return data["embeddings"], None, {k: data[k] for k in data.files if k not in ("embeddings", "labels")}
+
+
+def index(
+    embeddings: Path | None = typer.Argument(None, help="Reference embeddings (.npz from `dmlkit train`/`embed`, .npy, .pt)."),
+    output: Path = typer.Option(..., "-o", "--output", help="Index to write: a directory, or one file ending in .npz."),
+    add: bool = typer.Option(False, "--add", help="Add EMBEDDINGS to the existing index OUTPUT (same kind and training)."),
+    remove: list[str] | None = typer.Option(None, "--remove", help="Remove this item id from the index OUTPUT (repeatable)."),
+    kind: str = typer.Option("flat", help=f"Index kind: {_KINDS}."),
+    distance: str = typer.Option("cosine", help="cosine, euclidean or dot."),
+    target_recall: float | None = typer.Option(None, "--target-recall", help="Tune nprobe/rerank/efSearch to the cheapest setting with recall@k >= this (e.g. 0.95)."),
+    recall_k: int = typer.Option(10, "--recall-k", help="k of the measured recall@k."),
+    recall_queries: int = typer.Option(1000, "--recall-queries", help="Held-out queries of the recall measurement."),
+    nlist: int | None = typer.Option(None, help="IVF cells (default 4 sqrt(N))."),
+    pq_m: int | None = typer.Option(None, "--pq-m", help="PQ sub-quantisers (must divide the size; default size/4)."),
+    pq_nbits: int = typer.Option(8, "--pq-nbits", help="Bits per PQ code."),
+    hnsw_m: int = typer.Option(32, "--hnsw-m", help="HNSW neighbours per node."),
+    ef_construction: int = typer.Option(40, "--ef-construction", help="HNSW build beam."),
+    nprobe: int | None = typer.Option(None, help="IVF cells scanned per query (without --target-recall)."),
+    ef_search: int = typer.Option(64, "--ef-search", help="HNSW search beam (without --target-recall)."),
+    gpu: bool = typer.Option(False, "--gpu", help="Put IVF indexes on the GPU (faiss with GPU support)."),
+    seed: int = typer.Option(0),
+    data_root: Path | None = typer.Option(None, "--data-root", help="Resolve a run's dataset paths as ids."),
+    as_json: bool = typer.Option(False, "--json", help="Print the index summary as JSON."),
+) -> None:
+    """Build a searchable index; approximate kinds measure (and can tune) their recall@k.
+
+    Items keep their labels and ids: the file's `paths`/`ids`, or, for a run's
+    embeddings/<split>.npz, the dataset files' paths relative to the data root.
+    """
+    from dmlkit.apps import EmbeddingIndex
+    from dmlkit.apps.index import item_ids
+    from dmlkit.exceptions import ConfigError
+
+    if remove or add:
+        idx = EmbeddingIndex.load(output)
+        if remove:
+            n = idx.remove(remove)
+            typer.echo(f"removed {n} item(s) from {output}")
+        if add:
+            if embeddings is None:
+                raise ConfigError("--add needs EMBEDDINGS to add")
+            emb, labels, extra = _load_any_embeddings(embeddings)
+            ids, _ = item_ids(embeddings, extra, data_root)
+            meta = None if idx.metadata is None else [None] * len(emb)
+            idx.add(emb, labels, ids, meta)
+            typer.echo(f"added {len(emb)} item(s) to {output}")
+        idx.save(output)
+        typer.echo(f"{output}: {len(idx)} items (the recall measured at build is marked stale: rebuild to re-measure)")
+        return
+    if embeddings is None:
+        raise ConfigError("pass EMBEDDINGS to build an index (or --add/--remove to change OUTPUT)")
+    emb, labels, extra = _load_any_embeddings(embeddings)
+    ids, info = item_ids(embeddings, extra, data_root)
+    info["source"] = str(embeddings)
+    idx = EmbeddingIndex(
+        emb, labels, ids, distance=distance, kind=kind, nlist=nlist, pq_m=pq_m, pq_nbits=pq_nbits,
+        hnsw_m=hnsw_m, ef_construction=ef_construction, nprobe=nprobe, ef_search=ef_search,
+        target_recall=target_recall, recall_k=recall_k, recall_queries=recall_queries, gpu=gpu,
+        seed=seed, info=info,
+    )
+    idx.save(output)
+    summary = idx.describe()
+    if summary["recall"]:
+        summary["recall"] = {k: v for k, v in summary["recall"].items() if k != "tried"}
+    if as_json:
+        typer.echo(json.dumps({"output": str(output), **summary}, indent=2))
+        return
+    line = f"indexed {len(idx)} embeddings of size {idx.dim} ({kind}, {distance}) -> {output}"
+    rec = idx.recall
+    if rec:
+        held = "held-out" if rec.get("held_out") else "indexed (quantiser-training)"
+        line += f"; recall@{rec['k']} = {rec['recall']:.4f} on {rec['num_queries']} {held} queries with {rec['setting']}"
+        if rec.get("met") is False:
+            typer.echo(line)
+            typer.echo(f"warning: target recall {rec['target']} not reached; kept the most accurate setting "
+                       "(use more nlist/ef or another kind)", err=True)
+            return
+    typer.echo(line)
+
+
+def query(
+    index_path: Path = typer.Argument(..., help="An index from `dmlkit index` (directory or .npz)."),
+    queries: Path | None = typer.Argument(None, help="Query embeddings (.npz/.npy/.pt); or use --id."),
+    item_id: list[str] | None = typer.Option(None, "--id", help="Query by indexed item id (repeatable); the item itself is excluded."),
+    k: int = typer.Option(5, "-k", help="Neighbours per query."),
+    exclude_self: bool = typer.Option(False, "--exclude-self", help="Drop each query's own item (same id) from its results."),
+    exact: bool = typer.Option(False, "--exact", help="Exact search on an approximate index."),
+    limit: int = typer.Option(20, "--limit", help="Queries shown in the table (0: all); --json and -o hold all."),
+    output: Path | None = typer.Option(None, "-o", "--output", help="Write every result as JSON to this file."),
+    data_root: Path | None = typer.Option(None, "--data-root", help="Resolve a run's dataset paths as query ids."),
+    as_json: bool = typer.Option(False, "--json", help="Print every result as JSON."),
+) -> None:
+    """The k nearest references of each query, with scores, labels and ids."""
+    import numpy as np
+
+    from dmlkit.apps import EmbeddingIndex
+    from dmlkit.apps.index import item_ids
+    from dmlkit.exceptions import ConfigError, DataError
+    from dmlkit.utils import atomic_write_text
+
+    if limit < 0:
+        raise ConfigError(f"--limit must be 0 (all) or positive, got {limit}")
+    if (queries is None) == (not item_id):
+        raise ConfigError("pass QUERIES (an embeddings file) or --id ITEM, not both or neither")
+    idx = EmbeddingIndex.load(index_path)
+    if queries is None:
+        qids = np.asarray(item_id).astype(str)
+        q = idx.get(qids)
+        exclude_self = True
+    else:
+        q, _, extra = _load_any_embeddings(queries)
+        qids, _ = item_ids(queries, extra, data_root)
+    if exclude_self and qids is None:
+        raise DataError(f"--exclude-self needs ids for the queries: {queries} has no paths/ids/indices array "
+                        "(save it with save_embeddings(..., ids=...))")
+    result = idx.search(q, k, exclude_ids=qids if exclude_self else None, exact=exact)
+    records = result.to_records()
+    if qids is not None:
+        payload = [{"query": str(qid), "results": row} for qid, row in zip(qids, records)]
+    if output is not None:
+        atomic_write_text(output, json.dumps(payload if qids is not None else records, indent=1))
+    if as_json:
+        typer.echo(json.dumps(records, indent=2))
+        return
+    shown = records if limit == 0 else records[:limit]
+    for qi, row in enumerate(shown):
+        name = f"query {qi}" + (f" ({qids[qi]})" if qids is not None else "")
+        items = ", ".join(
+            (r.get("id") or f"#{r['index']}") + (f" [label {r['label']}]" if "label" in r else "") + f" {r['score']:.3f}"
+            for r in row
+        )
+        typer.echo(f"{name}: {items}")
+    if len(records) > len(shown):
+        typer.echo(f"... {len(records) - len(shown)} more queries not shown (--limit 0 shows all; --json or -o FILE "
+                   "writes every result)")
+    if output is not None:
+        typer.echo(f"wrote {len(records)} results to {output}")
+
+
+def export(
+    run_dir: Path = typer.Argument(..., help="A run directory (or checkpoint) from `dmlkit train`."),
+    format: str = typer.Option("onnx", "--format", help="onnx or torchscript."),
+    output: Path | None = typer.Option(None, "-o", "--output", help="File to write (default RUN_DIR/export/model.onnx|.pt)."),
+    parity_samples: int = typer.Option(256, "--parity-samples", help="Real test images used for the parity check."),
+    data_root: Path | None = typer.Option(None, "--data-root"),
+    opset: int = typer.Option(17, help="ONNX opset."),
+    as_json: bool = typer.Option(False, "--json"),
+) -> None:
+    """Export the embedding model; check numerical and retrieval parity with PyTorch on real images."""
+    from dmlkit.apps.export import export_model
+
+    report = export_model(run_dir, format=format, output=output, parity_samples=parity_samples,
+                          data_root=data_root, opset=opset)
+    if as_json:
+        typer.echo(json.dumps(report, indent=2))
+        return
+    p = report["parity"]
+    typer.echo(f"exported {report['format']} -> {report['output']} (parity report: {report['parity_file']})")
+    typer.echo(f"parity on {p['num_samples']} real {p['split']} images: max |diff| {p['max_abs_diff']:.2e}, "
+               f"same top-10 for {100 * p['top10_identical']:.2f}% of queries (overlap {100 * p['top10_overlap']:.2f}%), "
+               f"MAP@R {p['map_at_r_torch']:.4f} (torch) vs {p['map_at_r_export']:.4f} ({report['runtime']})")
+    if not p["passed"]:
+        typer.echo("warning: parity check failed (see the parity report)", err=True)
+        raise typer.Exit(1)
+
+
+def serve(
+    index_path: Path = typer.Option(..., "--index", help="An index from `dmlkit index`."),
+    model: Path | None = typer.Option(None, "--model", help="Run directory or exported model (.onnx/.pt) for image queries."),
+    host: str = typer.Option("127.0.0.1", help="Address to bind (default loopback only)."),
+    port: int = typer.Option(8000),
+    threshold: float | None = typer.Option(None, help="Verification threshold (the `threshold` of `dmlkit verify`)."),
+    verification: Path | None = typer.Option(None, "--verification", help="JSON from `dmlkit verify --json` holding the threshold."),
+    data_root: Path | None = typer.Option(None, "--data-root", help="Where the indexed files' thumbnails are read."),
+    max_upload_mb: float = typer.Option(8.0, "--max-upload-mb", help="Largest request body accepted."),
+    max_k: int = typer.Option(100, "--max-k", help="Largest k a request may ask for."),
+) -> None:
+    """An HTTP search service with a web page: query by image, embedding or id; verify two images."""
+    from dmlkit.apps.service import ServiceConfig, run_server
+
+    run_server(ServiceConfig(index=index_path, model=model, threshold=threshold, verification=verification,
+                             data_root=data_root, max_upload_bytes=int(max_upload_mb * 2**20), max_k=max_k),
+               host=host, port=port)

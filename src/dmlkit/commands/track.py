@@ -1,0 +1,233 @@
+"""``dmlkit track``: SiamFC tracking on frames or a video, training, OTB evaluation, offline data.
+
+    dmlkit track --frames DIR|VIDEO --init-box x,y,w,h --weights RUN --out tracked.gif
+    dmlkit track train configs/siamfc_offline.yaml --run-dir runs/siamfc
+    dmlkit track evaluate --dataset otb DIR --weights RUN --out-dir eval/
+    dmlkit track build-data offline/
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import typer
+
+track_app = typer.Typer(
+    name="track",
+    help="Visual object tracking with SiamFC: run on a video, train, evaluate (OTB OPE), build data.",
+    invoke_without_command=True,
+    no_args_is_help=False,
+)
+
+
+def register(app: typer.Typer) -> None:
+    app.add_typer(track_app, name="track")
+
+
+def _tracker(method: str, weights: Path | None, scales: int, seed: int, device: str,
+             width: float | None = None):
+    """A tracker by name: ``siamfc`` (needs weights), ``untrained`` (seeded random SiamFC) or ``ncc``."""
+    from dmlkit.exceptions import ConfigError
+
+    method = method.lower()
+    if method == "ncc":
+        from dmlkit.apps.tracking import NCCTracker
+
+        return NCCTracker()
+    import torch
+
+    from dmlkit.apps.tracking import SiamFC, SiamFCTracker, TrackerConfig, load_siamfc
+
+    if method == "siamfc":
+        if weights is None:
+            raise ConfigError("--weights is needed for --method siamfc: a run directory or "
+                              "checkpoint from `dmlkit track train` (or use --method ncc)")
+        model, cfg = load_siamfc(weights)
+        width = model.width
+    elif method == "untrained":
+        if width is None:
+            width = load_siamfc(weights)[0].width if weights is not None else 1.0
+        torch.manual_seed(seed)
+        model, cfg = SiamFC(width=width), TrackerConfig()
+    else:
+        raise ConfigError(f"unknown tracker {method!r}: use siamfc, untrained or ncc")
+    if scales != cfg.num_scales:
+        cfg = TrackerConfig.five_scales() if scales == 5 else TrackerConfig(num_scales=scales)
+    return SiamFCTracker(model, cfg, device=device)
+
+
+def _set_threads(threads: int | None) -> None:
+    if threads:
+        import torch
+
+        torch.set_num_threads(threads)
+
+
+@track_app.callback()
+def run(
+    ctx: typer.Context,
+    frames: Path | None = typer.Option(None, "--frames", "--video", help="A folder of frames (natural order) or a video file."),
+    init_box: str | None = typer.Option(None, "--init-box", help="The target in the first frame: x,y,w,h (pixels)."),
+    out: Path | None = typer.Option(None, "--out", "-o", help="Write the frames with boxes: .gif, .mp4/.avi, or a folder."),
+    weights: Path | None = typer.Option(None, "--weights", "-w", help="SiamFC checkpoint or run directory from `dmlkit track train`."),
+    method: str = typer.Option("siamfc", "--method", help="siamfc | untrained | ncc (template matching baseline)."),
+    scales: int = typer.Option(3, "--scales", help="Search scales: 3 (SiamFC-3s) or 5 (SiamFC-5s)."),
+    boxes_out: Path | None = typer.Option(None, "--boxes", help="Write the boxes, one x,y,w,h per line (OTB format)."),
+    max_frames: int | None = typer.Option(None, "--max-frames", min=2, help="Track at most this many frames."),
+    fps_out: float | None = typer.Option(None, "--fps", help="Frame rate of the written video/GIF (default: the input's, else 15)."),
+    device: str = typer.Option("cpu", "--device", help="cpu or cuda."),
+    seed: int = typer.Option(0, "--seed", help="Seed of the untrained network."),
+    width: float | None = typer.Option(None, "--width", help="Width of the untrained network (default: the checkpoint's, else 1.0)."),
+    threads: int | None = typer.Option(None, "--threads", min=1, help="torch CPU threads (1 is fastest on a busy shared CPU)."),
+    as_json: bool = typer.Option(False, "--json", help="Print JSON."),
+) -> None:
+    """Track one object through a folder of frames or a video, from its box in the first frame."""
+    if ctx.invoked_subcommand is not None:
+        return
+    from dmlkit.exceptions import ConfigError
+
+    if frames is None or init_box is None:
+        if frames is None and init_box is None and out is None:
+            typer.echo(ctx.get_help())
+            raise typer.Exit(0)
+        raise ConfigError("tracking needs --frames DIR|VIDEO and --init-box x,y,w,h")
+    import numpy as np
+
+    from dmlkit.apps.tracking import annotate, parse_box, read_video, write_frames
+    from dmlkit.apps.tracking.datasets import Sequence
+
+    _set_threads(threads)
+    box = parse_box(init_box)
+    frame_list, video_fps = read_video(frames, max_frames)
+    seq = Sequence(Path(frames).stem, frame_list)
+    first = seq.frame(0)
+    h, w = first.shape[:2]
+    if box[0] >= w or box[1] >= h or box[0] + box[2] <= 0 or box[1] + box[3] <= 0:
+        raise ConfigError(f"--init-box {init_box} lies outside the first frame ({w} x {h})")
+    tracker = _tracker(method, weights, scales, seed, device, width)
+    from rich.progress import Progress
+
+    with Progress(transient=True, disable=as_json) as bar:
+        task = bar.add_task("tracking", total=len(seq))
+        result = tracker.track(seq, box, progress=lambda: bar.advance(task))
+    if boxes_out is not None:
+        from dmlkit.utils import atomic_write_text
+
+        atomic_write_text(boxes_out, "\n".join(",".join(f"{v:.2f}" for v in b)
+                                               for b in result.boxes) + "\n")
+    if out is not None:
+        write_frames(annotate(seq, result.boxes), out, fps_out or video_fps or 15.0)
+    summary = {"frames": len(seq), "fps": float(result.fps), "method": method,
+               "last_box": [round(float(v), 2) for v in result.boxes[-1]],
+               "mean_peak_score": float(np.nanmean(result.scores[1:])) if len(seq) > 1 else None,
+               "out": str(out) if out else None, "boxes": str(boxes_out) if boxes_out else None}
+    if as_json:
+        typer.echo(json.dumps(summary, indent=2))
+    else:
+        typer.echo(f"tracked {summary['frames']} frames at {summary['fps']:.1f} fps ({method}); "
+                   f"last box {summary['last_box']}" + (f" -> {out}" if out else ""))
+
+
+@track_app.command("train")
+def train(
+    config: Path = typer.Argument(..., help="A SiamFC YAML config (e.g. configs/siamfc_offline.yaml)."),
+    run_dir: Path = typer.Option(Path("runs/siamfc"), "--run-dir", "-o", help="Where to write the run."),
+    overrides: list[str] = typer.Option([], "--set", help="Override a config value: key=value (repeatable)."),
+    data_dir: Path | None = typer.Option(None, "--data-dir", help="Training sequences (overrides data_dir)."),
+    resume: bool = typer.Option(False, "--resume", help="Continue RUN_DIR from its last finished epoch."),
+    max_epochs: int | None = typer.Option(None, "--max-epochs", min=1, help="Stop after this many epochs (resume later)."),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar."),
+) -> None:
+    """Train SiamFC on pairs of frames; writes RUN_DIR/checkpoints/last.pt after every epoch."""
+    from dmlkit.apps.tracking import SiamFCTrainConfig, train_siamfc
+
+    extra = list(overrides) + ([f"data_dir={data_dir}"] if data_dir else [])
+    cfg = SiamFCTrainConfig.from_yaml(config, extra)
+    result = train_siamfc(cfg, run_dir, progress=not quiet, resume=resume, max_epochs=max_epochs)
+    typer.echo(f"trained {result['steps']} steps, {result['epochs']}/{cfg.epochs} epochs "
+               f"({result['pairs']} pairs) in "
+               f"{result['seconds']:.0f} s; loss {result['first_loss']:.4f} -> "
+               f"{result['last_loss']:.4f}; checkpoint {result['checkpoint']}")
+
+
+@track_app.command("evaluate")
+def evaluate(
+    root: Path = typer.Argument(..., help="The sequences' root folder."),
+    dataset: str = typer.Option("otb", "--dataset", help="otb | got10k layout."),
+    split: str | None = typer.Option(None, "--split", help="GOT-10k sub-folder (train / val)."),
+    weights: Path | None = typer.Option(None, "--weights", "-w", help="SiamFC checkpoint or run directory."),
+    methods: str = typer.Option("siamfc", "--methods", "--method", help="Comma-separated: siamfc, untrained, ncc."),
+    scales: int = typer.Option(3, "--scales", help="3 or 5 scales."),
+    out_dir: Path | None = typer.Option(None, "--out-dir", "-o", help="Write results.json, ope.png and the boxes here."),
+    max_sequences: int | None = typer.Option(None, "--max-sequences", min=1, help="Evaluate the first N sequences."),
+    device: str = typer.Option("cpu", "--device"),
+    seed: int = typer.Option(0, "--seed", help="Seed of the untrained network."),
+    width: float | None = typer.Option(None, "--width", help="Width of the untrained network (default: the checkpoint's, else 1.0)."),
+    threads: int | None = typer.Option(None, "--threads", min=1, help="torch CPU threads (1 is fastest on a busy shared CPU)."),
+    as_json: bool = typer.Option(False, "--json", help="Print JSON."),
+) -> None:
+    """OTB one-pass evaluation: success AUC (21 thresholds), precision at 20 px, fps; plots."""
+    from dmlkit.apps.tracking import load_tracking_dataset, plot_ope, run_ope
+    from dmlkit.exceptions import ConfigError
+
+    _set_threads(threads)
+    names = [m.strip() for m in methods.split(",") if m.strip()]
+    if not names:
+        raise ConfigError("--methods needs at least one of siamfc, untrained, ncc")
+    sequences = load_tracking_dataset(dataset, root, split)[:max_sequences]
+    results, boxes = {}, {}
+    for name in names:
+        tracker = _tracker(name, weights, scales, seed, device, width)
+        results[name], boxes[name] = run_ope(tracker, sequences, progress=not as_json)
+    table = {name: res.summary() for name, res in results.items()}
+    if out_dir is not None:
+        from dmlkit.utils import atomic_write_json, atomic_write_text
+
+        out_dir.mkdir(parents=True, exist_ok=True)
+        atomic_write_json(out_dir / "results.json",
+                          {name: res.to_dict() for name, res in results.items()})
+        for name, per_seq in boxes.items():
+            for seq_name, b in per_seq.items():
+                atomic_write_text(out_dir / "boxes" / name / f"{seq_name}.txt",
+                                  "\n".join(",".join(f"{v:.2f}" for v in row) for row in b) + "\n")
+        fig = plot_ope(results, title=f"OPE on {Path(root).name}")
+        fig.savefig(out_dir / "ope.png", dpi=120)
+    if as_json:
+        typer.echo(json.dumps(table, indent=2))
+        return
+    from rich.console import Console
+    from rich.table import Table
+
+    t = Table(title=f"OTB one-pass evaluation: {len(sequences)} sequences in {root}")
+    for col in ("tracker", "success AUC", "precision@20", "frames", "fps"):
+        t.add_column(col, justify="left" if col == "tracker" else "right")
+    for name, row in sorted(table.items(), key=lambda kv: -kv[1]["success_auc"]):
+        t.add_row(name, f"{row['success_auc']:.3f}", f"{row['precision_at_20']:.3f}",
+                  str(row["num_frames"]), f"{row['fps']:.1f}" if row["fps"] else "-")
+    Console().print(t)
+    if out_dir is not None:
+        typer.echo(f"plots: {out_dir / 'ope.png'}; results: {out_dir / 'results.json'}")
+
+
+@track_app.command("build-data")
+def build_data(
+    out: Path = typer.Argument(..., help="Output folder: train/ (GOT-10k layout) and test/ (OTB layout)."),
+    train_sequences: int = typer.Option(24, "--train", min=0, help="Training sequences."),
+    test_sequences: int = typer.Option(9, "--test", min=0, help="Test sequences."),
+    frames: int = typer.Option(80, "--frames", min=2, help="Frames per sequence."),
+    seed: int = typer.Option(0, "--seed"),
+    size: str = typer.Option("320x240", "--size", help="Frame size WxH."),
+) -> None:
+    """Build offline sequences with exact boxes from scikit-image's bundled real photographs."""
+    from dmlkit.apps.tracking import build_offline_dataset
+    from dmlkit.exceptions import ConfigError
+
+    try:
+        fw, fh = (int(v) for v in size.lower().split("x"))
+    except ValueError:
+        raise ConfigError(f"--size must be WxH, e.g. 320x240, got {size!r}") from None
+    meta = build_offline_dataset(out, train_sequences, test_sequences, frames, frames, seed,
+                                 (fw, fh), progress=True)
+    typer.echo(f"wrote {len(meta['train'])} training sequences to {out / 'train'} (GOT-10k layout) "
+               f"and {len(meta['test'])} test sequences to {out / 'test'} (OTB layout)")

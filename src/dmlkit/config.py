@@ -1,0 +1,484 @@
+"""The experiment config: the pipeline's spine, one typed YAML-backed section per stage.
+
+An :class:`ExperimentConfig` has one section per stage of the pipeline; each stage reads only
+its own section (``dmlkit.training.build_model(config.model)``, ...)::
+
+    name, seed
+    data       dataset, root, options, split {kind, ratios, order, seed, val_fraction, path},
+               transform, image_size, num_workers
+    model      trunk, pretrained, weights, in_channels, embedding_size, head, normalize,
+               freeze_batchnorm, frozen_trunk, feature_cache_dir
+    loss       name, params (, cross_batch_memory)
+    miner      name, params        (or null)
+    sampler    classes_per_batch, samples_per_class, batches_per_epoch
+    optimizer  preset, name, trunk_lr, embedder_lr, loss_lr, weight_decay, momentum
+    training   epochs, max_steps, eval_every_epochs, patience, grad_clip, amp, device, ...
+    evaluation batch_size, memory_mb, backend, cluster_restarts   (inference and metrics)
+
+The sections ``data``, ``model``, ``sampler``, ``optimizer``, ``training`` and ``evaluation`` are what the
+fair-comparison protocol of "A Metric Learning Reality Check" (Musgrave et al., ECCV 2020)
+keeps fixed across methods (:data:`FIXED_SECTIONS`); only ``loss`` and ``miner`` vary
+(:meth:`ExperimentConfig.with_method`). The default optimiser preset is the paper's: RMSprop,
+learning rate 1e-6 for trunk and embedder.
+
+Configs are loaded with :func:`load_config` (YAML + ``key.sub=value`` overrides whose values
+are parsed as YAML) and written with :func:`dump_config`. Every validation problem is raised
+as :class:`dmlkit.exceptions.ConfigError` naming the offending key.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from dmlkit.exceptions import ConfigError
+from dmlkit.utils import atomic_write_text
+
+__all__ = [
+    "FIXED_SECTIONS",
+    "LEGACY_KEYS",
+    "OPTIMIZER_PRESETS",
+    "DEFAULT_EVAL_BATCH_SIZE",
+    "DataConfig",
+    "EvaluationConfig",
+    "ExperimentConfig",
+    "LossConfig",
+    "MinerConfig",
+    "ModelConfig",
+    "OptimizerConfig",
+    "SamplerConfig",
+    "SplitConfig",
+    "TrainingConfig",
+    "apply_dict_overrides",
+    "apply_overrides",
+    "config_from_dict",
+    "dump_config",
+    "format_validation_error",
+    "load_config",
+    "move_legacy_keys",
+    "parse_overrides",
+    "read_yaml_mapping",
+]
+
+#: Sections that the fair protocol keeps identical across methods.
+FIXED_SECTIONS: tuple[str, ...] = ("data", "model", "sampler", "optimizer", "training", "evaluation")
+
+#: The one default batch size of inference (embedding a dataset, trunk features).
+DEFAULT_EVAL_BATCH_SIZE = 256
+#: The default working memory of the blockwise kNN, MiB (``dmlkit.metrics`` default budget).
+DEFAULT_EVAL_MEMORY_MB = 256
+
+#: Named optimiser settings; explicit keys in a config override the preset's values.
+OPTIMIZER_PRESETS: dict[str, dict[str, Any]] = {
+    # Musgrave et al. 2020, section 4.1: RMSprop, lr 1e-6 for every network parameter. The
+    # learning rate of a loss's own weights (ArcFace, ProxyNCA, ...) is a hyperparameter there;
+    # 1e-4 is a sensible default for it.
+    "reality_check": {
+        "name": "rmsprop",
+        "trunk_lr": 1e-6,
+        "embedder_lr": 1e-6,
+        "loss_lr": 1e-4,
+        "weight_decay": 1e-4,
+        "momentum": 0.9,
+    },
+    # Small networks trained from scratch on a CPU (the quickstart): Adam at 1e-3.
+    "cpu_quick": {
+        "name": "adam",
+        "trunk_lr": 1e-3,
+        "embedder_lr": 1e-3,
+        "loss_lr": 1e-3,
+        "weight_decay": 0.0,
+        "momentum": 0.0,
+    },
+}
+DEFAULT_OPTIMIZER_PRESET = "reality_check"
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class SplitConfig(_Section):
+    """How classes are split into train / validation / test (class-disjoint).
+
+    * ``default``: the dataset's published split (e.g. CUB 1-100 / 101-200, Omniglot background /
+      evaluation); ``val_fraction`` of the training classes are carved out for validation.
+    * ``ratio``: ``ratios`` = (train, val, test) fractions of all classes (seed 004 uses 4:1:5),
+      in the dataset's ``order`` (``default``) or a ``random`` order seeded by ``seed``.
+    * ``file``: a saved :class:`dmlkit.data.ClassSplit` (JSON) at ``path``.
+    """
+
+    kind: Literal["default", "ratio", "file"] = "default"
+    ratios: tuple[float, float, float] | None = None
+    order: Literal["default", "random"] = "default"
+    seed: int = 0
+    val_fraction: float = Field(0.0, ge=0.0, lt=1.0)
+    path: str | None = None
+
+    @model_validator(mode="after")
+    def _check_kind(self) -> SplitConfig:
+        if self.kind == "ratio":
+            if self.ratios is None:
+                raise ValueError("split.kind 'ratio' needs ratios: [train, val, test], e.g. [4, 1, 5]")
+            if any(r < 0 for r in self.ratios) or sum(self.ratios) <= 0:
+                raise ValueError(f"split.ratios must be non-negative with a positive sum, got {self.ratios}")
+            if self.ratios[0] <= 0 or self.ratios[2] <= 0:
+                raise ValueError("split.ratios needs a positive train and test share")
+        if self.kind == "file" and not self.path:
+            raise ValueError("split.kind 'file' needs path: a ClassSplit JSON file")
+        return self
+
+
+class DataConfig(_Section):
+    """The dataset (``dmlkit.data.load_dataset`` name + options), split and transforms."""
+
+    dataset: str
+    root: str | None = None
+    options: dict[str, Any] = Field(default_factory=dict)
+    split: SplitConfig = Field(default_factory=SplitConfig)
+    transform: str | None = None
+    image_size: int | None = Field(None, gt=0)
+    num_workers: int = Field(0, ge=0)
+
+
+class ModelConfig(_Section):
+    """Trunk + embedder head (``dmlkit.models``).
+
+    ``trunk_options`` are extra keyword arguments of the trunk (e.g. ``widths`` of
+    ``small_cnn``); ``weights`` a local weights file that replaces the download.
+    """
+
+    trunk: str = "bn_inception"
+    trunk_options: dict[str, Any] = Field(default_factory=dict)
+    pretrained: bool = True
+    weights: str | None = None
+    in_channels: int = Field(3, gt=0)
+    embedding_size: int = Field(128, gt=0)
+    head: Literal["linear", "mlp", "identity"] = "linear"
+    normalize: bool = True
+    freeze_batchnorm: bool = True
+    frozen_trunk: bool = False
+    feature_cache_dir: str | None = None
+
+
+class LossConfig(_Section):
+    """A registered loss (``dmlkit.losses.get_loss(name, **params)``).
+
+    ``cross_batch_memory`` (a memory size) wraps the loss in
+    :class:`dmlkit.losses.CrossBatchMemory` (Wang et al., CVPR 2020).
+    """
+
+    name: str
+    params: dict[str, Any] = Field(default_factory=dict)
+    cross_batch_memory: int | None = Field(None, gt=0)
+
+
+class MinerConfig(_Section):
+    """A registered miner (``dmlkit.miners.get_miner(name, **params)``)."""
+
+    name: str
+    params: dict[str, Any] = Field(default_factory=dict)
+
+
+class SamplerConfig(_Section):
+    """M-per-class batches: ``classes_per_batch`` x ``samples_per_class`` (the seed: 8 x 4)."""
+
+    classes_per_batch: int = Field(8, gt=0)
+    samples_per_class: int = Field(4, gt=0)
+    batches_per_epoch: int | None = Field(None, gt=0)
+
+    @property
+    def batch_size(self) -> int:
+        return self.classes_per_batch * self.samples_per_class
+
+
+class OptimizerConfig(_Section):
+    """One optimiser with three parameter groups (trunk, embedder, loss), each with its own lr.
+
+    ``preset`` fills every key not given explicitly (default: ``reality_check``, the seed's
+    RMSprop at 1e-6). ``loss_lr = 0`` leaves a loss's own weights untrained (the trainer warns).
+    """
+
+    preset: Literal["reality_check", "cpu_quick"] | None = DEFAULT_OPTIMIZER_PRESET
+    name: Literal["rmsprop", "adam", "adamw", "sgd"] = "rmsprop"
+    trunk_lr: float = Field(1e-6, ge=0.0)
+    embedder_lr: float = Field(1e-6, ge=0.0)
+    loss_lr: float = Field(1e-4, ge=0.0)
+    weight_decay: float = Field(1e-4, ge=0.0)
+    momentum: float = Field(0.9, ge=0.0, lt=1.0)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _apply_preset(cls, data: Any) -> Any:
+        if not isinstance(data, Mapping):
+            return data
+        preset = data.get("preset", DEFAULT_OPTIMIZER_PRESET)
+        if preset is None:
+            return data
+        if preset not in OPTIMIZER_PRESETS:
+            return data  # the Literal check names the allowed presets
+        return {**OPTIMIZER_PRESETS[preset], **data}
+
+
+class TrainingConfig(_Section):
+    """Length, evaluation, early stopping and logging of a run."""
+
+    epochs: int = Field(10, gt=0)
+    max_steps: int | None = Field(None, gt=0)
+    eval_every_epochs: int = Field(1, gt=0)
+    patience: int | None = Field(None, gt=0)
+    grad_clip: float | None = Field(None, gt=0)
+    amp: bool = False
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    log_every: int = Field(10, gt=0)
+    eval_metrics: list[str] = Field(
+        default_factory=lambda: ["precision_at_1", "r_precision", "map_at_r"]
+    )
+    tensorboard: bool = False
+    csv_log: bool = False
+
+    @field_validator("eval_metrics")
+    @classmethod
+    def _needs_map_at_r(cls, value: list[str]) -> list[str]:
+        # model selection and early stopping use validation MAP@R
+        return list(dict.fromkeys([*value, "map_at_r"]))
+
+
+class EvaluationConfig(_Section):
+    """Inference and metrics settings: they change memory and speed, never the numbers.
+
+    ``batch_size`` is the inference batch (embedding a split, frozen-trunk features);
+    ``memory_mb`` the working memory of the blockwise exact kNN, ``backend`` its backend
+    (``auto``, ``torch``, ``numba``, ``faiss``) and ``cluster_restarts`` the k-means runs the
+    clustering metrics average (:func:`dmlkit.metrics.evaluate`).
+    """
+
+    batch_size: int = Field(DEFAULT_EVAL_BATCH_SIZE, gt=0)
+    memory_mb: int = Field(DEFAULT_EVAL_MEMORY_MB, gt=0)
+    backend: Literal["auto", "torch", "numba", "faiss"] = "auto"
+    cluster_restarts: int = Field(3, ge=1)
+
+    def metric_options(self) -> dict[str, Any]:
+        """Keyword arguments of :func:`dmlkit.metrics.evaluate` for these settings."""
+        return {"backend": self.backend, "memory_budget": self.memory_mb * 2**20,
+                "cluster_restarts": self.cluster_restarts}
+
+
+def move_legacy_keys(data: Any) -> Any:
+    """Move ``training.eval_batch_size`` (before the evaluation section) to ``evaluation.batch_size``."""
+    if not isinstance(data, Mapping):
+        return data
+    training = data.get("training")
+    if not isinstance(training, Mapping) or "eval_batch_size" not in training:
+        return data
+    data = dict(data)
+    training = dict(training)
+    value = training.pop("eval_batch_size")
+    evaluation = dict(data.get("evaluation") or {})
+    if "batch_size" in evaluation and evaluation["batch_size"] != value:
+        raise ConfigError(
+            f"training.eval_batch_size ({value}) and evaluation.batch_size "
+            f"({evaluation['batch_size']}) disagree: keep only evaluation.batch_size"
+        )
+    evaluation["batch_size"] = value
+    data["training"], data["evaluation"] = training, evaluation
+    return data
+
+
+class ExperimentConfig(_Section):
+    """A complete, validated training experiment."""
+
+    name: str = "experiment"
+    seed: int = 0
+    data: DataConfig
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    loss: LossConfig
+    miner: MinerConfig | None = None
+    sampler: SamplerConfig = Field(default_factory=SamplerConfig)
+    optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig)
+    training: TrainingConfig = Field(default_factory=TrainingConfig)
+    evaluation: EvaluationConfig = Field(default_factory=EvaluationConfig)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _legacy_keys(cls, data: Any) -> Any:
+        return move_legacy_keys(data)
+
+    def with_method(
+        self, loss: LossConfig | Mapping[str, Any], miner: MinerConfig | Mapping[str, Any] | None = None
+    ) -> ExperimentConfig:
+        """The same fixed settings with another loss/miner (the fair protocol's only variable)."""
+        data = self.model_dump(mode="json")
+        data["loss"] = loss.model_dump(mode="json") if isinstance(loss, BaseModel) else dict(loss)
+        data["miner"] = (
+            miner.model_dump(mode="json") if isinstance(miner, BaseModel) else (None if miner is None else dict(miner))
+        )
+        return config_from_dict(data)
+
+    def fixed_part(self) -> dict[str, Any]:
+        """The sections the fair protocol keeps identical across methods, as plain data."""
+        dumped = self.model_dump(mode="json")
+        return {key: dumped[key] for key in FIXED_SECTIONS}
+
+    def override(self, overrides: Iterable[str] | Mapping[str, Any]) -> ExperimentConfig:
+        """A validated copy with ``key.sub=value`` overrides applied."""
+        return apply_overrides(self, overrides)
+
+
+# -- loading, overrides, dumping ------------------------------------------------------------
+def format_validation_error(exc: ValidationError, source: str | None, what: str = "experiment config",
+                            show_values: bool = True) -> str:
+    """One line per invalid key of a pydantic error: ``  key: message (got value)``.
+
+    ``show_values=False`` leaves the given values out (a bench config may hold a storage URL
+    with credentials)."""
+    lines = []
+    for err in exc.errors():
+        key = ".".join(str(p) for p in err.get("loc", ())) or "<root>"
+        msg = err.get("msg", "invalid")
+        if err.get("type") == "extra_forbidden":
+            msg = "unknown key (check the spelling; docs/configuration.md lists every key)"
+        elif err.get("type") == "missing":
+            msg = "required key is missing"
+        if msg.startswith("Value error, "):
+            msg = msg[len("Value error, "):]
+        given = err.get("input")
+        hidden = not show_values or err.get("type") in ("missing", "extra_forbidden") or isinstance(given, dict)
+        shown = "" if hidden else f" (got {given!r})"
+        lines.append(f"  {key}: {msg}{shown}")
+    where = f" in {source}" if source else ""
+    return f"invalid {what}{where}:\n" + "\n".join(lines)
+
+
+def config_from_dict(data: Mapping[str, Any], source: str | None = None) -> ExperimentConfig:
+    """Validate a plain mapping into an :class:`ExperimentConfig` (errors -> ConfigError)."""
+    if not isinstance(data, Mapping):
+        raise ConfigError(f"an experiment config must be a mapping, got {type(data).__name__}")
+    try:
+        return ExperimentConfig.model_validate(move_legacy_keys(dict(data)))
+    except ValidationError as exc:
+        raise ConfigError(format_validation_error(exc, source)) from None
+
+
+def parse_overrides(overrides: Iterable[str] | Mapping[str, Any] | None) -> dict[str, Any]:
+    """``["a.b=1", "c=[1, 2]"]`` -> ``{"a.b": 1, "c": [1, 2]}`` (values parsed as YAML)."""
+    if overrides is None:
+        return {}
+    if isinstance(overrides, Mapping):
+        return dict(overrides)
+    parsed: dict[str, Any] = {}
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"override {item!r} must look like key.sub=value (e.g. loss.params.margin=0.2)")
+        key, raw = item.split("=", 1)
+        key = key.strip()
+        if not key or any(not part for part in key.split(".")):
+            raise ConfigError(f"override {item!r} has an empty key")
+        try:
+            parsed[key] = yaml.safe_load(raw) if raw.strip() else None
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"override {item!r}: the value is not valid YAML ({exc})") from None
+    return parsed
+
+
+def _set_dotted(data: dict[str, Any], key: str, value: Any) -> None:
+    """Set ``a.b.c = value`` in nested mappings; a numeric part indexes a list (``methods.0.x``)."""
+    parts = key.split(".")
+    node: Any = data
+    for i, part in enumerate(parts[:-1]):
+        if isinstance(node, list):
+            try:
+                node = node[int(part)]
+            except (ValueError, IndexError):
+                raise ConfigError(f"cannot set {key!r}: {part!r} is not an index of the list") from None
+            continue
+        child = node.get(part)
+        if child is None:
+            child = {}
+            node[part] = child
+        if not isinstance(child, dict | list):
+            prefix = ".".join(parts[: i + 1])
+            raise ConfigError(f"cannot set {key!r}: {prefix!r} is a value ({child!r}), not a section")
+        node = child
+    if isinstance(node, list):
+        raise ConfigError(f"cannot set {key!r}: replace the whole list instead")
+    node[parts[-1]] = value
+
+
+def read_yaml_mapping(path: str | os.PathLike, holds: str, examples: str) -> dict[str, Any]:
+    """The mapping in a YAML file, or a :class:`ConfigError` saying what is wrong with it."""
+    path = Path(path)
+    if not path.exists():
+        raise ConfigError(f"config file not found: {path} (see {examples})")
+    try:
+        data = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path} is not valid YAML: {exc}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path} must hold a mapping of {holds}")
+    return data
+
+
+#: Keys that moved: an override of the old key sets the new one.
+LEGACY_KEYS: dict[str, str] = {"training.eval_batch_size": "evaluation.batch_size"}
+
+
+def _current_key(key: str) -> str:
+    for old, new in LEGACY_KEYS.items():
+        if key == old or key.endswith("." + old):
+            return key[: len(key) - len(old)] + new
+    return key
+
+
+def apply_dict_overrides(data: dict[str, Any], overrides: Iterable[str] | Mapping[str, Any] | None) -> dict[str, Any]:
+    """A deep copy of ``data`` with ``key.sub=value`` overrides set (old key names accepted).
+
+    Renamed keys of ``data`` (and of a bench config's ``fixed`` part) move to their new names
+    first, so that an override of the new name wins over an old name in the file.
+    """
+    data = move_legacy_keys(copy.deepcopy(data))
+    if isinstance(data.get("fixed"), Mapping):
+        data["fixed"] = move_legacy_keys(data["fixed"])
+    for key, value in parse_overrides(overrides).items():
+        _set_dotted(data, _current_key(key), value)
+    return data
+
+
+def apply_overrides(
+    config: ExperimentConfig | Mapping[str, Any], overrides: Iterable[str] | Mapping[str, Any] | None
+) -> ExperimentConfig:
+    """A new validated config with ``key.sub=value`` overrides (or a ``{key: value}`` mapping)."""
+    base = config.model_dump(mode="json") if isinstance(config, BaseModel) else copy.deepcopy(dict(config))
+    parsed = parse_overrides(overrides)
+    if isinstance(config, BaseModel) and "optimizer.preset" in parsed:
+        # a resolved config holds the old preset's values explicitly: switching the preset
+        # starts the optimiser section afresh (other optimizer.* overrides still apply)
+        base["optimizer"] = {}
+    return config_from_dict(apply_dict_overrides(base, parsed), source="overrides")
+
+
+def load_config(
+    path: str | os.PathLike | None, overrides: Iterable[str] | Mapping[str, Any] | None = None
+) -> ExperimentConfig:
+    """Read a YAML config (or start empty with ``path=None``) and apply overrides."""
+    data: Any = {}
+    source = None
+    if path is not None:
+        source = str(path)
+        data = read_yaml_mapping(path, "sections (data, model, loss, ...)", "configs/ for examples")
+    data = apply_dict_overrides(data, overrides)
+    return config_from_dict(data, source=source)
+
+
+def dump_config(config: ExperimentConfig, path: str | os.PathLike | None = None) -> str:
+    """The fully resolved config as YAML; also written atomically to ``path`` when given."""
+    text = yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False, default_flow_style=None)
+    if path is not None:
+        atomic_write_text(path, text)
+    return text

@@ -1,0 +1,421 @@
+"""The embeddings stage: one inference loop, frozen-trunk feature caching, embeddings files.
+
+Everything that turns a dataset into an ``(N, D)`` array goes through :func:`embed`: batches
+in dataset order, no gradients, eval mode (each sub-module's own train/eval mode restored
+afterwards, so frozen BatchNorm stays frozen), ``torch.autocast`` on CUDA when asked, outputs
+flattened to ``(N, D)`` float32, non-finite output refused. Around it:
+
+* :class:`InferenceOptions` (batch size, device, workers, AMP, frozen trunk, feature cache):
+  ``InferenceOptions.from_config(config)`` reads the experiment config's ``evaluation``,
+  ``data``, ``model`` and ``training`` sections;
+* :func:`embed_model`: a model's embeddings of a dataset as the run saw it (in frozen-trunk
+  mode via cached trunk features and the model's head, :class:`HeadOnly`);
+* :func:`extract_features`: the frozen trunk's features, computed once and cached in an
+  ``.npz`` keyed by ``sha256(trunk name, trunk weights, dataset fingerprint, transform)``;
+* :func:`save_embeddings` / :func:`load_embeddings`: the ``.npz`` file format that
+  ``dmlkit embed`` writes and ``dmlkit evaluate``, ``dmlkit report`` and the apps read.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import os
+import re
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, Dataset
+
+from dmlkit.config import DEFAULT_EVAL_BATCH_SIZE, ExperimentConfig
+from dmlkit.data.base import ArrayDataset, MetricDataset
+from dmlkit.exceptions import ConfigError, DataError, DataNotFoundError, NonFiniteError, ShapeError
+from dmlkit.models.trunks import load_failure_reason
+from dmlkit.utils import atomic_write_bytes
+from dmlkit.validation import check_labels
+
+__all__ = [
+    "DEFAULT_EVAL_BATCH_SIZE",
+    "HeadOnly",
+    "InferenceOptions",
+    "dataset_rows",
+    "default_feature_cache_dir",
+    "embed",
+    "embed_model",
+    "embed_split",
+    "extract_features",
+    "feature_cache_key",
+    "load_embeddings",
+    "resolve_device",
+    "save_embeddings",
+    "state_dict_digest",
+    "trunk_features",
+]
+
+_CACHE_VERSION = "1"
+
+
+def resolve_device(device: str | torch.device | None = "auto") -> torch.device:
+    """``"auto"`` -> CUDA when available, else CPU; asking for CUDA without one is an error."""
+    if isinstance(device, torch.device):
+        return device
+    if device in (None, "auto"):
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if str(device).startswith("cuda") and not torch.cuda.is_available():
+        raise ConfigError("the device is 'cuda' but no CUDA GPU is available: use 'auto' or 'cpu'")
+    return torch.device(device)
+
+
+# -- the one inference loop -------------------------------------------------------------------
+@torch.no_grad()
+def embed(
+    model: nn.Module | Callable[[torch.Tensor], torch.Tensor],
+    dataset: Dataset,
+    batch_size: int = DEFAULT_EVAL_BATCH_SIZE,
+    device: str | torch.device | None = "auto",
+    *,
+    num_workers: int = 0,
+    amp: bool = False,
+    progress: bool = False,
+    desc: str = "embed",
+) -> tuple[np.ndarray, np.ndarray]:
+    """``(outputs float32 (N, D), labels int64 (N,))`` of every sample of ``dataset``, in order.
+
+    ``model`` runs in eval mode without gradients; every sub-module's train/eval mode is
+    restored afterwards. Outputs are flattened to ``(N, D)``. ``amp`` uses ``torch.autocast``
+    on CUDA only. Labels are the dataset's own (original) class ids.
+    """
+    dev = resolve_device(device)
+    modes: dict[nn.Module, bool] = {}
+    if isinstance(model, nn.Module):
+        modes = {m: m.training for m in model.modules()}
+        model.eval()
+        model.to(dev)
+    loader = DataLoader(dataset, batch_size=batch_size, shuffle=False, num_workers=num_workers,
+                        pin_memory=dev.type == "cuda")
+    iterator: Any = loader
+    if progress:
+        from tqdm.auto import tqdm
+
+        iterator = tqdm(loader, desc=desc, leave=False, unit="batch")
+    use_amp = amp and dev.type == "cuda"
+    out: list[np.ndarray] = []
+    labels: list[np.ndarray] = []
+    try:
+        for x, y in iterator:
+            x = x.to(dev, non_blocking=True)
+            with torch.autocast(device_type=dev.type, enabled=use_amp):
+                e = model(x)
+            out.append(e.float().reshape(e.shape[0], -1).cpu().numpy())
+            labels.append(np.asarray(y, dtype=np.int64))
+    finally:
+        for m, was_training in modes.items():
+            m.training = was_training
+    if not out:
+        return np.zeros((0, 0), dtype=np.float32), np.zeros((0,), dtype=np.int64)
+    emb = np.concatenate(out).astype(np.float32, copy=False)
+    if not np.isfinite(emb).all():
+        raise NonFiniteError("the model produced NaN/inf outputs: the checkpoint is likely diverged")
+    return emb, np.concatenate(labels).astype(np.int64, copy=False)
+
+
+# -- frozen-trunk features --------------------------------------------------------------------
+def state_dict_digest(module: nn.Module) -> str:
+    """SHA-256 over a module's state dict (names, shapes, dtypes and bytes)."""
+    h = hashlib.sha256()
+    for name, t in module.state_dict().items():
+        h.update(name.encode())
+        h.update(str((tuple(t.shape), str(t.dtype))).encode())
+        tc = t.detach().cpu().contiguous()
+        if tc.dtype == torch.bfloat16:
+            tc = tc.float()
+        h.update(tc.numpy().tobytes() if tc.numel() else b"")
+    return h.hexdigest()
+
+
+def feature_cache_key(trunk: nn.Module, dataset: MetricDataset, key: str | None = None) -> str:
+    """The cache key of ``trunk`` features of ``dataset`` (with its current transform)."""
+    name = key or getattr(trunk, "dmlkit_name", None) or type(trunk).__name__
+    h = hashlib.sha256()
+    for part in (_CACHE_VERSION, str(name), state_dict_digest(trunk), dataset.fingerprint(),
+                 repr(dataset.transform)):
+        h.update(part.encode())
+        h.update(b"\0")
+    return h.hexdigest()
+
+
+def default_feature_cache_dir() -> Path:
+    """``~/.cache/dmlkit/features``: where frozen-trunk features are cached by default."""
+    return Path.home() / ".cache" / "dmlkit" / "features"
+
+
+def extract_features(
+    trunk: nn.Module,
+    dataset: MetricDataset,
+    batch_size: int = DEFAULT_EVAL_BATCH_SIZE,
+    device: str | torch.device | None = "cpu",
+    cache_dir: str | os.PathLike | None = None,
+    *,
+    key: str | None = None,
+    num_workers: int = 0,
+    progress: bool = False,
+    amp: bool = False,
+) -> ArrayDataset:
+    """Trunk features of every sample of ``dataset`` as an in-memory feature dataset.
+
+    On a CPU a pretrained trunk costs ~0.1 s per 224 x 224 image, so running it inside every
+    training step is impractical: this runs it once (through :func:`embed`) and caches the
+    ``(N, D)`` float32 features in ``cache_dir`` under
+    ``sha256(trunk name, trunk state-dict bytes, dataset fingerprint, transform repr, version)``,
+    so a different trunk, weights, dataset subset or transform never reuses a stale file.
+
+    Args:
+        trunk: the frozen feature extractor (run in eval mode under ``no_grad``; its train/eval
+            modes are restored afterwards).
+        dataset: a :class:`MetricDataset` with its (evaluation) transform set.
+        batch_size, device, num_workers, amp: inference settings (``device="auto"`` picks CUDA
+            when available; ``amp`` uses autocast on CUDA).
+        cache_dir: folder for cached ``.npz`` files; ``None`` disables caching.
+        key: trunk identity for the cache (default: ``trunk.dmlkit_name`` set by
+            :func:`dmlkit.models.build_trunk`); the state-dict digest is always part of the key.
+
+    Returns:
+        ``ArrayDataset(kind="features")``: ``ds[i] -> (float32 tensor (D,), label)``, the same
+        labels, class names, class groups and sample groups as ``dataset``;
+        ``ds.meta["cache_hit"]`` says whether the cache was used and ``ds.meta["cache_file"]``
+        where it lives.
+    """
+    cache_file: Path | None = None
+    feats: np.ndarray | None = None
+    hit = False
+    if cache_dir is not None:
+        digest = feature_cache_key(trunk, dataset, key)
+        safe = re.sub(r"[^A-Za-z0-9_.-]+", "_", dataset.name)[:60]
+        cache_file = Path(cache_dir).expanduser() / f"{safe}-{digest[:24]}.npz"
+        if cache_file.exists():
+            try:
+                with np.load(cache_file, allow_pickle=False) as data:
+                    if np.array_equal(data["labels"], dataset.labels):
+                        feats, hit = data["features"], True
+            except (OSError, ValueError, KeyError):
+                feats = None  # unreadable cache: recompute and overwrite
+    if feats is None:
+        feats, _ = embed(trunk, dataset, batch_size, device, num_workers=num_workers, amp=amp,
+                         progress=progress, desc=f"features {dataset.name}")
+        if cache_file is not None:
+            buffer = io.BytesIO()
+            meta = {"dataset": dataset.name, "fingerprint": dataset.fingerprint(),
+                    "trunk": key or getattr(trunk, "dmlkit_name", type(trunk).__name__),
+                    "transform": repr(dataset.transform), "version": _CACHE_VERSION}
+            np.savez(buffer, features=feats, labels=dataset.labels, meta=json.dumps(meta))
+            atomic_write_bytes(cache_file, buffer.getvalue())
+    return ArrayDataset(
+        feats, dataset.labels, kind="features",
+        class_names=dataset.class_names, class_groups=dataset.class_groups,
+        split_groups=dataset.split_groups, sample_groups=dataset.sample_groups,
+        name=f"{dataset.name}:features",
+        meta={"cache_hit": hit, "cache_file": None if cache_file is None else str(cache_file),
+              "source_fingerprint": dataset.fingerprint(), "source_paths": dataset.paths},
+    )
+
+
+class HeadOnly(nn.Module):
+    """``features -> embeddings`` with an :class:`~dmlkit.models.EmbeddingModel`'s own head."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, features: torch.Tensor) -> torch.Tensor:
+        return self.model.embed_features(features)
+
+
+# -- a model's embeddings of a dataset --------------------------------------------------------
+@dataclass(frozen=True)
+class InferenceOptions:
+    """How to embed a dataset: batch size, device, loader workers, AMP, frozen-trunk caching."""
+
+    batch_size: int = DEFAULT_EVAL_BATCH_SIZE
+    device: str | torch.device = "auto"
+    num_workers: int = 0
+    amp: bool = False
+    frozen_trunk: bool = False
+    cache_dir: str | os.PathLike | None = None
+
+    @classmethod
+    def from_config(cls, config: ExperimentConfig, device: str | torch.device | None = None) -> InferenceOptions:
+        """The options a run of ``config`` uses (``device`` overrides ``training.device``)."""
+        return cls(
+            batch_size=config.evaluation.batch_size,
+            device=config.training.device if device is None else device,
+            num_workers=config.data.num_workers,
+            amp=config.training.amp,
+            frozen_trunk=config.model.frozen_trunk,
+            cache_dir=config.model.feature_cache_dir or default_feature_cache_dir(),
+        )
+
+    def with_device(self, device: str | torch.device) -> InferenceOptions:
+        return replace(self, device=device)
+
+
+def trunk_features(model: nn.Module, dataset: MetricDataset, options: InferenceOptions,
+                   progress: bool = False) -> ArrayDataset:
+    """``model.trunk``'s features of ``dataset`` (cached, :func:`extract_features`)."""
+    return extract_features(
+        model.trunk, dataset, batch_size=options.batch_size, device=resolve_device(options.device),
+        cache_dir=options.cache_dir, num_workers=options.num_workers, progress=progress,
+        amp=options.amp,
+    )
+
+
+def embed_model(model: nn.Module, dataset: MetricDataset, options: InferenceOptions | None = None,
+                progress: bool = False) -> tuple[np.ndarray, np.ndarray]:
+    """A model's ``(embeddings, labels)`` of ``dataset`` as its run saw it.
+
+    With ``options.frozen_trunk`` the trunk's (cached) features go through the model's head
+    (:class:`HeadOnly`), exactly as in training; otherwise the whole model runs on the images.
+    """
+    options = options or InferenceOptions()
+    if options.frozen_trunk:
+        feats = trunk_features(model, dataset, options, progress=progress)
+        return embed(HeadOnly(model), feats, options.batch_size, options.device)
+    return embed(model, dataset, options.batch_size, options.device, num_workers=options.num_workers,
+                 amp=options.amp, progress=progress)
+
+
+def embed_split(model: nn.Module, dataset: MetricDataset, config: ExperimentConfig,
+                device: str | torch.device = "auto", progress: bool = False) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`embed_model` with the options of ``config`` (``InferenceOptions.from_config``)."""
+    return embed_model(model, dataset, InferenceOptions.from_config(config, device), progress)
+
+
+def dataset_rows(dataset: Dataset) -> np.ndarray:
+    """Row numbers of a (subset) dataset in its full dataset, for ``embeddings/*.npz``."""
+    rows = getattr(dataset, "_rows", None)
+    return np.asarray(rows, dtype=np.int64) if rows is not None else np.arange(len(dataset), dtype=np.int64)
+
+
+# -- embeddings files -------------------------------------------------------------------------
+def save_embeddings(path: str | os.PathLike, embeddings: Any, labels: Any, **extra: Any) -> Path:
+    """Save ``embeddings (N, D)`` and ``labels (N,)`` (+ extra arrays) to ``.npz`` atomically.
+
+    The file holds the keys ``embeddings`` (float32) and ``labels`` (int64) and any ``extra``
+    arrays (e.g. ``indices``, the dataset rows). :func:`load_embeddings` reads it back.
+    """
+    emb = _to_numpy(embeddings).astype(np.float32, copy=False)
+    lab = _to_numpy(labels).astype(np.int64, copy=False)
+    if emb.ndim != 2 or lab.ndim != 1 or emb.shape[0] != lab.shape[0]:
+        raise ShapeError(f"need embeddings (N, D) and labels (N,), got {emb.shape} and {lab.shape}")
+    buffer = io.BytesIO()
+    np.savez(buffer, embeddings=emb, labels=lab, **{k: np.asarray(v) for k, v in extra.items()})
+    return atomic_write_bytes(path, buffer.getvalue())
+
+
+def load_embeddings(
+    path: str | os.PathLike, labels_path: str | os.PathLike | None = None
+) -> tuple[np.ndarray, np.ndarray, dict[str, np.ndarray]]:
+    """Read ``(embeddings, labels, extra)`` from ``.npz``, ``.npy`` or ``.pt``.
+
+    ``.npz`` and ``.pt`` files hold ``embeddings`` and ``labels`` (a ``.pt`` may also be a
+    ``(embeddings, labels)`` tuple). A ``.npy`` holds embeddings only: pass ``labels_path``
+    (``.npy``/``.txt``/``.csv``, one integer label per row).
+    """
+    path = Path(path)
+    if not path.exists():
+        raise DataNotFoundError(f"embeddings file not found: {path}")
+    extra: dict[str, np.ndarray] = {}
+    suffix = path.suffix.lower()
+    labels: np.ndarray | None = None
+    try:
+        if suffix == ".npz":
+            with np.load(path, allow_pickle=False) as data:
+                if "embeddings" not in data:
+                    raise DataError(f"{path} has no 'embeddings' array (keys: {sorted(data.files)})")
+                emb = data["embeddings"]
+                labels = data["labels"] if "labels" in data else None
+                extra = {k: data[k] for k in data.files if k not in ("embeddings", "labels")}
+        elif suffix == ".npy":
+            emb = np.load(path, allow_pickle=False)
+        elif suffix in (".pt", ".pth"):
+            try:
+                obj = torch.load(path, map_location="cpu", weights_only=True)
+            except Exception as exc:  # unpickling refused, truncated zip, not a torch file
+                raise DataError(f"cannot read embeddings from {path}: {load_failure_reason(exc)}") from None
+            if isinstance(obj, dict):
+                if "embeddings" not in obj:
+                    raise DataError(f"{path} holds a dict without 'embeddings' (keys: {sorted(obj)})")
+                emb, labels = _to_numpy(obj["embeddings"]), obj.get("labels")
+            elif isinstance(obj, (tuple, list)) and len(obj) == 2:
+                emb, labels = _to_numpy(obj[0]), obj[1]
+            else:
+                emb = _to_numpy(obj)
+            labels = None if labels is None else _to_numpy(labels)
+        else:
+            raise DataError(f"unsupported embeddings file {path}: use .npz, .npy or .pt")
+    except (OSError, ValueError, EOFError) as exc:  # zip errors are ValueError/OSError subclasses
+        raise DataError(f"cannot read embeddings from {path}: {' '.join(str(exc).split())[:200]}") from None
+    if labels_path is not None:
+        labels = _load_labels(Path(labels_path))
+    if labels is None:
+        raise DataError(
+            f"{path} has no labels: save an .npz with 'embeddings' and 'labels', or pass a labels file"
+        )
+    emb = np.asarray(emb)
+    if emb.ndim != 2:
+        raise ShapeError(f"embeddings in {path} must be 2-D (N, D), got shape {emb.shape}")
+    # integer labels pass; fractional, NaN or mixed labels are refused (never truncated);
+    # string labels become codes of their sorted names, kept in extra["class_names"]
+    labels, names = check_labels(np.asarray(labels), emb.shape[0], name=f"labels of {path}")
+    if names is not None:
+        extra["class_names"] = np.asarray(names)
+    return emb.astype(np.float32, copy=False), labels, extra
+
+
+def _load_labels(path: Path) -> np.ndarray:
+    if not path.exists():
+        raise DataNotFoundError(f"labels file not found: {path}")
+    try:
+        if path.suffix.lower() == ".npy":
+            return np.load(path, allow_pickle=False)
+        rows = [line.strip() for line in path.read_text(encoding="utf-8").splitlines()]
+    except (OSError, ValueError) as exc:  # UnicodeDecodeError is a ValueError
+        raise DataError(f"cannot read labels from {path}: {' '.join(str(exc).split())[:200]}") from None
+    values = [r.split(",")[0].strip() for r in rows if r and not r.startswith("#")]
+    try:
+        return np.asarray([int(v) for v in values], dtype=np.int64)
+    except ValueError:
+        pass
+    for line, v in enumerate(values, start=1):
+        try:
+            float(v)
+            int(v)
+            continue  # an integer among names
+        except ValueError:
+            if not _is_number(v):
+                continue  # a class name
+        raise DataError(f"{path}: label {v!r} (value {line}) is a number but not an integer; "
+                        "labels are integer class ids or class names, one per line")
+    return np.asarray(values)  # class names
+
+
+def _is_number(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
+
+
+def _to_numpy(x: Any) -> np.ndarray:
+    if isinstance(x, torch.Tensor):
+        x = x.detach().cpu()
+        if x.dtype.is_floating_point and x.dtype != torch.float32:
+            x = x.float()
+        return x.numpy()
+    return np.asarray(x)

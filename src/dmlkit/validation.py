@@ -1,0 +1,273 @@
+"""One validation path for embeddings and labels, shared by every metric, app and command.
+
+Bottom layer (imports only :mod:`dmlkit.exceptions`, numpy and torch), so that ``metrics``,
+``apps`` and ``commands`` all refuse the same bad input with the same one-line message
+instead of returning silently wrong numbers (issue 11, points 2-4):
+
+* :func:`check_embeddings` - ``(N, D)``, numeric, non-empty, every value finite in float32
+  and every row's L2 norm representable in float32 (so a scale-safe normalisation,
+  :func:`safe_normalize`, is always possible).
+* :func:`check_labels` - integer class ids (integral floats accepted exactly), or strings taken
+  as class *names* (kept, and encoded as codes into the sorted names); floats with a fraction,
+  NaN, booleans, mixed or other objects are refused.
+* :func:`safe_normalize` - ``x / ||x||_2`` computed as ``(x / max|x|) / ||x / max|x| ||``:
+  the same vector, but the sum of squares can neither overflow (``|x| ~ 1e19``) nor underflow
+  (``|x| ~ 1e-20``), so cosine similarity is scale-invariant across the float32 range.
+* :func:`check_product_range` - for distances that do *not* normalise (dot product, Euclidean,
+  SNR): refuses embeddings whose squared norms overflow float32 (the products would be
+  infinite or NaN) or are so small that the products lose their precision to underflow.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+import torch
+
+from dmlkit.exceptions import NonFiniteError, ShapeError
+
+__all__ = ["check_embeddings", "check_labels", "check_product_range", "safe_normalize"]
+
+_F32 = torch.finfo(torch.float32)
+#: Largest squared norm accepted by :func:`check_product_range`: ``|x|^2 + |y|^2 + 2|<x, y>|``
+#: (the Euclidean expansion) is at most 4x that, still finite in float32.
+MAX_SQUARED_NORM = float(_F32.max) / 8
+#: Smallest *largest* squared norm accepted by :func:`check_product_range`: below it, products
+#: fall into float32's subnormal range (fewer than 24 significant bits) and rankings degrade.
+MIN_SQUARED_NORM = float(_F32.tiny) / float(_F32.eps)
+
+
+def _describe(x: Any) -> str:
+    dtype = getattr(x, "dtype", None)
+    return f"{type(x).__name__}" + (f" of dtype {dtype}" if dtype is not None else "")
+
+
+def check_embeddings(x: Any, name: str = "embeddings") -> torch.Tensor:
+    """``x`` as a contiguous float32 ``(N, D)`` tensor, or a one-line error.
+
+    Accepts numpy arrays, torch tensors (the device is kept) and nested sequences of numbers
+    of any real dtype (integers are cast). Raises :class:`~dmlkit.exceptions.ShapeError` for
+    non-numeric data (strings, objects, booleans, complex numbers), a shape other than
+    ``(N, D)`` or an empty array, and :class:`~dmlkit.exceptions.NonFiniteError` for NaN or
+    infinite values, values beyond float32's range (``|x| > 3.4e38``) or rows whose L2 norm
+    exceeds it. Float32 inputs are not copied.
+    """
+    if isinstance(x, torch.Tensor):
+        t = x.detach()
+        if t.dtype == torch.bool or t.dtype.is_complex:
+            raise ShapeError(f"{name} must be real numbers, got a tensor of dtype {t.dtype}")
+    else:
+        try:
+            arr = np.asarray(x)
+        except (TypeError, ValueError) as exc:
+            raise ShapeError(f"{name} must be a numeric (N, D) array, got {_describe(x)}") from exc
+        if arr.dtype.kind not in "iuf":
+            raise ShapeError(
+                f"{name} must be real numbers (N, D), got {type(x).__name__} of dtype {arr.dtype}: "
+                "pass a float array"
+            )
+        if arr.dtype == np.float16:
+            arr = arr.astype(np.float32)
+        t = torch.from_numpy(np.ascontiguousarray(arr))
+    if t.dim() != 2:
+        raise ShapeError(f"{name} must be 2-D (N, D), got shape {tuple(t.shape)}")
+    if t.shape[0] == 0 or t.shape[1] == 0:
+        raise ShapeError(f"{name} is empty (shape {tuple(t.shape)}): pass at least one row and column")
+    wide = t if t.dtype == torch.float64 else None
+    t = t.to(torch.float32).contiguous()
+    # two reductions without temporaries: NaN propagates through amax / amin, so both are
+    # finite exactly when every entry is
+    hi, lo = float(t.amax()), float(t.amin())
+    peak = max(abs(hi), abs(lo))
+    if not math.isfinite(peak):
+        bad_rows = ~torch.isfinite(t).all(dim=1)
+        bad = int(bad_rows.sum())
+        first = int(bad_rows.nonzero()[0, 0])
+        if wide is not None and bool(torch.isfinite(wide[first]).all()):
+            raise NonFiniteError(
+                f"{name} hold values beyond float32's range (|x| > 3.4e38) in {bad} row(s), first "
+                f"row {first}: rescale them (e.g. divide by their largest norm)"
+            )
+        raise NonFiniteError(
+            f"{name} contain NaN or infinity in {bad} row(s) of {t.shape[0]}, first row {first}: "
+            "check the model output (e.g. a diverged training run) and drop or fix those rows"
+        )
+    # |x|_2 <= sqrt(D) max|x|: only rows that large can overflow; compute their norms in float64
+    limit = float(_F32.max) / math.sqrt(t.shape[1])
+    if peak > limit:
+        risky = t.abs().amax(dim=1) > limit
+        norms = t[risky].double().norm(dim=1)
+        over = int((norms > float(_F32.max)).sum())
+        if over:
+            raise NonFiniteError(
+                f"{name} have {over} row(s) whose L2 norm exceeds float32's range (3.4e38): "
+                "rescale them (e.g. divide by their largest norm)"
+            )
+    return t
+
+
+def safe_normalize(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
+    """``x / ||x||_2`` along ``dim`` without overflow or underflow of the sum of squares.
+
+    Each slice is first divided by the power of two ``2^e`` just above its largest magnitude
+    (exact in floating point; a constant for autograd: the result is invariant to that factor,
+    so the gradient is exactly that of ``x / ||x||``), which puts its norm in
+    ``[1/2, sqrt(D)]``; all-zero slices stay zero (as with ``F.normalize``).
+    """
+    if x.numel() == 0:
+        return x
+    peak = x.detach().abs().amax(dim=dim, keepdim=True)
+    # divide by the power of two at or above the peak: exact, so inputs of ordinary scale give
+    # bit-for-bit the result of F.normalize(x)
+    _, exponent = torch.frexp(torch.where(peak > 0, peak, torch.ones_like(peak)))
+    # in two halves: 2^-e alone overflows for subnormal peaks (e < -126)
+    half = torch.div(-exponent, 2, rounding_mode="floor")
+    scaled = torch.ldexp(torch.ldexp(x, half.to(x.dtype)), (-exponent - half).to(x.dtype))
+    return torch.nn.functional.normalize(scaled, p=2.0, dim=dim)
+
+
+def check_product_range(x: torch.Tensor, name: str = "embeddings", what: str = "this distance") -> None:
+    """Refuse embeddings whose inner products or squared distances are not representable in
+    ``x``'s floating type (used by distances that do not normalise).
+
+    Raises :class:`~dmlkit.exceptions.NonFiniteError` when some row's squared norm exceeds
+    ``finfo.max / 8`` (``|x|^2 + |y|^2 - 2<x, y>`` could overflow) or when the *largest* squared
+    norm is nonzero but below ``finfo.tiny / finfo.eps`` (every product is subnormal or zero).
+    """
+    if x.numel() == 0 or not x.dtype.is_floating_point:
+        return
+    info = torch.finfo(x.dtype)
+    big, small = float(info.max) / 8, float(info.tiny) / float(info.eps)
+    with torch.no_grad():
+        xd = x.detach()
+        p = max(abs(float(xd.amax())), abs(float(xd.amin())))
+        if not math.isfinite(p):
+            raise NonFiniteError(f"{name} contain NaN or infinity: check the model output")
+        if p == 0.0:
+            return
+        # the largest squared norm lies in [p^2, D p^2]: compute it only when that range
+        # reaches a limit
+        d = xd.shape[-1] if xd.dim() else 1
+        if p * p >= small and d * p * p <= big:
+            return
+        sq = float((xd.double() / p).pow(2).sum(-1).max()) * p * p
+    if sq > big:
+        raise NonFiniteError(
+            f"{name} are too large for {what} in {x.dtype} (largest squared norm {sq:.3g} > "
+            f"{float(info.max) / 8:.3g}: products overflow); rescale them, or use a normalising "
+            "distance such as cosine"
+        )
+    if sq < small:
+        raise NonFiniteError(
+            f"{name} are too small for {what} in {x.dtype} (largest squared norm {sq:.3g}: "
+            "products underflow and lose precision); rescale them, or use a normalising "
+            "distance such as cosine"
+        )
+
+
+def check_labels(
+    labels: Any,
+    n: int | None = None,
+    name: str = "labels",
+    *,
+    class_names: list[str] | None = None,
+) -> tuple[np.ndarray, list[str] | None]:
+    """Validated class labels as ``(int64 array of shape (n,), class_names or None)``.
+
+    * Integer labels (any signed/unsigned integer dtype, numpy or torch, or Python ints) are
+      returned as int64, class names ``None``. Floats are accepted only when every value is a
+      finite integer exactly representable (``|x| < 2^53``); ``0.1`` or NaN is refused, never
+      truncated.
+    * String labels (``str`` / ``bytes`` / an object array of strings) are class *names*: the
+      result holds codes into ``class_names``, the sorted distinct names
+      (``class_names[codes[i]] == labels[i]``). Pass the ``class_names`` of a first set (e.g.
+      the query labels) to encode a second set (the reference labels) with the same codes;
+      names new to the second set are appended after the sorted ones.
+    * Anything else (booleans, complex, mixed or other objects, not 1-D, length != ``n``)
+      raises :class:`~dmlkit.exceptions.ShapeError` with one line saying what to pass.
+    """
+    if isinstance(labels, torch.Tensor):
+        t = labels.detach().cpu()
+        if t.dtype == torch.bool or t.dtype.is_complex:
+            raise ShapeError(f"{name} must be integer class ids or class-name strings, got dtype {t.dtype}")
+        arr = t.numpy() if t.dtype != torch.bfloat16 else t.float().numpy()
+    else:
+        try:
+            # lists as objects first: numpy would silently turn ["a", 1] into strings
+            arr = np.asarray(labels, dtype=object) if isinstance(labels, list | tuple) else np.asarray(labels)
+        except (TypeError, ValueError) as exc:
+            raise ShapeError(f"{name} must be a 1-D array of class ids or names, got {_describe(labels)}") from exc
+    if arr.ndim != 1 or (n is not None and arr.shape[0] != n):
+        want = f"({n},)" if n is not None else "(N,)"
+        raise ShapeError(f"{name} must have shape {want} (one label per embedding row), got {arr.shape}")
+    kind = arr.dtype.kind
+    if kind == "O":
+        kinds = {type(v) for v in arr.tolist()}
+        if not kinds:  # an empty list
+            arr, kind = arr.astype(np.int64), "i"
+        elif all(issubclass(k, str) for k in kinds):
+            arr, kind = arr.astype(str), "U"
+        elif kinds and all(issubclass(k, int | np.integer) and not issubclass(k, bool | np.bool_) for k in kinds):
+            try:
+                arr, kind = arr.astype(np.int64), "i"
+            except OverflowError:
+                raise ShapeError(f"{name} hold integers beyond int64's range") from None
+        elif kinds and all(issubclass(k, float | np.floating | int | np.integer) for k in kinds) and not any(
+            issubclass(k, bool | np.bool_) for k in kinds
+        ):
+            arr, kind = arr.astype(np.float64), "f"
+        else:
+            found = ", ".join(sorted(k.__name__ for k in kinds))
+            raise ShapeError(
+                f"{name} must be all integer class ids or all class-name strings, got values of "
+                f"type {found}: convert them to one of those"
+            )
+    if kind == "S":
+        try:
+            arr, kind = np.char.decode(arr, "utf-8"), "U"
+        except UnicodeDecodeError:
+            raise ShapeError(f"{name} are bytes that are not UTF-8 text: decode them first") from None
+    if kind == "U":
+        if class_names is not None:
+            vocab = {c: i for i, c in enumerate(class_names)}
+            new = sorted(set(np.unique(arr).tolist()) - vocab.keys())
+            names = [*class_names, *new]
+            vocab.update({c: len(class_names) + j for j, c in enumerate(new)})
+            uniq, inverse = np.unique(arr, return_inverse=True)
+            codes = np.asarray([vocab[c] for c in uniq.tolist()], dtype=np.int64)[inverse]
+            return codes.reshape(-1), names
+        uniq, inverse = np.unique(arr, return_inverse=True)
+        return inverse.astype(np.int64).reshape(-1), [str(c) for c in uniq.tolist()]
+    if class_names is not None:
+        raise ShapeError(
+            f"{name} are numbers but the other label set holds class-name strings: use the same "
+            "kind of labels for both"
+        )
+    if kind in "iu":
+        if kind == "u" and arr.dtype.itemsize == 8 and arr.size and int(arr.max()) > np.iinfo(np.int64).max:
+            raise ShapeError(f"{name} hold integers beyond int64's range")
+        return np.ascontiguousarray(arr, dtype=np.int64), None
+    if kind == "f":
+        if not np.isfinite(arr).all():
+            bad = int((~np.isfinite(arr)).sum())
+            raise ShapeError(
+                f"{name} contain {bad} NaN or infinite value(s): every row needs an integer class "
+                "id or a class-name string; drop or fix those rows"
+            )
+        frac = arr != np.round(arr)
+        if frac.any():
+            first = int(np.flatnonzero(frac)[0])
+            raise ShapeError(
+                f"{name} must be integer class ids or class-name strings, got fractional floats "
+                f"(e.g. {float(arr[first])!r} at row {first}); map each class to an integer id "
+                "(e.g. np.unique(labels, return_inverse=True)[1])"
+            )
+        if arr.size and float(np.abs(arr).max()) >= 2.0**53:
+            raise ShapeError(f"{name} hold floats too large to be exact integer class ids: pass int64 labels")
+        return arr.astype(np.int64), None
+    raise ShapeError(
+        f"{name} must be integer class ids or class-name strings, got dtype {arr.dtype}: "
+        "pass an int array or strings"
+    )

@@ -1,0 +1,128 @@
+"""The config spine (dmlkit.config): the evaluation section, renamed keys, resume checks,
+builders that take their own section, and the deprecation shims of moved import paths."""
+
+from __future__ import annotations
+
+import inspect
+import warnings
+
+import pytest
+import yaml
+
+from dmlkit.config import (
+    DEFAULT_EVAL_BATCH_SIZE,
+    EvaluationConfig,
+    ExperimentConfig,
+    config_from_dict,
+    dump_config,
+    load_config,
+)
+from dmlkit.exceptions import CheckpointError, ConfigError
+
+BASE = {"data": {"dataset": "omniglot"}, "loss": {"name": "triplet"}}
+
+
+def test_evaluation_defaults_are_the_librarys_defaults():
+    from dmlkit.embeddings import embed, extract_features
+    from dmlkit.metrics import evaluate
+
+    ev = EvaluationConfig()
+    metric_defaults = inspect.signature(evaluate).parameters
+    assert ev.memory_mb * 2**20 == metric_defaults["memory_budget"].default
+    assert ev.cluster_restarts == metric_defaults["cluster_restarts"].default
+    assert ev.backend == metric_defaults["backend"].default
+    for fn in (embed, extract_features):  # one inference batch default
+        assert inspect.signature(fn).parameters["batch_size"].default == ev.batch_size == DEFAULT_EVAL_BATCH_SIZE
+    assert ev.metric_options() == {"backend": "auto", "memory_budget": 256 * 2**20, "cluster_restarts": 3}
+
+
+def test_old_eval_batch_size_key_is_read_as_evaluation_batch_size(tmp_path):
+    path = tmp_path / "old.yaml"
+    path.write_text(yaml.safe_dump({**BASE, "training": {"epochs": 2, "eval_batch_size": 64}}))
+    cfg = load_config(path)
+    assert cfg.evaluation.batch_size == 64 and cfg.training.epochs == 2
+    assert "eval_batch_size" not in dump_config(cfg)
+    # the old key as an override of a resolved config, and in a nested (bench) override
+    assert cfg.override(["training.eval_batch_size=32"]).evaluation.batch_size == 32
+    assert load_config(path, ["evaluation.batch_size=16"]).evaluation.batch_size == 16
+    with pytest.raises(ConfigError, match="disagree"):
+        config_from_dict({**BASE, "training": {"eval_batch_size": 64}, "evaluation": {"batch_size": 8}})
+    with pytest.raises(ConfigError, match="evaluation.memory_mb"):
+        config_from_dict({**BASE, "evaluation": {"memory_mb": 0}})
+
+
+def test_resume_check_ignores_renamed_keys_and_evaluation_settings():
+    from dmlkit.training.checkpoint import check_resumable
+
+    cfg = config_from_dict(BASE)
+    saved = cfg.model_dump(mode="json")
+    del saved["evaluation"]
+    saved["training"]["eval_batch_size"] = 256  # a checkpoint written before the section existed
+    check_resumable(saved, cfg.override(["evaluation.memory_mb=1024", "evaluation.backend=torch"]))
+    with pytest.raises(CheckpointError, match=r"loss.params.margin"):
+        check_resumable(saved, cfg.override(["loss.params.margin=0.3"]))
+
+
+def test_bench_fingerprint_keeps_its_old_shape_and_ignores_evaluation():
+    from dmlkit.protocol import bench_config_from_dict
+    from dmlkit.protocol.runner import method_fingerprint
+    from dmlkit.protocol.splits import make_bench_split
+
+    data = {"fixed": {"data": {"dataset": "omniglot"}},
+            "methods": [{"name": "triplet", "loss": {"name": "triplet"}}]}
+    cfg = bench_config_from_dict(data)
+    fixed = cfg.fixed_fingerprint()
+    assert "evaluation" not in fixed and fixed["training"]["eval_batch_size"] == 256
+    split = make_bench_split(list(range(16)), "halves", folds=4)
+    other = bench_config_from_dict({**data, "fixed": {**data["fixed"], "evaluation": {"memory_mb": 64}}})
+    assert method_fingerprint(cfg, cfg.methods[0], split) == method_fingerprint(other, other.methods[0], split)
+    changed = bench_config_from_dict({**data, "fixed": {**data["fixed"], "evaluation": {"batch_size": 32}}})
+    assert method_fingerprint(cfg, cfg.methods[0], split) != method_fingerprint(changed, changed.methods[0], split)
+    assert cfg.experiment(cfg.methods[0]).evaluation == cfg.fixed.evaluation
+
+
+def test_builders_take_their_own_section():
+    from dmlkit.training import build_loss, build_miner, build_model, build_optimizer
+
+    cfg = config_from_dict({
+        **BASE, "model": {"trunk": "small_cnn", "pretrained": False, "in_channels": 1, "embedding_size": 8},
+        "miner": {"name": "batch_hard"}, "optimizer": {"preset": "cpu_quick"},
+    })
+    model = build_model(cfg.model)
+    assert model.embedding_size == 8
+    assert type(build_model(cfg)) is type(model)  # a whole config still works
+    assert build_miner(None) is None and build_miner(cfg.miner) is not None
+    loss = build_loss(cfg.loss, num_classes=5, embedding_size=model.embedding_size)
+    opt = build_optimizer(cfg.optimizer, model, loss)
+    assert [g["name"] for g in opt.param_groups] == ["trunk", "embedder"]
+    assert [g["name"] for g in build_optimizer(cfg.optimizer, build_model(cfg.model), loss,
+                                               frozen_trunk=True).param_groups] == ["embedder"]
+    with pytest.raises(TypeError, match="ModelConfig"):
+        build_model(cfg.loss)
+
+
+@pytest.mark.parametrize(("old", "name", "new"), [
+    ("dmlkit.training.config", "ExperimentConfig", "dmlkit.config"),
+    ("dmlkit.training.embed", "embed", "dmlkit.embeddings"),
+    ("dmlkit.utils", "load_embeddings", "dmlkit.embeddings"),
+    ("dmlkit.utils", "save_embeddings", "dmlkit.embeddings"),
+    ("dmlkit.models", "extract_features", "dmlkit.embeddings"),
+    ("dmlkit.models.features", "state_dict_digest", "dmlkit.embeddings"),
+])
+def test_moved_names_still_import_with_a_deprecation_warning(old, name, new):
+    import importlib
+
+    with pytest.warns(DeprecationWarning, match=new.replace(".", r"\.")):
+        value = getattr(importlib.import_module(old), name)
+    assert value is getattr(importlib.import_module(new), name)
+    with pytest.raises(AttributeError):
+        _ = importlib.import_module(old).no_such_name
+
+
+def test_training_package_reexports_without_warnings():
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        from dmlkit.training import EvaluationConfig as E2
+        from dmlkit.training import ExperimentConfig as X2
+        from dmlkit.training import embed_split, load_config  # noqa: F401
+    assert E2 is EvaluationConfig and X2 is ExperimentConfig

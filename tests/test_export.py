@@ -1,0 +1,101 @@
+"""Export to ONNX / TorchScript with numerical and retrieval parity on real images."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+from typer.testing import CliRunner
+
+from dmlkit.apps.export import export_model, load_embedder, parity_report
+from dmlkit.cli import app as cli
+from dmlkit.exceptions import ConfigError, DataError, DataNotFoundError
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory, data_root):
+    from test_service import trained_run
+
+    return trained_run(tmp_path_factory, data_root)
+
+
+@pytest.fixture(scope="module")
+def onnx_export(run, data_root, tmp_path_factory):
+    pytest.importorskip("onnxruntime")
+    out = tmp_path_factory.mktemp("export") / "model.onnx"
+    return export_model(run, "onnx", out, parity_samples=120, data_root=data_root)
+
+
+def test_onnx_export_has_numerical_and_retrieval_parity(onnx_export, run):
+    p = onnx_export["parity"]
+    assert p["passed"] and p["num_samples"] == 120 and p["split"] == "test"
+    assert p["max_abs_diff"] <= 1e-4
+    assert p["top10_identical"] >= 0.99 and p["top10_overlap"] >= 0.99
+    assert abs(p["map_at_r_torch"] - p["map_at_r_export"]) <= 1e-3
+    manifest = json.loads(Path(onnx_export["parity_file"]).read_text())
+    assert manifest["preprocessing"] == {"transform": "grayscale", "image_size": 32, "in_channels": 1,
+                                         "input_shape": [1, 32, 32]}
+    assert manifest["runtime"] == "onnxruntime" and manifest["embedding_size"] == 16
+
+
+def test_exported_embedder_matches_the_run_on_real_image_files(onnx_export, run, data_root):
+    from PIL import Image
+
+    from dmlkit.data import load_dataset
+
+    ds = load_dataset("att_faces", root=data_root)
+    images = [Image.open(ds.paths[i]) for i in (0, 55, 210, 399)]
+    torch_emb = load_embedder(run)(images)
+    onnx = load_embedder(onnx_export["output"])
+    assert onnx.runtime == "onnxruntime"
+    np.testing.assert_allclose(onnx(images), torch_emb, atol=1e-4)
+    assert torch_emb.shape == (4, 16)
+
+
+def test_cli_torchscript_export_and_serving_an_export(run, data_root, tmp_path):
+    pytest.importorskip("fastapi")
+    from fastapi.testclient import TestClient
+
+    from dmlkit.apps.service import ServiceConfig, create_app
+
+    out = tmp_path / "model.pt"
+    res = CliRunner().invoke(cli, ["export", str(run), "--format", "torchscript", "-o", str(out),
+                                   "--parity-samples", "60", "--data-root", str(data_root), "--json"])
+    assert res.exit_code == 0, res.output
+    report = json.loads(res.output)
+    assert report["parity"]["passed"] and report["parity"]["max_abs_diff"] <= 1e-5
+    assert (tmp_path / "model.pt.json").exists()
+    res = CliRunner().invoke(cli, ["index", str(run / "embeddings" / "test.npz"), "-o", str(tmp_path / "idx"),
+                                   "--data-root", str(data_root)])
+    assert res.exit_code == 0, res.output
+    client = TestClient(create_app(ServiceConfig(index=tmp_path / "idx", model=out)))
+    assert client.get("/api/health").json()["model"] == "torchscript"
+    item = client.app.state.index.ids[7]
+    r = client.post("/api/query/image", files={"file": ("q.pgm", (data_root / item).read_bytes())}, data={"k": "3"})
+    assert r.status_code == 200 and r.json()["results"][0]["id"] == item
+
+
+def test_parity_report_detects_a_mismatch():
+    rng = np.random.default_rng(0)
+    a = rng.normal(size=(60, 8)).astype(np.float32)
+    labels = np.repeat(np.arange(12), 5)
+    same = parity_report(a, a.copy(), labels)
+    assert same["passed"] and same["max_abs_diff"] == 0 and same["top10_identical"] == 1.0
+    off = parity_report(a, a + rng.normal(scale=0.5, size=a.shape).astype(np.float32), labels)
+    assert not off["passed"] and off["max_abs_diff"] > 0.1 and off["top10_identical"] < 0.5
+    with pytest.raises(DataError, match="shape"):
+        parity_report(a, a[:, :4], labels)
+
+
+def test_export_errors(run, tmp_path):
+    with pytest.raises(ConfigError, match="unknown export format"):
+        export_model(run, "tflite")
+    with pytest.raises(ConfigError, match="parity_samples"):
+        export_model(run, "onnx", parity_samples=5)
+    with pytest.raises(DataNotFoundError):
+        load_embedder(tmp_path / "missing.onnx")
+    (tmp_path / "bare.onnx").write_bytes(b"x")
+    with pytest.raises(DataError, match="manifest"):
+        load_embedder(tmp_path / "bare.onnx")

@@ -1,0 +1,260 @@
+"""EmbeddingIndex: exact and faiss ANN kinds, measured recall, tuning, ids, persistence, CLI."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import yaml
+from typer.testing import CliRunner
+
+from dmlkit.apps import EmbeddingIndex
+from dmlkit.apps.index import INDEX_KINDS, recall_at_k
+from dmlkit.cli import app
+from dmlkit.embeddings import save_embeddings
+from dmlkit.exceptions import ConfigError, DataError, DataNotFoundError, ShapeError
+
+pytest.importorskip("faiss")
+
+ANN = [k for k in INDEX_KINDS if k != "flat"]
+
+
+def _blobs(n=3000, d=16, centres=30, noise=0.6, seed=0):
+    rng = np.random.default_rng(seed)
+    c = rng.normal(size=(centres, d))
+    lab = rng.integers(0, centres, n)
+    return (c[lab] + noise * rng.normal(size=(n, d))).astype(np.float32), lab
+
+
+@pytest.fixture(scope="module")
+def data():
+    x, y = _blobs(n=2300)  # the last 300 rows are held out as fresh queries
+    return x[:2000], y[:2000]
+
+
+@pytest.fixture(scope="module")
+def fresh():
+    return _blobs(n=2300)[0][2000:]
+
+
+@pytest.fixture(scope="module", params=ANN)
+def tuned(request, data):
+    x, y = data
+    idx = EmbeddingIndex(x, y, kind=request.param, target_recall=0.95, recall_queries=300, seed=0)
+    return idx
+
+
+def test_recall_at_k_formula():
+    approx = np.array([[1, 2, 3], [4, -1, 6]])
+    exact = np.array([[3, 2, 9], [4, 5, 6]])
+    assert recall_at_k(approx, exact, 3) == pytest.approx((2 + 2) / 6)
+    assert recall_at_k(exact, exact, 3) == 1.0
+
+
+def test_tuned_index_reaches_target_and_holds_on_fresh_queries(tuned, data, fresh):
+    x, _ = data
+    rec = tuned.recall
+    assert rec["met"] is True and rec["recall"] >= 0.95 and rec["num_queries"] == 300
+    # the chosen setting is the first (cheapest) that reached the target
+    assert all(t["recall"] < 0.95 for t in rec["tried"][:-1])
+    assert [t["cost"] for t in rec["tried"]] == sorted(t["cost"] for t in rec["tried"])
+    # recall re-measured on fresh queries from the same distribution, against exact search
+    exact = EmbeddingIndex(x).search(fresh, 10).indices
+    approx = tuned.search(fresh, 10).indices
+    assert recall_at_k(approx, exact, 10) >= 0.9
+    # exact=True on an approximate index equals the flat index
+    np.testing.assert_array_equal(tuned.search(fresh[:20], 10, exact=True).indices, exact[:20])
+
+
+def test_untuned_recall_is_measured_and_tuning_costs_more(data):
+    x, _ = data
+    cheap = EmbeddingIndex(x, kind="ivf_flat", nlist=64, nprobe=1, recall_queries=300)
+    assert 0 < cheap.recall["recall"] < 1 and cheap.recall["target"] is None
+    tuned = EmbeddingIndex(x, kind="ivf_flat", nlist=64, target_recall=0.99, recall_queries=300)
+    assert tuned.params["nprobe"] > 1 and tuned.recall["recall"] >= 0.99
+    # the recall of HNSW grows with ef_search
+    low = EmbeddingIndex(x, kind="hnsw", hnsw_m=4, ef_search=16, recall_queries=300).recall["recall"]
+    high = EmbeddingIndex(x, kind="hnsw", hnsw_m=4, ef_search=256, recall_queries=300).recall["recall"]
+    assert high > low and high > 0.97
+
+
+@pytest.mark.parametrize(("distance", "normalize"), [("euclidean", True), ("euclidean", False), ("dot", False)])
+def test_ann_scores_are_exact_scores(data, distance, normalize):
+    x, _ = data
+    x = x[:600] * np.linspace(0.5, 2.0, 600, dtype=np.float32)[:, None]  # varied norms
+    q = x[:5] + 0.01
+    for kind in ANN:
+        idx = EmbeddingIndex(x, kind=kind, distance=distance, normalize=normalize, recall_queries=30, nlist=8)
+        res = idx.search(q, 5)
+        ref, qq = x[res.indices], q[:, None, :]
+        if normalize:  # dmlkit.distances' default: L2-normalised embeddings
+            ref = ref / np.linalg.norm(ref, axis=-1, keepdims=True)
+            qq = qq / np.linalg.norm(qq, axis=-1, keepdims=True)
+        expect = np.sqrt(((ref - qq) ** 2).sum(-1)) if distance == "euclidean" else (ref * qq).sum(-1)
+        np.testing.assert_allclose(res.scores, expect, rtol=2e-3, atol=2e-3)
+        order = res.scores if distance == "dot" else -res.scores
+        assert np.all(np.diff(order, axis=1) <= 1e-4)
+
+
+@pytest.mark.parametrize("kind", INDEX_KINDS)
+def test_add_remove_get_and_round_trip(tmp_path, data, kind):
+    x, y = data
+    x, y = x[:900], y[:900]
+    ids = np.array([f"item/{i}.jpg" for i in range(len(x))])
+    meta = [{"n": i} for i in range(len(x))]
+    idx = EmbeddingIndex(x[:600], y[:600], ids[:600], kind=kind, metadata=meta[:600], recall_queries=50)
+    idx.add(x[600:], y[600:], ids[600:], meta[600:])
+    assert len(idx) == 900
+    np.testing.assert_array_equal(idx.get(["item/700.jpg"]), x[700:701])
+    gone = [f"item/{i}.jpg" for i in range(0, 900, 3)]
+    assert idx.remove(gone) == 300 and len(idx) == 600
+    res = idx.search(x[:50], 10)
+    assert not set(res.ids.ravel().tolist()) & set(gone)
+    kept = res.ids[res.indices >= 0]
+    assert np.all(idx.labels[idx.positions(kept)] == y[[int(s[5:-4]) for s in kept]])
+    rec = res.to_records()[1][0]
+    assert rec["id"] == "item/1.jpg" and rec["metadata"] == {"n": 1} and rec["label"] == y[1]
+    with pytest.raises(DataError, match="not in the index"):
+        idx.remove(["item/0.jpg"])
+    with pytest.raises(DataError, match="already in the index"):
+        idx.add(x[:1], y[:1], ["item/1.jpg"], [None])
+    for path in (tmp_path / "idx", tmp_path / "idx.npz"):
+        idx.save(path)
+        again = EmbeddingIndex.load(path)
+        back = again.search(x[:50], 10)
+        np.testing.assert_array_equal(back.indices, res.indices)
+        np.testing.assert_array_equal(back.ids, res.ids)
+        assert again.kind == kind and again.describe()["params"] == idx.describe()["params"]
+        assert again.metadata == idx.metadata and again.recall == idx.recall
+    idx.save(tmp_path / "idx")  # overwrite in place
+    assert EmbeddingIndex.load(tmp_path / "idx", mmap=True).search(x[:5], 3).ids.shape == (5, 3)
+
+
+def test_exclude_ids_drops_only_the_query_item(data):
+    x, _ = data
+    idx = EmbeddingIndex(x[:500], ids=[f"i{j}" for j in range(500)])
+    plain = idx.search(x[:20], 6)
+    assert np.all(plain.ids[:, 0] == [f"i{j}" for j in range(20)])
+    res = idx.search(x[:20], 5, exclude_ids=[f"i{j}" for j in range(20)])
+    np.testing.assert_array_equal(res.indices, plain.indices[:, 1:])
+    # any other id: the plain list without that id, first 5
+    other = idx.search(x[:20], 5, exclude_ids=["i499"] * 20).indices
+    for row, full in zip(other, plain.indices):
+        np.testing.assert_array_equal(row, [i for i in full if i != 499][:5])
+
+
+def test_index_errors(tmp_path, data):
+    x, _ = data
+    with pytest.raises(ConfigError, match="unknown index kind"):
+        EmbeddingIndex(x, kind="lsh")
+    with pytest.raises(ConfigError, match="must divide"):
+        EmbeddingIndex(x, kind="ivf_pq", pq_m=5)
+    with pytest.raises(ConfigError, match="target_recall"):
+        EmbeddingIndex(x, kind="hnsw", target_recall=1.5)
+    with pytest.raises(ConfigError, match="gpu"):
+        EmbeddingIndex(x, kind="hnsw", gpu=True)
+    with pytest.raises(DataError, match="unique"):
+        EmbeddingIndex(x[:3], ids=["a", "b", "a"])
+    with pytest.raises(ConfigError, match="exact"):
+        EmbeddingIndex(x).measure_recall()
+    idx = EmbeddingIndex(x[:100], kind="hnsw", recall_queries=20)
+    with pytest.raises(ShapeError):
+        idx.search(np.zeros((2, 3), dtype=np.float32))
+    with pytest.raises(ConfigError, match="k must"):
+        idx.search(x[:2], 0)
+    with pytest.raises(DataNotFoundError):
+        EmbeddingIndex.load(tmp_path / "missing")
+    idx.save(tmp_path / "h")
+    (tmp_path / "h" / "faiss.index").unlink()
+    with pytest.raises(DataError, match="faiss.index"):
+        EmbeddingIndex.load(tmp_path / "h")
+    (tmp_path / "junk").mkdir()
+    with pytest.raises(DataError, match="not a dmlkit index"):
+        EmbeddingIndex.load(tmp_path / "junk")
+
+
+# -- CLI -------------------------------------------------------------------------------------
+def test_cli_index_query_with_target_recall_exclude_self_and_bounded_output(tmp_path, data):
+    x, y = data
+    ids = np.array([f"p{i}" for i in range(len(x))])
+    save_embeddings(tmp_path / "ref.npz", x, y, ids=ids)
+    runner = CliRunner()
+    res = runner.invoke(app, ["index", str(tmp_path / "ref.npz"), "-o", str(tmp_path / "idx"), "--kind", "hnsw",
+                              "--target-recall", "0.95", "--recall-queries", "200", "--json"])
+    assert res.exit_code == 0, res.output
+    summary = json.loads(res.output)
+    assert summary["kind"] == "hnsw" and summary["recall"]["recall"] >= 0.95 and summary["recall"]["met"]
+    res = runner.invoke(app, ["query", str(tmp_path / "idx"), str(tmp_path / "ref.npz"), "-k", "3",
+                              "--exclude-self", "-o", str(tmp_path / "out.json")])
+    assert res.exit_code == 0, res.output
+    lines = res.output.strip().splitlines()
+    assert len(lines) == 22 and "1980 more queries not shown" in lines[-2]  # 20 shown by default
+    assert lines[0].startswith("query 0 (p0): ") and "p0 " not in lines[0]
+    written = json.loads((tmp_path / "out.json").read_text())
+    assert len(written) == len(x) and written[5]["query"] == "p5"
+    assert all(r["id"] != row["query"] for row in written for r in row["results"])
+    res = runner.invoke(app, ["query", str(tmp_path / "idx"), "--id", "p7", "-k", "3", "--json"])
+    assert res.exit_code == 0, res.output
+    by_id = json.loads(res.output)[0]
+    assert [r["id"] for r in by_id] == [r["id"] for r in written[7]["results"]]
+    # add and remove by id from the command line
+    save_embeddings(tmp_path / "more.npz", x[:2] + 1, y[:2], ids=np.array(["new0", "new1"]))
+    res = runner.invoke(app, ["index", str(tmp_path / "more.npz"), "-o", str(tmp_path / "idx"), "--add",
+                              "--remove", "p0", "--remove", "p1"])
+    assert res.exit_code == 0, res.output
+    changed = EmbeddingIndex.load(tmp_path / "idx")
+    assert len(changed) == len(x) and {"new0", "new1"} <= set(changed.ids) and "p0" not in set(changed.ids)
+    assert changed.recall["stale"] is True
+    res = runner.invoke(app, ["query", str(tmp_path / "idx"), "--id", "nope"])
+    assert isinstance(res.exception, DataError) and "not in the index" in str(res.exception)
+    res = runner.invoke(app, ["query", str(tmp_path / "idx"), str(tmp_path / "missing.npz")])
+    assert isinstance(res.exception, DataNotFoundError)  # the CLI prints it in one line, exit 2
+    res = runner.invoke(app, ["index", str(tmp_path / "ref.npz"), "-o", str(tmp_path / "x"), "--kind", "annoy"])
+    assert isinstance(res.exception, ConfigError) and "unknown index kind" in str(res.exception)
+
+
+def test_cli_index_of_a_run_uses_the_dataset_paths_as_ids(tmp_path, data_root):
+    """Issue 11.21: a run's embeddings/<split>.npz (dataset rows) maps back to files."""
+    from dmlkit.data import load_dataset
+
+    run = tmp_path / "run"
+    (run / "embeddings").mkdir(parents=True)
+    config = {"data": {"dataset": "att_faces", "transform": "grayscale", "image_size": 32},
+              "model": {"trunk": "small_cnn", "pretrained": False, "embedding_size": 8, "in_channels": 1},
+              "loss": {"name": "contrastive"}}
+    (run / "config.yaml").write_text(yaml.safe_dump(config))
+    ds = load_dataset("att_faces", root=data_root)
+    rows = np.arange(0, len(ds), 7)
+    emb = np.random.default_rng(0).normal(size=(len(rows), 8)).astype(np.float32)
+    save_embeddings(run / "embeddings" / "test.npz", emb, ds.labels[rows], indices=rows)
+    runner = CliRunner()
+    res = runner.invoke(app, ["index", str(run / "embeddings" / "test.npz"), "-o", str(tmp_path / "idx"),
+                              "--data-root", str(data_root)])
+    assert res.exit_code == 0, res.output
+    idx = EmbeddingIndex.load(tmp_path / "idx")
+    assert idx.info["data_root"] == str(Path(data_root).resolve()) and idx.info["run_dir"] == str(run.resolve())
+    expected = [str(Path(ds.paths[r]).resolve().relative_to(Path(data_root).resolve())) for r in rows]
+    assert idx.ids.tolist() == expected
+    assert all((Path(data_root) / i).is_file() for i in idx.ids)
+    res = runner.invoke(app, ["query", str(tmp_path / "idx"), str(run / "embeddings" / "test.npz"), "-k", "2",
+                              "--exclude-self", "--json", "--data-root", str(data_root)])
+    assert res.exit_code == 0, res.output
+    records = json.loads(res.output)
+    assert all(r["id"] != expected[q] for q, row in enumerate(records) for r in row)
+
+
+@pytest.mark.parametrize("distance", ["cosine", "euclidean", "dot"])
+def test_flat_search_equals_the_metrics_knn_with_ties_by_row(data, distance):
+    from dmlkit.metrics import knn
+
+    x, _ = data
+    x = np.concatenate([x[:300], x[:50]])  # rows 300..349 duplicate rows 0..49: exact ties
+    q = x[:40] + np.float32(0.05)
+    res = EmbeddingIndex(x, distance=distance).search(q, 10)  # one-matmul path for few queries
+    ref = knn(q, x, k=10, distance=distance, exclude_self=False)
+    np.testing.assert_array_equal(res.indices, ref.indices.numpy())
+    np.testing.assert_allclose(res.scores, ref.values.numpy(), rtol=1e-5, atol=1e-5)
+    dup = res.indices[:, :2]
+    assert np.all(dup[:, 0] < dup[:, 1]) and np.all(dup[:, 1] - dup[:, 0] == 300)

@@ -1,0 +1,189 @@
+"""Every registered loss on hostile but finite batches (issue 11, points 3 and 13).
+
+* Extreme scales (``1e-20``, ``1e19``), an all-zero batch, a single class and one sample per
+  class: the loss and its gradient are finite, or the loss raises a clear
+  :class:`~dmlkit.exceptions.NonFiniteError` - never NaN/inf.
+* Losses on a normalising distance are scale-invariant across the float32 range: the loss at
+  ``1e-20`` / ``1e19`` equals the loss at scale 1 and the gradient scales as ``1 / s``.
+* Under ``torch.autocast(dtype=torch.bfloat16)`` every loss computes in float32: the result is
+  float32 and equal to the loss computed without autocast.
+
+The registry is iterated, so a newly registered loss is covered automatically.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dmlkit.distances import DotProductSimilarity, LpDistance
+from dmlkit.exceptions import NonFiniteError
+from dmlkit.losses import LOSSES, BaseLoss, ContrastiveLoss, get_loss
+
+DIM = 8
+NUM_CLASSES = 6
+LABELS = {
+    "several": [0, 0, 0, 1, 1, 2, 2, 2, 3, 4],
+    "one_class": [5] * 6,
+    "singletons": [0, 1, 2, 3, 4, 5],
+}
+#: Losses whose value depends on the embeddings' norm with their default settings (raw
+#: embeddings, the feature norm as a scale, or a regulariser on the raw sum). Every other
+#: registered loss must be scale-invariant.
+SCALE_DEPENDENT = {"softmax", "sphereface", "prototypical", "snr_contrastive"}
+#: Losses that cannot be built from their defaults alone (and SoftTriple with fewer centres,
+#: for speed: the properties tested do not depend on their number).
+PARAMS = {
+    "combined": {"losses": [{"name": "contrastive"}, {"name": "triplet", "weight": 0.5}]},
+    "soft_triple": {"centers_per_class": 3},
+}
+NAMES = sorted(LOSSES)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """The batches here are tiny: one intra-op thread avoids OpenMP hand-offs that stall for
+    tens of milliseconds per op on a shared, busy CPU (restored afterwards)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def make(name: str) -> BaseLoss:
+    torch.manual_seed(0)  # proxy/class weights
+    params = dict(PARAMS.get(name, {}))
+    if getattr(LOSSES[name], "requires_num_classes", False):
+        params.update(num_classes=NUM_CLASSES, embedding_size=DIM)
+    return get_loss(name, **params)
+
+
+def embeddings(n: int, scale: float, seed: int = 3) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(n, DIM, generator=g) * scale
+
+
+def value_and_grad(loss: BaseLoss, x: torch.Tensor, labels: torch.Tensor):
+    x = x.detach().clone().requires_grad_(True)
+    value = loss(x, labels)
+    value.backward()
+    return value.detach(), x.grad
+
+
+def test_every_loss_is_covered():
+    assert len(NAMES) >= 27
+    assert set(SCALE_DEPENDENT) <= set(NAMES)
+
+
+@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("scale", [1e-20, 1.0, 1e19, 0.0], ids=["1e-20", "1", "1e19", "zero"])
+def test_finite_or_clear_error(name, scale):
+    for label_set, raw in LABELS.items():
+        labels = torch.tensor(raw)
+        x = embeddings(len(raw), scale) if scale else torch.zeros(len(raw), DIM)
+        try:
+            value, grad = value_and_grad(make(name), x, labels)
+        except NonFiniteError as err:
+            assert str(err), (name, label_set)
+            # a clear error is only acceptable where the float32 computation is out of range
+            assert name in SCALE_DEPENDENT, (name, label_set, str(err))
+            continue
+        assert value.dtype == torch.float32, (name, label_set)
+        assert torch.isfinite(value), (name, scale, label_set, value)
+        assert torch.isfinite(grad).all(), (name, scale, label_set)
+
+
+@pytest.mark.parametrize("name", sorted(set(NAMES) - SCALE_DEPENDENT))
+def test_scale_invariant_over_float32_range(name):
+    labels = torch.tensor(LABELS["several"])
+    x = embeddings(len(labels), 1.0)
+    ref_value, ref_grad = value_and_grad(make(name), x, labels)
+    assert ref_grad.abs().max() > 0, name  # the check below would be empty otherwise
+    for scale in (1e-20, 1e19):
+        value, grad = value_and_grad(make(name), x * scale, labels)
+        torch.testing.assert_close(value, ref_value, rtol=1e-4, atol=1e-5, msg=f"{name} {scale}")
+        tol = 1e-3 * float(ref_grad.abs().max())
+        torch.testing.assert_close(grad * scale, ref_grad, rtol=1e-3, atol=tol, msg=f"{name} {scale}")
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_autocast_bfloat16_computes_in_float32(name):
+    labels = torch.tensor(LABELS["several"])
+    x = embeddings(len(labels), 1.0)
+    loss = make(name)
+    expected = loss(x, labels)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = loss(x, labels)
+    assert got.dtype == torch.float32
+    # bfloat16 products would be off by ~4e-3 relative; float32 agrees to rounding
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_bfloat16_input_returns_float32_with_bfloat16_gradient(name):
+    labels = torch.tensor(LABELS["several"])
+    x = embeddings(len(labels), 1.0).to(torch.bfloat16).requires_grad_(True)
+    loss = make(name)
+    value = loss(x, labels)
+    value.backward()
+    assert value.dtype == torch.float32
+    assert x.grad.dtype == torch.bfloat16 and torch.isfinite(x.grad.float()).all()
+    # the same bfloat16 values, upcast by hand: equal in float32
+    torch.testing.assert_close(value, loss(x.detach().float(), labels), rtol=1e-5, atol=1e-6)
+
+
+def test_overflow_raises_nonfinite_error():
+    x = embeddings(6, 1e19)
+    labels = torch.tensor([0, 0, 1, 1, 2, 2])
+    raw = ContrastiveLoss(distance=LpDistance(normalize_embeddings=False))
+    with pytest.raises(NonFiniteError):
+        raw(x, labels)
+    with pytest.raises(NonFiniteError):
+        ContrastiveLoss(distance=DotProductSimilarity(normalize_embeddings=False))(x, labels)
+
+
+def test_nonfinite_loss_is_refused():
+    class Overflowing(BaseLoss):
+        def compute(self, embeddings, labels, indices, ref_emb, ref_labels):
+            return (embeddings * 1e30).pow(2).sum()  # overflows float32
+
+    with pytest.raises(NonFiniteError, match="Overflowing .*overflowed"):
+        Overflowing()(torch.full((2, 3), 1e10), torch.tensor([0, 1]))
+
+
+# ------------------------------------------------------------------ package structure (issue 10.5)
+def test_every_loss_module_is_imported_and_every_loss_exported():
+    import importlib
+    import pkgutil
+    import sys
+
+    import dmlkit.losses as package
+
+    shims = {"ranking_losses"}
+    for info in pkgutil.iter_modules(package.__path__):
+        if info.name not in shims:
+            assert f"dmlkit.losses.{info.name}" in sys.modules, info.name
+    for cls in LOSSES.values():
+        assert cls.__name__ in package.__all__ and getattr(package, cls.__name__) is cls
+    assert all(hasattr(package, name) for name in package.__all__)
+    # the old module path keeps every public name, with a deprecation warning
+    new = importlib.import_module("dmlkit.losses.pair_weighting_losses")
+    old = importlib.import_module("dmlkit.losses.ranking_losses")
+    for name in new.__all__:
+        with pytest.warns(DeprecationWarning, match="pair_weighting_losses"):
+            assert getattr(old, name) is getattr(new, name)
+    with pytest.raises(AttributeError):
+        old.no_such_name  # noqa: B018
+
+
+def test_losses_and_miners_share_one_helper_module():
+    from dmlkit import miners
+    from dmlkit.losses import _pairs
+
+    assert miners.label_masks is _pairs.label_masks
+    labels = torch.tensor([0, 1, 0])
+    pos, neg = _pairs.label_masks(labels)
+    assert pos.tolist() == [[False, False, True], [False, False, False], [True, False, False]]
+    assert (neg == (labels[:, None] != labels[None, :])).all()
+    pos, _ = _pairs.label_masks(labels, labels.clone(), exclude_self=True)
+    assert not pos.diagonal().any()
