@@ -6,6 +6,7 @@ stay importable from here, with a ``DeprecationWarning``).
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import platform
@@ -183,3 +184,9 @@ def __getattr__(name: str) -> Any:
     warnings.warn(f"dmlkit.utils.{name} moved to {_MOVED[name]}.{name}; import it from there",
                   DeprecationWarning, stacklevel=2)
     return getattr(embeddings, name)
+
+
+def sha256_file(path: str | os.PathLike) -> str:
+    """Hex SHA-256 of a file's bytes, read in chunks (:func:`hashlib.file_digest`)."""
+    with open(path, "rb") as fh:
+        return hashlib.file_digest(fh, "sha256").hexdigest()

@@ -24,7 +24,6 @@ carries give the literature's split (:func:`dmlkit.data.default_split`).
 from __future__ import annotations
 
 import csv as _csv
-import hashlib
 import io
 import os
 import re
@@ -38,7 +37,7 @@ import numpy as np
 
 from dmlkit.data.base import ArrayDataset, ImageFileDataset, MetricDataset
 from dmlkit.exceptions import ConfigError, DataError, DataNotFoundError
-from dmlkit.utils import data_root
+from dmlkit.utils import data_root, sha256_file
 
 __all__ = ["DATASETS", "IMAGE_EXTENSIONS", "load_dataset", "register_dataset", "verify_sha256"]
 
@@ -90,17 +89,9 @@ def _find_dir(root: Path, folder_names: Sequence[str], marker: str) -> Path | No
     return None
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for chunk in iter(lambda: fh.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 def verify_sha256(path: Path, expected: str) -> None:
     """Raise :class:`DataError` if the SHA-256 of ``path`` is not ``expected``."""
-    got = _sha256(path)
+    got = sha256_file(path)
     if got != expected.lower():
         raise DataError(
             f"checksum mismatch for {path}: SHA-256 {got}, expected {expected}. The file is "

@@ -25,7 +25,6 @@ one-line :class:`~dmlkit.exceptions.CheckpointError` and never loaded.
 
 from __future__ import annotations
 
-import hashlib
 import os
 import re
 from collections.abc import Callable, Sequence
@@ -44,6 +43,7 @@ from dmlkit.exceptions import (
     require,
 )
 from dmlkit.models.bn_inception import BN_INCEPTION_SHA256, BN_INCEPTION_URL, BNInception
+from dmlkit.utils import sha256_file
 
 __all__ = [
     "TRUNKS",
@@ -138,16 +138,8 @@ def published_sha256_prefix(url: str) -> str | None:
     return m.group(1) if m else None
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for chunk in iter(lambda: fh.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 def _check_sha256(path: Path, expected: str, url: str) -> None:
-    digest = _sha256(path)
+    digest = sha256_file(path)
     if not digest.startswith(expected):
         what = "SHA-256" if len(expected) == 64 else f"SHA-256 prefix {expected}"
         raise CheckpointError(
