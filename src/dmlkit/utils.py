@@ -85,6 +85,9 @@ def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> Path:
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
         with os.fdopen(fd, "wb") as fh:
+            # mkstemp creates 0600; a result file gets the mode open() would give it (0666
+            # less the umask), so teammates and a results web server can read runs
+            os.fchmod(fh.fileno(), 0o666 & ~_current_umask())
             fh.write(data)
             fh.flush()
             os.fsync(fh.fileno())
@@ -100,7 +103,29 @@ def atomic_write_text(path: str | os.PathLike, text: str) -> Path:
 
 
 def atomic_write_json(path: str | os.PathLike, obj: Any, indent: int = 2) -> Path:
-    return atomic_write_text(path, json.dumps(obj, indent=indent, sort_keys=False, default=_json_default) + "\n")
+    """Strict JSON (RFC 8259): a NaN or infinite number is written as ``null``, never as the
+    bare ``NaN``/``Infinity`` that other JSON readers refuse."""
+    text = json.dumps(_finite_or_none(obj), indent=indent, sort_keys=False, default=_json_default,
+                      allow_nan=False)
+    return atomic_write_text(path, text + "\n")
+
+
+def _finite_or_none(obj: Any) -> Any:
+    if isinstance(obj, float | np.floating):
+        return float(obj) if np.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: _finite_or_none(v) for k, v in obj.items()}
+    if isinstance(obj, list | tuple):
+        return [_finite_or_none(v) for v in obj]
+    if isinstance(obj, np.ndarray) and obj.dtype.kind == "f":
+        return [_finite_or_none(v) for v in obj.tolist()]
+    return obj
+
+
+def _current_umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
 
 
 def atomic_torch_save(obj: Any, path: str | os.PathLike) -> Path:
