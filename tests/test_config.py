@@ -126,3 +126,18 @@ def test_training_package_reexports_without_warnings():
         from dmlkit.training import ExperimentConfig as X2
         from dmlkit.training import embed_split, load_config  # noqa: F401
     assert E2 is EvaluationConfig and X2 is ExperimentConfig
+
+
+@pytest.mark.parametrize("name", ["../../x", "/abs/path", "a/b", "..", "~me", "a\\b"])
+def test_a_run_name_is_a_name_not_a_path(name):
+    from dmlkit.config import config_from_dict
+    from dmlkit.exceptions import ConfigError
+    from dmlkit.protocol.config import bench_config_from_dict
+
+    with pytest.raises(ConfigError, match="must be a plain name.*--run-dir"):
+        config_from_dict({"name": name, "data": {"dataset": "omniglot"}, "loss": {"name": "triplet"}})
+    with pytest.raises(ConfigError, match="must be a plain name"):
+        bench_config_from_dict({"name": name, "fixed": {"data": {"dataset": "omniglot"}},
+                                "methods": [{"name": "t", "loss": {"name": "triplet"}}]})
+    assert config_from_dict({"name": "my-run_2", "data": {"dataset": "omniglot"},
+                             "loss": {"name": "triplet"}}).name == "my-run_2"

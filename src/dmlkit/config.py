@@ -41,6 +41,7 @@ from dmlkit.exceptions import ConfigError
 from dmlkit.utils import atomic_write_text
 
 __all__ = [
+    "check_run_name",
     "FIXED_SECTIONS",
     "LEGACY_KEYS",
     "OPTIMIZER_PRESETS",
@@ -291,12 +292,25 @@ def move_legacy_keys(data: Any) -> Any:
     return data
 
 
+def check_run_name(name: str) -> str:
+    """A run or bench ``name`` is a name, never a path: it becomes one folder under ``runs/``
+    (``--run-dir``/``-o`` choose any other location)."""
+    if (not name.strip() or name in (".", "..") or name.startswith("~")
+            or any(sep in name for sep in ("/", "\\", "\0"))):
+        raise ValueError(f"name {name!r} must be a plain name (no '/', '\\', '..' or '~'): it names "
+                         "the folder under runs/; choose another location with --run-dir (train) "
+                         "or -o (bench)")
+    return name
+
+
 class ExperimentConfig(_Section):
     """A complete, validated training experiment."""
 
     name: str = "experiment"
     seed: int = 0
     data: DataConfig
+
+    _check_name = field_validator("name")(classmethod(lambda cls, v: check_run_name(v)))
     model: ModelConfig = Field(default_factory=ModelConfig)
     loss: LossConfig
     miner: MinerConfig | None = None

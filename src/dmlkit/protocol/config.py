@@ -46,6 +46,7 @@ from dmlkit.config import (
     SamplerConfig,
     TrainingConfig,
     apply_dict_overrides,
+    check_run_name,
     config_from_dict,
     format_validation_error,
     move_legacy_keys,
@@ -274,6 +275,8 @@ class BenchConfig(_Strict):
     fixed: FixedSettings
     protocol: ProtocolConfig = Field(default_factory=ProtocolConfig)
     methods: list[MethodConfig] = Field(min_length=1)
+
+    _check_name = field_validator("name")(classmethod(lambda cls, v: check_run_name(v)))
 
     @model_validator(mode="before")
     @classmethod
