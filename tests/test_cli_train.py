@@ -177,3 +177,24 @@ def test_train_from_python_writes_the_same_run_directory_as_the_cli(tmp_path, ca
     with np.load(tmp_path / "cli" / "embeddings" / "test.npz") as a, np.load(tmp_path / "py" / "embeddings" / "test.npz") as b:
         np.testing.assert_array_equal(a["embeddings"], b["embeddings"])
         np.testing.assert_array_equal(a["indices"], b["indices"])
+
+
+def test_a_refused_train_leaves_the_existing_run_untouched(tmp_path, data_root, capsys):
+    """Training into a directory that holds a run, without --resume, is refused before any file
+    of the run is written (split.json used to be overwritten first, so it no longer matched
+    best.pt)."""
+    config = _write_config(tmp_path, epochs=1)
+    run = tmp_path / "run"
+    code, _ = _run_main(capsys, "train", str(config), "--run-dir", str(run), "--data-root", str(data_root),
+                        "--quiet", "--set", "sampler.batches_per_epoch=2")
+    assert code == 0
+    before = {p: (p.stat().st_mtime_ns, p.read_bytes()) for p in run.rglob("*") if p.is_file()}
+    changed = yaml.safe_load(config.read_text())
+    changed["seed"] = 7
+    changed["data"]["split"] = {"kind": "default", "val_fraction": 0.1}  # would write another split
+    config.write_text(yaml.safe_dump(changed))
+    code, err = _run_main(capsys, "train", str(config), "--run-dir", str(run), "--data-root", str(data_root),
+                          "--quiet")
+    assert code == 2 and "already holds a run" in err and "--resume" in err
+    after = {p: (p.stat().st_mtime_ns, p.read_bytes()) for p in run.rglob("*") if p.is_file()}
+    assert after == before
