@@ -284,3 +284,32 @@ def test_tensorboard_mirrors_the_log(tmp_path):
     assert {"train/loss", "val/map_at_r"} <= set(events.Tags()["scalars"])
     assert events.Scalars("val/map_at_r")[0].value == pytest.approx(0.25)
     assert (tmp_path / "log.jsonl").read_text().count("\n") == 2
+
+
+def test_a_checkpoint_with_bit_rot_is_refused_and_orphan_temporaries_are_swept(tmp_path):
+    import torch
+
+    from dmlkit.exceptions import CheckpointError
+    from dmlkit.training.checkpoint import read_checkpoint, save_checkpoint, sweep_orphan_temporaries
+
+    state = {"model": {"w": torch.arange(1000, dtype=torch.float32), "b": torch.ones(3, dtype=torch.bfloat16)},
+             "step": 7, "rng": torch.ByteTensor(list(range(256)))}
+    path = save_checkpoint(state, tmp_path / "checkpoints" / "last.pt")
+    loaded = read_checkpoint(path)
+    assert loaded["step"] == 7 and torch.equal(loaded["model"]["w"], state["model"]["w"])
+    assert "digest" not in loaded
+    # flip one bit inside the stored float tensor: the zip still opens, the digest catches it
+    raw = bytearray(path.read_bytes())
+    needle = torch.arange(1000, dtype=torch.float32).numpy().tobytes()[400:416]
+    at = bytes(raw).index(needle)
+    raw[at + 3] ^= 0x01
+    path.write_bytes(bytes(raw))
+    with pytest.raises(CheckpointError, match="corrupt"):
+        read_checkpoint(path)
+    # a kill during an atomic write leaves .NAME.XXXX.tmp files; resume sweeps them
+    orphan = tmp_path / "checkpoints" / ".last.pt.abc123.tmp"
+    orphan.write_bytes(b"partial")
+    kept = tmp_path / "checkpoints" / "notes.txt"
+    kept.write_text("mine")
+    assert sweep_orphan_temporaries(tmp_path) == [orphan]
+    assert not orphan.exists() and kept.exists()

@@ -20,6 +20,7 @@ strings, lists, tuples and dicts only). Keys::
 
 from __future__ import annotations
 
+import hashlib
 import os
 import random
 from pathlib import Path
@@ -132,9 +133,52 @@ def _python_state_to_lists(state: tuple) -> list:
     return [version, list(internal), gauss]
 
 
+def content_digest(obj: Any) -> str:
+    """SHA-256 over a checkpoint's content: every tensor's dtype, shape and bytes and every other
+    value's ``repr``, dict keys in sorted order. Stored in the checkpoint (``"digest"``) and
+    recomputed on load, so bit rot or a damaged copy is refused instead of loaded silently."""
+    h = hashlib.sha256()
+
+    def walk(x: Any) -> None:
+        if isinstance(x, torch.Tensor):
+            t = x.detach().cpu().contiguous()
+            h.update(f"T{t.dtype}{tuple(t.shape)}".encode())
+            h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+        elif isinstance(x, dict):
+            h.update(b"{")
+            for k in sorted(x, key=repr):
+                h.update(repr(k).encode())
+                walk(x[k])
+            h.update(b"}")
+        elif isinstance(x, (list, tuple)):
+            h.update(b"[")
+            for v in x:
+                walk(v)
+            h.update(b"]")
+        else:
+            h.update(repr(x).encode())
+
+    walk(obj)
+    return h.hexdigest()
+
+
+def sweep_orphan_temporaries(run_dir: str | os.PathLike) -> list[Path]:
+    """Delete the temporary files an atomic write leaves when killed mid-write (``.NAME.*.tmp``
+    beside the target) in a run directory and its ``checkpoints/``; returns what was removed."""
+    removed = []
+    for folder in (Path(run_dir), Path(run_dir) / "checkpoints", Path(run_dir) / "embeddings"):
+        if folder.is_dir():
+            for tmp in folder.glob(".*.tmp"):
+                tmp.unlink(missing_ok=True)
+                removed.append(tmp)
+    return removed
+
+
 def save_checkpoint(payload: dict[str, Any], path: str | os.PathLike) -> Path:
-    """Write a checkpoint atomically (never a half-written file, even if killed)."""
+    """Write a checkpoint atomically (never a half-written file, even if killed), with the
+    :func:`content_digest` that :func:`read_checkpoint` verifies."""
     payload = {"format": CHECKPOINT_FORMAT, **payload}
+    payload["digest"] = content_digest(payload)
     try:
         return atomic_torch_save(payload, path)
     except OSError as exc:
@@ -170,6 +214,11 @@ def read_checkpoint(path: str | os.PathLike, map_location: str | torch.device = 
         ) from None
     if not isinstance(payload, dict) or payload.get("format") != CHECKPOINT_FORMAT:
         raise CheckpointError(f"{path} is not a dmlkit checkpoint (format {CHECKPOINT_FORMAT!r} expected)")
+    stored = payload.pop("digest", None)  # checkpoints written before digests load unchecked
+    if stored is not None and stored != content_digest(payload):
+        raise CheckpointError(f"{path} is corrupt: its content does not match the digest stored when it "
+                              "was written (bit rot or a damaged copy); resume from another checkpoint "
+                              "or retrain")
     trunk_file = payload.get("trunk_file")
     if trunk_file and "model" in payload:
         # frozen-trunk runs store the (fixed) trunk once, beside the checkpoints

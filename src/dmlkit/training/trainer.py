@@ -51,6 +51,7 @@ from dmlkit.training.checkpoint import (
     find_checkpoint,
     load_checkpoint,
     read_checkpoint,
+    sweep_orphan_temporaries,
 )
 from dmlkit.training.loop import Trainer, TrainState, scalar_metrics
 from dmlkit.utils import atomic_write_json, provenance, seed_everything
@@ -113,6 +114,7 @@ def open_run_dir(run_dir: Path, config: ExperimentConfig, resume: bool) -> dict[
     last_path = run_dir / "checkpoints" / "last.pt"
     payload: dict[str, Any] | None = None
     if resume:
+        sweep_orphan_temporaries(run_dir)  # left by a kill during an atomic write
         if not last_path.exists():
             raise CheckpointError(f"nothing to resume: {last_path} does not exist; run without --resume to start")
         payload = read_checkpoint(last_path)
