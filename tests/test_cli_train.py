@@ -198,3 +198,25 @@ def test_a_refused_train_leaves_the_existing_run_untouched(tmp_path, data_root, 
     assert code == 2 and "already holds a run" in err and "--resume" in err
     after = {p: (p.stat().st_mtime_ns, p.read_bytes()) for p in run.rglob("*") if p.is_file()}
     assert after == before
+
+
+def test_every_run_has_a_step_0_baseline(tmp_path, data_root, capsys):
+    config = _write_config(tmp_path, epochs=1)
+    run = tmp_path / "run"
+    code, text = _run_main(capsys, "train", str(config), "--run-dir", str(run), "--data-root", str(data_root),
+                           "--set", "sampler.batches_per_epoch=2")
+    assert code == 0, text
+    metrics = json.loads((run / "metrics.json").read_text())
+    assert set(metrics["baseline"]) == {"val", "test"}
+    assert json.loads((run / "baseline.json").read_text()) == metrics["baseline"]
+    assert 0 <= metrics["baseline"]["test"]["map_at_r"] <= 1
+    assert "step 0 (untrained)" in text
+
+
+def test_the_baseline_warning_names_the_split_and_the_numbers():
+    from dmlkit.training.trainer import baseline_warnings
+
+    base = {"val": {"map_at_r": 0.39}, "test": {"map_at_r": 0.39}}
+    lines = baseline_warnings(base, {"val": {"map_at_r": 0.45}, "test": {"map_at_r": 0.358}})
+    assert len(lines) == 1 and "on test: MAP@R 35.80 after training vs 39.00 at step 0" in lines[0]
+    assert baseline_warnings(base, {"val": {"map_at_r": 0.4}, "test": None}) == []

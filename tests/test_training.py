@@ -290,7 +290,11 @@ def test_a_checkpoint_with_bit_rot_is_refused_and_orphan_temporaries_are_swept(t
     import torch
 
     from dmlkit.exceptions import CheckpointError
-    from dmlkit.training.checkpoint import read_checkpoint, save_checkpoint, sweep_orphan_temporaries
+    from dmlkit.training.checkpoint import (
+        read_checkpoint,
+        save_checkpoint,
+        sweep_orphan_temporaries,
+    )
 
     state = {"model": {"w": torch.arange(1000, dtype=torch.float32), "b": torch.ones(3, dtype=torch.bfloat16)},
              "step": 7, "rng": torch.ByteTensor(list(range(256)))}

@@ -68,7 +68,9 @@ def register(app: typer.Typer) -> None:
         cfg = load_config(config, list(set_ or []))
         out_dir = run_dir if run_dir is not None else Path("runs") / cfg.name
         result = train(cfg, out_dir, resume=resume, progress=not quiet, data_root=data_root)
-        rows = {"val (best)": result.val_metrics or None, "test": result.test_metrics}
+        rows = {"val (best)": result.val_metrics or None, "test": result.test_metrics,
+                "val, step 0 (untrained)": result.baseline.get("val"),
+                "test, step 0 (untrained)": result.baseline.get("test")}
         Console().print(_metrics_table(f"{cfg.name}: best step {result.best_step} "
                                        f"({result.stop_reason}, {result.train_seconds:.0f} s)", rows))
         if result.test_metrics:

@@ -287,6 +287,9 @@ def _run_sections(run_dir: Path, fig_dir: Path, options: ReportOptions) -> tuple
         m = metrics.get(split) or {}
         if m:
             rows.append([split] + [_fmt(m.get(k)) for k in _MAIN_METRICS])
+        base = (metrics.get("baseline") or {}).get(split) or {}
+        if base:  # the number training had to beat
+            rows.append([f"{split}, step 0 (untrained)"] + [_fmt(base.get(k)) for k in _MAIN_METRICS])
     results_html = [table_html(["split", "P@1 (%)", "R-Precision (%)", "MAP@R (%)"], rows)] if rows else []
     if not rows:
         notes.append("metrics.json has no results yet (the run may still be going or was interrupted).")

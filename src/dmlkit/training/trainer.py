@@ -15,13 +15,16 @@ checkpoints and resume checks in :mod:`dmlkit.training.checkpoint` and inference
 
 from __future__ import annotations
 
+import json
 import logging
+import random
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+import torch
 
 from dmlkit.config import ExperimentConfig, config_from_dict, dump_config
 from dmlkit.embeddings import (
@@ -94,6 +97,8 @@ class TrainResult:
     stop_reason: str = "epochs"
     train_seconds: float = 0.0
     extra: dict[str, Any] = field(default_factory=dict)
+    #: metrics of the model at step 0 (untrained / pretrained-only), per split
+    baseline: dict[str, dict[str, float]] = field(default_factory=dict)
 
     @classmethod
     def from_state(cls, trainer: Trainer, state: TrainState) -> TrainResult:
@@ -129,6 +134,42 @@ def open_run_dir(run_dir: Path, config: ExperimentConfig, resume: bool) -> dict[
     if payload is None or not (run_dir / "provenance.json").exists():
         atomic_write_json(run_dir / "provenance.json", provenance(config.seed, extra={"run_dir": str(run_dir)}))
     return payload
+
+
+def evaluate_baseline(trainer: Trainer, val_set, test_set) -> dict[str, dict[str, float]]:
+    """The model as it starts (untrained, or pretrained trunk + fresh head) on validation and
+    test: the number training has to beat. Computed at step 0 without touching any random
+    state, so training is the same with or without it; written to ``baseline.json``."""
+    config = trainer.config
+    rng = (random.getstate(), np.random.get_state(), torch.get_rng_state(),
+           torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None)
+    out: dict[str, dict[str, float]] = {}
+    try:
+        for split, dataset in (("val", val_set), ("test", test_set)):
+            if dataset is None or len(np.unique(np.asarray(dataset.labels))) < 2:
+                continue
+            emb, lab = embed_model(trainer.model, dataset, trainer.options, progress=False)
+            out[split] = scalar_metrics(evaluate(emb, lab, metrics=list(config.training.eval_metrics),
+                                                 **config.evaluation.metric_options()))
+    finally:
+        random.setstate(rng[0])
+        np.random.set_state(rng[1])
+        torch.set_rng_state(rng[2])
+        if rng[3] is not None:
+            torch.cuda.set_rng_state_all(rng[3])
+    return out
+
+
+def baseline_warnings(baseline: dict[str, dict[str, float]], trained: dict[str, dict[str, float] | None]) -> list[str]:
+    """One line per split where the trained model's MAP@R is not above the step-0 model's."""
+    lines = []
+    for split, base in baseline.items():
+        now = trained.get(split) or {}
+        if "map_at_r" in base and "map_at_r" in now and now["map_at_r"] <= base["map_at_r"]:
+            lines.append(f"training did not beat the untrained model on {split}: MAP@R "
+                         f"{100 * now['map_at_r']:.2f} after training vs {100 * base['map_at_r']:.2f} "
+                         "at step 0; check the learning rate, the loss settings and the data")
+    return lines
 
 
 def evaluate_test_set(trainer: Trainer, test_set) -> dict[str, float]:
@@ -197,8 +238,13 @@ def train(
         if np.intersect1d(test_set.labels, seen).size:
             warnings.warn("test classes overlap the training/validation classes: the test "
                           "metrics are not those of unseen classes", stacklevel=2)
+    baseline_path = run_dir / "baseline.json"
     if payload is not None:
         trainer.restore(payload)
+        baseline = json.loads(baseline_path.read_text()) if baseline_path.exists() else {}
+    else:  # step 0: the number to beat (untrained or pretrained-only), before any update
+        baseline = evaluate_baseline(trainer, trainer_val_set(trainer, val_set), test_set)
+        atomic_write_json(baseline_path, baseline)
     state = trainer.fit()
 
     result = TrainResult.from_state(trainer, state)
@@ -206,8 +252,16 @@ def train(
                                    "val": result.val_metrics}
     if test_set is not None:
         result.test_metrics = metrics_out["test"] = evaluate_test_set(trainer, test_set)
+    metrics_out["baseline"] = result.baseline = baseline
+    for line in baseline_warnings(baseline, {"val": result.val_metrics, "test": result.test_metrics}):
+        warnings.warn(line, stacklevel=2)
     atomic_write_json(run_dir / "metrics.json", metrics_out)
     return result
+
+
+def trainer_val_set(trainer: Trainer, val_set):
+    """The validation set the trainer really uses (``None`` when it has no validation classes)."""
+    return val_set if trainer.val_input is not None else None
 
 
 def embed_run(
