@@ -141,3 +141,24 @@ def test_a_run_name_is_a_name_not_a_path(name):
                                 "methods": [{"name": "t", "loss": {"name": "triplet"}}]})
     assert config_from_dict({"name": "my-run_2", "data": {"dataset": "omniglot"},
                              "loss": {"name": "triplet"}}).name == "my-run_2"
+
+
+@pytest.mark.parametrize("kind", ["latin1", "directory", "yaml"])
+def test_an_unreadable_config_is_one_clear_line(tmp_path, kind, capsys):
+    from dmlkit.cli import main
+
+    if kind == "latin1":
+        path = tmp_path / "c.yaml"
+        path.write_bytes("name: caf\xe9\ndata: {dataset: omniglot}\n".encode("latin-1"))
+    elif kind == "directory":
+        path = tmp_path / "configs"
+        path.mkdir()
+    else:
+        path = tmp_path / "c.yaml"
+        path.write_text("data: [unclosed\n")
+    for command in (["train", str(path)], ["bench", str(path)]):
+        with pytest.raises(SystemExit) as info:
+            main(command)
+        err = capsys.readouterr().err
+        assert info.value.code == 2 and "Traceback" not in err, err
+        assert len([line for line in err.splitlines() if line.strip()]) == 1, err

@@ -430,10 +430,17 @@ def read_yaml_mapping(path: str | os.PathLike, holds: str, examples: str) -> dic
     path = Path(path)
     if not path.exists():
         raise ConfigError(f"config file not found: {path} (see {examples})")
+    if path.is_dir():
+        raise ConfigError(f"{path} is a directory: pass a YAML config file (see {examples})")
     try:
         data = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{path} is not UTF-8 text (byte {exc.start}): save the config as UTF-8 "
+                          f"YAML (see {examples})") from None
+    except OSError as exc:
+        raise ConfigError(f"cannot read {path}: {exc.strerror or exc}") from None
     except yaml.YAMLError as exc:
-        raise ConfigError(f"{path} is not valid YAML: {exc}") from None
+        raise ConfigError(f"{path} is not valid YAML: {' '.join(str(exc).split())}") from None
     if not isinstance(data, dict):
         raise ConfigError(f"{path} must hold a mapping of {holds}")
     return data
