@@ -21,6 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from dmlkit.exceptions import ConfigError
 from dmlkit.losses.base import LOSSES, BaseLoss, get_loss, register_loss
 
 __all__ = ["CombinedLoss"]
@@ -55,7 +56,7 @@ class CombinedLoss(BaseLoss):
                  losses: Sequence[Mapping[str, Any]] = ()) -> None:
         super().__init__()
         if not losses:
-            raise ValueError("combined loss needs a non-empty 'losses' list of {name, params, weight}")
+            raise ConfigError("combined loss needs a non-empty 'losses' list of {name, params, weight}")
         self.num_classes = int(num_classes)
         self.embedding_size = int(embedding_size)
         self.terms = nn.ModuleList()
@@ -67,11 +68,11 @@ class CombinedLoss(BaseLoss):
             spec = dict(spec)
             unknown = set(spec) - _KEYS
             if unknown or "name" not in spec:
-                raise ValueError(f"each combined term needs 'name' and may have {sorted(_KEYS)}; "
+                raise ConfigError(f"each combined term needs 'name' and may have {sorted(_KEYS)}; "
                                  f"got {sorted(spec)}")
             name = str(spec["name"])
             if name == "combined" or name not in LOSSES:
-                raise ValueError(f"combined term {name!r} is not a registered loss: "
+                raise ConfigError(f"combined term {name!r} is not a registered loss: "
                                  f"{sorted(set(LOSSES) - {'combined'})}")
             params = dict(spec.get("params") or {})
             if getattr(LOSSES[name], "requires_num_classes", False):
@@ -79,7 +80,7 @@ class CombinedLoss(BaseLoss):
             self.terms.append(get_loss(name, **params))
             weight = float(spec.get("weight", 1.0))
             if weight < 0:
-                raise ValueError(f"combined term {name!r}: weight must be >= 0, got {weight}")
+                raise ConfigError(f"combined term {name!r}: weight must be >= 0, got {weight}")
             self.weights.append(weight)
             self.use_indices.append(bool(spec.get("use_indices", True))
                                     and getattr(LOSSES[name], "accepts_indices", False))
