@@ -30,11 +30,8 @@ rebuilt) and save/load.
 
 from __future__ import annotations
 
-import io
-import json
 import math
 import os
-import shutil
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -43,23 +40,19 @@ from typing import Any
 
 import numpy as np
 
-from dmlkit import __version__
+from dmlkit.apps.index_files import item_ids, load_index, save_index
 from dmlkit.distances import get_distance
 from dmlkit.exceptions import (
     ConfigError,
     DataError,
-    DataNotFoundError,
     DependencyError,
     ShapeError,
     require,
 )
-from dmlkit.utils import atomic_write_bytes
 from dmlkit.validation import check_embeddings
 
 __all__ = ["INDEX_KINDS", "EmbeddingIndex", "SearchResult", "item_ids", "recall_at_k"]
 
-_FORMAT_V1 = "dmlkit-index-v1"
-_FORMAT = "dmlkit-index-v2"
 INDEX_KINDS = ("flat", "ivf_flat", "ivf_pq", "hnsw")
 _RERANK_FACTORS = (1, 2, 4, 8, 16)
 _SMALL_EXACT = 2**22  # exact search of Q x M <= this many scores: one matmul, no tiling
@@ -758,13 +751,7 @@ class EmbeddingIndex:
                        "target": target_recall, "met": met, "tried": tried, "stale": False}
         return self.recall
 
-    # -- persistence ---------------------------------------------------------------------------
-    def _meta(self) -> dict[str, Any]:
-        return {"format": _FORMAT, "kind": self.kind, "distance": self.distance, "normalize": self.normalize,
-                "dim": self.dim,
-                "count": len(self), "params": self.params, "recall": self.recall, "info": self.info,
-                "next_key": self._next_key, "dmlkit_version": __version__}
-
+    # -- persistence (apps/index_files.py) -------------------------------------------------------
     def _faiss_bytes(self) -> np.ndarray | None:
         if self._faiss_index is None:
             return None
@@ -778,124 +765,13 @@ class EmbeddingIndex:
         return 0 if blob is None else int(blob.nbytes)
 
     def save(self, path: str | os.PathLike) -> Path:
-        """Write the index: a directory, or one ``.npz`` file when ``path`` ends in ``.npz``.
-
-        The directory holds ``index.json`` (kind, distance, settings, measured recall, info),
-        ``vectors.npy``, ``keys.npy``, ``ids.npy``, ``labels.npy``, ``metadata.jsonl`` and
-        ``faiss.index``; it is written beside the target and renamed into place.
-        """
-        path = Path(path)
-        arrays: dict[str, np.ndarray] = {"vectors": self.embeddings, "keys": self._keys, "ids": self.ids}
-        if self.labels is not None:
-            arrays["labels"] = self.labels
-        blob = self._faiss_bytes()
-        meta_lines = None
-        if self.metadata is not None:
-            meta_lines = "\n".join(json.dumps(m) for m in self.metadata)
-        if path.suffix == ".npz":
-            extra: dict[str, Any] = {"meta": np.array(json.dumps(self._meta()))}
-            if blob is not None:
-                extra["faiss"] = blob
-            if meta_lines is not None:
-                extra["metadata"] = np.array(meta_lines)
-            buffer = io.BytesIO()
-            np.savez(buffer, **arrays, **extra)
-            return atomic_write_bytes(path, buffer.getvalue())
-        if path.exists() and not (path / "index.json").exists() and any(path.iterdir()):
-            raise DataError(f"{path} exists and is not a dmlkit index directory: choose another path")
-        tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-        for name, arr in arrays.items():
-            np.save(tmp / f"{name}.npy", arr, allow_pickle=False)
-        if blob is not None:
-            (tmp / "faiss.index").write_bytes(blob.tobytes())
-        if meta_lines is not None:
-            (tmp / "metadata.jsonl").write_text(meta_lines + "\n")
-        (tmp / "index.json").write_text(json.dumps(self._meta(), indent=2))
-        old = path.with_name(f".{path.name}.old-{os.getpid()}")
-        if path.exists():
-            path.rename(old)
-        tmp.rename(path)
-        shutil.rmtree(old, ignore_errors=True)
-        return path
+        """Write the index (a directory, or one ``.npz``): :func:`dmlkit.apps.index_files.save_index`."""
+        return save_index(self, path)
 
     @classmethod
     def load(cls, path: str | os.PathLike, *, mmap: bool = False) -> EmbeddingIndex:
-        """Read an index written by :meth:`save` (directory or ``.npz``; v1 files too).
-
-        ``mmap=True`` memory-maps the vectors of a directory index instead of reading them.
-        """
-        path = Path(path)
-        if not path.exists():
-            raise DataNotFoundError(f"index not found: {path} (build one with `dmlkit index`)")
-        if path.is_dir():
-            meta_file = path / "index.json"
-            if not meta_file.exists():
-                raise DataError(f"{path} is not a dmlkit index directory (no index.json): build one with `dmlkit index`")
-            meta = json.loads(meta_file.read_text())
-
-            def arr(name: str) -> np.ndarray | None:
-                f = path / f"{name}.npy"
-                if not f.exists():
-                    return None
-                return np.load(f, allow_pickle=False, mmap_mode="r" if mmap and name == "vectors" else None)
-
-            data = {n: arr(n) for n in ("vectors", "keys", "ids", "labels")}
-            mfile = path / "metadata.jsonl"
-            metadata = [json.loads(line) for line in mfile.read_text().splitlines()] if mfile.exists() else None
-            ffile = path / "faiss.index"
-            blob = np.fromfile(ffile, dtype=np.uint8) if ffile.exists() else None
-        else:
-            try:
-                npz = np.load(path, allow_pickle=False)
-            except (OSError, ValueError) as exc:
-                raise DataError(f"{path} is not a dmlkit index: {exc}") from exc
-            with npz as z:
-                if "meta" not in z:
-                    raise DataError(f"{path} is not a dmlkit index (build one with `dmlkit index`)")
-                meta = json.loads(str(z["meta"]))
-                if meta.get("format") == _FORMAT_V1:
-                    return cls(z["embeddings"], z["labels"] if "labels" in z else None,
-                               z["ids"] if "ids" in z else None, distance=meta["distance"])
-                data = {n: z[n] if n in z else None for n in ("vectors", "keys", "ids", "labels")}
-                metadata = ([json.loads(line) for line in str(z["metadata"]).splitlines()]
-                            if "metadata" in z else None)
-                blob = z["faiss"] if "faiss" in z else None
-        if meta.get("format") != _FORMAT:
-            raise DataError(f"{path}: unknown index format {meta.get('format')!r}; rebuild it with `dmlkit index`")
-        return cls._from_parts(meta, data, metadata, blob, path)
-
-    @classmethod
-    def _from_parts(cls, meta: dict[str, Any], data: dict[str, Any], metadata: Any, blob: Any,
-                    path: Path) -> EmbeddingIndex:
-        p = dict(meta["params"])
-        self = cls(None, distance=meta["distance"], kind=meta["kind"], dim=int(meta["dim"]),
-                   info=meta.get("info"), normalize=bool(meta.get("normalize", True)), **{k: p[k] for k in ("pq_nbits", "hnsw_m", "ef_construction",
-                                                                 "rerank", "ef_search", "gpu", "seed")})
-        self.params.update(p)
-        vectors, keys, ids = data["vectors"], data["keys"], data["ids"]
-        if vectors is None or keys is None or ids is None:
-            raise DataError(f"{path} is incomplete (vectors, keys and ids are needed): rebuild it")
-        n = vectors.shape[0]
-        if keys.shape != (n,) or ids.shape != (n,) or (data["labels"] is not None and data["labels"].shape != (n,)):
-            raise DataError(f"{path} is corrupt: vectors, keys, ids and labels disagree in length")
-        if metadata is not None and len(metadata) != n:
-            raise DataError(f"{path} is corrupt: {len(metadata)} metadata lines for {n} items")
-        self.embeddings, self._keys, self.ids = vectors, np.asarray(keys, dtype=np.int64), ids.astype(str)
-        self.labels = None if data["labels"] is None else np.asarray(data["labels"], dtype=np.int64)
-        self.metadata = metadata
-        self._next_key = int(meta["next_key"])
-        self.recall = meta.get("recall")
-        if blob is not None:
-            faiss = _faiss()
-            index = faiss.deserialize_index(np.ascontiguousarray(blob, dtype=np.uint8))
-            if index.ntotal != n:
-                raise DataError(f"{path} is corrupt: the faiss index holds {index.ntotal} vectors, not {n}")
-            self._faiss_index = self._maybe_gpu(index)
-        elif self.kind != "flat":
-            raise DataError(f"{path} is a {self.kind} index without its faiss.index file: rebuild it")
-        return self
+        """Read an index written by :meth:`save`: :func:`dmlkit.apps.index_files.load_index`."""
+        return load_index(cls, path, mmap=mmap)
 
 
 def _drop_self(found: np.ndarray, rows: np.ndarray, k: int) -> np.ndarray:
@@ -904,47 +780,3 @@ def _drop_self(found: np.ndarray, rows: np.ndarray, k: int) -> np.ndarray:
     order = np.argsort(is_self, axis=1, kind="stable")[:, :k]
     out = np.take_along_axis(found, order, axis=1)
     return np.where(np.take_along_axis(is_self, order, axis=1), -1, out)
-
-
-def item_ids(path: str | os.PathLike, extra: dict[str, np.ndarray], data_root: str | os.PathLike | None = None
-             ) -> tuple[np.ndarray | None, dict[str, Any]]:
-    """Identifiers of the rows of an embeddings file, and facts for the index's ``info``.
-
-    In order: the file's ``paths`` or ``ids`` array; for ``RUN_DIR/embeddings/<split>.npz``
-    written by ``dmlkit train`` (which stores the dataset rows as ``indices``), the items' file
-    paths from the run's dataset, relative to the data root (stable across machines); else the
-    ``indices`` as strings; else ``None`` (row numbers).
-    """
-    facts: dict[str, Any] = {}
-    for key in ("paths", "ids"):
-        if key in extra:
-            return np.asarray(extra[key]).astype(str), facts
-    if "indices" not in extra:
-        return None, facts
-    rows = np.asarray(extra["indices"], dtype=np.int64)
-    run_dir = Path(path).resolve().parent.parent
-    if (run_dir / "config.yaml").exists():
-        from dmlkit.data import load_dataset  # lazy: only for a run's embeddings (datasets, torch)
-        from dmlkit.training import load_config  # lazy: only for a run's embeddings
-        from dmlkit.utils import data_root as resolve_root
-
-        config = load_config(run_dir / "config.yaml")
-        root = resolve_root(data_root if data_root is not None else config.data.root)
-        facts["run_dir"] = str(run_dir)
-        try:
-            dataset = load_dataset(config.data.dataset, root=root, **config.data.options)
-        except DataNotFoundError:
-            return rows.astype(str), facts  # data not here: stable row ids still work
-        paths = dataset.paths
-        if paths is not None:
-            storage_rows = np.asarray(getattr(dataset, "_rows", np.arange(len(dataset))))
-            where = np.searchsorted(storage_rows, rows)
-            if np.all(where < len(storage_rows)) and np.all(storage_rows[np.minimum(where, len(storage_rows) - 1)] == rows):
-                all_paths = np.asarray(paths, dtype=object)[where]
-                root_s = os.fspath(root)
-                facts["data_root"] = str(Path(root_s).resolve())
-                facts["dataset"] = config.data.dataset
-                rel = [os.path.relpath(p, root_s) if os.path.abspath(p).startswith(os.path.abspath(root_s) + os.sep)
-                       else p for p in all_paths]
-                return np.asarray(rel).astype(str), facts
-    return rows.astype(str), facts
