@@ -16,6 +16,12 @@ from dmlkit.data.datasets import (
 )
 from dmlkit.data.pairs import load_lfw  # registers the lfw loader
 from dmlkit.data.reid import REID_DATASETS, ReidDataset  # registers the re-id loaders
+from dmlkit.data.retrieval_benchmarks import (  # registers them
+    load_cars196,
+    load_cub200,
+    load_inshop,
+    load_sop,
+)
 from dmlkit.data.splits import (
     ClassSplit,
     default_split,
@@ -31,7 +37,11 @@ __all__ = [
     "IMAGENET_STD",
     "IMAGE_EXTENSIONS",
     "ArrayDataset",
+    "load_cars196",
+    "load_cub200",
+    "load_inshop",
     "load_lfw",
+    "load_sop",
     "ClassSplit",
     "ImageFileDataset",
     "MetricDataset",
