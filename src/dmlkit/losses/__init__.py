@@ -10,8 +10,9 @@ here by class name. The modules:
   margin, circle;
 * :mod:`~dmlkit.losses.triplet_losses` - triplet margin, angular, N-pairs, tuplet margin;
 * :mod:`~dmlkit.losses.pair_weighting_losses` - multi-similarity, NT-Xent, SupCon, SNR
-  contrastive, NCA, distance-based logistic, ranked list, coupled clusters (formerly
+  contrastive, NCA, distance-based logistic, coupled clusters (formerly
   ``ranking_losses``, still importable under that name with a deprecation warning);
+* :mod:`~dmlkit.losses.ranked_list` - the Ranked List loss;
 * :mod:`~dmlkit.losses.fastap`, :mod:`~dmlkit.losses.prototypical`;
 * :mod:`~dmlkit.losses.classification_losses` - softmax, normalised softmax, SphereFace,
   CosFace, ArcFace; :mod:`~dmlkit.losses.proxy_losses` - ProxyNCA, ProxyAnchor, SoftTriple;
@@ -47,12 +48,12 @@ from dmlkit.losses.pair_weighting_losses import (
     MultiSimilarityLoss,
     NCALoss,
     NTXentLoss,
-    RankedListLoss,
     SNRContrastiveLoss,
     SupConLoss,
 )
 from dmlkit.losses.prototypical import PrototypicalLoss
 from dmlkit.losses.proxy_losses import ProxyAnchorLoss, ProxyNCALoss, SoftTripleLoss
+from dmlkit.losses.ranked_list import RankedListLoss
 from dmlkit.losses.triplet_losses import (
     AngularLoss,
     NPairsLoss,
