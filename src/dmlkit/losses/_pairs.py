@@ -281,6 +281,15 @@ def masked_logsumexp(
     return out if keepdim else out.squeeze(dim)
 
 
+def class_codes(labels: torch.Tensor, ref_labels: torch.Tensor
+                ) -> tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(K, cls_q, cls_r, counts)``: anchors' and references' labels coded ``0..K-1`` over the
+    classes either side holds, and the number of references of each class."""
+    classes, inverse = torch.unique(torch.cat([labels, ref_labels]), return_inverse=True)
+    cls_q, cls_r = inverse[: len(labels)], inverse[len(labels) :]
+    return len(classes), cls_q, cls_r, torch.bincount(cls_r, minlength=len(classes))
+
+
 def class_columns(
     labels: torch.Tensor, ref_labels: torch.Tensor, same_set: bool
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -289,9 +298,7 @@ def class_columns(
 
     ``O(B x max class size)`` memory; the anchor's own column is invalid when ``same_set``.
     """
-    classes, inverse = torch.unique(torch.cat([labels, ref_labels]), return_inverse=True)
-    cls_q, cls_r = inverse[: len(labels)], inverse[len(labels) :]
-    counts = torch.bincount(cls_r, minlength=len(classes))
+    _, cls_q, cls_r, counts = class_codes(labels, ref_labels)
     order = torch.argsort(cls_r, stable=True)
     starts = torch.cumsum(counts, 0) - counts
     width = max(int(counts.max()), 1)

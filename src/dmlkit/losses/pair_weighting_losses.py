@@ -33,6 +33,7 @@ import torch.nn.functional as F
 from dmlkit.distances import BaseDistance, LpDistance, SNRDistance
 from dmlkit.exceptions import ConfigError
 from dmlkit.losses._pairs import (
+    class_codes,
     class_columns,
     masked_logsumexp,
     pair_masks,
@@ -224,9 +225,8 @@ class SupConLoss(_TemperatureLoss):
         diagonal), and the positives' logits are summed per class with ``index_add``."""
         same_set = ref_labels is None
         ref_labels = labels if same_set else ref_labels
-        classes, inverse = torch.unique(torch.cat([labels, ref_labels]), return_inverse=True)
-        cls_q, cls_r = inverse[: len(labels)], inverse[len(labels) :]
-        num_pos = torch.bincount(cls_r, minlength=len(classes))[cls_q] - int(same_set)
+        num_classes, cls_q, cls_r, counts = class_codes(labels, ref_labels)
+        num_pos = counts[cls_q] - int(same_set)
         has_pos = num_pos > 0
         if not bool(has_pos.any()):
             return self.zero_loss(embeddings)
@@ -239,7 +239,7 @@ class SupConLoss(_TemperatureLoss):
             no_self.fill_diagonal_(0.0)
         else:
             lse_all, no_self = torch.logsumexp(logits, 1), logits
-        per_class = logits.new_zeros(logits.shape[0], len(classes)).index_add(1, cls_r, no_self)
+        per_class = logits.new_zeros(logits.shape[0], num_classes).index_add(1, cls_r, no_self)
         npos = num_pos.to(logits.dtype)
         sum_pos = per_class.gather(1, cls_q.unsqueeze(1)).squeeze(1) - npos * lse_all
         return (-sum_pos[has_pos] / npos[has_pos]).mean()
@@ -416,9 +416,8 @@ class NCALoss(_PairMatrixLoss):
         the diagonal) is summed per reference class with ``index_add`` into ``(B, K)``."""
         same_set = ref_labels is None
         ref_labels = labels if same_set else ref_labels
-        classes, inverse = torch.unique(torch.cat([labels, ref_labels]), return_inverse=True)
-        cls_q, cls_r = inverse[: len(labels)], inverse[len(labels) :]
-        counts = torch.bincount(cls_r, minlength=len(classes))[cls_q] - int(same_set)
+        num_classes, cls_q, cls_r, counts = class_codes(labels, ref_labels)
+        counts = counts[cls_q] - int(same_set)
         has_pos = counts > 0
         if not bool(has_pos.any()):
             return self.zero_loss(embeddings)
@@ -427,7 +426,7 @@ class NCALoss(_PairMatrixLoss):
             logits = logits.clone()
             logits.fill_diagonal_(float("-inf"))
         prob = torch.softmax(logits, 1)  # p_ii = 0
-        per_class = prob.new_zeros(prob.shape[0], len(classes)).index_add(1, cls_r, prob)
+        per_class = prob.new_zeros(prob.shape[0], num_classes).index_add(1, cls_r, prob)
         p_i = per_class.gather(1, cls_q.unsqueeze(1)).squeeze(1)
         rows = has_pos.nonzero(as_tuple=True)[0]
         p_i = p_i[rows]
