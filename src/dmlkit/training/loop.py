@@ -330,14 +330,21 @@ class Trainer:
             record.update({f"miner_{k}": v for k, v in self.miner.stats.items()})
         self.run_log.log(record)
 
-    def validate(self) -> dict[str, float] | None:
-        """Validation metrics of the current model (``None`` without validation classes)."""
+    def val_metrics(self) -> dict[str, float] | None:
+        """Validation metrics of the current model, through the same inputs as training (cached
+        trunk features for a frozen trunk); ``None`` without validation classes. Logs nothing."""
         if self.val_input is None:
             return None
         emb, lab = embed(self.step_module, self.val_input, self.options.batch_size, self.device,
                          num_workers=self.num_workers, amp=self.use_amp)
-        metrics = scalar_metrics(evaluate(emb, lab, metrics=list(self.config.training.eval_metrics),
-                                          **self.config.evaluation.metric_options()))
+        return scalar_metrics(evaluate(emb, lab, metrics=list(self.config.training.eval_metrics),
+                                       **self.config.evaluation.metric_options()))
+
+    def validate(self) -> dict[str, float] | None:
+        """Validation metrics of the current model, logged as an ``eval`` event."""
+        metrics = self.val_metrics()
+        if metrics is None:
+            return None
         record = {"event": "eval", "epoch": self.state.epoch, "step": self.state.step, "split": "val",
                   **metrics, "time": round(self.state.elapsed, 3)}
         self.run_log.log(record)

@@ -136,7 +136,7 @@ def open_run_dir(run_dir: Path, config: ExperimentConfig, resume: bool) -> dict[
     return payload
 
 
-def evaluate_baseline(trainer: Trainer, val_set, test_set) -> dict[str, dict[str, float]]:
+def evaluate_baseline(trainer: Trainer, test_set) -> dict[str, dict[str, float]]:
     """The model as it starts (untrained, or pretrained trunk + fresh head) on validation and
     test: the number training has to beat. Computed at step 0 without touching any random
     state, so training is the same with or without it; written to ``baseline.json``."""
@@ -145,12 +145,13 @@ def evaluate_baseline(trainer: Trainer, val_set, test_set) -> dict[str, dict[str
            torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None)
     out: dict[str, dict[str, float]] = {}
     try:
-        for split, dataset in (("val", val_set), ("test", test_set)):
-            if dataset is None or len(np.unique(np.asarray(dataset.labels))) < 2:
-                continue
-            emb, lab = embed_model(trainer.model, dataset, trainer.options, progress=False)
-            out[split] = scalar_metrics(evaluate(emb, lab, metrics=list(config.training.eval_metrics),
-                                                 **config.evaluation.metric_options()))
+        val = trainer.val_metrics()  # the validation path training uses (cached features)
+        if val is not None:
+            out["val"] = val
+        if test_set is not None and len(np.unique(np.asarray(test_set.labels))) >= 2:
+            emb, lab = embed_model(trainer.model, test_set, trainer.options, progress=False)
+            out["test"] = scalar_metrics(evaluate(emb, lab, metrics=list(config.training.eval_metrics),
+                                                  **config.evaluation.metric_options()))
     finally:
         random.setstate(rng[0])
         np.random.set_state(rng[1])
@@ -243,7 +244,7 @@ def train(
         trainer.restore(payload)
         baseline = json.loads(baseline_path.read_text()) if baseline_path.exists() else {}
     else:  # step 0: the number to beat (untrained or pretrained-only), before any update
-        baseline = evaluate_baseline(trainer, trainer_val_set(trainer, val_set), test_set)
+        baseline = evaluate_baseline(trainer, test_set)
         atomic_write_json(baseline_path, baseline)
     state = trainer.fit()
 
@@ -258,10 +259,6 @@ def train(
     atomic_write_json(run_dir / "metrics.json", metrics_out)
     return result
 
-
-def trainer_val_set(trainer: Trainer, val_set):
-    """The validation set the trainer really uses (``None`` when it has no validation classes)."""
-    return val_set if trainer.val_input is not None else None
 
 
 def embed_run(
