@@ -35,8 +35,8 @@ from torch.utils.data import DataLoader, Dataset
 
 from dmlkit.config import DEFAULT_EVAL_BATCH_SIZE, ExperimentConfig
 from dmlkit.data.base import ArrayDataset, MetricDataset
-from dmlkit.exceptions import ConfigError, DataError, DataNotFoundError, NonFiniteError, ShapeError
-from dmlkit.models.trunks import load_failure_reason
+from dmlkit.embedding_files import read_embedding_file
+from dmlkit.exceptions import ConfigError, NonFiniteError, ShapeError
 from dmlkit.utils import atomic_write_bytes
 from dmlkit.validation import check_labels
 
@@ -327,45 +327,7 @@ def load_embeddings(
     (``.npy``/``.txt``/``.csv``, one integer label per row).
     """
     path = Path(path)
-    if not path.exists():
-        raise DataNotFoundError(f"embeddings file not found: {path}")
-    extra: dict[str, np.ndarray] = {}
-    suffix = path.suffix.lower()
-    labels: np.ndarray | None = None
-    try:
-        if suffix == ".npz":
-            with np.load(path, allow_pickle=False) as data:
-                if "embeddings" not in data:
-                    raise DataError(f"{path} has no 'embeddings' array (keys: {sorted(data.files)})")
-                emb = data["embeddings"]
-                labels = data["labels"] if "labels" in data else None
-                extra = {k: data[k] for k in data.files if k not in ("embeddings", "labels")}
-        elif suffix == ".npy":
-            emb = np.load(path, allow_pickle=False)
-        elif suffix in (".pt", ".pth"):
-            try:
-                obj = torch.load(path, map_location="cpu", weights_only=True)
-            except Exception as exc:  # unpickling refused, truncated zip, not a torch file
-                raise DataError(f"cannot read embeddings from {path}: {load_failure_reason(exc)}") from None
-            if isinstance(obj, dict):
-                if "embeddings" not in obj:
-                    raise DataError(f"{path} holds a dict without 'embeddings' (keys: {sorted(obj)})")
-                emb, labels = _to_numpy(obj["embeddings"]), obj.get("labels")
-            elif isinstance(obj, (tuple, list)) and len(obj) == 2:
-                emb, labels = _to_numpy(obj[0]), obj[1]
-            else:
-                emb = _to_numpy(obj)
-            labels = None if labels is None else _to_numpy(labels)
-        else:
-            raise DataError(f"unsupported embeddings file {path}: use .npz, .npy or .pt")
-    except (OSError, ValueError, EOFError) as exc:  # zip errors are ValueError/OSError subclasses
-        raise DataError(f"cannot read embeddings from {path}: {' '.join(str(exc).split())[:200]}") from None
-    if labels_path is not None:
-        labels = _load_labels(Path(labels_path))
-    if labels is None:
-        raise DataError(
-            f"{path} has no labels: save an .npz with 'embeddings' and 'labels', or pass a labels file"
-        )
+    emb, labels, extra = read_embedding_file(path, labels_path)
     emb = np.asarray(emb)
     if emb.ndim != 2:
         raise ShapeError(f"embeddings in {path} must be 2-D (N, D), got shape {emb.shape}")
@@ -377,39 +339,8 @@ def load_embeddings(
     return emb.astype(np.float32, copy=False), labels, extra
 
 
-def _load_labels(path: Path) -> np.ndarray:
-    if not path.exists():
-        raise DataNotFoundError(f"labels file not found: {path}")
-    try:
-        if path.suffix.lower() == ".npy":
-            return np.load(path, allow_pickle=False)
-        rows = [line.strip() for line in path.read_text(encoding="utf-8").splitlines()]
-    except (OSError, ValueError) as exc:  # UnicodeDecodeError is a ValueError
-        raise DataError(f"cannot read labels from {path}: {' '.join(str(exc).split())[:200]}") from None
-    values = [r.split(",")[0].strip() for r in rows if r and not r.startswith("#")]
-    try:
-        return np.asarray([int(v) for v in values], dtype=np.int64)
-    except ValueError:
-        pass
-    for line, v in enumerate(values, start=1):
-        try:
-            float(v)
-            int(v)
-            continue  # an integer among names
-        except ValueError:
-            if not _is_number(v):
-                continue  # a class name
-        raise DataError(f"{path}: label {v!r} (value {line}) is a number but not an integer; "
-                        "labels are integer class ids or class names, one per line")
-    return np.asarray(values)  # class names
 
 
-def _is_number(text: str) -> bool:
-    try:
-        float(text)
-    except ValueError:
-        return False
-    return True
 
 
 def _to_numpy(x: Any) -> np.ndarray:

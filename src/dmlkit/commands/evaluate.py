@@ -10,82 +10,6 @@ import typer
 _COUNTS = ("num_queries", "num_queries_without_positive")
 
 
-def _read_labels_file(path: Path):
-    """Labels from ``.npy`` or a text file with one label per line (``.txt`` / ``.csv``):
-    integers stay integers, other text is kept as class-name strings; ``dmlkit.validation``
-    decides what is acceptable."""
-    import numpy as np
-
-    from dmlkit.exceptions import DataError, DataNotFoundError
-
-    if not path.exists():
-        raise DataNotFoundError(f"labels file not found: {path}")
-    if path.suffix.lower() == ".npy":
-        try:
-            return np.load(path, allow_pickle=False)
-        except (OSError, ValueError) as exc:
-            raise DataError(f"cannot read labels from {path}: {exc}") from None
-    try:
-        lines = [line.strip() for line in path.read_text(encoding="utf-8").splitlines()]
-    except (OSError, UnicodeDecodeError) as exc:
-        raise DataError(f"cannot read labels from {path}: {exc}") from None
-    while lines and not lines[-1]:
-        lines.pop()
-    for cast in (int, float):
-        try:
-            return np.asarray([cast(v) for v in lines])
-        except ValueError:
-            continue
-    return np.asarray(lines, dtype=str)
-
-
-def _read_set(path: Path, labels_path: Path | None):
-    """``(embeddings, labels)`` of a ``.npz`` / ``.pt`` (``embeddings`` + ``labels``) or ``.npy``
-    file, *as stored*: labels are not cast here (float labels must not be truncated, string
-    labels keep their names); :func:`dmlkit.metrics.evaluate` validates both through
-    :mod:`dmlkit.validation`. Only numpy is imported for ``.npz`` / ``.npy`` files."""
-    import numpy as np
-
-    from dmlkit.exceptions import DataError, DataNotFoundError
-
-    if not path.exists():
-        raise DataNotFoundError(f"embeddings file not found: {path}")
-    suffix = path.suffix.lower()
-    labels = None
-    try:
-        if suffix == ".npz":
-            with np.load(path, allow_pickle=False) as data:
-                if "embeddings" not in data.files:
-                    raise DataError(f"{path} has no 'embeddings' array (keys: {sorted(data.files)})")
-                emb = data["embeddings"]
-                labels = data["labels"] if "labels" in data.files else None
-        elif suffix == ".npy":
-            emb = np.load(path, allow_pickle=False)
-        elif suffix in (".pt", ".pth"):
-            import torch
-
-            obj = torch.load(path, map_location="cpu", weights_only=True)
-            if isinstance(obj, dict):
-                if "embeddings" not in obj:
-                    raise DataError(f"{path} holds a dict without 'embeddings' (keys: {sorted(obj)})")
-                emb, labels = obj["embeddings"], obj.get("labels")
-            elif isinstance(obj, tuple | list) and len(obj) == 2:
-                emb, labels = obj
-            else:
-                emb = obj
-        else:
-            raise DataError(f"unsupported embeddings file {path}: use .npz, .npy or .pt")
-    except (OSError, ValueError, RuntimeError) as exc:
-        raise DataError(f"cannot read embeddings from {path}: {exc}") from None
-    if labels_path is not None:
-        labels = _read_labels_file(labels_path)
-    if labels is None:
-        raise DataError(
-            f"{path} has no labels: save an .npz with 'embeddings' and 'labels', or pass --labels"
-        )
-    return emb, labels
-
-
 def register(app: typer.Typer) -> None:
     @app.command("evaluate")
     def evaluate_command(
@@ -104,6 +28,7 @@ def register(app: typer.Typer) -> None:
         as_json: bool = typer.Option(False, "--json", help="Print JSON instead of a table."),
     ) -> None:
         """Evaluate embeddings: P@1, Recall@K, R-Precision, MAP@R, NMI/AMI/F1, pos/neg JS divergence."""
+        from dmlkit.embedding_files import read_embedding_file
         from dmlkit.exceptions import ConfigError
         from dmlkit.metrics import evaluate, per_class
         from dmlkit.utils import atomic_write_json
@@ -112,10 +37,10 @@ def register(app: typer.Typer) -> None:
             k_values = [int(v) for v in k.split(",") if v.strip()]
         except ValueError:
             raise ConfigError(f"--k must be comma-separated integers, got {k!r}") from None
-        q, ql = _read_set(embeddings, labels)
+        q, ql, _ = read_embedding_file(embeddings, labels)
         r = rl = None
         if reference is not None:
-            r, rl = _read_set(reference, reference_labels)
+            r, rl, _ = read_embedding_file(reference, reference_labels)
         elif reference_labels is not None:
             raise ConfigError("--reference-labels needs --reference")
         kwargs = dict(distance=distance, k_values=k_values, backend=backend,

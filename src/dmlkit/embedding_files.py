@@ -1,0 +1,118 @@
+"""Read embedding files as stored: ``(embeddings, labels, extra)`` from ``.npz``, ``.npy`` or
+``.pt``, and labels files. The one reader behind :func:`dmlkit.embeddings.load_embeddings` and
+``dmlkit evaluate``; it imports only numpy for ``.npz``/``.npy`` (torch for ``.pt`` only), so a
+small evaluation stays small. Labels are returned as stored, never cast: whether they are
+usable is :mod:`dmlkit.validation`'s decision."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from dmlkit.exceptions import DataError, DataNotFoundError
+
+__all__ = ["read_embedding_file", "read_labels_file"]
+
+
+def read_embedding_file(path: str | os.PathLike, labels_path: str | os.PathLike | None = None
+                        ) -> tuple[np.ndarray, np.ndarray, dict[str, np.ndarray]]:
+    """``(embeddings, labels, extra arrays)`` as stored; ``labels_path`` (``.npy``/``.txt``/
+    ``.csv``) replaces the file's labels. Every unreadable file is one :class:`DataError`."""
+    path = Path(path)
+    if not path.exists():
+        raise DataNotFoundError(f"embeddings file not found: {path}")
+    suffix = path.suffix.lower()
+    labels: Any = None
+    extra: dict[str, np.ndarray] = {}
+    try:
+        if suffix == ".npz":
+            with np.load(path, allow_pickle=False) as data:
+                if "embeddings" not in data.files:
+                    raise DataError(f"{path} has no 'embeddings' array (keys: {sorted(data.files)})")
+                emb = data["embeddings"]
+                labels = data["labels"] if "labels" in data.files else None
+                extra = {k: data[k] for k in data.files if k not in ("embeddings", "labels")}
+        elif suffix == ".npy":
+            emb = np.load(path, allow_pickle=False)
+        elif suffix in (".pt", ".pth"):
+            emb, labels = _read_torch_file(path)
+        else:
+            raise DataError(f"unsupported embeddings file {path}: use .npz, .npy or .pt")
+    except (OSError, ValueError, EOFError) as exc:  # zip errors are ValueError/OSError subclasses
+        raise DataError(f"cannot read embeddings from {path}: {' '.join(str(exc).split())[:200]}") from None
+    if labels_path is not None:
+        labels = read_labels_file(Path(labels_path))
+    if labels is None:
+        raise DataError(f"{path} has no labels: save an .npz with 'embeddings' and 'labels', or pass a labels file")
+    return np.asarray(emb), np.asarray(labels), extra
+
+
+def _read_torch_file(path: Path) -> tuple[np.ndarray, Any]:
+    import torch  # a .pt file needs torch; .npz/.npy files never load it
+
+    from dmlkit.models.trunks import load_failure_reason  # lazy: torch-only error wording
+
+    try:
+        obj = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as exc:  # unpickling refused, truncated zip, not a torch file
+        raise DataError(f"cannot read embeddings from {path}: {load_failure_reason(exc)}") from None
+    labels = None
+    if isinstance(obj, dict):
+        if "embeddings" not in obj:
+            raise DataError(f"{path} holds a dict without 'embeddings' (keys: {sorted(obj)})")
+        emb, labels = obj["embeddings"], obj.get("labels")
+    elif isinstance(obj, tuple | list) and len(obj) == 2:
+        emb, labels = obj
+    else:
+        emb = obj
+
+    def to_numpy(x: Any) -> np.ndarray:
+        if isinstance(x, torch.Tensor):
+            x = x.detach().cpu()
+            return (x.float() if x.dtype.is_floating_point and x.dtype != torch.float32 else x).numpy()
+        return np.asarray(x)
+
+    return to_numpy(emb), None if labels is None else to_numpy(labels)
+
+
+def read_labels_file(path: Path) -> np.ndarray:
+    """Labels from ``.npy`` or a text file with one label per line (``.txt``; ``.csv``: the first
+    column): integers stay integers, a number that is not an integer is refused, other text
+    is kept as class-name strings."""
+    if not path.exists():
+        raise DataNotFoundError(f"labels file not found: {path}")
+    try:
+        if path.suffix.lower() == ".npy":
+            return np.load(path, allow_pickle=False)
+        rows = [line.strip() for line in path.read_text(encoding="utf-8").splitlines()]
+    except (OSError, ValueError) as exc:  # UnicodeDecodeError is a ValueError
+        raise DataError(f"cannot read labels from {path}: {' '.join(str(exc).split())[:200]}") from None
+    values = [r.split(",")[0].strip() for r in rows if r and not r.startswith("#")]
+    try:
+        return np.asarray([int(v) for v in values], dtype=np.int64)
+    except ValueError:
+        pass
+    for number, v in enumerate(values, start=1):
+        if _is_number(v) and not _is_int(v):
+            raise DataError(f"{path}: label {v!r} (value {number}) is a number but not an integer; "
+                            "labels are integer class ids or class names, one per line")
+    return np.asarray(values)  # class names
+
+
+def _is_number(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
+
+
+def _is_int(text: str) -> bool:
+    try:
+        int(text)
+    except ValueError:
+        return False
+    return True
