@@ -106,14 +106,34 @@ def _faiss_direct(idx, kind: str):
     return search
 
 
-def bench_kind(kind: str, x: np.ndarray, queries: np.ndarray, exact: np.ndarray, args) -> dict:
+def _set_threads(n: int) -> None:
+    import faiss
+    import torch
+    from threadpoolctl import threadpool_limits
+
+    faiss.omp_set_num_threads(n)
+    torch.set_num_threads(n)
+    threadpool_limits(n)  # numpy's BLAS too (stays set for the process)
+
+
+def bench_kind(kind: str, x: np.ndarray, queries: np.ndarray, exact: np.ndarray, args):
+    """``(figures, index)`` of one index kind: build (add, then tuning), recall, latency, QPS."""
     from dmlkit.apps import EmbeddingIndex
     from dmlkit.apps.index import recall_at_k
 
+    _set_threads(args.build_threads)
+    idx = EmbeddingIndex(None, dim=x.shape[1], kind=kind, recall_queries=args.recall_queries,
+                         nlist=args.nlist if kind.startswith("ivf") else None)
     t0 = time.perf_counter()
-    idx = EmbeddingIndex(x, kind=kind, recall_queries=args.recall_queries,
-                         target_recall=None if kind == "flat" else args.target_recall)
-    build = time.perf_counter() - t0
+    idx.add(x)  # the same path as EmbeddingIndex(x, ...): add (IVF: train first), then tune
+    add_s = time.perf_counter() - t0
+    tune_s = 0.0
+    if kind != "flat":
+        t0 = time.perf_counter()
+        idx.tune(args.target_recall, k=10, num_queries=args.recall_queries)
+        tune_s = time.perf_counter() - t0
+    build = add_s + tune_s
+    _set_threads(args.threads)
     tuned = {} if kind == "flat" else {k: v for k, v in idx.recall.items() if k not in ("tried",)}
     ours = lambda q: idx.search(q, 10)  # noqa: E731
     direct = _faiss_direct(idx, kind)
@@ -133,16 +153,85 @@ def bench_kind(kind: str, x: np.ndarray, queries: np.ndarray, exact: np.ndarray,
                       "p99_ms": float(np.percentile(lat[j], 99)), "qps_batch": qps[j]}
     rows["median_ratio"] = float(np.median(lat[0] / lat[1]))
     return {
-        "kind": kind, "n": len(x), "d": x.shape[1], "build_s": build, "tuned": tuned,
+        "kind": kind, "n": len(x), "d": x.shape[1], "build_s": build, "add_s": add_s, "tune_s": tune_s,
+        "tuned": tuned, "tried": [] if kind == "flat" else idx.recall["tried"],
         "settings": {k: v for k, v in idx.params.items() if v is not None},
         "faiss_bytes": idx.index_bytes(), "vector_bytes": int(idx.embeddings.nbytes),
         "dmlkit": rows["dmlkit"], "faiss": rows["faiss"],
         "overhead_p50": rows["median_ratio"] - 1,  # median over queries of dmlkit/faiss time
         "overhead_batch": rows["faiss"]["qps_batch"] / rows["dmlkit"]["qps_batch"] - 1,
-    }
+        "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+    }, idx
 
 
-def bench_service(x: np.ndarray, queries: np.ndarray, args) -> dict:
+def bench_bookkeeping(x: np.ndarray) -> float:
+    """Seconds of dmlkit's own work in ``add`` (validation, ids, keys) on a flat index: no faiss."""
+    from dmlkit.apps import EmbeddingIndex
+
+    t0 = time.perf_counter()
+    EmbeddingIndex(None, dim=x.shape[1]).add(x)
+    return time.perf_counter() - t0
+
+
+OVERHEAD_SETTINGS = {"flat": {}, "ivf_flat": {"nprobe": 16}, "ivf_pq": {"nprobe": 16, "rerank": 4},
+                     "hnsw": {"ef_search": 64}}
+
+
+def bench_overhead(kind: str, x: np.ndarray, queries: np.ndarray, count: int) -> dict:
+    """dmlkit's fixed cost per single query at small, fixed settings, and where it goes (µs, medians).
+
+    ``search`` vs faiss direct interleaved query by query (median of the per-query difference),
+    then each step of ``search`` timed alone over the same queries: input check, query
+    normalisation, the faiss call, keys to rows, the rest of ``_ann`` (IVF-PQ: re-ranking) and
+    the result packaging (``search`` minus ``_ann`` minus the input check).
+    """
+    from dmlkit.apps import EmbeddingIndex
+    from dmlkit.apps.index_exact import to_numpy_embeddings
+
+    idx = EmbeddingIndex(x, kind=kind, recall_queries=50, **OVERHEAD_SETTINGS[kind])
+    ours = lambda q: idx.search(q, 10)  # noqa: E731
+    direct = _faiss_direct(idx, kind)
+    one = [np.ascontiguousarray(queries[i:i + 1]) for i in range(min(count, len(queries)))]
+    for q in one[:20]:
+        ours(q)
+        direct(q)
+    lat = _interleaved_latencies([ours, direct], np.concatenate(one), len(one))
+    out = {"kind": kind, "n": len(x), "settings": OVERHEAD_SETTINGS[kind],
+           "dmlkit_us": float(np.median(lat[0]) * 1000), "faiss_us": float(np.median(lat[1]) * 1000),
+           "overhead_us": float(np.median(lat[0] - lat[1]) * 1000)}
+
+    def step(fn) -> float:
+        times = []
+        for q in one:
+            t0 = time.perf_counter_ns()
+            fn(q)
+            times.append(time.perf_counter_ns() - t0)
+        return float(np.median(times) / 1000)
+
+    if kind == "flat":
+        out["steps_us"] = {"input check": step(lambda q: to_numpy_embeddings(q, "q")),
+                           "exact search (faiss scan + float64 order)": step(lambda q: idx._exact(q, 10)),
+                           "search() total": step(ours)}
+        return out
+    setting = idx._setting()
+    k_search = 10 * int(setting.get("rerank", 1))
+    params = idx._search_params(setting)
+    prepared = [idx._prepare(q) for q in one]
+    keys = idx._faiss_index.search(prepared[0], k_search, params=params)[1]
+    it = iter(range(10**9))
+    faiss_s = step(lambda q: idx._faiss_index.search(prepared[next(it) % len(prepared)], k_search, params=params))
+    ann = step(lambda q: idx._ann(q, 10, setting))
+    check = step(lambda q: to_numpy_embeddings(q, "q"))
+    prep = step(idx._prepare)
+    rows = step(lambda q: idx._rows_of_keys(keys))
+    total = step(ours)
+    out["steps_us"] = {"input check": check, "normalise query": prep, "faiss search": faiss_s,
+                       "keys to rows": rows, "rest of _ann (IVF-PQ: re-ranking)": ann - prep - faiss_s - rows,
+                       "result packaging": total - ann - check, "search() total": total}
+    return out
+
+
+def bench_service(x: np.ndarray, queries: np.ndarray, args, idx=None) -> dict:
     from concurrent.futures import ThreadPoolExecutor
 
     import httpx
@@ -150,7 +239,8 @@ def bench_service(x: np.ndarray, queries: np.ndarray, args) -> dict:
     from dmlkit.apps import EmbeddingIndex
     from dmlkit.apps.service import ServiceConfig, create_app, start_background_server
 
-    idx = EmbeddingIndex(x, kind="hnsw", target_recall=args.target_recall, recall_queries=args.recall_queries)
+    if idx is None:
+        idx = EmbeddingIndex(x, kind="hnsw", target_recall=args.target_recall, recall_queries=args.recall_queries)
     app = create_app(ServiceConfig(index="(in memory)"), index=idx)
     server, thread, url = start_background_server(app)
     bodies = [queries[i % len(queries)].tolist() for i in range(args.service_requests)]
@@ -173,7 +263,8 @@ def bench_service(x: np.ndarray, queries: np.ndarray, args) -> dict:
     lat = np.asarray([t for t, _ in out]) * 1000
     return {"requests": len(out), "clients": args.service_clients, "ok": sum(s == 200 for _, s in out),
             "p50_ms": float(np.median(lat)), "p99_ms": float(np.percentile(lat, 99)),
-            "throughput_rps": len(out) / wall, "index": "hnsw", "n": len(x)}
+            "throughput_rps": len(out) / wall, "index": "hnsw", "n": len(x),
+            "setting": {"ef_search": idx.params["ef_search"]}}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -191,33 +282,51 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--service-clients", type=int, default=4)
     ap.add_argument("--threads", type=int, default=1,
                     help="faiss/torch threads (1: no OpenMP spin-waiting on a shared, busy machine)")
+    ap.add_argument("--nlist", type=int, default=None,
+                    help="IVF cells (default: dmlkit's 4 sqrt(N); fewer cells train faster)")
+    ap.add_argument("--build-threads", type=int, default=None,
+                    help="threads while building and tuning (default: --threads); timings always use --threads")
+    ap.add_argument("--overhead", action="store_true",
+                    help="only dmlkit's fixed cost per query and its breakdown, at small fixed settings")
     ap.add_argument("--out", type=Path, default=Path("bench_index.json"))
     args = ap.parse_args(argv)
+    args.build_threads = args.build_threads or args.threads
 
-    import faiss
-    import torch
-    from threadpoolctl import threadpool_limits
-
-    faiss.omp_set_num_threads(args.threads)
-    torch.set_num_threads(args.threads)
-    threadpool_limits(args.threads)  # numpy's BLAS too (stays set for the process)
     os.environ["NUMBA_NUM_THREADS"] = str(args.threads)
+    _set_threads(args.threads)
 
     from dmlkit.metrics import knn
+
+    if args.overhead:
+        x, queries = make_data(args.n, args.queries, args.d, args.sigma)
+        rows = [bench_overhead(kind, x, queries, args.single) for kind in args.kinds]
+        for r in rows:
+            steps = ", ".join(f"{k} {v:.1f}" for k, v in r["steps_us"].items())
+            print(f"{r['kind']:9} faiss {r['faiss_us']:8.1f} us  dmlkit {r['dmlkit_us']:8.1f} us  "
+                  f"overhead {r['overhead_us']:+7.1f} us | {steps}", flush=True)
+        args.out.write_text(json.dumps({"overhead": rows, "load": os.getloadavg()}, indent=2))
+        return 0
 
     t0 = time.perf_counter()
     x, queries = make_data(args.n, args.queries, args.d, args.sigma)
     exact = knn(queries, x, k=10, distance="cosine", exclude_self=False).indices.numpy()
     print(f"data N={args.n} d={args.d}, {args.queries} held-out queries; exact top-10 in "
           f"{time.perf_counter() - t0:.1f} s", flush=True)
-    results = {"n": args.n, "d": args.d, "threads": args.threads, "cpu": os.cpu_count(),
-               "load_before": os.getloadavg(), "kinds": []}
+    results = {"n": args.n, "d": args.d, "threads": args.threads, "build_threads": args.build_threads,
+               "cpu": os.cpu_count(), "load_before": os.getloadavg(), "kinds": [],
+               "bookkeeping_add_s": bench_bookkeeping(x)}
+    print(f"dmlkit's own work in add (validation, ids, keys; no faiss): {results['bookkeeping_add_s']:.1f} s")
     header = (f"{'kind':9} {'build s':>8} {'MiB':>7} {'setting':>22} {'recall':>7} "
               f"{'p50 ms':>7} {'p99 ms':>7} {'QPS':>8} | {'faiss p50':>9} {'faiss QPS':>9} {'ovh 1q':>8} {'ovh QPS':>8}")
     print(header)
+    hnsw = None
     for kind in args.kinds:
-        r = bench_kind(kind, x, queries, exact, args)
+        r, idx = bench_kind(kind, x, queries, exact, args)
+        r["load_after"] = os.getloadavg()
+        hnsw = idx if kind == "hnsw" else hnsw
+        del idx
         results["kinds"].append(r)
+        args.out.write_text(json.dumps(results, indent=2))  # partial results survive an interrupted run
         setting = ",".join(f"{k}={v}" for k, v in (r["tuned"].get("setting") or {}).items()) or "exact"
         mib = (r["faiss_bytes"] + r["vector_bytes"]) / 2**20
         print(f"{kind:9} {r['build_s']:8.1f} {mib:7.0f} {setting:>22} {r['dmlkit']['recall_at_10']:7.4f} "
@@ -225,7 +334,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{r['faiss']['p50_ms']:9.3f} {r['faiss']['qps_batch']:9.0f} {100 * r['overhead_p50']:7.1f}% "
               f"{100 * r['overhead_batch']:7.1f}%", flush=True)
     if args.service:
-        s = bench_service(x, queries, args)
+        s = bench_service(x, queries, args, hnsw)
         results["service"] = s
         print(f"service (hnsw, {s['clients']} clients, {s['requests']} requests): p50 {s['p50_ms']:.1f} ms, "
               f"p99 {s['p99_ms']:.1f} ms, {s['throughput_rps']:.0f} req/s, {s['ok']} OK")

@@ -22,20 +22,24 @@ near-ties (R-Precision off by one neighbour, 1e-6 at N = 10k). Both sides use 2 
 
 Two more suites (``--suite``), same protocol (subprocess per side, alternating, medians):
 
-* ``map`` - full-ranking MAP (``evaluate -m map``) against the peer's ``mean_average_precision``.
-  The peer's default ``k="max_bin_count"`` averages precision over the first max-R neighbours
-  only (a truncated AP, a different and cheaper number: no value check); ``--peer-map-k all``
-  makes it rank the whole reference set (the same definition; N^2 memory, small N only), and
-  then the values are checked.
+* ``map`` - full-ranking MAP (``evaluate -m map``) against the peer's ``mean_average_precision``
+  and, as a third side (``dmlkit-r``), dmlkit's own MAP@R path on the same data. The peer's
+  default ``k="max_bin_count"`` sums precision over the relevant items among the first max-R
+  neighbours and divides by R: with equal class sizes that is MAP@R, a truncated AP (a
+  different and cheaper number: no value check); ``--peer-map-k all`` makes it rank the whole
+  reference set (the same definition as dmlkit's ``map``; N^2 memory, small N only), and then
+  the values are checked. The suite also prints this machine's float32 ``torch.mm`` rate and
+  the time the symmetric N x N x d product alone would take at that rate.
 * ``clustering`` - NMI + AMI: dmlkit's mean over 3 seeded k-means restarts (k-means++ seeds,
   exact bfloat16-screened assignments) against the peer's one faiss k-means (``niter=20``) and
   scikit-learn's NMI/AMI. Different k-means runs give different clusterings: the values are
   printed with dmlkit's spread over its restarts, not checked.
 
-    python benchmarks/bench_metrics.py --suite map --n 50000 --classes n/50 --repeats 1
+    python benchmarks/bench_metrics.py --suite map --n 50000 --classes n/50 --repeats 3
     python benchmarks/bench_metrics.py --suite clustering --n 100000 --classes 2000 --repeats 1
 
-Prints one row per case (medians over repeats) and writes JSON with every measurement
+Prints one row per case (medians over repeats; wall-clock seconds and, less sensitive to a busy
+machine, the process's CPU seconds) and writes JSON with every measurement
 (``--out``). Exit status 1 if any checked metric differs by more than ``--tol`` (default 1e-6).
 """
 
@@ -43,6 +47,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import statistics
 import subprocess
@@ -87,13 +92,15 @@ def _worker(side: str, data: str, threads: int, peer_index: str = "ip", suite: s
     arrays = np.load(data)
     x, y = arrays["x"], arrays["y"]
     keys = SUITES[suite]
-    if side == "dmlkit":
+    if side == "dmlkit-r":  # dmlkit's MAP@R path on the same data (map suite)
+        keys = {"map_at_r": "map_at_r"}
+    if side in ("dmlkit", "dmlkit-r"):
         from dmlkit.metrics import evaluate
 
-        evaluate(x[:2000], y[:2000], metrics=list(keys))  # warm-up: loads the compiled kernels
-        t0 = time.perf_counter()
+        evaluate(x[:3000], y[:3000], metrics=list(keys))  # warm-up: loads the compiled kernels
+        t0, c0 = time.perf_counter(), time.process_time()
         res = evaluate(x, y, metrics=list(keys))
-        elapsed = time.perf_counter() - t0
+        elapsed, cpu = time.perf_counter() - t0, time.process_time() - c0
         values = {m: float(res[m]) for m in keys}
         values.update({f"{m}_std": float(res[f"{m}_std"]) for m in keys if f"{m}_std" in res})
     else:
@@ -107,13 +114,33 @@ def _worker(side: str, data: str, threads: int, peer_index: str = "ip", suite: s
         calc = AccuracyCalculator(include=tuple(keys.values()), k=k,
                                   device=torch.device("cpu"), knn_func=FaissKNN(index_init_fn=index))
         xt, yt = torch.from_numpy(x), torch.from_numpy(y)
-        calc.get_accuracy(xt[:2000], yt[:2000])  # warm-up, as on the dmlkit side
-        t0 = time.perf_counter()
+        calc.get_accuracy(xt[:3000], yt[:3000])  # warm-up, as on the dmlkit side
+        t0, c0 = time.perf_counter(), time.process_time()
         res = calc.get_accuracy(xt, yt)  # reference=None: ref_includes_query=True
-        elapsed = time.perf_counter() - t0
+        elapsed, cpu = time.perf_counter() - t0, time.process_time() - c0
         values = {m: float(res[k]) for m, k in keys.items()}
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
-    print(json.dumps({"side": side, "time_s": elapsed, "peak_bytes": peak, "metrics": values}))
+    print(json.dumps({"side": side, "time_s": elapsed, "cpu_s": cpu, "peak_bytes": peak,
+                      "metrics": values}))
+
+
+def matmul_rate(d: int, tile: int = 1024) -> float:
+    """GFLOP/s of a float32 ``(tile, d) x (d, tile)`` ``torch.mm`` on one thread, per CPU second
+    (best of 6; the tiles of dmlkit's kernels run one single-threaded product per worker thread;
+    CPU time, so that a busy machine's waiting is not counted)."""
+    import torch
+
+    torch.set_num_threads(1)
+    gen = torch.Generator().manual_seed(0)
+    a, b = torch.randn(tile, d, generator=gen), torch.randn(tile, d, generator=gen)
+    out = torch.empty(tile, tile)
+    best = math.inf
+    for _ in range(6):
+        t0 = time.thread_time()
+        for _ in range(10):
+            torch.mm(a, b.T, out=out)
+        best = min(best, (time.thread_time() - t0) / 10)
+    return 2 * tile * tile * d / best / 1e9
 
 
 def _run_side(side: str, data: Path, threads: int, timeout: int, peer_index: str, suite: str = "retrieval",
@@ -139,7 +166,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="class counts: an integer or n/<size> (classes of that size)")
     p.add_argument("--full", action="store_true", help="N in {10k, 50k, 100k}, d in {128, 512}")
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--sides", nargs="+", default=["dmlkit", "peer"], choices=["dmlkit", "peer"])
+    p.add_argument("--sides", nargs="+", default=None, choices=["dmlkit", "dmlkit-r", "peer"],
+                   help="default: dmlkit and peer (and dmlkit-r, dmlkit's MAP@R, for --suite map)")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--tol", type=float, default=1e-6)
     p.add_argument("--peer-index", choices=["ip", "l2"], default="ip",
@@ -150,7 +178,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="the peer's k for --suite map: its default (truncated AP) or the whole ranking")
     p.add_argument("--timeout", type=int, default=1800, help="seconds per subprocess")
     p.add_argument("--out", type=Path, default=None, help="write all measurements as JSON")
-    p.add_argument("--worker", choices=["dmlkit", "peer"], help=argparse.SUPPRESS)
+    p.add_argument("--worker", choices=["dmlkit", "dmlkit-r", "peer"], help=argparse.SUPPRESS)
     p.add_argument("--data", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.worker:
@@ -158,6 +186,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.full:
         args.n, args.d = [10_000, 50_000, 100_000], [128, 512]
+    if args.sides is None:
+        args.sides = ["dmlkit", "dmlkit-r", "peer"] if args.suite == "map" else ["dmlkit", "peer"]
     rows, failed = [], False
     metrics = tuple(SUITES[args.suite])
     checked = args.suite == "retrieval" or (args.suite == "map" and args.peer_map_k == "all")
@@ -168,6 +198,10 @@ def main(argv: list[str] | None = None) -> int:
           f"peer index {args.peer_index}; "
           f"{time.strftime('%Y-%m-%d %H:%M:%S')}; load average {os.getloadavg()[0]:.1f}")
     print(header)
+    rate = matmul_rate(args.d[0]) if args.suite == "map" else None
+    if rate is not None:
+        print(f"float32 torch.mm, 1024 x {args.d[0]} by {args.d[0]} x 1024: {rate:.0f} GFLOP/s per "
+              "CPU second (one thread)")
     with tempfile.TemporaryDirectory() as tmp:
         for n in args.n:
             for d in args.d:
@@ -185,6 +219,7 @@ def main(argv: list[str] | None = None) -> int:
                                                        args.peer_index, args.suite, args.peer_map_k))
                     row = {"n": n, "d": d, "classes": c, "runs": runs}
                     med = {s: {"time_s": statistics.median(r["time_s"] for r in rs),
+                               "cpu_s": statistics.median(r["cpu_s"] for r in rs),
                                "peak_bytes": statistics.median(r["peak_bytes"] for r in rs),
                                "metrics": rs[0]["metrics"]} for s, rs in runs.items()}
                     row["median"] = med
@@ -204,8 +239,18 @@ def main(argv: list[str] | None = None) -> int:
                         m = res["metrics"]
                         line += f" {side}: " + " / ".join(
                             f"{100 * m[k]:.2f}" + (f" ± {100 * m[k + '_std']:.2f}" if k + "_std" in m else "")
-                            for k in metrics)
+                            for k in m if not k.endswith("_std"))
                     print(line, flush=True)
+                    print("    CPU s: " + ", ".join(f"{side} {res['cpu_s']:.2f}" for side, res in med.items()))
+                    if "dmlkit" in med and "dmlkit-r" in med:
+                        a, r_ = med["dmlkit"], med["dmlkit-r"]
+                        print(f"    map / MAP@R (dmlkit): wall {a['time_s'] / r_['time_s']:.2f}x, "
+                              f"CPU {a['cpu_s'] / r_['cpu_s']:.2f}x", flush=True)
+                    if rate is not None:
+                        flop = n * (n + 1) / 2 * 2 * d  # the symmetric product: one triangle
+                        row["matmul_floor_cpu_s"] = flop / (rate * 1e9)
+                        print(f"    the symmetric N x N x d product alone at {rate:.0f} GFLOP/s: "
+                              f"{row['matmul_floor_cpu_s']:.2f} CPU s", flush=True)
                     rows.append(row)
                     data.unlink()
     if args.out:

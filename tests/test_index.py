@@ -16,9 +16,18 @@ from dmlkit.cli import app
 from dmlkit.embeddings import save_embeddings
 from dmlkit.exceptions import ConfigError, DataError, DataNotFoundError, ShapeError
 
-pytest.importorskip("faiss")
+faiss = pytest.importorskip("faiss")
 
 ANN = [k for k in INDEX_KINDS if k != "flat"]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_faiss_thread():
+    """Tiny indexes: OpenMP threads only spin-wait on a busy machine (same results either way)."""
+    before = faiss.omp_get_max_threads()
+    faiss.omp_set_num_threads(1)
+    yield
+    faiss.omp_set_num_threads(before)
 
 
 def _blobs(n=3000, d=16, centres=30, noise=0.6, seed=0):
@@ -258,3 +267,124 @@ def test_flat_search_equals_the_metrics_knn_with_ties_by_row(data, distance):
     np.testing.assert_allclose(res.scores, ref.values.numpy(), rtol=1e-5, atol=1e-5)
     dup = res.indices[:, :2]
     assert np.all(dup[:, 0] < dup[:, 1]) and np.all(dup[:, 1] - dup[:, 0] == 300)
+
+
+def _unit_rows(x):
+    return (x / np.linalg.norm(x, axis=1, keepdims=True)).astype(np.float32)
+
+
+@pytest.mark.parametrize(("distance", "normalize"),
+                         [("cosine", True), ("euclidean", True), ("dot", True), ("euclidean", False), ("dot", False)])
+def test_flat_faiss_scan_equals_the_metrics_knn_and_the_numpy_path(data, monkeypatch, distance, normalize):
+    """Unit-norm rows (and raw dot / euclidean) take faiss's brute-force scan; the neighbours, their
+    order (ties by row) and the scores are those of dmlkit.metrics.knn and of the numpy path."""
+    from dmlkit.apps import index_exact
+    from dmlkit.distances import get_distance
+    from dmlkit.metrics import knn
+
+    x, _ = data
+    x = _unit_rows(np.concatenate([x[:300], x[:50]]))  # rows 300..349 duplicate rows 0..49: exact ties
+    q = x[:40] + np.float32(0.05)
+    idx = EmbeddingIndex(x, distance=distance, normalize=normalize)
+    assert index_exact._scan_metric(idx.embeddings, distance, idx._unit, idx._row_norms()) is not None
+    res = idx.search(q, 10)
+    ref = knn(q, x, k=10, distance=get_distance(distance, normalize_embeddings=normalize), exclude_self=False)
+    np.testing.assert_array_equal(res.indices, ref.indices.numpy())
+    np.testing.assert_allclose(res.scores, ref.values.numpy(), rtol=1e-5, atol=1e-5)
+    dup = res.indices[:, :2]
+    assert np.all(dup[:, 1] - dup[:, 0] == 300)
+    monkeypatch.setattr(index_exact, "_faiss_or_none", lambda: None)  # the numpy path
+    again = EmbeddingIndex(x, distance=distance, normalize=normalize).search(q, 10)
+    np.testing.assert_array_equal(again.indices, res.indices)
+    np.testing.assert_allclose(again.scores, res.scores, rtol=1e-6, atol=1e-6)
+
+
+def test_flat_rows_off_unit_norm_are_not_scanned_by_inner_product(data):
+    """Cosine over rows of varied norms cannot rank by <q, x>: the numpy path (1/|x| factors) runs."""
+    from dmlkit.apps import index_exact
+
+    x, _ = data
+    x = _unit_rows(x[:400]) * np.linspace(0.5, 2.0, 400, dtype=np.float32)[:, None]
+    idx = EmbeddingIndex(x)
+    assert not idx._row_norms().unit_rows
+    assert index_exact._scan_metric(idx.embeddings, "cosine", True, idx._row_norms()) is None
+    q = x[:7] * np.float32(3.0) + np.float32(0.01)
+    res = idx.search(q, 5)
+    cos = (q / np.linalg.norm(q, axis=1, keepdims=True)) @ (x / np.linalg.norm(x, axis=1, keepdims=True)).T
+    np.testing.assert_array_equal(res.indices, np.argsort(-cos, axis=1, kind="stable")[:, :5])
+
+
+def test_many_queries_on_the_flat_scan_are_rescored_blockwise(data, monkeypatch):
+    """More queries than one re-scoring block give the same result as one query at a time."""
+    from dmlkit.apps import index_exact
+
+    x, _ = data
+    x = _unit_rows(x)
+    monkeypatch.setattr(index_exact, "RESCORE_BLOCK", 16)
+    idx = EmbeddingIndex(x)
+    q = x[:50] + np.float32(0.02)
+    both = idx.search(q, 3)
+    for i in (0, 17, 49):
+        np.testing.assert_array_equal(idx.search(q[i], 3).indices[0], both.indices[i])
+
+
+def test_normalize_rows_blocks_tiny_huge_and_zero_rows(monkeypatch):
+    from dmlkit.apps import index_exact
+
+    rng = np.random.default_rng(3)
+    x = rng.normal(size=(300, 8)).astype(np.float32)
+    x[0] = 0
+    x[1] *= np.float32(1e-42)  # subnormal: 1/|x| leaves float32's range
+    x[2] = np.float32(3e38) / 4
+    expect = x.astype(np.float64) / np.maximum(np.linalg.norm(x.astype(np.float64), axis=1, keepdims=True), 1e-320)
+    for block in (65536, 7):  # one block, and many
+        monkeypatch.setattr(index_exact, "NORMALIZE_BLOCK", block)
+        for rows in (slice(0, 3), slice(None)):  # the few-rows path and the blockwise one
+            out = index_exact.normalize_rows(x[rows])
+            assert out.dtype == np.float32 and np.all(np.isfinite(out))
+            np.testing.assert_allclose(out, expect[rows], rtol=1e-5, atol=1e-6)
+    assert not index_exact.normalize_rows(x[:1]).any()
+
+
+@pytest.mark.parametrize("distance", ["cosine", "euclidean", "dot"])
+def test_ivf_pq_reranking_is_the_same_with_and_without_faiss_gathering(data, monkeypatch, distance):
+    """IVF-PQ's exact re-ranking gathers <q, x> in faiss; the numpy gather gives the same scores."""
+    from dmlkit.apps import index_exact
+
+    x, _ = data
+    x = x[:800] * np.linspace(0.5, 2.0, 800, dtype=np.float32)[:, None]
+    idx = EmbeddingIndex(x, kind="ivf_pq", distance=distance, normalize=False, nlist=8, nprobe=8,
+                         rerank=4, recall_queries=20)
+    q = x[:9] + np.float32(0.01)
+    res = idx.search(q, 5)
+    calls = []
+    real = index_exact._gathered_dots
+    monkeypatch.setattr(index_exact, "_gathered_dots", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    monkeypatch.setattr(index_exact, "_faiss_or_none", lambda: None)
+    again = idx.search(q, 5)
+    assert calls
+    np.testing.assert_array_equal(again.indices, res.indices)
+    np.testing.assert_allclose(again.scores, res.scores, rtol=1e-5, atol=1e-5)
+
+
+def test_positions_of_faiss_keys_after_removal_and_re_adding(data):
+    """Without removals faiss keys are the rows; after a removal they are looked up."""
+    x, _ = data
+    idx = EmbeddingIndex(x[:600], kind="ivf_flat", nlist=8, nprobe=8, recall_queries=20)
+    keys = np.array([[0, 5, 599, -1]])
+    np.testing.assert_array_equal(idx._rows_of_keys(keys), keys)
+    idx.remove(["0", "1"])
+    idx.add(x[600:610])
+    np.testing.assert_array_equal(idx._rows_of_keys(np.array([[2, 599, 600, 609, -1]])), [[0, 597, 598, 607, -1]])
+    res = idx.search(x[605], 1)
+    assert res.ids[0, 0] == "605" and res.indices[0, 0] == 603
+
+
+def test_public_names_stay_importable_from_the_index_module():
+    import dmlkit.apps.index as index_module
+    from dmlkit.apps import index_exact, index_tuning
+
+    for name in ("INDEX_KINDS", "EmbeddingIndex", "SearchResult", "item_ids", "recall_at_k"):
+        assert hasattr(index_module, name)
+    assert index_module.recall_at_k is index_tuning.recall_at_k
+    assert index_exact.exact_search.__module__ == "dmlkit.apps.index_exact"

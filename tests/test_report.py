@@ -147,5 +147,7 @@ def test_bench_report_from_results(tmp_path):
     page = build_report(tmp_path, options=ReportOptions(maps=("pca",)))
     html = page.read_text()
     assert "60.00 ± 1.00" in html and "60.00 ± n/a" in html and ">Papers versus reality</h2>" in html
-    assert '<tr class="best"><td>arcface</td>' in html
+    # only the best cell of each column is bold: arcface's six, no whole row
+    assert '<tr><td>arcface</td>' + '<td class="best">60.00 ± 1.00</td>' * 3 in html
+    assert html.count('<td class="best">') == 6 and '<tr class="best">' not in html
     assert (tmp_path / "figures" / "relative_improvement.png").exists()

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib
 import pkgutil
+import re
 import sys
 import warnings
 
@@ -53,22 +54,62 @@ for _info in sorted(pkgutil.iter_modules(dmlkit.commands.__path__), key=lambda m
         importlib.import_module(f"dmlkit.commands.{_info.name}").register(app)
 
 
+#: Library spellings in the library's messages: (pattern, config key, value, rest of the phrase).
+#: :func:`cli_spelling` rewrites them the way the command line is used.
+_LIBRARY_SPELLINGS: tuple[tuple[re.Pattern[str], str, str, str], ...] = (
+    (re.compile(r"(?:load the dataset )?with skip_corrupt=True"), "data.options.skip_corrupt", "true", ""),
+    (re.compile(r"pass download=True"), "data.options.download", "true", ""),
+    (re.compile(r"pass root=<(folder|file\.csv)>"), "data.root", r"<\1>", ""),
+    (re.compile(r"set data\.split\.val_fraction to"), "data.split.val_fraction", "0.1", " to"),
+)
+#: Commands whose config takes ``--set KEY=VALUE``, with the prefix of their dataset section.
+_SET_PREFIX = {"train": "", "bench": "fixed."}
+
+
+def cli_spelling(message: str, command: str | None) -> str:
+    """``message`` with library spellings (``skip_corrupt=True``, ``download=True``) in the
+    command line's: ``--set data.options.skip_corrupt=true`` for ``train`` (``fixed.data...``
+    for ``bench``), else the key to set in the config file the command reads."""
+    for pattern, key, value, rest in _LIBRARY_SPELLINGS:
+        if command in _SET_PREFIX:
+            replacement = f"pass --set {_SET_PREFIX[command]}{key}={value}{rest}"
+        else:
+            replacement = f"set {key}: {value} in the config{rest}"
+        message = pattern.sub(replacement, message)
+    return message
+
+
+def _command(argv: list[str]) -> str | None:
+    """The sub-command named in ``argv`` (its first word that is not an option)."""
+    return next((a for a in argv if not a.startswith("-")), None)
+
+
+_COMMAND: str | None = None
+
+
 def _show_warning(message: Warning | str, category: type[Warning], filename: str, lineno: int,
                   file: object = None, line: str | None = None) -> None:
     """Warnings as one readable line (``warning: ...``), not Python's ``path:line: Category``."""
-    text = " ".join(str(message).split())
+    text = cli_spelling(" ".join(str(message).split()), _COMMAND)
     _err.print(Text.assemble(("warning: ", "bold yellow"), text), soft_wrap=True)
+
+
+def _error(message: str) -> None:
+    """``error: MESSAGE`` on stderr, never wrapped (a pipe or log file gets whole lines)."""
+    _err.print(Text.assemble(("error: ", "bold red"), message), soft_wrap=True)
 
 
 def main(argv: list[str] | None = None) -> None:
     """Entry point of the ``dmlkit`` console script."""
+    global _COMMAND
+    _COMMAND = _command(sys.argv[1:] if argv is None else argv)
     warnings.showwarning = _show_warning
     try:
         # Non-standalone typer returns (not raises) the code of a ``typer.Exit`` and turns
         # Ctrl-C into ``Exit(130)``: the code must reach the shell, not be dropped.
         code = app(args=argv, standalone_mode=False, prog_name="dmlkit")
     except DmlkitError as exc:
-        _err.print(Text.assemble(("error: ", "bold red"), str(exc)), soft_wrap=True)
+        _error(cli_spelling(str(exc), _COMMAND))
         sys.exit(exc.exit_code)
     except typer.Exit as exc:
         sys.exit(exc.exit_code)
@@ -76,10 +117,19 @@ def main(argv: list[str] | None = None) -> None:
         _err.print("aborted")
         sys.exit(130)
     except TyperException as exc:  # usage errors: bad options, missing arguments
-        exc.show()
+        ctx = getattr(exc, "ctx", None)
+        if ctx is None:
+            exc.show()
+        else:  # one line, like every other error (no usage block, no box)
+            _error(f"{exc.format_message()} (see '{ctx.command_path} --help')")
         sys.exit(getattr(exc, "exit_code", 2))
     except KeyboardInterrupt:
         code = INTERRUPTED
+    except OSError as exc:  # a file the command reads or writes: disk full, permissions, ...
+        from dmlkit.utils import os_error_message  # numpy: not at start-up (`dmlkit --help`)
+
+        _error(os_error_message(exc))
+        sys.exit(2)
     if code == INTERRUPTED:
         _err.print("interrupted: stopped by Ctrl-C (files already written are complete; "
                     "a training run continues with --resume)", soft_wrap=True)

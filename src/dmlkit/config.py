@@ -243,6 +243,10 @@ class TrainingConfig(_Section):
     )
     tensorboard: bool = False
     csv_log: bool = False
+    #: data-parallel loss: every rank computes the whole loss of the gathered batch
+    #: (``replicated``), or only its own anchors' terms, exactly (``local_anchors``;
+    #: contrastive, triplet, multi_similarity: dmlkit.losses.sharding, docs/distributed.md)
+    distributed_loss: Literal["replicated", "local_anchors"] = "replicated"
 
     @field_validator("eval_metrics")
     @classmethod

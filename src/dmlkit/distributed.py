@@ -27,7 +27,7 @@ import datetime
 import hashlib
 import json
 import os
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -45,6 +45,8 @@ __all__ = [
     "all_reduce_sum",
     "all_reduce_with_grad",
     "barrier",
+    "broadcast_object",
+    "broadcast_tensors_",
     "check_same_config",
     "config_digest",
     "context",
@@ -52,10 +54,16 @@ __all__ = [
     "is_main_process",
     "launched_by_torchrun",
     "main_process_first",
+    "mark_every_rank",
+    "on_main",
+    "raised_on_every_rank",
+    "shard_bounds",
     "shutdown",
+    "timeout_seconds",
 ]
 
-#: Seconds a collective may wait for the other ranks before the job fails (default 10 min).
+#: Seconds a collective may wait for the other ranks before the job fails (default 10 min;
+#: ``$DMLKIT_DIST_TIMEOUT`` overrides it, e.g. when rank 0 evaluates a very large split alone).
 DEFAULT_TIMEOUT_S = 600
 _TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
@@ -104,14 +112,32 @@ def launched_by_torchrun(env: Mapping[str, str] | None = None) -> bool:
         raise DistributedError(f"WORLD_SIZE={env.get('WORLD_SIZE')!r} is not an integer") from exc
 
 
+def timeout_seconds(env: Mapping[str, str] | None = None) -> float:
+    """The collective timeout: ``$DMLKIT_DIST_TIMEOUT`` seconds, else :data:`DEFAULT_TIMEOUT_S`."""
+    env = os.environ if env is None else env
+    raw = env.get("DMLKIT_DIST_TIMEOUT")
+    if not raw:
+        return float(DEFAULT_TIMEOUT_S)
+    try:
+        value = float(raw)
+    except ValueError:
+        value = -1.0
+    if value <= 0:
+        raise DistributedError(f"DMLKIT_DIST_TIMEOUT={raw!r} must be a positive number of seconds")
+    return value
+
+
 def init_distributed(device: str | torch.device | None = None, *, backend: str | None = None,
-                     timeout_s: float = DEFAULT_TIMEOUT_S) -> DistributedContext:
+                     timeout_s: float | None = None) -> DistributedContext:
     """Join the process group that torchrun's environment describes; no-op for one process.
 
     ``backend`` defaults to NCCL when ``device`` is CUDA and gloo otherwise. Every collective
-    fails after ``timeout_s`` seconds instead of hanging. Missing or malformed launcher
-    variables raise :class:`DistributedError` naming them and the command that sets them.
+    fails after ``timeout_s`` seconds (default :func:`timeout_seconds`) instead of hanging.
+    Missing or malformed launcher variables raise :class:`DistributedError` naming them and
+    the command that sets them.
     """
+    if timeout_s is None:
+        timeout_s = timeout_seconds()
     if dist.is_available() and dist.is_initialized():
         return context()
     if not launched_by_torchrun():
@@ -210,11 +236,14 @@ def all_gather_unequal(x: torch.Tensor) -> torch.Tensor:
         return x
     sizes = all_gather_object(int(x.shape[0]))
     biggest = max(sizes)
-    padded = torch.zeros((biggest, *x.shape[1:]), dtype=x.dtype, device=x.device)
-    padded[: x.shape[0]] = x
+    # NCCL moves CUDA tensors only: CPU inputs travel through the rank's GPU and come back
+    device = (torch.device("cuda", torch.cuda.current_device())
+              if ctx.backend == "nccl" and x.device.type != "cuda" else x.device)
+    padded = torch.zeros((biggest, *x.shape[1:]), dtype=x.dtype, device=device)
+    padded[: x.shape[0]] = x.to(device)
     parts = [torch.empty_like(padded) for _ in range(ctx.world_size)]
     dist.all_gather(parts, padded)
-    return torch.cat([p[:n] for p, n in zip(parts, sizes)], dim=0)
+    return torch.cat([p[:n] for p, n in zip(parts, sizes)], dim=0).to(x.device)
 
 
 def all_gather_object(obj: Any) -> list[Any]:
@@ -234,6 +263,78 @@ def all_reduce_sum(x: torch.Tensor) -> torch.Tensor:
     y = x.detach().clone()
     dist.all_reduce(y, op=dist.ReduceOp.SUM)
     return y
+
+
+def broadcast_object(obj: Any, src: int = 0) -> Any:
+    """Rank ``src``'s (picklable) ``obj`` on every rank; ``obj`` itself for one process."""
+    if not context().enabled:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=src)
+    return box[0]
+
+
+def broadcast_tensors_(tensors: list[torch.Tensor], src: int = 0) -> None:
+    """Overwrite every rank's ``tensors`` in place with rank ``src``'s (no-op for one process)."""
+    if not context().enabled:
+        return
+    for t in tensors:
+        dist.broadcast(t, src=src)
+
+
+def mark_every_rank(exc: BaseException) -> BaseException:
+    """Mark ``exc`` as raised identically on every rank (a bad config, a refused resume): the
+    CLI prints it on rank 0 only, so a job's error is one line, not one line per process."""
+    exc.dmlkit_every_rank = True  # type: ignore[attr-defined]
+    return exc
+
+
+def raised_on_every_rank(exc: BaseException) -> bool:
+    """Whether :func:`mark_every_rank` marked ``exc``."""
+    return bool(getattr(exc, "dmlkit_every_rank", False))
+
+
+def on_main(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """Run ``fn`` on rank 0 only and hand its result to every rank.
+
+    An exception raised by ``fn`` on rank 0 is re-raised on every rank (the same class and
+    message when it pickles, else :class:`DistributedError`), so a refused resume or a bad
+    split ends every rank with the same one-line error instead of leaving the other ranks
+    waiting in their next collective. One process: ``fn(*args, **kwargs)``.
+    """
+    ctx = context()
+    if not ctx.enabled:
+        return fn(*args, **kwargs)
+    outcome: tuple[str, Any]
+    if ctx.is_main:
+        try:
+            outcome = ("ok", fn(*args, **kwargs))
+        except Exception as exc:  # re-raised on every rank below
+            outcome = ("error", exc)
+    else:
+        outcome = ("ok", None)
+    try:
+        outcome = broadcast_object(outcome)
+    except Exception as exc:  # the exception (or the result) did not pickle
+        outcome = ("error", DistributedError(f"rank 0 failed and its error could not be sent: {exc}"))
+    kind, value = outcome
+    if kind == "error":
+        raise mark_every_rank(value)
+    return value
+
+
+def shard_bounds(n: int, world_size: int | None = None, rank: int | None = None) -> tuple[int, int]:
+    """``(start, stop)``: this rank's contiguous share of ``n`` rows, without padding.
+
+    Rank ``r`` of ``W`` gets rows ``[r * n // W, (r + 1) * n // W)``: shares differ by at most
+    one row, every row belongs to exactly one rank, and concatenating the shares in rank order
+    is the dataset order (unlike :class:`torch.utils.data.DistributedSampler`, which pads with
+    duplicates and interleaves).
+    """
+    ctx = context()
+    w = ctx.world_size if world_size is None else int(world_size)
+    r = ctx.rank if rank is None else int(rank)
+    return r * n // w, (r + 1) * n // w
 
 
 def config_digest(config: Any) -> str:

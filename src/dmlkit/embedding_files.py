@@ -7,6 +7,7 @@ usable is :mod:`dmlkit.validation`'s decision."""
 from __future__ import annotations
 
 import os
+import zipfile
 from pathlib import Path
 from typing import Any
 
@@ -17,10 +18,12 @@ from dmlkit.exceptions import DataError, DataNotFoundError
 __all__ = ["read_embedding_file", "read_labels_file"]
 
 
-def read_embedding_file(path: str | os.PathLike, labels_path: str | os.PathLike | None = None
-                        ) -> tuple[np.ndarray, np.ndarray, dict[str, np.ndarray]]:
+def read_embedding_file(path: str | os.PathLike, labels_path: str | os.PathLike | None = None,
+                        *, labels_required: bool = True
+                        ) -> tuple[np.ndarray, np.ndarray | None, dict[str, np.ndarray]]:
     """``(embeddings, labels, extra arrays)`` as stored; ``labels_path`` (``.npy``/``.txt``/
-    ``.csv``) replaces the file's labels. Every unreadable file is one :class:`DataError`."""
+    ``.csv``) replaces the file's labels. Every unreadable file is one :class:`DataError`.
+    With ``labels_required=False`` a file without labels gives ``labels = None``."""
     path = Path(path)
     if not path.exists():
         raise DataNotFoundError(f"embeddings file not found: {path}")
@@ -41,13 +44,13 @@ def read_embedding_file(path: str | os.PathLike, labels_path: str | os.PathLike 
             emb, labels = _read_torch_file(path)
         else:
             raise DataError(f"unsupported embeddings file {path}: use .npz, .npy or .pt")
-    except (OSError, ValueError, EOFError) as exc:  # zip errors are ValueError/OSError subclasses
+    except (OSError, ValueError, EOFError, zipfile.BadZipFile) as exc:  # a truncated zip: BadZipFile
         raise DataError(f"cannot read embeddings from {path}: {' '.join(str(exc).split())[:200]}") from None
     if labels_path is not None:
         labels = read_labels_file(Path(labels_path))
-    if labels is None:
+    if labels is None and labels_required:
         raise DataError(f"{path} has no labels: save an .npz with 'embeddings' and 'labels', or pass a labels file")
-    return np.asarray(emb), np.asarray(labels), extra
+    return np.asarray(emb), None if labels is None else np.asarray(labels), extra
 
 
 def _read_torch_file(path: Path) -> tuple[np.ndarray, Any]:

@@ -23,7 +23,7 @@ import io
 import json
 import os
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -35,6 +35,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from dmlkit.config import DEFAULT_EVAL_BATCH_SIZE, ExperimentConfig
 from dmlkit.data.base import ArrayDataset, MetricDataset
+from dmlkit.distributed import all_gather_unequal, context, shard_bounds
 from dmlkit.embedding_files import read_embedding_file
 from dmlkit.exceptions import ConfigError, NonFiniteError, ShapeError
 from dmlkit.utils import atomic_write_bytes
@@ -48,7 +49,10 @@ __all__ = [
     "default_feature_cache_dir",
     "embed",
     "embed_model",
+    "embed_sharded",
     "embed_split",
+    "iter_embed",
+    "iter_embed_model",
     "extract_features",
     "feature_cache_key",
     "load_embeddings",
@@ -56,6 +60,7 @@ __all__ = [
     "save_embeddings",
     "state_dict_digest",
     "trunk_features",
+    "trunk_features_sharded",
 ]
 
 _CACHE_VERSION = "1"
@@ -73,7 +78,6 @@ def resolve_device(device: str | torch.device | None = "auto") -> torch.device:
 
 
 # -- the one inference loop -------------------------------------------------------------------
-@torch.no_grad()
 def embed(
     model: nn.Module | Callable[[torch.Tensor], torch.Tensor],
     dataset: Dataset,
@@ -89,8 +93,35 @@ def embed(
 
     ``model`` runs in eval mode without gradients; every sub-module's train/eval mode is
     restored afterwards. Outputs are flattened to ``(N, D)``. ``amp`` uses ``torch.autocast``
-    on CUDA only. Labels are the dataset's own (original) class ids.
+    on CUDA only. Labels are the dataset's own (original) class ids. The batches come from
+    :func:`iter_embed`.
     """
+    out: list[np.ndarray] = []
+    labels: list[np.ndarray] = []
+    for e, y in iter_embed(model, dataset, batch_size, device, num_workers=num_workers, amp=amp,
+                           progress=progress, desc=desc):
+        out.append(e)
+        labels.append(y)
+    if not out:
+        return np.zeros((0, 0), dtype=np.float32), np.zeros((0,), dtype=np.int64)
+    return np.concatenate(out), np.concatenate(labels)
+
+
+def iter_embed(
+    model: nn.Module | Callable[[torch.Tensor], torch.Tensor],
+    dataset: Dataset,
+    batch_size: int = DEFAULT_EVAL_BATCH_SIZE,
+    device: str | torch.device | None = "auto",
+    *,
+    num_workers: int = 0,
+    amp: bool = False,
+    progress: bool = False,
+    desc: str = "embed",
+) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+    """The inference loop of :func:`embed`, one ``(float32 (B, D), int64 (B,))`` batch at a
+    time in dataset order, so a caller can write outputs away (e.g. as embedding shards)
+    without holding ``N x D``. A batch with NaN/inf outputs raises
+    :class:`~dmlkit.exceptions.NonFiniteError`; modes are restored when the iteration ends."""
     dev = resolve_device(device)
     modes: dict[nn.Module, bool] = {}
     if isinstance(model, nn.Module):
@@ -105,24 +136,18 @@ def embed(
 
         iterator = tqdm(loader, desc=desc, leave=False, unit="batch")
     use_amp = amp and dev.type == "cuda"
-    out: list[np.ndarray] = []
-    labels: list[np.ndarray] = []
     try:
         for x, y in iterator:
             x = x.to(dev, non_blocking=True)
-            with torch.autocast(device_type=dev.type, enabled=use_amp):
+            with torch.no_grad(), torch.autocast(device_type=dev.type, enabled=use_amp):
                 e = model(x)
-            out.append(e.float().reshape(e.shape[0], -1).cpu().numpy())
-            labels.append(np.asarray(y, dtype=np.int64))
+            e = e.float().reshape(e.shape[0], -1).cpu().numpy().astype(np.float32, copy=False)
+            if not np.isfinite(e).all():
+                raise NonFiniteError("the model produced NaN/inf outputs: the checkpoint is likely diverged")
+            yield e, np.asarray(y, dtype=np.int64)
     finally:
         for m, was_training in modes.items():
             m.training = was_training
-    if not out:
-        return np.zeros((0, 0), dtype=np.float32), np.zeros((0,), dtype=np.int64)
-    emb = np.concatenate(out).astype(np.float32, copy=False)
-    if not np.isfinite(emb).all():
-        raise NonFiniteError("the model produced NaN/inf outputs: the checkpoint is likely diverged")
-    return emb, np.concatenate(labels).astype(np.int64, copy=False)
 
 
 # -- frozen-trunk features --------------------------------------------------------------------
@@ -274,6 +299,33 @@ def trunk_features(model: nn.Module, dataset: MetricDataset, options: InferenceO
     )
 
 
+def trunk_features_sharded(model: nn.Module, dataset: MetricDataset, options: InferenceOptions,
+                           progress: bool = False) -> ArrayDataset:
+    """:func:`trunk_features` split over the ranks of a distributed job: each rank extracts (and
+    caches) its contiguous shard, the shards are gathered (:func:`embed_sharded`) and every
+    rank gets the whole feature dataset. The trunk's forward pass, the expensive part of a
+    frozen-trunk run, is divided ``W`` ways. One process: :func:`trunk_features`."""
+    ctx = context()
+    if not ctx.enabled or len(dataset) < ctx.world_size:
+        return trunk_features(model, dataset, options, progress)
+    hits: list[bool] = []
+
+    def extract(shard: Dataset) -> tuple[np.ndarray, np.ndarray]:
+        feats = trunk_features(model, shard, options, progress)  # type: ignore[arg-type]
+        hits.append(bool(feats.meta.get("cache_hit")))
+        return np.asarray(feats.data, dtype=np.float32), np.asarray(feats.labels, dtype=np.int64)
+
+    data, _ = embed_sharded(extract, dataset)
+    return ArrayDataset(
+        data, dataset.labels, kind="features",
+        class_names=dataset.class_names, class_groups=dataset.class_groups,
+        split_groups=dataset.split_groups, sample_groups=dataset.sample_groups,
+        name=f"{dataset.name}:features",
+        meta={"cache_hit": all(hits), "cache_file": None, "sharded_over": ctx.world_size,
+              "source_fingerprint": dataset.fingerprint(), "source_paths": dataset.paths},
+    )
+
+
 def embed_model(model: nn.Module, dataset: MetricDataset, options: InferenceOptions | None = None,
                 progress: bool = False) -> tuple[np.ndarray, np.ndarray]:
     """A model's ``(embeddings, labels)`` of ``dataset`` as its run saw it.
@@ -287,6 +339,47 @@ def embed_model(model: nn.Module, dataset: MetricDataset, options: InferenceOpti
         return embed(HeadOnly(model), feats, options.batch_size, options.device)
     return embed(model, dataset, options.batch_size, options.device, num_workers=options.num_workers,
                  amp=options.amp, progress=progress)
+
+
+def embed_sharded(
+    fn: Callable[[Dataset], tuple[np.ndarray, np.ndarray]], dataset: Dataset,
+) -> tuple[np.ndarray, np.ndarray]:
+    """``fn(dataset)`` computed in shards across the ranks of a distributed job, gathered on
+    every rank in dataset order; plain ``fn(dataset)`` for one process.
+
+    Rank ``r`` of ``W`` runs ``fn`` (e.g. ``lambda d: embed_model(model, d, options)``) on the
+    contiguous rows :func:`dmlkit.distributed.shard_bounds` gives it, so every row is embedded
+    exactly once (no :class:`~torch.utils.data.DistributedSampler` padding to drop); the
+    shares are concatenated in rank order, which restores the dataset order. Every rank ends
+    up with the whole ``(N, D)`` array: the gather costs ``N x D`` floats per rank.
+    Datasets with fewer rows than ranks are embedded whole on every rank.
+    """
+    ctx = context()
+    n = len(dataset)  # type: ignore[arg-type]
+    if not ctx.enabled or n < ctx.world_size:
+        return fn(dataset)
+    start, stop = shard_bounds(n, ctx.world_size, ctx.rank)
+    rows = np.arange(start, stop, dtype=np.int64)
+    if isinstance(dataset, MetricDataset):
+        shard: Dataset = dataset.subset(rows)
+    else:
+        shard = torch.utils.data.Subset(dataset, rows.tolist())
+    emb, labels = fn(shard)
+    emb_all = all_gather_unequal(torch.from_numpy(np.ascontiguousarray(emb, dtype=np.float32)))
+    labels_all = all_gather_unequal(torch.from_numpy(np.ascontiguousarray(labels, dtype=np.int64)))
+    return emb_all.numpy(), labels_all.numpy()
+
+
+def iter_embed_model(model: nn.Module, dataset: MetricDataset, options: InferenceOptions | None = None,
+                     progress: bool = False) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+    """:func:`embed_model` one batch at a time (:func:`iter_embed`); frozen-trunk runs go
+    through the cached trunk features and the model's head, as in :func:`embed_model`."""
+    options = options or InferenceOptions()
+    if options.frozen_trunk:
+        feats = trunk_features(model, dataset, options, progress=progress)
+        return iter_embed(HeadOnly(model), feats, options.batch_size, options.device)
+    return iter_embed(model, dataset, options.batch_size, options.device, num_workers=options.num_workers,
+                      amp=options.amp, progress=progress)
 
 
 def embed_split(model: nn.Module, dataset: MetricDataset, config: ExperimentConfig,

@@ -6,6 +6,7 @@ stay importable from here, with a ``DeprecationWarning``).
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -22,15 +23,20 @@ from typing import Any, TypeVar
 
 import numpy as np
 
+from dmlkit.exceptions import CheckpointError, DataError, DataNotFoundError
+
 __all__ = [
     "atomic_write_bytes",
     "atomic_write_json",
     "atomic_write_text",
     "atomic_torch_save",
     "data_root",
+    "os_error_message",
     "provenance",
+    "read_json",
     "registering",
     "seed_everything",
+    "write_provenance",
 ]
 
 _T = TypeVar("_T", bound=type)
@@ -108,6 +114,25 @@ def atomic_write_json(path: str | os.PathLike, obj: Any, indent: int = 2) -> Pat
     text = json.dumps(_finite_or_none(obj), indent=indent, sort_keys=False, default=_json_default,
                       allow_nan=False)
     return atomic_write_text(path, text + "\n")
+
+
+def read_json(path: str | os.PathLike, what: str = "JSON file") -> Any:
+    """The JSON value in ``path``; a missing, unreadable, non-UTF-8 or invalid file is one
+    :class:`~dmlkit.exceptions.DataError` line naming ``what`` the file should be."""
+    path = Path(path)
+    if not path.exists():
+        raise DataNotFoundError(f"{what} not found: {path}")
+    if path.is_dir():
+        raise DataError(f"{path} is a directory: pass the {what} itself")
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except UnicodeDecodeError as exc:
+        raise DataError(f"{path} is not a {what}: not UTF-8 text (byte {exc.start})") from None
+    except json.JSONDecodeError as exc:
+        raise DataError(f"{path} is not a valid {what}: {exc.msg} at line {exc.lineno}, column "
+                        f"{exc.colno} (a truncated or hand-edited file?)") from None
+    except OSError as exc:
+        raise DataError(os_error_message(exc, path)) from None
 
 
 def _finite_or_none(obj: Any) -> Any:
@@ -192,6 +217,35 @@ def provenance(seed: int | None = None, extra: Mapping[str, Any] | None = None) 
     if extra:
         info.update(extra)
     return info
+
+
+def write_provenance(path: str | os.PathLike, seed: int | None = None,
+                     extra: Mapping[str, Any] | None = None) -> Path:
+    """Write :func:`provenance` to ``path`` atomically; a failed write (disk full, no
+    permission) is one :class:`~dmlkit.exceptions.CheckpointError` line, as for checkpoints."""
+    try:
+        return atomic_write_json(path, provenance(seed, extra=extra))
+    except OSError as exc:
+        raise CheckpointError(os_error_message(exc, path, writing=True)) from exc
+
+
+def os_error_message(exc: OSError, path: str | os.PathLike | None = None, *, writing: bool = False) -> str:
+    """One line for an ``OSError`` on ``path`` (default: the error's own file names): what
+    failed and what to do (``ENOSPC``: free disk space; ``EACCES``: choose another place)."""
+    if path is None:
+        path = exc.filename2 if exc.filename2 is not None else exc.filename
+    what = f"cannot {'write' if writing else 'access'} {path}" if path is not None else "file error"
+    hints = {errno.ENOSPC: "the disk is full: free space or write to another disk",
+             errno.EDQUOT: "the disk quota is exhausted: free space or write elsewhere",
+             errno.EACCES: "no permission: choose another location or fix the permissions",
+             errno.EPERM: "no permission: choose another location or fix the permissions",
+             errno.EROFS: "read-only file system: write somewhere else",
+             errno.EISDIR: "a directory is in the way: pass a file path",
+             errno.ENOTDIR: "a file is in the way where a directory is needed",
+             errno.ENOENT: "no such file or directory: check the path"}
+    reason = exc.strerror or str(exc) or type(exc).__name__
+    hint = hints.get(exc.errno)
+    return f"{what}: {reason}" + (f" ({hint})" if hint else "")
 
 
 # -- moved names --------------------------------------------------------------------------

@@ -2,8 +2,9 @@
 
 Kinds (``EmbeddingIndex(kind=...)``):
 
-* ``flat``: exact search with :func:`dmlkit.metrics.knn` (blockwise, bounded memory, ties by
-  reference order), so the index returns the same neighbours as the metrics.
+* ``flat``: exact search (:func:`dmlkit.apps.index_exact.exact_search`: faiss's brute-force
+  scan picks candidates, float64 scores order them, ties by reference order), so the index
+  returns the same neighbours as :func:`dmlkit.metrics.knn`.
 * ``ivf_flat``: faiss ``IndexIVFFlat``, an inverted file over k-means cells (Jegou et al.,
   "Product quantization for nearest neighbor search", TPAMI 2011, sec. IV); a query scans the
   ``nprobe`` nearest cells exactly.
@@ -13,15 +14,11 @@ Kinds (``EmbeddingIndex(kind=...)``):
 * ``hnsw``: faiss ``IndexHNSWFlat``, a hierarchical navigable small-world graph (Malkov and
   Yashunin, TPAMI 2020); a query explores ``ef_search`` candidates.
 
-Every approximate index measures its recall at build time against the exact search on a
-sample of held-out queries (rows not used to train the quantiser; the query row itself is
-excluded from both result lists):
-
-    recall@k = mean over queries q of |ANN_k(q) ∩ Exact_k(q)| / k
-
-(the "k-recall@k" of ANN-Benchmarks, Aumüller et al., Information Systems 2020), and
-``target_recall`` tunes ``nprobe`` / ``rerank`` / ``ef_search`` to the cheapest setting that
-reaches it (cost: the bytes a query scans).
+Every approximate index measures its recall@k at build time against the exact search on a
+sample of held-out queries, and ``target_recall`` tunes ``nprobe`` / ``rerank`` / ``ef_search``
+to the cheapest setting that reaches it (:mod:`dmlkit.apps.index_tuning`). Exact scoring on the
+stored vectors (the flat search, IVF-PQ's re-ranking) is :mod:`dmlkit.apps.index_exact`, the
+faiss structures :mod:`dmlkit.apps.index_faiss`, the files :mod:`dmlkit.apps.index_files`.
 
 The float32 vectors are always kept beside the faiss structure: they are the source of truth
 for exact recall measurement, re-ranking, removal (HNSW graphs cannot delete: the graph is
@@ -30,9 +27,7 @@ rebuilt) and save/load.
 
 from __future__ import annotations
 
-import math
 import os
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -40,23 +35,20 @@ from typing import Any
 
 import numpy as np
 
+from dmlkit.apps import index_tuning
+from dmlkit.apps.index_exact import RowNorms, candidate_scores, exact_search, row_norms
+from dmlkit.apps.index_exact import normalize_rows as _normalize_rows
+from dmlkit.apps.index_exact import to_numpy_embeddings as _to_numpy_embeddings
+from dmlkit.apps.index_faiss import faiss_module as _faiss
+from dmlkit.apps.index_faiss import new_faiss_index, search_params, to_gpu
 from dmlkit.apps.index_files import item_ids, load_index, save_index
+from dmlkit.apps.index_tuning import recall_at_k
 from dmlkit.distances import get_distance
-from dmlkit.exceptions import (
-    ConfigError,
-    DataError,
-    DependencyError,
-    ShapeError,
-    require,
-)
-from dmlkit.validation import check_embeddings
+from dmlkit.exceptions import ConfigError, DataError, ShapeError
 
 __all__ = ["INDEX_KINDS", "EmbeddingIndex", "SearchResult", "item_ids", "recall_at_k"]
 
 INDEX_KINDS = ("flat", "ivf_flat", "ivf_pq", "hnsw")
-_RERANK_FACTORS = (1, 2, 4, 8, 16)
-_SMALL_EXACT = 2**22  # exact search of Q x M <= this many scores: one matmul, no tiling
-_EF_VALUES = (16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024, 2048)
 
 
 @dataclass(frozen=True)
@@ -93,63 +85,6 @@ class SearchResult:
                 row.append(rec)
             out.append(row)
         return out
-
-
-def recall_at_k(approx: np.ndarray, exact: np.ndarray, k: int) -> float:
-    """``mean_q |approx[q, :k] ∩ exact[q, :k]| / k`` (ANN-Benchmarks' k-recall@k).
-
-    Entries ``< 0`` in ``approx`` (not found) never match.
-    """
-    if approx.shape[0] != exact.shape[0]:
-        raise ShapeError(f"{approx.shape[0]} approximate rows but {exact.shape[0]} exact rows")
-    if approx.shape[0] == 0:
-        return float("nan")
-    hits = 0
-    for a, e in zip(approx[:, :k], exact[:, :k]):
-        hits += len(np.intersect1d(a[a >= 0], e))
-    return hits / (approx.shape[0] * k)
-
-
-def _to_numpy_embeddings(x: Any, name: str) -> np.ndarray:
-    """``x`` as a float32 ``(N, D)`` array, validated by :func:`dmlkit.validation.check_embeddings`.
-
-    Fast path (the per-query hot path of a service): a float32 numpy array whose values are all
-    finite and well inside float32's range is used as is; anything else goes through the shared
-    validation, which raises its one-line error or converts.
-    """
-    if hasattr(x, "ndim") and x.ndim == 1:
-        raise ShapeError(f"{name} must be a non-empty (M, D) array, got shape {tuple(x.shape)}: "
-                         "reshape a single vector with x[None]")
-    if (isinstance(x, np.ndarray) and x.dtype == np.float32 and x.ndim == 2 and x.size
-            and x.flags.c_contiguous and bool(np.all(np.abs(x) < 1e15))):  # NaN fails the comparison
-        return x
-    return np.ascontiguousarray(check_embeddings(x, name).detach().cpu().numpy(), dtype=np.float32)
-
-
-def _normalize_rows(x: np.ndarray) -> np.ndarray:
-    """L2-normalised rows; the norms accumulate in float64, so neither huge (up to float32's
-    maximum) nor tiny values overflow or underflow; zero rows stay zero."""
-    n = np.sqrt(np.einsum("ij,ij->i", x, x, dtype=np.float64))
-    n[n == 0] = 1
-    return (x / n[:, None]).astype(np.float32, copy=False)
-
-
-def _faiss():
-    return require("faiss", "faiss")
-
-
-def _default_nlist(n: int) -> int:
-    """``4 sqrt(N)`` cells (faiss's guideline), at most ``N / 39`` so each cell trains on 39+ points."""
-    return max(1, min(int(round(4 * math.sqrt(n))), n // 39))
-
-
-def _default_pq_m(d: int) -> int:
-    """The largest divisor of ``d`` that is at most ``d / 4`` (4-dimensional sub-vectors)."""
-    best = 1
-    for m in range(1, max(1, d // 4) + 1):
-        if d % m == 0:
-            best = m
-    return best
 
 
 class EmbeddingIndex:
@@ -240,7 +175,7 @@ class EmbeddingIndex:
         self._faiss_index: Any = None
         self._trained_keys = np.empty((0,), dtype=np.int64)
         self._id_pos: dict[str, int] | None = None
-        self._norm_cache: tuple[np.ndarray, np.ndarray] | None = None
+        self._norm_cache: RowNorms | None = None
         self._has_user_labels = labels is not None
         if embeddings is None:
             if dim is None:
@@ -314,10 +249,10 @@ class EmbeddingIndex:
             new_ids = np.asarray(ids).astype(str)
             if new_ids.shape != (n,):
                 raise ShapeError(f"ids must be ({n},), got {new_ids.shape}")
-        if len(np.unique(new_ids)) != n:
-            raise DataError("ids must be unique; the new ids repeat some values")
+            if len(np.unique(new_ids)) != n:  # default ids (running keys) are unique by construction
+                raise DataError("ids must be unique; the new ids repeat some values")
         table = self._positions() if len(self) else {}
-        clash = [i for i in new_ids.tolist() if i in table]
+        clash = [i for i in new_ids.tolist() if i in table] if table else []
         if clash:
             raise DataError(f"{len(clash)} id(s) are already in the index, e.g. {clash[0]!r}: remove them first")
         if metadata is not None:
@@ -351,6 +286,17 @@ class EmbeddingIndex:
         if self.recall is not None:
             self.recall["stale"] = True
         return new_ids
+
+    def add_blocks(self, source: Any, labels: Any = None, ids: Any = None, rows: int = 65536) -> int:
+        """:meth:`add` an ``(N, D)`` source read ``rows`` at a time (a shard directory's
+        :class:`~dmlkit.embedding_shards.ShardedEmbeddings`, an ``np.memmap``), so it is never
+        copied whole; labels and ids default to the source's own. Returns N."""
+        labels = getattr(source, "labels", None) if labels is None else labels
+        ids = getattr(source, "ids", None) if ids is None else ids
+        for a0 in range(0, len(source), max(1, int(rows))):
+            a1 = min(len(source), a0 + max(1, int(rows)))
+            self.add(source[a0:a1], None if labels is None else labels[a0:a1], None if ids is None else ids[a0:a1])
+        return len(source)
 
     def remove(self, ids: Sequence[str] | np.ndarray) -> int:
         """Remove the items with these ids; returns how many were removed.
@@ -410,79 +356,21 @@ class EmbeddingIndex:
     # -- faiss plumbing ------------------------------------------------------------------------
     def _prepare(self, x: np.ndarray) -> np.ndarray:
         x = np.ascontiguousarray(x, dtype=np.float32)
-        if self._unit:
-            x = _normalize_rows(x)
-        return np.ascontiguousarray(x, dtype=np.float32)
+        return _normalize_rows(x) if self._unit else x
 
-    def _metric(self) -> int:
-        faiss = _faiss()
-        return faiss.METRIC_L2 if self.distance == "euclidean" else faiss.METRIC_INNER_PRODUCT
-
-    def _maybe_gpu(self, index: Any) -> Any:
-        if not self.params["gpu"]:
-            return index
-        faiss = _faiss()
-        if not hasattr(faiss, "StandardGpuResources") or faiss.get_num_gpus() < 1:
-            raise DependencyError("gpu=True needs faiss with GPU support and a visible GPU: "
-                                  "install faiss-gpu (conda) or build without --gpu")
-        if not hasattr(self, "_gpu_res"):
-            self._gpu_res = faiss.StandardGpuResources()
-        return faiss.index_cpu_to_gpu(self._gpu_res, 0, index)
+    def _maybe_gpu(self, structure: Any) -> Any:
+        return to_gpu(self, structure)
 
     def _new_faiss_index(self, emb: np.ndarray, keys: np.ndarray) -> Any:
-        """A trained, empty faiss index for this kind (IVF kinds train on a sample of ``emb``)."""
-        faiss = _faiss()
-        d, n = emb.shape[1], emb.shape[0]
-        p = self.params
-        if self.kind == "hnsw":
-            inner = faiss.IndexHNSWFlat(d, p["hnsw_m"], self._metric())
-            inner.hnsw.efConstruction = p["ef_construction"]
-            index = faiss.IndexIDMap2(inner)  # faiss's wrapper keeps `inner` referenced
-            self._trained_keys = np.empty((0,), dtype=np.int64)
-            return index
-        # keep up to recall_queries rows (at most 10 %) out of the training: the recall sample
-        reserve = min(self._recall_reserve, n // 10)
-        if p["nlist"] and p["nlist"] * 39 > n - reserve:
-            reserve = 0
-        nlist = p["nlist"] or _default_nlist(n - reserve)
-        if nlist > n:
-            raise ConfigError(f"nlist={nlist} is larger than the {n} vectors to train on: use nlist <= {n}")
-        p["nlist"] = int(nlist)
-        quantizer = faiss.IndexFlatL2(d) if self.distance == "euclidean" else faiss.IndexFlatIP(d)
-        if self.kind == "ivf_flat":
-            index = faiss.IndexIVFFlat(quantizer, d, nlist, self._metric())
-            min_train = nlist * 256
-        else:
-            m = p["pq_m"] or _default_pq_m(d)
-            if d % m:
-                raise ConfigError(f"pq_m={m} must divide the embedding size {d}")
-            nbits = min(p["pq_nbits"], max(1, int(math.log2(max(2, (n - reserve) // 39)))))
-            p["pq_m"], p["pq_nbits"] = int(m), int(nbits)
-            index = faiss.IndexIVFPQ(quantizer, d, nlist, m, nbits, self._metric())
-            min_train = max(nlist * 256, 2**nbits * 256)
-            index.pq.cp.seed = p["seed"]
-        index.cp.seed = p["seed"]
-        rng = np.random.default_rng(p["seed"])
-        pool = rng.permutation(n)[reserve:]
-        rows = np.sort(pool[:min(len(pool), min_train)])
-        index.train(self._prepare(emb[rows]))
-        self._trained_keys = keys[rows]
-        if p["nprobe"] is None:
-            p["nprobe"] = min(nlist, 8)
-        return self._maybe_gpu(index)
+        """A trained, empty faiss structure: :func:`dmlkit.apps.index_faiss.new_faiss_index`."""
+        return new_faiss_index(self, emb, keys)
 
     def _search_params(self, setting: dict[str, Any]) -> Any:
         key = tuple(sorted(setting.items()))
         cached = self.__dict__.setdefault("_params_cache", {})
         if key not in cached:
-            cached[key] = self._new_search_params(setting)
+            cached[key] = search_params(self.kind, setting)
         return cached[key]
-
-    def _new_search_params(self, setting: dict[str, Any]) -> Any:
-        faiss = _faiss()
-        if self.kind == "hnsw":
-            return faiss.SearchParametersHNSW(efSearch=int(setting["ef_search"]))
-        return faiss.SearchParametersIVF(nprobe=int(setting["nprobe"]))
 
     def _setting(self) -> dict[str, Any]:
         p = self.params
@@ -494,97 +382,51 @@ class EmbeddingIndex:
             return {"nprobe": p["nprobe"], "rerank": p["rerank"]}
         return {}
 
-    def _row_factors(self) -> tuple[np.ndarray, np.ndarray]:
-        """Cached ``(|x|^2 float64, factor float32)`` per row: ``1/|x|`` for unit distances, else ``|x|^2/2``."""
+    def _row_norms(self) -> RowNorms:
+        """Cached :class:`~dmlkit.apps.index_exact.RowNorms` of the stored vectors."""
         if self._norm_cache is None:
-            x = self.embeddings
-            sq64 = np.einsum("ij,ij->i", x, x, dtype=np.float64)
-            if self._unit:
-                factor = (1 / np.sqrt(np.maximum(sq64, 1e-300))).astype(np.float32)
-            else:
-                factor = (sq64 / 2).astype(np.float32)
-            self._norm_cache = (sq64, factor)
+            self._norm_cache = row_norms(self.embeddings, self._unit)
         return self._norm_cache
 
-    def _exact_scores(self, q: np.ndarray, pos: np.ndarray) -> np.ndarray:
-        """Exact scores of queries ``q (Q, D)`` against rows ``pos (Q, C)`` (``-1`` ignored)."""
-        safe = np.maximum(pos, 0)
-        cand = self.embeddings[safe]  # (Q, C, D)
-        sq, factor = self._row_factors()
-        if self._unit:
-            cos = np.matmul(cand, _normalize_rows(q)[:, :, None])[..., 0] * factor[safe]
-            s = np.sqrt(np.maximum(2 - 2 * cos, 0)) if self.distance == "euclidean" else cos
-        elif self.distance == "euclidean":
-            dots = np.matmul(cand, q[:, :, None])[..., 0]
-            s = np.sqrt(np.maximum(sq[safe] - 2 * dots + (q.astype(np.float64) ** 2).sum(1)[:, None], 0))
-        else:
-            s = np.matmul(cand, q[:, :, None])[..., 0]
-        s = s.astype(np.float32)
-        s[pos < 0] = np.inf if self.distance == "euclidean" else -np.inf
-        return s
+    def _rows_of_keys(self, keys: np.ndarray) -> np.ndarray:
+        """Row positions of faiss keys (``-1`` stays ``-1``). Keys strictly increase, so when the
+        first is 0 and the last ``n - 1`` (nothing removed) they are the rows themselves."""
+        own = self._keys
+        if own.size and own[0] == 0 and own[-1] == own.size - 1:
+            return keys
+        found = keys >= 0
+        return np.where(found, np.searchsorted(own, np.where(found, keys, 0)), -1)
 
     def _ann(self, q: np.ndarray, k: int, setting: dict[str, Any]) -> tuple[np.ndarray, np.ndarray]:
         """Approximate ``(positions, scores)`` of the ``k`` nearest, ``-1`` where none."""
-        k_search = k * int(setting.get("rerank", 1)) if self.kind == "ivf_pq" else k
-        k_search = min(k_search, len(self))
-        dist, keys = self._faiss_index.search(self._prepare(q), k_search, params=self._search_params(setting))
-        found = keys >= 0
-        pos = np.where(found, np.searchsorted(self._keys, np.where(found, keys, 0)), -1)
-        if self.kind == "ivf_pq":  # exact re-ranking of the candidates on the stored vectors
-            scores = self._exact_scores(q, pos)
+        n = self.embeddings.shape[0]
+        rerank = self.kind == "ivf_pq"
+        k_search = min(k * int(setting["rerank"]) if rerank else k, n)
+        qp = self._prepare(q)
+        dist, keys = self._faiss_index.search(qp, k_search, params=self._search_params(setting))
+        pos = self._rows_of_keys(keys)
+        if rerank:  # exact re-ranking of the candidates on the stored vectors
+            scores = candidate_scores(self.embeddings, q, pos, self.distance, self._unit, self._row_norms(),
+                                      q_unit=qp if self._unit else None)
             order = np.argsort(-scores if self.higher_is_closer else scores, axis=1, kind="stable")[:, :k]
-            pos = np.take_along_axis(pos, order, axis=1)
-            scores = np.take_along_axis(scores, order, axis=1)
+            rows = np.arange(pos.shape[0])[:, None]
+            pos, scores = pos[rows, order], scores[rows, order]
         elif self.distance == "euclidean":
             scores = np.sqrt(np.maximum(dist, 0.0))
         else:
             scores = dist
-        bad = pos < 0
-        if bad.any():
+        if pos.min() < 0:  # faiss found fewer than k: NaN scores there
             scores = scores.astype(np.float32, copy=True)
-            scores[bad] = np.nan
+            scores[pos < 0] = np.nan
         if pos.shape[1] < k:  # fewer references than k
             pad = k - pos.shape[1]
             pos = np.pad(pos, ((0, 0), (0, pad)), constant_values=-1)
             scores = np.pad(scores, ((0, 0), (0, pad)), constant_values=np.nan)
-        return pos.astype(np.int64), scores.astype(np.float32)
+        return pos.astype(np.int64, copy=False), scores.astype(np.float32, copy=False)
 
     def _exact(self, q: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
-        """Exact ``(positions, scores)``: one matmul for small query batches, else the blockwise kNN."""
-        if q.shape[0] * len(self) <= _SMALL_EXACT:
-            return self._exact_small(q, min(k, len(self)))
-        from dmlkit.metrics import knn  # lazy: numba kernels load only when an exact search runs
-
-        dist = get_distance(self.distance, normalize_embeddings=self._unit)
-        res = knn(q, self.embeddings, k=min(k, len(self)), distance=dist, exclude_self=False)
-        return res.indices.numpy().astype(np.int64), res.values.numpy().astype(np.float32)
-
-    def _exact_small(self, q: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
-        """Exact top-k of a few queries: float32 scores pick ``2k + 16`` candidates, float64
-        scores order them, ties by row (as :func:`dmlkit.metrics.knn`)."""
-        x = self.embeddings
-        sq, factor = self._row_factors()
-        s = q @ x.T
-        if self._unit:  # <q, x / |x|> orders like cosine and like -|q/|q| - x/|x||
-            s *= factor
-        elif self.distance == "euclidean":
-            s -= factor  # <q, x> - |x|^2 / 2 orders like -|q - x|^2
-        m = x.shape[0]
-        c = min(m, 2 * k + 16)
-        cand = np.argpartition(s, m - c, axis=1)[:, m - c:] if c < m else np.tile(np.arange(m), (q.shape[0], 1))
-        xv = x[cand].astype(np.float64)  # (Q, c, D)
-        q64 = q.astype(np.float64)[:, None, :]
-        if self._unit:
-            xv /= np.sqrt(np.maximum(sq[cand], 1e-300))[..., None]
-            q64 /= np.sqrt(np.maximum((q64**2).sum(-1, keepdims=True), 1e-300))
-        if self.distance == "euclidean":
-            score = -np.sqrt(((xv - q64) ** 2).sum(-1))
-        else:
-            score = (xv * q64).sum(-1)
-        order = np.lexsort((cand, -score), axis=1)[:, :k]
-        pos = np.take_along_axis(cand, order, axis=1).astype(np.int64)
-        val = np.take_along_axis(score, order, axis=1)
-        return pos, (-val if self.distance == "euclidean" else val).astype(np.float32)
+        """Exact ``(positions, scores)``: :func:`dmlkit.apps.index_exact.exact_search`."""
+        return exact_search(self.embeddings, q, k, self.distance, self._unit, self._row_norms())
 
     # -- search --------------------------------------------------------------------------------
     def search(self, queries: Any, k: int = 10, *, exclude_ids: Sequence[str] | None = None,
@@ -629,9 +471,13 @@ class EmbeddingIndex:
             pos = np.where(dropped_kept, -1, pos)
         else:
             pos, scores = pos[:, :k], scores[:, :k]
-        safe = np.maximum(pos, 0)
-        labels = None if self.labels is None else np.where(pos >= 0, self.labels[safe], -1)
-        ids = np.where(pos >= 0, self.ids[safe], "")
+        if pos.size and pos.min() >= 0:  # the common case: every neighbour found
+            labels = None if self.labels is None else self.labels[pos]
+            ids = self.ids[pos]
+        else:
+            safe = np.maximum(pos, 0)
+            labels = None if self.labels is None else np.where(pos >= 0, self.labels[safe], -1)
+            ids = np.where(pos >= 0, self.ids[safe], "")
         meta = None
         if self.metadata is not None:
             meta = [[self.metadata[i] if i >= 0 else None for i in row] for row in pos.tolist()]
@@ -651,77 +497,15 @@ class EmbeddingIndex:
             out[q] = next(lab for lab in row if lab in best)  # nearest among the tied majority
         return out
 
-    # -- recall --------------------------------------------------------------------------------
-    def _recall_sample(self, num_queries: int, seed: int) -> np.ndarray:
-        """Rows for the recall measurement, preferring rows the quantiser was not trained on."""
-        rng = np.random.default_rng(seed + 1)
-        held = np.flatnonzero(~np.isin(self._keys, self._trained_keys)) if self._trained_keys.size else np.arange(len(self))
-        pool = held if held.size >= min(num_queries, len(self)) else np.arange(len(self))
-        take = min(num_queries, pool.size)
-        return np.sort(rng.choice(pool, size=take, replace=False))
-
-    def _recall_setup(self, k: int, queries: Any, num_queries: int):
-        if self.kind == "flat":
-            raise ConfigError("a flat index is exact (recall 1.0): measure or tune an approximate kind")
-        if len(self) < 2:
-            raise DataError("need at least two indexed items to measure recall")
-        if queries is None:
-            rows = self._recall_sample(num_queries, self.params["seed"])
-            q = self.embeddings[rows]
-            k = min(k, len(self) - 1)
-            exact, _ = self._exact(q, k + 1)
-            exact = _drop_self(exact, rows, k)
-            self._held_out = not bool(np.isin(self._keys[rows], self._trained_keys).any())
-            return q, exact, rows, k
-        self._held_out = True
-        q = _to_numpy_embeddings(queries, "queries")
-        k = min(k, len(self))
-        exact, _ = self._exact(q, k)
-        return q, exact, None, k
-
-    def _recall_of(self, q: np.ndarray, exact: np.ndarray, rows: np.ndarray | None, k: int,
-                   setting: dict[str, Any]) -> tuple[float, float]:
-        t0 = time.perf_counter()
-        approx, _ = self._ann(q, k + (rows is not None), setting)
-        seconds = time.perf_counter() - t0
-        if rows is not None:
-            approx = _drop_self(approx, rows, k)
-        return recall_at_k(approx, exact, k), seconds / max(1, q.shape[0])
-
+    # -- recall (apps/index_tuning.py) -----------------------------------------------------------
     def measure_recall(self, k: int = 10, queries: Any = None, num_queries: int = 1000) -> dict[str, Any]:
         """Measure recall@k of the current settings against exact search and store it.
 
         ``queries=None`` samples ``num_queries`` indexed rows (held out from the quantiser's
-        training where possible) and excludes each query's own row from both result lists.
+        training where possible) and excludes each query's own row from both result lists
+        (:func:`dmlkit.apps.index_tuning.measure_recall`).
         """
-        q, exact, rows, k = self._recall_setup(k, queries, num_queries)
-        setting = self._setting()
-        recall, per_query = self._recall_of(q, exact, rows, k, setting)
-        self.recall = {"k": k, "recall": recall, "num_queries": int(q.shape[0]), "held_out": self._held_out,
-                       "setting": setting,
-                       "seconds_per_query": per_query, "target": None, "met": None, "stale": False}
-        return self.recall
-
-    def _candidates(self, k: int) -> list[tuple[float, dict[str, Any]]]:
-        """Search settings with their cost (bytes scanned per query), cheapest first."""
-        n, d = max(1, len(self)), self.dim
-        if self.kind == "hnsw":
-            out = [(float(ef), {"ef_search": ef}) for ef in _EF_VALUES if ef >= k + 1]
-            if not out or out[-1][1]["ef_search"] < n:
-                out.append((float(max(n, k + 1)), {"ef_search": max(n, k + 1)}))
-            return out
-        nlist = int(self.params["nlist"])
-        probes = sorted({min(nlist, 2**i) for i in range(int(math.log2(nlist)) + 2)})
-        out = []
-        for nprobe in probes:
-            cell = nprobe * n / nlist
-            if self.kind == "ivf_flat":
-                out.append((cell * d * 4, {"nprobe": nprobe}))
-            else:
-                for r in _RERANK_FACTORS:
-                    out.append((cell * self.params["pq_m"] * self.params["pq_nbits"] / 8 + r * k * d * 4,
-                                {"nprobe": nprobe, "rerank": r}))
-        return sorted(out, key=lambda t: t[0])
+        return index_tuning.measure_recall(self, k, queries, num_queries)
 
     def tune(self, target_recall: float = 0.95, k: int = 10, queries: Any = None,
              num_queries: int = 1000) -> dict[str, Any]:
@@ -729,27 +513,10 @@ class EmbeddingIndex:
 
         Settings are tried in order of cost (bytes scanned per query: ``nprobe`` cells of codes
         or vectors plus ``rerank * k`` re-scored vectors; ``ef_search`` for HNSW). When none
-        reaches the target the most accurate one is kept and ``recall["met"]`` is ``False``.
+        reaches the target the most accurate one is kept and ``recall["met"]`` is ``False``
+        (:func:`dmlkit.apps.index_tuning.tune`).
         """
-        if not 0 < target_recall <= 1:
-            raise ConfigError(f"target_recall must be in (0, 1], got {target_recall}")
-        q, exact, rows, k = self._recall_setup(k, queries, num_queries)
-        tried = []
-        chosen = None
-        for cost, setting in self._candidates(k):
-            recall, per_query = self._recall_of(q, exact, rows, k, setting)
-            tried.append({"setting": setting, "recall": recall, "cost": cost, "seconds_per_query": per_query})
-            if recall >= target_recall:
-                chosen = tried[-1]
-                break
-        met = chosen is not None
-        if chosen is None:
-            chosen = max(tried, key=lambda t: (t["recall"], -t["cost"]))
-        self.params.update(chosen["setting"])
-        self.recall = {"k": k, "recall": chosen["recall"], "num_queries": int(q.shape[0]), "held_out": self._held_out,
-                       "setting": chosen["setting"], "seconds_per_query": chosen["seconds_per_query"],
-                       "target": target_recall, "met": met, "tried": tried, "stale": False}
-        return self.recall
+        return index_tuning.tune(self, target_recall, k, queries, num_queries)
 
     # -- persistence (apps/index_files.py) -------------------------------------------------------
     def _faiss_bytes(self) -> np.ndarray | None:
@@ -773,10 +540,3 @@ class EmbeddingIndex:
         """Read an index written by :meth:`save`: :func:`dmlkit.apps.index_files.load_index`."""
         return load_index(cls, path, mmap=mmap)
 
-
-def _drop_self(found: np.ndarray, rows: np.ndarray, k: int) -> np.ndarray:
-    """Drop each query's own row from its neighbour list and keep ``k`` entries."""
-    is_self = found == rows[:, None]
-    order = np.argsort(is_self, axis=1, kind="stable")[:, :k]
-    out = np.take_along_axis(found, order, axis=1)
-    return np.where(np.take_along_axis(is_self, order, axis=1), -1, out)

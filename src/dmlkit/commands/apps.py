@@ -14,23 +14,37 @@ def register(app: typer.Typer) -> None:
     app.command("oneshot")(oneshot)
 
 
+#: Fractions in [0, 1] that tables show in percent (JSON keeps the fraction).
+_PERCENT = {"accuracy", "accuracy_std", "accuracy_sem", "roc_auc", "eer", "ci95"}
+
+
 def _print(data: dict, as_json: bool, title: str) -> None:
+    """JSON (fractions as computed), or a table in the units of every dmlkit table: rates in
+    percent, marked ``(%)``."""
     if as_json:
         typer.echo(json.dumps(data, indent=2))
         return
-    from rich.console import Console
     from rich.table import Table
+
+    from dmlkit.commands._console import output_console
 
     table = Table(title=title)
     table.add_column("measure")
     table.add_column("value", justify="right")
     for key, value in data.items():
-        if isinstance(value, float):
-            value = f"{value:.4f}"
-        elif isinstance(value, (list, dict)):
-            value = json.dumps(value if not isinstance(value, list) or len(value) < 8 else f"{len(value)} values")
-        table.add_row(key, str(value))
-    Console().print(table)
+        if key in _PERCENT and isinstance(value, float):
+            table.add_row(f"{key} (%)", f"{100 * value:.2f}")
+        elif key == "tar_at_far" and isinstance(value, dict):
+            for far, tar in value.items():
+                table.add_row(f"TAR at FAR {100 * float(far):g} % (%)", f"{100 * tar:.2f}")
+        elif isinstance(value, float):
+            table.add_row(key, f"{value:.4f}")
+        elif isinstance(value, list | dict):
+            shown = value if not isinstance(value, list) or len(value) < 8 else f"{len(value)} values"
+            table.add_row(key, json.dumps(shown))
+        else:
+            table.add_row(key, str(value))
+    output_console().print(table)
 
 
 def verify(
@@ -129,6 +143,7 @@ def oneshot(
     from dmlkit.apps import load_omniglot_one_shot_runs, omniglot_one_shot_error
     from dmlkit.apps.fewshot import checkpoint_image_embedder
 
+    embedder = checkpoint_image_embedder(checkpoint)  # a bad checkpoint fails before the data load
     runs = load_omniglot_one_shot_runs(data_root)
-    result = omniglot_one_shot_error(checkpoint_image_embedder(checkpoint), runs, distance)
+    result = omniglot_one_shot_error(embedder, runs, distance)
     _print(result, as_json, "Omniglot 20-way one-shot runs")

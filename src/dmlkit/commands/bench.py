@@ -22,10 +22,16 @@ def register(app: typer.Typer) -> None:
         ),
         method: list[str] = typer.Option(None, "--method", "-m", help="Only these methods (repeatable)."),
         stage: str = typer.Option("all", "--stage", help="all | search | final"),
-        data_root: Path | None = typer.Option(None, "--data-root", help="Data root (default: $DMLKIT_DATA or ~/.cache/dmlkit/data)."),
+        data_root: Path | None = typer.Option(
+            None, "--data-root", help="Data root (default: the config's fixed.data.root, else "
+            "$DMLKIT_DATA or ~/.cache/dmlkit/data); refused when fixed.data.root names another folder."),
         threads: int | None = typer.Option(
             None, "--threads", min=1, help="torch CPU threads per process (default: torch's; with "
             "--workers N: cores / N). On a busy machine 1 is often fastest."
+        ),
+        max_trials: int | None = typer.Option(
+            None, "--max-trials", min=1, help="With --worker: run at most N search trials per method, "
+            "then exit (e.g. one bounded task of a SLURM array)."
         ),
         quiet: bool = typer.Option(False, "--quiet", "-q", help="Only print the results table."),
     ) -> None:
@@ -35,13 +41,16 @@ def register(app: typer.Typer) -> None:
         Writes OUT/{config.yaml, provenance.json, split.json, study.db, search/, final/,
         results.json, results.csv, results.md}. Rerunning the same command resumes.
 
+        Before anything is written, every method's config is checked against the data and the
+        folds' class counts: all violations in one error, each with a value that fits
+        (--set protocol.folds=2 ...). Exits 2 when every search trial of a method failed.
+
         Inference and metric settings are the config's fixed.evaluation section, e.g.
         --set fixed.evaluation.memory_mb=512.
         """
         import os
 
-        from rich.console import Console
-
+        from dmlkit.commands._console import output_console
         from dmlkit.exceptions import ConfigError
         from dmlkit.protocol import Bench, load_bench_config, rich_table
 
@@ -54,16 +63,18 @@ def register(app: typer.Typer) -> None:
             raise ConfigError(f"--stage must be all, search or final, got {stage!r}")
         cfg = load_bench_config(config, set_ or [])
         bench_dir = out if out is not None else Path("runs") / "bench" / cfg.name
-        console = Console() if Console().is_terminal else Console(width=160)
+        console = output_console()
         bench = Bench(cfg, bench_dir, data_root=data_root, console=None if quiet else console,
                       config_path=config, overrides=set_ or [], threads=threads)
         if worker:
+            bench.validate()  # every method against the fold class counts, before anything is written
             bench.dir.mkdir(parents=True, exist_ok=True)
             if stage in ("all", "search"):
-                summary = bench.search(methods=method or None, exclusive=False)
+                summary = bench.search(methods=method or None, exclusive=False, max_trials=max_trials)
                 if not quiet:
                     for name, info in summary.items():
                         console.print(f"{name}: {info}")
+                bench.check_search(method or None)  # exit 2 when every trial of a method failed
             if stage == "final":  # final runs need this machine's bench directory
                 bench.final_worker(methods=method or None)
             return

@@ -24,9 +24,9 @@ def register(app: typer.Typer) -> None:
         improvements over contrastive/triplet. "significant" needs >= 3 seeds per method."""
         import warnings
 
-        from rich.console import Console
         from rich.table import Table
 
+        from dmlkit.commands._console import output_console
         from dmlkit.protocol.compare import (
             compare_results,
             render_compare_markdown,
@@ -43,7 +43,7 @@ def register(app: typer.Typer) -> None:
         )
         for message in report["warnings"]:
             warnings.warn(message, stacklevel=1)
-        console = Console()
+        console = output_console()
         seeds = ", ".join(f"{n}: {k}" for n, k in report["seeds"].items())
         table = Table(title=f"hierarchical bootstrap over seeds ({seeds}) and {report['queries']} "
                             f"test queries (B={resamples}), points")

@@ -13,7 +13,7 @@ _COUNTS = ("num_queries", "num_queries_without_positive")
 def register(app: typer.Typer) -> None:
     @app.command("evaluate")
     def evaluate_command(
-        embeddings: Path = typer.Argument(..., help="Query embeddings: .npz / .pt (embeddings + labels) or .npy."),
+        embeddings: Path = typer.Argument(..., help="Query embeddings: .npz / .pt (embeddings + labels), .npy, or a shard directory (`dmlkit embed --format shards`; streamed, retrieval metrics only)."),
         reference: Path | None = typer.Option(None, "--reference", "-r", help="Separate reference set (same formats); default: the query set, each query excluded from its own neighbours."),
         labels: Path | None = typer.Option(None, "--labels", help="Labels of a .npy query file (.npy / .txt / .csv, one per row): integer class ids or class-name strings."),
         reference_labels: Path | None = typer.Option(None, "--reference-labels", help="Labels of a .npy reference file."),
@@ -21,14 +21,14 @@ def register(app: typer.Typer) -> None:
         k: str = typer.Option("1,2,4,8", "--k", help="Comma-separated K values of recall_at_k / precision_at_k."),
         distance: str = typer.Option("cosine", "--distance", "-d", help="cosine | dot | euclidean | snr."),
         backend: str = typer.Option("auto", "--backend", help="kNN backend: auto | torch | numba | faiss."),
-        memory_mb: int = typer.Option(256, "--memory-mb", min=1, help="Working-memory budget of the blockwise kNN, MiB."),
+        memory_mb: int = typer.Option(256, "--memory-mb", "--memory-budget", min=1, help="Working-memory budget of the blockwise kNN (and of the blocks read from a shard directory), MiB."),
         restarts: int = typer.Option(3, "--restarts", min=1, help="k-means restarts averaged by nmi / ami / pair_f1."),
         seed: int = typer.Option(0, "--seed", help="First k-means seed."),
         per_class_out: Path | None = typer.Option(None, "--per-class", help="Also write per-class retrieval metrics to this JSON file."),
         as_json: bool = typer.Option(False, "--json", help="Print JSON instead of a table."),
     ) -> None:
         """Evaluate embeddings: P@1, Recall@K, R-Precision, MAP@R, NMI/AMI/F1, pos/neg JS divergence."""
-        from dmlkit.embedding_files import read_embedding_file
+        from dmlkit.embedding_files import read_embedding_file, read_labels_file
         from dmlkit.exceptions import ConfigError
         from dmlkit.metrics import evaluate, per_class
         from dmlkit.utils import atomic_write_json
@@ -37,16 +37,32 @@ def register(app: typer.Typer) -> None:
             k_values = [int(v) for v in k.split(",") if v.strip()]
         except ValueError:
             raise ConfigError(f"--k must be comma-separated integers, got {k!r}") from None
-        q, ql, _ = read_embedding_file(embeddings, labels)
+        from dmlkit.embedding_shards import is_shard_dir, open_shards
+
+        def read(path: Path, labels_path: Path | None):
+            if not is_shard_dir(path):
+                return read_embedding_file(path, labels_path)[:2]
+            shards = open_shards(path)
+            return shards, (shards.labels if labels_path is None else read_labels_file(labels_path))
+
+        q, ql = read(embeddings, labels)
         r = rl = None
         if reference is not None:
-            r, rl, _ = read_embedding_file(reference, reference_labels)
+            r, rl = read(reference, reference_labels)
         elif reference_labels is not None:
             raise ConfigError("--reference-labels needs --reference")
         kwargs = dict(distance=distance, k_values=k_values, backend=backend,
                       memory_budget=memory_mb * 2**20)
-        result = evaluate(q, ql, r, rl, metrics=metrics, cluster_restarts=restarts, seed=seed,
-                          **kwargs)
+        if is_shard_dir(embeddings) or (reference is not None and is_shard_dir(reference)):
+            from dmlkit.metrics.streaming import evaluate_streaming
+
+            if per_class_out is not None:
+                raise ConfigError("--per-class needs in-memory embeddings: save an .npz (dmlkit embed) "
+                                  "or leave --per-class out for a shard directory")
+            result = evaluate_streaming(q, ql, r, rl, metrics=metrics, progress=not as_json, **kwargs)
+        else:
+            result = evaluate(q, ql, r, rl, metrics=metrics, cluster_restarts=restarts, seed=seed,
+                              **kwargs)
         if per_class_out is not None:
             names = [m for m in result if m not in _COUNTS and not m.endswith("_std") and m not in
                      ("nmi", "ami", "pair_f1", "pos_neg_js")]
@@ -55,8 +71,9 @@ def register(app: typer.Typer) -> None:
         if as_json:
             typer.echo(json.dumps(result, indent=2, allow_nan=True))
             return
-        from rich.console import Console
         from rich.table import Table
+
+        from dmlkit.commands._console import output_console
 
         title = f"{embeddings.name}" + (f" vs {reference.name}" if reference else " (leave-one-out)")
         out = Table(title=title)
@@ -68,7 +85,7 @@ def register(app: typer.Typer) -> None:
             spread = result.get(f"{name}_std")
             shown = f"{100 * value:.2f}" + ("" if spread is None else f" ± {100 * spread:.2f}")
             out.add_row(name, shown)
-        Console().print(out)
+        output_console().print(out)
         if any(name.endswith("_std") for name in result):
             typer.echo(f"clustering metrics: mean ± standard deviation over {restarts} k-means run(s)")
         typer.echo(

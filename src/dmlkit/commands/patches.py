@@ -21,8 +21,9 @@ def _print_table(results: dict, title: str, as_json: bool) -> None:
     if as_json:
         typer.echo(json.dumps({k: results[k] for k in ("architectures", "rows", "mean")}, indent=2))
         return
-    from rich.console import Console
     from rich.table import Table
+
+    from dmlkit.commands._console import output_console
 
     archs = results["architectures"]
     table = Table(title=title)
@@ -41,7 +42,7 @@ def _print_table(results: dict, title: str, as_json: bool) -> None:
         table.add_row(r["train"], r["test"], *cells)
     means = [results["mean"][a]["fpr95"] for a in archs]
     table.add_row("mean", "", *[(f"[bold]{100 * m:.2f}[/bold]" if m == min(means) else f"{100 * m:.2f}") for m in means])
-    Console().print(table)
+    output_console().print(table)
 
 
 @patches_app.command("build-data")
@@ -94,28 +95,31 @@ def evaluate(
     max_test_pairs: int | None = typer.Option(None, help="With --rescore: at most this many test pairs."),
     figure: Path | None = typer.Option(None, "--figure", help="Write a figure of the hardest false positives/negatives (.png)."),
     arch: str | None = typer.Option(None, help="Architecture of the figure (default: the best mean FPR95)."),
-    k: int = typer.Option(8, "-k", help="Pairs per row of the figure."),
+    k: int = typer.Option(8, "-k", min=1, help="Pairs per row of the figure."),
     as_json: bool = typer.Option(False, "--json", help="Print the table as JSON."),
 ) -> None:
     """Print a run's FPR95 table; optionally the figure of its hardest mistakes."""
     from dmlkit.apps.patches.protocol import evaluate_patch_run
-    from dmlkit.exceptions import CheckpointError, ConfigError
+    from dmlkit.exceptions import CheckpointError, ConfigError, DataError
+    from dmlkit.utils import read_json
 
     res_file = run_dir / "results.json"
     if rescore or not res_file.is_file():
         results = evaluate_patch_run(run_dir, data_root=data_root, max_test_pairs=max_test_pairs)
     else:
-        results = json.loads(res_file.read_text())
+        results = read_json(res_file, "results.json of dmlkit patches train")
+        if not isinstance(results, dict) or not {"architectures", "rows", "mean"} <= results.keys():
+            raise DataError(f"{res_file} is not a results.json of dmlkit patches train: rerun "
+                            "`dmlkit patches train`, or score the checkpoints with --rescore")
     _print_table(results, f"FPR95 (%), {run_dir}", as_json)
     if figure is None:
         return
     import numpy as np
-    import yaml
 
     from dmlkit.apps.patches.brown import load_subset
     from dmlkit.apps.patches.protocol import (
-        PatchExperimentConfig,
         hardest_pairs_figure,
+        load_patch_config,
         subsets_root,
     )
 
@@ -127,7 +131,7 @@ def evaluate(
     scores_file = run_dir / "scores" / name / f"{row['train']}__{row['test']}.npz"
     if not scores_file.is_file():
         raise CheckpointError(f"{scores_file} is missing: run `dmlkit patches train` to write the pair scores")
-    cfg = PatchExperimentConfig.model_validate(yaml.safe_load((run_dir / "config.yaml").read_text()))
+    cfg = load_patch_config(run_dir / "config.yaml")
     sub = load_subset(subsets_root(cfg, data_root), row["test"])
     with np.load(scores_file) as z:
         fig = hardest_pairs_figure(

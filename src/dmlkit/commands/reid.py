@@ -111,10 +111,11 @@ def _finish(result: dict[str, Any], source: Path, out: Path | None, as_json: boo
             brief["rerank"] = {k: v for k, v in brief["rerank"].items() if k != "cmc"}
         typer.echo(json.dumps(brief, indent=2))
         return
-    from rich.console import Console
     from rich.table import Table
 
-    console = Console()
+    from dmlkit.commands._console import output_console
+
+    console = output_console()
     if vehicleid:
         table = Table(title=f"VehicleID: {result['num_identities']} identities, "
                             f"{result['repeats']} gallery draws")

@@ -25,11 +25,10 @@ def report(
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress messages."),
 ) -> None:
     """Write a self-contained HTML report (figures embedded, no network needed to open it)."""
-    from rich.console import Console
-
+    from dmlkit.commands._console import output_console
     from dmlkit.report import ReportOptions, build_report
 
-    console = Console(stderr=True, quiet=quiet)
+    console = output_console(stderr=True, quiet=quiet)
     options = ReportOptions(
         maps=tuple(m.strip() for m in maps.split(",") if m.strip()),
         max_points=max_points, thumbnails=not no_thumbnails, data_root=data_root, seed=seed,
@@ -40,10 +39,15 @@ def report(
 
 
 def _load(path: Path):
+    """``(embeddings, labels, {id: class name} or None)`` of a file, refused when not finite
+    (nothing is drawn from NaN); names come from a file saved with class-name labels."""
     from dmlkit.embeddings import load_embeddings
+    from dmlkit.validation import check_embeddings
 
-    emb, labels, _ = load_embeddings(path)
-    return emb, labels
+    emb, labels, extra = load_embeddings(path)
+    check_embeddings(emb, f"embeddings in {path}")
+    names = extra.get("class_names")
+    return emb, labels, None if names is None else dict(enumerate(str(n) for n in names.tolist()))
 
 
 def _out(output: Path | None, default: str) -> Path:
@@ -54,7 +58,7 @@ def _out(output: Path | None, default: str) -> Path:
 def plot_map(
     embeddings: Path = typer.Argument(..., help="Embeddings file (.npz/.pt with labels)."),
     method: str = typer.Option("umap", help="umap, tsne or pca."),
-    classes: int = typer.Option(20, help="Number of classes to show."),
+    classes: int = typer.Option(20, min=1, help="Number of classes to show."),
     output: Path | None = typer.Option(None, "-o", "--output", help="Output path (PNG and SVG are written)."),
     seed: int = typer.Option(0),
 ) -> None:
@@ -63,18 +67,18 @@ def plot_map(
 
     from dmlkit.report import figures
 
-    emb, labels = _load(embeddings)
+    emb, labels, names = _load(embeddings)
     keep = np.isin(labels, np.unique(labels)[:classes])
     pts = figures.project_2d(emb[keep], method, seed=seed)
-    written = figures.save_figure(figures.embedding_map(pts, labels[keep], f"{method.upper()} of {embeddings.name}"),
-                                  _out(output, f"map_{method}"))
+    fig = figures.embedding_map(pts, labels[keep], f"{method.upper()} of {embeddings.name}", class_names=names)
+    written = figures.save_figure(fig, _out(output, f"map_{method}"))
     typer.echo("\n".join(map(str, written)))
 
 
 @plot_app.command("histograms")
 def plot_histograms(
     embeddings: list[Path] = typer.Argument(..., help="One or more embeddings files, one panel each."),
-    bins: int = typer.Option(100, help="Number of bins over [-1, 1]."),
+    bins: int = typer.Option(100, min=1, help="Number of bins over [-1, 1]."),
     output: Path | None = typer.Option(None, "-o", "--output"),
 ) -> None:
     """Positive/negative cosine-similarity histograms (area 1) with their JS divergence."""
@@ -84,7 +88,7 @@ def plot_histograms(
 
     panels = {}
     for path in embeddings:
-        emb, labels = _load(path)
+        emb, labels, _ = _load(path)
         panels[path.stem] = hist_dict(pos_neg_histograms(emb, labels, bins=bins))
     written = figures.save_figure(figures.similarity_histograms(panels), _out(output, "histograms"))
     typer.echo("\n".join(map(str, written)))
@@ -93,7 +97,7 @@ def plot_histograms(
 @plot_app.command("per-class")
 def plot_per_class(
     embeddings: Path = typer.Argument(...),
-    top: int = typer.Option(10, help="How many best and worst classes."),
+    top: int = typer.Option(10, min=1, help="How many best and worst classes."),
     output: Path | None = typer.Option(None, "-o", "--output"),
 ) -> None:
     """The best and worst classes by MAP@R."""
@@ -102,18 +106,19 @@ def plot_per_class(
     from dmlkit.metrics import per_class
     from dmlkit.report import figures
 
-    emb, labels = _load(embeddings)
+    emb, labels, names = _load(embeddings)
     values = {c: r["map_at_r"] for c, r in per_class(emb, labels, metrics=["map_at_r"]).items()
               if not math.isnan(r["map_at_r"])}
-    written = figures.save_figure(figures.per_class_bars(values, "map_at_r", top), _out(output, "per_class"))
+    written = figures.save_figure(figures.per_class_bars(values, "map_at_r", top, class_names=names),
+                                  _out(output, "per_class"))
     typer.echo("\n".join(map(str, written)))
 
 
 @plot_app.command("gallery")
 def plot_gallery(
     embeddings: Path = typer.Argument(...),
-    queries: int = typer.Option(6, help="Number of random queries."),
-    k: int = typer.Option(6, help="Neighbours per query."),
+    queries: int = typer.Option(6, min=1, help="Number of random queries."),
+    k: int = typer.Option(6, min=1, help="Neighbours per query."),
     output: Path | None = typer.Option(None, "-o", "--output"),
     seed: int = typer.Option(0),
 ) -> None:
@@ -123,7 +128,7 @@ def plot_gallery(
     from dmlkit.metrics import knn
     from dmlkit.report import figures
 
-    emb, labels = _load(embeddings)
+    emb, labels, names = _load(embeddings)
     rng = np.random.default_rng(seed)
     chosen = rng.choice(len(emb), size=min(queries, len(emb)), replace=False)
     result = knn(emb[chosen], emb, k=k + 1)
@@ -132,7 +137,7 @@ def plot_gallery(
         neigh = [int(n) for n in neigh if n != q][:k]
         rows.append({"query": int(q), "query_label": int(labels[q]), "neighbors": neigh,
                      "neighbor_labels": [int(labels[n]) for n in neigh], "caption": f"query {q}"})
-    written = figures.save_figure(figures.retrieval_gallery(rows, None), _out(output, "gallery"))
+    written = figures.save_figure(figures.retrieval_gallery(rows, None, class_names=names), _out(output, "gallery"))
     typer.echo("\n".join(map(str, written)))
 
 
@@ -142,15 +147,17 @@ def plot_curves(
     output: Path | None = typer.Option(None, "-o", "--output"),
 ) -> None:
     """Training loss and validation MAP@R / P@1 per step, one line per run."""
-    from dmlkit.exceptions import DataNotFoundError
+    from dmlkit.exceptions import DataError, DataNotFoundError
     from dmlkit.report import figures
     from dmlkit.report.builder import read_jsonl
 
     logs = {}
     for d in run_dirs:
-        if not (d / "log.jsonl").exists():
+        if not (d / "log.jsonl").is_file():
             raise DataNotFoundError(f"{d / 'log.jsonl'} not found: pass run directories of dmlkit train")
         logs[d.name] = read_jsonl(d / "log.jsonl")
+        if not logs[d.name]:
+            raise DataError(f"{d / 'log.jsonl'} holds no log records: nothing to draw")
     written = figures.save_figure(figures.training_curves(logs), _out(output, "curves"))
     typer.echo("\n".join(map(str, written)))
 
@@ -163,15 +170,22 @@ def plot_improvement(
     output: Path | None = typer.Option(None, "-o", "--output"),
 ) -> None:
     """Relative improvement of each method over contrastive and triplet."""
-    import json
+    import math
 
-    from dmlkit.exceptions import DataNotFoundError
+    from dmlkit.exceptions import ConfigError, DataError
+    from dmlkit.protocol.results import MODES
     from dmlkit.report import figures
     from dmlkit.report.builder import mean_of
+    from dmlkit.utils import read_json
 
-    if not results.exists():
-        raise DataNotFoundError(f"{results} not found")
-    methods = json.loads(results.read_text()).get("methods", {})
-    values = {n: {metric: mean_of(r.get(mode, {}).get(metric))} for n, r in methods.items()}
+    if mode not in MODES:
+        raise ConfigError(f"--mode must be one of {', '.join(MODES)}, got {mode!r}")
+    data = read_json(results, "results.json of dmlkit bench")
+    methods = data.get("methods") if isinstance(data, dict) else None
+    if not isinstance(methods, dict) or not methods or not all(isinstance(r, dict) for r in methods.values()):
+        raise DataError(f"{results} is not a results.json of dmlkit bench (no 'methods' mapping)")
+    values = {n: {metric: mean_of((r.get(mode) or {}).get(metric))} for n, r in methods.items()}
+    if not any(math.isfinite(v[metric]) for v in values.values()):
+        raise DataError(f"{results} holds no finite {mode} {metric!r} value for any method: nothing to draw")
     written = figures.save_figure(figures.relative_improvement(values, metric=metric), _out(output, "improvement"))
     typer.echo("\n".join(map(str, written)))

@@ -21,26 +21,19 @@ def _load_any_embeddings(path: Path):
     """``(embeddings, labels or None, extra)`` of an .npz/.npy/.pt file (labels optional)."""
     import numpy as np
 
-    from dmlkit.embeddings import load_embeddings
-    from dmlkit.exceptions import DataError, DataNotFoundError
+    from dmlkit.embedding_files import read_embedding_file
+    from dmlkit.validation import check_labels
 
-    if not path.exists():
-        raise DataNotFoundError(f"embeddings file not found: {path}")
-    if path.suffix.lower() == ".npy":
-        return np.load(path, allow_pickle=False), None, {}
-    try:
-        return load_embeddings(path)
-    except DataError:
-        if path.suffix.lower() != ".npz":
-            raise
-        with np.load(path, allow_pickle=False) as data:  # embeddings without labels
-            if "embeddings" not in data:
-                raise
-            return data["embeddings"], None, {k: data[k] for k in data.files if k not in ("embeddings", "labels")}
+    emb, labels, extra = read_embedding_file(path, labels_required=False)
+    if labels is not None:  # integer ids, or class names kept beside their codes
+        labels, names = check_labels(labels, len(emb), name=f"labels of {path}")
+        if names is not None:
+            extra["class_names"] = np.asarray(names)
+    return emb, labels, extra
 
 
 def index(
-    embeddings: Path | None = typer.Argument(None, help="Reference embeddings (.npz from `dmlkit train`/`embed`, .npy, .pt)."),
+    embeddings: Path | None = typer.Argument(None, help="Reference embeddings (.npz from `dmlkit train`/`embed`, .npy, .pt, or a shard directory from `dmlkit embed --format shards`, added block by block)."),
     output: Path = typer.Option(..., "-o", "--output", help="Index to write: a directory, or one file ending in .npz."),
     add: bool = typer.Option(False, "--add", help="Add EMBEDDINGS to the existing index OUTPUT (same kind and training)."),
     remove: list[str] | None = typer.Option(None, "--remove", help="Remove this item id from the index OUTPUT (repeatable)."),
@@ -68,6 +61,7 @@ def index(
     """
     from dmlkit.apps import EmbeddingIndex
     from dmlkit.apps.index import item_ids
+    from dmlkit.embedding_shards import is_shard_dir, open_shards
     from dmlkit.exceptions import ConfigError
 
     if remove or add:
@@ -78,6 +72,10 @@ def index(
         if add:
             if embeddings is None:
                 raise ConfigError("--add needs EMBEDDINGS to add")
+            if is_shard_dir(embeddings):  # streamed in blocks, ids and labels from the shards
+                typer.echo(f"added {idx.add_blocks(open_shards(embeddings))} item(s) to {output}")
+                idx.save(output)
+                return
             emb, labels, extra = _load_any_embeddings(embeddings)
             ids, _ = item_ids(embeddings, extra, data_root)
             meta = None if idx.metadata is None else [None] * len(emb)
@@ -88,15 +86,26 @@ def index(
         return
     if embeddings is None:
         raise ConfigError("pass EMBEDDINGS to build an index (or --add/--remove to change OUTPUT)")
-    emb, labels, extra = _load_any_embeddings(embeddings)
-    ids, info = item_ids(embeddings, extra, data_root)
+    shards = open_shards(embeddings) if is_shard_dir(embeddings) else None
+    if shards is None:
+        emb, labels, extra = _load_any_embeddings(embeddings)
+        ids, info = item_ids(embeddings, extra, data_root)
+    else:  # an empty index of the same kind, filled block by block below
+        emb = labels = ids = None
+        info = {}
     info["source"] = str(embeddings)
     idx = EmbeddingIndex(
-        emb, labels, ids, distance=distance, kind=kind, nlist=nlist, pq_m=pq_m, pq_nbits=pq_nbits,
+        emb, labels, ids, dim=None if shards is None else shards.dim, distance=distance, kind=kind, nlist=nlist, pq_m=pq_m, pq_nbits=pq_nbits,
         hnsw_m=hnsw_m, ef_construction=ef_construction, nprobe=nprobe, ef_search=ef_search,
         target_recall=target_recall, recall_k=recall_k, recall_queries=recall_queries, gpu=gpu,
         seed=seed, info=info,
     )
+    if shards is not None:
+        idx.add_blocks(shards)
+        if kind != "flat" and target_recall is not None:
+            idx.tune(target_recall, k=recall_k, num_queries=recall_queries)
+        elif kind != "flat":
+            idx.measure_recall(k=recall_k, num_queries=recall_queries)
     idx.save(output)
     summary = idx.describe()
     if summary["recall"]:
@@ -108,7 +117,8 @@ def index(
     rec = idx.recall
     if rec:
         held = "held-out" if rec.get("held_out") else "indexed (quantiser-training)"
-        line += f"; recall@{rec['k']} = {rec['recall']:.4f} on {rec['num_queries']} {held} queries with {rec['setting']}"
+        line += (f"; recall@{rec['k']} = {100 * rec['recall']:.2f} % on {rec['num_queries']} {held} queries "
+                 f"with {rec['setting']}")
         if rec.get("met") is False:
             typer.echo(line)
             typer.echo(f"warning: target recall {rec['target']} not reached; kept the most accurate setting "
@@ -119,7 +129,7 @@ def index(
 
 def query(
     index_path: Path = typer.Argument(..., help="An index from `dmlkit index` (directory or .npz)."),
-    queries: Path | None = typer.Argument(None, help="Query embeddings (.npz/.npy/.pt); or use --id."),
+    queries: Path | None = typer.Argument(None, help="Query embeddings (.npz/.npy/.pt or a shard directory, searched block by block); or use --id."),
     item_id: list[str] | None = typer.Option(None, "--id", help="Query by indexed item id (repeatable); the item itself is excluded."),
     k: int = typer.Option(5, "-k", help="Neighbours per query."),
     exclude_self: bool = typer.Option(False, "--exclude-self", help="Drop each query's own item (same id) from its results."),
@@ -134,6 +144,7 @@ def query(
 
     from dmlkit.apps import EmbeddingIndex
     from dmlkit.apps.index import item_ids
+    from dmlkit.embedding_shards import is_shard_dir, open_shards
     from dmlkit.exceptions import ConfigError, DataError
     from dmlkit.utils import atomic_write_text
 
@@ -146,14 +157,20 @@ def query(
         qids = np.asarray(item_id).astype(str)
         q = idx.get(qids)
         exclude_self = True
+    elif is_shard_dir(queries):  # searched block by block below
+        q = open_shards(queries)
+        qids = q.ids.astype(str)
     else:
         q, _, extra = _load_any_embeddings(queries)
         qids, _ = item_ids(queries, extra, data_root)
     if exclude_self and qids is None:
         raise DataError(f"--exclude-self needs ids for the queries: {queries} has no paths/ids/indices array "
                         "(save it with save_embeddings(..., ids=...))")
-    result = idx.search(q, k, exclude_ids=qids if exclude_self else None, exact=exact)
-    records = result.to_records()
+    records = []
+    step = 65536 if queries is not None and is_shard_dir(queries) else max(1, len(q))
+    for a0 in range(0, len(q), step):
+        sl = slice(a0, a0 + step)
+        records += idx.search(q[sl], k, exclude_ids=qids[sl] if exclude_self else None, exact=exact).to_records()
     if qids is not None:
         payload = [{"query": str(qid), "results": row} for qid, row in zip(qids, records)]
     if output is not None:
@@ -197,7 +214,7 @@ def export(
     typer.echo(f"exported {report['format']} -> {report['output']} (parity report: {report['parity_file']})")
     typer.echo(f"parity on {p['num_samples']} real {p['split']} images: max |diff| {p['max_abs_diff']:.2e}, "
                f"same top-10 for {100 * p['top10_identical']:.2f}% of queries (overlap {100 * p['top10_overlap']:.2f}%), "
-               f"MAP@R {p['map_at_r_torch']:.4f} (torch) vs {p['map_at_r_export']:.4f} ({report['runtime']})")
+               f"MAP@R {100 * p['map_at_r_torch']:.2f}% (torch) vs {100 * p['map_at_r_export']:.2f}% ({report['runtime']})")
     if not p["passed"]:
         typer.echo("warning: parity check failed (see the parity report)", err=True)
         raise typer.Exit(1)

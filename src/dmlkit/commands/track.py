@@ -25,6 +25,10 @@ def register(app: typer.Typer) -> None:
     app.add_typer(track_app, name="track")
 
 
+#: The trackers of ``--method``/``--methods``.
+_METHODS = ("siamfc", "untrained", "ncc")
+
+
 def _tracker(method: str, weights: Path | None, scales: int, seed: int, device: str,
              width: float | None = None):
     """A tracker by name: ``siamfc`` (needs weights), ``untrained`` (seeded random SiamFC) or ``ncc``."""
@@ -99,13 +103,13 @@ def run(
 
     _set_threads(threads)
     box = parse_box(init_box)
+    tracker = _tracker(method, weights, scales, seed, device, width)  # bad options fail before reading
     frame_list, video_fps = read_video(frames, max_frames)
     seq = Sequence(Path(frames).stem, frame_list)
     first = seq.frame(0)
     h, w = first.shape[:2]
     if box[0] >= w or box[1] >= h or box[0] + box[2] <= 0 or box[1] + box[3] <= 0:
         raise ConfigError(f"--init-box {init_box} lies outside the first frame ({w} x {h})")
-    tracker = _tracker(method, weights, scales, seed, device, width)
     from rich.progress import Progress
 
     with Progress(transient=True, disable=as_json) as bar:
@@ -175,6 +179,9 @@ def evaluate(
     names = [m.strip() for m in methods.split(",") if m.strip()]
     if not names:
         raise ConfigError("--methods needs at least one of siamfc, untrained, ncc")
+    unknown = [n for n in names if n.lower() not in _METHODS]
+    if unknown:  # before any data is read
+        raise ConfigError(f"unknown tracker {unknown[0]!r}: use {', '.join(_METHODS)}")
     sequences = load_tracking_dataset(dataset, root, split)[:max_sequences]
     results, boxes = {}, {}
     for name in names:
@@ -196,16 +203,17 @@ def evaluate(
     if as_json:
         typer.echo(json.dumps(table, indent=2))
         return
-    from rich.console import Console
     from rich.table import Table
 
+    from dmlkit.commands._console import output_console
+
     t = Table(title=f"OTB one-pass evaluation: {len(sequences)} sequences in {root}")
-    for col in ("tracker", "success AUC", "precision@20", "frames", "fps"):
+    for col in ("tracker", "success AUC (%)", "precision@20 (%)", "frames", "fps"):
         t.add_column(col, justify="left" if col == "tracker" else "right")
     for name, row in sorted(table.items(), key=lambda kv: -kv[1]["success_auc"]):
-        t.add_row(name, f"{row['success_auc']:.3f}", f"{row['precision_at_20']:.3f}",
+        t.add_row(name, f"{100 * row['success_auc']:.2f}", f"{100 * row['precision_at_20']:.2f}",
                   str(row["num_frames"]), f"{row['fps']:.1f}" if row["fps"] else "-")
-    Console().print(t)
+    output_console().print(t)
     if out_dir is not None:
         typer.echo(f"plots: {out_dir / 'ope.png'}; results: {out_dir / 'results.json'}")
 

@@ -1,10 +1,16 @@
-"""``dmlkit train CONFIG.yaml`` and ``dmlkit embed CHECKPOINT_OR_RUN_DIR``."""
+"""``dmlkit train CONFIG.yaml`` and ``dmlkit embed CHECKPOINT_OR_RUN_DIR [--format shards]``."""
 
 from __future__ import annotations
 
+import os
+import time
+import warnings
 from pathlib import Path
 
 import typer
+
+#: Seconds a rank other than 0 waits before exiting on an error every rank met (see train).
+_QUIET_RANK_EXIT_DELAY_S = 2.0
 
 
 def _setup_logging(quiet: bool) -> None:
@@ -46,11 +52,18 @@ def register(app: typer.Typer) -> None:
             None, "--set", help="Override a config value: --set training.epochs=3 (value parsed as YAML); repeatable."
         ),
         run_dir: Path | None = typer.Option(None, "--run-dir", help="Run directory (default: runs/<config name>)."),
-        data_root: Path | None = typer.Option(None, "--data-root", help="Data root (default: $DMLKIT_DATA or ~/.cache/dmlkit/data)."),
+        data_root: Path | None = typer.Option(None, "--data-root", help="Data root (default: the config's data.root, else $DMLKIT_DATA or ~/.cache/dmlkit/data); refused when data.root names another folder."),
         resume: bool = typer.Option(False, "--resume", help="Continue the run in --run-dir from checkpoints/last.pt."),
         quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bars or info logs."),
+        allow_world_size_change: bool = typer.Option(
+            False, "--allow-world-size-change",
+            help="With --resume: continue a run written by another number of processes (same global "
+                 "batches, not bit-identical)."),
     ) -> None:
         """Train an embedding model; embed the test split with the best checkpoint and print its metrics.
+
+        Runs unchanged under torchrun (torchrun --nproc-per-node N -m dmlkit train CONFIG): the
+        sampler's C x M batch is the global batch, split over the N processes; rank 0 writes.
 
         Writes RUN_DIR/{config.yaml, provenance.json, split.json, log.jsonl,
         checkpoints/{last,best}.pt, embeddings/test.npz, metrics.json}, as train() of
@@ -59,19 +72,38 @@ def register(app: typer.Typer) -> None:
         Inference and metric settings are the config's evaluation section, e.g.
         --set evaluation.memory_mb=512.
         """
-        from rich.console import Console
-
+        from dmlkit.commands._console import output_console
         from dmlkit.config import load_config
+        from dmlkit.distributed import mark_every_rank, raised_on_every_rank
+        from dmlkit.exceptions import DmlkitError
         from dmlkit.training import train
 
+        main_rank = os.environ.get("RANK", "0") in ("", "0")  # torchrun's rank; alone: rank 0
+        if not main_rank:  # other ranks stay quiet: rank 0 logs, warns and prints for the job
+            quiet = True
+            warnings.filterwarnings("ignore")
         _setup_logging(quiet)
-        cfg = load_config(config, list(set_ or []))
-        out_dir = run_dir if run_dir is not None else Path("runs") / cfg.name
-        result = train(cfg, out_dir, resume=resume, progress=not quiet, data_root=data_root)
+        try:
+            try:
+                cfg = load_config(config, list(set_ or []))
+            except DmlkitError as exc:  # the same file and --set on every rank
+                raise mark_every_rank(exc) from None
+            out_dir = run_dir if run_dir is not None else Path("runs") / cfg.name
+            result = train(cfg, out_dir, resume=resume, progress=not quiet, data_root=data_root,
+                           allow_world_size_change=allow_world_size_change)
+        except DmlkitError as exc:
+            if not main_rank and raised_on_every_rank(exc):
+                # rank 0 prints the one line; torchrun stops every rank as soon as one exits,
+                # so leave rank 0 a moment to print it first
+                time.sleep(_QUIET_RANK_EXIT_DELAY_S)
+                raise typer.Exit(exc.exit_code) from None
+            raise
+        if not main_rank:
+            return
         rows = {"val (best)": result.val_metrics or None, "test": result.test_metrics,
                 "val, step 0 (untrained)": result.baseline.get("val"),
                 "test, step 0 (untrained)": result.baseline.get("test")}
-        Console().print(_metrics_table(f"{cfg.name}: best step {result.best_step} "
+        output_console().print(_metrics_table(f"{cfg.name}: best step {result.best_step} "
                                        f"({result.stop_reason}, {result.train_seconds:.0f} s)", rows))
         if result.test_metrics:
             t = result.test_metrics
@@ -82,15 +114,52 @@ def register(app: typer.Typer) -> None:
     def embed_command(
         checkpoint: Path = typer.Argument(..., help="A checkpoint (.pt) or a run directory (uses checkpoints/best.pt)."),
         split: str = typer.Option("test", "--split", help="Which classes to embed: test, val or train."),
-        output: Path | None = typer.Option(None, "--output", "-o", help="Output .npz (default: RUN_DIR/embeddings/<split>.npz)."),
+        output: Path | None = typer.Option(None, "--output", "-o", help="Output .npz (default: RUN_DIR/embeddings/<split>.npz) or shard directory (default: RUN_DIR/embeddings/<split>-shards)."),
         data_root: Path | None = typer.Option(None, "--data-root", help="Data root (overrides the config's data.root)."),
         device: str = typer.Option("auto", "--device", help="auto, cpu or cuda."),
         quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bars."),
+        fmt: str = typer.Option("npz", "--format", help="npz (one file) or shards (a directory of memory-mapped .npy shards, written batch by batch: for sets larger than RAM)."),
+        dtype: str = typer.Option("float32", "--dtype", help="Shard dtype: float32 or float16 (--format shards)."),
+        shard_rows: int = typer.Option(65536, "--shard-rows", min=1, help="Rows per shard file (--format shards)."),
+        overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing shard directory (--format shards)."),
     ) -> None:
-        """Embed a split with a trained model; the .npz works with `dmlkit evaluate`."""
+        """Embed a split with a trained model; the .npz (or shard directory) works with `dmlkit evaluate`."""
+        from dmlkit.exceptions import ConfigError
+
+        if fmt not in ("npz", "shards"):
+            raise ConfigError(f"--format must be npz or shards, got {fmt!r}")
+        if fmt == "shards":
+            from dmlkit.embedding_shards import embed_to_shards
+            from dmlkit.embeddings import InferenceOptions
+            from dmlkit.training.builders import build_datasets
+            from dmlkit.training.checkpoint import find_checkpoint, load_checkpoint
+
+            if split not in ("train", "val", "test"):
+                raise ConfigError(f"the split must be train, val or test, got {split!r}")
+            ckpt = find_checkpoint(checkpoint)
+            model, cfg = load_checkpoint(ckpt)
+            dataset = build_datasets(cfg, (split,), data_root=data_root, augment_train=False)[split]
+            if dataset is None:
+                from dmlkit.exceptions import DataError
+
+                raise DataError(f"the config's class split has no {split} classes")
+            if output is None:
+                run = ckpt.parent.parent if ckpt.parent.name == "checkpoints" else ckpt.parent
+                output = run / "embeddings" / f"{split}-shards"
+            shards = embed_to_shards(
+                model, dataset, output, InferenceOptions.from_config(cfg, device), dtype=dtype,
+                shard_rows=shard_rows, overwrite=overwrite, progress=not quiet,
+                metadata={"checkpoint": str(ckpt), "split": split, "dataset": cfg.data.dataset},
+            )
+            typer.echo(f"wrote {output}: {shards.count} x {shards.dim} {dtype} embeddings in "
+                       f"{len(shards.manifest['shards'])} shard(s), {len(set(shards.labels.tolist()))} "
+                       f"classes ({split} split of {cfg.data.dataset})")
+            return
         from dmlkit.training.trainer import embed_run
 
+        main_rank = os.environ.get("RANK", "0") in ("", "0")  # under torchrun: each rank a shard
         output, emb, labels, cfg = embed_run(checkpoint, split, output=output, data_root=data_root,
-                                             device=device, progress=not quiet)
-        typer.echo(f"wrote {output}: {emb.shape[0]} x {emb.shape[1]} embeddings, "
-                   f"{len(set(labels.tolist()))} classes ({split} split of {cfg.data.dataset})")
+                                             device=device, progress=not quiet and main_rank)
+        if main_rank:
+            typer.echo(f"wrote {output}: {emb.shape[0]} x {emb.shape[1]} embeddings, "
+                       f"{len(set(labels.tolist()))} classes ({split} split of {cfg.data.dataset})")

@@ -280,9 +280,12 @@ def load_pair_list(path: str | os.PathLike, image_root: str | os.PathLike | None
     ``lfw/``); default: the pair list's folder.
     """
     p = Path(path)
-    if p.suffix.lower() == ".csv":
-        return read_pair_csv(p, image_root)
-    pairs = parse_lfw_pairs(p)
+    try:
+        if p.suffix.lower() == ".csv":
+            return read_pair_csv(p, image_root)
+        pairs = parse_lfw_pairs(p)
+    except UnicodeDecodeError as exc:
+        raise DataError(f"{p} is not a pair list: not UTF-8 text (byte {exc.start})") from None
     return resolve_lfw_pairs(pairs, image_root if image_root is not None else p.parent, source=str(p))
 
 

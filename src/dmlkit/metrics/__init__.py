@@ -9,7 +9,8 @@
   histograms and their Jensen-Shannon divergence ``pos_neg_js`` (Oi et al.).
 
 :func:`evaluate` computes any of them in one call; :func:`per_class` and :func:`per_query`
-break retrieval metrics down.
+break retrieval metrics down; :func:`evaluate_streaming` (:mod:`~dmlkit.metrics.streaming`)
+computes the same retrieval metrics from sources larger than memory (memory-mapped shards).
 """
 
 from dmlkit.metrics.clustering import CLUSTERING_METRICS, cluster_metrics, kmeans_labels, pair_f1
@@ -23,6 +24,7 @@ from dmlkit.metrics.evaluate import (
 from dmlkit.metrics.histograms import PosNegHistograms, js_divergence, pos_neg_histograms
 from dmlkit.metrics.knn import KNNResult, exact_topk, faiss_available, knn
 from dmlkit.metrics.roc import RocCurve, fpr95, fpr_at_tpr, roc_auc, roc_curve
+from dmlkit.metrics.streaming import evaluate_streaming, per_query_streaming
 
 __all__ = [
     "CLUSTERING_METRICS",
@@ -32,6 +34,7 @@ __all__ = [
     "PosNegHistograms",
     "cluster_metrics",
     "evaluate",
+    "evaluate_streaming",
     "exact_topk",
     "faiss_available",
     "js_divergence",
@@ -40,6 +43,7 @@ __all__ = [
     "pair_f1",
     "per_class",
     "per_query",
+    "per_query_streaming",
     "pos_neg_histograms",
     # ROC of pair scores (metrics/roc.py)
     "RocCurve",

@@ -358,7 +358,7 @@ def histogram_tile(
                 positive[b] += 1
 
 
-# -- full-ranking average precision -----------------------------------------------------------
+# -- full-ranking average precision (the counting kernels: dmlkit.metrics._ap_kernels) -------
 @numba.njit(inline="always")
 def _closeness64(a: np.ndarray, b: np.ndarray, euclidean: bool) -> np.float64:
     if euclidean:
@@ -368,114 +368,6 @@ def _closeness64(a: np.ndarray, b: np.ndarray, euclidean: bool) -> np.float64:
             acc -= diff * diff
         return acc
     return _dot64(a, b)
-
-
-@numba.njit(inline="always")
-def _negatives_gap(
-    v: np.float64, i: int, j: int, pos_ptr, pos_val, pos_ref, tol: np.float64, qrow, rrow, euclidean: bool
-) -> np.int64:
-    """How many of row ``i``'s positives rank above negative ``j`` of float32 closeness ``v``.
-
-    Positives are sorted by float64 closeness, descending. Those more than ``tol`` above ``v``
-    are above it whatever the float32 rounding; those within ``tol`` are compared with the
-    negative's float64 closeness (ties by the smaller reference index).
-    """
-    lo, hi = pos_ptr[i], pos_ptr[i + 1]
-    upper = v + tol
-    # first positive not certainly above: a branch-free lower bound (the comparison outcome is
-    # unpredictable, so a conditional move rather than a branch)
-    a = lo
-    n = hi - lo
-    while n > 1:
-        half = n >> 1
-        a = a + half if pos_val[a + half - 1] > upper else a
-        n -= half
-    if n == 1 and pos_val[a] > upper:
-        a += 1
-    g = a - lo
-    lower = v - tol
-    have = False
-    neg = 0.0
-    p = a
-    while p < hi and pos_val[p] >= lower:
-        if not have:
-            neg = _closeness64(qrow, rrow, euclidean)
-            have = True
-        if pos_val[p] > neg or (pos_val[p] == neg and pos_ref[p] < j):
-            g += 1
-        p += 1
-    return g
-
-
-@numba.njit(nogil=True, cache=True, boundscheck=False)
-def ap_scan_tile(
-    s: np.ndarray,
-    row0: int,
-    col0: int,
-    state0: int,
-    exclude_self: bool,
-    both: bool,
-    query_labels: np.ndarray,
-    reference_labels: np.ndarray,
-    pos_ptr: np.ndarray,
-    pos_val: np.ndarray,
-    pos_ref: np.ndarray,
-    lowest: np.ndarray,
-    gaps: np.ndarray,
-    tol: np.float64,
-    query: np.ndarray,
-    reference: np.ndarray,
-    euclidean: bool,
-) -> None:
-    """Count, for every negative of a float32 closeness tile, how many positives rank above it.
-
-    ``s[r, c]`` is the closeness of query ``row0 + r`` and reference ``col0 + c``. Row state is
-    indexed from global row ``state0``: positives of state row ``i`` are
-    ``pos_val / pos_ref[pos_ptr[i]:pos_ptr[i + 1]]`` (float64 closeness, descending; ties by
-    index), ``lowest[i]`` is the float32 below which a negative ranks after every positive (it
-    changes no precision) and ``gaps[pos_ptr[i] + g]`` counts the negatives with exactly ``g``
-    positives above. With ``both`` (a self-search tile off the diagonal) each entry also
-    counts for query ``col0 + c`` against reference ``row0 + r``.
-    """
-    nr, nc = s.shape
-    for r in range(nr):
-        gi = row0 + r
-        i = gi - state0
-        t = lowest[i]
-        label = query_labels[gi]
-        row = s[r]
-        for c in range(nc):
-            x = row[c]
-            gj = col0 + c
-            if x >= t and reference_labels[gj] != label and not (exclude_self and gi == gj):
-                g = _negatives_gap(np.float64(x), i, gj, pos_ptr, pos_val, pos_ref, tol,
-                                   query[gi], reference[gj], euclidean)
-                if g < pos_ptr[i + 1] - pos_ptr[i]:
-                    gaps[pos_ptr[i] + g] += 1
-            if both:  # the same entry for query col0 + c and reference row0 + r
-                ic = gj - state0
-                if x >= lowest[ic] and query_labels[gj] != reference_labels[gi]:
-                    g = _negatives_gap(np.float64(x), ic, gi, pos_ptr, pos_val, pos_ref, tol,
-                                       query[gj], reference[gi], euclidean)
-                    if g < pos_ptr[ic + 1] - pos_ptr[ic]:
-                        gaps[pos_ptr[ic] + g] += 1
-
-
-@numba.njit(nogil=True, cache=True, boundscheck=False)
-def ap_from_gaps(pos_ptr: np.ndarray, gaps: np.ndarray, out: np.ndarray) -> None:
-    """Average precision of every state row from its negatives-per-gap counts.
-
-    With ``n_p`` negatives above the ``p``-th positive (1-based), ``AP = (1/R) sum_p p / (p + n_p)``.
-    """
-    for i in range(out.shape[0]):
-        lo, hi = pos_ptr[i], pos_ptr[i + 1]
-        total = 0.0
-        above = 0
-        for p in range(lo, hi):
-            above += gaps[p]
-            rank_in = p - lo + 1
-            total += rank_in / (rank_in + above)
-        out[i] = total / (hi - lo) if hi > lo else 0.0
 
 
 @numba.njit(nogil=True, cache=True, boundscheck=False)

@@ -17,7 +17,8 @@ Check", ECCV 2020, section 4):
     e.g. SOP's 11,318 / 11,316; ``ratio_4_1_5``: train/val/test 4:1:5 of Oi et al., seed
     004), in the dataset's default class order or a seeded random order; the number of
     class-disjoint folds; the Bayesian search (Optuna TPE, trials, storage); the seeds of the
-    final runs; the metrics.
+    final runs; the metrics; how training runs start (``launcher``: in the worker process, or
+    as ``nproc_per_trial`` ranks under torchrun, :class:`TorchrunSettings`).
 ``methods``
     A list of ``{name, loss {name, params}, miner {name, params} | null, search {...}}``.
     A method may only choose its loss and miner and declare which of *their* hyperparameters
@@ -65,6 +66,7 @@ __all__ = [
     "MethodConfig",
     "ProtocolConfig",
     "SearchParam",
+    "TorchrunSettings",
     "load_bench_config",
 ]
 
@@ -196,6 +198,51 @@ class MethodConfig(_Strict):
         return self
 
 
+class TorchrunSettings(_Strict):
+    """How ``protocol.launcher: torchrun`` starts each training run of a trial.
+
+    Every training run (one fold of a search trial, one final fold model) becomes one
+    single-node job of ``protocol.nproc_per_trial`` processes started by ``python -m
+    torch.distributed.run`` (:mod:`dmlkit.protocol.launch`). ``rdzv_endpoint`` ``null`` uses
+    ``--standalone``: a rendezvous on this host with a free port per run, so several bench
+    workers on one machine never collide; set ``HOST:PORT`` only if ``localhost`` does not
+    resolve. ``threads_per_process`` sets ``OMP_NUM_THREADS`` of each rank (default: this
+    machine's cores / ``nproc_per_trial``). ``timeout_s`` bounds one training run's wall time:
+    the job is stopped and the trial recorded as failed. ``extra_args`` are passed to torchrun
+    before the script (e.g. ``["--monitor-interval", "1"]``).
+    """
+
+    rdzv_backend: Literal["c10d"] = "c10d"
+    rdzv_endpoint: str | None = None
+    threads_per_process: int | None = Field(None, ge=1)
+    timeout_s: float | None = Field(None, gt=0)
+    kill_grace_s: float = Field(30.0, gt=0)
+    extra_args: list[str] = Field(default_factory=list)
+
+    @field_validator("rdzv_endpoint")
+    @classmethod
+    def _endpoint(cls, value: str | None) -> str | None:
+        if value is not None:
+            host, sep, port = value.rpartition(":")
+            if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+                raise ValueError(f"protocol.torchrun.rdzv_endpoint {value!r} must be HOST:PORT")
+        return value
+
+    @field_validator("extra_args")
+    @classmethod
+    def _extra(cls, value: list[str]) -> list[str]:
+        owned = ("--nproc-per-node", "--nproc_per_node", "--nnodes", "--standalone", "--rdzv-endpoint",
+                 "--rdzv_endpoint", "--rdzv-backend", "--rdzv_backend", "--rdzv-id", "--rdzv_id",
+                 "--max-restarts", "--max_restarts", "-m", "--module", "--no-python", "--no_python")
+        clash = [a for a in value if a.split("=", 1)[0] in owned]
+        if clash:
+            raise ValueError(
+                f"protocol.torchrun.extra_args sets {clash}: dmlkit sets these itself "
+                "(use protocol.nproc_per_trial and protocol.torchrun.rdzv_endpoint)"
+            )
+        return value
+
+
 class ProtocolConfig(_Strict):
     """Splits, cross-validation, search and final runs."""
 
@@ -217,6 +264,9 @@ class ProtocolConfig(_Strict):
     metrics: list[str] = Field(default_factory=lambda: list(DEFAULT_METRICS))
     keep_search_checkpoints: bool = False
     pretrained: bool = True
+    launcher: Literal["local", "torchrun"] = "local"
+    nproc_per_trial: int = Field(1, ge=1)
+    torchrun: TorchrunSettings = Field(default_factory=TorchrunSettings)
 
     @model_validator(mode="after")
     def _resolve(self) -> ProtocolConfig:
@@ -238,6 +288,11 @@ class ProtocolConfig(_Strict):
                 raise ValueError(f"protocol.seeds must be distinct, got {self.seeds}")
             self.repeats = len(self.seeds)
         self.metrics = list(dict.fromkeys([*DEFAULT_METRICS, *self.metrics]))
+        if self.launcher == "local" and self.nproc_per_trial != 1:
+            raise ValueError(
+                f"protocol.nproc_per_trial = {self.nproc_per_trial} needs protocol.launcher: torchrun "
+                "(the local launcher trains in the worker process itself)"
+            )
         if self.storage is not None and not self.storage.startswith(
             ("sqlite:", "postgresql:", "postgresql+", "postgres:", "mysql")
         ):
@@ -298,6 +353,22 @@ class BenchConfig(_Strict):
             raise ValueError(f"method names must be unique, repeated: {dup}")
         return self
 
+    @model_validator(mode="after")
+    def _ranks_divide_batches(self) -> BenchConfig:
+        """Each of ``nproc_per_trial`` ranks takes an equal share of the global batch."""
+        n = self.protocol.nproc_per_trial
+        samplers = {"fixed.sampler": self.fixed.sampler}
+        if self.fixed.classification_sampler is not None:
+            samplers["fixed.classification_sampler"] = self.fixed.classification_sampler
+        for key, sampler in samplers.items():
+            if sampler.batch_size % n:
+                raise ValueError(
+                    f"protocol.nproc_per_trial = {n} does not divide the global batch of {key} "
+                    f"({sampler.classes_per_batch} classes x {sampler.samples_per_class} samples = "
+                    f"{sampler.batch_size}): choose a divisor of it, or change the batch"
+                )
+        return self
+
     # -- derived -------------------------------------------------------------------------
     def method(self, name: str) -> MethodConfig:
         for m in self.methods:
@@ -348,6 +419,10 @@ class BenchConfig(_Strict):
         fixed = self.fixed.model_dump(mode="json")
         evaluation = fixed.pop("evaluation")
         fixed["training"]["eval_batch_size"] = evaluation["batch_size"]
+        # where this machine keeps its data and feature cache is not a setting of the
+        # experiment: workers on machines with other paths must join the same study
+        fixed["data"]["root"] = None
+        fixed["model"]["feature_cache_dir"] = None
         return fixed
 
 

@@ -29,6 +29,7 @@ import multiprocessing
 import os
 import shutil
 import time
+import warnings
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -50,11 +51,13 @@ from dmlkit.protocol.config import (
     bench_config_from_dict,
     dump_bench_config,
 )
+from dmlkit.protocol.preflight import check_bench
 from dmlkit.protocol.results import build_results, write_results
 from dmlkit.protocol.space import suggest
 from dmlkit.protocol.splits import BenchSplit, TestClassGuard, make_bench_split
 from dmlkit.protocol.stats import l2_normalize
 from dmlkit.protocol.study import (
+    count_completed,
     count_finished,
     fail_running_trials,
     make_sampler,
@@ -62,10 +65,12 @@ from dmlkit.protocol.study import (
     open_study,
     resolve_storage_url,
     run_worker,
+    storage_lock,
     study_summary,
 )
 from dmlkit.training import build_model, train
-from dmlkit.utils import atomic_write_json, atomic_write_text, provenance, seed_everything
+from dmlkit.training.preflight import Preflight, merge_data_root
+from dmlkit.utils import atomic_write_text, seed_everything, write_provenance
 from dmlkit.utils import data_root as resolve_data_root
 
 __all__ = ["Bench", "FinalStage", "SearchStage", "run_seed"]
@@ -324,8 +329,14 @@ class Bench:
     ) -> None:
         self.config = config
         self.dir = Path(bench_dir)
+        merge_data_root(config.fixed.data.root, data_root, "fixed.data.root")  # two folders: refused
         self.data_root = data_root
         self.console = console
+        if train_fn is None and config.protocol.launcher != "local":
+            # torchrun's ranks run dmlkit.protocol.launch as __main__: not imported with the package
+            from dmlkit.protocol.launch import launcher_for  # lazy: ranks run it as __main__
+
+            train_fn = launcher_for(config, data_root=data_root, threads=threads)
         self.train_fn = train_fn
         self.config_path = None if config_path is None else Path(config_path)
         self.overrides = list(overrides)
@@ -393,6 +404,8 @@ class Bench:
             for d in (a, b):  # these may grow/change on resume
                 d["protocol"].pop("trials", None)
                 d["protocol"].pop("storage", None)
+                for key in ("launcher", "nproc_per_trial", "torchrun"):  # how runs start, not what
+                    d["protocol"].pop(key, None)
             if a != b:
                 raise ConfigError(
                     f"{self.dir} holds a benchmark with another config ({cfg_path}); "
@@ -401,9 +414,21 @@ class Bench:
         atomic_write_text(cfg_path, text)
         prov_path = self.dir / "provenance.json"
         if not prov_path.exists():
-            atomic_write_json(prov_path, provenance(self.config.fixed.seed, extra={
+            write_provenance(prov_path, self.config.fixed.seed, extra={
                 "bench_dir": str(self.dir.resolve()), "config_path": str(self.config_path),
-                "overrides": self.overrides}))
+                "overrides": self.overrides})
+
+    def validate(self) -> Preflight:
+        """Check every method's config against the dataset and the folds' class counts, all at
+        once (:func:`dmlkit.protocol.preflight.check_bench`): one error listing every violation
+        with a value that fits, before the first trial and before anything is written."""
+        root = resolve_data_root(self.data_root if self.data_root is not None else self.config.fixed.data.root)
+        report = check_bench(self.config, load_full_dataset(self.config, self.data_root), root=root)
+        report.dataset = None  # keep no reference to the test classes
+        report.raise_errors()
+        for problem in report.warnings:
+            _say(self.console, f"[yellow]warning:[/] {problem.line()}")
+        return report
 
     # -- search -----------------------------------------------------------------------------
     def _dev_dataset(self):
@@ -439,13 +464,12 @@ class Bench:
                 n = fail_running_trials(study)
                 if n:
                     _say(self.console, f"[yellow]{method.name}: {n} interrupted trial(s) will be rerun[/]")
-            done = count_finished(study)
-            _say(self.console, f"[bold]{method.name}[/]: search {done}/{p.trials} trials finished")
+            _say(self.console, f"[bold]{method.name}[/]: search {_progress(study, p.trials)}")
 
             def on_end(frozen, method=method, study=study) -> None:
                 value = "failed: " + str(frozen.user_attrs.get("error", "?")) if frozen.value is None else f"{frozen.value:.4f}"
                 _say(self.console, f"  {method.name} trial {frozen.number}: {frozen.params} -> {value}"
-                     f"  [{count_finished(study)}/{p.trials}]")
+                     f"  [{_progress(study, p.trials)}]")
 
             run_worker(study, stage.objective(method), heartbeat_interval=p.heartbeat_interval,
                        max_trials=max_trials, on_trial_end=on_end,
@@ -453,6 +477,85 @@ class Bench:
                            p.sampler, p.sampler_seed + 7919 * number, p.n_startup_trials))
             summary[method.name] = study_summary(study)
         return summary
+
+    def wait_for_search(self, methods: Sequence[str] | None = None, *, poll_s: float | None = None,
+                        timeout_s: float | None = None) -> None:
+        """With a shared study: wait until every trial slot is finished, wherever it runs.
+
+        Trials running on other machines are waited for (every ``poll_s`` seconds, default the
+        heartbeat interval); a trial whose worker died goes stale after
+        ``protocol.grace_period``, is re-enqueued with the same parameters and is run here.
+        ``timeout_s`` (default: none) bounds the wait.
+        """
+        import optuna
+        from optuna.storages import fail_stale_trials
+        from optuna.trial import TrialState
+
+        p = self.config.protocol
+        poll = float(poll_s if poll_s is not None else p.heartbeat_interval)
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        said: set[str] = set()
+        while True:
+            waiting, running = [], {}
+            for method in self._methods(methods):
+                if not method.search:
+                    continue
+                study = optuna.load_study(storage=self.storage, study_name=self.study_name(method))
+                with warnings.catch_warnings(), storage_lock(study._storage):
+                    warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+                    fail_stale_trials(study)  # a dead worker's trial comes back as WAITING
+                if count_finished(study) >= p.trials:
+                    continue
+                states = [t.state for t in study.get_trials(deepcopy=False)]
+                if TrialState.WAITING in states:
+                    waiting.append(method.name)
+                running[method.name] = states.count(TrialState.RUNNING)
+            if waiting:
+                self.search(methods=waiting, exclusive=False)
+                continue
+            if not running:
+                return
+            for name, n in running.items():
+                if name not in said:
+                    said.add(name)
+                    _say(self.console, f"{name}: waiting for {n} trial(s) running on other workers")
+            if deadline is not None and time.monotonic() > deadline:
+                raise DmlkitError(
+                    f"the search is not over after {timeout_s:g} s ({running} trials still running on "
+                    "other workers); rerun the same command later to continue"
+                )
+            time.sleep(poll)
+
+    def failed_searches(self, methods: Sequence[str] | None = None) -> dict[str, str]:
+        """``{method: first error}`` for each method whose search is over (no trial waiting or
+        running) and has no completed trial."""
+        import optuna
+        from optuna.trial import TrialState
+
+        failed = {}
+        for method in self._methods(methods):
+            if not method.search:
+                continue
+            try:
+                study = optuna.load_study(storage=self.storage, study_name=self.study_name(method))
+            except KeyError:
+                continue
+            trials = study.get_trials(deepcopy=False)
+            pending = [t for t in trials if t.state in (TrialState.WAITING, TrialState.RUNNING)]
+            if trials and not pending and count_completed(study) == 0:
+                errors = [t.user_attrs.get("error") for t in trials if t.user_attrs.get("error")]
+                failed[method.name] = errors[0] if errors else "no trial completed"
+        return failed
+
+    def check_search(self, methods: Sequence[str] | None = None) -> None:
+        """Raise (exit code 2) when every search trial of a method failed."""
+        failed = self.failed_searches(methods)
+        if failed:
+            detail = "; ".join(f"{name}: {error}" for name, error in failed.items())
+            raise DmlkitError(
+                f"every search trial failed for {', '.join(failed)} ({detail}). Fix the method's "
+                f"config or search ranges; the failed trials are in {self.storage_url}"
+            )
 
     def _methods(self, names: Sequence[str] | None) -> list[MethodConfig]:
         if not names:
@@ -470,10 +573,9 @@ class Bench:
         except KeyError:
             raise DmlkitError(f"no search study for {method.name!r}: run the search first") from None
         p = self.config.protocol
-        finished = count_finished(study)
-        if finished < p.trials:
+        if count_finished(study) < p.trials:  # trial slots still to run (completed or failed)
             raise DmlkitError(
-                f"the search of {method.name!r} has {finished}/{p.trials} finished trials: rerun "
+                f"the search of {method.name!r} is not over ({_progress(study, p.trials)}): rerun "
                 "`dmlkit bench` (it resumes) or wait for the workers to finish"
             )
         try:
@@ -526,6 +628,9 @@ class Bench:
 
     # -- orchestration -----------------------------------------------------------------------------
     def run(self, *, workers: int = 1, methods: Sequence[str] | None = None, stage: str = "all") -> dict[str, Any] | None:
+        """Validate, then run the stages (``all``, ``search`` or ``final``); ``final`` returns
+        the results. Raises when every search trial of a method failed."""
+        self.validate()  # before anything is written: a refused config leaves no trace
         self.prepare()
         with _bench_lock(self.dir) if self.config.protocol.storage is None else contextlib.nullcontext():
             if stage in ("all", "search"):
@@ -534,6 +639,9 @@ class Bench:
                 else:
                     # a shared database may have live workers elsewhere: rely on their heartbeats
                     self.search(methods=methods, exclusive=self.config.protocol.storage is None)
+                    if self.config.protocol.storage is not None:  # wait for the other workers
+                        self.wait_for_search(methods)
+                self.check_search(methods)
             if stage in ("all", "final"):
                 release_claims(self.dir)
                 if workers > 1:
@@ -583,6 +691,13 @@ class Bench:
                 f"{len(failed)} worker(s) failed (exit codes {failed}); see {self.dir}/worker*.log, "
                 "then rerun the same command to resume"
             )
+
+
+def _progress(study, trials: int) -> str:
+    """``"2/3 trials completed, 1 failed"``: only COMPLETE trials count as completed."""
+    completed = count_completed(study)
+    failed = count_finished(study) - completed
+    return f"{completed}/{trials} trials completed" + (f", {failed} failed" if failed else "")
 
 
 @contextlib.contextmanager

@@ -15,7 +15,9 @@ Exactly-once trials across workers and restarts
 Failures and interruptions
     An exception in a trial (a NaN loss -> :class:`~dmlkit.exceptions.NonFiniteError`, out of
     memory, anything else) marks it FAIL, stores the error text in its user attributes, and the
-    study goes on; failed trials count as finished. A *killed* worker leaves a RUNNING trial
+    study goes on; a failed trial uses up its slot (:func:`count_finished`) but is not
+    *completed* (:func:`count_completed`): what users are shown as "completed" and what model
+    selection uses are COMPLETE trials only. A *killed* worker leaves a RUNNING trial
     behind; workers record heartbeats, and a trial whose heartbeat is older than the grace
     period (or, for the single local coordinator, any RUNNING trial found at start-up) is
     marked FAIL and re-enqueued with the same parameters
@@ -38,6 +40,7 @@ from dmlkit.exceptions import ConfigError, DmlkitError, require
 
 __all__ = [
     "claim_waiting_trial",
+    "count_completed",
     "count_finished",
     "make_storage",
     "open_study",
@@ -213,7 +216,8 @@ def open_study(
 
 
 def counted_trials(study) -> list:
-    """Finished trials: COMPLETE + FAIL, without interrupted ones (those are retried)."""
+    """Trials that used up their slot: COMPLETE + FAIL, without interrupted ones (those are
+    retried). Only the COMPLETE ones are *completed* (:func:`count_completed`)."""
     from optuna.trial import TrialState
 
     trials = study.get_trials(deepcopy=False)
@@ -223,8 +227,17 @@ def counted_trials(study) -> list:
 
 
 def count_finished(study) -> int:
-    """How many trials are finished (:func:`counted_trials`)."""
+    """How many trial slots are used up, completed or failed (:func:`counted_trials`): the
+    study is over when this reaches ``trials``."""
     return len(counted_trials(study))
+
+
+def count_completed(study) -> int:
+    """How many trials completed (a finite objective value): the only ones that count as
+    results (a study whose every trial failed has 0)."""
+    from optuna.trial import TrialState
+
+    return len(study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)))
 
 
 def study_summary(study) -> dict[str, Any]:
@@ -235,7 +248,10 @@ def study_summary(study) -> dict[str, Any]:
     for t in trials:
         states[t.state.name] += 1
     interrupted = len(interrupted_numbers(trials))
-    return {"finished": count_finished(study), "states": states, "interrupted": interrupted}
+    completed = count_completed(study)
+    # "finished" counts COMPLETE trials only: a failed trial is no result
+    return {"finished": completed, "failed": count_finished(study) - completed, "states": states,
+            "interrupted": interrupted}
 
 
 def fail_running_trials(study) -> int:

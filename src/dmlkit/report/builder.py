@@ -9,7 +9,6 @@ images, for thumbnails) are left out with a note saying why, never faked.
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -21,13 +20,13 @@ import numpy as np
 from dmlkit.config import load_config
 from dmlkit.data import load_image
 from dmlkit.embeddings import embed_split, load_embeddings
-from dmlkit.exceptions import DataError, DataNotFoundError, DmlkitError
+from dmlkit.exceptions import ConfigError, DataError, DataNotFoundError, DmlkitError
 from dmlkit.metrics import knn, per_class, per_query, pos_neg_histograms
 from dmlkit.protocol.results import format_cell, metric_label
 from dmlkit.report import figures
 from dmlkit.report.html import Figure, Section, render_page, table_html
 from dmlkit.training import build_datasets, build_model, load_checkpoint, read_log
-from dmlkit.utils import atomic_write_text, seed_everything
+from dmlkit.utils import atomic_write_text, os_error_message, read_json, seed_everything
 
 __all__ = ["ReportOptions", "build_report", "hist_dict", "mean_of", "read_jsonl"]
 
@@ -68,12 +67,19 @@ def build_report(path: str | os.PathLike, out: str | os.PathLike | None = None,
         raise DataNotFoundError(f"{src} is not a directory: pass a run directory (dmlkit train) "
                                 "or a benchmark directory (dmlkit bench)")
     options = options or ReportOptions()
+    unknown = sorted(set(options.maps) - set(figures.PROJECTIONS))
+    if unknown:
+        raise ConfigError(f"unknown 2-D map(s) {', '.join(unknown)}: use {', '.join(figures.PROJECTIONS)}")
     page = Path(out) if out is not None else src / "report.html"
     fig_dir = page.parent / "figures"
     fig_dir.mkdir(parents=True, exist_ok=True)
     if (src / "results.json").exists():
         title, subtitle, sections = _bench_sections(src, fig_dir, options)
     elif (src / "config.yaml").exists():
+        try:
+            load_config(src / "config.yaml")
+        except DmlkitError as exc:
+            raise DataError(f"{src} is not a readable run directory: {exc}") from None
         title, subtitle, sections = _run_sections(src, fig_dir, options)
     else:
         raise DataError(f"{src} holds neither results.json (benchmark) nor config.yaml (training run)")
@@ -88,6 +94,23 @@ class _Split:
     embeddings: np.ndarray
     labels: np.ndarray
     image_of: Callable[[int], np.ndarray] | None = None
+    #: ``{class id: name}`` (folder names of an image folder) for the figures; None: show ids
+    class_names: Mapping[int, str] | None = None
+
+
+def _file_class_names(extra: Mapping[str, np.ndarray]) -> dict[int, str] | None:
+    """``{code: name}`` of an embeddings file saved with class-name labels, else None."""
+    names = extra.get("class_names")
+    return None if names is None else {i: str(n) for i, n in enumerate(np.asarray(names).tolist())}
+
+
+def _dataset_class_names(dataset) -> dict[int, str] | None:
+    """``{class id: name}`` of a dataset whose names say more than its ids, else None."""
+    names = getattr(dataset, "class_names", None)
+    if not names:
+        return None
+    names = {int(c): str(n) for c, n in dict(names).items()}
+    return None if all(n == str(c) for c, n in names.items()) else names
 
 
 def _sample_rows(labels: np.ndarray, max_points: int, seed: int) -> np.ndarray:
@@ -136,8 +159,8 @@ def _run_embeddings(run_dir: Path, options: ReportOptions, notes: list[str]) -> 
                      "saved test embeddings only.")
         saved = run_dir / "embeddings" / "test.npz"
         if saved.exists():
-            emb, lab, _ = load_embeddings(saved)
-            trained["test"] = _Split("test", emb, lab)
+            emb, lab, extra = load_embeddings(saved)
+            trained["test"] = _Split("test", emb, lab, class_names=_file_class_names(extra))
         return trained, untrained
     for name in ("train", "val", "test"):
         ds = datasets.get(name)
@@ -149,10 +172,11 @@ def _run_embeddings(run_dir: Path, options: ReportOptions, notes: list[str]) -> 
         sub = ds.subset(rows) if len(rows) < len(labels) else ds
         emb, lab = embed_split(model, sub, config, device="cpu")
         getter = _image_getter(sub) if options.thumbnails else None
-        trained[name] = _Split(name, emb, lab, getter)
+        names = _dataset_class_names(ds)
+        trained[name] = _Split(name, emb, lab, getter, names)
         if name == "test":
             emb0, lab0 = embed_split(initial, sub, config, device="cpu")
-            untrained[name] = _Split(name, emb0, lab0, getter)
+            untrained[name] = _Split(name, emb0, lab0, getter, names)
     return trained, untrained
 
 
@@ -223,7 +247,8 @@ def _embedding_sections(test: _Split, before: _Split | None, others: Mapping[str
             rng = np.random.default_rng(options.seed)
             picks = rng.choice(len(sel), size=min(12, len(sel)), replace=False)
             thumbs = {int(p): test.image_of(int(sel[p])) for p in picks}
-        fig = figures.embedding_map(pts, test.labels[sel], f"{method.upper()} of test embeddings", thumbs)
+        fig = figures.embedding_map(pts, test.labels[sel], f"{method.upper()} of test embeddings", thumbs,
+                                    class_names=test.class_names)
         png = figures.save_figure(fig, fig_dir / f"map_{method}")
         map_figs.append(Figure(png[0], f"{method.upper()} map of {what} ({len(classes)} test classes)", png[1]))
     sections.append(Section("Maps of the test embeddings", [
@@ -246,7 +271,8 @@ def _embedding_sections(test: _Split, before: _Split | None, others: Mapping[str
             rows_g.append({"query": q, "query_label": int(test.labels[q]), "neighbors": neigh,
                            "neighbor_labels": [int(test.labels[n]) for n in neigh],
                            "caption": f"{kind}\nAP@R={100 * ap[q]:.0f}%"})
-        png = figures.save_figure(figures.retrieval_gallery(rows_g, test.image_of, "Test retrieval"),
+        png = figures.save_figure(figures.retrieval_gallery(rows_g, test.image_of, "Test retrieval",
+                                                            class_names=test.class_names),
                                   fig_dir / "gallery")
         sections.append(Section("Retrieval gallery", [
             f"{options.gallery_queries} random and the {options.gallery_queries} worst-scoring test queries "
@@ -255,7 +281,8 @@ def _embedding_sections(test: _Split, before: _Split | None, others: Mapping[str
     pc = per_class(test.embeddings, test.labels, metrics=["map_at_r"])
     values = {c: row["map_at_r"] for c, row in pc.items() if np.isfinite(row["map_at_r"])}
     if values:
-        png = figures.save_figure(figures.per_class_bars(values, "map_at_r"), fig_dir / "per_class")
+        png = figures.save_figure(figures.per_class_bars(values, "map_at_r", class_names=test.class_names),
+                                  fig_dir / "per_class")
         sections.append(Section("Per-class MAP@R", [
             f"MAP@R of each test class (mean over its queries); {len(values)} classes."], [],
             [Figure(png[0], "Best and worst test classes by MAP@R", png[1])]))
@@ -269,8 +296,22 @@ def hist_dict(h) -> dict[str, Any]:
 
 
 def read_jsonl(path: Path) -> list[dict[str, Any]]:
-    """Every record of a run's ``log.jsonl`` (a line cut by a crash is skipped; no file: ``[]``)."""
-    return read_log(path)
+    """Every record of a run's ``log.jsonl`` (a line cut by a crash is skipped; no file: ``[]``);
+    a file that is not UTF-8 text is a :class:`DataError`."""
+    try:
+        return read_log(path)
+    except UnicodeDecodeError as exc:
+        raise DataError(f"{path} is not a dmlkit log: not UTF-8 text (byte {exc.start})") from None
+    except OSError as exc:
+        raise DataError(os_error_message(exc, path)) from None
+
+
+def _json_mapping(path: Path, what: str) -> dict[str, Any]:
+    """The JSON object in ``path`` (:func:`dmlkit.utils.read_json`), or a :class:`DataError`."""
+    data = read_json(path, what)
+    if not isinstance(data, dict):
+        raise DataError(f"{path} is not a {what}: it holds a JSON {type(data).__name__}, not an object")
+    return data
 
 
 def _fmt(v: Any) -> str:
@@ -281,7 +322,8 @@ def _fmt(v: Any) -> str:
 def _run_sections(run_dir: Path, fig_dir: Path, options: ReportOptions) -> tuple[str, str, list[Section]]:
     notes: list[str] = []
     sections: list[Section] = []
-    metrics = json.loads((run_dir / "metrics.json").read_text()) if (run_dir / "metrics.json").exists() else {}
+    metrics = _json_mapping(run_dir / "metrics.json", "metrics.json of dmlkit train") \
+        if (run_dir / "metrics.json").exists() else {}
     rows = []
     for split in ("val", "test"):
         m = metrics.get(split) or {}
@@ -319,7 +361,7 @@ def _run_sections(run_dir: Path, fig_dir: Path, options: ReportOptions) -> tuple
 
 def _reid_section(path: Path, fig_dir: Path) -> Section:
     """``dmlkit reid``'s results: the CMC/mAP table, the CMC curve and a ranked-gallery strip."""
-    res = json.loads(path.read_text())
+    res = _json_mapping(path, "reid.json of dmlkit reid")
     if res.get("protocol") != "market1501":
         rows = [[k, _fmt(v["mean"]), _fmt(v["std"])] for k, v in res.items()
                 if isinstance(v, dict) and "mean" in v]
@@ -359,9 +401,9 @@ def _config_section(directory: Path) -> Section:
 
 # -- a benchmark ---------------------------------------------------------------------------------
 def _bench_sections(bench_dir: Path, fig_dir: Path, options: ReportOptions) -> tuple[str, str, list[Section]]:
-    results = json.loads((bench_dir / "results.json").read_text())
+    results = _json_mapping(bench_dir / "results.json", "results.json of dmlkit bench")
     methods: dict[str, Any] = results.get("methods", {})
-    if not methods:
+    if not methods or not isinstance(methods, dict):
         raise DataError(f"{bench_dir / 'results.json'} lists no methods")
     sections: list[Section] = []
     metrics = results.get("metrics", list(_MAIN_METRICS))
@@ -379,7 +421,7 @@ def _bench_sections(bench_dir: Path, fig_dir: Path, options: ReportOptions) -> t
         "Test-set accuracy (%) in the layout of Musgrave et al. (2020): concatenated = the fold models' "
         "embeddings concatenated and L2-normalised; separated = each fold model alone, averaged. "
         "± is the 95% confidence interval over repeated runs (n/a with a single repeat)."],
-        [table_html(header, rows, best_row=best)]))
+        [table_html(header, rows, best_columns=range(1, len(header)))]))
     concat = {n: {"map_at_r": mean_of(r.get("concatenated", {}).get("map_at_r"))} for n, r in methods.items()}
     if any(b in concat for b in ("contrastive", "triplet")):
         png = figures.save_figure(figures.relative_improvement(concat), fig_dir / "relative_improvement")
@@ -414,10 +456,12 @@ def _concatenated_test(bench_dir: Path, method: str) -> _Split | None:
         return None
     parts = []
     labels = None
+    names = None
     for fold_dir in sorted(seeds[0].glob("fold*")):
         f = fold_dir / "embeddings" / "test.npz"
         if f.exists():
-            emb, lab, _ = load_embeddings(f)
+            emb, lab, extra = load_embeddings(f)
+            names = names or _file_class_names(extra)
             if labels is not None and not np.array_equal(lab, labels):
                 raise DataError(f"{f}: test labels differ between folds; cannot concatenate")
             labels = lab
@@ -426,7 +470,7 @@ def _concatenated_test(bench_dir: Path, method: str) -> _Split | None:
         return None
     emb = np.concatenate(parts, axis=1)
     emb /= np.maximum(np.linalg.norm(emb, axis=1, keepdims=True), 1e-12)
-    return _Split("test", emb, labels)
+    return _Split("test", emb, labels, class_names=names)
 
 
 def mean_of(cell: Any) -> float:

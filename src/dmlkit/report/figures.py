@@ -37,7 +37,8 @@ matplotlib.use("Agg", force=False)
 import matplotlib.pyplot as plt
 from matplotlib.figure import Figure
 
-from dmlkit.exceptions import DataError, ShapeError
+from dmlkit.exceptions import ConfigError, DataError, ShapeError
+from dmlkit.validation import check_embeddings
 
 __all__ = [
     "cmc_curve",
@@ -135,6 +136,10 @@ def _smooth(values: np.ndarray, window: int = 0) -> np.ndarray:
 
 
 # -- 2-D maps ---------------------------------------------------------------------------------
+#: The 2-D projections of :func:`project_2d`.
+PROJECTIONS = ("umap", "tsne", "pca")
+
+
 def project_2d(embeddings: np.ndarray, method: str = "umap", seed: int = 0) -> np.ndarray:
     """Project ``(N, D)`` embeddings to ``(N, 2)`` with ``umap``, ``tsne`` or ``pca``.
 
@@ -142,9 +147,9 @@ def project_2d(embeddings: np.ndarray, method: str = "umap", seed: int = 0) -> n
     scikit-learn) use cosine geometry since dmlkit embeddings are L2-normalised; PCA is the
     fast fallback. UMAP falls back to PCA when umap-learn is not installed.
     """
-    x = np.asarray(embeddings, dtype=np.float32)
-    if x.ndim != 2:
-        raise ShapeError(f"embeddings must be (N, D), got {x.shape}")
+    if method not in PROJECTIONS:
+        raise ConfigError(f"unknown projection {method!r}: use {', '.join(PROJECTIONS)}")
+    x = check_embeddings(embeddings).cpu().numpy()  # (N, D), finite: NaN is refused, not drawn
     n = len(x)
     if n < 3:
         raise DataError("a 2-D map needs at least 3 embeddings")
@@ -160,16 +165,31 @@ def project_2d(embeddings: np.ndarray, method: str = "umap", seed: int = 0) -> n
         return TSNE(
             n_components=2, metric="cosine", init="pca", perplexity=perplexity, random_state=seed
         ).fit_transform(x).astype(np.float32)
-    if method == "umap":
-        try:
-            import umap
-        except ImportError:  # optional extra
-            return project_2d(x, "pca", seed)
-        reducer = umap.UMAP(
-            n_components=2, metric="cosine", n_neighbors=min(15, n - 1), random_state=seed, n_jobs=1
-        )
-        return np.asarray(reducer.fit_transform(x), dtype=np.float32)
-    raise ValueError(f"unknown projection {method!r}: use umap, tsne or pca")
+    try:  # umap
+        import umap
+    except ImportError:  # optional extra
+        return project_2d(x, "pca", seed)
+    reducer = umap.UMAP(
+        n_components=2, metric="cosine", n_neighbors=min(15, n - 1), random_state=seed, n_jobs=1
+    )
+    return np.asarray(reducer.fit_transform(x), dtype=np.float32)
+
+
+def class_label(label: Any, class_names: Mapping[Any, str] | None = None) -> str:
+    """How a figure names a class: its name (the folder name of an image-folder dataset) when
+    ``class_names`` (``{id: name}``) has it, else the id."""
+    if class_names:
+        for key in (label, _as_int(label)):
+            if key is not None and key in class_names:
+                return str(class_names[key])
+    return str(label)
+
+
+def _as_int(value: Any) -> int | None:
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        return None
 
 
 def embedding_map(
@@ -178,6 +198,7 @@ def embedding_map(
     title: str,
     thumbnails: Mapping[int, np.ndarray] | None = None,
     max_legend_classes: int = 12,
+    class_names: Mapping[Any, str] | None = None,
 ) -> Figure:
     """Scatter of 2-D points coloured (and shaped) by class, with optional thumbnails.
 
@@ -187,6 +208,7 @@ def embedding_map(
         title: e.g. ``"UMAP of test embeddings"``.
         thumbnails: ``{row index: image array (H, W) or (H, W, 3) in [0, 1]}`` drawn at
             their points.
+        class_names: ``{id: name}``: the legend shows names (:func:`class_label`).
     """
     from matplotlib.offsetbox import AnnotationBbox, OffsetImage
 
@@ -201,7 +223,8 @@ def embedding_map(
         sel = labels == c
         ax.scatter(
             pts[sel, 0], pts[sel, 1], s=10, alpha=0.75, color=cmap(i % cmap.N),
-            marker=_MARKERS[i % len(_MARKERS)], label=str(c) if i < max_legend_classes else None,
+            marker=_MARKERS[i % len(_MARKERS)],
+            label=class_label(c, class_names) if i < max_legend_classes else None,
             linewidths=0,
         )
     if thumbnails:
@@ -251,6 +274,7 @@ def retrieval_gallery(
     rows: Sequence[Mapping[str, Any]],
     image_of: Any = None,
     title: str = "Retrieval gallery",
+    class_names: Mapping[Any, str] | None = None,
 ) -> Figure:
     """Queries (left column) and their top-k neighbours, correct ones marked.
 
@@ -258,6 +282,7 @@ def retrieval_gallery(
         rows: one per query: ``{"query": index, "query_label": label, "neighbors": [indices],
             "neighbor_labels": [labels], "caption": str}``.
         image_of: callable ``index -> image array`` (thumbnails) or ``None`` to draw labels.
+        class_names: ``{id: name}``: cells are captioned with names (correctness compares ids).
     """
     if not rows:
         raise DataError("no queries for the gallery")
@@ -280,7 +305,7 @@ def retrieval_gallery(
                 img = np.asarray(image_of(int(index)))
                 ax.imshow(img, cmap="gray" if img.ndim == 2 else None)
             else:
-                ax.text(0.5, 0.5, str(label), ha="center", va="center", fontsize=9)
+                ax.text(0.5, 0.5, class_label(label, class_names), ha="center", va="center", fontsize=9)
             if correct is None:
                 colour, mark, width = "black", "query", 2.5
             elif correct:
@@ -291,7 +316,8 @@ def retrieval_gallery(
                 spine.set_edgecolor(colour)
                 spine.set_linewidth(width)
                 spine.set_linestyle("-" if correct is not False else "--")
-            ax.set_xlabel(f"{mark}\nclass {label}", fontsize=7)
+            shown = class_label(label, class_names) if class_names else f"class {label}"
+            ax.set_xlabel(f"{mark}\n{shown}", fontsize=7)
         axes[i, 0].set_ylabel(row.get("caption", ""), fontsize=7)
     fig.suptitle(f"{title}: query, then nearest neighbours (rank 1 to {k})")
     fig.tight_layout()
@@ -299,8 +325,10 @@ def retrieval_gallery(
 
 
 # -- per-class metric -------------------------------------------------------------------------
-def per_class_bars(values: Mapping[Any, float], metric: str = "map_at_r", top: int = 10) -> Figure:
-    """The ``top`` best and worst classes by a per-class metric, as horizontal bars."""
+def per_class_bars(values: Mapping[Any, float], metric: str = "map_at_r", top: int = 10,
+                   class_names: Mapping[Any, str] | None = None) -> Figure:
+    """The ``top`` best and worst classes by a per-class metric, as horizontal bars, named by
+    ``class_names`` (``{id: name}``) where given."""
     if not values:
         raise DataError("no per-class values to plot")
     items = sorted(values.items(), key=lambda kv: kv[1])
@@ -308,7 +336,9 @@ def per_class_bars(values: Mapping[Any, float], metric: str = "map_at_r", top: i
     best = items[-top:][::-1]
     fig, axes = plt.subplots(1, 2, figsize=(9, 0.32 * max(len(best), len(worst)) + 1.4))
     for ax, chosen, name, hatch in ((axes[0], best, "best", ""), (axes[1], worst, "worst", "//")):
-        labels = [str(c) for c, _ in chosen][::-1]
+        labels = [class_label(c, class_names) for c, _ in chosen][::-1]
+        if len(set(labels)) < len(labels):  # two classes with one name: keep the bars apart
+            labels = [f"{class_label(c, class_names)} ({c})" for c, _ in chosen][::-1]
         vals = [100 * v for _, v in chosen][::-1]
         ax.barh(labels, vals, color="0.55" if hatch else "0.25", hatch=hatch, edgecolor="black")
         ax.set(title=f"{top} {name} classes", xlabel=f"{_pretty(metric)} (%)", ylabel="class")

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import base64
 import html
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,7 +23,7 @@ h2 { margin-top: 2em; border-bottom: 1px solid #bbb; }
 table { border-collapse: collapse; margin: 1em 0; font-size: 0.92em; }
 th, td { border: 1px solid #999; padding: .3em .6em; text-align: right; }
 th { background: #eee; } td:first-child, th:first-child { text-align: left; }
-tr.best td { font-weight: bold; }
+td.best { font-weight: bold; }
 figure { margin: 1.2em 0; } figure img { max-width: 100%; border: 1px solid #ddd; }
 figcaption { font-size: .9em; color: #333; }
 pre { background: #f6f6f6; border: 1px solid #ddd; padding: .8em; overflow-x: auto; font-size: .85em; }
@@ -54,12 +55,40 @@ class Section:
         return "".join(ch if ch.isalnum() else "-" for ch in self.title.lower()).strip("-")
 
 
-def table_html(header: Sequence[str], rows: Sequence[Sequence[object]], best_row: int | None = None) -> str:
-    """An HTML table with escaped cells."""
+_NUMBER = re.compile(r"^\s*([-+]?\d+(?:\.\d*)?(?:[eE][-+]?\d+)?)")
+
+
+def _leading_number(cell: object) -> float | None:
+    """The number a cell starts with (``"61.20 ± 1.02"`` -> 61.2), or ``None`` (``"n/a"``)."""
+    match = _NUMBER.match(str(cell))
+    return float(match.group(1)) if match else None
+
+
+def best_cells(rows: Sequence[Sequence[object]], columns: Sequence[int],
+               higher_is_better: bool = True) -> set[tuple[int, int]]:
+    """``(row, column)`` of the best cell of each of ``columns``, by the number each cell starts
+    with (ties as displayed are all best; cells without a number never are)."""
+    best: set[tuple[int, int]] = set()
+    for j in columns:
+        values = {i: v for i, row in enumerate(rows) if j < len(row)
+                  and (v := _leading_number(row[j])) is not None}
+        if values:
+            top = max(values.values()) if higher_is_better else min(values.values())
+            best |= {(i, j) for i, v in values.items() if v == top}
+    return best
+
+
+def table_html(header: Sequence[str], rows: Sequence[Sequence[object]],
+               best_columns: Sequence[int] = (), higher_is_better: bool = True) -> str:
+    """An HTML table with escaped cells; in each of ``best_columns`` only the best cell is
+    bold (class ``best``), never a whole row."""
+    bold = best_cells(rows, best_columns, higher_is_better)
     out = ["<table>", "<tr>" + "".join(f"<th>{html.escape(str(h))}</th>" for h in header) + "</tr>"]
+    best_td = '<td class="best">'
     for i, row in enumerate(rows):
-        cls = ' class="best"' if i == best_row else ""
-        out.append(f"<tr{cls}>" + "".join(f"<td>{html.escape(str(c))}</td>" for c in row) + "</tr>")
+        out.append("<tr>" + "".join(
+            f"{best_td if (i, j) in bold else '<td>'}{html.escape(str(c))}</td>"
+            for j, c in enumerate(row)) + "</tr>")
     out.append("</table>")
     return "\n".join(out)
 

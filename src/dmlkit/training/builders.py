@@ -46,6 +46,7 @@ __all__ = [
     "build_optimizer",
     "build_sampler",
     "build_split",
+    "check_world_size",
     "split_parameters",
 ]
 
@@ -219,13 +220,31 @@ def build_optimizer(
     return torch.optim.AdamW(groups, lr=opt.embedder_lr, **kw)
 
 
-def build_sampler(config: SamplerConfig | ExperimentConfig, labels: Any, seed: int) -> MPerClassSampler:
-    """The M-per-class batch sampler a ``sampler`` section describes, over ``labels``."""
+def build_sampler(config: SamplerConfig | ExperimentConfig, labels: Any, seed: int, *,
+                  num_replicas: int = 1, rank: int = 0) -> MPerClassSampler:
+    """The M-per-class batch sampler a ``sampler`` section describes, over ``labels``.
+
+    ``num_replicas``/``rank`` (distributed training): every rank draws the same *global*
+    ``classes_per_batch x samples_per_class`` batch from ``seed`` and yields its contiguous
+    share of ``C x M / num_replicas`` items, so the gathered batch is the one-process batch.
+    """
     s = _section(config, "sampler", SamplerConfig)
     return MPerClassSampler(
         np.asarray(labels), samples_per_class=s.samples_per_class, classes_per_batch=s.classes_per_batch,
-        batches_per_epoch=s.batches_per_epoch, seed=seed,
+        batches_per_epoch=s.batches_per_epoch, seed=seed, num_replicas=num_replicas, rank=rank,
     )
+
+
+def check_world_size(config: SamplerConfig | ExperimentConfig, world_size: int) -> None:
+    """Refuse a world size that does not divide the global batch (before anything starts)."""
+    s = _section(config, "sampler", SamplerConfig)
+    if world_size > 1 and s.batch_size % world_size:
+        raise ConfigError(
+            f"the global batch sampler.classes_per_batch x sampler.samples_per_class = "
+            f"{s.classes_per_batch} x {s.samples_per_class} = {s.batch_size} items cannot be split "
+            f"evenly over {world_size} processes: make it a multiple of {world_size} (e.g. "
+            f"--set sampler.classes_per_batch=...) or start another number of processes"
+        )
 
 
 # -- data ------------------------------------------------------------------------------------
@@ -269,6 +288,7 @@ def build_datasets(
     *,
     data_root: str | Path | None = None,
     augment_train: bool | None = None,
+    dataset: Any = None,
 ) -> dict[str, Any]:
     """``{split name: MetricDataset or None}`` from a ``data`` section, with its transforms.
 
@@ -277,16 +297,18 @@ def build_datasets(
     training split gets the train-time augmentation when ``augment_train`` (default: yes,
     unless the whole config's ``model.frozen_trunk`` is set: features are computed once, so
     augmentation could not vary); every other split gets the evaluation transform.
-    The split object is under key ``"split"``.
+    The split object is under key ``"split"``. ``dataset``: the config's dataset already
+    loaded (e.g. by :func:`dmlkit.training.preflight.preflight`), so it is not read twice.
     """
     if augment_train is None:
         augment_train = not (isinstance(config, ExperimentConfig) and config.model.frozen_trunk)
     d = _section(config, "data", DataConfig)
-    root = resolve_data_root(data_root if data_root is not None else d.root)
-    try:
-        dataset = load_dataset(d.dataset, root=root, **d.options)
-    except TypeError as exc:
-        raise ConfigError(f"data.options for {d.dataset!r}: {exc}") from exc
+    if dataset is None:
+        root = resolve_data_root(data_root if data_root is not None else d.root)
+        try:
+            dataset = load_dataset(d.dataset, root=root, **d.options)
+        except TypeError as exc:
+            raise ConfigError(f"data.options for {d.dataset!r}: {exc}") from exc
     split = build_split(d, dataset)
     out: dict[str, Any] = {"split": split}
     for name in splits:

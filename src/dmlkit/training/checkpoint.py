@@ -12,7 +12,12 @@ strings, lists, tuples and dicts only). Keys::
     optimizer, scaler optimiser / GradScaler state
     loss, miner       their state dicts (learnable weights, cross-batch memory buffers, ...)
     sampler_epoch     epochs the M-per-class sampler has completed
-    rng               torch / numpy / python (/ cuda) generator states
+    rng               torch / numpy / python (/ cuda) generator states (rank 0's)
+    rng_ranks         distributed runs: every rank's generator states, in rank order (each
+                      rank of a resumed job continues its own streams); None for one process
+    world_size        the number of processes that trained the run (1 alone); resuming on
+                      another number is refused unless allowed (``train(...,
+                      allow_world_size_change=True)``, ``--allow-world-size-change``)
     epoch, step       epochs completed, optimiser steps taken
     trainer           best metric, best step, patience counter, history, elapsed time, flags
     train_classes     the original class ids of the training set (label i <-> train_classes[i])

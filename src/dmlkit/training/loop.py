@@ -17,6 +17,16 @@ model, optimiser, loss state (incl. cross-batch memory), sampler epoch, RNG stat
 
 With ``model.frozen_trunk`` the trunk's features are computed once (and cached on disk) and
 only the head is trained: the practical way to use a large pretrained trunk on a CPU.
+
+Under ``torchrun`` (a process group is running, see :mod:`dmlkit.distributed`) the same loop
+is data-parallel and exact: every rank takes its contiguous share of the one-process global
+batch (rank-aware sampler), training BatchNorm layers use global-batch statistics
+(:func:`~dmlkit.models.sync_batchnorm.convert_sync_batchnorm`), the model is wrapped in
+``DistributedDataParallel``, the embeddings and labels are all-gathered with gradient so the
+miner and the loss see the global batch, and the loss's own parameters (proxies, class
+weights) get rank 0's gradient on every rank. Validation embeds a shard per rank, gathers it
+in dataset order and computes the metrics once, on rank 0 (broadcast to the others). Only
+rank 0 writes files, logs and progress bars.
 """
 
 from __future__ import annotations
@@ -33,14 +43,32 @@ from typing import Any
 import numpy as np
 import torch
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader
 
 from dmlkit.config import ExperimentConfig
 from dmlkit.data import get_transforms
-from dmlkit.embeddings import HeadOnly, InferenceOptions, embed, resolve_device, trunk_features
+from dmlkit.distributed import (
+    all_gather_object,
+    all_gather_with_grad,
+    all_reduce_sum,
+    broadcast_tensors_,
+    context,
+    on_main,
+)
+from dmlkit.embeddings import (
+    HeadOnly,
+    InferenceOptions,
+    embed,
+    embed_sharded,
+    resolve_device,
+    trunk_features_sharded,
+)
 from dmlkit.exceptions import CheckpointError, DataError, NonFiniteError
+from dmlkit.losses.sharding import check_shardable, sharded_loss
 from dmlkit.metrics import evaluate
 from dmlkit.models import freeze_batchnorm
+from dmlkit.models.sync_batchnorm import convert_sync_batchnorm
 from dmlkit.training.builders import (
     build_loss,
     build_miner,
@@ -54,6 +82,7 @@ from dmlkit.training.checkpoint import (
     save_checkpoint,
     save_trunk,
 )
+from dmlkit.training.preflight import refuse_degenerate_eval
 from dmlkit.training.runlog import RunLogger
 
 __all__ = ["TrainState", "Trainer", "scalar_metrics"]
@@ -121,10 +150,19 @@ def check_class_sets(train_set, val_set) -> tuple[np.ndarray, Any]:
         raise DataError(f"training needs at least 2 classes, got {train_classes.size}")
     if val_set is not None and len(val_set) == 0:
         val_set = None
+    if val_set is not None:  # one class (100 % for any model) or no positive pair (NaN): refuse
+        refuse_degenerate_eval(val_set.labels, "validation")
     if val_set is not None and np.intersect1d(val_set.labels, train_classes).size:
         warnings.warn("validation classes overlap the training classes: the split is not "
                       "class-disjoint, so validation MAP@R is optimistic", stacklevel=3)
     return train_classes, val_set
+
+
+class QuietRunLog:
+    """What ranks other than 0 log: nothing (every method of ``RunLogger`` is a no-op)."""
+
+    def __getattr__(self, name: str) -> Any:
+        return lambda *args, **kwargs: None
 
 
 class Trainer:
@@ -140,13 +178,16 @@ class Trainer:
         self.run_dir = Path(run_dir)
         self.ckpt_dir = self.run_dir / "checkpoints"
         self.last_path, self.best_path = self.ckpt_dir / "last.pt", self.ckpt_dir / "best.pt"
-        self.progress = progress
+        self.dist = context()  # rank / world size of the running process group (1 process: 0 / 1)
+        self.progress = progress and self.dist.is_main
         self.device = resolve_device(config.training.device if device is None else device)
         self.train_classes, val_set = check_class_sets(train_set, val_set)
         self.has_val = val_set is not None
         self.options = InferenceOptions.from_config(config, self.device)
 
         self.model = build_model(config.model).to(self.device)
+        if self.dist.enabled:  # BatchNorm that trains normalises over the global batch
+            self.model = convert_sync_batchnorm(self.model, self.device)
         self.frozen = config.model.frozen_trunk
         if self.frozen:
             for p in self.model.trunk.parameters():
@@ -157,8 +198,10 @@ class Trainer:
                 # use the deterministic evaluation transform (also keeps the feature cache valid)
                 feature_set = train_set.with_transform(get_transforms(
                     config.data.transform, train=False, image_size=config.data.image_size))
-            self.train_input = trunk_features(self.model, feature_set, self.options, progress)
-            self.val_input = None if val_set is None else trunk_features(self.model, val_set, self.options, progress)
+            # one shard per rank in a distributed job, gathered (plain trunk_features alone)
+            self.train_input = trunk_features_sharded(self.model, feature_set, self.options, self.progress)
+            self.val_input = (None if val_set is None else
+                              trunk_features_sharded(self.model, val_set, self.options, self.progress))
             self.step_module: nn.Module = HeadOnly(self.model)
             self.num_workers = 0
         else:
@@ -169,13 +212,27 @@ class Trainer:
         self.miner = build_miner(config.miner)
         self.loss_fn = build_loss(config.loss, int(self.train_classes.size), self.embedding_size, miner=self.miner)
         self.use_miner_in_loop = self.miner is not None and not config.loss.cross_batch_memory
+        if config.training.distributed_loss == "local_anchors":  # refused alike with 1 process
+            check_shardable(self.loss_fn, config.loss.name)
+        self.shard_loss = self.dist.enabled and config.training.distributed_loss == "local_anchors"
         self.loss_fn.to(self.device)
         if self.miner is not None:
             self.miner.to(self.device)
         self.optimizer = build_optimizer(config.optimizer, self.model, self.loss_fn, self.miner,
                                          frozen_trunk=self.frozen)
         self.trainable = [p for g in self.optimizer.param_groups for p in g["params"]]
-        self.sampler = build_sampler(config.sampler, self.train_input.labels, seed=config.seed)
+        self.sampler = build_sampler(config.sampler, self.train_input.labels, seed=config.seed,
+                                     num_replicas=self.dist.world_size, rank=self.dist.rank)
+        # the module each training step runs: DDP averages the model's gradients over ranks;
+        # the loss's (and miner's) own parameters live outside it (see train_step)
+        self.train_module: nn.Module = self.step_module
+        self.loss_params = [p for m in (self.loss_fn, self.miner) if m is not None
+                            for p in m.parameters() if p.requires_grad]
+        if self.dist.enabled:
+            gpu = (self.device.index if self.device.index is not None else torch.cuda.current_device()
+                   ) if self.device.type == "cuda" else None  # init_distributed set LOCAL_RANK's GPU
+            self.train_module = DistributedDataParallel(
+                self.step_module, device_ids=None if gpu is None else [gpu])
         self.use_amp = config.training.amp and self.device.type == "cuda"
         if config.training.amp and not self.use_amp:
             logger.info("training.amp is on but the device is %s: mixed precision is CUDA-only, "
@@ -183,8 +240,9 @@ class Trainer:
         self.amp_dtype = torch.bfloat16 if self.use_amp and torch.cuda.is_bf16_supported() else torch.float16
         self.scaler = torch.amp.GradScaler("cuda", enabled=self.use_amp and self.amp_dtype == torch.float16)
         self.classes_t = torch.as_tensor(self.train_classes, device=self.device)
-        self.run_log = RunLogger(self.run_dir, csv_log=config.training.csv_log,
-                                 tensorboard=config.training.tensorboard)
+        self.run_log: RunLogger | QuietRunLog = (
+            RunLogger(self.run_dir, csv_log=config.training.csv_log, tensorboard=config.training.tensorboard)
+            if self.dist.is_main else QuietRunLog())
         self.state = TrainState()
         self.trunk_file: str | None = None
 
@@ -201,14 +259,24 @@ class Trainer:
         if payload.get("scaler"):
             self.scaler.load_state_dict(payload["scaler"])
         self.state = TrainState.from_checkpoint(payload)
-        restore_rng_state(payload["rng"])
+        per_rank = payload.get("rng_ranks")
+        if per_rank is not None and len(per_rank) == self.dist.world_size:
+            restore_rng_state(per_rank[self.dist.rank])  # each rank continues its own streams
+        else:  # one process, or a world-size change the caller allowed: rank 0's streams
+            restore_rng_state(payload["rng"])
         self.run_log.truncate_after(self.state.step)
         if self.state.stop_reason == "epochs" and self.state.epoch < self.config.training.epochs:
             self.state.stop_reason = None  # the run was extended with more epochs
-        logger.info("resumed %s at epoch %d, step %d", self.run_dir, self.state.epoch, self.state.step)
+        if self.dist.is_main:
+            logger.info("resumed %s at epoch %d, step %d", self.run_dir, self.state.epoch, self.state.step)
 
     def payload(self) -> dict[str, Any]:
-        """Everything ``last.pt`` holds (``best.pt`` keeps :data:`BEST_KEYS` of it)."""
+        """Everything ``last.pt`` holds (``best.pt`` keeps :data:`BEST_KEYS` of it).
+
+        In a distributed job every rank must call it (the ranks' RNG states are gathered into
+        ``rng_ranks``); ``world_size`` records how many processes trained the run."""
+        rng = capture_rng_state()
+        rng_ranks = all_gather_object(rng) if self.dist.enabled else None
         state_dict = self.model.state_dict()
         if self.trunk_file is not None:  # the frozen trunk is stored once, in trunk.pt
             state_dict = {k: v for k, v in state_dict.items() if not k.startswith("trunk.")}
@@ -221,7 +289,9 @@ class Trainer:
             "loss": self.loss_fn.state_dict(),
             "miner": self.miner.state_dict() if self.miner is not None else None,
             "sampler_epoch": self.state.epoch,
-            "rng": capture_rng_state(),
+            "rng": rng,
+            "rng_ranks": rng_ranks,
+            "world_size": self.dist.world_size,
             "epoch": self.state.epoch,
             "step": self.state.step,
             "trainer": self.state.trainer_record(),
@@ -231,14 +301,21 @@ class Trainer:
 
     def save_best(self) -> None:
         payload = self.payload()
-        save_checkpoint({k: payload[k] for k in BEST_KEYS}, self.best_path)
+        if self.dist.is_main:
+            save_checkpoint({k: payload[k] for k in BEST_KEYS}, self.best_path)
+
+    def save_last(self) -> None:
+        """Write ``last.pt`` (rank 0; every rank takes part in gathering the RNG states)."""
+        payload = self.payload()
+        if self.dist.is_main:
+            save_checkpoint(payload, self.last_path)
 
     # -- the loop ---------------------------------------------------------------------------
     def fit(self) -> TrainState:
         """Train until ``training.epochs``, ``max_steps`` or ``patience`` stops the run."""
         if self.frozen:  # the trunk never changes: store it once instead of in every checkpoint
             self.trunk_file = "trunk.pt"
-            if not (self.ckpt_dir / self.trunk_file).exists():
+            if self.dist.is_main and not (self.ckpt_dir / self.trunk_file).exists():
                 save_trunk(self.model.trunk.state_dict(), self.ckpt_dir / self.trunk_file)
         state = self.state
         t_start = time.perf_counter() - state.elapsed
@@ -255,7 +332,12 @@ class Trainer:
         if not self.has_val:
             warnings.warn("no validation classes: checkpoints/best.pt is the last model "
                           "(set data.split.val_fraction to select on validation MAP@R)", stacklevel=2)
-        if not self.best_path.exists():  # e.g. resumed a finished run whose best.pt was removed
+        if self.has_val and not state.best_metrics:  # no finite validation MAP@R: never select on NaN
+            warnings.warn("no validation evaluation gave a finite MAP@R, so no model was selected: "
+                          "checkpoints/best.pt is the last model", stacklevel=2)
+            state.best_step, state.best_epoch = state.step, state.epoch
+            self.save_best()
+        if not on_main(self.best_path.exists):  # e.g. resumed a finished run whose best.pt was removed
             self.save_best()
         return state
 
@@ -263,13 +345,15 @@ class Trainer:
         """One pass of the sampler's batches (stops early at ``training.max_steps``)."""
         config, state = self.config, self.state
         self.sampler.set_epoch(state.epoch)
+        # rank r > 0 of a distributed job seeds its loader workers apart from rank 0 (= one process)
         loader = DataLoader(
             self.train_input, batch_sampler=self.sampler, num_workers=self.num_workers,
-            generator=torch.Generator().manual_seed(config.seed * 100_003 + state.epoch),
+            generator=torch.Generator().manual_seed(config.seed * 100_003 + state.epoch
+                                                    + self.dist.rank * 7_919),
             worker_init_fn=_seed_worker if self.num_workers else None,
             pin_memory=self.device.type == "cuda",
         )
-        self.step_module.train()
+        self.train_module.train()
         if config.model.freeze_batchnorm:
             freeze_batchnorm(self.model)
         bar = None
@@ -279,7 +363,7 @@ class Trainer:
             bar = tqdm(total=len(self.sampler), desc=f"epoch {state.epoch + 1}/{config.training.epochs}",
                        leave=False)
         try:
-            for x, y in loader:
+            for x, y in self._batches(loader):
                 value = self.train_step(x, y)
                 if state.step % config.training.log_every == 0 or state.step == 1:
                     self.log_step(value, t_start)
@@ -293,16 +377,48 @@ class Trainer:
             if bar is not None:
                 bar.close()
 
+    def _batches(self, loader: DataLoader):
+        """The loader's batches. In a distributed job with in-process loading, each batch is
+        loaded under its own torch generator state, seeded by (seed, epoch, step, rank): random
+        augmentations differ between ranks (with one shared stream, item i of every rank's
+        share would get the same crop), and the shared stream, which random miners and losses
+        draw from on every rank alike, stays in lockstep across ranks. One process, or loader
+        workers (seeded per rank above): the loader as it is."""
+        if not self.dist.enabled or self.num_workers:
+            yield from loader
+            return
+        batches = iter(loader)
+        while True:
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(hash((self.config.seed, self.state.epoch, self.state.step,
+                                        self.dist.rank)) % 2**63)
+                try:
+                    batch = next(batches)
+                except StopIteration:
+                    return
+            yield batch
+
     def train_step(self, x: torch.Tensor, y: torch.Tensor) -> float:
         """One optimiser step on one batch; returns the loss."""
         x = x.to(self.device, non_blocking=True)
         y = y.to(self.device, non_blocking=True)
         target = torch.searchsorted(self.classes_t, y)
         with torch.autocast(device_type=self.device.type, dtype=self.amp_dtype, enabled=self.use_amp):
-            emb = self.step_module(x)
+            emb = self.train_module(x)
         emb = emb.float()
+        if self.dist.enabled:  # the global batch, in one-process order; gradients flow back
+            emb = all_gather_with_grad(emb)
+            target = all_gather_with_grad(target)
         indices = self.miner(emb, target) if self.use_miner_in_loop else None
-        loss = self.loss_fn(emb, target, indices) if indices is not None else self.loss_fn(emb, target)
+        if self.shard_loss:  # this rank's anchors only (dmlkit.losses.sharding): sum_r part = L
+            part = sharded_loss(self.loss_fn, emb, target, indices)
+            loss = all_reduce_sum(part.detach())
+            # the gather's backward gives each rank's embeddings dL/dx once (not W times as
+            # when every rank computes L): W * part makes DDP's average exactly dL/dtheta
+            objective = part * self.dist.world_size
+        else:
+            loss = self.loss_fn(emb, target, indices) if indices is not None else self.loss_fn(emb, target)
+            objective = loss
         if not torch.isfinite(loss):
             raise NonFiniteError(
                 f"the {self.config.loss.name} loss became {loss.item()} at epoch {self.state.epoch + 1}, "
@@ -310,7 +426,12 @@ class Trainer:
                 "training.grad_clip (e.g. 1.0), or check loss.params"
             )
         self.optimizer.zero_grad(set_to_none=True)
-        self.scaler.scale(loss).backward()
+        self.scaler.scale(objective).backward()
+        if self.dist.enabled and self.loss_params:  # (sharded losses have no parameters)
+            # every rank computed the same loss of the same gathered batch, so the loss's own
+            # parameters got the same gradient; rank 0's is sent to all so that kernels that
+            # are not bitwise deterministic (CUDA atomics) cannot let the copies drift apart
+            broadcast_tensors_([p.grad for p in self.loss_params if p.grad is not None])
         if self.config.training.grad_clip is not None:
             self.scaler.unscale_(self.optimizer)
             torch.nn.utils.clip_grad_norm_(self.trainable, self.config.training.grad_clip)
@@ -335,10 +456,17 @@ class Trainer:
         trunk features for a frozen trunk); ``None`` without validation classes. Logs nothing."""
         if self.val_input is None:
             return None
-        emb, lab = embed(self.step_module, self.val_input, self.options.batch_size, self.device,
-                         num_workers=self.num_workers, amp=self.use_amp)
-        return scalar_metrics(evaluate(emb, lab, metrics=list(self.config.training.eval_metrics),
-                                       **self.config.evaluation.metric_options()))
+        emb, lab = embed_sharded(  # one shard per rank, gathered in dataset order
+            lambda part: embed(self.step_module, part, self.options.batch_size, self.device,
+                               num_workers=self.num_workers, amp=self.use_amp), self.val_input)
+        return self.metrics_of(emb, lab)
+
+    def metrics_of(self, emb: np.ndarray, labels: np.ndarray) -> dict[str, float]:
+        """The run's evaluation metrics of ``(emb, labels)``, computed once, on rank 0, and
+        broadcast, so that every rank takes the same model-selection decisions."""
+        return on_main(lambda: scalar_metrics(evaluate(
+            emb, labels, metrics=list(self.config.training.eval_metrics),
+            **self.config.evaluation.metric_options())))
 
     def validate(self) -> dict[str, float] | None:
         """Validation metrics of the current model, logged as an ``eval`` event."""
@@ -374,5 +502,5 @@ class Trainer:
         if self.val_input is None and state.stop_reason is not None:
             state.best_step, state.best_epoch = state.step, state.epoch
             self.save_best()
-        save_checkpoint(self.payload(), self.last_path)
+        self.save_last()
         self.run_log.flush()

@@ -19,8 +19,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from dmlkit.exceptions import require
-from dmlkit.utils import atomic_write_text
+from dmlkit.exceptions import CheckpointError, require
+from dmlkit.utils import atomic_write_text, os_error_message
 
 __all__ = ["RunLogger", "read_log"]
 
@@ -66,11 +66,15 @@ class RunLogger:
 
     def log(self, record: dict[str, Any]) -> None:
         record = {**record, "wall": round(time.time(), 3)}
-        if self._fh is None:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            self._fh = open(self.path, "a", encoding="utf-8")
-        self._fh.write(json.dumps(record) + "\n")
-        self._fh.flush()
+        try:
+            if self._fh is None:
+                self.path.parent.mkdir(parents=True, exist_ok=True)
+                self._fh = open(self.path, "a", encoding="utf-8")
+            self._fh.write(json.dumps(record) + "\n")
+            self._fh.flush()
+        except OSError as exc:  # disk full: one clear error, as for checkpoints
+            self._drop_handle()
+            raise CheckpointError(os_error_message(exc, self.path, writing=True)) from exc
         if self._writer is not None:
             prefix = record.get("split", record["event"])
             for key, value in record.items():
@@ -81,7 +85,11 @@ class RunLogger:
     def flush(self) -> None:
         """Write ``log.csv`` (when enabled) from ``log.jsonl``; called at every checkpoint."""
         if self._fh is not None:
-            self._fh.flush()
+            try:
+                self._fh.flush()
+            except OSError as exc:
+                self._drop_handle()
+                raise CheckpointError(os_error_message(exc, self.path, writing=True)) from exc
         if self._writer is not None:
             self._writer.flush()
         if self.csv_log:
@@ -93,7 +101,20 @@ class RunLogger:
             writer = csv.DictWriter(buffer, fieldnames=columns)
             writer.writeheader()
             writer.writerows(records)
-            atomic_write_text(self.run_dir / "log.csv", buffer.getvalue())
+            try:
+                atomic_write_text(self.run_dir / "log.csv", buffer.getvalue())
+            except OSError as exc:
+                raise CheckpointError(os_error_message(exc, self.run_dir / "log.csv", writing=True)) from exc
+
+    def _drop_handle(self) -> None:
+        """Close the log after a failed write; its unwritable buffer is dropped, not retried
+        (a retry at close would raise the same error a second time)."""
+        fh, self._fh = self._fh, None
+        if fh is not None:
+            try:
+                fh.close()
+            except OSError:
+                pass
 
     def close(self) -> None:
         self.flush()

@@ -8,6 +8,10 @@ classes with the best checkpoint. It writes the same run directory as ``dmlkit t
     config.yaml, provenance.json, split.json (datasets from the config), log.jsonl,
     checkpoints/{last,best}.pt, embeddings/test.npz, metrics.json
 
+Under ``torchrun`` (``WORLD_SIZE`` > 1) :func:`train` joins the process group itself, checks
+that every rank got the same config and that the world size divides the global batch, and
+lets rank 0 alone write the run directory; see ``docs/distributed.md``.
+
 The builders live in :mod:`dmlkit.training.builders`, the loop in :mod:`dmlkit.training.loop`,
 checkpoints and resume checks in :mod:`dmlkit.training.checkpoint` and inference in
 :mod:`dmlkit.embeddings`; their public names stay importable from here.
@@ -15,8 +19,10 @@ checkpoints and resume checks in :mod:`dmlkit.training.checkpoint` and inference
 
 from __future__ import annotations
 
+import atexit
 import json
 import logging
+import os
 import random
 import warnings
 from dataclasses import dataclass, field
@@ -27,18 +33,28 @@ import numpy as np
 import torch
 
 from dmlkit.config import ExperimentConfig, config_from_dict, dump_config
+from dmlkit.distributed import (
+    barrier,
+    check_same_config,
+    context,
+    init_distributed,
+    launched_by_torchrun,
+    mark_every_rank,
+    on_main,
+    shutdown,
+)
 from dmlkit.embeddings import (
     HeadOnly,
     InferenceOptions,
     dataset_rows,
     embed_model,
+    embed_sharded,
     embed_split,
     resolve_device,
     save_embeddings,
 )
 from dmlkit.embeddings import trunk_features as _trunk_features
 from dmlkit.exceptions import CheckpointError, ConfigError, DataError
-from dmlkit.metrics import evaluate
 from dmlkit.training.builders import (
     UnusedParametersWarning,
     build_datasets,
@@ -47,6 +63,7 @@ from dmlkit.training.builders import (
     build_model,
     build_optimizer,
     build_split,
+    check_world_size,
 )
 from dmlkit.training.checkpoint import (
     RESUMABLE_CHANGES,
@@ -56,8 +73,9 @@ from dmlkit.training.checkpoint import (
     read_checkpoint,
     sweep_orphan_temporaries,
 )
-from dmlkit.training.loop import Trainer, TrainState, scalar_metrics
-from dmlkit.utils import atomic_write_json, provenance, seed_everything
+from dmlkit.training.loop import Trainer, TrainState
+from dmlkit.training.preflight import preflight, with_data_root
+from dmlkit.utils import atomic_write_json, seed_everything, write_provenance
 
 __all__ = [
     "RESUMABLE_CHANGES",
@@ -132,7 +150,7 @@ def open_run_dir(run_dir: Path, config: ExperimentConfig, resume: bool) -> dict[
     run_dir.mkdir(parents=True, exist_ok=True)
     dump_config(config, run_dir / "config.yaml")
     if payload is None or not (run_dir / "provenance.json").exists():
-        atomic_write_json(run_dir / "provenance.json", provenance(config.seed, extra={"run_dir": str(run_dir)}))
+        write_provenance(run_dir / "provenance.json", config.seed, extra={"run_dir": str(run_dir)})
     return payload
 
 
@@ -140,7 +158,6 @@ def evaluate_baseline(trainer: Trainer, test_set) -> dict[str, dict[str, float]]
     """The model as it starts (untrained, or pretrained trunk + fresh head) on validation and
     test: the number training has to beat. Computed at step 0 without touching any random
     state, so training is the same with or without it; written to ``baseline.json``."""
-    config = trainer.config
     rng = (random.getstate(), np.random.get_state(), torch.get_rng_state(),
            torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None)
     out: dict[str, dict[str, float]] = {}
@@ -149,9 +166,9 @@ def evaluate_baseline(trainer: Trainer, test_set) -> dict[str, dict[str, float]]
         if val is not None:
             out["val"] = val
         if test_set is not None and len(np.unique(np.asarray(test_set.labels))) >= 2:
-            emb, lab = embed_model(trainer.model, test_set, trainer.options, progress=False)
-            out["test"] = scalar_metrics(evaluate(emb, lab, metrics=list(config.training.eval_metrics),
-                                                  **config.evaluation.metric_options()))
+            emb, lab = embed_sharded(lambda part: embed_model(trainer.model, part, trainer.options,
+                                                              progress=False), test_set)
+            out["test"] = trainer.metrics_of(emb, lab)
     finally:
         random.setstate(rng[0])
         np.random.set_state(rng[1])
@@ -175,12 +192,13 @@ def baseline_warnings(baseline: dict[str, dict[str, float]], trained: dict[str, 
 
 def evaluate_test_set(trainer: Trainer, test_set) -> dict[str, float]:
     """Embed ``test_set`` with the best checkpoint, write ``embeddings/test.npz``, return its metrics."""
-    config = trainer.config
-    trainer.model.load_state_dict(read_checkpoint(trainer.best_path)["model"])
-    emb, lab = embed_model(trainer.model, test_set, trainer.options, progress=trainer.progress)
-    metrics = scalar_metrics(evaluate(emb, lab, metrics=list(config.training.eval_metrics),
-                                      **config.evaluation.metric_options()))
-    save_embeddings(trainer.run_dir / "embeddings" / "test.npz", emb, lab, indices=dataset_rows(test_set))
+    # rank 0 reads best.pt and sends the weights (no shared filesystem needed between nodes)
+    trainer.model.load_state_dict(on_main(lambda: read_checkpoint(trainer.best_path)["model"]))
+    emb, lab = embed_sharded(lambda part: embed_model(trainer.model, part, trainer.options,
+                                                      progress=trainer.progress), test_set)
+    metrics = trainer.metrics_of(emb, lab)
+    if context().is_main:
+        save_embeddings(trainer.run_dir / "embeddings" / "test.npz", emb, lab, indices=dataset_rows(test_set))
     return metrics
 
 
@@ -194,6 +212,7 @@ def train(
     resume: bool = False,
     progress: bool = True,
     data_root: str | Path | None = None,
+    allow_world_size_change: bool = False,
 ) -> TrainResult:
     """Train the model a config describes; write the run directory; return a :class:`TrainResult`.
 
@@ -208,44 +227,104 @@ def train(
         resume: continue from ``run_dir/checkpoints/last.pt`` (bit-exact on CPU).
         progress: show progress bars and log the run's shape.
         data_root: where the datasets are (``--data-root``); recorded as ``data.root`` in
-            ``config.yaml`` so that ``dmlkit embed``/``dmlkit report`` find them again.
+            ``config.yaml`` so that ``dmlkit embed``/``dmlkit report`` find them again. A
+            config that sets another ``data.root`` is refused (one must not silently
+            replace the other). With datasets from the config, every size constraint is
+            checked against the data first (:func:`dmlkit.training.preflight.preflight`).
+        allow_world_size_change: resume a checkpoint written by another number of processes
+            (refused by default: the continuation is then statistically the same run but not
+            bit-identical, see ``docs/distributed.md``).
+
+    Distributed: started by ``torchrun`` (``WORLD_SIZE`` > 1 in the environment) this joins
+    the process group (NCCL on CUDA, gloo on CPU), which stays joined for later calls and is
+    left when the process exits; a process group the caller started is used as it is. Every
+    rank returns the same result; rank 0 alone writes files.
     """
     if not isinstance(config, ExperimentConfig):
         config = config_from_dict(config)
-    if data_root is not None:
-        config = config.override({"data.root": str(data_root)})
-    run_dir = Path(run_dir)
-    payload = open_run_dir(run_dir, config, resume)
-
+    try:  # --data-root and the config's own data.root must name the same folder
+        config = with_data_root(config, data_root)
+    except ConfigError as exc:
+        raise mark_every_rank(exc) from None
     device = resolve_device(config.training.device)
+    # before joining: a world size that cannot split the batch is one line, never a hang
+    world = (context().world_size if context().enabled
+             else int(os.environ["WORLD_SIZE"]) if launched_by_torchrun() else 1)
+    try:
+        check_world_size(config.sampler, world)
+    except ConfigError as exc:
+        raise mark_every_rank(exc) from None
+    ctx, device = join_process_group(device)
+    result = _train(config, Path(run_dir), device, train_set=train_set, val_set=val_set,
+                    test_set=test_set, resume=resume, progress=progress and ctx.is_main,
+                    allow_world_size_change=allow_world_size_change)
+    barrier()  # rank 0 has written metrics.json before any rank returns
+    return result
+
+
+def join_process_group(device: torch.device):
+    """``(context, device)`` after joining torchrun's process group (no-op alone, or when the
+    caller joined one). A group joined here stays joined for later calls in this process
+    (re-joining a torchrun group in one process is not supported) and is left at exit. CUDA
+    ranks get their own GPU, ``cuda:LOCAL_RANK``."""
+    joined_here = launched_by_torchrun() and not context().enabled
+    ctx = init_distributed(device)
+    if joined_here:
+        atexit.register(shutdown)
+    if ctx.enabled and device.type == "cuda":
+        device = torch.device("cuda", ctx.local_rank)
+    return ctx, device
+
+
+def _train(config: ExperimentConfig, run_dir: Path, device: torch.device, *, train_set, val_set,
+           test_set, resume: bool, progress: bool, allow_world_size_change: bool) -> TrainResult:
+    """:func:`train` once the process group (if any) is joined."""
+    ctx = context()
+    try:  # ranks started with different configs (paths that differ per machine are allowed)
+        check_same_config(_same_everywhere(config))
+    except ConfigError as exc:
+        raise mark_every_rank(exc) from None
+    checked = None
+    if train_set is None:  # every size constraint against the data, before the run dir is touched
+        try:
+            checked = preflight(config)
+        except ConfigError as exc:
+            raise mark_every_rank(exc) from None
+    payload = on_main(open_run_dir, run_dir, config, resume)
+    if payload is not None:
+        check_world_size_change(payload, ctx.world_size, run_dir, allow_world_size_change)
     seed_everything(config.seed)
     if train_set is None:
-        sets = build_datasets(config, ("train", "val", "test"))
-        sets["split"].to_json(run_dir / "split.json")
+        sets = build_datasets(config, ("train", "val", "test"), dataset=checked.dataset)
+        if ctx.is_main:
+            sets["split"].to_json(run_dir / "split.json")
         train_set = sets["train"]
         val_set = sets["val"] if val_set is None else val_set
         test_set = sets["test"] if test_set is None else test_set
     if progress:
-        logger.info("%s: %d train samples / %d classes, %d val classes, %d test classes -> %s",
+        logger.info("%s: %d train samples / %d classes, %d val classes, %d test classes -> %s%s",
                     config.name, 0 if train_set is None else len(train_set),
                     0 if train_set is None else len(np.unique(train_set.labels)),
                     0 if val_set is None else len(np.unique(val_set.labels)),
-                    0 if test_set is None else len(np.unique(test_set.labels)), run_dir)
+                    0 if test_set is None else len(np.unique(test_set.labels)), run_dir,
+                    f" ({ctx.world_size} processes, {config.sampler.batch_size // ctx.world_size} "
+                    "items each per step)" if ctx.enabled else "")
     trainer = Trainer(config, run_dir, train_set, val_set, device=device, progress=progress)
     if test_set is not None:
         seen = trainer.train_classes
         if trainer.val_input is not None:
             seen = np.union1d(seen, val_set.labels)
-        if np.intersect1d(test_set.labels, seen).size:
+        if np.intersect1d(test_set.labels, seen).size and ctx.is_main:
             warnings.warn("test classes overlap the training/validation classes: the test "
-                          "metrics are not those of unseen classes", stacklevel=2)
+                          "metrics are not those of unseen classes", stacklevel=3)
     baseline_path = run_dir / "baseline.json"
     if payload is not None:
         trainer.restore(payload)
-        baseline = json.loads(baseline_path.read_text()) if baseline_path.exists() else {}
+        baseline = on_main(lambda: json.loads(baseline_path.read_text()) if baseline_path.exists() else {})
     else:  # step 0: the number to beat (untrained or pretrained-only), before any update
         baseline = evaluate_baseline(trainer, test_set)
-        atomic_write_json(baseline_path, baseline)
+        if ctx.is_main:
+            atomic_write_json(baseline_path, baseline)
     state = trainer.fit()
 
     result = TrainResult.from_state(trainer, state)
@@ -255,9 +334,46 @@ def train(
         result.test_metrics = metrics_out["test"] = evaluate_test_set(trainer, test_set)
     metrics_out["baseline"] = result.baseline = baseline
     for line in baseline_warnings(baseline, {"val": result.val_metrics, "test": result.test_metrics}):
-        warnings.warn(line, stacklevel=2)
-    atomic_write_json(run_dir / "metrics.json", metrics_out)
+        if ctx.is_main:  # the job's warnings, once
+            warnings.warn(line, stacklevel=3)
+    if ctx.is_main:
+        atomic_write_json(run_dir / "metrics.json", metrics_out)
     return result
+
+
+#: Config keys that may differ between the ranks of one job: per-machine paths.
+_PER_MACHINE_KEYS = (("data", "root"), ("model", "feature_cache_dir"))
+
+
+def _same_everywhere(config: ExperimentConfig) -> dict[str, Any]:
+    """The part of ``config`` every rank must share (all but per-machine paths)."""
+    data = config.model_dump(mode="json")
+    for section, key in _PER_MACHINE_KEYS:
+        data.get(section, {}).pop(key, None)
+    return data
+
+
+def check_world_size_change(payload: dict[str, Any], world_size: int, run_dir: Path,
+                            allowed: bool) -> None:
+    """Refuse to resume a checkpoint written by another number of processes unless ``allowed``.
+
+    Checkpoints are written at epoch ends and the global batches depend only on the seed and
+    the epoch, so a continuation on another world size draws the same batches; what differs
+    is the order of floating-point sums (gradient all-reduce, BatchNorm statistics) and each
+    rank's random streams (augmentation), so it is not bit-identical to the uninterrupted run.
+    """
+    saved = int(payload.get("world_size", 1))
+    if saved == world_size:
+        return
+    if not allowed:
+        raise mark_every_rank(CheckpointError(
+            f"cannot resume {run_dir}: its checkpoint was written by {saved} process(es) but this "
+            f"job has {world_size}: resume with the same number (torchrun --nproc-per-node/--nnodes), "
+            "or pass --allow-world-size-change (train(..., allow_world_size_change=True)) to "
+            "continue on the new world size (same global batches, not bit-identical)"))
+    logger.warning("resuming a %d-process checkpoint on %d processes: the sampler shares are "
+                   "re-derived from the seed and epoch; the run is not bit-identical to an "
+                   "uninterrupted one", saved, world_size)
 
 
 
@@ -275,19 +391,27 @@ def embed_run(
     The datasets come from the checkpoint's config (the training split gets the evaluation
     transform, no augmentation). Writes ``output`` (default ``RUN_DIR/embeddings/<split>.npz``,
     with the dataset rows as ``indices``) and returns ``(path, embeddings, labels, config)``.
+
+    Under ``torchrun`` each rank embeds its shard of the split (:func:`embed_sharded`), every
+    rank returns the whole split in dataset order, and rank 0 alone writes ``output``.
     """
     if split not in ("train", "val", "test"):
         raise ConfigError(f"the split must be train, val or test, got {split!r}")
+    ctx, dev = join_process_group(resolve_device(device))
     ckpt = find_checkpoint(checkpoint)
     model, config = load_checkpoint(ckpt)
     dataset = build_datasets(config, (split,), data_root=data_root, augment_train=False)[split]
     if dataset is None:
         raise DataError(f"the config's class split has no {split} classes")
-    emb, labels = embed_split(model, dataset, config, device, progress=progress)
+    emb, labels = embed_sharded(
+        lambda part: embed_split(model, part, config, dev, progress=progress and ctx.is_main), dataset)
     if output is None:
         run = ckpt.parent.parent if ckpt.parent.name == "checkpoints" else ckpt.parent
         output = run / "embeddings" / f"{split}.npz"
-    path = save_embeddings(output, emb, labels, indices=dataset_rows(dataset))
+    path = Path(output)
+    if ctx.is_main:
+        path = save_embeddings(output, emb, labels, indices=dataset_rows(dataset))
+    barrier()  # the file exists before any rank returns
     return path, emb, labels, config
 
 

@@ -19,14 +19,15 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from dmlkit.apps.patches.brown import load_subset
 from dmlkit.apps.patches.models import build_patch_model, prepare_patches
 from dmlkit.apps.patches.training import TrainSettings, score_pairs, train_patch_model
+from dmlkit.config import read_yaml_mapping
 from dmlkit.exceptions import CheckpointError, ConfigError, DataNotFoundError
 from dmlkit.metrics.roc import fpr95, roc_auc
 from dmlkit.utils import (
     atomic_torch_save,
     atomic_write_json,
     atomic_write_text,
-    provenance,
     seed_everything,
+    write_provenance,
 )
 from dmlkit.utils import data_root as default_root
 
@@ -108,7 +109,7 @@ def load_patch_config(path: str | Path, overrides: list[str] | None = None) -> P
     path = Path(path)
     if not path.is_file():
         raise DataNotFoundError(f"config {path} not found")
-    raw = yaml.safe_load(path.read_text()) or {}
+    raw = read_yaml_mapping(path, "patch experiment settings", "configs/patches_offline.yaml")
     for item in overrides or []:
         if "=" not in item:
             raise ConfigError(f"override '{item}' must look like section.key=value")
@@ -121,7 +122,8 @@ def load_patch_config(path: str | Path, overrides: list[str] | None = None) -> P
     try:
         return PatchExperimentConfig.model_validate(raw)
     except ValidationError as exc:
-        raise ConfigError(f"{path}: {exc.errors()[0]['loc']}: {exc.errors()[0]['msg']}") from exc
+        problems = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())
+        raise ConfigError(f"invalid patch config {path}: {problems}") from exc
 
 
 def subsets_root(cfg: PatchExperimentConfig, data_root: str | Path | None) -> Path:
@@ -203,7 +205,7 @@ def run_patch_protocol(
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     atomic_write_text(out / "config.yaml", yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
-    atomic_write_json(out / "provenance.json", provenance(cfg.seed))
+    write_provenance(out / "provenance.json", cfg.seed)
     if cfg.training.threads:
         torch.set_num_threads(cfg.training.threads)
     device = _device(cfg.training.device)
@@ -297,12 +299,10 @@ def evaluate_patch_run(
     max_test_pairs: int | None = None,
 ) -> dict[str, Any]:
     """Re-score a run's checkpoints on its test combinations (e.g. on another data root)."""
-    import yaml
-
     run = Path(run_dir)
     if not (run / "config.yaml").is_file():
         raise CheckpointError(f"{run} is not a patch run directory (no config.yaml): run `dmlkit patches train` first")
-    cfg = PatchExperimentConfig.model_validate(yaml.safe_load((run / "config.yaml").read_text()))
+    cfg = load_patch_config(run / "config.yaml")
     if max_test_pairs is not None:
         cfg.data.max_test_pairs = max_test_pairs
     subsets = _Subsets(subsets_root(cfg, data_root), cfg.model.patch_size)

@@ -42,13 +42,14 @@ from dmlkit.apps.tracking.geometry import (
 )
 from dmlkit.apps.tracking.model import EXEMPLAR_SIZE, INSTANCE_SIZE, TOTAL_STRIDE, SiamFC
 from dmlkit.apps.tracking.tracker import TrackerConfig
+from dmlkit.config import read_yaml_mapping
 from dmlkit.exceptions import CheckpointError, ConfigError, DataError, NonFiniteError, ShapeError
 from dmlkit.utils import (
     atomic_torch_save,
     atomic_write_json,
     atomic_write_text,
-    provenance,
     seed_everything,
+    write_provenance,
 )
 
 CHECKPOINT_FORMAT = "dmlkit-siamfc-v1"
@@ -191,7 +192,7 @@ class SiamFCTrainConfig(BaseModel):
         path = Path(path)
         if not path.is_file():
             raise ConfigError(f"config file {path} does not exist")
-        data = yaml.safe_load(path.read_text()) or {}
+        data = read_yaml_mapping(path, "SiamFC training settings", "configs/siamfc_offline.yaml")
         for item in overrides or []:
             if "=" not in item:
                 raise ConfigError(f"override {item!r} must be key=value (e.g. epochs=2)")
@@ -204,7 +205,8 @@ class SiamFCTrainConfig(BaseModel):
         try:
             return cls.model_validate(data)
         except ValidationError as exc:
-            raise ConfigError(f"invalid SiamFC config {path}: {exc}") from None
+            problems = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())
+            raise ConfigError(f"invalid SiamFC config {path}: {problems}") from None
 
 
 def save_siamfc(path: str | Path, model: SiamFC, tracker: TrackerConfig | None = None,
@@ -306,7 +308,7 @@ def train_siamfc(
     else:
         atomic_write_text(run_dir / "config.yaml",
                           yaml.safe_dump(config.model_dump(), sort_keys=False))
-        atomic_write_json(run_dir / "provenance.json", provenance(config.seed))
+        write_provenance(run_dir / "provenance.json", config.seed)
         log_path.write_text("")
     end_epoch = config.epochs if max_epochs is None else min(config.epochs, start_epoch + max_epochs)
     t_start = time.perf_counter() - elapsed

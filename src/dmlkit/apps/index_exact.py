@@ -1,0 +1,209 @@
+"""Exact scoring on an :class:`~dmlkit.apps.index.EmbeddingIndex`'s stored float32 vectors.
+
+* :func:`exact_search`: the exact ``k`` nearest rows, closest first, ties by row (as
+  :func:`dmlkit.metrics.knn`). Candidates come from a float32 scan, ``2k + 16`` of them, and
+  are ordered by their float64 scores. The scan is faiss's brute-force kNN
+  (``faiss.knn``: SIMD inner products or L2 with a heap per query, BLAS for 20+ queries; no
+  copy of the vectors) when faiss is installed and the scan ranks like the distance: raw
+  vectors for ``dot`` / ``euclidean`` without normalisation, and rows already of unit norm
+  (within float32 rounding) for the normalised distances. Otherwise a numpy matmul with the
+  cached ``1/|x|`` factors picks the candidates (few queries) or :func:`dmlkit.metrics.knn`
+  searches blockwise (many).
+* :func:`candidate_scores`: the scores of given candidate rows (IVF-PQ's exact re-ranking of
+  its ``rerank * k`` candidates, "re-ranking with source coding", Jegou et al., ICASSP 2011).
+
+Scores: cosine ``<q, x> / (|q| |x|)``; dot ``<q, x>``; euclidean ``|q - x|``; with
+``unit=True`` (cosine, or ``normalize=True``) both sides are L2-normalised first.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from dmlkit.distances import get_distance
+from dmlkit.exceptions import DependencyError, ShapeError, require
+from dmlkit.validation import check_embeddings
+
+__all__ = ["RowNorms", "candidate_scores", "exact_search", "normalize_rows", "row_norms", "to_numpy_embeddings"]
+
+SMALL_EXACT = 2**22  # numpy path: Q x M <= this many scores in one matmul, else the blockwise kNN
+CANDIDATE_MARGIN = 16  # candidates = 2k + this; the float64 scores order them
+UNIT_TOLERANCE = 1e-5  # max | |x|^2 - 1 | of rows that count as unit-norm for the scan
+RESCORE_BLOCK = 1024  # queries per float64 re-scoring block (bounds its Q x C x D memory)
+NORMALIZE_BLOCK = 65536  # rows per block of normalize_rows (bounds its float64 temporaries)
+
+
+def to_numpy_embeddings(x: Any, name: str) -> np.ndarray:
+    """``x`` as a float32 ``(N, D)`` array, validated by :func:`dmlkit.validation.check_embeddings`.
+
+    Fast path (the per-query hot path of a service): a C-contiguous float32 numpy array whose
+    values are all finite and well inside float32's range is used as is; anything else goes
+    through the shared validation, which raises its one-line error or converts.
+    """
+    if hasattr(x, "ndim") and x.ndim == 1:
+        raise ShapeError(f"{name} must be a non-empty (M, D) array, got shape {tuple(x.shape)}: "
+                         "reshape a single vector with x[None]")
+    if (isinstance(x, np.ndarray) and x.dtype == np.float32 and x.ndim == 2 and x.size
+            and x.flags.c_contiguous and bool(x.max() < 1e15) and bool(x.min() > -1e15)):  # NaN fails
+        return x
+    return np.ascontiguousarray(check_embeddings(x, name).detach().cpu().numpy(), dtype=np.float32)
+
+
+def normalize_rows(x: np.ndarray) -> np.ndarray:
+    """L2-normalised float32 rows ``x / |x|``; zero rows stay zero.
+
+    The norms accumulate in float64, so neither huge (up to float32's maximum) nor tiny values
+    overflow or underflow; rows are scaled by ``1/|x|`` in float32 unless that factor leaves
+    float32's range (rows of subnormals), then divided in float64. Works in blocks, so a large
+    ``x`` costs one float32 copy.
+    """
+    if x.shape[0] <= 64:  # a few queries: the fewest numpy calls
+        n = np.sqrt(np.add.reduce(np.square(x, dtype=np.float64), axis=1))
+        n[n == 0] = 1
+        return (x / n[:, None]).astype(np.float32)
+    out = np.empty(x.shape, dtype=np.float32)
+    for a in range(0, x.shape[0], NORMALIZE_BLOCK):
+        b = x[a:a + NORMALIZE_BLOCK]
+        n = np.sqrt(np.einsum("ij,ij->i", b, b, dtype=np.float64))
+        n[n == 0] = 1
+        inv = 1 / n
+        if inv.max() < 1e38:
+            np.multiply(b, inv.astype(np.float32)[:, None], out=out[a:a + b.shape[0]])
+        else:
+            out[a:a + b.shape[0]] = b / n[:, None]
+    return out
+
+
+@dataclass(frozen=True)
+class RowNorms:
+    """Per-row facts of the stored vectors: ``sq = |x|^2`` (float64), ``factor`` (float32:
+    ``1/|x|`` for unit distances, else ``|x|^2 / 2``) and whether every row is unit-norm."""
+
+    sq: np.ndarray
+    factor: np.ndarray
+    unit_rows: bool
+
+
+def row_norms(x: np.ndarray, unit: bool) -> RowNorms:
+    """:class:`RowNorms` of ``x`` (one pass over the vectors)."""
+    sq = np.einsum("ij,ij->i", x, x, dtype=np.float64)
+    factor = (1 / np.sqrt(np.maximum(sq, 1e-300))) if unit else sq / 2
+    unit_rows = bool(sq.size == 0 or np.abs(sq - 1).max() <= UNIT_TOLERANCE)
+    return RowNorms(sq, factor.astype(np.float32), unit_rows)
+
+
+@functools.cache
+def _faiss_or_none() -> Any:
+    try:
+        return require("faiss", "faiss")
+    except DependencyError:
+        return None
+
+
+def _scan_metric(x: np.ndarray, distance: str, unit: bool, norms: RowNorms) -> int | None:
+    """The faiss metric whose brute-force scan of ``x`` ranks like the distance, or ``None``."""
+    faiss = _faiss_or_none()
+    if faiss is None or x.dtype != np.float32 or not x.flags.c_contiguous:
+        return None
+    if unit:  # <q, x> ranks like cosine and like -|q/|q| - x| when every |x| = 1
+        return faiss.METRIC_INNER_PRODUCT if norms.unit_rows else None
+    return faiss.METRIC_L2 if distance == "euclidean" else faiss.METRIC_INNER_PRODUCT
+
+
+def exact_search(x: np.ndarray, q: np.ndarray, k: int, distance: str, unit: bool, norms: RowNorms
+                 ) -> tuple[np.ndarray, np.ndarray]:
+    """Exact ``(rows, scores)`` of the ``k`` nearest rows of ``x`` for each query, ``(Q, k)`` each.
+
+    Args:
+        x: ``(M, D)`` float32 stored vectors; q: ``(Q, D)`` float32 queries.
+        distance: ``cosine``, ``dot`` or ``euclidean``; unit: L2-normalise both sides first.
+        norms: :func:`row_norms` of ``x`` (cached by the index).
+    """
+    m = x.shape[0]
+    k = min(k, m)
+    metric = _scan_metric(x, distance, unit, norms)
+    if metric is not None:
+        c = min(m, 2 * k + CANDIDATE_MARGIN)
+        _, cand = _faiss_or_none().knn(q, x, c, metric)
+        return _rescore(x, q, cand, k, distance, unit, norms)
+    if q.shape[0] * m <= SMALL_EXACT:
+        s = q @ x.T
+        if unit:  # <q, x / |x|> orders like cosine and like -|q/|q| - x/|x||
+            s *= norms.factor
+        elif distance == "euclidean":
+            s -= norms.factor  # <q, x> - |x|^2 / 2 orders like -|q - x|^2
+        c = min(m, 2 * k + CANDIDATE_MARGIN)
+        cand = np.argpartition(s, m - c, axis=1)[:, m - c:] if c < m else np.tile(np.arange(m), (q.shape[0], 1))
+        return _rescore(x, q, cand, k, distance, unit, norms)
+    from dmlkit.metrics import knn  # lazy: numba kernels load only when a large exact search runs
+
+    res = knn(q, x, k=k, distance=get_distance(distance, normalize_embeddings=unit), exclude_self=False)
+    return res.indices.numpy().astype(np.int64), res.values.numpy().astype(np.float32)
+
+
+def _rescore(x: np.ndarray, q: np.ndarray, cand: np.ndarray, k: int, distance: str, unit: bool,
+             norms: RowNorms) -> tuple[np.ndarray, np.ndarray]:
+    """Order candidate rows ``cand (Q, C)`` by float64 scores, ties by row; keep ``k``."""
+    pos_out = np.empty((q.shape[0], k), dtype=np.int64)
+    val_out = np.empty((q.shape[0], k), dtype=np.float32)
+    for a in range(0, q.shape[0], RESCORE_BLOCK):
+        c = cand[a:a + RESCORE_BLOCK]
+        xv = x[c].astype(np.float64)  # (B, C, D)
+        q64 = q[a:a + RESCORE_BLOCK].astype(np.float64)[:, None, :]
+        if unit:
+            xv /= np.sqrt(np.maximum(norms.sq[c], 1e-300))[..., None]
+            q64 /= np.sqrt(np.maximum((q64**2).sum(-1, keepdims=True), 1e-300))
+        if distance == "euclidean":
+            score = -np.sqrt(((xv - q64) ** 2).sum(-1))
+        else:
+            score = (xv * q64).sum(-1)
+        order = np.lexsort((c, -score), axis=1)[:, :k]
+        pos_out[a:a + RESCORE_BLOCK] = np.take_along_axis(c, order, axis=1)
+        val = np.take_along_axis(score, order, axis=1)
+        val_out[a:a + RESCORE_BLOCK] = -val if distance == "euclidean" else val
+    return pos_out, val_out
+
+
+def candidate_scores(x: np.ndarray, q: np.ndarray, pos: np.ndarray, distance: str, unit: bool,
+                     norms: RowNorms, q_unit: np.ndarray | None = None) -> np.ndarray:
+    """Scores of queries ``q (Q, D)`` against rows ``pos (Q, C)`` of ``x``; ``-1`` rows score worst.
+
+    ``q_unit``: the already L2-normalised queries, when the caller has them (unit distances).
+    """
+    safe = np.maximum(pos, 0)
+    if unit:
+        qn = normalize_rows(q) if q_unit is None else q_unit
+        cos = _gathered_dots(x, qn, safe) * norms.factor[safe]
+        s = np.sqrt(np.maximum(2 - 2 * cos, 0)) if distance == "euclidean" else cos
+    elif distance == "euclidean":  # direct squared differences: no cancellation for close pairs
+        s = np.sqrt(_gathered_dots(x, q, safe, l2=True))
+    else:
+        s = _gathered_dots(x, q, safe)
+    s = s.astype(np.float32, copy=False)
+    s[pos < 0] = np.inf if distance == "euclidean" else -np.inf
+    return s
+
+
+def _gathered_dots(x: np.ndarray, q: np.ndarray, rows: np.ndarray, l2: bool = False) -> np.ndarray:
+    """``out[i, j] = <q[i], x[rows[i, j]]>`` (``l2``: ``|q[i] - x[rows[i, j]]|^2``) in float32.
+
+    faiss's ``fvec_inner_products_by_idx`` / ``fvec_L2sqr_by_idx`` (no ``(Q, C, D)`` gather in
+    Python) when faiss is installed, else a numpy gather.
+    """
+    faiss = _faiss_or_none()
+    if faiss is None or x.dtype != np.float32 or not x.flags.c_contiguous:
+        cand = x[rows]
+        if l2:
+            return ((cand - q[:, None, :]) ** 2).sum(-1)
+        return np.matmul(cand, q[:, :, None])[..., 0]
+    q = np.ascontiguousarray(q, dtype=np.float32)
+    rows = np.ascontiguousarray(rows, dtype=np.int64)
+    out = np.empty(rows.shape, dtype=np.float32)
+    fn = faiss.fvec_L2sqr_by_idx if l2 else faiss.fvec_inner_products_by_idx
+    fn(faiss.swig_ptr(out), faiss.swig_ptr(q), faiss.swig_ptr(x), faiss.swig_ptr(rows), x.shape[1], q.shape[0],
+       rows.shape[1])
+    return out

@@ -1,0 +1,118 @@
+"""The faiss structures behind an approximate :class:`~dmlkit.apps.index.EmbeddingIndex`.
+
+* ``ivf_flat``: ``IndexIVFFlat``, an inverted file over k-means cells (Jegou et al., "Product
+  quantization for nearest neighbor search", TPAMI 2011, sec. IV); ``nlist`` defaults to
+  ``4 sqrt(N)`` cells (faiss's guideline), at most ``N / 39`` so every cell trains on 39+ points.
+* ``ivf_pq``: ``IndexIVFPQ``, the same cells with ``m`` product-quantised sub-vectors of
+  ``nbits`` bits of the residuals (default ``m``: the largest divisor of ``D`` up to ``D / 4``).
+* ``hnsw``: ``IndexHNSWFlat`` in an ``IndexIDMap2`` (Malkov and Yashunin, TPAMI 2020).
+
+IVF kinds train on up to ``256 nlist`` rows, keeping up to ``recall_queries`` rows (at most
+10 %) out of the training for the held-out recall measurement.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from dmlkit.exceptions import ConfigError, DependencyError, require
+
+if TYPE_CHECKING:
+    from dmlkit.apps.index import EmbeddingIndex
+
+__all__ = ["default_nlist", "default_pq_m", "faiss_module", "new_faiss_index", "search_params", "to_gpu"]
+
+
+def faiss_module() -> Any:
+    """The faiss module (:class:`~dmlkit.exceptions.DependencyError` with the install hint if missing)."""
+    return require("faiss", "faiss")
+
+
+def default_nlist(n: int) -> int:
+    """``4 sqrt(N)`` cells (faiss's guideline), at most ``N / 39`` so each cell trains on 39+ points."""
+    return max(1, min(int(round(4 * math.sqrt(n))), n // 39))
+
+
+def default_pq_m(d: int) -> int:
+    """The largest divisor of ``d`` that is at most ``d / 4`` (4-dimensional sub-vectors)."""
+    best = 1
+    for m in range(1, max(1, d // 4) + 1):
+        if d % m == 0:
+            best = m
+    return best
+
+
+def _metric(distance: str) -> int:
+    faiss = faiss_module()
+    return faiss.METRIC_L2 if distance == "euclidean" else faiss.METRIC_INNER_PRODUCT
+
+
+def to_gpu(index: EmbeddingIndex, structure: Any) -> Any:
+    """``structure`` on GPU 0 when the index was built with ``gpu=True``, else unchanged."""
+    if not index.params["gpu"]:
+        return structure
+    faiss = faiss_module()
+    if not hasattr(faiss, "StandardGpuResources") or faiss.get_num_gpus() < 1:
+        raise DependencyError("gpu=True needs faiss with GPU support and a visible GPU: "
+                              "install faiss-gpu (conda) or build without --gpu")
+    if not hasattr(index, "_gpu_res"):
+        index._gpu_res = faiss.StandardGpuResources()
+    return faiss.index_cpu_to_gpu(index._gpu_res, 0, structure)
+
+
+def new_faiss_index(index: EmbeddingIndex, emb: np.ndarray, keys: np.ndarray) -> Any:
+    """A trained, empty faiss structure for ``index.kind`` (IVF kinds train on a sample of ``emb``).
+
+    Fills the derived settings into ``index.params`` (``nlist``, ``pq_m``, ``pq_nbits``,
+    ``nprobe``) and the trained rows' keys into ``index._trained_keys``.
+    """
+    faiss = faiss_module()
+    d, n = emb.shape[1], emb.shape[0]
+    p = index.params
+    if index.kind == "hnsw":
+        inner = faiss.IndexHNSWFlat(d, p["hnsw_m"], _metric(index.distance))
+        inner.hnsw.efConstruction = p["ef_construction"]
+        structure = faiss.IndexIDMap2(inner)  # faiss's wrapper keeps `inner` referenced
+        index._trained_keys = np.empty((0,), dtype=np.int64)
+        return structure
+    # keep up to recall_queries rows (at most 10 %) out of the training: the recall sample
+    reserve = min(index._recall_reserve, n // 10)
+    if p["nlist"] and p["nlist"] * 39 > n - reserve:
+        reserve = 0
+    nlist = p["nlist"] or default_nlist(n - reserve)
+    if nlist > n:
+        raise ConfigError(f"nlist={nlist} is larger than the {n} vectors to train on: use nlist <= {n}")
+    p["nlist"] = int(nlist)
+    quantizer = faiss.IndexFlatL2(d) if index.distance == "euclidean" else faiss.IndexFlatIP(d)
+    if index.kind == "ivf_flat":
+        structure = faiss.IndexIVFFlat(quantizer, d, nlist, _metric(index.distance))
+        min_train = nlist * 256
+    else:
+        m = p["pq_m"] or default_pq_m(d)
+        if d % m:
+            raise ConfigError(f"pq_m={m} must divide the embedding size {d}")
+        nbits = min(p["pq_nbits"], max(1, int(math.log2(max(2, (n - reserve) // 39)))))
+        p["pq_m"], p["pq_nbits"] = int(m), int(nbits)
+        structure = faiss.IndexIVFPQ(quantizer, d, nlist, m, nbits, _metric(index.distance))
+        min_train = max(nlist * 256, 2**nbits * 256)
+        structure.pq.cp.seed = p["seed"]
+    structure.cp.seed = p["seed"]
+    rng = np.random.default_rng(p["seed"])
+    pool = rng.permutation(n)[reserve:]
+    rows = np.sort(pool[:min(len(pool), min_train)])
+    structure.train(index._prepare(emb[rows]))
+    index._trained_keys = keys[rows]
+    if p["nprobe"] is None:
+        p["nprobe"] = min(nlist, 8)
+    return to_gpu(index, structure)
+
+
+def search_params(kind: str, setting: dict[str, Any]) -> Any:
+    """faiss search parameters of a setting: ``efSearch`` (HNSW) or ``nprobe`` (IVF)."""
+    faiss = faiss_module()
+    if kind == "hnsw":
+        return faiss.SearchParametersHNSW(efSearch=int(setting["ef_search"]))
+    return faiss.SearchParametersIVF(nprobe=int(setting["nprobe"]))

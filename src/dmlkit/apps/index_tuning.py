@@ -1,0 +1,167 @@
+"""Recall of an approximate :class:`~dmlkit.apps.index.EmbeddingIndex`, and tuning it to a target.
+
+The recall of an approximate search is measured against the exact search on held-out queries:
+
+    recall@k = mean over queries q of |ANN_k(q) ∩ Exact_k(q)| / k
+
+(the "k-recall@k" of ANN-Benchmarks, Aumüller et al., Information Systems 2020). Without
+explicit queries, :func:`measure_recall` and :func:`tune` sample indexed rows that the quantiser
+was not trained on and drop each query's own row from both result lists.
+
+:func:`tune` walks the search settings of :func:`search_settings` in order of cost (the bytes a
+query scans: ``nprobe`` IVF cells of vectors or PQ codes plus the ``rerank * k`` re-scored
+vectors of IVF-PQ (Jegou et al., "Product quantization for nearest neighbor search", TPAMI
+2011); ``ef_search`` for HNSW (Malkov and Yashunin, TPAMI 2020)) and keeps the first that
+reaches the target.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from dmlkit.apps.index_exact import to_numpy_embeddings
+from dmlkit.exceptions import ConfigError, DataError, ShapeError
+
+if TYPE_CHECKING:
+    from dmlkit.apps.index import EmbeddingIndex
+
+__all__ = ["drop_self", "measure_recall", "recall_at_k", "search_settings", "tune"]
+
+RERANK_FACTORS = (1, 2, 4, 8, 16)
+EF_VALUES = (16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024, 2048)
+
+
+def recall_at_k(approx: np.ndarray, exact: np.ndarray, k: int) -> float:
+    """``mean_q |approx[q, :k] ∩ exact[q, :k]| / k`` (ANN-Benchmarks' k-recall@k).
+
+    Entries ``< 0`` in ``approx`` (not found) never match.
+    """
+    if approx.shape[0] != exact.shape[0]:
+        raise ShapeError(f"{approx.shape[0]} approximate rows but {exact.shape[0]} exact rows")
+    if approx.shape[0] == 0:
+        return float("nan")
+    hits = 0
+    for a, e in zip(approx[:, :k], exact[:, :k]):
+        hits += len(np.intersect1d(a[a >= 0], e))
+    return hits / (approx.shape[0] * k)
+
+
+def drop_self(found: np.ndarray, rows: np.ndarray, k: int) -> np.ndarray:
+    """Drop each query's own row from its neighbour list and keep ``k`` entries (``-1`` pads)."""
+    is_self = found == rows[:, None]
+    order = np.argsort(is_self, axis=1, kind="stable")[:, :k]
+    out = np.take_along_axis(found, order, axis=1)
+    return np.where(np.take_along_axis(is_self, order, axis=1), -1, out)
+
+
+def recall_sample(index: EmbeddingIndex, num_queries: int, seed: int) -> np.ndarray:
+    """Rows for the recall measurement, preferring rows the quantiser was not trained on."""
+    rng = np.random.default_rng(seed + 1)
+    n = len(index)
+    trained = index._trained_keys
+    held = np.flatnonzero(~np.isin(index._keys, trained)) if trained.size else np.arange(n)
+    pool = held if held.size >= min(num_queries, n) else np.arange(n)
+    take = min(num_queries, pool.size)
+    return np.sort(rng.choice(pool, size=take, replace=False))
+
+
+def _setup(index: EmbeddingIndex, k: int, queries: Any, num_queries: int
+           ) -> tuple[np.ndarray, np.ndarray, np.ndarray | None, int, bool]:
+    """``(queries, exact neighbours, query rows or None, k, held_out)`` of a recall measurement."""
+    if index.kind == "flat":
+        raise ConfigError("a flat index is exact (recall 1.0): measure or tune an approximate kind")
+    if len(index) < 2:
+        raise DataError("need at least two indexed items to measure recall")
+    if queries is None:
+        rows = recall_sample(index, num_queries, index.params["seed"])
+        q = np.ascontiguousarray(index.embeddings[rows], dtype=np.float32)
+        k = min(k, len(index) - 1)
+        exact, _ = index._exact(q, k + 1)
+        held_out = not bool(np.isin(index._keys[rows], index._trained_keys).any())
+        return q, drop_self(exact, rows, k), rows, k, held_out
+    q = to_numpy_embeddings(queries, "queries")
+    if q.shape[1] != index.dim:
+        raise ShapeError(f"queries must be (Q, {index.dim}), got shape {q.shape}")
+    k = min(k, len(index))
+    exact, _ = index._exact(q, k)
+    return q, exact, None, k, True
+
+
+def _recall_of(index: EmbeddingIndex, q: np.ndarray, exact: np.ndarray, rows: np.ndarray | None, k: int,
+               setting: dict[str, Any]) -> tuple[float, float]:
+    """``(recall@k, seconds per query)`` of one search setting."""
+    t0 = time.perf_counter()
+    approx, _ = index._ann(q, k + (rows is not None), setting)
+    seconds = time.perf_counter() - t0
+    if rows is not None:
+        approx = drop_self(approx, rows, k)
+    return recall_at_k(approx, exact, k), seconds / max(1, q.shape[0])
+
+
+def measure_recall(index: EmbeddingIndex, k: int = 10, queries: Any = None, num_queries: int = 1000
+                   ) -> dict[str, Any]:
+    """Measure recall@k of the index's current settings against exact search; stored as ``index.recall``."""
+    q, exact, rows, k, held_out = _setup(index, k, queries, num_queries)
+    setting = index._setting()
+    recall, per_query = _recall_of(index, q, exact, rows, k, setting)
+    index.recall = {"k": k, "recall": recall, "num_queries": int(q.shape[0]), "held_out": held_out,
+                    "setting": setting, "seconds_per_query": per_query, "target": None, "met": None,
+                    "stale": False}
+    return index.recall
+
+
+def search_settings(index: EmbeddingIndex, k: int) -> list[tuple[float, dict[str, Any]]]:
+    """Search settings with their cost (bytes scanned per query; ``ef_search`` for HNSW), cheapest first.
+
+    IVF-Flat: ``nprobe * N / nlist * D * 4`` bytes; IVF-PQ: ``nprobe * N / nlist * m * nbits / 8``
+    bytes of codes plus ``rerank * k * D * 4`` bytes of re-scored vectors.
+    """
+    n, d = max(1, len(index)), index.dim
+    if index.kind == "hnsw":
+        out = [(float(ef), {"ef_search": ef}) for ef in EF_VALUES if ef >= k + 1]
+        if not out or out[-1][1]["ef_search"] < n:
+            out.append((float(max(n, k + 1)), {"ef_search": max(n, k + 1)}))
+        return out
+    p = index.params
+    nlist = int(p["nlist"])
+    probes = sorted({min(nlist, 2**i) for i in range(int(math.log2(nlist)) + 2)})
+    out = []
+    for nprobe in probes:
+        cell = nprobe * n / nlist
+        if index.kind == "ivf_flat":
+            out.append((cell * d * 4, {"nprobe": nprobe}))
+        else:
+            for r in RERANK_FACTORS:
+                out.append((cell * p["pq_m"] * p["pq_nbits"] / 8 + r * k * d * 4, {"nprobe": nprobe, "rerank": r}))
+    return sorted(out, key=lambda t: t[0])
+
+
+def tune(index: EmbeddingIndex, target_recall: float = 0.95, k: int = 10, queries: Any = None,
+         num_queries: int = 1000) -> dict[str, Any]:
+    """Set the cheapest search setting whose measured recall@k reaches ``target_recall``.
+
+    When none reaches the target, the most accurate one is kept and ``recall["met"]`` is ``False``.
+    """
+    if not 0 < target_recall <= 1:
+        raise ConfigError(f"target_recall must be in (0, 1], got {target_recall}")
+    q, exact, rows, k, held_out = _setup(index, k, queries, num_queries)
+    tried = []
+    chosen = None
+    for cost, setting in search_settings(index, k):
+        recall, per_query = _recall_of(index, q, exact, rows, k, setting)
+        tried.append({"setting": setting, "recall": recall, "cost": cost, "seconds_per_query": per_query})
+        if recall >= target_recall:
+            chosen = tried[-1]
+            break
+    met = chosen is not None
+    if chosen is None:
+        chosen = max(tried, key=lambda t: (t["recall"], -t["cost"]))
+    index.params.update(chosen["setting"])
+    index.recall = {"k": k, "recall": chosen["recall"], "num_queries": int(q.shape[0]), "held_out": held_out,
+                    "setting": chosen["setting"], "seconds_per_query": chosen["seconds_per_query"],
+                    "target": target_recall, "met": met, "tried": tried, "stale": False}
+    return index.recall

@@ -1,0 +1,459 @@
+"""Embeddings beyond RAM: a directory of memory-mappable ``.npy`` shards.
+
+Layout of a shard directory (everything numpy can read without dmlkit)::
+
+    SHARD_DIR/
+      manifest.json           {"format": "dmlkit-embedding-shards", "version": 1,
+                               "count": N, "dim": D, "dtype": "float16" | "float32",
+                               "shards": [{"rows", "embeddings", "labels", "ids",
+                                           "sha256": {file: digest}}, ...],
+                               "metadata": {...}}
+      embeddings-00000.npy    (rows, D) float16 / float32
+      labels-00000.npy        (rows,) int64 class ids
+      ids-00000.npy           (rows,) int64 item ids (default: the row number)
+      ...
+
+The manifest is written last, atomically: a directory without one is an interrupted write and
+is refused by the reader. :class:`ShardWriter` appends batches and holds at most one shard
+(``shard_rows x D``) in memory; :class:`ShardedEmbeddings` reads rows back as float32 through
+``np.load(mmap_mode="r")``, one shard mapping at a time and released after each read, so
+reading a whole gallery block by block keeps the process's resident memory at the size of the
+block (the page cache is the kernel's, not the process's).
+
+float16 halves the disk and the I/O; its rounding (relative error ``2^-11``) is far below what
+retrieval metrics resolve for L2-normalised embeddings, but values beyond ``+-65504`` do not fit
+and are refused (store float32 then). Every metric computed from float16 shards is computed
+on the float32 values the shards decode to.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from dmlkit.exceptions import ConfigError, DataError, DataNotFoundError, NonFiniteError, ShapeError
+from dmlkit.utils import atomic_write_json, sha256_file
+
+__all__ = [
+    "MANIFEST",
+    "SHARD_FORMAT",
+    "ShardWriter",
+    "ShardedEmbeddings",
+    "embed_to_shards",
+    "is_shard_dir",
+    "open_shards",
+    "write_shards",
+]
+
+MANIFEST = "manifest.json"
+SHARD_FORMAT = "dmlkit-embedding-shards"
+_VERSION = 1
+_DTYPES = {"float32": np.float32, "float16": np.float16}
+_F16_MAX = float(np.finfo(np.float16).max)
+#: Default rows per shard: 256 MiB of float32 at D = 128 per 512k rows; 64k rows is ~16-32 MiB.
+DEFAULT_SHARD_ROWS = 65536
+
+
+def is_shard_dir(path: str | os.PathLike) -> bool:
+    """Whether ``path`` is a directory holding a shard ``manifest.json``."""
+    p = Path(path)
+    return p.is_dir() and (p / MANIFEST).is_file()
+
+
+# -- writing ------------------------------------------------------------------------------------
+class ShardWriter:
+    """Append ``(embeddings, labels[, ids])`` batches to a shard directory.
+
+    Args:
+        directory: output directory (created; an existing manifest is refused unless
+            ``overwrite``).
+        dtype: ``"float32"`` or ``"float16"`` on disk.
+        shard_rows: rows per shard file; the writer buffers one shard (``shard_rows x D``).
+        overwrite: replace an existing shard directory's files.
+        metadata: JSON-serialisable extra information stored in the manifest.
+
+    Use it as a context manager: the manifest is written by :meth:`close` when the block ends
+    without an exception, so a crashed write never looks complete.
+    """
+
+    def __init__(
+        self,
+        directory: str | os.PathLike,
+        *,
+        dtype: str = "float32",
+        shard_rows: int = DEFAULT_SHARD_ROWS,
+        overwrite: bool = False,
+        metadata: Mapping[str, Any] | None = None,
+    ) -> None:
+        if dtype not in _DTYPES:
+            raise ConfigError(f"shard dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
+        if not isinstance(shard_rows, int | np.integer) or shard_rows < 1:
+            raise ConfigError(f"shard_rows must be a positive integer, got {shard_rows!r}")
+        self.directory = Path(directory)
+        if self.directory.exists() and not self.directory.is_dir():
+            raise DataError(f"{self.directory} exists and is not a directory: choose another output")
+        if (self.directory / MANIFEST).exists():
+            if not overwrite:
+                raise DataError(f"{self.directory} already holds embedding shards: pass overwrite=True "
+                                "(--overwrite) or choose another directory")
+            self._remove_old()
+        self.directory.mkdir(parents=True, exist_ok=True)
+        self.dtype = dtype
+        self.shard_rows = int(shard_rows)
+        self.metadata = dict(metadata or {})
+        self.dim: int | None = None
+        self.count = 0
+        self.shards: list[dict[str, Any]] = []
+        self._buf: np.ndarray | None = None
+        self._buf_labels = np.empty(self.shard_rows, np.int64)
+        self._buf_ids = np.empty(self.shard_rows, np.int64)
+        self._fill = 0
+        self._closed = False
+
+    def _remove_old(self) -> None:
+        old = json.loads((self.directory / MANIFEST).read_text(encoding="utf-8"))
+        (self.directory / MANIFEST).unlink()
+        for shard in old.get("shards", []):
+            for key in ("embeddings", "labels", "ids"):
+                name = shard.get(key)
+                if isinstance(name, str) and "/" not in name and name:
+                    (self.directory / name).unlink(missing_ok=True)
+
+    def __enter__(self) -> ShardWriter:
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is None:
+            self.close()
+        else:
+            self._closed = True  # no manifest: the directory stays visibly incomplete
+
+    def append(self, embeddings: Any, labels: Any, ids: Any | None = None) -> None:
+        """Add a batch: ``(B, D)`` embeddings, ``(B,)`` integer labels, optional ``(B,)`` int ids
+        (default: the running row number)."""
+        if self._closed:
+            raise DataError("this ShardWriter is closed: open a new one to write more")
+        emb = _as_float_batch(embeddings)
+        n = emb.shape[0]
+        lab = _as_int_vector(labels, n, "labels")
+        idv = (np.arange(self.count, self.count + n, dtype=np.int64) if ids is None
+               else _as_int_vector(ids, n, "ids"))
+        if self.dim is None:
+            self.dim = int(emb.shape[1])
+            self._buf = np.empty((self.shard_rows, self.dim), _DTYPES[self.dtype])
+        elif emb.shape[1] != self.dim:
+            raise ShapeError(f"batch has {emb.shape[1]} dimensions but the shards have {self.dim}")
+        if n and not np.isfinite(emb).all():
+            raise NonFiniteError("embeddings contain NaN or infinity: fix the model output before writing")
+        if self.dtype == "float16" and n and float(np.abs(emb).max()) > _F16_MAX:
+            raise NonFiniteError(f"embeddings exceed float16's range (|x| > {_F16_MAX:g}): "
+                                 "write float32 shards (--dtype float32) or normalise them")
+        start = 0
+        while start < n:
+            take = min(n - start, self.shard_rows - self._fill)
+            sl = slice(self._fill, self._fill + take)
+            self._buf[sl] = emb[start:start + take]
+            self._buf_labels[sl] = lab[start:start + take]
+            self._buf_ids[sl] = idv[start:start + take]
+            self._fill += take
+            start += take
+            if self._fill == self.shard_rows:
+                self._flush()
+        self.count += n
+
+    def _flush(self) -> None:
+        if self._fill == 0:
+            return
+        i = len(self.shards)
+        names = {key: f"{key}-{i:05d}.npy" for key in ("embeddings", "labels", "ids")}
+        arrays = {"embeddings": self._buf[: self._fill], "labels": self._buf_labels[: self._fill],
+                  "ids": self._buf_ids[: self._fill]}
+        digests = {}
+        for key, name in names.items():
+            path = self.directory / name
+            tmp = path.with_name(f".{name}.tmp")
+            with open(tmp, "wb") as fh:
+                np.save(fh, arrays[key], allow_pickle=False)
+            os.replace(tmp, path)
+            digests[name] = sha256_file(path)
+        self.shards.append({"rows": self._fill, **names, "sha256": digests})
+        self._fill = 0
+
+    def close(self) -> Path:
+        """Write the last shard and the manifest; returns the directory."""
+        if self._closed:
+            return self.directory
+        self._flush()
+        self._closed = True
+        if self.dim is None:
+            raise DataError("no embeddings were written: append at least one batch before closing")
+        manifest = {"format": SHARD_FORMAT, "version": _VERSION, "count": self.count, "dim": self.dim,
+                    "dtype": self.dtype, "label_dtype": "int64", "id_dtype": "int64",
+                    "shard_rows": self.shard_rows, "shards": self.shards, "metadata": self.metadata}
+        atomic_write_json(self.directory / MANIFEST, manifest)
+        self._buf = None
+        return self.directory
+
+
+def write_shards(
+    directory: str | os.PathLike,
+    embeddings: Any,
+    labels: Any,
+    ids: Any | None = None,
+    *,
+    dtype: str = "float32",
+    shard_rows: int = DEFAULT_SHARD_ROWS,
+    overwrite: bool = False,
+    metadata: Mapping[str, Any] | None = None,
+) -> ShardedEmbeddings:
+    """Write in-memory (or memory-mapped) embeddings as shards and open them."""
+    n = len(embeddings)
+    with ShardWriter(directory, dtype=dtype, shard_rows=shard_rows, overwrite=overwrite,
+                     metadata=metadata) as writer:
+        for a0 in range(0, max(n, 1), shard_rows):
+            a1 = min(n, a0 + shard_rows)
+            writer.append(embeddings[a0:a1], np.asarray(labels)[a0:a1],
+                          None if ids is None else np.asarray(ids)[a0:a1])
+    return ShardedEmbeddings(directory)
+
+
+def _as_float_batch(x: Any) -> np.ndarray:
+    if hasattr(x, "detach"):  # a torch tensor, without importing torch here
+        x = x.detach().cpu().float().numpy()
+    arr = np.asarray(x)
+    if arr.dtype.kind not in "iuf":
+        raise ShapeError(f"embeddings must be real numbers (B, D), got dtype {arr.dtype}")
+    if arr.ndim != 2 or arr.shape[1] == 0:
+        raise ShapeError(f"embeddings must be 2-D (B, D) with D > 0, got shape {arr.shape}")
+    return arr
+
+
+def _as_int_vector(x: Any, n: int, name: str) -> np.ndarray:
+    if hasattr(x, "detach"):
+        x = x.detach().cpu().numpy()
+    arr = np.asarray(x)
+    if arr.shape != (n,):
+        raise ShapeError(f"{name} must have shape ({n},) to match the embeddings, got {arr.shape}")
+    if arr.dtype.kind not in "iu":
+        raise DataError(f"shard {name} must be integers, got dtype {arr.dtype}: encode class names "
+                        "as integer ids (keep the names in the manifest's metadata)")
+    return arr.astype(np.int64, copy=False)
+
+
+# -- reading ------------------------------------------------------------------------------------
+class ShardedEmbeddings:
+    """Read-only view of a shard directory that behaves like an ``(N, D)`` float32 array.
+
+    ``shards[a:b]`` returns the rows as a new float32 array, ``shards[index_array]`` gathers
+    rows, :meth:`blocks` iterates fixed-size blocks; ``labels`` and ``ids`` (``(N,)`` int64)
+    are loaded in memory (O(N)), embeddings never are. Each read maps the shards it touches
+    with ``np.load(mmap_mode="r")`` and unmaps them when done.
+
+    Args:
+        directory: the shard directory.
+        verify: check every file's SHA-256 against the manifest (reads everything once).
+    """
+
+    def __init__(self, directory: str | os.PathLike, *, verify: bool = False) -> None:
+        self.directory = Path(directory)
+        self.manifest = _read_manifest(self.directory)
+        m = self.manifest
+        self.dim = int(m["dim"])
+        self.count = int(m["count"])
+        self.storage_dtype = np.dtype(_DTYPES[m["dtype"]])
+        rows = [int(s["rows"]) for s in m["shards"]]
+        self._starts = np.concatenate([[0], np.cumsum(rows, dtype=np.int64)])
+        if int(self._starts[-1]) != self.count:
+            raise DataError(f"{self.directory / MANIFEST}: shard rows add up to {int(self._starts[-1])}, "
+                            f"not count = {self.count}; rewrite the shards")
+        for shard in m["shards"]:
+            arr = self._map(shard, "embeddings")
+            if arr.shape != (int(shard["rows"]), self.dim) or arr.dtype != self.storage_dtype:
+                raise DataError(f"{self.directory / shard['embeddings']} holds {arr.dtype} {arr.shape}, "
+                                f"the manifest says {self.storage_dtype} ({shard['rows']}, {self.dim}); "
+                                "rewrite the shards")
+            del arr
+        if verify:
+            self.verify()
+        self.labels = self._concat("labels")
+        self.ids = self._concat("ids")
+
+    # array protocol -------------------------------------------------------------------------
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (self.count, self.dim)
+
+    @property
+    def dtype(self) -> np.dtype:
+        """The dtype rows are returned in (float32), whatever the storage dtype."""
+        return np.dtype(np.float32)
+
+    @property
+    def ndim(self) -> int:
+        return 2
+
+    @property
+    def nbytes_stored(self) -> int:
+        return self.count * self.dim * self.storage_dtype.itemsize
+
+    def __len__(self) -> int:
+        return self.count
+
+    def __repr__(self) -> str:
+        return (f"ShardedEmbeddings({str(self.directory)!r}, count={self.count}, dim={self.dim}, "
+                f"dtype={self.storage_dtype.name}, shards={len(self.manifest['shards'])})")
+
+    def __getitem__(self, key: Any) -> np.ndarray:
+        if isinstance(key, slice):
+            a0, a1, step = key.indices(self.count)
+            if step != 1:
+                return self.take(np.arange(a0, a1, step))
+            return self.read(a0, a1)
+        if isinstance(key, int | np.integer):
+            i = int(key) + (self.count if key < 0 else 0)
+            return self.read(i, i + 1)[0]
+        if hasattr(key, "detach"):
+            key = key.detach().cpu().numpy()
+        return self.take(np.asarray(key))
+
+    def read(self, start: int, stop: int) -> np.ndarray:
+        """Rows ``start:stop`` as a new float32 ``(stop - start, D)`` array."""
+        if not 0 <= start <= stop <= self.count:
+            raise ShapeError(f"rows {start}:{stop} are outside 0:{self.count}")
+        out = np.empty((stop - start, self.dim), np.float32)
+        first = int(np.searchsorted(self._starts, start, side="right")) - 1
+        pos = start
+        for s in range(max(first, 0), len(self.manifest["shards"])):
+            s0, s1 = int(self._starts[s]), int(self._starts[s + 1])
+            if pos >= stop:
+                break
+            hi = min(stop, s1)
+            arr = self._map(self.manifest["shards"][s], "embeddings")
+            out[pos - start:hi - start] = arr[pos - s0:hi - s0]
+            del arr
+            pos = hi
+        return out
+
+    def take(self, rows: np.ndarray) -> np.ndarray:
+        """Rows at the given (any order, repeats allowed) integer positions, as float32."""
+        rows = np.asarray(rows)
+        if rows.dtype == bool:
+            rows = np.flatnonzero(rows)
+        rows = rows.astype(np.int64, copy=False).reshape(-1)
+        if rows.size and (rows.min() < -self.count or rows.max() >= self.count):
+            raise ShapeError(f"row index out of range for {self.count} rows")
+        rows = np.where(rows < 0, rows + self.count, rows)
+        out = np.empty((rows.size, self.dim), np.float32)
+        shard_of = np.searchsorted(self._starts, rows, side="right") - 1
+        for s in np.unique(shard_of):
+            sel = np.flatnonzero(shard_of == s)
+            arr = self._map(self.manifest["shards"][int(s)], "embeddings")
+            out[sel] = arr[rows[sel] - int(self._starts[s])]
+            del arr
+        return out
+
+    def blocks(self, rows: int) -> Iterator[tuple[int, np.ndarray]]:
+        """``(start, float32 block)`` for consecutive blocks of at most ``rows`` rows."""
+        rows = max(1, int(rows))
+        for a0 in range(0, self.count, rows):
+            yield a0, self.read(a0, min(self.count, a0 + rows))
+
+    def to_numpy(self) -> np.ndarray:
+        """Every row as one in-memory float32 array (only for sets that fit in RAM)."""
+        return self.read(0, self.count)
+
+    def verify(self) -> None:
+        """Check every shard file's SHA-256 against the manifest; :class:`DataError` if one differs."""
+        for shard in self.manifest["shards"]:
+            for name, digest in shard.get("sha256", {}).items():
+                got = sha256_file(self.directory / name)
+                if got != digest:
+                    raise DataError(f"{self.directory / name} does not match its manifest digest "
+                                    "(corrupted or modified): rewrite the shards")
+
+    # helpers --------------------------------------------------------------------------------
+    def _map(self, shard: Mapping[str, Any], key: str) -> np.ndarray:
+        path = self.directory / shard[key]
+        try:
+            return np.load(path, mmap_mode="r", allow_pickle=False)
+        except FileNotFoundError:
+            raise DataNotFoundError(f"shard file missing: {path} (listed in {self.directory / MANIFEST})") from None
+        except (OSError, ValueError) as exc:
+            raise DataError(f"cannot read shard {path}: {' '.join(str(exc).split())[:200]}") from None
+
+    def _concat(self, key: str) -> np.ndarray:
+        out = np.empty(self.count, np.int64)
+        for s, shard in enumerate(self.manifest["shards"]):
+            arr = self._map(shard, key)
+            if arr.shape != (int(shard["rows"]),) or arr.dtype.kind not in "iu":
+                raise DataError(f"{self.directory / shard[key]} holds {arr.dtype} {arr.shape}, expected "
+                                f"({shard['rows']},) integers; rewrite the shards")
+            out[int(self._starts[s]):int(self._starts[s + 1])] = arr
+            del arr
+        return out
+
+
+def _read_manifest(directory: Path) -> dict[str, Any]:
+    path = directory / MANIFEST
+    if not directory.is_dir():
+        raise DataNotFoundError(f"embedding shard directory not found: {directory}")
+    if not path.is_file():
+        raise DataError(f"{directory} has no {MANIFEST}: not a shard directory, or its write was "
+                        "interrupted (write it again)")
+    try:
+        m = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise DataError(f"cannot read {path}: {' '.join(str(exc).split())[:200]}") from None
+    if not isinstance(m, dict) or m.get("format") != SHARD_FORMAT:
+        raise DataError(f"{path} is not a {SHARD_FORMAT} manifest")
+    if m.get("version") != _VERSION:
+        raise DataError(f"{path} has format version {m.get('version')!r}; this dmlkit reads version "
+                        f"{_VERSION}: upgrade dmlkit or rewrite the shards")
+    if m.get("dtype") not in _DTYPES or not isinstance(m.get("shards"), list):
+        raise DataError(f"{path} is malformed (dtype {m.get('dtype')!r}): rewrite the shards")
+    for shard in m["shards"]:
+        for key in ("embeddings", "labels", "ids"):
+            name = shard.get(key) if isinstance(shard, dict) else None
+            if not isinstance(name, str) or Path(name).name != name or name.startswith("."):
+                raise DataError(f"{path} lists a shard file {name!r} outside the directory: refused")
+    return m
+
+
+def open_shards(directory: str | os.PathLike, *, verify: bool = False) -> ShardedEmbeddings:
+    """Open a shard directory (:class:`ShardedEmbeddings`)."""
+    return ShardedEmbeddings(directory, verify=verify)
+
+
+# -- from a model -------------------------------------------------------------------------------
+def embed_to_shards(
+    model: Any,
+    dataset: Any,
+    directory: str | os.PathLike,
+    options: Any | None = None,
+    *,
+    dtype: str = "float32",
+    shard_rows: int = DEFAULT_SHARD_ROWS,
+    overwrite: bool = False,
+    metadata: Mapping[str, Any] | None = None,
+    progress: bool = False,
+) -> ShardedEmbeddings:
+    """Run the inference loop over ``dataset`` and write its embeddings as shards, batch by
+    batch (the ``N x D`` outputs are never held together). ``options`` is an
+    :class:`dmlkit.embeddings.InferenceOptions`; ids are the dataset rows
+    (:func:`dmlkit.embeddings.dataset_rows`)."""
+    # lazy: torch and the inference loop load only when a model is embedded
+    from dmlkit.embeddings import dataset_rows, iter_embed_model
+
+    rows = dataset_rows(dataset)
+    with ShardWriter(directory, dtype=dtype, shard_rows=shard_rows, overwrite=overwrite,
+                     metadata=metadata) as writer:
+        done = 0
+        for emb, labels in iter_embed_model(model, dataset, options, progress=progress):
+            writer.append(emb, labels, rows[done:done + len(labels)])
+            done += len(labels)
+    return ShardedEmbeddings(directory)

@@ -1,0 +1,362 @@
+"""Exact retrieval metrics for embedding sets larger than memory, streamed block by block.
+
+:func:`evaluate_streaming` gives the same P@1, Recall@K, Precision@K, R-Precision and MAP@R
+(definitions in :mod:`dmlkit.metrics.retrieval`; Musgrave et al., "A Metric Learning Reality
+Check", ECCV 2020) as :func:`dmlkit.metrics.evaluate`, but reads the query and reference
+embeddings a block of rows at a time from any sliceable ``(N, D)`` source: a
+:class:`dmlkit.embedding_shards.ShardedEmbeddings` directory, an ``np.memmap``, a numpy array
+or a torch tensor. Nothing of size ``N x D`` or ``N x N`` is ever held.
+
+Algorithm, for each query block ``Q_i`` (rows ``a0:a1``):
+
+1. for each reference block ``G_j``: the exact top-``k`` of ``Q_i`` among ``G_j`` with the
+   library's kNN (:func:`dmlkit.metrics.knn`, any backend; the diagonal block of a self-search
+   is a self-search, so the query itself is excluded by index), merged into a running top-``k``
+   by :func:`dmlkit.metrics.knn.exact_topk` (closeness descending, ties by the smaller global
+   reference index, exactly as the in-memory search orders them);
+2. the near-tie rule of :func:`dmlkit.metrics.evaluate` (adjacent neighbours of different
+   relevance within 8 float32 ulps re-ordered by float64 scores): only the rows that have such a
+   pair are re-scored, with just their neighbours' rows read back;
+3. per-query scores from the ranked neighbours (:func:`per_query_from_neighbours`).
+
+``k`` is what :func:`evaluate` uses: the largest K, and one past the largest ``R_q`` when an
+R-based metric is asked for. The per-query float64 scores of all queries (``O(N)``) are kept
+and averaged exactly as :func:`evaluate` averages them, so the numbers are identical, exact ties
+included. Working memory: ``memory_budget`` (blocks, kNN tiles, the block's ``B x k``
+neighbours) plus ``O(N)`` for labels and per-query scores.
+
+Cost: with the query set as the reference set the in-memory kNN computes each off-diagonal
+tile once for both of its row blocks; streaming cannot keep every row's running top-``k``
+within the budget, so it computes each of them twice (about 2x the in-memory arithmetic when
+there are many blocks). Time grows as ``N^2 d``, memory as the budget plus ``O(N)``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from dmlkit.distances import BaseDistance, DotProductSimilarity, LpDistance, get_distance
+from dmlkit.exceptions import ConfigError, DataError, ShapeError
+from dmlkit.metrics._validation import (
+    DEFAULT_MEMORY_BUDGET,
+    as_embeddings,
+    as_label_pair,
+    check_budget,
+)
+from dmlkit.metrics.clustering import CLUSTERING_METRICS
+from dmlkit.metrics.evaluate import _AT_K, _NEAR_TIE_ULPS, _expand, _resolve_near_ties
+from dmlkit.metrics.knn import SMALL_SEARCH_PAIRS, KNNResult, _Scorer, exact_topk, knn
+from dmlkit.metrics.retrieval import num_positives, per_query_from_neighbours
+
+__all__ = ["StreamingPlan", "evaluate_streaming", "per_query_streaming", "plan_blocks"]
+
+_STREAMABLE = ("precision_at_1", "r_precision", "map_at_r")
+
+
+@dataclass(frozen=True)
+class StreamingPlan:
+    """How a streaming evaluation cuts its work: ``query_rows`` / ``reference_rows`` per block,
+    the ``k`` searched and the kNN's share of the budget (bytes)."""
+
+    query_rows: int
+    reference_rows: int
+    k: int
+    knn_budget: int
+
+
+def plan_blocks(n_query: int, n_reference: int, dim: int, k: int, memory_budget: int,
+                same: bool) -> StreamingPlan:
+    """Block sizes for a budget: half of it for the kNN's tiles, the other half for the blocks
+    (float32 rows plus a storage-dtype copy while reading) and the running top-``k`` with its
+    merge buffers (about six ``(rows, k)`` float32 + int64 arrays)."""
+    budget = check_budget(memory_budget)
+    per_query_row = dim * 4 * 2 + k * 12 * 6
+    per_ref_row = dim * 4 * 2
+    half = budget // 2
+    if same:
+        rows = max(1, half // (per_query_row + per_ref_row))
+        rows = min(rows, n_query)
+        return StreamingPlan(rows, rows, k, max(2**20, half))
+    q_rows = max(1, min(n_query, half // 2 // per_query_row))
+    r_rows = max(1, min(n_reference, half // 2 // per_ref_row))
+    return StreamingPlan(q_rows, r_rows, k, max(2**20, half))
+
+
+def _shape(source: Any, name: str) -> tuple[int, int]:
+    shape = getattr(source, "shape", None)
+    if shape is None or len(shape) != 2:
+        raise ShapeError(f"{name} must be an (N, D) array, tensor, memmap or shard directory, "
+                         f"got {type(source).__name__}")
+    n, d = int(shape[0]), int(shape[1])
+    if n == 0 or d == 0:
+        raise ShapeError(f"{name} is empty (shape {(n, d)}): pass at least one row and column")
+    return n, d
+
+
+def _read(source: Any, a0: int, a1: int, name: str) -> torch.Tensor:
+    """Rows ``a0:a1`` as a finite float32 tensor (float16 storage decodes to float32)."""
+    block = source[a0:a1]
+    return as_embeddings(block if isinstance(block, torch.Tensor) else np.asarray(block), name)
+
+
+def _take(source: Any, rows: np.ndarray, name: str) -> torch.Tensor:
+    if isinstance(source, torch.Tensor):
+        return as_embeddings(source[torch.from_numpy(rows)], name)
+    return as_embeddings(np.asarray(source[rows]), name)
+
+
+def _labels_of(source: Any, labels: Any, name: str) -> Any:
+    if labels is not None:
+        return labels
+    found = getattr(source, "labels", None)
+    if found is None:
+        raise ShapeError(f"pass {name}: the {name.split()[0]} embeddings carry no labels")
+    return found
+
+
+@dataclass
+class _Local:
+    """The inputs :func:`dmlkit.metrics.evaluate._resolve_near_ties` reads, for a few rows."""
+
+    q: torch.Tensor
+    r: torch.Tensor
+    ql: torch.Tensor
+    rl: torch.Tensor
+    distance: BaseDistance
+    same: bool = False
+
+
+def _resolve_block(
+    q_blk: torch.Tensor, ql_blk: torch.Tensor, idx: torch.Tensor, closeness: torch.Tensor,
+    reference: Any, rl: torch.Tensor, distance: BaseDistance,
+) -> torch.Tensor:
+    """:func:`_resolve_near_ties` on the rows of a block that have a near-tie between a
+    relevant and an irrelevant neighbour; the other rows are left as they are (the rule
+    swaps only such pairs, so it would leave them unchanged too)."""
+    if not isinstance(distance, DotProductSimilarity | LpDistance) or (
+        isinstance(distance, LpDistance) and distance.p != 2
+    ) or idx.shape[1] < 2:
+        return idx
+    tol = torch.finfo(torch.float32).eps * _NEAR_TIE_ULPS * max(1.0, float(closeness.abs().max()))
+    near = (closeness[:, :-1] - closeness[:, 1:]) <= tol
+    rel = rl[idx] == ql_blk[:, None]
+    rows = (near & (rel[:, :-1] != rel[:, 1:])).any(1).nonzero().squeeze(1)
+    if rows.numel() == 0:
+        return idx
+    sub = idx[rows]
+    uniq, inv = torch.unique(sub, return_inverse=True)  # sorted: local order = global order
+    local = _Local(q=q_blk[rows], r=_take(reference, uniq.numpy(), "reference embeddings"),
+                   ql=ql_blk[rows], rl=rl[uniq], distance=distance)
+    resolved = _resolve_near_ties(local, inv.reshape(sub.shape), closeness[rows], True)
+    idx = idx.clone()
+    idx[rows] = uniq[resolved]
+    return idx
+
+
+def _drop_self(res: KNNResult, first: int) -> KNNResult:
+    """Remove each query's own row (query ``r`` is reference ``first + r`` of the block) from a
+    search that asked for one neighbour more; rows without it lose their last neighbour."""
+    own = torch.arange(first, first + res.indices.shape[0])[:, None]
+    keep = res.indices != own
+    keep[keep.all(1), -1] = False
+    k = res.indices.shape[1] - 1
+    return KNNResult(res.indices[keep].view(-1, k), res.values[keep].view(-1, k), res.higher_is_closer)
+
+
+def _stream(
+    query: Any, query_labels: Any, reference: Any, reference_labels: Any, metrics: Any, *,
+    distance: str | BaseDistance, k_values: Sequence[int], backend: str, memory_budget: int,
+    block_rows: int | None, progress: bool, query_range: tuple[int, int] | None = None,
+) -> tuple[dict[str, torch.Tensor], torch.Tensor, list[str]]:
+    names = _expand(metrics, k_values)
+    bad = [n for n in names if n not in _STREAMABLE and not _AT_K.match(n)]
+    if bad:
+        raise ConfigError(
+            f"{', '.join(bad)} cannot be streamed ({'clustering' if set(bad) & set(CLUSTERING_METRICS) else 'full-ranking'} "
+            "metrics need every embedding at once): stream P@1 / Recall@K / Precision@K / "
+            "R-Precision / MAP@R, or load the embeddings and use dmlkit.metrics.evaluate"
+        )
+    budget = check_budget(memory_budget)
+    same = reference is None
+    nq, d = _shape(query, "query embeddings")
+    ref = query if same else reference
+    m, d_r = (nq, d) if same else _shape(reference, "reference embeddings")
+    if d_r != d:
+        raise ShapeError(f"query has {d} dimensions but reference has {d_r}: embed both with the same model")
+    try:
+        dist = get_distance(distance)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    qlab = _labels_of(query, query_labels, "query labels")
+    if same:
+        if reference_labels is not None:
+            raise ShapeError("reference_labels given without reference embeddings")
+        ql, _, _ = as_label_pair(qlab, nq, None, 0)
+        rl = ql
+    else:
+        ql, rl, _ = as_label_pair(qlab, nq, _labels_of(reference, reference_labels, "reference labels"), m)
+    qs, qe = (0, nq) if query_range is None else (int(query_range[0]), int(query_range[1]))
+    if not 0 <= qs < qe <= nq:
+        raise ConfigError(f"query_range must satisfy 0 <= start < stop <= {nq}, got {query_range}")
+    r_q = num_positives(ql, rl, exclude_self=same)[qs:qe]
+    available = m - int(same)
+    if available < 1:
+        raise DataError("the reference set has no row other than the query itself: add references")
+    need = 1
+    for n in names:
+        if _AT_K.match(n):
+            need = max(need, int(n.rsplit("_", 1)[1]))
+    if any(n in ("r_precision", "map_at_r") for n in names):
+        need = max(need, int(r_q.max()) + 1)
+    need = min(need, available)
+    plan = plan_blocks(nq, m, d, need, budget, same)
+    on_cpu = not (isinstance(query, torch.Tensor) and query.device.type != "cpu")
+    if backend == "auto" and on_cpu and _Scorer(dist).symmetric and (qe - qs) * m >= SMALL_SEARCH_PAIRS:
+        backend = "numba"  # chosen for the whole search, as evaluate() would, not per block
+    q_rows, r_rows = plan.query_rows, plan.reference_rows
+    if block_rows is not None:
+        if block_rows < 1:
+            raise ConfigError(f"block_rows must be positive, got {block_rows}")
+        q_rows = r_rows = int(block_rows)
+    if same:  # reference blocks cover the whole set; query blocks are their parts in the range
+        r_blocks = [(b0, min(m, b0 + q_rows)) for b0 in range(0, m, q_rows)]
+        q_blocks = [(max(b0, qs), min(b1, qe)) for b0, b1 in r_blocks if b0 < qe and b1 > qs]
+    else:
+        q_blocks = [(a0, min(qe, a0 + q_rows)) for a0 in range(qs, qe, q_rows)]
+        r_blocks = [(b0, min(m, b0 + r_rows)) for b0 in range(0, m, r_rows)]
+    scores = {n: torch.empty(qe - qs, dtype=torch.float64) for n in names}
+    iterator: Any = q_blocks
+    if progress:
+        from tqdm.auto import tqdm
+
+        iterator = tqdm(q_blocks, desc="evaluate (streaming)", unit="block", leave=False)
+    higher = dist.higher_is_closer
+    for a0, a1 in iterator:
+        q_blk = _read(query, a0, a1, "query embeddings")
+        run_c = run_i = None
+        for b0, b1 in r_blocks:
+            if same and (b0, b1) == (a0, a1):  # the diagonal block: a self-search
+                if a1 - a0 < 2:
+                    continue
+                res = knn(q_blk, None, min(need, a1 - a0 - 1), distance=dist, backend=backend,
+                          memory_budget=plan.knn_budget)
+            elif same and b0 <= a0 < b1:  # part of a block: one more neighbour, then drop self
+                if b1 - b0 < 2:
+                    continue
+                g_blk = _read(ref, b0, b1, "reference embeddings")
+                res = _drop_self(knn(q_blk, g_blk, min(need, b1 - b0 - 1) + 1, distance=dist,
+                                     exclude_self=False, backend=backend, memory_budget=plan.knn_budget),
+                                 a0 - b0)
+                del g_blk
+            else:
+                g_blk = _read(ref, b0, b1, "reference embeddings")
+                res = knn(q_blk, g_blk, min(need, b1 - b0), distance=dist, exclude_self=False,
+                          backend=backend, memory_budget=plan.knn_budget)
+                del g_blk
+            c = res.values if higher else -res.values
+            i = res.indices + b0
+            if run_c is None:
+                run_c, run_i = c, i
+            else:
+                cat_c, cat_i = torch.cat([run_c, c], 1), torch.cat([run_i, i], 1)
+                run_c, run_i = exact_topk(cat_c, min(need, cat_c.shape[1]), indices=cat_i)
+                del cat_c, cat_i
+        assert run_c is not None and run_i is not None  # available >= 1 guarantees a block
+        ql_blk = ql[a0:a1]
+        neighbours = _resolve_block(q_blk, ql_blk, run_i, run_c, ref, rl, dist)
+        block_scores = per_query_from_neighbours(neighbours, rl, ql_blk, r_q[a0 - qs:a1 - qs], names)
+        for n in names:
+            scores[n][a0 - qs:a1 - qs] = block_scores[n]
+    return scores, r_q, names
+
+
+def evaluate_streaming(
+    query: Any,
+    query_labels: Any | None = None,
+    reference: Any | None = None,
+    reference_labels: Any | None = None,
+    metrics: Sequence[str] | None = None,
+    *,
+    distance: str | BaseDistance = "cosine",
+    k_values: Sequence[int] = (1, 2, 4, 8),
+    backend: str = "auto",
+    memory_budget: int = DEFAULT_MEMORY_BUDGET,
+    block_rows: int | None = None,
+    progress: bool = False,
+    query_range: tuple[int, int] | None = None,
+) -> dict[str, float | int]:
+    """:func:`dmlkit.metrics.evaluate`'s retrieval metrics, reading embeddings block by block.
+
+    Args:
+        query: ``(N, D)`` sliceable source: a :class:`~dmlkit.embedding_shards.ShardedEmbeddings`,
+            ``np.memmap``, numpy array or torch tensor.
+        query_labels: ``(N,)`` labels; default the source's own ``labels`` (shard directories).
+        reference, reference_labels: a separate reference set (same kinds); ``None`` searches the
+            query set, each query excluded from its own neighbours by index.
+        metrics: ``precision_at_1``, ``recall_at_k`` / ``recall_at_<K>``, ``precision_at_k`` /
+            ``precision_at_<K>``, ``r_precision``, ``map_at_r`` (default: those of
+            :data:`dmlkit.metrics.DEFAULT_METRICS`). Full-ranking ``map`` and the clustering and
+            histogram metrics need every embedding at once and are refused.
+        distance, k_values, backend: as in :func:`dmlkit.metrics.evaluate`.
+        memory_budget: bytes for the blocks, the kNN tiles and the block's neighbours; the
+            labels and per-query scores (``O(N)``) are extra.
+        block_rows: force the rows per block (default: from the budget, :func:`plan_blocks`).
+        progress: a progress bar over query blocks.
+        query_range: ``(start, stop)``: evaluate only the queries in these rows (still against
+            every reference, each query excluded from its own neighbours in a self-search). The
+            per-query scores of disjoint ranges (:func:`per_query_streaming`) are those of the
+            whole evaluation, so ranges can run on different machines; the means here are over
+            the range.
+
+    Returns the same keys and values as :func:`dmlkit.metrics.evaluate` (for cosine, dot and
+    Euclidean distances the near-tie window is relative to the largest score in a query block
+    rather than in the whole set; for cosine the two are the same).
+    """
+    scores, r_q, names = _stream(
+        query, query_labels, reference, reference_labels, metrics, distance=distance,
+        k_values=k_values, backend=backend, memory_budget=memory_budget, block_rows=block_rows,
+        progress=progress, query_range=query_range,
+    )
+    valid = r_q > 0
+    n_valid = int(valid.sum())
+    result: dict[str, float | int] = {
+        n: float(scores[n][valid].mean()) if n_valid else math.nan for n in names
+    }
+    result["num_queries"] = int(r_q.shape[0])
+    result["num_queries_without_positive"] = int(r_q.shape[0] - n_valid)
+    return result
+
+
+def per_query_streaming(
+    query: Any,
+    query_labels: Any | None = None,
+    reference: Any | None = None,
+    reference_labels: Any | None = None,
+    metrics: Sequence[str] | None = None,
+    **kwargs: Any,
+) -> tuple[dict[str, np.ndarray], np.ndarray]:
+    """Per-query float64 scores (NaN where ``R_q = 0``) and ``R_q``, as
+    :func:`dmlkit.metrics.per_query` returns them; keyword arguments of :func:`evaluate_streaming`."""
+    scores, r_q, _ = _stream(query, query_labels, reference, reference_labels, metrics,
+                             distance=kwargs.pop("distance", "cosine"),
+                             k_values=kwargs.pop("k_values", (1, 2, 4, 8)),
+                             backend=kwargs.pop("backend", "auto"),
+                             memory_budget=kwargs.pop("memory_budget", DEFAULT_MEMORY_BUDGET),
+                             block_rows=kwargs.pop("block_rows", None),
+                             progress=kwargs.pop("progress", False),
+                             query_range=kwargs.pop("query_range", None))
+    if kwargs:
+        raise ConfigError(f"unknown arguments: {sorted(kwargs)}")
+    valid = r_q > 0
+    out = {}
+    for name, v in scores.items():
+        v = v.clone()
+        v[~valid] = float("nan")
+        out[name] = v.numpy()
+    return out, r_q.numpy()

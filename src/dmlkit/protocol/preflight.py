@@ -1,0 +1,154 @@
+"""Check a bench config against its data before the first trial (and before anything is written).
+
+The protocol splits the classes into development and test classes and the development classes
+into ``protocol.folds`` class-disjoint folds (:func:`~dmlkit.protocol.splits.make_bench_split`);
+every method then trains on each fold's training classes and is selected on its validation
+classes. :func:`check_bench` checks all of it against the dataset at once, so that a config
+that cannot run fails in one error listing every violation with a fitting value
+(``--set protocol.folds=2``, ``--set fixed.sampler.classes_per_batch=2``) instead of failing
+each of its trials the same way:
+
+* ``protocol.num_classes`` <= the dataset's classes;
+* the split and folds fit the classes (``halves``: ``classes // 2 >= 2 x folds``; ``default``:
+  ``dev classes >= 2 x folds``; ``ratio_4_1_5``: >= 2 classes per part);
+* each fold's validation classes and the test classes can give a meaningful number
+  (:func:`~dmlkit.training.preflight.eval_split_problems`);
+* every method's batches and loss fit the smallest fold's training classes
+  (:func:`~dmlkit.training.preflight.batch_problems`), with ``fixed.classification_sampler``
+  for classification losses when it is set.
+
+When the folds do not fit, the later checks use the fitting number of folds, so the fixes
+work together.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from dmlkit.data.splits import default_split
+from dmlkit.exceptions import DmlkitError
+from dmlkit.losses import LOSSES
+from dmlkit.protocol.config import BenchConfig
+from dmlkit.protocol.splits import BenchSplit, make_bench_split
+from dmlkit.training.preflight import (
+    DataSummary,
+    Preflight,
+    Problem,
+    TrainStats,
+    batch_problems,
+    build_problems,
+    eval_split_problems,
+)
+
+__all__ = ["check_bench"]
+
+
+def _make_split(config: BenchConfig, classes: list[int], dataset: Any, folds: int,
+                num_classes: int | None, kind: str) -> BenchSplit:
+    p = config.protocol
+    default_dev = None
+    if kind == "default":
+        published = default_split(dataset)
+        default_dev = [*published.train, *published.val]
+    return make_bench_split(classes, kind, order=p.order, seed=p.order_seed, folds=folds,
+                            num_classes=num_classes, default_dev=default_dev)
+
+
+def _fit_split(config: BenchConfig, classes: list[int], dataset: Any,
+               num_classes: int | None) -> tuple[BenchSplit | None, list[Problem]]:
+    """The configured split, or the split of the largest number of folds that fits."""
+    p = config.protocol
+    folds = int(p.folds or 1)
+    try:
+        return _make_split(config, classes, dataset, folds, num_classes, p.split), []
+    except DmlkitError as exc:
+        reason = str(exc)
+    n = num_classes or len(classes)
+    if p.split in ("halves", "default"):
+        for k in range(folds - 1, 1, -1):
+            try:
+                split = _make_split(config, classes, dataset, k, num_classes, p.split)
+            except DmlkitError:
+                continue
+            return split, [Problem("protocol.folds", f"{folds} folds do not fit: {reason}", fit=k)]
+    try:  # too few classes to cross-validate: the one fixed 4:1:5 split may still fit
+        split = _make_split(config, classes, dataset, 1, num_classes, "ratio_4_1_5")
+    except DmlkitError:
+        return None, [Problem("protocol.split", f"{n} classes are too few for split {p.split!r} "
+                              f"with {folds} folds: {reason}", hint="use a dataset with more classes "
+                              "(split halves with 2 folds needs at least 8)")]
+    return split, [Problem("protocol.split", f"{folds} folds do not fit: {reason}", fit="ratio_4_1_5"),
+                   *([Problem("protocol.folds", "split ratio_4_1_5 is one fixed split", fit=1)]
+                     if folds != 1 else [])]
+
+
+def check_bench(config: BenchConfig, dataset: Any, *, root: str | Path | None = None) -> Preflight:
+    """Every size constraint of a bench config against ``dataset`` (all its classes); raises nothing.
+
+    Use ``report.raise_errors()`` for one :class:`~dmlkit.training.preflight.PreflightError`
+    listing every error. ``report.split`` is the :class:`BenchSplit` that was checked.
+    """
+    summary = DataSummary.of(dataset, config.fixed.data.dataset, root or "")
+    report = Preflight(summary, dataset=dataset)
+    p = config.protocol
+    classes = [int(c) for c in dataset.classes.tolist()]
+    num_classes = p.num_classes
+    if num_classes is not None and num_classes > len(classes):
+        report.problems.append(Problem("protocol.num_classes", f"is {num_classes} but the dataset "
+                                       f"has {len(classes)} classes", fit=len(classes)))
+        num_classes = len(classes)
+    split, problems = _fit_split(config, classes, dataset, num_classes)
+    report.problems += problems
+    if split is None:
+        return report
+    report.split = split
+    folds = split.folds
+    report.split_note = (f"{len(split.dev)} development classes in {len(folds)} fold(s) "
+                         f"(training on {min(len(f.train) for f in folds)}-{max(len(f.train) for f in folds)} "
+                         f"classes), {len(split.test)} test classes"
+                         + (f" (with {' '.join(q.fix for q in problems if q.has_fit)})"
+                            if any(q.has_fit for q in problems) else ""))
+    labels = np.asarray(dataset.labels)
+    names = dataset.class_names
+
+    def part(ids) -> np.ndarray:
+        return labels[np.isin(labels, list(ids))]
+
+    seen: set[tuple[str, str]] = set()
+    for f in folds:
+        for prob in eval_split_problems(part(f.val), f"fold {f.index} validation", "protocol.folds",
+                                        hint="the folds' validation classes need >= 2 items each",
+                                        names=names):
+            if (prob.key, prob.severity) not in seen:  # one line per kind, not one per fold
+                seen.add((prob.key, prob.severity))
+                report.problems.append(prob)
+    report.problems += eval_split_problems(part(split.test), "test", "protocol.split",
+                                           hint="the test classes need >= 2 items each", names=names)
+    stats = [TrainStats.of(part(f.train)) for f in folds]
+    smallest = min(range(len(folds)), key=lambda i: stats[i].num_classes)
+    worst = TrainStats.smallest(stats, where=f"fold {folds[smallest].index}'s training split")
+    by_key: dict[tuple[str, str, Any], list[str]] = {}
+    lines: dict[tuple[str, str, Any], Problem] = {}
+    for i, method in enumerate(config.methods):
+        cfg = config.experiment(method)
+        classification = bool(getattr(LOSSES.get(method.loss.name), "requires_num_classes", False))
+        sampler_key = ("fixed.classification_sampler" if classification
+                       and config.fixed.classification_sampler is not None else "fixed.sampler")
+        found = batch_problems(cfg, worst, sampler_key=sampler_key, loss_key=f"methods.{i}.loss")
+        found += build_problems(cfg, worst.num_classes, loss_key=f"methods.{i}.loss",
+                                miner_key=f"methods.{i}.miner")
+        for prob in found:
+            k = (prob.key, prob.message, prob.fit if prob.has_fit else None)
+            by_key.setdefault(k, []).append(method.name)
+            lines.setdefault(k, prob)
+    for k, prob in lines.items():
+        who = by_key[k]
+        if prob.key.startswith("fixed.") and len(config.methods) > 1:
+            prob = Problem(prob.key, f"{prob.message} (method{'s' if len(who) > 1 else ''} "
+                           f"{', '.join(who)})", **({"fit": prob.fit} if prob.has_fit else {}),
+                           severity=prob.severity, hint=prob.hint)
+        report.problems.append(prob)
+    return report

@@ -1,0 +1,160 @@
+"""Issue 11 items 20 and 23: ``dmlkit bench`` checks every method against the folds' class counts
+before the first trial, in one error with fitting values, and writes nothing when it refuses;
+a corrected config then runs; ``--stage search`` exits 2 when every trial failed, and only
+COMPLETE trials count as finished."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import optuna
+import pytest
+import yaml
+
+from dmlkit.cli import main
+from dmlkit.exceptions import ConfigError, DmlkitError
+from dmlkit.protocol import Bench, bench_config_from_dict
+from dmlkit.protocol.preflight import check_bench
+from dmlkit.protocol.study import (
+    count_completed,
+    count_finished,
+    make_storage,
+    open_study,
+    resolve_storage_url,
+    run_worker,
+    study_summary,
+)
+from dmlkit.training.preflight import PreflightError
+from test_preflight import make_folder
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory) -> Path:
+    return make_folder(tmp_path_factory.mktemp("data") / "animals")
+
+
+def bench_dict(root: Path) -> dict:
+    """A new user's bench on a 10-class folder: the Reality Check's 4 folds and 8 x 4 batches."""
+    return {
+        "name": "mine",
+        "fixed": {
+            "data": {"dataset": "image_folder", "root": str(root), "transform": "grayscale", "image_size": 16},
+            "model": {"trunk": "small_cnn", "trunk_options": {"widths": [8, 16]}, "pretrained": False,
+                      "in_channels": 1, "embedding_size": 8, "freeze_batchnorm": False},
+            "classification_sampler": {"classes_per_batch": 32, "samples_per_class": 1},
+            "optimizer": {"preset": "cpu_quick"},
+            "training": {"epochs": 1, "device": "cpu"},
+        },
+        "protocol": {"trials": 1, "n_startup_trials": 1, "pretrained": False},
+        "methods": [
+            {"name": "triplet", "loss": {"name": "triplet"},
+             "search": {"loss.margin": {"low": 0.05, "high": 0.5}}},
+            {"name": "arcface", "loss": {"name": "arcface"}},
+        ],
+    }
+
+
+def _run(capsys, *args: str) -> tuple[int, str]:
+    try:
+        main(list(args))
+        code = 0
+    except SystemExit as exc:
+        code = int(exc.code or 0)
+    out = capsys.readouterr()
+    return code, out.out + out.err
+
+
+def test_every_violation_in_one_error_then_the_corrected_bench_runs(folder, tmp_path, capsys):
+    path = tmp_path / "bench.yaml"
+    path.write_text(yaml.safe_dump(bench_dict(folder)))
+    out = tmp_path / "out"
+    code, text = _run(capsys, "bench", str(path), "-o", str(out), "--stage", "search", "--threads", "1")
+    assert code == 2 and "Traceback" not in text
+    flat = " ".join(text.split())
+    # 10 classes: 5 for cross-validation, too few for 4 folds; with 2 folds the smallest fold
+    # trains on 2 classes: both samplers must fit it
+    for fix in ("--set protocol.folds=2", "--set fixed.sampler.classes_per_batch=2",
+                "--set fixed.classification_sampler.classes_per_batch=2"):
+        assert fix in flat, fix
+    assert str(folder) in flat and "10 classes" in flat and "ant" in flat
+    assert not out.exists(), "a refused bench must leave nothing behind"
+    code, text = _run(capsys, "bench", str(path), "-o", str(out), "--stage", "search", "--threads", "1",
+                      "--set", "protocol.folds=2", "--set", "fixed.sampler.classes_per_batch=2",
+                      "--set", "fixed.classification_sampler.classes_per_batch=2")
+    assert code == 0, text
+    assert "1/1 trials completed" in text
+    study = optuna.load_study(storage=f"sqlite:///{out / 'study.db'}", study_name="mine/triplet")
+    assert count_completed(study) == 1
+
+
+def test_python_api_validates_without_writing(folder, tmp_path):
+    cfg = bench_config_from_dict(bench_dict(folder))
+    with pytest.raises(PreflightError) as info:
+        Bench(cfg, tmp_path / "b").run(stage="search")
+    assert {p.key for p in info.value.problems} >= {"protocol.folds", "fixed.sampler.classes_per_batch"}
+    assert not (tmp_path / "b").exists()
+    data = bench_dict(folder)
+    data["protocol"]["folds"] = 2
+    data["fixed"]["sampler"] = {"classes_per_batch": 2, "samples_per_class": 4}
+    data["fixed"]["classification_sampler"]["classes_per_batch"] = 2
+    data["methods"][0]["loss"]["params"] = {"bogus": 1}  # a bad loss parameter is found up front too
+    from dmlkit.data import load_dataset
+
+    report = check_bench(bench_config_from_dict(data), load_dataset("image_folder", root=folder))
+    assert [p.key for p in report.errors] == ["methods.0.loss.params"]
+    assert len(report.split.folds) == 2
+    with pytest.raises(ConfigError, match="different folders"):
+        Bench(cfg, tmp_path / "b", data_root=tmp_path / "elsewhere")
+
+
+def _corrected(folder: Path) -> dict:
+    data = bench_dict(folder)
+    data["protocol"].update(folds=2, trials=2)
+    data["fixed"]["sampler"] = {"classes_per_batch": 2, "samples_per_class": 4}
+    data["methods"] = data["methods"][:1]
+    return data
+
+
+def test_search_exits_2_when_every_trial_failed(folder, tmp_path, capsys, monkeypatch):
+    def broken_train(*args, **kwargs):
+        raise RuntimeError("out of memory")
+
+    monkeypatch.setattr("dmlkit.protocol.runner.train", broken_train)
+    path = tmp_path / "bench.yaml"
+    path.write_text(yaml.safe_dump(_corrected(folder)))
+    out = tmp_path / "out"
+    code, text = _run(capsys, "bench", str(path), "-o", str(out), "--stage", "search")
+    flat = " ".join(text.split())
+    assert code == 2 and "every search trial failed for triplet" in flat and "out of memory" in flat
+    assert "0/2 trials completed, 1 failed" in flat and "0/2 trials completed, 2 failed" in flat
+    with pytest.raises(DmlkitError, match="every search trial failed"):
+        Bench(bench_config_from_dict(_corrected(folder)), out).run(stage="search")
+
+
+def test_only_complete_trials_count_as_finished(tmp_path):
+    storage = make_storage(resolve_storage_url(None, tmp_path))
+    study = open_study(storage, "s", 3, seed=0, n_startup_trials=1)
+
+    def objective(trial):
+        if trial.number == 1:
+            raise ValueError("boom")
+        return trial.suggest_float("x", 0, 1)
+
+    run_worker(study, objective)
+    assert count_completed(study) == 2 and count_finished(study) == 3  # 3 slots used, 2 results
+    summary = study_summary(study)
+    assert summary["finished"] == 2 and summary["failed"] == 1
+
+
+def test_no_fold_fits_says_what_would(tmp_path):
+    root = make_folder(tmp_path / "f")
+    data = copy.deepcopy(bench_dict(root))
+    data["protocol"]["num_classes"] = 20
+    from dmlkit.data import load_dataset
+
+    report = check_bench(bench_config_from_dict(data), load_dataset("image_folder", root=root))
+    keys = {p.key: p for p in report.errors}
+    assert keys["protocol.num_classes"].fit == 10 and keys["protocol.folds"].fit == 2

@@ -1,0 +1,132 @@
+"""Full-ranking MAP from each positive's rank (issue 11.27): the no-sort numba path against a
+brute-force float64 ranking written from the definition, with ties, odd shapes and tables."""
+
+from __future__ import annotations
+
+import importlib
+
+import numpy as np
+import pytest
+
+from dmlkit.distances import DotProductSimilarity, LpDistance
+from dmlkit.metrics import per_query
+
+#: raw inner product (no normalisation): the float64 reference sees the same rows
+DOT = DotProductSimilarity(normalize_embeddings=False)
+
+
+def brute_force_ap(q: np.ndarray, ql: np.ndarray, r: np.ndarray | None, rl: np.ndarray | None,
+                   euclidean: bool = False) -> np.ndarray:
+    """Per-query AP of the float64 ranking (closeness descending, ties by the smaller index;
+    the query itself left out of a self-search); NaN without a positive."""
+    same = r is None
+    r, rl = (q, ql) if same else (r, rl)
+    q64, r64 = q.astype(np.float64), r.astype(np.float64)
+    if euclidean:
+        close = -(((q64[:, None, :] - r64[None, :, :]) ** 2).sum(-1))
+    else:
+        close = q64 @ r64.T
+    out = np.full(q.shape[0], np.nan)
+    idx = np.arange(r.shape[0])
+    for i in range(q.shape[0]):
+        keep = idx != i if same else np.ones(r.shape[0], bool)
+        order = idx[keep][np.lexsort((idx[keep], -close[i, keep]))]
+        rel = rl[order] == ql[i]
+        if rel.any():
+            hits = np.cumsum(rel)
+            out[i] = (hits[rel] / (np.flatnonzero(rel) + 1)).sum() / rel.sum()
+    return out
+
+
+@pytest.fixture
+def numba_path(monkeypatch):
+    """Send every input, however small, through the no-sort numba path."""
+    monkeypatch.setattr(importlib.import_module("dmlkit.metrics.evaluate"), "SMALL_SEARCH_PAIRS", 0)
+
+
+def _map(q, ql, r=None, rl=None, distance=DOT, **kw) -> np.ndarray:
+    return per_query(q, ql, r, rl, metrics=["map"], distance=distance, **kw)[0]["map"]
+
+
+def _tied(n: int, d: int, classes: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """Small integer vectors: inner products exact in float32 and full of exact ties."""
+    rng = np.random.default_rng(seed)
+    return rng.integers(-2, 3, size=(n, d)).astype(np.float32), rng.integers(0, classes, size=n)
+
+
+@pytest.mark.parametrize("same", [True, False])
+def test_exact_ties_are_ranked_by_index(numba_path, same):
+    q, ql = _tied(300, 3, 12, 0)
+    r, rl = (None, None) if same else _tied(400, 3, 14, 1)
+    got = _map(q, ql, r, rl)
+    want = brute_force_ap(q, ql, r, rl)
+    np.testing.assert_array_equal(np.isnan(got), np.isnan(want))
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-12)
+    # the data has exact ties between a positive and a negative of the same query
+    rr, rrl = (q, ql) if same else (r, rl)
+    close = q.astype(np.float64) @ rr.astype(np.float64).T
+    tie = [(close[i, rrl == ql[i]][:, None] == close[i, rrl != ql[i]][None, :]).any()
+           for i in range(q.shape[0])]
+    assert sum(tie) > 50
+
+
+@pytest.mark.parametrize("distance", [DOT, LpDistance(normalize_embeddings=False)])
+def test_numba_path_equals_sort_path_on_ties(numba_path, monkeypatch, distance):
+    """Integer rows: every float64 closeness is exact in both paths' formulas, so their
+    rankings, ties by index included, and APs are identical."""
+    q, ql = _tied(250, 4, 10, 2)
+    fast = _map(q, ql, distance=distance)
+    monkeypatch.setattr(importlib.import_module("dmlkit.metrics.evaluate"), "SMALL_SEARCH_PAIRS", 2**40)
+    np.testing.assert_allclose(fast, _map(q, ql, distance=distance), rtol=0, atol=1e-12)
+    want = brute_force_ap(q, ql, None, None, euclidean=isinstance(distance, LpDistance))
+    np.testing.assert_allclose(fast, want, rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("buckets", [1, 2, 4096])
+def test_bucket_table_is_only_an_accelerator(numba_path, monkeypatch, buckets):
+    """One bucket (every value scanned from the first positive), two, or 4096 (many
+    positives' bands split across buckets): identical per-query values."""
+    import dmlkit.metrics.average_precision as ap
+
+    rng = np.random.default_rng(4)
+    q = rng.normal(size=(220, 8)).astype(np.float32)
+    ql = rng.integers(0, 6, size=220)
+    want = brute_force_ap(q, ql, None, None)
+    monkeypatch.setattr(ap, "_MIN_BUCKETS", buckets)
+    monkeypatch.setattr(ap, "_MAX_BUCKETS", buckets)
+    np.testing.assert_allclose(_map(q, ql), want, rtol=0, atol=1e-12)
+
+
+def test_single_positive_equal_positives_and_queries_without_positive(numba_path):
+    rng = np.random.default_rng(5)
+    r = rng.normal(size=(60, 5)).astype(np.float32)
+    rl = np.arange(60) % 20
+    r[rl == 3] = r[rl == 3][0]  # class 3: three identical rows (equal closeness, one band)
+    rl[rl == 7] = [7, 100, 101]  # class 7 keeps one member: a single positive
+    q = np.concatenate([r[:25] + 0.01, rng.normal(size=(3, 5)).astype(np.float32)])
+    ql = np.concatenate([rl[:25], [7, 3, 555]])  # 555: no positive at all
+    got = _map(q, ql, r, rl)
+    want = brute_force_ap(q, ql, r, rl)
+    assert np.isnan(got[-1]) and np.isnan(want[-1])
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("scale", [1e-12, 1e18])
+def test_tiny_and_huge_unnormalised_scales(numba_path, scale):
+    """Closeness values near float32's limits: bucket scales are clamped, bounds stay exact."""
+    rng = np.random.default_rng(6)
+    q = (rng.normal(size=(80, 6)) * scale).astype(np.float32)
+    ql = rng.integers(0, 5, size=80)
+    np.testing.assert_allclose(_map(q, ql), brute_force_ap(q, ql, None, None), rtol=0, atol=1e-12)
+
+
+def test_wide_table_rows_with_more_than_32k_positives(numba_path):
+    """R >= 2^15 positives per query: int32 bucket tables instead of int16."""
+    rng = np.random.default_rng(7)
+    m = 33_500
+    r = rng.normal(size=(m, 4)).astype(np.float32)
+    rl = (rng.random(m) < 0.99).astype(np.int64)  # ~33,165 references of class 1
+    assert (rl == 1).sum() >= 2**15
+    q = rng.normal(size=(2, 4)).astype(np.float32)
+    ql = np.array([1, 0])
+    np.testing.assert_allclose(_map(q, ql, r, rl), brute_force_ap(q, ql, r, rl), rtol=0, atol=1e-12)
