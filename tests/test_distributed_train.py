@@ -87,7 +87,7 @@ def _torchrun(script: Path, *args: str, nproc: int = 2) -> subprocess.CompletedP
     env.pop("WORLD_SIZE", None)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
            "--master-addr", "127.0.0.1", "--master-port", str(_free_port()), str(script), *args]
-    return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=180)
+    return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
 
 
 def _losses(run: Path) -> list[tuple[int, float]]:
@@ -203,7 +203,7 @@ def test_killed_under_torchrun_resumes_to_the_uninterrupted_run(runs, tmp_path, 
     assert read_checkpoint(last)["step"] < 6, "the run finished before it could be killed"
 
     cmd[cmd.index("--master-port") + 1] = str(_free_port())
-    resumed = subprocess.run(cmd + ["--resume"], env=env, capture_output=True, text=True, timeout=180)
+    resumed = subprocess.run(cmd + ["--resume"], env=env, capture_output=True, text=True, timeout=600)
     assert resumed.returncode == 0, resumed.stdout + resumed.stderr
     a, b = read_checkpoint(two / "checkpoints" / "last.pt"), read_checkpoint(last)
     assert a["step"] == b["step"] == 6 and b["world_size"] == 2
@@ -332,3 +332,43 @@ def test_dmlkit_embed_under_torchrun_gathers_the_split_in_order(runs, tmp_path, 
     np.testing.assert_array_equal(got["labels"], labels)
     np.testing.assert_allclose(got["embeddings"], emb, atol=1e-6)
     assert proc.stdout.count("wrote ") == 1  # rank 0 reports the file
+
+
+def test_random_augmentation_is_the_same_with_one_or_two_ranks():
+    """Every item is loaded under a seed fixed by its place in the global batch, so the two
+    ranks' shares of an epoch, put side by side, are the one-process batches, random
+    augmentations included, with or without loader workers; the process's own RNG stream (which
+    miners and losses draw from) is not advanced by loading."""
+    from torch.utils.data import DataLoader
+
+    from dmlkit.data.base import ArrayDataset
+    from dmlkit.samplers import MPerClassSampler
+    from dmlkit.training.loop import SeededBatches, SeededItems
+
+    labels = np.repeat(np.arange(6), 5)
+    data = np.arange(30, dtype=np.float32).reshape(30, 1)
+    noisy = ArrayDataset(data, labels, kind="features", transform=lambda x: x + torch.rand(x.shape))
+
+    def epoch(num_replicas: int, rank: int, workers: int = 0) -> list[torch.Tensor]:
+        sampler = MPerClassSampler(labels, samples_per_class=2, classes_per_batch=4, seed=5,
+                                   batches_per_epoch=3, num_replicas=num_replicas, rank=rank)
+        sampler.set_epoch(2)
+        loader = DataLoader(SeededItems(noisy), batch_sampler=SeededBatches(sampler, 5, 2),
+                            num_workers=workers, generator=torch.Generator().manual_seed(0))
+        return [x for x, _ in loader]
+
+    torch.manual_seed(0)
+    before = torch.get_rng_state()
+    one = epoch(1, 0)
+    assert torch.equal(torch.get_rng_state(), before)
+    two = [torch.cat(pair) for pair in zip(epoch(2, 0), epoch(2, 1), strict=True)]
+    assert len(one) == 3
+    for a, b in zip(one, two, strict=True):
+        assert torch.equal(a, b)
+        assert not torch.equal(a, a.round())  # the noise is there: the check is not vacuous
+    assert all(torch.equal(a, b) for a, b in zip(one, epoch(1, 0, workers=2), strict=True))
+    sampler = MPerClassSampler(labels, samples_per_class=2, classes_per_batch=4, seed=5, batches_per_epoch=3)
+    sampler.set_epoch(3)  # another epoch: other augmentations of the same kind of batch
+    other = [x for x, _ in DataLoader(SeededItems(noisy), batch_sampler=SeededBatches(sampler, 5, 3),
+                                      generator=torch.Generator())]
+    assert not torch.equal(one[0], other[0])

@@ -134,6 +134,60 @@ def scalar_metrics(metrics: dict[str, Any]) -> dict[str, float]:
     return out
 
 
+_MASK64 = (1 << 64) - 1
+
+
+def item_seed(seed: int, epoch: int, batch: int, position: int) -> int:
+    """The augmentation seed of the item at ``position`` of global batch ``batch`` of ``epoch``.
+
+    A SplitMix64 finaliser (Steele, Lea & Flood, OOPSLA 2014) over the four numbers, so nearby
+    inputs get unrelated seeds. It depends on where the item sits in the *global* batch, not on
+    which process loads it or on any RNG state: a run draws the same augmentations with 1 or W
+    processes, with or without loader workers, and after a resume."""
+    z = 0
+    for value in (seed, epoch, batch, position):
+        z = (z + (int(value) & _MASK64) + 0x9E3779B97F4A7C15) & _MASK64
+        z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+        z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+        z ^= z >> 31
+    return z & ((1 << 63) - 1)
+
+
+class SeededBatches:
+    """A batch sampler yielding each batch of ``sampler`` as ``(dataset index, item seed)``
+    pairs (:func:`item_seed`); this rank's items sit at ``rank x local batch + j`` of the
+    global batch."""
+
+    def __init__(self, sampler: Any, seed: int, epoch: int) -> None:
+        self.sampler, self.seed, self.epoch = sampler, int(seed), int(epoch)
+        self.offset = int(getattr(sampler, "rank", 0)) * int(getattr(sampler, "local_batch_size", 0))
+
+    def __len__(self) -> int:
+        return len(self.sampler)
+
+    def __iter__(self):
+        for b, batch in enumerate(self.sampler):
+            yield [(i, item_seed(self.seed, self.epoch, b, self.offset + j)) for j, i in enumerate(batch)]
+
+
+class SeededItems(torch.utils.data.Dataset):
+    """``dataset[index]`` loaded under ``torch.manual_seed(item seed)`` (the process's own RNG
+    stream is left untouched), for keys ``(index, item seed)`` from :class:`SeededBatches`:
+    random augmentations are a function of the item's place in the global batch."""
+
+    def __init__(self, dataset: Any) -> None:
+        self.dataset = dataset
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, key: tuple[int, int]) -> Any:
+        index, seed = key
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            return self.dataset[index]
+
+
 def _seed_worker(worker_id: int) -> None:
     seed = torch.initial_seed() % 2**32
     np.random.seed(seed)
@@ -345,11 +399,12 @@ class Trainer:
         """One pass of the sampler's batches (stops early at ``training.max_steps``)."""
         config, state = self.config, self.state
         self.sampler.set_epoch(state.epoch)
-        # rank r > 0 of a distributed job seeds its loader workers apart from rank 0 (= one process)
+        # every item is loaded under its own seed, a function of its place in the global batch
+        # (item_seed): the augmentations are the same with 1 or W processes and any num_workers
         loader = DataLoader(
-            self.train_input, batch_sampler=self.sampler, num_workers=self.num_workers,
-            generator=torch.Generator().manual_seed(config.seed * 100_003 + state.epoch
-                                                    + self.dist.rank * 7_919),
+            SeededItems(self.train_input), batch_sampler=SeededBatches(self.sampler, config.seed, state.epoch),
+            num_workers=self.num_workers,
+            generator=torch.Generator().manual_seed(config.seed * 100_003 + state.epoch),
             worker_init_fn=_seed_worker if self.num_workers else None,
             pin_memory=self.device.type == "cuda",
         )
@@ -363,7 +418,7 @@ class Trainer:
             bar = tqdm(total=len(self.sampler), desc=f"epoch {state.epoch + 1}/{config.training.epochs}",
                        leave=False)
         try:
-            for x, y in self._batches(loader):
+            for x, y in loader:
                 value = self.train_step(x, y)
                 if state.step % config.training.log_every == 0 or state.step == 1:
                     self.log_step(value, t_start)
@@ -376,27 +431,6 @@ class Trainer:
         finally:
             if bar is not None:
                 bar.close()
-
-    def _batches(self, loader: DataLoader):
-        """The loader's batches. In a distributed job with in-process loading, each batch is
-        loaded under its own torch generator state, seeded by (seed, epoch, step, rank): random
-        augmentations differ between ranks (with one shared stream, item i of every rank's
-        share would get the same crop), and the shared stream, which random miners and losses
-        draw from on every rank alike, stays in lockstep across ranks. One process, or loader
-        workers (seeded per rank above): the loader as it is."""
-        if not self.dist.enabled or self.num_workers:
-            yield from loader
-            return
-        batches = iter(loader)
-        while True:
-            with torch.random.fork_rng(devices=[]):
-                torch.manual_seed(hash((self.config.seed, self.state.epoch, self.state.step,
-                                        self.dist.rank)) % 2**63)
-                try:
-                    batch = next(batches)
-                except StopIteration:
-                    return
-            yield batch
 
     def train_step(self, x: torch.Tensor, y: torch.Tensor) -> float:
         """One optimiser step on one batch; returns the loss."""
