@@ -90,6 +90,41 @@ def _torchrun(script: Path, *args: str, nproc: int = 2) -> subprocess.CompletedP
     return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
 
 
+def _descendants(pid: int) -> list[int]:
+    """Every live descendant of ``pid`` (from /proc: parent ids), children before grandchildren."""
+    parents: dict[int, int] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        parents[int(stat.parent.name)] = int(fields[1])
+    found, frontier = [], [pid]
+    while frontier:
+        frontier = [child for child, parent in parents.items() if parent in frontier]
+        found += frontier
+    return found
+
+
+def _wait_gone(pids: list[int], deadline: float) -> list[int]:
+    """Wait until every process of ``pids`` has exited; returns those still alive at ``deadline``."""
+    import time
+
+    alive = []
+    for pid in pids:
+        while time.time() < deadline:
+            try:
+                state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+            except OSError:
+                break  # gone
+            if state == "Z":
+                break  # dead, waiting to be reaped by its new parent
+            time.sleep(0.05)
+        else:
+            alive.append(pid)
+    return alive
+
+
 def _losses(run: Path) -> list[tuple[int, float]]:
     return [(r["step"], r["loss"]) for r in read_log(run / "log.jsonl") if r["event"] == "train"]
 
@@ -197,8 +232,16 @@ def test_killed_under_torchrun_resumes_to_the_uninterrupted_run(runs, tmp_path, 
         while not last.exists() and proc.poll() is None and time.time() < deadline:
             time.sleep(0.01)
     finally:
-        os.killpg(proc.pid, signal.SIGKILL)  # torchrun and both ranks at once
+        # torchrun starts each rank in a session of its own: kill the ranks, then torchrun
+        ranks = _descendants(proc.pid)
+        for pid in [*ranks, proc.pid]:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
         proc.wait()
+        survivors = _wait_gone(ranks, deadline=time.time() + 30)
+    assert len(ranks) >= 2 and not survivors, (ranks, survivors)  # the job really died
     assert last.exists()
     assert read_checkpoint(last)["step"] < 6, "the run finished before it could be killed"
 

@@ -167,10 +167,26 @@ def init_distributed(device: str | torch.device | None = None, *, backend: str |
     return context()
 
 
+#: Seconds :func:`shutdown` waits for the other ranks before leaving a gloo group.
+SHUTDOWN_BARRIER_S = 10.0
+
+
 def shutdown() -> None:
-    """Leave the process group (safe to call when none was joined)."""
-    if dist.is_available() and dist.is_initialized():
-        dist.destroy_process_group()
+    """Leave the process group (safe to call when none was joined).
+
+    On gloo the ranks first meet at a barrier (``monitored_barrier``, at most
+    :data:`SHUTDOWN_BARRIER_S` seconds): a rank that tears its connections down while a peer
+    is still using them makes the peer's gloo threads abort the process at exit ("terminate
+    called without an active exception", exit -6) after a run that succeeded. A peer that
+    never arrives (it failed) only delays the exit by the timeout."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    if dist.get_backend() == "gloo" and dist.get_world_size() > 1:
+        try:
+            dist.monitored_barrier(timeout=datetime.timedelta(seconds=SHUTDOWN_BARRIER_S))
+        except RuntimeError:
+            pass  # a peer is gone: nothing left to wait for
+    dist.destroy_process_group()
 
 
 def barrier() -> None:
