@@ -122,7 +122,7 @@ def test_search_exits_2_when_every_trial_failed(folder, tmp_path, capsys, monkey
     def broken_train(*args, **kwargs):
         raise RuntimeError("out of memory")
 
-    monkeypatch.setattr("dmlkit.protocol.runner.train", broken_train)
+    monkeypatch.setattr("dmlkit.protocol.stages.train", broken_train)
     path = tmp_path / "bench.yaml"
     path.write_text(yaml.safe_dump(_corrected(folder)))
     out = tmp_path / "out"

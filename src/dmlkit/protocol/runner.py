@@ -22,29 +22,21 @@ Directory layout (``docs/architecture.md``)::
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import logging
 import multiprocessing
 import os
-import shutil
 import time
 import warnings
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 import yaml
 
-from dmlkit.config import dump_config
-from dmlkit.data import get_transforms, load_dataset
 from dmlkit.data.splits import default_split
-from dmlkit.embeddings import embed_split, load_embeddings, save_embeddings
-from dmlkit.exceptions import ConfigError, DataError, DmlkitError
-from dmlkit.metrics import evaluate
+from dmlkit.exceptions import ConfigError, DmlkitError
 from dmlkit.protocol.config import (
     BenchConfig,
     MethodConfig,
@@ -53,9 +45,21 @@ from dmlkit.protocol.config import (
 )
 from dmlkit.protocol.preflight import check_bench
 from dmlkit.protocol.results import build_results, write_results
-from dmlkit.protocol.space import suggest
 from dmlkit.protocol.splits import BenchSplit, TestClassGuard, make_bench_split
-from dmlkit.protocol.stats import l2_normalize
+from dmlkit.protocol.stages import (  # noqa: F401  (re-exported: the stages' old home)
+    PRETRAINED,
+    FinalRun,
+    FinalStage,
+    SearchStage,
+    _claim,
+    _say,
+    _with_transform,
+    evaluate_runs,
+    load_full_dataset,
+    method_fingerprint,
+    release_claims,
+    run_seed,
+)
 from dmlkit.protocol.study import (
     count_completed,
     count_finished,
@@ -68,257 +72,15 @@ from dmlkit.protocol.study import (
     storage_lock,
     study_summary,
 )
-from dmlkit.training import build_model, train
 from dmlkit.training.preflight import Preflight, merge_data_root
-from dmlkit.utils import atomic_write_text, seed_everything, write_provenance
+from dmlkit.utils import atomic_write_text, write_provenance
 from dmlkit.utils import data_root as resolve_data_root
 
 __all__ = ["Bench", "FinalStage", "SearchStage", "run_seed"]
 
 logger = logging.getLogger(__name__)
-PRETRAINED = "pretrained"
 
 
-def run_seed(seed: int, fold: int) -> int:
-    """The training seed of fold ``fold`` in repeat ``seed``: ``1000 * seed + fold``.
-
-    Fold models of one repeat start from different initialisations (as the seed's four
-    independent models do); the pretrained row uses the same seeds.
-    """
-    return 1000 * int(seed) + int(fold)
-
-
-def _say(console: Any, message: str) -> None:
-    if console is not None:
-        console.print(message)
-
-
-def _with_transform(dataset, config: BenchConfig, train: bool):
-    """Apply the fixed data transform (train-time augmentation only for training sets)."""
-    d = config.fixed.data
-    if d.transform is None:
-        return dataset
-    augment = train and not config.fixed.model.frozen_trunk
-    return dataset.with_transform(get_transforms(d.transform, train=augment, image_size=d.image_size))
-
-
-def load_full_dataset(config: BenchConfig, data_root: str | Path | None = None):
-    """Every class of the configured dataset (``dmlkit.data.load_dataset``); the data root is
-    ``data_root`` (``--data-root``), else ``fixed.data.root``, else ``$DMLKIT_DATA``."""
-    d = config.fixed.data
-    root = resolve_data_root(data_root if data_root is not None else d.root)
-    try:
-        return load_dataset(d.dataset, root=root, **d.options)
-    except TypeError as exc:
-        raise ConfigError(f"fixed.data.options for {d.dataset!r}: {exc}") from exc
-
-
-# -- search ---------------------------------------------------------------------------------------
-class SearchStage:
-    """Cross-validated Bayesian search of one method, on the development classes only.
-
-    ``dev_dataset`` must hold only development classes (the guard checks it): the search has no
-    reference to the test classes at all.
-    """
-
-    def __init__(
-        self, config: BenchConfig, split: BenchSplit, dev_dataset, bench_dir: Path, *,
-        guard: TestClassGuard, train_fn: Callable[..., Any] | None = None, console: Any = None,
-    ) -> None:
-        self.config = config
-        self.split = split
-        self.guard = guard
-        self.dev = guard.check(dev_dataset, "the search's dataset")
-        self.bench_dir = Path(bench_dir)
-        self.console = console
-        self.train_fn = train if train_fn is None else train_fn
-        self._fold_sets: dict[int, tuple[Any, Any]] = {}
-
-    def fold_sets(self, fold: int) -> tuple[Any, Any]:
-        if fold not in self._fold_sets:
-            f = self.split.folds[fold]
-            train_set = _with_transform(self.dev.subset_classes(list(f.train)), self.config, train=True)
-            val_set = _with_transform(self.dev.subset_classes(list(f.val)), self.config, train=False)
-            self.guard.check(train_set, f"fold {fold}'s training set")
-            self.guard.check(val_set, f"fold {fold}'s validation set")
-            self._fold_sets[fold] = (train_set, val_set)
-        return self._fold_sets[fold]
-
-    def objective(self, method: MethodConfig) -> Callable[[Any], float]:
-        protocol = self.config.protocol
-
-        def objective(trial) -> float:
-            params = suggest(trial, method.search)
-            trial.set_user_attr("params", params)
-            values = []
-            for fold in self.split.folds:
-                train_set, val_set = self.fold_sets(fold.index)
-                cfg = self.config.experiment(
-                    method, params, seed=self.config.fixed.seed + fold.index,
-                    name=f"{self.config.name}-{method.name}-trial{trial.number}-fold{fold.index}",
-                )
-                run_dir = self.bench_dir / "search" / method.name / f"trial{trial.number}" / f"fold{fold.index}"
-                if run_dir.exists():  # a previous, interrupted attempt of this very trial number
-                    shutil.rmtree(run_dir)
-                result = self.train_fn(cfg, run_dir, train_set=train_set, val_set=val_set, progress=False)
-                value = float(result.val_metrics["map_at_r"])
-                values.append(value)
-                trial.set_user_attr(f"fold{fold.index}_val", dict(result.val_metrics))
-                trial.report(float(np.mean(values)), step=fold.index)
-                if not protocol.keep_search_checkpoints:
-                    shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)
-            mean = float(np.mean(values))
-            trial.set_user_attr("fold_map_at_r", values)
-            return mean
-
-        return objective
-
-
-def method_fingerprint(config: BenchConfig, method: MethodConfig, split: BenchSplit) -> dict[str, Any]:
-    """What a study depends on: resuming with a different one is refused."""
-    blob = json.dumps({
-        "fixed": config.fixed_fingerprint(),
-        "method": method.model_dump(mode="json"),
-        "split": split.to_dict(),
-    }, sort_keys=True)
-    return {"sha256": hashlib.sha256(blob.encode()).hexdigest()}
-
-
-# -- final runs -----------------------------------------------------------------------------------
-@dataclass
-class FinalRun:
-    method: str
-    seed: int
-    fold: int
-    run_dir: Path
-    embeddings: Path
-    checkpoint: Path | None
-
-
-class FinalStage:
-    """Train the fold models with the best hyperparameters and embed the test classes."""
-
-    def __init__(
-        self, config: BenchConfig, split: BenchSplit, full_dataset, bench_dir: Path, *,
-        train_fn: Callable[..., Any] | None = None, console: Any = None,
-    ) -> None:
-        self.config = config
-        self.split = split
-        self.bench_dir = Path(bench_dir)
-        self.console = console
-        dev = full_dataset.subset_classes(list(split.dev))
-        self.test = _with_transform(full_dataset.subset_classes(list(split.test)), config, train=False)
-        self.dev = dev
-        self.train_fn = train if train_fn is None else train_fn
-
-    def _fold_sets(self, fold: int):
-        f = self.split.folds[fold]
-        return (_with_transform(self.dev.subset_classes(list(f.train)), self.config, train=True),
-                _with_transform(self.dev.subset_classes(list(f.val)), self.config, train=False))
-
-    def run_method(self, method: MethodConfig, params: dict[str, Any], *, claim: bool = False) -> list[FinalRun]:
-        """Train (or reuse) every fold model of every seed; with ``claim``, skip runs another
-        worker process has claimed (a ``.claimed`` file created atomically in the run directory)."""
-        runs = []
-        for seed in self.config.protocol.seeds or [0]:
-            for fold in self.split.folds:
-                run_dir = self.bench_dir / "final" / method.name / f"seed{seed}" / f"fold{fold.index}"
-                emb_path = run_dir / "embeddings" / "test.npz"
-                done = emb_path.exists() and (run_dir / "metrics.json").exists()
-                if not done and claim and not _claim(run_dir):
-                    continue
-                if not done:
-                    train_set, val_set = self._fold_sets(fold.index)
-                    cfg = self.config.experiment(
-                        method, params, seed=run_seed(seed, fold.index),
-                        name=f"{self.config.name}-{method.name}-seed{seed}-fold{fold.index}",
-                    )
-                    resume = (run_dir / "checkpoints" / "last.pt").exists()
-                    _say(self.console, f"  final {method.name}: seed {seed} fold {fold.index}"
-                         + (" (resuming)" if resume else ""))
-                    self.train_fn(cfg, run_dir, train_set=train_set, val_set=val_set, test_set=self.test,
-                                  resume=resume, progress=False)
-                runs.append(FinalRun(method.name, seed, fold.index, run_dir, emb_path,
-                                     run_dir / "checkpoints" / "best.pt"))
-        return runs
-
-    def run_pretrained(self) -> list[FinalRun]:
-        """Trunk + untrained embedder, one per fold and seed (initialised as the fold models are)."""
-        runs = []
-        for seed in self.config.protocol.seeds or [0]:
-            for fold in self.split.folds:
-                run_dir = self.bench_dir / "final" / PRETRAINED / f"seed{seed}" / f"fold{fold.index}"
-                emb_path = run_dir / "embeddings" / "test.npz"
-                if not emb_path.exists():
-                    cfg = self.config.experiment(None, seed=run_seed(seed, fold.index))
-                    seed_everything(cfg.seed)
-                    model = build_model(cfg.model)
-                    with torch.no_grad():
-                        emb, lab = embed_split(model, self.test, cfg, cfg.training.device)
-                    save_embeddings(emb_path, emb, lab)
-                    atomic_write_text(run_dir / "config.yaml", dump_config(cfg))
-                runs.append(FinalRun(PRETRAINED, seed, fold.index, run_dir, emb_path, None))
-        return runs
-
-
-def _claim(run_dir: Path) -> bool:
-    run_dir.mkdir(parents=True, exist_ok=True)
-    try:
-        fd = os.open(run_dir / ".claimed", os.O_CREAT | os.O_EXCL | os.O_WRONLY)
-    except FileExistsError:
-        return False
-    os.write(fd, str(os.getpid()).encode())
-    os.close(fd)
-    return True
-
-
-def release_claims(bench_dir: Path) -> int:
-    """Remove every final-run claim (only when no worker is alive); returns how many."""
-    n = 0
-    for path in Path(bench_dir).glob("final/*/seed*/fold*/.claimed"):
-        path.unlink(missing_ok=True)
-        n += 1
-    return n
-
-
-def evaluate_runs(runs: Sequence[FinalRun], metrics: Sequence[str], **options: Any) -> dict[str, Any]:
-    """Per seed: separated (mean over fold models) and concatenated metrics.
-
-    ``options`` are keyword arguments of :func:`dmlkit.metrics.evaluate` (backend, memory
-    budget, cluster restarts: ``EvaluationConfig.metric_options()``). The result also holds
-    the fold models' ``embedding_size`` (read from their embeddings: the model owns it).
-    """
-    embedding_size = None
-    by_seed: dict[int, list[FinalRun]] = {}
-    for r in runs:
-        by_seed.setdefault(r.seed, []).append(r)
-    separated: dict[str, list[float]] = {m: [] for m in metrics}
-    concatenated: dict[str, list[float]] = {m: [] for m in metrics}
-    for seed in sorted(by_seed):
-        fold_runs = sorted(by_seed[seed], key=lambda r: r.fold)
-        embs, labels = [], None
-        per_fold: dict[str, list[float]] = {m: [] for m in metrics}
-        for r in fold_runs:
-            emb, lab, _ = load_embeddings(r.embeddings)
-            if labels is not None and not np.array_equal(labels, lab):
-                raise DataError(f"{r.embeddings}: test labels differ between fold models of seed {seed}")
-            labels = lab
-            embs.append(emb)
-            embedding_size = int(emb.shape[1])
-            res = evaluate(emb, lab, metrics=list(metrics), **options)
-            for m in metrics:
-                per_fold[m].append(float(res[m]))
-        for m in metrics:
-            separated[m].append(float(np.mean(per_fold[m])))
-        cat = l2_normalize(np.concatenate(embs, axis=1))
-        res = evaluate(cat, labels, metrics=list(metrics), **options)
-        for m in metrics:
-            concatenated[m].append(float(res[m]))
-    return {"seeds": sorted(by_seed), "separated": separated, "concatenated": concatenated,
-            "embedding_size": embedding_size}
-
-
-# -- the whole benchmark ------------------------------------------------------------------------
 class Bench:
     """One benchmark directory: split, searches, final runs and results."""
 
