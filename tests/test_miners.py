@@ -434,7 +434,7 @@ def test_input_errors():
 
 def test_block_boundaries(monkeypatch):
     """Tiny blocks (a few positive pairs each) give the same triplets as one block."""
-    import dmlkit.miners as miners_mod
+    import dmlkit.miners.triplet_miners as miners_mod
 
     emb, labels = make_batch("classes", seed=3)
     big = [m(emb, labels) for m in (BatchAllMiner(strategy="blocks"), SemiHardMiner(0.3, strategy="blocks"))]

@@ -1,0 +1,245 @@
+"""The miner interface (:class:`BaseMiner`), the registry and the pair/triplet index helpers
+shared by every miner (see :mod:`dmlkit.miners`)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import ClassVar, TypeVar
+
+import torch
+from torch import nn
+
+from dmlkit.distances import BaseDistance, CosineSimilarity, get_distance
+from dmlkit.exceptions import ConfigError, NonFiniteError, ShapeError
+from dmlkit.losses._pairs import label_masks  # the one label-mask helper of losses and miners
+from dmlkit.losses.base import full_precision
+from dmlkit.utils import registering
+
+MINERS: dict[str, type[BaseMiner]] = {}
+_T = TypeVar("_T", bound=type)
+
+Pairs = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
+Triplets = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+
+
+def register_miner(*names: str) -> Callable[[_T], _T]:
+    """Class decorator: make a miner available to :func:`get_miner` and configs by name(s)."""
+    return registering(MINERS, "miner", names)
+
+
+def get_miner(name: str, **kwargs) -> BaseMiner:
+    """Instantiate a registered miner by config name, e.g. ``get_miner("batch_hard")``."""
+    try:
+        cls = MINERS[name]
+    except KeyError:
+        raise ConfigError(f"unknown miner {name!r}; choose one of {sorted(MINERS)}") from None
+    try:
+        return cls(**kwargs)
+    except TypeError as exc:
+        raise ConfigError(f"bad parameters for miner {name!r}: {exc}") from exc
+
+
+# --------------------------------------------------------------------------------------------
+# Label masks and index conversion
+# --------------------------------------------------------------------------------------------
+def pairs_from_triplets(
+    anchors: torch.Tensor,
+    positives: torch.Tensor,
+    negatives: torch.Tensor,
+    *,
+    unique: bool = True,
+) -> Pairs:
+    """Triplets ``(a, p, n)`` -> pairs ``(a, p, a, n)``.
+
+    With ``unique=True`` (default) each positive pair ``(a, p)`` and negative pair ``(a, n)``
+    appears once (sorted by anchor then reference index); with ``unique=False`` there is one
+    positive and one negative pair per triplet (pytorch-metric-learning's ``convert_to_pairs``),
+    so pairs shared by several triplets count several times.
+    """
+    if not unique:
+        return anchors, positives, anchors, negatives
+    a1, p = _unique_pairs(anchors, positives)
+    a2, n = _unique_pairs(anchors, negatives)
+    return a1, p, a2, n
+
+
+def _unique_pairs(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    if a.numel() == 0:
+        return a.clone(), b.clone()
+    width = int(b.max()) + 1
+    keys = torch.unique(a * width + b)
+    return keys // width, keys % width
+
+
+def triplets_from_pairs(a1: torch.Tensor, p: torch.Tensor, a2: torch.Tensor, n: torch.Tensor) -> Triplets:
+    """Pairs -> every triplet ``(a, p, n)`` whose positive pair ``(a, p)`` and negative pair
+    ``(a, n)`` share the anchor ``a``.
+
+    The output is ordered like the positive pairs, and for each positive pair like the negative
+    pairs of its anchor. Its size is ``sum_a (#pos pairs of a) * (#neg pairs of a)``; it is built
+    with ``repeat_interleave`` (memory proportional to the output, no cross product).
+    """
+    device = a1.device
+    if a1.numel() == 0 or a2.numel() == 0:
+        empty = torch.empty(0, dtype=torch.long, device=device)
+        return empty, empty.clone(), empty.clone()
+    size = int(torch.maximum(a1.max(), a2.max())) + 1
+    order = torch.argsort(a2, stable=True)
+    n_sorted = n[order]
+    neg_count = torch.bincount(a2, minlength=size)
+    neg_start = torch.cumsum(neg_count, 0) - neg_count
+    counts = neg_count[a1]
+    a_t, p_t, k = _expand(a1, p, counts)
+    n_t = n_sorted[neg_start[a_t] + k]
+    return a_t, p_t, n_t
+
+
+def _expand(
+    anchors: torch.Tensor, positives: torch.Tensor, counts: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Repeat each ``(anchors[j], positives[j])`` ``counts[j]`` times; also return the rank
+    ``k = 0 .. counts[j] - 1`` of each copy."""
+    counts = counts.clamp_min(0)
+    total = int(counts.sum())
+    a_t = torch.repeat_interleave(anchors, counts, output_size=total)
+    p_t = torch.repeat_interleave(positives, counts, output_size=total)
+    seg_start = torch.cumsum(counts, 0) - counts
+    k = torch.arange(total, device=anchors.device) - torch.repeat_interleave(
+        seg_start, counts, output_size=total
+    )
+    return a_t, p_t, k
+
+
+# --------------------------------------------------------------------------------------------
+# Base class
+# --------------------------------------------------------------------------------------------
+class BaseMiner(nn.Module):
+    """Base of every miner.
+
+    Call as ``miner(embeddings (B, D), labels (B,), ref_emb=None, ref_labels=None)``; returns a
+    tuple of ``int64`` index tensors on the embeddings' device: ``(a1, p, a2, n)`` when
+    :attr:`output_type` is ``"pair"``, ``(a, p, n)`` when it is ``"triplet"``. Mining runs
+    without gradient (the indices are constants for the loss).
+
+    Args:
+        distance: a :class:`~dmlkit.distances.BaseDistance` or its name; default cosine
+            similarity (the Reality Check's L2-normalised embeddings).
+
+    After each call, :attr:`stats` holds what was mined for logging (``num_pos_pairs`` /
+    ``num_neg_pairs`` or ``num_triplets``, and ``num_anchors``) and :attr:`num_mined` the total.
+    Subclasses implement :meth:`mine` on a precomputed ``(B, M)`` matrix.
+    """
+
+    output_type: ClassVar[str] = "triplet"
+
+    def __init__(self, distance: BaseDistance | str | None = None) -> None:
+        super().__init__()
+        self.distance = self.default_distance() if distance is None else get_distance(distance)
+        self.stats: dict[str, int] = {}
+
+    @staticmethod
+    def default_distance() -> BaseDistance:
+        return CosineSimilarity()
+
+    @property
+    def num_mined(self) -> int:
+        """Pairs (positive + negative) or triplets returned by the last call."""
+        return sum(v for k, v in self.stats.items() if k.startswith("num_") and k != "num_anchors")
+
+    @torch.no_grad()
+    def forward(
+        self,
+        embeddings: torch.Tensor,
+        labels: torch.Tensor,
+        ref_emb: torch.Tensor | None = None,
+        ref_labels: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, ...]:
+        _check(embeddings, labels, "embeddings")
+        if (ref_emb is None) != (ref_labels is None):
+            raise ShapeError("pass both ref_emb and ref_labels, or neither")
+        same = ref_emb is None or (ref_emb is embeddings and ref_labels is labels)
+        if ref_emb is None:
+            ref_emb, ref_labels = embeddings, labels
+        else:
+            _check(ref_emb, ref_labels, "ref_emb")
+            if ref_emb.shape[1] != embeddings.shape[1]:
+                raise ShapeError(
+                    f"ref_emb has {ref_emb.shape[1]} features but embeddings have "
+                    f"{embeddings.shape[1]}"
+                )
+        labels = labels.to(embeddings.device)
+        ref_labels = ref_labels.to(embeddings.device)
+        with full_precision(embeddings):  # under autocast, distances stay in float32
+            out = self.mine(embeddings.detach(), labels, ref_emb.detach(), ref_labels, same)
+        self._record(out, labels.shape[0])
+        return out
+
+    def mine(
+        self,
+        embeddings: torch.Tensor,
+        labels: torch.Tensor,
+        ref_emb: torch.Tensor,
+        ref_labels: torch.Tensor,
+        same: bool,
+    ) -> tuple[torch.Tensor, ...]:
+        raise NotImplementedError
+
+    # -- helpers for subclasses ----------------------------------------------------------------
+    def farness(self, embeddings: torch.Tensor, ref_emb: torch.Tensor, same: bool) -> torch.Tensor:
+        """``(B, M)`` matrix where *smaller is closer* (the distance, or minus the similarity),
+        in at least float32 (mining compares values, so bfloat16 is upcast, and
+        :meth:`forward` disables autocast around :meth:`mine`)."""
+        if embeddings.dtype in (torch.float16, torch.bfloat16):
+            embeddings, ref_emb = embeddings.float(), ref_emb.float()
+        mat = self.distance(embeddings, None if same else ref_emb)
+        return -mat if self.distance.higher_is_closer else mat
+
+    def _record(self, out: tuple[torch.Tensor, ...], batch: int) -> None:
+        if self.output_type == "pair":
+            self.stats = {
+                "num_pos_pairs": int(out[0].numel()),
+                "num_neg_pairs": int(out[2].numel()),
+            }
+        else:
+            self.stats = {"num_triplets": int(out[0].numel())}
+
+    def extra_repr(self) -> str:
+        return f"distance={self.distance!r}"
+
+
+def _check(embeddings: torch.Tensor, labels: torch.Tensor, name: str) -> None:
+    if embeddings.dim() != 2:
+        raise ShapeError(f"{name} must be (B, D), got shape {tuple(embeddings.shape)}")
+    if not embeddings.is_floating_point():
+        raise ShapeError(f"{name} must be a floating-point tensor, got {embeddings.dtype}")
+    if not isinstance(labels, torch.Tensor) or labels.dim() != 1 or labels.shape[0] != embeddings.shape[0]:
+        shape = tuple(labels.shape) if isinstance(labels, torch.Tensor) else type(labels).__name__
+        raise ShapeError(f"labels for {name} must be a (B,) tensor with B = {embeddings.shape[0]}, got {shape}")
+    if labels.is_floating_point():
+        raise ShapeError(f"labels must be integers, got {labels.dtype}")
+    if not torch.isfinite(embeddings).all():
+        raise NonFiniteError(f"{name} contain NaN or infinity: check the model and learning rate")
+
+
+def _empty_like(device: torch.device, k: int) -> tuple[torch.Tensor, ...]:
+    return tuple(torch.empty(0, dtype=torch.long, device=device) for _ in range(k))
+
+
+# --------------------------------------------------------------------------------------------
+# Simple miners
+# --------------------------------------------------------------------------------------------
+@register_miner("all_pairs")
+class AllPairsMiner(BaseMiner):
+    """Every positive pair and every negative pair of the batch (``O(B^2)`` pairs).
+
+    Same output, in the same row-major order, as pytorch-metric-learning's
+    ``lmu.get_all_pairs_indices``. The distance is not used.
+    """
+
+    output_type = "pair"
+
+    def mine(self, embeddings, labels, ref_emb, ref_labels, same):
+        pos, neg = label_masks(labels, ref_labels, exclude_self=same)
+        a1, p = torch.where(pos)
+        a2, n = torch.where(neg)
+        return a1, p, a2, n

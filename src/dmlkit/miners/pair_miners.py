@@ -1,0 +1,208 @@
+"""Pair miners: distance-weighted sampling, hard negative pairs and multi-similarity mining
+(see :mod:`dmlkit.miners`)."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from dmlkit.distances import BaseDistance, LpDistance
+from dmlkit.exceptions import ConfigError
+from dmlkit.losses._pairs import label_masks  # the one label-mask helper of losses and miners
+from dmlkit.miners.base import (
+    BaseMiner,
+    _empty_like,
+    register_miner,
+)
+
+
+@register_miner("distance_weighted")
+class DistanceWeightedMiner(BaseMiner):
+    """Distance-weighted sampling (Wu, Manmatha, Smola, Krähenbühl, "Sampling Matters in Deep
+    Embedding Learning", ICCV 2017).
+
+    On the unit sphere in ``n = D`` dimensions, pairwise distances of random points have density
+    ``q(d) ∝ d^(n-2) (1 - d^2/4)^((n-3)/2)``. For every positive pair ``(a, p)`` one negative is
+    drawn with probability proportional to the clipped inverse density
+
+    ``w(a, n) ∝ q(max(d(a, n), cutoff))^-1``  if ``d(a, n) < nonzero_loss_cutoff``, else 0,
+
+    computed in log space and normalised per anchor (clipping the distance at ``cutoff = 0.5``
+    is the paper's ``min(lambda, q(d)^-1)``; negatives beyond ``nonzero_loss_cutoff = 1.4`` give
+    no loss for the margin loss and are never drawn). An anchor whose negatives all have zero
+    weight draws uniformly among its negatives (the authors' reference code).
+
+    The distance must be the Euclidean distance of L2-normalised embeddings (the default).
+    Sampling uses a ``torch.Generator`` seeded with ``seed`` on the embeddings' device, so a
+    run is reproducible; :meth:`sampling_weights` exposes the weight matrix.
+    """
+
+    def __init__(
+        self,
+        cutoff: float = 0.5,
+        nonzero_loss_cutoff: float = 1.4,
+        seed: int = 0,
+        distance=None,
+    ) -> None:
+        super().__init__(distance)
+        d = self.distance
+        if not (
+            isinstance(d, LpDistance) and d.p == 2 and d.power == 1 and d.normalize_embeddings
+        ):
+            raise ConfigError(
+                "distance_weighted needs the Euclidean distance of L2-normalised embeddings: "
+                "leave distance unset or pass LpDistance(p=2, power=1, normalize_embeddings=True)"
+            )
+        if not 0 < cutoff < nonzero_loss_cutoff <= 2:
+            raise ConfigError(
+                "need 0 < cutoff < nonzero_loss_cutoff <= 2, got "
+                f"cutoff={cutoff}, nonzero_loss_cutoff={nonzero_loss_cutoff}"
+            )
+        self.cutoff = float(cutoff)
+        self.nonzero_loss_cutoff = float(nonzero_loss_cutoff)
+        self.seed = int(seed)
+        self._generators: dict[str, torch.Generator] = {}
+
+    @staticmethod
+    def default_distance() -> BaseDistance:
+        return LpDistance(p=2, power=1, normalize_embeddings=True)
+
+    def generator(self, device: torch.device) -> torch.Generator:
+        key = str(device)
+        if key not in self._generators:
+            g = torch.Generator(device=device)
+            g.manual_seed(self.seed)
+            self._generators[key] = g
+        return self._generators[key]
+
+    def log_weights(self, dist: torch.Tensor, dim: int) -> torch.Tensor:
+        """``log q(max(d, cutoff))^-1`` up to a constant; ``-inf`` where ``d >= nonzero_loss_cutoff``."""
+        d = dist.clamp_min(self.cutoff)
+        logw = (2.0 - dim) * torch.log(d) - ((dim - 3) / 2) * torch.log1p(-0.25 * d * d)
+        return logw.masked_fill(dist >= self.nonzero_loss_cutoff, -math.inf)
+
+    @torch.no_grad()
+    def sampling_weights(
+        self,
+        embeddings: torch.Tensor,
+        labels: torch.Tensor,
+        ref_emb: torch.Tensor | None = None,
+        ref_labels: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """``(B, M)`` per-anchor sampling probabilities over the reference set (rows sum to 1;
+        rows without any negative are all zero)."""
+        same = ref_emb is None
+        if same:
+            ref_emb, ref_labels = embeddings, labels
+        w, _ = self._weights(embeddings, labels, ref_emb, ref_labels, same)
+        return w
+
+    def _weights(self, embeddings, labels, ref_emb, ref_labels, same):
+        dist = self.farness(embeddings, ref_emb, same)
+        pos, neg = label_masks(labels, ref_labels, exclude_self=same)
+        logw = self.log_weights(dist, embeddings.shape[1]).masked_fill(~neg, -math.inf)
+        row_max = logw.amax(1, keepdim=True)
+        w = torch.exp(logw - row_max.masked_fill(~torch.isfinite(row_max), 0))
+        empty = w.sum(1, keepdim=True) == 0
+        w = torch.where(empty, neg.to(w.dtype), w)  # uniform fallback over the negatives
+        total = w.sum(1, keepdim=True)
+        return w / total.clamp_min(torch.finfo(w.dtype).tiny), pos
+
+    def mine(self, embeddings, labels, ref_emb, ref_labels, same):
+        w, pos = self._weights(embeddings, labels, ref_emb, ref_labels, same)
+        has_neg = w.sum(1) > 0
+        a, p = torch.where(pos & has_neg.unsqueeze(1))
+        if a.numel() == 0:
+            return _empty_like(embeddings.device, 3)
+        num_pos = torch.bincount(a, minlength=w.shape[0])
+        rows = torch.nonzero(num_pos > 0).squeeze(1)
+        draws = torch.multinomial(
+            w[rows], int(num_pos.max()), replacement=True, generator=self.generator(w.device)
+        )
+        row_of = torch.full((w.shape[0],), -1, dtype=torch.long, device=w.device)
+        row_of[rows] = torch.arange(rows.numel(), device=w.device)
+        start = torch.cumsum(num_pos, 0) - num_pos
+        rank = torch.arange(a.numel(), device=a.device) - start[a]
+        n = draws[row_of[a], rank]
+        return a, p, n
+
+    def extra_repr(self) -> str:
+        return (
+            f"cutoff={self.cutoff}, nonzero_loss_cutoff={self.nonzero_loss_cutoff}, "
+            f"seed={self.seed}, {super().extra_repr()}"
+        )
+
+
+# --------------------------------------------------------------------------------------------
+# Pair miners
+# --------------------------------------------------------------------------------------------
+@register_miner("hard_negative_pairs")
+class HardNegativePairMiner(BaseMiner):
+    """All positive pairs plus as many of the hardest negative pairs (seed 003's
+    ``HardNegativePairSelector``, after Bielski's siamese-triplet).
+
+    Returns every positive pair and the ``k = min(round(neg_pos_ratio * P), #negatives)``
+    negative pairs with the smallest distance (largest similarity) in the whole batch, where
+    ``P`` is the number of positive pairs - on the device with ``torch.topk`` rather than the
+    seed's numpy ``argpartition``. Pairs are ordered (``(i, j)`` and ``(j, i)``), as in
+    :class:`AllPairsMiner`. A batch without positive pairs gets no negative pair either
+    (``neg_pos_ratio * 0``); set ``min_negatives`` to still return some.
+    """
+
+    output_type = "pair"
+
+    def __init__(self, neg_pos_ratio: float = 1.0, min_negatives: int = 0, distance=None) -> None:
+        super().__init__(distance)
+        if neg_pos_ratio < 0 or min_negatives < 0:
+            raise ConfigError("neg_pos_ratio and min_negatives must be >= 0")
+        self.neg_pos_ratio = float(neg_pos_ratio)
+        self.min_negatives = int(min_negatives)
+
+    def mine(self, embeddings, labels, ref_emb, ref_labels, same):
+        f = self.farness(embeddings, ref_emb, same)
+        pos, neg = label_masks(labels, ref_labels, exclude_self=same)
+        a1, p = torch.where(pos)
+        num_neg = int(neg.sum())
+        k = min(max(round(self.neg_pos_ratio * a1.numel()), self.min_negatives), num_neg)
+        flat = f.masked_fill(~neg, math.inf).flatten()
+        idx = torch.topk(flat, k, largest=False, sorted=True).indices
+        cols = f.shape[1]
+        return a1, p, idx // cols, idx % cols
+
+    def extra_repr(self) -> str:
+        return (
+            f"neg_pos_ratio={self.neg_pos_ratio}, min_negatives={self.min_negatives}, "
+            f"{super().extra_repr()}"
+        )
+
+
+@register_miner("multi_similarity")
+class MultiSimilarityMiner(BaseMiner):
+    """Pair mining of the multi-similarity loss (Wang, Han, Huang, Dong, Scott, "Multi-Similarity
+    Loss with General Pair Weighting for Deep Metric Learning", CVPR 2019, eqs. 7-8).
+
+    With similarities ``S``, a negative pair is kept if ``S_an > min_{p} S_ap - epsilon`` and a
+    positive pair if ``S_ap < max_{n} S_an + epsilon`` (``epsilon = 0.1``); for a distance the
+    inequalities flip (``d_an < max_p d_ap + epsilon``, ``d_ap > min_n d_an - epsilon``). An
+    anchor without positives keeps no negative and one without negatives keeps no positive.
+    Same pairs as pytorch-metric-learning's ``MultiSimilarityMiner`` (there, sorted per row).
+    """
+
+    output_type = "pair"
+
+    def __init__(self, epsilon: float = 0.1, distance=None) -> None:
+        super().__init__(distance)
+        self.epsilon = float(epsilon)
+
+    def mine(self, embeddings, labels, ref_emb, ref_labels, same):
+        f = self.farness(embeddings, ref_emb, same)
+        pos, neg = label_masks(labels, ref_labels, exclude_self=same)
+        hardest_pos = f.masked_fill(~pos, -math.inf).amax(1, keepdim=True)
+        hardest_neg = f.masked_fill(~neg, math.inf).amin(1, keepdim=True)
+        a1, p = torch.where(pos & (f + self.epsilon > hardest_neg))
+        a2, n = torch.where(neg & (f - self.epsilon < hardest_pos))
+        return a1, p, a2, n
+
+    def extra_repr(self) -> str:
+        return f"epsilon={self.epsilon}, {super().extra_repr()}"
