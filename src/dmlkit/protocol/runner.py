@@ -100,6 +100,7 @@ class Bench:
 
             train_fn = launcher_for(config, data_root=data_root, threads=threads)
         self.train_fn = train_fn
+        self._full_dataset = None
         self.config_path = None if config_path is None else Path(config_path)
         self.overrides = list(overrides)
         self.threads = threads
@@ -110,6 +111,14 @@ class Bench:
         self._split: BenchSplit | None = None
 
     # -- shared pieces ----------------------------------------------------------------------
+    def full_dataset(self):
+        """Every class of the configured dataset (:func:`load_full_dataset`), loaded once per
+        ``Bench``: validation, the split, the search and the final stage all start from it
+        (the search stage itself only ever receives the development classes)."""
+        if self._full_dataset is None:
+            self._full_dataset = load_full_dataset(self.config, self.data_root)
+        return self._full_dataset
+
     @property
     def storage_url(self) -> str:
         return resolve_storage_url(self.config.protocol.storage, self.dir)
@@ -142,7 +151,7 @@ class Bench:
                 )
         else:
             if full_dataset is None:
-                full_dataset = load_full_dataset(self.config, self.data_root)
+                full_dataset = self.full_dataset()
             default_dev = None
             if p.split == "default":
                 published = default_split(full_dataset)
@@ -185,7 +194,7 @@ class Bench:
         once (:func:`dmlkit.protocol.preflight.check_bench`): one error listing every violation
         with a value that fits, before the first trial and before anything is written."""
         root = resolve_data_root(self.data_root if self.data_root is not None else self.config.fixed.data.root)
-        report = check_bench(self.config, load_full_dataset(self.config, self.data_root), root=root)
+        report = check_bench(self.config, self.full_dataset(), root=root)
         report.dataset = None  # keep no reference to the test classes
         report.raise_errors()
         for problem in report.warnings:
@@ -194,7 +203,7 @@ class Bench:
 
     # -- search -----------------------------------------------------------------------------
     def _dev_dataset(self):
-        full = load_full_dataset(self.config, self.data_root)
+        full = self.full_dataset()
         split = self.split(full)
         dev = full.subset_classes(list(split.dev))
         del full  # the search keeps no reference to the test classes
@@ -355,7 +364,7 @@ class Bench:
     # -- final --------------------------------------------------------------------------------
     def final_worker(self, *, methods: Sequence[str] | None = None) -> None:
         """Train unclaimed final runs (a worker process of ``--workers N``)."""
-        full = load_full_dataset(self.config, self.data_root)
+        full = self.full_dataset()
         stage = FinalStage(self.config, self.split(full), full, self.dir, train_fn=self.train_fn,
                            console=self.console)
         for method in self._methods(methods):
@@ -364,7 +373,7 @@ class Bench:
 
     def final(self, *, methods: Sequence[str] | None = None) -> dict[str, Any]:
         """Final runs of every method (and the pretrained row), evaluated; writes the results."""
-        full = load_full_dataset(self.config, self.data_root)
+        full = self.full_dataset()
         split = self.split(full)
         stage = FinalStage(self.config, split, full, self.dir, train_fn=self.train_fn, console=self.console)
         metrics = list(self.config.protocol.metrics)
