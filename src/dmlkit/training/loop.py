@@ -184,7 +184,9 @@ class SeededItems(torch.utils.data.Dataset):
     def __getitem__(self, key: tuple[int, int]) -> Any:
         index, seed = key
         with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(seed)
+            # the CPU generator alone: loading draws on it only, and torch.manual_seed would also
+            # seed every accelerator (78 us against 1 us per item, measured on the 2-core EPYC)
+            torch.default_generator.manual_seed(seed)
             return self.dataset[index]
 
 
