@@ -28,6 +28,7 @@ import torch
 from dmlkit.distances import BaseDistance, CosineSimilarity, get_distance
 from dmlkit.exceptions import ConfigError, DataError, ShapeError
 from dmlkit.metrics._threads import run_threads, single_threaded_torch
+from dmlkit.metrics.knn import SMALL_SEARCH_PAIRS
 from dmlkit.metrics._validation import (
     DEFAULT_MEMORY_BUDGET,
     as_embeddings,
@@ -225,7 +226,10 @@ def pos_neg_histograms(
         if not hi > lo:
             raise ConfigError(f"range must be (low, high) with low < high, got {range}")
 
-    count = _count_cpu if q.device.type == "cpu" else _count_torch
+    # small CPU inputs take the torch path too: the compiled kernel's load (numba, ~0.1 GB) would
+    # cost more than the count; both bin identically (tests/test_metrics_clustering_hist.py)
+    small = n * m <= SMALL_SEARCH_PAIRS
+    count = _count_cpu if q.device.type == "cpu" and not small else _count_torch
     pos_c, total_c = count(dist, q, ql, r, rl, same, lo, hi, bins, budget)
     neg_c = total_c - pos_c
     n_pos, n_neg = int(pos_c.sum()), int(neg_c.sum())
