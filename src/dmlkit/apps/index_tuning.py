@@ -31,7 +31,7 @@ if TYPE_CHECKING:
 
 __all__ = ["drop_self", "measure_recall", "recall_at_k", "search_settings", "tune"]
 
-RERANK_FACTORS = (1, 2, 4, 8, 16)
+RERANK_FACTORS = (1, 2, 4, 8, 16, 32, 64)
 EF_VALUES = (16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024, 2048)
 
 
