@@ -48,6 +48,8 @@ _ROW_BYTES = 24
 #: Buckets per row: about this many per positive, a power of two within the limits below.
 _BUCKETS_PER_POSITIVE = 8
 _MIN_BUCKETS, _MAX_BUCKETS = 64, 1024
+#: Largest tile side (rows = columns) of the scan.
+_MAX_TILE = 1024
 
 
 def closeness_tolerance(kind: str, d: int, q_max_norm: float, r_max_norm: float) -> float:
@@ -118,7 +120,7 @@ def full_ranking_map(
 
     with single_threaded_torch() as workers:
         # per worker: a float32 tile and its transpose in the other half of the budget
-        tile = int(max(64, min(1024, math.isqrt(budget // (16 * workers)))))
+        tile = int(max(64, min(_MAX_TILE, math.isqrt(budget // (16 * workers)))))
         for g0, g1 in groups:
             if r_count[g0:g1].sum() == 0:
                 continue
