@@ -64,6 +64,25 @@ def test_report_has_every_section_and_figure(report_page):
         assert (figs / f"{name}.svg").exists()
 
 
+def test_embedded_figures_are_screen_sized_and_smaller_than_the_files(report_page):
+    import base64
+    import io
+    import re
+
+    from PIL import Image
+
+    from dmlkit.report.html import SCREEN_WIDTH
+
+    page = report_page.read_text()
+    embedded = [base64.b64decode(b) for b in re.findall(r'src="data:image/png;base64,([^"]+)"', page)]
+    assert embedded
+    for data in embedded:
+        with Image.open(io.BytesIO(data)) as im:
+            assert im.width <= SCREEN_WIDTH
+    files = sorted((report_page.parent / "figures").glob("*.png"))
+    assert sum(map(len, embedded)) < 0.5 * sum(f.stat().st_size for f in files)
+
+
 def test_report_shows_the_runs_numbers(report_page, run_dir):
     metrics = json.loads((run_dir / "metrics.json").read_text())
     html = report_page.read_text()
