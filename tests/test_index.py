@@ -388,3 +388,35 @@ def test_public_names_stay_importable_from_the_index_module():
         assert hasattr(index_module, name)
     assert index_module.recall_at_k is index_tuning.recall_at_k
     assert index_exact.exact_search.__module__ == "dmlkit.apps.index_exact"
+
+
+def test_add_blocks_equals_one_add_and_grows_the_arrays_once(monkeypatch):
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((1000, 16)).astype(np.float32)
+    labels = rng.integers(0, 10, 1000)
+    ids = np.array([f"item{i:04d}" for i in range(1000)])
+    one = EmbeddingIndex(None, dim=16, kind="ivf_flat", nlist=8)
+    one.add(x, labels, ids)
+    commits = []
+    original = EmbeddingIndex._commit
+    monkeypatch.setattr(EmbeddingIndex, "_commit", lambda self, blocks: (commits.append(len(blocks)),
+                                                                         original(self, blocks))[1])
+    blocks = EmbeddingIndex(None, dim=16, kind="ivf_flat", nlist=8)
+    assert blocks.add_blocks(x, labels, ids, rows=128) == 1000
+    assert commits == [8]  # eight blocks, one growth of the stored arrays
+    np.testing.assert_array_equal(blocks.embeddings, one.embeddings)
+    np.testing.assert_array_equal(blocks.ids, one.ids)
+    np.testing.assert_array_equal(blocks.labels, one.labels)
+    np.testing.assert_array_equal(blocks._keys, one._keys)
+    q = rng.standard_normal((5, 16)).astype(np.float32)
+    # (the IVF quantisers differ: each is trained on its first block)
+    np.testing.assert_array_equal(blocks.search(q, 5, exact=True).ids, one.search(q, 5, exact=True).ids)
+    # a clash inside the stream (block 3 repeats an id of block 1): blocks 1-2 stay added
+    bad = ids.copy()
+    bad[300] = ids[10]
+    idx = EmbeddingIndex(None, dim=16, kind="flat")
+    with pytest.raises(DataError, match="already in the index"):
+        idx.add_blocks(x, labels, bad, rows=128)
+    assert len(idx) == 256 and idx.ids[-1] == "item0255"
+    idx.add(x[256:300], labels[256:300], ids[256:300])  # and the index keeps working
+    assert len(idx) == 300

@@ -87,6 +87,17 @@ class SearchResult:
         return out
 
 
+@dataclass(frozen=True)
+class _Block:
+    """A checked, encoded block of :meth:`EmbeddingIndex.add`, not yet in the stored arrays."""
+
+    embeddings: np.ndarray
+    keys: np.ndarray
+    ids: np.ndarray
+    labels: np.ndarray | None
+    metadata: list[dict[str, Any] | None] | None
+
+
 class EmbeddingIndex:
     """Reference embeddings with ids, labels and metadata, searchable exactly or approximately.
 
@@ -221,11 +232,49 @@ class EmbeddingIndex:
         running row number. IVF indexes are trained on the first batch added; later batches
         are encoded with that training (re-build to re-train after large distribution shifts).
         """
+        block = self._encode_block(embeddings, labels, ids, metadata, [], set())
+        self._commit([block])
+        return block.ids
+
+    def add_blocks(self, source: Any, labels: Any = None, ids: Any = None, rows: int = 65536) -> int:
+        """:meth:`add` an ``(N, D)`` source read ``rows`` at a time (a shard directory's
+        :class:`~dmlkit.embedding_shards.ShardedEmbeddings`, an ``np.memmap``), so it is never
+        copied whole; labels and ids default to the source's own. Returns N.
+
+        Each block is checked and encoded into the faiss structure as it is read; the stored
+        arrays grow once at the end (linear in N; one :meth:`add` per block copied them per
+        block, O(N^2 / rows)). Blocks read before a bad one stay added, as with :meth:`add`.
+        """
+        labels = getattr(source, "labels", None) if labels is None else labels
+        ids = getattr(source, "ids", None) if ids is None else ids
+        step = max(1, int(rows))
+        pending: list[_Block] = []
+        pending_ids: set[str] = set()
+        try:
+            for a0 in range(0, len(source), step):
+                a1 = min(len(source), a0 + step)
+                block = self._encode_block(source[a0:a1], None if labels is None else labels[a0:a1],
+                                           None if ids is None else ids[a0:a1], None, pending, pending_ids)
+                pending.append(block)
+                if ids is not None:
+                    pending_ids.update(block.ids.tolist())
+        finally:
+            if pending:
+                self._commit(pending)
+        return len(source)
+
+    def _encode_block(self, embeddings: Any, labels: Any, ids: Any,
+                      metadata: Sequence[dict[str, Any] | None] | None,
+                      pending: list[_Block], pending_ids: set[str]) -> _Block:
+        """Check one block against the index (and the ``pending`` blocks not yet committed),
+        give it keys and ids, and add it to the faiss structure (training an IVF on the first)."""
         emb = _to_numpy_embeddings(embeddings, "embeddings")
         n = emb.shape[0]
-        if self.dim and emb.shape[1] != self.dim:
-            raise ShapeError(f"the index holds {self.dim}-d embeddings, got {emb.shape[1]}-d")
-        first = len(self) == 0
+        dim = pending[0].embeddings.shape[1] if pending else self.dim
+        if dim and emb.shape[1] != dim:
+            raise ShapeError(f"the index holds {dim}-d embeddings, got {emb.shape[1]}-d")
+        first = len(self) == 0 and not pending
+        has_labels = pending[0].labels is not None if pending else self.labels is not None
         if labels is not None:
             lab = np.asarray(labels.detach().cpu() if hasattr(labels, "detach") else labels)
             if lab.shape != (n,):
@@ -236,13 +285,14 @@ class EmbeddingIndex:
                 else:
                     raise ShapeError(f"labels must be integers, got dtype {lab.dtype}")
             lab = lab.astype(np.int64)
-            if self.labels is None and not first:
+            if not has_labels and not first:
                 raise DataError("the index was built without labels; cannot add them now")
         else:
             lab = None
-            if self.labels is not None:
+            if has_labels:
                 raise DataError("the index has labels; pass labels for the new embeddings too")
-        keys = np.arange(self._next_key, self._next_key + n, dtype=np.int64)
+        next_key = self._next_key + sum(b.keys.size for b in pending)
+        keys = np.arange(next_key, next_key + n, dtype=np.int64)
         if ids is None:
             new_ids = keys.astype(str)
         else:
@@ -252,7 +302,7 @@ class EmbeddingIndex:
             if len(np.unique(new_ids)) != n:  # default ids (running keys) are unique by construction
                 raise DataError("ids must be unique; the new ids repeat some values")
         table = self._positions() if len(self) else {}
-        clash = [i for i in new_ids.tolist() if i in table] if table else []
+        clash = [i for i in new_ids.tolist() if i in table or i in pending_ids] if table or pending_ids else []
         if clash:
             raise DataError(f"{len(clash)} id(s) are already in the index, e.g. {clash[0]!r}: remove them first")
         if metadata is not None:
@@ -273,30 +323,24 @@ class EmbeddingIndex:
             if self._faiss_index is None:
                 self._faiss_index = self._new_faiss_index(emb, keys)
             self._faiss_index.add_with_ids(self._prepare(emb), keys)
-        self.embeddings = emb if first else np.concatenate([self.embeddings, emb])
-        self._keys = keys if first else np.concatenate([self._keys, keys])
-        self.ids = new_ids if first else np.concatenate([self.ids, new_ids])
-        if lab is not None:
-            self.labels = lab if self.labels is None else np.concatenate([self.labels, lab])
-        if meta is not None:
-            self.metadata = meta if self.metadata is None else self.metadata + meta
-        self._next_key += n
+        return _Block(emb, keys, new_ids, lab, meta)
+
+    def _commit(self, blocks: list[_Block]) -> None:
+        """Append encoded blocks to the stored arrays, one concatenation each."""
+        first = len(self) == 0
+        parts = lambda name: [getattr(b, name) for b in blocks]  # noqa: E731
+        self.embeddings = np.concatenate(([] if first else [self.embeddings]) + parts("embeddings"))
+        self._keys = np.concatenate(([] if first else [self._keys]) + parts("keys"))
+        self.ids = np.concatenate(([] if first else [self.ids]) + parts("ids"))
+        if blocks[0].labels is not None:
+            self.labels = np.concatenate(([] if self.labels is None else [self.labels]) + parts("labels"))
+        if blocks[0].metadata is not None:
+            self.metadata = (self.metadata or []) + [m for b in blocks for m in b.metadata]
+        self._next_key += sum(b.keys.size for b in blocks)
         self._id_pos = None
         self._norm_cache = None
         if self.recall is not None:
             self.recall["stale"] = True
-        return new_ids
-
-    def add_blocks(self, source: Any, labels: Any = None, ids: Any = None, rows: int = 65536) -> int:
-        """:meth:`add` an ``(N, D)`` source read ``rows`` at a time (a shard directory's
-        :class:`~dmlkit.embedding_shards.ShardedEmbeddings`, an ``np.memmap``), so it is never
-        copied whole; labels and ids default to the source's own. Returns N."""
-        labels = getattr(source, "labels", None) if labels is None else labels
-        ids = getattr(source, "ids", None) if ids is None else ids
-        for a0 in range(0, len(source), max(1, int(rows))):
-            a1 = min(len(source), a0 + max(1, int(rows)))
-            self.add(source[a0:a1], None if labels is None else labels[a0:a1], None if ids is None else ids[a0:a1])
-        return len(source)
 
     def remove(self, ids: Sequence[str] | np.ndarray) -> int:
         """Remove the items with these ids; returns how many were removed.
