@@ -28,13 +28,13 @@ import torch
 from dmlkit.distances import BaseDistance, CosineSimilarity, get_distance
 from dmlkit.exceptions import ConfigError, DataError, ShapeError
 from dmlkit.metrics._threads import run_threads, single_threaded_torch
-from dmlkit.metrics.knn import SMALL_SEARCH_PAIRS
 from dmlkit.metrics._validation import (
     DEFAULT_MEMORY_BUDGET,
     as_embeddings,
     as_label_pair,
     check_budget,
 )
+from dmlkit.metrics.knn import SMALL_SEARCH_PAIRS
 
 __all__ = ["PosNegHistograms", "js_divergence", "pos_neg_histograms"]
 
