@@ -420,3 +420,21 @@ def test_add_blocks_equals_one_add_and_grows_the_arrays_once(monkeypatch):
     assert len(idx) == 256 and idx.ids[-1] == "item0255"
     idx.add(x[256:300], labels[256:300], ids[256:300])  # and the index keeps working
     assert len(idx) == 300
+
+
+def test_memory_mapped_index_searches_like_the_loaded_one_and_reads_only_candidates(tmp_path):
+    rng = np.random.default_rng(5)
+    x = rng.standard_normal((3000, 16)).astype(np.float32) * 3  # not unit: cosine needs the norms
+    idx = EmbeddingIndex(x, kind="ivf_pq", nlist=16, pq_m=4, target_recall=0.8)
+    idx.save(tmp_path / "idx")
+    loaded = EmbeddingIndex.load(tmp_path / "idx")
+    mapped = EmbeddingIndex.load(tmp_path / "idx", mmap=True)
+    assert isinstance(mapped.embeddings, np.memmap) and not isinstance(loaded.embeddings, np.memmap)
+    q = rng.standard_normal((7, 16)).astype(np.float32)
+    a, b = loaded.search(q, 5), mapped.search(q, 5)
+    np.testing.assert_array_equal(a.ids, b.ids)
+    np.testing.assert_array_equal(a.scores, b.scores)
+    norms = mapped._inverse_norms()
+    computed = ~np.isnan(norms.value)
+    assert 0 < computed.sum() <= 7 * 5 * mapped.params["rerank"]  # the candidates' rows only
+    np.testing.assert_allclose(norms.value[computed], 1 / np.linalg.norm(x[computed], axis=1), rtol=1e-6)

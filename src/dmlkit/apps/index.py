@@ -36,7 +36,7 @@ from typing import Any
 import numpy as np
 
 from dmlkit.apps import index_tuning
-from dmlkit.apps.index_exact import RowNorms, candidate_scores, exact_search, row_norms
+from dmlkit.apps.index_exact import InverseNorms, RowNorms, candidate_scores, exact_search, row_norms
 from dmlkit.apps.index_exact import normalize_rows as _normalize_rows
 from dmlkit.apps.index_exact import to_numpy_embeddings as _to_numpy_embeddings
 from dmlkit.apps.index_faiss import faiss_module as _faiss
@@ -426,6 +426,15 @@ class EmbeddingIndex:
             return {"nprobe": p["nprobe"], "rerank": p["rerank"]}
         return {}
 
+    def _inverse_norms(self) -> InverseNorms | None:
+        """``1/|x|`` of the stored rows, filled as re-ranking asks (unit distances only)."""
+        if not self._unit:
+            return None
+        cache = self.__dict__.get("_inverse_cache")
+        if cache is None or cache.x is not self.embeddings:
+            cache = self.__dict__["_inverse_cache"] = InverseNorms(self.embeddings)
+        return cache
+
     def _row_norms(self) -> RowNorms:
         """Cached :class:`~dmlkit.apps.index_exact.RowNorms` of the stored vectors."""
         if self._norm_cache is None:
@@ -450,7 +459,7 @@ class EmbeddingIndex:
         dist, keys = self._faiss_index.search(qp, k_search, params=self._search_params(setting))
         pos = self._rows_of_keys(keys)
         if rerank:  # exact re-ranking of the candidates on the stored vectors
-            scores = candidate_scores(self.embeddings, q, pos, self.distance, self._unit, self._row_norms(),
+            scores = candidate_scores(self.embeddings, q, pos, self.distance, self._unit, self._inverse_norms(),
                                       q_unit=qp if self._unit else None)
             order = np.argsort(-scores if self.higher_is_closer else scores, axis=1, kind="stable")[:, :k]
             rows = np.arange(pos.shape[0])[:, None]

@@ -28,7 +28,7 @@ from dmlkit.distances import get_distance
 from dmlkit.exceptions import DependencyError, ShapeError, require
 from dmlkit.validation import check_embeddings
 
-__all__ = ["RowNorms", "candidate_scores", "exact_search", "normalize_rows", "row_norms", "to_numpy_embeddings"]
+__all__ = ["InverseNorms", "RowNorms", "candidate_scores", "exact_search", "normalize_rows", "row_norms", "to_numpy_embeddings"]
 
 SMALL_EXACT = 2**22  # numpy path: Q x M <= this many scores in one matmul, else the blockwise kNN
 CANDIDATE_MARGIN = 16  # candidates = 2k + this; the float64 scores order them
@@ -94,6 +94,35 @@ def row_norms(x: np.ndarray, unit: bool) -> RowNorms:
     factor = (1 / np.sqrt(np.maximum(sq, 1e-300))) if unit else sq / 2
     unit_rows = bool(sq.size == 0 or np.abs(sq - 1).max() <= UNIT_TOLERANCE)
     return RowNorms(sq, factor.astype(np.float32), unit_rows)
+
+
+class InverseNorms:
+    """``1/|x|`` of rows of ``x``, computed the first time a row is asked for.
+
+    Re-ranking needs it only for its candidates, so a memory-mapped index reads the pages of
+    the rows it re-ranks, not the whole matrix (:func:`row_norms` is one pass over all rows).
+    """
+
+    #: Rows per computation step (bounds the gathered copy: 64 Ki x D floats).
+    STEP = 65536
+
+    def __init__(self, x: np.ndarray) -> None:
+        self.x = x
+        self.value = np.full(x.shape[0], np.nan, dtype=np.float32)
+
+    def of(self, rows: np.ndarray) -> np.ndarray:
+        """``1/|x[rows]|`` (any shape of row indices)."""
+        found = self.value[rows]
+        missing = np.isnan(found)
+        if missing.any():
+            need = np.unique(rows[missing])
+            for a in range(0, need.size, self.STEP):
+                part = need[a : a + self.STEP]
+                block = np.asarray(self.x[part])
+                sq = np.einsum("ij,ij->i", block, block, dtype=np.float64)
+                self.value[part] = 1 / np.sqrt(np.maximum(sq, 1e-300))
+            found = self.value[rows]
+        return found
 
 
 @functools.cache
@@ -169,15 +198,18 @@ def _rescore(x: np.ndarray, q: np.ndarray, cand: np.ndarray, k: int, distance: s
 
 
 def candidate_scores(x: np.ndarray, q: np.ndarray, pos: np.ndarray, distance: str, unit: bool,
-                     norms: RowNorms, q_unit: np.ndarray | None = None) -> np.ndarray:
+                     inverse_norms: InverseNorms | None, q_unit: np.ndarray | None = None) -> np.ndarray:
     """Scores of queries ``q (Q, D)`` against rows ``pos (Q, C)`` of ``x``; ``-1`` rows score worst.
 
+    ``inverse_norms``: ``1/|x|`` of the rows, needed for unit distances (cosine).
     ``q_unit``: the already L2-normalised queries, when the caller has them (unit distances).
     """
     safe = np.maximum(pos, 0)
     if unit:
+        if inverse_norms is None:
+            raise ValueError("unit distances need the rows' inverse norms")
         qn = normalize_rows(q) if q_unit is None else q_unit
-        cos = _gathered_dots(x, qn, safe) * norms.factor[safe]
+        cos = _gathered_dots(x, qn, safe) * inverse_norms.of(safe)
         s = np.sqrt(np.maximum(2 - 2 * cos, 0)) if distance == "euclidean" else cos
     elif distance == "euclidean":  # direct squared differences: no cancellation for close pairs
         s = np.sqrt(_gathered_dots(x, q, safe, l2=True))

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import io
 import json
+import mmap as mmap_module
 import os
 import shutil
 from pathlib import Path
@@ -84,6 +85,16 @@ def save_index(self: EmbeddingIndex, path: str | os.PathLike) -> Path:
     shutil.rmtree(old, ignore_errors=True)
     return path
 
+def _random_access(vectors: np.ndarray) -> np.ndarray:
+    """Tell the kernel that a memory-mapped matrix is read at random rows (``MADV_RANDOM``):
+    searches read scattered rows (IVF-PQ's re-ranked candidates), and the default read-ahead
+    around a fault on a page not yet cached would read far more of the file than those rows."""
+    handle = getattr(vectors, "_mmap", None)
+    if handle is not None and hasattr(mmap_module, "MADV_RANDOM"):
+        handle.madvise(mmap_module.MADV_RANDOM)
+    return vectors
+
+
 def load_index(cls: type[EmbeddingIndex], path: str | os.PathLike, *, mmap: bool = False) -> EmbeddingIndex:
     """Read an index written by :meth:`save` (directory or ``.npz``; v1 files too).
 
@@ -102,7 +113,9 @@ def load_index(cls: type[EmbeddingIndex], path: str | os.PathLike, *, mmap: bool
             f = path / f"{name}.npy"
             if not f.exists():
                 return None
-            return np.load(f, allow_pickle=False, mmap_mode="r" if mmap and name == "vectors" else None)
+            if mmap and name == "vectors":
+                return _random_access(np.load(f, allow_pickle=False, mmap_mode="r"))
+            return np.load(f, allow_pickle=False)
 
         data = {n: arr(n) for n in ("vectors", "keys", "ids", "labels")}
         mfile = path / "metadata.jsonl"

@@ -152,7 +152,7 @@ def query(
         raise ConfigError(f"--limit must be 0 (all) or positive, got {limit}")
     if (queries is None) == (not item_id):
         raise ConfigError("pass QUERIES (an embeddings file) or --id ITEM, not both or neither")
-    idx = EmbeddingIndex.load(index_path)
+    idx = EmbeddingIndex.load(index_path, mmap=True)  # pages of the vectors load as searches touch them
     if queries is None:
         qids = np.asarray(item_id).astype(str)
         q = idx.get(qids)

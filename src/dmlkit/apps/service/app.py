@@ -175,7 +175,7 @@ def create_app(config: ServiceConfig, *, index: Any = None, embedder: Any = None
     from dmlkit.apps.index import EmbeddingIndex  # lazy: faiss and numpy load when an app is built
     from dmlkit.apps.verification import pair_scores  # lazy: torch loads when an app is built
 
-    idx = index if index is not None else EmbeddingIndex.load(config.index)
+    idx = index if index is not None else EmbeddingIndex.load(config.index, mmap=True)
     if embedder is None and config.model is not None:
         from dmlkit.apps.export import load_embedder  # lazy: torch/onnxruntime only with a model
 
