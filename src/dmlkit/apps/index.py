@@ -36,7 +36,13 @@ from typing import Any
 import numpy as np
 
 from dmlkit.apps import index_tuning
-from dmlkit.apps.index_exact import InverseNorms, RowNorms, candidate_scores, exact_search, row_norms
+from dmlkit.apps.index_exact import (
+    InverseNorms,
+    RowNorms,
+    candidate_scores,
+    exact_search,
+    row_norms,
+)
 from dmlkit.apps.index_exact import normalize_rows as _normalize_rows
 from dmlkit.apps.index_exact import to_numpy_embeddings as _to_numpy_embeddings
 from dmlkit.apps.index_faiss import faiss_module as _faiss
