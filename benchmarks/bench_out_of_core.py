@@ -73,7 +73,8 @@ def _usage() -> tuple[int, float]:
     return u.ru_maxrss * 1024, u.ru_utime + u.ru_stime
 
 
-def _worker(side: str, shards_dir: str, threads: int, memory_mb: int, query_rows: int | None = None) -> None:
+def _worker(side: str, shards_dir: str, threads: int, memory_mb: int, query_rows: int | None = None,
+            progress: bool = False) -> None:
     import resource
 
     import torch
@@ -90,7 +91,7 @@ def _worker(side: str, shards_dir: str, threads: int, memory_mb: int, query_rows
         base, cpu0 = _usage()
         t0 = time.perf_counter()
         res = evaluate_streaming(shards, metrics=["precision_at_1", "recall_at_10", "r_precision", "map_at_r"],
-                                 memory_budget=memory_mb * 2**20,
+                                 memory_budget=memory_mb * 2**20, progress=progress,
                                  query_range=None if query_rows is None else (0, query_rows))
         elapsed = time.perf_counter() - t0
         values = {m: float(res[m]) for m in METRICS}
@@ -127,18 +128,21 @@ def _worker(side: str, shards_dir: str, threads: int, memory_mb: int, query_rows
 
 
 def _run(side: str, shards_dir: Path, threads: int, memory_mb: int, timeout: int,
-         query_rows: int | None = None) -> dict:
+         query_rows: int | None = None, progress: bool = False) -> dict:
     cmd = [sys.executable, __file__, "--worker", side, "--shards", str(shards_dir),
            "--threads", str(threads), "--memory-mb", str(memory_mb)]
     if query_rows is not None:
         cmd += ["--query-rows", str(query_rows)]
+    if progress:
+        cmd += ["--progress"]
     env = dict(os.environ, OMP_NUM_THREADS=str(threads))
-    try:
-        out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+    try:  # with progress, the worker's progress bar goes to this process's stderr
+        out = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=None if progress else subprocess.PIPE,
+                             text=True, timeout=timeout, env=env)
     except subprocess.TimeoutExpired:
         return {"side": side, "error": f"timed out after {timeout} s"}
     if out.returncode != 0:
-        return {"side": side, "error": f"exit {out.returncode}: {out.stderr.strip()[-500:]}"}
+        return {"side": side, "error": f"exit {out.returncode}: {(out.stderr or '').strip()[-500:]}"}
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
@@ -159,11 +163,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--workdir", type=Path, default=None, help="where the shards go (default: a temp dir)")
     p.add_argument("--keep", action="store_true", help="keep the shards (reused when present)")
     p.add_argument("--out", type=Path, default=None, help="write the measurements as JSON")
+    p.add_argument("--progress", action="store_true", help="the stream side's progress bar on stderr")
     p.add_argument("--worker", choices=SIDES, help=argparse.SUPPRESS)
     p.add_argument("--shards", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.worker:
-        _worker(args.worker, args.shards, args.threads, args.memory_mb, args.query_rows)
+        _worker(args.worker, args.shards, args.threads, args.memory_mb, args.query_rows, args.progress)
         return 0
     work = args.workdir or Path(tempfile.mkdtemp(prefix="dmlkit-ooc-"))
     shards_dir = work / f"shards_{args.n}_{args.d}_{args.classes}_{args.dtype}"
@@ -178,7 +183,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"wrote {shards_dir} in {result['write_s']:.1f} s", flush=True)
         for side in args.sides:
             r = _run(side, shards_dir, args.threads, args.memory_mb, args.timeout,
-                     args.query_rows if side == "stream" else None)
+                     args.query_rows if side == "stream" else None, args.progress and side == "stream")
             result["sides"][side] = r
             if "error" in r:
                 print(f"{side:>7}: FAILED ({r['error']})", flush=True)
