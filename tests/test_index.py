@@ -438,3 +438,22 @@ def test_memory_mapped_index_searches_like_the_loaded_one_and_reads_only_candida
     computed = ~np.isnan(norms.value)
     assert 0 < computed.sum() <= 7 * 5 * mapped.params["rerank"]  # the candidates' rows only
     np.testing.assert_allclose(norms.value[computed], 1 / np.linalg.norm(x[computed], axis=1), rtol=1e-6)
+
+
+def test_hnsw_tuning_never_tries_an_exhaustive_ef_on_a_large_graph():
+    from dmlkit.apps.index_tuning import EF_VALUES, search_settings
+
+    class Fake:
+        kind, dim = "hnsw", 8
+
+        def __init__(self, n: int) -> None:
+            self.n = n
+
+        def __len__(self) -> int:
+            return self.n
+
+    large = [s["ef_search"] for _, s in search_settings(Fake(1_000_000), 10)]
+    assert large == [ef for ef in EF_VALUES if ef >= 11] and max(large) <= EF_VALUES[-1]
+    small = [s["ef_search"] for _, s in search_settings(Fake(300), 10)]
+    assert small[-1] == 300 and all(ef < 300 for ef in small[:-1])  # ef = N: an exhaustive graph walk
+    assert [s["ef_search"] for _, s in search_settings(Fake(1_000_000), 5000)] == [5001]

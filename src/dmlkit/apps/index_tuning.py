@@ -32,7 +32,7 @@ if TYPE_CHECKING:
 __all__ = ["drop_self", "measure_recall", "recall_at_k", "search_settings", "tune"]
 
 RERANK_FACTORS = (1, 2, 4, 8, 16, 32, 64)
-EF_VALUES = (16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024, 2048)
+EF_VALUES = (16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048, 3072, 4096)
 
 
 def recall_at_k(approx: np.ndarray, exact: np.ndarray, k: int) -> float:
@@ -122,10 +122,12 @@ def search_settings(index: EmbeddingIndex, k: int) -> list[tuple[float, dict[str
     """
     n, d = max(1, len(index)), index.dim
     if index.kind == "hnsw":
-        out = [(float(ef), {"ef_search": ef}) for ef in EF_VALUES if ef >= k + 1]
-        if not out or out[-1][1]["ef_search"] < n:
-            out.append((float(max(n, k + 1)), {"ef_search": max(n, k + 1)}))
-        return out
+        efs = [ef for ef in EF_VALUES if k + 1 <= ef < n]
+        if n <= EF_VALUES[-1] or not efs:  # a small graph: ef = N visits all of it
+            efs.append(max(n, k + 1) if n <= EF_VALUES[-1] else k + 1)
+        # no ef = N on a large graph: it visits every node, slower than an exact scan (a 1M-row
+        # graph took hours to measure at ef = 1M); the tuner keeps the best and says "not met"
+        return [(float(ef), {"ef_search": ef}) for ef in efs]
     p = index.params
     nlist = int(p["nlist"])
     probes = sorted({min(nlist, 2**i) for i in range(int(math.log2(nlist)) + 2)})
