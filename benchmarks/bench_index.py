@@ -136,7 +136,8 @@ def bench_kind(kind: str, x: np.ndarray, queries: np.ndarray, exact: np.ndarray,
 
     _set_threads(args.build_threads)
     idx = EmbeddingIndex(None, dim=x.shape[1], kind=kind, recall_queries=args.recall_queries,
-                         nlist=args.nlist if kind.startswith("ivf") else None)
+                         nlist=args.nlist if kind.startswith("ivf") else None,
+                         ef_construction=args.ef_construction)
     t0 = time.perf_counter()
     idx.add(x)  # the same path as EmbeddingIndex(x, ...): add (IVF: train first), then tune
     add_s = time.perf_counter() - t0
@@ -290,6 +291,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sigma", type=float, default=1.7, help="cluster spread (smaller: easier ANN)")
     ap.add_argument("--kinds", nargs="+", default=["flat", "ivf_flat", "ivf_pq", "hnsw"])
     ap.add_argument("--target-recall", type=float, default=0.95)
+    ap.add_argument("--ef-construction", type=int, default=40, help="HNSW build beam (faiss's default 40)")
     ap.add_argument("--recall-queries", type=int, default=1000)
     ap.add_argument("--service", action="store_true", help="also run the service load test")
     ap.add_argument("--service-requests", type=int, default=2000)
