@@ -324,7 +324,6 @@ class EmbeddingIndex:
             meta = None
             if self.metadata is not None:
                 meta = [None] * n
-
         if self.kind != "flat":
             if self._faiss_index is None:
                 self._faiss_index = self._new_faiss_index(emb, keys)
