@@ -20,6 +20,7 @@ from test_metrics import (
 )
 
 knn_module = importlib.import_module("dmlkit.metrics.knn")
+tiles_module = importlib.import_module("dmlkit.metrics._tiles")
 
 
 # -- keys -----------------------------------------------------------------------------------------
@@ -227,7 +228,7 @@ def test_fallback_rows_drop_self_when_not_among_closest():
 def test_bf16_needs_its_error_bound_to_hold(monkeypatch):
     """The one-off check refuses bfloat16 tiles whose error exceeds the assumed bound."""
     probe = knn_module._bf16_is_faster.__wrapped__  # uncached
-    monkeypatch.setattr(knn_module, "_bf16_relative_bound", lambda d: 1e-9)
+    monkeypatch.setattr(tiles_module, "_bf16_relative_bound", lambda d: 1e-9)
     assert probe(64) is False
 
 
@@ -249,9 +250,9 @@ def _search_with_probe(monkeypatch, speedup, mm=None):
     replaced; returns (was bfloat16 used, numba result, torch result, data)."""
     monkeypatch.setattr(knn_module, "_BF16_MIN_PAIRS", 0)
     monkeypatch.setattr(knn_module, "_bf16_is_faster", knn_module._bf16_is_faster.__wrapped__)
-    monkeypatch.setattr(knn_module, "_bf16_speedup", lambda d: speedup)
+    monkeypatch.setattr(tiles_module, "_bf16_speedup", lambda d: speedup)
     if mm is not None:
-        monkeypatch.setattr(knn_module, "_bf16_mm", mm)
+        monkeypatch.setattr(tiles_module, "_bf16_mm", mm)
     seen = []
     real = knn_module._Tiles.__init__
 
@@ -278,9 +279,9 @@ def test_cpu_without_native_bf16_uses_float32_tiles(monkeypatch):
 def test_blas_accumulating_in_bf16_is_refused_and_results_stay_exact(monkeypatch):
     """A fast bfloat16 BLAS that rounds its partial sums to bfloat16 breaks the error bound on
     near-parallel rows; the one-off check sees it and the search stays float32 and exact."""
-    assert knn_module._bf16_within_bound(64)  # this machine's BLAS: within the bound
-    monkeypatch.setattr(knn_module, "_bf16_mm", _bf16_accumulating_mm)
-    assert not knn_module._bf16_within_bound(64)
+    assert tiles_module._bf16_within_bound(64)  # this machine's BLAS: within the bound
+    monkeypatch.setattr(tiles_module, "_bf16_mm", _bf16_accumulating_mm)
+    assert not tiles_module._bf16_within_bound(64)
     seen, got, want, x = _search_with_probe(monkeypatch, speedup=5.0, mm=_bf16_accumulating_mm)
     assert seen == [False]
     assert_same_up_to_near_ties(x, None, True, "cosine", got.indices, want.indices)

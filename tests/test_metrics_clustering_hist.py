@@ -232,7 +232,7 @@ def test_bf16_assignments_equal_float64_argmin(monkeypatch):
     import importlib
 
     clustering_module = importlib.import_module("dmlkit.metrics.clustering")
-    knn_module = importlib.import_module("dmlkit.metrics.knn")
+    tiles_module = importlib.import_module("dmlkit.metrics._tiles")
 
     rng = np.random.default_rng(6)
     x = rng.normal(size=(700, 20)).astype(np.float32)
@@ -248,8 +248,8 @@ def test_bf16_assignments_equal_float64_argmin(monkeypatch):
         np.testing.assert_array_equal(got, want)
     # and through k-means itself, forced onto the bfloat16 path
     monkeypatch.setattr(clustering_module, "_BF16_MIN_PAIRS", 0)
-    monkeypatch.setattr(knn_module, "_bf16_is_faster", lambda d: True)
+    monkeypatch.setattr(tiles_module, "_bf16_is_faster", lambda d: True)
     a = kmeans_labels(x, 40, seed=1)
-    monkeypatch.setattr(knn_module, "_bf16_is_faster", lambda d: False)
+    monkeypatch.setattr(tiles_module, "_bf16_is_faster", lambda d: False)
     b = kmeans_labels(x, 40, seed=1)
     assert normalized_mutual_info_score(a, b) > 0.99  # same seeds; float32 near-ties may differ

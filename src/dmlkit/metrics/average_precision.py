@@ -36,7 +36,7 @@ import numpy as np
 import torch
 
 from dmlkit.metrics._threads import run_threads, single_threaded_torch
-from dmlkit.metrics.knn import _Tiles
+from dmlkit.metrics._tiles import _Tiles
 
 __all__ = ["closeness_tolerance", "full_ranking_map"]
 

@@ -90,7 +90,7 @@ def _kmeans_lloyd(x: np.ndarray, k: int, seed: int, niter: int) -> np.ndarray:
     )
 
     # lazy: looked up per call (tests replace the probe)
-    from dmlkit.metrics.knn import _bf16_is_faster
+    from dmlkit.metrics._tiles import _bf16_is_faster
 
     n, d = x.shape
     rng = np.random.default_rng(seed)
@@ -135,7 +135,7 @@ def _nearest(x_aug, c_aug, bf16: bool):
     """The exact closest centroid of every row (largest ``<x_aug, c_aug>``, ties by index).
 
     Blocks of rows against all centroids on the metric threads: float32 products, or bfloat16
-    products (:func:`dmlkit.metrics.knn._bf16_is_faster` found them fast and within their error
+    products (:func:`dmlkit.metrics._tiles._bf16_is_faster` found them fast and within their error
     bound here) whose near-maximal entries are re-scored in float64
     (:func:`dmlkit.metrics._kernels.argmax_rows`).
     """
@@ -145,10 +145,7 @@ def _nearest(x_aug, c_aug, bf16: bool):
     from dmlkit.metrics._kernels import argmax_rows
 
     # lazy: looked up per call (tests)
-    from dmlkit.metrics.knn import (
-        _bf16_mm,
-        _bf16_relative_bound,
-    )
+    from dmlkit.metrics._tiles import _bf16_mm, _bf16_relative_bound
 
     n = x_aug.shape[0]
     out = np.empty(n, dtype=np.int64)
