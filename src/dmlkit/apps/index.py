@@ -45,8 +45,14 @@ from dmlkit.apps.index_exact import (
 )
 from dmlkit.apps.index_exact import normalize_rows as _normalize_rows
 from dmlkit.apps.index_exact import to_numpy_embeddings as _to_numpy_embeddings
+from dmlkit.apps.index_faiss import (
+    add_to_structure,
+    flush_graph_reserve,
+    new_faiss_index,
+    search_params,
+    to_gpu,
+)
 from dmlkit.apps.index_faiss import faiss_module as _faiss
-from dmlkit.apps.index_faiss import new_faiss_index, search_params, to_gpu
 from dmlkit.apps.index_files import item_ids, load_index, save_index
 from dmlkit.apps.index_tuning import recall_at_k
 from dmlkit.distances import get_distance
@@ -191,6 +197,7 @@ class EmbeddingIndex:
         self._next_key = 0
         self._faiss_index: Any = None
         self._trained_keys = np.empty((0,), dtype=np.int64)
+        self._graph_reserve = np.empty((0,), dtype=np.int64)  # HNSW rows kept out of the graph
         self._id_pos: dict[str, int] | None = None
         self._norm_cache: RowNorms | None = None
         self._has_user_labels = labels is not None
@@ -325,9 +332,7 @@ class EmbeddingIndex:
             if self.metadata is not None:
                 meta = [None] * n
         if self.kind != "flat":
-            if self._faiss_index is None:
-                self._faiss_index = self._new_faiss_index(emb, keys)
-            self._faiss_index.add_with_ids(self._prepare(emb), keys)
+            add_to_structure(self, emb, keys)
         return _Block(emb, keys, new_ids, lab, meta)
 
     def _commit(self, blocks: list[_Block]) -> None:
@@ -375,7 +380,8 @@ class EmbeddingIndex:
             index.remove_ids(faiss.IDSelectorBatch(removed_keys))
             self._faiss_index = self._maybe_gpu(index)
         elif self.kind == "hnsw":
-            self._faiss_index = self._new_faiss_index(self.embeddings, self._keys) if len(self) else None
+            self._graph_reserve = np.empty((0,), dtype=np.int64)  # the rebuilt graph holds every row
+            self._faiss_index = new_faiss_index(self, self.embeddings, self._keys) if len(self) else None
             if len(self):
                 self._faiss_index.add_with_ids(self._prepare(self.embeddings), self._keys)
         if self.recall is not None:
@@ -409,10 +415,6 @@ class EmbeddingIndex:
 
     def _maybe_gpu(self, structure: Any) -> Any:
         return to_gpu(self, structure)
-
-    def _new_faiss_index(self, emb: np.ndarray, keys: np.ndarray) -> Any:
-        """A trained, empty faiss structure: :func:`dmlkit.apps.index_faiss.new_faiss_index`."""
-        return new_faiss_index(self, emb, keys)
 
     def _search_params(self, setting: dict[str, Any]) -> Any:
         key = tuple(sorted(setting.items()))
@@ -515,6 +517,7 @@ class EmbeddingIndex:
         if self.kind == "flat" or exact:
             pos, scores = self._exact(q, k_eff)
         else:
+            flush_graph_reserve(self)
             pos, scores = self._ann(q, k_eff, self._setting())
         if exclude_ids is not None:
             k_out = min(k, len(self) - 1) if len(self) > 1 else 1
@@ -559,8 +562,8 @@ class EmbeddingIndex:
     def measure_recall(self, k: int = 10, queries: Any = None, num_queries: int = 1000) -> dict[str, Any]:
         """Measure recall@k of the current settings against exact search and store it.
 
-        ``queries=None`` samples ``num_queries`` indexed rows (held out from the quantiser's
-        training where possible) and excludes each query's own row from both result lists
+        ``queries=None`` samples ``num_queries`` indexed rows (not seen by the quantiser's
+        training or, for HNSW, held out of the graph until now, where possible) and excludes each query's own row from both result lists
         (:func:`dmlkit.apps.index_tuning.measure_recall`).
         """
         return index_tuning.measure_recall(self, k, queries, num_queries)
@@ -580,6 +583,7 @@ class EmbeddingIndex:
     def _faiss_bytes(self) -> np.ndarray | None:
         if self._faiss_index is None:
             return None
+        flush_graph_reserve(self)
         faiss = _faiss()
         index = faiss.index_gpu_to_cpu(self._faiss_index) if self.params["gpu"] else self._faiss_index
         return faiss.serialize_index(index)

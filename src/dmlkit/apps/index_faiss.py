@@ -8,7 +8,10 @@
 * ``hnsw``: ``IndexHNSWFlat`` in an ``IndexIDMap2`` (Malkov and Yashunin, TPAMI 2020).
 
 IVF kinds train on up to ``256 nlist`` rows, keeping up to ``recall_queries`` rows (at most
-10 %) out of the training for the held-out recall measurement.
+10 %) out of the training for the held-out recall measurement. An HNSW graph keeps as many
+rows of its first batch out of the graph until its recall has been measured
+(:func:`add_to_structure`, :func:`flush_graph_reserve`): a query that is itself a node of the
+graph finds its neighbours more easily than a new one, so in-graph queries overstate recall.
 """
 
 from __future__ import annotations
@@ -23,7 +26,10 @@ from dmlkit.exceptions import ConfigError, DependencyError, require
 if TYPE_CHECKING:
     from dmlkit.apps.index import EmbeddingIndex
 
-__all__ = ["default_nlist", "default_pq_m", "faiss_module", "new_faiss_index", "search_params", "to_gpu"]
+__all__ = [
+    "add_to_structure", "default_nlist", "default_pq_m", "faiss_module", "flush_graph_reserve", "new_faiss_index",
+    "search_params", "to_gpu",
+]
 
 
 def faiss_module() -> Any:
@@ -108,6 +114,35 @@ def new_faiss_index(index: EmbeddingIndex, emb: np.ndarray, keys: np.ndarray) ->
     if p["nprobe"] is None:
         p["nprobe"] = min(nlist, 8)
     return to_gpu(index, structure)
+
+
+def add_to_structure(index: EmbeddingIndex, emb: np.ndarray, keys: np.ndarray) -> None:
+    """Add rows to the faiss structure (made, and trained, from the first batch: :func:`new_faiss_index`).
+
+    The first batch of an HNSW index leaves up to
+    ``recall_queries`` of its rows (at most 10 %, a seeded sample) out of the graph, in
+    ``index._graph_reserve``, as the held-out queries of its recall measurement; they join the
+    graph by :func:`flush_graph_reserve` once the recall is measured, or before anything else
+    reads the graph (a search, save, remove)."""
+    first = index._faiss_index is None
+    if first:
+        index._faiss_index = new_faiss_index(index, emb, keys)
+    if first and index.kind == "hnsw":
+        reserve = min(index._recall_reserve, emb.shape[0] // 10)
+        held = np.zeros(emb.shape[0], dtype=bool)
+        held[np.random.default_rng(index.params["seed"] + 1).choice(emb.shape[0], reserve, replace=False)] = True
+        index._graph_reserve = keys[held]
+        emb, keys = emb[~held], keys[~held]
+    index._faiss_index.add_with_ids(index._prepare(emb), keys)
+
+
+def flush_graph_reserve(index: EmbeddingIndex) -> None:
+    """Insert the rows an HNSW graph held out for its recall measurement (no-op when none)."""
+    held = index._graph_reserve
+    if held.size == 0:
+        return
+    index._graph_reserve = np.empty((0,), dtype=np.int64)
+    index._faiss_index.add_with_ids(index._prepare(index.embeddings[index._rows_of_keys(held)]), held)
 
 
 def search_params(kind: str, setting: dict[str, Any]) -> Any:

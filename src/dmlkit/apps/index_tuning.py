@@ -5,8 +5,12 @@ The recall of an approximate search is measured against the exact search on held
     recall@k = mean over queries q of |ANN_k(q) ∩ Exact_k(q)| / k
 
 (the "k-recall@k" of ANN-Benchmarks, Aumüller et al., Information Systems 2020). Without
-explicit queries, :func:`measure_recall` and :func:`tune` sample indexed rows that the quantiser
-was not trained on and drop each query's own row from both result lists.
+explicit queries, :func:`measure_recall` and :func:`tune` sample indexed rows that the structure
+has not seen: rows the IVF quantiser was not trained on, or the rows a new HNSW graph holds out
+of the graph until this measurement (:func:`dmlkit.apps.index_faiss.add_to_structure`; exact
+neighbours are then taken among the rows in the graph). Each query's own row is dropped from
+both result lists. ``recall["held_out"]`` says whether the queries were unseen; in-graph HNSW
+queries overstate recall (a query that is a node of the graph finds its neighbours easily).
 
 :func:`tune` walks the search settings of :func:`search_settings` in order of cost (the bytes a
 query scans: ``nprobe`` IVF cells of vectors or PQ codes plus the ``rerank * k`` re-scored
@@ -24,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from dmlkit.apps.index_exact import to_numpy_embeddings
+from dmlkit.apps.index_faiss import flush_graph_reserve
 from dmlkit.exceptions import ConfigError, DataError, ShapeError
 
 if TYPE_CHECKING:
@@ -50,21 +55,26 @@ def recall_at_k(approx: np.ndarray, exact: np.ndarray, k: int) -> float:
     return hits / (approx.shape[0] * k)
 
 
-def drop_self(found: np.ndarray, rows: np.ndarray, k: int) -> np.ndarray:
-    """Drop each query's own row from its neighbour list and keep ``k`` entries (``-1`` pads)."""
-    is_self = found == rows[:, None]
-    order = np.argsort(is_self, axis=1, kind="stable")[:, :k]
+def drop_self(found: np.ndarray, rows: np.ndarray, k: int, excluded: np.ndarray | None = None) -> np.ndarray:
+    """Drop each query's own row (and any row of ``excluded``) from its neighbour list and keep
+    ``k`` entries (``-1`` pads)."""
+    drop = found == rows[:, None] if excluded is None else np.isin(found, excluded)
+    order = np.argsort(drop, axis=1, kind="stable")[:, :k]
     out = np.take_along_axis(found, order, axis=1)
-    return np.where(np.take_along_axis(is_self, order, axis=1), -1, out)
+    return np.where(np.take_along_axis(drop, order, axis=1), -1, out)
 
 
 def recall_sample(index: EmbeddingIndex, num_queries: int, seed: int) -> np.ndarray:
-    """Rows for the recall measurement, preferring rows the quantiser was not trained on."""
+    """Rows for the recall measurement: rows an HNSW graph holds out, else rows the quantiser
+    was not trained on where there are enough, else any indexed rows."""
     rng = np.random.default_rng(seed + 1)
     n = len(index)
-    trained = index._trained_keys
-    held = np.flatnonzero(~np.isin(index._keys, trained)) if trained.size else np.arange(n)
-    pool = held if held.size >= min(num_queries, n) else np.arange(n)
+    if index._graph_reserve.size:
+        pool = np.sort(index._rows_of_keys(index._graph_reserve))
+    else:
+        trained = index._trained_keys
+        held = np.flatnonzero(~np.isin(index._keys, trained)) if trained.size else np.arange(n)
+        pool = held if held.size >= min(num_queries, n) else np.arange(n)
     take = min(num_queries, pool.size)
     return np.sort(rng.choice(pool, size=take, replace=False))
 
@@ -76,18 +86,28 @@ def _setup(index: EmbeddingIndex, k: int, queries: Any, num_queries: int
         raise ConfigError("a flat index is exact (recall 1.0): measure or tune an approximate kind")
     if len(index) < 2:
         raise DataError("need at least two indexed items to measure recall")
+    # rows not in the HNSW graph yet are left out of the exact lists as well
+    outside = np.sort(index._rows_of_keys(index._graph_reserve)) if index._graph_reserve.size else None
+    n_out = 0 if outside is None else outside.size
     if queries is None:
         rows = recall_sample(index, num_queries, index.params["seed"])
         q = np.ascontiguousarray(index.embeddings[rows], dtype=np.float32)
-        k = min(k, len(index) - 1)
-        exact, _ = index._exact(q, k + 1)
-        held_out = not bool(np.isin(index._keys[rows], index._trained_keys).any())
-        return q, drop_self(exact, rows, k), rows, k, held_out
+        k = min(k, len(index) - 1 - n_out + int(n_out > 0))
+        if k < 1:
+            raise DataError("too few indexed items besides the recall queries to measure recall")
+        exact, _ = index._exact(q, min(len(index), k + 1 + n_out))
+        if index.kind == "hnsw":
+            held_out = outside is not None and bool(np.isin(rows, outside).all())
+        else:
+            held_out = not bool(np.isin(index._keys[rows], index._trained_keys).any())
+        return q, drop_self(exact, rows, k, outside), rows, k, held_out
     q = to_numpy_embeddings(queries, "queries")
     if q.shape[1] != index.dim:
         raise ShapeError(f"queries must be (Q, {index.dim}), got shape {q.shape}")
-    k = min(k, len(index))
-    exact, _ = index._exact(q, k)
+    k = min(k, len(index) - n_out)
+    exact, _ = index._exact(q, min(len(index), k + n_out))
+    if outside is not None:
+        exact = drop_self(exact, np.full(q.shape[0], -1), k, outside)
     return q, exact, None, k, True
 
 
@@ -111,6 +131,7 @@ def measure_recall(index: EmbeddingIndex, k: int = 10, queries: Any = None, num_
     index.recall = {"k": k, "recall": recall, "num_queries": int(q.shape[0]), "held_out": held_out,
                     "setting": setting, "seconds_per_query": per_query, "target": None, "met": None,
                     "stale": False}
+    flush_graph_reserve(index)
     return index.recall
 
 
@@ -166,4 +187,5 @@ def tune(index: EmbeddingIndex, target_recall: float = 0.95, k: int = 10, querie
     index.recall = {"k": k, "recall": chosen["recall"], "num_queries": int(q.shape[0]), "held_out": held_out,
                     "setting": chosen["setting"], "seconds_per_query": chosen["seconds_per_query"],
                     "target": target_recall, "met": met, "tried": tried, "stale": False}
+    flush_graph_reserve(index)
     return index.recall

@@ -116,7 +116,7 @@ def index(
     line = f"indexed {len(idx)} embeddings of size {idx.dim} ({kind}, {distance}) -> {output}"
     rec = idx.recall
     if rec:
-        held = "held-out" if rec.get("held_out") else "indexed (quantiser-training)"
+        held = "held-out" if rec.get("held_out") else "indexed (seen in training or in the graph: optimistic)"
         line += (f"; recall@{rec['k']} = {100 * rec['recall']:.2f} % on {rec['num_queries']} {held} queries "
                  f"with {rec['setting']}")
         if rec.get("met") is False:
