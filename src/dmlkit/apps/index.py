@@ -347,8 +347,7 @@ class EmbeddingIndex:
         if blocks[0].metadata is not None:
             self.metadata = (self.metadata or []) + [m for b in blocks for m in b.metadata]
         self._next_key += sum(b.keys.size for b in blocks)
-        self._id_pos = None
-        self._norm_cache = None
+        self._id_pos, self._norm_cache = None, None
         if self.recall is not None:
             self.recall["stale"] = True
 
@@ -370,15 +369,14 @@ class EmbeddingIndex:
             self.labels = self.labels[keep]
         if self.metadata is not None:
             self.metadata = [m for m, k in zip(self.metadata, keep) if k]
-        self._id_pos = None
-        self._norm_cache = None
+        self._id_pos, self._norm_cache = None, None
         if self.kind in ("ivf_flat", "ivf_pq"):
             faiss = _faiss()
             index = self._faiss_index
             if self.params["gpu"]:
                 index = faiss.index_gpu_to_cpu(index)
             index.remove_ids(faiss.IDSelectorBatch(removed_keys))
-            self._faiss_index = self._maybe_gpu(index)
+            self._faiss_index = to_gpu(self, index)
         elif self.kind == "hnsw":
             self._graph_reserve = np.empty((0,), dtype=np.int64)  # the rebuilt graph holds every row
             self._faiss_index = new_faiss_index(self, self.embeddings, self._keys) if len(self) else None
@@ -412,9 +410,6 @@ class EmbeddingIndex:
     def _prepare(self, x: np.ndarray) -> np.ndarray:
         x = np.ascontiguousarray(x, dtype=np.float32)
         return _normalize_rows(x) if self._unit else x
-
-    def _maybe_gpu(self, structure: Any) -> Any:
-        return to_gpu(self, structure)
 
     def _search_params(self, setting: dict[str, Any]) -> Any:
         key = tuple(sorted(setting.items()))

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from dmlkit import __version__
+from dmlkit.apps.index_faiss import to_gpu
 from dmlkit.data import load_dataset
 from dmlkit.exceptions import DataError, DataNotFoundError, require
 from dmlkit.training import load_config
@@ -167,7 +168,7 @@ def _from_parts(cls: type[EmbeddingIndex], meta: dict[str, Any], data: dict[str,
         index = faiss.deserialize_index(np.ascontiguousarray(blob, dtype=np.uint8))
         if index.ntotal != n:
             raise DataError(f"{path} is corrupt: the faiss index holds {index.ntotal} vectors, not {n}")
-        self._faiss_index = self._maybe_gpu(index)
+        self._faiss_index = to_gpu(self, index)
     elif self.kind != "flat":
         raise DataError(f"{path} is a {self.kind} index without its faiss.index file: rebuild it")
     return self
