@@ -9,9 +9,11 @@ import numpy as np
 import pytest
 import torch
 
+from dmlkit.distances import get_distance
 from dmlkit.embedding_shards import write_shards
 from dmlkit.exceptions import ConfigError, ShapeError
-from dmlkit.metrics import evaluate, per_query
+from dmlkit.metrics import evaluate, knn, per_query
+from dmlkit.metrics.knn import knn_above_floor
 from dmlkit.metrics.streaming import evaluate_streaming, per_query_streaming, plan_blocks
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tiny blocks: one torch thread is faster
@@ -55,11 +57,33 @@ def test_separate_reference_set_and_torch_sources():
     assert got == want
 
 
-def test_numba_backend_on_blocks_equals_evaluate():
-    """Blocks large enough for the compiled kernel (cross-block and diagonal self-search)."""
+@pytest.mark.parametrize("distance", ["cosine", "dot", "euclidean"])
+def test_numba_backend_on_blocks_equals_evaluate(distance):
+    """Blocks large enough for the compiled kernel (cross-block and diagonal self-search); from
+    the second reference block on, cosine and dot scans start from the running k-th closeness."""
     x, y = _clustered(3000, d=16, classes=60)
-    want = evaluate(x, y, metrics=ALL, k_values=KS, backend="numba")
-    assert evaluate_streaming(x, y, metrics=ALL, k_values=KS, backend="numba", block_rows=1100) == want
+    want = per_query(x, y, metrics=ALL, k_values=KS, backend="numba", distance=distance)
+    got = per_query_streaming(x, y, metrics=ALL, k_values=KS, backend="numba", block_rows=520,
+                              distance=distance)
+    for name in want[0]:
+        np.testing.assert_array_equal(got[0][name], want[0][name], err_msg=name)
+
+
+def test_knn_above_floor_keeps_exactly_what_reaches_the_floor():
+    x, _ = _clustered(2500, d=16, classes=40)
+    q, r = torch.from_numpy(x[:900]), torch.from_numpy(x[900:])
+    dist = get_distance("cosine")
+    full = knn(q, r, 30, distance=dist, backend="numba")
+    floor = full.values[:, 9].numpy().copy()  # the 10th closeness: >= 10 reach it ...
+    floor[::7] = np.inf  # ... and none for every 7th row
+    got = knn_above_floor(q, r, 30, floor, distance=dist, backend="numba", memory_budget=2**20)
+    reached = full.values >= torch.from_numpy(floor)[:, None]
+    others = np.ones(len(q), dtype=bool)
+    others[::7] = False
+    assert reached[::7].sum() == 0 and reached[others].sum(1).min() >= 10
+    assert torch.equal(got.values[reached], full.values[reached])
+    assert torch.equal(got.indices[reached], full.indices[reached])
+    assert torch.all(got.values[~reached] == -np.inf) and torch.all(got.indices[~reached] == -1)
 
 
 def test_float16_shards_stream_from_disk(tmp_path):

@@ -388,8 +388,13 @@ def _guess_thresholds(
 
 
 def _knn_numba(
-    scorer: _Scorer, q: torch.Tensor, r: torch.Tensor | None, k: int, exclude_self: bool, budget: int
+    scorer: _Scorer, q: torch.Tensor, r: torch.Tensor | None, k: int, exclude_self: bool, budget: int,
+    floor: np.ndarray | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The numba backend. ``floor`` (float32 per query row, the tile's closeness units): only
+    references at least that close are wanted (a running k-th closeness from other references,
+    :mod:`dmlkit.metrics.streaming`); each row's scan starts from it, and a row with fewer than
+    ``k`` of them is padded with closeness ``-inf`` and index ``-1``."""
     from queue import SimpleQueue
 
     # lazy: the numba kernels load only when a compiled path runs
@@ -407,10 +412,10 @@ def _knn_numba(
         cap = max(2 * k, k + 32)
         blocks = [(a0, min(nq, a0 + tile)) for a0 in range(0, nq, tile)]
         ref_blocks = blocks if same else [(b0, min(m, b0 + tile)) for b0 in range(0, m, tile)]
-        guess = _guess_thresholds(tiles, k, exclude_self, budget, workers)
+        guess = floor if floor is not None else _guess_thresholds(tiles, k, exclude_self, budget, workers)
         state = []
         for a0, a1 in blocks:
-            thr = np.full(a1 - a0, -np.inf, np.float32) if guess is None else guess[a0:a1].copy()
+            thr = np.full(a1 - a0, -np.inf, np.float32) if guess is None else guess[a0:a1].astype(np.float32)
             state.append((
                 np.empty((a1 - a0, cap), np.int64),  # reservoir keys
                 np.zeros(a1 - a0, np.int64),  # keys held
@@ -457,6 +462,9 @@ def _knn_numba(
         def finish(bi: int) -> None:
             a0, a1 = blocks[bi]
             buf, counts, _, _ = state[bi]
+            if floor is not None:  # rows short of k above their floor: pad with the lowest key
+                for row in np.flatnonzero(counts < k):
+                    buf[row, counts[row]:k] = _kernels.LOWEST_KEY
             _kernels.select_rows(buf, counts, k)
             # numpy's sort (SIMD, releases the GIL) is ~10x faster than a compiled quicksort here
             _kernels.unpack_rows(np.sort(buf[:, :k], axis=1), out_v[a0:a1], out_i[a0:a1])
@@ -467,7 +475,9 @@ def _knn_numba(
     counts = np.concatenate([st[1] for st in state])
     short = np.flatnonzero(counts < k)
     values, indices = torch.from_numpy(out_v), torch.from_numpy(out_i)
-    if short.size:  # guessed threshold above the k-th closeness: redo these rows directly
+    if floor is not None:
+        indices[values == -np.inf] = -1
+    elif short.size:  # guessed threshold above the k-th closeness: redo these rows directly
         rows = torch.from_numpy(short)
         values[rows], indices[rows] = _knn_rows_torch(scorer, q, ref, rows, k, exclude_self, budget)
     return values, indices
@@ -574,3 +584,24 @@ def knn(
     else:
         closeness, idx = _knn_torch(scorer, qp, rp, k, exclude_self, budget)
     return KNNResult(indices=idx, values=scorer.to_values(closeness), higher_is_closer=dist.higher_is_closer)
+
+
+def knn_above_floor(
+    query: torch.Tensor, reference: torch.Tensor, k: int, floor: np.ndarray, *,
+    distance: BaseDistance, backend: str, memory_budget: int,
+) -> KNNResult:
+    """:func:`knn` (no self-exclusion) for queries that only need references at least as close
+    as their ``floor`` (float32 per query, in the distance's closeness: cosine / dot similarity):
+    the running k-th closeness of a search merged block by block (:mod:`dmlkit.metrics.streaming`).
+    The numba scan then starts from the floor instead of from nothing, and a row with fewer than
+    ``k`` such references is padded with ``-inf`` and index ``-1``. Other distances and backends
+    run :func:`knn` in full (the floor only saves time)."""
+    scorer = _Scorer(distance)
+    if backend != "numba" or scorer.kind != "ip":
+        return knn(query, reference, k, distance=distance, exclude_self=False, backend=backend,
+                   memory_budget=memory_budget)
+    qp = scorer.prepare(as_embeddings(query, "query embeddings"), "query embeddings")
+    rp = scorer.prepare(as_embeddings(reference, "reference embeddings"), "reference embeddings")
+    closeness, idx = _knn_numba(scorer, qp, rp, min(k, rp.shape[0]), False, check_budget(memory_budget),
+                                floor=np.asarray(floor, dtype=np.float32))
+    return KNNResult(indices=idx, values=scorer.to_values(closeness), higher_is_closer=distance.higher_is_closer)

@@ -51,7 +51,14 @@ from dmlkit.metrics._validation import (
 )
 from dmlkit.metrics.clustering import CLUSTERING_METRICS
 from dmlkit.metrics.evaluate import _AT_K, _NEAR_TIE_ULPS, _expand, _resolve_near_ties
-from dmlkit.metrics.knn import SMALL_SEARCH_PAIRS, KNNResult, _Scorer, exact_topk, knn
+from dmlkit.metrics.knn import (
+    SMALL_SEARCH_PAIRS,
+    KNNResult,
+    _Scorer,
+    exact_topk,
+    knn,
+    knn_above_floor,
+)
 from dmlkit.metrics.retrieval import num_positives, per_query_from_neighbours
 
 __all__ = ["StreamingPlan", "evaluate_streaming", "per_query_streaming", "plan_blocks"]
@@ -253,6 +260,11 @@ def _stream(
                 res = _drop_self(knn(q_blk, g_blk, min(need, b1 - b0 - 1) + 1, distance=dist,
                                      exclude_self=False, backend=backend, memory_budget=plan.knn_budget),
                                  a0 - b0)
+                del g_blk
+            elif run_c is not None and run_c.shape[1] == need:  # only what beats the k-th so far
+                g_blk = _read(ref, b0, b1, "reference embeddings")
+                res = knn_above_floor(q_blk, g_blk, min(need, b1 - b0), run_c[:, -1].numpy(),
+                                      distance=dist, backend=backend, memory_budget=plan.knn_budget)
                 del g_blk
             else:
                 g_blk = _read(ref, b0, b1, "reference embeddings")
