@@ -13,7 +13,10 @@ Algorithm, for each query block ``Q_i`` (rows ``a0:a1``):
    library's kNN (:func:`dmlkit.metrics.knn`, any backend; the diagonal block of a self-search
    is a self-search, so the query itself is excluded by index), merged into a running top-``k``
    by :func:`dmlkit.metrics.knn.exact_topk` (closeness descending, ties by the smaller global
-   reference index, exactly as the in-memory search orders them);
+   reference index, exactly as the in-memory search orders them). Once a query holds ``k``
+   neighbours, only references at least as close as its running ``k``-th can still enter, so
+   for cosine and dot the compiled scan of the next blocks starts from that value
+   (:func:`dmlkit.metrics.knn.knn_above_floor`) and discards almost every entry at once;
 2. the near-tie rule of :func:`dmlkit.metrics.evaluate` (adjacent neighbours of different
    relevance within 8 float32 ulps re-ordered by float64 scores): only the rows that have such a
    pair are re-scored, with just their neighbours' rows read back;
@@ -27,8 +30,9 @@ neighbours) plus ``O(N)`` for labels and per-query scores.
 
 Cost: with the query set as the reference set the in-memory kNN computes each off-diagonal
 tile once for both of its row blocks; streaming cannot keep every row's running top-``k``
-within the budget, so it computes each of them twice (about 2x the in-memory arithmetic when
-there are many blocks). Time grows as ``N^2 d``, memory as the budget plus ``O(N)``.
+within the budget, so it computes each tile product twice (2x the in-memory matrix products
+when there are many blocks), while the running floor makes its scans cheaper than the
+in-memory ones. Time grows as ``N^2 d``, memory as the budget plus ``O(N)``.
 """
 
 from __future__ import annotations
