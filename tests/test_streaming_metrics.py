@@ -13,8 +13,12 @@ from dmlkit.distances import get_distance
 from dmlkit.embedding_shards import write_shards
 from dmlkit.exceptions import ConfigError, ShapeError
 from dmlkit.metrics import evaluate, knn, per_query
-from dmlkit.metrics.knn import knn_above_floor
-from dmlkit.metrics.streaming import evaluate_streaming, per_query_streaming, plan_blocks
+from dmlkit.metrics.streaming import (
+    evaluate_streaming,
+    knn_above_floor,
+    per_query_streaming,
+    plan_blocks,
+)
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tiny blocks: one torch thread is faster
 

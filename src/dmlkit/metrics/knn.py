@@ -584,24 +584,3 @@ def knn(
     else:
         closeness, idx = _knn_torch(scorer, qp, rp, k, exclude_self, budget)
     return KNNResult(indices=idx, values=scorer.to_values(closeness), higher_is_closer=dist.higher_is_closer)
-
-
-def knn_above_floor(
-    query: torch.Tensor, reference: torch.Tensor, k: int, floor: np.ndarray, *,
-    distance: BaseDistance, backend: str, memory_budget: int,
-) -> KNNResult:
-    """:func:`knn` (no self-exclusion) for queries that only need references at least as close
-    as their ``floor`` (float32 per query, in the distance's closeness: cosine / dot similarity):
-    the running k-th closeness of a search merged block by block (:mod:`dmlkit.metrics.streaming`).
-    The numba scan then starts from the floor instead of from nothing, and a row with fewer than
-    ``k`` such references is padded with ``-inf`` and index ``-1``. Other distances and backends
-    run :func:`knn` in full (the floor only saves time)."""
-    scorer = _Scorer(distance)
-    if backend != "numba" or scorer.kind != "ip":
-        return knn(query, reference, k, distance=distance, exclude_self=False, backend=backend,
-                   memory_budget=memory_budget)
-    qp = scorer.prepare(as_embeddings(query, "query embeddings"), "query embeddings")
-    rp = scorer.prepare(as_embeddings(reference, "reference embeddings"), "reference embeddings")
-    closeness, idx = _knn_numba(scorer, qp, rp, min(k, rp.shape[0]), False, check_budget(memory_budget),
-                                floor=np.asarray(floor, dtype=np.float32))
-    return KNNResult(indices=idx, values=scorer.to_values(closeness), higher_is_closer=distance.higher_is_closer)

@@ -16,7 +16,7 @@ Algorithm, for each query block ``Q_i`` (rows ``a0:a1``):
    reference index, exactly as the in-memory search orders them). Once a query holds ``k``
    neighbours, only references at least as close as its running ``k``-th can still enter, so
    for cosine and dot the compiled scan of the next blocks starts from that value
-   (:func:`dmlkit.metrics.knn.knn_above_floor`) and discards almost every entry at once;
+   (:func:`knn_above_floor`) and discards almost every entry at once;
 2. the near-tie rule of :func:`dmlkit.metrics.evaluate` (adjacent neighbours of different
    relevance within 8 float32 ulps re-ordered by float64 scores): only the rows that have such a
    pair are re-scored, with just their neighbours' rows read back;
@@ -58,10 +58,10 @@ from dmlkit.metrics.evaluate import _AT_K, _NEAR_TIE_ULPS, _expand, _resolve_nea
 from dmlkit.metrics.knn import (
     SMALL_SEARCH_PAIRS,
     KNNResult,
+    _knn_numba,
     _Scorer,
     exact_topk,
     knn,
-    knn_above_floor,
 )
 from dmlkit.metrics.retrieval import num_positives, per_query_from_neighbours
 
@@ -168,6 +168,26 @@ def _resolve_block(
     idx = idx.clone()
     idx[rows] = uniq[resolved]
     return idx
+
+
+def knn_above_floor(
+    query: torch.Tensor, reference: torch.Tensor, k: int, floor: np.ndarray, *,
+    distance: BaseDistance, backend: str, memory_budget: int,
+) -> KNNResult:
+    """:func:`dmlkit.metrics.knn.knn` (no self-exclusion) for queries that only need references at least as close
+    as their ``floor`` (float32 per query, in the distance's closeness: cosine / dot similarity):
+    the running k-th closeness of the block-by-block merge below. The numba scan then starts from the floor instead of from nothing, and a row with fewer than
+    ``k`` such references is padded with ``-inf`` and index ``-1``. Other distances and backends
+    run :func:`knn` in full (the floor only saves time)."""
+    scorer = _Scorer(distance)
+    if backend != "numba" or scorer.kind != "ip":
+        return knn(query, reference, k, distance=distance, exclude_self=False, backend=backend,
+                   memory_budget=memory_budget)
+    qp = scorer.prepare(as_embeddings(query, "query embeddings"), "query embeddings")
+    rp = scorer.prepare(as_embeddings(reference, "reference embeddings"), "reference embeddings")
+    closeness, idx = _knn_numba(scorer, qp, rp, min(k, rp.shape[0]), False, check_budget(memory_budget),
+                                floor=np.asarray(floor, dtype=np.float32))
+    return KNNResult(indices=idx, values=scorer.to_values(closeness), higher_is_closer=distance.higher_is_closer)
 
 
 def _drop_self(res: KNNResult, first: int) -> KNNResult:
