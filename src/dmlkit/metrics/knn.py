@@ -463,8 +463,8 @@ def _knn_numba(
             a0, a1 = blocks[bi]
             buf, counts, _, _ = state[bi]
             if floor is not None:  # rows short of k above their floor: pad with the lowest key
-                for row in np.flatnonzero(counts < k):
-                    buf[row, counts[row]:k] = _kernels.LOWEST_KEY
+                head = buf[:, :k]
+                head[np.arange(k) >= counts[:, None]] = _kernels.LOWEST_KEY
             _kernels.select_rows(buf, counts, k)
             # numpy's sort (SIMD, releases the GIL) is ~10x faster than a compiled quicksort here
             _kernels.unpack_rows(np.sort(buf[:, :k], axis=1), out_v[a0:a1], out_i[a0:a1])

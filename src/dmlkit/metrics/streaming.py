@@ -171,16 +171,19 @@ def _resolve_block(
 
 
 def knn_above_floor(
-    query: torch.Tensor, reference: torch.Tensor, k: int, floor: np.ndarray, *,
+    query: torch.Tensor, reference: torch.Tensor, k: int, floor: np.ndarray | None, *,
     distance: BaseDistance, backend: str, memory_budget: int,
 ) -> KNNResult:
-    """:func:`dmlkit.metrics.knn.knn` (no self-exclusion) for queries that only need references at least as close
-    as their ``floor`` (float32 per query, in the distance's closeness: cosine / dot similarity):
-    the running k-th closeness of the block-by-block merge below. The numba scan then starts from the floor instead of from nothing, and a row with fewer than
-    ``k`` such references is padded with ``-inf`` and index ``-1``. Other distances and backends
-    run :func:`knn` in full (the floor only saves time)."""
+    """:func:`dmlkit.metrics.knn.knn` (no self-exclusion) for queries that only need references
+    at least as close as their ``floor`` (float32 per query, in the distance's closeness: cosine
+    / dot similarity), the running k-th closeness of the block-by-block merge below.
+
+    The numba scan then starts from the floor instead of from nothing, and a row with fewer than
+    ``k`` such references is padded with ``-inf`` and index ``-1``. Without a floor, and for
+    other distances and backends, it is :func:`knn` in full (the floor only saves time).
+    """
     scorer = _Scorer(distance)
-    if backend != "numba" or scorer.kind != "ip":
+    if floor is None or backend != "numba" or scorer.kind != "ip":
         return knn(query, reference, k, distance=distance, exclude_self=False, backend=backend,
                    memory_budget=memory_budget)
     qp = scorer.prepare(as_embeddings(query, "query embeddings"), "query embeddings")
@@ -285,15 +288,11 @@ def _stream(
                                      exclude_self=False, backend=backend, memory_budget=plan.knn_budget),
                                  a0 - b0)
                 del g_blk
-            elif run_c is not None and run_c.shape[1] == need:  # only what beats the k-th so far
+            else:  # once every query holds k neighbours, only what beats its k-th can enter
                 g_blk = _read(ref, b0, b1, "reference embeddings")
-                res = knn_above_floor(q_blk, g_blk, min(need, b1 - b0), run_c[:, -1].numpy(),
-                                      distance=dist, backend=backend, memory_budget=plan.knn_budget)
-                del g_blk
-            else:
-                g_blk = _read(ref, b0, b1, "reference embeddings")
-                res = knn(q_blk, g_blk, min(need, b1 - b0), distance=dist, exclude_self=False,
-                          backend=backend, memory_budget=plan.knn_budget)
+                floor = run_c[:, -1].numpy() if run_c is not None and run_c.shape[1] == need else None
+                res = knn_above_floor(q_blk, g_blk, min(need, b1 - b0), floor, distance=dist,
+                                      backend=backend, memory_budget=plan.knn_budget)
                 del g_blk
             c = res.values if higher else -res.values
             i = res.indices + b0
