@@ -557,9 +557,9 @@ class EmbeddingIndex:
     def measure_recall(self, k: int = 10, queries: Any = None, num_queries: int = 1000) -> dict[str, Any]:
         """Measure recall@k of the current settings against exact search and store it.
 
-        ``queries=None`` samples ``num_queries`` indexed rows (not seen by the quantiser's
-        training or, for HNSW, held out of the graph until now, where possible) and excludes each query's own row from both result lists
-        (:func:`dmlkit.apps.index_tuning.measure_recall`).
+        ``queries=None`` samples ``num_queries`` indexed rows the structure has not seen where
+        possible (outside the quantiser's training, or held out of the HNSW graph until now)
+        and drops each query's own row (:func:`dmlkit.apps.index_tuning.measure_recall`).
         """
         return index_tuning.measure_recall(self, k, queries, num_queries)
 

@@ -55,10 +55,13 @@ def recall_at_k(approx: np.ndarray, exact: np.ndarray, k: int) -> float:
     return hits / (approx.shape[0] * k)
 
 
-def drop_self(found: np.ndarray, rows: np.ndarray, k: int, excluded: np.ndarray | None = None) -> np.ndarray:
-    """Drop each query's own row (and any row of ``excluded``) from its neighbour list and keep
-    ``k`` entries (``-1`` pads)."""
-    drop = found == rows[:, None] if excluded is None else np.isin(found, excluded)
+def drop_self(found: np.ndarray, rows: np.ndarray, k: int) -> np.ndarray:
+    """Drop each query's own row from its neighbour list and keep ``k`` entries (``-1`` pads)."""
+    return _drop(found, found == rows[:, None], k)
+
+
+def _drop(found: np.ndarray, drop: np.ndarray, k: int) -> np.ndarray:
+    """The first ``k`` entries of each row of ``found`` where ``drop`` is false (``-1`` pads)."""
     order = np.argsort(drop, axis=1, kind="stable")[:, :k]
     out = np.take_along_axis(found, order, axis=1)
     return np.where(np.take_along_axis(drop, order, axis=1), -1, out)
@@ -92,7 +95,8 @@ def _setup(index: EmbeddingIndex, k: int, queries: Any, num_queries: int
     if queries is None:
         rows = recall_sample(index, num_queries, index.params["seed"])
         q = np.ascontiguousarray(index.embeddings[rows], dtype=np.float32)
-        k = min(k, len(index) - 1 - n_out + int(n_out > 0))
+        # the graph holds every row but the reserve (queries among it), else all but the query
+        k = min(k, len(index) - n_out if n_out else len(index) - 1)
         if k < 1:
             raise DataError("too few indexed items besides the recall queries to measure recall")
         exact, _ = index._exact(q, min(len(index), k + 1 + n_out))
@@ -100,14 +104,15 @@ def _setup(index: EmbeddingIndex, k: int, queries: Any, num_queries: int
             held_out = outside is not None and bool(np.isin(rows, outside).all())
         else:
             held_out = not bool(np.isin(index._keys[rows], index._trained_keys).any())
-        return q, drop_self(exact, rows, k, outside), rows, k, held_out
+        dropped = exact == rows[:, None] if outside is None else np.isin(exact, outside)
+        return q, _drop(exact, dropped, k), rows, k, held_out
     q = to_numpy_embeddings(queries, "queries")
     if q.shape[1] != index.dim:
         raise ShapeError(f"queries must be (Q, {index.dim}), got shape {q.shape}")
     k = min(k, len(index) - n_out)
     exact, _ = index._exact(q, min(len(index), k + n_out))
     if outside is not None:
-        exact = drop_self(exact, np.full(q.shape[0], -1), k, outside)
+        exact = _drop(exact, np.isin(exact, outside), k)
     return q, exact, None, k, True
 
 
