@@ -82,6 +82,22 @@ def test_numba_path_equals_sort_path_on_ties(numba_path, monkeypatch, distance):
     np.testing.assert_allclose(fast, want, rtol=0, atol=1e-12)
 
 
+@pytest.mark.parametrize("distance", [DOT, LpDistance(normalize_embeddings=False)])
+def test_symmetric_tiles_count_columns_without_transposing(numba_path, monkeypatch, distance):
+    """64-row tiles on a 300-row self-search: every off-diagonal tile is counted once by rows and
+    once by its columns (eight at a time, and a last block of 44 = 5 x 8 + 4 columns one at a
+    time), with exact ties; the same values as one tile and as the brute force."""
+    import dmlkit.metrics.average_precision as ap
+
+    q, ql = _tied(300, 4, 9, 3)
+    one_tile = _map(q, ql, distance=distance)
+    monkeypatch.setattr(ap, "_MAX_TILE", 64)
+    tiled = _map(q, ql, distance=distance)
+    np.testing.assert_array_equal(tiled, one_tile)
+    want = brute_force_ap(q, ql, None, None, euclidean=isinstance(distance, LpDistance))
+    np.testing.assert_allclose(tiled, want, rtol=0, atol=1e-12)
+
+
 @pytest.mark.parametrize("buckets", [1, 2, 4096])
 def test_bucket_table_is_only_an_accelerator(numba_path, monkeypatch, buckets):
     """One bucket (every value scanned from the first positive), two, or 4096 (many

@@ -32,7 +32,7 @@ import numpy as np
 
 from dmlkit.metrics._kernels import _closeness64
 
-__all__ = ["ap_from_counts", "build_tables", "count_tile", "sort_positives"]
+__all__ = ["ap_from_counts", "build_tables", "count_columns", "count_rows", "sort_positives"]
 
 
 @numba.njit(nogil=True, cache=True)
@@ -96,7 +96,82 @@ def build_tables(
 
 
 @numba.njit(nogil=True, cache=True, boundscheck=False)
-def count_tile(
+def _place(
+    vals: np.ndarray,
+    refs: np.ndarray,
+    n: int,
+    ref0: int,
+    i: int,
+    gi: int,
+    pos_ptr: np.ndarray,
+    pos_val: np.ndarray,
+    pos_ref: np.ndarray,
+    up: np.ndarray,
+    dn: np.ndarray,
+    lo: np.ndarray,
+    scale: np.ndarray,
+    table: np.ndarray,
+    cnt: np.ndarray,
+    query: np.ndarray,
+    reference: np.ndarray,
+    euclidean: bool,
+    buckets: np.ndarray,
+    dirty: np.ndarray,
+) -> None:
+    """Count ``n`` entries of query ``gi`` (row state ``i``) at or above its lowest bound.
+
+    ``vals[u]`` is the float32 closeness of reference ``ref0 + refs[u]``. Three passes: the
+    buckets (vectorised), the table (``cnt[e] += 1`` for a bucket away from every positive; the
+    others are listed) and the listed entries, placed by a short scan over the bounds and, within
+    ``tol`` of a positive, in float64 (ties by index). A listed entry that is one of the row's
+    positives is recognised by its index and takes its stored float64 closeness (no re-score).
+    """
+    n_buckets = table.shape[1]
+    top = np.float32(n_buckets - 1)
+    low = lo[i]
+    sc = scale[i]
+    for u in range(n):
+        buckets[u] = np.int32(min((vals[u] - low) * sc, top))
+    p0 = pos_ptr[i]
+    big_r = pos_ptr[i + 1] - p0
+    c0 = p0 + i  # the row's counts: cnt[c0 : c0 + R], then one spare slot
+    tab = table[i]
+    n_dirty = 0
+    for u in range(n):  # branch-free: a listed entry is counted in the spare slot
+        e = np.int64(tab[buckets[u]])
+        dirty[n_dirty] = u
+        n_dirty += e < 0
+        cnt[c0 + (e if e >= 0 else big_r)] += 1
+    for t in range(n_dirty):
+        u = dirty[t]
+        x = vals[u]
+        e = -1 - np.int64(tab[buckets[u]])
+        while e < big_r and x < up[p0 + e]:
+            e += 1
+        if e < big_r and x <= dn[p0 + e]:  # within tol of positive e's closeness: exact
+            j = ref0 + refs[u]
+            v = np.nan
+            q = e
+            while q < big_r and x <= dn[p0 + q]:  # one of the positives itself?
+                if pos_ref[p0 + q] == j:
+                    v = pos_val[p0 + q]
+                    break
+                q += 1
+            if v != v:
+                v = _closeness64(query[gi], reference[j], euclidean)
+            q = e
+            while q < big_r and x <= dn[p0 + q]:
+                pv = pos_val[p0 + q]
+                pj = pos_ref[p0 + q]
+                if pj != j and (pv > v or (pv == v and pj < j)):
+                    e += 1
+                q += 1
+        if e < big_r:
+            cnt[c0 + e] += 1
+
+
+@numba.njit(nogil=True, cache=True, boundscheck=False)
+def count_rows(
     s: np.ndarray,
     row0: int,
     col0: int,
@@ -114,22 +189,25 @@ def count_tile(
     query: np.ndarray,
     reference: np.ndarray,
     euclidean: bool,
-    idx: np.ndarray,
+    vals: np.ndarray,
+    refs: np.ndarray,
+    buckets: np.ndarray,
+    dirty: np.ndarray,
 ) -> None:
     """Count every reference of a float32 closeness tile into its row's ``cnt`` (see the module).
 
     ``s[r, c]`` is the closeness of query ``row0 + r`` and reference ``col0 + c``; row state is
     indexed from global row ``state0``. With ``exclude_self`` the entry of a query with itself
-    (equal global indices) is skipped (set to ``-inf`` in ``s``). ``idx`` is int32 scratch of
-    length ``>= s.shape[1]``.
+    (equal global indices) is skipped (set to ``-inf`` in ``s``). ``vals``/``refs`` (rows of at
+    least ``s.shape[1]``), ``buckets`` and ``dirty`` are scratch.
     """
     nr, nc = s.shape
-    n_buckets = table.shape[1]
     if exclude_self:
         for r in range(nr):
             c = row0 + r - col0
             if 0 <= c < nc:
                 s[r, c] = -np.inf
+    v, f = vals[0], refs[0]
     for r in range(nr):
         i = row0 + r - state0
         low = lo[i]
@@ -138,49 +216,118 @@ def count_tile(
         row = s[r]
         n = 0
         for c in range(nc):  # branch-free compaction of the entries at or above the lowest bound
-            idx[n] = c
-            n += row[c] >= low
-        if n == 0:
-            continue
-        p0 = pos_ptr[i]
-        big_r = pos_ptr[i + 1] - p0
-        sc = scale[i]
-        tab = table[i]
-        gi = row0 + r
-        for u in range(n):
-            c = idx[u]
             x = row[c]
-            z = (x - low) * sc
-            b = np.int64(z) if z < n_buckets else n_buckets - 1
-            e = np.int64(tab[b])
-            if e >= 0:  # a bucket away from every positive
-                cnt[p0 + e] += 1
-                continue
-            e = -1 - e
-            while e < big_r and x < up[p0 + e]:
-                e += 1
-            if e < big_r and x <= dn[p0 + e]:  # within tol of positive e's closeness: exact
-                j = col0 + c
-                v = _closeness64(query[gi], reference[j], euclidean)
-                q = e
-                while q < big_r and x <= dn[p0 + q]:
-                    pv = pos_val[p0 + q]
-                    pj = pos_ref[p0 + q]
-                    if pj != j and (pv > v or (pv == v and pj < j)):
-                        e += 1
-                    q += 1
-            if e < big_r:
-                cnt[p0 + e] += 1
+            v[n] = x
+            f[n] = c
+            n += x >= low
+        if n:
+            _place(v, f, n, col0, i, row0 + r, pos_ptr, pos_val, pos_ref, up, dn, lo, scale, table,
+                   cnt, query, reference, euclidean, buckets, dirty)
+
+
+@numba.njit(nogil=True, cache=True, boundscheck=False)
+def count_columns(
+    s: np.ndarray,
+    row0: int,
+    col0: int,
+    state0: int,
+    pos_ptr: np.ndarray,
+    pos_val: np.ndarray,
+    pos_ref: np.ndarray,
+    up: np.ndarray,
+    dn: np.ndarray,
+    lo: np.ndarray,
+    scale: np.ndarray,
+    table: np.ndarray,
+    cnt: np.ndarray,
+    query: np.ndarray,
+    reference: np.ndarray,
+    euclidean: bool,
+    vals: np.ndarray,
+    refs: np.ndarray,
+    buckets: np.ndarray,
+    dirty: np.ndarray,
+) -> None:
+    """:func:`count_rows` for the transposed tile without transposing it: column ``c`` of ``s``
+    is query ``col0 + c`` (state ``col0 + c - state0``) against references ``row0 + r`` (a
+    self-search tile off the diagonal, so no entry is a query with itself).
+
+    Eight columns at a time: each tile row gives one 32-byte read for eight compactions (a
+    transposing copy then :func:`count_rows` measured 1.2-1.4x this on a 2-core EPYC).
+    ``vals``/``refs`` have at least 8 rows of ``s.shape[0]``.
+    """
+    nr, nc = s.shape
+    for c0 in range(0, nc, 8):
+        i0 = col0 + c0 - state0
+        if c0 + 8 > nc:  # the last few columns, one at a time
+            for k in range(nc - c0):
+                low = lo[i0 + k]
+                if low == np.inf:
+                    continue
+                v, f = vals[k], refs[k]
+                n = 0
+                for r in range(nr):
+                    x = s[r, c0 + k]
+                    v[n] = x
+                    f[n] = r
+                    n += x >= low
+                if n:
+                    _place(v, f, n, row0, i0 + k, col0 + c0 + k, pos_ptr, pos_val, pos_ref, up, dn,
+                           lo, scale, table, cnt, query, reference, euclidean, buckets, dirty)
+            continue
+        l0, l1, l2, l3 = lo[i0], lo[i0 + 1], lo[i0 + 2], lo[i0 + 3]
+        l4, l5, l6, l7 = lo[i0 + 4], lo[i0 + 5], lo[i0 + 6], lo[i0 + 7]
+        n0 = n1 = n2 = n3 = n4 = n5 = n6 = n7 = 0
+        for r in range(nr):  # eight compactions at once, the counts in registers
+            x = s[r, c0]
+            vals[0, n0] = x
+            refs[0, n0] = r
+            n0 += x >= l0
+            x = s[r, c0 + 1]
+            vals[1, n1] = x
+            refs[1, n1] = r
+            n1 += x >= l1
+            x = s[r, c0 + 2]
+            vals[2, n2] = x
+            refs[2, n2] = r
+            n2 += x >= l2
+            x = s[r, c0 + 3]
+            vals[3, n3] = x
+            refs[3, n3] = r
+            n3 += x >= l3
+            x = s[r, c0 + 4]
+            vals[4, n4] = x
+            refs[4, n4] = r
+            n4 += x >= l4
+            x = s[r, c0 + 5]
+            vals[5, n5] = x
+            refs[5, n5] = r
+            n5 += x >= l5
+            x = s[r, c0 + 6]
+            vals[6, n6] = x
+            refs[6, n6] = r
+            n6 += x >= l6
+            x = s[r, c0 + 7]
+            vals[7, n7] = x
+            refs[7, n7] = r
+            n7 += x >= l7
+        counts = (n0, n1, n2, n3, n4, n5, n6, n7)
+        for k in range(8):
+            n = counts[k]
+            if n and lo[i0 + k] != np.inf:
+                _place(vals[k], refs[k], n, row0, i0 + k, col0 + c0 + k, pos_ptr, pos_val, pos_ref,
+                       up, dn, lo, scale, table, cnt, query, reference, euclidean, buckets, dirty)
 
 
 @numba.njit(nogil=True, cache=True)
 def ap_from_counts(pos_ptr: np.ndarray, cnt: np.ndarray, out: np.ndarray) -> None:
-    """``AP = (1/R) sum_p (p + 1) / rank_p`` with ``rank_p = sum_{e <= p} cnt[e]`` (0 for R = 0)."""
+    """``AP = (1/R) sum_p (p + 1) / rank_p`` with ``rank_p = sum_{e <= p} cnt[e]`` (0 for R = 0);
+    row ``i``'s counts start at ``cnt[pos_ptr[i] + i]`` (each row has a spare slot after them)."""
     for i in range(out.shape[0]):
         p0, p1 = pos_ptr[i], pos_ptr[i + 1]
         total = 0.0
         rank = 0
         for p in range(p0, p1):
-            rank += cnt[p]
+            rank += cnt[p + i]
             total += (p - p0 + 1) / rank
         out[i] = total / (p1 - p0) if p1 > p0 else 0.0

@@ -13,7 +13,7 @@ Per query (:mod:`dmlkit.metrics._ap_kernels`):
 1. the ``R`` positives' closeness in float64 (from the float32 embeddings), sorted;
 2. every reference of a float32 closeness tile at or above the lowest positive is placed among
    the sorted positives through a per-row bucket table (constant time away from a positive);
-   references below every positive change no rank and cost one vectorised comparison;
+   references below every positive change no rank and cost one branch-free comparison;
 3. ``rank_p`` are prefix sums of those placements (positives are placed like any reference,
    so the scan reads no label).
 
@@ -22,8 +22,8 @@ in float64 (ties by index), so the result is the AP of the float64 ranking whate
 summation order (``tol`` is the worst-case error of a float32 inner product of length ``d``,
 ``(d + 4) 2^-24 |x| |y|``, Higham, *Accuracy and Stability of Numerical Algorithms*, 2nd ed.,
 sec. 3.1). On a self-search each off-diagonal tile serves both of its row blocks (half the
-matrix products; the second block reads the tile transposed), as in the kNN
-(:mod:`dmlkit.metrics.knn`).
+matrix products; the second block reads the tile's columns eight at a time, without a
+transposed copy), as in the kNN (:mod:`dmlkit.metrics.knn`).
 """
 
 from __future__ import annotations
@@ -43,8 +43,9 @@ __all__ = ["closeness_tolerance", "full_ranking_map"]
 #: Bytes of per-positive state (float64 closeness, int64 reference, two float32 bounds, int64
 #: count).
 _STATE_BYTES = 32
-#: Bytes of per-row state besides the bucket table (pointer, lowest bound, scale, result).
-_ROW_BYTES = 24
+#: Bytes of per-row state besides the bucket table (pointer, lowest bound, scale, result, spare
+#: count).
+_ROW_BYTES = 32
 #: Buckets per row: about this many per positive, a power of two within the limits below.
 _BUCKETS_PER_POSITIVE = 8
 _MIN_BUCKETS, _MAX_BUCKETS = 64, 1024
@@ -119,8 +120,8 @@ def full_ranking_map(
         g0 = g1
 
     with single_threaded_torch() as workers:
-        # per worker: a float32 tile and its transpose in the other half of the budget
-        tile = int(max(64, min(_MAX_TILE, math.isqrt(budget // (16 * workers)))))
+        # per worker: a float32 tile in the other half of the budget
+        tile = int(max(64, min(_MAX_TILE, math.isqrt(budget // (8 * workers)))))
         for g0, g1 in groups:
             if r_count[g0:g1].sum() == 0:
                 continue
@@ -195,19 +196,13 @@ class _Group:
         n = g1 - g0
         step = max(1, -(-n // (4 * workers)))
         run_threads(prepare, [(a, min(n, a + step)) for a in range(0, n, step)], workers)
-        self.cnt = np.zeros(total, dtype=np.int64)
-
-    def _count(self, s: np.ndarray, row0: int, col0: int, idx: np.ndarray) -> None:
-        # lazy: the numba kernels load only when a compiled path runs
-        from dmlkit.metrics import _ap_kernels
-
-        _ap_kernels.count_tile(
-            s, row0, col0, self.g0, self.same, self.pos_ptr, self.pos_val, self.pos_ref, self.up,
-            self.dn, self.lo, self.scale, self.table, self.cnt, self.qn, self.rn, self.euclidean, idx,
-        )
+        self.cnt = np.zeros(total + (g1 - g0), dtype=np.int64)  # a spare slot after each row's
 
     def scan(self, tiles: _Tiles, tile: int, workers: int, nq: int, m: int) -> None:
         """Every tile of these rows against every reference, on ``workers`` threads."""
+        # lazy: the numba kernels load only when a compiled path runs
+        from dmlkit.metrics._ap_kernels import count_columns, count_rows
+
         g0, g1 = self.g0, self.g1
         blocks = [(a0, min(g1, a0 + tile)) for a0 in range(g0, g1, tile)]
         symmetric = self.same and g0 == 0 and g1 == nq
@@ -220,26 +215,25 @@ class _Group:
             tasks = [(bi, bj) for bj in range(len(col_blocks)) for bi in range(len(blocks))]
         locks = [threading.Lock() for _ in blocks]
         scratch: SimpleQueue = SimpleQueue()
-        for _ in range(workers):
-            scratch.put((tiles.scratch(tile), np.empty(tile * tile, np.float32),
-                         np.empty(tile, np.int32)))
+        for _ in range(workers):  # a tile, eight compacted rows (values, indices), two index lists
+            scratch.put((tiles.scratch(tile), np.empty((8, tile), np.float32),
+                         np.empty((8, tile), np.int32), np.empty(tile, np.int32), np.empty(tile, np.int32)))
+        state = (self.pos_ptr, self.pos_val, self.pos_ref, self.up, self.dn, self.lo, self.scale,
+                 self.table, self.cnt, self.qn, self.rn, self.euclidean)
 
         def run(task: tuple[int, int]) -> None:
             bi, bj = task
             (a0, a1), (b0, b1) = blocks[bi], col_blocks[bj]
-            buf, buf_t, idx = scratch.get()
+            buf, vals, refs, buckets, dirty = scratch.get()
             try:
                 s = tiles.product(a0, a1, b0, b1, buf)
                 with locks[bi]:
-                    self._count(s, a0, b0, idx)
-                if symmetric and bi != bj:  # the same tile, read as rows b0:b1 against a0:a1
-                    st = buf_t[: s.size].reshape(b1 - b0, a1 - a0)
-                    # torch's transposing copy: 3x faster than a blocked numba loop here
-                    torch.from_numpy(st).copy_(torch.from_numpy(s).T)
+                    count_rows(s, a0, b0, self.g0, self.same, *state, vals, refs, buckets, dirty)
+                if symmetric and bi != bj:  # the same tile, its columns as queries b0:b1
                     with locks[bj]:
-                        self._count(st, b0, a0, idx)
+                        count_columns(s, a0, b0, self.g0, *state, vals, refs, buckets, dirty)
             finally:
-                scratch.put((buf, buf_t, idx))
+                scratch.put((buf, vals, refs, buckets, dirty))
 
         run_threads(run, tasks, workers)
 
