@@ -32,7 +32,7 @@ import numpy as np
 
 from dmlkit.metrics._kernels import _closeness64
 
-__all__ = ["ap_from_counts", "build_tables", "count_columns", "count_rows", "sort_positives"]
+__all__ = ["ap_from_counts", "bounds", "build_tables", "count_columns", "count_rows", "sort_positives"]
 
 
 @numba.njit(nogil=True, cache=True)
@@ -48,6 +48,23 @@ def sort_positives(pos_ptr: np.ndarray, pos_val: np.ndarray, pos_ref: np.ndarray
         refs = pos_ref[lo:hi][order]
         pos_val[lo:hi] = vals
         pos_ref[lo:hi] = refs
+
+
+@numba.njit(nogil=True, cache=True)
+def bounds(pos_val: np.ndarray, tol: float, up: np.ndarray, dn: np.ndarray) -> None:
+    """``up = round_down(v - tol)`` and ``dn = round_up(v + tol)``: the largest float32 at or
+    below, and the smallest at or above, each float64 (one pass, no temporaries)."""
+    for k in range(pos_val.shape[0]):
+        a = pos_val[k] - tol
+        y = np.float32(a)
+        if np.float64(y) > a:
+            y = np.nextafter(y, np.float32(-np.inf))
+        up[k] = y
+        b = pos_val[k] + tol
+        z = np.float32(b)
+        if np.float64(z) < b:
+            z = np.nextafter(z, np.float32(np.inf))
+        dn[k] = z
 
 
 @numba.njit(nogil=True, cache=True)

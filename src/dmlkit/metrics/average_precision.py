@@ -140,22 +140,6 @@ class _Codes:
         self.class_count, self.by_class = class_count, by_class
 
 
-def _round_down(x: np.ndarray) -> np.ndarray:
-    """The largest float32 at or below each float64."""
-    y = x.astype(np.float32)
-    high = y.astype(np.float64) > x
-    y[high] = np.nextafter(y[high], np.float32(-np.inf))
-    return y
-
-
-def _round_up(x: np.ndarray) -> np.ndarray:
-    """The smallest float32 at or above each float64."""
-    y = x.astype(np.float32)
-    low = y.astype(np.float64) < x
-    y[low] = np.nextafter(y[low], np.float32(np.inf))
-    return y
-
-
 class _Group:
     """The sorted positives, float32 bounds, bucket tables and counts of query rows ``g0:g1``."""
 
@@ -188,8 +172,7 @@ class _Group:
             p, q = pos_ptr[a], pos_ptr[b]
             pos_val[p:q] = _kernels.pair_scores64(self.qn, self.rn, rows[p:q], pos_ref[p:q], euclidean)
             _ap_kernels.sort_positives(pos_ptr[a : b + 1], pos_val, pos_ref)
-            self.up[p:q] = _round_down(pos_val[p:q] - tol)
-            self.dn[p:q] = _round_up(pos_val[p:q] + tol)
+            _ap_kernels.bounds(pos_val[p:q], tol, self.up[p:q], self.dn[p:q])
             _ap_kernels.build_tables(pos_ptr[a : b + 1], self.up, self.dn, self.lo[a:b],
                                      self.scale[a:b], self.table[a:b])
 
