@@ -32,7 +32,10 @@ import numpy as np
 
 from dmlkit.metrics._kernels import _closeness64
 
-__all__ = ["ap_from_counts", "bounds", "build_tables", "count_columns", "count_rows", "sort_positives"]
+__all__ = [
+    "ap_from_counts", "bounds", "build_tables", "count_columns", "count_rows", "gather_positives",
+    "positive_scores", "sort_positives",
+]
 
 
 @numba.njit(nogil=True, cache=True)
@@ -48,6 +51,47 @@ def sort_positives(pos_ptr: np.ndarray, pos_val: np.ndarray, pos_ref: np.ndarray
         refs = pos_ref[lo:hi][order]
         pos_val[lo:hi] = vals
         pos_ref[lo:hi] = refs
+
+
+@numba.njit(nogil=True, cache=True)
+def gather_positives(
+    row0: int,
+    query_codes: np.ndarray,
+    class_start: np.ndarray,
+    class_count: np.ndarray,
+    by_class: np.ndarray,
+    exclude_self: bool,
+    pos_ptr: np.ndarray,
+    pos_ref: np.ndarray,
+) -> None:
+    """Fill each row's positives (reference indices in ascending order, self left out)."""
+    for i in range(pos_ptr.shape[0] - 1):
+        gi = row0 + i
+        code = query_codes[gi]
+        out = pos_ptr[i]
+        if code >= 0:
+            start = class_start[code]
+            for t in range(start, start + class_count[code]):
+                j = by_class[t]
+                if exclude_self and j == gi:
+                    continue
+                pos_ref[out] = j
+                out += 1
+
+
+@numba.njit(nogil=True, cache=True, boundscheck=False)
+def positive_scores(
+    query: np.ndarray, reference: np.ndarray, order: np.ndarray, row0: int, pos_ptr: np.ndarray,
+    pos_ref: np.ndarray, euclidean: bool, pos_val: np.ndarray,
+) -> None:
+    """Float64 closeness of every positive of the rows ``order`` (query ``row0 + i`` for row
+    ``i``): pass the rows grouped by class, and each class's references are read from cache
+    by all its queries (in index order each positive was a cache miss: 75 ns a pair at R = 499)."""
+    for t in range(order.shape[0]):
+        i = order[t]
+        a = query[row0 + i]
+        for p in range(pos_ptr[i], pos_ptr[i + 1]):
+            pos_val[p] = _closeness64(a, reference[pos_ref[p]], euclidean)
 
 
 @numba.njit(nogil=True, cache=True)

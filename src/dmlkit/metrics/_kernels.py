@@ -370,34 +370,6 @@ def _closeness64(a: np.ndarray, b: np.ndarray, euclidean: bool) -> np.float64:
     return _dot64(a, b)
 
 
-@numba.njit(nogil=True, cache=True, boundscheck=False)
-def gather_positives(
-    row0: int,
-    query_codes: np.ndarray,
-    class_start: np.ndarray,
-    class_count: np.ndarray,
-    by_class: np.ndarray,
-    exclude_self: bool,
-    pos_ptr: np.ndarray,
-    rows: np.ndarray,
-    pos_ref: np.ndarray,
-) -> None:
-    """Fill each row's positives (reference indices in ascending order, self left out)."""
-    for i in range(pos_ptr.shape[0] - 1):
-        gi = row0 + i
-        code = query_codes[gi]
-        out = pos_ptr[i]
-        if code >= 0:
-            start = class_start[code]
-            for t in range(start, start + class_count[code]):
-                j = by_class[t]
-                if exclude_self and j == gi:
-                    continue
-                rows[out] = gi
-                pos_ref[out] = j
-                out += 1
-
-
 # -- expected mutual information (AMI) ----------------------------------------------------------
 @numba.njit(nogil=True, cache=True)
 def expected_mutual_information(

@@ -146,17 +146,17 @@ class _Group:
     def __init__(self, g0: int, g1: int, counts: np.ndarray, codes: _Codes, same: bool,
                  tiles: _Tiles, euclidean: bool, tol: float, table: np.ndarray, workers: int) -> None:
         # lazy: the numba kernels load only when a compiled path runs
-        from dmlkit.metrics import _ap_kernels, _kernels
+        from dmlkit.metrics import _ap_kernels
 
         self.g0, self.g1, self.same, self.euclidean = g0, g1, same, euclidean
         self.qn, self.rn = tiles.query_np, tiles.ref_np
         pos_ptr = np.zeros(g1 - g0 + 1, dtype=np.int64)
         np.cumsum(counts, out=pos_ptr[1:])
         total = int(pos_ptr[-1])
-        rows = np.empty(total, np.int64)
         pos_ref = np.empty(total, np.int64)
-        _kernels.gather_positives(g0, codes.query_codes, codes.class_start, codes.class_count,
-                                  codes.by_class, same, pos_ptr, rows, pos_ref)
+        _ap_kernels.gather_positives(g0, codes.query_codes, codes.class_start, codes.class_count,
+                                     codes.by_class, same, pos_ptr, pos_ref)
+        query_codes = codes.query_codes[g0:g1]
         pos_val = np.empty(total, np.float64)
         self.pos_ptr, self.pos_val, self.pos_ref = pos_ptr, pos_val, pos_ref
         self.up = np.empty(total, np.float32)
@@ -170,7 +170,8 @@ class _Group:
             (closest first, ties by index), their float32 bounds and the bucket tables."""
             a, b = chunk
             p, q = pos_ptr[a], pos_ptr[b]
-            pos_val[p:q] = _kernels.pair_scores64(self.qn, self.rn, rows[p:q], pos_ref[p:q], euclidean)
+            by_class = a + np.argsort(query_codes[a:b], kind="stable")
+            _ap_kernels.positive_scores(self.qn, self.rn, by_class, g0, pos_ptr, pos_ref, euclidean, pos_val)
             _ap_kernels.sort_positives(pos_ptr[a : b + 1], pos_val, pos_ref)
             _ap_kernels.bounds(pos_val[p:q], tol, self.up[p:q], self.dn[p:q])
             _ap_kernels.build_tables(pos_ptr[a : b + 1], self.up, self.dn, self.lo[a:b],
