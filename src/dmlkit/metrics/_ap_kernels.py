@@ -176,16 +176,19 @@ def _place(
     query: np.ndarray,
     reference: np.ndarray,
     euclidean: bool,
+    q_code: int,
+    ref_codes: np.ndarray,
     buckets: np.ndarray,
     dirty: np.ndarray,
 ) -> None:
-    """Count ``n`` entries of query ``gi`` (row state ``i``) at or above its lowest bound.
+    """Count ``n`` entries of query ``gi`` (row state ``i``, class code ``q_code``) at or above
+    its lowest bound.
 
     ``vals[u]`` is the float32 closeness of reference ``ref0 + refs[u]``. Three passes: the
     buckets (vectorised), the table (``cnt[e] += 1`` for a bucket away from every positive; the
-    others are listed) and the listed entries, placed by a short scan over the bounds and, within
-    ``tol`` of a positive, in float64 (ties by index). A listed entry that is one of the row's
-    positives is recognised by its index and takes its stored float64 closeness (no re-score).
+    others are listed) and the listed entries: a positive is skipped (it lies within its own
+    band, so it is always listed; :func:`ap_from_counts` places it), the others are placed by a
+    short scan over the bounds and, within ``tol`` of a positive, in float64 (ties by index).
     """
     n_buckets = table.shape[1]
     top = np.float32(n_buckets - 1)
@@ -205,26 +208,19 @@ def _place(
         cnt[c0 + (e if e >= 0 else big_r)] += 1
     for t in range(n_dirty):
         u = dirty[t]
+        j = ref0 + refs[u]
+        if ref_codes[j] == q_code:  # one of the row's positives
+            continue
         x = vals[u]
         e = -1 - np.int64(tab[buckets[u]])
         while e < big_r and x < up[p0 + e]:
             e += 1
         if e < big_r and x <= dn[p0 + e]:  # within tol of positive e's closeness: exact
-            j = ref0 + refs[u]
-            v = np.nan
-            q = e
-            while q < big_r and x <= dn[p0 + q]:  # one of the positives itself?
-                if pos_ref[p0 + q] == j:
-                    v = pos_val[p0 + q]
-                    break
-                q += 1
-            if v != v:
-                v = _closeness64(query[gi], reference[j], euclidean)
+            v = _closeness64(query[gi], reference[j], euclidean)
             q = e
             while q < big_r and x <= dn[p0 + q]:
                 pv = pos_val[p0 + q]
-                pj = pos_ref[p0 + q]
-                if pj != j and (pv > v or (pv == v and pj < j)):
+                if pv > v or (pv == v and pos_ref[p0 + q] < j):
                     e += 1
                 q += 1
         if e < big_r:
@@ -250,6 +246,8 @@ def count_rows(
     query: np.ndarray,
     reference: np.ndarray,
     euclidean: bool,
+    query_codes: np.ndarray,
+    ref_codes: np.ndarray,
     vals: np.ndarray,
     refs: np.ndarray,
     buckets: np.ndarray,
@@ -283,7 +281,7 @@ def count_rows(
             n += x >= low
         if n:
             _place(v, f, n, col0, i, row0 + r, pos_ptr, pos_val, pos_ref, up, dn, lo, scale, table,
-                   cnt, query, reference, euclidean, buckets, dirty)
+                   cnt, query, reference, euclidean, query_codes[row0 + r], ref_codes, buckets, dirty)
 
 
 @numba.njit(nogil=True, cache=True, boundscheck=False)
@@ -304,6 +302,8 @@ def count_columns(
     query: np.ndarray,
     reference: np.ndarray,
     euclidean: bool,
+    query_codes: np.ndarray,
+    ref_codes: np.ndarray,
     vals: np.ndarray,
     refs: np.ndarray,
     buckets: np.ndarray,
@@ -334,7 +334,8 @@ def count_columns(
                     n += x >= low
                 if n:
                     _place(v, f, n, row0, i0 + k, col0 + c0 + k, pos_ptr, pos_val, pos_ref, up, dn,
-                           lo, scale, table, cnt, query, reference, euclidean, buckets, dirty)
+                           lo, scale, table, cnt, query, reference, euclidean,
+                           query_codes[col0 + c0 + k], ref_codes, buckets, dirty)
             continue
         l0, l1, l2, l3 = lo[i0], lo[i0 + 1], lo[i0 + 2], lo[i0 + 3]
         l4, l5, l6, l7 = lo[i0 + 4], lo[i0 + 5], lo[i0 + 6], lo[i0 + 7]
@@ -377,18 +378,20 @@ def count_columns(
             n = counts[k]
             if n and lo[i0 + k] != np.inf:
                 _place(vals[k], refs[k], n, row0, i0 + k, col0 + c0 + k, pos_ptr, pos_val, pos_ref,
-                       up, dn, lo, scale, table, cnt, query, reference, euclidean, buckets, dirty)
+                       up, dn, lo, scale, table, cnt, query, reference, euclidean,
+                       query_codes[col0 + c0 + k], ref_codes, buckets, dirty)
 
 
 @numba.njit(nogil=True, cache=True)
 def ap_from_counts(pos_ptr: np.ndarray, cnt: np.ndarray, out: np.ndarray) -> None:
-    """``AP = (1/R) sum_p (p + 1) / rank_p`` with ``rank_p = sum_{e <= p} cnt[e]`` (0 for R = 0);
-    row ``i``'s counts start at ``cnt[pos_ptr[i] + i]`` (each row has a spare slot after them)."""
+    """``AP = (1/R) sum_p (p + 1) / rank_p`` with ``rank_p = sum_{e <= p} (cnt[e] + 1)`` (0 for
+    R = 0): ``cnt`` counts the negatives, and positive ``e`` itself ranks after ``e`` positives.
+    Row ``i``'s counts start at ``cnt[pos_ptr[i] + i]`` (each row has a spare slot after them)."""
     for i in range(out.shape[0]):
         p0, p1 = pos_ptr[i], pos_ptr[i + 1]
         total = 0.0
         rank = 0
         for p in range(p0, p1):
-            rank += cnt[p + i]
+            rank += cnt[p + i] + 1
             total += (p - p0 + 1) / rank
         out[i] = total / (p1 - p0) if p1 > p0 else 0.0

@@ -99,7 +99,7 @@ def full_ranking_map(
     by_class = np.argsort(ref_codes, kind="stable").astype(np.int64)
     r_count = np.where(query_codes >= 0, class_count[query_codes.clip(0)] - int(same), 0)
     r_count = r_count.clip(0).astype(np.int64)
-    codes = _Codes(query_codes, class_start, class_count, by_class)
+    codes = _Codes(query_codes, ref_codes, class_start, class_count, by_class)
 
     q_norm = float(q.norm(dim=1).max())
     r_norm = q_norm if same else float(ref.norm(dim=1).max())
@@ -133,10 +133,10 @@ def full_ranking_map(
 
 
 class _Codes:
-    """Class codes of the queries and the references grouped by class (to list positives)."""
+    """Class codes of the queries and references, and the references grouped by class."""
 
-    def __init__(self, query_codes, class_start, class_count, by_class) -> None:
-        self.query_codes, self.class_start = query_codes, class_start
+    def __init__(self, query_codes, ref_codes, class_start, class_count, by_class) -> None:
+        self.query_codes, self.ref_codes, self.class_start = query_codes, ref_codes, class_start
         self.class_count, self.by_class = class_count, by_class
 
 
@@ -149,6 +149,7 @@ class _Group:
         from dmlkit.metrics import _ap_kernels
 
         self.g0, self.g1, self.same, self.euclidean = g0, g1, same, euclidean
+        self.query_codes, self.ref_codes = codes.query_codes, codes.ref_codes
         self.qn, self.rn = tiles.query_np, tiles.ref_np
         pos_ptr = np.zeros(g1 - g0 + 1, dtype=np.int64)
         np.cumsum(counts, out=pos_ptr[1:])
@@ -203,7 +204,8 @@ class _Group:
             scratch.put((tiles.scratch(tile), np.empty((8, tile), np.float32),
                          np.empty((8, tile), np.int32), np.empty(tile, np.int32), np.empty(tile, np.int32)))
         state = (self.pos_ptr, self.pos_val, self.pos_ref, self.up, self.dn, self.lo, self.scale,
-                 self.table, self.cnt, self.qn, self.rn, self.euclidean)
+                 self.table, self.cnt, self.qn, self.rn, self.euclidean, self.query_codes,
+                 self.ref_codes)
 
         def run(task: tuple[int, int]) -> None:
             bi, bj = task
