@@ -14,8 +14,8 @@ Per query (:mod:`dmlkit.metrics._ap_kernels`):
 2. every reference of a float32 closeness tile at or above the lowest positive is placed among
    the sorted positives through a per-row bucket table (constant time away from a positive);
    references below every positive change no rank and cost one branch-free comparison;
-3. ``rank_p`` are prefix sums of those placements (positives are placed like any reference,
-   so the scan reads no label).
+3. ``rank_p`` are prefix sums of those placements (plus the positives before ``p``, which
+   the scan skips by their class code).
 
 Exact: a reference within the float32 rounding bound ``tol`` of a positive is compared with it
 in float64 (ties by index), so the result is the AP of the float64 ranking whatever the BLAS
@@ -82,8 +82,9 @@ def full_ranking_map(
     ``scorer`` is a symmetric :class:`dmlkit.metrics.knn._Scorer` (cosine, dot or Euclidean);
     ``q`` / ``r`` are its *prepared* float32 CPU rows; ``r=None`` is a self-search that leaves
     each query out of its own ranking. Memory: the positives' state (32 bytes each) and a
-    bucket table per row (2 bytes a bucket; 4 from 2^15 positives) within half of ``budget``, in groups of rows if need
-    be (each group then scans every reference tile); tiles within the other half.
+    bucket table per row (2 bytes a bucket; 4 from 2^15 positives) within half of ``budget``, in
+    groups of rows if need be (each group then scans every reference tile); a float32 tile per
+    worker within the other half.
     """
     same = r is None
     ref = q if same else r
