@@ -170,32 +170,22 @@ def _place(
     ref0: int,
     i: int,
     gi: int,
-    pos_ptr: np.ndarray,
-    pos_val: np.ndarray,
-    pos_ref: np.ndarray,
-    up: np.ndarray,
-    dn: np.ndarray,
-    lo: np.ndarray,
-    scale: np.ndarray,
-    table: np.ndarray,
-    cnt: np.ndarray,
-    query: np.ndarray,
-    reference: np.ndarray,
-    euclidean: bool,
-    q_code: int,
-    ref_codes: np.ndarray,
+    state: tuple,
     buckets: np.ndarray,
     dirty: np.ndarray,
 ) -> None:
-    """Count ``n`` entries of query ``gi`` (row state ``i``, class code ``q_code``) at or above
-    its lowest bound.
+    """Count ``n`` entries of query ``gi`` (row state ``i``) at or above its lowest bound.
 
-    ``vals[u]`` is the float32 closeness of reference ``ref0 + refs[u]``. Three passes: the
-    buckets (vectorised), the table (``cnt[e] += 1`` for a bucket away from every positive; the
-    others are listed) and the listed entries: a positive is skipped (it lies within its own
-    band, so it is always listed; :func:`ap_from_counts` places it), the others are placed by a
-    short scan over the bounds and, within ``tol`` of a positive, in float64 (ties by index).
+    ``state`` is as in :func:`count_rows`; ``vals[u]`` is the float32 closeness of reference
+    ``ref0 + refs[u]``. Three passes: the buckets (vectorised), the table (``cnt[e] += 1`` for a
+    bucket away from every positive; the others are listed) and the listed entries: a positive
+    is skipped (it lies within its own band, so it is always listed; :func:`ap_from_counts`
+    places it), the others are placed by a short scan over the bounds and, within ``tol`` of a
+    positive, in float64 (ties by index).
     """
+    (pos_ptr, pos_val, pos_ref, up, dn, lo, scale, table, cnt, query, reference, euclidean,
+     query_codes, ref_codes) = state
+    q_code = query_codes[gi]
     n_buckets = table.shape[1]
     top = np.float32(n_buckets - 1)
     low = lo[i]
@@ -249,32 +239,24 @@ def count_rows(
     col0: int,
     state0: int,
     exclude_self: bool,
-    pos_ptr: np.ndarray,
-    pos_val: np.ndarray,
-    pos_ref: np.ndarray,
-    up: np.ndarray,
-    dn: np.ndarray,
-    lo: np.ndarray,
-    scale: np.ndarray,
-    table: np.ndarray,
-    cnt: np.ndarray,
-    query: np.ndarray,
-    reference: np.ndarray,
-    euclidean: bool,
-    query_codes: np.ndarray,
-    ref_codes: np.ndarray,
-    vals: np.ndarray,
-    refs: np.ndarray,
-    buckets: np.ndarray,
-    dirty: np.ndarray,
+    state: tuple,
+    scratch: tuple,
 ) -> None:
     """Count every reference of a float32 closeness tile into its row's ``cnt`` (see the module).
 
     ``s[r, c]`` is the closeness of query ``row0 + r`` and reference ``col0 + c``; row state is
     indexed from global row ``state0``. With ``exclude_self`` the entry of a query with itself
-    (equal global indices) is skipped (set to ``-inf`` in ``s``). ``vals``/``refs`` (rows of at
-    least ``s.shape[1]``), ``buckets`` and ``dirty`` are scratch.
+    (equal global indices) is skipped (set to ``-inf`` in ``s``).
+
+    ``state`` is ``(pos_ptr, pos_val, pos_ref, up, dn, lo, scale, table, cnt, query, reference,
+    euclidean, query_codes, ref_codes)``: the group's positives (row pointers, float64 closeness,
+    reference indices, float32 bounds), each row's lowest bound, bucket scale and table, the
+    counts, the float32 rows, the distance and the class codes. ``scratch`` is ``(vals, refs,
+    buckets, dirty)``: float32 and int32 arrays of 8 rows and two int32 vectors, all at least
+    the tile's side long.
     """
+    vals, refs, buckets, dirty = scratch
+    lo = state[5]
     nr, nc = s.shape
     if exclude_self:
         for r in range(nr):
@@ -291,8 +273,7 @@ def count_rows(
         for c in range(nc):  # branch-free compaction of the entries at or above the lowest bound
             n = _append(vals, refs, 0, n, row[c], c, low)
         if n:
-            _place(vals[0], refs[0], n, col0, i, row0 + r, pos_ptr, pos_val, pos_ref, up, dn, lo, scale, table,
-                   cnt, query, reference, euclidean, query_codes[row0 + r], ref_codes, buckets, dirty)
+            _place(vals[0], refs[0], n, col0, i, row0 + r, state, buckets, dirty)
 
 
 @numba.njit(nogil=True, cache=True, boundscheck=False)
@@ -301,24 +282,8 @@ def count_columns(
     row0: int,
     col0: int,
     state0: int,
-    pos_ptr: np.ndarray,
-    pos_val: np.ndarray,
-    pos_ref: np.ndarray,
-    up: np.ndarray,
-    dn: np.ndarray,
-    lo: np.ndarray,
-    scale: np.ndarray,
-    table: np.ndarray,
-    cnt: np.ndarray,
-    query: np.ndarray,
-    reference: np.ndarray,
-    euclidean: bool,
-    query_codes: np.ndarray,
-    ref_codes: np.ndarray,
-    vals: np.ndarray,
-    refs: np.ndarray,
-    buckets: np.ndarray,
-    dirty: np.ndarray,
+    state: tuple,
+    scratch: tuple,
 ) -> None:
     """:func:`count_rows` for the transposed tile without transposing it: column ``c`` of ``s``
     is query ``col0 + c`` (state ``col0 + c - state0``) against references ``row0 + r`` (a
@@ -326,8 +291,9 @@ def count_columns(
 
     Eight columns at a time: each tile row gives one 32-byte read for eight compactions (a
     transposing copy then :func:`count_rows` measured 0.3-0.6 ns a tile pair more).
-    ``vals``/``refs`` have at least 8 rows of ``s.shape[0]``.
     """
+    vals, refs, buckets, dirty = scratch
+    lo = state[5]
     nr, nc = s.shape
     for c0 in range(0, nc, 8):
         i0 = col0 + c0 - state0
@@ -340,9 +306,7 @@ def count_columns(
                 for r in range(nr):
                     n = _append(vals, refs, k, n, s[r, c0 + k], r, low)
                 if n:
-                    _place(vals[k], refs[k], n, row0, i0 + k, col0 + c0 + k, pos_ptr, pos_val,
-                           pos_ref, up, dn, lo, scale, table, cnt, query, reference, euclidean,
-                           query_codes[col0 + c0 + k], ref_codes, buckets, dirty)
+                    _place(vals[k], refs[k], n, row0, i0 + k, col0 + c0 + k, state, buckets, dirty)
             continue
         l0, l1, l2, l3 = lo[i0], lo[i0 + 1], lo[i0 + 2], lo[i0 + 3]
         l4, l5, l6, l7 = lo[i0 + 4], lo[i0 + 5], lo[i0 + 6], lo[i0 + 7]
@@ -361,9 +325,7 @@ def count_columns(
         for k in range(8):
             n = counts[k]
             if n and lo[i0 + k] != np.inf:
-                _place(vals[k], refs[k], n, row0, i0 + k, col0 + c0 + k, pos_ptr, pos_val, pos_ref,
-                       up, dn, lo, scale, table, cnt, query, reference, euclidean,
-                       query_codes[col0 + c0 + k], ref_codes, buckets, dirty)
+                _place(vals[k], refs[k], n, row0, i0 + k, col0 + c0 + k, state, buckets, dirty)
 
 
 @numba.njit(nogil=True, cache=True)

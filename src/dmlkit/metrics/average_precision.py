@@ -201,9 +201,9 @@ class _Group:
             tasks = [(bi, bj) for bj in range(len(col_blocks)) for bi in range(len(blocks))]
         locks = [threading.Lock() for _ in blocks]
         scratch: SimpleQueue = SimpleQueue()
-        for _ in range(workers):  # a tile, eight compacted rows (values, indices), two index lists
-            scratch.put((tiles.scratch(tile), np.empty((8, tile), np.float32),
-                         np.empty((8, tile), np.int32), np.empty(tile, np.int32), np.empty(tile, np.int32)))
+        for _ in range(workers):  # a tile; eight compacted rows (values, indices), two index lists
+            scratch.put((tiles.scratch(tile), (np.empty((8, tile), np.float32), np.empty((8, tile), np.int32),
+                                               np.empty(tile, np.int32), np.empty(tile, np.int32))))
         state = (self.pos_ptr, self.pos_val, self.pos_ref, self.up, self.dn, self.lo, self.scale,
                  self.table, self.cnt, self.qn, self.rn, self.euclidean, self.query_codes,
                  self.ref_codes)
@@ -211,16 +211,16 @@ class _Group:
         def run(task: tuple[int, int]) -> None:
             bi, bj = task
             (a0, a1), (b0, b1) = blocks[bi], col_blocks[bj]
-            buf, vals, refs, buckets, dirty = scratch.get()
+            buf, work = scratch.get()
             try:
                 s = tiles.product(a0, a1, b0, b1, buf)
                 with locks[bi]:
-                    count_rows(s, a0, b0, self.g0, self.same, *state, vals, refs, buckets, dirty)
+                    count_rows(s, a0, b0, self.g0, self.same, state, work)
                 if symmetric and bi != bj:  # the same tile, its columns as queries b0:b1
                     with locks[bj]:
-                        count_columns(s, a0, b0, self.g0, *state, vals, refs, buckets, dirty)
+                        count_columns(s, a0, b0, self.g0, state, work)
             finally:
-                scratch.put((buf, vals, refs, buckets, dirty))
+                scratch.put((buf, work))
 
         run_threads(run, tasks, workers)
 
