@@ -33,15 +33,36 @@ arrays; 16-column strips; finer tables (2048 or 4096 buckets); tiles of 512 or 2
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import numba
 import numpy as np
 
 from dmlkit.metrics._kernels import _closeness64
 
 __all__ = [
-    "ap_from_counts", "bounds", "build_tables", "count_columns", "count_rows", "gather_positives",
-    "positive_scores", "sort_positives",
+    "Counting", "ap_from_counts", "bounds", "build_tables", "count_columns", "count_rows",
+    "gather_positives", "positive_scores", "sort_positives",
 ]
+
+
+class Counting(NamedTuple):
+    """What the counting kernels read and write for a group of query rows."""
+
+    pos_ptr: np.ndarray  #: each row's positives start here (int64, rows + 1)
+    pos_val: np.ndarray  #: their float64 closeness, sorted per row (descending, ties by index)
+    pos_ref: np.ndarray  #: their reference indices
+    up: np.ndarray  #: float32 bound below which a tile value ranks after the positive
+    dn: np.ndarray  #: float32 bound above which it ranks before it
+    lo: np.ndarray  #: each row's lowest bound (inf without positives)
+    scale: np.ndarray  #: each row's bucket scale
+    table: np.ndarray  #: each row's bucket table (see :func:`build_tables`)
+    cnt: np.ndarray  #: per row, the negatives after e positives, then a spare slot
+    query: np.ndarray  #: the float32 query rows
+    reference: np.ndarray  #: the float32 reference rows
+    euclidean: bool  #: closeness is minus the squared distance (else an inner product)
+    query_codes: np.ndarray  #: class code of each query (-1: no positive)
+    ref_codes: np.ndarray  #: class code of each reference
 
 
 @numba.njit(nogil=True, cache=True)
@@ -170,22 +191,22 @@ def _place(
     ref0: int,
     i: int,
     gi: int,
-    state: tuple,
+    state: Counting,
     buckets: np.ndarray,
     dirty: np.ndarray,
 ) -> None:
     """Count ``n`` entries of query ``gi`` (row state ``i``) at or above its lowest bound.
 
-    ``state`` is as in :func:`count_rows`; ``vals[u]`` is the float32 closeness of reference
-    ``ref0 + refs[u]``. Three passes: the buckets (vectorised), the table (``cnt[e] += 1`` for a
+    ``vals[u]`` is the float32 closeness of reference ``ref0 + refs[u]``. Three passes: the buckets (vectorised), the table (``cnt[e] += 1`` for a
     bucket away from every positive; the others are listed) and the listed entries: a positive
     is skipped (it lies within its own band, so it is always listed; :func:`ap_from_counts`
     places it), the others are placed by a short scan over the bounds and, within ``tol`` of a
     positive, in float64 (ties by index).
     """
-    (pos_ptr, pos_val, pos_ref, up, dn, lo, scale, table, cnt, query, reference, euclidean,
-     query_codes, ref_codes) = state
-    q_code = query_codes[gi]
+    pos_ptr, pos_val, pos_ref, up, dn = state.pos_ptr, state.pos_val, state.pos_ref, state.up, state.dn
+    lo, scale, table, cnt = state.lo, state.scale, state.table, state.cnt
+    q_code = state.query_codes[gi]
+    ref_codes = state.ref_codes
     n_buckets = table.shape[1]
     top = np.float32(n_buckets - 1)
     low = lo[i]
@@ -212,7 +233,7 @@ def _place(
         while e < big_r and x < up[p0 + e]:
             e += 1
         if e < big_r and x <= dn[p0 + e]:  # within tol of positive e's closeness: exact
-            v = _closeness64(query[gi], reference[j], euclidean)
+            v = _closeness64(state.query[gi], state.reference[j], state.euclidean)
             q = e
             while q < big_r and x <= dn[p0 + q]:
                 pv = pos_val[p0 + q]
@@ -239,24 +260,19 @@ def count_rows(
     col0: int,
     state0: int,
     exclude_self: bool,
-    state: tuple,
+    state: Counting,
     scratch: tuple,
 ) -> None:
     """Count every reference of a float32 closeness tile into its row's ``cnt`` (see the module).
 
     ``s[r, c]`` is the closeness of query ``row0 + r`` and reference ``col0 + c``; row state is
     indexed from global row ``state0``. With ``exclude_self`` the entry of a query with itself
-    (equal global indices) is skipped (set to ``-inf`` in ``s``).
-
-    ``state`` is ``(pos_ptr, pos_val, pos_ref, up, dn, lo, scale, table, cnt, query, reference,
-    euclidean, query_codes, ref_codes)``: the group's positives (row pointers, float64 closeness,
-    reference indices, float32 bounds), each row's lowest bound, bucket scale and table, the
-    counts, the float32 rows, the distance and the class codes. ``scratch`` is ``(vals, refs,
+    (equal global indices) is skipped (set to ``-inf`` in ``s``). ``scratch`` is ``(vals, refs,
     buckets, dirty)``: float32 and int32 arrays of 8 rows and two int32 vectors, all at least
     the tile's side long.
     """
     vals, refs, buckets, dirty = scratch
-    lo = state[5]
+    lo = state.lo
     nr, nc = s.shape
     if exclude_self:
         for r in range(nr):
@@ -282,7 +298,7 @@ def count_columns(
     row0: int,
     col0: int,
     state0: int,
-    state: tuple,
+    state: Counting,
     scratch: tuple,
 ) -> None:
     """:func:`count_rows` for the transposed tile without transposing it: column ``c`` of ``s``
@@ -293,7 +309,7 @@ def count_columns(
     transposing copy then :func:`count_rows` measured 0.3-0.6 ns a tile pair more).
     """
     vals, refs, buckets, dirty = scratch
-    lo = state[5]
+    lo = state.lo
     nr, nc = s.shape
     for c0 in range(0, nc, 8):
         i0 = col0 + c0 - state0

@@ -187,7 +187,7 @@ class _Group:
     def scan(self, tiles: _Tiles, tile: int, workers: int, nq: int, m: int) -> None:
         """Every tile of these rows against every reference, on ``workers`` threads."""
         # lazy: the numba kernels load only when a compiled path runs
-        from dmlkit.metrics._ap_kernels import count_columns, count_rows
+        from dmlkit.metrics._ap_kernels import Counting, count_columns, count_rows
 
         g0, g1 = self.g0, self.g1
         blocks = [(a0, min(g1, a0 + tile)) for a0 in range(g0, g1, tile)]
@@ -204,9 +204,9 @@ class _Group:
         for _ in range(workers):  # a tile; eight compacted rows (values, indices), two index lists
             scratch.put((tiles.scratch(tile), (np.empty((8, tile), np.float32), np.empty((8, tile), np.int32),
                                                np.empty(tile, np.int32), np.empty(tile, np.int32))))
-        state = (self.pos_ptr, self.pos_val, self.pos_ref, self.up, self.dn, self.lo, self.scale,
-                 self.table, self.cnt, self.qn, self.rn, self.euclidean, self.query_codes,
-                 self.ref_codes)
+        state = Counting(self.pos_ptr, self.pos_val, self.pos_ref, self.up, self.dn, self.lo,
+                         self.scale, self.table, self.cnt, self.qn, self.rn, self.euclidean,
+                         self.query_codes, self.ref_codes)
 
         def run(task: tuple[int, int]) -> None:
             bi, bj = task
