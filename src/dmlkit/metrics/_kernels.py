@@ -305,28 +305,30 @@ def unpack_rows(keys: np.ndarray, out_values: np.ndarray, out_indices: np.ndarra
             out_indices[r, i] = _ID_MASK - (key & _ID_MASK)
 
 
+@numba.njit(inline="always")
+def _closeness64(a: np.ndarray, b: np.ndarray, euclidean: bool) -> np.float64:
+    """Float64 closeness of two float32 rows: ``sum_t a_t b_t`` (cosine on normalised rows, dot
+    product; the same inner product that ranks scan_tile's bfloat16 survivors), or minus the
+    squared Euclidean distance ``-sum_t (a_t - b_t)^2``."""
+    if euclidean:
+        acc = 0.0
+        for t in range(a.shape[0]):
+            diff = np.float64(a[t]) - np.float64(b[t])
+            acc -= diff * diff
+        return acc
+    return _dot64(a, b)
+
+
 @numba.njit(nogil=True, cache=True, boundscheck=False)
 def pair_scores64(
     query: np.ndarray, reference: np.ndarray, rows: np.ndarray, refs: np.ndarray, euclidean: bool
 ) -> np.ndarray:
-    """Float64 closeness of the pairs ``(query[rows[p]], reference[refs[p]])``.
-
-    The inner product ``sum_t q_t r_t`` (cosine on normalised rows, dot product), or minus
-    the squared Euclidean distance ``-sum_t (q_t - r_t)^2``, accumulated in float64 from the
-    float32 inputs - without the float64 copies of every row that a vectorised form needs.
-    """
+    """:func:`_closeness64` of the pairs ``(query[rows[p]], reference[refs[p]])``, accumulated in
+    float64 from the float32 inputs - without the float64 copies of every row that a vectorised
+    form needs."""
     out = np.empty(rows.shape[0], np.float64)
     for p in range(rows.shape[0]):
-        a = query[rows[p]]
-        b = reference[refs[p]]
-        if euclidean:
-            acc = 0.0
-            for t in range(a.shape[0]):
-                diff = np.float64(a[t]) - np.float64(b[t])
-                acc -= diff * diff
-            out[p] = acc
-        else:  # the same float64 inner product that ranks scan_tile's bfloat16 survivors
-            out[p] = _dot64(a, b)
+        out[p] = _closeness64(query[rows[p]], reference[refs[p]], euclidean)
     return out
 
 
@@ -356,18 +358,6 @@ def histogram_tile(
             total[b] += 1
             if reference_labels[c] == label:
                 positive[b] += 1
-
-
-# -- full-ranking average precision (the counting kernels: dmlkit.metrics._ap_kernels) -------
-@numba.njit(inline="always")
-def _closeness64(a: np.ndarray, b: np.ndarray, euclidean: bool) -> np.float64:
-    if euclidean:
-        acc = 0.0
-        for t in range(a.shape[0]):
-            diff = np.float64(a[t]) - np.float64(b[t])
-            acc -= diff * diff
-        return acc
-    return _dot64(a, b)
 
 
 # -- expected mutual information (AMI) ----------------------------------------------------------
