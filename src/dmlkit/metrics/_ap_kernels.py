@@ -28,7 +28,9 @@ slower or no better: a transposing copy (torch's, or a numba 8 x 8 blocked one) 
 the columns as rows (0.3-0.6 ns a pair more); index-only compaction with values gathered
 afterwards; branch-free placement of every survivor through the first two bounds after the
 table's positive (1.5-2x slower: longer address chains into ``cnt``); four interleaved count
-arrays; 16-column strips; finer tables (2048 or 4096 buckets); tiles of 512 or 2048.
+arrays; 16-column strips; finer tables (2048 or 4096 buckets); tiles of 512 or 2048; counting each
+row's 8 lowest positives by vectorised comparisons and placing only the entries above them (rows
+4.4, columns 9-10: listing the few survivors mispredicts once each, see benchmarks/README.md).
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ import numba
 import numpy as np
 
 from dmlkit.metrics._kernels import _closeness64
+from dmlkit.metrics._simd import COMPRESS_TABLE, compress8, transpose8
 
 __all__ = [
     "Counting", "ap_from_counts", "bounds", "build_tables", "count_columns", "count_rows",
@@ -271,7 +274,7 @@ def count_rows(
     buckets, dirty)``: float32 and int32 arrays of 8 rows and two int32 vectors, all at least
     the tile's side long.
     """
-    vals, refs, buckets, dirty = scratch
+    vals, refs, buckets, dirty, _ = scratch
     lo = state.lo
     nr, nc = s.shape
     if exclude_self:
@@ -286,7 +289,10 @@ def count_rows(
             continue
         row = s[r]
         n = 0
-        for c in range(nc):  # branch-free compaction of the entries at or above the lowest bound
+        whole = nc - nc % 8
+        for c in range(0, whole, 8):  # the entries at or above the lowest bound, 8 at a time
+            n = compress8(vals[0], refs[0], n, row, c, low, COMPRESS_TABLE, c)
+        for c in range(whole, nc):
             n = _append(vals, refs, 0, n, row[c], c, low)
         if n:
             _place(vals[0], refs[0], n, col0, i, row0 + r, state, buckets, dirty)
@@ -308,7 +314,7 @@ def count_columns(
     Eight columns at a time: each tile row gives one 32-byte read for eight compactions (a
     transposing copy then :func:`count_rows` measured 0.3-0.6 ns a tile pair more).
     """
-    vals, refs, buckets, dirty = scratch
+    vals, refs, buckets, dirty, block = scratch
     lo = state.lo
     nr, nc = s.shape
     for c0 in range(0, nc, 8):
@@ -327,7 +333,18 @@ def count_columns(
         l0, l1, l2, l3 = lo[i0], lo[i0 + 1], lo[i0 + 2], lo[i0 + 3]
         l4, l5, l6, l7 = lo[i0 + 4], lo[i0 + 5], lo[i0 + 6], lo[i0 + 7]
         n0 = n1 = n2 = n3 = n4 = n5 = n6 = n7 = 0
-        for r in range(nr):  # eight compactions at once, the counts in registers
+        whole = nr - nr % 8
+        for r in range(0, whole, 8):  # an 8 x 8 block: transposed in registers, then compacted
+            transpose8(s, r, c0, block)
+            n0 = compress8(vals[0], refs[0], n0, block[0], 0, l0, COMPRESS_TABLE, r)
+            n1 = compress8(vals[1], refs[1], n1, block[1], 0, l1, COMPRESS_TABLE, r)
+            n2 = compress8(vals[2], refs[2], n2, block[2], 0, l2, COMPRESS_TABLE, r)
+            n3 = compress8(vals[3], refs[3], n3, block[3], 0, l3, COMPRESS_TABLE, r)
+            n4 = compress8(vals[4], refs[4], n4, block[4], 0, l4, COMPRESS_TABLE, r)
+            n5 = compress8(vals[5], refs[5], n5, block[5], 0, l5, COMPRESS_TABLE, r)
+            n6 = compress8(vals[6], refs[6], n6, block[6], 0, l6, COMPRESS_TABLE, r)
+            n7 = compress8(vals[7], refs[7], n7, block[7], 0, l7, COMPRESS_TABLE, r)
+        for r in range(whole, nr):  # the last rows: eight compactions at once
             row = s[r]
             n0 = _append(vals, refs, 0, n0, row[c0], r, l0)
             n1 = _append(vals, refs, 1, n1, row[c0 + 1], r, l1)

@@ -221,8 +221,9 @@ class _Group:
         locks = [threading.Lock() for _ in blocks]
         scratch: SimpleQueue = SimpleQueue()
         for _ in range(workers):  # a tile; eight compacted rows (values, indices), two index lists
-            scratch.put((tiles.scratch(tile), (np.empty((8, tile), np.float32), np.empty((8, tile), np.int32),
-                                               np.empty(tile, np.int32), np.empty(tile, np.int32))))
+            scratch.put((tiles.scratch(tile), (np.empty((8, tile + 8), np.float32), np.empty((8, tile + 8), np.int32),
+                                               np.empty(tile, np.int32), np.empty(tile, np.int32),
+                                               np.empty((8, 8), np.float32))))
         state = Counting(self.pos_ptr, self.pos_val, self.pos_ref, self.up, self.dn, self.lo,
                          self.scale, self.table, self.cnt, self.qn, self.rn, self.euclidean,
                          self.query_codes, self.ref_codes)
