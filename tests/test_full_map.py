@@ -85,8 +85,9 @@ def test_numba_path_equals_sort_path_on_ties(numba_path, monkeypatch, distance):
 @pytest.mark.parametrize("distance", [DOT, LpDistance(normalize_embeddings=False)])
 def test_symmetric_tiles_count_columns_without_transposing(numba_path, monkeypatch, distance):
     """64-row tiles on a 300-row self-search: every off-diagonal tile is counted once by rows and
-    once by its columns (eight at a time, and a last block of 44 = 5 x 8 + 4 columns one at a
-    time), with exact ties; the same values as one tile and as the brute force."""
+    once by its columns (8 x 8 blocks transposed in registers; the last block of 44 = 5 x 8 + 4
+    columns has its last 4 columns counted one at a time, and its 44 rows leave 4 rows past the
+    8 x 8 blocks), with exact ties; the same values as one tile and as the brute force."""
     import dmlkit.metrics.average_precision as ap
 
     q, ql = _tied(300, 4, 9, 3)
@@ -96,6 +97,33 @@ def test_symmetric_tiles_count_columns_without_transposing(numba_path, monkeypat
     np.testing.assert_array_equal(tiled, one_tile)
     want = brute_force_ap(q, ql, None, None, euclidean=isinstance(distance, LpDistance))
     np.testing.assert_allclose(tiled, want, rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("same", [True, False])
+def test_row_groups_scan_wide_column_blocks(numba_path, monkeypatch, same):
+    """Row groups (state for ~40 rows at a time) scan 64-row tiles as wide as the tile half of a
+    1 MiB budget allows (1024 columns on one worker, 512 on two), so 1,100 references take two
+    or three column blocks, the last a short one; the same values as the brute force, exact
+    ties included."""
+    import dmlkit.metrics.average_precision as ap
+
+    q, ql = _tied(1100 if same else 200, 4, 9, 5)
+    r, rl = (None, None) if same else _tied(1100, 4, 11, 6)
+    monkeypatch.setattr(ap, "_MAX_TILE", 64)
+    monkeypatch.setattr(ap, "_STATE_BYTES", 2**20 // 2 // 40 // 120)
+    widths = []
+    scan = ap._Group.scan
+
+    def spy(self, tiles, tile, workers, nq, m, budget):
+        widths.append((tile, budget // (8 * workers) // tile, m))
+        return scan(self, tiles, tile, workers, nq, m, budget)
+
+    monkeypatch.setattr(ap._Group, "scan", spy)
+    got = _map(q, ql, r, rl, memory_budget=2**20)
+    assert len(widths) > 3 and all(tile == 64 and tile < wide < m for tile, wide, m in widths)
+    want = brute_force_ap(q, ql, r, rl)
+    np.testing.assert_array_equal(np.isnan(got), np.isnan(want))
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-12)
 
 
 @pytest.mark.parametrize("buckets", [1, 2, 4096])

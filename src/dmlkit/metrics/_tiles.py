@@ -52,8 +52,9 @@ class _Tiles:
             self.q_norm = q.norm(dim=1)
             self.r_norm = self.q_norm if ref is q else ref.norm(dim=1)
 
-    def scratch(self, tile: int) -> torch.Tensor:
-        return torch.empty(tile * tile, dtype=torch.bfloat16 if self.bf16 else torch.float32)
+    def scratch(self, tile: int, cols: int | None = None) -> torch.Tensor:
+        """A buffer for tiles of up to ``tile`` rows by ``cols`` columns (default ``tile``)."""
+        return torch.empty(tile * (cols or tile), dtype=torch.bfloat16 if self.bf16 else torch.float32)
 
     def slack(self, a0: int, a1: int, b0: int, b1: int) -> float:
         """The tile's error bound (0 for exact tiles), rounded up to float32."""

@@ -1,0 +1,80 @@
+"""The eight-lane numba intrinsics of the map kernels (:mod:`dmlkit.metrics._simd`): both
+compaction paths against numpy, the in-register transpose, and the choice of path."""
+
+from __future__ import annotations
+
+import numba
+import numpy as np
+import pytest
+
+from dmlkit.metrics import _simd
+from dmlkit.metrics._simd import COMPRESS_TABLE, compress8, compress8_portable, transpose8
+
+
+@numba.njit
+def _compact(row: np.ndarray, low: np.float32, first_ref: int, portable: bool):
+    vals = np.full(row.shape[0] + 8, np.float32(-7.0))
+    refs = np.full(row.shape[0] + 8, -1, np.int32)
+    n = 0
+    for c in range(0, row.shape[0] - row.shape[0] % 8, 8):
+        if portable:
+            n = compress8_portable(vals, refs, n, row, c, low, COMPRESS_TABLE, first_ref + c)
+        else:
+            n = compress8(vals, refs, n, row, c, low, COMPRESS_TABLE, first_ref + c)
+    return vals, refs, n
+
+
+@pytest.mark.parametrize("portable", [False, True])
+@pytest.mark.parametrize("keep", [0.0, 0.03, 0.5, 1.0])
+def test_compress8_keeps_the_entries_at_or_above_the_threshold_in_order(portable, keep):
+    rng = np.random.default_rng(int(keep * 100) + portable)
+    row = rng.standard_normal(8 * 37).astype(np.float32)
+    row[::5] = np.round(row[::5], 1)  # exact ties with the threshold
+    row[3], row[11], row[20] = -np.inf, np.inf, np.nan
+    low = np.float32(np.nanquantile(row[np.isfinite(row)], 1 - keep)) if 0 < keep < 1 else (
+        np.float32(np.inf) if keep == 0 else np.float32(-np.inf))
+    vals, refs, n = _compact(row, low, 1000, portable)
+    want = np.flatnonzero(row >= low)  # NaN is never kept
+    assert n == want.size
+    assert refs[:n].tolist() == (1000 + want).tolist()
+    assert np.array_equal(vals[:n], row[want])
+
+
+def test_both_paths_agree_on_every_mask():
+    """All 256 masks of one 8-lane block, lane values distinct."""
+    rows = np.array([[1.0 if mask >> lane & 1 else -1.0 for lane in range(8)] for mask in range(256)],
+                    np.float32).reshape(-1)
+    rows = rows + np.tile(np.arange(8, dtype=np.float32) * 1e-3, 256)
+    a = _compact(rows, np.float32(0.0), 0, False)
+    b = _compact(rows, np.float32(0.0), 0, True)
+    assert a[2] == b[2] == 4 * 256
+    assert np.array_equal(a[0][: a[2]], b[0][: b[2]]) and np.array_equal(a[1][: a[2]], b[1][: b[2]])
+
+
+@numba.njit
+def _transpose(s: np.ndarray, row: int, col: int) -> np.ndarray:
+    block = np.zeros((8, 8), np.float32)
+    transpose8(s, row, col, block)
+    return block
+
+
+@pytest.mark.parametrize(("row", "col"), [(0, 0), (5, 9), (32, 16)])
+def test_transpose8_reads_an_8_by_8_block_column_wise(row, col):
+    s = np.arange(40 * 25, dtype=np.float32).reshape(40, 25)
+    assert np.array_equal(_transpose(s, row, col), s[row : row + 8, col : col + 8].T)
+
+
+def test_the_permute_path_follows_the_cpu_numba_compiles_for(monkeypatch):
+    monkeypatch.setattr(_simd.config, "CPU_NAME", "generic")
+    monkeypatch.setattr(_simd.config, "CPU_FEATURES", "")
+    assert not _simd.has_avx2()
+    monkeypatch.setattr(_simd.config, "CPU_FEATURES", "+sse2,+avx,+avx2,+fma")
+    assert _simd.has_avx2()
+    monkeypatch.setattr(_simd.config, "CPU_FEATURES", "+sse2,-avx2")
+    assert not _simd.has_avx2()
+
+
+def test_compress_table_lists_the_set_lanes():
+    for mask in (0, 1, 0b10110010, 255):
+        lanes = [lane for lane in range(8) if mask >> lane & 1]
+        assert COMPRESS_TABLE[mask, : len(lanes)].tolist() == lanes
