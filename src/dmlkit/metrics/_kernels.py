@@ -305,17 +305,24 @@ def unpack_rows(keys: np.ndarray, out_values: np.ndarray, out_indices: np.ndarra
             out_indices[r, i] = _ID_MASK - (key & _ID_MASK)
 
 
+@numba.njit(nogil=True, cache=True, boundscheck=False, fastmath=True)
+def _sqdist64(a: np.ndarray, b: np.ndarray) -> np.float64:
+    """``sum_t (a_t - b_t)^2`` accumulated in float64 (any summation order, as :func:`_dot64`:
+    vectorised: 20 ns at d = 128 against 118 in order)."""
+    acc = 0.0
+    for t in range(a.shape[0]):
+        diff = np.float64(a[t]) - np.float64(b[t])
+        acc += diff * diff
+    return acc
+
+
 @numba.njit(inline="always")
 def _closeness64(a: np.ndarray, b: np.ndarray, euclidean: bool) -> np.float64:
     """Float64 closeness of two float32 rows: ``sum_t a_t b_t`` (cosine on normalised rows, dot
     product; the same inner product that ranks scan_tile's bfloat16 survivors), or minus the
     squared Euclidean distance ``-sum_t (a_t - b_t)^2``."""
     if euclidean:
-        acc = 0.0
-        for t in range(a.shape[0]):
-            diff = np.float64(a[t]) - np.float64(b[t])
-            acc -= diff * diff
-        return acc
+        return -_sqdist64(a, b)
     return _dot64(a, b)
 
 
