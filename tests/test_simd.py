@@ -78,3 +78,25 @@ def test_compress_table_lists_the_set_lanes():
     for mask in (0, 1, 0b10110010, 255):
         lanes = [lane for lane in range(8) if mask >> lane & 1]
         assert COMPRESS_TABLE[mask, : len(lanes)].tolist() == lanes
+
+
+def test_intrinsics_refuse_arrays_they_would_misread():
+    """A strided view or another dtype is refused when the kernel is typed, not misread."""
+    @numba.njit
+    def strided(row):
+        vals = np.zeros(16, np.float32)
+        refs = np.zeros(16, np.int32)
+        return compress8(vals, refs, 0, row, 0, np.float32(0.0), COMPRESS_TABLE, 0)
+
+    with pytest.raises(numba.core.errors.TypingError, match="C-contiguous"):
+        strided(np.zeros(32, np.float32)[::2])
+    with pytest.raises(numba.core.errors.TypingError, match="float32"):
+        strided(np.zeros(16, np.float64))
+
+    @numba.njit
+    def view(s):
+        block = np.zeros((8, 8), np.float32)
+        transpose8(s, 0, 0, block)
+
+    with pytest.raises(numba.core.errors.TypingError, match="C-contiguous"):
+        view(np.zeros((16, 16), np.float32)[:, 1:])

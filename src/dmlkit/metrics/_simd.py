@@ -24,6 +24,7 @@ from llvmlite import binding as llvm
 from llvmlite import ir
 from numba import types
 from numba.core import cgutils, config
+from numba.core.errors import TypingError
 from numba.extending import intrinsic
 
 __all__ = ["COMPRESS_TABLE", "compress8", "compress8_portable", "has_avx2", "transpose8"]
@@ -101,6 +102,19 @@ def _compress8_codegen(use_permute: bool):
     return codegen
 
 
+def _require(name: str, ty, dtype, ndim: int) -> None:
+    """The intrinsics read and write through raw pointers: only C-contiguous arrays of one type."""
+    if not (isinstance(ty, types.Array) and ty.dtype == dtype and ty.ndim == ndim and ty.layout == "C"):
+        raise TypingError(f"{name} must be a C-contiguous {ndim}-d {dtype} array, got {ty}")
+
+
+def _check_compress8(vals, refs, row, table) -> None:
+    _require("vals", vals, types.float32, 1)
+    _require("refs", refs, types.int32, 1)
+    _require("row", row, types.float32, 1)
+    _require("table", table, types.int32, 2)
+
+
 @intrinsic
 def compress8(typingctx, vals, refs, n, row, col, low, table, first_ref):
     """``compress8(vals, refs, n, row, col, low, table, first_ref) -> n'``: append the entries
@@ -108,6 +122,7 @@ def compress8(typingctx, vals, refs, n, row, col, low, table, first_ref):
     ``refs[n:]`` (int32), in order; return ``n`` plus their number. Reads ``row[col : col + 8]``
     and writes up to ``vals[n + 7]`` / ``refs[n + 7]`` (give the outputs 8 spare lanes).
     ``table`` is :data:`COMPRESS_TABLE`."""
+    _check_compress8(vals, refs, row, table)
     sig = types.int64(vals, refs, n, row, col, low, table, first_ref)
     return sig, _compress8_codegen(has_avx2())
 
@@ -116,6 +131,7 @@ def compress8(typingctx, vals, refs, n, row, col, low, table, first_ref):
 def compress8_portable(typingctx, vals, refs, n, row, col, low, table, first_ref):
     """:func:`compress8` always lane by lane (the path of CPUs without AVX2; tests compare the
     two)."""
+    _check_compress8(vals, refs, row, table)
     sig = types.int64(vals, refs, n, row, col, low, table, first_ref)
     return sig, _compress8_codegen(False)
 
@@ -132,6 +148,8 @@ def transpose8(typingctx, s, row, col, block):
     """``transpose8(s, row, col, block)``: ``block[l, k] = s[row + k, col + l]`` for ``k, l`` in
     ``0..7`` (``s`` a C-contiguous float32 matrix, ``block`` a float32 8 x 8 one), in registers:
     eight row loads, 24 shuffles, eight stores."""
+    _require("s", s, types.float32, 2)
+    _require("block", block, types.float32, 2)
     sig = types.void(s, row, col, block)
 
     def codegen(context, builder, signature, args):
