@@ -102,13 +102,13 @@ def test_symmetric_tiles_count_columns_without_transposing(numba_path, monkeypat
 @pytest.mark.parametrize("same", [True, False])
 def test_row_groups_scan_wide_column_blocks(numba_path, monkeypatch, same):
     """Row groups (state for ~40 rows at a time) scan 64-row tiles as wide as the tile half of a
-    1 MiB budget allows (1024 columns on one worker, 512 on two), so 1,100 references take two
-    or three column blocks, the last a short one; the same values as the brute force, exact
-    ties included."""
+    1 MiB budget allows (2048 columns on one worker, 1024 on two, 128 on sixteen), so 2,500
+    references take two or more column blocks, the last a short one; the same values as the
+    brute force, exact ties included."""
     import dmlkit.metrics.average_precision as ap
 
-    q, ql = _tied(1100 if same else 200, 4, 9, 5)
-    r, rl = (None, None) if same else _tied(1100, 4, 11, 6)
+    q, ql = _tied(2500 if same else 200, 4, 20, 5)
+    r, rl = (None, None) if same else _tied(2500, 4, 22, 6)
     monkeypatch.setattr(ap, "_MAX_TILE", 64)
     monkeypatch.setattr(ap, "_STATE_BYTES", 2**20 // 2 // 40 // 120)
     widths = []

@@ -18,19 +18,23 @@ increment per reference); the entries of the other buckets are listed and placed
 a short forward scan over the bounds, and only a value within ``tol`` of a positive's closeness
 is re-scored in float64 and compared exactly (ties by index). A positive always lies within its
 own band, so it is always listed, and there its class code (one load) skips it. References below
-the lowest bound rank after every positive and cost one comparison (a branch-free compaction of
-the tile row, keeping each survivor's value and column). A self-search tile also serves the
-column block: :func:`count_columns` compacts eight columns per pass over the rows.
+the lowest bound rank after every positive and cost one comparison: a tile row is compacted
+eight entries at a time (:func:`dmlkit.metrics._simd.compress8`), keeping each survivor's value
+and column. A self-search tile also serves the column block: :func:`count_columns` transposes
+8 x 8 blocks in registers (:func:`dmlkit.metrics._simd.transpose8`) and compacts each column.
 
-Measured on a 2-core EPYC (Zen 3, no AVX-512), one thread, ns per tile pair at N = 50k, d = 128,
-R = 49: products 3.4-3.8, rows 2.0-2.4, columns 2.9-3.3, positives' preparation 0.35-0.6. Measured
-slower or no better: a transposing copy (torch's, or a numba 8 x 8 blocked one) before counting
-the columns as rows (0.3-0.6 ns a pair more); index-only compaction with values gathered
-afterwards; branch-free placement of every survivor through the first two bounds after the
-table's positive (1.5-2x slower: longer address chains into ``cnt``); four interleaved count
-arrays; 16-column strips; finer tables (2048 or 4096 buckets); tiles of 512 or 2048; counting each
-row's 8 lowest positives by vectorised comparisons and placing only the entries above them (rows
-4.4, columns 9-10: listing the few survivors mispredicts once each, see benchmarks/README.md).
+Measured on a 2-core EPYC (Zen 3, no AVX-512), one thread, ns per tile pair at N = 20k, d = 128,
+R = 49, tiles captured in the pipeline: rows 1.3-1.6 (0.9 of them the compaction and reading the
+fresh tile) and columns 1.8-2.0, against 2.4 and 3.2 with scalar compaction. Measured slower or
+no better:
+a transposing copy before counting the columns as rows; index-only compaction with values
+gathered afterwards; branch-free placement of every survivor through the first two bounds after
+the table's positive (1.5-2x slower: longer address chains into ``cnt``); four interleaved count
+arrays; 16-column strips; finer tables (2048 or 4096 buckets, also at R = 499); tiles of 256,
+512 or 2048; counting each row's 8 lowest positives by vectorised comparisons and placing only
+the entries above them, on the whole row or on the compacted survivors (slower in both); one
+pass over a symmetric tile for its rows and columns (1,024 live column lists miss L1). See
+benchmarks/README.md.
 """
 
 from __future__ import annotations
@@ -45,7 +49,7 @@ from dmlkit.metrics._simd import COMPRESS_TABLE, compress8, transpose8
 
 __all__ = [
     "Counting", "ap_from_counts", "bounds", "build_tables", "count_columns", "count_rows",
-    "gather_positives", "positive_scores", "sort_positives",
+    "counting_scratch", "gather_positives", "positive_scores", "sort_positives",
 ]
 
 
@@ -270,9 +274,8 @@ def count_rows(
 
     ``s[r, c]`` is the closeness of query ``row0 + r`` and reference ``col0 + c``; row state is
     indexed from global row ``state0``. With ``exclude_self`` the entry of a query with itself
-    (equal global indices) is skipped (set to ``-inf`` in ``s``). ``scratch`` is ``(vals, refs,
-    buckets, dirty)``: float32 and int32 arrays of 8 rows and two int32 vectors, all at least
-    the tile's side long.
+    (equal global indices) is skipped (set to ``-inf`` in ``s``). ``scratch`` is
+    :func:`counting_scratch` of at least the tile's longer side.
     """
     vals, refs, buckets, dirty, _ = scratch
     lo = state.lo
@@ -311,8 +314,9 @@ def count_columns(
     is query ``col0 + c`` (state ``col0 + c - state0``) against references ``row0 + r`` (a
     self-search tile off the diagonal, so no entry is a query with itself).
 
-    Eight columns at a time: each tile row gives one 32-byte read for eight compactions (a
-    transposing copy then :func:`count_rows` measured 0.3-0.6 ns a tile pair more).
+    Eight columns at a time: each 8 x 8 block is transposed in registers and its columns
+    compacted eight entries at a time; the rows past the last whole block, and the columns past
+    the last group of eight, one entry at a time.
     """
     vals, refs, buckets, dirty, block = scratch
     lo = state.lo
@@ -359,6 +363,14 @@ def count_columns(
             n = counts[k]
             if n and lo[i0 + k] != np.inf:
                 _place(vals[k], refs[k], n, row0, i0 + k, col0 + c0 + k, state, buckets, dirty)
+
+
+def counting_scratch(side: int) -> tuple:
+    """One worker's scratch for :func:`count_rows` / :func:`count_columns` on tiles of at most
+    ``side`` rows and columns: eight compacted lines (values, columns; 8 spare lanes for
+    :func:`dmlkit.metrics._simd.compress8`), the buckets and listed entries, an 8 x 8 block."""
+    return (np.empty((8, side + 8), np.float32), np.empty((8, side + 8), np.int32),
+            np.empty(side, np.int32), np.empty(side, np.int32), np.empty((8, 8), np.float32))
 
 
 @numba.njit(nogil=True, cache=True)
