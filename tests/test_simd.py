@@ -94,6 +94,15 @@ def test_intrinsics_refuse_arrays_they_would_misread():
         strided(np.zeros(16, np.float64))
 
     @numba.njit
+    def float64_threshold(row):
+        vals = np.zeros(16, np.float32)
+        refs = np.zeros(16, np.int32)
+        return compress8(vals, refs, 0, row, 0, 0.5, COMPRESS_TABLE, 0)
+
+    with pytest.raises(numba.core.errors.TypingError, match="float32 threshold"):
+        float64_threshold(np.zeros(16, np.float32))
+
+    @numba.njit
     def view(s):
         block = np.zeros((8, 8), np.float32)
         transpose8(s, 0, 0, block)

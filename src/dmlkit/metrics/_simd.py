@@ -108,11 +108,18 @@ def _require(name: str, ty, dtype, ndim: int) -> None:
         raise TypingError(f"{name} must be a C-contiguous {ndim}-d {dtype} array, got {ty}")
 
 
-def _check_compress8(vals, refs, row, table) -> None:
+def _compress8_signature(vals, refs, n, row, col, low, table, first_ref):
+    """The typed signature (integers as int64), or a TypingError for arguments it would misuse."""
     _require("vals", vals, types.float32, 1)
     _require("refs", refs, types.int32, 1)
     _require("row", row, types.float32, 1)
     _require("table", table, types.int32, 2)
+    for name, ty in (("n", n), ("col", col), ("first_ref", first_ref)):
+        if not isinstance(ty, types.Integer):
+            raise TypingError(f"{name} must be an integer, got {ty}")
+    if low != types.float32:
+        raise TypingError(f"low must be a float32 threshold, got {low}")
+    return types.int64(vals, refs, types.int64, row, types.int64, types.float32, table, types.int64)
 
 
 @intrinsic
@@ -122,8 +129,7 @@ def compress8(typingctx, vals, refs, n, row, col, low, table, first_ref):
     ``refs[n:]`` (int32), in order; return ``n`` plus their number. Reads ``row[col : col + 8]``
     and writes up to ``vals[n + 7]`` / ``refs[n + 7]`` (give the outputs 8 spare lanes).
     ``table`` is :data:`COMPRESS_TABLE`."""
-    _check_compress8(vals, refs, row, table)
-    sig = types.int64(vals, refs, n, row, col, low, table, first_ref)
+    sig = _compress8_signature(vals, refs, n, row, col, low, table, first_ref)
     return sig, _compress8_codegen(has_avx2())
 
 
@@ -131,8 +137,7 @@ def compress8(typingctx, vals, refs, n, row, col, low, table, first_ref):
 def compress8_portable(typingctx, vals, refs, n, row, col, low, table, first_ref):
     """:func:`compress8` always lane by lane (the path of CPUs without AVX2; tests compare the
     two)."""
-    _check_compress8(vals, refs, row, table)
-    sig = types.int64(vals, refs, n, row, col, low, table, first_ref)
+    sig = _compress8_signature(vals, refs, n, row, col, low, table, first_ref)
     return sig, _compress8_codegen(False)
 
 
@@ -150,7 +155,10 @@ def transpose8(typingctx, s, row, col, block):
     eight row loads, 24 shuffles, eight stores."""
     _require("s", s, types.float32, 2)
     _require("block", block, types.float32, 2)
-    sig = types.void(s, row, col, block)
+    for name, ty in (("row", row), ("col", col)):
+        if not isinstance(ty, types.Integer):
+            raise TypingError(f"{name} must be an integer, got {ty}")
+    sig = types.void(s, types.int64, types.int64, block)
 
     def codegen(context, builder, signature, args):
         s_v, row_v, col_v, block_v = args
