@@ -26,15 +26,14 @@ and column. A self-search tile also serves the column block: :func:`count_column
 Measured on a 2-core EPYC (Zen 3, no AVX-512), one thread, ns per tile pair at N = 20k, d = 128,
 R = 49, tiles captured in the pipeline: rows 1.3-1.6 (0.9 of them the compaction and reading the
 fresh tile) and columns 1.8-2.0, against 2.4 and 3.2 with scalar compaction. Measured slower or
-no better:
-a transposing copy before counting the columns as rows; index-only compaction with values
-gathered afterwards; branch-free placement of every survivor through the first two bounds after
-the table's positive (1.5-2x slower: longer address chains into ``cnt``); four interleaved count
-arrays; 16-column strips; finer tables (2048 or 4096 buckets, also at R = 499); tiles of 256,
-512 or 2048; counting each row's 8 lowest positives by vectorised comparisons and placing only
-the entries above them, on the whole row or on the compacted survivors (slower in both); one
-pass over a symmetric tile for its rows and columns (1,024 live column lists miss L1). See
-benchmarks/README.md.
+no better: a transposing copy before counting the columns as rows; index-only compaction with
+values gathered afterwards; branch-free placement of every survivor through the first two
+bounds after the table's positive (1.5-2x slower: longer address chains into ``cnt``); four
+interleaved count arrays; 16-column strips; finer tables (2048 to 16384 buckets, also at R =
+499); tiles of 256, 512 or 2048; counting each row's 8 lowest positives by vectorised
+comparisons and placing only the entries above them, on the whole row or on the compacted
+survivors (slower in both); one pass over a symmetric tile for its rows and columns (1,024 live
+column lists miss L1). See benchmarks/README.md.
 """
 
 from __future__ import annotations
