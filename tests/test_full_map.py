@@ -114,9 +114,9 @@ def test_row_groups_scan_wide_column_blocks(numba_path, monkeypatch, same):
     widths = []
     scan = ap._Group.scan
 
-    def spy(self, tiles, tile, workers, nq, m, budget):
-        widths.append((tile, budget // (8 * workers) // tile, m))
-        return scan(self, tiles, tile, workers, nq, m, budget)
+    def spy(self, tiles, tile, wide, workers, nq, m):
+        widths.append((tile, wide, m))
+        return scan(self, tiles, tile, wide, workers, nq, m)
 
     monkeypatch.setattr(ap._Group, "scan", spy)
     got = _map(q, ql, r, rl, memory_budget=2**20)

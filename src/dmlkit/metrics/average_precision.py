@@ -128,8 +128,13 @@ def full_ranking_map(
         g0 = g1
 
     with single_threaded_torch() as workers:
-        # per worker: a float32 tile in the other half of the budget
-        tile = int(max(64, min(_MAX_TILE, math.isqrt(budget // (8 * workers)))))
+        # per worker: a float32 tile in the other half of the budget, square on a symmetric
+        # self-search; row groups scan tiles as wide as it holds (a row's counts and table are
+        # then fetched once per wide block: 6 KB a row at 499 positives, and the row pass measured
+        # 1.55-1.9 s against 2.3-2.7 s with 1024-column tiles, 20k queries, one thread)
+        tile_area = budget // (8 * workers)
+        tile = int(max(64, min(_MAX_TILE, math.isqrt(tile_area))))
+        wide = max(tile, min(m, tile_area // tile))
         memory = _GroupMemory(max(b - a for a, b in groups),
                               max(int(r_count[a:b].sum()) for a, b in groups), n_buckets, table_dtype,
                               np.int32 if m < 2**31 else np.int64)
@@ -138,7 +143,7 @@ def full_ranking_map(
                 continue
             group = _Group(g0, g1, r_count[g0:g1], codes, same, tiles, scorer.kind == "l2", tol,
                            memory, workers)
-            group.scan(tiles, tile, workers, nq, m, budget)
+            group.scan(tiles, tile, wide, workers, nq, m)
             group.average_precision(out[g0:g1])
     return torch.from_numpy(out)
 
@@ -211,10 +216,9 @@ class _Group:
         self.cnt = memory.cnt[: total + rows]  # a spare slot after each row's
         self.cnt.fill(0)
 
-    def scan(self, tiles: _Tiles, tile: int, workers: int, nq: int, m: int, budget: int) -> None:
+    def scan(self, tiles: _Tiles, tile: int, wide: int, workers: int, nq: int, m: int) -> None:
         """Every tile of these rows against every reference, on ``workers`` threads: square tiles
-        of side ``tile`` on a symmetric self-search, else ``tile`` rows by as many columns as the
-        tile half of ``budget`` holds."""
+        of side ``tile`` on a symmetric self-search, else ``tile`` rows by ``wide`` columns."""
         # lazy: the numba kernels load only when a compiled path runs
         from dmlkit.metrics._ap_kernels import Counting, count_columns, count_rows, counting_scratch
 
@@ -226,10 +230,6 @@ class _Group:
             tasks = [(bi, bi + band) for band in range(nb) for bi in range(nb - band)]
             col_blocks = blocks
         else:
-            # wide column blocks: a row's counts and table are fetched once per block, and at
-            # 499 positives a row they are 6 KB (the row pass measured 1.55-1.9 s against
-            # 2.3-2.7 s with 1024-column tiles, 20k queries, one thread)
-            wide = max(tile, min(m, budget // (8 * workers) // tile))
             col_blocks = [(b0, min(m, b0 + wide)) for b0 in range(0, m, wide)]
             tasks = [(bi, bj) for bj in range(len(col_blocks)) for bi in range(len(blocks))]
         locks = [threading.Lock() for _ in blocks]
