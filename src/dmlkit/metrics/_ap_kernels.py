@@ -59,8 +59,7 @@ class Counting(NamedTuple):
     """What the counting kernels read and write for a group of query rows."""
 
     pos_ptr: np.ndarray  #: each row's positives start here (int64, rows + 1)
-    pos_val: np.ndarray  #: their float64 closeness, sorted per row (descending, ties by index)
-    pos_ref: np.ndarray  #: their reference indices
+    pos_ref: np.ndarray  #: their references, closest first (float64 closeness; ties by index)
     up: np.ndarray  #: float32 bound below which a tile value ranks after the positive
     dn: np.ndarray  #: float32 bound above which it ranks before it
     lo: np.ndarray  #: each row's lowest bound (inf without positives)
@@ -210,9 +209,10 @@ def _place(
     positives were set to ``-inf``; :func:`ap_from_counts` places them). Three passes: the
     buckets (vectorised), the table (``cnt[e] += 1`` for a bucket away from every positive; the
     others are listed) and the listed entries, placed by a short scan over the bounds and,
-    within ``tol`` of a positive, in float64 (ties by the original index).
+    within ``tol`` of a positive, in float64 (both closenesses recomputed; ties by the original
+    index).
     """
-    pos_ptr, pos_val, pos_ref, up, dn = state.pos_ptr, state.pos_val, state.pos_ref, state.up, state.dn
+    pos_ptr, pos_ref, up, dn = state.pos_ptr, state.pos_ref, state.up, state.dn
     lo, scale, table, cnt = state.lo, state.scale, state.table, state.cnt
     ref_index = state.ref_index
     n_buckets = table.shape[1]
@@ -239,11 +239,13 @@ def _place(
         while e < big_r and x < up[p0 + e]:
             e += 1
         if e < big_r and x <= dn[p0 + e]:  # within tol of positive e's closeness: exact
-            v = _closeness64(state.query[gi], state.reference[j], state.euclidean)
+            a = state.query[gi]
+            v = _closeness64(a, state.reference[j], state.euclidean)
             q = e
             while q < big_r and x <= dn[p0 + q]:
-                pv = pos_val[p0 + q]
-                if pv > v or (pv == v and ref_index[pos_ref[p0 + q]] < ref_index[j]):
+                k = pos_ref[p0 + q]  # the positive's closeness, as positive_scores computed it
+                pv = _closeness64(a, state.reference[k], state.euclidean)
+                if pv > v or (pv == v and ref_index[k] < ref_index[j]):
                     e += 1
                 q += 1
         if e < big_r:

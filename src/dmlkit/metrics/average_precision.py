@@ -41,9 +41,10 @@ from dmlkit.metrics._tiles import _Tiles
 
 __all__ = ["closeness_tolerance", "full_ranking_map"]
 
-#: Bytes of per-positive state (float64 closeness, int64 reference, two float32 bounds, int32
-#: count).
-_STATE_BYTES = 28
+#: Bytes of per-positive state: its reference (int32), two float32 bounds, an int32 count
+#: (8 more with int64 references and counts, from 2^31 references). Its float64 closeness lives
+#: only while the rows are prepared: the rare exact comparison recomputes it.
+_STATE_BYTES = 16
 #: Bytes of per-row state besides the bucket table (pointer, lowest bound, scale, result, spare
 #: count).
 _ROW_BYTES = 32
@@ -94,7 +95,7 @@ def full_ranking_map(
     ``scorer`` is a symmetric :class:`dmlkit.metrics.knn._Scorer` (cosine, dot or Euclidean);
     ``q`` / ``r`` are its *prepared* float32 CPU rows; ``r=None`` is a self-search that leaves
     each query out of its own ranking. Memory: a copy of the references in class order; the
-    positives' state (28 bytes each) and a bucket table per row (1 byte a bucket below 126
+    positives' state (16 bytes each) and a bucket table per row (1 byte a bucket below 126
     positives, 2 below 2^15, else 4) within half of ``budget``, in groups of rows if need be
     (each group then scans every reference, in tiles as wide as the other half allows, with up
     to 4096 buckets a row instead of 1024); a float32 tile per worker within the other half.
@@ -127,11 +128,13 @@ def full_ranking_map(
     out = np.zeros(nq, dtype=np.float64)
     tiles = _Tiles(scorer, q, ref, bf16=False)
     table_dtype = _table_dtype(int(r_count.max(initial=0)))
+    index_dtype = np.int32 if m < 2**31 else np.int64
+    state_bytes = _STATE_BYTES + 2 * (np.dtype(index_dtype).itemsize - 4)
     n_buckets = _buckets(r_count, _MAX_BUCKETS)
-    groups = _row_groups(r_count, n_buckets, table_dtype, budget)
+    groups = _row_groups(r_count, state_bytes, n_buckets, table_dtype, budget)
     if len(groups) > 1:  # row groups scan wide tiles: finer tables stay in cache there
         n_buckets = _buckets(r_count, _MAX_GROUP_BUCKETS)
-        groups = _row_groups(r_count, n_buckets, table_dtype, budget)
+        groups = _row_groups(r_count, state_bytes, n_buckets, table_dtype, budget)
 
     with single_threaded_torch() as workers:
         # per worker: a float32 tile in the other half of the budget, square on a symmetric
@@ -143,7 +146,7 @@ def full_ranking_map(
         wide = max(tile, min(m, tile_area // tile))
         memory = _GroupMemory(max(b - a for a, b in groups),
                               max(int(r_count[a:b].sum()) for a, b in groups), n_buckets, table_dtype,
-                              np.int32 if m < 2**31 else np.int64)
+                              index_dtype)
         for g0, g1 in groups:
             if r_count[g0:g1].sum() == 0:
                 continue
@@ -156,9 +159,10 @@ def full_ranking_map(
     return torch.from_numpy(out)
 
 
-def _row_groups(r_count: np.ndarray, n_buckets: int, table_dtype: type, budget: int) -> list:
+def _row_groups(r_count: np.ndarray, state_bytes: int, n_buckets: int, table_dtype: type,
+                budget: int) -> list:
     """Consecutive query rows ``(g0, g1)`` whose state fits in half of ``budget``."""
-    per_row = np.cumsum(r_count * _STATE_BYTES + _ROW_BYTES + table_dtype().itemsize * n_buckets)
+    per_row = np.cumsum(r_count * state_bytes + _ROW_BYTES + table_dtype().itemsize * n_buckets)
     groups, g0, nq = [], 0, r_count.shape[0]
     while g0 < nq:
         base = per_row[g0 - 1] if g0 else 0
@@ -184,16 +188,15 @@ class _GroupMemory:
     2 s for the 800 MB of state of 50k queries with 499 positives each)."""
 
     def __init__(self, rows: int, positives: int, n_buckets: int, table_dtype: type,
-                 count_dtype: type) -> None:
+                 index_dtype: type) -> None:
         self.pos_ptr = np.empty(rows + 1, np.int64)
-        self.pos_ref = np.empty(positives, np.int64)
-        self.pos_val = np.empty(positives, np.float64)
+        self.pos_ref = np.empty(positives, index_dtype)
         self.up = np.empty(positives, np.float32)
         self.dn = np.empty(positives, np.float32)
         self.lo = np.empty(rows, np.float32)
         self.scale = np.empty(rows, np.float32)
         self.table = np.empty((rows, n_buckets), table_dtype)
-        self.cnt = np.empty(positives + rows, count_dtype)
+        self.cnt = np.empty(positives + rows, index_dtype)
 
 
 class _Group:
@@ -215,24 +218,26 @@ class _Group:
         pos_ref = memory.pos_ref[:total]
         _ap_kernels.gather_positives(g0, codes.pos_first, codes.pos_last, same, pos_ptr, pos_ref)
         query_codes = codes.query_codes[g0:g1]
-        pos_val = memory.pos_val[:total]
-        self.pos_ptr, self.pos_val, self.pos_ref = pos_ptr, pos_val, pos_ref
+        self.pos_ptr, self.pos_ref = pos_ptr, pos_ref
         self.up, self.dn = memory.up[:total], memory.dn[:total]
         self.lo, self.scale, self.table = memory.lo[:rows], memory.scale[:rows], memory.table[:rows]
 
         def prepare(chunk: tuple[int, int]) -> None:
-            """Rows ``a:b`` of the group: float64 closeness of the positives, sorted per row
-            (closest first, ties by index), their float32 bounds and the bucket tables."""
+            """Rows ``a:b`` of the group: float64 closeness of the positives (a temporary),
+            sorted per row (closest first, ties by index), their float32 bounds and the bucket
+            tables."""
             a, b = chunk
             p, q = pos_ptr[a], pos_ptr[b]
-            by_class = a + np.argsort(query_codes[a:b], kind="stable")
-            _ap_kernels.positive_scores(self.qn, self.rn, by_class, g0, pos_ptr, pos_ref, euclidean, pos_val)
-            _ap_kernels.sort_positives(pos_ptr[a : b + 1], pos_val, pos_ref)
-            _ap_kernels.bounds(pos_val[p:q], tol, self.up[p:q], self.dn[p:q])
-            _ap_kernels.build_tables(pos_ptr[a : b + 1], self.up, self.dn, self.lo[a:b],
-                                     self.scale[a:b], self.table[a:b])
+            ptr, refs, up, dn = pos_ptr[a : b + 1] - p, pos_ref[p:q], self.up[p:q], self.dn[p:q]
+            vals = np.empty(q - p, np.float64)
+            by_class = np.argsort(query_codes[a:b], kind="stable")
+            _ap_kernels.positive_scores(self.qn, self.rn, by_class, g0 + a, ptr, refs, euclidean, vals)
+            _ap_kernels.sort_positives(ptr, vals, refs)
+            _ap_kernels.bounds(vals, tol, up, dn)
+            _ap_kernels.build_tables(ptr, up, dn, self.lo[a:b], self.scale[a:b], self.table[a:b])
 
-        step = max(1, -(-rows // (4 * workers)))
+        # chunks of at most 2^20 positives (8 MB of float64 closeness each), 4 per worker or more
+        step = max(1, min(-(-rows // (4 * workers)), 2**20 // max(1, int(counts.max(initial=1)))))
         run_threads(prepare, [(a, min(rows, a + step)) for a in range(0, rows, step)], workers)
         self.cnt = memory.cnt[: total + rows]  # a spare slot after each row's
         self.cnt.fill(0)
@@ -259,7 +264,7 @@ class _Group:
         for _ in range(workers):
             scratch.put((tiles.scratch(tile, side), counting_scratch(side)))
         codes = self.codes
-        state = Counting(self.pos_ptr, self.pos_val, self.pos_ref, self.up, self.dn, self.lo,
+        state = Counting(self.pos_ptr, self.pos_ref, self.up, self.dn, self.lo,
                          self.scale, self.table, self.cnt, self.qn, self.rn, self.euclidean,
                          codes.pos_first, codes.pos_last, codes.ref_index)
 
