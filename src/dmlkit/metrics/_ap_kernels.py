@@ -36,7 +36,9 @@ interleaved count arrays; 16-column strips; finer tables (2048 to 16384 buckets,
 499); tiles of 256, 512 or 2048; counting each row's 8 lowest positives by vectorised
 comparisons and placing only the entries above them, on the whole row or on the compacted
 survivors (slower in both); one pass over a symmetric tile for its rows and columns (1,024 live
-column lists miss L1). See benchmarks/README.md.
+column lists miss L1); software prefetch of the next row's state; exact re-scorings deferred to
+a loop of their own; counting strips of a tile right after their product. See
+benchmarks/README.md.
 """
 
 from __future__ import annotations
