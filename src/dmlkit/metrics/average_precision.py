@@ -52,8 +52,8 @@ _ROW_BYTES = 32
 _BUCKETS_PER_POSITIVE = 8
 _MIN_BUCKETS, _MAX_BUCKETS = 64, 1024
 #: The cap for row groups, which scan wide tiles: a row's table is then read for thousands of
-#: columns and stays in cache (50k queries, R = 499, interleaved runs: 23.0 CPU s median against
-#: 23.8 with 1024).
+#: columns and stays in cache (50k queries, R = 499, references in class order, interleaved
+#: runs: 23.0 CPU s median against 23.8 with 1024).
 _MAX_GROUP_BUCKETS = 4096
 #: Largest tile side (rows = columns) of the scan.
 _MAX_TILE = 1024
@@ -184,8 +184,8 @@ class _Codes:
 
 class _GroupMemory:
     """The arrays of :class:`_Group`, sized for the largest group and reused by every group: a
-    fresh page costs a fault on first write (measured 2.7 ms a MB on a 2-core EPYC VM, about
-    2 s for the 800 MB of state of 50k queries with 499 positives each)."""
+    fresh page costs a fault on first write (measured 2.7 ms a MB on a 2-core EPYC VM: about
+    1 s for the 400 MB of state of 50k queries with 499 positives each)."""
 
     def __init__(self, rows: int, positives: int, n_buckets: int, table_dtype: type,
                  index_dtype: type) -> None:
