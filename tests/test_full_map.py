@@ -174,3 +174,30 @@ def test_wide_table_rows_with_more_than_32k_positives(numba_path):
     q = rng.normal(size=(2, 4)).astype(np.float32)
     ql = np.array([1, 0])
     np.testing.assert_allclose(_map(q, ql, r, rl), brute_force_ap(q, ql, r, rl), rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("same", [True, False])
+def test_state_without_stored_closeness_recomputes_it(numba_path, monkeypatch, same):
+    """Where leaving out the positives' float64 closeness lets the state fit one group, it is
+    left out and the exact comparison recomputes it: the same values, exact ties included."""
+    import dmlkit.metrics.average_precision as ap
+
+    q, ql = _tied(300, 3, 12, 8)
+    r, rl = (None, None) if same else _tied(400, 3, 14, 9)
+    kept = []
+    memory = ap._GroupMemory
+
+    def spy(*args):
+        kept.append(args[-1])
+        return memory(*args)
+
+    monkeypatch.setattr(ap, "_GroupMemory", spy)
+    monkeypatch.setattr(ap, "_VALUE_BYTES", 2**20)  # with it, no group of rows would fit
+    got = _map(q, ql, r, rl)
+    assert kept == [False]
+    want = brute_force_ap(q, ql, r, rl)
+    np.testing.assert_array_equal(np.isnan(got), np.isnan(want))
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-12)
+    monkeypatch.setattr(ap, "_VALUE_BYTES", 8)
+    np.testing.assert_array_equal(_map(q, ql, r, rl), got)
+    assert kept == [False, True]

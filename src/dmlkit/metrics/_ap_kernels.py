@@ -62,6 +62,7 @@ class Counting(NamedTuple):
 
     pos_ptr: np.ndarray  #: each row's positives start here (int64, rows + 1)
     pos_ref: np.ndarray  #: their references, closest first (float64 closeness; ties by index)
+    pos_val: np.ndarray  #: their float64 closeness, or empty: recomputed when needed
     up: np.ndarray  #: float32 bound below which a tile value ranks after the positive
     dn: np.ndarray  #: float32 bound above which it ranks before it
     lo: np.ndarray  #: each row's lowest bound (inf without positives)
@@ -194,6 +195,28 @@ def build_tables(
 
 
 @numba.njit(nogil=True, cache=True, boundscheck=False)
+def _exact_rank(state: Counting, gi: int, j: int, x: np.float32, first: int, stop: int) -> int:
+    """Where reference ``j`` (tile value ``x``) ranks for query ``gi`` among the positives
+    ``first:stop``, the first of them not certainly before it: ``first`` plus the positives
+    whose band holds ``x`` and whose float64 closeness ranks before ``j``'s (ties by the
+    original index). A positive's closeness is read from ``pos_val`` or, where the state does
+    not keep it, recomputed by the function that sorted it. Out of line: the hot loops of
+    :func:`_place` stay small."""
+    dn, pos_ref, pos_val, ref_index = state.dn, state.pos_ref, state.pos_val, state.ref_index
+    a = state.query[gi]
+    v = _closeness64(a, state.reference[j], state.euclidean)
+    e = first
+    q = first
+    while q < stop and x <= dn[q]:
+        k = pos_ref[q]
+        pv = pos_val[q] if pos_val.shape[0] else _closeness64(a, state.reference[k], state.euclidean)
+        if pv > v or (pv == v and ref_index[k] < ref_index[j]):
+            e += 1
+        q += 1
+    return e
+
+
+@numba.njit(nogil=True, cache=True, boundscheck=False)
 def _place(
     vals: np.ndarray,
     refs: np.ndarray,
@@ -241,15 +264,7 @@ def _place(
         while e < big_r and x < up[p0 + e]:
             e += 1
         if e < big_r and x <= dn[p0 + e]:  # within tol of positive e's closeness: exact
-            a = state.query[gi]
-            v = _closeness64(a, state.reference[j], state.euclidean)
-            q = e
-            while q < big_r and x <= dn[p0 + q]:
-                k = pos_ref[p0 + q]  # the positive's closeness, as positive_scores computed it
-                pv = _closeness64(a, state.reference[k], state.euclidean)
-                if pv > v or (pv == v and ref_index[k] < ref_index[j]):
-                    e += 1
-                q += 1
+            e = _exact_rank(state, gi, j, x, p0 + e, p0 + big_r) - p0
         if e < big_r:
             cnt[c0 + e] += 1
 

@@ -42,9 +42,11 @@ from dmlkit.metrics._tiles import _Tiles
 __all__ = ["closeness_tolerance", "full_ranking_map"]
 
 #: Bytes of per-positive state: its reference (int32), two float32 bounds, an int32 count
-#: (8 more with int64 references and counts, from 2^31 references). Its float64 closeness lives
-#: only while the rows are prepared: the rare exact comparison recomputes it.
+#: (8 more with int64 references and counts, from 2^31 references), and its float64 closeness
+#: (8) unless leaving it out lets the state fit the budget in one group (symmetric tiles):
+#: the rare exact comparison then recomputes it.
 _STATE_BYTES = 16
+_VALUE_BYTES = 8
 #: Bytes of per-row state besides the bucket table (pointer, lowest bound, scale, result, spare
 #: count).
 _ROW_BYTES = 32
@@ -95,7 +97,7 @@ def full_ranking_map(
     ``scorer`` is a symmetric :class:`dmlkit.metrics.knn._Scorer` (cosine, dot or Euclidean);
     ``q`` / ``r`` are its *prepared* float32 CPU rows; ``r=None`` is a self-search that leaves
     each query out of its own ranking. Memory: a copy of the references in class order; the
-    positives' state (16 bytes each) and a bucket table per row (1 byte a bucket below 126
+    positives' state (24 bytes each, 16 where that lets it fit one group) and a bucket table per row (1 byte a bucket below 126
     positives, 2 below 2^15, else 4) within half of ``budget``, in groups of rows if need be
     (each group then scans every reference, in tiles as wide as the other half allows, with up
     to 4096 buckets a row instead of 1024); a float32 tile per worker within the other half.
@@ -131,10 +133,14 @@ def full_ranking_map(
     index_dtype = np.int32 if m < 2**31 else np.int64
     state_bytes = _STATE_BYTES + 2 * (np.dtype(index_dtype).itemsize - 4)
     n_buckets = _buckets(r_count, _MAX_BUCKETS)
-    groups = _row_groups(r_count, state_bytes, n_buckets, table_dtype, budget)
-    if len(groups) > 1:  # row groups scan wide tiles: finer tables stay in cache there
+    groups = _row_groups(r_count, state_bytes + _VALUE_BYTES, n_buckets, table_dtype, budget)
+    keep_values = len(groups) == 1 or len(
+        _row_groups(r_count, state_bytes, n_buckets, table_dtype, budget)) > 1
+    if not keep_values:
+        groups = [(0, nq)]
+    elif len(groups) > 1:  # row groups scan wide tiles: finer tables stay in cache there
         n_buckets = _buckets(r_count, _MAX_GROUP_BUCKETS)
-        groups = _row_groups(r_count, state_bytes, n_buckets, table_dtype, budget)
+        groups = _row_groups(r_count, state_bytes + _VALUE_BYTES, n_buckets, table_dtype, budget)
 
     with single_threaded_torch() as workers:
         # per worker: a float32 tile in the other half of the budget, square on a symmetric
@@ -146,7 +152,7 @@ def full_ranking_map(
         wide = max(tile, min(m, tile_area // tile))
         memory = _GroupMemory(max(b - a for a, b in groups),
                               max(int(r_count[a:b].sum()) for a, b in groups), n_buckets, table_dtype,
-                              index_dtype)
+                              index_dtype, keep_values)
         for g0, g1 in groups:
             if r_count[g0:g1].sum() == 0:
                 continue
@@ -188,9 +194,10 @@ class _GroupMemory:
     1 s for the 400 MB of state of 50k queries with 499 positives each)."""
 
     def __init__(self, rows: int, positives: int, n_buckets: int, table_dtype: type,
-                 index_dtype: type) -> None:
+                 index_dtype: type, keep_values: bool) -> None:
         self.pos_ptr = np.empty(rows + 1, np.int64)
         self.pos_ref = np.empty(positives, index_dtype)
+        self.pos_val = np.empty(positives if keep_values else 0, np.float64)
         self.up = np.empty(positives, np.float32)
         self.dn = np.empty(positives, np.float32)
         self.lo = np.empty(rows, np.float32)
@@ -219,17 +226,18 @@ class _Group:
         _ap_kernels.gather_positives(g0, codes.pos_first, codes.pos_last, same, pos_ptr, pos_ref)
         query_codes = codes.query_codes[g0:g1]
         self.pos_ptr, self.pos_ref = pos_ptr, pos_ref
+        self.pos_val = memory.pos_val[:total]  # empty when not kept
         self.up, self.dn = memory.up[:total], memory.dn[:total]
         self.lo, self.scale, self.table = memory.lo[:rows], memory.scale[:rows], memory.table[:rows]
 
         def prepare(chunk: tuple[int, int]) -> None:
-            """Rows ``a:b`` of the group: float64 closeness of the positives (a temporary),
-            sorted per row (closest first, ties by index), their float32 bounds and the bucket
-            tables."""
+            """Rows ``a:b`` of the group: float64 closeness of the positives (kept, or a
+            temporary), sorted per row (closest first, ties by index), their float32 bounds and
+            the bucket tables."""
             a, b = chunk
             p, q = pos_ptr[a], pos_ptr[b]
             ptr, refs, up, dn = pos_ptr[a : b + 1] - p, pos_ref[p:q], self.up[p:q], self.dn[p:q]
-            vals = np.empty(q - p, np.float64)
+            vals = self.pos_val[p:q] if self.pos_val.size else np.empty(q - p, np.float64)
             by_class = np.argsort(query_codes[a:b], kind="stable")
             _ap_kernels.positive_scores(self.qn, self.rn, by_class, g0 + a, ptr, refs, euclidean, vals)
             _ap_kernels.sort_positives(ptr, vals, refs)
@@ -264,7 +272,7 @@ class _Group:
         for _ in range(workers):
             scratch.put((tiles.scratch(tile, side), counting_scratch(side)))
         codes = self.codes
-        state = Counting(self.pos_ptr, self.pos_ref, self.up, self.dn, self.lo,
+        state = Counting(self.pos_ptr, self.pos_ref, self.pos_val, self.up, self.dn, self.lo,
                          self.scale, self.table, self.cnt, self.qn, self.rn, self.euclidean,
                          codes.pos_first, codes.pos_last, codes.ref_index)
 
