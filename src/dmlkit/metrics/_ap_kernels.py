@@ -234,12 +234,10 @@ def _place(
     positives were set to ``-inf``; :func:`ap_from_counts` places them). Three passes: the
     buckets (vectorised), the table (``cnt[e] += 1`` for a bucket away from every positive; the
     others are listed) and the listed entries, placed by a short scan over the bounds and,
-    within ``tol`` of a positive, in float64 (both closenesses recomputed; ties by the original
-    index).
+    within ``tol`` of a positive, in float64 (:func:`_exact_rank`; ties by the original index).
     """
-    pos_ptr, pos_ref, up, dn = state.pos_ptr, state.pos_ref, state.up, state.dn
+    pos_ptr, up, dn = state.pos_ptr, state.up, state.dn
     lo, scale, table, cnt = state.lo, state.scale, state.table, state.cnt
-    ref_index = state.ref_index
     n_buckets = table.shape[1]
     top = np.float32(n_buckets - 1)
     low = lo[i]
