@@ -191,7 +191,7 @@ class _Codes:
 class _GroupMemory:
     """The arrays of :class:`_Group`, sized for the largest group and reused by every group: a
     fresh page costs a fault on first write (measured 2.7 ms a MB on a 2-core EPYC VM: about
-    1 s for the 400 MB of state of 50k queries with 499 positives each)."""
+    1.6 s for the 600 MB of state of 50k queries with 499 positives each)."""
 
     def __init__(self, rows: int, positives: int, n_buckets: int, table_dtype: type,
                  index_dtype: type, keep_values: bool) -> None:
