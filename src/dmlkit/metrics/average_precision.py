@@ -131,16 +131,7 @@ def full_ranking_map(
     tiles = _Tiles(scorer, q, ref, bf16=False)
     table_dtype = _table_dtype(int(r_count.max(initial=0)))
     index_dtype = np.int32 if m < 2**31 else np.int64
-    state_bytes = _STATE_BYTES + 2 * (np.dtype(index_dtype).itemsize - 4)
-    n_buckets = _buckets(r_count, _MAX_BUCKETS)
-    groups = _row_groups(r_count, state_bytes + _VALUE_BYTES, n_buckets, table_dtype, budget)
-    keep_values = len(groups) == 1 or len(
-        _row_groups(r_count, state_bytes, n_buckets, table_dtype, budget)) > 1
-    if not keep_values:
-        groups = [(0, nq)]
-    elif len(groups) > 1:  # row groups scan wide tiles: finer tables stay in cache there
-        n_buckets = _buckets(r_count, _MAX_GROUP_BUCKETS)
-        groups = _row_groups(r_count, state_bytes + _VALUE_BYTES, n_buckets, table_dtype, budget)
+    groups, n_buckets, keep_values = _plan(r_count, np.dtype(index_dtype).itemsize, table_dtype, budget)
 
     with single_threaded_torch() as workers:
         # per worker: a float32 tile in the other half of the budget, square on a symmetric
@@ -163,6 +154,23 @@ def full_ranking_map(
     if same:  # back to the caller's order
         out[ref_index] = out.copy()
     return torch.from_numpy(out)
+
+
+def _plan(r_count: np.ndarray, index_bytes: int, table_dtype: type, budget: int) -> tuple:
+    """``(groups, buckets a row, keep the float64 closeness)`` for rows with ``r_count``
+    positives: one group (symmetric tiles) if the state fits half of ``budget``, without the
+    stored closeness if only that makes it fit; else row groups, with the closeness and finer
+    tables (row groups scan wide tiles, where a row's table stays in cache)."""
+    state_bytes = _STATE_BYTES + 2 * (index_bytes - 4)
+    n_buckets = _buckets(r_count, _MAX_BUCKETS)
+    groups = _row_groups(r_count, state_bytes + _VALUE_BYTES, n_buckets, table_dtype, budget)
+    if len(groups) == 1:
+        return groups, n_buckets, True
+    lean = _row_groups(r_count, state_bytes, n_buckets, table_dtype, budget)
+    if len(lean) == 1:
+        return lean, n_buckets, False
+    n_buckets = _buckets(r_count, _MAX_GROUP_BUCKETS)
+    return _row_groups(r_count, state_bytes + _VALUE_BYTES, n_buckets, table_dtype, budget), n_buckets, True
 
 
 def _row_groups(r_count: np.ndarray, state_bytes: int, n_buckets: int, table_dtype: type,
