@@ -38,6 +38,11 @@ Two more suites (``--suite``), same protocol (subprocess per side, alternating, 
     python benchmarks/bench_metrics.py --suite map --n 50000 --classes n/50 --repeats 3
     python benchmarks/bench_metrics.py --suite clustering --n 100000 --classes 2000 --repeats 1
 
+``--device cuda`` runs both sides on a GPU: dmlkit's torch path, the peer's own torch kNN
+(``CustomKNN``, cosine, batches of 4,096 queries); it adds each side's peak GPU memory.
+
+    python benchmarks/bench_metrics.py --device cuda --n 100000 --classes n/50 --repeats 3
+
 Prints one row per case (medians over repeats; wall-clock seconds and, less sensitive to a busy
 machine, the process's CPU seconds) and writes JSON with every measurement
 (``--out``). Exit status 1 if any checked metric differs by more than ``--tol`` (default 1e-6).
@@ -83,14 +88,17 @@ def make_data(n: int, d: int, classes: int, seed: int = 0) -> tuple[np.ndarray, 
 
 # -- workers (run in a fresh subprocess each) --------------------------------------------------------
 def _worker(side: str, data: str, threads: int, peer_index: str = "ip", suite: str = "retrieval",
-            peer_map_k: str = "max_bin_count") -> None:
+            peer_map_k: str = "max_bin_count", device: str = "cpu") -> None:
     import resource
 
     import torch
 
     torch.set_num_threads(threads)
     arrays = np.load(data)
-    x, y = arrays["x"], arrays["y"]
+    dev = torch.device(device)
+    x, y = torch.from_numpy(arrays["x"]).to(dev), torch.from_numpy(arrays["y"]).to(dev)
+    if dev.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(dev)
     keys = SUITES[suite]
     if side == "dmlkit-r":  # dmlkit's MAP@R path on the same data (map suite)
         keys = {"map_at_r": "map_at_r"}
@@ -104,24 +112,36 @@ def _worker(side: str, data: str, threads: int, peer_index: str = "ip", suite: s
         values = {m: float(res[m]) for m in keys}
         values.update({f"{m}_std": float(res[f"{m}_std"]) for m in keys if f"{m}_std" in res})
     else:
-        import faiss
         from pytorch_metric_learning.utils.accuracy_calculator import AccuracyCalculator
-        from pytorch_metric_learning.utils.inference import FaissKNN
 
-        faiss.omp_set_num_threads(threads)
-        index = faiss.IndexFlatIP if peer_index == "ip" else faiss.IndexFlatL2
         k = None if suite == "map" and peer_map_k == "all" else "max_bin_count"
-        calc = AccuracyCalculator(include=tuple(keys.values()), k=k,
-                                  device=torch.device("cpu"), knn_func=FaissKNN(index_init_fn=index))
-        xt, yt = torch.from_numpy(x), torch.from_numpy(y)
-        calc.get_accuracy(xt[:3000], yt[:3000])  # warm-up, as on the dmlkit side
+        calc = AccuracyCalculator(include=tuple(keys.values()), k=k, device=dev,
+                                  knn_func=_peer_knn(dev, peer_index, threads))
+        calc.get_accuracy(x[:3000], y[:3000])  # warm-up, as on the dmlkit side
         t0, c0 = time.perf_counter(), time.process_time()
-        res = calc.get_accuracy(xt, yt)  # reference=None: ref_includes_query=True
+        res = calc.get_accuracy(x, y)  # reference=None: ref_includes_query=True
         elapsed, cpu = time.perf_counter() - t0, time.process_time() - c0
         values = {m: float(res[k]) for m, k in keys.items()}
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+    gpu_peak = torch.cuda.max_memory_allocated(dev) if dev.type == "cuda" else 0
     print(json.dumps({"side": side, "time_s": elapsed, "cpu_s": cpu, "peak_bytes": peak,
-                      "metrics": values}))
+                      "gpu_peak_bytes": gpu_peak, "metrics": values}))
+
+
+def _peer_knn(dev, peer_index: str, threads: int):
+    """The peer's kNN: faiss on the CPU (``IndexFlatIP`` or ``IndexFlatL2``); on a GPU its torch
+    kNN (``CustomKNN``: cosine similarity and ``topk`` in batches of 4,096 queries on the device),
+    since faiss's GPU build is not on PyPI for every CUDA version."""
+    if dev.type == "cuda":
+        from pytorch_metric_learning.distances import CosineSimilarity, LpDistance
+        from pytorch_metric_learning.utils.inference import CustomKNN
+
+        return CustomKNN(CosineSimilarity() if peer_index == "ip" else LpDistance(), batch_size=4096)
+    import faiss
+    from pytorch_metric_learning.utils.inference import FaissKNN
+
+    faiss.omp_set_num_threads(threads)
+    return FaissKNN(index_init_fn=faiss.IndexFlatIP if peer_index == "ip" else faiss.IndexFlatL2)
 
 
 def matmul_rate(d: int, tile: int = 1024) -> float:
@@ -144,9 +164,9 @@ def matmul_rate(d: int, tile: int = 1024) -> float:
 
 
 def _run_side(side: str, data: Path, threads: int, timeout: int, peer_index: str, suite: str = "retrieval",
-              peer_map_k: str = "max_bin_count") -> dict:
+              peer_map_k: str = "max_bin_count", device: str = "cpu") -> dict:
     cmd = [sys.executable, __file__, "--worker", side, "--data", str(data), "--threads", str(threads),
-           "--peer-index", peer_index, "--suite", suite, "--peer-map-k", peer_map_k]
+           "--peer-index", peer_index, "--suite", suite, "--peer-map-k", peer_map_k, "--device", device]
     env = dict(os.environ, OMP_NUM_THREADS=str(threads))
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
     if out.returncode != 0:
@@ -177,12 +197,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--peer-map-k", choices=["max_bin_count", "all"], default="max_bin_count",
                    help="the peer's k for --suite map: its default (truncated AP) or the whole ranking")
     p.add_argument("--timeout", type=int, default=1800, help="seconds per subprocess")
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                   help="where both sides compute (cuda: the peer's torch kNN, GPU memory reported)")
     p.add_argument("--out", type=Path, default=None, help="write all measurements as JSON")
     p.add_argument("--worker", choices=["dmlkit", "dmlkit-r", "peer"], help=argparse.SUPPRESS)
     p.add_argument("--data", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.worker:
-        _worker(args.worker, args.data, args.threads, args.peer_index, args.suite, args.peer_map_k)
+        _worker(args.worker, args.data, args.threads, args.peer_index, args.suite, args.peer_map_k,
+                args.device)
         return 0
     if args.full:
         args.n, args.d = [10_000, 50_000, 100_000], [128, 512]
@@ -194,11 +217,11 @@ def main(argv: list[str] | None = None) -> int:
     header = (f"{'N':>7} {'d':>4} {'C':>5} | {'dmlkit s':>9} {'peer s':>9} {'time x':>7} | "
               f"{'dmlkit GB':>9} {'peer GB':>8} {'mem x':>6} | {'max |diff|':>10}  "
               + " / ".join(SUITES[args.suite]))
-    print(f"suite {args.suite}; {args.repeats} repeat(s), medians; {args.threads} threads; "
+    print(f"suite {args.suite}; device {args.device}; {args.repeats} repeat(s), medians; {args.threads} threads; "
           f"peer index {args.peer_index}; "
           f"{time.strftime('%Y-%m-%d %H:%M:%S')}; load average {os.getloadavg()[0]:.1f}")
     print(header)
-    rate = matmul_rate(args.d[0]) if args.suite == "map" else None
+    rate = matmul_rate(args.d[0]) if args.suite == "map" and args.device == "cpu" else None
     if rate is not None:
         print(f"float32 torch.mm, 1024 x {args.d[0]} by {args.d[0]} x 1024: {rate:.0f} GFLOP/s per "
               "CPU second (one thread)")
@@ -216,11 +239,13 @@ def main(argv: list[str] | None = None) -> int:
                         order = args.sides if rep % 2 == 0 else args.sides[::-1]
                         for side in order:
                             runs[side].append(_run_side(side, data, args.threads, args.timeout,
-                                                       args.peer_index, args.suite, args.peer_map_k))
+                                                       args.peer_index, args.suite, args.peer_map_k,
+                                                       args.device))
                     row = {"n": n, "d": d, "classes": c, "runs": runs}
                     med = {s: {"time_s": statistics.median(r["time_s"] for r in rs),
                                "cpu_s": statistics.median(r["cpu_s"] for r in rs),
                                "peak_bytes": statistics.median(r["peak_bytes"] for r in rs),
+                               "gpu_peak_bytes": statistics.median(r["gpu_peak_bytes"] for r in rs),
                                "metrics": rs[0]["metrics"]} for s, rs in runs.items()}
                     row["median"] = med
                     line = f"{n:>7} {d:>4} {c:>5} | "
@@ -242,6 +267,10 @@ def main(argv: list[str] | None = None) -> int:
                             for k in m if not k.endswith("_std"))
                     print(line, flush=True)
                     print("    CPU s: " + ", ".join(f"{side} {res['cpu_s']:.2f}" for side, res in med.items()))
+                    if args.device == "cuda":
+                        print("    wall s: " + ", ".join(f"{side} {res['time_s']:.3f}" for side, res in med.items())
+                              + "; peak GPU GB: " + ", ".join(f"{side} {res['gpu_peak_bytes'] / 1e9:.2f}"
+                                                              for side, res in med.items()), flush=True)
                     if "dmlkit" in med and "dmlkit-r" in med:
                         a, r_ = med["dmlkit"], med["dmlkit-r"]
                         print(f"    map / MAP@R (dmlkit): wall {a['time_s'] / r_['time_s']:.2f}x, "

@@ -201,3 +201,37 @@ def test_state_without_stored_closeness_recomputes_it(numba_path, monkeypatch, s
     monkeypatch.setattr(ap, "_VALUE_BYTES", 8)
     np.testing.assert_array_equal(_map(q, ql, r, rl), got)
     assert kept == [False, True]
+
+
+def _ap_by_stable_sort(s, ql, rl, r):
+    """The definition: each row sorted (descending, ties by index), precision at each positive."""
+    import torch
+
+    order = torch.argsort(s, dim=1, descending=True, stable=True)
+    rel = (rl[order] == ql[:, None]) & torch.isfinite(s.gather(1, order))
+    hits = rel.cumsum(1).to(torch.float64)
+    ranks = torch.arange(1, s.shape[1] + 1, dtype=torch.float64)
+    return torch.where(rel, hits / ranks, 0.0).sum(1) / r.clamp_min(1).to(torch.float64)
+
+
+def test_full_ranking_ap_places_references_like_a_stable_sort():
+    """The block function of small searches and GPUs (binary search among the sorted positives,
+    exact float64 ties settled by index) against a stable sort, on rows with many ties (a few
+    integer levels), excluded references (-inf), queries without positives, uneven classes."""
+    import torch
+
+    from dmlkit.metrics.retrieval import full_ranking_ap
+
+    g = torch.Generator().manual_seed(0)
+    for trial in range(200):
+        b, m = int(torch.randint(1, 30, (1,), generator=g)), int(torch.randint(1, 200, (1,), generator=g))
+        if trial % 2:
+            s = torch.randint(0, int(torch.randint(1, 6, (1,), generator=g)), (b, m), generator=g).double()
+        else:
+            s = torch.randn(b, m, generator=g, dtype=torch.float64)
+        s[torch.rand(b, m, generator=g) < 0.05] = -torch.inf
+        classes = int(torch.randint(1, 8, (1,), generator=g))
+        ql, rl = torch.randint(0, classes + 1, (b,), generator=g), torch.randint(0, classes, (m,), generator=g)
+        r = ((rl[None, :] == ql[:, None]) & torch.isfinite(s)).sum(1)
+        expected = _ap_by_stable_sort(s, ql, rl, r)
+        torch.testing.assert_close(full_ranking_ap(s, ql, rl, r), expected, rtol=0, atol=1e-12, msg=str(trial))

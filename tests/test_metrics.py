@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import math
 
 import numpy as np
@@ -367,3 +368,36 @@ def test_closeness_tolerance_bounds_float32_inner_products():
         na, nb = np.linalg.norm(a, axis=1), np.linalg.norm(b, axis=1)
         assert (err <= closeness_tolerance("ip", d, na.max(), nb.max())).all()
         assert err.max() > 0 or d < 8  # the check is not vacuous
+
+
+def clustered_with_ties(n: int = 3000, d: int = 32, classes: int = 60, seed: int = 0):
+    """Clustered unit vectors with duplicated rows (exact ties) and near-duplicates (ties
+    within float32 rounding), the cases where devices could order references differently."""
+    g = torch.Generator().manual_seed(seed)
+    centres = torch.randn(classes, d, generator=g)
+    labels = torch.randint(0, classes, (n,), generator=g)
+    x = centres[labels] + 1.5 * torch.randn(n, d, generator=g)
+    x[100:150] = x[:50]  # exact duplicates, some of another class
+    labels[100:125] = (labels[:25] + 1) % classes
+    x[200:250] = x[300:350] * (1 + 1e-7)  # the same direction within float32 rounding
+    return torch.nn.functional.normalize(x, dim=1), labels
+
+
+@pytest.mark.parametrize("distance", ["cosine", "euclidean", "dot"])
+@pytest.mark.parametrize("backend", ["torch", "numba"])
+def test_metrics_do_not_depend_on_the_summation_order(distance, backend, monkeypatch):
+    """Permuting the embedding dimensions permutes every float32 sum (the norms' and the
+    products'), as another BLAS, thread count or a GPU would: with exact and near-duplicate
+    references of other classes, every retrieval metric stays the same to the last bit
+    (rows normalised in float64, near-ties and ``map`` ranked in float64). ``map`` takes the
+    compiled kernel with the numba backend and the float64 sort of the GPU with torch."""
+    if backend == "torch":
+        monkeypatch.setattr(importlib.import_module("dmlkit.metrics.evaluate"), "SMALL_SEARCH_PAIRS", 2**40)
+    x, y = clustered_with_ties(n=2500)
+    metrics = ["precision_at_1", "recall_at_k", "r_precision", "map_at_r", "map"]
+    expected = evaluate(x, y, metrics=metrics, distance=distance, backend=backend, k_values=(1, 5))
+    for seed in range(2):
+        perm = torch.randperm(x.shape[1], generator=torch.Generator().manual_seed(seed))
+        got = evaluate(x[:, perm].contiguous(), y, metrics=metrics, distance=distance, backend=backend,
+                       k_values=(1, 5))
+        assert got == expected, (distance, backend, seed)

@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 
 from dmlkit.exceptions import ConfigError, NonFiniteError, ShapeError
-from dmlkit.validation import check_product_range, safe_normalize
+from dmlkit.validation import check_product_range, normalize_rounded, safe_normalize
 
 __all__ = [
     "BaseDistance",
@@ -77,8 +77,19 @@ class BaseDistance:
         return closer - farther if self.higher_is_closer else farther - closer
 
     def normalize(self, x: torch.Tensor) -> torch.Tensor:
-        """``x / ||x||_2`` per row if ``normalize_embeddings`` (overflow/underflow-safe), else ``x``."""
-        return safe_normalize(x, dim=-1) if self.normalize_embeddings else x
+        """``x / ||x||_2`` per row if ``normalize_embeddings`` (overflow/underflow-safe), else ``x``.
+
+        Outside autograd (evaluation, indexes, applications) a float32 ``x`` is normalised in
+        float64 and rounded once, so the rows are the same whatever the device or BLAS: a
+        float32 norm's summation order moves a row by an ulp, which reorders references whose
+        closeness differs by less than that (a GPU and a CPU then disagree on the metrics).
+        Under autograd (losses) the float32 computation is kept.
+        """
+        if not self.normalize_embeddings:
+            return x
+        if x.dtype == torch.float32 and not (x.requires_grad and torch.is_grad_enabled()):
+            return normalize_rounded(x)
+        return safe_normalize(x, dim=-1)
 
     def prepare(self, x: torch.Tensor, name: str = "embeddings") -> torch.Tensor:
         """:meth:`normalize`, then (without normalisation) a check that the products this

@@ -128,6 +128,18 @@ def safe_normalize(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
     return torch.nn.functional.normalize(scaled, p=2.0, dim=dim)
 
 
+def normalize_rounded(x: torch.Tensor, rows: int = 2**16) -> torch.Tensor:
+    """:func:`safe_normalize` of a float32 ``(N, D)`` tensor computed in float64 and rounded
+    once to float32 (no autograd), ``rows`` at a time: the float64 norm's summation order
+    changes it by ~1e-16, far below float32's rounding, so every device and BLAS gives the
+    same rows (except where a row entry falls within 1e-16 of a float32 rounding boundary)."""
+    out = torch.empty_like(x)
+    with torch.no_grad():
+        for a0 in range(0, x.shape[0], rows):
+            out[a0 : a0 + rows] = safe_normalize(x[a0 : a0 + rows].double(), dim=-1)
+    return out
+
+
 def check_product_range(x: torch.Tensor, name: str = "embeddings", what: str = "this distance") -> None:
     """Refuse embeddings whose inner products or squared distances are not representable in
     ``x``'s floating type (used by distances that do not normalise).

@@ -113,7 +113,7 @@ def _retrieval_per_query(
             inp.q, None if inp.same else inp.r, need, distance=inp.distance,
             backend=backend, memory_budget=budget, order=order,
         )
-        neighbours = _resolve_near_ties(inp, res.indices.cpu(), res.values.cpu(), res.higher_is_closer)
+        neighbours = _resolve_near_ties(inp, res.indices, res.values, res.higher_is_closer)
         out.update(per_query_from_neighbours(neighbours, inp.rl, inp.ql, inp.r_q, knn_names))
     if "map" in names:
         out["map"] = _full_map(inp, budget)
@@ -135,7 +135,8 @@ def _resolve_near_ties(
     give different answers). Only swaps between a positive and a negative change P@1,
     R-Precision or MAP@R, so only those pairs are re-scored, in float64, with odd-even
     transposition passes (chains of near-ties settle in a few rounds). Cosine, dot product and
-    Euclidean distances only; the cost is a few passes over the ``(N, k)`` result.
+    Euclidean distances only; the cost is a few passes over the ``(N, k)`` result, on the
+    device that holds it (a GPU result is not copied to the CPU for this).
     """
     dist = inp.distance
     if not isinstance(dist, DotProductSimilarity | LpDistance) or (
@@ -155,22 +156,26 @@ def _resolve_near_ties(
     rows, cols = torch.cat(found_rows), torch.cat(found_cols)
     if rows.numel() == 0:
         return idx
-    q = dist.normalize(inp.q).cpu().contiguous()
-    r = q if inp.same else dist.normalize(inp.r).cpu().contiguous()
-    ql, rl = inp.ql.cpu(), inp.rl.cpu()
+    dev = idx.device
+    q = dist.normalize(inp.q).to(dev).contiguous()
+    r = q if inp.same else dist.normalize(inp.r).to(dev).contiguous()
+    ql, rl = inp.ql.to(dev), inp.rl.to(dev)
     euclidean = isinstance(dist, LpDistance)
 
     def score64(query_rows: torch.Tensor, refs: torch.Tensor) -> torch.Tensor:
-        """Float64 closeness of the pairs: torch for a few (no compiled-kernel load), the numba
-        kernel (no float64 copies of the rows) for many."""
-        if query_rows.numel() <= 4096:
-            a, b = q[query_rows].double(), r[refs].double()
-            return -(a - b).pow(2).sum(1) if euclidean else (a * b).sum(1)
-        # lazy: the numba kernels load only when a compiled path runs
-        from dmlkit.metrics._kernels import pair_scores64
+        """Float64 closeness of the pairs: torch for a few or on a GPU (in chunks of 2^16 pairs),
+        the numba kernel (no float64 copies of the rows) for many on the CPU."""
+        if query_rows.numel() > 4096 and dev.type == "cpu":
+            # lazy: the numba kernels load only when a compiled path runs
+            from dmlkit.metrics._kernels import pair_scores64
 
-        return torch.from_numpy(pair_scores64(q.numpy(), r.numpy(), query_rows.numpy(), refs.numpy(),
-                                              euclidean))
+            return torch.from_numpy(pair_scores64(q.numpy(), r.numpy(), query_rows.numpy(), refs.numpy(),
+                                                  euclidean))
+        out = torch.empty(query_rows.shape[0], dtype=torch.float64, device=dev)
+        for c0 in range(0, query_rows.shape[0], 2**16):
+            a, b = q[query_rows[c0 : c0 + 2**16]].double(), r[refs[c0 : c0 + 2**16]].double()
+            out[c0 : c0 + 2**16] = -(a - b).pow(2).sum(1) if euclidean else (a * b).sum(1)
+        return out
 
     copied = False
     for _ in range(rounds):  # odd-even transposition: chains of near-ties settle in a few rounds
@@ -200,8 +205,10 @@ def _full_map(inp: _Inputs, budget: int) -> torch.Tensor:
     """Full-ranking average precision per query.
 
     CPU cosine / dot / Euclidean: :func:`dmlkit.metrics.average_precision.full_ranking_map`
-    (no sort; exact in float64 near ties). Other distances and devices: a stable sort of every
-    row, O(N M log M), rows processed in blocks.
+    (no sort; exact in float64 near ties). Small CPU searches, other distances and devices:
+    float64 scores in blocks of rows, each reference placed among its row's sorted positives
+    (:func:`dmlkit.metrics.retrieval.full_ranking_ap`, O(N M log R)), so that a GPU ranks
+    exactly as the CPU kernels do (float64 matrix products cost little there).
     """
     scorer = _Scorer(inp.distance)
     q = scorer.prepare(inp.q, "query embeddings")
@@ -209,28 +216,18 @@ def _full_map(inp: _Inputs, budget: int) -> torch.Tensor:
     m = r.shape[0]
     if scorer.symmetric and q.device.type == "cpu" and q.shape[0] * m >= SMALL_SEARCH_PAIRS:
         return full_ranking_map(scorer, q, None if inp.same else r, inp.ql, inp.rl, budget)
-    if scorer.symmetric and q.device.type == "cpu":  # small: float64 scores, an exact sort
-        q, r = q.double(), r.double()
-        nq_, nr_ = scorer.sq_norms(q), scorer.sq_norms(r)
-        rows = max(1, budget // (m * 48))
-        ap = torch.empty(q.shape[0], dtype=torch.float64)
-        for a0 in range(0, q.shape[0], rows):
-            a1 = min(q.shape[0], a0 + rows)
-            s = scorer.block(q[a0:a1], r, None if nq_ is None else nq_[a0:a1], nr_)
-            if inp.same:
-                _mask_self(s, a0, 0)
-            ap[a0:a1] = full_ranking_ap(s, inp.ql[a0:a1], inp.rl, inp.r_q[a0:a1])
-        return ap
+    q, r = q.double(), r.double()
     nq_, nr_ = scorer.sq_norms(q), scorer.sq_norms(r)
-    rows = max(1, budget // (m * 40))
+    # per score: float64 value and its negation, two int64 placements, masks
+    rows = max(1, budget // (m * 56))
     ap = torch.empty(q.shape[0], dtype=torch.float64)
-    rl = inp.rl.to(q.device)
+    ql, rl, r_q = inp.ql.to(q.device), inp.rl.to(q.device), inp.r_q.to(q.device)
     for a0 in range(0, q.shape[0], rows):
         a1 = min(q.shape[0], a0 + rows)
         s = scorer.block(q[a0:a1], r, None if nq_ is None else nq_[a0:a1], nr_)
         if inp.same:
             _mask_self(s, a0, 0)
-        ap[a0:a1] = full_ranking_ap(s, inp.ql[a0:a1].to(q.device), rl, inp.r_q[a0:a1].to(q.device)).cpu()
+        ap[a0:a1] = full_ranking_ap(s, ql[a0:a1], rl, r_q[a0:a1]).cpu()
     return ap
 
 

@@ -22,6 +22,8 @@ reference carry no information about retrieval and are counted separately
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 __all__ = ["RETRIEVAL_PREFIXES", "num_positives", "per_query_from_neighbours", "full_ranking_ap"]
@@ -59,15 +61,17 @@ def per_query_from_neighbours(
     exact (:func:`dmlkit.metrics.evaluate` ensures it).
     """
     n, k = neighbours.shape
+    dev = neighbours.device  # computed where the neighbours are; the scores come back to the CPU
+    reference_labels, query_labels, r = reference_labels.to(dev), query_labels.to(dev), r.to(dev)
     out = {name: torch.empty(n, dtype=torch.float64) for name in names}
-    ranks = torch.arange(1, k + 1, dtype=torch.float64)
+    ranks = torch.arange(1, k + 1, dtype=torch.float64, device=dev)
     for a0 in range(0, n, _ROW_BLOCK):
         a1 = min(n, a0 + _ROW_BLOCK)
         rel = reference_labels[neighbours[a0:a1]] == query_labels[a0:a1, None]
         rq = r[a0:a1]
         need_r = any(name in ("r_precision", "map_at_r") for name in names)
         if need_r:
-            in_r = torch.arange(k)[None, :] < rq[:, None]
+            in_r = torch.arange(k, device=dev)[None, :] < rq[:, None]
             rel_r = rel & in_r
             denom = rq.clamp_min(1).to(torch.float64)
         for name in names:
@@ -94,16 +98,53 @@ def per_query_from_neighbours(
 def full_ranking_ap(
     closeness_rows: torch.Tensor, query_labels: torch.Tensor, reference_labels: torch.Tensor, r: torch.Tensor
 ) -> torch.Tensor:
-    """Average precision over the full ranking for a block of queries.
+    """Average precision over the full ranking for a block of queries, without sorting rows.
 
     ``closeness_rows`` is ``(B, M)`` (larger = closer; excluded references at ``-inf``), one row
-    per query. A stable descending sort ranks by closeness with ties by reference index.
+    per query; ties rank by the smaller reference index. ``AP = (1/R) sum_p (p + 1) / rank_p``
+    over the positives in ranking order (Manning, Raghavan and Schuetze 2008, sec. 8.4). Per row
+    the ``R`` positives' closeness is sorted (descending, ties by index) and every reference is
+    placed among them by binary search: ``e(j)`` = the positives ranked before ``j`` (a float64
+    tie with a positive is settled by index), and ``rank_p = #{j : e(j) <= p}`` (positive ``p``
+    itself included). ``O(M log R)`` a row instead of a sort's ``O(M log M)``; the same on any
+    device (on a GPU the counts are one ``scatter_add``).
     """
-    order = torch.argsort(closeness_rows, dim=1, descending=True, stable=True)
-    rel = reference_labels[order] == query_labels[:, None]
-    finite = torch.isfinite(closeness_rows.gather(1, order))
-    rel &= finite
-    hits = rel.cumsum(1, dtype=torch.int64).to(torch.float64)
-    ranks = torch.arange(1, rel.shape[1] + 1, dtype=torch.float64, device=rel.device)
-    prec = torch.where(rel, hits / ranks, 0.0)
+    s = closeness_rows
+    b, m = s.shape
+    dev = s.device
+    finite = torch.isfinite(s)
+    pos = (reference_labels[None, :] == query_labels[:, None]) & finite
+    counts = pos.sum(1)
+    r_max = int(counts.max()) if b else 0
+    if r_max == 0:
+        return torch.zeros(b, dtype=torch.float64, device=dev)
+    # each row's positives, left-aligned in column order (padded with closeness -inf)
+    rows, cols = pos.nonzero(as_tuple=True)
+    slot = torch.arange(rows.numel(), device=dev) - (counts.cumsum(0) - counts)[rows]
+    pos_col = torch.zeros(b, r_max, dtype=torch.int64, device=dev)
+    pos_col[rows, slot] = cols
+    pos_val = torch.full((b, r_max), -math.inf, dtype=s.dtype, device=dev)
+    pos_val[rows, slot] = s[rows, cols]
+    del pos, rows, cols, slot
+    pos_val, order = torch.sort(pos_val, dim=1, descending=True, stable=True)
+    pos_col = pos_col.gather(1, order)
+    keys = pos_val.neg_().contiguous()  # ascending; the padding is +inf
+    neg = s.neg().contiguous()
+    before = torch.searchsorted(keys, neg, side="left")  # positives strictly closer than j
+    tied = finite & (keys.gather(1, before.clamp(max=r_max - 1)) == neg)
+    if bool(tied.any()):  # equal float64 closeness: the positives of smaller index rank first
+        tr, tc = tied.nonzero(as_tuple=True)
+        value, at = neg[tr, tc], before[tr, tc]
+        live = torch.ones_like(tc, dtype=torch.bool)
+        while bool(live.any()):  # along each run of equal keys
+            k = at.clamp(max=r_max - 1)
+            live &= (at < r_max) & (keys[tr, k] == value)
+            before[tr, tc] += live & (pos_col[tr, k] < tc)
+            at += 1
+    del neg, tied
+    placed = torch.zeros(b, r_max + 1, dtype=torch.int64, device=dev)
+    placed.scatter_add_(1, before, torch.ones((), dtype=torch.int64, device=dev).expand_as(before))
+    ranks = placed[:, :r_max].cumsum(1).to(torch.float64)
+    p = torch.arange(1, r_max + 1, dtype=torch.float64, device=dev)
+    prec = torch.where(p[None, :] <= counts[:, None], p / ranks, 0.0)
     return prec.sum(1) / r.clamp_min(1).to(torch.float64)

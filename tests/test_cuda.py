@@ -1,0 +1,126 @@
+"""The CUDA paths agree with the CPU paths: every loss (value, gradient, bfloat16 autocast),
+the kNN, every retrieval metric (``map`` included), and a training run on the GPU whose
+checkpoint embeds identically on the CPU.
+
+These tests need a CUDA device and skip without one (CI has none); run them on a GPU machine
+with ``pytest tests/test_cuda.py``. The CPU paths they compare against are tested everywhere.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from dmlkit.losses import LOSSES
+from dmlkit.metrics import evaluate, knn
+from test_losses_trust import LABELS, NAMES, embeddings, make
+from test_metrics import clustered_with_ties
+from test_preflight import make_folder, user_config
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(),
+                                reason="no CUDA device: run on a GPU machine (pytest tests/test_cuda.py)")
+
+CUDA = torch.device("cuda")
+
+
+@pytest.fixture(autouse=True)
+def _exact_float32_products():
+    """TF32 would round matrix-product inputs to 10 mantissa bits: the comparisons below are of
+    float32 arithmetic on both devices (dmlkit leaves the user's TF32 setting alone)."""
+    before = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    yield
+    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = before
+
+
+def _value_and_grad(loss, x: torch.Tensor, labels: torch.Tensor):
+    x = x.detach().clone().requires_grad_(True)
+    value = loss(x, labels)
+    value.backward()
+    return value.detach().cpu(), x.grad.cpu()
+
+
+def test_every_loss_is_covered():
+    assert set(NAMES) == set(LOSSES) and len(NAMES) >= 27
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_loss_on_cuda_equals_cpu(name):
+    labels = torch.tensor(LABELS["several"])
+    x = embeddings(len(labels), 1.0)
+    ref_value, ref_grad = _value_and_grad(make(name), x, labels)
+    value, grad = _value_and_grad(make(name).to(CUDA), x.to(CUDA), labels.to(CUDA))
+    torch.testing.assert_close(value, ref_value, rtol=1e-4, atol=1e-5, msg=name)
+    tol = 1e-4 * float(ref_grad.abs().max()) + 1e-7
+    torch.testing.assert_close(grad, ref_grad, rtol=1e-3, atol=tol, msg=name)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_loss_computes_in_float32_under_cuda_autocast(name):
+    labels = torch.tensor(LABELS["several"], device=CUDA)
+    x = embeddings(len(labels), 1.0).to(CUDA)
+    loss = make(name).to(CUDA)
+    expected = loss(x, labels)
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        got = loss(x, labels)
+    assert got.dtype == torch.float32, name
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize("distance", ["cosine", "euclidean", "dot"])
+def test_retrieval_metrics_on_cuda_equal_cpu(distance):
+    x, y = clustered_with_ties()
+    metrics = ["precision_at_1", "recall_at_k", "r_precision", "map_at_r", "map"]
+    cpu = evaluate(x, y, metrics=metrics, distance=distance, k_values=(1, 5, 10))
+    gpu = evaluate(x.to(CUDA), y.to(CUDA), metrics=metrics, distance=distance, k_values=(1, 5, 10))
+    assert cpu.keys() == gpu.keys()
+    for key, value in cpu.items():
+        if isinstance(value, float):
+            assert gpu[key] == pytest.approx(value, abs=1e-12), (distance, key)
+
+
+def test_query_reference_map_on_cuda_equals_cpu():
+    x, y = clustered_with_ties(seed=1)
+    q, ql, r, rl = x[:500], y[:500], x[500:], y[500:]
+    cpu = evaluate(q, ql, r, rl, metrics=["map", "map_at_r"])
+    gpu = evaluate(q.to(CUDA), ql.to(CUDA), r.to(CUDA), rl.to(CUDA), metrics=["map", "map_at_r"])
+    assert gpu["map"] == pytest.approx(cpu["map"], abs=1e-12)
+    assert gpu["map_at_r"] == pytest.approx(cpu["map_at_r"], abs=1e-12)
+
+
+def test_knn_on_cuda_equals_cpu():
+    g = torch.Generator().manual_seed(2)
+    x = torch.nn.functional.normalize(torch.randn(2000, 64, generator=g), dim=1)
+    cpu = knn(x, None, 20, distance="cosine", backend="torch")
+    gpu = knn(x.to(CUDA), None, 20, distance="cosine")
+    assert gpu.indices.device.type == "cuda"
+    assert torch.equal(gpu.indices.cpu(), cpu.indices)  # no near-ties in random Gaussian data
+    torch.testing.assert_close(gpu.values.cpu(), cpu.values, rtol=0, atol=1e-6)
+
+
+def test_training_on_cuda_embeds_like_the_cpu(tmp_path):
+    from dmlkit.cli import main
+    from dmlkit.config import config_from_dict
+    from dmlkit.training import train
+
+    root = make_folder(tmp_path / "animals")
+    config = user_config(root, sampler={"classes_per_batch": 2, "samples_per_class": 4,
+                                        "batches_per_epoch": 4},
+                         training={"epochs": 2, "device": "cuda", "eval_batch_size": 64})
+    config["data"]["split"] = {"val_fraction": 0.4}
+    run = tmp_path / "run"
+    result = train(config_from_dict(config), run, progress=False)
+    assert result.steps == 8
+    metrics = json.loads((run / "metrics.json").read_text())
+    assert math.isfinite(metrics["val"]["map_at_r"]) and math.isfinite(metrics["test"]["map_at_r"])
+    with np.load(run / "embeddings" / "test.npz") as npz:  # the GPU model's
+        on_gpu, labels = npz["embeddings"], npz["labels"]
+    out = tmp_path / "cpu.npz"
+    main(["embed", str(run), "--device", "cpu", "-o", str(out), "--quiet"])
+    with np.load(out) as npz:
+        np.testing.assert_array_equal(npz["labels"], labels)
+        np.testing.assert_allclose(npz["embeddings"], on_gpu, rtol=0, atol=1e-4)
