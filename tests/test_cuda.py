@@ -15,9 +15,8 @@ import numpy as np
 import pytest
 import torch
 
-from dmlkit.losses import LOSSES
 from dmlkit.metrics import evaluate, knn
-from test_losses_trust import LABELS, NAMES, embeddings, make
+from test_losses_trust import LABELS, NAMES, embeddings, make, value_and_grad
 from test_metrics import clustered_with_ties
 from test_preflight import make_folder, user_config
 
@@ -37,23 +36,12 @@ def _exact_float32_products():
     torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = before
 
 
-def _value_and_grad(loss, x: torch.Tensor, labels: torch.Tensor):
-    x = x.detach().clone().requires_grad_(True)
-    value = loss(x, labels)
-    value.backward()
-    return value.detach().cpu(), x.grad.cpu()
-
-
-def test_every_loss_is_covered():
-    assert set(NAMES) == set(LOSSES) and len(NAMES) >= 27
-
-
 @pytest.mark.parametrize("name", NAMES)
 def test_loss_on_cuda_equals_cpu(name):
     labels = torch.tensor(LABELS["several"])
     x = embeddings(len(labels), 1.0)
-    ref_value, ref_grad = _value_and_grad(make(name), x, labels)
-    value, grad = _value_and_grad(make(name).to(CUDA), x.to(CUDA), labels.to(CUDA))
+    ref_value, ref_grad = value_and_grad(make(name), x, labels)
+    value, grad = (t.cpu() for t in value_and_grad(make(name).to(CUDA), x.to(CUDA), labels.to(CUDA)))
     torch.testing.assert_close(value, ref_value, rtol=1e-4, atol=1e-5, msg=name)
     tol = 1e-4 * float(ref_grad.abs().max()) + 1e-7
     torch.testing.assert_close(grad, ref_grad, rtol=1e-3, atol=tol, msg=name)

@@ -50,7 +50,7 @@ def test_per_query_scores_match_brute_force():
     rng = np.random.default_rng(0)
     labels = np.repeat(np.arange(7), [5, 3, 4, 6, 2, 1, 5])  # class 5 has no positive
     emb = rng.normal(size=(labels.size, 6)).astype(np.float32) + labels[:, None] * 0.3
-    scores, valid = per_query_scores(emb, labels, block=7)
+    scores, valid = per_query_scores(emb, labels)
     ref = _brute(emb.astype(np.float64), labels)
     assert valid.sum() == labels.size - 1
     for key in ref:

@@ -139,3 +139,28 @@ def test_errors():
     assert r.num_valid_queries == 0
     with pytest.raises(DataError, match="no query has a positive"):
         _ = r.mAP
+
+
+def test_cosine_is_scale_invariant_and_raw_products_out_of_range_are_refused():
+    """Issue 11, point 3, in the re-id protocol: cosine (or ``normalize=True``) gives the same
+    ranking at any float32 scale; raw euclidean / dot products that would overflow or vanish
+    into subnormals raise a clear error instead of ranking garbage."""
+    rng = np.random.default_rng(0)
+    q, g = rng.standard_normal((50, 16)).astype(np.float32), rng.standard_normal((200, 16)).astype(np.float32)
+    qi, gi = rng.integers(0, 20, 50), rng.integers(0, 20, 200)
+    qc, gc = np.zeros(50, int), np.ones(200, int)
+    for metric, normalize in (("cosine", False), ("euclidean", True), ("dot", True)):
+        expected = evaluate_reid(q, g, qi, gi, qc, gc, metric=metric, normalize=normalize)
+        for scale in (1e19, 1e-20):
+            got = evaluate_reid(q * scale, g * scale, qi, gi, qc, gc, metric=metric, normalize=normalize)
+            assert got.mAP == expected.mAP and got.rank(1) == expected.rank(1), (metric, scale)
+    for metric in ("euclidean", "dot"):
+        for scale, word in ((1e19, "too large"), (1e-20, "too small")):
+            with pytest.raises(NonFiniteError, match=word):
+                evaluate_reid(q * scale, g * scale, qi, gi, qc, gc, metric=metric)
+    # k-reciprocal re-ranking: the same rules
+    expected = evaluate_reid(q, g, qi, gi, qc, gc, metric="cosine", rerank=True)
+    got = evaluate_reid(q * 1e19, g * 1e19, qi, gi, qc, gc, metric="cosine", rerank=True)
+    assert got.mAP == expected.mAP
+    with pytest.raises(NonFiniteError, match="too large"):
+        evaluate_reid(q * 1e19, g * 1e19, qi, gi, qc, gc, metric="euclidean", rerank=True)

@@ -67,55 +67,33 @@ def mean_ci(values: Sequence[float], confidence: float = 0.95) -> tuple[float, f
     return mean, t * sem
 
 
-def l2_normalize(x: np.ndarray, eps: float = 1e-12) -> np.ndarray:
-    """Rows scaled to unit L2 norm."""
-    x = np.asarray(x, dtype=np.float32)
-    norms = np.linalg.norm(x, axis=1, keepdims=True)
-    return x / np.maximum(norms, eps)
-
-
-def per_query_scores(
-    embeddings: Any, labels: Any, *, block: int = 1024
-) -> tuple[dict[str, np.ndarray], np.ndarray]:
-    """Per-query P@1, R-Precision and MAP@R with cosine similarity, query excluded from references.
-
-    Exact blockwise search (never an ``N x N`` matrix); ties in similarity are broken by the
-    lower reference index. Returns ``(scores, valid)``: each score array has one value per
-    query with a positive (``valid`` marks them among all rows).
-    """
+def l2_normalize(x: np.ndarray) -> np.ndarray:
+    """Rows scaled to unit L2 norm, as the distances do it
+    (:func:`dmlkit.validation.normalize_rounded`: float64, rounded once; any float32 scale)."""
     import torch
 
-    emb = torch.as_tensor(l2_normalize(np.asarray(embeddings)))
-    lab = torch.as_tensor(np.asarray(labels, dtype=np.int64))
+    from dmlkit.validation import normalize_rounded
+
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    return normalize_rounded(torch.from_numpy(x)).numpy()
+
+
+def per_query_scores(embeddings: Any, labels: Any) -> tuple[dict[str, np.ndarray], np.ndarray]:
+    """Per-query P@1, R-Precision and MAP@R with cosine similarity, query excluded from references.
+
+    :func:`dmlkit.metrics.per_query` (exact, ties by the lower reference index, near-ties in
+    float64; never an ``N x N`` matrix). Returns ``(scores, valid)``: each score array has one
+    value per query with a positive (``valid`` marks them among all rows).
+    """
+    from dmlkit.metrics import per_query
+
+    emb = np.asarray(embeddings)
+    lab = np.asarray(labels)
     if emb.ndim != 2 or lab.ndim != 1 or emb.shape[0] != lab.shape[0]:
-        raise ShapeError(f"need embeddings (N, D) and labels (N,), got {tuple(emb.shape)} and {tuple(lab.shape)}")
-    n = emb.shape[0]
-    _, inverse, counts = torch.unique(lab, return_inverse=True, return_counts=True)
-    r_all = counts[inverse] - 1  # same-class references per query
-    valid = r_all > 0
-    max_r = int(r_all.max().item()) if n else 0
-    k = max(1, max_r)
-    out = {m: np.zeros(n, dtype=np.float64) for m in PER_QUERY_METRICS}
-    arange_k = torch.arange(1, k + 1, dtype=torch.float64)
-    for start in range(0, n, block):
-        stop = min(n, start + block)
-        sims = emb[start:stop] @ emb.T
-        rows = torch.arange(stop - start)
-        sims[rows, rows + start] = -float("inf")  # exclude the query itself
-        # stable order: similarity descending, then index ascending
-        _, idx = torch.sort(sims, dim=1, descending=True, stable=True)
-        idx = idx[:, :k]
-        correct = (lab[idx] == lab[start:stop, None]).to(torch.float64)
-        r = r_all[start:stop].to(torch.float64)
-        within = (arange_k[None, :] <= r[:, None]).to(torch.float64)
-        c = correct * within
-        precision_at_i = torch.cumsum(c, dim=1) / arange_k[None, :]
-        r_safe = r.clamp(min=1)
-        out["precision_at_1"][start:stop] = correct[:, 0].numpy()
-        out["r_precision"][start:stop] = (c.sum(1) / r_safe).numpy()
-        out["map_at_r"][start:stop] = ((precision_at_i * c).sum(1) / r_safe).numpy()
-    mask = valid.numpy()
-    return {m: v[mask] for m, v in out.items()}, mask
+        raise ShapeError(f"need embeddings (N, D) and labels (N,), got {emb.shape} and {lab.shape}")
+    scores, r_q = per_query(emb, lab, metrics=list(PER_QUERY_METRICS), distance="cosine")
+    valid = np.asarray(r_q) > 0
+    return {m: np.asarray(scores[m], dtype=np.float64)[valid] for m in PER_QUERY_METRICS}, valid
 
 
 @dataclass(frozen=True)
