@@ -357,21 +357,29 @@ def test_many_queries_on_the_flat_scan_are_rescored_blockwise(data, monkeypatch)
 
 
 def test_normalize_rows_blocks_tiny_huge_and_zero_rows(monkeypatch):
-    from dmlkit.apps import index_exact
+    """One normalisation for every evaluation (:func:`dmlkit.validation.normalize_rows`):
+    divided in float64 and rounded once, for a few rows, in one block or many, and on
+    tensors; subnormal, huge and zero rows included."""
+    import torch
+
+    from dmlkit import validation
 
     rng = np.random.default_rng(3)
     x = rng.normal(size=(300, 8)).astype(np.float32)
     x[0] = 0
-    x[1] *= np.float32(1e-42)  # subnormal: 1/|x| leaves float32's range
+    x[1] *= np.float32(1e-42)  # subnormal entries: 1/|x| leaves float32's range
     x[2] = np.float32(3e38) / 4
-    expect = x.astype(np.float64) / np.maximum(np.linalg.norm(x.astype(np.float64), axis=1, keepdims=True), 1e-320)
-    for block in (65536, 7):  # one block, and many
-        monkeypatch.setattr(index_exact, "NORMALIZE_BLOCK", block)
+    x64 = x.astype(np.float64)
+    norms = np.linalg.norm(x64, axis=1, keepdims=True)
+    expect = (x64 / np.where(norms == 0, 1, norms)).astype(np.float32)  # rounded once
+    for block in (8192, 7):  # one block, and many
+        monkeypatch.setattr(validation, "NORMALIZE_BLOCK", block)
         for rows in (slice(0, 3), slice(None)):  # the few-rows path and the blockwise one
-            out = index_exact.normalize_rows(x[rows])
-            assert out.dtype == np.float32 and np.all(np.isfinite(out))
-            np.testing.assert_allclose(out, expect[rows], rtol=1e-5, atol=1e-6)
-    assert not index_exact.normalize_rows(x[:1]).any()
+            out = validation.normalize_rows(x[rows])
+            assert out.dtype == np.float32
+            np.testing.assert_array_equal(out, expect[rows])
+            np.testing.assert_array_equal(validation.normalize_rows(torch.from_numpy(x[rows])).numpy(), expect[rows])
+    assert not validation.normalize_rows(x[:1]).any()
 
 
 @pytest.mark.parametrize("distance", ["cosine", "euclidean", "dot"])

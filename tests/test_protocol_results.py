@@ -63,13 +63,13 @@ def results(tmp_path):
 
 def test_concatenated_and_separated(tmp_path):
     from dmlkit.metrics import evaluate
-    from dmlkit.protocol.stats import l2_normalize
+    from dmlkit.validation import normalize_rows
 
     runs = _runs(tmp_path, "m", 1.5, seeds=(0,), folds=4)
     ev = evaluate_runs(runs, ["map_at_r"])
     embs = [_emb(1.5, f + sum(map(ord, "m"))) for f in range(4)]
     sep = np.mean([evaluate(e, LABELS, metrics=["map_at_r"])["map_at_r"] for e in embs])
-    cat = evaluate(l2_normalize(np.concatenate(embs, axis=1)), LABELS, metrics=["map_at_r"])["map_at_r"]
+    cat = evaluate(normalize_rows(np.concatenate(embs, axis=1)), LABELS, metrics=["map_at_r"])["map_at_r"]
     assert ev["separated"]["map_at_r"] == [pytest.approx(sep)]
     assert ev["concatenated"]["map_at_r"] == [pytest.approx(cat)]
     assert cat > sep  # an ensemble of 4 noisy views is better than one

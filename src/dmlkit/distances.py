@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 
 from dmlkit.exceptions import ConfigError, NonFiniteError, ShapeError
-from dmlkit.validation import check_product_range, normalize_rounded, safe_normalize
+from dmlkit.validation import check_product_range, normalize_rows, safe_normalize
 
 __all__ = [
     "BaseDistance",
@@ -88,7 +88,7 @@ class BaseDistance:
         if not self.normalize_embeddings:
             return x
         if x.dtype == torch.float32 and not (x.requires_grad and torch.is_grad_enabled()):
-            return normalize_rounded(x)
+            return normalize_rows(x)
         return safe_normalize(x, dim=-1)
 
     def prepare(self, x: torch.Tensor, name: str = "embeddings") -> torch.Tensor:

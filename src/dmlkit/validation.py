@@ -28,7 +28,7 @@ import torch
 
 from dmlkit.exceptions import NonFiniteError, ShapeError
 
-__all__ = ["check_embeddings", "check_labels", "check_product_range", "safe_normalize"]
+__all__ = ["check_embeddings", "check_labels", "check_product_range", "normalize_rows", "safe_normalize"]
 
 _F32 = torch.finfo(torch.float32)
 #: Largest squared norm accepted by :func:`check_product_range`: ``|x|^2 + |y|^2 + 2|<x, y>|``
@@ -128,15 +128,44 @@ def safe_normalize(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
     return torch.nn.functional.normalize(scaled, p=2.0, dim=dim)
 
 
-def normalize_rounded(x: torch.Tensor, rows: int = 2**16) -> torch.Tensor:
-    """:func:`safe_normalize` of a float32 ``(N, D)`` tensor computed in float64 and rounded
-    once to float32 (no autograd), ``rows`` at a time: the float64 norm's summation order
-    changes it by ~1e-16, far below float32's rounding, so every device and BLAS gives the
-    same rows (except where a row entry falls within 1e-16 of a float32 rounding boundary)."""
-    out = torch.empty_like(x)
-    with torch.no_grad():
-        for a0 in range(0, x.shape[0], rows):
-            out[a0 : a0 + rows] = safe_normalize(x[a0 : a0 + rows].double(), dim=-1)
+#: Rows per block of :func:`normalize_rows` (bounds its float64 temporaries: 8 MB at d = 128).
+NORMALIZE_BLOCK = 8192
+
+
+def normalize_rows(x: Any) -> Any:
+    """``x / ||x||_2`` per row of a float32 ``(N, D)`` array or tensor, divided in float64 and
+    rounded once to float32; zero rows stay zero. Not differentiable (use
+    :func:`safe_normalize` under autograd).
+
+    The norm is summed in float64 from the float32 entries (no overflow or underflow anywhere
+    in float32's range); its summation order changes it by ~1e-16, far below float32's
+    rounding, so every device, BLAS and thread count gives the same rows (except where an
+    entry falls within 1e-16 of a float32 rounding boundary). A float32 norm would move a row
+    by an ulp between them, and reorder references whose closeness differs by less than that.
+    A numpy array gives a numpy array; a tensor a tensor on its device. In blocks of
+    :data:`NORMALIZE_BLOCK` rows: one float32 output, small float64 temporaries.
+    """
+    if isinstance(x, torch.Tensor):
+        if x.device.type == "cpu":
+            return torch.from_numpy(normalize_rows(x.detach().numpy()))
+        out = torch.empty(x.shape, dtype=torch.float32, device=x.device)
+        with torch.no_grad():
+            for a0 in range(0, x.shape[0], 8 * NORMALIZE_BLOCK):
+                b = x[a0 : a0 + 8 * NORMALIZE_BLOCK].double()
+                n = torch.linalg.vector_norm(b, dim=1, keepdim=True)
+                out[a0 : a0 + b.shape[0]] = b.div_(n.masked_fill_(n == 0, 1))
+        return out
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    if x.shape[0] <= 64:  # a few queries: the fewest numpy calls
+        n = np.sqrt(np.add.reduce(np.square(x, dtype=np.float64), axis=1))
+        n[n == 0] = 1
+        return (x / n[:, None]).astype(np.float32)
+    out = np.empty_like(x)
+    for a0 in range(0, x.shape[0], NORMALIZE_BLOCK):
+        b = x[a0 : a0 + NORMALIZE_BLOCK]
+        n = np.sqrt(np.einsum("ij,ij->i", b, b, dtype=np.float64))
+        n[n == 0] = 1
+        np.divide(b, n[:, None], out=out[a0 : a0 + b.shape[0]], dtype=np.float64, casting="unsafe")
     return out
 
 

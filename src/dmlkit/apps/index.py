@@ -43,7 +43,6 @@ from dmlkit.apps.index_exact import (
     exact_search,
     row_norms,
 )
-from dmlkit.apps.index_exact import normalize_rows as _normalize_rows
 from dmlkit.apps.index_exact import to_numpy_embeddings as _to_numpy_embeddings
 from dmlkit.apps.index_faiss import (
     add_to_structure,
@@ -57,6 +56,7 @@ from dmlkit.apps.index_files import item_ids, load_index, save_index
 from dmlkit.apps.index_tuning import recall_at_k
 from dmlkit.distances import get_distance
 from dmlkit.exceptions import ConfigError, DataError, ShapeError
+from dmlkit.validation import normalize_rows
 
 __all__ = ["INDEX_KINDS", "EmbeddingIndex", "SearchResult", "item_ids", "recall_at_k"]
 
@@ -409,7 +409,7 @@ class EmbeddingIndex:
     # -- faiss plumbing ------------------------------------------------------------------------
     def _prepare(self, x: np.ndarray) -> np.ndarray:
         x = np.ascontiguousarray(x, dtype=np.float32)
-        return _normalize_rows(x) if self._unit else x
+        return normalize_rows(x) if self._unit else x
 
     def _search_params(self, setting: dict[str, Any]) -> Any:
         key = tuple(sorted(setting.items()))

@@ -26,15 +26,14 @@ import numpy as np
 
 from dmlkit.distances import get_distance
 from dmlkit.exceptions import DependencyError, ShapeError, require
-from dmlkit.validation import check_embeddings
+from dmlkit.validation import check_embeddings, normalize_rows
 
-__all__ = ["InverseNorms", "RowNorms", "candidate_scores", "exact_search", "normalize_rows", "row_norms", "to_numpy_embeddings"]
+__all__ = ["InverseNorms", "RowNorms", "candidate_scores", "exact_search", "row_norms", "to_numpy_embeddings"]
 
 SMALL_EXACT = 2**22  # numpy path: Q x M <= this many scores in one matmul, else the blockwise kNN
 CANDIDATE_MARGIN = 16  # candidates = 2k + this; the float64 scores order them
 UNIT_TOLERANCE = 1e-5  # max | |x|^2 - 1 | of rows that count as unit-norm for the scan
 RESCORE_BLOCK = 1024  # queries per float64 re-scoring block (bounds its Q x C x D memory)
-NORMALIZE_BLOCK = 65536  # rows per block of normalize_rows (bounds its float64 temporaries)
 
 
 def to_numpy_embeddings(x: Any, name: str) -> np.ndarray:
@@ -51,31 +50,6 @@ def to_numpy_embeddings(x: Any, name: str) -> np.ndarray:
             and x.flags.c_contiguous and bool(x.max() < 1e15) and bool(x.min() > -1e15)):  # NaN fails
         return x
     return np.ascontiguousarray(check_embeddings(x, name).detach().cpu().numpy(), dtype=np.float32)
-
-
-def normalize_rows(x: np.ndarray) -> np.ndarray:
-    """L2-normalised float32 rows ``x / |x|``; zero rows stay zero.
-
-    The norms accumulate in float64, so neither huge (up to float32's maximum) nor tiny values
-    overflow or underflow; rows are scaled by ``1/|x|`` in float32 unless that factor leaves
-    float32's range (rows of subnormals), then divided in float64. Works in blocks, so a large
-    ``x`` costs one float32 copy.
-    """
-    if x.shape[0] <= 64:  # a few queries: the fewest numpy calls
-        n = np.sqrt(np.add.reduce(np.square(x, dtype=np.float64), axis=1))
-        n[n == 0] = 1
-        return (x / n[:, None]).astype(np.float32)
-    out = np.empty(x.shape, dtype=np.float32)
-    for a in range(0, x.shape[0], NORMALIZE_BLOCK):
-        b = x[a:a + NORMALIZE_BLOCK]
-        n = np.sqrt(np.einsum("ij,ij->i", b, b, dtype=np.float64))
-        n[n == 0] = 1
-        inv = 1 / n
-        if inv.max() < 1e38:
-            np.multiply(b, inv.astype(np.float32)[:, None], out=out[a:a + b.shape[0]])
-        else:
-            out[a:a + b.shape[0]] = b / n[:, None]
-    return out
 
 
 @dataclass(frozen=True)

@@ -31,9 +31,9 @@ from dmlkit.protocol.stats import (
     MIN_SEEDS_FOR_SIGNIFICANCE,
     PER_QUERY_METRICS,
     hierarchical_bootstrap,
-    l2_normalize,
     per_query_scores,
 )
+from dmlkit.validation import normalize_rows
 
 __all__ = [
     "BASELINES",
@@ -82,7 +82,7 @@ def method_per_seed_query(entry: Mapping[str, Any], mode: str) -> tuple[dict[str
             elif not np.array_equal(labels_ref, lab):
                 raise DataError(f"{path}: the test queries differ from the method's other runs")
             embs.append(emb)
-        sets = [l2_normalize(np.concatenate(embs, axis=1))] if mode == "concatenated" else embs
+        sets = [normalize_rows(np.concatenate(embs, axis=1))] if mode == "concatenated" else embs
         per_set = [per_query_scores(emb, labels_ref)[0] for emb in sets]
         for m in PER_QUERY_METRICS:
             rows[m].append(np.mean(np.stack([scores[m] for scores in per_set]), axis=0))

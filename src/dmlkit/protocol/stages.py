@@ -31,10 +31,10 @@ from dmlkit.protocol.config import (
 )
 from dmlkit.protocol.space import suggest
 from dmlkit.protocol.splits import BenchSplit, TestClassGuard
-from dmlkit.protocol.stats import l2_normalize
 from dmlkit.training import build_model, train
 from dmlkit.utils import atomic_write_text, seed_everything
 from dmlkit.utils import data_root as resolve_data_root
+from dmlkit.validation import normalize_rows
 
 logger = logging.getLogger(__name__)
 __all__ = ["PRETRAINED", "FinalRun", "FinalStage", "SearchStage", "evaluate_runs", "load_full_dataset",
@@ -275,7 +275,7 @@ def evaluate_runs(runs: Sequence[FinalRun], metrics: Sequence[str], **options: A
                 per_fold[m].append(float(res[m]))
         for m in metrics:
             separated[m].append(float(np.mean(per_fold[m])))
-        cat = l2_normalize(np.concatenate(embs, axis=1))
+        cat = normalize_rows(np.concatenate(embs, axis=1))
         res = evaluate(cat, labels, metrics=list(metrics), **options)
         for m in metrics:
             concatenated[m].append(float(res[m]))

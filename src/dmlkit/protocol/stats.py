@@ -38,7 +38,6 @@ __all__ = [
     "MIN_SEEDS_FOR_SIGNIFICANCE",
     "BootstrapResult",
     "hierarchical_bootstrap",
-    "l2_normalize",
     "mean_ci",
     "paired_bootstrap",
     "per_query_scores",
@@ -65,17 +64,6 @@ def mean_ci(values: Sequence[float], confidence: float = 0.95) -> tuple[float, f
     sem = float(arr.std(ddof=1)) / math.sqrt(arr.size)
     t = float(stats.t.ppf(0.5 + confidence / 2.0, df=arr.size - 1))
     return mean, t * sem
-
-
-def l2_normalize(x: np.ndarray) -> np.ndarray:
-    """Rows scaled to unit L2 norm, as the distances do it
-    (:func:`dmlkit.validation.normalize_rounded`: float64, rounded once; any float32 scale)."""
-    import torch
-
-    from dmlkit.validation import normalize_rounded
-
-    x = np.ascontiguousarray(x, dtype=np.float32)
-    return normalize_rounded(torch.from_numpy(x)).numpy()
 
 
 def per_query_scores(embeddings: Any, labels: Any) -> tuple[dict[str, np.ndarray], np.ndarray]:

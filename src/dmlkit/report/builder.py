@@ -23,11 +23,11 @@ from dmlkit.embeddings import embed_split, load_embeddings
 from dmlkit.exceptions import ConfigError, DataError, DataNotFoundError, DmlkitError
 from dmlkit.metrics import knn, per_class, per_query, pos_neg_histograms
 from dmlkit.protocol.results import format_cell, metric_label
-from dmlkit.protocol.stats import l2_normalize
 from dmlkit.report import figures
 from dmlkit.report.html import Figure, Section, render_page, table_html
 from dmlkit.training import build_datasets, build_model, load_checkpoint, read_log
 from dmlkit.utils import atomic_write_text, os_error_message, read_json, seed_everything
+from dmlkit.validation import normalize_rows
 
 __all__ = ["ReportOptions", "build_report", "hist_dict", "mean_of", "read_jsonl"]
 
@@ -192,7 +192,7 @@ def _embedding_sections(test: _Split, before: _Split | None, others: Mapping[str
     def histogram(emb: np.ndarray, labels: np.ndarray):
         # bins over the observed similarity range, so that a model whose similarities all lie
         # in, say, [0.95, 1] still gets a readable histogram (and a meaningful divergence)
-        x = l2_normalize(emb)
+        x = normalize_rows(emb)
         sims = x @ x.T
         np.fill_diagonal(sims, np.nan)
         lo, hi = float(np.nanmin(sims)), float(np.nanmax(sims))
@@ -470,7 +470,7 @@ def _concatenated_test(bench_dir: Path, method: str) -> _Split | None:
     if not parts:
         return None
     emb = np.concatenate(parts, axis=1)
-    emb = l2_normalize(emb)
+    emb = normalize_rows(emb)
     return _Split("test", emb, labels, class_names=names)
 
 

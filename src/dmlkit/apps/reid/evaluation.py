@@ -52,7 +52,7 @@ from dmlkit.apps.reid._common import (
     _sq_norms,
 )
 from dmlkit.exceptions import ConfigError, DataError, NonFiniteError, ShapeError
-from dmlkit.validation import check_product_range, normalize_rounded
+from dmlkit.validation import check_product_range, normalize_rows
 
 __all__ = [
     "METRICS",
@@ -163,7 +163,7 @@ def closeness_blocks(query: Any, gallery: Any, *, metric: str = "euclidean",
     if q.shape[1] != g.shape[1]:
         raise ShapeError(f"query dim {q.shape[1]} != gallery dim {g.shape[1]}")
     if normalize or metric == "cosine":  # in float64, rounded once: any float32 scale, any device
-        q, g = normalize_rounded(q), normalize_rounded(g)
+        q, g = normalize_rows(q), normalize_rows(g)
     else:  # products that overflow or are all subnormal: refused, never ranked
         what = f"the {metric} metric without normalize"
         check_product_range(q, "query embeddings", what)
