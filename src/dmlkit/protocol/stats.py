@@ -32,6 +32,7 @@ from typing import Any
 import numpy as np
 
 from dmlkit.exceptions import ShapeError
+from dmlkit.metrics import per_query
 
 __all__ = [
     "PER_QUERY_METRICS",
@@ -73,8 +74,6 @@ def per_query_scores(embeddings: Any, labels: Any) -> tuple[dict[str, np.ndarray
     float64; never an ``N x N`` matrix). Returns ``(scores, valid)``: each score array has one
     value per query with a positive (``valid`` marks them among all rows).
     """
-    from dmlkit.metrics import per_query
-
     emb = np.asarray(embeddings)
     lab = np.asarray(labels)
     if emb.ndim != 2 or lab.ndim != 1 or emb.shape[0] != lab.shape[0]:
