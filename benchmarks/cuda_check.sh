@@ -1,0 +1,15 @@
+#!/bin/bash
+# The CUDA checks of one GPU machine, in one go (about 3 minutes on an H200): the CUDA tests,
+# then the metrics against the peer on the GPU. Run from the repository root:
+#     bash benchmarks/cuda_check.sh [OUT_DIR]
+# Writes OUT_DIR/{tests.log,retrieval.json,map.json} (default: cuda-check/).
+set -o pipefail
+out=${1:-cuda-check}
+mkdir -p "$out"
+export PYTHONUNBUFFERED=1
+python -c "import torch; assert torch.cuda.is_available(), 'no CUDA device'; print(torch.__version__, torch.cuda.get_device_name())" || exit 2
+status=0
+python -m pytest -q -p no:cacheprovider tests/test_cuda.py -rs 2>&1 | tee "$out/tests.log" | tail -5 || status=1
+python benchmarks/bench_metrics.py --device cuda --n 100000 --classes n/50 --repeats 3 --out "$out/retrieval.json" || status=1
+python benchmarks/bench_metrics.py --device cuda --suite map --n 50000 --classes n/50 100 --repeats 2 --out "$out/map.json" || status=1
+exit $status
