@@ -10,6 +10,9 @@ export PYTHONUNBUFFERED=1
 python -c "import torch; assert torch.cuda.is_available(), 'no CUDA device'; print(torch.__version__, torch.cuda.get_device_name())" || exit 2
 status=0
 python -m pytest -q -p no:cacheprovider tests/test_cuda.py -rs 2>&1 | tee "$out/tests.log" | tail -5 || status=1
-python benchmarks/bench_metrics.py --device cuda --n 100000 --classes n/50 --repeats 3 --out "$out/retrieval.json" || status=1
+# --tol 1e-4: the peer's GPU kNN orders float32 near-ties by their float32 scores (one query of
+# 100k differed on an H200); dmlkit's GPU result is held to its CPU result by tests/test_cuda.py
+python benchmarks/bench_metrics.py --device cuda --n 100000 --classes n/50 --repeats 3 --tol 1e-4 \
+    --out "$out/retrieval.json" || status=1
 python benchmarks/bench_metrics.py --device cuda --suite map --n 50000 --classes n/50 100 --repeats 2 --out "$out/map.json" || status=1
 exit $status
