@@ -80,6 +80,19 @@ def test_query_reference_map_on_cuda_equals_cpu():
     assert gpu["map_at_r"] == pytest.approx(cpu["map_at_r"], abs=1e-12)
 
 
+def test_normalize_rows_on_cuda_equals_cpu():
+    """The one normalisation of every evaluation gives the same float32 rows on both devices
+    (float64 quotient rounded once), zero, subnormal and huge rows included."""
+    from dmlkit.validation import normalize_rows
+
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(20000, 96, generator=g)
+    x[0] = 0
+    x[1] *= 1e-42
+    x[2] *= 1e37
+    torch.testing.assert_close(normalize_rows(x.to(CUDA)).cpu(), normalize_rows(x), rtol=0, atol=0)
+
+
 def test_knn_on_cuda_equals_cpu():
     g = torch.Generator().manual_seed(2)
     x = torch.nn.functional.normalize(torch.randn(2000, 64, generator=g), dim=1)
