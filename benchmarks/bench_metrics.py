@@ -88,7 +88,7 @@ def make_data(n: int, d: int, classes: int, seed: int = 0) -> tuple[np.ndarray, 
 
 # -- workers (run in a fresh subprocess each) --------------------------------------------------------
 def _worker(side: str, data: str, threads: int, peer_index: str = "ip", suite: str = "retrieval",
-            peer_map_k: str = "max_bin_count", device: str = "cpu") -> None:
+            peer_map_k: str = "max_bin_count", device: str = "cpu", budget_mb: int = 256) -> None:
     import resource
 
     import torch
@@ -107,7 +107,7 @@ def _worker(side: str, data: str, threads: int, peer_index: str = "ip", suite: s
 
         evaluate(x[:3000], y[:3000], metrics=list(keys))  # warm-up: loads the compiled kernels
         t0, c0 = time.perf_counter(), time.process_time()
-        res = evaluate(x, y, metrics=list(keys))
+        res = evaluate(x, y, metrics=list(keys), memory_budget=budget_mb * 2**20)
         elapsed, cpu = time.perf_counter() - t0, time.process_time() - c0
         values = {m: float(res[m]) for m in keys}
         values.update({f"{m}_std": float(res[f"{m}_std"]) for m in keys if f"{m}_std" in res})
@@ -164,9 +164,10 @@ def matmul_rate(d: int, tile: int = 1024) -> float:
 
 
 def _run_side(side: str, data: Path, threads: int, timeout: int, peer_index: str, suite: str = "retrieval",
-              peer_map_k: str = "max_bin_count", device: str = "cpu") -> dict:
+              peer_map_k: str = "max_bin_count", device: str = "cpu", budget_mb: int = 256) -> dict:
     cmd = [sys.executable, __file__, "--worker", side, "--data", str(data), "--threads", str(threads),
-           "--peer-index", peer_index, "--suite", suite, "--peer-map-k", peer_map_k, "--device", device]
+           "--peer-index", peer_index, "--suite", suite, "--peer-map-k", peer_map_k, "--device", device,
+           "--memory-budget-mb", str(budget_mb)]
     env = dict(os.environ, OMP_NUM_THREADS=str(threads))
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
     if out.returncode != 0:
@@ -199,13 +200,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--timeout", type=int, default=1800, help="seconds per subprocess")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
                    help="where both sides compute (cuda: the peer's torch kNN, GPU memory reported)")
+    p.add_argument("--memory-budget-mb", type=int, default=256,
+                   help="dmlkit's working-memory budget (evaluate's memory_budget; default 256 MiB)")
     p.add_argument("--out", type=Path, default=None, help="write all measurements as JSON")
     p.add_argument("--worker", choices=["dmlkit", "dmlkit-r", "peer"], help=argparse.SUPPRESS)
     p.add_argument("--data", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.worker:
         _worker(args.worker, args.data, args.threads, args.peer_index, args.suite, args.peer_map_k,
-                args.device)
+                args.device, args.memory_budget_mb)
         return 0
     if args.full:
         args.n, args.d = [10_000, 50_000, 100_000], [128, 512]
@@ -218,7 +221,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{'dmlkit GB':>9} {'peer GB':>8} {'mem x':>6} | {'max |diff|':>10}  "
               + " / ".join(SUITES[args.suite]))
     print(f"suite {args.suite}; device {args.device}; {args.repeats} repeat(s), medians; {args.threads} threads; "
-          f"peer index {args.peer_index}; "
+          f"peer index {args.peer_index}; dmlkit budget {args.memory_budget_mb} MiB; "
           f"{time.strftime('%Y-%m-%d %H:%M:%S')}; load average {os.getloadavg()[0]:.1f}")
     print(header)
     rate = matmul_rate(args.d[0]) if args.suite == "map" and args.device == "cpu" else None
@@ -240,7 +243,7 @@ def main(argv: list[str] | None = None) -> int:
                         for side in order:
                             runs[side].append(_run_side(side, data, args.threads, args.timeout,
                                                        args.peer_index, args.suite, args.peer_map_k,
-                                                       args.device))
+                                                       args.device, args.memory_budget_mb))
                     row = {"n": n, "d": d, "classes": c, "runs": runs}
                     med = {s: {"time_s": statistics.median(r["time_s"] for r in rs),
                                "cpu_s": statistics.median(r["cpu_s"] for r in rs),

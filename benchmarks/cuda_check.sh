@@ -2,7 +2,7 @@
 # The CUDA checks of one GPU machine, in one go (about 3 minutes on an H200): the CUDA tests,
 # then the metrics against the peer on the GPU. Run from the repository root:
 #     bash benchmarks/cuda_check.sh [OUT_DIR]
-# Writes OUT_DIR/{tests.log,retrieval.json,map.json} (default: cuda-check/).
+# Writes OUT_DIR/{tests.log,retrieval.json,map.json,map_4g.json} (default: cuda-check/).
 set -o pipefail
 out=${1:-cuda-check}
 mkdir -p "$out"
@@ -15,4 +15,7 @@ python -m pytest -q -p no:cacheprovider tests/test_cuda.py -rs 2>&1 | tee "$out/
 python benchmarks/bench_metrics.py --device cuda --n 100000 --classes n/50 --repeats 3 --tol 1e-4 \
     --out "$out/retrieval.json" || status=1
 python benchmarks/bench_metrics.py --device cuda --suite map --n 50000 --classes n/50 100 --repeats 2 --out "$out/map.json" || status=1
+# map at the default budget makes ~500 row blocks on the GPU: does a larger one (fewer blocks) pay?
+python benchmarks/bench_metrics.py --device cuda --suite map --n 50000 --classes n/50 100 --repeats 2 \
+    --sides dmlkit dmlkit-r --memory-budget-mb 4096 --out "$out/map_4g.json" || status=1
 exit $status
