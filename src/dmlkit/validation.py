@@ -150,8 +150,8 @@ def normalize_rows(x: Any) -> Any:
             return torch.from_numpy(normalize_rows(x.detach().numpy()))
         out = torch.empty(x.shape, dtype=torch.float32, device=x.device)
         with torch.no_grad():
-            for a0 in range(0, x.shape[0], 8 * NORMALIZE_BLOCK):
-                b = x[a0 : a0 + 8 * NORMALIZE_BLOCK].double()
+            for a0 in range(0, x.shape[0], NORMALIZE_BLOCK):
+                b = x[a0 : a0 + NORMALIZE_BLOCK].double()
                 n = torch.linalg.vector_norm(b, dim=1, keepdim=True)
                 out[a0 : a0 + b.shape[0]] = b.div_(n.masked_fill_(n == 0, 1))
         return out

@@ -6,6 +6,7 @@ from typing import Any
 
 import numpy as np
 
+from dmlkit.distances import get_distance
 from dmlkit.exceptions import ConfigError, NonFiniteError, ShapeError
 
 METRICS = ("euclidean", "cosine", "dot")
@@ -22,6 +23,14 @@ def _as_float(x: Any, name: str) -> np.ndarray:
     if not np.isfinite(arr.sum(dtype=np.float64)):  # NaN / inf propagate; no (N, D) mask
         raise NonFiniteError(f"{name} contain NaN or infinity: check the model's outputs")
     return arr
+
+
+def _prepared(x: Any, metric: str, normalize: bool, name: str):
+    """``x`` (a float32 tensor) as ``metric`` compares it, through the distances' own
+    :meth:`~dmlkit.distances.BaseDistance.prepare`: L2-normalised (cosine, or ``normalize``;
+    any float32 scale gives the same rows), or raw with a clear error where its products would
+    overflow or all be subnormal."""
+    return get_distance(metric, normalize_embeddings=normalize or metric == "cosine").prepare(x, name)
 
 
 def _as_ids(x: Any, n: int, name: str, default: int | None = None) -> np.ndarray:

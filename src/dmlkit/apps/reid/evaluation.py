@@ -49,10 +49,10 @@ from dmlkit.apps.reid._common import (
     _block_rows,
     _check_ap_mode,
     _check_metric,
+    _prepared,
     _sq_norms,
 )
 from dmlkit.exceptions import ConfigError, DataError, NonFiniteError, ShapeError
-from dmlkit.validation import check_product_range, normalize_rows
 
 __all__ = [
     "METRICS",
@@ -162,12 +162,7 @@ def closeness_blocks(query: Any, gallery: Any, *, metric: str = "euclidean",
     g = torch.from_numpy(_as_float(gallery, "gallery embeddings"))
     if q.shape[1] != g.shape[1]:
         raise ShapeError(f"query dim {q.shape[1]} != gallery dim {g.shape[1]}")
-    if normalize or metric == "cosine":  # in float64, rounded once: any float32 scale, any device
-        q, g = normalize_rows(q), normalize_rows(g)
-    else:  # products that overflow or are all subnormal: refused, never ranked
-        what = f"the {metric} metric without normalize"
-        check_product_range(q, "query embeddings", what)
-        check_product_range(g, "gallery embeddings", what)
+    q, g = _prepared(q, metric, normalize, "query embeddings"), _prepared(g, metric, normalize, "gallery embeddings")
     g_t = g.t()  # a transposed view: BLAS reads it as is, no copy of the gallery
     g_sq = _sq_norms(g) if metric == "euclidean" else None
     rows = _block_rows(g.shape[0], memory_budget)

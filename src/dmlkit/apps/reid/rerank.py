@@ -35,9 +35,14 @@ from typing import Any
 
 import numpy as np
 
-from dmlkit.apps.reid._common import DEFAULT_MEMORY_BUDGET, _as_float, _block_rows, _sq_norms
+from dmlkit.apps.reid._common import (
+    DEFAULT_MEMORY_BUDGET,
+    _as_float,
+    _block_rows,
+    _prepared,
+    _sq_norms,
+)
 from dmlkit.exceptions import ConfigError, ShapeError
-from dmlkit.validation import check_product_range, normalize_rows
 
 __all__ = ["k_reciprocal_blocks", "k_reciprocal_distances", "neighbour_table"]
 
@@ -52,10 +57,7 @@ def _prepare(query: Any, gallery: Any, metric: str):
     if q.shape[1] != g.shape[1]:
         raise ShapeError(f"query dim {q.shape[1]} != gallery dim {g.shape[1]}")
     x = torch.from_numpy(np.concatenate([q, g]))
-    if metric == "cosine":  # in float64, rounded once: any float32 scale
-        x = normalize_rows(x)
-    else:  # squared distances that overflow or are all subnormal: refused, never ranked
-        check_product_range(x, "query and gallery embeddings", "re-ranking with euclidean distances")
+    x = _prepared(x, metric, False, "query and gallery embeddings")
     return x, _sq_norms(x)
 
 
