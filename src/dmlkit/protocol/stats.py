@@ -74,11 +74,7 @@ def per_query_scores(embeddings: Any, labels: Any) -> tuple[dict[str, np.ndarray
     float64; never an ``N x N`` matrix). Returns ``(scores, valid)``: each score array has one
     value per query with a positive (``valid`` marks them among all rows).
     """
-    emb = np.asarray(embeddings)
-    lab = np.asarray(labels)
-    if emb.ndim != 2 or lab.ndim != 1 or emb.shape[0] != lab.shape[0]:
-        raise ShapeError(f"need embeddings (N, D) and labels (N,), got {emb.shape} and {lab.shape}")
-    scores, r_q = per_query(emb, lab, metrics=list(PER_QUERY_METRICS), distance="cosine")
+    scores, r_q = per_query(embeddings, labels, metrics=list(PER_QUERY_METRICS), distance="cosine")
     valid = np.asarray(r_q) > 0
     return {m: np.asarray(scores[m], dtype=np.float64)[valid] for m in PER_QUERY_METRICS}, valid
 
