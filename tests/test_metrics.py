@@ -282,25 +282,6 @@ def test_input_errors():
         evaluate(x, [0, 0, 1, 1], memory_budget=10)
 
 
-def test_near_ties_of_different_relevance_are_ordered_in_float64():
-    """A float32 tie (or 1-ulp inversion) between a negative and a positive is settled by the
-    float64 scores, so P@1 does not depend on BLAS/faiss summation order."""
-    from dmlkit.distances import DotProductSimilarity
-    from dmlkit.metrics.evaluate import _Inputs, _resolve_near_ties
-
-    q = torch.tensor([[1.0, 0.0]])
-    ref = torch.tensor([[0.8, 0.0], [0.80000007, 0.0], [0.1, 0.0]])
-    inp = _Inputs(q, torch.tensor([0]), ref, torch.tensor([1, 0, 1]), DotProductSimilarity(normalize_embeddings=False))
-    # as a float32 kNN may return them: equal scores, the negative (index 0) first
-    idx = torch.tensor([[0, 1, 2]])
-    values = torch.tensor([[0.8, 0.8, 0.1]])
-    fixed = _resolve_near_ties(inp, idx, values, higher_is_closer=True)
-    assert fixed.tolist() == [[1, 0, 2]]
-    # far-apart scores are left as the kNN ranked them
-    values = torch.tensor([[0.9, 0.8, 0.1]])
-    assert _resolve_near_ties(inp, idx, values, higher_is_closer=True).tolist() == [[0, 1, 2]]
-
-
 # -- full-ranking MAP without sorting (issue 11.27) ------------------------------------------------
 @pytest.fixture(params=["small", "numba"])
 def map_path(request, monkeypatch):

@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from dmlkit.distances import BaseDistance, DotProductSimilarity, LpDistance, get_distance
+from dmlkit.distances import BaseDistance, get_distance
 from dmlkit.exceptions import ConfigError, ShapeError
 from dmlkit.metrics._validation import (
     DEFAULT_MEMORY_BUDGET,
@@ -21,6 +21,7 @@ from dmlkit.metrics.average_precision import full_ranking_map
 from dmlkit.metrics.clustering import CLUSTERING_METRICS, cluster_metrics
 from dmlkit.metrics.histograms import pos_neg_histograms
 from dmlkit.metrics.knn import SMALL_SEARCH_PAIRS, _mask_self, _Scorer, knn
+from dmlkit.metrics.near_ties import EXTRA_NEIGHBOURS, pair_scorer, settle_near_ties
 from dmlkit.metrics.retrieval import full_ranking_ap, num_positives, per_query_from_neighbours
 
 __all__ = ["DEFAULT_METRICS", "METRIC_NAMES", "evaluate", "per_class", "per_query"]
@@ -103,103 +104,42 @@ def _retrieval_per_query(
         for n in knn_names:
             if _AT_K.match(n):
                 need = max(need, int(n.rsplit("_", 1)[1]))
+        read = torch.full_like(inp.r_q, need)  # per query, the positions its metrics read
         if any(n in ("r_precision", "map_at_r") for n in knn_names):
-            # one past the largest R: a near-tie between the R-th and the next neighbour is
-            # then re-ordered by float64 scores too (knn caps k at the references available)
-            need = max(need, int(inp.r_q.max()) + 1)
+            need = max(need, int(inp.r_q.max()))
+            read = torch.maximum(read, inp.r_q)
+        # a few neighbours more than the metrics read: near-ties are then settled exactly at every
+        # position they read (:mod:`dmlkit.metrics.near_ties`; knn caps k at the references)
+        need += EXTRA_NEIGHBOURS
         # rows sorted by label help only the faiss backend's heaps fill early
         order = torch.argsort(inp.ql, stable=True) if inp.same and backend == "faiss" else None
         res = knn(
             inp.q, None if inp.same else inp.r, need, distance=inp.distance,
             backend=backend, memory_budget=budget, order=order,
         )
-        neighbours = _resolve_near_ties(inp, res.indices, res.values, res.higher_is_closer)
+        neighbours = _settled(inp, res, budget, read)
         out.update(per_query_from_neighbours(neighbours, inp.rl, inp.ql, inp.r_q, knn_names))
     if "map" in names:
         out["map"] = _full_map(inp, budget)
     return out
 
 
-_NEAR_TIE_ULPS = 8
-_TIE_ROW_BLOCK = 4096
 
-
-def _resolve_near_ties(
-    inp: _Inputs, idx: torch.Tensor, values: torch.Tensor, higher_is_closer: bool, rounds: int = 4
-) -> torch.Tensor:
-    """Order adjacent neighbours of *different relevance* whose float32 scores are within a few
-    ulps of each other by their float64 scores (exact ties then by reference index).
-
-    The kNN ranks float32 scores, and two references whose true similarities differ by less than
-    float32 rounding can come out in either order (different summation orders in BLAS or faiss
-    give different answers). Only swaps between a positive and a negative change P@1,
-    R-Precision or MAP@R, so only those pairs are re-scored, in float64, with odd-even
-    transposition passes (chains of near-ties settle in a few rounds). Cosine, dot product and
-    Euclidean distances only; the cost is a few passes over the ``(N, k)`` result, on the
-    device that holds it (a GPU result is not copied to the CPU for this).
-    """
-    dist = inp.distance
-    if not isinstance(dist, DotProductSimilarity | LpDistance) or (
-        isinstance(dist, LpDistance) and dist.p != 2
-    ) or idx.shape[1] < 2:
-        return idx
-    closeness = values if higher_is_closer else -values
-    tol = torch.finfo(torch.float32).eps * _NEAR_TIE_ULPS * max(1.0, float(closeness.abs().max()))
-    # candidate adjacent pairs (row, j) with |score_j - score_{j+1}| within a few ulps; found once,
-    # since the positions stay the same whichever way each pair is ordered
-    found_rows, found_cols = [], []
-    for a0 in range(0, idx.shape[0], _TIE_ROW_BLOCK):
-        block = closeness[a0 : a0 + _TIE_ROW_BLOCK]
-        rows, cols = ((block[:, :-1] - block[:, 1:]) <= tol).nonzero(as_tuple=True)
-        found_rows.append(rows + a0)
-        found_cols.append(cols)
-    rows, cols = torch.cat(found_rows), torch.cat(found_cols)
-    if rows.numel() == 0:
-        return idx
-    dev = idx.device
-    q = dist.normalize(inp.q).to(dev).contiguous()
-    r = q if inp.same else dist.normalize(inp.r).to(dev).contiguous()
-    ql, rl = inp.ql.to(dev), inp.rl.to(dev)
-    euclidean = isinstance(dist, LpDistance)
-
-    def score64(query_rows: torch.Tensor, refs: torch.Tensor) -> torch.Tensor:
-        """Float64 closeness of the pairs: torch for a few or on a GPU (in chunks of 2^16 pairs),
-        the numba kernel (no float64 copies of the rows) for many on the CPU."""
-        if query_rows.numel() > 4096 and dev.type == "cpu":
-            # lazy: the numba kernels load only when a compiled path runs
-            from dmlkit.metrics._kernels import pair_scores64
-
-            return torch.from_numpy(pair_scores64(q.numpy(), r.numpy(), query_rows.numpy(), refs.numpy(),
-                                                  euclidean))
-        out = torch.empty(query_rows.shape[0], dtype=torch.float64, device=dev)
-        for c0 in range(0, query_rows.shape[0], 2**16):
-            a, b = q[query_rows[c0 : c0 + 2**16]].double(), r[refs[c0 : c0 + 2**16]].double()
-            out[c0 : c0 + 2**16] = -(a - b).pow(2).sum(1) if euclidean else (a * b).sum(1)
-        return out
-
-    copied = False
-    for _ in range(rounds):  # odd-even transposition: chains of near-ties settle in a few rounds
-        changed = False
-        for parity in (0, 1):
-            sel = cols % 2 == parity
-            rs, cs = rows[sel], cols[sel]
-            ref_a, ref_b = idx[rs, cs], idx[rs, cs + 1]
-            lab = ql[rs]
-            differ = (rl[ref_a] == lab) != (rl[ref_b] == lab)
-            if not differ.any():
-                continue
-            rs, cs, ref_a, ref_b = rs[differ], cs[differ], ref_a[differ], ref_b[differ]
-            va, vb = score64(rs, ref_a), score64(rs, ref_b)
-            swap = (vb > va) | ((vb == va) & (ref_b < ref_a))
-            if swap.any():
-                if not copied:
-                    idx, copied = idx.clone(), True
-                changed = True
-                idx[rs[swap], cs[swap]], idx[rs[swap], cs[swap] + 1] = ref_b[swap], ref_a[swap]
-        if not changed:
-            break
-    return idx
-
+def _settled(inp: _Inputs, res, budget: int, read: torch.Tensor) -> torch.Tensor:
+    """The kNN's neighbours in the exact float64 order (:mod:`dmlkit.metrics.near_ties`)."""
+    scorer = _Scorer(inp.distance)
+    if scorer.kind == "generic":
+        return res.indices
+    dev = res.indices.device
+    q = scorer.prepare(inp.q, "query embeddings").to(dev)
+    r = q if inp.same else scorer.prepare(inp.r, "reference embeddings").to(dev)
+    available = r.shape[0] - int(inp.same)
+    return settle_near_ties(
+        res.indices, res.values, scorer, q, inp.ql, inp.rl, r_norm=float(r.norm(dim=1).max()),
+        score=pair_scorer(q, r, scorer.kind == "l2"), ref_blocks=lambda: [(0, r)],
+        complete=res.indices.shape[1] >= available, budget=budget,
+        query_index=torch.arange(q.shape[0], device=dev) if inp.same else None, read=read,
+    )
 
 def _full_map(inp: _Inputs, budget: int) -> torch.Tensor:
     """Full-ranking average precision per query.

@@ -17,13 +17,14 @@ Algorithm, for each query block ``Q_i`` (rows ``a0:a1``):
    neighbours, only references at least as close as its running ``k``-th can still enter, so
    for cosine and dot the compiled scan of the next blocks starts from that value
    (:func:`knn_above_floor`) and discards almost every entry at once;
-2. the near-tie rule of :func:`dmlkit.metrics.evaluate` (adjacent neighbours of different
-   relevance within 8 float32 ulps re-ordered by float64 scores): only the rows that have such a
-   pair are re-scored, with just their neighbours' rows read back;
+2. :func:`dmlkit.metrics.near_ties.settle_near_ties`, as in :func:`dmlkit.metrics.evaluate`:
+   runs of near-tied neighbours that mix relevances are re-scored in float64 (just their rows
+   read back), and a row whose last neighbours tie with those its metrics read is searched
+   again over every reference block;
 3. per-query scores from the ranked neighbours (:func:`per_query_from_neighbours`).
 
-``k`` is what :func:`evaluate` uses: the largest K, and one past the largest ``R_q`` when an
-R-based metric is asked for. The per-query float64 scores of all queries (``O(N)``) are kept
+``k`` is what :func:`evaluate` uses: the largest K (or ``R_q`` when an R-based metric is
+asked for) plus :data:`dmlkit.metrics.near_ties.EXTRA_NEIGHBOURS`. The per-query float64 scores of all queries (``O(N)``) are kept
 and averaged exactly as :func:`evaluate` averages them, so the numbers are identical, exact ties
 included. Working memory: ``memory_budget`` (blocks, kNN tiles, the block's ``B x k``
 neighbours) plus ``O(N)`` for labels and per-query scores.
@@ -45,7 +46,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from dmlkit.distances import BaseDistance, DotProductSimilarity, LpDistance, get_distance
+from dmlkit.distances import BaseDistance, get_distance
 from dmlkit.exceptions import ConfigError, DataError, ShapeError
 from dmlkit.metrics._validation import (
     DEFAULT_MEMORY_BUDGET,
@@ -54,7 +55,7 @@ from dmlkit.metrics._validation import (
     check_budget,
 )
 from dmlkit.metrics.clustering import CLUSTERING_METRICS
-from dmlkit.metrics.evaluate import _AT_K, _NEAR_TIE_ULPS, _expand, _resolve_near_ties
+from dmlkit.metrics.evaluate import _AT_K, _expand
 from dmlkit.metrics.knn import (
     SMALL_SEARCH_PAIRS,
     KNNResult,
@@ -63,6 +64,7 @@ from dmlkit.metrics.knn import (
     exact_topk,
     knn,
 )
+from dmlkit.metrics.near_ties import EXTRA_NEIGHBOURS, pair_scorer, settle_near_ties
 from dmlkit.metrics.retrieval import num_positives, per_query_from_neighbours
 
 __all__ = ["StreamingPlan", "evaluate_streaming", "per_query_streaming", "plan_blocks"]
@@ -131,43 +133,33 @@ def _labels_of(source: Any, labels: Any, name: str) -> Any:
     return found
 
 
-@dataclass
-class _Local:
-    """The inputs :func:`dmlkit.metrics.evaluate._resolve_near_ties` reads, for a few rows."""
-
-    q: torch.Tensor
-    r: torch.Tensor
-    ql: torch.Tensor
-    rl: torch.Tensor
-    distance: BaseDistance
-    same: bool = False
-
-
 def _resolve_block(
-    q_blk: torch.Tensor, ql_blk: torch.Tensor, idx: torch.Tensor, closeness: torch.Tensor,
-    reference: Any, rl: torch.Tensor, distance: BaseDistance,
+    q_blk: torch.Tensor, ql_blk: torch.Tensor, idx: torch.Tensor, values: torch.Tensor,
+    reference: Any, rl: torch.Tensor, scorer: _Scorer, r_blocks: list[tuple[int, int]], r_norm: float,
+    available: int, first: int | None, budget: int, read: torch.Tensor,
 ) -> torch.Tensor:
-    """:func:`_resolve_near_ties` on the rows of a block that have a near-tie between a
-    relevant and an irrelevant neighbour; the other rows are left as they are (the rule
-    swaps only such pairs, so it would leave them unchanged too)."""
-    if not isinstance(distance, DotProductSimilarity | LpDistance) or (
-        isinstance(distance, LpDistance) and distance.p != 2
-    ) or idx.shape[1] < 2:
+    """:func:`dmlkit.metrics.near_ties.settle_near_ties` for a block of queries: the references
+    its runs re-score are read by index, and the rows it searches again at the boundary read
+    the reference blocks once more (``first``: the block's first query index on a self-search)."""
+    if scorer.kind == "generic":
         return idx
-    tol = torch.finfo(torch.float32).eps * _NEAR_TIE_ULPS * max(1.0, float(closeness.abs().max()))
-    near = (closeness[:, :-1] - closeness[:, 1:]) <= tol
-    rel = rl[idx] == ql_blk[:, None]
-    rows = (near & (rel[:, :-1] != rel[:, 1:])).any(1).nonzero().squeeze(1)
-    if rows.numel() == 0:
-        return idx
-    sub = idx[rows]
-    uniq, inv = torch.unique(sub, return_inverse=True)  # sorted: local order = global order
-    local = _Local(q=q_blk[rows], r=_take(reference, uniq.numpy(), "reference embeddings"),
-                   ql=ql_blk[rows], rl=rl[uniq], distance=distance)
-    resolved = _resolve_near_ties(local, inv.reshape(sub.shape), closeness[rows], True)
-    idx = idx.clone()
-    idx[rows] = uniq[resolved]
-    return idx
+    q = scorer.prepare(q_blk, "query embeddings")
+    euclidean = scorer.kind == "l2"
+
+    def score(rows: torch.Tensor, refs: torch.Tensor) -> torch.Tensor:
+        uniq, inv = torch.unique(refs, return_inverse=True)
+        r = scorer.prepare(_take(reference, uniq.numpy(), "reference embeddings"), "reference embeddings")
+        return pair_scorer(q, r, euclidean)(rows, inv)
+
+    def ref_blocks():
+        for b0, b1 in r_blocks:
+            yield b0, scorer.prepare(_read(reference, b0, b1, "reference embeddings"), "reference embeddings")
+
+    return settle_near_ties(
+        idx, values, scorer, q, ql_blk, rl, r_norm=r_norm, score=score, ref_blocks=ref_blocks,
+        complete=idx.shape[1] >= available, budget=budget,
+        query_index=None if first is None else torch.arange(first, first + q.shape[0]), read=read,
+    )
 
 
 def knn_above_floor(
@@ -246,9 +238,11 @@ def _stream(
     for n in names:
         if _AT_K.match(n):
             need = max(need, int(n.rsplit("_", 1)[1]))
+    read = torch.full_like(r_q, need)  # per query, the positions its metrics read
     if any(n in ("r_precision", "map_at_r") for n in names):
-        need = max(need, int(r_q.max()) + 1)
-    need = min(need, available)
+        need = max(need, int(r_q.max()))
+        read = torch.maximum(read, r_q)
+    need = min(need + EXTRA_NEIGHBOURS, available)  # a few more (dmlkit.metrics.near_ties)
     plan = plan_blocks(nq, m, d, need, budget, same)
     on_cpu = not (isinstance(query, torch.Tensor) and query.device.type != "cpu")
     if backend == "auto" and on_cpu and _Scorer(dist).symmetric and (qe - qs) * m >= SMALL_SEARCH_PAIRS:
@@ -271,25 +265,38 @@ def _stream(
 
         iterator = tqdm(q_blocks, desc="evaluate (streaming)", unit="block", leave=False)
     higher = dist.higher_is_closer
+    scorer = _Scorer(dist)
+    r_norm = 0.0  # the largest prepared reference norm, for the near-tie bound
+    seen: set[int] = set()
+
+    def note(b0: int, blk: torch.Tensor) -> None:
+        nonlocal r_norm
+        if b0 not in seen and scorer.kind != "generic":
+            seen.add(b0)
+            r_norm = max(r_norm, float(scorer.prepare(blk, "reference embeddings").norm(dim=1).max()))
+
     for a0, a1 in iterator:
         q_blk = _read(query, a0, a1, "query embeddings")
         run_c = run_i = None
         for b0, b1 in r_blocks:
             if same and (b0, b1) == (a0, a1):  # the diagonal block: a self-search
+                note(b0, q_blk)
                 if a1 - a0 < 2:
                     continue
                 res = knn(q_blk, None, min(need, a1 - a0 - 1), distance=dist, backend=backend,
                           memory_budget=plan.knn_budget)
             elif same and b0 <= a0 < b1:  # part of a block: one more neighbour, then drop self
+                g_blk = _read(ref, b0, b1, "reference embeddings")
+                note(b0, g_blk)
                 if b1 - b0 < 2:
                     continue
-                g_blk = _read(ref, b0, b1, "reference embeddings")
                 res = _drop_self(knn(q_blk, g_blk, min(need, b1 - b0 - 1) + 1, distance=dist,
                                      exclude_self=False, backend=backend, memory_budget=plan.knn_budget),
                                  a0 - b0)
                 del g_blk
             else:  # once every query holds k neighbours, only what beats its k-th can enter
                 g_blk = _read(ref, b0, b1, "reference embeddings")
+                note(b0, g_blk)
                 floor = run_c[:, -1].numpy() if run_c is not None and run_c.shape[1] == need else None
                 res = knn_above_floor(q_blk, g_blk, min(need, b1 - b0), floor, distance=dist,
                                       backend=backend, memory_budget=plan.knn_budget)
@@ -304,7 +311,9 @@ def _stream(
                 del cat_c, cat_i
         assert run_c is not None and run_i is not None  # available >= 1 guarantees a block
         ql_blk = ql[a0:a1]
-        neighbours = _resolve_block(q_blk, ql_blk, run_i, run_c, ref, rl, dist)
+        neighbours = _resolve_block(q_blk, ql_blk, run_i, run_c if higher else -run_c, ref, rl, scorer,
+                                    r_blocks, r_norm, available, a0 if same else None, plan.knn_budget,
+                                    read[a0 - qs:a1 - qs])
         block_scores = per_query_from_neighbours(neighbours, rl, ql_blk, r_q[a0 - qs:a1 - qs], names)
         for n in names:
             scores[n][a0 - qs:a1 - qs] = block_scores[n]
@@ -349,9 +358,7 @@ def evaluate_streaming(
             whole evaluation, so ranges can run on different machines; the means here are over
             the range.
 
-    Returns the same keys and values as :func:`dmlkit.metrics.evaluate` (for cosine, dot and
-    Euclidean distances the near-tie window is relative to the largest score in a query block
-    rather than in the whole set; for cosine the two are the same).
+    Returns the same keys and values as :func:`dmlkit.metrics.evaluate`.
     """
     scores, r_q, names = _stream(
         query, query_labels, reference, reference_labels, metrics, distance=distance,
