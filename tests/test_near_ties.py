@@ -120,3 +120,19 @@ def test_far_apart_scores_are_left_as_the_knn_ranked_them():
     labels = np.arange(300) % 7
     got = evaluate(torch.from_numpy(x), torch.from_numpy(labels), metrics=METRICS, backend="torch")
     _check(got, _brute(x, labels, CosineSimilarity()))
+
+
+@pytest.mark.parametrize("backend", ["torch", "numba"])
+@pytest.mark.parametrize("distance", [CosineSimilarity(), DotProductSimilarity(normalize_embeddings=False),
+                                      LpDistance(normalize_embeddings=False)], ids=["cosine", "dot", "euclidean"])
+def test_collapsed_embeddings_follow_the_float64_ranking(backend, distance):
+    """Every row within 1e-7 of one direction (a collapsed network): every query's neighbours
+    tie past the boundary, so every row is searched again, within a 1 MiB budget (row chunks,
+    column blocks, and for inner products the dense float64 product)."""
+    rng = np.random.default_rng(11)
+    base = rng.standard_normal(24)
+    x = (base / np.linalg.norm(base) + 1e-7 * rng.standard_normal((300, 24))).astype(np.float32)
+    labels = rng.integers(0, 6, 300)
+    got = evaluate(torch.from_numpy(x), torch.from_numpy(labels), metrics=METRICS, distance=distance,
+                   backend=backend, memory_budget=2**20)
+    _check(got, _brute(x, labels, distance))

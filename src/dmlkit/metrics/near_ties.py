@@ -40,8 +40,8 @@ __all__ = ["EXTRA_NEIGHBOURS", "closeness_of", "pair_scorer", "settle_near_ties"
 
 #: Neighbours a caller asks for beyond the positions its metrics read: a reference the search
 #: did not return can then move a read position only through a run of this many linked
-#: near-ties (50k x 128, 100 classes: 14 % of rows had their last two neighbours linked, 0.1 %
-#: a run of 9).
+#: near-ties (50k x 128, 100 classes, one neighbour more: 14 % of the rows had to be searched
+#: again, 3.0 s; with 8 more, none).
 EXTRA_NEIGHBOURS = 8
 #: Rows of the ``(N, k)`` result handled at once (bounds the temporaries to a few ``(rows, k)``
 #: arrays).
@@ -49,6 +49,12 @@ _ROW_BLOCK = 4096
 #: Ulps of the largest |closeness| added to ``2 tol``: the roundings after the product (the
 #: Euclidean bias, a square root and its square, float32 storage of a float64 re-score).
 _MARGIN_ULPS = 8
+
+
+#: ``score(rows, refs)``: float64 closeness of query rows (indices into ``q``) and references.
+PairScorer = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+#: ``ref_blocks()``: ``(first index, prepared rows)`` of every reference, in blocks.
+RefBlocks = Callable[[], Iterable[tuple[int, torch.Tensor]]]
 
 
 def closeness_of(values: torch.Tensor, scorer: _Scorer) -> torch.Tensor:
@@ -87,29 +93,24 @@ def _score64(q: torch.Tensor, r: torch.Tensor, rows: torch.Tensor, refs: torch.T
     return out
 
 
-def pair_scorer(q: torch.Tensor, r: torch.Tensor, euclidean: bool) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+def pair_scorer(q: torch.Tensor, r: torch.Tensor, euclidean: bool) -> PairScorer:
     """``score(rows, refs)``: float64 closeness of ``q[rows]`` and ``r[refs]`` (prepared rows)."""
     return lambda rows, refs: _score64(q, r, rows, refs, euclidean)
 
 
-def _sort_runs(idx: torch.Tensor, linked: torch.Tensor, relevant: torch.Tensor,
-               score: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> torch.Tensor:
+def _sort_runs(idx: torch.Tensor, linked: torch.Tensor, differ: torch.Tensor, score: PairScorer) -> torch.Tensor:
     """Sort every run of neighbours (``linked[:, j]``: positions ``j`` and ``j + 1`` are in one)
-    that mixes relevances by (float64 closeness descending, index ascending); ``score(rows,
-    refs)`` re-scores pairs (rows local)."""
+    that mixes relevances (``differ[:, j]``: a link between a relevant and an irrelevant one;
+    a run mixes them iff one of its links does) by (float64 closeness descending, index
+    ascending); ``score(rows, refs)`` re-scores pairs (rows local)."""
     n, k = idx.shape
     starts = torch.ones(n, k, dtype=torch.bool, device=idx.device)
     starts[:, 1:] = ~linked
     run = torch.cumsum(starts.reshape(-1), 0) - 1  # a global run id, in row-major order
-    n_runs = int(run[-1]) + 1
-    rel = relevant.reshape(-1).to(torch.int8)
-    length = torch.bincount(run, minlength=n_runs)
-    some = torch.zeros(n_runs, dtype=torch.int8, device=idx.device).scatter_reduce(0, run, rel, "amax")
-    every = torch.ones(n_runs, dtype=torch.int8, device=idx.device).scatter_reduce(0, run, rel, "amin")
-    mixed = (length > 1) & (some != every)
+    mixed = torch.zeros(int(run[-1]) + 1, dtype=torch.bool, device=idx.device)
+    r_, j_ = differ.nonzero(as_tuple=True)
+    mixed[run[r_ * k + j_]] = True
     pos = mixed[run].nonzero().squeeze(1)
-    if pos.numel() == 0:
-        return idx
     rows, refs, runs = pos // k, idx.reshape(-1)[pos], run[pos]
     s64 = score(rows, refs)
     order = torch.argsort(refs, stable=True)
@@ -120,58 +121,70 @@ def _sort_runs(idx: torch.Tensor, linked: torch.Tensor, relevant: torch.Tensor,
     return out.reshape(n, k)
 
 
+def _keep_top(rows: torch.Tensor, refs: torch.Tensor, s64: torch.Tensor, k: int) -> tuple:
+    """Each row's ``k`` best ``(float64 closeness descending, reference ascending)`` of the pairs
+    ``(rows, refs, s64)``, as three flat tensors grouped by row."""
+    order = torch.argsort(refs, stable=True)
+    order = order[torch.argsort(-s64[order], stable=True)]
+    order = order[torch.argsort(rows[order], stable=True)]
+    rows, refs, s64 = rows[order], refs[order], s64[order]
+    count = torch.bincount(rows)
+    first = torch.cumsum(count, 0) - count
+    take = torch.arange(rows.shape[0], device=rows.device) - first[rows] < k
+    return rows[take], refs[take], s64[take]
+
+
 def _exact_rows(
     q_rows: torch.Tensor, floor: torch.Tensor, k: int, gap: float, scorer: _Scorer,
-    ref_blocks: Callable[[], Iterable[tuple[int, torch.Tensor]]], self_index: torch.Tensor | None,
-    budget: int,
+    ref_blocks: RefBlocks, self_index: torch.Tensor | None, budget: int,
 ) -> torch.Tensor:
     """The exact top ``k`` (float64 closeness, ties by index) of prepared query rows ``q_rows``
     whose ``k``-th float32 closeness was ``floor``: every reference within ``gap`` below it is a
     candidate (the true top ``k`` all are: each has a float32 closeness of at least the true
     ``k``-th value minus ``tol``, itself at least ``floor - tol``), re-scored in float64.
     ``ref_blocks()`` yields ``(first index, prepared rows)``; ``self_index`` (a self-search) is
-    each query's own reference index, never a candidate."""
+    each query's own reference index, never a candidate.
+
+    Memory stays within ``budget`` however many references tie (all of them, for collapsed
+    embeddings): rows in chunks, references in column blocks, and after each block only each
+    row's best ``k`` candidates are kept. For inner products, a block where most references are
+    candidates is scored by one float64 product instead of pair by pair."""
     dev = q_rows.device
+    n = q_rows.shape[0]
     euclidean = scorer.kind == "l2"
     low = (floor - gap).float()
     low = torch.where(low.double() > floor - gap, torch.nextafter(low, torch.full_like(low, -np.inf)), low)
-    rows_c, refs_c, s_c = [], [], []
     q_sq = scorer.sq_norms(q_rows)
-    for b0, r_blk in ref_blocks():
-        r_sq = scorer.sq_norms(r_blk)
-        step = max(1, budget // max(1, r_blk.shape[0] * 8))
-        for a0 in range(0, q_rows.shape[0], step):
-            a1 = min(q_rows.shape[0], a0 + step)
-            c32 = scorer.block(q_rows[a0:a1], r_blk, None if q_sq is None else q_sq[a0:a1], r_sq)
-            keep = c32 >= low[a0:a1, None]
-            if self_index is not None:
-                own = self_index[a0:a1] - b0
-                inside = (own >= 0) & (own < r_blk.shape[0])
-                keep[inside.nonzero().squeeze(1), own[inside]] = False
-            rr, cc = keep.nonzero(as_tuple=True)
-            s_c.append(_score64(q_rows, r_blk, rr + a0, cc, euclidean))
-            rows_c.append(rr + a0)
-            refs_c.append(cc + b0)
-    rows, refs, s64 = torch.cat(rows_c), torch.cat(refs_c), torch.cat(s_c)
-    order = torch.argsort(refs, stable=True)
-    order = order[torch.argsort(-s64[order], stable=True)]
-    order = order[torch.argsort(rows[order], stable=True)]
-    rows, refs = rows[order], refs[order]
-    count = torch.bincount(rows, minlength=q_rows.shape[0])
-    if bool((count < k).any()):  # cannot happen with the bound above; never return a short row
-        raise RuntimeError("near-tie search found fewer candidates than neighbours: please report")
-    first = torch.cumsum(count, 0) - count
-    rank = torch.arange(rows.shape[0], device=dev) - first[rows]
-    take = rank < k
-    out = torch.empty(q_rows.shape[0], k, dtype=torch.int64, device=dev)
-    out[rows[take], rank[take]] = refs[take]
+    chunk = max(1, min(n, 1024, budget // max(1, 64 * k)))
+    out = torch.empty(n, k, dtype=torch.int64, device=dev)
+    for a0 in range(0, n, chunk):
+        a1 = min(n, a0 + chunk)
+        cols = max(1, budget // (32 * (a1 - a0)))
+        qa, qa_sq, low_a = q_rows[a0:a1], None if q_sq is None else q_sq[a0:a1], low[a0:a1, None]
+        kept = (torch.empty(0, dtype=torch.int64, device=dev),) * 2 + (torch.empty(0, dtype=torch.float64, device=dev),)
+        for b0, blk in ref_blocks():
+            for c0 in range(0, blk.shape[0], cols):
+                r_blk = blk[c0 : c0 + cols]
+                r_sq = scorer.sq_norms(r_blk)
+                keep = scorer.block(qa, r_blk, qa_sq, r_sq) >= low_a
+                if self_index is not None:
+                    own = self_index[a0:a1] - (b0 + c0)
+                    inside = ((own >= 0) & (own < r_blk.shape[0])).nonzero().squeeze(1)
+                    keep[inside, own[inside]] = False
+                rr, cc = keep.nonzero(as_tuple=True)
+                if not euclidean and rr.numel() * 4 > keep.numel():  # mostly candidates: one
+                    # float64 product (not for Euclidean: |a|^2 + |b|^2 - 2ab cancels on near-equal rows)
+                    s64 = (qa.double() @ r_blk.double().T)[rr, cc]
+                else:
+                    s64 = _score64(qa, r_blk, rr, cc, euclidean)
+                kept = _keep_top(torch.cat([kept[0], rr]), torch.cat([kept[1], cc + b0 + c0]),
+                                 torch.cat([kept[2], s64]), k)
+        rows, refs, _ = kept
+        count = torch.bincount(rows, minlength=a1 - a0)
+        if bool((count < k).any()):  # cannot happen with the bound above; never return a short row
+            raise RuntimeError("near-tie search found fewer candidates than neighbours: please report")
+        out[a0:a1] = refs.view(a1 - a0, k)
     return out
-
-
-#: ``score(rows, refs)``: float64 closeness of query rows (indices into ``q``) and references.
-PairScorer = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
-#: ``ref_blocks()``: ``(first index, prepared rows)`` of every reference, in blocks.
-RefBlocks = Callable[[], Iterable[tuple[int, torch.Tensor]]]
 
 
 def settle_near_ties(
@@ -192,37 +205,40 @@ def settle_near_ties(
     if scorer.kind == "generic" or idx.numel() == 0:
         return idx
     n, k = idx.shape
+    if k < 2:
+        return idx
     dev = idx.device
-    c = closeness_of(values, scorer)
     q_norm = float(q.norm(dim=1).max()) if q.numel() else 0.0
-    gap = tie_gap(scorer, q.shape[1], q_norm, r_norm, c)
+    gap = tie_gap(scorer, q.shape[1], q_norm, r_norm, closeness_of(values.abs().max(), scorer))
     ql, rl = query_labels.to(dev), reference_labels.to(dev)
     out = idx
     redo: list[torch.Tensor] = []
+    last = torch.empty(n, dtype=torch.float64, device=dev)
     for a0 in range(0, n, _ROW_BLOCK):
         a1 = min(n, a0 + _ROW_BLOCK)
-        blk_idx, blk_c = idx[a0:a1], c[a0:a1]
-        if k < 2:
-            continue
+        blk_idx, blk_c = idx[a0:a1], closeness_of(values[a0:a1], scorer)
+        last[a0:a1] = blk_c[:, -1]
         relevant = rl[blk_idx] == ql[a0:a1, None]
         linked = (blk_c[:, :-1] - blk_c[:, 1:]) <= gap
-        # a run mixes relevances iff one of its links does: sort only the rows that have one
-        mixed = (linked & (relevant[:, :-1] != relevant[:, 1:])).any(1).nonzero().squeeze(1)
+        differ = linked & (relevant[:, :-1] != relevant[:, 1:])
+        mixed = differ.any(1).nonzero().squeeze(1)  # the rows with a run to sort
         if mixed.numel():
-            settled = _sort_runs(blk_idx[mixed], linked[mixed], relevant[mixed],
+            settled = _sort_runs(blk_idx[mixed], linked[mixed], differ[mixed],
                                  lambda rows, refs, m=mixed + a0: score(m[rows], refs))
             if out is idx:
                 out = idx.clone()
             out[a0 + mixed] = settled
         if not complete:
-            # where the run that reaches the last neighbour starts: past the last unlinked gap
-            cols = torch.arange(1, k, device=dev).expand_as(linked)
-            start = torch.where(linked, torch.zeros_like(cols), cols).amax(1)
+            # the run reaching the last neighbour starts after the last unlinked gap
+            unlinked = (~linked).flip(1)
+            trailing = torch.where(unlinked.any(1), unlinked.to(torch.uint8).argmax(1),
+                                   torch.full((a1 - a0,), k - 1, device=dev))
+            start = (k - 1) - trailing
             limit = torch.full_like(start, k - 1) if read is None else read[a0:a1].to(dev)
             redo.append((start < limit).nonzero().squeeze(1) + a0)
     rows = torch.cat(redo) if redo else torch.empty(0, dtype=torch.int64, device=dev)
     if rows.numel():
-        exact = _exact_rows(q[rows], c[rows, -1], k, gap, scorer, ref_blocks,
+        exact = _exact_rows(q[rows], last[rows], k, gap, scorer, ref_blocks,
                             None if query_index is None else query_index[rows], budget)
         if out is idx:
             out = idx.clone()
