@@ -136,3 +136,32 @@ def test_collapsed_embeddings_follow_the_float64_ranking(backend, distance):
     got = evaluate(torch.from_numpy(x), torch.from_numpy(labels), metrics=METRICS, distance=distance,
                    backend=backend, memory_budget=2**20)
     _check(got, _brute(x, labels, distance))
+
+
+@pytest.mark.parametrize("entry", ["evaluate", "streaming"])
+def test_metrics_multiply_in_full_float32_whatever_the_callers_precision(entry, monkeypatch):
+    """Under torch.set_float32_matmul_precision("medium") (TF32 / bfloat16 products, errors
+    ~1e-3) no bound of the metric paths would hold: every product of the metrics runs at
+    "highest", and the caller's setting is back afterwards."""
+    from dmlkit.metrics.knn import _Scorer
+
+    seen: list[str] = []
+    block = _Scorer.block
+
+    def spy(self, *args, **kwargs):
+        seen.append(torch.get_float32_matmul_precision())
+        return block(self, *args, **kwargs)
+
+    monkeypatch.setattr(_Scorer, "block", spy)
+    x, labels = _near_duplicates(5)
+    torch.set_float32_matmul_precision("medium")
+    try:
+        if entry == "evaluate":
+            got = evaluate(torch.from_numpy(x), torch.from_numpy(labels), metrics=METRICS, backend="torch")
+        else:
+            got = evaluate_streaming(x, labels, metrics=METRICS, backend="torch", block_rows=32)
+        assert torch.get_float32_matmul_precision() == "medium"
+    finally:
+        torch.set_float32_matmul_precision("highest")
+    assert seen and set(seen) == {"highest"}
+    _check(got, _brute(x, labels, CosineSimilarity()))

@@ -20,7 +20,7 @@ from dmlkit.metrics._validation import (
 from dmlkit.metrics.average_precision import full_ranking_map
 from dmlkit.metrics.clustering import CLUSTERING_METRICS, cluster_metrics
 from dmlkit.metrics.histograms import pos_neg_histograms
-from dmlkit.metrics.knn import SMALL_SEARCH_PAIRS, _mask_self, _Scorer, knn
+from dmlkit.metrics.knn import SMALL_SEARCH_PAIRS, _mask_self, _Scorer, full_float32_matmuls, knn
 from dmlkit.metrics.near_ties import EXTRA_NEIGHBOURS, pair_scorer, settle_near_ties
 from dmlkit.metrics.retrieval import full_ranking_ap, num_positives, per_query_from_neighbours
 
@@ -171,6 +171,7 @@ def _full_map(inp: _Inputs, budget: int) -> torch.Tensor:
     return ap
 
 
+@full_float32_matmuls
 def per_query(
     query: Any,
     query_labels: Any,
@@ -210,6 +211,7 @@ def _per_query(
     return out, inp.r_q.numpy(), inp
 
 
+@full_float32_matmuls
 def evaluate(
     query: Any,
     query_labels: Any,

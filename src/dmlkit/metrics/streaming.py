@@ -62,6 +62,7 @@ from dmlkit.metrics.knn import (
     _knn_numba,
     _Scorer,
     exact_topk,
+    full_float32_matmuls,
     knn,
 )
 from dmlkit.metrics.near_ties import EXTRA_NEIGHBOURS, pair_scorer, settle_near_ties
@@ -195,6 +196,7 @@ def _drop_self(res: KNNResult, first: int) -> KNNResult:
     return KNNResult(res.indices[keep].view(-1, k), res.values[keep].view(-1, k), res.higher_is_closer)
 
 
+@full_float32_matmuls
 def _stream(
     query: Any, query_labels: Any, reference: Any, reference_labels: Any, metrics: Any, *,
     distance: str | BaseDistance, k_values: Sequence[int], backend: str, memory_budget: int,
