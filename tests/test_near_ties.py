@@ -165,3 +165,27 @@ def test_metrics_multiply_in_full_float32_whatever_the_callers_precision(entry, 
         torch.set_float32_matmul_precision("highest")
     assert seen and set(seen) == {"highest"}
     _check(got, _brute(x, labels, CosineSimilarity()))
+
+
+@pytest.mark.parametrize("longest", [2, 5, 32, 33, 70])
+def test_runs_are_sorted_by_closeness_then_index(longest, monkeypatch):
+    """Both ways of sorting within runs (odd-even transposition up to 32, three stable sorts
+    beyond) give (float64 closeness descending, reference ascending) in every run, exact
+    float64 ties included."""
+    from dmlkit.metrics.near_ties import _sorted_within_runs
+
+    rng = np.random.default_rng(longest)
+    lengths = rng.integers(1, longest + 1, 200)
+    lengths[0] = longest
+    runs = torch.from_numpy(np.repeat(np.arange(200), lengths))
+    s64 = torch.from_numpy(rng.integers(0, 4, runs.numel()).astype(np.float64) / 3)  # many ties
+    refs = torch.from_numpy(rng.permutation(10 * runs.numel())[: runs.numel()])
+    got = _sorted_within_runs(runs, s64, refs).numpy()
+    want = np.empty_like(got)
+    first = 0
+    for length in lengths:
+        seg = slice(first, first + length)
+        order = np.lexsort((refs.numpy()[seg], -s64.numpy()[seg]))
+        want[seg] = refs.numpy()[seg][order]
+        first += length
+    assert (got == want).all()

@@ -99,7 +99,7 @@ def pair_scorer(q: torch.Tensor, r: torch.Tensor, euclidean: bool) -> PairScorer
 
 
 def _sort_runs(idx: torch.Tensor, linked: torch.Tensor, differ: torch.Tensor, score: PairScorer) -> torch.Tensor:
-    """Sort every run of neighbours (``linked[:, j]``: positions ``j`` and ``j + 1`` are in one)
+    """Sort, in place in the contiguous ``idx``, every run of neighbours (``linked[:, j]``: positions ``j`` and ``j + 1`` are in one)
     that mixes relevances (``differ[:, j]``: a link between a relevant and an irrelevant one;
     a run mixes them iff one of its links does) by (float64 closeness descending, index
     ascending); ``score(rows, refs)`` re-scores pairs (rows local)."""
@@ -112,13 +112,45 @@ def _sort_runs(idx: torch.Tensor, linked: torch.Tensor, differ: torch.Tensor, sc
     mixed[run[r_ * k + j_]] = True
     pos = mixed[run].nonzero().squeeze(1)
     rows, refs, runs = pos // k, idx.reshape(-1)[pos], run[pos]
-    s64 = score(rows, refs)
-    order = torch.argsort(refs, stable=True)
-    order = order[torch.argsort(-s64[order], stable=True)]
-    order = order[torch.argsort(runs[order], stable=True)]
-    out = idx.clone().reshape(-1)
-    out[pos] = refs[order]  # a run's positions are contiguous and in the order of run ids
-    return out.reshape(n, k)
+    out = idx.reshape(-1)  # a run's positions are contiguous and in the order of run ids
+    out[pos] = _sorted_within_runs(runs, score(rows, refs), refs)
+    return idx
+
+
+#: Runs up to this long are sorted by odd-even transposition (one vectorised pass per position);
+#: longer ones by three stable sorts of all positions.
+_TRANSPOSITION_MAX = 32
+
+
+def _sorted_within_runs(runs: torch.Tensor, s64: torch.Tensor, refs: torch.Tensor) -> torch.Tensor:
+    """``refs`` reordered within each run (``runs``: non-decreasing ids) by float64 closeness
+    ``s64`` descending, then reference ascending. Runs are mostly two or three long: odd-even
+    transposition, which sorts a run of length ``L`` in ``L`` passes, takes 5-10 % of the time
+    of three stable sorts of all positions (1.6 million positions at 50k x 500 neighbours);
+    beyond :data:`_TRANSPOSITION_MAX` the sorts."""
+    if runs.numel() < 2:
+        return refs
+    same = runs[1:] == runs[:-1]
+    # the longest run: the longest stretch of consecutive "same" links, plus one
+    breaks = torch.cat([torch.tensor([-1], device=runs.device), (~same).nonzero().squeeze(1),
+                        torch.tensor([same.numel()], device=runs.device)])
+    longest = int((breaks[1:] - breaks[:-1]).max())
+    if longest > _TRANSPOSITION_MAX:
+        order = torch.argsort(refs, stable=True)
+        order = order[torch.argsort(-s64[order], stable=True)]
+        order = order[torch.argsort(runs[order], stable=True)]
+        return refs[order]
+    s, r = s64.clone(), refs.clone()
+    starts = [same[0::2].nonzero().squeeze(1) * 2, same[1::2].nonzero().squeeze(1) * 2 + 1]
+    for it in range(longest):
+        i = starts[it % 2]  # pairs (i, i + 1) of one run, every other position
+        a, b = s[i], s[i + 1]
+        swap = (b > a) | ((b == a) & (r[i + 1] < r[i]))
+        j = i[swap]
+        if j.numel():
+            s[j], s[j + 1] = s[j + 1], s[j].clone()
+            r[j], r[j + 1] = r[j + 1], r[j].clone()
+    return r
 
 
 def _keep_top(rows: torch.Tensor, refs: torch.Tensor, s64: torch.Tensor, k: int) -> tuple:
@@ -193,8 +225,8 @@ def settle_near_ties(
     score: PairScorer, ref_blocks: RefBlocks, complete: bool, budget: int,
     query_index: torch.Tensor | None = None, read: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """``idx`` (the kNN's ``(N, k)`` neighbours, ``values`` in the distance's units) in the exact
-    float64 order at every position but the last (see the module). ``q``: the *prepared* float32
+    """``idx`` (the kNN's ``(N, k)`` neighbours, ``values`` in the distance's units) put in the
+    exact float64 order at every position the metrics read (see the module), in place. ``q``: the *prepared* float32
     query rows the kNN searched; ``r_norm``: the largest norm of the prepared references;
     ``complete``: the result holds every reference (nothing can be missing at the boundary);
     ``query_index``: on a self-search, each query's own reference index (never a candidate);
@@ -211,7 +243,6 @@ def settle_near_ties(
     q_norm = float(q.norm(dim=1).max()) if q.numel() else 0.0
     gap = tie_gap(scorer, q.shape[1], q_norm, r_norm, closeness_of(values.abs().max(), scorer))
     ql, rl = query_labels.to(dev), reference_labels.to(dev)
-    out = idx
     redo: list[torch.Tensor] = []
     last = torch.empty(n, dtype=torch.float64, device=dev)
     for a0 in range(0, n, _ROW_BLOCK):
@@ -225,9 +256,7 @@ def settle_near_ties(
         if mixed.numel():
             settled = _sort_runs(blk_idx[mixed], linked[mixed], differ[mixed],
                                  lambda rows, refs, m=mixed + a0: score(m[rows], refs))
-            if out is idx:
-                out = idx.clone()
-            out[a0 + mixed] = settled
+            idx[a0 + mixed] = settled
         if not complete:
             # the run reaching the last neighbour starts after the last unlinked gap
             unlinked = (~linked).flip(1)
@@ -240,7 +269,5 @@ def settle_near_ties(
     if rows.numel():
         exact = _exact_rows(q[rows], last[rows], k, gap, scorer, ref_blocks,
                             None if query_index is None else query_index[rows], budget)
-        if out is idx:
-            out = idx.clone()
-        out[rows] = exact
-    return out
+        idx[rows] = exact
+    return idx
