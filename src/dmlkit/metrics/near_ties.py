@@ -13,11 +13,15 @@ every other metric path uses:
   so their order is already right. A run that mixes relevant and irrelevant references is
   re-scored in float64 and sorted (a run of one relevance reads the same to every metric).
 * **the boundary**: a reference the search did not return can belong before a returned one
-  only if it ties with the last one; rows whose last two neighbours are linked are searched
-  again, exactly: every reference within ``gap`` of the last returned value (a float32 product
-  with the same bound finds all of them) is re-scored in float64 and the top ``k`` taken.
-  Callers ask for one neighbour more than the metrics read, so every position they read is
-  exact.
+  only if it is linked to the last one, so it can reach a position the metrics read only
+  through a run from the last neighbour back to that position. Callers ask for
+  :data:`EXTRA_NEIGHBOURS` more neighbours than their metrics read; the rows where such a run
+  exists anyway are searched again, exactly: every reference within ``gap`` of the last
+  returned value (a float32 product with the same bound finds all of them) is re-scored in
+  float64 and the top ``k`` taken.
+
+Every position the metrics read is then exact, on every backend and device (the kNN's own
+ties, bfloat16 tiles and BLAS or faiss summation order included).
 
 The earlier rule (a fixed 8 ulps and four odd-even passes) was neither: 40 references whose
 closeness to the query differs by 1e-12 (all 1.0 in float32) came out in index order, and
