@@ -18,6 +18,7 @@ import torch
 from dmlkit.metrics import evaluate, knn
 from test_losses_trust import LABELS, NAMES, embeddings, make, value_and_grad
 from test_metrics import clustered_with_ties
+from test_near_ties import METRICS, _brute, _check, _near_duplicates
 from test_preflight import make_folder, user_config
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(),
@@ -29,7 +30,8 @@ CUDA = torch.device("cuda")
 @pytest.fixture(autouse=True)
 def _exact_float32_products():
     """TF32 would round matrix-product inputs to 10 mantissa bits: the comparisons below are of
-    float32 arithmetic on both devices (dmlkit leaves the user's TF32 setting alone)."""
+    float32 arithmetic on both devices (the metrics set full float32 themselves; the losses
+    follow the user's setting)."""
     before = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
     yield
@@ -125,3 +127,20 @@ def test_training_on_cuda_embeds_like_the_cpu(tmp_path):
     with np.load(out) as npz:
         np.testing.assert_array_equal(npz["labels"], labels)
         np.testing.assert_allclose(npz["embeddings"], on_gpu, rtol=0, atol=1e-4)
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_near_ties_on_cuda_follow_the_float64_ranking(seed):
+    """Long runs of float32-equal neighbours are settled on the GPU as on the CPU, also when
+    the caller allows TF32 products (the metrics multiply in full float32 anyway)."""
+    from dmlkit.distances import CosineSimilarity
+
+    x, labels = _near_duplicates(seed)
+    want = _brute(x, labels, CosineSimilarity())
+    torch.set_float32_matmul_precision("high")
+    try:
+        got = evaluate(torch.from_numpy(x).to(CUDA), torch.from_numpy(labels).to(CUDA), metrics=METRICS)
+        assert torch.get_float32_matmul_precision() == "high"
+    finally:
+        torch.set_float32_matmul_precision("highest")
+    _check(got, want)
