@@ -9,10 +9,11 @@ import pytest
 import torch
 
 from dmlkit.distances import CosineSimilarity, DotProductSimilarity, LpDistance
-from dmlkit.metrics import evaluate, evaluate_streaming
+from dmlkit.metrics import evaluate, evaluate_streaming, faiss_available
 from dmlkit.validation import normalize_rows
 
 METRICS = ["precision_at_1", "r_precision", "map_at_r", "precision_at_3"]
+BACKENDS = ["torch", "numba", pytest.param("faiss", marks=pytest.mark.skipif(not faiss_available(), reason="faiss"))]
 
 
 def _brute(x: np.ndarray, labels: np.ndarray, distance, ref: np.ndarray | None = None,
@@ -63,7 +64,7 @@ def _check(got: dict, want: dict) -> None:
         assert float(got[m]) == pytest.approx(want[m], abs=1e-12), m
 
 
-@pytest.mark.parametrize("backend", ["torch", "numba"])
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("distance", [CosineSimilarity(), DotProductSimilarity(normalize_embeddings=False),
                                       LpDistance(normalize_embeddings=False), LpDistance(power=2, normalize_embeddings=False)],
                          ids=["cosine", "dot", "euclidean", "squared-euclidean"])
@@ -77,7 +78,7 @@ def test_long_runs_of_near_ties_follow_the_float64_ranking(backend, distance, se
     _check(got, _brute(x, labels, distance))
 
 
-@pytest.mark.parametrize("backend", ["torch", "numba"])
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_references_tied_beyond_k_are_found(backend):
     """Queries whose one positive is the float64-closest of 40 references that are all 1.0 in
     float32: the kNN returns k = 2 of them (the first by index), so the positive is found only
