@@ -190,3 +190,41 @@ def test_runs_are_sorted_by_closeness_then_index(longest, monkeypatch):
         want[seg] = refs.numpy()[seg][order]
         first += length
     assert (got == want).all()
+
+
+_PRODUCTS = {torch.mm, torch.matmul, torch.addmm, torch.bmm, torch.Tensor.__matmul__, torch.Tensor.mm,
+             torch.Tensor.matmul}
+
+
+class _PrecisionAtProducts(torch.overrides.TorchFunctionMode):
+    """Records torch's float32 matmul precision at every matrix product made inside."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: list[str] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func in _PRODUCTS:
+            self.seen.append(torch.get_float32_matmul_precision())
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("entry", ["pos_neg_histograms", "knn"])
+def test_other_metric_entries_multiply_in_full_float32(entry):
+    """The histogram and kNN entry points too: every product at "highest", the caller's
+    "medium" back afterwards."""
+    from dmlkit.metrics import knn, pos_neg_histograms
+
+    rng = np.random.default_rng(0)
+    x = torch.from_numpy(rng.standard_normal((200, 16)).astype(np.float32))
+    labels = torch.from_numpy(np.arange(200) % 5)
+    calls = {"pos_neg_histograms": lambda: pos_neg_histograms(x, labels),
+             "knn": lambda: knn(x, None, 3, backend="torch")}
+    torch.set_float32_matmul_precision("medium")
+    try:
+        with _PrecisionAtProducts() as mode:
+            calls[entry]()
+        assert torch.get_float32_matmul_precision() == "medium"
+    finally:
+        torch.set_float32_matmul_precision("highest")
+    assert mode.seen and set(mode.seen) == {"highest"}, mode.seen[:5]

@@ -1,20 +1,21 @@
-"""Thread helpers of the compiled metric kernels.
+"""Execution settings of the metric kernels: threads and float32 product precision.
 
 torch and numba each bring a thread pool; instead of letting them compete for the cores, the
 metrics run single-threaded torch calls and compiled kernels (both release the GIL) on a few
-plain Python threads.
+plain Python threads. :func:`full_float32_matmuls` keeps float32 products in float32.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import threading
 from collections.abc import Callable, Iterable, Iterator
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
-__all__ = ["run_threads", "single_threaded_torch"]
+__all__ = ["full_float32_matmuls", "run_threads", "single_threaded_torch"]
 
 
 @contextlib.contextmanager
@@ -82,3 +83,31 @@ def _join_through_interrupts(pool: list[threading.Thread]) -> None:
                 t.join()
             except KeyboardInterrupt:
                 continue
+
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def full_float32_matmuls(fn: _F) -> _F:
+    """Run ``fn`` with float32 matrix products in full float32
+    (``torch.set_float32_matmul_precision("highest")``), restoring the caller's setting after.
+
+    Every exactness bound of the metric paths (near-ties, full-ranking MAP, the bfloat16 tiles'
+    check) assumes a float32 product rounds like float32: under ``"high"`` or ``"medium"``,
+    which training scripts set for speed, torch may multiply float32 in TF32 or bfloat16
+    (errors ~1e-3) and the metrics would silently stop being exact. The setting is per
+    process: a product in another thread meanwhile also runs in full float32.
+    """
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        before = torch.get_float32_matmul_precision()
+        if before == "highest":
+            return fn(*args, **kwargs)
+        torch.set_float32_matmul_precision("highest")
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            torch.set_float32_matmul_precision(before)
+
+    return wrapper  # type: ignore[return-value]

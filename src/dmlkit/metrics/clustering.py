@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 
 from dmlkit.exceptions import ConfigError, DataError
-from dmlkit.metrics._threads import run_threads, single_threaded_torch
+from dmlkit.metrics._threads import full_float32_matmuls, run_threads, single_threaded_torch
 from dmlkit.validation import check_embeddings, check_labels, check_product_range
 
 __all__ = ["CLUSTERING_METRICS", "cluster_metrics", "kmeans_labels", "pair_f1"]
@@ -32,6 +32,7 @@ CLUSTERING_METRICS = ("nmi", "ami", "pair_f1")
 _KMEANS_BACKENDS = ("auto", "dmlkit", "faiss", "sklearn")
 
 
+@full_float32_matmuls
 def kmeans_labels(
     embeddings: np.ndarray, n_clusters: int, seed: int = 0, *, niter: int = 20, backend: str = "auto"
 ) -> np.ndarray:
@@ -235,6 +236,7 @@ def pair_f1(labels: Any, clusters: Any) -> float:
     return 2 * precision * recall / (precision + recall)
 
 
+@full_float32_matmuls
 def cluster_metrics(
     embeddings: Any,
     labels: Any,

@@ -11,6 +11,7 @@ import torch
 
 from dmlkit.distances import BaseDistance, get_distance
 from dmlkit.exceptions import ConfigError, ShapeError
+from dmlkit.metrics._threads import full_float32_matmuls
 from dmlkit.metrics._validation import (
     DEFAULT_MEMORY_BUDGET,
     as_embeddings,
@@ -20,7 +21,7 @@ from dmlkit.metrics._validation import (
 from dmlkit.metrics.average_precision import full_ranking_map
 from dmlkit.metrics.clustering import CLUSTERING_METRICS, cluster_metrics
 from dmlkit.metrics.histograms import pos_neg_histograms
-from dmlkit.metrics.knn import SMALL_SEARCH_PAIRS, _mask_self, _Scorer, full_float32_matmuls, knn
+from dmlkit.metrics.knn import SMALL_SEARCH_PAIRS, _mask_self, _Scorer, knn
 from dmlkit.metrics.near_ties import EXTRA_NEIGHBOURS, pair_scorer, settle_near_ties
 from dmlkit.metrics.retrieval import full_ranking_ap, num_positives, per_query_from_neighbours
 

@@ -27,7 +27,7 @@ import torch
 
 from dmlkit.distances import BaseDistance, CosineSimilarity, get_distance
 from dmlkit.exceptions import ConfigError, DataError, ShapeError
-from dmlkit.metrics._threads import run_threads, single_threaded_torch
+from dmlkit.metrics._threads import full_float32_matmuls, run_threads, single_threaded_torch
 from dmlkit.metrics._validation import (
     DEFAULT_MEMORY_BUDGET,
     as_embeddings,
@@ -156,6 +156,7 @@ def _count_cpu(
     return pos_c, total_c
 
 
+@full_float32_matmuls
 def pos_neg_histograms(
     query: Any,
     query_labels: Any,

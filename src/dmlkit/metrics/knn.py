@@ -38,19 +38,17 @@ similarities differ by less than an ulp):
 
 from __future__ import annotations
 
-import functools
 import math
 import threading
-from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any
 
 import numpy as np
 import torch
 
 from dmlkit.distances import BaseDistance, DotProductSimilarity, LpDistance, get_distance
 from dmlkit.exceptions import ConfigError, DataError, ShapeError, require
-from dmlkit.metrics._threads import run_threads, single_threaded_torch
+from dmlkit.metrics._threads import full_float32_matmuls, run_threads, single_threaded_torch
 from dmlkit.metrics._tiles import _BF16_MIN_PAIRS, _bf16_is_faster, _Tiles
 from dmlkit.metrics._validation import DEFAULT_MEMORY_BUDGET, as_embeddings, check_budget
 
@@ -142,34 +140,6 @@ class _Scorer:
             sq = (-closeness).clamp_min(0)
             return sq if self.distance.power == 2 else sq.sqrt()
         return closeness if self.distance.higher_is_closer else -closeness
-
-
-_F = TypeVar("_F", bound=Callable[..., Any])
-
-
-def full_float32_matmuls(fn: _F) -> _F:
-    """Run ``fn`` with float32 matrix products in full float32
-    (``torch.set_float32_matmul_precision("highest")``), restoring the caller's setting after.
-
-    Every exactness bound of the metric paths (near-ties, full-ranking MAP, the bfloat16 tiles'
-    check) assumes a float32 product rounds like float32: under ``"high"`` or ``"medium"``,
-    which training scripts set for speed, torch may multiply float32 in TF32 or bfloat16
-    (errors ~1e-3) and the metrics would silently stop being exact. The setting is per
-    process: a product in another thread meanwhile also runs in full float32.
-    """
-
-    @functools.wraps(fn)
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
-        before = torch.get_float32_matmul_precision()
-        if before == "highest":
-            return fn(*args, **kwargs)
-        torch.set_float32_matmul_precision("highest")
-        try:
-            return fn(*args, **kwargs)
-        finally:
-            torch.set_float32_matmul_precision(before)
-
-    return wrapper  # type: ignore[return-value]
 
 
 # -- exact top-k with index tie-breaking --------------------------------------------------------

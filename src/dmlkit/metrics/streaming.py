@@ -48,6 +48,7 @@ import torch
 
 from dmlkit.distances import BaseDistance, get_distance
 from dmlkit.exceptions import ConfigError, DataError, ShapeError
+from dmlkit.metrics._threads import full_float32_matmuls
 from dmlkit.metrics._validation import (
     DEFAULT_MEMORY_BUDGET,
     as_embeddings,
@@ -62,7 +63,6 @@ from dmlkit.metrics.knn import (
     _knn_numba,
     _Scorer,
     exact_topk,
-    full_float32_matmuls,
     knn,
 )
 from dmlkit.metrics.near_ties import EXTRA_NEIGHBOURS, pair_scorer, settle_near_ties
