@@ -38,7 +38,7 @@ import torch
 
 from dmlkit.distances import LpDistance
 from dmlkit.metrics.average_precision import closeness_tolerance
-from dmlkit.metrics.knn import _Scorer
+from dmlkit.metrics.knn import _Scorer, exact_topk
 
 __all__ = ["EXTRA_NEIGHBOURS", "closeness_of", "pair_scorer", "settle_near_ties", "tie_gap"]
 
@@ -157,19 +157,6 @@ def _sorted_within_runs(runs: torch.Tensor, s64: torch.Tensor, refs: torch.Tenso
     return r
 
 
-def _keep_top(rows: torch.Tensor, refs: torch.Tensor, s64: torch.Tensor, k: int) -> tuple:
-    """Each row's ``k`` best ``(float64 closeness descending, reference ascending)`` of the pairs
-    ``(rows, refs, s64)``, as three flat tensors grouped by row."""
-    order = torch.argsort(refs, stable=True)
-    order = order[torch.argsort(-s64[order], stable=True)]
-    order = order[torch.argsort(rows[order], stable=True)]
-    rows, refs, s64 = rows[order], refs[order], s64[order]
-    count = torch.bincount(rows)
-    first = torch.cumsum(count, 0) - count
-    take = torch.arange(rows.shape[0], device=rows.device) - first[rows] < k
-    return rows[take], refs[take], s64[take]
-
-
 def _exact_rows(
     q_rows: torch.Tensor, floor: torch.Tensor, k: int, gap: float, scorer: _Scorer,
     ref_blocks: RefBlocks, self_index: torch.Tensor | None, budget: int,
@@ -183,7 +170,8 @@ def _exact_rows(
 
     Memory stays within ``budget`` however many references tie (all of them, for collapsed
     embeddings): rows in chunks, references in column blocks, and after each block only each
-    row's best ``k`` candidates are kept. For inner products, a block where most references are
+    row's best ``k`` candidates are kept (:func:`dmlkit.metrics.knn.exact_topk`, the merge the
+    streaming evaluation uses). For inner products, a block where most references are
     candidates is scored by one float64 product instead of pair by pair."""
     dev = q_rows.device
     n = q_rows.shape[0]
@@ -197,12 +185,12 @@ def _exact_rows(
         a1 = min(n, a0 + chunk)
         cols = max(1, budget // (32 * (a1 - a0)))
         qa, qa_sq, low_a = q_rows[a0:a1], None if q_sq is None else q_sq[a0:a1], low[a0:a1, None]
-        kept = (torch.empty(0, dtype=torch.int64, device=dev),) * 2 + (torch.empty(0, dtype=torch.float64, device=dev),)
+        best_v = torch.empty(a1 - a0, 0, dtype=torch.float64, device=dev)
+        best_i = torch.empty(a1 - a0, 0, dtype=torch.int64, device=dev)
         for b0, blk in ref_blocks():
             for c0 in range(0, blk.shape[0], cols):
                 r_blk = blk[c0 : c0 + cols]
-                r_sq = scorer.sq_norms(r_blk)
-                keep = scorer.block(qa, r_blk, qa_sq, r_sq) >= low_a
+                keep = scorer.block(qa, r_blk, qa_sq, scorer.sq_norms(r_blk)) >= low_a
                 if self_index is not None:
                     own = self_index[a0:a1] - (b0 + c0)
                     inside = ((own >= 0) & (own < r_blk.shape[0])).nonzero().squeeze(1)
@@ -210,16 +198,17 @@ def _exact_rows(
                 rr, cc = keep.nonzero(as_tuple=True)
                 if not euclidean and rr.numel() * 4 > keep.numel():  # mostly candidates: one
                     # float64 product (not for Euclidean: |a|^2 + |b|^2 - 2ab cancels on near-equal rows)
-                    s64 = (qa.double() @ r_blk.double().T)[rr, cc]
+                    s64 = (qa.double() @ r_blk.double().T).masked_fill_(~keep, -np.inf)
                 else:
-                    s64 = _score64(qa, r_blk, rr, cc, euclidean)
-                kept = _keep_top(torch.cat([kept[0], rr]), torch.cat([kept[1], cc + b0 + c0]),
-                                 torch.cat([kept[2], s64]), k)
-        rows, refs, _ = kept
-        count = torch.bincount(rows, minlength=a1 - a0)
-        if bool((count < k).any()):  # cannot happen with the bound above; never return a short row
+                    s64 = torch.full(keep.shape, -np.inf, dtype=torch.float64, device=dev)
+                    s64[rr, cc] = _score64(qa, r_blk, rr, cc, euclidean)
+                ids = torch.arange(b0 + c0, b0 + c0 + r_blk.shape[0], device=dev).expand_as(s64)
+                cat_v, cat_i = torch.cat([best_v, s64], 1), torch.cat([best_i, ids], 1)
+                best_v, best_i = exact_topk(cat_v, min(k, cat_v.shape[1]), indices=cat_i)
+        if best_v.shape[1] < k or bool((best_v[:, -1] == -np.inf).any()):
+            # cannot happen with the bound above; never return a short row
             raise RuntimeError("near-tie search found fewer candidates than neighbours: please report")
-        out[a0:a1] = refs.view(a1 - a0, k)
+        out[a0:a1] = best_i
     return out
 
 
