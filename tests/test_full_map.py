@@ -235,3 +235,121 @@ def test_full_ranking_ap_places_references_like_a_stable_sort():
         r = ((rl[None, :] == ql[:, None]) & torch.isfinite(s)).sum(1)
         expected = _ap_by_stable_sort(s, ql, rl, r)
         torch.testing.assert_close(full_ranking_ap(s, ql, rl, r), expected, rtol=0, atol=1e-12, msg=str(trial))
+
+
+# --- the preparation kernels against independent numpy definitions -------------------------
+
+def _kernels():
+    pytest.importorskip("numba")
+    return importlib.import_module("dmlkit.metrics._ap_kernels")
+
+
+def _closeness_rows(seed: int, kind: str, sizes: np.ndarray) -> np.ndarray:
+    """Per row, ``sizes[i]`` float64 values of one of several shapes (random, ties, equal,
+    one outlier beside a tight cluster, signed zeros, huge, already sorted, ascending)."""
+    rng = np.random.default_rng(seed)
+    make = {
+        "normal": lambda n: rng.normal(0.5, 0.1, n),
+        "ties": lambda n: rng.choice(rng.normal(size=4), n),
+        "equal": lambda n: np.full(n, 0.25),
+        "outlier": lambda n: np.concatenate([[-0.9], 0.5 + rng.random(n - 1) * 1e-4]),
+        "zeros": lambda n: rng.choice([0.0, -0.0, 1e-300, -1e-300], n),
+        "huge": lambda n: rng.normal(0, 1e30, n),
+        "descending": lambda n: np.sort(rng.random(n))[::-1],
+        "ascending": lambda n: np.sort(rng.random(n)),
+    }[kind]
+    return np.concatenate([make(n) if n else np.empty(0) for n in sizes]).astype(np.float64)
+
+
+_SHAPES = ["normal", "ties", "equal", "outlier", "zeros", "huge", "descending", "ascending"]
+
+
+@pytest.mark.parametrize("kind", _SHAPES)
+def test_sort_positives_is_a_stable_descending_sort(kind):
+    k = _kernels()
+    rng = np.random.default_rng(7)
+    sizes = rng.integers(0, 400, 60)
+    sizes[:3] = [0, 1, 2]
+    ptr = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
+    val = _closeness_rows(1, kind, sizes)
+    ref = np.concatenate([np.sort(rng.choice(10**6, n, replace=False)) for n in sizes]).astype(np.int32)
+    got_val, got_ref = val.copy(), ref.copy()
+    k.sort_positives(ptr, got_val, got_ref)
+    for a, b in zip(ptr[:-1], ptr[1:]):
+        order = np.lexsort((ref[a:b], -val[a:b]))  # closest first, ties by index
+        np.testing.assert_array_equal(got_val[a:b], val[a:b][order])
+        np.testing.assert_array_equal(got_ref[a:b], ref[a:b][order])
+
+
+def _bounds_by_nextafter(val: np.ndarray, tol: float) -> tuple[np.ndarray, np.ndarray]:
+    with np.errstate(over="ignore"):
+        a, b = val - tol, val + tol
+        up, dn = a.astype(np.float32), b.astype(np.float32)
+    down = up.astype(np.float64) > a
+    up[down] = np.nextafter(up[down], np.float32(-np.inf))
+    raise_ = dn.astype(np.float64) < b
+    dn[raise_] = np.nextafter(dn[raise_], np.float32(np.inf))
+    return up, dn
+
+
+@pytest.mark.parametrize("tol", [0.0, 1e-46, 7.9e-6, 1e-3])
+def test_bounds_round_outwards_to_float32_bit_for_bit(tol):
+    k = _kernels()
+    rng = np.random.default_rng(2)
+    exact32 = rng.normal(size=500).astype(np.float32).astype(np.float64)
+    val = np.concatenate([rng.normal(size=5000), rng.normal(size=500) * 1e-40, exact32,
+                          [0.0, -0.0, 1e-46, -1e-46, 2.0**-149, -(2.0**-149), 1e-300, -1e-300,
+                           3.4e38, -3.4e38, 1e39, -1e39]])
+    up, dn = np.empty(val.size, np.float32), np.empty(val.size, np.float32)
+    k.bounds(val, tol, up, dn)
+    want_up, want_dn = _bounds_by_nextafter(val, tol)
+    np.testing.assert_array_equal(up.view(np.int32), want_up.view(np.int32))
+    np.testing.assert_array_equal(dn.view(np.int32), want_dn.view(np.int32))
+
+
+def _tables_by_definition(ptr, up, dn, n_buckets):
+    """:func:`build_tables`'s documented table, bucket by bucket in numpy."""
+    rows = ptr.size - 1
+    lo, scale = np.empty(rows, np.float32), np.empty(rows, np.float32)
+    table = np.empty((rows, n_buckets), np.int64)
+    b = np.arange(n_buckets, dtype=np.float64)
+    for i, (p0, p1) in enumerate(zip(ptr[:-1], ptr[1:])):
+        if p1 == p0:
+            lo[i], scale[i] = np.inf, 0.0
+            continue
+        u, w = up[p0:p1].astype(np.float64), dn[p0:p1].astype(np.float64)
+        low = u[-1]
+        width = w[0] - low
+        sc = min(n_buckets / width, 1e30) if width > 0 else 1e30
+        lo[i], scale[i] = up[p1 - 1], np.float32(sc)
+        inv = 1.0 / np.float64(scale[i])
+        upper = np.append(low + (b[:-1] + 1) * (inv * (1.0 + 2.0**-20)), np.inf)
+        lower = np.where(b > 0, low + b * (inv * (1.0 - 2.0**-20)), low)
+        a = np.searchsorted(-u, -upper, side="left")  # positives with up > upper
+        clean = (a < u.size) & (w[np.minimum(a, u.size - 1)] < lower)
+        table[i] = np.where(clean, a, -1 - a)
+    return lo, scale, table
+
+
+@pytest.mark.parametrize("kind", _SHAPES)
+@pytest.mark.parametrize("n_buckets", [64, 4096])
+def test_build_tables_equals_its_definition(kind, n_buckets):
+    k = _kernels()
+    rng = np.random.default_rng(5)
+    sizes = rng.integers(0, 600, 40)
+    sizes[:2] = [0, 1]
+    ptr = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
+    val = _closeness_rows(3, kind, sizes)
+    ref = np.concatenate([np.arange(n) for n in sizes]).astype(np.int32)
+    k.sort_positives(ptr, val, ref)
+    for tol in (0.0, 7.9e-6):
+        up, dn = np.empty(val.size, np.float32), np.empty(val.size, np.float32)
+        k.bounds(val, tol, up, dn)
+        lo, scale = np.empty(sizes.size, np.float32), np.empty(sizes.size, np.float32)
+        table = np.empty((sizes.size, n_buckets), np.int16)
+        k.build_tables(ptr, up, dn, lo, scale, table)
+        want_lo, want_scale, want_table = _tables_by_definition(ptr, up, dn, n_buckets)
+        np.testing.assert_array_equal(lo, want_lo)
+        np.testing.assert_array_equal(scale, want_scale)
+        rows = sizes > 0  # a row without positives has no table (lo = inf skips it)
+        np.testing.assert_array_equal(table[rows], want_table[rows])
