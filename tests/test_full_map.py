@@ -203,6 +203,23 @@ def test_state_without_stored_closeness_recomputes_it(numba_path, monkeypatch, s
     assert kept == [False, True]
 
 
+@pytest.mark.parametrize("same", [True, False])
+def test_held_exact_comparisons_flush_when_full(numba_path, monkeypatch, same):
+    """Entries within float32 rounding of a positive are held and compared in float64 in
+    reference order; a full buffer is flushed mid-tile. With room for 5, every tie (hundreds
+    here) passes through full flushes: the same AP as the float64 ranking."""
+    k = _kernels()
+    scratch = k.deferred_scratch
+    monkeypatch.setattr(k, "deferred_scratch", lambda side: k.Deferred(*(
+        a if name in ("count", "bins") else a[:5] for name, a in zip(k.Deferred._fields, scratch(side)))))
+    q, ql = _tied(300, 3, 12, 10)
+    r, rl = (None, None) if same else _tied(400, 3, 14, 11)
+    got = _map(q, ql, r, rl)
+    want = brute_force_ap(q, ql, r, rl)
+    np.testing.assert_array_equal(np.isnan(got), np.isnan(want))
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-12)
+
+
 def _ap_by_stable_sort(s, ql, rl, r):
     """The definition: each row sorted (descending, ties by index), precision at each positive."""
     import torch

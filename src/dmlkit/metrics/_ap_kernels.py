@@ -16,8 +16,9 @@ positives, so its 1-based rank is ``rank_p = sum_{e <= p} (cnt[e] + 1)`` and
 highest bound): a bucket that holds no positive's bound gives ``e`` at once (one load and one
 increment per reference); the entries of the other buckets are listed and placed afterwards by
 a short forward scan over the bounds, and only a value within ``tol`` of a positive's closeness
-is re-scored in float64 and compared exactly (ties by the original index). The references are in
-class order, so a query's positives (and, on a self-search, the query itself) are one interval
+is re-scored in float64 and compared exactly (ties by the original index): such entries are held
+until the end of the tile and re-scored in reference order (:func:`_flush_exact`). The
+references are in class order, so a query's positives (and, on a self-search, the query itself) are one interval
 of columns: :func:`count_rows` sets it to ``-inf`` in the tile and a positive never reaches the
 table (each lies within its own band, so it would always be listed: 2.5 % of all pairs at R =
 499, 27 % of the listed entries). References below the lowest bound rank after every positive
@@ -36,9 +37,12 @@ interleaved count arrays; 16-column strips; finer tables (2048 to 16384 buckets,
 499); tiles of 256, 512 or 2048; counting each row's 8 lowest positives by vectorised
 comparisons and placing only the entries above them, on the whole row or on the compacted
 survivors (slower in both); one pass over a symmetric tile for its rows and columns (1,024 live
-column lists miss L1); software prefetch of the next row's state; exact re-scorings deferred to
-a loop of their own; counting strips of a tile right after their product. See
-benchmarks/README.md.
+column lists miss L1); software prefetch of the next row's state (also at the next eight columns:
+faster on a captured tile with the state evicted, not in the pipeline); exact re-scorings deferred
+to a loop after each row's listed entries (the tile-wide deferral in reference order is what
+helps); the band positives' closeness copied when an entry is held; counting the values between
+the two lowest positives during the compaction (one more pair of vector comparisons); counting
+strips of a tile right after their product. See benchmarks/README.md.
 """
 
 from __future__ import annotations
@@ -53,7 +57,7 @@ from dmlkit.metrics._kernels import _bits_float, _closeness64, _float_bits
 from dmlkit.metrics._simd import COMPRESS_TABLE, compress8, transpose8
 
 __all__ = [
-    "Counting", "ap_from_counts", "bounds", "build_tables", "count_columns", "count_rows",
+    "Counting", "Deferred", "ap_from_counts", "bounds", "build_tables", "count_columns", "count_rows",
     "counting_scratch", "gather_positives", "positive_scores", "sort_positives",
 ]
 
@@ -312,22 +316,89 @@ def build_tables(
                 break
 
 
+class Deferred(NamedTuple):
+    """One worker's entries awaiting an exact comparison (see :func:`_flush_exact`)."""
+
+    count: np.ndarray  #: int64[1]: how many are held
+    row: np.ndarray  #: each one's row state
+    query: np.ndarray  #: its query (global row)
+    ref: np.ndarray  #: its reference
+    value: np.ndarray  #: its float32 tile value
+    first: np.ndarray  #: the first positive (absolute position) whose band holds the value
+    exact: np.ndarray  #: its float64 closeness, computed at the flush
+    order: np.ndarray  #: the held entries by reference
+    bins: np.ndarray  #: a counting sort's bins over the references of one tile
+
+
+def deferred_scratch(side: int) -> Deferred:
+    """Room for ``4 side`` deferred entries (at least 4096) of tiles up to ``side`` wide."""
+    cap = max(4096, 4 * side)
+    return Deferred(np.zeros(1, np.int64), np.empty(cap, np.int64), np.empty(cap, np.int64),
+                    np.empty(cap, np.int64), np.empty(cap, np.float32), np.empty(cap, np.int64),
+                    np.empty(cap, np.float64), np.empty(cap, np.int64), np.empty(side + 2, np.int64))
+
+
 @numba.njit(nogil=True, cache=True, boundscheck=False)
-def _exact_rank(state: Counting, gi: int, j: int, x: np.float32, first: int, stop: int) -> int:
-    """Where reference ``j`` (tile value ``x``) ranks for query ``gi`` among the positives
-    ``first:stop``, the first of them not certainly before it: ``first`` plus the positives
-    whose band holds ``x`` and whose float64 closeness ranks before ``j``'s (ties by the
-    original index). A positive's closeness is read from ``pos_val`` or, where the state does
-    not keep it, recomputed by the function that sorted it. Out of line: the hot loops of
-    :func:`_place` stay small."""
+def _flush_exact(state: Counting, held: Deferred) -> None:
+    """Count the held entries, each within ``tol`` of a positive's closeness, exactly.
+
+    Their float64 closeness is computed in reference order (a counting sort of the held
+    references, all from one tile): the reference rows are then read once each and in memory
+    order. Re-scored where found, each was a cache miss on its reference row: at 499 positives a
+    query and 16384-column tiles (0.2-0.3 % of all pairs held) the row pass took 7.6-8.5 s
+    against 5.8-6.5 s now (50k queries, one thread). Then each is placed among the positives
+    whose band holds it (:func:`_exact_rank`)."""
+    n = held.count[0]
+    if n == 0:
+        return
+    lowest, highest = held.ref[0], held.ref[0]
+    for k in range(1, n):
+        lowest = min(lowest, held.ref[k])
+        highest = max(highest, held.ref[k])
+    span = highest - lowest + 1
+    bins = held.bins
+    if span + 1 <= bins.shape[0]:
+        bins[: span + 1] = 0
+        for k in range(n):
+            bins[held.ref[k] - lowest + 1] += 1
+        for b in range(span):
+            bins[b + 1] += bins[b]
+        for k in range(n):
+            b = held.ref[k] - lowest
+            held.order[bins[b]] = k
+            bins[b] += 1
+    else:  # references from more than one tile (not expected): in the order held
+        for k in range(n):
+            held.order[k] = k
+    for t in range(n):
+        k = held.order[t]
+        held.exact[k] = _closeness64(state.query[held.query[k]], state.reference[held.ref[k]],
+                                     state.euclidean)
+    for k in range(n):
+        i = held.row[k]
+        stop = state.pos_ptr[i + 1]
+        e = _exact_rank(state, held.query[k], held.ref[k], held.exact[k], held.value[k],
+                        held.first[k], stop)
+        if e < stop:
+            state.cnt[e + i] += 1  # row i's count after e - pos_ptr[i] positives
+    held.count[0] = 0
+
+
+@numba.njit(nogil=True, cache=True, boundscheck=False)
+def _exact_rank(state: Counting, gi: int, j: int, v: float, x: np.float32, first: int,
+                stop: int) -> int:
+    """Where reference ``j`` (tile value ``x``, float64 closeness ``v``) ranks for query ``gi``
+    among the positives ``first:stop``, the first of them not certainly before it: ``first``
+    plus the positives whose band holds ``x`` and whose float64 closeness ranks before ``j``'s
+    (ties by the original index). A positive's closeness is read from ``pos_val`` or, where the
+    state does not keep it, recomputed by the function that sorted it."""
     dn, pos_ref, pos_val, ref_index = state.dn, state.pos_ref, state.pos_val, state.ref_index
-    a = state.query[gi]
-    v = _closeness64(a, state.reference[j], state.euclidean)
     e = first
     q = first
     while q < stop and x <= dn[q]:
         k = pos_ref[q]
-        pv = pos_val[q] if pos_val.shape[0] else _closeness64(a, state.reference[k], state.euclidean)
+        pv = pos_val[q] if pos_val.shape[0] else _closeness64(state.query[gi], state.reference[k],
+                                                             state.euclidean)
         if pv > v or (pv == v and ref_index[k] < ref_index[j]):
             e += 1
         q += 1
@@ -345,14 +416,17 @@ def _place(
     state: Counting,
     buckets: np.ndarray,
     dirty: np.ndarray,
+    held: Deferred,
 ) -> None:
     """Count ``n`` entries of query ``gi`` (row state ``i``) at or above its lowest bound.
 
     ``vals[u]`` is the float32 closeness of reference ``ref0 + refs[u]``, a negative (the
     positives were set to ``-inf``; :func:`ap_from_counts` places them). Three passes: the
     buckets (vectorised), the table (``cnt[e] += 1`` for a bucket away from every positive; the
-    others are listed) and the listed entries, placed by a short scan over the bounds and,
-    within ``tol`` of a positive, in float64 (:func:`_exact_rank`; ties by the original index).
+    others are listed) and the listed entries, placed by a short scan over the bounds; one
+    within ``tol`` of a positive is held for an exact comparison in float64
+    (:func:`_flush_exact`, when ``held`` is full and at the end of the tile; ties by the
+    original index).
     """
     pos_ptr, up, dn = state.pos_ptr, state.up, state.dn
     lo, scale, table, cnt = state.lo, state.scale, state.table, state.cnt
@@ -374,14 +448,19 @@ def _place(
         cnt[c0 + (e if e >= 0 else big_r)] += 1
     for t in range(n_dirty):
         u = dirty[t]
-        j = ref0 + refs[u]
         x = vals[u]
         e = -1 - np.int64(tab[buckets[u]])
         while e < big_r and x < up[p0 + e]:
             e += 1
-        if e < big_r and x <= dn[p0 + e]:  # within tol of positive e's closeness: exact
-            e = _exact_rank(state, gi, j, x, p0 + e, p0 + big_r) - p0
-        if e < big_r:
+        if e < big_r and x <= dn[p0 + e]:  # within tol of positive e's closeness: held
+            h = held.count[0]
+            if h == held.row.shape[0]:
+                _flush_exact(state, held)
+                h = 0
+            held.row[h], held.query[h], held.ref[h] = i, gi, ref0 + refs[u]
+            held.value[h], held.first[h] = x, p0 + e
+            held.count[0] = h + 1
+        elif e < big_r:
             cnt[c0 + e] += 1
 
 
@@ -411,7 +490,7 @@ def count_rows(
     ``s``, so they are never counted, here or by :func:`count_columns` on the same tile.
     ``scratch`` is :func:`counting_scratch` of at least the tile's longer side.
     """
-    vals, refs, buckets, dirty, _ = scratch
+    vals, refs, buckets, dirty, _, held = scratch
     lo = state.lo
     nr, nc = s.shape
     for r in range(nr):
@@ -432,7 +511,8 @@ def count_rows(
         for c in range(whole, nc):
             n = _append(vals, refs, 0, n, row[c], c, low)
         if n:
-            _place(vals[0], refs[0], n, col0, i, row0 + r, state, buckets, dirty)
+            _place(vals[0], refs[0], n, col0, i, row0 + r, state, buckets, dirty, held)
+    _flush_exact(state, held)
 
 
 @numba.njit(nogil=True, cache=True, boundscheck=False)
@@ -453,7 +533,7 @@ def count_columns(
     compacted eight entries at a time; the rows past the last whole block, and the columns past
     the last group of eight, one entry at a time.
     """
-    vals, refs, buckets, dirty, block = scratch
+    vals, refs, buckets, dirty, block, held = scratch
     lo = state.lo
     nr, nc = s.shape
     for c0 in range(0, nc, 8):
@@ -467,7 +547,8 @@ def count_columns(
                 for r in range(nr):
                     n = _append(vals, refs, k, n, s[r, c0 + k], r, low)
                 if n:
-                    _place(vals[k], refs[k], n, row0, i0 + k, col0 + c0 + k, state, buckets, dirty)
+                    _place(vals[k], refs[k], n, row0, i0 + k, col0 + c0 + k, state, buckets, dirty,
+                           held)
             continue
         l0, l1, l2, l3 = lo[i0], lo[i0 + 1], lo[i0 + 2], lo[i0 + 3]
         l4, l5, l6, l7 = lo[i0 + 4], lo[i0 + 5], lo[i0 + 6], lo[i0 + 7]
@@ -497,15 +578,18 @@ def count_columns(
         for k in range(8):
             n = counts[k]
             if n and lo[i0 + k] != np.inf:
-                _place(vals[k], refs[k], n, row0, i0 + k, col0 + c0 + k, state, buckets, dirty)
+                _place(vals[k], refs[k], n, row0, i0 + k, col0 + c0 + k, state, buckets, dirty, held)
+    _flush_exact(state, held)
 
 
 def counting_scratch(side: int) -> tuple:
     """One worker's scratch for :func:`count_rows` / :func:`count_columns` on tiles of at most
     ``side`` rows and columns: eight compacted lines (values, columns; 8 spare lanes for
-    :func:`dmlkit.metrics._simd.compress8`), the buckets and listed entries, an 8 x 8 block."""
+    :func:`dmlkit.metrics._simd.compress8`), the buckets and listed entries, an 8 x 8 block, the
+    entries held for an exact comparison (:func:`deferred_scratch`)."""
     return (np.empty((8, side + 8), np.float32), np.empty((8, side + 8), np.int32),
-            np.empty(side, np.int32), np.empty(side, np.int32), np.empty((8, 8), np.float32))
+            np.empty(side, np.int32), np.empty(side, np.int32), np.empty((8, 8), np.float32),
+            deferred_scratch(side))
 
 
 @numba.njit(nogil=True, cache=True)
