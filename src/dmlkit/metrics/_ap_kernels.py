@@ -484,32 +484,36 @@ def count_rows(
 ) -> None:
     """Count every reference of a float32 closeness tile into its row's ``cnt`` (see the module).
 
-    ``s[r, c]`` is the closeness of query ``row0 + r`` and reference ``col0 + c``; row state is
-    indexed from global row ``state0``. Each query's positives (its class's interval of
-    references, which holds the query itself on a self-search) are first set to ``-inf`` in
-    ``s``, so they are never counted, here or by :func:`count_columns` on the same tile.
+    ``s[k, r, c]`` is the closeness of query ``row0 + r`` and reference ``col0 + k w + c``: the
+    tile as blocks of ``w`` columns side by side (one block for a square tile; ``-inf`` pads
+    the last); row state is indexed from global row ``state0``. Each query's positives (its
+    class's interval of references, which holds the query itself on a self-search) are first
+    set to ``-inf`` in ``s``, so they are never counted, here or by :func:`count_columns` on the
+    same tile. A row's entries from every block are compacted into one list, then placed.
     ``scratch`` is :func:`counting_scratch` of at least the tile's longer side.
     """
     vals, refs, buckets, dirty, _, held = scratch
     lo = state.lo
-    nr, nc = s.shape
-    for r in range(nr):
-        first = max(state.pos_first[row0 + r] - col0, 0)
-        last = min(state.pos_last[row0 + r] - col0, nc)
-        for c in range(first, last):
-            s[r, c] = -np.inf
+    nb, nr, w = s.shape
+    for k in range(nb):
+        for r in range(nr):
+            first = max(state.pos_first[row0 + r] - col0 - k * w, 0)
+            last = min(state.pos_last[row0 + r] - col0 - k * w, w)
+            for c in range(first, last):
+                s[k, r, c] = -np.inf
+    whole = w - w % 8
     for r in range(nr):
         i = row0 + r - state0
         low = lo[i]
         if low == np.inf:
             continue
-        row = s[r]
         n = 0
-        whole = nc - nc % 8
-        for c in range(0, whole, 8):  # the entries at or above the lowest bound, 8 at a time
-            n = compress8(vals[0], refs[0], n, row, c, low, COMPRESS_TABLE, c)
-        for c in range(whole, nc):
-            n = _append(vals, refs, 0, n, row[c], c, low)
+        for k in range(nb):
+            row = s[k, r]
+            for c in range(0, whole, 8):  # the entries at or above the lowest bound, 8 at a time
+                n = compress8(vals[0], refs[0], n, row, c, low, COMPRESS_TABLE, k * w + c)
+            for c in range(whole, w):
+                n = _append(vals, refs, 0, n, row[c], k * w + c, low)
         if n:
             _place(vals[0], refs[0], n, col0, i, row0 + r, state, buckets, dirty, held)
     _flush_exact(state, held)

@@ -65,7 +65,11 @@ class _Tiles:
 
     def product(self, a0: int, a1: int, b0: int, b1: int, out: torch.Tensor) -> np.ndarray:
         """The ``(a1 - a0, b1 - b0)`` tile: float32, or bfloat16 as its uint16 bits."""
-        view = out[: (a1 - a0) * (b1 - b0)].view(a1 - a0, b1 - b0)
+        return self.product_into(a0, a1, b0, b1, out[: (a1 - a0) * (b1 - b0)].view(a1 - a0, b1 - b0))
+
+    def product_into(self, a0: int, a1: int, b0: int, b1: int, view: torch.Tensor) -> np.ndarray:
+        """:meth:`product` written into ``view``, an ``(a1 - a0, b1 - b0)`` matrix whose rows
+        may be strided (a block of a wider buffer)."""
         if self.bf16:
             _bf16_mm(self.qb[a0:a1], self.rb[b0:b1], out=view)
             return view.view(torch.int16).numpy().view(np.uint16)

@@ -187,6 +187,24 @@ def _row_groups(r_count: np.ndarray, state_bytes: int, n_buckets: int, table_dty
     return groups
 
 
+def _square_blocks(tiles: _Tiles, a0: int, a1: int, b0: int, b1: int, width: int,
+                   buf: torch.Tensor) -> np.ndarray:
+    """The tile of query rows ``a0:a1`` and references ``b0:b1`` as blocks ``width`` columns
+    wide, side by side (``[block, row, column]``; the last one padded with ``-inf``, which no
+    count reads). One product a block: side by side, the products measured 63 GFLOP/s a thread
+    against 55 for one product into the whole ``1024 x 16384`` tile (two threads, medians of 7
+    interleaved rounds: a wide output does not stay in cache)."""
+    rows, n_blocks = a1 - a0, -(-(b1 - b0) // width)
+    view = buf[: n_blocks * rows * width].view(n_blocks, rows, width)
+    for k in range(n_blocks):
+        c0 = b0 + k * width
+        c1 = min(b1, c0 + width)
+        tiles.product_into(a0, a1, c0, c1, view[k, :, : c1 - c0])
+        if c1 - c0 < width:
+            view[k, :, c1 - c0 :] = -math.inf
+    return view.numpy()
+
+
 class _Codes:
     """Per query (in scan order): its class code and its positives' interval of references
     (in class order); per reference, its index in the caller's order."""
@@ -277,8 +295,9 @@ class _Group:
         locks = [threading.Lock() for _ in blocks]
         scratch: SimpleQueue = SimpleQueue()
         side = max(b - a for a, b in col_blocks)
+        padded = -(-side // tile) * tile  # a wide tile is held as square blocks side by side
         for _ in range(workers):
-            scratch.put((tiles.scratch(tile, side), counting_scratch(side)))
+            scratch.put((tiles.scratch(tile, padded), counting_scratch(side)))
         codes = self.codes
         state = Counting(self.pos_ptr, self.pos_ref, self.pos_val, self.up, self.dn, self.lo,
                          self.scale, self.table, self.cnt, self.qn, self.rn, self.euclidean,
@@ -289,12 +308,17 @@ class _Group:
             (a0, a1), (b0, b1) = blocks[bi], col_blocks[bj]
             buf, work = scratch.get()
             try:
-                s = tiles.product(a0, a1, b0, b1, buf)
-                with locks[bi]:
-                    count_rows(s, a0, b0, self.g0, state, work)
-                if symmetric and bi != bj:  # the same tile, its columns as queries b0:b1
-                    with locks[bj]:
-                        count_columns(s, a0, b0, self.g0, state, work)
+                if symmetric:
+                    s = tiles.product(a0, a1, b0, b1, buf)
+                    with locks[bi]:
+                        count_rows(s.reshape(1, *s.shape), a0, b0, self.g0, state, work)
+                    if bi != bj:  # the same tile, its columns as queries b0:b1
+                        with locks[bj]:
+                            count_columns(s, a0, b0, self.g0, state, work)
+                else:
+                    s = _square_blocks(tiles, a0, a1, b0, b1, tile, buf)
+                    with locks[bi]:
+                        count_rows(s, a0, b0, self.g0, state, work)
             finally:
                 scratch.put((buf, work))
 
