@@ -48,6 +48,15 @@ def _map(q, ql, r=None, rl=None, distance=DOT, **kw) -> np.ndarray:
     return per_query(q, ql, r, rl, metrics=["map"], distance=distance, **kw)[0]["map"]
 
 
+def _map_equal_to_brute_force(q, ql, r=None, rl=None) -> np.ndarray:
+    """``map`` per query, asserted equal to the float64 ranking's AP (NaN where no positive)."""
+    got = _map(q, ql, r, rl)
+    want = brute_force_ap(q, ql, r, rl)
+    np.testing.assert_array_equal(np.isnan(got), np.isnan(want))
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-12)
+    return got
+
+
 def _tied(n: int, d: int, classes: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
     """Small integer vectors: inner products exact in float32 and full of exact ties."""
     rng = np.random.default_rng(seed)
@@ -58,10 +67,7 @@ def _tied(n: int, d: int, classes: int, seed: int) -> tuple[np.ndarray, np.ndarr
 def test_exact_ties_are_ranked_by_index(numba_path, same):
     q, ql = _tied(300, 3, 12, 0)
     r, rl = (None, None) if same else _tied(400, 3, 14, 1)
-    got = _map(q, ql, r, rl)
-    want = brute_force_ap(q, ql, r, rl)
-    np.testing.assert_array_equal(np.isnan(got), np.isnan(want))
-    np.testing.assert_allclose(got, want, rtol=0, atol=1e-12)
+    _map_equal_to_brute_force(q, ql, r, rl)
     # the data has exact ties between a positive and a negative of the same query
     rr, rrl = (q, ql) if same else (r, rl)
     close = q.astype(np.float64) @ rr.astype(np.float64).T
@@ -214,10 +220,7 @@ def test_held_exact_comparisons_flush_when_full(numba_path, monkeypatch, same):
         a if name in ("count", "bins") else a[:5] for name, a in zip(k.Deferred._fields, scratch(side)))))
     q, ql = _tied(300, 3, 12, 10)
     r, rl = (None, None) if same else _tied(400, 3, 14, 11)
-    got = _map(q, ql, r, rl)
-    want = brute_force_ap(q, ql, r, rl)
-    np.testing.assert_array_equal(np.isnan(got), np.isnan(want))
-    np.testing.assert_allclose(got, want, rtol=0, atol=1e-12)
+    _map_equal_to_brute_force(q, ql, r, rl)
 
 
 def _ap_by_stable_sort(s, ql, rl, r):
