@@ -58,7 +58,7 @@ from dmlkit.metrics._simd import COMPRESS_TABLE, compress8, transpose8
 
 __all__ = [
     "Counting", "Deferred", "ap_from_counts", "bounds", "build_tables", "count_columns", "count_rows",
-    "counting_scratch", "gather_positives", "positive_scores", "sort_positives",
+    "counting_scratch", "deferred_scratch", "gather_positives", "positive_scores", "sort_positives",
 ]
 
 
@@ -331,8 +331,10 @@ class Deferred(NamedTuple):
 
 
 def deferred_scratch(side: int) -> Deferred:
-    """Room for ``4 side`` deferred entries (at least 4096) of tiles up to ``side`` wide."""
-    cap = max(4096, 4 * side)
+    """Room for ``4 side`` held entries, from 4096 to 65536 (52 bytes each: at most 3.4 MB a
+    worker; a full buffer is flushed, so this bounds memory, not what a tile may hold), for tiles
+    up to ``side`` wide."""
+    cap = min(max(4096, 4 * side), 65536)
     return Deferred(np.zeros(1, np.int64), np.empty(cap, np.int64), np.empty(cap, np.int64),
                     np.empty(cap, np.int64), np.empty(cap, np.float32), np.empty(cap, np.int64),
                     np.empty(cap, np.float64), np.empty(cap, np.int64), np.empty(side + 2, np.int64))
