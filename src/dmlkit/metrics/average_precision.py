@@ -140,7 +140,8 @@ def full_ranking_map(
         # 1.55-1.9 s against 2.3-2.7 s with 1024-column tiles, 20k queries, one thread)
         tile_area = budget // (8 * workers)
         tile = int(max(64, min(_MAX_TILE, math.isqrt(tile_area))))
-        wide = max(tile, min(m, tile_area // tile))
+        # a whole number of square blocks (:func:`_square_blocks`) unless it spans every reference
+        wide = max(tile, min(m, tile_area // tile // tile * tile))
         memory = _GroupMemory(max(b - a for a, b in groups),
                               max(int(r_count[a:b].sum()) for a, b in groups), n_buckets, table_dtype,
                               index_dtype, keep_values)
@@ -193,7 +194,7 @@ def _square_blocks(tiles: _Tiles, a0: int, a1: int, b0: int, b1: int, width: int
     wide, side by side (``[block, row, column]``; the last one padded with ``-inf``, which no
     count reads). One product a block: side by side, the products measured 63 GFLOP/s a thread
     against 55 for one product into the whole ``1024 x 16384`` tile (two threads, medians of 7
-    interleaved rounds: a wide output does not stay in cache)."""
+    interleaved rounds)."""
     rows, n_blocks = a1 - a0, -(-(b1 - b0) // width)
     view = buf[: n_blocks * rows * width].view(n_blocks, rows, width)
     for k in range(n_blocks):
