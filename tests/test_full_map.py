@@ -214,7 +214,7 @@ def test_held_exact_comparisons_flush_when_full(numba_path, monkeypatch, same):
     """Entries within float32 rounding of a positive are held and compared in float64 in
     reference order; a full buffer is flushed mid-tile. With room for 5, every tie (hundreds
     here) passes through full flushes: the same AP as the float64 ranking."""
-    k = _kernels()
+    k = _kernels("_ap_kernels")
     scratch = k.deferred_scratch
     monkeypatch.setattr(k, "deferred_scratch", lambda side: k.Deferred(*(
         a if name in ("count", "bins") else a[:5] for name, a in zip(k.Deferred._fields, scratch(side)))))
@@ -259,9 +259,10 @@ def test_full_ranking_ap_places_references_like_a_stable_sort():
 
 # --- the preparation kernels against independent numpy definitions -------------------------
 
-def _kernels():
+def _kernels(module: str = "_ap_positives"):
+    """A kernel module of ``map``: the preparation (default) or the counting."""
     pytest.importorskip("numba")
-    return importlib.import_module("dmlkit.metrics._ap_kernels")
+    return importlib.import_module(f"dmlkit.metrics.{module}")
 
 
 def _closeness_rows(seed: int, kind: str, sizes: np.ndarray) -> np.ndarray:

@@ -8,7 +8,7 @@ with the positives in ranking order and ties broken by the smaller reference ind
 everywhere in :mod:`dmlkit.metrics` (the definition of Manning, Raghavan and Schuetze,
 *Introduction to Information Retrieval*, 2008, sec. 8.4, over the whole reference set). So AP
 needs each positive's rank, not a sort of the ``M`` references (``O(M log M)`` per query).
-Per query (:mod:`dmlkit.metrics._ap_kernels`):
+Per query (:mod:`dmlkit.metrics._ap_positives`, :mod:`dmlkit.metrics._ap_kernels`):
 
 1. the ``R`` positives' closeness in float64 (from the float32 embeddings), sorted;
 2. every reference of a float32 closeness tile at or above the lowest positive is placed among
@@ -239,7 +239,7 @@ class _Group:
     def __init__(self, g0: int, g1: int, counts: np.ndarray, codes: _Codes, same: bool,
                  tiles: _Tiles, euclidean: bool, tol: float, memory: _GroupMemory, workers: int) -> None:
         # lazy: the numba kernels load only when a compiled path runs
-        from dmlkit.metrics import _ap_kernels
+        from dmlkit.metrics import _ap_positives
 
         self.g0, self.g1, self.same, self.euclidean = g0, g1, same, euclidean
         self.codes = codes
@@ -250,7 +250,7 @@ class _Group:
         np.cumsum(counts, out=pos_ptr[1:])
         total = int(pos_ptr[-1])
         pos_ref = memory.pos_ref[:total]
-        _ap_kernels.gather_positives(g0, codes.pos_first, codes.pos_last, same, pos_ptr, pos_ref)
+        _ap_positives.gather_positives(g0, codes.pos_first, codes.pos_last, same, pos_ptr, pos_ref)
         query_codes = codes.query_codes[g0:g1]
         self.pos_ptr, self.pos_ref = pos_ptr, pos_ref
         self.pos_val = memory.pos_val[:total]  # empty when not kept
@@ -266,10 +266,10 @@ class _Group:
             ptr, refs, up, dn = pos_ptr[a : b + 1] - p, pos_ref[p:q], self.up[p:q], self.dn[p:q]
             vals = self.pos_val[p:q] if self.pos_val.size else np.empty(q - p, np.float64)
             by_class = np.argsort(query_codes[a:b], kind="stable")
-            _ap_kernels.positive_scores(self.qn, self.rn, by_class, g0 + a, ptr, refs, euclidean, vals)
-            _ap_kernels.sort_positives(ptr, vals, refs)
-            _ap_kernels.bounds(vals, tol, up, dn)
-            _ap_kernels.build_tables(ptr, up, dn, self.lo[a:b], self.scale[a:b], self.table[a:b])
+            _ap_positives.positive_scores(self.qn, self.rn, by_class, g0 + a, ptr, refs, euclidean, vals)
+            _ap_positives.sort_positives(ptr, vals, refs)
+            _ap_positives.bounds(vals, tol, up, dn)
+            _ap_positives.build_tables(ptr, up, dn, self.lo[a:b], self.scale[a:b], self.table[a:b])
 
         # chunks of at most 2^20 positives (8 MB of float64 closeness each), 4 per worker or more
         step = max(1, min(-(-rows // (4 * workers)), 2**20 // max(1, int(counts.max(initial=1)))))
