@@ -19,12 +19,11 @@ increment per reference); the entries of the other buckets are listed and placed
 a short forward scan over the bounds, and only a value within ``tol`` of a positive's closeness
 is re-scored in float64 and compared exactly (ties by the original index): such entries are held
 until the end of the tile and re-scored in reference order (:func:`_flush_exact`). The
-references are in class order, so a query's positives (and, on a self-search, the query itself) are one interval
-of columns: :func:`count_rows` sets it to ``-inf`` in the tile and a positive never reaches the
-table (each lies within its own band, so it would always be listed: 2.5 % of all pairs at R =
-499, 27 % of the listed entries). References below the lowest bound rank after every positive
-and cost one comparison: a tile row is compacted
-eight entries at a time (:func:`dmlkit.metrics._simd.compress8`), keeping each survivor's value
+references are in class order, so a query's positives (and, on a self-search, the query itself)
+are one interval of columns: :func:`count_rows` sets it to ``-inf`` in the tile and a positive
+never reaches the table (each lies within its own band, so it would always be listed: 2.5 % of
+all pairs at R = 499, 27 % of the listed entries). References below the lowest bound rank after
+every positive and cost one comparison: a tile row is compacted eight entries at a time (:func:`dmlkit.metrics._simd.compress8`), keeping each survivor's value
 and column. A self-search tile also serves the column block: :func:`count_columns` transposes
 8 x 8 blocks in registers (:func:`dmlkit.metrics._simd.transpose8`) and compacts each column.
 
@@ -72,7 +71,7 @@ class Counting(NamedTuple):
     dn: np.ndarray  #: float32 bound above which it ranks before it
     lo: np.ndarray  #: each row's lowest bound (inf without positives)
     scale: np.ndarray  #: each row's bucket scale
-    table: np.ndarray  #: each row's bucket table (:func:`dmlkit.metrics._ap_positives.build_tables`)
+    table: np.ndarray  #: each row's bucket table (:mod:`dmlkit.metrics._ap_positives`)
     cnt: np.ndarray  #: per row, the negatives after e positives, then a spare slot
     query: np.ndarray  #: the float32 query rows
     reference: np.ndarray  #: the float32 reference rows, in class order
@@ -103,7 +102,8 @@ def deferred_scratch(side: int) -> Deferred:
     cap = min(max(4096, 4 * side), 65536)
     return Deferred(np.zeros(1, np.int64), np.empty(cap, np.int64), np.empty(cap, np.int64),
                     np.empty(cap, np.int64), np.empty(cap, np.float32), np.empty(cap, np.int64),
-                    np.empty(cap, np.float64), np.empty(cap, np.int64), np.empty(side + 2, np.int64))
+                    np.empty(cap, np.float64), np.empty(cap, np.int64),
+                    np.empty(side + 2, np.int64))
 
 
 @numba.njit(nogil=True, cache=True, boundscheck=False)
@@ -350,7 +350,8 @@ def count_columns(
         for k in range(8):
             n = counts[k]
             if n and lo[i0 + k] != np.inf:
-                _place(vals[k], refs[k], n, row0, i0 + k, col0 + c0 + k, state, buckets, dirty, held)
+                _place(vals[k], refs[k], n, row0, i0 + k, col0 + c0 + k, state, buckets, dirty,
+                       held)
     _flush_exact(state, held)
 
 

@@ -247,8 +247,8 @@ def build_tables(
                     if start == 0 and low64 > level:
                         clean = 0
                     else:
-                        clean = _first_reaching(low64, wide_dn, inverse, 0, level, True, max(start, 1),
-                                                stop)
+                        clean = _first_reaching(low64, wide_dn, inverse, 0, level, True,
+                                                max(start, 1), stop)
                 for b in range(start, stop):  # one loop with a select: the runs are short
                     tab[b] = a if b >= clean else -1 - a
                 stop = start

@@ -266,7 +266,8 @@ class _Group:
             ptr, refs, up, dn = pos_ptr[a : b + 1] - p, pos_ref[p:q], self.up[p:q], self.dn[p:q]
             vals = self.pos_val[p:q] if self.pos_val.size else np.empty(q - p, np.float64)
             by_class = np.argsort(query_codes[a:b], kind="stable")
-            _ap_positives.positive_scores(self.qn, self.rn, by_class, g0 + a, ptr, refs, euclidean, vals)
+            _ap_positives.positive_scores(self.qn, self.rn, by_class, g0 + a, ptr, refs, euclidean,
+                                          vals)
             _ap_positives.sort_positives(ptr, vals, refs)
             _ap_positives.bounds(vals, tol, up, dn)
             _ap_positives.build_tables(ptr, up, dn, self.lo[a:b], self.scale[a:b], self.table[a:b])
