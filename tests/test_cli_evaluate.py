@@ -52,6 +52,28 @@ def test_json_output_matches_evaluate(emb_files, capsys):
     assert list(got)[-2:] == ["num_queries", "num_queries_without_positive"]
 
 
+def test_repeated_list_options_add_up(emb_files, capsys):
+    """``-m a -m b`` is ``-m a,b`` (a second use used to replace the first, silently dropping a
+    requested metric); so are ``--k``."""
+    tmp, *_ = emb_files
+    code, joined, _ = run(["evaluate", str(tmp / "q.npz"), "--json", "-m", "map,map_at_r,recall_at_k",
+                           "--k", "1,3"], capsys)
+    assert code == 0
+    code, repeated, _ = run(["evaluate", str(tmp / "q.npz"), "--json", "-m", "map", "-m",
+                             "map_at_r", "--metrics", "recall_at_k", "--k", "1", "--k", "3"], capsys)
+    assert code == 0
+    assert list(json.loads(repeated)) == ["map", "map_at_r", "recall_at_1", "recall_at_3",
+                                          "num_queries", "num_queries_without_positive"]
+    assert json.loads(repeated) == json.loads(joined)
+
+
+def test_listed_option_values():
+    from dmlkit.commands._options import listed
+
+    assert listed(["map, map_at_r", "", "nmi,", " ami "]) == ["map", "map_at_r", "nmi", "ami"]
+    assert listed([]) == []
+
+
 @pytest.mark.parametrize("source", ["q.pt", "q.npy"])
 def test_other_formats_give_same_numbers(emb_files, capsys, source):
     tmp, *_ = emb_files

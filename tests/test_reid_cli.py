@@ -72,8 +72,8 @@ def test_vehicleid_protocol_from_a_file(tmp_path, capsys):
     ids = np.repeat(np.arange(20), 5)
     emb = (rng.normal(size=(20, 6))[ids] + 0.5 * rng.normal(size=(100, 6))).astype(np.float32)
     save_embeddings(tmp_path / "v.npz", emb, ids, groups=np.full(100, "test"))
-    code, out, _ = run(["reid", str(tmp_path / "v.npz"), "--repeats", "3", "--ranks", "1,5",
-                        "--json"], capsys)
+    code, out, _ = run(["reid", str(tmp_path / "v.npz"), "--repeats", "3", "--ranks", "1",
+                        "--ranks", "5", "--json"], capsys)  # repeated: the ranks add up
     assert code in (0, None)
     res = json.loads(out)
     assert res["protocol"] == "vehicleid" and len(res["recall_at_1"]["values"]) == 3

@@ -110,7 +110,7 @@ def test_train_then_evaluate(offline, tmp_path, capsys):
     assert code == 0, err
     assert "trained 2 steps, 1/1 epochs" in out
     code, out, err = run(["track", "evaluate", offline / "test", "--dataset", "otb",
-                          "--weights", tmp_path / "run", "--methods", "siamfc,ncc",
+                          "--weights", tmp_path / "run", "--methods", "siamfc", "--method", "ncc",
                           "--max-sequences", "1", "--out-dir", tmp_path / "eval", "--json"], capsys)
     assert code == 0, err
     table = json.loads(out)

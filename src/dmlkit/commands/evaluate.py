@@ -17,8 +17,8 @@ def register(app: typer.Typer) -> None:
         reference: Path | None = typer.Option(None, "--reference", "-r", help="Separate reference set (same formats); default: the query set, each query excluded from its own neighbours."),
         labels: Path | None = typer.Option(None, "--labels", help="Labels of a .npy query file (.npy / .txt / .csv, one per row): integer class ids or class-name strings."),
         reference_labels: Path | None = typer.Option(None, "--reference-labels", help="Labels of a .npy reference file."),
-        metrics: str = typer.Option("precision_at_1,recall_at_k,r_precision,map_at_r", "--metrics", "-m", help="Comma-separated: precision_at_1, recall_at_k, precision_at_k, r_precision, map_at_r, map, nmi, ami, pair_f1, pos_neg_js (or recall_at_<K>)."),
-        k: str = typer.Option("1,2,4,8", "--k", help="Comma-separated K values of recall_at_k / precision_at_k."),
+        metrics: list[str] = typer.Option(["precision_at_1,recall_at_k,r_precision,map_at_r"], "--metrics", "-m", help="Comma-separated or repeated: precision_at_1, recall_at_k, precision_at_k, r_precision, map_at_r, map, nmi, ami, pair_f1, pos_neg_js (or recall_at_<K>)."),
+        k: list[str] = typer.Option(["1,2,4,8"], "--k", help="K values of recall_at_k / precision_at_k, comma-separated or repeated."),
         distance: str = typer.Option("cosine", "--distance", "-d", help="cosine | dot | euclidean | snr."),
         backend: str = typer.Option("auto", "--backend", help="kNN backend: auto | torch | numba | faiss."),
         memory_mb: int = typer.Option(256, "--memory-mb", "--memory-budget", min=1, help="Working-memory budget of the blockwise kNN (and of the blocks read from a shard directory), MiB."),
@@ -28,15 +28,17 @@ def register(app: typer.Typer) -> None:
         as_json: bool = typer.Option(False, "--json", help="Print JSON instead of a table."),
     ) -> None:
         """Evaluate embeddings: P@1, Recall@K, R-Precision, MAP@R, NMI/AMI/F1, pos/neg JS divergence."""
+        from dmlkit.commands._options import listed
         from dmlkit.embedding_files import read_embedding_file, read_labels_file
         from dmlkit.exceptions import ConfigError
         from dmlkit.metrics import evaluate, per_class
         from dmlkit.utils import atomic_write_json
 
+        metrics = listed(metrics)
         try:
-            k_values = [int(v) for v in k.split(",") if v.strip()]
+            k_values = [int(v) for v in listed(k)]
         except ValueError:
-            raise ConfigError(f"--k must be comma-separated integers, got {k!r}") from None
+            raise ConfigError(f"--k must be comma-separated integers, got {','.join(k)!r}") from None
         from dmlkit.embedding_shards import is_shard_dir, open_shards
 
         def read(path: Path, labels_path: Path | None):

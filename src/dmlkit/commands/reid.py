@@ -28,7 +28,7 @@ def reid(
     lambda_value: float = typer.Option(0.3, "--lambda", help="Re-ranking weight of the original distance."),
     ap_mode: str = typer.Option("standard", "--ap-mode", help="standard (torchreid / fast-reid) | trapezoid (official Market-1501 MATLAB code)."),
     no_camera_rule: bool = typer.Option(False, "--no-camera-rule", help="Keep same-id same-camera gallery items (they are junk by default)."),
-    ranks: str = typer.Option("1,5,10,20", "--ranks", help="CMC ranks shown."),
+    ranks: list[str] = typer.Option(["1,5,10,20"], "--ranks", help="CMC ranks shown, comma-separated or repeated."),
     repeats: int = typer.Option(10, "--repeats", min=1, help="VehicleID: gallery draws."),
     seed: int = typer.Option(0, "--seed", help="VehicleID: seed of the gallery draws."),
     device: str = typer.Option("auto", "--device", help="Device to embed with (a run without saved test embeddings)."),
@@ -43,14 +43,15 @@ def reid(
     ids come from the dataset (market1501, dukemtmc_reid, msmt17, cuhk03, veri776,
     att_faces_reid; vehicleid runs the VehicleID protocol).
     """
+    from dmlkit.commands._options import listed
     from dmlkit.exceptions import ConfigError
 
     if ap_mode not in ("standard", "trapezoid"):
         raise ConfigError(f"--ap-mode must be 'standard' or 'trapezoid', got {ap_mode!r}")
     try:
-        shown_ranks = [int(v) for v in ranks.split(",") if v.strip()]
+        shown_ranks = [int(v) for v in listed(ranks)]
     except ValueError:
-        raise ConfigError(f"--ranks must be comma-separated integers, got {ranks!r}") from None
+        raise ConfigError(f"--ranks must be comma-separated integers, got {','.join(ranks)!r}") from None
     data = _load_source(source, gallery, data_root, device)
     common: dict[str, Any] = dict(metric=metric, normalize=normalize,
                                   memory_budget=memory_mb * 2**20)

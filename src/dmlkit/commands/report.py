@@ -18,7 +18,7 @@ def report(
     directory: Path = typer.Argument(..., help="A run directory (dmlkit train) or benchmark directory (dmlkit bench)."),
     output: Path | None = typer.Option(None, "-o", "--output", help="The HTML file (default DIRECTORY/report.html)."),
     data_root: Path | None = typer.Option(None, "--data-root", help="Dataset root (default $DMLKIT_DATA)."),
-    maps: str = typer.Option("umap,tsne,pca", help="2-D maps to draw, comma-separated (umap, tsne, pca)."),
+    maps: list[str] = typer.Option(["umap,tsne,pca"], "--maps", help="2-D maps to draw, comma-separated or repeated (umap, tsne, pca)."),
     max_points: int = typer.Option(2000, help="Samples per split for the histograms and maps."),
     no_thumbnails: bool = typer.Option(False, "--no-thumbnails", help="Do not draw image thumbnails."),
     seed: int = typer.Option(0, help="Seed for every random choice in the report."),
@@ -26,11 +26,12 @@ def report(
 ) -> None:
     """Write a self-contained HTML report (figures embedded, no network needed to open it)."""
     from dmlkit.commands._console import output_console
+    from dmlkit.commands._options import listed
     from dmlkit.report import ReportOptions, build_report
 
     console = output_console(stderr=True, quiet=quiet)
     options = ReportOptions(
-        maps=tuple(m.strip() for m in maps.split(",") if m.strip()),
+        maps=tuple(listed(maps)),
         max_points=max_points, thumbnails=not no_thumbnails, data_root=data_root, seed=seed,
         progress=lambda message: console.print(f"[dim]{message}[/]"),
     )

@@ -161,7 +161,7 @@ def evaluate(
     dataset: str = typer.Option("otb", "--dataset", help="otb | got10k layout."),
     split: str | None = typer.Option(None, "--split", help="GOT-10k sub-folder (train / val)."),
     weights: Path | None = typer.Option(None, "--weights", "-w", help="SiamFC checkpoint or run directory."),
-    methods: str = typer.Option("siamfc", "--methods", "--method", help="Comma-separated: siamfc, untrained, ncc."),
+    methods: list[str] = typer.Option(["siamfc"], "--methods", "--method", help="Comma-separated or repeated: siamfc, untrained, ncc."),
     scales: int = typer.Option(3, "--scales", help="3 or 5 scales."),
     out_dir: Path | None = typer.Option(None, "--out-dir", "-o", help="Write results.json, ope.png and the boxes here."),
     max_sequences: int | None = typer.Option(None, "--max-sequences", min=1, help="Evaluate the first N sequences."),
@@ -173,10 +173,11 @@ def evaluate(
 ) -> None:
     """OTB one-pass evaluation: success AUC (21 thresholds), precision at 20 px, fps; plots."""
     from dmlkit.apps.tracking import load_tracking_dataset, plot_ope, run_ope
+    from dmlkit.commands._options import listed
     from dmlkit.exceptions import ConfigError
 
     _set_threads(threads)
-    names = [m.strip() for m in methods.split(",") if m.strip()]
+    names = listed(methods)
     if not names:
         raise ConfigError("--methods needs at least one of siamfc, untrained, ncc")
     unknown = [n for n in names if n.lower() not in _METHODS]
