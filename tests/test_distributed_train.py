@@ -125,11 +125,18 @@ def _wait_gone(pids: list[int], deadline: float) -> list[int]:
     return alive
 
 
+#: 1 and 2 ranks give the same losses and weights up to float32 rounding: each rank convolves
+#: half the batch, and the CPU's channels-last convolutions block by batch size (measured up to
+#: 1.01e-5 relative in the first loss and 1.8e-5 in a BatchNorm bias after 6 Adam steps, which
+#: scale small gradients up); a wrong scale or order of the gathered batch is off by far more.
+ROUNDING_RTOL = 1e-4
+
+
 def _losses(run: Path) -> list[tuple[int, float]]:
     return [(r["step"], r["loss"]) for r in read_log(run / "log.jsonl") if r["event"] == "train"]
 
 
-def _assert_same_weights(a: dict, b: dict, rel: float = 1e-5) -> None:
+def _assert_same_weights(a: dict, b: dict, rel: float = ROUNDING_RTOL) -> None:
     assert a.keys() == b.keys()
     for key, ref in a.items():
         if ref.is_floating_point():
@@ -170,7 +177,7 @@ def test_two_ranks_train_like_one_process(runs):
     ref, got = _losses(one), _losses(two)
     assert [s for s, _ in got] == list(range(1, 7))  # every global step once, in order
     assert [s for s, _ in ref] == [s for s, _ in got]
-    np.testing.assert_allclose([v for _, v in got], [v for _, v in ref], rtol=1e-5)
+    np.testing.assert_allclose([v for _, v in got], [v for _, v in ref], rtol=ROUNDING_RTOL)
     assert len({v for _, v in ref}) > 3  # the losses move: the comparison is not vacuous
     last1, last2 = read_checkpoint(one / "checkpoints" / "last.pt"), read_checkpoint(two / "checkpoints" / "last.pt")
     assert last2["world_size"] == 2 and len(last2["rng_ranks"]) == 2 and last1["world_size"] == 1
@@ -356,7 +363,7 @@ def test_frozen_trunk_features_are_extracted_in_shards(runs):
     one, two = one.parent / "one_frozen", two.parent / "two_frozen"
     ref, got = _losses(one), _losses(two)
     assert [s for s, _ in got] == [s for s, _ in ref] == list(range(1, 7))
-    np.testing.assert_allclose([v for _, v in got], [v for _, v in ref], rtol=1e-5)
+    np.testing.assert_allclose([v for _, v in got], [v for _, v in ref], rtol=ROUNDING_RTOL)
     _assert_same_weights(read_checkpoint(one / "checkpoints" / "last.pt")["model"],
                          read_checkpoint(two / "checkpoints" / "last.pt")["model"])
     assert (two / "checkpoints" / "trunk.pt").exists()

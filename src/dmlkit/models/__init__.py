@@ -17,6 +17,7 @@ from dmlkit.models.embedder import (
     is_batchnorm_frozen,
     unfreeze_batchnorm,
 )
+from dmlkit.models.placement import to_device
 from dmlkit.models.trunks import (
     TRUNKS,
     EfficientNetLiteTrunk,
@@ -45,6 +46,7 @@ __all__ = [
     "is_batchnorm_frozen",
     "load_weights_file",
     "register_trunk",
+    "to_device",
     "trunk_names",
     "unfreeze_batchnorm",
 ]

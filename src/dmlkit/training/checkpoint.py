@@ -36,6 +36,7 @@ import torch
 
 from dmlkit.config import ExperimentConfig, config_from_dict
 from dmlkit.exceptions import CheckpointError
+from dmlkit.models.placement import to_device
 from dmlkit.models.trunks import load_failure_reason
 from dmlkit.training.builders import build_model
 from dmlkit.utils import atomic_torch_save
@@ -266,5 +267,5 @@ def load_checkpoint(path: str | os.PathLike, device: str | torch.device = "cpu")
         raise CheckpointError(
             f"the weights in {path} do not fit the model its config describes: {exc}"
         ) from exc
-    model.to(device).eval()
+    to_device(model, device).eval()
     return model, config

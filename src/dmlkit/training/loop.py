@@ -67,7 +67,7 @@ from dmlkit.embeddings import (
 from dmlkit.exceptions import CheckpointError, DataError, NonFiniteError
 from dmlkit.losses.sharding import check_shardable, sharded_loss
 from dmlkit.metrics import evaluate
-from dmlkit.models import freeze_batchnorm
+from dmlkit.models import freeze_batchnorm, to_device
 from dmlkit.models.sync_batchnorm import convert_sync_batchnorm
 from dmlkit.training.builders import (
     build_loss,
@@ -241,7 +241,7 @@ class Trainer:
         self.has_val = val_set is not None
         self.options = InferenceOptions.from_config(config, self.device)
 
-        self.model = build_model(config.model).to(self.device)
+        self.model = to_device(build_model(config.model), self.device)
         if self.dist.enabled:  # BatchNorm that trains normalises over the global batch
             self.model = convert_sync_batchnorm(self.model, self.device)
         self.frozen = config.model.frozen_trunk

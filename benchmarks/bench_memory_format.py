@@ -1,0 +1,96 @@
+"""CPU layouts of convolutional models: the default (NCHW) against channels-last (NHWC).
+
+``dmlkit.models.to_device`` stores every CPU model with 2-D convolutions channels-last. This
+measures why: one training step (forward, backward, Adam) and one forward of a larger batch,
+for the quickstart's SmallCNN and for ResNet-18 / ResNet-50, in both layouts, interleaved
+rounds, medians; the ratio below 1 means channels-last is faster. Both layouts get the same
+weights and batch; the model is converted in place (the batch stays NCHW, as in training).
+
+Run:  python benchmarks/bench_memory_format.py [--rounds 3] [--threads 2] [--models smallcnn resnet18]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+import torchvision
+
+from dmlkit.models import SmallCNN
+
+#: (name, batch for a step, batch for a forward, input side, input channels)
+MODELS = {
+    "smallcnn": (128, 512, 28, 1),
+    "resnet18": (16, 32, 224, 3),
+    "resnet50": (8, 16, 224, 3),
+}
+
+
+def _build(name: str) -> torch.nn.Module:
+    if name == "smallcnn":
+        return SmallCNN(1, bn_neck=True)
+    return getattr(torchvision.models, name)()
+
+
+def _median_ms(fn, repeats: int) -> float:
+    fn()  # warm-up
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times) * 1000
+
+
+def measure(name: str, rounds: int, repeats: int) -> dict[str, list[float]]:
+    torch.manual_seed(0)
+    model = _build(name)
+    step_batch, fwd_batch, side, channels = MODELS[name]
+    x = torch.randn(step_batch, channels, side, side)
+    big = torch.randn(fwd_batch, channels, side, side)
+    optimizer = torch.optim.Adam(model.parameters())
+    out: dict[str, list[float]] = {}
+    for _ in range(rounds):
+        for layout, fmt in (("nchw", torch.contiguous_format), ("nhwc", torch.channels_last)):
+            model.to(memory_format=fmt)
+
+            def step() -> None:
+                optimizer.zero_grad(set_to_none=True)
+                model(x).pow(2).sum().backward()
+                optimizer.step()
+
+            def forward() -> None:
+                with torch.no_grad():
+                    model(big)
+
+            model.train()
+            out.setdefault(f"{layout} step", []).append(_median_ms(step, repeats))
+            model.eval()
+            out.setdefault(f"{layout} forward", []).append(_median_ms(forward, max(2, repeats // 3)))
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--repeats", type=int, default=9, help="timed steps per round and layout")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    print(f"torch {torch.__version__}, {args.threads} threads, {args.rounds} interleaved rounds")
+    print("| model | what | NCHW ms | NHWC ms | NHWC / NCHW |")
+    print("| --- | --- | ---: | ---: | ---: |")
+    for name in args.models:
+        res = measure(name, args.rounds, args.repeats)
+        for what in ("step", "forward"):
+            a, b = statistics.median(res[f"nchw {what}"]), statistics.median(res[f"nhwc {what}"])
+            spread = lambda v: "-".join(f"{t:.0f}" for t in (min(v), max(v)))  # noqa: E731
+            print(f"| {name} | {what} | {a:.1f} ({spread(res[f'nchw {what}'])}) | "
+                  f"{b:.1f} ({spread(res[f'nhwc {what}'])}) | {b / a:.2f} |")
+
+
+if __name__ == "__main__":
+    main()
