@@ -57,15 +57,15 @@ def _datasets(cfg, data_root: Path | None):
     """The training dataset; in frozen-trunk mode also the cached trunk features."""
     import warnings
 
+    from dmlkit.embeddings import InferenceOptions, trunk_features
     from dmlkit.training import build_datasets, build_model
-    from dmlkit.training.trainer import trunk_features
 
     train_set = build_datasets(cfg, ("train",), data_root=data_root)["train"]
     if not cfg.model.frozen_trunk:
         return train_set, train_set
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        feats = trunk_features(build_model(cfg), train_set, cfg, torch.device("cpu"))
+        feats = trunk_features(build_model(cfg), train_set, InferenceOptions.from_config(cfg, "cpu"))
     return train_set, feats
 
 

@@ -14,12 +14,12 @@ def to_device(model: nn.Module, device: str | torch.device) -> nn.Module:
 
     oneDNN's CPU convolutions, pooling and BatchNorm run faster on NHWC tensors, and a
     convolution whose weight is channels-last returns channels-last activations whatever the
-    layout of its input, so the whole network follows without converting the batches. Measured
-    on a 2-core AMD EPYC, torch 2.14, 2 threads, the quickstart's SmallCNN (128 x 1 x 28 x 28):
-    a training step 85-93 ms against 112-121 (max-pooling 0.5 against 4.6 ms a call), a forward
-    of 512 images 139-162 ms against 220-274; ResNet-18 / ResNet-50 at 224 x 224 the same within
-    noise. The values are the same up to float32 rounding (another summation order). CUDA
-    models keep the default layout (not measured here).
+    layout of its input, so the whole network follows without converting the batches.
+    ``benchmarks/bench_memory_format.py`` on a 2-core AMD EPYC, torch 2.14, 2 threads, NHWC
+    time / NCHW time: the quickstart's SmallCNN 0.59 a training step (128 x 1 x 28 x 28) and
+    0.53 a forward of 512 images; ResNet-18 1.05 and 0.82, ResNet-50 0.99 and 0.92 (224 x 224;
+    the steps the same within noise). The values are the same up to float32 rounding (another
+    summation order). CUDA models keep the default layout (not measured here).
     """
     device = torch.device(device)
     model.to(device)
