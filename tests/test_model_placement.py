@@ -47,3 +47,23 @@ def test_a_loaded_checkpoint_is_placed(tmp_path):
     assert all(w.is_contiguous(memory_format=torch.channels_last) for w in _conv_weights(loaded))
     for key, value in model.state_dict().items():
         torch.testing.assert_close(loaded.state_dict()[key], value, rtol=0, atol=0)
+
+
+def test_embedding_a_fresh_model_places_it():
+    """The shared inference loop places a model too, so any model a user embeds with gets the
+    faster layout, with the values of the default one."""
+    from dmlkit.data.base import ArrayDataset
+    from dmlkit.embeddings import embed
+
+    torch.manual_seed(0)
+    reference = SmallCNN(1, bn_neck=True).eval()
+    model = SmallCNN(1, bn_neck=True)
+    model.load_state_dict(reference.state_dict())
+    images = torch.rand(10, 28, 28)  # grayscale in [0, 1]: the dataset gives (1, 28, 28) items
+    emb, labels = embed(model, ArrayDataset(images.numpy(), list(range(10))), batch_size=4,
+                        device="cpu")
+    assert all(w.is_contiguous(memory_format=torch.channels_last) for w in _conv_weights(model))
+    with torch.no_grad():
+        torch.testing.assert_close(torch.from_numpy(emb), reference(images[:, None]), rtol=1e-5,
+                                   atol=1e-5)
+    assert labels.tolist() == list(range(10))

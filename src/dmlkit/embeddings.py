@@ -38,6 +38,7 @@ from dmlkit.data.base import ArrayDataset, MetricDataset
 from dmlkit.distributed import all_gather_unequal, context, shard_bounds
 from dmlkit.embedding_files import read_embedding_file
 from dmlkit.exceptions import ConfigError, NonFiniteError, ShapeError
+from dmlkit.models.placement import to_device
 from dmlkit.utils import atomic_write_bytes
 from dmlkit.validation import check_labels
 
@@ -121,13 +122,15 @@ def iter_embed(
     """The inference loop of :func:`embed`, one ``(float32 (B, D), int64 (B,))`` batch at a
     time in dataset order, so a caller can write outputs away (e.g. as embedding shards)
     without holding ``N x D``. A batch with NaN/inf outputs raises
-    :class:`~dmlkit.exceptions.NonFiniteError`; modes are restored when the iteration ends."""
+    :class:`~dmlkit.exceptions.NonFiniteError`; modes are restored when the iteration ends.
+    A module is placed by :func:`dmlkit.models.to_device` (moved, and on CPU stored
+    channels-last if it has convolutions), in place, as training and checkpoint loads place it."""
     dev = resolve_device(device)
     modes: dict[nn.Module, bool] = {}
     if isinstance(model, nn.Module):
         modes = {m: m.training for m in model.modules()}
         model.eval()
-        model.to(dev)
+        to_device(model, dev)  # in place; on CPU convolutions channels-last (faster forwards)
     loader = DataLoader(dataset, batch_size=batch_size, shuffle=False, num_workers=num_workers,
                         pin_memory=dev.type == "cuda")
     iterator: Any = loader
