@@ -2,7 +2,8 @@
 
 ``dmlkit.models.to_device`` stores every CPU model with 2-D convolutions channels-last. This
 measures why: one training step (forward, backward, Adam) and one forward of a larger batch,
-for the quickstart's SmallCNN and for ResNet-18 / ResNet-50, in both layouts, interleaved
+for the quickstart's SmallCNN, ResNet-18 / ResNet-50 and the EfficientNet-Lite0 and
+BN-Inception trunks (random weights), in both layouts, interleaved
 rounds, medians; the ratio below 1 means channels-last is faster. Both layouts get the same
 weights and batch; the model is converted in place (the batch stays NCHW, as in training).
 
@@ -18,19 +19,23 @@ import time
 import torch
 import torchvision
 
-from dmlkit.models import SmallCNN
+from dmlkit.models import SmallCNN, build_trunk, trunk_names
 
 #: (name, batch for a step, batch for a forward, input side, input channels)
 MODELS = {
     "smallcnn": (128, 512, 28, 1),
     "resnet18": (16, 32, 224, 3),
     "resnet50": (8, 16, 224, 3),
+    "efficientnet_lite0": (8, 32, 224, 3),  # the frozen trunk of configs/att_faces_efficientnet.yaml
+    "bn_inception": (8, 32, 224, 3),  # the default trunk of the cub200 / cars196 / sop presets
 }
 
 
 def _build(name: str) -> torch.nn.Module:
     if name == "smallcnn":
         return SmallCNN(1, bn_neck=True)
+    if name in trunk_names():
+        return build_trunk(name, pretrained=False)[0]
     return getattr(torchvision.models, name)()
 
 

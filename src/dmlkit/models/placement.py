@@ -17,8 +17,9 @@ def to_device(model: nn.Module, device: str | torch.device) -> nn.Module:
     layout of its input, so the whole network follows without converting the batches.
     ``benchmarks/bench_memory_format.py`` on a 2-core AMD EPYC, torch 2.14, 2 threads, NHWC
     time / NCHW time: the quickstart's SmallCNN 0.59 a training step (128 x 1 x 28 x 28) and
-    0.53 a forward of 512 images; ResNet-18 1.05 and 0.82, ResNet-50 0.99 and 0.92 (224 x 224;
-    the steps the same within noise). The values are the same up to float32 rounding (another
+    0.53 a forward of 512 images; at 224 x 224 ResNet-18 1.05 and 0.82, ResNet-50 0.99 and 0.92
+    (the steps the same within noise), the EfficientNet-Lite0 trunk 0.75 and 0.72, BN-Inception
+    0.87 and 0.62. The values are the same up to float32 rounding (another
     summation order). CUDA models keep the default layout (not measured here).
     """
     device = torch.device(device)
