@@ -1,13 +1,15 @@
-"""CPU layouts of convolutional models: the default (NCHW) against channels-last (NHWC).
+"""Layouts of convolutional models: the default (NCHW) against channels-last (NHWC).
 
 ``dmlkit.models.to_device`` stores every CPU model with 2-D convolutions channels-last. This
-measures why: one training step (forward, backward, Adam) and one forward of a larger batch,
+measures why (and, with ``--device cuda``, whether a GPU should too): one training step
+(forward, backward, Adam) and one forward of a larger batch,
 for the quickstart's SmallCNN, ResNet-18 / ResNet-50 and the EfficientNet-Lite0 and
 BN-Inception trunks (random weights), in both layouts, interleaved
 rounds, medians; the ratio below 1 means channels-last is faster. Both layouts get the same
 weights and batch; the model is converted in place (the batch stays NCHW, as in training).
 
 Run:  python benchmarks/bench_memory_format.py [--rounds 3] [--threads 2] [--models smallcnn resnet18]
+      python benchmarks/bench_memory_format.py --device cuda --batch-scale 8 [--bf16]
 """
 
 from __future__ import annotations
@@ -39,23 +41,27 @@ def _build(name: str) -> torch.nn.Module:
     return getattr(torchvision.models, name)()
 
 
-def _median_ms(fn, repeats: int) -> float:
-    fn()  # warm-up
-    times = []
-    for _ in range(repeats):
+def _median_ms(fn, repeats: int, device: torch.device) -> float:
+    def timed() -> float:
         t = time.perf_counter()
         fn()
-        times.append(time.perf_counter() - t)
-    return statistics.median(times) * 1000
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        return time.perf_counter() - t
+
+    timed()  # warm-up
+    return statistics.median(timed() for _ in range(repeats)) * 1000
 
 
-def measure(name: str, rounds: int, repeats: int) -> dict[str, list[float]]:
+def measure(name: str, rounds: int, repeats: int, device: torch.device, batch_scale: int = 1,
+            bf16: bool = False) -> dict[str, list[float]]:
     torch.manual_seed(0)
-    model = _build(name)
+    model = _build(name).to(device)
     step_batch, fwd_batch, side, channels = MODELS[name]
-    x = torch.randn(step_batch, channels, side, side)
-    big = torch.randn(fwd_batch, channels, side, side)
+    x = torch.randn(step_batch * batch_scale, channels, side, side, device=device)
+    big = torch.randn(fwd_batch * batch_scale, channels, side, side, device=device)
     optimizer = torch.optim.Adam(model.parameters())
+    autocast = lambda: torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16)  # noqa: E731
     out: dict[str, list[float]] = {}
     for _ in range(rounds):
         for layout, fmt in (("nchw", torch.contiguous_format), ("nhwc", torch.channels_last)):
@@ -63,17 +69,19 @@ def measure(name: str, rounds: int, repeats: int) -> dict[str, list[float]]:
 
             def step() -> None:
                 optimizer.zero_grad(set_to_none=True)
-                model(x).pow(2).sum().backward()
+                with autocast():
+                    loss = model(x).float().pow(2).sum()
+                loss.backward()
                 optimizer.step()
 
             def forward() -> None:
-                with torch.no_grad():
+                with torch.no_grad(), autocast():
                     model(big)
 
             model.train()
-            out.setdefault(f"{layout} step", []).append(_median_ms(step, repeats))
+            out.setdefault(f"{layout} step", []).append(_median_ms(step, repeats, device))
             model.eval()
-            out.setdefault(f"{layout} forward", []).append(_median_ms(forward, max(2, repeats // 3)))
+            out.setdefault(f"{layout} forward", []).append(_median_ms(forward, max(2, repeats // 3), device))
     return out
 
 
@@ -83,13 +91,19 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=9, help="timed steps per round and layout")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--batch-scale", type=int, default=1, help="multiply every batch (8 suits a GPU)")
+    ap.add_argument("--bf16", action="store_true", help="under torch.autocast(bfloat16)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    print(f"torch {torch.__version__}, {args.threads} threads, {args.rounds} interleaved rounds")
+    device = torch.device(args.device)
+    where = torch.cuda.get_device_name(device) if device.type == "cuda" else f"{args.threads} threads"
+    print(f"torch {torch.__version__}, {where}, {args.rounds} interleaved rounds, batches x{args.batch_scale}"
+          f"{', bfloat16 autocast' if args.bf16 else ''}")
     print("| model | what | NCHW ms | NHWC ms | NHWC / NCHW |")
     print("| --- | --- | ---: | ---: | ---: |")
     for name in args.models:
-        res = measure(name, args.rounds, args.repeats)
+        res = measure(name, args.rounds, args.repeats, device, args.batch_scale, args.bf16)
         for what in ("step", "forward"):
             a, b = statistics.median(res[f"nchw {what}"]), statistics.median(res[f"nhwc {what}"])
             spread = lambda v: "-".join(f"{t:.0f}" for t in (min(v), max(v)))  # noqa: E731

@@ -1,8 +1,10 @@
 #!/bin/bash
-# The CUDA checks of one GPU machine, in one go (about 3 minutes on an H200): the CUDA tests,
-# then the metrics against the peer on the GPU. Run from the repository root:
+# The CUDA checks of one GPU machine, in one go (about 4 minutes on an H200): the CUDA tests,
+# the metrics against the peer on the GPU, the layouts of the convolutional models, tracking and
+# patch-network speed. Run from the repository root:
 #     bash benchmarks/cuda_check.sh [OUT_DIR]
-# Writes OUT_DIR/{tests.log,retrieval.json,map.json,map_4g.json} (default: cuda-check/).
+# Writes OUT_DIR/{tests.log,retrieval.json,map.json,map_1g.json,layout.log,tracking.log,patches.log}
+# (default: cuda-check/).
 set -o pipefail
 out=${1:-cuda-check}
 mkdir -p "$out"
@@ -15,7 +17,13 @@ python -m pytest -q -p no:cacheprovider tests/test_cuda.py -rs 2>&1 | tee "$out/
 python benchmarks/bench_metrics.py --device cuda --n 100000 --classes n/50 --repeats 3 --tol 1e-4 \
     --out "$out/retrieval.json" || status=1
 python benchmarks/bench_metrics.py --device cuda --suite map --n 50000 --classes n/50 100 --repeats 2 --out "$out/map.json" || status=1
-# map at the default budget makes ~500 row blocks on the GPU: does a larger one (fewer blocks) pay?
+# map at the default budget makes ~500 row blocks on the GPU, launch-bound; 1 GiB makes ~130
 python benchmarks/bench_metrics.py --device cuda --suite map --n 50000 --classes n/50 100 --repeats 2 \
-    --sides dmlkit dmlkit-r --memory-budget-mb 4096 --out "$out/map_4g.json" || status=1
+    --sides dmlkit dmlkit-r --memory-budget-mb 1024 --out "$out/map_1g.json" || status=1
+for precision in "" --bf16; do  # to_device stores CUDA models channels-last: still faster?
+    python benchmarks/bench_memory_format.py --device cuda --batch-scale 8 --rounds 3 --repeats 5 \
+        --models smallcnn resnet18 resnet50 bn_inception $precision 2>&1 | tee -a "$out/layout.log" || status=1
+done
+python benchmarks/bench_tracking.py --device cuda --frames 20 --repeats 3 2>&1 | tee "$out/tracking.log" || status=1
+python benchmarks/bench_patches.py --device cuda 2>&1 | tee "$out/patches.log" || status=1
 exit $status

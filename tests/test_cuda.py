@@ -1,6 +1,6 @@
 """The CUDA paths agree with the CPU paths: every loss (value, gradient, bfloat16 autocast),
-the kNN, every retrieval metric (``map`` included), and a training run on the GPU whose
-checkpoint embeds identically on the CPU.
+the kNN, every retrieval metric (``map`` included), a channels-last convolutional model, and a
+training run on the GPU whose checkpoint embeds identically on the CPU.
 
 These tests need a CUDA device and skip without one (CI has none); run them on a GPU machine
 with ``pytest tests/test_cuda.py``. The CPU paths they compare against are tested everywhere.
@@ -103,6 +103,23 @@ def test_knn_on_cuda_equals_cpu():
     assert gpu.indices.device.type == "cuda"
     assert torch.equal(gpu.indices.cpu(), cpu.indices)  # no near-ties in random Gaussian data
     torch.testing.assert_close(gpu.values.cpu(), cpu.values, rtol=0, atol=1e-6)
+
+
+def test_conv_model_on_cuda_is_channels_last_with_the_cpu_outputs():
+    """``to_device`` stores a CUDA convolutional model channels-last (faster under cuDNN:
+    benchmarks/bench_memory_format.py --device cuda) and it computes what the CPU model does."""
+    from dmlkit.models import SmallCNN, to_device
+
+    torch.manual_seed(0)
+    reference = SmallCNN(1, bn_neck=True).eval()
+    placed = to_device(SmallCNN(1, bn_neck=True).eval(), "cuda")
+    placed.load_state_dict(reference.state_dict())
+    convs = [m.weight for m in placed.modules() if isinstance(m, torch.nn.Conv2d)]
+    assert all(w.is_cuda and w.is_contiguous(memory_format=torch.channels_last) for w in convs)
+    assert not any(w.is_contiguous() for w in convs[1:])  # (one input channel: either layout)
+    x = torch.randn(6, 1, 28, 28)
+    with torch.no_grad():
+        torch.testing.assert_close(placed(x.to(CUDA)).cpu(), reference(x), rtol=1e-4, atol=1e-4)
 
 
 def test_training_on_cuda_embeds_like_the_cpu(tmp_path):

@@ -257,6 +257,43 @@ def test_full_ranking_ap_places_references_like_a_stable_sort():
         torch.testing.assert_close(full_ranking_ap(s, ql, rl, r), expected, rtol=0, atol=1e-12, msg=str(trial))
 
 
+def test_full_ranking_ap_block_needs_no_tie_runs_without_equal_positives():
+    """The GPU block path settles a reference tied with one positive without synchronising, and
+    flags exactly the rows whose positives repeat a value (those need the exact tie runs)."""
+    import torch
+
+    from dmlkit.metrics.retrieval import full_ranking_ap_block
+
+    g = torch.Generator().manual_seed(1)
+    for trial in range(200):
+        b, m = int(torch.randint(1, 20, (1,), generator=g)), int(torch.randint(2, 150, (1,), generator=g))
+        classes = int(torch.randint(1, 6, (1,), generator=g))
+        ql, rl = torch.randint(0, classes, (b,), generator=g), torch.randint(0, classes, (m,), generator=g)
+        positive = rl[None, :] == ql[:, None]
+        # distinct positives (a permutation of levels); negatives copy positives' values exactly
+        s = torch.randperm(b * m, generator=g).double().reshape(b, m)
+        copy_from = torch.randint(0, m, (b, m), generator=g)
+        copies = (~positive) & positive.gather(1, copy_from) & (torch.rand(b, m, generator=g) < 0.5)
+        s = torch.where(copies, s.gather(1, copy_from), s)
+        s[(torch.rand(b, m, generator=g) < 0.05) & ~copies] = -torch.inf
+        r = (positive & torch.isfinite(s)).sum(1)
+        expected = _ap_by_stable_sort(s, ql, rl, r)
+        ap, repeated = full_ranking_ap_block(s, ql, rl, r, int(r.max()))
+        assert not bool(repeated), trial
+        torch.testing.assert_close(ap, expected, rtol=0, atol=1e-12, msg=str(trial))
+        # two equal positives in one row: flagged, and the exact path still agrees
+        rows, cols = positive.nonzero(as_tuple=True)
+        for i in range(b):
+            mine = cols[(rows == i) & torch.isfinite(s[i, cols])]
+            if mine.numel() >= 2:
+                s[i, mine[1]] = s[i, mine[0]]
+                ap, repeated = full_ranking_ap_block(s, ql, rl, r, int(r.max()))
+                assert bool(repeated), trial
+                exact = full_ranking_ap_block(s, ql, rl, r, int(r.max()), tie_runs=True)[0]
+                torch.testing.assert_close(exact, _ap_by_stable_sort(s, ql, rl, r), rtol=0, atol=1e-12)
+                break
+
+
 # --- the preparation kernels against independent numpy definitions -------------------------
 
 def _kernels(module: str = "_ap_positives"):

@@ -123,14 +123,14 @@ def iter_embed(
     time in dataset order, so a caller can write outputs away (e.g. as embedding shards)
     without holding ``N x D``. A batch with NaN/inf outputs raises
     :class:`~dmlkit.exceptions.NonFiniteError`; modes are restored when the iteration ends.
-    A module is placed by :func:`dmlkit.models.to_device` (moved, and on CPU stored
+    A module is placed by :func:`dmlkit.models.to_device` (moved, and on CPU or CUDA stored
     channels-last if it has convolutions), in place, as training and checkpoint loads place it."""
     dev = resolve_device(device)
     modes: dict[nn.Module, bool] = {}
     if isinstance(model, nn.Module):
         modes = {m: m.training for m in model.modules()}
         model.eval()
-        to_device(model, dev)  # in place; on CPU convolutions channels-last (faster forwards)
+        to_device(model, dev)  # in place; CPU / CUDA convolutions channels-last (faster forwards)
     loader = DataLoader(dataset, batch_size=batch_size, shuffle=False, num_workers=num_workers,
                         pin_memory=dev.type == "cuda")
     iterator: Any = loader

@@ -23,7 +23,7 @@ from dmlkit.metrics.clustering import CLUSTERING_METRICS, cluster_metrics
 from dmlkit.metrics.histograms import pos_neg_histograms
 from dmlkit.metrics.knn import SMALL_SEARCH_PAIRS, _mask_self, _Scorer, knn
 from dmlkit.metrics.near_ties import EXTRA_NEIGHBOURS, pair_scorer, settle_near_ties
-from dmlkit.metrics.retrieval import full_ranking_ap, num_positives, per_query_from_neighbours
+from dmlkit.metrics.retrieval import full_ranking_ap_block, num_positives, per_query_from_neighbours
 
 __all__ = ["DEFAULT_METRICS", "METRIC_NAMES", "evaluate", "per_class", "per_query"]
 
@@ -37,6 +37,9 @@ METRIC_NAMES = (
     "nmi", "ami", "pair_f1", "pos_neg_js",
 )
 _KNN_METRICS = ("precision_at_1", "r_precision", "map_at_r")
+#: Peak bytes a score of ``map``'s float64 blocks holds (the score, int64 placements and their
+#: gathers, masks): sets the rows of a block from the memory budget.
+_MAP_BYTES_PER_SCORE = 56
 _AT_K = re.compile(r"^(recall|precision)_at_(\d+)$")
 
 
@@ -148,7 +151,7 @@ def _full_map(inp: _Inputs, budget: int) -> torch.Tensor:
     CPU cosine / dot / Euclidean: :func:`dmlkit.metrics.average_precision.full_ranking_map`
     (no sort; exact in float64 near ties). Small CPU searches, other distances and devices:
     float64 scores in blocks of rows, each reference placed among its row's sorted positives
-    (:func:`dmlkit.metrics.retrieval.full_ranking_ap`, O(N M log R)), so that a GPU ranks
+    (:func:`dmlkit.metrics.retrieval.full_ranking_ap_block`, O(N M log R)), so that a GPU ranks
     exactly as the CPU kernels do (float64 matrix products cost little there).
     """
     scorer = _Scorer(inp.distance)
@@ -159,17 +162,28 @@ def _full_map(inp: _Inputs, budget: int) -> torch.Tensor:
         return full_ranking_map(scorer, q, None if inp.same else r, inp.ql, inp.rl, budget)
     q, r = q.double(), r.double()
     nq_, nr_ = scorer.sq_norms(q), scorer.sq_norms(r)
-    # per score: float64 value and its negation, two int64 placements, masks
-    rows = max(1, budget // (m * 56))
-    ap = torch.empty(q.shape[0], dtype=torch.float64)
     ql, rl, r_q = inp.ql.to(q.device), inp.rl.to(q.device), inp.r_q.to(q.device)
-    for a0 in range(0, q.shape[0], rows):
-        a1 = min(q.shape[0], a0 + rows)
+    r_max = int(r_q.max()) if r_q.numel() else 0  # every row's finite positives: at most R_q
+    rows = max(1, budget // (m * _MAP_BYTES_PER_SCORE))
+
+    def scores(a0: int, a1: int) -> torch.Tensor:
         s = scorer.block(q[a0:a1], r, None if nq_ is None else nq_[a0:a1], nr_)
         if inp.same:
             _mask_self(s, a0, 0)
-        ap[a0:a1] = full_ranking_ap(s, ql[a0:a1], rl, r_q[a0:a1]).cpu()
-    return ap
+        return s
+
+    # no host synchronisation inside the loop (a GPU queues every block); blocks whose rows hold
+    # equal positives are redone with exact tie runs at the end
+    starts = range(0, q.shape[0], rows)
+    ap = torch.empty(q.shape[0], dtype=torch.float64, device=q.device)
+    repeated = torch.zeros(len(starts), dtype=torch.bool, device=q.device)
+    for i, a0 in enumerate(starts):
+        a1 = min(q.shape[0], a0 + rows)
+        ap[a0:a1], repeated[i] = full_ranking_ap_block(scores(a0, a1), ql[a0:a1], rl, r_q[a0:a1], r_max)
+    for i in repeated.nonzero().flatten().tolist():
+        a0, a1 = starts[i], min(q.shape[0], starts[i] + rows)
+        ap[a0:a1] = full_ranking_ap_block(scores(a0, a1), ql[a0:a1], rl, r_q[a0:a1], r_max, tie_runs=True)[0]
+    return ap.cpu()
 
 
 @full_float32_matmuls

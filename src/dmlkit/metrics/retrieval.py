@@ -26,7 +26,9 @@ import math
 
 import torch
 
-__all__ = ["RETRIEVAL_PREFIXES", "num_positives", "per_query_from_neighbours", "full_ranking_ap"]
+__all__ = [
+    "RETRIEVAL_PREFIXES", "num_positives", "per_query_from_neighbours", "full_ranking_ap", "full_ranking_ap_block",
+]
 
 RETRIEVAL_PREFIXES = ("precision_at_", "recall_at_")
 
@@ -101,50 +103,90 @@ def full_ranking_ap(
     """Average precision over the full ranking for a block of queries, without sorting rows.
 
     ``closeness_rows`` is ``(B, M)`` (larger = closer; excluded references at ``-inf``), one row
-    per query; ties rank by the smaller reference index. ``AP = (1/R) sum_p (p + 1) / rank_p``
-    over the positives in ranking order (Manning, Raghavan and Schuetze 2008, sec. 8.4). Per row
-    the ``R`` positives' closeness is sorted (descending, ties by index) and every reference is
-    placed among them by binary search: ``e(j)`` = the positives ranked before ``j`` (a float64
-    tie with a positive is settled by index), and ``rank_p = #{j : e(j) <= p}`` (positive ``p``
-    itself included). ``O(M log R)`` a row instead of a sort's ``O(M log M)``; the same on any
-    device (on a GPU the counts are one ``scatter_add``).
+    per query; ties rank by the smaller reference index; ``r`` is each row's ``R_q``, its
+    finite positives. ``AP = (1/R) sum_p (p + 1) / rank_p`` over the positives in ranking order
+    (Manning, Raghavan and Schuetze 2008, sec. 8.4). Per row the ``R`` positives' closeness is
+    sorted and every reference is placed among them by binary search: ``e(j)`` = the positives
+    ranked before ``j`` (a float64 tie with a positive is settled by index), and
+    ``rank_p = #{j : e(j) <= p}`` (positive ``p`` itself included). ``O(M log R)`` a row
+    instead of a sort's ``O(M log M)``; the same on any device (on a GPU the counts are one
+    ``scatter_add``). Returns float64 on the rows' device. See :func:`full_ranking_ap_block`.
+    """
+    r_max = int(r.max()) if r.numel() else 0
+    ap, repeated = full_ranking_ap_block(closeness_rows, query_labels, reference_labels, r, r_max)
+    if bool(repeated):  # equal positives in a row: settle references tied with several exactly
+        ap = full_ranking_ap_block(closeness_rows, query_labels, reference_labels, r, r_max, tie_runs=True)[0]
+    return ap
+
+
+#: On a GPU the counts of references ranked below every positive (never read) are spread over
+#: this many slots a row: atomic adds to one address serialise.
+_SPREAD = 32
+
+
+def full_ranking_ap_block(
+    closeness_rows: torch.Tensor,
+    query_labels: torch.Tensor,
+    reference_labels: torch.Tensor,
+    r: torch.Tensor,
+    r_max: int,
+    tie_runs: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`full_ranking_ap` of one block without a host synchronisation: ``(ap, repeated)``.
+
+    ``r`` is each row's count of finite positives (``R_q``; the query itself, if excluded, at
+    ``-inf``) and ``r_max >= r.max()``. A reference tied in float64 with a positive is settled
+    against that one positive. A row that holds equal positives (``repeated``, a 0-d bool
+    tensor on the rows' device) can tie a reference with several, and only ``tie_runs=True``
+    (which synchronises) settles those exactly: a GPU caller queues every block, then redoes
+    the few flagged ones.
+
+    In ranking terms: ``at(j) = #{p : v_p <= s_j}`` over the row's ``r_max`` sorted slots (the
+    padding at ``-inf``), minus the tied positives of smaller index, so that
+    ``e(j) = r_max - at(j)`` and ``rank_p = #{j : at(j) >= r_max - p}``, a suffix sum of the
+    counts of ``at``.
     """
     s = closeness_rows
     b, m = s.shape
     dev = s.device
-    finite = torch.isfinite(s)
-    pos = (reference_labels[None, :] == query_labels[:, None]) & finite
-    counts = pos.sum(1)
-    r_max = int(counts.max()) if b else 0
-    if r_max == 0:
-        return torch.zeros(b, dtype=torch.float64, device=dev)
-    # each row's positives, left-aligned in column order (padded with closeness -inf)
-    rows, cols = pos.nonzero(as_tuple=True)
-    slot = torch.arange(rows.numel(), device=dev) - (counts.cumsum(0) - counts)[rows]
-    pos_col = torch.zeros(b, r_max, dtype=torch.int64, device=dev)
-    pos_col[rows, slot] = cols
-    pos_val = torch.full((b, r_max), -math.inf, dtype=s.dtype, device=dev)
-    pos_val[rows, slot] = s[rows, cols]
-    del pos, rows, cols, slot
-    pos_val, order = torch.sort(pos_val, dim=1, descending=True, stable=True)
-    pos_col = pos_col.gather(1, order)
-    keys = pos_val.neg_().contiguous()  # ascending; the padding is +inf
-    neg = s.neg().contiguous()
-    before = torch.searchsorted(keys, neg, side="left")  # positives strictly closer than j
-    tied = finite & (keys.gather(1, before.clamp(max=r_max - 1)) == neg)
-    if bool(tied.any()):  # equal float64 closeness: the positives of smaller index rank first
-        tr, tc = tied.nonzero(as_tuple=True)
-        value, at = neg[tr, tc], before[tr, tc]
-        live = torch.ones_like(tc, dtype=torch.bool)
-        while bool(live.any()):  # along each run of equal keys
-            k = at.clamp(max=r_max - 1)
-            live &= (at < r_max) & (keys[tr, k] == value)
-            before[tr, tc] += live & (pos_col[tr, k] < tc)
-            at += 1
-    del neg, tied
-    placed = torch.zeros(b, r_max + 1, dtype=torch.int64, device=dev)
-    placed.scatter_add_(1, before, torch.ones((), dtype=torch.int64, device=dev).expand_as(before))
-    ranks = placed[:, :r_max].cumsum(1).to(torch.float64)
-    p = torch.arange(1, r_max + 1, dtype=torch.float64, device=dev)
-    prec = torch.where(p[None, :] <= counts[:, None], p / ranks, 0.0)
-    return prec.sum(1) / r.clamp_min(1).to(torch.float64)
+    width = min(r_max, m)
+    if width == 0 or b == 0:
+        return torch.zeros(b, dtype=torch.float64, device=dev), torch.zeros((), dtype=torch.bool, device=dev)
+    same_label = reference_labels[None, :] == query_labels[:, None]
+    # each row's positives, ascending closeness, equal closeness by ascending column; padded
+    # at the front with -inf (fewer than r_max finite positives)
+    val, col = torch.where(same_label, s, -math.inf).topk(width, dim=1)
+    del same_label
+    col, order = col.sort(dim=1)
+    val, order = val.gather(1, order).sort(dim=1, stable=True)
+    col = col.gather(1, order)
+    repeated = ((val[:, 1:] == val[:, :-1]) & torch.isfinite(val[:, 1:])).any()
+    # shifted by one slot: val_before[:, at] = val[:, at - 1], NaN (equal to nothing) at 0; the
+    # column m is no reference's
+    val_before = torch.cat([val.new_full((b, 1), math.nan), val], 1)
+    col_before = torch.cat([col.new_full((b, 1), m), col], 1)
+    at = torch.searchsorted(val, s, side="right")
+    ref = torch.arange(m, device=dev)
+    # the -inf padding can tie an excluded reference (-inf): that only lowers at(j) <= r_max - r
+    tied = val_before.gather(1, at) == s
+    if tie_runs:  # along each run of equal positives, downwards from at(j)
+        tied &= torch.isfinite(s)  # not along the padding
+        step, settled = at.clone(), torch.zeros_like(at)
+        while bool(tied.any()):
+            settled += tied & (col_before.gather(1, step) < ref)
+            step.sub_(tied.view(torch.uint8))
+            tied &= val_before.gather(1, step) == s
+        at -= settled
+        del step, settled
+    else:
+        at.sub_((tied & (col_before.gather(1, at) < ref)).view(torch.uint8))
+    del tied
+    # at(j) <= r_max - r: below every positive, never read
+    if dev.type == "cuda":
+        at = torch.where(at > (width - r)[:, None], at, width + 1 + ref % _SPREAD)
+    placed = torch.zeros(b, width + 1 + _SPREAD, dtype=torch.int64, device=dev)
+    placed.scatter_add_(1, at, torch.ones((), dtype=torch.int64, device=dev).expand_as(at))
+    ranks = placed[:, : width + 1].flip(1).cumsum(1)[:, :width].to(torch.float64)
+    p = torch.arange(1, width + 1, dtype=torch.float64, device=dev)
+    prec = torch.where(p[None, :] <= r[:, None], p / ranks, 0.0)
+    return prec.sum(1) / r.clamp_min(1).to(torch.float64), repeated
