@@ -3,8 +3,10 @@
 ``dmlkit.models.to_device`` stores every CPU model with 2-D convolutions channels-last. This
 measures why (and, with ``--device cuda``, whether a GPU should too): one training step
 (forward, backward, Adam) and one forward of a larger batch,
-for the quickstart's SmallCNN, ResNet-18 / ResNet-50 and the EfficientNet-Lite0 and
-BN-Inception trunks (random weights), in both layouts, interleaved
+for the quickstart's SmallCNN, ResNet-18 / ResNet-50, the EfficientNet-Lite0 and
+BN-Inception trunks, and the applications' networks (SiamFC's embedding of search crops at the
+CPU config's width 0.25; the patch networks 2ch and hardnet at the offline config's width
+0.125, scoring pairs / describing patches), random weights, in both layouts, interleaved
 rounds, medians; the ratio below 1 means channels-last is faster. Both layouts get the same
 weights and batch; the model is converted in place (the batch stays NCHW, as in training).
 
@@ -30,12 +32,37 @@ MODELS = {
     "resnet50": (8, 16, 224, 3),
     "efficientnet_lite0": (8, 32, 224, 3),  # the frozen trunk of configs/att_faces_efficientnet.yaml
     "bn_inception": (8, 32, 224, 3),  # the default trunk of the cub200 / cars196 / sop presets
+    "siamfc": (8, 3, 255, 3),  # dmlkit track: a step on search crops, a forward of one frame's 3 scales
+    "patches_2ch": (128, 512, 32, 2),  # dmlkit patches: a pair as one 2-channel image
+    "patches_hardnet": (128, 512, 32, 1),  # descriptors of single patches
 }
+
+
+class _Call(torch.nn.Module):
+    """An application network through the method its application calls on a batch."""
+
+    def __init__(self, net: torch.nn.Module, method: str) -> None:
+        super().__init__()
+        self.net, self.method = net, method
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.method == "score":  # the two patches of each pair are the two channels
+            return self.net.score(x[:, :1], x[:, 1:])
+        return getattr(self.net, self.method)(x)
 
 
 def _build(name: str) -> torch.nn.Module:
     if name == "smallcnn":
         return SmallCNN(1, bn_neck=True)
+    if name == "siamfc":
+        from dmlkit.apps.tracking import SiamFC
+
+        return _Call(SiamFC(width=0.25), "embed")
+    if name.startswith("patches_"):
+        from dmlkit.apps.patches.models import build_patch_model
+
+        arch = name.removeprefix("patches_")
+        return _Call(build_patch_model(arch, 32, 0.125), "score" if arch == "2ch" else "describe")
     if name in trunk_names():
         return build_trunk(name, pretrained=False)[0]
     return getattr(torchvision.models, name)()

@@ -22,6 +22,7 @@ import time
 import torch
 
 from dmlkit.apps.patches import build_patch_model, score_matrix
+from dmlkit.models import to_device
 
 
 def _timeit(fn, repeats: int) -> float:
@@ -42,7 +43,7 @@ def per_item(names: list[str], size: int, width: float, batch: int, repeats: int
     y = torch.randn(batch, 1, size, size, device=device)
     out = {}
     for name in names:
-        m = build_patch_model(name, size, width).to(device).eval()
+        m = to_device(build_patch_model(name, size, width), device).eval()  # as dmlkit patches places it
         rec = {"pairs_per_s": batch / _timeit(lambda m=m: m.score(x, y), repeats)}
         if m.has_descriptor:
             rec["descriptors_per_s"] = batch / _timeit(lambda m=m: m.describe(x), repeats)
@@ -55,7 +56,7 @@ def per_item(names: list[str], size: int, width: float, batch: int, repeats: int
 def match_all(name: str, n: int, size: int, width: float, device: str) -> float:
     """Seconds to score every pair of n x n patches with ``score_matrix`` (n * m network passes
     for 2-channel networks, n + m for descriptors, n + m plus n * m head passes for ``siam``)."""
-    m = build_patch_model(name, size, width).to(device).eval()
+    m = to_device(build_patch_model(name, size, width), device).eval()
     a = torch.randn(n, 1, size, size, device=device)
     b = torch.randn(n, 1, size, size, device=device)
     t = time.perf_counter()

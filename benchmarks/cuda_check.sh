@@ -22,7 +22,7 @@ python benchmarks/bench_metrics.py --device cuda --suite map --n 50000 --classes
     --sides dmlkit dmlkit-r --memory-budget-mb 1024 --out "$out/map_1g.json" || status=1
 for precision in "" --bf16; do  # to_device stores CUDA models channels-last: still faster?
     python benchmarks/bench_memory_format.py --device cuda --batch-scale 8 --rounds 3 --repeats 5 \
-        --models smallcnn resnet18 resnet50 bn_inception $precision 2>&1 | tee -a "$out/layout.log" || status=1
+        --models smallcnn resnet18 resnet50 bn_inception siamfc patches_2ch patches_hardnet $precision 2>&1 | tee -a "$out/layout.log" || status=1
 done
 python benchmarks/bench_tracking.py --device cuda --frames 20 --repeats 3 2>&1 | tee "$out/tracking.log" || status=1
 python benchmarks/bench_patches.py --device cuda 2>&1 | tee "$out/patches.log" || status=1

@@ -57,6 +57,13 @@ def test_train_then_evaluate(data: Path, tmp_path: Path, capsys) -> None:
         assert table["mean"][a]["fpr95"] == pytest.approx(sum(r[a]["fpr95"] for r in table["rows"]) / 2)
     for f in ("results.json", "results.md", "config.yaml", "provenance.json", "models/2ch/photos.pt", "scores/hardnet/textures__photos.npz"):
         assert (run / f).is_file(), f
+    # the networks trained channels-last on the CPU (dmlkit.models.to_device; the checkpoint keeps
+    # the strides): 0.32-0.92x the default layout's time (benchmarks/README.md)
+    import torch
+
+    state = torch.load(run / "models/2ch/photos.pt", weights_only=True)["state_dict"]
+    convs = [v for k, v in state.items() if v.ndim == 4 and v.shape[1] > 1]
+    assert convs and all(v.is_contiguous(memory_format=torch.channels_last) for v in convs)
     # the stored table, the re-scored checkpoints (same pairs, same numbers) and the figure
     code, out, _ = _run(["patches", "evaluate", str(run), "--json"], capsys)
     assert code == 0 and json.loads(out)["rows"] == table["rows"]

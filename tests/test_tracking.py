@@ -276,6 +276,23 @@ def test_siamfc_tracker_runs_on_real_frames_and_returns_one_box_per_frame(real_t
     assert result.fps > 0
 
 
+def test_tracker_runs_its_network_channels_last_with_the_same_response(real_translation):
+    """``to_device`` stores the tracker's CPU network channels-last (0.73x the time of an update,
+    benchmarks/README.md); the response maps are those of the default layout."""
+    frames, boxes = real_translation
+    torch.manual_seed(0)
+    tracker = SiamFCTracker(SiamFC(width=0.25))
+    convs = [m.weight for m in tracker.model.modules() if isinstance(m, torch.nn.Conv2d)]
+    assert all(w.is_contiguous(memory_format=torch.channels_last) for w in convs)
+    assert not any(w.is_contiguous() for w in convs)
+    tracker.init(frames[0], boxes[0])
+    placed = tracker.response(frames[1])[0]
+    tracker.model.to(memory_format=torch.contiguous_format)
+    tracker.init(frames[0], boxes[0])
+    default = tracker.response(frames[1])[0]
+    np.testing.assert_allclose(placed, default, rtol=1e-4, atol=1e-5 * float(np.abs(default).max()))
+
+
 @pytest.fixture(scope="module")
 def real_translation():
     """A real photo crop translating over a real photo background: exact integer boxes."""

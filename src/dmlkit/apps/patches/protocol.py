@@ -22,6 +22,7 @@ from dmlkit.apps.patches.training import TrainSettings, score_pairs, train_patch
 from dmlkit.config import read_yaml_mapping
 from dmlkit.exceptions import CheckpointError, ConfigError, DataNotFoundError
 from dmlkit.metrics.roc import fpr95, roc_auc
+from dmlkit.models import to_device
 from dmlkit.utils import (
     atomic_torch_save,
     atomic_write_json,
@@ -221,14 +222,14 @@ def run_patch_protocol(
         for arch in cfg.model.architectures:
             ck = out / "models" / arch / f"{train_name}.pt"
             if resume and ck.is_file():
-                model = load_patch_model(ck).to(device)
+                model = to_device(load_patch_model(ck), device)
                 secs = torch.load(ck, map_location="cpu", weights_only=True).get("train_seconds")
                 if secs is not None:
                     timing[arch][train_name] = float(secs)
                 say(f"{arch} trained on {train_name}: loaded {ck}")
             else:
                 seed_everything(cfg.seed)
-                model = build_patch_model(arch, cfg.model.patch_size, cfg.model.width).to(device)
+                model = to_device(build_patch_model(arch, cfg.model.patch_size, cfg.model.width), device)
                 t = cfg.training
                 settings = TrainSettings(
                     epochs=t.epochs, batch_size=t.batch_size, lr=t.lr, optimizer=t.optimizer,

@@ -38,6 +38,7 @@ from dmlkit.apps.tracking.geometry import (
 )
 from dmlkit.apps.tracking.model import EXEMPLAR_SIZE, INSTANCE_SIZE, SiamFC
 from dmlkit.exceptions import ConfigError, ShapeError, require
+from dmlkit.models import to_device
 
 
 @dataclass
@@ -140,7 +141,7 @@ class SiamFCTracker(BaseTracker):
 
     def __init__(self, model: SiamFC, config: TrackerConfig | None = None,
                  device: str | torch.device = "cpu") -> None:
-        self.model = model.to(device).eval()
+        self.model = to_device(model, device).eval()  # in place; convolutions channels-last
         self.config = config or TrackerConfig()
         self.device = torch.device(device)
         c = self.config

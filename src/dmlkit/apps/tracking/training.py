@@ -44,6 +44,7 @@ from dmlkit.apps.tracking.model import EXEMPLAR_SIZE, INSTANCE_SIZE, TOTAL_STRID
 from dmlkit.apps.tracking.tracker import TrackerConfig
 from dmlkit.config import read_yaml_mapping
 from dmlkit.exceptions import CheckpointError, ConfigError, DataError, NonFiniteError, ShapeError
+from dmlkit.models import to_device
 from dmlkit.utils import (
     atomic_torch_save,
     atomic_write_json,
@@ -277,7 +278,7 @@ def train_siamfc(
     tracker_cfg = TrackerConfig(**config.tracker)
     pairs = SiamFCPairs(sequences, config.pairs_per_epoch, config.pairs, seed=config.seed)
     device = torch.device(config.device)
-    model = SiamFC(width=config.width).to(device)
+    model = to_device(SiamFC(width=config.width), device)
     opt = torch.optim.SGD(model.parameters(), lr=config.lr, momentum=config.momentum,
                           weight_decay=config.weight_decay)
     steps_per_epoch = math.ceil(len(pairs) / config.batch_size)
