@@ -28,10 +28,12 @@ the reverse order and each library keeps its faster median (``--no-confirm`` to 
 
 ``--interleaved`` instead times both libraries in one process per loss, their steps
 alternating, and reports the ratio of the medians (time only): the steadier comparison on a
-busy machine.
+busy machine. With ``--device cuda`` (interleaved only) both libraries run on the GPU: inputs
+and proxy weights on the device, each step synchronised before its timer stops.
 
 Run:  python benchmarks/bench_losses.py [--batch-sizes 32,256,1024,4096] [--only a,b]
           [--repeats 15] [--threads 1] [--markdown FILE.md] [--json out.json] [--interleaved]
+      python benchmarks/bench_losses.py --interleaved --device cuda --batch-sizes 256,1024,4096
 """
 
 from __future__ import annotations
@@ -298,7 +300,8 @@ def worker(spec_key: str, lib: str, batches: list[int], repeats: int, threads: i
         print(json.dumps(result), flush=True)
 
 
-def interleaved_worker(spec_key: str, batches: list[int], repeats: int, threads: int) -> None:
+def interleaved_worker(spec_key: str, batches: list[int], repeats: int, threads: int,
+                       device: str = "cpu") -> None:
     """Both libraries in this one process, their steps alternating (dmlkit, pml, dmlkit, ...):
     on a shared machine a burst of load then hits both, so the ratio of the medians is far
     steadier than that of two separate processes. Time only (no memory: one process)."""
@@ -306,18 +309,29 @@ def interleaved_worker(spec_key: str, batches: list[int], repeats: int, threads:
 
     torch.set_num_threads(threads)
     spec = next(s for s in SPECS if s.key == spec_key)
+    dev = torch.device(device)
     fns = {lib: _build(spec, lib, torch) for lib in ("dmlkit", "pml")}
     for fn in fns.values():
         _init_weights(fn, torch)
+        if isinstance(fn, torch.nn.Module):
+            fn.to(dev)
+
+    def sync() -> None:
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+
     for batch in batches:
         emb, labels, _ = _inputs(spec, batch, torch, torch.float32)
+        emb, labels = emb.to(dev), labels.to(dev)
         times: dict[str, list[float]] = {lib: [] for lib in fns}
         for fn in fns.values():  # warm-up
             _step(fn, spec, emb, labels, torch)
         for _ in range(repeats):
             for lib, fn in fns.items():
+                sync()
                 t0 = time.perf_counter()
                 _step(fn, spec, emb, labels, torch)
+                sync()
                 times[lib].append(time.perf_counter() - t0)
         med = {lib: statistics.median(t) for lib, t in times.items()}
         low = {lib: min(t) for lib, t in times.items()}
@@ -332,7 +346,7 @@ def run_interleaved(specs: list[Spec], args) -> str:
 
     lines = [f"Interleaved timing (`--interleaved`): forward + backward, median of {args.repeats} "
              f"alternating steps per library in one process, torch {torch.__version__}, "
-             f"{args.threads} thread(s), load average before the run "
+             f"{args.threads} thread(s), device {args.device}, load average before the run "
              f"{os.getloadavg()[0]:.1f}.", "",
              "| loss | B | dmlkit median | pml median | ratio of medians | ratio of minima |",
              "|---|---|---|---|---|---|"]
@@ -341,7 +355,7 @@ def run_interleaved(specs: list[Spec], args) -> str:
             continue
         cmd = [sys.executable, __file__, "--interleaved-worker", s.key, "--batch-sizes",
                ",".join(map(str, args.batch_sizes)), "--repeats", str(args.repeats),
-               "--threads", str(args.threads)]
+               "--threads", str(args.threads), "--device", args.device]
         env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), PYTHONWARNINGS="ignore")
         proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=REPO,
                               timeout=args.process_timeout)
@@ -566,6 +580,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--json", default="")
     ap.add_argument("--interleaved", action="store_true",
                     help="time only: both libraries alternating in one process per loss")
+    ap.add_argument("--device", default="cpu", help="cpu, or cuda with --interleaved")
     ap.add_argument("--interleaved-worker", default="", help=argparse.SUPPRESS)
     ap.add_argument("--worker", default="", help=argparse.SUPPRESS)
     ap.add_argument("--lib", default="dmlkit", help=argparse.SUPPRESS)
@@ -579,8 +594,11 @@ def main(argv: list[str] | None = None) -> None:
                args.mem_cap_gb, args.time_budget)
         return
     if args.interleaved_worker:
-        interleaved_worker(args.interleaved_worker, args.batch_sizes, args.repeats, args.threads)
+        interleaved_worker(args.interleaved_worker, args.batch_sizes, args.repeats, args.threads,
+                           args.device)
         return
+    if args.device != "cpu" and not args.interleaved:
+        ap.error("--device cuda times with --interleaved (the default mode measures resident CPU memory)")
 
     sys.path.insert(0, str(REPO / "src"))
     from dmlkit.losses import LOSSES

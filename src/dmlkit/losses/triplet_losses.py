@@ -313,14 +313,13 @@ class AngularLoss(BaseLoss):
         if a1.numel() == 0 or not neg_mask.any(1)[a1].any():
             return self.zero_loss(embeddings)
         tan2 = math.tan(math.radians(self.alpha)) ** 2
-        sim_an = x @ ref.T  # (B, R)
-        sim_pn = ref @ ref.T if ref_emb is not None else sim_an  # (R, R)
 
-        def block(s_an, s_pn, xa, xp, ia, ip):
-            # gathers happen inside the checkpointed block, so only the (B, R) inputs are kept
-            f = 4 * tan2 * (s_an[ia] + s_pn[ip]) - 2 * (1 + tan2) * (xa[ia] * xp[ip]).sum(
-                1, keepdim=True
-            )
+        def block(xq, xr, ia, ip):
+            # (x_a + x_p)^T x_n in one product from the block's rows: no (B, R) similarity
+            # matrix is gathered, so the backward adds (block, D) rows, not a zero-filled (B, R)
+            # gradient a block
+            a, b = xq[ia], xr[ip]
+            f = 4 * tan2 * ((a + b) @ xr.T) - 2 * (1 + tan2) * (a * b).sum(1, keepdim=True)
             return masked_logsumexp(f, neg_mask[ia], dim=1, add_one=True)
 
         losses = []
@@ -329,9 +328,7 @@ class AngularLoss(BaseLoss):
             ia, ip = a1[s:e], p[s:e]
             losses.append(
                 _maybe_checkpoint(
-                    lambda s_an, s_pn, xa, xp, ia=ia, ip=ip: block(s_an, s_pn, xa, xp, ia, ip),
-                    sim_an,
-                    sim_pn,
+                    lambda xq, xr, ia=ia, ip=ip: block(xq, xr, ia, ip),
                     x,
                     ref,
                     single_block=len(blocks) == 1,
