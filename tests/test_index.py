@@ -213,6 +213,29 @@ def test_index_errors(tmp_path, data):
 
 
 # -- CLI -------------------------------------------------------------------------------------
+def test_cli_query_exclude_self_on_the_id_less_file_the_index_was_built_from(tmp_path, data):
+    """An index built from a file without ids numbers its items from 0; querying that same file
+    with --exclude-self uses the row numbers (checked: the rows equal the stored items), and a
+    file whose rows are not those items is still refused."""
+    x, y = data
+    np.savez(tmp_path / "plain.npz", embeddings=x[:300], labels=y[:300])
+    runner = CliRunner()
+    res = runner.invoke(app, ["index", str(tmp_path / "plain.npz"), "-o", str(tmp_path / "idx")])
+    assert res.exit_code == 0, res.output
+    res = runner.invoke(app, ["query", str(tmp_path / "idx"), str(tmp_path / "plain.npz"), "-k", "3",
+                              "--exclude-self", "-o", str(tmp_path / "out.json")])
+    assert res.exit_code == 0, res.output
+    written = json.loads((tmp_path / "out.json").read_text())
+    assert [row["query"] for row in written] == [str(i) for i in range(300)]
+    assert all(r["id"] != row["query"] for row in written for r in row["results"])
+    with_self = runner.invoke(app, ["query", str(tmp_path / "idx"), str(tmp_path / "plain.npz"), "-k", "2", "--json"])
+    assert [r["index"] for r in json.loads(with_self.output)[4]][0] == 4  # without the flag: itself first
+    assert json.loads(with_self.output)[4][1]["id"] == written[4]["results"][0]["id"]
+    np.savez(tmp_path / "other.npz", embeddings=x[300:600], labels=y[300:600])
+    res = runner.invoke(app, ["query", str(tmp_path / "idx"), str(tmp_path / "other.npz"), "--exclude-self"])
+    assert isinstance(res.exception, DataError) and "not the index's first items" in str(res.exception)
+
+
 def test_cli_index_query_with_target_recall_exclude_self_and_bounded_output(tmp_path, data):
     x, y = data
     ids = np.array([f"p{i}" for i in range(len(x))])

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import typer
 
@@ -127,6 +128,22 @@ def index(
     typer.echo(line)
 
 
+def _indexed_row_ids(idx: Any, q: Any) -> Any:
+    """Row numbers as the ids of id-less queries that are the items of an index built without
+    ids (which numbers its items from 0): only if every query row equals the stored vector of
+    that number, bit for bit, so excluding "self" cannot drop another item."""
+    import numpy as np
+
+    from dmlkit.exceptions import DataError
+
+    ids = np.arange(len(q)).astype(str)
+    try:
+        stored = idx.get(ids)
+    except DataError:  # a row number the index does not hold
+        return None
+    return ids if np.array_equal(stored, np.asarray(q, dtype=np.float32)) else None
+
+
 def query(
     index_path: Path = typer.Argument(..., help="An index from `dmlkit index` (directory or .npz)."),
     queries: Path | None = typer.Argument(None, help="Query embeddings (.npz/.npy/.pt or a shard directory, searched block by block); or use --id."),
@@ -164,8 +181,10 @@ def query(
         q, _, extra = _load_any_embeddings(queries)
         qids, _ = item_ids(queries, extra, data_root)
     if exclude_self and qids is None:
-        raise DataError(f"--exclude-self needs ids for the queries: {queries} has no paths/ids/indices array "
-                        "(save it with save_embeddings(..., ids=...))")
+        qids = _indexed_row_ids(idx, q)
+        if qids is None:
+            raise DataError(f"--exclude-self needs ids for the queries: {queries} has no paths/ids/indices array "
+                            "and its rows are not the index's first items (save it with save_embeddings(..., ids=...))")
     records = []
     step = 65536 if queries is not None and is_shard_dir(queries) else max(1, len(q))
     for a0 in range(0, len(q), step):
