@@ -166,6 +166,7 @@ CASES: list[tuple[str, list[str]]] = [
     ("evaluate-3d", ["evaluate", "{d}/emb3d.npz"]),
     ("evaluate-no-rows", ["evaluate", "{d}/empty_rows.npz"]),
     ("evaluate-wrong-dim-reference", ["evaluate", "{d}/good.npz", "-r", "{d}/wide.npz"]),
+    ("evaluate-unknown-device", ["evaluate", "{d}/good.npz", "--device", "tpu9"]),
     ("evaluate-float-labels", ["evaluate", "{d}/floatlab.npz"]),
     ("evaluate-nan-labels", ["evaluate", "{d}/nanlab.npz"]),
     ("evaluate-bool-labels", ["evaluate", "{d}/boollab.npz"]),

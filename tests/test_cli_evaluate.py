@@ -162,3 +162,26 @@ def test_scale_overflow_exits_2(emb_files, capsys):
     assert json.loads(run(["evaluate", str(tmp / "huge.npz"), "--json"], capsys)[1]) == base
     code, _, err = run(["evaluate", str(tmp / "huge.npz"), "--distance", "snr"], capsys)
     assert code == 2 and "too large" in err and "Traceback" not in err
+
+
+def test_device_option(emb_files, capsys, monkeypatch):
+    """``--device``: cpu by default; auto is the CPU without a GPU (same numbers); cuda without a
+    GPU, an unknown device and a GPU for a streamed shard directory are one-line errors. The
+    GPU's numbers are checked against the CPU's in tests/test_cuda.py."""
+    tmp, *_ = emb_files
+    argv = ["evaluate", str(tmp / "q.npz"), "--json", "-m", "map_at_r,map,nmi,pos_neg_js"]
+    code, cpu, _ = run(argv, capsys)
+    assert code == 0
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    code, auto, _ = run(argv + ["--device", "auto"], capsys)
+    assert code == 0 and json.loads(auto) == json.loads(cpu)
+    code, _, err = run(argv + ["--device", "cuda"], capsys)
+    assert code == 2 and "no CUDA GPU is available" in err and "Traceback" not in err
+    code, _, err = run(argv + ["--device", "bogus"], capsys)
+    assert code == 2 and "unknown device 'bogus'" in err and "Traceback" not in err
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    from dmlkit.embedding_shards import write_shards
+
+    write_shards(tmp / "shards", *[np.asarray(a) for a in emb_files[1:3]])
+    code, _, err = run(["evaluate", str(tmp / "shards"), "--device", "cuda"], capsys)
+    assert code == 2 and "streamed through the CPU" in err

@@ -1,6 +1,7 @@
 """The CUDA paths agree with the CPU paths: every loss (value, gradient, bfloat16 autocast),
-the kNN, every retrieval metric (``map`` included), a channels-last convolutional model, and a
-training run on the GPU whose checkpoint embeds identically on the CPU.
+the kNN, every retrieval metric (``map`` included) through the API and ``dmlkit evaluate
+--device cuda``, a channels-last convolutional model, and a training run on the GPU whose
+checkpoint embeds identically on the CPU.
 
 These tests need a CUDA device and skip without one (CI has none); run them on a GPU machine
 with ``pytest tests/test_cuda.py``. The CPU paths they compare against are tested everywhere.
@@ -80,6 +81,29 @@ def test_query_reference_map_on_cuda_equals_cpu():
     gpu = evaluate(q.to(CUDA), ql.to(CUDA), r.to(CUDA), rl.to(CUDA), metrics=["map", "map_at_r"])
     assert gpu["map"] == pytest.approx(cpu["map"], abs=1e-12)
     assert gpu["map_at_r"] == pytest.approx(cpu["map_at_r"], abs=1e-12)
+
+
+def test_cli_evaluate_on_cuda_equals_cpu(tmp_path, capsys):
+    """``dmlkit evaluate --device cuda``: every kind of metric (k-means on the CPU) and the
+    per-class table, as on the CPU."""
+    from dmlkit.cli import main
+    from dmlkit.embeddings import save_embeddings
+
+    x, y = clustered_with_ties()
+    save_embeddings(tmp_path / "e.npz", x.numpy(), y.numpy())
+    out = {}
+    for device in ("cpu", "cuda"):
+        main(["evaluate", str(tmp_path / "e.npz"), "--json", "--device", device, "-m",
+              "precision_at_1,r_precision,map_at_r,map,nmi,pos_neg_js",
+              "--per-class", str(tmp_path / f"{device}.json")])
+        out[device] = json.loads(capsys.readouterr().out)
+    for key, value in out["cpu"].items():
+        assert out["cuda"][key] == pytest.approx(value, abs=1e-12), key
+    per_class = [json.loads((tmp_path / f"{d}.json").read_text()) for d in ("cpu", "cuda")]
+    assert per_class[0].keys() == per_class[1].keys()
+    for c, row in per_class[0].items():
+        for key, value in row.items():
+            assert per_class[1][c][key] == pytest.approx(value, abs=1e-12), (c, key)
 
 
 def test_normalize_rows_on_cuda_equals_cpu():

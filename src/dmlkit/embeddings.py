@@ -75,7 +75,10 @@ def resolve_device(device: str | torch.device | None = "auto") -> torch.device:
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if str(device).startswith("cuda") and not torch.cuda.is_available():
         raise ConfigError("the device is 'cuda' but no CUDA GPU is available: use 'auto' or 'cpu'")
-    return torch.device(device)
+    try:
+        return torch.device(device)
+    except RuntimeError:
+        raise ConfigError(f"unknown device {device!r}: use 'auto', 'cpu', 'cuda' or 'cuda:N'") from None
 
 
 # -- the one inference loop -------------------------------------------------------------------

@@ -24,6 +24,7 @@ def register(app: typer.Typer) -> None:
         memory_mb: int = typer.Option(256, "--memory-mb", "--memory-budget", min=1, help="Working-memory budget of the blockwise kNN (and of the blocks read from a shard directory), MiB."),
         restarts: int = typer.Option(3, "--restarts", min=1, help="k-means restarts averaged by nmi / ami / pair_f1."),
         seed: int = typer.Option(0, "--seed", help="First k-means seed."),
+        device: str = typer.Option("cpu", "--device", help="cpu | cuda | auto: where the retrieval metrics run (a GPU gives the CPU's numbers; k-means runs on the CPU)."),
         per_class_out: Path | None = typer.Option(None, "--per-class", help="Also write per-class retrieval metrics to this JSON file."),
         as_json: bool = typer.Option(False, "--json", help="Print JSON instead of a table."),
     ) -> None:
@@ -53,9 +54,22 @@ def register(app: typer.Typer) -> None:
             r, rl = read(reference, reference_labels)
         elif reference_labels is not None:
             raise ConfigError("--reference-labels needs --reference")
+        streamed = is_shard_dir(embeddings) or (reference is not None and is_shard_dir(reference))
+        if device != "cpu":  # (imported only then: a small CPU job loads no more than it needs)
+            import torch
+
+            from dmlkit.embeddings import resolve_device
+
+            dev = resolve_device(device)
+            if streamed and dev.type != "cpu":
+                raise ConfigError("--device: a shard directory is streamed through the CPU; evaluate an "
+                                  ".npz (dmlkit embed) on the GPU, or leave --device out")
+            if dev.type != "cpu":
+                q = torch.as_tensor(q).to(dev)
+                r = None if r is None else torch.as_tensor(r).to(dev)
         kwargs = dict(distance=distance, k_values=k_values, backend=backend,
                       memory_budget=memory_mb * 2**20)
-        if is_shard_dir(embeddings) or (reference is not None and is_shard_dir(reference)):
+        if streamed:
             from dmlkit.metrics.streaming import evaluate_streaming
 
             if per_class_out is not None:
