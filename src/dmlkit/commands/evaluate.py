@@ -61,10 +61,10 @@ def register(app: typer.Typer) -> None:
             from dmlkit.embeddings import resolve_device
 
             dev = resolve_device(device)
-            if streamed and dev.type != "cpu":
-                raise ConfigError("--device: a shard directory is streamed through the CPU; evaluate an "
-                                  ".npz (dmlkit embed) on the GPU, or leave --device out")
             if dev.type != "cpu":
+                if streamed:
+                    raise ConfigError("--device: a shard directory is streamed through the CPU; evaluate an "
+                                      ".npz (dmlkit embed) on the GPU, or leave --device out")
                 q = torch.as_tensor(q).to(dev)
                 r = None if r is None else torch.as_tensor(r).to(dev)
         kwargs = dict(distance=distance, k_values=k_values, backend=backend,
