@@ -1,4 +1,5 @@
-"""The CUDA paths agree with the CPU paths: every loss (value, gradient, bfloat16 autocast),
+"""The CUDA paths agree with the CPU paths: every loss (value, gradient, bfloat16 autocast; the
+blocked ones in the GPU's larger blocks),
 the kNN, every retrieval metric (``map`` included) through the API and ``dmlkit evaluate
 --device cuda``, a channels-last convolutional model, and a training run on the GPU whose
 checkpoint embeds identically on the CPU.
@@ -48,6 +49,22 @@ def test_loss_on_cuda_equals_cpu(name):
     torch.testing.assert_close(value, ref_value, rtol=1e-4, atol=1e-5, msg=name)
     tol = 1e-4 * float(ref_grad.abs().max()) + 1e-7
     torch.testing.assert_close(grad, ref_grad, rtol=1e-3, atol=tol, msg=name)
+
+
+@pytest.mark.parametrize("name", ["angular", "triplet"])
+def test_blocked_loss_on_cuda_in_one_block_equals_the_cpus_blocks(name):
+    """At B = 2048 the CPU splits angular's 12.6M (pair, negative) entries into 4 checkpointed
+    blocks; a GPU takes them in one (:func:`dmlkit.losses._pairs.block_elements`)."""
+    from dmlkit.losses import get_loss
+    from dmlkit.losses._pairs import CPU_BLOCK_ELEMENTS, block_elements
+
+    assert block_elements(CUDA) > CPU_BLOCK_ELEMENTS
+    labels = torch.arange(2048) // 4
+    x = embeddings(len(labels), 1.0)
+    ref_value, ref_grad = value_and_grad(get_loss(name), x, labels)
+    value, grad = (t.cpu() for t in value_and_grad(get_loss(name).to(CUDA), x.to(CUDA), labels.to(CUDA)))
+    torch.testing.assert_close(value, ref_value, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(grad, ref_grad, rtol=1e-3, atol=1e-4 * float(ref_grad.abs().max()) + 1e-7)
 
 
 @pytest.mark.parametrize("name", NAMES)

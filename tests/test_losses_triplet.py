@@ -27,7 +27,6 @@ from _reference import unit as _norm
 from dmlkit.distances import DotProductSimilarity
 from dmlkit.exceptions import ConfigError, ShapeError
 from dmlkit.losses import get_loss
-from dmlkit.losses import triplet_losses as tl
 from dmlkit.losses.triplet_losses import (
     AngularLoss,
     NPairsLoss,
@@ -215,7 +214,7 @@ def test_triplet_swap_with_indices_and_reference_set(reduction, monkeypatch):
     torch.testing.assert_close(loss(x, y, ref_emb=r, ref_labels=ry),
                                ref_triplet(x, y, 0.4, reduction=reduction, r=r, ry=ry, swap=True))
     # several checkpointed blocks give the same value and gradient as one
-    monkeypatch.setattr("dmlkit.losses.triplet_losses.BLOCK_ELEMENTS", 8)
+    monkeypatch.setattr("dmlkit.losses._pairs.CPU_BLOCK_ELEMENTS", 8)
     assert_matches(lambda e: loss(e, y),
                    lambda e: ref_triplet(e, y, 0.4, reduction=reduction, swap=True), x)
 
@@ -225,7 +224,7 @@ def test_triplet_soft_margin_blocks_agree(monkeypatch):
     x, y = batch([0, 0, 1, 1, 1, 2, 2, 3] * 3, seed=4)
     loss = TripletMarginLoss(soft_margin=True, reduction="batch_all")
     v1, g1 = value_and_grad(lambda e: loss(e, y), x)
-    monkeypatch.setattr(tl, "BLOCK_ELEMENTS", 7)
+    monkeypatch.setattr("dmlkit.losses._pairs.CPU_BLOCK_ELEMENTS", 7)
     v2, g2 = value_and_grad(lambda e: loss(e, y), x)
     torch.testing.assert_close(v1, v2)
     torch.testing.assert_close(g1, g2)
@@ -255,10 +254,23 @@ def test_angular_matches_reference(alpha):
 def test_angular_blocks_agree(monkeypatch):
     x, y = batch([0, 0, 1, 1, 1, 2, 2, 3] * 2, seed=7)
     v1, g1 = value_and_grad(lambda e: AngularLoss()(e, y), x)
-    monkeypatch.setattr(tl, "BLOCK_ELEMENTS", 5)
+    monkeypatch.setattr("dmlkit.losses._pairs.CPU_BLOCK_ELEMENTS", 5)
     v2, g2 = value_and_grad(lambda e: AngularLoss()(e, y), x)
     torch.testing.assert_close(v1, v2)
     torch.testing.assert_close(g1, g2)
+
+
+def test_block_elements_by_device(monkeypatch):
+    """CPU blocks stay cache-sized; a GPU's grow with its memory, within [2^22, 2^27]."""
+    from types import SimpleNamespace
+
+    from dmlkit.losses._pairs import CPU_BLOCK_ELEMENTS, block_elements
+
+    assert block_elements(torch.device("cpu")) == CPU_BLOCK_ELEMENTS == 1 << 22
+    for memory, expected in [(141 * 2**30, 1 << 27), (16 * 2**30, 1 << 25), (1 * 2**30, 1 << 22)]:
+        monkeypatch.setattr(torch.cuda, "get_device_properties",
+                            lambda device, m=memory: SimpleNamespace(total_memory=m))
+        assert block_elements(torch.device("cuda", 0)) == expected
 
 
 # ------------------------------------------------------------------ n-pairs
@@ -374,7 +386,7 @@ def test_all_triplets_memory_is_quadratic(monkeypatch):
     """B = 128 with 2 classes has 520k triplets (2 MB of float32); what autograd keeps for the
     backward pass stays below eight float64 (B, B) matrices (1 MB): blocks are checkpointed,
     so only (B, R) tensors are held."""
-    monkeypatch.setattr(tl, "BLOCK_ELEMENTS", 1 << 15)  # force several blocks at this small B
+    monkeypatch.setattr("dmlkit.losses._pairs.CPU_BLOCK_ELEMENTS", 1 << 15)  # force several blocks at this small B
     g = torch.Generator().manual_seed(15)
     b = 128
     x = torch.randn(b, 32, generator=g, requires_grad=True)

@@ -434,11 +434,9 @@ def test_input_errors():
 
 def test_block_boundaries(monkeypatch):
     """Tiny blocks (a few positive pairs each) give the same triplets as one block."""
-    import dmlkit.miners.triplet_miners as miners_mod
-
     emb, labels = make_batch("classes", seed=3)
     big = [m(emb, labels) for m in (BatchAllMiner(strategy="blocks"), SemiHardMiner(0.3, strategy="blocks"))]
-    monkeypatch.setattr(miners_mod, "_BLOCK_ELEMENTS", 40)
+    monkeypatch.setattr("dmlkit.losses._pairs.CPU_BLOCK_ELEMENTS", 40)
     small = [m(emb, labels) for m in (BatchAllMiner(strategy="blocks"), SemiHardMiner(0.3, strategy="blocks"))]
     for x, y in zip(big, small):
         assert as_set(*x) == as_set(*y) and len(x[0]) == len(y[0])

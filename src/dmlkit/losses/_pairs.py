@@ -23,6 +23,8 @@ Public (stable) API, used by every pair/triplet loss module:
   largest row count, with a validity mask (e.g. the positives of each anchor).
 * :func:`compute_dtype` / :func:`upcast` - losses compute in float32 when given half precision
   (bfloat16/float16) so that sums, cumulative sums and ``acos`` stay accurate.
+* :func:`block_elements` - how many elements a blocked (checkpointed) computation puts in one
+  block on a device: small on a CPU (cache), large on a GPU (kernel launches).
 * :func:`as_distance` - a "larger is farther" view of a distance/similarity matrix.
 * :func:`safe_norm` / :func:`safe_normalize` - L2 norm and normalisation that neither overflow
   nor underflow anywhere in the float32 range (direct where the norms are moderate, else
@@ -40,6 +42,7 @@ from dmlkit.exceptions import ShapeError
 
 __all__ = [
     "as_distance",
+    "block_elements",
     "check_indices",
     "class_columns",
     "compact_mask",
@@ -72,6 +75,23 @@ def upcast(x: torch.Tensor) -> torch.Tensor:
 #: Norms in ``[2^-60, 2^60]`` are computed directly (their squares cannot overflow or lose
 #: precision to underflow in float32); anything else takes the rescaled path.
 _DIRECT_NORM_RANGE = (2.0**-60, 2.0**60)
+
+#: Elements per block of the blocked all-triplet computations on a CPU (``(pairs, R)`` or
+#: ``(anchors, K, R)`` float32 blocks of 16 MB: they stay in cache).
+CPU_BLOCK_ELEMENTS = 1 << 22
+#: On a GPU a block costs a fixed number of kernel launches, so blocks are as large as a small
+#: share of the device's memory allows: ``total memory / 512`` elements (a few float32
+#: temporaries of a block then take 3-6 % of it), between 2^22 and 2^27. Angular loss at
+#: B = 4096 on an H200 (one 50M-element block instead of 12): 5.2 ms a step instead of 43 ms.
+GPU_BYTES_PER_BLOCK_ELEMENT = 512
+
+
+def block_elements(device: torch.device) -> int:
+    """Elements per block of a blocked loss or miner computation on ``device``."""
+    if device.type != "cuda":
+        return CPU_BLOCK_ELEMENTS
+    total = torch.cuda.get_device_properties(device).total_memory
+    return int(min(1 << 27, max(CPU_BLOCK_ELEMENTS, total // GPU_BYTES_PER_BLOCK_ELEMENT)))
 
 
 def _row_scale(x: torch.Tensor, dim: int) -> torch.Tensor:

@@ -27,6 +27,7 @@ from dmlkit.distances import BaseDistance, CosineSimilarity, DotProductSimilarit
 from dmlkit.exceptions import ConfigError
 from dmlkit.losses._pairs import (
     as_distance,
+    block_elements,
     check_indices,
     compact_mask,
     indices_kind,
@@ -42,8 +43,6 @@ from dmlkit.losses.base import BaseLoss, register_loss
 
 __all__ = ["AngularLoss", "NPairsLoss", "TripletMarginLoss", "TupletMarginLoss"]
 
-#: Elements per block in the blocked (checkpointed) all-triplet computations.
-BLOCK_ELEMENTS = 1 << 22
 #: Hinge triplets over all triplets use the sorting path when an anchor has more positives.
 SORT_ABOVE_POSITIVES = 8
 
@@ -52,8 +51,9 @@ def _matrix(distance: BaseDistance, embeddings: torch.Tensor, ref_emb: torch.Ten
     return pair_matrix(distance, embeddings, ref_emb)
 
 
-def _blocks(n: int, per_item: int) -> list[tuple[int, int]]:
-    size = max(1, BLOCK_ELEMENTS // max(1, per_item))
+def _blocks(n: int, per_item: int, device: torch.device) -> list[tuple[int, int]]:
+    """Ranges of ``n`` items of ``per_item`` elements each, :func:`block_elements` a block."""
+    size = max(1, block_elements(device) // max(1, per_item))
     return [(s, min(n, s + size)) for s in range(0, n, size)]
 
 
@@ -121,7 +121,7 @@ def blocked_triplet_sums(
         return terms.sum((1, 2)), torch.count_nonzero(terms, dim=(1, 2))  # terms >= 0
 
     sums, counts = [], []
-    blocks = _blocks(dist.shape[0], k * r)
+    blocks = _blocks(dist.shape[0], k * r, dist.device)
     for s, e in blocks:
         out_sum, out_count = _maybe_checkpoint(
             lambda dp, dn, sd, s=s, e=e: block(dp, dn, sd, cols[s:e], valid[s:e], neg_mask[s:e]),
@@ -323,7 +323,7 @@ class AngularLoss(BaseLoss):
             return masked_logsumexp(f, neg_mask[ia], dim=1, add_one=True)
 
         losses = []
-        blocks = _blocks(a1.numel(), ref.shape[0])
+        blocks = _blocks(a1.numel(), ref.shape[0], ref.device)
         for s, e in blocks:
             ia, ip = a1[s:e], p[s:e]
             losses.append(

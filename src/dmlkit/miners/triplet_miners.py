@@ -7,7 +7,7 @@ import math
 import torch
 
 from dmlkit.exceptions import ConfigError
-from dmlkit.losses._pairs import label_masks  # the one label-mask helper of losses and miners
+from dmlkit.losses._pairs import block_elements, label_masks  # one home for losses and miners
 from dmlkit.miners.base import (
     BaseMiner,
     Triplets,
@@ -16,14 +16,13 @@ from dmlkit.miners.base import (
     register_miner,
 )
 
-_BLOCK_ELEMENTS = 2**22  # (positive pairs x references) per block of the block strategy
-
 
 class _BandTripletMiner(BaseMiner):
     """Triplet miners that select, for each positive pair ``(a, p)``, negatives of ``a`` by
     comparing ``d(a, n)`` with ``d(a, p)``. Two exact strategies, same triplets:
 
-    * ``"blocks"``: positive pairs are processed in blocks of ``~4M / R`` pairs; for each
+    * ``"blocks"``: positive pairs are processed in blocks of ``~4M / R`` pairs on a CPU (larger on a GPU,
+      :func:`dmlkit.losses._pairs.block_elements`); for each
       block the ``(pairs x R)`` comparison is one vectorised mask. Work ``O(P R)`` for ``P``
       positive pairs, memory ``O(B^2 + output)``; best when anchors have few positives (the
       usual ``M = 4`` batches: ``P = 3B``).
@@ -78,7 +77,7 @@ class _BandTripletMiner(BaseMiner):
     @staticmethod
     def _blocks(a: torch.Tensor, p: torch.Tensor, f: torch.Tensor, neg: torch.Tensor):
         """Yield ``(a_blk, p_blk, f[a_blk], d(a, p) as (blk, 1), neg[a_blk])``."""
-        step = max(1, _BLOCK_ELEMENTS // max(1, f.shape[1]))
+        step = max(1, block_elements(f.device) // max(1, f.shape[1]))
         for s in range(0, a.numel(), step):
             ab, pb = a[s : s + step], p[s : s + step]
             fa = f[ab]
