@@ -156,16 +156,18 @@ def normalize_rows(x: Any) -> Any:
                 out[a0 : a0 + b.shape[0]] = b.div_(n.masked_fill_(n == 0, 1))
         return out
     x = np.ascontiguousarray(x, dtype=np.float32)
-    if x.shape[0] <= 64:  # a few queries: the fewest numpy calls
-        n = np.sqrt(np.add.reduce(np.square(x, dtype=np.float64), axis=1))
-        n[n == 0] = 1
-        return (x / n[:, None]).astype(np.float32)
-    out = np.empty_like(x)
-    for a0 in range(0, x.shape[0], NORMALIZE_BLOCK):
-        b = x[a0 : a0 + NORMALIZE_BLOCK]
-        n = np.sqrt(np.einsum("ij,ij->i", b, b, dtype=np.float64))
-        n[n == 0] = 1
-        np.divide(b, n[:, None], out=out[a0 : a0 + b.shape[0]], dtype=np.float64, casting="unsafe")
+    with np.errstate(invalid="ignore"):  # a non-finite row gives NaN, silently as in torch
+        if x.shape[0] <= 64:  # a few queries: the fewest numpy calls
+            n = np.sqrt(np.add.reduce(np.square(x, dtype=np.float64), axis=1))
+            n[n == 0] = 1
+            return (x / n[:, None]).astype(np.float32)
+        out = np.empty_like(x)
+        for a0 in range(0, x.shape[0], NORMALIZE_BLOCK):
+            b = x[a0 : a0 + NORMALIZE_BLOCK]
+            n = np.sqrt(np.einsum("ij,ij->i", b, b, dtype=np.float64))
+            n[n == 0] = 1
+            np.divide(b, n[:, None], out=out[a0 : a0 + b.shape[0]], dtype=np.float64,
+                      casting="unsafe")
     return out
 
 

@@ -83,11 +83,11 @@ class BaseLoss(nn.Module):
         ref_emb: torch.Tensor | None = None,
         ref_labels: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        check_inputs(embeddings, labels)
+        check_inputs(embeddings, labels, finite=False)
         if (ref_emb is None) != (ref_labels is None):
             raise ShapeError("pass both ref_emb and ref_labels, or neither")
         if ref_emb is not None:
-            check_inputs(ref_emb, ref_labels, name="ref_emb")
+            check_inputs(ref_emb, ref_labels, name="ref_emb", finite=False)
         with full_precision(embeddings):
             loss = self.compute(
                 upcast(embeddings),
@@ -141,11 +141,13 @@ class ProxyLoss(BaseLoss):
                 f"{type(self).__name__} was built for embedding_size={self.embedding_size}, "
                 f"got embeddings of size {embeddings.shape[1]}"
             )
-        if labels.numel() and (int(labels.min()) < 0 or int(labels.max()) >= self.num_classes):
-            raise ShapeError(
-                f"{type(self).__name__} needs labels in [0, {self.num_classes}); got "
-                f"[{int(labels.min())}, {int(labels.max())}]: remap labels to contiguous ids"
-            )
+        if labels.numel():
+            low, high = torch.stack(torch.aminmax(labels)).tolist()  # one read from the device
+            if low < 0 or high >= self.num_classes:
+                raise ShapeError(
+                    f"{type(self).__name__} needs labels in [0, {self.num_classes}); got "
+                    f"[{low}, {high}]: remap labels to contiguous ids"
+                )
         return super().forward(embeddings, labels, indices, ref_emb, ref_labels)
 
 
@@ -163,16 +165,25 @@ def full_precision(x: torch.Tensor) -> AbstractContextManager:
 def check_finite_loss(
     loss_fn: nn.Module, loss: torch.Tensor, embeddings: torch.Tensor, ref_emb: torch.Tensor | None
 ) -> None:
-    """Raise :class:`~dmlkit.exceptions.NonFiniteError` if ``loss`` is NaN or infinite.
+    """Raise :class:`~dmlkit.exceptions.NonFiniteError` if the inputs or ``loss`` are NaN or
+    infinite, naming which.
 
-    Inputs were checked to be finite, so a non-finite loss means that the embeddings (or the
-    loss's own parameters) overflow its float32 computation: training on it would be garbage.
+    One read from the device for the inputs' and the loss's finiteness together, after the
+    computation: on a GPU a check before it would make the host wait for the model's forward
+    pass and then launch the loss's kernels one by one onto an idle device. A finite input with a
+    non-finite loss means that the embeddings (or the loss's own parameters) overflow its
+    float32 computation: training on it would be garbage.
     """
-    if bool(torch.isfinite(loss).all()):
+    inputs = {"embeddings": embeddings, "ref_emb": ref_emb}
+    inputs = {name: x for name, x in inputs.items() if x is not None}
+    flags = torch.stack([torch.isfinite(x.detach()).all() for x in inputs.values()]
+                        + [torch.isfinite(loss.detach()).all()]).tolist()
+    for name, finite in zip(inputs, flags):
+        if not finite:
+            raise NonFiniteError(f"{name} contain NaN or infinity: check the model and learning rate")
+    if flags[-1]:
         return
-    largest = float(embeddings.detach().abs().max()) if embeddings.numel() else 0.0
-    if ref_emb is not None and ref_emb.numel():
-        largest = max(largest, float(ref_emb.detach().abs().max()))
+    largest = max(float(x.detach().abs().max()) if x.numel() else 0.0 for x in inputs.values())
     raise NonFiniteError(
         f"{type(loss_fn).__name__} is {float(loss.detach().float().flatten()[0])} on finite "
         f"embeddings (largest |value| {largest:.3g}): its {loss.dtype} computation overflowed. "
@@ -181,8 +192,11 @@ def check_finite_loss(
     )
 
 
-def check_inputs(embeddings: torch.Tensor, labels: torch.Tensor, name: str = "embeddings") -> None:
-    """Validate ``embeddings (B, D)`` float and ``labels (B,)`` integer tensors."""
+def check_inputs(embeddings: torch.Tensor, labels: torch.Tensor, name: str = "embeddings",
+                 finite: bool = True) -> None:
+    """Validate ``embeddings (B, D)`` float and ``labels (B,)`` integer tensors, and that the
+    embeddings are finite unless ``finite=False`` (:func:`check_finite_loss` checks them then,
+    with the loss)."""
     if embeddings.dim() != 2:
         raise ShapeError(f"{name} must be (B, D), got shape {tuple(embeddings.shape)}")
     if not embeddings.is_floating_point():
@@ -193,5 +207,5 @@ def check_inputs(embeddings: torch.Tensor, labels: torch.Tensor, name: str = "em
         )
     if labels.is_floating_point():
         raise ShapeError(f"labels must be integers, got {labels.dtype}")
-    if not torch.isfinite(embeddings).all():
+    if finite and not torch.isfinite(embeddings).all():
         raise NonFiniteError(f"{name} contain NaN or infinity: check the model and learning rate")

@@ -175,7 +175,7 @@ class ContrastiveLoss(BaseLoss):
             cols, valid, cls_q, cls_r, counts = class_columns(labels, ref_labels, same_set)
             n_pos = valid.sum()
             n_neg = (ref_labels.shape[0] - counts[cls_q]).sum()
-            if int(n_pos) + int(n_neg) == 0:
+            if int(n_pos + n_neg) == 0:  # one read from the device
                 return self.zero_loss(embeddings)
             mat = _pair_matrix(self.distance, embeddings, ref_emb)
             pos_terms = torch.where(valid, self._terms(mat.gather(1, cols), True), 0.0)
@@ -328,7 +328,7 @@ class LiftedStructureLoss(_LiftedStructureBase):
     def compute(self, embeddings, labels, indices, ref_emb, ref_labels):
         mat = _pair_matrix(self.distance, embeddings, ref_emb)
         pos_mask, neg_mask = pair_masks(labels, indices, ref_labels)
-        if not pos_mask.any() or not neg_mask.any():
+        if not bool(pos_mask.any() & neg_mask.any()):  # one read from the device
             return self.zero_loss(embeddings)
         lse_anchor = self._neg_lse(mat, neg_mask)  # (B,)
         if ref_emb is None:
@@ -447,7 +447,7 @@ class MarginLoss(BaseLoss):
         mat = _pair_matrix(self.distance, embeddings, ref_emb)
         if indices is None:
             pos_mask, neg_mask = label_masks(labels, ref_labels)
-            if not (pos_mask.any() or neg_mask.any()):
+            if not bool(pos_mask.any() | neg_mask.any()):  # one read from the device
                 return self.zero_loss(embeddings)
             beta = self._beta_for(labels).to(mat.dtype).unsqueeze(1)  # (B, 1)
             pos = F.relu(_pos_violation(self.distance, mat, beta) + self.margin)

@@ -160,7 +160,7 @@ class ProxyAnchorLoss(ProxyLoss):
         dtype = compute_dtype(embeddings, self.proxies)
         with full_precision(embeddings):
             sim = pair_matrix(self.distance, embeddings.to(dtype), self.proxies.to(dtype))
-            pos_mask = F.one_hot(labels, self.num_classes).bool()
+            pos_mask = labels.unsqueeze(1) == torch.arange(self.num_classes, device=labels.device)
             pos_term = masked_logsumexp(-self.alpha * (sim - self.margin), pos_mask, dim=0, add_one=True)
             neg_term = masked_logsumexp(self.alpha * (sim + self.margin), ~pos_mask, dim=0, add_one=True)
             num_with_pos = pos_mask.any(0).sum()

@@ -427,7 +427,7 @@ class TupletMarginLoss(BaseLoss):
     def compute(self, embeddings, labels, indices, ref_emb, ref_labels):
         sim = _matrix(self.distance, embeddings, ref_emb)
         pos_mask, neg_mask = pair_masks(labels, indices, ref_labels)
-        if not pos_mask.any() or not neg_mask.any():
+        if not bool(pos_mask.any() & neg_mask.any()):  # one read from the device
             return self.zero_loss(embeddings)
         eps = 1e-7
         theta = torch.acos(sim.clamp(-1 + eps, 1 - eps))
