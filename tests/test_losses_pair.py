@@ -28,7 +28,6 @@ from dmlkit.exceptions import ConfigError, ShapeError
 from dmlkit.losses import get_loss
 from dmlkit.losses._pairs import (
     check_indices,
-    class_codes,
     compact_mask,
     indices_to_masks,
     label_masks,
@@ -223,20 +222,6 @@ def test_compact_mask():
     assert cols.shape == (3, 4)
     assert cols[0, :2].tolist() == [1, 2] and valid[0].tolist() == [True, True, False, False]
     assert not valid[1].any() and cols[2].tolist() == [0, 1, 2, 3]
-
-
-def test_class_codes_equal_unique_and_bincount():
-    """The sort-based coding (one read from the device) is ``torch.unique``'s inverse and
-    ``torch.bincount``'s counts, empty sides included."""
-    g = torch.Generator().manual_seed(0)
-    for _ in range(200):
-        a = torch.randint(-5, 9, (int(torch.randint(0, 12, (), generator=g)),), generator=g)
-        b = torch.randint(-5, 9, (int(torch.randint(0, 12, (), generator=g)),), generator=g)
-        k, cls_q, cls_r, counts = class_codes(a, b)
-        classes, inverse = torch.unique(torch.cat([a, b]), return_inverse=True)
-        assert k == len(classes)
-        assert torch.equal(cls_q, inverse[: len(a)]) and torch.equal(cls_r, inverse[len(a) :])
-        assert torch.equal(counts, torch.bincount(inverse[len(a) :], minlength=len(classes)))
 
 
 # ------------------------------------------------------------------ contrastive

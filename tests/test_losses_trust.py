@@ -195,8 +195,8 @@ class _HostReads:
 
 
 def test_the_trust_checks_read_the_device_once(monkeypatch):
-    """Finite inputs and a finite loss are one read, after the computation; the class coding of
-    the pair losses is one more (it was up to five on a GPU)."""
+    """Finite inputs and a finite loss are one read, after the computation (they were two, the
+    first before it)."""
 
     class Plain(BaseLoss):
         def compute(self, embeddings, labels, indices, ref_emb, ref_labels):
@@ -208,7 +208,7 @@ def test_the_trust_checks_read_the_device_once(monkeypatch):
     assert reads.count == 1
     with _HostReads(monkeypatch) as reads:
         make("multi_similarity")(x, labels)
-    assert reads.count == 3  # the class coding, rows without negatives, the trust checks
+    assert reads.count == 5  # class coding 3, rows without negatives 1, the trust checks 1
 
 
 def test_nonfinite_loss_is_refused():

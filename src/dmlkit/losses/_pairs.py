@@ -301,35 +301,13 @@ def masked_logsumexp(
     return out if keepdim else out.squeeze(dim)
 
 
-def _class_structure(labels: torch.Tensor, ref_labels: torch.Tensor
-                     ) -> tuple[int, int, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(K, largest count, cls_q, cls_r, counts)`` with one read from the device: a sort of
-    both label vectors codes the classes (``torch.unique`` and ``torch.bincount`` each wait for
-    the device on a GPU, the latter twice), and ``K`` and the largest count come back together."""
-    both = torch.cat([labels, ref_labels])
-    n = len(labels)
-    if both.numel() == 0:
-        empty = both.new_zeros(0, dtype=torch.int64)
-        return 0, 0, empty, empty, empty
-    values, order = torch.sort(both)
-    first = torch.ones_like(values, dtype=torch.bool)
-    first[1:] = values[1:] != values[:-1]
-    sorted_codes = torch.cumsum(first, 0) - 1
-    codes = torch.empty_like(sorted_codes).scatter_(0, order, sorted_codes)
-    cls_q, cls_r = codes[:n], codes[n:]
-    counts = torch.zeros(both.numel(), dtype=torch.int64, device=both.device)
-    counts.index_add_(0, cls_r, torch.ones_like(cls_r))
-    k, width = torch.stack([sorted_codes[-1] + 1, counts.max()]).tolist()
-    return k, width, cls_q, cls_r, counts[:k]
-
-
 def class_codes(labels: torch.Tensor, ref_labels: torch.Tensor
                 ) -> tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(K, cls_q, cls_r, counts)``: anchors' and references' labels coded ``0..K-1`` over the
-    classes either side holds (in increasing label order), and the number of references of each
-    class."""
-    k, _, cls_q, cls_r, counts = _class_structure(labels, ref_labels)
-    return k, cls_q, cls_r, counts
+    classes either side holds, and the number of references of each class."""
+    classes, inverse = torch.unique(torch.cat([labels, ref_labels]), return_inverse=True)
+    cls_q, cls_r = inverse[: len(labels)], inverse[len(labels) :]
+    return len(classes), cls_q, cls_r, torch.bincount(cls_r, minlength=len(classes))
 
 
 def class_columns(
@@ -340,10 +318,11 @@ def class_columns(
 
     ``O(B x max class size)`` memory; the anchor's own column is invalid when ``same_set``.
     """
-    _, width, cls_q, cls_r, counts = _class_structure(labels, ref_labels)
+    _, cls_q, cls_r, counts = class_codes(labels, ref_labels)
     order = torch.argsort(cls_r, stable=True)
     starts = torch.cumsum(counts, 0) - counts
-    slot = torch.arange(max(width, 1), device=labels.device)
+    width = max(int(counts.max()), 1)
+    slot = torch.arange(width, device=labels.device)
     table = order[(starts.unsqueeze(1) + slot).clamp_max(len(cls_r) - 1)]  # (K, width)
     table_valid = slot < counts.unsqueeze(1)
     cols, valid = table[cls_q], table_valid[cls_q]
