@@ -208,7 +208,7 @@ def test_the_trust_checks_read_the_device_once(monkeypatch):
     assert reads.count == 1
     with _HostReads(monkeypatch) as reads:
         make("multi_similarity")(x, labels)
-    assert reads.count == 5  # class coding 3, rows without negatives 1, the trust checks 1
+    assert reads.count <= 5  # class coding 3, rows without negatives 1, the trust checks 1
 
 
 def test_nonfinite_loss_is_refused():
