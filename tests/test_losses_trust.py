@@ -160,6 +160,21 @@ def test_nonfinite_embeddings_are_refused_by_every_loss(name, bad):
                 make(name)(x, labels)
 
 
+def test_a_nonfinite_batch_leaves_the_cross_batch_memory_as_it_was():
+    """The finiteness check runs after the computation, but before the queue takes the batch."""
+    from dmlkit.losses import CrossBatchMemory
+
+    memory = CrossBatchMemory(make("contrastive"), embedding_size=8, memory_size=16)
+    labels = torch.tensor([0, 0, 1, 1, 2, 2])
+    memory(embeddings(6, 1.0), labels)
+    before = [t.clone() for t in memory.memory()]
+    x = embeddings(6, 1.0)
+    x[2, 1] = math.nan
+    with pytest.raises(NonFiniteError, match="embeddings contain NaN"):
+        memory(x, labels)
+    assert all(torch.equal(a, b) for a, b in zip(before, memory.memory()))
+
+
 class _HostReads:
     """Counts the reads from the device (``item``/``bool``/``int``, ``tolist``, ``nonzero``,
     ``unique``, ``bincount``) inside the block: each waits for the device on a GPU."""
