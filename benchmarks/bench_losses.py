@@ -344,8 +344,8 @@ def run_interleaved(specs: list[Spec], args) -> str:
     """``--interleaved``: one subprocess per spec running :func:`interleaved_worker`."""
     import torch
 
-    lines = [f"Interleaved timing (`--interleaved`): forward + backward (miners: forward), median of {args.repeats} "
-             f"alternating steps per library in one process, torch {torch.__version__}, "
+    lines = [f"Interleaved timing (`--interleaved`): forward + backward (miners: forward), "
+             f"median of {args.repeats} alternating steps per library in one process, torch {torch.__version__}, "
              f"{args.threads} thread(s), device {args.device}, load average before the run "
              f"{os.getloadavg()[0]:.1f}.", "",
              "| loss | B | dmlkit median | pml median | ratio of medians | ratio of minima |",

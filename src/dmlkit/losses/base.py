@@ -180,7 +180,7 @@ def check_finite_loss(
                         + [torch.isfinite(loss.detach()).all()]).tolist()
     for name, finite in zip(inputs, flags):
         if not finite:
-            raise NonFiniteError(f"{name} contain NaN or infinity: check the model and learning rate")
+            raise _nonfinite_input(name)
     if flags[-1]:
         return
     largest = max(float(x.detach().abs().max()) if x.numel() else 0.0 for x in inputs.values())
@@ -208,4 +208,9 @@ def check_inputs(embeddings: torch.Tensor, labels: torch.Tensor, name: str = "em
     if labels.is_floating_point():
         raise ShapeError(f"labels must be integers, got {labels.dtype}")
     if finite and not torch.isfinite(embeddings).all():
-        raise NonFiniteError(f"{name} contain NaN or infinity: check the model and learning rate")
+        raise _nonfinite_input(name)
+
+
+def _nonfinite_input(name: str) -> NonFiniteError:
+    """The error for an input tensor ``name`` holding NaN or infinity."""
+    return NonFiniteError(f"{name} contain NaN or infinity: check the model and learning rate")

@@ -21,9 +21,9 @@ class _BandTripletMiner(BaseMiner):
     """Triplet miners that select, for each positive pair ``(a, p)``, negatives of ``a`` by
     comparing ``d(a, n)`` with ``d(a, p)``. Two exact strategies, same triplets:
 
-    * ``"blocks"``: positive pairs are processed in blocks of ``~4M / R`` pairs on a CPU (larger on a GPU,
-      :func:`dmlkit.losses._pairs.block_elements`); for each
-      block the ``(pairs x R)`` comparison is one vectorised mask. Work ``O(P R)`` for ``P``
+    * ``"blocks"``: positive pairs are processed in blocks of ``~4M / R`` pairs on a CPU
+      (larger on a GPU: :func:`dmlkit.losses._pairs.block_elements`); for each block the
+      ``(pairs x R)`` comparison is one vectorised mask. Work ``O(P R)`` for ``P``
       positive pairs, memory ``O(B^2 + output)``; best when anchors have few positives (the
       usual ``M = 4`` batches: ``P = 3B``).
     * ``"sort"``: each anchor's negatives are sorted once (``O(B R log R)``) and every
