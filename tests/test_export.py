@@ -99,3 +99,36 @@ def test_export_errors(run, tmp_path):
     (tmp_path / "bare.onnx").write_bytes(b"x")
     with pytest.raises(DataError, match="manifest"):
         load_embedder(tmp_path / "bare.onnx")
+
+
+def test_parity_rows_draw_two_or_more_images_of_each_class():
+    from dmlkit.apps.export import _parity_rows
+
+    # Omniglot's test split: 659 classes of 20 images; evenly spread rows would give one image a
+    # class (MAP@R NaN, parity "failed")
+    labels = np.repeat(np.arange(659), 20)
+    rows = _parity_rows(labels, 256)
+    _, sizes = np.unique(labels[rows], return_counts=True)
+    assert rows.size == 256 and sizes.min() >= 2 and np.unique(rows).size == rows.size
+    few = _parity_rows(np.repeat(np.arange(3), [40, 1, 30]), 60)  # a single-image class is skipped
+    assert set(np.unique(np.repeat(np.arange(3), [40, 1, 30])[few])) == {0, 2} and few.size == 60
+    singles = _parity_rows(np.arange(50), 20)  # no class with two images: rows spread over the split
+    assert singles.size == 20 and singles[0] == 0 and singles[-1] == 49
+
+
+def test_parity_report_passes_when_both_map_at_r_are_undefined():
+    a = np.random.default_rng(0).normal(size=(20, 8)).astype(np.float32)
+    report = parity_report(a, a.copy(), np.arange(20))  # no same-class pair: MAP@R NaN on both sides
+    assert report["passed"] and np.isnan(report["map_at_r_torch"])
+
+
+def test_cli_export_at_an_unsupported_opset_is_one_line(run, data_root, tmp_path):
+    from test_bad_inputs import _run, check_one_error
+
+    pytest.importorskip("onnx")
+    for opset in ("99", "5"):
+        code, out, err = _run(["export", str(run), "--opset", opset, "-o", str(tmp_path / "m.onnx"),
+                               "--parity-samples", "12", "--data-root", str(data_root)])
+        assert code == 2, out + err
+        assert f"ONNX export at opset {opset} failed" in check_one_error(code, out, err)
+    assert not list(tmp_path.iterdir())  # no partial model left behind

@@ -229,8 +229,9 @@ def test_cli_query_exclude_self_on_the_id_less_file_the_index_was_built_from(tmp
     assert [row["query"] for row in written] == [str(i) for i in range(300)]
     assert all(r["id"] != row["query"] for row in written for r in row["results"])
     with_self = runner.invoke(app, ["query", str(tmp_path / "idx"), str(tmp_path / "plain.npz"), "-k", "2", "--json"])
-    assert [r["index"] for r in json.loads(with_self.output)[4]][0] == 4  # without the flag: itself first
-    assert json.loads(with_self.output)[4][1]["id"] == written[4]["results"][0]["id"]
+    printed = json.loads(with_self.output)  # the shape -o writes: the query's id and its results
+    assert printed[4]["query"] == "4" and printed[4]["results"][0]["index"] == 4  # without the flag: itself first
+    assert printed[4]["results"][1]["id"] == written[4]["results"][0]["id"]
     np.savez(tmp_path / "other.npz", embeddings=x[300:600], labels=y[300:600])
     res = runner.invoke(app, ["query", str(tmp_path / "idx"), str(tmp_path / "other.npz"), "--exclude-self"])
     assert isinstance(res.exception, DataError) and "not the index's first items" in str(res.exception)
@@ -258,7 +259,7 @@ def test_cli_index_query_with_target_recall_exclude_self_and_bounded_output(tmp_
     res = runner.invoke(app, ["query", str(tmp_path / "idx"), "--id", "p7", "-k", "3", "--json"])
     assert res.exit_code == 0, res.output
     by_id = json.loads(res.output)[0]
-    assert [r["id"] for r in by_id] == [r["id"] for r in written[7]["results"]]
+    assert by_id["query"] == "p7" and by_id["results"] == written[7]["results"]
     # add and remove by id from the command line
     save_embeddings(tmp_path / "more.npz", x[:2] + 1, y[:2], ids=np.array(["new0", "new1"]))
     res = runner.invoke(app, ["index", str(tmp_path / "more.npz"), "-o", str(tmp_path / "idx"), "--add",
@@ -302,7 +303,8 @@ def test_cli_index_of_a_run_uses_the_dataset_paths_as_ids(tmp_path, data_root):
                               "--exclude-self", "--json", "--data-root", str(data_root)])
     assert res.exit_code == 0, res.output
     records = json.loads(res.output)
-    assert all(r["id"] != expected[q] for q, row in enumerate(records) for r in row)
+    assert [row["query"] for row in records] == expected
+    assert all(r["id"] != expected[q] for q, row in enumerate(records) for r in row["results"])
 
 
 @pytest.mark.parametrize("distance", ["cosine", "euclidean", "dot"])

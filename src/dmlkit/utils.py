@@ -31,6 +31,7 @@ __all__ = [
     "atomic_write_text",
     "atomic_torch_save",
     "data_root",
+    "json_text",
     "os_error_message",
     "provenance",
     "read_json",
@@ -108,12 +109,17 @@ def atomic_write_text(path: str | os.PathLike, text: str) -> Path:
     return atomic_write_bytes(path, text.encode("utf-8"))
 
 
-def atomic_write_json(path: str | os.PathLike, obj: Any, indent: int = 2) -> Path:
-    """Strict JSON (RFC 8259): a NaN or infinite number is written as ``null``, never as the
-    bare ``NaN``/``Infinity`` that other JSON readers refuse."""
-    text = json.dumps(_finite_or_none(obj), indent=indent, sort_keys=False, default=_json_default,
+def json_text(obj: Any, indent: int | None = 2) -> str:
+    """Strict JSON (RFC 8259) text of ``obj``: a NaN or infinite number becomes ``null``, never
+    the bare ``NaN``/``Infinity`` that other JSON readers refuse; numpy scalars and arrays and
+    paths are converted. Every JSON file and every ``--json`` print goes through it."""
+    return json.dumps(_finite_or_none(obj), indent=indent, sort_keys=False, default=_json_default,
                       allow_nan=False)
-    return atomic_write_text(path, text + "\n")
+
+
+def atomic_write_json(path: str | os.PathLike, obj: Any, indent: int = 2) -> Path:
+    """:func:`json_text` of ``obj``, written atomically."""
+    return atomic_write_text(path, json_text(obj, indent) + "\n")
 
 
 def read_json(path: str | os.PathLike, what: str = "JSON file") -> Any:

@@ -36,13 +36,15 @@ from dmlkit.exceptions import (
 )
 from dmlkit.metrics import evaluate, knn
 from dmlkit.training import build_datasets, load_checkpoint
-from dmlkit.utils import atomic_write_text
+from dmlkit.utils import atomic_write_json
 
 __all__ = ["ImageEmbedder", "export_model", "load_embedder", "parity_report"]
 
 FORMATS = ("onnx", "torchscript")
 _SUFFIX = {"onnx": ".onnx", "torchscript": ".pt"}
 _MANIFEST_FORMAT = "dmlkit-export-v1"
+#: The ONNX opset of an export unless the caller picks another.
+_DEFAULT_OPSET = 17
 
 
 @dataclass
@@ -181,12 +183,38 @@ def parity_report(reference: np.ndarray, exported: np.ndarray, labels: np.ndarra
         "map_at_r_torch": m_ref["map_at_r"], "map_at_r_export": m_exp["map_at_r"],
         "precision_at_1_torch": m_ref["precision_at_1"], "precision_at_1_export": m_exp["precision_at_1"],
         "atol": atol, "map_tol": map_tol,
-        "passed": diff <= atol and abs(m_ref["map_at_r"] - m_exp["map_at_r"]) <= map_tol,
+        # MAP@R is NaN on both sides when no sampled image has a same-class partner: that is
+        # agreement, not a failure (``_parity_rows`` samples pairs so that it rarely happens)
+        "passed": diff <= atol and bool(np.isclose(m_ref["map_at_r"], m_exp["map_at_r"], rtol=0.0,
+                                                   atol=map_tol, equal_nan=True)),
     }
 
 
+def _parity_rows(labels: np.ndarray, count: int) -> np.ndarray:
+    """Up to ``count`` row numbers for the parity check, at least two of each class drawn, so
+    that MAP@R and the top-10 lists are about neighbours of the same class: classes with two or
+    more images spread evenly over the split, ``max(2, count // classes)`` images each (spread
+    within the class); a split of single-image classes gives rows spread over it."""
+    classes, inverse, sizes = np.unique(labels, return_inverse=True, return_counts=True)
+    multi = np.flatnonzero(sizes >= 2)
+    if multi.size == 0:
+        return np.unique(np.linspace(0, len(labels) - 1, num=min(count, len(labels))).round().astype(int))
+    per = max(2, count // multi.size)
+    picked: list[np.ndarray] = []
+    taken = 0
+    for c in multi[np.unique(np.linspace(0, multi.size - 1, num=min(multi.size, max(1, count // 2))).round()
+                             .astype(int))]:
+        rows = np.flatnonzero(inverse == c)
+        take = min(per, rows.size, count - taken)
+        if take < 2:
+            break
+        picked.append(rows[np.unique(np.linspace(0, rows.size - 1, num=take).round().astype(int))])
+        taken += picked[-1].size
+    return np.sort(np.concatenate(picked))
+
+
 def _real_inputs(config: Any, data_root: Any, count: int) -> tuple[np.ndarray, np.ndarray, str]:
-    """Up to ``count`` preprocessed real images (spread over the split) and their labels."""
+    """Up to ``count`` preprocessed real images (:func:`_parity_rows`) and their labels."""
     import torch
 
     for split in ("test", "val", "train"):
@@ -197,7 +225,7 @@ def _real_inputs(config: Any, data_root: Any, count: int) -> tuple[np.ndarray, n
         raise DataError("the run's dataset has no split with two or more images for the parity check")
     if config.data.transform is not None and split == "train" and not config.model.frozen_trunk:
         ds = ds.with_transform(get_transforms(config.data.transform, train=False, image_size=config.data.image_size))
-    rows = np.unique(np.linspace(0, len(ds) - 1, num=min(count, len(ds))).round().astype(int))
+    rows = _parity_rows(np.asarray(ds.labels), count)
     xs, ys = [], []
     for r in rows:
         x, y = ds[int(r)]
@@ -207,7 +235,7 @@ def _real_inputs(config: Any, data_root: Any, count: int) -> tuple[np.ndarray, n
 
 
 def export_model(run_dir: str | os.PathLike, format: str = "onnx", output: str | os.PathLike | None = None, *,
-                 parity_samples: int = 256, data_root: str | os.PathLike | None = None, opset: int = 17,
+                 parity_samples: int = 256, data_root: str | os.PathLike | None = None, opset: int = _DEFAULT_OPSET,
                  atol: float = 1e-4) -> dict[str, Any]:
     """Export the run's model and check parity on real images; returns (and stores) the report.
 
@@ -240,9 +268,15 @@ def export_model(run_dir: str | os.PathLike, format: str = "onnx", output: str |
         warnings.simplefilter("ignore", UserWarning)
         if format == "onnx":
             require("onnx", "export")
-            torch.onnx.export(model, (example,), str(tmp), dynamo=False, input_names=["images"],
-                              output_names=["embeddings"], opset_version=opset,
-                              dynamic_axes={"images": {0: "batch"}, "embeddings": {0: "batch"}})
+            try:
+                torch.onnx.export(model, (example,), str(tmp), dynamo=False, input_names=["images"],
+                                  output_names=["embeddings"], opset_version=opset,
+                                  dynamic_axes={"images": {0: "batch"}, "embeddings": {0: "batch"}})
+            except (torch.onnx.OnnxExporterError, RuntimeError, ValueError) as exc:
+                tmp.unlink(missing_ok=True)
+                reason = (str(exc).strip().splitlines() or [type(exc).__name__])[-1]
+                raise ConfigError(f"ONNX export at opset {opset} failed: {reason} (the default "
+                                  f"--opset {_DEFAULT_OPSET} exports every dmlkit model)") from None
         else:
             traced = torch.jit.trace(model, example)
             traced.save(str(tmp))
@@ -266,6 +300,6 @@ def export_model(run_dir: str | os.PathLike, format: str = "onnx", output: str |
         "embedding_size": int(reference.shape[1]), "parity": parity,
     }
     parity_file = _manifest_path(out)
-    atomic_write_text(parity_file, json.dumps(manifest, indent=2))
+    atomic_write_json(parity_file, manifest)
     manifest["parity_file"] = str(parity_file)
     return manifest

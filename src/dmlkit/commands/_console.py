@@ -19,3 +19,13 @@ def output_console(*, stderr: bool = False, quiet: bool = False) -> Console:
     if console.is_terminal or os.environ.get("COLUMNS"):
         return console
     return Console(stderr=stderr, quiet=quiet, width=PIPE_WIDTH)
+
+
+def echo_json(obj: object) -> None:
+    """Print ``obj`` as strict JSON (:func:`dmlkit.utils.json_text`: NaN and infinities as
+    ``null``), the one way every ``--json`` option prints."""
+    import typer
+
+    from dmlkit.utils import json_text
+
+    typer.echo(json_text(obj))

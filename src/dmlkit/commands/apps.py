@@ -7,6 +7,8 @@ from pathlib import Path
 
 import typer
 
+from dmlkit.commands._console import echo_json
+
 
 def register(app: typer.Typer) -> None:
     app.command("verify")(verify)
@@ -22,7 +24,7 @@ def _print(data: dict, as_json: bool, title: str) -> None:
     """JSON (fractions as computed), or a table in the units of every dmlkit table: rates in
     percent, marked ``(%)``."""
     if as_json:
-        typer.echo(json.dumps(data, indent=2))
+        echo_json(data)
         return
     from rich.table import Table
 

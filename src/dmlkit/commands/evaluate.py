@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import typer
+
+from dmlkit.commands._console import echo_json
 
 _COUNTS = ("num_queries", "num_queries_without_positive")
 
@@ -85,7 +86,7 @@ def register(app: typer.Typer) -> None:
             table = per_class(q, ql, r, rl, names or None, **kwargs)
             atomic_write_json(per_class_out, {str(c): v for c, v in table.items()})
         if as_json:
-            typer.echo(json.dumps(result, indent=2, allow_nan=True))
+            echo_json(result)
             return
         from rich.table import Table
 

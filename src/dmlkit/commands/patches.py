@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import typer
+
+from dmlkit.commands._console import echo_json
 
 patches_app = typer.Typer(
     help="Patch correspondence: decision networks and descriptors, FPR95, the Brown cross-subset protocol.",
@@ -19,7 +20,7 @@ def register(app: typer.Typer) -> None:
 
 def _print_table(results: dict, title: str, as_json: bool) -> None:
     if as_json:
-        typer.echo(json.dumps({k: results[k] for k in ("architectures", "rows", "mean")}, indent=2))
+        echo_json({k: results[k] for k in ("architectures", "rows", "mean")})
         return
     from rich.table import Table
 

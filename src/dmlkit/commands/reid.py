@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-import json
 import time
 from pathlib import Path
 from typing import Any
 
 import typer
+
+from dmlkit.commands._console import echo_json
 
 _SHOWN = ("rank_1", "rank_5", "rank_10", "rank_20", "map", "minp")
 
@@ -110,7 +111,7 @@ def _finish(result: dict[str, Any], source: Path, out: Path | None, as_json: boo
         brief = {k: v for k, v in result.items() if k not in ("cmc", "examples")}
         if "rerank" in brief:
             brief["rerank"] = {k: v for k, v in brief["rerank"].items() if k != "cmc"}
-        typer.echo(json.dumps(brief, indent=2))
+        echo_json(brief)
         return
     from rich.table import Table
 

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
 import typer
+
+from dmlkit.commands._console import echo_json
 
 _KINDS = "flat (exact), ivf_flat, ivf_pq or hnsw"
 
@@ -112,7 +113,7 @@ def index(
     if summary["recall"]:
         summary["recall"] = {k: v for k, v in summary["recall"].items() if k != "tried"}
     if as_json:
-        typer.echo(json.dumps({"output": str(output), **summary}, indent=2))
+        echo_json({"output": str(output), **summary})
         return
     line = f"indexed {len(idx)} embeddings of size {idx.dim} ({kind}, {distance}) -> {output}"
     rec = idx.recall
@@ -163,7 +164,7 @@ def query(
     from dmlkit.apps.index import item_ids
     from dmlkit.embedding_shards import is_shard_dir, open_shards
     from dmlkit.exceptions import ConfigError, DataError
-    from dmlkit.utils import atomic_write_text
+    from dmlkit.utils import atomic_write_text, json_text
 
     if limit < 0:
         raise ConfigError(f"--limit must be 0 (all) or positive, got {limit}")
@@ -190,12 +191,12 @@ def query(
     for a0 in range(0, len(q), step):
         sl = slice(a0, a0 + step)
         records += idx.search(q[sl], k, exclude_ids=qids[sl] if exclude_self else None, exact=exact).to_records()
-    if qids is not None:
-        payload = [{"query": str(qid), "results": row} for qid, row in zip(qids, records)]
+    # one shape for -o and --json: each query's id (its row number in a file without ids)
+    payload = [{"query": str(qids[i] if qids is not None else i), "results": row} for i, row in enumerate(records)]
     if output is not None:
-        atomic_write_text(output, json.dumps(payload if qids is not None else records, indent=1))
+        atomic_write_text(output, json_text(payload, indent=1))
     if as_json:
-        typer.echo(json.dumps(records, indent=2))
+        echo_json(payload)
         return
     shown = records if limit == 0 else records[:limit]
     for qi, row in enumerate(shown):
@@ -227,7 +228,7 @@ def export(
     report = export_model(run_dir, format=format, output=output, parity_samples=parity_samples,
                           data_root=data_root, opset=opset)
     if as_json:
-        typer.echo(json.dumps(report, indent=2))
+        echo_json(report)
         return
     p = report["parity"]
     typer.echo(f"exported {report['format']} -> {report['output']} (parity report: {report['parity_file']})")

@@ -8,10 +8,11 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import typer
+
+from dmlkit.commands._console import echo_json
 
 track_app = typer.Typer(
     name="track",
@@ -127,7 +128,7 @@ def run(
                "mean_peak_score": float(np.nanmean(result.scores[1:])) if len(seq) > 1 else None,
                "out": str(out) if out else None, "boxes": str(boxes_out) if boxes_out else None}
     if as_json:
-        typer.echo(json.dumps(summary, indent=2))
+        echo_json(summary)
     else:
         typer.echo(f"tracked {summary['frames']} frames at {summary['fps']:.1f} fps ({method}); "
                    f"last box {summary['last_box']}" + (f" -> {out}" if out else ""))
@@ -202,7 +203,7 @@ def evaluate(
         fig = plot_ope(results, title=f"OPE on {Path(root).name}")
         fig.savefig(out_dir / "ope.png", dpi=120)
     if as_json:
-        typer.echo(json.dumps(table, indent=2))
+        echo_json(table)
         return
     from rich.table import Table
 
