@@ -209,6 +209,11 @@ CASES: list[tuple[str, list[str]]] = [
     ("query-corrupt-index", ["query", "{d}/garbage_index.npz", "{d}/good.npz"]),
     ("query-unknown-id", ["query", "{d}/index.npz", "--id", "no-such-item"]),
     ("query-limit-negative", ["query", "{d}/index.npz", "{d}/good.npz", "--limit", "-1"]),
+    ("query-no-rows", ["query", "{d}/index.npz", "{d}/empty_rows.npz"]),
+    ("index-nprobe-0", ["index", "{d}/good.npz", "-o", "{d}/out_index", "--kind", "ivf_flat", "--nprobe", "0"]),
+    ("index-nprobe-negative", ["index", "{d}/good.npz", "-o", "{d}/out_index", "--kind", "ivf_flat",
+                               "--nprobe", "-3"]),
+    ("index-nlist-0", ["index", "{d}/good.npz", "-o", "{d}/out_index", "--kind", "ivf_flat", "--nlist", "0"]),
     # verify / fewshot / oneshot
     ("verify-missing", ["verify", "{d}/missing.npz"]),
     ("verify-corrupt", ["verify", "{d}/garbage.npz"]),
@@ -330,6 +335,8 @@ CASES: list[tuple[str, list[str]]] = [
     ("track-truncated-weights", ["track", "--frames", "{d}/frames", "--init-box", "1,2,3,4",
                                  "--weights", "{d}/trunc.pt"]),
     ("track-siamfc-without-weights", ["track", "--frames", "{d}/frames", "--init-box", "1,2,3,4"]),
+    ("track-fps-0", ["track", "--frames", "{d}/frames", "--init-box", "1,2,3,4", "--method", "ncc",
+                     "--fps", "0", "--out", "{d}/track.gif"]),
     ("track-box-outside-frame", ["track", "--frames", "{d}/frames", "--init-box", "100,100,3,4",
                                  "--method", "ncc"]),
     ("track-train-missing-config", ["track", "train", "{d}/missing.yaml", "-o", "{d}/runs/s"]),
@@ -367,6 +374,11 @@ EXPECT = {
     "reid-wrong-dim-gallery": "16",
     "embed-unknown-split": "bogus",
     "export-unknown-format": "bogus",
+    "index-nprobe-0": "nprobe",
+    "index-nprobe-negative": "nprobe",
+    "index-nlist-0": "nlist",
+    "query-no-rows": "no query embeddings",
+    "track-fps-0": "--fps",
 }
 
 

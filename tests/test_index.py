@@ -182,8 +182,29 @@ def test_exclude_ids_drops_only_the_query_item(data):
         np.testing.assert_array_equal(row, [i for i in full if i != 499][:5])
 
 
+@pytest.mark.parametrize("kind", ["hnsw", "ivf_flat"])
+def test_an_approximate_search_never_returns_a_short_list(data, kind):
+    """faiss may answer with fewer than k (-1 slots: an HNSW walk on a small graph with a large
+    k; IVF cells holding fewer than k): those queries are answered exactly instead."""
+    x, _ = data
+    settings = {"hnsw": {"hnsw_m": 4, "ef_search": 1}, "ivf_flat": {"nlist": 20, "nprobe": 1}}[kind]
+    idx = EmbeddingIndex(x[:200], kind=kind, recall_queries=10, **settings)
+    raw, _ = idx._ann(x[:50], 150, idx._setting())
+    assert (raw < 0).any()  # the structure alone leaves slots empty here
+    res = idx.search(x[:50], 150)
+    assert (res.indices >= 0).all() and np.isfinite(res.scores).all() and (res.ids != "").all()
+    exact = idx.search(x[:50], 150, exact=True)
+    short = (raw < 0).any(axis=1)
+    np.testing.assert_array_equal(res.indices[short], exact.indices[short])
+    by_id = idx.search(x[:50], 150, exclude_ids=idx.ids[:50])  # k others, never k - 1
+    assert (by_id.indices >= 0).all() and not (by_id.ids == idx.ids[:50, None]).any()
+
+
 def test_index_errors(tmp_path, data):
     x, _ = data
+    for name in ("nprobe", "nlist"):
+        with pytest.raises(ConfigError, match=f"{name} must be at least 1"):
+            EmbeddingIndex(x[:100], kind="ivf_flat", **{name: 0})
     with pytest.raises(ConfigError, match="unknown index kind"):
         EmbeddingIndex(x, kind="lsh")
     with pytest.raises(ConfigError, match="must divide"):

@@ -89,6 +89,11 @@ def test_errors_exit_2(data: Path, tmp_path: Path, capsys) -> None:
     cfg = _config(tmp_path / "p.yaml", tmp_path / "nothing")
     code, _, err = _run(["patches", "train", str(cfg), "-o", str(tmp_path / "r2")], capsys)
     assert code == 2 and "build-data" in err
+    # a missing *test* subset is found before the first model trains, and nothing is written
+    partial = _config(tmp_path / "partial.yaml", data)
+    code, _, err = _run(["patches", "train", str(partial), "-o", str(tmp_path / "r4"),
+                         "--set", "data.combinations=[[photos, stereo]]"], capsys)
+    assert code == 2 and "patch subset 'stereo' not found" in err and not (tmp_path / "r4").exists()
     code, _, err = _run(["patches", "train", str(cfg), "-o", str(tmp_path / "r3"), "--set", "training.nope=1"], capsys)
     assert code == 2 and "nope" in err
     code, _, err = _run(["patches", "evaluate", str(tmp_path)], capsys)
@@ -121,5 +126,14 @@ def test_build_data_command(tmp_path: Path, capsys) -> None:
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["spec"]["seed"] == 5 and list(manifest["subsets"]) == ["photos"]
     assert set(manifest["subsets"]["photos"]["sha256"]) == {"info.txt", "m50_40_40_0.txt", "m50_20_20_0.txt", "patches0000.bmp"}
+    # a second subset into the same root keeps the first one's record (and its settings)
+    code, stdout, err = _run([*argv[:5], "stereo", *argv[6:-1], "6"], capsys)
+    assert code == 0, err
+    assert "stereo: 20 points" in stdout and "photos" not in stdout
+    both = json.loads((out / "manifest.json").read_text())
+    assert list(both["subsets"]) == ["photos", "stereo"] and both["spec"]["seed"] == 6
+    assert both["subsets"]["photos"] == {**manifest["subsets"]["photos"], "spec": manifest["spec"],
+                                         "scikit_image": manifest["scikit_image"]}
+    assert both["subsets"]["stereo"]["spec"]["seed"] == 6
     code, _, err = _run([*argv[:3], str(tmp_path / "x"), "--subset", "liberty"], capsys)
     assert code == 2 and "unknown offline subset" in err

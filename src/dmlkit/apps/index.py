@@ -177,6 +177,9 @@ class EmbeddingIndex:
                             ("recall_queries", recall_queries)):
             if int(value) < 1:
                 raise ConfigError(f"{name} must be at least 1, got {value}")
+        for name, value in (("nlist", nlist), ("pq_m", pq_m), ("nprobe", nprobe)):  # None: the default
+            if value is not None and int(value) < 1:
+                raise ConfigError(f"{name} must be at least 1 (or left out for the default), got {value}")
         self.distance = distance
         self.kind = kind
         self.normalize = bool(normalize)
@@ -514,6 +517,11 @@ class EmbeddingIndex:
         else:
             flush_graph_reserve(self)
             pos, scores = self._ann(q, k_eff, self._setting())
+            # a query the structure answers with fewer than k (an HNSW walk that reaches too few
+            # items, IVF cells holding fewer than k) is answered exactly: never a short list
+            short = (pos < 0).any(axis=1)
+            if short.any():
+                pos[short], scores[short] = self._exact(q[short], k_eff)
         if exclude_ids is not None:
             k_out = min(k, len(self) - 1) if len(self) > 1 else 1
             drop = np.zeros(pos.shape, dtype=bool)

@@ -65,6 +65,8 @@ def build_data(
     spec = OfflineSpec(points_per_subset=points, views=views, train_pairs=train_pairs, test_pairs=test_pairs, seed=seed)
     summary = build_offline_dataset(out, spec, tuple(subsets) or None)
     for name, info in summary["subsets"].items():
+        if subsets and name not in subsets:  # built earlier, kept in the manifest
+            continue
         typer.echo(f"{name}: {info['points']} points, {info['patches']} patches from {', '.join(info['sources'])}")
     typer.echo(f"-> {out} (manifest.json)")
 

@@ -180,6 +180,8 @@ def query(
         qids = q.ids.astype(str)
     else:
         q, _, extra = _load_any_embeddings(queries)
+        if len(q) == 0:  # nothing to search is a mistake on the command line, not an empty answer
+            raise DataError(f"{queries} holds no query embeddings (shape {tuple(q.shape)})")
         qids, _ = item_ids(queries, extra, data_root)
     if exclude_self and qids is None:
         qids = _indexed_row_ids(idx, q)

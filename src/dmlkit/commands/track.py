@@ -102,6 +102,8 @@ def run(
     from dmlkit.apps.tracking import annotate, parse_box, read_video, write_frames
     from dmlkit.apps.tracking.datasets import Sequence
 
+    if fps_out is not None and not fps_out > 0:  # 0 must not quietly mean "the default"
+        raise ConfigError(f"--fps must be positive, got {fps_out}")
     _set_threads(threads)
     box = parse_box(init_box)
     tracker = _tracker(method, weights, scales, seed, device, width)  # bad options fail before reading
@@ -122,7 +124,7 @@ def run(
         atomic_write_text(boxes_out, "\n".join(",".join(f"{v:.2f}" for v in b)
                                                for b in result.boxes) + "\n")
     if out is not None:
-        write_frames(annotate(seq, result.boxes), out, fps_out or video_fps or 15.0)
+        write_frames(annotate(seq, result.boxes), out, fps_out if fps_out is not None else video_fps or 15.0)
     summary = {"frames": len(seq), "fps": float(result.fps), "method": method,
                "last_box": [round(float(v), 2) for v in result.boxes[-1]],
                "mean_peak_score": float(np.nanmean(result.scores[1:])) if len(seq) > 1 else None,

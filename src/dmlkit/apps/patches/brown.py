@@ -38,6 +38,7 @@ __all__ = [
     "read_info",
     "read_matches",
     "read_patch_sheets",
+    "subset_folder",
     "write_brown_subset",
 ]
 
@@ -175,8 +176,8 @@ class PatchSubset:
         return read_matches(path, len(self))
 
 
-def load_subset(root: str | Path, name: str) -> PatchSubset:
-    """Read ``<root>/<name>/`` (Brown layout) into memory."""
+def subset_folder(root: str | Path, name: str) -> Path:
+    """``<root>/<name>``, or a one-line :class:`DataNotFoundError` saying where to get it."""
     folder = Path(root).expanduser() / name
     if not folder.is_dir():
         hint = (
@@ -186,6 +187,12 @@ def load_subset(root: str | Path, name: str) -> PatchSubset:
             else "build it with `dmlkit patches build-data`"
         )
         raise DataNotFoundError(f"patch subset '{name}' not found at {folder}: {hint}")
+    return folder
+
+
+def load_subset(root: str | Path, name: str) -> PatchSubset:
+    """Read ``<root>/<name>/`` (Brown layout) into memory."""
+    folder = subset_folder(root, name)
     ids = read_info(folder)
     patches = read_patch_sheets(folder, len(ids))
     return PatchSubset(name=name, folder=folder, patches=patches, point_ids=ids, matches=match_files(folder))

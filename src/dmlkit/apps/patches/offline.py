@@ -33,6 +33,7 @@ of points per source image and a SHA-256 of every file.
 from __future__ import annotations
 
 import hashlib
+import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -286,19 +287,42 @@ def build_offline_subset(
 
 
 def build_offline_dataset(root: str | Path, spec: OfflineSpec | None = None, subsets: tuple[str, ...] | None = None) -> dict:
-    """Build the three offline subsets under ``root`` and write ``root/manifest.json``."""
+    """Build the offline subsets (default all three) under ``root`` and record them in
+    ``root/manifest.json``: each subset's settings, scikit-image version, points per source and
+    file digests. Subsets built earlier into the same root and not rebuilt now keep their
+    records (with their own settings), so building one subset at a time loses nothing; the
+    top-level ``spec`` and ``scikit_image`` are this build's."""
     skimage = require("skimage", "patches")
 
     spec = spec or OfflineSpec()
     if spec.train_pairs == spec.test_pairs:
         raise ConfigError("train_pairs and test_pairs must differ (they name the two m50 files)")
     root = Path(root)
-    summary: dict = {"spec": asdict(spec), "scikit_image": skimage.__version__, "subsets": {}}
-    for name in subsets or tuple(OFFLINE_SUBSETS):
+    names = subsets or tuple(OFFLINE_SUBSETS)
+    summary: dict = {"spec": asdict(spec), "scikit_image": skimage.__version__,
+                     "subsets": _earlier_subsets(root, names)}
+    for name in names:
         info = build_offline_subset(root / name, name, spec)
+        info["spec"], info["scikit_image"] = asdict(spec), skimage.__version__
         info["sha256"] = {
             p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted((root / name).iterdir()) if p.is_file()
         }
         summary["subsets"][name] = info
     atomic_write_json(root / "manifest.json", summary)
     return summary
+
+
+def _earlier_subsets(root: Path, rebuilt: tuple[str, ...]) -> dict:
+    """The records of ``root/manifest.json`` for subsets still on disk and not ``rebuilt``, each
+    with the settings it was built with (a record from before per-subset settings takes the
+    manifest's); nothing from a missing or unreadable manifest."""
+    try:
+        earlier = json.loads((root / "manifest.json").read_text(encoding="utf-8"))
+        kept = {name: dict(info) for name, info in earlier["subsets"].items()
+                if name not in rebuilt and (root / name).is_dir()}
+        for info in kept.values():
+            info.setdefault("spec", earlier.get("spec"))
+            info.setdefault("scikit_image", earlier.get("scikit_image"))
+        return kept
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return {}

@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from dmlkit.apps.patches.brown import load_subset
+from dmlkit.apps.patches.brown import load_subset, subset_folder
 from dmlkit.apps.patches.models import build_patch_model, prepare_patches
 from dmlkit.apps.patches.training import TrainSettings, score_pairs, train_patch_model
 from dmlkit.config import read_yaml_mapping
@@ -203,6 +203,11 @@ def run_patch_protocol(
     import yaml
 
     say = log or (lambda _m: None)
+    root = subsets_root(cfg, data_root)
+    for name in dict.fromkeys(n for pair in cfg.data.combinations for n in pair):
+        subset_folder(root, name)  # every subset, training and test, before anything is written
+    for a in cfg.model.architectures:
+        build_patch_model(a, cfg.model.patch_size, cfg.model.width)  # fail fast on bad names
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     atomic_write_text(out / "config.yaml", yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
@@ -210,9 +215,7 @@ def run_patch_protocol(
     if cfg.training.threads:
         torch.set_num_threads(cfg.training.threads)
     device = _device(cfg.training.device)
-    for a in cfg.model.architectures:
-        build_patch_model(a, cfg.model.patch_size, cfg.model.width)  # fail fast on bad names
-    subsets = _Subsets(subsets_root(cfg, data_root), cfg.model.patch_size)
+    subsets = _Subsets(root, cfg.model.patch_size)
     trains = list(dict.fromkeys(a for a, _ in cfg.data.combinations))
     rows: dict[tuple[str, str], dict[str, dict[str, float]]] = {tuple(c): {} for c in cfg.data.combinations}
     timing: dict[str, dict[str, float]] = {a: {} for a in cfg.model.architectures}
