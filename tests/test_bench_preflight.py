@@ -158,3 +158,38 @@ def test_no_fold_fits_says_what_would(tmp_path):
     report = check_bench(bench_config_from_dict(data), load_dataset("image_folder", root=root))
     keys = {p.key: p for p in report.errors}
     assert keys["protocol.num_classes"].fit == 10 and keys["protocol.folds"].fit == 2
+
+
+def test_only_the_selected_methods_are_checked_and_searched_ranges_are_built(folder):
+    """``bench -m triplet`` is not refused for what only an unselected method needs; a searched
+    parameter the loss does not take (or a range end it refuses) is found before any trial."""
+    from dmlkit.data import load_dataset
+
+    data = bench_dict(folder)
+    data["protocol"]["folds"] = 2
+    data["fixed"]["sampler"] = {"classes_per_batch": 2, "samples_per_class": 4}
+    dataset = load_dataset("image_folder", root=folder)
+    # the classification sampler's 32 classes per batch only matter to arcface
+    everything = check_bench(bench_config_from_dict(data), dataset)
+    assert [p.key for p in everything.errors] == ["fixed.classification_sampler.classes_per_batch"]
+    assert check_bench(bench_config_from_dict(data), dataset, methods=["triplet"]).errors == []
+    data["methods"][0]["search"] = {"loss.nosuch": {"low": 0.1, "high": 0.5},
+                                    "loss.margin": {"low": 0.05, "high": 0.5}}
+    report = check_bench(bench_config_from_dict(data), dataset, methods=["triplet"])
+    assert [p.key for p in report.errors] == ["methods.0.search"]
+    assert "nosuch" in report.errors[0].message and "loss.nosuch=0.1" in report.errors[0].message
+    data["methods"][0] = {"name": "ms", "loss": {"name": "multi_similarity"},  # a refused range end
+                          "search": {"loss.alpha": {"low": 0.5, "high": 4.0}, "loss.beta": {"low": -2.0, "high": 50.0}}}
+    report = check_bench(bench_config_from_dict(data), dataset, methods=["ms"])
+    assert [p.key for p in report.errors] == ["methods.0.search"]
+    assert "loss.beta=-2.0" in report.errors[0].message and "positive" in report.errors[0].message
+
+
+def test_an_in_memory_study_is_refused_where_other_processes_must_read_it(folder, tmp_path):
+    data = _corrected(folder)
+    data["protocol"]["storage"] = "sqlite:///:memory:"
+    bench = Bench(bench_config_from_dict(data), tmp_path / "b")
+    for kwargs in ({"workers": 2}, {"stage": "search"}, {"stage": "final"}):
+        with pytest.raises(ConfigError, match="in-memory database"):
+            bench.run(**kwargs)
+    assert not (tmp_path / "b").exists()

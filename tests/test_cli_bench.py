@@ -264,3 +264,40 @@ def test_bench_workers_start_from_python_without_the_cli(tmp_path, data_root, mo
     assert count_finished(study) == 2
     logs = sorted(p.name for p in (tmp_path / "b").glob("worker*-search.log"))
     assert logs == ["worker0-search.log", "worker1-search.log"]
+
+
+def test_final_runs_trained_with_an_earlier_best_are_trained_again(tmp_path, data_root):
+    """A bench resumed with more trials can find a new best: final runs on disk from the old
+    best must not be reused (their test numbers would be reported under the new parameters)."""
+    import yaml
+
+    from dmlkit.config import dump_config
+    from dmlkit.protocol import Bench, bench_config_from_dict
+    from dmlkit.protocol.stages import FinalStage
+
+    data = json.loads(json.dumps(TINY))
+    data["protocol"].update({"seeds": [0]})
+    data["fixed"]["data"]["root"] = str(data_root)
+    cfg = bench_config_from_dict(data)
+    trained: list[tuple[str, float]] = []
+
+    def fake_train(config, run_dir, **_):
+        trained.append((run_dir.name, config.loss.params["neg_margin"]))
+        run_dir.mkdir(parents=True, exist_ok=True)
+        dump_config(config, run_dir / "config.yaml")
+        (run_dir / "metrics.json").write_text("{}")
+        (run_dir / "embeddings").mkdir(exist_ok=True)
+        (run_dir / "embeddings" / "test.npz").write_bytes(b"")
+
+    bench = Bench(cfg, tmp_path / "b", train_fn=fake_train)
+    full = bench.full_dataset()
+    stage = FinalStage(cfg, bench.split(full), full, bench.dir, train_fn=fake_train)
+    method = cfg.methods[1]  # contrastive, searched over loss.neg_margin
+    stage.run_method(method, {"loss.neg_margin": 0.9})
+    assert trained == [("fold0", 0.9), ("fold1", 0.9)]
+    stage.run_method(method, {"loss.neg_margin": 0.9})  # the same best: reused
+    assert len(trained) == 2
+    stage.run_method(method, {"loss.neg_margin": 1.3})  # a new best: trained again, from scratch
+    assert trained[2:] == [("fold0", 1.3), ("fold1", 1.3)]
+    saved = yaml.safe_load((bench.dir / "final" / "contrastive" / "seed0" / "fold1" / "config.yaml").read_text())
+    assert saved["loss"]["params"]["neg_margin"] == 1.3

@@ -67,7 +67,9 @@ def register(app: typer.Typer) -> None:
         bench = Bench(cfg, bench_dir, data_root=data_root, console=None if quiet else console,
                       config_path=config, overrides=set_ or [], threads=threads)
         if worker:
-            bench.validate()  # every method against the fold class counts, before anything is written
+            bench.check_shared_storage()
+            # the selected methods against the fold class counts, before anything is written
+            bench.validate(method or None)
             bench.dir.mkdir(parents=True, exist_ok=True)
             if stage in ("all", "search"):
                 summary = bench.search(methods=method or None, exclusive=False, max_trials=max_trials)

@@ -23,6 +23,7 @@ work together.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +33,7 @@ from dmlkit.data.splits import default_split
 from dmlkit.exceptions import DmlkitError
 from dmlkit.losses import LOSSES
 from dmlkit.protocol.config import BenchConfig
+from dmlkit.protocol.space import search_corners
 from dmlkit.protocol.splits import BenchSplit, make_bench_split
 from dmlkit.training.preflight import (
     DataSummary,
@@ -85,8 +87,11 @@ def _fit_split(config: BenchConfig, classes: list[int], dataset: Any,
                      if folds != 1 else [])]
 
 
-def check_bench(config: BenchConfig, dataset: Any, *, root: str | Path | None = None) -> Preflight:
-    """Every size constraint of a bench config against ``dataset`` (all its classes); raises nothing.
+def check_bench(config: BenchConfig, dataset: Any, *, root: str | Path | None = None,
+                methods: Sequence[str] | None = None) -> Preflight:
+    """Every size constraint of a bench config against ``dataset`` (all its classes), for the
+    ``methods`` named (default all); each searched parameter at the ends of its range (and
+    each of its choices) must build the loss and miner too. Raises nothing.
 
     Use ``report.raise_errors()`` for one :class:`~dmlkit.training.preflight.PreflightError`
     listing every error. ``report.split`` is the :class:`BenchSplit` that was checked.
@@ -132,7 +137,8 @@ def check_bench(config: BenchConfig, dataset: Any, *, root: str | Path | None = 
     worst = TrainStats.smallest(stats, where=f"fold {folds[smallest].index}'s training split")
     by_key: dict[tuple[str, str, Any], list[str]] = {}
     lines: dict[tuple[str, str, Any], Problem] = {}
-    for i, method in enumerate(config.methods):
+    selected = [(i, m) for i, m in enumerate(config.methods) if methods is None or m.name in methods]
+    for i, method in selected:
         cfg = config.experiment(method)
         classification = bool(getattr(LOSSES.get(method.loss.name), "requires_num_classes", False))
         sampler_key = ("fixed.classification_sampler" if classification
@@ -140,15 +146,32 @@ def check_bench(config: BenchConfig, dataset: Any, *, root: str | Path | None = 
         found = batch_problems(cfg, worst, sampler_key=sampler_key, loss_key=f"methods.{i}.loss")
         found += build_problems(cfg, worst.num_classes, loss_key=f"methods.{i}.loss",
                                 miner_key=f"methods.{i}.miner")
+        if not found:  # the fixed settings build: now the searched ones, at their corners
+            found += _search_problems(config, method, i, worst.num_classes)
         for prob in found:
             k = (prob.key, prob.message, prob.fit if prob.has_fit else None)
             by_key.setdefault(k, []).append(method.name)
             lines.setdefault(k, prob)
     for k, prob in lines.items():
         who = by_key[k]
-        if prob.key.startswith("fixed.") and len(config.methods) > 1:
+        if prob.key.startswith("fixed.") and len(selected) > 1:
             prob = Problem(prob.key, f"{prob.message} (method{'s' if len(who) > 1 else ''} "
                            f"{', '.join(who)})", **({"fit": prob.fit} if prob.has_fit else {}),
                            severity=prob.severity, hint=prob.hint)
         report.problems.append(prob)
     return report
+
+
+def _search_problems(config: BenchConfig, method: Any, index: int, num_classes: int) -> list[Problem]:
+    """What the loss or miner refuses at the corners of ``method``'s search space
+    (:func:`dmlkit.protocol.space.search_corners`), once per distinct message."""
+    problems: dict[str, Problem] = {}
+    for params in search_corners(method.search):
+        for prob in build_problems(config.experiment(method, params), num_classes,
+                                   loss_key=f"methods.{index}.loss", miner_key=f"methods.{index}.miner"):
+            shown = ", ".join(f"{k}={v!r}" for k, v in sorted(params.items()))
+            problems.setdefault(prob.message, Problem(
+                f"methods.{index}.search", f"with {shown}: {prob.message}",
+                hint="every value of a searched range must be one the loss and miner accept"))
+    return list(problems.values())
+

@@ -189,12 +189,24 @@ class Bench:
                 "bench_dir": str(self.dir.resolve()), "config_path": str(self.config_path),
                 "overrides": self.overrides})
 
-    def validate(self) -> Preflight:
-        """Check every method's config against the dataset and the folds' class counts, all at
-        once (:func:`dmlkit.protocol.preflight.check_bench`): one error listing every violation
-        with a value that fits, before the first trial and before anything is written."""
+    def check_shared_storage(self) -> None:
+        """Refuse an in-memory study database where other processes (workers, a later
+        ``--stage``) must read the study."""
+        storage = self.config.protocol.storage
+        if _in_memory(storage):
+            raise ConfigError(
+                f"protocol.storage {storage!r} is an in-memory database: it lives in one process, so "
+                "worker processes and separate --stage runs cannot share its study; use a file (leave "
+                "protocol.storage out for BENCH_DIR/study.db) or a PostgreSQL URL")
+
+    def validate(self, methods: Sequence[str] | None = None) -> Preflight:
+        """Check the config of every method (or those named) against the dataset and the folds'
+        class counts, all at once (:func:`dmlkit.protocol.preflight.check_bench`): one error
+        listing every violation with a value that fits, before the first trial and before
+        anything is written."""
         root = resolve_data_root(self.data_root if self.data_root is not None else self.config.fixed.data.root)
-        report = check_bench(self.config, self.full_dataset(), root=root)
+        report = check_bench(self.config, self.full_dataset(), root=root,
+                             methods=None if not methods else [m.name for m in self._methods(methods)])
         report.dataset = None  # keep no reference to the test classes
         report.raise_errors()
         for problem in report.warnings:
@@ -401,7 +413,9 @@ class Bench:
     def run(self, *, workers: int = 1, methods: Sequence[str] | None = None, stage: str = "all") -> dict[str, Any] | None:
         """Validate, then run the stages (``all``, ``search`` or ``final``); ``final`` returns
         the results. Raises when every search trial of a method failed."""
-        self.validate()  # before anything is written: a refused config leaves no trace
+        if workers > 1 or stage != "all":
+            self.check_shared_storage()
+        self.validate(methods)  # before anything is written: a refused config leaves no trace
         self.prepare()
         with _bench_lock(self.dir) if self.config.protocol.storage is None else contextlib.nullcontext():
             if stage in ("all", "search"):
@@ -523,3 +537,12 @@ def _bench_lock(bench_dir: Path):
         with contextlib.suppress(OSError):
             fcntl.flock(fh, fcntl.LOCK_UN)
         fh.close()
+
+
+def _in_memory(storage: str | None) -> bool:
+    """Whether an Optuna storage URL names an in-memory SQLite database (``sqlite://``,
+    ``sqlite:///:memory:``), which only the process that opened it can see."""
+    if storage is None or not storage.startswith("sqlite:"):
+        return False
+    path = storage.split("://", 1)[1] if "://" in storage else ""
+    return path in ("", "/") or path.lstrip("/").split("?")[0] in ("", ":memory:")

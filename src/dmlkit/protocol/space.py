@@ -11,7 +11,7 @@ from typing import Any
 
 from dmlkit.protocol.config import SearchParam
 
-__all__ = ["distributions", "suggest"]
+__all__ = ["distributions", "search_corners", "suggest"]
 
 
 def suggest(trial: Any, space: Mapping[str, SearchParam]) -> dict[str, Any]:
@@ -47,3 +47,25 @@ def distributions(space: Mapping[str, SearchParam]) -> dict[str, Any]:
                 float(spec.low), float(spec.high), log=spec.log, step=spec.step
             )
     return out
+
+
+def search_corners(space: Mapping[str, SearchParam]) -> list[dict[str, Any]]:
+    """Points of ``space`` that a config check builds the loss and miner with before any trial:
+    every range at its low end, every range at its high end, and each categorical choice with
+    the rest at their low ends (a parameter name or value the loss refuses then fails up front,
+    not in every trial)."""
+    if not space:
+        return []
+    low = {k: (spec.choices or [None])[0] if spec.type == "categorical" else spec.low for k, spec in space.items()}
+    high = {k: (spec.choices or [None])[-1] if spec.type == "categorical" else spec.high for k, spec in space.items()}
+    points = [low, high]
+    for key, spec in space.items():
+        if spec.type == "categorical":
+            points += [{**low, key: choice} for choice in (spec.choices or [])[1:-1]]
+    for point in points:
+        for key, spec in space.items():
+            if spec.type == "int":
+                point[key] = int(point[key])
+            elif spec.type == "float":
+                point[key] = float(point[key])
+    return points

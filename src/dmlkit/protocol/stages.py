@@ -23,7 +23,7 @@ import torch
 from dmlkit.config import dump_config
 from dmlkit.data import get_transforms, load_dataset
 from dmlkit.embeddings import embed_split, load_embeddings, save_embeddings
-from dmlkit.exceptions import ConfigError, DataError
+from dmlkit.exceptions import ConfigError, DataError, DmlkitError
 from dmlkit.metrics import evaluate
 from dmlkit.protocol.config import (
     BenchConfig,
@@ -32,6 +32,7 @@ from dmlkit.protocol.config import (
 from dmlkit.protocol.space import suggest
 from dmlkit.protocol.splits import BenchSplit, TestClassGuard
 from dmlkit.training import build_model, train
+from dmlkit.training.checkpoint import training_changes
 from dmlkit.utils import atomic_write_text, seed_everything
 from dmlkit.utils import data_root as resolve_data_root
 from dmlkit.validation import normalize_rows
@@ -189,15 +190,20 @@ class FinalStage:
             for fold in self.split.folds:
                 run_dir = self.bench_dir / "final" / method.name / f"seed{seed}" / f"fold{fold.index}"
                 emb_path = run_dir / "embeddings" / "test.npz"
-                done = emb_path.exists() and (run_dir / "metrics.json").exists()
+                cfg = self.config.experiment(
+                    method, params, seed=run_seed(seed, fold.index),
+                    name=f"{self.config.name}-{method.name}-seed{seed}-fold{fold.index}",
+                )
+                stale = _stale_changes(run_dir, cfg)
+                done = not stale and emb_path.exists() and (run_dir / "metrics.json").exists()
                 if not done and claim and not _claim(run_dir):
                     continue
+                if stale:  # trained with an earlier best (a search resumed with more trials)
+                    _say(self.console, f"  final {method.name}: seed {seed} fold {fold.index} was trained with "
+                         f"other settings ({'; '.join(stale)}): training it again")
+                    _clear_run(run_dir)
                 if not done:
                     train_set, val_set = self._fold_sets(fold.index)
-                    cfg = self.config.experiment(
-                        method, params, seed=run_seed(seed, fold.index),
-                        name=f"{self.config.name}-{method.name}-seed{seed}-fold{fold.index}",
-                    )
                     resume = (run_dir / "checkpoints" / "last.pt").exists()
                     _say(self.console, f"  final {method.name}: seed {seed} fold {fold.index}"
                          + (" (resuming)" if resume else ""))
@@ -224,6 +230,32 @@ class FinalStage:
                     atomic_write_text(run_dir / "config.yaml", dump_config(cfg))
                 runs.append(FinalRun(PRETRAINED, seed, fold.index, run_dir, emb_path, None))
         return runs
+
+
+def _stale_changes(run_dir: Path, cfg: Any) -> list[str]:
+    """How the run in ``run_dir`` (its ``config.yaml``) trains differently from ``cfg``; empty
+    for a matching run or none."""
+    import yaml
+
+    path = run_dir / "config.yaml"
+    if not path.exists():
+        return []
+    try:
+        saved = yaml.safe_load(path.read_text(encoding="utf-8"))
+        return training_changes(saved, cfg, source=str(path))
+    except (OSError, ValueError, yaml.YAMLError, DmlkitError) as exc:  # unreadable: not this run
+        return [f"{path.name} unreadable: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}"]
+
+
+def _clear_run(run_dir: Path) -> None:
+    """Remove what a run directory holds, except this process's claim on it."""
+    for entry in run_dir.iterdir():
+        if entry.name == ".claimed":
+            continue
+        if entry.is_dir() and not entry.is_symlink():
+            shutil.rmtree(entry)
+        else:
+            entry.unlink()
 
 
 def _claim(run_dir: Path) -> bool:

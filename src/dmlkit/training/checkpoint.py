@@ -52,6 +52,7 @@ __all__ = [
     "restore_rng_state",
     "save_checkpoint",
     "save_trunk",
+    "training_changes",
 ]
 
 CHECKPOINT_FORMAT = "dmlkit-checkpoint-1"
@@ -86,18 +87,23 @@ def _flatten(data: Any, prefix: str = "") -> dict[str, Any]:
     return {prefix[:-1]: data}
 
 
+def training_changes(saved: dict[str, Any], config: ExperimentConfig, source: str = "the checkpoint") -> list[str]:
+    """The settings in which ``config`` trains differently from ``saved`` (a run's config as
+    plain data), as ``key (old -> new)``: every difference but :data:`RESUMABLE_CHANGES`."""
+    # validate the saved config too, so keys renamed since it was written compare equal
+    old = _flatten(config_from_dict(saved, source=source).model_dump(mode="json"))
+    new = _flatten(config.model_dump(mode="json"))
+    return [f"{k} ({old.get(k)!r} -> {new.get(k)!r})" for k in sorted(set(old) | set(new))
+            if old.get(k) != new.get(k) and k not in RESUMABLE_CHANGES]
+
+
 def check_resumable(saved: dict[str, Any], config: ExperimentConfig) -> None:
     """Refuse to resume a checkpoint whose config (``saved``, plain data) differs from ``config``
     in anything but :data:`RESUMABLE_CHANGES` (:class:`CheckpointError` names the keys)."""
-    # validate the saved config too, so keys renamed since it was written compare equal
-    old = _flatten(config_from_dict(saved, source="the checkpoint").model_dump(mode="json"))
-    new = _flatten(config.model_dump(mode="json"))
-    changed = sorted(k for k in set(old) | set(new)
-                     if old.get(k) != new.get(k) and k not in RESUMABLE_CHANGES)
+    changed = training_changes(saved, config)
     if changed:
         raise CheckpointError(
-            "cannot resume: the config differs from the checkpoint's in "
-            + ", ".join(f"{k} ({old.get(k)!r} -> {new.get(k)!r})" for k in changed)
+            "cannot resume: the config differs from the checkpoint's in " + ", ".join(changed)
             + ". Resume with the run's own config.yaml, or start a new run directory"
         )
 
