@@ -38,3 +38,36 @@ def test_json_is_strict_nan_and_inf_become_null(tmp_path):
     data = json.loads(text, parse_constant=refuse)
     assert data == {"map_at_r": None, "p": [1.0, None], "arr": [0.5, None], "np": None, "ok": 0.25, "n": 3}
     assert not any(isinstance(v, float) and math.isnan(v) for v in data["p"])
+
+
+def test_json_text_is_the_strict_text_every_print_uses():
+    from dmlkit.utils import json_text
+
+    text = json_text({"map": float("nan"), "p": np.float32(0.5), "v": np.array([1.0, np.inf])})
+    assert json.loads(text, parse_constant=lambda c: (_ for _ in ()).throw(ValueError(c))) == {
+        "map": None, "p": 0.5, "v": [1.0, None]}
+
+
+def test_a_text_labels_file_keeps_whole_lines_as_class_names(tmp_path):
+    """A class name may hold commas ("Doe, John"): cut at the comma, four people became two
+    classes and every metric was computed on the wrong classes."""
+    import pytest
+
+    from dmlkit.embedding_files import read_labels_file
+    from dmlkit.exceptions import DataError
+
+    people = ["Doe, John", "Doe, Jane", "Roe, Rick", "Roe, Ruth"]
+    (tmp_path / "names.txt").write_text("\n".join(people * 2) + "\n\n")  # blank lines at the end: ignored
+    assert read_labels_file(tmp_path / "names.txt").tolist() == people * 2
+    (tmp_path / "names.csv").write_text("".join(f'"{p}",extra\n' for p in people))  # a CSV: its first field
+    assert read_labels_file(tmp_path / "names.csv").tolist() == people
+    (tmp_path / "ids.txt").write_text("1.0\n2\n 3 \n1e1\n")  # integer-valued numbers are ids
+    labels = read_labels_file(tmp_path / "ids.txt")
+    assert labels.dtype == np.int64 and labels.tolist() == [1, 2, 3, 10]
+    (tmp_path / "comment.txt").write_text("#7\n3\n")  # no comment syntax: a name like any other
+    assert read_labels_file(tmp_path / "comment.txt").tolist() == ["#7", "3"]
+    for text, message in (("1\n\n2\n", "line 2 is blank"), ("0\n0.5\n", "'0.5' on line 2"),
+                          ("cat\nnan\n", "'nan' on line 2")):
+        (tmp_path / "bad.txt").write_text(text)
+        with pytest.raises(DataError, match=message):
+            read_labels_file(tmp_path / "bad.txt")

@@ -6,6 +6,8 @@ usable is :mod:`dmlkit.validation`'s decision."""
 
 from __future__ import annotations
 
+import csv
+import io
 import os
 import zipfile
 from pathlib import Path
@@ -82,40 +84,50 @@ def _read_torch_file(path: Path) -> tuple[np.ndarray, Any]:
 
 
 def read_labels_file(path: Path) -> np.ndarray:
-    """Labels from ``.npy`` or a text file with one label per line (``.txt``; ``.csv``: the first
-    column): integers stay integers, a number that is not an integer is refused, other text
-    is kept as class-name strings."""
+    """Labels from ``.npy`` or a text file with one label per line: the whole line in a
+    ``.txt`` (a class name may hold commas and spaces), the first field in a ``.csv``
+    (:mod:`csv` quoting). Integers stay integers (``3.0`` counts as 3, as for float labels in an
+    ``.npz``); a number that is not an integer is refused; otherwise every line is a class name.
+    Blank lines at the end are ignored; a blank line before the last label is refused."""
     if not path.exists():
         raise DataNotFoundError(f"labels file not found: {path}")
     try:
         if path.suffix.lower() == ".npy":
             return np.load(path, allow_pickle=False)
-        rows = [line.strip() for line in path.read_text(encoding="utf-8").splitlines()]
+        text = path.read_text(encoding="utf-8")
     except (OSError, ValueError) as exc:  # UnicodeDecodeError is a ValueError
         raise DataError(f"cannot read labels from {path}: {' '.join(str(exc).split())[:200]}") from None
-    values = [r.split(",")[0].strip() for r in rows if r and not r.startswith("#")]
-    try:
-        return np.asarray([int(v) for v in values], dtype=np.int64)
-    except ValueError:
-        pass
-    for number, v in enumerate(values, start=1):
-        if _is_number(v) and not _is_int(v):
-            raise DataError(f"{path}: label {v!r} (value {number}) is a number but not an integer; "
+    if path.suffix.lower() == ".csv":
+        try:
+            values = [row[0].strip() if row else "" for row in csv.reader(io.StringIO(text))]
+        except csv.Error as exc:
+            raise DataError(f"{path} is not a valid CSV file: {exc}") from None
+    else:
+        values = [line.strip() for line in text.splitlines()]
+    while values and not values[-1]:
+        values.pop()
+    if "" in values:
+        raise DataError(f"{path}: line {values.index('') + 1} is blank; give one label per line, "
+                        "one line per embedding")
+    numbers = [_as_number(v) for v in values]
+    for line, (v, n) in enumerate(zip(values, numbers), start=1):
+        if n is not None and not float(n).is_integer():  # 0.5, nan, inf: never truncated
+            raise DataError(f"{path}: label {v!r} on line {line} is a number but not an integer; "
                             "labels are integer class ids or class names, one per line")
+    if values and all(n is not None for n in numbers):
+        return np.asarray([int(n) for n in numbers], dtype=np.int64)
     return np.asarray(values)  # class names
 
 
-def _is_number(text: str) -> bool:
+def _as_number(text: str) -> int | float | None:
+    """``text`` as an int, else a float (``nan`` and ``inf`` too), else ``None``: a name."""
     try:
-        float(text)
+        return int(text)
     except ValueError:
-        return False
-    return True
+        pass
+    try:
+        return float(text)
+    except ValueError:
+        return None
 
 
-def _is_int(text: str) -> bool:
-    try:
-        int(text)
-    except ValueError:
-        return False
-    return True
