@@ -253,3 +253,26 @@ def test_bf16_assignments_equal_float64_argmin(monkeypatch):
     monkeypatch.setattr(tiles_module, "_bf16_is_faster", lambda d: False)
     b = kmeans_labels(x, 40, seed=1)
     assert normalized_mutual_info_score(a, b) > 0.99  # same seeds; float32 near-ties may differ
+
+
+def test_a_narrow_cone_is_warned_about_and_observed_bins_resolve_it():
+    """Well-separated classes whose cosines all lie in [0.99, 1]: the metric's fixed bins put
+    every pair in one or two bins (JS near 0) and say so; bins over the observed range (the
+    report's and `dmlkit plot histograms`' picture) resolve the separation."""
+    import warnings
+
+    rng = np.random.default_rng(3)
+    centres = rng.normal(size=(6, 32))
+    y = np.repeat(np.arange(6), 20)
+    x = (centres[y] + 0.05 * rng.normal(size=(120, 32))).astype(np.float32)
+    cone = (x * 0.01 + np.ones(32, np.float32)).astype(np.float32)  # every cosine above 0.99
+    with pytest.warns(UserWarning, match="cannot separate these positives from negatives"):
+        fixed = pos_neg_histograms(cone, y)
+    observed = pos_neg_histograms(cone, y, range="observed")
+    assert fixed.js < 0.05 and observed.js > 0.5
+    assert observed.edges[0] > 0.98 and observed.edges[-1] <= 1.0 + 1e-6
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a spread embedding: no warning
+        pos_neg_histograms(x, y)
+    with pytest.raises(ConfigError, match="observed"):
+        pos_neg_histograms(x, y, range="widest")

@@ -58,6 +58,9 @@ def test_report_has_every_section_and_figure(report_page):
     assert html.count('src="data:image/png;base64,') >= 5
     assert "http://" not in html.replace("http://www.w3.org", "") and "https://" not in html
     assert "<script" not in html
+    # the divergence over the drawn bins and the metric (the value evaluate prints), both named
+    assert "<th>JS, drawn bins</th>" in html.replace(' class="num"', "") or "JS, drawn bins" in html
+    assert "pos_neg_js" in html
     figs = report_page.parent / "figures"
     for name in ("curves", "histograms", "map_pca", "gallery", "per_class"):
         assert (figs / f"{name}.png").stat().st_size > 5000

@@ -79,10 +79,11 @@ def plot_map(
 @plot_app.command("histograms")
 def plot_histograms(
     embeddings: list[Path] = typer.Argument(..., help="One or more embeddings files, one panel each."),
-    bins: int = typer.Option(100, min=1, help="Number of bins over [-1, 1]."),
+    bins: int = typer.Option(100, min=1, help="Number of bins."),
+    fixed: bool = typer.Option(False, "--fixed-range", help="Bins over [-1, 1], as the pos_neg_js metric (default: over the observed range, readable when all similarities lie close together)."),
     output: Path | None = typer.Option(None, "-o", "--output"),
 ) -> None:
-    """Positive/negative cosine-similarity histograms (area 1) with their JS divergence."""
+    """Positive/negative cosine-similarity histograms (area 1) with their JS divergence over the drawn bins."""
     from dmlkit.metrics import pos_neg_histograms
     from dmlkit.report import figures
     from dmlkit.report.builder import hist_dict
@@ -90,7 +91,7 @@ def plot_histograms(
     panels = {}
     for path in embeddings:
         emb, labels, _ = _load(path)
-        panels[path.stem] = hist_dict(pos_neg_histograms(emb, labels, bins=bins))
+        panels[path.stem] = hist_dict(pos_neg_histograms(emb, labels, bins=bins, range=None if fixed else "observed"))
     written = figures.save_figure(figures.similarity_histograms(panels), _out(output, "histograms"))
     typer.echo("\n".join(map(str, written)))
 

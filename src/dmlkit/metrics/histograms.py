@@ -19,6 +19,7 @@ counts; the negative histogram is the difference.
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -165,7 +166,7 @@ def pos_neg_histograms(
     *,
     distance: str | BaseDistance = "cosine",
     bins: int = 100,
-    range: tuple[float, float] | None = None,
+    range: tuple[float, float] | str | None = None,
     memory_budget: int = DEFAULT_MEMORY_BUDGET,
 ) -> PosNegHistograms:
     """Histograms of all positive-pair and all negative-pair values and their JS divergence.
@@ -175,9 +176,14 @@ def pos_neg_histograms(
         reference, reference_labels: another set; ``None`` uses the pairs within ``query``.
         distance: pairs are valued by this distance (default cosine similarity, as in the paper).
         bins: number of equal-width bins.
-        range: ``(low, high)`` of the bins; default ``(-1, 1)`` for cosine, else the observed
-            minimum and maximum (one extra pass).
+        range: ``(low, high)`` of the bins; ``"observed"``: the pairs' minimum and maximum
+            (one extra pass; a picture of embeddings whose similarities all lie in, say,
+            [0.99, 1] stays readable); default ``(-1, 1)`` for cosine, so that ``pos_neg_js``
+            of different models shares its bins, else observed.
         memory_budget: working memory in bytes.
+
+    With the default cosine bins, a warning says when every pair falls within four adjacent
+    bins: the divergence then reads near 0 whatever the ranking (width ``2 / bins``).
     """
     budget = check_budget(memory_budget)
     if not isinstance(bins, int) or bins < 1:
@@ -208,20 +214,22 @@ def pos_neg_histograms(
             valid = torch.ones_like(valid).triu_(1)
         return vals, valid
 
-    if range is None:
-        if isinstance(dist, CosineSimilarity):
-            lo, hi = -1.0, 1.0
-        else:
-            lo, hi = math.inf, -math.inf
-            for a0, a1, b0, b1 in _blocks(n, m, same, budget):
-                vals, valid = tile_values(a0, a1, b0, b1)
-                if valid.any():
-                    lo = min(lo, float(vals[valid].min()))
-                    hi = max(hi, float(vals[valid].max()))
-            if not math.isfinite(lo):
-                raise DataError("need at least two samples to form a pair")
-            if hi <= lo:
-                hi = lo + 1.0
+    fixed_cosine = range is None and isinstance(dist, CosineSimilarity)
+    if fixed_cosine:
+        lo, hi = -1.0, 1.0
+    elif range is None or range == "observed":
+        lo, hi = math.inf, -math.inf
+        for a0, a1, b0, b1 in _blocks(n, m, same, budget):
+            vals, valid = tile_values(a0, a1, b0, b1)
+            if valid.any():
+                lo = min(lo, float(vals[valid].min()))
+                hi = max(hi, float(vals[valid].max()))
+        if not math.isfinite(lo):
+            raise DataError("need at least two samples to form a pair")
+        if hi <= lo:  # every pair alike: one bin holds them
+            hi = lo + 1.0
+    elif isinstance(range, str):
+        raise ConfigError(f"range must be (low, high) or 'observed', got {range!r}")
     else:
         lo, hi = float(range[0]), float(range[1])
         if not hi > lo:
@@ -239,6 +247,16 @@ def pos_neg_histograms(
                         "the histogram metric needs at least one class with two or more samples")
     if n_neg == 0:
         raise DataError("no negative pair: all samples share one class; add other classes")
+    occupied = np.flatnonzero(total_c)
+    if fixed_cosine and bins >= 20 and occupied[-1] - occupied[0] < 4:
+        edges = np.linspace(lo, hi, bins + 1)
+        warnings.warn(
+            f"pos_neg_js: every pair's cosine similarity lies in [{edges[occupied[0]]:.2f}, "
+            f"{edges[occupied[-1] + 1]:.2f}], {occupied[-1] - occupied[0] + 1} of the {bins} bins over [-1, 1], so the "
+            "divergence cannot separate these positives from negatives (it reads near 0 whatever "
+            "the ranking); judge this embedding by P@1 / MAP@R, or bin over the observed range "
+            "(pos_neg_histograms(..., range='observed'), as `dmlkit plot histograms` and the report draw)",
+            stacklevel=3)
     edges = np.linspace(lo, hi, bins + 1)
     width = (hi - lo) / bins
     return PosNegHistograms(

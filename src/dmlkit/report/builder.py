@@ -10,6 +10,7 @@ images, for thumbnails) are left out with a note saying why, never faked.
 from __future__ import annotations
 
 import os
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -191,13 +192,13 @@ def _embedding_sections(test: _Split, before: _Split | None, others: Mapping[str
     rows = _sample_rows(test.labels, options.max_points, options.seed)
     def histogram(emb: np.ndarray, labels: np.ndarray):
         # bins over the observed similarity range, so that a model whose similarities all lie
-        # in, say, [0.95, 1] still gets a readable histogram (and a meaningful divergence)
-        x = normalize_rows(emb)
-        sims = x @ x.T
-        np.fill_diagonal(sims, np.nan)
-        lo, hi = float(np.nanmin(sims)), float(np.nanmax(sims))
-        pad = max(1e-6, 1e-3 * (hi - lo))
-        return pos_neg_histograms(emb, labels, bins=60, range=(lo - pad, hi + pad))
+        # in, say, [0.95, 1] still gets a readable histogram; the table also gives pos_neg_js
+        # (the metric's fixed bins over [-1, 1], as in metrics.json) of the same pairs
+        drawn = pos_neg_histograms(emb, labels, bins=60, range="observed")
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the resolution warning: the drawn bins answer it
+            metric = pos_neg_histograms(emb, labels).js
+        return drawn, metric
 
     candidates: list[tuple[str, _Split, np.ndarray]] = []
     if before is not None:
@@ -210,12 +211,12 @@ def _embedding_sections(test: _Split, before: _Split | None, others: Mapping[str
         try:
             panels[title] = histogram(split.embeddings[r], split.labels[r])
         except DmlkitError as exc:  # e.g. one class: no negative pair -- say why, draw the rest
-            hist_rows.append([title, "n/a", "n/a", f"not drawn: {exc}"])
-    for title, h in panels.items():
-        hist_rows.append([title, f"{h.js:.4f}", h.num_positive_pairs, h.num_negative_pairs])
+            hist_rows.append([title, "n/a", "n/a", "n/a", f"not drawn: {exc}"])
+    for title, (h, metric) in panels.items():
+        hist_rows.append([title, f"{h.js:.4f}", f"{metric:.4f}", h.num_positive_pairs, h.num_negative_pairs])
     hist_figs = []
     if panels:
-        png = figures.save_figure(figures.similarity_histograms({k: hist_dict(v) for k, v in panels.items()}),
+        png = figures.save_figure(figures.similarity_histograms({k: hist_dict(v) for k, (v, _) in panels.items()}),
                                   fig_dir / "histograms")
         hist_figs.append(Figure(png[0], f"Similarity histograms of {what}", png[1]))
     sections.append(Section(
@@ -223,8 +224,11 @@ def _embedding_sections(test: _Split, before: _Split | None, others: Mapping[str
         ["Histograms of the cosine similarities of all positive (same-class) and all negative pairs, "
          "each normalised to area 1 (Oi et al.), with 60 bins over each panel's observed range. The "
          "Jensen-Shannon divergence (base 2) measures how well they separate: 0 = identical "
-         "distributions, 1 = disjoint. A split without both kinds of pair has no histogram."],
-        [table_html(["split", "JS divergence", "positive pairs", "negative pairs"], hist_rows)],
+         "distributions, 1 = disjoint. It depends on the bins: the table gives it over the drawn "
+         "bins and as the metric pos_neg_js (100 bins over [-1, 1], shared by every model, the value "
+         "in metrics.json and `dmlkit evaluate`), which reads near 0 when every similarity falls in "
+         "a few of its bins. A split without both kinds of pair has no histogram."],
+        [table_html(["split", "JS, drawn bins", "pos_neg_js", "positive pairs", "negative pairs"], hist_rows)],
         hist_figs,
     ))
     # 2-D maps
