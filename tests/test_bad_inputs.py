@@ -244,6 +244,7 @@ CASES: list[tuple[str, list[str]]] = [
     ("compare-non-utf8", ["compare", "{d}/badutf8.json"]),
     ("compare-corrupt-bench-dir", ["compare", "{d}/bench"]),
     ("compare-empty-dir", ["compare", "{d}/emptydir"]),
+    ("compare-out-unknown-suffix", ["compare", "{d}/nan_results.json", "-o", "{d}/cmp.txt"]),
     ("report-missing", ["report", "{d}/missing_run"]),
     ("report-empty-dir", ["report", "{d}/emptydir"]),
     ("report-a-file", ["report", "{d}/good.npz"]),
@@ -379,6 +380,7 @@ EXPECT = {
     "index-nlist-0": "nlist",
     "query-no-rows": "no query embeddings",
     "track-fps-0": "--fps",
+    "compare-out-unknown-suffix": ".json or .md",
 }
 
 

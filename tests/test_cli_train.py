@@ -88,6 +88,8 @@ def test_train_refuses_to_overwrite_a_run(tmp_path, capsys, data_root):
                            str(data_root), "--quiet", "--set", "sampler.batches_per_epoch=1")
     assert code == 0, text
     assert "test MAP@R" in text
+    # the table marks its unit as every dmlkit table does, and says how the run ended in words
+    assert "MAP@R (%)" in text and "P@1 (%)" in text and "all epochs done after" in " ".join(text.split())
     code, text = _run_main(capsys, "train", str(cfg), "--run-dir", str(run), "--data-root",
                            str(data_root), "--quiet", "--set", "sampler.batches_per_epoch=1")
     assert code == 2 and "--resume" in text

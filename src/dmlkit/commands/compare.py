@@ -27,6 +27,7 @@ def register(app: typer.Typer) -> None:
         from rich.table import Table
 
         from dmlkit.commands._console import output_console
+        from dmlkit.exceptions import ConfigError
         from dmlkit.protocol.compare import (
             compare_results,
             render_compare_markdown,
@@ -36,6 +37,8 @@ def register(app: typer.Typer) -> None:
         from dmlkit.protocol.stats import PER_QUERY_METRICS
         from dmlkit.utils import atomic_write_json, atomic_write_text
 
+        if out is not None and out.suffix not in (".json", ".md"):  # before the bootstrap's work
+            raise ConfigError(f"--out {out}: name a .json or .md file (the report's format follows the suffix)")
         report = compare_results(
             results, methods=method or None, baseline=baseline,
             metrics=metric or list(PER_QUERY_METRICS), modes=mode or list(MODES),

@@ -26,6 +26,11 @@ def _setup_logging(quiet: bool) -> None:
     log.setLevel(logging.WARNING if quiet else logging.INFO)
 
 
+#: How a run ended (``TrainResult.stop_reason``), in words.
+_STOP_REASONS = {"epochs": "all epochs done", "max_steps": "step limit reached",
+                 "patience": "stopped early (patience)"}
+
+
 def _metrics_table(title: str, rows: dict[str, dict[str, float] | None]):
     from rich.table import Table
 
@@ -34,10 +39,12 @@ def _metrics_table(title: str, rows: dict[str, dict[str, float] | None]):
         for key in values or {}:
             if key not in metrics and not key.startswith("num_"):
                 metrics.append(key)
+    from dmlkit.protocol.results import metric_label
+
     table = Table(title=title)
     table.add_column("split")
-    for m in metrics:
-        table.add_column(m, justify="right")
+    for m in metrics:  # every dmlkit table: rates in percent, marked (%)
+        table.add_column(f"{metric_label(m)} (%)", justify="right")
     for split, values in rows.items():
         if values:
             table.add_row(split, *[f"{100 * values[m]:.2f}" if m in values else "-" for m in metrics])
@@ -103,11 +110,12 @@ def register(app: typer.Typer) -> None:
         rows = {"val (best)": result.val_metrics or None, "test": result.test_metrics,
                 "val, step 0 (untrained)": result.baseline.get("val"),
                 "test, step 0 (untrained)": result.baseline.get("test")}
-        output_console().print(_metrics_table(f"{cfg.name}: best step {result.best_step} "
-                                       f"({result.stop_reason}, {result.train_seconds:.0f} s)", rows))
+        stopped = _STOP_REASONS.get(str(result.stop_reason), str(result.stop_reason))
+        output_console().print(_metrics_table(f"{cfg.name}: best step {result.best_step}; {stopped} "
+                                              f"after {result.train_seconds:.0f} s", rows))
         if result.test_metrics:
             t = result.test_metrics
-            typer.echo(f"test MAP@R {100 * t['map_at_r']:.2f}  P@1 {100 * t.get('precision_at_1', float('nan')):.2f}  "
+            typer.echo(f"test MAP@R {100 * t['map_at_r']:.2f} %  P@1 {100 * t.get('precision_at_1', float('nan')):.2f} %  "
                        f"(run: {out_dir})")
 
     @app.command("embed")

@@ -55,7 +55,6 @@ from dmlkit.metrics._validation import (
     as_label_pair,
     check_budget,
 )
-from dmlkit.metrics.clustering import CLUSTERING_METRICS
 from dmlkit.metrics.evaluate import _AT_K, _expand
 from dmlkit.metrics.knn import (
     SMALL_SEARCH_PAIRS,
@@ -206,8 +205,8 @@ def _stream(
     bad = [n for n in names if n not in _STREAMABLE and not _AT_K.match(n)]
     if bad:
         raise ConfigError(
-            f"{', '.join(bad)} cannot be streamed ({'clustering' if set(bad) & set(CLUSTERING_METRICS) else 'full-ranking'} "
-            "metrics need every embedding at once): stream P@1 / Recall@K / Precision@K / "
+            f"{', '.join(bad)} cannot be streamed (clustering, full-ranking and histogram metrics "
+            "need every embedding at once): stream P@1 / Recall@K / Precision@K / "
             "R-Precision / MAP@R, or load the embeddings and use dmlkit.metrics.evaluate"
         )
     budget = check_budget(memory_budget)
