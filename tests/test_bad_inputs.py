@@ -546,8 +546,8 @@ def test_warnings_are_one_readable_line_in_cli_spelling(monkeypatch):
 
     @probe.command("train")
     def _train() -> None:
-        warnings.warn("no validation classes: checkpoints/best.pt is the last model\n"
-                      "(set data.split.val_fraction to select on validation MAP@R)", UserWarning, stacklevel=1)
+        warnings.warn("3 files cannot be read:\n"
+                      "skip them (load the dataset with skip_corrupt=True)", UserWarning, stacklevel=1)
 
     @probe.command("other")
     def _other() -> None:
@@ -559,8 +559,7 @@ def test_warnings_are_one_readable_line_in_cli_spelling(monkeypatch):
         warnings.simplefilter("always")
         code, out, err = _run(["train"])
     assert code == 0, err
-    assert err == ("warning: no validation classes: checkpoints/best.pt is the last model "
-                   "(pass --set data.split.val_fraction=0.1 to select on validation MAP@R)\n")
+    assert err == ("warning: 3 files cannot be read: skip them (pass --set data.options.skip_corrupt=true)\n")
 
 
 def test_tables_show_percent_and_json_fractions(files):

@@ -241,3 +241,21 @@ def test_data_root_conflict_is_refused(folder, tmp_path, capsys):
     flat = " ".join(text.split())
     assert code == 2 and str(other) in flat and f"--set data.root={other}" in flat
     assert not (tmp_path / "run").exists() and not (tmp_path / "py").exists()
+
+
+def test_a_split_without_validation_warns_with_a_val_fraction_that_fits(tmp_path):
+    """The warning's fix must be one the preflight then accepts (a fixed 0.1 gave one
+    validation class on a small folder, which the next run refused)."""
+    root = make_folder(tmp_path / "f", {c: 6 for c in "abcdefghijkl"})  # 12 classes, 6 for training
+    data = {"dataset": "image_folder", "root": str(root), "transform": "grayscale", "image_size": 16,
+            "split": {"kind": "ratio", "ratios": [1, 0, 1]}}
+    cfg = config_from_dict(user_config(root, sampler={"classes_per_batch": 2, "samples_per_class": 2}, data=data))
+    with pytest.warns(PreflightWarning, match="no validation classes") as caught:
+        check = preflight(cfg)
+    assert not check.errors
+    (warning,) = [p for p in check.warnings if p.key == "data.split.val_fraction"]
+    fixed = config_from_dict(user_config(root, sampler={"classes_per_batch": 2, "samples_per_class": 2},
+                                         data={**data, "split": {**data["split"], "val_fraction": warning.fit}}))
+    refit = preflight(fixed, emit_warnings=False)
+    assert not refit.errors and len(refit.split.val) >= 2
+    assert f"--set data.split.val_fraction={warning.fit}" in str(caught[0].message)

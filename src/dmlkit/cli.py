@@ -60,7 +60,6 @@ _LIBRARY_SPELLINGS: tuple[tuple[re.Pattern[str], str, str, str], ...] = (
     (re.compile(r"(?:load the dataset )?with skip_corrupt=True"), "data.options.skip_corrupt", "true", ""),
     (re.compile(r"pass download=True"), "data.options.download", "true", ""),
     (re.compile(r"pass root=<(folder|file\.csv)>"), "data.root", r"<\1>", ""),
-    (re.compile(r"set data\.split\.val_fraction to"), "data.split.val_fraction", "0.1", " to"),
 )
 #: Commands whose config takes ``--set KEY=VALUE``, with the prefix of their dataset section.
 _SET_PREFIX = {"train": "", "bench": "fixed."}

@@ -386,8 +386,8 @@ class Trainer:
         finally:
             self.run_log.close()
         if not self.has_val:
-            warnings.warn("no validation classes: checkpoints/best.pt is the last model "
-                          "(set data.split.val_fraction to select on validation MAP@R)", stacklevel=2)
+            warnings.warn("no validation classes: checkpoints/best.pt is the last model, not the best "
+                          "on validation MAP@R", stacklevel=2)
         if self.has_val and not state.best_metrics:  # no finite validation MAP@R: never select on NaN
             warnings.warn("no validation evaluation gave a finite MAP@R, so no model was selected: "
                           "checkpoints/best.pt is the last model", stacklevel=2)

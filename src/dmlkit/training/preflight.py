@@ -462,6 +462,19 @@ def _fit_val_fraction(sc: SplitConfig, dataset: Any) -> tuple[float, ClassSplit]
     return None
 
 
+def _no_validation_warning(sc: SplitConfig, dataset: Any, split: ClassSplit | None, key: str) -> list[Problem]:
+    """A warning for a split without validation classes that could have some: best.pt is then
+    the last model, not the best on validation; the fix is a ``val_fraction`` that fits the data."""
+    if split is None or len(split.val) or sc.kind == "file" or sc.val_fraction > 0:
+        return []
+    fitted = _fit_val_fraction(sc, dataset)
+    message = ("is 0: no validation classes, so checkpoints/best.pt will be the last model, not the "
+               "best on validation MAP@R")
+    if fitted is None:
+        return []  # too few classes to carve out two: nothing to suggest
+    return [Problem(f"{key}.val_fraction", message, fit=fitted[0], severity="warning")]
+
+
 def plan_split(data: DataConfig, dataset: Any, prefix: str = "") -> tuple[ClassSplit | None, list[Problem], str]:
     """The class split ``data.split`` gives on ``dataset`` (or, when it does not fit, the split
     of the fitting values), the split's problems, and a note on how the classes were split."""
@@ -470,7 +483,7 @@ def plan_split(data: DataConfig, dataset: Any, prefix: str = "") -> tuple[ClassS
     n = int(dataset.classes.size)
     split = _try_split(sc, dataset)
     if _split_sizes_fit(split):
-        return split, [], _split_counts(split)
+        return split, _no_validation_warning(sc, dataset, split, key), _split_counts(split)
     if sc.kind == "file":  # the file decides: say what is wrong with it
         try:
             build_split(sc, dataset)
