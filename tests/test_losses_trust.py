@@ -273,3 +273,29 @@ def test_losses_and_miners_share_one_helper_module():
     assert (neg == (labels[:, None] != labels[None, :])).all()
     pos, _ = _pairs.label_masks(labels, labels.clone(), exclude_self=True)
     assert not pos.diagonal().any()
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_labels_that_are_not_an_integer_tensor_are_one_clear_error(name):
+    """A Python list failed deep inside ('list' has no attribute 'dim' / 'numel'); bool labels
+    were taken as two classes by most losses and crashed prototypical."""
+    from dmlkit.exceptions import ShapeError
+
+    loss, x = make(name), embeddings(6, 1.0)
+    with pytest.raises(ShapeError, match="labels must be a .B,. tensor"):
+        loss(x, [0, 1, 2, 0, 1, 2])
+    with pytest.raises(ShapeError, match="labels must be integers"):
+        loss(x, torch.tensor([True, False, True, False, True, False]))
+
+
+def test_every_miner_returns_nothing_for_an_empty_batch():
+    """Four miners raised torch's IndexError on a batch of 0 (every loss returns 0 there)."""
+    from dmlkit.miners import MINERS, get_miner
+
+    x, y = torch.randn(0, DIM), torch.zeros(0, dtype=torch.long)
+    for name in sorted(MINERS):
+        miner = get_miner(name)
+        out = miner(x, y)
+        assert len(out) == (4 if miner.output_type == "pair" else 3), name
+        assert all(t.numel() == 0 and t.dtype == torch.long for t in out), name
+        assert miner.num_mined == 0

@@ -136,7 +136,8 @@ class ProxyLoss(BaseLoss):
         self.embedding_size = int(embedding_size)
 
     def forward(self, embeddings, labels, indices=None, ref_emb=None, ref_labels=None):
-        if embeddings.dim() == 2 and embeddings.shape[1] != self.embedding_size:
+        check_inputs(embeddings, labels, finite=False)  # types and shapes before the label range
+        if embeddings.shape[1] != self.embedding_size:
             raise ShapeError(
                 f"{type(self).__name__} was built for embedding_size={self.embedding_size}, "
                 f"got embeddings of size {embeddings.shape[1]}"
@@ -197,15 +198,20 @@ def check_inputs(embeddings: torch.Tensor, labels: torch.Tensor, name: str = "em
     """Validate ``embeddings (B, D)`` float and ``labels (B,)`` integer tensors, and that the
     embeddings are finite unless ``finite=False`` (:func:`check_finite_loss` checks them then,
     with the loss)."""
+    if not isinstance(embeddings, torch.Tensor):
+        raise ShapeError(f"{name} must be a (B, D) tensor, got {type(embeddings).__name__}")
     if embeddings.dim() != 2:
         raise ShapeError(f"{name} must be (B, D), got shape {tuple(embeddings.shape)}")
     if not embeddings.is_floating_point():
         raise ShapeError(f"{name} must be a floating-point tensor, got {embeddings.dtype}")
+    if not isinstance(labels, torch.Tensor):
+        raise ShapeError(f"labels must be a (B,) tensor with B = {embeddings.shape[0]}, got "
+                         f"{type(labels).__name__}: pass torch.as_tensor(labels)")
     if labels.dim() != 1 or labels.shape[0] != embeddings.shape[0]:
         raise ShapeError(
             f"labels must be (B,) with B = {embeddings.shape[0]}, got shape {tuple(labels.shape)}"
         )
-    if labels.is_floating_point():
+    if labels.is_floating_point() or labels.dtype == torch.bool:
         raise ShapeError(f"labels must be integers, got {labels.dtype}")
     if finite and not torch.isfinite(embeddings).all():
         raise _nonfinite_input(name)

@@ -169,6 +169,10 @@ class BaseMiner(nn.Module):
                 )
         labels = labels.to(embeddings.device)
         ref_labels = ref_labels.to(embeddings.device)
+        if embeddings.shape[0] == 0 or ref_emb.shape[0] == 0:  # nothing to mine (as a loss gives 0)
+            out = _empty_like(embeddings.device, 4 if self.output_type == "pair" else 3)
+            self._record(out, labels.shape[0])
+            return out
         with full_precision(embeddings):  # under autocast, distances stay in float32
             out = self.mine(embeddings.detach(), labels, ref_emb.detach(), ref_labels, same)
         self._record(out, labels.shape[0])
@@ -215,7 +219,7 @@ def _check(embeddings: torch.Tensor, labels: torch.Tensor, name: str) -> None:
     if not isinstance(labels, torch.Tensor) or labels.dim() != 1 or labels.shape[0] != embeddings.shape[0]:
         shape = tuple(labels.shape) if isinstance(labels, torch.Tensor) else type(labels).__name__
         raise ShapeError(f"labels for {name} must be a (B,) tensor with B = {embeddings.shape[0]}, got {shape}")
-    if labels.is_floating_point():
+    if labels.is_floating_point() or labels.dtype == torch.bool:
         raise ShapeError(f"labels must be integers, got {labels.dtype}")
     if not torch.isfinite(embeddings).all():
         raise NonFiniteError(f"{name} contain NaN or infinity: check the model and learning rate")
