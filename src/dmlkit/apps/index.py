@@ -174,12 +174,10 @@ class EmbeddingIndex:
             raise ConfigError(f"gpu=True needs an IVF index (faiss has no GPU {kind}); use ivf_flat or ivf_pq")
         for name, value in (("pq_nbits", pq_nbits), ("hnsw_m", hnsw_m), ("ef_construction", ef_construction),
                             ("rerank", rerank), ("ef_search", ef_search), ("recall_k", recall_k),
-                            ("recall_queries", recall_queries)):
-            if int(value) < 1:
-                raise ConfigError(f"{name} must be at least 1, got {value}")
-        for name, value in (("nlist", nlist), ("pq_m", pq_m), ("nprobe", nprobe)):  # None: the default
+                            ("recall_queries", recall_queries), ("nlist", nlist), ("pq_m", pq_m),
+                            ("nprobe", nprobe)):  # None (the last three): the default
             if value is not None and int(value) < 1:
-                raise ConfigError(f"{name} must be at least 1 (or left out for the default), got {value}")
+                raise ConfigError(f"{name} must be at least 1, got {value}")
         self.distance = distance
         self.kind = kind
         self.normalize = bool(normalize)
@@ -469,17 +467,13 @@ class EmbeddingIndex:
             order = np.argsort(-scores if self.higher_is_closer else scores, axis=1, kind="stable")[:, :k]
             rows = np.arange(pos.shape[0])[:, None]
             pos, scores = pos[rows, order], scores[rows, order]
-        elif self.distance == "euclidean":
-            scores = np.sqrt(np.maximum(dist, 0.0))
         else:
-            scores = dist
+            scores = np.sqrt(np.maximum(dist, 0.0)) if self.distance == "euclidean" else dist
         if pos.min() < 0:  # faiss found fewer than k: NaN scores there
-            scores = scores.astype(np.float32, copy=True)
-            scores[pos < 0] = np.nan
+            scores = np.where(pos < 0, np.float32(np.nan), scores.astype(np.float32))
         if pos.shape[1] < k:  # fewer references than k
-            pad = k - pos.shape[1]
-            pos = np.pad(pos, ((0, 0), (0, pad)), constant_values=-1)
-            scores = np.pad(scores, ((0, 0), (0, pad)), constant_values=np.nan)
+            pad = ((0, 0), (0, k - pos.shape[1]))
+            pos, scores = np.pad(pos, pad, constant_values=-1), np.pad(scores, pad, constant_values=np.nan)
         return pos.astype(np.int64, copy=False), scores.astype(np.float32, copy=False)
 
     def _exact(self, q: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
@@ -505,20 +499,17 @@ class EmbeddingIndex:
             raise ConfigError(f"k must be a positive integer, got {k!r}")
         if len(self) == 0:
             raise DataError("the index is empty: add embeddings first")
-        extra = 0
         if exclude_ids is not None:
             exclude = np.asarray(exclude_ids).astype(str)
             if exclude.shape != (q.shape[0],):
                 raise ShapeError(f"exclude_ids must hold one id per query ({q.shape[0]}), got {exclude.shape}")
-            extra = 1
-        k_eff = min(k + extra, len(self))
+        k_eff = min(k + (exclude_ids is not None), len(self))  # one more when the query's item drops out
         if self.kind == "flat" or exact:
             pos, scores = self._exact(q, k_eff)
         else:
             flush_graph_reserve(self)
             pos, scores = self._ann(q, k_eff, self._setting())
-            # a query the structure answers with fewer than k (an HNSW walk that reaches too few
-            # items, IVF cells holding fewer than k) is answered exactly: never a short list
+            # fewer than k found (a short HNSW walk, small IVF cells): exact, never a short list
             short = (pos < 0).any(axis=1)
             if short.any():
                 pos[short], scores[short] = self._exact(q[short], k_eff)
