@@ -54,6 +54,16 @@ def build_inputs(d: Path) -> Path:
     good = _save_npz(d / "good.npz", embeddings=emb, labels=labels)
     np.save(d / "good.npy", emb)
     (d / "labels.txt").write_text("\n".join(map(str, labels)) + "\n")
+    _save_npz(d / "other_ids.npz", embeddings=emb, labels=labels, ids=np.array([f"q{i}" for i in range(labels.size)]))
+    # shard directories: a write killed before its manifest, a manifest without "dim"
+    from dmlkit.embedding_shards import MANIFEST, write_shards
+
+    (d / "shards_killed").mkdir()
+    np.save(d / "shards_killed" / "embeddings-00000.npy", emb)
+    write_shards(d / "shards_nodim", emb, labels)
+    manifest = json.loads((d / "shards_nodim" / MANIFEST).read_text())
+    del manifest["dim"]
+    (d / "shards_nodim" / MANIFEST).write_text(json.dumps(manifest))
     # numbers that read as garbage
     nan = emb.copy()
     nan[3] = np.nan
@@ -210,6 +220,10 @@ CASES: list[tuple[str, list[str]]] = [
     ("query-unknown-id", ["query", "{d}/index.npz", "--id", "no-such-item"]),
     ("query-limit-negative", ["query", "{d}/index.npz", "{d}/good.npz", "--limit", "-1"]),
     ("query-no-rows", ["query", "{d}/index.npz", "{d}/empty_rows.npz"]),
+    ("query-exclude-self-other-ids", ["query", "{d}/index.npz", "{d}/other_ids.npz", "--exclude-self"]),
+    ("evaluate-killed-shard-write", ["evaluate", "{d}/shards_killed"]),
+    ("evaluate-shard-manifest-without-dim", ["evaluate", "{d}/shards_nodim"]),
+    ("index-shard-manifest-without-dim", ["index", "{d}/shards_nodim", "-o", "{d}/out_index"]),
     ("index-nprobe-0", ["index", "{d}/good.npz", "-o", "{d}/out_index", "--kind", "ivf_flat", "--nprobe", "0"]),
     ("index-nprobe-negative", ["index", "{d}/good.npz", "-o", "{d}/out_index", "--kind", "ivf_flat",
                                "--nprobe", "-3"]),
@@ -293,6 +307,7 @@ CASES: list[tuple[str, list[str]]] = [
     ("bench-list-yaml", ["bench", "{d}/list.yaml", "-o", "{d}/runs/b"]),
     ("bench-unknown-stage", ["bench", "configs/bench_quick.yaml", "-o", "{d}/runs/b", "--stage", "bogus"]),
     ("embed-missing", ["embed", "{d}/missing_run"]),
+    ("embed-dtype-without-shards", ["embed", "{d}/run_trunc_ckpt", "--dtype", "float16"]),
     ("embed-empty-dir", ["embed", "{d}/emptydir"]),
     ("embed-truncated-checkpoint", ["embed", "{d}/run_trunc_ckpt", "--data-root", "{d}/emptydir"]),
     ("embed-garbage-checkpoint", ["embed", "{d}/garbage.pt"]),
@@ -381,6 +396,11 @@ EXPECT = {
     "query-no-rows": "no query embeddings",
     "track-fps-0": "--fps",
     "compare-out-unknown-suffix": ".json or .md",
+    "query-exclude-self-other-ids": "no id of",
+    "evaluate-killed-shard-write": "interrupted",
+    "evaluate-shard-manifest-without-dim": "malformed",
+    "index-shard-manifest-without-dim": "malformed",
+    "embed-dtype-without-shards": "--format shards",
 }
 
 

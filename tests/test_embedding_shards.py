@@ -99,8 +99,24 @@ def test_overwrite_replaces_the_old_shards(tmp_path):
     write_shards(tmp_path / "s", x, y, shard_rows=10)
     s = write_shards(tmp_path / "s", x[:7], y[:7], shard_rows=10, overwrite=True)
     assert len(s) == 7
-    assert sorted(p.name for p in (tmp_path / "s").glob("*.npy")) == [
-        "embeddings-00000.npy", "ids-00000.npy", "labels-00000.npy"]
+    names = sorted(p.name for p in (tmp_path / "s").glob("*.npy"))  # the old five shards are gone
+    assert len(names) == 3 and [n.split("-")[0] for n in names] == ["embeddings", "ids", "labels"]
+    assert {n for shard in s.manifest["shards"] for n in (shard["embeddings"], shard["labels"], shard["ids"])} == set(names)
+
+
+def test_an_interrupted_overwrite_keeps_the_old_shards_readable(tmp_path):
+    """--overwrite removed the old data first: a rerun killed mid-write lost both."""
+    x, y = _data(50)
+    write_shards(tmp_path / "s", x, y, shard_rows=10)
+    with pytest.raises(RuntimeError), ShardWriter(tmp_path / "s", shard_rows=10, overwrite=True) as w:
+        w.append(x[:30] + 1, y[:30])  # three new shards flushed, then the crash
+        raise RuntimeError("killed mid-write")
+    old = open_shards(tmp_path / "s", verify=True)
+    assert len(old) == 50 and np.array_equal(np.asarray(old[:]), x)
+    # an unreadable manifest does not block the overwrite meant to replace it
+    (tmp_path / "s" / MANIFEST).write_text("{not json")
+    assert len(write_shards(tmp_path / "s", x[:7], y[:7], shard_rows=10, overwrite=True)) == 7
+    assert len(list((tmp_path / "s").glob("embeddings-*.npy"))) == 1
 
 
 def test_an_interrupted_write_leaves_no_manifest_and_is_refused(tmp_path):

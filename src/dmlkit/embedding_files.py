@@ -29,6 +29,9 @@ def read_embedding_file(path: str | os.PathLike, labels_path: str | os.PathLike 
     path = Path(path)
     if not path.exists():
         raise DataNotFoundError(f"embeddings file not found: {path}")
+    if path.is_dir():  # a shard directory with its manifest never reaches this function
+        raise DataError(f"{path} is a directory without a shard manifest.json: not embeddings, or a "
+                        "shard write that was interrupted (write it again)")
     suffix = path.suffix.lower()
     labels: Any = None
     extra: dict[str, np.ndarray] = {}

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -97,11 +98,16 @@ class ShardWriter:
         self.directory = Path(directory)
         if self.directory.exists() and not self.directory.is_dir():
             raise DataError(f"{self.directory} exists and is not a directory: choose another output")
+        # an overwrite writes its shards under new names and replaces the old manifest only when
+        # it closes: until then the old shards stay readable, and a killed rerun loses nothing
+        self._replaced: set[str] | None = None
+        self._prefix = ""
         if (self.directory / MANIFEST).exists():
             if not overwrite:
                 raise DataError(f"{self.directory} already holds embedding shards: pass overwrite=True "
                                 "(--overwrite) or choose another directory")
-            self._remove_old()
+            self._replaced = self._old_files()
+            self._prefix = f"{os.getpid():x}{time.time_ns() % 2**20:05x}-"
         self.directory.mkdir(parents=True, exist_ok=True)
         self.dtype = dtype
         self.shard_rows = int(shard_rows)
@@ -115,14 +121,17 @@ class ShardWriter:
         self._fill = 0
         self._closed = False
 
-    def _remove_old(self) -> None:
-        old = json.loads((self.directory / MANIFEST).read_text(encoding="utf-8"))
-        (self.directory / MANIFEST).unlink()
-        for shard in old.get("shards", []):
-            for key in ("embeddings", "labels", "ids"):
-                name = shard.get(key)
-                if isinstance(name, str) and "/" not in name and name:
-                    (self.directory / name).unlink(missing_ok=True)
+    def _old_files(self) -> set[str]:
+        """The shard files of the directory's current data, removed once the new manifest is in
+        place: those its manifest lists, or, where it cannot be read, every file named like a
+        shard (``embeddings-*.npy``, ``labels-*.npy``, ``ids-*.npy``)."""
+        try:
+            old = json.loads((self.directory / MANIFEST).read_text(encoding="utf-8"))
+            return {name for shard in old["shards"] for key in ("embeddings", "labels", "ids")
+                    if isinstance(name := shard.get(key), str) and name and Path(name).name == name}
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            return {p.name for pattern in ("embeddings-*.npy", "labels-*.npy", "ids-*.npy")
+                    for p in self.directory.glob(pattern)}
 
     def __enter__(self) -> ShardWriter:
         return self
@@ -170,7 +179,7 @@ class ShardWriter:
         if self._fill == 0:
             return
         i = len(self.shards)
-        names = {key: f"{key}-{i:05d}.npy" for key in ("embeddings", "labels", "ids")}
+        names = {key: f"{key}-{self._prefix}{i:05d}.npy" for key in ("embeddings", "labels", "ids")}
         arrays = {"embeddings": self._buf[: self._fill], "labels": self._buf_labels[: self._fill],
                   "ids": self._buf_ids[: self._fill]}
         digests = {}
@@ -196,6 +205,9 @@ class ShardWriter:
                     "dtype": self.dtype, "label_dtype": "int64", "id_dtype": "int64",
                     "shard_rows": self.shard_rows, "shards": self.shards, "metadata": self.metadata}
         atomic_write_json(self.directory / MANIFEST, manifest)
+        kept = {name for shard in self.shards for key in ("embeddings", "labels", "ids") for name in [shard[key]]}
+        for name in (self._replaced or set()) - kept:  # the replaced data, now unreferenced
+            (self.directory / name).unlink(missing_ok=True)
         self._buf = None
         return self.directory
 
@@ -416,6 +428,10 @@ def _read_manifest(directory: Path) -> dict[str, Any]:
                         f"{_VERSION}: upgrade dmlkit or rewrite the shards")
     if m.get("dtype") not in _DTYPES or not isinstance(m.get("shards"), list):
         raise DataError(f"{path} is malformed (dtype {m.get('dtype')!r}): rewrite the shards")
+    counts = [m.get("count"), m.get("dim"), *(s.get("rows") if isinstance(s, dict) else None for s in m["shards"])]
+    if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in counts):
+        raise DataError(f"{path} is malformed (count, dim and each shard's rows must be whole numbers): "
+                        "rewrite the shards")
     for shard in m["shards"]:
         for key in ("embeddings", "labels", "ids"):
             name = shard.get(key) if isinstance(shard, dict) else None

@@ -188,6 +188,10 @@ def query(
         if qids is None:
             raise DataError(f"--exclude-self needs ids for the queries: {queries} has no paths/ids/indices array "
                             "and its rows are not the index's first items (save it with save_embeddings(..., ids=...))")
+    if exclude_self and queries is not None and not np.isin(np.asarray(qids).astype(str), idx.ids).any():
+        raise DataError(f"--exclude-self matches queries to indexed items by id, but no id of {queries} "
+                        f"(e.g. {str(qids[0])!r}) is in the index (e.g. {str(idx.ids[0])!r}): build both "
+                        "from the same kind of file (a run's .npz, or shards), or leave --exclude-self out")
     records = []
     step = 65536 if queries is not None and is_shard_dir(queries) else max(1, len(q))
     for a0 in range(0, len(q), step):

@@ -136,6 +136,9 @@ def register(app: typer.Typer) -> None:
 
         if fmt not in ("npz", "shards"):
             raise ConfigError(f"--format must be npz or shards, got {fmt!r}")
+        if fmt == "npz" and (dtype != "float32" or shard_rows != 65536):  # never silently ignored
+            raise ConfigError("--dtype and --shard-rows apply to --format shards; an .npz holds float32 "
+                              "embeddings")
         if fmt == "shards":
             from dmlkit.embedding_shards import embed_to_shards
             from dmlkit.embeddings import InferenceOptions
