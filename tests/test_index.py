@@ -539,3 +539,17 @@ def test_hnsw_tuning_never_tries_an_exhaustive_ef_on_a_large_graph():
     small = [s["ef_search"] for _, s in search_settings(Fake(300), 10)]
     assert small[-1] == 300 and all(ef < 300 for ef in small[:-1])  # ef = N: an exhaustive graph walk
     assert [s["ef_search"] for _, s in search_settings(Fake(1_000_000), 5000)] == [5001]
+
+
+def test_an_ivf_built_block_by_block_sizes_its_cells_for_every_row(tmp_path):
+    """add_blocks trains the IVF on its first block: nlist was 4 sqrt(first block), not
+    4 sqrt(N) (140k rows got 1,020 cells instead of 1,494)."""
+    from dmlkit.embedding_shards import write_shards
+
+    x, y = _blobs(n=30000, d=8, centres=40)
+    shards = write_shards(tmp_path / "s", x, y, shard_rows=28000)
+    blocks = EmbeddingIndex(kind="ivf_flat", dim=8, recall_queries=20)
+    blocks.add_blocks(shards, rows=28000)  # the first block alone would give 4 sqrt(27980) = 669
+    whole = EmbeddingIndex(x, y, kind="ivf_flat", recall_queries=20)
+    assert blocks.params["nlist"] == whole.params["nlist"] == 693  # 4 sqrt(30000 - 20)
+    assert not hasattr(blocks, "_planned_rows")

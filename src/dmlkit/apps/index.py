@@ -255,15 +255,15 @@ class EmbeddingIndex:
         :class:`~dmlkit.embedding_shards.ShardedEmbeddings`, an ``np.memmap``), so it is never
         copied whole; labels and ids default to the source's own. Returns N.
 
-        Each block is checked and encoded into the faiss structure as it is read; the stored
-        arrays grow once at the end (linear in N; one :meth:`add` per block copied them per
-        block, O(N^2 / rows)). Blocks read before a bad one stay added, as with :meth:`add`.
-        """
+        Each block is checked and encoded into the faiss structure as it is read (an IVF has cells
+        for all N); the stored arrays grow once at the end (one :meth:`add` per block copied them
+        per block, O(N^2 / rows)). Blocks read before a bad one stay added, as with :meth:`add`."""
         labels = getattr(source, "labels", None) if labels is None else labels
         ids = getattr(source, "ids", None) if ids is None else ids
         step = max(1, int(rows))
         pending: list[_Block] = []
         pending_ids: set[str] = set()
+        self._planned_rows = len(self) + len(source)  # an IVF trained on the first block sizes its cells for all
         try:
             for a0 in range(0, len(source), step):
                 a1 = min(len(source), a0 + step)
@@ -273,6 +273,7 @@ class EmbeddingIndex:
                 if ids is not None:
                     pending_ids.update(block.ids.tolist())
         finally:
+            self.__dict__.pop("_planned_rows", None)
             if pending:
                 self._commit(pending)
         return len(source)

@@ -88,7 +88,10 @@ def new_faiss_index(index: EmbeddingIndex, emb: np.ndarray, keys: np.ndarray) ->
     reserve = min(index._recall_reserve, n // 10)
     if p["nlist"] and p["nlist"] * 39 > n - reserve:
         reserve = 0
-    nlist = p["nlist"] or default_nlist(n - reserve)
+    # cells for every row the index will hold (add_blocks trains on its first block), each
+    # trained on 39+ of the rows at hand
+    total = max(n, getattr(index, "_planned_rows", n))
+    nlist = p["nlist"] or max(1, min(default_nlist(total - reserve), (n - reserve) // 39))
     if nlist > n:
         raise ConfigError(f"nlist={nlist} is larger than the {n} vectors to train on: use nlist <= {n}")
     p["nlist"] = int(nlist)
