@@ -140,6 +140,8 @@ def register(app: typer.Typer) -> None:
             raise ConfigError("--dtype and --shard-rows apply to --format shards; an .npz holds float32 "
                               "embeddings")
         if fmt == "shards":
+            if os.environ.get("RANK", "0") not in ("", "0"):  # under torchrun: rank 0 writes them all
+                return
             from dmlkit.embedding_shards import embed_to_shards
             from dmlkit.embeddings import InferenceOptions
             from dmlkit.training.builders import build_datasets
