@@ -552,4 +552,4 @@ def test_an_ivf_built_block_by_block_sizes_its_cells_for_every_row(tmp_path):
     blocks.add_blocks(shards, rows=28000)  # the first block alone would give 4 sqrt(27980) = 669
     whole = EmbeddingIndex(x, y, kind="ivf_flat", recall_queries=20)
     assert blocks.params["nlist"] == whole.params["nlist"] == 693  # 4 sqrt(30000 - 20)
-    assert not hasattr(blocks, "_planned_rows")
+    assert blocks._planned_rows == 0  # nothing left planned after the blocks

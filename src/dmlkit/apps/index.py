@@ -199,6 +199,7 @@ class EmbeddingIndex:
         self._faiss_index: Any = None
         self._trained_keys = np.empty((0,), dtype=np.int64)
         self._graph_reserve = np.empty((0,), dtype=np.int64)  # HNSW rows kept out of the graph
+        self._planned_rows = 0  # rows add_blocks is adding: an IVF trained on its first block sizes its cells for all
         self._id_pos: dict[str, int] | None = None
         self._norm_cache: RowNorms | None = None
         self._has_user_labels = labels is not None
@@ -263,7 +264,7 @@ class EmbeddingIndex:
         step = max(1, int(rows))
         pending: list[_Block] = []
         pending_ids: set[str] = set()
-        self._planned_rows = len(self) + len(source)  # an IVF trained on the first block sizes its cells for all
+        self._planned_rows = len(self) + len(source)
         try:
             for a0 in range(0, len(source), step):
                 a1 = min(len(source), a0 + step)
@@ -273,7 +274,7 @@ class EmbeddingIndex:
                 if ids is not None:
                     pending_ids.update(block.ids.tolist())
         finally:
-            self.__dict__.pop("_planned_rows", None)
+            self._planned_rows = 0
             if pending:
                 self._commit(pending)
         return len(source)
@@ -510,8 +511,7 @@ class EmbeddingIndex:
         else:
             flush_graph_reserve(self)
             pos, scores = self._ann(q, k_eff, self._setting())
-            # fewer than k found (a short HNSW walk, small IVF cells): exact, never a short list
-            short = (pos < 0).any(axis=1)
+            short = (pos < 0).any(axis=1)  # fewer than k found (HNSW walk, small IVF cells): exact
             if short.any():
                 pos[short], scores[short] = self._exact(q[short], k_eff)
         if exclude_ids is not None:

@@ -90,7 +90,7 @@ def new_faiss_index(index: EmbeddingIndex, emb: np.ndarray, keys: np.ndarray) ->
         reserve = 0
     # cells for every row the index will hold (add_blocks trains on its first block), each
     # trained on 39+ of the rows at hand
-    total = max(n, getattr(index, "_planned_rows", n))
+    total = max(n, index._planned_rows)
     nlist = p["nlist"] or max(1, min(default_nlist(total - reserve), (n - reserve) // 39))
     if nlist > n:
         raise ConfigError(f"nlist={nlist} is larger than the {n} vectors to train on: use nlist <= {n}")

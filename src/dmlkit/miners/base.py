@@ -10,9 +10,9 @@ import torch
 from torch import nn
 
 from dmlkit.distances import BaseDistance, CosineSimilarity, get_distance
-from dmlkit.exceptions import ConfigError, NonFiniteError, ShapeError
+from dmlkit.exceptions import ConfigError, ShapeError
 from dmlkit.losses._pairs import label_masks  # the one label-mask helper of losses and miners
-from dmlkit.losses.base import full_precision
+from dmlkit.losses.base import check_inputs, full_precision  # one input check for losses and miners
 from dmlkit.utils import registering
 
 MINERS: dict[str, type[BaseMiner]] = {}
@@ -154,14 +154,14 @@ class BaseMiner(nn.Module):
         ref_emb: torch.Tensor | None = None,
         ref_labels: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, ...]:
-        _check(embeddings, labels, "embeddings")
+        check_inputs(embeddings, labels, "embeddings")
         if (ref_emb is None) != (ref_labels is None):
             raise ShapeError("pass both ref_emb and ref_labels, or neither")
         same = ref_emb is None or (ref_emb is embeddings and ref_labels is labels)
         if ref_emb is None:
             ref_emb, ref_labels = embeddings, labels
         else:
-            _check(ref_emb, ref_labels, "ref_emb")
+            check_inputs(ref_emb, ref_labels, "ref_emb")
             if ref_emb.shape[1] != embeddings.shape[1]:
                 raise ShapeError(
                     f"ref_emb has {ref_emb.shape[1]} features but embeddings have "
@@ -209,20 +209,6 @@ class BaseMiner(nn.Module):
 
     def extra_repr(self) -> str:
         return f"distance={self.distance!r}"
-
-
-def _check(embeddings: torch.Tensor, labels: torch.Tensor, name: str) -> None:
-    if embeddings.dim() != 2:
-        raise ShapeError(f"{name} must be (B, D), got shape {tuple(embeddings.shape)}")
-    if not embeddings.is_floating_point():
-        raise ShapeError(f"{name} must be a floating-point tensor, got {embeddings.dtype}")
-    if not isinstance(labels, torch.Tensor) or labels.dim() != 1 or labels.shape[0] != embeddings.shape[0]:
-        shape = tuple(labels.shape) if isinstance(labels, torch.Tensor) else type(labels).__name__
-        raise ShapeError(f"labels for {name} must be a (B,) tensor with B = {embeddings.shape[0]}, got {shape}")
-    if labels.is_floating_point() or labels.dtype == torch.bool:
-        raise ShapeError(f"labels must be integers, got {labels.dtype}")
-    if not torch.isfinite(embeddings).all():
-        raise NonFiniteError(f"{name} contain NaN or infinity: check the model and learning rate")
 
 
 def _empty_like(device: torch.device, k: int) -> tuple[torch.Tensor, ...]:
