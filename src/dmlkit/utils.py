@@ -112,7 +112,8 @@ def atomic_write_text(path: str | os.PathLike, text: str) -> Path:
 def json_text(obj: Any, indent: int | None = 2) -> str:
     """Strict JSON (RFC 8259) text of ``obj``: a NaN or infinite number becomes ``null``, never
     the bare ``NaN``/``Infinity`` that other JSON readers refuse; numpy scalars and arrays and
-    paths are converted. Every JSON file and every ``--json`` print goes through it."""
+    paths are converted. Every result file (:func:`atomic_write_json`) and every ``--json`` print
+    goes through it."""
     return json.dumps(_finite_or_none(obj), indent=indent, sort_keys=False, default=_json_default,
                       allow_nan=False)
 

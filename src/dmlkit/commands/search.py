@@ -164,7 +164,7 @@ def query(
     from dmlkit.apps.index import item_ids
     from dmlkit.embedding_shards import is_shard_dir, open_shards
     from dmlkit.exceptions import ConfigError, DataError
-    from dmlkit.utils import atomic_write_text, json_text
+    from dmlkit.utils import atomic_write_json
 
     if limit < 0:
         raise ConfigError(f"--limit must be 0 (all) or positive, got {limit}")
@@ -200,7 +200,7 @@ def query(
     # one shape for -o and --json: each query's id (its row number in a file without ids)
     payload = [{"query": str(qids[i] if qids is not None else i), "results": row} for i, row in enumerate(records)]
     if output is not None:
-        atomic_write_text(output, json_text(payload, indent=1))
+        atomic_write_json(output, payload, indent=1)
     if as_json:
         echo_json(payload)
         return
