@@ -299,3 +299,61 @@ def test_every_miner_returns_nothing_for_an_empty_batch():
         assert len(out) == (4 if miner.output_type == "pair" else 3), name
         assert all(t.numel() == 0 and t.dtype == torch.long for t in out), name
         assert miner.num_mined == 0
+
+
+def _direct_contrastive(x: torch.Tensor, labels: torch.Tensor, snr: bool) -> float:
+    """The contrastive loss (margins 0 and 1, mean of the non-zero terms) from float64 pair
+    differences, never the expanded form: an exact 0 for identical rows. Euclidean on
+    L2-normalised rows, or (``snr``) the SNR distance with its zero-mean regulariser (weight
+    0.001)."""
+    x = x.double()
+    z = x[None, :, :] - x[:, None, :] if snr else torch.nn.functional.normalize(x, dim=1)[None] - \
+        torch.nn.functional.normalize(x, dim=1)[:, None]
+    d = z.var(dim=2) / x.var(dim=1, keepdim=True) if snr else z.norm(dim=2)
+    same = labels[:, None] == labels[None, :]
+    off = ~torch.eye(len(labels), dtype=torch.bool)
+    pos, neg = d[same & off], (1 - d[~same]).clamp_min(0)
+    value = sum(float(t[t > 0].mean()) for t in (pos, neg) if bool((t > 0).any()))
+    return value + (0.001 * float(x.sum(1).abs().mean()) if snr else 0.0)
+
+
+@pytest.mark.parametrize("name", ["contrastive", "snr_contrastive"])
+@pytest.mark.parametrize("dim", [8, 128])
+def test_identical_embeddings_are_at_distance_zero_in_float32(name, dim):
+    """A batch with repeated rows (``small_classes="replace"`` draws them): the repeated pairs'
+    positive terms are exactly 0, so the mean of the non-zero terms leaves them out, as the peer
+    does. The float32 expanded form ``|x|^2 + |y|^2 - 2<x, y>`` left rounding noise there (and the
+    square root a 1e-6 floor), which counted them: the loss read 17-29 % low."""
+    g = torch.Generator().manual_seed(5)
+    base = torch.randn(16, dim, generator=g)
+    x = torch.cat([base, base[:8]])
+    labels = torch.cat([torch.arange(16) // 2, torch.arange(8) // 2])
+    x.requires_grad_(True)
+    value = get_loss(name)(x, labels)
+    value.backward()
+    assert float(value) == pytest.approx(_direct_contrastive(x.detach(), labels, name != "contrastive"),
+                                         rel=1e-5)
+    assert torch.isfinite(x.grad).all()
+
+
+def test_distances_of_identical_rows_are_exactly_zero():
+    """Identical rows (and, for the SNR, a row and its shifted copy) are at distance exactly 0 in
+    float32 however the matrix product sums; other pairs keep the expanded form's value."""
+    from dmlkit.distances import SNRDistance
+
+    g = torch.Generator().manual_seed(7)
+    x = torch.round(torch.randn(6, 256, generator=g) * 3 * 1024) / 1024  # x + 0.5 is exact
+    twice = torch.cat([x, x, x + 0.5])
+    lp = LpDistance(normalize_embeddings=False)(twice)
+    for power in (1, 2):
+        m = LpDistance(normalize_embeddings=False, power=power)(twice)
+        assert (m[torch.arange(6), torch.arange(6) + 6] == 0).all()
+        assert (m.diagonal() == 0).all()
+    torch.testing.assert_close(lp[torch.arange(6), torch.arange(6) + 12], torch.full((6,), 0.5 * 16),
+                               rtol=1e-4, atol=0)
+    snr = SNRDistance()(twice)
+    assert (snr[torch.arange(6), torch.arange(6) + 6] == 0).all()
+    assert (snr[torch.arange(6), torch.arange(6) + 12] == 0).all()
+    far = ~torch.eye(6, dtype=torch.bool)
+    direct = (x[None] - x[:, None]).norm(dim=2)
+    torch.testing.assert_close(lp[:6, :6][far], direct[far])

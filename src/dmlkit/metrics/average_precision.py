@@ -36,6 +36,7 @@ from queue import SimpleQueue
 import numpy as np
 import torch
 
+from dmlkit.distances import rounding_bound
 from dmlkit.metrics._threads import run_threads, single_threaded_torch
 from dmlkit.metrics._tiles import _Tiles
 
@@ -62,16 +63,9 @@ _MAX_TILE = 1024
 
 
 def closeness_tolerance(kind: str, d: int, q_max_norm: float, r_max_norm: float) -> float:
-    """Worst-case difference between a float32 tile closeness and its float64 value.
-
-    ``kind`` ``"ip"``: ``<x, y>`` summed in float32 in any order is within
-    ``gamma_d sum |x_t y_t| <= (d + 1) u |x| |y|`` (``u = 2^-24``); ``"l2"`` (``2<x, y> - |x|^2 -
-    |y|^2``): within ``(d + 4) u (|x| + |y|)^2``. Three extra ``u`` and 1 % cover the final
-    roundings.
-    """
-    u = 2.0**-24
-    scale = q_max_norm * r_max_norm if kind == "ip" else (q_max_norm + r_max_norm) ** 2
-    return 1.01 * (d + 4) * u * scale + 1e-300
+    """Worst-case difference between a float32 tile closeness and its float64 value:
+    :func:`dmlkit.distances.rounding_bound` (``kind`` ``"ip"`` or ``"l2"``) in float32."""
+    return rounding_bound(kind, d, q_max_norm, r_max_norm)
 
 
 def _table_dtype(r_max: int) -> type:
