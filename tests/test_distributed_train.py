@@ -71,6 +71,8 @@ if os.environ["RANK"] == "0":
 main(args + ["--resume"])
 main(args[:2] + ["--run-dir", frozen_dir] + args[4:] + {frozen!r})
 main(["embed", args[3], "-o", out_file + ".embed.npz", "--data-root", args[5], "-q"])
+main(["embed", args[3], "--format", "shards", "--shard-rows", "40", "-o", out_file + ".shards",
+      "--data-root", args[5], "-q"])
 helper_checks(out_file)
 """
 
@@ -381,7 +383,34 @@ def test_dmlkit_embed_under_torchrun_gathers_the_split_in_order(runs, tmp_path, 
     np.testing.assert_array_equal(got["indices"], np.load(tmp_path / "one.npz")["indices"])
     np.testing.assert_array_equal(got["labels"], labels)
     np.testing.assert_allclose(got["embeddings"], emb, atol=1e-6)
-    assert proc.stdout.count("wrote ") == 1  # rank 0 reports the file
+    assert proc.stdout.count("helpers.pt.embed.npz: ") == 1  # rank 0 reports the file
+
+
+def test_dmlkit_embed_shards_under_torchrun_writes_each_ranks_share(runs, tmp_path, data_root):
+    """`torchrun ... dmlkit embed --format shards`: each rank embedded and wrote its contiguous
+    half of the split (its own files), rank 0 wrote one manifest listing them in dataset order,
+    and the directory reads back as the one-process embedding of the split."""
+    from dmlkit.distributed import shard_bounds
+    from dmlkit.embedding_shards import open_shards
+    from dmlkit.training import embed_run
+
+    _, two, proc = runs
+    _, emb, labels, _ = embed_run(two, "test", output=tmp_path / "one.npz", data_root=data_root)
+    one = np.load(tmp_path / "one.npz")
+    got = open_shards(two.parent / "helpers.pt.shards", verify=True)
+    np.testing.assert_array_equal(got.ids, one["indices"])
+    np.testing.assert_array_equal(got.labels, labels)
+    np.testing.assert_allclose(got.to_numpy(), emb, atol=1e-6)
+    n = len(labels)
+    files = [shard["embeddings"] for shard in got.manifest["shards"]]
+    for rank in (0, 1):  # each rank's files hold its share of the rows, and only that
+        start, stop = shard_bounds(n, 2, rank)
+        mine = [s for s in got.manifest["shards"] if f"-r{rank:03d}-" in s["embeddings"]]
+        assert mine and sum(s["rows"] for s in mine) == stop - start
+        assert max(s["rows"] for s in mine) <= 40
+    assert len(files) == len({*files}) and all("-r00" in f for f in files)
+    assert got.manifest["metadata"]["split"] == "test"
+    assert proc.stdout.count(f"{n} x 16 float32 embeddings") == 1  # rank 0 reports the directory
 
 
 def test_random_augmentation_is_the_same_with_one_or_two_ranks():

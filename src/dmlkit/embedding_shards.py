@@ -48,6 +48,7 @@ __all__ = [
     "embed_to_shards",
     "is_shard_dir",
     "open_shards",
+    "write_manifest",
     "write_shards",
 ]
 
@@ -77,6 +78,10 @@ class ShardWriter:
         shard_rows: rows per shard file; the writer buffers one shard (``shard_rows x D``).
         overwrite: replace an existing shard directory's files.
         metadata: JSON-serialisable extra information stored in the manifest.
+        part: a tag in this writer's file names (``embeddings-<part>00000.npy``), so that
+            several writers (the ranks of a distributed job) fill one directory side by side;
+            each then ends with :meth:`finish` and one of them writes the manifest of all their
+            shards (:func:`write_manifest`).
 
     Use it as a context manager: the manifest is written by :meth:`close` when the block ends
     without an exception, so a crashed write never looks complete.
@@ -90,6 +95,7 @@ class ShardWriter:
         shard_rows: int = DEFAULT_SHARD_ROWS,
         overwrite: bool = False,
         metadata: Mapping[str, Any] | None = None,
+        part: str = "",
     ) -> None:
         if dtype not in _DTYPES:
             raise ConfigError(f"shard dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
@@ -108,6 +114,7 @@ class ShardWriter:
                                 "(--overwrite) or choose another directory")
             self._replaced = self._old_files()
             self._prefix = f"{os.getpid():x}{time.time_ns() % 2**20:05x}-"
+        self._prefix += part
         self.directory.mkdir(parents=True, exist_ok=True)
         self.dtype = dtype
         self.shard_rows = int(shard_rows)
@@ -193,23 +200,41 @@ class ShardWriter:
         self.shards.append({"rows": self._fill, **names, "sha256": digests})
         self._fill = 0
 
+    def finish(self) -> list[dict[str, Any]]:
+        """Write the last shard and return this writer's shard records, without a manifest."""
+        if not self._closed:
+            self._flush()
+            self._closed = True
+            self._buf = None
+        return self.shards
+
     def close(self) -> Path:
         """Write the last shard and the manifest; returns the directory."""
         if self._closed:
             return self.directory
-        self._flush()
-        self._closed = True
+        self.finish()
         if self.dim is None:
             raise DataError("no embeddings were written: append at least one batch before closing")
-        manifest = {"format": SHARD_FORMAT, "version": _VERSION, "count": self.count, "dim": self.dim,
-                    "dtype": self.dtype, "label_dtype": "int64", "id_dtype": "int64",
-                    "shard_rows": self.shard_rows, "shards": self.shards, "metadata": self.metadata}
-        atomic_write_json(self.directory / MANIFEST, manifest)
-        kept = {name for shard in self.shards for key in ("embeddings", "labels", "ids") for name in [shard[key]]}
-        for name in (self._replaced or set()) - kept:  # the replaced data, now unreferenced
-            (self.directory / name).unlink(missing_ok=True)
-        self._buf = None
+        write_manifest(self.directory, self.shards, dim=self.dim, dtype=self.dtype,
+                       shard_rows=self.shard_rows, metadata=self.metadata, replaced=self._replaced)
         return self.directory
+
+
+def write_manifest(directory: str | os.PathLike, shards: list[dict[str, Any]], *, dim: int, dtype: str,
+                   shard_rows: int, metadata: Mapping[str, Any] | None = None,
+                   replaced: set[str] | None = None) -> None:
+    """Write the manifest of ``shards`` (records of :meth:`ShardWriter.finish`, in row order)
+    atomically, then remove the files of ``replaced`` it no longer lists (the data an overwrite
+    replaced): the last step of a write, after which the directory reads as complete."""
+    directory = Path(directory)
+    manifest = {"format": SHARD_FORMAT, "version": _VERSION,
+                "count": sum(int(shard["rows"]) for shard in shards), "dim": int(dim),
+                "dtype": dtype, "label_dtype": "int64", "id_dtype": "int64",
+                "shard_rows": int(shard_rows), "shards": shards, "metadata": dict(metadata or {})}
+    atomic_write_json(directory / MANIFEST, manifest)
+    kept = {shard[key] for shard in shards for key in ("embeddings", "labels", "ids")}
+    for name in (replaced or set()) - kept:  # the replaced data, now unreferenced
+        (directory / name).unlink(missing_ok=True)
 
 
 def write_shards(
@@ -461,15 +486,39 @@ def embed_to_shards(
     """Run the inference loop over ``dataset`` and write its embeddings as shards, batch by
     batch (the ``N x D`` outputs are never held together). ``options`` is an
     :class:`dmlkit.embeddings.InferenceOptions`; ids are the dataset rows
-    (:func:`dmlkit.embeddings.dataset_rows`)."""
-    # lazy: torch and the inference loop load only when a model is embedded
-    from dmlkit.embeddings import dataset_rows, iter_embed_model
+    (:func:`dmlkit.embeddings.dataset_rows`).
+
+    In a distributed job (torchrun) each rank embeds its contiguous share of the rows
+    (:func:`dmlkit.embeddings.rank_share`) and writes its own shard files (``r<rank>-`` in their
+    names) into ``directory``, which must be one directory every rank sees (a shared file system
+    across machines); rank 0 then writes the manifest of all of them in dataset order, and every
+    rank returns the whole set. A rank that fails leaves no manifest: the directory reads as
+    interrupted. Progress is shown by rank 0 alone.
+    """
+    # lazy: torch and the process group's helpers load only when a model is embedded
+    from dmlkit.distributed import all_gather_object, barrier, context
+    # lazy: the same for the inference loop
+    from dmlkit.embeddings import dataset_rows, iter_embed_model, rank_share
 
     rows = dataset_rows(dataset)
+    share, start, _, split = rank_share(dataset)
+    ctx = context()
     with ShardWriter(directory, dtype=dtype, shard_rows=shard_rows, overwrite=overwrite,
-                     metadata=metadata) as writer:
-        done = 0
-        for emb, labels in iter_embed_model(model, dataset, options, progress=progress):
+                     metadata=metadata, part=f"r{ctx.rank:03d}-" if split else "") as writer:
+        done = start
+        for emb, labels in iter_embed_model(model, share, options, progress=progress and ctx.is_main):
             writer.append(emb, labels, rows[done:done + len(labels)])
             done += len(labels)
+        if split:
+            parts = all_gather_object({"shards": writer.finish(), "dim": writer.dim})
+            if ctx.is_main:
+                dims = {part["dim"] for part in parts}
+                if len(dims) != 1 or None in dims:
+                    raise DataError(f"the ranks wrote embeddings of different sizes {sorted(map(str, dims))}: "
+                                    "every rank must run the same checkpoint")
+                write_manifest(directory, [shard for part in parts for shard in part["shards"]],
+                               dim=dims.pop(), dtype=dtype, shard_rows=shard_rows, metadata=metadata,
+                               replaced=writer._replaced)
+    if split:
+        barrier()  # the manifest exists before any rank reads it
     return ShardedEmbeddings(directory)

@@ -51,6 +51,7 @@ __all__ = [
     "embed",
     "embed_model",
     "embed_sharded",
+    "rank_share",
     "embed_split",
     "iter_embed",
     "iter_embed_model",
@@ -347,6 +348,22 @@ def embed_model(model: nn.Module, dataset: MetricDataset, options: InferenceOpti
                  amp=options.amp, progress=progress)
 
 
+def rank_share(dataset: Dataset) -> tuple[Dataset, int, int, bool]:
+    """``(share, start, stop, split)``: the contiguous rows ``start:stop`` of ``dataset`` this
+    rank of a distributed job embeds (:func:`dmlkit.distributed.shard_bounds`), as a dataset;
+    ``split`` is False, and the share the whole dataset, for one process or a dataset with
+    fewer rows than ranks (then embedded whole on every rank)."""
+    ctx = context()
+    n = len(dataset)  # type: ignore[arg-type]
+    if not ctx.enabled or n < ctx.world_size:
+        return dataset, 0, n, False
+    start, stop = shard_bounds(n, ctx.world_size, ctx.rank)
+    rows = np.arange(start, stop, dtype=np.int64)
+    if isinstance(dataset, MetricDataset):
+        return dataset.subset(rows), start, stop, True
+    return torch.utils.data.Subset(dataset, rows.tolist()), start, stop, True
+
+
 def embed_sharded(
     fn: Callable[[Dataset], tuple[np.ndarray, np.ndarray]], dataset: Dataset,
 ) -> tuple[np.ndarray, np.ndarray]:
@@ -360,16 +377,9 @@ def embed_sharded(
     up with the whole ``(N, D)`` array: the gather costs ``N x D`` floats per rank.
     Datasets with fewer rows than ranks are embedded whole on every rank.
     """
-    ctx = context()
-    n = len(dataset)  # type: ignore[arg-type]
-    if not ctx.enabled or n < ctx.world_size:
+    shard, _, _, split = rank_share(dataset)
+    if not split:
         return fn(dataset)
-    start, stop = shard_bounds(n, ctx.world_size, ctx.rank)
-    rows = np.arange(start, stop, dtype=np.int64)
-    if isinstance(dataset, MetricDataset):
-        shard: Dataset = dataset.subset(rows)
-    else:
-        shard = torch.utils.data.Subset(dataset, rows.tolist())
     emb, labels = fn(shard)
     emb_all = all_gather_unequal(torch.from_numpy(np.ascontiguousarray(emb, dtype=np.float32)))
     labels_all = all_gather_unequal(torch.from_numpy(np.ascontiguousarray(labels, dtype=np.int64)))

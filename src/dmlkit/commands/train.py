@@ -139,38 +139,20 @@ def register(app: typer.Typer) -> None:
         if fmt == "npz" and (dtype != "float32" or shard_rows != 65536):  # never silently ignored
             raise ConfigError("--dtype and --shard-rows apply to --format shards; an .npz holds float32 "
                               "embeddings")
+        main_rank = os.environ.get("RANK", "0") in ("", "0")  # under torchrun: each rank a share
         if fmt == "shards":
-            if os.environ.get("RANK", "0") not in ("", "0"):  # under torchrun: rank 0 writes them all
-                return
-            from dmlkit.embedding_shards import embed_to_shards
-            from dmlkit.embeddings import InferenceOptions
-            from dmlkit.training.builders import build_datasets
-            from dmlkit.training.checkpoint import find_checkpoint, load_checkpoint
+            from dmlkit.training.trainer import embed_run_to_shards
 
-            if split not in ("train", "val", "test"):
-                raise ConfigError(f"the split must be train, val or test, got {split!r}")
-            ckpt = find_checkpoint(checkpoint)
-            model, cfg = load_checkpoint(ckpt)
-            dataset = build_datasets(cfg, (split,), data_root=data_root, augment_train=False)[split]
-            if dataset is None:
-                from dmlkit.exceptions import DataError
-
-                raise DataError(f"the config's class split has no {split} classes")
-            if output is None:
-                run = ckpt.parent.parent if ckpt.parent.name == "checkpoints" else ckpt.parent
-                output = run / "embeddings" / f"{split}-shards"
-            shards = embed_to_shards(
-                model, dataset, output, InferenceOptions.from_config(cfg, device), dtype=dtype,
-                shard_rows=shard_rows, overwrite=overwrite, progress=not quiet,
-                metadata={"checkpoint": str(ckpt), "split": split, "dataset": cfg.data.dataset},
-            )
-            typer.echo(f"wrote {output}: {shards.count} x {shards.dim} {dtype} embeddings in "
-                       f"{len(shards.manifest['shards'])} shard(s), {len(set(shards.labels.tolist()))} "
-                       f"classes ({split} split of {cfg.data.dataset})")
+            shards, cfg = embed_run_to_shards(checkpoint, split, output=output, data_root=data_root,
+                                              device=device, dtype=dtype, shard_rows=shard_rows,
+                                              overwrite=overwrite, progress=not quiet)
+            if main_rank:
+                typer.echo(f"wrote {shards.directory}: {shards.count} x {shards.dim} {dtype} embeddings in "
+                           f"{len(shards.manifest['shards'])} shard(s), {len(set(shards.labels.tolist()))} "
+                           f"classes ({split} split of {cfg.data.dataset})")
             return
         from dmlkit.training.trainer import embed_run
 
-        main_rank = os.environ.get("RANK", "0") in ("", "0")  # under torchrun: each rank a shard
         output, emb, labels, cfg = embed_run(checkpoint, split, output=output, data_root=data_root,
                                              device=device, progress=not quiet and main_rank)
         if main_rank:

@@ -51,7 +51,7 @@ from dmlkit.training.builders import (
 from dmlkit.training.checkpoint import find_checkpoint, load_checkpoint, read_checkpoint
 from dmlkit.training.loop import Trainer, TrainState
 from dmlkit.training.runlog import read_log
-from dmlkit.training.trainer import TrainResult, embed_run, train
+from dmlkit.training.trainer import TrainResult, embed_run, embed_run_to_shards, train
 
 __all__ = [
     "FIXED_SECTIONS",
@@ -82,6 +82,7 @@ __all__ = [
     "dump_config",
     "embed",
     "embed_run",
+    "embed_run_to_shards",
     "embed_split",
     "find_checkpoint",
     "load_checkpoint",

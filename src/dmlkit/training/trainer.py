@@ -43,6 +43,7 @@ from dmlkit.distributed import (
     on_main,
     shutdown,
 )
+from dmlkit.embedding_shards import DEFAULT_SHARD_ROWS, ShardedEmbeddings, embed_to_shards
 from dmlkit.embeddings import (
     HeadOnly,
     InferenceOptions,
@@ -395,24 +396,65 @@ def embed_run(
     Under ``torchrun`` each rank embeds its shard of the split (:func:`embed_sharded`), every
     rank returns the whole split in dataset order, and rank 0 alone writes ``output``.
     """
-    if split not in ("train", "val", "test"):
-        raise ConfigError(f"the split must be train, val or test, got {split!r}")
-    ctx, dev = join_process_group(resolve_device(device))
-    ckpt = find_checkpoint(checkpoint)
-    model, config = load_checkpoint(ckpt)
-    dataset = build_datasets(config, (split,), data_root=data_root, augment_train=False)[split]
-    if dataset is None:
-        raise DataError(f"the config's class split has no {split} classes")
+    job = _EmbeddingJob(checkpoint, split, data_root, device)
     emb, labels = embed_sharded(
-        lambda part: embed_split(model, part, config, dev, progress=progress and ctx.is_main), dataset)
-    if output is None:
-        run = ckpt.parent.parent if ckpt.parent.name == "checkpoints" else ckpt.parent
-        output = run / "embeddings" / f"{split}.npz"
-    path = Path(output)
-    if ctx.is_main:
-        path = save_embeddings(output, emb, labels, indices=dataset_rows(dataset))
+        lambda part: embed_split(job.model, part, job.config, job.device,
+                                 progress=progress and job.ctx.is_main), job.dataset)
+    path = Path(output if output is not None else job.default_output(f"{split}.npz"))
+    if job.ctx.is_main:
+        path = save_embeddings(path, emb, labels, indices=dataset_rows(job.dataset))
     barrier()  # the file exists before any rank returns
-    return path, emb, labels, config
+    return path, emb, labels, job.config
+
+
+def embed_run_to_shards(
+    checkpoint: str | Path,
+    split: str = "test",
+    *,
+    output: str | Path | None = None,
+    data_root: str | Path | None = None,
+    device: str = "auto",
+    dtype: str = "float32",
+    shard_rows: int = DEFAULT_SHARD_ROWS,
+    overwrite: bool = False,
+    progress: bool = False,
+) -> tuple[ShardedEmbeddings, ExperimentConfig]:
+    """:func:`embed_run` into a shard directory (``dmlkit embed --format shards``; default
+    ``RUN_DIR/embeddings/<split>-shards``), batch by batch: for splits larger than RAM
+    (:func:`dmlkit.embedding_shards.embed_to_shards`). Under ``torchrun`` each rank embeds and
+    writes its share of the rows and rank 0 writes the manifest; every rank returns the set."""
+    job = _EmbeddingJob(checkpoint, split, data_root, device)
+    directory = output if output is not None else job.default_output(f"{split}-shards")
+    shards = embed_to_shards(
+        job.model, job.dataset, directory, InferenceOptions.from_config(job.config, job.device),
+        dtype=dtype, shard_rows=shard_rows, overwrite=overwrite, progress=progress,
+        metadata={"checkpoint": str(job.checkpoint), "split": split, "dataset": job.config.data.dataset},
+    )
+    return shards, job.config
+
+
+class _EmbeddingJob:
+    """What embedding a split of a trained run needs: the process group joined (under
+    torchrun), the rank's device, the best checkpoint's model and config, and the split's
+    dataset (evaluation transform)."""
+
+    def __init__(self, checkpoint: str | Path, split: str, data_root: str | Path | None,
+                 device: str) -> None:
+        if split not in ("train", "val", "test"):
+            raise ConfigError(f"the split must be train, val or test, got {split!r}")
+        self.ctx, self.device = join_process_group(resolve_device(device))
+        self.checkpoint = find_checkpoint(checkpoint)
+        self.model, self.config = load_checkpoint(self.checkpoint)
+        self.dataset = build_datasets(self.config, (split,), data_root=data_root,
+                                      augment_train=False)[split]
+        if self.dataset is None:
+            raise DataError(f"the config's class split has no {split} classes")
+
+    def default_output(self, name: str) -> Path:
+        """``RUN_DIR/embeddings/<name>``."""
+        ckpt = self.checkpoint
+        run = ckpt.parent.parent if ckpt.parent.name == "checkpoints" else ckpt.parent
+        return run / "embeddings" / name
 
 
 def __getattr__(name: str) -> Any:
