@@ -220,25 +220,28 @@ def _recompute_near_pairs(expanded: torch.Tensor, query: torch.Tensor, reference
     their squared norms ``*_sq_norms``) are the only ones whose value rounding can hide; only they
     are recomputed, in blocks of at most ``2^22`` elements. ``expanded`` is changed in place
     (it must not be needed by its own backward) and keeps the autograd graph of both forms.
-    Costs two host syncs on a GPU (the largest norms, and whether any pair is near).
+    Costs two host syncs on a GPU (the largest norms; whether any pair is near).
     """
     if expanded.numel() == 0:
         return expanded
     same = reference is query
+    if same:  # the diagonal of a self-comparison is exactly 0
+        expanded.diagonal().fill_(0)
     with torch.no_grad():
         unit_roundoff = max(torch.finfo(expanded.dtype).eps, torch.finfo(query.dtype).eps) / 2
-        q_max, r_max = torch.stack([query_sq_norms.max(), reference_sq_norms.max()]).tolist()
+        if same:
+            q_max = r_max = float(query_sq_norms.max())
+        else:
+            q_max, r_max = torch.stack([query_sq_norms.max(), reference_sq_norms.max()]).tolist()
         bound = rounding_bound(kind, query.shape[1], math.sqrt(q_max), math.sqrt(r_max),
                                unit_roundoff)
         near_mask = expanded <= bound
-        if same:  # the diagonal of a self-comparison is exactly 0: set below, not searched
-            near_mask.diagonal().fill_(False)
-        any_near = bool(near_mask.any())
-    if same:
-        expanded.diagonal().fill_(0)
-    if not any_near:
-        return expanded
+        # more than the diagonal's zeros (a count: cheaper than clearing the mask's diagonal)
+        if int(near_mask.sum()) <= (expanded.shape[0] if same else 0):
+            return expanded
     near = near_mask.nonzero()
+    if same:
+        near = near[near[:, 0] != near[:, 1]]
     step = max(1, _NEAR_PAIR_BLOCK // max(1, query.shape[1]))
     values = torch.cat([
         direct(query[near[k : k + step, 0]], reference[near[k : k + step, 1]])
