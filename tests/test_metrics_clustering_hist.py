@@ -122,6 +122,26 @@ def test_ami_equals_scikit_learn_over_distinct_sizes():
         assert adjusted_mutual_info(y, a) == pytest.approx(adjusted_mutual_info_score(y, a), abs=1e-10)
 
 
+def test_ami_of_a_perfect_clustering_is_one_even_with_singleton_classes():
+    """Every class a singleton, clustered perfectly: AMI is 0/0 in exact arithmetic and its
+    rounding noise read 0.0 (n = 2), 1.25 (n = 10) or 0.98 (n = 100); scikit-learn's noise
+    cancels to 1. A renaming of the labels is 1 exactly; AMI never exceeds 1."""
+    from dmlkit.metrics.clustering import adjusted_mutual_info
+
+    for n in (2, 10, 18, 19, 22, 100, 150):
+        y = np.arange(n)
+        assert adjusted_mutual_info(y, y) == 1.0
+        assert adjusted_mutual_info(y, (7 * y + 3)[::-1]) == 1.0
+    x = np.random.default_rng(0).normal(size=(10, 4)).astype(np.float32)
+    assert evaluate(x, np.arange(10), metrics=["ami"], cluster_restarts=1)["ami"] == 1.0
+    rng = np.random.default_rng(1)
+    for _ in range(200):
+        n = int(rng.integers(2, 120))
+        y, c = rng.integers(0, int(rng.integers(1, n + 1)), n), rng.integers(0, int(rng.integers(1, n + 1)), n)
+        assert adjusted_mutual_info(y, c) == pytest.approx(adjusted_mutual_info_score(y, c), abs=1e-10)
+        assert adjusted_mutual_info(y, c) <= 1.0
+
+
 def test_clustering_spread_over_restarts():
     x, y = blobs(spread=2.5, seed=1)
     got = cluster_metrics(x, y, restarts=3, seed=3, backend="sklearn", spread=True)

@@ -215,6 +215,25 @@ def test_eer_and_tar_at_far_on_a_known_ranking():
     assert r2.tar_at_far["0.2"] == pytest.approx(0.75)  # 3 positives above the first negative
 
 
+def test_fold_thresholds_separate_at_any_scale_and_between_adjacent_doubles():
+    """The threshold fitted on the training folds lies strictly between the cut's two scores:
+    ``s_max + 1e-6`` equalled ``s_max`` at 1e12 (the held-out top negatives were accepted:
+    accuracy 0 instead of 2/3), and the midpoint of two adjacent doubles rounded onto the lower
+    one (accuracy 1/3 instead of 1)."""
+    folds = np.array([0, 0, 0, 1, 1, 1])
+    huge = np.array([1e12, 1e12, 0.0] * 2)
+    r = verify_scores(huge, np.array([0, 0, 1] * 2, bool), folds)
+    assert r.accuracy == pytest.approx(2 / 3) and all(t > 1e12 for t in r.fold_thresholds)
+    assert verify_scores(huge * 1e-3, np.array([0, 0, 1] * 2, bool), folds).accuracy == pytest.approx(2 / 3)
+    top = np.nextafter(1.0, 2.0)
+    r = verify_scores(np.array([top, 1.0, 1.0] * 2), np.array([1, 0, 0] * 2, bool), folds)
+    assert r.accuracy == 1.0 and all(1.0 < t <= top for t in r.fold_thresholds)
+    t, _ = _best_threshold(np.array([-1e308, 1e308]), np.array([False, True]))
+    assert -1e308 < t <= 1e308  # no overflow in the midpoint
+    t, _ = _best_threshold(np.array([5e12, 4e12]), np.array([True, True]))
+    assert t < 4e12  # accept everything
+
+
 def test_stratified_folds_keep_the_ratio():
     same = np.r_[np.ones(30, bool), np.zeros(70, bool)]
     ids = stratified_folds(same, 10)

@@ -136,12 +136,14 @@ def _best_threshold(scores: np.ndarray, same: np.ndarray) -> tuple[float, float]
     valid = np.ones(len(y) + 1, bool)
     valid[1:-1] = s[:-1] != s[1:]
     n = int(np.flatnonzero(valid)[np.argmax(acc[valid])])
-    if n == 0:
-        t = s[0] + 1e-6
-    elif n == len(y):
-        t = s[-1] - 1e-6
-    else:
-        t = (s[n - 1] + s[n]) / 2
+    if n == 0:  # accept nothing: above the top score at any scale (1e12 + 1e-6 == 1e12)
+        t = max(s[0] + 1e-6, np.nextafter(s[0], np.inf))
+    elif n == len(y):  # accept everything
+        t = min(s[-1] - 1e-6, np.nextafter(s[-1], -np.inf))
+    else:  # the midpoint of the cut, unless it rounds onto the lower score (adjacent doubles)
+        t = s[n] / 2 + s[n - 1] / 2
+        if not s[n] < t <= s[n - 1]:
+            t = s[n - 1]
     return float(t), float(acc[n])
 
 
