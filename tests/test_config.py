@@ -49,6 +49,12 @@ def test_old_eval_batch_size_key_is_read_as_evaluation_batch_size(tmp_path):
         config_from_dict({**BASE, "training": {"eval_batch_size": 64}, "evaluation": {"batch_size": 8}})
     with pytest.raises(ConfigError, match="evaluation.memory_mb"):
         config_from_dict({**BASE, "evaluation": {"memory_mb": 0}})
+    # both names as overrides (--set), in either order: the same refusal as in a file
+    for pair in (["training.eval_batch_size=77", "evaluation.batch_size=64"],
+                 ["evaluation.batch_size=64", "training.eval_batch_size=77"]):
+        with pytest.raises(ConfigError, match="disagree: keep only evaluation.batch_size"):
+            load_config(path, pair)
+    assert load_config(path, ["training.eval_batch_size=8", "evaluation.batch_size=8"]).evaluation.batch_size == 8
 
 
 def test_resume_check_ignores_renamed_keys_and_evaluation_settings():

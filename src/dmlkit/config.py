@@ -470,8 +470,14 @@ def apply_dict_overrides(data: dict[str, Any], overrides: Iterable[str] | Mappin
     data = move_legacy_keys(copy.deepcopy(data))
     if isinstance(data.get("fixed"), Mapping):
         data["fixed"] = move_legacy_keys(data["fixed"])
+    given: dict[str, tuple[str, Any]] = {}
     for key, value in parse_overrides(overrides).items():
-        _set_dotted(data, _current_key(key), value)
+        current = _current_key(key)
+        if current in given and given[current][1] != value:  # an old and a new name, both set
+            raise ConfigError(f"{given[current][0]} ({given[current][1]}) and {key} ({value}) "
+                              f"disagree: keep only {current}")
+        given[current] = (key, value)
+        _set_dotted(data, current, value)
     return data
 
 

@@ -60,7 +60,7 @@ def verify(
     seed: int = typer.Option(0),
     device: str = typer.Option("cpu", help="Device for --checkpoint: cpu or cuda."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar while embedding."),
-    as_json: bool = typer.Option(False, "--json"),
+    as_json: bool = typer.Option(False, "--json", help="Print the result as JSON instead of a summary."),
 ) -> None:
     """Verification accuracy with k-fold thresholds, ROC AUC, EER and TAR@FAR.
 
@@ -124,7 +124,7 @@ def fewshot(
     episodes: int = typer.Option(1000),
     distance: str = typer.Option("euclidean", help="euclidean (prototypical networks) or cosine."),
     seed: int = typer.Option(0),
-    as_json: bool = typer.Option(False, "--json"),
+    as_json: bool = typer.Option(False, "--json", help="Print the result as JSON instead of a summary."),
 ) -> None:
     """N-way K-shot accuracy of nearest-prototype classification over random episodes."""
     from dmlkit.apps import few_shot_accuracy
@@ -139,7 +139,7 @@ def oneshot(
     checkpoint: Path = typer.Argument(..., help="A run directory or checkpoint trained on Omniglot."),
     data_root: Path | None = typer.Option(None, "--data-root", help="Holds omniglot/one_shot_all_runs.zip."),
     distance: str = typer.Option("cosine"),
-    as_json: bool = typer.Option(False, "--json"),
+    as_json: bool = typer.Option(False, "--json", help="Print the result as JSON instead of a summary."),
 ) -> None:
     """Error on the 20 official Omniglot 20-way one-shot runs (Lake et al. 2015)."""
     from dmlkit.apps import load_omniglot_one_shot_runs, omniglot_one_shot_error

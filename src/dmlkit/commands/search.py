@@ -224,9 +224,9 @@ def export(
     format: str = typer.Option("onnx", "--format", help="onnx or torchscript."),
     output: Path | None = typer.Option(None, "-o", "--output", help="File to write (default RUN_DIR/export/model.onnx|.pt)."),
     parity_samples: int = typer.Option(256, "--parity-samples", help="Real test images used for the parity check."),
-    data_root: Path | None = typer.Option(None, "--data-root"),
+    data_root: Path | None = typer.Option(None, "--data-root", help="Data root for the parity sample (overrides the run config's data.root)."),
     opset: int = typer.Option(17, help="ONNX opset."),
-    as_json: bool = typer.Option(False, "--json"),
+    as_json: bool = typer.Option(False, "--json", help="Print the result as JSON instead of a summary."),
 ) -> None:
     """Export the embedding model; check numerical and retrieval parity with PyTorch on real images."""
     from dmlkit.apps.export import export_model

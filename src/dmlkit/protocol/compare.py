@@ -174,7 +174,7 @@ def compare_results(
     seeds = {name: int(per_query[(name, modes[0])][metrics[0]].shape[0]) for name in names}
     warnings = [
         f"{name} has {n} seed{'s' if n != 1 else ''}: too few to tell a real difference from "
-        f"seed noise (need {MIN_SEEDS_FOR_SIGNIFICANCE}, the protocol's default is 5); its "
+        f"seed noise (need {MIN_SEEDS_FOR_SIGNIFICANCE}; the Reality Check ran 5: protocol.seeds); its "
         "differences are reported but never called significant"
         for name, n in seeds.items() if n < MIN_SEEDS_FOR_SIGNIFICANCE
     ]
