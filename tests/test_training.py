@@ -317,3 +317,42 @@ def test_a_checkpoint_with_bit_rot_is_refused_and_orphan_temporaries_are_swept(t
     kept.write_text("mine")
     assert sweep_orphan_temporaries(tmp_path) == [orphan]
     assert not orphan.exists() and kept.exists()
+
+
+def test_a_run_directory_is_one_train_at_a_time_and_never_mixes_attempts(tmp_path, omniglot_slice, caplog):
+    """Issue-11 audit: a second `train` in a directory in use is refused (both used to run and
+    interleave log.jsonl); a fresh start after an attempt killed before its first checkpoint
+    starts a new log (the old steps 1, 2 stayed in front of the new ones); a resume removes the
+    previous end's metrics.json and test embeddings, which `dmlkit report` showed beside a newer
+    best.pt after a killed resume; damaged log lines are skipped with a warning."""
+    from dmlkit.exceptions import DmlkitError
+    from dmlkit.training.trainer import open_run_dir
+    from dmlkit.utils import directory_lock
+
+    train_set, val_set = omniglot_slice
+    cfg = make_config(**{"training.epochs": 1})
+    run = tmp_path / "run"
+    with directory_lock(run, "train.lock", "busy"), pytest.raises(DmlkitError, match="another `dmlkit train`"):
+        train(cfg, run, train_set=train_set, val_set=val_set, progress=False)
+    assert not (run / "config.yaml").exists()
+
+    (run / "log.jsonl").write_text('{"event": "train", "step": 1}\n{"event": "train", "step": 2}\n')
+    (run / "metrics.json").write_text("{}")
+    train(cfg, run, train_set=train_set, val_set=val_set, progress=False)
+    steps = [r["step"] for r in read_log(run / "log.jsonl") if r["event"] == "train"]
+    assert steps == list(range(1, 5))
+    assert json.loads((run / "metrics.json").read_text())["best_step"] >= 0
+
+    assert (run / "embeddings" / "test.npz").exists() or not (run / "embeddings").exists()
+    (run / "embeddings").mkdir(exist_ok=True)
+    (run / "embeddings" / "test.npz").write_bytes(b"stale")
+    assert open_run_dir(run, cfg, resume=True) is not None
+    assert not (run / "metrics.json").exists() and not (run / "embeddings" / "test.npz").exists()
+    assert (run / "baseline.json").exists()  # read by the resumed run
+
+    with (run / "log.jsonl").open("a") as fh:
+        fh.write('[1]\n{"event": "train", "step": "x"}\n{"event": "eval", "step": 4}\n{"torn')
+    with caplog.at_level("WARNING", logger="dmlkit.training"):
+        records = read_log(run / "log.jsonl")
+    assert records[-1] == {"event": "eval", "step": 4}
+    assert "skipped 2 line(s)" in caplog.text  # the torn last line is expected: silent

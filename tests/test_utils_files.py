@@ -71,3 +71,25 @@ def test_a_text_labels_file_keeps_whole_lines_as_class_names(tmp_path):
         (tmp_path / "bad.txt").write_text(text)
         with pytest.raises(DataError, match=message):
             read_labels_file(tmp_path / "bad.txt")
+
+
+def test_atomic_writes_refuse_non_regular_files_and_write_through_links(tmp_path):
+    """`-o /dev/full` (as root) used to replace the device node with a JSON file: an existing
+    path that is not a regular file is refused; a symbolic link keeps pointing at its target,
+    which gets the new content."""
+    import pytest
+
+    from dmlkit.exceptions import DataError
+
+    fifo = tmp_path / "pipe"
+    os.mkfifo(fifo)
+    for target in (fifo, tmp_path):
+        with pytest.raises(DataError, match="not a regular file"):
+            atomic_write_text(target, "x")
+    assert fifo.exists() and not fifo.is_file()
+    real = tmp_path / "real.json"
+    real.write_text("old")
+    link = tmp_path / "link.json"
+    link.symlink_to(real)
+    atomic_write_json(link, {"a": 1})
+    assert link.is_symlink() and json.loads(real.read_text()) == {"a": 1}

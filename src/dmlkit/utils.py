@@ -6,6 +6,7 @@ stay importable from here, with a ``DeprecationWarning``).
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import hashlib
 import json
@@ -15,7 +16,7 @@ import random
 import subprocess
 import sys
 import tempfile
-from collections.abc import Callable, Mapping, MutableMapping
+from collections.abc import Callable, Iterator, Mapping, MutableMapping
 from datetime import UTC, datetime
 from importlib import metadata
 from pathlib import Path
@@ -23,12 +24,13 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from dmlkit.exceptions import CheckpointError, DataError, DataNotFoundError
+from dmlkit.exceptions import CheckpointError, DataError, DataNotFoundError, DmlkitError
 
 __all__ = [
     "atomic_write_bytes",
     "atomic_write_json",
     "atomic_write_text",
+    "directory_lock",
     "atomic_torch_save",
     "data_root",
     "json_text",
@@ -86,8 +88,16 @@ def data_root(explicit: str | os.PathLike | None = None) -> Path:
 
 # -- atomic writes --------------------------------------------------------------------------
 def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> Path:
-    """Write ``data`` to ``path`` atomically (temporary file in the same folder, fsync, rename)."""
+    """Write ``data`` to ``path`` atomically (temporary file in the same folder, fsync, rename).
+
+    A symbolic link is written through (its target is replaced, the link kept); an existing
+    path that is not a regular file (a directory, a device such as ``/dev/full``, a pipe) is
+    refused with :class:`~dmlkit.exceptions.DataError` instead of being renamed over."""
     path = Path(path)
+    if path.is_symlink():
+        path = path.resolve()
+    if path.exists() and not path.is_file():
+        raise DataError(f"{path} exists and is not a regular file: choose another output path")
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
@@ -103,6 +113,28 @@ def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> Path:
         Path(tmp).unlink(missing_ok=True)
         raise
     return path
+
+
+@contextlib.contextmanager
+def directory_lock(directory: str | os.PathLike, name: str, busy: str) -> Iterator[None]:
+    """Hold an exclusive lock on ``directory`` (the file ``directory/name``, ``flock``: released
+    by the kernel if the process dies) for the block; raise :class:`DmlkitError` with the
+    message ``busy`` when another process holds it. The directory is created if need be."""
+    import fcntl
+
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    fh = open(directory / name, "a")  # never written: the lock, not the file, is the state
+    try:
+        try:
+            fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise DmlkitError(busy) from None
+        yield
+    finally:
+        with contextlib.suppress(OSError):
+            fcntl.flock(fh, fcntl.LOCK_UN)
+        fh.close()
 
 
 def atomic_write_text(path: str | os.PathLike, text: str) -> Path:

@@ -73,7 +73,7 @@ from dmlkit.protocol.study import (
     study_summary,
 )
 from dmlkit.training.preflight import Preflight, merge_data_root
-from dmlkit.utils import atomic_write_text, write_provenance
+from dmlkit.utils import atomic_write_text, directory_lock, write_provenance
 from dmlkit.utils import data_root as resolve_data_root
 
 __all__ = ["Bench", "FinalStage", "SearchStage", "run_seed"]
@@ -515,28 +515,11 @@ def _worker_main(config: dict[str, Any], bench_dir: str, stage: str, methods: li
             bench.final_worker(methods=methods or None)
 
 
-@contextlib.contextmanager
 def _bench_lock(bench_dir: Path):
     """An exclusive lock on the bench directory (one local coordinator at a time)."""
-    import fcntl
-
-    path = Path(bench_dir) / "bench.lock"
-    fh = open(path, "w")
-    try:
-        try:
-            fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            raise DmlkitError(
-                f"another `dmlkit bench` is running in {bench_dir}; to help it, start "
-                "`dmlkit bench CONFIG --worker` with a shared storage URL instead"
-            ) from None
-        fh.write(str(os.getpid()))
-        fh.flush()
-        yield
-    finally:
-        with contextlib.suppress(OSError):
-            fcntl.flock(fh, fcntl.LOCK_UN)
-        fh.close()
+    return directory_lock(bench_dir, "bench.lock",
+                          f"another `dmlkit bench` is running in {bench_dir}; to help it, start "
+                          "`dmlkit bench CONFIG --worker` with a shared storage URL instead")
 
 
 def _in_memory(storage: str | None) -> bool:

@@ -28,19 +28,33 @@ logger = logging.getLogger("dmlkit.training")
 
 
 def read_log(path: str | Path) -> list[dict[str, Any]]:
-    """Every record of a ``log.jsonl`` file (a torn last line from a kill is skipped)."""
+    """Every record of a ``log.jsonl`` file. A line that is not a record (a torn last line from
+    a kill, or a damaged one: not a JSON object with a string ``event``, or a ``step`` that is
+    not a whole number) is skipped with a warning naming it."""
     path = Path(path)
     if not path.exists():
         return []
-    records = []
-    for line in path.read_text(encoding="utf-8").splitlines():
+    records, skipped = [], []
+    lines = path.read_text(encoding="utf-8", errors="replace").splitlines()
+    last = max((n for n, line in enumerate(lines, 1) if line.strip()), default=0)
+    for number, line in enumerate(lines, 1):
         line = line.strip()
         if not line:
             continue
         try:
-            records.append(json.loads(line))
+            record = json.loads(line)
         except json.JSONDecodeError:
-            continue
+            if number == last:  # torn by a kill mid-write: expected, silent
+                continue
+            record = None
+        if (isinstance(record, dict) and isinstance(record.get("event"), str)
+                and (type(record.get("step", 0)) is int)):
+            records.append(record)
+        else:
+            skipped.append(number)
+    if skipped:
+        logger.warning("%s: skipped %d line(s) that are not log records (line %s)", path,
+                       len(skipped), ", ".join(map(str, skipped[:5])) + (", ..." if len(skipped) > 5 else ""))
     return records
 
 

@@ -20,6 +20,7 @@ checkpoints and resume checks in :mod:`dmlkit.training.checkpoint` and inference
 from __future__ import annotations
 
 import atexit
+import contextlib
 import json
 import logging
 import os
@@ -76,7 +77,7 @@ from dmlkit.training.checkpoint import (
 )
 from dmlkit.training.loop import Trainer, TrainState
 from dmlkit.training.preflight import preflight, with_data_root
-from dmlkit.utils import atomic_write_json, seed_everything, write_provenance
+from dmlkit.utils import atomic_write_json, directory_lock, seed_everything, write_provenance
 
 __all__ = [
     "RESUMABLE_CHANGES",
@@ -129,11 +130,23 @@ class TrainResult:
         )
 
 
+#: Written when a run ends: removed when it resumes (until then they would describe an older
+#: best checkpoint than the one training moves to, and a report would mix the two).
+_FINAL_OUTPUTS = ("metrics.json", "embeddings/test.npz")
+#: Written from step 0 on: removed when a run starts afresh in a directory without a checkpoint
+#: (left by an attempt killed before its first one; the log would interleave the two attempts).
+_ATTEMPT_OUTPUTS = ("log.jsonl", "log.csv", "baseline.json", "checkpoints/best.pt")
+#: The lock file of a run directory: one ``train`` at a time.
+_RUN_LOCK = "train.lock"
+
+
 def open_run_dir(run_dir: Path, config: ExperimentConfig, resume: bool) -> dict[str, Any] | None:
     """Create (or reopen, with ``resume``) a run directory; returns the ``last.pt`` payload to resume.
 
     Writes ``config.yaml`` and, once, ``provenance.json``. Refuses to overwrite an existing
     run, to resume a missing one, or to resume with a config that changes the training.
+    Removes the outputs that would be stale: on resume :data:`_FINAL_OUTPUTS`, on a fresh start
+    those and :data:`_ATTEMPT_OUTPUTS`.
     """
     last_path = run_dir / "checkpoints" / "last.pt"
     payload: dict[str, Any] | None = None
@@ -143,11 +156,16 @@ def open_run_dir(run_dir: Path, config: ExperimentConfig, resume: bool) -> dict[
             raise CheckpointError(f"nothing to resume: {last_path} does not exist; run without --resume to start")
         payload = read_checkpoint(last_path)
         check_resumable(payload["config"], config)
+        stale = _FINAL_OUTPUTS  # they describe a state the resumed run moves past
     elif last_path.exists():
         raise CheckpointError(
             f"{run_dir} already holds a run ({last_path}): pass --resume (resume=True) to continue "
             "it, or choose another run directory"
         )
+    else:  # a fresh start: what is there comes from an attempt killed before its first checkpoint
+        stale = _FINAL_OUTPUTS + _ATTEMPT_OUTPUTS
+    for name in stale:
+        (run_dir / name).unlink(missing_ok=True)
     run_dir.mkdir(parents=True, exist_ok=True)
     dump_config(config, run_dir / "config.yaml")
     if payload is None or not (run_dir / "provenance.json").exists():
@@ -291,6 +309,21 @@ def _train(config: ExperimentConfig, run_dir: Path, device: torch.device, *, tra
             checked = preflight(config)
         except ConfigError as exc:
             raise mark_every_rank(exc) from None
+    with contextlib.ExitStack() as held:  # rank 0 locks the run directory for the whole run
+        on_main(lambda: held.enter_context(directory_lock(
+            run_dir, _RUN_LOCK, f"another `dmlkit train` is using {run_dir}: wait for it to end, "
+            "or choose another run directory")) and None)
+        return _train_in_dir(config, run_dir, device, checked, train_set=train_set, val_set=val_set,
+                             test_set=test_set, resume=resume, progress=progress,
+                             allow_world_size_change=allow_world_size_change)
+
+
+def _train_in_dir(config: ExperimentConfig, run_dir: Path, device: torch.device, checked, *, train_set,
+                  val_set, test_set, resume: bool, progress: bool,
+                  allow_world_size_change: bool) -> TrainResult:
+    """:func:`train` after the preflight, in its locked run directory (:data:`_RUN_LOCK`: a
+    second ``train`` there is refused instead of interleaving its log and checkpoints)."""
+    ctx = context()
     payload = on_main(open_run_dir, run_dir, config, resume)
     if payload is not None:
         check_world_size_change(payload, ctx.world_size, run_dir, allow_world_size_change)
