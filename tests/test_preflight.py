@@ -27,11 +27,10 @@ from dmlkit.training.preflight import (
     TrainStats,
     batch_problems,
     eval_split_problems,
-    merge_data_root,
     plan_split,
     preflight,
-    with_data_root,
 )
+from dmlkit.training.data_root import merge_data_root, with_data_root
 from dmlkit.training.trainer import train
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -107,6 +106,30 @@ def test_every_violation_comes_in_one_error_with_fitting_values(folder):
     assert not check.errors
     assert len(check.split.val) >= 2 and len(check.split.train) >= fixed.sampler.classes_per_batch
     assert fixed.loss.cross_batch_memory >= fixed.sampler.batch_size
+
+
+def test_names_channels_and_metrics_are_checked_before_anything_runs(folder, tmp_path):
+    """An unknown loss or miner is reported under its name (it was under `.params`), a model
+    whose input channels differ from the transform's images is one line with the fitting value
+    (it was a traceback at the first step, after the baseline), and an unknown metric is refused
+    when the config is read (a bench ran its whole search before finding it)."""
+    from dmlkit.protocol.config import load_bench_config
+
+    cfg = config_from_dict(user_config(folder, loss={"name": "tripplet"}, miner={"name": "bh"}))
+    cfg = cfg.override(["model.in_channels=3"])
+    with pytest.raises(PreflightError) as info:
+        preflight(cfg)
+    keys = {p.key: p for p in info.value.problems}
+    assert {"loss.name", "miner.name", "model.in_channels"} <= set(keys)
+    assert "'tripplet' is unknown" in str(keys["loss.name"]) and "--set model.in_channels=1" in str(info.value)
+    with pytest.raises(ConfigError, match="training.eval_metrics: unknown metric 'bogus'"):
+        config_from_dict(user_config(folder, training={"eval_metrics": ["bogus"]}))
+    bench = tmp_path / "bench.yaml"
+    bench.write_text(yaml.safe_dump({"name": "b", "fixed": {"data": {"dataset": "image_folder"}},
+                                     "protocol": {"metrics": ["bogus_metric"]},
+                                     "methods": [{"name": "c", "loss": {"name": "contrastive"}}]}))
+    with pytest.raises(ConfigError, match="protocol.metrics: unknown metric 'bogus_metric'"):
+        load_bench_config(bench)
 
 
 def test_cli_reports_everything_then_the_corrected_config_trains(folder, tmp_path, capsys):

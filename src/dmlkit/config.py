@@ -251,6 +251,7 @@ class TrainingConfig(_Section):
     @field_validator("eval_metrics")
     @classmethod
     def _needs_map_at_r(cls, value: list[str]) -> list[str]:
+        check_metric_names(value)
         # model selection and early stopping use validation MAP@R
         return list(dict.fromkeys([*value, "map_at_r"]))
 
@@ -273,6 +274,18 @@ class EvaluationConfig(_Section):
         """Keyword arguments of :func:`dmlkit.metrics.evaluate` for these settings."""
         return {"backend": self.backend, "memory_budget": self.memory_mb * 2**20,
                 "cluster_restarts": self.cluster_restarts}
+
+
+def check_metric_names(names: list[str]) -> None:
+    """Refuse an unknown metric name when the config is read, not after the training (or the
+    bench's whole search) it would have ended: :func:`dmlkit.metrics.evaluate.expand_metric_names`."""
+    # lazy: the metrics (and torch) load only for a config that names metrics
+    from dmlkit.metrics.evaluate import expand_metric_names
+
+    try:
+        expand_metric_names(names)
+    except ConfigError as exc:
+        raise ValueError(str(exc)) from None
 
 
 def move_legacy_keys(data: Any) -> Any:

@@ -25,7 +25,7 @@ from dmlkit.metrics.knn import SMALL_SEARCH_PAIRS, _mask_self, _Scorer, knn
 from dmlkit.metrics.near_ties import EXTRA_NEIGHBOURS, pair_scorer, settle_near_ties
 from dmlkit.metrics.retrieval import full_ranking_ap_block, num_positives, per_query_from_neighbours
 
-__all__ = ["DEFAULT_METRICS", "METRIC_NAMES", "evaluate", "per_class", "per_query"]
+__all__ = ["DEFAULT_METRICS", "METRIC_NAMES", "evaluate", "expand_metric_names", "per_class", "per_query"]
 
 #: What :func:`evaluate` computes when ``metrics`` is None.
 DEFAULT_METRICS = ("precision_at_1", "recall_at_k", "r_precision", "map_at_r")
@@ -43,7 +43,9 @@ _MAP_BYTES_PER_SCORE = 56
 _AT_K = re.compile(r"^(recall|precision)_at_(\d+)$")
 
 
-def _expand(metrics: Sequence[str] | None, k_values: Sequence[int]) -> list[str]:
+def expand_metric_names(metrics: Sequence[str] | None, k_values: Sequence[int] = (1, 2, 4, 8)) -> list[str]:
+    """The metric names ``metrics`` asks for (``recall_at_k`` / ``precision_at_k`` expanded over
+    ``k_values``), or one :class:`ConfigError` naming an unknown one and the accepted names."""
     if metrics is None:
         metrics = DEFAULT_METRICS
     if isinstance(metrics, str):
@@ -213,7 +215,7 @@ def per_query(
 def _per_query(
     query, query_labels, reference, reference_labels, metrics, *, distance, k_values, backend, memory_budget
 ) -> tuple[dict[str, np.ndarray], np.ndarray, _Inputs]:
-    names = [n for n in _expand(metrics, k_values) if n not in (*CLUSTERING_METRICS, "pos_neg_js")]
+    names = [n for n in expand_metric_names(metrics, k_values) if n not in (*CLUSTERING_METRICS, "pos_neg_js")]
     budget = check_budget(memory_budget)
     inp = _Inputs(query, query_labels, reference, reference_labels, distance)
     scores = _retrieval_per_query(inp, names, backend, budget)
@@ -264,7 +266,7 @@ def evaluate(
     are means over ``cluster_restarts`` k-means runs; each comes with ``<metric>_std``, their
     standard deviation over the restarts (after the counts).
     """
-    names = _expand(metrics, k_values)
+    names = expand_metric_names(metrics, k_values)
     budget = check_budget(memory_budget)
     inp = _Inputs(query, query_labels, reference, reference_labels, distance)
     result: dict[str, float | int] = {}

@@ -55,7 +55,7 @@ from dmlkit.metrics._validation import (
     as_label_pair,
     check_budget,
 )
-from dmlkit.metrics.evaluate import _AT_K, _expand
+from dmlkit.metrics.evaluate import _AT_K, expand_metric_names
 from dmlkit.metrics.knn import (
     SMALL_SEARCH_PAIRS,
     KNNResult,
@@ -201,7 +201,7 @@ def _stream(
     distance: str | BaseDistance, k_values: Sequence[int], backend: str, memory_budget: int,
     block_rows: int | None, progress: bool, query_range: tuple[int, int] | None = None,
 ) -> tuple[dict[str, torch.Tensor], torch.Tensor, list[str]]:
-    names = _expand(metrics, k_values)
+    names = expand_metric_names(metrics, k_values)
     bad = [n for n in names if n not in _STREAMABLE and not _AT_K.match(n)]
     if bad:
         raise ConfigError(

@@ -47,6 +47,7 @@ from dmlkit.config import (
     SamplerConfig,
     TrainingConfig,
     apply_dict_overrides,
+    check_metric_names,
     check_run_name,
     config_from_dict,
     format_validation_error,
@@ -262,6 +263,12 @@ class ProtocolConfig(_Strict):
     seeds: list[int] | None = None
     repeats: int = Field(1, ge=1)
     metrics: list[str] = Field(default_factory=lambda: list(DEFAULT_METRICS))
+
+    @field_validator("metrics")
+    @classmethod
+    def _known_metrics(cls, value: list[str]) -> list[str]:
+        check_metric_names(value)  # before the search, not at the final stage
+        return value
     keep_search_checkpoints: bool = False
     pretrained: bool = True
     launcher: Literal["local", "torchrun"] = "local"

@@ -72,7 +72,8 @@ from dmlkit.protocol.study import (
     storage_lock,
     study_summary,
 )
-from dmlkit.training.preflight import Preflight, merge_data_root
+from dmlkit.training.data_root import merge_data_root
+from dmlkit.training.preflight import Preflight
 from dmlkit.utils import atomic_write_text, directory_lock, write_provenance
 from dmlkit.utils import data_root as resolve_data_root
 

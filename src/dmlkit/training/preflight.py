@@ -50,11 +50,13 @@ from typing import Any, Literal
 import numpy as np
 
 from dmlkit.config import DataConfig, ExperimentConfig, SplitConfig
-from dmlkit.data import ClassSplit, load_dataset
+from dmlkit.data import ClassSplit
 from dmlkit.distributed import context as distributed_context
 from dmlkit.exceptions import ConfigError, DataNotFoundError, DmlkitError
 from dmlkit.losses import LOSSES
+from dmlkit.miners import MINERS
 from dmlkit.training.builders import build_loss, build_miner, build_split
+from dmlkit.training.data_root import load_config_dataset
 from dmlkit.utils import data_root as resolve_data_root
 
 __all__ = [
@@ -69,11 +71,8 @@ __all__ = [
     "check_experiment",
     "eval_split_problems",
     "format_value",
-    "load_config_dataset",
-    "merge_data_root",
     "preflight",
     "refuse_degenerate_eval",
-    "with_data_root",
 ]
 
 logger = logging.getLogger("dmlkit.training")
@@ -201,45 +200,6 @@ class Preflight:
         """Each warning as one :class:`PreflightWarning` (one readable line in the CLI)."""
         for p in self.warnings:
             warnings.warn(p.line(), PreflightWarning, stacklevel=3)
-
-
-# -- the data root -------------------------------------------------------------------------------
-def merge_data_root(config_root: str | None, data_root: str | Path | None, key: str = "data.root") -> str | None:
-    """The data root of a run: the config's ``data.root`` or ``--data-root``, whichever is given.
-
-    Both given and naming the same folder is fine; two different folders raise a
-    :class:`ConfigError` (one silently replacing the other would train on other data than the
-    config says). Returns ``None`` when neither is given (``$DMLKIT_DATA`` applies).
-    """
-    if data_root is None:
-        return config_root
-    if config_root is None:
-        return str(data_root)
-    a, b = Path(config_root).expanduser().resolve(), Path(data_root).expanduser().resolve()
-    if a != b:
-        raise ConfigError(
-            f"the config sets {key} = {config_root} but --data-root is {data_root}: they name "
-            f"different folders. Drop --data-root to use the config's, or replace the config's "
-            f"with --set {key}={data_root}"
-        )
-    return config_root
-
-
-def with_data_root(config: ExperimentConfig, data_root: str | Path | None) -> ExperimentConfig:
-    """``config`` with ``data.root`` set from ``data_root`` (:func:`merge_data_root` rules)."""
-    root = merge_data_root(config.data.root, data_root)
-    if root == config.data.root:
-        return config
-    return config.override({"data.root": str(root)})
-
-
-def load_config_dataset(data: DataConfig, data_root: str | Path | None = None, key: str = "data"):
-    """Every class of the dataset a ``data`` section names (as ``build_datasets`` loads it)."""
-    root = resolve_data_root(merge_data_root(data.root, data_root, f"{key}.root"))
-    try:
-        return load_dataset(data.dataset, root=root, **data.options), root
-    except TypeError as exc:
-        raise ConfigError(f"{key}.options for {data.dataset!r}: {exc}") from exc
 
 
 # -- constraints on evaluation splits ------------------------------------------------------------
@@ -396,15 +356,32 @@ def build_problems(config: ExperimentConfig, num_classes: int, *, loss_key: str 
     miner = None
     try:
         miner = build_miner(config.miner)
-    except DmlkitError as exc:
-        problems.append(Problem(f"{miner_key}.params", str(exc).removeprefix("miner.params for "),
-                                hint="docs/losses.md lists each miner's parameters"))
+    except DmlkitError as exc:  # an unknown name is the name's problem, not the parameters'
+        known = config.miner is None or config.miner.name in MINERS
+        problems.append(_build_problem(exc, miner_key, "miner", known))
     try:
         build_loss(config.loss, max(num_classes, 1), config.model.embedding_size, miner)
     except DmlkitError as exc:
-        problems.append(Problem(f"{loss_key}.params", str(exc).removeprefix("loss.params for "),
-                                hint="docs/losses.md lists each loss's parameters"))
+        problems.append(_build_problem(exc, loss_key, "loss", config.loss.name in LOSSES))
+    channels = _TRANSFORM_CHANNELS.get(config.data.transform)
+    if channels is not None and config.model.in_channels != channels:  # else a traceback at step 1
+        problems.append(Problem("model.in_channels", f"is {config.model.in_channels} but data.transform "
+                                f"{config.data.transform!r} gives {channels}-channel images", fit=channels))
     return problems
+
+
+def _build_problem(exc: Exception, key: str, kind: str, known_name: bool) -> Problem:
+    """The problem of building a ``kind`` (loss or miner) under ``key``: its name when unknown,
+    else its parameters."""
+    if not known_name:
+        return Problem(f"{key}.name", str(exc).removeprefix(f"{kind}.name "),
+                       hint=f"docs/losses.md lists every {kind}")
+    return Problem(f"{key}.params", str(exc).removeprefix(f"{kind}.params for "),
+                   hint=f"docs/losses.md lists each {kind}'s parameters")
+
+
+#: Channels of the images each image transform preset gives (:func:`dmlkit.data.get_transforms`).
+_TRANSFORM_CHANNELS = {"grayscale": 1, "imagenet": 3, "imagenet_resize": 3}
 
 
 # -- the class split ---------------------------------------------------------------------------------

@@ -76,7 +76,8 @@ from dmlkit.training.checkpoint import (
     sweep_orphan_temporaries,
 )
 from dmlkit.training.loop import Trainer, TrainState
-from dmlkit.training.preflight import preflight, with_data_root
+from dmlkit.training.data_root import with_data_root
+from dmlkit.training.preflight import preflight
 from dmlkit.utils import atomic_write_json, directory_lock, seed_everything, write_provenance
 
 __all__ = [

@@ -1,0 +1,50 @@
+"""The data root of a run: the config's ``data.root`` and ``--data-root`` merged (one folder,
+never two), and the dataset a config's ``data`` section names loaded from it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from dmlkit.config import DataConfig, ExperimentConfig
+from dmlkit.data import load_dataset
+from dmlkit.exceptions import ConfigError
+from dmlkit.utils import data_root as resolve_data_root
+
+__all__ = ["load_config_dataset", "merge_data_root", "with_data_root"]
+
+def merge_data_root(config_root: str | None, data_root: str | Path | None, key: str = "data.root") -> str | None:
+    """The data root of a run: the config's ``data.root`` or ``--data-root``, whichever is given.
+
+    Both given and naming the same folder is fine; two different folders raise a
+    :class:`ConfigError` (one silently replacing the other would train on other data than the
+    config says). Returns ``None`` when neither is given (``$DMLKIT_DATA`` applies).
+    """
+    if data_root is None:
+        return config_root
+    if config_root is None:
+        return str(data_root)
+    a, b = Path(config_root).expanduser().resolve(), Path(data_root).expanduser().resolve()
+    if a != b:
+        raise ConfigError(
+            f"the config sets {key} = {config_root} but --data-root is {data_root}: they name "
+            f"different folders. Drop --data-root to use the config's, or replace the config's "
+            f"with --set {key}={data_root}"
+        )
+    return config_root
+
+
+def with_data_root(config: ExperimentConfig, data_root: str | Path | None) -> ExperimentConfig:
+    """``config`` with ``data.root`` set from ``data_root`` (:func:`merge_data_root` rules)."""
+    root = merge_data_root(config.data.root, data_root)
+    if root == config.data.root:
+        return config
+    return config.override({"data.root": str(root)})
+
+
+def load_config_dataset(data: DataConfig, data_root: str | Path | None = None, key: str = "data"):
+    """Every class of the dataset a ``data`` section names (as ``build_datasets`` loads it)."""
+    root = resolve_data_root(merge_data_root(data.root, data_root, f"{key}.root"))
+    try:
+        return load_dataset(data.dataset, root=root, **data.options), root
+    except TypeError as exc:
+        raise ConfigError(f"{key}.options for {data.dataset!r}: {exc}") from exc
