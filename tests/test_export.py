@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import numpy as np
@@ -132,3 +133,33 @@ def test_cli_export_at_an_unsupported_opset_is_one_line(run, data_root, tmp_path
         assert code == 2, out + err
         assert f"ONNX export at opset {opset} failed" in check_one_error(code, out, err)
     assert not list(tmp_path.iterdir())  # no partial model left behind
+
+
+def test_a_model_replaced_after_its_manifest_is_refused_and_disk_errors_are_one_line(run, data_root, tmp_path):
+    """The manifest records the model's SHA-256: a model file that is not the one described (an
+    export killed between replacing the model and writing its manifest used to leave the new
+    model under the old manifest, read with the old preprocessing) is refused. A read-only
+    output folder is one DataError, with no temporary file left (torch's own writer raised, or
+    aborted the interpreter on a full disk)."""
+    from dmlkit.exceptions import DataError
+
+    out = tmp_path / "m.pt"
+    manifest = export_model(run, "torchscript", out, parity_samples=24, data_root=data_root)
+    assert len(manifest["sha256"]) == 64
+    assert load_embedder(out).runtime == "torchscript"
+    out.write_bytes(out.read_bytes() + b"\0")
+    with pytest.raises(DataError, match="not the model its manifest"):
+        load_embedder(out)
+    locked = tmp_path / "ro"
+    locked.mkdir()
+    locked.chmod(0o555)
+    try:
+        if os.access(locked, os.W_OK):  # root ignores the mode: a path under a file instead
+            target = out / "x.pt"
+        else:
+            target = locked / "x.pt"
+        with pytest.raises(DataError):
+            export_model(run, "torchscript", target, parity_samples=24, data_root=data_root)
+    finally:
+        locked.chmod(0o755)
+    assert not [p for p in tmp_path.rglob(".*tmp*")]

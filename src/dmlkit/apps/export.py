@@ -15,7 +15,8 @@ onnxruntime (CPU provider) is the reference runtime for ONNX. :func:`load_embedd
 
 from __future__ import annotations
 
-import json
+import hashlib
+import io
 import os
 import warnings
 from collections.abc import Callable, Sequence
@@ -36,7 +37,7 @@ from dmlkit.exceptions import (
 )
 from dmlkit.metrics import evaluate, knn
 from dmlkit.training import build_datasets, load_checkpoint
-from dmlkit.utils import atomic_write_json
+from dmlkit.utils import atomic_write_json, os_error_message, read_json, sha256_file
 
 __all__ = ["ImageEmbedder", "export_model", "load_embedder", "parity_report"]
 
@@ -144,7 +145,10 @@ def load_embedder(path: str | os.PathLike, device: str = "cpu") -> ImageEmbedder
     if not path.exists():
         raise DataNotFoundError(f"model not found: {path} (a run directory from `dmlkit train` or an export)")
     if path.is_file() and path.suffix in (".onnx", ".pt", ".ts") and _manifest_path(path).exists():
-        manifest = json.loads(_manifest_path(path).read_text())
+        manifest = read_json(_manifest_path(path), "export manifest")
+        if "sha256" in manifest and sha256_file(path) != manifest["sha256"]:
+            raise DataError(f"{path} is not the model its manifest {_manifest_path(path).name} describes "
+                            "(replaced after the export): export it again with `dmlkit export`")
         pre = manifest["preprocessing"]
         if manifest["format"] == "onnx":
             forward, runtime = _onnx_forward(path), "onnxruntime"
@@ -258,48 +262,61 @@ def export_model(run_dir: str | os.PathLike, format: str = "onnx", output: str |
     model.eval()
     base = run_dir if run_dir.is_dir() else run_dir.parent
     out = Path(output) if output is not None else base / "export" / f"model{_SUFFIX[format]}"
-    out.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise DataError(os_error_message(exc, out.parent, writing=True)) from None
     x, labels, split = _real_inputs(config, data_root, parity_samples)
     example = torch.from_numpy(x[:2])
     tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
-    with warnings.catch_warnings():
+    buffer = io.BytesIO()  # serialised in memory: a full or read-only disk is an OSError below,
+    with warnings.catch_warnings():  # not an abort inside torch's C++ writer
         warnings.simplefilter("ignore", DeprecationWarning)
         warnings.simplefilter("ignore", FutureWarning)
         warnings.simplefilter("ignore", UserWarning)
         if format == "onnx":
             require("onnx", "export")
             try:
-                torch.onnx.export(model, (example,), str(tmp), dynamo=False, input_names=["images"],
+                torch.onnx.export(model, (example,), buffer, dynamo=False, input_names=["images"],
                                   output_names=["embeddings"], opset_version=opset,
                                   dynamic_axes={"images": {0: "batch"}, "embeddings": {0: "batch"}})
             except (torch.onnx.OnnxExporterError, RuntimeError, ValueError) as exc:
-                tmp.unlink(missing_ok=True)
                 reason = (str(exc).strip().splitlines() or [type(exc).__name__])[-1]
                 raise ConfigError(f"ONNX export at opset {opset} failed: {reason} (the default "
                                   f"--opset {_DEFAULT_OPSET} exports every dmlkit model)") from None
         else:
-            traced = torch.jit.trace(model, example)
-            traced.save(str(tmp))
-    os.replace(tmp, out)
-    if format == "onnx":
-        import onnx
-
-        onnx.checker.check_model(str(out))
-        forward, runtime = _onnx_forward(out), "onnxruntime"
-    else:
-        forward, runtime = _torch_forward(_torchscript_load(out), "cpu"), "torchscript"
-    reference = np.concatenate([_torch_forward(model, "cpu")(x[i:i + 64]) for i in range(0, len(x), 64)])
-    exported = np.concatenate([forward(x[i:i + 64]) for i in range(0, len(x), 64)])
-    parity = parity_report(reference, exported, labels, atol=atol)
-    parity["split"] = split
-    manifest = {
-        "format": format, "manifest": _MANIFEST_FORMAT, "output": str(out), "runtime": runtime,
-        "source": str(run_dir), "opset": opset if format == "onnx" else None,
-        "preprocessing": {"transform": config.data.transform, "image_size": config.data.image_size,
-                          "in_channels": int(config.model.in_channels), "input_shape": list(x.shape[1:])},
-        "embedding_size": int(reference.shape[1]), "parity": parity,
-    }
+            torch.jit.save(torch.jit.trace(model, example), buffer)
+    data = buffer.getvalue()
     parity_file = _manifest_path(out)
-    atomic_write_json(parity_file, manifest)
+    try:
+        tmp.write_bytes(data)
+        if format == "onnx":
+            import onnx
+
+            onnx.checker.check_model(str(tmp))
+            forward, runtime = _onnx_forward(tmp), "onnxruntime"
+        else:
+            forward, runtime = _torch_forward(_torchscript_load(tmp), "cpu"), "torchscript"
+        reference = np.concatenate([_torch_forward(model, "cpu")(x[i:i + 64]) for i in range(0, len(x), 64)])
+        exported = np.concatenate([forward(x[i:i + 64]) for i in range(0, len(x), 64)])
+        parity = parity_report(reference, exported, labels, atol=atol)
+        parity["split"] = split
+        manifest = {
+            "format": format, "manifest": _MANIFEST_FORMAT, "output": str(out), "runtime": runtime,
+            "source": str(run_dir), "opset": opset if format == "onnx" else None,
+            "preprocessing": {"transform": config.data.transform, "image_size": config.data.image_size,
+                              "in_channels": int(config.model.in_channels), "input_shape": list(x.shape[1:])},
+            "embedding_size": int(reference.shape[1]), "parity": parity,
+            "sha256": hashlib.sha256(data).hexdigest(),
+        }
+        # the old manifest goes first: a kill before the new one leaves a model without a
+        # manifest, which load_embedder refuses, never a new model described by the old one
+        parity_file.unlink(missing_ok=True)
+        os.replace(tmp, out)
+        atomic_write_json(parity_file, manifest)
+    except OSError as exc:
+        raise DataError(os_error_message(exc, out, writing=True)) from None
+    finally:
+        tmp.unlink(missing_ok=True)
     manifest["parity_file"] = str(parity_file)
     return manifest
