@@ -553,3 +553,23 @@ def test_an_ivf_built_block_by_block_sizes_its_cells_for_every_row(tmp_path):
     whole = EmbeddingIndex(x, y, kind="ivf_flat", recall_queries=20)
     assert blocks.params["nlist"] == whole.params["nlist"] == 693  # 4 sqrt(30000 - 20)
     assert blocks._planned_rows == 0  # nothing left planned after the blocks
+
+
+def test_damaged_index_files_are_one_data_error(tmp_path):
+    """A truncated vectors.npy or index.json, or garbage in faiss.index, is one DataError naming
+    the index (numpy's ValueError, json's JSONDecodeError and faiss's RuntimeError escaped as
+    tracebacks from `query` and `index --add`)."""
+    from dmlkit.apps import EmbeddingIndex
+    from dmlkit.exceptions import DataError
+
+    x = np.random.default_rng(0).normal(size=(300, 8)).astype(np.float32)
+    for kind, damage in [("flat", "vectors.npy"), ("flat", "index.json"), ("hnsw", "faiss.index")]:
+        if kind == "hnsw":
+            pytest.importorskip("faiss")
+        path = tmp_path / f"{kind}-{damage}"
+        EmbeddingIndex(x, kind=kind).save(path)
+        f = path / damage
+        f.write_bytes(f.read_bytes()[: len(f.read_bytes()) // 2])
+        for mmap in (False, True):
+            with pytest.raises(DataError, match="damaged index.*rebuild it"):
+                EmbeddingIndex.load(path, mmap=mmap)

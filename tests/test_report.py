@@ -149,6 +149,16 @@ def test_report_errors_are_clear(tmp_path):
         build_report(tmp_path)
 
 
+def test_a_damaged_metrics_json_is_one_error(run_dir, tmp_path):
+    """`metrics.json` whose sections are not objects (hand-edited, or another tool's) was an
+    AttributeError traceback; it is one DataError naming the section."""
+    copy = tmp_path / "run"
+    shutil.copytree(run_dir, copy, ignore=shutil.ignore_patterns("checkpoints", "embeddings"))
+    (copy / "metrics.json").write_text(json.dumps({"val": {"map_at_r": "high"}, "test": 5}))
+    with pytest.raises(DataError, match="'test' holds a JSON int"):
+        build_report(copy)
+
+
 def test_bench_report_from_results(tmp_path):
     """A benchmark directory: the seed's table with CIs and the relative-improvement chart."""
     import numpy as np

@@ -356,3 +356,18 @@ def test_a_run_directory_is_one_train_at_a_time_and_never_mixes_attempts(tmp_pat
         records = read_log(run / "log.jsonl")
     assert records[-1] == {"event": "eval", "step": 4}
     assert "skipped 2 line(s)" in caplog.text  # the torn last line is expected: silent
+
+
+def test_a_damaged_baseline_json_is_one_error_on_resume(tmp_path, omniglot_slice):
+    """An empty or non-object baseline.json made `train --resume` end in a JSONDecodeError
+    traceback; it is one DataError naming the file."""
+    from dmlkit.exceptions import DataError
+
+    train_set, val_set = omniglot_slice
+    cfg = make_config(**{"training.epochs": 1})
+    run = tmp_path / "run"
+    train(cfg, run, train_set=train_set, val_set=val_set, progress=False)
+    for text in ("", "[1, 2]"):
+        (run / "baseline.json").write_text(text)
+        with pytest.raises(DataError, match="baseline.json"):
+            train(cfg, run, train_set=train_set, val_set=val_set, resume=True, progress=False)

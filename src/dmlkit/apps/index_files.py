@@ -22,7 +22,7 @@ import numpy as np
 from dmlkit import __version__
 from dmlkit.apps.index_faiss import to_gpu
 from dmlkit.data import load_dataset
-from dmlkit.exceptions import DataError, DataNotFoundError, require
+from dmlkit.exceptions import DataError, DataNotFoundError, DmlkitError, require
 from dmlkit.training import load_config
 from dmlkit.utils import atomic_write_bytes
 from dmlkit.utils import data_root as resolve_root
@@ -104,6 +104,18 @@ def load_index(cls: type[EmbeddingIndex], path: str | os.PathLike, *, mmap: bool
     path = Path(path)
     if not path.exists():
         raise DataNotFoundError(f"index not found: {path} (build one with `dmlkit index`)")
+    try:
+        return _load_index(cls, path, mmap)
+    except DmlkitError:
+        raise
+    except (OSError, ValueError, KeyError, TypeError, EOFError, RuntimeError) as exc:
+        # truncated or hand-edited files: numpy, json and faiss raise their own errors
+        reason = " ".join(str(exc).split())[:160] or type(exc).__name__
+        raise DataError(f"{path} is a damaged index ({reason}): rebuild it with `dmlkit index`") from None
+
+
+def _load_index(cls: type[EmbeddingIndex], path: Path, mmap: bool) -> EmbeddingIndex:
+    """:func:`load_index` of an existing path."""
     if path.is_dir():
         meta_file = path / "index.json"
         if not meta_file.exists():

@@ -319,6 +319,20 @@ def _json_mapping(path: Path, what: str) -> dict[str, Any]:
     return data
 
 
+def _run_metrics(path: Path) -> dict[str, Any]:
+    """A run's ``metrics.json``, its ``val`` / ``test`` / ``baseline`` sections checked to be
+    objects (or null): a hand-edited or foreign file is one :class:`DataError`."""
+    metrics = _json_mapping(path, "metrics.json of dmlkit train")
+    sections = {k: metrics.get(k) for k in ("val", "test", "baseline")}
+    sections.update({f"baseline.{k}": v for k, v in (sections["baseline"] or {}).items()}
+                    if isinstance(sections["baseline"], dict) else {})
+    for key, value in sections.items():
+        if value is not None and not isinstance(value, dict):
+            raise DataError(f"{path} is not a metrics.json of dmlkit train: {key!r} holds a JSON "
+                            f"{type(value).__name__}, not an object of metrics")
+    return metrics
+
+
 def _fmt(v: Any) -> str:
     return f"{100 * v:.2f}" if isinstance(v, (int, float)) and np.isfinite(v) else "n/a"
 
@@ -327,8 +341,7 @@ def _fmt(v: Any) -> str:
 def _run_sections(run_dir: Path, fig_dir: Path, options: ReportOptions) -> tuple[str, str, list[Section]]:
     notes: list[str] = []
     sections: list[Section] = []
-    metrics = _json_mapping(run_dir / "metrics.json", "metrics.json of dmlkit train") \
-        if (run_dir / "metrics.json").exists() else {}
+    metrics = _run_metrics(run_dir / "metrics.json") if (run_dir / "metrics.json").exists() else {}
     rows = []
     for split in ("val", "test"):
         m = metrics.get(split) or {}

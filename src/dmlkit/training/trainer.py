@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import json
 import logging
 import os
 import random
@@ -78,7 +77,7 @@ from dmlkit.training.checkpoint import (
 from dmlkit.training.loop import Trainer, TrainState
 from dmlkit.training.data_root import with_data_root
 from dmlkit.training.preflight import preflight
-from dmlkit.utils import atomic_write_json, directory_lock, seed_everything, write_provenance
+from dmlkit.utils import atomic_write_json, directory_lock, read_json, seed_everything, write_provenance
 
 __all__ = [
     "RESUMABLE_CHANGES",
@@ -355,7 +354,7 @@ def _train_in_dir(config: ExperimentConfig, run_dir: Path, device: torch.device,
     baseline_path = run_dir / "baseline.json"
     if payload is not None:
         trainer.restore(payload)
-        baseline = on_main(lambda: json.loads(baseline_path.read_text()) if baseline_path.exists() else {})
+        baseline = on_main(lambda: _read_baseline(baseline_path))
     else:  # step 0: the number to beat (untrained or pretrained-only), before any update
         baseline = evaluate_baseline(trainer, test_set)
         if ctx.is_main:
@@ -374,6 +373,18 @@ def _train_in_dir(config: ExperimentConfig, run_dir: Path, device: torch.device,
     if ctx.is_main:
         atomic_write_json(run_dir / "metrics.json", metrics_out)
     return result
+
+
+def _read_baseline(path: Path) -> dict[str, Any]:
+    """The step-0 numbers a resumed run reports (``baseline.json``; none if it is missing): a
+    damaged file is one :class:`DataError` naming it."""
+    if not path.exists():
+        return {}
+    baseline = read_json(path, "baseline.json of dmlkit train")
+    if not isinstance(baseline, dict):
+        raise DataError(f"{path} is not a baseline.json of dmlkit train (a JSON "
+                        f"{type(baseline).__name__}): delete it to resume without step-0 numbers")
+    return baseline
 
 
 #: Config keys that may differ between the ranks of one job: per-machine paths.
