@@ -137,3 +137,20 @@ def test_build_data_command(tmp_path: Path, capsys) -> None:
     assert both["subsets"]["stereo"]["spec"]["seed"] == 6
     code, _, err = _run([*argv[:3], str(tmp_path / "x"), "--subset", "liberty"], capsys)
     assert code == 2 and "unknown offline subset" in err
+
+
+@pytest.mark.parametrize("override, key", [
+    ("training.lr=-1.0", "training.lr"), ("training.epochs=0", "training.epochs"),
+    ("training.device=gpu", "training.device"), ("training.optimizer=adamm", "training.optimizer"),
+    ("training.threads=0", "training.threads"), ("training.decision_output=sigmoid", "training.decision_output"),
+    ("training.epochs.x=1", "training.epochs"),
+])
+def test_bad_patch_settings_are_refused_when_the_config_is_read(override, key):
+    """Each was a traceback (a negative learning rate, `--set` into a value) or an error after
+    the run directory was written; now one ConfigError naming the key, before any work."""
+    from dmlkit.apps.patches import load_patch_config
+    from dmlkit.exceptions import ConfigError
+
+    repo = Path(__file__).resolve().parents[1]
+    with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
+        load_patch_config(repo / "configs" / "patches_offline.yaml", [override])

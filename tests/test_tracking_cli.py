@@ -133,3 +133,21 @@ def test_evaluate_got10k_layout(offline, capsys):
     assert row["num_sequences"] == 1 and row["num_frames"] == 8
     code, _, err = run(["track", "evaluate", offline, "--dataset", "vot"], capsys)
     assert code == 2 and "otb" in err
+
+
+@pytest.mark.parametrize("override, match", [
+    ("device=gpu", "device"), ("tracker.num_scale=3", "unknown tracker setting"),
+    ("tracker.num_scales=three", "tracker.num_scales must be a whole number"),
+    ("width.x=1", "'width' is a value"), ("lr_end=1", "lr_end"),
+])
+def test_bad_siamfc_settings_are_refused_when_the_config_is_read(override, match):
+    """Each ended `dmlkit track train` in a traceback; now one ConfigError before any work."""
+    from pathlib import Path
+
+    from dmlkit.apps.tracking.training import SiamFCTrainConfig
+    from dmlkit.exceptions import ConfigError
+
+    repo = Path(__file__).resolve().parents[1]
+    with pytest.raises(ConfigError, match=match):
+        SiamFCTrainConfig.from_yaml(repo / "configs" / "siamfc_offline.yaml", [override])
+    assert SiamFCTrainConfig.from_yaml(repo / "configs" / "siamfc_offline.yaml", ["device=auto"]).device == "auto"

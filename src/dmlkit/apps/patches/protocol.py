@@ -11,7 +11,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, field_validator
@@ -19,7 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from dmlkit.apps.patches.brown import load_subset, subset_folder
 from dmlkit.apps.patches.models import build_patch_model, prepare_patches
 from dmlkit.apps.patches.training import TrainSettings, score_pairs, train_patch_model
-from dmlkit.config import read_yaml_mapping
+from dmlkit.config import apply_dict_overrides, read_yaml_mapping
 from dmlkit.exceptions import CheckpointError, ConfigError, DataNotFoundError
 from dmlkit.metrics.roc import fpr95, roc_auc
 from dmlkit.models import to_device
@@ -79,18 +79,20 @@ class PatchModelConfig(_Strict):
 
 
 class PatchTrainingConfig(_Strict):
-    epochs: int = 2
-    batch_size: int = 128
-    lr: float = 1e-3
-    optimizer: str = "adam"
-    weight_decay: float = 5e-4
-    max_train_pairs: int | None = None
+    """Every value checked when the config is read, before a run directory is written."""
+
+    epochs: int = Field(2, ge=1)
+    batch_size: int = Field(128, ge=4)
+    lr: float = Field(1e-3, gt=0)
+    optimizer: Literal["adam", "sgd"] = "adam"
+    weight_decay: float = Field(5e-4, ge=0)
+    max_train_pairs: int | None = Field(None, ge=1)
     augment: bool = True
-    l2_margin: float = 1.0
-    triplet_margin: float = 1.0
-    threads: int | None = None
-    device: str = "auto"  # auto (cuda when available) | cpu | cuda
-    decision_output: str = "tanh"  # hinge on tanh(z) (the paper) or on the linear z
+    l2_margin: float = Field(1.0, gt=0)
+    triplet_margin: float = Field(1.0, gt=0)
+    threads: int | None = Field(None, ge=1)
+    device: Literal["auto", "cpu", "cuda"] = "auto"  # auto: cuda when available
+    decision_output: Literal["tanh", "linear"] = "tanh"  # hinge on tanh(z) (the paper) or on z
 
 
 class PatchExperimentConfig(_Strict):
@@ -104,22 +106,13 @@ class PatchExperimentConfig(_Strict):
 
 def load_patch_config(path: str | Path, overrides: list[str] | None = None) -> PatchExperimentConfig:
     """Read a YAML config; ``overrides`` like ``training.epochs=1`` (YAML values)."""
-    import yaml
     from pydantic import ValidationError
 
     path = Path(path)
     if not path.is_file():
         raise DataNotFoundError(f"config {path} not found")
     raw = read_yaml_mapping(path, "patch experiment settings", "configs/patches_offline.yaml")
-    for item in overrides or []:
-        if "=" not in item:
-            raise ConfigError(f"override '{item}' must look like section.key=value")
-        key, value = item.split("=", 1)
-        node = raw
-        parts = key.split(".")
-        for p in parts[:-1]:
-            node = node.setdefault(p, {})
-        node[parts[-1]] = yaml.safe_load(value)
+    raw = apply_dict_overrides(raw, overrides)
     try:
         return PatchExperimentConfig.model_validate(raw)
     except ValidationError as exc:

@@ -21,8 +21,9 @@ hyper-parameters): step 1.0375, penalty 0.9745, scale_lr 0.59, window influence 
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable
-from dataclasses import asdict, dataclass, field
+from collections.abc import Iterable, Mapping
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any
 
 import numpy as np
 import torch
@@ -73,6 +74,20 @@ class TrackerConfig:
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+
+def tracker_config(settings: Mapping[str, Any]) -> TrackerConfig:
+    """A :class:`TrackerConfig` from a config's ``tracker`` mapping: unknown keys and values that
+    are not numbers (whole numbers for the integer settings) are one :class:`ConfigError`."""
+    defaults = {f.name: f.default for f in fields(TrackerConfig)}
+    unknown = sorted(set(settings) - set(defaults))
+    if unknown:
+        raise ConfigError(f"unknown tracker setting(s) {unknown}; choose from {sorted(defaults)}")
+    for key, value in settings.items():
+        whole = isinstance(defaults[key], int)
+        if isinstance(value, bool) or not isinstance(value, int if whole else (int, float)):
+            raise ConfigError(f"tracker.{key} must be a {'whole ' if whole else ''}number, got {value!r}")
+    return TrackerConfig(**settings)
 
 
 @dataclass

@@ -31,7 +31,7 @@ from typing import Any
 import numpy as np
 import torch
 import torch.nn.functional as F
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from dmlkit.apps.tracking.datasets import Sequence, load_tracking_dataset
 from dmlkit.apps.tracking.geometry import (
@@ -41,8 +41,9 @@ from dmlkit.apps.tracking.geometry import (
     image_to_tensor,
 )
 from dmlkit.apps.tracking.model import EXEMPLAR_SIZE, INSTANCE_SIZE, TOTAL_STRIDE, SiamFC
-from dmlkit.apps.tracking.tracker import TrackerConfig
-from dmlkit.config import read_yaml_mapping
+from dmlkit.apps.tracking.tracker import TrackerConfig, tracker_config
+from dmlkit.config import apply_dict_overrides, read_yaml_mapping
+from dmlkit.embeddings import resolve_device
 from dmlkit.exceptions import CheckpointError, ConfigError, DataError, NonFiniteError, ShapeError
 from dmlkit.models import to_device
 from dmlkit.utils import (
@@ -181,28 +182,32 @@ class SiamFCTrainConfig(BaseModel):
     weight_decay: float = Field(5e-4, ge=0)
     num_workers: int = Field(0, ge=0)
     threads: int | None = Field(None, ge=1, description="torch CPU threads (None: torch's default)")
-    device: str = "cpu"
+    device: str = Field("cpu", pattern=r"^(auto|cpu|cuda(:\d+)?)$", description="auto, cpu, cuda or cuda:N")
     pairs: PairConfig = Field(default_factory=PairConfig)
     tracker: dict[str, Any] = Field(default_factory=dict, description="TrackerConfig overrides")
 
+    @field_validator("tracker")
+    @classmethod
+    def _tracker_settings(cls, value: dict[str, Any]) -> dict[str, Any]:
+        """The tracker's keys and values are checked when the config is read."""
+        tracker_config(value)
+        return value
+
+    @model_validator(mode="after")
+    def _decaying_lr(self) -> SiamFCTrainConfig:
+        if self.lr_end > self.lr:
+            raise ValueError(f"lr_end ({self.lr_end}) must not exceed lr ({self.lr}): the rate decays")
+        return self
+
     @classmethod
     def from_yaml(cls, path: str | Path, overrides: list[str] | None = None) -> SiamFCTrainConfig:
-        import yaml
         from pydantic import ValidationError
 
         path = Path(path)
         if not path.is_file():
             raise ConfigError(f"config file {path} does not exist")
         data = read_yaml_mapping(path, "SiamFC training settings", "configs/siamfc_offline.yaml")
-        for item in overrides or []:
-            if "=" not in item:
-                raise ConfigError(f"override {item!r} must be key=value (e.g. epochs=2)")
-            key, value = item.split("=", 1)
-            node = data
-            parts = key.split(".")
-            for p in parts[:-1]:
-                node = node.setdefault(p, {})
-            node[parts[-1]] = yaml.safe_load(value)
+        data = apply_dict_overrides(data, overrides)
         try:
             return cls.model_validate(data)
         except ValidationError as exc:
@@ -275,9 +280,9 @@ def train_siamfc(
         torch.set_num_threads(config.threads)
     if sequences is None:
         sequences = load_tracking_dataset(config.dataset, config.data_dir, config.split)
-    tracker_cfg = TrackerConfig(**config.tracker)
+    tracker_cfg = tracker_config(config.tracker)
     pairs = SiamFCPairs(sequences, config.pairs_per_epoch, config.pairs, seed=config.seed)
-    device = torch.device(config.device)
+    device = resolve_device(config.device)
     model = to_device(SiamFC(width=config.width), device)
     opt = torch.optim.SGD(model.parameters(), lr=config.lr, momentum=config.momentum,
                           weight_decay=config.weight_decay)
