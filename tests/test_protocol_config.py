@@ -127,9 +127,16 @@ def test_seeds_and_ratio_split():
 def test_load_with_overrides(tmp_path):
     path = tmp_path / "b.yaml"
     path.write_text(yaml.safe_dump(BASE))
-    cfg = load_bench_config(path, ["protocol.trials=7", "methods.1.loss.params.margin=0.3"])
+    cfg = load_bench_config(path, ["protocol.trials=7", "methods.1.loss.params.swap=true"])
     assert cfg.protocol.trials == 7
-    assert cfg.method("triplet").loss.params == {"margin": 0.3}
+    assert cfg.method("triplet").loss.params == {"swap": True}
+    # a fixed value of a searched parameter was silently replaced by each trial's value
+    with pytest.raises(ConfigError, match="loss.margin is both fixed .* and searched"):
+        load_bench_config(path, ["methods.1.loss.params.margin=0.3"])
+    # repeats that contradict the seeds listed were silently replaced by their count
+    with pytest.raises(ConfigError, match="protocol.repeats = 5 but protocol.seeds lists 3"):
+        load_bench_config(path, ["protocol.repeats=5", "protocol.seeds=[0, 1, 2]"])
+    assert load_bench_config(path, ["protocol.repeats=3", "protocol.seeds=[0, 1, 2]"]).protocol.repeats == 3
     with pytest.raises(ConfigError, match="not found"):
         load_bench_config(tmp_path / "missing.yaml")
 

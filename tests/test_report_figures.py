@@ -58,6 +58,11 @@ def test_curves_gallery_bars_improvement():
     log += [{"event": "eval", "step": s, "map_at_r": 0.1 * k, "precision_at_1": 0.2 * k} for k, s in enumerate((5, 10, 15))]
     fig = figures.training_curves({"fold 0": log})
     assert len(fig.axes) == 3 and fig.axes[1].get_ylabel() == "MAP@R (%)"
+    # a run evaluated once: its one validation point is drawn (a fractional markevery drew none)
+    once = figures.training_curves({"1 epoch": log[:20] + log[20:21]})
+    once.canvas.draw()
+    line = once.axes[1].get_lines()[0]
+    assert len(line.get_xdata()) == 1 and line.get_markevery() == 1
     rows = [{"query": 0, "query_label": 1, "neighbors": [1, 2], "neighbor_labels": [1, 3], "caption": "q"}]
     fig = figures.retrieval_gallery(rows, image_of=lambda i: np.zeros((6, 6)))
     assert "correct" in fig.axes[1].get_xlabel() and "wrong" in fig.axes[2].get_xlabel()

@@ -183,11 +183,14 @@ class MethodConfig(_Strict):
                     f"method {self.name!r}: search key {key!r} must be 'loss.<param>', "
                     "'miner.<param>' or 'optimizer.loss_lr'"
                 )
-            if section == "loss":
-                continue
-            if section == "miner":
-                if self.miner is None:
+            if section in ("loss", "miner"):
+                part = self.loss if section == "loss" else self.miner
+                if part is None:
                     raise ValueError(f"method {self.name!r} searches {key!r} but has no miner")
+                if param in part.params:  # the search would silently replace the fixed value
+                    raise ValueError(
+                        f"method {self.name!r}: {key} is both fixed ({section}.params.{param} = "
+                        f"{part.params[param]!r}) and searched: keep one of the two")
                 continue
             if section == "optimizer" and param in SEARCHABLE_OPTIMIZER_KEYS:
                 continue
@@ -293,6 +296,9 @@ class ProtocolConfig(_Strict):
         else:
             if len(set(self.seeds)) != len(self.seeds):
                 raise ValueError(f"protocol.seeds must be distinct, got {self.seeds}")
+            if "repeats" in self.model_fields_set and self.repeats != len(self.seeds):
+                raise ValueError(f"protocol.repeats = {self.repeats} but protocol.seeds lists "
+                                 f"{len(self.seeds)} seeds: give one of the two")
             self.repeats = len(self.seeds)
         self.metrics = list(dict.fromkeys([*DEFAULT_METRICS, *self.metrics]))
         if self.launcher == "local" and self.nproc_per_trial != 1:

@@ -101,18 +101,22 @@ def training_curves(
     fig, axes = plt.subplots(1, 1 + len(metrics), figsize=(4.2 * (1 + len(metrics)), 3.4))
     axes = np.atleast_1d(axes)
     for i, (name, records) in enumerate(runs.items()):
-        style = dict(linestyle=_LINESTYLES[i % 4], marker=_MARKERS[i % len(_MARKERS)], markevery=0.1)
+        # markers every tenth point by count: a fractional markevery draws none on a one-point
+        # series (a run evaluated once showed empty validation panels)
+        style = dict(linestyle=_LINESTYLES[i % 4], marker=_MARKERS[i % len(_MARKERS)])
         train = [r for r in records if r.get("event") == "train" and r.get("loss") is not None]
         if train:
             steps = np.array([r["step"] for r in train])
             loss = np.array([r["loss"] for r in train], dtype=float)
-            axes[0].plot(steps, _smooth(loss), label=name, markersize=3, **style)
+            axes[0].plot(steps, _smooth(loss), label=name, markersize=3, markevery=max(1, steps.size // 10),
+                         **style)
         evals = [r for r in records if r.get("event") == "eval"]
         for ax, metric in zip(axes[1:], metrics):
             pts = [(r["step"], r[metric]) for r in evals if metric in r]
             if pts:
                 s, v = zip(*pts)
-                ax.plot(s, 100 * np.asarray(v, dtype=float), label=name, markersize=4, **style)
+                ax.plot(s, 100 * np.asarray(v, dtype=float), label=name, markersize=4,
+                        markevery=max(1, len(s) // 10), **style)
     axes[0].set(title="Training loss (smoothed)", xlabel="step (batches)", ylabel="loss")
     for ax, metric in zip(axes[1:], metrics):
         ax.set(title=f"Validation {_pretty(metric)}", xlabel="step (batches)", ylabel=f"{_pretty(metric)} (%)")
