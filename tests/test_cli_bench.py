@@ -4,6 +4,7 @@ the test classes are never read by the search; ``dmlkit compare`` on the results
 from __future__ import annotations
 
 import json
+import shutil
 import os
 import signal
 import subprocess
@@ -142,10 +143,10 @@ def test_results_table_and_traceability(bench_run):
                 assert len(cell["values"]) == 2 and cell["ci95"] is not None and 0 <= cell["mean"] <= 1
                 assert cell["mean"] == pytest.approx(np.mean(cell["values"]))
         assert len(row["runs"]) == 4  # 2 seeds x 2 folds
-        for run in row["runs"]:
-            assert Path(run["embeddings"]).exists()
+        for run in row["runs"]:  # relative to the bench directory: a copy finds its own files
+            assert not Path(run["embeddings"]).is_absolute() and (out / run["embeddings"]).exists()
             if name != "pretrained":
-                assert Path(run["checkpoint"]).exists()
+                assert (out / run["checkpoint"]).exists()
     assert set(res["methods"]["triplet"]["best_params"]) == {"loss.margin"}
     assert res["provenance"]["versions"]["torch"] and "git_commit" in res["provenance"]
     assert res["config"]["protocol"]["trials"] == 3
@@ -153,7 +154,13 @@ def test_results_table_and_traceability(bench_run):
     from dmlkit.embeddings import load_embeddings
     from dmlkit.metrics import evaluate
 
-    seed0 = [r for r in res["methods"]["triplet"]["runs"] if r["seed"] == 0]
+    from dmlkit.protocol import load_results
+
+    copy = out.parent / "bench-copy"  # a moved or copied bench reads its own files
+    if not copy.exists():
+        shutil.copytree(out, copy)
+    seed0 = [r for r in load_results(copy)["methods"]["triplet"]["runs"] if r["seed"] == 0]
+    assert all(Path(r["embeddings"]).is_relative_to(copy) for r in seed0)
     maps = [evaluate(*load_embeddings(r["embeddings"])[:2], metrics=["map_at_r"])["map_at_r"] for r in seed0]
     assert res["methods"]["triplet"]["separated"]["map_at_r"]["values"][0] == pytest.approx(np.mean(maps))
     md = (out / "results.md").read_text()

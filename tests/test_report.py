@@ -183,3 +183,7 @@ def test_bench_report_from_results(tmp_path):
     assert '<tr><td>arcface</td>' + '<td class="best">60.00 ± 1.00</td>' * 3 in html
     assert html.count('<td class="best">') == 6 and '<tr class="best">' not in html
     assert (tmp_path / "figures" / "relative_improvement.png").exists()
+    # a fold's test embeddings missing: no "concatenated fold models" figures from the other fold
+    (tmp_path / "final" / "arcface" / "seed0" / "fold1" / "embeddings" / "test.npz").unlink()
+    html = build_report(tmp_path, options=ReportOptions(maps=("pca",))).read_text()
+    assert "(concatenated fold models)" not in html and "fold1" in html and "is missing" in html

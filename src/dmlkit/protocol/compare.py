@@ -26,7 +26,7 @@ import numpy as np
 
 from dmlkit.embeddings import load_embeddings
 from dmlkit.exceptions import ConfigError, DataError
-from dmlkit.protocol.results import MODES, load_results, metric_label
+from dmlkit.protocol.results import MODES, load_results, metric_label, resolved_runs
 from dmlkit.protocol.stats import (
     MIN_SEEDS_FOR_SIGNIFICANCE,
     PER_QUERY_METRICS,
@@ -140,7 +140,7 @@ def compare_results(
 
     Pairs are every pair of the selected methods, or each method against ``baseline``.
     """
-    results_list = [r if isinstance(r, Mapping) else load_results(r) for r in paths_or_results]
+    results_list = [resolved_runs(r) if isinstance(r, Mapping) else load_results(r) for r in paths_or_results]
     merged = _merge(results_list)
     names = list(methods) if methods else list(merged)
     unknown = [n for n in names if n not in merged]

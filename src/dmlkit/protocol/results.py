@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import csv
 import io
+import copy
 import json
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -28,6 +29,7 @@ __all__ = [
     "build_results",
     "format_cell",
     "load_results",
+    "resolved_runs",
     "render_csv",
     "render_markdown",
     "rich_table",
@@ -74,6 +76,42 @@ def _embedding_size(entries: Mapping[str, Mapping[str, Any]], config) -> int:
     return int(config.fixed.model.embedding_size)
 
 
+#: The paths of a run entry: relative to the bench directory (results.json's folder) when inside it.
+_RUN_PATHS = ("run_dir", "checkpoint", "embeddings")
+
+
+def _in_bench(path: str | Path, bench_dir: Path) -> str:
+    """``path`` relative to ``bench_dir`` when it lies inside (a copied or moved bench directory,
+    or `compare` run from another folder, still finds its files), else absolute."""
+    resolved = Path(path).resolve()
+    try:
+        return str(resolved.relative_to(Path(bench_dir).resolve()))
+    except ValueError:
+        return str(resolved)
+
+
+def _resolve_runs(data: dict[str, Any], folder: Path) -> None:
+    """Make the run paths of a loaded results file absolute: relative ones are relative to its
+    folder; files written before that (relative to the folder `dmlkit bench` ran in) keep a path
+    that exists from the current folder."""
+    for entry in (data.get("methods") or {}).values():
+        for run in entry.get("runs", []) if isinstance(entry, dict) else []:
+            for key in _RUN_PATHS:
+                value = run.get(key)
+                if isinstance(value, str) and value and not Path(value).is_absolute():
+                    inside = folder / value
+                    run[key] = str(inside if inside.exists() or not Path(value).exists() else Path(value).resolve())
+
+
+def resolved_runs(results: Mapping[str, Any]) -> dict[str, Any]:
+    """A results mapping (as :func:`build_results` returns it) with absolute run paths: the
+    relative ones are relative to its ``bench_dir``. :func:`load_results` does this on reading."""
+    data = copy.deepcopy(dict(results))
+    if data.get("bench_dir"):
+        _resolve_runs(data, Path(data["bench_dir"]))
+    return data
+
+
 def build_results(config, split, entries: Mapping[str, Mapping[str, Any]], *, bench_dir: Path,
                   storage_url: str | None = None) -> dict[str, Any]:
     """Assemble ``results.json`` from the evaluated final runs of every method."""
@@ -93,9 +131,9 @@ def build_results(config, split, entries: Mapping[str, Mapping[str, Any]], *, be
             "miner": entry.get("miner"),
             "seeds": list(ev["seeds"]),
             "runs": [
-                {"seed": r.seed, "fold": r.fold, "run_dir": str(r.run_dir),
-                 "checkpoint": None if r.checkpoint is None else str(r.checkpoint),
-                 "embeddings": str(r.embeddings)}
+                {"seed": r.seed, "fold": r.fold, "run_dir": _in_bench(r.run_dir, bench_dir),
+                 "checkpoint": None if r.checkpoint is None else _in_bench(r.checkpoint, bench_dir),
+                 "embeddings": _in_bench(r.embeddings, bench_dir)}
                 for r in entry["runs"]
             ],
         })
@@ -239,6 +277,7 @@ def load_results(path: str | Path) -> dict[str, Any]:
     if problem:
         raise DataError(f"{path} is not a complete dmlkit bench results file: {problem}; "
                         "rerun `dmlkit bench CONFIG --stage final` to rewrite it")
+    _resolve_runs(data, path.parent)
     data.setdefault("_path", str(path))
     return data
 

@@ -459,36 +459,44 @@ def _bench_sections(bench_dir: Path, fig_dir: Path, options: ReportOptions) -> t
     if curve_figs:
         sections.append(Section("Training curves", ["One line per fold model and seed."], [], curve_figs))
     best_name = rows[best][0]
-    test = _concatenated_test(bench_dir, best_name)
-    before = _concatenated_test(bench_dir, "pretrained") if best_name != "pretrained" else None
+    test, missing = _concatenated_test(bench_dir, best_name)
+    before = _concatenated_test(bench_dir, "pretrained")[0] if best_name != "pretrained" else None
     if test is not None:
         sections += _embedding_sections(test, before, {}, fig_dir, options,
                                         f"{best_name} (concatenated fold models)")
+    elif missing:  # a part of the concatenation would be drawn as the whole
+        sections.append(Section("Embeddings", [
+            f"No embedding figures for {best_name}: the concatenated fold models need every fold's "
+            f"test embeddings, and {', '.join(str(m) for m in missing)} "
+            f"{'is' if len(missing) == 1 else 'are'} missing (rerun `dmlkit bench CONFIG --stage final`)."],
+            [], []))
     sections.append(_config_section(bench_dir))
     return f"dmlkit benchmark report: {bench_dir.name}", f"Benchmark directory {bench_dir.resolve()}", sections
 
 
-def _concatenated_test(bench_dir: Path, method: str) -> _Split | None:
+def _concatenated_test(bench_dir: Path, method: str) -> tuple[_Split | None, list[Path]]:
+    """The first seed's fold models' test embeddings side by side (normalised), and the fold
+    files that are missing: with any missing there is no concatenation (a part of it, drawn
+    as the whole, was captioned as the concatenated model)."""
     seeds = sorted((bench_dir / "final" / method).glob("seed*"))
     if not seeds:
-        return None
+        return None, []
+    files = [fold_dir / "embeddings" / "test.npz" for fold_dir in sorted(seeds[0].glob("fold*"))]
+    missing = [f for f in files if not f.exists()]
+    if missing or not files:
+        return None, missing
     parts = []
     labels = None
     names = None
-    for fold_dir in sorted(seeds[0].glob("fold*")):
-        f = fold_dir / "embeddings" / "test.npz"
-        if f.exists():
-            emb, lab, extra = load_embeddings(f)
-            names = names or _file_class_names(extra)
-            if labels is not None and not np.array_equal(lab, labels):
-                raise DataError(f"{f}: test labels differ between folds; cannot concatenate")
-            labels = lab
-            parts.append(emb)
-    if not parts:
-        return None
-    emb = np.concatenate(parts, axis=1)
-    emb = normalize_rows(emb)
-    return _Split("test", emb, labels, class_names=names)
+    for f in files:
+        emb, lab, extra = load_embeddings(f)
+        names = names or _file_class_names(extra)
+        if labels is not None and not np.array_equal(lab, labels):
+            raise DataError(f"{f}: test labels differ between folds; cannot concatenate")
+        labels = lab
+        parts.append(emb)
+    emb = normalize_rows(np.concatenate(parts, axis=1))
+    return _Split("test", emb, labels, class_names=names), []
 
 
 def mean_of(cell: Any) -> float:
