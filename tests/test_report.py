@@ -159,6 +159,20 @@ def test_a_damaged_metrics_json_is_one_error(run_dir, tmp_path):
         build_report(copy)
 
 
+def test_an_interrupted_run_shows_its_step_0_numbers_and_a_damaged_checkpoint_warns(run_dir, tmp_path, data_root):
+    """No metrics.json yet: the table shows baseline.json's step-0 rows (it said only "no
+    results"); a truncated best.pt is said on the terminal as well as in the page (the report
+    exited 0 with the note inside the HTML only)."""
+    copy = tmp_path / "run"
+    shutil.copytree(run_dir, copy)
+    (copy / "metrics.json").unlink()
+    best = copy / "checkpoints" / "best.pt"
+    best.write_bytes(best.read_bytes()[:1000])
+    with pytest.warns(UserWarning, match="could not be loaded"):
+        html = build_report(copy, options=ReportOptions(maps=(), data_root=data_root)).read_text()
+    assert "test, step 0 (untrained)" in html and "the table shows the step-0 numbers" in html
+
+
 def test_bench_report_from_results(tmp_path):
     """A benchmark directory: the seed's table with CIs and the relative-improvement chart."""
     import numpy as np

@@ -159,6 +159,9 @@ def _run_embeddings(run_dir: Path, options: ReportOptions, notes: list[str]) -> 
     except DmlkitError as exc:
         notes.append(f"The run's data or checkpoint could not be loaded ({exc}); figures use the "
                      "saved test embeddings only.")
+        # said on the terminal too: a damaged checkpoint should not pass unnoticed behind exit 0
+        warnings.warn(f"{run_dir}: the run's data or checkpoint could not be loaded ({exc}); the "
+                      "report's figures use the saved test embeddings only", stacklevel=2)
         saved = run_dir / "embeddings" / "test.npz"
         if saved.exists():
             emb, lab, extra = load_embeddings(saved)
@@ -342,6 +345,8 @@ def _run_sections(run_dir: Path, fig_dir: Path, options: ReportOptions) -> tuple
     notes: list[str] = []
     sections: list[Section] = []
     metrics = _run_metrics(run_dir / "metrics.json") if (run_dir / "metrics.json").exists() else {}
+    if not metrics and (run_dir / "baseline.json").exists():  # interrupted: the step-0 numbers
+        metrics = {"baseline": _json_mapping(run_dir / "baseline.json", "baseline.json of dmlkit train")}
     rows = []
     for split in ("val", "test"):
         m = metrics.get(split) or {}
@@ -351,8 +356,9 @@ def _run_sections(run_dir: Path, fig_dir: Path, options: ReportOptions) -> tuple
         if base:  # the number training had to beat
             rows.append([f"{split}, step 0 (untrained)"] + [_fmt(base.get(k)) for k in _MAIN_METRICS])
     results_html = [table_html(["split", "P@1 (%)", "R-Precision (%)", "MAP@R (%)"], rows)] if rows else []
-    if not rows:
-        notes.append("metrics.json has no results yet (the run may still be going or was interrupted).")
+    if not metrics.get("val") and not metrics.get("test"):
+        notes.append("metrics.json has no results yet (the run may still be going or was interrupted)"
+                     + ("; the table shows the step-0 numbers." if rows else "."))
     log = read_jsonl(run_dir / "log.jsonl")
     if log:
         png = figures.save_figure(figures.training_curves({run_dir.name: log}), fig_dir / "curves")

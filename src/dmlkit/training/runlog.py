@@ -35,7 +35,7 @@ def read_log(path: str | Path) -> list[dict[str, Any]]:
     if not path.exists():
         return []
     records, skipped = [], []
-    lines = path.read_text(encoding="utf-8", errors="replace").splitlines()
+    lines = path.read_text(encoding="utf-8").splitlines()
     last = max((n for n, line in enumerate(lines, 1) if line.strip()), default=0)
     for number, line in enumerate(lines, 1):
         line = line.strip()
