@@ -326,3 +326,17 @@ def test_claims_are_locked_through_optunas_storage_cache(tmp_path):
     with storage_lock(study._storage), open(tmp_path / "study.lock", "a") as other:
         with pytest.raises(BlockingIOError):  # held: another claimer would wait here
             fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)
+
+
+def test_a_damaged_sqlite_study_is_one_line(tmp_path):
+    """sqlalchemy's three-line message ([SQL: ...], a link) and a hint about servers became one
+    line that names the file's likely state."""
+    from dmlkit.exceptions import ConfigError
+    from dmlkit.protocol.study import make_storage
+
+    bad = tmp_path / "study.db"
+    bad.write_bytes(b"SQLite format 3\0" + b"\x07" * 2000)
+    with pytest.raises(ConfigError) as info:
+        make_storage(f"sqlite:///{bad}")
+    text = str(info.value)
+    assert "\n" not in text and "damaged" in text and "sqlalche.me" not in text

@@ -19,7 +19,7 @@ def report(
     output: Path | None = typer.Option(None, "-o", "--output", help="The HTML file (default DIRECTORY/report.html)."),
     data_root: Path | None = typer.Option(None, "--data-root", help="Dataset root (default $DMLKIT_DATA)."),
     maps: list[str] = typer.Option(["umap,tsne,pca"], "--maps", help="2-D maps to draw, comma-separated or repeated (umap, tsne, pca)."),
-    max_points: int = typer.Option(2000, help="Samples per split for the histograms and maps."),
+    max_points: int = typer.Option(2000, min=10, help="Samples per split for the histograms and maps (at least 10)."),
     no_thumbnails: bool = typer.Option(False, "--no-thumbnails", help="Do not draw image thumbnails."),
     seed: int = typer.Option(0, help="Seed for every random choice in the report."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress messages."),
@@ -79,7 +79,7 @@ def plot_map(
 @plot_app.command("histograms")
 def plot_histograms(
     embeddings: list[Path] = typer.Argument(..., help="One or more embeddings files, one panel each."),
-    bins: int = typer.Option(100, min=1, help="Number of bins."),
+    bins: int = typer.Option(100, min=2, help="Number of bins (at least 2: one bin has no shape)."),
     fixed: bool = typer.Option(False, "--fixed-range", help="Bins over [-1, 1], as the pos_neg_js metric (default: over the observed range, readable when all similarities lie close together)."),
     output: Path | None = typer.Option(None, "-o", "--output"),
 ) -> None:
@@ -116,11 +116,16 @@ def plot_per_class(
     typer.echo("\n".join(map(str, written)))
 
 
+#: The largest gallery a figure can show legibly: 64 rows of 64 thumbnails (a larger one took
+#: minutes to draw, or clamped silently on a small file).
+_GALLERY_MAX = 64
+
+
 @plot_app.command("gallery")
 def plot_gallery(
     embeddings: Path = typer.Argument(...),
-    queries: int = typer.Option(6, min=1, help="Number of random queries."),
-    k: int = typer.Option(6, min=1, help="Neighbours per query."),
+    queries: int = typer.Option(6, min=1, max=_GALLERY_MAX, help=f"Number of random queries (at most {_GALLERY_MAX}: one figure row each)."),
+    k: int = typer.Option(6, min=1, max=_GALLERY_MAX, help=f"Neighbours per query (at most {_GALLERY_MAX}: one thumbnail each)."),
     output: Path | None = typer.Option(None, "-o", "--output"),
     seed: int = typer.Option(0),
 ) -> None:

@@ -101,10 +101,13 @@ def make_storage(url: str, *, heartbeat_interval: int = 30, grace_period: int = 
                 time.sleep(0.5 * (attempt + 1))
                 continue
             break
-    raise ConfigError(
-        f"cannot open the study storage {_redact(url)}: {last_exc.__class__.__name__}: {last_exc}. "
-        "Check the URL, that the server runs and the database exists"
-    ) from last_exc
+    # sqlalchemy's message spans lines ([SQL: ...], a link to its docs): its first line says it
+    reason = (str(last_exc).strip().splitlines() or [""])[0][:300]
+    hint = ("the file may be damaged or not an Optuna study: move it away to start the search "
+            "afresh" if url.startswith("sqlite:") else "check the URL, that the server runs and the "
+            "database exists")
+    raise ConfigError(f"cannot open the study storage {_redact(url)}: "
+                      f"{last_exc.__class__.__name__}: {reason}; {hint}") from last_exc
 
 
 def _redact(url: str) -> str:
