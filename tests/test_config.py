@@ -168,3 +168,14 @@ def test_an_unreadable_config_is_one_clear_line(tmp_path, kind, capsys):
         err = capsys.readouterr().err
         assert info.value.code == 2 and "Traceback" not in err, err
         assert len([line for line in err.splitlines() if line.strip()]) == 1, err
+
+
+@pytest.mark.parametrize("split, key", [
+    ({"kind": "default", "ratios": [4, 1, 5]}, "split.ratios"),
+    ({"kind": "default", "path": "/nonexistent.json"}, "split.path"),
+    ({"kind": "file", "path": "s.json", "order": "random"}, "split.order"),
+])
+def test_split_keys_the_kind_does_not_read_are_refused(split, key):
+    """They trained with the kind's defaults, the key ignored without a word."""
+    with pytest.raises(ConfigError, match=f"{key} is read by kind"):
+        config_from_dict({**BASE, "data": {**BASE["data"], "split": split}})

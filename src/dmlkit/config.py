@@ -133,6 +133,13 @@ class SplitConfig(_Section):
                 raise ValueError("split.ratios needs a positive train and test share")
         if self.kind == "file" and not self.path:
             raise ValueError("split.kind 'file' needs path: a ClassSplit JSON file")
+        # a key the kind does not read would be ignored without a word
+        if self.ratios is not None and self.kind != "ratio":
+            raise ValueError(f"split.ratios is read by kind 'ratio' only, but the kind is {self.kind!r}")
+        if self.path is not None and self.kind != "file":
+            raise ValueError(f"split.path is read by kind 'file' only, but the kind is {self.kind!r}")
+        if self.order != "default" and self.kind != "ratio":
+            raise ValueError(f"split.order is read by kind 'ratio' only, but the kind is {self.kind!r}")
         return self
 
 
