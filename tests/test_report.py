@@ -201,3 +201,10 @@ def test_bench_report_from_results(tmp_path):
     (tmp_path / "final" / "arcface" / "seed0" / "fold1" / "embeddings" / "test.npz").unlink()
     html = build_report(tmp_path, options=ReportOptions(maps=("pca",))).read_text()
     assert "(concatenated fold models)" not in html and "fold1" in html and "is missing" in html
+    # the untrained row best: the page says no method beat it
+    assert "No method beat the untrained model" not in html
+    methods["pretrained"] = methods["arcface"]
+    methods["arcface"] = methods["contrastive"]
+    (tmp_path / "results.json").write_text(json.dumps({"methods": methods}))
+    html = build_report(tmp_path, options=ReportOptions(maps=())).read_text()
+    assert "No method beat the untrained model" in html

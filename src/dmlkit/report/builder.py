@@ -441,10 +441,14 @@ def _bench_sections(bench_dir: Path, fig_dir: Path, options: ReportOptions) -> t
                 row.append("n/a" if cell is None else format_cell(cell))
         rows.append(row)
     best = max(range(len(rows)), key=lambda i: mean_of(methods[rows[i][0]].get("concatenated", {}).get("map_at_r")))
+    untrained_best = rows[best][0] == "pretrained" and len(rows) > 1
     sections.append(Section("Results", [
         "Test-set accuracy (%) in the layout of Musgrave et al. (2020): concatenated = the fold models' "
         "embeddings concatenated and L2-normalised; separated = each fold model alone, averaged. "
-        "± is the 95% confidence interval over repeated runs (n/a with a single repeat)."],
+        "± is the 95% confidence interval over repeated runs (n/a with a single repeat)."]
+        + (["No method beat the untrained model (the 'pretrained' row) on concatenated MAP@R: the "
+            "figures below show that model; train longer or search more before comparing methods."]
+           if untrained_best else []),
         [table_html(header, rows, best_columns=range(1, len(header)))]))
     concat = {n: {"map_at_r": mean_of(r.get("concatenated", {}).get("map_at_r"))} for n, r in methods.items()}
     if any(b in concat for b in ("contrastive", "triplet")):

@@ -363,6 +363,11 @@ def build_problems(config: ExperimentConfig, num_classes: int, *, loss_key: str 
         build_loss(config.loss, max(num_classes, 1), config.model.embedding_size, miner)
     except DmlkitError as exc:
         problems.append(_build_problem(exc, loss_key, "loss", config.loss.name in LOSSES))
+    m = config.model
+    if m.frozen_trunk and not m.pretrained and m.weights is None:  # features of random weights
+        problems.append(Problem("model.pretrained", "is false with model.frozen_trunk: the head would "
+                                "train on a randomly initialised trunk that never learns", fit=True,
+                                severity="warning"))
     channels = _TRANSFORM_CHANNELS.get(config.data.transform)
     if channels is not None and config.model.in_channels != channels:  # else a traceback at step 1
         problems.append(Problem("model.in_channels", f"is {config.model.in_channels} but data.transform "
