@@ -87,6 +87,12 @@ def test_got10k_layout_reader_with_absent_frames(tmp_path, small_seq):
     assert seqs[0].valid.tolist() == [True, True, False, True, True]
     with pytest.raises(DataNotFoundError, match="GOT-10k"):
         load_got10k(tmp_path / "train" / "GOT-10k_Train_000001")
+    assert len(load_got10k(tmp_path, "train")) == 1
+    # a misspelt split is an error naming the folders (it silently read the root instead)
+    with pytest.raises(DataNotFoundError, match=r"split folder .*trian does not exist.*\['train'\]"):
+        load_got10k(tmp_path, "trian")
+    with pytest.raises(DataNotFoundError, match="has no split folders"):
+        load_got10k(tmp_path / "train", "val")
 
 
 def test_read_boxes_rejects_polygons(tmp_path):

@@ -125,7 +125,13 @@ class Sequence:
         return np.isfinite(b).all(axis=1) & (b[:, 2] > 0) & (b[:, 3] > 0)
 
 
-def _got10k_dirs(root: Path, split: str | None) -> list[Path]:
+def _got10k_dirs(root: Path, split: str | None, named: bool = False) -> list[Path]:
+    """The sequence folders of ``root/split`` (of ``root`` itself when that split folder is
+    absent, unless the split was ``named`` by the user: a misspelt one is an error, not the root)."""
+    if named and split and not (root / split).is_dir():
+        folders = sorted(p.name for p in root.iterdir() if p.is_dir() and not (p / "groundtruth.txt").is_file())
+        raise DataNotFoundError(f"GOT-10k split folder {root / split} does not exist"
+                                + (f"; {root} holds {folders}" if folders else f"; {root} has no split folders: leave split unset"))
     base = root / split if split and (root / split).is_dir() else root
     dirs = sorted(p for p in base.iterdir() if p.is_dir() and (p / "groundtruth.txt").is_file())
     if not dirs:
@@ -136,13 +142,14 @@ def _got10k_dirs(root: Path, split: str | None) -> list[Path]:
     return dirs
 
 
-def load_got10k(root: str | Path, split: str | None = "train") -> list[Sequence]:
-    """Sequences in the GOT-10k layout (``split`` sub-folder if it exists, else ``root`` itself)."""
+def load_got10k(root: str | Path, split: str | None = None) -> list[Sequence]:
+    """Sequences in the GOT-10k layout: the ``split`` sub-folder, which must exist when named;
+    unnamed, ``train`` if it exists, else ``root`` itself."""
     root = Path(root)
     if not root.is_dir():
         raise DataNotFoundError(f"GOT-10k root {root} does not exist")
     sequences = []
-    for d in _got10k_dirs(root, split):
+    for d in _got10k_dirs(root, split or "train", named=split is not None):
         frames = list_frames(d)
         boxes = read_boxes(d / "groundtruth.txt")
         if len(boxes) == 1 and len(frames) > 1:  # GOT-10k test split: first box only
@@ -187,12 +194,12 @@ def load_otb(root: str | Path) -> list[Sequence]:
 
 
 def load_tracking_dataset(kind: str, root: str | Path, split: str | None = None) -> list[Sequence]:
-    """``kind`` is ``otb`` or ``got10k`` (GOT-10k ``split`` defaults to ``train``, then ``val``)."""
+    """``kind`` is ``otb`` or ``got10k`` (:func:`load_got10k`: a named ``split`` must exist)."""
     kind = kind.lower().replace("-", "")
     if kind == "otb":
         return load_otb(root)
     if kind == "got10k":
-        return load_got10k(root, split or "train")
+        return load_got10k(root, split)
     raise DataError(f"unknown tracking dataset layout {kind!r}: use 'otb' or 'got10k'")
 
 
