@@ -128,7 +128,10 @@ def test_cli_report_and_plots(run_dir, tmp_path, data_root):
     res = runner.invoke(app, ["report", str(run_dir), "-o", str(out), "--maps", "pca", "-q",
                               "--data-root", str(data_root)])
     assert res.exit_code == 0, res.output
-    assert out.exists() and (tmp_path / "figures" / "gallery.png").exists()
+    # a page named other than report.html keeps its figures apart (pages sharing a folder linked
+    # each other's figures)
+    assert out.exists() and (tmp_path / "r_figures" / "gallery.png").exists()
+    assert not (tmp_path / "figures").exists() and "r_figures/gallery.png" in out.read_text()
     emb = run_dir / "embeddings" / "test.npz"
     for args, made in (
         (["plot", "map", str(emb), "--method", "pca", "-o", str(tmp_path / "m")], "m.png"),

@@ -63,7 +63,8 @@ class ReportOptions:
 
 def build_report(path: str | os.PathLike, out: str | os.PathLike | None = None,
                  options: ReportOptions | None = None) -> Path:
-    """Write ``report.html`` (+ ``figures/``) for a run or benchmark directory; return its path."""
+    """Write ``report.html`` (+ ``figures/``; another page name ``out``: ``<name>_figures/``) for a
+    run or benchmark directory; return its path."""
     src = Path(path)
     if not src.is_dir():
         raise DataNotFoundError(f"{src} is not a directory: pass a run directory (dmlkit train) "
@@ -73,7 +74,9 @@ def build_report(path: str | os.PathLike, out: str | os.PathLike | None = None,
     if unknown:
         raise ConfigError(f"unknown 2-D map(s) {', '.join(unknown)}: use {', '.join(figures.PROJECTIONS)}")
     page = Path(out) if out is not None else src / "report.html"
-    fig_dir = page.parent / "figures"
+    # report.html keeps figures/; any other page name its own <name>_figures/, so that pages
+    # written into one folder do not overwrite (and then link) each other's figures
+    fig_dir = page.parent / ("figures" if page.name == "report.html" else f"{page.stem}_figures")
     fig_dir.mkdir(parents=True, exist_ok=True)
     if (src / "results.json").exists():
         title, subtitle, sections = _bench_sections(src, fig_dir, options)
