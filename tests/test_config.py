@@ -179,3 +179,16 @@ def test_split_keys_the_kind_does_not_read_are_refused(split, key):
     """They trained with the kind's defaults, the key ignored without a word."""
     with pytest.raises(ConfigError, match=f"{key} is read by kind"):
         config_from_dict({**BASE, "data": {**BASE["data"], "split": split}})
+
+
+def test_number_settings_refuse_true_and_false():
+    """pydantic reads `true` as 1: `epochs: true` trained one epoch without a word."""
+    from dmlkit.apps.tracking.training import SiamFCTrainConfig
+
+    with pytest.raises(ConfigError, match="training.epochs: must be a number, not true"):
+        config_from_dict({**BASE, "training": {"epochs": True}})
+    with pytest.raises(ConfigError, match="evaluation.memory_mb: must be a number, not false"):
+        config_from_dict({**BASE, "evaluation": {"memory_mb": False}})
+    assert config_from_dict({**BASE, "training": {"amp": True, "epochs": 3}}).training.epochs == 3
+    with pytest.raises(Exception, match="must be a number"):
+        SiamFCTrainConfig.model_validate({"data_dir": "x", "epochs": True})

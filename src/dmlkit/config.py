@@ -30,6 +30,8 @@ from __future__ import annotations
 
 import copy
 import os
+import types
+import typing
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any, Literal
@@ -101,7 +103,29 @@ OPTIMIZER_PRESETS: dict[str, dict[str, Any]] = {
 DEFAULT_OPTIMIZER_PRESET = "reality_check"
 
 
-class _Section(BaseModel):
+def _is_number_type(annotation: Any) -> bool:
+    """Whether a field holds an ``int`` or ``float`` (optionally ``None``), never a ``bool``."""
+    if annotation in (int, float):
+        return True
+    args = typing.get_args(annotation)
+    return (typing.get_origin(annotation) in (typing.Union, types.UnionType) and bool(args)
+            and all(a in (int, float, type(None)) for a in args) and any(a in (int, float) for a in args))
+
+
+class StrictNumbers(BaseModel):
+    """A config model whose number fields refuse ``true`` / ``false`` (pydantic reads them as 1 and
+    0: ``epochs: true`` trained one epoch without a word)."""
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_booleans_for_numbers(cls, value: Any, info: Any) -> Any:
+        if isinstance(value, bool) and info.field_name in cls.model_fields \
+                and _is_number_type(cls.model_fields[info.field_name].annotation):
+            raise ValueError(f"must be a number, not {str(value).lower()}")
+        return value
+
+
+class _Section(StrictNumbers):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
 

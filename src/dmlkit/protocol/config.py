@@ -34,7 +34,7 @@ from collections.abc import Iterable, Mapping
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from dmlkit.config import (
     DataConfig,
@@ -45,6 +45,7 @@ from dmlkit.config import (
     ModelConfig,
     OptimizerConfig,
     SamplerConfig,
+    StrictNumbers,
     TrainingConfig,
     apply_dict_overrides,
     check_metric_names,
@@ -80,7 +81,7 @@ SEARCHABLE_OPTIMIZER_KEYS: frozenset[str] = frozenset({"loss_lr"})
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.+-]*$")
 
 
-class _Strict(BaseModel):
+class _Strict(StrictNumbers):
     model_config = ConfigDict(extra="forbid")
 
 

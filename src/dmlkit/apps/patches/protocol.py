@@ -14,12 +14,12 @@ from pathlib import Path
 from typing import Any, Literal
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import ConfigDict, Field, field_validator
 
 from dmlkit.apps.patches.brown import load_subset, subset_folder
 from dmlkit.apps.patches.models import build_patch_model, prepare_patches
 from dmlkit.apps.patches.training import TrainSettings, score_pairs, train_patch_model
-from dmlkit.config import apply_dict_overrides, read_yaml_mapping
+from dmlkit.config import StrictNumbers, apply_dict_overrides, read_yaml_mapping
 from dmlkit.exceptions import CheckpointError, ConfigError, DataNotFoundError
 from dmlkit.metrics.roc import fpr95, roc_auc
 from dmlkit.models import to_device
@@ -50,7 +50,7 @@ BROWN_COMBINATIONS = [
 ]
 
 
-class _Strict(BaseModel):
+class _Strict(StrictNumbers):
     model_config = ConfigDict(extra="forbid")
 
 

@@ -42,7 +42,7 @@ from dmlkit.apps.tracking.geometry import (
 )
 from dmlkit.apps.tracking.model import EXEMPLAR_SIZE, INSTANCE_SIZE, TOTAL_STRIDE, SiamFC
 from dmlkit.apps.tracking.tracker import TrackerConfig, tracker_config
-from dmlkit.config import apply_dict_overrides, read_yaml_mapping
+from dmlkit.config import StrictNumbers, apply_dict_overrides, read_yaml_mapping
 from dmlkit.embeddings import resolve_device
 from dmlkit.exceptions import CheckpointError, ConfigError, DataError, NonFiniteError, ShapeError
 from dmlkit.models import to_device
@@ -164,7 +164,7 @@ class SiamFCPairs(torch.utils.data.Dataset):
         return z, x, labels[None], weights[None]
 
 
-class SiamFCTrainConfig(BaseModel):
+class SiamFCTrainConfig(StrictNumbers):
     """The ``configs/siamfc*.yaml`` schema: data, model width, pairs, optimiser."""
 
     model_config = ConfigDict(extra="forbid")
