@@ -137,6 +137,8 @@ def test_load_with_overrides(tmp_path):
     with pytest.raises(ConfigError, match="protocol.repeats = 5 but protocol.seeds lists 3"):
         load_bench_config(path, ["protocol.repeats=5", "protocol.seeds=[0, 1, 2]"])
     assert load_bench_config(path, ["protocol.repeats=3", "protocol.seeds=[0, 1, 2]"]).protocol.repeats == 3
+    with pytest.raises(ConfigError, match="grace_period .* must exceed"):
+        load_bench_config(path, ["protocol.heartbeat_interval=500", "protocol.grace_period=10"])
     with pytest.raises(ConfigError, match="not found"):
         load_bench_config(tmp_path / "missing.yaml")
 

@@ -288,6 +288,10 @@ class ProtocolConfig(_Strict):
                 "split 'ratio_4_1_5' has one fixed train/validation/test split (Oi et al.): set "
                 "folds: 1, or use split 'halves' for k-fold cross-validation"
             )
+        if self.grace_period <= self.heartbeat_interval:  # a live worker's trial would look dead
+            raise ValueError(f"protocol.grace_period ({self.grace_period} s) must exceed "
+                             f"protocol.heartbeat_interval ({self.heartbeat_interval} s): a trial is "
+                             "taken over when its worker misses its heartbeats for that long")
         if self.split in ("halves", "default") and self.folds < 2:
             raise ValueError(f"split {self.split!r} cross-validates: folds must be >= 2 (the seed uses 4)")
         if self.split == "default" and self.num_classes is not None:
