@@ -573,3 +573,24 @@ def test_damaged_index_files_are_one_data_error(tmp_path):
         for mmap in (False, True):
             with pytest.raises(DataError, match="damaged index.*rebuild it"):
                 EmbeddingIndex.load(path, mmap=mmap)
+
+
+def test_an_index_that_cannot_be_written_leaves_nothing_behind(tmp_path, monkeypatch):
+    """A full disk while writing the directory: one DataError, no `.NAME.tmp-PID/` left (it was)."""
+    import errno
+
+    from dmlkit.apps import EmbeddingIndex
+    from dmlkit.exceptions import DataError
+
+    idx = EmbeddingIndex(np.eye(4, dtype=np.float32))
+    real_save = np.save
+
+    def full(file, arr, **kwargs):
+        if str(file).endswith("ids.npy"):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_save(file, arr, **kwargs)
+
+    monkeypatch.setattr(np, "save", full)
+    with pytest.raises(DataError, match="space"):
+        idx.save(tmp_path / "idx")
+    assert sorted(p.name for p in tmp_path.iterdir()) == []

@@ -24,7 +24,7 @@ from dmlkit.apps.index_faiss import to_gpu
 from dmlkit.data import load_dataset
 from dmlkit.exceptions import DataError, DataNotFoundError, DmlkitError, require
 from dmlkit.training import load_config
-from dmlkit.utils import atomic_write_bytes
+from dmlkit.utils import atomic_write_bytes, os_error_message
 from dmlkit.utils import data_root as resolve_root
 
 if TYPE_CHECKING:
@@ -71,14 +71,18 @@ def save_index(self: EmbeddingIndex, path: str | os.PathLike) -> Path:
         raise DataError(f"{path} exists and is not a dmlkit index directory: choose another path")
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    for name, arr in arrays.items():
-        np.save(tmp / f"{name}.npy", arr, allow_pickle=False)
-    if blob is not None:
-        (tmp / "faiss.index").write_bytes(blob.tobytes())
-    if meta_lines is not None:
-        (tmp / "metadata.jsonl").write_text(meta_lines + "\n")
-    (tmp / "index.json").write_text(json.dumps(index_meta(self), indent=2))
+    try:
+        tmp.mkdir(parents=True)
+        for name, arr in arrays.items():
+            np.save(tmp / f"{name}.npy", arr, allow_pickle=False)
+        if blob is not None:
+            (tmp / "faiss.index").write_bytes(blob.tobytes())
+        if meta_lines is not None:
+            (tmp / "metadata.jsonl").write_text(meta_lines + "\n")
+        (tmp / "index.json").write_text(json.dumps(index_meta(self), indent=2))
+    except OSError as exc:  # a full or read-only disk: nothing half-written is left behind
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise DataError(os_error_message(exc, path, writing=True)) from None
     old = path.with_name(f".{path.name}.old-{os.getpid()}")
     if path.exists():
         path.rename(old)
