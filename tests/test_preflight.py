@@ -122,6 +122,11 @@ def test_names_channels_and_metrics_are_checked_before_anything_runs(folder, tmp
     keys = {p.key: p for p in info.value.problems}
     assert {"loss.name", "miner.name", "model.in_channels"} <= set(keys)
     assert "'tripplet' is unknown" in str(keys["loss.name"]) and "--set model.in_channels=1" in str(info.value)
+    # the model's names and files too, before anything is built or written
+    bad = cfg.override(["model.trunk=resnet5", "data.transform=grey", "model.weights=/nonexistent.pth"])
+    with pytest.raises(PreflightError) as info:
+        preflight(bad)
+    assert {"model.trunk", "data.transform", "model.weights"} <= {p.key for p in info.value.problems}
     with pytest.raises(ConfigError, match="training.eval_metrics: unknown metric 'bogus'"):
         config_from_dict(user_config(folder, training={"eval_metrics": ["bogus"]}))
     bench = tmp_path / "bench.yaml"

@@ -30,10 +30,11 @@ from dmlkit.config import (
     SplitConfig,
 )
 from dmlkit.data import ClassSplit, default_split, get_transforms, load_dataset, split_classes
+from dmlkit.data.transforms import PRESETS as TRANSFORM_PRESETS
 from dmlkit.exceptions import ConfigError
 from dmlkit.losses import LOSSES, CrossBatchMemory, get_loss
 from dmlkit.miners import MINERS, get_miner
-from dmlkit.models import EmbeddingModel, build_trunk, freeze_batchnorm
+from dmlkit.models import TRUNKS, EmbeddingModel, build_trunk, freeze_batchnorm
 from dmlkit.samplers import MPerClassSampler
 from dmlkit.utils import data_root as resolve_data_root
 
@@ -92,6 +93,27 @@ def build_model(
     if m.freeze_batchnorm:
         freeze_batchnorm(model)
     return model
+
+
+def model_setting_problems(config: ExperimentConfig) -> list[tuple[str, str]]:
+    """``(key, message)`` for each ``data.transform``, ``model.weights`` and ``model.trunk`` value
+    that :func:`build_model` or the datasets would refuse, found without building anything (so
+    the preflight reports them before a run directory is written)."""
+    problems = []
+    m = config.model
+    if config.data.transform is not None and config.data.transform.lower() not in TRANSFORM_PRESETS:
+        problems.append(("data.transform", f"{config.data.transform!r} is unknown; choose one of "
+                                           f"{list(TRANSFORM_PRESETS)}"))
+    if m.weights is not None and not Path(m.weights).expanduser().exists():
+        problems.append(("model.weights", f"file not found: {m.weights}"))
+    name = m.trunk.strip()
+    if not name.startswith("timm:") and name not in TRUNKS:
+        import torchvision
+
+        if name.removeprefix("torchvision:") not in set(torchvision.models.list_models()):
+            problems.append(("model.trunk", f"{m.trunk!r} is unknown: use one of {sorted(TRUNKS)}, a "
+                                            "torchvision model (e.g. resnet50) or timm:NAME"))
+    return problems
 
 
 def build_miner(config: MinerConfig | ExperimentConfig | None) -> nn.Module | None:

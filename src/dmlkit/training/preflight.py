@@ -55,7 +55,7 @@ from dmlkit.distributed import context as distributed_context
 from dmlkit.exceptions import ConfigError, DataNotFoundError, DmlkitError
 from dmlkit.losses import LOSSES
 from dmlkit.miners import MINERS
-from dmlkit.training.builders import build_loss, build_miner, build_split
+from dmlkit.training.builders import build_loss, build_miner, build_split, model_setting_problems
 from dmlkit.training.data_root import load_config_dataset
 from dmlkit.utils import data_root as resolve_data_root
 
@@ -363,6 +363,7 @@ def build_problems(config: ExperimentConfig, num_classes: int, *, loss_key: str 
         build_loss(config.loss, max(num_classes, 1), config.model.embedding_size, miner)
     except DmlkitError as exc:
         problems.append(_build_problem(exc, loss_key, "loss", config.loss.name in LOSSES))
+    problems += [Problem(key, message) for key, message in model_setting_problems(config)]
     m = config.model
     if m.frozen_trunk and not m.pretrained and m.weights is None:  # features of random weights
         problems.append(Problem("model.pretrained", "is false with model.frozen_trunk: the head would "
