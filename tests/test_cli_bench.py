@@ -4,8 +4,8 @@ the test classes are never read by the search; ``dmlkit compare`` on the results
 from __future__ import annotations
 
 import json
-import shutil
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -153,7 +153,6 @@ def test_results_table_and_traceability(bench_run):
     # the separated value of one seed is the mean of its fold models' own metrics
     from dmlkit.embeddings import load_embeddings
     from dmlkit.metrics import evaluate
-
     from dmlkit.protocol import load_results
 
     copy = out.parent / "bench-copy"  # a moved or copied bench reads its own files

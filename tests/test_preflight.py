@@ -20,6 +20,7 @@ from dmlkit.cli import main
 from dmlkit.config import config_from_dict
 from dmlkit.data import load_dataset
 from dmlkit.exceptions import ConfigError
+from dmlkit.training.data_root import merge_data_root, with_data_root
 from dmlkit.training.loop import Trainer, check_class_sets
 from dmlkit.training.preflight import (
     PreflightError,
@@ -30,7 +31,6 @@ from dmlkit.training.preflight import (
     plan_split,
     preflight,
 )
-from dmlkit.training.data_root import merge_data_root, with_data_root
 from dmlkit.training.trainer import train
 
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -497,6 +497,7 @@ def embed_to_shards(
     """
     # lazy: torch and the process group's helpers load only when a model is embedded
     from dmlkit.distributed import all_gather_object, barrier, context
+
     # lazy: the same for the inference loop
     from dmlkit.embeddings import dataset_rows, iter_embed_model, rank_share
 

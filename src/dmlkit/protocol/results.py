@@ -10,9 +10,9 @@ bold, as in the paper's tables. Written as ``results.json`` (everything, traceab
 
 from __future__ import annotations
 
+import copy
 import csv
 import io
-import copy
 import json
 from collections.abc import Mapping, Sequence
 from pathlib import Path

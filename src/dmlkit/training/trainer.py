@@ -74,10 +74,16 @@ from dmlkit.training.checkpoint import (
     read_checkpoint,
     sweep_orphan_temporaries,
 )
-from dmlkit.training.loop import Trainer, TrainState
 from dmlkit.training.data_root import with_data_root
+from dmlkit.training.loop import Trainer, TrainState
 from dmlkit.training.preflight import preflight
-from dmlkit.utils import atomic_write_json, directory_lock, read_json, seed_everything, write_provenance
+from dmlkit.utils import (
+    atomic_write_json,
+    directory_lock,
+    read_json,
+    seed_everything,
+    write_provenance,
+)
 
 __all__ = [
     "RESUMABLE_CHANGES",
@@ -298,7 +304,6 @@ def join_process_group(device: torch.device):
 def _train(config: ExperimentConfig, run_dir: Path, device: torch.device, *, train_set, val_set,
            test_set, resume: bool, progress: bool, allow_world_size_change: bool) -> TrainResult:
     """:func:`train` once the process group (if any) is joined."""
-    ctx = context()
     try:  # ranks started with different configs (paths that differ per machine are allowed)
         check_same_config(_same_everywhere(config))
     except ConfigError as exc:
