@@ -427,7 +427,6 @@ def check_world_size_change(payload: dict[str, Any], world_size: int, run_dir: P
                    "uninterrupted one", saved, world_size)
 
 
-
 def embed_run(
     checkpoint: str | Path,
     split: str = "test",
