@@ -315,9 +315,13 @@ def _train(config: ExperimentConfig, run_dir: Path, device: torch.device, *, tra
         except ConfigError as exc:
             raise mark_every_rank(exc) from None
     with contextlib.ExitStack() as held:  # rank 0 locks the run directory for the whole run
-        on_main(lambda: held.enter_context(directory_lock(
-            run_dir, _RUN_LOCK, f"another `dmlkit train` is using {run_dir}: wait for it to end, "
-            "or choose another run directory")) and None)
+
+        def lock() -> None:
+            held.enter_context(directory_lock(
+                run_dir, _RUN_LOCK, f"another `dmlkit train` is using {run_dir}: wait for it to "
+                "end, or choose another run directory"))
+
+        on_main(lock)  # refused on rank 0: the same error on every rank
         return _train_in_dir(config, run_dir, device, checked, train_set=train_set, val_set=val_set,
                              test_set=test_set, resume=resume, progress=progress,
                              allow_world_size_change=allow_world_size_change)
