@@ -211,3 +211,4 @@ def test_bench_report_from_results(tmp_path):
     (tmp_path / "results.json").write_text(json.dumps({"methods": methods}))
     html = build_report(tmp_path, options=ReportOptions(maps=())).read_text()
     assert "No method beat the untrained model" in html
+    assert "test, untrained" in html and "test, after training" not in html

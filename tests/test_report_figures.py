@@ -67,6 +67,11 @@ def test_curves_gallery_bars_improvement():
     fig = figures.retrieval_gallery(rows, image_of=lambda i: np.zeros((6, 6)))
     assert "correct" in fig.axes[1].get_xlabel() and "wrong" in fig.axes[2].get_xlabel()
     fig = figures.per_class_bars({c: c / 10 for c in range(30)}, top=5)
+    # fewer classes than `top`: the titles count the bars drawn; one class ranks nothing
+    few = figures.per_class_bars({0: 0.5, 1: 0.9, 2: 0.7}, top=10)
+    assert few.axes[0].get_title() == "3 best classes"
+    with pytest.raises(DataError, match="at least 2 classes"):
+        figures.per_class_bars({0: 1.0})
     assert len(fig.axes[0].patches) == 5
     fig = figures.relative_improvement({"contrastive": {"map_at_r": 0.2}, "triplet": {"map_at_r": 0.25}, "arcface": {"map_at_r": 0.3}})
     labels = [t.get_text() for t in fig.axes[0].texts]

@@ -190,7 +190,9 @@ def _run_embeddings(run_dir: Path, options: ReportOptions, notes: list[str]) -> 
 
 # -- sections shared by runs and benchmarks ------------------------------------------------------
 def _embedding_sections(test: _Split, before: _Split | None, others: Mapping[str, _Split],
-                        fig_dir: Path, options: ReportOptions, what: str) -> list[Section]:
+                        fig_dir: Path, options: ReportOptions, what: str,
+                        state: str = "after training") -> list[Section]:
+    """Histograms, maps, gallery and per-class chart of ``test`` (labelled ``test, <state>``)."""
     sections: list[Section] = []
     # histograms: before/after and train/val/test
     panels: dict[str, Any] = {}
@@ -209,7 +211,7 @@ def _embedding_sections(test: _Split, before: _Split | None, others: Mapping[str
     candidates: list[tuple[str, _Split, np.ndarray]] = []
     if before is not None:
         candidates.append(("test, before training", before, rows))
-    candidates.append(("test, after training", test, rows))
+    candidates.append((f"test, {state}", test, rows))
     for name, split in others.items():
         candidates.append((f"{name}, after training", split,
                            _sample_rows(split.labels, options.max_points, options.seed)))
@@ -291,7 +293,7 @@ def _embedding_sections(test: _Split, before: _Split | None, others: Mapping[str
             "(same class), red dashed frames are wrong."], [], [Figure(png[0], "Retrieval gallery", png[1])]))
     pc = per_class(test.embeddings, test.labels, metrics=["map_at_r"])
     values = {c: row["map_at_r"] for c, row in pc.items() if np.isfinite(row["map_at_r"])}
-    if values:
+    if len(values) >= 2:
         png = figures.save_figure(figures.per_class_bars(values, "map_at_r", class_names=test.class_names),
                                   fig_dir / "per_class")
         sections.append(Section("Per-class MAP@R", [
@@ -476,7 +478,8 @@ def _bench_sections(bench_dir: Path, fig_dir: Path, options: ReportOptions) -> t
     before = _concatenated_test(bench_dir, "pretrained")[0] if best_name != "pretrained" else None
     if test is not None:
         sections += _embedding_sections(test, before, {}, fig_dir, options,
-                                        f"{best_name} (concatenated fold models)")
+                                        f"{best_name} (concatenated fold models)",
+                                        "untrained" if best_name == "pretrained" else "after training")
     elif missing:  # a part of the concatenation would be drawn as the whole
         sections.append(Section("Embeddings", [
             f"No embedding figures for {best_name}: the concatenated fold models need every fold's "

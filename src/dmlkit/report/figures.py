@@ -333,9 +333,10 @@ def per_class_bars(values: Mapping[Any, float], metric: str = "map_at_r", top: i
                    class_names: Mapping[Any, str] | None = None) -> Figure:
     """The ``top`` best and worst classes by a per-class metric, as horizontal bars, named by
     ``class_names`` (``{id: name}``) where given."""
-    if not values:
-        raise DataError("no per-class values to plot")
+    if len(values) < 2:  # one class: a lone bar (100 % with only itself to find) ranks nothing
+        raise DataError(f"a best/worst chart needs at least 2 classes with a value, got {len(values)}")
     items = sorted(values.items(), key=lambda kv: kv[1])
+    top = min(top, len(items))  # the titles count the bars drawn
     worst = items[:top]
     best = items[-top:][::-1]
     fig, axes = plt.subplots(1, 2, figsize=(9, 0.32 * max(len(best), len(worst)) + 1.4))
