@@ -30,7 +30,7 @@ logger = logging.getLogger("dmlkit.training")
 def read_log(path: str | Path) -> list[dict[str, Any]]:
     """Every record of a ``log.jsonl`` file. A line that is not a record (a torn last line from
     a kill, or a damaged one: not a JSON object with a string ``event``, or a ``step`` that is
-    not a whole number) is skipped with a warning naming it."""
+    not a whole number) is skipped, with a warning naming it when other records remain."""
     path = Path(path)
     if not path.exists():
         return []
@@ -52,7 +52,7 @@ def read_log(path: str | Path) -> list[dict[str, Any]]:
             records.append(record)
         else:
             skipped.append(number)
-    if skipped:
+    if skipped and records:  # with no record left, the caller's own error says the file is unusable
         logger.warning("%s: skipped %d line(s) that are not log records (line %s)", path,
                        len(skipped), ", ".join(map(str, skipped[:5])) + (", ..." if len(skipped) > 5 else ""))
     return records
