@@ -510,15 +510,11 @@ def embed_to_shards(
         for emb, labels in iter_embed_model(model, share, options, progress=progress and ctx.is_main):
             writer.append(emb, labels, rows[done:done + len(labels)])
             done += len(labels)
-        if split:
-            parts = all_gather_object({"shards": writer.finish(), "dim": writer.dim})
+        if split:  # every rank has rows (rank_share splits only when there are enough)
+            parts = all_gather_object(writer.finish())
             if ctx.is_main:
-                dims = {part["dim"] for part in parts}
-                if len(dims) != 1 or None in dims:
-                    raise DataError(f"the ranks wrote embeddings of different sizes {sorted(map(str, dims))}: "
-                                    "every rank must run the same checkpoint")
-                write_manifest(directory, [shard for part in parts for shard in part["shards"]],
-                               dim=dims.pop(), dtype=dtype, shard_rows=shard_rows, metadata=metadata,
+                write_manifest(directory, [shard for part in parts for shard in part], dim=writer.dim,
+                               dtype=dtype, shard_rows=shard_rows, metadata=metadata,
                                replaced=writer._replaced)
     if split:
         barrier()  # the manifest exists before any rank reads it

@@ -37,6 +37,7 @@ __all__ = [
     "os_error_message",
     "provenance",
     "read_json",
+    "read_json_object",
     "registering",
     "seed_everything",
     "write_provenance",
@@ -172,6 +173,15 @@ def read_json(path: str | os.PathLike, what: str = "JSON file") -> Any:
                         f"{exc.colno} (a truncated or hand-edited file?)") from None
     except OSError as exc:
         raise DataError(os_error_message(exc, path)) from None
+
+
+def read_json_object(path: str | os.PathLike, what: str = "JSON file") -> dict[str, Any]:
+    """:func:`read_json` of a file that must hold a JSON object (a result file's top level): any
+    other JSON value is one :class:`~dmlkit.exceptions.DataError` naming ``what``."""
+    data = read_json(path, what)
+    if not isinstance(data, dict):
+        raise DataError(f"{path} is not a {what}: it holds a JSON {type(data).__name__}, not an object")
+    return data
 
 
 def _finite_or_none(obj: Any) -> Any:

@@ -27,7 +27,7 @@ from dmlkit.protocol.results import format_cell, metric_label
 from dmlkit.report import figures
 from dmlkit.report.html import Figure, Section, render_page, table_html
 from dmlkit.training import build_datasets, build_model, load_checkpoint, read_log
-from dmlkit.utils import atomic_write_text, os_error_message, read_json, seed_everything
+from dmlkit.utils import atomic_write_text, os_error_message, read_json_object, seed_everything
 from dmlkit.validation import normalize_rows
 
 __all__ = ["ReportOptions", "build_report", "hist_dict", "mean_of", "read_jsonl"]
@@ -319,18 +319,10 @@ def read_jsonl(path: Path) -> list[dict[str, Any]]:
         raise DataError(os_error_message(exc, path)) from None
 
 
-def _json_mapping(path: Path, what: str) -> dict[str, Any]:
-    """The JSON object in ``path`` (:func:`dmlkit.utils.read_json`), or a :class:`DataError`."""
-    data = read_json(path, what)
-    if not isinstance(data, dict):
-        raise DataError(f"{path} is not a {what}: it holds a JSON {type(data).__name__}, not an object")
-    return data
-
-
 def _run_metrics(path: Path) -> dict[str, Any]:
     """A run's ``metrics.json``, its ``val`` / ``test`` / ``baseline`` sections checked to be
     objects (or null): a hand-edited or foreign file is one :class:`DataError`."""
-    metrics = _json_mapping(path, "metrics.json of dmlkit train")
+    metrics = read_json_object(path, "metrics.json of dmlkit train")
     sections = {k: metrics.get(k) for k in ("val", "test", "baseline")}
     sections.update({f"baseline.{k}": v for k, v in (sections["baseline"] or {}).items()}
                     if isinstance(sections["baseline"], dict) else {})
@@ -351,7 +343,7 @@ def _run_sections(run_dir: Path, fig_dir: Path, options: ReportOptions) -> tuple
     sections: list[Section] = []
     metrics = _run_metrics(run_dir / "metrics.json") if (run_dir / "metrics.json").exists() else {}
     if not metrics and (run_dir / "baseline.json").exists():  # interrupted: the step-0 numbers
-        metrics = {"baseline": _json_mapping(run_dir / "baseline.json", "baseline.json of dmlkit train")}
+        metrics = {"baseline": read_json_object(run_dir / "baseline.json", "baseline.json of dmlkit train")}
     rows = []
     for split in ("val", "test"):
         m = metrics.get(split) or {}
@@ -390,7 +382,7 @@ def _run_sections(run_dir: Path, fig_dir: Path, options: ReportOptions) -> tuple
 
 def _reid_section(path: Path, fig_dir: Path) -> Section:
     """``dmlkit reid``'s results: the CMC/mAP table, the CMC curve and a ranked-gallery strip."""
-    res = _json_mapping(path, "reid.json of dmlkit reid")
+    res = read_json_object(path, "reid.json of dmlkit reid")
     if res.get("protocol") != "market1501":
         rows = [[k, _fmt(v["mean"]), _fmt(v["std"])] for k, v in res.items()
                 if isinstance(v, dict) and "mean" in v]
@@ -430,7 +422,7 @@ def _config_section(directory: Path) -> Section:
 
 # -- a benchmark ---------------------------------------------------------------------------------
 def _bench_sections(bench_dir: Path, fig_dir: Path, options: ReportOptions) -> tuple[str, str, list[Section]]:
-    results = _json_mapping(bench_dir / "results.json", "results.json of dmlkit bench")
+    results = read_json_object(bench_dir / "results.json", "results.json of dmlkit bench")
     methods: dict[str, Any] = results.get("methods", {})
     if not methods or not isinstance(methods, dict):
         raise DataError(f"{bench_dir / 'results.json'} lists no methods")

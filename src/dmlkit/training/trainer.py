@@ -80,7 +80,7 @@ from dmlkit.training.preflight import preflight
 from dmlkit.utils import (
     atomic_write_json,
     directory_lock,
-    read_json,
+    read_json_object,
     seed_everything,
     write_provenance,
 )
@@ -387,13 +387,7 @@ def _train_in_dir(config: ExperimentConfig, run_dir: Path, device: torch.device,
 def _read_baseline(path: Path) -> dict[str, Any]:
     """The step-0 numbers a resumed run reports (``baseline.json``; none if it is missing): a
     damaged file is one :class:`DataError` naming it."""
-    if not path.exists():
-        return {}
-    baseline = read_json(path, "baseline.json of dmlkit train")
-    if not isinstance(baseline, dict):
-        raise DataError(f"{path} is not a baseline.json of dmlkit train (a JSON "
-                        f"{type(baseline).__name__}): delete it to resume without step-0 numbers")
-    return baseline
+    return read_json_object(path, "baseline.json of dmlkit train") if path.exists() else {}
 
 
 #: Config keys that may differ between the ranks of one job: per-machine paths.
