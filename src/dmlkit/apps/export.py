@@ -37,7 +37,7 @@ from dmlkit.exceptions import (
 )
 from dmlkit.metrics import evaluate, knn
 from dmlkit.training import build_datasets, load_checkpoint
-from dmlkit.utils import atomic_write_json, os_error_message, read_json, sha256_file
+from dmlkit.utils import atomic_write_json, os_error_message, read_json_object, sha256_file
 
 __all__ = ["ImageEmbedder", "export_model", "load_embedder", "parity_report"]
 
@@ -145,7 +145,7 @@ def load_embedder(path: str | os.PathLike, device: str = "cpu") -> ImageEmbedder
     if not path.exists():
         raise DataNotFoundError(f"model not found: {path} (a run directory from `dmlkit train` or an export)")
     if path.is_file() and path.suffix in (".onnx", ".pt", ".ts") and _manifest_path(path).exists():
-        manifest = read_json(_manifest_path(path), "export manifest")
+        manifest = read_json_object(_manifest_path(path), "export manifest")
         if "sha256" in manifest and sha256_file(path) != manifest["sha256"]:
             raise DataError(f"{path} is not the model its manifest {_manifest_path(path).name} describes "
                             "(replaced after the export): export it again with `dmlkit export`")
