@@ -20,6 +20,7 @@ from dmlkit.cli import main
 from dmlkit.config import config_from_dict
 from dmlkit.data import load_dataset
 from dmlkit.exceptions import ConfigError
+from dmlkit.training.builders import model_setting_problems
 from dmlkit.training.data_root import merge_data_root, with_data_root
 from dmlkit.training.loop import Trainer, check_class_sets
 from dmlkit.training.preflight import (
@@ -127,6 +128,15 @@ def test_names_channels_and_metrics_are_checked_before_anything_runs(folder, tmp
     with pytest.raises(PreflightError) as info:
         preflight(bad)
     assert {"model.trunk", "data.transform", "model.weights"} <= {p.key for p in info.value.problems}
+    # options the trunk refuses, found by a shapes-only build (nothing allocated or downloaded)
+    for trunk in ("small_cnn", "resnet18"):
+        bad = cfg.override([f"model.trunk={trunk}", "model.trunk_options={width: 3}"])
+        with pytest.raises(PreflightError) as info:
+            preflight(bad)
+        problem = {p.key: p.message for p in info.value.problems}["model.trunk_options"]
+        assert "unexpected keyword argument 'width'" in problem, problem
+    good = cfg.override(["model.trunk=resnet18", "model.trunk_options={zero_init_residual: true}"])
+    assert model_setting_problems(good) == []
     with pytest.raises(ConfigError, match="training.eval_metrics: unknown metric 'bogus'"):
         config_from_dict(user_config(folder, training={"eval_metrics": ["bogus"]}))
     bench = tmp_path / "bench.yaml"

@@ -239,7 +239,7 @@ def _real_inputs(config: Any, data_root: Any, count: int) -> tuple[np.ndarray, n
 
 
 def export_model(run_dir: str | os.PathLike, format: str = "onnx", output: str | os.PathLike | None = None, *,
-                 parity_samples: int = 256, data_root: str | os.PathLike | None = None, opset: int = _DEFAULT_OPSET,
+                 parity_samples: int = 256, data_root: str | os.PathLike | None = None, opset: int | None = None,
                  atol: float = 1e-4) -> dict[str, Any]:
     """Export the run's model and check parity on real images; returns (and stores) the report.
 
@@ -250,8 +250,11 @@ def export_model(run_dir: str | os.PathLike, format: str = "onnx", output: str |
         output: model file (default ``RUN_DIR/export/model.onnx`` or ``model.pt``); the manifest
             with preprocessing and parity goes to ``<output>.json``.
         parity_samples: real images of the run's test split used for the parity check (at least 12).
+        opset: the ONNX opset (default 17, which exports every dmlkit model).
     """
     import torch
+
+    opset = _DEFAULT_OPSET if opset is None else opset
 
     if format not in FORMATS:
         raise ConfigError(f"unknown export format {format!r}: choose onnx or torchscript")

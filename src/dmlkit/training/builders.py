@@ -31,7 +31,7 @@ from dmlkit.config import (
 )
 from dmlkit.data import ClassSplit, default_split, get_transforms, load_dataset, split_classes
 from dmlkit.data.transforms import PRESETS as TRANSFORM_PRESETS
-from dmlkit.exceptions import ConfigError
+from dmlkit.exceptions import ConfigError, DmlkitError
 from dmlkit.losses import LOSSES, CrossBatchMemory, get_loss
 from dmlkit.miners import MINERS, get_miner
 from dmlkit.models import TRUNKS, EmbeddingModel, build_trunk, freeze_batchnorm
@@ -113,7 +113,21 @@ def model_setting_problems(config: ExperimentConfig) -> list[tuple[str, str]]:
         if name.removeprefix("torchvision:") not in set(torchvision.models.list_models()):
             problems.append(("model.trunk", f"{m.trunk!r} is unknown: use one of {sorted(TRUNKS)}, a "
                                             "torchvision model (e.g. resnet50) or timm:NAME"))
+    if m.trunk_options and not problems:
+        problems += _trunk_option_problems(m, config.model.in_channels)
     return problems
+
+
+def _trunk_option_problems(m: ModelConfig, in_channels: int) -> list[tuple[str, str]]:
+    """``model.trunk_options`` the trunk refuses, found by building it on the ``meta`` device
+    (shapes only: no memory, no weights read or downloaded)."""
+    try:
+        with torch.device("meta"):
+            build_trunk(m.trunk, pretrained=False, in_channels=in_channels, **m.trunk_options)
+    except (DmlkitError, ValueError, KeyError, TypeError, RuntimeError) as exc:
+        reason = " ".join(str(exc).split())[:300] or type(exc).__name__
+        return [("model.trunk_options", f"{m.trunk_options} is refused by trunk {m.trunk!r}: {reason}")]
+    return []
 
 
 def build_miner(config: MinerConfig | ExperimentConfig | None) -> nn.Module | None:

@@ -41,6 +41,7 @@ from dmlkit.apps.patches.protocol import (
     run_patch_protocol,
 )
 from dmlkit.apps.patches.training import (
+    PatchTrainingSettings,
     TrainSettings,
     hinge_embedding_loss,
     hinge_loss,
@@ -60,6 +61,7 @@ __all__ = [
     "PatchNet",
     "PatchPairs",
     "PatchSubset",
+    "PatchTrainingSettings",
     "TrainSettings",
     "build_offline_dataset",
     "build_patch_model",

@@ -18,7 +18,12 @@ from pydantic import ConfigDict, Field, field_validator
 
 from dmlkit.apps.patches.brown import load_subset, subset_folder
 from dmlkit.apps.patches.models import build_patch_model, prepare_patches
-from dmlkit.apps.patches.training import TrainSettings, score_pairs, train_patch_model
+from dmlkit.apps.patches.training import (
+    PatchTrainingSettings,
+    TrainSettings,
+    score_pairs,
+    train_patch_model,
+)
 from dmlkit.config import StrictNumbers, apply_dict_overrides, read_yaml_mapping
 from dmlkit.exceptions import CheckpointError, ConfigError, DataNotFoundError
 from dmlkit.metrics.roc import fpr95, roc_auc
@@ -78,21 +83,12 @@ class PatchModelConfig(_Strict):
     width: float = 0.25
 
 
-class PatchTrainingConfig(_Strict):
-    """Every value checked when the config is read, before a run directory is written."""
+class PatchTrainingConfig(PatchTrainingSettings):
+    """``training``: :class:`PatchTrainingSettings` plus where it runs; every value checked when
+    the config is read, before a run directory is written."""
 
-    epochs: int = Field(2, ge=1)
-    batch_size: int = Field(128, ge=4)
-    lr: float = Field(1e-3, gt=0)
-    optimizer: Literal["adam", "sgd"] = "adam"
-    weight_decay: float = Field(5e-4, ge=0)
-    max_train_pairs: int | None = Field(None, ge=1)
-    augment: bool = True
-    l2_margin: float = Field(1.0, gt=0)
-    triplet_margin: float = Field(1.0, gt=0)
     threads: int | None = Field(None, ge=1)
     device: Literal["auto", "cpu", "cuda"] = "auto"  # auto: cuda when available
-    decision_output: Literal["tanh", "linear"] = "tanh"  # hinge on tanh(z) (the paper) or on z
 
 
 class PatchExperimentConfig(_Strict):
@@ -226,13 +222,8 @@ def run_patch_protocol(
             else:
                 seed_everything(cfg.seed)
                 model = to_device(build_patch_model(arch, cfg.model.patch_size, cfg.model.width), device)
-                t = cfg.training
-                settings = TrainSettings(
-                    epochs=t.epochs, batch_size=t.batch_size, lr=t.lr, optimizer=t.optimizer,
-                    weight_decay=t.weight_decay, max_train_pairs=t.max_train_pairs, augment=t.augment,
-                    l2_margin=t.l2_margin, triplet_margin=t.triplet_margin, seed=cfg.seed,
-                    decision_output=t.decision_output,
-                )
+                settings = TrainSettings(**cfg.training.model_dump(include=set(PatchTrainingSettings.model_fields)),
+                                         seed=cfg.seed)
                 t0 = time.perf_counter()
                 history = train_patch_model(model, inputs, train_pairs, sub.point_ids, settings)
                 secs = time.perf_counter() - t0

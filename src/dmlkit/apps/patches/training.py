@@ -6,20 +6,22 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from typing import Any, Literal
 
 import numpy as np
 import torch
+from pydantic import ConfigDict, Field, ValidationError
 from torch import nn
 
 from dmlkit.apps.patches.brown import PatchPairs
 from dmlkit.apps.patches.models import HardNetDescriptor, PatchNet, SiameseNet
+from dmlkit.config import StrictNumbers
 from dmlkit.exceptions import ConfigError, DataError, NonFiniteError
 from dmlkit.losses import get_loss
 from dmlkit.miners import get_miner
 from dmlkit.samplers import MPerClassSampler
 
-__all__ = ["TrainSettings", "hinge_embedding_loss", "hinge_loss", "score_pairs", "train_patch_model"]
+__all__ = ["PatchTrainingSettings", "TrainSettings", "hinge_embedding_loss", "hinge_loss", "score_pairs", "train_patch_model"]
 
 
 def hinge_loss(o: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -35,32 +37,40 @@ def hinge_embedding_loss(d: torch.Tensor, y: torch.Tensor, margin: float = 1.0) 
     return torch.where(y > 0, d, torch.clamp(margin - d, min=0.0)).mean()
 
 
-@dataclass
-class TrainSettings:
-    """Budget and optimiser of one training run (see ``configs/patches*.yaml``)."""
+class PatchTrainingSettings(StrictNumbers):
+    """Budget and optimiser of a patch network's training, checked on construction: the one
+    home of these values and their limits (``training`` of ``configs/patches*.yaml`` adds the
+    device and threads, :class:`TrainSettings` the seed and logging)."""
 
-    epochs: int = 2
-    batch_size: int = 128
-    lr: float = 1e-3
-    optimizer: str = "adam"  # adam | sgd (momentum 0.9)
-    weight_decay: float = 5e-4  # L2 penalty (coupled: its gradient is added to the loss gradient)
-    max_train_pairs: int | None = None
+    model_config = ConfigDict(extra="forbid")
+
+    epochs: int = Field(2, ge=1)
+    batch_size: int = Field(128, ge=4)
+    lr: float = Field(1e-3, gt=0)
+    optimizer: Literal["adam", "sgd"] = "adam"  # sgd: momentum 0.9
+    weight_decay: float = Field(5e-4, ge=0)  # L2 penalty (coupled: its gradient is added to the loss's)
+    max_train_pairs: int | None = Field(None, ge=1)
     augment: bool = True  # the paper's flips and 90-degree rotations, the same for both patches
-    l2_margin: float = 1.0
-    triplet_margin: float = 1.0  # HardNet's margin
+    l2_margin: float = Field(1.0, gt=0)
+    triplet_margin: float = Field(1.0, gt=0)  # HardNet's margin
     # decision nets: hinge on o = tanh(z) in [-1, 1] (the paper's Eq. 1) or on the linear z
     # (no saturation: a collapsed constant output still gets a gradient)
-    decision_output: str = "tanh"
-    seed: int = 0
-    log_every: int = 50
+    decision_output: Literal["tanh", "linear"] = "tanh"
 
-    def __post_init__(self) -> None:
-        if self.epochs < 1 or self.batch_size < 4:
-            raise ConfigError("epochs must be >= 1 and batch_size >= 4")
-        if self.optimizer not in ("adam", "sgd"):
-            raise ConfigError(f"optimizer must be adam or sgd, got {self.optimizer}")
-        if self.decision_output not in ("tanh", "linear"):
-            raise ConfigError(f"decision_output must be tanh or linear, got {self.decision_output}")
+
+class TrainSettings(PatchTrainingSettings):
+    """One training run of :func:`train_patch_model`: the settings plus its seed and how often
+    it logs. A value out of range raises :class:`dmlkit.exceptions.ConfigError`."""
+
+    seed: int = 0
+    log_every: int = Field(50, ge=1)
+
+    def __init__(self, **values: Any) -> None:
+        try:
+            super().__init__(**values)
+        except ValidationError as exc:
+            problems = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())
+            raise ConfigError(f"invalid patch training settings: {problems}") from None
 
 
 def _dihedral(x: torch.Tensor, k: int) -> torch.Tensor:
