@@ -89,6 +89,23 @@ def test_cli_help_lists_commands():
     assert "Usage" in result.output
 
 
+def test_help_paragraphs_wrap_at_the_terminal_not_at_the_source():
+    """typer keeps a docstring's line breaks: a paragraph must reach the terminal as one line
+    (``train --help`` printed "...(torchrun --nproc-per-node N -m dmlkit train CONFIG): the" alone
+    on a line of a 200-column terminal)."""
+    from dmlkit.cli import reflow_help
+
+    assert reflow_help("""First line
+        goes on.
+
+        * an item
+          continued
+        """) == "First line goes on.\n\n* an item\n  continued"
+    result = CliRunner().invoke(app, ["train", "--help"], env={"COLUMNS": "300"}, terminal_width=300)
+    assert result.exit_code == 0
+    assert "(torchrun --nproc-per-node N -m dmlkit train CONFIG): the sampler's C x M batch" in result.output
+
+
 def test_cli_user_error_exits_2_without_traceback(capsys, monkeypatch):
     import typer
 

@@ -8,6 +8,7 @@ function; they are discovered here so that adding a command touches one file. Us
 from __future__ import annotations
 
 import importlib
+import inspect
 import pkgutil
 import re
 import sys
@@ -52,6 +53,30 @@ def _root(
 for _info in sorted(pkgutil.iter_modules(dmlkit.commands.__path__), key=lambda m: m.name):
     if not _info.name.startswith("_"):
         importlib.import_module(f"dmlkit.commands.{_info.name}").register(app)
+
+
+def reflow_help(text: str) -> str:
+    """A docstring as help text: each prose paragraph on one line, so the terminal wraps it
+    (typer keeps a docstring's line breaks, which ragged every paragraph at its source width);
+    paragraphs with list items or indented lines are kept as written."""
+    paragraphs = inspect.cleandoc(text).split("\n\n")
+    keep = re.compile(r"^\s*([*-] |\d+\. |\s{2,}\S|\|)")
+    return "\n\n".join(p if any(keep.match(line) for line in p.splitlines()) else " ".join(p.split())
+                       for p in paragraphs)
+
+
+def _reflow_commands(typer_app: typer.Typer) -> None:
+    """:func:`reflow_help` on the help of every command and command group of ``typer_app``."""
+    for info in typer_app.registered_commands:
+        doc = info.help if info.help is not None else inspect.getdoc(info.callback)
+        if doc:
+            info.help = reflow_help(doc)
+    for group in typer_app.registered_groups:
+        if group.typer_instance is not None:
+            _reflow_commands(group.typer_instance)
+
+
+_reflow_commands(app)
 
 
 #: Library spellings in the library's messages: (pattern, config key, value, rest of the phrase).

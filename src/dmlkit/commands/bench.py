@@ -35,8 +35,11 @@ def register(app: typer.Typer) -> None:
         ),
         quiet: bool = typer.Option(False, "--quiet", "-q", help="Only print the results table."),
     ) -> None:
-        """Split classes, cross-validated Bayesian search per method, final fold models over seeds,
-        and the results table (concatenated / separated P@1, R-Precision, MAP@R with 95 % CIs).
+        """The fair benchmarking protocol: cross-validated search per method, final runs, results table.
+
+        Splits the classes, runs a cross-validated Bayesian search per method, trains the final
+        fold models over seeds and writes the results table (concatenated / separated P@1,
+        R-Precision, MAP@R with 95 % CIs).
 
         Writes OUT/{config.yaml, provenance.json, split.json, study.db, search/, final/,
         results.json, results.csv, results.md}. Rerunning the same command resumes.

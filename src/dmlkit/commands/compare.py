@@ -19,9 +19,11 @@ def register(app: typer.Typer) -> None:
         seed: int = typer.Option(0, "--seed", help="Bootstrap seed."),
         out: Path | None = typer.Option(None, "--out", "-o", help="Also write the report (.json or .md)."),
     ) -> None:
-        """Differences between methods per metric with 95 % CIs from a hierarchical bootstrap over
-        training seeds and test queries (recomputed from the saved embeddings), and relative
-        improvements over contrastive/triplet. "significant" needs >= 3 seeds per method."""
+        """Differences between methods per metric, with 95 % CIs over seeds and test queries.
+
+        The CIs come from a hierarchical bootstrap over training seeds and test queries
+        (recomputed from the saved embeddings), with relative improvements over
+        contrastive/triplet. "significant" needs >= 3 seeds per method."""
         import warnings
 
         from rich.table import Table
