@@ -357,3 +357,45 @@ def test_distances_of_identical_rows_are_exactly_zero():
     far = ~torch.eye(6, dtype=torch.bool)
     direct = (x[None] - x[:, None]).norm(dim=2)
     torch.testing.assert_close(lp[:6, :6][far], direct[far])
+
+
+@pytest.mark.parametrize("p", [0.5, 1.0, 3.0])
+def test_paired_lp_distances_have_finite_gradients_at_identical_rows(p):
+    """``LpDistance(p).paired`` of identical rows: distance 0 with a zero gradient (the power
+    form ``(sum |d|^p)^(1/p)`` gave NaN there, which triplet ``swap`` passed on with a finite
+    loss), equal to the pairwise matrix's diagonal elsewhere."""
+    from dmlkit.losses import TripletMarginLoss
+    from dmlkit.miners import AllTripletsMiner
+
+    x = torch.tensor([[1.0, 0, 0], [0, 1, 0], [0, 1, 0], [0, 0, 1]], dtype=torch.float64, requires_grad=True)
+    y = torch.tensor([0, 0, 1, 1])  # x[1] (class 0) == x[2] (class 1)
+    distance = LpDistance(p=p)
+    distance.paired(x, x.flip(0).detach().clone()).sum().backward()
+    assert torch.isfinite(x.grad).all() and (x.grad[1:3] == 0).all()
+    for indices in (None, AllTripletsMiner()(x.detach(), y)):
+        x.grad = None
+        TripletMarginLoss(swap=True, distance=distance)(x, y, indices=indices).backward()
+        assert torch.isfinite(x.grad).all()
+    g = torch.Generator().manual_seed(0)
+    a, b = torch.randn(5, 4, generator=g, dtype=torch.float64), torch.randn(5, 4, generator=g, dtype=torch.float64)
+    torch.testing.assert_close(distance.paired(a, b), distance.pairwise(a, b).diagonal())
+    tiny = torch.full((1, 3), 1e-30)  # float32: 1e-30 ** 3 underflows in the power form
+    assert distance.paired(tiny, torch.zeros(1, 3)).item() > 0
+
+
+@pytest.mark.parametrize("dtype", [torch.uint8, torch.bool, torch.int16, torch.float32])
+def test_miner_indices_torch_reads_as_masks_are_refused(dtype):
+    """uint8 indices were read as boolean masks: triplet 0.2 instead of 1.0513 with the same index
+    values. Only int64 / int32 tensors index; anything else is one clear error."""
+    from dmlkit.exceptions import ShapeError
+    from dmlkit.losses import TripletMarginLoss
+
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(4, 3, generator=g, dtype=torch.float64), torch.tensor([0, 0, 1, 1])
+    triplets = (torch.tensor([0, 1, 2, 3]), torch.tensor([1, 0, 3, 2]), torch.tensor([2, 3, 0, 1]))
+    pairs = (triplets[0], triplets[1], triplets[0], triplets[2])
+    for loss, idx in ((TripletMarginLoss(), triplets), (ContrastiveLoss(), pairs)):
+        expected = loss(x, y, indices=idx)
+        assert loss(x, y, indices=tuple(t.int() for t in idx)) == expected
+        with pytest.raises(ShapeError, match=r"int64 \(or int32\) tensor, got dtype .*convert with .long\(\)"):
+            loss(x, y, indices=tuple(t.to(dtype) for t in idx))

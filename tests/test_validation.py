@@ -45,6 +45,21 @@ def test_string_labels_are_class_names():
     assert names2 == ["a", "b", "emu", "yak"] and ref.tolist() == [2, 3]
 
 
+def test_integer_queries_never_meet_string_references():
+    """Query ids 0/1 against reference names: the names' codes (cat 0, dog 1) would pass for the
+    ids and give a confident P@1 of 0.0; either order is refused the same way."""
+    from dmlkit.metrics import evaluate, per_class
+
+    q = np.array([[1, 0], [0, 1]], np.float32)
+    r = np.array([[1, 0.1], [0.1, 1]], np.float32)
+    for ql, rl in (([0, 1], ["dog", "cat"]), (["dog", "cat"], [0, 1])):
+        with pytest.raises(ShapeError, match="same kind of labels for both"):
+            evaluate(q, ql, r, rl, metrics=["precision_at_1"])
+        with pytest.raises(ShapeError, match="same kind of labels for both"):
+            per_class(q, ql, r, rl)
+    assert evaluate(q, ["cat", "dog"], r, ["cat", "dog"], metrics=["precision_at_1"])["precision_at_1"] == 1.0
+
+
 @pytest.mark.parametrize(
     "labels, match",
     [

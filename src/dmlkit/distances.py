@@ -289,7 +289,9 @@ class LpDistance(BaseDistance):
         if self.p == 2:
             sq = diff.pow(2).sum(-1)
             return sq if self.power == 2 else _safe_sqrt(sq)
-        return _finite(diff.abs().pow(self.p).sum(-1).pow(1 / self.p), self)
+        # torch's norm: a zero gradient at identical rows (the power form's was NaN there) and no
+        # underflow of small differences raised to p
+        return _finite(torch.linalg.vector_norm(diff, ord=self.p, dim=-1), self)
 
     def __repr__(self) -> str:
         return (

@@ -193,16 +193,22 @@ def indices_kind(indices: Indices) -> str:
     return "pair" if len(indices) == 4 else "triplet"
 
 
+#: Index dtypes torch indexes with (uint8 and bool index as masks; int8 and int16 not at all).
+_INDEX_DTYPES = (torch.int64, torch.int32)
+
+
 def check_indices(indices: Indices, num_anchors: int, num_refs: int) -> str:
     """Validate a miner's output against ``num_anchors`` rows and ``num_refs`` references.
 
-    Returns its kind (see :func:`indices_kind`). Raises ShapeError for non-integer or
-    non-1-D tensors, mismatched lengths, or indices out of range.
+    Returns its kind (see :func:`indices_kind`). Raises ShapeError for tensors other than 1-D
+    int64/int32, mismatched lengths, or indices out of range.
     """
     kind = indices_kind(indices)
     for t in indices:
-        if not isinstance(t, torch.Tensor) or t.dim() != 1 or t.is_floating_point():
-            raise ShapeError("each index tensor of a miner's output must be a 1-D integer tensor")
+        if not isinstance(t, torch.Tensor) or t.dim() != 1 or t.dtype not in _INDEX_DTYPES:
+            found = f"dtype {t.dtype}" if isinstance(t, torch.Tensor) else type(t).__name__
+            raise ShapeError("each index tensor of a miner's output must be a 1-D int64 (or int32) tensor, "
+                             f"got {found}: convert with .long() (torch reads uint8 and bool tensors as masks)")
     groups = [(indices[0], indices[1], indices[2])] if kind == "triplet" else [
         (indices[0], indices[1]),
         (indices[2], indices[3]),

@@ -7,7 +7,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from dmlkit.exceptions import ConfigError
+from dmlkit.exceptions import ConfigError, ShapeError
 from dmlkit.validation import check_embeddings, check_labels
 
 #: Default working-memory budget of the blockwise computations (bytes).
@@ -32,8 +32,11 @@ def as_label_pair(
     ql, names = check_labels(query_labels, nq, "query labels")
     if reference_labels is None:
         return torch.from_numpy(ql), None, names
-    rl, names = check_labels(reference_labels, nr, "reference labels", class_names=names)
-    return torch.from_numpy(ql), torch.from_numpy(rl), names
+    rl, ref_names = check_labels(reference_labels, nr, "reference labels", class_names=names)
+    if names is None and ref_names is not None:  # else integer ids meet codes of sorted names
+        raise ShapeError("reference labels are class-name strings but the query labels are numbers: use the "
+                         "same kind of labels for both")
+    return torch.from_numpy(ql), torch.from_numpy(rl), ref_names
 
 
 def check_budget(memory_budget: int) -> int:
