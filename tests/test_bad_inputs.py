@@ -208,6 +208,11 @@ CASES: list[tuple[str, list[str]]] = [
     ("index-unknown-kind", ["index", "{d}/good.npz", "-o", "{d}/out_index.npz", "--kind", "bogus"]),
     ("index-add-to-missing", ["index", "{d}/good.npz", "-o", "{d}/missing_index.npz", "--add"]),
     ("index-add-wrong-dim", ["index", "{d}/wide.npz", "-o", "{d}/index.npz", "--add"]),
+    ("index-over-its-input", ["index", "{d}/good.npz", "-o", "{d}/good.npz"]),
+    ("index-over-embeddings", ["index", "{d}/good.npz", "-o", "{d}/wide.npz"]),
+    ("index-add-its-own-file", ["index", "{d}/index.npz", "-o", "{d}/index.npz", "--add"]),
+    ("query-output-over-its-queries", ["query", "{d}/index.npz", "{d}/good.npz", "-o", "{d}/good.npz"]),
+    ("query-output-over-its-index", ["query", "{d}/index.npz", "{d}/good.npz", "-o", "{d}/index.npz"]),
     ("query-k0", ["query", "{d}/index.npz", "{d}/good.npz", "-k", "0"]),
     ("query-k-negative", ["query", "{d}/index.npz", "{d}/good.npz", "-k", "-2"]),
     ("query-missing-queries", ["query", "{d}/index.npz", "{d}/missing.npz"]),
@@ -370,6 +375,11 @@ CASES: list[tuple[str, list[str]]] = [
 
 #: What the error must be about, where another error could come first and hide it.
 EXPECT = {
+    "index-over-its-input": "would overwrite the input",
+    "index-over-embeddings": "exists and is not a dmlkit index file",
+    "index-add-its-own-file": "would overwrite the input",
+    "query-output-over-its-queries": "would overwrite the input",
+    "query-output-over-its-index": "would overwrite the input",
     "oneshot-truncated-checkpoint": "checkpoint",
     "oneshot-garbage-checkpoint": "checkpoint",
     "train-bad-override": "embedding_size",

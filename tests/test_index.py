@@ -198,6 +198,8 @@ def test_an_approximate_search_never_returns_a_short_list(data, kind):
     np.testing.assert_array_equal(res.indices[short], exact.indices[short])
     by_id = idx.search(x[:50], 150, exclude_ids=idx.ids[:50])  # k others, never k - 1
     assert (by_id.indices >= 0).all() and not (by_id.ids == idx.ids[:50, None]).any()
+    numpy_k = idx.search(x[:5], np.int64(3))  # faiss's SWIG wrappers refused numpy integers
+    np.testing.assert_array_equal(numpy_k.indices, idx.search(x[:5], 3).indices)
 
 
 def test_index_errors(tmp_path, data):

@@ -262,3 +262,115 @@ def test_a_model_that_does_not_fit_the_index_is_refused(served, tmp_path):
         create_app(ServiceConfig(index=tmp_path / "idx8", model=served["run"]))
     with pytest.raises(ConfigError, match="not both"):
         create_app(ServiceConfig(index=tmp_path / "idx8", threshold=0.5, verification=tmp_path / "v.json"))
+
+
+def test_the_verification_threshold_is_used_on_its_own_distance(served, tmp_path):
+    """`dmlkit verify --json` records its distance; a file without one is refused (its threshold
+    is a score on some distance: judged on the index's cosine, a negated Euclidean threshold of
+    -0.25 called every pair "same")."""
+    from dmlkit.exceptions import DataError
+
+    res = CliRunner().invoke(cli, ["verify", str(served["run"] / "embeddings" / "test.npz"), "--pairs", "400",
+                                   "--distance", "euclidean", "--json"])
+    assert res.exit_code == 0, res.output
+    calibrated = json.loads(res.output)
+    assert calibrated["distance"] == "euclidean" and calibrated["threshold"] < 0
+    (tmp_path / "euclidean.json").write_text(res.output)
+    c = TestClient(create_app(ServiceConfig(index=served["base"] / "index", model=served["run"],
+                                            verification=tmp_path / "euclidean.json")))
+    idx = served["app"].state.index
+    img = _image(served, idx.ids[0])
+    far = idx.search(idx.embeddings[0], len(idx), exact=True).ids[0, -1]
+    r = c.post("/api/verify", files={"image1": ("a.pgm", img), "image2": ("b.pgm", _image(served, far))}).json()
+    assert r["distance"] == "euclidean" and r["score"] < 0 and r["same"] is False
+    r = c.post("/api/verify", files={"image1": ("a.pgm", img), "image2": ("b.pgm", img)}).json()
+    assert r["same"] is True and r["score"] == pytest.approx(0.0, abs=1e-3)
+    del calibrated["distance"]
+    (tmp_path / "old.json").write_text(json.dumps(calibrated))
+    with pytest.raises(DataError, match="does not say which distance"):
+        create_app(ServiceConfig(index=served["base"] / "index", verification=tmp_path / "old.json"))
+
+
+def test_a_16_bit_upload_is_scaled_not_clipped_to_white(client, served):
+    """PIL's conversion clips a 16-bit image to solid white: the query answered with a stranger."""
+    import io
+
+    from PIL import Image
+
+    idx = served["app"].state.index
+    item_id = idx.ids[57]
+    with Image.open(served["data_root"] / item_id) as img:
+        deep = Image.fromarray(np.asarray(img.convert("L"), dtype=np.uint16) * 257)  # mode I;16
+    buf = io.BytesIO()
+    deep.save(buf, format="PNG")
+    r = client.post("/api/query/image", files={"file": ("q16.png", buf.getvalue())}, data={"k": "3"})
+    assert r.status_code == 200, r.text
+    assert r.json()["results"][0]["id"] == item_id and r.json()["results"][0]["score"] == pytest.approx(1.0, abs=1e-4)
+
+
+def test_limits_no_request_could_meet_are_refused_and_413s_are_counted(served):
+    from dmlkit.exceptions import ConfigError
+
+    for field in ("max_k", "max_upload_bytes", "max_image_pixels"):
+        for value in (0, -5):
+            with pytest.raises(ConfigError, match=f"{field} must be a positive integer"):
+                create_app(ServiceConfig(index=served["base"] / "index", **{field: value}))
+    c = TestClient(create_app(ServiceConfig(index=served["base"] / "index", max_upload_bytes=100)))
+    for _ in range(3):
+        assert c.post("/api/query/embedding", json={"embedding": [0.1] * 64}).status_code == 413
+    assert c.post("/api/query/embedding", json={"embedding": [0.1] * 16}).status_code == 200
+    assert c.get("/api/metrics").json()["status"] == {"4xx": 3, "2xx": 1}
+
+
+def test_an_id_ending_in_thumbnail_is_still_an_item(tmp_path):
+    x = np.random.default_rng(0).normal(size=(2, 16)).astype(np.float32)
+    idx = EmbeddingIndex(x, labels=np.array([4, 7]), ids=["a", "a/thumbnail"])
+    c = TestClient(create_app(ServiceConfig(index="unused"), index=idx))
+    r = c.get(f"/api/items/{quote('a/thumbnail', safe='')}")
+    assert r.status_code == 200 and r.json()["id"] == "a/thumbnail" and r.json()["label"] == 7
+    assert c.get("/api/items/a").json()["label"] == 4
+    r = c.get(f"/api/items/{quote('a/thumbnail', safe='')}/thumbnail")  # its own thumbnail route
+    assert r.status_code == 404 and "no image for 'a/thumbnail'" in r.json()["detail"]
+
+
+def test_cli_serve_ctrl_c_is_130_and_a_busy_port_is_one_line(served, tmp_path):
+    """Ctrl-C stopped the server with exit 0 (uvicorn.run swallows it) and a port in use printed
+    uvicorn's log lines with exit 3."""
+    import os
+    import signal
+    import socket
+    import subprocess
+    import sys
+
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    cmd = [sys.executable, "-m", "dmlkit", "serve", "--index", str(served["base"] / "index")]
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        out = subprocess.run([*cmd, "--port", str(busy.getsockname()[1])], capture_output=True, text=True,
+                             timeout=120, env=env)
+    assert out.returncode == 2 and out.stdout == ""
+    assert out.stderr.strip().startswith("error: cannot listen on 127.0.0.1:") and len(out.stderr.splitlines()) == 1
+    proc = subprocess.Popen([*cmd, "--port", "0"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        line = proc.stdout.readline()  # printed once the socket listens
+        assert line.startswith("dmlkit serve: ") and "http://127.0.0.1:" in line, line + proc.stderr.read()
+        url = line.split()[-4].rstrip("/")
+        import httpx
+
+        deadline = time.time() + 60
+        while time.time() < deadline:  # serving, so the signal reaches uvicorn's handler
+            try:
+                if httpx.get(f"{url}/api/health", timeout=5).status_code == 200:
+                    break
+            except httpx.TransportError:
+                time.sleep(0.1)
+        proc.send_signal(signal.SIGINT)
+        code = proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    err = proc.stderr.read()
+    assert code == 130, err
+    assert [ln for ln in err.splitlines() if ln.strip()] == [
+        "interrupted: stopped by Ctrl-C (files already written are complete; a training run continues with --resume)"]

@@ -116,6 +116,19 @@ def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> Path:
     return path
 
 
+def refuse_overwriting_inputs(output: str | os.PathLike, *inputs: str | os.PathLike | None) -> None:
+    """Raise :class:`~dmlkit.exceptions.DataError` when ``output`` is one of ``inputs`` (the same
+    file or directory, any spelling) or lies inside an input directory: a command's result
+    must never replace the data it read (``index emb.npz -o emb.npz`` lost the embeddings)."""
+    out = Path(output).expanduser().resolve()
+    for source in inputs:
+        if source is None:
+            continue
+        src = Path(source).expanduser().resolve()
+        if out == src or (src.is_dir() and src in out.parents):
+            raise DataError(f"the output {output} would overwrite the input {source}: choose another output path")
+
+
 @contextlib.contextmanager
 def directory_lock(directory: str | os.PathLike, name: str, busy: str) -> Iterator[None]:
     """Hold an exclusive lock on ``directory`` (the file ``directory/name``, ``flock``: released

@@ -15,18 +15,20 @@ onnxruntime (CPU provider) is the reference runtime for ONNX. :func:`load_embedd
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import io
 import os
+import sys
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from dmlkit.data import get_transforms
+from dmlkit.data import get_transforms, to_8bit
 from dmlkit.exceptions import (
     CheckpointError,
     ConfigError,
@@ -69,14 +71,17 @@ class ImageEmbedder:
         return "L" if self.in_channels == 1 else "RGB"
 
     def preprocess(self, images: Sequence[Any]) -> np.ndarray:
-        """PIL images -> ``(N, C, H, W)`` float32 with the run's evaluation transform."""
+        """PIL images -> ``(N, C, H, W)`` float32 with the run's evaluation transform (16-bit and
+        float images scaled to 8 bits first, :func:`dmlkit.data.to_8bit`: PIL's conversion clips
+        them to a blank image)."""
         import torch
 
         if not images:
             raise DataError("no images to embed")
         t = get_transforms(self.transform or "none", train=False, image_size=self.image_size)
         out = []
-        for img in images:
+        for i, img in enumerate(images):
+            img = to_8bit(img, f"#{i}")
             x = t(img.convert(self.mode)) if t is not None else None
             if not isinstance(x, torch.Tensor):
                 arr = np.asarray(img.convert(self.mode), dtype=np.float32) / 255.0
@@ -149,17 +154,62 @@ def load_embedder(path: str | os.PathLike, device: str = "cpu") -> ImageEmbedder
         if "sha256" in manifest and sha256_file(path) != manifest["sha256"]:
             raise DataError(f"{path} is not the model its manifest {_manifest_path(path).name} describes "
                             "(replaced after the export): export it again with `dmlkit export`")
-        pre = manifest["preprocessing"]
-        if manifest["format"] == "onnx":
+        format, transform, image_size, in_channels = _manifest_settings(manifest, _manifest_path(path))
+        if format == "onnx":
             forward, runtime = _onnx_forward(path), "onnxruntime"
         else:
             forward, runtime = _torch_forward(_torchscript_load(path), "cpu"), "torchscript"
-        return ImageEmbedder(forward, pre["transform"], pre["image_size"], int(pre["in_channels"]), runtime)
+        return ImageEmbedder(forward, transform, image_size, in_channels, runtime)
     if path.is_file() and path.suffix == ".onnx":
         raise DataError(f"{path} has no manifest {_manifest_path(path).name}: export it with `dmlkit export`")
     model, config = load_checkpoint(path, device=device)
     return ImageEmbedder(_torch_forward(model, device), config.data.transform, config.data.image_size,
                          int(config.model.in_channels), "torch")
+
+
+@contextlib.contextmanager
+def _native_stdout_silenced() -> Iterator[None]:
+    """File descriptor 1 to ``/dev/null`` for the block: torch's TorchScript ONNX exporter turns
+    its C++ log on whatever the setting and, on a failed export, prints the whole IR graph (65
+    lines for a small CNN) to stdout, where a refused command must print nothing."""
+    import ctypes
+
+    sys.stdout.flush()
+    saved = os.dup(1)
+    try:
+        with open(os.devnull, "wb") as devnull:
+            os.dup2(devnull.fileno(), 1)
+        yield
+    finally:
+        try:
+            ctypes.CDLL(None).fflush(None)  # C stdio's buffer goes to /dev/null, not to the restored stdout
+        except (OSError, AttributeError):
+            pass
+        os.dup2(saved, 1)
+        os.close(saved)
+
+
+def _manifest_settings(manifest: dict[str, Any], where: Path) -> tuple[str, str | None, int | None, int]:
+    """``(format, transform, image_size, in_channels)`` of an export manifest, each checked: a
+    damaged or hand-edited manifest is one :class:`DataError`, not a ``KeyError`` at load."""
+    from dmlkit.data.transforms import PRESETS
+
+    def bad(what: str) -> DataError:
+        return DataError(f"export manifest {where} is damaged ({what}): export the model again with `dmlkit export`")
+
+    pre = manifest.get("preprocessing")
+    if manifest.get("format") not in FORMATS:
+        raise bad(f"format {manifest.get('format')!r} is not one of {list(FORMATS)}")
+    if not isinstance(pre, dict):
+        raise bad("no 'preprocessing' object")
+    transform, size, channels = pre.get("transform"), pre.get("image_size"), pre.get("in_channels")
+    if transform is not None and (not isinstance(transform, str) or transform.lower() not in PRESETS):
+        raise bad(f"preprocessing.transform {transform!r} is not one of {list(PRESETS)}")
+    if size is not None and (isinstance(size, bool) or not isinstance(size, int) or size < 1):
+        raise bad(f"preprocessing.image_size {size!r} is not a positive integer")
+    if channels not in (1, 3) or isinstance(channels, bool):
+        raise bad(f"preprocessing.in_channels {channels!r} is not 1 or 3")
+    return manifest["format"], transform, size, channels
 
 
 def _knn_top(emb: np.ndarray, k: int) -> np.ndarray:
@@ -280,9 +330,10 @@ def export_model(run_dir: str | os.PathLike, format: str = "onnx", output: str |
         if format == "onnx":
             require("onnx", "export")
             try:
-                torch.onnx.export(model, (example,), buffer, dynamo=False, input_names=["images"],
-                                  output_names=["embeddings"], opset_version=opset,
-                                  dynamic_axes={"images": {0: "batch"}, "embeddings": {0: "batch"}})
+                with _native_stdout_silenced():
+                    torch.onnx.export(model, (example,), buffer, dynamo=False, input_names=["images"],
+                                      output_names=["embeddings"], opset_version=opset,
+                                      dynamic_axes={"images": {0: "batch"}, "embeddings": {0: "batch"}})
             except (torch.onnx.OnnxExporterError, RuntimeError, ValueError) as exc:
                 reason = (str(exc).strip().splitlines() or [type(exc).__name__])[-1]
                 raise ConfigError(f"ONNX export at opset {opset} failed: {reason} (the default "

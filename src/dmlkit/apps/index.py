@@ -497,8 +497,9 @@ class EmbeddingIndex:
         q = _to_numpy_embeddings(queries[None] if getattr(queries, "ndim", 2) == 1 else queries, "queries")
         if q.shape[1] != self.dim:
             raise ShapeError(f"queries must be (Q, {self.dim}), got shape {q.shape}")
-        if not isinstance(k, int | np.integer) or k < 1:
+        if isinstance(k, bool) or not isinstance(k, int | np.integer) or k < 1:
             raise ConfigError(f"k must be a positive integer, got {k!r}")
+        k = int(k)  # faiss's SWIG wrappers take Python ints only
         if len(self) == 0:
             raise DataError("the index is empty: add embeddings first")
         if exclude_ids is not None:

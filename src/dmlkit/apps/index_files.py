@@ -14,6 +14,7 @@ import json
 import mmap as mmap_module
 import os
 import shutil
+import zipfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -43,6 +44,15 @@ def index_meta(self: EmbeddingIndex) -> dict[str, Any]:
             "count": len(self), "params": self.params, "recall": self.recall, "info": self.info,
             "next_key": self._next_key, "dmlkit_version": __version__}
 
+def _is_index_file(path: Path) -> bool:
+    """Whether ``path`` is an index written by :func:`save_index` (an ``.npz`` with its ``meta``)."""
+    try:
+        with zipfile.ZipFile(path) as archive:
+            return {"meta.npy", "vectors.npy"} <= set(archive.namelist())
+    except (OSError, zipfile.BadZipFile):
+        return False
+
+
 def save_index(self: EmbeddingIndex, path: str | os.PathLike) -> Path:
     """Write the index: a directory, or one ``.npz`` file when ``path`` ends in ``.npz``.
 
@@ -59,6 +69,8 @@ def save_index(self: EmbeddingIndex, path: str | os.PathLike) -> Path:
     if self.metadata is not None:
         meta_lines = "\n".join(json.dumps(m) for m in self.metadata)
     if path.suffix == ".npz":
+        if path.is_file() and not _is_index_file(path):
+            raise DataError(f"{path} exists and is not a dmlkit index file: choose another path")
         extra: dict[str, Any] = {"meta": np.array(json.dumps(index_meta(self)))}
         if blob is not None:
             extra["faiss"] = blob

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -218,6 +218,8 @@ class VerificationResult:
     num_negative: int = 0
     fold_source: str = "contiguous"
     accuracy_sem: float = 0.0
+    #: the distance the scores (and so ``threshold``) are on; ``None`` for bare scores
+    distance: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -281,7 +283,8 @@ def verify(embeddings: Any, labels: Any, *, num_pairs: int = 6000, folds: int = 
     if int(folds) > len(same):
         raise ConfigError(f"folds ({folds}) exceeds the number of pairs ({len(same)}): lower --folds")
     scores = pair_scores(x, i, j, distance)
-    return verify_scores(scores, same, int(folds), far_targets=far_targets, fold_source="contiguous")
+    result = verify_scores(scores, same, int(folds), far_targets=far_targets, fold_source="contiguous")
+    return replace(result, distance=distance)
 
 
 def _match_rows(pair_list: PairList, paths: Sequence[str]) -> np.ndarray:
@@ -325,10 +328,12 @@ def verify_pair_list(embeddings: Any, pair_list: PairList, paths: Sequence[str] 
         rows = _match_rows(pair_list, paths)
     scores = pair_scores(x, rows[pair_list.left], rows[pair_list.right], distance)
     if pair_list.num_folds >= 2:
-        return verify_scores(scores, pair_list.same, pair_list.folds, far_targets=far_targets,
-                             fold_source="list")
-    return verify_scores(scores, pair_list.same, stratified_folds(pair_list.same, int(folds)),
-                         far_targets=far_targets, fold_source="stratified")
+        result = verify_scores(scores, pair_list.same, pair_list.folds, far_targets=far_targets,
+                               fold_source="list")
+    else:
+        result = verify_scores(scores, pair_list.same, stratified_folds(pair_list.same, int(folds)),
+                               far_targets=far_targets, fold_source="stratified")
+    return replace(result, distance=distance)
 
 
 def embed_image_files(checkpoint: str | os.PathLike, paths: Sequence[str | os.PathLike], *,

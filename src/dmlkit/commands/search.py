@@ -65,6 +65,7 @@ def index(
     from dmlkit.apps.index import item_ids
     from dmlkit.embedding_shards import is_shard_dir, open_shards
     from dmlkit.exceptions import ConfigError
+    from dmlkit.utils import refuse_overwriting_inputs
 
     if remove or add:
         idx = EmbeddingIndex.load(output)
@@ -74,6 +75,7 @@ def index(
         if add:
             if embeddings is None:
                 raise ConfigError("--add needs EMBEDDINGS to add")
+            refuse_overwriting_inputs(output, embeddings)
             if is_shard_dir(embeddings):  # streamed in blocks, ids and labels from the shards
                 typer.echo(f"added {idx.add_blocks(open_shards(embeddings))} item(s) to {output}")
                 idx.save(output)
@@ -88,6 +90,7 @@ def index(
         return
     if embeddings is None:
         raise ConfigError("pass EMBEDDINGS to build an index (or --add/--remove to change OUTPUT)")
+    refuse_overwriting_inputs(output, embeddings)
     shards = open_shards(embeddings) if is_shard_dir(embeddings) else None
     if shards is None:
         emb, labels, extra = _load_any_embeddings(embeddings)
@@ -164,8 +167,10 @@ def query(
     from dmlkit.apps.index import item_ids
     from dmlkit.embedding_shards import is_shard_dir, open_shards
     from dmlkit.exceptions import ConfigError, DataError
-    from dmlkit.utils import atomic_write_json
+    from dmlkit.utils import atomic_write_json, refuse_overwriting_inputs
 
+    if output is not None:
+        refuse_overwriting_inputs(output, index_path, queries)
     if limit < 0:
         raise ConfigError(f"--limit must be 0 (all) or positive, got {limit}")
     if (queries is None) == (not item_id):
@@ -250,7 +255,7 @@ def serve(
     index_path: Path = typer.Option(..., "--index", help="An index from `dmlkit index`."),
     model: Path | None = typer.Option(None, "--model", help="Run directory or exported model (.onnx/.pt) for image queries."),
     host: str = typer.Option("127.0.0.1", help="Address to bind (default loopback only)."),
-    port: int = typer.Option(8000),
+    port: int = typer.Option(8000, min=0, max=65535, help="Port to listen on (0: any free port)."),
     threshold: float | None = typer.Option(None, help="Verification threshold (the `threshold` of `dmlkit verify`)."),
     verification: Path | None = typer.Option(None, "--verification", help="JSON from `dmlkit verify --json` holding the threshold."),
     data_root: Path | None = typer.Option(None, "--data-root", help="Where the indexed files' thumbnails are read."),

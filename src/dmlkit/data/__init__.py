@@ -6,7 +6,7 @@
 >>> parts = split.apply(ds)                            # doctest: +SKIP
 """
 
-from dmlkit.data.base import ArrayDataset, ImageFileDataset, MetricDataset, load_image
+from dmlkit.data.base import ArrayDataset, ImageFileDataset, MetricDataset, load_image, to_8bit
 from dmlkit.data.datasets import (
     DATASETS,
     IMAGE_EXTENSIONS,
@@ -53,6 +53,7 @@ __all__ = [
     "kfold_class_partitions",
     "load_dataset",
     "load_image",
+    "to_8bit",
     "register_dataset",
     "split_classes",
     "verify_sha256",

@@ -158,9 +158,23 @@ def _load_threshold(config: ServiceConfig) -> tuple[float | None, str | None]:
         raise DataNotFoundError(f"verification file not found: {path} (write it with `dmlkit verify ... --json > FILE`)")
     try:
         data = json.loads(path.read_text())
-        return float(data["threshold"]), data.get("distance")
+        threshold = float(data["threshold"])
     except (ValueError, KeyError, TypeError) as exc:
         raise DataError(f"{path} holds no 'threshold': write it with `dmlkit verify ... --json > FILE`") from exc
+    distance = data.get("distance")
+    if not isinstance(distance, str) or not math.isfinite(threshold):
+        # a threshold is a score on one distance: another one's scores would be judged by it
+        raise DataError(f"{path} does not say which distance its threshold {threshold} is on: write it again with "
+                        "`dmlkit verify ... --json > FILE` (it records the distance), or pass --threshold")
+    return threshold, distance
+
+
+def check_service_config(config: ServiceConfig) -> None:
+    """Refuse limits no request could meet (``max_k`` 0 served a 422 to every query)."""
+    for name in ("max_upload_bytes", "max_k", "max_image_pixels", "thumbnail_size"):
+        value = getattr(config, name)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ConfigError(f"{name} must be a positive integer, got {value!r}")
 
 
 def create_app(config: ServiceConfig, *, index: Any = None, embedder: Any = None) -> Any:
@@ -175,6 +189,7 @@ def create_app(config: ServiceConfig, *, index: Any = None, embedder: Any = None
     from dmlkit.apps.index import EmbeddingIndex  # lazy: faiss and numpy load when an app is built
     from dmlkit.apps.verification import pair_scores  # lazy: torch loads when an app is built
 
+    check_service_config(config)
     idx = index if index is not None else EmbeddingIndex.load(config.index, mmap=True)
     if embedder is None and config.model is not None:
         from dmlkit.apps.export import load_embedder  # lazy: torch/onnxruntime only with a model
@@ -197,6 +212,10 @@ def create_app(config: ServiceConfig, *, index: Any = None, embedder: Any = None
                     "verify two images against a calibrated threshold.",
     )
 
+    # the body limit inside the recorder (the last middleware added is the outermost), so
+    # /api/metrics counts the 413s it answers too
+    app.add_middleware(_BodyLimit, max_bytes=int(config.max_upload_bytes))
+
     @app.middleware("http")
     async def _record(request: Request, call_next: Any) -> Any:
         t0 = time.perf_counter()
@@ -204,8 +223,6 @@ def create_app(config: ServiceConfig, *, index: Any = None, embedder: Any = None
         route = request.scope.get("route")
         metrics.record(getattr(route, "path", "other"), response.status_code, time.perf_counter() - t0)
         return response
-
-    app.add_middleware(_BodyLimit, max_bytes=int(config.max_upload_bytes))
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError) -> Any:
@@ -369,8 +386,10 @@ def create_app(config: ServiceConfig, *, index: Any = None, embedder: Any = None
     def thumbnail_bytes(path: str) -> bytes:
         from PIL import Image
 
+        from dmlkit.data import to_8bit
+
         with Image.open(path) as img:
-            img = img.convert("RGB")
+            img = to_8bit(img, path).convert("RGB")
             img.thumbnail((config.thumbnail_size, config.thumbnail_size))
             buf = io.BytesIO()
             img.save(buf, format="PNG")
@@ -384,12 +403,14 @@ def create_app(config: ServiceConfig, *, index: Any = None, embedder: Any = None
 
     @app.get("/api/items/{item_id:path}/thumbnail", tags=["items"],
              responses={200: {"content": {"image/png": {}}}})
-    def thumbnail(item_id: str) -> Response:
+    def thumbnail(item_id: str, request: Request) -> Any:
         """A PNG thumbnail of an indexed item's image."""
+        if not request.scope.get("raw_path", b"/thumbnail").endswith(b"/thumbnail"):
+            return item(f"{item_id}/thumbnail")  # the id "a/thumbnail" sent as a%2Fthumbnail
         known(item_id)
         try:
             data = thumbnail_bytes(str(item_file(item_id)))
-        except OSError as exc:
+        except (OSError, DataError) as exc:
             raise HTTPException(404, f"the image of {item_id!r} cannot be read: {exc}") from exc
         return Response(content=data, media_type="image/png", headers={"Cache-Control": "max-age=3600"})
 
@@ -442,13 +463,35 @@ def start_background_server(app: Any, host: str = "127.0.0.1", port: int = 0, ti
 
 
 def run_server(config: ServiceConfig, host: str = "127.0.0.1", port: int = 8000) -> None:
-    """Serve until interrupted (uvicorn)."""
+    """Serve until interrupted (uvicorn, warnings and errors only: ``/api/metrics`` counts requests).
+
+    The socket is bound here, so a port in use or out of range is one
+    :class:`dmlkit.exceptions.ConfigError`; Ctrl-C stops the server gracefully and reaches the
+    caller as :class:`KeyboardInterrupt` (``uvicorn.run`` swallowed it: the command exited 0).
+    """
+    import signal
+    import socket
+    import warnings
+
     uvicorn = require("uvicorn", "serve")
+    if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
+        raise ConfigError(f"port must be an integer in 0..65535, got {port!r}")
     app = create_app(config)
     if host not in ("127.0.0.1", "localhost", "::1"):
-        import warnings
-
         warnings.warn(f"serving on {host}: reachable from other machines; put it behind a proxy with "
                       "authentication for anything but a trusted network", stacklevel=2)
-    print(f"dmlkit serve: {len(app.state.index)} items on http://{host}:{port}/ (API docs: /docs)")
-    uvicorn.run(app, host=host, port=port, log_level="info")
+    try:
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        sock = socket.create_server((host, port), family=family, backlog=2048)
+    except (OSError, OverflowError) as exc:
+        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+        raise ConfigError(f"cannot listen on {host}:{port}: {reason} (choose another --port or --host)") from None
+    bound_port = sock.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+    print(f"dmlkit serve: {len(app.state.index)} items on http://{host}:{bound_port}/ (API docs: /docs)", flush=True)
+    # Ctrl-C before uvicorn's loop starts leaves its coroutine unawaited: not worth a warning line
+    warnings.filterwarnings("ignore", message="coroutine 'Server.serve' was never awaited", category=RuntimeWarning)
+    with sock:
+        server.run(sockets=[sock])  # re-raises a captured Ctrl-C once stopped, where it is not ignored
+    if signal.SIGINT in getattr(server, "_captured_signals", ()):  # SIGINT ignored (a shell's background job)
+        raise KeyboardInterrupt
