@@ -273,3 +273,41 @@ def test_index_and_query_stream_from_shard_directories(tmp_path, capsys):
     assert [[hit["id"] for hit in r["results"]] for r in res] == want_r.ids.tolist()
     run("index", str(tmp_path / "q"), "-o", str(tmp_path / "index"), "--add")
     assert len(EmbeddingIndex.load(tmp_path / "index")) == 700
+
+
+def _fewer_rows_than_ranks(rank: int, world: int, port: int, out_dir: str) -> None:
+    import os
+
+    os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
+                       "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank)})
+    torch.set_num_threads(1)
+    from dmlkit.distributed import init_distributed, shutdown
+
+    init_distributed("cpu", timeout_s=120)
+    torch.manual_seed(0)
+    feats = np.arange(12, dtype=np.float32).reshape(2, 6)
+    model = nn.Linear(6, 4)
+    s = embed_to_shards(model, ArrayDataset(feats, np.array([3, 5]), kind="features"), out_dir,
+                        InferenceOptions(batch_size=8, device="cpu"))
+    assert len(s) == 2 and s.labels.tolist() == [3, 5]
+    shutdown()
+
+
+def test_fewer_rows_than_ranks_are_written_once_by_rank_0(tmp_path):
+    """3 gloo ranks, 2 rows: every rank wrote the whole split into the same directory (a
+    'holds embedding shards' error on the others and orphaned files beside the manifest's)."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    mp.spawn(_fewer_rows_than_ranks, args=(3, port, str(tmp_path / "s")), nprocs=3, join=True)
+    s = open_shards(tmp_path / "s", verify=True)
+    torch.manual_seed(0)
+    want = nn.Linear(6, 4)(torch.arange(12, dtype=torch.float32).reshape(2, 6)).detach().numpy()
+    np.testing.assert_allclose(s.to_numpy(), want, rtol=1e-6)
+    listed = {MANIFEST} | {shard[key] for shard in s.manifest["shards"] for key in ("embeddings", "labels", "ids")
+                           if key in shard}
+    assert {p.name for p in (tmp_path / "s").iterdir()} == listed  # no orphaned files

@@ -489,9 +489,9 @@ def embed_to_shards(
     (:func:`dmlkit.embeddings.dataset_rows`).
 
     In a distributed job (torchrun) each rank embeds its contiguous share of the rows
-    (:func:`dmlkit.embeddings.rank_share`) and writes its own shard files (``r<rank>-`` in their
-    names) into ``directory``, which must be one directory every rank sees (a shared file system
-    across machines); rank 0 then writes the manifest of all of them in dataset order, and every
+    (:func:`dmlkit.embeddings.rank_share`; rank 0 alone all of them when there are fewer rows
+    than ranks) and writes its own shard files (``r<rank>-`` in their names) into ``directory``,
+    which must be one directory every rank sees (a shared file system across machines); rank 0 then writes the manifest of all of them in dataset order, and every
     rank returns the whole set. A rank that fails leaves no manifest: the directory reads as
     interrupted. Progress is shown by rank 0 alone.
     """
@@ -504,6 +504,22 @@ def embed_to_shards(
     rows = dataset_rows(dataset)
     share, start, _, split = rank_share(dataset)
     ctx = context()
+    if split or ctx.is_main:  # fewer rows than ranks: rank 0 writes them all, alone
+        with ShardWriter(directory, dtype=dtype, shard_rows=shard_rows, overwrite=overwrite,
+                         metadata=metadata, part=f"r{ctx.rank:03d}-" if split else "") as writer:
+            done = start
+            for emb, labels in iter_embed_model(model, share, options, progress=progress and ctx.is_main):
+                writer.append(emb, labels, rows[done:done + len(labels)])
+                done += len(labels)
+            if split:  # every rank has rows (rank_share splits only when there are enough)
+                parts = all_gather_object(writer.finish())
+                if ctx.is_main:
+                    write_manifest(directory, [shard for part in parts for shard in part], dim=writer.dim,
+                                   dtype=dtype, shard_rows=shard_rows, metadata=metadata,
+                                   replaced=writer._replaced)
+    if ctx.enabled:
+        barrier()  # the manifest exists before any rank reads it
+    return ShardedEmbeddings(directory)
     with ShardWriter(directory, dtype=dtype, shard_rows=shard_rows, overwrite=overwrite,
                      metadata=metadata, part=f"r{ctx.rank:03d}-" if split else "") as writer:
         done = start
