@@ -194,3 +194,63 @@ def test_missing_launcher_variables_are_one_clear_error(monkeypatch):
     monkeypatch.delenv("MASTER_PORT", raising=False)
     with pytest.raises(DistributedError, match="MASTER_ADDR, MASTER_PORT not set: start the job with `torchrun"):
         init_distributed("cpu")
+
+
+def _one_rank_fails(rank: int, world: int, port: int, out_dir: str) -> None:
+    import json
+    import time
+
+    os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
+                       "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank)})
+    torch.set_num_threads(1)
+    from dmlkit.distributed import (
+        DistributedError,
+        agree,
+        init_distributed,
+        leaving_alone_on_failure,
+        on_main,
+        shutdown,
+    )
+    from dmlkit.exceptions import DataError
+
+    init_distributed("cpu", timeout_s=120)
+    report: dict = {}
+
+    def own_data() -> str:  # e.g. each rank's data root
+        if rank == 1:
+            raise DataError("no data under /rank1/root")
+        return "ok"
+
+    try:
+        agree(own_data)
+    except DistributedError as exc:
+        report["agree"] = [str(exc), rank]
+    t0 = time.perf_counter()
+    try:
+        with leaving_alone_on_failure():
+            if rank == 1:  # fails on its own while rank 0 is in a collective
+                raise DataError("a corrupt image on rank 1")
+            on_main(lambda: time.sleep(1))
+    except (DataError, DistributedError) as exc:
+        report["error"] = type(exc).__name__ + ": " + str(exc)
+    finally:
+        shutdown()
+    report["seconds"] = time.perf_counter() - t0
+    Path(out_dir, f"rank{rank}.json").write_text(json.dumps(report))
+
+
+def test_a_rank_failing_alone_ends_the_job_in_bounded_time(tmp_path):
+    """A rank that failed on its own waited at the exit barrier for rank 0, itself waiting in a
+    collective: the job hung for the collective timeout (10 minutes by default). Now it leaves
+    at once and rank 0's collective fails with an error that does not blame rank 0; a check on
+    each rank's own inputs fails on every rank with one line naming the rank."""
+    import json
+
+    import torch.multiprocessing as mp
+
+    mp.spawn(_one_rank_fails, args=(2, _free_port(), str(tmp_path)), nprocs=2, join=True)
+    r0, r1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2))
+    assert r0["agree"][0] == r1["agree"][0] == "1 of 2 ranks failed to start: rank 1: no data under /rank1/root"
+    assert r1["error"] == "DataError: a corrupt image on rank 1"
+    assert r0["error"].startswith("DistributedError: rank 0 lost contact with the other ranks while rank 0 ran")
+    assert r0["seconds"] < 60 and r1["seconds"] < 60  # the process group's timeout is 120 s

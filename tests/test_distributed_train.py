@@ -298,12 +298,14 @@ def test_world_size_that_does_not_split_the_batch_is_one_line(tmp_path, capsys, 
     text = " ".join(err.split())
     assert "3 x 3 = 9 items cannot be split evenly over 2 processes" in text
     assert "Traceback" not in err and not (tmp_path / "run").exists()
-    # rank 1 of the same job: the same error, printed by rank 0 only
+    # rank 1, before the ranks joined: it waits (rank 0, failing the same way, prints the line
+    # and torchrun stops rank 1 meanwhile), then prints its own, for a rank 0 that did not fail
+    # (rank 1 alone was given other arguments: it printed nothing, and the job ended silently)
     monkeypatch.setenv("RANK", "1")
-    monkeypatch.setattr("dmlkit.commands.train._QUIET_RANK_EXIT_DELAY_S", 0.0)
+    monkeypatch.setattr("dmlkit.commands._ranks.UNJOINED_DELAY_S", 0.0)
     with pytest.raises(SystemExit) as exc:
         main(["train", str(path), "--run-dir", str(tmp_path / "run"), "--quiet"])
-    assert exc.value.code == 2 and capsys.readouterr().err == ""
+    assert exc.value.code == 2 and "3 x 3 = 9 items cannot be split evenly" in capsys.readouterr().err
 
 
 # -- the helpers train() relies on, checked in the same 2-rank process group ------------------

@@ -20,6 +20,7 @@ from rich.text import Text
 from typer.exceptions import TyperException
 
 import dmlkit.commands
+from dmlkit.commands._ranks import is_main_rank
 from dmlkit.exceptions import DmlkitError
 
 app = typer.Typer(
@@ -154,7 +155,7 @@ def main(argv: list[str] | None = None) -> None:
 
         _error(os_error_message(exc))
         sys.exit(2)
-    if code == INTERRUPTED:
+    if code == INTERRUPTED and is_main_rank():  # under torchrun: once, by rank 0
         _err.print("interrupted: stopped by Ctrl-C (files already written are complete; "
                     "a training run continues with --resume)", soft_wrap=True)
     if isinstance(code, int) and code != 0:

@@ -30,7 +30,7 @@ import os
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -39,6 +39,7 @@ from dmlkit.exceptions import ConfigError, DmlkitError
 
 __all__ = [
     "DistributedContext",
+    "agree",
     "all_gather_object",
     "all_gather_unequal",
     "all_gather_with_grad",
@@ -53,6 +54,7 @@ __all__ = [
     "init_distributed",
     "is_main_process",
     "launched_by_torchrun",
+    "leaving_alone_on_failure",
     "main_process_first",
     "mark_every_rank",
     "on_main",
@@ -65,6 +67,7 @@ __all__ = [
 #: Seconds a collective may wait for the other ranks before the job fails (default 10 min;
 #: ``$DMLKIT_DIST_TIMEOUT`` overrides it, e.g. when rank 0 evaluates a very large split alone).
 DEFAULT_TIMEOUT_S = 600
+_T = TypeVar("_T")
 _TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 
@@ -178,15 +181,61 @@ def shutdown() -> None:
     :data:`SHUTDOWN_BARRIER_S` seconds): a rank that tears its connections down while a peer
     is still using them makes the peer's gloo threads abort the process at exit ("terminate
     called without an active exception", exit -6) after a run that succeeded. A peer that
-    never arrives (it failed) only delays the exit by the timeout."""
+    never arrives (it failed) only delays the exit by the timeout. A rank that failed on its own
+    (:func:`leaving_alone_on_failure`) skips the barrier: its peers may be waiting in another
+    collective, and only its exit lets torchrun end the job (waiting for them held the whole job
+    for the collective timeout, 10 minutes)."""
     if not (dist.is_available() and dist.is_initialized()):
         return
-    if dist.get_backend() == "gloo" and dist.get_world_size() > 1:
+    if dist.get_backend() == "gloo" and dist.get_world_size() > 1 and not _LEAVING_ALONE:
         try:
             dist.monitored_barrier(timeout=datetime.timedelta(seconds=SHUTDOWN_BARRIER_S))
         except RuntimeError:
             pass  # a peer is gone: nothing left to wait for
     dist.destroy_process_group()
+
+
+_LEAVING_ALONE = False
+
+
+@contextmanager
+def leaving_alone_on_failure() -> Iterator[None]:
+    """Mark this rank as leaving the job alone when the block raises an error the other ranks
+    did not raise with it (not :func:`mark_every_rank`-ed): :func:`shutdown` then skips its exit
+    barrier, so the process exits at once and torchrun stops the others."""
+    global _LEAVING_ALONE
+    try:
+        yield
+    except BaseException as exc:
+        if context().enabled and not raised_on_every_rank(exc):
+            _LEAVING_ALONE = True
+        raise
+
+
+def agree(fn: Callable[..., _T], *args: Any, **kwargs: Any) -> _T:
+    """``fn(*args, **kwargs)`` on every rank, then an agreement: when it raised a
+    :class:`dmlkit.exceptions.DmlkitError` on any rank, every rank raises one error (marked
+    :func:`mark_every_rank`, so rank 0 prints it once): the error itself when every rank met
+    the same one, else one line naming the ranks and what each met. For checks that depend on
+    each rank's own arguments or files (a data root, a config on a shared disk): without it a
+    failure on rank 1 alone left rank 0 waiting in its next collective for 10 minutes. One
+    process: plain ``fn(*args, **kwargs)``."""
+    if not context().enabled:
+        return fn(*args, **kwargs)
+    result: Any = None
+    failure: DmlkitError | None = None
+    try:
+        result = fn(*args, **kwargs)
+    except DmlkitError as exc:
+        failure = exc
+    reports = all_gather_object(None if failure is None else (type(failure).__name__, str(failure)))
+    failed = [(rank, report) for rank, report in enumerate(reports) if report is not None]
+    if not failed:
+        return result
+    if len(failed) == len(reports) and len({report for _, report in failed}) == 1 and failure is not None:
+        raise mark_every_rank(failure)
+    listing = "; ".join(f"rank {rank}: {message}" for rank, (_, message) in failed)
+    raise mark_every_rank(DistributedError(f"{len(failed)} of {len(reports)} ranks failed to start: {listing}"))
 
 
 def barrier() -> None:
@@ -331,8 +380,13 @@ def on_main(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         outcome = ("ok", None)
     try:
         outcome = broadcast_object(outcome)
-    except Exception as exc:  # the exception (or the result) did not pickle
-        outcome = ("error", DistributedError(f"rank 0 failed and its error could not be sent: {exc}"))
+    except Exception as exc:  # a peer is gone (or the outcome did not pickle)
+        if ctx.is_main and outcome[0] == "error":
+            raise outcome[1] from None  # rank 0's own error
+        why = " ".join(str(exc).split())[:300]
+        raise DistributedError(f"rank {ctx.rank} lost contact with the other ranks while rank 0 ran "
+                               f"{getattr(fn, '__name__', 'a step')} (a rank that stopped prints its own "
+                               f"error): {why}") from None
     kind, value = outcome
     if kind == "error":
         raise mark_every_rank(value)

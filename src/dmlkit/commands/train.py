@@ -2,15 +2,10 @@
 
 from __future__ import annotations
 
-import os
-import time
 import warnings
 from pathlib import Path
 
 import typer
-
-#: Seconds a rank other than 0 waits before exiting on an error every rank met (see train).
-_QUIET_RANK_EXIT_DELAY_S = 2.0
 
 
 def _setup_logging(quiet: bool) -> None:
@@ -80,31 +75,20 @@ def register(app: typer.Typer) -> None:
         --set evaluation.memory_mb=512.
         """
         from dmlkit.commands._console import output_console
+        from dmlkit.commands._ranks import is_main_rank, one_error_line_per_job
         from dmlkit.config import load_config
-        from dmlkit.distributed import mark_every_rank, raised_on_every_rank
-        from dmlkit.exceptions import DmlkitError
         from dmlkit.training import train
 
-        main_rank = os.environ.get("RANK", "0") in ("", "0")  # torchrun's rank; alone: rank 0
+        main_rank = is_main_rank()
         if not main_rank:  # other ranks stay quiet: rank 0 logs, warns and prints for the job
             quiet = True
             warnings.filterwarnings("ignore")
         _setup_logging(quiet)
-        try:
-            try:
-                cfg = load_config(config, list(set_ or []))
-            except DmlkitError as exc:  # the same file and --set on every rank
-                raise mark_every_rank(exc) from None
+        with one_error_line_per_job():
+            cfg = load_config(config, list(set_ or []))
             out_dir = run_dir if run_dir is not None else Path("runs") / cfg.name
             result = train(cfg, out_dir, resume=resume, progress=not quiet, data_root=data_root,
                            allow_world_size_change=allow_world_size_change)
-        except DmlkitError as exc:
-            if not main_rank and raised_on_every_rank(exc):
-                # rank 0 prints the one line; torchrun stops every rank as soon as one exits,
-                # so leave rank 0 a moment to print it first
-                time.sleep(_QUIET_RANK_EXIT_DELAY_S)
-                raise typer.Exit(exc.exit_code) from None
-            raise
         if not main_rank:
             return
         rows = {"val (best)": result.val_metrics or None, "test": result.test_metrics,
@@ -139,13 +123,16 @@ def register(app: typer.Typer) -> None:
         if fmt == "npz" and (dtype != "float32" or shard_rows != 65536):  # never silently ignored
             raise ConfigError("--dtype and --shard-rows apply to --format shards; an .npz holds float32 "
                               "embeddings")
-        main_rank = os.environ.get("RANK", "0") in ("", "0")  # under torchrun: each rank a share
+        from dmlkit.commands._ranks import is_main_rank, one_error_line_per_job
+
+        main_rank = is_main_rank()  # under torchrun: each rank a share
         if fmt == "shards":
             from dmlkit.training.trainer import embed_run_to_shards
 
-            shards, cfg = embed_run_to_shards(checkpoint, split, output=output, data_root=data_root,
-                                              device=device, dtype=dtype, shard_rows=shard_rows,
-                                              overwrite=overwrite, progress=not quiet)
+            with one_error_line_per_job():
+                shards, cfg = embed_run_to_shards(checkpoint, split, output=output, data_root=data_root,
+                                                  device=device, dtype=dtype, shard_rows=shard_rows,
+                                                  overwrite=overwrite, progress=not quiet)
             if main_rank:
                 typer.echo(f"wrote {shards.directory}: {shards.count} x {shards.dim} {dtype} embeddings in "
                            f"{len(shards.manifest['shards'])} shard(s), {len(set(shards.labels.tolist()))} "
@@ -153,8 +140,9 @@ def register(app: typer.Typer) -> None:
             return
         from dmlkit.training.trainer import embed_run
 
-        output, emb, labels, cfg = embed_run(checkpoint, split, output=output, data_root=data_root,
-                                             device=device, progress=not quiet and main_rank)
+        with one_error_line_per_job():
+            output, emb, labels, cfg = embed_run(checkpoint, split, output=output, data_root=data_root,
+                                                 device=device, progress=not quiet and main_rank)
         if main_rank:
             typer.echo(f"wrote {output}: {emb.shape[0]} x {emb.shape[1]} embeddings, "
                        f"{len(set(labels.tolist()))} classes ({split} split of {cfg.data.dataset})")

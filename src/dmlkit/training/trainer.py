@@ -34,11 +34,13 @@ import torch
 
 from dmlkit.config import ExperimentConfig, config_from_dict, dump_config
 from dmlkit.distributed import (
+    agree,
     barrier,
     check_same_config,
     context,
     init_distributed,
     launched_by_torchrun,
+    leaving_alone_on_failure,
     mark_every_rank,
     on_main,
     shutdown,
@@ -267,23 +269,19 @@ def train(
     """
     if not isinstance(config, ExperimentConfig):
         config = config_from_dict(config)
-    try:  # --data-root and the config's own data.root must name the same folder
-        config = with_data_root(config, data_root)
-    except ConfigError as exc:
-        raise mark_every_rank(exc) from None
-    device = resolve_device(config.training.device)
-    # before joining: a world size that cannot split the batch is one line, never a hang
+    # before joining (no rank waits for others to report a bad batch; rank 0 prints the line,
+    # dmlkit.commands._ranks): --data-root and the config's own data.root must name the same
+    # folder, and the world size must split the batch
+    config = with_data_root(config, data_root)
     world = (context().world_size if context().enabled
              else int(os.environ["WORLD_SIZE"]) if launched_by_torchrun() else 1)
-    try:
-        check_world_size(config.sampler, world)
-    except ConfigError as exc:
-        raise mark_every_rank(exc) from None
-    ctx, device = join_process_group(device)
-    result = _train(config, Path(run_dir), device, train_set=train_set, val_set=val_set,
-                    test_set=test_set, resume=resume, progress=progress and ctx.is_main,
-                    allow_world_size_change=allow_world_size_change)
-    barrier()  # rank 0 has written metrics.json before any rank returns
+    check_world_size(config.sampler, world)
+    ctx, device = join_process_group(resolve_device(config.training.device))
+    with leaving_alone_on_failure():
+        result = _train(config, Path(run_dir), device, train_set=train_set, val_set=val_set,
+                        test_set=test_set, resume=resume, progress=progress and ctx.is_main,
+                        allow_world_size_change=allow_world_size_change)
+        barrier()  # rank 0 has written metrics.json before any rank returns
     return result
 
 
@@ -310,10 +308,7 @@ def _train(config: ExperimentConfig, run_dir: Path, device: torch.device, *, tra
         raise mark_every_rank(exc) from None
     checked = None
     if train_set is None:  # every size constraint against the data, before the run dir is touched
-        try:
-            checked = preflight(config)
-        except ConfigError as exc:
-            raise mark_every_rank(exc) from None
+        checked = agree(preflight, config)  # reads each rank's data root
     with contextlib.ExitStack() as held:  # rank 0 locks the run directory for the whole run
 
         def lock() -> None:
@@ -444,13 +439,14 @@ def embed_run(
     rank returns the whole split in dataset order, and rank 0 alone writes ``output``.
     """
     job = _EmbeddingJob(checkpoint, split, data_root, device)
-    emb, labels = embed_sharded(
-        lambda part: embed_split(job.model, part, job.config, job.device,
-                                 progress=progress and job.ctx.is_main), job.dataset)
-    path = Path(output if output is not None else job.default_output(f"{split}.npz"))
-    if job.ctx.is_main:
-        path = save_embeddings(path, emb, labels, indices=dataset_rows(job.dataset))
-    barrier()  # the file exists before any rank returns
+    with leaving_alone_on_failure():
+        emb, labels = embed_sharded(
+            lambda part: embed_split(job.model, part, job.config, job.device,
+                                     progress=progress and job.ctx.is_main), job.dataset)
+        path = Path(output if output is not None else job.default_output(f"{split}.npz"))
+        if job.ctx.is_main:
+            path = save_embeddings(path, emb, labels, indices=dataset_rows(job.dataset))
+        barrier()  # the file exists before any rank returns
     return path, emb, labels, job.config
 
 
@@ -472,30 +468,37 @@ def embed_run_to_shards(
     writes its share of the rows and rank 0 writes the manifest; every rank returns the set."""
     job = _EmbeddingJob(checkpoint, split, data_root, device)
     directory = output if output is not None else job.default_output(f"{split}-shards")
-    shards = embed_to_shards(
-        job.model, job.dataset, directory, InferenceOptions.from_config(job.config, job.device),
-        dtype=dtype, shard_rows=shard_rows, overwrite=overwrite, progress=progress,
-        metadata={"checkpoint": str(job.checkpoint), "split": split, "dataset": job.config.data.dataset},
-    )
+    with leaving_alone_on_failure():
+        shards = embed_to_shards(
+            job.model, job.dataset, directory, InferenceOptions.from_config(job.config, job.device),
+            dtype=dtype, shard_rows=shard_rows, overwrite=overwrite, progress=progress,
+            metadata={"checkpoint": str(job.checkpoint), "split": split, "dataset": job.config.data.dataset},
+        )
     return shards, job.config
+
+
+def _load_split(checkpoint: str | Path, split: str, data_root: str | Path | None) -> tuple:
+    """``(checkpoint file, model, config, dataset)`` of ``split`` of a trained run."""
+    if split not in ("train", "val", "test"):
+        raise ConfigError(f"the split must be train, val or test, got {split!r}")
+    found = find_checkpoint(checkpoint)
+    model, config = load_checkpoint(found)
+    dataset = build_datasets(config, (split,), data_root=data_root, augment_train=False)[split]
+    if dataset is None:
+        raise DataError(f"the config's class split has no {split} classes")
+    return found, model, config, dataset
 
 
 class _EmbeddingJob:
     """What embedding a split of a trained run needs: the process group joined (under
     torchrun), the rank's device, the best checkpoint's model and config, and the split's
-    dataset (evaluation transform)."""
+    dataset (evaluation transform). What each rank reads is agreed on (:func:`agree`): an
+    error is one line for the job, and no rank is left waiting for another that failed."""
 
     def __init__(self, checkpoint: str | Path, split: str, data_root: str | Path | None,
                  device: str) -> None:
-        if split not in ("train", "val", "test"):
-            raise ConfigError(f"the split must be train, val or test, got {split!r}")
         self.ctx, self.device = join_process_group(resolve_device(device))
-        self.checkpoint = find_checkpoint(checkpoint)
-        self.model, self.config = load_checkpoint(self.checkpoint)
-        self.dataset = build_datasets(self.config, (split,), data_root=data_root,
-                                      augment_train=False)[split]
-        if self.dataset is None:
-            raise DataError(f"the config's class split has no {split} classes")
+        self.checkpoint, self.model, self.config, self.dataset = agree(_load_split, checkpoint, split, data_root)
 
     def default_output(self, name: str) -> Path:
         """``RUN_DIR/embeddings/<name>``."""

@@ -1,0 +1,48 @@
+"""One error line per torchrun job (not a command: the leading underscore keeps
+:mod:`dmlkit.cli` from registering it).
+
+Under ``torchrun`` every rank runs the command. An error the ranks agreed on
+(:func:`dmlkit.distributed.agree`, :func:`dmlkit.distributed.on_main`: marked
+:func:`dmlkit.distributed.mark_every_rank`) is printed by rank 0 alone; the others exit with
+its code, after rank 0 (they meet at the exit barrier of :func:`dmlkit.distributed.shutdown`).
+An error met before the ranks joined cannot be agreed on: a rank other than 0 waits
+:data:`UNJOINED_DELAY_S` seconds first (rank 0, failing the same way, prints it and torchrun
+stops this rank meanwhile), then prints its own line: its arguments differ from rank 0's.
+An error of one rank alone is printed by that rank.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+from collections.abc import Iterator
+
+import typer
+
+#: Seconds a rank other than 0 waits before printing an error met before the ranks joined.
+UNJOINED_DELAY_S = 2.0
+
+
+def is_main_rank() -> bool:
+    """Rank 0 of a torchrun job, or a process started alone (no ``$RANK``)."""
+    return os.environ.get("RANK", "0") in ("", "0")
+
+
+@contextlib.contextmanager
+def one_error_line_per_job() -> Iterator[None]:
+    """Apply the module's rule to :class:`dmlkit.exceptions.DmlkitError` raised in the block."""
+    from dmlkit.exceptions import DmlkitError
+
+    try:
+        yield
+    except DmlkitError as exc:
+        if is_main_rank():
+            raise
+        from dmlkit.distributed import context, raised_on_every_rank
+
+        if raised_on_every_rank(exc):
+            raise typer.Exit(exc.exit_code) from None
+        if not context().enabled:
+            time.sleep(UNJOINED_DELAY_S)
+        raise
