@@ -112,6 +112,11 @@ def test_the_trainer_refuses_an_unsupported_loss_and_cross_batch_memory(tmp_path
         config = _config("triplet", "batch_hard", "local_anchors").override({"loss": loss})
         with pytest.raises(ConfigError, match="local_anchors does not support"):
             _trainer(config, tmp_path)
+        # and the preflight reports it, before a run directory is written
+        from dmlkit.training.preflight import build_problems
+
+        found = {p.key: p for p in build_problems(config, 10)}["training.distributed_loss"]
+        assert "local_anchors does not support" in found.message and found.fit == "replicated"
 
 
 # -- two gloo processes run the Trainer's steps ------------------------------------------------

@@ -54,6 +54,7 @@ from dmlkit.distributed import (
     all_reduce_sum,
     broadcast_tensors_,
     context,
+    mark_every_rank,
     on_main,
 )
 from dmlkit.embeddings import (
@@ -434,6 +435,26 @@ class Trainer:
             if bar is not None:
                 bar.close()
 
+    def _loss(self, emb: torch.Tensor, target: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(loss, objective)`` of the (gathered) batch: the loss value every rank logs, and
+        what this rank back-propagates."""
+        indices = self.miner(emb, target) if self.use_miner_in_loop else None
+        if self.shard_loss:  # this rank's anchors only (dmlkit.losses.sharding): sum_r part = L
+            part = sharded_loss(self.loss_fn, emb, target, indices)
+            # the gather's backward gives each rank's embeddings dL/dx once (not W times as
+            # when every rank computes L): W * part makes DDP's average exactly dL/dtheta
+            loss, objective = all_reduce_sum(part.detach()), part * self.dist.world_size
+        else:
+            loss = self.loss_fn(emb, target, indices) if indices is not None else self.loss_fn(emb, target)
+            objective = loss
+        if not torch.isfinite(loss):
+            raise NonFiniteError(
+                f"the {self.config.loss.name} loss became {loss.item()} at epoch {self.state.epoch + 1}, "
+                f"step {self.state.step + 1}: lower the learning rates (optimizer.*_lr), set "
+                "training.grad_clip (e.g. 1.0), or check loss.params"
+            )
+        return loss, objective
+
     def train_step(self, x: torch.Tensor, y: torch.Tensor) -> float:
         """One optimiser step on one batch; returns the loss."""
         x = x.to(self.device, non_blocking=True)
@@ -445,22 +466,10 @@ class Trainer:
         if self.dist.enabled:  # the global batch, in one-process order; gradients flow back
             emb = all_gather_with_grad(emb)
             target = all_gather_with_grad(target)
-        indices = self.miner(emb, target) if self.use_miner_in_loop else None
-        if self.shard_loss:  # this rank's anchors only (dmlkit.losses.sharding): sum_r part = L
-            part = sharded_loss(self.loss_fn, emb, target, indices)
-            loss = all_reduce_sum(part.detach())
-            # the gather's backward gives each rank's embeddings dL/dx once (not W times as
-            # when every rank computes L): W * part makes DDP's average exactly dL/dtheta
-            objective = part * self.dist.world_size
-        else:
-            loss = self.loss_fn(emb, target, indices) if indices is not None else self.loss_fn(emb, target)
-            objective = loss
-        if not torch.isfinite(loss):
-            raise NonFiniteError(
-                f"the {self.config.loss.name} loss became {loss.item()} at epoch {self.state.epoch + 1}, "
-                f"step {self.state.step + 1}: lower the learning rates (optimizer.*_lr), set "
-                "training.grad_clip (e.g. 1.0), or check loss.params"
-            )
+        try:  # of the gathered batch: a non-finite value is met by every rank alike (one line)
+            loss, objective = self._loss(emb, target)
+        except NonFiniteError as exc:
+            raise mark_every_rank(exc) if self.dist.enabled else exc from None
         self.optimizer.zero_grad(set_to_none=True)
         self.scaler.scale(objective).backward()
         if self.dist.enabled and self.loss_params:  # (sharded losses have no parameters)

@@ -54,6 +54,7 @@ from dmlkit.data import ClassSplit
 from dmlkit.distributed import context as distributed_context
 from dmlkit.exceptions import ConfigError, DataNotFoundError, DmlkitError
 from dmlkit.losses import LOSSES
+from dmlkit.losses.sharding import check_shardable
 from dmlkit.miners import MINERS
 from dmlkit.training.builders import build_loss, build_miner, build_split, model_setting_problems
 from dmlkit.training.data_root import load_config_dataset
@@ -360,9 +361,15 @@ def build_problems(config: ExperimentConfig, num_classes: int, *, loss_key: str 
         known = config.miner is None or config.miner.name in MINERS
         problems.append(_build_problem(exc, miner_key, "miner", known))
     try:
-        build_loss(config.loss, max(num_classes, 1), config.model.embedding_size, miner)
+        loss = build_loss(config.loss, max(num_classes, 1), config.model.embedding_size, miner)
     except DmlkitError as exc:
         problems.append(_build_problem(exc, loss_key, "loss", config.loss.name in LOSSES))
+    else:
+        if config.training.distributed_loss == "local_anchors":  # else refused after the run dir is written
+            try:
+                check_shardable(loss, config.loss.name)
+            except DmlkitError as exc:
+                problems.append(Problem("training.distributed_loss", str(exc), fit="replicated"))
     problems += [Problem(key, message) for key, message in model_setting_problems(config)]
     m = config.model
     if m.frozen_trunk and not m.pretrained and m.weights is None:  # features of random weights
