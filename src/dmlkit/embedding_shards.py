@@ -520,18 +520,3 @@ def embed_to_shards(
     if ctx.enabled:
         barrier()  # the manifest exists before any rank reads it
     return ShardedEmbeddings(directory)
-    with ShardWriter(directory, dtype=dtype, shard_rows=shard_rows, overwrite=overwrite,
-                     metadata=metadata, part=f"r{ctx.rank:03d}-" if split else "") as writer:
-        done = start
-        for emb, labels in iter_embed_model(model, share, options, progress=progress and ctx.is_main):
-            writer.append(emb, labels, rows[done:done + len(labels)])
-            done += len(labels)
-        if split:  # every rank has rows (rank_share splits only when there are enough)
-            parts = all_gather_object(writer.finish())
-            if ctx.is_main:
-                write_manifest(directory, [shard for part in parts for shard in part], dim=writer.dim,
-                               dtype=dtype, shard_rows=shard_rows, metadata=metadata,
-                               replaced=writer._replaced)
-    if split:
-        barrier()  # the manifest exists before any rank reads it
-    return ShardedEmbeddings(directory)
