@@ -29,6 +29,7 @@ from typing import Any
 import numpy as np
 
 from dmlkit.data import get_transforms, to_8bit
+from dmlkit.data.transforms import PRESETS as TRANSFORM_PRESETS
 from dmlkit.exceptions import (
     CheckpointError,
     ConfigError,
@@ -192,8 +193,6 @@ def _native_stdout_silenced() -> Iterator[None]:
 def _manifest_settings(manifest: dict[str, Any], where: Path) -> tuple[str, str | None, int | None, int]:
     """``(format, transform, image_size, in_channels)`` of an export manifest, each checked: a
     damaged or hand-edited manifest is one :class:`DataError`, not a ``KeyError`` at load."""
-    from dmlkit.data.transforms import PRESETS
-
     def bad(what: str) -> DataError:
         return DataError(f"export manifest {where} is damaged ({what}): export the model again with `dmlkit export`")
 
@@ -203,8 +202,8 @@ def _manifest_settings(manifest: dict[str, Any], where: Path) -> tuple[str, str 
     if not isinstance(pre, dict):
         raise bad("no 'preprocessing' object")
     transform, size, channels = pre.get("transform"), pre.get("image_size"), pre.get("in_channels")
-    if transform is not None and (not isinstance(transform, str) or transform.lower() not in PRESETS):
-        raise bad(f"preprocessing.transform {transform!r} is not one of {list(PRESETS)}")
+    if transform is not None and (not isinstance(transform, str) or transform.lower() not in TRANSFORM_PRESETS):
+        raise bad(f"preprocessing.transform {transform!r} is not one of {list(TRANSFORM_PRESETS)}")
     if size is not None and (isinstance(size, bool) or not isinstance(size, int) or size < 1):
         raise bad(f"preprocessing.image_size {size!r} is not a positive integer")
     if channels not in (1, 3) or isinstance(channels, bool):

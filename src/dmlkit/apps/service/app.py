@@ -386,7 +386,7 @@ def create_app(config: ServiceConfig, *, index: Any = None, embedder: Any = None
     def thumbnail_bytes(path: str) -> bytes:
         from PIL import Image
 
-        from dmlkit.data import to_8bit
+        from dmlkit.data import to_8bit  # lazy: imaging loads when a thumbnail is made
 
         with Image.open(path) as img:
             img = to_8bit(img, path).convert("RGB")
