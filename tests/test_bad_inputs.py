@@ -336,6 +336,7 @@ CASES: list[tuple[str, list[str]]] = [
     ("reid-run-dir-bad-config", ["reid", "{d}/run_bad_config"]),
     # patches
     ("patches-train-missing-config", ["patches", "train", "{d}/missing.yaml", "-o", "{d}/runs/p"]),
+    ("patches-evaluate-no-test-pairs", ["patches", "evaluate", "{d}/runs/p", "--rescore", "--max-test-pairs", "0"]),
     ("patches-train-bad-yaml", ["patches", "train", "{d}/bad.yaml", "-o", "{d}/runs/p"]),
     ("patches-train-non-utf8", ["patches", "train", "{d}/badutf8.yaml", "-o", "{d}/runs/p"]),
     ("patches-train-unknown-key", ["patches", "train", "{d}/unknown_key.yaml", "-o", "{d}/runs/p"]),

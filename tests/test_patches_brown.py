@@ -102,6 +102,9 @@ def test_errors_say_what_to_do(tmp_path: Path) -> None:
     (tmp_path / "notredame" / "m50_2_2_0.txt").write_text("0 0 0 1 0 0 0\n0 0 0 999 1 0 0\n")
     with pytest.raises(DataError, match="beyond"):
         load_subset(tmp_path, "notredame").pairs(2)
+    (tmp_path / "notredame" / "m50_2_2_0.txt").write_text("0 0 0 1 0 0 0\n-1 0 0 1 1 0 0\n")
+    with pytest.raises(DataError, match="line 2 holds a negative patch id"):  # was the last patch
+        load_subset(tmp_path, "notredame").pairs(2)
     with pytest.raises(DataNotFoundError, match="found"):
         load_subset(tmp_path, "notredame").pairs(7)
     (tmp_path / "notredame" / "m50_3_3_0.txt").write_text("0 0 x\n")

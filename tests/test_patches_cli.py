@@ -143,7 +143,7 @@ def test_build_data_command(tmp_path: Path, capsys) -> None:
     ("training.lr=-1.0", "training.lr"), ("training.epochs=0", "training.epochs"),
     ("training.device=gpu", "training.device"), ("training.optimizer=adamm", "training.optimizer"),
     ("training.threads=0", "training.threads"), ("training.decision_output=sigmoid", "training.decision_output"),
-    ("training.epochs.x=1", "training.epochs"),
+    ("training.epochs.x=1", "training.epochs"), ("data.max_test_pairs=0", "data.max_test_pairs"),
 ])
 def test_bad_patch_settings_are_refused_when_the_config_is_read(override, key):
     """Each was a traceback (a negative learning rate, `--set` into a value) or an error after

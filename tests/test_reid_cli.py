@@ -67,6 +67,31 @@ def test_cli_table_rerank_and_errors(reid_files, capsys):
     assert code == 2
 
 
+def test_cli_camera_ids_and_row_arrays_must_fit(reid_files, capsys, tmp_path):
+    """Camera ids on one side only switched the same-camera rule off without a word (Rank-1 1.0
+    instead of 0.5); a 'cams' or 'groups' array of another length was a traceback; and the
+    examples of --no-camera-rule marked as junk the items its metrics counted as positives."""
+    tmp, _ = reid_files
+    d = np.load(tmp / "all.npz")
+    fields = {k: d[k] for k in d.files}
+    q = fields["groups"] == "query"
+    save_embeddings(tmp_path / "q_nocams.npz", fields["embeddings"][q], fields["labels"][q])
+    code, _, err = run(["reid", str(tmp_path / "q_nocams.npz"), "-g", str(tmp / "g.npz")], capsys)
+    assert code == 2 and "camera ids for both query and gallery" in err
+    for name in ("cams", "groups"):
+        short = dict(fields, **{name: fields[name][:-1]})
+        save_embeddings(tmp_path / f"short_{name}.npz", short.pop("embeddings"), short.pop("labels"),
+                        **{k: v for k, v in short.items() if k in ("cams", "groups")})
+        code, _, err = run(["reid", str(tmp_path / f"short_{name}.npz")], capsys)
+        assert code == 2 and f"'{name}' has 71 values for 72 embeddings" in err, err
+    code, _, _ = run(["reid", str(tmp / "all.npz"), "--no-camera-rule", "--examples", "12", "-o",
+                      str(tmp_path / "ex.json")], capsys)
+    assert code in (0, None)
+    for e in json.loads((tmp_path / "ex.json").read_text())["examples"]:
+        assert all((s == "positive") == (gid == e["query_id"]) for s, gid in zip(e["status"], e["gallery_ids"]))
+        assert "junk" not in e["status"]  # no -1 ids here: junk only came from the camera rule
+
+
 def test_vehicleid_protocol_from_a_file(tmp_path, capsys):
     rng = np.random.default_rng(1)
     ids = np.repeat(np.arange(20), 5)

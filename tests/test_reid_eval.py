@@ -135,6 +135,11 @@ def test_errors():
         evaluate_reid(q, g, [1, 2], [1, 2, 3, 4], metric="manhattan")
     with pytest.raises(ConfigError):
         evaluate_reid(q, g, [1, 2], [1, 2, 3, 4], ap_mode="interpolated")
+    s = np.random.default_rng(1).normal(size=(4, 5)).astype(np.float32)
+    with pytest.raises(ShapeError, match="scored twice"):  # passed as coverage: rows 2-3 never scored
+        evaluate_reid_scores([(0, s[:2]), (0, s[:2])], [0, 1, 0, 1], [0, 1, 0, 1, 2])
+    with pytest.raises(ShapeError, match="covered 2 query rows, expected 4"):
+        evaluate_reid_scores([(0, s[:2])], [0, 1, 0, 1], [0, 1, 0, 1, 2])
     r = evaluate_reid(q, g, [7, 8], [1, 2, 3, 4])
     assert r.num_valid_queries == 0
     with pytest.raises(DataError, match="no query has a positive"):

@@ -157,6 +157,9 @@ def test_dataset_curves_average_sequences_with_equal_weight_and_skip_invalid_fra
         evaluate_ope({"a": pred_a}, {"a": gt_a, "b": gt_b})
     with pytest.raises(ShapeError):
         evaluate_sequence(pred_a[:1], gt_a)
+    first_only = np.vstack([gt_a[:1], np.full((4, 4), np.nan)])  # GOT-10k's test split: frame 0 only
+    with pytest.raises(ShapeError, match="no valid ground-truth box after its first frame"):
+        evaluate_sequence(np.repeat(gt_a[:1], 5, axis=0), first_only)  # scored about 0.95 for anything
 
 
 def test_plot_ope_has_two_panels_with_scores_in_legend():

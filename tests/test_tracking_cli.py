@@ -138,7 +138,7 @@ def test_evaluate_got10k_layout(offline, capsys):
 @pytest.mark.parametrize("override, match", [
     ("device=gpu", "device"), ("tracker.num_scale=3", "unknown tracker setting"),
     ("tracker.num_scales=three", "tracker.num_scales must be a whole number"),
-    ("width.x=1", "'width' is a value"), ("lr_end=1", "lr_end"),
+    ("width.x=1", "'width' is a value"), ("lr_end=1", "lr_end"), ("lr=.inf", "lr"),
 ])
 def test_bad_siamfc_settings_are_refused_when_the_config_is_read(override, match):
     """Each ended `dmlkit track train` in a traceback; now one ConfigError before any work."""

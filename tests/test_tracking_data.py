@@ -177,6 +177,34 @@ def test_training_lowers_the_loss_and_checkpoint_round_trips(tmp_path, small_seq
         load_siamfc(tmp_path / "other.pt")
 
 
+def test_weights_that_diverge_are_neither_saved_nor_tracked_with(tmp_path, small_seq, monkeypatch):
+    """lr 1e30 trained NaN weights (the loss is checked before each update, not after the last),
+    saved them, and the tracker then scored NaN maps to a confident 0.175 AUC."""
+    from dmlkit.apps.tracking import SiamFCTracker
+    from dmlkit.exceptions import NonFiniteError
+
+    step = torch.optim.SGD.step
+
+    def diverging_step(self, *args, **kwargs):  # the last update overflows, as lr 1e30 made it
+        out = step(self, *args, **kwargs)
+        self.param_groups[0]["params"][0].data.fill_(float("inf"))
+        return out
+
+    monkeypatch.setattr(torch.optim.SGD, "step", diverging_step)
+    cfg = SiamFCTrainConfig(data_dir=str(tmp_path), width=0.125, epochs=1, pairs_per_epoch=2,
+                            batch_size=2, lr=0.01, lr_end=0.01, seed=0)
+    with pytest.raises(NonFiniteError, match="weights became NaN or infinite"):
+        train_siamfc(cfg, tmp_path / "run", sequences=[small_seq], progress=False)
+    monkeypatch.undo()
+    assert not (tmp_path / "run" / "checkpoints").exists() or not any((tmp_path / "run" / "checkpoints").iterdir())
+    model = SiamFC(width=0.125)
+    with torch.no_grad():
+        next(model.parameters()).fill_(float("nan"))
+    frames = [np.full((120, 160, 3), 128, np.uint8)] * 2
+    with pytest.raises(NonFiniteError, match="not finite"):
+        SiamFCTracker(model).track(frames, np.array([60.0, 40.0, 30.0, 30.0]))
+
+
 def test_overfitting_one_batch_lowers_the_logistic_loss(small_seq):
     from dmlkit.apps.tracking import logistic_loss
 

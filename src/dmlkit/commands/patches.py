@@ -95,7 +95,7 @@ def evaluate(
     run_dir: Path = typer.Argument(..., help="A run directory from `dmlkit patches train`."),
     data_root: Path | None = typer.Option(None, "--data-root", help="Data root (default $DMLKIT_DATA or ~/.cache/dmlkit/data)."),
     rescore: bool = typer.Option(False, "--rescore", help="Score the checkpoints again instead of reading results.json."),
-    max_test_pairs: int | None = typer.Option(None, help="With --rescore: at most this many test pairs."),
+    max_test_pairs: int | None = typer.Option(None, min=1, help="With --rescore: at most this many test pairs."),
     figure: Path | None = typer.Option(None, "--figure", help="Write a figure of the hardest false positives/negatives (.png)."),
     arch: str | None = typer.Option(None, help="Architecture of the figure (default: the best mean FPR95)."),
     k: int = typer.Option(8, "-k", min=1, help="Pairs per row of the figure."),

@@ -68,7 +68,7 @@ def reid(
     from dmlkit.apps.reid import evaluate_reid, ranked_examples
 
     q, g = data["query"], data["gallery"]
-    cams = (q["cams"], g["cams"]) if q["cams"] is not None and g["cams"] is not None else (None, None)
+    cams = (q["cams"], g["cams"])  # on one side only: refused (the camera rule needs both)
     kw: dict[str, Any] = dict(exclude_same_camera=not no_camera_rule, ap_mode=ap_mode, **common)
     t0 = time.perf_counter()
     res = evaluate_reid(q["emb"], g["emb"], q["ids"], g["ids"], *cams, **kw)
@@ -88,7 +88,7 @@ def reid(
         valid = np.flatnonzero(res.valid)
         chosen = np.sort(rng.choice(valid, size=min(examples, valid.size), replace=False))
         ex = ranked_examples(q["emb"], g["emb"], q["ids"], g["ids"], *cams, queries=chosen,
-                             metric=metric, normalize=normalize)
+                             metric=metric, normalize=normalize, exclude_same_camera=not no_camera_rule)
         for e in ex:
             e["query_id"] = int(q["ids"][e["query"]])
             e["gallery_ids"] = [int(g["ids"][j]) for j in e["gallery"]]
@@ -152,11 +152,16 @@ def _finish(result: dict[str, Any], source: Path, out: Path | None, as_json: boo
 
 def _npz(path: Path) -> dict[str, Any]:
     from dmlkit.embeddings import load_embeddings
+    from dmlkit.exceptions import ShapeError
 
     emb, ids, extra = load_embeddings(path)
     cams = extra.get("cams", extra.get("camids"))
-    return {"emb": emb, "ids": ids, "cams": cams, "paths": extra.get("paths"),
-            "groups": extra.get("groups")}
+    found = {"cams": cams, "paths": extra.get("paths"), "groups": extra.get("groups")}
+    for name, values in found.items():  # one per embedding row, or a wrong row would be selected
+        if values is not None and len(values) != len(emb):
+            raise ShapeError(f"{path}: '{name}' has {len(values)} values for {len(emb)} embeddings: "
+                             "give one per row")
+    return {"emb": emb, "ids": ids, **found}
 
 
 def _select(d: dict[str, Any], mask) -> dict[str, Any]:

@@ -138,6 +138,9 @@ def read_matches(path: str | Path, num_patches: int | None = None) -> PatchPairs
     if t.shape[1] < 5:
         raise DataError(f"{path}: expected 7 integer columns per line, got {t.shape[1]}")
     left, right = t[:, 0].copy(), t[:, 3].copy()
+    negative = np.flatnonzero((left < 0) | (right < 0))
+    if negative.size:  # numpy would index from the end: a silent wrong pair
+        raise DataError(f"{path}: line {int(negative[0]) + 1} holds a negative patch id")
     if num_patches is not None and (left.max(initial=0) >= num_patches or right.max(initial=0) >= num_patches):
         raise DataError(f"{path}: patch ids go beyond the {num_patches} patches of info.txt")
     return PatchPairs(left, right, (t[:, 1] == t[:, 4]).astype(np.int64), source=path.name)

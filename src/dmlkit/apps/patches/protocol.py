@@ -62,9 +62,9 @@ class _Strict(StrictNumbers):
 class PatchDataConfig(_Strict):
     root: str | None = None  # folder holding one folder per subset; None: <data root>/patches_offline
     combinations: list[tuple[str, str]] = Field(default_factory=lambda: list(BROWN_COMBINATIONS))
-    train_pairs: int | None = None  # m50 file for training: None = the largest
-    test_pairs: int | None = None  # m50 file for testing: None = the smallest (100k for Brown)
-    max_test_pairs: int | None = None
+    train_pairs: int | None = Field(None, ge=1)  # m50 file for training: None = the largest
+    test_pairs: int | None = Field(None, ge=1)  # m50 file for testing: None = the smallest (100k for Brown)
+    max_test_pairs: int | None = Field(None, ge=1)
 
     @field_validator("combinations")
     @classmethod
@@ -292,6 +292,8 @@ def evaluate_patch_run(
         raise CheckpointError(f"{run} is not a patch run directory (no config.yaml): run `dmlkit patches train` first")
     cfg = load_patch_config(run / "config.yaml")
     if max_test_pairs is not None:
+        if isinstance(max_test_pairs, bool) or not isinstance(max_test_pairs, int) or max_test_pairs < 1:
+            raise ConfigError(f"max_test_pairs must be a positive integer, got {max_test_pairs!r}")
         cfg.data.max_test_pairs = max_test_pairs
     subsets = _Subsets(subsets_root(cfg, data_root), cfg.model.patch_size)
     rows: dict[tuple[str, str], dict[str, dict[str, float]]] = {tuple(c): {} for c in cfg.data.combinations}

@@ -238,12 +238,12 @@ def evaluate_reid_scores(
     npos = np.zeros(n_q, dtype=np.int64)
     threads = threads or max(1, torch.get_num_threads())
     blocks = [(0, scores)] if isinstance(scores, np.ndarray) or hasattr(scores, "detach") else scores
-    seen = 0
+    covered = np.zeros(n_q, dtype=bool)  # which rows: duplicated blocks must not pass for coverage
     for row0, block in blocks:
         if hasattr(block, "detach"):
             block = block.detach().cpu().float().numpy()
         block = np.asarray(block, dtype=np.float32)
-        if block.ndim != 2 or block.shape[1] != n_g or row0 + block.shape[0] > n_q:
+        if block.ndim != 2 or block.shape[1] != n_g or row0 < 0 or row0 + block.shape[0] > n_q:
             raise ShapeError(
                 f"scores must be (Q, G) = ({n_q}, {n_g}); got a block of shape {block.shape} "
                 f"at row {row0}"
@@ -251,12 +251,14 @@ def evaluate_reid_scores(
         if not np.isfinite(block.sum(dtype=np.float64)):  # NaN/inf propagate; no (Q, G) mask
             raise NonFiniteError("scores contain NaN or infinity")
         sl = slice(row0, row0 + block.shape[0])
+        if covered[sl].any():
+            raise ShapeError(f"score blocks overlap: query row {row0 + int(np.argmax(covered[sl]))} is scored twice")
+        covered[sl] = True
         out = (first[sl], ap[sl], inp[sl], npos[sl])
         _rank_block(np.ascontiguousarray(block), 1.0 if higher_is_closer else -1.0, q_ids[sl],
                     q_cams[sl], gal, same_cam, trapezoid, out, threads)
-        seen += block.shape[0]
-    if seen != n_q:
-        raise ShapeError(f"scores covered {seen} query rows, expected {n_q}")
+    if not covered.all():
+        raise ShapeError(f"scores covered {int(covered.sum())} query rows, expected {n_q}")
     return ReidResult(first, ap, inp, npos, n_g, ap_mode)
 
 
@@ -324,9 +326,11 @@ def ranked_examples(
     top: int = 10,
     metric: str = "euclidean",
     normalize: bool = False,
+    exclude_same_camera: bool = True,
     junk_ids: Sequence[int] = (-1,),
 ) -> list[dict[str, Any]]:
-    """The ``top`` nearest gallery items of some queries, junk *included and marked*.
+    """The ``top`` nearest gallery items of some queries, junk *included and marked* (junk as
+    in :func:`evaluate_reid` with the same ``exclude_same_camera`` and ``junk_ids``).
 
     Returns one dict per query: ``{"query": i, "gallery": [j, ...], "status": ["positive" |
     "negative" | "junk", ...], "score": [...]}`` (closeness, larger = closer), for figures.
@@ -335,7 +339,9 @@ def ranked_examples(
     g = _as_float(gallery, "gallery embeddings")
     q_ids = _as_ids(query_ids, q.shape[0], "query ids")
     g_ids = _as_ids(gallery_ids, g.shape[0], "gallery ids")
-    cams = query_cams is not None and gallery_cams is not None
+    if (query_cams is None) != (gallery_cams is None):
+        raise ShapeError("give camera ids for both query and gallery, or for neither")
+    cams = exclude_same_camera and query_cams is not None
     q_cams = _as_ids(query_cams, q.shape[0], "query camera ids", default=0)
     g_cams = _as_ids(gallery_cams, g.shape[0], "gallery camera ids", default=0)
     sel = np.asarray(list(queries), dtype=np.int64)

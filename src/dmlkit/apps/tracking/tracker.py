@@ -38,7 +38,7 @@ from dmlkit.apps.tracking.geometry import (
     image_to_tensor,
 )
 from dmlkit.apps.tracking.model import EXEMPLAR_SIZE, INSTANCE_SIZE, SiamFC
-from dmlkit.exceptions import ConfigError, ShapeError, require
+from dmlkit.exceptions import ConfigError, NonFiniteError, ShapeError, require
 from dmlkit.models import to_device
 
 
@@ -179,6 +179,9 @@ class SiamFCTracker(BaseTracker):
         self.x_side_range = (0.2 * self.x_side, 5.0 * self.x_side)
         z = crop_and_resize(image, self.center, self.z_side, c.exemplar_size, self.avg_color)
         self.kernel = self.model.embed(z)
+        if not torch.isfinite(self.kernel).all():  # else NaN maps: the box drifts to a corner
+            raise NonFiniteError("the model's embedding of the first frame holds NaN or infinity: its weights "
+                                 "are not finite (train it again with a lower lr)")
 
     @torch.no_grad()
     def response(self, frame: np.ndarray) -> tuple[np.ndarray, torch.Tensor]:
@@ -191,6 +194,9 @@ class SiamFCTracker(BaseTracker):
         up = F.interpolate(scores, size=(self.upscale_size, self.upscale_size), mode="bicubic",
                            align_corners=False)
         maps = up[:, 0].cpu().double().numpy() * self.penalties[:, None, None]
+        if not np.isfinite(maps).all():
+            raise NonFiniteError("the response map holds NaN or infinity: the model's weights or this frame's "
+                                 "pixels are not finite")
         return maps, x
 
     @torch.no_grad()

@@ -165,9 +165,10 @@ class SiamFCPairs(torch.utils.data.Dataset):
 
 
 class SiamFCTrainConfig(StrictNumbers):
-    """The ``configs/siamfc*.yaml`` schema: data, model width, pairs, optimiser."""
+    """The ``configs/siamfc*.yaml`` schema: data, model width, pairs, optimiser (numbers finite:
+    ``lr: inf`` trained a model of NaN weights that then tracked to a confident score)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
     seed: int = 0
     dataset: str = Field("got10k", description="otb | got10k layout")
     data_dir: str = Field(..., description="root of the training sequences")
@@ -352,6 +353,9 @@ def train_siamfc(
                 if bar is not None:
                     bar.update(1)
                     bar.set_postfix(loss=f"{losses[-1]:.4f}")
+            if not all(torch.isfinite(p).all() for p in model.parameters()):  # never saved
+                raise NonFiniteError(f"the SiamFC weights became NaN or infinite by step {step} (epoch "
+                                     f"{epoch + 1}): lower the learning rate (lr) in the config")
             train_state = {
                 "optimizer": opt.state_dict(), "scheduler": sched.state_dict(),
                 "generator": gen.get_state(), "epoch": epoch + 1, "step": step,
