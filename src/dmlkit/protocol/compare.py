@@ -188,7 +188,8 @@ def compare_results(
     table_metrics = [m for m in metrics if all(m in merged[n]["separated"] for n in names)]
     return {
         "methods": names,
-        "test": "hierarchical percentile bootstrap over training seeds and test queries",
+        "test": "hierarchical percentile bootstrap over training seeds and test queries (the CI); "
+                "significant when it excludes 0 and Welch's t-test over the seeds' means rejects equal means",
         "queries": int(next(iter(per_query.values()))[metrics[0]].shape[1]),
         "seeds": seeds,
         "min_seeds_for_significance": MIN_SEEDS_FOR_SIGNIFICANCE,
@@ -214,7 +215,8 @@ def render_compare_markdown(report: Mapping[str, Any]) -> str:
     lines = [
         f"Hierarchical bootstrap over training seeds ({seeds}) and {report['queries']} test "
         f"queries ({report['resamples']} resamples, seed {report['seed']}); differences in "
-        f"percentage points, {conf} % CI; significant = the CI excludes 0 with at least "
+        f"percentage points, {conf} % CI; significant = the CI excludes 0 and Welch's t-test over "
+        f"the seeds' means gives p < {1 - report['confidence']:.2g}, with at least "
         f"{report['min_seeds_for_significance']} seeds per method.",
         *[f"\nWarning: {w}." for w in report["warnings"]],
         "",
