@@ -129,7 +129,7 @@ def test_resume_after_kill_finishes_exact_trials(bench_run):
 
 
 @pytest.mark.slow
-def test_results_table_and_traceability(bench_run):
+def test_results_table_and_traceability(bench_run, data_root):
     out = bench_run["out"]
     res = json.loads((out / "results.json").read_text())
     assert list(res["methods"]) == ["pretrained", "triplet", "contrastive"]
@@ -172,6 +172,21 @@ def test_results_table_and_traceability(bench_run):
     assert "MAP@R" in bench_run["stdout"] and "±" in bench_run["stdout"]
     for f in ("config.yaml", "provenance.json", "split.json"):
         assert (out / f).exists()
+    # a final run's own split.json: the fold's classes and the bench's test classes (its
+    # config.yaml says data.split: default, so `dmlkit report RUN` embedded Omniglot's
+    # published test split, 659 classes, instead of the bench's 8)
+    from dmlkit.data import ClassSplit
+    from dmlkit.training import build_datasets, load_config
+    from dmlkit.training.trainer import with_run_split
+
+    bench_split = json.loads((out / "split.json").read_text())
+    run = out / "final" / "triplet" / "seed0" / "fold1"
+    own = ClassSplit.from_json(run / "split.json")
+    assert sorted(own.test) == sorted(bench_split["test"]) and set(own.train) | set(own.val) <= set(bench_split["train"]) | set(bench_split["val"])
+    test = build_datasets(with_run_split(load_config(run / "config.yaml"), run), ("test",),
+                          data_root=data_root)["test"]
+    assert sorted(np.unique(test.labels).tolist()) == sorted(own.test)
+    assert len(test) == len(load_embeddings(run / "embeddings" / "test.npz")[1])
 
 
 @pytest.mark.slow

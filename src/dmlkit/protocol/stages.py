@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from dmlkit.config import dump_config
-from dmlkit.data import get_transforms, load_dataset
+from dmlkit.data import ClassSplit, get_transforms, load_dataset
 from dmlkit.embeddings import embed_split, load_embeddings, save_embeddings
 from dmlkit.exceptions import ConfigError, DataError, DmlkitError
 from dmlkit.metrics import evaluate
@@ -209,6 +209,9 @@ class FinalStage:
                          + (" (resuming)" if resume else ""))
                     self.train_fn(cfg, run_dir, train_set=train_set, val_set=val_set, test_set=self.test,
                                   resume=resume, progress=False)
+                if not (run_dir / "split.json").exists():  # the classes it was trained and tested on
+                    ClassSplit(fold.train, fold.val, self.split.test,
+                               meta={"bench": self.config.name, "fold": fold.index}).to_json(run_dir / "split.json")
                 runs.append(FinalRun(method.name, seed, fold.index, run_dir, emb_path,
                                      run_dir / "checkpoints" / "best.pt"))
         return runs

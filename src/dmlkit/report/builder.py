@@ -27,6 +27,7 @@ from dmlkit.protocol.results import format_cell, metric_label
 from dmlkit.report import figures
 from dmlkit.report.html import Figure, Section, render_page, table_html
 from dmlkit.training import build_datasets, build_model, load_checkpoint, read_log
+from dmlkit.training.trainer import with_run_split
 from dmlkit.utils import atomic_write_text, os_error_message, read_json_object, seed_everything
 from dmlkit.validation import normalize_rows
 
@@ -154,7 +155,7 @@ def _run_embeddings(run_dir: Path, options: ReportOptions, notes: list[str]) -> 
     trained: dict[str, _Split] = {}
     untrained: dict[str, _Split] = {}
     try:
-        config = load_config(run_dir / "config.yaml")
+        config = with_run_split(load_config(run_dir / "config.yaml"), run_dir)
         datasets = build_datasets(config, ("train", "val", "test"), data_root=options.data_root)
         model, _ = load_checkpoint(run_dir)
         seed_everything(config.seed)

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import json
 import logging
 import os
 import random
@@ -103,6 +104,7 @@ __all__ = [
     "evaluate_test_set",
     "open_run_dir",
     "train",
+    "with_run_split",
 ]
 
 logger = logging.getLogger("dmlkit.training")
@@ -477,12 +479,24 @@ def embed_run_to_shards(
     return shards, job.config
 
 
+def with_run_split(config: ExperimentConfig, run_dir: str | Path) -> ExperimentConfig:
+    """``config`` reading its classes from the run's own ``split.json`` when it has one: the
+    classes the run was trained and tested on. A bench's final run trains on its fold's classes,
+    which its config's ``data.split`` (the dataset's default) does not describe: the report of
+    such a run embedded the dataset's published test split instead of the bench's."""
+    split = Path(run_dir) / "split.json"
+    if not split.is_file():
+        return config
+    return config.override([f"data.split={{kind: file, path: {json.dumps(str(split.resolve()))}}}"])
+
+
 def _load_split(checkpoint: str | Path, split: str, data_root: str | Path | None) -> tuple:
     """``(checkpoint file, model, config, dataset)`` of ``split`` of a trained run."""
     if split not in ("train", "val", "test"):
         raise ConfigError(f"the split must be train, val or test, got {split!r}")
     found = find_checkpoint(checkpoint)
     model, config = load_checkpoint(found)
+    config = with_run_split(config, found.parent.parent if found.parent.name == "checkpoints" else found.parent)
     dataset = build_datasets(config, (split,), data_root=data_root, augment_train=False)[split]
     if dataset is None:
         raise DataError(f"the config's class split has no {split} classes")
