@@ -322,3 +322,16 @@ def test_final_runs_trained_with_an_earlier_best_are_trained_again(tmp_path, dat
     assert trained[2:] == [("fold0", 1.3), ("fold1", 1.3)]
     saved = yaml.safe_load((bench.dir / "final" / "contrastive" / "seed0" / "fold1" / "config.yaml").read_text())
     assert saved["loss"]["params"]["neg_margin"] == 1.3
+
+
+def test_final_stage_with_workers_before_any_search_is_one_line(tmp_path, data_root):
+    """The coordinator spawned the final workers, which each failed in their logs; the error
+    said to rerun the same command, which failed the same way forever."""
+    from dmlkit.exceptions import DmlkitError
+    from dmlkit.protocol import Bench
+    from dmlkit.protocol.config import bench_config_from_dict
+
+    bench = Bench(bench_config_from_dict(TINY), tmp_path / "b", data_root=data_root)
+    with pytest.raises(DmlkitError, match="no search study for 'triplet': run the search first"):
+        bench.run(workers=2, stage="final")
+    assert not list((tmp_path / "b").glob("worker*.log"))

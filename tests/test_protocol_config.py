@@ -122,6 +122,9 @@ def test_seeds_and_ratio_split():
     assert cfg.protocol.folds == 1 and cfg.protocol.repeats == 3 and cfg.protocol.seeds == [4, 5, 6]
     cfg = make(lambda d: d["protocol"].update({"repeats": 2}))
     assert cfg.protocol.seeds == [0, 1]
+    # an empty list trained seed 0, wrote "0 seed(s) []" and repeats: 0, which no rerun could read
+    with pytest.raises(ConfigError, match="protocol.seeds is empty"):
+        make(lambda d: d["protocol"].update({"seeds": []}))
 
 
 def test_load_with_overrides(tmp_path):
@@ -129,6 +132,10 @@ def test_load_with_overrides(tmp_path):
     path.write_text(yaml.safe_dump(BASE))
     cfg = load_bench_config(path, ["protocol.trials=7", "methods.1.loss.params.swap=true"])
     assert cfg.protocol.trials == 7
+    # a search range's key holds a dot: --set reaches it (it was "unknown key")
+    searched = next(k for k in cfg.method("triplet").search)
+    narrowed = load_bench_config(path, [f"methods.1.search.{searched}.high=0.6"])
+    assert narrowed.method("triplet").search[searched].high == 0.6
     assert cfg.method("triplet").loss.params == {"swap": True}
     # a fixed value of a searched parameter was silently replaced by each trial's value
     with pytest.raises(ConfigError, match="loss.margin is both fixed .* and searched"):

@@ -198,6 +198,12 @@ def test_bench_report_from_results(tmp_path):
     assert "60.00 ± 1.00" in html and "60.00 ± n/a" in html and ">Papers versus reality</h2>" in html
     # only the best cell of each column is bold: arcface's six, no whole row
     assert '<tr><td>arcface</td>' + '<td class="best">60.00 ± 1.00</td>' * 3 in html
+    # the untrained row is shown, never ranked (results.md's rule): it bolded itself when best
+    methods["pretrained"]["separated"]["map_at_r"] = {"mean": 0.9, "ci95": None, "values": [0.9]}
+    (tmp_path / "results.json").write_text(json.dumps({"methods": methods}))
+    html = build_report(tmp_path, options=ReportOptions(maps=("pca",))).read_text()
+    assert "90.00 ± n/a" in html and '<td class="best">90.00' not in html
+    assert '<td class="best">60.00 ± n/a</td></tr>' in html  # arcface's separated MAP@R instead
     assert html.count('<td class="best">') == 6 and '<tr class="best">' not in html
     assert (tmp_path / "figures" / "relative_improvement.png").exists()
     # a fold's test embeddings missing: no "concatenated fold models" figures from the other fold

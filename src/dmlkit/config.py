@@ -450,27 +450,34 @@ def parse_overrides(overrides: Iterable[str] | Mapping[str, Any] | None) -> dict
 
 
 def _set_dotted(data: dict[str, Any], key: str, value: Any) -> None:
-    """Set ``a.b.c = value`` in nested mappings; a numeric part indexes a list (``methods.0.x``)."""
+    """Set ``a.b.c = value`` in nested mappings; a numeric part indexes a list (``methods.0.x``).
+    A mapping's own keys may hold dots (a bench method's ``search: {loss.margin: {...}}``): the
+    longest run of parts that names an existing key is taken as that key."""
     parts = key.split(".")
     node: Any = data
-    for i, part in enumerate(parts[:-1]):
+    i = 0
+    while True:
         if isinstance(node, list):
+            if i == len(parts) - 1:
+                raise ConfigError(f"cannot set {key!r}: replace the whole list instead")
             try:
-                node = node[int(part)]
+                node = node[int(parts[i])]
             except (ValueError, IndexError):
-                raise ConfigError(f"cannot set {key!r}: {part!r} is not an index of the list") from None
+                raise ConfigError(f"cannot set {key!r}: {parts[i]!r} is not an index of the list") from None
+            i += 1
             continue
-        child = node.get(part)
+        j = next((j for j in range(len(parts), i + 1, -1) if ".".join(parts[i:j]) in node), i + 1)
+        name = ".".join(parts[i:j])
+        if j == len(parts):
+            node[name] = value
+            return
+        child = node.get(name)
         if child is None:
             child = {}
-            node[part] = child
+            node[name] = child
         if not isinstance(child, dict | list):
-            prefix = ".".join(parts[: i + 1])
-            raise ConfigError(f"cannot set {key!r}: {prefix!r} is a value ({child!r}), not a section")
-        node = child
-    if isinstance(node, list):
-        raise ConfigError(f"cannot set {key!r}: replace the whole list instead")
-    node[parts[-1]] = value
+            raise ConfigError(f"cannot set {key!r}: {'.'.join(parts[:j])!r} is a value ({child!r}), not a section")
+        node, i = child, j
 
 
 def read_yaml_mapping(path: str | os.PathLike, holds: str, examples: str) -> dict[str, Any]:

@@ -298,6 +298,9 @@ class ProtocolConfig(_Strict):
             raise ValueError("num_classes cannot be combined with the dataset's default split")
         if self.seeds is None:
             self.seeds = list(range(self.repeats))
+        elif not self.seeds:  # else repeats 0 is saved, and the bench cannot be read again
+            raise ValueError("protocol.seeds is empty: list at least one training seed (or leave it "
+                             "out for protocol.repeats seeds 0, 1, ...)")
         else:
             if len(set(self.seeds)) != len(self.seeds):
                 raise ValueError(f"protocol.seeds must be distinct, got {self.seeds}")

@@ -431,6 +431,8 @@ class Bench:
             if stage in ("all", "final"):
                 release_claims(self.dir)
                 if workers > 1:
+                    for method in self._methods(methods):  # here, in one line: not in N workers' logs
+                        self.best_params(method)
                     self._spawn_workers(workers, methods, "final")
                 return self.final(methods=methods)
         return None

@@ -447,7 +447,9 @@ def _bench_sections(bench_dir: Path, fig_dir: Path, options: ReportOptions) -> t
         + (["No method beat the untrained model (the 'pretrained' row) on concatenated MAP@R: the "
             "figures below show that model; train longer or search more before comparing methods."]
            if untrained_best else []),
-        [table_html(header, rows, best_columns=range(1, len(header)))]))
+        # the untrained row is shown but not ranked, as in results.md (the paper's layout)
+        [table_html(header, rows, best_columns=range(1, len(header)),
+                    contenders=[i for i, row in enumerate(rows) if row[0] != "pretrained"] or None)]))
     concat = {n: {"map_at_r": mean_of(r.get("concatenated", {}).get("map_at_r"))} for n, r in methods.items()}
     if any(b in concat for b in ("contrastive", "triplet")):
         png = figures.save_figure(figures.relative_improvement(concat), fig_dir / "relative_improvement")

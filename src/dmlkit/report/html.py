@@ -71,12 +71,14 @@ def _leading_number(cell: object) -> float | None:
 
 
 def best_cells(rows: Sequence[Sequence[object]], columns: Sequence[int],
-               higher_is_better: bool = True) -> set[tuple[int, int]]:
+               higher_is_better: bool = True, contenders: Sequence[int] | None = None) -> set[tuple[int, int]]:
     """``(row, column)`` of the best cell of each of ``columns``, by the number each cell starts
-    with (ties as displayed are all best; cells without a number never are)."""
+    with (ties as displayed are all best; cells without a number never are), among the rows
+    ``contenders`` (default all: a benchmark's untrained baseline row is shown, not ranked)."""
     best: set[tuple[int, int]] = set()
+    ranked = set(range(len(rows)) if contenders is None else contenders)
     for j in columns:
-        values = {i: v for i, row in enumerate(rows) if j < len(row)
+        values = {i: v for i, row in enumerate(rows) if i in ranked and j < len(row)
                   and (v := _leading_number(row[j])) is not None}
         if values:
             top = max(values.values()) if higher_is_better else min(values.values())
@@ -85,10 +87,11 @@ def best_cells(rows: Sequence[Sequence[object]], columns: Sequence[int],
 
 
 def table_html(header: Sequence[str], rows: Sequence[Sequence[object]],
-               best_columns: Sequence[int] = (), higher_is_better: bool = True) -> str:
-    """An HTML table with escaped cells; in each of ``best_columns`` only the best cell is
-    bold (class ``best``), never a whole row."""
-    bold = best_cells(rows, best_columns, higher_is_better)
+               best_columns: Sequence[int] = (), higher_is_better: bool = True,
+               contenders: Sequence[int] | None = None) -> str:
+    """An HTML table with escaped cells; in each of ``best_columns`` only the best cell (of the
+    ``contenders`` rows, :func:`best_cells`) is bold (class ``best``), never a whole row."""
+    bold = best_cells(rows, best_columns, higher_is_better, contenders)
     out = ["<table>", "<tr>" + "".join(f"<th>{html.escape(str(h))}</th>" for h in header) + "</tr>"]
     best_td = '<td class="best">'
     for i, row in enumerate(rows):
