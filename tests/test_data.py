@@ -266,6 +266,45 @@ def test_image_folder_and_corrupt_images(tmp_path):
         ok = load_dataset("image_folder", root=root, skip_corrupt=True)
     assert len(ok) == 11 and ok.skipped == [str(bad)]
     assert all(ok[i][0].shape == (3, 30, 40) for i in range(len(ok)))
+    # rows are positions: a run's `indices` (dataset_rows) name the right files after a skip
+    from dmlkit.embeddings import dataset_rows
+
+    test = ok.subset_classes([1, 2])
+    rows = dataset_rows(test)
+    assert [ok.paths[r] for r in rows] == test.paths and str(bad) not in test.paths
+
+
+def test_image_folder_skips_hidden_entries_everywhere_and_follows_linked_folders(tmp_path):
+    """Copies under class/.ipynb_checkpoints/ were loaded as images (exact duplicates: P@1 up
+    5 points), macOS ._x.jpg forks too; a symlinked sub-folder of a class was skipped."""
+    import os
+    import shutil
+
+    root = _image_folder(tmp_path / "folder")
+    shutil.copytree(root / "class_0", root / "class_0" / ".ipynb_checkpoints")
+    (root / "class_0" / "._0.jpg").write_bytes(b"\0\5\x16\x07 AppleDouble")
+    shutil.copytree(root / "class_1", tmp_path / "elsewhere")
+    os.symlink(tmp_path / "elsewhere", root / "class_2" / "more")
+    os.symlink(root / "class_2", root / "class_2" / "loop")  # a link back up: visited once
+    ds = load_dataset("image_folder", root=root)
+    assert ds.class_counts() == {0: 3, 1: 3, 2: 6, 3: 3}
+    with pytest.raises(ConfigError, match="extensions must be a list"):
+        load_dataset("image_folder", root=root, extensions="jpg")
+    assert len(load_dataset("image_folder", root=root, extensions=["JPG"])) == 15
+
+
+def test_exif_orientation_is_applied(tmp_path):
+    from PIL import Image
+
+    from dmlkit.data import load_image
+
+    img = Image.fromarray(np.arange(6 * 4 * 3, dtype=np.uint8).reshape(4, 6, 3))  # 6 wide, 4 high
+    exif = Image.Exif()
+    exif[0x0112] = 6  # stored turned: shown rotated by 90 degrees
+    img.save(tmp_path / "phone.jpg", exif=exif)
+    assert load_image(tmp_path / "phone.jpg").size == (4, 6)
+    img.save(tmp_path / "plain.jpg")
+    assert load_image(tmp_path / "plain.jpg").size == (6, 4)
 
 
 def test_csv_dataset(tmp_path):
@@ -284,6 +323,13 @@ def test_csv_dataset(tmp_path):
         load_dataset("csv", root=csv_path)
     csv_path.write_text("file,class\nclass_0/0.jpg,1\n")
     with pytest.raises(DataError, match="'path' and 'label'"):
+        load_dataset("csv", root=csv_path)
+    # Excel's "CSV UTF-8" (a byte-order mark) reads; a row without a label is refused (it was a
+    # class named "" of unrelated images); "01" and "1" are two classes, not one
+    csv_path.write_bytes("\ufeffpath,label\nclass_0/0.jpg,01\nclass_1/0.jpg,1\n".encode())
+    assert sorted(load_dataset("csv", root=csv_path).class_names.values()) == ["01", "1"]
+    csv_path.write_text("path,label\nclass_0/0.jpg,a\nclass_1/0.jpg,\n")
+    with pytest.raises(DataError, match=r"1 row\(s\) have no label \(line\(s\) 3\)"):
         load_dataset("csv", root=csv_path)
 
 

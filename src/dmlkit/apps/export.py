@@ -28,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from dmlkit.data import get_transforms, to_8bit
+from dmlkit.data import get_transforms, to_8bit, upright_image
 from dmlkit.data.transforms import PRESETS as TRANSFORM_PRESETS
 from dmlkit.exceptions import (
     CheckpointError,
@@ -82,7 +82,7 @@ class ImageEmbedder:
         t = get_transforms(self.transform or "none", train=False, image_size=self.image_size)
         out = []
         for i, img in enumerate(images):
-            img = to_8bit(img, f"#{i}")
+            img = to_8bit(upright_image(img), f"#{i}")
             x = t(img.convert(self.mode)) if t is not None else None
             if not isinstance(x, torch.Tensor):
                 arr = np.asarray(img.convert(self.mode), dtype=np.float32) / 255.0

@@ -6,7 +6,14 @@
 >>> parts = split.apply(ds)                            # doctest: +SKIP
 """
 
-from dmlkit.data.base import ArrayDataset, ImageFileDataset, MetricDataset, load_image, to_8bit
+from dmlkit.data.base import (
+    ArrayDataset,
+    ImageFileDataset,
+    MetricDataset,
+    load_image,
+    to_8bit,
+    upright_image,
+)
 from dmlkit.data.datasets import (
     DATASETS,
     IMAGE_EXTENSIONS,
@@ -54,6 +61,7 @@ __all__ = [
     "load_dataset",
     "load_image",
     "to_8bit",
+    "upright_image",
     "register_dataset",
     "split_classes",
     "verify_sha256",

@@ -358,19 +358,35 @@ def to_8bit(img: Any, source: str | os.PathLike | None = None):
     return Image.fromarray(out, mode="L")
 
 
+#: The EXIF tag of the camera's orientation (1 = as stored).
+_EXIF_ORIENTATION = 0x0112
+
+
+def upright_image(img: Any):
+    """``img`` turned as its EXIF orientation says (a phone photo is stored sideways with a tag
+    that every viewer applies); the image itself when it has no such tag (no copy)."""
+    from PIL import ImageOps
+
+    try:
+        orientation = img.getexif().get(_EXIF_ORIENTATION, 1)
+    except (OSError, ValueError, SyntaxError):  # a damaged EXIF block: the pixels as stored
+        return img
+    return img if orientation in (0, 1) else ImageOps.exif_transpose(img)
+
+
 def load_image(path: str | os.PathLike, mode: str | None = "RGB"):
     """Open an image with PIL, fully decoded, converted to ``mode`` (``None``: keep).
 
-    16-bit and float images are scaled to 8 bits first (:func:`to_8bit`), never clipped.
-    Raises :class:`DataError` naming the file when it is missing, truncated or not an image.
+    Turned upright by its EXIF orientation (:func:`upright_image`); 16-bit and float images
+    are scaled to 8 bits first (:func:`to_8bit`), never clipped. Raises :class:`DataError` naming the file when it is missing, truncated or not an image.
     """
     from PIL import Image, UnidentifiedImageError
 
     try:
         with Image.open(path) as img:
             img.load()
-            out = to_8bit(img, path)
-            if out is img:
+            out = to_8bit(upright_image(img), path)
+            if out is img:  # neither turned nor rescaled: detached from the file
                 out = img.convert(mode) if mode is not None and img.mode != mode else img.copy()
             elif mode is not None and out.mode != mode:
                 out = out.convert(mode)
@@ -413,8 +429,20 @@ class ImageFileDataset(MetricDataset):
                     f"{self.skipped[0]}",
                     stacklevel=2,
                 )
-                self._rows = self._rows[ok]
-                self._refresh()
+                self._keep_storage(ok)
+
+    def _keep_storage(self, keep: np.ndarray) -> None:
+        """Drop the storage rows of skipped files from every per-sample array (``_paths`` and
+        each ``_all_*``), so that a row stays a position in the dataset: the ``indices`` of a
+        run's embeddings file (:func:`dmlkit.embeddings.dataset_rows`) pointed past skipped
+        files at the wrong images."""
+        n = len(self._paths)
+        for name, value in list(vars(self).items()):
+            if (name == "_paths" or name.startswith("_all_")) and isinstance(value, np.ndarray) \
+                    and value.shape[:1] == (n,):
+                setattr(self, name, value[keep])
+        self._rows = np.arange(int(keep.sum()), dtype=np.int64)
+        self._refresh()
 
     def _check_readable(self, num_threads: int) -> np.ndarray:
         def readable(p: str) -> bool:

@@ -429,11 +429,14 @@ def load_image_folder(root: str | os.PathLike | None = None, download: bool = Fa
             f"image_folder: folder {folder} not found; pass root=<folder> with one sub-folder "
             "per class holding its images"
         )
-    exts = tuple(e.lower() for e in extensions)
+    if isinstance(extensions, str) or not all(isinstance(e, str) for e in extensions):
+        raise ConfigError(f"image_folder: extensions must be a list of suffixes like ['.png', '.jpg'], "
+                          f"got {extensions!r}")
+    exts = tuple(e.lower() if e.startswith(".") else f".{e.lower()}" for e in extensions)
     class_dirs = sorted(d for d in folder.iterdir() if d.is_dir() and not d.name.startswith("."))
     paths, labels, names = [], [], {}
     for cid, d in enumerate(class_dirs):
-        files = sorted(f for f in d.rglob("*") if f.is_file() and f.suffix.lower() in exts)
+        files = sorted(_class_images(d, exts))
         names[cid] = d.name
         paths.extend(files)
         labels.extend([cid] * len(files))
@@ -446,6 +449,22 @@ def load_image_folder(root: str | os.PathLike | None = None, download: bool = Fa
                             meta={"root": str(folder)})
 
 
+
+
+def _class_images(folder: Path, exts: tuple[str, ...]) -> list[Path]:
+    """The images under one class folder, at any depth: hidden entries (``.ipynb_checkpoints``
+    copies, macOS ``._x.jpg`` forks) skipped at every level, symlinked sub-folders followed
+    (each real folder once)."""
+    found, seen = [], set()
+    for top, dirs, files in os.walk(folder, followlinks=True):
+        real = os.path.realpath(top)
+        if real in seen:  # a link back up the tree
+            dirs[:] = []
+            continue
+        seen.add(real)
+        dirs[:] = [d for d in dirs if not d.startswith(".")]
+        found += [Path(top) / f for f in files if not f.startswith(".") and Path(f).suffix.lower() in exts]
+    return found
 
 
 @register_dataset("csv")
@@ -466,7 +485,7 @@ def load_csv(root: str | os.PathLike | None = None, download: bool = False, *,
             "'path,label[,split]'"
         )
     base = Path(image_root) if image_root is not None else csv_path.parent
-    with open(csv_path, newline="") as fh:
+    with open(csv_path, newline="", encoding="utf-8-sig") as fh:  # Excel's "CSV UTF-8" starts with a BOM
         reader = _csv.DictReader(fh)
         fields = [f.strip().lower() for f in (reader.fieldnames or [])]
         if "path" not in fields or "label" not in fields:
@@ -476,7 +495,12 @@ def load_csv(root: str | os.PathLike | None = None, download: bool = False, *,
     if not rows:
         raise DataError(f"{csv_path}: no rows")
     raw_labels = [r["label"] for r in rows]
-    if all(re.fullmatch(r"-?\d+", s) for s in raw_labels):
+    unlabelled = [i for i, s in enumerate(raw_labels) if not s]
+    if unlabelled:  # else one class named "" of unrelated images
+        lines = ", ".join(str(i + 2) for i in unlabelled[:10])
+        raise DataError(f"{csv_path}: {len(unlabelled)} row(s) have no label (line(s) {lines}): "
+                        "give every image its class")
+    if all(re.fullmatch(r"-?\d+", s) for s in raw_labels) and len({int(s) for s in raw_labels}) == len(set(raw_labels)):
         labels = [int(s) for s in raw_labels]
         names = {c: str(c) for c in set(labels)}
     else:
