@@ -161,6 +161,18 @@ def test_cli_reports_everything_then_the_corrected_config_trains(folder, tmp_pat
     metrics = json.loads((run / "metrics.json").read_text())
     assert math.isfinite(metrics["val"]["map_at_r"]) and math.isfinite(metrics["test"]["map_at_r"])
     assert yaml.safe_load((run / "config.yaml").read_text())["data"]["root"] == str(folder)
+    # the split records its classes' names: a folder added since (ids follow the sorted folder
+    # names) is refused, where `embed` used to embed other classes under the run's ids
+    import shutil
+
+    moved = tmp_path / "moved"
+    shutil.copytree(folder, moved)
+    shutil.copytree(moved / "ant", moved / "aardvark")  # sorts first: every id shifts by one
+    code, text = _run(capsys, "embed", str(run), "--data-root", str(moved), "-o", str(tmp_path / "e.npz"))
+    assert code == 2 and "the data changed since the split was made" in text, text
+    assert not (tmp_path / "e.npz").exists()
+    code, text = _run(capsys, "embed", str(run), "-o", str(tmp_path / "e.npz"))
+    assert code == 0, text
 
 
 # -- evaluation splits ----------------------------------------------------------------------

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -128,7 +128,10 @@ class ClassSplit:
         return {"train": len(self.train), "val": len(self.val), "test": len(self.test)}
 
     def check(self, dataset: MetricDataset) -> None:
-        """Raise :class:`DataError` if a class of the split is not in ``dataset``."""
+        """Raise :class:`DataError` if a class of the split is not in ``dataset``, or, for a
+        split that recorded its class names (:meth:`naming`), if ``dataset`` names one of its
+        ids otherwise: class ids are positions (an image folder numbers its sorted folders), so
+        a folder added or removed since shifts them onto other classes."""
         present = set(dataset.classes.tolist())
         for part in ("train", "val", "test"):
             missing = [c for c in getattr(self, part) if c not in present]
@@ -137,6 +140,24 @@ class ClassSplit:
                     f"{len(missing)} {part} class(es) of the split are not in dataset "
                     f"{dataset.name!r}, e.g. {missing[:10]}: the split belongs to another dataset"
                 )
+        recorded = self.meta.get("class_names")
+        if isinstance(recorded, dict):
+            moved = [(int(c), name, dataset.class_names.get(int(c))) for c, name in recorded.items()
+                     if int(c) in present and dataset.class_names.get(int(c)) != name]
+            if moved:
+                c, was, now = moved[0]
+                raise DataError(
+                    f"{len(moved)} class id(s) of the split name other classes in dataset {dataset.name!r} "
+                    f"now, e.g. class {c} was {was!r} and is {now!r}: the data changed since the split "
+                    "was made (classes are numbered in their sorted order); use the data the run was "
+                    "made with (--data-root)")
+
+    def naming(self, class_names: Mapping[int, str]) -> ClassSplit:
+        """This split with its classes' names (a dataset's ``class_names``) recorded in ``meta``,
+        which :meth:`check` compares with the data the split is applied to later."""
+        ids = [*self.train, *self.val, *self.test]
+        names = {str(c): class_names.get(c, str(c)) for c in ids}
+        return ClassSplit(self.train, self.val, self.test, meta={**self.meta, "class_names": names})
 
     def apply(self, dataset: MetricDataset) -> dict[str, MetricDataset | None]:
         """``{"train": ds, "val": ds or None, "test": ds}`` restricted to each part's classes."""

@@ -211,7 +211,9 @@ class FinalStage:
                                   resume=resume, progress=False)
                 if not (run_dir / "split.json").exists():  # the classes it was trained and tested on
                     ClassSplit(fold.train, fold.val, self.split.test,
-                               meta={"bench": self.config.name, "fold": fold.index}).to_json(run_dir / "split.json")
+                               meta={"bench": self.config.name, "fold": fold.index}
+                               ).naming({**self.dev.class_names, **self.test.class_names}
+                                        ).to_json(run_dir / "split.json")
                 runs.append(FinalRun(method.name, seed, fold.index, run_dir, emb_path,
                                      run_dir / "checkpoints" / "best.pt"))
         return runs

@@ -336,8 +336,8 @@ def _train_in_dir(config: ExperimentConfig, run_dir: Path, device: torch.device,
     seed_everything(config.seed)
     if train_set is None:
         sets = build_datasets(config, ("train", "val", "test"), dataset=checked.dataset)
-        if ctx.is_main:
-            sets["split"].to_json(run_dir / "split.json")
+        if ctx.is_main:  # with the classes' names: a later change to the data is caught, not embedded
+            sets["split"].naming(checked.dataset.class_names).to_json(run_dir / "split.json")
         train_set = sets["train"]
         val_set = sets["val"] if val_set is None else val_set
         test_set = sets["test"] if test_set is None else test_set
