@@ -309,3 +309,25 @@ def test_a_split_without_validation_warns_with_a_val_fraction_that_fits(tmp_path
     refit = preflight(fixed, emit_warnings=False)
     assert not refit.errors and len(refit.split.val) >= 2
     assert f"--set data.split.val_fraction={warning.fit}" in str(caught[0].message)
+
+
+def test_query_gallery_groups_in_the_test_split_are_pointed_out(tmp_path):
+    """A CSV marking test images query/gallery trained and reported leave-one-out test metrics
+    over both without a word (61.4 MAP@R against 58.0 query -> gallery)."""
+    from dmlkit.training.preflight import check_experiment
+
+    root = make_folder(tmp_path / "f")
+    rows = ["path,label,split"]
+    for c, name in enumerate(NAMES):
+        for j, image in enumerate(sorted((root / name).iterdir())):
+            role = "train" if c < 7 else ("query" if j < 2 else "gallery")
+            rows.append(f"{name}/{image.name},{name},{role}")
+    (root / "list.csv").write_text("\n".join(rows) + "\n")
+    cfg = config_from_dict(user_config(None, data={"dataset": "csv", "root": str(root / "list.csv"),
+                                                   "transform": "grayscale", "image_size": 16}))
+    ds = load_dataset("csv", root=root / "list.csv")
+    report = check_experiment(cfg, ds)
+    warned = [p for p in report.problems if p.key == "data.dataset"]
+    assert warned and warned[0].severity == "warning" and "dmlkit reid" in warned[0].message
+    plain = check_experiment(config_from_dict(user_config(root)), load_dataset("image_folder", root=root))
+    assert not [p for p in plain.problems if p.key == "data.dataset"]

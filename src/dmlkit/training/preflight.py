@@ -558,6 +558,13 @@ def check_experiment(config: ExperimentConfig, dataset: Any, *, root: str | Path
     report.problems += eval_split_problems(test_labels, "test", "data.split",
                                            hint="choose a split whose test classes have >= 2 items",
                                            names=names)
+    groups = getattr(dataset, "sample_groups", None)
+    if groups is not None and "query" in set(np.asarray(groups)[np.isin(labels, split.test)].tolist()):
+        report.problems.append(Problem(  # else a user reads the wrong protocol's number unwarned
+            "data.dataset", "marks test images as query/gallery, but train's test metrics rank every "
+            "test image against all the others; for the query -> gallery protocol run `dmlkit reid "
+            "RUN_DIR` (re-id) or `dmlkit evaluate QUERY.npz -r GALLERY.npz` after training",
+            severity="warning"))
     train = TrainStats.of(labels[np.isin(labels, split.train)])
     report.problems += batch_problems(config, train, world_size=world_size)
     report.problems += build_problems(config, train.num_classes)
