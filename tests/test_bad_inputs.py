@@ -61,6 +61,7 @@ def build_inputs(d: Path) -> Path:
     (d / "shards_killed").mkdir()
     np.save(d / "shards_killed" / "embeddings-00000.npy", emb)
     write_shards(d / "shards_nodim", emb, labels)
+    write_shards(d / "shards_good", emb, labels)
     manifest = json.loads((d / "shards_nodim" / MANIFEST).read_text())
     del manifest["dim"]
     (d / "shards_nodim" / MANIFEST).write_text(json.dumps(manifest))
@@ -271,6 +272,8 @@ CASES: list[tuple[str, list[str]]] = [
     ("report-bad-config", ["report", "{d}/run_bad_config"]),
     ("report-unknown-map", ["report", "{d}/run_trunc_ckpt", "--maps", "bogus"]),
     ("plot-map-nan", ["plot", "map", "{d}/nan.npz", "-o", "{d}/fig"]),
+    ("plot-per-class-shards", ["plot", "per-class", "{d}/shards_good", "-o", "{d}/fig"]),
+    ("evaluate-recall-at-0", ["evaluate", "{d}/good.npz", "-m", "recall_at_0"]),
     ("plot-map-corrupt", ["plot", "map", "{d}/garbage.npz", "-o", "{d}/fig"]),
     ("plot-map-unknown-method", ["plot", "map", "{d}/good.npz", "--method", "bogus", "-o", "{d}/fig"]),
     ("plot-histograms-nan", ["plot", "histograms", "{d}/nan.npz", "-o", "{d}/fig"]),
@@ -376,6 +379,8 @@ CASES: list[tuple[str, list[str]]] = [
 
 #: What the error must be about, where another error could come first and hide it.
 EXPECT = {
+    "plot-per-class-shards": "is a shard directory; plots read one embeddings file",
+    "evaluate-recall-at-0": "unknown metric 'recall_at_0'",
     "index-over-its-input": "would overwrite the input",
     "index-over-embeddings": "exists and is not a dmlkit index file",
     "index-add-its-own-file": "would overwrite the input",

@@ -276,6 +276,9 @@ def test_input_errors():
         evaluate(x, [0.5, 0, 1, 1])
     with pytest.raises(ConfigError, match="unknown metric"):
         evaluate(x, [0, 0, 1, 1], metrics=["accuracy"])
+    for name in ("recall_at_0", "precision_at_0", "precision_at_01"):  # Recall@0 read 0.0, P@0 NaN
+        with pytest.raises(ConfigError, match=f"unknown metric '{name}'.*K >= 1"):
+            evaluate(x, [0, 0, 1, 1], metrics=[name])
     with pytest.raises(ConfigError):
         evaluate(x, [0, 0, 1, 1], distance="manhattan")
     with pytest.raises(ConfigError):

@@ -32,6 +32,9 @@ def test_projection_rejects_bad_input():
         figures.project_2d(np.zeros(5))
     with pytest.raises(ValueError, match="unknown projection"):
         figures.project_2d(np.zeros((5, 3)), "isomap")
+    # 3 rows: umap's spectral start failed with a traceback; PCA draws them
+    three = np.eye(3, 4, dtype=np.float32)
+    np.testing.assert_array_equal(figures.project_2d(three, "umap"), figures.project_2d(three, "pca"))
 
 
 def test_figures_save_png_and_svg(tmp_path):

@@ -40,7 +40,8 @@ _KNN_METRICS = ("precision_at_1", "r_precision", "map_at_r")
 #: Peak bytes a score of ``map``'s float64 blocks holds (the score, int64 placements and their
 #: gathers, masks): sets the rows of a block from the memory budget.
 _MAP_BYTES_PER_SCORE = 56
-_AT_K = re.compile(r"^(recall|precision)_at_(\d+)$")
+#: ``recall_at_K`` / ``precision_at_K`` with K a positive integer written without leading zeros
+_AT_K = re.compile(r"^(recall|precision)_at_([1-9]\d*)$")
 
 
 def expand_metric_names(metrics: Sequence[str] | None, k_values: Sequence[int] = (1, 2, 4, 8)) -> list[str]:
@@ -63,7 +64,7 @@ def expand_metric_names(metrics: Sequence[str] | None, k_values: Sequence[int] =
         else:
             raise ConfigError(
                 f"unknown metric {m!r}; choose from {', '.join(METRIC_NAMES)} "
-                "(or recall_at_<K> / precision_at_<K>)"
+                "(or recall_at_<K> / precision_at_<K> with K >= 1)"
             )
         names += [e for e in expanded if e not in names]
     if not names:

@@ -144,12 +144,16 @@ def _smooth(values: np.ndarray, window: int = 0) -> np.ndarray:
 PROJECTIONS = ("umap", "tsne", "pca")
 
 
+#: Fewer rows than this and UMAP (its spectral initialisation) fails: PCA draws the map.
+_UMAP_MIN_ROWS = 4
+
+
 def project_2d(embeddings: np.ndarray, method: str = "umap", seed: int = 0) -> np.ndarray:
     """Project ``(N, D)`` embeddings to ``(N, 2)`` with ``umap``, ``tsne`` or ``pca``.
 
     UMAP (McInnes et al. 2018, umap-learn) and t-SNE (van der Maaten & Hinton 2008,
     scikit-learn) use cosine geometry since dmlkit embeddings are L2-normalised; PCA is the
-    fast fallback. UMAP falls back to PCA when umap-learn is not installed.
+    fast fallback. UMAP falls back to PCA when umap-learn is not installed or for fewer than 4 rows.
     """
     if method not in PROJECTIONS:
         raise ConfigError(f"unknown projection {method!r}: use {', '.join(PROJECTIONS)}")
@@ -169,6 +173,8 @@ def project_2d(embeddings: np.ndarray, method: str = "umap", seed: int = 0) -> n
         return TSNE(
             n_components=2, metric="cosine", init="pca", perplexity=perplexity, random_state=seed
         ).fit_transform(x).astype(np.float32)
+    if n < _UMAP_MIN_ROWS:  # umap's spectral start needs more rows than components + 1
+        return project_2d(x, "pca", seed)
     try:  # umap
         import umap
     except ImportError:  # optional extra
