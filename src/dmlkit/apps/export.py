@@ -28,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from dmlkit.data import get_transforms, to_8bit, upright_image
+from dmlkit.data import get_transforms, upright_8bit
 from dmlkit.data.transforms import PRESETS as TRANSFORM_PRESETS
 from dmlkit.exceptions import (
     CheckpointError,
@@ -72,9 +72,9 @@ class ImageEmbedder:
         return "L" if self.in_channels == 1 else "RGB"
 
     def preprocess(self, images: Sequence[Any]) -> np.ndarray:
-        """PIL images -> ``(N, C, H, W)`` float32 with the run's evaluation transform (16-bit and
-        float images scaled to 8 bits first, :func:`dmlkit.data.to_8bit`: PIL's conversion clips
-        them to a blank image)."""
+        """PIL images -> ``(N, C, H, W)`` float32 with the run's evaluation transform, each first
+        read as the datasets read theirs (:func:`dmlkit.data.upright_8bit`: EXIF orientation;
+        16-bit and float images scaled, which PIL's conversion clips to a blank image)."""
         import torch
 
         if not images:
@@ -82,7 +82,7 @@ class ImageEmbedder:
         t = get_transforms(self.transform or "none", train=False, image_size=self.image_size)
         out = []
         for i, img in enumerate(images):
-            img = to_8bit(upright_image(img), f"#{i}")
+            img = upright_8bit(img, f"#{i}")
             x = t(img.convert(self.mode)) if t is not None else None
             if not isinstance(x, torch.Tensor):
                 arr = np.asarray(img.convert(self.mode), dtype=np.float32) / 255.0

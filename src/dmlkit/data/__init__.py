@@ -12,6 +12,7 @@ from dmlkit.data.base import (
     MetricDataset,
     load_image,
     to_8bit,
+    upright_8bit,
     upright_image,
 )
 from dmlkit.data.datasets import (
@@ -61,6 +62,7 @@ __all__ = [
     "load_dataset",
     "load_image",
     "to_8bit",
+    "upright_8bit",
     "upright_image",
     "register_dataset",
     "split_classes",

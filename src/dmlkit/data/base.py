@@ -374,6 +374,12 @@ def upright_image(img: Any):
     return img if orientation in (0, 1) else ImageOps.exif_transpose(img)
 
 
+def upright_8bit(img: Any, source: str | os.PathLike | None = None):
+    """``img`` as every reader here takes it: turned upright (:func:`upright_image`) and scaled to
+    8 bits (:func:`to_8bit`); the image itself when neither applies."""
+    return to_8bit(upright_image(img), source)
+
+
 def load_image(path: str | os.PathLike, mode: str | None = "RGB"):
     """Open an image with PIL, fully decoded, converted to ``mode`` (``None``: keep).
 
@@ -385,7 +391,7 @@ def load_image(path: str | os.PathLike, mode: str | None = "RGB"):
     try:
         with Image.open(path) as img:
             img.load()
-            out = to_8bit(upright_image(img), path)
+            out = upright_8bit(img, path)
             if out is img:  # neither turned nor rescaled: detached from the file
                 out = img.convert(mode) if mode is not None and img.mode != mode else img.copy()
             elif mode is not None and out.mode != mode:

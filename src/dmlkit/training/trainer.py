@@ -490,13 +490,19 @@ def with_run_split(config: ExperimentConfig, run_dir: str | Path) -> ExperimentC
     return config.override([f"data.split={{kind: file, path: {json.dumps(str(split.resolve()))}}}"])
 
 
+def _run_dir_of(checkpoint: Path) -> Path:
+    """The run directory of a checkpoint file (``RUN_DIR/checkpoints/best.pt``, or a file beside
+    the run's files)."""
+    return checkpoint.parent.parent if checkpoint.parent.name == "checkpoints" else checkpoint.parent
+
+
 def _load_split(checkpoint: str | Path, split: str, data_root: str | Path | None) -> tuple:
     """``(checkpoint file, model, config, dataset)`` of ``split`` of a trained run."""
     if split not in ("train", "val", "test"):
         raise ConfigError(f"the split must be train, val or test, got {split!r}")
     found = find_checkpoint(checkpoint)
     model, config = load_checkpoint(found)
-    config = with_run_split(config, found.parent.parent if found.parent.name == "checkpoints" else found.parent)
+    config = with_run_split(config, _run_dir_of(found))
     dataset = build_datasets(config, (split,), data_root=data_root, augment_train=False)[split]
     if dataset is None:
         raise DataError(f"the config's class split has no {split} classes")
@@ -516,9 +522,7 @@ class _EmbeddingJob:
 
     def default_output(self, name: str) -> Path:
         """``RUN_DIR/embeddings/<name>``."""
-        ckpt = self.checkpoint
-        run = ckpt.parent.parent if ckpt.parent.name == "checkpoints" else ckpt.parent
-        return run / "embeddings" / name
+        return _run_dir_of(self.checkpoint) / "embeddings" / name
 
 
 def __getattr__(name: str) -> Any:

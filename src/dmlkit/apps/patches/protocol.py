@@ -291,10 +291,8 @@ def evaluate_patch_run(
     if not (run / "config.yaml").is_file():
         raise CheckpointError(f"{run} is not a patch run directory (no config.yaml): run `dmlkit patches train` first")
     cfg = load_patch_config(run / "config.yaml")
-    if max_test_pairs is not None:
-        if isinstance(max_test_pairs, bool) or not isinstance(max_test_pairs, int) or max_test_pairs < 1:
-            raise ConfigError(f"max_test_pairs must be a positive integer, got {max_test_pairs!r}")
-        cfg.data.max_test_pairs = max_test_pairs
+    if max_test_pairs is not None:  # checked by the config's own rule (data.max_test_pairs >= 1)
+        cfg = load_patch_config(run / "config.yaml", [f"data.max_test_pairs={max_test_pairs!r}"])
     subsets = _Subsets(subsets_root(cfg, data_root), cfg.model.patch_size)
     rows: dict[tuple[str, str], dict[str, dict[str, float]]] = {tuple(c): {} for c in cfg.data.combinations}
     for arch in cfg.model.architectures:

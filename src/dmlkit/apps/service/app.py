@@ -68,6 +68,13 @@ class ServiceConfig:
     device: str = "cpu"
     thumbnail_size: int = 160
 
+    def __post_init__(self) -> None:
+        """Refuse limits no request could meet (``max_k`` 0 served a 422 to every query)."""
+        for name in ("max_upload_bytes", "max_k", "max_image_pixels", "thumbnail_size"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ConfigError(f"{name} must be a positive integer, got {value!r}")
+
 
 class _Metrics:
     """Thread-safe request counters and a latency window per route."""
@@ -169,14 +176,6 @@ def _load_threshold(config: ServiceConfig) -> tuple[float | None, str | None]:
     return threshold, distance
 
 
-def check_service_config(config: ServiceConfig) -> None:
-    """Refuse limits no request could meet (``max_k`` 0 served a 422 to every query)."""
-    for name in ("max_upload_bytes", "max_k", "max_image_pixels", "thumbnail_size"):
-        value = getattr(config, name)
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ConfigError(f"{name} must be a positive integer, got {value!r}")
-
-
 def create_app(config: ServiceConfig, *, index: Any = None, embedder: Any = None) -> Any:
     """The FastAPI app serving ``config`` (``index``/``embedder`` objects override the paths)."""
     fastapi = require("fastapi", "serve")
@@ -189,7 +188,6 @@ def create_app(config: ServiceConfig, *, index: Any = None, embedder: Any = None
     from dmlkit.apps.index import EmbeddingIndex  # lazy: faiss and numpy load when an app is built
     from dmlkit.apps.verification import pair_scores  # lazy: torch loads when an app is built
 
-    check_service_config(config)
     idx = index if index is not None else EmbeddingIndex.load(config.index, mmap=True)
     if embedder is None and config.model is not None:
         from dmlkit.apps.export import load_embedder  # lazy: torch/onnxruntime only with a model
@@ -386,10 +384,10 @@ def create_app(config: ServiceConfig, *, index: Any = None, embedder: Any = None
     def thumbnail_bytes(path: str) -> bytes:
         from PIL import Image
 
-        from dmlkit.data import to_8bit  # lazy: imaging loads when a thumbnail is made
+        from dmlkit.data import upright_8bit  # lazy: imaging loads when a thumbnail is made
 
         with Image.open(path) as img:
-            img = to_8bit(img, path).convert("RGB")
+            img = upright_8bit(img, path).convert("RGB")
             img.thumbnail((config.thumbnail_size, config.thumbnail_size))
             buf = io.BytesIO()
             img.save(buf, format="PNG")
@@ -474,8 +472,6 @@ def run_server(config: ServiceConfig, host: str = "127.0.0.1", port: int = 8000)
     import warnings
 
     uvicorn = require("uvicorn", "serve")
-    if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
-        raise ConfigError(f"port must be an integer in 0..65535, got {port!r}")
     app = create_app(config)
     if host not in ("127.0.0.1", "localhost", "::1"):
         warnings.warn(f"serving on {host}: reachable from other machines; put it behind a proxy with "
