@@ -547,8 +547,8 @@ class EmbeddingIndex:
             raise DataError("this index has no labels: build it with labels to classify")
         res = self.search(queries, k)
         out = np.empty(res.labels.shape[0], dtype=np.int64)
-        for q, row in enumerate(res.labels):
-            row = row[row >= 0] if (row >= 0).any() else row
+        for q, (row, found) in enumerate(zip(res.labels, res.indices >= 0)):
+            row = row[found] if found.any() else row  # found neighbours, whatever their labels (-1 too)
             values, counts = np.unique(row, return_counts=True)
             best = values[counts == counts.max()]
             out[q] = next(lab for lab in row if lab in best)  # nearest among the tied majority

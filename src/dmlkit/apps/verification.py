@@ -59,8 +59,10 @@ def make_pairs(labels: Any, num_pairs: int = 6000, seed: int = 0) -> tuple[np.nd
     """Balanced pairs ``(i, j, same)``: ``num_pairs // 2`` positive and as many negative pairs.
 
     Positives are drawn uniformly without replacement among all same-class pairs ``i < j``
-    (all of them when there are fewer); negatives uniformly among different-class pairs,
-    as many as positives.
+    (all of them when there are fewer); negatives uniformly without replacement among the
+    distinct unordered different-class pairs ``i < j`` (:func:`_negative_pairs`), as many as
+    positives: no pair is scored twice, in either order. Asking for more negatives than the
+    labels have raises :class:`~dmlkit.exceptions.ConfigError`.
     """
     y = np.asarray(labels)
     if y.ndim != 1 or len(y) < 2:
@@ -83,21 +85,47 @@ def make_pairs(labels: Any, num_pairs: int = 6000, seed: int = 0) -> tuple[np.nd
     pi, pj = pi[pick], pj[pick]
     if len(np.unique(y)) < 2:
         raise DataError("all samples share one class: verification needs negative pairs")
-    ni, nj = [], []
-    need = n_pos
-    while need > 0:
-        a = rng.integers(0, len(y), size=2 * need)
-        b = rng.integers(0, len(y), size=2 * need)
-        ok = y[a] != y[b]
-        ni.append(a[ok][:need])
-        nj.append(b[ok][:need])
-        need -= int(min(ok.sum(), need))
-    ni_a, nj_a = np.concatenate(ni), np.concatenate(nj)
+    ni_a, nj_a = _negative_pairs(y, n_pos, rng)
     i = np.concatenate([pi, ni_a])
     j = np.concatenate([pj, nj_a])
     same = np.concatenate([np.ones(n_pos, bool), np.zeros(len(ni_a), bool)])
     order = rng.permutation(len(i))
     return i[order], j[order], same[order]
+
+
+#: Label sets with at most this many unordered pairs have their negative pairs listed outright.
+_ENUMERATE_PAIRS = 2_000_000
+
+
+def _negative_pairs(y: np.ndarray, need: int, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
+    """``need`` distinct unordered different-class pairs ``(i, j)``, ``i < j``, drawn uniformly
+    without replacement: all of them listed and sampled when there are few (or ``need`` is
+    most of them), else random draws keyed on ``(min, max)`` with repeats rejected."""
+    n = len(y)
+    _, counts = np.unique(y, return_counts=True)
+    available = (n * (n - 1) - int((counts * (counts - 1)).sum())) // 2
+    if need > available:
+        raise ConfigError(
+            f"{2 * need} pairs need {need} distinct negative (different-class) pairs but the labels "
+            f"have only {available}: ask for at most {2 * available} pairs (--pairs / num_pairs)"
+        )
+    if n * (n - 1) // 2 <= _ENUMERATE_PAIRS or 2 * need >= available:
+        a, b = np.triu_indices(n, k=1)
+        ok = y[a] != y[b]
+        pick = np.sort(rng.choice(available, size=need, replace=False))
+        return a[ok][pick], b[ok][pick]
+    keys = np.empty((0,), dtype=np.int64)  # min * n + max of the pairs taken, in draw order
+    while keys.size < need:
+        draw = 2 * (need - keys.size)
+        a = rng.integers(0, n, size=draw)
+        b = rng.integers(0, n, size=draw)
+        ok = y[a] != y[b]
+        new = np.minimum(a, b)[ok].astype(np.int64) * n + np.maximum(a, b)[ok]
+        _, first = np.unique(new, return_index=True)
+        new = new[np.sort(first)]  # the first draw of each pair, in draw order
+        new = new[~np.isin(new, keys)]
+        keys = np.concatenate([keys, new[: need - keys.size]])
+    return keys // n, keys % n
 
 
 def _check_distance(distance: str):
@@ -148,14 +176,18 @@ def _best_threshold(scores: np.ndarray, same: np.ndarray) -> tuple[float, float]
 
 
 def stratified_folds(same: Any, folds: int) -> np.ndarray:
-    """Fold ids dealing positives and negatives round-robin in order: the ``r``-th positive
-    (and the ``r``-th negative) goes to fold ``r mod folds``, so every fold keeps the ratio."""
+    """Fold ids dealing positives and negatives round-robin in order: the ``r``-th positive goes
+    to fold ``r mod folds``, so every fold keeps the ratio; the negatives carry on where the
+    positives stopped (the ``r``-th to fold ``(P + r) mod folds`` for ``P`` positives), so fold
+    sizes differ by at most one pair (both dealt from fold 0 left the first folds up to two
+    pairs larger)."""
     y = np.asarray(same, dtype=bool)
     if folds < 2 or folds > len(y):
         raise ConfigError(f"folds must be in [2, {len(y)}] (the number of pairs), got {folds}")
     ids = np.empty(len(y), dtype=np.int64)
-    for mask in (y, ~y):
-        ids[mask] = np.arange(int(mask.sum())) % folds
+    n_pos = int(y.sum())
+    ids[y] = np.arange(n_pos) % folds
+    ids[~y] = (n_pos % folds + np.arange(len(y) - n_pos)) % folds
     return ids
 
 
