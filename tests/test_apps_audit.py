@@ -59,3 +59,51 @@ def test_classify_counts_negative_labels():
     assert idx.search(q, 3).labels.tolist() == [[-1, -1, 2]]
     assert idx.classify(q, k=3).tolist() == [-1]  # the majority of real labels, -1 included
     assert EmbeddingIndex(x, np.array([-2, -2, -3, -3, 5])).classify(q, k=1).tolist() == [-2]
+
+
+# -- few-shot ----------------------------------------------------------------------------------
+def _small_and_large_classes() -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(0)
+    # 10 classes of 20 items, 40 classes of 5 (too few for 1 shot + 5 queries)
+    y = np.concatenate([np.repeat(np.arange(10), 20), np.repeat(np.arange(10, 50), 5)])
+    x = (rng.normal(size=(50, 8))[y] + rng.normal(size=(len(y), 8))).astype(np.float32)
+    return x, y
+
+
+def test_few_shot_reports_and_warns_about_skipped_classes():
+    from dmlkit.apps import few_shot_accuracy
+
+    x, y = _small_and_large_classes()
+    with pytest.warns(UserWarning, match="40 of 50 classes have fewer than"):
+        res = few_shot_accuracy(x, y, n_way=5, k_shot=1, n_query=5, episodes=20)
+    assert (res["classes_used"], res["classes_skipped"]) == (10, 40)
+    res = few_shot_accuracy(x, y, n_way=5, k_shot=1, n_query=4, episodes=20)  # every class fits
+    assert (res["classes_used"], res["classes_skipped"]) == (50, 0)
+    with pytest.raises(ConfigError, match="n_way >= 2"):
+        few_shot_accuracy(x, y, n_way=1, episodes=20)
+
+
+def test_cli_fewshot_prints_the_skipped_classes_and_refuses_one_way(tmp_path, capsys):
+    import json
+
+    from dmlkit.cli import main
+
+    x, y = _small_and_large_classes()
+    np.savez(tmp_path / "fs.npz", embeddings=x, labels=y)
+
+    def run(*args: str) -> tuple[int, str, str]:
+        try:
+            main(["fewshot", str(tmp_path / "fs.npz"), "--episodes", "20", *args])
+            code = 0
+        except SystemExit as exc:
+            code = int(exc.code or 0)
+        out, err = capsys.readouterr()
+        return code, out, err
+
+    code, out, err = run("--json")
+    assert code == 0 and json.loads(out)["classes_skipped"] == 40
+    assert err.count("\n") == 1 and err.startswith("warning: few-shot: 40 of 50 classes")
+    code, out, err = run()
+    assert "classes_used" in out and "classes_skipped" in out
+    code, out, err = run("--way", "1")
+    assert code == 2 and err.startswith("error:") and "n_way >= 2" in err and err.count("\n") == 1

@@ -12,6 +12,7 @@ from __future__ import annotations
 import io
 import os
 import re
+import warnings
 import zipfile
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -75,18 +76,31 @@ def _distance(distance: str):
 
 
 def few_shot_accuracy(embeddings: Any, labels: Any, n_way: int = 5, k_shot: int = 1, n_query: int = 5,
-                      episodes: int = 1000, distance: str = "euclidean", seed: int = 0) -> dict[str, float]:
+                      episodes: int = 1000, distance: str = "euclidean", seed: int = 0) -> dict[str, Any]:
     """Mean N-way K-shot accuracy over episodes, with the 95 % CI half-width (normal approx.).
 
-    Embeddings with NaN/infinite rows are refused (:mod:`dmlkit.validation`), as by
-    ``evaluate``, instead of scoring them as if they were wrong answers.
+    Episodes draw only classes with at least ``k_shot + n_query`` items: the result's
+    ``classes_used`` / ``classes_skipped`` count them and the others, and a warning says when
+    classes were skipped (the accuracy then describes the larger classes only). ``n_way < 2``
+    is refused (one class per episode: every query is right). Embeddings with NaN/infinite rows
+    are refused (:mod:`dmlkit.validation`), as by ``evaluate``, instead of scoring them as if
+    they were wrong answers.
     """
     x = check_embeddings(embeddings).cpu().numpy()
     y, _ = check_labels(labels, len(x))
     _distance(distance)
+    if isinstance(n_way, int | float | np.integer) and not isinstance(n_way, bool) and n_way < 2:
+        raise ConfigError(f"few-shot accuracy needs n_way >= 2 classes per episode, got {n_way} (--way): "
+                          "with one class every query is trivially right")
     if int(n_query) < 1:
         raise ConfigError(f"few-shot accuracy needs at least one query per class, got n_query={n_query}")
     sampler = EpisodeSampler(y, n_way, k_shot, n_query, episodes, seed=seed)
+    used, total = len(sampler.classes), len(np.unique(y))
+    if used < total:
+        warnings.warn(
+            f"few-shot: {total - used} of {total} classes have fewer than k_shot + n_query = "
+            f"{k_shot + n_query} items and are in no episode; the accuracy describes the other {used} "
+            "(lower k_shot / n_query, --shot / --queries, to include them)", UserWarning, stacklevel=2)
     accs = []
     for episode in sampler:
         idx = np.asarray(episode)
@@ -96,7 +110,8 @@ def few_shot_accuracy(embeddings: Any, labels: Any, n_way: int = 5, k_shot: int 
     a = np.asarray(accs)
     ci = 1.96 * a.std(ddof=1) / np.sqrt(len(a)) if len(a) > 1 else float("nan")
     return {"accuracy": float(a.mean()), "ci95": float(ci), "episodes": len(a),
-            "n_way": n_way, "k_shot": k_shot, "n_query": n_query}
+            "n_way": n_way, "k_shot": k_shot, "n_query": n_query,
+            "classes_used": used, "classes_skipped": total - used}
 
 
 @dataclass

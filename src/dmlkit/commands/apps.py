@@ -118,7 +118,7 @@ def _embeddings_with_paths(path: Path) -> tuple:
 
 def fewshot(
     embeddings: Path = typer.Argument(..., help="Embeddings with labels (.npz/.pt) of unseen classes."),
-    way: int = typer.Option(5, help="Classes per episode (N-way)."),
+    way: int = typer.Option(5, help="Classes per episode (N-way, at least 2)."),
     shot: int = typer.Option(1, help="Support items per class (K-shot)."),
     queries: int = typer.Option(5, help="Query items per class."),
     episodes: int = typer.Option(1000),
@@ -126,7 +126,11 @@ def fewshot(
     seed: int = typer.Option(0),
     as_json: bool = typer.Option(False, "--json", help="Print the result as JSON instead of a summary."),
 ) -> None:
-    """N-way K-shot accuracy of nearest-prototype classification over random episodes."""
+    """N-way K-shot accuracy of nearest-prototype classification over random episodes.
+
+    Only classes with at least shot + queries items enter episodes: the result counts them
+    (classes_used) and the others (classes_skipped), with a warning when any are skipped.
+    """
     from dmlkit.apps import few_shot_accuracy
     from dmlkit.embeddings import load_embeddings
 
