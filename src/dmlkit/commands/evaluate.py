@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import typer
 
@@ -29,11 +30,13 @@ def register(app: typer.Typer) -> None:
         per_class_out: Path | None = typer.Option(None, "--per-class", help="Also write per-class retrieval metrics to this JSON file."),
         as_json: bool = typer.Option(False, "--json", help="Print JSON instead of a table."),
     ) -> None:
-        """Evaluate embeddings: P@1, Recall@K, R-Precision, MAP@R, NMI/AMI/F1, pos/neg JS divergence."""
+        """Evaluate embeddings: P@1, Recall@K, R-Precision, MAP@R, NMI/AMI/F1, pos/neg JS divergence.
+
+        Under torchrun (CPU ranks) each rank scores its share of the queries; rank 0 prints."""
         from dmlkit.commands._options import listed
-        from dmlkit.embedding_files import read_embedding_file, read_labels_file
+        from dmlkit.commands._ranks import is_main_rank, one_error_line_per_job
         from dmlkit.exceptions import ConfigError
-        from dmlkit.metrics import evaluate, per_class
+        from dmlkit.metrics import per_class
         from dmlkit.utils import atomic_write_json
 
         metrics = listed(metrics)
@@ -41,45 +44,16 @@ def register(app: typer.Typer) -> None:
             k_values = [int(v) for v in listed(k)]
         except ValueError:
             raise ConfigError(f"--k must be comma-separated integers, got {','.join(k)!r}") from None
-        from dmlkit.embedding_shards import is_shard_dir, open_shards
-
-        def read(path: Path, labels_path: Path | None):
-            if not is_shard_dir(path):
-                return read_embedding_file(path, labels_path)[:2]
-            shards = open_shards(path)
-            return shards, (shards.labels if labels_path is None else read_labels_file(labels_path))
-
-        q, ql = read(embeddings, labels)
-        r = rl = None
-        if reference is not None:
-            r, rl = read(reference, reference_labels)
-        elif reference_labels is not None:
-            raise ConfigError("--reference-labels needs --reference")
-        streamed = is_shard_dir(embeddings) or (reference is not None and is_shard_dir(reference))
-        if device != "cpu":  # (imported only then: a small CPU job loads no more than it needs)
-            import torch
-
-            from dmlkit.embeddings import resolve_device
-
-            dev = resolve_device(device)
-            if dev.type != "cpu":
-                if streamed:
-                    raise ConfigError("--device: a shard directory is streamed through the CPU; evaluate an "
-                                      ".npz (dmlkit embed) on the GPU, or leave --device out")
-                q = torch.as_tensor(q).to(dev)
-                r = None if r is None else torch.as_tensor(r).to(dev)
+        with one_error_line_per_job():
+            q, ql, r, rl, result = _compute(
+                embeddings, reference, labels, reference_labels, metrics, k_values,
+                per_class_out=per_class_out, device=device, restarts=restarts, seed=seed,
+                progress=not as_json, distance=distance, backend=backend,
+                memory_budget=memory_mb * 2**20)
+        if not is_main_rank():
+            return
         kwargs = dict(distance=distance, k_values=k_values, backend=backend,
                       memory_budget=memory_mb * 2**20)
-        if streamed:
-            from dmlkit.metrics.streaming import evaluate_streaming
-
-            if per_class_out is not None:
-                raise ConfigError("--per-class needs in-memory embeddings: save an .npz (dmlkit embed) "
-                                  "or leave --per-class out for a shard directory")
-            result = evaluate_streaming(q, ql, r, rl, metrics=metrics, progress=not as_json, **kwargs)
-        else:
-            result = evaluate(q, ql, r, rl, metrics=metrics, cluster_restarts=restarts, seed=seed,
-                              **kwargs)
         if per_class_out is not None:
             names = [m for m in result if m not in _COUNTS and not m.endswith("_std") and m not in
                      ("nmi", "ami", "pair_f1", "pos_neg_js")]
@@ -109,3 +83,90 @@ def register(app: typer.Typer) -> None:
             f"{result['num_queries']} queries, {result['num_queries_without_positive']} without a "
             "same-class reference (left out of the retrieval means)"
         )
+
+
+def _compute(embeddings: Path, reference: Path | None, labels: Path | None,
+             reference_labels: Path | None, metrics: list[str], k_values: list[int], *,
+             per_class_out: Path | None, device: str, restarts: int, seed: int, progress: bool,
+             **kwargs: Any) -> tuple[Any, Any, Any, Any, dict[str, Any]]:
+    """``(query, query labels, reference, reference labels, metrics)`` of ``dmlkit evaluate``.
+
+    One process: in memory (:func:`dmlkit.metrics.evaluate`), or streamed from a shard
+    directory. Under torchrun: the ranks join a gloo group, each reads the files (one error line
+    if a rank cannot), the retrieval metrics are split by query
+    (:func:`dmlkit.metrics.evaluate_across_ranks`) and the others run on rank 0
+    (:func:`dmlkit.distributed.on_main`); every rank gets the same numbers as one process.
+    """
+    from dmlkit.distributed import agree, launched_by_torchrun, on_main
+    from dmlkit.embedding_files import read_embedding_file, read_labels_file
+    from dmlkit.embedding_shards import is_shard_dir, open_shards
+    from dmlkit.exceptions import ConfigError
+    from dmlkit.metrics import evaluate, evaluate_across_ranks
+    from dmlkit.metrics.evaluate import expand_metric_names
+    from dmlkit.metrics.streaming import evaluate_streaming, is_streamable, streamable_names
+
+    streamed = is_shard_dir(embeddings) or (reference is not None and is_shard_dir(reference))
+    across = launched_by_torchrun()
+
+    def checked_names() -> list[str]:
+        if reference is None and reference_labels is not None:
+            raise ConfigError("--reference-labels needs --reference")
+        if across and device != "cpu":
+            raise ConfigError("--device: under torchrun each rank evaluates its share of the queries "
+                              "on the CPU; for a GPU run one process with --device cuda")
+        if across and per_class_out is not None:
+            raise ConfigError("--per-class: run one process (per-class tables are not split across "
+                              "torchrun ranks)")
+        if streamed and per_class_out is not None:
+            raise ConfigError("--per-class needs in-memory embeddings: save an .npz (dmlkit embed) "
+                              "or leave --per-class out for a shard directory")
+        return streamable_names(metrics, k_values) if streamed else expand_metric_names(metrics, k_values)
+
+    def read(path: Path, labels_path: Path | None) -> tuple[Any, Any]:
+        if not is_shard_dir(path):
+            return read_embedding_file(path, labels_path)[:2]
+        shards = open_shards(path)
+        return shards, (shards.labels if labels_path is None else read_labels_file(labels_path))
+
+    def read_all() -> tuple[Any, Any, Any, Any]:
+        q, ql = read(embeddings, labels)
+        r, rl = (None, None) if reference is None else read(reference, reference_labels)
+        return q, ql, r, rl
+
+    if across:
+        import torch
+
+        from dmlkit.training.trainer import join_process_group
+
+        join_process_group(torch.device("cpu"))  # then every check is agreed: one line a job
+        names = agree(checked_names)
+        q, ql, r, rl = agree(read_all)
+        by_query = [n for n in names if is_streamable(n)]
+        rest = [n for n in names if not is_streamable(n)]
+        parts: dict[str, Any] = {}
+        if rest:
+            parts.update(on_main(evaluate, q, ql, r, rl, metrics=rest, cluster_restarts=restarts,
+                                 seed=seed, **kwargs))
+        if by_query:
+            parts.update(evaluate_across_ranks(q, ql, r, rl, metrics=by_query, progress=progress,
+                                               **kwargs))
+        order = [*names, "num_queries", "num_queries_without_positive"]
+        return q, ql, r, rl, {n: parts[n] for n in [*order, *(m for m in parts if m not in order)]}
+    names = checked_names()
+    q, ql, r, rl = read_all()
+    if device != "cpu":  # (imported only then: a small CPU job loads no more than it needs)
+        import torch
+
+        from dmlkit.embeddings import resolve_device
+
+        dev = resolve_device(device)
+        if dev.type != "cpu":
+            if streamed:
+                raise ConfigError("--device: a shard directory is streamed through the CPU; evaluate an "
+                                  ".npz (dmlkit embed) on the GPU, or leave --device out")
+            q = torch.as_tensor(q).to(dev)
+            r = None if r is None else torch.as_tensor(r).to(dev)
+    if streamed:
+        return q, ql, r, rl, evaluate_streaming(q, ql, r, rl, metrics=names, progress=progress, **kwargs)
+    return q, ql, r, rl, evaluate(q, ql, r, rl, metrics=names, cluster_restarts=restarts, seed=seed,
+                                  **kwargs)

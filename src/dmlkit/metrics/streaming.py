@@ -47,6 +47,7 @@ import numpy as np
 import torch
 
 from dmlkit.distances import BaseDistance, get_distance
+from dmlkit.distributed import agree, all_gather_unequal, context, shard_bounds
 from dmlkit.exceptions import ConfigError, DataError, ShapeError
 from dmlkit.metrics._threads import full_float32_matmuls
 from dmlkit.metrics._validation import (
@@ -67,7 +68,8 @@ from dmlkit.metrics.knn import (
 from dmlkit.metrics.near_ties import EXTRA_NEIGHBOURS, pair_scorer, settle_near_ties
 from dmlkit.metrics.retrieval import num_positives, per_query_from_neighbours
 
-__all__ = ["StreamingPlan", "evaluate_streaming", "per_query_streaming", "plan_blocks"]
+__all__ = ["StreamingPlan", "evaluate_across_ranks", "evaluate_streaming", "per_query_streaming",
+           "plan_blocks"]
 
 _STREAMABLE = ("precision_at_1", "r_precision", "map_at_r")
 
@@ -195,20 +197,33 @@ def _drop_self(res: KNNResult, first: int) -> KNNResult:
     return KNNResult(res.indices[keep].view(-1, k), res.values[keep].view(-1, k), res.higher_is_closer)
 
 
-@full_float32_matmuls
-def _stream(
-    query: Any, query_labels: Any, reference: Any, reference_labels: Any, metrics: Any, *,
-    distance: str | BaseDistance, k_values: Sequence[int], backend: str, memory_budget: int,
-    block_rows: int | None, progress: bool, query_range: tuple[int, int] | None = None,
-) -> tuple[dict[str, torch.Tensor], torch.Tensor, list[str]]:
+def is_streamable(name: str) -> bool:
+    """Whether metric ``name`` is a mean of per-query scores from a query's nearest neighbours
+    (P@1, Recall@K, Precision@K, R-Precision, MAP@R), so it can be streamed and split by query."""
+    return name in _STREAMABLE or bool(_AT_K.match(name))
+
+
+def streamable_names(metrics: Sequence[str] | None, k_values: Sequence[int]) -> list[str]:
+    """The expanded metric names (:func:`~dmlkit.metrics.evaluate.expand_metric_names`), or one
+    :class:`ConfigError` naming those that need every embedding at once."""
     names = expand_metric_names(metrics, k_values)
-    bad = [n for n in names if n not in _STREAMABLE and not _AT_K.match(n)]
+    bad = [n for n in names if not is_streamable(n)]
     if bad:
         raise ConfigError(
             f"{', '.join(bad)} cannot be streamed (clustering, full-ranking and histogram metrics "
             "need every embedding at once): stream P@1 / Recall@K / Precision@K / "
             "R-Precision / MAP@R, or load the embeddings and use dmlkit.metrics.evaluate"
         )
+    return names
+
+
+@full_float32_matmuls
+def _stream(
+    query: Any, query_labels: Any, reference: Any, reference_labels: Any, metrics: Any, *,
+    distance: str | BaseDistance, k_values: Sequence[int], backend: str, memory_budget: int,
+    block_rows: int | None, progress: bool, query_range: tuple[int, int] | None = None,
+) -> tuple[dict[str, torch.Tensor], torch.Tensor, list[str]]:
+    names = streamable_names(metrics, k_values)
     budget = check_budget(memory_budget)
     same = reference is None
     nq, d = _shape(query, "query embeddings")
@@ -366,6 +381,11 @@ def evaluate_streaming(
         k_values=k_values, backend=backend, memory_budget=memory_budget, block_rows=block_rows,
         progress=progress, query_range=query_range,
     )
+    return _means(scores, r_q, names)
+
+
+def _means(scores: dict[str, torch.Tensor], r_q: torch.Tensor, names: list[str]) -> dict[str, float | int]:
+    """Each metric's mean over the queries with a positive (``R_q > 0``), and the counts."""
     valid = r_q > 0
     n_valid = int(valid.sum())
     result: dict[str, float | int] = {
@@ -374,6 +394,54 @@ def evaluate_streaming(
     result["num_queries"] = int(r_q.shape[0])
     result["num_queries_without_positive"] = int(r_q.shape[0] - n_valid)
     return result
+
+
+def evaluate_across_ranks(
+    query: Any,
+    query_labels: Any | None = None,
+    reference: Any | None = None,
+    reference_labels: Any | None = None,
+    metrics: Sequence[str] | None = None,
+    *,
+    distance: str | BaseDistance = "cosine",
+    k_values: Sequence[int] = (1, 2, 4, 8),
+    backend: str = "auto",
+    memory_budget: int = DEFAULT_MEMORY_BUDGET,
+    block_rows: int | None = None,
+    progress: bool = False,
+) -> dict[str, float | int]:
+    """:func:`evaluate_streaming` with the queries split over the ranks of a ``torch.distributed``
+    job (``torchrun``): every rank returns the same result, equal to one process's.
+
+    Rank ``r`` of ``W`` scores the contiguous queries :func:`dmlkit.distributed.shard_bounds`
+    gives it (``query_range``) against every reference; the per-query float64 scores and
+    ``R_q`` are gathered in rank order (:func:`dmlkit.distributed.all_gather_unequal`) and
+    averaged as :func:`evaluate_streaming` averages them. A query's scores depend on that query
+    alone (its exact neighbours among all references), so the split changes no number, exact
+    ties included. Each rank reads every reference: ``W`` ranks do ``1/W`` of the work each. An
+    error on any rank (a bad block, a missing file) ends every rank with one error
+    (:func:`dmlkit.distributed.agree`). Arguments as in :func:`evaluate_streaming`; without a
+    process group, :func:`evaluate_streaming` itself.
+    """
+    kwargs: dict[str, Any] = dict(distance=distance, k_values=k_values, backend=backend,
+                                  memory_budget=memory_budget, block_rows=block_rows)
+    if not context().enabled:
+        return evaluate_streaming(query, query_labels, reference, reference_labels, metrics,
+                                  progress=progress, **kwargs)
+    names = agree(streamable_names, metrics, k_values)  # the same error on every rank: one line
+
+    def share() -> tuple[torch.Tensor, torch.Tensor]:
+        start, stop = shard_bounds(_shape(query, "query embeddings")[0])
+        if start == stop:  # fewer queries than ranks: this rank has none
+            return torch.empty(0, len(names), dtype=torch.float64), torch.empty(0, dtype=torch.int64)
+        scores, r_q, _ = _stream(query, query_labels, reference, reference_labels, names,
+                                 progress=progress and context().is_main, query_range=(start, stop),
+                                 **kwargs)
+        return torch.stack([scores[n] for n in names], 1), r_q.to(torch.int64)
+
+    local, local_r = agree(share)
+    gathered = all_gather_unequal(local)
+    return _means({n: gathered[:, i] for i, n in enumerate(names)}, all_gather_unequal(local_r), names)
 
 
 def per_query_streaming(
