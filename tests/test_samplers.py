@@ -52,6 +52,25 @@ def test_m_per_class_uses_all_items_of_a_class():
     assert sorted(seen) == list(range(64))  # two batches take both halves of each class
 
 
+def test_m_per_class_items_come_in_whole_cycles_when_the_class_size_is_not_a_multiple_of_m():
+    """A class of 7 taken 4 at a time: its draws, cut into runs of 7, are each the whole class
+    (the tail of a cycle is carried over, not thrown away), and no block repeats an item."""
+    labels = np.repeat(np.arange(10), 7)
+    sampler = MPerClassSampler(labels, samples_per_class=4, classes_per_batch=5,
+                               batches_per_epoch=30, seed=2)
+    for epoch in range(3):
+        sampler.set_epoch(epoch)
+        draws: dict[int, list[int]] = {}
+        for batch in sampler:
+            for block in np.asarray(batch).reshape(5, 4):
+                assert len(set(block.tolist())) == 4
+                draws.setdefault(int(labels[block[0]]), []).extend(block.tolist())
+        for k, seq in draws.items():
+            assert len(seq) >= 14
+            for start in range(0, len(seq) - 6, 7):
+                assert sorted(seq[start:start + 7]) == list(range(7 * k, 7 * k + 7))
+
+
 def test_m_per_class_determinism_and_epochs():
     labels = imbalanced_labels()
     a = MPerClassSampler(labels, 4, 8, seed=3)

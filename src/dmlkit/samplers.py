@@ -110,7 +110,10 @@ class MPerClassSampler(_EpochSampler):
     ``[c * M, (c + 1) * M)`` share a label) and no class appears twice in a batch. Classes are
     taken from a shuffled cycle over all usable classes, so within an epoch every class is
     used about equally often; a class's items are taken from a shuffled cycle over that class,
-    without repetition inside a batch.
+    without repetition inside a batch. When fewer than M items are left in a class's cycle,
+    they are taken first and the batch is filled from the next cycle, which leaves out the
+    items just taken and puts them at its end: every item is drawn once per cycle, also when
+    the class size is not a multiple of M. The cycles restart at each epoch.
 
     Args:
         labels: one label per dataset item (array-like or tensor of hashable ids).
@@ -205,13 +208,21 @@ class MPerClassSampler(_EpochSampler):
             yield self._share(batch)
 
     def _take(self, k: int, m: int, perm: list[np.ndarray], pos: list[int], rng) -> list[int]:
+        """The next ``m`` distinct items of class ``k``'s cycle (``perm[k]`` from ``pos[k]``)."""
         idx = self._members[k]
         if len(idx) < m:  # small class, small_classes == "replace"
             extra = rng.choice(idx, size=m - len(idx), replace=True)
             return [int(i) for i in rng.permutation(idx)] + [int(i) for i in extra]
-        if pos[k] + m > len(idx):
-            perm[k] = rng.permutation(idx)
+        if pos[k] + m > len(perm[k]):
+            # the r < m items left in this cycle come first; the next cycle, without them, fills
+            # the batch and takes them at its end (as the class queue in __iter__ does)
+            tail = [int(i) for i in perm[k][pos[k]:]]
+            taken = set(tail)
+            fresh = [int(i) for i in rng.permutation(idx) if int(i) not in taken]
+            need = m - len(tail)
+            perm[k] = np.asarray(fresh[need:] + tail, dtype=np.int64)
             pos[k] = 0
+            return tail + fresh[:need]
         out = perm[k][pos[k] : pos[k] + m]
         pos[k] += m
         return [int(i) for i in out]
