@@ -107,3 +107,33 @@ def test_cli_fewshot_prints_the_skipped_classes_and_refuses_one_way(tmp_path, ca
     assert "classes_used" in out and "classes_skipped" in out
     code, out, err = run("--way", "1")
     assert code == 2 and err.startswith("error:") and "n_way >= 2" in err and err.count("\n") == 1
+
+
+# -- IVF recall after a reload -----------------------------------------------------------------
+def _strip_array(path, name: str) -> None:
+    """Rewrite a saved index as an older dmlkit wrote it: without the array ``name``."""
+    if path.is_dir():
+        (path / f"{name}.npy").unlink()
+        return
+    with np.load(path, allow_pickle=False) as z:
+        arrays = {k: z[k] for k in z.files if k != name}
+    np.savez(path, **arrays)
+
+
+@pytest.mark.parametrize("suffix", ["", ".npz"])
+def test_loaded_ivf_index_keeps_its_held_out_recall_sample(tmp_path, suffix):
+    pytest.importorskip("faiss")
+    from dmlkit.apps.index_tuning import recall_sample
+
+    x = np.random.default_rng(0).normal(size=(1200, 8)).astype(np.float32)
+    idx = EmbeddingIndex(x, kind="ivf_flat", nlist=4, recall_queries=50, seed=0)
+    assert idx.recall["held_out"] is True
+    path = idx.save(tmp_path / f"ivf{suffix}")
+    loaded = EmbeddingIndex.load(path)
+    assert np.array_equal(loaded._trained_keys, idx._trained_keys)
+    rows = recall_sample(loaded, 50, 0)
+    assert not np.isin(loaded._keys[rows], idx._trained_keys).any()  # never a training row
+    assert loaded.measure_recall(k=5, num_queries=50)["held_out"] is True
+    _strip_array(path, "trained_keys")  # an index saved before the keys were: not held out
+    old = EmbeddingIndex.load(path)
+    assert old.measure_recall(k=5, num_queries=50)["held_out"] is False

@@ -1,8 +1,10 @@
 """The on-disk form of an :class:`~dmlkit.apps.index.EmbeddingIndex`, and where item ids come from.
 
 * :func:`save_index` / :func:`load_index`: a directory (``index.json``, ``vectors.npy``,
-  ``keys.npy``, ``ids.npy``, ``labels.npy``, ``metadata.jsonl``, ``faiss.index``; written
-  beside the target and renamed into place) or one ``.npz``; format v1 files still load.
+  ``keys.npy``, ``ids.npy``, ``labels.npy``, ``trained_keys.npy``, ``metadata.jsonl``,
+  ``faiss.index``; written beside the target and renamed into place) or one ``.npz``; format v1
+  files still load, as do v2 files written before ``trained_keys`` was saved (an IVF index
+  then counts every row as a training row, so its re-measured recall is not held-out).
 * :func:`item_ids`: the ids of an embeddings file's rows (their dataset paths when the file
   comes from a run), so query results map back to files.
 """
@@ -35,6 +37,9 @@ __all__ = ["FORMAT", "index_meta", "item_ids", "load_index", "save_index"]
 
 FORMAT_V1 = "dmlkit-index-v1"
 FORMAT = "dmlkit-index-v2"
+_IVF_KINDS = ("ivf_flat", "ivf_pq")
+#: The arrays of a saved index (``trained_keys``: IVF kinds, absent from older files).
+_ARRAYS = ("vectors", "keys", "ids", "labels", "trained_keys")
 
 
 def index_meta(self: EmbeddingIndex) -> dict[str, Any]:
@@ -57,13 +62,16 @@ def save_index(self: EmbeddingIndex, path: str | os.PathLike) -> Path:
     """Write the index: a directory, or one ``.npz`` file when ``path`` ends in ``.npz``.
 
     The directory holds ``index.json`` (kind, distance, settings, measured recall, info),
-    ``vectors.npy``, ``keys.npy``, ``ids.npy``, ``labels.npy``, ``metadata.jsonl`` and
+    ``vectors.npy``, ``keys.npy``, ``ids.npy``, ``labels.npy``, ``trained_keys.npy`` (IVF
+    kinds: the keys of the rows the quantiser was trained on), ``metadata.jsonl`` and
     ``faiss.index``; it is written beside the target and renamed into place.
     """
     path = Path(path)
     arrays: dict[str, np.ndarray] = {"vectors": self.embeddings, "keys": self._keys, "ids": self.ids}
     if self.labels is not None:
         arrays["labels"] = self.labels
+    if self.kind in _IVF_KINDS:  # the rows the quantiser saw: a reloaded index's recall stays honest
+        arrays["trained_keys"] = self._trained_keys
     blob = self._faiss_bytes()
     meta_lines = None
     if self.metadata is not None:
@@ -146,7 +154,7 @@ def _load_index(cls: type[EmbeddingIndex], path: Path, mmap: bool) -> EmbeddingI
                 return _random_access(np.load(f, allow_pickle=False, mmap_mode="r"))
             return np.load(f, allow_pickle=False)
 
-        data = {n: arr(n) for n in ("vectors", "keys", "ids", "labels")}
+        data = {n: arr(n) for n in _ARRAYS}
         mfile = path / "metadata.jsonl"
         metadata = [json.loads(line) for line in mfile.read_text().splitlines()] if mfile.exists() else None
         ffile = path / "faiss.index"
@@ -163,7 +171,7 @@ def _load_index(cls: type[EmbeddingIndex], path: Path, mmap: bool) -> EmbeddingI
             if meta.get("format") == FORMAT_V1:
                 return cls(z["embeddings"], z["labels"] if "labels" in z else None,
                            z["ids"] if "ids" in z else None, distance=meta["distance"])
-            data = {n: z[n] if n in z else None for n in ("vectors", "keys", "ids", "labels")}
+            data = {n: z[n] if n in z else None for n in _ARRAYS}
             metadata = ([json.loads(line) for line in str(z["metadata"]).splitlines()]
                         if "metadata" in z else None)
             blob = z["faiss"] if "faiss" in z else None
@@ -189,6 +197,9 @@ def _from_parts(cls: type[EmbeddingIndex], meta: dict[str, Any], data: dict[str,
     self.embeddings, self._keys, self.ids = vectors, np.asarray(keys, dtype=np.int64), ids.astype(str)
     self.labels = None if data["labels"] is None else np.asarray(data["labels"], dtype=np.int64)
     self.metadata = metadata
+    if self.kind in _IVF_KINDS:  # saved without them (older files): any row may be a training row
+        trained = data["trained_keys"]
+        self._trained_keys = self._keys.copy() if trained is None else np.asarray(trained, dtype=np.int64)
     self._next_key = int(meta["next_key"])
     self.recall = meta.get("recall")
     if blob is not None:
