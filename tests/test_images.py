@@ -84,3 +84,19 @@ def test_nearly_blank_16bit_images_are_refused(tmp_path):
     assert np.unique(np.asarray(to_8bit(Image.fromarray(flat)))).tolist() == [156]
     eight = Image.fromarray(np.zeros((4, 4), np.uint8))
     assert to_8bit(eight) is eight
+
+
+@pytest.mark.parametrize("train", [False, True])
+def test_imagenet_resize_caps_a_strip_s_long_side(train):
+    """A 2 x 6000 px strip: the shorter side to 256 would make the longer 768,000 px (1.5 GB);
+    the cap keeps it at MAX_ASPECT x 256, and ordinary aspect ratios are untouched."""
+    from PIL import Image
+
+    from dmlkit.data.transforms import MAX_ASPECT
+
+    t = get_transforms("imagenet", train=train)
+    resize = next(step for step in t.transforms if type(step).__name__ == "Resize")
+    strip = resize(Image.new("RGB", (2, 6000)))
+    assert max(strip.size) == MAX_ASPECT * 256
+    assert resize(Image.new("RGB", (3000, 200))).size == (3840, 256)  # 15:1: as before
+    assert t(Image.new("RGB", (2, 6000))).shape[1:] == (227, 227)

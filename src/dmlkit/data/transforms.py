@@ -8,6 +8,10 @@
   227 x 227), horizontal flip with p = 0.5, ImageNet normalisation;
 - eval: resize the shorter side to 256, centre crop 227, ImageNet normalisation.
 
+The resize caps the longer side at :data:`MAX_ASPECT` times the shorter (4096 px for 256):
+without it a 2 x 6000 px strip became a 256 x 768,000 image (1.5 GB, 17 s a load); no image
+under 16:1 is affected (a longer strip is scaled to that cap, the crop padded with zeros).
+
 ``imagenet_resize`` keeps the whole image (no centre crop): eval resizes to
 ``image_size x image_size`` (default 224) and normalises; train uses a mild
 ``RandomResizedCrop(image_size, scale=(0.64, 1))`` and a flip. For images whose content fills
@@ -31,11 +35,13 @@ from typing import Any
 from dmlkit.data.base import to_8bit
 from dmlkit.exceptions import ConfigError
 
-__all__ = ["IMAGENET_MEAN", "IMAGENET_STD", "PRESETS", "ToMode", "get_transforms"]
+__all__ = ["IMAGENET_MEAN", "IMAGENET_STD", "MAX_ASPECT", "PRESETS", "ToMode", "get_transforms"]
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
 PRESETS = ("imagenet", "imagenet_resize", "grayscale", "none")
+#: The longest side ``imagenet``'s resize makes, as a multiple of its shorter side.
+MAX_ASPECT = 16
 
 
 class ToMode:
@@ -74,12 +80,12 @@ def get_transforms(preset: str, train: bool, image_size: int | None = None, *,
         short = max(int(resize), crop)
         norm = [T.Normalize(IMAGENET_MEAN, IMAGENET_STD)] if normalize else []
         if train:
-            steps = [ToMode("RGB"), T.Resize(short),
+            steps = [ToMode("RGB"), T.Resize(short, max_size=MAX_ASPECT * short),
                      T.RandomResizedCrop(crop, scale=scale, ratio=ratio)]
             if flip > 0:
                 steps.append(T.RandomHorizontalFlip(flip))
         else:
-            steps = [ToMode("RGB"), T.Resize(short), T.CenterCrop(crop)]
+            steps = [ToMode("RGB"), T.Resize(short, max_size=MAX_ASPECT * short), T.CenterCrop(crop)]
         return T.Compose([*steps, T.ToTensor(), *norm])
     if name == "imagenet_resize":
         size = int(image_size or 224)
