@@ -114,7 +114,11 @@ def safe_normalize(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
     Each slice is first divided by the power of two ``2^e`` just above its largest magnitude
     (exact in floating point; a constant for autograd: the result is invariant to that factor,
     so the gradient is exactly that of ``x / ||x||``), which puts its norm in
-    ``[1/2, sqrt(D)]``; all-zero slices stay zero (as with ``F.normalize``).
+    ``[1/2, sqrt(D)]``; all-zero slices stay zero (as with ``F.normalize``) and get a zero
+    gradient (``F.normalize`` divides them by its ``eps = 1e-12``, a gradient of ``1e12`` times
+    the incoming one, which an optimiser step turns into a row of ``~1e10``; ``x / ||x||`` has
+    no derivative at 0, and 0 is the choice that leaves such a row where it is). Other slices
+    are unaffected: their scaled norm is at least ``1/2``, far above ``eps``.
     """
     if x.numel() == 0:
         return x
@@ -125,7 +129,9 @@ def safe_normalize(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
     # in two halves: 2^-e alone overflows for subnormal peaks (e < -126)
     half = torch.div(-exponent, 2, rounding_mode="floor")
     scaled = torch.ldexp(torch.ldexp(x, half.to(x.dtype)), (-exponent - half).to(x.dtype))
-    return torch.nn.functional.normalize(scaled, p=2.0, dim=dim)
+    out = torch.nn.functional.normalize(scaled, p=2.0, dim=dim)
+    # the forward values are unchanged (a zero slice is 0 / eps = 0); the fill cuts the gradient
+    return out.masked_fill(peak == 0, 0.0)
 
 
 #: Rows per block of :func:`normalize_rows` (bounds its float64 temporaries: 8 MB at d = 128).

@@ -325,6 +325,9 @@ def class_columns(
     ``O(B x max class size)`` memory; the anchor's own column is invalid when ``same_set``.
     """
     _, cls_q, cls_r, counts = class_codes(labels, ref_labels)
+    if len(cls_r) == 0:  # no reference (an empty batch): no column is valid
+        cols = torch.zeros(len(labels), 1, dtype=torch.long, device=labels.device)
+        return cols, torch.zeros_like(cols, dtype=torch.bool), cls_q, cls_r, counts
     order = torch.argsort(cls_r, stable=True)
     starts = torch.cumsum(counts, 0) - counts
     width = max(int(counts.max()), 1)

@@ -433,7 +433,7 @@ class MarginLoss(BaseLoss):
 
     def _beta_for(self, anchor_labels: torch.Tensor) -> torch.Tensor:
         if self.num_classes is None:
-            return self.beta[0].expand_as(anchor_labels).to(torch.float32)
+            return self.beta[0].expand_as(anchor_labels)  # the caller casts (no float32 rounding)
         if anchor_labels.numel() and (
             int(anchor_labels.min()) < 0 or int(anchor_labels.max()) >= self.num_classes
         ):

@@ -331,9 +331,13 @@ class SNRContrastiveLoss(_PairMatrixLoss):
         return snr_matrix(self.distance, embeddings, ref_emb)
 
     def compute(self, embeddings, labels, indices, ref_emb, ref_labels):
+        # the regulariser needs no pair: a batch (or a miner's output) without any keeps it
+        reg = (self.regularizer_weight * upcast(embeddings).sum(1).abs().mean()
+               if self.regularizer_weight > 0 and embeddings.shape[0] else None)
         mat, pos, neg = self._setup(embeddings, labels, indices, ref_emb, ref_labels)
         if mat is None:
-            return self.zero_loss(embeddings)
+            zero = self.zero_loss(embeddings)
+            return zero if reg is None else zero + reg
         pos_loss = F.relu(-self.distance.margin(mat[pos], self.pos_margin))
         neg_loss = F.relu(-self.distance.margin(self.neg_margin, mat[neg]))
         if self.reduction == "nonzero":
@@ -343,9 +347,7 @@ class SNRContrastiveLoss(_PairMatrixLoss):
             loss = (pos_loss.mean() if pos_loss.numel() else zero) + (
                 neg_loss.mean() if neg_loss.numel() else zero
             )
-        if self.regularizer_weight > 0:
-            loss = loss + self.regularizer_weight * upcast(embeddings).sum(1).abs().mean()
-        return loss
+        return loss if reg is None else loss + reg
 
 
 # -- NCA ------------------------------------------------------------------------------------------
