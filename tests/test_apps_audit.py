@@ -137,3 +137,67 @@ def test_loaded_ivf_index_keeps_its_held_out_recall_sample(tmp_path, suffix):
     _strip_array(path, "trained_keys")  # an index saved before the keys were: not held out
     old = EmbeddingIndex.load(path)
     assert old.measure_recall(k=5, num_queries=50)["held_out"] is False
+
+
+# -- class-name labels in an index -------------------------------------------------------------
+def _vectors(n: int, seed: int = 1) -> np.ndarray:
+    return np.random.default_rng(seed).normal(size=(n, 4)).astype(np.float32)
+
+
+@pytest.mark.parametrize("suffix", ["", ".npz"])
+def test_index_class_names_keep_their_codes_across_batches_and_save_load(tmp_path, suffix):
+    from dmlkit.exceptions import DataError
+
+    x = _vectors(6)
+    idx = EmbeddingIndex(x[:2], np.array(["cat", "dog"]), ["a1", "a2"])
+    idx.add(x[2:4], np.array(["dog", "zebra"]), ["b1", "b2"])  # 'dog' keeps its code, 'zebra' is new
+    assert idx.class_names.tolist() == ["cat", "dog", "zebra"]
+    assert idx.class_names[idx.labels].tolist() == ["cat", "dog", "dog", "zebra"]
+    loaded = EmbeddingIndex.load(idx.save(tmp_path / f"named{suffix}"))
+    assert loaded.class_names.tolist() == ["cat", "dog", "zebra"]
+    loaded.add(x[4:], ["ant", "cat"], ["c1", "c2"])  # a name sorting first is appended, not re-sorted
+    assert loaded.class_names[loaded.labels].tolist() == ["cat", "dog", "dog", "zebra", "ant", "cat"]
+    records = loaded.search(x[3], k=1).to_records()
+    assert records[0][0]["label"] == "zebra" and records[0][0]["id"] == "b2"
+    assert loaded.classify(x[4:], k=1).tolist() == ["ant", "cat"]
+    with pytest.raises(DataError, match="integer ids but the index's labels are class names"):
+        loaded.add(_vectors(1, 2), np.array([3]), ["d1"])
+    ints = EmbeddingIndex(x[:2], np.array([5, 7]))
+    with pytest.raises(DataError, match="class names .* but the index's labels are integer ids"):
+        ints.add(x[2:4], np.array(["dog", "zebra"]))
+    reloaded = EmbeddingIndex.load(ints.save(tmp_path / f"ints{suffix}"))  # no names: integer labels
+    assert reloaded.class_names is None and reloaded.search(x[0], k=1).to_records()[0][0]["label"] == 5
+
+
+def test_cli_index_add_and_query_use_the_stored_class_names(tmp_path, capsys):
+    from dmlkit.cli import main
+
+    x = _vectors(6)
+    np.savez(tmp_path / "s1.npz", embeddings=x[:2], labels=np.array(["cat", "dog"]), paths=np.array(["a1", "a2"]))
+    np.savez(tmp_path / "s2.npz", embeddings=x[2:4], labels=np.array(["dog", "zebra"]), paths=np.array(["b1", "b2"]))
+    np.savez(tmp_path / "n1.npz", embeddings=x[4:], labels=np.array([5, 7]), paths=np.array(["c1", "c2"]))
+
+    def run(*args: str) -> tuple[int, str, str]:
+        try:
+            main([str(a) for a in args])
+            code = 0
+        except SystemExit as exc:
+            code = int(exc.code or 0)
+        out, err = capsys.readouterr()
+        return code, out, err
+
+    idx = tmp_path / "idx"
+    assert run("index", tmp_path / "s1.npz", "-o", idx)[0] == 0
+    assert run("index", tmp_path / "s2.npz", "-o", idx, "--add")[0] == 0
+    loaded = EmbeddingIndex.load(idx)
+    assert dict(zip(loaded.ids.tolist(), loaded.class_names[loaded.labels].tolist())) == {
+        "a1": "cat", "a2": "dog", "b1": "dog", "b2": "zebra"}
+    code, out, _ = run("query", idx, tmp_path / "s2.npz", "-k", "1")
+    assert code == 0 and "b1 [label dog]" in out and "b2 [label zebra]" in out
+    code, _, err = run("index", tmp_path / "n1.npz", "-o", idx, "--add")  # numbers on a named index
+    assert code == 2 and err.startswith("error:") and err.count("\n") == 1 and "n1.npz" in err
+    nidx = tmp_path / "nidx"
+    assert run("index", tmp_path / "n1.npz", "-o", nidx)[0] == 0
+    code, _, err = run("index", tmp_path / "s2.npz", "-o", nidx, "--add")  # names on a numbered index
+    assert code == 2 and "class names" in err and err.count("\n") == 1
+    assert EmbeddingIndex.load(nidx).labels.tolist() == [5, 7]  # nothing was added

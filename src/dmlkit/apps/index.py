@@ -53,6 +53,7 @@ from dmlkit.apps.index_faiss import (
 )
 from dmlkit.apps.index_faiss import faiss_module as _faiss
 from dmlkit.apps.index_files import item_ids, load_index, save_index
+from dmlkit.apps.index_labels import SearchResult, encode_labels
 from dmlkit.apps.index_tuning import recall_at_k
 from dmlkit.distances import get_distance
 from dmlkit.exceptions import ConfigError, DataError, ShapeError
@@ -64,42 +65,6 @@ INDEX_KINDS = ("flat", "ivf_flat", "ivf_pq", "hnsw")
 
 
 @dataclass(frozen=True)
-class SearchResult:
-    """Neighbours of each query, closest first: ``(Q, k)`` arrays.
-
-    ``indices`` are row positions in the index (``-1`` where an approximate search found fewer
-    than ``k`` neighbours), ``ids`` the items' identifiers, ``labels`` their labels (or
-    ``None``), ``metadata`` their metadata dicts (or ``None``).
-    """
-
-    indices: np.ndarray
-    scores: np.ndarray
-    labels: np.ndarray | None
-    ids: np.ndarray | None
-    higher_is_closer: bool
-    metadata: list[list[dict[str, Any] | None]] | None = None
-
-    def to_records(self) -> list[list[dict[str, Any]]]:
-        """One list per query of ``{"rank", "index", "score", "label", "id", "metadata"}``."""
-        out = []
-        for q in range(self.indices.shape[0]):
-            row = []
-            for r, (i, s) in enumerate(zip(self.indices[q], self.scores[q])):
-                if i < 0:
-                    continue
-                rec: dict[str, Any] = {"rank": r + 1, "index": int(i), "score": float(s)}
-                if self.labels is not None:
-                    rec["label"] = int(self.labels[q, r])
-                if self.ids is not None:
-                    rec["id"] = str(self.ids[q, r])
-                if self.metadata is not None and self.metadata[q][r] is not None:
-                    rec["metadata"] = self.metadata[q][r]
-                row.append(rec)
-            out.append(row)
-        return out
-
-
-@dataclass(frozen=True)
 class _Block:
     """A checked, encoded block of :meth:`EmbeddingIndex.add`, not yet in the stored arrays."""
 
@@ -108,6 +73,7 @@ class _Block:
     ids: np.ndarray
     labels: np.ndarray | None
     metadata: list[dict[str, Any] | None] | None
+    class_names: np.ndarray | None  # the index's class names once this block is in
 
 
 class EmbeddingIndex:
@@ -116,7 +82,9 @@ class EmbeddingIndex:
     Args:
         embeddings: ``(M, D)`` reference embeddings (numpy or torch); ``None`` with ``dim``
             for an empty index that is filled with :meth:`add`.
-        labels: optional ``(M,)`` integer labels (for :meth:`classify` and the results).
+        labels: optional ``(M,)`` integer labels or class-name strings (for :meth:`classify`
+            and the results); names are stored as codes into ``class_names``
+            (:mod:`dmlkit.apps.index_labels`), and results and :meth:`classify` report names.
         ids: optional ``(M,)`` unique string identifiers (file paths, product ids, ...);
             default: the running row number as a string.
         distance: ``cosine`` (default), ``euclidean`` or ``dot``.
@@ -192,6 +160,7 @@ class EmbeddingIndex:
         self.info: dict[str, Any] = dict(info or {})
         self.embeddings = np.empty((0, int(dim or 0)), dtype=np.float32)
         self.labels: np.ndarray | None = None
+        self.class_names: np.ndarray | None = None  # names of the label codes (string labels)
         self.ids = np.empty((0,), dtype=str)
         self.metadata: list[dict[str, Any] | None] | None = None
         self._keys = np.empty((0,), dtype=np.int64)
@@ -291,22 +260,8 @@ class EmbeddingIndex:
             raise ShapeError(f"the index holds {dim}-d embeddings, got {emb.shape[1]}-d")
         first = len(self) == 0 and not pending
         has_labels = pending[0].labels is not None if pending else self.labels is not None
-        if labels is not None:
-            lab = np.asarray(labels.detach().cpu() if hasattr(labels, "detach") else labels)
-            if lab.shape != (n,):
-                raise ShapeError(f"labels must be ({n},), got {lab.shape}")
-            if lab.dtype.kind not in "iu":
-                if lab.dtype.kind == "f" and np.all(lab == np.round(lab)):
-                    lab = lab.astype(np.int64)
-                else:
-                    raise ShapeError(f"labels must be integers, got dtype {lab.dtype}")
-            lab = lab.astype(np.int64)
-            if not has_labels and not first:
-                raise DataError("the index was built without labels; cannot add them now")
-        else:
-            lab = None
-            if has_labels:
-                raise DataError("the index has labels; pass labels for the new embeddings too")
+        names = pending[-1].class_names if pending else self.class_names
+        lab, names = encode_labels(labels, n, names, has_labels, first)
         next_key = self._next_key + sum(b.keys.size for b in pending)
         keys = np.arange(next_key, next_key + n, dtype=np.int64)
         if ids is None:
@@ -336,7 +291,7 @@ class EmbeddingIndex:
                 meta = [None] * n
         if self.kind != "flat":
             add_to_structure(self, emb, keys)
-        return _Block(emb, keys, new_ids, lab, meta)
+        return _Block(emb, keys, new_ids, lab, meta, names)
 
     def _commit(self, blocks: list[_Block]) -> None:
         """Append encoded blocks to the stored arrays, one concatenation each."""
@@ -347,6 +302,7 @@ class EmbeddingIndex:
         self.ids = np.concatenate(([] if first else [self.ids]) + parts("ids"))
         if blocks[0].labels is not None:
             self.labels = np.concatenate(([] if self.labels is None else [self.labels]) + parts("labels"))
+            self.class_names = blocks[-1].class_names
         if blocks[0].metadata is not None:
             self.metadata = (self.metadata or []) + [m for b in blocks for m in b.metadata]
         self._next_key += sum(b.keys.size for b in blocks)
@@ -539,10 +495,11 @@ class EmbeddingIndex:
         if self.metadata is not None:
             meta = [[self.metadata[i] if i >= 0 else None for i in row] for row in pos.tolist()]
         return SearchResult(indices=pos, scores=scores, labels=labels, ids=ids,
-                            higher_is_closer=self.higher_is_closer, metadata=meta)
+                            higher_is_closer=self.higher_is_closer, metadata=meta, class_names=self.class_names)
 
     def classify(self, queries: Any, k: int = 1) -> np.ndarray:
-        """kNN classification: the majority label of the ``k`` nearest (ties: the nearest's)."""
+        """kNN classification: the majority label of the ``k`` nearest (ties: the nearest's);
+        class names for an index of class names."""
         if self.labels is None:
             raise DataError("this index has no labels: build it with labels to classify")
         res = self.search(queries, k)
@@ -552,7 +509,7 @@ class EmbeddingIndex:
             values, counts = np.unique(row, return_counts=True)
             best = values[counts == counts.max()]
             out[q] = next(lab for lab in row if lab in best)  # nearest among the tied majority
-        return out
+        return out if self.class_names is None else self.class_names[out]
 
     # -- recall (apps/index_tuning.py) -----------------------------------------------------------
     def measure_recall(self, k: int = 10, queries: Any = None, num_queries: int = 1000) -> dict[str, Any]:

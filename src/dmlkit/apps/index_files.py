@@ -1,8 +1,8 @@
 """The on-disk form of an :class:`~dmlkit.apps.index.EmbeddingIndex`, and where item ids come from.
 
 * :func:`save_index` / :func:`load_index`: a directory (``index.json``, ``vectors.npy``,
-  ``keys.npy``, ``ids.npy``, ``labels.npy``, ``trained_keys.npy``, ``metadata.jsonl``,
-  ``faiss.index``; written beside the target and renamed into place) or one ``.npz``; format v1
+  ``keys.npy``, ``ids.npy``, ``labels.npy``, ``class_names.npy``, ``trained_keys.npy``,
+  ``metadata.jsonl``, ``faiss.index``; written beside the target and renamed into place) or one ``.npz``; format v1
   files still load, as do v2 files written before ``trained_keys`` was saved (an IVF index
   then counts every row as a training row, so its re-measured recall is not held-out).
 * :func:`item_ids`: the ids of an embeddings file's rows (their dataset paths when the file
@@ -38,8 +38,9 @@ __all__ = ["FORMAT", "index_meta", "item_ids", "load_index", "save_index"]
 FORMAT_V1 = "dmlkit-index-v1"
 FORMAT = "dmlkit-index-v2"
 _IVF_KINDS = ("ivf_flat", "ivf_pq")
-#: The arrays of a saved index (``trained_keys``: IVF kinds, absent from older files).
-_ARRAYS = ("vectors", "keys", "ids", "labels", "trained_keys")
+#: The arrays of a saved index (``class_names``: of string labels; ``trained_keys``: IVF kinds;
+#: both absent from older files).
+_ARRAYS = ("vectors", "keys", "ids", "labels", "class_names", "trained_keys")
 
 
 def index_meta(self: EmbeddingIndex) -> dict[str, Any]:
@@ -62,7 +63,8 @@ def save_index(self: EmbeddingIndex, path: str | os.PathLike) -> Path:
     """Write the index: a directory, or one ``.npz`` file when ``path`` ends in ``.npz``.
 
     The directory holds ``index.json`` (kind, distance, settings, measured recall, info),
-    ``vectors.npy``, ``keys.npy``, ``ids.npy``, ``labels.npy``, ``trained_keys.npy`` (IVF
+    ``vectors.npy``, ``keys.npy``, ``ids.npy``, ``labels.npy``, ``class_names.npy`` (string
+    labels: the names of the label codes), ``trained_keys.npy`` (IVF
     kinds: the keys of the rows the quantiser was trained on), ``metadata.jsonl`` and
     ``faiss.index``; it is written beside the target and renamed into place.
     """
@@ -70,6 +72,8 @@ def save_index(self: EmbeddingIndex, path: str | os.PathLike) -> Path:
     arrays: dict[str, np.ndarray] = {"vectors": self.embeddings, "keys": self._keys, "ids": self.ids}
     if self.labels is not None:
         arrays["labels"] = self.labels
+        if self.class_names is not None:  # string labels: the names of the stored codes
+            arrays["class_names"] = np.asarray(self.class_names, dtype=str)
     if self.kind in _IVF_KINDS:  # the rows the quantiser saw: a reloaded index's recall stays honest
         arrays["trained_keys"] = self._trained_keys
     blob = self._faiss_bytes()
@@ -196,6 +200,11 @@ def _from_parts(cls: type[EmbeddingIndex], meta: dict[str, Any], data: dict[str,
         raise DataError(f"{path} is corrupt: {len(metadata)} metadata lines for {n} items")
     self.embeddings, self._keys, self.ids = vectors, np.asarray(keys, dtype=np.int64), ids.astype(str)
     self.labels = None if data["labels"] is None else np.asarray(data["labels"], dtype=np.int64)
+    names = data["class_names"]
+    if names is not None:
+        self.class_names = np.asarray(names).astype(str)
+        if self.labels is None or (n and (self.labels.min() < 0 or self.labels.max() >= len(names))):
+            raise DataError(f"{path} is corrupt: its labels are not codes of its {len(names)} class names")
     self.metadata = metadata
     if self.kind in _IVF_KINDS:  # saved without them (older files): any row may be a training row
         trained = data["trained_keys"]

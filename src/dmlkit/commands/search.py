@@ -20,17 +20,18 @@ def register(app: typer.Typer) -> None:
 
 
 def _load_any_embeddings(path: Path):
-    """``(embeddings, labels or None, extra)`` of an .npz/.npy/.pt file (labels optional)."""
+    """``(embeddings, labels or None, extra)`` of an .npz/.npy/.pt file (labels optional): integer
+    ids, or class-name strings, which :class:`~dmlkit.apps.EmbeddingIndex` encodes against the
+    names it already holds (the same name keeps its code across files)."""
     import numpy as np
 
     from dmlkit.embedding_files import read_embedding_file
     from dmlkit.validation import check_labels
 
     emb, labels, extra = read_embedding_file(path, labels_required=False)
-    if labels is not None:  # integer ids, or class names kept beside their codes
-        labels, names = check_labels(labels, len(emb), name=f"labels of {path}")
-        if names is not None:
-            extra["class_names"] = np.asarray(names)
+    if labels is not None:  # integer ids, or class names (the index codes them against its own)
+        codes, names = check_labels(labels, len(emb), name=f"labels of {path}")
+        labels = codes if names is None else np.asarray(names)[codes]
     return emb, labels, extra
 
 
@@ -64,7 +65,7 @@ def index(
     from dmlkit.apps import EmbeddingIndex
     from dmlkit.apps.index import item_ids
     from dmlkit.embedding_shards import is_shard_dir, open_shards
-    from dmlkit.exceptions import ConfigError
+    from dmlkit.exceptions import ConfigError, DataError
     from dmlkit.utils import refuse_overwriting_inputs
 
     if remove or add:
@@ -83,7 +84,10 @@ def index(
             emb, labels, extra = _load_any_embeddings(embeddings)
             ids, _ = item_ids(embeddings, extra, data_root)
             meta = None if idx.metadata is None else [None] * len(emb)
-            idx.add(emb, labels, ids, meta)
+            try:
+                idx.add(emb, labels, ids, meta)
+            except DataError as exc:  # which file does not fit the index
+                raise DataError(f"{embeddings}: {exc}") from None
             typer.echo(f"added {len(emb)} item(s) to {output}")
         idx.save(output)
         typer.echo(f"{output}: {len(idx)} items (the recall measured at build is marked stale: rebuild to re-measure)")

@@ -238,7 +238,7 @@ def create_app(config: ServiceConfig, *, index: Any = None, embedder: Any = None
         rank: int
         id: str
         score: float
-        label: int | None = None
+        label: int | str | None = None  # the class name when the index holds names
         metadata: dict[str, Any] | None = None
         thumbnail: str
 
@@ -416,7 +416,10 @@ def create_app(config: ServiceConfig, *, index: Any = None, embedder: Any = None
     def item(item_id: str) -> dict[str, Any]:
         """An indexed item's label and metadata."""
         pos = known(item_id)
-        return {"id": item_id, "label": None if idx.labels is None else int(idx.labels[pos]),
+        label = None if idx.labels is None else int(idx.labels[pos])
+        if label is not None and idx.class_names is not None:  # string labels: the item's class name
+            label = str(idx.class_names[label])
+        return {"id": item_id, "label": label,
                 "metadata": None if idx.metadata is None else idx.metadata[pos]}
 
     @app.get("/", include_in_schema=False)
