@@ -201,3 +201,17 @@ def test_cli_index_add_and_query_use_the_stored_class_names(tmp_path, capsys):
     code, _, err = run("index", tmp_path / "s2.npz", "-o", nidx, "--add")  # names on a numbered index
     assert code == 2 and "class names" in err and err.count("\n") == 1
     assert EmbeddingIndex.load(nidx).labels.tolist() == [5, 7]  # nothing was added
+
+
+def test_service_reports_class_names(tmp_path):
+    pytest.importorskip("fastapi")
+    from fastapi.testclient import TestClient
+
+    from dmlkit.apps.service import ServiceConfig, create_app
+
+    x = _vectors(4)
+    EmbeddingIndex(x, np.array(["cat", "dog", "dog", "zebra"]), ["a1", "a2", "b1", "b2"]).save(tmp_path / "idx")
+    client = TestClient(create_app(ServiceConfig(index=tmp_path / "idx")))
+    r = client.post("/api/query/embedding", json={"embedding": x[3].tolist(), "k": 1})
+    assert r.status_code == 200 and r.json()["results"][0]["label"] == "zebra"
+    assert client.get("/api/items/a2").json()["label"] == "dog"
