@@ -1,6 +1,7 @@
 """Findings of the loss audit, one test each: the Euclidean distance's gradient for near pairs,
-SNR contrastive's regulariser without pairs, MarginLoss's float64 beta, every loss on an empty
-batch, and zero rows' gradient through the normalisation."""
+SNR contrastive's regulariser without pairs, MarginLoss's float64 beta, ``combined`` with
+cross-batch memory / a BN neck, every loss on an empty batch, zero rows' gradient through the
+normalisation, and the preflight's miner / memory pairing checks."""
 
 from __future__ import annotations
 
@@ -10,8 +11,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from _reference import tiny_sections
+from dmlkit.config import ExperimentConfig, LossConfig
 from dmlkit.distances import LpDistance, _safe_sqrt
-from dmlkit.losses import LOSSES, get_loss
+from dmlkit.exceptions import ConfigError, ShapeError
+from dmlkit.losses import LOSSES, CombinedLoss, CrossBatchMemory, get_loss
+from dmlkit.training.builders import build_loss, build_miner
+from dmlkit.training.preflight import build_problems
 from dmlkit.validation import safe_normalize
 
 DIM = 8
@@ -143,6 +149,20 @@ def test_margin_single_beta_is_not_rounded_to_float32():
     assert abs(value.item() - ref.item()) < 1e-14
 
 
+# -- 4. combined + cross-batch memory -------------------------------------------------------------
+def test_combined_cannot_be_wrapped_in_cross_batch_memory():
+    combined = get_loss("combined", num_classes=4, embedding_size=16,
+                        losses=[{"name": "triplet"}])
+    with pytest.raises(ConfigError, match="cross_batch_memory"):
+        CrossBatchMemory(combined, embedding_size=16, memory_size=64)
+    with pytest.raises(ConfigError, match="cross_batch_memory"):
+        build_loss(LossConfig(name="combined", params={"losses": [{"name": "triplet"}]},
+                              cross_batch_memory=64), 10, 16)
+    x, y = torch.randn(6, 16), torch.arange(6) // 2
+    with pytest.raises(ConfigError, match="ref_emb"):  # was silently ignored
+        combined(x, y, ref_emb=x, ref_labels=y)
+
+
 # -- 5. every loss on an empty batch ---------------------------------------------------------------
 @pytest.mark.parametrize("name", sorted(LOSSES))
 def test_every_loss_gives_zero_with_a_gradient_on_an_empty_batch(name):
@@ -153,6 +173,29 @@ def test_every_loss_gives_zero_with_a_gradient_on_an_empty_batch(name):
     value.backward()
     assert value.item() == 0.0
     assert x.grad is not None and x.grad.shape == x.shape
+
+
+# -- 6. combined with a BN neck ---------------------------------------------------------------------
+SPEC = [{"name": "triplet", "params": {"reduction": "batch_hard"}},
+        {"name": "softmax", "bn_neck": True, "params": {"bias": False}}]
+
+
+def test_combined_bn_neck_accepts_float64_and_refuses_one_row_clearly():
+    torch.manual_seed(0)
+    loss = get_loss("combined", num_classes=4, embedding_size=8, losses=SPEC)
+    x = torch.randn(8, 8, dtype=torch.float64, requires_grad=True)
+    value = loss(x, torch.arange(8) // 2)
+    value.backward()
+    assert value.dtype == torch.float64 and torch.isfinite(x.grad).all()
+    # the neck in float32, cast back: the same value as the float32 batch
+    x32 = x.detach().float()
+    torch.testing.assert_close(value.detach().float(), loss(x32, torch.arange(8) // 2),
+                               rtol=1e-5, atol=1e-6)
+    with pytest.raises(ShapeError, match="at least 2 embeddings"):
+        loss(torch.randn(1, 8), torch.tensor([1]))
+    loss.eval()  # running statistics: a batch of one is fine
+    assert torch.isfinite(loss(torch.randn(1, 8), torch.tensor([1])))
+    assert isinstance(loss, CombinedLoss)
 
 
 # -- 7. zero rows through the normalisation --------------------------------------------------------
@@ -182,3 +225,42 @@ def test_safe_normalize_zero_rows_forward_unchanged_gradient_zero():
     F.normalize(ref, dim=1).sum().backward()
     keep = torch.arange(6) != 2
     torch.testing.assert_close(x.grad[keep], ref.grad[keep])
+
+
+# -- 8. the preflight's pairing checks --------------------------------------------------------------
+def config(loss: dict, miner: dict | None) -> ExperimentConfig:
+    sections = tiny_sections()
+    sections["loss"] = loss
+    return ExperimentConfig.model_validate({
+        "name": "audit", "seed": 0,
+        "data": {"dataset": "omniglot", "transform": "grayscale", "image_size": 28},
+        **sections, "miner": miner,
+        "sampler": {"classes_per_batch": 4, "samples_per_class": 4},
+        "training": {"epochs": 1, "device": "cpu"},
+    })
+
+
+@pytest.mark.parametrize(("loss", "miner", "key"), [
+    ({"name": "arcface"}, {"name": "batch_hard"}, "miner"),
+    ({"name": "coupled_clusters"}, {"name": "batch_hard"}, "miner"),
+    ({"name": "combined", "params": {"losses": [{"name": "triplet"}]}, "cross_batch_memory": 64},
+     None, "loss.cross_batch_memory"),
+])
+def test_preflight_reports_a_miner_or_memory_the_loss_cannot_use(loss, miner, key):
+    cfg = config(loss, miner)
+    problems = [p for p in build_problems(cfg, num_classes=16) if p.severity == "error"]
+    assert [p.key for p in problems] == [key]
+    assert loss["name"] in problems[0].message and problems[0].fix == f"--set {key}=null"
+    if miner is not None:  # what the first training step would raise
+        built = build_loss(cfg.loss, 16, 16, build_miner(cfg.miner))
+        with pytest.raises(ConfigError, match="miner"):
+            built(torch.randn(8, 16), torch.arange(8) // 2, build_miner(cfg.miner)(
+                torch.randn(8, 16), torch.arange(8) // 2))
+
+
+def test_preflight_accepts_the_usual_pairings():
+    for loss, miner in (({"name": "triplet"}, {"name": "batch_hard"}),
+                        ({"name": "contrastive", "cross_batch_memory": 64}, {"name": "batch_hard"}),
+                        ({"name": "arcface"}, None)):
+        problems = build_problems(config(loss, miner), num_classes=16)
+        assert not [p for p in problems if p.severity == "error"], problems

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from dmlkit.exceptions import ConfigError
+from dmlkit.exceptions import ConfigError, ShapeError
 from dmlkit.losses.base import LOSSES, BaseLoss, get_loss, register_loss
 
 __all__ = ["CombinedLoss"]
@@ -89,15 +89,44 @@ class CombinedLoss(BaseLoss):
         self.last_terms: dict[str, float] = {}
 
     def compute(self, embeddings, labels, indices, ref_emb, ref_labels):
+        if ref_emb is not None:
+            raise ConfigError(_NO_REFERENCES)
         total = embeddings.new_zeros(())
         parts: dict[str, float] = {}
         for k, (term, neck, weight) in enumerate(zip(self.terms, self.necks, self.weights)):
-            x = neck(embeddings)
+            x = _apply_neck(neck, embeddings)
             value = term(x, labels, indices if self.use_indices[k] else None)
             parts[f"{k}:{self.names[k]}"] = float(value.detach())
             total = total + weight * value
         self.last_terms = parts
         return total
+
+
+#: Why the combined loss takes no reference set (so no cross-batch memory either).
+_NO_REFERENCES = (
+    "the combined loss takes no ref_emb/ref_labels, so it cannot be wrapped in cross-batch "
+    "memory (loss.cross_batch_memory): use the memory with a single pair-based loss, or remove it"
+)
+
+
+def _apply_neck(neck: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """``neck(x)`` in the neck's parameter dtype, cast back to ``x``'s dtype.
+
+    A float64 batch through a float32 ``BatchNorm1d`` would fail (mixed dtypes); the neck
+    computes in float32 then, as the loss terms do for their own float32 weights (a float64
+    loss module, ``.double()``, keeps float64 throughout). In training mode BatchNorm needs
+    at least 2 rows (a batch variance); a batch of one is refused with a clear error.
+    """
+    if isinstance(neck, nn.Identity) or x.shape[0] == 0:  # an empty batch: nothing to normalise
+        return x
+    if neck.training and x.shape[0] < 2:
+        raise ShapeError(
+            f"the combined loss's bn_neck normalises with the batch's statistics, which need at "
+            f"least 2 embeddings, got {x.shape[0]}: use a larger batch (or call .eval() on the "
+            "loss to use the running statistics)"
+        )
+    dtype = neck.weight.dtype
+    return neck(x.to(dtype)).to(x.dtype)
 
 
 def _bn_neck(dim: int) -> nn.BatchNorm1d:

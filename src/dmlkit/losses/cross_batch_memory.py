@@ -28,6 +28,7 @@ from torch import nn
 
 from dmlkit.exceptions import ConfigError, ShapeError
 from dmlkit.losses.base import BaseLoss, ProxyLoss
+from dmlkit.losses.combined import _NO_REFERENCES, CombinedLoss
 
 __all__ = ["CrossBatchMemory"]
 
@@ -96,6 +97,8 @@ class CrossBatchMemory(BaseLoss):
                 f"CrossBatchMemory needs a pair-based loss; {type(loss).__name__} compares "
                 "embeddings with its own proxies/weights, so a memory of embeddings does not apply"
             )
+        if isinstance(loss, CombinedLoss):  # its terms would see neither memory nor indices' refs
+            raise ConfigError(_NO_REFERENCES)
         if not getattr(loss, "accepts_indices", False):
             raise ConfigError(
                 f"{type(loss).__name__} does not accept a miner's indices, so CrossBatchMemory "

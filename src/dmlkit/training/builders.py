@@ -32,7 +32,7 @@ from dmlkit.config import (
 from dmlkit.data import ClassSplit, default_split, get_transforms, load_dataset, split_classes
 from dmlkit.data.transforms import PRESETS as TRANSFORM_PRESETS
 from dmlkit.exceptions import ConfigError, DmlkitError
-from dmlkit.losses import LOSSES, CrossBatchMemory, get_loss
+from dmlkit.losses import LOSSES, CombinedLoss, CrossBatchMemory, ProxyLoss, get_loss
 from dmlkit.miners import MINERS, get_miner
 from dmlkit.models import TRUNKS, EmbeddingModel, build_trunk, freeze_batchnorm
 from dmlkit.samplers import MPerClassSampler
@@ -48,7 +48,9 @@ __all__ = [
     "build_sampler",
     "build_split",
     "check_world_size",
+    "pairing_problems",
     "split_parameters",
+    "without_memory",
 ]
 
 logger = logging.getLogger("dmlkit.training")
@@ -182,6 +184,45 @@ def build_loss(
     if section.cross_batch_memory:
         loss = CrossBatchMemory(loss, embedding_size, section.cross_batch_memory, miner=miner)
     return loss
+
+
+def without_memory(section: LossConfig) -> LossConfig:
+    """``section`` without ``cross_batch_memory`` (to check the loss's own parameters alone)."""
+    return section.model_copy(update={"cross_batch_memory": None})
+
+
+def pairing_problems(config: ExperimentConfig, loss_key: str = "loss",
+                     miner_key: str = "miner") -> list[tuple[str, str]]:
+    """``(key, message)`` for a miner or a cross-batch memory that the loss cannot use, found
+    from the registry without building anything (the key to set to ``null`` in CLI spelling).
+
+    A miner is refused by a loss that does not accept indices (classification/proxy losses,
+    coupled clusters, prototypical, which mine or weigh pairs themselves); the memory
+    (:class:`~dmlkit.losses.CrossBatchMemory`) by those and by ``combined``, which passes its
+    terms no reference set. Without this check the first would fail at the first training
+    step, the second in :func:`build_loss` (a ``loss.params`` problem in the preflight).
+    """
+    name = config.loss.name
+    cls = LOSSES.get(name)
+    if cls is None:  # an unknown name is reported under loss.name
+        return []
+    quoted = f"{loss_key}.name {name!r}"
+    if config.loss.cross_batch_memory:
+        if issubclass(cls, CombinedLoss):
+            why = "gives its terms no reference set"
+        elif issubclass(cls, ProxyLoss):
+            why = "compares embeddings with its own proxies/weights"
+        elif not cls.accepts_indices:
+            why = "does not take a miner's indices"
+        else:
+            return []
+        return [(f"{loss_key}.cross_batch_memory",
+                 f"is {config.loss.cross_batch_memory} but {quoted} {why}: the memory needs a "
+                 "pair-based loss")]
+    if config.miner is not None and config.miner.name in MINERS and not cls.accepts_indices:
+        return [(miner_key, f"{config.miner.name!r} is set but {quoted} does not take a miner's "
+                            "pairs or triplets (the first training step would refuse them)")]
+    return []
 
 
 def split_parameters(model: nn.Module) -> tuple[list[nn.Parameter], list[nn.Parameter]]:

@@ -56,6 +56,7 @@ from dmlkit.exceptions import ConfigError, DataNotFoundError, DmlkitError
 from dmlkit.losses import LOSSES
 from dmlkit.losses.sharding import check_shardable
 from dmlkit.miners import MINERS
+from dmlkit.training import builders
 from dmlkit.training.builders import build_loss, build_miner, build_split, model_setting_problems
 from dmlkit.training.data_root import load_config_dataset
 from dmlkit.utils import data_root as resolve_data_root
@@ -360,8 +361,11 @@ def build_problems(config: ExperimentConfig, num_classes: int, *, loss_key: str 
     except DmlkitError as exc:  # an unknown name is the name's problem, not the parameters'
         known = config.miner is None or config.miner.name in MINERS
         problems.append(_build_problem(exc, miner_key, "miner", known))
+    pairing = builders.pairing_problems(config, loss_key, miner_key)  # else refused at step 1
+    problems += [Problem(key, message, fit=None) for key, message in pairing]
+    section, miner = (builders.without_memory(config.loss), None) if pairing else (config.loss, miner)
     try:
-        loss = build_loss(config.loss, max(num_classes, 1), config.model.embedding_size, miner)
+        loss = build_loss(section, max(num_classes, 1), config.model.embedding_size, miner)
     except DmlkitError as exc:
         problems.append(_build_problem(exc, loss_key, "loss", config.loss.name in LOSSES))
     else:
