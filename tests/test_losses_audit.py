@@ -258,9 +258,21 @@ def test_preflight_reports_a_miner_or_memory_the_loss_cannot_use(loss, miner, ke
                 torch.randn(8, 16), torch.arange(8) // 2))
 
 
+def test_preflight_reports_a_miner_no_combined_term_takes():
+    """combined passes a miner's indices only to terms that take them: with none, the miner would
+    run every step for nothing."""
+    terms = [{"name": "arcface"}, {"name": "triplet", "use_indices": False}]
+    problems = [p for p in build_problems(config({"name": "combined", "params": {"losses": terms}},
+                                                 {"name": "batch_hard"}), num_classes=16)
+                if p.severity == "error"]
+    assert [p.key for p in problems] == ["miner"] and "no term" in problems[0].message
+
+
 def test_preflight_accepts_the_usual_pairings():
     for loss, miner in (({"name": "triplet"}, {"name": "batch_hard"}),
                         ({"name": "contrastive", "cross_batch_memory": 64}, {"name": "batch_hard"}),
+                        ({"name": "combined", "params": {"losses": [{"name": "arcface"}, {"name": "triplet"}]}},
+                         {"name": "batch_hard"}),
                         ({"name": "arcface"}, None)):
         problems = build_problems(config(loss, miner), num_classes=16)
         assert not [p for p in problems if p.severity == "error"], problems

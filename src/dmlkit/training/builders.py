@@ -222,6 +222,14 @@ def pairing_problems(config: ExperimentConfig, loss_key: str = "loss",
     if config.miner is not None and config.miner.name in MINERS and not cls.accepts_indices:
         return [(miner_key, f"{config.miner.name!r} is set but {quoted} does not take a miner's "
                             "pairs or triplets (the first training step would refuse them)")]
+    if config.miner is not None and config.miner.name in MINERS and issubclass(cls, CombinedLoss):
+        terms = (config.loss.params or {}).get("losses") or []
+        takers = [t for t in terms if isinstance(t, dict) and t.get("use_indices", True)
+                  and getattr(LOSSES.get(str(t.get("name"))), "accepts_indices", False)]
+        if terms and not takers:  # the miner would run every step and be ignored
+            return [(miner_key, f"{config.miner.name!r} is set but no term of {quoted} takes a "
+                                "miner's pairs or triplets (each is a proxy/classification loss or "
+                                "has use_indices: false)")]
     return []
 
 
