@@ -228,3 +228,16 @@ def test_check_product_range_accepts_zero_and_ordinary_values():
     check_product_range(torch.zeros(3, 2))
     check_product_range(torch.randn(3, 2))
     check_product_range(torch.full((2, 2), 1e18))
+
+
+def test_a_read_only_memory_map_is_checked_without_a_warning(tmp_path):
+    """A flat index directory and shards are read-only memory maps: torch's "not writable"
+    warning reached users of `dmlkit query` on every call."""
+    import warnings
+
+    np.save(tmp_path / "v.npy", np.arange(12, dtype=np.float32).reshape(3, 4))
+    view = np.load(tmp_path / "v.npy", mmap_mode="r")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        t = check_embeddings(view)
+    assert t.shape == (3, 4) and torch.equal(t, torch.arange(12.0).reshape(3, 4))

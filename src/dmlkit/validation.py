@@ -21,6 +21,7 @@ instead of returning silently wrong numbers (issue 11, points 2-4):
 from __future__ import annotations
 
 import math
+import warnings
 from typing import Any
 
 import numpy as np
@@ -42,6 +43,16 @@ MIN_SQUARED_NORM = float(_F32.tiny) / float(_F32.eps)
 def _describe(x: Any) -> str:
     dtype = getattr(x, "dtype", None)
     return f"{type(x).__name__}" + (f" of dtype {dtype}" if dtype is not None else "")
+
+
+def _as_tensor_view(arr: np.ndarray) -> torch.Tensor:
+    """``torch.from_numpy(arr)``, quiet for a read-only array (a memory-mapped index or shard):
+    torch warns that writing to it is undefined, and nothing here writes to its inputs."""
+    if arr.flags.writeable:
+        return torch.from_numpy(arr)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+        return torch.from_numpy(arr)
 
 
 def check_embeddings(x: Any, name: str = "embeddings") -> torch.Tensor:
@@ -70,7 +81,7 @@ def check_embeddings(x: Any, name: str = "embeddings") -> torch.Tensor:
             )
         if arr.dtype == np.float16:
             arr = arr.astype(np.float32)
-        t = torch.from_numpy(np.ascontiguousarray(arr))
+        t = _as_tensor_view(np.ascontiguousarray(arr))
     if t.dim() != 2:
         raise ShapeError(f"{name} must be 2-D (N, D), got shape {tuple(t.shape)}")
     if t.shape[0] == 0 or t.shape[1] == 0:
