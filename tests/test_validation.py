@@ -232,12 +232,15 @@ def test_check_product_range_accepts_zero_and_ordinary_values():
 
 def test_a_read_only_memory_map_is_checked_without_a_warning(tmp_path):
     """A flat index directory and shards are read-only memory maps: torch's "not writable"
-    warning reached users of `dmlkit query` on every call."""
-    import warnings
+    warning reached users of `dmlkit query` on every call. A fresh process: torch gives that
+    warning once a process, so an earlier test could have used it up."""
+    import subprocess
+    import sys
 
     np.save(tmp_path / "v.npy", np.arange(12, dtype=np.float32).reshape(3, 4))
-    view = np.load(tmp_path / "v.npy", mmap_mode="r")
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        t = check_embeddings(view)
-    assert t.shape == (3, 4) and torch.equal(t, torch.arange(12.0).reshape(3, 4))
+    code = ("import numpy as np, torch; from dmlkit.validation import check_embeddings; "
+            f"t = check_embeddings(np.load({str(tmp_path / 'v.npy')!r}, mmap_mode='r')); "
+            "assert torch.equal(t, torch.arange(12.0).reshape(3, 4))")
+    proc = subprocess.run([sys.executable, "-W", "error::UserWarning", "-c", code],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
