@@ -103,7 +103,7 @@ def _episode_loss(
     else:
         support, query = upcast(support), upcast(query)
     classes, prototypes, _ = class_means(support, support_labels)
-    target = torch.searchsorted(classes, query_labels)
+    target = torch.searchsorted(classes, query_labels.contiguous())  # (a strided view warns)
     found = target < len(classes)
     found[found.clone()] = classes[target[found]] == query_labels[found]
     if not bool(found.all()):
