@@ -35,7 +35,11 @@ class DistanceWeightedMiner(BaseMiner):
 
     The distance must be the Euclidean distance of L2-normalised embeddings (the default).
     Sampling uses a ``torch.Generator`` seeded with ``seed`` on the embeddings' device, so a
-    run is reproducible; :meth:`sampling_weights` exposes the weight matrix.
+    run is reproducible; :meth:`sampling_weights` exposes the weight matrix. The generators'
+    states (one per device) are the module's extra state: they travel in ``state_dict()``, so
+    a checkpoint resumes the draws where they stopped instead of restarting them from ``seed``.
+    A state dict written before they were saved still loads: its generators restart from
+    ``seed`` (the old behaviour).
     """
 
     def __init__(
@@ -63,18 +67,51 @@ class DistanceWeightedMiner(BaseMiner):
         self.nonzero_loss_cutoff = float(nonzero_loss_cutoff)
         self.seed = int(seed)
         self._generators: dict[str, torch.Generator] = {}
+        #: saved states of devices whose generator is not created yet (set on first use)
+        self._pending_states: dict[str, torch.Tensor] = {}
 
     @staticmethod
     def default_distance() -> BaseDistance:
         return LpDistance(p=2, power=1, normalize_embeddings=True)
 
     def generator(self, device: torch.device) -> torch.Generator:
+        """The sampling generator of ``device``: seeded with ``seed`` on first use, or set to
+        the state a loaded state dict saved for that device."""
         key = str(device)
         if key not in self._generators:
             g = torch.Generator(device=device)
             g.manual_seed(self.seed)
+            pending = self._pending_states.pop(key, None)
+            if pending is not None:
+                g.set_state(pending)
             self._generators[key] = g
         return self._generators[key]
+
+    def get_extra_state(self) -> dict[str, torch.Tensor]:
+        """The generators' states by device name (``"cpu"``, ``"cuda:0"``), as CPU byte tensors
+        (loadable with ``weights_only=True``); states loaded but not used yet are kept."""
+        states = {k: s.clone() for k, s in self._pending_states.items()}
+        states.update({k: g.get_state() for k, g in self._generators.items()})
+        return states
+
+    def set_extra_state(self, state: dict[str, torch.Tensor] | None) -> None:
+        """Continue the draws from saved generator states (see :meth:`get_extra_state`).
+
+        Each device's generator is (re)created on its first use after this, so a state saved
+        on a device this process does not use (e.g. CUDA in a CPU-only resume) is kept, not
+        applied. ``None`` (a state dict from before the states were saved) restarts every
+        generator from ``seed``."""
+        self._generators = {}
+        self._pending_states = {str(k): v.detach().to("cpu", torch.uint8).clone()
+                                for k, v in (state or {}).items()}
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
+                              unexpected_keys, error_msgs) -> None:
+        key = prefix + "_extra_state"
+        if key not in state_dict:  # written before the generator states were saved
+            state_dict[key] = None
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
+                                      unexpected_keys, error_msgs)
 
     def log_weights(self, dist: torch.Tensor, dim: int) -> torch.Tensor:
         """``log q(max(d, cutoff))^-1`` up to a constant; ``-inf`` where ``d >= nonzero_loss_cutoff``."""
