@@ -1,8 +1,12 @@
-"""Resume bookkeeping found by the training audit: the distance_weighted miner's generator
-travels in checkpoints.
+"""Resume and stop bookkeeping found by the training audit: the distance_weighted miner's
+generator travels in checkpoints, a larger patience continues a patience-stopped run,
+best.pt and metrics.json agree after a kill at any point, a resume with no epoch left stops
+with reason "epochs", and an epoch cut short by max_steps is not counted as completed.
 Each test trains a tiny CNN on synthetic 8x8 images for about a second on CPU."""
 
 from __future__ import annotations
+
+import json
 
 import numpy as np
 import pytest
@@ -10,11 +14,17 @@ import torch
 
 from dmlkit.data.base import ArrayDataset
 from dmlkit.miners.pair_miners import DistanceWeightedMiner
-from dmlkit.training import config_from_dict, read_checkpoint, train
+from dmlkit.training import config_from_dict, read_checkpoint, read_log, train
 from dmlkit.training.checkpoint import save_checkpoint
+from dmlkit.training.loop import Trainer
 
 pytestmark = [pytest.mark.usefixtures("one_thread"),
               pytest.mark.filterwarnings("ignore:training did not beat the untrained model")]
+_real_save_best = Trainer.save_best
+
+
+class Killed(Exception):
+    """A kill injected at a chosen point of the run."""
 
 
 def images(n_classes: int, per: int, seed: int, offset: int = 0) -> ArrayDataset:
@@ -44,6 +54,32 @@ def make_config(**overrides):
 
 def run(cfg, path, **kwargs):
     return train(cfg, path, train_set=TRAIN, val_set=VAL, progress=False, **kwargs)
+
+
+def val_map(monkeypatch, value_of_step) -> None:
+    """Validation MAP@R as a function of the step (the other metrics are the real ones)."""
+    real = Trainer.val_metrics
+
+    def fake(self):
+        metrics = real(self)
+        return None if metrics is None else {**metrics, "map_at_r": float(value_of_step(self.state.step))}
+
+    monkeypatch.setattr(Trainer, "val_metrics", fake)
+
+
+def kill_in(monkeypatch, name: str, when, before=None) -> None:
+    """Raise :class:`Killed` on entering ``Trainer.<name>`` when ``when(trainer)`` holds (after
+    calling ``before(trainer)`` if given)."""
+    real = getattr(Trainer, name)
+
+    def dying(self):
+        if when(self):
+            if before is not None:
+                before(self)
+            raise Killed
+        return real(self)
+
+    monkeypatch.setattr(Trainer, name, dying)
 
 
 def _weights(path):
@@ -101,3 +137,110 @@ def test_a_checkpoint_without_the_miners_generator_still_resumes(tmp_path):
     save_checkpoint(payload, last)
     result = run(cfg.override(["training.epochs=2"]), tmp_path / "run", resume=True)
     assert result.epochs_completed == 2 and result.steps == 6
+
+
+# -- 2. more patience on resume ----------------------------------------------------------------
+def test_a_larger_patience_continues_a_run_that_patience_stopped(tmp_path, monkeypatch):
+    val_map(monkeypatch, lambda step: 0.5)  # never improves after the first evaluation
+    cfg = make_config(**{"training.epochs": 10, "training.patience": 1})
+    first = run(cfg, tmp_path / "run")
+    assert (first.stop_reason, first.epochs_completed) == ("patience", 2)
+    same = run(cfg, tmp_path / "run", resume=True)  # the same patience: nothing left to train
+    assert (same.stop_reason, same.steps) == ("patience", 6)
+    more = run(cfg.override(["training.patience=3"]), tmp_path / "run", resume=True)
+    assert (more.stop_reason, more.epochs_completed, more.steps) == ("patience", 4, 12)
+
+
+# -- 3. best.pt and the best record after a kill ------------------------------------------------
+def _assert_best_agrees(run_dir):
+    best = read_checkpoint(run_dir / "checkpoints" / "best.pt")
+    metrics = json.loads((run_dir / "metrics.json").read_text())
+    assert best["step"] == metrics["best_step"] == best["trainer"]["best_step"]
+    assert best["trainer"]["best_map"] == metrics["val"]["map_at_r"]
+    return best, metrics
+
+
+def test_a_kill_while_writing_last_pt_at_a_new_best_leaves_best_pt_and_metrics_agreeing(tmp_path, monkeypatch):
+    val_map(monkeypatch, lambda step: step / 100)  # every evaluation is a new best
+    kill_in(monkeypatch, "save_last", lambda t: t.state.epoch == 2)
+    with pytest.raises(Killed):
+        run(make_config(), tmp_path / "run")
+    monkeypatch.undo()
+    # a continuation that is not bit-identical (another device, world size, ...): no new best
+    val_map(monkeypatch, lambda step: 0.0)
+    run(make_config(), tmp_path / "run", resume=True)
+    best, metrics = _assert_best_agrees(tmp_path / "run")
+    assert metrics["best_step"] == 3
+
+
+@pytest.mark.parametrize(("epoch", "best_step"), [(1, 3), (2, 6)])
+def test_a_kill_between_last_pt_and_best_pt_writes_best_pt_again_on_resume(tmp_path, monkeypatch,
+                                                                            epoch, best_step):
+    """Killed after last.pt recorded a new best at ``epoch``, before best.pt was written (at
+    epoch 1 there is no best.pt yet); the best model is the one of that epoch."""
+    def best_at(step):
+        return step / 100 if step <= best_step else 0.0
+
+    val_map(monkeypatch, best_at)
+    run(make_config(), tmp_path / "full")
+    kill_in(monkeypatch, "save_best", lambda t: t.state.epoch == epoch)
+    with pytest.raises(Killed):
+        run(make_config(), tmp_path / "run")
+    best_pt = tmp_path / "run" / "checkpoints" / "best.pt"
+    assert not best_pt.exists() if epoch == 1 else read_checkpoint(best_pt)["step"] == 3
+    assert read_checkpoint(tmp_path / "run" / "checkpoints" / "last.pt")["trainer"]["best_step"] == best_step
+    monkeypatch.undo()
+    val_map(monkeypatch, best_at)
+    run(make_config(), tmp_path / "run", resume=True)
+    best, metrics = _assert_best_agrees(tmp_path / "run")
+    assert (metrics["best_step"], metrics["best_epoch"]) == (best_step, epoch)
+    _assert_same_weights(best["model"], _weights(tmp_path / "full" / "checkpoints" / "best.pt"))
+    full = json.loads((tmp_path / "full" / "metrics.json").read_text())
+    assert metrics == full
+
+
+def test_a_best_pt_ahead_of_last_pt_is_adopted_as_the_best(tmp_path, monkeypatch):
+    """What a kill between the two writes left when best.pt was written first."""
+    val_map(monkeypatch, lambda step: step / 100)
+    kill_in(monkeypatch, "save_last", lambda t: t.state.epoch == 2, before=_real_save_best)
+    with pytest.raises(Killed):
+        run(make_config(), tmp_path / "run")
+    assert read_checkpoint(tmp_path / "run" / "checkpoints" / "last.pt")["step"] == 3
+    monkeypatch.undo()
+    val_map(monkeypatch, lambda step: 0.0)
+    run(make_config(), tmp_path / "run", resume=True)
+    best, metrics = _assert_best_agrees(tmp_path / "run")
+    assert (metrics["best_step"], metrics["best_epoch"]) == (6, 2)
+    assert metrics["val"]["map_at_r"] == pytest.approx(0.06)
+
+
+# -- 5. a resume with no epoch left ------------------------------------------------------------
+def test_a_resume_with_no_epoch_left_stops_with_reason_epochs(tmp_path, monkeypatch):
+    real = Trainer.save_last
+
+    def save_then_die(self):
+        real(self)
+        if self.state.epoch == 2:
+            raise Killed
+
+    monkeypatch.setattr(Trainer, "save_last", save_then_die)
+    with pytest.raises(Killed):
+        run(make_config(), tmp_path / "run")
+    monkeypatch.undo()
+    result = run(make_config(**{"training.epochs": 1}), tmp_path / "run", resume=True)
+    assert (result.stop_reason, result.epochs_completed, result.steps) == ("epochs", 2, 6)
+
+
+# -- 6. max_steps inside an epoch --------------------------------------------------------------
+@pytest.mark.parametrize(("max_steps", "epochs", "partial"), [(4, 1, True), (3, 1, False)])
+def test_an_epoch_cut_short_by_max_steps_is_not_counted_as_completed(tmp_path, max_steps, epochs, partial):
+    result = run(make_config(**{"training.epochs": 5, "training.max_steps": max_steps}), tmp_path / "run")
+    assert (result.stop_reason, result.steps) == ("max_steps", max_steps)
+    assert (result.epochs_completed, result.partial_epoch) == (epochs, partial)
+    evals = [r for r in read_log(tmp_path / "run" / "log.jsonl") if r["event"] == "eval"]
+    assert evals[-1]["epoch"] == epochs and evals[-1]["step"] == max_steps
+    assert evals[-1].get("partial_epoch", False) == partial
+    metrics = json.loads((tmp_path / "run" / "metrics.json").read_text())
+    assert (metrics["epochs_completed"], metrics["partial_epoch"]) == (epochs, partial)
+    assert metrics["best_epoch"] <= epochs
+    assert read_checkpoint(tmp_path / "run" / "checkpoints" / "last.pt")["epoch"] == epochs

@@ -44,6 +44,7 @@ from dmlkit.utils import atomic_torch_save
 __all__ = [
     "CHECKPOINT_FORMAT",
     "RESUMABLE_CHANGES",
+    "best_record",
     "capture_rng_state",
     "check_resumable",
     "find_checkpoint",
@@ -248,6 +249,21 @@ def read_checkpoint(path: str | os.PathLike, map_location: str | torch.device = 
                                   f"{load_failure_reason(exc)}; copy checkpoints/ as a whole or retrain") from None
         payload["model"] = {**{f"trunk.{k}": v for k, v in trunk_state.items()}, **payload["model"]}
     return payload
+
+
+def best_record(path: str | os.PathLike) -> dict[str, Any] | None:
+    """The record a checkpoint was written with: its ``step`` and ``epoch`` and its
+    ``"trainer"`` entry (``best_map``, ``best_step``, ``best_epoch``, ``best_metrics``, ...);
+    ``None`` when ``path`` is no file. An unreadable file reads as step -1 with no best
+    (:meth:`~dmlkit.training.loop.Trainer.reconcile_best` writes it again when it can)."""
+    if not Path(path).is_file():
+        return None
+    try:
+        payload = read_checkpoint(path)
+    except CheckpointError:
+        return {"step": -1, "epoch": -1, "best_map": float("nan"), "best_step": -1,
+                "best_epoch": -1, "best_metrics": {}}
+    return {**payload["trainer"], "step": int(payload["step"]), "epoch": int(payload["epoch"])}
 
 
 def save_trunk(trunk_state: dict[str, Any], path: str | os.PathLike) -> Path:

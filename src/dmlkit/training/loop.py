@@ -78,6 +78,7 @@ from dmlkit.training.builders import (
     build_sampler,
 )
 from dmlkit.training.checkpoint import (
+    best_record,
     capture_rng_state,
     restore_rng_state,
     save_checkpoint,
@@ -110,6 +111,9 @@ class TrainState:
     history: list[dict[str, Any]] = field(default_factory=list)
     elapsed: float = 0.0
     stop_reason: str | None = None
+    #: ``max_steps`` stopped the run inside epoch ``epoch + 1``: ``step`` counts its steps,
+    #: ``epoch`` (full epochs completed) does not count it
+    partial_epoch: bool = False
 
     def trainer_record(self) -> dict[str, Any]:
         """The checkpoint's ``"trainer"`` entry: everything but ``epoch`` and ``step``."""
@@ -305,7 +309,9 @@ class Trainer:
 
     # -- checkpoints ------------------------------------------------------------------------
     def restore(self, payload: dict[str, Any]) -> None:
-        """Continue from a ``last.pt`` payload (model, optimiser, loss, RNG and loop state)."""
+        """Continue from a ``last.pt`` payload (model, optimiser, loss, miner, RNG and loop
+        state). A run that ended goes on with more epochs, or with a patience above its count
+        of evaluations without gain; ``best.pt`` is made to agree (:meth:`reconcile_best`)."""
         if not np.array_equal(payload["train_classes"].numpy(), self.train_classes):
             raise CheckpointError("cannot resume: the training classes differ from the checkpoint's")
         self.model.load_state_dict(payload["model"])
@@ -322,8 +328,12 @@ class Trainer:
         else:  # one process, or a world-size change the caller allowed: rank 0's streams
             restore_rng_state(payload["rng"])
         self.run_log.truncate_after(self.state.step)
-        if self.state.stop_reason == "epochs" and self.state.epoch < self.config.training.epochs:
-            self.state.stop_reason = None  # the run was extended with more epochs
+        state, training = self.state, self.config.training
+        if state.epoch < training.epochs and (state.stop_reason == "epochs" or (
+                state.stop_reason == "patience"
+                and (training.patience is None or state.bad_evals < training.patience))):
+            state.stop_reason = None  # extended: more epochs, or more patience than it ran out of
+        self.reconcile_best()
         if self.dist.is_main:
             logger.info("resumed %s at epoch %d, step %d", self.run_dir, self.state.epoch, self.state.step)
 
@@ -356,6 +366,31 @@ class Trainer:
             "embedding_size": self.embedding_size,
         }
 
+    def reconcile_best(self) -> None:
+        """Make ``best.pt`` and the resumed best record (``last.pt``'s) describe one model.
+
+        :meth:`end_epoch` writes ``best.pt`` only after ``last.pt`` recorded the new best, so
+        ``last.pt``'s record is never behind ``best.pt``: after a kill between the two writes
+        ``best.pt`` lags, and the record's best is then ``last.pt``'s own model (``best_step
+        == step``), from which ``best.pt`` is written again here. (Writing ``best.pt`` first
+        left it ahead of the record: the resume retrained that epoch, and a continuation that
+        was not bit-identical kept the killed attempt's ``best.pt`` while ``metrics.json``
+        named another epoch.) A ``best.pt`` ahead of ``last.pt``, left by a kill in a dmlkit
+        that wrote it first, holds a model the record cannot rebuild: its best record is
+        adopted (best MAP@R, step, epoch and metrics; the history keeps the evaluations this
+        trajectory makes)."""
+        state = self.state
+        best = on_main(lambda: best_record(self.best_path))
+        if best is not None and (best["step"], best["best_map"]) == (state.best_step, state.best_map):
+            return
+        if best is not None and best["step"] > state.step:
+            logger.warning("%s is ahead of last.pt (step %d > %d): keeping it as the best model",
+                           self.best_path, best["step"], state.step)
+            state.best_map, state.best_step, state.best_epoch = best["best_map"], best["step"], best["best_epoch"]
+            state.best_metrics = dict(best["best_metrics"])
+        elif state.best_step == state.step:  # killed between last.pt and best.pt (none yet
+            self.save_best()  # after a first epoch): last.pt's model is the best
+
     def save_best(self) -> None:
         payload = self.payload()
         if self.dist.is_main:
@@ -378,14 +413,18 @@ class Trainer:
         t_start = time.perf_counter() - state.elapsed
         try:
             while state.stop_reason is None and state.epoch < self.config.training.epochs:
-                self.run_epoch(t_start)
-                state.epoch += 1
+                if self.run_epoch(t_start):
+                    state.epoch += 1
+                else:  # max_steps stopped it inside the epoch: not a completed epoch
+                    state.partial_epoch = True
                 state.elapsed = time.perf_counter() - t_start
                 if state.stop_reason is None and state.epoch >= self.config.training.epochs:
                     state.stop_reason = "epochs"
                 self.end_epoch()
         finally:
             self.run_log.close()
+        if state.stop_reason is None:  # a resume with no epoch left to train (epochs lowered)
+            state.stop_reason = "epochs"
         if not self.has_val:
             warnings.warn("no validation classes: checkpoints/best.pt is the last model, not the best "
                           "on validation MAP@R", stacklevel=2)
@@ -398,8 +437,9 @@ class Trainer:
             self.save_best()
         return state
 
-    def run_epoch(self, t_start: float) -> None:
-        """One pass of the sampler's batches (stops early at ``training.max_steps``)."""
+    def run_epoch(self, t_start: float) -> bool:
+        """One pass of the sampler's batches (stops early at ``training.max_steps``); whether
+        every batch of the epoch was trained."""
         config, state = self.config, self.state
         self.sampler.set_epoch(state.epoch)
         # every item is loaded under its own seed, a function of its place in the global batch
@@ -420,9 +460,11 @@ class Trainer:
 
             bar = tqdm(total=len(self.sampler), desc=f"epoch {state.epoch + 1}/{config.training.epochs}",
                        leave=False)
+        batches = 0
         try:
             for x, y in loader:
                 value = self.train_step(x, y)
+                batches += 1
                 if state.step % config.training.log_every == 0 or state.step == 1:
                     self.log_step(value, t_start)
                 if bar is not None:
@@ -434,6 +476,7 @@ class Trainer:
         finally:
             if bar is not None:
                 bar.close()
+        return batches == len(self.sampler)
 
     def _loss(self, emb: torch.Tensor, target: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``(loss, objective)`` of the (gathered) batch: the loss value every rank logs, and
@@ -520,20 +563,23 @@ class Trainer:
             return None
         record = {"event": "eval", "epoch": self.state.epoch, "step": self.state.step, "split": "val",
                   **metrics, "time": round(self.state.elapsed, 3)}
+        if self.state.partial_epoch:  # after `epoch` full epochs and part of the next
+            record["partial_epoch"] = True
         self.run_log.log(record)
         self.state.history.append(record)
         return metrics
 
     def end_epoch(self) -> None:
-        """Validate when due, keep the best model, apply patience, write ``last.pt``."""
+        """Validate when due, keep the best model, apply patience, write ``last.pt``, then
+        ``best.pt`` if this model is the new best (in that order: see :meth:`reconcile_best`)."""
         config, state = self.config, self.state
+        new_best = False
         if state.epoch % config.training.eval_every_epochs == 0 or state.stop_reason is not None:
             metrics = self.validate()
             if metrics is not None:
                 if metrics["map_at_r"] > state.best_map:
                     state.best_map, state.best_step, state.best_epoch = metrics["map_at_r"], state.step, state.epoch
-                    state.best_metrics, state.bad_evals = metrics, 0
-                    self.save_best()
+                    state.best_metrics, state.bad_evals, new_best = metrics, 0, True
                 else:
                     state.bad_evals += 1
                 if self.progress:
@@ -545,7 +591,8 @@ class Trainer:
                     state.stop_reason = "patience"
                     logger.info("early stopping: no validation MAP@R gain in %d evaluations", patience)
         if self.val_input is None and state.stop_reason is not None:
-            state.best_step, state.best_epoch = state.step, state.epoch
-            self.save_best()
+            state.best_step, state.best_epoch, new_best = state.step, state.epoch, True
         self.save_last()
+        if new_best:
+            self.save_best()
         self.run_log.flush()

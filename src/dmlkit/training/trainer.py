@@ -122,9 +122,12 @@ class TrainResult:
     history: list[dict[str, Any]]
     test_metrics: dict[str, float] | None = None
     last_checkpoint: Path | None = None
+    #: full epochs trained (an epoch that ``max_steps`` cut short does not count)
     epochs_completed: int = 0
     steps: int = 0
     stop_reason: str = "epochs"
+    #: ``max_steps`` stopped the run inside epoch ``epochs_completed + 1``
+    partial_epoch: bool = False
     train_seconds: float = 0.0
     extra: dict[str, Any] = field(default_factory=dict)
     #: metrics of the model at step 0 (untrained / pretrained-only), per split
@@ -136,7 +139,8 @@ class TrainResult:
             run_dir=trainer.run_dir, best_checkpoint=trainer.best_path, best_step=int(state.best_step),
             val_metrics=dict(state.best_metrics), history=list(state.history),
             last_checkpoint=trainer.last_path, epochs_completed=state.epoch, steps=state.step,
-            stop_reason=str(state.stop_reason), train_seconds=float(state.elapsed),
+            stop_reason=str(state.stop_reason or "epochs"), train_seconds=float(state.elapsed),
+            partial_epoch=bool(state.partial_epoch),
         )
 
 
@@ -369,7 +373,8 @@ def _train_in_dir(config: ExperimentConfig, run_dir: Path, device: torch.device,
 
     result = TrainResult.from_state(trainer, state)
     metrics_out: dict[str, Any] = {"best_step": result.best_step, "best_epoch": int(state.best_epoch),
-                                   "val": result.val_metrics}
+                                   "epochs_completed": result.epochs_completed,
+                                   "partial_epoch": result.partial_epoch, "val": result.val_metrics}
     if test_set is not None:
         result.test_metrics = metrics_out["test"] = evaluate_test_set(trainer, test_set)
     metrics_out["baseline"] = result.baseline = baseline
