@@ -142,7 +142,7 @@ class SplitConfig(_Section):
     kind: Literal["default", "ratio", "file"] = "default"
     ratios: tuple[float, float, float] | None = None
     order: Literal["default", "random"] = "default"
-    seed: int = 0
+    seed: int = Field(0, ge=0, lt=2**32)  # numpy refuses other seeds
     val_fraction: float = Field(0.0, ge=0.0, lt=1.0)
     path: str | None = None
 
@@ -355,7 +355,7 @@ class ExperimentConfig(_Section):
     """A complete, validated training experiment."""
 
     name: str = "experiment"
-    seed: int = 0
+    seed: int = Field(0, ge=0, lt=2**32)  # numpy's range (the sampler's generator)
     data: DataConfig
 
     _check_name = field_validator("name")(classmethod(lambda cls, v: check_run_name(v)))

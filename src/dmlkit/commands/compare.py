@@ -16,7 +16,7 @@ def register(app: typer.Typer) -> None:
         metric: list[str] = typer.Option(None, "--metric", help="precision_at_1 | r_precision | map_at_r (default: all three)."),
         mode: list[str] = typer.Option(None, "--mode", help="concatenated | separated (default: both)."),
         resamples: int = typer.Option(1000, "--resamples", "-B", min=100, help="Bootstrap resamples."),
-        seed: int = typer.Option(0, "--seed", help="Bootstrap seed."),
+        seed: int = typer.Option(0, "--seed", min=0, max=2**32 - 1, help="Bootstrap seed (0 to 2**32 - 1)."),
         out: Path | None = typer.Option(None, "--out", "-o", help="Also write the report (.json or .md)."),
     ) -> None:
         """Differences between methods per metric, with 95 % CIs over seeds and test queries.

@@ -105,7 +105,9 @@ def relative_improvements(methods: Mapping[str, Mapping[str, Any]], metrics: Seq
     """``{baseline: {method: {mode: {metric: percent}}}}`` for the baselines present."""
     out: dict[str, Any] = {}
     for base in BASELINES:
-        base_name = next((n for n, e in methods.items() if _baseline_of(n, e, base)), None)
+        # the method named exactly as the baseline wins over a variant of it (contrastive_xbm)
+        base_name = base if base in methods else next(
+            (n for n, e in methods.items() if _baseline_of(n, e, base)), None)
         if base_name is None:
             continue
         b = methods[base_name]
@@ -142,7 +144,9 @@ def compare_results(
     """
     results_list = [resolved_runs(r) if isinstance(r, Mapping) else load_results(r) for r in paths_or_results]
     merged = _merge(results_list)
-    names = list(methods) if methods else list(merged)
+    # a method, metric or mode given twice is compared once (in the order first given)
+    names = list(dict.fromkeys(methods)) if methods else list(merged)
+    metrics, modes = list(dict.fromkeys(metrics)), list(dict.fromkeys(modes))
     unknown = [n for n in names if n not in merged]
     if unknown:
         raise ConfigError(f"unknown method(s) {unknown}; the results hold {list(merged)}")

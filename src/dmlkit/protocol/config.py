@@ -31,7 +31,7 @@ from __future__ import annotations
 import os
 import re
 from collections.abc import Iterable, Mapping
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -79,6 +79,8 @@ METHOD_KEYS: frozenset[str] = frozenset({"name", "loss", "miner", "search", "des
 #: Optimiser settings that belong to a method: the learning rate of the loss's own weights.
 SEARCHABLE_OPTIMIZER_KEYS: frozenset[str] = frozenset({"loss_lr"})
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.+-]*$")
+#: A seed numpy accepts: 0 <= seed < 2**32 (a negative or larger one crashed mid-run).
+Seed = Annotated[int, Field(ge=0, lt=2**32, strict=True)]
 
 
 class _Strict(StrictNumbers):
@@ -88,7 +90,7 @@ class _Strict(StrictNumbers):
 class FixedSettings(_Strict):
     """The settings every method shares (the training config's fixed sections)."""
 
-    seed: int = 0
+    seed: Seed = 0
     data: DataConfig
     model: ModelConfig = Field(default_factory=ModelConfig)
     sampler: SamplerConfig = Field(default_factory=SamplerConfig)
@@ -253,18 +255,18 @@ class ProtocolConfig(_Strict):
 
     split: Literal["halves", "default", "ratio_4_1_5"] = "halves"
     order: Literal["default", "random"] = "default"
-    order_seed: int = 0
+    order_seed: Seed = 0
     num_classes: int | None = Field(None, gt=3)
     folds: int | None = Field(None, ge=1)
     trials: int = Field(50, ge=1)
     sampler: Literal["tpe", "random"] = "tpe"
-    sampler_seed: int = 0
+    sampler_seed: Seed = 0
     n_startup_trials: int = Field(10, ge=0)
     storage: str | None = None
     study_prefix: str | None = None
     heartbeat_interval: int = Field(30, ge=1)
     grace_period: int = Field(120, ge=2)
-    seeds: list[int] | None = None
+    seeds: list[Seed] | None = None
     repeats: int = Field(1, ge=1)
     metrics: list[str] = Field(default_factory=lambda: list(DEFAULT_METRICS))
 

@@ -77,7 +77,7 @@ from dmlkit.training.preflight import Preflight
 from dmlkit.utils import atomic_write_text, directory_lock, write_provenance
 from dmlkit.utils import data_root as resolve_data_root
 
-__all__ = ["Bench", "FinalStage", "SearchStage", "run_seed"]
+__all__ = ["Bench", "FinalStage", "SearchStage", "run_seed", "trial_sampler_seed"]
 
 logger = logging.getLogger(__name__)
 
@@ -258,7 +258,7 @@ class Bench:
             run_worker(study, stage.objective(method), heartbeat_interval=p.heartbeat_interval,
                        max_trials=max_trials, on_trial_end=on_end,
                        sampler_factory=lambda number: make_sampler(
-                           p.sampler, p.sampler_seed + 7919 * number, p.n_startup_trials))
+                           p.sampler, trial_sampler_seed(p.sampler_seed, number), p.n_startup_trials))
             summary[method.name] = study_summary(study)
         return summary
 
@@ -479,6 +479,12 @@ class Bench:
                 f"{len(failed)} worker(s) failed (exit codes {failed}); see {self.dir}/worker*.log, "
                 "then rerun the same command to resume"
             )
+
+
+def trial_sampler_seed(sampler_seed: int, number: int) -> int:
+    """The seed of trial ``number``'s sampler, inside numpy's range (0 to 2**32 - 1): a seed
+    past it failed the trial's sampling and left the trial RUNNING for ever."""
+    return (sampler_seed + 7919 * number) % 2**32
 
 
 def _progress(study, trials: int) -> str:

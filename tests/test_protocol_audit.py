@@ -1,0 +1,124 @@
+"""Protocol audit: seeds in numpy's range, the compare baseline and duplicates, YAML 1.2 numbers
+in configs and ``--set`` values, the search budget behind the results table, and the search
+parameters' checks. Everything here runs on small synthetic inputs (no training)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from typer.testing import CliRunner
+
+from dmlkit.cli import app
+from dmlkit.exceptions import ConfigError
+from dmlkit.protocol.compare import compare_results, relative_improvements
+from dmlkit.protocol.config import bench_config_from_dict
+
+BASE = {
+    "name": "audit",
+    "fixed": {"data": {"dataset": "omniglot"}, "model": {"embedding_size": 8}},
+    "protocol": {"seeds": [0], "trials": 2},
+    "methods": [{"name": "triplet", "loss": {"name": "triplet"},
+                 "search": {"loss.margin": {"low": 0.01, "high": 1.0, "log": True}}}],
+}
+
+
+def _bench(**protocol) -> dict:
+    return {**BASE, "protocol": {**BASE["protocol"], **protocol}}
+
+
+# -- 3. seeds numpy refuses --------------------------------------------------------------------
+@pytest.mark.parametrize("protocol", [
+    {"order_seed": -1}, {"sampler_seed": -1}, {"sampler_seed": 2**32}, {"seeds": [0, -1]},
+    {"seeds": [2**32]},
+])
+def test_seeds_outside_numpys_range_are_config_errors(protocol):
+    with pytest.raises(ConfigError, match="protocol"):
+        bench_config_from_dict(_bench(**protocol))
+
+
+def test_fixed_seed_outside_numpys_range_is_a_config_error():
+    with pytest.raises(ConfigError, match="fixed.seed"):
+        bench_config_from_dict({**BASE, "fixed": {**BASE["fixed"], "seed": -1}})
+
+
+@pytest.mark.parametrize("key", ["seed", "data.split.seed"])
+def test_training_seeds_outside_numpys_range_are_config_errors(key):
+    from dmlkit.config import load_config
+
+    with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
+        load_config(None, ["data.dataset=omniglot", "loss.name=triplet", f"{key}=-1"])
+    assert load_config(None, ["data.dataset=omniglot", "loss.name=triplet", f"{key}={2**32 - 1}"])
+
+
+def test_the_largest_seed_is_accepted_and_trial_sampler_seeds_stay_in_range():
+    from dmlkit.protocol.runner import trial_sampler_seed
+    from dmlkit.protocol.study import make_sampler
+
+    cfg = bench_config_from_dict(_bench(sampler_seed=2**32 - 1, order_seed=2**32 - 1))
+    for number in (0, 1, 5):
+        seed = trial_sampler_seed(cfg.protocol.sampler_seed, number)
+        assert 0 <= seed < 2**32
+        make_sampler("tpe", seed, 1).reseed_rng()  # numpy accepts it
+    assert trial_sampler_seed(0, 2) == 2 * 7919  # unchanged for every seed that fitted
+
+
+def test_compare_refuses_a_negative_seed(tmp_path):
+    result = CliRunner().invoke(app, ["compare", str(tmp_path), "--seed", "-1"])
+    assert result.exit_code == 2 and "--seed" in result.output
+
+
+# -- 4. the relative-improvement baseline ------------------------------------------------------
+def _entry(loss: str, value: float) -> dict:
+    cell = {"map_at_r": {"mean": value}}
+    return {"loss": {"name": loss}, "concatenated": cell, "separated": cell}
+
+
+def test_the_baseline_named_exactly_wins_over_a_variant_listed_first():
+    methods = {"contrastive_xbm": _entry("contrastive", 0.20), "contrastive": _entry("contrastive", 0.10),
+               "ms": _entry("multi_similarity", 0.12)}
+    rel = relative_improvements(methods, ["map_at_r"])
+    assert rel["contrastive"]["method"] == "contrastive"
+    assert rel["contrastive"]["relative_percent"]["ms"]["separated"]["map_at_r"] == pytest.approx(20.0)
+
+
+def test_a_variant_is_the_baseline_when_the_exact_name_is_absent():
+    methods = {"contrastive_xbm": _entry("contrastive", 0.20), "ms": _entry("multi_similarity", 0.12)}
+    assert relative_improvements(methods, ["map_at_r"])["contrastive"]["method"] == "contrastive_xbm"
+
+
+# -- 5. a method, metric or mode given twice ---------------------------------------------------
+LABELS = np.repeat(np.arange(12), 4)
+
+
+def _results(tmp_path) -> dict:
+    from dmlkit.embeddings import save_embeddings
+    from dmlkit.protocol.results import build_results
+    from dmlkit.protocol.runner import FinalRun, evaluate_runs
+    from dmlkit.protocol.splits import make_bench_split
+
+    cfg = bench_config_from_dict({**BASE, "protocol": {"seeds": [0, 1, 2], "trials": 1}, "methods": [
+        {"name": "contrastive", "loss": {"name": "contrastive"}}, {"name": "ms", "loss": {"name": "multi_similarity"}}]})
+    centres = np.random.default_rng(0).normal(size=(12, 8))
+    entries = {}
+    for k, (name, noise) in enumerate([("contrastive", 1.5), ("ms", 0.9)]):
+        runs = []
+        for s in (0, 1, 2):
+            path = tmp_path / name / f"seed{s}" / "fold0" / "embeddings" / "test.npz"
+            rng = np.random.default_rng(10 * k + s)
+            save_embeddings(path, (centres[LABELS] + noise * rng.normal(size=(LABELS.size, 8))).astype(np.float32),
+                            LABELS)
+            runs.append(FinalRun(name, s, 0, path.parents[1], path, path.parents[1] / "best.pt"))
+        entries[name] = {"runs": runs, "evaluation": evaluate_runs(runs, list(cfg.protocol.metrics)),
+                         "best_params": {}, "loss": {"name": name}}
+    return build_results(cfg, make_bench_split(range(24), "halves", folds=2), entries, bench_dir=tmp_path)
+
+
+def test_compare_counts_a_method_metric_or_mode_given_twice_once(tmp_path):
+    results = _results(tmp_path)
+    report = compare_results([results], methods=["ms", "contrastive", "ms"], metrics=["map_at_r", "map_at_r"],
+                             modes=["separated", "separated"], resamples=100)
+    assert report["methods"] == ["ms", "contrastive"]
+    assert [(c["a"], c["b"], c["mode"], c["metric"]) for c in report["comparisons"]] == [
+        ("ms", "contrastive", "separated", "map_at_r")]
+    with pytest.raises(ConfigError, match="at least two"):  # never a method against itself
+        compare_results([results], methods=["ms", "ms"], resamples=100)
