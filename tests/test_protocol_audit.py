@@ -122,3 +122,52 @@ def test_compare_counts_a_method_metric_or_mode_given_twice_once(tmp_path):
         ("ms", "contrastive", "separated", "map_at_r")]
     with pytest.raises(ConfigError, match="at least two"):  # never a method against itself
         compare_results([results], methods=["ms", "ms"], resamples=100)
+
+
+# -- 2. YAML 1.2 numbers in --set values and config files --------------------------------------
+def test_set_values_read_scientific_floats_as_floats():
+    from dmlkit.config import parse_overrides
+
+    assert parse_overrides(["a=1e-3", "b=2e0", "c=-1E-3", "d=[1e-3, 1e-2]", "e=0", "f='1e-3'", "g=0o17"]) == {
+        "a": 0.001, "b": 2.0, "c": -0.001, "d": [0.001, 0.01], "e": 0, "f": "1e-3", "g": 15}
+
+
+@pytest.mark.parametrize("value", ["0200", "020", "[010, 011]", "-07"])
+def test_a_leading_zero_set_value_is_refused_naming_the_key(value):
+    from dmlkit.config import parse_overrides
+
+    with pytest.raises(ConfigError, match=r"protocol\.num_classes.*leading zero: write \S*[1-9]"):
+        parse_overrides([f"protocol.num_classes={value}"])
+
+
+def test_untyped_params_get_floats_from_set(tmp_path):
+    from dmlkit.protocol.config import load_bench_config
+
+    path = tmp_path / "bench.yaml"
+    path.write_text("fixed: {data: {dataset: omniglot}}\nmethods: [{name: ms, loss: {name: multi_similarity}}]\n")
+    cfg = load_bench_config(path, ["methods.0.loss.params.alpha=2e0", "methods.0.loss.params.beta=1e1"])
+    assert cfg.methods[0].loss.params == {"alpha": 2.0, "beta": 10.0}
+
+
+def test_config_files_read_leading_zeros_as_decimal_and_exponents_as_floats(tmp_path):
+    from dmlkit.protocol.config import load_bench_config
+
+    path = tmp_path / "bench.yaml"
+    path.write_text("fixed: {data: {dataset: omniglot}, sampler: {batches_per_epoch: 020}}\n"
+                    "protocol: {seeds: [010, 011], num_classes: 0200}\n"
+                    "methods: [{name: ms, loss: {name: multi_similarity, params: {alpha: 2e0}}}]\n")
+    cfg = load_bench_config(path)
+    assert (cfg.fixed.sampler.batches_per_epoch, cfg.protocol.seeds, cfg.protocol.num_classes) == (20, [10, 11], 200)
+    assert cfg.methods[0].loss.params["alpha"] == 2.0
+
+
+def test_saved_configs_quote_strings_that_look_like_numbers():
+    from dmlkit.config import dump_config, load_config, load_yaml
+    from dmlkit.protocol.config import dump_bench_config
+
+    cfg = bench_config_from_dict({**BASE, "methods": [{"name": "t", "loss": {"name": "triplet"}, "search": {
+        "loss.margin": {"type": "categorical", "choices": ["1e-3", 0.001, "010"]}}}]})
+    again = bench_config_from_dict(load_yaml(dump_bench_config(cfg)))
+    assert again.methods[0].search["loss.margin"].choices == ["1e-3", 0.001, "010"]
+    exp = load_config(None, {"data.dataset": "omniglot", "loss.name": "triplet", "data.options": {"tag": "2e0"}})
+    assert load_yaml(dump_config(exp))["data"]["options"] == {"tag": "2e0"}

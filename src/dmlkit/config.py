@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import copy
 import os
+import re
 import types
 import typing
 from collections.abc import Iterable, Mapping
@@ -43,30 +44,12 @@ from dmlkit.exceptions import ConfigError
 from dmlkit.utils import atomic_write_text
 
 __all__ = [
-    "check_run_name",
-    "FIXED_SECTIONS",
-    "LEGACY_KEYS",
-    "OPTIMIZER_PRESETS",
-    "DEFAULT_EVAL_BATCH_SIZE",
-    "DataConfig",
-    "EvaluationConfig",
-    "ExperimentConfig",
-    "LossConfig",
-    "MinerConfig",
-    "ModelConfig",
-    "OptimizerConfig",
-    "SamplerConfig",
-    "SplitConfig",
-    "TrainingConfig",
-    "apply_dict_overrides",
-    "apply_overrides",
-    "config_from_dict",
-    "dump_config",
-    "format_validation_error",
-    "load_config",
-    "move_legacy_keys",
-    "parse_overrides",
-    "read_yaml_mapping",
+    "check_run_name", "FIXED_SECTIONS", "LEGACY_KEYS", "OPTIMIZER_PRESETS",
+    "DEFAULT_EVAL_BATCH_SIZE", "DataConfig", "EvaluationConfig", "ExperimentConfig", "LossConfig",
+    "MinerConfig", "ModelConfig", "OptimizerConfig", "SamplerConfig", "SplitConfig",
+    "TrainingConfig", "apply_dict_overrides", "apply_overrides", "config_from_dict", "dump_config",
+    "format_validation_error", "load_config", "move_legacy_keys", "parse_overrides",
+    "read_yaml_mapping", "load_yaml", "YamlDumper", "YamlLoader",
 ]
 
 #: Sections that the fair protocol keeps identical across methods.
@@ -428,6 +411,52 @@ def config_from_dict(data: Mapping[str, Any], source: str | None = None) -> Expe
         raise ConfigError(format_validation_error(exc, source)) from None
 
 
+class YamlLoader(yaml.SafeLoader):
+    """``yaml.SafeLoader`` with YAML 1.2-core numbers: ``010`` is 10 (not octal 8), ``1e-3`` a float
+    (not a string), ``0o17`` / ``0x1f`` octal / hex. ``strict_ints`` (``--set`` values) refuses a
+    leading-zero integer instead of guessing what it meant."""
+
+    strict_ints = False
+
+
+class YamlDumper(yaml.SafeDumper):
+    """``yaml.SafeDumper`` that quotes every string :class:`YamlLoader` would read as a number."""
+
+
+_INT, _FLOAT = "tag:yaml.org,2002:int", "tag:yaml.org,2002:float"
+for _cls in (YamlLoader, YamlDumper):
+    _cls.yaml_implicit_resolvers = {c: [(t, rx) for t, rx in rs if t not in (_INT, _FLOAT)]
+                                    for c, rs in yaml.SafeLoader.yaml_implicit_resolvers.items()}
+    _cls.add_implicit_resolver(_INT, re.compile(r"^(?:[-+]?[0-9]+|0o[0-7]+|0x[0-9a-fA-F]+)$"), list("-+0123456789"))
+    _cls.add_implicit_resolver(_FLOAT, re.compile(r"^(?:[-+]?(?:\.[0-9]+|[0-9]+(?:\.[0-9]*)?)(?:[eE][-+]?[0-9]+)?"
+                                                  r"|[-+]?\.(?:inf|Inf|INF)|\.(?:nan|NaN|NAN))$"), list("-+0123456789."))
+
+
+def _construct_int(loader: YamlLoader, node: yaml.ScalarNode) -> int:
+    text = loader.construct_scalar(node)
+    if text[:2] in ("0o", "0x"):
+        return int(text[2:], 8 if text[1] == "o" else 16)
+    digits = text.lstrip("-+")
+    if loader.strict_ints and len(digits) > 1 and digits[0] == "0":
+        plain = text[: len(text) - len(digits)] + (digits.lstrip("0") or "0")
+        raise yaml.constructor.ConstructorError(None, None, f"{text} has a leading zero: write {plain} (or "
+                                                f"0o{digits.lstrip('0') or 0} for octal, '{text}' for a string)")
+    return int(text, 10)
+
+
+YamlLoader.add_constructor(_INT, _construct_int)
+
+
+def load_yaml(text: str, *, strict_ints: bool = False) -> Any:
+    """Parse YAML text with :class:`YamlLoader` (YAML 1.2-core numbers)."""
+    loader = YamlLoader(text)
+    loader.strict_ints = strict_ints
+    try:
+        return loader.get_single_data()
+    finally:
+        loader.dispose()
+
+
 def parse_overrides(overrides: Iterable[str] | Mapping[str, Any] | None) -> dict[str, Any]:
     """``["a.b=1", "c=[1, 2]"]`` -> ``{"a.b": 1, "c": [1, 2]}`` (values parsed as YAML)."""
     if overrides is None:
@@ -443,7 +472,9 @@ def parse_overrides(overrides: Iterable[str] | Mapping[str, Any] | None) -> dict
         if not key or any(not part for part in key.split(".")):
             raise ConfigError(f"override {item!r} has an empty key")
         try:
-            parsed[key] = yaml.safe_load(raw) if raw.strip() else None
+            parsed[key] = load_yaml(raw, strict_ints=True) if raw.strip() else None
+        except yaml.constructor.ConstructorError as exc:
+            raise ConfigError(f"override {item!r}: {exc.problem}") from None
         except yaml.YAMLError as exc:
             raise ConfigError(f"override {item!r}: the value is not valid YAML ({exc})") from None
     return parsed
@@ -488,7 +519,7 @@ def read_yaml_mapping(path: str | os.PathLike, holds: str, examples: str) -> dic
     if path.is_dir():
         raise ConfigError(f"{path} is a directory: pass a YAML config file (see {examples})")
     try:
-        data = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+        data = load_yaml(path.read_text(encoding="utf-8")) or {}
     except UnicodeDecodeError as exc:
         raise ConfigError(f"{path} is not UTF-8 text (byte {exc.start}): save the config as UTF-8 "
                           f"YAML (see {examples})") from None
@@ -560,7 +591,7 @@ def load_config(
 
 def dump_config(config: ExperimentConfig, path: str | os.PathLike | None = None) -> str:
     """The fully resolved config as YAML; also written atomically to ``path`` when given."""
-    text = yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False, default_flow_style=None)
+    text = yaml.dump(config.model_dump(mode="json"), Dumper=YamlDumper, sort_keys=False, default_flow_style=None)
     if path is not None:
         atomic_write_text(path, text)
     return text

@@ -47,6 +47,7 @@ from dmlkit.config import (
     SamplerConfig,
     StrictNumbers,
     TrainingConfig,
+    YamlDumper,
     apply_dict_overrides,
     check_metric_names,
     check_run_name,
@@ -492,4 +493,4 @@ def load_bench_config(
 
 def dump_bench_config(config: BenchConfig) -> str:
     """The resolved config as YAML (written beside the results)."""
-    return yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False, default_flow_style=None)
+    return yaml.dump(config.model_dump(mode="json"), Dumper=YamlDumper, sort_keys=False, default_flow_style=None)

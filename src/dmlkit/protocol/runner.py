@@ -33,8 +33,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import yaml
 
+from dmlkit.config import load_yaml
 from dmlkit.data.splits import default_split
 from dmlkit.exceptions import ConfigError, DmlkitError
 from dmlkit.protocol.config import (
@@ -171,7 +171,7 @@ class Bench:
         cfg_path = self.dir / "config.yaml"
         text = dump_bench_config(self.config)
         if cfg_path.exists():
-            old = bench_config_from_dict(yaml.safe_load(cfg_path.read_text()))
+            old = bench_config_from_dict(load_yaml(cfg_path.read_text(encoding="utf-8")))
             a, b = old.model_dump(mode="json"), self.config.model_dump(mode="json")
             for d in (a, b):  # these may grow/change on resume
                 d["protocol"].pop("trials", None)

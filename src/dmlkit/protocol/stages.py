@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from dmlkit.config import dump_config
+from dmlkit.config import dump_config, load_yaml
 from dmlkit.data import ClassSplit, get_transforms, load_dataset
 from dmlkit.embeddings import embed_split, load_embeddings, save_embeddings
 from dmlkit.exceptions import ConfigError, DataError, DmlkitError
@@ -246,7 +246,7 @@ def _stale_changes(run_dir: Path, cfg: Any) -> list[str]:
     if not path.exists():
         return []
     try:
-        saved = yaml.safe_load(path.read_text(encoding="utf-8"))
+        saved = load_yaml(path.read_text(encoding="utf-8"))
         return training_changes(saved, cfg, source=str(path))
     except (OSError, ValueError, yaml.YAMLError, DmlkitError) as exc:  # unreadable: not this run
         return [f"{path.name} unreadable: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}"]
