@@ -31,6 +31,7 @@ from __future__ import annotations
 import json
 import os
 import time
+import warnings
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -57,6 +58,7 @@ SHARD_FORMAT = "dmlkit-embedding-shards"
 _VERSION = 1
 _DTYPES = {"float32": np.float32, "float16": np.float16}
 _F16_MAX = float(np.finfo(np.float16).max)
+_F16_TINY = float(np.finfo(np.float16).tiny)  # smallest normal, ~6.1e-5
 #: Default rows per shard: 256 MiB of float32 at D = 128 per 512k rows; 64k rows is ~16-32 MiB.
 DEFAULT_SHARD_ROWS = 65536
 
@@ -169,6 +171,14 @@ class ShardWriter:
         if self.dtype == "float16" and n and float(np.abs(emb).max()) > _F16_MAX:
             raise NonFiniteError(f"embeddings exceed float16's range (|x| > {_F16_MAX:g}): "
                                  "write float32 shards (--dtype float32) or normalise them")
+        if self.dtype == "float16" and n:
+            mag = np.abs(emb)
+            small = int(np.count_nonzero((mag > 0) & (mag < _F16_TINY)))
+            if small:
+                warnings.warn(f"{small} embedding values are below float16's smallest normal "
+                              f"({_F16_TINY:.2g}) and lose precision (or become 0) in float16 "
+                              "shards: write float32 shards (--dtype float32) or rescale them",
+                              stacklevel=2)
         start = 0
         while start < n:
             take = min(n - start, self.shard_rows - self._fill)
@@ -293,7 +303,8 @@ class ShardedEmbeddings:
 
     Args:
         directory: the shard directory.
-        verify: check every file's SHA-256 against the manifest (reads everything once).
+        verify: also check the embeddings files' SHA-256 against the manifest (reads them all
+            once); the labels and ids files, read in full anyway, are always checked.
     """
 
     def __init__(self, directory: str | os.PathLike, *, verify: bool = False) -> None:
@@ -426,6 +437,14 @@ class ShardedEmbeddings:
     def _concat(self, key: str) -> np.ndarray:
         out = np.empty(self.count, np.int64)
         for s, shard in enumerate(self.manifest["shards"]):
+            # labels and ids are read in full anyway: always check their digests (a swapped or
+            # edited labels file would change every metric silently); embeddings: verify=True
+            name = shard[key]
+            digest = shard.get("sha256", {}).get(name)
+            if digest is not None and (self.directory / name).is_file() \
+                    and sha256_file(self.directory / name) != digest:
+                raise DataError(f"{self.directory / name} does not match its manifest digest "
+                                "(corrupted or modified): rewrite the shards")
             arr = self._map(shard, key)
             if arr.shape != (int(shard["rows"]),) or arr.dtype.kind not in "iu":
                 raise DataError(f"{self.directory / shard[key]} holds {arr.dtype} {arr.shape}, expected "
