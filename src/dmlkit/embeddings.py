@@ -23,6 +23,7 @@ import io
 import json
 import os
 import re
+import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -65,7 +66,7 @@ __all__ = [
     "trunk_features_sharded",
 ]
 
-_CACHE_VERSION = "1"
+_CACHE_VERSION = "2"  # 2: trunk options and non-persistent buffers in the key
 
 
 def resolve_device(device: str | torch.device | None = "auto") -> torch.device:
@@ -171,12 +172,40 @@ def state_dict_digest(module: nn.Module) -> str:
     return h.hexdigest()
 
 
-def feature_cache_key(trunk: nn.Module, dataset: MetricDataset, key: str | None = None) -> str:
-    """The cache key of ``trunk`` features of ``dataset`` (with its current transform)."""
-    name = key or getattr(trunk, "dmlkit_name", None) or type(trunk).__name__
+def _buffers_digest(module: nn.Module) -> str:
+    """SHA-256 over the buffers a state dict leaves out (``persistent=False``, e.g. a trunk's
+    input conversion constants)."""
+    saved = set(module.state_dict())
     h = hashlib.sha256()
-    for part in (_CACHE_VERSION, str(name), state_dict_digest(trunk), dataset.fingerprint(),
-                 repr(dataset.transform)):
+    for name, t in module.named_buffers():
+        if name in saved:
+            continue
+        tc = t.detach().cpu().float().contiguous()
+        h.update(f"{name}{tuple(t.shape)}{t.dtype}".encode())
+        h.update(tc.numpy().tobytes() if tc.numel() else b"")
+    return h.hexdigest()
+
+
+def uncacheable_transform(transform: object) -> bool:
+    """Whether ``repr(transform)`` cannot identify what it does (a torchvision ``Lambda`` or an
+    object with the default ``<... object at 0x...>`` repr), so it must not key a cache."""
+    text = repr(transform)
+    return "Lambda(" in text or " object at 0x" in text
+
+
+def feature_cache_key(trunk: nn.Module, dataset: MetricDataset, key: str | None = None) -> str:
+    """The cache key of ``trunk`` features of ``dataset`` (with its current transform).
+
+    It hashes the trunk's name, its recorded build options (``dmlkit_options``: trunk options
+    such as ``input_space``, ``global_pool`` or ``transform_input`` change the outputs, not the
+    weights), its state dict, its non-persistent buffers, the dataset fingerprint and the
+    transform's repr.
+    """
+    name = key or getattr(trunk, "dmlkit_name", None) or type(trunk).__name__
+    options = json.dumps(getattr(trunk, "dmlkit_options", None), sort_keys=True, default=repr)
+    h = hashlib.sha256()
+    for part in (_CACHE_VERSION, str(name), options, state_dict_digest(trunk),
+                 _buffers_digest(trunk), dataset.fingerprint(), repr(dataset.transform)):
         h.update(part.encode())
         h.update(b"\0")
     return h.hexdigest()
@@ -204,8 +233,10 @@ def extract_features(
     On a CPU a pretrained trunk costs ~0.1 s per 224 x 224 image, so running it inside every
     training step is impractical: this runs it once (through :func:`embed`) and caches the
     ``(N, D)`` float32 features in ``cache_dir`` under
-    ``sha256(trunk name, trunk state-dict bytes, dataset fingerprint, transform repr, version)``,
-    so a different trunk, weights, dataset subset or transform never reuses a stale file.
+    ``sha256(trunk name and options, state-dict bytes, non-persistent buffers, dataset
+    fingerprint, transform repr, version)``, so a different trunk, trunk option, weights,
+    dataset subset or transform never reuses a stale file. A transform whose repr does not say
+    what it does (a ``Lambda``, an object's default repr) is not cached (a warning says so).
 
     Args:
         trunk: the frozen feature extractor (run in eval mode under ``no_grad``; its train/eval
@@ -226,6 +257,10 @@ def extract_features(
     cache_file: Path | None = None
     feats: np.ndarray | None = None
     hit = False
+    if cache_dir is not None and uncacheable_transform(dataset.transform):
+        warnings.warn(f"features of {dataset.name} are not cached: its transform's repr (a Lambda "
+                      "or a default object repr) does not identify what it does", stacklevel=2)
+        cache_dir = None
     if cache_dir is not None:
         digest = feature_cache_key(trunk, dataset, key)
         safe = re.sub(r"[^A-Za-z0-9_.-]+", "_", dataset.name)[:60]

@@ -481,7 +481,9 @@ class ImageFileDataset(MetricDataset):
             h.update(str(p).encode())
             try:
                 st = Path(p).stat()
-                h.update(f"{st.st_size}:{int(st.st_mtime)}".encode())
+                # nanosecond mtime, inode and ctime: an edit within the same second that keeps
+                # the size, or a file replaced by another (rename), changes the fingerprint
+                h.update(f"{st.st_size}:{st.st_mtime_ns}:{st.st_ino}:{st.st_ctime_ns}".encode())
             except OSError:
                 h.update(b"missing")
         return h.hexdigest()

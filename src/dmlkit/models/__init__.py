@@ -15,6 +15,7 @@ from dmlkit.models.embedder import (
     build_embedder,
     freeze_batchnorm,
     is_batchnorm_frozen,
+    mark_fresh_batchnorm,
     unfreeze_batchnorm,
 )
 from dmlkit.models.placement import to_device
@@ -44,6 +45,7 @@ __all__ = [
     "build_trunk",
     "freeze_batchnorm",
     "is_batchnorm_frozen",
+    "mark_fresh_batchnorm",
     "load_weights_file",
     "register_trunk",
     "to_device",

@@ -14,6 +14,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from dmlkit.exceptions import ConfigError
+
 __all__ = ["BN_INCEPTION_SHA256", "BN_INCEPTION_URL", "BNInception"]
 
 #: The port's ImageNet weights (Cadene's ``pretrainedmodels``), over https (the host serves it).
@@ -59,6 +61,11 @@ class BNInception(nn.Module):
         super().__init__()
         if input_space not in ("imagenet", "caffe"):
             raise ValueError(f"input_space must be 'imagenet' or 'caffe', got {input_space!r}")
+        if in_channels != 3 and input_space == "imagenet":
+            raise ConfigError(
+                f"BNInception(input_space='imagenet') converts RGB input internally, which has no "
+                f"exact {in_channels}-channel form: use in_channels=3 or input_space='caffe'"
+            )
         self.input_space = input_space
         self.in_channels = in_channels
         self._add("conv1_7x7_s2", in_channels, 64, 7, stride=2, padding=3)

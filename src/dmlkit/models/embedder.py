@@ -23,6 +23,7 @@ __all__ = [
     "build_embedder",
     "freeze_batchnorm",
     "is_batchnorm_frozen",
+    "mark_fresh_batchnorm",
     "unfreeze_batchnorm",
 ]
 
@@ -82,6 +83,16 @@ class EmbeddingModel(nn.Module):
 
 
 # -- frozen BatchNorm ---------------------------------------------------------------------------
+def mark_fresh_batchnorm(module: nn.Module) -> nn.Module:
+    """Mark every BatchNorm layer of ``module`` as freshly created (a head's or a trunk's added
+    neck): :func:`freeze_batchnorm` leaves it trainable, since frozen at its initial statistics
+    (mean 0, variance 1, weight 1, bias 0) it would be the identity forever."""
+    for m in module.modules():
+        if isinstance(m, nn.modules.batchnorm._BatchNorm):
+            m._dmlkit_fresh_bn = True
+    return module
+
+
 class _FrozenBNMixin:
     """BatchNorm that stays in eval mode: ``.train()`` calls leave it in eval mode."""
 
@@ -122,9 +133,14 @@ def freeze_batchnorm(module: nn.Module) -> nn.Module:
     model is put in training mode, their running statistics are never updated, and their
     affine weight and bias get ``requires_grad = False`` (so optimisers skip them). The
     layers' classes become ``FrozenBatchNorm{1,2,3}d`` (same parameters and state dict);
-    :func:`unfreeze_batchnorm` reverts.
+    :func:`unfreeze_batchnorm` reverts. Layers marked by :func:`mark_fresh_batchnorm`
+    (``small_cnn``'s ``bn_neck``; the ``mlp`` head's BatchNorm in a model that
+    :func:`dmlkit.training.builders.build_model` builds) are left alone: only pretrained
+    statistics are worth freezing.
     """
     for m in module.modules():
+        if getattr(m, "_dmlkit_fresh_bn", False):
+            continue
         if isinstance(m, nn.modules.batchnorm._BatchNorm) and not isinstance(m, _FrozenBNMixin):
             m.__class__ = _frozen_class(type(m))
         if isinstance(m, _FrozenBNMixin):
@@ -148,6 +164,8 @@ def unfreeze_batchnorm(module: nn.Module) -> nn.Module:
 
 
 def is_batchnorm_frozen(module: nn.Module) -> bool:
-    """True if ``module`` has BatchNorm layers and all of them are frozen."""
-    bns = [m for m in module.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
+    """True if ``module`` has BatchNorm layers that :func:`freeze_batchnorm` freezes (not marked
+    by :func:`mark_fresh_batchnorm`) and all of them are frozen."""
+    bns = [m for m in module.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)
+           and not getattr(m, "_dmlkit_fresh_bn", False)]
     return bool(bns) and all(isinstance(m, _FrozenBNMixin) for m in bns)

@@ -43,6 +43,7 @@ from dmlkit.exceptions import (
     require,
 )
 from dmlkit.models.bn_inception import BN_INCEPTION_SHA256, BN_INCEPTION_URL, BNInception
+from dmlkit.models.embedder import mark_fresh_batchnorm
 from dmlkit.utils import sha256_file
 
 __all__ = [
@@ -77,7 +78,10 @@ def build_trunk(name: str, pretrained: bool = True, weights: str | os.PathLike |
     ``weights``: a local state-dict file (``.pth`` / ``.pt``; a dict under ``state_dict`` or
     ``model`` is unwrapped; classifier keys are ignored). It takes precedence over downloads.
     ``pretrained=False`` and no ``weights``: random initialisation. The module gets
-    ``dmlkit_name`` (used as the feature-cache key) and ``feature_dim`` attributes.
+    ``dmlkit_name``, ``dmlkit_options`` (name, pretrained, weights file name, in_channels and
+    the sorted trunk options: all part of the feature-cache key, since options such as
+    ``input_space`` or ``global_pool`` change the outputs but not the weights) and
+    ``feature_dim`` attributes.
     """
     if in_channels < 1:
         raise ConfigError(f"in_channels must be positive, got {in_channels}")
@@ -94,6 +98,11 @@ def build_trunk(name: str, pretrained: bool = True, weights: str | os.PathLike |
         module, dim = _torchvision_trunk(tv_name, pretrained, weights, in_channels, **kwargs)
     module.dmlkit_name = key + ("" if (pretrained or weights) else ":random") + (
         f":{Path(weights).name}" if weights else "")
+    module.dmlkit_options = {
+        "name": key, "pretrained": bool(pretrained),
+        "weights": Path(weights).name if weights else None, "in_channels": int(in_channels),
+        "kwargs": {k: repr(kwargs[k]) for k in sorted(kwargs)},
+    }
     module.feature_dim = dim
     return module, dim
 
@@ -198,6 +207,13 @@ def _load_into(module: nn.Module, state: dict[str, torch.Tensor], source: str,
                 and v.shape[0] == own[k].shape[0]:
             state[k] = _adapt_conv_weight(v, own[k].shape[1])
     state = {k: v for k, v in state.items() if not any(k.startswith(p) for p in ignore)}
+    mismatched = [f"{k} {tuple(v.shape)} vs {tuple(own[k].shape)}" for k, v in state.items()
+                  if k in own and tuple(v.shape) != tuple(own[k].shape)]
+    if mismatched:
+        raise ConfigError(
+            f"weights from {source} do not fit this trunk: {len(mismatched)} tensors have other "
+            f"shapes ({'; '.join(mismatched[:5])}); check the trunk name and options match the weights"
+        )
     result = module.load_state_dict(state, strict=False)
     missing = [k for k in result.missing_keys if not any(k.startswith(p) for p in ignore)]
     if missing or result.unexpected_keys:
@@ -251,6 +267,16 @@ def _clone_conv(conv: nn.Conv2d, in_channels: int) -> nn.Conv2d:
     return new
 
 
+def _classifier_name(model: nn.Module, num_classes: int = 1000) -> str | None:
+    """The qualified name of the last ``Linear(*, num_classes)`` (the one
+    :func:`_remove_classifier` replaces), or ``None``."""
+    found = None
+    for name, child in model.named_modules():
+        if isinstance(child, nn.Linear) and child.out_features == num_classes:
+            found = name
+    return found
+
+
 def _remove_classifier(model: nn.Module, num_classes: int = 1000) -> int:
     """Replace the last ``Linear(*, num_classes)`` by ``Identity``; return its input size."""
     last: tuple[nn.Module, str, nn.Linear] | None = None
@@ -289,6 +315,15 @@ def _torchvision_trunk(name: str, pretrained: bool, weights: str | os.PathLike |
     if name in ("inception_v3", "googlenet"):
         extra.setdefault("aux_logits", True)
         extra.setdefault("init_weights", False)
+        # on whatever the weights' source (download, weights=<file>, a checkpoint's rebuild
+        # with pretrained=False): ImageNet-normalised RGB -> the [-1, 1] range they were trained on
+        extra.setdefault("transform_input", True)
+        if extra["transform_input"] and in_channels != 3:
+            raise ConfigError(
+                f"{name} converts RGB input internally (transform_input=True), which has no "
+                f"{in_channels}-channel form: use in_channels=3 (gray images are replicated to "
+                "RGB) or trunk_options transform_input: false"
+            )
     state = None
     if pretrained and weights is None:
         # torchvision's own loader unpickles its hub-cache file with weights_only=False: fetch
@@ -313,9 +348,13 @@ def _torchvision_trunk(name: str, pretrained: bool, weights: str | os.PathLike |
     if hasattr(model, "aux_logits"):
         model.aux_logits = False
     if weights is not None:
-        state = load_weights_file(weights)
-        _load_into(model, state, str(weights),
-                   ignore=("fc.", "classifier.", "heads.", "head.", "AuxLogits.", "aux1.", "aux2."))
+        # only the final Linear that _remove_classifier replaces (and the dropped auxiliary
+        # heads) may be absent or differ: every other layer (a classifier.0 LayerNorm, VGG's
+        # hidden Linear layers) must load, or the file is refused
+        cls = _classifier_name(model)
+        ignore = ("AuxLogits.", "aux1.", "aux2.") + (
+            (f"{cls}.weight", f"{cls}.bias") if cls is not None else ())
+        _load_into(model, load_weights_file(weights), str(weights), ignore=ignore)
     dim = _remove_classifier(model)
     adapt_input_channels(model, in_channels)
     return model, dim
@@ -327,8 +366,6 @@ def _torchvision_weight_kwargs(name: str, tv_weights: Any, given: dict[str, Any]
     out: dict[str, Any] = {}
     if "categories" in meta and meta["categories"] is not None:
         out["num_classes"] = len(meta["categories"])
-    if name in ("inception_v3", "googlenet"):
-        out["transform_input"] = True
     if name.startswith("vit_") and "min_size" in meta:
         out["image_size"] = int(meta["min_size"][0])
     return {k: v for k, v in out.items() if k not in given}
@@ -353,10 +390,21 @@ def _timm_trunk(name: str, pretrained: bool, weights: str | os.PathLike | None,
     return model, int(model.num_features)
 
 
+_NO_GRAY_CONVERSION = (
+    "{name} converts ImageNet-normalised RGB input internally with a per-channel affine map, "
+    "which has no exact {c}-channel form (the adapted first convolution would see input "
+    "statistics its pretrained filters and BatchNorm never saw): use in_channels=3 (gray images "
+    "are replicated to RGB) or input_space={other}"
+)
+
+
 # -- BN-Inception -----------------------------------------------------------------------------------
 @register_trunk("bn_inception")
 def _bn_inception(pretrained: bool = True, weights: str | os.PathLike | None = None,
                   in_channels: int = 3, **kwargs: Any) -> tuple[nn.Module, int]:
+    if in_channels != 3 and kwargs.get("input_space", "imagenet") == "imagenet":
+        raise ConfigError(_NO_GRAY_CONVERSION.format(name="bn_inception", c=in_channels,
+                                                     other="'caffe'"))
     model = BNInception(in_channels=in_channels, **kwargs)
     state = None
     if weights is not None:
@@ -423,6 +471,9 @@ def _efficientnet_lite(level: int) -> TrunkFactory:
             _load_into(net, load_weights_file(weights), str(weights), ignore=("_fc.",))
         net._fc = nn.Identity()
         dim = int(net._conv_head.out_channels)
+        if in_channels != 3 and input_space == "tf":
+            raise ConfigError(_NO_GRAY_CONVERSION.format(
+                name=f"efficientnet_lite{level} input_space='tf'", c=in_channels, other="'imagenet'"))
         trunk = EfficientNetLiteTrunk(net, input_space=input_space)
         adapt_input_channels(trunk, in_channels)
         return trunk, dim
@@ -465,7 +516,8 @@ class SmallCNN(nn.Module):
         self.features = nn.Sequential(*layers)
         self.pool = nn.AdaptiveAvgPool2d(1)
         self.dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
-        self.neck = nn.BatchNorm1d(c) if bn_neck else nn.Identity()
+        # a fresh layer: freeze_batchnorm leaves it trainable (frozen, it would be the identity)
+        self.neck = mark_fresh_batchnorm(nn.BatchNorm1d(c)) if bn_neck else nn.Identity()
         self.feature_dim = int(c)
         for m in self.modules():
             if isinstance(m, nn.Conv2d):

@@ -34,7 +34,13 @@ from dmlkit.data.transforms import PRESETS as TRANSFORM_PRESETS
 from dmlkit.exceptions import ConfigError, DmlkitError
 from dmlkit.losses import LOSSES, CombinedLoss, CrossBatchMemory, ProxyLoss, get_loss
 from dmlkit.miners import MINERS, get_miner
-from dmlkit.models import TRUNKS, EmbeddingModel, build_trunk, freeze_batchnorm
+from dmlkit.models import (
+    TRUNKS,
+    EmbeddingModel,
+    build_trunk,
+    freeze_batchnorm,
+    mark_fresh_batchnorm,
+)
 from dmlkit.samplers import MPerClassSampler
 from dmlkit.utils import data_root as resolve_data_root
 
@@ -87,13 +93,18 @@ def build_model(
             in_channels=in_channels or m.in_channels,
             **m.trunk_options,
         )
-    except (ValueError, KeyError, TypeError) as exc:
+    except (ValueError, KeyError, TypeError, RuntimeError) as exc:
         if isinstance(exc, ConfigError):
             raise
-        raise ConfigError(f"model.trunk {m.trunk!r} (model.trunk_options {m.trunk_options}): {exc}") from exc
+        # RuntimeError: torch's load_state_dict on weights of other shapes (timm's loader)
+        first = " ".join(str(exc).split())[:300]
+        raise ConfigError(f"model.trunk {m.trunk!r} (model.trunk_options {m.trunk_options}): {first}") from None
     model = EmbeddingModel(trunk, feature_dim, m.embedding_size, head=m.head, normalize=m.normalize)
+    # the head's BatchNorm (mlp) is new: frozen at its initial statistics it would be the
+    # identity, so freeze_batchnorm (here and in the training loop) leaves it trainable
+    mark_fresh_batchnorm(model.embedder)
     if m.freeze_batchnorm:
-        freeze_batchnorm(model)
+        freeze_batchnorm(model.trunk)  # the trunk's pretrained BatchNorm (not small_cnn's bn_neck)
     return model
 
 

@@ -445,6 +445,10 @@ def embed_run(
     Under ``torchrun`` each rank embeds its shard of the split (:func:`embed_sharded`), every
     rank returns the whole split in dataset order, and rank 0 alone writes ``output``.
     """
+    if output is not None and Path(output).suffix.lower() != ".npz":
+        raise ConfigError(f"--output {output}: an npz embeddings file must end in .npz (numpy "
+                          "writes an npz archive whatever the name); use --format shards for a "
+                          "directory of .npy shards")
     job = _EmbeddingJob(checkpoint, split, data_root, device)
     with leaving_alone_on_failure():
         emb, labels = embed_sharded(
