@@ -9,9 +9,10 @@ import pytest
 from typer.testing import CliRunner
 
 from dmlkit.cli import app
-from dmlkit.exceptions import ConfigError
+from dmlkit.exceptions import ConfigError, DmlkitError
 from dmlkit.protocol.compare import compare_results, relative_improvements
 from dmlkit.protocol.config import bench_config_from_dict
+from dmlkit.protocol.runner import Bench
 
 BASE = {
     "name": "audit",
@@ -171,3 +172,56 @@ def test_saved_configs_quote_strings_that_look_like_numbers():
     assert again.methods[0].search["loss.margin"].choices == ["1e-3", 0.001, "010"]
     exp = load_config(None, {"data.dataset": "omniglot", "loss.name": "triplet", "data.options": {"tag": "2e0"}})
     assert load_yaml(dump_config(exp))["data"]["options"] == {"tag": "2e0"}
+
+
+# -- 1. the search budget behind the results table ---------------------------------------------
+def _searched_bench(tmp_path, values: list[float | None], trials: int):
+    """A bench whose triplet study ran ``values`` in trial order (``None``: a failed trial),
+    opened with ``protocol.trials = trials``."""
+    from optuna.trial import TrialState
+
+    from dmlkit.protocol.study import open_study
+
+    bench = Bench(bench_config_from_dict(_bench(trials=len(values))), tmp_path)
+    method = bench.config.methods[0]
+    study = open_study(bench.storage, bench.study_name(method), len(values), seed=0, n_startup_trials=1)
+    for value in values:
+        trial = study.ask()
+        trial.suggest_float("loss.margin", 0.01, 1.0, log=True)
+        study.tell(trial, value) if value is not None else study.tell(trial, state=TrialState.FAIL)
+    return Bench(bench_config_from_dict(_bench(trials=trials)), tmp_path), method, study
+
+
+@pytest.mark.filterwarnings("ignore:Heartbeat of storage")
+def test_the_best_trial_comes_from_the_first_protocol_trials_only(tmp_path):
+    bench, method, study = _searched_bench(tmp_path, [0.30, 0.20, 0.90], trials=2)
+    params, info = bench.best_params(method)
+    assert info["trial"] == 0 and params == study.trials[0].params  # not trial 2 (0.90), past the budget
+    assert (info["counted"], info["finished"], info["failed"], info["beyond_budget"]) == (2, 2, 0, 1)
+    _, info = Bench(bench_config_from_dict(_bench(trials=3)), tmp_path).best_params(method)
+    assert info["trial"] == 2 and info["beyond_budget"] == 0
+
+
+@pytest.mark.filterwarnings("ignore:Heartbeat of storage")
+def test_failed_trials_use_up_the_budget(tmp_path):
+    bench, method, _ = _searched_bench(tmp_path, [None, 0.20, 0.90], trials=2)
+    _, info = bench.best_params(method)
+    assert (info["trial"], info["finished"], info["failed"]) == (1, 1, 1)
+    bench, method, _ = _searched_bench(tmp_path / "b", [None, None, 0.90], trials=2)
+    with pytest.raises(DmlkitError, match="every search trial of 'triplet' failed"):
+        bench.best_params(method)
+
+
+def test_results_md_reports_each_methods_trials():
+    from dmlkit.protocol.results import render_markdown
+
+    cell = {"mean": 0.5, "ci95": None}
+    row = {mode: {"map_at_r": cell} for mode in ("concatenated", "separated")}
+    results = {"metrics": ["map_at_r"], "trials": 2, "seeds": [0], "split": {}, "methods": {
+        "pretrained": {**row, "search": None},
+        "triplet": {**row, "search": {"trial": 0, "counted": 2, "finished": 2, "failed": 0, "beyond_budget": 1}},
+        "ms": {**row, "search": {"trial": 1, "counted": 2, "finished": 1, "failed": 1, "beyond_budget": 0}},
+        "plain": {**row, "search": {"trials": 0}}}}
+    line = render_markdown(results).splitlines()[-1]
+    assert ("2 search trials per method (triplet 2 completed (the first 2 of 3 run); ms 1 completed, "
+            "1 failed; plain nothing searched)") in line

@@ -202,10 +202,30 @@ def render_markdown(results: Mapping[str, Any]) -> str:
         f"{split.get('folds')} folds, {split.get('test_classes')} test classes), class order "
         f"{split.get('order')}"
         + (f" (seed {split.get('order_seed')})" if split.get("order") == "random" else "")
-        + f"; {results.get('trials')} search trials per method; {len(seeds)} seed(s) {seeds}; "
+        + f"; {results.get('trials')} search trials per method{_search_counts(results)}; "
+        f"{len(seeds)} seed(s) {seeds}; "
         "mean ± 95 % CI (Student t over seeds), in %."
     )
     return "\n".join(lines) + "\n"
+
+
+def _search_counts(results: Mapping[str, Any]) -> str:
+    """`` (triplet 2 completed; ms 1 completed, 1 failed)``: the trials each method's best
+    came from, as the search recorded them (empty for results written without the counts)."""
+    parts = []
+    for name in _ordered_methods(results):
+        search = results["methods"][name].get("search")
+        if name == "pretrained" or not isinstance(search, Mapping):
+            continue
+        if search.get("trials") == 0:
+            parts.append(f"{name} nothing searched")
+        elif "counted" in search:
+            text = f"{name} {search.get('finished')} completed"
+            text += f", {search['failed']} failed" if search.get("failed") else ""
+            extra = search.get("beyond_budget") or 0
+            parts.append(text + (f" (the first {search['counted']} of {search['counted'] + extra} run)"
+                                 if extra else ""))
+    return f" ({'; '.join(parts)})" if parts else ""
 
 
 def render_csv(results: Mapping[str, Any]) -> str:

@@ -63,6 +63,7 @@ from dmlkit.protocol.stages import (  # noqa: F401  (re-exported: the stages' ol
 from dmlkit.protocol.study import (
     count_completed,
     count_finished,
+    counted_trials,
     fail_running_trials,
     make_sampler,
     make_storage,
@@ -347,31 +348,44 @@ class Bench:
         return [self.config.method(n) for n in names]
 
     def best_params(self, method: MethodConfig) -> tuple[dict[str, Any], dict[str, Any]]:
-        """The best trial's parameters (and a summary); ``{}`` for a method with nothing searched."""
+        """The best trial's parameters (and a summary); ``{}`` for a method with nothing searched.
+
+        The best is chosen among the method's first ``protocol.trials`` counted trials (completed
+        or failed, in trial order) only: a study grown to more trials (``--set protocol.trials=5``
+        for one method) is read with the budget the table reports, so that every method's row
+        comes from the same number of trials. The summary says how many were used
+        (``counted``: ``finished`` completed + ``failed``) and how many more the study holds
+        (``beyond_budget``)."""
         if not method.search:
             return {}, {"trials": 0}
         import optuna
+        from optuna.trial import TrialState
 
         try:
             study = optuna.load_study(storage=self.storage, study_name=self.study_name(method))
         except KeyError:
             raise DmlkitError(f"no search study for {method.name!r}: run the search first") from None
         p = self.config.protocol
-        if count_finished(study) < p.trials:  # trial slots still to run (completed or failed)
+        counted = sorted(counted_trials(study), key=lambda t: t.number)
+        if len(counted) < p.trials:  # trial slots still to run (completed or failed)
             raise DmlkitError(
                 f"the search of {method.name!r} is not over ({_progress(study, p.trials)}): rerun "
                 "`dmlkit bench` (it resumes) or wait for the workers to finish"
             )
-        try:
-            best = study.best_trial
-        except ValueError:
+        used = counted[: p.trials]
+        completed = [t for t in used if t.state == TrialState.COMPLETE]
+        if not completed:
             raise DmlkitError(
-                f"every search trial of {method.name!r} failed (see the 'error' attribute of the "
-                f"trials in {self.storage_url}); fix the method's config or search ranges"
-            ) from None
+                f"every search trial of {method.name!r} failed (the first {p.trials} counted; see the "
+                f"'error' attribute of the trials in {self.storage_url}); fix the method's config or "
+                "search ranges"
+            )
+        best = max(completed, key=lambda t: t.value)  # the first of equal values
         return dict(best.params), {
             "trial": best.number, "val_map_at_r": best.value,
             "fold_map_at_r": best.user_attrs.get("fold_map_at_r"), **study_summary(study),
+            "finished": len(completed), "failed": len(used) - len(completed), "counted": len(used),
+            "beyond_budget": len(counted) - len(used),
         }
 
     # -- final --------------------------------------------------------------------------------
