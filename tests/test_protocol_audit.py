@@ -225,3 +225,36 @@ def test_results_md_reports_each_methods_trials():
     line = render_markdown(results).splitlines()[-1]
     assert ("2 search trials per method (triplet 2 completed (the first 2 of 3 run); ms 1 completed, "
             "1 failed; plain nothing searched)") in line
+
+
+# -- 6. search parameters that were silently misread --------------------------------------------
+@pytest.mark.parametrize(("spec", "message"), [
+    ({"type": "int", "low": 1, "high": 10, "step": 2.5}, "integer step"),
+    ({"low": 0.1, "high": 1.0, "step": 0}, "step must be > 0"),
+    ({"type": "int", "low": 1, "high": 10, "step": -1}, "step must be > 0"),
+    ({"low": 0.1, "high": 1.0, "choices": [0.1, 0.5]}, "'choices' needs type: categorical"),
+    ({"type": "int", "low": 1, "high": 3, "choices": [1, 3]}, "'choices' needs type: categorical"),
+    ({"type": "categorical", "choices": [0.1, 0.5], "log": True}, "only 'choices', not log"),
+    ({"type": "categorical", "choices": [0.1, 0.5], "low": 0.1, "high": 0.5}, "only 'choices', not low, high"),
+])
+def test_search_params_that_would_be_misread_are_refused(spec, message):
+    data = {**BASE, "methods": [{"name": "t", "loss": {"name": "triplet"}, "search": {"loss.margin": spec}}]}
+    with pytest.raises(ConfigError, match=message):
+        bench_config_from_dict(data)
+
+
+@pytest.mark.parametrize("seeds", [[True], [1, False]])
+def test_protocol_seeds_refuse_booleans(seeds):
+    with pytest.raises(ConfigError, match=r"protocol\.seeds"):
+        bench_config_from_dict(_bench(seeds=seeds))
+
+
+def test_a_saved_categorical_search_parameter_loads_again():
+    from dmlkit.config import load_yaml
+    from dmlkit.protocol.config import dump_bench_config
+
+    data = {**BASE, "methods": [{"name": "t", "loss": {"name": "triplet"}, "search": {
+        "loss.margin": {"type": "categorical", "choices": [0.1, 0.5]},
+        "loss.swap": {"type": "int", "low": 0, "high": 1, "step": 1}}}]}
+    cfg = bench_config_from_dict(data)
+    assert bench_config_from_dict(load_yaml(dump_bench_config(cfg))) == cfg

@@ -130,7 +130,19 @@ class SearchParam(_Strict):
         if self.type == "categorical":
             if not self.choices:
                 raise ValueError("a categorical search parameter needs a non-empty 'choices' list")
+            ignored = [k for k, v in (("low", self.low), ("high", self.high), ("step", self.step)) if v is not None]
+            if ignored or self.log:  # a saved config holds them as null / false
+                raise ValueError(f"a categorical search parameter takes only 'choices', not "
+                                 f"{', '.join(ignored + ['log'] * self.log)}: remove it, or use type "
+                                 "float / int for a range")
             return self
+        if self.choices is not None:
+            raise ValueError(f"'choices' needs type: categorical (type {self.type} searches the range "
+                             "low..high): set type: categorical, or remove choices")
+        if self.step is not None and self.step <= 0:
+            raise ValueError(f"step must be > 0, got {self.step}")
+        if self.type == "int" and self.step is not None and self.step != int(self.step):
+            raise ValueError(f"an int search parameter needs an integer step, got {self.step}")
         if self.low is None or self.high is None:
             raise ValueError(f"a {self.type} search parameter needs 'low' and 'high'")
         if self.low > self.high:
