@@ -182,3 +182,27 @@ def test_embed_npz_output_needs_npz_suffix(tmp_path):
 
     with pytest.raises(ConfigError, match="must end in .npz"):
         embed_run(tmp_path / "no-run", output=tmp_path / "out.npy")
+
+
+@pytest.mark.parametrize(("marked", "pretrained", "expected"), [
+    (False, False, False),  # written before the rule changed: random init never transformed
+    (False, True, True),  # ... downloaded weights did
+    (True, False, True),  # written since: by the trunk's name
+])
+def test_a_checkpoint_rebuilds_googlenet_with_the_input_transform_it_trained_with(
+        tmp_path, marked, pretrained, expected):
+    from dmlkit.config import ModelConfig
+    from dmlkit.training.builders import build_model
+    from dmlkit.training.checkpoint import INPUT_TRANSFORM_BY_NAME, load_checkpoint, save_checkpoint
+
+    model_cfg = ModelConfig(trunk="googlenet", pretrained=pretrained, embedding_size=8)
+    trained = build_model(model_cfg.model_copy(update={"trunk_options": {"transform_input": expected}}),
+                          pretrained=False)
+    config = {"name": "old", "data": {"dataset": "omniglot"}, "model": model_cfg.model_dump(mode="json"),
+              "loss": {"name": "triplet"}}
+    payload = {"config": config, "model": trained.state_dict()}
+    if marked:
+        payload[INPUT_TRANSFORM_BY_NAME] = True
+    save_checkpoint(payload, tmp_path / "best.pt")
+    model, _ = load_checkpoint(tmp_path / "best.pt")
+    assert model.trunk.transform_input is expected

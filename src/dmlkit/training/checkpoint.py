@@ -43,6 +43,7 @@ from dmlkit.utils import atomic_torch_save
 
 __all__ = [
     "CHECKPOINT_FORMAT",
+    "INPUT_TRANSFORM_BY_NAME",
     "RESUMABLE_CHANGES",
     "best_record",
     "capture_rng_state",
@@ -57,6 +58,11 @@ __all__ = [
 ]
 
 CHECKPOINT_FORMAT = "dmlkit-checkpoint-1"
+#: A checkpoint key: its googlenet / inception_v3 trunk turned RGB input into its own range
+#: (``transform_input``) whatever the weights' source. Checkpoints without it were written when
+#: that happened only with downloaded pretrained weights (:func:`load_checkpoint` rebuilds them so).
+INPUT_TRANSFORM_BY_NAME = "input_transform_by_name"
+_TRANSFORMING_TRUNKS = ("googlenet", "inception_v3")
 
 #: Keys that may differ between a checkpoint's config and the config used to resume it: they
 #: change where data lives, how long the run goes on, or how it logs and evaluates, never the
@@ -282,7 +288,14 @@ def load_checkpoint(path: str | os.PathLike, device: str | torch.device = "cpu")
     """
     payload = read_checkpoint(path)
     config = config_from_dict(payload["config"], source=str(path))
-    model = build_model(config.model, pretrained=False)
+    model_config = config.model
+    if (model_config.trunk.strip().removeprefix("torchvision:") in _TRANSFORMING_TRUNKS
+            and not payload.get(INPUT_TRANSFORM_BY_NAME)
+            and "transform_input" not in model_config.trunk_options):  # the rule it was trained with
+        legacy = bool(model_config.pretrained and model_config.weights is None)
+        model_config = model_config.model_copy(
+            update={"trunk_options": {**model_config.trunk_options, "transform_input": legacy}})
+    model = build_model(model_config, pretrained=False)
     try:
         model.load_state_dict(payload["model"])
     except RuntimeError as exc:

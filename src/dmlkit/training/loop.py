@@ -78,6 +78,7 @@ from dmlkit.training.builders import (
     build_sampler,
 )
 from dmlkit.training.checkpoint import (
+    INPUT_TRANSFORM_BY_NAME,
     best_record,
     capture_rng_state,
     restore_rng_state,
@@ -93,7 +94,7 @@ logger = logging.getLogger("dmlkit.training")
 
 #: What ``best.pt`` keeps: what inference needs (no optimiser/RNG state).
 BEST_KEYS = ("config", "model", "trunk_file", "loss", "epoch", "step", "trainer", "train_classes",
-             "embedding_size")
+             "embedding_size", INPUT_TRANSFORM_BY_NAME)
 
 
 @dataclass
@@ -363,7 +364,7 @@ class Trainer:
             "step": self.state.step,
             "trainer": self.state.trainer_record(),
             "train_classes": torch.as_tensor(self.train_classes),
-            "embedding_size": self.embedding_size,
+            "embedding_size": self.embedding_size, INPUT_TRANSFORM_BY_NAME: True,
         }
 
     def reconcile_best(self) -> None:
