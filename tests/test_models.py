@@ -173,7 +173,9 @@ def test_freeze_batchnorm_keeps_statistics_and_affine_fixed():
     model.train()  # as a trainer does each epoch
     assert model.training and model.embedder.training
     assert is_batchnorm_frozen(model)
-    assert all(not m.training for m in model.modules()
+    head_bn = model.embedder[1]  # the mlp head's BatchNorm is new: it keeps training
+    assert head_bn.training and head_bn.weight.requires_grad
+    assert all(not m.training for m in model.trunk.modules()
                if isinstance(m, nn.modules.batchnorm._BatchNorm))
     assert not bn.weight.requires_grad and not bn.bias.requires_grad
     assert trunk.features[0].weight.requires_grad
@@ -182,8 +184,9 @@ def test_freeze_batchnorm_keeps_statistics_and_affine_fixed():
     after = model.state_dict()
     assert list(after) == keys
     for k in keys:
-        if "running" in k or "num_batches" in k:
+        if ("running" in k or "num_batches" in k) and not k.startswith("embedder."):
             assert torch.equal(before[k], after[k]), k
+    assert not torch.equal(before["embedder.1.running_mean"], after["embedder.1.running_mean"])
     assert bn.weight.grad is None
     # a frozen model can be copied and pickled
     clone = copy.deepcopy(model)

@@ -34,7 +34,8 @@ def build_embedder(feature_dim: int, embedding_size: int, head: str = "linear",
 
     ``linear``: ``Linear(feature_dim, embedding_size)`` (the seed's embedder);
     ``mlp``: ``Linear -> BatchNorm1d -> ReLU -> (Dropout) -> Linear`` with ``hidden`` units
-    (default ``feature_dim``); ``identity``: no head (embedding = trunk feature).
+    (default ``feature_dim``; its BatchNorm is new, so :func:`freeze_batchnorm` leaves it
+    trainable: :func:`mark_fresh_batchnorm`); ``identity``: no head (embedding = trunk feature).
     """
     if head == "linear":
         return nn.Linear(feature_dim, embedding_size)
@@ -44,7 +45,7 @@ def build_embedder(feature_dim: int, embedding_size: int, head: str = "linear",
         if dropout > 0:
             layers.append(nn.Dropout(dropout))
         layers.append(nn.Linear(h, embedding_size))
-        return nn.Sequential(*layers)
+        return mark_fresh_batchnorm(nn.Sequential(*layers))
     if head == "identity":
         return nn.Identity()
     raise ConfigError(f"head must be 'linear', 'mlp' or 'identity', got {head!r}")

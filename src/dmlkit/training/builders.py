@@ -34,13 +34,7 @@ from dmlkit.data.transforms import PRESETS as TRANSFORM_PRESETS
 from dmlkit.exceptions import ConfigError, DmlkitError
 from dmlkit.losses import LOSSES, CombinedLoss, CrossBatchMemory, ProxyLoss, get_loss
 from dmlkit.miners import MINERS, get_miner
-from dmlkit.models import (
-    TRUNKS,
-    EmbeddingModel,
-    build_trunk,
-    freeze_batchnorm,
-    mark_fresh_batchnorm,
-)
+from dmlkit.models import TRUNKS, EmbeddingModel, build_trunk, freeze_batchnorm
 from dmlkit.samplers import MPerClassSampler
 from dmlkit.utils import data_root as resolve_data_root
 
@@ -100,9 +94,6 @@ def build_model(
         first = " ".join(str(exc).split())[:300]
         raise ConfigError(f"model.trunk {m.trunk!r} (model.trunk_options {m.trunk_options}): {first}") from None
     model = EmbeddingModel(trunk, feature_dim, m.embedding_size, head=m.head, normalize=m.normalize)
-    # the head's BatchNorm (mlp) is new: frozen at its initial statistics it would be the
-    # identity, so freeze_batchnorm (here and in the training loop) leaves it trainable
-    mark_fresh_batchnorm(model.embedder)
     if m.freeze_batchnorm:
         freeze_batchnorm(model.trunk)  # the trunk's pretrained BatchNorm (not small_cnn's bn_neck)
     return model
