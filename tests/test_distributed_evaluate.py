@@ -22,7 +22,7 @@ import pytest
 from dmlkit.cli import main
 from dmlkit.distributed import context
 from dmlkit.embedding_shards import write_shards
-from dmlkit.metrics import evaluate_across_ranks, evaluate_streaming
+from dmlkit.metrics import evaluate_streaming
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -120,4 +120,4 @@ def test_without_a_process_group_it_is_the_streaming_evaluation(data):
     assert not context().enabled
     with np.load(data / "e.npz") as f:
         x, y = f["embeddings"], f["labels"]
-    assert evaluate_across_ranks(x, y, block_rows=100) == evaluate_streaming(x, y, block_rows=100)
+    assert evaluate_streaming(x, y, block_rows=100, across_ranks=True) == evaluate_streaming(x, y, block_rows=100)

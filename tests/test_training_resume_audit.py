@@ -17,6 +17,7 @@ from dmlkit.miners.pair_miners import DistanceWeightedMiner
 from dmlkit.training import config_from_dict, read_checkpoint, read_log, train
 from dmlkit.training.checkpoint import save_checkpoint
 from dmlkit.training.loop import Trainer
+from test_training import _assert_same_state, _state
 
 pytestmark = [pytest.mark.usefixtures("one_thread"),
               pytest.mark.filterwarnings("ignore:training did not beat the untrained model")]
@@ -82,14 +83,6 @@ def kill_in(monkeypatch, name: str, when, before=None) -> None:
     monkeypatch.setattr(Trainer, name, dying)
 
 
-def _weights(path):
-    return read_checkpoint(path)["model"]
-
-
-def _assert_same_weights(a, b):
-    assert a.keys() == b.keys()
-    for k in a:
-        assert torch.equal(a[k], b[k]), k
 
 
 # -- 1. the distance_weighted miner's generator --------------------------------------------------
@@ -121,8 +114,8 @@ def test_resume_with_the_distance_weighted_miner_is_bit_identical(tmp_path, memo
     run(cfg.override(["training.epochs=1"]), tmp_path / "resumed")
     run(cfg, tmp_path / "resumed", resume=True)
     for name in ("last.pt", "best.pt"):
-        _assert_same_weights(_weights(tmp_path / "full" / "checkpoints" / name),
-                             _weights(tmp_path / "resumed" / "checkpoints" / name))
+        _assert_same_state(_state(tmp_path / "full" / "checkpoints" / name),
+                           _state(tmp_path / "resumed" / "checkpoints" / name))
 
 
 def test_a_checkpoint_without_the_miners_generator_still_resumes(tmp_path):
@@ -194,7 +187,7 @@ def test_a_kill_between_last_pt_and_best_pt_writes_best_pt_again_on_resume(tmp_p
     run(make_config(), tmp_path / "run", resume=True)
     best, metrics = _assert_best_agrees(tmp_path / "run")
     assert (metrics["best_step"], metrics["best_epoch"]) == (best_step, epoch)
-    _assert_same_weights(best["model"], _weights(tmp_path / "full" / "checkpoints" / "best.pt"))
+    _assert_same_state(best["model"], _state(tmp_path / "full" / "checkpoints" / "best.pt"))
     full = json.loads((tmp_path / "full" / "metrics.json").read_text())
     assert metrics == full
 

@@ -94,14 +94,14 @@ def _compute(embeddings: Path, reference: Path | None, labels: Path | None,
     One process: in memory (:func:`dmlkit.metrics.evaluate`), or streamed from a shard
     directory. Under torchrun: the ranks join a gloo group, each reads the files (one error line
     if a rank cannot), the retrieval metrics are split by query
-    (:func:`dmlkit.metrics.evaluate_across_ranks`) and the others run on rank 0
+    (:func:`dmlkit.metrics.evaluate_streaming` with ``across_ranks=True``) and the others run on rank 0
     (:func:`dmlkit.distributed.on_main`); every rank gets the same numbers as one process.
     """
     from dmlkit.distributed import agree, launched_by_torchrun, on_main
     from dmlkit.embedding_files import read_embedding_file, read_labels_file
     from dmlkit.embedding_shards import is_shard_dir, open_shards
     from dmlkit.exceptions import ConfigError
-    from dmlkit.metrics import evaluate, evaluate_across_ranks
+    from dmlkit.metrics import evaluate
     from dmlkit.metrics.evaluate import expand_metric_names
     from dmlkit.metrics.streaming import evaluate_streaming, is_streamable, streamable_names
 
@@ -148,8 +148,8 @@ def _compute(embeddings: Path, reference: Path | None, labels: Path | None,
             parts.update(on_main(evaluate, q, ql, r, rl, metrics=rest, cluster_restarts=restarts,
                                  seed=seed, **kwargs))
         if by_query:
-            parts.update(evaluate_across_ranks(q, ql, r, rl, metrics=by_query, progress=progress,
-                                               **kwargs))
+            parts.update(evaluate_streaming(q, ql, r, rl, metrics=by_query, progress=progress,
+                                            across_ranks=True, **kwargs))
         order = [*names, "num_queries", "num_queries_without_positive"]
         return q, ql, r, rl, {n: parts[n] for n in [*order, *(m for m in parts if m not in order)]}
     names = checked_names()

@@ -11,7 +11,7 @@
 :func:`evaluate` computes any of them in one call; :func:`per_class` and :func:`per_query`
 break retrieval metrics down; :func:`evaluate_streaming` (:mod:`~dmlkit.metrics.streaming`)
 computes the same retrieval metrics from sources larger than memory (memory-mapped shards), and
-:func:`evaluate_across_ranks` splits them by query over the ranks of a ``torchrun`` job.
+``across_ranks=True`` splits them by query over the ranks of a ``torchrun`` job.
 """
 
 from dmlkit.metrics.clustering import CLUSTERING_METRICS, cluster_metrics, kmeans_labels, pair_f1
@@ -25,7 +25,7 @@ from dmlkit.metrics.evaluate import (
 from dmlkit.metrics.histograms import PosNegHistograms, js_divergence, pos_neg_histograms
 from dmlkit.metrics.knn import KNNResult, exact_topk, faiss_available, knn
 from dmlkit.metrics.roc import RocCurve, fpr95, fpr_at_tpr, roc_auc, roc_curve
-from dmlkit.metrics.streaming import evaluate_across_ranks, evaluate_streaming, per_query_streaming
+from dmlkit.metrics.streaming import evaluate_streaming, per_query_streaming
 
 __all__ = [
     "CLUSTERING_METRICS",
@@ -35,7 +35,6 @@ __all__ = [
     "PosNegHistograms",
     "cluster_metrics",
     "evaluate",
-    "evaluate_across_ranks",
     "evaluate_streaming",
     "exact_topk",
     "faiss_available",

@@ -68,8 +68,7 @@ from dmlkit.metrics.knn import (
 from dmlkit.metrics.near_ties import EXTRA_NEIGHBOURS, pair_scorer, settle_near_ties
 from dmlkit.metrics.retrieval import num_positives, per_query_from_neighbours
 
-__all__ = ["StreamingPlan", "evaluate_across_ranks", "evaluate_streaming", "per_query_streaming",
-           "plan_blocks"]
+__all__ = ["StreamingPlan", "evaluate_streaming", "per_query_streaming", "plan_blocks"]
 
 _STREAMABLE = ("precision_at_1", "r_precision", "map_at_r")
 
@@ -350,6 +349,7 @@ def evaluate_streaming(
     block_rows: int | None = None,
     progress: bool = False,
     query_range: tuple[int, int] | None = None,
+    across_ranks: bool = False,
 ) -> dict[str, float | int]:
     """:func:`dmlkit.metrics.evaluate`'s retrieval metrics, reading embeddings block by block.
 
@@ -373,62 +373,33 @@ def evaluate_streaming(
             per-query scores of disjoint ranges (:func:`per_query_streaming`) are those of the
             whole evaluation, so ranges can run on different machines; the means here are over
             the range.
+        across_ranks: in a ``torch.distributed`` job (``torchrun``), split the queries over its
+            ranks: rank ``r`` of ``W`` takes the contiguous ``query_range`` that
+            :func:`dmlkit.distributed.shard_bounds` gives it, the per-query float64 scores and
+            ``R_q`` are gathered in rank order (:func:`dmlkit.distributed.all_gather_unequal`),
+            and every rank returns the whole evaluation's result (a query's scores depend on that
+            query alone, so the split changes no number, exact ties included; ``W`` ranks do
+            ``1/W`` of the products each). An error on any rank ends every rank with one error
+            (:func:`dmlkit.distributed.agree`). Every rank must call it; without a process group
+            it changes nothing.
 
     Returns the same keys and values as :func:`dmlkit.metrics.evaluate`.
     """
-    scores, r_q, names = _stream(
-        query, query_labels, reference, reference_labels, metrics, distance=distance,
-        k_values=k_values, backend=backend, memory_budget=memory_budget, block_rows=block_rows,
-        progress=progress, query_range=query_range,
-    )
+    kwargs: dict[str, Any] = dict(distance=distance, k_values=k_values, backend=backend,
+                                  memory_budget=memory_budget, block_rows=block_rows)
+    if across_ranks and context().enabled:
+        if query_range is not None:
+            raise ConfigError("across_ranks chooses each rank's query_range: pass one or the other")
+        return _across_ranks(query, query_labels, reference, reference_labels, metrics, progress, kwargs)
+    scores, r_q, names = _stream(query, query_labels, reference, reference_labels, metrics,
+                                 progress=progress, query_range=query_range, **kwargs)
     return _means(scores, r_q, names)
 
 
-def _means(scores: dict[str, torch.Tensor], r_q: torch.Tensor, names: list[str]) -> dict[str, float | int]:
-    """Each metric's mean over the queries with a positive (``R_q > 0``), and the counts."""
-    valid = r_q > 0
-    n_valid = int(valid.sum())
-    result: dict[str, float | int] = {
-        n: float(scores[n][valid].mean()) if n_valid else math.nan for n in names
-    }
-    result["num_queries"] = int(r_q.shape[0])
-    result["num_queries_without_positive"] = int(r_q.shape[0] - n_valid)
-    return result
-
-
-def evaluate_across_ranks(
-    query: Any,
-    query_labels: Any | None = None,
-    reference: Any | None = None,
-    reference_labels: Any | None = None,
-    metrics: Sequence[str] | None = None,
-    *,
-    distance: str | BaseDistance = "cosine",
-    k_values: Sequence[int] = (1, 2, 4, 8),
-    backend: str = "auto",
-    memory_budget: int = DEFAULT_MEMORY_BUDGET,
-    block_rows: int | None = None,
-    progress: bool = False,
-) -> dict[str, float | int]:
-    """:func:`evaluate_streaming` with the queries split over the ranks of a ``torch.distributed``
-    job (``torchrun``): every rank returns the same result, equal to one process's.
-
-    Rank ``r`` of ``W`` scores the contiguous queries :func:`dmlkit.distributed.shard_bounds`
-    gives it (``query_range``) against every reference; the per-query float64 scores and
-    ``R_q`` are gathered in rank order (:func:`dmlkit.distributed.all_gather_unequal`) and
-    averaged as :func:`evaluate_streaming` averages them. A query's scores depend on that query
-    alone (its exact neighbours among all references), so the split changes no number, exact
-    ties included. Each rank reads every reference: ``W`` ranks do ``1/W`` of the work each. An
-    error on any rank (a bad block, a missing file) ends every rank with one error
-    (:func:`dmlkit.distributed.agree`). Arguments as in :func:`evaluate_streaming`; without a
-    process group, :func:`evaluate_streaming` itself.
-    """
-    kwargs: dict[str, Any] = dict(distance=distance, k_values=k_values, backend=backend,
-                                  memory_budget=memory_budget, block_rows=block_rows)
-    if not context().enabled:
-        return evaluate_streaming(query, query_labels, reference, reference_labels, metrics,
-                                  progress=progress, **kwargs)
-    names = agree(streamable_names, metrics, k_values)  # the same error on every rank: one line
+def _across_ranks(query: Any, query_labels: Any, reference: Any, reference_labels: Any, metrics: Any,
+                  progress: bool, kwargs: dict[str, Any]) -> dict[str, float | int]:
+    """:func:`evaluate_streaming` with ``across_ranks=True`` in a process group."""
+    names = agree(streamable_names, metrics, kwargs["k_values"])  # the same error everywhere: one line
 
     def share() -> tuple[torch.Tensor, torch.Tensor]:
         start, stop = shard_bounds(_shape(query, "query embeddings")[0])
@@ -442,6 +413,18 @@ def evaluate_across_ranks(
     local, local_r = agree(share)
     gathered = all_gather_unequal(local)
     return _means({n: gathered[:, i] for i, n in enumerate(names)}, all_gather_unequal(local_r), names)
+
+
+def _means(scores: dict[str, torch.Tensor], r_q: torch.Tensor, names: list[str]) -> dict[str, float | int]:
+    """Each metric's mean over the queries with a positive (``R_q > 0``), and the counts."""
+    valid = r_q > 0
+    n_valid = int(valid.sum())
+    result: dict[str, float | int] = {
+        n: float(scores[n][valid].mean()) if n_valid else math.nan for n in names
+    }
+    result["num_queries"] = int(r_q.shape[0])
+    result["num_queries_without_positive"] = int(r_q.shape[0] - n_valid)
+    return result
 
 
 def per_query_streaming(

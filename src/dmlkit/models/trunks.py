@@ -279,14 +279,12 @@ def _classifier_name(model: nn.Module, num_classes: int = 1000) -> str | None:
 
 def _remove_classifier(model: nn.Module, num_classes: int = 1000) -> int:
     """Replace the last ``Linear(*, num_classes)`` by ``Identity``; return its input size."""
-    last: tuple[nn.Module, str, nn.Linear] | None = None
-    for parent in model.modules():
-        for child_name, child in parent.named_children():
-            if isinstance(child, nn.Linear) and child.out_features == num_classes:
-                last = (parent, child_name, child)
-    if last is None:
+    name = _classifier_name(model, num_classes)
+    if name is None:
         raise ConfigError(f"cannot find the classifier (a Linear with {num_classes} outputs)")
-    parent, child_name, linear = last
+    parent_name, _, child_name = name.rpartition(".")
+    parent = model.get_submodule(parent_name)
+    linear = getattr(parent, child_name)
     setattr(parent, child_name, nn.Identity())
     return int(linear.in_features)
 
@@ -390,21 +388,10 @@ def _timm_trunk(name: str, pretrained: bool, weights: str | os.PathLike | None,
     return model, int(model.num_features)
 
 
-_NO_GRAY_CONVERSION = (
-    "{name} converts ImageNet-normalised RGB input internally with a per-channel affine map, "
-    "which has no exact {c}-channel form (the adapted first convolution would see input "
-    "statistics its pretrained filters and BatchNorm never saw): use in_channels=3 (gray images "
-    "are replicated to RGB) or input_space={other}"
-)
-
-
 # -- BN-Inception -----------------------------------------------------------------------------------
 @register_trunk("bn_inception")
 def _bn_inception(pretrained: bool = True, weights: str | os.PathLike | None = None,
                   in_channels: int = 3, **kwargs: Any) -> tuple[nn.Module, int]:
-    if in_channels != 3 and kwargs.get("input_space", "imagenet") == "imagenet":
-        raise ConfigError(_NO_GRAY_CONVERSION.format(name="bn_inception", c=in_channels,
-                                                     other="'caffe'"))
     model = BNInception(in_channels=in_channels, **kwargs)
     state = None
     if weights is not None:
@@ -454,6 +441,11 @@ def _efficientnet_lite(level: int) -> TrunkFactory:
     def factory(pretrained: bool = True, weights: str | os.PathLike | None = None,
                 in_channels: int = 3, input_space: str = "imagenet",
                 **kwargs: Any) -> tuple[nn.Module, int]:
+        if in_channels != 3 and input_space == "tf":  # before any weights are read
+            raise ConfigError(
+                f"efficientnet_lite{level} input_space='tf' converts ImageNet-normalised RGB input "
+                f"internally with a per-channel affine map, which has no exact {in_channels}-channel "
+                "form: use in_channels=3 (gray images are replicated to RGB) or input_space='imagenet'")
         lib = require("efficientnet_lite_pytorch", "efficientnet")
         net = lib.EfficientNet.from_name(f"efficientnet-lite{level}", **kwargs)
         if weights is None and pretrained:
@@ -471,9 +463,6 @@ def _efficientnet_lite(level: int) -> TrunkFactory:
             _load_into(net, load_weights_file(weights), str(weights), ignore=("_fc.",))
         net._fc = nn.Identity()
         dim = int(net._conv_head.out_channels)
-        if in_channels != 3 and input_space == "tf":
-            raise ConfigError(_NO_GRAY_CONVERSION.format(
-                name=f"efficientnet_lite{level} input_space='tf'", c=in_channels, other="'imagenet'"))
         trunk = EfficientNetLiteTrunk(net, input_space=input_space)
         adapt_input_channels(trunk, in_channels)
         return trunk, dim
