@@ -89,7 +89,7 @@ def few_shot_accuracy(embeddings: Any, labels: Any, n_way: int = 5, k_shot: int 
     x = check_embeddings(embeddings).cpu().numpy()
     y, _ = check_labels(labels, len(x))
     _distance(distance)
-    if isinstance(n_way, int | float | np.integer) and not isinstance(n_way, bool) and n_way < 2:
+    if int(n_way) < 2:
         raise ConfigError(f"few-shot accuracy needs n_way >= 2 classes per episode, got {n_way} (--way): "
                           "with one class every query is trivially right")
     if int(n_query) < 1:
