@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from dmlkit.metrics import _simd
-from dmlkit.metrics._simd import COMPRESS_TABLE, compress8, compress8_portable, transpose8
+from dmlkit.metrics._simd import COMPRESS_TABLE, compress8, compress8_portable, prefetch, transpose8
 
 
 @numba.njit
@@ -109,3 +109,25 @@ def test_intrinsics_refuse_arrays_they_would_misread():
 
     with pytest.raises(numba.core.errors.TypingError, match="C-contiguous"):
         view(np.zeros((16, 16), np.float32)[:, 1:])
+
+
+@numba.njit
+def _prefetch_then_sum(a: np.ndarray) -> int:
+    for k in range(a.shape[0]):
+        prefetch(a, k)
+    return a.sum()
+
+
+def test_prefetch_is_a_hint_that_changes_no_value():
+    a = np.arange(1000, dtype=np.int32)
+    assert _prefetch_then_sum(a) == a.sum()
+    assert np.array_equal(a, np.arange(1000, dtype=np.int32))
+
+
+def test_prefetch_refuses_arrays_it_would_misread():
+    @numba.njit
+    def strided(a):
+        prefetch(a[::2], 0)
+
+    with pytest.raises(numba.core.errors.TypingError, match="C-contiguous 1-d"):
+        strided(np.zeros(8, np.float32))

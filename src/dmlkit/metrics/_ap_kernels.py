@@ -53,7 +53,7 @@ import numba
 import numpy as np
 
 from dmlkit.metrics._kernels import _closeness64
-from dmlkit.metrics._simd import COMPRESS_TABLE, compress8, transpose8
+from dmlkit.metrics._simd import COMPRESS_TABLE, compress8, prefetch, transpose8
 
 __all__ = [
     "Counting", "Deferred", "ap_from_counts", "count_columns", "count_rows", "counting_scratch",
@@ -189,9 +189,13 @@ def _place(
     """Count ``n`` entries of query ``gi`` (row state ``i``) at or above its lowest bound.
 
     ``vals[u]`` is the float32 closeness of reference ``ref0 + refs[u]``, a negative (the
-    positives were set to ``-inf``; :func:`ap_from_counts` places them). Three passes: the
-    buckets (vectorised), the table (``cnt[e] += 1`` for a bucket away from every positive; the
-    others are listed) and the listed entries, placed by a short scan over the bounds; one
+    positives were set to ``-inf``; :func:`ap_from_counts` places them). The row's state is
+    prefetched first (a symmetric tile visits each row for only 1024 entries, and the state of
+    the rows between two visits evicts it: captured 1024 x 1024 tiles at 199 positives a row,
+    one thread, rows 2.56-2.75 against 2.77-3.47 ns a pair, columns 3.23-3.80 against
+    3.84-4.14; no change over wide tiles or at 49 positives). Two passes: the bucket and the
+    table (``cnt[e] += 1`` for a bucket away from every positive; the others are listed with
+    their table entry) and the listed entries, placed by a short scan over the bounds; one
     within ``tol`` of a positive is held for an exact comparison in float64
     (:func:`_flush_exact`, when ``held`` is full and at the end of the tile; ties by the
     original index).
@@ -202,22 +206,29 @@ def _place(
     top = np.float32(n_buckets - 1)
     low = lo[i]
     sc = scale[i]
-    for u in range(n):
-        buckets[u] = np.int32(min((vals[u] - low) * sc, top))
     p0 = pos_ptr[i]
     big_r = pos_ptr[i + 1] - p0
     c0 = p0 + i  # the row's counts: cnt[c0 : c0 + R], then one spare slot
     tab = table[i]
+    # the row's state towards the core before it is read at random
+    for b in range(0, n_buckets, 64 // tab.itemsize):
+        prefetch(tab, b)
+    for e in range(c0, c0 + big_r + 1, 16):
+        prefetch(cnt, e)
+    for e in range(p0, p0 + big_r, 16):
+        prefetch(up, e)
+        prefetch(dn, e)
     n_dirty = 0
     for u in range(n):  # branch-free: a listed entry is counted in the spare slot
-        e = np.int64(tab[buckets[u]])
+        e = np.int64(tab[np.uint32(min((vals[u] - low) * sc, top))])  # x >= low: bucket >= 0
         dirty[n_dirty] = u
+        buckets[n_dirty] = e
         n_dirty += e < 0
         cnt[c0 + (e if e >= 0 else big_r)] += 1
     for t in range(n_dirty):
         u = dirty[t]
         x = vals[u]
-        e = -1 - np.int64(tab[buckets[u]])
+        e = -1 - np.int64(buckets[t])
         while e < big_r and x < up[p0 + e]:
             e += 1
         if e < big_r and x <= dn[p0 + e]:  # within tol of positive e's closeness: held

@@ -27,7 +27,7 @@ from numba.core import cgutils, config
 from numba.core.errors import TypingError
 from numba.extending import intrinsic
 
-__all__ = ["COMPRESS_TABLE", "compress8", "compress8_portable", "has_avx2", "transpose8"]
+__all__ = ["COMPRESS_TABLE", "compress8", "compress8_portable", "has_avx2", "prefetch", "transpose8"]
 
 _F8 = ir.VectorType(ir.FloatType(), 8)
 _I8 = ir.VectorType(ir.IntType(32), 8)
@@ -185,6 +185,31 @@ def transpose8(typingctx, s, row, col, block):
                 dest = builder.gep(b_a.data, [ir.Constant(ir.IntType(64), 8 * out)])
                 builder.store(shuffle(a, b, ir.Constant(_I8, mask)), builder.bitcast(dest, _F8.as_pointer()),
                               align=4)
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+@intrinsic
+def prefetch(typingctx, array, index):
+    """``prefetch(array, index)``: ask the CPU to bring the cache line of ``array[index]`` (a
+    C-contiguous 1-d array) towards the core (LLVM's ``llvm.prefetch``: read, high locality; a
+    hint that never faults and changes no value)."""
+    if not (isinstance(array, types.Array) and array.ndim == 1 and array.layout == "C"):
+        raise TypingError(f"array must be a C-contiguous 1-d array, got {array}")
+    if not isinstance(index, types.Integer):
+        raise TypingError(f"index must be an integer, got {index}")
+    sig = types.void(array, types.int64)
+
+    def codegen(context, builder, signature, args):
+        array_v, index_v = args
+        data = context.make_array(signature.args[0])(context, builder, array_v).data
+        byte_ptr = ir.IntType(8).as_pointer()
+        i32 = ir.IntType(32)
+        fn = cgutils.get_or_insert_function(
+            builder.module, ir.FunctionType(ir.VoidType(), [byte_ptr, i32, i32, i32]), "llvm.prefetch.p0")
+        builder.call(fn, [builder.bitcast(builder.gep(data, [index_v]), byte_ptr),
+                          ir.Constant(i32, 0), ir.Constant(i32, 3), ir.Constant(i32, 1)])
         return context.get_dummy_value()
 
     return sig, codegen
