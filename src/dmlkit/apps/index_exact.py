@@ -62,10 +62,19 @@ class RowNorms:
     unit_rows: bool
 
 
+def _inverse_norm(sq: np.ndarray) -> np.ndarray:
+    """``1/|x|`` from ``|x|^2`` (float64), finite in float32: 0 for zero rows (whose scores are
+    0), at most float32's largest value. ``1/sqrt(1e-300)`` overflowed float32 to inf, and the
+    zero row's ``0 * inf`` scored NaN, which the candidate scan ranked above every real row."""
+    with np.errstate(divide="ignore"):
+        inv = np.where(sq > 0, 1 / np.sqrt(sq), 0.0)
+    return np.minimum(inv, np.finfo(np.float32).max)
+
+
 def row_norms(x: np.ndarray, unit: bool) -> RowNorms:
     """:class:`RowNorms` of ``x`` (one pass over the vectors)."""
     sq = np.einsum("ij,ij->i", x, x, dtype=np.float64)
-    factor = (1 / np.sqrt(np.maximum(sq, 1e-300))) if unit else sq / 2
+    factor = _inverse_norm(sq) if unit else sq / 2
     unit_rows = bool(sq.size == 0 or np.abs(sq - 1).max() <= UNIT_TOLERANCE)
     return RowNorms(sq, factor.astype(np.float32), unit_rows)
 
@@ -94,7 +103,7 @@ class InverseNorms:
                 part = need[a : a + self.STEP]
                 block = np.asarray(self.x[part])
                 sq = np.einsum("ij,ij->i", block, block, dtype=np.float64)
-                self.value[part] = 1 / np.sqrt(np.maximum(sq, 1e-300))
+                self.value[part] = _inverse_norm(sq)
             found = self.value[rows]
         return found
 
@@ -140,12 +149,28 @@ def exact_search(x: np.ndarray, q: np.ndarray, k: int, distance: str, unit: bool
         elif distance == "euclidean":
             s -= norms.factor  # <q, x> - |x|^2 / 2 orders like -|q - x|^2
         c = min(m, 2 * k + CANDIDATE_MARGIN)
-        cand = np.argpartition(s, m - c, axis=1)[:, m - c:] if c < m else np.tile(np.arange(m), (q.shape[0], 1))
+        cand = _top_rows(s, c) if c < m else np.tile(np.arange(m), (q.shape[0], 1))
         return _rescore(x, q, cand, k, distance, unit, norms)
     from dmlkit.metrics import knn  # lazy: numba kernels load only when a large exact search runs
 
     res = knn(q, x, k=k, distance=get_distance(distance, normalize_embeddings=unit), exclude_self=False)
     return res.indices.numpy().astype(np.int64), res.values.numpy().astype(np.float32)
+
+
+def _top_rows(s: np.ndarray, c: int) -> np.ndarray:
+    """The ``c`` rows of largest score per query, ``(Q, c)``; among rows tied with the ``c``-th
+    score the first ones, as the faiss scan and :func:`dmlkit.metrics.knn` keep them
+    (``argpartition`` kept any of them: more than ``c`` equal rows, duplicates or zero vectors,
+    left the first ones out, and ties by row were broken)."""
+    m = s.shape[1]
+    if np.isnan(s).any():  # inf - inf of raw vectors beyond float32's range: never a candidate ahead of a number
+        s = np.where(np.isnan(s), -np.inf, s)
+    v = np.partition(s, m - c, axis=1)[:, m - c:m - c + 1]  # the c-th largest score
+    above = s > v
+    tied = s == v
+    room = c - above.sum(axis=1, keepdims=True)
+    keep = above | (tied & (np.cumsum(tied, axis=1) <= room))
+    return np.nonzero(keep)[1].reshape(s.shape[0], c)
 
 
 def _rescore(x: np.ndarray, q: np.ndarray, cand: np.ndarray, k: int, distance: str, unit: bool,

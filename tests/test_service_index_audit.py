@@ -1,0 +1,47 @@
+"""Audit of the retrieval index, the search service and their commands: each test pins one fix."""
+
+from __future__ import annotations
+
+import warnings
+
+import numpy as np
+import pytest
+
+from dmlkit.apps import EmbeddingIndex
+
+pytest.importorskip("faiss")
+
+
+def _knn_indices(x: np.ndarray, q: np.ndarray, k: int, distance: str) -> np.ndarray:
+    from dmlkit.metrics import knn
+
+    return knn(q, x, k=k, distance=distance, exclude_self=False).indices.numpy()
+
+
+@pytest.mark.parametrize("distance", ["cosine", "euclidean", "dot"])
+def test_zero_rows_do_not_crowd_out_the_exact_neighbours(distance):
+    """Zero embeddings (a failed image, padding) score 0; their 1/|x| overflowed float32 to inf
+    and 0 * inf = NaN ranked them above every real row, so a flat index with 2k + 16 zero rows
+    returned only zero rows, and the recall of approximate kinds was measured against them."""
+    rng = np.random.default_rng(0)
+    real = rng.normal(size=(40, 8)).astype(np.float32)
+    x = np.concatenate([np.zeros((100, 8), np.float32), real])
+    q = real[:5].copy()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)  # no overflow / invalid value on the way
+        res = EmbeddingIndex(x, distance=distance).search(q, 5)
+    np.testing.assert_array_equal(res.indices[:, 0], np.arange(100, 105))  # each query finds itself
+    np.testing.assert_array_equal(res.indices, _knn_indices(x, q, 5, distance))
+    assert np.isfinite(res.scores).all()
+
+
+@pytest.mark.parametrize(("distance", "normalize"), [("cosine", True), ("euclidean", True), ("dot", True)])
+def test_many_exact_ties_are_broken_by_row(distance, normalize):
+    """More than 2k + 16 equal rows: the candidate scan kept an arbitrary ``argpartition`` subset
+    of them, so the first tied rows (the order of dmlkit.metrics.knn and of the docs) were lost."""
+    x = np.zeros((101, 4), np.float32)
+    x[:100, 0] = 1  # 100 copies of e1 (exact scores, whatever the summation order)
+    x[100, 1] = 2  # one row off unit norm: the numpy scan, not faiss's
+    q = np.array([[1, 0, 0, 0]], np.float32)
+    res = EmbeddingIndex(x, distance=distance, normalize=normalize).search(q, 5)
+    np.testing.assert_array_equal(res.indices, [[0, 1, 2, 3, 4]])
