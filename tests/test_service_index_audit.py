@@ -45,3 +45,18 @@ def test_many_exact_ties_are_broken_by_row(distance, normalize):
     q = np.array([[1, 0, 0, 0]], np.float32)
     res = EmbeddingIndex(x, distance=distance, normalize=normalize).search(q, 5)
     np.testing.assert_array_equal(res.indices, [[0, 1, 2, 3, 4]])
+
+
+@pytest.mark.parametrize("value", ["nan", "inf", "1e-9"])
+def test_cli_serve_refuses_a_non_finite_upload_limit_in_one_line(tmp_path, value):
+    """``--max-upload-mb nan`` raised ``ValueError: cannot convert float NaN to integer`` (inf:
+    ``OverflowError``), a traceback, before any check; a limit under one byte named a field the
+    user never typed."""
+    from typer.testing import CliRunner
+
+    from dmlkit.cli import app as cli
+    from dmlkit.exceptions import ConfigError
+
+    res = CliRunner().invoke(cli, ["serve", "--index", str(tmp_path / "nope"), "--max-upload-mb", value])
+    assert isinstance(res.exception, ConfigError), res.exception
+    assert "--max-upload-mb" in str(res.exception)

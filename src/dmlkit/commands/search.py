@@ -267,8 +267,13 @@ def serve(
     max_k: int = typer.Option(100, "--max-k", help="Largest k a request may ask for."),
 ) -> None:
     """An HTTP search service with a web page: query by image, embedding or id; verify two images."""
-    from dmlkit.apps.service import ServiceConfig, run_server
+    import math
 
+    from dmlkit.apps.service import ServiceConfig, run_server
+    from dmlkit.exceptions import ConfigError
+
+    if not math.isfinite(max_upload_mb) or max_upload_mb * 2**20 < 1:  # int(nan) and int(inf) raised a traceback
+        raise ConfigError(f"--max-upload-mb must be a positive number of megabytes, got {max_upload_mb}")
     run_server(ServiceConfig(index=index_path, model=model, threshold=threshold, verification=verification,
                              data_root=data_root, max_upload_bytes=int(max_upload_mb * 2**20), max_k=max_k),
                host=host, port=port)
