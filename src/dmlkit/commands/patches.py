@@ -46,6 +46,19 @@ def _print_table(results: dict, title: str, as_json: bool) -> None:
     output_console().print(table)
 
 
+def _check_figure_format(path: Path) -> None:
+    """A figure file name whose suffix matplotlib cannot write is a one-line error, before any work."""
+    from matplotlib.figure import Figure
+
+    fmt = path.suffix[1:].lower()
+    supported = Figure().canvas.get_supported_filetypes()
+    if fmt and fmt not in supported:
+        from dmlkit.exceptions import ConfigError
+
+        raise ConfigError(f"--figure {path}: matplotlib cannot write '.{fmt}' files; use one of "
+                          f"{', '.join('.' + f for f in sorted(supported))}")
+
+
 @patches_app.command("build-data")
 def build_data(
     output: Path | None = typer.Option(None, "-o", "--output", help="Folder for the subsets (default: DATA_ROOT/patches_offline)."),
@@ -107,6 +120,13 @@ def evaluate(
     from dmlkit.utils import read_json
 
     res_file = run_dir / "results.json"
+    if figure is not None:
+        _check_figure_format(figure)
+    elif arch is not None:
+        raise ConfigError("--arch picks the architecture of the figure: pass --figure too")
+    if max_test_pairs is not None and not rescore and res_file.is_file():
+        raise ConfigError(f"--max-test-pairs applies when the checkpoints are scored again: pass --rescore "
+                          f"(without it the table is {res_file}, scored on the run's own test pairs)")
     if rescore or not res_file.is_file():
         results = evaluate_patch_run(run_dir, data_root=data_root, max_test_pairs=max_test_pairs)
     else:

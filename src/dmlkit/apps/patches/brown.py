@@ -20,6 +20,7 @@ Zagoruyko & Komodakis (CVPR 2015): train on one subset, test on the 100k pairs o
 from __future__ import annotations
 
 import re
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -30,6 +31,7 @@ from dmlkit.utils import atomic_write_bytes, atomic_write_text
 
 __all__ = [
     "BROWN_SUBSETS",
+    "BROWN_TEST_PAIRS",
     "PATCH_SIZE",
     "PatchPairs",
     "PatchSubset",
@@ -44,6 +46,8 @@ __all__ = [
 
 #: The subsets of the original dataset, as torchvision names their folders.
 BROWN_SUBSETS = ("liberty", "notredame", "yosemite")
+#: The test list of the protocol (Brown et al.; Zagoruyko & Komodakis): ``m50_100000_100000_0.txt``.
+BROWN_TEST_PAIRS = 100000
 #: Side of one patch in the sheets (pixels).
 PATCH_SIZE = 64
 _SHEET = 1024
@@ -94,9 +98,13 @@ def read_info(folder: str | Path) -> np.ndarray:
     if not path.is_file():
         raise DataNotFoundError(f"{path} is missing: every Brown subset folder has an info.txt")
     try:
-        table = np.loadtxt(path, dtype=np.int64, ndmin=2)
+        with warnings.catch_warnings():  # an empty file: the error below, not numpy's warning
+            warnings.simplefilter("ignore", UserWarning)
+            table = np.loadtxt(path, dtype=np.int64, ndmin=2)
     except ValueError as exc:
         raise DataError(f"{path}: expected integer columns '<3D point id> <image id>': {exc}") from exc
+    if table.size == 0:
+        raise DataError(f"{path} is empty: expected one line '<3D point id> <image id>' per patch")
     return table[:, 0].copy()
 
 
@@ -162,11 +170,16 @@ class PatchSubset:
 
     def pairs(self, num_pairs: int | str | None = None, *, largest: bool = True) -> PatchPairs:
         """Pairs of the ``m50_<num_pairs>_*`` file (a number or a file name); ``None``: the largest
-        file (``largest=True``, training) or the smallest (test; 100k for the Brown data)."""
+        file (``largest=True``, training) or the test list: ``m50_100000_100000_0.txt`` when present
+        (the protocol's test pairs; the Brown subsets ship files of 1k to 500k pairs), else the
+        smallest file."""
         if not self.matches:
             raise DataNotFoundError(f"{self.folder}: no m50_<n>_<n>_0.txt match file")
         if num_pairs is None:
-            key = max(self.matches) if largest else min(self.matches)
+            if largest:
+                key = max(self.matches)
+            else:
+                key = BROWN_TEST_PAIRS if BROWN_TEST_PAIRS in self.matches else min(self.matches)
             path = self.matches[key]
         elif isinstance(num_pairs, str) and not num_pairs.isdigit():
             path = self.folder / num_pairs
@@ -212,22 +225,38 @@ def write_brown_subset(
 
     ``patches``: uint8 ``(N, 64, 64)``; sheets ``patches%04d.bmp`` of 16 x 16 patches, the last
     one padded with black. ``pairs[n]`` is written to ``m50_<n>_<n>_0.txt`` (``n == len``).
+    Everything is checked before the folder is touched; the sheets and ``m50`` files of an
+    earlier subset in ``folder`` are removed (stale pair files would be read as this subset's).
     """
+    import io
+
     from PIL import Image
 
     folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
     patches = np.asarray(patches)
+    point_ids, image_ids = np.asarray(point_ids), np.asarray(image_ids)
     if patches.dtype != np.uint8 or patches.ndim != 3 or patches.shape[1:] != (PATCH_SIZE, PATCH_SIZE):
         raise DataError(f"patches must be uint8 (N, {PATCH_SIZE}, {PATCH_SIZE}), got {patches.dtype} {patches.shape}")
     n = patches.shape[0]
     if point_ids.shape != (n,) or image_ids.shape != (n,):
         raise DataError("point_ids and image_ids need one entry per patch")
+    files: dict[str, str] = {}
+    for count, pp in pairs.items():
+        if len(pp) != count:
+            raise DataError(f"pairs[{count}] holds {len(pp)} pairs")
+        for side in (pp.left, pp.right):
+            if side.size and (side.min() < 0 or side.max() >= n):
+                raise DataError(f"pairs[{count}]: patch ids must be in [0, {n}), got {side.min()}..{side.max()}")
+        pl, pr = point_ids[pp.left], point_ids[pp.right]
+        if not np.array_equal(pl == pr, pp.label.astype(bool)):
+            raise DataError("pair labels disagree with the 3D point ids")
+        files[f"m50_{count}_{count}_0.txt"] = "".join(
+            f"{a} {b} 0 {c} {d} 0 0\n" for a, b, c, d in zip(pp.left.tolist(), pl.tolist(), pp.right.tolist(), pr.tolist())
+        )
+    folder.mkdir(parents=True, exist_ok=True)
     per_sheet = _PER_SIDE * _PER_SIDE
-    for old in _sheet_files(folder):
+    for old in [*_sheet_files(folder), *(f for f in folder.glob("m50_*.txt") if _MATCH_RE.match(f.name))]:
         old.unlink()
-    import io
-
     for s in range(0, n, per_sheet):
         chunk = patches[s : s + per_sheet]
         full = np.zeros((per_sheet, PATCH_SIZE, PATCH_SIZE), np.uint8)
@@ -237,14 +266,6 @@ def write_brown_subset(
         Image.fromarray(sheet.reshape(_SHEET, _SHEET), mode="L").save(buf, format="BMP")
         atomic_write_bytes(folder / f"patches{s // per_sheet:04d}.bmp", buf.getvalue())
     atomic_write_text(folder / "info.txt", "".join(f"{p} {i}\n" for p, i in zip(point_ids.tolist(), image_ids.tolist())))
-    for count, pp in pairs.items():
-        if len(pp) != count:
-            raise DataError(f"pairs[{count}] holds {len(pp)} pairs")
-        pl, pr = point_ids[pp.left], point_ids[pp.right]
-        if not np.array_equal(pl == pr, pp.label.astype(bool)):
-            raise DataError("pair labels disagree with the 3D point ids")
-        lines = "".join(
-            f"{a} {b} 0 {c} {d} 0 0\n" for a, b, c, d in zip(pp.left.tolist(), pl.tolist(), pp.right.tolist(), pr.tolist())
-        )
-        atomic_write_text(folder / f"m50_{count}_{count}_0.txt", lines)
+    for name, lines in files.items():
+        atomic_write_text(folder / name, lines)
     return folder

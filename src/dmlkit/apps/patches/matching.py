@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from dmlkit.apps.patches.models import PatchNet, SiameseNet
-from dmlkit.exceptions import ConfigError, ShapeError
+from dmlkit.exceptions import ConfigError, NonFiniteError, ShapeError
 
 __all__ = ["PatchMatches", "match_patches", "mutual_matches", "score_matrix"]
 
@@ -71,6 +71,10 @@ def mutual_matches(scores: torch.Tensor | np.ndarray, ratio: float | None = None
     s = torch.as_tensor(scores, dtype=torch.float64)
     if s.dim() != 2:
         raise ShapeError(f"scores must be (n, m), got {tuple(s.shape)}")
+    if not bool(torch.isfinite(s).all()):  # argmax takes NaN as the best score
+        raise NonFiniteError(
+            f"{int((~torch.isfinite(s)).sum())} score(s) are NaN or infinite: the network diverged; retrain it"
+        )
     best_j = s.argmax(1)
     best_i = s.argmax(0)
     i = torch.arange(s.shape[0])
@@ -92,5 +96,11 @@ def mutual_matches(scores: torch.Tensor | np.ndarray, ratio: float | None = None
 def match_patches(
     model: PatchNet, a: torch.Tensor, b: torch.Tensor, *, ratio: float | None = None, batch_size: int = 2048
 ) -> PatchMatches:
-    """Match two sets of prepared patches: :func:`score_matrix` then :func:`mutual_matches`."""
+    """Match two sets of prepared patches: :func:`score_matrix` then :func:`mutual_matches`
+    (``ratio``: Lowe's ratio test, for descriptor networks only: it compares distances)."""
+    if ratio is not None and getattr(model, "kind", None) != "descriptor":
+        raise ConfigError(
+            f"the ratio test compares descriptor distances; {getattr(model, 'name', type(model).__name__)} "
+            "is a decision network: match without ratio, or use a descriptor network (-l2, hardnet)"
+        )
     return mutual_matches(score_matrix(model, a, b, batch_size), ratio)

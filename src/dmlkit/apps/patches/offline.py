@@ -76,6 +76,8 @@ class OfflineSpec:
             raise ConfigError(f"hard_fraction must be in [0, 1], got {self.hard_fraction}")
         if min(self.points_per_subset, self.train_pairs, self.test_pairs) < 10:
             raise ConfigError("points_per_subset, train_pairs and test_pairs must be at least 10")
+        if not 0 <= self.seed < 2**32:  # numpy refuses other seeds
+            raise ConfigError(f"seed must be in [0, 2**32), got {self.seed}")
 
 
 def _gray(name: str) -> np.ndarray:

@@ -1,8 +1,8 @@
 """The cross-subset protocol of Brown et al. / Zagoruyko & Komodakis and the paper's Table 1.
 
 Train each architecture once per training subset (on that subset's largest ``m50`` file),
-test it on the pairs of every other subset it is paired with (the smallest ``m50`` file:
-``m50_100000_100000_0.txt`` for the Brown data), report FPR95 (and ROC AUC) for each
+test it on the pairs of every other subset it is paired with (``m50_100000_100000_0.txt``
+when present, as for the Brown data; else the smallest ``m50`` file), report FPR95 (and ROC AUC) for each
 train/test combination and the mean over the combinations, one column per architecture.
 """
 
@@ -28,6 +28,7 @@ from dmlkit.config import StrictNumbers, apply_dict_overrides, read_yaml_mapping
 from dmlkit.exceptions import CheckpointError, ConfigError, DataNotFoundError
 from dmlkit.metrics.roc import fpr95, roc_auc
 from dmlkit.models import to_device
+from dmlkit.models.trunks import load_failure_reason
 from dmlkit.utils import (
     atomic_torch_save,
     atomic_write_json,
@@ -63,7 +64,7 @@ class PatchDataConfig(_Strict):
     root: str | None = None  # folder holding one folder per subset; None: <data root>/patches_offline
     combinations: list[tuple[str, str]] = Field(default_factory=lambda: list(BROWN_COMBINATIONS))
     train_pairs: int | None = Field(None, ge=1)  # m50 file for training: None = the largest
-    test_pairs: int | None = Field(None, ge=1)  # m50 file for testing: None = the smallest (100k for Brown)
+    test_pairs: int | None = Field(None, ge=1)  # m50 file for testing: None = the 100k file, else the smallest
     max_test_pairs: int | None = Field(None, ge=1)
 
     @field_validator("combinations")
@@ -94,7 +95,7 @@ class PatchTrainingConfig(PatchTrainingSettings):
 class PatchExperimentConfig(_Strict):
     """``configs/patches*.yaml``: data, model and training sections plus a seed."""
 
-    seed: int = 0
+    seed: int = Field(0, ge=0, lt=2**32)  # numpy refuses other seeds
     data: PatchDataConfig = Field(default_factory=PatchDataConfig)
     model: PatchModelConfig = Field(default_factory=PatchModelConfig)
     training: PatchTrainingConfig = Field(default_factory=PatchTrainingConfig)
@@ -127,19 +128,31 @@ def subsets_root(cfg: PatchExperimentConfig, data_root: str | Path | None) -> Pa
 
 def load_patch_model(path: str | Path):
     """A model saved by :func:`run_patch_protocol` (``torch.load(weights_only=True)``)."""
-    import torch
-
     path = Path(path)
     if not path.is_file():
         raise CheckpointError(f"checkpoint {path} not found: train it with `dmlkit patches train`")
+    ck = _read_checkpoint(path)
     try:
-        ck = torch.load(path, map_location="cpu", weights_only=True)
         model = build_patch_model(ck["arch"], int(ck["patch_size"]), float(ck["width"]))
         model.load_state_dict(ck["state_dict"])
-    except (KeyError, RuntimeError, EOFError) as exc:
-        raise CheckpointError(f"{path} is not a patch-network checkpoint: {exc}") from exc
+    except (KeyError, RuntimeError, TypeError, ValueError, ConfigError) as exc:
+        raise CheckpointError(f"{path} is not a patch-network checkpoint: {exc}") from None
     model.eval()
     return model
+
+
+def _read_checkpoint(path: Path) -> dict[str, Any]:
+    """The dict of a checkpoint file, or a one-line :class:`CheckpointError` (torch raises many
+    types for a corrupt or foreign file)."""
+    import torch
+
+    try:
+        ck = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as exc:
+        raise CheckpointError(f"cannot read checkpoint {path}: {load_failure_reason(exc)}") from None
+    if not isinstance(ck, dict):
+        raise CheckpointError(f"{path} is not a patch-network checkpoint (no dict inside): retrain it with --fresh")
+    return ck
 
 
 class _Subsets:
@@ -163,6 +176,32 @@ def _device(name: str):
     if name not in ("cpu", "cuda") or (name == "cuda" and not torch.cuda.is_available()):
         raise ConfigError(f"training.device must be auto, cpu or cuda (with a GPU), got {name!r}")
     return torch.device(name)
+
+
+def _training_signature(cfg: PatchExperimentConfig, arch: str) -> dict[str, Any]:
+    """What a checkpoint's weights depend on (stored in it; a resumed run must ask for the same)."""
+    return {"arch": arch, "patch_size": cfg.model.patch_size, "width": cfg.model.width, "seed": cfg.seed,
+            "train_pairs": cfg.data.train_pairs,
+            **cfg.training.model_dump(mode="json", include=set(PatchTrainingSettings.model_fields))}
+
+
+def _check_resumable(out: Path, cfg: PatchExperimentConfig, trains: list[str]) -> None:
+    """Refuse to resume from a checkpoint trained with other settings than ``cfg`` (it would be
+    scored silently under the new config), before anything is written."""
+    for arch in cfg.model.architectures:
+        want = _training_signature(cfg, arch)
+        for train_name in trains:
+            ck_path = out / "models" / arch / f"{train_name}.pt"
+            if not ck_path.is_file():
+                continue
+            ck = _read_checkpoint(ck_path)
+            have = ck.get("settings") or {k: ck.get(k) for k in ("arch", "patch_size", "width")}
+            for key, value in have.items():
+                if key in want and want[key] != value:
+                    raise ConfigError(
+                        f"{ck_path} was trained with {key}={value!r} but the config asks for {want[key]!r}: "
+                        "pass --fresh to retrain, or write the run to another -o folder"
+                    )
 
 
 def _test_pairs(sub, cfg: PatchExperimentConfig, seed: int):
@@ -198,6 +237,9 @@ def run_patch_protocol(
     for a in cfg.model.architectures:
         build_patch_model(a, cfg.model.patch_size, cfg.model.width)  # fail fast on bad names
     out = Path(out_dir)
+    trains = list(dict.fromkeys(a for a, _ in cfg.data.combinations))
+    if resume:
+        _check_resumable(out, cfg, trains)
     out.mkdir(parents=True, exist_ok=True)
     atomic_write_text(out / "config.yaml", yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
     write_provenance(out / "provenance.json", cfg.seed)
@@ -205,7 +247,6 @@ def run_patch_protocol(
         torch.set_num_threads(cfg.training.threads)
     device = _device(cfg.training.device)
     subsets = _Subsets(root, cfg.model.patch_size)
-    trains = list(dict.fromkeys(a for a, _ in cfg.data.combinations))
     rows: dict[tuple[str, str], dict[str, dict[str, float]]] = {tuple(c): {} for c in cfg.data.combinations}
     timing: dict[str, dict[str, float]] = {a: {} for a in cfg.model.architectures}
     for train_name in trains:
@@ -231,7 +272,7 @@ def run_patch_protocol(
                 atomic_torch_save(
                     {"arch": arch, "patch_size": cfg.model.patch_size, "width": cfg.model.width,
                      "state_dict": {k: v.cpu() for k, v in model.state_dict().items()}, "train": train_name, "history": history,
-                     "train_seconds": secs},
+                     "train_seconds": secs, "settings": _training_signature(cfg, arch)},
                     ck,
                 )
                 say(f"{arch} trained on {train_name} in {secs:.0f} s (final loss {history[-1]['loss']:.3f})")

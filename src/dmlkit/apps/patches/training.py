@@ -62,7 +62,7 @@ class TrainSettings(PatchTrainingSettings):
     """One training run of :func:`train_patch_model`: the settings plus its seed and how often
     it logs. A value out of range raises :class:`dmlkit.exceptions.ConfigError`."""
 
-    seed: int = 0
+    seed: int = Field(0, ge=0, lt=2**32)  # numpy refuses other seeds
     log_every: int = Field(50, ge=1)
 
     def __init__(self, **values: Any) -> None:

@@ -1,0 +1,304 @@
+"""Audit of the patch-correspondence application: each test pins one bug that gave a silent wrong
+number, a traceback instead of one error line, or behaviour against the docs / the Brown protocol;
+FPR95 through the patch pipeline is checked against a brute-force numpy reference."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import yaml
+
+from dmlkit.apps.patches import (
+    PatchPairs,
+    build_patch_model,
+    load_patch_config,
+    load_patch_model,
+    load_subset,
+    match_patches,
+    mutual_matches,
+    prepare_patches,
+    score_pairs,
+    write_brown_subset,
+)
+from dmlkit.apps.patches.brown import match_files
+from dmlkit.apps.patches.offline import OfflineSpec
+from dmlkit.apps.patches.training import TrainSettings
+from dmlkit.cli import main
+from dmlkit.exceptions import CheckpointError, ConfigError, DataError, NonFiniteError
+from dmlkit.metrics import fpr95
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+# -- helpers -----------------------------------------------------------------------------------
+def _pairs(point_ids: np.ndarray, n: int, seed: int) -> PatchPairs:
+    """``n`` pairs, half positive (two views of one point), half negative."""
+    rng = np.random.default_rng(seed)
+    num_points = int(point_ids.max()) + 1
+    pts = rng.integers(0, num_points, n)
+    left = pts * 2
+    right = np.where(np.arange(n) % 2 == 0, pts * 2 + 1, ((pts + 1 + rng.integers(0, num_points - 1, n)) % num_points) * 2)
+    left, right = left.astype(np.int64), right.astype(np.int64)
+    return PatchPairs(left, right, (point_ids[left] == point_ids[right]).astype(np.int64))
+
+
+def _subset(folder: Path, num_points: int, counts: tuple[int, ...], seed: int = 0) -> np.ndarray:
+    """A Brown-layout folder of ``2 * num_points`` patches (two noisy views per point)."""
+    rng = np.random.default_rng(seed)
+    base = rng.integers(0, 256, (num_points, 64, 64))
+    views = np.stack([base, base + rng.integers(-20, 21, base.shape)], 1).clip(0, 255).astype(np.uint8)
+    point_ids = np.repeat(np.arange(num_points, dtype=np.int64), 2)
+    image_ids = np.tile(np.arange(2, dtype=np.int64), num_points)
+    write_brown_subset(folder, views.reshape(-1, 64, 64), point_ids, image_ids,
+                       {c: _pairs(point_ids, c, seed + c) for c in counts})
+    return point_ids
+
+
+def _run(argv: list[str], capsys) -> tuple[int, str, str]:
+    try:
+        main(argv)
+        code = 0
+    except SystemExit as exc:
+        code = int(exc.code or 0)
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def _one_error_line(code: int, err: str) -> str:
+    assert code == 2, err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), err
+    return lines[0]
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """Two small subsets and a trained run (one siam-l2 model, 4 steps)."""
+    root = tmp_path_factory.mktemp("tiny")
+    _subset(root / "a", 24, (64, 32), seed=1)
+    _subset(root / "b", 24, (64, 32), seed=2)
+    cfg = {"seed": 0, "data": {"root": str(root), "combinations": [["a", "b"]]},
+           "model": {"architectures": ["siam-l2"], "patch_size": 32, "width": 0.125},
+           "training": {"epochs": 1, "batch_size": 16, "threads": 1, "augment": False}}
+    path = root / "cfg.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    run = root / "run"
+    try:
+        main(["patches", "train", str(path), "-o", str(run), "--json", "-q"])
+    except SystemExit as exc:  # pragma: no cover - a failure shows in the tests below
+        assert not exc.code
+    return path, run
+
+
+# -- Brown layout --------------------------------------------------------------------------------
+def test_rewriting_a_subset_removes_its_old_match_files(tmp_path: Path) -> None:
+    """Was: m50 files of an earlier build stayed beside the new ones, and the protocol (largest
+    file for training, smallest for testing) silently read the stale pairs, whose labels no longer
+    agree with the new info.txt."""
+    _subset(tmp_path / "s", 20, (40, 20), seed=0)
+    point_ids = _subset(tmp_path / "s", 30, (30, 24), seed=5)
+    assert sorted(match_files(tmp_path / "s")) == [24, 30]
+    sub = load_subset(tmp_path, "s")
+    for largest in (True, False):
+        p = sub.pairs(largest=largest)
+        assert np.array_equal(p.label, (point_ids[p.left] == point_ids[p.right]).astype(np.int64))
+
+
+def test_bad_pairs_are_refused_before_anything_is_written(tmp_path: Path) -> None:
+    """Was: a pair index past the patches was an IndexError, a negative one wrapped around, and
+    the sheets and info.txt were already replaced when the pairs were found wrong."""
+    _subset(tmp_path / "s", 10, (12,), seed=0)
+    before = {p.name: p.read_bytes() for p in (tmp_path / "s").iterdir()}
+    patches = np.zeros((4, 64, 64), np.uint8)
+    ids = np.array([0, 0, 1, 1], np.int64)
+    for left in ([0, 4], [0, -1]):
+        bad = PatchPairs(np.array(left, np.int64), np.array([1, 2], np.int64), np.array([1, 0], np.int64))
+        with pytest.raises(DataError, match="patch"):
+            write_brown_subset(tmp_path / "s", patches, ids, ids, {2: bad})
+        assert {p.name: p.read_bytes() for p in (tmp_path / "s").iterdir()} == before
+
+
+def test_default_test_pairs_are_the_100k_list(tmp_path: Path) -> None:
+    """Was: ``test_pairs: null`` took the smallest m50 file, which for the real Brown subsets is
+    m50_1000_1000_0.txt (they ship 1k ... 500k files), not the 100k test list of the protocol."""
+    _subset(tmp_path / "liberty", 10, (12,), seed=0)
+    folder = tmp_path / "liberty"
+    lines = (folder / "m50_12_12_0.txt").read_text()
+    (folder / "m50_12_12_0.txt").unlink()
+    for n in (1000, 100000, 500000):
+        (folder / f"m50_{n}_{n}_0.txt").write_text(lines)
+    sub = load_subset(tmp_path, "liberty")
+    assert sub.pairs(largest=False).source == "m50_100000_100000_0.txt"
+    assert sub.pairs(largest=True).source == "m50_500000_500000_0.txt"
+    assert sub.pairs(1000).source == "m50_1000_1000_0.txt"
+    (folder / "m50_100000_100000_0.txt").unlink()  # no 100k file (the offline data): the smallest
+    assert load_subset(tmp_path, "liberty").pairs(largest=False).source == "m50_1000_1000_0.txt"
+
+
+def test_empty_info_file_is_an_error(tmp_path: Path) -> None:
+    """Was: an empty info.txt loaded as a subset of 0 patches (and a numpy warning)."""
+    _subset(tmp_path / "s", 10, (12,), seed=0)
+    (tmp_path / "s" / "info.txt").write_text("")
+    with pytest.raises(DataError, match="info.txt"):
+        load_subset(tmp_path, "s")
+
+
+# -- matching ------------------------------------------------------------------------------------
+def _brute_mutual(s: np.ndarray) -> set[tuple[int, int]]:
+    out = set()
+    for i in range(s.shape[0]):
+        j = int(np.argmax(s[i]))
+        if int(np.argmax(s[:, j])) == i:
+            out.add((i, j))
+    return out
+
+
+def test_mutual_matches_against_brute_force_and_nan() -> None:
+    """Was: a NaN score (a diverged network) was taken as the best match of its row and column."""
+    rng = np.random.default_rng(0)
+    s = -rng.integers(0, 6, (7, 9)).astype(np.float64)  # ties included
+    m = mutual_matches(s)
+    assert set(zip(m.i.tolist(), m.j.tolist())) == _brute_mutual(s)
+    assert np.array_equal(m.score, s[m.i, m.j])
+    bad = np.array([[np.nan, -1.0], [-1.0, -2.0]])
+    with pytest.raises(NonFiniteError):
+        mutual_matches(bad)
+    with pytest.raises(NonFiniteError):
+        mutual_matches(bad, ratio=0.8)
+
+
+def test_ratio_test_refuses_decision_networks() -> None:
+    """Was: with a 2-channel network whose logits were all negative, Lowe's ratio test ran on the
+    logits as if they were distances (the docs: the ratio test is for descriptor networks)."""
+    torch.manual_seed(0)
+    net = build_patch_model("2ch", 32, 0.125)
+    with torch.no_grad():
+        net.head[-1].bias.fill_(-100.0)
+    x = prepare_patches(np.random.default_rng(0).integers(0, 255, (6, 64, 64)).astype(np.uint8), 32)
+    with pytest.raises(ConfigError, match="descriptor"):
+        match_patches(net, x[:3], x[3:], ratio=1.0)
+    assert len(match_patches(net, x[:3], x[3:])) >= 1  # without the ratio test: fine
+    desc = build_patch_model("siam-l2", 32, 0.125)
+    match_patches(desc, x[:3], x[3:], ratio=0.9)
+
+
+# -- FPR95 through the pipeline --------------------------------------------------------------------
+def _brute_fpr95_distances(d: np.ndarray, y: np.ndarray) -> float:
+    """Accept ``d <= t``; the smallest threshold (over every distinct distance) reaching 95 % recall."""
+    best = None
+    for t in np.unique(d):
+        acc = d <= t
+        if acc[y == 1].sum() * 100 >= 95 * (y == 1).sum():
+            best = acc[y == 0].mean()
+            break
+    return float(best)
+
+
+def test_fpr95_of_descriptor_distances_matches_brute_force() -> None:
+    """score_pairs gives higher-is-match scores (-L2 distance); FPR95 on them equals the brute
+    force on the distances themselves, ties included (distances rounded to make ties)."""
+    torch.manual_seed(0)
+    net = build_patch_model("siam-l2", 32, 0.125).eval()
+    rng = np.random.default_rng(1)
+    x = prepare_patches(rng.integers(0, 256, (40, 64, 64)).astype(np.uint8), 32)
+    left = rng.integers(0, 40, 300).astype(np.int64)
+    right = rng.integers(0, 40, 300).astype(np.int64)
+    label = (rng.random(300) < 0.5).astype(np.int64)
+    scores = score_pairs(net, x, PatchPairs(left, right, label))
+    with torch.no_grad():
+        da, db = net.describe(x[left]).double(), net.describe(x[right]).double()
+    d = (da - db).norm(dim=1).numpy()
+    assert np.allclose(scores, -d, atol=1e-5)
+    dq = np.round(d * 20) / 20  # many ties
+    assert fpr95(-dq, label) == _brute_fpr95_distances(dq, label)
+    assert fpr95(dq, label, higher_is_positive=False) == _brute_fpr95_distances(dq, label)
+    with pytest.raises(DataError):
+        fpr95(-dq, np.ones_like(label))
+    with pytest.raises(DataError):
+        fpr95(-dq, np.zeros_like(label))
+    with pytest.raises(NonFiniteError):
+        fpr95(np.r_[np.nan, -dq[1:]], label)
+
+
+# -- checkpoints, configs, resume ------------------------------------------------------------------
+def test_garbage_checkpoint_is_one_error_line(tiny, tmp_path: Path, capsys) -> None:
+    """Was: a checkpoint that is not a torch file (or holds no dict) was an UnpicklingError /
+    TypeError traceback."""
+    bad = tmp_path / "bad.pt"
+    bad.write_text("garbage\n")
+    with pytest.raises(CheckpointError, match="bad.pt"):
+        load_patch_model(bad)
+    torch.save([1, 2], bad)
+    with pytest.raises(CheckpointError, match="bad.pt"):
+        load_patch_model(bad)
+    import shutil
+
+    _, run = tiny
+    copy = tmp_path / "run"
+    shutil.copytree(run, copy)
+    (copy / "models" / "siam-l2" / "a.pt").write_text("garbage\n")
+    code, _, err = _run(["patches", "evaluate", str(copy), "--rescore"], capsys)
+    assert "a.pt" in _one_error_line(code, err)
+
+
+def test_resume_refuses_a_checkpoint_of_other_settings(tiny, tmp_path: Path, capsys) -> None:
+    """Was: resuming into a run directory after changing the width, the epochs, the seed... loaded
+    the old checkpoint silently and overwrote config.yaml with the new settings, so the table and
+    the stored config described a model that was never trained."""
+    import shutil
+
+    cfg, run = tiny
+    copy = tmp_path / "run"
+    shutil.copytree(run, copy)
+    stored = (copy / "config.yaml").read_text()
+    for override in ("model.width=0.25", "training.epochs=2", "seed=3", "training.lr=0.01"):
+        code, _, err = _run(["patches", "train", str(cfg), "-o", str(copy), "--set", override, "-q"], capsys)
+        line = _one_error_line(code, err)
+        assert "--fresh" in line and override.split("=")[0].split(".")[-1] in line
+        assert (copy / "config.yaml").read_text() == stored
+    # the same settings still resume; --fresh retrains with the new ones
+    code, _, err = _run(["patches", "train", str(cfg), "-o", str(copy)], capsys)
+    assert code == 0 and "loaded" in err
+    code, _, err = _run(["patches", "train", str(cfg), "-o", str(copy), "--set", "training.epochs=2", "--fresh", "-q"], capsys)
+    assert code == 0, err
+
+
+def test_negative_seeds_are_config_errors(tiny, tmp_path: Path, capsys) -> None:
+    """Was: a negative seed was a numpy ValueError traceback, after the run directory was written
+    (train) or before anything was built (build-data)."""
+    cfg, _ = tiny
+    with pytest.raises(ConfigError, match="seed"):
+        load_patch_config(cfg, ["seed=-1"])
+    with pytest.raises(ConfigError, match="seed"):
+        TrainSettings(seed=-1)
+    with pytest.raises(ConfigError, match="seed"):
+        OfflineSpec(seed=-1)
+    code, _, err = _run(["patches", "train", str(cfg), "-o", str(tmp_path / "r"), "--set", "seed=-1"], capsys)
+    assert "seed" in _one_error_line(code, err) and not (tmp_path / "r").exists()
+    code, _, err = _run(["patches", "build-data", "-o", str(tmp_path / "d"), "--subset", "photos", "--seed", "-1"], capsys)
+    assert "seed" in _one_error_line(code, err)
+
+
+def test_evaluate_refuses_a_figure_format_up_front(tiny, tmp_path: Path, capsys) -> None:
+    """Was: ``--figure out.xyz`` printed the table, then a matplotlib ValueError traceback."""
+    _, run = tiny
+    code, out, err = _run(["patches", "evaluate", str(run), "--figure", str(tmp_path / "f.xyz")], capsys)
+    assert "xyz" in _one_error_line(code, err) and out == ""
+    code, _, err = _run(["patches", "evaluate", str(run), "--figure", str(tmp_path / "f.png"), "-k", "2"], capsys)
+    assert code == 0, err
+    assert (tmp_path / "f.png").stat().st_size > 1000
+
+
+def test_evaluate_options_that_need_another_option(tiny, capsys) -> None:
+    """Was: ``--max-test-pairs`` without ``--rescore`` (and ``--arch`` without ``--figure``)
+    were ignored: the stored table came back as if it were scored on the pairs asked for."""
+    _, run = tiny
+    code, _, err = _run(["patches", "evaluate", str(run), "--max-test-pairs", "10"], capsys)
+    assert "--rescore" in _one_error_line(code, err)
+    code, _, err = _run(["patches", "evaluate", str(run), "--arch", "siam-l2"], capsys)
+    assert "--figure" in _one_error_line(code, err)
+    code, out, err = _run(["patches", "evaluate", str(run), "--rescore", "--max-test-pairs", "10", "--json"], capsys)
+    assert code == 0, err
