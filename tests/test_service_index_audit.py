@@ -60,3 +60,15 @@ def test_cli_serve_refuses_a_non_finite_upload_limit_in_one_line(tmp_path, value
     res = CliRunner().invoke(cli, ["serve", "--index", str(tmp_path / "nope"), "--max-upload-mb", value])
     assert isinstance(res.exception, ConfigError), res.exception
     assert "--max-upload-mb" in str(res.exception)
+
+
+def test_the_search_page_never_writes_result_fields_as_markup():
+    """Result labels are free text (class names, e.g. folder names): the page wrote them with
+    ``innerHTML``, so a class named ``<img src=x onerror=...>`` ran as script in the viewer's
+    browser. Every field now goes in as text (no browser here: the script is read)."""
+    from dmlkit.apps.service.app import STATIC
+
+    script = (STATIC / "app.js").read_text()
+    for sink in ("innerHTML", "outerHTML", "insertAdjacentHTML", "document.write"):
+        assert sink not in script, sink
+    assert "textContent" in script

@@ -29,7 +29,10 @@ function card(result) {
   img.loading = "lazy";
   const label = result.label === null || result.label === undefined ? "" : ` · label ${result.label}`;
   const text = document.createElement("div");
-  text.innerHTML = `<b>#${result.rank}</b> score ${result.score.toFixed(3)}${label}`;
+  const rank = document.createElement("b");
+  rank.textContent = `#${result.rank}`;
+  // labels are free text (class names): as text, never as markup
+  text.append(rank, ` score ${result.score.toFixed(3)}${label}`);
   const id = document.createElement("div");
   id.className = "id";
   id.textContent = result.id;
