@@ -72,3 +72,21 @@ def test_the_search_page_never_writes_result_fields_as_markup():
     for sink in ("innerHTML", "outerHTML", "insertAdjacentHTML", "document.write"):
         assert sink not in script, sink
     assert "textContent" in script
+
+
+@pytest.mark.parametrize("kind", ["hnsw", "ivf_flat"])
+def test_an_empty_approximate_index_saves_and_loads(tmp_path, kind):
+    """An approximate index without items has no faiss structure yet (built with ``dim=``, or an
+    HNSW graph after ``dmlkit index --remove`` of every item): it saved, then its load refused it
+    as "without its faiss.index file: rebuild it", so ``--add`` could not refill it."""
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(60, 8)).astype(np.float32)
+    empty = EmbeddingIndex(None, dim=8, kind=kind)
+    if kind == "hnsw":  # emptied by removal: the graph is rebuilt from no rows, i.e. dropped
+        empty = EmbeddingIndex(x, kind=kind, recall_queries=6)
+        empty.remove(empty.ids.copy())
+    loaded = EmbeddingIndex.load(empty.save(tmp_path / "idx"))
+    assert len(loaded) == 0 and loaded.kind == kind and loaded.dim == 8
+    loaded.add(x, ids=[f"n{i}" for i in range(60)])
+    res = loaded.search(x[:3], 1)
+    np.testing.assert_array_equal(res.ids[:, 0], ["n0", "n1", "n2"])

@@ -217,7 +217,7 @@ def _from_parts(cls: type[EmbeddingIndex], meta: dict[str, Any], data: dict[str,
         if index.ntotal != n:
             raise DataError(f"{path} is corrupt: the faiss index holds {index.ntotal} vectors, not {n}")
         self._faiss_index = to_gpu(self, index)
-    elif self.kind != "flat":
+    elif self.kind != "flat" and n:  # an empty one has no structure yet: its first add makes it
         raise DataError(f"{path} is a {self.kind} index without its faiss.index file: rebuild it")
     return self
 
