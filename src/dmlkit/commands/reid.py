@@ -31,7 +31,7 @@ def reid(
     no_camera_rule: bool = typer.Option(False, "--no-camera-rule", help="Keep same-id same-camera gallery items (they are junk by default)."),
     ranks: list[str] = typer.Option(["1,5,10,20"], "--ranks", help="CMC ranks shown, comma-separated or repeated."),
     repeats: int = typer.Option(10, "--repeats", min=1, help="VehicleID: gallery draws."),
-    seed: int = typer.Option(0, "--seed", help="VehicleID: seed of the gallery draws."),
+    seed: int = typer.Option(0, "--seed", min=0, help="Seed of the VehicleID gallery draws and of the example queries."),
     device: str = typer.Option("auto", "--device", help="Device to embed with (a run without saved test embeddings)."),
     memory_mb: int = typer.Option(256, "--memory-mb", min=1, help="Working memory of the streamed evaluation, MiB."),
     examples: int = typer.Option(8, "--examples", min=0, help="Queries whose top-10 ranked gallery is stored in reid.json (report strip)."),
@@ -60,8 +60,11 @@ def reid(
     if data["protocol"] == "vehicleid":
         from dmlkit.apps.reid import vehicleid_protocol
 
+        if rerank:
+            raise ConfigError("--rerank is not available for the VehicleID protocol (groups all "
+                              "'test'): drop it, or save query/gallery groups")
         res = vehicleid_protocol(data["emb"], data["ids"], repeats=repeats, seed=seed,
-                                 ks=shown_ranks, **common)
+                                 ks=shown_ranks, ap_mode=ap_mode, **common)
         result.update(protocol="vehicleid", **res.to_dict())
         _finish(result, source, out, as_json, vehicleid=True)
         return

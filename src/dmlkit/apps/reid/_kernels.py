@@ -16,8 +16,8 @@ def rank_rows(scores, row0, row1, sign, q_ids, q_cams, q_lo, q_hi, by_id, g_ids,
               same_cam, trapezoid, first, ap, inp, npos):  # pragma: no cover - compiled
     """Ranks of the positives of query rows ``row0 .. row1 - 1`` of a score block.
 
-    ``sign * scores[r, j]`` is the closeness (larger = closer) of query ``r`` and gallery item
-    ``j``; the ranking is by closeness, ties by gallery index. The candidate positives of row
+    ``sign * scores[r, j]`` (float32 or float64, compared in that precision) is the closeness
+    (larger = closer) of query ``r`` and gallery item ``j``; the ranking is by closeness, ties by gallery index. The candidate positives of row
     ``r`` are ``by_id[q_lo[r]:q_hi[r]]`` (gallery indices with the query's id, ascending).
     Junk items (``g_junk``, and same id + same camera when ``same_cam``) are removed before
     ranking. A positive's 0-based rank is the number of kept items ranked before it:
@@ -31,7 +31,7 @@ def rank_rows(scores, row0, row1, sign, q_ids, q_cams, q_lo, q_hi, by_id, g_ids,
         qid = q_ids[r]
         qcam = q_cams[r]
         k = 0
-        ps = np.empty(q_hi[r] - q_lo[r], dtype=np.float32)
+        ps = np.empty(q_hi[r] - q_lo[r], dtype=scores.dtype)  # float32 or float64 scores
         pj = np.empty(q_hi[r] - q_lo[r], dtype=np.int64)
         for t in range(q_lo[r], q_hi[r]):
             j = by_id[t]

@@ -187,7 +187,7 @@ def _rank_block(scores: np.ndarray, sign: float, q_ids: np.ndarray, q_cams: np.n
     step = max(1, -(-b // max(1, threads * 4)))
 
     def run(r0: int) -> None:
-        rank_rows(scores, r0, min(b, r0 + step), np.float32(sign), q_ids, q_cams, q_lo, q_hi,
+        rank_rows(scores, r0, min(b, r0 + step), scores.dtype.type(sign), q_ids, q_cams, q_lo, q_hi,
                   by_id, g_ids, g_cams, g_junk, same_cam, trapezoid, first, ap, inp, npos)
 
     run_threads(run, range(0, b, step), threads if b > step else 1)
@@ -210,7 +210,8 @@ def evaluate_reid_scores(
 
     Args:
         scores: a ``(Q, G)`` array, or an iterable of ``(row0, block)`` row blocks (as
-            :func:`closeness_blocks` yields) so that the full matrix never exists.
+            :func:`closeness_blocks` yields) so that the full matrix never exists. Float32
+            (and float16) scores are ranked in float32, all others in float64.
         higher_is_closer: ``False`` for distances (default), ``True`` for similarities.
         query_cams / gallery_cams: camera ids; ``None`` for both disables the same-camera rule.
         exclude_same_camera: apply the same-id-same-camera junk rule (Market-1501).
@@ -241,8 +242,11 @@ def evaluate_reid_scores(
     covered = np.zeros(n_q, dtype=bool)  # which rows: duplicated blocks must not pass for coverage
     for row0, block in blocks:
         if hasattr(block, "detach"):
-            block = block.detach().cpu().float().numpy()
-        block = np.asarray(block, dtype=np.float32)
+            block = block.detach().cpu()
+            block = (block.double() if block.dtype == torch.float64 else block.float()).numpy()
+        block = np.asarray(block)  # float64 stays float64: float32 would tie close distances
+        block = block.astype(np.float32 if block.dtype in (np.float32, np.float16) else np.float64,
+                             copy=False)
         if block.ndim != 2 or block.shape[1] != n_g or row0 < 0 or row0 + block.shape[0] > n_q:
             raise ShapeError(
                 f"scores must be (Q, G) = ({n_q}, {n_g}); got a block of shape {block.shape} "

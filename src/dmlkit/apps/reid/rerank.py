@@ -85,6 +85,13 @@ def neighbour_table(x, x_sq, k: int, memory_budget: int) -> tuple[np.ndarray, np
         # the k smallest, then a deterministic (distance, index) order
         vals, idx = torch.topk(d2, k, dim=1, largest=False, sorted=False)
         v, i = vals.numpy(), idx.numpy()
+        # topk picks any of the items tied at the k-th distance: take the lowest indices
+        thr = v.max(1)
+        for r in np.flatnonzero((d2 <= torch.from_numpy(thr)[:, None]).sum(1).numpy() > k):
+            row = d2[r].numpy()
+            below = np.flatnonzero(row < thr[r])
+            sel = np.concatenate([below, np.flatnonzero(row == thr[r])[: k - below.size]])
+            i[r], v[r] = sel, row[sel]
         order = np.lexsort((i, v), axis=-1)
         nn[a: a + d2.shape[0]] = np.take_along_axis(i, order, axis=1)
     return nn, row_max
@@ -122,7 +129,7 @@ def _encode(x, x_sq, row_max: np.ndarray, ptr: np.ndarray, cols: np.ndarray, k2:
         d2[a: a + chunk] = (x_sq[r] + x_sq[c] - 2.0 * dots).clamp_(min=0.0).double().numpy()
     scale = np.where(row_max > 0, row_max, 1.0)
     w = np.exp(-d2 / scale[rows])
-    sums = np.add.reduceat(w, ptr[:-1]) if cols.size else np.zeros(n)
+    sums = np.bincount(rows, weights=w, minlength=n)  # an empty R*(i) (ties) adds nothing
     w /= sums[rows]
     v = sp.csr_matrix((w, cols, ptr), shape=(n, n))
     if k2 > 1:

@@ -71,6 +71,7 @@ def vehicleid_protocol(
     ks: Sequence[int] = (1, 5),
     metric: str = "euclidean",
     normalize: bool = False,
+    ap_mode: str = "standard",
     memory_budget: int = DEFAULT_MEMORY_BUDGET,
 ) -> VehicleIDResult:
     """Recall@k (mean ± std over ``repeats`` seeded gallery draws) on a VehicleID test set.
@@ -80,12 +81,14 @@ def vehicleid_protocol(
         ids: ``(N,)`` vehicle ids.
         repeats: gallery draws; draw ``r`` uses ``numpy.random.default_rng([seed, r])``.
         ks: the ranks reported.
-        metric / normalize: as :func:`dmlkit.apps.reid.evaluate_reid`.
+        metric / normalize / ap_mode: as :func:`dmlkit.apps.reid.evaluate_reid`.
     """
     emb = _as_float(embeddings, "embeddings")
     lab = _as_ids(ids, emb.shape[0], "ids")
     if repeats < 1:
         raise ConfigError(f"repeats must be >= 1, got {repeats}")
+    if seed < 0:
+        raise ConfigError(f"seed must be >= 0 (numpy seeds are non-negative), got {seed}")
     if not ks or min(ks) < 1:
         raise ConfigError(f"ks must be ranks >= 1, got {list(ks)}")
     uniq, counts = np.unique(lab, return_counts=True)
@@ -98,7 +101,7 @@ def vehicleid_protocol(
     for r in range(repeats):
         gal = draw_gallery(lab, np.random.default_rng([seed, r]))
         res = evaluate_reid(emb[~gal], emb[gal], lab[~gal], lab[gal], metric=metric,
-                            normalize=normalize, memory_budget=memory_budget)
+                            normalize=normalize, ap_mode=ap_mode, memory_budget=memory_budget)
         for k in values:
             values[k].append(res.rank(k))
         maps.append(res.mAP)
