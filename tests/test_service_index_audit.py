@@ -90,3 +90,18 @@ def test_an_empty_approximate_index_saves_and_loads(tmp_path, kind):
     loaded.add(x, ids=[f"n{i}" for i in range(60)])
     res = loaded.search(x[:3], 1)
     np.testing.assert_array_equal(res.ids[:, 0], ["n0", "n1", "n2"])
+
+
+def test_a_query_whose_id_is_not_indexed_keeps_every_neighbour():
+    """``exclude_ids`` with k >= the index size cut every query to size - 1 neighbours, also a
+    query whose id is not in the index (``dmlkit query --exclude-self`` on a file of which only
+    some ids are indexed), which silently lost its farthest item."""
+    x = np.eye(4, dtype=np.float32)[[0, 1, 2, 3, 0]] + np.float32(0.25)
+    idx = EmbeddingIndex(x, ids=list("abcde"))
+    res = idx.search(x[:2], 10, exclude_ids=["not-indexed", "b"])
+    records = res.to_records()
+    assert sorted(r["id"] for r in records[0]) == list("abcde")
+    assert sorted(r["id"] for r in records[1]) == list("acde")
+    assert res.indices[1, -1] == -1 and np.isnan(res.scores[1, -1])
+    every = idx.search(x[:2], 10, exclude_ids=["a", "b"])  # every query drops one: size - 1 columns
+    assert every.indices.shape == (2, 4) and (every.indices >= 0).all()

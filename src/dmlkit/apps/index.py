@@ -447,7 +447,9 @@ class EmbeddingIndex:
             queries: ``(Q, D)`` or ``(D,)`` embeddings.
             k: neighbours per query (capped at the index size).
             exclude_ids: one id per query whose item is dropped from that query's results
-                (query-by-example on indexed items: ``exclude_ids=ids`` skips the item itself).
+                (query-by-example on indexed items: ``exclude_ids=ids`` skips the item itself);
+                with ``k`` at least the index size, a query that dropped its item pads its last
+                place with ``-1`` when another query's id is not indexed (that one keeps all).
             exact: force exact search on an approximate index.
         """
         q = _to_numpy_embeddings(queries[None] if getattr(queries, "ndim", 2) == 1 else queries, "queries")
@@ -472,7 +474,11 @@ class EmbeddingIndex:
             if short.any():
                 pos[short], scores[short] = self._exact(q[short], k_eff)
         if exclude_ids is not None:
-            k_out = min(k, len(self) - 1) if len(self) > 1 else 1
+            # one fewer column only when every query drops an item (a query whose id is not
+            # indexed keeps min(k, size) neighbours; the others pad with -1)
+            table = self._positions()
+            every = all(e in table for e in exclude.tolist())
+            k_out = max(1, min(k, len(self) - 1)) if every else min(k, len(self))
             drop = np.zeros(pos.shape, dtype=bool)
             valid = pos >= 0
             drop[valid] = self.ids[pos[valid]] == np.broadcast_to(exclude[:, None], pos.shape)[valid]
@@ -482,6 +488,7 @@ class EmbeddingIndex:
             scores = np.take_along_axis(scores, order, axis=1)
             dropped_kept = np.take_along_axis(drop, order, axis=1)
             pos = np.where(dropped_kept, -1, pos)
+            scores = np.where(dropped_kept, np.float32(np.nan), scores)
         else:
             pos, scores = pos[:, :k], scores[:, :k]
         if pos.size and pos.min() >= 0:  # the common case: every neighbour found
