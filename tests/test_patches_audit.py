@@ -302,3 +302,35 @@ def test_evaluate_options_that_need_another_option(tiny, capsys) -> None:
     assert "--figure" in _one_error_line(code, err)
     code, out, err = _run(["patches", "evaluate", str(run), "--rescore", "--max-test-pairs", "10", "--json"], capsys)
     assert code == 0, err
+
+
+def test_build_data_checks_every_subset_name_first(tmp_path: Path, capsys) -> None:
+    """Was: ``--subset photos --subset nope`` rebuilt photos, then failed without writing the
+    manifest, which kept photos' old settings and SHA-256 (no longer those of its files)."""
+    out = tmp_path / "o"
+    code, _, err = _run(["patches", "build-data", "-o", str(out), "--points", "10", "--train-pairs", "20",
+                         "--test-pairs", "10", "--subset", "photos", "--subset", "nope"], capsys)
+    assert "nope" in _one_error_line(code, err)
+    assert not (out / "photos").exists()  # nothing built
+
+
+@pytest.mark.parametrize("archs", ["[]", "[siam-l2, siam-l2]"])
+def test_architectures_must_be_some_and_distinct(tiny, tmp_path: Path, capsys, archs: str) -> None:
+    """Was: an empty list trained nothing, then printing the table was a ValueError traceback
+    (after the run directory was written); a repeated name gave a table with a repeated column."""
+    cfg, _ = tiny
+    with pytest.raises(ConfigError, match="architectures"):
+        load_patch_config(cfg, [f"model.architectures={archs}"])
+    code, _, err = _run(["patches", "train", str(cfg), "-o", str(tmp_path / "r"), "--set", f"model.architectures={archs}"], capsys)
+    assert "architectures" in _one_error_line(code, err) and not (tmp_path / "r").exists()
+
+
+def test_hardnet_batch_larger_than_the_points_names_batch_size(tmp_path: Path) -> None:
+    """Was: the sampler's message, 'lower classes_per_batch', an option the patch settings lack."""
+    from dmlkit.apps.patches import train_patch_model
+
+    point_ids = _subset(tmp_path / "s", 12, (40,), seed=0)
+    sub = load_subset(tmp_path, "s")
+    net = build_patch_model("hardnet", 32, 0.125)
+    with pytest.raises(DataError, match="training.batch_size"):
+        train_patch_model(net, prepare_patches(sub.patches, 32), sub.pairs(), point_ids, TrainSettings(batch_size=32))

@@ -300,7 +300,10 @@ def build_offline_dataset(root: str | Path, spec: OfflineSpec | None = None, sub
     if spec.train_pairs == spec.test_pairs:
         raise ConfigError("train_pairs and test_pairs must differ (they name the two m50 files)")
     root = Path(root)
-    names = subsets or tuple(OFFLINE_SUBSETS)
+    names = tuple(dict.fromkeys(subsets or OFFLINE_SUBSETS))
+    for name in names:  # every name before the first subset is rebuilt
+        if name not in OFFLINE_SUBSETS:
+            raise ConfigError(f"unknown offline subset '{name}': choose one of {', '.join(OFFLINE_SUBSETS)}")
     summary: dict = {"spec": asdict(spec), "scikit_image": skimage.__version__,
                      "subsets": _earlier_subsets(root, names)}
     for name in names:
@@ -310,7 +313,8 @@ def build_offline_dataset(root: str | Path, spec: OfflineSpec | None = None, sub
             p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted((root / name).iterdir()) if p.is_file()
         }
         summary["subsets"][name] = info
-    atomic_write_json(root / "manifest.json", summary)
+        # after every subset: a later failure leaves a manifest that describes the files on disk
+        atomic_write_json(root / "manifest.json", summary)
     return summary
 
 

@@ -83,6 +83,15 @@ class PatchModelConfig(_Strict):
     patch_size: int = 32
     width: float = 0.25
 
+    @field_validator("architectures")
+    @classmethod
+    def _some_distinct(cls, v: list[str]) -> list[str]:
+        if not v:
+            raise ValueError("give at least one architecture")
+        if len(set(v)) != len(v):
+            raise ValueError(f"each architecture once, got {v}")
+        return v
+
 
 class PatchTrainingConfig(PatchTrainingSettings):
     """``training``: :class:`PatchTrainingSettings` plus where it runs; every value checked when

@@ -124,6 +124,12 @@ def train_patch_model(
         ids, counts = np.unique(point_ids, return_counts=True)
         usable = np.isin(point_ids, ids[counts >= 2])
         rows = np.flatnonzero(usable)
+        n_points = int((counts >= 2).sum())
+        if n_points < settings.batch_size // 2:  # the sampler's own message names its options, not ours
+            raise DataError(
+                f"hardnet draws batch_size / 2 = {settings.batch_size // 2} 3D points per batch, but only "
+                f"{n_points} points have two or more patches: lower training.batch_size"
+            )
         sampler = MPerClassSampler(
             point_ids[rows], samples_per_class=2, classes_per_batch=settings.batch_size // 2,
             batches_per_epoch=steps_per_epoch, seed=settings.seed,
