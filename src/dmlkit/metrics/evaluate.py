@@ -51,9 +51,12 @@ def expand_metric_names(metrics: Sequence[str] | None, k_values: Sequence[int] =
         metrics = DEFAULT_METRICS
     if isinstance(metrics, str):
         metrics = [m.strip() for m in metrics.split(",") if m.strip()]
-    ks = [int(k) for k in k_values]
-    if any(k < 1 for k in ks):
-        raise ConfigError(f"k_values must be positive integers, got {list(k_values)}")
+    ks_given = [k_values] if isinstance(k_values, str | int | float) else list(k_values)
+    # a K that is not a whole number is refused, never truncated (k_values=(2.5,) read recall_at_2)
+    if not all(isinstance(k, int | np.integer) and not isinstance(k, bool | np.bool_) and k >= 1
+               for k in ks_given):
+        raise ConfigError(f"k_values must be positive integers, got {ks_given}")
+    ks = [int(k) for k in ks_given]
     names: list[str] = []
     for m in metrics:
         m = m.strip().lower()
@@ -219,8 +222,12 @@ def _per_query(
     names = [n for n in expand_metric_names(metrics, k_values) if n not in (*CLUSTERING_METRICS, "pos_neg_js")]
     budget = check_budget(memory_budget)
     inp = _Inputs(query, query_labels, reference, reference_labels, distance)
-    scores = _retrieval_per_query(inp, names, backend, budget)
     valid = inp.r_q > 0
+    if bool(valid.any()):
+        scores = _retrieval_per_query(inp, names, backend, budget)
+    else:  # no query has a positive: every score is NaN, as evaluate() reports (no search, which
+        # a single row could not even run)
+        scores = {name: torch.full((inp.q.shape[0],), float("nan"), dtype=torch.float64) for name in names}
     out = {}
     for name, v in scores.items():
         v = v.clone()
@@ -295,6 +302,7 @@ def evaluate(
     return {n: result[n] for n in [*names, "num_queries", "num_queries_without_positive", *spreads]}
 
 
+@full_float32_matmuls
 def per_class(
     query: Any,
     query_labels: Any,

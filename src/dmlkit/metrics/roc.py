@@ -135,7 +135,9 @@ def fpr_at_tpr(scores: Any, labels: Any, tpr: float = 0.95, *, higher_is_positiv
         raise ConfigError(f"tpr must be in (0, 1], got {tpr}")
     curve = roc_curve(scores, labels, higher_is_positive=higher_is_positive)
     p = curve.num_positive
-    need = int(np.ceil(float(tpr) * p - 1e-9 * p))
+    # at least one positive: the slack that absorbs tpr * p's rounding must not round a tiny
+    # positive rate down to zero (tpr = 1e-12 read the origin, FPR 0, where no pair is accepted)
+    need = max(1, int(np.ceil(float(tpr) * p - 1e-9 * p)))
     k = int(np.searchsorted(curve.tp, need, side="left"))
     return float(curve.fp[k] / curve.num_negative)
 

@@ -1,0 +1,81 @@
+"""Audit of the evaluation metrics: each test pins a bug that gave a silent wrong number, a
+traceback, or behaviour that contradicted the docs."""
+
+from __future__ import annotations
+
+import importlib
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from dmlkit.exceptions import ConfigError
+from dmlkit.metrics import evaluate, fpr_at_tpr, per_class, per_query
+
+
+def _small():
+    x = np.array([[1, 0], [0.9, 0.1], [0, 1], [0.1, 0.9], [1, 1]], np.float32)
+    return x, np.array([0, 0, 1, 1, 1])
+
+
+def test_per_class_runs_with_full_float32_products(monkeypatch):
+    """per_class searched under the caller's matmul precision: with "high" (TF32 on a GPU) the
+    near-tie re-search's float32 products lose the error bound it relies on."""
+    ev = importlib.import_module("dmlkit.metrics.evaluate")  # the package's `evaluate` is the function
+    seen = []
+    inner = ev._retrieval_per_query
+
+    def spy(*args, **kwargs):
+        seen.append(torch.get_float32_matmul_precision())
+        return inner(*args, **kwargs)
+
+    monkeypatch.setattr(ev, "_retrieval_per_query", spy)
+    before = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("high")
+    try:
+        x, y = _small()
+        per_class(x, y)
+        after = torch.get_float32_matmul_precision()
+    finally:
+        torch.set_float32_matmul_precision(before)
+    assert seen == ["highest"]
+    assert after == "high"  # the caller's setting is restored
+
+
+@pytest.mark.parametrize("ks", [(2.5,), (1, 1.9), (True,), ("2",)])
+def test_k_values_that_are_not_whole_numbers_are_refused(ks):
+    """k_values=(2.5,) was truncated to recall_at_2 without a word."""
+    x, y = _small()
+    with pytest.raises(ConfigError, match="k_values must be positive integers"):
+        evaluate(x, y, metrics=["recall_at_k"], k_values=ks)
+
+
+def test_numpy_integer_k_values_are_accepted():
+    x, y = _small()
+    res = evaluate(x, y, metrics=["precision_at_k"], k_values=np.array([1, 2]))
+    assert list(res)[:2] == ["precision_at_1", "precision_at_2"]
+
+
+def test_per_query_and_per_class_without_any_positive_match_evaluate():
+    """One row: evaluate() reports NaN, per_query / per_class raised 'no row other than the query
+    itself' (so `dmlkit evaluate --per-class` printed the table, then failed)."""
+    x = np.ones((1, 3), np.float32)
+    assert math.isnan(evaluate(x, [4], metrics=["precision_at_1", "map_at_r"])["precision_at_1"])
+    scores, r_q = per_query(x, [4], metrics=["precision_at_1", "map_at_r"])
+    assert r_q.tolist() == [0]
+    assert all(np.isnan(v).all() and v.shape == (1,) for v in scores.values())
+    table = per_class(x, ["only"])
+    assert set(table) == {"only"}
+    assert math.isnan(table["only"]["precision_at_1"])
+    assert table["only"]["num_queries"] == table["only"]["num_queries_without_positive"] == 1
+
+
+def test_fpr_at_a_tiny_tpr_accepts_at_least_one_positive():
+    """The rounding slack made a TPR below 1e-9 need zero positives: the origin, FPR 0, where
+    the first threshold reaching it already accepts a negative."""
+    scores = np.array([3.0, 2.0, 1.0, 0.0])
+    labels = np.array([0, 1, 1, 0])
+    assert fpr_at_tpr(scores, labels, 1e-12) == 0.5
+    assert fpr_at_tpr(scores, labels, 0.5) == 0.5
+    assert fpr_at_tpr(scores, labels, 1.0) == 0.5
