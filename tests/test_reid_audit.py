@@ -135,3 +135,11 @@ def test_negative_seed_is_one_line_error(tmp_path, capsys):
         code, _, err = run(["reid", str(tmp_path / name), "--seed", "-1"], capsys)
         assert code == 2 and "--seed" in err and "Traceback" not in err
         assert len(err.strip().splitlines()) == 1
+
+
+def test_vehicleid_has_no_junk_id():
+    # VehicleID has no junk: an identity numbered -1 is drawn and queried like any other
+    ids = np.array([-1, -1, -1, 4, 4, 7, 7])
+    emb = np.array([[0], [1], [2], [10], [11], [20], [21]], dtype=np.float32)
+    res = vehicleid_protocol(emb, ids, repeats=3, seed=0, ks=(1,))
+    assert res.num_queries == 4 and res.values[1] == [1.0, 1.0, 1.0]

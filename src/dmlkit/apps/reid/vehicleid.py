@@ -101,7 +101,8 @@ def vehicleid_protocol(
     for r in range(repeats):
         gal = draw_gallery(lab, np.random.default_rng([seed, r]))
         res = evaluate_reid(emb[~gal], emb[gal], lab[~gal], lab[gal], metric=metric,
-                            normalize=normalize, ap_mode=ap_mode, memory_budget=memory_budget)
+                            normalize=normalize, ap_mode=ap_mode, junk_ids=(),  # every id is real
+                            memory_budget=memory_budget)
         for k in values:
             values[k].append(res.rank(k))
         maps.append(res.mAP)
