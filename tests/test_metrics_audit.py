@@ -79,3 +79,20 @@ def test_fpr_at_a_tiny_tpr_accepts_at_least_one_positive():
     assert fpr_at_tpr(scores, labels, 1e-12) == 0.5
     assert fpr_at_tpr(scores, labels, 0.5) == 0.5
     assert fpr_at_tpr(scores, labels, 1.0) == 0.5
+
+
+@pytest.mark.parametrize("backend", ["torch", "numba"])
+def test_cosine_exact_ties_as_documented(backend):
+    """docs/metrics.md: cosine keeps exact ties between rows that normalise exactly, but not every
+    exact tie (it said it kept them all): e_1 and (1,1,1,1,1,1,-1,-1,-1) both have cosine 1/3 with
+    nine ones, and the rounded rows rank the second first whatever the indices."""
+    q = np.ones((1, 9), np.float32)
+    e1 = np.eye(9, dtype=np.float32)[0]
+    b = np.array([1, 1, 1, 1, 1, 1, -1, -1, -1], np.float32)
+    for refs, labels in ((np.stack([e1, b]), [0, 1]), (np.stack([b, e1]), [1, 0])):  # e_1 is class 0
+        assert evaluate(q, [0], refs, labels, metrics=["precision_at_1"], backend=backend)["precision_at_1"] == 0.0
+    # norms 1 and 2 (one and four non-zeros): both normalise exactly, the tie stays, index first
+    q4 = np.ones((1, 4), np.float32)
+    c = np.array([1, 1, 1, -1], np.float32)
+    for refs, labels, want in ((np.stack([e1[:4], c]), [0, 1], 1.0), (np.stack([c, e1[:4]]), [1, 0], 0.0)):
+        assert evaluate(q4, [0], refs, labels, metrics=["precision_at_1"], backend=backend)["precision_at_1"] == want
