@@ -160,17 +160,22 @@ def exact_search(x: np.ndarray, q: np.ndarray, k: int, distance: str, unit: bool
 def _top_rows(s: np.ndarray, c: int) -> np.ndarray:
     """The ``c`` rows of largest score per query, ``(Q, c)``; among rows tied with the ``c``-th
     score the first ones, as the faiss scan and :func:`dmlkit.metrics.knn` keep them
-    (``argpartition`` kept any of them: more than ``c`` equal rows, duplicates or zero vectors,
-    left the first ones out, and ties by row were broken)."""
+    (``argpartition`` alone kept any of them: more than ``c`` equal rows, duplicates or zero
+    vectors, left the first ones out, and ties by row were broken)."""
     m = s.shape[1]
     if np.isnan(s).any():  # inf - inf of raw vectors beyond float32's range: never a candidate ahead of a number
         s = np.where(np.isnan(s), -np.inf, s)
-    v = np.partition(s, m - c, axis=1)[:, m - c:m - c + 1]  # the c-th largest score
-    above = s > v
+    cand = np.argpartition(s, m - c, axis=1)[:, m - c:]
+    v = np.take_along_axis(s, cand, axis=1).min(axis=1, keepdims=True)  # the c-th largest score
     tied = s == v
-    room = c - above.sum(axis=1, keepdims=True)
-    keep = above | (tied & (np.cumsum(tied, axis=1) <= room))
-    return np.nonzero(keep)[1].reshape(s.shape[0], c)
+    left_out = tied.sum(axis=1) > (np.take_along_axis(s, cand, axis=1) == v).sum(axis=1)
+    if left_out.any():  # some rows tied with the c-th were left out: keep the first tied rows
+        rows = np.flatnonzero(left_out)
+        above = s[rows] > v[rows]
+        room = c - above.sum(axis=1, keepdims=True)
+        keep = above | (tied[rows] & (np.cumsum(tied[rows], axis=1) <= room))
+        cand[rows] = np.nonzero(keep)[1].reshape(rows.size, c)
+    return cand
 
 
 def _rescore(x: np.ndarray, q: np.ndarray, cand: np.ndarray, k: int, distance: str, unit: bool,
