@@ -334,3 +334,12 @@ def test_hardnet_batch_larger_than_the_points_names_batch_size(tmp_path: Path) -
     net = build_patch_model("hardnet", 32, 0.125)
     with pytest.raises(DataError, match="training.batch_size"):
         train_patch_model(net, prepare_patches(sub.patches, 32), sub.pairs(), point_ids, TrainSettings(batch_size=32))
+
+
+@pytest.mark.parametrize("override", ["data.test_pairs=7", "data.train_pairs=7"])
+def test_missing_match_file_is_found_before_training(tiny, tmp_path: Path, capsys, override: str) -> None:
+    """Was: a test_pairs with no m50 file was found after the first subset's models had trained
+    (hours on Brown), a train_pairs one after the run directory was written."""
+    cfg, _ = tiny
+    code, _, err = _run(["patches", "train", str(cfg), "-o", str(tmp_path / "r"), "--set", override], capsys)
+    assert "7 pairs" in _one_error_line(code, err) and not (tmp_path / "r").exists()

@@ -16,7 +16,7 @@ from typing import Any, Literal
 import numpy as np
 from pydantic import ConfigDict, Field, field_validator
 
-from dmlkit.apps.patches.brown import load_subset, subset_folder
+from dmlkit.apps.patches.brown import load_subset, match_files, subset_folder
 from dmlkit.apps.patches.models import build_patch_model, prepare_patches
 from dmlkit.apps.patches.training import (
     PatchTrainingSettings,
@@ -213,6 +213,15 @@ def _check_resumable(out: Path, cfg: PatchExperimentConfig, trains: list[str]) -
                     )
 
 
+def _check_match_file(folder: Path, num_pairs: int | None, key: str) -> None:
+    """The ``m50`` file a run will read exists (found before any model trains, not after)."""
+    found = match_files(folder)
+    if not found:
+        raise DataNotFoundError(f"{folder}: no m50_<n>_<n>_0.txt match file")
+    if num_pairs is not None and num_pairs not in found:
+        raise DataNotFoundError(f"{folder}: no match file with {key}={num_pairs} pairs; found {sorted(found)}")
+
+
 def _test_pairs(sub, cfg: PatchExperimentConfig, seed: int):
     pairs = sub.pairs(cfg.data.test_pairs, largest=False)
     m = cfg.data.max_test_pairs
@@ -243,6 +252,9 @@ def run_patch_protocol(
     root = subsets_root(cfg, data_root)
     for name in dict.fromkeys(n for pair in cfg.data.combinations for n in pair):
         subset_folder(root, name)  # every subset, training and test, before anything is written
+    for train_name, test_name in cfg.data.combinations:
+        _check_match_file(root / train_name, cfg.data.train_pairs, "data.train_pairs")
+        _check_match_file(root / test_name, cfg.data.test_pairs, "data.test_pairs")
     for a in cfg.model.architectures:
         build_patch_model(a, cfg.model.patch_size, cfg.model.width)  # fail fast on bad names
     out = Path(out_dir)
