@@ -96,3 +96,18 @@ def test_cosine_exact_ties_as_documented(backend):
     c = np.array([1, 1, 1, -1], np.float32)
     for refs, labels, want in ((np.stack([e1[:4], c]), [0, 1], 1.0), (np.stack([c, e1[:4]]), [1, 0], 0.0)):
         assert evaluate(q4, [0], refs, labels, metrics=["precision_at_1"], backend=backend)["precision_at_1"] == want
+
+
+def test_streaming_without_any_positive_matches_evaluate():
+    """A one-row shard directory raised 'no row other than the query itself' where the same
+    embeddings in an .npz gave NaN (and 1 query without a positive)."""
+    from dmlkit.metrics import evaluate_streaming, per_query_streaming
+
+    x = np.ones((1, 3), np.float32)
+    want = evaluate(x, [4], metrics=["precision_at_1", "map_at_r"])
+    got = evaluate_streaming(x, [4], metrics=["precision_at_1", "map_at_r"])
+    assert list(got) == list(want)
+    assert math.isnan(got["precision_at_1"]) and math.isnan(got["map_at_r"])
+    assert got["num_queries"] == got["num_queries_without_positive"] == 1
+    scores, r_q = per_query_streaming(np.eye(3, dtype=np.float32), [0, 1, 2], metrics=["precision_at_1"])
+    assert r_q.tolist() == [0, 0, 0] and np.isnan(scores["precision_at_1"]).all()

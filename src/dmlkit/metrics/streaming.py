@@ -246,6 +246,9 @@ def _stream(
     if not 0 <= qs < qe <= nq:
         raise ConfigError(f"query_range must satisfy 0 <= start < stop <= {nq}, got {query_range}")
     r_q = num_positives(ql, rl, exclude_self=same)[qs:qe]
+    if not bool((r_q > 0).any()):  # no query with a positive (one row; only singletons): every
+        # score is NaN, as evaluate() reports, without a search (one row could not even run one)
+        return {n: torch.full((qe - qs,), math.nan, dtype=torch.float64) for n in names}, r_q, names
     available = m - int(same)
     if available < 1:
         raise DataError("the reference set has no row other than the query itself: add references")
