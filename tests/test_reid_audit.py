@@ -143,3 +143,18 @@ def test_vehicleid_has_no_junk_id():
     emb = np.array([[0], [1], [2], [10], [11], [20], [21]], dtype=np.float32)
     res = vehicleid_protocol(emb, ids, repeats=3, seed=0, ks=(1,))
     assert res.num_queries == 4 and res.values[1] == [1.0, 1.0, 1.0]
+
+
+@pytest.mark.parametrize(("name", "value"), [("cams", np.array(3)), ("groups", np.array("query")),
+                                             ("groups", None)])
+def test_row_arrays_that_are_not_1d_are_one_line_errors(tmp_path, capsys, name, value):
+    rng = np.random.default_rng(0)
+    ids = np.repeat(np.arange(6), 4)
+    fields = {"cams": np.tile(np.arange(2), 12),
+              "groups": np.where(np.arange(24) % 4 == 0, "query", "gallery")}
+    fields[name] = np.stack([fields[name]] * 2, 1) if value is None else value  # 0-D or 2-D
+    np.savez(tmp_path / "bad.npz", embeddings=rng.normal(size=(24, 4)).astype(np.float32),
+             labels=ids, **fields)
+    code, out, err = run(["reid", str(tmp_path / "bad.npz")], capsys)
+    assert code == 2 and name in err and "Traceback" not in err  # was a TypeError / IndexError
+    assert out == "" and len(err.strip().splitlines()) == 1

@@ -154,6 +154,8 @@ def _finish(result: dict[str, Any], source: Path, out: Path | None, as_json: boo
 
 
 def _npz(path: Path) -> dict[str, Any]:
+    import numpy as np
+
     from dmlkit.embeddings import load_embeddings
     from dmlkit.exceptions import ShapeError
 
@@ -161,6 +163,9 @@ def _npz(path: Path) -> dict[str, Any]:
     cams = extra.get("cams", extra.get("camids"))
     found = {"cams": cams, "paths": extra.get("paths"), "groups": extra.get("groups")}
     for name, values in found.items():  # one per embedding row, or a wrong row would be selected
+        if values is not None and np.ndim(values) != 1:
+            raise ShapeError(f"{path}: '{name}' has shape {np.shape(values)}: give a 1-D array, "
+                             "one value per embedding row")
         if values is not None and len(values) != len(emb):
             raise ShapeError(f"{path}: '{name}' has {len(values)} values for {len(emb)} embeddings: "
                              "give one per row")
