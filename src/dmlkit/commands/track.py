@@ -30,7 +30,7 @@ def register(app: typer.Typer) -> None:
 _METHODS = ("siamfc", "untrained", "ncc")
 
 
-def _tracker(method: str, weights: Path | None, scales: int, seed: int, device: str,
+def _tracker(method: str, weights: Path | None, scales: int | None, seed: int, device: str,
              width: float | None = None):
     """A tracker by name: ``siamfc`` (needs weights), ``untrained`` (seeded random SiamFC) or ``ncc``."""
     from dmlkit.exceptions import ConfigError
@@ -57,8 +57,13 @@ def _tracker(method: str, weights: Path | None, scales: int, seed: int, device: 
         model, cfg = SiamFC(width=width), TrackerConfig()
     else:
         raise ConfigError(f"unknown tracker {method!r}: use siamfc, untrained or ncc")
-    if scales != cfg.num_scales:
-        cfg = TrackerConfig.five_scales() if scales == 5 else TrackerConfig(num_scales=scales)
+    if scales is not None and scales != cfg.num_scales:
+        # only the scale search changes: the checkpoint's other tracker settings stay
+        from dataclasses import replace
+
+        variant = {3: TrackerConfig(), 5: TrackerConfig.five_scales()}.get(scales)
+        steps = {"scale_step": variant.scale_step, "scale_penalty": variant.scale_penalty} if variant else {}
+        cfg = replace(cfg, num_scales=scales, **steps)
     return SiamFCTracker(model, cfg, device=device)
 
 
@@ -77,7 +82,7 @@ def run(
     out: Path | None = typer.Option(None, "--out", "-o", help="Write the frames with boxes: .gif, .mp4/.avi, or a folder."),
     weights: Path | None = typer.Option(None, "--weights", "-w", help="SiamFC checkpoint or run directory from `dmlkit track train`."),
     method: str = typer.Option("siamfc", "--method", help="siamfc | untrained | ncc (template matching baseline)."),
-    scales: int = typer.Option(3, "--scales", help="Search scales: 3 (SiamFC-3s) or 5 (SiamFC-5s)."),
+    scales: int | None = typer.Option(None, "--scales", help="Search scales: 3 (SiamFC-3s) or 5 (SiamFC-5s); default: the checkpoint's, else 3."),
     boxes_out: Path | None = typer.Option(None, "--boxes", help="Write the boxes, one x,y,w,h per line (OTB format)."),
     max_frames: int | None = typer.Option(None, "--max-frames", min=2, help="Track at most this many frames."),
     fps_out: float | None = typer.Option(None, "--fps", help="Frame rate of the written video/GIF (default: the input's, else 15)."),
@@ -165,7 +170,7 @@ def evaluate(
     split: str | None = typer.Option(None, "--split", help="GOT-10k sub-folder (train / val)."),
     weights: Path | None = typer.Option(None, "--weights", "-w", help="SiamFC checkpoint or run directory."),
     methods: list[str] = typer.Option(["siamfc"], "--methods", "--method", help="Comma-separated or repeated: siamfc, untrained, ncc."),
-    scales: int = typer.Option(3, "--scales", help="3 or 5 scales."),
+    scales: int | None = typer.Option(None, "--scales", help="3 or 5 scales (default: the checkpoint's, else 3)."),
     out_dir: Path | None = typer.Option(None, "--out-dir", "-o", help="Write results.json, ope.png and the boxes here."),
     max_sequences: int | None = typer.Option(None, "--max-sequences", min=1, help="Evaluate the first N sequences."),
     device: str = typer.Option("cpu", "--device"),

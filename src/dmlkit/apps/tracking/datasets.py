@@ -155,10 +155,15 @@ def load_got10k(root: str | Path, split: str | None = None) -> list[Sequence]:
         if len(boxes) == 1 and len(frames) > 1:  # GOT-10k test split: first box only
             boxes = np.vstack([boxes, np.full((len(frames) - 1, 4), np.nan)])
         absence = d / "absence.label"
-        if absence.is_file():
-            flags = np.array([int(v) for v in absence.read_text().split()], dtype=bool)
-            if len(flags) == len(boxes):
-                boxes[flags] = np.nan
+        if absence.is_file():  # a flag a frame; one that does not fit is an error, not ignored
+            try:
+                flags = np.array([int(v) for v in absence.read_text().split()], dtype=np.int64) != 0
+            except ValueError:
+                raise DataError(f"{absence}: expected one 0/1 flag per frame") from None
+            if len(flags) != len(boxes):
+                raise DataError(f"{absence} has {len(flags)} flags but the sequence has {len(boxes)} "
+                                "frames: one flag per frame (1 = target absent)")
+            boxes[flags] = np.nan
         sequences.append(Sequence(d.name, frames, boxes))
     return sequences
 
@@ -233,8 +238,9 @@ def read_video(source: str | Path, max_frames: int | None = None) -> tuple[list,
             frames.append(np.ascontiguousarray(arr[:, :, :3]).astype(np.uint8, copy=False))
             if max_frames and len(frames) >= max_frames:
                 break
-    except OSError as exc:
-        raise DataError(f"cannot decode video {source}: {exc}") from None
+    except OSError as exc:  # imageio's message spans lines: the CLI prints one
+        reason = " ".join(line.strip() for line in str(exc).splitlines() if line.strip())
+        raise DataError(f"cannot decode video {source}: {reason}") from None
     if not frames:
         raise DataError(f"video {source} has no frames")
     return frames, (float(fps) if fps else None)

@@ -99,7 +99,9 @@ def precision_curve(
 
 @dataclass
 class SequenceResult:
-    """One sequence's one-pass result: per-frame measures and curves."""
+    """One sequence's one-pass result: per-frame measures and curves. ``frames`` is the number
+    of tracked frames (those without valid ground truth included; default: ``len(ious)``), whose
+    updates (all frames but the first) ``fps`` measures."""
 
     name: str
     ious: np.ndarray
@@ -107,6 +109,12 @@ class SequenceResult:
     success: np.ndarray
     precision: np.ndarray
     fps: float | None = None
+    frames: int | None = None
+
+    @property
+    def updates(self) -> int:
+        """Timed updates: every tracked frame but the first (the initialisation)."""
+        return (len(self.ious) if self.frames is None else int(self.frames)) - 1
 
     @property
     def auc(self) -> float:
@@ -142,12 +150,15 @@ class OPEResult:
 
     @property
     def fps(self) -> float | None:
-        """Frames per second over all sequences (total frames / total time), if timed."""
-        rates = [s for s in self.sequences if s.fps]
+        """Updates per second over all timed sequences (total updates / total time), if timed.
+
+        A sequence's time is its updates (tracked frames but the first) over its fps: frames
+        left out of the measures for want of ground truth were tracked and timed too."""
+        rates = [s for s in self.sequences
+                 if s.fps is not None and np.isfinite(s.fps) and s.fps > 0 and s.updates > 0]
         if not rates:
             return None
-        frames = sum(len(s.ious) for s in rates)
-        return float(frames / sum(len(s.ious) / s.fps for s in rates))
+        return float(sum(s.updates for s in rates) / sum(s.updates / s.fps for s in rates))
 
     def summary(self) -> dict[str, float | int | None]:
         return {
@@ -188,7 +199,7 @@ def evaluate_sequence(
                          "evaluate on val)")
     ious = overlap(p[keep], g[keep])
     errs = center_error(p[keep], g[keep])
-    return SequenceResult(name, ious, errs, success_curve(ious), precision_curve(errs), fps)
+    return SequenceResult(name, ious, errs, success_curve(ious), precision_curve(errs), fps, len(p))
 
 
 def evaluate_ope(

@@ -13,14 +13,18 @@ from dmlkit.exceptions import ConfigError, require
 
 def draw_box(frame: np.ndarray, box, color=(255, 40, 40), width: int = 2,
              label: str | None = None) -> np.ndarray:
-    """A copy of ``frame`` with the ``(x, y, w, h)`` rectangle (and a label) drawn on it."""
+    """A copy of ``frame`` with the ``(x, y, w, h)`` rectangle (and a label) drawn on it.
+
+    A box under one pixel wide or high is drawn one pixel wide or high; a box that is not
+    finite or has no area (an absent target) is not drawn."""
     from PIL import Image, ImageDraw
 
     im = Image.fromarray(np.asarray(frame, dtype=np.uint8))
     draw = ImageDraw.Draw(im)
     x, y, w, h = (float(v) for v in box)
-    if np.isfinite([x, y, w, h]).all():
-        draw.rectangle([x, y, x + w - 1, y + h - 1], outline=tuple(color), width=width)
+    if np.isfinite([x, y, w, h]).all() and w > 0 and h > 0:
+        # Pillow refuses a rectangle whose far corner precedes its near one (w or h < 1)
+        draw.rectangle([x, y, x + max(w, 1.0) - 1, y + max(h, 1.0) - 1], outline=tuple(color), width=width)
     if label:
         draw.text((4, 4), label, fill=tuple(color))
     return np.asarray(im)

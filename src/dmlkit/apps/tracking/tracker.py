@@ -38,6 +38,7 @@ from dmlkit.apps.tracking.geometry import (
     image_to_tensor,
 )
 from dmlkit.apps.tracking.model import EXEMPLAR_SIZE, INSTANCE_SIZE, SiamFC
+from dmlkit.embeddings import resolve_device
 from dmlkit.exceptions import ConfigError, NonFiniteError, ShapeError, require
 from dmlkit.models import to_device
 
@@ -66,6 +67,15 @@ class TrackerConfig:
             raise ConfigError("scale_step must be >= 1 and scale_penalty in (0, 1]")
         if self.response_up < 1:
             raise ConfigError(f"response_up must be >= 1, got {self.response_up}")
+        numbers = {f.name: getattr(self, f.name) for f in fields(self)}
+        bad = sorted(k for k, v in numbers.items() if not np.isfinite(v))
+        if bad:  # NaN passed every comparison above and tracked to NaN boxes
+            raise ConfigError(f"tracker settings must be finite numbers: {bad}")
+        if self.context < 0 or self.min_size < 0:
+            raise ConfigError(f"context and min_size must be >= 0, got {self.context} and {self.min_size}")
+        if not 1 <= self.exemplar_size <= self.instance_size:
+            raise ConfigError(f"need 1 <= exemplar_size <= instance_size, got {self.exemplar_size} "
+                              f"and {self.instance_size}")
 
     @classmethod
     def five_scales(cls) -> TrackerConfig:
@@ -156,9 +166,10 @@ class SiamFCTracker(BaseTracker):
 
     def __init__(self, model: SiamFC, config: TrackerConfig | None = None,
                  device: str | torch.device = "cpu") -> None:
+        device = resolve_device(device)  # an unknown or absent device is one ConfigError
         self.model = to_device(model, device).eval()  # in place; convolutions channels-last
         self.config = config or TrackerConfig()
-        self.device = torch.device(device)
+        self.device = device
         c = self.config
         self.response_size = (c.instance_size - c.exemplar_size) // model.total_stride + 1
         self.upscale_size = self.response_size * c.response_up
@@ -236,6 +247,8 @@ class NCCTracker(BaseTracker):
         if search_factor < 1.0:
             raise ConfigError(f"search_factor must be >= 1, got {search_factor}")
         self.search_factor = search_factor
+        # imported here, not in the first timed update (its import time was that frame's)
+        self._feature = require("skimage.feature", "tracking")
 
     @staticmethod
     def _gray(frame: np.ndarray) -> np.ndarray:
@@ -254,7 +267,6 @@ class NCCTracker(BaseTracker):
         self.box = np.array([x0, y0, x1 - x0, y1 - y0], dtype=np.float64)
 
     def update(self, frame: np.ndarray) -> np.ndarray:
-        feature = require("skimage.feature", "tracking")
         gray = self._gray(frame)
         H, W = gray.shape
         th, tw = self.template.shape
@@ -268,7 +280,7 @@ class NCCTracker(BaseTracker):
         if window.shape[0] < th or window.shape[1] < tw:
             self.last_score = float("nan")
             return self.box.copy()
-        ncc = feature.match_template(window, self.template)
+        ncc = self._feature.match_template(window, self.template)
         dy, dx = np.unravel_index(int(np.argmax(ncc)), ncc.shape)
         self.last_score = float(ncc[dy, dx])
         self.box = np.array([x0 + dx, y0 + dy, tw, th], dtype=np.float64)

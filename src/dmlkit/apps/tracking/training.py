@@ -236,6 +236,12 @@ def save_siamfc(path: str | Path, model: SiamFC, tracker: TrackerConfig | None =
     return atomic_torch_save(state, path)
 
 
+def _first_line(exc: BaseException) -> str:
+    """An exception's message on one line (torch's unpickling errors span a dozen)."""
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    return f"{type(exc).__name__}: {lines[0]}" if lines else type(exc).__name__
+
+
 def load_siamfc(path: str | Path, map_location: str = "cpu") -> tuple[SiamFC, TrackerConfig]:
     """Read a checkpoint of :func:`save_siamfc` (or a run directory holding one)."""
     path = Path(path)
@@ -247,7 +253,7 @@ def load_siamfc(path: str | Path, map_location: str = "cpu") -> tuple[SiamFC, Tr
     try:
         state = torch.load(path, map_location=map_location, weights_only=True)
     except Exception as exc:
-        raise CheckpointError(f"cannot read SiamFC checkpoint {path}: {exc}") from None
+        raise CheckpointError(f"cannot read SiamFC checkpoint {path}: {_first_line(exc)}") from None
     if not isinstance(state, dict) or state.get("format") != CHECKPOINT_FORMAT:
         raise CheckpointError(f"{path} is not a dmlkit SiamFC checkpoint ({CHECKPOINT_FORMAT})")
     model = SiamFC(width=float(state["width"]))
@@ -296,9 +302,12 @@ def train_siamfc(
     start_epoch, step, elapsed = 0, 0, 0.0
     log_path = run_dir / "log.jsonl"
     if resume and ckpt_path.is_file():
-        state = torch.load(ckpt_path, map_location="cpu", weights_only=True)
+        try:
+            state = torch.load(ckpt_path, map_location="cpu", weights_only=True)
+        except Exception as exc:  # a truncated or foreign file: one line, not a traceback
+            raise CheckpointError(f"cannot read checkpoint {ckpt_path} to resume from: {_first_line(exc)}") from None
         ts = state.get("train_state") if isinstance(state, dict) else None
-        if state.get("format") != CHECKPOINT_FORMAT or ts is None:
+        if ts is None or state.get("format") != CHECKPOINT_FORMAT:
             raise CheckpointError(f"{ckpt_path} holds no training state to resume from: "
                                   "train again without --resume")
         if float(state["width"]) != float(config.width):
