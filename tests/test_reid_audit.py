@@ -89,6 +89,7 @@ def test_float64_scores_are_ranked_in_float64():
     assert evaluate_reid_scores(torch.tensor(d), [5], [5, 6]).ap[0] == 0.5
     big = np.array([[100_000_001, 100_000_000]])  # integers that float32 cannot tell apart
     assert evaluate_reid_scores(big, [5], [5, 6]).first_hit[0] == 1
+    assert evaluate_reid_scores(torch.tensor(big), [5], [5, 6]).first_hit[0] == 1
     # float32 input: ranked as given (ties by index)
     assert evaluate_reid_scores(d.astype(np.float32), [5], [5, 6]).ap[0] == 1.0
 

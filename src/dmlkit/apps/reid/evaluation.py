@@ -243,7 +243,8 @@ def evaluate_reid_scores(
     for row0, block in blocks:
         if hasattr(block, "detach"):
             block = block.detach().cpu()
-            block = (block.double() if block.dtype == torch.float64 else block.float()).numpy()
+            low = block.dtype in (torch.float32, torch.float16, torch.bfloat16)
+            block = (block.float() if low else block.double()).numpy()
         block = np.asarray(block)  # float64 stays float64: float32 would tie close distances
         block = block.astype(np.float32 if block.dtype in (np.float32, np.float16) else np.float64,
                              copy=False)
