@@ -20,6 +20,7 @@ from dmlkit.apps.patches import (
     match_patches,
     mutual_matches,
     prepare_patches,
+    score_matrix,
     score_pairs,
     write_brown_subset,
 )
@@ -183,6 +184,19 @@ def test_ratio_test_refuses_decision_networks() -> None:
     assert len(match_patches(net, x[:3], x[3:])) >= 1  # without the ratio test: fine
     desc = build_patch_model("siam-l2", 32, 0.125)
     match_patches(desc, x[:3], x[3:], ratio=0.9)
+
+
+def test_score_matrix_puts_a_patch_at_distance_zero_from_itself() -> None:
+    """Was: the descriptor distances came from torch.cdist's matrix-product shortcut, whose
+    cancellation put a descriptor about 1e-3 from an exact copy of itself (near-ties in the
+    mutual matches and the ratio test reordered); now the direct difference, as score_pairs."""
+    torch.manual_seed(0)
+    net = build_patch_model("siam-l2", 32, 0.125)
+    x = prepare_patches(np.random.default_rng(1).integers(0, 255, (40, 64, 64)).astype(np.uint8), 32)
+    s = score_matrix(net, x, x)
+    assert torch.all(s.diagonal() == 0)
+    d = net.describe(x, 0).double()
+    assert torch.allclose(s.double(), -torch.cdist(d, d, compute_mode="donot_use_mm_for_euclid_dist"), atol=1e-5)
 
 
 # -- FPR95 through the pipeline --------------------------------------------------------------------

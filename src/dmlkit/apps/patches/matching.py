@@ -36,7 +36,10 @@ def score_matrix(model: PatchNet, a: torch.Tensor, b: torch.Tensor, batch_size: 
         da = torch.cat([model.describe(a[i : i + batch_size], 0) for i in range(0, n, batch_size)])
         db = torch.cat([model.describe(b[i : i + batch_size], side2) for i in range(0, m, batch_size)])
         if model.kind == "descriptor":
-            return -torch.cdist(da, db)
+            # the direct difference, not torch's |x|^2 + |y|^2 - 2 x.y shortcut (its cancellation
+            # put a descriptor about 1e-3 from an exact copy of itself, which reorders near-ties in
+            # the mutual matches and the ratio test)
+            return -torch.cdist(da, db, compute_mode="donot_use_mm_for_euclid_dist")
         out = torch.empty(n, m, device=a.device)
         rows = max(1, batch_size // m)
         for i in range(0, n, rows):
