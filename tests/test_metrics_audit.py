@@ -111,3 +111,13 @@ def test_streaming_without_any_positive_matches_evaluate():
     assert got["num_queries"] == got["num_queries_without_positive"] == 1
     scores, r_q = per_query_streaming(np.eye(3, dtype=np.float32), [0, 1, 2], metrics=["precision_at_1"])
     assert r_q.tolist() == [0, 0, 0] and np.isnan(scores["precision_at_1"]).all()
+
+
+@pytest.mark.parametrize("bad", [(0.0, math.inf), (-math.inf, 1.0), (-1e308, 1e308), (0.0, 1e-300)])
+def test_histogram_range_must_be_finite(bad):
+    """range=(0, inf) gave NaN bin edges and pos_neg_js = 0.0 (a RuntimeWarning, no error)."""
+    from dmlkit.metrics import pos_neg_histograms
+
+    x, y = _small()
+    with pytest.raises(ConfigError, match="range must be finite"):
+        pos_neg_histograms(x, y, range=bad)

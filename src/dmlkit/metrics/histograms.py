@@ -232,8 +232,9 @@ def pos_neg_histograms(
         raise ConfigError(f"range must be (low, high) or 'observed', got {range!r}")
     else:
         lo, hi = float(range[0]), float(range[1])
-        if not hi > lo:
-            raise ConfigError(f"range must be (low, high) with low < high, got {range}")
+        # finite, and bins of a width float32 can scale by ((0, inf) gave NaN edges and js 0.0)
+        if not (hi > lo and math.isfinite(hi - lo) and bins / (hi - lo) <= float(np.finfo(np.float32).max)):
+            raise ConfigError(f"range must be finite (low, high) with low < high, got {range}")
 
     # small CPU inputs take the torch path too: the compiled kernel's load (numba, ~0.1 GB) would
     # cost more than the count; both bin identically (tests/test_metrics_clustering_hist.py)
