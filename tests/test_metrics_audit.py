@@ -121,3 +121,18 @@ def test_histogram_range_must_be_finite(bad):
     x, y = _small()
     with pytest.raises(ConfigError, match="range must be finite"):
         pos_neg_histograms(x, y, range=bad)
+
+
+def test_clustering_runs_dmlkit_kmeans_even_with_faiss_installed(monkeypatch):
+    """docs/guide.md said faiss k-means ran when installed; "auto" is dmlkit's own Lloyd k-means."""
+    from dmlkit.metrics import cluster_metrics, faiss_available
+
+    if faiss_available():
+        import faiss
+
+        def refuse(*args, **kwargs):
+            raise AssertionError("faiss k-means used")
+
+        monkeypatch.setattr(faiss, "Kmeans", refuse)
+    x, y = _small()
+    assert 0.0 <= cluster_metrics(x, y, ["nmi"], restarts=1)["nmi"] <= 1.0

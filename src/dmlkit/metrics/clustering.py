@@ -1,8 +1,9 @@
 """Clustering metrics: NMI, AMI and pair-counting F1 of k-means clusters against the labels.
 
-The embeddings are clustered by k-means with ``k`` = the number of classes (faiss k-means when
-faiss is installed, else scikit-learn), as in the metric-learning literature (NMI: Schuetze et
-al., "Introduction to Information Retrieval", 2008, used by Song et al., CVPR 2016). Because
+The embeddings are clustered by k-means with ``k`` = the number of classes (dmlkit's Lloyd
+k-means from k-means++ seeds, :func:`kmeans_labels`; faiss or scikit-learn on request), as in
+the metric-learning literature (NMI: Schuetze et al., "Introduction to Information Retrieval",
+2008, used by Song et al., CVPR 2016). Because
 the scores depend on the clustering's random seed (a weakness the seeds point out), k-means is
 run ``restarts`` times with seeds ``seed, seed + 1, ...`` and the scores are averaged.
 
