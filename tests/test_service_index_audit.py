@@ -105,3 +105,49 @@ def test_a_query_whose_id_is_not_indexed_keeps_every_neighbour():
     assert res.indices[1, -1] == -1 and np.isnan(res.scores[1, -1])
     every = idx.search(x[:2], 10, exclude_ids=["a", "b"])  # every query drops one: size - 1 columns
     assert every.indices.shape == (2, 4) and (every.indices >= 0).all()
+
+
+@pytest.fixture(scope="module")
+def small_cnn_service():
+    """A service whose model keeps the images' size (a run without ``image_size``): built once."""
+    import torch
+    from fastapi.testclient import TestClient
+
+    from dmlkit.apps.export import ImageEmbedder, _torch_forward
+    from dmlkit.apps.service import ServiceConfig, create_app
+    from dmlkit.models.trunks import SmallCNN
+
+    torch.manual_seed(0)
+    embedder = ImageEmbedder(_torch_forward(SmallCNN(in_channels=1).eval(), "cpu"), None, None, 1, "torch")
+    idx = EmbeddingIndex(np.random.default_rng(0).normal(size=(10, 128)).astype(np.float32))
+    return TestClient(create_app(ServiceConfig(index="unused", threshold=0.5), index=idx, embedder=embedder),
+                      raise_server_exceptions=False)
+
+
+def test_an_image_the_model_cannot_embed_is_a_422_not_a_500(small_cnn_service):
+    """A run that keeps the images' size (no ``image_size``) embeds any upload as is; one too small
+    for the CNN's pooling raised torch's RuntimeError in the endpoint: HTTP 500 for a bad image."""
+    import io
+
+    from PIL import Image
+
+    client = small_cnn_service
+    buf = io.BytesIO()
+    Image.new("L", (4, 4)).save(buf, format="PNG")
+    for response in (client.post("/api/query/image", files={"file": ("a.png", buf.getvalue())}),
+                     client.post("/api/verify", files={"image1": ("a.png", buf.getvalue()),
+                                                       "image2": ("b.png", buf.getvalue())})):
+        assert response.status_code == 422, response.text
+        assert "cannot embed images preprocessed to 1x4x4" in response.json()["detail"]
+    assert client.get("/api/metrics").json()["status"] == {"4xx": 2}
+    assert client.post("/api/query/image", files={"file": ("a.png", _png(32))}).status_code == 200
+
+
+def _png(size: int) -> bytes:
+    import io
+
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.new("L", (size, size), color=100).save(buf, format="PNG")
+    return buf.getvalue()

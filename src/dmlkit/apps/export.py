@@ -96,7 +96,14 @@ class ImageEmbedder:
 
     def __call__(self, images: Sequence[Any]) -> np.ndarray:
         x = self.preprocess(images)
-        parts = [self.forward(x[i:i + self.batch_size]) for i in range(0, len(x), self.batch_size)]
+        try:
+            parts = [self.forward(x[i:i + self.batch_size]) for i in range(0, len(x), self.batch_size)]
+        except RuntimeError as exc:  # an image too small for the pooling of a model that keeps the size,
+            # or not the size of a fixed-size export: the image's fault, not the server's
+            reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
+            raise DataError(f"the model cannot embed images preprocessed to {'x'.join(map(str, x.shape[1:]))} "
+                            f"(channels x height x width): {reason}; send an image of the size the model "
+                            "was trained on") from None
         emb = np.concatenate(parts).astype(np.float32, copy=False)
         if not np.isfinite(emb).all():
             raise NonFiniteError("the model produced NaN/inf embeddings for these images")
@@ -122,7 +129,12 @@ def _onnx_forward(path: Path) -> Callable[[np.ndarray], np.ndarray]:
     name = session.get_inputs()[0].name
 
     def forward(x: np.ndarray) -> np.ndarray:
-        return session.run(None, {name: np.ascontiguousarray(x, dtype=np.float32)})[0]
+        try:
+            return session.run(None, {name: np.ascontiguousarray(x, dtype=np.float32)})[0]
+        except Exception as exc:  # onnxruntime's own types (Fail, InvalidArgument, ...) derive from Exception
+            if type(exc).__module__.startswith("onnxruntime"):
+                raise RuntimeError(str(exc)) from exc
+            raise
 
     return forward
 

@@ -17,7 +17,7 @@ Endpoints (JSON unless noted; the OpenAPI schema is at ``/openapi.json``, docs a
 
 Bad input gets a 4xx with ``{"detail": "<what to do>"}``: 400 not an image, 404 unknown id,
 409 the service lacks a model or threshold, 413 body over the limit or image too large, 422
-wrong embedding size, non-finite values or k out of range.
+wrong embedding size, non-finite values, k out of range or an image the model cannot embed.
 """
 
 
