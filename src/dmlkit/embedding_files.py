@@ -97,7 +97,8 @@ def read_labels_file(path: Path) -> np.ndarray:
     try:
         if path.suffix.lower() == ".npy":
             return np.load(path, allow_pickle=False)
-        text = path.read_text(encoding="utf-8")
+        # utf-8-sig: a byte-order mark (Notepad, Excel) is not part of the first label
+        text = path.read_text(encoding="utf-8-sig")
     except (OSError, ValueError) as exc:  # UnicodeDecodeError is a ValueError
         raise DataError(f"cannot read labels from {path}: {' '.join(str(exc).split())[:200]}") from None
     if path.suffix.lower() == ".csv":

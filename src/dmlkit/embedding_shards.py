@@ -59,8 +59,14 @@ _VERSION = 1
 _DTYPES = {"float32": np.float32, "float16": np.float16}
 _F16_MAX = float(np.finfo(np.float16).max)
 _F16_TINY = float(np.finfo(np.float16).tiny)  # smallest normal, ~6.1e-5
+_F32_MAX = float(np.finfo(np.float32).max)
 #: Default rows per shard: 256 MiB of float32 at D = 128 per 512k rows; 64k rows is ~16-32 MiB.
 DEFAULT_SHARD_ROWS = 65536
+
+
+class RowIndexError(ShapeError, IndexError):
+    """A row index or mask outside a :class:`ShardedEmbeddings`' rows (an ``IndexError``, as
+    numpy's, and a :class:`ShapeError`)."""
 
 
 def is_shard_dir(path: str | os.PathLike) -> bool:
@@ -171,6 +177,9 @@ class ShardWriter:
         if self.dtype == "float16" and n and float(np.abs(emb).max()) > _F16_MAX:
             raise NonFiniteError(f"embeddings exceed float16's range (|x| > {_F16_MAX:g}): "
                                  "write float32 shards (--dtype float32) or normalise them")
+        if emb.dtype.itemsize > 4 and n and float(np.abs(emb).max()) > _F32_MAX:  # else stored as inf
+            raise NonFiniteError(f"embeddings exceed float32's range (|x| > {_F32_MAX:.4g}): rescale "
+                                 "or normalise them")
         if self.dtype == "float16" and n:
             mag = np.abs(emb)
             small = int(np.count_nonzero((mag > 0) & (mag < _F16_TINY)))
@@ -260,6 +269,9 @@ def write_shards(
 ) -> ShardedEmbeddings:
     """Write in-memory (or memory-mapped) embeddings as shards and open them."""
     n = len(embeddings)
+    for name, values in (("labels", labels), ("ids", ids)):
+        if values is not None and len(values) != n:  # the batches below cut it at n silently
+            raise ShapeError(f"{len(values)} {name} for {n} embeddings: give one per row")
     with ShardWriter(directory, dtype=dtype, shard_rows=shard_rows, overwrite=overwrite,
                      metadata=metadata) as writer:
         for a0 in range(0, max(n, 1), shard_rows):
@@ -364,10 +376,21 @@ class ShardedEmbeddings:
             return self.read(a0, a1)
         if isinstance(key, int | np.integer):
             i = int(key) + (self.count if key < 0 else 0)
+            if not 0 <= i < self.count:  # an IndexError: ends a for loop over the rows
+                raise RowIndexError(f"row {int(key)} is outside 0:{self.count}")
             return self.read(i, i + 1)[0]
         if hasattr(key, "detach"):
             key = key.detach().cpu().numpy()
         return self.take(np.asarray(key))
+
+    def __iter__(self) -> Iterator[np.ndarray]:
+        """The rows one by one (read a block at a time)."""
+        for _, block in self.blocks(4096):
+            yield from block
+
+    def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
+        out = self.to_numpy()
+        return out if dtype is None else out.astype(dtype, copy=False)
 
     def read(self, start: int, stop: int) -> np.ndarray:
         """Rows ``start:stop`` as a new float32 ``(stop - start, D)`` array."""
@@ -391,10 +414,12 @@ class ShardedEmbeddings:
         """Rows at the given (any order, repeats allowed) integer positions, as float32."""
         rows = np.asarray(rows)
         if rows.dtype == bool:
+            if rows.shape != (self.count,):  # as numpy: never a mask of other rows
+                raise RowIndexError(f"boolean mask of shape {rows.shape} for {self.count} rows")
             rows = np.flatnonzero(rows)
         rows = rows.astype(np.int64, copy=False).reshape(-1)
         if rows.size and (rows.min() < -self.count or rows.max() >= self.count):
-            raise ShapeError(f"row index out of range for {self.count} rows")
+            raise RowIndexError(f"row index out of range for {self.count} rows")
         rows = np.where(rows < 0, rows + self.count, rows)
         out = np.empty((rows.size, self.dim), np.float32)
         shard_of = np.searchsorted(self._starts, rows, side="right") - 1

@@ -247,6 +247,11 @@ class ArrayDataset(MetricDataset):
             raise DataError(f"kind must be 'image' or 'features', got {kind!r}")
         if kind == "image" and data.ndim not in (3, 4):
             raise ShapeError(f"image arrays must be (N, H, W) or (N, H, W, C), got {data.shape}")
+        if kind == "image" and data.dtype.kind in "iu" and data.dtype not in (np.uint8, np.uint16):
+            # no scale is known: int64 values 0..255 stayed 0..255 in the tensor and were clipped
+            # to white in the PIL image a transform receives
+            raise DataError(f"image arrays must be uint8, uint16, bool or float in [0, 1], got "
+                            f"{data.dtype}: convert them, e.g. data.astype(np.uint8) for values 0..255")
         if kind == "features" and data.ndim != 2:
             raise ShapeError(f"feature arrays must be (N, D), got {data.shape}")
         self.invert = bool(invert)
@@ -466,6 +471,15 @@ class ImageFileDataset(MetricDataset):
         return load_image(self._paths[row], self.mode)
 
     def _default_tensor(self, x: Any) -> torch.Tensor:
+        # mode=None keeps a file's own mode; the tensor needs intensities in 0..255: a bilevel
+        # image ("1") holds 0/1, a palette image ("P") indices, CMYK/YCbCr another colour space
+        mode = getattr(x, "mode", None)
+        if mode == "1":
+            x = x.convert("L")
+        elif mode in ("P", "PA"):
+            x = x.convert("RGBA" if mode == "PA" or "transparency" in x.info else "RGB")
+        elif isinstance(mode, str) and mode not in ("L", "LA", "RGB", "RGBA"):
+            x = x.convert("RGB")
         arr = np.asarray(x, dtype=np.float32) / 255.0
         t = torch.from_numpy(arr)
         return t.unsqueeze(0) if t.ndim == 2 else t.permute(2, 0, 1).contiguous()

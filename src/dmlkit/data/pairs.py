@@ -118,7 +118,8 @@ def parse_lfw_pairs(path: str | os.PathLike) -> list[LfwPair]:
     p = Path(path)
     if not p.is_file():
         raise DataNotFoundError(f"pair list not found: {p}; pass LFW's pairs.txt or a CSV path1,path2,same")
-    lines = [(k + 1, ln.split()) for k, ln in enumerate(p.read_text().splitlines())]
+    # utf-8-sig: a byte-order mark is not part of the header (it made '10 300' unreadable)
+    lines = [(k + 1, ln.split()) for k, ln in enumerate(p.read_text(encoding="utf-8-sig").splitlines())]
     lines = [(k, f) for k, f in lines if f]
     if not lines:
         raise DataError(f"{p}: empty pair list")
@@ -233,7 +234,7 @@ def read_pair_csv(path: str | os.PathLike, image_root: str | os.PathLike | None 
     if not p.is_file():
         raise DataNotFoundError(f"pair list not found: {p}")
     base = Path(image_root) if image_root is not None else p.parent
-    with open(p, newline="") as fh:
+    with open(p, newline="", encoding="utf-8-sig") as fh:  # Excel's "CSV UTF-8" starts with a BOM
         rows = [(k + 1, [c.strip() for c in r]) for k, r in enumerate(_csv.reader(fh)) if any(c.strip() for c in r)]
     if not rows:
         raise DataError(f"{p}: empty pair list")

@@ -175,7 +175,9 @@ def load_sop(root: str | os.PathLike | None = None, download: bool = False, *,
             paths.append(folder / rel)
             labels.append(c)
             part_classes.add(c)
-            groups[c] = part
+            if groups.setdefault(c, part) != part:  # else the class went to test, train images too
+                raise DataError(f"{f}: class {c} is listed in both Ebay_train.txt and Ebay_test.txt; "
+                                "the official lists are class-disjoint: extract the archive again")
             names.setdefault(c, f"{rel.split('/')[0].removesuffix('_final')}/{c}")
         _count_check("sop", f"{part} classes", len(part_classes), n_cls, strict)
         _count_check("sop", f"{part} images", len(rows), n_img, strict)

@@ -172,8 +172,8 @@ class ClassSplit:
 def _ratio_counts(n: int, ratios: Sequence[float]) -> list[int]:
     """Integer part sizes summing to ``n`` in proportion to ``ratios`` (largest remainder)."""
     r = np.asarray(ratios, dtype=float)
-    if r.ndim != 1 or r.size == 0 or (r < 0).any() or r.sum() <= 0:
-        raise ConfigError(f"ratios must be non-negative numbers with a positive sum, got {ratios}")
+    if r.ndim != 1 or r.size == 0 or not np.isfinite(r).all() or (r < 0).any() or r.sum() <= 0:
+        raise ConfigError(f"ratios must be finite non-negative numbers with a positive sum, got {ratios}")
     exact = n * r / r.sum()
     counts = np.floor(exact).astype(int)
     rest = n - int(counts.sum())

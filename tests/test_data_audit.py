@@ -1,0 +1,136 @@
+"""Audit of dmlkit.data, the samplers, distances and embedding files: each test pins a bug that
+gave a silent wrong result (or a traceback) with tiny real-format fixtures."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from dmlkit.data import ArrayDataset, ImageFileDataset, load_dataset, split_classes
+from dmlkit.data.pairs import parse_lfw_pairs, read_pair_csv
+from dmlkit.embedding_files import read_labels_file
+from dmlkit.embedding_shards import write_shards
+from dmlkit.exceptions import ConfigError, DataError, ShapeError
+
+BOM = "\ufeff"
+
+
+def _png(path: Path, img: Image.Image) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    img.save(path)
+    return path
+
+
+# -- labels files: a UTF-8 byte-order mark (Notepad, Excel) -----------------------------------------
+@pytest.mark.parametrize("suffix", [".txt", ".csv"])
+def test_labels_file_with_a_byte_order_mark_keeps_the_first_label(tmp_path, suffix):
+    numbers = tmp_path / f"numbers{suffix}"
+    numbers.write_bytes(f"{BOM}3\n3\n4\n".encode())
+    assert read_labels_file(numbers).tolist() == [3, 3, 4]  # was ['\ufeff3', '3', '4']: 3 classes
+    names = tmp_path / f"names{suffix}"
+    names.write_bytes(f"{BOM}cat\ncat\ndog\n".encode())
+    assert read_labels_file(names).tolist() == ["cat", "cat", "dog"]
+
+
+# -- pair lists with a byte-order mark --------------------------------------------------------------
+def test_pair_csv_with_a_byte_order_mark_reads_its_header(tmp_path):
+    for name in ("a.png", "b.png"):
+        _png(tmp_path / name, Image.new("L", (4, 4)))
+    (tmp_path / "pairs.csv").write_bytes(f"{BOM}path1,path2,same,fold\na.png,b.png,0,1\n".encode())
+    pairs = read_pair_csv(tmp_path / "pairs.csv")
+    assert len(pairs) == 1 and pairs.same.tolist() == [False] and pairs.num_folds == 1
+
+
+def test_lfw_pair_list_with_a_byte_order_mark(tmp_path):
+    (tmp_path / "pairs.txt").write_bytes(f"{BOM}1 1\nAl 1 2\nAl 1 Bo 1\n".encode())
+    pairs = parse_lfw_pairs(tmp_path / "pairs.txt")
+    assert [p.same for p in pairs] == [True, False]
+
+
+# -- SOP: a class listed in both Ebay_train.txt and Ebay_test.txt --------------------------------------
+def test_sop_class_in_both_lists_is_refused(tmp_path):
+    folder = tmp_path / "Stanford_Online_Products"
+    header = "image_id class_id super_class_id path\n"
+    train = [(1, 1, 1, "bicycle_final/1_0.JPG"), (2, 2, 1, "bicycle_final/2_0.JPG")]
+    test = [(3, 2, 1, "bicycle_final/2_1.JPG"), (4, 3, 1, "bicycle_final/3_0.JPG")]
+    for rows, name in ((train, "Ebay_train.txt"), (test, "Ebay_test.txt")):
+        for r in rows:
+            _png(folder / r[3], Image.new("RGB", (4, 4)))
+        (folder / name).write_text(header + "".join(" ".join(map(str, r)) + "\n" for r in rows))
+    # was: class 2 silently became a test class holding its training image too
+    with pytest.raises(DataError, match="class 2 .*both Ebay_train.txt and Ebay_test.txt"):
+        load_dataset("sop", root=tmp_path)
+
+
+# -- image files kept in their own mode (mode=None) -----------------------------------------------------
+def test_default_tensor_of_palette_and_bilevel_images_kept_in_their_mode(tmp_path):
+    bits = np.zeros((5, 6), bool)
+    bits[2] = True
+    red = np.zeros((5, 6, 3), np.uint8)
+    red[..., 0] = 200
+    palette = Image.fromarray(np.ones((5, 6), np.uint8), mode="P")
+    palette.putpalette([0, 0, 0, 200, 0, 0])  # index 1 = (200, 0, 0)
+    paths = [_png(tmp_path / "bits.png", Image.fromarray(bits)),
+             _png(tmp_path / "palette.png", palette),
+             _png(tmp_path / "cmyk.tif", Image.fromarray(red).convert("CMYK"))]
+    assert [Image.open(p).mode for p in paths] == ["1", "P", "CMYK"]
+    ds = ImageFileDataset(paths, [0, 1, 2], mode=None)
+    x = ds[0][0]
+    assert x.shape == (1, 5, 6) and x.max().item() == 1.0  # was 1/255: the ink nearly black
+    y = ds[1][0]
+    assert y.shape == (3, 5, 6)  # was (1, 5, 6): the palette indices / 255
+    assert np.allclose(y[:, 0, 0].numpy(), [200 / 255, 0, 0])
+    z = ds[2][0]
+    assert z.shape == (3, 5, 6) and np.allclose(z[:, 0, 0].numpy(), [200 / 255, 0, 0])
+
+
+# -- ArrayDataset: integer images other than uint8/uint16 -------------------------------------------------
+def test_array_dataset_refuses_wide_integer_images():
+    data = np.full((2, 4, 4), 200, dtype=np.int64)  # 0..255 values in an int64 array
+    with pytest.raises(DataError, match="uint8"):  # was: tensor values 200, PIL images white
+        ArrayDataset(data, [0, 1])
+    ok = ArrayDataset(data.astype(np.uint8), [0, 1])
+    assert ok[0][0].max().item() == pytest.approx(200 / 255)
+
+
+# -- embedding shards ---------------------------------------------------------------------------------
+def test_shards_iterate_like_an_array(tmp_path):
+    x = np.arange(12, dtype=np.float32).reshape(6, 2)
+    s = write_shards(tmp_path / "s", x, np.arange(6) % 2, shard_rows=4)
+    rows = list(s)  # was ShapeError after the last row
+    assert len(rows) == 6 and np.array_equal(np.stack(rows), x)
+    assert np.array_equal(np.asarray(s), x)
+    with pytest.raises(IndexError):
+        s[6]
+    with pytest.raises(IndexError):
+        s[-7]
+    with pytest.raises(ShapeError):  # out-of-range index arrays stay refused as before
+        s[np.array([6])]
+    with pytest.raises(IndexError, match="mask"):  # was: the first 2 rows' mask silently used
+        s[np.array([True, False])]
+    assert np.array_equal(s[np.arange(6) % 2 == 1], x[1::2])
+
+
+def test_write_shards_refuses_labels_or_ids_of_another_length(tmp_path):
+    x = np.zeros((6, 2), np.float32)
+    with pytest.raises(ShapeError, match="7 labels"):  # was: the 7th label silently dropped
+        write_shards(tmp_path / "a", x, np.arange(7))
+    with pytest.raises(ShapeError, match="100 ids"):
+        write_shards(tmp_path / "b", x, np.arange(6), ids=np.arange(100))
+
+
+def test_float32_shards_refuse_values_beyond_float32(tmp_path):
+    from dmlkit.exceptions import NonFiniteError
+
+    with pytest.raises(NonFiniteError, match="float32"):  # was: stored as inf
+        write_shards(tmp_path / "a", np.full((2, 2), 1e39), np.arange(2))
+
+
+# -- ratio splits --------------------------------------------------------------------------------------
+@pytest.mark.parametrize("bad", [(float("nan"), 1, 1), (float("inf"), 1, 1)])
+def test_split_ratios_must_be_finite(bad):
+    with pytest.raises(ConfigError, match="ratios"):  # was: 'needs at least one train class'
+        split_classes(range(10), bad)
