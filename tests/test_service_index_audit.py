@@ -132,6 +132,7 @@ def test_an_image_the_model_cannot_embed_is_a_422_not_a_500(small_cnn_service):
     from PIL import Image
 
     client = small_cnn_service
+    before = client.get("/api/metrics").json()["status"]
     buf = io.BytesIO()
     Image.new("L", (4, 4)).save(buf, format="PNG")
     for response in (client.post("/api/query/image", files={"file": ("a.png", buf.getvalue())}),
@@ -139,7 +140,8 @@ def test_an_image_the_model_cannot_embed_is_a_422_not_a_500(small_cnn_service):
                                                        "image2": ("b.png", buf.getvalue())})):
         assert response.status_code == 422, response.text
         assert "cannot embed images preprocessed to 1x4x4" in response.json()["detail"]
-    assert client.get("/api/metrics").json()["status"] == {"4xx": 2}
+    after = client.get("/api/metrics").json()["status"]
+    assert after.get("4xx", 0) - before.get("4xx", 0) == 2 and "5xx" not in after
     assert client.post("/api/query/image", files={"file": ("a.png", _png(32))}).status_code == 200
 
 
@@ -151,3 +153,27 @@ def _png(size: int) -> bytes:
     buf = io.BytesIO()
     Image.new("L", (size, size), color=100).save(buf, format="PNG")
     return buf.getvalue()
+
+
+def _png_header(width: int, height: int) -> bytes:
+    """A tiny PNG file that declares ``width x height`` pixels (its data stop after one row)."""
+    import struct
+    import zlib
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data) & 0xFFFFFFFF)
+
+    ihdr = struct.pack(">IIBBBBB", width, height, 8, 0, 0, 0, 0)
+    return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", zlib.compress(b"\0" * (1 + width)))
+            + chunk(b"IEND", b""))
+
+
+def test_an_image_beyond_pils_own_limit_is_a_413_too_large(small_cnn_service):
+    """Images over ``max_image_pixels`` get 413 (docs); beyond twice PIL's own limit (179 Mpx)
+    ``Image.open`` raised DecompressionBombError first, answered 400 "not an image PIL can read"."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # PIL's DecompressionBombWarning for the 100 Mpx one
+        for side in (10_000, 20_000):  # 100 Mpx (our limit) and 400 Mpx (PIL's)
+            r = small_cnn_service.post("/api/query/image", files={"file": ("big.png", _png_header(side, side))})
+            assert r.status_code == 413, (side, r.text)
+            assert "not an image" not in r.json()["detail"]

@@ -296,7 +296,10 @@ def create_app(config: ServiceConfig, *, index: Any = None, embedder: Any = None
                 return img.copy()
         except HTTPException:
             raise
-        except (UnidentifiedImageError, OSError, ValueError, Image.DecompressionBombError) as exc:
+        except Image.DecompressionBombError as exc:  # PIL refuses to open beyond twice its own limit
+            raise HTTPException(413, f"{upload.filename or 'the upload'} is too large to decode ({exc}): "
+                                     "send a smaller image") from exc
+        except (UnidentifiedImageError, OSError, ValueError) as exc:
             why = "" if isinstance(exc, UnidentifiedImageError) else f": {exc}"
             raise HTTPException(400, f"{upload.filename or 'the upload'} is not an image PIL can read "
                                      f"(PNG, JPEG, PGM, ...){why}") from exc
