@@ -134,3 +134,43 @@ def test_float32_shards_refuse_values_beyond_float32(tmp_path):
 def test_split_ratios_must_be_finite(bad):
     with pytest.raises(ConfigError, match="ratios"):  # was: 'needs at least one train class'
         split_classes(range(10), bad)
+
+
+# -- CUB / SOP / In-Shop list files that do not parse ------------------------------------------------
+def _cub_lists(root: Path, labels: str) -> None:
+    folder = root / "CUB_200_2011"
+    for name in ("a.jpg", "b.jpg"):
+        _png(folder / "images" / "001.A" / name, Image.new("RGB", (4, 4)))
+    (folder / "images.txt").write_text("1 001.A/a.jpg\n2 001.A/b.jpg\n")
+    (folder / "image_class_labels.txt").write_text(labels)
+    (folder / "classes.txt").write_text("1 001.A\n")
+
+
+def test_cub_truncated_class_list_is_one_error(tmp_path):
+    _cub_lists(tmp_path, "1 1\n")  # image 2 has no class: was KeyError '2'
+    with pytest.raises(DataError, match="1 image.* no class .*image id 2"):
+        load_dataset("cub200", root=tmp_path)
+    _cub_lists(tmp_path, "1 1\n2 x\n")
+    with pytest.raises(DataError, match="non-integer"):
+        load_dataset("cub200", root=tmp_path)
+
+
+def test_inshop_bad_item_or_status_is_one_error(tmp_path):
+    folder = tmp_path / "InShop"
+    _png(folder / "img" / "a.jpg", Image.new("RGB", (4, 4)))
+    for line, match in (("img/a.jpg item_7 train", "item id"),  # was: ValueError traceback
+                        ("img/a.jpg id_00000007 Train", "evaluation_status")):  # was: a test image
+        (folder / "list_eval_partition.txt").write_text(
+            f"1\nimage_name item_id evaluation_status\n{line}\n")
+        with pytest.raises(DataError, match=match):
+            load_dataset("inshop", root=tmp_path)
+
+
+def test_sop_non_integer_class_is_one_error(tmp_path):
+    folder = tmp_path / "Stanford_Online_Products"
+    _png(folder / "bicycle_final" / "1_0.JPG", Image.new("RGB", (4, 4)))
+    header = "image_id class_id super_class_id path\n"
+    (folder / "Ebay_train.txt").write_text(header + "1 x1 1 bicycle_final/1_0.JPG\n")
+    (folder / "Ebay_test.txt").write_text(header)
+    with pytest.raises(DataError, match="class_id 'x1'"):  # was: ValueError traceback
+        load_dataset("sop", root=tmp_path)

@@ -78,10 +78,19 @@ def load_cub200(root: str | os.PathLike | None = None, download: bool = False, *
     for f in ("image_class_labels.txt", "classes.txt"):
         if not (folder / f).exists():
             raise _missing("cub200", folder, f, "Extract the full CUB_200_2011.tgz archive.")
-    images = dict(_read_table(folder / "images.txt", 2))
-    cls_of = {k: int(v) for k, v in _read_table(folder / "image_class_labels.txt", 2)}
-    names = {int(k): v for k, v in _read_table(folder / "classes.txt", 2)}
-    ids = sorted(images, key=int)
+    try:
+        images = dict(_read_table(folder / "images.txt", 2))
+        cls_of = {k: int(v) for k, v in _read_table(folder / "image_class_labels.txt", 2)}
+        names = {int(k): v for k, v in _read_table(folder / "classes.txt", 2)}
+        ids = sorted(images, key=int)
+    except ValueError as exc:
+        raise DataError(f"cub200: a list file in {folder} holds a non-integer id ({exc}): "
+                        "extract the full CUB_200_2011.tgz archive again") from None
+    unlabelled = [i for i in ids if i not in cls_of]
+    if unlabelled:  # a truncated image_class_labels.txt: a KeyError traceback before
+        raise DataError(f"cub200: {len(unlabelled):,} image(s) of images.txt have no class in "
+                        f"{folder / 'image_class_labels.txt'}, e.g. image id {unlabelled[0]}; "
+                        "extract the full CUB_200_2011.tgz archive again")
     paths = [folder / "images" / images[i] for i in ids]
     labels = [cls_of[i] for i in ids]
     return _class_halves_dataset(
@@ -171,6 +180,9 @@ def load_sop(root: str | os.PathLike | None = None, download: bool = False, *,
         rows = [r for r in rows if r[0].isdigit()]  # skip the header
         part_classes = set()
         for _img_id, cls, _super, rel in rows:
+            if not (cls.isascii() and cls.isdecimal()):
+                raise DataError(f"{f}: class_id {cls!r} of {rel} is not an integer; extract the "
+                                "full archive again")
             c = int(cls)
             paths.append(folder / rel)
             labels.append(c)
@@ -224,8 +236,14 @@ def load_inshop(root: str | os.PathLike | None = None, download: bool = False, *
         if len(r) != 3:
             raise DataError(f"{part_file}: malformed line {' '.join(r)!r}")
         rel, item, st = r
+        num = item.removeprefix("id_")
+        if not (num.isascii() and num.isdecimal()):  # else a ValueError traceback
+            raise DataError(f"{part_file}: item id {item!r} of {rel} is not id_<number>")
+        if st not in ("train", "query", "gallery"):  # else silently a test image
+            raise DataError(f"{part_file}: evaluation_status {st!r} of {rel} is not train, query "
+                            "or gallery")
         paths.append(folder / rel)
-        labels.append(int(item.removeprefix("id_")))
+        labels.append(int(num))
         status.append(st)
     _check_files("inshop", folder, paths)
     _count_check("inshop", "images", len(paths), 52712, strict)
