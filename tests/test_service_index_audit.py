@@ -177,3 +177,17 @@ def test_an_image_beyond_pils_own_limit_is_a_413_too_large(small_cnn_service):
             r = small_cnn_service.post("/api/query/image", files={"file": ("big.png", _png_header(side, side))})
             assert r.status_code == 413, (side, r.text)
             assert "not an image" not in r.json()["detail"]
+
+
+def test_a_thumbnail_of_an_indexed_image_too_large_to_decode_is_a_404(tmp_path):
+    """PIL's DecompressionBombError is no OSError: an indexed image beyond its limit answered 500."""
+    from fastapi.testclient import TestClient
+
+    from dmlkit.apps.service import ServiceConfig, create_app
+
+    (tmp_path / "big.png").write_bytes(_png_header(20_000, 20_000))
+    idx = EmbeddingIndex(np.eye(2, dtype=np.float32), ids=["big.png", "other.png"])
+    client = TestClient(create_app(ServiceConfig(index="unused", data_root=tmp_path), index=idx),
+                        raise_server_exceptions=False)
+    r = client.get("/api/items/big.png/thumbnail")
+    assert r.status_code == 404 and "too large to decode" in r.json()["detail"], r.text

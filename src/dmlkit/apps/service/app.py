@@ -389,12 +389,15 @@ def create_app(config: ServiceConfig, *, index: Any = None, embedder: Any = None
 
         from dmlkit.data import upright_8bit  # lazy: imaging loads when a thumbnail is made
 
-        with Image.open(path) as img:
-            img = upright_8bit(img, path).convert("RGB")
-            img.thumbnail((config.thumbnail_size, config.thumbnail_size))
-            buf = io.BytesIO()
-            img.save(buf, format="PNG")
-            return buf.getvalue()
+        try:
+            with Image.open(path) as img:
+                img = upright_8bit(img, path).convert("RGB")
+                img.thumbnail((config.thumbnail_size, config.thumbnail_size))
+                buf = io.BytesIO()
+                img.save(buf, format="PNG")
+                return buf.getvalue()
+        except Image.DecompressionBombError as exc:  # not an OSError: it answered 500
+            raise DataError(f"too large to decode ({exc})") from exc
 
     def known(item_id: str) -> int:
         try:
