@@ -174,3 +174,14 @@ def test_sop_non_integer_class_is_one_error(tmp_path):
     (folder / "Ebay_test.txt").write_text(header)
     with pytest.raises(DataError, match="class_id 'x1'"):  # was: ValueError traceback
         load_dataset("sop", root=tmp_path)
+
+
+# -- split files ---------------------------------------------------------------------------------------
+@pytest.mark.parametrize("train", ["123", [1.5, 2], [True, 2]])
+def test_split_file_lists_must_be_integer_ids(train):
+    from dmlkit.data import ClassSplit
+
+    # was: "123" -> classes (1, 2, 3), 1.5 -> class 1, true -> class 1
+    with pytest.raises(DataError, match="integer class ids"):
+        ClassSplit.from_dict({"train": train, "test": [4]})
+    assert ClassSplit.from_dict({"train": [1, 2.0, "3"], "test": [4]}).train == (1, 2, 3)

@@ -49,6 +49,20 @@ def _ids(values: Iterable[Any]) -> tuple[int, ...]:
     return tuple(int(v) for v in values)
 
 
+def _check_json_ids(part: str, values: Any) -> None:
+    """Refuse a split file's list that is not integer class ids: a string ``"123"`` read as the
+    classes 1, 2, 3, ``1.5`` as class 1 and ``true`` as class 1."""
+    if not isinstance(values, list | tuple):
+        raise DataError(f"class split lists must hold integer class ids: {part} is "
+                        f"{type(values).__name__} {values!r:.60}, not a list")
+    for v in values:
+        ok = (isinstance(v, int) and not isinstance(v, bool)) \
+            or (isinstance(v, float) and v.is_integer()) \
+            or (isinstance(v, str) and v.strip().removeprefix("-").isascii() and v.strip().removeprefix("-").isdecimal())
+        if not ok:
+            raise DataError(f"class split lists must hold integer class ids: {part} holds {v!r}")
+
+
 @dataclass(frozen=True)
 class ClassSplit:
     """Disjoint class-id lists for training, validation and test.
@@ -98,6 +112,8 @@ class ClassSplit:
     def from_dict(cls, data: dict[str, Any]) -> ClassSplit:
         if not isinstance(data, dict) or "train" not in data or "test" not in data:
             raise DataError("a class split needs 'train' and 'test' lists of class ids")
+        for part in ("train", "val", "test"):
+            _check_json_ids(part, data.get(part) or [])
         try:
             return cls(
                 train=data["train"], val=data.get("val") or (), test=data["test"],
