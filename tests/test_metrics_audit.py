@@ -43,7 +43,7 @@ def test_per_class_runs_with_full_float32_products(monkeypatch):
     assert after == "high"  # the caller's setting is restored
 
 
-@pytest.mark.parametrize("ks", [(2.5,), (1, 1.9), (True,), ("2",)])
+@pytest.mark.parametrize("ks", [(2.5,), (1, 1.9), (True,), ("2",), (0,), (math.inf,)])
 def test_k_values_that_are_not_whole_numbers_are_refused(ks):
     """k_values=(2.5,) was truncated to recall_at_2 without a word."""
     x, y = _small()
@@ -53,8 +53,9 @@ def test_k_values_that_are_not_whole_numbers_are_refused(ks):
 
 def test_numpy_integer_k_values_are_accepted():
     x, y = _small()
-    res = evaluate(x, y, metrics=["precision_at_k"], k_values=np.array([1, 2]))
-    assert list(res)[:2] == ["precision_at_1", "precision_at_2"]
+    for ks in (np.array([1, 2]), (1.0, np.float32(2))):  # whole numbers, whatever their type
+        res = evaluate(x, y, metrics=["precision_at_k"], k_values=ks)
+        assert list(res)[:2] == ["precision_at_1", "precision_at_2"]
 
 
 def test_per_query_and_per_class_without_any_positive_match_evaluate():

@@ -53,8 +53,9 @@ def expand_metric_names(metrics: Sequence[str] | None, k_values: Sequence[int] =
         metrics = [m.strip() for m in metrics.split(",") if m.strip()]
     ks_given = [k_values] if isinstance(k_values, str | int | float) else list(k_values)
     # a K that is not a whole number is refused, never truncated (k_values=(2.5,) read recall_at_2)
-    if not all(isinstance(k, int | np.integer) and not isinstance(k, bool | np.bool_) and k >= 1
-               for k in ks_given):
+    whole = [(isinstance(k, int | np.integer) and not isinstance(k, bool | np.bool_))
+             or (isinstance(k, float | np.floating) and float(k).is_integer()) for k in ks_given]
+    if not all(whole) or any(k < 1 for k in ks_given):
         raise ConfigError(f"k_values must be positive integers, got {ks_given}")
     ks = [int(k) for k in ks_given]
     names: list[str] = []
