@@ -137,3 +137,14 @@ def test_clustering_runs_dmlkit_kmeans_even_with_faiss_installed(monkeypatch):
         monkeypatch.setattr(faiss, "Kmeans", refuse)
     x, y = _small()
     assert 0.0 <= cluster_metrics(x, y, ["nmi"], restarts=1)["nmi"] <= 1.0
+
+
+def test_roc_first_threshold_accepts_nothing_in_the_callers_units():
+    """RocCurve's docstring said thresholds[0] = +inf; for distances it is -inf (distance <= -inf)."""
+    from dmlkit.metrics import roc_curve
+
+    d = np.array([0.1, 0.5, 0.9])
+    c = roc_curve(d, [1, 0, 0], higher_is_positive=False)
+    assert c.thresholds[0] == -np.inf and not (d <= c.thresholds[0]).any()
+    assert c.tp[0] == c.fp[0] == 0 and c.tp[1] == 1 and c.thresholds[1] == 0.1
+    assert roc_curve(-d, [1, 0, 0]).thresholds[0] == np.inf

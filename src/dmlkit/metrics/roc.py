@@ -65,8 +65,8 @@ class RocCurve:
     """The exact ROC: one point per distinct score, plus the origin.
 
     ``thresholds[k]`` accepts the pairs with ``score >= thresholds[k]``; ``tpr[k]`` and
-    ``fpr[k]`` are measured at it. ``thresholds[0] = +inf`` (accept nothing). Thresholds are
-    in the caller's units (distances when ``higher_is_positive=False``, where a pair is
+    ``fpr[k]`` are measured at it. ``thresholds[0]`` accepts nothing (``+inf``; ``-inf`` for
+    distances). Thresholds are in the caller's units (distances when ``higher_is_positive=False``, where a pair is
     accepted when ``distance <= threshold``).
     """
 
