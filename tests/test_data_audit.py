@@ -185,3 +185,11 @@ def test_split_file_lists_must_be_integer_ids(train):
     with pytest.raises(DataError, match="integer class ids"):
         ClassSplit.from_dict({"train": train, "test": [4]})
     assert ClassSplit.from_dict({"train": [1, 2.0, "3"], "test": [4]}).train == (1, 2, 3)
+
+
+def test_shards_take_row_and_column_keys(tmp_path):
+    x = np.arange(12, dtype=np.float32).reshape(6, 2)
+    s = write_shards(tmp_path / "s", x, np.arange(6) % 2, shard_rows=4)
+    # was: TypeError (a tuple key went to np.asarray(...).astype(np.int64))
+    assert np.array_equal(s[:, 1], x[:, 1]) and s[3, 0] == x[3, 0]
+    assert np.array_equal(s[[5, 0], :1], x[[5, 0], :1]) and np.array_equal(s[...], x)

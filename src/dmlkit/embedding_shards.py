@@ -369,6 +369,12 @@ class ShardedEmbeddings:
                 f"dtype={self.storage_dtype.name}, shards={len(self.manifest['shards'])})")
 
     def __getitem__(self, key: Any) -> np.ndarray:
+        if key is Ellipsis:
+            return self.to_numpy()
+        if isinstance(key, tuple):  # rows, then columns: shards[:, :8], shards[3, 0]
+            rows = self[key[0]] if key else self.to_numpy()
+            rest = key[1:]
+            return rows[rest] if rows.ndim == 1 or not rest else rows[(slice(None), *rest)]
         if isinstance(key, slice):
             a0, a1, step = key.indices(self.count)
             if step != 1:
