@@ -191,3 +191,22 @@ def test_a_thumbnail_of_an_indexed_image_too_large_to_decode_is_a_404(tmp_path):
                         raise_server_exceptions=False)
     r = client.get("/api/items/big.png/thumbnail")
     assert r.status_code == 404 and "too large to decode" in r.json()["detail"], r.text
+
+
+def test_a_benchmark_report_does_not_crown_a_method_without_a_value(tmp_path):
+    """The method whose figures the report draws was ``max`` over concatenated MAP@R; a first
+    method without one (NaN: a diverged or unfinished method) compared as never smaller, so it
+    was taken as the best: here the untrained model's note went missing."""
+    import json
+
+    from dmlkit.report import ReportOptions, build_report
+
+    def cell(mean):
+        return {"mean": mean, "ci95": None, "values": [mean]}
+
+    methods = {"diverged": {"concatenated": {"precision_at_1": cell(0.1)}},  # no map_at_r
+               "pretrained": {"concatenated": {"map_at_r": cell(0.6)}},
+               "contrastive": {"concatenated": {"map_at_r": cell(0.5)}}}
+    (tmp_path / "results.json").write_text(json.dumps({"methods": methods, "metrics": ["map_at_r"]}))
+    html = build_report(tmp_path, options=ReportOptions(maps=())).read_text()
+    assert "No method beat the untrained model" in html

@@ -438,7 +438,11 @@ def _bench_sections(bench_dir: Path, fig_dir: Path, options: ReportOptions) -> t
                 cell = res.get(mode, {}).get(k)
                 row.append("n/a" if cell is None else format_cell(cell))
         rows.append(row)
-    best = max(range(len(rows)), key=lambda i: mean_of(methods[rows[i][0]].get("concatenated", {}).get("map_at_r")))
+    def concat_map(i: int) -> float:  # NaN (no value) ranks last: max() kept a NaN first row as the best
+        value = mean_of(methods[rows[i][0]].get("concatenated", {}).get("map_at_r"))
+        return value if np.isfinite(value) else -np.inf
+
+    best = max(range(len(rows)), key=concat_map)
     untrained_best = rows[best][0] == "pretrained" and len(rows) > 1
     sections.append(Section("Results", [
         "Test-set accuracy (%) in the layout of Musgrave et al. (2020): concatenated = the fold models' "
