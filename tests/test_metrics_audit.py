@@ -148,3 +148,25 @@ def test_roc_first_threshold_accepts_nothing_in_the_callers_units():
     assert c.thresholds[0] == -np.inf and not (d <= c.thresholds[0]).any()
     assert c.tp[0] == c.fp[0] == 0 and c.tp[1] == 1 and c.thresholds[1] == 0.1
     assert roc_curve(-d, [1, 0, 0]).thresholds[0] == np.inf
+
+
+@pytest.mark.parametrize("seed", [-1, 1.5])
+def test_negative_kmeans_seed_is_one_config_error(seed):
+    """`dmlkit evaluate -m nmi --seed -1` ended in numpy's ValueError traceback (exit 1)."""
+    from dmlkit.metrics import cluster_metrics
+
+    x, y = _small()
+    with pytest.raises(ConfigError, match="seed must be a non-negative integer"):
+        cluster_metrics(x, y, ["nmi"], restarts=1, seed=seed)
+
+
+def test_cli_negative_seed_exits_2_with_one_line(tmp_path, capsys):
+    from dmlkit.cli import main
+
+    x, y = _small()
+    np.savez(tmp_path / "e.npz", embeddings=x, labels=y)
+    with pytest.raises(SystemExit) as exc:
+        main(["evaluate", str(tmp_path / "e.npz"), "-m", "nmi", "--seed", "-1"])
+    err = capsys.readouterr().err.strip()
+    assert exc.value.code == 2
+    assert "\n" not in err and "seed" in err and "Traceback" not in err

@@ -51,6 +51,9 @@ def kmeans_labels(
         raise DataError(f"k-means needs 1 <= clusters <= samples, got {n_clusters} for {x.shape[0]} samples")
     if backend not in _KMEANS_BACKENDS:
         raise ConfigError(f"unknown k-means backend {backend!r}; choose one of {list(_KMEANS_BACKENDS)}")
+    if not isinstance(seed, int | np.integer) or isinstance(seed, bool) or seed < 0:
+        # numpy's generator raised a bare ValueError (a traceback from `dmlkit evaluate --seed -1`)
+        raise ConfigError(f"the k-means seed must be a non-negative integer, got {seed!r}")
     if backend in ("auto", "dmlkit"):
         return _kmeans_lloyd(x, n_clusters, seed, niter)
     if backend == "faiss":
