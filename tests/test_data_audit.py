@@ -193,3 +193,13 @@ def test_shards_take_row_and_column_keys(tmp_path):
     # was: TypeError (a tuple key went to np.asarray(...).astype(np.int64))
     assert np.array_equal(s[:, 1], x[:, 1]) and s[3, 0] == x[3, 0]
     assert np.array_equal(s[[5, 0], :1], x[[5, 0], :1]) and np.array_equal(s[...], x)
+
+
+def test_inverted_uint16_array_images_stay_in_range():
+    data = np.array([[[0, 65535, 257]]], dtype=np.uint16)
+    ds = ArrayDataset(data, [0], invert=True)
+    x = ds[0][0]  # was [1, -65534, -256]
+    assert np.allclose(x.numpy(), [[[1.0, 0.0, 65278 / 65535]]])
+    assert np.asarray(ds.thumbnail(0, None)).tolist() == [[255, 0, 254]]
+    eight = ArrayDataset(np.array([[[0, 255, 1]]], np.uint8), [0], invert=True)[0][0]
+    assert np.allclose(eight.numpy(), [[[1.0, 0.0, 254 / 255]]])

@@ -229,8 +229,8 @@ class ArrayDataset(MetricDataset):
     ``kind="image"``: ``data`` is ``(N, H, W)`` (grayscale) or ``(N, H, W, C)`` uint8 (or uint16,
     scaled by ``1 / 65535``, bool, or float in ``[0, 1]``); a transform receives a PIL image, and without a transform ``ds[i]`` is
     a float tensor ``(C, H, W)`` in ``[0, 1]``. Bool images stay bool in memory (True = 255)
-    and are converted per sample; ``invert=True`` flips the pixel values (``255 - x``), e.g.
-    for Omniglot whose files store True for the background.
+    and are converted per sample; ``invert=True`` flips the pixel values (``255 - x``,
+    ``65535 - x`` for uint16, ``1 - x`` for float), e.g. for Omniglot whose files store True for the background.
     ``kind="features"``: ``data`` is ``(N, D)``; ``ds[i]`` is a float32 tensor ``(D,)`` (the
     transform, if any, receives that tensor). Used for cached trunk features.
     """
@@ -274,8 +274,9 @@ class ArrayDataset(MetricDataset):
             return x
         if x.dtype == bool:
             return ((x ^ self.invert).astype(np.uint8) * np.uint8(255))
-        if self.invert:
-            return (255 - x) if x.dtype == np.uint8 else 1.0 - x
+        if self.invert:  # within the dtype's range: 1 - x of a uint16 image was -65534..1
+            top = {np.dtype(np.uint8): 255, np.dtype(np.uint16): 65535}.get(x.dtype)
+            return (top - x).astype(x.dtype) if top is not None else 1.0 - x
         return x
 
     def __getitem__(self, index: int) -> tuple[Any, int]:
