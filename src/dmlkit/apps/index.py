@@ -476,9 +476,11 @@ class EmbeddingIndex:
         if exclude_ids is not None:
             # one fewer column only when every query drops an item (a query whose id is not
             # indexed keeps min(k, size) neighbours; the others pad with -1)
-            table = self._positions()
-            every = all(e in table for e in exclude.tolist())
-            k_out = max(1, min(k, len(self) - 1)) if every else min(k, len(self))
+            k_out = k
+            if k >= len(self):
+                table = self._positions()
+                every = all(e in table for e in exclude.tolist())
+                k_out = max(1, len(self) - 1) if every else len(self)
             drop = np.zeros(pos.shape, dtype=bool)
             valid = pos >= 0
             drop[valid] = self.ids[pos[valid]] == np.broadcast_to(exclude[:, None], pos.shape)[valid]
