@@ -203,3 +203,17 @@ def test_inverted_uint16_array_images_stay_in_range():
     assert np.asarray(ds.thumbnail(0, None)).tolist() == [[255, 0, 254]]
     eight = ArrayDataset(np.array([[[0, 255, 1]]], np.uint8), [0], invert=True)[0][0]
     assert np.allclose(eight.numpy(), [[[1.0, 0.0, 254 / 255]]])
+
+
+# -- samplers ------------------------------------------------------------------------------------------
+def test_sampler_negative_seed_or_epoch_is_a_config_error():
+    from dmlkit.samplers import EpisodeSampler, MPerClassSampler
+
+    labels = np.repeat(np.arange(4), 4)
+    with pytest.raises(ConfigError, match="seed"):  # was: numpy's ValueError at the first batch
+        MPerClassSampler(labels, 2, 2, seed=-1)
+    with pytest.raises(ConfigError, match="seed"):
+        EpisodeSampler(labels, 2, 1, 1, episodes=2, seed=-3)
+    sampler = MPerClassSampler(labels, 2, 2, seed=0)
+    with pytest.raises(ConfigError, match="epoch"):
+        sampler.set_epoch(-1)

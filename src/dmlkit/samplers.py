@@ -51,11 +51,17 @@ def _positive_int(name: str, value: int) -> int:
     return int(value)
 
 
+def _non_negative_int(name: str, value: int) -> int:
+    if isinstance(value, bool) or int(value) != value or value < 0:
+        raise ConfigError(f"{name} must be a non-negative integer, got {value!r}")
+    return int(value)
+
+
 class _EpochSampler(Sampler[list[int]]):
     """Shared seed/epoch handling and the rank's share of each global batch."""
 
     def __init__(self, seed: int, num_replicas: int = 1, rank: int = 0) -> None:
-        self.seed = int(seed)
+        self.seed = _non_negative_int("seed", seed)  # numpy's seeds: a ValueError at iteration
         self.epoch = 0
         self.num_replicas = _positive_int("num_replicas", num_replicas)
         if int(rank) != rank or not 0 <= rank < self.num_replicas:
@@ -88,7 +94,7 @@ class _EpochSampler(Sampler[list[int]]):
 
     def set_epoch(self, epoch: int) -> None:
         """Fix the epoch of the next iteration (the batches are a function of seed and epoch)."""
-        self.epoch = int(epoch)
+        self.epoch = _non_negative_int("epoch", epoch)
 
     def state_dict(self) -> dict[str, int]:
         return {"seed": self.seed, "epoch": self.epoch}
