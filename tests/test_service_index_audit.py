@@ -210,3 +210,25 @@ def test_a_benchmark_report_does_not_crown_a_method_without_a_value(tmp_path):
     (tmp_path / "results.json").write_text(json.dumps({"methods": methods, "metrics": ["map_at_r"]}))
     html = build_report(tmp_path, options=ReportOptions(maps=())).read_text()
     assert "No method beat the untrained model" in html
+
+
+def test_exact_rescoring_memory_is_bounded_for_a_large_k():
+    """The float64 re-scoring gathered 1024 queries x (2k + 16) candidates x D at once: 260 MB
+    here (Q = 256, k = 500, D = 64), 8 GB for ``dmlkit query -k 500`` on 512-d vectors."""
+    import tracemalloc
+
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(3000, 64)).astype(np.float32)
+    x /= np.linalg.norm(x, axis=1, keepdims=True)
+    q = rng.normal(size=(256, 64)).astype(np.float32)
+    idx = EmbeddingIndex(x)
+    small = idx.search(q, 500)
+    tracemalloc.start()
+    try:
+        res = idx.search(q, 500)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 160 * 2**20, peak / 2**20
+    np.testing.assert_array_equal(res.indices, small.indices)
+    np.testing.assert_array_equal(res.indices[:, :10], idx.search(q, 10).indices)

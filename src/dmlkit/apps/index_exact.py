@@ -33,7 +33,8 @@ __all__ = ["InverseNorms", "RowNorms", "candidate_scores", "exact_search", "row_
 SMALL_EXACT = 2**22  # numpy path: Q x M <= this many scores in one matmul, else the blockwise kNN
 CANDIDATE_MARGIN = 16  # candidates = 2k + this; the float64 scores order them
 UNIT_TOLERANCE = 1e-5  # max | |x|^2 - 1 | of rows that count as unit-norm for the scan
-RESCORE_BLOCK = 1024  # queries per float64 re-scoring block (bounds its Q x C x D memory)
+RESCORE_BLOCK = 1024  # queries per float64 re-scoring block at most (bounds its Q x C x D memory)
+RESCORE_BYTES = 2**25  # float64 bytes of one block's gathered (B, C, D) candidates at most (32 MiB)
 
 
 def to_numpy_embeddings(x: Any, name: str) -> np.ndarray:
@@ -183,10 +184,13 @@ def _rescore(x: np.ndarray, q: np.ndarray, cand: np.ndarray, k: int, distance: s
     """Order candidate rows ``cand (Q, C)`` by float64 scores, ties by row; keep ``k``."""
     pos_out = np.empty((q.shape[0], k), dtype=np.int64)
     val_out = np.empty((q.shape[0], k), dtype=np.float32)
-    for a in range(0, q.shape[0], RESCORE_BLOCK):
-        c = cand[a:a + RESCORE_BLOCK]
+    # queries per block: a large k on wide vectors made 1024 x (2k + 16) x D float64 (8 GB at
+    # k = 500, D = 512) and as much again in temporaries
+    block = max(1, min(RESCORE_BLOCK, RESCORE_BYTES // (8 * max(1, cand.shape[1] * x.shape[1]))))
+    for a in range(0, q.shape[0], block):
+        c = cand[a:a + block]
         xv = x[c].astype(np.float64)  # (B, C, D)
-        q64 = q[a:a + RESCORE_BLOCK].astype(np.float64)[:, None, :]
+        q64 = q[a:a + block].astype(np.float64)[:, None, :]
         if unit:
             xv /= np.sqrt(np.maximum(norms.sq[c], 1e-300))[..., None]
             q64 /= np.sqrt(np.maximum((q64**2).sum(-1, keepdims=True), 1e-300))
@@ -195,9 +199,9 @@ def _rescore(x: np.ndarray, q: np.ndarray, cand: np.ndarray, k: int, distance: s
         else:
             score = (xv * q64).sum(-1)
         order = np.lexsort((c, -score), axis=1)[:, :k]
-        pos_out[a:a + RESCORE_BLOCK] = np.take_along_axis(c, order, axis=1)
+        pos_out[a:a + block] = np.take_along_axis(c, order, axis=1)
         val = np.take_along_axis(score, order, axis=1)
-        val_out[a:a + RESCORE_BLOCK] = -val if distance == "euclidean" else val
+        val_out[a:a + block] = -val if distance == "euclidean" else val
     return pos_out, val_out
 
 
