@@ -170,3 +170,20 @@ def test_cli_negative_seed_exits_2_with_one_line(tmp_path, capsys):
     err = capsys.readouterr().err.strip()
     assert exc.value.code == 2
     assert "\n" not in err and "seed" in err and "Traceback" not in err
+
+
+def test_streaming_non_finite_error_names_the_row_of_the_whole_set():
+    """A NaN in row 37 streamed in blocks of 10 was reported as 'first row 7' of '10' rows."""
+    from dmlkit.exceptions import NonFiniteError
+    from dmlkit.metrics import evaluate_streaming
+
+    x = np.arange(200, dtype=np.float32).reshape(50, 4) % 7 + 1
+    y = np.arange(50) % 5
+    x[37, 2] = np.nan
+    for call in (lambda: evaluate_streaming(x, y, block_rows=10),
+                 lambda: evaluate_streaming(x[:20], y[:20], x, y, block_rows=10)):
+        with pytest.raises(NonFiniteError) as exc:
+            call()
+        assert "first row 37" in str(exc.value) and "rows 30-39" in str(exc.value)
+    with pytest.raises(NonFiniteError, match="first row 37"):  # one block: the whole set's own check
+        evaluate_streaming(x, y)
