@@ -232,3 +232,13 @@ def test_exact_rescoring_memory_is_bounded_for_a_large_k():
     assert peak < 160 * 2**20, peak / 2**20
     np.testing.assert_array_equal(res.indices, small.indices)
     np.testing.assert_array_equal(res.indices[:, :10], idx.search(q, 10).indices)
+
+
+@pytest.mark.parametrize("kind", ["flat", "ivf_flat", "hnsw"])
+def test_remove_counts_an_id_given_twice_once(kind):
+    """``remove(["a", "a"])`` (``dmlkit index --remove a --remove a``) reported 2 items removed."""
+    x = np.random.default_rng(0).normal(size=(60, 4)).astype(np.float32)
+    idx = EmbeddingIndex(x, ids=[f"i{j}" for j in range(60)], kind=kind, recall_queries=6)
+    assert idx.remove(["i1", "i1", "i2"]) == 2
+    assert len(idx) == 58 and "i1" not in set(idx.ids) and "i3" in set(idx.ids)
+    assert idx.search(x[3:4], 1).ids[0, 0] == "i3"

@@ -317,7 +317,7 @@ class EmbeddingIndex:
         cannot delete, so it is rebuilt from the remaining vectors.
         """
         wanted = np.asarray(ids).astype(str).reshape(-1)
-        pos = self.positions(wanted)
+        pos = np.unique(self.positions(wanted))  # an id given twice is one item removed
         keep = np.ones(len(self), dtype=bool)
         keep[pos] = False
         removed_keys = self._keys[pos]
