@@ -217,3 +217,10 @@ def test_sampler_negative_seed_or_epoch_is_a_config_error():
     sampler = MPerClassSampler(labels, 2, 2, seed=0)
     with pytest.raises(ConfigError, match="epoch"):
         sampler.set_epoch(-1)
+
+
+def test_subset_refuses_fractional_indices():
+    ds = ArrayDataset(np.arange(10, dtype=np.float32).reshape(5, 2), [0, 1, 2, 3, 4], kind="features")
+    with pytest.raises(IndexError, match="integers"):  # was: row 1, silently
+        ds.subset(np.array([1.7]))
+    assert ds.subset([]).labels.tolist() == [] and ds.subset([4, -5]).labels.tolist() == [4, 0]

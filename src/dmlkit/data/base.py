@@ -145,6 +145,8 @@ class MetricDataset(Dataset):
             if idx.shape != (len(self),):
                 raise ShapeError(f"boolean mask must have shape ({len(self)},), got {idx.shape}")
             idx = np.flatnonzero(idx)
+        if idx.size and idx.dtype.kind not in "iu":  # as numpy: 1.7 was silently row 1
+            raise IndexError(f"subset indices must be integers or a boolean mask, got {idx.dtype}")
         idx = idx.astype(np.int64, copy=False)
         if idx.size and (idx.min() < -len(self) or idx.max() >= len(self)):
             raise IndexError(f"subset indices out of range for a dataset of {len(self)} samples")
