@@ -224,3 +224,11 @@ def test_subset_refuses_fractional_indices():
     with pytest.raises(IndexError, match="integers"):  # was: row 1, silently
         ds.subset(np.array([1.7]))
     assert ds.subset([]).labels.tolist() == [] and ds.subset([4, -5]).labels.tolist() == [4, 0]
+
+
+def test_shards_refuse_fractional_row_indices(tmp_path):
+    x = np.arange(12, dtype=np.float32).reshape(6, 2)
+    s = write_shards(tmp_path / "s", x, np.arange(6) % 2)
+    with pytest.raises(IndexError, match="integers"):  # was: row 1, silently
+        s[np.array([1.7])]
+    assert s[[]].shape == (0, 2)

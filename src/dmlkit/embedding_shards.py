@@ -423,6 +423,8 @@ class ShardedEmbeddings:
             if rows.shape != (self.count,):  # as numpy: never a mask of other rows
                 raise RowIndexError(f"boolean mask of shape {rows.shape} for {self.count} rows")
             rows = np.flatnonzero(rows)
+        if rows.size and rows.dtype.kind not in "iu":  # as numpy: 1.7 was silently row 1
+            raise RowIndexError(f"row indices must be integers or a boolean mask, got {rows.dtype}")
         rows = rows.astype(np.int64, copy=False).reshape(-1)
         if rows.size and (rows.min() < -self.count or rows.max() >= self.count):
             raise RowIndexError(f"row index out of range for {self.count} rows")
