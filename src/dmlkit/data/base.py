@@ -481,7 +481,7 @@ class ImageFileDataset(MetricDataset):
             x = x.convert("L")
         elif mode in ("P", "PA"):
             x = x.convert("RGBA" if mode == "PA" or "transparency" in x.info else "RGB")
-        elif isinstance(mode, str) and mode not in ("L", "LA", "RGB", "RGBA"):
+        elif mode in ("CMYK", "YCbCr", "LAB", "HSV", "RGBX", "RGBa"):
             x = x.convert("RGB")
         arr = np.asarray(x, dtype=np.float32) / 255.0
         t = torch.from_numpy(arr)
