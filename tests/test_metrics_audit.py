@@ -187,3 +187,31 @@ def test_streaming_non_finite_error_names_the_row_of_the_whole_set():
         assert "first row 37" in str(exc.value) and "rows 30-39" in str(exc.value)
     with pytest.raises(NonFiniteError, match="first row 37"):  # one block: the whole set's own check
         evaluate_streaming(x, y)
+
+
+def test_kmeans_float32_assignment_is_the_float64_nearest_centroid():
+    """docs/metrics.md: each k-means assignment is the exact nearest centroid. The float32 path
+    took the float32 argmax: a row whose scores tie in float32 (1 + 0 and 1 + 2^-30) went to the
+    lower column, where the bfloat16 path (float64 re-scores) chose the true nearest."""
+    clustering = importlib.import_module("dmlkit.metrics.clustering")
+    x_aug = torch.tensor([[1.0, 1.0], [1.0, 1.0]])
+    c_aug = torch.tensor([[1.0, 0.0], [1.0, 2.0**-30]])
+    for bf16 in (False, True):
+        assert clustering._nearest(x_aug, c_aug, bf16).tolist() == [1, 1]
+
+
+def test_kmeans_is_the_same_with_and_without_bfloat16_tiles(monkeypatch):
+    """Both tile kinds now give the float64 assignment, so k-means runs are identical (they
+    differed on float32 near-ties)."""
+    from dmlkit.metrics import kmeans_labels
+
+    clustering = importlib.import_module("dmlkit.metrics.clustering")
+    tiles = importlib.import_module("dmlkit.metrics._tiles")
+    rng = np.random.default_rng(6)
+    x = rng.normal(size=(700, 20)).astype(np.float32)
+    monkeypatch.setattr(clustering, "_BF16_MIN_PAIRS", 0)
+    monkeypatch.setattr(tiles, "_bf16_is_faster", lambda d: True)
+    a = kmeans_labels(x, 40, seed=1)
+    monkeypatch.setattr(tiles, "_bf16_is_faster", lambda d: False)
+    b = kmeans_labels(x, 40, seed=1)
+    np.testing.assert_array_equal(a, b)

@@ -478,6 +478,15 @@ def argmax_rows(
                     break
             continue
         low = top - 2 * slack
+        near = 0
+        for c in range(nc):  # vectorised count of the entries that could be the maximum
+            near += _tile_float(row[c]) >= low
+        if near == 1:  # only the maximum itself: no float64 score needed
+            for c in range(nc):
+                if _tile_float(row[c]) == top:
+                    out[row0 + r] = c
+                    break
+            continue
         best = -np.inf
         pick = -1
         for c in range(nc):

@@ -21,6 +21,7 @@ from typing import Any
 
 import numpy as np
 
+from dmlkit.distances import rounding_bound
 from dmlkit.exceptions import ConfigError, DataError
 from dmlkit.metrics._threads import full_float32_matmuls, run_threads, single_threaded_torch
 from dmlkit.validation import check_embeddings, check_labels, check_product_range
@@ -107,11 +108,12 @@ def _kmeans_lloyd(x: np.ndarray, k: int, seed: int, niter: int) -> np.ndarray:
     centroids = xt[torch.from_numpy(sample[seeds])].double()
     check_product_range(x_aug, "embeddings", "k-means")
     bf16 = n * k >= _BF16_MIN_PAIRS and _bf16_is_faster(d + 1)
+    x_norm = float(x_aug.norm(dim=1).max())  # for the products' error bound (every round)
     assign = torch.zeros(n, dtype=torch.int64)
     for it in range(niter + 1):
         bias = -0.5 * centroids.pow(2).sum(1, keepdim=True)
         c_aug = torch.cat([centroids, bias], dim=1).float().contiguous()
-        assign = _nearest(x_aug, c_aug, bf16)
+        assign = _nearest(x_aug, c_aug, bf16, x_norm)
         if it == niter:
             break
         sums, counts_np = np.zeros((k, d)), np.zeros(k, dtype=np.int64)
@@ -136,13 +138,13 @@ _BF16_MIN_PAIRS = 2**24
 _ASSIGN_ROWS = 512
 
 
-def _nearest(x_aug, c_aug, bf16: bool):
+def _nearest(x_aug, c_aug, bf16: bool, x_norm: float | None = None):
     """The exact closest centroid of every row (largest ``<x_aug, c_aug>``, ties by index).
 
     Blocks of rows against all centroids on the metric threads: float32 products, or bfloat16
     products (:func:`dmlkit.metrics._tiles._bf16_is_faster` found them fast and within their error
-    bound here) whose near-maximal entries are re-scored in float64
-    (:func:`dmlkit.metrics._kernels.argmax_rows`).
+    bound here); either way the entries within twice the products' error bound of a row's maximum
+    are re-scored in float64 (:func:`dmlkit.metrics._kernels.argmax_rows`).
     """
     import torch
 
@@ -155,13 +157,19 @@ def _nearest(x_aug, c_aug, bf16: bool):
     n = x_aug.shape[0]
     out = np.empty(n, dtype=np.int64)
     xn, cn = x_aug.numpy(), c_aug.numpy()
+    if x_norm is None:
+        x_norm = float(x_aug.norm(dim=1).max())
     if bf16:
         xb, cb = x_aug.to(torch.bfloat16), c_aug.to(torch.bfloat16)
-        bound = float(x_aug.norm(dim=1).max()) * float(c_aug.norm(dim=1).max()) * _bf16_relative_bound(
+        bound = x_norm * float(c_aug.norm(dim=1).max()) * _bf16_relative_bound(
             x_aug.shape[1]) + x_aug.shape[1] * 1e-30
         slack = np.nextafter(np.float32(bound), np.float32(np.inf))
     else:
-        slack = np.float32(0.0)
+        # a float32 product is within this bound of its float64 value in any summation order: its
+        # near-maximal entries are re-scored in float64 as well, so every CPU and BLAS assigns as
+        # the bfloat16 path does (a float32 argmax put a row tied in float32 in the lower column)
+        bound = rounding_bound("ip", x_aug.shape[1], x_norm, float(c_aug.norm(dim=1).max()))
+        slack = np.nextafter(np.float32(bound), np.float32(np.inf))
 
     def block(a0: int) -> None:
         a1 = min(n, a0 + _ASSIGN_ROWS)
