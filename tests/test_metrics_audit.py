@@ -215,3 +215,16 @@ def test_kmeans_is_the_same_with_and_without_bfloat16_tiles(monkeypatch):
     monkeypatch.setattr(tiles, "_bf16_is_faster", lambda d: False)
     b = kmeans_labels(x, 40, seed=1)
     np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("p", [[1.0, -1.0, 2.0], [1.0, math.nan, 1.0], [1.0, math.inf, 1.0]])
+def test_js_divergence_refuses_non_finite_or_negative_counts(p):
+    """js_divergence([1, nan, 1], ...) returned 0.0 ("identical") without a word."""
+    from dmlkit.exceptions import DataError
+    from dmlkit.metrics import js_divergence
+
+    with pytest.raises(DataError, match="finite, non-negative"):
+        js_divergence(p, [1.0, 1.0, 1.0])
+    with pytest.raises(DataError, match="finite, non-negative"):
+        js_divergence([1.0, 1.0, 1.0], p)
+    assert js_divergence([1, 0, 0], [0, 0, 3]) == 1.0

@@ -72,6 +72,9 @@ def js_divergence(p: Any, q: Any) -> float:
     """Base-2 Jensen-Shannon divergence of two histograms (normalised here to sum 1)."""
     p = np.asarray(p, dtype=np.float64)
     q = np.asarray(q, dtype=np.float64)
+    if not (np.isfinite(p).all() and np.isfinite(q).all()) or (p < 0).any() or (q < 0).any():
+        # NaN, infinite or negative counts read 0.0 (the clamp below swallowed the NaN)
+        raise DataError("JS divergence needs histograms of finite, non-negative counts or densities")
     if p.shape != q.shape or p.sum() <= 0 or q.sum() <= 0:
         raise DataError("JS divergence needs two non-empty histograms over the same bins")
     p, q = p / p.sum(), q / q.sum()
