@@ -228,3 +228,14 @@ def test_js_divergence_refuses_non_finite_or_negative_counts(p):
     with pytest.raises(DataError, match="finite, non-negative"):
         js_divergence([1.0, 1.0, 1.0], p)
     assert js_divergence([1, 0, 0], [0, 0, 3]) == 1.0
+
+
+def test_observed_range_of_equal_huge_values_is_one_bin():
+    """Every pair at 2e20 (raw dot products): the observed range lo + 1 == lo, ZeroDivisionError."""
+    from dmlkit.distances import DotProductSimilarity
+    from dmlkit.metrics import pos_neg_histograms
+
+    x = np.full((4, 2), 1e10, np.float32)
+    h = pos_neg_histograms(x, [0, 0, 1, 1], distance=DotProductSimilarity(normalize_embeddings=False), bins=10)
+    assert h.js == 0.0 and h.pos_counts[0] == 2 and h.neg_counts[0] == 4
+    assert np.isfinite(h.edges).all() and h.edges[-1] > h.edges[0]

@@ -229,8 +229,9 @@ def pos_neg_histograms(
                 hi = max(hi, float(vals[valid].max()))
         if not math.isfinite(lo):
             raise DataError("need at least two samples to form a pair")
-        if hi <= lo:  # every pair alike: one bin holds them
-            hi = lo + 1.0
+        if hi <= lo:  # every pair alike: one bin holds them (a width that survives lo's size:
+            # lo + 1 == lo from 2^53 on, and the bins divided by zero)
+            hi = lo + max(1.0, abs(lo))
     elif isinstance(range, str):
         raise ConfigError(f"range must be (low, high) or 'observed', got {range!r}")
     else:
