@@ -242,3 +242,29 @@ def test_remove_counts_an_id_given_twice_once(kind):
     assert idx.remove(["i1", "i1", "i2"]) == 2
     assert len(idx) == 58 and "i1" not in set(idx.ids) and "i3" in set(idx.ids)
     assert idx.search(x[3:4], 1).ids[0, 0] == "i3"
+
+
+@pytest.mark.parametrize("option", [("--kind", "hnsw"), ("--distance", "dot")])
+def test_index_add_refuses_another_kind_or_distance_instead_of_ignoring_it(tmp_path, option):
+    """``dmlkit index more.npz -o idx --add --kind hnsw`` (or ``--distance dot``) added to the
+    existing flat cosine index and said nothing of the option; the same values as the index's
+    own are accepted."""
+    from typer.testing import CliRunner
+
+    from dmlkit.cli import app as cli
+    from dmlkit.exceptions import ConfigError
+
+    rng = np.random.default_rng(0)
+    for name in ("a", "b"):
+        np.savez(tmp_path / f"{name}.npz", embeddings=rng.standard_normal((12, 4)).astype(np.float32),
+                 labels=np.arange(12) % 3, ids=np.array([f"{name}{i}" for i in range(12)]))
+    idx = tmp_path / "idx"
+    assert CliRunner().invoke(cli, ["index", str(tmp_path / "a.npz"), "-o", str(idx)]).exit_code == 0
+    res = CliRunner().invoke(cli, ["index", str(tmp_path / "b.npz"), "-o", str(idx), "--add", *option])
+    assert isinstance(res.exception, ConfigError), res.output
+    assert option[0] in str(res.exception)
+    assert len(EmbeddingIndex.load(idx)) == 12  # untouched
+    same = ("--kind", "flat") if option[0] == "--kind" else ("--distance", "cosine")
+    res = CliRunner().invoke(cli, ["index", str(tmp_path / "b.npz"), "-o", str(idx), "--add", *same])
+    assert res.exit_code == 0, res.output
+    assert len(EmbeddingIndex.load(idx)) == 24

@@ -40,8 +40,8 @@ def index(
     output: Path = typer.Option(..., "-o", "--output", help="Index to write: a directory, or one file ending in .npz."),
     add: bool = typer.Option(False, "--add", help="Add EMBEDDINGS to the existing index OUTPUT (same kind and training)."),
     remove: list[str] | None = typer.Option(None, "--remove", help="Remove this item id from the index OUTPUT (repeatable)."),
-    kind: str = typer.Option("flat", help=f"Index kind: {_KINDS}."),
-    distance: str = typer.Option("cosine", help="cosine, euclidean or dot."),
+    kind: str | None = typer.Option(None, help=f"Index kind: {_KINDS} (default flat; with --add/--remove, the index's own)."),
+    distance: str | None = typer.Option(None, help="cosine, euclidean or dot (default cosine; with --add/--remove, the index's own)."),
     target_recall: float | None = typer.Option(None, "--target-recall", help="Tune nprobe/rerank/efSearch to the cheapest setting with recall@k >= this (e.g. 0.95)."),
     recall_k: int = typer.Option(10, "--recall-k", help="k of the measured recall@k."),
     recall_queries: int = typer.Option(1000, "--recall-queries", help="Held-out queries of the recall measurement."),
@@ -70,6 +70,12 @@ def index(
 
     if remove or add:
         idx = EmbeddingIndex.load(output)
+        # an existing index keeps its kind and distance: a different one asked for is an error,
+        # not silently ignored
+        for option, asked, own in (("--kind", kind, idx.kind), ("--distance", distance, idx.distance)):
+            if asked is not None and asked != own:
+                raise ConfigError(f"{output} is a {own} index ({option} {own}); {option} {asked} needs a new "
+                                  "index: build one without --add/--remove")
         if remove:
             n = idx.remove(remove)
             typer.echo(f"removed {n} item(s) from {output}")
@@ -94,6 +100,7 @@ def index(
         return
     if embeddings is None:
         raise ConfigError("pass EMBEDDINGS to build an index (or --add/--remove to change OUTPUT)")
+    kind, distance = kind or "flat", distance or "cosine"
     refuse_overwriting_inputs(output, embeddings)
     shards = open_shards(embeddings) if is_shard_dir(embeddings) else None
     if shards is None:
