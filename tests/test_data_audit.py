@@ -232,3 +232,20 @@ def test_shards_refuse_fractional_row_indices(tmp_path):
     with pytest.raises(IndexError, match="integers"):  # was: row 1, silently
         s[np.array([1.7])]
     assert s[[]].shape == (0, 2)
+
+
+def test_default_split_refuses_classes_in_no_split_group():
+    """Was: a class with no group (or a group the split does not read) was silently in neither
+    train nor test: never trained on, never evaluated."""
+    from dmlkit.data import default_split
+
+    data = np.zeros((8, 4, 4), np.uint8)
+    labels = [0, 0, 1, 1, 2, 2, 3, 3]
+    groups = {"train": "train", "test": "test"}
+    ok = ArrayDataset(data, labels, class_groups={0: "train", 1: "train", 2: "test", 3: "test"},
+                      split_groups=groups)
+    assert (list(default_split(ok).train), list(default_split(ok).test)) == ([0, 1], [2, 3])
+    for class_groups in ({0: "train", 1: "train", 2: "test"}, {0: "train", 1: "dev", 2: "test", 3: "test"}):
+        ds = ArrayDataset(data, labels, class_groups=class_groups, split_groups=groups)
+        with pytest.raises(DataError, match="in no split group"):
+            default_split(ds)

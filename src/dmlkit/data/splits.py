@@ -297,6 +297,15 @@ def default_split(
         train = sorted(by_group[train_group])
         test = sorted(by_group[test_group])
         val = sorted(by_group.get(groups.get("val", ""), []))
+        left_out = sorted(set(dataset.classes.tolist()) - set(train) - set(val) - set(test))
+        if left_out:  # else silently in no split: neither trained on nor evaluated
+            named = {g for c, g in dataset.class_groups.items() if c in set(left_out)}
+            raise DataError(
+                f"dataset {dataset.name!r}: {len(left_out)} class(es) (e.g. {left_out[:5]}) are in no "
+                f"split group (theirs: {sorted(named) or 'none'}; the split reads "
+                f"{sorted({g for g in (train_group, test_group, groups.get('val')) if g})}): give every "
+                "class a group, or no groups at all for the half/half split"
+            )
         meta["method"] = f"default ({train_group} / {test_group})"
     else:
         half = split_classes(dataset.classes.tolist(), (1, 0, 1))
