@@ -164,3 +164,12 @@ def test_scales_option_keeps_the_checkpoints_tracker_settings(tmp_path):
     assert (three.num_scales, three.scale_step, three.scale_penalty) == (3, 1.0375, 0.9745)
     assert three.window_influence == 0.3
     assert _tracker("untrained", None, None, 0, "cpu", 0.1).config == TrackerConfig()
+
+
+def test_a_split_given_for_otb_is_refused_not_ignored(tmp_path):
+    """Was: ``dmlkit track evaluate --dataset otb --split val`` scored every OTB sequence, silently
+    ignoring the split asked for."""
+    from dmlkit.apps.tracking import load_tracking_dataset
+
+    with pytest.raises(ConfigError, match="OTB has no splits"):
+        load_tracking_dataset("otb", tmp_path, "val")

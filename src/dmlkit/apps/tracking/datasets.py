@@ -20,7 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
-from dmlkit.exceptions import DataError, DataNotFoundError, require
+from dmlkit.exceptions import ConfigError, DataError, DataNotFoundError, require
 
 IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".bmp", ".pgm", ".ppm", ".tif", ".tiff")
 VIDEO_SUFFIXES = (".mp4", ".avi", ".mov", ".mkv", ".webm", ".gif", ".mpg", ".mpeg", ".m4v")
@@ -199,9 +199,12 @@ def load_otb(root: str | Path) -> list[Sequence]:
 
 
 def load_tracking_dataset(kind: str, root: str | Path, split: str | None = None) -> list[Sequence]:
-    """``kind`` is ``otb`` or ``got10k`` (:func:`load_got10k`: a named ``split`` must exist)."""
+    """``kind`` is ``otb`` (no ``split``) or ``got10k`` (:func:`load_got10k`: a named ``split`` must
+    exist)."""
     kind = kind.lower().replace("-", "")
     if kind == "otb":
+        if split is not None:  # else silently the whole benchmark, not the sub-folder asked for
+            raise ConfigError(f"OTB has no splits (got split {split!r}): leave --split out")
         return load_otb(root)
     if kind == "got10k":
         return load_got10k(root, split)
