@@ -179,7 +179,9 @@ def pos_neg_histograms(
         reference, reference_labels: another set; ``None`` uses the pairs within ``query``.
         distance: pairs are valued by this distance (default cosine similarity, as in the paper).
         bins: number of equal-width bins.
-        range: ``(low, high)`` of the bins; ``"observed"``: the pairs' minimum and maximum
+        range: ``(low, high)`` of the bins (a pair outside it is counted in the first or last
+            bin, so every pair is counted, unlike ``numpy.histogram``, which drops it);
+            ``"observed"``: the pairs' minimum and maximum
             (one extra pass; a picture of embeddings whose similarities all lie in, say,
             [0.99, 1] stays readable); default ``(-1, 1)`` for cosine, so that ``pos_neg_js``
             of different models shares its bins, else observed.
