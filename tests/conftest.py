@@ -56,3 +56,21 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+@pytest.fixture
+def run_cli(capsys):
+    """``run_cli(argv) -> (exit code, stdout, stderr)`` of ``dmlkit argv`` in this process (typer's
+    ``SystemExit`` caught, 0 when the command returns)."""
+    from dmlkit.cli import main
+
+    def run(argv: list[str]) -> tuple[int, str, str]:
+        code = 0
+        try:
+            main(argv)
+        except SystemExit as exc:
+            code = int(exc.code or 0)
+        out = capsys.readouterr()
+        return code, out.out, out.err
+
+    return run

@@ -58,16 +58,6 @@ def _subset(folder: Path, num_points: int, counts: tuple[int, ...], seed: int = 
     return point_ids
 
 
-def _run(argv: list[str], capsys) -> tuple[int, str, str]:
-    try:
-        main(argv)
-        code = 0
-    except SystemExit as exc:
-        code = int(exc.code or 0)
-    out = capsys.readouterr()
-    return code, out.out, out.err
-
-
 def _one_error_line(code: int, err: str) -> str:
     assert code == 2, err
     lines = err.strip().splitlines()
@@ -238,7 +228,7 @@ def test_fpr95_of_descriptor_distances_matches_brute_force() -> None:
 
 
 # -- checkpoints, configs, resume ------------------------------------------------------------------
-def test_garbage_checkpoint_is_one_error_line(tiny, tmp_path: Path, capsys) -> None:
+def test_garbage_checkpoint_is_one_error_line(tiny, tmp_path: Path, run_cli) -> None:
     """Was: a checkpoint that is not a torch file (or holds no dict) was an UnpicklingError /
     TypeError traceback."""
     bad = tmp_path / "bad.pt"
@@ -254,11 +244,11 @@ def test_garbage_checkpoint_is_one_error_line(tiny, tmp_path: Path, capsys) -> N
     copy = tmp_path / "run"
     shutil.copytree(run, copy)
     (copy / "models" / "siam-l2" / "a.pt").write_text("garbage\n")
-    code, _, err = _run(["patches", "evaluate", str(copy), "--rescore"], capsys)
+    code, _, err = run_cli(["patches", "evaluate", str(copy), "--rescore"])
     assert "a.pt" in _one_error_line(code, err)
 
 
-def test_resume_refuses_a_checkpoint_of_other_settings(tiny, tmp_path: Path, capsys) -> None:
+def test_resume_refuses_a_checkpoint_of_other_settings(tiny, tmp_path: Path, run_cli) -> None:
     """Was: resuming into a run directory after changing the width, the epochs, the seed... loaded
     the old checkpoint silently and overwrote config.yaml with the new settings, so the table and
     the stored config described a model that was never trained."""
@@ -269,18 +259,18 @@ def test_resume_refuses_a_checkpoint_of_other_settings(tiny, tmp_path: Path, cap
     shutil.copytree(run, copy)
     stored = (copy / "config.yaml").read_text()
     for override in ("model.width=0.25", "training.epochs=2", "seed=3", "training.lr=0.01"):
-        code, _, err = _run(["patches", "train", str(cfg), "-o", str(copy), "--set", override, "-q"], capsys)
+        code, _, err = run_cli(["patches", "train", str(cfg), "-o", str(copy), "--set", override, "-q"])
         line = _one_error_line(code, err)
         assert "--fresh" in line and override.split("=")[0].split(".")[-1] in line
         assert (copy / "config.yaml").read_text() == stored
     # the same settings still resume; --fresh retrains with the new ones
-    code, _, err = _run(["patches", "train", str(cfg), "-o", str(copy)], capsys)
+    code, _, err = run_cli(["patches", "train", str(cfg), "-o", str(copy)])
     assert code == 0 and "loaded" in err
-    code, _, err = _run(["patches", "train", str(cfg), "-o", str(copy), "--set", "training.epochs=2", "--fresh", "-q"], capsys)
+    code, _, err = run_cli(["patches", "train", str(cfg), "-o", str(copy), "--set", "training.epochs=2", "--fresh", "-q"])
     assert code == 0, err
 
 
-def test_negative_seeds_are_config_errors(tiny, tmp_path: Path, capsys) -> None:
+def test_negative_seeds_are_config_errors(tiny, tmp_path: Path, run_cli) -> None:
     """Was: a negative seed was a numpy ValueError traceback, after the run directory was written
     (train) or before anything was built (build-data)."""
     cfg, _ = tiny
@@ -290,52 +280,52 @@ def test_negative_seeds_are_config_errors(tiny, tmp_path: Path, capsys) -> None:
         TrainSettings(seed=-1)
     with pytest.raises(ConfigError, match="seed"):
         OfflineSpec(seed=-1)
-    code, _, err = _run(["patches", "train", str(cfg), "-o", str(tmp_path / "r"), "--set", "seed=-1"], capsys)
+    code, _, err = run_cli(["patches", "train", str(cfg), "-o", str(tmp_path / "r"), "--set", "seed=-1"])
     assert "seed" in _one_error_line(code, err) and not (tmp_path / "r").exists()
-    code, _, err = _run(["patches", "build-data", "-o", str(tmp_path / "d"), "--subset", "photos", "--seed", "-1"], capsys)
+    code, _, err = run_cli(["patches", "build-data", "-o", str(tmp_path / "d"), "--subset", "photos", "--seed", "-1"])
     assert "seed" in _one_error_line(code, err)
 
 
-def test_evaluate_refuses_a_figure_format_up_front(tiny, tmp_path: Path, capsys) -> None:
+def test_evaluate_refuses_a_figure_format_up_front(tiny, tmp_path: Path, run_cli) -> None:
     """Was: ``--figure out.xyz`` printed the table, then a matplotlib ValueError traceback."""
     _, run = tiny
-    code, out, err = _run(["patches", "evaluate", str(run), "--figure", str(tmp_path / "f.xyz")], capsys)
+    code, out, err = run_cli(["patches", "evaluate", str(run), "--figure", str(tmp_path / "f.xyz")])
     assert "xyz" in _one_error_line(code, err) and out == ""
-    code, _, err = _run(["patches", "evaluate", str(run), "--figure", str(tmp_path / "f.png"), "-k", "2"], capsys)
+    code, _, err = run_cli(["patches", "evaluate", str(run), "--figure", str(tmp_path / "f.png"), "-k", "2"])
     assert code == 0, err
     assert (tmp_path / "f.png").stat().st_size > 1000
 
 
-def test_evaluate_options_that_need_another_option(tiny, capsys) -> None:
+def test_evaluate_options_that_need_another_option(tiny, run_cli) -> None:
     """Was: ``--max-test-pairs`` without ``--rescore`` (and ``--arch`` without ``--figure``)
     were ignored: the stored table came back as if it were scored on the pairs asked for."""
     _, run = tiny
-    code, _, err = _run(["patches", "evaluate", str(run), "--max-test-pairs", "10"], capsys)
+    code, _, err = run_cli(["patches", "evaluate", str(run), "--max-test-pairs", "10"])
     assert "--rescore" in _one_error_line(code, err)
-    code, _, err = _run(["patches", "evaluate", str(run), "--arch", "siam-l2"], capsys)
+    code, _, err = run_cli(["patches", "evaluate", str(run), "--arch", "siam-l2"])
     assert "--figure" in _one_error_line(code, err)
-    code, out, err = _run(["patches", "evaluate", str(run), "--rescore", "--max-test-pairs", "10", "--json"], capsys)
+    code, out, err = run_cli(["patches", "evaluate", str(run), "--rescore", "--max-test-pairs", "10", "--json"])
     assert code == 0, err
 
 
-def test_build_data_checks_every_subset_name_first(tmp_path: Path, capsys) -> None:
+def test_build_data_checks_every_subset_name_first(tmp_path: Path, run_cli) -> None:
     """Was: ``--subset photos --subset nope`` rebuilt photos, then failed without writing the
     manifest, which kept photos' old settings and SHA-256 (no longer those of its files)."""
     out = tmp_path / "o"
-    code, _, err = _run(["patches", "build-data", "-o", str(out), "--points", "10", "--train-pairs", "20",
-                         "--test-pairs", "10", "--subset", "photos", "--subset", "nope"], capsys)
+    code, _, err = run_cli(["patches", "build-data", "-o", str(out), "--points", "10", "--train-pairs", "20",
+                         "--test-pairs", "10", "--subset", "photos", "--subset", "nope"])
     assert "nope" in _one_error_line(code, err)
     assert not (out / "photos").exists()  # nothing built
 
 
 @pytest.mark.parametrize("archs", ["[]", "[siam-l2, siam-l2]"])
-def test_architectures_must_be_some_and_distinct(tiny, tmp_path: Path, capsys, archs: str) -> None:
+def test_architectures_must_be_some_and_distinct(tiny, tmp_path: Path, run_cli, archs: str) -> None:
     """Was: an empty list trained nothing, then printing the table was a ValueError traceback
     (after the run directory was written); a repeated name gave a table with a repeated column."""
     cfg, _ = tiny
     with pytest.raises(ConfigError, match="architectures"):
         load_patch_config(cfg, [f"model.architectures={archs}"])
-    code, _, err = _run(["patches", "train", str(cfg), "-o", str(tmp_path / "r"), "--set", f"model.architectures={archs}"], capsys)
+    code, _, err = run_cli(["patches", "train", str(cfg), "-o", str(tmp_path / "r"), "--set", f"model.architectures={archs}"])
     assert "architectures" in _one_error_line(code, err) and not (tmp_path / "r").exists()
 
 
@@ -351,9 +341,9 @@ def test_hardnet_batch_larger_than_the_points_names_batch_size(tmp_path: Path) -
 
 
 @pytest.mark.parametrize("override", ["data.test_pairs=7", "data.train_pairs=7"])
-def test_missing_match_file_is_found_before_training(tiny, tmp_path: Path, capsys, override: str) -> None:
+def test_missing_match_file_is_found_before_training(tiny, tmp_path: Path, run_cli, override: str) -> None:
     """Was: a test_pairs with no m50 file was found after the first subset's models had trained
     (hours on Brown), a train_pairs one after the run directory was written."""
     cfg, _ = tiny
-    code, _, err = _run(["patches", "train", str(cfg), "-o", str(tmp_path / "r"), "--set", override], capsys)
+    code, _, err = run_cli(["patches", "train", str(cfg), "-o", str(tmp_path / "r"), "--set", override])
     assert "7 pairs" in _one_error_line(code, err) and not (tmp_path / "r").exists()

@@ -16,19 +16,8 @@ from dmlkit.apps.reid import (
     k_reciprocal_distances,
     vehicleid_protocol,
 )
-from dmlkit.cli import main
 from dmlkit.embeddings import save_embeddings
 from dmlkit.exceptions import ConfigError
-
-
-def run(argv, capsys):
-    code = 0
-    try:
-        main(argv)
-    except SystemExit as exc:
-        code = exc.code
-    out = capsys.readouterr()
-    return code, out.out, out.err
 
 
 def authors_rerank(q, g, k1, k2, lam):
@@ -102,7 +91,7 @@ def _vehicle_file(tmp_path):
     return emb, ids
 
 
-def test_vehicleid_honours_ap_mode(tmp_path, capsys):
+def test_vehicleid_honours_ap_mode(tmp_path, run_cli):
     emb, ids = _vehicle_file(tmp_path)
     res = vehicleid_protocol(emb, ids, repeats=2, seed=3, ap_mode="trapezoid")
     want = []
@@ -113,27 +102,27 @@ def test_vehicleid_honours_ap_mode(tmp_path, capsys):
     assert res.map_values == pytest.approx(want)
     standard = vehicleid_protocol(emb, ids, repeats=2, seed=3)
     assert standard.map_values != pytest.approx(want)
-    code, out, _ = run(["reid", str(tmp_path / "v.npz"), "--repeats", "2", "--seed", "3",
-                        "--ap-mode", "trapezoid", "--json"], capsys)
+    code, out, _ = run_cli(["reid", str(tmp_path / "v.npz"), "--repeats", "2", "--seed", "3",
+                        "--ap-mode", "trapezoid", "--json"])
     assert code in (0, None)
     assert json.loads(out)["map"]["values"] == pytest.approx(want)
 
 
-def test_vehicleid_refuses_rerank_in_one_line(tmp_path, capsys):
+def test_vehicleid_refuses_rerank_in_one_line(tmp_path, run_cli):
     _vehicle_file(tmp_path)
-    code, out, err = run(["reid", str(tmp_path / "v.npz"), "--rerank"], capsys)
+    code, out, err = run_cli(["reid", str(tmp_path / "v.npz"), "--rerank"])
     assert code == 2 and "--rerank" in err and "Traceback" not in err
     assert len(err.strip().splitlines()) == 1
 
 
-def test_negative_seed_is_one_line_error(tmp_path, capsys):
+def test_negative_seed_is_one_line_error(tmp_path, run_cli):
     emb, ids = _vehicle_file(tmp_path)
     with pytest.raises(ConfigError, match="seed"):
         vehicleid_protocol(emb, ids, repeats=1, seed=-1)
     groups = np.where(np.arange(100) % 5 == 0, "query", "gallery")
     save_embeddings(tmp_path / "m.npz", emb, ids, groups=groups)
     for name in ("v.npz", "m.npz"):  # VehicleID draws; the example queries of a Market file
-        code, _, err = run(["reid", str(tmp_path / name), "--seed", "-1"], capsys)
+        code, _, err = run_cli(["reid", str(tmp_path / name), "--seed", "-1"])
         assert code == 2 and "--seed" in err and "Traceback" not in err
         assert len(err.strip().splitlines()) == 1
 
@@ -148,7 +137,7 @@ def test_vehicleid_has_no_junk_id():
 
 @pytest.mark.parametrize(("name", "value"), [("cams", np.array(3)), ("groups", np.array("query")),
                                              ("groups", None)])
-def test_row_arrays_that_are_not_1d_are_one_line_errors(tmp_path, capsys, name, value):
+def test_row_arrays_that_are_not_1d_are_one_line_errors(tmp_path, run_cli, name, value):
     rng = np.random.default_rng(0)
     ids = np.repeat(np.arange(6), 4)
     fields = {"cams": np.tile(np.arange(2), 12),
@@ -156,6 +145,6 @@ def test_row_arrays_that_are_not_1d_are_one_line_errors(tmp_path, capsys, name, 
     fields[name] = np.stack([fields[name]] * 2, 1) if value is None else value  # 0-D or 2-D
     np.savez(tmp_path / "bad.npz", embeddings=rng.normal(size=(24, 4)).astype(np.float32),
              labels=ids, **fields)
-    code, out, err = run(["reid", str(tmp_path / "bad.npz")], capsys)
+    code, out, err = run_cli(["reid", str(tmp_path / "bad.npz")])
     assert code == 2 and name in err and "Traceback" not in err  # was a TypeError / IndexError
     assert out == "" and len(err.strip().splitlines()) == 1

@@ -29,13 +29,7 @@ from dmlkit.apps.tracking.datasets import Sequence
 from dmlkit.apps.tracking.tracker import tracker_config
 from dmlkit.exceptions import CheckpointError, ConfigError, DataError
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _frames(n=3, h=48, w=64):
