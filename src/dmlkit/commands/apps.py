@@ -50,6 +50,7 @@ def _print(data: dict, as_json: bool, title: str) -> None:
 
 
 def verify(
+    ctx: typer.Context,
     embeddings: Path | None = typer.Argument(None, help="Embeddings with labels (.npz/.pt); with --pair-list an .npz with a 'paths' array."),
     pairs: int = typer.Option(6000, help="Number of balanced random pairs (half positive), without --pair-list."),
     folds: int = typer.Option(10, help="Folds for choosing the threshold (LFW protocol); a pair list's own folds win."),
@@ -73,6 +74,7 @@ def verify(
 
     if (embeddings is None) == (checkpoint is None):
         raise ConfigError("pass either EMBEDDINGS (a file) or --checkpoint RUN_DIR (with --pair-list), not both or neither")
+    _refuse_unused(ctx, pair_list is not None, checkpoint is not None)
     if pair_list is None:
         if checkpoint is not None:
             raise ConfigError("--checkpoint needs --pair-list: it embeds the images the list names")
@@ -93,6 +95,27 @@ def verify(
     result.pop("fold_accuracies")
     result.pop("fold_thresholds")
     _print(result, as_json, title)
+
+
+def _refuse_unused(ctx: typer.Context, with_list: bool, with_checkpoint: bool) -> None:
+    """Refuse an option given on the command line that the chosen pair source does not use
+    (it would be silently ignored): --pairs/--seed draw random pairs (no --pair-list),
+    --images locates a --pair-list's files, --device embeds with --checkpoint."""
+    from dmlkit.exceptions import ConfigError
+
+    def given(name: str) -> bool:  # typer bundles its own click: compare the source by name
+        source = ctx.get_parameter_source(name)
+        return source is not None and source.name in ("COMMANDLINE", "ENVIRONMENT")
+
+    unused = [(opt, why) for name, opt, used, why in (
+        ("pairs", "--pairs", not with_list, "a --pair-list scores its own pairs"),
+        ("seed", "--seed", not with_list, "a --pair-list scores its own pairs"),
+        ("images", "--images", with_list, "it locates the images of a --pair-list"),
+        ("device", "--device", with_checkpoint, "it embeds a --pair-list's images with --checkpoint"),
+    ) if given(name) and not used]
+    if unused:
+        opt, why = unused[0]
+        raise ConfigError(f"{opt} does not apply here ({why}): drop it")
 
 
 def _embeddings_with_paths(path: Path) -> tuple:

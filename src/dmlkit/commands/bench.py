@@ -57,13 +57,27 @@ def register(app: typer.Typer) -> None:
         from dmlkit.exceptions import ConfigError
         from dmlkit.protocol import Bench, load_bench_config, rich_table
 
-        env_threads = os.environ.get("DMLKIT_NUM_THREADS")
-        if threads is not None or env_threads:
-            import torch
-
-            torch.set_num_threads(max(1, int(threads if threads is not None else env_threads)))
         if stage not in ("all", "search", "final"):
             raise ConfigError(f"--stage must be all, search or final, got {stage!r}")
+        # options of the other mode are refused, never silently ignored
+        if max_trials is not None and not worker:
+            raise ConfigError("--max-trials applies with --worker (one bounded worker); without it "
+                              "the bench runs protocol.trials trials per method (--set protocol.trials=N)")
+        if worker and workers != 1:
+            raise ConfigError("--workers N starts N local workers of a coordinating bench; with "
+                              "--worker this process is one worker: start --worker once per process")
+        env_threads = os.environ.get("DMLKIT_NUM_THREADS")
+        n_threads = threads
+        if n_threads is None and env_threads:
+            try:
+                n_threads = int(env_threads)
+            except ValueError:
+                raise ConfigError(f"DMLKIT_NUM_THREADS={env_threads!r} is not a whole number of "
+                                  "threads") from None
+        if n_threads is not None:
+            import torch
+
+            torch.set_num_threads(max(1, n_threads))
         cfg = load_bench_config(config, set_ or [])
         bench_dir = out if out is not None else Path("runs") / "bench" / cfg.name
         console = output_console()

@@ -77,8 +77,12 @@ def register(app: typer.Typer) -> None:
         from dmlkit.commands._console import output_console
         from dmlkit.commands._ranks import is_main_rank, one_error_line_per_job
         from dmlkit.config import load_config
+        from dmlkit.exceptions import ConfigError
         from dmlkit.training import train
 
+        if allow_world_size_change and not resume:  # never silently ignored
+            raise ConfigError("--allow-world-size-change applies with --resume (a new run has no "
+                              "earlier number of processes)")
         main_rank = is_main_rank()
         if not main_rank:  # other ranks stay quiet: rank 0 logs, warns and prints for the job
             quiet = True
@@ -97,10 +101,11 @@ def register(app: typer.Typer) -> None:
         stopped = _STOP_REASONS.get(str(result.stop_reason), str(result.stop_reason))
         output_console().print(_metrics_table(f"{cfg.name}: best step {result.best_step}; {stopped} "
                                               f"after {result.train_seconds:.0f} s", rows))
-        if result.test_metrics:
+        if result.test_metrics:  # only the metrics the run computed (training.eval_metrics)
             t = result.test_metrics
-            typer.echo(f"test MAP@R {100 * t['map_at_r']:.2f} %  P@1 {100 * t.get('precision_at_1', float('nan')):.2f} %  "
-                       f"(run: {out_dir})")
+            shown = [f"{label} {100 * t[key]:.2f} %" for key, label in
+                     (("map_at_r", "MAP@R"), ("precision_at_1", "P@1")) if key in t]
+            typer.echo(f"test {'  '.join(shown)}  (run: {out_dir})")
 
     @app.command("embed")
     def embed_command(

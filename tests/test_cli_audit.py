@@ -1,0 +1,98 @@
+"""Command-line audit of train / embed / bench / verify: options accepted and then silently
+ignored are refused with one error line (exit 2), summary lines show only computed metrics."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture
+def emb_file(tmp_path: Path) -> Path:
+    rng = np.random.default_rng(0)
+    labels = np.repeat(np.arange(10), 8)
+    emb = rng.normal(size=(80, 16)).astype(np.float32) + labels[:, None] * 0.3
+    path = tmp_path / "e.npz"
+    np.savez(path, embeddings=emb, labels=labels)
+    return path
+
+
+# -- verify: options of the other pair source ---------------------------------------------------
+
+@pytest.mark.parametrize("args, option", [
+    (["--images", "somewhere"], "--images"),       # locates a pair list's images: no list here
+    (["--device", "cuda"], "--device"),            # embeds with --checkpoint: none here
+])
+def test_verify_refuses_pair_list_options_without_a_pair_list(run_cli, emb_file, args, option):
+    code, out, err = run_cli(["verify", str(emb_file), "--pairs", "100", "--json", *args])
+    assert code == 2 and out == ""
+    assert err.startswith("error: ") and option in err and len(err.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("option", ["--pairs", "--seed"])
+def test_verify_refuses_random_pair_options_with_a_pair_list(run_cli, emb_file, tmp_path, option):
+    pairs = tmp_path / "pairs.csv"
+    pairs.write_text("a.png,b.png,1\n")
+    code, out, err = run_cli(["verify", str(emb_file), "--pair-list", str(pairs), option, "100"])
+    assert code == 2 and out == "" and option in err and "--pair-list" in err
+
+
+def test_verify_random_pairs_still_take_their_options(run_cli, emb_file):
+    code, out, err = run_cli(["verify", str(emb_file), "--pairs", "100", "--seed", "3", "-q", "--json"])
+    assert code == 0, err
+    assert json.loads(out)["num_pairs"] == 100
+
+
+# -- train ------------------------------------------------------------------------------------------
+
+def test_train_refuses_allow_world_size_change_without_resume(run_cli, tmp_path):
+    run = tmp_path / "run"
+    code, out, err = run_cli(["train", str(REPO / "configs" / "quickstart.yaml"), "--run-dir", str(run),
+                              "--data-root", str(tmp_path / "no-data"), "--allow-world-size-change"])
+    assert code == 2 and out == ""
+    assert "--allow-world-size-change" in err and "--resume" in err
+    assert not run.exists()
+
+
+def test_train_summary_shows_only_computed_metrics(run_cli, tmp_path, monkeypatch):
+    """With training.eval_metrics without precision_at_1 the summary line said 'P@1 nan %'."""
+    import dmlkit.training
+    from dmlkit.training.trainer import TrainResult
+
+    def fake_train(cfg, out_dir, **kwargs):
+        return TrainResult(run_dir=Path(out_dir), best_checkpoint=Path(out_dir) / "best.pt", best_step=3,
+                           val_metrics={"map_at_r": 0.25}, history=[], test_metrics={"map_at_r": 0.5})
+
+    monkeypatch.setattr(dmlkit.training, "train", fake_train)
+    code, out, err = run_cli(["train", str(REPO / "configs" / "quickstart.yaml"), "--run-dir",
+                              str(tmp_path / "run"), "-q", "--set", "training.eval_metrics=[map_at_r]"])
+    assert code == 0, err
+    line = out.strip().splitlines()[-1]
+    assert line.startswith("test MAP@R 50.00 %") and "nan" not in line and "P@1" not in line
+
+
+# -- bench ------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("args, option", [
+    (["--max-trials", "2"], "--max-trials"),      # bounds a --worker only
+    (["--worker", "--workers", "2"], "--workers"),  # a --worker is one process
+])
+def test_bench_refuses_options_of_the_other_mode(run_cli, tmp_path, args, option):
+    out_dir = tmp_path / "bench"
+    code, out, err = run_cli(["bench", str(REPO / "configs" / "bench_quick.yaml"), "--out", str(out_dir),
+                              "--data-root", str(tmp_path / "no-data"), *args])
+    assert code == 2 and out == ""
+    assert option in err and "--worker" in err and "not found" not in err
+    assert not out_dir.exists()
+
+
+def test_bench_bad_thread_variable_is_one_error_line(run_cli, tmp_path, monkeypatch):
+    monkeypatch.setenv("DMLKIT_NUM_THREADS", "abc")
+    code, out, err = run_cli(["bench", str(REPO / "configs" / "bench_quick.yaml"), "--out",
+                              str(tmp_path / "bench"), "--data-root", str(tmp_path / "no-data")])
+    assert code == 2 and "DMLKIT_NUM_THREADS" in err and "Traceback" not in err
