@@ -56,6 +56,35 @@ def _load(path: Path):
     return emb, labels, None if names is None else dict(enumerate(str(n) for n in names.tolist()))
 
 
+def _distinct_names(paths: list[Path], name_of) -> list[str]:
+    """One legend/panel name per path, ``name_of(path)`` where that is unique; two files or runs
+    of one name (``runA/test.npz``, ``runB/test.npz``) get as many parent folders as tell them
+    apart, and the same path given twice a count (keyed by name, the second replaced the first
+    and one panel or line was drawn for two)."""
+    resolved = [p.resolve() for p in paths]
+    parents = [[part for part in r.parent.parts if part != r.anchor] for r in resolved]
+    depth = [0] * len(paths)
+
+    def names() -> list[str]:
+        return ["/".join(parents[i][len(parents[i]) - d:] + [name_of(p)]) if d else name_of(p)
+                for i, (p, d) in enumerate(zip(paths, depth))]
+
+    while True:
+        current = names()
+        clash = [i for i, n in enumerate(current) if depth[i] < len(parents[i]) and any(
+            m == n and resolved[j] != resolved[i] for j, m in enumerate(current))]
+        if not clash:
+            break
+        for i in clash:
+            depth[i] += 1
+    seen: dict[str, int] = {}
+    out = []
+    for n in current:
+        seen[n] = seen.get(n, 0) + 1
+        out.append(n if seen[n] == 1 else f"{n} ({seen[n]})")
+    return out
+
+
 def _out(output: Path | None, default: str) -> Path:
     return (output or Path(default)).with_suffix("")
 
@@ -76,7 +105,9 @@ def plot_map(
     emb, labels, names = _load(embeddings)
     keep = np.isin(labels, np.unique(labels)[:classes])
     pts = figures.project_2d(emb[keep], method, seed=seed)
-    fig = figures.embedding_map(pts, labels[keep], f"{method.upper()} of {embeddings.name}", class_names=names)
+    # the title names what was drawn: PCA stands in for UMAP without umap-learn (was titled UMAP)
+    title = f"{figures.projection_title(method, int(keep.sum()), emb.shape[1])} of {embeddings.name}"
+    fig = figures.embedding_map(pts, labels[keep], title, class_names=names)
     written = figures.save_figure(fig, _out(output, f"map_{method}"))
     typer.echo("\n".join(map(str, written)))
 
@@ -94,9 +125,9 @@ def plot_histograms(
     from dmlkit.report.builder import hist_dict
 
     panels = {}
-    for path in embeddings:
+    for path, name in zip(embeddings, _distinct_names(embeddings, lambda p: p.stem)):
         emb, labels, _ = _load(path)
-        panels[path.stem] = hist_dict(pos_neg_histograms(emb, labels, bins=bins, range=None if fixed else "observed"))
+        panels[name] = hist_dict(pos_neg_histograms(emb, labels, bins=bins, range=None if fixed else "observed"))
     written = figures.save_figure(figures.similarity_histograms(panels), _out(output, "histograms"))
     typer.echo("\n".join(map(str, written)))
 
@@ -164,11 +195,11 @@ def plot_curves(
     from dmlkit.report.builder import read_jsonl
 
     logs = {}
-    for d in run_dirs:
+    for d, name in zip(run_dirs, _distinct_names(run_dirs, lambda p: p.name)):
         if not (d / "log.jsonl").is_file():
             raise DataNotFoundError(f"{d / 'log.jsonl'} not found: pass run directories of dmlkit train")
-        logs[d.name] = read_jsonl(d / "log.jsonl")
-        if not logs[d.name]:
+        logs[name] = read_jsonl(d / "log.jsonl")
+        if not logs[name]:
             raise DataError(f"{d / 'log.jsonl'} holds no log records: nothing to draw")
     written = figures.save_figure(figures.training_curves(logs), _out(output, "curves"))
     typer.echo("\n".join(map(str, written)))

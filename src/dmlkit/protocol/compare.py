@@ -101,6 +101,14 @@ def _baseline_of(name: str, entry: Mapping[str, Any], base: str) -> bool:
     return name == base or (loss == base and name.split("@")[0].startswith(base))
 
 
+def _relative_percent(value: Any, base: Any) -> float | None:
+    """``100 * (value - base) / base``; ``None`` (n/a) when either is missing (a results file
+    holds ``null`` for a NaN mean) or the baseline is 0."""
+    if value is None or base is None or not base or not np.isfinite([value, base]).all():
+        return None
+    return 100.0 * (value - base) / base
+
+
 def relative_improvements(methods: Mapping[str, Mapping[str, Any]], metrics: Sequence[str]) -> dict[str, Any]:
     """``{baseline: {method: {mode: {metric: percent}}}}`` for the baselines present."""
     out: dict[str, Any] = {}
@@ -116,11 +124,8 @@ def relative_improvements(methods: Mapping[str, Mapping[str, Any]], metrics: Seq
             if name == base_name:
                 continue
             table[name] = {
-                mode: {
-                    m: (100.0 * (entry[mode][m]["mean"] - b[mode][m]["mean"]) / b[mode][m]["mean"]
-                        if b[mode][m]["mean"] else None)
-                    for m in metrics if m in entry[mode] and m in b[mode]
-                }
+                mode: {m: _relative_percent(entry[mode][m].get("mean"), b[mode][m].get("mean"))
+                       for m in metrics if m in entry[mode] and m in b[mode]}
                 for mode in MODES
             }
         out[base] = {"method": base_name, "relative_percent": table}

@@ -517,7 +517,8 @@ def _concatenated_test(bench_dir: Path, method: str) -> tuple[_Split | None, lis
 def mean_of(cell: Any) -> float:
     """The ``mean`` of a ``results.json`` cell (or the number itself; NaN when missing)."""
     if isinstance(cell, Mapping):
-        return float(cell.get("mean", float("nan")))
+        mean = cell.get("mean")  # null: a NaN mean as results.json stores it
+        return float("nan") if mean is None else float(mean)
     return float(cell) if cell is not None else float("nan")
 
 

@@ -42,9 +42,11 @@ from dmlkit.validation import check_embeddings
 
 __all__ = [
     "cmc_curve",
+    "drawn_projection",
     "embedding_map",
     "per_class_bars",
     "project_2d",
+    "projection_title",
     "reid_strip",
     "relative_improvement",
     "retrieval_gallery",
@@ -161,11 +163,13 @@ def project_2d(embeddings: np.ndarray, method: str = "umap", seed: int = 0) -> n
     n = len(x)
     if n < 3:
         raise DataError("a 2-D map needs at least 3 embeddings")
-    if method == "pca" or x.shape[1] <= 2:
+    drawn = drawn_projection(method, n, x.shape[1])
+    if drawn == "2-d":
+        return np.asarray(x, dtype=np.float32)
+    if drawn == "pca":
         from sklearn.decomposition import PCA
 
-        out = PCA(n_components=2, random_state=seed).fit_transform(x) if x.shape[1] > 2 else x
-        return np.asarray(out, dtype=np.float32)
+        return np.asarray(PCA(n_components=2, random_state=seed).fit_transform(x), dtype=np.float32)
     if method == "tsne":
         from sklearn.manifold import TSNE
 
@@ -173,16 +177,38 @@ def project_2d(embeddings: np.ndarray, method: str = "umap", seed: int = 0) -> n
         return TSNE(
             n_components=2, metric="cosine", init="pca", perplexity=perplexity, random_state=seed
         ).fit_transform(x).astype(np.float32)
-    if n < _UMAP_MIN_ROWS:  # umap's spectral start needs more rows than components + 1
-        return project_2d(x, "pca", seed)
-    try:  # umap
-        import umap
-    except ImportError:  # optional extra
-        return project_2d(x, "pca", seed)
+    import umap  # drawn_projection checked it imports
+
     reducer = umap.UMAP(
         n_components=2, metric="cosine", n_neighbors=min(15, n - 1), random_state=seed, n_jobs=1
     )
     return np.asarray(reducer.fit_transform(x), dtype=np.float32)
+
+
+def drawn_projection(method: str, rows: int, dim: int) -> str:
+    """The projection :func:`project_2d` draws for ``method`` on ``(rows, dim)`` embeddings:
+    ``"2-d"`` when they are 2-D already (drawn as they are), ``"pca"`` for UMAP with fewer than 4
+    rows or without umap-learn, else ``method``. Titles name what was drawn, not what was asked."""
+    if dim <= 2:
+        return "2-d"
+    if method == "umap":
+        if rows < _UMAP_MIN_ROWS:  # umap's spectral start needs more rows than components + 1
+            return "pca"
+        try:
+            import umap  # noqa: F401
+        except ImportError:  # optional extra
+            return "pca"
+    return method
+
+
+def projection_title(method: str, rows: int, dim: int) -> str:
+    """``"UMAP"``, or what was drawn instead (``"PCA (UMAP needs umap-learn and 4 points)"``)."""
+    drawn = drawn_projection(method, rows, dim)
+    if drawn == method:
+        return method.upper()
+    if drawn == "2-d":
+        return "2-D embeddings (not projected)"
+    return f"PCA (UMAP needs umap-learn and at least {_UMAP_MIN_ROWS} points)"
 
 
 def class_label(label: Any, class_names: Mapping[Any, str] | None = None) -> str:
@@ -381,11 +407,17 @@ def relative_improvement(
     width = 0.8 / len(present)
     x = np.arange(len(methods))
     for i, base in enumerate(present):
-        ref = results[base][metric]
-        rel = [100 * (results[m][metric] - ref) / ref if ref else np.nan for m in methods]
-        bars = ax.bar(x + (i - (len(present) - 1) / 2) * width, rel, width, label=f"vs {base}",
-                      color=("0.3", "0.7")[i % 2], hatch=_HATCHES[i % len(_HATCHES)], edgecolor="black")
-        ax.bar_label(bars, fmt="%+.1f", fontsize=7, padding=2)
+        ref = float(results[base][metric])
+        rel = np.array([100 * (float(results[m][metric]) - ref) / ref if ref and np.isfinite(ref) else np.nan
+                        for m in methods])
+        known = np.isfinite(rel)
+        # no value (NaN, or a baseline at 0) is an empty bar labelled n/a: an undrawn NaN bar
+        # sat on the zero line and read as "no improvement"
+        bars = ax.bar(x + (i - (len(present) - 1) / 2) * width, np.where(known, rel, 0.0), width,
+                      label=f"vs {base}", color=("0.3", "0.7")[i % 2], hatch=_HATCHES[i % len(_HATCHES)],
+                      edgecolor="black")
+        ax.bar_label(bars, labels=[f"{v:+.1f}" if ok else "n/a" for v, ok in zip(rel, known)],
+                     fontsize=7, padding=2)
     ax.axhline(0, color="black", linewidth=1.2, linestyle="--", label="no improvement")
     ax.set_xticks(x, methods, rotation=20, ha="right")
     ax.set(title=f"Relative improvement in {_pretty(metric)}", ylabel="relative improvement (%)", xlabel="method")
