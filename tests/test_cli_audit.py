@@ -96,3 +96,23 @@ def test_bench_bad_thread_variable_is_one_error_line(run_cli, tmp_path, monkeypa
     code, out, err = run_cli(["bench", str(REPO / "configs" / "bench_quick.yaml"), "--out",
                               str(tmp_path / "bench"), "--data-root", str(tmp_path / "no-data")])
     assert code == 2 and "DMLKIT_NUM_THREADS" in err and "Traceback" not in err
+
+
+def test_train_progress_logs_go_to_stderr_not_stdout(run_cli, tmp_path, monkeypatch):
+    """stdout holds results only: a run that logged progress and then failed printed its
+    'epoch 1 ...: val MAP@R 0.15' log lines on stdout beside nothing else (docs/errors.md)."""
+    import logging
+
+    import dmlkit.training
+    from dmlkit.exceptions import CheckpointError
+
+    def failing_train(cfg, out_dir, **kwargs):
+        logging.getLogger("dmlkit.training").info("epoch 1 step 2: val MAP@R 0.1496")
+        raise CheckpointError("cannot write run/log.jsonl: No space left on device")
+
+    monkeypatch.setattr(dmlkit.training, "train", failing_train)
+    code, out, err = run_cli(["train", str(REPO / "configs" / "quickstart.yaml"), "--run-dir",
+                              str(tmp_path / "run")])
+    logging.getLogger("dmlkit").setLevel(logging.WARNING)
+    assert code == 2 and out == ""
+    assert "val MAP@R 0.1496" in err and "No space left" in err

@@ -9,13 +9,17 @@ import typer
 
 
 def _setup_logging(quiet: bool) -> None:
+    """Progress logs on stderr, like the progress bars and warnings: stdout holds the results
+    alone (a failed or interrupted run prints nothing there, docs/errors.md)."""
     import logging
 
+    from rich.console import Console
     from rich.logging import RichHandler
 
     log = logging.getLogger("dmlkit")
     if not any(isinstance(h, RichHandler) for h in log.handlers):
-        handler = RichHandler(show_path=False, show_time=False, markup=False)
+        handler = RichHandler(console=Console(stderr=True), show_path=False, show_time=False,
+                              markup=False)
         handler.setFormatter(logging.Formatter("%(message)s"))
         log.addHandler(handler)
     log.setLevel(logging.WARNING if quiet else logging.INFO)
