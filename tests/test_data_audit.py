@@ -249,3 +249,18 @@ def test_default_split_refuses_classes_in_no_split_group():
         ds = ArrayDataset(data, labels, class_groups=class_groups, split_groups=groups)
         with pytest.raises(DataError, match="in no split group"):
             default_split(ds)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("p", [1.0, 3.0])
+def test_lp_distance_of_half_precision_rows_on_the_cpu(dtype, p):
+    """Was: LpDistance(p != 2) of float16 / bfloat16 rows raised torch's NotImplementedError
+    ("cdist" not implemented for 'Half'); now the float32 distances in the rows' dtype."""
+    import torch
+
+    from dmlkit.distances import LpDistance
+
+    x = torch.tensor([[0.0, 1.0], [2.0, -1.0], [0.5, 0.5]], dtype=getattr(torch, dtype))
+    d = LpDistance(p=p, normalize_embeddings=False)(x, x)
+    want = torch.cdist(x.float(), x.float(), p=p).to(x.dtype)
+    assert d.dtype == x.dtype and torch.equal(d, want)

@@ -285,6 +285,9 @@ class LpDistance(BaseDistance):
             sq = torch.addmm(q_sq.unsqueeze(1) + r_sq.unsqueeze(0), query, reference.T, alpha=-2)
             sq = _recompute_near_pairs(sq, query, reference, q_sq, r_sq, _squared_difference)
             return sq.clamp_min(0) if self.power == 2 else _safe_sqrt(sq)
+        if query.dtype in (torch.float16, torch.bfloat16):  # torch's CPU cdist has no such kernel
+            wide = torch.cdist(query.float(), reference.float(), p=self.p)
+            return _finite(wide.to(query.dtype), self)
         return _finite(torch.cdist(query, reference, p=self.p), self)
 
     def _paired(self, x, y):
