@@ -167,3 +167,14 @@ def test_a_split_given_for_otb_is_refused_not_ignored(tmp_path):
 
     with pytest.raises(ConfigError, match="OTB has no splits"):
         load_tracking_dataset("otb", tmp_path, "val")
+
+
+def test_a_video_of_frames_of_two_sizes_is_one_error(tmp_path):
+    """Was: write_frames to .mp4 of frames of two sizes (a folder of mixed frames) ended in
+    np.stack's ValueError traceback."""
+    pytest.importorskip("imageio")
+    frames = [np.zeros((20, 30, 3), np.uint8), np.zeros((24, 30, 3), np.uint8)]
+    with pytest.raises(DataError, match="differ in size"):
+        write_frames(frames, tmp_path / "v.mp4")
+    with pytest.raises(ConfigError, match="no frames"):
+        write_frames([], tmp_path / "v.mp4")

@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 
 from dmlkit.apps.tracking.datasets import read_image
-from dmlkit.exceptions import ConfigError, require
+from dmlkit.exceptions import ConfigError, DataError, require
 
 
 def draw_box(frame: np.ndarray, box, color=(255, 40, 40), width: int = 2,
@@ -69,6 +69,12 @@ def write_frames(frames: Iterable[np.ndarray], out: str | Path, fps: float = 15.
         for f in frames:  # even sizes for yuv420p codecs
             h, w = f.shape[0] // 2 * 2, f.shape[1] // 2 * 2
             arrays.append(np.ascontiguousarray(f[:h, :w]))
+        if not arrays:
+            raise ConfigError("no frames to write")
+        sizes = sorted({a.shape for a in arrays})
+        if len(sizes) > 1:  # a video has one frame size (np.stack raised a traceback)
+            raise DataError(f"cannot write {out}: the frames differ in size ({sizes[0]} and {sizes[-1]}); "
+                            "write a .gif or a folder, or track frames of one size")
         iio.imwrite(out, np.stack(arrays), fps=fps, plugin="pyav", codec="libx264"
                     if suffix in (".mp4", ".mkv", ".mov") else "mpeg4")
         return out
