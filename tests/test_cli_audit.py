@@ -116,3 +116,28 @@ def test_train_progress_logs_go_to_stderr_not_stdout(run_cli, tmp_path, monkeypa
     logging.getLogger("dmlkit").setLevel(logging.WARNING)
     assert code == 2 and out == ""
     assert "val MAP@R 0.1496" in err and "No space left" in err
+
+
+def test_oneshot_table_marks_its_percent(run_cli, monkeypatch):
+    """The table showed 'error_percent 77.2500': tables give percent with two decimals, the row
+    marked (%) (docs/metrics.md); JSON keeps the documented error_percent key."""
+    import dmlkit.apps
+    import dmlkit.apps.fewshot
+
+    monkeypatch.setattr(dmlkit.apps.fewshot, "checkpoint_image_embedder", lambda checkpoint: None)
+    monkeypatch.setattr(dmlkit.apps, "load_omniglot_one_shot_runs", lambda root: [])
+    monkeypatch.setattr(dmlkit.apps, "omniglot_one_shot_error", lambda embedder, runs, distance: {
+        "error_percent": 77.25, "per_run_error_percent": [77.25] * 20, "runs": 20})
+    code, out, err = run_cli(["oneshot", "run"])
+    assert code == 0, err
+    assert "error (%)" in out and "77.25 " in out and "77.2500" not in out
+    code, out, err = run_cli(["oneshot", "run", "--json"])
+    assert code == 0 and json.loads(out)["error_percent"] == 77.25
+
+
+def test_bench_worker_final_stage_refuses_max_trials(run_cli, tmp_path):
+    """--max-trials bounds search trials; a --worker --stage final runs none (it was ignored)."""
+    code, out, err = run_cli(["bench", str(REPO / "configs" / "bench_quick.yaml"), "--out", str(tmp_path / "b"),
+                              "--data-root", str(tmp_path / "no-data"), "--worker", "--stage", "final",
+                              "--max-trials", "2"])
+    assert code == 2 and out == "" and "--max-trials" in err and "not found" not in err

@@ -36,6 +36,8 @@ def _print(data: dict, as_json: bool, title: str) -> None:
     for key, value in data.items():
         if key in _PERCENT and isinstance(value, float):
             table.add_row(f"{key} (%)", f"{100 * value:.2f}")
+        elif key.endswith("_percent") and isinstance(value, float):  # already percent (oneshot)
+            table.add_row(f"{key.removesuffix('_percent')} (%)", f"{value:.2f}")
         elif key == "tar_at_far" and isinstance(value, dict):
             for far, tar in value.items():
                 table.add_row(f"TAR at FAR {100 * float(far):g} % (%)", f"{100 * tar:.2f}")

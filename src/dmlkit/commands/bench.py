@@ -60,9 +60,10 @@ def register(app: typer.Typer) -> None:
         if stage not in ("all", "search", "final"):
             raise ConfigError(f"--stage must be all, search or final, got {stage!r}")
         # options of the other mode are refused, never silently ignored
-        if max_trials is not None and not worker:
-            raise ConfigError("--max-trials applies with --worker (one bounded worker); without it "
-                              "the bench runs protocol.trials trials per method (--set protocol.trials=N)")
+        if max_trials is not None and (not worker or stage == "final"):
+            raise ConfigError("--max-trials applies with --worker to its search trials (one bounded "
+                              "worker); otherwise the bench runs protocol.trials trials per method "
+                              "(--set protocol.trials=N)")
         if worker and workers != 1:
             raise ConfigError("--workers N starts N local workers of a coordinating bench; with "
                               "--worker this process is one worker: start --worker once per process")
