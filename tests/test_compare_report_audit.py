@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import sys
+from pathlib import Path
 
 import matplotlib.pyplot as plt
 import numpy as np
@@ -152,3 +153,22 @@ def test_relative_percent_is_none_without_both_values(values):
 
     assert _relative_percent(*values) is None
     assert _relative_percent(0.3, 0.2) == pytest.approx(50.0)
+
+
+def test_report_map_without_umap_learn_is_titled_pca(tmp_path, monkeypatch):
+    from dmlkit.report.builder import ReportOptions, _embedding_sections, _Split
+
+    x = np.random.default_rng(0).normal(size=(LABELS.size, 8)).astype(np.float32)
+    monkeypatch.setitem(sys.modules, "umap", None)
+    calls = _capture(monkeypatch, "embedding_map")
+
+    def no_files(fig, base, formats=("png", "svg")):  # the figures' drawing is not under test
+        plt.close(fig)
+        return [Path(f"{base}.{fmt}") for fmt in formats]
+
+    monkeypatch.setattr(figures, "save_figure", no_files)
+    sections = _embedding_sections(_Split("test", x, LABELS), None, {}, tmp_path,
+                                   ReportOptions(maps=("umap",), thumbnails=False), "the model")
+    assert calls[0][0][2].startswith("PCA (UMAP needs umap-learn")
+    captions = [f.caption for s in sections for f in s.figures if "map of" in f.caption]
+    assert captions and all(c.startswith("PCA") for c in captions)

@@ -261,10 +261,11 @@ def _embedding_sections(test: _Split, before: _Split | None, others: Mapping[str
             rng = np.random.default_rng(options.seed)
             picks = rng.choice(len(sel), size=min(12, len(sel)), replace=False)
             thumbs = {int(p): test.image_of(int(sel[p])) for p in picks}
-        fig = figures.embedding_map(pts, test.labels[sel], f"{method.upper()} of test embeddings", thumbs,
+        drawn = figures.projection_title(method, len(sel), test.embeddings.shape[1])  # PCA may stand in
+        fig = figures.embedding_map(pts, test.labels[sel], f"{drawn} of test embeddings", thumbs,
                                     class_names=test.class_names)
         png = figures.save_figure(fig, fig_dir / f"map_{method}")
-        map_figs.append(Figure(png[0], f"{method.upper()} map of {what} ({len(classes)} test classes)", png[1]))
+        map_figs.append(Figure(png[0], f"{drawn} map of {what} ({len(classes)} test classes)", png[1]))
     sections.append(Section("Maps of the test embeddings", [
         "Each point is a test sample, coloured and shaped by class; thumbnails show a sample of the "
         "images where the data are images. UMAP and t-SNE preserve neighbourhoods, not distances; "
