@@ -172,3 +172,15 @@ def test_report_map_without_umap_learn_is_titled_pca(tmp_path, monkeypatch):
     assert calls[0][0][2].startswith("PCA (UMAP needs umap-learn")
     captions = [f.caption for s in sections for f in s.figures if "map of" in f.caption]
     assert captions and all(c.startswith("PCA") for c in captions)
+
+
+def test_compare_names_the_run_file_that_holds_nan(tmp_path, run_cli):
+    from dmlkit.embeddings import load_embeddings
+
+    path = _results(tmp_path)
+    bad = tmp_path / "ms" / "seed1" / "fold0" / "embeddings" / "test.npz"
+    emb, labels, _ = load_embeddings(bad)
+    emb[3, 0] = np.nan
+    save_embeddings(bad, emb, labels)
+    code, _, err = run_cli(["compare", str(path), "--metric", "map_at_r", "-B", "100"])
+    assert code == 2 and str(bad) in err and "NaN" in err, err

@@ -33,7 +33,7 @@ from dmlkit.protocol.stats import (
     hierarchical_bootstrap,
     per_query_scores,
 )
-from dmlkit.validation import normalize_rows
+from dmlkit.validation import check_embeddings, normalize_rows
 
 __all__ = [
     "BASELINES",
@@ -77,6 +77,7 @@ def method_per_seed_query(entry: Mapping[str, Any], mode: str) -> tuple[dict[str
         for r in fold_runs:
             path = Path(r["embeddings"])
             emb, lab, _ = load_embeddings(path)
+            check_embeddings(emb, f"embeddings in {path}")  # which of the runs' files, not "query embeddings"
             if labels_ref is None:
                 labels_ref = lab
             elif not np.array_equal(labels_ref, lab):
