@@ -141,3 +141,14 @@ def test_bench_worker_final_stage_refuses_max_trials(run_cli, tmp_path):
                               "--data-root", str(tmp_path / "no-data"), "--worker", "--stage", "final",
                               "--max-trials", "2"])
     assert code == 2 and out == "" and "--max-trials" in err and "not found" not in err
+
+
+def test_train_malformed_local_rank_is_one_error_line(run_cli, tmp_path, monkeypatch):
+    """A LOCAL_RANK that is not a number raised a ValueError traceback (WORLD_SIZE's own check
+    already gave one line)."""
+    for name, value in {"WORLD_SIZE": "2", "RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29555",
+                        "LOCAL_RANK": "x"}.items():
+        monkeypatch.setenv(name, value)
+    code, out, err = run_cli(["train", str(REPO / "configs" / "quickstart.yaml"), "--run-dir",
+                              str(tmp_path / "run"), "-q"])
+    assert code == 2 and out == "" and "LOCAL_RANK='x'" in err and "Traceback" not in err

@@ -98,7 +98,7 @@ def context() -> DistributedContext:
     if not (dist.is_available() and dist.is_initialized()):
         return DistributedContext()
     return DistributedContext(dist.get_rank(), dist.get_world_size(),
-                              int(os.environ.get("LOCAL_RANK", 0)), str(dist.get_backend()))
+                              _local_rank(), str(dist.get_backend()))
 
 
 def is_main_process() -> bool:
@@ -130,6 +130,16 @@ def timeout_seconds(env: Mapping[str, str] | None = None) -> float:
     return value
 
 
+def _local_rank() -> int:
+    """``$LOCAL_RANK`` (0 when unset); a value that is not a whole number is one error line."""
+    raw = os.environ.get("LOCAL_RANK") or "0"
+    try:
+        return int(raw)
+    except ValueError:
+        raise DistributedError(f"LOCAL_RANK={raw!r} is not an integer (torchrun sets it: start the job "
+                               "with `torchrun --nproc-per-node N dmlkit ...`)") from None
+
+
 def init_distributed(device: str | torch.device | None = None, *, backend: str | None = None,
                      timeout_s: float | None = None) -> DistributedContext:
     """Join the process group that torchrun's environment describes; no-op for one process.
@@ -157,7 +167,7 @@ def init_distributed(device: str | torch.device | None = None, *, backend: str |
     dev = torch.device(device) if device is not None else None
     use_cuda = dev is not None and dev.type == "cuda"
     backend = backend or ("nccl" if use_cuda else "gloo")
-    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    local_rank = _local_rank()
     if use_cuda:
         torch.cuda.set_device(local_rank)
     try:
