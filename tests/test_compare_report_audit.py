@@ -184,3 +184,16 @@ def test_compare_names_the_run_file_that_holds_nan(tmp_path, run_cli):
     save_embeddings(bad, emb, labels)
     code, _, err = run_cli(["compare", str(path), "--metric", "map_at_r", "-B", "100"])
     assert code == 2 and str(bad) in err and "NaN" in err, err
+
+
+# -- seeds numpy and scikit-learn refuse are usage errors, not tracebacks -----------------------
+@pytest.mark.parametrize("argv", [["plot", "gallery", "{f}", "--seed", "-1"],
+                                  ["plot", "map", "{f}", "--method", "pca", "--seed", "-1"],
+                                  ["plot", "map", "{f}", "--method", "pca", "--seed", str(2**32)],
+                                  ["report", "{d}", "--seed", "-1"]])
+def test_a_seed_outside_0_to_2_32_is_one_usage_error(tmp_path, run_cli, argv):
+    path = _emb_file(tmp_path / "e.npz")
+    argv = [a.format(f=path, d=tmp_path) for a in argv] + ["-o", str(tmp_path / "out")]
+    code, out, err = run_cli(argv)
+    assert code == 2 and "Traceback" not in err and "--seed" in err, err
+    assert not list(tmp_path.glob("out*"))

@@ -21,7 +21,7 @@ def report(
     maps: list[str] = typer.Option(["umap,tsne,pca"], "--maps", help="2-D maps to draw, comma-separated or repeated (umap, tsne, pca)."),
     max_points: int = typer.Option(2000, min=10, help="Samples per split for the histograms and maps (at least 10)."),
     no_thumbnails: bool = typer.Option(False, "--no-thumbnails", help="Do not draw image thumbnails."),
-    seed: int = typer.Option(0, help="Seed for every random choice in the report."),
+    seed: int = typer.Option(0, min=0, max=2**32 - 1, help="Seed for every random choice in the report (0 to 2**32 - 1)."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress messages."),
 ) -> None:
     """Write a self-contained HTML report (figures embedded, no network needed to open it)."""
@@ -95,7 +95,7 @@ def plot_map(
     method: str = typer.Option("umap", help="umap, tsne or pca."),
     classes: int = typer.Option(20, min=1, help="Number of classes to show."),
     output: Path | None = typer.Option(None, "-o", "--output", help="Output path (PNG and SVG are written)."),
-    seed: int = typer.Option(0),
+    seed: int = typer.Option(0, min=0, max=2**32 - 1, help="Seed (0 to 2**32 - 1)."),
 ) -> None:
     """A 2-D map of embeddings coloured by class."""
     import numpy as np
@@ -163,7 +163,7 @@ def plot_gallery(
     queries: int = typer.Option(6, min=1, max=_GALLERY_MAX, help=f"Number of random queries (at most {_GALLERY_MAX}: one figure row each)."),
     k: int = typer.Option(6, min=1, max=_GALLERY_MAX, help=f"Neighbours per query (at most {_GALLERY_MAX}: one thumbnail each)."),
     output: Path | None = typer.Option(None, "-o", "--output"),
-    seed: int = typer.Option(0),
+    seed: int = typer.Option(0, min=0, max=2**32 - 1, help="Seed (0 to 2**32 - 1)."),
 ) -> None:
     """Random queries with their nearest neighbours (class labels; correct ones marked)."""
     import numpy as np
