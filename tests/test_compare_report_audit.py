@@ -197,3 +197,15 @@ def test_a_seed_outside_0_to_2_32_is_one_usage_error(tmp_path, run_cli, argv):
     code, out, err = run_cli(argv)
     assert code == 2 and "Traceback" not in err and "--seed" in err, err
     assert not list(tmp_path.glob("out*"))
+
+
+def test_compare_prints_names_with_brackets_as_text(tmp_path, run_cli):
+    path = _results(tmp_path)
+    data = json.loads(path.read_text())
+    data["name"] = "cub[v2]"
+    other = tmp_path / "other.json"
+    other.write_text(json.dumps(data))
+    code, out, err = run_cli(["compare", str(path), str(other), "-m", "ms", "-m", "ms@cub[v2]",
+                              "--metric", "map_at_r", "--mode", "separated", "-B", "100"])
+    assert code == 0, err
+    assert "ms@cub[v2]" in out

@@ -26,6 +26,7 @@ def register(app: typer.Typer) -> None:
         contrastive/triplet. "significant" needs >= 3 seeds per method."""
         import warnings
 
+        from rich.markup import escape
         from rich.table import Table
 
         from dmlkit.commands._console import output_console
@@ -49,7 +50,8 @@ def register(app: typer.Typer) -> None:
         for message in report["warnings"]:
             warnings.warn(message, stacklevel=1)
         console = output_console()
-        seeds = ", ".join(f"{n}: {k}" for n, k in report["seeds"].items())
+        # names are text, not rich markup: "ms@cub[v2]" (a bench name) printed as "ms@cub"
+        seeds = escape(", ".join(f"{n}: {k}" for n, k in report["seeds"].items()))
         table = Table(title=f"hierarchical bootstrap over seeds ({seeds}) and {report['queries']} "
                             f"test queries (B={resamples}), points")
         for col in ("A", "B", "mode", "metric"):
@@ -58,12 +60,12 @@ def register(app: typer.Typer) -> None:
         table.add_column("95 % CI", justify="right")
         table.add_column("significant", justify="center")
         for c in report["comparisons"]:
-            table.add_row(c["a"], c["b"], c["mode"], metric_label(c["metric"]), f"{100 * c['diff']:+.2f}",
+            table.add_row(escape(c["a"]), escape(c["b"]), c["mode"], metric_label(c["metric"]), f"{100 * c['diff']:+.2f}",
                           f"[{100 * c['ci_low']:+.2f}, {100 * c['ci_high']:+.2f}]",
                           {"yes": "[green]yes[/]"}.get(significance_label(c), significance_label(c)))
         console.print(table)
         for base, info in report["relative_improvement"].items():
-            rel = Table(title=f"relative improvement over {base} ({info['method']}), %")
+            rel = Table(title=f"relative improvement over {base} ({escape(info['method'])}), %")
             rel.add_column("method")
             rows = info["relative_percent"]
             if not rows:
@@ -73,7 +75,7 @@ def register(app: typer.Typer) -> None:
                 for met in metrics:
                     rel.add_column(f"{m_[:6]}. {metric_label(met)}", justify="right")
             for name, modes in rows.items():
-                rel.add_row(name, *[("n/a" if modes[m_].get(met) is None else f"{modes[m_][met]:+.1f}")
+                rel.add_row(escape(name), *[("n/a" if modes[m_].get(met) is None else f"{modes[m_][met]:+.1f}")
                                     for m_ in MODES for met in metrics])
             console.print(rel)
         if out is not None:
