@@ -152,3 +152,17 @@ def test_train_malformed_local_rank_is_one_error_line(run_cli, tmp_path, monkeyp
     code, out, err = run_cli(["train", str(REPO / "configs" / "quickstart.yaml"), "--run-dir",
                               str(tmp_path / "run"), "-q"])
     assert code == 2 and out == "" and "LOCAL_RANK='x'" in err and "Traceback" not in err
+
+
+def test_a_relative_data_root_is_recorded_absolute(tmp_path, monkeypatch):
+    """`train --data-root dlink` recorded `data.root: dlink` in the run's config.yaml, so
+    `dmlkit embed RUN` from another directory looked for the data in the wrong place."""
+    from dmlkit.config import load_config
+    from dmlkit.training.data_root import with_data_root
+
+    monkeypatch.chdir(tmp_path)
+    config = load_config(REPO / "configs" / "quickstart.yaml", [])
+    assert config.data.root is None
+    recorded = with_data_root(config, "dlink").data.root
+    assert recorded == str(tmp_path / "dlink")
+    assert with_data_root(config, None).data.root is None  # $DMLKIT_DATA still applies

@@ -34,8 +34,14 @@ def merge_data_root(config_root: str | None, data_root: str | Path | None, key: 
 
 
 def with_data_root(config: ExperimentConfig, data_root: str | Path | None) -> ExperimentConfig:
-    """``config`` with ``data.root`` set from ``data_root`` (:func:`merge_data_root` rules)."""
+    """``config`` with ``data.root`` set from ``data_root`` (:func:`merge_data_root` rules).
+
+    A given ``data_root`` is recorded as an absolute path: the run's ``config.yaml`` keeps it,
+    and ``dmlkit embed``/``report`` read it from any working directory (a relative
+    ``--data-root dlink`` was recorded as ``dlink`` and not found from elsewhere)."""
     root = merge_data_root(config.data.root, data_root)
+    if data_root is not None and root is not None:
+        root = str(Path(root).expanduser().absolute())
     if root == config.data.root:
         return config
     return config.override({"data.root": str(root)})
