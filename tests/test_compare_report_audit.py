@@ -209,3 +209,12 @@ def test_compare_prints_names_with_brackets_as_text(tmp_path, run_cli):
                               "--metric", "map_at_r", "--mode", "separated", "-B", "100"])
     assert code == 0, err
     assert "ms@cub[v2]" in out
+
+
+def test_report_of_a_bench_with_a_null_mean_shows_n_a(tmp_path, run_cli):
+    _results(tmp_path)
+    code, out, err = run_cli(["report", str(tmp_path), "--maps", "pca", "-q"])
+    assert code == 0, err
+    page = (tmp_path / "report.html").read_text()
+    row = next(line for line in page.splitlines() if line.startswith("<tr><td>ms</td>"))
+    assert row.count("<td>n/a</td>") == 1
