@@ -218,3 +218,13 @@ def test_report_of_a_bench_with_a_null_mean_shows_n_a(tmp_path, run_cli):
     page = (tmp_path / "report.html").read_text()
     row = next(line for line in page.splitlines() if line.startswith("<tr><td>ms</td>"))
     assert row.count("<td>n/a</td>") == 1
+
+
+# -- -o with a dot in the name: the name is kept, not cut at the dot -----------------------------
+def test_output_names_with_dots_are_kept(tmp_path, run_cli):
+    path = _emb_file(tmp_path / "e.npz")
+    for name in ("lr0.001", "lr0.01", "figure.png"):
+        code, out, err = run_cli(["plot", "per-class", str(path), "-o", str(tmp_path / name)])
+        assert code == 0, err
+    assert sorted(p.name for p in tmp_path.glob("*.png")) == ["figure.png", "lr0.001.png", "lr0.01.png"]
+    assert sorted(p.name for p in tmp_path.glob("*.svg")) == ["figure.svg", "lr0.001.svg", "lr0.01.svg"]

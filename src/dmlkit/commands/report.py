@@ -86,7 +86,7 @@ def _distinct_names(paths: list[Path], name_of) -> list[str]:
 
 
 def _out(output: Path | None, default: str) -> Path:
-    return (output or Path(default)).with_suffix("")
+    return output or Path(default)  # save_figure drops a .png/.svg ending, keeps other dots
 
 
 @plot_app.command("map")

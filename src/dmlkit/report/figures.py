@@ -73,12 +73,18 @@ plt.rcParams.update(
 
 
 def save_figure(fig: Figure, path_without_suffix: str | os.PathLike, formats: Sequence[str] = ("png", "svg")) -> list[Path]:
-    """Save ``fig`` as ``<path>.png`` and ``<path>.svg`` (print quality) and close it."""
+    """Save ``fig`` as ``<path>.png`` and ``<path>.svg`` (print quality) and close it.
+
+    A ``.png``/``.svg`` ending of ``path`` is dropped; any other dot stays part of the name
+    (``lr0.001`` -> ``lr0.001.png``: replacing the "suffix" wrote ``lr0.png``, and ``lr0.01``
+    then overwrote it)."""
     base = Path(path_without_suffix)
+    if base.suffix.lower() in (".png", ".svg"):
+        base = base.with_suffix("")
     base.parent.mkdir(parents=True, exist_ok=True)
     written = []
     for fmt in formats:
-        out = base.with_suffix(f".{fmt}")
+        out = base.parent / f"{base.name}.{fmt}"
         fig.savefig(out, bbox_inches="tight")
         written.append(out)
     plt.close(fig)
