@@ -228,3 +228,19 @@ def test_output_names_with_dots_are_kept(tmp_path, run_cli):
         assert code == 0, err
     assert sorted(p.name for p in tmp_path.glob("*.png")) == ["figure.png", "lr0.001.png", "lr0.01.png"]
     assert sorted(p.name for p in tmp_path.glob("*.svg")) == ["figure.svg", "lr0.001.svg", "lr0.01.svg"]
+
+
+def test_results_markdown_reads_a_null_or_nan_mean_as_n_a_and_never_bolds_it(tmp_path):
+    """Was: results.md's table raised a TypeError on a null mean, and a NaN mean in the first
+    method's row stayed the column's best (bold)."""
+    from dmlkit.protocol.results import render_markdown
+
+    data = json.loads(_results(tmp_path).read_text())
+    text = render_markdown(data)
+    ms_row = next(line for line in text.splitlines() if line.startswith("| ms"))
+    assert "n/a" in ms_row
+    first = next(iter(data["methods"]))
+    data["methods"][first]["concatenated"]["map_at_r"]["mean"] = float("nan")
+    data["methods"]["ms"]["concatenated"]["map_at_r"]["mean"] = 0.5
+    rows = {line.split("|")[1].strip(): line for line in render_markdown(data).splitlines() if line.startswith("|")}
+    assert "**50.00" in rows["ms"] and "**nan" not in rows[first].lower()

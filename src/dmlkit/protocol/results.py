@@ -14,6 +14,7 @@ import copy
 import csv
 import io
 import json
+import math
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -60,7 +61,10 @@ def summarize(values: Sequence[float]) -> dict[str, Any]:
 
 
 def format_cell(cell: Mapping[str, Any], scale: float = 100.0, digits: int = 2) -> str:
-    """``"68.13 ± 0.31"`` (``"51.05 ± n/a"`` with one repeat)."""
+    """``"68.13 ± 0.31"`` (``"51.05 ± n/a"`` with one repeat; ``"n/a"`` without a mean: a NaN
+    mean is stored as null)."""
+    if cell.get("mean") is None or math.isnan(cell["mean"]):
+        return "n/a"
     mean = cell["mean"] * scale
     ci = cell.get("ci95")
     return f"{mean:.{digits}f} ± " + ("n/a" if ci is None else f"{ci * scale:.{digits}f}")
@@ -162,7 +166,9 @@ def _best_by_column(results: Mapping[str, Any]) -> dict[tuple[str, str], str]:
             continue
         for mode in MODES:
             for m in results["metrics"]:
-                v = row[mode][m]["mean"]
+                v = row[mode][m].get("mean")
+                if v is None or math.isnan(v):  # never the best (max kept a NaN first row)
+                    continue
                 if (mode, m) not in best or v > best[(mode, m)][0]:
                     best[(mode, m)] = (v, name)
     return {key: name for key, (_, name) in best.items()}
