@@ -207,3 +207,27 @@ TINY_OPTIMIZER = {"preset": "cpu_quick"}
 def tiny_sections() -> dict:
     """Fresh copies of the ``model``, ``loss`` and ``optimizer`` config sections above."""
     return copy.deepcopy({"model": TINY_MODEL, "loss": TINY_LOSS, "optimizer": TINY_OPTIMIZER})
+
+
+def bench_entries(tmp_path, cfg, labels, centres: int) -> dict:
+    """Final-stage entries of a bench with methods ``contrastive`` (noisier) and ``ms`` (three
+    seeds, one fold each): clustered test embeddings saved under ``tmp_path``, evaluated with the
+    config's metrics (for ``build_results`` in the compare / report tests)."""
+    import numpy as np
+
+    from dmlkit.embeddings import save_embeddings
+    from dmlkit.protocol.runner import FinalRun, evaluate_runs
+
+    centre = np.random.default_rng(0).normal(size=(centres, 8))
+    entries = {}
+    for k, (name, noise) in enumerate([("contrastive", 1.5), ("ms", 0.9)]):
+        runs = []
+        for s in (0, 1, 2):
+            path = tmp_path / name / f"seed{s}" / "fold0" / "embeddings" / "test.npz"
+            rng = np.random.default_rng(10 * k + s)
+            x = centre[labels] + noise * rng.normal(size=(labels.size, 8))
+            save_embeddings(path, x.astype(np.float32), labels)
+            runs.append(FinalRun(name, s, 0, path.parents[1], path, path.parents[1] / "best.pt"))
+        entries[name] = {"runs": runs, "evaluation": evaluate_runs(runs, list(cfg.protocol.metrics)),
+                         "best_params": {}, "loss": {"name": name}}
+    return entries

@@ -11,6 +11,7 @@ import matplotlib.pyplot as plt
 import numpy as np
 import pytest
 
+from _reference import bench_entries
 from dmlkit.embeddings import save_embeddings
 from dmlkit.report import figures
 
@@ -104,7 +105,6 @@ def test_relative_improvement_over_a_baseline_without_value_is_n_a():
 def _results(tmp_path):
     from dmlkit.protocol.config import bench_config_from_dict
     from dmlkit.protocol.results import build_results, write_results
-    from dmlkit.protocol.runner import FinalRun, evaluate_runs
     from dmlkit.protocol.splits import make_bench_split
 
     cfg = bench_config_from_dict({
@@ -112,17 +112,7 @@ def _results(tmp_path):
         "protocol": {"seeds": [0, 1, 2], "trials": 1},
         "methods": [{"name": "contrastive", "loss": {"name": "contrastive"}},
                     {"name": "ms", "loss": {"name": "multi_similarity"}}]})
-    centres = np.random.default_rng(0).normal(size=(6, 8))
-    entries = {}
-    for k, (name, noise) in enumerate([("contrastive", 1.5), ("ms", 0.9)]):
-        runs = []
-        for s in (0, 1, 2):
-            path = tmp_path / name / f"seed{s}" / "fold0" / "embeddings" / "test.npz"
-            rng = np.random.default_rng(10 * k + s)
-            save_embeddings(path, centres[LABELS] + noise * rng.normal(size=(LABELS.size, 8)), LABELS)
-            runs.append(FinalRun(name, s, 0, path.parents[1], path, path.parents[1] / "best.pt"))
-        entries[name] = {"runs": runs, "evaluation": evaluate_runs(runs, list(cfg.protocol.metrics)),
-                         "best_params": {}, "loss": {"name": name}}
+    entries = bench_entries(tmp_path, cfg, LABELS, 6)
     write_results(build_results(cfg, make_bench_split(range(12), "halves", folds=2), entries,
                                 bench_dir=tmp_path), tmp_path)
     data = json.loads((tmp_path / "results.json").read_text())

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 from typer.testing import CliRunner
 
+from _reference import bench_entries
 from dmlkit.cli import app
 from dmlkit.exceptions import ConfigError, DmlkitError
 from dmlkit.protocol.compare import compare_results, relative_improvements
@@ -92,25 +93,12 @@ LABELS = np.repeat(np.arange(12), 4)
 
 
 def _results(tmp_path) -> dict:
-    from dmlkit.embeddings import save_embeddings
     from dmlkit.protocol.results import build_results
-    from dmlkit.protocol.runner import FinalRun, evaluate_runs
     from dmlkit.protocol.splits import make_bench_split
 
     cfg = bench_config_from_dict({**BASE, "protocol": {"seeds": [0, 1, 2], "trials": 1}, "methods": [
         {"name": "contrastive", "loss": {"name": "contrastive"}}, {"name": "ms", "loss": {"name": "multi_similarity"}}]})
-    centres = np.random.default_rng(0).normal(size=(12, 8))
-    entries = {}
-    for k, (name, noise) in enumerate([("contrastive", 1.5), ("ms", 0.9)]):
-        runs = []
-        for s in (0, 1, 2):
-            path = tmp_path / name / f"seed{s}" / "fold0" / "embeddings" / "test.npz"
-            rng = np.random.default_rng(10 * k + s)
-            save_embeddings(path, (centres[LABELS] + noise * rng.normal(size=(LABELS.size, 8))).astype(np.float32),
-                            LABELS)
-            runs.append(FinalRun(name, s, 0, path.parents[1], path, path.parents[1] / "best.pt"))
-        entries[name] = {"runs": runs, "evaluation": evaluate_runs(runs, list(cfg.protocol.metrics)),
-                         "best_params": {}, "loss": {"name": name}}
+    entries = bench_entries(tmp_path, cfg, LABELS, 12)
     return build_results(cfg, make_bench_split(range(24), "halves", folds=2), entries, bench_dir=tmp_path)
 
 
