@@ -23,6 +23,7 @@ import numpy as np
 from torch.utils.data import Sampler
 
 from dmlkit.exceptions import ConfigError, DataError
+from dmlkit.validation import check_seed
 
 __all__ = ["EpisodeSampler", "MPerClassSampler", "split_episode"]
 
@@ -61,7 +62,7 @@ class _EpochSampler(Sampler[list[int]]):
     """Shared seed/epoch handling and the rank's share of each global batch."""
 
     def __init__(self, seed: int, num_replicas: int = 1, rank: int = 0) -> None:
-        self.seed = _non_negative_int("seed", seed)  # numpy's seeds: a ValueError at iteration
+        self.seed = check_seed(seed)  # else numpy's ValueError at the first batch
         self.epoch = 0
         self.num_replicas = _positive_int("num_replicas", num_replicas)
         if int(rank) != rank or not 0 <= rank < self.num_replicas:

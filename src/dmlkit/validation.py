@@ -27,9 +27,26 @@ from typing import Any
 import numpy as np
 import torch
 
-from dmlkit.exceptions import NonFiniteError, ShapeError
+from dmlkit.exceptions import ConfigError, NonFiniteError, ShapeError
 
-__all__ = ["check_embeddings", "check_labels", "check_product_range", "normalize_rows", "safe_normalize"]
+__all__ = [
+    "SEED_LIMIT", "check_embeddings", "check_labels", "check_product_range", "check_seed", "normalize_rows",
+    "safe_normalize",
+]
+
+#: Seeds are ``0 <= seed < SEED_LIMIT``: what numpy's legacy seeding, scikit-learn's
+#: ``random_state`` and the config files' ``seed`` accept (a negative one ended in numpy's
+#: ValueError traceback mid-run).
+SEED_LIMIT = 2**32
+
+
+def check_seed(value: Any, name: str = "seed") -> int:
+    """``value`` as a seed (an integer, not a bool, in ``[0, SEED_LIMIT)``), else one
+    :class:`ConfigError` line naming ``name``."""
+    if isinstance(value, bool) or not isinstance(value, int | np.integer) or not 0 <= value < SEED_LIMIT:
+        raise ConfigError(f"{name} must be a non-negative integer below 2**32, got {value!r}")
+    return int(value)
+
 
 _F32 = torch.finfo(torch.float32)
 #: Largest squared norm accepted by :func:`check_product_range`: ``|x|^2 + |y|^2 + 2|<x, y>|``

@@ -24,7 +24,7 @@ import numpy as np
 from dmlkit.distances import rounding_bound
 from dmlkit.exceptions import ConfigError, DataError
 from dmlkit.metrics._threads import full_float32_matmuls, run_threads, single_threaded_torch
-from dmlkit.validation import check_embeddings, check_labels, check_product_range
+from dmlkit.validation import check_embeddings, check_labels, check_product_range, check_seed
 
 __all__ = ["CLUSTERING_METRICS", "cluster_metrics", "kmeans_labels", "pair_f1"]
 
@@ -52,9 +52,7 @@ def kmeans_labels(
         raise DataError(f"k-means needs 1 <= clusters <= samples, got {n_clusters} for {x.shape[0]} samples")
     if backend not in _KMEANS_BACKENDS:
         raise ConfigError(f"unknown k-means backend {backend!r}; choose one of {list(_KMEANS_BACKENDS)}")
-    if not isinstance(seed, int | np.integer) or isinstance(seed, bool) or seed < 0:
-        # numpy's generator raised a bare ValueError (a traceback from `dmlkit evaluate --seed -1`)
-        raise ConfigError(f"the k-means seed must be a non-negative integer, got {seed!r}")
+    check_seed(seed, "the k-means seed")  # `dmlkit evaluate --seed -1` was numpy's traceback
     if backend in ("auto", "dmlkit"):
         return _kmeans_lloyd(x, n_clusters, seed, niter)
     if backend == "faiss":

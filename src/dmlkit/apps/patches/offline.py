@@ -42,6 +42,7 @@ import numpy as np
 from dmlkit.apps.patches.brown import PATCH_SIZE, PatchPairs, write_brown_subset
 from dmlkit.exceptions import ConfigError, DataError, require
 from dmlkit.utils import atomic_write_json
+from dmlkit.validation import check_seed
 
 __all__ = ["OFFLINE_SUBSETS", "OfflineSpec", "build_offline_dataset", "build_offline_subset"]
 
@@ -76,8 +77,7 @@ class OfflineSpec:
             raise ConfigError(f"hard_fraction must be in [0, 1], got {self.hard_fraction}")
         if min(self.points_per_subset, self.train_pairs, self.test_pairs) < 10:
             raise ConfigError("points_per_subset, train_pairs and test_pairs must be at least 10")
-        if not 0 <= self.seed < 2**32:  # numpy refuses other seeds
-            raise ConfigError(f"seed must be in [0, 2**32), got {self.seed}")
+        check_seed(self.seed)
 
 
 def _gray(name: str) -> np.ndarray:

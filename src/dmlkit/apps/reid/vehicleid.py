@@ -21,6 +21,7 @@ import numpy as np
 from dmlkit.apps.reid._common import DEFAULT_MEMORY_BUDGET, _as_float, _as_ids
 from dmlkit.apps.reid.evaluation import evaluate_reid
 from dmlkit.exceptions import ConfigError, DataError
+from dmlkit.validation import check_seed
 
 __all__ = ["VehicleIDResult", "draw_gallery", "vehicleid_protocol"]
 
@@ -87,8 +88,7 @@ def vehicleid_protocol(
     lab = _as_ids(ids, emb.shape[0], "ids")
     if repeats < 1:
         raise ConfigError(f"repeats must be >= 1, got {repeats}")
-    if seed < 0:
-        raise ConfigError(f"seed must be >= 0 (numpy seeds are non-negative), got {seed}")
+    seed = check_seed(seed)
     if not ks or min(ks) < 1:
         raise ConfigError(f"ks must be ranks >= 1, got {list(ks)}")
     uniq, counts = np.unique(lab, return_counts=True)
