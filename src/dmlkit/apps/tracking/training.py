@@ -46,6 +46,7 @@ from dmlkit.config import StrictNumbers, apply_dict_overrides, read_yaml_mapping
 from dmlkit.embeddings import resolve_device
 from dmlkit.exceptions import CheckpointError, ConfigError, DataError, NonFiniteError, ShapeError
 from dmlkit.models import to_device
+from dmlkit.models.trunks import load_failure_reason
 from dmlkit.utils import (
     atomic_torch_save,
     atomic_write_json,
@@ -236,12 +237,6 @@ def save_siamfc(path: str | Path, model: SiamFC, tracker: TrackerConfig | None =
     return atomic_torch_save(state, path)
 
 
-def _first_line(exc: BaseException) -> str:
-    """An exception's message on one line (torch's unpickling errors span a dozen)."""
-    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
-    return f"{type(exc).__name__}: {lines[0]}" if lines else type(exc).__name__
-
-
 def load_siamfc(path: str | Path, map_location: str = "cpu") -> tuple[SiamFC, TrackerConfig]:
     """Read a checkpoint of :func:`save_siamfc` (or a run directory holding one)."""
     path = Path(path)
@@ -253,7 +248,7 @@ def load_siamfc(path: str | Path, map_location: str = "cpu") -> tuple[SiamFC, Tr
     try:
         state = torch.load(path, map_location=map_location, weights_only=True)
     except Exception as exc:
-        raise CheckpointError(f"cannot read SiamFC checkpoint {path}: {_first_line(exc)}") from None
+        raise CheckpointError(f"cannot read SiamFC checkpoint {path}: {load_failure_reason(exc)}") from None
     if not isinstance(state, dict) or state.get("format") != CHECKPOINT_FORMAT:
         raise CheckpointError(f"{path} is not a dmlkit SiamFC checkpoint ({CHECKPOINT_FORMAT})")
     model = SiamFC(width=float(state["width"]))
@@ -305,7 +300,7 @@ def train_siamfc(
         try:
             state = torch.load(ckpt_path, map_location="cpu", weights_only=True)
         except Exception as exc:  # a truncated or foreign file: one line, not a traceback
-            raise CheckpointError(f"cannot read checkpoint {ckpt_path} to resume from: {_first_line(exc)}") from None
+            raise CheckpointError(f"cannot read checkpoint {ckpt_path} to resume from: {load_failure_reason(exc)}") from None
         ts = state.get("train_state") if isinstance(state, dict) else None
         if ts is None or state.get("format") != CHECKPOINT_FORMAT:
             raise CheckpointError(f"{ckpt_path} holds no training state to resume from: "
