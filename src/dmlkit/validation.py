@@ -72,8 +72,11 @@ def _as_tensor_view(arr: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(arr)
 
 
-def check_embeddings(x: Any, name: str = "embeddings") -> torch.Tensor:
+def check_embeddings(x: Any, name: str = "embeddings", first_row: int | None = None) -> torch.Tensor:
     """``x`` as a contiguous float32 ``(N, D)`` tensor, or a one-line error.
+
+    ``first_row``: ``x`` is the block of a larger set that starts at that row (the streamed
+    evaluation): errors name the rows of the whole set.
 
     Accepts numpy arrays, torch tensors (the device is kept) and nested sequences of numbers
     of any real dtype (integers are cast). Raises :class:`~dmlkit.exceptions.ShapeError` for
@@ -112,14 +115,16 @@ def check_embeddings(x: Any, name: str = "embeddings") -> torch.Tensor:
     if not math.isfinite(peak):
         bad_rows = ~torch.isfinite(t).all(dim=1)
         bad = int(bad_rows.sum())
-        first = int(bad_rows.nonzero()[0, 0])
-        if wide is not None and bool(torch.isfinite(wide[first]).all()):
+        local = int(bad_rows.nonzero()[0, 0])
+        first = local + (first_row or 0)
+        rows = f"{t.shape[0]}" if first_row is None else f"rows {first_row}-{first_row + t.shape[0] - 1}"
+        if wide is not None and bool(torch.isfinite(wide[local]).all()):
             raise NonFiniteError(
                 f"{name} hold values beyond float32's range (|x| > 3.4e38) in {bad} row(s), first "
                 f"row {first}: rescale them (e.g. divide by their largest norm)"
             )
         raise NonFiniteError(
-            f"{name} contain NaN or infinity in {bad} row(s) of {t.shape[0]}, first row {first}: "
+            f"{name} contain NaN or infinity in {bad} row(s) of {rows}, first row {first}: "
             "check the model output (e.g. a diverged training run) and drop or fix those rows"
         )
     # |x|_2 <= sqrt(D) max|x|: only rows that large can overflow; compute their norms in float64

@@ -14,9 +14,9 @@ from dmlkit.validation import check_embeddings, check_labels
 DEFAULT_MEMORY_BUDGET = 256 * 2**20
 
 
-def as_embeddings(x: Any, name: str = "embeddings") -> torch.Tensor:
+def as_embeddings(x: Any, name: str = "embeddings", first_row: int | None = None) -> torch.Tensor:
     """``x`` as a finite float32 ``(N, D)`` tensor: :func:`dmlkit.validation.check_embeddings`."""
-    return check_embeddings(x, name)
+    return check_embeddings(x, name, first_row)
 
 
 def as_labels(y: Any, n: int, name: str = "labels") -> torch.Tensor:

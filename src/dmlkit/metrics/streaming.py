@@ -39,7 +39,6 @@ in-memory ones. Time grows as ``N^2 d``, memory as the budget plus ``O(N)``.
 from __future__ import annotations
 
 import math
-import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -49,7 +48,7 @@ import torch
 
 from dmlkit.distances import BaseDistance, get_distance
 from dmlkit.distributed import agree, all_gather_unequal, context, shard_bounds
-from dmlkit.exceptions import ConfigError, DataError, NonFiniteError, ShapeError
+from dmlkit.exceptions import ConfigError, DataError, ShapeError
 from dmlkit.metrics._threads import full_float32_matmuls
 from dmlkit.metrics._validation import (
     DEFAULT_MEMORY_BUDGET,
@@ -118,14 +117,9 @@ def _read(source: Any, a0: int, a1: int, name: str) -> torch.Tensor:
     """Rows ``a0:a1`` as a finite float32 tensor (float16 storage decodes to float32). A refusal
     names rows of the whole source (the block's own check counted from the block's start)."""
     block = source[a0:a1]
-    try:
-        return as_embeddings(block if isinstance(block, torch.Tensor) else np.asarray(block), name)
-    except NonFiniteError as exc:
-        if a0 == 0 and a1 == _shape(source, name)[0]:
-            raise
-        msg = re.sub(r"first row (\d+)", lambda m: f"first row {a0 + int(m.group(1))}", str(exc))
-        msg = re.sub(r"row\(s\)( of \d+)?", f"row(s) of rows {a0}-{a1 - 1}", msg, count=1)
-        raise NonFiniteError(msg) from None
+    whole = a0 == 0 and a1 == _shape(source, name)[0]
+    return as_embeddings(block if isinstance(block, torch.Tensor) else np.asarray(block), name,
+                         None if whole else a0)
 
 
 def _take(source: Any, rows: np.ndarray, name: str) -> torch.Tensor:

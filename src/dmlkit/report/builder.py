@@ -437,8 +437,7 @@ def _bench_sections(bench_dir: Path, fig_dir: Path, options: ReportOptions) -> t
         for mode in ("concatenated", "separated"):
             for k in metrics:
                 cell = res.get(mode, {}).get(k)
-                # a null mean: a NaN mean as results.json stores it (format_cell raised a TypeError)
-                row.append("n/a" if not isinstance(cell, dict) or cell.get("mean") is None else format_cell(cell))
+                row.append("n/a" if cell is None else format_cell(cell))  # a null mean too
         rows.append(row)
     def concat_map(i: int) -> float:  # NaN (no value) ranks last: max() kept a NaN first row as the best
         value = mean_of(methods[rows[i][0]].get("concatenated", {}).get("map_at_r"))
