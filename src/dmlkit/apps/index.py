@@ -411,14 +411,27 @@ class EmbeddingIndex:
         found = keys >= 0
         return np.where(found, np.searchsorted(own, np.where(found, keys, 0)), -1)
 
-    def _ann(self, q: np.ndarray, k: int, setting: dict[str, Any]) -> tuple[np.ndarray, np.ndarray]:
-        """Approximate ``(positions, scores)`` of the ``k`` nearest, ``-1`` where none."""
+    def _ann(self, q: np.ndarray, k: int, setting: dict[str, Any], exclude: np.ndarray | None = None
+             ) -> tuple[np.ndarray, np.ndarray]:
+        """Approximate ``(positions, scores)`` of the ``k`` nearest, ``-1`` where none.
+
+        ``exclude``: one row position per query (``-1``: none) searched as if it were not
+        indexed (the recall measurement's held-in queries and their own rows): faiss is asked
+        for one candidate more and the excluded row dropped, so each query keeps the same
+        candidates an outside query gets (IVF-PQ: the ``rerank * k`` best codes besides it).
+        """
         n = self.embeddings.shape[0]
         rerank = self.kind == "ivf_pq"
-        k_search = min(k * int(setting["rerank"]) if rerank else k, n)
+        width = k * int(setting["rerank"]) if rerank else k
+        k_search = min(width + (exclude is not None), n)
         qp = self._prepare(q)
         dist, keys = self._faiss_index.search(qp, k_search, params=self._search_params(setting))
         pos = self._rows_of_keys(keys)
+        if exclude is not None:  # the first `width` candidates that are not the excluded row
+            drop = (pos == np.asarray(exclude)[:, None]) & (pos >= 0)
+            order = np.argsort(drop, axis=1, kind="stable")[:, :min(width, k_search)]
+            pos, dist = np.take_along_axis(pos, order, axis=1), np.take_along_axis(dist, order, axis=1)
+            pos = np.where(np.take_along_axis(drop, order, axis=1), -1, pos)
         if rerank:  # exact re-ranking of the candidates on the stored vectors
             scores = candidate_scores(self.embeddings, q, pos, self.distance, self._unit, self._inverse_norms(),
                                       q_unit=qp if self._unit else None)

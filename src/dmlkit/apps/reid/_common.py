@@ -48,6 +48,54 @@ def _as_ids(x: Any, n: int, name: str, default: int | None = None) -> np.ndarray
     return np.ascontiguousarray(arr, dtype=np.int64)
 
 
+def _as_junk_ids(junk_ids: Any) -> np.ndarray:
+    """``junk_ids`` (a sequence of integer ids, e.g. ``(-1,)`` or ``()``) as an int64 array;
+    anything else (a bare int, a string, floats) is one :class:`ConfigError` naming the parameter."""
+    accepts = "a sequence of integer ids such as (-1,), or () for none"
+    try:
+        values = None if isinstance(junk_ids, str | bytes) else np.asarray(list(junk_ids))
+    except TypeError:  # not iterable: a bare int, None, a 0-d array
+        values = None
+    if values is None or values.ndim != 1 or values.size and (
+            values.dtype == np.bool_ or not np.issubdtype(values.dtype, np.integer)):
+        raise ConfigError(f"junk_ids must be {accepts}, got {junk_ids!r}")
+    return values.astype(np.int64)
+
+
+RERANK_KEYS = {"k1": "a positive integer", "k2": "a positive integer", "lambda_value": "a number in [0, 1]"}
+
+
+def _rerank_params(rerank: Any) -> dict[str, Any] | None:
+    """The k-reciprocal settings of ``rerank=`` (``None``/``False``/``{}``: no re-ranking;
+    ``True``: the defaults; a dict of some of ``k1``, ``k2``, ``lambda_value``), checked: one :class:`ConfigError`
+    naming the parameter, the value and what it accepts for anything else."""
+    if isinstance(rerank, bool | np.bool_):
+        return {} if rerank else None
+    if rerank is None or rerank == {}:  # an empty dict re-ranks nothing, as it always did
+        return None
+    if not isinstance(rerank, dict):
+        raise ConfigError(f"rerank must be True, False, None or a dict of k1, k2, lambda_value, got {rerank!r}")
+    unknown = sorted(str(key) for key in rerank if key not in RERANK_KEYS)
+    if unknown:
+        raise ConfigError(f"rerank got unknown key(s) {', '.join(map(repr, unknown))}: "
+                          f"it accepts {', '.join(RERANK_KEYS)}")
+    for key, value in rerank.items():
+        check_rerank_value(f"rerank[{key!r}]", key, value)
+    return dict(rerank)
+
+
+def check_rerank_value(name: str, key: str, value: Any) -> None:
+    """One k-reciprocal setting (``k1``, ``k2``: positive integers; ``lambda_value``: a number in
+    [0, 1]); :class:`ConfigError` naming ``name``, the value and what it accepts otherwise."""
+    if key == "lambda_value":
+        ok = isinstance(value, int | float | np.integer | np.floating) and not isinstance(value, bool | np.bool_) \
+            and 0.0 <= float(value) <= 1.0
+    else:
+        ok = isinstance(value, int | np.integer) and not isinstance(value, bool | np.bool_) and value >= 1
+    if not ok:
+        raise ConfigError(f"{name} must be {RERANK_KEYS[key]}, got {value!r}")
+
+
 def _check_metric(metric: str) -> None:
     if metric not in METRICS:
         raise ConfigError(f"metric must be one of {METRICS}, got {metric!r}")

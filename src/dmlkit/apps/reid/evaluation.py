@@ -46,10 +46,12 @@ from dmlkit.apps.reid._common import (
     METRICS,
     _as_float,
     _as_ids,
+    _as_junk_ids,
     _block_rows,
     _check_ap_mode,
     _check_metric,
     _prepared,
+    _rerank_params,
     _sq_norms,
 )
 from dmlkit.exceptions import ConfigError, DataError, NonFiniteError, ShapeError
@@ -230,7 +232,7 @@ def evaluate_reid_scores(
     same_cam = bool(exclude_same_camera and query_cams is not None)
     q_cams = _as_ids(query_cams, n_q, "query camera ids", default=0)
     g_cams = _as_ids(gallery_cams, n_g, "gallery camera ids", default=0)
-    g_junk = np.isin(g_ids, np.asarray(list(junk_ids), dtype=np.int64))
+    g_junk = np.isin(g_ids, _as_junk_ids(junk_ids))
     by_id = np.argsort(g_ids, kind="stable")
     gal = (by_id, g_ids[by_id], g_ids, g_cams, g_junk)
     first = np.full(n_q, -1, dtype=np.int64)
@@ -300,10 +302,10 @@ def evaluate_reid(
                          f"{g.shape[0]}")
     _as_ids(query_ids, q.shape[0], "query ids")
     _as_ids(gallery_ids, g.shape[0], "gallery ids")
-    if rerank:
+    params = _rerank_params(rerank)
+    if params is not None:
         from dmlkit.apps.reid.rerank import k_reciprocal_blocks  # lazy: only with rerank
 
-        params = dict(rerank) if isinstance(rerank, dict) else {}
         if normalize and metric == "euclidean":
             metric = "cosine"  # Euclidean on normalised features
         blocks = k_reciprocal_blocks(q, g, metric=metric, memory_budget=memory_budget, **params)
@@ -349,6 +351,7 @@ def ranked_examples(
     cams = exclude_same_camera and query_cams is not None
     q_cams = _as_ids(query_cams, q.shape[0], "query camera ids", default=0)
     g_cams = _as_ids(gallery_cams, g.shape[0], "gallery camera ids", default=0)
+    junk = _as_junk_ids(junk_ids)
     sel = np.asarray(list(queries), dtype=np.int64)
     out: list[dict[str, Any]] = []
     for a, block in closeness_blocks(q[sel], g, metric=metric, normalize=normalize):
@@ -356,7 +359,7 @@ def ranked_examples(
             order = np.argsort(-row, kind="stable")[:top]
             status = []
             for j in order:
-                if g_ids[j] in junk_ids or (cams and g_ids[j] == q_ids[i] and g_cams[j] == q_cams[i]):
+                if g_ids[j] in junk or (cams and g_ids[j] == q_ids[i] and g_cams[j] == q_cams[i]):
                     status.append("junk")
                 else:
                     status.append("positive" if g_ids[j] == q_ids[i] else "negative")

@@ -41,6 +41,7 @@ from dmlkit.apps.reid._common import (
     _block_rows,
     _prepared,
     _sq_norms,
+    check_rerank_value,
 )
 from dmlkit.exceptions import ConfigError, ShapeError
 
@@ -155,10 +156,8 @@ def k_reciprocal_blocks(
 
     from dmlkit.apps.reid._kernels import jaccard_rows  # lazy: numba, first use
 
-    if k1 < 1 or k2 < 1:
-        raise ConfigError(f"k1 and k2 must be >= 1, got k1={k1}, k2={k2}")
-    if not 0.0 <= lambda_value <= 1.0:
-        raise ConfigError(f"lambda_value must be in [0, 1], got {lambda_value}")
+    for key, value in (("k1", k1), ("k2", k2), ("lambda_value", lambda_value)):
+        check_rerank_value(key, key, value)
     x, x_sq = _prepare(query, gallery, metric)
     n_q = len(query)
     n = x.shape[0]

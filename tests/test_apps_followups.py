@@ -1,0 +1,94 @@
+"""Follow-ups in the applications: IVF-PQ's stored recall, re-id API argument errors, export statuses."""
+
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import pytest
+
+from dmlkit.apps import EmbeddingIndex
+from dmlkit.apps.index_tuning import recall_at_k, recall_sample
+from test_index import _blobs, _one_faiss_thread  # noqa: F401 - one faiss thread (a module fixture)
+
+faiss = pytest.importorskip("faiss")
+
+
+def _without(index: EmbeddingIndex, item: str) -> EmbeddingIndex:
+    """A copy of ``index`` (same trained quantiser and codes) without the item ``item``."""
+    out = copy.copy(index)
+    out.__dict__ = dict(index.__dict__)
+    out._faiss_index = faiss.clone_index(index._faiss_index)
+    out.remove([item])
+    return out
+
+
+def test_ivf_pq_stored_recall_is_what_an_outside_query_gets():
+    """The stored recall of held-in queries equals the recall of the public search of each query
+    on the index without its own row (an outside query: ``rerank * k`` candidates), with coarse
+    codes where searching ``rerank * (k + 1)`` candidates finds more."""
+    x, _ = _blobs(n=2000)
+    k, rerank = 1, 4  # 4 candidates per outside query; the old count searched 8
+    idx = EmbeddingIndex(x, kind="ivf_pq", nlist=8, nprobe=8, pq_m=8, rerank=rerank, recall_k=k,
+                         recall_queries=100, seed=0)
+    rows = recall_sample(idx, 100, idx.params["seed"])
+    assert idx.recall["held_out"] and idx.recall["num_queries"] == rows.size
+    exact, _ = idx._exact(x[rows], k + 1)
+    exact = np.array([[j for j in e if j != r][:k] for e, r in zip(exact, rows)])
+    outside = np.array([[int(i) for i in _without(idx, idx.ids[r]).search(x[r], k).ids[0]] for r in rows])
+    assert idx.recall["recall"] == pytest.approx(recall_at_k(outside, exact, k))
+    # the data shows the difference: rerank * (k + 1) candidates (the old count) find more
+    generous, _ = idx._ann(x[rows], k + 1, idx._setting())
+    generous = np.array([[j for j in g if j != r][:k] for g, r in zip(generous, rows)])
+    assert recall_at_k(generous, exact, k) > idx.recall["recall"] + 0.1
+
+
+# -- re-id: malformed rerank= and junk_ids= are one ConfigError line ---------------------------
+def _reid_data():
+    rng = np.random.default_rng(0)
+    q, g = rng.normal(size=(6, 8)).astype(np.float32), rng.normal(size=(20, 8)).astype(np.float32)
+    return q, g, np.arange(6) % 3, np.arange(20) % 4
+
+
+@pytest.mark.parametrize(("rerank", "says"), [
+    ({"k1": "20"}, r"rerank\['k1'\] must be a positive integer, got '20'"),
+    ({"k": 20}, r"rerank got unknown key\(s\) 'k': it accepts k1, k2, lambda_value"),
+    ({"k2": 2.5}, r"rerank\['k2'\] must be a positive integer, got 2.5"),
+    ({"lambda_value": "0.3"}, r"rerank\['lambda_value'\] must be a number in \[0, 1\], got '0.3'"),
+    ("yes", r"rerank must be True, False, None or a dict of k1, k2, lambda_value, got 'yes'"),
+])
+def test_reid_malformed_rerank_is_a_config_error(rerank, says):
+    from dmlkit.apps.reid import evaluate_reid
+    from dmlkit.exceptions import ConfigError
+
+    with pytest.raises(ConfigError, match=says) as err:
+        evaluate_reid(*_reid_data(), rerank=rerank)
+    assert "\n" not in str(err.value)
+
+
+def test_reid_rerank_settings_of_the_right_types_still_rank():
+    from dmlkit.apps.reid import evaluate_reid, k_reciprocal_blocks
+    from dmlkit.exceptions import ConfigError
+
+    data = _reid_data()
+    plain = evaluate_reid(*data, rerank={"k1": np.int64(5), "k2": 2, "lambda_value": 1})
+    assert plain.mAP == pytest.approx(evaluate_reid(*data, rerank=False).mAP)  # lambda 1: d' only
+    assert evaluate_reid(*data, rerank={}).mAP == plain.mAP  # an empty dict re-ranks nothing
+    with pytest.raises(ConfigError, match="k1 must be a positive integer, got '5'"):
+        next(k_reciprocal_blocks(data[0], data[1], k1="5"))
+
+
+@pytest.mark.parametrize("junk", [5, "-1", (1.5,), None])
+def test_reid_junk_ids_that_are_no_sequence_of_ids_are_a_config_error(junk):
+    from dmlkit.apps.reid import evaluate_reid, evaluate_reid_scores, ranked_examples
+    from dmlkit.exceptions import ConfigError
+
+    q, g, qi, gi = _reid_data()
+    says = r"junk_ids must be a sequence of integer ids such as \(-1,\), or \(\) for none, got "
+    with pytest.raises(ConfigError, match=says):
+        evaluate_reid(q, g, qi, gi, junk_ids=junk)
+    with pytest.raises(ConfigError, match=says):
+        evaluate_reid_scores(np.zeros((6, 20)), qi, gi, junk_ids=junk)
+    with pytest.raises(ConfigError, match=says):
+        ranked_examples(q, g, qi, gi, queries=[0], junk_ids=junk)
+    assert evaluate_reid(q, g, qi, gi, junk_ids=np.array([3])).num_queries == 6
