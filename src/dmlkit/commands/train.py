@@ -115,7 +115,7 @@ def register(app: typer.Typer) -> None:
     def embed_command(
         checkpoint: Path = typer.Argument(..., help="A checkpoint (.pt) or a run directory (uses checkpoints/best.pt)."),
         split: str = typer.Option("test", "--split", help="Which classes to embed: test, val or train."),
-        output: Path | None = typer.Option(None, "--output", "-o", help="Output .npz (default: RUN_DIR/embeddings/<split>.npz) or shard directory (default: RUN_DIR/embeddings/<split>-shards)."),
+        output: Path | None = typer.Option(None, "--output", "-o", help="Output .npz (default: RUN_DIR/embeddings/<split>.npz for best.pt, <split>-<checkpoint>.npz for another checkpoint, e.g. test-last.npz) or shard directory (default: RUN_DIR/embeddings/<split>-shards, <split>-<checkpoint>-shards)."),
         data_root: Path | None = typer.Option(None, "--data-root", help="Data root (overrides the config's data.root)."),
         device: str = typer.Option("auto", "--device", help="auto, cpu or cuda."),
         quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bars."),
@@ -124,7 +124,12 @@ def register(app: typer.Typer) -> None:
         shard_rows: int = typer.Option(65536, "--shard-rows", min=1, help="Rows per shard file (--format shards)."),
         overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing shard directory (--format shards)."),
     ) -> None:
-        """Embed a split with a trained model; the .npz (or shard directory) works with `dmlkit evaluate`."""
+        """Embed a split with a trained model; the .npz (or shard directory) works with `dmlkit evaluate`.
+
+        Without -o, a checkpoint other than best.pt writes its own file (embeddings/test-last.npz
+        for checkpoints/last.pt): embeddings/test.npz stays the best checkpoint's, which the
+        run's metrics.json describes.
+        """
         from dmlkit.exceptions import ConfigError
 
         if fmt not in ("npz", "shards"):

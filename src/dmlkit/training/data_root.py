@@ -36,15 +36,19 @@ def merge_data_root(config_root: str | None, data_root: str | Path | None, key: 
 def with_data_root(config: ExperimentConfig, data_root: str | Path | None) -> ExperimentConfig:
     """``config`` with ``data.root`` set from ``data_root`` (:func:`merge_data_root` rules).
 
-    A given ``data_root`` is recorded as an absolute path: the run's ``config.yaml`` keeps it,
-    and ``dmlkit embed``/``report`` read it from any working directory (a relative
-    ``--data-root dlink`` was recorded as ``dlink`` and not found from elsewhere)."""
+    The root is recorded as an absolute path, whether ``data_root`` (``--data-root``) or the
+    config's own ``data.root`` (a config file, ``--set``) gave it: a relative one is relative to
+    the current working directory, as every path in a config is (``data.split.path``,
+    ``model.feature_cache_dir``), and ``~`` is expanded. The run's ``config.yaml`` keeps it, and
+    ``dmlkit embed``/``evaluate``/``report`` and ``--resume`` read it from any working directory
+    (a relative ``data.root: dlink`` or ``--data-root dlink`` was recorded as ``dlink`` and read
+    another folder, or none, from elsewhere). Symbolic links are kept, not resolved."""
     root = merge_data_root(config.data.root, data_root)
-    if data_root is not None and root is not None:
+    if root is not None:
         root = str(Path(root).expanduser().absolute())
     if root == config.data.root:
         return config
-    return config.override({"data.root": str(root)})
+    return config.override({"data.root": root})
 
 
 def load_config_dataset(data: DataConfig, data_root: str | Path | None = None, key: str = "data"):

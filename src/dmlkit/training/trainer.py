@@ -110,7 +110,6 @@ __all__ = [
 logger = logging.getLogger("dmlkit.training")
 
 
-
 @dataclass
 class TrainResult:
     """What :func:`train` returns (everything is also on disk in ``run_dir``)."""
@@ -154,22 +153,26 @@ _ATTEMPT_OUTPUTS = ("log.jsonl", "log.csv", "baseline.json", "checkpoints/best.p
 _RUN_LOCK = "train.lock"
 
 
-def open_run_dir(run_dir: Path, config: ExperimentConfig, resume: bool) -> dict[str, Any] | None:
+def open_run_dir(run_dir: Path, config: ExperimentConfig, resume: bool, *, world_size: int = 1,
+                 allow_world_size_change: bool = False) -> dict[str, Any] | None:
     """Create (or reopen, with ``resume``) a run directory; returns the ``last.pt`` payload to resume.
 
     Writes ``config.yaml`` and, once, ``provenance.json``. Refuses to overwrite an existing
-    run, to resume a missing one, or to resume with a config that changes the training.
+    run, to resume a missing one, to resume with a config that changes the training, or (unless
+    ``allow_world_size_change``) to resume a checkpoint of another ``world_size``
+    (:func:`check_world_size_change`): every refusal comes before any file is written or removed.
     Removes the outputs that would be stale: on resume :data:`_FINAL_OUTPUTS`, on a fresh start
     those and :data:`_ATTEMPT_OUTPUTS`.
     """
     last_path = run_dir / "checkpoints" / "last.pt"
     payload: dict[str, Any] | None = None
     if resume:
-        sweep_orphan_temporaries(run_dir)  # left by a kill during an atomic write
         if not last_path.exists():
             raise CheckpointError(f"nothing to resume: {last_path} does not exist; run without --resume to start")
         payload = read_checkpoint(last_path)
         check_resumable(payload["config"], config)
+        check_world_size_change(payload, world_size, run_dir, allow_world_size_change)
+        sweep_orphan_temporaries(run_dir)  # left by a kill during an atomic write
         stale = _FINAL_OUTPUTS  # they describe a state the resumed run moves past
     elif last_path.exists():
         raise CheckpointError(
@@ -322,21 +325,47 @@ def _train(config: ExperimentConfig, run_dir: Path, device: torch.device, *, tra
                 run_dir, _RUN_LOCK, f"another `dmlkit train` is using {run_dir}: wait for it to "
                 "end, or choose another run directory"))
 
+        created = _made_by_lock(run_dir) if context().is_main else []
         on_main(lock)  # refused on rank 0: the same error on every rank
-        return _train_in_dir(config, run_dir, device, checked, train_set=train_set, val_set=val_set,
-                             test_set=test_set, resume=resume, progress=progress,
-                             allow_world_size_change=allow_world_size_change)
+        try:
+            payload = on_main(open_run_dir, run_dir, config, resume, world_size=context().world_size,
+                              allow_world_size_change=allow_world_size_change)
+        except Exception:  # refused: leave no lock file or directory the lock made
+            _remove_empty(created)
+            raise
+        return _train_in_dir(config, run_dir, device, checked, payload, train_set=train_set,
+                             val_set=val_set, test_set=test_set, progress=progress)
 
 
-def _train_in_dir(config: ExperimentConfig, run_dir: Path, device: torch.device, checked, *, train_set,
-                  val_set, test_set, resume: bool, progress: bool,
-                  allow_world_size_change: bool) -> TrainResult:
-    """:func:`train` after the preflight, in its locked run directory (:data:`_RUN_LOCK`: a
-    second ``train`` there is refused instead of interleaving its log and checkpoints)."""
+def _made_by_lock(run_dir: Path) -> list[Path]:
+    """What locking ``run_dir`` creates, in the order to remove it: the lock file (when it is not
+    there yet), then the folders that do not exist yet, innermost first."""
+    made = [] if (run_dir / _RUN_LOCK).exists() else [run_dir / _RUN_LOCK]
+    for folder in (run_dir, *run_dir.parents):
+        if folder.exists():
+            break
+        made.append(folder)
+    return made
+
+
+def _remove_empty(made: list[Path]) -> None:
+    """Remove what :func:`_made_by_lock` listed (the lock file, then each folder left empty): a
+    refused ``train`` leaves the file system as it found it. Run while the lock is held."""
+    for path in made:
+        with contextlib.suppress(OSError):  # a folder someone else filled meanwhile stays
+            if path.is_dir():
+                path.rmdir()
+            else:
+                path.unlink()
+
+
+def _train_in_dir(config: ExperimentConfig, run_dir: Path, device: torch.device, checked,
+                  payload: dict[str, Any] | None, *, train_set, val_set, test_set,
+                  progress: bool) -> TrainResult:
+    """:func:`train` in its locked run directory (:data:`_RUN_LOCK`: a second ``train`` there is
+    refused instead of interleaving its log and checkpoints), opened by :func:`open_run_dir`
+    (``payload``: the checkpoint a resume continues from)."""
     ctx = context()
-    payload = on_main(open_run_dir, run_dir, config, resume)
-    if payload is not None:
-        check_world_size_change(payload, ctx.world_size, run_dir, allow_world_size_change)
     seed_everything(config.seed)
     if train_set is None:
         sets = build_datasets(config, ("train", "val", "test"), dataset=checked.dataset)
@@ -436,11 +465,14 @@ def embed_run(
     device: str = "auto",
     progress: bool = False,
 ) -> tuple[Path, np.ndarray, np.ndarray, ExperimentConfig]:
-    """Embed one split of a trained run with its best checkpoint (``dmlkit embed``).
+    """Embed one split of a trained run with a checkpoint (``dmlkit embed``): a ``.pt`` file, or
+    a run directory's best one.
 
     The datasets come from the checkpoint's config (the training split gets the evaluation
-    transform, no augmentation). Writes ``output`` (default ``RUN_DIR/embeddings/<split>.npz``,
-    with the dataset rows as ``indices``) and returns ``(path, embeddings, labels, config)``.
+    transform, no augmentation). Writes ``output`` (default ``RUN_DIR/embeddings/<split>.npz``
+    for ``best.pt``, ``RUN_DIR/embeddings/<split>-<checkpoint stem>.npz`` for another checkpoint,
+    e.g. ``test-last.npz``: :func:`default_embeddings_name`), with the dataset rows as
+    ``indices``, and returns ``(path, embeddings, labels, config)``.
 
     Under ``torchrun`` each rank embeds its shard of the split (:func:`embed_sharded`), every
     rank returns the whole split in dataset order, and rank 0 alone writes ``output``.
@@ -454,7 +486,7 @@ def embed_run(
         emb, labels = embed_sharded(
             lambda part: embed_split(job.model, part, job.config, job.device,
                                      progress=progress and job.ctx.is_main), job.dataset)
-        path = Path(output if output is not None else job.default_output(f"{split}.npz"))
+        path = Path(output if output is not None else job.default_output(".npz"))
         if job.ctx.is_main:
             path = save_embeddings(path, emb, labels, indices=dataset_rows(job.dataset))
         barrier()  # the file exists before any rank returns
@@ -474,11 +506,12 @@ def embed_run_to_shards(
     progress: bool = False,
 ) -> tuple[ShardedEmbeddings, ExperimentConfig]:
     """:func:`embed_run` into a shard directory (``dmlkit embed --format shards``; default
-    ``RUN_DIR/embeddings/<split>-shards``), batch by batch: for splits larger than RAM
+    ``RUN_DIR/embeddings/<split>-shards``, ``<split>-<checkpoint stem>-shards`` for another
+    checkpoint than ``best.pt``), batch by batch: for splits larger than RAM
     (:func:`dmlkit.embedding_shards.embed_to_shards`). Under ``torchrun`` each rank embeds and
     writes its share of the rows and rank 0 writes the manifest; every rank returns the set."""
     job = _EmbeddingJob(checkpoint, split, data_root, device)
-    directory = output if output is not None else job.default_output(f"{split}-shards")
+    directory = output if output is not None else job.default_output("-shards")
     with leaving_alone_on_failure():
         shards = embed_to_shards(
             job.model, job.dataset, directory, InferenceOptions.from_config(job.config, job.device),
@@ -527,11 +560,27 @@ class _EmbeddingJob:
     def __init__(self, checkpoint: str | Path, split: str, data_root: str | Path | None,
                  device: str) -> None:
         self.ctx, self.device = join_process_group(resolve_device(device))
+        self.split = split
         self.checkpoint, self.model, self.config, self.dataset = agree(_load_split, checkpoint, split, data_root)
 
-    def default_output(self, name: str) -> Path:
-        """``RUN_DIR/embeddings/<name>``."""
-        return _run_dir_of(self.checkpoint) / "embeddings" / name
+    def default_output(self, suffix: str) -> Path:
+        """``RUN_DIR/embeddings/<split><suffix>`` for the best checkpoint, else
+        ``RUN_DIR/embeddings/<split>-<checkpoint name><suffix>`` (:func:`default_embeddings_name`)."""
+        return _run_dir_of(self.checkpoint) / "embeddings" / default_embeddings_name(
+            self.checkpoint, self.split, suffix)
+
+
+def default_embeddings_name(checkpoint: str | Path, split: str, suffix: str = ".npz") -> str:
+    """The file ``dmlkit embed`` writes in ``RUN_DIR/embeddings`` without ``-o``.
+
+    ``best.pt`` embeds as ``<split><suffix>`` (``test.npz``): the checkpoint training embedded
+    the test classes with, so the file is the one ``metrics.json`` describes (same weights, same
+    classes from ``split.json``, same evaluation transform). Any other checkpoint gets its own
+    ``<split>-<stem><suffix>`` (``test-last.npz``): it never replaces the best checkpoint's
+    embeddings that ``dmlkit evaluate``/``compare``/``report`` read beside ``metrics.json``.
+    """
+    stem = Path(checkpoint).stem
+    return f"{split}{suffix}" if Path(checkpoint).name == "best.pt" else f"{split}-{stem}{suffix}"
 
 
 def __getattr__(name: str) -> Any:
