@@ -43,7 +43,8 @@ def _runs(tmp_path, name: str, noise: float, seeds=(0, 1, 2), folds=4) -> list[F
     for s in seeds:
         for f in range(folds):
             path = tmp_path / name / f"seed{s}" / f"fold{f}" / "embeddings" / "test.npz"
-            save_embeddings(path, _emb(noise, 1000 * s + f + sum(map(ord, name))), LABELS)
+            save_embeddings(path, _emb(noise, 1000 * s + f + sum(map(ord, name))), LABELS,
+                            indices=np.arange(LABELS.size))  # the test rows, as the trainer saves them
             runs.append(FinalRun(name, s, f, path.parents[1], path, path.parents[1] / "best.pt"))
     return runs
 

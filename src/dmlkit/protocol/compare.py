@@ -12,13 +12,19 @@
   "too few seeds to tell" and warns: a bootstrap over queries alone ignores how much a method
   moves between training runs, which is usually the larger part.
 * "Papers versus reality" (Musgrave et al. 2020, figure 4): each method's relative improvement
-  over the contrastive and the triplet loss, ``100 * (m - base) / base``.
+  over the contrastive and the triplet loss, ``100 * (m - base) / base``
+  (:func:`relative_percent`, which the report's figure uses too).
+* Pairing checks: every embedding file paired must hold the same test items: the same
+  ``indices`` (dataset rows) where both files have them, else the same labels (with a
+  warning); results files whose configs select other test items (dataset, its options, the
+  class split) are refused.
 """
 
 from __future__ import annotations
 
 import itertools
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +47,7 @@ __all__ = [
     "method_per_query",
     "method_per_seed_query",
     "relative_improvements",
+    "relative_percent",
     "render_compare_markdown",
     "significance_label",
 ]
@@ -48,47 +55,139 @@ __all__ = [
 BASELINES: tuple[str, ...] = ("contrastive", "triplet")
 
 
-def _merge(results_list: Sequence[Mapping[str, Any]]) -> dict[str, dict[str, Any]]:
-    """``{method name: entry}`` over every results file (names made unique with the bench name)."""
+def _merge(results_list: Sequence[Mapping[str, Any]]) -> tuple[dict[str, dict[str, Any]], dict[str, int]]:
+    """``{method name: entry}`` over every results file (names made unique with the bench
+    name), and ``{method name: index of its results file}``."""
     merged: dict[str, dict[str, Any]] = {}
-    for res in results_list:
+    origin: dict[str, int] = {}
+    for i, res in enumerate(results_list):
         for name, entry in res["methods"].items():
             key = name if name not in merged else f"{name}@{res.get('name', 'bench')}"
             if key in merged:
                 key = f"{name}@{res.get('_path', len(merged))}"
             merged[key] = entry
-    return merged
+            origin[key] = i
+    return merged, origin
 
 
-def method_per_seed_query(entry: Mapping[str, Any], mode: str) -> tuple[dict[str, np.ndarray], np.ndarray]:
-    """Per-query scores of one method, one row per training seed: ``{metric: (seeds, queries)}``
-    (separated: each seed's row is the mean over its fold models), and the query labels."""
+#: Dataset options that say where or how the data is read, not which items it holds (like
+#: ``data.root``, they may differ between two machines running one bench).
+_LOCATION_OPTIONS = frozenset({"download", "verify", "strict", "path", "source", "transform", "mode"})
+
+
+def _test_set_settings(results: Mapping[str, Any]) -> dict[str, Any] | None:
+    """What selects a bench's test items, from its ``results.json`` ``config``: the dataset,
+    its options (less :data:`_LOCATION_OPTIONS`) and the protocol's class split; ``None``
+    when the results hold no config."""
+    config = results.get("config")
+    if not isinstance(config, Mapping):
+        return None
+    data = (config.get("fixed") or {}).get("data") or {}
+    protocol = config.get("protocol") or {}
+    dataset = data.get("dataset")
+    settings: dict[str, Any] = {
+        "dataset": str(dataset).lower().replace("-", "_") if dataset is not None else None,
+        "data options": {k: v for k, v in sorted((data.get("options") or {}).items())
+                         if k not in _LOCATION_OPTIONS},
+        "protocol.split": protocol.get("split"),
+        "protocol.order": protocol.get("order"),
+        "protocol.num_classes": protocol.get("num_classes"),
+    }
+    if protocol.get("order") == "random":  # the seed only orders the classes when shuffled
+        settings["protocol.order_seed"] = protocol.get("order_seed")
+    return settings
+
+
+def _check_same_test_set(results_list: Sequence[Mapping[str, Any]], used: Sequence[int]) -> None:
+    """Refuse results files (those at ``used``) whose configs select other test items."""
+    ref: tuple[int, dict[str, Any]] | None = None
+    for i in dict.fromkeys(used):
+        settings = _test_set_settings(results_list[i])
+        if settings is None:
+            continue
+        if ref is None:
+            ref = (i, settings)
+            continue
+        diff = [f"{k} {ref[1].get(k)!r} vs {v!r}" for k, v in settings.items() if ref[1].get(k) != v]
+        if diff:
+            a, b = _bench_label(results_list[ref[0]]), _bench_label(results_list[i])
+            raise DataError(f"{a} and {b} were benchmarked on different test sets ({'; '.join(diff)}): "
+                            "a paired comparison needs the same test items")
+
+
+def _bench_label(results: Mapping[str, Any]) -> str:
+    return str(results.get("_path") or results.get("name", "bench"))
+
+
+@dataclass
+class _TestItems:
+    """The test queries a method's embedding files hold: the first file, its labels and the
+    dataset rows (``indices``) of the first file that has them; ``labels_only``: some file
+    holds no ``indices`` (written before they were saved), so it was matched by labels only."""
+
+    path: Path
+    labels: np.ndarray
+    indices: np.ndarray | None
+    labels_only: bool
+
+
+def _same_items(ref: _TestItems, path: Path, labels: np.ndarray, indices: np.ndarray | None) -> str | None:
+    """Why the queries of ``path`` are not those of ``ref`` (``None`` when they are)."""
+    if indices is not None and ref.indices is not None and not np.array_equal(ref.indices, indices):
+        same = ", same labels" if np.array_equal(ref.labels, labels) else ""
+        return f"different test items (other dataset rows{same})"
+    if not np.array_equal(ref.labels, labels):
+        return "different test queries (other labels)"
+    return None
+
+
+def _method_scores(entry: Mapping[str, Any], mode: str, name: str = "the method"
+                   ) -> tuple[dict[str, np.ndarray], _TestItems]:
+    """:func:`method_per_seed_query` and the test items its files hold (all checked equal)."""
     runs = entry.get("runs") or []
     if not runs:
-        raise DataError("a method in the results has no runs (embedding files) to compare")
+        raise DataError(f"{name} has no runs (embedding files) to compare")
     by_seed: dict[int, list[Mapping[str, Any]]] = {}
     for r in runs:
         by_seed.setdefault(int(r["seed"]), []).append(r)
     rows: dict[str, list[np.ndarray]] = {m: [] for m in PER_QUERY_METRICS}
-    labels_ref: np.ndarray | None = None
+    items: _TestItems | None = None
     for seed in sorted(by_seed):
         fold_runs = sorted(by_seed[seed], key=lambda r: int(r["fold"]))
         embs = []
         for r in fold_runs:
             path = Path(r["embeddings"])
-            emb, lab, _ = load_embeddings(path)
+            emb, lab, extra = load_embeddings(path)
             check_embeddings(emb, f"embeddings in {path}")  # which of the runs' files, not "query embeddings"
-            if labels_ref is None:
-                labels_ref = lab
-            elif not np.array_equal(labels_ref, lab):
-                raise DataError(f"{path}: the test queries differ from the method's other runs")
+            rows_of = extra.get("indices")
+            indices = None if rows_of is None else np.asarray(rows_of).reshape(-1)
+            if items is None:
+                items = _TestItems(path, lab, indices, indices is None)
+            else:
+                why = _same_items(items, path, lab, indices)
+                if why:
+                    raise DataError(f"{path} and {items.path} ({name}) hold {why}: a paired comparison "
+                                    "needs the same test set")
+                items.labels_only |= indices is None
+                if items.indices is None and indices is not None:
+                    items.indices = indices
             embs.append(emb)
         sets = [normalize_rows(np.concatenate(embs, axis=1))] if mode == "concatenated" else embs
-        per_set = [per_query_scores(emb, labels_ref)[0] for emb in sets]
+        per_set = [per_query_scores(emb, items.labels)[0] for emb in sets]
         for m in PER_QUERY_METRICS:
             rows[m].append(np.mean(np.stack([scores[m] for scores in per_set]), axis=0))
-    assert labels_ref is not None
-    return {m: np.stack(v) for m, v in rows.items()}, labels_ref
+    assert items is not None
+    return {m: np.stack(v) for m, v in rows.items()}, items
+
+
+def method_per_seed_query(entry: Mapping[str, Any], mode: str) -> tuple[dict[str, np.ndarray], np.ndarray]:
+    """Per-query scores of one method, one row per training seed: ``{metric: (seeds, queries)}``
+    (separated: each seed's row is the mean over its fold models), and the query labels.
+
+    Every embedding file of the method must hold the same test queries: the same ``indices``
+    (dataset rows) where both files have them, else the same labels."""
+    scores, items = _method_scores(entry, mode)
+    return scores, items.labels
 
 
 def method_per_query(entry: Mapping[str, Any], mode: str) -> tuple[dict[str, np.ndarray], np.ndarray]:
@@ -102,12 +201,17 @@ def _baseline_of(name: str, entry: Mapping[str, Any], base: str) -> bool:
     return name == base or (loss == base and name.split("@")[0].startswith(base))
 
 
-def _relative_percent(value: Any, base: Any) -> float | None:
-    """``100 * (value - base) / base``; ``None`` (n/a) when either is missing (a results file
-    holds ``null`` for a NaN mean) or the baseline is 0."""
+def relative_percent(value: Any, base: Any) -> float | None:
+    """``100 * (value - base) / base``, the one home of the relative improvement (the
+    ``compare`` tables and :func:`dmlkit.report.figures.relative_improvement`); ``None`` (n/a)
+    when either is missing (a results file holds ``null`` for a NaN mean), not finite, or the
+    baseline is 0."""
     if value is None or base is None or not base or not np.isfinite([value, base]).all():
         return None
-    return 100.0 * (value - base) / base
+    return 100.0 * (float(value) - float(base)) / float(base)
+
+
+_relative_percent = relative_percent  # the name the tests know
 
 
 def relative_improvements(methods: Mapping[str, Mapping[str, Any]], metrics: Sequence[str]) -> dict[str, Any]:
@@ -125,7 +229,7 @@ def relative_improvements(methods: Mapping[str, Mapping[str, Any]], metrics: Seq
             if name == base_name:
                 continue
             table[name] = {
-                mode: {m: _relative_percent(entry[mode][m].get("mean"), b[mode][m].get("mean"))
+                mode: {m: relative_percent(entry[mode][m].get("mean"), b[mode][m].get("mean"))
                        for m in metrics if m in entry[mode] and m in b[mode]}
                 for mode in MODES
             }
@@ -149,7 +253,7 @@ def compare_results(
     Pairs are every pair of the selected methods, or each method against ``baseline``.
     """
     results_list = [resolved_runs(r) if isinstance(r, Mapping) else load_results(r) for r in paths_or_results]
-    merged = _merge(results_list)
+    merged, origin = _merge(results_list)
     # a method, metric or mode given twice is compared once (in the order first given)
     names = list(dict.fromkeys(methods)) if methods else list(merged)
     metrics, modes = list(dict.fromkeys(metrics)), list(dict.fromkeys(modes))
@@ -168,19 +272,23 @@ def compare_results(
         raise ConfigError(f"baseline {baseline!r} is not among the compared methods {names}")
     pairs = ([(n, baseline) for n in names if n != baseline] if baseline
              else list(itertools.combinations(names, 2)))
+    _check_same_test_set(results_list, [origin[n] for n in names])
     per_query: dict[tuple[str, str], dict[str, np.ndarray]] = {}
-    labels_seen: np.ndarray | None = None
+    first: tuple[str, _TestItems] | None = None
+    labels_only: list[str] = []
     for name in names:
         for mode in modes:
-            scores, labels = method_per_seed_query(merged[name], mode)
-            if labels_seen is None:
-                labels_seen = labels
-            elif not np.array_equal(labels_seen, labels):
-                raise DataError(
-                    f"method {name!r} was tested on other queries than {names[0]!r}: a paired "
-                    "comparison needs the same test set (same dataset, split and order)"
-                )
+            scores, items = _method_scores(merged[name], mode, f"method {name!r}")
+            if first is None:
+                first = (name, items)
+            elif mode == modes[0]:  # the same files in every mode
+                why = _same_items(first[1], items.path, items.labels, items.indices)
+                if why:
+                    raise DataError(f"methods {first[0]!r} ({first[1].path}) and {name!r} ({items.path}) "
+                                    f"were tested on {why}: a paired comparison needs the same test set")
             per_query[(name, mode)] = scores
+        if items.labels_only or items.indices is None or (first is not None and first[1].indices is None):
+            labels_only.append(name)
     seeds = {name: int(per_query[(name, modes[0])][metrics[0]].shape[0]) for name in names}
     warnings = [
         f"{name} has {n} seed{'s' if n != 1 else ''}: too few to tell a real difference from "
@@ -188,6 +296,12 @@ def compare_results(
         "differences are reported but never called significant"
         for name, n in seeds.items() if n < MIN_SEEDS_FOR_SIGNIFICANCE
     ]
+    if labels_only:
+        warnings.append(
+            f"the test queries of {', '.join(labels_only)} were matched by their labels only (their "
+            "embedding files hold no `indices`, the dataset rows older versions did not save): runs "
+            "on other test items with the same labels would be paired unnoticed"
+        )
     comparisons = []
     for a, b in pairs:
         for mode in modes:
@@ -204,6 +318,8 @@ def compare_results(
         "seeds": seeds,
         "min_seeds_for_significance": MIN_SEEDS_FOR_SIGNIFICANCE,
         "warnings": warnings,
+        # how the test queries were matched: by the files' dataset rows, or by labels alone
+        "paired_by": "labels" if labels_only else "indices",
         "resamples": resamples,
         "seed": seed,
         "confidence": confidence,

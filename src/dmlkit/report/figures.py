@@ -38,6 +38,7 @@ import matplotlib.pyplot as plt
 from matplotlib.figure import Figure
 
 from dmlkit.exceptions import ConfigError, DataError, ShapeError
+from dmlkit.protocol.compare import relative_percent
 from dmlkit.validation import check_embeddings
 
 __all__ = [
@@ -399,7 +400,8 @@ def relative_improvement(
     baselines: Sequence[str] = ("contrastive", "triplet"),
     metric: str = "map_at_r",
 ) -> Figure:
-    """Relative improvement ``100 * (m - m_base) / m_base`` of each method over each baseline.
+    """Relative improvement ``100 * (m - m_base) / m_base`` of each method over each baseline
+    (:func:`dmlkit.protocol.compare.relative_percent`; n/a for a missing, NaN or zero value).
 
     Args:
         results: ``{method: {metric: value}}`` (e.g. the concatenated MAP@R of a benchmark).
@@ -413,9 +415,9 @@ def relative_improvement(
     width = 0.8 / len(present)
     x = np.arange(len(methods))
     for i, base in enumerate(present):
-        ref = float(results[base][metric])
-        rel = np.array([100 * (float(results[m][metric]) - ref) / ref if ref and np.isfinite(ref) else np.nan
-                        for m in methods])
+        ref = results[base][metric]
+        rel = np.array([np.nan if (p := relative_percent(results[m][metric], ref)) is None else p
+                        for m in methods], dtype=float)
         known = np.isfinite(rel)
         # no value (NaN, or a baseline at 0) is an empty bar labelled n/a: an undrawn NaN bar
         # sat on the zero line and read as "no improvement"
