@@ -92,3 +92,98 @@ def test_reid_junk_ids_that_are_no_sequence_of_ids_are_a_config_error(junk):
     with pytest.raises(ConfigError, match=says):
         ranked_examples(q, g, qi, gi, queries=[0], junk_ids=junk)
     assert evaluate_reid(q, g, qi, gi, junk_ids=np.array([3])).num_queries == 6
+
+
+# -- export/service: the image's fault is a 4xx before the model runs, the model's a logged 500 -------
+class _Switch:
+    """A SmallCNN forward that records the inputs it sees (shape, any non-zero) and fails (as a runtime out of
+    memory would) while ``fail`` is set."""
+
+    def __init__(self):
+        import torch
+
+        from dmlkit.apps.export import _torch_forward
+        from dmlkit.models.trunks import SmallCNN
+
+        torch.manual_seed(0)
+        self.inner = _torch_forward(SmallCNN(in_channels=1).eval(), "cpu")
+        self.fail, self.seen = False, []
+
+    def __call__(self, x: np.ndarray) -> np.ndarray:
+        self.seen.append((x.shape, bool(x.any())))  # blank probes hold zeros only
+        if self.fail:
+            raise RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB (/srv/secret/weights.pt)")
+        return self.inner(x)
+
+
+def _service(embedder):
+    pytest.importorskip("fastapi")
+    from fastapi.testclient import TestClient
+
+    from dmlkit.apps.service import ServiceConfig, create_app
+
+    idx = EmbeddingIndex(np.random.default_rng(0).normal(size=(10, 128)).astype(np.float32))
+    return TestClient(create_app(ServiceConfig(index="unused", threshold=0.5), index=idx, embedder=embedder),
+                      raise_server_exceptions=False)
+
+
+def test_a_model_failure_is_a_logged_500_and_a_bad_image_a_422_before_the_model_runs(caplog):
+    from dmlkit.apps.export import ImageEmbedder
+    from dmlkit.exceptions import DataError
+    from test_service_index_audit import _png
+
+    forward = _Switch()
+    client = _service(ImageEmbedder(forward, None, None, 1, "torch"))
+    assert client.post("/api/query/image", files={"file": ("a.png", _png(32))}).status_code == 200
+    forward.fail = True
+    with caplog.at_level("ERROR", logger="dmlkit.service"):
+        response = client.post("/api/query/image", files={"file": ("a.png", _png(32))})
+        verify = client.post("/api/verify", files={"image1": ("a.png", _png(32)), "image2": ("b.png", _png(32))})
+    for r in (response, verify):
+        assert r.status_code == 500, r.text
+        assert "server error" in r.json()["detail"]
+        assert "memory" not in r.text and "secret" not in r.text  # nothing internal leaks
+    logged = [r.getMessage() for r in caplog.records if r.name == "dmlkit.service"]
+    assert len(logged) == 2 and all("CUDA out of memory" in m for m in logged)  # the cause, on the server
+    assert logged[0].startswith("POST /api/query/image") and logged[1].startswith("POST /api/verify")
+    assert client.get("/api/metrics").json()["status"].get("5xx") == 2
+    # an image too small for the CNN's pooling is still the client's 422, found before the model runs
+    forward.fail = False
+    forward.seen.clear()
+    tiny = client.post("/api/query/image", files={"file": ("a.png", _png(4))})
+    assert tiny.status_code == 422 and "smallest input side is" in tiny.json()["detail"], tiny.text
+    assert not any(image for _, image in forward.seen)  # the model never saw the image (blank probes at most)
+    # the Python API: the model's failure is no DataError (the image's fault) but EmbedderFailure
+    from PIL import Image
+
+    from dmlkit.apps.export import EmbedderFailure
+
+    forward.fail = True
+    embedder = ImageEmbedder(forward, None, 32, 1, "torch")
+    with pytest.raises(EmbedderFailure, match="out of memory") as err:
+        embedder([Image.new("L", (32, 32))])
+    assert not isinstance(err.value, DataError)
+
+
+def test_a_fixed_size_model_refuses_another_size_without_running():
+    from PIL import Image
+
+    from dmlkit.apps.export import ImageEmbedder
+    from dmlkit.exceptions import DataError
+
+    forward = _Switch()
+    embedder = ImageEmbedder(forward, None, None, 1, "onnxruntime", input_shape=(1, 32, 32))
+    with pytest.raises(DataError, match=r"preprocessed to 1x40x40 .*: it takes 1x32x32"):
+        embedder([Image.new("L", (40, 40))])
+    assert forward.seen == []
+    assert embedder([Image.new("L", (32, 32))]).shape == (1, 128)
+
+
+def test_a_model_that_fails_at_start_up_is_one_config_error():
+    from dmlkit.apps.export import ImageEmbedder
+    from dmlkit.exceptions import ConfigError
+
+    forward = _Switch()
+    forward.fail = True
+    with pytest.raises(ConfigError, match="cannot embed a blank image at start-up: .*out of memory"):
+        _service(ImageEmbedder(forward, None, 32, 1, "torch"))

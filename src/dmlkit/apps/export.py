@@ -22,7 +22,7 @@ import os
 import sys
 import warnings
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -42,7 +42,7 @@ from dmlkit.metrics import evaluate, knn
 from dmlkit.training import build_datasets, load_checkpoint
 from dmlkit.utils import atomic_write_json, os_error_message, read_json_object, sha256_file
 
-__all__ = ["ImageEmbedder", "export_model", "load_embedder", "parity_report"]
+__all__ = ["EmbedderFailure", "ImageEmbedder", "export_model", "load_embedder", "parity_report"]
 
 FORMATS = ("onnx", "torchscript")
 _SUFFIX = {"onnx": ".onnx", "torchscript": ".pt"}
@@ -51,12 +51,20 @@ _MANIFEST_FORMAT = "dmlkit-export-v1"
 _DEFAULT_OPSET = 17
 
 
+class EmbedderFailure(RuntimeError):
+    """The model failed on input it accepts (out of memory, a broken ONNX session, ...): the
+    server's fault, not the images'. ``dmlkit serve`` answers it with a 500 and logs the cause;
+    images the model cannot take are refused as :class:`~dmlkit.exceptions.DataError` before
+    the model runs (:meth:`ImageEmbedder.check_input`)."""
+
+
 @dataclass
 class ImageEmbedder:
     """``embedder(images) -> (N, D) float32`` for PIL images, with the model's preprocessing.
 
     ``forward`` maps a preprocessed ``(N, C, H, W)`` float32 array to embeddings; ``runtime``
-    names it (``torch``, ``onnxruntime``, ``torchscript``).
+    names it (``torch``, ``onnxruntime``, ``torchscript``). ``input_shape``: the ``(C, H, W)``
+    the model takes (``None``: any size), where the runtime says (a fixed-size ONNX export).
     """
 
     forward: Callable[[np.ndarray], np.ndarray]
@@ -65,11 +73,18 @@ class ImageEmbedder:
     in_channels: int
     runtime: str
     batch_size: int = 64
+    input_shape: tuple[int | None, ...] | None = None
+    _smallest: int | None = field(default=None, init=False, repr=False)
 
     @property
     def mode(self) -> str:
         """The PIL mode images are converted to before the transform."""
         return "L" if self.in_channels == 1 else "RGB"
+
+    @property
+    def reference_side(self) -> int:
+        """The side of an image the model takes (``dmlkit serve`` embeds one at start-up)."""
+        return self.image_size or 64
 
     def preprocess(self, images: Sequence[Any]) -> np.ndarray:
         """PIL images -> ``(N, C, H, W)`` float32 with the run's evaluation transform, each first
@@ -94,16 +109,52 @@ class ImageEmbedder:
                             "must fix the size (set data.image_size)")
         return torch.stack(out).numpy().astype(np.float32, copy=False)
 
+    def smallest_side(self) -> int:
+        """The smallest square side the model embeds (found once, by embedding blank squares of
+        sides up to :attr:`reference_side`): the pooling of a CNN that keeps the images' size
+        needs a few pixels. :class:`EmbedderFailure` when even the reference side fails."""
+        if self._smallest is None:
+            def takes(side: int) -> bool:
+                try:
+                    self.forward(np.zeros((1, self.in_channels, side, side), dtype=np.float32))
+                except (RuntimeError, MemoryError):
+                    return False
+                return True
+
+            lo, hi = 1, self.reference_side
+            if not takes(hi):
+                raise EmbedderFailure(f"the {self.runtime} model cannot embed a blank {hi}x{hi} image")
+            while lo < hi:  # the smallest side that works (pooling needs grow with the side)
+                mid = (lo + hi) // 2
+                lo, hi = (lo, mid) if takes(mid) else (mid + 1, hi)
+            self._smallest = hi
+        return self._smallest
+
+    def check_input(self, x: np.ndarray) -> None:
+        """Refuse, before the model runs, preprocessed images it cannot take: the wrong size for
+        a fixed-size export, or smaller than its :meth:`smallest_side` (:class:`DataError`)."""
+        shape = tuple(int(v) for v in x.shape[1:])
+        got = "x".join(map(str, shape))
+        fixed = self.input_shape
+        if fixed is not None and any(want is not None and want != have for want, have in zip(fixed, shape)):
+            takes = "x".join("any" if v is None else str(v) for v in fixed)
+            raise DataError(f"the model cannot embed images preprocessed to {got} (channels x height x width): "
+                            f"it takes {takes}; send an image of the size the model was trained on")
+        side = min(shape[1:])
+        if side < self.reference_side and side < self.smallest_side():
+            raise DataError(f"the model cannot embed images preprocessed to {got} (channels x height x width): "
+                            f"its smallest input side is {self.smallest_side()} pixels; send an image of the "
+                            "size the model was trained on")
+
     def __call__(self, images: Sequence[Any]) -> np.ndarray:
         x = self.preprocess(images)
+        self.check_input(x)  # the images' fault: a DataError before the model runs
         try:
             parts = [self.forward(x[i:i + self.batch_size]) for i in range(0, len(x), self.batch_size)]
-        except RuntimeError as exc:  # an image too small for the pooling of a model that keeps the size,
-            # or not the size of a fixed-size export: the image's fault, not the server's
-            reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
-            raise DataError(f"the model cannot embed images preprocessed to {'x'.join(map(str, x.shape[1:]))} "
-                            f"(channels x height x width): {reason}; send an image of the size the model "
-                            "was trained on") from None
+        except (RuntimeError, MemoryError) as exc:  # input it takes: the model's (the server's) fault
+            reason = (str(exc).strip().splitlines() or [""])[0][:200]
+            raise EmbedderFailure(f"the {self.runtime} model failed on {len(x)} image(s) preprocessed to "
+                                  f"{'x'.join(map(str, x.shape[1:]))}: {type(exc).__name__}: {reason}") from exc
         emb = np.concatenate(parts).astype(np.float32, copy=False)
         if not np.isfinite(emb).all():
             raise NonFiniteError("the model produced NaN/inf embeddings for these images")
@@ -120,13 +171,16 @@ def _torch_forward(model: Any, device: str) -> Callable[[np.ndarray], np.ndarray
     return forward
 
 
-def _onnx_forward(path: Path) -> Callable[[np.ndarray], np.ndarray]:
+def _onnx_forward(path: Path) -> tuple[Callable[[np.ndarray], np.ndarray], tuple[int | None, ...] | None]:
+    """``(forward, input (C, H, W))`` of an ONNX model (``None`` for a dimension the graph leaves free)."""
     ort = require("onnxruntime", "export")
     try:
         session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
     except Exception as exc:  # onnxruntime raises its own exception types
         raise CheckpointError(f"onnxruntime cannot load {path}: {exc}") from exc
     name = session.get_inputs()[0].name
+    dims = list(session.get_inputs()[0].shape or [])
+    shape = tuple(d if isinstance(d, int) and d > 0 else None for d in dims[1:]) if len(dims) == 4 else None
 
     def forward(x: np.ndarray) -> np.ndarray:
         try:
@@ -136,7 +190,7 @@ def _onnx_forward(path: Path) -> Callable[[np.ndarray], np.ndarray]:
                 raise RuntimeError(str(exc)) from exc
             raise
 
-    return forward
+    return forward, shape
 
 
 def _torchscript_load(path: Path) -> Any:
@@ -168,11 +222,12 @@ def load_embedder(path: str | os.PathLike, device: str = "cpu") -> ImageEmbedder
             raise DataError(f"{path} is not the model its manifest {_manifest_path(path).name} describes "
                             "(replaced after the export): export it again with `dmlkit export`")
         format, transform, image_size, in_channels = _manifest_settings(manifest, _manifest_path(path))
+        shape = None
         if format == "onnx":
-            forward, runtime = _onnx_forward(path), "onnxruntime"
+            (forward, shape), runtime = _onnx_forward(path), "onnxruntime"
         else:
             forward, runtime = _torch_forward(_torchscript_load(path), "cpu"), "torchscript"
-        return ImageEmbedder(forward, transform, image_size, in_channels, runtime)
+        return ImageEmbedder(forward, transform, image_size, in_channels, runtime, input_shape=shape)
     if path.is_file() and path.suffix == ".onnx":
         raise DataError(f"{path} has no manifest {_manifest_path(path).name}: export it with `dmlkit export`")
     model, config = load_checkpoint(path, device=device)
@@ -359,7 +414,7 @@ def export_model(run_dir: str | os.PathLike, format: str = "onnx", output: str |
             import onnx
 
             onnx.checker.check_model(str(tmp))
-            forward, runtime = _onnx_forward(tmp), "onnxruntime"
+            forward, runtime = _onnx_forward(tmp)[0], "onnxruntime"
         else:
             forward, runtime = _torch_forward(_torchscript_load(tmp), "cpu"), "torchscript"
         reference = np.concatenate([_torch_forward(model, "cpu")(x[i:i + 64]) for i in range(0, len(x), 64)])

@@ -17,12 +17,16 @@ Endpoints (JSON unless noted; the OpenAPI schema is at ``/openapi.json``, docs a
 
 Bad input gets a 4xx with ``{"detail": "<what to do>"}``: 400 not an image, 404 unknown id,
 409 the service lacks a model or threshold, 413 body over the limit or image too large, 422
-wrong embedding size, non-finite values, k out of range or an image the model cannot embed.
+wrong embedding size, non-finite values, k out of range or an image the model cannot embed
+(checked before the model runs: :meth:`dmlkit.apps.export.ImageEmbedder.check_input`). A model
+that fails on an image it takes (out of memory, a broken ONNX session) is a 500 whose cause is
+logged (``dmlkit.service``) and not sent.
 """
 
 
 import io
 import json
+import logging
 import math
 import threading
 import time
@@ -38,6 +42,7 @@ import numpy as np
 from dmlkit.exceptions import ConfigError, DataError, DataNotFoundError, DmlkitError, require
 
 STATIC = Path(__file__).parent / "static"
+logger = logging.getLogger("dmlkit.service")
 
 
 @dataclass
@@ -193,9 +198,16 @@ def create_app(config: ServiceConfig, *, index: Any = None, embedder: Any = None
         from dmlkit.apps.export import load_embedder  # lazy: torch/onnxruntime only with a model
 
         embedder = load_embedder(config.model, device=config.device)
-    if embedder is not None and idx.dim and embedder(_probe_image(embedder)).shape[1] != idx.dim:
-        raise ConfigError(f"the model gives {embedder(_probe_image(embedder)).shape[1]}-d embeddings but the index "
-                          f"holds {idx.dim}-d ones: serve the model the index was built with")
+    if embedder is not None and idx.dim:
+        from dmlkit.apps.export import EmbedderFailure  # lazy: torch/onnxruntime only with a model
+
+        try:
+            probe_dim = embedder(_probe_image(embedder)).shape[1]
+        except EmbedderFailure as exc:  # at start: a model that cannot serve, one line
+            raise ConfigError(f"the model cannot embed a blank image at start-up: {exc}") from exc
+        if probe_dim != idx.dim:
+            raise ConfigError(f"the model gives {probe_dim}-d embeddings but the index "
+                              f"holds {idx.dim}-d ones: serve the model the index was built with")
     threshold, verify_distance = _load_threshold(config)
     verify_distance = verify_distance or idx.distance
     root = config.data_root or idx.info.get("data_root")
@@ -233,6 +245,18 @@ def create_app(config: ServiceConfig, *, index: Any = None, embedder: Any = None
     async def _dmlkit_error(request: Request, exc: DmlkitError) -> Any:
         status = 404 if isinstance(exc, DataError) and "not in the index" in str(exc) else 422
         return JSONResponse(status_code=status, content={"detail": str(exc)})
+
+    if embedder is not None:
+        from dmlkit.apps.export import EmbedderFailure  # lazy: torch/onnxruntime only with a model
+
+        @app.exception_handler(EmbedderFailure)
+        async def _model_failure(request: Request, exc: EmbedderFailure) -> Any:
+            # the model failed on images it takes (out of memory, a broken session): the
+            # server's fault, logged with its cause; the client learns nothing internal
+            logger.error("%s %s: %s", request.method, request.url.path, exc, exc_info=exc)
+            return JSONResponse(status_code=500, content={
+                "detail": "the model failed to embed the image (a server error, logged by the service): "
+                          "try again later or tell the service's operator"})
 
     class Neighbour(BaseModel):
         rank: int
