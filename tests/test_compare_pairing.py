@@ -89,6 +89,14 @@ def test_benches_on_other_machines_are_compared(tmp_path):
     assert report["paired_by"] == "indices" and len(report["comparisons"]) == 1
 
 
+def test_benches_naming_one_dataset_by_two_aliases_are_compared(tmp_path):
+    """``orl`` is ``att_faces`` to the loader, so to compare too."""
+    a = _bench(tmp_path, "a", data={"dataset": "orl"})
+    b = _bench(tmp_path, "b", data={"dataset": "att_faces"})
+    report = _compare([a, b], methods=["ms", "ms@b"])
+    assert report["paired_by"] == "indices" and len(report["comparisons"]) == 1
+
+
 # -- older files without indices: compared by labels, with a warning --------------------------
 def test_files_without_indices_are_paired_by_labels_with_a_warning(tmp_path, run_cli):
     a, b = _bench(tmp_path, "a", None), _bench(tmp_path, "b", None)

@@ -139,10 +139,10 @@ def test_compare_and_plot_improvement_read_a_null_mean_as_n_a(tmp_path, run_cli,
 
 @pytest.mark.parametrize("values", [(None, 0.2), (0.3, None), (0.3, 0.0), (0.3, float("nan"))])
 def test_relative_percent_is_none_without_both_values(values):
-    from dmlkit.protocol.compare import _relative_percent
+    from dmlkit.protocol.compare import relative_percent
 
-    assert _relative_percent(*values) is None
-    assert _relative_percent(0.3, 0.2) == pytest.approx(50.0)
+    assert relative_percent(*values) is None
+    assert relative_percent(0.3, 0.2) == pytest.approx(50.0)
 
 
 def test_report_map_without_umap_learn_is_titled_pca(tmp_path, monkeypatch):

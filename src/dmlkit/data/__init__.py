@@ -18,6 +18,7 @@ from dmlkit.data.base import (
 from dmlkit.data.datasets import (
     DATASETS,
     IMAGE_EXTENSIONS,
+    canonical_dataset_name,
     load_dataset,
     register_dataset,
     verify_sha256,
@@ -45,6 +46,7 @@ __all__ = [
     "IMAGENET_STD",
     "IMAGE_EXTENSIONS",
     "ArrayDataset",
+    "canonical_dataset_name",
     "load_cars196",
     "load_cub200",
     "load_inshop",

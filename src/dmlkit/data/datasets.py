@@ -39,7 +39,7 @@ from dmlkit.data.base import ArrayDataset, ImageFileDataset, MetricDataset
 from dmlkit.exceptions import ConfigError, DataError, DataNotFoundError
 from dmlkit.utils import data_root, sha256_file
 
-__all__ = ["DATASETS", "IMAGE_EXTENSIONS", "load_dataset", "register_dataset", "verify_sha256"]
+__all__ = ["DATASETS", "IMAGE_EXTENSIONS", "canonical_dataset_name", "load_dataset", "register_dataset", "verify_sha256"]
 
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".pgm", ".ppm", ".tif", ".tiff", ".webp", ".gif")
 
@@ -57,6 +57,18 @@ def register_dataset(name: str) -> Callable[[DatasetFactory], DatasetFactory]:
     return deco
 
 
+_ALIASES = {"cub": "cub200", "cub_200_2011": "cub200", "cars": "cars196",
+            "stanford_online_products": "sop", "in_shop": "inshop", "att": "att_faces",
+            "orl": "att_faces", "alphadigits": "binary_alphadigits", "folder": "image_folder"}
+
+
+def canonical_dataset_name(name: str) -> str:
+    """The registry key of dataset ``name``: lower case, ``-`` read as ``_``, an alias resolved
+    (``"CUB-200-2011"`` and ``"cub"`` are ``"cub200"``); unknown names are returned so."""
+    key = name.lower().replace("-", "_")
+    return _ALIASES.get(key, key)
+
+
 def load_dataset(name: str, root: str | os.PathLike | None = None, download: bool = False,
                  **kwargs: Any) -> MetricDataset:
     """Load dataset ``name`` (see the module table) with all its classes.
@@ -66,11 +78,7 @@ def load_dataset(name: str, root: str | os.PathLike | None = None, download: boo
     missing files from the original source where one is public. Other keyword arguments go to
     the loader (``transform``, ``skip_corrupt``, ``verify``, ...).
     """
-    key = name.lower().replace("-", "_")
-    aliases = {"cub": "cub200", "cub_200_2011": "cub200", "cars": "cars196",
-               "stanford_online_products": "sop", "in_shop": "inshop", "att": "att_faces",
-               "orl": "att_faces", "alphadigits": "binary_alphadigits", "folder": "image_folder"}
-    key = aliases.get(key, key)
+    key = canonical_dataset_name(name)
     if key not in DATASETS:
         raise ConfigError(f"unknown dataset {name!r}; choose one of {sorted(DATASETS)}")
     return DATASETS[key](root=root, download=download, **kwargs)

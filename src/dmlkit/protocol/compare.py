@@ -30,6 +30,7 @@ from typing import Any
 
 import numpy as np
 
+from dmlkit.data import canonical_dataset_name
 from dmlkit.embeddings import load_embeddings
 from dmlkit.exceptions import ConfigError, DataError
 from dmlkit.protocol.results import MODES, load_results, metric_label, resolved_runs
@@ -86,7 +87,7 @@ def _test_set_settings(results: Mapping[str, Any]) -> dict[str, Any] | None:
     protocol = config.get("protocol") or {}
     dataset = data.get("dataset")
     settings: dict[str, Any] = {
-        "dataset": str(dataset).lower().replace("-", "_") if dataset is not None else None,
+        "dataset": canonical_dataset_name(str(dataset)) if dataset is not None else None,
         "data options": {k: v for k, v in sorted((data.get("options") or {}).items())
                          if k not in _LOCATION_OPTIONS},
         "protocol.split": protocol.get("split"),
@@ -209,9 +210,6 @@ def relative_percent(value: Any, base: Any) -> float | None:
     if value is None or base is None or not base or not np.isfinite([value, base]).all():
         return None
     return 100.0 * (float(value) - float(base)) / float(base)
-
-
-_relative_percent = relative_percent  # the name the tests know
 
 
 def relative_improvements(methods: Mapping[str, Mapping[str, Any]], metrics: Sequence[str]) -> dict[str, Any]:
