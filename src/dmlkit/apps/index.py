@@ -41,6 +41,7 @@ from dmlkit.apps.index_exact import (
     RowNorms,
     candidate_scores,
     exact_search,
+    first_kept,
     row_norms,
 )
 from dmlkit.apps.index_exact import to_numpy_embeddings as _to_numpy_embeddings
@@ -428,10 +429,9 @@ class EmbeddingIndex:
         dist, keys = self._faiss_index.search(qp, k_search, params=self._search_params(setting))
         pos = self._rows_of_keys(keys)
         if exclude is not None:  # the first `width` candidates that are not the excluded row
-            drop = (pos == np.asarray(exclude)[:, None]) & (pos >= 0)
-            order = np.argsort(drop, axis=1, kind="stable")[:, :min(width, k_search)]
-            pos, dist = np.take_along_axis(pos, order, axis=1), np.take_along_axis(dist, order, axis=1)
-            pos = np.where(np.take_along_axis(drop, order, axis=1), -1, pos)
+            order, gone = first_kept((pos == np.asarray(exclude)[:, None]) & (pos >= 0), min(width, k_search))
+            pos = np.where(gone, -1, np.take_along_axis(pos, order, axis=1))
+            dist = np.take_along_axis(dist, order, axis=1)
         if rerank:  # exact re-ranking of the candidates on the stored vectors
             scores = candidate_scores(self.embeddings, q, pos, self.distance, self._unit, self._inverse_norms(),
                                       q_unit=qp if self._unit else None)

@@ -28,7 +28,10 @@ from dmlkit.distances import get_distance
 from dmlkit.exceptions import DependencyError, ShapeError, require
 from dmlkit.validation import check_embeddings, normalize_rows
 
-__all__ = ["InverseNorms", "RowNorms", "candidate_scores", "exact_search", "row_norms", "to_numpy_embeddings"]
+__all__ = [
+    "InverseNorms", "RowNorms", "candidate_scores", "exact_search", "first_kept", "row_norms",
+    "to_numpy_embeddings",
+]
 
 SMALL_EXACT = 2**22  # numpy path: Q x M <= this many scores in one matmul, else the blockwise kNN
 CANDIDATE_MARGIN = 16  # candidates = 2k + this; the float64 scores order them
@@ -247,3 +250,12 @@ def _gathered_dots(x: np.ndarray, q: np.ndarray, rows: np.ndarray, l2: bool = Fa
     fn(faiss.swig_ptr(out), faiss.swig_ptr(q), faiss.swig_ptr(x), faiss.swig_ptr(rows), x.shape[1], q.shape[0],
        rows.shape[1])
     return out
+
+
+def first_kept(drop: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """Per row of a neighbour list, the columns of its first ``k`` entries where ``drop`` is
+    false, in their order (a stable sort of ``drop``), and which of those ``k`` are dropped ones
+    after all (a row with fewer than ``k`` kept entries): take the list's columns in that order
+    and mask the second array with ``-1``."""
+    order = np.argsort(drop, axis=1, kind="stable")[:, :k]
+    return order, np.take_along_axis(drop, order, axis=1)

@@ -28,14 +28,14 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from dmlkit.apps.index_exact import to_numpy_embeddings
+from dmlkit.apps.index_exact import first_kept, to_numpy_embeddings
 from dmlkit.apps.index_faiss import flush_graph_reserve
 from dmlkit.exceptions import ConfigError, DataError, ShapeError
 
 if TYPE_CHECKING:
     from dmlkit.apps.index import EmbeddingIndex
 
-__all__ = ["drop_self", "measure_recall", "recall_at_k", "search_settings", "tune"]
+__all__ = ["measure_recall", "recall_at_k", "search_settings", "tune"]
 
 RERANK_FACTORS = (1, 2, 4, 8, 16, 32, 64)
 EF_VALUES = (16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048, 3072, 4096)
@@ -56,16 +56,10 @@ def recall_at_k(approx: np.ndarray, exact: np.ndarray, k: int) -> float:
     return hits / (approx.shape[0] * k)
 
 
-def drop_self(found: np.ndarray, rows: np.ndarray, k: int) -> np.ndarray:
-    """Drop each query's own row from its neighbour list and keep ``k`` entries (``-1`` pads)."""
-    return _drop(found, found == rows[:, None], k)
-
-
 def _drop(found: np.ndarray, drop: np.ndarray, k: int) -> np.ndarray:
     """The first ``k`` entries of each row of ``found`` where ``drop`` is false (``-1`` pads)."""
-    order = np.argsort(drop, axis=1, kind="stable")[:, :k]
-    out = np.take_along_axis(found, order, axis=1)
-    return np.where(np.take_along_axis(drop, order, axis=1), -1, out)
+    order, gone = first_kept(drop, k)
+    return np.where(gone, -1, np.take_along_axis(found, order, axis=1))
 
 
 def recall_sample(index: EmbeddingIndex, num_queries: int, seed: int) -> np.ndarray:
