@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import copy
 import importlib
+import json
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 import torch
@@ -207,6 +209,31 @@ TINY_OPTIMIZER = {"preset": "cpu_quick"}
 def tiny_sections() -> dict:
     """Fresh copies of the ``model``, ``loss`` and ``optimizer`` config sections above."""
     return copy.deepcopy({"model": TINY_MODEL, "loss": TINY_LOSS, "optimizer": TINY_OPTIMIZER})
+
+
+def omniglot_run_config(directory, name: str, *, train: range, val: range, file: str = "config.yaml",
+                        data: dict | None = None, **sections) -> Path:
+    """Write a small Omniglot run config to ``directory/file`` and return its path: a split file
+    beside it (``train`` / ``val`` background classes, the evaluation classes 964-973 as test),
+    28-pixel grayscale, :func:`tiny_sections`' model, loss and optimizer; ``data`` adds to the
+    data section, ``sections`` add top-level ones (sampler, training, miner, ...)."""
+    import yaml
+
+    directory = Path(directory)
+    split = {"train": list(train), "val": list(val), "test": list(range(964, 974))}
+    (directory / "split.json").write_text(json.dumps(split))
+    config = {
+        "name": name,
+        "seed": 1,
+        "data": {"dataset": "omniglot", "options": {"sets": ["background", "evaluation"]},
+                 "split": {"kind": "file", "path": str(directory / "split.json")},
+                 "transform": "grayscale", "image_size": 28, **(data or {})},
+        **tiny_sections(),
+        **sections,
+    }
+    path = directory / file
+    path.write_text(yaml.safe_dump(config))
+    return path
 
 
 def bench_entries(tmp_path, cfg, labels, centres: int) -> dict:

@@ -19,29 +19,18 @@ import pytest
 import torch
 import yaml
 
-from _reference import tiny_sections
+from _reference import omniglot_run_config
 from dmlkit.cli import main
 
 REPO = Path(__file__).resolve().parents[1]
 
 
 def _write_config(tmp_path: Path, epochs: int = 4) -> Path:
-    split = {"train": list(range(0, 20)), "val": list(range(20, 26)), "test": list(range(964, 974))}
-    (tmp_path / "split.json").write_text(json.dumps(split))
-    config = {
-        "name": "cli-slice",
-        "seed": 1,
-        "data": {"dataset": "omniglot", "options": {"sets": ["background", "evaluation"]},
-                 "split": {"kind": "file", "path": str(tmp_path / "split.json")},
-                 "transform": "grayscale", "image_size": 28},
-        **tiny_sections(),  # model, loss, optimizer
-        "miner": {"name": "semi_hard"},
-        "sampler": {"classes_per_batch": 4, "samples_per_class": 4, "batches_per_epoch": 6},
-        "training": {"epochs": epochs, "device": "cpu", "log_every": 2, "csv_log": True},
-    }
-    path = tmp_path / "config.yaml"
-    path.write_text(yaml.safe_dump(config))
-    return path
+    return omniglot_run_config(
+        tmp_path, "cli-slice", train=range(0, 20), val=range(20, 26),
+        miner={"name": "semi_hard"},
+        sampler={"classes_per_batch": 4, "samples_per_class": 4, "batches_per_epoch": 6},
+        training={"epochs": epochs, "device": "cpu", "log_every": 2, "csv_log": True})
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess:

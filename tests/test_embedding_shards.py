@@ -195,24 +195,14 @@ def test_embed_to_shards_streams_the_inference_loop(tmp_path):
 def test_cli_embed_shards_then_evaluate_the_directory(tmp_path, capsys, data_root):
     """`dmlkit embed --format shards --dtype float16` on a trained Omniglot run, then `dmlkit
     evaluate SHARD_DIR` equals evaluate() on the values the shards hold."""
-    import yaml
 
-    from _reference import tiny_sections
+    from _reference import omniglot_run_config
     from dmlkit.cli import main
     from dmlkit.metrics import evaluate
 
-    split = {"train": list(range(0, 8)), "val": list(range(20, 24)), "test": list(range(964, 974))}
-    (tmp_path / "split.json").write_text(json.dumps(split))
-    config = {
-        "name": "shards", "seed": 1,
-        "data": {"dataset": "omniglot", "options": {"sets": ["background", "evaluation"]},
-                 "split": {"kind": "file", "path": str(tmp_path / "split.json")},
-                 "transform": "grayscale", "image_size": 28},
-        **tiny_sections(),
-        "sampler": {"classes_per_batch": 4, "samples_per_class": 4, "batches_per_epoch": 1},
-        "training": {"epochs": 1, "device": "cpu"},
-    }
-    (tmp_path / "c.yaml").write_text(yaml.safe_dump(config))
+    omniglot_run_config(tmp_path, "shards", train=range(0, 8), val=range(20, 24), file="c.yaml",
+                        sampler={"classes_per_batch": 4, "samples_per_class": 4, "batches_per_epoch": 1},
+                        training={"epochs": 1, "device": "cpu"})
 
     def run(*args):
         try:

@@ -13,35 +13,23 @@
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 
 import pytest
 import yaml
 
-from _reference import tiny_sections
+from _reference import omniglot_run_config
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _config(tmp_path: Path, **data: object) -> Path:
     """A one-step Omniglot run (4 x 4 batch, 10 test classes), written to ``tmp_path``."""
-    split = {"train": list(range(0, 12)), "val": list(range(12, 16)), "test": list(range(964, 974))}
-    (tmp_path / "split.json").write_text(json.dumps(split))
-    config = {
-        "name": "integrity",
-        "seed": 1,
-        "data": {"dataset": "omniglot", "options": {"sets": ["background", "evaluation"]},
-                 "split": {"kind": "file", "path": str(tmp_path / "split.json")},
-                 "transform": "grayscale", "image_size": 28, **data},
-        **tiny_sections(),
-        "sampler": {"classes_per_batch": 4, "samples_per_class": 4, "batches_per_epoch": 1},
-        "training": {"epochs": 1, "device": "cpu"},
-    }
-    path = tmp_path / "config.yaml"
-    path.write_text(yaml.safe_dump(config))
-    return path
+    return omniglot_run_config(
+        tmp_path, "integrity", train=range(0, 12), val=range(12, 16), data=data,
+        sampler={"classes_per_batch": 4, "samples_per_class": 4, "batches_per_epoch": 1},
+        training={"epochs": 1, "device": "cpu"})
 
 
 def _files(run: Path) -> dict[Path, tuple[int, bytes]]:
