@@ -497,13 +497,9 @@ class EmbeddingIndex:
             drop = np.zeros(pos.shape, dtype=bool)
             valid = pos >= 0
             drop[valid] = self.ids[pos[valid]] == np.broadcast_to(exclude[:, None], pos.shape)[valid]
-            # keep the first k_out entries that are not dropped (stable)
-            order = np.argsort(drop, axis=1, kind="stable")[:, :k_out]
-            pos = np.take_along_axis(pos, order, axis=1)
-            scores = np.take_along_axis(scores, order, axis=1)
-            dropped_kept = np.take_along_axis(drop, order, axis=1)
-            pos = np.where(dropped_kept, -1, pos)
-            scores = np.where(dropped_kept, np.float32(np.nan), scores)
+            order, gone = first_kept(drop, k_out)  # the first k_out entries not dropped
+            pos = np.where(gone, -1, np.take_along_axis(pos, order, axis=1))
+            scores = np.where(gone, np.float32(np.nan), np.take_along_axis(scores, order, axis=1))
         else:
             pos, scores = pos[:, :k], scores[:, :k]
         if pos.size and pos.min() >= 0:  # the common case: every neighbour found
