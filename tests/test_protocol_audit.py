@@ -246,3 +246,30 @@ def test_a_saved_categorical_search_parameter_loads_again():
         "loss.swap": {"type": "int", "low": 0, "high": 1, "step": 1}}}]}
     cfg = bench_config_from_dict(data)
     assert bench_config_from_dict(load_yaml(dump_bench_config(cfg))) == cfg
+
+
+# -- 7. pruned trials: a used-up slot, never a result -------------------------------------------
+@pytest.mark.filterwarnings("ignore:Heartbeat of storage")
+def test_a_pruned_trial_uses_up_its_slot_and_the_study_ends(tmp_path):
+    """``run_worker`` records an ``optuna.TrialPruned`` as PRUNED: that slot is used (it is not
+    re-run), so the study must count it, or it never reaches ``trials`` and the final stage
+    refuses it for ever ("the search is not over")."""
+    import optuna
+
+    from dmlkit.protocol.study import count_completed, count_finished, open_study, run_worker
+
+    bench = Bench(bench_config_from_dict(_bench(trials=3)), tmp_path)
+    method = bench.config.methods[0]
+    study = open_study(bench.storage, bench.study_name(method), 3, seed=0, n_startup_trials=1)
+
+    def objective(trial):
+        margin = trial.suggest_float("loss.margin", 0.01, 1.0, log=True)
+        if trial.number == 1:
+            raise optuna.TrialPruned()
+        return 0.5 if trial.number == 0 else 0.25 + 0 * margin
+
+    assert run_worker(study, objective) == 3
+    assert (count_finished(study), count_completed(study)) == (3, 2)
+    params, info = bench.best_params(method)
+    assert info["trial"] == 0 and params == study.trials[0].params
+    assert (info["counted"], info["finished"]) == (3, 2)

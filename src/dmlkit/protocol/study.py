@@ -15,7 +15,7 @@ Exactly-once trials across workers and restarts
 Failures and interruptions
     An exception in a trial (a NaN loss -> :class:`~dmlkit.exceptions.NonFiniteError`, out of
     memory, anything else) marks it FAIL, stores the error text in its user attributes, and the
-    study goes on; a failed trial uses up its slot (:func:`count_finished`) but is not
+    study goes on; a failed (or pruned) trial uses up its slot (:func:`count_finished`) but is not
     *completed* (:func:`count_completed`): what users are shown as "completed" and what model
     selection uses are COMPLETE trials only. A *killed* worker leaves a RUNNING trial
     behind; workers record heartbeats, and a trial whose heartbeat is older than the grace
@@ -219,13 +219,17 @@ def open_study(
 
 
 def counted_trials(study) -> list:
-    """Trials that used up their slot: COMPLETE + FAIL, without interrupted ones (those are
-    retried). Only the COMPLETE ones are *completed* (:func:`count_completed`)."""
+    """Trials that used up their slot: COMPLETE + PRUNED + FAIL, without interrupted ones
+    (those are retried). Only the COMPLETE ones are *completed* (:func:`count_completed`).
+
+    A PRUNED trial (an ``optuna.TrialPruned`` raised in the objective, :func:`run_worker`) is
+    never re-run, so it must use up its slot as a failed one does: left out, the study never
+    reached ``trials`` and the final stage refused it for ever as "not over"."""
     from optuna.trial import TrialState
 
     trials = study.get_trials(deepcopy=False)
     skip = interrupted_numbers(trials)
-    return [t for t in trials if t.state == TrialState.COMPLETE
+    return [t for t in trials if t.state in (TrialState.COMPLETE, TrialState.PRUNED)
             or (t.state == TrialState.FAIL and t.number not in skip)]
 
 
