@@ -273,3 +273,31 @@ def test_a_pruned_trial_uses_up_its_slot_and_the_study_ends(tmp_path):
     params, info = bench.best_params(method)
     assert info["trial"] == 0 and params == study.trials[0].params
     assert (info["counted"], info["finished"]) == (3, 2)
+
+
+# -- 8. training seeds the protocol derives stay in numpy's range -------------------------------
+@pytest.mark.parametrize(("fixed_seed", "seeds", "key"), [
+    (2**32 - 1, [0], "fixed.seed"),         # the search's fold 1 trains with seed 2**32
+    (0, [2**32 - 1], "protocol.seeds"),    # the final runs train with 1000 * seed + fold
+])
+def test_seeds_whose_run_seeds_overflow_are_refused_up_front(fixed_seed, seeds, key):
+    """Accepted, they failed every search trial past fold 0, or the final stage after the whole
+    search; every derived seed must be one numpy (and the training config) accepts."""
+    data = {**_bench(seeds=seeds), "fixed": {**BASE["fixed"], "seed": fixed_seed}}
+    with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
+        bench_config_from_dict(data)
+
+
+def test_the_largest_accepted_seeds_give_run_seeds_training_accepts():
+    from dmlkit.protocol.config import _RUN_SEED_STRIDE
+    from dmlkit.protocol.stages import run_seed
+
+    assert run_seed(3, 2) == 3 * _RUN_SEED_STRIDE + 2  # the config's bound is the stage's formula
+    folds = 4
+    top = (2**32 - 1 - (folds - 1)) // 1000
+    cfg = bench_config_from_dict({**_bench(seeds=[top]), "fixed": {**BASE["fixed"], "seed": 2**32 - folds}})
+    method = cfg.methods[0]
+    cfg.experiment(method, seed=cfg.fixed.seed + folds - 1)  # the search's last fold
+    cfg.experiment(method, seed=run_seed(top, folds - 1))    # the final stage's last run
+    with pytest.raises(ConfigError, match=r"protocol\.seeds"):
+        bench_config_from_dict(_bench(seeds=[top + 1]))

@@ -82,6 +82,9 @@ SEARCHABLE_OPTIMIZER_KEYS: frozenset[str] = frozenset({"loss_lr"})
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.+-]*$")
 #: A seed numpy accepts: 0 <= seed < 2**32 (a negative or larger one crashed mid-run).
 Seed = Annotated[int, Field(ge=0, lt=2**32, strict=True)]
+#: The final runs' training seed is ``_RUN_SEED_STRIDE * seed + fold``
+#: (:func:`dmlkit.protocol.stages.run_seed`; tests/test_protocol_audit.py checks they agree).
+_RUN_SEED_STRIDE = 1000
 
 
 class _Strict(StrictNumbers):
@@ -387,6 +390,25 @@ class BenchConfig(_Strict):
         dup = sorted({n for n in names if names.count(n) > 1})
         if dup:
             raise ValueError(f"method names must be unique, repeated: {dup}")
+        return self
+
+    @model_validator(mode="after")
+    def _run_seeds_fit(self) -> BenchConfig:
+        """Every training seed the protocol derives must be below ``2**32`` (numpy's range, as
+        the training config requires): the search trains fold ``f`` with ``fixed.seed + f`` and
+        the final runs with ``1000 * seed + f`` (:func:`dmlkit.protocol.stages.run_seed`), for
+        ``f < protocol.folds``. Accepted, a too large seed failed every search trial past fold 0,
+        or the final stage after the whole search."""
+        last = int(self.protocol.folds or 1) - 1
+        if self.fixed.seed + last >= 2**32:
+            raise ValueError(f"fixed.seed = {self.fixed.seed}: the search trains fold f with seed "
+                             f"fixed.seed + f, up to {self.fixed.seed + last}, past numpy's 2**32 - 1; "
+                             f"use at most {2**32 - 1 - last}")
+        top = max(self.protocol.seeds or [0])
+        if _RUN_SEED_STRIDE * top + last >= 2**32:
+            raise ValueError(f"protocol.seeds holds {top}: final run f of seed s trains with seed "
+                             f"{_RUN_SEED_STRIDE} * s + f, past numpy's 2**32 - 1; use seeds up to "
+                             f"{(2**32 - 1 - last) // _RUN_SEED_STRIDE}")
         return self
 
     @model_validator(mode="after")
