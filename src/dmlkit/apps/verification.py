@@ -35,7 +35,7 @@ from dmlkit.data.base import ImageFileDataset
 from dmlkit.distances import get_distance
 from dmlkit.exceptions import ConfigError, DataError, NonFiniteError, ShapeError
 from dmlkit.training import embed_split, find_checkpoint, load_checkpoint
-from dmlkit.validation import check_embeddings
+from dmlkit.validation import check_embeddings, check_labels, check_seed
 
 if TYPE_CHECKING:
     from dmlkit.data.pairs import PairList
@@ -62,14 +62,18 @@ def make_pairs(labels: Any, num_pairs: int = 6000, seed: int = 0) -> tuple[np.nd
     (all of them when there are fewer); negatives uniformly without replacement among the
     distinct unordered different-class pairs ``i < j`` (:func:`_negative_pairs`), as many as
     positives: no pair is scored twice, in either order. Asking for more negatives than the
-    labels have raises :class:`~dmlkit.exceptions.ConfigError`.
+    labels have raises :class:`~dmlkit.exceptions.ConfigError`. Labels are validated by
+    :func:`dmlkit.validation.check_labels` (integer ids or class-name strings; NaN or fractional
+    labels are refused: a NaN label never equals another, so its rows made only "different"
+    pairs, even with each other), and ``seed`` by :func:`dmlkit.validation.check_seed`
+    (``None`` drew different pairs on every call).
     """
-    y = np.asarray(labels)
-    if y.ndim != 1 or len(y) < 2:
-        raise ShapeError(f"labels must be (N,) with N >= 2, got shape {y.shape}")
+    y, _ = check_labels(labels)
+    if len(y) < 2:
+        raise ShapeError(f"labels must be (N,) with N >= 2, got {len(y)} label(s)")
     if int(num_pairs) < 2:
         raise ConfigError(f"the number of pairs must be at least 2 (one positive, one negative), got {num_pairs}")
-    rng = np.random.default_rng(seed)
+    rng = np.random.default_rng(check_seed(seed))
     pos_i, pos_j = [], []
     for c in np.unique(y):
         members = np.flatnonzero(y == c)
@@ -141,12 +145,30 @@ def _finite_embeddings(embeddings: Any) -> np.ndarray:
     return check_embeddings(embeddings).cpu().numpy()
 
 
+def _pair_rows(rows: Any, n: int, name: str) -> np.ndarray:
+    """``rows`` as int64 row numbers in ``[0, n)``, else :class:`ShapeError` (a negative row
+    would silently index from the end)."""
+    r = np.asarray(rows)
+    if r.ndim != 1 or (r.size and r.dtype.kind not in "iu"):
+        raise ShapeError(f"pair rows {name} must be a 1-D integer array, got shape {r.shape} dtype {r.dtype}")
+    r = r.astype(np.int64)
+    bad = (r < 0) | (r >= n)
+    if bad.any():
+        raise ShapeError(f"{int(bad.sum())} pair rows in {name} lie outside the {n} embedding rows "
+                         f"[0, {n - 1}], first {int(r[bad][0])}")
+    return r
+
+
 def pair_scores(embeddings: Any, i: np.ndarray, j: np.ndarray, distance: str = "cosine") -> np.ndarray:
-    """Scores of pairs, larger = more likely the same (distances are negated)."""
+    """Scores of pairs ``(i[p], j[p])`` of embedding rows, larger = more likely the same
+    (distances are negated). Rows outside ``[0, N)`` are refused (:class:`ShapeError`)."""
     import torch
 
     dist = _check_distance(distance)
     x = torch.as_tensor(_finite_embeddings(embeddings))
+    i, j = _pair_rows(i, len(x), "i"), _pair_rows(j, len(x), "j")
+    if i.shape != j.shape:
+        raise ShapeError(f"pair rows i and j must have equal lengths, got {len(i)} and {len(j)}")
     with torch.no_grad():
         values = dist.paired(x[torch.as_tensor(i)], x[torch.as_tensor(j)])
     return dist.closeness(values).numpy().astype(np.float64)
@@ -191,26 +213,45 @@ def stratified_folds(same: Any, folds: int) -> np.ndarray:
     return ids
 
 
+def _scores_and_same(scores: Any, same: Any) -> tuple[np.ndarray, np.ndarray]:
+    """``(scores float64, same bool)``: equal ``(P,)`` arrays, every score finite
+    (:class:`NonFiniteError`: a NaN sorted last and counted as "different"), ``same`` booleans
+    or 0/1 (:class:`ShapeError`: a cast to bool read ``2``, ``0.5`` or -1/+1 labels as matched)."""
+    s = np.asarray(scores, dtype=np.float64)
+    raw = np.asarray(same)
+    if s.ndim != 1 or s.shape != raw.shape:
+        raise ShapeError(f"scores and same must be equal (P,) arrays, got {s.shape} and {raw.shape}")
+    if raw.dtype != bool and (raw.dtype.kind not in "iuf" or not np.isin(raw, (0, 1)).all()):
+        shown = np.unique(raw[~np.isin(raw, (0, 1))])[:5] if raw.dtype.kind in "iuf" else raw.dtype
+        raise ShapeError(f"same must be booleans or 0/1 (1 = matched pair), got {shown}")
+    if not np.all(np.isfinite(s)):
+        raise NonFiniteError(f"{int((~np.isfinite(s)).sum())} pair score(s) are NaN or infinite: "
+                             "check the embeddings")
+    return s, raw.astype(bool)
+
+
 def kfold_threshold_accuracy(scores: Any, same: Any, folds: int | Sequence[int] | np.ndarray = 10) -> dict[str, Any]:
     """Accuracy with thresholds chosen on the other folds (LFW protocol).
 
     ``folds``: an int ``k`` splits the pairs into ``k`` contiguous blocks (for pairs in random
     order, as :func:`make_pairs` returns them); an array gives each pair's fold id (a pair
-    list's own folds, or :func:`stratified_folds`).
+    list's own folds, or :func:`stratified_folds`), integers.
     """
-    s = np.asarray(scores, dtype=np.float64)
-    y = np.asarray(same, dtype=bool)
-    if s.shape != y.shape or s.ndim != 1:
-        raise ShapeError(f"scores and same must be equal (P,) arrays, got {s.shape} and {y.shape}")
+    s, y = _scores_and_same(scores, same)
     if np.ndim(folds) == 0:
+        if int(folds) != folds:  # type: ignore[arg-type]
+            raise ConfigError(f"folds must be an integer, got {folds!r}")
         k = int(folds)  # type: ignore[arg-type]
         if k < 2 or k > len(s):
             raise ConfigError(f"folds must be in [2, {len(s)}] (the number of pairs), got {k}")
         fold_ids = np.repeat(np.arange(k), [len(p) for p in np.array_split(np.arange(len(s)), k)])
     else:
-        fold_ids = np.asarray(folds, dtype=np.int64)
-        if fold_ids.shape != s.shape:
-            raise ShapeError(f"fold ids must have one entry per pair ({len(s)}), got {fold_ids.shape}")
+        given = np.asarray(folds)
+        if given.shape != s.shape:
+            raise ShapeError(f"fold ids must have one entry per pair ({len(s)}), got {given.shape}")
+        if given.dtype.kind not in "iu" and not (given.dtype.kind == "f" and np.all(np.mod(given, 1) == 0)):
+            raise ShapeError(f"fold ids must be integers, got {given.dtype} values such as {given[:3].tolist()}")
+        fold_ids = given.astype(np.int64)
     names = np.unique(fold_ids)
     if len(names) < 2:
         raise ConfigError("the k-fold protocol needs at least 2 folds; the pairs have one")
@@ -262,17 +303,12 @@ def verify_scores(scores: Any, same: Any, folds: int | Sequence[int] | np.ndarra
                   fold_source: str | None = None) -> VerificationResult:
     """k-fold threshold accuracy, ROC AUC, EER and TAR@FAR of pair ``scores`` (larger = same).
 
-    ``folds`` as in :func:`kfold_threshold_accuracy`. Both classes must occur.
+    ``folds`` as in :func:`kfold_threshold_accuracy`. ``same``: booleans or 0/1 (1 = matched);
+    both classes must occur. NaN/infinite scores are refused (:class:`NonFiniteError`).
     """
     from sklearn.metrics import roc_auc_score, roc_curve
 
-    s = np.asarray(scores, dtype=np.float64)
-    y = np.asarray(same, dtype=bool)
-    if s.ndim != 1 or s.shape != y.shape:
-        raise ShapeError(f"scores and same must be equal (P,) arrays, got {s.shape} and {y.shape}")
-    if not np.all(np.isfinite(s)):
-        raise NonFiniteError(f"{int((~np.isfinite(s)).sum())} pair score(s) are NaN or infinite: "
-                             "check the embeddings")
+    s, y = _scores_and_same(scores, same)
     n_pos = int(y.sum())
     if n_pos == 0 or n_pos == len(y):
         raise DataError(f"verification needs both matched and mismatched pairs; got {n_pos} matched "
@@ -309,6 +345,8 @@ def verify(embeddings: Any, labels: Any, *, num_pairs: int = 6000, folds: int = 
     if y.ndim != 1 or len(y) != len(x):
         raise ShapeError(f"labels must be (N,) with N = {len(x)}, got shape {y.shape}")
     _check_distance(distance)
+    if int(folds) != folds:
+        raise ConfigError(f"folds must be an integer, got {folds!r}")
     if int(folds) < 2:
         raise ConfigError(f"folds must be at least 2 (the threshold is fitted on the other folds), got {folds}")
     i, j, same = make_pairs(y, num_pairs, seed)

@@ -1,0 +1,148 @@
+"""Audit of the few-shot and verification applications: brute-force recomputations of every
+reported number, and bad input that used to give a number (or a traceback) instead of one
+error line."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from sklearn.metrics import roc_auc_score
+
+from dmlkit.apps.fewshot import few_shot_accuracy
+from dmlkit.apps.verification import (
+    kfold_threshold_accuracy,
+    make_pairs,
+    pair_scores,
+    verify,
+    verify_scores,
+)
+from dmlkit.embeddings import save_embeddings
+from dmlkit.exceptions import ConfigError, NonFiniteError, ShapeError
+from dmlkit.samplers import EpisodeSampler
+
+
+def _brute_kfold(s: np.ndarray, y: np.ndarray, k: int) -> list[float]:
+    """Fold accuracies with the threshold that is best on the other folds: every distinct
+    training score (and +inf) tried as ``score >= c``, the highest best ``c`` kept, and the
+    test fold cut at the midpoint between ``c`` and the highest training score below it (the
+    documented rule; above every training score when nothing is accepted, below every one
+    when everything is)."""
+    ids = np.repeat(np.arange(k), [len(p) for p in np.array_split(np.arange(len(s)), k)])
+    out = []
+    for f in range(k):
+        tr, te = ids != f, ids == f
+        cands = np.concatenate([np.unique(s[tr]), [np.inf]])
+        acc = np.array([((s[tr] >= c) == y[tr]).mean() for c in cands])
+        c = cands[np.flatnonzero(acc == acc.max())[-1]]
+        below = s[tr][s[tr] < c]
+        if not np.isfinite(c):
+            pred = s[te] > s[tr].max()
+        elif below.size == 0:
+            pred = s[te] > c - 1e-6
+        else:
+            pred = s[te] >= (c + below.max()) / 2
+        out.append(float((pred == y[te]).mean()))
+    return out
+
+
+def test_kfold_accuracy_and_auc_match_brute_force():
+    rng = np.random.default_rng(0)
+    for trial in range(200):
+        n = int(rng.integers(6, 30))
+        s = rng.integers(0, 5, n).astype(float) if trial % 2 else rng.normal(size=n)
+        y = rng.random(n) < 0.5
+        if y.sum() in (0, n):
+            continue
+        k = int(rng.integers(2, 6))
+        res = verify_scores(s, y, k)
+        assert np.allclose(res.fold_accuracies, _brute_kfold(s, y, k))
+        assert res.roc_auc == pytest.approx(roc_auc_score(y, s))
+        assert res.accuracy_sem == pytest.approx(np.std(res.fold_accuracies, ddof=1) / np.sqrt(k))
+
+
+def test_few_shot_accuracy_and_ci_match_brute_force():
+    rng = np.random.default_rng(1)
+    labels = np.repeat(np.arange(8) * 5 + 2, 9)
+    x = rng.normal(size=(len(labels), 5)).astype(np.float32) + np.eye(5, dtype=np.float32)[labels % 5]
+    n, k, q = 4, 2, 3
+    res = few_shot_accuracy(x, labels, n, k, q, episodes=40, seed=7)
+    accs = []
+    for episode in EpisodeSampler(labels, n, k, q, 40, seed=7):
+        ep = np.asarray(episode).reshape(n, k + q)
+        protos = np.stack([x[row[:k]].astype(np.float64).mean(0) for row in ep])
+        query = ep[:, k:].ravel()
+        d = ((x[query].astype(np.float64)[:, None] - protos[None]) ** 2).sum(-1)
+        accs.append(float((labels[ep[:, 0]][d.argmin(1)] == labels[query]).mean()))
+    assert res["accuracy"] == pytest.approx(np.mean(accs))
+    assert res["ci95"] == pytest.approx(1.96 * np.std(accs, ddof=1) / np.sqrt(len(accs)))
+    assert few_shot_accuracy(x, labels, n, k, q, episodes=40, seed=7) == res
+
+
+# -- problems found by the audit -------------------------------------------------------------
+
+def test_kfold_refuses_nan_scores():
+    """NaN scores were sorted last and counted as "different": a made-up accuracy."""
+    s = np.array([0.9, np.nan, 0.1, 0.8, 0.2, np.nan])
+    y = np.array([1, 1, 0, 1, 0, 0], bool)
+    with pytest.raises(NonFiniteError, match="NaN"):
+        kfold_threshold_accuracy(s, y, 2)
+
+
+@pytest.mark.parametrize("same", [[0, 1, 2, 0, 1, 0], [0.0, 1.0, 0.5, 0.0, 1.0, 0.0], [-1, 1, 1, -1, 1, -1]])
+def test_same_must_be_booleans_or_zero_one(same):
+    """``same = 2`` or ``0.5`` was cast to True and -1/+1 labels read as all matched."""
+    s = np.linspace(0, 1, 6)
+    with pytest.raises(ShapeError, match="same"):
+        verify_scores(s, same, 2)
+    with pytest.raises(ShapeError, match="same"):
+        kfold_threshold_accuracy(s, same, 2)
+
+
+def test_fold_ids_must_be_integers():
+    """Fold ids 0.2 and 0.7 were truncated into one fold."""
+    s, y = np.linspace(0, 1, 4), np.array([0, 1, 1, 0], bool)
+    with pytest.raises(ShapeError, match="fold ids"):
+        kfold_threshold_accuracy(s, y, [0.2, 0.7, 1.1, 1.9])
+    with pytest.raises(ConfigError, match="folds"):
+        kfold_threshold_accuracy(s, y, 2.5)
+
+
+def test_pair_scores_refuse_rows_outside_the_embeddings():
+    """A negative row silently read the last embedding; one past the end was an IndexError."""
+    x = np.random.default_rng(0).normal(size=(5, 3)).astype(np.float32)
+    with pytest.raises(ShapeError, match="rows"):
+        pair_scores(x, np.array([-1]), np.array([0]))
+    with pytest.raises(ShapeError, match="rows"):
+        pair_scores(x, np.array([5]), np.array([0]))
+    with pytest.raises(ShapeError):
+        pair_scores(x, np.array([0, 1]), np.array([0]))
+
+
+@pytest.mark.parametrize("labels", [[0.0, 0, 0, 1, 1, 1, np.nan, np.nan], [0.5, 0.5, 0.5, 1, 1, 1, 2, 2]])
+def test_verify_refuses_nan_and_fractional_labels(labels):
+    """NaN labels paired as "different" with every row, including each other."""
+    x = np.random.default_rng(0).normal(size=(8, 3)).astype(np.float32)
+    with pytest.raises(ShapeError, match="labels"):
+        verify(x, np.asarray(labels), num_pairs=6, folds=2)
+
+
+def test_make_pairs_string_labels_still_pair_by_name():
+    y = np.array(["a", "b", "a", "c", "b", "c"])
+    i, j, same = make_pairs(y, 6, seed=0)
+    assert (same == (y[i] == y[j])).all() and same.sum() == 3
+
+
+@pytest.mark.parametrize("seed", [-1, None, 1.5])
+def test_verify_refuses_a_bad_seed(seed):
+    """seed=None drew different pairs on every call; -1 ended in numpy's ValueError."""
+    x = np.random.default_rng(0).normal(size=(8, 3)).astype(np.float32)
+    with pytest.raises(ConfigError, match="seed"):
+        verify(x, np.repeat(np.arange(4), 2), num_pairs=6, folds=2, seed=seed)
+
+
+def test_cli_verify_negative_seed_is_one_line(tmp_path, run_cli):
+    x = np.random.default_rng(0).normal(size=(12, 3)).astype(np.float32)
+    path = save_embeddings(tmp_path / "e.npz", x, np.repeat(np.arange(4), 3))
+    code, _, err = run_cli(["verify", str(path), "--pairs", "10", "--folds", "2", "--seed", "-1"])
+    assert code == 2
+    assert err.strip().count("\n") == 0 and "seed" in err
