@@ -301,3 +301,77 @@ def test_the_largest_accepted_seeds_give_run_seeds_training_accepts():
     cfg.experiment(method, seed=run_seed(top, folds - 1))    # the final stage's last run
     with pytest.raises(ConfigError, match=r"protocol\.seeds"):
         bench_config_from_dict(_bench(seeds=[top + 1]))
+
+
+# -- 9. a resumed search reproduces the uninterrupted one ---------------------------------------
+def _search(tmp_path, kill_at: int | None) -> list[tuple[float, float]]:
+    """``(x, value)`` of the completed trials of a 4-trial TPE search (2 start-up trials),
+    seeded per trial as ``Bench.search`` does; ``kill_at``: the trial whose worker is killed
+    (a ``KeyboardInterrupt`` leaves it RUNNING), after which the search is resumed."""
+    from optuna.trial import TrialState
+
+    from dmlkit.protocol.runner import trial_sampler_seed
+    from dmlkit.protocol.study import (
+        fail_running_trials,
+        make_sampler,
+        make_storage,
+        open_study,
+        run_worker,
+    )
+
+    tmp_path.mkdir()
+    study = open_study(make_storage(f"sqlite:///{tmp_path / 'study.db'}"), "s", 4, seed=0, n_startup_trials=2)
+    kill = {"at": kill_at}
+
+    def objective(trial):
+        x = trial.suggest_float("x", -2.0, 2.0)
+        if trial.number == kill["at"]:
+            kill["at"] = None
+            raise KeyboardInterrupt
+        return -((x - 0.5) ** 2)
+
+    def sampler(number):
+        return make_sampler("tpe", trial_sampler_seed(0, number), 2)
+
+    if kill_at is not None:
+        with pytest.raises(KeyboardInterrupt):
+            run_worker(study, objective, sampler_factory=sampler)
+        assert fail_running_trials(study) == 1
+    run_worker(study, objective, sampler_factory=sampler)
+    done = study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
+    return [(t.params["x"], t.value) for t in sorted(done, key=lambda t: t.datetime_complete)]
+
+
+@pytest.mark.filterwarnings("ignore:Heartbeat of storage")
+@pytest.mark.filterwarnings("ignore::optuna.exceptions.ExperimentalWarning")
+def test_a_search_resumed_after_a_kill_samples_what_the_uninterrupted_one_did(tmp_path):
+    """The interrupted trial's retry must run before the later slots: run after them (it was
+    the newest WAITING trial), the later slots' TPE saw one finished trial fewer and sampled
+    other points, so the benchmark's outcome depended on whether its search was interrupted."""
+    assert _search(tmp_path / "b", kill_at=1) == _search(tmp_path / "a", kill_at=None)
+
+
+@pytest.mark.filterwarnings("ignore:Heartbeat of storage")
+def test_the_budget_holds_the_retry_of_an_interrupted_slot_not_a_later_slot(tmp_path):
+    """A bench killed in trial 1 and resumed with more trials (``--set protocol.trials=5``)
+    queues the new slot (4) before trial 1's retry (5). Read back with the original budget of 4,
+    the best must come from slots 0-3 (trial 1 being its retry), not from slot 4."""
+    import optuna
+    from optuna.distributions import FloatDistribution
+    from optuna.trial import TrialState
+
+    from dmlkit.protocol.study import open_study
+
+    bench = Bench(bench_config_from_dict(_bench(trials=5)), tmp_path)
+    method = bench.config.methods[0]
+    study = open_study(bench.storage, bench.study_name(method), 0, seed=0)
+    dist = {"loss.margin": FloatDistribution(0.01, 1.0, log=True)}
+    rows = [(0.30, TrialState.COMPLETE, {}), (None, TrialState.FAIL, {}), (0.20, TrialState.COMPLETE, {}),
+            (0.10, TrialState.COMPLETE, {}), (0.95, TrialState.COMPLETE, {}),
+            (0.50, TrialState.COMPLETE, {"failed_trial": 1, "retry_history": [1]})]
+    for i, (value, state, system) in enumerate(rows):
+        study.add_trial(optuna.create_trial(state=state, value=value, params={"loss.margin": 0.01 * (i + 1)},
+                                            distributions=dist, system_attrs=system))
+    params, info = Bench(bench_config_from_dict(_bench(trials=4)), tmp_path).best_params(method)
+    assert (info["trial"], params["loss.margin"]) == (5, 0.06)  # the retry of slot 1, not slot 4
+    assert (info["counted"], info["beyond_budget"]) == (4, 1)

@@ -70,6 +70,7 @@ from dmlkit.protocol.study import (
     open_study,
     resolve_storage_url,
     run_worker,
+    slot_order,
     storage_lock,
     study_summary,
 )
@@ -351,8 +352,9 @@ class Bench:
         """The best trial's parameters (and a summary); ``{}`` for a method with nothing searched.
 
         The best is chosen among the method's first ``protocol.trials`` counted trials (completed
-        or failed, in trial order) only: a study grown to more trials (``--set protocol.trials=5``
-        for one method) is read with the budget the table reports, so that every method's row
+        or failed, in slot order: an interrupted trial's retry stands in its place,
+        :func:`dmlkit.protocol.study.slot_order`) only: a study grown to more trials
+        (``--set protocol.trials=5`` for one method) is read with the budget the table reports, so that every method's row
         comes from the same number of trials. The summary says how many were used
         (``counted``: ``finished`` completed + ``failed``) and how many more the study holds
         (``beyond_budget``)."""
@@ -366,7 +368,7 @@ class Bench:
         except KeyError:
             raise DmlkitError(f"no search study for {method.name!r}: run the search first") from None
         p = self.config.protocol
-        counted = sorted(counted_trials(study), key=lambda t: t.number)
+        counted = sorted(counted_trials(study), key=slot_order)  # a retry in its slot's place
         if len(counted) < p.trials:  # trial slots still to run (completed or failed)
             raise DmlkitError(
                 f"the search of {method.name!r} is not over ({_progress(study, p.trials)}): rerun "

@@ -22,7 +22,9 @@ Failures and interruptions
     period (or, for the single local coordinator, any RUNNING trial found at start-up) is
     marked FAIL and re-enqueued with the same parameters
     (:class:`optuna.storages.RetryHeartbeatStaleTrialCallback`). Interrupted trials do not count,
-    so a resumed study finishes exactly the requested number of trials, none run twice.
+    so a resumed study finishes exactly the requested number of trials, none run twice. The
+    retry is claimed before the slots after the interrupted one, so a single worker's resumed
+    search samples the same points as an uninterrupted one.
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ __all__ = [
     "open_study",
     "resolve_storage_url",
     "run_worker",
+    "slot_order",
     "study_summary",
 ]
 
@@ -290,13 +293,19 @@ def claim_waiting_trial(study, sampler_factory: Callable[[int], Any] | None = No
     ``sampler_factory(trial_number)`` gives the sampler of that trial: seeding it per trial
     number keeps a single worker reproducible and lets parallel workers (which would otherwise
     share one seed and draw the same random start-up points) explore different points.
+
+    WAITING trials are taken in the order of the slot they fill (:func:`slot_order`): the retry
+    of an interrupted trial comes before the slots after it, so a single worker's resumed search
+    samples what the uninterrupted one did (run last, the later slots' TPE saw one finished
+    trial fewer and sampled other points).
     """
     import optuna
     from optuna.trial import TrialState
 
     storage = study._storage
     with storage_lock(storage):
-        for frozen in study.get_trials(deepcopy=False, states=(TrialState.WAITING,)):
+        waiting = study.get_trials(deepcopy=False, states=(TrialState.WAITING,))
+        for frozen in sorted(waiting, key=slot_order):
             try:
                 if storage.set_trial_state_values(frozen._trial_id, state=TrialState.RUNNING):
                     break
@@ -307,6 +316,12 @@ def claim_waiting_trial(study, sampler_factory: Callable[[int], Any] | None = No
     if sampler_factory is not None:
         study.sampler = sampler_factory(frozen.number)
     return optuna.Trial(study, frozen._trial_id)
+
+
+def slot_order(trial) -> tuple[int, int]:
+    """``(number of the first attempt, number)``: a retry (Optuna's ``failed_trial`` system
+    attribute, the interrupted trial's number) sorts where its original trial was."""
+    return int(trial.system_attrs.get("failed_trial", trial.number)), int(trial.number)
 
 
 @contextlib.contextmanager
