@@ -146,3 +146,11 @@ def test_cli_verify_negative_seed_is_one_line(tmp_path, run_cli):
     code, _, err = run_cli(["verify", str(path), "--pairs", "10", "--folds", "2", "--seed", "-1"])
     assert code == 2
     assert err.strip().count("\n") == 0 and "seed" in err
+
+
+def test_stratified_folds_refuse_a_fractional_fold_count():
+    """2.5 folds dealt fractional ids that the int64 array truncated: folds {0, 1, 2} unequal."""
+    from dmlkit.apps.verification import stratified_folds
+
+    with pytest.raises(ConfigError, match="integer"):
+        stratified_folds(np.array([1, 0] * 5, bool), 2.5)

@@ -44,7 +44,8 @@ def prototype_predict(support: Any, support_labels: Any, query: Any, distance: s
     """Predicted label of each query: the class whose prototype (support mean) is closest.
 
     ``distance="euclidean"`` is the squared-Euclidean rule of prototypical networks;
-    ``"cosine"`` compares directions.
+    ``"cosine"`` compares directions. A query equally close (as computed, float32) to two
+    prototypes takes the class that sorts first (ties by index, as in the kNN metrics).
     """
     import torch
 
@@ -78,6 +79,10 @@ def _distance(distance: str):
 def few_shot_accuracy(embeddings: Any, labels: Any, n_way: int = 5, k_shot: int = 1, n_query: int = 5,
                       episodes: int = 1000, distance: str = "euclidean", seed: int = 0) -> dict[str, Any]:
     """Mean N-way K-shot accuracy over episodes, with the 95 % CI half-width (normal approx.).
+
+    ``ci95 = 1.96 * s / sqrt(E)`` with ``s`` the ``ddof=1`` standard deviation of the ``E``
+    episode accuracies (the interval prototypical networks report, Snell et al. 2017); NaN for
+    a single episode (no spread to estimate; JSON ``null``).
 
     Episodes draw only classes with at least ``k_shot + n_query`` items: the result's
     ``classes_used`` / ``classes_skipped`` count them and the others, and a warning says when

@@ -204,6 +204,9 @@ def stratified_folds(same: Any, folds: int) -> np.ndarray:
     sizes differ by at most one pair (both dealt from fold 0 left the first folds up to two
     pairs larger)."""
     y = np.asarray(same, dtype=bool)
+    if int(folds) != folds:  # 2.5 was dealt as fractional ids, then truncated
+        raise ConfigError(f"folds must be an integer, got {folds!r}")
+    folds = int(folds)
     if folds < 2 or folds > len(y):
         raise ConfigError(f"folds must be in [2, {len(y)}] (the number of pairs), got {folds}")
     ids = np.empty(len(y), dtype=np.int64)
@@ -387,6 +390,8 @@ def verify_pair_list(embeddings: Any, pair_list: PairList, paths: Sequence[str] 
     """
     x = _finite_embeddings(embeddings)
     _check_distance(distance)
+    if int(folds) != folds:
+        raise ConfigError(f"folds must be an integer, got {folds!r}")
     if paths is None:
         if len(x) != len(pair_list.paths):
             raise ShapeError(f"{len(x)} embeddings for a pair list of {len(pair_list.paths)} images: "
