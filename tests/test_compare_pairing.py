@@ -153,3 +153,28 @@ def test_pretrained_runs_save_the_test_rows(tmp_path, data_root):
         _, labels, extra = load_embeddings(run.embeddings)
         assert np.array_equal(extra["indices"], dataset_rows(stage.test))
         assert np.array_equal(labels, stage.test.labels)
+
+
+# -- concatenated: each fold model weighs the same -----------------------------------------------
+def test_concatenated_embeddings_weigh_each_fold_model_the_same(tmp_path):
+    """With ``model.normalize: false`` a fold model of large norm must not drown the others: the
+    concatenated rows are those of the unit parts (the seed's models output unit vectors)."""
+    from dmlkit.metrics import evaluate
+    from dmlkit.protocol.runner import FinalRun, evaluate_runs
+    from dmlkit.validation import concatenate_normalized, normalize_rows
+
+    rng = np.random.default_rng(0)
+    labels = np.repeat(np.arange(6), 5)
+    good = (rng.standard_normal((6, 4))[labels] + 0.1 * rng.standard_normal((30, 4))).astype(np.float32)
+    noise = (1e3 * rng.standard_normal((30, 4))).astype(np.float32)  # a useless model, huge norm
+    cat = concatenate_normalized([good, noise])
+    np.testing.assert_array_equal(
+        cat, normalize_rows(np.concatenate([normalize_rows(good), normalize_rows(noise)], axis=1)))
+    runs = []
+    for fold, emb in enumerate((good, noise)):
+        save_embeddings(tmp_path / f"f{fold}.npz", emb, labels)
+        runs.append(FinalRun("m", 0, fold, tmp_path, tmp_path / f"f{fold}.npz", None))
+    res = evaluate_runs(runs, ["precision_at_1"])
+    raw = normalize_rows(np.concatenate([good, noise], axis=1))  # the noise's norm wins
+    assert evaluate(raw, labels, metrics=["precision_at_1"])["precision_at_1"] <= 0.2  # chance: 4/29
+    assert res["concatenated"]["precision_at_1"][0] >= 0.7  # half the signal is the good model's

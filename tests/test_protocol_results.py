@@ -70,7 +70,9 @@ def test_concatenated_and_separated(tmp_path):
     ev = evaluate_runs(runs, ["map_at_r"])
     embs = [_emb(1.5, f + sum(map(ord, "m"))) for f in range(4)]
     sep = np.mean([evaluate(e, LABELS, metrics=["map_at_r"])["map_at_r"] for e in embs])
-    cat = evaluate(normalize_rows(np.concatenate(embs, axis=1)), LABELS, metrics=["map_at_r"])["map_at_r"]
+    # each fold model's rows L2-normalised, side by side, normalised again (every model weighs the same)
+    joined = normalize_rows(np.concatenate([normalize_rows(e) for e in embs], axis=1))
+    cat = evaluate(joined, LABELS, metrics=["map_at_r"])["map_at_r"]
     assert ev["separated"]["map_at_r"] == [pytest.approx(sep)]
     assert ev["concatenated"]["map_at_r"] == [pytest.approx(cat)]
     assert cat > sep  # an ensemble of 4 noisy views is better than one

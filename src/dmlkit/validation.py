@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import math
 import warnings
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -30,8 +31,8 @@ import torch
 from dmlkit.exceptions import ConfigError, NonFiniteError, ShapeError
 
 __all__ = [
-    "SEED_LIMIT", "check_embeddings", "check_labels", "check_product_range", "check_seed", "normalize_rows",
-    "safe_normalize",
+    "SEED_LIMIT", "check_embeddings", "check_labels", "check_product_range", "check_seed",
+    "concatenate_normalized", "normalize_rows", "safe_normalize",
 ]
 
 #: Seeds are ``0 <= seed < SEED_LIMIT``: what numpy's legacy seeding, scikit-learn's
@@ -209,6 +210,17 @@ def normalize_rows(x: Any) -> Any:
                       casting="unsafe")
     return out
 
+
+
+def concatenate_normalized(parts: Sequence[np.ndarray]) -> np.ndarray:
+    """Each ``(N, D_i)`` part's rows L2-normalised, the parts side by side, and the rows
+    normalised again (:func:`normalize_rows`): every part weighs the same whatever its models'
+    scale. The "concatenated" evaluation of the fold models (Musgrave et al., *A Metric
+    Learning Reality Check*, ECCV 2020: "concatenate the 128-dim embeddings of the 4 models
+    ... and then L2 normalize"; their models output unit vectors, where the inner
+    normalisation changes nothing, while ``model.normalize: false`` would weigh each part by
+    its raw norm)."""
+    return normalize_rows(np.concatenate([normalize_rows(p) for p in parts], axis=1))
 
 def check_product_range(x: torch.Tensor, name: str = "embeddings", what: str = "this distance") -> None:
     """Refuse embeddings whose inner products or squared distances are not representable in

@@ -2,7 +2,8 @@
 
 * Hierarchical bootstrap of metric differences over training seeds and test queries: every
   method's per-query P@1 / R-Precision / MAP@R are recomputed from its saved test embeddings
-  per seed (concatenated: the seed's fold models' embeddings concatenated and L2-normalised;
+  per seed (concatenated: the seed's fold models' embeddings, each L2-normalised, concatenated
+  and L2-normalised, :func:`dmlkit.validation.concatenate_normalized`;
   separated: each fold model's own embeddings, averaged over the folds), and the mean
   difference between two methods gets a percentile bootstrap CI that resamples each method's
   seeds and, inside, the same test queries for both (seeded; see
@@ -40,7 +41,7 @@ from dmlkit.protocol.stats import (
     hierarchical_bootstrap,
     per_query_scores,
 )
-from dmlkit.validation import check_embeddings, normalize_rows
+from dmlkit.validation import check_embeddings, concatenate_normalized
 
 __all__ = [
     "BASELINES",
@@ -173,7 +174,7 @@ def _method_scores(entry: Mapping[str, Any], mode: str, name: str = "the method"
                 if items.indices is None and indices is not None:
                     items.indices = indices
             embs.append(emb)
-        sets = [normalize_rows(np.concatenate(embs, axis=1))] if mode == "concatenated" else embs
+        sets = [concatenate_normalized(embs)] if mode == "concatenated" else embs
         per_set = [per_query_scores(emb, items.labels)[0] for emb in sets]
         for m in PER_QUERY_METRICS:
             rows[m].append(np.mean(np.stack([scores[m] for scores in per_set]), axis=0))

@@ -35,7 +35,7 @@ from dmlkit.training import build_model, train
 from dmlkit.training.checkpoint import training_changes
 from dmlkit.utils import atomic_write_text, seed_everything
 from dmlkit.utils import data_root as resolve_data_root
-from dmlkit.validation import normalize_rows
+from dmlkit.validation import concatenate_normalized
 
 logger = logging.getLogger(__name__)
 __all__ = ["PRETRAINED", "FinalRun", "FinalStage", "SearchStage", "evaluate_runs", "load_full_dataset",
@@ -313,7 +313,7 @@ def evaluate_runs(runs: Sequence[FinalRun], metrics: Sequence[str], **options: A
                 per_fold[m].append(float(res[m]))
         for m in metrics:
             separated[m].append(float(np.mean(per_fold[m])))
-        cat = normalize_rows(np.concatenate(embs, axis=1))
+        cat = concatenate_normalized(embs)
         res = evaluate(cat, labels, metrics=list(metrics), **options)
         for m in metrics:
             concatenated[m].append(float(res[m]))
