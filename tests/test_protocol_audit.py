@@ -375,3 +375,22 @@ def test_the_budget_holds_the_retry_of_an_interrupted_slot_not_a_later_slot(tmp_
     params, info = Bench(bench_config_from_dict(_bench(trials=4)), tmp_path).best_params(method)
     assert (info["trial"], params["loss.margin"]) == (5, 0.06)  # the retry of slot 1, not slot 4
     assert (info["counted"], info["beyond_budget"]) == (4, 1)
+
+
+def test_the_config_check_tries_a_stepped_range_at_the_end_optuna_samples():
+    """1..10 step 4 samples 1, 5, 9 (Optuna's grid): the check must not try 10, which a loss may
+    refuse while every sampled value is fine; floats alike (0.1..1.0 step 0.4 ends at 0.9)."""
+    import optuna
+
+    from dmlkit.protocol.config import SearchParam
+    from dmlkit.protocol.space import search_corners, suggest
+
+    space = {"loss.k": SearchParam(type="int", low=1, high=10, step=4),
+             "loss.m": SearchParam(type="float", low=0.1, high=1.0, step=0.4)}
+    low, high = search_corners(space)
+    assert (low["loss.k"], high["loss.k"]) == (1, 9)
+    assert low["loss.m"] == 0.1 and high["loss.m"] == pytest.approx(0.9)
+    study = optuna.create_study(sampler=optuna.samplers.RandomSampler(seed=0))
+    with pytest.warns(UserWarning):  # Optuna's own "not divisible by step" (it adjusts high)
+        seen = {tuple(sorted(suggest(study.ask(), space).items())) for _ in range(40)}
+    assert max(dict(p)["loss.k"] for p in seen) == 9 and max(dict(p)["loss.m"] for p in seen) <= 0.9 + 1e-9

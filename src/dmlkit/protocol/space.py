@@ -6,6 +6,7 @@ Keys are ``loss.<param>``, ``miner.<param>`` or ``optimizer.loss_lr`` (validated
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Mapping
 from typing import Any
 
@@ -53,11 +54,17 @@ def search_corners(space: Mapping[str, SearchParam]) -> list[dict[str, Any]]:
     """Points of ``space`` that a config check builds the loss and miner with before any trial:
     every range at its low end, every range at its high end, and each categorical choice with
     the rest at their low ends (a parameter name or value the loss refuses then fails up front,
-    not in every trial)."""
+    not in every trial). A stepped range ends at its last grid point, as Optuna samples it."""
     if not space:
         return []
+    # a stepped range's high end as Optuna samples it: the last point of the grid (1..10 step 4
+    # samples 9, never 10, so a loss refusing 10 must not fail the check)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # Optuna's "not divisible by step": the trials warn it
+        grid = distributions(space)
     low = {k: (spec.choices or [None])[0] if spec.type == "categorical" else spec.low for k, spec in space.items()}
-    high = {k: (spec.choices or [None])[-1] if spec.type == "categorical" else spec.high for k, spec in space.items()}
+    high = {k: (spec.choices or [None])[-1] if spec.type == "categorical" else grid[k].high
+            for k, spec in space.items()}
     points = [low, high]
     for key, spec in space.items():
         if spec.type == "categorical":
