@@ -4,6 +4,8 @@ error line."""
 
 from __future__ import annotations
 
+import warnings
+
 import numpy as np
 import pytest
 from sklearn.metrics import roc_auc_score
@@ -154,3 +156,14 @@ def test_stratified_folds_refuse_a_fractional_fold_count():
 
     with pytest.raises(ConfigError, match="integer"):
         stratified_folds(np.array([1, 0] * 5, bool), 2.5)
+
+
+def test_asking_for_more_pairs_than_the_labels_hold_warns():
+    """Two classes of three give three same-class pairs each: 100 pairs asked, 12 made, and said."""
+    labels = np.repeat([0, 1], 3)
+    with pytest.warns(UserWarning, match=r"100 pairs asked for, but the labels give only 6 same-class pairs: using 12"):
+        i, j, same = make_pairs(labels, num_pairs=100, seed=0)
+    assert same.sum() == 6 and (~same).sum() == 6
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # enough pairs: no warning
+        make_pairs(labels, num_pairs=8, seed=0)

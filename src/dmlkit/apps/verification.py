@@ -23,6 +23,7 @@ Pairs come from three places:
 from __future__ import annotations
 
 import os
+import warnings
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -59,7 +60,7 @@ def make_pairs(labels: Any, num_pairs: int = 6000, seed: int = 0) -> tuple[np.nd
     """Balanced pairs ``(i, j, same)``: ``num_pairs // 2`` positive and as many negative pairs.
 
     Positives are drawn uniformly without replacement among all same-class pairs ``i < j``
-    (all of them when there are fewer); negatives uniformly without replacement among the
+    (all of them when there are fewer, with a warning); negatives uniformly without replacement among the
     distinct unordered different-class pairs ``i < j`` (:func:`_negative_pairs`), as many as
     positives: no pair is scored twice, in either order. Asking for more negatives than the
     labels have raises :class:`~dmlkit.exceptions.ConfigError`. Labels are validated by
@@ -85,6 +86,9 @@ def make_pairs(labels: Any, num_pairs: int = 6000, seed: int = 0) -> tuple[np.nd
         raise DataError("no class has two samples: verification needs positive pairs")
     pi, pj = np.concatenate(pos_i), np.concatenate(pos_j)
     n_pos = min(num_pairs // 2, len(pi))
+    if n_pos < num_pairs // 2:  # asked for more than the labels hold: say so, never silently fewer
+        warnings.warn(f"{num_pairs} pairs asked for, but the labels give only {len(pi)} same-class pairs: "
+                      f"using {2 * n_pos} ({n_pos} same, {n_pos} different)", stacklevel=2)
     pick = rng.choice(len(pi), size=n_pos, replace=False)
     pi, pj = pi[pick], pj[pick]
     if len(np.unique(y)) < 2:
