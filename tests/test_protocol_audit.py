@@ -289,10 +289,10 @@ def test_seeds_whose_run_seeds_overflow_are_refused_up_front(fixed_seed, seeds, 
 
 
 def test_the_largest_accepted_seeds_give_run_seeds_training_accepts():
-    from dmlkit.protocol.config import _RUN_SEED_STRIDE
+    from dmlkit.protocol.config import RUN_SEED_STRIDE
     from dmlkit.protocol.stages import run_seed
 
-    assert run_seed(3, 2) == 3 * _RUN_SEED_STRIDE + 2  # the config's bound is the stage's formula
+    assert run_seed(3, 2) == 3000 + 2 and RUN_SEED_STRIDE == 1000  # the stride the docs state
     folds = 4
     top = (2**32 - 1 - (folds - 1)) // 1000
     cfg = bench_config_from_dict({**_bench(seeds=[top]), "fixed": {**BASE["fixed"], "seed": 2**32 - folds}})

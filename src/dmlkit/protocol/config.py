@@ -63,6 +63,7 @@ from dmlkit.miners import MINERS
 __all__ = [
     "DEFAULT_METRICS",
     "METHOD_KEYS",
+    "RUN_SEED_STRIDE",
     "SEARCHABLE_OPTIMIZER_KEYS",
     "BenchConfig",
     "FixedSettings",
@@ -82,9 +83,9 @@ SEARCHABLE_OPTIMIZER_KEYS: frozenset[str] = frozenset({"loss_lr"})
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.+-]*$")
 #: A seed numpy accepts: 0 <= seed < 2**32 (a negative or larger one crashed mid-run).
 Seed = Annotated[int, Field(ge=0, lt=2**32, strict=True)]
-#: The final runs' training seed is ``_RUN_SEED_STRIDE * seed + fold``
-#: (:func:`dmlkit.protocol.stages.run_seed`; tests/test_protocol_audit.py checks they agree).
-_RUN_SEED_STRIDE = 1000
+#: The final runs' training seed is ``RUN_SEED_STRIDE * seed + fold``
+#: (:func:`dmlkit.protocol.stages.run_seed`, which reads it here).
+RUN_SEED_STRIDE = 1000
 
 
 class _Strict(StrictNumbers):
@@ -405,10 +406,10 @@ class BenchConfig(_Strict):
                              f"fixed.seed + f, up to {self.fixed.seed + last}, past numpy's 2**32 - 1; "
                              f"use at most {2**32 - 1 - last}")
         top = max(self.protocol.seeds or [0])
-        if _RUN_SEED_STRIDE * top + last >= 2**32:
+        if RUN_SEED_STRIDE * top + last >= 2**32:
             raise ValueError(f"protocol.seeds holds {top}: final run f of seed s trains with seed "
-                             f"{_RUN_SEED_STRIDE} * s + f, past numpy's 2**32 - 1; use seeds up to "
-                             f"{(2**32 - 1 - last) // _RUN_SEED_STRIDE}")
+                             f"{RUN_SEED_STRIDE} * s + f, past numpy's 2**32 - 1; use seeds up to "
+                             f"{(2**32 - 1 - last) // RUN_SEED_STRIDE}")
         return self
 
     @model_validator(mode="after")

@@ -26,6 +26,7 @@ from dmlkit.embeddings import dataset_rows, embed_split, load_embeddings, save_e
 from dmlkit.exceptions import ConfigError, DataError, DmlkitError
 from dmlkit.metrics import evaluate
 from dmlkit.protocol.config import (
+    RUN_SEED_STRIDE,
     BenchConfig,
     MethodConfig,
 )
@@ -46,12 +47,13 @@ PRETRAINED = "pretrained"
 
 
 def run_seed(seed: int, fold: int) -> int:
-    """The training seed of fold ``fold`` in repeat ``seed``: ``1000 * seed + fold``.
+    """The training seed of fold ``fold`` in repeat ``seed``: ``1000 * seed + fold``
+    (:data:`dmlkit.protocol.config.RUN_SEED_STRIDE`, which the config's seed bounds use).
 
     Fold models of one repeat start from different initialisations (as the seed's four
     independent models do); the pretrained row uses the same seeds.
     """
-    return 1000 * int(seed) + int(fold)
+    return RUN_SEED_STRIDE * int(seed) + int(fold)
 
 
 def _say(console: Any, message: str) -> None:
