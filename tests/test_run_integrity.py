@@ -115,3 +115,24 @@ def test_a_relative_data_root_in_a_config_file_is_stored_absolute(tmp_path, data
     code, out, err = run_cli(["embed", str(tmp_path / "run"), "--split", "val", "--quiet"])
     assert code == 0, err
     assert os.path.isfile(tmp_path / "run" / "embeddings" / "val.npz")
+
+
+def test_a_failed_locked_block_removes_only_what_the_lock_created(tmp_path):
+    """The shared mechanism under train's and bench's refusals (``dmlkit.utils.directory_lock``)."""
+    from dmlkit.utils import directory_lock
+
+    new = tmp_path / "a" / "b"
+    with pytest.raises(RuntimeError), directory_lock(new, "x.lock", "busy"):
+        raise RuntimeError("refused")
+    assert not (tmp_path / "a").exists()  # lock file and both folders it made
+    with pytest.raises(RuntimeError), directory_lock(new, "x.lock", "busy"):
+        (new / "out.txt").write_text("written")
+        raise RuntimeError("failed after writing")
+    assert sorted(p.name for p in new.iterdir()) == ["out.txt"]  # the block's file keeps its folder
+    (new / "x.lock").touch()
+    with pytest.raises(RuntimeError), directory_lock(new, "x.lock", "busy"):
+        raise RuntimeError("refused")
+    assert (new / "x.lock").exists()  # not this call's: left alone
+    with directory_lock(tmp_path / "c", "x.lock", "busy"):
+        pass
+    assert (tmp_path / "c" / "x.lock").exists()  # a run that ends well keeps its lock file

@@ -133,10 +133,19 @@ def refuse_overwriting_inputs(output: str | os.PathLike, *inputs: str | os.PathL
 def directory_lock(directory: str | os.PathLike, name: str, busy: str) -> Iterator[None]:
     """Hold an exclusive lock on ``directory`` (the file ``directory/name``, ``flock``: released
     by the kernel if the process dies) for the block; raise :class:`DmlkitError` with the
-    message ``busy`` when another process holds it. The directory is created if need be."""
+    message ``busy`` when another process holds it. The directory is created if need be.
+
+    When the block raises, the lock file and the folders this call created are removed (folders
+    only if still empty; while the lock is held): a refused command (``train --resume`` of a
+    missing run, a bench refused at validation) leaves the file system as it found it."""
     import fcntl
 
     directory = Path(directory)
+    created = [] if (directory / name).exists() else [directory / name]
+    for folder in (directory, *directory.parents):  # innermost first: the order to remove them
+        if folder.exists():
+            break
+        created.append(folder)
     directory.mkdir(parents=True, exist_ok=True)
     fh = open(directory / name, "a")  # never written: the lock, not the file, is the state
     try:
@@ -144,7 +153,13 @@ def directory_lock(directory: str | os.PathLike, name: str, busy: str) -> Iterat
             fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             raise DmlkitError(busy) from None
-        yield
+        try:
+            yield
+        except BaseException:
+            for path in created:
+                with contextlib.suppress(OSError):  # a folder the block filled stays
+                    path.rmdir() if path.is_dir() else path.unlink()
+            raise
     finally:
         with contextlib.suppress(OSError):
             fcntl.flock(fh, fcntl.LOCK_UN)

@@ -325,38 +325,12 @@ def _train(config: ExperimentConfig, run_dir: Path, device: torch.device, *, tra
                 run_dir, _RUN_LOCK, f"another `dmlkit train` is using {run_dir}: wait for it to "
                 "end, or choose another run directory"))
 
-        created = _made_by_lock(run_dir) if context().is_main else []
         on_main(lock)  # refused on rank 0: the same error on every rank
-        try:
-            payload = on_main(open_run_dir, run_dir, config, resume, world_size=context().world_size,
-                              allow_world_size_change=allow_world_size_change)
-        except Exception:  # refused: leave no lock file or directory the lock made
-            _remove_empty(created)
-            raise
+        # a refusal here leaves nothing: the lock removes its file and the folders it made
+        payload = on_main(open_run_dir, run_dir, config, resume, world_size=context().world_size,
+                          allow_world_size_change=allow_world_size_change)
         return _train_in_dir(config, run_dir, device, checked, payload, train_set=train_set,
                              val_set=val_set, test_set=test_set, progress=progress)
-
-
-def _made_by_lock(run_dir: Path) -> list[Path]:
-    """What locking ``run_dir`` creates, in the order to remove it: the lock file (when it is not
-    there yet), then the folders that do not exist yet, innermost first."""
-    made = [] if (run_dir / _RUN_LOCK).exists() else [run_dir / _RUN_LOCK]
-    for folder in (run_dir, *run_dir.parents):
-        if folder.exists():
-            break
-        made.append(folder)
-    return made
-
-
-def _remove_empty(made: list[Path]) -> None:
-    """Remove what :func:`_made_by_lock` listed (the lock file, then each folder left empty): a
-    refused ``train`` leaves the file system as it found it. Run while the lock is held."""
-    for path in made:
-        with contextlib.suppress(OSError):  # a folder someone else filled meanwhile stays
-            if path.is_dir():
-                path.rmdir()
-            else:
-                path.unlink()
 
 
 def _train_in_dir(config: ExperimentConfig, run_dir: Path, device: torch.device, checked,
