@@ -201,6 +201,20 @@ def _best_threshold(scores: np.ndarray, same: np.ndarray) -> tuple[float, float]
     return float(t), float(acc[n])
 
 
+def _fold_count(folds: Any, pairs: int | None = None) -> int:
+    """``folds`` as an integer number of folds, at least 2 (the threshold is fitted on the other
+    folds) and at most ``pairs``; :class:`ConfigError` otherwise (2.5 was truncated to 2, or
+    dealt as fractional fold ids)."""
+    if isinstance(folds, bool) or int(folds) != folds:
+        raise ConfigError(f"folds must be an integer, got {folds!r}")
+    k = int(folds)
+    if k < 2:
+        raise ConfigError(f"folds must be at least 2 (the threshold is fitted on the other folds), got {k}")
+    if pairs is not None and k > pairs:
+        raise ConfigError(f"folds must be in [2, {pairs}] (the number of pairs), got {k}")
+    return k
+
+
 def stratified_folds(same: Any, folds: int) -> np.ndarray:
     """Fold ids dealing positives and negatives round-robin in order: the ``r``-th positive goes
     to fold ``r mod folds``, so every fold keeps the ratio; the negatives carry on where the
@@ -208,11 +222,7 @@ def stratified_folds(same: Any, folds: int) -> np.ndarray:
     sizes differ by at most one pair (both dealt from fold 0 left the first folds up to two
     pairs larger)."""
     y = np.asarray(same, dtype=bool)
-    if int(folds) != folds:  # 2.5 was dealt as fractional ids, then truncated
-        raise ConfigError(f"folds must be an integer, got {folds!r}")
-    folds = int(folds)
-    if folds < 2 or folds > len(y):
-        raise ConfigError(f"folds must be in [2, {len(y)}] (the number of pairs), got {folds}")
+    folds = _fold_count(folds, len(y))
     ids = np.empty(len(y), dtype=np.int64)
     n_pos = int(y.sum())
     ids[y] = np.arange(n_pos) % folds
@@ -246,11 +256,7 @@ def kfold_threshold_accuracy(scores: Any, same: Any, folds: int | Sequence[int] 
     """
     s, y = _scores_and_same(scores, same)
     if np.ndim(folds) == 0:
-        if int(folds) != folds:  # type: ignore[arg-type]
-            raise ConfigError(f"folds must be an integer, got {folds!r}")
-        k = int(folds)  # type: ignore[arg-type]
-        if k < 2 or k > len(s):
-            raise ConfigError(f"folds must be in [2, {len(s)}] (the number of pairs), got {k}")
+        k = _fold_count(folds, len(s))
         fold_ids = np.repeat(np.arange(k), [len(p) for p in np.array_split(np.arange(len(s)), k)])
     else:
         given = np.asarray(folds)
@@ -352,10 +358,7 @@ def verify(embeddings: Any, labels: Any, *, num_pairs: int = 6000, folds: int = 
     if y.ndim != 1 or len(y) != len(x):
         raise ShapeError(f"labels must be (N,) with N = {len(x)}, got shape {y.shape}")
     _check_distance(distance)
-    if int(folds) != folds:
-        raise ConfigError(f"folds must be an integer, got {folds!r}")
-    if int(folds) < 2:
-        raise ConfigError(f"folds must be at least 2 (the threshold is fitted on the other folds), got {folds}")
+    _fold_count(folds)
     i, j, same = make_pairs(y, num_pairs, seed)
     if int(folds) > len(same):
         raise ConfigError(f"folds ({folds}) exceeds the number of pairs ({len(same)}): lower --folds")
@@ -394,8 +397,7 @@ def verify_pair_list(embeddings: Any, pair_list: PairList, paths: Sequence[str] 
     """
     x = _finite_embeddings(embeddings)
     _check_distance(distance)
-    if int(folds) != folds:
-        raise ConfigError(f"folds must be an integer, got {folds!r}")
+    _fold_count(folds)
     if paths is None:
         if len(x) != len(pair_list.paths):
             raise ShapeError(f"{len(x)} embeddings for a pair list of {len(pair_list.paths)} images: "
