@@ -286,7 +286,7 @@ def compare_results(
                     raise DataError(f"methods {first[0]!r} ({first[1].path}) and {name!r} ({items.path}) "
                                     f"were tested on {why}: a paired comparison needs the same test set")
             per_query[(name, mode)] = scores
-        if items.labels_only or items.indices is None or (first is not None and first[1].indices is None):
+        if items.labels_only or first[1].indices is None:  # some file of it, or of the first, has no rows
             labels_only.append(name)
     seeds = {name: int(per_query[(name, modes[0])][metrics[0]].shape[0]) for name in names}
     warnings = [
