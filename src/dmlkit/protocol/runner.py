@@ -175,6 +175,10 @@ class Bench:
         if cfg_path.exists():
             old = bench_config_from_dict(load_yaml(cfg_path.read_text(encoding="utf-8")))
             a, b = old.model_dump(mode="json"), self.config.model_dump(mode="json")
+            # the fixed settings as the studies compare them: where the data lives and how the
+            # metrics are computed (fixed.evaluation's memory_mb, backend, ...) may change on
+            # resume, as `dmlkit bench --help` advises for a final stage out of memory
+            a["fixed"], b["fixed"] = old.fixed_fingerprint(), self.config.fixed_fingerprint()
             for d in (a, b):  # these may grow/change on resume
                 d["protocol"].pop("trials", None)
                 d["protocol"].pop("storage", None)

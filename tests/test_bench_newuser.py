@@ -1,0 +1,54 @@
+"""A new user's workflows of ``dmlkit bench`` / ``dmlkit compare`` (and ``dmlkit.protocol``):
+resuming a bench with other evaluation settings, and the statistics checked against an
+independent numpy computation on small hand-made results."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+
+from dmlkit.exceptions import ConfigError
+from dmlkit.protocol.config import BenchConfig, bench_config_from_dict
+from dmlkit.protocol.runner import Bench
+
+TINY = {
+    "name": "tiny-newuser",
+    "fixed": {
+        "seed": 0,
+        "data": {"dataset": "omniglot", "transform": "grayscale", "image_size": 28},
+        "model": {"trunk": "small_cnn", "pretrained": False, "in_channels": 1, "embedding_size": 16,
+                  "freeze_batchnorm": False},
+        "sampler": {"classes_per_batch": 4, "samples_per_class": 4, "batches_per_epoch": 2},
+        "optimizer": {"preset": "cpu_quick"},
+        "training": {"epochs": 1, "device": "cpu"},
+    },
+    "protocol": {"num_classes": 16, "folds": 2, "trials": 2, "n_startup_trials": 1, "seeds": [0, 1, 2]},
+    "methods": [
+        {"name": "contrastive", "loss": {"name": "contrastive"},
+         "search": {"loss.neg_margin": {"low": 0.5, "high": 1.5}}},
+    ],
+}
+
+
+def _config(**fixed_changes: dict) -> BenchConfig:
+    data = copy.deepcopy(TINY)
+    for section, values in fixed_changes.items():
+        data["fixed"].setdefault(section, {}).update(values)
+    return bench_config_from_dict(data)
+
+
+def test_resume_with_other_evaluation_memory_is_accepted(tmp_path):
+    """`dmlkit bench --help` advises `--set fixed.evaluation.memory_mb=512` (a final stage out of
+    memory): the bench directory refused it as "another config", so the user had to start the
+    whole search again in a new directory. Settings that change neither the search nor the
+    results (the kNN's memory and backend, the data's location) may change on resume; what the
+    studies compare (training length, the evaluation batch) is still refused."""
+    Bench(_config(), tmp_path).prepare()
+    Bench(_config(evaluation={"memory_mb": 64, "backend": "torch"}), tmp_path).prepare()
+    Bench(_config(data={"root": str(tmp_path / "elsewhere")}), tmp_path).prepare()
+    assert "memory_mb: 64" not in (tmp_path / "config.yaml").read_text()  # the latest config is kept
+    with pytest.raises(ConfigError, match="another config"):
+        Bench(_config(training={"epochs": 2}), tmp_path).prepare()
+    with pytest.raises(ConfigError, match="another config"):
+        Bench(_config(evaluation={"batch_size": 7}), tmp_path).prepare()
