@@ -278,6 +278,36 @@ def _manifest_settings(manifest: dict[str, Any], where: Path) -> tuple[str, str 
     return manifest["format"], transform, size, channels
 
 
+def _is_export_manifest(path: Path) -> bool:
+    """Whether ``path`` is a manifest :func:`export_model` wrote (a JSON object of its format)."""
+    try:
+        return read_json_object(path, "export manifest").get("manifest") == _MANIFEST_FORMAT
+    except DataError:
+        return False
+
+
+def _refuse_foreign_outputs(out: Path, run_dir: Path) -> None:
+    """Refuse, before anything is exported, an output that would replace a file that is not an
+    earlier export: the model file ``out`` (replaced only when its manifest ``<out>.json`` is an
+    export manifest), the manifest path itself, or the checkpoint being exported
+    (:class:`DataError`). ``-o run/embeddings/test.npz`` replaced the run's embeddings with a
+    model, ``-o run/checkpoints/best.pt`` the checkpoint itself, and ``-o run/metrics`` wrote
+    the manifest over the run's ``metrics.json``."""
+    checkpoints = run_dir if run_dir.is_file() else run_dir / "checkpoints"
+    if out.resolve() == checkpoints.resolve() or (checkpoints.is_dir() and checkpoints.resolve() in out.resolve().parents):
+        raise DataError(f"the output {out} would overwrite the checkpoints the export reads ({checkpoints}): "
+                        "choose another output path (default RUN_DIR/export/model.onnx|.pt)")
+    if out.is_dir():
+        raise DataError(f"the output {out} is a directory: pass a file path such as {out / 'model.onnx'}")
+    manifest = _manifest_path(out)
+    if manifest.exists() and not _is_export_manifest(manifest):
+        raise DataError(f"the export's manifest {manifest} would replace a file that is not an export manifest: "
+                        "choose another output path")
+    if out.exists() and not manifest.exists():
+        raise DataError(f"{out} exists and is not a dmlkit export (no manifest {manifest.name} beside it): "
+                        "choose another output path, or delete the file first")
+
+
 def _knn_top(emb: np.ndarray, k: int) -> np.ndarray:
     return knn(emb, None, k=min(k, len(emb) - 1), distance="cosine").indices.numpy()
 
@@ -364,7 +394,8 @@ def export_model(run_dir: str | os.PathLike, format: str = "onnx", output: str |
         format: ``onnx`` (legacy TorchScript-based ``torch.onnx.export``, dynamic batch axis) or
             ``torchscript`` (``torch.jit.trace``).
         output: model file (default ``RUN_DIR/export/model.onnx`` or ``model.pt``); the manifest
-            with preprocessing and parity goes to ``<output>.json``.
+            with preprocessing and parity goes to ``<output>.json``. An existing file there is
+            replaced only when it is an earlier export (:func:`_refuse_foreign_outputs`).
         parity_samples: real images of the run's test split used for the parity check (at least 12).
         opset: the ONNX opset (default 17, which exports every dmlkit model).
     """
@@ -377,10 +408,11 @@ def export_model(run_dir: str | os.PathLike, format: str = "onnx", output: str |
     if parity_samples < 12:
         raise ConfigError(f"parity_samples must be at least 12 (top-10 neighbours need 11 others), got {parity_samples}")
     run_dir = Path(run_dir)
-    model, config = load_checkpoint(run_dir, device="cpu")
-    model.eval()
     base = run_dir if run_dir.is_dir() else run_dir.parent
     out = Path(output) if output is not None else base / "export" / f"model{_SUFFIX[format]}"
+    _refuse_foreign_outputs(out, run_dir)  # before the work: nothing but an earlier export is replaced
+    model, config = load_checkpoint(run_dir, device="cpu")
+    model.eval()
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
     except OSError as exc:

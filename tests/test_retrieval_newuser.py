@@ -1,0 +1,80 @@
+"""Retrieval apps (index, query, serve, export) as a new user runs them: the findings of a
+new-user pass over docs/search.md, each checked against an independent computation or the
+files on disk."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from dmlkit.apps.export import export_model
+from dmlkit.exceptions import DataError
+
+
+def _fake_run(tmp_path: Path) -> Path:
+    """A run directory's files that an export must never replace (their contents are markers)."""
+    run = tmp_path / "run"
+    (run / "checkpoints").mkdir(parents=True)
+    (run / "embeddings").mkdir()
+    (run / "checkpoints" / "best.pt").write_bytes(b"checkpoint")
+    (run / "embeddings" / "test.npz").write_bytes(b"embeddings")
+    (run / "metrics.json").write_text('{"test": {"map_at_r": 0.4}}')
+    return run
+
+
+@pytest.mark.parametrize("target", ["embeddings/test.npz", "checkpoints/best.pt", "metrics", "checkpoints/model.pt"])
+def test_export_never_replaces_a_file_that_is_not_an_earlier_export(tmp_path, target, run_cli):
+    # `dmlkit export run -o run/embeddings/test.npz` replaced the embeddings with a model,
+    # `-o run/checkpoints/best.pt` the checkpoint being exported, and `-o run/metrics` wrote
+    # the manifest over run/metrics.json: each exited 0
+    run = _fake_run(tmp_path)
+    before = {p: p.read_bytes() for p in run.rglob("*") if p.is_file()}
+    code, out, err = run_cli(["export", str(run), "--format", "torchscript", "-o", str(run / target)])
+    assert code == 2 and out == "" and len(err.strip().splitlines()) == 1 and "Traceback" not in err
+    assert "choose another output path" in err
+    assert {p: p.read_bytes() for p in run.rglob("*") if p.is_file()} == before
+
+
+def test_export_of_a_real_run_keeps_its_embeddings_and_checkpoint(tmp_path_factory, data_root, tmp_path, run_cli):
+    from test_service import trained_run
+
+    run = tmp_path / "run"
+    shutil.copytree(trained_run(tmp_path_factory, data_root), run)
+    kept = {name: (run / name).read_bytes() for name in ("embeddings/test.npz", "checkpoints/best.pt")}
+    for name in kept:
+        code, _, err = run_cli(["export", str(run), "--format", "torchscript", "--parity-samples", "12",
+                                "--data-root", str(data_root), "-o", str(run / name)])
+        assert code == 2 and "choose another output path" in err, err
+    assert {name: (run / name).read_bytes() for name in kept} == kept
+    # the default output is still written, and written again (an earlier export is replaced)
+    for _ in range(2):
+        code, out, err = run_cli(["export", str(run), "--format", "torchscript", "--parity-samples", "12",
+                                  "--data-root", str(data_root)])
+        assert code == 0, err
+    assert (run / "export" / "model.pt").is_file() and (run / "export" / "model.pt.json").is_file()
+
+
+def test_export_refuses_an_output_directory_and_a_checkpoint_file_given_as_the_run(tmp_path):
+    run = _fake_run(tmp_path)
+    (tmp_path / "out").mkdir()
+    with pytest.raises(DataError, match="is a directory"):
+        export_model(run, "onnx", tmp_path / "out")
+    ckpt = run / "checkpoints" / "best.pt"
+    with pytest.raises(DataError, match="checkpoints the export reads"):
+        export_model(ckpt, "torchscript", ckpt)
+    assert ckpt.read_bytes() == b"checkpoint"
+
+
+def test_export_still_replaces_an_earlier_export(tmp_path):
+    # an earlier export (its manifest beside it) is not refused: the refusal comes later, from
+    # the fake checkpoint, not from the output check
+    run = _fake_run(tmp_path)
+    out = tmp_path / "model.onnx"
+    out.write_bytes(b"old model")
+    (tmp_path / "model.onnx.json").write_text(json.dumps({"manifest": "dmlkit-export-v1", "format": "onnx"}))
+    with pytest.raises(Exception) as info:
+        export_model(run, "onnx", out)
+    assert "choose another output path" not in str(info.value)
