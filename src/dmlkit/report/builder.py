@@ -29,7 +29,7 @@ from dmlkit.report.html import Figure, Section, render_page, table_html
 from dmlkit.training import build_datasets, build_model, load_checkpoint, read_log
 from dmlkit.training.trainer import with_run_split
 from dmlkit.utils import atomic_write_text, os_error_message, read_json_object, seed_everything
-from dmlkit.validation import normalize_rows
+from dmlkit.validation import concatenate_normalized
 
 __all__ = ["ReportOptions", "build_report", "hist_dict", "mean_of", "read_jsonl"]
 
@@ -199,14 +199,15 @@ def _embedding_sections(test: _Split, before: _Split | None, others: Mapping[str
     panels: dict[str, Any] = {}
     hist_rows = []
     rows = _sample_rows(test.labels, options.max_points, options.seed)
-    def histogram(emb: np.ndarray, labels: np.ndarray):
-        # bins over the observed similarity range, so that a model whose similarities all lie
-        # in, say, [0.95, 1] still gets a readable histogram; the table also gives pos_neg_js
-        # (the metric's fixed bins over [-1, 1], as in metrics.json) of the same pairs
-        drawn = pos_neg_histograms(emb, labels, bins=60, range="observed")
+    def histogram(split: _Split, rows: np.ndarray):
+        # bins over the observed similarity range of the drawn rows, so that a model whose
+        # similarities all lie in, say, [0.95, 1] still gets a readable histogram; the table also
+        # gives pos_neg_js (the metric's fixed bins over [-1, 1]) of every row of the split, the
+        # value metrics.json and `dmlkit evaluate` give for these embeddings (not the sample's)
+        drawn = pos_neg_histograms(split.embeddings[rows], split.labels[rows], bins=60, range="observed")
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # the resolution warning: the drawn bins answer it
-            metric = pos_neg_histograms(emb, labels).js
+            metric = pos_neg_histograms(split.embeddings, split.labels).js
         return drawn, metric
 
     candidates: list[tuple[str, _Split, np.ndarray]] = []
@@ -218,7 +219,7 @@ def _embedding_sections(test: _Split, before: _Split | None, others: Mapping[str
                            _sample_rows(split.labels, options.max_points, options.seed)))
     for title, split, r in candidates:
         try:
-            panels[title] = histogram(split.embeddings[r], split.labels[r])
+            panels[title] = histogram(split, r)
         except DmlkitError as exc:  # e.g. one class: no negative pair -- say why, draw the rest
             hist_rows.append([title, "n/a", "n/a", "n/a", f"not drawn: {exc}"])
     for title, (h, metric) in panels.items():
@@ -234,10 +235,14 @@ def _embedding_sections(test: _Split, before: _Split | None, others: Mapping[str
          "each normalised to area 1 (Oi et al.), with 60 bins over each panel's observed range. The "
          "Jensen-Shannon divergence (base 2) measures how well they separate: 0 = identical "
          "distributions, 1 = disjoint. It depends on the bins: the table gives it over the drawn "
-         "bins and as the metric pos_neg_js (100 bins over [-1, 1], shared by every model, the value "
-         "in metrics.json and `dmlkit evaluate`), which reads near 0 when every similarity falls in "
-         "a few of its bins. A split without both kinds of pair has no histogram."],
-        [table_html(["split", "JS, drawn bins", "pos_neg_js", "positive pairs", "negative pairs"], hist_rows)],
+         "bins and as the metric pos_neg_js (100 bins over [-1, 1], shared by every model), which "
+         "reads near 0 when every similarity falls in a few of its bins. The panels draw the pairs "
+         f"of at most {options.max_points} samples a split (whole classes; the pair counts are "
+         "theirs); pos_neg_js is over every sample of the split (train and val: the sample the "
+         "report embeds), the value `dmlkit evaluate` and metrics.json give for the test "
+         "embeddings. A split without both kinds of pair has no histogram."],
+        [table_html(["split", "JS, drawn bins", "pos_neg_js", "positive pairs drawn",
+                     "negative pairs drawn"], hist_rows)],
         hist_figs,
     ))
     # 2-D maps
@@ -491,9 +496,10 @@ def _bench_sections(bench_dir: Path, fig_dir: Path, options: ReportOptions) -> t
 
 
 def _concatenated_test(bench_dir: Path, method: str) -> tuple[_Split | None, list[Path]]:
-    """The first seed's fold models' test embeddings side by side (normalised), and the fold
-    files that are missing: with any missing there is no concatenation (a part of it, drawn
-    as the whole, was captioned as the concatenated model)."""
+    """The first seed's fold models' test embeddings concatenated as the benchmark scores them
+    (:func:`dmlkit.validation.concatenate_normalized`: each part normalised, then the whole), and
+    the fold files that are missing: with any missing there is no concatenation (a part of it,
+    drawn as the whole, was captioned as the concatenated model)."""
     seeds = sorted((bench_dir / "final" / method).glob("seed*"))
     if not seeds:
         return None, []
@@ -511,7 +517,7 @@ def _concatenated_test(bench_dir: Path, method: str) -> tuple[_Split | None, lis
             raise DataError(f"{f}: test labels differ between folds; cannot concatenate")
         labels = lab
         parts.append(emb)
-    emb = normalize_rows(np.concatenate(parts, axis=1))
+    emb = concatenate_normalized(parts)
     return _Split("test", emb, labels, class_names=names), []
 
 

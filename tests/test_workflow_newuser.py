@@ -1,0 +1,75 @@
+"""A new user's single-run workflow (train -> embed -> evaluate -> report), checked against
+independent computations: what the report shows must be what ``dmlkit evaluate`` and the
+benchmark give for the same embeddings."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import numpy as np
+import pytest
+
+from dmlkit.embeddings import save_embeddings
+from dmlkit.metrics import evaluate, pos_neg_histograms
+
+
+def _report_table_row(html: str, title: str) -> list[str]:
+    """The cells of the report table row whose first cell is ``title``."""
+    match = re.search(r"<tr><td>" + re.escape(title) + r"</td>(.*?)</tr>", html)
+    assert match, f"no row {title!r}"
+    return re.findall(r"<td[^>]*>(.*?)</td>", match.group(1))
+
+
+def test_report_pos_neg_js_is_the_whole_splits_value(tmp_path):
+    """The report's pos_neg_js column said it was the value of metrics.json and `dmlkit
+    evaluate`, but was computed on the drawn sample of ``max_points`` rows (0.1584 against
+    evaluate's 0.1590 on the quickstart's test split)."""
+    from dmlkit.report import ReportOptions
+    from dmlkit.report.builder import _embedding_sections, _Split
+    from dmlkit.report.html import render_page
+
+    rng = np.random.default_rng(0)
+    labels = np.repeat(np.arange(30), 6)
+    emb = (rng.normal(size=(30, 8))[labels] + 1.2 * rng.normal(size=(180, 8))).astype(np.float32)
+    test = _Split("test", emb, labels)
+    options = ReportOptions(maps=(), max_points=60)
+    sections = _embedding_sections(test, None, {}, tmp_path, options, "the model")
+    html = render_page("t", "s", sections, tmp_path / "report.html")
+    cells = _report_table_row(html, "test, after training")
+    whole = evaluate(emb, labels, metrics=["pos_neg_js"])["pos_neg_js"]
+    sample = pos_neg_histograms(emb[:60], labels[:60]).js
+    assert abs(whole - sample) > 1e-3  # the test can tell them apart
+    assert float(cells[1]) == pytest.approx(whole, abs=6e-5)
+    # the pair counts are the drawn sample's (10 classes of 6), and say so
+    assert cells[2:] == ["150", "1620"] and "positive pairs drawn" in html
+
+
+def test_bench_report_concatenates_as_the_benchmark_does(tmp_path):
+    """The bench report normalised only the concatenation of the fold models' test embeddings;
+    the benchmark (and compare) normalise each fold model's rows first
+    (``concatenate_normalized``), so with ``model.normalize: false`` a fold model of large norm
+    drowned the other in the report's figures and pos_neg_js, not in results.json."""
+    from dmlkit.report import ReportOptions, build_report
+    from dmlkit.report.builder import _concatenated_test
+    from dmlkit.validation import concatenate_normalized
+
+    rng = np.random.default_rng(1)
+    labels = np.repeat(np.arange(6), 5)
+    good = np.eye(8)[labels] * 3 + 0.3 * rng.normal(size=(30, 8))  # separates the classes
+    noise = 1000 * rng.normal(size=(30, 8))  # a fold model of huge norm and no structure
+    for fold, emb in enumerate((good, noise)):
+        save_embeddings(tmp_path / "final" / "triplet" / "seed0" / f"fold{fold}" / "embeddings" / "test.npz",
+                        emb.astype(np.float32), labels)
+    split, missing = _concatenated_test(tmp_path, "triplet")
+    assert not missing
+    expected = concatenate_normalized([good.astype(np.float32), noise.astype(np.float32)])
+    np.testing.assert_allclose(split.embeddings, expected, atol=1e-6)
+    # and the page's pos_neg_js is that of the benchmark's concatenation
+    cell = {"mean": 0.5, "ci95": None, "values": [0.5]}
+    sections = {m: cell for m in ("precision_at_1", "r_precision", "map_at_r")}
+    (tmp_path / "results.json").write_text(json.dumps(
+        {"methods": {"triplet": {"concatenated": sections, "separated": sections}}}))
+    html = build_report(tmp_path, options=ReportOptions(maps=())).read_text()
+    js = float(_report_table_row(html, "test, after training")[1])
+    assert js == pytest.approx(evaluate(expected, labels, metrics=["pos_neg_js"])["pos_neg_js"], abs=6e-5)
