@@ -106,9 +106,14 @@ def run(
 
     from dmlkit.apps.tracking import annotate, parse_box, read_video, write_frames
     from dmlkit.apps.tracking.datasets import Sequence
+    from dmlkit.apps.tracking.render import check_output
 
     if fps_out is not None and not fps_out > 0:  # 0 must not quietly mean "the default"
         raise ConfigError(f"--fps must be positive, got {fps_out}")
+    if out is not None:  # a wrong --out (e.g. boxes.txt) fails now, not after the whole video
+        check_output(out)
+    if boxes_out is not None and boxes_out.is_dir():
+        raise ConfigError(f"--boxes {boxes_out} is a folder: name the text file to write")
     _set_threads(threads)
     box = parse_box(init_box)
     tracker = _tracker(method, weights, scales, seed, device, width)  # bad options fail before reading
@@ -191,6 +196,8 @@ def evaluate(
     unknown = [n for n in names if n.lower() not in _METHODS]
     if unknown:  # before any data is read
         raise ConfigError(f"unknown tracker {unknown[0]!r}: use {', '.join(_METHODS)}")
+    if out_dir is not None and out_dir.exists() and not out_dir.is_dir():  # before any tracking
+        raise ConfigError(f"--out-dir {out_dir} is a file: name a folder for results.json, ope.png and the boxes")
     sequences = load_tracking_dataset(dataset, root, split)[:max_sequences]
     results, boxes = {}, {}
     for name in names:

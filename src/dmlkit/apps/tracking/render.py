@@ -41,12 +41,30 @@ def annotate(frames: Iterable[np.ndarray], boxes: np.ndarray,
         yield draw_box(out, boxes[i], label=f"#{i + 1}")
 
 
+#: Video containers :func:`write_frames` writes (with imageio + PyAV).
+VIDEO_OUT_SUFFIXES = (".mp4", ".avi", ".mov", ".mkv", ".webm")
+
+
+def check_output(out: str | Path) -> Path:
+    """``out`` as :func:`write_frames` takes it: a ``.gif``, a video (:data:`VIDEO_OUT_SUFFIXES`)
+    or a folder (no suffix, not an existing file); :class:`ConfigError` otherwise. Called before
+    any frame is tracked, so that a wrong ``--out`` (e.g. ``boxes.txt``) is refused at once, not
+    after the whole video."""
+    out = Path(out)
+    suffix = out.suffix.lower()
+    if suffix not in ("", ".gif", *VIDEO_OUT_SUFFIXES):
+        raise ConfigError(f"cannot write {out}: use .gif, {', '.join(VIDEO_OUT_SUFFIXES)} or a folder")
+    if suffix == "" and out.exists() and not out.is_dir():
+        raise ConfigError(f"cannot write frames into {out}: it is a file, not a folder")
+    return out
+
+
 def write_frames(frames: Iterable[np.ndarray], out: str | Path, fps: float = 15.0) -> Path:
     """Write frames to ``out``: ``.gif`` (Pillow), ``.mp4`` / ``.avi`` / ... (imageio + PyAV),
-    or a folder (``00001.jpg`` ...) when ``out`` has no suffix."""
+    or a folder (``00001.jpg`` ...) when ``out`` has no suffix (:func:`check_output`)."""
     from PIL import Image
 
-    out = Path(out)
+    out = check_output(out)
     suffix = out.suffix.lower()
     if fps <= 0:
         raise ConfigError(f"fps must be positive, got {fps}")
@@ -63,7 +81,7 @@ def write_frames(frames: Iterable[np.ndarray], out: str | Path, fps: float = 15.
         images[0].save(out, save_all=True, append_images=images[1:], loop=0,
                        duration=int(round(1000 / fps)), optimize=False)
         return out
-    if suffix in (".mp4", ".avi", ".mov", ".mkv", ".webm"):
+    if suffix in VIDEO_OUT_SUFFIXES:
         iio = require("imageio.v3", "tracking")
         arrays = []
         for f in frames:  # even sizes for yuv420p codecs
@@ -77,5 +95,4 @@ def write_frames(frames: Iterable[np.ndarray], out: str | Path, fps: float = 15.
                             "write a .gif or a folder, or track frames of one size")
         iio.imwrite(out, np.stack(arrays), fps=fps, plugin="pyav", codec="libx264"
                     if suffix in (".mp4", ".mkv", ".mov") else "mpeg4")
-        return out
-    raise ConfigError(f"cannot write {out}: use .gif, .mp4, .avi, .mov, .mkv, .webm or a folder")
+    return out
