@@ -78,3 +78,39 @@ def test_export_still_replaces_an_earlier_export(tmp_path):
     with pytest.raises(Exception) as info:
         export_model(run, "onnx", out)
     assert "choose another output path" not in str(info.value)
+
+
+@pytest.fixture
+def small_hnsw(tmp_path, run_cli):
+    """An HNSW index of 300 seeded random embeddings with ids ``f0`` ... ``f299``."""
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    emb = tmp_path / "emb.npz"
+    np.savez(emb, embeddings=rng.normal(size=(300, 8)).astype(np.float32), ids=np.array([f"f{i}" for i in range(300)]))
+    index = tmp_path / "idx"
+    code, _, err = run_cli(["index", str(emb), "-o", str(index), "--kind", "hnsw", "--recall-queries", "20"])
+    assert code == 0, err
+    return index
+
+
+def test_index_remove_with_target_recall_re_tunes_and_json_is_json(small_hnsw, run_cli):
+    # --target-recall and --json given with --add/--remove were silently ignored: the recall
+    # stayed stale and the output was text
+    code, out, err = run_cli(["index", "-o", str(small_hnsw), "--remove", "f1", "--target-recall", "0.9",
+                              "--recall-queries", "30", "--json"])
+    assert code == 0, err
+    summary = json.loads(out)
+    assert summary["count"] == 299 and summary["removed"] == 1 and summary["added"] == 0
+    rec = json.loads((small_hnsw / "index.json").read_text())["recall"]
+    assert rec["stale"] is False and rec["target"] == 0.9 and rec["met"] is True and rec["num_queries"] == 30
+    assert summary["recall"]["setting"] == rec["setting"]
+
+
+@pytest.mark.parametrize("option", [["--ef-search", "128"], ["--nlist", "4"], ["--hnsw-m", "8"], ["--recall-k", "5"],
+                                    ["--seed", "3"]])
+def test_index_add_remove_refuse_build_settings_they_would_ignore(small_hnsw, run_cli, option):
+    before = (small_hnsw / "index.json").read_text()
+    code, out, err = run_cli(["index", "-o", str(small_hnsw), "--remove", "f1", *option])
+    assert code == 2 and out == "" and len(err.strip().splitlines()) == 1 and option[0] in err
+    assert (small_hnsw / "index.json").read_text() == before

@@ -69,6 +69,20 @@ def index(
     from dmlkit.utils import refuse_overwriting_inputs
 
     if remove or add:
+        # build settings of the structure an existing index keeps: given with --add/--remove they
+        # were silently ignored (--target-recall too, which now re-tunes the changed index)
+        structure = {"--nlist": nlist, "--pq-m": pq_m, "--nprobe": nprobe, "--gpu": gpu or None,
+                     "--pq-nbits": None if pq_nbits == 8 else pq_nbits,
+                     "--hnsw-m": None if hnsw_m == 32 else hnsw_m,
+                     "--ef-construction": None if ef_construction == 40 else ef_construction,
+                     "--ef-search": None if ef_search == 64 else ef_search, "--seed": seed or None,
+                     # the recall measurement's settings: used by --target-recall only
+                     "--recall-k": None if recall_k == 10 or target_recall is not None else recall_k,
+                     "--recall-queries": None if recall_queries == 1000 or target_recall is not None else recall_queries}
+        given = [name for name, value in structure.items() if value is not None]
+        if given:
+            raise ConfigError(f"{', '.join(given)} {'set' if len(given) > 1 else 'sets'} how an index is built or measured; {output} keeps its own "
+                              "with --add/--remove: build a new index (or pass --target-recall R to re-tune this one)")
         idx = EmbeddingIndex.load(output)
         # an existing index keeps its kind and distance: a different one asked for is an error,
         # not silently ignored
@@ -76,27 +90,40 @@ def index(
             if asked is not None and asked != own:
                 raise ConfigError(f"{output} is a {own} index ({option} {own}); {option} {asked} needs a new "
                                   "index: build one without --add/--remove")
+        if target_recall is not None and idx.kind == "flat":
+            raise ConfigError(f"{output} is a flat (exact) index: --target-recall tunes an approximate kind")
+        say = (lambda text: typer.echo(text, err=True)) if as_json else typer.echo  # --json: stdout is JSON only
+        changed = {"removed": 0, "added": 0}
         if remove:
-            n = idx.remove(remove)
-            typer.echo(f"removed {n} item(s) from {output}")
+            changed["removed"] = idx.remove(remove)
+            say(f"removed {changed['removed']} item(s) from {output}")
         if add:
             if embeddings is None:
                 raise ConfigError("--add needs EMBEDDINGS to add")
             refuse_overwriting_inputs(output, embeddings)
             if is_shard_dir(embeddings):  # streamed in blocks, ids and labels from the shards
-                typer.echo(f"added {idx.add_blocks(open_shards(embeddings))} item(s) to {output}")
-                idx.save(output)
-                return
-            emb, labels, extra = _load_any_embeddings(embeddings)
-            ids, _ = item_ids(embeddings, extra, data_root)
-            meta = None if idx.metadata is None else [None] * len(emb)
-            try:
-                idx.add(emb, labels, ids, meta)
-            except DataError as exc:  # which file does not fit the index
-                raise DataError(f"{embeddings}: {exc}") from None
-            typer.echo(f"added {len(emb)} item(s) to {output}")
+                changed["added"] = idx.add_blocks(open_shards(embeddings))
+            else:
+                emb, labels, extra = _load_any_embeddings(embeddings)
+                ids, _ = item_ids(embeddings, extra, data_root)
+                meta = None if idx.metadata is None else [None] * len(emb)
+                try:
+                    idx.add(emb, labels, ids, meta)
+                except DataError as exc:  # which file does not fit the index
+                    raise DataError(f"{embeddings}: {exc}") from None
+                changed["added"] = len(emb)
+            say(f"added {changed['added']} item(s) to {output}")
+        if target_recall is not None:  # re-tuned on the index as it now is: the stored recall is fresh
+            idx.tune(target_recall, k=recall_k, num_queries=recall_queries)
         idx.save(output)
-        typer.echo(f"{output}: {len(idx)} items (the recall measured at build is marked stale: rebuild to re-measure)")
+        if as_json:
+            echo_json({"output": str(output), **changed, **_summary(idx)})
+            return
+        if target_recall is not None:
+            _echo_recall(f"{output}: {len(idx)} items", idx)
+            return
+        typer.echo(f"{output}: {len(idx)} items (the recall measured at build is marked stale: rebuild, or "
+                   "pass --target-recall R, to re-measure)" if idx.recall else f"{output}: {len(idx)} items")
         return
     if embeddings is None:
         raise ConfigError("pass EMBEDDINGS to build an index (or --add/--remove to change OUTPUT)")
@@ -123,24 +150,31 @@ def index(
         elif kind != "flat":
             idx.measure_recall(k=recall_k, num_queries=recall_queries)
     idx.save(output)
+    if as_json:
+        echo_json({"output": str(output), **_summary(idx)})
+        return
+    _echo_recall(f"indexed {len(idx)} embeddings of size {idx.dim} ({kind}, {distance}) -> {output}", idx)
+
+
+def _summary(idx: Any) -> dict[str, Any]:
+    """The index's :meth:`~dmlkit.apps.EmbeddingIndex.describe`, without the tuner's list of tries."""
     summary = idx.describe()
     if summary["recall"]:
         summary["recall"] = {k: v for k, v in summary["recall"].items() if k != "tried"}
-    if as_json:
-        echo_json({"output": str(output), **summary})
-        return
-    line = f"indexed {len(idx)} embeddings of size {idx.dim} ({kind}, {distance}) -> {output}"
+    return summary
+
+
+def _echo_recall(line: str, idx: Any) -> None:
+    """``line`` with the index's measured recall, and a warning when its target was not reached."""
     rec = idx.recall
     if rec:
         held = "held-out" if rec.get("held_out") else "indexed (seen in training or in the graph: optimistic)"
         line += (f"; recall@{rec['k']} = {100 * rec['recall']:.2f} % on {rec['num_queries']} {held} queries "
                  f"with {rec['setting']}")
-        if rec.get("met") is False:
-            typer.echo(line)
-            typer.echo(f"warning: target recall {rec['target']} not reached; kept the most accurate setting "
-                       "(use more nlist/ef or another kind)", err=True)
-            return
     typer.echo(line)
+    if rec and rec.get("met") is False:
+        typer.echo(f"warning: target recall {rec['target']} not reached; kept the most accurate setting "
+                   "(use more nlist/ef or another kind)", err=True)
 
 
 def _indexed_row_ids(idx: Any, q: Any) -> Any:
