@@ -16,7 +16,7 @@ TINY = {
     "name": "tiny-newuser",
     "fixed": {
         "seed": 0,
-        "data": {"dataset": "omniglot", "transform": "grayscale", "image_size": 28},
+        "data": {"dataset": "binary_alphadigits", "transform": "grayscale", "image_size": 20},
         "model": {"trunk": "small_cnn", "pretrained": False, "in_channels": 1, "embedding_size": 16,
                   "freeze_batchnorm": False},
         "sampler": {"classes_per_batch": 4, "samples_per_class": 4, "batches_per_epoch": 2},
@@ -52,3 +52,15 @@ def test_resume_with_other_evaluation_memory_is_accepted(tmp_path):
         Bench(_config(training={"epochs": 2}), tmp_path).prepare()
     with pytest.raises(ConfigError, match="another config"):
         Bench(_config(evaluation={"batch_size": 7}), tmp_path).prepare()
+
+
+def test_final_stage_before_the_search_embeds_nothing(tmp_path, data_root):
+    """`dmlkit bench CONFIG --stage final` before any search embedded the test classes with every
+    pretrained fold model (seeds x folds networks, the largest cost on a real test set) and
+    only then failed, on the first method, with a hint not in CLI spelling."""
+    from dmlkit.exceptions import DmlkitError
+
+    bench = Bench(_config(), tmp_path / "b", data_root=data_root)
+    with pytest.raises(DmlkitError, match=r"run the search first \(`dmlkit bench CONFIG --stage search`"):
+        bench.run(stage="final")
+    assert not (tmp_path / "b" / "final").exists()

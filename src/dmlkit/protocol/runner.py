@@ -370,7 +370,8 @@ class Bench:
         try:
             study = optuna.load_study(storage=self.storage, study_name=self.study_name(method))
         except KeyError:
-            raise DmlkitError(f"no search study for {method.name!r}: run the search first") from None
+            raise DmlkitError(f"no search study for {method.name!r}: run the search first (`dmlkit bench "
+                              "CONFIG --stage search`, or the same command without --stage)") from None
         p = self.config.protocol
         counted = sorted(counted_trials(study), key=slot_order)  # a retry in its slot's place
         if len(counted) < p.trials:  # trial slots still to run (completed or failed)
@@ -412,13 +413,14 @@ class Bench:
         metrics = list(self.config.protocol.metrics)
         options = self.config.fixed.evaluation.metric_options()
         entries: dict[str, dict[str, Any]] = {}
+        # every method's search over before anything is embedded or trained
+        chosen = [(method, *self.best_params(method)) for method in self._methods(methods)]
         if self.config.protocol.pretrained:
             _say(self.console, "[bold]pretrained[/]: embedding the test classes with untrained embedders")
             runs = stage.run_pretrained()
             entries[PRETRAINED] = {"runs": runs, "evaluation": evaluate_runs(runs, metrics, **options),
                                    "best_params": {}, "search": None}
-        for method in self._methods(methods):
-            params, search_info = self.best_params(method)
+        for method, params, search_info in chosen:
             _say(self.console, f"[bold]{method.name}[/]: final runs with {params or 'the default parameters'}")
             runs = stage.run_method(method, params)
             entries[method.name] = {"runs": runs, "evaluation": evaluate_runs(runs, metrics, **options),
