@@ -73,3 +73,25 @@ def test_bench_report_concatenates_as_the_benchmark_does(tmp_path):
     html = build_report(tmp_path, options=ReportOptions(maps=())).read_text()
     js = float(_report_table_row(html, "test, after training")[1])
     assert js == pytest.approx(evaluate(expected, labels, metrics=["pos_neg_js"])["pos_neg_js"], abs=6e-5)
+
+
+@pytest.mark.parametrize("labels", [[0, 0, 0, 0, 0], [0, 1, 2, 3, 4], [7]], ids=["one-class", "singletons", "one-row"])
+def test_clustering_metrics_of_a_trivial_partition_are_nan_not_100(labels, run_cli, tmp_path):
+    """With one class (k = 1) or every class a single sample (k = N), k-means reproduces the
+    labels whatever the embeddings: evaluate printed NMI = AMI = 100 % (pair F1 100 % for one
+    class) for any embeddings. Now NaN (null in JSON) with a warning."""
+    x = np.random.default_rng(0).normal(size=(len(labels), 3)).astype(np.float32)
+    with pytest.warns(UserWarning, match="reproduces the labels whatever the embeddings"):
+        res = evaluate(x, labels, metrics=["nmi", "ami", "pair_f1"])
+    assert all(np.isnan(res[k]) for k in ("nmi", "ami", "pair_f1", "nmi_std", "ami_std", "pair_f1_std"))
+    np.savez(tmp_path / "e.npz", embeddings=x, labels=np.asarray(labels))
+    code, out, err = run_cli(["evaluate", str(tmp_path / "e.npz"), "-m", "nmi,ami", "--json"])
+    assert code == 0 and json.loads(out)["nmi"] is None and json.loads(out)["ami"] is None
+    assert err.strip().startswith("warning: nmi, ami:") and "Traceback" not in err
+
+
+def test_clustering_metrics_still_score_two_classes():
+    """The guard is only k = 1 / k = N: two separated classes still score 1."""
+    x = np.array([[1, 0], [1, 0.1], [0, 1], [0.1, 1]], dtype=np.float32)
+    res = evaluate(x, [0, 0, 1, 1], metrics=["nmi", "ami", "pair_f1"], cluster_restarts=1)
+    assert res["nmi"] == pytest.approx(1.0) and res["pair_f1"] == pytest.approx(1.0)

@@ -17,6 +17,7 @@ run ``restarts`` times with seeds ``seed, seed + 1, ...`` and the scores are ave
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import numpy as np
@@ -267,6 +268,8 @@ def cluster_metrics(
     cosine). k = the number of distinct labels; run ``r`` uses seed ``seed + r``. With
     ``spread``, the result also holds ``<metric>_std``: the standard deviation over the
     restarts (``ddof = 1``; 0 for a single restart), how much the score depends on the seed.
+    One class (k = 1) or every class a single sample (k = N) makes the clustering the labels'
+    partition whatever the embeddings: every value is then NaN, with a warning.
     """
     from sklearn.metrics import normalized_mutual_info_score
 
@@ -279,6 +282,17 @@ def cluster_metrics(
     if unknown:
         raise DataError(f"unknown clustering metric {unknown[0]!r}; choose from {CLUSTERING_METRICS}")
     n_clusters = int(np.unique(y).size)
+    if n_clusters in (1, x.shape[0]):
+        # k = 1 puts every sample in one cluster, k = N each in its own: the clustering is the
+        # labels' partition whatever the embeddings, and NMI / AMI / F1 read 1 (0/0 by
+        # convention for one class) - a number that says nothing about these embeddings
+        what = "one class" if n_clusters == 1 else "every class a single sample"
+        warnings.warn(
+            f"{', '.join(metrics)}: {what} ({x.shape[0]} sample{'s' * (x.shape[0] != 1)}), so k-means with k = {n_clusters} "
+            "reproduces the labels whatever the embeddings; reported as NaN (no number): cluster "
+            "at least two classes with two or more samples in one of them", stacklevel=3)
+        nan = {m: float("nan") for m in metrics}
+        return {**nan, **({f"{m}_std": float("nan") for m in metrics} if spread else {})}
     scores: dict[str, list[float]] = {m: [] for m in metrics}
     for run in range(restarts):
         assign = kmeans_labels(x, n_clusters, seed + run, backend=backend)
