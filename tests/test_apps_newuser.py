@@ -75,3 +75,42 @@ def test_track_evaluate_out_dir_that_is_a_file_fails_before_tracking(tmp_path, r
                             "--out-dir", str(a_file)])
     assert code == 2 and "is a file" in err
     assert not called
+
+
+# -- re-id CLI: settings of the second (re-ranked) pass and the ranks fail before any work --------
+@pytest.fixture
+def reid_npz(tmp_path) -> Path:
+    from dmlkit.embeddings import save_embeddings
+
+    rng = np.random.default_rng(0)
+    ids = np.repeat(np.arange(4), 4)
+    path = tmp_path / "all.npz"
+    save_embeddings(path, rng.normal(size=(16, 5)).astype(np.float32), ids,
+                    cams=np.tile(np.arange(4), 4), groups=np.array(["query", "gallery"] * 8))
+    return path
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--rerank", "--metric", "dot"], "re-ranking needs a distance"),
+    (["--rerank", "--lambda", "1.5"], "--lambda must be a number in [0, 1]"),
+    (["--ranks", "1,0"], "--ranks must be ranks >= 1"),
+])
+def test_reid_cli_refuses_bad_settings_before_evaluating(reid_npz, run_cli, monkeypatch, extra, message):
+    """``--metric dot --rerank``, ``--lambda 1.5`` or ``--ranks 0`` were refused only after the
+    plain evaluation had run (minutes at Market-1501 size), by the second pass or the table."""
+    import dmlkit.apps.reid as reid
+
+    def never(*args, **kwargs):
+        raise AssertionError("evaluated before the settings were checked")
+
+    monkeypatch.setattr(reid, "evaluate_reid", never)
+    code, _, err = run_cli(["reid", str(reid_npz), *extra])
+    assert code == 2, err
+    assert message in err and "Traceback" not in err
+
+
+def test_reid_cli_rerank_still_runs(reid_npz, run_cli):
+    code, out, err = run_cli(["reid", str(reid_npz), "--rerank", "--metric", "cosine", "--json",
+                              "--k1", "3", "--k2", "2"])
+    assert code == 0, err
+    assert '"rerank"' in out

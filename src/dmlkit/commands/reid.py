@@ -53,6 +53,16 @@ def reid(
         shown_ranks = [int(v) for v in listed(ranks)]
     except ValueError:
         raise ConfigError(f"--ranks must be comma-separated integers, got {','.join(ranks)!r}") from None
+    if not shown_ranks or min(shown_ranks) < 1:  # checked now, not after the evaluation
+        raise ConfigError(f"--ranks must be ranks >= 1, got {','.join(ranks)!r}")
+    if rerank:  # the re-ranked pass runs second: its settings must not fail after the first
+        from dmlkit.apps.reid._common import (  # lazy: CLI start-up
+            check_rerank_metric,
+            check_rerank_value,
+        )
+
+        check_rerank_metric(metric)
+        check_rerank_value("--lambda", "lambda_value", lambda_value)
     data = _load_source(source, gallery, data_root, device)
     common: dict[str, Any] = dict(metric=metric, normalize=normalize,
                                   memory_budget=memory_mb * 2**20)

@@ -96,6 +96,16 @@ def check_rerank_value(name: str, key: str, value: Any) -> None:
         raise ConfigError(f"{name} must be {RERANK_KEYS[key]}, got {value!r}")
 
 
+RERANK_METRICS = ("euclidean", "cosine")
+
+
+def check_rerank_metric(metric: str) -> None:
+    """Re-ranking works on a distance: ``metric`` must be one of :data:`RERANK_METRICS`
+    (:class:`ConfigError` otherwise; ``dot`` is a similarity)."""
+    if metric not in RERANK_METRICS:
+        raise ConfigError(f"re-ranking needs a distance: metric 'euclidean' or 'cosine', got {metric!r}")
+
+
 def _check_metric(metric: str) -> None:
     if metric not in METRICS:
         raise ConfigError(f"metric must be one of {METRICS}, got {metric!r}")

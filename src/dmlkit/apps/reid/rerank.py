@@ -41,9 +41,10 @@ from dmlkit.apps.reid._common import (
     _block_rows,
     _prepared,
     _sq_norms,
+    check_rerank_metric,
     check_rerank_value,
 )
-from dmlkit.exceptions import ConfigError, ShapeError
+from dmlkit.exceptions import ShapeError
 
 __all__ = ["k_reciprocal_blocks", "k_reciprocal_distances", "neighbour_table"]
 
@@ -51,8 +52,7 @@ __all__ = ["k_reciprocal_blocks", "k_reciprocal_distances", "neighbour_table"]
 def _prepare(query: Any, gallery: Any, metric: str):
     import torch
 
-    if metric not in ("euclidean", "cosine"):
-        raise ConfigError(f"re-ranking needs a distance: metric 'euclidean' or 'cosine', got {metric!r}")
+    check_rerank_metric(metric)
     q = _as_float(query, "query embeddings")
     g = _as_float(gallery, "gallery embeddings")
     if q.shape[1] != g.shape[1]:
