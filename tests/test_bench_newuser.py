@@ -64,3 +64,16 @@ def test_final_stage_before_the_search_embeds_nothing(tmp_path, data_root):
     with pytest.raises(DmlkitError, match=r"run the search first \(`dmlkit bench CONFIG --stage search`"):
         bench.run(stage="final")
     assert not (tmp_path / "b" / "final").exists()
+
+
+def test_too_small_num_classes_hints_at_num_classes(tmp_path, data_root):
+    """`--set protocol.num_classes=6` with 2 folds on a 36-class dataset: the hint was "use a
+    dataset with more classes" (this one has 36); it is now the fitting protocol.num_classes."""
+    data = copy.deepcopy(TINY)
+    data["protocol"]["num_classes"] = 6
+    bench = Bench(bench_config_from_dict(data), tmp_path / "b", data_root=data_root)
+    with pytest.raises(ConfigError, match=r"protocol.num_classes: 6 classes are too few") as info:
+        bench.validate()
+    assert "--set protocol.num_classes=8" in str(info.value)
+    assert "use a dataset with more classes" not in str(info.value)
+    assert not (tmp_path / "b").exists()

@@ -23,6 +23,7 @@ work together.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -76,6 +77,12 @@ def _fit_split(config: BenchConfig, classes: list[int], dataset: Any,
             except DmlkitError:
                 continue
             return split, [Problem("protocol.folds", f"{folds} folds do not fit: {reason}", fit=k)]
+    if p.split == "halves" and num_classes is not None and num_classes < 4 * folds <= len(classes):
+        # protocol.num_classes cut the classes, not the dataset: keep more of them
+        with contextlib.suppress(DmlkitError):
+            split = _make_split(config, classes, dataset, folds, 4 * folds, p.split)
+            return split, [Problem("protocol.num_classes", f"{num_classes} classes are too few for "
+                                   f"split 'halves' with {folds} folds: {reason}", fit=4 * folds)]
     try:  # too few classes to cross-validate: the one fixed 4:1:5 split may still fit
         split = _make_split(config, classes, dataset, 1, num_classes, "ratio_4_1_5")
     except DmlkitError:
