@@ -114,3 +114,53 @@ def test_reid_cli_rerank_still_runs(reid_npz, run_cli):
                               "--k1", "3", "--k2", "2"])
     assert code == 0, err
     assert '"rerank"' in out
+
+
+# -- verify: --folds with a pair list that has its own folds -------------------------------------
+def _lfw_list(tmp_path: Path, folds: int = 2) -> tuple[Path, Path]:
+    """A tiny LFW layout (4 people x 3 images) and an LFW ``pairs.txt`` of ``folds`` folds of
+    1 matched + 1 mismatched pair, plus an embeddings ``.npz`` with a 'paths' array."""
+    from PIL import Image
+
+    from dmlkit.embeddings import save_embeddings
+
+    rng = np.random.default_rng(0)
+    paths, labels = [], []
+    for p in range(4):
+        d = tmp_path / "lfw" / f"P{p}"
+        d.mkdir(parents=True)
+        for n in range(1, 4):
+            f = d / f"P{p}_{n:04d}.png"
+            Image.fromarray(rng.integers(0, 256, (8, 8), dtype=np.uint8)).save(f)
+            paths.append(str(f))
+            labels.append(p)
+    lines = [f"{folds}\t1"]
+    for k in range(folds):
+        lines += [f"P{k % 4}\t1\t2", f"P{k % 4}\t1\tP{(k + 1) % 4}\t3"]
+    (tmp_path / "pairs.txt").write_text("\n".join(lines) + "\n")
+    emb = rng.normal(size=(len(paths), 3)).astype(np.float32)
+    save_embeddings(tmp_path / "emb.npz", emb, np.asarray(labels), paths=np.asarray(paths))
+    return tmp_path / "pairs.txt", tmp_path / "emb.npz"
+
+
+def test_verify_refuses_folds_with_a_list_that_has_its_own(tmp_path, run_cli):
+    """``--folds 5`` with LFW's 10-fold pairs.txt was silently ignored (the list's folds won):
+    every other option the pair source does not use is refused."""
+    pairs, emb = _lfw_list(tmp_path, folds=3)
+    code, out, err = run_cli(["verify", str(emb), "--pair-list", str(pairs), "--json"])
+    assert code == 0, err
+    assert '"folds": 3' in out and '"fold_source": "list"' in out
+    code, _, err = run_cli(["verify", str(emb), "--pair-list", str(pairs), "--folds", "2"])
+    assert code == 2
+    assert "--folds does not apply" in err and "3 folds" in err
+
+
+def test_verify_folds_still_deals_a_one_fold_list(tmp_path, run_cli):
+    """A one-fold list (LFW's development lists, a CSV without a fold column) uses --folds."""
+    pairs, emb = _lfw_list(tmp_path, folds=2)
+    text = pairs.read_text().splitlines()
+    body = [ln for ln in text[1:] if len(ln.split()) == 3] + [ln for ln in text[1:] if len(ln.split()) == 4]
+    pairs.write_text("\n".join(["2", *body]) + "\n")  # header 'N': one fold of N + N pairs
+    code, out, err = run_cli(["verify", str(emb), "--pair-list", str(pairs), "--folds", "2", "--json"])
+    assert code == 0, err
+    assert '"fold_source": "stratified"' in out and '"folds": 2' in out

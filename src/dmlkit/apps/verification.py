@@ -287,7 +287,7 @@ class VerificationResult:
     (``ddof=0``), ``accuracy_sem`` LFW's standard error of the mean; ``threshold`` is the mean
     of the fold thresholds (on the score, larger = same). ``fold_source``: ``"list"`` (the pair
     list's own folds), ``"stratified"`` or ``"contiguous"`` (generated, see
-    :func:`kfold_threshold_accuracy`).
+    :func:`kfold_threshold_accuracy`), ``"given"`` (fold ids passed to :func:`verify_scores`).
     """
 
     accuracy: float

@@ -55,7 +55,7 @@ def verify(
     ctx: typer.Context,
     embeddings: Path | None = typer.Argument(None, help="Embeddings with labels (.npz/.pt); with --pair-list an .npz with a 'paths' array."),
     pairs: int = typer.Option(6000, help="Number of balanced random pairs (half positive), without --pair-list."),
-    folds: int = typer.Option(10, help="Folds for choosing the threshold (LFW protocol); a pair list's own folds win."),
+    folds: int = typer.Option(10, help="Folds for choosing the threshold (LFW protocol); refused with a pair list that has its own folds."),
     pair_list: Path | None = typer.Option(None, "--pair-list", help="LFW pairs.txt or CSV path1,path2,same[,fold]."),
     images: Path | None = typer.Option(None, "--images", help="Image folder of the pair list (LFW: holds <Name>/<Name>_0001.jpg)."),
     checkpoint: Path | None = typer.Option(None, "--checkpoint", help="Run directory or checkpoint: embed the pair list's images with it."),
@@ -87,6 +87,9 @@ def verify(
         from dmlkit.data.pairs import load_pair_list
 
         plist = load_pair_list(pair_list, images)
+        if plist.num_folds >= 2 and _given(ctx, "folds"):  # else silently the list's own folds
+            raise ConfigError(f"--folds does not apply here ({pair_list.name} has its own {plist.num_folds} "
+                              "folds, which the protocol uses): drop it")
         if checkpoint is not None:
             emb = embed_image_files(checkpoint, plist.paths, device=device, progress=not quiet)
             paths = None
@@ -99,22 +102,24 @@ def verify(
     _print(result, as_json, title)
 
 
+def _given(ctx: typer.Context, name: str) -> bool:
+    """Whether option ``name`` was given on the command line (or by environment), not defaulted."""
+    source = ctx.get_parameter_source(name)  # typer bundles its own click: compare the source by name
+    return source is not None and source.name in ("COMMANDLINE", "ENVIRONMENT")
+
+
 def _refuse_unused(ctx: typer.Context, with_list: bool, with_checkpoint: bool) -> None:
     """Refuse an option given on the command line that the chosen pair source does not use
     (it would be silently ignored): --pairs/--seed draw random pairs (no --pair-list),
     --images locates a --pair-list's files, --device embeds with --checkpoint."""
     from dmlkit.exceptions import ConfigError
 
-    def given(name: str) -> bool:  # typer bundles its own click: compare the source by name
-        source = ctx.get_parameter_source(name)
-        return source is not None and source.name in ("COMMANDLINE", "ENVIRONMENT")
-
     unused = [(opt, why) for name, opt, used, why in (
         ("pairs", "--pairs", not with_list, "a --pair-list scores its own pairs"),
         ("seed", "--seed", not with_list, "a --pair-list scores its own pairs"),
         ("images", "--images", with_list, "it locates the images of a --pair-list"),
         ("device", "--device", with_checkpoint, "it embeds a --pair-list's images with --checkpoint"),
-    ) if given(name) and not used]
+    ) if _given(ctx, name) and not used]
     if unused:
         opt, why = unused[0]
         raise ConfigError(f"{opt} does not apply here ({why}): drop it")
