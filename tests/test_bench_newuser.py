@@ -77,3 +77,22 @@ def test_too_small_num_classes_hints_at_num_classes(tmp_path, data_root):
     assert "--set protocol.num_classes=8" in str(info.value)
     assert "use a dataset with more classes" not in str(info.value)
     assert not (tmp_path / "b").exists()
+
+
+@pytest.mark.parametrize(("options", "message"), [
+    ({"confidence": 95}, "confidence must be a fraction strictly between 0 and 1"),
+    ({"confidence": 0.0}, "confidence must be a fraction strictly between 0 and 1"),
+    ({"resamples": 0}, "resamples must be a positive integer"),
+    ({"seed": -1}, "the bootstrap seed must be a non-negative integer"),
+    ({"metrics": []}, "metrics must list at least one name"),
+    ({"modes": []}, "modes must list at least one name"),
+    ({"metrics": "map_at_r"}, r"metrics must be a list of names \(\['map_at_r'\]\)"),
+])
+def test_compare_results_refuses_unusable_options_in_one_line(tmp_path, options, message):
+    """`compare_results(..., confidence=95)` (a percentage) failed inside numpy; confidence=0
+    called a difference with Welch p = 0.6 significant (p < 1 - 0); no resamples, metrics or
+    modes failed with IndexError / UnboundLocalError."""
+    from dmlkit.protocol.compare import compare_results
+
+    with pytest.raises(ConfigError, match=message):
+        compare_results([tmp_path / "never-read"], methods=["a", "b"], **options)

@@ -41,7 +41,7 @@ from dmlkit.protocol.stats import (
     hierarchical_bootstrap,
     per_query_scores,
 )
-from dmlkit.validation import check_embeddings, concatenate_normalized
+from dmlkit.validation import check_embeddings, check_seed, concatenate_normalized
 
 __all__ = [
     "BASELINES",
@@ -251,6 +251,7 @@ def compare_results(
 
     Pairs are every pair of the selected methods, or each method against ``baseline``.
     """
+    _check_bootstrap_options(resamples, seed, confidence, metrics, modes)
     results_list = [resolved_runs(r) if isinstance(r, Mapping) else load_results(r) for r in paths_or_results]
     merged, origin = _merge(results_list)
     # a method, metric or mode given twice is compared once (in the order first given)
@@ -325,6 +326,24 @@ def compare_results(
         "comparisons": comparisons,
         "relative_improvement": relative_improvements({n: merged[n] for n in names}, table_metrics),
     }
+
+
+def _check_bootstrap_options(resamples: Any, seed: Any, confidence: Any, metrics: Sequence[str],
+                             modes: Sequence[str]) -> None:
+    """One :class:`ConfigError` line for options :func:`compare_results` cannot use: a
+    percentage as ``confidence`` (95) failed inside numpy, ``confidence=0`` called every
+    difference significant, no resamples, metrics or modes failed with an IndexError."""
+    if isinstance(resamples, bool) or not isinstance(resamples, int | np.integer) or resamples < 1:
+        raise ConfigError(f"resamples must be a positive integer (the CLI's default is 1000), got {resamples!r}")
+    check_seed(seed, "the bootstrap seed")
+    if isinstance(confidence, bool) or not isinstance(confidence, int | float) or not 0 < confidence < 1:
+        raise ConfigError(f"confidence must be a fraction strictly between 0 and 1 (0.95 for a 95 % CI), "
+                          f"got {confidence!r}")
+    for what, given in (("metrics", metrics), ("modes", modes)):
+        if isinstance(given, str):
+            raise ConfigError(f"{what} must be a list of names ([{given!r}]), got the string {given!r}")
+        if not list(given):
+            raise ConfigError(f"{what} must list at least one name, got {given!r}")
 
 
 def significance_label(comparison: Mapping[str, Any]) -> str:
