@@ -114,3 +114,28 @@ def test_index_add_remove_refuse_build_settings_they_would_ignore(small_hnsw, ru
     code, out, err = run_cli(["index", "-o", str(small_hnsw), "--remove", "f1", *option])
     assert code == 2 and out == "" and len(err.strip().splitlines()) == 1 and option[0] in err
     assert (small_hnsw / "index.json").read_text() == before
+
+
+@pytest.mark.parametrize(("x_scale", "q_scale"), [(1e-30, 1e-30), (1e20, 1e20), (1e30, 1.0), (1.0, 1e-40), ("unit", 1e-40),
+                                                  ("unit", 1e30)])
+@pytest.mark.parametrize("distance", ["cosine", "euclidean", "dot"])
+def test_flat_index_finds_the_true_neighbours_of_tiny_and_huge_embeddings(x_scale, q_scale, distance):
+    # the float32 candidate scan of the flat index multiplied raw vectors: 1e-30-scale products
+    # underflowed to 0 and 1e20-scale ones overflowed, and it returned arbitrary rows (0 % and
+    # 3 % of the true neighbours) where dmlkit.metrics.knn and the approximate kinds were right
+    import numpy as np
+
+    from dmlkit.apps import EmbeddingIndex
+    from dmlkit.metrics import knn
+
+    rng = np.random.default_rng(1)
+    x, q = rng.normal(size=(300, 8)), rng.normal(size=(20, 8))
+    xn, qn = x / np.linalg.norm(x, axis=1, keepdims=True), q / np.linalg.norm(q, axis=1, keepdims=True)
+    xs = (xn if x_scale == "unit" else x * x_scale).astype(np.float32)
+    qs = (q * q_scale).astype(np.float32)
+    with np.errstate(all="raise"):  # no overflow on the way either
+        found = EmbeddingIndex(xs, distance=distance).search(qs, 5).indices
+    cos = qn @ xn.T  # float64, independent of dmlkit; the ranking of all three normalised distances
+    truth = np.argsort(-cos, axis=1, kind="stable")[:, :5]
+    assert (found == truth).all()
+    assert (found == knn(qs, xs, k=5, distance=distance, exclude_self=False).indices.numpy()).all()

@@ -19,6 +19,7 @@ Scores: cosine ``<q, x> / (|q| |x|)``; dot ``<q, x>``; euclidean ``|q - x|``; wi
 from __future__ import annotations
 
 import functools
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,6 +37,11 @@ __all__ = [
 SMALL_EXACT = 2**22  # numpy path: Q x M <= this many scores in one matmul, else the blockwise kNN
 CANDIDATE_MARGIN = 16  # candidates = 2k + this; the float64 scores order them
 UNIT_TOLERANCE = 1e-5  # max | |x|^2 - 1 | of rows that count as unit-norm for the scan
+#: Magnitudes within which a float32 scan neither underflows nor overflows (float32 holds
+#: 1.2e-38 to 3.4e38): the products ``|q| |x|`` of a scan of unit distances, and the nonzero
+#: row norms (a unit query's products are about ``|x|``). Rows beyond it are searched by
+#: :func:`dmlkit.metrics.knn`, which normalises in float64 first.
+SCAN_NORMS = (1e-30, 1e30)
 RESCORE_BLOCK = 1024  # queries per float64 re-scoring block at most (bounds its Q x C x D memory)
 RESCORE_BYTES = 2**25  # float64 bytes of one block's gathered (B, C, D) candidates at most (32 MiB)
 
@@ -59,11 +65,20 @@ def to_numpy_embeddings(x: Any, name: str) -> np.ndarray:
 @dataclass(frozen=True)
 class RowNorms:
     """Per-row facts of the stored vectors: ``sq = |x|^2`` (float64), ``factor`` (float32:
-    ``1/|x|`` for unit distances, else ``|x|^2 / 2``) and whether every row is unit-norm."""
+    ``1/|x|`` for unit distances, else ``|x|^2 / 2``), whether every row is unit-norm, and the
+    smallest and largest nonzero row norms (1 when there are none)."""
 
     sq: np.ndarray
     factor: np.ndarray
     unit_rows: bool
+    low: float = 1.0
+    high: float = 1.0
+
+    @property
+    def scan_safe(self) -> bool:
+        """Whether every nonzero row norm is within :data:`SCAN_NORMS` (a float32 scan of unit
+        queries against the rows picks the right candidates)."""
+        return SCAN_NORMS[0] <= self.low and self.high <= SCAN_NORMS[1]
 
 
 def _inverse_norm(sq: np.ndarray) -> np.ndarray:
@@ -80,7 +95,25 @@ def row_norms(x: np.ndarray, unit: bool) -> RowNorms:
     sq = np.einsum("ij,ij->i", x, x, dtype=np.float64)
     factor = _inverse_norm(sq) if unit else sq / 2
     unit_rows = bool(sq.size == 0 or np.abs(sq - 1).max() <= UNIT_TOLERANCE)
-    return RowNorms(sq, factor.astype(np.float32), unit_rows)
+    nonzero = np.sqrt(sq[sq > 0])
+    low, high = (float(nonzero.min()), float(nonzero.max())) if nonzero.size else (1.0, 1.0)
+    return RowNorms(sq, factor.astype(np.float32), unit_rows, low, high)
+
+
+def _scan_queries(q: np.ndarray, unit: bool, norms: RowNorms) -> np.ndarray:
+    """The queries the float32 candidate scan multiplies: for unit distances, L2-normalised
+    when their products with the rows could leave :data:`SCAN_NORMS` (same ranking; the
+    products of 1e-30-scale embeddings underflowed to 0, those of 1e20-scale ones overflowed
+    to inf, and the scan picked arbitrary candidates); else as they are (the common case pays
+    one pass for the check, not a normalisation)."""
+    if not unit or q.size == 0:
+        return q
+    peak = np.abs(q).max(axis=1)
+    peak = peak[peak > 0]
+    if peak.size and (float(peak.min()) * norms.low < SCAN_NORMS[0]
+                      or float(peak.max()) * math.sqrt(q.shape[1]) * norms.high > SCAN_NORMS[1]):
+        return normalize_rows(q)
+    return q
 
 
 class InverseNorms:
@@ -142,12 +175,13 @@ def exact_search(x: np.ndarray, q: np.ndarray, k: int, distance: str, unit: bool
     m = x.shape[0]
     k = min(k, m)
     metric = _scan_metric(x, distance, unit, norms)
+    scan_q = _scan_queries(q, unit, norms)  # the scores are re-computed from q in float64 (_rescore)
     if metric is not None:
         c = min(m, 2 * k + CANDIDATE_MARGIN)
-        _, cand = _faiss_or_none().knn(q, x, c, metric)
+        _, cand = _faiss_or_none().knn(scan_q, x, c, metric)
         return _rescore(x, q, cand, k, distance, unit, norms)
-    if q.shape[0] * m <= SMALL_EXACT:
-        s = q @ x.T
+    if q.shape[0] * m <= SMALL_EXACT and (norms.scan_safe or not unit):
+        s = scan_q @ x.T
         if unit:  # <q, x / |x|> orders like cosine and like -|q/|q| - x/|x||
             s *= norms.factor
         elif distance == "euclidean":
