@@ -96,3 +96,22 @@ def test_compare_results_refuses_unusable_options_in_one_line(tmp_path, options,
 
     with pytest.raises(ConfigError, match=message):
         compare_results([tmp_path / "never-read"], methods=["a", "b"], **options)
+
+
+def test_mean_ci_and_bootstraps_refuse_a_percentage_as_confidence():
+    """`mean_ci(values, confidence=95)` returned a NaN half-width (t.ppf of 48), silently; the
+    bootstraps failed inside numpy. The 95 % half-width itself matches t_{0.975, n-1} s / sqrt(n)."""
+    import numpy as np
+
+    from dmlkit.protocol.stats import hierarchical_bootstrap, mean_ci, paired_bootstrap
+
+    values = [0.31, 0.35, 0.30, 0.36]
+    mean, half = mean_ci(values)
+    expected = 3.182446305284263 * np.std(values, ddof=1) / 2.0  # t_{0.975, 3}, sqrt(4)
+    assert mean == pytest.approx(0.33) and half == pytest.approx(expected, rel=1e-9)
+    with pytest.raises(ConfigError, match="confidence must be a fraction"):
+        mean_ci(values, confidence=95)
+    with pytest.raises(ConfigError, match="confidence must be a fraction"):
+        hierarchical_bootstrap(np.ones((3, 4)), np.zeros((3, 4)), confidence=95)
+    with pytest.raises(ConfigError, match="resamples must be a positive integer"):
+        paired_bootstrap([1.0, 2.0], [1.0, 3.0], resamples=0)

@@ -38,6 +38,8 @@ from dmlkit.protocol.results import MODES, load_results, metric_label, resolved_
 from dmlkit.protocol.stats import (
     MIN_SEEDS_FOR_SIGNIFICANCE,
     PER_QUERY_METRICS,
+    check_confidence,
+    check_resamples,
     hierarchical_bootstrap,
     per_query_scores,
 )
@@ -333,12 +335,9 @@ def _check_bootstrap_options(resamples: Any, seed: Any, confidence: Any, metrics
     """One :class:`ConfigError` line for options :func:`compare_results` cannot use: a
     percentage as ``confidence`` (95) failed inside numpy, ``confidence=0`` called every
     difference significant, no resamples, metrics or modes failed with an IndexError."""
-    if isinstance(resamples, bool) or not isinstance(resamples, int | np.integer) or resamples < 1:
-        raise ConfigError(f"resamples must be a positive integer (the CLI's default is 1000), got {resamples!r}")
+    check_resamples(resamples)
     check_seed(seed, "the bootstrap seed")
-    if isinstance(confidence, bool) or not isinstance(confidence, int | float) or not 0 < confidence < 1:
-        raise ConfigError(f"confidence must be a fraction strictly between 0 and 1 (0.95 for a 95 % CI), "
-                          f"got {confidence!r}")
+    check_confidence(confidence)
     for what, given in (("metrics", metrics), ("modes", modes)):
         if isinstance(given, str):
             raise ConfigError(f"{what} must be a list of names ([{given!r}]), got the string {given!r}")

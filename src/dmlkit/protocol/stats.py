@@ -31,13 +31,15 @@ from typing import Any
 
 import numpy as np
 
-from dmlkit.exceptions import ShapeError
+from dmlkit.exceptions import ConfigError, ShapeError
 from dmlkit.metrics import per_query
 
 __all__ = [
     "PER_QUERY_METRICS",
     "MIN_SEEDS_FOR_SIGNIFICANCE",
     "BootstrapResult",
+    "check_confidence",
+    "check_resamples",
     "hierarchical_bootstrap",
     "mean_ci",
     "paired_bootstrap",
@@ -53,10 +55,29 @@ PER_QUERY_METRICS: tuple[str, ...] = ("precision_at_1", "r_precision", "map_at_r
 MIN_SEEDS_FOR_SIGNIFICANCE = 3
 
 
+def check_confidence(confidence: Any) -> float:
+    """``confidence`` as a fraction strictly between 0 and 1, else one :class:`ConfigError` line:
+    a percentage (95) gave a NaN interval in :func:`mean_ci` and failed inside numpy in the
+    bootstraps; 0 made :attr:`BootstrapResult.significant` accept any p-value."""
+    if isinstance(confidence, bool) or not isinstance(confidence, int | float | np.floating) \
+            or not 0 < confidence < 1:
+        raise ConfigError(f"confidence must be a fraction strictly between 0 and 1 (0.95 for a 95 % CI), "
+                          f"got {confidence!r}")
+    return float(confidence)
+
+
+def check_resamples(resamples: Any) -> int:
+    """``resamples`` as a positive integer, else one :class:`ConfigError` line."""
+    if isinstance(resamples, bool) or not isinstance(resamples, int | np.integer) or resamples < 1:
+        raise ConfigError(f"resamples must be a positive integer (the CLI's default is 1000), got {resamples!r}")
+    return int(resamples)
+
+
 def mean_ci(values: Sequence[float], confidence: float = 0.95) -> tuple[float, float | None]:
     """``(mean, half_width)`` of the Student-t confidence interval; ``None`` width when n < 2."""
     from scipy import stats
 
+    confidence = check_confidence(confidence)
     arr = np.asarray(values, dtype=np.float64)
     if arr.size == 0:
         raise ShapeError("mean_ci needs at least one value")
@@ -131,6 +152,7 @@ def paired_bootstrap(
     a: Any, b: Any, *, resamples: int = 1000, confidence: float = 0.95, seed: int = 0, chunk: int = 100
 ) -> BootstrapResult:
     """Paired percentile bootstrap of ``mean(a) - mean(b)`` over the same resampled queries."""
+    resamples, confidence = check_resamples(resamples), check_confidence(confidence)
     a = np.asarray(a, dtype=np.float64)
     b = np.asarray(b, dtype=np.float64)
     if a.shape != b.shape or a.ndim != 1 or a.size == 0:
@@ -159,6 +181,7 @@ def hierarchical_bootstrap(
     ``mean_{s in seeds_a} mean_{q} a[s, q] - mean_{s in seeds_b} mean_{q} b[s, q]``.
     The point estimate is the difference of the grand means.
     """
+    resamples, confidence = check_resamples(resamples), check_confidence(confidence)
     a = np.atleast_2d(np.asarray(a, dtype=np.float64))
     b = np.atleast_2d(np.asarray(b, dtype=np.float64))
     if a.ndim != 2 or b.ndim != 2 or a.shape[1] != b.shape[1] or a.size == 0 or b.size == 0:
