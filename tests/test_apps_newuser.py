@@ -164,3 +164,49 @@ def test_verify_folds_still_deals_a_one_fold_list(tmp_path, run_cli):
     code, out, err = run_cli(["verify", str(emb), "--pair-list", str(pairs), "--folds", "2", "--json"])
     assert code == 0, err
     assert '"fold_source": "stratified"' in out and '"folds": 2' in out
+
+
+# -- patches evaluate --rescore --figure: the figure of the pairs just scored ------------------
+def test_patches_rescore_figure_uses_the_rescored_pairs(tmp_path, run_cli, monkeypatch, one_thread):
+    """``evaluate --rescore --data-root OTHER --figure f.png`` drew the run's training-time pair
+    scores (indices into the patches of the root it was trained on) over OTHER's patches: a
+    figure of the wrong pairs, silently, whenever the two roots were built differently."""
+    import yaml
+
+    import dmlkit.apps.patches.protocol as protocol
+    from dmlkit.apps.patches.brown import load_subset
+    from dmlkit.apps.patches.offline import OfflineSpec, build_offline_subset
+
+    roots = {}
+    for name, seed in (("first", 1), ("other", 2)):
+        spec = OfflineSpec(points_per_subset=24, views=3, train_pairs=96, test_pairs=60, seed=seed)
+        root = tmp_path / name
+        build_offline_subset(root / "pt" / "photos", "photos", spec, sources=("text",))
+        build_offline_subset(root / "pt" / "textures", "textures", spec, sources=("brick",))
+        roots[name] = root
+    cfg = tmp_path / "p.yaml"
+    cfg.write_text(yaml.safe_dump({
+        "seed": 0, "data": {"root": "pt", "combinations": [["photos", "textures"]]},
+        "model": {"architectures": ["siam-l2"], "patch_size": 32, "width": 0.125},
+        "training": {"epochs": 1, "batch_size": 32, "threads": 1}}))
+    run = tmp_path / "run"
+    code, _, err = run_cli(["patches", "train", str(cfg), "-o", str(run), "--data-root", str(roots["first"]),
+                            "-q"])
+    assert code == 0, err
+
+    drawn = {}
+    real = protocol.hardest_pairs_figure
+
+    def spy(patches, left, right, label, scores, **kw):
+        drawn.update(left=np.asarray(left), right=np.asarray(right), label=np.asarray(label))
+        return real(patches, left, right, label, scores, **kw)
+
+    monkeypatch.setattr(protocol, "hardest_pairs_figure", spy)
+    code, _, err = run_cli(["patches", "evaluate", str(run), "--rescore", "--data-root", str(roots["other"]),
+                            "--figure", str(tmp_path / "hard.png")])
+    assert code == 0, err
+    other = load_subset(roots["other"] / "pt", "textures").pairs(largest=False)
+    assert np.array_equal(drawn["left"], other.left) and np.array_equal(drawn["right"], other.right)
+    assert np.array_equal(drawn["label"], other.label)
+    first = load_subset(roots["first"] / "pt", "textures").pairs(largest=False)
+    assert not (np.array_equal(first.left, other.left) and np.array_equal(first.right, other.right))

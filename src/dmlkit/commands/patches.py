@@ -127,8 +127,11 @@ def evaluate(
     if max_test_pairs is not None and not rescore and res_file.is_file():
         raise ConfigError(f"--max-test-pairs applies when the checkpoints are scored again: pass --rescore "
                           f"(without it the table is {res_file}, scored on the run's own test pairs)")
+    rescored: dict | None = None
     if rescore or not res_file.is_file():
-        results = evaluate_patch_run(run_dir, data_root=data_root, max_test_pairs=max_test_pairs)
+        rescored = {}
+        results = evaluate_patch_run(run_dir, data_root=data_root, max_test_pairs=max_test_pairs,
+                                     scores_out=rescored)
     else:
         results = read_json(res_file, "results.json of dmlkit patches train")
         if not isinstance(results, dict) or not {"architectures", "rows", "mean"} <= results.keys():
@@ -151,16 +154,19 @@ def evaluate(
     if name not in archs:
         raise ConfigError(f"architecture '{name}' is not in this run: {', '.join(archs)}")
     row = results["rows"][0]
-    scores_file = run_dir / "scores" / name / f"{row['train']}__{row['test']}.npz"
-    if not scores_file.is_file():
-        raise CheckpointError(f"{scores_file} is missing: run `dmlkit patches train` to write the pair scores")
     cfg = load_patch_config(run_dir / "config.yaml")
     sub = load_subset(subsets_root(cfg, data_root), row["test"])
-    with np.load(scores_file) as z:
-        fig = hardest_pairs_figure(
-            sub.patches, z["left"], z["right"], z["label"], z["scores"], k=k,
-            title=f"{name}: trained on {row['train']}, tested on {row['test']}",
-        )
+    title = f"{name}: trained on {row['train']}, tested on {row['test']}"
+    if rescored is not None:  # the pairs just scored: the run's scores/ index the patches it was trained with
+        pairs, s = rescored[(name, row["train"], row["test"])]
+        fig = hardest_pairs_figure(sub.patches, pairs.left, pairs.right, pairs.label, s, k=k, title=title)
+    else:
+        scores_file = run_dir / "scores" / name / f"{row['train']}__{row['test']}.npz"
+        if not scores_file.is_file():
+            raise CheckpointError(f"{scores_file} is missing: run `dmlkit patches train` to write the pair scores")
+        with np.load(scores_file) as z:
+            fig = hardest_pairs_figure(sub.patches, z["left"], z["right"], z["label"], z["scores"], k=k,
+                                       title=title)
     figure.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(figure, dpi=120)
     typer.echo(f"figure -> {figure}")

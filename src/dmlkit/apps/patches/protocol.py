@@ -347,8 +347,13 @@ def evaluate_patch_run(
     *,
     data_root: str | Path | None = None,
     max_test_pairs: int | None = None,
+    scores_out: dict[tuple[str, str, str], tuple[Any, np.ndarray]] | None = None,
 ) -> dict[str, Any]:
-    """Re-score a run's checkpoints on its test combinations (e.g. on another data root)."""
+    """Re-score a run's checkpoints on its test combinations (e.g. on another data root).
+
+    ``scores_out``: a dict that receives ``(arch, train, test) -> (pairs, scores)`` of every
+    combination scored, e.g. for :func:`hardest_pairs_figure` on these pairs (the run's own
+    ``scores/`` files index the patches of the root it was trained on)."""
     run = Path(run_dir)
     if not (run / "config.yaml").is_file():
         raise CheckpointError(f"{run} is not a patch run directory (no config.yaml): run `dmlkit patches train` first")
@@ -364,6 +369,8 @@ def evaluate_patch_run(
             pairs = _test_pairs(tsub, cfg, cfg.seed)
             s = score_pairs(model, tinputs, pairs)
             rows[(train_name, test_name)][arch] = {"fpr95": fpr95(s, pairs.label), "roc_auc": roc_auc(s, pairs.label)}
+            if scores_out is not None:
+                scores_out[(arch, train_name, test_name)] = (pairs, s)
     return _assemble(cfg, rows, {})
 
 
