@@ -210,3 +210,26 @@ def test_patches_rescore_figure_uses_the_rescored_pairs(tmp_path, run_cli, monke
     assert np.array_equal(drawn["label"], other.label)
     first = load_subset(roots["first"] / "pt", "textures").pairs(largest=False)
     assert not (np.array_equal(first.left, other.left) and np.array_equal(first.right, other.right))
+
+
+def test_patches_absolute_data_root_with_data_root_option_is_refused(tmp_path, run_cli):
+    """With ``data.root`` an absolute folder (``--set data.root=/data/pt``), ``--data-root``
+    was silently ignored: ``evaluate --rescore --data-root OTHER`` scored the run's own data."""
+    import yaml
+
+    from dmlkit.apps.patches.protocol import load_patch_config, subsets_root
+    from dmlkit.exceptions import ConfigError
+
+    cfg_path = tmp_path / "p.yaml"
+    cfg_path.write_text(yaml.safe_dump({"seed": 0, "data": {"root": str(tmp_path / "pt"),
+                                                            "combinations": [["photos", "textures"]]}}))
+    cfg = load_patch_config(cfg_path)
+    assert subsets_root(cfg, None) == tmp_path / "pt"
+    with pytest.raises(ConfigError, match="does not apply"):
+        subsets_root(cfg, tmp_path / "other")
+    code, _, err = run_cli(["patches", "train", str(cfg_path), "-o", str(tmp_path / "run"),
+                            "--data-root", str(tmp_path / "other")])
+    assert code == 2 and "--data-root" in err
+    assert not (tmp_path / "run").exists()
+    relative = load_patch_config(cfg_path, ["data.root=pt"])
+    assert subsets_root(relative, tmp_path / "other") == tmp_path / "other" / "pt"

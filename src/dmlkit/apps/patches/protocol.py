@@ -128,9 +128,16 @@ def load_patch_config(path: str | Path, overrides: list[str] | None = None) -> P
 
 def subsets_root(cfg: PatchExperimentConfig, data_root: str | Path | None) -> Path:
     """The folder holding one folder per subset: ``data.root`` (relative to the data root) or
-    ``<data root>/patches_offline``."""
+    ``<data root>/patches_offline``. An absolute ``data.root`` with a ``data_root`` too is a
+    :class:`ConfigError` (``--data-root`` was silently ignored: a rescore "on another root" read
+    the run's own data)."""
     if cfg.data.root is not None:
         p = Path(cfg.data.root).expanduser()
+        if p.is_absolute() and data_root is not None:
+            raise ConfigError(
+                f"data.root is the absolute folder {p}, so --data-root {data_root} does not apply (it locates "
+                "a relative data.root or <data root>/patches_offline): drop one of them (for a run, edit "
+                "data.root in its config.yaml)")
         return p if p.is_absolute() else default_root(data_root) / p
     return default_root(data_root) / "patches_offline"
 
