@@ -139,3 +139,19 @@ def test_flat_index_finds_the_true_neighbours_of_tiny_and_huge_embeddings(x_scal
     truth = np.argsort(-cos, axis=1, kind="stable")[:, :5]
     assert (found == truth).all()
     assert (found == knn(qs, xs, k=5, distance=distance, exclude_self=False).indices.numpy()).all()
+
+
+@pytest.mark.parametrize("as_json", [False, True])
+def test_export_exits_1_on_failed_parity_with_and_without_json(monkeypatch, run_cli, tmp_path, as_json):
+    # docs: "exits 1 if the parity check fails"; with --json it printed the report and exited 0
+    import dmlkit.apps.export as export_module
+
+    parity = {"num_samples": 12, "max_abs_diff": 0.5, "top10_identical": 0.5, "top10_overlap": 0.8,
+              "map_at_r_torch": 0.4, "map_at_r_export": 0.2, "passed": False, "split": "test"}
+    report = {"format": "onnx", "output": str(tmp_path / "m.onnx"), "parity_file": str(tmp_path / "m.onnx.json"),
+              "runtime": "onnxruntime", "parity": parity}
+    monkeypatch.setattr(export_module, "export_model", lambda *a, **k: report)
+    code, out, err = run_cli(["export", str(tmp_path), *(["--json"] if as_json else [])])
+    assert code == 1 and "parity check failed" in err
+    if as_json:
+        assert json.loads(out)["parity"]["passed"] is False

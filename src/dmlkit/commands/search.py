@@ -283,10 +283,13 @@ def export(
 
     report = export_model(run_dir, format=format, output=output, parity_samples=parity_samples,
                           data_root=data_root, opset=opset)
-    if as_json:
-        echo_json(report)
-        return
     p = report["parity"]
+    if as_json:  # the same exit code as the summary: a failed parity check is exit 1 here too
+        echo_json(report)
+        if not p["passed"]:
+            typer.echo("warning: parity check failed (see the parity report)", err=True)
+            raise typer.Exit(1)
+        return
     typer.echo(f"exported {report['format']} -> {report['output']} (parity report: {report['parity_file']})")
     typer.echo(f"parity on {p['num_samples']} real {p['split']} images: max |diff| {p['max_abs_diff']:.2e}, "
                f"same top-10 for {100 * p['top10_identical']:.2f}% of queries (overlap {100 * p['top10_overlap']:.2f}%), "
