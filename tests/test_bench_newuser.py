@@ -115,3 +115,16 @@ def test_mean_ci_and_bootstraps_refuse_a_percentage_as_confidence():
         hierarchical_bootstrap(np.ones((3, 4)), np.zeros((3, 4)), confidence=95)
     with pytest.raises(ConfigError, match="resamples must be a positive integer"):
         paired_bootstrap([1.0, 2.0], [1.0, 3.0], resamples=0)
+
+
+def test_a_smaller_trial_budget_says_how_to_go_on(tmp_path):
+    """A study grown with `--set protocol.trials=3`, rerun with the config's 2: the refusal named
+    no way forward, though `--stage final` reads each method's first 2 trials (the documented
+    way to build a table at the smaller budget)."""
+    from dmlkit.protocol.study import make_storage, open_study
+
+    storage = make_storage(f"sqlite:///{tmp_path / 'study.db'}")
+    open_study(storage, "tiny/m", 3)
+    with pytest.raises(ConfigError, match=r"cannot shrink it: search with --set protocol.trials=3, or build "
+                                          r"the table from each method's first 2 trials with --stage final"):
+        open_study(storage, "tiny/m", 2)

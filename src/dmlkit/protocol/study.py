@@ -216,7 +216,9 @@ def open_study(
         study.set_user_attr(_SLOTS_ATTR, trials)
     elif trials < slots:
         raise ConfigError(
-            f"study {name!r} already has {slots} trial slots; protocol.trials = {trials} cannot shrink it"
+            f"study {name!r} already has {slots} trial slots; protocol.trials = {trials} cannot shrink it: "
+            f"search with --set protocol.trials={slots}, or build the table from each method's first "
+            f"{trials} trials with --stage final"
         )
     return study
 
