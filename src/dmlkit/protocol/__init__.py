@@ -3,7 +3,9 @@
 ``dmlkit bench CONFIG.yaml`` = :class:`Bench`: class-disjoint split, cross-validated Bayesian
 search per method (Optuna, SQLite/PostgreSQL storage, resumable, shared by workers), final
 fold models over several seeds, separated/concatenated test accuracy with 95 % CIs, and the
-results table. ``dmlkit compare`` = :func:`compare_results` (paired bootstrap over queries).
+results table. ``dmlkit compare`` = :func:`compare_results` (hierarchical bootstrap over
+training seeds and test queries, :func:`hierarchical_bootstrap`, with Welch's t-test over the
+seeds' means).
 """
 
 from __future__ import annotations
@@ -33,7 +35,12 @@ from dmlkit.protocol.splits import (
     TestSetLeakError,
     make_bench_split,
 )
-from dmlkit.protocol.stats import mean_ci, paired_bootstrap, per_query_scores
+from dmlkit.protocol.stats import (
+    hierarchical_bootstrap,
+    mean_ci,
+    paired_bootstrap,
+    per_query_scores,
+)
 
 __all__ = [
     "Bench",
@@ -53,6 +60,7 @@ __all__ = [
     "compare_results",
     "evaluate_runs",
     "format_cell",
+    "hierarchical_bootstrap",
     "load_bench_config",
     "load_results",
     "make_bench_split",
