@@ -128,3 +128,12 @@ def test_a_smaller_trial_budget_says_how_to_go_on(tmp_path):
     with pytest.raises(ConfigError, match=r"cannot shrink it: search with --set protocol.trials=3, or build "
                                           r"the table from each method's first 2 trials with --stage final"):
         open_study(storage, "tiny/m", 2)
+
+
+def test_the_package_exports_the_bootstrap_compare_uses():
+    """`dmlkit.protocol` exported only `paired_bootstrap` (queries only) and described compare as
+    that; compare uses `hierarchical_bootstrap` (seeds and queries)."""
+    import dmlkit.protocol as protocol
+
+    assert "hierarchical_bootstrap" in protocol.__all__
+    assert "paired bootstrap over queries" not in (protocol.__doc__ or "")

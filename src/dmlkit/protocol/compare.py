@@ -8,7 +8,8 @@
   difference between two methods gets a percentile bootstrap CI that resamples each method's
   seeds and, inside, the same test queries for both (seeded; see
   :func:`dmlkit.protocol.stats.hierarchical_bootstrap`). A difference is called significant
-  only when that CI excludes zero *and* each method has at least
+  only when that CI excludes zero, Welch's t-test over the seeds' means gives p below
+  ``1 - confidence``, *and* each method has at least
   :data:`~dmlkit.protocol.stats.MIN_SEEDS_FOR_SIGNIFICANCE` seeds; with fewer the report says
   "too few seeds to tell" and warns: a bootstrap over queries alone ignores how much a method
   moves between training runs, which is usually the larger part.
