@@ -95,3 +95,49 @@ def test_clustering_metrics_still_score_two_classes():
     x = np.array([[1, 0], [1, 0.1], [0, 1], [0.1, 1]], dtype=np.float32)
     res = evaluate(x, [0, 0, 1, 1], metrics=["nmi", "ami", "pair_f1"], cluster_restarts=1)
     assert res["nmi"] == pytest.approx(1.0) and res["pair_f1"] == pytest.approx(1.0)
+
+
+def test_two_files_with_their_own_class_name_tables_are_compared_by_name(run_cli, tmp_path):
+    """load_embeddings gives string labels as codes + extra["class_names"]; saved back, two
+    files with different name tables (a, b, c, d and a, b, c, e) were compared by code by
+    `dmlkit evaluate q -r r`: 'd' matched 'e' (P@1 0.2857 instead of 0.3333, every query
+    counted as having a positive)."""
+    from dmlkit.embeddings import load_embeddings
+
+    rng = np.random.default_rng(1)
+    q, r = rng.normal(size=(7, 3)).astype(np.float32), rng.normal(size=(9, 3)).astype(np.float32)
+    ql = np.array(list("abacdba"))
+    rl = np.array(list("aabcceab") + ["b"])
+    np.savez(tmp_path / "q.npz", embeddings=q, labels=ql)
+    np.savez(tmp_path / "r.npz", embeddings=r, labels=rl)
+    for name in ("q", "r"):  # the round trip a user makes
+        emb, lab, extra = load_embeddings(tmp_path / f"{name}.npz")
+        save_embeddings(tmp_path / f"{name}2.npz", emb, lab, **extra)
+    want = evaluate(q, ql, r, rl, metrics=["precision_at_1", "map_at_r"])
+    code, out, err = run_cli(["evaluate", str(tmp_path / "q2.npz"), "-r", str(tmp_path / "r2.npz"),
+                              "-m", "precision_at_1,map_at_r", "--json"])
+    got = json.loads(out)
+    assert code == 0 and got["num_queries_without_positive"] == 1 == want["num_queries_without_positive"]
+    assert got["precision_at_1"] == pytest.approx(want["precision_at_1"], abs=1e-12)
+    assert got["map_at_r"] == pytest.approx(want["map_at_r"], abs=1e-12)
+    # a file whose labels are not codes into its class_names is refused, not read as codes
+    np.savez(tmp_path / "bad.npz", embeddings=q, labels=np.arange(7), class_names=np.array(["a", "b"]))
+    code, out, err = run_cli(["evaluate", str(tmp_path / "bad.npz"), "--json"])
+    assert code == 2 and "not codes into its 2 class_names" in err and len(err.strip().splitlines()) == 1
+
+
+def test_save_embeddings_refuses_fractional_labels_and_keeps_class_names(tmp_path):
+    """save_embeddings cast labels with astype(int64): 0.1 ... 0.9 were saved as one class 0
+    (and scored P@1 = 1), and string labels raised numpy's ValueError."""
+    from dmlkit.embeddings import load_embeddings
+    from dmlkit.exceptions import ShapeError
+
+    x = np.eye(4, dtype=np.float32)
+    with pytest.raises(ShapeError, match="fractional"):
+        save_embeddings(tmp_path / "f.npz", x, [0.1, 0.2, 0.3, 0.4])
+    assert not (tmp_path / "f.npz").exists()
+    save_embeddings(tmp_path / "s.npz", x, ["dog", "cat", "dog", "eel"])
+    emb, labels, extra = load_embeddings(tmp_path / "s.npz")
+    assert [str(n) for n in extra["class_names"][labels]] == ["dog", "cat", "dog", "eel"]
+    save_embeddings(tmp_path / "i.npz", x, np.array([3.0, 3.0, 1.0, 1.0]))  # whole floats: ids
+    assert load_embeddings(tmp_path / "i.npz")[1].tolist() == [3, 3, 1, 1]

@@ -2,7 +2,10 @@
 ``.pt``, and labels files. The one reader behind :func:`dmlkit.embeddings.load_embeddings` and
 ``dmlkit evaluate``; it imports only numpy for ``.npz``/``.npy`` (torch for ``.pt`` only), so a
 small evaluation stays small. Labels are returned as stored, never cast: whether they are
-usable is :mod:`dmlkit.validation`'s decision."""
+usable is :mod:`dmlkit.validation`'s decision. One exception: an ``.npz`` that holds
+``class_names`` beside integer ``labels`` (codes into those names: what ``save_embeddings``
+writes for string labels, and what ``load_embeddings`` returns for them) gives the names, so
+that two such files with different name tables are compared by name, not by code."""
 
 from __future__ import annotations
 
@@ -53,9 +56,24 @@ def read_embedding_file(path: str | os.PathLike, labels_path: str | os.PathLike 
         raise DataError(f"cannot read embeddings from {path}: {' '.join(str(exc).split())[:200]}") from None
     if labels_path is not None:
         labels = read_labels_file(Path(labels_path))
+    elif labels is not None and "class_names" in extra:
+        labels = _named_labels(path, np.asarray(labels), np.asarray(extra["class_names"]))
     if labels is None and labels_required:
         raise DataError(f"{path} has no labels: save an .npz with 'embeddings' and 'labels', or pass a labels file")
     return np.asarray(emb), None if labels is None else np.asarray(labels), extra
+
+
+def _named_labels(path: Path, labels: np.ndarray, names: np.ndarray) -> np.ndarray:
+    """The class names of an ``.npz``'s integer ``labels``, codes into its ``class_names``
+    (codes of two files with different name tables name different classes: compared as codes,
+    'd' of one file matched 'e' of the other); labels that are not such codes are refused."""
+    if labels.dtype.kind not in "iu" or names.ndim != 1:
+        return labels  # names already, or not a code table: validation decides
+    if labels.size and (int(labels.min()) < 0 or int(labels.max()) >= names.shape[0]):
+        raise DataError(f"{path}: its labels (from {int(labels.min())} to {int(labels.max())}) are not "
+                        f"codes into its {names.shape[0]} class_names; save the labels as names, or "
+                        "drop class_names")
+    return names[labels]
 
 
 def _read_torch_file(path: Path) -> tuple[np.ndarray, Any]:

@@ -451,11 +451,20 @@ def save_embeddings(path: str | os.PathLike, embeddings: Any, labels: Any, **ext
 
     The file holds the keys ``embeddings`` (float32) and ``labels`` (int64) and any ``extra``
     arrays (e.g. ``indices``, the dataset rows). :func:`load_embeddings` reads it back.
+    Labels go through :func:`dmlkit.validation.check_labels`: a fractional float is refused
+    (it was truncated: 0.1 ... 0.9 saved as one class 0), and class-name strings are stored as
+    codes with their names in ``class_names`` (they raised numpy's ``ValueError``), which
+    every reader turns back into the names.
     """
     emb = _to_numpy(embeddings).astype(np.float32, copy=False)
-    lab = _to_numpy(labels).astype(np.int64, copy=False)
-    if emb.ndim != 2 or lab.ndim != 1 or emb.shape[0] != lab.shape[0]:
-        raise ShapeError(f"need embeddings (N, D) and labels (N,), got {emb.shape} and {lab.shape}")
+    if emb.ndim != 2:
+        raise ShapeError(f"need embeddings (N, D) and labels (N,), got {emb.shape} and {np.shape(labels)}")
+    lab, names = check_labels(labels, emb.shape[0], "labels")
+    if names is not None:
+        if "class_names" in extra:
+            raise ShapeError("labels are class names and class_names is given too: pass the names "
+                             "as labels, or integer codes with their class_names")
+        extra["class_names"] = np.asarray(names)
     buffer = io.BytesIO()
     np.savez(buffer, embeddings=emb, labels=lab, **{k: np.asarray(v) for k, v in extra.items()})
     return atomic_write_bytes(path, buffer.getvalue())
@@ -476,7 +485,8 @@ def load_embeddings(
     if emb.ndim != 2:
         raise ShapeError(f"embeddings in {path} must be 2-D (N, D), got shape {emb.shape}")
     # integer labels pass; fractional, NaN or mixed labels are refused (never truncated);
-    # string labels become codes of their sorted names, kept in extra["class_names"]
+    # string labels become codes of their sorted names, kept in extra["class_names"] (codes are
+    # per file: compare two files' classes by extra["class_names"][labels])
     labels, names = check_labels(np.asarray(labels), emb.shape[0], name=f"labels of {path}")
     if names is not None:
         extra["class_names"] = np.asarray(names)
