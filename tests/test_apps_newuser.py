@@ -233,3 +233,23 @@ def test_patches_absolute_data_root_with_data_root_option_is_refused(tmp_path, r
     assert not (tmp_path / "run").exists()
     relative = load_patch_config(cfg_path, ["data.root=pt"])
     assert subsets_root(relative, tmp_path / "other") == tmp_path / "other" / "pt"
+
+
+# -- fewshot: the sampler's refusals name the CLI's options ------------------------------------
+@pytest.mark.parametrize("extra, python_name, cli_name", [
+    (["--way", "9"], "n_way", "--way"),
+    (["--shot", "0"], "k_shot", "--shot"),
+    (["--episodes", "0"], "episodes", "--episodes"),
+    (["--shot", "3", "--queries", "3"], "n_query", "--queries"),
+])
+def test_fewshot_refusals_name_the_cli_options(tmp_path, run_cli, extra, python_name, cli_name):
+    """``dmlkit fewshot --way 9`` on 4 classes said "lower n_way, k_shot or n_query": names
+    the command does not have (its options are --way, --shot, --queries)."""
+    from dmlkit.embeddings import save_embeddings
+
+    path = tmp_path / "e.npz"
+    save_embeddings(path, np.random.default_rng(0).normal(size=(20, 3)).astype(np.float32),
+                    np.repeat(np.arange(4), 5))
+    code, _, err = run_cli(["fewshot", str(path), *extra])
+    assert code == 2
+    assert python_name in err and cli_name in err and "Traceback" not in err

@@ -76,6 +76,10 @@ def _distance(distance: str):
         raise ConfigError(f"{exc} (few-shot: 'euclidean' is the prototypical-network rule)") from None
 
 
+#: How ``dmlkit fewshot`` spells the arguments of :func:`few_shot_accuracy` (for its messages).
+_CLI_NAMES = "dmlkit fewshot: n_way = --way, k_shot = --shot, n_query = --queries, episodes = --episodes"
+
+
 def few_shot_accuracy(embeddings: Any, labels: Any, n_way: int = 5, k_shot: int = 1, n_query: int = 5,
                       episodes: int = 1000, distance: str = "euclidean", seed: int = 0) -> dict[str, Any]:
     """Mean N-way K-shot accuracy over episodes, with the 95 % CI half-width (normal approx.).
@@ -99,7 +103,10 @@ def few_shot_accuracy(embeddings: Any, labels: Any, n_way: int = 5, k_shot: int 
                           "with one class every query is trivially right")
     if int(n_query) < 1:
         raise ConfigError(f"few-shot accuracy needs at least one query per class, got n_query={n_query}")
-    sampler = EpisodeSampler(y, n_way, k_shot, n_query, episodes, seed=seed)
+    try:
+        sampler = EpisodeSampler(y, n_way, k_shot, n_query, episodes, seed=seed)
+    except (ConfigError, DataError) as exc:  # the sampler names its arguments; say the CLI's too
+        raise type(exc)(f"{exc} ({_CLI_NAMES})") from None
     used, total = len(sampler.classes), len(np.unique(y))
     if used < total:
         warnings.warn(
