@@ -155,3 +155,34 @@ def test_export_exits_1_on_failed_parity_with_and_without_json(monkeypatch, run_
     assert code == 1 and "parity check failed" in err
     if as_json:
         assert json.loads(out)["parity"]["passed"] is False
+
+
+@pytest.mark.parametrize(("options", "words"), [
+    (["--kind", "hnsw", "--nprobe", "16"], "--nprobe does not apply to hnsw"),
+    (["--nprobe", "16"], "--nprobe does not apply to flat"),
+    (["--target-recall", "0.9"], "--target-recall does not apply to flat"),
+    (["--kind", "ivf_flat", "--ef-search", "100"], "--ef-search does not apply to ivf_flat"),
+    (["--kind", "ivf_flat", "--pq-m", "4"], "--pq-m does not apply to ivf_flat"),
+    (["--kind", "ivf_pq", "--nprobe", "2", "--target-recall", "0.9"], "--nprobe fixes the search setting"),
+    (["--kind", "hnsw", "--ef-search", "32", "--target-recall", "0.9"], "--ef-search fixes the search setting"),
+])
+def test_index_refuses_settings_its_kind_would_ignore(tmp_path, run_cli, options, words):
+    # each of these built an index that silently ignored the setting (an exact index for
+    # `--nprobe 16` without --kind, the tuner's nprobe instead of the one given, ...)
+    import numpy as np
+
+    np.save(tmp_path / "emb.npy", np.random.default_rng(0).normal(size=(120, 8)).astype(np.float32))
+    code, out, err = run_cli(["index", str(tmp_path / "emb.npy"), "-o", str(tmp_path / "idx"), *options])
+    assert code == 2 and out == "" and words in err and len(err.strip().splitlines()) == 1
+    assert not (tmp_path / "idx").exists()
+
+
+def test_index_accepts_every_setting_of_its_own_kind(tmp_path, run_cli):
+    import numpy as np
+
+    np.save(tmp_path / "emb.npy", np.random.default_rng(0).normal(size=(400, 8)).astype(np.float32))
+    for options in (["--kind", "ivf_pq", "--nlist", "4", "--pq-m", "2", "--pq-nbits", "4", "--nprobe", "2", "--seed", "1",
+                     "--recall-k", "5", "--recall-queries", "30"],
+                    ["--kind", "hnsw", "--hnsw-m", "8", "--ef-construction", "20", "--target-recall", "0.9"]):
+        code, out, err = run_cli(["index", str(tmp_path / "emb.npy"), "-o", str(tmp_path / "idx"), *options])
+        assert code == 0, err

@@ -68,18 +68,20 @@ def index(
     from dmlkit.exceptions import ConfigError, DataError
     from dmlkit.utils import refuse_overwriting_inputs
 
+    # the build settings given (a value other than the default): each applies to some kinds only
+    structure = {"--nlist": nlist, "--pq-m": pq_m, "--nprobe": nprobe, "--gpu": gpu or None,
+                 "--pq-nbits": None if pq_nbits == 8 else pq_nbits,
+                 "--hnsw-m": None if hnsw_m == 32 else hnsw_m,
+                 "--ef-construction": None if ef_construction == 40 else ef_construction,
+                 "--ef-search": None if ef_search == 64 else ef_search, "--seed": seed or None,
+                 "--recall-k": None if recall_k == 10 else recall_k,
+                 "--recall-queries": None if recall_queries == 1000 else recall_queries}
     if remove or add:
         # build settings of the structure an existing index keeps: given with --add/--remove they
-        # were silently ignored (--target-recall too, which now re-tunes the changed index)
-        structure = {"--nlist": nlist, "--pq-m": pq_m, "--nprobe": nprobe, "--gpu": gpu or None,
-                     "--pq-nbits": None if pq_nbits == 8 else pq_nbits,
-                     "--hnsw-m": None if hnsw_m == 32 else hnsw_m,
-                     "--ef-construction": None if ef_construction == 40 else ef_construction,
-                     "--ef-search": None if ef_search == 64 else ef_search, "--seed": seed or None,
-                     # the recall measurement's settings: used by --target-recall only
-                     "--recall-k": None if recall_k == 10 or target_recall is not None else recall_k,
-                     "--recall-queries": None if recall_queries == 1000 or target_recall is not None else recall_queries}
-        given = [name for name, value in structure.items() if value is not None]
+        # were silently ignored (--target-recall too, which now re-tunes the changed index; the
+        # recall measurement's settings go with it)
+        given = [name for name, value in structure.items() if value is not None
+                 and not (target_recall is not None and name in ("--recall-k", "--recall-queries"))]
         if given:
             raise ConfigError(f"{', '.join(given)} {'set' if len(given) > 1 else 'sets'} how an index is built or measured; {output} keeps its own "
                               "with --add/--remove: build a new index (or pass --target-recall R to re-tune this one)")
@@ -128,6 +130,7 @@ def index(
     if embeddings is None:
         raise ConfigError("pass EMBEDDINGS to build an index (or --add/--remove to change OUTPUT)")
     kind, distance = kind or "flat", distance or "cosine"
+    _refuse_settings_of_other_kinds(kind, structure, target_recall)
     refuse_overwriting_inputs(output, embeddings)
     shards = open_shards(embeddings) if is_shard_dir(embeddings) else None
     if shards is None:
@@ -154,6 +157,36 @@ def index(
         echo_json({"output": str(output), **_summary(idx)})
         return
     _echo_recall(f"indexed {len(idx)} embeddings of size {idx.dim} ({kind}, {distance}) -> {output}", idx)
+
+
+#: The build settings each kind uses (the recall options: every approximate kind).
+_KIND_SETTINGS = {
+    "flat": (),
+    "ivf_flat": ("--nlist", "--nprobe", "--gpu", "--seed"),
+    "ivf_pq": ("--nlist", "--pq-m", "--pq-nbits", "--nprobe", "--gpu", "--seed"),
+    "hnsw": ("--hnsw-m", "--ef-construction", "--ef-search", "--seed"),
+}
+
+
+def _refuse_settings_of_other_kinds(kind: str, given: dict[str, Any], target_recall: float | None) -> None:
+    """Refuse build settings the ``kind`` does not use (``--kind hnsw --nprobe 16``, a flat index
+    with ``--target-recall``, a fixed ``--nprobe``/``--ef-search`` that ``--target-recall``
+    replaces): each was silently ignored. Unknown kinds are left to the index's own error."""
+    from dmlkit.exceptions import ConfigError  # lazy: the CLI imports its modules on use
+
+    if kind not in _KIND_SETTINGS:
+        return
+    uses = set(_KIND_SETTINGS[kind]) | ({"--recall-k", "--recall-queries"} if kind != "flat" else set())
+    unused = [name for name, value in given.items() if value is not None and name not in uses]
+    if kind == "flat" and target_recall is not None:
+        unused.insert(0, "--target-recall")
+    if unused:
+        raise ConfigError(f"{', '.join(unused)} {'do' if len(unused) > 1 else 'does'} not apply to {kind} indexes"
+                          + (" (exact search, recall 1.0)" if kind == "flat" else "")
+                          + ": leave it out, or pick the --kind it belongs to")
+    fixed = [name for name in ("--nprobe", "--ef-search") if given.get(name) is not None]
+    if fixed and target_recall is not None:
+        raise ConfigError(f"{fixed[0]} fixes the search setting that --target-recall tunes: give one of them")
 
 
 def _summary(idx: Any) -> dict[str, Any]:
