@@ -137,3 +137,31 @@ def test_the_package_exports_the_bootstrap_compare_uses():
 
     assert "hierarchical_bootstrap" in protocol.__all__
     assert "paired bootstrap over queries" not in (protocol.__doc__ or "")
+
+
+def test_compare_pairs_benches_that_name_all_classes_differently(tmp_path):
+    """One bench leaves protocol.num_classes out (all 60 classes), the other writes 60, as the
+    preflight's `--set protocol.num_classes=N` hint does: the same test items, refused as
+    "different test sets (protocol.num_classes None vs 60)". 30 classes are still refused."""
+    import numpy as np
+
+    from _reference import bench_entries
+    from dmlkit.exceptions import DataError
+    from dmlkit.protocol.compare import compare_results
+    from dmlkit.protocol.results import build_results
+    from dmlkit.protocol.splits import make_bench_split
+
+    def results(name: str, num_classes: int | None) -> dict:
+        cfg = bench_config_from_dict({
+            "name": name, "fixed": {"data": {"dataset": "omniglot"}, "model": {"embedding_size": 8}},
+            "protocol": {"seeds": [0, 1, 2], "num_classes": num_classes},
+            "methods": [{"name": "ms", "loss": {"name": "multi_similarity"}}]})
+        split = make_bench_split(range(60), "halves", folds=4, num_classes=num_classes)
+        entries = bench_entries(tmp_path / name, cfg, np.repeat(np.arange(10), 4), 10)
+        return build_results(cfg, split, entries, bench_dir=tmp_path / name)
+
+    report = compare_results([results("a", None), results("b", 60)], methods=["ms", "ms@b"],
+                             metrics=["map_at_r"], modes=["separated"], resamples=100)
+    assert report["comparisons"][0]["diff"] == pytest.approx(0.0, abs=1e-12)
+    with pytest.raises(DataError, match="protocol.num_classes 60 vs 30"):
+        compare_results([results("a", None), results("c", 30)], methods=["ms", "ms@c"], resamples=100)

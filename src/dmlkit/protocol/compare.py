@@ -96,11 +96,23 @@ def _test_set_settings(results: Mapping[str, Any]) -> dict[str, Any] | None:
                          if k not in _LOCATION_OPTIONS},
         "protocol.split": protocol.get("split"),
         "protocol.order": protocol.get("order"),
-        "protocol.num_classes": protocol.get("num_classes"),
+        "protocol.num_classes": _classes_used(results, protocol.get("num_classes")),
     }
     if protocol.get("order") == "random":  # the seed only orders the classes when shuffled
         settings["protocol.order_seed"] = protocol.get("order_seed")
     return settings
+
+
+def _classes_used(results: Mapping[str, Any], num_classes: Any) -> Any:
+    """How many classes the split used: the results' development + test classes (``null``
+    protocol.num_classes, all the dataset's, and the same number written out select the same
+    classes), else ``protocol.num_classes`` as configured."""
+    split = results.get("split")
+    if isinstance(split, Mapping):
+        dev, test = split.get("dev_classes"), split.get("test_classes")
+        if isinstance(dev, int) and isinstance(test, int):
+            return dev + test
+    return num_classes
 
 
 def _check_same_test_set(results_list: Sequence[Mapping[str, Any]], used: Sequence[int]) -> None:
