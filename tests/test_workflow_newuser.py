@@ -141,3 +141,15 @@ def test_save_embeddings_refuses_fractional_labels_and_keeps_class_names(tmp_pat
     assert [str(n) for n in extra["class_names"][labels]] == ["dog", "cat", "dog", "eel"]
     save_embeddings(tmp_path / "i.npz", x, np.array([3.0, 3.0, 1.0, 1.0]))  # whole floats: ids
     assert load_embeddings(tmp_path / "i.npz")[1].tolist() == [3, 3, 1, 1]
+
+
+@pytest.mark.parametrize("content", [b"name: quickstart\nseed: 0\n", b""], ids=["yaml", "empty"])
+def test_embed_of_a_file_that_is_no_checkpoint_says_so(content, run_cli, tmp_path):
+    """`dmlkit embed runs/x/config.yaml` said the YAML file "holds Python objects besides
+    tensors, and dmlkit never unpickles those" (torch's weights_only refusal, reworded)."""
+    path = tmp_path / "config.yaml"
+    path.write_bytes(content)
+    code, out, err = run_cli(["embed", str(path), "-q"])
+    assert code == 2 and len(err.strip().splitlines()) == 1
+    assert ("is not a PyTorch checkpoint" if content else "is empty") in err
+    assert "Python objects" not in err

@@ -39,7 +39,7 @@ from dmlkit.exceptions import CheckpointError
 from dmlkit.models.placement import to_device
 from dmlkit.models.trunks import load_failure_reason
 from dmlkit.training.builders import build_model
-from dmlkit.utils import atomic_torch_save
+from dmlkit.utils import atomic_torch_save, os_error_message
 
 __all__ = [
     "CHECKPOINT_FORMAT",
@@ -224,6 +224,16 @@ def find_checkpoint(path: str | os.PathLike) -> Path:
 def read_checkpoint(path: str | os.PathLike, map_location: str | torch.device = "cpu") -> dict[str, Any]:
     """Load a checkpoint dict written by :func:`save_checkpoint` (``weights_only=True``)."""
     path = find_checkpoint(path)
+    try:
+        with open(path, "rb") as fh:
+            magic = fh.read(2)
+    except OSError as exc:
+        raise CheckpointError(os_error_message(exc, path)) from None
+    if magic[:2] != b"PK" and magic[:1] != b"\x80":  # neither torch's zip nor a pickle: a config,
+        # a log, an embeddings .npy (torch's own words were "it holds Python objects")
+        what = "empty" if not magic else "not a PyTorch checkpoint"
+        raise CheckpointError(f"{path} is {what}: pass a run directory or a .pt file that dmlkit "
+                              "train wrote (checkpoints/best.pt or last.pt)")
     try:
         payload = torch.load(path, map_location=map_location, weights_only=True)
     except Exception as exc:  # torch raises many types for corrupt/foreign files
