@@ -186,3 +186,26 @@ def test_index_accepts_every_setting_of_its_own_kind(tmp_path, run_cli):
                     ["--kind", "hnsw", "--hnsw-m", "8", "--ef-construction", "20", "--target-recall", "0.9"]):
         code, out, err = run_cli(["index", str(tmp_path / "emb.npy"), "-o", str(tmp_path / "idx"), *options])
         assert code == 0, err
+
+
+def test_service_refuses_an_all_zero_embedding_on_a_cosine_index():
+    # a zero vector has no direction: it scored 0.0 against every item and the service answered
+    # 200 with the index's first rows as "nearest"
+    import numpy as np
+
+    pytest.importorskip("fastapi")
+    from fastapi.testclient import TestClient
+
+    from dmlkit.apps import EmbeddingIndex
+    from dmlkit.apps.service import ServiceConfig, create_app
+
+    emb = np.random.default_rng(0).normal(size=(30, 4)).astype(np.float32)
+    for distance, normalize, zero_status in (("cosine", True, 422), ("euclidean", True, 422), ("dot", False, 200)):
+        idx = EmbeddingIndex(emb, distance=distance, normalize=normalize)
+        client = TestClient(create_app(ServiceConfig(index="unused"), index=idx))
+        res = client.post("/api/query/embedding", json={"embedding": [0.0, -0.0, 0.0, 0.0], "k": 3})
+        assert res.status_code == zero_status, res.json()
+        if zero_status == 422:
+            assert "all zeros" in res.json()["detail"]
+        tiny = client.post("/api/query/embedding", json={"embedding": [1e-40, 0.0, 0.0, 0.0], "k": 3})
+        assert tiny.status_code == 200  # tiny is not zero: it has a direction
