@@ -165,3 +165,17 @@ def test_compare_pairs_benches_that_name_all_classes_differently(tmp_path):
     assert report["comparisons"][0]["diff"] == pytest.approx(0.0, abs=1e-12)
     with pytest.raises(DataError, match="protocol.num_classes 60 vs 30"):
         compare_results([results("a", None), results("c", 30)], methods=["ms", "ms@c"], resamples=100)
+
+
+def test_an_out_path_that_is_a_file_is_one_clear_line(tmp_path, run_cli):
+    """`dmlkit bench CONFIG -o results.txt` (an existing file) loaded and checked the data, then
+    said "cannot access results.txt: File exists"."""
+    import yaml
+
+    config = tmp_path / "bench.yaml"
+    config.write_text(yaml.safe_dump(TINY))
+    (tmp_path / "afile").write_text("notes\n")
+    for out in (tmp_path / "afile", tmp_path / "afile" / "sub"):
+        code, _, err = run_cli(["bench", str(config), "-o", str(out), "--data-root", str(tmp_path / "none")])
+        assert code == 2 and "Traceback" not in err
+        assert f"{tmp_path / 'afile'} is a file; name a directory with --out" in " ".join(err.split())

@@ -94,6 +94,11 @@ class Bench:
     ) -> None:
         self.config = config
         self.dir = Path(bench_dir)
+        # before the data is loaded and checked: mkdir said "cannot access X: File exists" at the end
+        existing = next((p for p in (self.dir, *self.dir.parents) if p.exists()), None)
+        if existing is not None and not existing.is_dir():
+            raise ConfigError(f"the bench directory {self.dir} cannot be made: {existing} is a file; "
+                              "name a directory with --out (-o)")
         merge_data_root(config.fixed.data.root, data_root, "fixed.data.root")  # two folders: refused
         self.data_root = data_root
         self.console = console
