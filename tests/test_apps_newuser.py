@@ -253,3 +253,26 @@ def test_fewshot_refusals_name_the_cli_options(tmp_path, run_cli, extra, python_
     code, _, err = run_cli(["fewshot", str(path), *extra])
     assert code == 2
     assert python_name in err and cli_name in err and "Traceback" not in err
+
+
+def test_reid_cli_says_when_the_camera_rule_is_off(tmp_path, run_cli):
+    """An .npz without 'cams' was scored with the same-camera rule silently off (same-camera
+    images of the query's identity counted as positives, which Market-1501 drops as junk)."""
+    from dmlkit.embeddings import save_embeddings
+
+    rng = np.random.default_rng(0)
+    path = tmp_path / "nocams.npz"
+    save_embeddings(path, rng.normal(size=(16, 5)).astype(np.float32), np.repeat(np.arange(4), 4),
+                    groups=np.array(["query", "gallery"] * 8))
+    code, out, err = run_cli(["reid", str(path), "--json"])
+    assert code == 0, err
+    assert "same-camera rule is off" in err and "--no-camera-rule" in err
+    assert '"camera_rule": false' in out
+    code, out, err = run_cli(["reid", str(path), "--json", "--no-camera-rule"])
+    assert code == 0 and "same-camera rule" not in err
+
+
+def test_reid_cli_camera_rule_on_with_cams(reid_npz, run_cli):
+    code, out, err = run_cli(["reid", str(reid_npz), "--json"])
+    assert code == 0, err
+    assert '"camera_rule": true' in out and "camera rule is off" not in err

@@ -82,11 +82,19 @@ def reid(
 
     q, g = data["query"], data["gallery"]
     cams = (q["cams"], g["cams"])  # on one side only: refused (the camera rule needs both)
+    result["camera_rule"] = not no_camera_rule and q["cams"] is not None and g["cams"] is not None
     kw: dict[str, Any] = dict(exclude_same_camera=not no_camera_rule, ap_mode=ap_mode, **common)
     t0 = time.perf_counter()
     res = evaluate_reid(q["emb"], g["emb"], q["ids"], g["ids"], *cams, **kw)
     result.update(protocol="market1501", seconds=time.perf_counter() - t0,
                   **res.to_dict(shown_ranks), cmc=res.cmc[:100].tolist())
+    if not no_camera_rule and q["cams"] is None:  # after the refusals: a caveat on a result
+        import warnings
+
+        warnings.warn(f"{source}: no camera ids ('cams'), so the same-camera rule is off: gallery images of "
+                      "the query's identity from its own camera count as positives (Market-1501 drops them); "
+                      "save 'cams' to apply it, or pass --no-camera-rule to say it does not apply",
+                      UserWarning, stacklevel=1)
     if rerank:
         t0 = time.perf_counter()
         rr = evaluate_reid(q["emb"], g["emb"], q["ids"], g["ids"], *cams,
