@@ -153,3 +153,26 @@ def test_embed_of_a_file_that_is_no_checkpoint_says_so(content, run_cli, tmp_pat
     assert code == 2 and len(err.strip().splitlines()) == 1
     assert ("is not a PyTorch checkpoint" if content else "is empty") in err
     assert "Python objects" not in err
+
+
+def test_train_refuses_an_explicit_test_set_of_one_class(data_root, tmp_path, one_thread):
+    """train(..., test_set=<one class>) wrote test MAP@R = P@1 = 100 % into metrics.json for any
+    model (the config path's preflight refuses such a split; the baseline silently skipped it).
+    Now one PreflightError before the run directory is touched."""
+    from _reference import tiny_sections
+    from dmlkit.data import get_transforms, load_dataset
+    from dmlkit.exceptions import ConfigError
+    from dmlkit.training import config_from_dict, train
+
+    ds = load_dataset("omniglot", root=data_root, sets=("background",))
+    t = get_transforms("grayscale", train=False, image_size=28)
+    train_set = ds.subset_classes(list(range(100, 104))).with_transform(t)
+    val_set = ds.subset_classes([200, 201]).with_transform(t)
+    cfg = config_from_dict({
+        "name": "tiny", "data": {"dataset": "omniglot", "transform": "grayscale", "image_size": 28},
+        **tiny_sections(), "sampler": {"classes_per_batch": 4, "samples_per_class": 4, "batches_per_epoch": 1},
+        "training": {"epochs": 1, "device": "cpu"}})
+    with pytest.raises(ConfigError, match="the test split has one class"):
+        train(cfg, tmp_path / "run", train_set=train_set, val_set=val_set,
+              test_set=ds.subset_classes([300]).with_transform(t), progress=False)
+    assert not (tmp_path / "run").exists()

@@ -79,7 +79,7 @@ from dmlkit.training.checkpoint import (
 )
 from dmlkit.training.data_root import with_data_root
 from dmlkit.training.loop import Trainer, TrainState
-from dmlkit.training.preflight import preflight
+from dmlkit.training.preflight import preflight, refuse_degenerate_eval
 from dmlkit.utils import (
     atomic_write_json,
     directory_lock,
@@ -318,6 +318,9 @@ def _train(config: ExperimentConfig, run_dir: Path, device: torch.device, *, tra
     checked = None
     if train_set is None:  # every size constraint against the data, before the run dir is touched
         checked = agree(preflight, config)  # reads each rank's data root
+    if test_set is not None:  # an explicit test set, as preflight checks the config's: one class
+        # scored MAP@R = P@1 = 100 % in metrics.json for any model (the baseline skipped it)
+        agree(refuse_degenerate_eval, test_set.labels, "test")
     with contextlib.ExitStack() as held:  # rank 0 locks the run directory for the whole run
 
         def lock() -> None:
