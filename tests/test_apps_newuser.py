@@ -276,3 +276,16 @@ def test_reid_cli_camera_rule_on_with_cams(reid_npz, run_cli):
     code, out, err = run_cli(["reid", str(reid_npz), "--json"])
     assert code == 0, err
     assert '"camera_rule": true' in out and "camera rule is off" not in err
+
+
+def test_track_evaluate_builds_every_tracker_before_running_any(tmp_path, run_cli, monkeypatch):
+    """``--methods ncc,siamfc`` without ``--weights`` ran NCC over every sequence and only then
+    refused siamfc, with nothing written."""
+    import dmlkit.apps.tracking as tracking
+
+    ran = []
+    monkeypatch.setattr(tracking, "load_tracking_dataset", lambda *a, **k: [])
+    monkeypatch.setattr(tracking, "run_ope", lambda tracker, *a, **k: ran.append(tracker))
+    code, _, err = run_cli(["track", "evaluate", str(tmp_path), "--methods", "ncc,siamfc"])
+    assert code == 2 and "--weights" in err
+    assert not ran

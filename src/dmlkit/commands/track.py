@@ -198,10 +198,11 @@ def evaluate(
         raise ConfigError(f"unknown tracker {unknown[0]!r}: use {', '.join(_METHODS)}")
     if out_dir is not None and out_dir.exists() and not out_dir.is_dir():  # before any tracking
         raise ConfigError(f"--out-dir {out_dir} is a file: name a folder for results.json, ope.png and the boxes")
-    sequences = load_tracking_dataset(dataset, root, split)[:max_sequences]
+    sequences = load_tracking_dataset(dataset, root, split)[:max_sequences]  # frame paths only, no pixels
+    # every tracker before any runs: a missing --weights for the second must not fail after the first
+    trackers = {name: _tracker(name, weights, scales, seed, device, width) for name in names}
     results, boxes = {}, {}
-    for name in names:
-        tracker = _tracker(name, weights, scales, seed, device, width)
+    for name, tracker in trackers.items():
         results[name], boxes[name] = run_ope(tracker, sequences, progress=not as_json)
     table = {name: res.summary() for name, res in results.items()}
     if out_dir is not None:
