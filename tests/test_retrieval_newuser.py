@@ -209,3 +209,27 @@ def test_service_refuses_an_all_zero_embedding_on_a_cosine_index():
             assert "all zeros" in res.json()["detail"]
         tiny = client.post("/api/query/embedding", json={"embedding": [1e-40, 0.0, 0.0, 0.0], "k": 3})
         assert tiny.status_code == 200  # tiny is not zero: it has a direction
+
+
+def test_serve_refuses_a_model_the_index_was_not_built_with(tmp_path_factory, data_root):
+    # any model of the embedding size passed the start-up check, so image queries were searched
+    # in another model's space and answered with unrelated items; here the index's vectors
+    # belong to other images (rolled by ten rows: other subjects), as with another model's index
+    import numpy as np
+
+    pytest.importorskip("fastapi")
+    from dmlkit.apps import EmbeddingIndex
+    from dmlkit.apps.index import item_ids
+    from dmlkit.apps.service import ServiceConfig, create_app
+    from dmlkit.exceptions import ConfigError
+    from test_service import trained_run
+
+    run = trained_run(tmp_path_factory, data_root)
+    z = np.load(run / "embeddings" / "test.npz")
+    ids, info = item_ids(run / "embeddings" / "test.npz", {"indices": z["indices"]}, data_root)
+    config = ServiceConfig(index="unused", model=run, data_root=data_root)
+    right = EmbeddingIndex(z["embeddings"], z["labels"], ids, info=info)
+    assert create_app(config, index=right) is not None
+    wrong = EmbeddingIndex(np.roll(z["embeddings"], 10, axis=0), z["labels"], ids, info=info)
+    with pytest.raises(ConfigError, match="another model"):
+        create_app(config, index=wrong)

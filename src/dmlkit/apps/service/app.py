@@ -212,6 +212,8 @@ def create_app(config: ServiceConfig, *, index: Any = None, embedder: Any = None
     verify_distance = verify_distance or idx.distance
     root = config.data_root or idx.info.get("data_root")
     root_path = Path(root).resolve() if root else None
+    if embedder is not None and idx.dim and root_path is not None:
+        _check_model_embeds_the_index(idx, embedder, root_path)
     metrics = _Metrics()
     max_k = int(config.max_k)
 
@@ -469,6 +471,41 @@ def create_app(config: ServiceConfig, *, index: Any = None, embedder: Any = None
 
     app.state.index, app.state.embedder, app.state.metrics = idx, embedder, metrics
     return app
+
+
+#: Largest relative difference ``|f(image) - stored| / |stored|`` between the served model's
+#: embedding of an indexed image and the index's vector (exports and devices differ by ~1e-6).
+MODEL_INDEX_TOLERANCE = 1e-2
+
+
+def _check_model_embeds_the_index(idx: Any, embedder: Any, root: Path, items: int = 4) -> None:
+    """Refuse (:class:`ConfigError`) a model that embeds indexed images differently from the
+    index's vectors: image queries would be searched in another model's space and answered with
+    unrelated items, silently (the start-up check of the embedding size passes any model of the
+    same size). Compares up to ``items`` indexed files found under the data root; an index
+    without files there (ids that are not paths) is not checked."""
+    from PIL import Image
+
+    checked = 0
+    for pos in range(len(idx)):
+        if checked == items or pos >= 64:
+            break
+        path = (root / str(idx.ids[pos])).resolve()
+        if root not in path.parents or not path.is_file():
+            continue
+        try:
+            with Image.open(path) as img:
+                img.load()
+                got = embedder([img.copy()])[0].astype(np.float64)
+        except (OSError, DmlkitError):  # not an image the model takes: nothing to compare
+            continue
+        stored = np.asarray(idx.embeddings[pos], dtype=np.float64)
+        change = float(np.linalg.norm(got - stored) / max(np.linalg.norm(stored), 1e-30))
+        if change > MODEL_INDEX_TOLERANCE:
+            raise ConfigError(f"the model embeds the indexed image {idx.ids[pos]} {change:.1%} away from the index's "
+                              "vector: the index was built with another model (or checkpoint); serve the model the "
+                              "index was built with, or rebuild the index with `dmlkit embed` + `dmlkit index`")
+        checked += 1
 
 
 def _probe_image(embedder: Any) -> list[Any]:
