@@ -289,3 +289,15 @@ def test_track_evaluate_builds_every_tracker_before_running_any(tmp_path, run_cl
     code, _, err = run_cli(["track", "evaluate", str(tmp_path), "--methods", "ncc,siamfc"])
     assert code == 2 and "--weights" in err
     assert not ran
+
+
+def test_patches_figure_without_suffix_reports_the_file_written(tmp_path):
+    """``--figure out/hard`` wrote ``out/hard.png`` (matplotlib's default format) but reported
+    ``figure -> out/hard``, a path that does not exist."""
+    from dmlkit.commands.patches import _check_figure_format
+    from dmlkit.exceptions import ConfigError
+
+    assert _check_figure_format(tmp_path / "hard") == tmp_path / "hard.png"
+    assert _check_figure_format(tmp_path / "hard.PDF") == tmp_path / "hard.PDF"
+    with pytest.raises(ConfigError, match="cannot write"):
+        _check_figure_format(tmp_path / "hard.v2")

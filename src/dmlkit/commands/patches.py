@@ -46,17 +46,22 @@ def _print_table(results: dict, title: str, as_json: bool) -> None:
     output_console().print(table)
 
 
-def _check_figure_format(path: Path) -> None:
-    """A figure file name whose suffix matplotlib cannot write is a one-line error, before any work."""
+def _check_figure_format(path: Path) -> Path:
+    """The figure file to write: a suffix matplotlib cannot write is a one-line error, before any
+    work; no suffix gets ``.png`` (matplotlib appends it anyway: the path reported was not the
+    file written)."""
     from matplotlib.figure import Figure
 
     fmt = path.suffix[1:].lower()
+    if not fmt:
+        return path.with_name(path.name + ".png")
     supported = Figure().canvas.get_supported_filetypes()
-    if fmt and fmt not in supported:
+    if fmt not in supported:
         from dmlkit.exceptions import ConfigError
 
         raise ConfigError(f"--figure {path}: matplotlib cannot write '.{fmt}' files; use one of "
                           f"{', '.join('.' + f for f in sorted(supported))}")
+    return path
 
 
 @patches_app.command("build-data")
@@ -121,7 +126,7 @@ def evaluate(
 
     res_file = run_dir / "results.json"
     if figure is not None:
-        _check_figure_format(figure)
+        figure = _check_figure_format(figure)
     elif arch is not None:
         raise ConfigError("--arch picks the architecture of the figure: pass --figure too")
     if max_test_pairs is not None and not rescore and res_file.is_file():
