@@ -179,3 +179,36 @@ def test_an_out_path_that_is_a_file_is_one_clear_line(tmp_path, run_cli):
         code, _, err = run_cli(["bench", str(config), "-o", str(out), "--data-root", str(tmp_path / "none")])
         assert code == 2 and "Traceback" not in err
         assert f"{tmp_path / 'afile'} is a file; name a directory with --out" in " ".join(err.split())
+
+
+def test_compare_refuses_embeddings_rewritten_after_the_table(tmp_path):
+    """A grown search gives a new best; the next `--stage final` trains the stale runs again
+    one by one and is interrupted: results.json still describes the old runs, and compare read
+    the mix of new (retrained) and old fold models silently as that method. Each run's
+    embeddings digest is now recorded, and a rewritten file is refused in one line."""
+    import numpy as np
+
+    from _reference import bench_entries
+    from dmlkit.embeddings import load_embeddings, save_embeddings
+    from dmlkit.exceptions import DataError
+    from dmlkit.protocol.compare import compare_results
+    from dmlkit.protocol.results import build_results
+    from dmlkit.protocol.splits import make_bench_split
+
+    cfg = bench_config_from_dict({
+        "name": "d", "fixed": {"data": {"dataset": "omniglot"}, "model": {"embedding_size": 8}},
+        "protocol": {"seeds": [0, 1, 2]},
+        "methods": [{"name": "ms", "loss": {"name": "multi_similarity"}}]})
+    entries = bench_entries(tmp_path, cfg, np.repeat(np.arange(10), 4), 10)
+    results = build_results(cfg, make_bench_split(range(60), "halves", folds=4), entries, bench_dir=tmp_path)
+    assert all(len(run["embeddings_sha256"]) == 64 for run in results["methods"]["ms"]["runs"])
+    options = {"methods": ["ms", "contrastive"], "metrics": ["map_at_r"], "resamples": 100}
+    before = compare_results([results], **options)["comparisons"][0]["diff"]
+    path = entries["ms"]["runs"][0].embeddings  # seed 0 "retrained": other embeddings, same items
+    emb, labels, _ = load_embeddings(path)
+    save_embeddings(path, np.roll(emb, 1, axis=1), labels)
+    with pytest.raises(DataError, match=r"is not the file the results table was computed on.*"
+                                        r"rerun `dmlkit bench CONFIG --stage final`"):
+        compare_results([results], **options)
+    save_embeddings(path, emb, labels)  # the same values again: the table holds
+    assert compare_results([results], **options)["comparisons"][0]["diff"] == before

@@ -35,7 +35,13 @@ import numpy as np
 from dmlkit.data import canonical_dataset_name
 from dmlkit.embeddings import load_embeddings
 from dmlkit.exceptions import ConfigError, DataError
-from dmlkit.protocol.results import MODES, load_results, metric_label, resolved_runs
+from dmlkit.protocol.results import (
+    MODES,
+    embeddings_digest,
+    load_results,
+    metric_label,
+    resolved_runs,
+)
 from dmlkit.protocol.stats import (
     MIN_SEEDS_FOR_SIGNIFICANCE,
     PER_QUERY_METRICS,
@@ -176,6 +182,12 @@ def _method_scores(entry: Mapping[str, Any], mode: str, name: str = "the method"
             path = Path(r["embeddings"])
             emb, lab, extra = load_embeddings(path)
             check_embeddings(emb, f"embeddings in {path}")  # which of the runs' files, not "query embeddings"
+            recorded = r.get("embeddings_sha256")
+            if recorded and embeddings_digest(emb, lab) != recorded:
+                raise DataError(
+                    f"{path} ({name}) is not the file the results table was computed on: it was "
+                    "rewritten since (a later final stage trained this run again, or the file was "
+                    "replaced); rerun `dmlkit bench CONFIG --stage final` to rewrite results.json")
             rows_of = extra.get("indices")
             indices = None if rows_of is None else np.asarray(rows_of).reshape(-1)
             if items is None:

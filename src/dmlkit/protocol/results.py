@@ -12,12 +12,15 @@ from __future__ import annotations
 
 import copy
 import csv
+import hashlib
 import io
 import json
 import math
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 from dmlkit.exceptions import DataError, DataNotFoundError
 from dmlkit.protocol.stats import mean_ci
@@ -28,6 +31,7 @@ __all__ = [
     "METRIC_LABELS",
     "MODES",
     "build_results",
+    "embeddings_digest",
     "format_cell",
     "load_results",
     "resolved_runs",
@@ -43,6 +47,21 @@ METRIC_LABELS: dict[str, str] = {
     "nmi": "NMI", "ami": "AMI", "pair_f1": "F1", "pos_neg_js": "JS",
 }
 FORMAT = "dmlkit.bench_results/1"
+
+
+def embeddings_digest(embeddings: Any, labels: Any) -> str:
+    """SHA-256 of a run's test embeddings (float32) and labels (int64), with their shapes.
+
+    ``results.json`` records it per run (``embeddings_sha256``) so that a reader can tell the
+    file the table was computed on from one rewritten since: a final run trained again with a
+    new best (a grown search) by a final stage that was then interrupted left the old table
+    pointing at a mix of old and new fold models, which ``dmlkit compare`` read silently."""
+    emb = np.ascontiguousarray(embeddings, dtype=np.float32)
+    lab = np.ascontiguousarray(labels).astype(np.int64, copy=False)
+    h = hashlib.sha256(f"{emb.shape}{lab.shape}".encode())
+    h.update(emb.tobytes())
+    h.update(lab.tobytes())
+    return h.hexdigest()
 
 
 def metric_label(metric: str) -> str:
@@ -137,7 +156,8 @@ def build_results(config, split, entries: Mapping[str, Mapping[str, Any]], *, be
             "runs": [
                 {"seed": r.seed, "fold": r.fold, "run_dir": _in_bench(r.run_dir, bench_dir),
                  "checkpoint": None if r.checkpoint is None else _in_bench(r.checkpoint, bench_dir),
-                 "embeddings": _in_bench(r.embeddings, bench_dir)}
+                 "embeddings": _in_bench(r.embeddings, bench_dir),
+                 "embeddings_sha256": (ev.get("digests") or {}).get(str(r.embeddings))}
                 for r in entry["runs"]
             ],
         })

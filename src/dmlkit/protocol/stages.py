@@ -30,6 +30,7 @@ from dmlkit.protocol.config import (
     BenchConfig,
     MethodConfig,
 )
+from dmlkit.protocol.results import embeddings_digest
 from dmlkit.protocol.space import suggest
 from dmlkit.protocol.splits import BenchSplit, TestClassGuard
 from dmlkit.training import build_model, train
@@ -291,7 +292,8 @@ def evaluate_runs(runs: Sequence[FinalRun], metrics: Sequence[str], **options: A
 
     ``options`` are keyword arguments of :func:`dmlkit.metrics.evaluate` (backend, memory
     budget, cluster restarts: ``EvaluationConfig.metric_options()``). The result also holds
-    the fold models' ``embedding_size`` (read from their embeddings: the model owns it).
+    the fold models' ``embedding_size`` (read from their embeddings: the model owns it) and
+    ``digests``, ``{embeddings path: embeddings_digest}`` of the files it read.
     """
     embedding_size = None
     by_seed: dict[int, list[FinalRun]] = {}
@@ -299,6 +301,7 @@ def evaluate_runs(runs: Sequence[FinalRun], metrics: Sequence[str], **options: A
         by_seed.setdefault(r.seed, []).append(r)
     separated: dict[str, list[float]] = {m: [] for m in metrics}
     concatenated: dict[str, list[float]] = {m: [] for m in metrics}
+    digests: dict[str, str] = {}
     for seed in sorted(by_seed):
         fold_runs = sorted(by_seed[seed], key=lambda r: r.fold)
         embs, labels = [], None
@@ -308,6 +311,7 @@ def evaluate_runs(runs: Sequence[FinalRun], metrics: Sequence[str], **options: A
             if labels is not None and not np.array_equal(labels, lab):
                 raise DataError(f"{r.embeddings}: test labels differ between fold models of seed {seed}")
             labels = lab
+            digests[str(r.embeddings)] = embeddings_digest(emb, lab)
             embs.append(emb)
             embedding_size = int(emb.shape[1])
             res = evaluate(emb, lab, metrics=list(metrics), **options)
@@ -320,7 +324,7 @@ def evaluate_runs(runs: Sequence[FinalRun], metrics: Sequence[str], **options: A
         for m in metrics:
             concatenated[m].append(float(res[m]))
     return {"seeds": sorted(by_seed), "separated": separated, "concatenated": concatenated,
-            "embedding_size": embedding_size}
+            "embedding_size": embedding_size, "digests": digests}
 
 
 # -- the whole benchmark ------------------------------------------------------------------------
