@@ -301,3 +301,32 @@ def test_patches_figure_without_suffix_reports_the_file_written(tmp_path):
     assert _check_figure_format(tmp_path / "hard.PDF") == tmp_path / "hard.PDF"
     with pytest.raises(ConfigError, match="cannot write"):
         _check_figure_format(tmp_path / "hard.v2")
+
+
+# -- pair CSV: a header with the columns after an id column, and a short row -------------------
+def test_pair_csv_short_row_after_an_id_column_is_one_error(tmp_path, run_cli):
+    """``id,path1,path2,same`` with a row missing its last field raised IndexError (a traceback
+    from ``dmlkit verify --pair-list``): the width check counted the named columns, not their
+    positions."""
+    from PIL import Image
+
+    from dmlkit.data.pairs import read_pair_csv
+    from dmlkit.exceptions import DataError
+
+    for n in "abcd":
+        Image.fromarray(np.zeros((8, 8), np.uint8)).save(tmp_path / f"{n}.png")
+    good = tmp_path / "good.csv"
+    good.write_text("id,path1,path2,same\n1,a.png,b.png,1\n2,c.png,d.png,0\n")
+    plist = read_pair_csv(good)
+    assert plist.same.tolist() == [True, False] and len(plist.paths) == 4
+    bad = tmp_path / "bad.csv"
+    bad.write_text("id,path1,path2,same\n1,a.png,b.png,1\n2,c.png,d.png\n")
+    with pytest.raises(DataError, match=r"bad.csv:3: expected 4 fields, got 3"):
+        read_pair_csv(bad)
+    emb = tmp_path / "e.npz"
+    from dmlkit.embeddings import save_embeddings
+
+    save_embeddings(emb, np.eye(4, dtype=np.float32), np.arange(4),
+                    paths=np.array([str(tmp_path / f"{n}.png") for n in "abcd"]))
+    code, _, err = run_cli(["verify", str(emb), "--pair-list", str(bad)])
+    assert code == 2 and "expected 4 fields" in err and "Traceback" not in err

@@ -254,9 +254,10 @@ def read_pair_csv(path: str | os.PathLike, image_root: str | os.PathLike | None 
     if not rows:
         raise DataError(f"{p}: no pairs below the header")
     p1, p2, same, folds, missing = [], [], [], [], []
+    width = max(col.values()) + 1  # a header may put the columns anywhere (e.g. an id first)
     for line_no, r in rows:
-        if len(r) < len(col):
-            raise DataError(f"{p}:{line_no}: expected {len(col)} fields, got {len(r)}")
+        if len(r) < width:
+            raise DataError(f"{p}:{line_no}: expected {width} fields, got {len(r)}")
         a, b = (Path(r[col[c]]) for c in ("path1", "path2"))
         a, b = (x if x.is_absolute() else base / x for x in (a, b))
         gone = [str(x) for x in (a, b) if not x.is_file()]
