@@ -10,6 +10,8 @@ import typer
 from dmlkit.commands._console import echo_json
 
 _KINDS = "flat (exact), ivf_flat, ivf_pq or hnsw"
+#: Defaults of `dmlkit index`'s build settings (a value other than these was given on purpose).
+_PQ_NBITS, _HNSW_M, _EF_CONSTRUCTION, _EF_SEARCH, _RECALL_K, _RECALL_QUERIES = 8, 32, 40, 64, 10, 1000
 
 
 def register(app: typer.Typer) -> None:
@@ -43,15 +45,15 @@ def index(
     kind: str | None = typer.Option(None, help=f"Index kind: {_KINDS} (default flat; with --add/--remove, the index's own)."),
     distance: str | None = typer.Option(None, help="cosine, euclidean or dot (default cosine; with --add/--remove, the index's own)."),
     target_recall: float | None = typer.Option(None, "--target-recall", help="Tune nprobe/rerank/efSearch to the cheapest setting with recall@k >= this (e.g. 0.95)."),
-    recall_k: int = typer.Option(10, "--recall-k", help="k of the measured recall@k."),
-    recall_queries: int = typer.Option(1000, "--recall-queries", help="Held-out queries of the recall measurement."),
+    recall_k: int = typer.Option(_RECALL_K, "--recall-k", help="k of the measured recall@k."),
+    recall_queries: int = typer.Option(_RECALL_QUERIES, "--recall-queries", help="Held-out queries of the recall measurement."),
     nlist: int | None = typer.Option(None, help="IVF cells (default 4 sqrt(N))."),
     pq_m: int | None = typer.Option(None, "--pq-m", help="PQ sub-quantisers (must divide the size; default size/4)."),
-    pq_nbits: int = typer.Option(8, "--pq-nbits", help="Bits per PQ code."),
-    hnsw_m: int = typer.Option(32, "--hnsw-m", help="HNSW neighbours per node."),
-    ef_construction: int = typer.Option(40, "--ef-construction", help="HNSW build beam."),
+    pq_nbits: int = typer.Option(_PQ_NBITS, "--pq-nbits", help="Bits per PQ code."),
+    hnsw_m: int = typer.Option(_HNSW_M, "--hnsw-m", help="HNSW neighbours per node."),
+    ef_construction: int = typer.Option(_EF_CONSTRUCTION, "--ef-construction", help="HNSW build beam."),
     nprobe: int | None = typer.Option(None, help="IVF cells scanned per query (without --target-recall)."),
-    ef_search: int = typer.Option(64, "--ef-search", help="HNSW search beam (without --target-recall)."),
+    ef_search: int = typer.Option(_EF_SEARCH, "--ef-search", help="HNSW search beam (without --target-recall)."),
     gpu: bool = typer.Option(False, "--gpu", help="Put IVF indexes on the GPU (faiss with GPU support)."),
     seed: int = typer.Option(0),
     data_root: Path | None = typer.Option(None, "--data-root", help="Resolve a run's dataset paths as ids."),
@@ -70,12 +72,12 @@ def index(
 
     # the build settings given (a value other than the default): each applies to some kinds only
     structure = {"--nlist": nlist, "--pq-m": pq_m, "--nprobe": nprobe, "--gpu": gpu or None,
-                 "--pq-nbits": None if pq_nbits == 8 else pq_nbits,
-                 "--hnsw-m": None if hnsw_m == 32 else hnsw_m,
-                 "--ef-construction": None if ef_construction == 40 else ef_construction,
-                 "--ef-search": None if ef_search == 64 else ef_search, "--seed": seed or None,
-                 "--recall-k": None if recall_k == 10 else recall_k,
-                 "--recall-queries": None if recall_queries == 1000 else recall_queries}
+                 "--pq-nbits": None if pq_nbits == _PQ_NBITS else pq_nbits,
+                 "--hnsw-m": None if hnsw_m == _HNSW_M else hnsw_m,
+                 "--ef-construction": None if ef_construction == _EF_CONSTRUCTION else ef_construction,
+                 "--ef-search": None if ef_search == _EF_SEARCH else ef_search, "--seed": seed or None,
+                 "--recall-k": None if recall_k == _RECALL_K else recall_k,
+                 "--recall-queries": None if recall_queries == _RECALL_QUERIES else recall_queries}
     if remove or add:
         # build settings of the structure an existing index keeps: given with --add/--remove they
         # were silently ignored (--target-recall too, which now re-tunes the changed index; the
