@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import re
+import warnings
 
 import numpy as np
 import pytest
@@ -176,3 +177,34 @@ def test_train_refuses_an_explicit_test_set_of_one_class(data_root, tmp_path, on
         train(cfg, tmp_path / "run", train_set=train_set, val_set=val_set,
               test_set=ds.subset_classes([300]).with_transform(t), progress=False)
     assert not (tmp_path / "run").exists()
+
+
+def test_a_reference_set_equal_to_the_query_set_warns(run_cli, tmp_path):
+    """`dmlkit evaluate test.npz -r test.npz` (or a copy) printed P@1 = 100 % without a word:
+    with a separate reference set no query is excluded, so each finds itself at rank 1."""
+    from dmlkit.embedding_shards import write_shards
+    from dmlkit.metrics.streaming import evaluate_streaming
+
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(40, 5)).astype(np.float32)
+    y = np.repeat(np.arange(8), 5)
+    with pytest.warns(UserWarning, match="every query finds itself at rank 1"):
+        assert evaluate(x, y, x.copy(), y, metrics=["precision_at_1"])["precision_at_1"] == 1.0
+    with pytest.warns(UserWarning, match="every query finds itself at rank 1"):
+        evaluate_streaming(x, y, x.copy(), y, metrics=["precision_at_1"], block_rows=7)
+    save_embeddings(tmp_path / "t.npz", x, y)
+    save_embeddings(tmp_path / "copy.npz", x, y)
+    code, out, err = run_cli(["evaluate", str(tmp_path / "t.npz"), "-r", str(tmp_path / "copy.npz"),
+                              "-m", "precision_at_1", "--json"])
+    assert code == 0 and err.startswith("warning: the reference embeddings are the query embeddings")
+    shards = tmp_path / "shards"
+    write_shards(shards, x, y)
+    code, out, err = run_cli(["evaluate", str(shards), "-r", str(shards), "-m", "precision_at_1", "--json"])
+    assert code == 0 and "every query finds itself at rank 1" in err
+    # a different reference set (one row changed) says nothing
+    x2 = x.copy()
+    x2[-1] += 1
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        evaluate(x, y, x2, y, metrics=["precision_at_1"])
+        evaluate_streaming(x, y, x2, y, metrics=["precision_at_1"], block_rows=7)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import warnings
 from collections.abc import Sequence
 from typing import Any
 
@@ -25,7 +26,7 @@ from dmlkit.metrics.knn import SMALL_SEARCH_PAIRS, _mask_self, _Scorer, knn
 from dmlkit.metrics.near_ties import EXTRA_NEIGHBOURS, pair_scorer, settle_near_ties
 from dmlkit.metrics.retrieval import full_ranking_ap_block, num_positives, per_query_from_neighbours
 
-__all__ = ["DEFAULT_METRICS", "METRIC_NAMES", "evaluate", "expand_metric_names", "per_class", "per_query"]
+__all__ = ["DEFAULT_METRICS", "METRIC_NAMES", "REFERENCE_IS_QUERY", "evaluate", "expand_metric_names", "per_class", "per_query"]
 
 #: What :func:`evaluate` computes when ``metrics`` is None.
 DEFAULT_METRICS = ("precision_at_1", "recall_at_k", "r_precision", "map_at_r")
@@ -40,6 +41,13 @@ _KNN_METRICS = ("precision_at_1", "r_precision", "map_at_r")
 #: Peak bytes a score of ``map``'s float64 blocks holds (the score, int64 placements and their
 #: gathers, masks): sets the rows of a block from the memory budget.
 _MAP_BYTES_PER_SCORE = 56
+#: The warning when a separate reference set holds the query embeddings row for row
+#: (``dmlkit evaluate test.npz -r test.npz``): no query is excluded from its own neighbours.
+REFERENCE_IS_QUERY = (
+    "the reference embeddings are the query embeddings row for row, so every query finds itself "
+    "at rank 1 (P@1 = 100 %): leave the reference out (reference=None; no --reference) to exclude "
+    "each query from its own neighbours"
+)
 #: ``recall_at_K`` / ``precision_at_K`` with K a positive integer written without leading zeros
 _AT_K = re.compile(r"^(recall|precision)_at_([1-9]\d*)$")
 
@@ -98,6 +106,8 @@ class _Inputs:
                 raise ShapeError(
                     f"query has {self.q.shape[1]} dimensions but reference has {self.r.shape[1]}"
                 )
+            if self.r.shape == self.q.shape and torch.equal(self.r, self.q):
+                warnings.warn(REFERENCE_IS_QUERY, stacklevel=4)
         try:
             self.distance: BaseDistance = get_distance(distance)
         except ValueError as exc:

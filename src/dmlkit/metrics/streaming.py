@@ -39,6 +39,7 @@ in-memory ones. Time grows as ``N^2 d``, memory as the budget plus ``O(N)``.
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -56,7 +57,7 @@ from dmlkit.metrics._validation import (
     as_label_pair,
     check_budget,
 )
-from dmlkit.metrics.evaluate import _AT_K, expand_metric_names
+from dmlkit.metrics.evaluate import _AT_K, REFERENCE_IS_QUERY, expand_metric_names
 from dmlkit.metrics.knn import (
     SMALL_SEARCH_PAIRS,
     KNNResult,
@@ -126,6 +127,19 @@ def _take(source: Any, rows: np.ndarray, name: str) -> torch.Tensor:
     if isinstance(source, torch.Tensor):
         return as_embeddings(source[torch.from_numpy(rows)], name)
     return as_embeddings(np.asarray(source[rows]), name)
+
+
+def _same_rows(query: Any, reference: Any, n: int, rows: int = 4096) -> bool:
+    """Whether two ``(n, D)`` sources hold the same rows, read block by block (a different
+    set differs in its first block: one block of each is read)."""
+    if query is reference:
+        return True
+    for a0 in range(0, n, rows):
+        a, b = query[a0:a0 + rows], reference[a0:a0 + rows]
+        if not (torch.equal(a, b) if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)
+                else np.array_equal(np.asarray(a), np.asarray(b))):
+            return False
+    return True
 
 
 def _labels_of(source: Any, labels: Any, name: str) -> Any:
@@ -233,6 +247,8 @@ def _stream(
     m, d_r = (nq, d) if same else _shape(reference, "reference embeddings")
     if d_r != d:
         raise ShapeError(f"query has {d} dimensions but reference has {d_r}: embed both with the same model")
+    if not same and (m, d_r) == (nq, d) and _same_rows(query, reference, nq):
+        warnings.warn(REFERENCE_IS_QUERY, stacklevel=4)
     try:
         dist = get_distance(distance)
     except ValueError as exc:
