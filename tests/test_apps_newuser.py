@@ -330,3 +330,16 @@ def test_pair_csv_short_row_after_an_id_column_is_one_error(tmp_path, run_cli):
                     paths=np.array([str(tmp_path / f"{n}.png") for n in "abcd"]))
     code, _, err = run_cli(["verify", str(emb), "--pair-list", str(bad)])
     assert code == 2 and "expected 4 fields" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("extra, cli_name", [
+    (["--test-pairs", "3"], "(--test-pairs) = 3"),
+    (["--points", "5"], "--points"),
+    (["--views", "1"], "--views"),
+])
+def test_patches_build_data_refusals_name_the_cli_option(tmp_path, run_cli, extra, cli_name):
+    """``build-data --test-pairs 3`` said "points_per_subset, train_pairs and test_pairs must be
+    at least 10": which one, and under which option, was left to guess."""
+    code, _, err = run_cli(["patches", "build-data", "-o", str(tmp_path / "d"), "--subset", "photos", *extra])
+    assert code == 2 and cli_name in err and "Traceback" not in err
+    assert not (tmp_path / "d").exists()

@@ -72,11 +72,15 @@ class OfflineSpec:
 
     def __post_init__(self) -> None:
         if self.views < 2:
-            raise ConfigError("views must be >= 2 (a positive pair needs two views)")
+            raise ConfigError(f"views (--views) must be >= 2 (a positive pair needs two views), got {self.views}")
         if not 0.0 <= self.hard_fraction <= 1.0:
             raise ConfigError(f"hard_fraction must be in [0, 1], got {self.hard_fraction}")
-        if min(self.points_per_subset, self.train_pairs, self.test_pairs) < 10:
-            raise ConfigError("points_per_subset, train_pairs and test_pairs must be at least 10")
+        small = {name: value for name, value in (("points_per_subset (--points)", self.points_per_subset),
+                                                  ("train_pairs (--train-pairs)", self.train_pairs),
+                                                  ("test_pairs (--test-pairs)", self.test_pairs)) if value < 10}
+        if small:
+            raise ConfigError("points_per_subset, train_pairs and test_pairs must be at least 10, got "
+                              + ", ".join(f"{name} = {value}" for name, value in small.items()))
         check_seed(self.seed)
 
 
