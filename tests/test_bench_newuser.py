@@ -212,3 +212,23 @@ def test_compare_refuses_embeddings_rewritten_after_the_table(tmp_path):
         compare_results([results], **options)
     save_embeddings(path, emb, labels)  # the same values again: the table holds
     assert compare_results([results], **options)["comparisons"][0]["diff"] == before
+
+
+def test_the_table_note_of_a_ratio_split_names_no_cross_validation(tmp_path):
+    """results.md of `protocol.split: ratio_4_1_5` said "15 cross-validation classes in 1 folds":
+    that split is one fixed train/validation split (Oi et al.), nothing is cross-validated."""
+    import numpy as np
+
+    from _reference import bench_entries
+    from dmlkit.protocol.results import build_results, render_markdown
+    from dmlkit.protocol.splits import make_bench_split
+
+    cfg = bench_config_from_dict({
+        "name": "r", "fixed": {"data": {"dataset": "omniglot"}, "model": {"embedding_size": 8}},
+        "protocol": {"split": "ratio_4_1_5", "folds": 1, "seeds": [0, 1, 2]},
+        "methods": [{"name": "ms", "loss": {"name": "multi_similarity"}}]})
+    entries = bench_entries(tmp_path, cfg, np.repeat(np.arange(10), 4), 10)
+    split = make_bench_split(range(30), "ratio_4_1_5", folds=1)
+    note = render_markdown(build_results(cfg, split, entries, bench_dir=tmp_path)).splitlines()[-1]
+    assert "Split: ratio_4_1_5 (15 training + validation classes in one fixed split, 15 test classes)" in note
+    assert "cross-validation" not in note

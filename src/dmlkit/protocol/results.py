@@ -223,9 +223,12 @@ def render_markdown(results: Mapping[str, Any]) -> str:
     split = results.get("split", {})
     seeds = results.get("seeds", [])
     lines.append("")
+    # ratio_4_1_5 is one fixed train/validation split: nothing is cross-validated
+    dev = (f"{split.get('dev_classes')} training + validation classes in one fixed split"
+           if split.get("kind") == "ratio_4_1_5" else
+           f"{split.get('dev_classes')} cross-validation classes in {split.get('folds')} folds")
     lines.append(
-        f"Split: {split.get('kind')} ({split.get('dev_classes')} cross-validation classes in "
-        f"{split.get('folds')} folds, {split.get('test_classes')} test classes), class order "
+        f"Split: {split.get('kind')} ({dev}, {split.get('test_classes')} test classes), class order "
         f"{split.get('order')}"
         + (f" (seed {split.get('order_seed')})" if split.get("order") == "random" else "")
         + f"; {results.get('trials')} search trials per method{_search_counts(results)}; "
