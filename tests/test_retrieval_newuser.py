@@ -233,3 +233,25 @@ def test_serve_refuses_a_model_the_index_was_not_built_with(tmp_path_factory, da
     wrong = EmbeddingIndex(np.roll(z["embeddings"], 10, axis=0), z["labels"], ids, info=info)
     with pytest.raises(ConfigError, match="another model"):
         create_app(config, index=wrong)
+
+
+def test_index_add_refuses_a_runs_items_under_the_other_kind_of_id(tmp_path_factory, data_root, tmp_path, run_cli):
+    # an index of a run's .npz (ids: file paths) took the same run's shards (ids: dataset rows)
+    # with --add, and the other way round: 200 duplicates under new ids, every query answered
+    # with each image twice
+    import numpy as np
+
+    from dmlkit.embedding_shards import write_shards
+    from test_service import trained_run
+
+    npz = trained_run(tmp_path_factory, data_root) / "embeddings" / "test.npz"
+    z = np.load(npz)
+    shards = tmp_path / "test-shards"
+    write_shards(shards, z["embeddings"], z["labels"], z["indices"])
+    for first, second in ((npz, shards), (shards, npz)):
+        index = tmp_path / f"idx-{first.stem}"
+        code, _, err = run_cli(["index", str(first), "-o", str(index), "--data-root", str(data_root)])
+        assert code == 0, err
+        code, out, err = run_cli(["index", str(second), "-o", str(index), "--add", "--data-root", str(data_root)])
+        assert code == 2 and "indexed twice" in err and len(err.strip().splitlines()) == 1
+        assert json.loads((index / "index.json").read_text())["count"] == 200

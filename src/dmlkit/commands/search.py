@@ -106,10 +106,12 @@ def index(
                 raise ConfigError("--add needs EMBEDDINGS to add")
             refuse_overwriting_inputs(output, embeddings)
             if is_shard_dir(embeddings):  # streamed in blocks, ids and labels from the shards
+                _refuse_other_dataset_ids(output, idx.info, embeddings, {"shards": True})
                 changed["added"] = idx.add_blocks(open_shards(embeddings))
             else:
                 emb, labels, extra = _load_any_embeddings(embeddings)
-                ids, _ = item_ids(embeddings, extra, data_root)
+                ids, facts = item_ids(embeddings, extra, data_root)
+                _refuse_other_dataset_ids(output, idx.info, embeddings, facts)
                 meta = None if idx.metadata is None else [None] * len(emb)
                 try:
                     idx.add(emb, labels, ids, meta)
@@ -140,7 +142,7 @@ def index(
         ids, info = item_ids(embeddings, extra, data_root)
     else:  # an empty index of the same kind, filled block by block below
         emb = labels = ids = None
-        info = {}
+        info = {"shards": True}  # ids: dataset rows (_dataset_ids)
     info["source"] = str(embeddings)
     idx = EmbeddingIndex(
         emb, labels, ids, dim=None if shards is None else shards.dim, distance=distance, kind=kind, nlist=nlist, pq_m=pq_m, pq_nbits=pq_nbits,
@@ -159,6 +161,29 @@ def index(
         echo_json({"output": str(output), **_summary(idx)})
         return
     _echo_recall(f"indexed {len(idx)} embeddings of size {idx.dim} ({kind}, {distance}) -> {output}", idx)
+
+
+def _dataset_ids(facts: dict[str, Any]) -> str | None:
+    """What the ids of a run's items are, from an index's ``info`` or :func:`item_ids`' facts:
+    ``"paths"`` (files relative to the data root), ``"rows"`` (dataset row numbers: shards, or a
+    run's .npz whose data was not found), ``None`` (not a run's items: the file's own ids)."""
+    if "data_root" in facts:
+        return "paths"
+    return "rows" if facts.get("shards") or "run_dir" in facts else None
+
+
+def _refuse_other_dataset_ids(output: Path, info: dict[str, Any], source: Path, facts: dict[str, Any]) -> None:
+    """Refuse adding a run's items under the other kind of id than the index's (dataset rows to
+    an index of file paths, or the other way): the same images were indexed twice under two ids,
+    and every query found each of them twice."""
+    from dmlkit.exceptions import DataError  # lazy: the CLI imports its modules on use
+
+    have, new = _dataset_ids(info), _dataset_ids(facts)
+    if have is not None and new is not None and have != new:
+        names = {"paths": "file paths (from a run's .npz)", "rows": "dataset row numbers (from shards)"}
+        raise DataError(f"{output} identifies a run's items by {names[have]} but {source} by {names[new]}: the same "
+                        f"images would be indexed twice under two ids; add the same kind of file the index was built "
+                        "from (a run's .npz, or shards)")
 
 
 #: The build settings each kind uses (the recall options: every approximate kind).
