@@ -208,3 +208,18 @@ def test_a_reference_set_equal_to_the_query_set_warns(run_cli, tmp_path):
         warnings.simplefilter("error")
         evaluate(x, y, x2, y, metrics=["precision_at_1"])
         evaluate_streaming(x, y, x2, y, metrics=["precision_at_1"], block_rows=7)
+
+
+def test_train_summary_shows_a_clustering_spread_beside_its_mean():
+    """dmlkit train's table gave each ``<metric>_std`` a column of its own ("nmi_std (%)"), read
+    as a metric; `dmlkit evaluate` shows "mean ± std". Now the train table does too."""
+    from rich.console import Console
+
+    from dmlkit.commands.train import _metrics_table
+
+    rows = {"val (best)": {"nmi": 0.5, "map_at_r": 0.25, "num_queries": 4, "nmi_std": 0.125},
+            "test": {"nmi": 0.75, "map_at_r": 0.5, "nmi_std": 0.0625}, "val, step 0 (untrained)": None}
+    console = Console(width=200, record=True)
+    console.print(_metrics_table("t", rows))
+    text = console.export_text()
+    assert "_std" not in text and "50.00 ± 12.50" in text and "75.00 ± 6.25" in text

@@ -36,9 +36,18 @@ def _metrics_table(title: str, rows: dict[str, dict[str, float] | None]):
     metrics: list[str] = []
     for values in rows.values():
         for key in values or {}:
-            if key not in metrics and not key.startswith("num_"):
+            # a clustering metric's spread over the k-means restarts goes beside its mean, as
+            # `dmlkit evaluate` shows it (it had a column of its own, "nmi_std (%)")
+            spread = key.endswith("_std") and key[:-4] in values
+            if key not in metrics and not key.startswith("num_") and not spread:
                 metrics.append(key)
     from dmlkit.protocol.results import metric_label
+
+    def cell(values: dict[str, float], m: str) -> str:
+        if m not in values:
+            return "-"
+        std = values.get(f"{m}_std")
+        return f"{100 * values[m]:.2f}" + ("" if std is None else f" ± {100 * std:.2f}")
 
     table = Table(title=title)
     table.add_column("split")
@@ -46,7 +55,7 @@ def _metrics_table(title: str, rows: dict[str, dict[str, float] | None]):
         table.add_column(f"{metric_label(m)} (%)", justify="right")
     for split, values in rows.items():
         if values:
-            table.add_row(split, *[f"{100 * values[m]:.2f}" if m in values else "-" for m in metrics])
+            table.add_row(split, *[cell(values, m) for m in metrics])
     return table
 
 
@@ -105,6 +114,9 @@ def register(app: typer.Typer) -> None:
         stopped = _STOP_REASONS.get(str(result.stop_reason), str(result.stop_reason))
         output_console().print(_metrics_table(f"{cfg.name}: best step {result.best_step}; {stopped} "
                                               f"after {result.train_seconds:.0f} s", rows))
+        if any(key.endswith("_std") for values in rows.values() for key in values or {}):
+            typer.echo(f"clustering metrics: mean ± standard deviation over "
+                       f"{cfg.evaluation.cluster_restarts} k-means run(s)")
         if result.test_metrics:  # only the metrics the run computed (training.eval_metrics)
             t = result.test_metrics
             shown = [f"{label} {100 * t[key]:.2f} %" for key, label in
