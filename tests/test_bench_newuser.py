@@ -232,3 +232,18 @@ def test_the_table_note_of_a_ratio_split_names_no_cross_validation(tmp_path):
     note = render_markdown(build_results(cfg, split, entries, bench_dir=tmp_path)).splitlines()[-1]
     assert "Split: ratio_4_1_5 (15 training + validation classes in one fixed split, 15 test classes)" in note
     assert "cross-validation" not in note
+
+
+def test_a_sqlite_storage_in_a_missing_folder_is_one_line_before_anything_is_written(tmp_path):
+    """`--set protocol.storage=sqlite:///nodir/x.db`: the bench wrote its directory, then said
+    "FileNotFoundError: ... nodir/x.lock; the file may be damaged or not an Optuna study"."""
+    from dmlkit.protocol.study import make_storage
+
+    data = copy.deepcopy(TINY)
+    data["protocol"]["storage"] = f"sqlite:///{tmp_path / 'nodir' / 'x.db'}"
+    bench = Bench(bench_config_from_dict(data), tmp_path / "b", data_root=tmp_path / "no-data")
+    with pytest.raises(ConfigError, match=r"protocol.storage sqlite:///\S+x.db: the folder \S+nodir does not exist"):
+        bench.run()
+    assert not (tmp_path / "b").exists()
+    with pytest.raises(ConfigError, match="nodir does not exist; create it"):
+        make_storage(f"sqlite:///{tmp_path / 'nodir' / 'x.db'}")

@@ -61,6 +61,7 @@ from dmlkit.protocol.stages import (  # noqa: F401  (re-exported: the stages' ol
     run_seed,
 )
 from dmlkit.protocol.study import (
+    check_sqlite_folder,
     count_completed,
     count_finished,
     counted_trials,
@@ -443,6 +444,7 @@ class Bench:
         the results. Raises when every search trial of a method failed."""
         if workers > 1 or stage != "all":
             self.check_shared_storage()
+        check_sqlite_folder(self.config.protocol.storage)  # before anything is written
         self.validate(methods)  # before anything is written: a refused config leaves no trace
         self.prepare()
         with _bench_lock(self.dir) if self.config.protocol.storage is None else contextlib.nullcontext():

@@ -70,10 +70,23 @@ def resolve_storage_url(storage: str | None, bench_dir: str | Path) -> str:
     return storage
 
 
+def check_sqlite_folder(url: str | None) -> None:
+    """Refuse a SQLite file URL whose folder does not exist, in one :class:`ConfigError` line
+    (opening it failed on its lock file, with a hint that the study file was damaged)."""
+    if not url or not url.startswith("sqlite:///") or url.split("?", 1)[0].endswith(":memory:"):
+        return
+    path = Path(url[len("sqlite:///"):].split("?", 1)[0])
+    if not path.parent.is_dir():
+        raise ConfigError(f"protocol.storage {_redact(url)}: the folder {path.parent} does not exist; "
+                          "create it, or leave protocol.storage out for BENCH_DIR/study.db")
+
+
 def make_storage(url: str, *, heartbeat_interval: int = 30, grace_period: int = 120):
     """An :class:`optuna.storages.RDBStorage` with heartbeats and retry of stale trials."""
     import optuna
     from optuna.storages import RDBStorage
+
+    check_sqlite_folder(url)
 
     engine_kwargs: dict[str, Any] = {}
     if url.startswith("sqlite"):
