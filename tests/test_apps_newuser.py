@@ -343,3 +343,30 @@ def test_patches_build_data_refusals_name_the_cli_option(tmp_path, run_cli, extr
     code, _, err = run_cli(["patches", "build-data", "-o", str(tmp_path / "d"), "--subset", "photos", *extra])
     assert code == 2 and cli_name in err and "Traceback" not in err
     assert not (tmp_path / "d").exists()
+
+
+def test_patches_train_with_fewer_pairs_than_a_batch_fails_before_writing(tmp_path, run_cli):
+    """``training.max_train_pairs=64`` with the default batch of 128 failed after the run's
+    config.yaml and provenance.json were written and the data loaded, naming no setting."""
+    import yaml
+
+    from dmlkit.apps.patches.brown import PatchPairs, write_brown_subset
+
+    rng = np.random.default_rng(0)
+    for name in ("photos", "textures"):
+        patches = rng.integers(0, 256, size=(40, 64, 64), dtype=np.uint8)
+        points = np.repeat(np.arange(20), 2)
+        left = np.arange(0, 40, 2)
+        right = np.r_[np.arange(1, 40, 2)[:10], np.roll(np.arange(1, 40, 2), 3)[10:]]
+        pairs = PatchPairs(left, right, (points[left] == points[right]).astype(np.int64))
+        write_brown_subset(tmp_path / "pt" / name, patches, points, np.zeros(40, np.int64), {20: pairs})
+    cfg = tmp_path / "p.yaml"
+    cfg.write_text(yaml.safe_dump({
+        "seed": 0, "data": {"root": str(tmp_path / "pt"), "combinations": [["photos", "textures"]]},
+        "model": {"architectures": ["2ch"], "patch_size": 32, "width": 0.125},
+        "training": {"epochs": 1, "batch_size": 32}}))
+    run = tmp_path / "run"
+    code, _, err = run_cli(["patches", "train", str(cfg), "-o", str(run)])
+    assert code == 2
+    assert "training.batch_size = 32" in err and "20 pairs" in err
+    assert not run.exists()

@@ -229,6 +229,18 @@ def _check_match_file(folder: Path, num_pairs: int | None, key: str) -> None:
         raise DataNotFoundError(f"{folder}: no match file with {key}={num_pairs} pairs; found {sorted(found)}")
 
 
+def _check_batch_fits(cfg: PatchExperimentConfig, train_name: str, file_pairs: int) -> None:
+    """The training pairs (the ``m50`` file's, at most ``training.max_train_pairs``) fill one
+    batch: checked before the run directory is written, not after the data are loaded."""
+    n = min(file_pairs, cfg.training.max_train_pairs or file_pairs)
+    if n < cfg.training.batch_size:
+        raise ConfigError(
+            f"training on {train_name} would use {n} pairs (its m50 file has {file_pairs}; "
+            f"training.max_train_pairs = {cfg.training.max_train_pairs}), fewer than one batch of "
+            f"training.batch_size = {cfg.training.batch_size}: lower the batch size or raise max_train_pairs "
+            "(--set training.batch_size=...)")
+
+
 def _test_pairs(sub, cfg: PatchExperimentConfig, seed: int):
     pairs = sub.pairs(cfg.data.test_pairs, largest=False)
     m = cfg.data.max_test_pairs
@@ -262,6 +274,7 @@ def run_patch_protocol(
     for train_name, test_name in cfg.data.combinations:
         _check_match_file(root / train_name, cfg.data.train_pairs, "data.train_pairs")
         _check_match_file(root / test_name, cfg.data.test_pairs, "data.test_pairs")
+        _check_batch_fits(cfg, train_name, cfg.data.train_pairs or max(match_files(root / train_name)))
     for a in cfg.model.architectures:
         build_patch_model(a, cfg.model.patch_size, cfg.model.width)  # fail fast on bad names
     out = Path(out_dir)
