@@ -223,3 +223,19 @@ def test_train_summary_shows_a_clustering_spread_beside_its_mean():
     console.print(_metrics_table("t", rows))
     text = console.export_text()
     assert "_std" not in text and "50.00 ± 12.50" in text and "75.00 ± 6.25" in text
+
+
+def test_a_labels_file_replacing_a_files_own_labels_is_said(run_cli, tmp_path):
+    """`dmlkit evaluate e.npz --labels other.txt` used the text file's labels instead of the
+    ones stored in e.npz without a word (a labels file of another split with as many lines
+    scored silently)."""
+    x = np.random.default_rng(0).normal(size=(6, 3)).astype(np.float32)
+    save_embeddings(tmp_path / "e.npz", x, [0, 0, 1, 1, 2, 2])
+    (tmp_path / "other.txt").write_text("0\n1\n2\n0\n1\n2\n")
+    code, out, err = run_cli(["evaluate", str(tmp_path / "e.npz"), "--labels", str(tmp_path / "other.txt"),
+                              "-m", "precision_at_1", "--json"])
+    assert code == 0 and "other.txt replaces the 6 labels stored in" in err
+    np.save(tmp_path / "e.npy", x)  # a .npy has no labels: nothing is replaced, nothing said
+    code, out, err = run_cli(["evaluate", str(tmp_path / "e.npy"), "--labels", str(tmp_path / "other.txt"),
+                              "-m", "precision_at_1", "--json"])
+    assert code == 0 and err == ""

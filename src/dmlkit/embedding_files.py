@@ -12,6 +12,7 @@ from __future__ import annotations
 import csv
 import io
 import os
+import warnings
 import zipfile
 from pathlib import Path
 from typing import Any
@@ -55,6 +56,9 @@ def read_embedding_file(path: str | os.PathLike, labels_path: str | os.PathLike 
     except (OSError, ValueError, EOFError, zipfile.BadZipFile) as exc:  # a truncated zip: BadZipFile
         raise DataError(f"cannot read embeddings from {path}: {' '.join(str(exc).split())[:200]}") from None
     if labels_path is not None:
+        if labels is not None:  # said, not silent: the file's own labels are not the ones used
+            warnings.warn(f"{labels_path} replaces the {np.size(labels)} labels stored in {path}",
+                          stacklevel=2)
         labels = read_labels_file(Path(labels_path))
     elif labels is not None and "class_names" in extra:
         labels = _named_labels(path, np.asarray(labels), np.asarray(extra["class_names"]))
