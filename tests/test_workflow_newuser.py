@@ -27,23 +27,24 @@ def test_report_pos_neg_js_is_the_whole_splits_value(tmp_path):
     evaluate`, but was computed on the drawn sample of ``max_points`` rows (0.1584 against
     evaluate's 0.1590 on the quickstart's test split)."""
     from dmlkit.report import ReportOptions
-    from dmlkit.report.builder import _embedding_sections, _Split
+    from dmlkit.report.builder import _embedding_sections, _sample_rows, _Split
     from dmlkit.report.html import render_page
 
     rng = np.random.default_rng(0)
-    labels = np.repeat(np.arange(30), 6)
-    emb = (rng.normal(size=(30, 8))[labels] + 1.2 * rng.normal(size=(180, 8))).astype(np.float32)
+    labels = np.repeat(np.arange(12), 6)
+    emb = (rng.normal(size=(12, 8))[labels] + 1.2 * rng.normal(size=(72, 8))).astype(np.float32)
     test = _Split("test", emb, labels)
-    options = ReportOptions(maps=(), max_points=60)
+    options = ReportOptions(maps=(), max_points=24, gallery_queries=1, gallery_k=2)
     sections = _embedding_sections(test, None, {}, tmp_path, options, "the model")
     html = render_page("t", "s", sections, tmp_path / "report.html")
     cells = _report_table_row(html, "test, after training")
     whole = evaluate(emb, labels, metrics=["pos_neg_js"])["pos_neg_js"]
-    sample = pos_neg_histograms(emb[:60], labels[:60]).js
+    drawn = _sample_rows(labels, options.max_points, options.seed)
+    sample = pos_neg_histograms(emb[drawn], labels[drawn]).js
     assert abs(whole - sample) > 1e-3  # the test can tell them apart
     assert float(cells[1]) == pytest.approx(whole, abs=6e-5)
-    # the pair counts are the drawn sample's (10 classes of 6), and say so
-    assert cells[2:] == ["150", "1620"] and "positive pairs drawn" in html
+    # the pair counts are the drawn sample's (4 classes of 6), and say so
+    assert cells[2:] == ["60", "216"] and "positive pairs drawn" in html
 
 
 def test_bench_report_concatenates_as_the_benchmark_does(tmp_path):
