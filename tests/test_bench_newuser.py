@@ -51,6 +51,8 @@ def test_resume_with_other_evaluation_memory_is_accepted(tmp_path):
     with pytest.raises(ConfigError, match="another config"):
         Bench(_config(training={"epochs": 2}), tmp_path).prepare()
     with pytest.raises(ConfigError, match="another config"):
+        Bench(bench_config_from_dict({**TINY, "protocol": {**TINY["protocol"], "folds": 3}}), tmp_path).prepare()
+    with pytest.raises(ConfigError, match="another config"):
         Bench(_config(evaluation={"batch_size": 7}), tmp_path).prepare()
 
 
@@ -247,3 +249,18 @@ def test_a_sqlite_storage_in_a_missing_folder_is_one_line_before_anything_is_wri
     assert not (tmp_path / "b").exists()
     with pytest.raises(ConfigError, match="nodir does not exist; create it"):
         make_storage(f"sqlite:///{tmp_path / 'nodir' / 'x.db'}")
+
+
+def test_more_seeds_on_resume_are_accepted(tmp_path):
+    """compare's warning "too few to tell ... the Reality Check ran 5: protocol.seeds" advises
+    more seeds; the bench directory refused `--set protocol.seeds=[0,1,2,3,4]` as "another
+    config", so the user had to repeat the whole search. The seeds only choose final runs."""
+    import yaml
+
+    Bench(_config(), tmp_path).prepare()
+    for seeds in ([0, 1, 2, 3, 4], [0, 1]):
+        data = copy.deepcopy(TINY)
+        data["protocol"]["seeds"] = seeds
+        Bench(bench_config_from_dict(data), tmp_path).prepare()
+        saved = yaml.safe_load((tmp_path / "config.yaml").read_text())
+        assert bench_config_from_dict(saved).protocol.seeds == seeds

@@ -188,6 +188,10 @@ class Bench:
             for d in (a, b):  # these may grow/change on resume
                 d["protocol"].pop("trials", None)
                 d["protocol"].pop("storage", None)
+                # the final runs' seeds (compare's "too few seeds" advises more): the search is
+                # unchanged, each seed's runs are its own, and the table uses the listed seeds
+                d["protocol"].pop("seeds", None)
+                d["protocol"].pop("repeats", None)
                 for key in ("launcher", "nproc_per_trial", "torchrun"):  # how runs start, not what
                     d["protocol"].pop(key, None)
             if a != b:
