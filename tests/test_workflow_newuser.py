@@ -240,3 +240,14 @@ def test_a_labels_file_replacing_a_files_own_labels_is_said(run_cli, tmp_path):
     code, out, err = run_cli(["evaluate", str(tmp_path / "e.npy"), "--labels", str(tmp_path / "other.txt"),
                               "-m", "precision_at_1", "--json"])
     assert code == 0 and err == ""
+
+
+def test_evaluate_of_a_run_directory_names_its_embeddings_file(run_cli, tmp_path):
+    """`dmlkit evaluate RUN_DIR` said "a directory without a shard manifest.json: ... a shard
+    write that was interrupted (write it again)", advice that fits no run directory."""
+    run = tmp_path / "run"
+    (run / "checkpoints").mkdir(parents=True)
+    (run / "config.yaml").write_text("name: x\n")
+    code, out, err = run_cli(["evaluate", str(run)])
+    assert code == 2 and "is a run directory of dmlkit train" in err
+    assert str(run / "embeddings" / "test.npz") in err and "shard" not in err

@@ -34,6 +34,10 @@ def read_embedding_file(path: str | os.PathLike, labels_path: str | os.PathLike 
     if not path.exists():
         raise DataNotFoundError(f"embeddings file not found: {path}")
     if path.is_dir():  # a shard directory with its manifest never reaches this function
+        if (path / "config.yaml").is_file() and (path / "checkpoints").is_dir():
+            raise DataError(f"{path} is a run directory of dmlkit train, not embeddings: pass its "
+                            f"embeddings file ({path / 'embeddings' / 'test.npz'}, or write one with "
+                            f"`dmlkit embed {path} --split val`)")
         raise DataError(f"{path} is a directory without a shard manifest.json: not embeddings, or a "
                         "shard write that was interrupted (write it again)")
     suffix = path.suffix.lower()
