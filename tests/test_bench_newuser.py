@@ -1,6 +1,7 @@
 """A new user's workflows of ``dmlkit bench`` / ``dmlkit compare`` (and ``dmlkit.protocol``):
-resuming a bench with other evaluation settings, and the statistics checked against an
-independent numpy computation on small hand-made results."""
+what may change when a bench resumes (evaluation settings, seeds), refusals in one line before
+anything is written, the statistics' arguments, and compare's checks that a results table and
+the embedding files it reads agree."""
 
 from __future__ import annotations
 
