@@ -94,6 +94,7 @@ def reid_npz(tmp_path) -> Path:
     (["--rerank", "--metric", "dot"], "re-ranking needs a distance"),
     (["--rerank", "--lambda", "1.5"], "--lambda must be a number in [0, 1]"),
     (["--ranks", "1,0"], "--ranks must be ranks >= 1"),
+    (["--out", "{tmp}"], "is a folder"),
 ])
 def test_reid_cli_refuses_bad_settings_before_evaluating(reid_npz, run_cli, monkeypatch, extra, message):
     """``--metric dot --rerank``, ``--lambda 1.5`` or ``--ranks 0`` were refused only after the
@@ -104,6 +105,7 @@ def test_reid_cli_refuses_bad_settings_before_evaluating(reid_npz, run_cli, monk
         raise AssertionError("evaluated before the settings were checked")
 
     monkeypatch.setattr(reid, "evaluate_reid", never)
+    extra = [e.replace("{tmp}", str(reid_npz.parent)) for e in extra]
     code, _, err = run_cli(["reid", str(reid_npz), *extra])
     assert code == 2, err
     assert message in err and "Traceback" not in err

@@ -63,6 +63,8 @@ def reid(
 
         check_rerank_metric(metric)
         check_rerank_value("--lambda", "lambda_value", lambda_value)
+    if out is not None and out.exists() and not out.is_file():  # before the evaluation, not after it
+        raise ConfigError(f"--out {out} is a folder: name the JSON file to write (e.g. {out / 'reid.json'})")
     data = _load_source(source, gallery, data_root, device)
     common: dict[str, Any] = dict(metric=metric, normalize=normalize,
                                   memory_budget=memory_mb * 2**20)
