@@ -303,6 +303,8 @@ def test_patches_figure_without_suffix_reports_the_file_written(tmp_path):
     assert _check_figure_format(tmp_path / "hard.PDF") == tmp_path / "hard.PDF"
     with pytest.raises(ConfigError, match="cannot write"):
         _check_figure_format(tmp_path / "hard.v2")
+    with pytest.raises(ConfigError, match="is a folder"):  # not quietly <folder>.png beside it
+        _check_figure_format(tmp_path)
 
 
 # -- pair CSV: a header with the columns after an id column, and a short row -------------------

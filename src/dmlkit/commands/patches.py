@@ -52,13 +52,15 @@ def _check_figure_format(path: Path) -> Path:
     file written)."""
     from matplotlib.figure import Figure
 
+    from dmlkit.exceptions import ConfigError
+
+    if path.is_dir():
+        raise ConfigError(f"--figure {path} is a folder: name the image file to write (e.g. {path / 'hardest.png'})")
     fmt = path.suffix[1:].lower()
     if not fmt:
         return path.with_name(path.name + ".png")
     supported = Figure().canvas.get_supported_filetypes()
     if fmt not in supported:
-        from dmlkit.exceptions import ConfigError
-
         raise ConfigError(f"--figure {path}: matplotlib cannot write '.{fmt}' files; use one of "
                           f"{', '.join('.' + f for f in sorted(supported))}")
     return path
