@@ -338,6 +338,7 @@ def test_a_run_directory_is_one_train_at_a_time_and_never_mixes_attempts(tmp_pat
 
     (run / "log.jsonl").write_text('{"event": "train", "step": 1}\n{"event": "train", "step": 2}\n')
     (run / "metrics.json").write_text("{}")
+    (run / "provenance.json").write_text("{}")  # written by every attempt before its log
     train(cfg, run, train_set=train_set, val_set=val_set, progress=False)
     steps = [r["step"] for r in read_log(run / "log.jsonl") if r["event"] == "train"]
     assert steps == list(range(1, 5))

@@ -251,3 +251,25 @@ def test_evaluate_of_a_run_directory_names_its_embeddings_file(run_cli, tmp_path
     code, out, err = run_cli(["evaluate", str(run)])
     assert code == 2 and "is a run directory of dmlkit train" in err
     assert str(run / "embeddings" / "test.npz") in err and "shard" not in err
+
+
+def test_a_fresh_run_never_removes_a_folders_own_files(tmp_path):
+    """A fresh `dmlkit train --run-dir DIR` removed DIR's metrics.json, log.jsonl, log.csv,
+    baseline.json (the leftovers of a killed attempt, as it took them) even where DIR was a
+    project folder and they were the user's own: now refused unless DIR holds a dmlkit run."""
+    from dmlkit.exceptions import CheckpointError
+    from dmlkit.training import config_from_dict
+    from dmlkit.training.trainer import open_run_dir
+
+    cfg = config_from_dict({"name": "x", "data": {"dataset": "omniglot"}, "loss": {"name": "triplet"}})
+    mine = tmp_path / "project"
+    mine.mkdir()
+    (mine / "log.csv").write_text("epoch,loss\n1,0.5\n")
+    (mine / "metrics.json").write_text('{"mine": 1}')
+    with pytest.raises(CheckpointError, match="holds metrics.json, log.csv but no dmlkit run"):
+        open_run_dir(mine, cfg, resume=False)
+    assert (mine / "log.csv").read_text() == "epoch,loss\n1,0.5\n" and not (mine / "config.yaml").exists()
+    # a killed attempt's leftovers (it wrote provenance.json first) are still cleared
+    (mine / "provenance.json").write_text("{}")
+    assert open_run_dir(mine, cfg, resume=False) is None
+    assert not (mine / "metrics.json").exists() and (mine / "config.yaml").exists()

@@ -181,6 +181,13 @@ def open_run_dir(run_dir: Path, config: ExperimentConfig, resume: bool, *, world
         )
     else:  # a fresh start: what is there comes from an attempt killed before its first checkpoint
         stale = _FINAL_OUTPUTS + _ATTEMPT_OUTPUTS
+        found = [name for name in stale if (run_dir / name).exists()]
+        if found and not (run_dir / "provenance.json").is_file():
+            # every attempt writes provenance.json before any of these: without it they are the
+            # user's own files (a project folder's log.csv or metrics.json), removed unasked
+            raise CheckpointError(
+                f"{run_dir} holds {', '.join(found)} but no dmlkit run (no provenance.json): a new "
+                "run would replace them; choose another run directory (--run-dir), or move them")
     for name in stale:
         (run_dir / name).unlink(missing_ok=True)
     run_dir.mkdir(parents=True, exist_ok=True)
