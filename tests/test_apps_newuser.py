@@ -374,3 +374,39 @@ def test_patches_train_with_fewer_pairs_than_a_batch_fails_before_writing(tmp_pa
     assert code == 2
     assert "training.batch_size = 32" in err and "20 pairs" in err
     assert not run.exists()
+
+
+# -- --device cuda without a GPU (or an unknown device) is one line, not torch's traceback ------
+def _tiny_checkpoint(path: Path) -> Path:
+    from dmlkit.config import config_from_dict
+    from dmlkit.training import build_model
+    from dmlkit.training.checkpoint import save_checkpoint
+
+    config = config_from_dict({"name": "tiny", "data": {"dataset": "omniglot", "image_size": 28},
+                               "model": {"trunk": "small_cnn", "pretrained": False, "in_channels": 1,
+                                         "embedding_size": 8, "freeze_batchnorm": False},
+                               "loss": {"name": "contrastive"}})
+    save_checkpoint({"config": config.model_dump(mode="json"), "model": build_model(config).state_dict()}, path)
+    return path
+
+
+@pytest.mark.parametrize("device, message", [("bogus", "unknown device 'bogus'"), ("cuda:0", "no CUDA GPU")])
+def test_verify_checkpoint_device_is_checked(tmp_path, run_cli, device, message):
+    """``dmlkit verify --checkpoint RUN --device cuda`` on a machine without a GPU (or with a
+    misspelt device) ended in torch's RuntimeError traceback."""
+    import torch
+
+    if device.startswith("cuda") and torch.cuda.is_available():
+        pytest.skip("a GPU is present: cuda is a valid device here")
+    from dmlkit.apps.fewshot import checkpoint_image_embedder
+    from dmlkit.apps.verification import embed_image_files
+    from dmlkit.exceptions import ConfigError
+
+    ckpt = _tiny_checkpoint(tmp_path / "best.pt")
+    pairs, _ = _lfw_list(tmp_path, folds=2)
+    code, _, err = run_cli(["verify", "--checkpoint", str(ckpt), "--pair-list", str(pairs), "--device", device])
+    assert code == 2 and message in err and "Traceback" not in err
+    with pytest.raises(ConfigError, match=message):
+        embed_image_files(ckpt, [str(tmp_path / "lfw" / "P0" / "P0_0001.png")], device=device)
+    with pytest.raises(ConfigError, match=message):
+        checkpoint_image_embedder(ckpt, device=device)

@@ -17,19 +17,23 @@ import zipfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from dmlkit.data import get_transforms
 from dmlkit.data.base import ArrayDataset
 from dmlkit.distances import LpDistance, get_distance
+from dmlkit.embeddings import resolve_device
 from dmlkit.exceptions import ConfigError, DataError, DataNotFoundError, ShapeError
 from dmlkit.losses.prototypical import class_means, distance_to_centres
 from dmlkit.samplers import EpisodeSampler, split_episode
 from dmlkit.training import embed_split, load_checkpoint
 from dmlkit.utils import data_root
 from dmlkit.validation import check_embeddings, check_labels
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = [
     "OneShotRun",
@@ -196,8 +200,10 @@ def omniglot_one_shot_error(embed: Callable[[np.ndarray], np.ndarray], runs: lis
     return {"error_percent": float(np.mean(errors)), "per_run_error_percent": errors, "runs": len(runs)}
 
 
-def checkpoint_image_embedder(checkpoint: str | os.PathLike, device: str = "cpu") -> Callable[[np.ndarray], np.ndarray]:
-    """``images -> embeddings`` with a trained model and its config's evaluation transform."""
+def checkpoint_image_embedder(checkpoint: str | os.PathLike, device: str | torch.device = "cpu") -> Callable[[np.ndarray], np.ndarray]:
+    """``images -> embeddings`` with a trained model and its config's evaluation transform
+    (``device`` checked by :func:`dmlkit.embeddings.resolve_device`)."""
+    device = resolve_device(device)
     model, config = load_checkpoint(Path(checkpoint), device=device)
 
     def embed(images: np.ndarray) -> np.ndarray:

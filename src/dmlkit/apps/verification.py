@@ -34,11 +34,14 @@ import numpy as np
 from dmlkit.data import get_transforms
 from dmlkit.data.base import ImageFileDataset
 from dmlkit.distances import get_distance
+from dmlkit.embeddings import resolve_device
 from dmlkit.exceptions import ConfigError, DataError, NonFiniteError, ShapeError
 from dmlkit.training import embed_split, find_checkpoint, load_checkpoint
 from dmlkit.validation import check_embeddings, check_labels, check_seed
 
 if TYPE_CHECKING:
+    import torch
+
     from dmlkit.data.pairs import PairList
 
 __all__ = [
@@ -418,9 +421,12 @@ def verify_pair_list(embeddings: Any, pair_list: PairList, paths: Sequence[str] 
 
 
 def embed_image_files(checkpoint: str | os.PathLike, paths: Sequence[str | os.PathLike], *,
-                      device: str = "cpu", progress: bool = False) -> np.ndarray:
+                      device: str | torch.device = "cpu", progress: bool = False) -> np.ndarray:
     """Embeddings ``(len(paths), D)`` of image files with a trained model (checkpoint file or
-    run directory), using its config's evaluation transform and image mode."""
+    run directory), using its config's evaluation transform and image mode. ``device``: ``cpu``,
+    ``cuda``, ``cuda:N`` or ``auto`` (:func:`dmlkit.embeddings.resolve_device`: ``cuda`` without a
+    GPU, or an unknown name, is one :class:`ConfigError`, not torch's traceback)."""
+    device = resolve_device(device)
     model, config = load_checkpoint(find_checkpoint(Path(checkpoint)), device=device)
     mode = "L" if config.model.in_channels == 1 else "RGB"
     ds = ImageFileDataset([os.fspath(p) for p in paths], np.zeros(len(paths), dtype=np.int64), mode=mode,

@@ -228,7 +228,7 @@ def _embed_run(run_dir: Path, data_root: Path | None, device: str) -> dict[str, 
     """The run's test split: embeddings (saved ones when they match), ids, cams, groups."""
     import numpy as np
 
-    from dmlkit.embeddings import dataset_rows, load_embeddings
+    from dmlkit.embeddings import dataset_rows, load_embeddings, resolve_device
     from dmlkit.exceptions import DataError, DataNotFoundError
     from dmlkit.training import build_datasets, embed_split, load_checkpoint, load_config
 
@@ -249,8 +249,9 @@ def _embed_run(run_dir: Path, data_root: Path | None, device: str) -> dict[str, 
         if idx is not None and np.array_equal(idx, rows) and np.array_equal(labels, test.labels):
             emb = e
     if emb is None:
-        model, cfg = load_checkpoint(run_dir, device="cpu" if device == "auto" else device)
-        emb, _ = embed_split(model, test, cfg, device=device)
+        target = resolve_device(device)  # cuda without a GPU: one line, not torch's traceback
+        model, cfg = load_checkpoint(run_dir, device=target)
+        emb, _ = embed_split(model, test, cfg, device=target)
     cams = getattr(test, "cams", None)
     return {"emb": np.asarray(emb), "ids": test.labels, "cams": cams, "groups": test.sample_groups,
             "paths": None if test.paths is None else np.asarray(test.paths)}
