@@ -410,3 +410,31 @@ def test_verify_checkpoint_device_is_checked(tmp_path, run_cli, device, message)
         embed_image_files(ckpt, [str(tmp_path / "lfw" / "P0" / "P0_0001.png")], device=device)
     with pytest.raises(ConfigError, match=message):
         checkpoint_image_embedder(ckpt, device=device)
+
+
+def test_patches_train_on_cuda_without_a_gpu_writes_nothing(tmp_path, run_cli):
+    """``--set training.device=cuda`` on a machine without a GPU was refused after the run's
+    config.yaml and provenance.json were written."""
+    import torch
+    import yaml
+
+    from dmlkit.apps.patches.brown import PatchPairs, write_brown_subset
+
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present: cuda is a valid device here")
+    rng = np.random.default_rng(0)
+    points = np.repeat(np.arange(20), 2)
+    left, right = np.arange(0, 40, 2), np.arange(1, 40, 2)
+    for name in ("photos", "textures"):
+        pairs = PatchPairs(left, right, np.ones(20, np.int64))
+        write_brown_subset(tmp_path / "pt" / name, rng.integers(0, 256, size=(40, 64, 64), dtype=np.uint8),
+                           points, np.zeros(40, np.int64), {20: pairs})
+    cfg = tmp_path / "p.yaml"
+    cfg.write_text(yaml.safe_dump({
+        "seed": 0, "data": {"root": str(tmp_path / "pt"), "combinations": [["photos", "textures"]]},
+        "model": {"architectures": ["2ch"], "patch_size": 32, "width": 0.125},
+        "training": {"epochs": 1, "batch_size": 8, "device": "cuda"}}))
+    run = tmp_path / "run"
+    code, _, err = run_cli(["patches", "train", str(cfg), "-o", str(run)])
+    assert code == 2 and "training.device" in err
+    assert not run.exists()

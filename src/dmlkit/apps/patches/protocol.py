@@ -277,6 +277,7 @@ def run_patch_protocol(
         _check_batch_fits(cfg, train_name, cfg.data.train_pairs or max(match_files(root / train_name)))
     for a in cfg.model.architectures:
         build_patch_model(a, cfg.model.patch_size, cfg.model.width)  # fail fast on bad names
+    device = _device(cfg.training.device)  # cuda without a GPU: refused before the run is written
     out = Path(out_dir)
     trains = list(dict.fromkeys(a for a, _ in cfg.data.combinations))
     if resume:
@@ -286,7 +287,6 @@ def run_patch_protocol(
     write_provenance(out / "provenance.json", cfg.seed)
     if cfg.training.threads:
         torch.set_num_threads(cfg.training.threads)
-    device = _device(cfg.training.device)
     subsets = _Subsets(root, cfg.model.patch_size)
     rows: dict[tuple[str, str], dict[str, dict[str, float]]] = {tuple(c): {} for c in cfg.data.combinations}
     timing: dict[str, dict[str, float]] = {a: {} for a in cfg.model.architectures}
