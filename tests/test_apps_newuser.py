@@ -438,3 +438,14 @@ def test_patches_train_on_cuda_without_a_gpu_writes_nothing(tmp_path, run_cli):
     code, _, err = run_cli(["patches", "train", str(cfg), "-o", str(run)])
     assert code == 2 and "training.device" in err
     assert not run.exists()
+
+
+def test_track_train_refused_run_leaves_no_empty_run_dir(tmp_path, run_cli):
+    """A refused ``dmlkit track train`` (a misspelt --data-dir, cuda without a GPU) left an
+    empty run directory behind: the folder was made before the data were read."""
+    config = Path(__file__).resolve().parents[1] / "configs" / "siamfc_offline.yaml"
+    run = tmp_path / "runs" / "siamfc"
+    code, _, err = run_cli(["track", "train", str(config), "--data-dir", str(tmp_path / "missing"),
+                            "--run-dir", str(run), "-q"])
+    assert code == 2 and "does not exist" in err
+    assert not run.exists()

@@ -275,7 +275,6 @@ def train_siamfc(
     import yaml
 
     run_dir = Path(run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
     ckpt_path = run_dir / "checkpoints" / "last.pt"
     seed_everything(config.seed)
     if config.threads:
@@ -285,6 +284,9 @@ def train_siamfc(
     tracker_cfg = tracker_config(config.tracker)
     pairs = SiamFCPairs(sequences, config.pairs_per_epoch, config.pairs, seed=config.seed)
     device = resolve_device(config.device)
+    # created once the data, the tracker settings and the device are known good: a refused run
+    # (a misspelt data_dir, cuda without a GPU) leaves no empty run directory behind
+    run_dir.mkdir(parents=True, exist_ok=True)
     model = to_device(SiamFC(width=config.width), device)
     opt = torch.optim.SGD(model.parameters(), lr=config.lr, momentum=config.momentum,
                           weight_decay=config.weight_decay)
