@@ -273,3 +273,15 @@ def test_a_fresh_run_never_removes_a_folders_own_files(tmp_path):
     (mine / "provenance.json").write_text("{}")
     assert open_run_dir(mine, cfg, resume=False) is None
     assert not (mine / "metrics.json").exists() and (mine / "config.yaml").exists()
+
+
+def test_report_samples_at_least_two_classes_for_its_histograms():
+    """With `dmlkit report --max-points 10` and classes of 10 or more images the sample held one
+    class: no negative pair, so no split got a histogram (nor its pos_neg_js)."""
+    from dmlkit.report.builder import _sample_rows
+
+    labels = np.repeat(np.arange(5), 20)
+    rows = _sample_rows(labels, 10, 0)
+    assert np.unique(labels[rows]).size == 2 and len(rows) == 40
+    assert np.unique(labels[_sample_rows(labels, 60, 0)]).size == 3  # up to max_points otherwise
+    pos_neg_histograms(np.random.default_rng(0).normal(size=(40, 3)), labels[rows])  # draws

@@ -43,7 +43,8 @@ class ReportOptions:
     Attributes:
         maps: 2-D projections to draw (``umap``, ``tsne``, ``pca``).
         map_classes: classes shown in the 2-D maps (the first ones in test order).
-        max_points: samples per split used for the histograms and maps.
+        max_points: samples per split used for the histograms and maps (whole classes, at
+            least two of them).
         gallery_queries: random and worst queries in the retrieval gallery (each).
         gallery_k: neighbours per gallery row.
         thumbnails: draw image thumbnails where the data are images and can be loaded.
@@ -120,7 +121,9 @@ def _dataset_class_names(dataset) -> dict[int, str] | None:
 
 
 def _sample_rows(labels: np.ndarray, max_points: int, seed: int) -> np.ndarray:
-    """Rows of whole classes (so every sample keeps its positives), up to ``max_points``."""
+    """Rows of whole classes (so every sample keeps its positives), up to ``max_points``, and at
+    least two classes (one class has no negative pair: ``--max-points 10`` on classes of 10 or
+    more images drew no histogram at all)."""
     if len(labels) <= max_points:
         return np.arange(len(labels))
     rng = np.random.default_rng(seed)
@@ -128,7 +131,7 @@ def _sample_rows(labels: np.ndarray, max_points: int, seed: int) -> np.ndarray:
     total = 0
     for c in rng.permutation(np.unique(labels)):
         members = np.flatnonzero(labels == c)
-        if total + len(members) > max_points and total:
+        if total + len(members) > max_points and len(rows) >= 2:
             break
         rows.append(members)
         total += len(members)
