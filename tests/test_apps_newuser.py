@@ -243,6 +243,7 @@ def test_patches_absolute_data_root_with_data_root_option_is_refused(tmp_path, r
     (["--shot", "0"], "k_shot", "--shot"),
     (["--episodes", "0"], "episodes", "--episodes"),
     (["--shot", "3", "--queries", "3"], "n_query", "--queries"),
+    (["--queries", "0"], "n_query", "--queries"),
 ])
 def test_fewshot_refusals_name_the_cli_options(tmp_path, run_cli, extra, python_name, cli_name):
     """``dmlkit fewshot --way 9`` on 4 classes said "lower n_way, k_shot or n_query": names

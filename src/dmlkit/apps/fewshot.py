@@ -106,7 +106,7 @@ def few_shot_accuracy(embeddings: Any, labels: Any, n_way: int = 5, k_shot: int 
         raise ConfigError(f"few-shot accuracy needs n_way >= 2 classes per episode, got {n_way} (--way): "
                           "with one class every query is trivially right")
     if int(n_query) < 1:
-        raise ConfigError(f"few-shot accuracy needs at least one query per class, got n_query={n_query}")
+        raise ConfigError(f"few-shot accuracy needs at least one query per class, got n_query={n_query} (--queries)")
     try:
         sampler = EpisodeSampler(y, n_way, k_shot, n_query, episodes, seed=seed)
     except (ConfigError, DataError) as exc:  # the sampler names its arguments; say the CLI's too
