@@ -285,3 +285,18 @@ def test_report_samples_at_least_two_classes_for_its_histograms():
     assert np.unique(labels[rows]).size == 2 and len(rows) == 40
     assert np.unique(labels[_sample_rows(labels, 60, 0)]).size == 3  # up to max_points otherwise
     pos_neg_histograms(np.random.default_rng(0).normal(size=(40, 3)), labels[rows])  # draws
+
+
+def test_torchrun_evaluate_warns_once_for_the_job(tmp_path):
+    """Under torchrun every rank read the files and ran the checks, so a warning (here the
+    reference that is the query set) was printed once per rank; rank 0 now warns for the job."""
+    from test_distributed_evaluate import _torchrun
+
+    x = np.random.default_rng(0).normal(size=(20, 4)).astype(np.float32)
+    y = np.repeat(np.arange(5), 4)
+    save_embeddings(tmp_path / "t.npz", x, y)
+    save_embeddings(tmp_path / "copy.npz", x, y)
+    proc = _torchrun(tmp_path, ["evaluate", str(tmp_path / "t.npz"), "-r", str(tmp_path / "copy.npz"),
+                                "-m", "precision_at_1", "--json"])
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stderr.count("every query finds itself at rank 1") == 1

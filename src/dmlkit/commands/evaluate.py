@@ -39,6 +39,10 @@ def register(app: typer.Typer) -> None:
         from dmlkit.metrics import per_class
         from dmlkit.utils import atomic_write_json
 
+        if not is_main_rank():  # under torchrun rank 0 warns for the job (each rank read the files)
+            import warnings
+
+            warnings.filterwarnings("ignore")
         metrics = listed(metrics)
         try:
             k_values = [int(v) for v in listed(k)]
