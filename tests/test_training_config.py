@@ -90,6 +90,12 @@ def test_overrides_parse_yaml_values_and_create_sections(tmp_path):
     assert parse_overrides(["a.b=[1, 2]", "c=yes", "d="]) == {"a.b": [1, 2], "c": True, "d": None}
 
 
+def test_an_override_ending_in_a_colon_stays_text():
+    # YAML reads `x:` as {x: null}: --set protocol.storage=sqlite:///:memory: failed as 'a valid string'
+    assert parse_overrides(["s=sqlite:///:memory:", "t=x:", "m={a: 1}", "n={a: }", "u=a: 1"]) == {
+        "s": "sqlite:///:memory:", "t": "x:", "m": {"a": 1}, "n": {"a": None}, "u": {"a": 1}}
+
+
 def test_bad_overrides():
     cfg = config_from_dict(MINIMAL)
     with pytest.raises(ConfigError, match="key.sub=value"):

@@ -472,12 +472,19 @@ def parse_overrides(overrides: Iterable[str] | Mapping[str, Any] | None) -> dict
         if not key or any(not part for part in key.split(".")):
             raise ConfigError(f"override {item!r} has an empty key")
         try:
-            parsed[key] = load_yaml(raw, strict_ints=True) if raw.strip() else None
+            parsed[key] = _override_value(raw)
         except yaml.constructor.ConstructorError as exc:
             raise ConfigError(f"override {item!r}: {exc.problem}") from None
         except yaml.YAMLError as exc:
             raise ConfigError(f"override {item!r}: the value is not valid YAML ({exc})") from None
     return parsed
+
+
+def _override_value(raw: str) -> Any:
+    """A ``--set`` value as YAML, but ``x:`` (``sqlite:///:memory:``) stays a string, not ``{x: null}``."""
+    value = load_yaml(raw, strict_ints=True) if raw.strip() else None
+    mapped = isinstance(value, dict) and not raw.lstrip().startswith("{")
+    return raw.strip() if mapped and all(v is None for v in value.values()) else value
 
 
 def _set_dotted(data: dict[str, Any], key: str, value: Any) -> None:
