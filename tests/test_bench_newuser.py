@@ -57,6 +57,17 @@ def test_resume_with_other_evaluation_memory_is_accepted(tmp_path):
         Bench(_config(evaluation={"batch_size": 7}), tmp_path).prepare()
 
 
+def test_resume_with_other_cluster_restarts_is_refused(tmp_path):
+    """NMI, AMI and F1 average fixed.evaluation.cluster_restarts k-means runs: a resume with
+    another count would mix trials scored both ways, so it is another config (and another
+    study), while the default count keeps the fingerprint earlier searches were keyed by."""
+    assert "evaluation" not in _config().fixed_fingerprint()
+    assert _config(evaluation={"cluster_restarts": 5}).fixed_fingerprint()["evaluation"] == {"cluster_restarts": 5}
+    Bench(_config(), tmp_path).prepare()
+    with pytest.raises(ConfigError, match="another config"):
+        Bench(_config(evaluation={"cluster_restarts": 5}), tmp_path).prepare()
+
+
 def test_final_stage_before_the_search_embeds_nothing(tmp_path, data_root):
     """`dmlkit bench CONFIG --stage final` before any search embedded the test classes with every
     pretrained fold model (seeds x folds networks, the largest cost on a real test set) and

@@ -49,7 +49,7 @@ def register(app: typer.Typer) -> None:
         (--set protocol.folds=2 ...). Exits 2 when every search trial of a method failed.
 
         Inference and metric settings are the config's fixed.evaluation section, e.g.
-        --set fixed.evaluation.memory_mb=512; these (all but its batch_size),
+        --set fixed.evaluation.memory_mb=512; its memory_mb and backend,
         fixed.data.root, protocol.trials and protocol.seeds (more final runs) may change when a
         bench resumes.
         """

@@ -471,13 +471,17 @@ class BenchConfig(_Strict):
     def fixed_fingerprint(self) -> dict[str, Any]:
         """The fixed settings that decide the results, in the shape studies were keyed by.
 
-        The ``evaluation`` section changes memory and speed only, so it is left out; its batch
-        size stands where it stood before the section existed (``training.eval_batch_size``),
-        so that searches started by an earlier version still resume.
+        The ``evaluation`` section's memory and backend change memory and speed only, so they
+        are left out; its batch size stands where it stood before the section existed
+        (``training.eval_batch_size``), so that searches started by an earlier version still
+        resume; ``cluster_restarts`` (NMI, AMI and F1 average that many k-means runs) is kept
+        where it is not the default, which such searches used.
         """
         fixed = self.fixed.model_dump(mode="json")
         evaluation = fixed.pop("evaluation")
         fixed["training"]["eval_batch_size"] = evaluation["batch_size"]
+        if evaluation["cluster_restarts"] != EvaluationConfig.model_fields["cluster_restarts"].default:
+            fixed["evaluation"] = {"cluster_restarts": evaluation["cluster_restarts"]}
         # where this machine keeps its data and feature cache is not a setting of the
         # experiment: workers on machines with other paths must join the same study
         fixed["data"]["root"] = None
