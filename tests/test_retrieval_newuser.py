@@ -255,3 +255,42 @@ def test_index_add_refuses_a_runs_items_under_the_other_kind_of_id(tmp_path_fact
         code, out, err = run_cli(["index", str(second), "-o", str(index), "--add", "--data-root", str(data_root)])
         assert code == 2 and "indexed twice" in err and len(err.strip().splitlines()) == 1
         assert json.loads((index / "index.json").read_text())["count"] == 200
+
+
+def _dead_pid() -> int:
+    import subprocess
+    import sys
+
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait()
+    return child.pid
+
+
+def test_a_save_killed_between_its_renames_loses_no_index(tmp_path):
+    # save_index renames the old folder aside, then the new one into place: a kill between the
+    # two left no index at the path ("index not found"), the data only in hidden folders
+    import numpy as np
+
+    from dmlkit.apps import EmbeddingIndex
+
+    rng = np.random.default_rng(0)
+    old_x, new_x = rng.normal(size=(20, 4)).astype(np.float32), rng.normal(size=(30, 4)).astype(np.float32)
+    path = tmp_path / "idx"
+    EmbeddingIndex(old_x).save(path)
+    EmbeddingIndex(new_x).save(tmp_path / "new")
+    dead = _dead_pid()
+    path.rename(tmp_path / f".idx.old-{dead}")  # the kill: old aside, new complete beside it
+    (tmp_path / "new").rename(tmp_path / f".idx.tmp-{dead}")
+    assert len(EmbeddingIndex.load(path)) == 30  # the new one, put in place
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["idx"]
+
+    path.rename(tmp_path / f".idx.old-{dead}")  # killed before the new one was complete
+    (tmp_path / f".idx.tmp-{dead}").mkdir()
+    (tmp_path / f".idx.tmp-{dead}" / "vectors.npy").write_bytes(b"half")
+    assert len(EmbeddingIndex.load(path)) == 30
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["idx"]
+
+    EmbeddingIndex(old_x).save(path)  # a save sweeps what killed saves left
+    (tmp_path / f".idx.old-{dead}").mkdir()
+    EmbeddingIndex(new_x).save(path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["idx"]

@@ -93,6 +93,7 @@ def save_index(self: EmbeddingIndex, path: str | os.PathLike) -> Path:
         return atomic_write_bytes(path, buffer.getvalue())
     if path.exists() and not (path / "index.json").exists() and any(path.iterdir()):
         raise DataError(f"{path} exists and is not a dmlkit index directory: choose another path")
+    _recover_interrupted_save(path)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     try:
@@ -103,7 +104,9 @@ def save_index(self: EmbeddingIndex, path: str | os.PathLike) -> Path:
             (tmp / "faiss.index").write_bytes(blob.tobytes())
         if meta_lines is not None:
             (tmp / "metadata.jsonl").write_text(meta_lines + "\n")
-        (tmp / "index.json").write_text(json.dumps(index_meta(self), indent=2))
+        # index.json last, renamed into place: a folder holding it is a complete index
+        (tmp / ".index.json.part").write_text(json.dumps(index_meta(self), indent=2))
+        (tmp / ".index.json.part").rename(tmp / "index.json")
     except OSError as exc:  # a full or read-only disk: nothing half-written is left behind
         shutil.rmtree(tmp, ignore_errors=True)
         raise DataError(os_error_message(exc, path, writing=True)) from None
@@ -113,6 +116,33 @@ def save_index(self: EmbeddingIndex, path: str | os.PathLike) -> Path:
     tmp.rename(path)
     shutil.rmtree(old, ignore_errors=True)
     return path
+
+
+def _recover_interrupted_save(path: Path) -> None:
+    """Put back the index a :func:`save_index` killed between its two renames left beside
+    ``path`` (no index at ``path``; the new one complete as ``.NAME.tmp-PID``, the one it
+    replaces as ``.NAME.old-PID``): the newest complete one, so a kill loses no index; then
+    remove what killed saves left (folders of processes no longer running)."""
+    leftovers = [d for pattern in (f".{path.name}.tmp-*", f".{path.name}.old-*")
+                 for d in path.parent.glob(pattern) if d.is_dir() and not _pid_alive(d.name.rsplit("-", 1)[-1])]
+    complete = [d for d in leftovers if (d / "index.json").is_file()]
+    if not path.exists() and complete:
+        max(complete, key=lambda d: (d / "index.json").stat().st_mtime_ns).rename(path)
+    for d in leftovers:
+        shutil.rmtree(d, ignore_errors=True)
+
+
+def _pid_alive(pid: str) -> bool:
+    """Whether process ``pid`` (text) runs on this machine (a name that is no pid: not ours)."""
+    if not pid.isdigit():
+        return True
+    try:
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # another user's process
+        return True
+    return True
 
 def _random_access(vectors: np.ndarray) -> np.ndarray:
     """Tell the kernel that a memory-mapped matrix is read at random rows (``MADV_RANDOM``):
@@ -130,6 +160,7 @@ def load_index(cls: type[EmbeddingIndex], path: str | os.PathLike, *, mmap: bool
     ``mmap=True`` memory-maps the vectors of a directory index instead of reading them.
     """
     path = Path(path)
+    _recover_interrupted_save(path)
     if not path.exists():
         raise DataNotFoundError(f"index not found: {path} (build one with `dmlkit index`)")
     try:
