@@ -8,6 +8,7 @@ from pathlib import Path
 import typer
 
 from dmlkit.commands._console import echo_json
+from dmlkit.commands._options import given
 
 
 def register(app: typer.Typer) -> None:
@@ -87,7 +88,7 @@ def verify(
         from dmlkit.data.pairs import load_pair_list
 
         plist = load_pair_list(pair_list, images)
-        if plist.num_folds >= 2 and _given(ctx, "folds"):  # else silently the list's own folds
+        if plist.num_folds >= 2 and given(ctx, "folds"):  # else silently the list's own folds
             raise ConfigError(f"--folds does not apply here ({pair_list.name} has its own {plist.num_folds} "
                               "folds, which the protocol uses): drop it")
         if checkpoint is not None:
@@ -102,12 +103,6 @@ def verify(
     _print(result, as_json, title)
 
 
-def _given(ctx: typer.Context, name: str) -> bool:
-    """Whether option ``name`` was given on the command line (or by environment), not defaulted."""
-    source = ctx.get_parameter_source(name)  # typer bundles its own click: compare the source by name
-    return source is not None and source.name in ("COMMANDLINE", "ENVIRONMENT")
-
-
 def _refuse_unused(ctx: typer.Context, with_list: bool, with_checkpoint: bool) -> None:
     """Refuse an option given on the command line that the chosen pair source does not use
     (it would be silently ignored): --pairs/--seed draw random pairs (no --pair-list),
@@ -119,7 +114,7 @@ def _refuse_unused(ctx: typer.Context, with_list: bool, with_checkpoint: bool) -
         ("seed", "--seed", not with_list, "a --pair-list scores its own pairs"),
         ("images", "--images", with_list, "it locates the images of a --pair-list"),
         ("device", "--device", with_checkpoint, "it embeds a --pair-list's images with --checkpoint"),
-    ) if _given(ctx, name) and not used]
+    ) if given(ctx, name) and not used]
     if unused:
         opt, why = unused[0]
         raise ConfigError(f"{opt} does not apply here ({why}): drop it")
