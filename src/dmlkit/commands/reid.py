@@ -18,6 +18,7 @@ def register(app: typer.Typer) -> None:
 
 
 def reid(
+    ctx: typer.Context,
     source: Path = typer.Argument(..., help="A run directory (its test split is embedded or read from embeddings/test.npz), or an .npz of embeddings + labels (+ 'cams', and 'groups' = query/gallery unless --gallery is given)."),
     gallery: Path | None = typer.Option(None, "--gallery", "-g", help="Gallery embeddings (.npz with embeddings, labels, optional cams); SOURCE is then the query file."),
     data_root: Path | None = typer.Option(None, "--data-root", help="Data root for a run directory's dataset."),
@@ -55,6 +56,7 @@ def reid(
         raise ConfigError(f"--ranks must be comma-separated integers, got {','.join(ranks)!r}") from None
     if not shown_ranks or min(shown_ranks) < 1:  # checked now, not after the evaluation
         raise ConfigError(f"--ranks must be ranks >= 1, got {','.join(ranks)!r}")
+    _refuse_unused(ctx, rerank, vehicleid=None)  # --k1/--k2/--lambda without --rerank: now
     if rerank:  # the re-ranked pass runs second: its settings must not fail after the first
         from dmlkit.apps.reid._common import (  # lazy: CLI start-up
             check_rerank_metric,
@@ -75,6 +77,7 @@ def reid(
         if rerank:
             raise ConfigError("--rerank is not available for the VehicleID protocol (groups all "
                               "'test'): drop it, or save query/gallery groups")
+        _refuse_unused(ctx, rerank, vehicleid=True)
         res = vehicleid_protocol(data["emb"], data["ids"], repeats=repeats, seed=seed,
                                  ks=shown_ranks, ap_mode=ap_mode, **common)
         result.update(protocol="vehicleid", **res.to_dict())
@@ -82,6 +85,7 @@ def reid(
         return
     from dmlkit.apps.reid import evaluate_reid, ranked_examples
 
+    _refuse_unused(ctx, rerank, vehicleid=False)
     q, g = data["query"], data["gallery"]
     cams = (q["cams"], g["cams"])  # on one side only: refused (the camera rule needs both)
     result["camera_rule"] = not no_camera_rule and q["cams"] is not None and g["cams"] is not None
@@ -120,6 +124,28 @@ def reid(
                 e["gallery_paths"] = [str(g["paths"][j]) for j in e["gallery"]]
         result["examples"] = ex
     _finish(result, source, out, as_json)
+
+
+def _refuse_unused(ctx: typer.Context, rerank: bool, vehicleid: bool | None) -> None:
+    """Refuse an option given on the command line that the protocol does not use (it would be
+    silently ignored): --k1/--k2/--lambda without --rerank; for VehicleID (``vehicleid``
+    True) --no-camera-rule and --examples, for the Market-1501 protocol (False) --repeats;
+    ``None``: the protocol is not known yet (the source is not read)."""
+    from dmlkit.commands._options import given
+    from dmlkit.exceptions import ConfigError
+
+    vid = "the VehicleID protocol (groups all 'test')"
+    checks = [(name, opt, "it sets k-reciprocal re-ranking: pass --rerank too")
+              for name, opt in (("k1", "--k1"), ("k2", "--k2"), ("lambda_value", "--lambda")) if not rerank]
+    if vehicleid:
+        checks += [("no_camera_rule", "--no-camera-rule", f"{vid} has no cameras"),
+                   ("examples", "--examples", f"{vid} stores no ranked examples")]
+    elif vehicleid is not None:
+        checks.append(("repeats", "--repeats", "it counts the gallery draws of the VehicleID protocol; "
+                                               "this source has query/gallery groups"))
+    for name, opt, why in checks:
+        if given(ctx, name):
+            raise ConfigError(f"{opt} does not apply here ({why}): drop it")
 
 
 def _finish(result: dict[str, Any], source: Path, out: Path | None, as_json: bool,
