@@ -4,10 +4,13 @@ counted something else than its name (re-id, patches, verification, tracking).""
 
 from __future__ import annotations
 
+import os
+import shutil
 from pathlib import Path
 
 import numpy as np
 import pytest
+import yaml
 
 from dmlkit.embeddings import save_embeddings
 
@@ -65,3 +68,87 @@ def test_reid_options_that_apply_still_run(reid_files, run_cli, tmp_path: Path) 
                               "--no-camera-rule", "--examples", "2", "-o", str(tmp_path / "r.json"), "--json"])
     assert code == 0, err
     assert '"rerank"' in out
+
+
+# -- patches: scores written atomically ---------------------------------------------------------
+def _brown_subset(folder: Path, num_points: int, counts: tuple[int, ...], seed: int) -> None:
+    from dmlkit.apps.patches import PatchPairs, write_brown_subset
+
+    rng = np.random.default_rng(seed)
+    base = rng.integers(0, 256, (num_points, 64, 64))
+    views = np.stack([base, base + rng.integers(-20, 21, base.shape)], 1).clip(0, 255).astype(np.uint8)
+    point_ids = np.repeat(np.arange(num_points, dtype=np.int64), 2)
+    image_ids = np.tile(np.arange(2, dtype=np.int64), num_points)
+
+    def pairs(n: int, s: int) -> PatchPairs:
+        r = np.random.default_rng(s)
+        pts = r.integers(0, num_points, n)
+        other = (pts + 1 + r.integers(0, num_points - 1, n)) % num_points
+        left = (pts * 2).astype(np.int64)
+        right = np.where(np.arange(n) % 2 == 0, pts * 2 + 1, other * 2).astype(np.int64)
+        return PatchPairs(left, right, (point_ids[left] == point_ids[right]).astype(np.int64))
+
+    write_brown_subset(folder, views.reshape(-1, 64, 64), point_ids, image_ids,
+                       {c: pairs(c, seed + c) for c in counts})
+
+
+@pytest.fixture(scope="module")
+def patch_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """Two small subsets and a trained run (one siam-l2 model, a few steps)."""
+    from dmlkit.cli import main
+
+    root = tmp_path_factory.mktemp("patches")
+    _brown_subset(root / "a", 24, (64, 32), seed=1)
+    _brown_subset(root / "b", 24, (64, 32), seed=2)
+    cfg = {"seed": 0, "data": {"root": str(root), "combinations": [["a", "b"]]},
+           "model": {"architectures": ["siam-l2"], "patch_size": 32, "width": 0.125},
+           "training": {"epochs": 1, "batch_size": 16, "threads": 1, "augment": False}}
+    path = root / "cfg.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    run = root / "run"
+    try:
+        main(["patches", "train", str(path), "-o", str(run), "--json", "-q"])
+    except SystemExit as exc:  # pragma: no cover - a failure shows in the tests below
+        assert not exc.code
+    return path, run
+
+
+def test_patches_scores_are_written_atomically(patch_run, tmp_path: Path, monkeypatch) -> None:
+    """Was: ``scores/<arch>/<train>__<test>.npz`` was written in place with ``np.savez``: a run
+    killed while writing it left a truncated file that ``patches evaluate --figure`` read."""
+    from dmlkit.apps.patches.protocol import load_patch_config, run_patch_protocol
+
+    cfg_path, run = patch_run
+    copy = tmp_path / "run"
+    shutil.copytree(run, copy)
+    scores = copy / "scores" / "siam-l2" / "a__b.npz"
+    scores.unlink()
+    real = np.savez
+
+    def killed(file, *args, **kwargs):  # the process dies half-way through the write
+        real(file, *args, **kwargs)
+        if isinstance(file, str | os.PathLike):
+            with open(file, "r+b") as fh:
+                fh.truncate(os.path.getsize(file) // 2)
+        else:
+            file.truncate(len(file.getvalue()) // 2)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(np, "savez", killed)
+    with pytest.raises(KeyboardInterrupt):
+        run_patch_protocol(load_patch_config(cfg_path), copy, resume=True)  # the model is loaded
+    assert not scores.exists()
+    assert not [p for p in scores.parent.iterdir() if p.suffix == ".npz"]
+
+
+def test_patches_damaged_scores_file_is_one_error_line(patch_run, tmp_path: Path, run_cli) -> None:
+    """A scores file damaged by other means (an older dmlkit, a cut copy) is one line naming it
+    and --rescore, not a BadZipFile traceback."""
+    _, run = patch_run
+    copy = tmp_path / "run"
+    shutil.copytree(run, copy)
+    scores = copy / "scores" / "siam-l2" / "a__b.npz"
+    scores.write_bytes(scores.read_bytes()[: scores.stat().st_size // 2])
+    code, _, err = run_cli(["patches", "evaluate", str(copy), "--figure", str(tmp_path / "f.png")])
+    line = _one_error_line(code, err)
+    assert "a__b.npz" in line and "--rescore" in line

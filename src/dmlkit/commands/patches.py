@@ -147,6 +147,8 @@ def evaluate(
     _print_table(results, f"FPR95 (%), {run_dir}", as_json)
     if figure is None:
         return
+    import zipfile
+
     import numpy as np
 
     from dmlkit.apps.patches.brown import load_subset
@@ -171,9 +173,13 @@ def evaluate(
         scores_file = run_dir / "scores" / name / f"{row['train']}__{row['test']}.npz"
         if not scores_file.is_file():
             raise CheckpointError(f"{scores_file} is missing: run `dmlkit patches train` to write the pair scores")
-        with np.load(scores_file) as z:
-            fig = hardest_pairs_figure(sub.patches, z["left"], z["right"], z["label"], z["scores"], k=k,
-                                       title=title)
+        try:
+            with np.load(scores_file, allow_pickle=False) as z:
+                left, right, label, scores = (z[key] for key in ("left", "right", "label", "scores"))
+        except (OSError, ValueError, EOFError, KeyError, zipfile.BadZipFile):  # damaged, or not ours
+            raise DataError(f"{scores_file} is not a readable scores file of `dmlkit patches train` (damaged "
+                            "or truncated): pass --rescore to score the checkpoints again") from None
+        fig = hardest_pairs_figure(sub.patches, left, right, label, scores, k=k, title=title)
     figure.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(figure, dpi=120)
     typer.echo(f"figure -> {figure}")

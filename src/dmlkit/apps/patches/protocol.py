@@ -31,6 +31,7 @@ from dmlkit.models import to_device
 from dmlkit.models.trunks import load_failure_reason
 from dmlkit.utils import (
     atomic_torch_save,
+    atomic_write_bytes,
     atomic_write_json,
     atomic_write_text,
     seed_everything,
@@ -326,13 +327,23 @@ def run_patch_protocol(
                 res = {"fpr95": fpr95(scores, pairs.label), "roc_auc": roc_auc(scores, pairs.label)}
                 rows[(train_name, test_name)][arch] = res
                 path = out / "scores" / arch / f"{train_name}__{test_name}.npz"
-                path.parent.mkdir(parents=True, exist_ok=True)
-                np.savez(path, left=pairs.left, right=pairs.right, label=pairs.label, scores=scores)
+                _write_scores(path, pairs, scores)
                 say(f"  {arch} {train_name} -> {test_name}: FPR95 {100 * res['fpr95']:.2f} %, AUC {res['roc_auc']:.4f}")
     results = _assemble(cfg, rows, timing)
     atomic_write_json(out / "results.json", results)
     atomic_write_text(out / "results.md", results_table(results, markdown=True))
     return results
+
+
+def _write_scores(path: Path, pairs: Any, scores: np.ndarray) -> None:
+    """``path``: the pair indices, labels and scores (``.npz``), written atomically: a run killed
+    while writing leaves the previous file or none, never a truncated one that ``patches
+    evaluate --figure`` reads."""
+    import io
+
+    buffer = io.BytesIO()
+    np.savez(buffer, left=pairs.left, right=pairs.right, label=pairs.label, scores=scores)
+    atomic_write_bytes(path, buffer.getvalue())
 
 
 def _assemble(cfg: PatchExperimentConfig, rows, timing) -> dict[str, Any]:
