@@ -13,6 +13,7 @@ import pytest
 import yaml
 
 from dmlkit.embeddings import save_embeddings
+from dmlkit.exceptions import ConfigError
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -152,3 +153,69 @@ def test_patches_damaged_scores_file_is_one_error_line(patch_run, tmp_path: Path
     code, _, err = run_cli(["patches", "evaluate", str(copy), "--figure", str(tmp_path / "f.png")])
     line = _one_error_line(code, err)
     assert "a__b.npz" in line and "--rescore" in line
+
+
+# -- verify: a CSV fold column with one value ---------------------------------------------------
+def _csv_list(tmp_path: Path, fold_values: list[int] | None) -> tuple[Path, Path]:
+    """8 images of 4 people, a CSV of 8 pairs (4 matched) with an optional fold column, and an
+    embeddings .npz with their paths."""
+    from PIL import Image
+
+    names = [f"p{k // 2}_{k % 2}.png" for k in range(8)]
+    for n in names:
+        Image.new("L", (4, 4)).save(tmp_path / n)
+    rows = [(names[2 * p], names[2 * p + 1], 1) for p in range(4)]
+    rows += [(names[2 * p], names[(2 * p + 2) % 8], 0) for p in range(4)]
+    head = "path1,path2,same" + (",fold" if fold_values is not None else "")
+    lines = [head] + [f"{a},{b},{s}" + (f",{fold_values[k]}" if fold_values is not None else "")
+                      for k, (a, b, s) in enumerate(rows)]
+    csv = tmp_path / "pairs.csv"
+    csv.write_text("\n".join(lines) + "\n")
+    rng = np.random.default_rng(0)
+    emb = rng.normal(size=(8, 3)).astype(np.float32) + np.repeat(np.arange(4), 2)[:, None]
+    npz = save_embeddings(tmp_path / "emb.npz", emb, np.repeat(np.arange(4), 2),
+                          paths=np.array([str(tmp_path / n) for n in names]))
+    return csv, npz
+
+
+def test_csv_fold_column_with_one_value_is_refused(tmp_path: Path, run_cli) -> None:
+    """Was: a CSV whose fold column held one value was silently dealt into --folds stratified
+    folds (fold_source 'stratified'), ignoring the folds the file gave."""
+    from dmlkit.apps.verification import verify_pair_list
+    from dmlkit.data.pairs import load_pair_list
+
+    csv, npz = _csv_list(tmp_path, [7] * 8)
+    plist = load_pair_list(csv)  # reading the list is fine: it holds one fold
+    assert plist.num_folds == 1
+    with pytest.raises(ConfigError, match="single given fold"):
+        verify_pair_list(np.zeros((len(plist.paths), 3)) + np.arange(len(plist.paths))[:, None], plist)
+    code, _, err = run_cli(["verify", str(npz), "--pair-list", str(csv), "--folds", "2"])
+    line = _one_error_line(code, err)
+    assert "pairs.csv" in line and "fold" in line
+
+
+def test_csv_without_or_with_two_folds_still_runs(tmp_path: Path, run_cli) -> None:
+    csv, npz = _csv_list(tmp_path, None)
+    code, out, err = run_cli(["verify", str(npz), "--pair-list", str(csv), "--folds", "2", "--json"])
+    assert code == 0, err
+    assert '"fold_source": "stratified"' in out
+    csv, npz = _csv_list(tmp_path, [0, 1] * 4)
+    code, out, err = run_cli(["verify", str(npz), "--pair-list", str(csv), "--json"])
+    assert code == 0, err
+    assert '"fold_source": "list"' in out and '"folds": 2' in out
+
+
+def test_one_fold_lfw_list_has_no_folds(tmp_path: Path) -> None:
+    """LFW's development lists (header 'N') define no folds: they are dealt into stratified
+    folds as documented, not refused like a CSV fold column of one value."""
+    from PIL import Image
+
+    from dmlkit.data.pairs import parse_lfw_pairs, resolve_lfw_pairs
+
+    for name in ("Al", "Bo"):
+        (tmp_path / name).mkdir()
+        for k in (1, 2):
+            Image.new("L", (4, 4)).save(tmp_path / name / f"{name}_{k:04d}.png")
+    (tmp_path / "pairs.txt").write_text("1\nAl 1 2\nAl 1 Bo 1\n")
+    plist = resolve_lfw_pairs(parse_lfw_pairs(tmp_path / "pairs.txt"), tmp_path)
+    assert plist.folds is None and plist.num_folds == 0

@@ -46,6 +46,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "VerificationResult",
+    "check_pair_list_folds",
     "embed_image_files",
     "kfold_threshold_accuracy",
     "make_pairs",
@@ -387,6 +388,17 @@ def _match_rows(pair_list: PairList, paths: Sequence[str]) -> np.ndarray:
     return np.fromiter((row[key(p)] for p in pair_list.paths), np.int64, len(pair_list.paths))
 
 
+def check_pair_list_folds(pair_list: PairList) -> None:
+    """Refuse a pair list whose own folds are one (a CSV ``fold`` column holding one value) with
+    :class:`ConfigError`: a single given fold cannot be cross-validated, and dealing its pairs
+    into other folds would silently ignore the column. A list without folds passes."""
+    if pair_list.num_folds == 1:
+        raise ConfigError(f"{pair_list.source}: every pair is in the same fold, and a single given fold "
+                          "cannot be cross-validated (each threshold is chosen on the other folds): give "
+                          "the pairs 2 or more fold ids, or drop the 'fold' column to deal them into "
+                          "stratified folds (dmlkit verify --folds, default 10)")
+
+
 def verify_pair_list(embeddings: Any, pair_list: PairList, paths: Sequence[str] | None = None, *,
                      distance: str = "cosine", folds: int = 10,
                      far_targets: Sequence[float] = DEFAULT_FAR_TARGETS) -> VerificationResult:
@@ -396,7 +408,9 @@ def verify_pair_list(embeddings: Any, pair_list: PairList, paths: Sequence[str] 
     own ``pair_list.paths``, e.g. from :func:`embed_image_files`). A list with two or more folds
     (LFW ``pairs.txt``: 10 folds of 300 + 300 pairs) is scored on those folds; a list without
     folds (a CSV without a ``fold`` column, LFW's one-fold development lists) on ``folds``
-    :func:`stratified_folds` dealt in file order.
+    :func:`stratified_folds` dealt in file order. A CSV ``fold`` column that holds one value is
+    :class:`ConfigError`: one given fold cannot be cross-validated, and dealing its pairs into
+    other folds would silently ignore the column.
     """
     x = _finite_embeddings(embeddings)
     _check_distance(distance)
@@ -410,6 +424,7 @@ def verify_pair_list(embeddings: Any, pair_list: PairList, paths: Sequence[str] 
         if len(paths) != len(x):
             raise ShapeError(f"{len(paths)} paths for {len(x)} embeddings")
         rows = _match_rows(pair_list, paths)
+    check_pair_list_folds(pair_list)
     scores = pair_scores(x, rows[pair_list.left], rows[pair_list.right], distance)
     if pair_list.num_folds >= 2:
         result = verify_scores(scores, pair_list.same, pair_list.folds, far_targets=far_targets,

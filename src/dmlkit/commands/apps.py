@@ -71,7 +71,7 @@ def verify(
     Balanced random pairs from the labels of EMBEDDINGS, or a fixed --pair-list (LFW pairs.txt: scored on its own folds) embedded with --checkpoint or found in the 'paths' of EMBEDDINGS.
     """
     from dmlkit.apps import verify as run_verify
-    from dmlkit.apps.verification import embed_image_files, verify_pair_list
+    from dmlkit.apps.verification import check_pair_list_folds, embed_image_files, verify_pair_list
     from dmlkit.embeddings import load_embeddings
     from dmlkit.exceptions import ConfigError
 
@@ -88,6 +88,7 @@ def verify(
         from dmlkit.data.pairs import load_pair_list
 
         plist = load_pair_list(pair_list, images)
+        check_pair_list_folds(plist)  # before the images are embedded
         if plist.num_folds >= 2 and given(ctx, "folds"):  # else silently the list's own folds
             raise ConfigError(f"--folds does not apply here ({pair_list.name} has its own {plist.num_folds} "
                               "folds, which the protocol uses): drop it")

@@ -76,7 +76,9 @@ class PairList:
 
     ``paths`` holds each image once (first-appearance order), ``same`` (bool) says whether a
     pair shows one identity, ``folds`` (int64, ``0..num_folds-1``) is the list's own fold of
-    each pair or ``None`` when the file defines none.
+    each pair or ``None`` when the file defines none (a CSV without a ``fold`` column, a
+    one-fold LFW list). A CSV ``fold`` column holding one value gives one fold, which
+    :func:`dmlkit.apps.verification.verify_pair_list` refuses: it cannot be cross-validated.
     """
 
     paths: list[str]
@@ -216,7 +218,10 @@ def resolve_lfw_pairs(pairs: Sequence[LfwPair], image_root: str | os.PathLike, s
         p1.append(str(a))
         p2.append(str(b))
     _refuse_missing(missing, len(pairs), source, folder)
-    return PairList.from_path_pairs(p1, p2, [pr.same for pr in pairs], [pr.fold for pr in pairs], source)
+    folds = [pr.fold for pr in pairs]
+    if not any(folds):  # a one-fold list (header 'N': the development view) defines no folds
+        folds = None
+    return PairList.from_path_pairs(p1, p2, [pr.same for pr in pairs], folds, source)
 
 
 def _parse_same(value: str, where: str) -> bool:
