@@ -219,3 +219,47 @@ def test_one_fold_lfw_list_has_no_folds(tmp_path: Path) -> None:
     (tmp_path / "pairs.txt").write_text("1\nAl 1 2\nAl 1 Bo 1\n")
     plist = resolve_lfw_pairs(parse_lfw_pairs(tmp_path / "pairs.txt"), tmp_path)
     assert plist.folds is None and plist.num_folds == 0
+
+
+# -- track: --scales and the frame counts ---------------------------------------------------------
+def test_scales_3_is_the_papers_search_over_a_custom_three_scale_checkpoint(tmp_path: Path) -> None:
+    """Was: ``--scales 3`` over a checkpoint with 3 scales and its own step kept that step (the
+    docs promise the paper's 3-scale search: step 1.0375, penalty 0.9745)."""
+    from dmlkit.apps.tracking import SiamFC, TrackerConfig, save_siamfc
+    from dmlkit.commands.track import _tracker
+
+    ckpt = save_siamfc(tmp_path / "c.pt", SiamFC(width=0.1),
+                       TrackerConfig(num_scales=3, scale_step=1.08, scale_penalty=0.95, window_influence=0.3))
+    own = _tracker("siamfc", ckpt, None, 0, "cpu").config
+    assert (own.scale_step, own.scale_penalty) == (1.08, 0.95)  # without --scales: the checkpoint's
+    three = _tracker("siamfc", ckpt, 3, 0, "cpu").config
+    assert (three.num_scales, three.scale_step, three.scale_penalty) == (3, 1.0375, 0.9745)
+    assert three.window_influence == 0.3
+    five = _tracker("siamfc", ckpt, 5, 0, "cpu").config
+    assert (five.num_scales, five.scale_step, five.scale_penalty) == (5, 1.025, 0.962)
+
+
+@pytest.mark.parametrize("method", ["siamfc", "ncc"])
+def test_other_scale_counts_are_refused(tmp_path: Path, method: str) -> None:
+    """Was: ``--scales 7`` ran 7 scales with the checkpoint's step (the docs offer 3 or 5), and
+    ``--method ncc`` ignored any --scales value."""
+    from dmlkit.apps.tracking import SiamFC, save_siamfc
+    from dmlkit.commands.track import _tracker
+
+    ckpt = save_siamfc(tmp_path / "c.pt", SiamFC(width=0.1))
+    with pytest.raises(ConfigError, match="--scales must be 3"):
+        _tracker(method, ckpt, 7, 0, "cpu")
+
+
+def test_frames_count_the_tracked_frames_and_scored_frames_the_ground_truth() -> None:
+    """Was: per-sequence ``frames`` (and ``num_frames``) counted only the frames with ground
+    truth, though the docs call it the tracked frames (and fps is measured over those)."""
+    from dmlkit.apps.tracking import evaluate_ope
+
+    gt = np.tile(np.array([10.0, 10.0, 20.0, 20.0]), (6, 1))
+    gt[[2, 3]] = np.nan  # target absent in two frames
+    res = evaluate_ope({"s": gt.copy()}, {"s": gt}, fps={"s": 10.0})
+    d = res.to_dict()
+    assert d["per_sequence"]["s"]["frames"] == 6 and d["per_sequence"]["s"]["scored_frames"] == 4
+    assert d["num_frames"] == 6 and d["num_scored_frames"] == 4
+    assert res.sequences[0].updates == 5

@@ -36,6 +36,8 @@ def _tracker(method: str, weights: Path | None, scales: int | None, seed: int, d
     from dmlkit.exceptions import ConfigError
 
     method = method.lower()
+    if scales not in (None, 3, 5):  # for every method, ncc included (it has no scale search)
+        raise ConfigError(f"--scales must be 3 (SiamFC-3s) or 5 (SiamFC-5s), got {scales}")
     if method == "ncc":
         from dmlkit.apps.tracking import NCCTracker
 
@@ -57,13 +59,8 @@ def _tracker(method: str, weights: Path | None, scales: int | None, seed: int, d
         model, cfg = SiamFC(width=width), TrackerConfig()
     else:
         raise ConfigError(f"unknown tracker {method!r}: use siamfc, untrained or ncc")
-    if scales is not None and scales != cfg.num_scales:
-        # only the scale search changes: the checkpoint's other tracker settings stay
-        from dataclasses import replace
-
-        variant = {3: TrackerConfig(), 5: TrackerConfig.five_scales()}.get(scales)
-        steps = {"scale_step": variant.scale_step, "scale_penalty": variant.scale_penalty} if variant else {}
-        cfg = replace(cfg, num_scales=scales, **steps)
+    if scales is not None:  # the paper's search of that many scales; the checkpoint's other settings stay
+        cfg = cfg.with_scales(scales)
     return SiamFCTracker(model, cfg, device=device)
 
 

@@ -112,9 +112,19 @@ class SequenceResult:
     frames: int | None = None
 
     @property
+    def tracked_frames(self) -> int:
+        """Frames tracked: ``frames``, else (not given) ``len(ious)``."""
+        return len(self.ious) if self.frames is None else int(self.frames)
+
+    @property
+    def scored_frames(self) -> int:
+        """Frames with valid ground truth: those the success and precision curves average."""
+        return len(self.ious)
+
+    @property
     def updates(self) -> int:
         """Timed updates: every tracked frame but the first (the initialisation)."""
-        return (len(self.ious) if self.frames is None else int(self.frames)) - 1
+        return self.tracked_frames - 1
 
     @property
     def auc(self) -> float:
@@ -161,11 +171,14 @@ class OPEResult:
         return float(sum(s.updates for s in rates) / sum(s.updates / s.fps for s in rates))
 
     def summary(self) -> dict[str, float | int | None]:
+        """Success AUC, precision at 20 px, the sequence count, ``num_frames`` (frames tracked)
+        and ``num_scored_frames`` (those with valid ground truth, which the curves average), fps."""
         return {
             "success_auc": self.auc,
             "precision_at_20": self.precision_at_20,
             "num_sequences": len(self.sequences),
-            "num_frames": int(sum(len(s.ious) for s in self.sequences)),
+            "num_frames": int(sum(s.tracked_frames for s in self.sequences)),
+            "num_scored_frames": int(sum(s.scored_frames for s in self.sequences)),
             "fps": self.fps,
         }
 
@@ -178,7 +191,7 @@ class OPEResult:
             "precision_curve": self.precision.tolist(),
             "per_sequence": {
                 s.name: {"success_auc": s.auc, "precision_at_20": s.precision_at_20,
-                         "frames": len(s.ious), "fps": s.fps}
+                         "frames": s.tracked_frames, "scored_frames": s.scored_frames, "fps": s.fps}
                 for s in self.sequences
             },
         }

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterable, Mapping
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
 
 import numpy as np
@@ -81,6 +81,17 @@ class TrackerConfig:
     def five_scales(cls) -> TrackerConfig:
         """SiamFC-5s: 5 scales, step 1.025 and penalty 0.962 (the paper's slower variant)."""
         return cls(num_scales=5, scale_step=1.025, scale_penalty=0.962)
+
+    def with_scales(self, num_scales: int) -> TrackerConfig:
+        """These settings with the paper's ``num_scales``-scale search: 3 (SiamFC-3s: step 1.0375,
+        penalty 0.9745) or 5 (:meth:`five_scales`). The variant's scale step and penalty replace
+        these settings' own, even when ``num_scales`` is already theirs (a checkpoint's custom
+        3-scale step is not the paper's 3-scale search); every other setting stays."""
+        variants = {3: TrackerConfig(), 5: TrackerConfig.five_scales()}
+        if num_scales not in variants:
+            raise ConfigError(f"the number of scales must be 3 (SiamFC-3s) or 5 (SiamFC-5s), got {num_scales}")
+        v = variants[num_scales]
+        return replace(self, num_scales=v.num_scales, scale_step=v.scale_step, scale_penalty=v.scale_penalty)
 
     def to_dict(self) -> dict:
         return asdict(self)
