@@ -263,3 +263,12 @@ def test_frames_count_the_tracked_frames_and_scored_frames_the_ground_truth() ->
     assert d["per_sequence"]["s"]["frames"] == 6 and d["per_sequence"]["s"]["scored_frames"] == 4
     assert d["num_frames"] == 6 and d["num_scored_frames"] == 4
     assert res.sequences[0].updates == 5
+
+
+@pytest.mark.parametrize("extra", [["--data-root", "/tmp"], ["--device", "cpu"]])
+def test_reid_of_an_embeddings_file_refuses_run_options(reid_files, run_cli, extra) -> None:
+    """Was: --data-root and --device (they read and embed a run's test split) were silently
+    ignored for an embeddings file."""
+    _, market = reid_files
+    code, _, err = run_cli(["reid", str(market), "--json", *extra])
+    assert extra[0] in _one_error_line(code, err)

@@ -57,6 +57,13 @@ def reid(
     if not shown_ranks or min(shown_ranks) < 1:  # checked now, not after the evaluation
         raise ConfigError(f"--ranks must be ranks >= 1, got {','.join(ranks)!r}")
     _refuse_unused(ctx, rerank, vehicleid=None)  # --k1/--k2/--lambda without --rerank: now
+    if not source.is_dir():  # an embeddings file: nothing to read from a dataset or to embed
+        from dmlkit.commands._options import given
+
+        for name, opt in (("data_root", "--data-root"), ("device", "--device")):
+            if given(ctx, name):
+                raise ConfigError(f"{opt} does not apply here (it reads and embeds a run directory's "
+                                  f"test split; {source} is an embeddings file): drop it")
     if rerank:  # the re-ranked pass runs second: its settings must not fail after the first
         from dmlkit.apps.reid._common import (  # lazy: CLI start-up
             check_rerank_metric,
