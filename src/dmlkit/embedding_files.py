@@ -44,6 +44,8 @@ def read_embedding_file(path: str | os.PathLike, labels_path: str | os.PathLike 
     labels: Any = None
     extra: dict[str, np.ndarray] = {}
     try:
+        if suffix in (".npz", ".npy"):
+            _check_numpy_file(path, suffix, "embeddings")
         if suffix == ".npz":
             with np.load(path, allow_pickle=False) as data:
                 if "embeddings" not in data.files:
@@ -57,7 +59,10 @@ def read_embedding_file(path: str | os.PathLike, labels_path: str | os.PathLike 
             emb, labels = _read_torch_file(path)
         else:
             raise DataError(f"unsupported embeddings file {path}: use .npz, .npy or .pt")
-    except (OSError, ValueError, EOFError, zipfile.BadZipFile) as exc:  # a truncated zip: BadZipFile
+    except zipfile.BadZipFile:  # a zip cut short (an interrupted copy) or damaged
+        raise DataError(f"cannot read embeddings from {path}: it is not a readable .npz file (a "
+                        "damaged or truncated zip archive)") from None
+    except (OSError, ValueError, EOFError) as exc:
         raise DataError(f"cannot read embeddings from {path}: {' '.join(str(exc).split())[:200]}") from None
     if labels_path is not None:
         if labels is not None:  # said, not silent: the file's own labels are not the ones used
@@ -69,6 +74,29 @@ def read_embedding_file(path: str | os.PathLike, labels_path: str | os.PathLike 
     if labels is None and labels_required:
         raise DataError(f"{path} has no labels: save an .npz with 'embeddings' and 'labels', or pass a labels file")
     return np.asarray(emb), None if labels is None else np.asarray(labels), extra
+
+
+_ZIP_MAGIC = (b"PK\x03\x04", b"PK\x05\x06")  # a zip's first entry, or an empty zip
+_NPY_MAGIC = b"\x93NUMPY"
+
+
+def _check_numpy_file(path: Path, suffix: str, what: str) -> None:
+    """Refuse, in one line, an ``.npz``/``.npy`` whose first bytes are not what its suffix says.
+    ``np.load`` takes any such file for a pickle ("contains pickled (object) data ...
+    allow_pickle"), which sends the user after a setting instead of a damaged file; an ``.npy``
+    named ``.npz`` would load as an array without ``.files``."""
+    with open(path, "rb") as fh:
+        head = fh.read(6)
+    if not head:
+        raise DataError(f"cannot read {what} from {path}: the file is empty (0 bytes)")
+    if suffix == ".npz" and head[:4] in _ZIP_MAGIC:
+        return
+    if suffix == ".npy" and head == _NPY_MAGIC:
+        return
+    kind = ("an .npy array, not an .npz archive: rename it to .npy" if head == _NPY_MAGIC else
+            "an .npz archive, not an .npy array: rename it to .npz" if head[:4] in _ZIP_MAGIC else
+            f"not a readable {suffix} file (damaged, truncated, or another kind of file)")
+    raise DataError(f"cannot read {what} from {path}: it is {kind}")
 
 
 def _named_labels(path: Path, labels: np.ndarray, names: np.ndarray) -> np.ndarray:
@@ -122,6 +150,7 @@ def read_labels_file(path: Path) -> np.ndarray:
         raise DataNotFoundError(f"labels file not found: {path}")
     try:
         if path.suffix.lower() == ".npy":
+            _check_numpy_file(path, ".npy", "labels")
             return np.load(path, allow_pickle=False)
         # utf-8-sig: a byte-order mark (Notepad, Excel) is not part of the first label
         text = path.read_text(encoding="utf-8-sig")

@@ -27,7 +27,7 @@ def register(app: typer.Typer) -> None:
         restarts: int = typer.Option(3, "--restarts", min=1, help="k-means restarts averaged by nmi / ami / pair_f1."),
         seed: int = typer.Option(0, "--seed", help="First k-means seed."),
         device: str = typer.Option("cpu", "--device", help="cpu | cuda | auto: where the retrieval metrics run (a GPU gives the CPU's numbers; k-means runs on the CPU)."),
-        per_class_out: Path | None = typer.Option(None, "--per-class", help="Also write per-class retrieval metrics to this JSON file."),
+        per_class_out: Path | None = typer.Option(None, "--per-class", help="Also write the requested retrieval metrics per class to this JSON file (clustering metrics and pos_neg_js have no per-class value)."),
         as_json: bool = typer.Option(False, "--json", help="Print JSON instead of a table."),
     ) -> None:
         """Evaluate embeddings: P@1, Recall@K, R-Precision, MAP@R, NMI/AMI/F1, pos/neg JS divergence.
@@ -61,7 +61,7 @@ def register(app: typer.Typer) -> None:
         if per_class_out is not None:
             names = [m for m in result if m not in _COUNTS and not m.endswith("_std") and m not in
                      ("nmi", "ami", "pair_f1", "pos_neg_js")]
-            table = per_class(q, ql, r, rl, names or None, **kwargs)
+            table = per_class(q, ql, r, rl, names, **kwargs)  # the retrieval metrics asked for
             atomic_write_json(per_class_out, {str(c): v for c, v in table.items()})
         if as_json:
             echo_json(result)
@@ -106,6 +106,7 @@ def _compute(embeddings: Path, reference: Path | None, labels: Path | None,
     from dmlkit.embedding_shards import is_shard_dir, open_shards
     from dmlkit.exceptions import ConfigError
     from dmlkit.metrics import evaluate
+    from dmlkit.metrics.clustering import CLUSTERING_METRICS
     from dmlkit.metrics.evaluate import expand_metric_names
     from dmlkit.metrics.streaming import evaluate_streaming, is_streamable, streamable_names
 
@@ -121,6 +122,11 @@ def _compute(embeddings: Path, reference: Path | None, labels: Path | None,
         if across and per_class_out is not None:
             raise ConfigError("--per-class: run one process (per-class tables are not split across "
                               "torchrun ranks)")
+        if per_class_out is not None and not any(
+                n not in (*CLUSTERING_METRICS, "pos_neg_js") for n in expand_metric_names(metrics, k_values)):
+            raise ConfigError(f"--per-class: {','.join(metrics)} score the whole set, not each class; "
+                              "request a retrieval metric too (e.g. -m nmi,map_at_r: the per-class "
+                              "file holds the retrieval metrics requested)")
         if streamed and per_class_out is not None:
             raise ConfigError("--per-class needs in-memory embeddings: save an .npz (dmlkit embed) "
                               "or leave --per-class out for a shard directory")

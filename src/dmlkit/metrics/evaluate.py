@@ -230,7 +230,13 @@ def per_query(
 def _per_query(
     query, query_labels, reference, reference_labels, metrics, *, distance, k_values, backend, memory_budget
 ) -> tuple[dict[str, np.ndarray], np.ndarray, _Inputs]:
-    names = [n for n in expand_metric_names(metrics, k_values) if n not in (*CLUSTERING_METRICS, "pos_neg_js")]
+    names = expand_metric_names(metrics, k_values)
+    whole_set = [n for n in names if n in (*CLUSTERING_METRICS, "pos_neg_js")]
+    if whole_set:  # they were dropped: per_class(metrics=["nmi"]) gave rows of counts alone
+        raise ConfigError(f"{', '.join(whole_set)} score the whole set (a clustering, or the "
+                          "positive/negative distance histograms), not each query or class: ask "
+                          "per-query/per-class values of retrieval metrics (precision_at_1, "
+                          "recall_at_k, r_precision, map_at_r, ...)")
     budget = check_budget(memory_budget)
     inp = _Inputs(query, query_labels, reference, reference_labels, distance)
     valid = inp.r_q > 0

@@ -23,7 +23,7 @@ from dmlkit.data import load_image
 from dmlkit.embeddings import embed_split, load_embeddings
 from dmlkit.exceptions import ConfigError, DataError, DataNotFoundError, DmlkitError
 from dmlkit.metrics import knn, per_class, per_query, pos_neg_histograms
-from dmlkit.protocol.results import format_cell, metric_label
+from dmlkit.protocol.results import embeddings_digest, format_cell, load_results, metric_label
 from dmlkit.report import figures
 from dmlkit.report.html import Figure, Section, render_page, table_html
 from dmlkit.training import build_datasets, build_model, load_checkpoint, read_log
@@ -432,10 +432,8 @@ def _config_section(directory: Path) -> Section:
 
 # -- a benchmark ---------------------------------------------------------------------------------
 def _bench_sections(bench_dir: Path, fig_dir: Path, options: ReportOptions) -> tuple[str, str, list[Section]]:
-    results = read_json_object(bench_dir / "results.json", "results.json of dmlkit bench")
-    methods: dict[str, Any] = results.get("methods", {})
-    if not methods or not isinstance(methods, dict):
-        raise DataError(f"{bench_dir / 'results.json'} lists no methods")
+    results = load_results(bench_dir / "results.json")  # checked, its run paths resolved
+    methods: dict[str, Any] = results["methods"]
     sections: list[Section] = []
     metrics = results.get("metrics", list(_MAIN_METRICS))
     header = ["method"] + [f"{mode} {metric_label(k)}" for mode in ("concatenated", "separated") for k in metrics]
@@ -471,10 +469,12 @@ def _bench_sections(bench_dir: Path, fig_dir: Path, options: ReportOptions) -> t
             "loss under identical settings; the dashed line is no improvement."], [],
             [Figure(png[0], "Relative improvement over contrastive and triplet", png[1])]))
     curve_figs = []
-    for name in methods:
-        logs = {}
-        for log_path in sorted((bench_dir / "final" / name).glob("seed*/fold*/log.jsonl")):
-            logs[f"{log_path.parent.parent.name} {log_path.parent.name}"] = read_jsonl(log_path)
+    for name, entry in methods.items():
+        logs = {}  # the runs results.json lists, not every seed folder left on disk
+        for run in _listed_runs(bench_dir, name, entry):
+            log_path = Path(run.get("run_dir") or Path(run["embeddings"]).parents[1]) / "log.jsonl"
+            if log_path.is_file():
+                logs[f"seed{run['seed']} fold{run['fold']}"] = read_jsonl(log_path)
         logs = {k: v for k, v in logs.items() if v}
         if logs:
             png = figures.save_figure(figures.training_curves(logs), fig_dir / f"curves_{_slug(name)}")
@@ -482,8 +482,9 @@ def _bench_sections(bench_dir: Path, fig_dir: Path, options: ReportOptions) -> t
     if curve_figs:
         sections.append(Section("Training curves", ["One line per fold model and seed."], [], curve_figs))
     best_name = rows[best][0]
-    test, missing = _concatenated_test(bench_dir, best_name)
-    before = _concatenated_test(bench_dir, "pretrained")[0] if best_name != "pretrained" else None
+    test, missing = _concatenated_test(_listed_runs(bench_dir, best_name, methods[best_name]), best_name)
+    before = (_concatenated_test(_listed_runs(bench_dir, "pretrained", methods["pretrained"]), "pretrained")[0]
+              if best_name != "pretrained" and "pretrained" in methods else None)
     if test is not None:
         sections += _embedding_sections(test, before, {}, fig_dir, options,
                                         f"{best_name} (concatenated fold models)",
@@ -498,23 +499,50 @@ def _bench_sections(bench_dir: Path, fig_dir: Path, options: ReportOptions) -> t
     return f"dmlkit benchmark report: {bench_dir.name}", f"Benchmark directory {bench_dir.resolve()}", sections
 
 
-def _concatenated_test(bench_dir: Path, method: str) -> tuple[_Split | None, list[Path]]:
-    """The first seed's fold models' test embeddings concatenated as the benchmark scores them
-    (:func:`dmlkit.validation.concatenate_normalized`: each part normalised, then the whole), and
-    the fold files that are missing: with any missing there is no concatenation (a part of it,
-    drawn as the whole, was captioned as the concatenated model)."""
-    seeds = sorted((bench_dir / "final" / method).glob("seed*"))
-    if not seeds:
+def _listed_runs(bench_dir: Path, method: str, entry: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """The final runs of ``method`` that ``results.json`` lists (``seed``, ``fold``, ``run_dir``,
+    ``embeddings``), by seed and fold as numbers: seed folders left on disk by an earlier
+    config are not the table's. A results file without ``runs`` (hand-written) falls back to
+    the ``final/<method>/seed<S>/fold<F>`` folders."""
+    if entry.get("runs") is not None:
+        runs = [dict(r) for r in entry["runs"]]
+    else:
+        runs = []
+        for fold_dir in (bench_dir / "final" / method).glob("seed*/fold*"):
+            seed, fold = fold_dir.parent.name[4:], fold_dir.name[4:]
+            if seed.isdigit() and fold.isdigit():
+                runs.append({"seed": int(seed), "fold": int(fold), "run_dir": str(fold_dir),
+                             "embeddings": str(fold_dir / "embeddings" / "test.npz")})
+    return sorted(runs, key=lambda r: (int(r["seed"]), int(r["fold"])))
+
+
+def _concatenated_test(runs: Sequence[Mapping[str, Any]], method: str) -> tuple[_Split | None, list[Path]]:
+    """The first seed's (the smallest, as a number: seed2 before seed10) fold models' test
+    embeddings that ``results.json`` lists for ``method``, concatenated as the benchmark scores
+    them (:func:`dmlkit.validation.concatenate_normalized`: each part normalised, then the whole),
+    and the fold files that are missing: with any missing there is no concatenation (a part of
+    it, drawn as the whole, was captioned as the concatenated model). A file whose digest is not
+    the one ``results.json`` recorded (``embeddings_sha256``, :func:`embeddings_digest`, as
+    ``dmlkit compare`` checks) is refused: it is not what the table was computed on."""
+    if not runs:
         return None, []
-    files = [fold_dir / "embeddings" / "test.npz" for fold_dir in sorted(seeds[0].glob("fold*"))]
+    first = min(int(r["seed"]) for r in runs)
+    fold_runs = sorted((r for r in runs if int(r["seed"]) == first), key=lambda r: int(r["fold"]))
+    files = [Path(r["embeddings"]) for r in fold_runs]
     missing = [f for f in files if not f.exists()]
-    if missing or not files:
+    if missing:
         return None, missing
     parts = []
     labels = None
     names = None
-    for f in files:
+    for run, f in zip(fold_runs, files):
         emb, lab, extra = load_embeddings(f)
+        recorded = run.get("embeddings_sha256")
+        if recorded and embeddings_digest(emb, lab) != recorded:
+            raise DataError(
+                f"{f} ({method}) is not the file the results table was computed on: it was "
+                "rewritten since (a later final stage trained this run again, or the file was "
+                "replaced); rerun `dmlkit bench CONFIG --stage final` to rewrite results.json")
         names = names or _file_class_names(extra)
         if labels is not None and not np.array_equal(lab, labels):
             raise DataError(f"{f}: test labels differ between folds; cannot concatenate")

@@ -181,19 +181,20 @@ def open_run_dir(run_dir: Path, config: ExperimentConfig, resume: bool, *, world
         )
     else:  # a fresh start: what is there comes from an attempt killed before its first checkpoint
         stale = _FINAL_OUTPUTS + _ATTEMPT_OUTPUTS
-        found = [name for name in stale if (run_dir / name).exists()]
+        found = [name for name in (*stale, "config.yaml") if (run_dir / name).exists()]
         if found and not (run_dir / "provenance.json").is_file():
             # every attempt writes provenance.json before any of these: without it they are the
-            # user's own files (a project folder's log.csv or metrics.json), removed unasked
+            # user's own files (a project folder's log.csv, metrics.json or config.yaml, whose
+            # comments the resolved config replaced), removed unasked
             raise CheckpointError(
                 f"{run_dir} holds {', '.join(found)} but no dmlkit run (no provenance.json): a new "
                 "run would replace them; choose another run directory (--run-dir), or move them")
     for name in stale:
         (run_dir / name).unlink(missing_ok=True)
     run_dir.mkdir(parents=True, exist_ok=True)
-    dump_config(config, run_dir / "config.yaml")
-    if payload is None or not (run_dir / "provenance.json").exists():
+    if payload is None or not (run_dir / "provenance.json").exists():  # first: it marks the run's
         write_provenance(run_dir / "provenance.json", config.seed, extra={"run_dir": str(run_dir)})
+    dump_config(config, run_dir / "config.yaml")
     return payload
 
 
@@ -466,6 +467,8 @@ def embed_run(
                           "writes an npz archive whatever the name); use --format shards for a "
                           "directory of .npy shards")
     job = _EmbeddingJob(checkpoint, split, data_root, device)
+    if output is not None:
+        _refuse_replacing_run_test_embeddings(Path(output), job.checkpoint, split)
     with leaving_alone_on_failure():
         emb, labels = embed_sharded(
             lambda part: embed_split(job.model, part, job.config, job.device,
@@ -475,6 +478,19 @@ def embed_run(
             path = save_embeddings(path, emb, labels, indices=dataset_rows(job.dataset))
         barrier()  # the file exists before any rank returns
     return path, emb, labels, job.config
+
+
+def _refuse_replacing_run_test_embeddings(output: Path, checkpoint: Path, split: str) -> None:
+    """Refuse ``-o RUN/embeddings/test.npz`` (what ``metrics.json`` describes, and ``compare``/
+    ``report`` read) for another split or checkpoint than the test split of ``best.pt``."""
+    run_dir = _run_dir_of(checkpoint)
+    if ((split, checkpoint.name) == ("test", "best.pt") or not (run_dir / "metrics.json").is_file()
+            or output.resolve() != (run_dir / "embeddings" / "test.npz").resolve()):
+        return
+    raise mark_every_rank(ConfigError(
+        f"--output {output} is the run's own test embeddings (of checkpoints/best.pt, described by "
+        f"{run_dir / 'metrics.json'}): refusing to write the {split} split of {checkpoint.name} over "
+        f"it; leave out -o (writes embeddings/{default_embeddings_name(checkpoint, split)})"))
 
 
 def embed_run_to_shards(
