@@ -46,7 +46,13 @@ def register(app: typer.Typer) -> None:
 
         Before anything is written, every method's config is checked against the data and the
         folds' class counts: all violations in one error, each with a value that fits
-        (--set protocol.folds=2 ...). Exits 2 when every search trial of a method failed.
+        (--set protocol.folds=2 ...). Exits 2 when every search trial of a method failed, or
+        (after writing the table) when every final run of a method diverged.
+
+        With -m, the final stage trains the named methods and keeps the rows of the others whose
+        final runs are on disk and current; it says which it kept and which it left out. A final
+        run that diverges (NaN loss) is recorded in its failed.json and kept: the method's row is
+        over the seeds whose fold models all finished, labelled (2/3 seeds), with a warning.
 
         Inference and metric settings are the config's fixed.evaluation section, e.g.
         --set fixed.evaluation.memory_mb=512; its memory_mb and backend,
@@ -56,7 +62,7 @@ def register(app: typer.Typer) -> None:
         import os
 
         from dmlkit.commands._console import output_console
-        from dmlkit.exceptions import ConfigError
+        from dmlkit.exceptions import ConfigError, DmlkitError
         from dmlkit.protocol import Bench, load_bench_config, rich_table
 
         if stage not in ("all", "search", "final"):
@@ -104,3 +110,12 @@ def register(app: typer.Typer) -> None:
         if results is not None:
             console.print(rich_table(results))
             console.print(f"results: {bench.dir}/results.{{json,csv,md}}")
+            lost = [name for name, row in results["methods"].items()
+                    if row.get("failed_runs") and not row.get("seeds")]
+            if lost:  # as when every search trial failed: the table is written, the method has no row
+                from dmlkit.protocol.stages import DIVERGED_HINT  # lazy: torch-heavy, only when run
+
+                first = results["methods"][lost[0]]["failed_runs"][0]
+                raise DmlkitError(f"every final run of {', '.join(lost)} diverged (seed {first['seed']} "
+                                  f"fold {first['fold']}: {first['error']}); its row in "
+                                  f"{bench.dir}/results.md is n/a. {DIVERGED_HINT}")

@@ -168,6 +168,9 @@ def _method_scores(entry: Mapping[str, Any], mode: str, name: str = "the method"
                    ) -> tuple[dict[str, np.ndarray], _TestItems]:
     """:func:`method_per_seed_query` and the test items its files hold (all checked equal)."""
     runs = entry.get("runs") or []
+    if not runs and entry.get("failed_runs"):
+        raise DataError(f"every final run of {name} diverged (results.json lists its failed_runs): "
+                        "it has no embeddings to compare")
     if not runs:
         raise DataError(f"{name} has no runs (embedding files) to compare")
     by_seed: dict[int, list[Mapping[str, Any]]] = {}
@@ -322,6 +325,10 @@ def compare_results(
         f"seed noise (need {MIN_SEEDS_FOR_SIGNIFICANCE}; the Reality Check ran 5: protocol.seeds); its "
         "differences are reported but never called significant"
         for name, n in seeds.items() if n < MIN_SEEDS_FOR_SIGNIFICANCE
+    ]
+    warnings += [  # a bench's diverged final runs: the method is compared over fewer seeds
+        f"{name}: the final runs of seed(s) {merged[name]['seeds_failed']} diverged; it is compared "
+        f"over its {seeds[name]} finished seed(s)" for name in names if merged[name].get("seeds_failed")
     ]
     if labels_only:
         warnings.append(

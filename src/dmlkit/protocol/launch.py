@@ -52,7 +52,7 @@ from typing import Any
 from dmlkit.config import ExperimentConfig, config_from_dict
 from dmlkit.data import get_transforms, load_dataset
 from dmlkit.distributed import DistributedError, shutdown
-from dmlkit.exceptions import ConfigError, DataError
+from dmlkit.exceptions import ConfigError, DataError, NonFiniteError
 from dmlkit.protocol.config import BenchConfig, TorchrunSettings
 from dmlkit.training import train
 from dmlkit.utils import atomic_write_json
@@ -239,6 +239,9 @@ class TorchrunLauncher:
             found = read_rank_error(launch_dir)
             if found is not None:
                 rank, error = found
+                if error.startswith(f"{NonFiniteError.__name__}: "):  # diverged: the run's own outcome,
+                    # which the final stage records as a failed run (as it does for one process)
+                    raise NonFiniteError(f"rank {rank} of {self.nproc}: {error.split(': ', 1)[1]}")
                 raise DistributedError(f"rank {rank} of {self.nproc} failed: {error}")
             raise DistributedError(
                 f"torchrun exited with code {rc} and no rank reported an error (killed? out of "

@@ -32,12 +32,14 @@ __all__ = [
     "MODES",
     "build_results",
     "embeddings_digest",
+    "failure_notes",
     "format_cell",
     "load_results",
     "resolved_runs",
     "render_csv",
     "render_markdown",
     "rich_table",
+    "row_label",
     "write_results",
 ]
 
@@ -75,6 +77,10 @@ def metric_label(metric: str) -> str:
 
 
 def summarize(values: Sequence[float]) -> dict[str, Any]:
+    """Mean, 95 % half-width, values and count; no mean (``n/a``) without a value (every
+    seed of the method had a diverged final run)."""
+    if len(values) == 0:
+        return {"mean": None, "ci95": None, "values": [], "n": 0}
     mean, ci = mean_ci(values)
     return {"mean": mean, "ci95": ci, "values": [float(v) for v in values], "n": len(values)}
 
@@ -92,7 +98,7 @@ def format_cell(cell: Mapping[str, Any], scale: float = 100.0, digits: int = 2) 
 def _embedding_size(entries: Mapping[str, Mapping[str, Any]], config) -> int:
     """The fold models' embedding size as their saved embeddings have it: the model owns it (an
     ``identity`` head gives the trunk's width, not ``model.embedding_size``)."""
-    for entry in entries.values():
+    for entry in entries.values():  # (None for a method whose every seed diverged)
         size = entry["evaluation"].get("embedding_size")
         if size:
             return int(size)
@@ -153,14 +159,19 @@ def build_results(config, split, entries: Mapping[str, Mapping[str, Any]], *, be
             "loss": entry.get("loss"),
             "miner": entry.get("miner"),
             "seeds": list(ev["seeds"]),
+            # the runs the row was computed on: a seed with a diverged fold model is left out
             "runs": [
                 {"seed": r.seed, "fold": r.fold, "run_dir": _in_bench(r.run_dir, bench_dir),
                  "checkpoint": None if r.checkpoint is None else _in_bench(r.checkpoint, bench_dir),
                  "embeddings": _in_bench(r.embeddings, bench_dir),
                  "embeddings_sha256": (ev.get("digests") or {}).get(str(r.embeddings))}
-                for r in entry["runs"]
+                for r in entry["runs"] if r.seed in ev["seeds"]
             ],
         })
+        if ev.get("failed_runs"):
+            methods[name]["seeds_failed"] = list(ev["failed_seeds"])
+            methods[name]["failed_runs"] = [{**f, "run_dir": _in_bench(f["run_dir"], bench_dir)}
+                                            for f in ev["failed_runs"]]
     return {
         "format": FORMAT,
         "name": config.name,
@@ -182,7 +193,7 @@ def build_results(config, split, entries: Mapping[str, Mapping[str, Any]], *, be
 def _best_by_column(results: Mapping[str, Any]) -> dict[tuple[str, str], str]:
     best: dict[tuple[str, str], tuple[float, str]] = {}
     for name, row in results["methods"].items():
-        if name == "pretrained":
+        if name == "pretrained" or row.get("seeds_failed"):  # a row over fewer seeds: not comparable
             continue
         for mode in MODES:
             for m in results["metrics"]:
@@ -219,7 +230,7 @@ def render_markdown(results: Mapping[str, Any]) -> str:
             for m in metrics:
                 text = format_cell(row[mode][m])
                 cells.append(f"**{text}**" if best.get((mode, m)) == name else text)
-        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+        lines.append(f"| {row_label(name, row)} | " + " | ".join(cells) + " |")
     split = results.get("split", {})
     seeds = results.get("seeds", [])
     lines.append("")
@@ -235,7 +246,35 @@ def render_markdown(results: Mapping[str, Any]) -> str:
         f"{len(seeds)} seed(s) {seeds}; "
         "mean ± 95 % CI (Student t over seeds), in %."
     )
+    lines += [f"\nWarning: {note}" for note in failure_notes(results)]
     return "\n".join(lines) + "\n"
+
+
+def row_label(name: str, row: Mapping[str, Any]) -> str:
+    """The method's name, with ``(2/3 seeds)`` when final runs of some seeds diverged."""
+    failed = row.get("seeds_failed") or []
+    if not failed:
+        return name
+    finished = len(row.get("seeds") or [])
+    return f"{name} ({finished}/{finished + len(failed)} seeds)"
+
+
+def failure_notes(results: Mapping[str, Any]) -> list[str]:
+    """One line per method with diverged final runs: how many, the first error, and which
+    seeds its row is computed over (``n/a`` when none finished)."""
+    notes = []
+    for name in _ordered_methods(results):
+        row = results["methods"][name]
+        failed = row.get("failed_runs") or []
+        if not failed:
+            continue
+        seeds, lost = list(row.get("seeds") or []), list(row.get("seeds_failed") or [])
+        first = failed[0]
+        over = (f"its row is over the {len(seeds)} of {len(seeds) + len(lost)} seeds whose fold models "
+                f"all finished ({seeds})" if seeds else "its row is n/a (no seed finished)")
+        notes.append(f"{name}: {len(failed)} final run(s) diverged, in seed(s) {lost} (seed {first['seed']} "
+                     f"fold {first['fold']}: {first['error']}); {over}")
+    return notes
 
 
 def _search_counts(results: Mapping[str, Any]) -> str:
@@ -268,7 +307,7 @@ def render_csv(results: Mapping[str, Any]) -> str:
             for m in results["metrics"]:
                 cell = row[mode][m]
                 writer.writerow([
-                    name, mode, m, f"{cell['mean']:.6f}",
+                    name, mode, m, "" if cell["mean"] is None else f"{cell['mean']:.6f}",
                     "" if cell["ci95"] is None else f"{cell['ci95']:.6f}", cell["n"],
                     " ".join(f"{v:.6f}" for v in cell["values"]),
                 ])
@@ -295,7 +334,7 @@ def rich_table(results: Mapping[str, Any]):
             for m in metrics:
                 text = format_cell(row[mode][m])
                 cells.append(f"[bold]{text}[/]" if best.get((mode, m)) == name else text)
-        table.add_row(name, *cells)
+        table.add_row(row_label(name, row), *cells)
     return table
 
 

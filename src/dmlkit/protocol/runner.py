@@ -15,7 +15,7 @@ Directory layout (``docs/architecture.md``)::
 
     BENCH_DIR/config.yaml, provenance.json, split.json, study.db
     BENCH_DIR/search/<method>/trial<k>/fold<f>/     search runs
-    BENCH_DIR/final/<method>/seed<s>/fold<f>/       final runs; embeddings/test.npz
+    BENCH_DIR/final/<method>/seed<s>/fold<f>/       final runs; embeddings/test.npz (failed.json: diverged)
     BENCH_DIR/results.{json,csv,md}
 """
 
@@ -44,9 +44,10 @@ from dmlkit.protocol.config import (
     dump_bench_config,
 )
 from dmlkit.protocol.preflight import check_bench
-from dmlkit.protocol.results import build_results, write_results
+from dmlkit.protocol.results import build_results, failure_notes, write_results
 from dmlkit.protocol.splits import BenchSplit, TestClassGuard, make_bench_split
 from dmlkit.protocol.stages import (  # noqa: F401  (re-exported: the stages' old home)
+    DIVERGED_HINT,
     PRETRAINED,
     FinalRun,
     FinalStage,
@@ -66,6 +67,7 @@ from dmlkit.protocol.study import (
     count_finished,
     counted_trials,
     fail_running_trials,
+    in_memory_storage,
     make_sampler,
     make_storage,
     open_study,
@@ -210,7 +212,7 @@ class Bench:
         """Refuse an in-memory study database where other processes (workers, a later
         ``--stage``) must read the study."""
         storage = self.config.protocol.storage
-        if _in_memory(storage):
+        if in_memory_storage(storage):
             raise ConfigError(
                 f"protocol.storage {storage!r} is an in-memory database: it lives in one process, so "
                 "worker processes and separate --stage runs cannot share its study; use a file (leave "
@@ -416,7 +418,11 @@ class Bench:
             stage.run_method(method, params, claim=True)
 
     def final(self, *, methods: Sequence[str] | None = None) -> dict[str, Any]:
-        """Final runs of every method (and the pretrained row), evaluated; writes the results."""
+        """Final runs of every method (or those named) and the pretrained row, evaluated; writes
+        the results. With ``methods``, every other method whose final runs are all on disk and
+        current (:meth:`FinalStage.current_runs`) keeps its row, evaluated again from its files;
+        the others are left out, and the console says which and why. Diverged runs are recorded
+        (:meth:`FinalStage.run_method`): their seeds are left out of the row, which says so."""
         full = self.full_dataset()
         split = self.split(full)
         stage = FinalStage(self.config, split, full, self.dir, train_fn=self.train_fn, console=self.console)
@@ -424,22 +430,48 @@ class Bench:
         options = self.config.fixed.evaluation.metric_options()
         entries: dict[str, dict[str, Any]] = {}
         # every method's search over before anything is embedded or trained
-        chosen = [(method, *self.best_params(method)) for method in self._methods(methods)]
+        chosen = {method.name: (method, *self.best_params(method)) for method in self._methods(methods)}
         if self.config.protocol.pretrained:
             _say(self.console, "[bold]pretrained[/]: embedding the test classes with untrained embedders")
             runs = stage.run_pretrained()
             entries[PRETRAINED] = {"runs": runs, "evaluation": evaluate_runs(runs, metrics, **options),
                                    "best_params": {}, "search": None}
-        for method, params, search_info in chosen:
-            _say(self.console, f"[bold]{method.name}[/]: final runs with {params or 'the default parameters'}")
-            runs = stage.run_method(method, params)
+        kept, left = [], []
+        for method in self.config.methods:  # the config's order, whichever were named
+            if method.name in chosen:
+                _, params, search_info = chosen[method.name]
+                _say(self.console, f"[bold]{method.name}[/]: final runs with {params or 'the default parameters'}")
+                runs = stage.run_method(method, params)
+            elif not (self.dir / "final" / method.name).is_dir():
+                left.append((method.name, "no final runs"))
+                continue
+            else:
+                try:
+                    params, search_info = self.best_params(method)
+                    runs = stage.current_runs(method, params)
+                except DmlkitError as exc:  # its search is not over
+                    runs = str(exc)
+                if isinstance(runs, str):
+                    left.append((method.name, runs))
+                    continue
+                kept.append(method.name)
             entries[method.name] = {"runs": runs, "evaluation": evaluate_runs(runs, metrics, **options),
                                     "best_params": params, "search": search_info,
                                     "loss": method.loss.model_dump(mode="json"),
                                     "miner": None if method.miner is None else method.miner.model_dump(mode="json")}
+        if kept:
+            _say(self.console, f"kept the rows of {', '.join(kept)}: their final runs are current")
+        if left:
+            _say(self.console, f"[yellow]not in the table:[/] {'; '.join(f'{n} ({why})' for n, why in left)}; "
+                 f"add {' '.join(f'-m {n}' for n, _ in left)} to train them")
         results = build_results(self.config, split, entries, bench_dir=self.dir,
                                 storage_url=self.storage_url)
         write_results(results, self.dir)
+        notes = failure_notes(results)
+        for note in notes:
+            _say(self.console, f"[yellow]warning:[/] {note}")
+        if notes:
+            _say(self.console, DIVERGED_HINT)
         return results
 
     # -- orchestration -----------------------------------------------------------------------------
@@ -562,12 +594,3 @@ def _bench_lock(bench_dir: Path):
     return directory_lock(bench_dir, "bench.lock",
                           f"another `dmlkit bench` is running in {bench_dir}; to help it, start "
                           "`dmlkit bench CONFIG --worker` with a shared storage URL instead")
-
-
-def _in_memory(storage: str | None) -> bool:
-    """Whether an Optuna storage URL names an in-memory SQLite database (``sqlite://``,
-    ``sqlite:///:memory:``), which only the process that opened it can see."""
-    if storage is None or not storage.startswith("sqlite:"):
-        return False
-    path = storage.split("://", 1)[1] if "://" in storage else ""
-    return path in ("", "/") or path.lstrip("/").split("?")[0] in ("", ":memory:")

@@ -23,7 +23,7 @@ import torch
 from dmlkit.config import dump_config, load_yaml
 from dmlkit.data import ClassSplit, get_transforms, load_dataset
 from dmlkit.embeddings import dataset_rows, embed_split, load_embeddings, save_embeddings
-from dmlkit.exceptions import ConfigError, DataError, DmlkitError
+from dmlkit.exceptions import ConfigError, DataError, DmlkitError, NonFiniteError
 from dmlkit.metrics import evaluate
 from dmlkit.protocol.config import (
     RUN_SEED_STRIDE,
@@ -35,16 +35,26 @@ from dmlkit.protocol.space import suggest
 from dmlkit.protocol.splits import BenchSplit, TestClassGuard
 from dmlkit.training import build_model, train
 from dmlkit.training.checkpoint import training_changes
-from dmlkit.utils import atomic_write_text, seed_everything
+from dmlkit.utils import atomic_write_json, atomic_write_text, seed_everything
 from dmlkit.utils import data_root as resolve_data_root
 from dmlkit.validation import concatenate_normalized
 
 logger = logging.getLogger(__name__)
-__all__ = ["PRETRAINED", "FinalRun", "FinalStage", "SearchStage", "evaluate_runs", "load_full_dataset",
-           "method_fingerprint", "release_claims", "run_seed"]
+__all__ = ["DIVERGED_HINT", "FAILED_RUN", "PRETRAINED", "FinalRun", "FinalStage", "SearchStage", "evaluate_runs",
+           "load_full_dataset", "method_fingerprint", "release_claims", "run_seed"]
 
 
 PRETRAINED = "pretrained"
+#: A final run that diverged (its loss or embeddings became NaN or infinite) records why in this
+#: file of its run directory; later final stages keep the failure instead of training it again.
+FAILED_RUN = "failed.json"
+#: What a user can do about a diverged final run (said after the table).
+DIVERGED_HINT = (
+    "A diverged final run is recorded in its failed.json and kept (the same seed and settings "
+    "diverge again). To retry with a lower learning rate or gradient clipping (fixed settings, so "
+    "in a new bench directory): --out NEW --set fixed.optimizer.trunk_lr=1e-4 --set "
+    "fixed.optimizer.embedder_lr=1e-4 --set fixed.training.grad_clip=1.0; or delete the failed "
+    "runs' directories to train them again")
 
 
 def run_seed(seed: int, fold: int) -> int:
@@ -156,12 +166,15 @@ def method_fingerprint(config: BenchConfig, method: MethodConfig, split: BenchSp
 # -- final runs -----------------------------------------------------------------------------------
 @dataclass
 class FinalRun:
+    """One fold model of one seed; ``error`` is set for a run that diverged (no embeddings)."""
+
     method: str
     seed: int
     fold: int
     run_dir: Path
     embeddings: Path
     checkpoint: Path | None
+    error: str | None = None
 
 
 class FinalStage:
@@ -185,40 +198,76 @@ class FinalStage:
         return (_with_transform(self.dev.subset_classes(list(f.train)), self.config, train=True),
                 _with_transform(self.dev.subset_classes(list(f.val)), self.config, train=False))
 
-    def run_method(self, method: MethodConfig, params: dict[str, Any], *, claim: bool = False) -> list[FinalRun]:
-        """Train (or reuse) every fold model of every seed; with ``claim``, skip runs another
-        worker process has claimed (a ``.claimed`` file created atomically in the run directory)."""
-        runs = []
+    def _plan(self, method: MethodConfig, params: dict[str, Any]):
+        """``(seed, fold, run_dir, config, stale changes)`` of every final run of ``method``."""
         for seed in self.config.protocol.seeds or [0]:
             for fold in self.split.folds:
                 run_dir = self.bench_dir / "final" / method.name / f"seed{seed}" / f"fold{fold.index}"
-                emb_path = run_dir / "embeddings" / "test.npz"
                 cfg = self.config.experiment(
                     method, params, seed=run_seed(seed, fold.index),
                     name=f"{self.config.name}-{method.name}-seed{seed}-fold{fold.index}",
                 )
-                stale = _stale_changes(run_dir, cfg)
-                done = not stale and emb_path.exists() and (run_dir / "metrics.json").exists()
-                if not done and claim and not _claim(run_dir):
-                    continue
-                if stale:  # trained with an earlier best (a search resumed with more trials)
-                    _say(self.console, f"  final {method.name}: seed {seed} fold {fold.index} was trained with "
-                         f"other settings ({'; '.join(stale)}): training it again")
-                    _clear_run(run_dir)
-                if not done:
-                    train_set, val_set = self._fold_sets(fold.index)
-                    resume = (run_dir / "checkpoints" / "last.pt").exists()
-                    _say(self.console, f"  final {method.name}: seed {seed} fold {fold.index}"
-                         + (" (resuming)" if resume else ""))
+                yield seed, fold, run_dir, cfg, _stale_changes(run_dir, cfg)
+
+    def _run(self, method: MethodConfig, seed: int, fold: int, run_dir: Path) -> FinalRun:
+        return FinalRun(method.name, seed, fold, run_dir, run_dir / "embeddings" / "test.npz",
+                        run_dir / "checkpoints" / "best.pt", _recorded_failure(run_dir))
+
+    def current_runs(self, method: MethodConfig, params: dict[str, Any]) -> list[FinalRun] | str:
+        """The final runs of ``method`` as they are on disk, when every one is finished (or
+        recorded as diverged) with ``params`` and the current settings; else why not (a final
+        stage for other methods keeps this method's row only then)."""
+        runs = []
+        for seed, fold, run_dir, _, stale in self._plan(method, params):
+            if stale:
+                return f"seed {seed} fold {fold.index} was trained with other settings ({'; '.join(stale)})"
+            run = self._run(method, seed, fold.index, run_dir)
+            if run.error is None and not (run.embeddings.exists() and (run_dir / "metrics.json").exists()):
+                return f"seed {seed} fold {fold.index} has no finished final run"
+            runs.append(run)
+        return runs
+
+    def run_method(self, method: MethodConfig, params: dict[str, Any], *, claim: bool = False) -> list[FinalRun]:
+        """Train (or reuse) every fold model of every seed; with ``claim``, skip runs another
+        worker process has claimed (a ``.claimed`` file created atomically in the run directory).
+
+        A run whose training diverges (:class:`~dmlkit.exceptions.NonFiniteError`) is recorded
+        in its ``failed.json`` and returned with its ``error``; the other runs go on. A recorded
+        failure is kept by later calls (training it again with the same settings and seed would
+        diverge again) until its settings change or its directory is deleted."""
+        runs = []
+        for seed, fold, run_dir, cfg, stale in self._plan(method, params):
+            emb_path = run_dir / "embeddings" / "test.npz"
+            failed = not stale and _recorded_failure(run_dir) is not None
+            done = failed or (not stale and emb_path.exists() and (run_dir / "metrics.json").exists())
+            if not done and claim and not _claim(run_dir):
+                continue
+            if stale:  # trained with an earlier best (a search resumed with more trials)
+                _say(self.console, f"  final {method.name}: seed {seed} fold {fold.index} was trained with "
+                     f"other settings ({'; '.join(stale)}): training it again")
+                _clear_run(run_dir)
+            if failed:
+                _say(self.console, f"  final {method.name}: seed {seed} fold {fold.index} diverged in an "
+                     f"earlier final stage (kept as failed; delete {run_dir} to train it again)")
+            if not done:
+                train_set, val_set = self._fold_sets(fold.index)
+                resume = (run_dir / "checkpoints" / "last.pt").exists()
+                _say(self.console, f"  final {method.name}: seed {seed} fold {fold.index}"
+                     + (" (resuming)" if resume else ""))
+                try:
                     self.train_fn(cfg, run_dir, train_set=train_set, val_set=val_set, test_set=self.test,
                                   resume=resume, progress=False)
-                if not (run_dir / "split.json").exists():  # the classes it was trained and tested on
-                    ClassSplit(fold.train, fold.val, self.split.test,
-                               meta={"bench": self.config.name, "fold": fold.index}
-                               ).naming({**self.dev.class_names, **self.test.class_names}
-                                        ).to_json(run_dir / "split.json")
-                runs.append(FinalRun(method.name, seed, fold.index, run_dir, emb_path,
-                                     run_dir / "checkpoints" / "best.pt"))
+                except NonFiniteError as exc:  # the run's own outcome: recorded, the stage goes on
+                    error = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+                    atomic_write_json(run_dir / FAILED_RUN, {"error": error, "seed": seed, "fold": fold.index})
+                    _say(self.console, f"  [yellow]final {method.name}: seed {seed} fold {fold.index} "
+                         f"diverged:[/] {error}")
+            if not (run_dir / "split.json").exists():  # the classes it was trained and tested on
+                ClassSplit(fold.train, fold.val, self.split.test,
+                           meta={"bench": self.config.name, "fold": fold.index}
+                           ).naming({**self.dev.class_names, **self.test.class_names}
+                                    ).to_json(run_dir / "split.json")
+            runs.append(self._run(method, seed, fold.index, run_dir))
         return runs
 
     def run_pretrained(self) -> list[FinalRun]:
@@ -254,6 +303,17 @@ def _stale_changes(run_dir: Path, cfg: Any) -> list[str]:
         return training_changes(saved, cfg, source=str(path))
     except (OSError, ValueError, yaml.YAMLError, DmlkitError) as exc:  # unreadable: not this run
         return [f"{path.name} unreadable: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}"]
+
+
+def _recorded_failure(run_dir: Path) -> str | None:
+    """The error a diverged run recorded in its ``failed.json`` (``None`` for none)."""
+    path = run_dir / FAILED_RUN
+    if not path.exists():
+        return None
+    try:
+        return str(json.loads(path.read_text(encoding="utf-8"))["error"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return f"diverged (its {FAILED_RUN} is unreadable)"
 
 
 def _clear_run(run_dir: Path) -> None:
@@ -294,15 +354,23 @@ def evaluate_runs(runs: Sequence[FinalRun], metrics: Sequence[str], **options: A
     budget, cluster restarts: ``EvaluationConfig.metric_options()``). The result also holds
     the fold models' ``embedding_size`` (read from their embeddings: the model owns it) and
     ``digests``, ``{embeddings path: embeddings_digest}`` of the files it read.
+
+    A seed with a diverged fold model (a run with an ``error``) has neither a concatenated
+    embedding nor a full separated mean: it is left out of ``seeds`` and listed in
+    ``failed_seeds`` (and its failed runs in ``failed_runs``), so that a table never shows a
+    mean over fewer seeds without saying so.
     """
     embedding_size = None
     by_seed: dict[int, list[FinalRun]] = {}
     for r in runs:
         by_seed.setdefault(r.seed, []).append(r)
+    failed_runs = [{"seed": r.seed, "fold": r.fold, "run_dir": r.run_dir, "error": r.error}
+                   for r in sorted(runs, key=lambda r: (r.seed, r.fold)) if r.error is not None]
+    failed_seeds = sorted({f["seed"] for f in failed_runs})
     separated: dict[str, list[float]] = {m: [] for m in metrics}
     concatenated: dict[str, list[float]] = {m: [] for m in metrics}
     digests: dict[str, str] = {}
-    for seed in sorted(by_seed):
+    for seed in sorted(set(by_seed) - set(failed_seeds)):
         fold_runs = sorted(by_seed[seed], key=lambda r: r.fold)
         embs, labels = [], None
         per_fold: dict[str, list[float]] = {m: [] for m in metrics}
@@ -323,8 +391,9 @@ def evaluate_runs(runs: Sequence[FinalRun], metrics: Sequence[str], **options: A
         res = evaluate(cat, labels, metrics=list(metrics), **options)
         for m in metrics:
             concatenated[m].append(float(res[m]))
-    return {"seeds": sorted(by_seed), "separated": separated, "concatenated": concatenated,
-            "embedding_size": embedding_size, "digests": digests}
+    return {"seeds": sorted(set(by_seed) - set(failed_seeds)), "separated": separated,
+            "concatenated": concatenated, "embedding_size": embedding_size, "digests": digests,
+            "failed_seeds": failed_seeds, "failed_runs": failed_runs}
 
 
 # -- the whole benchmark ------------------------------------------------------------------------

@@ -44,6 +44,7 @@ __all__ = [
     "claim_waiting_trial",
     "count_completed",
     "count_finished",
+    "in_memory_storage",
     "make_storage",
     "open_study",
     "resolve_storage_url",
@@ -79,6 +80,15 @@ def check_sqlite_folder(url: str | None) -> None:
     if not path.parent.is_dir():
         raise ConfigError(f"protocol.storage {_redact(url)}: the folder {path.parent} does not exist; "
                           "create it, or leave protocol.storage out for BENCH_DIR/study.db")
+
+
+def in_memory_storage(storage: str | None) -> bool:
+    """Whether an Optuna storage URL names an in-memory SQLite database (``sqlite://``,
+    ``sqlite:///:memory:``), which only the process that opened it can see."""
+    if storage is None or not storage.startswith("sqlite:"):
+        return False
+    path = storage.split("://", 1)[1] if "://" in storage else ""
+    return path in ("", "/") or path.lstrip("/").split("?")[0] in ("", ":memory:")
 
 
 def make_storage(url: str, *, heartbeat_interval: int = 30, grace_period: int = 120):
