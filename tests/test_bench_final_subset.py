@@ -178,6 +178,12 @@ def test_a_diverged_final_run_is_recorded_and_its_seed_left_out_with_a_warning(t
     assert report["seeds"] == {"contrastive": 2, "triplet": 1}  # the finished seeds, said
     assert "triplet: the final runs of seed(s) [1] diverged; it is compared over its 1 finished seed(s)" \
         in report["warnings"]
+    # dmlkit report's table labels the row as results.md does
+    from dmlkit.report.builder import ReportOptions, build_report
+
+    page = build_report(folder, tmp_path / "report.html",
+                        ReportOptions(maps=(), gallery_queries=1, thumbnails=False, max_points=200))
+    assert "triplet (1/2 seeds)" in page.read_text()
     # a row over fewer seeds is never the column's best (bold)
     assert "| triplet (1/2 seeds) | " in (folder / "results.md").read_text()
     assert "**" not in (folder / "results.md").read_text().split("| triplet (1/2 seeds) |")[1].split("\n")[0]

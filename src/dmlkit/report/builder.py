@@ -23,7 +23,13 @@ from dmlkit.data import load_image
 from dmlkit.embeddings import embed_split, load_embeddings
 from dmlkit.exceptions import ConfigError, DataError, DataNotFoundError, DmlkitError
 from dmlkit.metrics import knn, per_class, per_query, pos_neg_histograms
-from dmlkit.protocol.results import embeddings_digest, format_cell, load_results, metric_label
+from dmlkit.protocol.results import (
+    embeddings_digest,
+    format_cell,
+    load_results,
+    metric_label,
+    row_label,
+)
 from dmlkit.report import figures
 from dmlkit.report.html import Figure, Section, render_page, table_html
 from dmlkit.training import build_datasets, build_model, load_checkpoint, read_log
@@ -459,7 +465,8 @@ def _bench_sections(bench_dir: Path, fig_dir: Path, options: ReportOptions) -> t
             "figures below show that model; train longer or search more before comparing methods."]
            if untrained_best else []),
         # the untrained row is shown but not ranked, as in results.md (the paper's layout)
-        [table_html(header, rows, best_columns=range(1, len(header)),
+        [table_html(header, [[row_label(r[0], methods[r[0]]), *r[1:]] for r in rows],  # "(2/3 seeds)"
+                    best_columns=range(1, len(header)),
                     contenders=[i for i, row in enumerate(rows) if row[0] != "pretrained"] or None)]))
     concat = {n: {"map_at_r": mean_of(r.get("concatenated", {}).get("map_at_r"))} for n, r in methods.items()}
     if any(b in concat for b in ("contrastive", "triplet")):
