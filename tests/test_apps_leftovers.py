@@ -272,3 +272,13 @@ def test_reid_of_an_embeddings_file_refuses_run_options(reid_files, run_cli, ext
     _, market = reid_files
     code, _, err = run_cli(["reid", str(market), "--json", *extra])
     assert extra[0] in _one_error_line(code, err)
+
+
+def test_verify_pair_list_with_a_damaged_npz_says_damaged_not_pickled(tmp_path: Path, run_cli) -> None:
+    """Was: 'cannot read embeddings from X: ... contains pickled (object) data ... allow_pickle'
+    for a text or truncated file named .npz (np.load takes any such file for a pickle)."""
+    csv, npz = _csv_list(tmp_path, None)
+    npz.write_text("embeddings,labels\n1,2\n")
+    code, _, err = run_cli(["verify", str(npz), "--pair-list", str(csv)])
+    line = _one_error_line(code, err)
+    assert "not a readable .npz" in line and "pickle" not in line

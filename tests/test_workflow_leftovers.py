@@ -110,14 +110,15 @@ def test_a_fresh_run_refuses_to_replace_a_users_config_yaml(tmp_path):
     assert result.best_step >= 0 and (tmp_path / "run" / "config.yaml").is_file()
 
 
-def test_the_cli_keeps_a_users_config_in_the_run_dir(tmp_path, run_cli):
+def test_the_cli_keeps_a_users_config_in_the_run_dir(tmp_path, run_cli, data_root):
     folder = tmp_path / "exp"
     cfg = omniglot_run_config(tmp_path, "mine", train=range(0, 8), val=range(8, 12),
                               training={"epochs": 1, "device": "cpu"})
     folder.mkdir()
     text = "# my comment\n" + cfg.read_text()
     (folder / "config.yaml").write_text(text)
-    code, out, err = run_cli(["train", str(folder / "config.yaml"), "--run-dir", str(folder), "-q"])
+    code, out, err = run_cli(["train", str(folder / "config.yaml"), "--run-dir", str(folder), "-q",
+                              "--data-root", str(data_root)])
     assert code == 2 and "config.yaml" in _one_line(err)
     assert (folder / "config.yaml").read_text() == text
 

@@ -21,7 +21,7 @@ import numpy as np
 
 from dmlkit.exceptions import DataError, DataNotFoundError
 
-__all__ = ["read_embedding_file", "read_labels_file"]
+__all__ = ["check_numpy_file", "read_embedding_file", "read_labels_file"]
 
 
 def read_embedding_file(path: str | os.PathLike, labels_path: str | os.PathLike | None = None,
@@ -45,7 +45,7 @@ def read_embedding_file(path: str | os.PathLike, labels_path: str | os.PathLike 
     extra: dict[str, np.ndarray] = {}
     try:
         if suffix in (".npz", ".npy"):
-            _check_numpy_file(path, suffix, "embeddings")
+            check_numpy_file(path, suffix, "embeddings")
         if suffix == ".npz":
             with np.load(path, allow_pickle=False) as data:
                 if "embeddings" not in data.files:
@@ -80,7 +80,7 @@ _ZIP_MAGIC = (b"PK\x03\x04", b"PK\x05\x06")  # a zip's first entry, or an empty 
 _NPY_MAGIC = b"\x93NUMPY"
 
 
-def _check_numpy_file(path: Path, suffix: str, what: str) -> None:
+def check_numpy_file(path: Path, suffix: str, what: str) -> None:
     """Refuse, in one line, an ``.npz``/``.npy`` whose first bytes are not what its suffix says.
     ``np.load`` takes any such file for a pickle ("contains pickled (object) data ...
     allow_pickle"), which sends the user after a setting instead of a damaged file; an ``.npy``
@@ -150,7 +150,7 @@ def read_labels_file(path: Path) -> np.ndarray:
         raise DataNotFoundError(f"labels file not found: {path}")
     try:
         if path.suffix.lower() == ".npy":
-            _check_numpy_file(path, ".npy", "labels")
+            check_numpy_file(path, ".npy", "labels")
             return np.load(path, allow_pickle=False)
         # utf-8-sig: a byte-order mark (Notepad, Excel) is not part of the first label
         text = path.read_text(encoding="utf-8-sig")

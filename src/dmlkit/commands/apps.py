@@ -125,6 +125,7 @@ def _embeddings_with_paths(path: Path) -> tuple:
     """``(embeddings, paths)`` of an ``.npz`` holding ``embeddings`` and ``paths`` (labels optional)."""
     import numpy as np
 
+    from dmlkit.embedding_files import check_numpy_file
     from dmlkit.exceptions import DataError, DataNotFoundError
 
     if not path.is_file():
@@ -133,6 +134,7 @@ def _embeddings_with_paths(path: Path) -> tuple:
             "save_embeddings(path, emb, labels, paths=...)")
     if path.suffix.lower() != ".npz":
         raise DataError(f"{path}: with --pair-list the embeddings must be an .npz with a 'paths' array; {hint}")
+    check_numpy_file(path, ".npz", "embeddings")  # np.load takes a damaged file for a pickle
     try:
         with np.load(path, allow_pickle=False) as data:
             if "embeddings" not in data or "paths" not in data:
