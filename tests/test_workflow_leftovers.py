@@ -190,8 +190,10 @@ def test_bench_report_takes_the_smallest_listed_seed_and_only_listed_curves(tmp_
     monkeypatch.setattr(builder.figures, "training_curves",
                         lambda logs, *a, **k: drawn.setdefault("logs", dict(logs)) and real(logs, *a, **k))
     seen: list = []
-    real_load = builder.load_embeddings
-    monkeypatch.setattr(builder, "load_embeddings", lambda p, *a: seen.append(Path(p)) or real_load(p, *a))
+    from dmlkit.protocol import results as listed  # where the report reads a listed run's file
+
+    real_load = listed.load_embeddings
+    monkeypatch.setattr(listed, "load_embeddings", lambda p, *a: seen.append(Path(p)) or real_load(p, *a))
     build_report(tmp_path, options=ReportOptions(maps=()))
     assert sorted(drawn["logs"]) == ["seed10 fold0", "seed2 fold0"]  # not the stray seed1
     assert [p.parts[-4] for p in seen] == ["seed2"]  # seed2 before seed10, never seed1

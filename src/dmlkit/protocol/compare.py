@@ -33,11 +33,10 @@ from typing import Any
 import numpy as np
 
 from dmlkit.data import canonical_dataset_name
-from dmlkit.embeddings import load_embeddings
 from dmlkit.exceptions import ConfigError, DataError
 from dmlkit.protocol.results import (
     MODES,
-    embeddings_digest,
+    load_listed_embeddings,
     load_results,
     metric_label,
     resolved_runs,
@@ -50,7 +49,7 @@ from dmlkit.protocol.stats import (
     hierarchical_bootstrap,
     per_query_scores,
 )
-from dmlkit.validation import check_embeddings, check_seed, concatenate_normalized
+from dmlkit.validation import check_seed, concatenate_normalized
 
 __all__ = [
     "BASELINES",
@@ -183,14 +182,7 @@ def _method_scores(entry: Mapping[str, Any], mode: str, name: str = "the method"
         embs = []
         for r in fold_runs:
             path = Path(r["embeddings"])
-            emb, lab, extra = load_embeddings(path)
-            check_embeddings(emb, f"embeddings in {path}")  # which of the runs' files, not "query embeddings"
-            recorded = r.get("embeddings_sha256")
-            if recorded and embeddings_digest(emb, lab) != recorded:
-                raise DataError(
-                    f"{path} ({name}) is not the file the results table was computed on: it was "
-                    "rewritten since (a later final stage trained this run again, or the file was "
-                    "replaced); rerun `dmlkit bench CONFIG --stage final` to rewrite results.json")
+            emb, lab, extra = load_listed_embeddings(r, name)
             rows_of = extra.get("indices")
             indices = None if rows_of is None else np.asarray(rows_of).reshape(-1)
             if items is None:

@@ -22,16 +22,19 @@ from typing import Any
 
 import numpy as np
 
+from dmlkit.embeddings import load_embeddings
 from dmlkit.exceptions import DataError, DataNotFoundError
 from dmlkit.protocol.stats import mean_ci
 from dmlkit.protocol.study import _redact
 from dmlkit.utils import atomic_write_json, atomic_write_text, provenance
+from dmlkit.validation import check_embeddings
 
 __all__ = [
     "METRIC_LABELS",
     "MODES",
     "build_results",
     "embeddings_digest",
+    "load_listed_embeddings",
     "failure_notes",
     "format_cell",
     "load_results",
@@ -64,6 +67,23 @@ def embeddings_digest(embeddings: Any, labels: Any) -> str:
     h.update(emb.tobytes())
     h.update(lab.tobytes())
     return h.hexdigest()
+
+
+def load_listed_embeddings(run: Mapping[str, Any], owner: str) -> tuple[np.ndarray, np.ndarray, dict[str, Any]]:
+    """``load_embeddings`` of a run ``results.json`` lists (``run["embeddings"]``), refused
+    (:class:`DataError`) when it holds NaN or infinity (naming the file, not "query embeddings")
+    or its :func:`embeddings_digest` is not the recorded ``embeddings_sha256``: it is not the
+    file the table was computed on. ``owner`` names the method or results file in the message."""
+    path = Path(run["embeddings"])
+    emb, lab, extra = load_embeddings(path)
+    check_embeddings(emb, f"embeddings in {path}")
+    recorded = run.get("embeddings_sha256")
+    if recorded and embeddings_digest(emb, lab) != recorded:
+        raise DataError(
+            f"{path} ({owner}) is not the file the results table was computed on: it was "
+            "rewritten since (a later final stage trained this run again, or the file was "
+            "replaced); rerun `dmlkit bench CONFIG --stage final` to rewrite results.json")
+    return emb, lab, extra
 
 
 def metric_label(metric: str) -> str:

@@ -24,8 +24,8 @@ from dmlkit.embeddings import embed_split, load_embeddings
 from dmlkit.exceptions import ConfigError, DataError, DataNotFoundError, DmlkitError
 from dmlkit.metrics import knn, per_class, per_query, pos_neg_histograms
 from dmlkit.protocol.results import (
-    embeddings_digest,
     format_cell,
+    load_listed_embeddings,
     load_results,
     metric_label,
     row_label,
@@ -529,8 +529,8 @@ def _concatenated_test(runs: Sequence[Mapping[str, Any]], method: str) -> tuple[
     them (:func:`dmlkit.validation.concatenate_normalized`: each part normalised, then the whole),
     and the fold files that are missing: with any missing there is no concatenation (a part of
     it, drawn as the whole, was captioned as the concatenated model). A file whose digest is not
-    the one ``results.json`` recorded (``embeddings_sha256``, :func:`embeddings_digest`, as
-    ``dmlkit compare`` checks) is refused: it is not what the table was computed on."""
+    the one ``results.json`` recorded (:func:`load_listed_embeddings`, as ``dmlkit compare``
+    checks) is refused: it is not what the table was computed on."""
     if not runs:
         return None, []
     first = min(int(r["seed"]) for r in runs)
@@ -543,13 +543,7 @@ def _concatenated_test(runs: Sequence[Mapping[str, Any]], method: str) -> tuple[
     labels = None
     names = None
     for run, f in zip(fold_runs, files):
-        emb, lab, extra = load_embeddings(f)
-        recorded = run.get("embeddings_sha256")
-        if recorded and embeddings_digest(emb, lab) != recorded:
-            raise DataError(
-                f"{f} ({method}) is not the file the results table was computed on: it was "
-                "rewritten since (a later final stage trained this run again, or the file was "
-                "replaced); rerun `dmlkit bench CONFIG --stage final` to rewrite results.json")
+        emb, lab, extra = load_listed_embeddings(run, method)
         names = names or _file_class_names(extra)
         if labels is not None and not np.array_equal(lab, labels):
             raise DataError(f"{f}: test labels differ between folds; cannot concatenate")
