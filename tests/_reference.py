@@ -258,3 +258,52 @@ def bench_entries(tmp_path, cfg, labels, centres: int) -> dict:
         entries[name] = {"runs": runs, "evaluation": evaluate_runs(runs, list(cfg.protocol.metrics)),
                          "best_params": {}, "loss": {"name": name}}
     return entries
+
+
+def brown_subset(folder: Path, num_points: int, counts: tuple[int, ...], seed: int = 0):
+    """A Brown-layout patch folder: ``2 * num_points`` 64 x 64 patches (two noisy views of each
+    point) and one m50 pair file of each size in ``counts`` (half positive, half negative);
+    returns the patches' point ids."""
+    import numpy as np
+
+    from dmlkit.apps.patches import PatchPairs, write_brown_subset
+
+    rng = np.random.default_rng(seed)
+    base = rng.integers(0, 256, (num_points, 64, 64))
+    views = np.stack([base, base + rng.integers(-20, 21, base.shape)], 1).clip(0, 255).astype(np.uint8)
+    point_ids = np.repeat(np.arange(num_points, dtype=np.int64), 2)
+    image_ids = np.tile(np.arange(2, dtype=np.int64), num_points)
+
+    def pairs(n: int, pair_seed: int) -> PatchPairs:
+        r = np.random.default_rng(pair_seed)
+        pts = r.integers(0, num_points, n)
+        other = (pts + 1 + r.integers(0, num_points - 1, n)) % num_points
+        left = (pts * 2).astype(np.int64)
+        right = np.where(np.arange(n) % 2 == 0, pts * 2 + 1, other * 2).astype(np.int64)
+        return PatchPairs(left, right, (point_ids[left] == point_ids[right]).astype(np.int64))
+
+    write_brown_subset(folder, views.reshape(-1, 64, 64), point_ids, image_ids,
+                       {c: pairs(c, seed + c) for c in counts})
+    return point_ids
+
+
+def tiny_patch_run(root: Path) -> tuple[Path, Path]:
+    """``(config path, run directory)`` of a patches run trained on two small subsets of
+    :func:`brown_subset` (one siam-l2 model, one epoch, a few steps) under ``root``."""
+    import yaml
+
+    from dmlkit.cli import main
+
+    brown_subset(root / "a", 24, (64, 32), seed=1)
+    brown_subset(root / "b", 24, (64, 32), seed=2)
+    cfg = {"seed": 0, "data": {"root": str(root), "combinations": [["a", "b"]]},
+           "model": {"architectures": ["siam-l2"], "patch_size": 32, "width": 0.125},
+           "training": {"epochs": 1, "batch_size": 16, "threads": 1, "augment": False}}
+    path = root / "cfg.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    run = root / "run"
+    try:
+        main(["patches", "train", str(path), "-o", str(run), "--json", "-q"])
+    except SystemExit as exc:  # pragma: no cover - a failure shows in the tests that use it
+        assert not exc.code
+    return path, run

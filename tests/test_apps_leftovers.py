@@ -10,8 +10,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import yaml
 
+from _reference import tiny_patch_run
 from dmlkit.embeddings import save_embeddings
 from dmlkit.exceptions import ConfigError
 
@@ -72,46 +72,10 @@ def test_reid_options_that_apply_still_run(reid_files, run_cli, tmp_path: Path) 
 
 
 # -- patches: scores written atomically ---------------------------------------------------------
-def _brown_subset(folder: Path, num_points: int, counts: tuple[int, ...], seed: int) -> None:
-    from dmlkit.apps.patches import PatchPairs, write_brown_subset
-
-    rng = np.random.default_rng(seed)
-    base = rng.integers(0, 256, (num_points, 64, 64))
-    views = np.stack([base, base + rng.integers(-20, 21, base.shape)], 1).clip(0, 255).astype(np.uint8)
-    point_ids = np.repeat(np.arange(num_points, dtype=np.int64), 2)
-    image_ids = np.tile(np.arange(2, dtype=np.int64), num_points)
-
-    def pairs(n: int, s: int) -> PatchPairs:
-        r = np.random.default_rng(s)
-        pts = r.integers(0, num_points, n)
-        other = (pts + 1 + r.integers(0, num_points - 1, n)) % num_points
-        left = (pts * 2).astype(np.int64)
-        right = np.where(np.arange(n) % 2 == 0, pts * 2 + 1, other * 2).astype(np.int64)
-        return PatchPairs(left, right, (point_ids[left] == point_ids[right]).astype(np.int64))
-
-    write_brown_subset(folder, views.reshape(-1, 64, 64), point_ids, image_ids,
-                       {c: pairs(c, seed + c) for c in counts})
-
-
 @pytest.fixture(scope="module")
 def patch_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     """Two small subsets and a trained run (one siam-l2 model, a few steps)."""
-    from dmlkit.cli import main
-
-    root = tmp_path_factory.mktemp("patches")
-    _brown_subset(root / "a", 24, (64, 32), seed=1)
-    _brown_subset(root / "b", 24, (64, 32), seed=2)
-    cfg = {"seed": 0, "data": {"root": str(root), "combinations": [["a", "b"]]},
-           "model": {"architectures": ["siam-l2"], "patch_size": 32, "width": 0.125},
-           "training": {"epochs": 1, "batch_size": 16, "threads": 1, "augment": False}}
-    path = root / "cfg.yaml"
-    path.write_text(yaml.safe_dump(cfg))
-    run = root / "run"
-    try:
-        main(["patches", "train", str(path), "-o", str(run), "--json", "-q"])
-    except SystemExit as exc:  # pragma: no cover - a failure shows in the tests below
-        assert not exc.code
-    return path, run
+    return tiny_patch_run(tmp_path_factory.mktemp("patches"))
 
 
 def test_patches_scores_are_written_atomically(patch_run, tmp_path: Path, monkeypatch) -> None:

@@ -9,8 +9,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-import yaml
 
+from _reference import brown_subset, tiny_patch_run
 from dmlkit.apps.patches import (
     PatchPairs,
     build_patch_model,
@@ -27,7 +27,6 @@ from dmlkit.apps.patches import (
 from dmlkit.apps.patches.brown import match_files
 from dmlkit.apps.patches.offline import OfflineSpec
 from dmlkit.apps.patches.training import TrainSettings
-from dmlkit.cli import main
 from dmlkit.exceptions import CheckpointError, ConfigError, DataError, NonFiniteError
 from dmlkit.metrics import fpr95
 
@@ -35,29 +34,6 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 # -- helpers -----------------------------------------------------------------------------------
-def _pairs(point_ids: np.ndarray, n: int, seed: int) -> PatchPairs:
-    """``n`` pairs, half positive (two views of one point), half negative."""
-    rng = np.random.default_rng(seed)
-    num_points = int(point_ids.max()) + 1
-    pts = rng.integers(0, num_points, n)
-    left = pts * 2
-    right = np.where(np.arange(n) % 2 == 0, pts * 2 + 1, ((pts + 1 + rng.integers(0, num_points - 1, n)) % num_points) * 2)
-    left, right = left.astype(np.int64), right.astype(np.int64)
-    return PatchPairs(left, right, (point_ids[left] == point_ids[right]).astype(np.int64))
-
-
-def _subset(folder: Path, num_points: int, counts: tuple[int, ...], seed: int = 0) -> np.ndarray:
-    """A Brown-layout folder of ``2 * num_points`` patches (two noisy views per point)."""
-    rng = np.random.default_rng(seed)
-    base = rng.integers(0, 256, (num_points, 64, 64))
-    views = np.stack([base, base + rng.integers(-20, 21, base.shape)], 1).clip(0, 255).astype(np.uint8)
-    point_ids = np.repeat(np.arange(num_points, dtype=np.int64), 2)
-    image_ids = np.tile(np.arange(2, dtype=np.int64), num_points)
-    write_brown_subset(folder, views.reshape(-1, 64, 64), point_ids, image_ids,
-                       {c: _pairs(point_ids, c, seed + c) for c in counts})
-    return point_ids
-
-
 def _one_error_line(code: int, err: str) -> str:
     assert code == 2, err
     lines = err.strip().splitlines()
@@ -68,20 +44,7 @@ def _one_error_line(code: int, err: str) -> str:
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     """Two small subsets and a trained run (one siam-l2 model, 4 steps)."""
-    root = tmp_path_factory.mktemp("tiny")
-    _subset(root / "a", 24, (64, 32), seed=1)
-    _subset(root / "b", 24, (64, 32), seed=2)
-    cfg = {"seed": 0, "data": {"root": str(root), "combinations": [["a", "b"]]},
-           "model": {"architectures": ["siam-l2"], "patch_size": 32, "width": 0.125},
-           "training": {"epochs": 1, "batch_size": 16, "threads": 1, "augment": False}}
-    path = root / "cfg.yaml"
-    path.write_text(yaml.safe_dump(cfg))
-    run = root / "run"
-    try:
-        main(["patches", "train", str(path), "-o", str(run), "--json", "-q"])
-    except SystemExit as exc:  # pragma: no cover - a failure shows in the tests below
-        assert not exc.code
-    return path, run
+    return tiny_patch_run(tmp_path_factory.mktemp("tiny"))
 
 
 # -- Brown layout --------------------------------------------------------------------------------
@@ -89,8 +52,8 @@ def test_rewriting_a_subset_removes_its_old_match_files(tmp_path: Path) -> None:
     """Was: m50 files of an earlier build stayed beside the new ones, and the protocol (largest
     file for training, smallest for testing) silently read the stale pairs, whose labels no longer
     agree with the new info.txt."""
-    _subset(tmp_path / "s", 20, (40, 20), seed=0)
-    point_ids = _subset(tmp_path / "s", 30, (30, 24), seed=5)
+    brown_subset(tmp_path / "s", 20, (40, 20), seed=0)
+    point_ids = brown_subset(tmp_path / "s", 30, (30, 24), seed=5)
     assert sorted(match_files(tmp_path / "s")) == [24, 30]
     sub = load_subset(tmp_path, "s")
     for largest in (True, False):
@@ -101,7 +64,7 @@ def test_rewriting_a_subset_removes_its_old_match_files(tmp_path: Path) -> None:
 def test_bad_pairs_are_refused_before_anything_is_written(tmp_path: Path) -> None:
     """Was: a pair index past the patches was an IndexError, a negative one wrapped around, and
     the sheets and info.txt were already replaced when the pairs were found wrong."""
-    _subset(tmp_path / "s", 10, (12,), seed=0)
+    brown_subset(tmp_path / "s", 10, (12,), seed=0)
     before = {p.name: p.read_bytes() for p in (tmp_path / "s").iterdir()}
     patches = np.zeros((4, 64, 64), np.uint8)
     ids = np.array([0, 0, 1, 1], np.int64)
@@ -115,7 +78,7 @@ def test_bad_pairs_are_refused_before_anything_is_written(tmp_path: Path) -> Non
 def test_default_test_pairs_are_the_100k_list(tmp_path: Path) -> None:
     """Was: ``test_pairs: null`` took the smallest m50 file, which for the real Brown subsets is
     m50_1000_1000_0.txt (they ship 1k ... 500k files), not the 100k test list of the protocol."""
-    _subset(tmp_path / "liberty", 10, (12,), seed=0)
+    brown_subset(tmp_path / "liberty", 10, (12,), seed=0)
     folder = tmp_path / "liberty"
     lines = (folder / "m50_12_12_0.txt").read_text()
     (folder / "m50_12_12_0.txt").unlink()
@@ -131,7 +94,7 @@ def test_default_test_pairs_are_the_100k_list(tmp_path: Path) -> None:
 
 def test_empty_info_file_is_an_error(tmp_path: Path) -> None:
     """Was: an empty info.txt loaded as a subset of 0 patches (and a numpy warning)."""
-    _subset(tmp_path / "s", 10, (12,), seed=0)
+    brown_subset(tmp_path / "s", 10, (12,), seed=0)
     (tmp_path / "s" / "info.txt").write_text("")
     with pytest.raises(DataError, match="info.txt"):
         load_subset(tmp_path, "s")
@@ -333,7 +296,7 @@ def test_hardnet_batch_larger_than_the_points_names_batch_size(tmp_path: Path) -
     """Was: the sampler's message, 'lower classes_per_batch', an option the patch settings lack."""
     from dmlkit.apps.patches import train_patch_model
 
-    point_ids = _subset(tmp_path / "s", 12, (40,), seed=0)
+    point_ids = brown_subset(tmp_path / "s", 12, (40,), seed=0)
     sub = load_subset(tmp_path, "s")
     net = build_patch_model("hardnet", 32, 0.125)
     with pytest.raises(DataError, match="training.batch_size"):
