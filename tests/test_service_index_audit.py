@@ -204,9 +204,12 @@ def test_a_benchmark_report_does_not_crown_a_method_without_a_value(tmp_path):
     def cell(mean):
         return {"mean": mean, "ci95": None, "values": [mean]}
 
-    methods = {"diverged": {"concatenated": {"precision_at_1": cell(0.1)}},  # no map_at_r
-               "pretrained": {"concatenated": {"map_at_r": cell(0.6)}},
-               "contrastive": {"concatenated": {"map_at_r": cell(0.5)}}}
+    def sections(values):
+        return {"concatenated": values, "separated": values}
+
+    methods = {"diverged": sections({"precision_at_1": cell(0.1)}),  # no map_at_r
+               "pretrained": sections({"map_at_r": cell(0.6)}),
+               "contrastive": sections({"map_at_r": cell(0.5)})}
     (tmp_path / "results.json").write_text(json.dumps({"methods": methods, "metrics": ["map_at_r"]}))
     html = build_report(tmp_path, options=ReportOptions(maps=())).read_text()
     assert "No method beat the untrained model" in html

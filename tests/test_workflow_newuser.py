@@ -60,10 +60,12 @@ def test_bench_report_concatenates_as_the_benchmark_does(tmp_path):
     labels = np.repeat(np.arange(6), 5)
     good = np.eye(8)[labels] * 3 + 0.3 * rng.normal(size=(30, 8))  # separates the classes
     noise = 1000 * rng.normal(size=(30, 8))  # a fold model of huge norm and no structure
+    runs = []
     for fold, emb in enumerate((good, noise)):
-        save_embeddings(tmp_path / "final" / "triplet" / "seed0" / f"fold{fold}" / "embeddings" / "test.npz",
-                        emb.astype(np.float32), labels)
-    split, missing = _concatenated_test(tmp_path, "triplet")
+        path = tmp_path / "final" / "triplet" / "seed0" / f"fold{fold}" / "embeddings" / "test.npz"
+        save_embeddings(path, emb.astype(np.float32), labels)
+        runs.append({"seed": 0, "fold": fold, "embeddings": str(path)})
+    split, missing = _concatenated_test(runs, "triplet")
     assert not missing
     expected = concatenate_normalized([good.astype(np.float32), noise.astype(np.float32)])
     np.testing.assert_allclose(split.embeddings, expected, atol=1e-6)
