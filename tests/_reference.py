@@ -307,3 +307,11 @@ def tiny_patch_run(root: Path) -> tuple[Path, Path]:
     except SystemExit as exc:  # pragma: no cover - a failure shows in the tests that use it
         assert not exc.code
     return path, run
+
+
+def one_error_line(code: int, err: str) -> str:
+    """The one ``error: ...`` line of a refused command (exit code 2, nothing else on stderr)."""
+    assert code == 2, err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), err
+    return lines[0]

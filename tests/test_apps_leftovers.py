@@ -11,18 +11,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from _reference import tiny_patch_run
+from _reference import one_error_line, tiny_patch_run
 from dmlkit.embeddings import save_embeddings
 from dmlkit.exceptions import ConfigError
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-
-
-def _one_error_line(code: int, err: str) -> str:
-    assert code == 2, err
-    lines = err.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: "), err
-    return lines[0]
 
 
 # -- reid: options the protocol does not use ----------------------------------------------------
@@ -47,7 +40,7 @@ def test_vehicleid_refuses_options_it_does_not_use(reid_files, run_cli, extra) -
     and --k1/--k2/--lambda (it refused only --rerank)."""
     vid, _ = reid_files
     code, _, err = run_cli(["reid", str(vid), "--repeats", "2", "--json", *extra])
-    line = _one_error_line(code, err)
+    line = one_error_line(code, err)
     assert extra[0] in line and "drop it" in line
 
 
@@ -55,9 +48,9 @@ def test_market_refuses_repeats_and_rerank_settings_without_rerank(reid_files, r
     """--repeats counts VehicleID's gallery draws; --k1/--k2/--lambda set the re-ranking."""
     _, market = reid_files
     code, _, err = run_cli(["reid", str(market), "--repeats", "3", "--json"])
-    assert "--repeats" in _one_error_line(code, err)
+    assert "--repeats" in one_error_line(code, err)
     code, _, err = run_cli(["reid", str(market), "--k1", "5", "--json"])
-    assert "--rerank" in _one_error_line(code, err)
+    assert "--rerank" in one_error_line(code, err)
 
 
 def test_reid_options_that_apply_still_run(reid_files, run_cli, tmp_path: Path) -> None:
@@ -106,7 +99,7 @@ def test_patches_scores_are_written_atomically(patch_run, tmp_path: Path, monkey
     assert not [p for p in scores.parent.iterdir() if p.suffix == ".npz"]
 
 
-def test_patches_damaged_scores_file_is_one_error_line(patch_run, tmp_path: Path, run_cli) -> None:
+def test_patches_damaged_scores_file_isone_error_line(patch_run, tmp_path: Path, run_cli) -> None:
     """A scores file damaged by other means (an older dmlkit, a cut copy) is one line naming it
     and --rescore, not a BadZipFile traceback."""
     _, run = patch_run
@@ -115,7 +108,7 @@ def test_patches_damaged_scores_file_is_one_error_line(patch_run, tmp_path: Path
     scores = copy / "scores" / "siam-l2" / "a__b.npz"
     scores.write_bytes(scores.read_bytes()[: scores.stat().st_size // 2])
     code, _, err = run_cli(["patches", "evaluate", str(copy), "--figure", str(tmp_path / "f.png")])
-    line = _one_error_line(code, err)
+    line = one_error_line(code, err)
     assert "a__b.npz" in line and "--rescore" in line
 
 
@@ -154,7 +147,7 @@ def test_csv_fold_column_with_one_value_is_refused(tmp_path: Path, run_cli) -> N
     with pytest.raises(ConfigError, match="single given fold"):
         verify_pair_list(np.zeros((len(plist.paths), 3)) + np.arange(len(plist.paths))[:, None], plist)
     code, _, err = run_cli(["verify", str(npz), "--pair-list", str(csv), "--folds", "2"])
-    line = _one_error_line(code, err)
+    line = one_error_line(code, err)
     assert "pairs.csv" in line and "fold" in line
 
 
@@ -235,7 +228,7 @@ def test_reid_of_an_embeddings_file_refuses_run_options(reid_files, run_cli, ext
     ignored for an embeddings file."""
     _, market = reid_files
     code, _, err = run_cli(["reid", str(market), "--json", *extra])
-    assert extra[0] in _one_error_line(code, err)
+    assert extra[0] in one_error_line(code, err)
 
 
 def test_verify_pair_list_with_a_damaged_npz_says_damaged_not_pickled(tmp_path: Path, run_cli) -> None:
@@ -244,5 +237,5 @@ def test_verify_pair_list_with_a_damaged_npz_says_damaged_not_pickled(tmp_path: 
     csv, npz = _csv_list(tmp_path, None)
     npz.write_text("embeddings,labels\n1,2\n")
     code, _, err = run_cli(["verify", str(npz), "--pair-list", str(csv)])
-    line = _one_error_line(code, err)
+    line = one_error_line(code, err)
     assert "not a readable .npz" in line and "pickle" not in line

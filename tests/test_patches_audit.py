@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from _reference import brown_subset, tiny_patch_run
+from _reference import brown_subset, one_error_line, tiny_patch_run
 from dmlkit.apps.patches import (
     PatchPairs,
     build_patch_model,
@@ -34,13 +34,6 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 # -- helpers -----------------------------------------------------------------------------------
-def _one_error_line(code: int, err: str) -> str:
-    assert code == 2, err
-    lines = err.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: "), err
-    return lines[0]
-
-
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     """Two small subsets and a trained run (one siam-l2 model, 4 steps)."""
@@ -191,7 +184,7 @@ def test_fpr95_of_descriptor_distances_matches_brute_force() -> None:
 
 
 # -- checkpoints, configs, resume ------------------------------------------------------------------
-def test_garbage_checkpoint_is_one_error_line(tiny, tmp_path: Path, run_cli) -> None:
+def test_garbage_checkpoint_isone_error_line(tiny, tmp_path: Path, run_cli) -> None:
     """Was: a checkpoint that is not a torch file (or holds no dict) was an UnpicklingError /
     TypeError traceback."""
     bad = tmp_path / "bad.pt"
@@ -208,7 +201,7 @@ def test_garbage_checkpoint_is_one_error_line(tiny, tmp_path: Path, run_cli) -> 
     shutil.copytree(run, copy)
     (copy / "models" / "siam-l2" / "a.pt").write_text("garbage\n")
     code, _, err = run_cli(["patches", "evaluate", str(copy), "--rescore"])
-    assert "a.pt" in _one_error_line(code, err)
+    assert "a.pt" in one_error_line(code, err)
 
 
 def test_resume_refuses_a_checkpoint_of_other_settings(tiny, tmp_path: Path, run_cli) -> None:
@@ -223,7 +216,7 @@ def test_resume_refuses_a_checkpoint_of_other_settings(tiny, tmp_path: Path, run
     stored = (copy / "config.yaml").read_text()
     for override in ("model.width=0.25", "training.epochs=2", "seed=3", "training.lr=0.01"):
         code, _, err = run_cli(["patches", "train", str(cfg), "-o", str(copy), "--set", override, "-q"])
-        line = _one_error_line(code, err)
+        line = one_error_line(code, err)
         assert "--fresh" in line and override.split("=")[0].split(".")[-1] in line
         assert (copy / "config.yaml").read_text() == stored
     # the same settings still resume; --fresh retrains with the new ones
@@ -244,16 +237,16 @@ def test_negative_seeds_are_config_errors(tiny, tmp_path: Path, run_cli) -> None
     with pytest.raises(ConfigError, match="seed"):
         OfflineSpec(seed=-1)
     code, _, err = run_cli(["patches", "train", str(cfg), "-o", str(tmp_path / "r"), "--set", "seed=-1"])
-    assert "seed" in _one_error_line(code, err) and not (tmp_path / "r").exists()
+    assert "seed" in one_error_line(code, err) and not (tmp_path / "r").exists()
     code, _, err = run_cli(["patches", "build-data", "-o", str(tmp_path / "d"), "--subset", "photos", "--seed", "-1"])
-    assert "seed" in _one_error_line(code, err)
+    assert "seed" in one_error_line(code, err)
 
 
 def test_evaluate_refuses_a_figure_format_up_front(tiny, tmp_path: Path, run_cli) -> None:
     """Was: ``--figure out.xyz`` printed the table, then a matplotlib ValueError traceback."""
     _, run = tiny
     code, out, err = run_cli(["patches", "evaluate", str(run), "--figure", str(tmp_path / "f.xyz")])
-    assert "xyz" in _one_error_line(code, err) and out == ""
+    assert "xyz" in one_error_line(code, err) and out == ""
     code, _, err = run_cli(["patches", "evaluate", str(run), "--figure", str(tmp_path / "f.png"), "-k", "2"])
     assert code == 0, err
     assert (tmp_path / "f.png").stat().st_size > 1000
@@ -264,9 +257,9 @@ def test_evaluate_options_that_need_another_option(tiny, run_cli) -> None:
     were ignored: the stored table came back as if it were scored on the pairs asked for."""
     _, run = tiny
     code, _, err = run_cli(["patches", "evaluate", str(run), "--max-test-pairs", "10"])
-    assert "--rescore" in _one_error_line(code, err)
+    assert "--rescore" in one_error_line(code, err)
     code, _, err = run_cli(["patches", "evaluate", str(run), "--arch", "siam-l2"])
-    assert "--figure" in _one_error_line(code, err)
+    assert "--figure" in one_error_line(code, err)
     code, out, err = run_cli(["patches", "evaluate", str(run), "--rescore", "--max-test-pairs", "10", "--json"])
     assert code == 0, err
 
@@ -277,7 +270,7 @@ def test_build_data_checks_every_subset_name_first(tmp_path: Path, run_cli) -> N
     out = tmp_path / "o"
     code, _, err = run_cli(["patches", "build-data", "-o", str(out), "--points", "10", "--train-pairs", "20",
                          "--test-pairs", "10", "--subset", "photos", "--subset", "nope"])
-    assert "nope" in _one_error_line(code, err)
+    assert "nope" in one_error_line(code, err)
     assert not (out / "photos").exists()  # nothing built
 
 
@@ -289,7 +282,7 @@ def test_architectures_must_be_some_and_distinct(tiny, tmp_path: Path, run_cli, 
     with pytest.raises(ConfigError, match="architectures"):
         load_patch_config(cfg, [f"model.architectures={archs}"])
     code, _, err = run_cli(["patches", "train", str(cfg), "-o", str(tmp_path / "r"), "--set", f"model.architectures={archs}"])
-    assert "architectures" in _one_error_line(code, err) and not (tmp_path / "r").exists()
+    assert "architectures" in one_error_line(code, err) and not (tmp_path / "r").exists()
 
 
 def test_hardnet_batch_larger_than_the_points_names_batch_size(tmp_path: Path) -> None:
@@ -309,4 +302,4 @@ def test_missing_match_file_is_found_before_training(tiny, tmp_path: Path, run_c
     (hours on Brown), a train_pairs one after the run directory was written."""
     cfg, _ = tiny
     code, _, err = run_cli(["patches", "train", str(cfg), "-o", str(tmp_path / "r"), "--set", override])
-    assert "7 pairs" in _one_error_line(code, err) and not (tmp_path / "r").exists()
+    assert "7 pairs" in one_error_line(code, err) and not (tmp_path / "r").exists()
