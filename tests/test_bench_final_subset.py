@@ -145,8 +145,9 @@ def test_a_diverged_final_run_is_recorded_and_its_seed_left_out_with_a_warning(t
     calls: list = []
     said = Said()
     cfg = _config()
-    results = Bench(cfg, folder, data_root=data_root, console=said,
-                    train_fn=_diverging("triplet", 1, 0, calls)).run(methods=["triplet"])
+    with pytest.warns(UserWarning, match=r"triplet: 1 final run\(s\) diverged, in seed\(s\) \[1\]"):
+        results = Bench(cfg, folder, data_root=data_root, console=said,  # warned: also said with -q
+                        train_fn=_diverging("triplet", 1, 0, calls)).run(methods=["triplet"])
     row = results["methods"]["triplet"]
     assert row["seeds"] == [0] and row["seeds_failed"] == [1]
     (failed,) = row["failed_runs"]

@@ -468,8 +468,8 @@ class Bench:
                                 storage_url=self.storage_url)
         write_results(results, self.dir)
         notes = failure_notes(results)
-        for note in notes:
-            _say(self.console, f"[yellow]warning:[/] {note}")
+        for note in notes:  # a warning, not console text: said with --quiet and from Python too
+            warnings.warn(note, stacklevel=2)
         if notes:
             _say(self.console, DIVERGED_HINT)
         return results
