@@ -99,7 +99,7 @@ def test_patches_scores_are_written_atomically(patch_run, tmp_path: Path, monkey
     assert not [p for p in scores.parent.iterdir() if p.suffix == ".npz"]
 
 
-def test_patches_damaged_scores_file_isone_error_line(patch_run, tmp_path: Path, run_cli) -> None:
+def test_patches_damaged_scores_file_is_one_error_line(patch_run, tmp_path: Path, run_cli) -> None:
     """A scores file damaged by other means (an older dmlkit, a cut copy) is one line naming it
     and --rescore, not a BadZipFile traceback."""
     _, run = patch_run

@@ -184,7 +184,7 @@ def test_fpr95_of_descriptor_distances_matches_brute_force() -> None:
 
 
 # -- checkpoints, configs, resume ------------------------------------------------------------------
-def test_garbage_checkpoint_isone_error_line(tiny, tmp_path: Path, run_cli) -> None:
+def test_garbage_checkpoint_is_one_error_line(tiny, tmp_path: Path, run_cli) -> None:
     """Was: a checkpoint that is not a torch file (or holds no dict) was an UnpicklingError /
     TypeError traceback."""
     bad = tmp_path / "bad.pt"

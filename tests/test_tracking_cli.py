@@ -55,6 +55,17 @@ def test_build_data_writes_both_layouts(tmp_path, capsys):
     assert code == 2 and "WxH" in err
 
 
+@pytest.mark.parametrize("extra", [["--scales", "3"], ["--weights", "run"], ["--width", "0.5"], ["--seed", "3"]])
+def test_ncc_refuses_the_network_options_it_would_ignore(offline, tmp_path, capsys, extra):
+    # template matching has no network and no scale search: these ran silently unused
+    seq_dir = next((offline / "test").iterdir())
+    code, out, err = run(["track", "--frames", seq_dir / "img", "--init-box", "10,10,20,20",
+                          "--method", "ncc", "--boxes", tmp_path / "b.txt", *extra], capsys)
+    assert code == 2 and out == "" and len(err.strip().splitlines()) == 1, err
+    assert f"{extra[0]} does not apply to --method ncc" in err
+    assert not (tmp_path / "b.txt").exists()
+
+
 def test_track_frames_to_gif_and_boxes(offline, tmp_path, capsys):
     seq_dir = next((offline / "test").iterdir())
     gt = np.loadtxt(seq_dir / "groundtruth_rect.txt", delimiter=",")

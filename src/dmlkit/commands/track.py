@@ -111,6 +111,14 @@ def run(
         check_output(out)
     if boxes_out is not None and boxes_out.is_dir():
         raise ConfigError(f"--boxes {boxes_out} is a folder: name the text file to write")
+    if method.lower() == "ncc":  # template matching: no network, no scale search
+        from dmlkit.commands._options import given
+
+        unused = [opt for name, opt in (("scales", "--scales"), ("weights", "--weights"), ("width", "--width"),
+                                        ("seed", "--seed")) if given(ctx, name)]
+        if unused:
+            raise ConfigError(f"{unused[0]} does not apply to --method ncc (template matching has no network "
+                              "and no scale search): drop it")
     _set_threads(threads)
     box = parse_box(init_box)
     tracker = _tracker(method, weights, scales, seed, device, width)  # bad options fail before reading
