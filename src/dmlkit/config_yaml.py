@@ -1,0 +1,150 @@
+"""YAML text and ``--set`` overrides: the reading half of :mod:`dmlkit.config`.
+
+:func:`load_yaml` parses with YAML 1.2-core numbers (:class:`YamlLoader`; :class:`YamlDumper`
+writes strings that would read as numbers quoted), :func:`read_yaml_mapping` reads a config
+file into a mapping with one-line errors, and :func:`parse_overrides` turns ``key.sub=value``
+strings into values (parsed as YAML) that :func:`set_dotted` places in nested mappings. What the
+keys mean, and which old names they had, is :mod:`dmlkit.config`'s.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from dmlkit.exceptions import ConfigError
+
+__all__ = ["YamlDumper", "YamlLoader", "load_yaml", "parse_overrides", "read_yaml_mapping", "set_dotted"]
+
+
+class YamlLoader(yaml.SafeLoader):
+    """``yaml.SafeLoader`` with YAML 1.2-core numbers: ``010`` is 10 (not octal 8), ``1e-3`` a float
+    (not a string), ``0o17`` / ``0x1f`` octal / hex. ``strict_ints`` (``--set`` values) refuses a
+    leading-zero integer instead of guessing what it meant."""
+
+    strict_ints = False
+
+
+class YamlDumper(yaml.SafeDumper):
+    """``yaml.SafeDumper`` that quotes every string :class:`YamlLoader` would read as a number."""
+
+
+_INT, _FLOAT = "tag:yaml.org,2002:int", "tag:yaml.org,2002:float"
+for _cls in (YamlLoader, YamlDumper):
+    _cls.yaml_implicit_resolvers = {c: [(t, rx) for t, rx in rs if t not in (_INT, _FLOAT)]
+                                    for c, rs in yaml.SafeLoader.yaml_implicit_resolvers.items()}
+    _cls.add_implicit_resolver(_INT, re.compile(r"^(?:[-+]?[0-9]+|0o[0-7]+|0x[0-9a-fA-F]+)$"), list("-+0123456789"))
+    _cls.add_implicit_resolver(_FLOAT, re.compile(r"^(?:[-+]?(?:\.[0-9]+|[0-9]+(?:\.[0-9]*)?)(?:[eE][-+]?[0-9]+)?"
+                                                  r"|[-+]?\.(?:inf|Inf|INF)|\.(?:nan|NaN|NAN))$"), list("-+0123456789."))
+
+
+def _construct_int(loader: YamlLoader, node: yaml.ScalarNode) -> int:
+    text = loader.construct_scalar(node)
+    if text[:2] in ("0o", "0x"):
+        return int(text[2:], 8 if text[1] == "o" else 16)
+    digits = text.lstrip("-+")
+    if loader.strict_ints and len(digits) > 1 and digits[0] == "0":
+        plain = text[: len(text) - len(digits)] + (digits.lstrip("0") or "0")
+        raise yaml.constructor.ConstructorError(None, None, f"{text} has a leading zero: write {plain} (or "
+                                                f"0o{digits.lstrip('0') or 0} for octal, '{text}' for a string)")
+    return int(text, 10)
+
+
+YamlLoader.add_constructor(_INT, _construct_int)
+
+
+def load_yaml(text: str, *, strict_ints: bool = False) -> Any:
+    """Parse YAML text with :class:`YamlLoader` (YAML 1.2-core numbers)."""
+    loader = YamlLoader(text)
+    loader.strict_ints = strict_ints
+    try:
+        return loader.get_single_data()
+    finally:
+        loader.dispose()
+
+
+def parse_overrides(overrides: Iterable[str] | Mapping[str, Any] | None) -> dict[str, Any]:
+    """``["a.b=1", "c=[1, 2]"]`` -> ``{"a.b": 1, "c": [1, 2]}`` (values parsed as YAML)."""
+    if overrides is None:
+        return {}
+    if isinstance(overrides, Mapping):
+        return dict(overrides)
+    parsed: dict[str, Any] = {}
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"override {item!r} must look like key.sub=value (e.g. loss.params.margin=0.2)")
+        key, raw = item.split("=", 1)
+        key = key.strip()
+        if not key or any(not part for part in key.split(".")):
+            raise ConfigError(f"override {item!r} has an empty key")
+        try:
+            parsed[key] = _override_value(raw)
+        except yaml.constructor.ConstructorError as exc:
+            raise ConfigError(f"override {item!r}: {exc.problem}") from None
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"override {item!r}: the value is not valid YAML ({exc})") from None
+    return parsed
+
+
+def _override_value(raw: str) -> Any:
+    """A ``--set`` value as YAML, but ``x:`` (``sqlite:///:memory:``) stays a string, not ``{x: null}``."""
+    value = load_yaml(raw, strict_ints=True) if raw.strip() else None
+    mapped = isinstance(value, dict) and not raw.lstrip().startswith("{")
+    return raw.strip() if mapped and all(v is None for v in value.values()) else value
+
+
+def set_dotted(data: dict[str, Any], key: str, value: Any) -> None:
+    """Set ``a.b.c = value`` in nested mappings; a numeric part indexes a list (``methods.0.x``).
+    A mapping's own keys may hold dots (a bench method's ``search: {loss.margin: {...}}``): the
+    longest run of parts that names an existing key is taken as that key."""
+    parts = key.split(".")
+    node: Any = data
+    i = 0
+    while True:
+        if isinstance(node, list):
+            if i == len(parts) - 1:
+                raise ConfigError(f"cannot set {key!r}: replace the whole list instead")
+            try:
+                node = node[int(parts[i])]
+            except (ValueError, IndexError):
+                raise ConfigError(f"cannot set {key!r}: {parts[i]!r} is not an index of the list") from None
+            i += 1
+            continue
+        j = next((j for j in range(len(parts), i + 1, -1) if ".".join(parts[i:j]) in node), i + 1)
+        name = ".".join(parts[i:j])
+        if j == len(parts):
+            node[name] = value
+            return
+        child = node.get(name)
+        if child is None:
+            child = {}
+            node[name] = child
+        if not isinstance(child, dict | list):
+            raise ConfigError(f"cannot set {key!r}: {'.'.join(parts[:j])!r} is a value ({child!r}), not a section")
+        node, i = child, j
+
+
+def read_yaml_mapping(path: str | os.PathLike, holds: str, examples: str) -> dict[str, Any]:
+    """The mapping in a YAML file, or a :class:`ConfigError` saying what is wrong with it."""
+    path = Path(path)
+    if not path.exists():
+        raise ConfigError(f"config file not found: {path} (see {examples})")
+    if path.is_dir():
+        raise ConfigError(f"{path} is a directory: pass a YAML config file (see {examples})")
+    try:
+        data = load_yaml(path.read_text(encoding="utf-8")) or {}
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{path} is not UTF-8 text (byte {exc.start}): save the config as UTF-8 "
+                          f"YAML (see {examples})") from None
+    except OSError as exc:
+        raise ConfigError(f"cannot read {path}: {exc.strerror or exc}") from None
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path} is not valid YAML: {' '.join(str(exc).split())}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path} must hold a mapping of {holds}")
+    return data
