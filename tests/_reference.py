@@ -315,3 +315,26 @@ def one_error_line(code: int, err: str) -> str:
     lines = err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: "), err
     return lines[0]
+
+
+def tiny_alphadigits_bench(name: str, protocol: dict, methods: list, **fixed: dict) -> dict:
+    """A small bench config (a dict) on binary_alphadigits at 20 x 20: a small CNN of 16
+    dimensions, 4 classes x 4 samples, 2 batches, one epoch on the CPU; ``fixed`` updates the
+    fixed sections named (``model={"embedding_size": 8}``)."""
+    config = {
+        "name": name,
+        "fixed": {
+            "seed": 0,
+            "data": {"dataset": "binary_alphadigits", "transform": "grayscale", "image_size": 20},
+            "model": {"trunk": "small_cnn", "pretrained": False, "in_channels": 1, "embedding_size": 16,
+                      "freeze_batchnorm": False},
+            "sampler": {"classes_per_batch": 4, "samples_per_class": 4, "batches_per_epoch": 2},
+            "optimizer": {"preset": "cpu_quick"},
+            "training": {"epochs": 1, "device": "cpu"},
+        },
+        "protocol": protocol,
+        "methods": methods,
+    }
+    for section, values in fixed.items():
+        config["fixed"].setdefault(section, {}).update(values)
+    return config

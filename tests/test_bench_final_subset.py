@@ -14,6 +14,7 @@ import shutil
 import pytest
 import yaml
 
+from _reference import tiny_alphadigits_bench
 from dmlkit.exceptions import NonFiniteError
 from dmlkit.protocol.config import bench_config_from_dict
 from dmlkit.protocol.results import load_results
@@ -22,23 +23,12 @@ from dmlkit.training import train
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-TINY = {
-    "name": "tiny-subset",
-    "fixed": {
-        "seed": 0,
-        "data": {"dataset": "binary_alphadigits", "transform": "grayscale", "image_size": 20},
-        "model": {"trunk": "small_cnn", "pretrained": False, "in_channels": 1, "embedding_size": 8,
-                  "freeze_batchnorm": False},
-        "sampler": {"classes_per_batch": 4, "samples_per_class": 2, "batches_per_epoch": 1},
-        "optimizer": {"preset": "cpu_quick"},
-        "training": {"epochs": 1, "device": "cpu"},
-    },
-    "protocol": {"num_classes": 16, "folds": 2, "trials": 1, "n_startup_trials": 1, "seeds": [0, 1]},
-    "methods": [
-        {"name": "contrastive", "loss": {"name": "contrastive"}},
-        {"name": "triplet", "loss": {"name": "triplet"}},
-    ],
-}
+TINY = tiny_alphadigits_bench(
+    "tiny-subset",
+    {"num_classes": 16, "folds": 2, "trials": 1, "n_startup_trials": 1, "seeds": [0, 1]},
+    [{"name": "contrastive", "loss": {"name": "contrastive"}}, {"name": "triplet", "loss": {"name": "triplet"}}],
+    model={"embedding_size": 8}, sampler={"samples_per_class": 2, "batches_per_epoch": 1},
+)
 
 
 class Said:

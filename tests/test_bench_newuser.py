@@ -9,27 +9,16 @@ import copy
 
 import pytest
 
+from _reference import tiny_alphadigits_bench
 from dmlkit.exceptions import ConfigError
 from dmlkit.protocol.config import BenchConfig, bench_config_from_dict
 from dmlkit.protocol.runner import Bench
 
-TINY = {
-    "name": "tiny-newuser",
-    "fixed": {
-        "seed": 0,
-        "data": {"dataset": "binary_alphadigits", "transform": "grayscale", "image_size": 20},
-        "model": {"trunk": "small_cnn", "pretrained": False, "in_channels": 1, "embedding_size": 16,
-                  "freeze_batchnorm": False},
-        "sampler": {"classes_per_batch": 4, "samples_per_class": 4, "batches_per_epoch": 2},
-        "optimizer": {"preset": "cpu_quick"},
-        "training": {"epochs": 1, "device": "cpu"},
-    },
-    "protocol": {"num_classes": 16, "folds": 2, "trials": 2, "n_startup_trials": 1, "seeds": [0, 1, 2]},
-    "methods": [
-        {"name": "contrastive", "loss": {"name": "contrastive"},
-         "search": {"loss.neg_margin": {"low": 0.5, "high": 1.5}}},
-    ],
-}
+TINY = tiny_alphadigits_bench(
+    "tiny-newuser",
+    {"num_classes": 16, "folds": 2, "trials": 2, "n_startup_trials": 1, "seeds": [0, 1, 2]},
+    [{"name": "contrastive", "loss": {"name": "contrastive"}, "search": {"loss.neg_margin": {"low": 0.5, "high": 1.5}}}],
+)
 
 
 def _config(**fixed_changes: dict) -> BenchConfig:
