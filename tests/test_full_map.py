@@ -411,3 +411,77 @@ def test_build_tables_equals_its_definition(kind, n_buckets):
         np.testing.assert_array_equal(scale, want_scale)
         rows = sizes > 0  # a row without positives has no table (lo = inf skips it)
         np.testing.assert_array_equal(table[rows], want_table[rows])
+
+
+@pytest.mark.parametrize("tol", [0.0, 1e-46, 7.9e-6, 1e-3])
+def test_band_widths_cover_every_upper_bound_with_one_width_a_row(tol):
+    """The state keeps each positive's lower bound and one width a row: ``band_top(up, band)``
+    is at or above the positive's own upper bound ``dn`` (so a value above it is certainly ranked
+    before the positive), wider than the row's widest band by a few ulps at most, never NaN
+    (infinite bounds give an infinite band), and ``dn`` is replaced by ``band_top``."""
+    k = _kernels()
+    rng = np.random.default_rng(4)
+    sizes = rng.integers(0, 300, 30)
+    sizes[:3] = [0, 1, 2]
+    ptr = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
+    val = np.concatenate([rng.normal(size=sizes[:-2].sum()) * 10.0 ** rng.integers(-30, 30),
+                          rng.normal(size=sizes[-2]) * 1e-42, rng.normal(size=sizes[-1]) * 1e38])
+    val[-1] = -1e39  # a lower bound of -inf
+    up, dn = np.empty(val.size, np.float32), np.empty(val.size, np.float32)
+    k.bounds(val, tol, up, dn)
+    exact_dn = dn.copy()
+    band = np.empty(sizes.size, np.float32)
+    k.band_widths(ptr, up, dn, band)
+    assert not np.isnan(band).any() and not np.isnan(dn).any()
+    for i, (p0, p1) in enumerate(zip(ptr[:-1], ptr[1:])):
+        if p1 == p0:
+            continue
+        u = up[p0:p1]
+        with np.errstate(invalid="ignore", over="ignore"):
+            top = np.where(np.isinf(band[i]), np.float32(np.inf), u + band[i])
+        np.testing.assert_array_equal(dn[p0:p1], top)
+        assert (top >= exact_dn[p0:p1]).all()
+        if np.isfinite(band[i]):  # wider than the widest band by a few ulps at most
+            widest = (exact_dn[p0:p1].astype(np.float64) - u.astype(np.float64)).max()
+            assert band[i] <= widest * (1 + 2.0**-22) + 4 * np.spacing(np.abs(u).max())
+    assert np.isinf(band[-1])  # the row with an infinite lower bound
+
+
+@pytest.mark.parametrize("distance", [DOT, LpDistance(normalize_embeddings=False)])
+def test_self_search_state_between_half_and_whole_budget_takes_symmetric_tiles(
+        numba_path, monkeypatch, one_thread, distance):
+    """A self-search whose state needs more than half of the budget but fits what its square
+    tiles leave is counted in one group on symmetric tiles (half the products), not in row
+    groups that each compute every product; the values stay the float64 ranking's."""
+    import dmlkit.metrics.average_precision as ap
+
+    q, ql = _tied(900, 4, 6, 11)  # ~150 positives a query
+    budget, tile = 2**23, 256
+    monkeypatch.setattr(ap, "_MAX_TILE", tile)
+    r_count = np.bincount(ql)[ql] - 1
+
+    def state(extra: int) -> int:
+        return int((r_count * (ap._STATE_BYTES + extra + ap._VALUE_BYTES) + ap._ROW_BYTES + 2 * 1024).sum())
+
+    extra = (budget * 3 // 4 - state(0)) // int(r_count.sum())
+    assert budget // 2 < state(extra) < budget - ap._square_tile_bytes(tile)
+    monkeypatch.setattr(ap, "_STATE_BYTES", ap._STATE_BYTES + extra)
+    scans = []
+    scan = ap._Group.scan
+
+    def spy(self, tiles, tile, wide, workers, nq, m):
+        scans.append((self.g0, self.g1, tile))
+        return scan(self, tiles, tile, wide, workers, nq, m)
+
+    monkeypatch.setattr(ap._Group, "scan", spy)
+    got = _map(q, ql, distance=distance, memory_budget=budget)
+    assert scans == [(0, 900, tile)]  # one group: square tiles, each serving two row blocks
+    want = brute_force_ap(q, ql, None, None, euclidean=isinstance(distance, LpDistance))
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-12)
+    # a search against other references keeps half the budget for its tiles: row groups
+    scans.clear()
+    r, rl = _tied(900, 4, 6, 12)
+    got = _map(q, ql, r, rl, distance=distance, memory_budget=budget)
+    assert len(scans) > 1
+    want = brute_force_ap(q, ql, r, rl, euclidean=isinstance(distance, LpDistance))
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-12)

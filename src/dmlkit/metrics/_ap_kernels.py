@@ -5,7 +5,9 @@ Per query row the state is its positives, sorted by float64 closeness (descendin
 the smaller reference index), with two float32 bounds each: ``up[p]`` (a tile value ``x <
 up[p]`` is certainly ranked after positive ``p``) and ``dn[p]`` (``x > dn[p]``: certainly
 ranked before it). A float32 tile value ``x`` is within ``tol`` of its float64 closeness, so
-``up[p] = round_down(v_p - tol)`` and ``dn[p] = round_up(v_p + tol)``.
+``up[p] = round_down(v_p - tol)`` and ``dn[p] = round_up(v_p + tol)``; the state keeps ``up``
+and a width a row, ``dn[p] = band_top(up[p], band[i])`` at least as high
+(:func:`dmlkit.metrics._ap_positives.band_widths`).
 
 For every negative ``j`` of a row the kernel finds ``e(j)``, the number of the row's positives
 ranked before ``j``, and counts it: ``cnt[e] += 1``. Positive ``p`` itself ranks after ``p``
@@ -52,6 +54,7 @@ from typing import NamedTuple
 import numba
 import numpy as np
 
+from dmlkit.metrics._ap_positives import band_top
 from dmlkit.metrics._kernels import _closeness64
 from dmlkit.metrics._simd import COMPRESS_TABLE, compress8, prefetch, transpose8
 
@@ -68,7 +71,7 @@ class Counting(NamedTuple):
     pos_ref: np.ndarray  #: their references, closest first (float64 closeness; ties by index)
     pos_val: np.ndarray  #: their float64 closeness, or empty: recomputed when needed
     up: np.ndarray  #: float32 bound below which a tile value ranks after the positive
-    dn: np.ndarray  #: float32 bound above which it ranks before it
+    band: np.ndarray  #: per row, the float32 width: above ``band_top(up[p], band)`` it ranks before it
     lo: np.ndarray  #: each row's lowest bound (inf without positives)
     scale: np.ndarray  #: each row's bucket scale
     table: np.ndarray  #: each row's bucket table (:mod:`dmlkit.metrics._ap_positives`)
@@ -146,7 +149,7 @@ def _flush_exact(state: Counting, held: Deferred) -> None:
         i = held.row[k]
         stop = state.pos_ptr[i + 1]
         e = _exact_rank(state, held.query[k], held.ref[k], held.exact[k], held.value[k],
-                        held.first[k], stop)
+                        held.first[k], stop, state.band[i])
         if e < stop:
             state.cnt[e + i] += 1  # row i's count after e - pos_ptr[i] positives
     held.count[0] = 0
@@ -154,16 +157,16 @@ def _flush_exact(state: Counting, held: Deferred) -> None:
 
 @numba.njit(nogil=True, cache=True, boundscheck=False)
 def _exact_rank(state: Counting, gi: int, j: int, v: float, x: np.float32, first: int,
-                stop: int) -> int:
+                stop: int, band: np.float32) -> int:
     """Where reference ``j`` (tile value ``x``, float64 closeness ``v``) ranks for query ``gi``
     among the positives ``first:stop``, the first of them not certainly before it: ``first``
     plus the positives whose band holds ``x`` and whose float64 closeness ranks before ``j``'s
     (ties by the original index). A positive's closeness is read from ``pos_val`` or, where the
     state does not keep it, recomputed by the function that sorted it."""
-    dn, pos_ref, pos_val, ref_index = state.dn, state.pos_ref, state.pos_val, state.ref_index
+    up, pos_ref, pos_val, ref_index = state.up, state.pos_ref, state.pos_val, state.ref_index
     e = first
     q = first
-    while q < stop and x <= dn[q]:
+    while q < stop and x <= band_top(up[q], band):
         k = pos_ref[q]
         pv = pos_val[q] if pos_val.shape[0] else _closeness64(state.query[gi], state.reference[k],
                                                              state.euclidean)
@@ -200,8 +203,9 @@ def _place(
     (:func:`_flush_exact`, when ``held`` is full and at the end of the tile; ties by the
     original index).
     """
-    pos_ptr, up, dn = state.pos_ptr, state.up, state.dn
+    pos_ptr, up = state.pos_ptr, state.up
     lo, scale, table, cnt = state.lo, state.scale, state.table, state.cnt
+    band = state.band[i]
     n_buckets = table.shape[1]
     top = np.float32(n_buckets - 1)
     low = lo[i]
@@ -217,7 +221,6 @@ def _place(
         prefetch(cnt, e)
     for e in range(p0, p0 + big_r, 16):
         prefetch(up, e)
-        prefetch(dn, e)
     n_dirty = 0
     for u in range(n):  # branch-free: a listed entry is counted in the spare slot
         e = np.int64(tab[np.uint32(min((vals[u] - low) * sc, top))])  # x >= low: bucket >= 0
@@ -231,7 +234,7 @@ def _place(
         e = -1 - np.int64(buckets[t])
         while e < big_r and x < up[p0 + e]:
             e += 1
-        if e < big_r and x <= dn[p0 + e]:  # within tol of positive e's closeness: held
+        if e < big_r and x <= band_top(up[p0 + e], band):  # within the band of positive e: held
             h = held.count[0]
             if h == held.row.shape[0]:
                 _flush_exact(state, held)

@@ -42,15 +42,15 @@ from dmlkit.metrics._tiles import _Tiles
 
 __all__ = ["closeness_tolerance", "full_ranking_map"]
 
-#: Bytes of per-positive state: its reference (int32), two float32 bounds, an int32 count
+#: Bytes of per-positive state: its reference (int32), its lower float32 bound, an int32 count
 #: (8 more with int64 references and counts, from 2^31 references), and its float64 closeness
 #: (8) unless leaving it out lets the state fit the budget in one group (symmetric tiles):
 #: the rare exact comparison then recomputes it.
-_STATE_BYTES = 16
+_STATE_BYTES = 12
 _VALUE_BYTES = 8
-#: Bytes of per-row state besides the bucket table (pointer, lowest bound, scale, result, spare
-#: count).
-_ROW_BYTES = 32
+#: Bytes of per-row state besides the bucket table (pointer, lowest bound, scale, band width,
+#: result, spare count).
+_ROW_BYTES = 36
 #: Buckets per row: about this many per positive, a power of two within the limits below.
 _BUCKETS_PER_POSITIVE = 8
 _MIN_BUCKETS, _MAX_BUCKETS = 64, 1024
@@ -91,10 +91,12 @@ def full_ranking_map(
     ``scorer`` is a symmetric :class:`dmlkit.metrics.knn._Scorer` (cosine, dot or Euclidean);
     ``q`` / ``r`` are its *prepared* float32 CPU rows; ``r=None`` is a self-search that leaves
     each query out of its own ranking. Memory: a copy of the references in class order; the
-    positives' state (24 bytes each, 16 where that lets it fit one group) and a bucket table per row (1 byte a bucket below 126
-    positives, 2 below 2^15, else 4) within half of ``budget``, in groups of rows if need be
-    (each group then scans every reference, in tiles as wide as the other half allows, with up
-    to 4096 buckets a row instead of 1024); a float32 tile per worker within the other half.
+    positives' state (20 bytes each, 12 where that lets it fit one group) and a bucket table per
+    row (1 byte a bucket below 126 positives, 2 below 2^15, else 4); a float32 tile per worker.
+    A self-search whose state fits ``budget`` less its square tiles scans them once each for
+    both of their row blocks (half the products); otherwise the state takes half of ``budget``,
+    in groups of rows if need be (each group then scans every reference, in tiles as wide as
+    the other half allows, with up to 4096 buckets a row instead of 1024).
     """
     same = r is None
     ref = q if same else r
@@ -125,8 +127,6 @@ def full_ranking_map(
     tiles = _Tiles(scorer, q, ref, bf16=False)
     table_dtype = _table_dtype(int(r_count.max(initial=0)))
     index_dtype = np.int32 if m < 2**31 else np.int64
-    groups, n_buckets, keep_values = _plan(r_count, np.dtype(index_dtype).itemsize, table_dtype, budget)
-
     with single_threaded_torch() as workers:
         # per worker: a float32 tile in the other half of the budget, square on a symmetric
         # self-search; row groups scan tiles as wide as it holds (a row's counts and table are
@@ -136,6 +136,10 @@ def full_ranking_map(
         tile = int(max(64, min(_MAX_TILE, math.isqrt(tile_area))))
         # a whole number of square blocks (:func:`_square_blocks`) unless it spans every reference
         wide = max(tile, min(m, tile_area // tile // tile * tile))
+        # one group of symmetric tiles may use what its square tiles leave of the budget
+        one_group_room = max(0, budget - workers * _square_tile_bytes(tile)) if same else budget // 2
+        groups, n_buckets, keep_values = _plan(r_count, np.dtype(index_dtype).itemsize, table_dtype,
+                                               budget, one_group_room)
         memory = _GroupMemory(max(b - a for a, b in groups),
                               max(int(r_count[a:b].sum()) for a, b in groups), n_buckets, table_dtype,
                               index_dtype, keep_values)
@@ -151,31 +155,40 @@ def full_ranking_map(
     return torch.from_numpy(out)
 
 
-def _plan(r_count: np.ndarray, index_bytes: int, table_dtype: type, budget: int) -> tuple:
+def _square_tile_bytes(tile: int) -> int:
+    """One worker's memory on symmetric tiles of side ``tile``: the float32 tile and the
+    counting scratch (:func:`dmlkit.metrics._ap_kernels.counting_scratch`: eight compacted
+    lines, the listed entries and up to 65,536 held ones of 52 bytes)."""
+    return 4 * tile * tile + 88 * tile + 52 * min(max(4096, 4 * tile), 65536)
+
+
+def _plan(r_count: np.ndarray, index_bytes: int, table_dtype: type, budget: int,
+          one_group_room: int) -> tuple:
     """``(groups, buckets a row, keep the float64 closeness)`` for rows with ``r_count``
-    positives: one group (symmetric tiles) if the state fits half of ``budget``, without the
-    stored closeness if only that makes it fit; else row groups, with the closeness and finer
-    tables (row groups scan wide tiles, where a row's table stays in cache)."""
+    positives: one group (symmetric tiles on a self-search) if the state fits
+    ``one_group_room``, without the stored closeness if only that makes it fit; else row groups
+    in half of ``budget``, with the closeness and finer tables (row groups scan wide tiles,
+    where a row's table stays in cache)."""
     state_bytes = _STATE_BYTES + 2 * (index_bytes - 4)
     n_buckets = _buckets(r_count, _MAX_BUCKETS)
-    groups = _row_groups(r_count, state_bytes + _VALUE_BYTES, n_buckets, table_dtype, budget)
+    groups = _row_groups(r_count, state_bytes + _VALUE_BYTES, n_buckets, table_dtype, one_group_room)
     if len(groups) == 1:
         return groups, n_buckets, True
-    lean = _row_groups(r_count, state_bytes, n_buckets, table_dtype, budget)
+    lean = _row_groups(r_count, state_bytes, n_buckets, table_dtype, one_group_room)
     if len(lean) == 1:
         return lean, n_buckets, False
     n_buckets = _buckets(r_count, _MAX_GROUP_BUCKETS)
-    return _row_groups(r_count, state_bytes + _VALUE_BYTES, n_buckets, table_dtype, budget), n_buckets, True
+    return _row_groups(r_count, state_bytes + _VALUE_BYTES, n_buckets, table_dtype, budget // 2), n_buckets, True
 
 
 def _row_groups(r_count: np.ndarray, state_bytes: int, n_buckets: int, table_dtype: type,
-                budget: int) -> list:
-    """Consecutive query rows ``(g0, g1)`` whose state fits in half of ``budget``."""
+                room: int) -> list:
+    """Consecutive query rows ``(g0, g1)`` whose state fits in ``room`` bytes."""
     per_row = np.cumsum(r_count * state_bytes + _ROW_BYTES + table_dtype().itemsize * n_buckets)
     groups, g0, nq = [], 0, r_count.shape[0]
     while g0 < nq:
         base = per_row[g0 - 1] if g0 else 0
-        g1 = int(np.searchsorted(per_row, base + budget // 2, side="right"))
+        g1 = int(np.searchsorted(per_row, base + room, side="right"))
         g1 = min(nq, max(g1, g0 + 1))
         groups.append((g0, g1))
         g0 = g1
@@ -220,7 +233,7 @@ class _GroupMemory:
         self.pos_ref = np.empty(positives, index_dtype)
         self.pos_val = np.empty(positives if keep_values else 0, np.float64)
         self.up = np.empty(positives, np.float32)
-        self.dn = np.empty(positives, np.float32)
+        self.band = np.empty(rows, np.float32)
         self.lo = np.empty(rows, np.float32)
         self.scale = np.empty(rows, np.float32)
         self.table = np.empty((rows, n_buckets), table_dtype)
@@ -248,22 +261,23 @@ class _Group:
         query_codes = codes.query_codes[g0:g1]
         self.pos_ptr, self.pos_ref = pos_ptr, pos_ref
         self.pos_val = memory.pos_val[:total]  # empty when not kept
-        self.up, self.dn = memory.up[:total], memory.dn[:total]
+        self.up, self.band = memory.up[:total], memory.band[:rows]
         self.lo, self.scale, self.table = memory.lo[:rows], memory.scale[:rows], memory.table[:rows]
 
         def prepare(chunk: tuple[int, int]) -> None:
             """Rows ``a:b`` of the group: float64 closeness of the positives (kept, or a
-            temporary), sorted per row (closest first, ties by index), their float32 bounds and
-            the bucket tables."""
+            temporary), sorted per row (closest first, ties by index), their float32 bounds (the
+            upper ones a temporary, kept as a width a row) and the bucket tables."""
             a, b = chunk
             p, q = pos_ptr[a], pos_ptr[b]
-            ptr, refs, up, dn = pos_ptr[a : b + 1] - p, pos_ref[p:q], self.up[p:q], self.dn[p:q]
+            ptr, refs, up, dn = pos_ptr[a : b + 1] - p, pos_ref[p:q], self.up[p:q], np.empty(q - p, np.float32)
             vals = self.pos_val[p:q] if self.pos_val.size else np.empty(q - p, np.float64)
             by_class = np.argsort(query_codes[a:b], kind="stable")
             _ap_positives.positive_scores(self.qn, self.rn, by_class, g0 + a, ptr, refs, euclidean,
                                           vals)
             _ap_positives.sort_positives(ptr, vals, refs)
             _ap_positives.bounds(vals, tol, up, dn)
+            _ap_positives.band_widths(ptr, up, dn, self.band[a:b])
             _ap_positives.build_tables(ptr, up, dn, self.lo[a:b], self.scale[a:b], self.table[a:b])
 
         # chunks of at most 2^20 positives (8 MB of float64 closeness each), 4 per worker or more
@@ -295,7 +309,7 @@ class _Group:
         for _ in range(workers):
             scratch.put((tiles.scratch(tile, padded), counting_scratch(side)))
         codes = self.codes
-        state = Counting(self.pos_ptr, self.pos_ref, self.pos_val, self.up, self.dn, self.lo,
+        state = Counting(self.pos_ptr, self.pos_ref, self.pos_val, self.up, self.band, self.lo,
                          self.scale, self.table, self.cnt, self.qn, self.rn, self.euclidean,
                          codes.pos_first, codes.pos_last, codes.ref_index)
 
