@@ -18,6 +18,8 @@ from dmlkit.metrics._validation import (
     as_embeddings,
     as_label_pair,
     check_budget,
+    row_hashes,
+    shared_rows_warning,
 )
 from dmlkit.metrics.average_precision import full_ranking_map
 from dmlkit.metrics.clustering import CLUSTERING_METRICS, cluster_metrics
@@ -108,6 +110,8 @@ class _Inputs:
                 )
             if self.r.shape == self.q.shape and torch.equal(self.r, self.q):
                 warnings.warn(REFERENCE_IS_QUERY, stacklevel=4)
+            elif (shared := shared_rows_warning(row_hashes(self.q), row_hashes(self.r))) is not None:
+                warnings.warn(shared, stacklevel=4)
         try:
             self.distance: BaseDistance = get_distance(distance)
         except ValueError as exc:

@@ -56,6 +56,8 @@ from dmlkit.metrics._validation import (
     as_embeddings,
     as_label_pair,
     check_budget,
+    row_hashes,
+    shared_rows_warning,
 )
 from dmlkit.metrics.evaluate import _AT_K, REFERENCE_IS_QUERY, expand_metric_names
 from dmlkit.metrics.knn import (
@@ -140,6 +142,13 @@ def _same_rows(query: Any, reference: Any, n: int, rows: int = 4096) -> bool:
                 else np.array_equal(np.asarray(a), np.asarray(b))):
             return False
     return True
+
+
+def _hashes(source: Any, n: int, name: str, rows: int = 65536) -> torch.Tensor:
+    """:func:`dmlkit.metrics._validation.row_hashes` of every row, read block by block (8 bytes
+    a row are kept)."""
+    return torch.cat([row_hashes(_read(source, a0, min(n, a0 + rows), name)).cpu()
+                      for a0 in range(0, n, rows)])
 
 
 def _labels_of(source: Any, labels: Any, name: str) -> Any:
@@ -249,6 +258,9 @@ def _stream(
         raise ShapeError(f"query has {d} dimensions but reference has {d_r}: embed both with the same model")
     if not same and (m, d_r) == (nq, d) and _same_rows(query, reference, nq):
         warnings.warn(REFERENCE_IS_QUERY, stacklevel=4)
+    elif not same and (shared := shared_rows_warning(_hashes(query, nq, "query embeddings"),
+                                                     _hashes(reference, m, "reference embeddings"))):
+        warnings.warn(shared, stacklevel=4)
     try:
         dist = get_distance(distance)
     except ValueError as exc:
