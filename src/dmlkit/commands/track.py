@@ -190,7 +190,7 @@ def evaluate(
     as_json: bool = typer.Option(False, "--json", help="Print JSON."),
 ) -> None:
     """OTB one-pass evaluation: success AUC (21 thresholds), precision at 20 px, fps; plots."""
-    from dmlkit.apps.tracking import load_tracking_dataset, plot_ope, run_ope
+    from dmlkit.apps.tracking import got10k_splits, load_tracking_dataset, plot_ope, run_ope
     from dmlkit.commands._options import listed
     from dmlkit.exceptions import ConfigError
 
@@ -203,6 +203,10 @@ def evaluate(
         raise ConfigError(f"unknown tracker {unknown[0]!r}: use {', '.join(_METHODS)}")
     if out_dir is not None and out_dir.exists() and not out_dir.is_dir():  # before any tracking
         raise ConfigError(f"--out-dir {out_dir} is a file: name a folder for results.json, ope.png and the boxes")
+    if split is None and dataset.lower().replace("-", "") == "got10k" and (splits := got10k_splits(root)):
+        # loading would take train, the split trackers learn from: a score nobody asked for
+        raise ConfigError(f"{root} holds the GOT-10k splits {', '.join(splits)}: name the one to evaluate with "
+                          "--split (val to measure a tracker; test is scored by GOT-10k's server)")
     sequences = load_tracking_dataset(dataset, root, split)[:max_sequences]  # frame paths only, no pixels
     # every tracker before any runs: a missing --weights for the second must not fail after the first
     trackers = {name: _tracker(name, weights, scales, seed, device, width) for name in names}

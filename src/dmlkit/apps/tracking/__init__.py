@@ -10,6 +10,7 @@
 
 from dmlkit.apps.tracking.datasets import (
     Sequence,
+    got10k_splits,
     load_got10k,
     load_otb,
     load_tracking_dataset,
@@ -76,6 +77,7 @@ __all__ = [
     "evaluate_ope",
     "evaluate_sequence",
     "exemplar_side",
+    "got10k_splits",
     "load_got10k",
     "load_otb",
     "load_siamfc",

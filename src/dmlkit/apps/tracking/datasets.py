@@ -142,6 +142,16 @@ def _got10k_dirs(root: Path, split: str | None, named: bool = False) -> list[Pat
     return dirs
 
 
+def got10k_splits(root: str | Path) -> list[str]:
+    """The split folders of a GOT-10k root (``train``, ``val``, ``test`` ...): its sub-folders
+    that hold sequence folders rather than being one; none when ``root`` is missing."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    return sorted(p.name for p in root.iterdir() if p.is_dir() and not (p / "groundtruth.txt").is_file()
+                  and any((s / "groundtruth.txt").is_file() for s in p.iterdir() if s.is_dir()))
+
+
 def load_got10k(root: str | Path, split: str | None = None) -> list[Sequence]:
     """Sequences in the GOT-10k layout: the ``split`` sub-folder, which must exist when named;
     unnamed, ``train`` if it exists, else ``root`` itself."""
