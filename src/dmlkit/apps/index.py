@@ -473,6 +473,11 @@ class EmbeddingIndex:
         k = int(k)  # faiss's SWIG wrappers take Python ints only
         if len(self) == 0:
             raise DataError("the index is empty: add embeddings first")
+        if self._unit and (zero := np.flatnonzero(~q.any(axis=1))).size:
+            # no direction: every item would score 0, and the "nearest" were the first rows
+            raise DataError(f"query row {zero[0]} is all zeros ({zero.size} such row(s)): a {self.distance} "
+                            f"index{' of normalised embeddings' if self.normalize and self.distance != 'cosine' else ''} "
+                            "compares directions, and a zero vector has none; send the query's embedding")
         if exclude_ids is not None:
             exclude = np.asarray(exclude_ids).astype(str)
             if exclude.shape != (q.shape[0],):

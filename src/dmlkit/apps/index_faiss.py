@@ -17,6 +17,7 @@ graph finds its neighbours more easily than a new one, so in-graph queries overs
 from __future__ import annotations
 
 import math
+import warnings
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -116,6 +117,10 @@ def new_faiss_index(index: EmbeddingIndex, emb: np.ndarray, keys: np.ndarray) ->
     index._trained_keys = keys[rows]
     if p["nprobe"] is None:
         p["nprobe"] = min(nlist, 8)
+    elif p["nprobe"] > nlist:  # faiss scans every cell: say so, and report what is scanned
+        warnings.warn(f"nprobe={p['nprobe']} is more than the index's {nlist} cells: every cell is scanned "
+                      f"(nprobe={nlist})", stacklevel=2)
+        p["nprobe"] = int(nlist)
     return to_gpu(index, structure)
 
 
