@@ -236,10 +236,12 @@ def omniglot_run_config(directory, name: str, *, train: range, val: range, file:
     return path
 
 
-def bench_entries(tmp_path, cfg, labels, centres: int) -> dict:
-    """Final-stage entries of a bench with methods ``contrastive`` (noisier) and ``ms`` (three
-    seeds, one fold each): clustered test embeddings saved under ``tmp_path``, evaluated with the
-    config's metrics (for ``build_results`` in the compare / report tests)."""
+def bench_entries(tmp_path, cfg, labels, centres: int,
+                  methods: tuple = (("contrastive", 1.5), ("ms", 0.9))) -> dict:
+    """Final-stage entries of a bench with ``methods`` (name, noise), by default ``contrastive``
+    (noisier) and ``ms`` (three seeds, one fold each): clustered test embeddings saved under
+    ``tmp_path``, evaluated with the config's metrics (for ``build_results`` in the compare /
+    report tests)."""
     import numpy as np
 
     from dmlkit.embeddings import save_embeddings
@@ -247,7 +249,7 @@ def bench_entries(tmp_path, cfg, labels, centres: int) -> dict:
 
     centre = np.random.default_rng(0).normal(size=(centres, 8))
     entries = {}
-    for k, (name, noise) in enumerate([("contrastive", 1.5), ("ms", 0.9)]):
+    for k, (name, noise) in enumerate(methods):
         runs = []
         for s in (0, 1, 2):
             path = tmp_path / name / f"seed{s}" / "fold0" / "embeddings" / "test.npz"

@@ -9,7 +9,8 @@
   seeds and, inside, the same test queries for both (seeded; see
   :func:`dmlkit.protocol.stats.hierarchical_bootstrap`). A difference is called significant
   only when that CI excludes zero, Welch's t-test over the seeds' means gives p below
-  ``1 - confidence``, *and* each method has at least
+  ``1 - confidence`` after Holm's correction over the method pairs compared on each metric and
+  mode, *and* each method has at least
   :data:`~dmlkit.protocol.stats.MIN_SEEDS_FOR_SIGNIFICANCE` seeds; with fewer the report says
   "too few seeds to tell" and warns: a bootstrap over queries alone ignores how much a method
   moves between training runs, which is usually the larger part.
@@ -47,6 +48,7 @@ from dmlkit.protocol.stats import (
     check_confidence,
     check_resamples,
     hierarchical_bootstrap,
+    holm_adjusted,
     per_query_scores,
 )
 from dmlkit.validation import check_seed, concatenate_normalized
@@ -335,11 +337,13 @@ def compare_results(
                 res = hierarchical_bootstrap(per_query[(a, mode)][m], per_query[(b, mode)][m],
                                              resamples=resamples, confidence=confidence, seed=seed)
                 comparisons.append({"a": a, "b": b, "mode": mode, "metric": m, **res.to_dict()})
+    _correct_for_multiple_pairs(comparisons, confidence)
     table_metrics = [m for m in metrics if all(m in merged[n]["separated"] for n in names)]
     return {
         "methods": names,
         "test": "hierarchical percentile bootstrap over training seeds and test queries (the CI); "
-                "significant when it excludes 0 and Welch's t-test over the seeds' means rejects equal means",
+                "significant when it excludes 0 and Welch's t-test over the seeds' means rejects equal means, "
+                "Holm-corrected over the method pairs of each metric and mode",
         "queries": int(next(iter(per_query.values()))[metrics[0]].shape[1]),
         "seeds": seeds,
         "min_seeds_for_significance": MIN_SEEDS_FOR_SIGNIFICANCE,
@@ -352,6 +356,24 @@ def compare_results(
         "comparisons": comparisons,
         "relative_improvement": relative_improvements({n: merged[n] for n in names}, table_metrics),
     }
+
+
+def _correct_for_multiple_pairs(comparisons: list[dict[str, Any]], confidence: float) -> None:
+    """Holm's correction of the seeds' t-test over the method pairs of each metric and mode
+    (:func:`dmlkit.protocol.stats.holm_adjusted`): with four equal methods, six raw tests at 5 %
+    call at least one pair "significant" up to ``1 - 0.95^6`` = 26 % of the time. Each
+    comparison keeps its raw ``seed_test_p`` and gets ``seed_test_p_holm`` (over the pairs that
+    have enough seeds to be tested); ``significant`` then needs the CI to exclude 0 and the
+    adjusted p below ``1 - confidence``."""
+    families: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    for c in comparisons:
+        c["seed_test_p_holm"] = None
+        if c["significant"] is not None and c["seed_test_p"] is not None:
+            families.setdefault((c["mode"], c["metric"]), []).append(c)
+    for family in families.values():
+        for c, p in zip(family, holm_adjusted([c["seed_test_p"] for c in family])):
+            c["seed_test_p_holm"] = float(p)
+            c["significant"] = bool(c["excludes_zero"] and p < 1.0 - confidence)
 
 
 def _check_bootstrap_options(resamples: Any, seed: Any, confidence: Any, metrics: Sequence[str],
@@ -383,7 +405,8 @@ def render_compare_markdown(report: Mapping[str, Any]) -> str:
         f"Hierarchical bootstrap over training seeds ({seeds}) and {report['queries']} test "
         f"queries ({report['resamples']} resamples, seed {report['seed']}); differences in "
         f"percentage points, {conf} % CI; significant = the CI excludes 0 and Welch's t-test over "
-        f"the seeds' means gives p < {1 - report['confidence']:.2g}, with at least "
+        f"the seeds' means gives p < {1 - report['confidence']:.2g} after Holm's correction over the "
+        f"method pairs of each metric and mode, with at least "
         f"{report['min_seeds_for_significance']} seeds per method.",
         *[f"\nWarning: {w}." for w in report["warnings"]],
         "",

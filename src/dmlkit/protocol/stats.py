@@ -41,6 +41,7 @@ __all__ = [
     "check_confidence",
     "check_resamples",
     "hierarchical_bootstrap",
+    "holm_adjusted",
     "mean_ci",
     "paired_bootstrap",
     "per_query_scores",
@@ -230,3 +231,18 @@ def _seed_weights(rng: np.random.Generator, resamples: int, n_seeds: int) -> np.
     counts = np.zeros((resamples, n_seeds), dtype=np.float64)
     np.add.at(counts, (np.arange(resamples)[:, None], draws), 1.0)
     return counts / n_seeds
+
+
+def holm_adjusted(p_values: Any) -> np.ndarray:
+    """Holm's step-down adjusted p-values of a family of tests (Holm, *A simple sequentially
+    rejective multiple test procedure*, Scand. J. Statist. 1979): with the ``m`` p-values sorted
+    ascending, ``p~_(i) = max_{j <= i} min(1, (m - j + 1) p_(j))``. Rejecting where ``p~ <
+    alpha`` keeps the chance of any false "significant" in the family at most ``alpha``, under
+    any dependence between the tests; with one test it is the p-value itself."""
+    p = np.asarray(p_values, dtype=np.float64).reshape(-1)
+    order = np.argsort(p, kind="stable")
+    m = p.size
+    stepped = np.minimum(1.0, (m - np.arange(m)) * p[order])
+    out = np.empty(m)
+    out[order] = np.maximum.accumulate(stepped) if m else stepped
+    return out

@@ -1,0 +1,54 @@
+"""``dmlkit compare`` over many methods tested every pair at the nominal level: with four equal
+methods, six pairs, one was called "significant" up to a quarter of the time. The seeds' t-test
+is now Holm-corrected over the pairs of each metric and mode."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import dmlkit.protocol.compare as compare_module
+from _reference import bench_entries
+from dmlkit.protocol.compare import compare_results, render_compare_markdown
+from dmlkit.protocol.config import bench_config_from_dict
+from dmlkit.protocol.stats import BootstrapResult, holm_adjusted
+
+BASE = {"name": "holm", "fixed": {"data": {"dataset": "omniglot"}, "model": {"embedding_size": 8}}}
+
+
+def test_holm_adjusted_p_values_by_definition():
+    p = np.array([0.04, 0.001, 0.03, 0.012, 0.009, 0.02])
+    # sorted 0.001 0.009 0.012 0.02 0.03 0.04 times 6..1: 0.006 0.045 0.048 0.06 0.06 0.04 -> running max
+    want_sorted = [0.006, 0.045, 0.048, 0.06, 0.06, 0.06]
+    np.testing.assert_allclose(holm_adjusted(p)[np.argsort(p)], want_sorted)
+    assert holm_adjusted([0.03]).tolist() == [0.03]  # one test: unchanged
+    assert holm_adjusted([0.5, 0.9]).tolist() == [1.0, 1.0]  # capped at 1
+    assert holm_adjusted([]).shape == (0,)
+
+
+def test_compare_calls_significant_only_what_survives_holm(tmp_path, monkeypatch):
+    from dmlkit.protocol.results import build_results
+    from dmlkit.protocol.splits import make_bench_split
+
+    names = ["contrastive", "triplet", "ms", "arcface"]
+    losses = {"contrastive": "contrastive", "triplet": "triplet", "ms": "multi_similarity",
+              "arcface": "arcface"}
+    cfg = bench_config_from_dict({**BASE, "protocol": {"seeds": [0, 1, 2], "trials": 1}, "methods": [
+        {"name": n, "loss": {"name": losses[n]}} for n in names]})
+    labels = np.repeat(np.arange(12), 4)
+    results = build_results(cfg, make_bench_split(range(24), "halves", folds=2),
+                            bench_entries(tmp_path, cfg, labels, 12, [(n, 1.0) for n in names]),
+                            bench_dir=tmp_path)
+    raw = iter([0.04, 0.001, 0.03, 0.012, 0.009, 0.02])  # the six pairs, in the report's order
+
+    def fake(a, b, **kwargs):  # every CI excludes 0; only the p-values differ
+        return BootstrapResult(0.05, 0.01, 0.09, 100, 0.95, seeds=(3, 3), seed_test_p=next(raw))
+
+    monkeypatch.setattr(compare_module, "hierarchical_bootstrap", fake)
+    report = compare_results([results], methods=names, metrics=["map_at_r"], modes=["separated"],
+                             resamples=100)
+    got = [(c["seed_test_p"], c["seed_test_p_holm"], c["significant"]) for c in report["comparisons"]]
+    assert [g[0] for g in got] == [0.04, 0.001, 0.03, 0.012, 0.009, 0.02]
+    assert [g[2] for g in got] == [False, True, False, True, True, False]  # raw p < 0.05 everywhere
+    assert [g[1] for g in got] == pytest.approx([0.06, 0.006, 0.06, 0.048, 0.045, 0.06])
+    assert "Holm" in report["test"] and "Holm's correction" in render_compare_markdown(report)
