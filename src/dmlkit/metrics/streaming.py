@@ -144,11 +144,23 @@ def _same_rows(query: Any, reference: Any, n: int, rows: int = 4096) -> bool:
     return True
 
 
-def _hashes(source: Any, n: int, name: str, rows: int = 65536) -> torch.Tensor:
-    """:func:`dmlkit.metrics._validation.row_hashes` of every row, read block by block (8 bytes
-    a row are kept)."""
-    return torch.cat([row_hashes(_read(source, a0, min(n, a0 + rows), name)).cpu()
-                      for a0 in range(0, n, rows)])
+def _shared_rows(query: Any, nq: int, reference: Any, m: int, rows: int = 65536) -> str | None:
+    """:func:`dmlkit.metrics._validation.shared_rows_warning` for two sources, hashed as float32
+    block by block (8 bytes a row are kept). Unchecked: the search's own reads refuse non-finite
+    or non-numeric rows, naming the rows of their block, so such a source gets no warning here."""
+    hashes = []
+    for source, n in ((query, nq), (reference, m)):
+        out = []
+        for a0 in range(0, n, rows):
+            block = source[a0:min(n, a0 + rows)]
+            try:
+                block = (block.float() if isinstance(block, torch.Tensor)
+                         else torch.from_numpy(np.asarray(block, dtype=np.float32)))
+            except (TypeError, ValueError, RuntimeError):
+                return None
+            out.append(row_hashes(block).cpu())
+        hashes.append(torch.cat(out))
+    return shared_rows_warning(*hashes)
 
 
 def _labels_of(source: Any, labels: Any, name: str) -> Any:
@@ -258,8 +270,7 @@ def _stream(
         raise ShapeError(f"query has {d} dimensions but reference has {d_r}: embed both with the same model")
     if not same and (m, d_r) == (nq, d) and _same_rows(query, reference, nq):
         warnings.warn(REFERENCE_IS_QUERY, stacklevel=4)
-    elif not same and (shared := shared_rows_warning(_hashes(query, nq, "query embeddings"),
-                                                     _hashes(reference, m, "reference embeddings"))):
+    elif not same and (shared := _shared_rows(query, nq, reference, m)):
         warnings.warn(shared, stacklevel=4)
     try:
         dist = get_distance(distance)
