@@ -4,6 +4,8 @@ is now Holm-corrected over the pairs of each metric and mode."""
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 
@@ -52,3 +54,24 @@ def test_compare_calls_significant_only_what_survives_holm(tmp_path, monkeypatch
     assert [g[2] for g in got] == [False, True, False, True, True, False]  # raw p < 0.05 everywhere
     assert [g[1] for g in got] == pytest.approx([0.06, 0.006, 0.06, 0.048, 0.045, 0.06])
     assert "Holm" in report["test"] and "Holm's correction" in render_compare_markdown(report)
+
+
+def test_compare_cli_shows_the_corrected_p_of_each_pair(tmp_path, run_cli):
+    from dmlkit.protocol.results import build_results
+    from dmlkit.protocol.splits import make_bench_split
+    from dmlkit.utils import atomic_write_json
+
+    cfg = bench_config_from_dict({**BASE, "protocol": {"seeds": [0, 1, 2], "trials": 1}, "methods": [
+        {"name": "contrastive", "loss": {"name": "contrastive"}}, {"name": "ms", "loss": {"name": "multi_similarity"}}]})
+    labels = np.repeat(np.arange(12), 4)
+    results = build_results(cfg, make_bench_split(range(24), "halves", folds=2),
+                            bench_entries(tmp_path, cfg, labels, 12), bench_dir=tmp_path)
+    atomic_write_json(tmp_path / "results.json", results)
+    code, out, err = run_cli(["compare", str(tmp_path / "results.json"), "--metric", "map_at_r",
+                              "--mode", "separated", "-B", "100", "-o", str(tmp_path / "cmp.json")])
+    assert code == 0, err
+    assert "95 % CI" in out and "seeds' p (Holm)" in out
+    report = json.loads((tmp_path / "cmp.json").read_text())
+    (c,) = report["comparisons"]
+    assert c["seed_test_p_holm"] == pytest.approx(c["seed_test_p"])  # one pair: nothing to correct
+    assert f"{c['seed_test_p_holm']:.3g}" in out

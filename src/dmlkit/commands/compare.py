@@ -57,11 +57,13 @@ def register(app: typer.Typer) -> None:
         for col in ("A", "B", "mode", "metric"):
             table.add_column(col)
         table.add_column("A − B", justify="right")
-        table.add_column("95 % CI", justify="right")
+        table.add_column(f"{100 * report['confidence']:g} % CI", justify="right")
+        table.add_column("seeds' p (Holm)", justify="right")
         table.add_column("significant", justify="center")
         for c in report["comparisons"]:
+            p_holm = "-" if c.get("seed_test_p_holm") is None else f"{c['seed_test_p_holm']:.3g}"
             table.add_row(escape(c["a"]), escape(c["b"]), c["mode"], metric_label(c["metric"]), f"{100 * c['diff']:+.2f}",
-                          f"[{100 * c['ci_low']:+.2f}, {100 * c['ci_high']:+.2f}]",
+                          f"[{100 * c['ci_low']:+.2f}, {100 * c['ci_high']:+.2f}]", p_holm,
                           {"yes": "[green]yes[/]"}.get(significance_label(c), significance_label(c)))
         console.print(table)
         for base, info in report["relative_improvement"].items():
