@@ -92,7 +92,7 @@ def reid(
         return
     from dmlkit.apps.reid import evaluate_reid, ranked_examples
 
-    _refuse_unused(ctx, rerank, vehicleid=False)
+    _refuse_unused(ctx, rerank, vehicleid=False, examples=examples)
     q, g = data["query"], data["gallery"]
     cams = (q["cams"], g["cams"])  # on one side only: refused (the camera rule needs both)
     result["camera_rule"] = not no_camera_rule and q["cams"] is not None and g["cams"] is not None
@@ -133,10 +133,11 @@ def reid(
     _finish(result, source, out, as_json)
 
 
-def _refuse_unused(ctx: typer.Context, rerank: bool, vehicleid: bool | None) -> None:
+def _refuse_unused(ctx: typer.Context, rerank: bool, vehicleid: bool | None, examples: int = 0) -> None:
     """Refuse an option given on the command line that the protocol does not use (it would be
     silently ignored): --k1/--k2/--lambda without --rerank; for VehicleID (``vehicleid``
-    True) --no-camera-rule and --examples, for the Market-1501 protocol (False) --repeats;
+    True) --no-camera-rule and --examples, for the Market-1501 protocol (False) --repeats, and
+    --seed with ``examples`` 0 (it seeds only the example queries there);
     ``None``: the protocol is not known yet (the source is not read)."""
     from dmlkit.commands._options import given
     from dmlkit.exceptions import ConfigError
@@ -150,6 +151,9 @@ def _refuse_unused(ctx: typer.Context, rerank: bool, vehicleid: bool | None) -> 
     elif vehicleid is not None:
         checks.append(("repeats", "--repeats", "it counts the gallery draws of the VehicleID protocol; "
                                                "this source has query/gallery groups"))
+        if examples == 0:
+            checks.append(("seed", "--seed", "it draws the example queries, and --examples 0 stores none; "
+                                             "this source has no VehicleID gallery draws"))
     for name, opt, why in checks:
         if given(ctx, name):
             raise ConfigError(f"{opt} does not apply here ({why}): drop it")
