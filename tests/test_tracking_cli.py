@@ -137,7 +137,10 @@ def test_train_then_evaluate(offline, tmp_path, capsys):
 
 
 def test_evaluate_got10k_layout(offline, capsys):
-    code, out, err = run(["track", "evaluate", offline, "--dataset", "got10k",
+    # the root's GOT-10k split must be named: without --split, train was scored unasked
+    code, _, err = run(["track", "evaluate", offline, "--dataset", "got10k", "--methods", "ncc"], capsys)
+    assert code == 2 and "holds the GOT-10k splits train" in err
+    code, out, err = run(["track", "evaluate", offline, "--dataset", "got10k", "--split", "train",
                           "--methods", "ncc", "--json"], capsys)
     assert code == 0, err
     row = json.loads(out)["ncc"]
