@@ -100,6 +100,19 @@ def test_query_reference_map_on_cuda_equals_cpu():
     assert gpu["map_at_r"] == pytest.approx(cpu["map_at_r"], abs=1e-12)
 
 
+def test_shared_rows_warning_on_cuda_equals_cpu():
+    """The row hashes of the query-in-reference check are the CPU's on the GPU (int64 wrapping
+    sums), so a partly shared reference set warns with the same count."""
+    from dmlkit.metrics._validation import row_hashes
+
+    x = torch.randn(300, 24, generator=torch.Generator().manual_seed(0))
+    y = torch.arange(300) % 7
+    assert torch.equal(row_hashes(x.to(CUDA)).cpu(), row_hashes(x))
+    for dev in ("cpu", CUDA):
+        with pytest.warns(UserWarning, match="^40 of the 100 query embeddings also appear"):
+            evaluate(x[:100].to(dev), y[:100].to(dev), x[60:].to(dev), y[60:].to(dev), metrics=["precision_at_1"])
+
+
 def test_cli_evaluate_on_cuda_equals_cpu(tmp_path, capsys):
     """``dmlkit evaluate --device cuda``: every kind of metric (k-means on the CPU) and the
     per-class table, as on the CPU."""
