@@ -118,6 +118,21 @@ def test_reid_cli_rerank_still_runs(reid_npz, run_cli):
     assert '"rerank"' in out
 
 
+# -- reid --seed with --examples 0 on a query/gallery source: it drew nothing, silently accepted --
+def test_reid_seed_without_examples_is_refused_in_one_line(reid_npz, run_cli):
+    code, out, err = run_cli(["reid", str(reid_npz), "--examples", "0", "--seed", "3"])
+    assert code == 2 and out == ""
+    assert err.strip().splitlines() == [err.strip()]
+    assert "--seed does not apply here" in err and "--examples 0 stores none" in err
+
+
+@pytest.mark.parametrize("args", [["--examples", "2", "--seed", "3"], ["--examples", "0"], ["--seed", "3"]])
+def test_reid_seed_with_examples_or_examples_alone_still_run(reid_npz, run_cli, args):
+    code, out, err = run_cli(["reid", str(reid_npz), "--json", *args])
+    assert code == 0, err
+    assert '"mAP"' in out or '"map"' in out
+
+
 # -- verify: --folds with a pair list that has its own folds -------------------------------------
 def _lfw_list(tmp_path: Path, folds: int = 2) -> tuple[Path, Path]:
     """A tiny LFW layout (4 people x 3 images) and an LFW ``pairs.txt`` of ``folds`` folds of
