@@ -48,7 +48,7 @@ import numpy as np
 import torch
 
 from dmlkit.distances import BaseDistance, get_distance
-from dmlkit.distributed import agree, all_gather_unequal, context, shard_bounds
+from dmlkit.distributed import agree, all_gather_unequal, context, is_main_process, shard_bounds
 from dmlkit.exceptions import ConfigError, DataError, ShapeError
 from dmlkit.metrics._threads import full_float32_matmuls
 from dmlkit.metrics._validation import (
@@ -268,10 +268,13 @@ def _stream(
     m, d_r = (nq, d) if same else _shape(reference, "reference embeddings")
     if d_r != d:
         raise ShapeError(f"query has {d} dimensions but reference has {d_r}: embed both with the same model")
-    if not same and (m, d_r) == (nq, d) and _same_rows(query, reference, nq):
-        warnings.warn(REFERENCE_IS_QUERY, stacklevel=4)
-    elif not same and (shared := _shared_rows(query, nq, reference, m)):
-        warnings.warn(shared, stacklevel=4)
+    # the two sets' checks read both of them whole: once for a torchrun job, on the rank that
+    # shows its warnings
+    if not same and is_main_process():
+        if (m, d_r) == (nq, d) and _same_rows(query, reference, nq):
+            warnings.warn(REFERENCE_IS_QUERY, stacklevel=4)
+        elif shared := _shared_rows(query, nq, reference, m):
+            warnings.warn(shared, stacklevel=4)
     try:
         dist = get_distance(distance)
     except ValueError as exc:
