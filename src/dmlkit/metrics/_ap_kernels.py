@@ -60,7 +60,7 @@ from dmlkit.metrics._simd import COMPRESS_TABLE, compress8, prefetch, transpose8
 
 __all__ = [
     "Counting", "Deferred", "ap_from_counts", "count_columns", "count_rows", "counting_scratch",
-    "deferred_scratch",
+    "counting_scratch_bytes", "deferred_scratch",
 ]
 
 
@@ -377,6 +377,12 @@ def counting_scratch(side: int) -> tuple:
     return (np.empty((8, side + 8), np.float32), np.empty((8, side + 8), np.int32),
             np.empty(side, np.int32), np.empty(side, np.int32), np.empty((8, 8), np.float32),
             deferred_scratch(side))
+
+
+def counting_scratch_bytes(side: int) -> int:
+    """The bytes of one worker's :func:`counting_scratch` for tiles of ``side``."""
+    return sum(part.nbytes if isinstance(part, np.ndarray) else sum(a.nbytes for a in part)
+               for part in counting_scratch(side))
 
 
 @numba.njit(nogil=True, cache=True)

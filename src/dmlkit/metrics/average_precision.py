@@ -157,9 +157,11 @@ def full_ranking_map(
 
 def _square_tile_bytes(tile: int) -> int:
     """One worker's memory on symmetric tiles of side ``tile``: the float32 tile and the
-    counting scratch (:func:`dmlkit.metrics._ap_kernels.counting_scratch`: eight compacted
-    lines, the listed entries and up to 65,536 held ones of 52 bytes)."""
-    return 4 * tile * tile + 88 * tile + 52 * min(max(4096, 4 * tile), 65536)
+    counting scratch (:func:`dmlkit.metrics._ap_kernels.counting_scratch`)."""
+    # lazy: the numba kernels load only when a compiled path runs
+    from dmlkit.metrics._ap_kernels import counting_scratch_bytes
+
+    return 4 * tile * tile + counting_scratch_bytes(tile)
 
 
 def _plan(r_count: np.ndarray, index_bytes: int, table_dtype: type, budget: int,
