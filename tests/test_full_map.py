@@ -223,6 +223,39 @@ def test_held_exact_comparisons_flush_when_full(numba_path, monkeypatch, same):
     _map_equal_to_brute_force(q, ql, r, rl)
 
 
+@pytest.mark.parametrize("seed", range(6))
+def test_peeling_counts_only_values_certainly_between_two_positives(seed):
+    """``_peel_lowest`` drops an entry only when it lies strictly above the band of positive
+    ``R-1-k`` and strictly below the lower bound of positive ``R-2-k``, counts it there, and keeps
+    every other entry in order (the bands' own values, ties with a bound, an empty interval where
+    two bands overlap, the values above the peeled intervals)."""
+    from dmlkit.metrics._ap_kernels import _peel_lowest
+
+    rng = np.random.default_rng(seed)
+    big_r = int(rng.integers(2, 9))
+    band = np.float32(0.02)
+    up = np.sort(rng.random(big_r).astype(np.float32))[::-1].copy()
+    if seed % 2:  # the two lowest bands overlap: the lowest interval is empty
+        up[-2] = up[-1] + band / 2
+    levels = np.concatenate([up, up + band, rng.random(40).astype(np.float32)])
+    x = rng.choice(levels, size=int(rng.integers(1, 300))).astype(np.float32)
+    x = x[x >= up[-1]]  # the entries a row's compaction keeps
+    # whole blocks of eight, then ties with both thresholds in the scalar tail
+    x = np.concatenate([x[: x.size - x.size % 8], [up[-2], up[-1] + band, up[-1]]]).astype(np.float32)
+    n = x.size
+    vals = np.concatenate([x, np.zeros(8, np.float32)])
+    refs = np.concatenate([np.arange(n, dtype=np.int32), np.zeros(8, np.int32)])
+    cnt = np.zeros(big_r + 1, np.int64)
+    left = _peel_lowest(vals, refs, n, up, 0, big_r, band, cnt, 0)
+    kept = refs[:left]
+    assert np.array_equal(vals[:left], x[kept]) and np.all(np.diff(kept) > 0)
+    dropped = np.setdiff1d(np.arange(n), kept)
+    e = (x[dropped, None] < up[None, :]).sum(1)  # the positives certainly ranked before each
+    assert np.all(x[dropped] > up[np.minimum(e, big_r - 1)] + band)  # certainly after the rest
+    assert np.array_equal(cnt, np.bincount(e, minlength=big_r + 1))
+    assert dropped.size > 0 or not (seed % 2 == 0 and ((x > up[-1] + band) & (x < up[-2])).any())
+
+
 def _ap_by_stable_sort(s, ql, rl, r):
     """The definition: each row sorted (descending, ties by index), precision at each positive."""
     import torch

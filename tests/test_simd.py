@@ -8,7 +8,15 @@ import numpy as np
 import pytest
 
 from dmlkit.metrics import _simd
-from dmlkit.metrics._simd import COMPRESS_TABLE, compress8, compress8_portable, prefetch, transpose8
+from dmlkit.metrics._simd import (
+    COMPRESS_TABLE,
+    compress8,
+    compress8_outside,
+    compress8_outside_portable,
+    compress8_portable,
+    prefetch,
+    transpose8,
+)
 
 
 @numba.njit
@@ -49,6 +57,50 @@ def test_both_paths_agree_on_every_mask():
     b = _compact(rows, np.float32(0.0), 0, True)
     assert a[2] == b[2] == 4 * 256
     assert np.array_equal(a[0][: a[2]], b[0][: b[2]]) and np.array_equal(a[1][: a[2]], b[1][: b[2]])
+
+
+@numba.njit
+def _keep_outside(vals: np.ndarray, refs: np.ndarray, below: np.float32, above: np.float32,
+                  portable: bool) -> int:
+    """Compact ``vals`` / ``refs`` in place (whole blocks of eight) to ``x <= below or x >= above``."""
+    n = 0
+    for c in range(0, vals.shape[0] - 8 - (vals.shape[0] - 8) % 8, 8):
+        if portable:
+            n = compress8_outside_portable(vals, refs, n, c, below, above, COMPRESS_TABLE)
+        else:
+            n = compress8_outside(vals, refs, n, c, below, above, COMPRESS_TABLE)
+    return n
+
+
+@pytest.mark.parametrize("portable", [False, True])
+@pytest.mark.parametrize(("below", "above"), [(-0.5, 0.5), (0.0, 0.0), (1.0, -1.0), (-9.0, 9.0)])
+def test_compress8_outside_keeps_both_tails_in_order_in_place(portable, below, above):
+    """The list is compacted where it lies (the output trails the input): the entries at or
+    below ``below`` or at or above ``above`` stay, in order, with their columns."""
+    rng = np.random.default_rng(7 + portable)
+    row = rng.standard_normal(8 * 41).astype(np.float32)
+    row[::6] = np.round(row[::6], 1)  # exact ties with both thresholds
+    row[5], row[13], row[30] = -np.inf, np.inf, np.nan
+    vals = np.concatenate([row, np.zeros(8, np.float32)])
+    refs = np.concatenate([np.arange(row.size, dtype=np.int32) * 3, np.zeros(8, np.int32)])
+    n = _keep_outside(vals, refs, np.float32(below), np.float32(above), portable)
+    want = np.flatnonzero((row <= np.float32(below)) | (row >= np.float32(above)))  # NaN: never
+    assert n == want.size
+    assert np.array_equal(vals[:n], row[want]) and refs[:n].tolist() == (3 * want).tolist()
+
+
+def test_compress8_outside_paths_agree_on_every_mask():
+    rows = np.array([[(2.0 if lane % 2 else -2.0) if mask >> lane & 1 else 0.0 for lane in range(8)]
+                     for mask in range(256)], np.float32).reshape(-1)
+    rows = rows + np.tile(np.arange(8, dtype=np.float32) * 1e-3, 256)
+    out = []
+    for portable in (False, True):
+        vals = np.concatenate([rows, np.zeros(8, np.float32)])
+        refs = np.arange(vals.size, dtype=np.int32)
+        n = _keep_outside(vals, refs, np.float32(-1.0), np.float32(1.0), portable)
+        out.append((n, vals[:n].copy(), refs[:n].copy()))
+    assert out[0][0] == out[1][0] == 4 * 256
+    assert np.array_equal(out[0][1], out[1][1]) and np.array_equal(out[0][2], out[1][2])
 
 
 @numba.njit
@@ -101,6 +153,14 @@ def test_intrinsics_refuse_arrays_they_would_misread():
 
     with pytest.raises(numba.core.errors.TypingError, match="float32 threshold"):
         float64_threshold(np.zeros(16, np.float32))
+
+    @numba.njit
+    def outside_float64(vals):
+        refs = np.zeros(16, np.int32)
+        return compress8_outside(vals, refs, 0, 0, np.float32(0.0), 0.5, COMPRESS_TABLE)
+
+    with pytest.raises(numba.core.errors.TypingError, match="above must be a float32 threshold"):
+        outside_float64(np.zeros(16, np.float32))
 
     @numba.njit
     def view(s):

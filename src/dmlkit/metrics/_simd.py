@@ -12,6 +12,9 @@ the entries of eight consecutive floats at or above a threshold with one vector 
 * elsewhere: eight branch-free appends (what numba compiles the scalar loop to), same
   results.
 
+:func:`compress8_outside` compacts a list in place the same way, keeping the entries outside
+an open interval (the counting drops the values certainly between two positives with it).
+
 The path is chosen when a kernel is compiled, from the CPU features numba compiles for
 (``NUMBA_CPU_NAME`` / ``NUMBA_CPU_FEATURES`` or the host's); numba's cache is keyed by those
 features, so a cached kernel never runs on a CPU it was not compiled for.
@@ -27,7 +30,10 @@ from numba.core import cgutils, config
 from numba.core.errors import TypingError
 from numba.extending import intrinsic
 
-__all__ = ["COMPRESS_TABLE", "compress8", "compress8_portable", "has_avx2", "prefetch", "transpose8"]
+__all__ = [
+    "COMPRESS_TABLE", "compress8", "compress8_outside", "compress8_outside_portable",
+    "compress8_portable", "has_avx2", "prefetch", "transpose8",
+]
 
 _F8 = ir.VectorType(ir.FloatType(), 8)
 _I8 = ir.VectorType(ir.IntType(32), 8)
@@ -62,6 +68,38 @@ def _splat(builder: ir.IRBuilder, value: ir.Value, vector: ir.VectorType) -> ir.
     return builder.shuffle_vector(first, ir.Constant(vector, ir.Undefined), ir.Constant(_I8, [0] * 8))
 
 
+def _append8(context, builder, x, idx, keep, n, vals_a, refs_a, table_a, use_permute: bool):
+    """Emit the append of the lanes of ``x`` (values) and ``idx`` (int32 columns) selected by
+    the 8 x i1 ``keep`` to ``vals[n:]`` / ``refs[n:]``; return ``n`` plus their number. Both
+    vectors are in registers before the first store, so the output may overlap the input."""
+    module = builder.module
+    if use_permute:
+        out_vals = builder.gep(vals_a.data, [n])
+        out_refs = builder.gep(refs_a.data, [n])
+        bits = builder.zext(builder.bitcast(keep, ir.IntType(8)), ir.IntType(64))
+        at = builder.gep(table_a.data, [builder.mul(bits, ir.Constant(ir.IntType(64), 8))])
+        perm = builder.load(builder.bitcast(at, _I8.as_pointer()), align=4)
+        permps = cgutils.get_or_insert_function(module, ir.FunctionType(_F8, [_F8, _I8]),
+                                                "llvm.x86.avx2.permps")
+        permd = cgutils.get_or_insert_function(module, ir.FunctionType(_I8, [_I8, _I8]),
+                                               "llvm.x86.avx2.permd")
+        builder.store(builder.call(permps, [x, perm]), builder.bitcast(out_vals, _F8.as_pointer()),
+                      align=4)
+        builder.store(builder.call(permd, [idx, perm]), builder.bitcast(out_refs, _I8.as_pointer()),
+                      align=4)
+        ctpop = cgutils.get_or_insert_function(module, ir.FunctionType(ir.IntType(64), [ir.IntType(64)]),
+                                               "llvm.ctpop.i64")
+        return builder.add(n, builder.call(ctpop, [bits]))
+    # branch-free, lane by lane (what numba compiles the scalar append to)
+    at = n
+    for lane in range(8):
+        lane_no = ir.Constant(ir.IntType(32), lane)
+        builder.store(builder.extract_element(x, lane_no), builder.gep(vals_a.data, [at]))
+        builder.store(builder.extract_element(idx, lane_no), builder.gep(refs_a.data, [at]))
+        at = builder.add(at, builder.zext(builder.extract_element(keep, lane_no), ir.IntType(64)))
+    return at
+
+
 def _compress8_codegen(use_permute: bool):
     def codegen(context, builder, signature, args):
         vals, refs, n, row, col, low, table, first_ref = args
@@ -72,32 +110,22 @@ def _compress8_codegen(use_permute: bool):
         keep = builder.fcmp_ordered(">=", x, _splat(builder, low, _F8))
         idx = builder.add(_splat(builder, builder.trunc(first_ref, ir.IntType(32)), _I8),
                           ir.Constant(_I8, list(range(8))))
-        module = builder.module
-        if use_permute:
-            out_vals = builder.gep(vals_a.data, [n])
-            out_refs = builder.gep(refs_a.data, [n])
-            bits = builder.zext(builder.bitcast(keep, ir.IntType(8)), ir.IntType(64))
-            at = builder.gep(table_a.data, [builder.mul(bits, ir.Constant(ir.IntType(64), 8))])
-            perm = builder.load(builder.bitcast(at, _I8.as_pointer()), align=4)
-            permps = cgutils.get_or_insert_function(module, ir.FunctionType(_F8, [_F8, _I8]),
-                                                    "llvm.x86.avx2.permps")
-            permd = cgutils.get_or_insert_function(module, ir.FunctionType(_I8, [_I8, _I8]),
-                                                   "llvm.x86.avx2.permd")
-            builder.store(builder.call(permps, [x, perm]), builder.bitcast(out_vals, _F8.as_pointer()),
-                          align=4)
-            builder.store(builder.call(permd, [idx, perm]), builder.bitcast(out_refs, _I8.as_pointer()),
-                          align=4)
-        else:  # branch-free, lane by lane (what numba compiles the scalar append to)
-            at = n
-            for lane in range(8):
-                lane_no = ir.Constant(ir.IntType(32), lane)
-                builder.store(builder.extract_element(x, lane_no), builder.gep(vals_a.data, [at]))
-                builder.store(builder.extract_element(idx, lane_no), builder.gep(refs_a.data, [at]))
-                at = builder.add(at, builder.zext(builder.extract_element(keep, lane_no), ir.IntType(64)))
-            return at
-        ctpop = cgutils.get_or_insert_function(module, ir.FunctionType(ir.IntType(64), [ir.IntType(64)]),
-                                               "llvm.ctpop.i64")
-        return builder.add(n, builder.call(ctpop, [bits]))
+        return _append8(context, builder, x, idx, keep, n, vals_a, refs_a, table_a, use_permute)
+
+    return codegen
+
+
+def _outside8_codegen(use_permute: bool):
+    def codegen(context, builder, signature, args):
+        vals, refs, n, col, below, above, table = args
+        arrays = [context.make_array(signature.args[k])(context, builder, v)
+                  for k, v in ((0, vals), (1, refs), (6, table))]
+        vals_a, refs_a, table_a = arrays
+        x = builder.load(builder.bitcast(builder.gep(vals_a.data, [col]), _F8.as_pointer()), align=4)
+        idx = builder.load(builder.bitcast(builder.gep(refs_a.data, [col]), _I8.as_pointer()), align=4)
+        keep = builder.or_(builder.fcmp_ordered("<=", x, _splat(builder, below, _F8)),
+                           builder.fcmp_ordered(">=", x, _splat(builder, above, _F8)))
+        return _append8(context, builder, x, idx, keep, n, vals_a, refs_a, table_a, use_permute)
 
     return codegen
 
@@ -139,6 +167,38 @@ def compress8_portable(typingctx, vals, refs, n, row, col, low, table, first_ref
     two)."""
     sig = _compress8_signature(vals, refs, n, row, col, low, table, first_ref)
     return sig, _compress8_codegen(False)
+
+
+def _outside8_signature(vals, refs, n, col, below, above, table):
+    """The typed signature of :func:`compress8_outside`, or a TypingError."""
+    _require("vals", vals, types.float32, 1)
+    _require("refs", refs, types.int32, 1)
+    _require("table", table, types.int32, 2)
+    for name, ty in (("n", n), ("col", col)):
+        if not isinstance(ty, types.Integer):
+            raise TypingError(f"{name} must be an integer, got {ty}")
+    for name, ty in (("below", below), ("above", above)):
+        if ty != types.float32:
+            raise TypingError(f"{name} must be a float32 threshold, got {ty}")
+    return types.int64(vals, refs, types.int64, types.int64, types.float32, types.float32, table)
+
+
+@intrinsic
+def compress8_outside(typingctx, vals, refs, n, col, below, above, table):
+    """``compress8_outside(vals, refs, n, col, below, above, table) -> n'``: compact a list in
+    place, eight entries at a time: of ``vals[col + l]`` / ``refs[col + l]``, ``l = 0..7``, keep
+    those with ``x <= below`` or ``x >= above``, appended in order at ``vals[n:]`` /
+    ``refs[n:]`` (``n <= col``; writes up to lane ``n + 7``). Returns ``n`` plus their number.
+    Same two paths as :func:`compress8`."""
+    sig = _outside8_signature(vals, refs, n, col, below, above, table)
+    return sig, _outside8_codegen(has_avx2())
+
+
+@intrinsic
+def compress8_outside_portable(typingctx, vals, refs, n, col, below, above, table):
+    """:func:`compress8_outside` always lane by lane (tests compare the two)."""
+    sig = _outside8_signature(vals, refs, n, col, below, above, table)
+    return sig, _outside8_codegen(False)
 
 
 #: The three shuffle stages of an 8 x 8 transpose (LLVM lowers them to unpack / shuffle /
