@@ -232,21 +232,24 @@ def test_peeling_counts_only_values_certainly_between_two_positives(seed):
     from dmlkit.metrics._ap_kernels import _peel_lowest
 
     rng = np.random.default_rng(seed)
-    big_r = int(rng.integers(2, 9))
+    big_r = (2, 3, 4, 6, 9, 11)[seed]  # from one interval to more than four
     band = np.float32(0.02)
     up = np.sort(rng.random(big_r).astype(np.float32))[::-1].copy()
     if seed % 2:  # the two lowest bands overlap: the lowest interval is empty
         up[-2] = up[-1] + band / 2
-    levels = np.concatenate([up, up + band, rng.random(40).astype(np.float32)])
+    levels = np.concatenate([up, up + band, 1.5 * rng.random(40).astype(np.float32)])
     x = rng.choice(levels, size=int(rng.integers(1, 300))).astype(np.float32)
     x = x[x >= up[-1]]  # the entries a row's compaction keeps
-    # whole blocks of eight, then ties with both thresholds in the scalar tail
-    x = np.concatenate([x[: x.size - x.size % 8], [up[-2], up[-1] + band, up[-1]]]).astype(np.float32)
+    # whole blocks of eight, then ties with the ends of the peeled intervals in the scalar tail
+    ends = [up[-k] for k in range(2, min(big_r, 5) + 1)] + [up[-k] + band for k in range(1, min(big_r, 3) + 1)]
+    x = np.concatenate([x[: x.size - x.size % 8], ends[:7]]).astype(np.float32)
     n = x.size
     vals = np.concatenate([x, np.zeros(8, np.float32)])
     refs = np.concatenate([np.arange(n, dtype=np.int32), np.zeros(8, np.int32)])
     cnt = np.zeros(big_r + 1, np.int64)
-    left = _peel_lowest(vals, refs, n, up, 0, big_r, band, cnt, 0)
+    # the row's bounds after another row's (a higher one: read past the row, it would show)
+    rows_up = np.concatenate([np.float32([2.0]), up])
+    left = _peel_lowest(vals, refs, n, rows_up, 1, big_r, band, cnt, 0)
     kept = refs[:left]
     assert np.array_equal(vals[:left], x[kept]) and np.all(np.diff(kept) > 0)
     dropped = np.setdiff1d(np.arange(n), kept)

@@ -11,8 +11,8 @@ from dmlkit.metrics import _simd
 from dmlkit.metrics._simd import (
     COMPRESS_TABLE,
     compress8,
-    compress8_outside,
-    compress8_outside_portable,
+    compress8_peel,
+    compress8_peel_portable,
     compress8_portable,
     prefetch,
     transpose8,
@@ -60,47 +60,64 @@ def test_both_paths_agree_on_every_mask():
 
 
 @numba.njit
-def _keep_outside(vals: np.ndarray, refs: np.ndarray, below: np.float32, above: np.float32,
-                  portable: bool) -> int:
-    """Compact ``vals`` / ``refs`` in place (whole blocks of eight) to ``x <= below or x >= above``."""
+def _peel(vals: np.ndarray, refs: np.ndarray, intervals: tuple, portable: bool) -> tuple:
+    """Compact ``vals`` / ``refs`` in place (whole blocks of eight), dropping the four intervals."""
     n = 0
+    counts = np.zeros(4, np.int64)
     for c in range(0, vals.shape[0] - 8 - (vals.shape[0] - 8) % 8, 8):
         if portable:
-            n = compress8_outside_portable(vals, refs, n, c, below, above, COMPRESS_TABLE)
+            n, c0, c1, c2, c3 = compress8_peel_portable(vals, refs, n, c, intervals, COMPRESS_TABLE)
         else:
-            n = compress8_outside(vals, refs, n, c, below, above, COMPRESS_TABLE)
-    return n
+            n, c0, c1, c2, c3 = compress8_peel(vals, refs, n, c, intervals, COMPRESS_TABLE)
+        counts[0] += c0
+        counts[1] += c1
+        counts[2] += c2
+        counts[3] += c3
+    return n, counts
+
+
+def _peel_with_numpy(row: np.ndarray, intervals: tuple) -> tuple:
+    inside = [(row > np.float32(a)) & (row < np.float32(b)) for a, b in zip(intervals[::2], intervals[1::2])]
+    return np.flatnonzero(~np.logical_or.reduce(inside)), [int(m.sum()) for m in inside]
 
 
 @pytest.mark.parametrize("portable", [False, True])
-@pytest.mark.parametrize(("below", "above"), [(-0.5, 0.5), (0.0, 0.0), (1.0, -1.0), (-9.0, 9.0)])
-def test_compress8_outside_keeps_both_tails_in_order_in_place(portable, below, above):
-    """The list is compacted where it lies (the output trails the input): the entries at or
-    below ``below`` or at or above ``above`` stay, in order, with their columns."""
+@pytest.mark.parametrize("intervals", [
+    (-1.5, -0.5, -0.5, 0.0, 0.2, 0.9, 1.0, 1.0),  # adjacent, and one empty (low == high)
+    (-9.0, 9.0, np.inf, -np.inf, 2.0, 1.0, np.inf, -np.inf),  # all inside one; empty ones
+    (0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0),  # nothing dropped
+])
+def test_compress8_peel_drops_and_counts_open_intervals_in_place(portable, intervals):
+    """The list is compacted where it lies (the output trails the input): the entries strictly
+    inside an interval are dropped and counted by interval; the rest (ties with an end, NaN)
+    stay in order with their columns."""
     rng = np.random.default_rng(7 + portable)
     row = rng.standard_normal(8 * 41).astype(np.float32)
-    row[::6] = np.round(row[::6], 1)  # exact ties with both thresholds
+    row[::6] = np.round(row[::6], 1)  # exact ties with the ends
     row[5], row[13], row[30] = -np.inf, np.inf, np.nan
     vals = np.concatenate([row, np.zeros(8, np.float32)])
     refs = np.concatenate([np.arange(row.size, dtype=np.int32) * 3, np.zeros(8, np.int32)])
-    n = _keep_outside(vals, refs, np.float32(below), np.float32(above), portable)
-    want = np.flatnonzero((row <= np.float32(below)) | (row >= np.float32(above)))  # NaN: never
-    assert n == want.size
-    assert np.array_equal(vals[:n], row[want]) and refs[:n].tolist() == (3 * want).tolist()
+    ends = tuple(np.float32(v) for v in intervals)
+    n, counts = _peel(vals, refs, ends, portable)
+    want, want_counts = _peel_with_numpy(row, intervals)
+    assert n == want.size and counts.tolist() == want_counts
+    assert np.array_equal(vals[:n], row[want], equal_nan=True) and refs[:n].tolist() == (3 * want).tolist()
 
 
-def test_compress8_outside_paths_agree_on_every_mask():
-    rows = np.array([[(2.0 if lane % 2 else -2.0) if mask >> lane & 1 else 0.0 for lane in range(8)]
+def test_compress8_peel_paths_agree_on_every_mask():
+    """All 256 masks of one block: lane ``l`` of block ``m`` lies inside interval ``l % 4`` when
+    bit ``l`` of ``m`` is set, between the intervals otherwise."""
+    ends = tuple(np.float32(v) for v in (0.0, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0))
+    rows = np.array([[2.0 * (lane % 4) + (0.5 if mask >> lane & 1 else 1.5) for lane in range(8)]
                      for mask in range(256)], np.float32).reshape(-1)
-    rows = rows + np.tile(np.arange(8, dtype=np.float32) * 1e-3, 256)
     out = []
     for portable in (False, True):
         vals = np.concatenate([rows, np.zeros(8, np.float32)])
         refs = np.arange(vals.size, dtype=np.int32)
-        n = _keep_outside(vals, refs, np.float32(-1.0), np.float32(1.0), portable)
-        out.append((n, vals[:n].copy(), refs[:n].copy()))
-    assert out[0][0] == out[1][0] == 4 * 256
-    assert np.array_equal(out[0][1], out[1][1]) and np.array_equal(out[0][2], out[1][2])
+        n, counts = _peel(vals, refs, ends, portable)
+        out.append((n, counts.tolist(), vals[:n].copy(), refs[:n].copy()))
+    assert out[0][0] == out[1][0] == 4 * 256 and out[0][1] == out[1][1] == [256] * 4
+    assert np.array_equal(out[0][2], out[1][2]) and np.array_equal(out[0][3], out[1][3])
 
 
 @numba.njit
@@ -155,12 +172,12 @@ def test_intrinsics_refuse_arrays_they_would_misread():
         float64_threshold(np.zeros(16, np.float32))
 
     @numba.njit
-    def outside_float64(vals):
+    def peel_float64(vals):
         refs = np.zeros(16, np.int32)
-        return compress8_outside(vals, refs, 0, 0, np.float32(0.0), 0.5, COMPRESS_TABLE)
+        return compress8_peel(vals, refs, 0, 0, (0.0, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0), COMPRESS_TABLE)
 
-    with pytest.raises(numba.core.errors.TypingError, match="above must be a float32 threshold"):
-        outside_float64(np.zeros(16, np.float32))
+    with pytest.raises(numba.core.errors.TypingError, match="intervals must be"):
+        peel_float64(np.zeros(16, np.float32))
 
     @numba.njit
     def view(s):

@@ -40,8 +40,8 @@ bounds after the table's positive (1.5-2x slower: longer address chains into ``c
 interleaved count arrays; 16-column strips; finer tables (2048 to 16384 buckets, also at R =
 499); tiles of 256, 512 or 2048; counting each row's 8 lowest positives by vectorised
 comparisons and placing only the entries above them, on the whole row or on the compacted
-survivors (slower in both; peeling whole intervals off the compacted list, one compaction an
-interval, is what helps); one pass over a symmetric tile for its rows and columns (1,024 live
+survivors (slower in both; dropping the four lowest intervals from the compacted list in one
+pass is what helps); one pass over a symmetric tile for its rows and columns (1,024 live
 column lists miss L1); software prefetch of the next row's state (also at the next eight columns:
 faster on a captured tile with the state evicted, not in the pipeline); exact re-scorings deferred
 to a loop after each row's listed entries (the tile-wide deferral in reference order is what
@@ -60,7 +60,7 @@ import numpy as np
 
 from dmlkit.metrics._ap_positives import band_top
 from dmlkit.metrics._kernels import _closeness64
-from dmlkit.metrics._simd import COMPRESS_TABLE, compress8, compress8_outside, prefetch, transpose8
+from dmlkit.metrics._simd import COMPRESS_TABLE, compress8, compress8_peel, prefetch, transpose8
 
 __all__ = [
     "Counting", "Deferred", "ap_from_counts", "count_columns", "count_rows", "counting_scratch",
@@ -180,48 +180,60 @@ def _exact_rank(state: Counting, gi: int, j: int, v: float, x: np.float32, first
     return e
 
 
-#: At most this many of a row's lowest intervals are peeled (:func:`_peel_lowest`).
-_PEEL_INTERVALS = 4
+@numba.njit(inline="always")
+def _interval(up: np.ndarray, p0: int, big_r: int, band: np.float32, k: int) -> tuple:
+    """``(band_top(up[R-1-k]), up[R-2-k])``: the open interval of values certainly between
+    positives ``R-1-k`` and ``R-2-k`` (empty, ``(inf, -inf)``, past the highest positive)."""
+    if k >= big_r - 1:
+        return np.float32(np.inf), np.float32(-np.inf)
+    return band_top(up[p0 + big_r - 1 - k], band), up[p0 + big_r - 2 - k]
 
 
 @numba.njit(inline="always")
 def _peel_lowest(vals: np.ndarray, refs: np.ndarray, n: int, up: np.ndarray, p0: int, big_r: int,
                  band: np.float32, cnt: np.ndarray, c0: int) -> int:
-    """Count, without placing them, the entries of the row's lowest intervals; return how many
-    entries are left (compacted in place, in order).
+    """Count, without placing them, the entries of the row's four lowest intervals; return how
+    many entries are left (compacted in place, in order).
 
     A value ``x`` with ``band_top(up[R-1-k]) < x < up[R-2-k]`` is certainly ranked before
     positive ``R-1-k`` (and every lower one: their bands end lower) and certainly after positive
     ``R-2-k`` (and every higher one: their bounds are higher), so ``e(x) = R-1-k`` exactly.
-    Those entries are counted and dropped by :func:`dmlkit.metrics._simd.compress8_outside`, one
-    interval a pass, from the lowest, while a pass drops at least an eighth of what is left (at
-    most ``_PEEL_INTERVALS``). The survivors of a tile row crowd above the lowest positive: at
-    50k queries, R = 49 and 199, the lowest interval held 39 % and 30 % of the entries placed
-    through the table, the lowest four 73 % and 64 %; each costs a table load and an increment
-    of the same few counts; a pass costs a compaction (captured 1024 x 1024 tiles of the
-    pipeline, kernels without and with peeling interleaved in one process, one thread, minima of
-    30 calls, ns a pair: rows 1.17 -> 0.98-1.00 and columns 1.49-1.51 -> 1.35-1.36 at R = 49;
-    rows 1.81 -> 1.66 and columns 2.31-2.50 -> 2.14-2.44 at R = 199)."""
-    for k in range(min(_PEEL_INTERVALS, big_r - 1)):
-        below = band_top(up[p0 + big_r - 1 - k], band)
-        above = up[p0 + big_r - 2 - k]
-        if not below < above:  # no value lies strictly between: nothing to count
-            continue
-        whole = n - n % 8
-        kept = 0
-        for c in range(0, whole, 8):
-            kept = compress8_outside(vals, refs, kept, c, below, above, COMPRESS_TABLE)
-        for u in range(whole, n):
-            x = vals[u]
-            vals[kept] = x
-            refs[kept] = refs[u]
-            kept += (x <= below) | (x >= above)
-        dropped = n - kept
-        cnt[c0 + big_r - 1 - k] += dropped
-        if 8 * dropped < n:
-            return kept
-        n = kept
-    return n
+    One pass of :func:`dmlkit.metrics._simd.compress8_peel` counts and drops those of ``k = 0..3``.
+    The survivors of a tile row crowd above the lowest positive: at 50k queries, R = 49 and 199,
+    the lowest interval held 39 % and 30 % of the entries placed through the table, the lowest
+    four 73 % and 64 %; each costs a table load and an increment of the same few counts.
+    Captured 1024 x 1024 tiles of the pipeline, kernels with and without it interleaved in one
+    process (one thread, minima of 30 calls, ns a pair): rows 1.24-1.25 -> 0.96-1.03 and columns
+    1.61-1.85 -> 1.37-1.52 at R = 49; rows 2.05-2.20 -> 1.68-1.91, columns 2.6-3.0 -> 2.4-3.1 at
+    R = 199. One compaction an interval (while one drops an eighth of the list) gained about half
+    of that: each pass reloads the list it just wrote."""
+    b0, a0 = _interval(up, p0, big_r, band, 0)
+    b1, a1 = _interval(up, p0, big_r, band, 1)
+    b2, a2 = _interval(up, p0, big_r, band, 2)
+    b3, a3 = _interval(up, p0, big_r, band, 3)
+    intervals = (b0, a0, b1, a1, b2, a2, b3, a3)
+    whole = n - n % 8
+    kept = n0 = n1 = n2 = n3 = 0
+    for c in range(0, whole, 8):
+        kept, m0, m1, m2, m3 = compress8_peel(vals, refs, kept, c, intervals, COMPRESS_TABLE)
+        n0 += m0
+        n1 += m1
+        n2 += m2
+        n3 += m3
+    for u in range(whole, n):  # the last few, one at a time
+        x = vals[u]
+        i0, i1, i2, i3 = (b0 < x) & (x < a0), (b1 < x) & (x < a1), (b2 < x) & (x < a2), (b3 < x) & (x < a3)
+        n0 += i0
+        n1 += i1
+        n2 += i2
+        n3 += i3
+        vals[kept] = x
+        refs[kept] = refs[u]
+        kept += not (i0 | i1 | i2 | i3)
+    for k, m in enumerate((n0, n1, n2, n3)):
+        if k < big_r - 1:
+            cnt[c0 + big_r - 1 - k] += m
+    return kept
 
 
 @numba.njit(nogil=True, cache=True, boundscheck=False)

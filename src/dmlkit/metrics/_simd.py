@@ -12,8 +12,9 @@ the entries of eight consecutive floats at or above a threshold with one vector 
 * elsewhere: eight branch-free appends (what numba compiles the scalar loop to), same
   results.
 
-:func:`compress8_outside` compacts a list in place the same way, keeping the entries outside
-an open interval (the counting drops the values certainly between two positives with it).
+:func:`compress8_peel` compacts a list in place the same way, dropping the entries inside up to
+four open intervals and counting them by interval (the map counting drops with it the values
+certainly between two of a row's lowest positives).
 
 The path is chosen when a kernel is compiled, from the CPU features numba compiles for
 (``NUMBA_CPU_NAME`` / ``NUMBA_CPU_FEATURES`` or the host's); numba's cache is keyed by those
@@ -31,8 +32,7 @@ from numba.core.errors import TypingError
 from numba.extending import intrinsic
 
 __all__ = [
-    "COMPRESS_TABLE", "compress8", "compress8_outside", "compress8_outside_portable",
-    "compress8_portable", "has_avx2", "prefetch", "transpose8",
+    "COMPRESS_TABLE", "compress8", "compress8_peel", "compress8_peel_portable", "compress8_portable", "has_avx2", "prefetch", "transpose8",
 ]
 
 _F8 = ir.VectorType(ir.FloatType(), 8)
@@ -115,17 +115,27 @@ def _compress8_codegen(use_permute: bool):
     return codegen
 
 
-def _outside8_codegen(use_permute: bool):
+def _peel8_codegen(use_permute: bool):
     def codegen(context, builder, signature, args):
-        vals, refs, n, col, below, above, table = args
+        vals, refs, n, col, intervals, table = args
         arrays = [context.make_array(signature.args[k])(context, builder, v)
-                  for k, v in ((0, vals), (1, refs), (6, table))]
+                  for k, v in ((0, vals), (1, refs), (5, table))]
         vals_a, refs_a, table_a = arrays
         x = builder.load(builder.bitcast(builder.gep(vals_a.data, [col]), _F8.as_pointer()), align=4)
         idx = builder.load(builder.bitcast(builder.gep(refs_a.data, [col]), _I8.as_pointer()), align=4)
-        keep = builder.or_(builder.fcmp_ordered("<=", x, _splat(builder, below, _F8)),
-                           builder.fcmp_ordered(">=", x, _splat(builder, above, _F8)))
-        return _append8(context, builder, x, idx, keep, n, vals_a, refs_a, table_a, use_permute)
+        ends = cgutils.unpack_tuple(builder, intervals, _PEEL_INTERVALS * 2)
+        ctpop = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.IntType(64), [ir.IntType(64)]),
+                                               "llvm.ctpop.i64")
+        inside, counts = None, []
+        for k in range(_PEEL_INTERVALS):
+            in_k = builder.and_(builder.fcmp_ordered(">", x, _splat(builder, ends[2 * k], _F8)),
+                                builder.fcmp_ordered("<", x, _splat(builder, ends[2 * k + 1], _F8)))
+            counts.append(builder.call(ctpop, [builder.zext(builder.bitcast(in_k, ir.IntType(8)),
+                                                            ir.IntType(64))]))
+            inside = in_k if inside is None else builder.or_(inside, in_k)
+        keep = builder.not_(inside)
+        kept = _append8(context, builder, x, idx, keep, n, vals_a, refs_a, table_a, use_permute)
+        return context.make_tuple(builder, signature.return_type, [kept, *counts])
 
     return codegen
 
@@ -169,36 +179,43 @@ def compress8_portable(typingctx, vals, refs, n, row, col, low, table, first_ref
     return sig, _compress8_codegen(False)
 
 
-def _outside8_signature(vals, refs, n, col, below, above, table):
-    """The typed signature of :func:`compress8_outside`, or a TypingError."""
+#: The open intervals :func:`compress8_peel` drops (and counts) in one pass.
+_PEEL_INTERVALS = 4
+
+
+def _peel8_signature(vals, refs, n, col, intervals, table):
+    """The typed signature of :func:`compress8_peel`, or a TypingError."""
     _require("vals", vals, types.float32, 1)
     _require("refs", refs, types.int32, 1)
     _require("table", table, types.int32, 2)
     for name, ty in (("n", n), ("col", col)):
         if not isinstance(ty, types.Integer):
             raise TypingError(f"{name} must be an integer, got {ty}")
-    for name, ty in (("below", below), ("above", above)):
-        if ty != types.float32:
-            raise TypingError(f"{name} must be a float32 threshold, got {ty}")
-    return types.int64(vals, refs, types.int64, types.int64, types.float32, types.float32, table)
+    want = types.UniTuple(types.float32, 2 * _PEEL_INTERVALS)
+    if intervals != want:
+        raise TypingError(f"intervals must be a {want} of float32 (low, high) pairs, got {intervals}")
+    return types.UniTuple(types.int64, 1 + _PEEL_INTERVALS)(vals, refs, types.int64, types.int64,
+                                                            intervals, table)
 
 
 @intrinsic
-def compress8_outside(typingctx, vals, refs, n, col, below, above, table):
-    """``compress8_outside(vals, refs, n, col, below, above, table) -> n'``: compact a list in
-    place, eight entries at a time: of ``vals[col + l]`` / ``refs[col + l]``, ``l = 0..7``, keep
-    those with ``x <= below`` or ``x >= above``, appended in order at ``vals[n:]`` /
-    ``refs[n:]`` (``n <= col``; writes up to lane ``n + 7``). Returns ``n`` plus their number.
-    Same two paths as :func:`compress8`."""
-    sig = _outside8_signature(vals, refs, n, col, below, above, table)
-    return sig, _outside8_codegen(has_avx2())
+def compress8_peel(typingctx, vals, refs, n, col, intervals, table):
+    """``compress8_peel(vals, refs, n, col, intervals, table) -> (n', c_0, c_1, c_2, c_3)``:
+    compact a list in place, eight entries at a time. Of ``vals[col + l]`` / ``refs[col + l]``,
+    ``l = 0..7``, drop those inside one of the open intervals ``(intervals[2k],
+    intervals[2k + 1])`` and count them by interval (``c_k``); append the others in order at
+    ``vals[n:]`` / ``refs[n:]`` (``n <= col``; writes up to lane ``n + 7``) and return ``n`` plus
+    their number. An interval with ``low >= high`` holds nothing; NaN is kept. Same two paths as
+    :func:`compress8`."""
+    sig = _peel8_signature(vals, refs, n, col, intervals, table)
+    return sig, _peel8_codegen(has_avx2())
 
 
 @intrinsic
-def compress8_outside_portable(typingctx, vals, refs, n, col, below, above, table):
-    """:func:`compress8_outside` always lane by lane (tests compare the two)."""
-    sig = _outside8_signature(vals, refs, n, col, below, above, table)
-    return sig, _outside8_codegen(False)
+def compress8_peel_portable(typingctx, vals, refs, n, col, intervals, table):
+    """:func:`compress8_peel` always lane by lane (tests compare the two)."""
+    sig = _peel8_signature(vals, refs, n, col, intervals, table)
+    return sig, _peel8_codegen(False)
 
 
 #: The three shuffle stages of an 8 x 8 transpose (LLVM lowers them to unpack / shuffle /
