@@ -222,7 +222,8 @@ def _peel_lowest(vals: np.ndarray, refs: np.ndarray, n: int, up: np.ndarray, p0:
         n3 += m3
     for u in range(whole, n):  # the last few, one at a time
         x = vals[u]
-        i0, i1, i2, i3 = (b0 < x) & (x < a0), (b1 < x) & (x < a1), (b2 < x) & (x < a2), (b3 < x) & (x < a3)
+        i0, i1 = (b0 < x) & (x < a0), (b1 < x) & (x < a1)
+        i2, i3 = (b2 < x) & (x < a2), (b3 < x) & (x < a3)
         n0 += i0
         n1 += i1
         n2 += i2

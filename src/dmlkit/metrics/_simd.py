@@ -32,8 +32,12 @@ from numba.core.errors import TypingError
 from numba.extending import intrinsic
 
 __all__ = [
-    "COMPRESS_TABLE", "compress8", "compress8_peel", "compress8_peel_portable", "compress8_portable", "has_avx2", "prefetch", "transpose8",
+    "COMPRESS_TABLE", "compress8", "compress8_peel", "compress8_peel_portable", "compress8_portable",
+    "has_avx2", "prefetch", "transpose8",
 ]
+
+#: The open intervals :func:`compress8_peel` drops (and counts) in one pass.
+_PEEL_INTERVALS = 4
 
 _F8 = ir.VectorType(ir.FloatType(), 8)
 _I8 = ir.VectorType(ir.IntType(32), 8)
@@ -124,8 +128,8 @@ def _peel8_codegen(use_permute: bool):
         x = builder.load(builder.bitcast(builder.gep(vals_a.data, [col]), _F8.as_pointer()), align=4)
         idx = builder.load(builder.bitcast(builder.gep(refs_a.data, [col]), _I8.as_pointer()), align=4)
         ends = cgutils.unpack_tuple(builder, intervals, _PEEL_INTERVALS * 2)
-        ctpop = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.IntType(64), [ir.IntType(64)]),
-                                               "llvm.ctpop.i64")
+        ctpop = cgutils.get_or_insert_function(
+            builder.module, ir.FunctionType(ir.IntType(64), [ir.IntType(64)]), "llvm.ctpop.i64")
         inside, counts = None, []
         for k in range(_PEEL_INTERVALS):
             in_k = builder.and_(builder.fcmp_ordered(">", x, _splat(builder, ends[2 * k], _F8)),
@@ -177,10 +181,6 @@ def compress8_portable(typingctx, vals, refs, n, row, col, low, table, first_ref
     two)."""
     sig = _compress8_signature(vals, refs, n, row, col, low, table, first_ref)
     return sig, _compress8_codegen(False)
-
-
-#: The open intervals :func:`compress8_peel` drops (and counts) in one pass.
-_PEEL_INTERVALS = 4
 
 
 def _peel8_signature(vals, refs, n, col, intervals, table):
