@@ -212,7 +212,8 @@ def _peel_lowest(vals: np.ndarray, refs: np.ndarray, n: int, up: np.ndarray, p0:
     b2, a2 = _interval(up, p0, big_r, band, 2)
     b3, a3 = _interval(up, p0, big_r, band, 3)
     intervals = (b0, a0, b1, a1, b2, a2, b3, a3)
-    whole = n - n % 8
+    whole = -(-n // 8) * 8
+    vals[n:whole] = np.nan  # the last block's spare lanes (``vals`` has 8): kept, then dropped
     kept = n0 = n1 = n2 = n3 = 0
     for c in range(0, whole, 8):
         kept, m0, m1, m2, m3 = compress8_peel(vals, refs, kept, c, intervals, COMPRESS_TABLE)
@@ -220,17 +221,7 @@ def _peel_lowest(vals: np.ndarray, refs: np.ndarray, n: int, up: np.ndarray, p0:
         n1 += m1
         n2 += m2
         n3 += m3
-    for u in range(whole, n):  # the last few, one at a time
-        x = vals[u]
-        i0, i1 = (b0 < x) & (x < a0), (b1 < x) & (x < a1)
-        i2, i3 = (b2 < x) & (x < a2), (b3 < x) & (x < a3)
-        n0 += i0
-        n1 += i1
-        n2 += i2
-        n3 += i3
-        vals[kept] = x
-        refs[kept] = refs[u]
-        kept += not (i0 | i1 | i2 | i3)
+    kept -= whole - n  # the padding, kept in order after every real entry
     for k, m in enumerate((n0, n1, n2, n3)):
         if k < big_r - 1:
             cnt[c0 + big_r - 1 - k] += m
