@@ -75,3 +75,34 @@ def test_compare_cli_shows_the_corrected_p_of_each_pair(tmp_path, run_cli):
     (c,) = report["comparisons"]
     assert c["seed_test_p_holm"] == pytest.approx(c["seed_test_p"])  # one pair: nothing to correct
     assert f"{c['seed_test_p_holm']:.3g}" in out
+
+
+def test_compare_cli_takes_the_confidence_level(tmp_path, run_cli):
+    """``--confidence`` reaches the bootstrap: a 90 % CI lies inside the 99 % one of the same
+    resamples (same seed), the table and the report name the level, and a percentage is refused
+    in one line."""
+    from dmlkit.protocol.results import build_results
+    from dmlkit.protocol.splits import make_bench_split
+    from dmlkit.utils import atomic_write_json
+
+    cfg = bench_config_from_dict({**BASE, "protocol": {"seeds": [0, 1, 2], "trials": 1}, "methods": [
+        {"name": "contrastive", "loss": {"name": "contrastive"}}, {"name": "ms", "loss": {"name": "multi_similarity"}}]})
+    labels = np.repeat(np.arange(12), 4)
+    results = build_results(cfg, make_bench_split(range(24), "halves", folds=2),
+                            bench_entries(tmp_path, cfg, labels, 12, [("contrastive", 1.0), ("ms", 0.6)]),
+                            bench_dir=tmp_path)
+    atomic_write_json(tmp_path / "results.json", results)
+    reports = {}
+    for level in ("0.9", "0.99"):
+        code, out, err = run_cli(["compare", str(tmp_path / "results.json"), "--metric", "map_at_r",
+                                  "--mode", "separated", "-B", "200", "--confidence", level,
+                                  "-o", str(tmp_path / f"cmp{level}.json")])
+        assert code == 0, err
+        assert f"{100 * float(level):g} % CI" in out
+        reports[level] = json.loads((tmp_path / f"cmp{level}.json").read_text())
+    assert reports["0.9"]["confidence"] == 0.9 and reports["0.99"]["confidence"] == 0.99
+    (narrow,), (wide,) = reports["0.9"]["comparisons"], reports["0.99"]["comparisons"]
+    assert narrow["diff"] == wide["diff"]
+    assert wide["ci_low"] < narrow["ci_low"] <= narrow["ci_high"] < wide["ci_high"]
+    code, out, err = run_cli(["compare", str(tmp_path / "results.json"), "--confidence", "95"])
+    assert code != 0 and "strictly between 0 and 1" in err and "Traceback" not in err

@@ -17,9 +17,10 @@ def register(app: typer.Typer) -> None:
         mode: list[str] = typer.Option(None, "--mode", help="concatenated | separated (default: both)."),
         resamples: int = typer.Option(1000, "--resamples", "-B", min=100, help="Bootstrap resamples."),
         seed: int = typer.Option(0, "--seed", min=0, max=2**32 - 1, help="Bootstrap seed (0 to 2**32 - 1)."),
+        confidence: float = typer.Option(0.95, "--confidence", help="Confidence level of the CIs and the significance test, a fraction (0.95: 95 % CIs, Holm-adjusted p < 0.05)."),
         out: Path | None = typer.Option(None, "--out", "-o", help="Also write the report (.json or .md)."),
     ) -> None:
-        """Differences between methods per metric, with 95 % CIs over seeds and test queries.
+        """Differences between methods per metric, with CIs (95 % by default) over seeds and test queries.
 
         The CIs come from a hierarchical bootstrap over training seeds and test queries
         (recomputed from the saved embeddings), with relative improvements over
@@ -45,7 +46,7 @@ def register(app: typer.Typer) -> None:
         report = compare_results(
             results, methods=method or None, baseline=baseline,
             metrics=metric or list(PER_QUERY_METRICS), modes=mode or list(MODES),
-            resamples=resamples, seed=seed,
+            resamples=resamples, seed=seed, confidence=confidence,
         )
         for message in report["warnings"]:
             warnings.warn(message, stacklevel=1)
