@@ -26,7 +26,12 @@ from dmlkit.metrics.clustering import CLUSTERING_METRICS, cluster_metrics
 from dmlkit.metrics.histograms import pos_neg_histograms
 from dmlkit.metrics.knn import SMALL_SEARCH_PAIRS, _mask_self, _Scorer, knn
 from dmlkit.metrics.near_ties import EXTRA_NEIGHBOURS, pair_scorer, settle_near_ties
-from dmlkit.metrics.retrieval import full_ranking_ap_block, num_positives, per_query_from_neighbours
+from dmlkit.metrics.retrieval import (
+    full_ranking_ap_block,
+    num_positives,
+    per_query_from_neighbours,
+    warn_if_nothing_to_rank,
+)
 
 __all__ = ["DEFAULT_METRICS", "METRIC_NAMES", "REFERENCE_IS_QUERY", "evaluate", "expand_metric_names", "per_class", "per_query"]
 
@@ -290,7 +295,9 @@ def evaluate(
         bins: histogram bins of ``pos_neg_js``.
 
     Retrieval metrics are means over the queries with at least one same-class reference
-    (``R_q > 0``); the result also holds ``num_queries`` and ``num_queries_without_positive``.
+    (``R_q > 0``), NaN with a warning where none of them has a reference of another class (one
+    class: every ranking is perfect whatever the embeddings); the result also holds
+    ``num_queries`` and ``num_queries_without_positive``.
     Clustering metrics cluster the query set (embeddings normalised as the distance does) and
     are means over ``cluster_restarts`` k-means runs; each comes with ``<metric>_std``, their
     standard deviation over the restarts (after the counts).
@@ -303,9 +310,11 @@ def evaluate(
     n_valid = int(valid.sum())
     retrieval = [n for n in names if n not in (*CLUSTERING_METRICS, "pos_neg_js")]
     if retrieval:
-        scores = _retrieval_per_query(inp, retrieval, backend, budget) if n_valid else {}
+        ranked = n_valid and not warn_if_nothing_to_rank(inp.r_q, inp.r.shape[0] - int(inp.same),
+                                                         retrieval)
+        scores = _retrieval_per_query(inp, retrieval, backend, budget) if ranked else {}
         for name in retrieval:
-            result[name] = float(scores[name][valid].mean()) if n_valid else float("nan")
+            result[name] = float(scores[name][valid].mean()) if ranked else float("nan")
     clustering = [n for n in names if n in CLUSTERING_METRICS]
     if clustering:
         emb = inp.distance.prepare(inp.q, "query embeddings").cpu().numpy()
@@ -339,7 +348,8 @@ def per_class(
     """Retrieval metrics averaged per query class: ``{label: {metric: value, "num_queries": n}}``.
 
     Queries with ``R_q = 0`` are left out of the class means (a class whose every query
-    has none gets NaN); keyword arguments are those of :func:`per_query`. Integer labels key
+    has none gets NaN; every class is NaN, with a warning, where the references hold one class);
+    keyword arguments are those of :func:`per_query`. Integer labels key
     the result by id, string labels (class names) by name.
     """
     scores, r_q, inp = _per_query(
@@ -348,12 +358,14 @@ def per_class(
     )
     labels = inp.ql.numpy()
     names = inp.class_names
+    ranked = not warn_if_nothing_to_rank(inp.r_q, inp.r.shape[0] - int(inp.same), list(scores))
     out: dict[int | str, dict[str, float | int]] = {}
     for c in np.unique(labels):
         sel = labels == c
         ok = sel & (r_q > 0)
         row: dict[str, float | int] = {
-            name: float(v[ok].mean()) if ok.any() else float("nan") for name, v in scores.items()
+            name: float(v[ok].mean()) if ranked and ok.any() else float("nan")
+            for name, v in scores.items()
         }
         row["num_queries"] = int(sel.sum())
         row["num_queries_without_positive"] = int((sel & (r_q <= 0)).sum())

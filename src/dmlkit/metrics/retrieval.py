@@ -17,17 +17,23 @@ reference has the query's class (ranking by closeness, ties by reference index).
 
 Each value is averaged over the queries with ``R_q > 0``; queries without any same-class
 reference carry no information about retrieval and are counted separately
-(``num_queries_without_positive``), never divided by zero.
+(``num_queries_without_positive``), never divided by zero. Where no such query has a reference
+of another class (one class among the references), every ranking puts the positives first
+whatever the embeddings and every value would read 1: the means are NaN then, with a warning
+(:func:`warn_if_nothing_to_rank`), as the clustering metrics are on one class.
 """
 
 from __future__ import annotations
 
 import math
+import warnings
+from collections.abc import Sequence
 
 import torch
 
 __all__ = [
     "RETRIEVAL_PREFIXES", "num_positives", "per_query_from_neighbours", "full_ranking_ap", "full_ranking_ap_block",
+    "warn_if_nothing_to_rank",
 ]
 
 RETRIEVAL_PREFIXES = ("precision_at_", "recall_at_")
@@ -47,6 +53,21 @@ def num_positives(
     if exclude_self:
         r = r - (reference_labels == query_labels).to(r.dtype)
     return r
+
+
+def warn_if_nothing_to_rank(r_q: torch.Tensor, candidates: int, names: Sequence[str]) -> bool:
+    """Whether every query with a positive is ranked against positives only (``R_q`` equal to
+    the ``candidates`` it is ranked against: ``M``, or ``M - 1`` leaving itself out), with a
+    warning naming the metrics ``names`` when so: P@1, R-Precision, MAP@R, MAP, Recall@K are
+    then 1 for any embeddings, a number that says nothing about them (callers report NaN).
+    ``False`` without a query with a positive (those means are NaN already)."""
+    valid = r_q > 0
+    if not bool(valid.any()) or bool((r_q[valid] < candidates).any()):
+        return False
+    warnings.warn(f"{', '.join(names)}: every reference shares its query's class (one class), so "
+                  "every ranking puts the positives first whatever the embeddings; reported as NaN "
+                  "(no number): evaluate at least two classes", stacklevel=3)
+    return True
 
 
 def per_query_from_neighbours(

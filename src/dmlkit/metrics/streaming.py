@@ -69,7 +69,11 @@ from dmlkit.metrics.knn import (
     knn,
 )
 from dmlkit.metrics.near_ties import EXTRA_NEIGHBOURS, pair_scorer, settle_near_ties
-from dmlkit.metrics.retrieval import num_positives, per_query_from_neighbours
+from dmlkit.metrics.retrieval import (
+    num_positives,
+    per_query_from_neighbours,
+    warn_if_nothing_to_rank,
+)
 
 __all__ = ["StreamingPlan", "evaluate_streaming", "per_query_streaming", "plan_blocks"]
 
@@ -441,7 +445,7 @@ def evaluate_streaming(
         return _across_ranks(query, query_labels, reference, reference_labels, metrics, progress, kwargs)
     scores, r_q, names = _stream(query, query_labels, reference, reference_labels, metrics,
                                  progress=progress, query_range=query_range, **kwargs)
-    return _means(scores, r_q, names)
+    return _means(scores, r_q, names, _candidates(query, reference))
 
 
 def _across_ranks(query: Any, query_labels: Any, reference: Any, reference_labels: Any, metrics: Any,
@@ -460,15 +464,24 @@ def _across_ranks(query: Any, query_labels: Any, reference: Any, reference_label
 
     local, local_r = agree(share)
     gathered = all_gather_unequal(local)
-    return _means({n: gathered[:, i] for i, n in enumerate(names)}, all_gather_unequal(local_r), names)
+    return _means({n: gathered[:, i] for i, n in enumerate(names)}, all_gather_unequal(local_r), names,
+                  _candidates(query, reference))
 
 
-def _means(scores: dict[str, torch.Tensor], r_q: torch.Tensor, names: list[str]) -> dict[str, float | int]:
-    """Each metric's mean over the queries with a positive (``R_q > 0``), and the counts."""
+def _candidates(query: Any, reference: Any) -> int:
+    """How many references each query is ranked against (itself left out of its own set)."""
+    return _shape(query, "query embeddings")[0] - 1 if reference is None else _shape(reference, "reference embeddings")[0]
+
+
+def _means(scores: dict[str, torch.Tensor], r_q: torch.Tensor, names: list[str],
+           candidates: int) -> dict[str, float | int]:
+    """Each metric's mean over the queries with a positive (``R_q > 0``), and the counts; NaN
+    where no query has anything but positives to rank (:func:`warn_if_nothing_to_rank`)."""
     valid = r_q > 0
     n_valid = int(valid.sum())
+    ranked = n_valid and not warn_if_nothing_to_rank(r_q, candidates, names)
     result: dict[str, float | int] = {
-        n: float(scores[n][valid].mean()) if n_valid else math.nan for n in names
+        n: float(scores[n][valid].mean()) if ranked else math.nan for n in names
     }
     result["num_queries"] = int(r_q.shape[0])
     result["num_queries_without_positive"] = int(r_q.shape[0] - n_valid)
