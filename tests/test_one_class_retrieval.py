@@ -1,7 +1,9 @@
-"""Retrieval metrics of one class: every ranking puts the positives first whatever the
-embeddings, so P@1, R-Precision, MAP@R, MAP and Recall@K all read 100 %. They were printed as
-such; like the clustering metrics on one class, they are now NaN ("no number") with one warning,
-on every path that averages them (in memory, streaming, per class, the command)."""
+"""Retrieval means that are the same for any embeddings: with one class every ranking puts the
+positives first (P@1, R-Precision, MAP@R, MAP and Recall@K all read 100 %); a Recall@K whose K
+exceeds every query's negatives always finds a positive; a Precision@K whose K reaches every
+reference counts them all. They were printed as numbers; like the clustering metrics on one
+class, they are now NaN ("no number") with one warning, on every path that averages them (in
+memory, streaming, per class, the command)."""
 
 from __future__ import annotations
 
@@ -94,3 +96,35 @@ def test_the_command_prints_no_number_and_one_warning_line(tmp_path, run_cli):
                                "num_queries_without_positive": 0}
     lines = [line for line in err.splitlines() if line.strip()]
     assert len(lines) == 1 and lines[0].startswith("warning: map, map_at_r: every reference shares")
+
+
+@pytest.mark.parametrize("evaluator", [evaluate, evaluate_streaming], ids=["evaluate", "streaming"])
+def test_k_past_every_negative_is_no_number(evaluator):
+    """Classes of 3, 5 and 7 samples, each query left out of its own ranking (14 candidates):
+    the smallest class's queries have the most negatives, 14 - 2 = 12, so Recall@12 still
+    measures something and Recall@13 does not; Precision@13 ranks, Precision@14 counts all."""
+    y = torch.tensor([0] * 3 + [1] * 5 + [2] * 7)
+    x = _random(15, seed=3)
+    names = ["recall_at_12", "recall_at_13", "precision_at_13", "precision_at_14", "map_at_r"]
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        result = evaluator(x, y, metrics=names)
+    messages = [str(w.message) for w in record if "NaN" in str(w.message)]
+    assert len(messages) == 2, messages
+    assert messages[0].startswith("recall_at_13: ") and "at most 12" in messages[0]
+    assert messages[1].startswith("precision_at_14: ") and "all 14 references" in messages[1]
+    assert math.isnan(result["recall_at_13"]) and math.isnan(result["precision_at_14"])
+    for name in ("recall_at_12", "precision_at_13", "map_at_r"):
+        assert 0 <= result[name] <= 1
+    # the values that stay are the same ones as asked alone
+    alone = evaluator(x, y, metrics=["recall_at_12", "precision_at_13"])
+    assert (result["recall_at_12"], result["precision_at_13"]) == (alone["recall_at_12"],
+                                                                    alone["precision_at_13"])
+
+
+def test_k_within_the_negatives_gives_no_warning():
+    y = torch.tensor([0] * 3 + [1] * 5 + [2] * 7)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        result = evaluate(_random(15, seed=3), y, metrics=["recall_at_12", "precision_at_13"])
+    assert not any(math.isnan(v) for v in result.values())

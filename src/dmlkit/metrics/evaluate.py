@@ -30,7 +30,7 @@ from dmlkit.metrics.retrieval import (
     full_ranking_ap_block,
     num_positives,
     per_query_from_neighbours,
-    warn_if_nothing_to_rank,
+    warn_embedding_independent,
 )
 
 __all__ = ["DEFAULT_METRICS", "METRIC_NAMES", "REFERENCE_IS_QUERY", "evaluate", "expand_metric_names", "per_class", "per_query"]
@@ -295,8 +295,9 @@ def evaluate(
         bins: histogram bins of ``pos_neg_js``.
 
     Retrieval metrics are means over the queries with at least one same-class reference
-    (``R_q > 0``), NaN with a warning where none of them has a reference of another class (one
-    class: every ranking is perfect whatever the embeddings); the result also holds
+    (``R_q > 0``), NaN with a warning where that mean is the same for any embeddings (one
+    class; a ``K`` past every query's negatives:
+    :func:`~dmlkit.metrics.retrieval.warn_embedding_independent`); the result also holds
     ``num_queries`` and ``num_queries_without_positive``.
     Clustering metrics cluster the query set (embeddings normalised as the distance does) and
     are means over ``cluster_restarts`` k-means runs; each comes with ``<metric>_std``, their
@@ -310,11 +311,11 @@ def evaluate(
     n_valid = int(valid.sum())
     retrieval = [n for n in names if n not in (*CLUSTERING_METRICS, "pos_neg_js")]
     if retrieval:
-        ranked = n_valid and not warn_if_nothing_to_rank(inp.r_q, inp.r.shape[0] - int(inp.same),
-                                                         retrieval)
-        scores = _retrieval_per_query(inp, retrieval, backend, budget) if ranked else {}
+        fixed = warn_embedding_independent(inp.r_q, inp.r.shape[0] - int(inp.same), retrieval)
+        ranked = [n for n in retrieval if n not in fixed]
+        scores = _retrieval_per_query(inp, ranked, backend, budget) if n_valid and ranked else {}
         for name in retrieval:
-            result[name] = float(scores[name][valid].mean()) if ranked else float("nan")
+            result[name] = float(scores[name][valid].mean()) if name in scores else float("nan")
     clustering = [n for n in names if n in CLUSTERING_METRICS]
     if clustering:
         emb = inp.distance.prepare(inp.q, "query embeddings").cpu().numpy()
@@ -348,7 +349,8 @@ def per_class(
     """Retrieval metrics averaged per query class: ``{label: {metric: value, "num_queries": n}}``.
 
     Queries with ``R_q = 0`` are left out of the class means (a class whose every query
-    has none gets NaN; every class is NaN, with a warning, where the references hold one class);
+    has none gets NaN; a metric whose mean is the same for any embeddings is NaN in every class,
+    with a warning);
     keyword arguments are those of :func:`per_query`. Integer labels key
     the result by id, string labels (class names) by name.
     """
@@ -358,13 +360,13 @@ def per_class(
     )
     labels = inp.ql.numpy()
     names = inp.class_names
-    ranked = not warn_if_nothing_to_rank(inp.r_q, inp.r.shape[0] - int(inp.same), list(scores))
+    fixed = warn_embedding_independent(inp.r_q, inp.r.shape[0] - int(inp.same), list(scores))
     out: dict[int | str, dict[str, float | int]] = {}
     for c in np.unique(labels):
         sel = labels == c
         ok = sel & (r_q > 0)
         row: dict[str, float | int] = {
-            name: float(v[ok].mean()) if ranked and ok.any() else float("nan")
+            name: float(v[ok].mean()) if ok.any() and name not in fixed else float("nan")
             for name, v in scores.items()
         }
         row["num_queries"] = int(sel.sum())

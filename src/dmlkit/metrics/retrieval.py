@@ -17,10 +17,11 @@ reference has the query's class (ranking by closeness, ties by reference index).
 
 Each value is averaged over the queries with ``R_q > 0``; queries without any same-class
 reference carry no information about retrieval and are counted separately
-(``num_queries_without_positive``), never divided by zero. Where no such query has a reference
-of another class (one class among the references), every ranking puts the positives first
-whatever the embeddings and every value would read 1: the means are NaN then, with a warning
-(:func:`warn_if_nothing_to_rank`), as the clustering metrics are on one class.
+(``num_queries_without_positive``), never divided by zero. A mean that is the same for any
+embeddings (one class among the references: every ranking puts the positives first; a
+Recall@K whose ``K`` exceeds every query's negatives; a Precision@K whose ``K`` reaches every
+reference) is NaN, with a warning (:func:`warn_embedding_independent`), as the clustering
+metrics are on one class.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ import torch
 
 __all__ = [
     "RETRIEVAL_PREFIXES", "num_positives", "per_query_from_neighbours", "full_ranking_ap", "full_ranking_ap_block",
-    "warn_if_nothing_to_rank",
+    "warn_embedding_independent",
 ]
 
 RETRIEVAL_PREFIXES = ("precision_at_", "recall_at_")
@@ -55,19 +56,39 @@ def num_positives(
     return r
 
 
-def warn_if_nothing_to_rank(r_q: torch.Tensor, candidates: int, names: Sequence[str]) -> bool:
-    """Whether every query with a positive is ranked against positives only (``R_q`` equal to
-    the ``candidates`` it is ranked against: ``M``, or ``M - 1`` leaving itself out), with a
-    warning naming the metrics ``names`` when so: P@1, R-Precision, MAP@R, MAP, Recall@K are
-    then 1 for any embeddings, a number that says nothing about them (callers report NaN).
-    ``False`` without a query with a positive (those means are NaN already)."""
+def warn_embedding_independent(r_q: torch.Tensor, candidates: int, names: Sequence[str]) -> set[str]:
+    """The metrics of ``names`` whose mean over the queries with a positive is the same for any
+    embeddings, with one warning per reason (callers report them as NaN, "no number"):
+
+    * all of them where no such query has a reference of another class (one class): every
+      ranking puts the positives first, and every metric reads 1;
+    * ``recall_at_K`` with ``K`` above every such query's count of negatives: its ``K``
+      nearest always hold a positive;
+    * ``precision_at_K`` with ``K`` at least the ``candidates`` a query is ranked against
+      (``M``, or ``M - 1`` leaving itself out): its ``K`` nearest are every reference.
+
+    Empty without a query with a positive (those means are NaN already)."""
     valid = r_q > 0
-    if not bool(valid.any()) or bool((r_q[valid] < candidates).any()):
-        return False
-    warnings.warn(f"{', '.join(names)}: every reference shares its query's class (one class), so "
-                  "every ranking puts the positives first whatever the embeddings; reported as NaN "
-                  "(no number): evaluate at least two classes", stacklevel=3)
-    return True
+    if not bool(valid.any()):
+        return set()
+    most_negatives = candidates - int(r_q[valid].min())
+    if most_negatives <= 0:
+        warnings.warn(f"{', '.join(names)}: every reference shares its query's class (one class), so "
+                      "every ranking puts the positives first whatever the embeddings; reported as "
+                      "NaN (no number): evaluate at least two classes", stacklevel=3)
+        return set(names)
+    recall = [n for n in names if n.startswith("recall_at_") and int(n.rpartition("_")[2]) > most_negatives]
+    precision = [n for n in names if n.startswith("precision_at_") and int(n.rpartition("_")[2]) >= candidates]
+    if recall:
+        warnings.warn(f"{', '.join(recall)}: K is larger than every query's number of references of "
+                      f"other classes (at most {most_negatives}), so its K nearest always hold a "
+                      "positive whatever the embeddings; reported as NaN (no number): ask for a "
+                      f"smaller K (at most {most_negatives})", stacklevel=3)
+    if precision:
+        warnings.warn(f"{', '.join(precision)}: K reaches all {candidates} references a query is "
+                      "ranked against, so its K nearest are the same whatever the embeddings; "
+                      f"reported as NaN (no number): ask for K below {candidates}", stacklevel=3)
+    return {*recall, *precision}
 
 
 def per_query_from_neighbours(

@@ -72,7 +72,7 @@ from dmlkit.metrics.near_ties import EXTRA_NEIGHBOURS, pair_scorer, settle_near_
 from dmlkit.metrics.retrieval import (
     num_positives,
     per_query_from_neighbours,
-    warn_if_nothing_to_rank,
+    warn_embedding_independent,
 )
 
 __all__ = ["StreamingPlan", "evaluate_streaming", "per_query_streaming", "plan_blocks"]
@@ -476,12 +476,12 @@ def _candidates(query: Any, reference: Any) -> int:
 def _means(scores: dict[str, torch.Tensor], r_q: torch.Tensor, names: list[str],
            candidates: int) -> dict[str, float | int]:
     """Each metric's mean over the queries with a positive (``R_q > 0``), and the counts; NaN
-    where no query has anything but positives to rank (:func:`warn_if_nothing_to_rank`)."""
+    where it is the same for any embeddings (:func:`warn_embedding_independent`)."""
     valid = r_q > 0
     n_valid = int(valid.sum())
-    ranked = n_valid and not warn_if_nothing_to_rank(r_q, candidates, names)
+    fixed = warn_embedding_independent(r_q, candidates, names)
     result: dict[str, float | int] = {
-        n: float(scores[n][valid].mean()) if ranked else math.nan for n in names
+        n: float(scores[n][valid].mean()) if n_valid and n not in fixed else math.nan for n in names
     }
     result["num_queries"] = int(r_q.shape[0])
     result["num_queries_without_positive"] = int(r_q.shape[0] - n_valid)
