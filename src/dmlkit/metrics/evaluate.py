@@ -122,6 +122,8 @@ class _Inputs:
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
         self.r_q = num_positives(self.ql, self.rl, exclude_self=self.same)
+        #: how many references each query is ranked against (itself left out of its own set)
+        self.candidates = self.r.shape[0] - int(self.same)
 
 
 def _retrieval_per_query(
@@ -311,7 +313,7 @@ def evaluate(
     n_valid = int(valid.sum())
     retrieval = [n for n in names if n not in (*CLUSTERING_METRICS, "pos_neg_js")]
     if retrieval:
-        fixed = warn_embedding_independent(inp.r_q, inp.r.shape[0] - int(inp.same), retrieval)
+        fixed = warn_embedding_independent(inp.r_q, inp.candidates, retrieval)
         ranked = [n for n in retrieval if n not in fixed]
         scores = _retrieval_per_query(inp, ranked, backend, budget) if n_valid and ranked else {}
         for name in retrieval:
@@ -349,10 +351,9 @@ def per_class(
     """Retrieval metrics averaged per query class: ``{label: {metric: value, "num_queries": n}}``.
 
     Queries with ``R_q = 0`` are left out of the class means (a class whose every query
-    has none gets NaN; a metric whose mean is the same for any embeddings is NaN in every class,
-    with a warning);
-    keyword arguments are those of :func:`per_query`. Integer labels key
-    the result by id, string labels (class names) by name.
+    has none gets NaN; a metric whose mean is the same for any embeddings is NaN in every
+    class, with a warning); keyword arguments are those of :func:`per_query`. Integer labels
+    key the result by id, string labels (class names) by name.
     """
     scores, r_q, inp = _per_query(
         query, query_labels, reference, reference_labels, metrics, distance=distance,
@@ -360,7 +361,7 @@ def per_class(
     )
     labels = inp.ql.numpy()
     names = inp.class_names
-    fixed = warn_embedding_independent(inp.r_q, inp.r.shape[0] - int(inp.same), list(scores))
+    fixed = warn_embedding_independent(inp.r_q, inp.candidates, list(scores))
     out: dict[int | str, dict[str, float | int]] = {}
     for c in np.unique(labels):
         sel = labels == c
