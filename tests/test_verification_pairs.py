@@ -301,3 +301,33 @@ def test_cli_verify_with_checkpoint_and_embeddings(lfw, tmp_path):
                               "--images", str(lfw), "--json"])
     assert res.exit_code == 0, res.output
     assert json.loads(res.output)["accuracy"] == pytest.approx(verify_pair_list(x, plist).accuracy)
+
+
+def test_tar_at_a_far_the_pairs_cannot_resolve_is_said_so():
+    """With ``n`` mismatched pairs a FAR target below ``1 / n`` admits no false accept: its TAR
+    is the TAR at no false accept whatever the target. The value is kept (the highest TPR whose
+    FPR does not exceed the target) and a warning names the targets and the pairs they need."""
+    import warnings
+
+    from dmlkit.apps.verification import verify_scores
+
+    rng = np.random.default_rng(0)
+
+    def run(n_neg: int):
+        scores = np.r_[rng.normal(2.0, 1.0, 500), rng.normal(0.0, 1.0, n_neg)]
+        same = np.r_[np.ones(500, bool), np.zeros(n_neg, bool)]
+        with warnings.catch_warnings(record=True) as record:
+            warnings.simplefilter("always")
+            result = verify_scores(scores, same, folds=5)
+        return result, [str(w.message) for w in record if "TAR at FAR" in str(w.message)]
+
+    result, messages = run(999)
+    assert messages == ["TAR at FAR 0.1 %: 999 mismatched pairs resolve false accept rates in steps "
+                        "of 0.1 %, so it is the TAR with no false accept; score at least 1000 "
+                        "mismatched pairs for it"]
+    assert 0 <= result.tar_at_far["0.001"] <= result.tar_at_far["0.01"] <= result.tar_at_far["0.1"] <= 1
+    _, messages = run(1000)
+    assert messages == []
+    _, messages = run(5)
+    assert len(messages) == 1 and messages[0].startswith("TAR at FAR 0.1 %, 1 %, 10 %: 5 mismatched")
+    assert "steps of 20 %, so these are" in messages[0] and messages[0].endswith("at least 1000 mismatched pairs for them")

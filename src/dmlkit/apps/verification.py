@@ -315,6 +315,20 @@ class VerificationResult:
         return asdict(self)
 
 
+def _warn_unresolved_far(far_targets: Sequence[float], n_neg: int) -> None:
+    """Warn where ``n_neg`` mismatched pairs admit no false accept at a FAR target (``far n_neg <
+    1``): TAR@FAR is then the TAR at no false accept, whatever the target, and rests on the few
+    highest-scoring mismatched pairs."""
+    unresolved = [far for far in far_targets if far * n_neg < 1]
+    if unresolved:
+        names = ", ".join(f"{100 * far:g} %" for far in unresolved)
+        these, them = ("these are", "them") if len(unresolved) > 1 else ("it is", "it")
+        warnings.warn(f"TAR at FAR {names}: {n_neg} mismatched pairs resolve false accept rates "
+                      f"in steps of {100 / n_neg:.2g} %, so {these} the TAR with no false accept; "
+                      f"score at least {int(np.ceil(1 / min(unresolved)))} mismatched pairs for {them}",
+                      stacklevel=3)
+
+
 def verify_scores(scores: Any, same: Any, folds: int | Sequence[int] | np.ndarray = 10, *,
                   far_targets: Sequence[float] = DEFAULT_FAR_TARGETS,
                   fold_source: str | None = None) -> VerificationResult:
@@ -339,6 +353,7 @@ def verify_scores(scores: Any, same: Any, folds: int | Sequence[int] | np.ndarra
     e = int(np.argmin(np.abs(fnr - fpr)))
     eer = float((fpr[e] + fnr[e]) / 2)
     tar = {f"{far:g}": float(tpr[np.searchsorted(fpr, far, side="right") - 1]) for far in far_targets}
+    _warn_unresolved_far(far_targets, len(y) - n_pos)
     return VerificationResult(
         accuracy=kfold["accuracy"], accuracy_std=kfold["accuracy_std"], threshold=kfold["threshold"],
         roc_auc=float(roc_auc_score(y, s)), eer=eer, tar_at_far=tar, num_pairs=len(s),
