@@ -27,6 +27,7 @@ from dmlkit.metrics.histograms import pos_neg_histograms
 from dmlkit.metrics.knn import SMALL_SEARCH_PAIRS, _mask_self, _Scorer, knn
 from dmlkit.metrics.near_ties import EXTRA_NEIGHBOURS, pair_scorer, settle_near_ties
 from dmlkit.metrics.retrieval import (
+    cutoff,
     full_ranking_ap_block,
     num_positives,
     per_query_from_neighbours,
@@ -135,7 +136,7 @@ def _retrieval_per_query(
         need = 1
         for n in knn_names:
             if _AT_K.match(n):
-                need = max(need, int(n.rsplit("_", 1)[1]))
+                need = max(need, cutoff(n))
         read = torch.full_like(inp.r_q, need)  # per query, the positions its metrics read
         if any(n in ("r_precision", "map_at_r") for n in knn_names):
             need = max(need, int(inp.r_q.max()))

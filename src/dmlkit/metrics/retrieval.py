@@ -34,10 +34,18 @@ import torch
 
 __all__ = [
     "RETRIEVAL_PREFIXES", "num_positives", "per_query_from_neighbours", "full_ranking_ap", "full_ranking_ap_block",
-    "warn_embedding_independent",
+    "cutoff", "warn_embedding_independent",
 ]
 
 RETRIEVAL_PREFIXES = ("precision_at_", "recall_at_")
+
+def cutoff(name: str) -> int | None:
+    """``K`` of ``recall_at_K`` / ``precision_at_K`` (``RETRIEVAL_PREFIXES``), else ``None``."""
+    for prefix in RETRIEVAL_PREFIXES:
+        if name.startswith(prefix):
+            return int(name[len(prefix):])
+    return None
+
 
 #: Rows of the (queries x k) relevance matrix processed at a time by the metric arithmetic.
 _ROW_BLOCK = 8192
@@ -77,8 +85,8 @@ def warn_embedding_independent(r_q: torch.Tensor, candidates: int, names: Sequen
                       "every ranking puts the positives first whatever the embeddings; reported as "
                       "NaN (no number): evaluate at least two classes", stacklevel=3)
         return set(names)
-    recall = [n for n in names if n.startswith("recall_at_") and int(n.rpartition("_")[2]) > most_negatives]
-    precision = [n for n in names if n.startswith("precision_at_") and int(n.rpartition("_")[2]) >= candidates]
+    recall = [n for n in names if n.startswith("recall_at_") and cutoff(n) > most_negatives]
+    precision = [n for n in names if n.startswith("precision_at_") and cutoff(n) >= candidates]
     if recall:
         warnings.warn(f"{', '.join(recall)}: K is larger than every query's number of references of "
                       f"other classes (at most {most_negatives}), so its K nearest always hold a "
@@ -122,10 +130,10 @@ def per_query_from_neighbours(
             if name == "precision_at_1":
                 val = rel[:, 0].to(torch.float64)
             elif name.startswith("recall_at_"):
-                kk = int(name.rsplit("_", 1)[1])
+                kk = cutoff(name)
                 val = rel[:, :kk].any(1).to(torch.float64)
             elif name.startswith("precision_at_"):
-                kk = int(name.rsplit("_", 1)[1])
+                kk = cutoff(name)
                 val = rel[:, :kk].sum(1, dtype=torch.int64).to(torch.float64) / kk
             elif name == "r_precision":
                 val = rel_r.sum(1, dtype=torch.int64).to(torch.float64) / denom

@@ -70,6 +70,7 @@ from dmlkit.metrics.knn import (
 )
 from dmlkit.metrics.near_ties import EXTRA_NEIGHBOURS, pair_scorer, settle_near_ties
 from dmlkit.metrics.retrieval import (
+    cutoff,
     num_positives,
     per_query_from_neighbours,
     warn_embedding_independent,
@@ -304,7 +305,7 @@ def _stream(
     need = 1
     for n in names:
         if _AT_K.match(n):
-            need = max(need, int(n.rsplit("_", 1)[1]))
+            need = max(need, cutoff(n))
     read = torch.full_like(r_q, need)  # per query, the positions its metrics read
     if any(n in ("r_precision", "map_at_r") for n in names):
         need = max(need, int(r_q.max()))
