@@ -314,7 +314,7 @@ def test_full_ranking_ap_block_needs_no_tie_runs_without_equal_positives():
         s[(torch.rand(b, m, generator=g) < 0.05) & ~copies] = -torch.inf
         r = (positive & torch.isfinite(s)).sum(1)
         expected = _ap_by_stable_sort(s, ql, rl, r)
-        ap, repeated = full_ranking_ap_block(s, ql, rl, r, int(r.max()))
+        ap, repeated, _ = full_ranking_ap_block(s, ql, rl, r, int(r.max()))
         assert not bool(repeated), trial
         torch.testing.assert_close(ap, expected, rtol=0, atol=1e-12, msg=str(trial))
         # two equal positives in one row: flagged, and the exact path still agrees
@@ -323,7 +323,7 @@ def test_full_ranking_ap_block_needs_no_tie_runs_without_equal_positives():
             mine = cols[(rows == i) & torch.isfinite(s[i, cols])]
             if mine.numel() >= 2:
                 s[i, mine[1]] = s[i, mine[0]]
-                ap, repeated = full_ranking_ap_block(s, ql, rl, r, int(r.max()))
+                ap, repeated, _ = full_ranking_ap_block(s, ql, rl, r, int(r.max()))
                 assert bool(repeated), trial
                 exact = full_ranking_ap_block(s, ql, rl, r, int(r.max()), tie_runs=True)[0]
                 torch.testing.assert_close(exact, _ap_by_stable_sort(s, ql, rl, r), rtol=0, atol=1e-12)

@@ -172,7 +172,7 @@ def test_metrics_multiply_in_full_float32_whatever_the_callers_precision(entry, 
 def test_runs_are_sorted_by_closeness_then_index(longest, monkeypatch):
     """Both ways of sorting within runs (odd-even transposition up to 32, three stable sorts
     beyond) give (float64 closeness descending, reference ascending) in every run, exact
-    float64 ties included."""
+    float64 ties included, with the closeness in the same order (the tie groups read it)."""
     from dmlkit.metrics.near_ties import _sorted_within_runs
 
     rng = np.random.default_rng(longest)
@@ -181,15 +181,16 @@ def test_runs_are_sorted_by_closeness_then_index(longest, monkeypatch):
     runs = torch.from_numpy(np.repeat(np.arange(200), lengths))
     s64 = torch.from_numpy(rng.integers(0, 4, runs.numel()).astype(np.float64) / 3)  # many ties
     refs = torch.from_numpy(rng.permutation(10 * runs.numel())[: runs.numel()])
-    got = _sorted_within_runs(runs, s64, refs).numpy()
-    want = np.empty_like(got)
+    got, got_s64 = (t.numpy() for t in _sorted_within_runs(runs, s64, refs))
+    want, want_s64 = np.empty_like(got), np.empty_like(got_s64)
     first = 0
     for length in lengths:
         seg = slice(first, first + length)
         order = np.lexsort((refs.numpy()[seg], -s64.numpy()[seg]))
         want[seg] = refs.numpy()[seg][order]
+        want_s64[seg] = s64.numpy()[seg][order]  # each closeness moves with its reference
         first += length
-    assert (got == want).all()
+    assert (got == want).all() and (got_s64 == want_s64).all()
 
 
 _PRODUCTS = {torch.mm, torch.matmul, torch.addmm, torch.bmm, torch.Tensor.__matmul__, torch.Tensor.mm,

@@ -86,6 +86,7 @@ class Counting(NamedTuple):
     pos_first: np.ndarray  #: per query, its class's first reference (int64; an empty interval
     pos_last: np.ndarray  #: per query, one past its class's last one   ...without a positive)
     ref_index: np.ndarray  #: each reference's index in the caller's order (ties rank by it)
+    tied: np.ndarray  #: per row, 1 where a negative ties a positive exactly (uint8; set here)
 
 
 class Deferred(NamedTuple):
@@ -152,8 +153,10 @@ def _flush_exact(state: Counting, held: Deferred) -> None:
     for k in range(n):
         i = held.row[k]
         stop = state.pos_ptr[i + 1]
-        e = _exact_rank(state, held.query[k], held.ref[k], held.exact[k], held.value[k],
-                        held.first[k], stop, state.band[i])
+        e, tie = _exact_rank(state, held.query[k], held.ref[k], held.exact[k], held.value[k],
+                             held.first[k], stop, state.band[i])
+        if tie:
+            state.tied[i] = 1
         if e < stop:
             state.cnt[e + i] += 1  # row i's count after e - pos_ptr[i] positives
     held.count[0] = 0
@@ -161,23 +164,27 @@ def _flush_exact(state: Counting, held: Deferred) -> None:
 
 @numba.njit(nogil=True, cache=True, boundscheck=False)
 def _exact_rank(state: Counting, gi: int, j: int, v: float, x: np.float32, first: int,
-                stop: int, band: np.float32) -> int:
+                stop: int, band: np.float32) -> tuple[int, bool]:
     """Where reference ``j`` (tile value ``x``, float64 closeness ``v``) ranks for query ``gi``
     among the positives ``first:stop``, the first of them not certainly before it: ``first``
     plus the positives whose band holds ``x`` and whose float64 closeness ranks before ``j``'s
-    (ties by the original index). A positive's closeness is read from ``pos_val`` or, where the
-    state does not keep it, recomputed by the function that sorted it."""
+    (ties by the original index); and whether one of them ties ``v`` exactly (then the tie rule,
+    not the embeddings, orders the two). A positive's closeness is read from ``pos_val`` or,
+    where the state does not keep it, recomputed by the function that sorted it. An exact tie
+    lies within the band, so every one is seen here."""
     up, pos_ref, pos_val, ref_index = state.up, state.pos_ref, state.pos_val, state.ref_index
     e = first
     q = first
+    tie = False
     while q < stop and x <= band_top(up[q], band):
         k = pos_ref[q]
         pv = pos_val[q] if pos_val.shape[0] else _closeness64(state.query[gi], state.reference[k],
                                                              state.euclidean)
+        tie |= pv == v
         if pv > v or (pv == v and ref_index[k] < ref_index[j]):
             e += 1
         q += 1
-    return e
+    return e, tie
 
 
 @numba.njit(inline="always")

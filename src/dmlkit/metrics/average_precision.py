@@ -85,8 +85,10 @@ def _buckets(counts: np.ndarray, cap: int) -> int:
 def full_ranking_map(
     scorer, q: torch.Tensor, r: torch.Tensor | None, query_labels: torch.Tensor,
     reference_labels: torch.Tensor, budget: int,
-) -> torch.Tensor:
-    """Per-query full-ranking AP (float64; 0 where a query has no positive).
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-query full-ranking AP (float64; 0 where a query has no positive), and per query
+    whether a negative ties one of its positives exactly in float64 (the tie rule then orders
+    them: :func:`dmlkit.metrics.near_ties.warn_tie_ruled`).
 
     ``scorer`` is a symmetric :class:`dmlkit.metrics.knn._Scorer` (cosine, dot or Euclidean);
     ``q`` / ``r`` are its *prepared* float32 CPU rows; ``r=None`` is a self-search that leaves
@@ -124,6 +126,7 @@ def full_ranking_map(
     r_norm = q_norm if same else float(ref.norm(dim=1).max())
     tol = closeness_tolerance(scorer.kind, q.shape[1], q_norm, r_norm)
     out = np.zeros(nq, dtype=np.float64)
+    tied = np.zeros(nq, dtype=bool)
     tiles = _Tiles(scorer, q, ref, bf16=False)
     table_dtype = _table_dtype(int(r_count.max(initial=0)))
     index_dtype = np.int32 if m < 2**31 else np.int64
@@ -149,10 +152,10 @@ def full_ranking_map(
             group = _Group(g0, g1, r_count[g0:g1], codes, same, tiles, scorer.kind == "l2", tol,
                            memory, workers)
             group.scan(tiles, tile, wide, workers, nq, m)
-            group.average_precision(out[g0:g1])
+            group.average_precision(out[g0:g1], tied[g0:g1])
     if same:  # back to the caller's order
-        out[ref_index] = out.copy()
-    return torch.from_numpy(out)
+        out[ref_index], tied[ref_index] = out.copy(), tied.copy()
+    return torch.from_numpy(out), torch.from_numpy(tied)
 
 
 def _square_tile_bytes(tile: int) -> int:
@@ -240,6 +243,7 @@ class _GroupMemory:
         self.scale = np.empty(rows, np.float32)
         self.table = np.empty((rows, n_buckets), table_dtype)
         self.cnt = np.empty(positives + rows, index_dtype)
+        self.tied = np.empty(rows, np.uint8)
 
 
 class _Group:
@@ -287,6 +291,8 @@ class _Group:
         run_threads(prepare, [(a, min(rows, a + step)) for a in range(0, rows, step)], workers)
         self.cnt = memory.cnt[: total + rows]  # a spare slot after each row's
         self.cnt.fill(0)
+        self.tied = memory.tied[:rows]
+        self.tied.fill(0)
 
     def scan(self, tiles: _Tiles, tile: int, wide: int, workers: int, nq: int, m: int) -> None:
         """Every tile of these rows against every reference, on ``workers`` threads: square tiles
@@ -313,7 +319,7 @@ class _Group:
         codes = self.codes
         state = Counting(self.pos_ptr, self.pos_ref, self.pos_val, self.up, self.band, self.lo,
                          self.scale, self.table, self.cnt, self.qn, self.rn, self.euclidean,
-                         codes.pos_first, codes.pos_last, codes.ref_index)
+                         codes.pos_first, codes.pos_last, codes.ref_index, self.tied)
 
         def run(task: tuple[int, int]) -> None:
             bi, bj = task
@@ -336,8 +342,10 @@ class _Group:
 
         run_threads(run, tasks, workers)
 
-    def average_precision(self, out: np.ndarray) -> None:
+    def average_precision(self, out: np.ndarray, tied: np.ndarray) -> None:
+        """Each row's AP into ``out``; into ``tied``, whether a negative tied a positive."""
         # lazy: the numba kernels load only when a compiled path runs
         from dmlkit.metrics import _ap_kernels
 
         _ap_kernels.ap_from_counts(self.pos_ptr, self.cnt, out)
+        tied[:] = self.tied != 0

@@ -25,7 +25,13 @@ from dmlkit.metrics.average_precision import full_ranking_map
 from dmlkit.metrics.clustering import CLUSTERING_METRICS, cluster_metrics
 from dmlkit.metrics.histograms import pos_neg_histograms
 from dmlkit.metrics.knn import SMALL_SEARCH_PAIRS, _mask_self, _Scorer, knn
-from dmlkit.metrics.near_ties import EXTRA_NEIGHBOURS, pair_scorer, settle_near_ties
+from dmlkit.metrics.near_ties import (
+    EXTRA_NEIGHBOURS,
+    Settled,
+    pair_scorer,
+    settle_near_ties,
+    warn_tie_ruled,
+)
 from dmlkit.metrics.retrieval import (
     cutoff,
     full_ranking_ap_block,
@@ -132,6 +138,8 @@ def _retrieval_per_query(
 ) -> dict[str, torch.Tensor]:
     knn_names = [n for n in names if n in _KNN_METRICS or _AT_K.match(n)]
     out: dict[str, torch.Tensor] = {}
+    # per query: does the tie rule decide what one of its metrics reads (near_ties.warn_tie_ruled)
+    tie_ruled, ruled_names = torch.zeros(inp.q.shape[0], dtype=torch.bool), []
     if knn_names:
         need = 1
         for n in knn_names:
@@ -150,19 +158,22 @@ def _retrieval_per_query(
             inp.q, None if inp.same else inp.r, need, distance=inp.distance,
             backend=backend, memory_budget=budget, order=order,
         )
-        neighbours = _settled(inp, res, budget, read)
+        neighbours, knn_ruled = _settled(inp, res, budget, read)
         out.update(per_query_from_neighbours(neighbours, inp.rl, inp.ql, inp.r_q, knn_names))
+        tie_ruled, ruled_names = knn_ruled.cpu(), knn_names
     if "map" in names:
-        out["map"] = _full_map(inp, budget)
+        out["map"], map_ruled = _full_map(inp, budget)
+        tie_ruled, ruled_names = tie_ruled | map_ruled.cpu(), [*ruled_names, "map"]
+    warn_tie_ruled(tie_ruled, inp.r_q > 0, ruled_names)
     return out
 
 
-
-def _settled(inp: _Inputs, res, budget: int, read: torch.Tensor) -> torch.Tensor:
-    """The kNN's neighbours in the exact float64 order (:mod:`dmlkit.metrics.near_ties`)."""
+def _settled(inp: _Inputs, res, budget: int, read: torch.Tensor) -> Settled:
+    """The kNN's neighbours in the exact float64 order, and the queries whose read positions
+    the tie rule decides (:mod:`dmlkit.metrics.near_ties`)."""
     scorer = _Scorer(inp.distance)
     if scorer.kind == "generic":
-        return res.indices
+        return Settled(res.indices, torch.zeros(res.indices.shape[0], dtype=torch.bool))
     dev = res.indices.device
     q = scorer.prepare(inp.q, "query embeddings").to(dev)
     r = q if inp.same else scorer.prepare(inp.r, "reference embeddings").to(dev)
@@ -174,8 +185,10 @@ def _settled(inp: _Inputs, res, budget: int, read: torch.Tensor) -> torch.Tensor
         query_index=torch.arange(q.shape[0], device=dev) if inp.same else None, read=read,
     )
 
-def _full_map(inp: _Inputs, budget: int) -> torch.Tensor:
-    """Full-ranking average precision per query.
+
+def _full_map(inp: _Inputs, budget: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Full-ranking average precision per query, and whether a negative ties one of its
+    positives exactly (:func:`dmlkit.metrics.near_ties.warn_tie_ruled`).
 
     CPU cosine / dot / Euclidean: :func:`dmlkit.metrics.average_precision.full_ranking_map`
     (no sort; exact in float64 near ties). Small CPU searches, other distances and devices:
@@ -205,14 +218,16 @@ def _full_map(inp: _Inputs, budget: int) -> torch.Tensor:
     # equal positives are redone with exact tie runs at the end
     starts = range(0, q.shape[0], rows)
     ap = torch.empty(q.shape[0], dtype=torch.float64, device=q.device)
+    tied = torch.zeros(q.shape[0], dtype=torch.bool, device=q.device)
     repeated = torch.zeros(len(starts), dtype=torch.bool, device=q.device)
     for i, a0 in enumerate(starts):
         a1 = min(q.shape[0], a0 + rows)
-        ap[a0:a1], repeated[i] = full_ranking_ap_block(scores(a0, a1), ql[a0:a1], rl, r_q[a0:a1], r_max)
+        ap[a0:a1], repeated[i], tied[a0:a1] = full_ranking_ap_block(scores(a0, a1), ql[a0:a1], rl,
+                                                                    r_q[a0:a1], r_max)
     for i in repeated.nonzero().flatten().tolist():
         a0, a1 = starts[i], min(q.shape[0], starts[i] + rows)
         ap[a0:a1] = full_ranking_ap_block(scores(a0, a1), ql[a0:a1], rl, r_q[a0:a1], r_max, tie_runs=True)[0]
-    return ap.cpu()
+    return ap.cpu(), tied.cpu()
 
 
 @full_float32_matmuls

@@ -31,7 +31,9 @@ P@1 / MAP@R differed from the float64 ranking by up to 0.04 / 0.012
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+import warnings
+from collections.abc import Callable, Iterable, Sequence
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -40,7 +42,8 @@ from dmlkit.distances import LpDistance
 from dmlkit.metrics.average_precision import closeness_tolerance
 from dmlkit.metrics.knn import _Scorer, exact_topk
 
-__all__ = ["EXTRA_NEIGHBOURS", "closeness_of", "pair_scorer", "settle_near_ties", "tie_gap"]
+__all__ = ["EXTRA_NEIGHBOURS", "Settled", "closeness_of", "pair_scorer", "settle_near_ties", "tie_gap",
+           "warn_tie_ruled"]
 
 #: Neighbours a caller asks for beyond the positions its metrics read: a reference the search
 #: did not return can then move a read position only through a run of this many linked
@@ -102,11 +105,14 @@ def pair_scorer(q: torch.Tensor, r: torch.Tensor, euclidean: bool) -> PairScorer
     return lambda rows, refs: _score64(q, r, rows, refs, euclidean)
 
 
-def _sort_runs(idx: torch.Tensor, linked: torch.Tensor, differ: torch.Tensor, score: PairScorer) -> torch.Tensor:
+def _sort_runs(idx: torch.Tensor, linked: torch.Tensor, differ: torch.Tensor, score: PairScorer,
+               relevant: PairScorer, read: torch.Tensor) -> torch.Tensor:
     """Sort, in place in the contiguous ``idx``, every run of neighbours (``linked[:, j]``: positions ``j`` and ``j + 1`` are in one)
     that mixes relevances (``differ[:, j]``: a link between a relevant and an irrelevant one;
     a run mixes them iff one of its links does) by (float64 closeness descending, index
-    ascending); ``score(rows, refs)`` re-scores pairs (rows local)."""
+    ascending); ``score(rows, refs)`` re-scores pairs (rows local). Returns, per row, whether
+    the tie rule decides what it reads (:func:`_tie_ruled`; ``relevant(rows, refs)``, ``read``
+    as in :func:`settle_near_ties`)."""
     n, k = idx.shape
     starts = torch.ones(n, k, dtype=torch.bool, device=idx.device)
     starts[:, 1:] = ~linked
@@ -117,8 +123,29 @@ def _sort_runs(idx: torch.Tensor, linked: torch.Tensor, differ: torch.Tensor, sc
     pos = mixed[run].nonzero().squeeze(1)
     rows, refs, runs = pos // k, idx.reshape(-1)[pos], run[pos]
     out = idx.reshape(-1)  # a run's positions are contiguous and in the order of run ids
-    out[pos] = _sorted_within_runs(runs, score(rows, refs), refs)
-    return idx
+    out[pos], s64 = _sorted_within_runs(runs, score(rows, refs), refs)
+    group = torch.ones_like(runs, dtype=torch.bool)  # a group of equal closeness starts here
+    group[1:] = (runs[1:] != runs[:-1]) | (s64[1:] != s64[:-1])
+    return _tie_ruled(rows, pos % k, group, relevant(rows, out[pos]), read, n)
+
+
+def _tie_ruled(rows: torch.Tensor, position: torch.Tensor, group: torch.Tensor,
+               relevant: torch.Tensor, read: torch.Tensor, n: int) -> torch.Tensor:
+    """Per row (of ``n``), whether a group of neighbours with exactly equal float64 closeness
+    holds relevant and irrelevant ones and starts at a position the metrics read (``position
+    < read[row]``): their order then comes from the tie rule (the smaller reference index
+    first), and another order of the same embeddings would read differently. Entries are in
+    row-major order, ``group`` marks each group's first one (a group never spans two rows)."""
+    gid = torch.cumsum(group.to(torch.int64), 0) - 1
+    n_groups = int(gid[-1]) + 1 if gid.numel() else 0
+    rel = relevant.to(torch.int64)
+    high = torch.zeros(n_groups, dtype=torch.int64, device=rows.device).scatter_reduce_(0, gid, rel, "amax")
+    low = torch.ones(n_groups, dtype=torch.int64, device=rows.device).scatter_reduce_(0, gid, rel, "amin")
+    first_row = rows[group]
+    ruled = (high != low) & (position[group] < read[first_row])
+    out = torch.zeros(n, dtype=torch.bool, device=rows.device)
+    out[first_row[ruled]] = True
+    return out
 
 
 #: Runs up to this long are sorted by odd-even transposition (one vectorised pass per position);
@@ -126,14 +153,14 @@ def _sort_runs(idx: torch.Tensor, linked: torch.Tensor, differ: torch.Tensor, sc
 _TRANSPOSITION_MAX = 32
 
 
-def _sorted_within_runs(runs: torch.Tensor, s64: torch.Tensor, refs: torch.Tensor) -> torch.Tensor:
-    """``refs`` reordered within each run (``runs``: non-decreasing ids) by float64 closeness
-    ``s64`` descending, then reference ascending. Runs are mostly two or three long: odd-even
+def _sorted_within_runs(runs: torch.Tensor, s64: torch.Tensor, refs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(refs, s64)`` reordered within each run (``runs``: non-decreasing ids) by float64
+    closeness ``s64`` descending, then reference ascending. Runs are mostly two or three long: odd-even
     transposition, which sorts a run of length ``L`` in ``L`` passes, takes 5-10 % of the time
     of three stable sorts of all positions (1.6 million positions at 50k x 500 neighbours);
     beyond :data:`_TRANSPOSITION_MAX` the sorts."""
     if runs.numel() < 2:
-        return refs
+        return refs, s64
     same = runs[1:] == runs[:-1]
     # the longest run: the longest stretch of consecutive "same" links, plus one
     breaks = torch.cat([torch.tensor([-1], device=runs.device), (~same).nonzero().squeeze(1),
@@ -143,7 +170,7 @@ def _sorted_within_runs(runs: torch.Tensor, s64: torch.Tensor, refs: torch.Tenso
         order = torch.argsort(refs, stable=True)
         order = order[torch.argsort(-s64[order], stable=True)]
         order = order[torch.argsort(runs[order], stable=True)]
-        return refs[order]
+        return refs[order], s64[order]
     s, r = s64.clone(), refs.clone()
     starts = [same[0::2].nonzero().squeeze(1) * 2, same[1::2].nonzero().squeeze(1) * 2 + 1]
     for it in range(longest):
@@ -154,14 +181,15 @@ def _sorted_within_runs(runs: torch.Tensor, s64: torch.Tensor, refs: torch.Tenso
         if j.numel():
             s[j], s[j + 1] = s[j + 1], s[j].clone()
             r[j], r[j + 1] = r[j + 1], r[j].clone()
-    return r
+    return r, s
 
 
 def _exact_rows(
     q_rows: torch.Tensor, floor: torch.Tensor, k: int, gap: float, scorer: _Scorer,
     ref_blocks: RefBlocks, self_index: torch.Tensor | None, budget: int,
-) -> torch.Tensor:
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The exact top ``k`` (float64 closeness, ties by index) of prepared query rows ``q_rows``
+    and their float64 closeness
     whose ``k``-th float32 closeness was ``floor``: every reference within ``gap`` below it is a
     candidate (the true top ``k`` all are: each has a float32 closeness of at least the true
     ``k``-th value minus ``tol``, itself at least ``floor - tol``), re-scored in float64.
@@ -181,6 +209,7 @@ def _exact_rows(
     q_sq = scorer.sq_norms(q_rows)
     chunk = max(1, min(n, 1024, budget // max(1, 64 * k)))
     out = torch.empty(n, k, dtype=torch.int64, device=dev)
+    out_v = torch.empty(n, k, dtype=torch.float64, device=dev)
     for a0 in range(0, n, chunk):
         a1 = min(n, a0 + chunk)
         cols = max(1, budget // (32 * (a1 - a0)))
@@ -208,8 +237,18 @@ def _exact_rows(
         if best_v.shape[1] < k or bool((best_v[:, -1] == -np.inf).any()):
             # cannot happen with the bound above; never return a short row
             raise RuntimeError("near-tie search found fewer candidates than neighbours: please report")
-        out[a0:a1] = best_i
-    return out
+        out[a0:a1], out_v[a0:a1] = best_i, best_v
+    return out, out_v
+
+
+class Settled(NamedTuple):
+    """:func:`settle_near_ties`'s result."""
+
+    #: the neighbours, in the exact float64 order at every position the metrics read
+    indices: torch.Tensor
+    #: per query, whether the tie rule decides what its metrics read: relevant and irrelevant
+    #: references of exactly equal float64 closeness there (:func:`warn_tie_ruled`)
+    tie_ruled: torch.Tensor
 
 
 def settle_near_ties(
@@ -217,7 +256,7 @@ def settle_near_ties(
     query_labels: torch.Tensor, reference_labels: torch.Tensor, *, r_norm: float,
     score: PairScorer, ref_blocks: RefBlocks, complete: bool, budget: int,
     query_index: torch.Tensor | None = None, read: torch.Tensor | None = None,
-) -> torch.Tensor:
+) -> Settled:
     """``idx`` (the kNN's ``(N, k)`` neighbours, ``values`` in the distance's units) put in the
     exact float64 order at every position the metrics read (see the module), in place. ``q``: the *prepared* float32
     query rows the kNN searched; ``r_norm``: the largest norm of the prepared references;
@@ -226,18 +265,27 @@ def settle_near_ties(
     ``read``: per row, how many leading positions the metrics read (default ``k - 1``): a row
     is searched again only if the run reaching its last neighbour starts before that, so asking
     for a few neighbours more than the metrics read (:data:`EXTRA_NEIGHBOURS`) makes that rare.
-    Cosine, dot and Euclidean only; others are returned as they are."""
-    if scorer.kind == "generic" or idx.numel() == 0:
-        return idx
-    n, k = idx.shape
-    if k < 2:
-        return idx
+
+    Also flags the rows whose read positions the tie rule decides: a group of exactly equal
+    float64 closeness with relevant and irrelevant references that starts before ``read``
+    (two such references differ by at most ``2 tol`` in float32, so they are in one run, and
+    a mixed run is re-scored anyway: no extra work). On a row searched again, a group of equal
+    ones that starts before ``read`` and reaches the last neighbour may go on among the
+    references not returned, and is flagged too. Cosine, dot and Euclidean only; others are
+    returned as they are, unflagged."""
+    n = idx.shape[0]
+    k = idx.shape[1] if idx.dim() == 2 else 0
+    none = torch.zeros(n, dtype=torch.bool, device=idx.device)
+    if scorer.kind == "generic" or idx.numel() == 0 or k < 2:
+        return Settled(idx, none)
     dev = idx.device
     q_norm = float(q.norm(dim=1).max()) if q.numel() else 0.0
     gap = tie_gap(scorer, q.shape[1], q_norm, r_norm, closeness_of(values.abs().max(), scorer))
     ql, rl = query_labels.to(dev), reference_labels.to(dev)
+    read = torch.full((n,), k - 1, dtype=torch.int64, device=dev) if read is None else read.to(dev)
     redo: list[torch.Tensor] = []
     last = torch.empty(n, dtype=torch.float64, device=dev)
+    tie_ruled = none.clone()
     for a0 in range(0, n, _ROW_BLOCK):
         a1 = min(n, a0 + _ROW_BLOCK)
         blk_idx, blk_c = idx[a0:a1], closeness_of(values[a0:a1], scorer)
@@ -247,20 +295,58 @@ def settle_near_ties(
         differ = linked & (relevant[:, :-1] != relevant[:, 1:])
         mixed = differ.any(1).nonzero().squeeze(1)  # the rows with a run to sort
         if mixed.numel():
-            settled = _sort_runs(blk_idx[mixed], linked[mixed], differ[mixed],
-                                 lambda rows, refs, m=mixed + a0: score(m[rows], refs))
-            idx[a0 + mixed] = settled
+            rows = mixed + a0
+            settled = blk_idx[mixed]
+            ruled = _sort_runs(settled, linked[mixed], differ[mixed],
+                               lambda r_, refs, m=rows: score(m[r_], refs),
+                               lambda r_, refs, m=rows: rl[refs] == ql[m[r_]], read[rows])
+            idx[rows] = settled
+            tie_ruled[rows] = ruled
         if not complete:
             # the run reaching the last neighbour starts after the last unlinked gap
             unlinked = (~linked).flip(1)
             trailing = torch.where(unlinked.any(1), unlinked.to(torch.uint8).argmax(1),
                                    torch.full((a1 - a0,), k - 1, device=dev))
             start = (k - 1) - trailing
-            limit = torch.full_like(start, k - 1) if read is None else read[a0:a1].to(dev)
-            redo.append((start < limit).nonzero().squeeze(1) + a0)
+            redo.append((start < read[a0:a1]).nonzero().squeeze(1) + a0)
     rows = torch.cat(redo) if redo else torch.empty(0, dtype=torch.int64, device=dev)
     if rows.numel():
-        exact = _exact_rows(q[rows], last[rows], k, gap, scorer, ref_blocks,
-                            None if query_index is None else query_index[rows], budget)
+        exact, exact_v = _exact_rows(q[rows], last[rows], k, gap, scorer, ref_blocks,
+                                     None if query_index is None else query_index[rows], budget)
         idx[rows] = exact
-    return idx
+        tie_ruled[rows] = _redone_tie_ruled(exact, exact_v, rl[exact] == ql[rows, None], read[rows])
+    return Settled(idx, tie_ruled)
+
+
+def _redone_tie_ruled(idx: torch.Tensor, v64: torch.Tensor, relevant: torch.Tensor,
+                      read: torch.Tensor) -> torch.Tensor:
+    """:func:`_tie_ruled` of rows searched again (their exact neighbours ``idx``, float64
+    closeness ``v64``): a group of equal closeness that reaches the last neighbour counts as
+    mixed, since it may go on among the references not returned."""
+    n, k = idx.shape
+    group = torch.ones(n, k, dtype=torch.bool, device=idx.device)
+    group[:, 1:] = v64[:, 1:] != v64[:, :-1]
+    # the last group of each row: from its last start to the end; made mixed by marking it
+    # both relevant and irrelevant (its first entry one way, the rest the other)
+    last_start = (k - 1) - group.flip(1).to(torch.uint8).argmax(1)
+    positions = torch.arange(k, device=idx.device).expand(n, k)
+    in_last = positions >= last_start[:, None]
+    rel = torch.where(in_last, positions != last_start[:, None], relevant)
+    rows = torch.arange(n, device=idx.device)[:, None].expand(n, k)
+    return _tie_ruled(rows.reshape(-1), positions.reshape(-1), group.reshape(-1), rel.reshape(-1), read, n)
+
+
+def warn_tie_ruled(tie_ruled: torch.Tensor, valid: torch.Tensor, names: Sequence[str]) -> None:
+    """One warning where the tie rule decides what the metrics ``names`` read for some of the
+    ``valid`` queries (those with a positive; ``tie_ruled`` from :func:`settle_near_ties`): the
+    numbers are the ones dmlkit's rule gives (the smaller reference index first), but the
+    same embeddings in another order would score differently."""
+    valid = valid.cpu()
+    ruled, total = int((tie_ruled.cpu() & valid).sum()), int(valid.sum())
+    if ruled:
+        warnings.warn(
+            f"{', '.join(names)}: for {ruled} of {total} queries, a reference of their class and "
+            "one of another class are exactly as close where these metrics read them; dmlkit ranks "
+            "such ties by reference index, so those queries' metrics depend on the order of the "
+            "data, not on the embeddings (collapsed, quantised or duplicated embeddings?)",
+            stacklevel=3)

@@ -163,7 +163,7 @@ def full_ranking_ap(
     ``scatter_add``). Returns float64 on the rows' device. See :func:`full_ranking_ap_block`.
     """
     r_max = int(r.max()) if r.numel() else 0
-    ap, repeated = full_ranking_ap_block(closeness_rows, query_labels, reference_labels, r, r_max)
+    ap, repeated, _ = full_ranking_ap_block(closeness_rows, query_labels, reference_labels, r, r_max)
     # equal positives in a row: settle references tied with several exactly (redoing the block
     # only then: with tie runs every block costs 35-48 % more on a CPU, 200 x 50k rows)
     if bool(repeated):
@@ -184,8 +184,10 @@ def full_ranking_ap_block(
     r: torch.Tensor,
     r_max: int,
     tie_runs: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`full_ranking_ap` of one block without a host synchronisation: ``(ap, repeated)``.
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`full_ranking_ap` of one block without a host synchronisation: ``(ap, repeated,
+    tied)``, ``tied`` per row: a finite negative ties a positive exactly (the tie rule, not the
+    embeddings, orders them: :func:`dmlkit.metrics.near_ties.warn_tie_ruled`).
 
     ``r`` is each row's count of finite positives (``R_q``; the query itself, if excluded, at
     ``-inf``) and ``r_max >= r.max()``. A reference tied in float64 with a positive is settled
@@ -204,12 +206,12 @@ def full_ranking_ap_block(
     dev = s.device
     width = min(r_max, m)
     if width == 0 or b == 0:
-        return torch.zeros(b, dtype=torch.float64, device=dev), torch.zeros((), dtype=torch.bool, device=dev)
+        return (torch.zeros(b, dtype=torch.float64, device=dev), torch.zeros((), dtype=torch.bool, device=dev),
+                torch.zeros(b, dtype=torch.bool, device=dev))
     same_label = reference_labels[None, :] == query_labels[:, None]
     # each row's positives, ascending closeness, equal closeness by ascending column; padded
     # at the front with -inf (fewer than r_max finite positives)
     val, col = torch.where(same_label, s, -math.inf).topk(width, dim=1)
-    del same_label
     col, order = col.sort(dim=1)
     val, order = val.gather(1, order).sort(dim=1, stable=True)
     col = col.gather(1, order)
@@ -224,6 +226,9 @@ def full_ranking_ap_block(
     # -inf: that only lowers at(j) <= r_max - r)
     tied = val_before.gather(1, at) == s
     first = tied & (col_before.gather(1, at) < ref)
+    # a positive ties itself; -inf (the query itself, the padding) is no reference's closeness
+    tie_ruled = (tied & ~same_label & torch.isfinite(s)).any(1)
+    del same_label
     if tie_runs:  # further down each run of equal positives
         tied &= torch.isfinite(s)  # not along the padding
         step, further = at.clone(), torch.zeros_like(at)
@@ -245,4 +250,4 @@ def full_ranking_ap_block(
     ranks = placed[:, : width + 1].flip(1).cumsum(1)[:, :width].to(torch.float64)
     p = torch.arange(1, width + 1, dtype=torch.float64, device=dev)
     prec = torch.where(p[None, :] <= r[:, None], p / ranks, 0.0)
-    return prec.sum(1) / r.clamp_min(1).to(torch.float64), repeated
+    return prec.sum(1) / r.clamp_min(1).to(torch.float64), repeated, tie_ruled

@@ -68,7 +68,13 @@ from dmlkit.metrics.knn import (
     exact_topk,
     knn,
 )
-from dmlkit.metrics.near_ties import EXTRA_NEIGHBOURS, pair_scorer, settle_near_ties
+from dmlkit.metrics.near_ties import (
+    EXTRA_NEIGHBOURS,
+    Settled,
+    pair_scorer,
+    settle_near_ties,
+    warn_tie_ruled,
+)
 from dmlkit.metrics.retrieval import (
     cutoff,
     num_positives,
@@ -181,12 +187,12 @@ def _resolve_block(
     q_blk: torch.Tensor, ql_blk: torch.Tensor, idx: torch.Tensor, values: torch.Tensor,
     reference: Any, rl: torch.Tensor, scorer: _Scorer, r_blocks: list[tuple[int, int]], r_norm: float,
     available: int, first: int | None, budget: int, read: torch.Tensor,
-) -> torch.Tensor:
+) -> Settled:
     """:func:`dmlkit.metrics.near_ties.settle_near_ties` for a block of queries: the references
     its runs re-score are read by index, and the rows it searches again at the boundary read
     the reference blocks once more (``first``: the block's first query index on a self-search)."""
     if scorer.kind == "generic":
-        return idx
+        return Settled(idx, torch.zeros(idx.shape[0], dtype=torch.bool))
     q = scorer.prepare(q_blk, "query embeddings")
     euclidean = scorer.kind == "l2"
 
@@ -298,7 +304,8 @@ def _stream(
     r_q = num_positives(ql, rl, exclude_self=same)[qs:qe]
     if not bool((r_q > 0).any()):  # no query with a positive (one row; only singletons): every
         # score is NaN, as evaluate() reports, without a search (one row could not even run one)
-        return {n: torch.full((qe - qs,), math.nan, dtype=torch.float64) for n in names}, r_q, names
+        nan = {n: torch.full((qe - qs,), math.nan, dtype=torch.float64) for n in names}
+        return nan, r_q, names, torch.zeros(qe - qs, dtype=torch.bool)
     available = m - int(same)
     if available < 1:
         raise DataError("the reference set has no row other than the query itself: add references")
@@ -327,6 +334,7 @@ def _stream(
         q_blocks = [(a0, min(qe, a0 + q_rows)) for a0 in range(qs, qe, q_rows)]
         r_blocks = [(b0, min(m, b0 + r_rows)) for b0 in range(0, m, r_rows)]
     scores = {n: torch.empty(qe - qs, dtype=torch.float64) for n in names}
+    tie_ruled = torch.zeros(qe - qs, dtype=torch.bool)
     iterator: Any = q_blocks
     if progress:
         from tqdm.auto import tqdm
@@ -379,13 +387,13 @@ def _stream(
                 del cat_c, cat_i
         assert run_c is not None and run_i is not None  # available >= 1 guarantees a block
         ql_blk = ql[a0:a1]
-        neighbours = _resolve_block(q_blk, ql_blk, run_i, run_c if higher else -run_c, ref, rl, scorer,
-                                    r_blocks, r_norm, available, a0 if same else None, plan.knn_budget,
-                                    read[a0 - qs:a1 - qs])
+        neighbours, tie_ruled[a0 - qs:a1 - qs] = _resolve_block(
+            q_blk, ql_blk, run_i, run_c if higher else -run_c, ref, rl, scorer, r_blocks, r_norm,
+            available, a0 if same else None, plan.knn_budget, read[a0 - qs:a1 - qs])
         block_scores = per_query_from_neighbours(neighbours, rl, ql_blk, r_q[a0 - qs:a1 - qs], names)
         for n in names:
             scores[n][a0 - qs:a1 - qs] = block_scores[n]
-    return scores, r_q, names
+    return scores, r_q, names, tie_ruled
 
 
 def evaluate_streaming(
@@ -444,9 +452,9 @@ def evaluate_streaming(
         if query_range is not None:
             raise ConfigError("across_ranks chooses each rank's query_range: pass one or the other")
         return _across_ranks(query, query_labels, reference, reference_labels, metrics, progress, kwargs)
-    scores, r_q, names = _stream(query, query_labels, reference, reference_labels, metrics,
-                                 progress=progress, query_range=query_range, **kwargs)
-    return _means(scores, r_q, names, _candidates(query, reference))
+    scores, r_q, names, tie_ruled = _stream(query, query_labels, reference, reference_labels, metrics,
+                                            progress=progress, query_range=query_range, **kwargs)
+    return _means(scores, r_q, names, _candidates(query, reference), tie_ruled)
 
 
 def _across_ranks(query: Any, query_labels: Any, reference: Any, reference_labels: Any, metrics: Any,
@@ -457,16 +465,17 @@ def _across_ranks(query: Any, query_labels: Any, reference: Any, reference_label
     def share() -> tuple[torch.Tensor, torch.Tensor]:
         start, stop = shard_bounds(_shape(query, "query embeddings")[0])
         if start == stop:  # fewer queries than ranks: this rank has none
-            return torch.empty(0, len(names), dtype=torch.float64), torch.empty(0, dtype=torch.int64)
-        scores, r_q, _ = _stream(query, query_labels, reference, reference_labels, names,
-                                 progress=progress and context().is_main, query_range=(start, stop),
-                                 **kwargs)
-        return torch.stack([scores[n] for n in names], 1), r_q.to(torch.int64)
+            return torch.empty(0, len(names) + 1, dtype=torch.float64), torch.empty(0, dtype=torch.int64)
+        scores, r_q, _, tie_ruled = _stream(query, query_labels, reference, reference_labels, names,
+                                            progress=progress and context().is_main,
+                                            query_range=(start, stop), **kwargs)
+        # the last column: whether the tie rule decides what the query's metrics read
+        return torch.stack([*(scores[n] for n in names), tie_ruled.double()], 1), r_q.to(torch.int64)
 
     local, local_r = agree(share)
     gathered = all_gather_unequal(local)
     return _means({n: gathered[:, i] for i, n in enumerate(names)}, all_gather_unequal(local_r), names,
-                  _candidates(query, reference))
+                  _candidates(query, reference), gathered[:, -1] > 0)
 
 
 def _candidates(query: Any, reference: Any) -> int:
@@ -475,12 +484,14 @@ def _candidates(query: Any, reference: Any) -> int:
 
 
 def _means(scores: dict[str, torch.Tensor], r_q: torch.Tensor, names: list[str],
-           candidates: int) -> dict[str, float | int]:
+           candidates: int, tie_ruled: torch.Tensor) -> dict[str, float | int]:
     """Each metric's mean over the queries with a positive (``R_q > 0``), and the counts; NaN
-    where it is the same for any embeddings (:func:`warn_embedding_independent`)."""
+    where it is the same for any embeddings (:func:`warn_embedding_independent`); a warning
+    where the tie rule decides what some queries' metrics read (:func:`warn_tie_ruled`)."""
     valid = r_q > 0
     n_valid = int(valid.sum())
     fixed = warn_embedding_independent(r_q, candidates, names)
+    warn_tie_ruled(tie_ruled, valid, [n for n in names if n not in fixed])
     result: dict[str, float | int] = {
         n: float(scores[n][valid].mean()) if n_valid and n not in fixed else math.nan for n in names
     }
@@ -499,7 +510,7 @@ def per_query_streaming(
 ) -> tuple[dict[str, np.ndarray], np.ndarray]:
     """Per-query float64 scores (NaN where ``R_q = 0``) and ``R_q``, as
     :func:`dmlkit.metrics.per_query` returns them; keyword arguments of :func:`evaluate_streaming`."""
-    scores, r_q, _ = _stream(query, query_labels, reference, reference_labels, metrics,
+    scores, r_q, names, tie_ruled = _stream(query, query_labels, reference, reference_labels, metrics,
                              distance=kwargs.pop("distance", "cosine"),
                              k_values=kwargs.pop("k_values", (1, 2, 4, 8)),
                              backend=kwargs.pop("backend", "auto"),
@@ -510,6 +521,7 @@ def per_query_streaming(
     if kwargs:
         raise ConfigError(f"unknown arguments: {sorted(kwargs)}")
     valid = r_q > 0
+    warn_tie_ruled(tie_ruled, valid, names)
     out = {}
     for name, v in scores.items():
         v = v.clone()
