@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import numpy as np
 import pytest
 import torch
@@ -105,3 +107,23 @@ def test_bad_input() -> None:
         roc_auc(np.zeros(3), np.array([0, 1]))
     with pytest.raises(ConfigError):
         fpr_at_tpr(np.arange(2.0), np.array([0, 1]), 0.0)
+
+
+@pytest.mark.parametrize(("positives", "warned"), [(5, True), (19, True), (20, False), (200, False)])
+def test_fpr95_says_when_too_few_positives_make_it_the_fpr_at_full_recall(positives, warned):
+    """Below 20 matching pairs, 95 % of them is all of them (ceil(0.95 p) = p): the value is the
+    FPR at TPR 100 %, set by the weakest match alone. It is still returned (the definition
+    holds), with one warning that names the resolution and the count that resolves it."""
+    rng = np.random.default_rng(positives)
+    y = np.r_[np.ones(positives, bool), np.zeros(300, bool)]
+    s = rng.standard_normal(y.size) + 2.0 * y
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        value = fpr95(s, y)
+        at_full_recall = fpr_at_tpr(s, y, 1.0)
+    messages = [str(w.message) for w in record]
+    if warned:
+        assert len(messages) == 1 and "TPR 100 %" in messages[0] and "at least 20 matching" in messages[0]
+        assert value == at_full_recall
+    else:
+        assert messages == [] and value <= at_full_recall

@@ -13,6 +13,8 @@ true-positive rate (recall) is at least 95 %.
 
 from __future__ import annotations
 
+import math
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -130,6 +132,10 @@ def fpr_at_tpr(scores: Any, labels: Any, tpr: float = 0.95, *, higher_is_positiv
 
     Note: seed 003 writes the denominator as ``TN + FN``; this is the standard definition
     ``FP + TN`` (number of negatives), as used by Brown et al. and Zagoruyko & Komodakis.
+
+    With fewer than ``1 / (1 - tpr)`` positives (20 for FPR95) no positive may be rejected at
+    the target, so the value is the FPR at TPR 100 %, set by the lowest-scoring positive alone:
+    a warning says so.
     """
     if not 0.0 < float(tpr) <= 1.0:
         raise ConfigError(f"tpr must be in (0, 1], got {tpr}")
@@ -138,6 +144,11 @@ def fpr_at_tpr(scores: Any, labels: Any, tpr: float = 0.95, *, higher_is_positiv
     # at least one positive: the slack that absorbs tpr * p's rounding must not round a tiny
     # positive rate down to zero (tpr = 1e-12 read the origin, FPR 0, where no pair is accepted)
     need = max(1, int(np.ceil(float(tpr) * p - 1e-9 * p)))
+    if need >= p and float(tpr) < 1.0:
+        warnings.warn(f"FPR at TPR {100 * float(tpr):g} %: {p} matching pairs resolve true positive "
+                      f"rates in steps of {100 / p:.2g} %, so it is the FPR with every matching pair "
+                      "accepted (TPR 100 %), set by the lowest-scoring one; score at least "
+                      f"{math.ceil(1 / (1 - float(tpr)) - 1e-9)} matching pairs", stacklevel=2)
     k = int(np.searchsorted(curve.tp, need, side="left"))
     return float(curve.fp[k] / curve.num_negative)
 
