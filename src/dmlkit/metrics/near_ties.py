@@ -23,6 +23,12 @@ every other metric path uses:
 Every position the metrics read is then exact, on every backend and device (the kNN's own
 ties, bfloat16 tiles and BLAS or faiss summation order included).
 
+Exact ties keep the rule (the smaller reference index first); where one holds a relevant and
+an irrelevant reference at a read position, the query's metrics come from the order of the
+rows, not from the embeddings. Such pairs are always in one run (their float32 values differ
+by at most ``2 tol``), so the re-scoring above finds them for free; the rows are flagged
+(:class:`Settled`) and counted in one warning (:func:`warn_tie_ruled`).
+
 The earlier rule (a fixed 8 ulps and four odd-even passes) was neither: 40 references whose
 closeness to the query differs by 1e-12 (all 1.0 in float32) came out in index order, and
 P@1 / MAP@R differed from the float64 ranking by up to 0.04 / 0.012
@@ -189,8 +195,7 @@ def _exact_rows(
     ref_blocks: RefBlocks, self_index: torch.Tensor | None, budget: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The exact top ``k`` (float64 closeness, ties by index) of prepared query rows ``q_rows``
-    and their float64 closeness
-    whose ``k``-th float32 closeness was ``floor``: every reference within ``gap`` below it is a
+    whose ``k``-th float32 closeness was ``floor``, with that closeness: every reference within ``gap`` below it is a
     candidate (the true top ``k`` all are: each has a float32 closeness of at least the true
     ``k``-th value minus ``tol``, itself at least ``floor - tol``), re-scored in float64.
     ``ref_blocks()`` yields ``(first index, prepared rows)``; ``self_index`` (a self-search) is
