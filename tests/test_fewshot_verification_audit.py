@@ -167,3 +167,22 @@ def test_asking_for_more_pairs_than_the_labels_hold_warns():
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # enough pairs: no warning
         make_pairs(labels, num_pairs=8, seed=0)
+
+
+def test_scarce_different_class_pairs_cap_the_pairs_as_scarce_same_class_ones_do():
+    """A class of 100 and a class of 1: 4,950 same-class pairs but 100 different-class ones.
+    6,000 pairs asked: 200 made (100 of each), with a warning naming the scarce kind; it was a
+    ConfigError while scarce same-class pairs only warned. One class is refused before any
+    warning about pair counts (it said "using 90 (45 same, 45 different)", then failed)."""
+    from dmlkit.exceptions import DataError
+
+    labels = np.r_[np.zeros(100, int), 1]
+    with pytest.warns(UserWarning, match=r"give only 100 different-class pairs: using 200 \(100 same"):
+        i, j, same = make_pairs(labels, num_pairs=6000, seed=0)
+    assert same.sum() == 100 and (~same).sum() == 100
+    assert (labels[i] == labels[j]).tolist() == same.tolist()
+    assert len({(min(a, b), max(a, b)) for a, b in zip(i.tolist(), j.tolist())}) == 200
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with pytest.raises(DataError, match="share one class"):
+            make_pairs(np.zeros(10, int), num_pairs=6000, seed=0)

@@ -63,11 +63,13 @@ DEFAULT_FAR_TARGETS = (1e-3, 1e-2, 1e-1)
 def make_pairs(labels: Any, num_pairs: int = 6000, seed: int = 0) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Balanced pairs ``(i, j, same)``: ``num_pairs // 2`` positive and as many negative pairs.
 
-    Positives are drawn uniformly without replacement among all same-class pairs ``i < j``
-    (all of them when there are fewer, with a warning); negatives uniformly without replacement among the
-    distinct unordered different-class pairs ``i < j`` (:func:`_negative_pairs`), as many as
-    positives: no pair is scored twice, in either order. Asking for more negatives than the
-    labels have raises :class:`~dmlkit.exceptions.ConfigError`. Labels are validated by
+    Positives are drawn uniformly without replacement among all same-class pairs ``i < j``;
+    negatives uniformly without replacement among the distinct unordered different-class pairs
+    ``i < j`` (:func:`_negative_pairs`), as many as positives: no pair is scored twice, in
+    either order. Where the labels hold fewer same-class or fewer different-class pairs than
+    ``num_pairs // 2``, all of the scarcer kind are used, as many of the other, with a warning
+    (a class of 100 and a class of 1 give 100 different-class pairs: 200 pairs, not an error).
+    One class is refused first (no negative pair). Labels are validated by
     :func:`dmlkit.validation.check_labels` (integer ids or class-name strings; NaN or fractional
     labels are refused: a NaN label never equals another, so its rows made only "different"
     pairs, even with each other), and ``seed`` by :func:`dmlkit.validation.check_seed`
@@ -88,15 +90,17 @@ def make_pairs(labels: Any, num_pairs: int = 6000, seed: int = 0) -> tuple[np.nd
             pos_j.append(members[b])
     if not pos_i:
         raise DataError("no class has two samples: verification needs positive pairs")
+    if len(np.unique(y)) < 2:
+        raise DataError("all samples share one class: verification needs negative pairs")
     pi, pj = np.concatenate(pos_i), np.concatenate(pos_j)
-    n_pos = min(num_pairs // 2, len(pi))
+    n_neg = _negative_pair_count(y)
+    n_pos = min(num_pairs // 2, len(pi), n_neg)
     if n_pos < num_pairs // 2:  # asked for more than the labels hold: say so, never silently fewer
-        warnings.warn(f"{num_pairs} pairs asked for, but the labels give only {len(pi)} same-class pairs: "
+        scarce = f"{len(pi)} same-class" if len(pi) <= n_neg else f"{n_neg} different-class"
+        warnings.warn(f"{num_pairs} pairs asked for, but the labels give only {scarce} pairs: "
                       f"using {2 * n_pos} ({n_pos} same, {n_pos} different)", stacklevel=2)
     pick = rng.choice(len(pi), size=n_pos, replace=False)
     pi, pj = pi[pick], pj[pick]
-    if len(np.unique(y)) < 2:
-        raise DataError("all samples share one class: verification needs negative pairs")
     ni_a, nj_a = _negative_pairs(y, n_pos, rng)
     i = np.concatenate([pi, ni_a])
     j = np.concatenate([pj, nj_a])
@@ -109,13 +113,20 @@ def make_pairs(labels: Any, num_pairs: int = 6000, seed: int = 0) -> tuple[np.nd
 _ENUMERATE_PAIRS = 2_000_000
 
 
+def _negative_pair_count(y: np.ndarray) -> int:
+    """The distinct unordered different-class pairs of labels ``y``: all pairs less each
+    class's own, ``(N (N - 1) - sum_c n_c (n_c - 1)) / 2``."""
+    n = len(y)
+    _, counts = np.unique(y, return_counts=True)
+    return (n * (n - 1) - int((counts * (counts - 1)).sum())) // 2
+
+
 def _negative_pairs(y: np.ndarray, need: int, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
     """``need`` distinct unordered different-class pairs ``(i, j)``, ``i < j``, drawn uniformly
     without replacement: all of them listed and sampled when there are few (or ``need`` is
     most of them), else random draws keyed on ``(min, max)`` with repeats rejected."""
     n = len(y)
-    _, counts = np.unique(y, return_counts=True)
-    available = (n * (n - 1) - int((counts * (counts - 1)).sum())) // 2
+    available = _negative_pair_count(y)
     if need > available:
         raise ConfigError(
             f"{2 * need} pairs need {need} distinct negative (different-class) pairs but the labels "
