@@ -128,3 +128,27 @@ def test_k_within_the_negatives_gives_no_warning():
         warnings.simplefilter("error")
         result = evaluate(_random(15, seed=3), y, metrics=["recall_at_12", "precision_at_13"])
     assert not any(math.isnan(v) for v in result.values())
+
+
+@pytest.mark.parametrize(("labels", "missing"), [([0] * 12, "no negative pair"),
+                                                 (list(range(12)), "no positive pair")])
+def test_pos_neg_js_without_one_kind_of_pair_is_no_number(labels, missing):
+    """One class has no negative pair, twelve singletons no positive one: one histogram is
+    empty. pos_neg_js is NaN with one warning, as the other metrics that say nothing; it was a
+    DataError that lost every other metric of the call (here NMI, which still clusters)."""
+    x, y = _random(12, seed=4), torch.tensor(labels)
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        result = evaluate(x, y, metrics=["pos_neg_js", "ami"])
+    messages = [str(w.message) for w in record if str(w.message).startswith("pos_neg_js")]
+    assert len(messages) == 1 and missing in messages[0] and "NaN" in messages[0]
+    assert math.isnan(result["pos_neg_js"])
+    assert "ami" in result
+
+
+def test_pos_neg_js_with_both_kinds_of_pair_is_a_number():
+    y = torch.tensor([0] * 6 + [1] * 6)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        js = evaluate(_random(12, seed=5), y, metrics=["pos_neg_js"])["pos_neg_js"]
+    assert 0.0 <= js <= 1.0

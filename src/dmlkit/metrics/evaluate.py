@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import re
 import warnings
 from collections.abc import Sequence
@@ -340,15 +341,33 @@ def evaluate(
         result.update(cluster_metrics(emb, inp.ql.numpy(), clustering, restarts=cluster_restarts,
                                       seed=seed, spread=True))
     if "pos_neg_js" in names:
-        hist = pos_neg_histograms(
-            inp.q, inp.ql, None if inp.same else inp.r, None if inp.same else inp.rl,
-            distance=inp.distance, bins=bins, memory_budget=budget,
-        )
-        result["pos_neg_js"] = hist.js
+        result["pos_neg_js"] = _pos_neg_js(inp, bins, budget)
     result["num_queries"] = int(inp.q.shape[0])
     result["num_queries_without_positive"] = int(inp.q.shape[0] - n_valid)
     spreads = [f"{n}_std" for n in clustering]
     return {n: result[n] for n in [*names, "num_queries", "num_queries_without_positive", *spreads]}
+
+
+def _pos_neg_js(inp: _Inputs, bins: int, budget: int) -> float:
+    """:func:`dmlkit.metrics.histograms.pos_neg_histograms`' JS divergence; NaN with a warning
+    (as the other metrics that say nothing) where there is no positive or no negative pair, so
+    one of the two histograms is empty (it was an error that lost every other metric asked
+    for): a query's positives are its ``R_q`` references of its class, its negatives the rest
+    of its ``candidates``."""
+    missing = ("no positive pair (no query shares a class with a reference other than itself)"
+               if not bool((inp.r_q > 0).any()) else
+               "no negative pair (every reference shares its query's class: one class)"
+               if not bool((inp.candidates - inp.r_q > 0).any()) else None)
+    if missing:
+        warnings.warn(f"pos_neg_js: {missing}, so one of its two histograms is empty; reported "
+                      "as NaN (no number): evaluate at least two classes with two or more samples "
+                      "in one of them", stacklevel=3)
+        return math.nan
+    hist = pos_neg_histograms(
+        inp.q, inp.ql, None if inp.same else inp.r, None if inp.same else inp.rl,
+        distance=inp.distance, bins=bins, memory_budget=budget,
+    )
+    return hist.js
 
 
 @full_float32_matmuls
