@@ -169,3 +169,34 @@ def test_cosine_is_scale_invariant_and_raw_products_out_of_range_are_refused():
     assert got.mAP == expected.mAP
     with pytest.raises(NonFiniteError, match="too large"):
         evaluate_reid(q * 1e19, g * 1e19, qi, gi, qc, gc, metric="euclidean", rerank=True)
+
+
+def test_a_negative_scored_exactly_as_a_positive_is_counted_in_one_warning():
+    """Such a pair is ranked by gallery index (deterministic), so the query's CMC and AP come
+    from the gallery's order, not the features: the valid queries where it happens are counted
+    (brute force over integer scores, which tie often; float64 and float32 blocks alike)."""
+    import re
+    import warnings
+
+    rng = np.random.default_rng(0)
+    q_ids, g_ids = rng.integers(0, 5, 30), rng.integers(0, 5, 40)
+    scores = rng.integers(0, 1000, size=(30, 40)).astype(np.float64)
+    want = sum(bool(np.isin(scores[r, g_ids != q_ids[r]], scores[r, g_ids == q_ids[r]]).any())
+               for r in range(30) if (g_ids == q_ids[r]).any())
+    assert 0 < want < 30
+    for block in (scores, scores.astype(np.float32)):
+        with warnings.catch_warnings(record=True) as record:
+            warnings.simplefilter("always")
+            evaluate_reid_scores(block, q_ids, g_ids, higher_is_closer=True)
+        messages = [str(w.message) for w in record if "scores exactly as" in str(w.message)]
+        assert len(messages) == 1
+        assert int(re.search(r"for (\d+) of", messages[0]).group(1)) == want
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # distinct scores: no tie, no warning
+        evaluate_reid_scores(rng.permutation(1200).reshape(30, 40).astype(np.float64), q_ids, g_ids)
+
+
+def test_collapsed_features_flag_every_valid_query():
+    q, g = np.ones((6, 4), np.float32), np.ones((9, 4), np.float32)
+    with pytest.warns(UserWarning, match=r"for 6 of 6 valid queries"):
+        evaluate_reid(q, g, [0, 1, 2, 0, 1, 2], [0, 1, 2] * 3)

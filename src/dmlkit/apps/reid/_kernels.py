@@ -13,7 +13,7 @@ __all__ = ["jaccard_rows", "rank_rows"]
 
 @numba.njit(nogil=True, cache=True, boundscheck=False)
 def rank_rows(scores, row0, row1, sign, q_ids, q_cams, q_lo, q_hi, by_id, g_ids, g_cams, g_junk,
-              same_cam, trapezoid, first, ap, inp, npos):  # pragma: no cover - compiled
+              same_cam, trapezoid, first, ap, inp, npos, tied):  # pragma: no cover - compiled
     """Ranks of the positives of query rows ``row0 .. row1 - 1`` of a score block.
 
     ``sign * scores[r, j]`` (float32 or float64, compared in that precision) is the closeness
@@ -23,7 +23,8 @@ def rank_rows(scores, row0, row1, sign, q_ids, q_cams, q_lo, q_hi, by_id, g_ids,
     ranking. A positive's 0-based rank is the number of kept items ranked before it:
     positives are sorted by (closeness desc, index asc); every kept negative is
     binary-searched into that order (``O(G log P)`` per query, no sort of the row) and the
-    counts are prefix-summed.
+    counts are prefix-summed. ``tied[r]``: a kept negative scores exactly as a positive (the
+    two are then ordered by gallery index, not by the features).
     """
     n_gallery = scores.shape[1]
     for r in range(row0, row1):
@@ -41,6 +42,7 @@ def rank_rows(scores, row0, row1, sign, q_ids, q_cams, q_lo, q_hi, by_id, g_ids,
             pj[k] = j
             k += 1
         npos[r] = k
+        tied[r] = False
         if k == 0:
             first[r] = -1
             ap[r] = np.nan
@@ -69,6 +71,8 @@ def rank_rows(scores, row0, row1, sign, q_ids, q_cams, q_lo, q_hi, by_id, g_ids,
                 else:
                     hi = mid
             counts[lo] += 1
+            if (lo < k and ps[lo] == s) or (lo > 0 and ps[lo - 1] == s):
+                tied[r] = True
         ahead = 0
         total = 0.0
         rank = 0

@@ -11,7 +11,9 @@ ICCV 2015, the official Market-1501 evaluation code):
 
 Distractors (Market-1501's id ``0``) stay as negatives. The *positives* of ``q`` are the kept
 items with ``id == id(q)``. A query without any positive is skipped (it is not *valid*) and
-counted in ``num_skipped_queries``.
+counted in ``num_skipped_queries``. A negative that scores exactly as a positive is ranked by
+the index rule, not by the features: the valid queries where that happens are counted in one
+warning.
 
 With ``r_1 < r_2 < ... < r_P`` the 1-based ranks of the ``P`` positives in the filtered ranking:
 
@@ -35,6 +37,7 @@ the inner product; ``normalize=True`` L2-normalises the features first.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -184,13 +187,13 @@ def _rank_block(scores: np.ndarray, sign: float, q_ids: np.ndarray, q_cams: np.n
     by_id, sorted_ids, g_ids, g_cams, g_junk = gal
     q_lo = np.searchsorted(sorted_ids, q_ids, side="left")
     q_hi = np.searchsorted(sorted_ids, q_ids, side="right")
-    first, ap, inp, npos = out
+    first, ap, inp, npos, tied = out
     b = scores.shape[0]
     step = max(1, -(-b // max(1, threads * 4)))
 
     def run(r0: int) -> None:
         rank_rows(scores, r0, min(b, r0 + step), scores.dtype.type(sign), q_ids, q_cams, q_lo, q_hi,
-                  by_id, g_ids, g_cams, g_junk, same_cam, trapezoid, first, ap, inp, npos)
+                  by_id, g_ids, g_cams, g_junk, same_cam, trapezoid, first, ap, inp, npos, tied)
 
     run_threads(run, range(0, b, step), threads if b > step else 1)
 
@@ -239,6 +242,7 @@ def evaluate_reid_scores(
     ap = np.full(n_q, np.nan)
     inp = np.full(n_q, np.nan)
     npos = np.zeros(n_q, dtype=np.int64)
+    tied = np.zeros(n_q, dtype=np.bool_)
     threads = threads or max(1, torch.get_num_threads())
     blocks = [(0, scores)] if isinstance(scores, np.ndarray) or hasattr(scores, "detach") else scores
     covered = np.zeros(n_q, dtype=bool)  # which rows: duplicated blocks must not pass for coverage
@@ -261,12 +265,26 @@ def evaluate_reid_scores(
         if covered[sl].any():
             raise ShapeError(f"score blocks overlap: query row {row0 + int(np.argmax(covered[sl]))} is scored twice")
         covered[sl] = True
-        out = (first[sl], ap[sl], inp[sl], npos[sl])
+        out = (first[sl], ap[sl], inp[sl], npos[sl], tied[sl])
         _rank_block(np.ascontiguousarray(block), 1.0 if higher_is_closer else -1.0, q_ids[sl],
                     q_cams[sl], gal, same_cam, trapezoid, out, threads)
     if not covered.all():
         raise ShapeError(f"scores covered {int(covered.sum())} query rows, expected {n_q}")
+    _warn_tie_ruled(tied & (first >= 0), int((first >= 0).sum()))
     return ReidResult(first, ap, inp, npos, n_g, ap_mode)
+
+
+def _warn_tie_ruled(tied: np.ndarray, valid: int) -> None:
+    """One warning where, for some valid queries, a gallery item of another identity scores
+    exactly as one of the query's positives: the two are ranked by gallery index (the rule that
+    keeps results deterministic), so those queries' CMC and AP depend on the gallery's order,
+    not on the features."""
+    ruled = int(tied.sum())
+    if ruled:
+        warnings.warn(f"re-id: for {ruled} of {valid} valid queries, a gallery item of another identity "
+                      "scores exactly as one of their positives; such ties are ranked by gallery "
+                      "index, so those queries' CMC and mAP depend on the gallery's order, not on "
+                      "the features (collapsed, quantised or duplicated features?)", stacklevel=3)
 
 
 def evaluate_reid(
