@@ -213,3 +213,37 @@ def test_cli_fewshot_and_verify_argument_errors(tmp_path, capsys):
     assert code == 2 and "either EMBEDDINGS" in " ".join(text.split())
     code, text = _main(capsys, "verify", str(tmp_path / "e.npz"), "--pair-list", str(tmp_path / "none.txt"))
     assert code == 2 and "pair list not found" in " ".join(text.split())
+
+
+def test_few_shot_counts_the_answers_that_a_tie_with_the_true_class_decides():
+    """Classes 1 and 2 share one point, class 0 another: every query of 1 or 2 is exactly as
+    close to both prototypes, and the class that sorts first (1) is taken: accuracy 2/3 from
+    the labels' order. Those queries (2 of 3) are counted in one warning; class 0's queries,
+    untied, are not; nor are any with distinct embeddings."""
+    import re
+    import warnings
+
+    x = np.repeat(np.array([[1.0, 0.0], [0.0, 1.0], [0.0, 1.0]], np.float32), 6, axis=0)
+    y = np.repeat(np.arange(3), 6)
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        res = few_shot_accuracy(x, y, n_way=3, k_shot=1, n_query=5, episodes=4, seed=0)
+    messages = [str(w.message) for w in record if "exactly as close" in str(w.message)]
+    assert len(messages) == 1 and re.match(r"few-shot: 40 of 60 queries", messages[0])
+    assert res["accuracy"] == pytest.approx(2 / 3)
+    rng = np.random.default_rng(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        few_shot_accuracy(rng.standard_normal((18, 4)).astype(np.float32), y, n_way=3, k_shot=1,
+                          n_query=5, episodes=4, seed=0)
+
+
+def test_only_a_tie_that_holds_the_true_class_is_decided_by_class_order():
+    from dmlkit.apps.fewshot import _tie_ruled_answers
+
+    classes = np.array([3, 5, 7])
+    closeness = np.array([[-1.0, -1.0, -4.0],   # truth 3 tied with 5 for the best: counted
+                          [-1.0, -1.0, -4.0],   # truth 7 is not among the tied best: wrong anyway
+                          [-2.0, -1.0, -1.5],   # a unique best
+                          [-1.0, -1.0, -1.0]])  # all tied (collapsed): counted
+    assert _tie_ruled_answers(classes, closeness, np.array([3, 7, 5, 7])) == 2

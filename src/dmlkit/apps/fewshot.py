@@ -51,6 +51,16 @@ def prototype_predict(support: Any, support_labels: Any, query: Any, distance: s
     ``"cosine"`` compares directions. A query equally close (as computed, float32) to two
     prototypes takes the class that sorts first (ties by index, as in the kNN metrics).
     """
+    s = check_embeddings(support, "support embeddings").cpu()
+    codes, names = check_labels(support_labels, len(s), "support labels")
+    classes, closeness = _prototype_closeness(s, codes, query, distance)
+    pred = classes[closeness.argmax(1)]
+    return pred if names is None else np.asarray(names)[pred]
+
+
+def _prototype_closeness(support: Any, codes: np.ndarray, query: Any, distance: str) -> tuple[np.ndarray, np.ndarray]:
+    """``(classes, closeness)``: the support's classes (sorted) and each query's closeness to
+    their prototypes (larger = closer: minus a distance), ``(queries, classes)``."""
     import torch
 
     dist = _distance(distance)
@@ -58,16 +68,19 @@ def prototype_predict(support: Any, support_labels: Any, query: Any, distance: s
     q = check_embeddings(query, "query embeddings").cpu()
     if q.shape[1] != s.shape[1]:
         raise ShapeError(f"query embeddings have {q.shape[1]} dimensions but the support has {s.shape[1]}")
-    codes, names = check_labels(support_labels, len(s), "support labels")
-    if names is not None:  # class-name strings: predict names
-        pred = prototype_predict(s, codes, q, distance)
-        return np.asarray(names)[pred]
-    y = torch.as_tensor(codes)
     with torch.no_grad():
-        classes, centres, _ = class_means(dist.normalize(s), y)
+        classes, centres, _ = class_means(dist.normalize(s), torch.as_tensor(codes))
         d = distance_to_centres(dist, dist.normalize(q), centres)
-        best = d.argmax(1) if dist.higher_is_closer else d.argmin(1)
-    return classes[best].numpy()
+    return classes.numpy(), (d if dist.higher_is_closer else -d).numpy()
+
+
+def _tie_ruled_answers(classes: np.ndarray, closeness: np.ndarray, truth: np.ndarray) -> int:
+    """How many queries have their true class among two or more equally closest prototypes
+    (``closeness`` of :func:`_prototype_closeness`): class order, not the embeddings, decides
+    whether they are answered right. A tie among other classes only is a wrong answer either way."""
+    best = closeness.max(1, keepdims=True)
+    own = closeness[np.arange(len(truth)), np.searchsorted(classes, truth)]
+    return int(((own == best[:, 0]) & ((closeness == best).sum(1) > 1)).sum())
 
 
 def _distance(distance: str):
@@ -117,12 +130,19 @@ def few_shot_accuracy(embeddings: Any, labels: Any, n_way: int = 5, k_shot: int 
             f"few-shot: {total - used} of {total} classes have fewer than k_shot + n_query = "
             f"{k_shot + n_query} items and are in no episode; the accuracy describes the other {used} "
             "(lower k_shot / n_query, --shot / --queries, to include them)", UserWarning, stacklevel=2)
-    accs = []
+    accs, tie_ruled = [], 0
     for episode in sampler:
         idx = np.asarray(episode)
         s_idx, q_idx = split_episode(idx, n_way, k_shot, n_query)
-        pred = prototype_predict(x[s_idx], y[s_idx], x[q_idx], distance)
-        accs.append(float((pred == y[q_idx]).mean()))
+        classes, closeness = _prototype_closeness(x[s_idx], y[s_idx], x[q_idx], distance)
+        accs.append(float((classes[closeness.argmax(1)] == y[q_idx]).mean()))
+        tie_ruled += _tie_ruled_answers(classes, closeness, y[q_idx])
+    if tie_ruled:
+        warnings.warn(
+            f"few-shot: {tie_ruled} of {len(accs) * n_way * n_query} queries are exactly as close to "
+            "another class's prototype as to their own nearest one; the class that sorts first is "
+            "taken, so those answers come from the order of the labels, not from the embeddings "
+            "(collapsed or duplicated embeddings?)", UserWarning, stacklevel=2)
     a = np.asarray(accs)
     ci = 1.96 * a.std(ddof=1) / np.sqrt(len(a)) if len(a) > 1 else float("nan")
     return {"accuracy": float(a.mean()), "ci95": float(ci), "episodes": len(a),
