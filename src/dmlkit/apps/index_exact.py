@@ -30,8 +30,8 @@ from dmlkit.exceptions import DependencyError, ShapeError, require
 from dmlkit.validation import check_embeddings, normalize_rows
 
 __all__ = [
-    "InverseNorms", "RowNorms", "candidate_scores", "exact_search", "first_kept", "row_norms",
-    "to_numpy_embeddings",
+    "InverseNorms", "RowNorms", "candidate_scores", "closeness64", "exact_search", "first_kept",
+    "row_norms", "to_numpy_embeddings",
 ]
 
 SMALL_EXACT = 2**22  # numpy path: Q x M <= this many scores in one matmul, else the blockwise kNN
@@ -226,20 +226,27 @@ def _rescore(x: np.ndarray, q: np.ndarray, cand: np.ndarray, k: int, distance: s
     block = max(1, min(RESCORE_BLOCK, RESCORE_BYTES // (8 * max(1, cand.shape[1] * x.shape[1]))))
     for a in range(0, q.shape[0], block):
         c = cand[a:a + block]
-        xv = x[c].astype(np.float64)  # (B, C, D)
-        q64 = q[a:a + block].astype(np.float64)[:, None, :]
-        if unit:
-            xv /= np.sqrt(np.maximum(norms.sq[c], 1e-300))[..., None]
-            q64 /= np.sqrt(np.maximum((q64**2).sum(-1, keepdims=True), 1e-300))
-        if distance == "euclidean":
-            score = -np.sqrt(((xv - q64) ** 2).sum(-1))
-        else:
-            score = (xv * q64).sum(-1)
+        score = closeness64(x, q[a:a + block], c, distance, unit, norms)
         order = np.lexsort((c, -score), axis=1)[:, :k]
         pos_out[a:a + block] = np.take_along_axis(c, order, axis=1)
         val = np.take_along_axis(score, order, axis=1)
         val_out[a:a + block] = -val if distance == "euclidean" else val
     return pos_out, val_out
+
+
+def closeness64(x: np.ndarray, q: np.ndarray, rows: np.ndarray, distance: str, unit: bool,
+                norms: RowNorms) -> np.ndarray:
+    """Float64 closeness (larger = closer: minus the Euclidean distance) of queries ``q (Q, D)``
+    and rows ``rows (Q, C)`` of ``x``, from the float32 vectors: what exact search orders by.
+    Memory ``Q C D`` float64: callers pass blocks."""
+    xv = x[rows].astype(np.float64)  # (Q, C, D)
+    q64 = q.astype(np.float64)[:, None, :]
+    if unit:
+        xv /= np.sqrt(np.maximum(norms.sq[rows], 1e-300))[..., None]
+        q64 /= np.sqrt(np.maximum((q64**2).sum(-1, keepdims=True), 1e-300))
+    if distance == "euclidean":
+        return -np.sqrt(((xv - q64) ** 2).sum(-1))
+    return (xv * q64).sum(-1)
 
 
 def candidate_scores(x: np.ndarray, q: np.ndarray, pos: np.ndarray, distance: str, unit: bool,

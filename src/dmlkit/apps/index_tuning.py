@@ -4,7 +4,9 @@ The recall of an approximate search is measured against the exact search on held
 
     recall@k = mean over queries q of |ANN_k(q) ∩ Exact_k(q)| / k
 
-(the "k-recall@k" of ANN-Benchmarks, Aumüller et al., Information Systems 2020). Without
+(the "k-recall@k" of ANN-Benchmarks, Aumüller et al., Information Systems 2020), where an
+approximate neighbour exactly as close as the ``k``-th exact one counts as found
+(:func:`as_close_as_kth`: duplicated vectors tie, and the exact list keeps only the first). Without
 explicit queries, :func:`measure_recall` and :func:`tune` sample indexed rows that the structure
 has not seen: rows the IVF quantiser was not trained on, or the rows a new HNSW graph holds out
 of the graph until this measurement (:func:`dmlkit.apps.index_faiss.add_to_structure`; exact
@@ -28,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from dmlkit.apps.index_exact import first_kept, to_numpy_embeddings
+from dmlkit.apps.index_exact import closeness64, first_kept, to_numpy_embeddings
 from dmlkit.apps.index_faiss import flush_graph_reserve
 from dmlkit.exceptions import ConfigError, DataError, ShapeError
 
@@ -38,22 +40,49 @@ if TYPE_CHECKING:
 __all__ = ["measure_recall", "recall_at_k", "search_settings", "tune"]
 
 RERANK_FACTORS = (1, 2, 4, 8, 16, 32, 64)
+#: Float64 bytes of one block of gathered neighbours scored by :func:`as_close_as_kth` (32 MiB).
+RECALL_SCORE_BYTES = 2**25
 EF_VALUES = (16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048, 3072, 4096)
 
 
-def recall_at_k(approx: np.ndarray, exact: np.ndarray, k: int) -> float:
-    """``mean_q |approx[q, :k] ∩ exact[q, :k]| / k`` (ANN-Benchmarks' k-recall@k).
+def recall_at_k(approx: np.ndarray, exact: np.ndarray, k: int, as_close: np.ndarray | None = None) -> float:
+    """``mean_q |approx[q, :k] ∩ exact[q, :k]| / k``, k-recall@k.
 
-    Entries ``< 0`` in ``approx`` (not found) never match.
+    Entries ``< 0`` in ``approx`` (not found) never match. ``as_close`` (``(Q, k)`` bool) marks
+    approximate neighbours that count even outside the exact list: those exactly as close as
+    its ``k``-th (:func:`as_close_as_kth`), for which the exact search's tie rule (the smaller
+    row) chose another row. ANN-Benchmarks likewise counts a neighbour by its distance, not its
+    id (within the ``k``-th exact distance plus a margin).
     """
     if approx.shape[0] != exact.shape[0]:
         raise ShapeError(f"{approx.shape[0]} approximate rows but {exact.shape[0]} exact rows")
     if approx.shape[0] == 0:
         return float("nan")
     hits = 0
-    for a, e in zip(approx[:, :k], exact[:, :k]):
-        hits += len(np.intersect1d(a[a >= 0], e))
+    for r, (a, e) in enumerate(zip(approx[:, :k], exact[:, :k])):
+        hit = np.isin(a, e) if as_close is None else np.isin(a, e) | as_close[r, : a.size]
+        hits += int((hit & (a >= 0)).sum())
     return hits / (approx.shape[0] * k)
+
+
+def as_close_as_kth(index: EmbeddingIndex, q: np.ndarray, approx: np.ndarray, exact: np.ndarray,
+                    k: int) -> np.ndarray:
+    """``(Q, k)``: the approximate neighbours whose float64 closeness to their query (as exact
+    search computes it: :func:`dmlkit.apps.index_exact.closeness64`) is at least that of the
+    ``k``-th exact neighbour. With duplicated vectors, rows tied at the ``k``-th place are all
+    right answers, but the exact list holds only the first of them: an index that returned
+    another was counted as missing it."""
+    a = approx[:, :k]
+    kth = exact[:, k - 1:k]
+    out = np.zeros(a.shape, dtype=bool)
+    norms = index._row_norms()
+    block = max(1, RECALL_SCORE_BYTES // (8 * (k + 1) * index.dim))
+    for r0 in range(0, a.shape[0], block):
+        sl = slice(r0, r0 + block)
+        rows = np.maximum(np.concatenate([a[sl], kth[sl]], axis=1), 0)
+        s = closeness64(index.embeddings, q[sl], rows, index.distance, index._unit, norms)
+        out[sl] = (s[:, :-1] >= s[:, -1:]) & (a[sl] >= 0) & (kth[sl] >= 0)
+    return out
 
 
 def _drop(found: np.ndarray, drop: np.ndarray, k: int) -> np.ndarray:
@@ -122,7 +151,7 @@ def _recall_of(index: EmbeddingIndex, q: np.ndarray, exact: np.ndarray, rows: np
     t0 = time.perf_counter()
     approx, _ = index._ann(q, k, setting, exclude=rows)
     seconds = time.perf_counter() - t0
-    return recall_at_k(approx, exact, k), seconds / max(1, q.shape[0])
+    return recall_at_k(approx, exact, k, as_close_as_kth(index, q, approx, exact, k)), seconds / max(1, q.shape[0])
 
 
 def measure_recall(index: EmbeddingIndex, k: int = 10, queries: Any = None, num_queries: int = 1000
