@@ -609,9 +609,10 @@ def test_recall_counts_a_duplicate_of_the_kth_neighbour_as_found():
     rng = np.random.default_rng(0)
     x = np.repeat(rng.standard_normal((600, 16)).astype(np.float32), 2, axis=0)
     q = rng.standard_normal((100, 16)).astype(np.float32)
-    for idx in (EmbeddingIndex(x, kind="ivf_flat", nlist=8, nprobe=8, seed=0),
-                EmbeddingIndex(x, kind="hnsw", ef_search=512, seed=0)):
-        assert idx.measure_recall(k=5, queries=q)["recall"] == 1.0
+    graph = EmbeddingIndex(x, kind="hnsw", ef_search=512, seed=0)  # a graph search: near, not exact
+    assert graph.measure_recall(k=5, queries=q)["recall"] >= 0.98
+    idx = EmbeddingIndex(x, kind="ivf_flat", nlist=8, nprobe=8, seed=0)  # every cell: exact
+    assert idx.measure_recall(k=5, queries=q)["recall"] == 1.0
     qq, exact, rows, k, _ = _setup(idx, 5, q, 100)
     twin = exact.copy()
     twin[:, -1] ^= 1  # the other copy of each 5th neighbour (rows 2i and 2i + 1 are equal)
