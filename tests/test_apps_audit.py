@@ -30,14 +30,18 @@ def test_make_pairs_negatives_are_distinct_unordered_pairs(monkeypatch, enumerat
     assert all(np.array_equal(u, v) for u, v in zip((i, j, same), again))  # deterministic by seed
 
 
-def test_make_pairs_can_take_every_negative_and_refuses_more():
+def test_make_pairs_can_take_every_negative_and_no_more():
+    """Every negative pair once; asking for more uses them all, as many positives, and says so
+    (it was a ConfigError, while scarce positives only warned)."""
     y = np.array([0] * 6 + [1] * 3)  # 15 + 3 positive, 18 negative unordered pairs
     i, j, same = make_pairs(y, 36, seed=0)  # 18 + 18: every negative pair, once each
     neg = [p for p, s in zip(_unordered(i, j), same) if not s]
     assert len(neg) == 18 == len(set(neg))
     y2 = np.array([0] * 30 + [1])  # 435 positive pairs, only 30 negative
-    with pytest.raises(ConfigError, match="only 30"):
-        make_pairs(y2, 200, seed=0)
+    with pytest.warns(UserWarning, match="only 30 different-class pairs: using 60"):
+        i, j, same = make_pairs(y2, 200, seed=0)
+    neg = [p for p, s in zip(_unordered(i, j), same) if not s]
+    assert len(neg) == 30 == len(set(neg)) and same.sum() == 30
 
 
 def test_stratified_folds_sizes_differ_by_at_most_one():
