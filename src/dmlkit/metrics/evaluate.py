@@ -172,9 +172,7 @@ def _retrieval_per_query(
 def _settled(inp: _Inputs, res, budget: int, read: torch.Tensor) -> Settled:
     """The kNN's neighbours in the exact float64 order, and the queries whose read positions
     the tie rule decides (:mod:`dmlkit.metrics.near_ties`)."""
-    scorer = _Scorer(inp.distance)
-    if scorer.kind == "generic":
-        return Settled(res.indices, torch.zeros(res.indices.shape[0], dtype=torch.bool))
+    scorer = _Scorer(inp.distance)  # a generic distance is returned as it is, unflagged
     dev = res.indices.device
     q = scorer.prepare(inp.q, "query embeddings").to(dev)
     r = q if inp.same else scorer.prepare(inp.r, "reference embeddings").to(dev)

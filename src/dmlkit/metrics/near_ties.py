@@ -278,8 +278,7 @@ def settle_near_ties(
     ones that starts before ``read`` and reaches the last neighbour may go on among the
     references not returned, and is flagged too. Cosine, dot and Euclidean only; others are
     returned as they are, unflagged."""
-    n = idx.shape[0]
-    k = idx.shape[1] if idx.dim() == 2 else 0
+    n, k = idx.shape
     none = torch.zeros(n, dtype=torch.bool, device=idx.device)
     if scorer.kind == "generic" or idx.numel() == 0 or k < 2:
         return Settled(idx, none)

@@ -191,9 +191,7 @@ def _resolve_block(
     """:func:`dmlkit.metrics.near_ties.settle_near_ties` for a block of queries: the references
     its runs re-score are read by index, and the rows it searches again at the boundary read
     the reference blocks once more (``first``: the block's first query index on a self-search)."""
-    if scorer.kind == "generic":
-        return Settled(idx, torch.zeros(idx.shape[0], dtype=torch.bool))
-    q = scorer.prepare(q_blk, "query embeddings")
+    q = scorer.prepare(q_blk, "query embeddings")  # a generic distance: returned unflagged
     euclidean = scorer.kind == "l2"
 
     def score(rows: torch.Tensor, refs: torch.Tensor) -> torch.Tensor:
