@@ -56,6 +56,33 @@ def test_cli_json_matches_the_api(reid_files, capsys):
     assert json.loads(out2)["map"] == pytest.approx(want.mAP)
 
 
+def test_two_files_with_identity_names_share_one_code_table(tmp_path, capsys):
+    """Each file codes its names against its own sorted table: the gallery holds a person the
+    queries do not ('alice'), so 'bob' is code 0 in one file and 1 in the other."""
+    rng = np.random.default_rng(0)
+    people = np.array(["alice", "bob", "carol", "dave"])
+    g_ids, q_ids = np.repeat(np.arange(4), 3), np.array([1, 2, 3, 1, 2, 3])
+    centres = 3 * rng.normal(size=(4, 8))
+    g = (centres[g_ids] + rng.normal(size=(12, 8))).astype(np.float32)
+    q = (centres[q_ids] + rng.normal(size=(6, 8))).astype(np.float32)
+    g_cams, q_cams = np.tile([1, 2, 3], 4), np.zeros(6, int)
+    save_embeddings(tmp_path / "q.npz", q, people[q_ids], cams=q_cams)
+    save_embeddings(tmp_path / "g.npz", g, people[g_ids], cams=g_cams)
+    want = evaluate_reid(q, g, q_ids, g_ids, q_cams, g_cams)
+    code, out, _ = run(["reid", str(tmp_path / "q.npz"), "--gallery", str(tmp_path / "g.npz"),
+                        "--examples", "2", "--json", "-o", str(tmp_path / "r.json")], capsys)
+    assert code in (0, None)
+    got = json.loads(out)
+    assert want.mAP > 0.9 and got["map"] == pytest.approx(want.mAP)
+    assert got["rank_1"] == pytest.approx(want.rank(1))
+    example = json.loads((tmp_path / "r.json").read_text())["examples"][0]
+    assert example["query_id"] in ("bob", "carol", "dave")
+    save_embeddings(tmp_path / "g_ids.npz", g, g_ids, cams=g_cams)
+    code, _, err = run(["reid", str(tmp_path / "q.npz"), "--gallery", str(tmp_path / "g_ids.npz")],
+                       capsys)
+    assert code == 2 and "names" in err and "Traceback" not in err
+
+
 def test_cli_table_rerank_and_errors(reid_files, capsys):
     tmp, want = reid_files
     code, out, _ = run(["reid", str(tmp / "all.npz"), "--rerank", "--k1", "5", "--k2", "2"], capsys)

@@ -45,6 +45,24 @@ def _tied_data(seed, n_q=60, n_g=400, dim=3, n_ids=12, n_cams=4):
     return q, g, q_ids, g_ids, rng.integers(0, n_cams, n_q), rng.integers(0, n_cams, n_g)
 
 
+@pytest.mark.parametrize("offset", [0.0, 100.0])
+def test_a_shared_offset_changes_no_euclidean_ranking(offset):
+    """Features sharing an offset of 100 (|g|^2 ~ 1.3e6, a float32 spacing of 0.125 in the
+    expanded form) ranked squared distances of 0.7-0.9 at random: Rank-1 0.30 for 1.00."""
+    rng = np.random.default_rng(0)
+    ids = np.repeat(np.arange(50), 4)
+    x = rng.normal(size=(50, 128))[ids] * 0.1 + rng.normal(size=(200, 128)) * 0.05
+    cams = np.tile(np.arange(4), 50)
+    q, g = x[::4], x[np.arange(200) % 4 != 0]
+    dist = ((q[:, None] - g[None]) ** 2).sum(-1)  # float64, before the offset
+    first, ap, _ = reference_protocol(dist, ids[::4], ids[np.arange(200) % 4 != 0], cams[::4],
+                                      cams[np.arange(200) % 4 != 0])
+    got = evaluate_reid((q + offset).astype(np.float32), (g + offset).astype(np.float32), ids[::4],
+                        ids[np.arange(200) % 4 != 0], cams[::4], cams[np.arange(200) % 4 != 0])
+    np.testing.assert_array_equal(got.first_hit, first)
+    assert got.mAP == pytest.approx(float(np.mean(ap)), abs=1e-6)
+
+
 @pytest.mark.parametrize("seed", [0, 1, 2])
 @pytest.mark.parametrize("trapezoid", [False, True])
 def test_matches_reference_with_ties_cameras_and_junk(seed, trapezoid):

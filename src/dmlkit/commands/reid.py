@@ -124,8 +124,8 @@ def reid(
         ex = ranked_examples(q["emb"], g["emb"], q["ids"], g["ids"], *cams, queries=chosen,
                              metric=metric, normalize=normalize, exclude_same_camera=not no_camera_rule)
         for e in ex:
-            e["query_id"] = int(q["ids"][e["query"]])
-            e["gallery_ids"] = [int(g["ids"][j]) for j in e["gallery"]]
+            e["query_id"] = _identity(q, e["query"])
+            e["gallery_ids"] = [_identity(g, j) for j in e["gallery"]]
             if q.get("paths") is not None and g.get("paths") is not None:
                 e["query_path"] = str(q["paths"][e["query"]])
                 e["gallery_paths"] = [str(g["paths"][j]) for j in e["gallery"]]
@@ -226,11 +226,39 @@ def _npz(path: Path) -> dict[str, Any]:
         if values is not None and len(values) != len(emb):
             raise ShapeError(f"{path}: '{name}' has {len(values)} values for {len(emb)} embeddings: "
                              "give one per row")
-    return {"emb": emb, "ids": ids, **found}
+    return {"emb": emb, "ids": ids, "names": extra.get("class_names"), **found}
+
+
+def _identity(d: dict[str, Any], row: int) -> int | str:
+    """The identity of a row as the file gave it: its name, or its integer id."""
+    code = int(d["ids"][row])
+    return code if d.get("names") is None else str(d["names"][code])
 
 
 def _select(d: dict[str, Any], mask) -> dict[str, Any]:
-    return {k: (None if v is None else v[mask]) for k, v in d.items() if k != "groups"}
+    return {k: (None if v is None else v[mask]) for k, v in d.items() if k not in ("groups", "names")}
+
+
+def _one_code_table(query: dict[str, Any], gallery: dict[str, Any], gallery_path: Path) -> None:
+    """Code the identities of two files with one table where they are names: each file stores
+    string labels as codes into its own sorted ``class_names``, so code 0 of the query file and
+    code 0 of the gallery file can name different people (compared as codes, every match was
+    scored as a miss)."""
+    import numpy as np
+
+    from dmlkit.exceptions import ShapeError
+    from dmlkit.validation import check_labels
+
+    if query["names"] is None and gallery["names"] is None:
+        return
+    if query["names"] is None or gallery["names"] is None:
+        raise ShapeError(f"the identities of one file are names and of the other numbers ({gallery_path} "
+                         f"{'has' if gallery['names'] is not None else 'has no'} class names): use the "
+                         "same kind of labels in both")
+    query["ids"], names = check_labels(query["names"][query["ids"]], len(query["ids"]), "query ids")
+    gallery["ids"], names = check_labels(gallery["names"][gallery["ids"]], len(gallery["ids"]),
+                                         "gallery ids", class_names=names)
+    query["names"] = gallery["names"] = np.asarray(names)
 
 
 def _load_source(source: Path, gallery: Path | None, data_root: Path | None,
@@ -240,7 +268,9 @@ def _load_source(source: Path, gallery: Path | None, data_root: Path | None,
     from dmlkit.exceptions import DataError, DataNotFoundError
 
     if gallery is not None:
-        return {"protocol": "market1501", "query": _npz(source), "gallery": _npz(gallery)}
+        query, gallery_set = _npz(source), _npz(gallery)
+        _one_code_table(query, gallery_set, gallery)
+        return {"protocol": "market1501", "query": query, "gallery": gallery_set}
     if source.is_dir():
         d = _embed_run(source, data_root, device)
     elif source.exists():

@@ -121,6 +121,35 @@ def _block_rows(n_cols: int, memory_budget: int) -> int:
     return int(max(1, min(4096, memory_budget // max(1, 8 * n_cols))))
 
 
+def _centred(query, gallery, rows: int = 8192):
+    """``(query, gallery)`` less the gallery's mean row where that mean dominates the rows'
+    spread: ``|mean|^2 > 15 E|g - mean|^2`` (in float64, ``rows`` rows at a time); else as given.
+
+    A translation changes no Euclidean distance, but the expanded form ``|g|^2 - 2 <q, g>``
+    rounds relative to the rows' norms: features sharing an offset of 100 in 128 dimensions
+    (``|g|^2`` about 1.3e6, a float32 spacing of 0.125) ranked squared distances of 0.7-0.9 at
+    random (Rank-1 0.30 for 1.00). Below the threshold centring would gain at most 4 of float32's
+    24 bits and would round features that are exact as given (small integers, whose tied
+    distances then stay tied), so they are left alone."""
+    import torch
+
+    n = gallery.shape[0]
+    if n == 0:
+        return query, gallery
+    total = torch.zeros(gallery.shape[1], dtype=torch.float64)
+    square = 0.0
+    for chunk in gallery.split(rows):
+        wide = chunk.double()
+        total += wide.sum(0)
+        square += float((wide * wide).sum())
+    mean = total / n
+    offset = float(mean @ mean)
+    if offset <= 15 * (square / n - offset):
+        return query, gallery
+    shift = mean.float()
+    return query - shift, gallery - shift
+
+
 def _sq_norms(x, rows: int = 8192):
     """Row-wise squared norms, a chunk of rows at a time (no temporary as large as ``x``)."""
     import torch

@@ -53,6 +53,7 @@ from dmlkit.apps.reid._common import (
     _block_rows,
     _check_ap_mode,
     _check_metric,
+    _centred,
     _prepared,
     _rerank_params,
     _sq_norms,
@@ -158,7 +159,9 @@ def closeness_blocks(query: Any, gallery: Any, *, metric: str = "euclidean",
     """Yield ``(row0, block)``: float32 closeness (larger = closer) of query rows to the gallery.
 
     ``euclidean``: ``2 <q, g> - ||g||^2`` (= ``||q||^2 - d^2(q, g)``: the squared distance up to
-    a per-row constant, so the same ranking); ``cosine``/``dot``: the similarity.
+    a per-row constant, so the same ranking), on rows centred about the gallery's mean where it
+    dominates their spread (:func:`dmlkit.apps.reid._common._centred`); ``cosine``/``dot``: the
+    similarity.
     """
     import torch
 
@@ -168,6 +171,8 @@ def closeness_blocks(query: Any, gallery: Any, *, metric: str = "euclidean",
     if q.shape[1] != g.shape[1]:
         raise ShapeError(f"query dim {q.shape[1]} != gallery dim {g.shape[1]}")
     q, g = _prepared(q, metric, normalize, "query embeddings"), _prepared(g, metric, normalize, "gallery embeddings")
+    if metric == "euclidean":  # about the gallery's mean if it dominates: the same distances
+        q, g = _centred(q, g)
     g_t = g.t()  # a transposed view: BLAS reads it as is, no copy of the gallery
     g_sq = _sq_norms(g) if metric == "euclidean" else None
     rows = _block_rows(g.shape[0], memory_budget)

@@ -39,6 +39,7 @@ from dmlkit.apps.reid._common import (
     DEFAULT_MEMORY_BUDGET,
     _as_float,
     _block_rows,
+    _centred,
     _prepared,
     _sq_norms,
     check_rerank_metric,
@@ -59,6 +60,7 @@ def _prepare(query: Any, gallery: Any, metric: str):
         raise ShapeError(f"query dim {q.shape[1]} != gallery dim {g.shape[1]}")
     x = torch.from_numpy(np.concatenate([q, g]))
     x = _prepared(x, metric, False, "query and gallery embeddings")
+    x, _ = _centred(x, x)  # the same distances, less rounding where an offset dominates
     return x, _sq_norms(x)
 
 
