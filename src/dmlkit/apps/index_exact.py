@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 
 from dmlkit.distances import get_distance
-from dmlkit.exceptions import DependencyError, ShapeError, require
+from dmlkit.exceptions import DataError, DependencyError, ShapeError, require
 from dmlkit.validation import check_embeddings, normalize_rows
 
 __all__ = [
@@ -81,6 +81,17 @@ class RowNorms:
         return SCAN_NORMS[0] <= self.low and self.high <= SCAN_NORMS[1]
 
 
+def _finite_rows(values: np.ndarray, rows: np.ndarray) -> np.ndarray:
+    """``values`` (computed from stored rows ``rows``, same shape), or a :class:`DataError` where
+    one is not finite: the index's vectors are checked when built and when loaded into memory,
+    so this is a damaged memory-mapped file (a NaN row would otherwise never be returned)."""
+    bad = ~np.isfinite(values)
+    if bad.any():
+        raise DataError(f"stored vector {int(rows[bad].flat[0])} of the index is not finite: the "
+                        "index file is damaged; rebuild it")
+    return values
+
+
 def _inverse_norm(sq: np.ndarray) -> np.ndarray:
     """``1/|x|`` from ``|x|^2`` (float64), finite in float32: 0 for zero rows (whose scores are
     0), at most float32's largest value. ``1/sqrt(1e-300)`` overflowed float32 to inf, and the
@@ -92,7 +103,7 @@ def _inverse_norm(sq: np.ndarray) -> np.ndarray:
 
 def row_norms(x: np.ndarray, unit: bool) -> RowNorms:
     """:class:`RowNorms` of ``x`` (one pass over the vectors)."""
-    sq = np.einsum("ij,ij->i", x, x, dtype=np.float64)
+    sq = _finite_rows(np.einsum("ij,ij->i", x, x, dtype=np.float64), np.arange(x.shape[0]))
     factor = _inverse_norm(sq) if unit else sq / 2
     unit_rows = bool(sq.size == 0 or np.abs(sq - 1).max() <= UNIT_TOLERANCE)
     nonzero = np.sqrt(sq[sq > 0])
@@ -139,7 +150,7 @@ class InverseNorms:
             for a in range(0, need.size, self.STEP):
                 part = need[a : a + self.STEP]
                 block = np.asarray(self.x[part])
-                sq = np.einsum("ij,ij->i", block, block, dtype=np.float64)
+                sq = _finite_rows(np.einsum("ij,ij->i", block, block, dtype=np.float64), part)
                 self.value[part] = _inverse_norm(sq)
             found = self.value[rows]
         return found
@@ -262,14 +273,36 @@ def candidate_scores(x: np.ndarray, q: np.ndarray, pos: np.ndarray, distance: st
             raise ValueError("unit distances need the rows' inverse norms")
         qn = normalize_rows(q) if q_unit is None else q_unit
         cos = _gathered_dots(x, qn, safe) * inverse_norms.of(safe)
-        s = np.sqrt(np.maximum(2 - 2 * cos, 0)) if distance == "euclidean" else cos
+        s = _unit_distance(x, q, safe, cos) if distance == "euclidean" else cos
     elif distance == "euclidean":  # direct squared differences: no cancellation for close pairs
         s = np.sqrt(_gathered_dots(x, q, safe, l2=True))
     else:
         s = _gathered_dots(x, q, safe)
+    _finite_rows(np.where(pos < 0, 0, s), pos)
     s = s.astype(np.float32, copy=False)
     s[pos < 0] = np.inf if distance == "euclidean" else -np.inf
     return s
+
+
+#: Below this ``2 - 2 cos``, float32's cancellation leaves too few digits: recomputed directly.
+NEAR_UNIT = 1e-2
+
+
+def _unit_distance(x: np.ndarray, q: np.ndarray, rows: np.ndarray, cos: np.ndarray) -> np.ndarray:
+    """``|q/|q| - x/|x||`` from the float32 cosines, ``sqrt(2 - 2 cos)``, except where that is
+    below :data:`NEAR_UNIT`: there from the float64 difference of the unit rows. In float32,
+    ``2 - 2 cos`` of near duplicates came in steps of about 1.2e-7 (distances in steps of
+    3.5e-4, an identical row at 3.5e-4 and rows 1e-4 apart in either order)."""
+    sq = np.maximum(2 - 2 * cos, 0)
+    qi, cj = np.nonzero(sq < NEAR_UNIT)
+    if qi.size:
+        r = x[rows[qi, cj]].astype(np.float64)
+        r /= np.maximum(np.sqrt((r * r).sum(1, keepdims=True)), 1e-300)
+        u = q[qi].astype(np.float64)
+        u /= np.maximum(np.sqrt((u * u).sum(1, keepdims=True)), 1e-300)
+        sq = sq.astype(np.float64)
+        sq[qi, cj] = ((r - u) ** 2).sum(1)
+    return np.sqrt(sq)
 
 
 def _gathered_dots(x: np.ndarray, q: np.ndarray, rows: np.ndarray, l2: bool = False) -> np.ndarray:

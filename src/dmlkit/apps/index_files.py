@@ -167,7 +167,7 @@ def load_index(cls: type[EmbeddingIndex], path: str | os.PathLike, *, mmap: bool
         return _load_index(cls, path, mmap)
     except DmlkitError:
         raise
-    except (OSError, ValueError, KeyError, TypeError, EOFError, RuntimeError) as exc:
+    except (OSError, ValueError, KeyError, TypeError, EOFError, RuntimeError, zipfile.BadZipFile) as exc:
         # truncated or hand-edited files: numpy, json and faiss raise their own errors
         reason = " ".join(str(exc).split())[:160] or type(exc).__name__
         raise DataError(f"{path} is a damaged index ({reason}): rebuild it with `dmlkit index`") from None
@@ -230,6 +230,7 @@ def _from_parts(cls: type[EmbeddingIndex], meta: dict[str, Any], data: dict[str,
     if metadata is not None and len(metadata) != n:
         raise DataError(f"{path} is corrupt: {len(metadata)} metadata lines for {n} items")
     self.embeddings, self._keys, self.ids = vectors, np.asarray(keys, dtype=np.int64), ids.astype(str)
+    _check_rows(path, self, int(meta["next_key"]))
     self.labels = None if data["labels"] is None else np.asarray(data["labels"], dtype=np.int64)
     names = data["class_names"]
     if names is not None:
@@ -251,6 +252,29 @@ def _from_parts(cls: type[EmbeddingIndex], meta: dict[str, Any], data: dict[str,
     elif self.kind != "flat" and n:  # an empty one has no structure yet: its first add makes it
         raise DataError(f"{path} is a {self.kind} index without its faiss.index file: rebuild it")
     return self
+
+
+def _check_rows(path: Path, index: EmbeddingIndex, next_key: int) -> None:
+    """Refuse a hand-edited or damaged index whose rows would answer wrongly without an error:
+    duplicate ids (an id then found another item's row), keys not increasing below
+    ``next_key`` (a search then read past the vectors), non-finite vectors (read in memory:
+    a NaN row was never returned by a flat index and returned first by HNSW; a memory-mapped
+    index checks the rows a search reads, :mod:`dmlkit.apps.index_exact`)."""
+    keys, ids = index._keys, index.ids
+    if keys.size and (keys[0] < 0 or keys[-1] >= next_key or np.any(np.diff(keys) <= 0)):
+        raise DataError(f"{path} is corrupt: its row keys are not increasing below {next_key}: rebuild it")
+    unique, counts = np.unique(ids, return_counts=True)
+    if unique.size != ids.size:
+        raise DataError(f"{path} is corrupt: {int((counts > 1).sum())} ids name more than one item "
+                        f"(e.g. {str(unique[counts > 1][0])!r}): rebuild it")
+    vectors = index.embeddings
+    if not isinstance(vectors, np.memmap):
+        for a in range(0, vectors.shape[0], 65536):
+            block = vectors[a:a + 65536]
+            if not np.isfinite(block).all():
+                row = a + int(np.flatnonzero(~np.isfinite(block).all(axis=1))[0])
+                raise DataError(f"{path} is corrupt: vector {row} (id {str(ids[row])!r}) is not finite: "
+                                "rebuild it")
 
 
 def item_ids(path: str | os.PathLike, extra: dict[str, np.ndarray], data_root: str | os.PathLike | None = None
