@@ -127,3 +127,19 @@ def test_fpr95_says_when_too_few_positives_make_it_the_fpr_at_full_recall(positi
         assert value == at_full_recall
     else:
         assert messages == [] and value <= at_full_recall
+
+
+@pytest.mark.parametrize("tpr, positives, need", [(0.999, 1_000_999, 999_999), (0.9, 10, 9),
+                                                  (0.95, 20, 19), (0.3, 1_000_001, 300_001)])
+def test_the_positives_needed_are_ceil_of_the_rate_as_written(tpr, positives, need):
+    """A float slack of 1e-9 P took one positive too few from about a million positives
+    (0.999 of 1,000,999 needs 999,999, it took 999,998: FPR 0 for 1); 0.9 is 9/10, not the
+    binary float just above it."""
+    s = np.r_[np.arange(positives, 0, -1, dtype=np.float64), 0.0]  # the k-th positive scores P-k+1
+    y = np.r_[np.ones(positives, int), 0]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        s[-1] = positives - need + 1.5  # the negative just above the need-th positive: accepted
+        assert fpr_at_tpr(s, y, tpr) == 1.0
+        s[-1] = positives - need + 0.5  # just below it: not accepted
+        assert fpr_at_tpr(s, y, tpr) == 0.0

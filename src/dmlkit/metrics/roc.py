@@ -16,6 +16,7 @@ from __future__ import annotations
 import math
 import warnings
 from dataclasses import dataclass
+from fractions import Fraction
 from typing import Any
 
 import numpy as np
@@ -127,8 +128,9 @@ def fpr_at_tpr(scores: Any, labels: Any, tpr: float = 0.95, *, higher_is_positiv
     ``FPR = FP / (FP + TN)`` (the fraction of non-matching pairs accepted) at the largest
     threshold ``t`` with ``TP(t) / (TP(t) + FN(t)) >= tpr``. Pairs tied at ``t`` are all
     accepted, so the value is the one a real threshold achieves, never an interpolation.
-    The TPR comparison is done in integers (``TP >= ceil(tpr * P)``), so 95 % of 20 positives
-    is exactly 19, free of float rounding.
+    The TPR comparison is done in integers (``TP >= ceil(tpr * P)``, with ``tpr`` the decimal it
+    is written as: ``0.95 = 19/20``), so 95 % of 20 positives is exactly 19 and 99.9 % of
+    1,000,999 is 999,999, free of float rounding.
 
     Note: seed 003 writes the denominator as ``TN + FN``; this is the standard definition
     ``FP + TN`` (number of negatives), as used by Brown et al. and Zagoruyko & Komodakis.
@@ -141,14 +143,17 @@ def fpr_at_tpr(scores: Any, labels: Any, tpr: float = 0.95, *, higher_is_positiv
         raise ConfigError(f"tpr must be in (0, 1], got {tpr}")
     curve = roc_curve(scores, labels, higher_is_positive=higher_is_positive)
     p = curve.num_positive
-    # at least one positive: the slack that absorbs tpr * p's rounding must not round a tiny
-    # positive rate down to zero (tpr = 1e-12 read the origin, FPR 0, where no pair is accepted)
-    need = max(1, int(np.ceil(float(tpr) * p - 1e-9 * p)))
-    if need >= p and float(tpr) < 1.0:
+    # the rate as the decimal it was written as (0.95 is 19/20, not the binary float just below
+    # it), so ceil(rate * P) is exact for any P: a float slack of 1e-9 P absorbed the rounding
+    # but took one positive too few from about a million positives; at least one positive (a
+    # tiny rate must not read the origin, FPR 0, where no pair is accepted)
+    rate = Fraction(repr(float(tpr)))
+    need = max(1, math.ceil(rate * p))
+    if need >= p and rate < 1:
         warnings.warn(f"FPR at TPR {100 * float(tpr):g} %: {p} matching pairs resolve true positive "
                       f"rates in steps of {100 / p:.2g} %, so it is the FPR with every matching pair "
                       "accepted (TPR 100 %), set by the lowest-scoring one; score at least "
-                      f"{math.ceil(1 / (1 - float(tpr)) - 1e-9)} matching pairs", stacklevel=2)
+                      f"{math.ceil(1 / (1 - rate))} matching pairs", stacklevel=2)
     k = int(np.searchsorted(curve.tp, need, side="left"))
     return float(curve.fp[k] / curve.num_negative)
 

@@ -67,7 +67,10 @@ def overlap(pred: np.ndarray | Sequence, gt: np.ndarray | Sequence) -> np.ndarra
     union = pw * ph + gw * gh - inter
     with np.errstate(invalid="ignore", divide="ignore"):
         iou = np.where(union > 0, inter / np.where(union > 0, union, 1.0), 0.0)
-    return np.nan_to_num(iou, nan=0.0)
+    # at most 1: the intersection's width (x + w) - x rounds apart from w, so a box against
+    # itself scored up to 1 + 1e-14 and counted as a success at the threshold 1 (the GOT-10k
+    # toolkit clips too)
+    return np.clip(np.nan_to_num(iou, nan=0.0), 0.0, 1.0)
 
 
 def center_error(pred: np.ndarray | Sequence, gt: np.ndarray | Sequence) -> np.ndarray:
