@@ -88,6 +88,20 @@ def test_a_variant_is_the_baseline_when_the_exact_name_is_absent():
     assert relative_improvements(methods, ["map_at_r"])["contrastive"]["method"] == "contrastive_xbm"
 
 
+def test_plot_improvement_uses_the_baseline_compare_uses(tmp_path, run_cli):
+    """`dmlkit plot improvement` (and the report) looked for a method named exactly
+    'contrastive': with only contrastive_xbm it refused ("none of the baselines"), while
+    `compare` measured against it."""
+    import json
+
+    methods = {"contrastive_xbm": _entry("contrastive", 0.20), "ms": _entry("multi_similarity", 0.12)}
+    (tmp_path / "results.json").write_text(json.dumps({"methods": methods}))
+    code, out, err = run_cli(["plot", "improvement", str(tmp_path / "results.json"), "-o",
+                              str(tmp_path / "fig")])
+    assert code == 0, err
+    assert (tmp_path / "fig.png").is_file()
+
+
 # -- 5. a method, metric or mode given twice ---------------------------------------------------
 LABELS = np.repeat(np.arange(12), 4)
 

@@ -216,6 +216,7 @@ def plot_improvement(
     import math
 
     from dmlkit.exceptions import ConfigError, DataError
+    from dmlkit.protocol.compare import baseline_methods
     from dmlkit.protocol.results import MODES
     from dmlkit.report import figures
     from dmlkit.report.builder import mean_of
@@ -230,5 +231,7 @@ def plot_improvement(
     values = {n: {metric: mean_of((r.get(mode) or {}).get(metric))} for n, r in methods.items()}
     if not any(math.isfinite(v[metric]) for v in values.values()):
         raise DataError(f"{results} holds no finite {mode} {metric!r} value for any method: nothing to draw")
-    written = figures.save_figure(figures.relative_improvement(values, metric=metric), _out(output, "improvement"))
+    baselines = list(baseline_methods(methods).values())
+    written = figures.save_figure(figures.relative_improvement(values, baselines, metric=metric),
+                                  _out(output, "improvement"))
     typer.echo("\n".join(map(str, written)))

@@ -55,6 +55,7 @@ from dmlkit.validation import check_seed, concatenate_normalized
 
 __all__ = [
     "BASELINES",
+    "baseline_methods",
     "compare_results",
     "method_per_query",
     "method_per_seed_query",
@@ -222,9 +223,20 @@ def method_per_query(entry: Mapping[str, Any], mode: str) -> tuple[dict[str, np.
     return {m: v.mean(axis=0) for m, v in per_seed.items()}, labels
 
 
-def _baseline_of(name: str, entry: Mapping[str, Any], base: str) -> bool:
-    loss = (entry.get("loss") or {}).get("name")
-    return name == base or (loss == base and name.split("@")[0].startswith(base))
+def baseline_methods(methods: Mapping[str, Mapping[str, Any]]) -> dict[str, str]:
+    """``{baseline: method}`` for each of :data:`BASELINES` a benchmark holds: the method named
+    exactly as the baseline, else one whose loss is the baseline and whose name starts with it
+    (``contrastive_xbm``, ``triplet@64``). The one rule behind ``compare``'s relative
+    improvements, ``dmlkit plot improvement`` and the report's "Papers versus reality"."""
+    found = {}
+    for base in BASELINES:
+        name = base if base in methods else next(
+            (n for n, e in methods.items()
+             if ((e.get("loss") or {}).get("name") if isinstance(e, Mapping) else None) == base
+             and n.split("@")[0].startswith(base)), None)
+        if name is not None:
+            found[base] = name
+    return found
 
 
 def relative_percent(value: Any, base: Any) -> float | None:
@@ -240,12 +252,7 @@ def relative_percent(value: Any, base: Any) -> float | None:
 def relative_improvements(methods: Mapping[str, Mapping[str, Any]], metrics: Sequence[str]) -> dict[str, Any]:
     """``{baseline: {method: {mode: {metric: percent}}}}`` for the baselines present."""
     out: dict[str, Any] = {}
-    for base in BASELINES:
-        # the method named exactly as the baseline wins over a variant of it (contrastive_xbm)
-        base_name = base if base in methods else next(
-            (n for n, e in methods.items() if _baseline_of(n, e, base)), None)
-        if base_name is None:
-            continue
+    for base, base_name in baseline_methods(methods).items():
         b = methods[base_name]
         table: dict[str, Any] = {}
         for name, entry in methods.items():

@@ -23,6 +23,7 @@ from dmlkit.data import load_image
 from dmlkit.embeddings import embed_split, load_embeddings
 from dmlkit.exceptions import ConfigError, DataError, DataNotFoundError, DmlkitError
 from dmlkit.metrics import knn, per_class, per_query, pos_neg_histograms
+from dmlkit.protocol.compare import baseline_methods
 from dmlkit.protocol.results import (
     format_cell,
     load_listed_embeddings,
@@ -469,8 +470,10 @@ def _bench_sections(bench_dir: Path, fig_dir: Path, options: ReportOptions) -> t
                     best_columns=range(1, len(header)),
                     contenders=[i for i, row in enumerate(rows) if row[0] != "pretrained"] or None)]))
     concat = {n: {"map_at_r": mean_of(r.get("concatenated", {}).get("map_at_r"))} for n, r in methods.items()}
-    if any(b in concat for b in ("contrastive", "triplet")):
-        png = figures.save_figure(figures.relative_improvement(concat), fig_dir / "relative_improvement")
+    baselines = list(baseline_methods(methods).values())
+    if baselines:
+        png = figures.save_figure(figures.relative_improvement(concat, baselines),
+                                  fig_dir / "relative_improvement")
         sections.append(Section("Papers versus reality", [
             "Relative improvement of each method's concatenated MAP@R over contrastive and triplet "
             "loss under identical settings; the dashed line is no improvement."], [],
