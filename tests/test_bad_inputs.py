@@ -117,6 +117,11 @@ def build_inputs(d: Path) -> Path:
     bench = d / "bench"
     bench.mkdir()
     (bench / "results.json").write_text('{"methods": {"a": ')
+    for name, row in (("patch_results_no_arch", {"train": "a", "test": "b"}),  # an architecture missing
+                      ("patch_results_null", {"train": "a", "test": "b", "2ch": {"fpr95": None}})):
+        (d / name).mkdir()
+        (d / name / "results.json").write_text(json.dumps(
+            {"architectures": ["2ch"], "rows": [row], "mean": {"2ch": {"fpr95": 0.1}}}))
     run = d / "run_corrupt_log"
     run.mkdir()
     (run / "log.jsonl").write_text('not a log\n{"step": 2, "lo\n')
@@ -348,6 +353,8 @@ CASES: list[tuple[str, list[str]]] = [
     ("patches-evaluate-missing", ["patches", "evaluate", "{d}/missing_run"]),
     ("patches-evaluate-empty-dir", ["patches", "evaluate", "{d}/emptydir"]),
     ("patches-evaluate-corrupt-results", ["patches", "evaluate", "{d}/bench"]),
+    ("patches-evaluate-results-without-an-architecture", ["patches", "evaluate", "{d}/patch_results_no_arch"]),
+    ("patches-evaluate-results-null-fpr95", ["patches", "evaluate", "{d}/patch_results_null"]),
     ("patches-build-data-unknown-subset", ["patches", "build-data", "-o", "{d}/runs/pd", "--subset", "bogus"]),
     ("patches-build-data-points-0", ["patches", "build-data", "-o", "{d}/runs/pd", "--points", "0"]),
     # track

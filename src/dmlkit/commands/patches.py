@@ -46,6 +46,24 @@ def _print_table(results: dict, title: str, as_json: bool) -> None:
     output_console().print(table)
 
 
+def _is_patch_results(results: object) -> bool:
+    """Whether ``results`` holds what the table reads: the architectures, and a numeric FPR95 of
+    each in every row (with its train and test subsets) and in the mean (a hand-edited or damaged
+    file gave a KeyError or TypeError traceback)."""
+    def has_fpr(cell: object) -> bool:
+        value = cell.get("fpr95") if isinstance(cell, dict) else None
+        return isinstance(value, int | float) and not isinstance(value, bool)
+
+    if not isinstance(results, dict) or not {"architectures", "rows", "mean"} <= results.keys():
+        return False
+    archs, rows, mean = results["architectures"], results["rows"], results["mean"]
+    return (isinstance(archs, list) and bool(archs) and all(isinstance(a, str) for a in archs)
+            and isinstance(rows, list) and bool(rows) and isinstance(mean, dict)
+            and all(isinstance(r, dict) and isinstance(r.get("train"), str) and isinstance(r.get("test"), str)
+                    and all(has_fpr(r.get(a)) for a in archs) for r in rows)
+            and all(has_fpr(mean.get(a)) for a in archs))
+
+
 def _check_figure_format(path: Path) -> Path:
     """The figure file to write: a suffix matplotlib cannot write is a one-line error, before any
     work; no suffix gets ``.png`` (matplotlib appends it anyway: the path reported was not the
@@ -141,9 +159,9 @@ def evaluate(
                                      scores_out=rescored)
     else:
         results = read_json(res_file, "results.json of dmlkit patches train")
-        if not isinstance(results, dict) or not {"architectures", "rows", "mean"} <= results.keys():
-            raise DataError(f"{res_file} is not a results.json of dmlkit patches train: rerun "
-                            "`dmlkit patches train`, or score the checkpoints with --rescore")
+        if not _is_patch_results(results):
+            raise DataError(f"{res_file} is not a results.json of dmlkit patches train (or is damaged): "
+                            "rerun `dmlkit patches train`, or score the checkpoints with --rescore")
     _print_table(results, f"FPR95 (%), {run_dir}", as_json)
     if figure is None:
         return
