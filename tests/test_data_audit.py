@@ -219,6 +219,18 @@ def test_sampler_negative_seed_or_epoch_is_a_config_error():
         sampler.set_epoch(-1)
 
 
+@pytest.mark.parametrize("labels", [[None, None, 1, 1], np.array([1, 1, "a", "a"], dtype=object),
+                                    [0.5, 0.5, 1.5, 1.5]])
+def test_sampler_labels_that_are_no_class_ids_are_one_error(labels):
+    """None or mixed labels gave numpy's TypeError from np.unique; fractions were classes."""
+    from dmlkit.samplers import EpisodeSampler, MPerClassSampler
+
+    with pytest.raises(ShapeError, match="sampler labels"):
+        MPerClassSampler(labels, 2, 2)
+    with pytest.raises(ShapeError, match="sampler labels"):
+        EpisodeSampler(labels, 2, 1, 1, episodes=2)
+
+
 def test_subset_refuses_fractional_indices():
     ds = ArrayDataset(np.arange(10, dtype=np.float32).reshape(5, 2), [0, 1, 2, 3, 4], kind="features")
     with pytest.raises(IndexError, match="integers"):  # was: row 1, silently

@@ -399,3 +399,19 @@ def test_miner_indices_torch_reads_as_masks_are_refused(dtype):
         assert loss(x, y, indices=tuple(t.int() for t in idx)) == expected
         with pytest.raises(ShapeError, match=r"int64 \(or int32\) tensor, got dtype .*convert with .long\(\)"):
             loss(x, y, indices=tuple(t.to(dtype) for t in idx))
+
+
+@pytest.mark.parametrize("name", ["contrastive", "multi_similarity", "triplet", "lifted_structure"])
+def test_a_reference_set_in_another_float_dtype_is_promoted(name):
+    """Float32 embeddings with float64 references raised torch's "mat1 and mat2 must have the
+    same dtype"; both now compute in the wider one, as the loss of float64 inputs would."""
+    torch.manual_seed(0)
+    x, y = torch.randn(6, 8), torch.tensor([0, 0, 1, 1, 2, 2])
+    ref, ref_y = torch.randn(4, 8, dtype=torch.float64), torch.tensor([0, 0, 1, 1])
+    loss = get_loss(name)
+    got = loss(x.requires_grad_(), y, ref_emb=ref, ref_labels=ref_y)
+    want = loss(x.detach().double(), y, ref_emb=ref, ref_labels=ref_y)
+    assert got.dtype == torch.float64 and torch.isfinite(got)
+    assert got.item() == pytest.approx(want.item(), rel=1e-12)
+    got.backward()
+    assert x.grad.dtype == torch.float32 and torch.isfinite(x.grad).all()

@@ -23,7 +23,7 @@ import numpy as np
 from torch.utils.data import Sampler
 
 from dmlkit.exceptions import ConfigError, DataError
-from dmlkit.validation import check_seed
+from dmlkit.validation import check_labels, check_seed
 
 __all__ = ["EpisodeSampler", "MPerClassSampler", "split_episode"]
 
@@ -36,6 +36,9 @@ def _as_label_array(labels: Any) -> np.ndarray:
         raise DataError(f"labels must be one-dimensional, got shape {arr.shape}")
     if arr.size == 0:
         raise DataError("labels are empty: the dataset has no items")
+    # integer ids or class names; None, NaN, fractions or a mix gave numpy's TypeError (or were
+    # grouped as classes)
+    check_labels(arr, arr.shape[0], "sampler labels")
     return arr
 
 

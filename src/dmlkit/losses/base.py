@@ -88,14 +88,14 @@ class BaseLoss(nn.Module):
             raise ShapeError("pass both ref_emb and ref_labels, or neither")
         if ref_emb is not None:
             check_inputs(ref_emb, ref_labels, name="ref_emb", finite=False)
+        embeddings = upcast(embeddings)
+        if ref_emb is not None:  # one dtype for both (float32 embeddings, float64 references
+            # raised torch's "mat1 and mat2 must have the same dtype")
+            ref_emb = upcast(ref_emb)
+            common = torch.promote_types(embeddings.dtype, ref_emb.dtype)
+            embeddings, ref_emb = embeddings.to(common), ref_emb.to(common)
         with full_precision(embeddings):
-            loss = self.compute(
-                upcast(embeddings),
-                labels,
-                indices,
-                None if ref_emb is None else upcast(ref_emb),
-                ref_labels,
-            )
+            loss = self.compute(embeddings, labels, indices, ref_emb, ref_labels)
         check_finite_loss(self, loss, embeddings, ref_emb)
         return loss
 
