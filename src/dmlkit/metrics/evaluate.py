@@ -201,6 +201,10 @@ def _full_map(inp: _Inputs, budget: int) -> tuple[torch.Tensor, torch.Tensor]:
     m = r.shape[0]
     if scorer.symmetric and q.device.type == "cpu" and q.shape[0] * m >= SMALL_SEARCH_PAIRS:
         return full_ranking_map(scorer, q, None if inp.same else r, inp.ql, inp.rl, budget)
+    # on the CPU each pair's float64 value from one function of the pair (block_scores64): a
+    # float64 matrix product gave identical rows values an ulp apart by column
+    pairwise64 = scorer.symmetric and q.device.type == "cpu"
+    q32, r32 = q, r
     q, r = q.double(), r.double()
     nq_, nr_ = scorer.sq_norms(q), scorer.sq_norms(r)
     ql, rl, r_q = inp.ql.to(q.device), inp.rl.to(q.device), inp.r_q.to(q.device)
@@ -208,7 +212,13 @@ def _full_map(inp: _Inputs, budget: int) -> tuple[torch.Tensor, torch.Tensor]:
     rows = max(1, budget // (m * _MAP_BYTES_PER_SCORE))
 
     def scores(a0: int, a1: int) -> torch.Tensor:
-        s = scorer.block(q[a0:a1], r, None if nq_ is None else nq_[a0:a1], nr_)
+        if pairwise64:
+            # lazy: the numba kernels load only when a compiled path runs
+            from dmlkit.metrics._kernels import block_scores64
+
+            s = torch.from_numpy(block_scores64(q32[a0:a1].numpy(), r32.numpy(), scorer.kind == "l2"))
+        else:
+            s = scorer.block(q[a0:a1], r, None if nq_ is None else nq_[a0:a1], nr_)
         if inp.same:
             _mask_self(s, a0, 0)
         return s

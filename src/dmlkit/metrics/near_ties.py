@@ -92,9 +92,11 @@ def tie_gap(scorer: _Scorer, d: int, q_norm: float, r_norm: float, closeness: to
 
 def _score64(q: torch.Tensor, r: torch.Tensor, rows: torch.Tensor, refs: torch.Tensor,
              euclidean: bool) -> torch.Tensor:
-    """Float64 closeness of the pairs ``(q[rows], r[refs])``: the numba kernel (no float64 copies
-    of the rows) for many pairs on the CPU, torch in chunks of 2^16 pairs otherwise."""
-    if rows.numel() > 4096 and q.device.type == "cpu":
+    """Float64 closeness of the pairs ``(q[rows], r[refs])``: on the CPU the numba kernel (no
+    float64 copies of the rows; every CPU path scores a pair with the same function, so a pair's
+    value never depends on which path or how many pairs asked), torch in chunks of 2^16 pairs
+    on a device."""
+    if q.device.type == "cpu":
         # lazy: the numba kernels load only when a compiled path runs
         from dmlkit.metrics._kernels import pair_scores64
 
@@ -204,8 +206,8 @@ def _exact_rows(
     Memory stays within ``budget`` however many references tie (all of them, for collapsed
     embeddings): rows in chunks, references in column blocks, and after each block only each
     row's best ``k`` candidates are kept (:func:`dmlkit.metrics.knn.exact_topk`, the merge the
-    streaming evaluation uses). For inner products, a block where most references are
-    candidates is scored by one float64 product instead of pair by pair."""
+    streaming evaluation uses). For inner products on a device, a block where most references
+    are candidates is scored by one float64 product instead of pair by pair."""
     dev = q_rows.device
     n = q_rows.shape[0]
     euclidean = scorer.kind == "l2"
@@ -230,8 +232,10 @@ def _exact_rows(
                     inside = ((own >= 0) & (own < r_blk.shape[0])).nonzero().squeeze(1)
                     keep[inside, own[inside]] = False
                 rr, cc = keep.nonzero(as_tuple=True)
-                if not euclidean and rr.numel() * 4 > keep.numel():  # mostly candidates: one
-                    # float64 product (not for Euclidean: |a|^2 + |b|^2 - 2ab cancels on near-equal rows)
+                if not euclidean and rr.numel() * 4 > keep.numel() and dev.type != "cpu":
+                    # mostly candidates on a device: one float64 product (not for Euclidean:
+                    # |a|^2 + |b|^2 - 2ab cancels on near-equal rows; not on the CPU, where MKL's
+                    # product gave identical rows values an ulp apart by column: _score64)
                     s64 = (qa.double() @ r_blk.double().T).masked_fill_(~keep, -np.inf)
                 else:
                     s64 = torch.full(keep.shape, -np.inf, dtype=torch.float64, device=dev)
