@@ -35,6 +35,17 @@ def test_labels_file_with_a_byte_order_mark_keeps_the_first_label(tmp_path, suff
     assert read_labels_file(names).tolist() == ["cat", "cat", "dog"]
 
 
+@pytest.mark.parametrize("suffix", [".txt", ".csv"])
+def test_labels_file_names_that_python_would_read_as_numbers_stay_names(tmp_path, suffix):
+    """Python's int() reads "1_2" as 12 and full-width digits as numbers: the classes "12" and
+    "1_2" were one class (5 classes for 6, P@1 0.667 for 0.633)."""
+    path = tmp_path / f"labels{suffix}"
+    path.write_text("12\n1_2\n3\n\uff11\uff12\n", encoding="utf-8")
+    assert read_labels_file(path).tolist() == ["12", "1_2", "3", "\uff11\uff12"]
+    path.write_text("12\n-3\n+4\n5.0\n", encoding="utf-8")
+    assert read_labels_file(path).tolist() == [12, -3, 4, 5]
+
+
 # -- pair lists with a byte-order mark --------------------------------------------------------------
 def test_pair_csv_with_a_byte_order_mark_reads_its_header(tmp_path):
     for name in ("a.png", "b.png"):

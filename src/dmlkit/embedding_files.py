@@ -12,6 +12,7 @@ from __future__ import annotations
 import csv
 import io
 import os
+import re
 import warnings
 import zipfile
 from pathlib import Path
@@ -178,15 +179,21 @@ def read_labels_file(path: Path) -> np.ndarray:
     return np.asarray(values)  # class names
 
 
+#: A number as a labels file writes one: ASCII digits, a sign, a decimal point, an exponent,
+#: ``nan``/``inf`` (Python's ``int``/``float`` also take ``1_2`` as 12 and non-ASCII digits,
+#: which merged the class named "1_2" into class 12).
+_NUMBER = re.compile(r"[+-]?(?:(?:[0-9]+\.?[0-9]*|\.[0-9]+)(?:[eE][+-]?[0-9]+)?|nan|inf|infinity)",
+                     re.IGNORECASE)
+
+
 def _as_number(text: str) -> int | float | None:
     """``text`` as an int, else a float (``nan`` and ``inf`` too), else ``None``: a name."""
+    text = text.strip()
+    if not _NUMBER.fullmatch(text):
+        return None
     try:
         return int(text)
     except ValueError:
-        pass
-    try:
         return float(text)
-    except ValueError:
-        return None
 
 
