@@ -77,6 +77,13 @@ def test_two_files_with_identity_names_share_one_code_table(tmp_path, capsys):
     assert got["rank_1"] == pytest.approx(want.rank(1))
     example = json.loads((tmp_path / "r.json").read_text())["examples"][0]
     assert example["query_id"] in ("bob", "carol", "dave")
+    groups = np.r_[["query"] * 6, ["gallery"] * 12]  # one file: its own names in the examples
+    save_embeddings(tmp_path / "all.npz", np.r_[q, g], people[np.r_[q_ids, g_ids]],
+                    cams=np.r_[q_cams, g_cams], groups=groups)
+    code, out, _ = run(["reid", str(tmp_path / "all.npz"), "--examples", "2", "--json", "-o",
+                        str(tmp_path / "r1.json")], capsys)
+    assert code in (0, None) and json.loads(out)["map"] == pytest.approx(want.mAP)
+    assert json.loads((tmp_path / "r1.json").read_text())["examples"][0]["query_id"] in ("bob", "carol", "dave")
     save_embeddings(tmp_path / "g_ids.npz", g, g_ids, cams=g_cams)
     code, _, err = run(["reid", str(tmp_path / "q.npz"), "--gallery", str(tmp_path / "g_ids.npz")],
                        capsys)

@@ -236,7 +236,9 @@ def _identity(d: dict[str, Any], row: int) -> int | str:
 
 
 def _select(d: dict[str, Any], mask) -> dict[str, Any]:
-    return {k: (None if v is None else v[mask]) for k, v in d.items() if k not in ("groups", "names")}
+    """The rows ``mask`` of a source's per-row arrays (its name table stays whole)."""
+    rows = {k: (None if v is None else v[mask]) for k, v in d.items() if k not in ("groups", "names")}
+    return {**rows, "names": d.get("names")}
 
 
 def _one_code_table(query: dict[str, Any], gallery: dict[str, Any], gallery_path: Path) -> None:
