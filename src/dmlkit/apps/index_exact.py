@@ -278,7 +278,8 @@ def candidate_scores(x: np.ndarray, q: np.ndarray, pos: np.ndarray, distance: st
         s = np.sqrt(_gathered_dots(x, q, safe, l2=True))
     else:
         s = _gathered_dots(x, q, safe)
-    _finite_rows(np.where(pos < 0, 0, s), pos)
+    # NaN only from a NaN row (a product of finite rows that overflows is inf, not NaN)
+    _finite_rows(np.where((pos < 0) | ~np.isnan(s), 0, s), pos)
     s = s.astype(np.float32, copy=False)
     s[pos < 0] = np.inf if distance == "euclidean" else -np.inf
     return s
