@@ -246,18 +246,30 @@ def _rescore(x: np.ndarray, q: np.ndarray, cand: np.ndarray, k: int, distance: s
 
 
 def closeness64(x: np.ndarray, q: np.ndarray, rows: np.ndarray, distance: str, unit: bool,
-                norms: RowNorms) -> np.ndarray:
+                norms: RowNorms | None = None) -> np.ndarray:
     """Float64 closeness (larger = closer: minus the Euclidean distance) of queries ``q (Q, D)``
     and rows ``rows (Q, C)`` of ``x``, from the float32 vectors: what exact search orders by.
-    Memory ``Q C D`` float64: callers pass blocks."""
-    xv = x[rows].astype(np.float64)  # (Q, C, D)
-    q64 = q.astype(np.float64)[:, None, :]
+
+    The value :mod:`dmlkit.metrics` ranks by: the rows as it prepares them (unit distances:
+    :func:`dmlkit.validation.normalize_rows`, normalised in float64 and rounded once) and each
+    pair's closeness from one function of the pair (:func:`dmlkit.metrics.near_ties.pair_scorer`),
+    so ties, exact ones included, fall as in :func:`dmlkit.metrics.knn`: with the rows
+    normalised in float64 and summed by numpy, integer embeddings whose cosines tie exactly
+    came out an ulp apart, and the flat index and ``knn`` disagreed on 4 of 40 queries.
+    ``norms`` is not needed (kept for callers). Memory ``Q C D`` float32: callers pass blocks."""
+    import torch  # lazy: an index of a small file stays light until it re-scores
+
+    from dmlkit.metrics.near_ties import pair_scorer
+
+    nq, c = rows.shape
+    gathered = np.ascontiguousarray(x[rows.reshape(-1)], dtype=np.float32)
+    queries = np.ascontiguousarray(q, dtype=np.float32)
     if unit:
-        xv /= np.sqrt(np.maximum(norms.sq[rows], 1e-300))[..., None]
-        q64 /= np.sqrt(np.maximum((q64**2).sum(-1, keepdims=True), 1e-300))
-    if distance == "euclidean":
-        return -np.sqrt(((xv - q64) ** 2).sum(-1))
-    return (xv * q64).sum(-1)
+        gathered, queries = normalize_rows(gathered), normalize_rows(queries)
+    euclidean = distance == "euclidean"
+    score = pair_scorer(torch.from_numpy(queries), torch.from_numpy(gathered), euclidean)(
+        torch.arange(nq).repeat_interleave(c), torch.arange(nq * c)).numpy().reshape(nq, c)
+    return -np.sqrt(-score) if euclidean else score
 
 
 def candidate_scores(x: np.ndarray, q: np.ndarray, pos: np.ndarray, distance: str, unit: bool,
