@@ -146,15 +146,15 @@ def test_cli_index_query_verify_fewshot(tmp_path):
     assert res.exit_code == 0, res.output
     res = runner.invoke(app, ["query", str(tmp_path / "idx.npz"), str(tmp_path / "ref.npz"), "-k", "2", "--json"])
     assert res.exit_code == 0, res.output
-    records = json.loads(res.output)
+    records = json.loads(res.stdout)
     assert records[3]["query"] == "p3" and records[3]["results"][0]["index"] == 3
     assert records[3]["results"][0]["id"] == "p3"
     res = runner.invoke(app, ["verify", str(tmp_path / "ref.npz"), "--pairs", "200", "--folds", "5", "--json"])
     assert res.exit_code == 0, res.output
-    assert json.loads(res.output)["accuracy"] > 0.9
+    assert json.loads(res.stdout)["accuracy"] > 0.9
     res = runner.invoke(app, ["fewshot", str(tmp_path / "ref.npz"), "--episodes", "20", "--json"])
     assert res.exit_code == 0, res.output
-    assert json.loads(res.output)["accuracy"] > 0.9
+    assert json.loads(res.stdout)["accuracy"] > 0.9
 
 
 # -- user errors: one line, exit 2 (issue 11, points 4 and 9) ----------------------------------

@@ -66,7 +66,7 @@ def test_cli_torchscript_export_and_serving_an_export(run, data_root, tmp_path):
     res = CliRunner().invoke(cli, ["export", str(run), "--format", "torchscript", "-o", str(out),
                                    "--parity-samples", "60", "--data-root", str(data_root), "--json"])
     assert res.exit_code == 0, res.output
-    report = json.loads(res.output)
+    report = json.loads(res.stdout)
     assert report["parity"]["passed"] and report["parity"]["max_abs_diff"] <= 1e-5
     assert (tmp_path / "model.pt.json").exists()
     res = CliRunner().invoke(cli, ["index", str(run / "embeddings" / "test.npz"), "-o", str(tmp_path / "idx"),

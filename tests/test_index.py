@@ -268,7 +268,7 @@ def test_cli_index_query_with_target_recall_exclude_self_and_bounded_output(tmp_
     res = runner.invoke(app, ["index", str(tmp_path / "ref.npz"), "-o", str(tmp_path / "idx"), "--kind", "hnsw",
                               "--target-recall", "0.95", "--recall-queries", "200", "--json"])
     assert res.exit_code == 0, res.output
-    summary = json.loads(res.output)
+    summary = json.loads(res.stdout)
     assert summary["kind"] == "hnsw" and summary["recall"]["recall"] >= 0.95 and summary["recall"]["met"]
     res = runner.invoke(app, ["query", str(tmp_path / "idx"), str(tmp_path / "ref.npz"), "-k", "3",
                               "--exclude-self", "-o", str(tmp_path / "out.json")])
@@ -281,7 +281,7 @@ def test_cli_index_query_with_target_recall_exclude_self_and_bounded_output(tmp_
     assert all(r["id"] != row["query"] for row in written for r in row["results"])
     res = runner.invoke(app, ["query", str(tmp_path / "idx"), "--id", "p7", "-k", "3", "--json"])
     assert res.exit_code == 0, res.output
-    by_id = json.loads(res.output)[0]
+    by_id = json.loads(res.stdout)[0]
     assert by_id["query"] == "p7" and by_id["results"] == written[7]["results"]
     # add and remove by id from the command line
     save_embeddings(tmp_path / "more.npz", x[:2] + 1, y[:2], ids=np.array(["new0", "new1"]))
@@ -325,7 +325,7 @@ def test_cli_index_of_a_run_uses_the_dataset_paths_as_ids(tmp_path, data_root):
     res = runner.invoke(app, ["query", str(tmp_path / "idx"), str(run / "embeddings" / "test.npz"), "-k", "2",
                               "--exclude-self", "--json", "--data-root", str(data_root)])
     assert res.exit_code == 0, res.output
-    records = json.loads(res.output)
+    records = json.loads(res.stdout)
     assert [row["query"] for row in records] == expected
     assert all(r["id"] != expected[q] for q, row in enumerate(records) for r in row["results"])
 

@@ -57,11 +57,11 @@ def served(tmp_path_factory, data_root):
     assert res.exit_code == 0, res.output
     res = runner.invoke(cli, ["verify", str(run / "embeddings" / "test.npz"), "--pairs", "400", "--json"])
     assert res.exit_code == 0, res.output
-    (base / "verify.json").write_text(res.output)
+    (base / "verify.json").write_text(res.stdout)  # not res.output: warnings go to stderr
     config = ServiceConfig(index=base / "index", model=run, verification=base / "verify.json", data_root=data_root,
                            max_upload_bytes=2**20, max_k=50)
     return {"app": create_app(config), "run": run, "base": base, "data_root": Path(data_root),
-            "threshold": json.loads(res.output)["threshold"]}
+            "threshold": json.loads(res.stdout)["threshold"]}
 
 
 @pytest.fixture(scope="module")
@@ -273,9 +273,9 @@ def test_the_verification_threshold_is_used_on_its_own_distance(served, tmp_path
     res = CliRunner().invoke(cli, ["verify", str(served["run"] / "embeddings" / "test.npz"), "--pairs", "400",
                                    "--distance", "euclidean", "--json"])
     assert res.exit_code == 0, res.output
-    calibrated = json.loads(res.output)
+    calibrated = json.loads(res.stdout)
     assert calibrated["distance"] == "euclidean" and calibrated["threshold"] < 0
-    (tmp_path / "euclidean.json").write_text(res.output)
+    (tmp_path / "euclidean.json").write_text(res.stdout)
     c = TestClient(create_app(ServiceConfig(index=served["base"] / "index", model=served["run"],
                                             verification=tmp_path / "euclidean.json")))
     idx = served["app"].state.index

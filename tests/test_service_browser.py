@@ -31,7 +31,7 @@ def server(tmp_path_factory, data_root):
     assert res.exit_code == 0, res.output
     res = CliRunner().invoke(cli, ["verify", str(run / "embeddings" / "test.npz"), "--pairs", "400", "--json"])
     assert res.exit_code == 0, res.output
-    threshold = json.loads(res.output)["threshold"]
+    threshold = json.loads(res.stdout)["threshold"]
     app = create_app(ServiceConfig(index=base / "index", model=run, threshold=threshold))
     srv, thread, url = start_background_server(app)
     yield {"url": url, "app": app, "data_root": data_root, "base": base}

@@ -291,7 +291,7 @@ def test_cli_verify_with_checkpoint_and_embeddings(lfw, tmp_path):
     res = runner.invoke(app, ["verify", "--checkpoint", str(ckpt), "-q", "--pair-list", str(lfw / "pairs.txt"),
                               "--images", str(lfw / "lfw"), "--json"])
     assert res.exit_code == 0, res.output
-    out = json.loads(res.output)
+    out = json.loads(res.stdout)
     assert out["folds"] == FOLDS and out["num_pairs"] == 120 and out["fold_source"] == "list"
     assert 0 <= out["accuracy"] <= 1 and set(out["tar_at_far"]) == {"0.001", "0.01", "0.1"}
     plist = load_pair_list(lfw / "pairs.txt", lfw)
@@ -300,7 +300,7 @@ def test_cli_verify_with_checkpoint_and_embeddings(lfw, tmp_path):
     res = runner.invoke(app, ["verify", str(tmp_path / "e.npz"), "--pair-list", str(lfw / "pairs.txt"),
                               "--images", str(lfw), "--json"])
     assert res.exit_code == 0, res.output
-    assert json.loads(res.output)["accuracy"] == pytest.approx(verify_pair_list(x, plist).accuracy)
+    assert json.loads(res.stdout)["accuracy"] == pytest.approx(verify_pair_list(x, plist).accuracy)
 
 
 def test_tar_at_a_far_the_pairs_cannot_resolve_is_said_so():
