@@ -692,17 +692,18 @@ def test_flat_index_breaks_exact_ties_of_integer_embeddings_by_row(distance):
     embeddings whose cosines tie exactly in the metrics' float64 closeness came out an ulp
     apart (index and metrics disagreed on 4 of 40 queries). Now the same closeness as
     dmlkit.metrics settles ties with, ties by row."""
-    from dmlkit.metrics._kernels import pair_scores64
+    import torch
+
     from dmlkit.validation import normalize_rows
 
     rng = np.random.default_rng(0)
     x = rng.integers(-2, 3, size=(300, 8)).astype(np.float32)
     x[~x.any(1)] = 1
-    xn = normalize_rows(x)
+    xn = torch.from_numpy(normalize_rows(x)).double()
     found = EmbeddingIndex(x, distance=distance).search(x[:40], 5).indices
     ties = 0
-    for i in range(40):
-        s = pair_scores64(xn, xn, np.full(300, i), np.arange(300), distance == "euclidean")
+    for i in range(40):  # the float64 sum of the float32 rows' products, row by row
+        s = (-(xn - xn[i]).pow(2).sum(1) if distance == "euclidean" else (xn * xn[i]).sum(1)).numpy()
         want = np.lexsort((np.arange(300), -s))[:5]
         ties += len(np.unique(s[want])) < 5
         assert found[i].tolist() == want.tolist()

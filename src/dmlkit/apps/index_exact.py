@@ -252,14 +252,15 @@ def closeness64(x: np.ndarray, q: np.ndarray, rows: np.ndarray, distance: str, u
 
     The value :mod:`dmlkit.metrics` ranks by: the rows as it prepares them (unit distances:
     :func:`dmlkit.validation.normalize_rows`, normalised in float64 and rounded once) and each
-    pair's closeness from one function of the pair (:func:`dmlkit.metrics.near_ties.pair_scorer`),
+    pair's closeness from one function of the pair (torch's row form of
+    :class:`dmlkit.metrics.near_ties.PairScorer`: no numba for an index),
     so ties, exact ones included, fall as in :func:`dmlkit.metrics.knn`: with the rows
     normalised in float64 and summed by numpy, integer embeddings whose cosines tie exactly
     came out an ulp apart, and the flat index and ``knn`` disagreed on 4 of 40 queries.
     ``norms`` is not needed (kept for callers). Memory ``Q C D`` float32: callers pass blocks."""
     import torch  # lazy: an index of a small file stays light until it re-scores
 
-    from dmlkit.metrics.near_ties import pair_scorer
+    from dmlkit.metrics.near_ties import PairScorer
 
     nq, c = rows.shape
     gathered = np.ascontiguousarray(x[rows.reshape(-1)], dtype=np.float32)
@@ -267,7 +268,7 @@ def closeness64(x: np.ndarray, q: np.ndarray, rows: np.ndarray, distance: str, u
     if unit:
         gathered, queries = normalize_rows(gathered), normalize_rows(queries)
     euclidean = distance == "euclidean"
-    score = pair_scorer(torch.from_numpy(queries), torch.from_numpy(gathered), euclidean)(
+    score = PairScorer(torch.from_numpy(queries), torch.from_numpy(gathered), euclidean, compiled=False)(
         torch.arange(nq).repeat_interleave(c), torch.arange(nq * c)).numpy().reshape(nq, c)
     return -np.sqrt(-score) if euclidean else score
 

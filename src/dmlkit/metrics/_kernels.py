@@ -340,19 +340,6 @@ def pair_scores64(
 
 
 @numba.njit(nogil=True, cache=True, boundscheck=False)
-def block_scores64(query: np.ndarray, reference: np.ndarray, euclidean: bool) -> np.ndarray:
-    """:func:`_closeness64` of every pair of float32 rows, ``(Q, M)`` float64: each value a
-    function of its two rows alone. A float64 matrix product is not: MKL gave bit-identical
-    reference rows values one ulp apart by column, so exact ties were broken by that noise, not
-    by index, and moved with the memory budget."""
-    out = np.empty((query.shape[0], reference.shape[0]), np.float64)
-    for i in range(query.shape[0]):
-        for j in range(reference.shape[0]):
-            out[i, j] = _closeness64(query[i], reference[j], euclidean)
-    return out
-
-
-@numba.njit(nogil=True, cache=True, boundscheck=False)
 def histogram_tile(
     values: np.ndarray,
     query_labels: np.ndarray,

@@ -28,8 +28,9 @@ from dmlkit.metrics.histograms import pos_neg_histograms
 from dmlkit.metrics.knn import SMALL_SEARCH_PAIRS, _mask_self, _Scorer, knn
 from dmlkit.metrics.near_ties import (
     EXTRA_NEIGHBOURS,
+    PairScorer,
     Settled,
-    pair_scorer,
+    identical_rows,
     settle_near_ties,
     warn_tie_ruled,
 )
@@ -177,9 +178,10 @@ def _settled(inp: _Inputs, res, budget: int, read: torch.Tensor) -> Settled:
     q = scorer.prepare(inp.q, "query embeddings").to(dev)
     r = q if inp.same else scorer.prepare(inp.r, "reference embeddings").to(dev)
     available = r.shape[0] - int(inp.same)
+    score = PairScorer(q, r, scorer.kind == "l2")
     return settle_near_ties(
         res.indices, res.values, scorer, q, inp.ql, inp.rl, r_norm=float(r.norm(dim=1).max()),
-        score=pair_scorer(q, r, scorer.kind == "l2"), ref_blocks=lambda: [(0, r)],
+        score=score, compiled=score.compiled, ref_blocks=lambda: [(0, r)],
         complete=res.indices.shape[1] >= available, budget=budget,
         query_index=torch.arange(q.shape[0], device=dev) if inp.same else None, read=read,
     )
@@ -201,10 +203,9 @@ def _full_map(inp: _Inputs, budget: int) -> tuple[torch.Tensor, torch.Tensor]:
     m = r.shape[0]
     if scorer.symmetric and q.device.type == "cpu" and q.shape[0] * m >= SMALL_SEARCH_PAIRS:
         return full_ranking_map(scorer, q, None if inp.same else r, inp.ql, inp.rl, budget)
-    # on the CPU each pair's float64 value from one function of the pair (block_scores64): a
-    # float64 matrix product gave identical rows values an ulp apart by column
-    pairwise64 = scorer.symmetric and q.device.type == "cpu"
-    q32, r32 = q, r
+    # a float64 matrix product gives bit-identical rows values an ulp apart by column (MKL):
+    # each reference's column is overwritten by that of its first identical row, so copies tie
+    copies = identical_rows(r)
     q, r = q.double(), r.double()
     nq_, nr_ = scorer.sq_norms(q), scorer.sq_norms(r)
     ql, rl, r_q = inp.ql.to(q.device), inp.rl.to(q.device), inp.r_q.to(q.device)
@@ -212,13 +213,9 @@ def _full_map(inp: _Inputs, budget: int) -> tuple[torch.Tensor, torch.Tensor]:
     rows = max(1, budget // (m * _MAP_BYTES_PER_SCORE))
 
     def scores(a0: int, a1: int) -> torch.Tensor:
-        if pairwise64:
-            # lazy: the numba kernels load only when a compiled path runs
-            from dmlkit.metrics._kernels import block_scores64
-
-            s = torch.from_numpy(block_scores64(q32[a0:a1].numpy(), r32.numpy(), scorer.kind == "l2"))
-        else:
-            s = scorer.block(q[a0:a1], r, None if nq_ is None else nq_[a0:a1], nr_)
+        s = scorer.block(q[a0:a1], r, None if nq_ is None else nq_[a0:a1], nr_)
+        if copies is not None:
+            s[:, copies[0]] = s[:, copies[1]]
         if inp.same:
             _mask_self(s, a0, 0)
         return s

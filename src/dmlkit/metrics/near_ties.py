@@ -45,10 +45,11 @@ import numpy as np
 import torch
 
 from dmlkit.distances import LpDistance
+from dmlkit.metrics._validation import row_hashes
 from dmlkit.metrics.average_precision import closeness_tolerance
-from dmlkit.metrics.knn import _Scorer, exact_topk
+from dmlkit.metrics.knn import SMALL_SEARCH_PAIRS, _Scorer, exact_topk
 
-__all__ = ["EXTRA_NEIGHBOURS", "Settled", "closeness_of", "pair_scorer", "settle_near_ties", "tie_gap",
+__all__ = ["EXTRA_NEIGHBOURS", "PairScorer", "Settled", "closeness_of", "identical_rows", "settle_near_ties", "tie_gap",
            "warn_tie_ruled"]
 
 #: Neighbours a caller asks for beyond the positions its metrics read: a reference the search
@@ -65,7 +66,7 @@ _MARGIN_ULPS = 8
 
 
 #: ``score(rows, refs)``: float64 closeness of query rows (indices into ``q``) and references.
-PairScorer = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+Relevance = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 #: ``ref_blocks()``: ``(first index, prepared rows)`` of every reference, in blocks.
 RefBlocks = Callable[[], Iterable[tuple[int, torch.Tensor]]]
 
@@ -91,12 +92,15 @@ def tie_gap(scorer: _Scorer, d: int, q_norm: float, r_norm: float, closeness: to
 
 
 def _score64(q: torch.Tensor, r: torch.Tensor, rows: torch.Tensor, refs: torch.Tensor,
-             euclidean: bool) -> torch.Tensor:
-    """Float64 closeness of the pairs ``(q[rows], r[refs])``: on the CPU the numba kernel (no
-    float64 copies of the rows; every CPU path scores a pair with the same function, so a pair's
-    value never depends on which path or how many pairs asked), torch in chunks of 2^16 pairs
-    on a device."""
-    if q.device.type == "cpu":
+             euclidean: bool, compiled: bool) -> torch.Tensor:
+    """Float64 closeness of the pairs ``(q[rows], r[refs])``, each from one function of its two
+    rows whatever the batch: the numba kernel with ``compiled`` (a CPU search large enough to
+    run the compiled kernels anyway; no float64 copies of the rows), else torch's row form in
+    chunks of 2^16 pairs (a small job loads no numba). A caller picks one for a whole search:
+    the two round differently, and a float64 matrix product is no such function at all (MKL
+    gave bit-identical rows values an ulp apart by column, so exact ties of duplicated rows were
+    broken by that noise and moved with the memory budget)."""
+    if compiled:
         # lazy: the numba kernels load only when a compiled path runs
         from dmlkit.metrics._kernels import pair_scores64
 
@@ -108,13 +112,46 @@ def _score64(q: torch.Tensor, r: torch.Tensor, rows: torch.Tensor, refs: torch.T
     return out
 
 
-def pair_scorer(q: torch.Tensor, r: torch.Tensor, euclidean: bool) -> PairScorer:
-    """``score(rows, refs)``: float64 closeness of ``q[rows]`` and ``r[refs]`` (prepared rows)."""
-    return lambda rows, refs: _score64(q, r, rows, refs, euclidean)
+def compiled_scores(q: torch.Tensor, pairs: int) -> bool:
+    """Whether a search of ``pairs`` query-reference pairs scores its float64 pairs with the
+    compiled kernel (:func:`_score64`): on the CPU, from the size at which the kNN runs its own
+    compiled kernels (:data:`dmlkit.metrics.knn.SMALL_SEARCH_PAIRS`)."""
+    return q.device.type == "cpu" and pairs >= SMALL_SEARCH_PAIRS
 
 
-def _sort_runs(idx: torch.Tensor, linked: torch.Tensor, differ: torch.Tensor, score: PairScorer,
-               relevant: PairScorer, read: torch.Tensor) -> torch.Tensor:
+def identical_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """``(rows, firsts)``: each row of ``x`` that repeats an earlier one bit for bit, and that
+    earlier row's index (its first copy); ``None`` when no row repeats. Found by
+    :func:`dmlkit.metrics._validation.row_hashes`, then checked bit for bit (a colliding hash
+    is no copy)."""
+    h = row_hashes(x).cpu().numpy()
+    _, first, inverse = np.unique(h, return_index=True, return_inverse=True)
+    if first.size == h.size:
+        return None
+    firsts = torch.from_numpy(first[inverse.reshape(-1)]).to(x.device)
+    rows = torch.arange(x.shape[0], device=x.device)
+    bits = x.contiguous().view(torch.int32)
+    copy = (firsts != rows) & (bits == bits[firsts]).all(1)
+    return rows[copy], firsts[copy]
+
+
+class PairScorer:
+    """``score(rows, refs)``: float64 closeness of ``q[rows]`` and ``r[refs]`` (prepared rows),
+    all by one function (:func:`_score64`; ``compiled`` by default from the sizes of ``q`` and
+    ``r``)."""
+
+    def __init__(self, q: torch.Tensor, r: torch.Tensor, euclidean: bool,
+                 compiled: bool | None = None) -> None:
+        self.q, self.r, self.euclidean = q, r, euclidean
+        self.compiled = compiled_scores(q, q.shape[0] * r.shape[0]) if compiled is None else compiled
+
+    def __call__(self, rows: torch.Tensor, refs: torch.Tensor) -> torch.Tensor:
+        return _score64(self.q, self.r, rows, refs, self.euclidean, self.compiled)
+
+
+def _sort_runs(idx: torch.Tensor, linked: torch.Tensor, differ: torch.Tensor,
+               score: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], relevant: Relevance,
+               read: torch.Tensor) -> torch.Tensor:
     """Sort, in place in the contiguous ``idx``, every run of neighbours (``linked[:, j]``: positions ``j`` and ``j + 1`` are in one)
     that mixes relevances (``differ[:, j]``: a link between a relevant and an irrelevant one;
     a run mixes them iff one of its links does) by (float64 closeness descending, index
@@ -194,7 +231,7 @@ def _sorted_within_runs(runs: torch.Tensor, s64: torch.Tensor, refs: torch.Tenso
 
 def _exact_rows(
     q_rows: torch.Tensor, floor: torch.Tensor, k: int, gap: float, scorer: _Scorer,
-    ref_blocks: RefBlocks, self_index: torch.Tensor | None, budget: int,
+    ref_blocks: RefBlocks, self_index: torch.Tensor | None, budget: int, compiled: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The exact top ``k`` (float64 closeness, ties by index) of prepared query rows ``q_rows``
     whose ``k``-th float32 closeness was ``floor``, with that closeness: every reference within ``gap`` below it is a
@@ -239,7 +276,7 @@ def _exact_rows(
                     s64 = (qa.double() @ r_blk.double().T).masked_fill_(~keep, -np.inf)
                 else:
                     s64 = torch.full(keep.shape, -np.inf, dtype=torch.float64, device=dev)
-                    s64[rr, cc] = _score64(qa, r_blk, rr, cc, euclidean)
+                    s64[rr, cc] = _score64(qa, r_blk, rr, cc, euclidean, compiled)
                 ids = torch.arange(b0 + c0, b0 + c0 + r_blk.shape[0], device=dev).expand_as(s64)
                 cat_v, cat_i = torch.cat([best_v, s64], 1), torch.cat([best_i, ids], 1)
                 best_v, best_i = exact_topk(cat_v, min(k, cat_v.shape[1]), indices=cat_i)
@@ -263,7 +300,8 @@ class Settled(NamedTuple):
 def settle_near_ties(
     idx: torch.Tensor, values: torch.Tensor, scorer: _Scorer, q: torch.Tensor,
     query_labels: torch.Tensor, reference_labels: torch.Tensor, *, r_norm: float,
-    score: PairScorer, ref_blocks: RefBlocks, complete: bool, budget: int,
+    score: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], compiled: bool,
+    ref_blocks: RefBlocks, complete: bool, budget: int,
     query_index: torch.Tensor | None = None, read: torch.Tensor | None = None,
 ) -> Settled:
     """``idx`` (the kNN's ``(N, k)`` neighbours, ``values`` in the distance's units) put in the
@@ -271,6 +309,9 @@ def settle_near_ties(
     query rows the kNN searched; ``r_norm``: the largest norm of the prepared references;
     ``complete``: the result holds every reference (nothing can be missing at the boundary);
     ``query_index``: on a self-search, each query's own reference index (never a candidate);
+    ``score(rows, refs)``: the float64 closeness of query rows and references, by the one
+    function ``compiled`` names (:func:`_score64`, :class:`PairScorer`; the rows searched again
+    are scored by it too);
     ``read``: per row, how many leading positions the metrics read (default ``k - 1``): a row
     is searched again only if the run reaching its last neighbour starts before that, so asking
     for a few neighbours more than the metrics read (:data:`EXTRA_NEIGHBOURS`) makes that rare.
@@ -320,7 +361,8 @@ def settle_near_ties(
     rows = torch.cat(redo) if redo else torch.empty(0, dtype=torch.int64, device=dev)
     if rows.numel():
         exact, exact_v = _exact_rows(q[rows], last[rows], k, gap, scorer, ref_blocks,
-                                     None if query_index is None else query_index[rows], budget)
+                                     None if query_index is None else query_index[rows], budget,
+                                     compiled)
         idx[rows] = exact
         tie_ruled[rows] = _redone_tie_ruled(exact, exact_v, rl[exact] == ql[rows, None], read[rows])
     return Settled(idx, tie_ruled)

@@ -70,8 +70,8 @@ from dmlkit.metrics.knn import (
 )
 from dmlkit.metrics.near_ties import (
     EXTRA_NEIGHBOURS,
+    PairScorer,
     Settled,
-    pair_scorer,
     settle_near_ties,
     warn_tie_ruled,
 )
@@ -186,7 +186,7 @@ def _labels_of(source: Any, labels: Any, name: str) -> Any:
 def _resolve_block(
     q_blk: torch.Tensor, ql_blk: torch.Tensor, idx: torch.Tensor, values: torch.Tensor,
     reference: Any, rl: torch.Tensor, scorer: _Scorer, r_blocks: list[tuple[int, int]], r_norm: float,
-    available: int, first: int | None, budget: int, read: torch.Tensor,
+    available: int, first: int | None, budget: int, read: torch.Tensor, compiled: bool,
 ) -> Settled:
     """:func:`dmlkit.metrics.near_ties.settle_near_ties` for a block of queries: the references
     its runs re-score are read by index, and the rows it searches again at the boundary read
@@ -197,14 +197,15 @@ def _resolve_block(
     def score(rows: torch.Tensor, refs: torch.Tensor) -> torch.Tensor:
         uniq, inv = torch.unique(refs, return_inverse=True)
         r = scorer.prepare(_take(reference, uniq.numpy(), "reference embeddings"), "reference embeddings")
-        return pair_scorer(q, r, euclidean)(rows, inv)
+        return PairScorer(q, r, euclidean, compiled)(rows, inv)
 
     def ref_blocks():
         for b0, b1 in r_blocks:
             yield b0, scorer.prepare(_read(reference, b0, b1, "reference embeddings"), "reference embeddings")
 
     return settle_near_ties(
-        idx, values, scorer, q, ql_blk, rl, r_norm=r_norm, score=score, ref_blocks=ref_blocks,
+        idx, values, scorer, q, ql_blk, rl, r_norm=r_norm, score=score, compiled=compiled,
+        ref_blocks=ref_blocks,
         complete=idx.shape[1] >= available, budget=budget,
         query_index=None if first is None else torch.arange(first, first + q.shape[0]), read=read,
     )
@@ -320,6 +321,8 @@ def _stream(
     on_cpu = not (isinstance(query, torch.Tensor) and query.device.type != "cpu")
     if backend == "auto" and on_cpu and _Scorer(dist).symmetric and (qe - qs) * m >= SMALL_SEARCH_PAIRS:
         backend = "numba"  # chosen for the whole search, as evaluate() would, not per block
+    # float64 pair scores by one function for the whole search, on every rank (the total size)
+    compiled = on_cpu and nq * m >= SMALL_SEARCH_PAIRS
     q_rows, r_rows = plan.query_rows, plan.reference_rows
     if block_rows is not None:
         if block_rows < 1:
@@ -387,7 +390,7 @@ def _stream(
         ql_blk = ql[a0:a1]
         neighbours, tie_ruled[a0 - qs:a1 - qs] = _resolve_block(
             q_blk, ql_blk, run_i, run_c if higher else -run_c, ref, rl, scorer, r_blocks, r_norm,
-            available, a0 if same else None, plan.knn_budget, read[a0 - qs:a1 - qs])
+            available, a0 if same else None, plan.knn_budget, read[a0 - qs:a1 - qs], compiled)
         block_scores = per_query_from_neighbours(neighbours, rl, ql_blk, r_q[a0 - qs:a1 - qs], names)
         for n in names:
             scores[n][a0 - qs:a1 - qs] = block_scores[n]
