@@ -258,9 +258,10 @@ def closeness64(x: np.ndarray, q: np.ndarray, rows: np.ndarray, distance: str, u
     normalised in float64 and summed by numpy, integer embeddings whose cosines tie exactly
     came out an ulp apart, and the flat index and ``knn`` disagreed on 4 of 40 queries.
     ``norms`` is not needed (kept for callers). Memory ``Q C D`` float32: callers pass blocks."""
-    import torch  # lazy: an index of a small file stays light until it re-scores
+    # lazy: the metrics package loads only when an index re-scores (as exact_search's knn)
+    import torch
 
-    from dmlkit.metrics.near_ties import PairScorer
+    from dmlkit.metrics.near_ties import PairScorer  # lazy: as torch above
 
     nq, c = rows.shape
     gathered = np.ascontiguousarray(x[rows.reshape(-1)], dtype=np.float32)
