@@ -114,6 +114,8 @@ def build_inputs(d: Path) -> Path:
     (d / "list.json").write_text("[1, 2, 3]")
     (d / "badutf8.json").write_bytes(b'{"methods": "\xff"}')
     (d / "nan_results.json").write_text('{"methods": {"a": {"concatenated": {"map_at_r": NaN}}}}')
+    (d / "cell_results.json").write_text('{"methods": {"contrastive": {"concatenated": [0.5]}, '
+                                         '"b": {"concatenated": {"map_at_r": {"mean": "abc"}}}}}')
     bench = d / "bench"
     bench.mkdir()
     (bench / "results.json").write_text('{"methods": {"a": ')
@@ -292,6 +294,7 @@ CASES: list[tuple[str, list[str]]] = [
     ("plot-curves-corrupt-log", ["plot", "curves", "{d}/run_corrupt_log", "-o", "{d}/fig"]),
     ("plot-curves-non-utf8-log", ["plot", "curves", "{d}/run_badutf8_log", "-o", "{d}/fig"]),
     ("plot-improvement-corrupt", ["plot", "improvement", "{d}/corrupt.json", "-o", "{d}/fig"]),
+    ("plot-improvement-cell-no-number", ["plot", "improvement", "{d}/cell_results.json", "-o", "{d}/fig"]),
     ("plot-improvement-list", ["plot", "improvement", "{d}/list.json", "-o", "{d}/fig"]),
     ("plot-improvement-nan", ["plot", "improvement", "{d}/nan_results.json", "-o", "{d}/fig"]),
     ("plot-improvement-directory", ["plot", "improvement", "{d}/emptydir", "-o", "{d}/fig"]),

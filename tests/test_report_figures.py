@@ -81,3 +81,22 @@ def test_curves_gallery_bars_improvement():
     assert "+50.0" in labels and "+20.0" in labels
     with pytest.raises(DataError):
         figures.relative_improvement({"arcface": {"map_at_r": 0.3}})
+
+
+def test_curves_name_every_run_and_refuse_damaged_records():
+    """With more than four runs the one legend came from the loss panel alone, so a run logged
+    without losses was drawn unnamed; a record without a step, or a loss that is no number,
+    gave a KeyError / ValueError traceback."""
+    runs = {f"run{i}": [{"event": "train", "step": 1, "loss": 1.0}, {"event": "eval", "step": 1, "map_at_r": 0.2}]
+            for i in range(4)}
+    runs["evals only"] = [{"event": "eval", "step": 1, "map_at_r": 0.3}]
+    fig = figures.training_curves(runs)
+    assert [t.get_text() for t in fig.legends[0].get_texts()] == [*(f"run{i}" for i in range(4)), "evals only"]
+    for record in ({"event": "train", "loss": 0.5}, {"event": "train", "step": 1, "loss": "abc"}):
+        with pytest.raises(DataError, match="log record"):
+            figures.training_curves({"damaged": [record]})
+
+
+def test_improvement_without_a_method_besides_the_baselines_is_refused():
+    with pytest.raises(DataError, match="no method besides the baselines"):
+        figures.relative_improvement({"contrastive": {"map_at_r": 0.3}, "triplet": {"map_at_r": 0.2}})

@@ -228,7 +228,11 @@ def plot_improvement(
     methods = data.get("methods") if isinstance(data, dict) else None
     if not isinstance(methods, dict) or not methods or not all(isinstance(r, dict) for r in methods.values()):
         raise DataError(f"{results} is not a results.json of dmlkit bench (no 'methods' mapping)")
-    values = {n: {metric: mean_of((r.get(mode) or {}).get(metric))} for n, r in methods.items()}
+    try:
+        values = {n: {metric: mean_of((r.get(mode) or {}).get(metric))} for n, r in methods.items()}
+    except (TypeError, ValueError, AttributeError):  # a cell that is no number or {"mean": number}
+        raise DataError(f"{results}: a method's {mode} {metric!r} is not a number or {{'mean': number}}: "
+                        "the file is damaged (rerun the bench's final stage)") from None
     if not any(math.isfinite(v[metric]) for v in values.values()):
         raise DataError(f"{results} holds no finite {mode} {metric!r} value for any method: nothing to draw")
     baselines = list(baseline_methods(methods).values())

@@ -471,7 +471,7 @@ def _bench_sections(bench_dir: Path, fig_dir: Path, options: ReportOptions) -> t
                     contenders=[i for i, row in enumerate(rows) if row[0] != "pretrained"] or None)]))
     concat = {n: {"map_at_r": mean_of(r.get("concatenated", {}).get("map_at_r"))} for n, r in methods.items()}
     baselines = list(baseline_methods(methods).values())
-    if baselines:
+    if baselines and any(m not in baselines for m in concat):  # something to compare with them
         png = figures.save_figure(figures.relative_improvement(concat, baselines),
                                   fig_dir / "relative_improvement")
         sections.append(Section("Papers versus reality", [

@@ -22,6 +22,7 @@ Figures:
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -113,15 +114,15 @@ def training_curves(
         # markers every tenth point by count: a fractional markevery draws none on a one-point
         # series (a run evaluated once showed empty validation panels)
         style = dict(linestyle=_LINESTYLES[i % 4], marker=_MARKERS[i % len(_MARKERS)])
-        train = [r for r in records if r.get("event") == "train" and r.get("loss") is not None]
+        train = _points(name, [r for r in records if r.get("event") == "train" and r.get("loss") is not None],
+                        "loss")
         if train:
-            steps = np.array([r["step"] for r in train])
-            loss = np.array([r["loss"] for r in train], dtype=float)
+            steps, loss = (np.array(c, dtype=float) for c in zip(*train))
             axes[0].plot(steps, _smooth(loss), label=name, markersize=3, markevery=max(1, steps.size // 10),
                          **style)
         evals = [r for r in records if r.get("event") == "eval"]
         for ax, metric in zip(axes[1:], metrics):
-            pts = [(r["step"], r[metric]) for r in evals if metric in r]
+            pts = _points(name, [r for r in evals if metric in r], metric)
             if pts:
                 s, v = zip(*pts)
                 ax.plot(s, 100 * np.asarray(v, dtype=float), label=name, markersize=4,
@@ -133,10 +134,34 @@ def training_curves(
         for ax in axes:
             if ax.get_legend_handles_labels()[0]:
                 ax.legend()
-    elif axes[0].get_legend_handles_labels()[0]:  # many runs: one compact legend beside the panels
-        fig.legend(*axes[0].get_legend_handles_labels(), loc="center left", bbox_to_anchor=(1.0, 0.5), fontsize=7)
+    else:  # many runs: one compact legend beside the panels, naming every run drawn in any panel
+        # (from the loss panel alone, a run logged without losses was drawn and not named)
+        named = {}
+        for ax in axes:
+            for handle, label in zip(*ax.get_legend_handles_labels()):
+                named.setdefault(label, handle)
+        if named:
+            fig.legend(list(named.values()), list(named), loc="center left", bbox_to_anchor=(1.0, 0.5),
+                       fontsize=7)
     fig.tight_layout()
     return fig
+
+
+def _points(run: str, records: Sequence[Mapping[str, Any]], key: str) -> list[tuple[float, float]]:
+    """``(step, value)`` of log records (a null value is NaN); a record without a numeric step
+    or with a value that is no number is one :class:`DataError` naming the run (a damaged log
+    gave a KeyError or ValueError traceback)."""
+    def number(x: Any) -> bool:
+        return isinstance(x, int | float) and not isinstance(x, bool)
+
+    out = []
+    for r in records:
+        step, value = r.get("step"), r.get(key)
+        if not number(step) or not (value is None or number(value)):
+            what = "no numeric step" if not number(step) else f"a {key} that is not a number"
+            raise DataError(f"{run}: a log record has {what} ({str(dict(r))[:80]}): the log is damaged")
+        out.append((float(step), math.nan if value is None else float(value)))
+    return out
 
 
 def _smooth(values: np.ndarray, window: int = 0) -> np.ndarray:
@@ -411,6 +436,8 @@ def relative_improvement(
     if not present:
         raise DataError(f"none of the baselines {list(baselines)} is among the methods {sorted(results)}")
     methods = [m for m in results if m not in present and m != "pretrained"] or [m for m in results if m not in present]
+    if not methods:  # an empty figure with a legend read as a result
+        raise DataError(f"no method besides the baselines {present} to compare with them")
     fig, ax = plt.subplots(figsize=(max(5.0, 1.1 * len(methods) + 2), 3.6))
     width = 0.8 / len(present)
     x = np.arange(len(methods))
