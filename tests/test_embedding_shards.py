@@ -88,8 +88,12 @@ def test_writer_refuses_bad_input_with_clear_errors(tmp_path):
     w.close()
     with pytest.raises(NonFiniteError, match="float16"):
         ShardWriter(tmp_path / "b", dtype="float16").append(x * 1e5, y)
-    with pytest.raises(DataError, match="overwrite"):
+    with pytest.raises(DataError, match="overwrite") as refused:
         ShardWriter(tmp_path / "a")
+    # every rank of a torchrun job meets it: printed once, by rank 0 (it was once per rank)
+    from dmlkit.distributed import raised_on_every_rank
+
+    assert raised_on_every_rank(refused.value)
     with pytest.raises(DataError, match="no embeddings"):
         ShardWriter(tmp_path / "empty").close()
 

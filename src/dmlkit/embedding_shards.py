@@ -38,6 +38,7 @@ from typing import Any
 
 import numpy as np
 
+from dmlkit.distributed import mark_every_rank
 from dmlkit.exceptions import ConfigError, DataError, DataNotFoundError, NonFiniteError, ShapeError
 from dmlkit.utils import atomic_write_json, sha256_file
 
@@ -117,9 +118,10 @@ class ShardWriter:
         self._replaced: set[str] | None = None
         self._prefix = ""
         if (self.directory / MANIFEST).exists():
-            if not overwrite:
-                raise DataError(f"{self.directory} already holds embedding shards: pass overwrite=True "
-                                "(--overwrite) or choose another directory")
+            if not overwrite:  # every rank of a torchrun job sees it: one line, from rank 0
+                raise mark_every_rank(DataError(
+                    f"{self.directory} already holds embedding shards: pass overwrite=True "
+                    "(--overwrite) or choose another directory"))
             self._replaced = self._old_files()
             self._prefix = f"{os.getpid():x}{time.time_ns() % 2**20:05x}-"
         self._prefix += part
