@@ -31,8 +31,8 @@ import torch
 from dmlkit.exceptions import ConfigError, NonFiniteError, ShapeError
 
 __all__ = [
-    "SEED_LIMIT", "check_embeddings", "check_labels", "check_product_range", "check_seed",
-    "concatenate_normalized", "normalize_rows", "safe_normalize",
+    "SEED_LIMIT", "check_embeddings", "check_label_pair", "check_labels", "check_product_range",
+    "check_seed", "concatenate_normalized", "normalize_rows", "safe_normalize",
 ]
 
 #: Seeds are ``0 <= seed < SEED_LIMIT``: what numpy's legacy seeding, scikit-learn's
@@ -336,7 +336,7 @@ def check_labels(
         return inverse.astype(np.int64).reshape(-1), [str(c) for c in uniq.tolist()]
     if class_names is not None:
         raise ShapeError(
-            f"{name} are numbers but the other label set holds class-name strings: use the same "
+            f"{name} are numbers but the other label set holds class names (strings): use the same "
             "kind of labels for both"
         )
     if kind in "iu":
@@ -365,3 +365,21 @@ def check_labels(
         f"{name} must be integer class ids or class-name strings, got dtype {arr.dtype}: "
         "pass an int array or strings"
     )
+
+
+def check_label_pair(
+    query_labels: Any, nq: int, reference_labels: Any | None, nr: int,
+    names: tuple[str, str] = ("query labels", "reference labels"),
+) -> tuple[torch.Tensor, torch.Tensor | None, list[str] | None]:
+    """Query and reference labels (:func:`check_labels`) encoded together: class-name strings
+    share one code table (each set coded alone, code 0 of one could name another class than
+    code 0 of the other), and names on one side with numbers on the other are refused.
+    ``names``: how errors call the two sets (e.g. query and gallery ids)."""
+    ql, class_names = check_labels(query_labels, nq, names[0])
+    if reference_labels is None:
+        return torch.from_numpy(ql), None, class_names
+    rl, ref_names = check_labels(reference_labels, nr, names[1], class_names=class_names)
+    if class_names is None and ref_names is not None:  # else integer ids meet codes of sorted names
+        raise ShapeError(f"{names[1]} are class-name strings but the {names[0]} are numbers: use the "
+                         "same kind of labels for both")
+    return torch.from_numpy(ql), torch.from_numpy(rl), ref_names

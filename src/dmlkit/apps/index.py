@@ -347,8 +347,16 @@ class EmbeddingIndex:
         return int(pos.size)
 
     def _positions(self) -> dict[str, int]:
+        """``{id: row}``, built once; ids that repeat (a damaged or hand-edited saved index: the
+        table kept the last row, and an id found another item's neighbours) are a DataError."""
         if self._id_pos is None:
-            self._id_pos = {s: i for i, s in enumerate(self.ids.tolist())}
+            table = {s: i for i, s in enumerate(self.ids.tolist())}
+            if len(table) != len(self.ids):
+                seen: set[str] = set()
+                repeated = next(s for s in self.ids.tolist() if s in seen or seen.add(s))
+                raise DataError(f"the index is corrupt: {len(self.ids) - len(table)} ids name more than one "
+                                f"item (e.g. {repeated!r}): rebuild it")
+            self._id_pos = table
         return self._id_pos
 
     def positions(self, ids: Sequence[str] | np.ndarray) -> np.ndarray:

@@ -81,15 +81,13 @@ class RowNorms:
         return SCAN_NORMS[0] <= self.low and self.high <= SCAN_NORMS[1]
 
 
-def _finite_rows(values: np.ndarray, rows: np.ndarray) -> np.ndarray:
-    """``values`` (computed from stored rows ``rows``, same shape), or a :class:`DataError` where
-    one is not finite: the index's vectors are checked when built and when loaded into memory,
-    so this is a damaged memory-mapped file (a NaN row would otherwise never be returned)."""
-    bad = ~np.isfinite(values)
+def _refuse_damaged(bad: np.ndarray, rows: np.ndarray) -> None:
+    """A :class:`DataError` naming the first stored row flagged ``bad`` (same shape as ``rows``):
+    a non-finite vector, checked on build and on load into memory, so a damaged memory-mapped
+    file (its NaN row would otherwise never be returned)."""
     if bad.any():
         raise DataError(f"stored vector {int(rows[bad].flat[0])} of the index is not finite: the "
                         "index file is damaged; rebuild it")
-    return values
 
 
 def _inverse_norm(sq: np.ndarray) -> np.ndarray:
@@ -103,7 +101,8 @@ def _inverse_norm(sq: np.ndarray) -> np.ndarray:
 
 def row_norms(x: np.ndarray, unit: bool) -> RowNorms:
     """:class:`RowNorms` of ``x`` (one pass over the vectors)."""
-    sq = _finite_rows(np.einsum("ij,ij->i", x, x, dtype=np.float64), np.arange(x.shape[0]))
+    sq = np.einsum("ij,ij->i", x, x, dtype=np.float64)
+    _refuse_damaged(~np.isfinite(sq), np.arange(x.shape[0]))
     factor = _inverse_norm(sq) if unit else sq / 2
     unit_rows = bool(sq.size == 0 or np.abs(sq - 1).max() <= UNIT_TOLERANCE)
     nonzero = np.sqrt(sq[sq > 0])
@@ -150,7 +149,8 @@ class InverseNorms:
             for a in range(0, need.size, self.STEP):
                 part = need[a : a + self.STEP]
                 block = np.asarray(self.x[part])
-                sq = _finite_rows(np.einsum("ij,ij->i", block, block, dtype=np.float64), part)
+                sq = np.einsum("ij,ij->i", block, block, dtype=np.float64)
+                _refuse_damaged(~np.isfinite(sq), part)
                 self.value[part] = _inverse_norm(sq)
             found = self.value[rows]
         return found
@@ -190,7 +190,7 @@ def exact_search(x: np.ndarray, q: np.ndarray, k: int, distance: str, unit: bool
     if metric is not None:
         c = min(m, 2 * k + CANDIDATE_MARGIN)
         _, cand = _faiss_or_none().knn(scan_q, x, c, metric)
-        return _rescore(x, q, cand, k, distance, unit, norms)
+        return _rescore(x, q, cand, k, distance, unit)
     if q.shape[0] * m <= SMALL_EXACT and (norms.scan_safe or not unit):
         s = scan_q @ x.T
         if unit:  # <q, x / |x|> orders like cosine and like -|q/|q| - x/|x||
@@ -199,7 +199,7 @@ def exact_search(x: np.ndarray, q: np.ndarray, k: int, distance: str, unit: bool
             s -= norms.factor  # <q, x> - |x|^2 / 2 orders like -|q - x|^2
         c = min(m, 2 * k + CANDIDATE_MARGIN)
         cand = _top_rows(s, c) if c < m else np.tile(np.arange(m), (q.shape[0], 1))
-        return _rescore(x, q, cand, k, distance, unit, norms)
+        return _rescore(x, q, cand, k, distance, unit)
     from dmlkit.metrics import knn  # lazy: numba kernels load only when a large exact search runs
 
     res = knn(q, x, k=k, distance=get_distance(distance, normalize_embeddings=unit), exclude_self=False)
@@ -227,8 +227,8 @@ def _top_rows(s: np.ndarray, c: int) -> np.ndarray:
     return cand
 
 
-def _rescore(x: np.ndarray, q: np.ndarray, cand: np.ndarray, k: int, distance: str, unit: bool,
-             norms: RowNorms) -> tuple[np.ndarray, np.ndarray]:
+def _rescore(x: np.ndarray, q: np.ndarray, cand: np.ndarray, k: int, distance: str, unit: bool
+             ) -> tuple[np.ndarray, np.ndarray]:
     """Order candidate rows ``cand (Q, C)`` by float64 scores, ties by row; keep ``k``."""
     pos_out = np.empty((q.shape[0], k), dtype=np.int64)
     val_out = np.empty((q.shape[0], k), dtype=np.float32)
@@ -237,7 +237,7 @@ def _rescore(x: np.ndarray, q: np.ndarray, cand: np.ndarray, k: int, distance: s
     block = max(1, min(RESCORE_BLOCK, RESCORE_BYTES // (8 * max(1, cand.shape[1] * x.shape[1]))))
     for a in range(0, q.shape[0], block):
         c = cand[a:a + block]
-        score = closeness64(x, q[a:a + block], c, distance, unit, norms)
+        score = closeness64(x, q[a:a + block], c, distance, unit)
         order = np.lexsort((c, -score), axis=1)[:, :k]
         pos_out[a:a + block] = np.take_along_axis(c, order, axis=1)
         val = np.take_along_axis(score, order, axis=1)
@@ -245,8 +245,7 @@ def _rescore(x: np.ndarray, q: np.ndarray, cand: np.ndarray, k: int, distance: s
     return pos_out, val_out
 
 
-def closeness64(x: np.ndarray, q: np.ndarray, rows: np.ndarray, distance: str, unit: bool,
-                norms: RowNorms | None = None) -> np.ndarray:
+def closeness64(x: np.ndarray, q: np.ndarray, rows: np.ndarray, distance: str, unit: bool) -> np.ndarray:
     """Float64 closeness (larger = closer: minus the Euclidean distance) of queries ``q (Q, D)``
     and rows ``rows (Q, C)`` of ``x``, from the float32 vectors: what exact search orders by.
 
@@ -257,7 +256,7 @@ def closeness64(x: np.ndarray, q: np.ndarray, rows: np.ndarray, distance: str, u
     so ties, exact ones included, fall as in :func:`dmlkit.metrics.knn`: with the rows
     normalised in float64 and summed by numpy, integer embeddings whose cosines tie exactly
     came out an ulp apart, and the flat index and ``knn`` disagreed on 4 of 40 queries.
-    ``norms`` is not needed (kept for callers). Memory ``Q C D`` float32: callers pass blocks."""
+    Memory ``Q C D`` float32: callers pass blocks."""
     # lazy: the metrics package loads only when an index re-scores (as exact_search's knn)
     import torch
 
@@ -293,7 +292,7 @@ def candidate_scores(x: np.ndarray, q: np.ndarray, pos: np.ndarray, distance: st
     else:
         s = _gathered_dots(x, q, safe)
     # NaN only from a NaN row (a product of finite rows that overflows is inf, not NaN)
-    _finite_rows(np.where((pos < 0) | ~np.isnan(s), 0, s), pos)
+    _refuse_damaged(np.isnan(s) & (pos >= 0), pos)
     s = s.astype(np.float32, copy=False)
     s[pos < 0] = np.inf if distance == "euclidean" else -np.inf
     return s

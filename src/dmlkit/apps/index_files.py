@@ -263,10 +263,10 @@ def _check_rows(path: Path, index: EmbeddingIndex, next_key: int) -> None:
     keys, ids = index._keys, index.ids
     if keys.size and (keys[0] < 0 or keys[-1] >= next_key or np.any(np.diff(keys) <= 0)):
         raise DataError(f"{path} is corrupt: its row keys are not increasing below {next_key}: rebuild it")
-    unique, counts = np.unique(ids, return_counts=True)
-    if unique.size != ids.size:
-        raise DataError(f"{path} is corrupt: {int((counts > 1).sum())} ids name more than one item "
-                        f"(e.g. {str(unique[counts > 1][0])!r}): rebuild it")
+    try:
+        index._positions()  # the id table every lookup uses, built here once (it refuses repeats)
+    except DataError as exc:
+        raise DataError(f"{path}: {exc}") from None
     vectors = index.embeddings
     if not isinstance(vectors, np.memmap):
         for a in range(0, vectors.shape[0], 65536):

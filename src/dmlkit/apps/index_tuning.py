@@ -75,12 +75,11 @@ def as_close_as_kth(index: EmbeddingIndex, q: np.ndarray, approx: np.ndarray, ex
     a = approx[:, :k]
     kth = exact[:, k - 1:k]
     out = np.zeros(a.shape, dtype=bool)
-    norms = index._row_norms()
     block = max(1, RECALL_SCORE_BYTES // (8 * (k + 1) * index.dim))
     for r0 in range(0, a.shape[0], block):
         sl = slice(r0, r0 + block)
         rows = np.maximum(np.concatenate([a[sl], kth[sl]], axis=1), 0)
-        s = closeness64(index.embeddings, q[sl], rows, index.distance, index._unit, norms)
+        s = closeness64(index.embeddings, q[sl], rows, index.distance, index._unit)
         out[sl] = (s[:, :-1] >= s[:, -1:]) & (a[sl] >= 0) & (kth[sl] >= 0)
     return out
 

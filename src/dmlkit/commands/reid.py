@@ -241,26 +241,19 @@ def _select(d: dict[str, Any], mask) -> dict[str, Any]:
     return {**rows, "names": d.get("names")}
 
 
-def _one_code_table(query: dict[str, Any], gallery: dict[str, Any], gallery_path: Path) -> None:
-    """Code the identities of two files with one table where they are names: each file stores
-    string labels as codes into its own sorted ``class_names``, so code 0 of the query file and
-    code 0 of the gallery file can name different people (compared as codes, every match was
-    scored as a miss)."""
+def _one_code_table(query: dict[str, Any], gallery: dict[str, Any]) -> None:
+    """Code the identities of two files with one table where they are names
+    (:func:`dmlkit.validation.check_label_pair`): each file stores string labels as codes into
+    its own sorted ``class_names``, so code 0 of the query file and code 0 of the gallery file
+    can name different people (compared as codes, every match was scored as a miss)."""
     import numpy as np
 
-    from dmlkit.exceptions import ShapeError
-    from dmlkit.validation import check_labels
+    from dmlkit.validation import check_label_pair
 
-    if query["names"] is None and gallery["names"] is None:
-        return
-    if query["names"] is None or gallery["names"] is None:
-        raise ShapeError(f"the identities of one file are names and of the other numbers ({gallery_path} "
-                         f"{'has' if gallery['names'] is not None else 'has no'} class names): use the "
-                         "same kind of labels in both")
-    query["ids"], names = check_labels(query["names"][query["ids"]], len(query["ids"]), "query ids")
-    gallery["ids"], names = check_labels(gallery["names"][gallery["ids"]], len(gallery["ids"]),
-                                         "gallery ids", class_names=names)
-    query["names"] = gallery["names"] = np.asarray(names)
+    q_ids, g_ids = (d["ids"] if d["names"] is None else d["names"][d["ids"]] for d in (query, gallery))
+    q_codes, g_codes, names = check_label_pair(q_ids, len(q_ids), g_ids, len(g_ids), ("query ids", "gallery ids"))
+    query["ids"], gallery["ids"] = q_codes.numpy(), g_codes.numpy()
+    query["names"] = gallery["names"] = None if names is None else np.asarray(names)
 
 
 def _load_source(source: Path, gallery: Path | None, data_root: Path | None,
@@ -271,7 +264,7 @@ def _load_source(source: Path, gallery: Path | None, data_root: Path | None,
 
     if gallery is not None:
         query, gallery_set = _npz(source), _npz(gallery)
-        _one_code_table(query, gallery_set, gallery)
+        _one_code_table(query, gallery_set)
         return {"protocol": "market1501", "query": query, "gallery": gallery_set}
     if source.is_dir():
         d = _embed_run(source, data_root, device)

@@ -7,7 +7,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from dmlkit.exceptions import ConfigError, ShapeError
+from dmlkit.exceptions import ConfigError
 from dmlkit.validation import check_embeddings, check_labels
 
 #: Default working-memory budget of the blockwise computations (bytes).
@@ -23,20 +23,6 @@ def as_labels(y: Any, n: int, name: str = "labels") -> torch.Tensor:
     """``y`` as an int64 ``(n,)`` tensor on the CPU (:func:`dmlkit.validation.check_labels`;
     string labels become codes into their sorted names)."""
     return torch.from_numpy(check_labels(y, n, name)[0])
-
-
-def as_label_pair(
-    query_labels: Any, nq: int, reference_labels: Any | None, nr: int
-) -> tuple[torch.Tensor, torch.Tensor | None, list[str] | None]:
-    """Query and reference labels encoded together (string class names share one code table)."""
-    ql, names = check_labels(query_labels, nq, "query labels")
-    if reference_labels is None:
-        return torch.from_numpy(ql), None, names
-    rl, ref_names = check_labels(reference_labels, nr, "reference labels", class_names=names)
-    if names is None and ref_names is not None:  # else integer ids meet codes of sorted names
-        raise ShapeError("reference labels are class-name strings but the query labels are numbers: use the "
-                         "same kind of labels for both")
-    return torch.from_numpy(ql), torch.from_numpy(rl), ref_names
 
 
 #: Odd 64-bit weights of :func:`row_hashes` (fixed: hashes compare across calls and blocks).

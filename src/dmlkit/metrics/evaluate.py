@@ -17,7 +17,6 @@ from dmlkit.metrics._threads import full_float32_matmuls
 from dmlkit.metrics._validation import (
     DEFAULT_MEMORY_BUDGET,
     as_embeddings,
-    as_label_pair,
     check_budget,
     row_hashes,
     shared_rows_warning,
@@ -41,6 +40,7 @@ from dmlkit.metrics.retrieval import (
     per_query_from_neighbours,
     warn_embedding_independent,
 )
+from dmlkit.validation import check_label_pair
 
 __all__ = ["DEFAULT_METRICS", "METRIC_NAMES", "REFERENCE_IS_QUERY", "evaluate", "expand_metric_names", "per_class", "per_query"]
 
@@ -109,13 +109,13 @@ class _Inputs:
         if self.same:
             if reference_labels is not None:
                 raise ShapeError("reference_labels given without reference embeddings")
-            self.ql, _, self.class_names = as_label_pair(query_labels, self.q.shape[0], None, 0)
+            self.ql, _, self.class_names = check_label_pair(query_labels, self.q.shape[0], None, 0)
             self.r, self.rl = self.q, self.ql
         else:
             if reference_labels is None:
                 raise ShapeError("pass reference_labels together with reference embeddings")
             self.r = as_embeddings(reference, "reference embeddings").to(self.q.device)
-            self.ql, self.rl, self.class_names = as_label_pair(
+            self.ql, self.rl, self.class_names = check_label_pair(
                 query_labels, self.q.shape[0], reference_labels, self.r.shape[0]
             )
             if self.r.shape[1] != self.q.shape[1]:

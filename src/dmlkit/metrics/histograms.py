@@ -32,10 +32,10 @@ from dmlkit.metrics._threads import full_float32_matmuls, run_threads, single_th
 from dmlkit.metrics._validation import (
     DEFAULT_MEMORY_BUDGET,
     as_embeddings,
-    as_label_pair,
     check_budget,
 )
 from dmlkit.metrics.knn import SMALL_SEARCH_PAIRS
+from dmlkit.validation import check_label_pair
 
 __all__ = ["PosNegHistograms", "js_divergence", "pos_neg_histograms"]
 
@@ -196,13 +196,13 @@ def pos_neg_histograms(
     same = reference is None
     q = as_embeddings(query, "query embeddings")
     if same:
-        ql = as_label_pair(query_labels, q.shape[0], None, 0)[0].to(q.device)
+        ql = check_label_pair(query_labels, q.shape[0], None, 0)[0].to(q.device)
         r, rl = q, ql
     else:
         if reference_labels is None:
             raise ShapeError("pass reference_labels together with reference")
         r = as_embeddings(reference, "reference embeddings").to(q.device)
-        ql, rl, _ = as_label_pair(query_labels, q.shape[0], reference_labels, r.shape[0])
+        ql, rl, _ = check_label_pair(query_labels, q.shape[0], reference_labels, r.shape[0])
         ql, rl = ql.to(q.device), rl.to(q.device)
         if r.shape[1] != q.shape[1]:
             raise ShapeError(f"query has {q.shape[1]} dimensions but reference has {r.shape[1]}")

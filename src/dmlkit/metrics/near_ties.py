@@ -49,7 +49,8 @@ from dmlkit.metrics._validation import row_hashes
 from dmlkit.metrics.average_precision import closeness_tolerance
 from dmlkit.metrics.knn import SMALL_SEARCH_PAIRS, _Scorer, exact_topk
 
-__all__ = ["EXTRA_NEIGHBOURS", "PairScorer", "Settled", "closeness_of", "identical_rows", "settle_near_ties", "tie_gap",
+__all__ = ["EXTRA_NEIGHBOURS", "PairScorer", "Settled", "closeness_of", "compiled_scores", "identical_rows",
+           "settle_near_ties", "tie_gap",
            "warn_tie_ruled"]
 
 #: Neighbours a caller asks for beyond the positions its metrics read: a reference the search
@@ -112,11 +113,11 @@ def _score64(q: torch.Tensor, r: torch.Tensor, rows: torch.Tensor, refs: torch.T
     return out
 
 
-def compiled_scores(q: torch.Tensor, pairs: int) -> bool:
+def compiled_scores(on_cpu: bool, pairs: int) -> bool:
     """Whether a search of ``pairs`` query-reference pairs scores its float64 pairs with the
     compiled kernel (:func:`_score64`): on the CPU, from the size at which the kNN runs its own
     compiled kernels (:data:`dmlkit.metrics.knn.SMALL_SEARCH_PAIRS`)."""
-    return q.device.type == "cpu" and pairs >= SMALL_SEARCH_PAIRS
+    return on_cpu and pairs >= SMALL_SEARCH_PAIRS
 
 
 def identical_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -143,7 +144,9 @@ class PairScorer:
     def __init__(self, q: torch.Tensor, r: torch.Tensor, euclidean: bool,
                  compiled: bool | None = None) -> None:
         self.q, self.r, self.euclidean = q, r, euclidean
-        self.compiled = compiled_scores(q, q.shape[0] * r.shape[0]) if compiled is None else compiled
+        if compiled is None:
+            compiled = compiled_scores(q.device.type == "cpu", q.shape[0] * r.shape[0])
+        self.compiled = compiled
 
     def __call__(self, rows: torch.Tensor, refs: torch.Tensor) -> torch.Tensor:
         return _score64(self.q, self.r, rows, refs, self.euclidean, self.compiled)

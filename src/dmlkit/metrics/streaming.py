@@ -54,7 +54,6 @@ from dmlkit.metrics._threads import full_float32_matmuls
 from dmlkit.metrics._validation import (
     DEFAULT_MEMORY_BUDGET,
     as_embeddings,
-    as_label_pair,
     check_budget,
     row_hashes,
     shared_rows_warning,
@@ -72,6 +71,7 @@ from dmlkit.metrics.near_ties import (
     EXTRA_NEIGHBOURS,
     PairScorer,
     Settled,
+    compiled_scores,
     settle_near_ties,
     warn_tie_ruled,
 )
@@ -81,6 +81,7 @@ from dmlkit.metrics.retrieval import (
     per_query_from_neighbours,
     warn_embedding_independent,
 )
+from dmlkit.validation import check_label_pair
 
 __all__ = ["StreamingPlan", "evaluate_streaming", "per_query_streaming", "plan_blocks"]
 
@@ -293,10 +294,10 @@ def _stream(
     if same:
         if reference_labels is not None:
             raise ShapeError("reference_labels given without reference embeddings")
-        ql, _, _ = as_label_pair(qlab, nq, None, 0)
+        ql, _, _ = check_label_pair(qlab, nq, None, 0)
         rl = ql
     else:
-        ql, rl, _ = as_label_pair(qlab, nq, _labels_of(reference, reference_labels, "reference labels"), m)
+        ql, rl, _ = check_label_pair(qlab, nq, _labels_of(reference, reference_labels, "reference labels"), m)
     qs, qe = (0, nq) if query_range is None else (int(query_range[0]), int(query_range[1]))
     if not 0 <= qs < qe <= nq:
         raise ConfigError(f"query_range must satisfy 0 <= start < stop <= {nq}, got {query_range}")
@@ -322,7 +323,7 @@ def _stream(
     if backend == "auto" and on_cpu and _Scorer(dist).symmetric and (qe - qs) * m >= SMALL_SEARCH_PAIRS:
         backend = "numba"  # chosen for the whole search, as evaluate() would, not per block
     # float64 pair scores by one function for the whole search, on every rank (the total size)
-    compiled = on_cpu and nq * m >= SMALL_SEARCH_PAIRS
+    compiled = compiled_scores(on_cpu, nq * m)
     q_rows, r_rows = plan.query_rows, plan.reference_rows
     if block_rows is not None:
         if block_rows < 1:
