@@ -79,6 +79,33 @@ def test_the_warning_counts_the_queries_whose_metrics_the_tie_rule_decides(evalu
     assert _ruled_count(record) == want
 
 
+def _per_class(*args, **kwargs):
+    from dmlkit.metrics import per_class
+
+    return per_class(*args, **kwargs)
+
+
+@pytest.mark.parametrize("evaluator", [evaluate, evaluate_streaming, _per_class],
+                         ids=["evaluate", "streaming", "per_class"])
+def test_a_metric_reported_as_nan_sets_no_tie_flag(evaluator):
+    """A Recall@K past every query's negatives is NaN whatever the embeddings; the ties its K
+    positions hold decide no reported number, so the warning counts the queries whose P@1 the
+    rule decides (the oracle at one position), as :func:`evaluate` did; the streaming means and
+    the class means counted every tie within K."""
+    x, y, which = _duplicates(120, 30, seed=120)
+    k = len(y) - 1  # every candidate: above every query's negatives
+    want = int(_oracle(x, y, which, np.ones(len(y), np.int64)).sum())
+    deep = int(_oracle(x, y, which, np.full(len(y), k)).sum())
+    assert 0 < want < deep
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        out = evaluator(x, y, metrics=["precision_at_1", f"recall_at_{k}"])
+    assert _ruled_count(record) == want
+    assert any("K is larger than every query" in str(w.message) for w in record)
+    rows = out.values() if evaluator is _per_class else [out]
+    assert all(np.isnan(row[f"recall_at_{k}"]) for row in rows)
+
+
 @pytest.mark.parametrize(("n", "classes", "copies"), [(60, 10, 3), (2100, 100, 12)],
                          ids=["blockwise", "compiled"])
 def test_full_ranking_map_flags_a_negative_tied_with_a_positive(n, classes, copies):

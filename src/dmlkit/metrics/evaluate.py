@@ -35,6 +35,7 @@ from dmlkit.metrics.near_ties import (
 )
 from dmlkit.metrics.retrieval import (
     cutoff,
+    embedding_independent,
     full_ranking_ap_block,
     num_positives,
     per_query_from_neighbours,
@@ -261,8 +262,13 @@ def per_query(
 
 
 def _per_query(
-    query, query_labels, reference, reference_labels, metrics, *, distance, k_values, backend, memory_budget
+    query, query_labels, reference, reference_labels, metrics, *, distance, k_values, backend, memory_budget,
+    means: bool = False,
 ) -> tuple[dict[str, np.ndarray], np.ndarray, _Inputs]:
+    """Per-query scores (NaN where ``R_q = 0``), ``R_q`` and the validated inputs. With
+    ``means`` (the caller reports means), a metric whose mean is the same for any embeddings
+    (:func:`dmlkit.metrics.retrieval.embedding_independent`) is NaN without a search for it: it
+    sets neither the search's depth nor the tie warning, as in :func:`evaluate`."""
     names = expand_metric_names(metrics, k_values)
     whole_set = [n for n in names if n in (*CLUSTERING_METRICS, "pos_neg_js")]
     if whole_set:  # they were dropped: per_class(metrics=["nmi"]) gave rows of counts alone
@@ -273,11 +279,13 @@ def _per_query(
     budget = check_budget(memory_budget)
     inp = _Inputs(query, query_labels, reference, reference_labels, distance)
     valid = inp.r_q > 0
-    if bool(valid.any()):
-        scores = _retrieval_per_query(inp, names, backend, budget)
-    else:  # no query has a positive: every score is NaN, as evaluate() reports (no search, which
-        # a single row could not even run)
-        scores = {name: torch.full((inp.q.shape[0],), float("nan"), dtype=torch.float64) for name in names}
+    fixed = embedding_independent(inp.r_q, inp.candidates, names) if means else set()
+    searched = [n for n in names if n not in fixed]
+    # NaN without a query with a positive, as evaluate() reports (no search, which a single row
+    # could not even run)
+    scores = {name: torch.full((inp.q.shape[0],), float("nan"), dtype=torch.float64) for name in names}
+    if bool(valid.any()) and searched:
+        scores.update(_retrieval_per_query(inp, searched, backend, budget))
     out = {}
     for name, v in scores.items():
         v = v.clone()
@@ -397,7 +405,7 @@ def per_class(
     """
     scores, r_q, inp = _per_query(
         query, query_labels, reference, reference_labels, metrics, distance=distance,
-        k_values=k_values, backend=backend, memory_budget=memory_budget,
+        k_values=k_values, backend=backend, memory_budget=memory_budget, means=True,
     )
     labels = inp.ql.numpy()
     names = inp.class_names

@@ -34,7 +34,7 @@ import torch
 
 __all__ = [
     "RETRIEVAL_PREFIXES", "num_positives", "per_query_from_neighbours", "full_ranking_ap", "full_ranking_ap_block",
-    "cutoff", "warn_embedding_independent",
+    "cutoff", "embedding_independent", "warn_embedding_independent",
 ]
 
 RETRIEVAL_PREFIXES = ("precision_at_", "recall_at_")
@@ -64,6 +64,39 @@ def num_positives(
     return r
 
 
+def _independent_reasons(r_q: torch.Tensor, candidates: int, names: Sequence[str]) -> list[tuple[list[str], str]]:
+    """The metrics of ``names`` whose mean over the queries with a positive is the same for any
+    embeddings, grouped by reason, each group with its warning (see
+    :func:`warn_embedding_independent`)."""
+    valid = r_q > 0
+    if not bool(valid.any()):
+        return []
+    most_negatives = candidates - int(r_q[valid].min())
+    if most_negatives <= 0:
+        return [(list(names), f"{', '.join(names)}: every reference shares its query's class (one "
+                 "class), so every ranking puts the positives first whatever the embeddings; "
+                 "reported as NaN (no number): evaluate at least two classes")]
+    recall = [n for n in names if n.startswith("recall_at_") and cutoff(n) > most_negatives]
+    precision = [n for n in names if n.startswith("precision_at_") and cutoff(n) >= candidates]
+    reasons = []
+    if recall:
+        reasons.append((recall, f"{', '.join(recall)}: K is larger than every query's number of "
+                        f"references of other classes (at most {most_negatives}), so its K nearest "
+                        "always hold a positive whatever the embeddings; reported as NaN (no "
+                        f"number): ask for a smaller K (at most {most_negatives})"))
+    if precision:
+        reasons.append((precision, f"{', '.join(precision)}: K reaches all {candidates} references "
+                        "a query is ranked against, so its K nearest are the same whatever the "
+                        f"embeddings; reported as NaN (no number): ask for K below {candidates}"))
+    return reasons
+
+
+def embedding_independent(r_q: torch.Tensor, candidates: int, names: Sequence[str]) -> set[str]:
+    """:func:`warn_embedding_independent` without its warnings: what a caller need not search
+    for (a search for them would read deeper, and flag ties that no reported number reads)."""
+    return {n for group, _ in _independent_reasons(r_q, candidates, names) for n in group}
+
+
 def warn_embedding_independent(r_q: torch.Tensor, candidates: int, names: Sequence[str]) -> set[str]:
     """The metrics of ``names`` whose mean over the queries with a positive is the same for any
     embeddings, with one warning per reason (callers report them as NaN, "no number"):
@@ -76,27 +109,11 @@ def warn_embedding_independent(r_q: torch.Tensor, candidates: int, names: Sequen
       (``M``, or ``M - 1`` leaving itself out): its ``K`` nearest are every reference.
 
     Empty without a query with a positive (those means are NaN already)."""
-    valid = r_q > 0
-    if not bool(valid.any()):
-        return set()
-    most_negatives = candidates - int(r_q[valid].min())
-    if most_negatives <= 0:
-        warnings.warn(f"{', '.join(names)}: every reference shares its query's class (one class), so "
-                      "every ranking puts the positives first whatever the embeddings; reported as "
-                      "NaN (no number): evaluate at least two classes", stacklevel=3)
-        return set(names)
-    recall = [n for n in names if n.startswith("recall_at_") and cutoff(n) > most_negatives]
-    precision = [n for n in names if n.startswith("precision_at_") and cutoff(n) >= candidates]
-    if recall:
-        warnings.warn(f"{', '.join(recall)}: K is larger than every query's number of references of "
-                      f"other classes (at most {most_negatives}), so its K nearest always hold a "
-                      "positive whatever the embeddings; reported as NaN (no number): ask for a "
-                      f"smaller K (at most {most_negatives})", stacklevel=3)
-    if precision:
-        warnings.warn(f"{', '.join(precision)}: K reaches all {candidates} references a query is "
-                      "ranked against, so its K nearest are the same whatever the embeddings; "
-                      f"reported as NaN (no number): ask for K below {candidates}", stacklevel=3)
-    return {*recall, *precision}
+    fixed: set[str] = set()
+    for group, message in _independent_reasons(r_q, candidates, names):
+        warnings.warn(message, stacklevel=3)
+        fixed.update(group)
+    return fixed
 
 
 def per_query_from_neighbours(

@@ -77,6 +77,7 @@ from dmlkit.metrics.near_ties import (
 )
 from dmlkit.metrics.retrieval import (
     cutoff,
+    embedding_independent,
     num_positives,
     per_query_from_neighbours,
     warn_embedding_independent,
@@ -270,7 +271,14 @@ def _stream(
     query: Any, query_labels: Any, reference: Any, reference_labels: Any, metrics: Any, *,
     distance: str | BaseDistance, k_values: Sequence[int], backend: str, memory_budget: int,
     block_rows: int | None, progress: bool, query_range: tuple[int, int] | None = None,
-) -> tuple[dict[str, torch.Tensor], torch.Tensor, list[str]]:
+    means: bool = False,
+) -> tuple[dict[str, torch.Tensor], torch.Tensor, list[str], torch.Tensor]:
+    """Per-query float64 scores of the queries in ``query_range``, their ``R_q``, the metric
+    names and whether the tie rule decides what a query's metrics read. With ``means`` (the
+    caller reports means), a metric whose mean is the same for any embeddings
+    (:func:`dmlkit.metrics.retrieval.embedding_independent`, decided on every query, so alike on
+    every rank) is not searched for: NaN per query, and it sets neither the depth of the search
+    nor the tie flags, as in :func:`dmlkit.metrics.evaluate`."""
     names = streamable_names(metrics, k_values)
     budget = check_budget(memory_budget)
     same = reference is None
@@ -301,20 +309,25 @@ def _stream(
     qs, qe = (0, nq) if query_range is None else (int(query_range[0]), int(query_range[1]))
     if not 0 <= qs < qe <= nq:
         raise ConfigError(f"query_range must satisfy 0 <= start < stop <= {nq}, got {query_range}")
-    r_q = num_positives(ql, rl, exclude_self=same)[qs:qe]
-    if not bool((r_q > 0).any()):  # no query with a positive (one row; only singletons): every
-        # score is NaN, as evaluate() reports, without a search (one row could not even run one)
-        nan = {n: torch.full((qe - qs,), math.nan, dtype=torch.float64) for n in names}
-        return nan, r_q, names, torch.zeros(qe - qs, dtype=torch.bool)
+    r_all = num_positives(ql, rl, exclude_self=same)
+    r_q = r_all[qs:qe]
     available = m - int(same)
+    fixed = embedding_independent(r_all, available, names) if means else set()
+    searched = [n for n in names if n not in fixed]
+    scores = {n: torch.full((qe - qs,), math.nan, dtype=torch.float64) for n in names}
+    tie_ruled = torch.zeros(qe - qs, dtype=torch.bool)
+    if not searched or not bool((r_q > 0).any()):  # nothing to search for; or no query with a
+        # positive (one row; only singletons): every score is NaN, as evaluate() reports, without
+        # a search (one row could not even run one)
+        return scores, r_q, names, tie_ruled
     if available < 1:
         raise DataError("the reference set has no row other than the query itself: add references")
     need = 1
-    for n in names:
+    for n in searched:
         if _AT_K.match(n):
             need = max(need, cutoff(n))
     read = torch.full_like(r_q, need)  # per query, the positions its metrics read
-    if any(n in ("r_precision", "map_at_r") for n in names):
+    if any(n in ("r_precision", "map_at_r") for n in searched):
         need = max(need, int(r_q.max()))
         read = torch.maximum(read, r_q)
     need = min(need + EXTRA_NEIGHBOURS, available)  # a few more (dmlkit.metrics.near_ties)
@@ -335,8 +348,6 @@ def _stream(
     else:
         q_blocks = [(a0, min(qe, a0 + q_rows)) for a0 in range(qs, qe, q_rows)]
         r_blocks = [(b0, min(m, b0 + r_rows)) for b0 in range(0, m, r_rows)]
-    scores = {n: torch.empty(qe - qs, dtype=torch.float64) for n in names}
-    tie_ruled = torch.zeros(qe - qs, dtype=torch.bool)
     iterator: Any = q_blocks
     if progress:
         from tqdm.auto import tqdm
@@ -392,8 +403,8 @@ def _stream(
         neighbours, tie_ruled[a0 - qs:a1 - qs] = _resolve_block(
             q_blk, ql_blk, run_i, run_c if higher else -run_c, ref, rl, scorer, r_blocks, r_norm,
             available, a0 if same else None, plan.knn_budget, read[a0 - qs:a1 - qs], compiled)
-        block_scores = per_query_from_neighbours(neighbours, rl, ql_blk, r_q[a0 - qs:a1 - qs], names)
-        for n in names:
+        block_scores = per_query_from_neighbours(neighbours, rl, ql_blk, r_q[a0 - qs:a1 - qs], searched)
+        for n in searched:
             scores[n][a0 - qs:a1 - qs] = block_scores[n]
     return scores, r_q, names, tie_ruled
 
@@ -455,7 +466,8 @@ def evaluate_streaming(
             raise ConfigError("across_ranks chooses each rank's query_range: pass one or the other")
         return _across_ranks(query, query_labels, reference, reference_labels, metrics, progress, kwargs)
     scores, r_q, names, tie_ruled = _stream(query, query_labels, reference, reference_labels, metrics,
-                                            progress=progress, query_range=query_range, **kwargs)
+                                            progress=progress, query_range=query_range, means=True,
+                                            **kwargs)
     return _means(scores, r_q, names, _candidates(query, reference), tie_ruled)
 
 
@@ -470,7 +482,7 @@ def _across_ranks(query: Any, query_labels: Any, reference: Any, reference_label
             return torch.empty(0, len(names) + 1, dtype=torch.float64), torch.empty(0, dtype=torch.int64)
         scores, r_q, _, tie_ruled = _stream(query, query_labels, reference, reference_labels, names,
                                             progress=progress and context().is_main,
-                                            query_range=(start, stop), **kwargs)
+                                            query_range=(start, stop), means=True, **kwargs)
         # the last column: whether the tie rule decides what the query's metrics read
         return torch.stack([*(scores[n] for n in names), tie_ruled.double()], 1), r_q.to(torch.int64)
 
