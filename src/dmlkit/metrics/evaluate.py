@@ -38,6 +38,7 @@ from dmlkit.metrics.retrieval import (
     embedding_independent,
     full_ranking_ap_block,
     num_positives,
+    per_query_arrays,
     per_query_from_neighbours,
     warn_embedding_independent,
 )
@@ -286,12 +287,7 @@ def _per_query(
     scores = {name: torch.full((inp.q.shape[0],), float("nan"), dtype=torch.float64) for name in names}
     if bool(valid.any()) and searched:
         scores.update(_retrieval_per_query(inp, searched, backend, budget))
-    out = {}
-    for name, v in scores.items():
-        v = v.clone()
-        v[~valid] = float("nan")
-        out[name] = v.numpy()
-    return out, inp.r_q.numpy(), inp
+    return per_query_arrays(scores, inp.r_q), inp.r_q.numpy(), inp
 
 
 @full_float32_matmuls

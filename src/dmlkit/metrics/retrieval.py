@@ -30,11 +30,12 @@ import math
 import warnings
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 __all__ = [
     "RETRIEVAL_PREFIXES", "num_positives", "per_query_from_neighbours", "full_ranking_ap", "full_ranking_ap_block",
-    "cutoff", "embedding_independent", "warn_embedding_independent",
+    "cutoff", "embedding_independent", "per_query_arrays", "warn_embedding_independent",
 ]
 
 RETRIEVAL_PREFIXES = ("precision_at_", "recall_at_")
@@ -114,6 +115,13 @@ def warn_embedding_independent(r_q: torch.Tensor, candidates: int, names: Sequen
         warnings.warn(message, stacklevel=3)
         fixed.update(group)
     return fixed
+
+
+def per_query_arrays(scores: dict[str, torch.Tensor], r_q: torch.Tensor) -> dict[str, np.ndarray]:
+    """Per-query scores as float64 numpy arrays, NaN where ``R_q = 0`` (a query without a
+    positive has no retrieval score), as :func:`dmlkit.metrics.per_query` returns them."""
+    valid = r_q > 0
+    return {name: v.masked_fill(~valid, math.nan).numpy() for name, v in scores.items()}
 
 
 def per_query_from_neighbours(

@@ -79,6 +79,7 @@ from dmlkit.metrics.retrieval import (
     cutoff,
     embedding_independent,
     num_positives,
+    per_query_arrays,
     per_query_from_neighbours,
     warn_embedding_independent,
 )
@@ -534,11 +535,5 @@ def per_query_streaming(
                              query_range=kwargs.pop("query_range", None))
     if kwargs:
         raise ConfigError(f"unknown arguments: {sorted(kwargs)}")
-    valid = r_q > 0
-    warn_tie_ruled(tie_ruled, valid, names)
-    out = {}
-    for name, v in scores.items():
-        v = v.clone()
-        v[~valid] = float("nan")
-        out[name] = v.numpy()
-    return out, r_q.numpy()
+    warn_tie_ruled(tie_ruled, r_q > 0, names)
+    return per_query_arrays(scores, r_q), r_q.numpy()
