@@ -82,6 +82,37 @@ def test_few_shot_accuracy_and_ci_match_brute_force():
 
 # -- problems found by the audit -------------------------------------------------------------
 
+def test_a_shared_offset_moves_no_prototype():
+    """Squared Euclidean distances do not change when every embedding moves by one offset; in
+    float32 the ``|x|^2 + |c|^2 - 2 x.c`` form lost the nearest prototype near 10 + noise (512
+    dimensions: query 0 went to class 2, 1e-4 relatively farther than class 4)."""
+    from dmlkit.apps.fewshot import prototype_predict
+
+    rng = np.random.default_rng(0)
+    wrong = 0
+    for _ in range(40):
+        support = (10 + rng.normal(0, 0.2, (5, 512))).astype(np.float32)
+        query = (10 + rng.normal(0, 0.2, (20, 512))).astype(np.float32)
+        d = ((query.astype(np.float64)[:, None] - support.astype(np.float64)[None]) ** 2).sum(-1)
+        wrong += int((prototype_predict(support, np.arange(5), query) != d.argmin(1)).sum())
+    assert wrong == 0
+    x = rng.normal(size=(400, 512)).astype(np.float32)
+    y = np.repeat(np.arange(20), 20)
+    assert (few_shot_accuracy(x + 10, y, 5, 1, 5, episodes=300, seed=0)
+            == few_shot_accuracy(x, y, 5, 1, 5, episodes=300, seed=0))
+
+
+def test_the_prototypical_rule_is_named_in_any_case():
+    """``Euclidean`` went to the distances' normalised Euclidean (the cosine ranking), not the
+    squared Euclidean of raw embeddings that ``euclidean`` names."""
+    rng = np.random.default_rng(2)
+    x = rng.normal(size=(120, 6)).astype(np.float32) * rng.uniform(0.2, 5, (120, 1)).astype(np.float32)
+    y = np.repeat(np.arange(12), 10)
+    want = few_shot_accuracy(x, y, 5, 1, 3, episodes=200, distance="euclidean")
+    assert few_shot_accuracy(x, y, 5, 1, 3, episodes=200, distance="Euclidean") == want
+    assert few_shot_accuracy(x, y, 5, 1, 3, episodes=200, distance="cosine") != want
+
+
 def test_kfold_refuses_nan_scores():
     """NaN scores were sorted last and counted as "different": a made-up accuracy."""
     s = np.array([0.9, np.nan, 0.1, 0.8, 0.2, np.nan])
