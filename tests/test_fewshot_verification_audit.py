@@ -217,3 +217,62 @@ def test_scarce_different_class_pairs_cap_the_pairs_as_scarce_same_class_ones_do
         warnings.simplefilter("error")
         with pytest.raises(DataError, match="share one class"):
             make_pairs(np.zeros(10, int), num_pairs=6000, seed=0)
+
+
+def test_an_lfw_list_that_breaks_its_folds_layout_is_refused(tmp_path):
+    """Fold ids come from line positions (``F N``: each fold N matched, then N mismatched): a
+    matched line among the mismatched ones put 3 + 1 and 1 + 3 pairs in two folds, silently."""
+    from dmlkit.data.pairs import parse_lfw_pairs
+    from dmlkit.exceptions import DataError
+
+    good = ["2\t2", "A\t1\t2", "A\t3\t4", "A\t1\tB\t1", "A\t2\tB\t2",
+            "B\t1\t2", "B\t3\t4", "A\t3\tB\t3", "A\t4\tB\t4"]
+    path = tmp_path / "pairs.txt"
+    path.write_text("\n".join(good) + "\n")
+    pairs = parse_lfw_pairs(path)
+    assert [(p.fold, p.same) for p in pairs] == [(0, True)] * 2 + [(0, False)] * 2 + [(1, True)] * 2 + [(1, False)] * 2
+    swapped = good[:3] + [good[5], good[4], good[3]] + good[6:]  # a matched line moved up a fold
+    path.write_text("\n".join(swapped) + "\n")
+    with pytest.raises(DataError, match=r"pairs.txt:4: a matched pair where the header's layout puts a mismatched one"):
+        parse_lfw_pairs(path)
+
+
+def test_a_csv_row_wider_than_the_first_line_or_header_is_refused(tmp_path):
+    """Without a header the first row sets the columns: a later row's fold was dropped. A
+    spreadsheet's trailing empty fields are no extra column."""
+    from dmlkit.data.pairs import read_pair_csv
+    from dmlkit.exceptions import DataError
+
+    for name in "abcd":
+        (tmp_path / f"{name}.png").touch()
+    path = tmp_path / "pairs.csv"
+    path.write_text("a.png,b.png,1,\nc.png,d.png,1\na.png,c.png,0,,\n")
+    assert read_pair_csv(path).folds is None
+    path.write_text("a.png,b.png,1\nc.png,d.png,1,1\na.png,c.png,0\n")
+    with pytest.raises(DataError, match=r"pairs.csv:2: expected at most 3 fields \(as the first line\), got 4"):
+        read_pair_csv(path)
+    path.write_text("path1,path2,same,note\na.png,b.png,1\nc.png,d.png,0,x\na.png,c.png,0,x,1\n")
+    with pytest.raises(DataError, match=r"pairs.csv:4: expected at most 4 fields \(as the header\), got 5"):
+        read_pair_csv(path)
+
+
+def test_an_image_with_two_different_embeddings_is_refused(tmp_path):
+    """The last row of a duplicated path won: the row order decided AUC 0.5 or 1.0. Rows that
+    repeat one embedding are one answer and pass."""
+    from dmlkit.apps.verification import verify_pair_list
+    from dmlkit.data.pairs import read_pair_csv
+    from dmlkit.exceptions import DataError
+
+    for name in "abcd":
+        (tmp_path / f"{name}.png").touch()
+    (tmp_path / "pairs.csv").write_text("path1,path2,same,fold\na.png,b.png,1,0\nc.png,d.png,1,1\n"
+                                        "a.png,c.png,0,0\nb.png,d.png,0,1\n")
+    pl = read_pair_csv(tmp_path / "pairs.csv")
+    emb = np.array([[1, 0], [1, 0.1], [0, 1], [0.1, 1], [-1, 0]], np.float32)
+    paths = [str(tmp_path / f"{n}.png") for n in "abcda"]
+    with pytest.raises(DataError, match=r"1 image\(s\) of the pair list have two different embeddings.*a.png in rows 0 and 4"):
+        verify_pair_list(emb, pl, paths)
+    emb[4] = emb[0]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        assert verify_pair_list(emb, pl, paths).roc_auc == verify_pair_list(emb[:4], pl, paths[:4]).roc_auc == 1.0

@@ -397,12 +397,28 @@ def verify(embeddings: Any, labels: Any, *, num_pairs: int = 6000, folds: int = 
     return replace(result, distance=distance)
 
 
-def _match_rows(pair_list: PairList, paths: Sequence[str]) -> np.ndarray:
-    """Row of ``paths`` holding each image of ``pair_list.paths`` (same file, any spelling)."""
+def _match_rows(pair_list: PairList, paths: Sequence[str], x: np.ndarray) -> np.ndarray:
+    """Row of ``paths`` holding each image of ``pair_list.paths`` (same file, any spelling).
+
+    An image of the list named by two rows of different embeddings is a :class:`DataError`:
+    which row is its embedding would be decided by the row order (the last row won, and
+    moving it changed the accuracy); rows that repeat one embedding are one answer."""
     def key(p: str) -> str:
         return os.path.normcase(os.path.realpath(os.fspath(p)))
 
-    row = {key(p): r for r, p in enumerate(paths)}
+    row: dict[str, int] = {}
+    other: dict[str, int] = {}  # an image's first row of another embedding
+    for r, p in enumerate(paths):
+        k = key(p)
+        first = row.setdefault(k, r)
+        if first != r and k not in other and not np.array_equal(x[first], x[r]):
+            other[k] = r
+    clashes = sorted({key(p) for p in pair_list.paths} & other.keys())
+    if clashes:
+        k = clashes[0]
+        raise DataError(f"{len(clashes)} image(s) of the pair list have two different embeddings in the "
+                        f"file, e.g. {k} in rows {row[k]} and {other[k]}: keep one row per image (which "
+                        "one is the image's embedding would be decided by the row order)")
     missing = [p for p in pair_list.paths if key(p) not in row]
     if missing:
         shown = "; ".join(missing[:20])
@@ -449,7 +465,7 @@ def verify_pair_list(embeddings: Any, pair_list: PairList, paths: Sequence[str] 
     else:
         if len(paths) != len(x):
             raise ShapeError(f"{len(paths)} paths for {len(x)} embeddings")
-        rows = _match_rows(pair_list, paths)
+        rows = _match_rows(pair_list, paths, x)
     check_pair_list_folds(pair_list)
     scores = pair_scores(x, rows[pair_list.left], rows[pair_list.right], distance)
     if pair_list.num_folds >= 2:

@@ -113,9 +113,12 @@ def parse_lfw_pairs(path: str | os.PathLike) -> list[LfwPair]:
     """The pairs of an LFW-format list, in file order, with their fold (0-based).
 
     Header ``F N``: pair ``k`` (0-based, counting pair lines only) is in fold ``k // (2N)``;
-    header ``N``: one fold of ``2N`` pairs. A line with three fields is a matched pair, four
-    fields a mismatched pair (whose two names must differ). Raises :class:`DataError` naming
-    the line for anything else, and when the number of pairs disagrees with the header.
+    header ``N``: one fold of ``2N`` pairs. Each fold lists its ``N`` matched pairs (three
+    fields, ``name n1 n2``) then its ``N`` mismatched pairs (four fields, two different names).
+    Raises :class:`DataError` naming the line for anything else, when the number of pairs
+    disagrees with the header, and where a fold breaks that layout (a matched line among the
+    mismatched ones, say): fold ids come from line positions, so such a list would score its
+    pairs in other folds than its author meant, silently.
     """
     p = Path(path)
     if not p.is_file():
@@ -146,11 +149,11 @@ def parse_lfw_pairs(path: str | os.PathLike) -> list[LfwPair]:
         fold = k // (2 * per)
         try:
             if len(f) == 3:
-                pairs.append(LfwPair(f[0], int(f[1]), f[0], int(f[2]), fold, line_no))
+                pair = LfwPair(f[0], int(f[1]), f[0], int(f[2]), fold, line_no)
             elif len(f) == 4:
                 if f[0] == f[2]:
                     raise DataError(f"{p}:{line_no}: a mismatched pair names one person twice ({f[0]})")
-                pairs.append(LfwPair(f[0], int(f[1]), f[2], int(f[3]), fold, line_no))
+                pair = LfwPair(f[0], int(f[1]), f[2], int(f[3]), fold, line_no)
             else:
                 raise ValueError
         except ValueError as exc:
@@ -158,6 +161,15 @@ def parse_lfw_pairs(path: str | os.PathLike) -> list[LfwPair]:
                 f"{p}:{line_no}: expected 'name n1 n2' (matched) or 'name1 n1 name2 n2' "
                 f"(mismatched), got {' '.join(f)!r}"
             ) from exc
+        matched = k % (2 * per) < per
+        if pair.same != matched:
+            raise DataError(
+                f"{p}:{line_no}: a {'mismatched' if matched else 'matched'} pair where the header's "
+                f"layout puts a {'matched' if matched else 'mismatched'} one (each of the {folds} "
+                f"fold(s) lists {per} matched pairs 'name n1 n2', then {per} mismatched pairs "
+                f"'name1 n1 name2 n2'; this is pair {k % (2 * per) + 1} of fold {fold + 1})"
+            )
+        pairs.append(pair)
     return pairs
 
 
@@ -233,6 +245,14 @@ def _parse_same(value: str, where: str) -> bool:
     raise DataError(f"{where}: 'same' must be 1/0, true/false or yes/no, got {value!r}")
 
 
+def _trimmed(fields: list[str]) -> list[str]:
+    """A CSV row without its trailing empty fields (a spreadsheet's ``a,b,1,``)."""
+    end = len(fields)
+    while end and not fields[end - 1]:
+        end -= 1
+    return fields[:end]
+
+
 def read_pair_csv(path: str | os.PathLike, image_root: str | os.PathLike | None = None) -> PairList:
     """A CSV pair list ``path1,path2,same[,fold]`` (header optional), files checked to exist."""
     p = Path(path)
@@ -251,18 +271,24 @@ def read_pair_csv(path: str | os.PathLike, image_root: str | os.PathLike | None 
             raise DataError(f"{p}: the header must name path1,path2,same[,fold]; missing {missing_cols}")
         col = {c: first.index(c) for c in columns if c in first}
         rows = rows[1:]
+        # a header may put the columns anywhere (e.g. an id first) and name more than those
+        fewest, most, like = max(col.values()) + 1, len(first), "the header"
     else:
-        width = len(rows[0][1])
+        width = len(_trimmed(rows[0][1]))
         if width not in (3, 4):
             raise DataError(f"{p}:1: expected columns path1,path2,same[,fold], got {width} fields")
         col = dict(zip(columns, range(width)))
+        fewest, most, like = width, width, "the first line"
     if not rows:
         raise DataError(f"{p}: no pairs below the header")
     p1, p2, same, folds, missing = [], [], [], [], []
-    width = max(col.values()) + 1  # a header may put the columns anywhere (e.g. an id first)
     for line_no, r in rows:
-        if len(r) < width:
-            raise DataError(f"{p}:{line_no}: expected {width} fields, got {len(r)}")
+        # a longer row than the header or the first line: its extra fields (a fold) were dropped
+        n = len(_trimmed(r))
+        if n < fewest:
+            raise DataError(f"{p}:{line_no}: expected {fewest} fields, got {n}")
+        if n > most:
+            raise DataError(f"{p}:{line_no}: expected at most {most} fields (as {like}), got {n}")
         a, b = (Path(r[col[c]]) for c in ("path1", "path2"))
         a, b = (x if x.is_absolute() else base / x for x in (a, b))
         gone = [str(x) for x in (a, b) if not x.is_file()]
