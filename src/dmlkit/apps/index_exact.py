@@ -185,10 +185,12 @@ def exact_search(x: np.ndarray, q: np.ndarray, k: int, distance: str, unit: bool
     """
     m = x.shape[0]
     k = min(k, m)
+    c = min(m, 2 * k + CANDIDATE_MARGIN)
+    if not unit and not _raw_scan_safe(q, distance, norms):
+        return _rescore(x, q, _float64_candidates(x, q, c, distance), k, distance, unit)
     metric = _scan_metric(x, distance, unit, norms)
     scan_q = _scan_queries(q, unit, norms)  # the scores are re-computed from q in float64 (_rescore)
     if metric is not None:
-        c = min(m, 2 * k + CANDIDATE_MARGIN)
         _, cand = _faiss_or_none().knn(scan_q, x, c, metric)
         return _rescore(x, q, cand, k, distance, unit)
     if q.shape[0] * m <= SMALL_EXACT and (norms.scan_safe or not unit):
@@ -197,13 +199,71 @@ def exact_search(x: np.ndarray, q: np.ndarray, k: int, distance: str, unit: bool
             s *= norms.factor
         elif distance == "euclidean":
             s -= norms.factor  # <q, x> - |x|^2 / 2 orders like -|q - x|^2
-        c = min(m, 2 * k + CANDIDATE_MARGIN)
         cand = _top_rows(s, c) if c < m else np.tile(np.arange(m), (q.shape[0], 1))
         return _rescore(x, q, cand, k, distance, unit)
     from dmlkit.metrics import knn  # lazy: numba kernels load only when a large exact search runs
 
-    res = knn(q, x, k=k, distance=get_distance(distance, normalize_embeddings=unit), exclude_self=False)
-    return res.indices.numpy().astype(np.int64), res.values.numpy().astype(np.float32)
+    # candidates, re-scored like the other scans: knn's own float32 order put exactly tied rows
+    # out of row order, so a query's answer depended on how many queries came with it (143 of
+    # 900 integer-valued queries, non-unit rows, against each alone)
+    res = knn(q, x, k=c, distance=get_distance(distance, normalize_embeddings=unit), exclude_self=False)
+    return _rescore(x, q, res.indices.numpy().astype(np.int64), k, distance, unit)
+
+
+#: How far past the largest stored norm a raw Euclidean query may lie for the float32 scan: its
+#: ``|q|^2 + |x|^2 - 2 <q, x>`` carries an error of about ``u |q|^2``, while the rows' distances
+#: differ by about ``|q|`` times their spread (a query of norm 1e10 against unit rows: every
+#: candidate of faiss's L2 scan was arbitrary).
+QUERY_REACH = 4.0
+
+
+def _raw_scan_safe(q: np.ndarray, distance: str, norms: RowNorms) -> bool:
+    """Whether a float32 scan of raw (unnormalised) vectors ranks ``q`` against the rows: every
+    product ``|q| |x|`` (and, for ``euclidean``, every ``|q|^2`` and ``|x|^2``) within
+    :data:`SCAN_NORMS`, and for ``euclidean`` no query beyond :data:`QUERY_REACH` times the
+    largest row norm. Else float32 overflowed (a query of 2e19: faiss's L2 of 4e38 is inf, its
+    rows -1, and the answer was empty), underflowed (rows near 1e-25: every score 0, the first
+    rows returned) or cancelled (above)."""
+    qn = np.sqrt(np.einsum("ij,ij->i", q, q, dtype=np.float64)) if q.size else np.zeros(0)
+    qn = qn[qn > 0]
+    if not qn.size:
+        return True
+    low, high = float(qn.min()), float(qn.max())
+    ok = low * norms.low >= SCAN_NORMS[0] and high * norms.high <= SCAN_NORMS[1]
+    if distance == "euclidean":
+        ok = (ok and min(low, norms.low) ** 2 >= SCAN_NORMS[0] and max(high, norms.high) ** 2 <= SCAN_NORMS[1]
+              and high <= QUERY_REACH * norms.high)
+    return ok
+
+
+#: Stored rows per float64 block of :func:`_float64_candidates`.
+FLOAT64_ROWS = 65536
+
+
+def _float64_candidates(x: np.ndarray, q: np.ndarray, c: int, distance: str) -> np.ndarray:
+    """The ``c`` best rows per query by float64 scores of raw vectors (``<q, x>``, or ``-|q -
+    x|^2`` for ``euclidean``), ties by row: the scan for magnitudes a float32 scan cannot
+    rank (:func:`_raw_scan_safe`). Blocks of rows and queries (at most 32 MiB of scores); slow,
+    and only for such indexes or queries."""
+    m = x.shape[0]
+    q64 = q.astype(np.float64)
+    out = np.empty((q.shape[0], c), np.int64)
+    per = max(1, RESCORE_BYTES // (8 * min(m, FLOAT64_ROWS)))
+    for a in range(0, q.shape[0], per):
+        best_s = np.empty((min(per, q.shape[0] - a), 0))
+        best_r = np.empty(best_s.shape, np.int64)
+        for b in range(0, m, FLOAT64_ROWS):
+            xb = np.asarray(x[b:b + FLOAT64_ROWS], dtype=np.float64)
+            s = q64[a:a + per] @ xb.T
+            if distance == "euclidean":  # minus the squared distance, |q|^2 included: what float64
+                # resolves of it, so rows it cannot tell apart tie here too (ties by row)
+                s = 2 * s - np.einsum("ij,ij->i", xb, xb) - np.einsum("ij,ij->i", q64[a:a + per], q64[a:a + per])[:, None]
+            s = np.concatenate([best_s, s], 1)
+            rows = np.concatenate([best_r, np.broadcast_to(np.arange(b, b + xb.shape[0]), (s.shape[0], xb.shape[0]))], 1)
+            keep = np.lexsort((rows, -s), axis=1)[:, :c]
+            best_s, best_r = np.take_along_axis(s, keep, 1), np.take_along_axis(rows, keep, 1)
+        out[a:a + per] = best_r
+    return out
 
 
 def _top_rows(s: np.ndarray, c: int) -> np.ndarray:

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from dmlkit.exceptions import ConfigError, DependencyError, require
+from dmlkit.exceptions import ConfigError, DataError, DependencyError, require
 
 if TYPE_CHECKING:
     from dmlkit.apps.index import EmbeddingIndex
@@ -105,6 +105,9 @@ def new_faiss_index(index: EmbeddingIndex, emb: np.ndarray, keys: np.ndarray) ->
         if d % m:
             raise ConfigError(f"pq_m={m} must divide the embedding size {d}")
         nbits = min(p["pq_nbits"], max(1, int(math.log2(max(2, (n - reserve) // 39)))))
+        if n - reserve < 2**nbits:  # faiss's RuntimeError (a traceback) for one vector
+            raise DataError(f"an ivf_pq index trains {2**nbits} codes per sub-vector on at least as many "
+                            f"vectors, got {n - reserve}: index more vectors, or use --kind flat")
         p["pq_m"], p["pq_nbits"] = int(m), int(nbits)
         structure = faiss.IndexIVFPQ(quantizer, d, nlist, m, nbits, _metric(index.distance))
         min_train = max(nlist * 256, 2**nbits * 256)

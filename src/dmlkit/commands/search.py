@@ -98,12 +98,11 @@ def index(
             raise ConfigError(f"{output} is a flat (exact) index: --target-recall tunes an approximate kind")
         say = (lambda text: typer.echo(text, err=True)) if as_json else typer.echo  # --json: stdout is JSON only
         changed = {"removed": 0, "added": 0}
+        if add and embeddings is None:
+            raise ConfigError("--add needs EMBEDDINGS to add")
         if remove:
             changed["removed"] = idx.remove(remove)
-            say(f"removed {changed['removed']} item(s) from {output}")
         if add:
-            if embeddings is None:
-                raise ConfigError("--add needs EMBEDDINGS to add")
             refuse_overwriting_inputs(output, embeddings)
             if is_shard_dir(embeddings):  # streamed in blocks, ids and labels from the shards
                 _refuse_other_dataset_ids(output, idx.info, embeddings, {"shards": True})
@@ -118,10 +117,15 @@ def index(
                 except DataError as exc:  # which file does not fit the index
                     raise DataError(f"{embeddings}: {exc}") from None
                 changed["added"] = len(emb)
-            say(f"added {changed['added']} item(s) to {output}")
         if target_recall is not None:  # re-tuned on the index as it now is: the stored recall is fresh
             idx.tune(target_recall, k=recall_k, num_queries=recall_queries)
         idx.save(output)
+        # said once saved: a refused --add (no file, another dimension) printed "removed 1 item(s)"
+        # for a removal that was never saved
+        if remove:
+            say(f"removed {changed['removed']} item(s) from {output}")
+        if add:
+            say(f"added {changed['added']} item(s) to {output}")
         if as_json:
             echo_json({"output": str(output), **changed, **_summary(idx)})
             return

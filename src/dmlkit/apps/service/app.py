@@ -273,15 +273,16 @@ def create_app(config: ServiceConfig, *, index: Any = None, embedder: Any = None
         k: int
         took_ms: float
 
+    # strict JSON types: true was k = 1, [true, false, ...] a vector of ones and zeros, "3" a k
     class EmbeddingQuery(BaseModel):
-        embedding: list[Annotated[float, Field(allow_inf_nan=False)]] = Field(
+        embedding: list[Annotated[float, Field(allow_inf_nan=False, strict=True)]] = Field(
             ..., min_length=1, max_length=65536, description=f"a {idx.dim}-d query embedding")
-        k: int = Field(10, ge=1, description=f"neighbours to return (at most {max_k})")
+        k: int = Field(10, ge=1, strict=True, description=f"neighbours to return (at most {max_k})")
 
     class IdQuery(BaseModel):
         id: str = Field(..., min_length=1, max_length=4096, description="an indexed item's id")
-        k: int = Field(10, ge=1)
-        exclude_self: bool = Field(True, description="drop the item itself from its results")
+        k: int = Field(10, ge=1, strict=True)
+        exclude_self: bool = Field(True, strict=True, description="drop the item itself from its results")
 
     class VerifyResponse(BaseModel):
         same: bool
