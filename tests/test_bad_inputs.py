@@ -581,6 +581,44 @@ def test_library_hints_are_written_the_way_the_command_is_used():
     assert "(or pass --set data.options.download=true)" in cli_spelling("into x (or pass download=True)", "train")
 
 
+class _UnreadableImages(torch.utils.data.Dataset):
+    """A dataset whose items raise the loaders' error for an unreadable image."""
+
+    def __len__(self) -> int:
+        return 4
+
+    def __getitem__(self, i: int):
+        from dmlkit.exceptions import DataError
+
+        raise DataError(f"cannot read image img{i}.jpg: truncated. Replace or delete the file, or "
+                        "load the dataset with skip_corrupt=True to skip unreadable images")
+
+
+def test_an_error_in_a_data_loader_worker_is_one_line(monkeypatch):
+    """With ``data.num_workers > 0`` (configs/cub200.yaml: 4) torch re-raised the worker's
+    error as "Caught DataError in DataLoader worker process 0." and its whole traceback: 47
+    lines where ``num_workers = 0`` gave the error's own line."""
+    import typer
+
+    from dmlkit import cli
+
+    probe = typer.Typer()
+
+    @probe.command("train")
+    def _train() -> None:
+        for _ in torch.utils.data.DataLoader(_UnreadableImages(), batch_size=2, num_workers=1):
+            pass
+
+    @probe.command("other")
+    def _other() -> None:
+        pass
+
+    monkeypatch.setattr(cli, "app", probe)
+    line = check_one_error(*_run(["train"]))
+    assert line == ("error: cannot read image img0.jpg: truncated. Replace or delete the file, or pass "
+                    "--set data.options.skip_corrupt=true to skip unreadable images")
+
+
 def test_warnings_are_one_readable_line_in_cli_spelling(monkeypatch):
     import warnings
 

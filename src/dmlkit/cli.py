@@ -119,6 +119,23 @@ def _show_warning(message: Warning | str, category: type[Warning], filename: str
     _err.print(Text.assemble(("warning: ", "bold yellow"), text), soft_wrap=True)
 
 
+#: How torch's ``ExceptionWrapper`` re-raises an error from a ``DataLoader`` worker: the same
+#: type, its message preceded by "Caught X in DataLoader worker process N." and the worker's
+#: whole traceback, whose last line is ``module.Type: message``.
+_WORKER_TRACEBACK = "\nOriginal Traceback (most recent call last):"
+
+
+def _error_line(message: str) -> str:
+    """The one line to show for an error ``message``: a ``DataLoader`` worker's error
+    (``data.num_workers > 0``) as the error itself (it was 47 lines with the worker's
+    traceback, where ``num_workers = 0`` gave "cannot read image ...")."""
+    if _WORKER_TRACEBACK not in message:
+        return message
+    last = message.rstrip().rsplit("\n", 1)[-1]
+    kind, sep, text = last.partition(": ")
+    return text if sep and kind.replace(".", "").replace("_", "").isalnum() else last
+
+
 def _error(message: str) -> None:
     """``error: MESSAGE`` on stderr, never wrapped (a pipe or log file gets whole lines)."""
     _err.print(Text.assemble(("error: ", "bold red"), message), soft_wrap=True)
@@ -134,7 +151,7 @@ def main(argv: list[str] | None = None) -> None:
         # Ctrl-C into ``Exit(130)``: the code must reach the shell, not be dropped.
         code = app(args=argv, standalone_mode=False, prog_name="dmlkit")
     except DmlkitError as exc:
-        _error(cli_spelling(str(exc), _COMMAND))
+        _error(cli_spelling(_error_line(str(exc)), _COMMAND))
         sys.exit(exc.exit_code)
     except typer.Exit as exc:
         sys.exit(exc.exit_code)
