@@ -73,10 +73,10 @@ def test_default_test_pairs_are_the_100k_list(tmp_path: Path) -> None:
     m50_1000_1000_0.txt (they ship 1k ... 500k files), not the 100k test list of the protocol."""
     brown_subset(tmp_path / "liberty", 10, (12,), seed=0)
     folder = tmp_path / "liberty"
-    lines = (folder / "m50_12_12_0.txt").read_text()
+    lines = (folder / "m50_12_12_0.txt").read_text().splitlines(True)
     (folder / "m50_12_12_0.txt").unlink()
-    for n in (1000, 100000, 500000):
-        (folder / f"m50_{n}_{n}_0.txt").write_text(lines)
+    for n in (1000, 100000, 500000):  # n lines each: a file with fewer than its name says is refused
+        (folder / f"m50_{n}_{n}_0.txt").write_text("".join(lines) * (n // 12) + "".join(lines[: n % 12]))
     sub = load_subset(tmp_path, "liberty")
     assert sub.pairs(largest=False).source == "m50_100000_100000_0.txt"
     assert sub.pairs(largest=True).source == "m50_500000_500000_0.txt"

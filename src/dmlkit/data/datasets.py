@@ -233,6 +233,26 @@ def _omniglot_from_png_entries(entries: Iterable[tuple[str, Callable[[], bytes]]
     return imgs, labels, names, sets
 
 
+def _omniglot_read_zip(zpath: Path):
+    """The PNGs of an official ``images_{set}.zip``, as :func:`_omniglot_from_png_entries`.
+
+    A truncated or damaged zip (a partial download) is one :class:`DataError` naming it: it was
+    ``zipfile.BadZipFile`` (no central directory) or ``zlib.error`` / a bad CRC (a cut member)."""
+    import zlib
+
+    try:
+        with zipfile.ZipFile(zpath) as zf:
+            members = sorted((n for n in zf.namelist() if n.endswith(".png")),
+                             key=lambda n: n.rsplit("/", 1)[-1])  # by global id, drawer
+            found = _omniglot_from_png_entries((n, (lambda n=n: zf.read(n))) for n in members)
+    except (zipfile.BadZipFile, zlib.error, EOFError) as exc:
+        raise DataError(f"{zpath} is not a complete zip file ({exc}): download "
+                        f"{OMNIGLOT_URL}/{zpath.name} again") from None
+    if not found[0]:  # else numpy's "need at least one array to stack"
+        raise DataError(f"{zpath} holds no Omniglot PNGs: download {OMNIGLOT_URL}/{zpath.name} again")
+    return found
+
+
 @register_dataset("omniglot")
 def load_omniglot(root: str | os.PathLike | None = None, download: bool = False, *,
                   sets: Sequence[str] = OMNIGLOT_SETS, source: str = "auto", verify: bool = True,
@@ -299,11 +319,7 @@ def load_omniglot(root: str | os.PathLike | None = None, download: bool = False,
         elif source in ("auto", "zip") and zpath.exists():
             if verify:
                 _verify_listed(folder, [zpath.name], {})
-            with zipfile.ZipFile(zpath) as zf:
-                members = sorted((n for n in zf.namelist() if n.endswith(".png")),
-                                 key=lambda n: n.rsplit("/", 1)[-1])  # by global id, drawer
-                lst, labs, nm, st = _omniglot_from_png_entries(
-                    (n, (lambda n=n: zf.read(n))) for n in members)
+            lst, labs, nm, st = _omniglot_read_zip(zpath)
             imgs, lab = np.stack(lst), np.asarray(labs, dtype=np.int64)
             names.update(nm)
             groups.update(st)

@@ -33,14 +33,33 @@ CUB_URL = "https://data.caltech.edu/records/65de6-vp158/files/CUB_200_2011.tgz"
 CUB_MD5 = "97eceeb196236b17998738112f37df78"
 
 
-def _read_table(path: Path, ncols: int) -> list[list[str]]:
+def _read_numbered(path: Path, ncols: int, *, skip_header: str | None = None
+                   ) -> list[tuple[int, list[str]]]:
+    """``(line number, fields)`` of a whitespace-separated list file, ``ncols`` fields a line
+    (the last one keeps its spaces: a path). Blank lines are skipped; ``skip_header``: line 1 is
+    skipped when it is exactly this header (SOP's ``image_id class_id super_class_id path``),
+    and only then. Any other line with another number of fields (a line cut short, two lines
+    run together) is a :class:`DataError` naming ``file:line``: such lines were dropped
+    silently before, shifting counts and splits with only a generic count warning."""
     rows = []
     with open(path) as fh:
-        for line in fh:
+        for lineno, line in enumerate(fh, start=1):
+            if lineno == 1 and skip_header is not None and line.split() == skip_header.split():
+                continue
+            if not line.strip():
+                continue
             parts = line.strip().split(maxsplit=ncols - 1)
-            if len(parts) == ncols:
-                rows.append(parts)
+            if len(parts) != ncols:
+                raise DataError(f"{path}:{lineno}: expected {ncols} fields, got {len(parts)} "
+                                f"({line.strip()[:80]!r}); the file is damaged: extract the "
+                                "archive again")
+            rows.append((lineno, parts))
     return rows
+
+
+def _read_table(path: Path, ncols: int, *, skip_header: str | None = None) -> list[list[str]]:
+    """The fields of :func:`_read_numbered`'s rows, without their line numbers."""
+    return [parts for _, parts in _read_numbered(path, ncols, skip_header=skip_header)]
 
 
 def _class_halves_dataset(
@@ -64,6 +83,10 @@ def load_cub200(root: str | os.PathLike | None = None, download: bool = False, *
     """CUB-200-2011 (Wah et al. 2011): 200 bird species, 11,788 images.
 
     Class id = the official 1..200; classes 1-100 train, 101-200 test (the DML convention).
+    ``images.txt`` (``<id> <path>``), ``image_class_labels.txt`` (``<id> <class id>``, one of
+    the ids of ``classes.txt``) and ``classes.txt`` (``<class id> <name>``): a line with a
+    field missing, or a label that ``classes.txt`` does not list, is a :class:`DataError`
+    naming ``file:line``.
     """
     base = _root(root)
     folder = _find_dir(base, ["CUB_200_2011", "cub200/CUB_200_2011", "cub200"], "images.txt")
@@ -80,7 +103,9 @@ def load_cub200(root: str | os.PathLike | None = None, download: bool = False, *
             raise _missing("cub200", folder, f, "Extract the full CUB_200_2011.tgz archive.")
     try:
         images = dict(_read_table(folder / "images.txt", 2))
-        cls_of = {k: int(v) for k, v in _read_table(folder / "image_class_labels.txt", 2)}
+        label_rows = [(n, k, int(v)) for n, (k, v) in
+                      _read_numbered(folder / "image_class_labels.txt", 2)]
+        cls_of = {k: c for _, k, c in label_rows}
         names = {int(k): v for k, v in _read_table(folder / "classes.txt", 2)}
         ids = sorted(images, key=int)
     except ValueError as exc:
@@ -91,6 +116,11 @@ def load_cub200(root: str | os.PathLike | None = None, download: bool = False, *
         raise DataError(f"cub200: {len(unlabelled):,} image(s) of images.txt have no class in "
                         f"{folder / 'image_class_labels.txt'}, e.g. image id {unlabelled[0]}; "
                         "extract the full CUB_200_2011.tgz archive again")
+    for lineno, i, c in label_rows:
+        if c not in names:  # else a class of its own, outside the 1-100 / 101-200 halves
+            raise DataError(f"{folder / 'image_class_labels.txt'}:{lineno}: class {c} of image id "
+                            f"{i} is not an id of classes.txt; extract the full "
+                            "CUB_200_2011.tgz archive again")
     paths = [folder / "images" / images[i] for i in ids]
     labels = [cls_of[i] for i in ids]
     return _class_halves_dataset(
@@ -129,13 +159,30 @@ def load_cars196(root: str | os.PathLike | None = None, download: bool = False, 
             "(the original site is often offline; mirrors of car_ims.tgz + cars_annos.mat "
             "have the same layout).",
         )
-    try:
-        m = scipy.io.loadmat(folder / "cars_annos.mat", squeeze_me=True, struct_as_record=False)
-    except (OSError, ValueError) as exc:
-        raise DataError(f"cannot read {folder / 'cars_annos.mat'}: {exc}") from exc
+    mat = folder / "cars_annos.mat"
+    again = f"download {CARS_ANNOS_URL} again"
+    try:  # MatReadError: an empty or cut file (a partial download), not an OSError/ValueError
+        m = scipy.io.loadmat(mat, squeeze_me=True, struct_as_record=False)
+    except (OSError, ValueError, NotImplementedError, scipy.io.matlab.MatReadError) as exc:
+        raise DataError(f"cannot read {mat}: {exc}; {again}") from None
+    if "annotations" not in m:  # another .mat (e.g. the Stanford Cars devkit's cars_meta.mat)
+        raise DataError(f"{mat} has no 'annotations' (found {sorted(k for k in m if not k.startswith('__'))}): "
+                        f"it is not the DML cars_annos.mat; {again}")
     annos = np.atleast_1d(m["annotations"])
-    paths = [folder / str(a.relative_im_path) for a in annos]
-    labels = [int(a.__getattribute__("class")) for a in annos]
+    paths, labels = [], []
+    for k, a in enumerate(annos):
+        fields = getattr(a, "_fieldnames", None) or []
+        if "relative_im_path" not in fields or "class" not in fields:
+            raise DataError(f"{mat}: annotation {k + 1} has no fields relative_im_path and class "
+                            f"(found {fields}); {again}")
+        cls = getattr(a, "class")
+        try:
+            label = int(cls)
+        except (TypeError, ValueError):
+            raise DataError(f"{mat}: annotation {k + 1} ({a.relative_im_path}) has class {cls!r}, "
+                            f"not an integer; {again}") from None
+        paths.append(folder / str(a.relative_im_path))
+        labels.append(label)
     names: dict[int, str] = {}
     if "class_names" in m:
         for i, n in enumerate(np.atleast_1d(m["class_names"]).tolist(), start=1):
@@ -148,6 +195,7 @@ def load_cars196(root: str | os.PathLike | None = None, download: bool = False, 
 
 # -- Stanford Online Products ------------------------------------------------------------------
 SOP_URL = "ftp://cs.stanford.edu/cs/cvgl/Stanford_Online_Products.zip"
+SOP_HEADER = "image_id class_id super_class_id path"
 
 
 @register_dataset("sop")
@@ -157,7 +205,9 @@ def load_sop(root: str | os.PathLike | None = None, download: bool = False, *,
 
     ``Ebay_train.txt`` (11,318 classes, 59,551 images) and ``Ebay_test.txt`` (11,316 classes,
     60,502 images), lines ``image_id class_id super_class_id path``. Class id = the official
-    ``class_id``; groups train / test from the file each class is listed in.
+    ``class_id``; groups train / test from the file each class is listed in. Line 1 is
+    skipped only when it is the official header; any other line must have four fields and
+    integer ids (else a :class:`DataError` naming ``file:line``).
     """
     base = _root(root)
     folder = _find_dir(base, ["Stanford_Online_Products", "sop", "SOP"], "Ebay_train.txt")
@@ -176,13 +226,17 @@ def load_sop(root: str | os.PathLike | None = None, download: bool = False, *,
         f = folder / fname
         if not f.exists():
             raise _missing("sop", folder, fname, "Extract the full archive.")
-        rows = _read_table(f, 4)
-        rows = [r for r in rows if r[0].isdigit()]  # skip the header
+        # line 1 is the official header, skipped only when it is exactly that (a damaged
+        # image id such as '3x' made a line look like a header: it was dropped silently)
+        rows = _read_numbered(f, 4, skip_header=SOP_HEADER)
         part_classes = set()
-        for _img_id, cls, _super, rel in rows:
+        for lineno, (img_id, cls, _super, rel) in rows:
+            if not (img_id.isascii() and img_id.isdecimal()):
+                raise DataError(f"{f}:{lineno}: image_id {img_id!r} of {rel} is not an integer; "
+                                "extract the full archive again")
             if not (cls.isascii() and cls.isdecimal()):
-                raise DataError(f"{f}: class_id {cls!r} of {rel} is not an integer; extract the "
-                                "full archive again")
+                raise DataError(f"{f}:{lineno}: class_id {cls!r} of {rel} is not an integer; "
+                                "extract the full archive again")
             c = int(cls)
             paths.append(folder / rel)
             labels.append(c)
@@ -202,6 +256,7 @@ def load_sop(root: str | os.PathLike | None = None, download: bool = False, *,
 
 # -- In-Shop Clothes Retrieval ------------------------------------------------------------------
 INSHOP_URL = "https://mmlab.ie.cuhk.edu.hk/projects/DeepFashion/InShopRetrieval.html"
+INSHOP_HEADER = "image_name item_id evaluation_status"
 
 
 @register_dataset("inshop")
@@ -209,8 +264,9 @@ def load_inshop(root: str | os.PathLike | None = None, download: bool = False, *
                 strict: bool = False, transform=None, skip_corrupt: bool = False) -> ImageFileDataset:
     """DeepFashion In-Shop Clothes Retrieval (Liu et al. 2016): 7,982 items, 52,712 images.
 
-    ``list_eval_partition.txt`` (line 1: count, line 2: header, then ``image_name item_id
-    evaluation_status``) assigns each image to ``train`` (3,997 items, 25,882 images),
+    ``list_eval_partition.txt`` (line 1: the number of images, line 2: the header
+    ``image_name item_id evaluation_status``, then one such line per image; both are checked)
+    assigns each image to ``train`` (3,997 items, 25,882 images),
     ``query`` (14,218) or ``gallery`` (12,612); query and gallery share the 3,985 test items.
     Class id = the item number (``id_00000002`` -> 2); ``ds.sample_groups`` holds the
     partition and ``ds.subset_group("query")`` / ``("gallery")`` give the retrieval sets.
@@ -230,11 +286,24 @@ def load_inshop(root: str | os.PathLike | None = None, download: bool = False, *
             f"direct download) and extract them into {base / 'InShop'}.",
         )
     lines = part_file.read_text().splitlines()
-    rows = [ln.split() for ln in lines[2:] if ln.strip()]
+    # line 1: the number of images, line 2: the header (read, not skipped blindly: a file
+    # without its count line lost its first image, one cut short loaded as a partial copy)
+    count = lines[0].strip().lstrip("\ufeff") if lines else ""
+    if not (count.isascii() and count.isdecimal()):
+        raise DataError(f"{part_file}:1: expected the number of images, got {count[:80]!r}; the "
+                        "file is damaged: download list_eval_partition.txt again")
+    if len(lines) < 2 or lines[1].split() != INSHOP_HEADER.split():
+        got = lines[1].strip()[:80] if len(lines) > 1 else ""
+        raise DataError(f"{part_file}:2: expected the header '{INSHOP_HEADER}', got {got!r}; the "
+                        "file is damaged: download list_eval_partition.txt again")
+    rows = [(k, ln.split()) for k, ln in enumerate(lines[2:], start=3) if ln.strip()]
+    if len(rows) != int(count):
+        raise DataError(f"{part_file}: line 1 says {int(count):,} images but {len(rows):,} are "
+                        "listed; the file is damaged: download list_eval_partition.txt again")
     paths, labels, status = [], [], []
-    for r in rows:
+    for lineno, r in rows:
         if len(r) != 3:
-            raise DataError(f"{part_file}: malformed line {' '.join(r)!r}")
+            raise DataError(f"{part_file}:{lineno}: malformed line {' '.join(r)!r}")
         rel, item, st = r
         num = item.removeprefix("id_")
         if not (num.isascii() and num.isdecimal()):  # else a ValueError traceback

@@ -4,9 +4,10 @@ Brown, Hua & Winder, "Discriminative learning of local image descriptors", TPAMI
 (subsets Liberty, Notre Dame, Yosemite). One folder per subset::
 
     <root>/<subset>/patches0000.bmp ...   1024 x 1024 grayscale sheets, 16 x 16 patches of
-                                          64 x 64, read row by row, sheets in name order
+                                          64 x 64, read row by row, sheets in number order
+                                          (patches%04d.bmp from 0000, no gap, ceil(N / 256))
     <root>/<subset>/info.txt              one line per patch: "<3D point id> <image id>"
-    <root>/<subset>/m50_<n>_<n>_0.txt     <n> pairs, one per line:
+    <root>/<subset>/m50_<n>_<n>_0.txt     exactly <n> pairs, one per line:
                                           "patch1 point1 unused patch2 point2 unused unused";
                                           a pair matches when point1 == point2
 
@@ -37,6 +38,7 @@ __all__ = [
     "PatchSubset",
     "load_subset",
     "match_files",
+    "numbered_sheets",
     "read_info",
     "read_matches",
     "read_patch_sheets",
@@ -53,37 +55,63 @@ PATCH_SIZE = 64
 _SHEET = 1024
 _PER_SIDE = _SHEET // PATCH_SIZE
 _MATCH_RE = re.compile(r"^m50_(\d+)_(\d+)_(\d+)\.txt$")
+_SHEET_RE = re.compile(r"^patches(\d{4})\.bmp$")
 
 
 def _sheet_files(folder: Path) -> list[Path]:
+    """Every ``.bmp`` of ``folder`` (what :func:`write_brown_subset` clears before writing)."""
     return sorted(p for p in folder.iterdir() if p.suffix.lower() == ".bmp")
 
 
-def read_patch_sheets(folder: str | Path, n: int | None = None) -> np.ndarray:
-    """All patches of ``folder``'s ``.bmp`` sheets as ``uint8 (N, 64, 64)``, in PhotoTour's order.
+def numbered_sheets(folder: Path) -> dict[int, Path]:
+    """``{number: path}`` of the files named exactly ``patches<4 digits>.bmp``: only these are
+    sheets (another ``.bmp`` beside them, such as a file manager's ``patches0000 (copy).bmp``,
+    was read as a sheet and shifted every later patch)."""
+    return {int(m.group(1)): p for p in folder.iterdir() if (m := _SHEET_RE.match(p.name))}
 
-    Sheets are read in sorted name order, each row by row (left to right, top to bottom);
-    ``n`` keeps the first ``n`` patches (the last sheet is usually only partly filled).
+
+def read_patch_sheets(folder: str | Path, n: int | None = None) -> np.ndarray:
+    """All patches of ``folder``'s sheets ``patches%04d.bmp`` as ``uint8 (N, 64, 64)``, in PhotoTour's order.
+
+    Sheets are read in number order from ``patches0000.bmp``, each row by row (left to right,
+    top to bottom); ``n`` keeps the first ``n`` patches (the last sheet is usually only partly
+    filled). Only files named exactly ``patches<4 digits>.bmp`` are sheets; they must be
+    numbered from 0000 with no gap up to the last one ``n`` needs (``ceil(n / 256)`` sheets of
+    1024 x 1024; sheets past it are not read), else a :class:`DataError` names the first
+    missing one. A sheet PIL cannot decode (a truncated file) is a :class:`DataError` naming it.
     """
     from PIL import Image
 
     folder = Path(folder)
-    files = _sheet_files(folder)
-    if not files:
-        raise DataNotFoundError(f"no .bmp patch sheets in {folder}: unpack the subset there (Brown layout)")
+    numbered = numbered_sheets(folder) if folder.is_dir() else {}
+    if not numbered:
+        raise DataNotFoundError(f"no patch sheets patches0000.bmp ... in {folder}: unpack the subset there (Brown layout)")
+    last = max(numbered)
     out: list[np.ndarray] = []
     total = 0
-    for f in files:
-        with Image.open(f) as im:
-            a = np.asarray(im.convert("L"), dtype=np.uint8)
+    for k in range(last + 2 if n is not None else last + 1):
+        if n is not None and total >= n and out:
+            break
+        f = folder / f"patches{k:04d}.bmp"
+        if k not in numbered:
+            if n is None:
+                raise DataError(f"{folder}: patch sheet {f.name} is missing (sheets are numbered to "
+                                f"patches{last:04d}.bmp with no gap); unpack the subset again")
+            raise DataError(f"{folder}: info.txt lists {n} patches (256 per 1024 x 1024 sheet: "
+                            f"{-(-n // (_PER_SIDE * _PER_SIDE))} sheets) but the sheets before the "
+                            f"missing {f.name} hold only {total}; unpack the subset again")
+        f = numbered[k]
+        try:
+            with Image.open(f) as im:
+                a = np.asarray(im.convert("L"), dtype=np.uint8)
+        except (OSError, ValueError, SyntaxError, Image.DecompressionBombError) as exc:
+            raise DataError(f"{f}: cannot read this patch sheet ({exc}); unpack the subset again") from None
         h, w = a.shape
         if h % PATCH_SIZE or w % PATCH_SIZE:
             raise DataError(f"{f}: sheet of {w}x{h} pixels is not a grid of {PATCH_SIZE}x{PATCH_SIZE} patches")
         grid = a.reshape(h // PATCH_SIZE, PATCH_SIZE, w // PATCH_SIZE, PATCH_SIZE).transpose(0, 2, 1, 3)
         out.append(grid.reshape(-1, PATCH_SIZE, PATCH_SIZE))
         total += out[-1].shape[0]
-        if n is not None and total >= n:
-            break
     patches = np.concatenate(out)
     if n is not None:
         if patches.shape[0] < n:
@@ -135,7 +163,9 @@ class PatchPairs:
 
 
 def read_matches(path: str | Path, num_patches: int | None = None) -> PatchPairs:
-    """Pairs from an ``m50_*`` file: columns 0 and 3 are patch ids, 1 and 4 their 3D points."""
+    """Pairs from an ``m50_*`` file: columns 0 and 3 are patch ids, 1 and 4 their 3D points.
+
+    A file named ``m50_<n>_<n>_0.txt`` must hold exactly ``n`` lines (a cut file is refused)."""
     path = Path(path)
     if not path.is_file():
         raise DataNotFoundError(f"{path} is missing: expected a Brown match file m50_<n>_<n>_0.txt")
@@ -145,6 +175,10 @@ def read_matches(path: str | Path, num_patches: int | None = None) -> PatchPairs
         raise DataError(f"{path}: expected 7 integer columns per line: {exc}") from exc
     if t.shape[1] < 5:
         raise DataError(f"{path}: expected 7 integer columns per line, got {t.shape[1]}")
+    m = _MATCH_RE.match(path.name)
+    if m and t.shape[0] != int(m.group(1)):  # a cut file was read as a smaller pair list
+        raise DataError(f"{path}: expected {int(m.group(1))} pairs (the number in its name), found "
+                        f"{t.shape[0]} lines; unpack the subset again")
     left, right = t[:, 0].copy(), t[:, 3].copy()
     negative = np.flatnonzero((left < 0) | (right < 0))
     if negative.size:  # numpy would index from the end: a silent wrong pair
