@@ -8,6 +8,7 @@
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import typer
@@ -82,7 +83,7 @@ def run(
     scales: int | None = typer.Option(None, "--scales", help="Search scales: 3 (SiamFC-3s) or 5 (SiamFC-5s); default: the checkpoint's, else 3."),
     boxes_out: Path | None = typer.Option(None, "--boxes", help="Write the boxes, one x,y,w,h per line (OTB format)."),
     max_frames: int | None = typer.Option(None, "--max-frames", min=2, help="Track at most this many frames."),
-    fps_out: float | None = typer.Option(None, "--fps", help="Frame rate of the written video/GIF (default: the input's, else 15)."),
+    fps_out: float | None = typer.Option(None, "--fps", help="Frame rate of the written video/GIF: 0.01 to 1000 (a GIF: to 100; default: the input's, else 15)."),
     device: str = typer.Option("cpu", "--device", help="cpu or cuda."),
     seed: int = typer.Option(0, "--seed", help="Seed of the untrained network."),
     width: float | None = typer.Option(None, "--width", help="Width of the untrained network (default: the checkpoint's, else 1.0)."),
@@ -103,12 +104,14 @@ def run(
 
     from dmlkit.apps.tracking import annotate, parse_box, read_video, write_frames
     from dmlkit.apps.tracking.datasets import Sequence
-    from dmlkit.apps.tracking.render import check_output
+    from dmlkit.apps.tracking.render import check_fps, check_output, fps_limits
 
-    if fps_out is not None and not fps_out > 0:  # 0 must not quietly mean "the default"
-        raise ConfigError(f"--fps must be positive, got {fps_out}")
     if out is not None:  # a wrong --out (e.g. boxes.txt) fails now, not after the whole video
         check_output(out)
+    if fps_out is not None:  # finite and storable in --out (render.MIN_FPS .. MAX_GIF_FPS /
+        # MAX_VIDEO_FPS), before any frame is tracked: inf or 0.001 ended in an OverflowError
+        # after the whole video, inf wrote a GIF of 0-delay frames; 0 must not mean "the default"
+        fps_out = check_fps(fps_out, out, "--fps")
     if boxes_out is not None and boxes_out.is_dir():
         raise ConfigError(f"--boxes {boxes_out} is a folder: name the text file to write")
     if method.lower() == "ncc":  # template matching: no network, no scale search
@@ -123,6 +126,10 @@ def run(
     box = parse_box(init_box)
     tracker = _tracker(method, weights, scales, seed, device, width)  # bad options fail before reading
     frame_list, video_fps = read_video(frames, max_frames)
+    if out is not None and fps_out is None:  # the input's rate (else 15), within what --out stores:
+        # a 240 fps clip written as a GIF plays at GIF's fastest, 100 fps, not with 0-delay frames
+        lo, hi = fps_limits(out)
+        fps_out = min(max(video_fps if video_fps and math.isfinite(video_fps) else 15.0, lo), hi)
     seq = Sequence(Path(frames).stem, frame_list)
     first = seq.frame(0)
     h, w = first.shape[:2]
@@ -139,7 +146,7 @@ def run(
         atomic_write_text(boxes_out, "\n".join(",".join(f"{v:.2f}" for v in b)
                                                for b in result.boxes) + "\n")
     if out is not None:
-        write_frames(annotate(seq, result.boxes), out, fps_out if fps_out is not None else video_fps or 15.0)
+        write_frames(annotate(seq, result.boxes), out, fps_out)
     summary = {"frames": len(seq), "fps": float(result.fps), "method": method,
                "last_box": [round(float(v), 2) for v in result.boxes[-1]],
                "mean_peak_score": float(np.nanmean(result.scores[1:])) if len(seq) > 1 else None,

@@ -16,7 +16,7 @@ from typing import Any, Literal
 import numpy as np
 from pydantic import ConfigDict, Field, field_validator
 
-from dmlkit.apps.patches.brown import load_subset, match_files, subset_folder
+from dmlkit.apps.patches.brown import load_subset, match_files, numbered_sheets, subset_folder
 from dmlkit.apps.patches.models import build_patch_model, prepare_patches
 from dmlkit.apps.patches.training import (
     PatchTrainingSettings,
@@ -58,7 +58,7 @@ BROWN_COMBINATIONS = [
 
 
 class _Strict(StrictNumbers):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
 
 class PatchDataConfig(_Strict):
@@ -195,16 +195,70 @@ def _device(name: str):
     return torch.device(name)
 
 
-def _training_signature(cfg: PatchExperimentConfig, arch: str) -> dict[str, Any]:
-    """What a checkpoint's weights depend on (stored in it; a resumed run must ask for the same)."""
-    return {"arch": arch, "patch_size": cfg.model.patch_size, "width": cfg.model.width, "seed": cfg.seed,
-            "train_pairs": cfg.data.train_pairs,
-            **cfg.training.model_dump(mode="json", include=set(PatchTrainingSettings.model_fields))}
+#: The key of a checkpoint's ``settings`` that identifies its training data (:func:`_training_data_id`).
+_DATA_KEY = "train_data_sha256"
 
 
-def _check_resumable(out: Path, cfg: PatchExperimentConfig, trains: list[str]) -> None:
+def _training_data_id(root: Path, cfg: PatchExperimentConfig, train_name: str,
+                      cache: dict[str, str] | None = None) -> str:
+    """SHA-256 of the files a model trained on ``train_name`` learnt from: the subset's
+    ``info.txt``, the ``m50`` file training reads (``data.train_pairs``, else the largest) and its
+    patch sheets (``patches<4 digits>.bmp``, the Brown layout's names), each with its name and
+    length.
+
+    A content hash, not a path: the same subset moved or copied to another data root keeps it,
+    while another subset under the same name (a relative ``data.root`` under another
+    ``--data-root``) does not; a resumed run compares it with the checkpoint's, as it does the
+    settings. Reads every sheet once (about 1 s per GB); ``cache`` keeps it per subset for a run.
+    """
+    import hashlib
+
+    if cache is not None and train_name in cache:
+        return cache[train_name]
+    folder = root / train_name
+    found = match_files(folder)
+    m50 = found[cfg.data.train_pairs if cfg.data.train_pairs is not None else max(found)]
+    sheets = [path for _, path in sorted(numbered_sheets(folder).items())]
+    digest = hashlib.sha256()
+    for path in [folder / "info.txt", m50, *sheets]:
+        try:
+            with path.open("rb") as f:
+                digest.update(f"{path.name}\0{path.stat().st_size}\0".encode())
+                while chunk := f.read(1 << 20):
+                    digest.update(chunk)
+        except OSError as exc:
+            raise DataNotFoundError(f"cannot read {path} of training subset {train_name}: {exc.strerror or exc}") from None
+    value = digest.hexdigest()
+    if cache is not None:
+        cache[train_name] = value
+    return value
+
+
+def _training_signature(cfg: PatchExperimentConfig, arch: str, data_id: str | None = None) -> dict[str, Any]:
+    """What a checkpoint's weights depend on (stored in it; a resumed run must ask for the same):
+    the model, seed and training settings, and ``data_id``, the identity of the training data
+    (:func:`_training_data_id`)."""
+    signature = {"arch": arch, "patch_size": cfg.model.patch_size, "width": cfg.model.width, "seed": cfg.seed,
+                 "train_pairs": cfg.data.train_pairs,
+                 **cfg.training.model_dump(mode="json", include=set(PatchTrainingSettings.model_fields))}
+    if data_id is not None:
+        signature[_DATA_KEY] = data_id
+    return signature
+
+
+def _check_resumable(out: Path, cfg: PatchExperimentConfig, trains: list[str], root: Path,
+                     data_ids: dict[str, str] | None = None) -> None:
     """Refuse to resume from a checkpoint trained with other settings than ``cfg`` (it would be
-    scored silently under the new config), before anything is written."""
+    scored silently under the new config), or on other data than the subset now under ``root``
+    (a relative ``data.root`` under another ``--data-root``: models of the first root were scored
+    and the provenance rewritten to the second), before anything is written.
+
+    A checkpoint of an older dmlkit records no data identity: it is reused with a warning (its
+    settings still checked), since refusing would discard every model of an existing run; pass
+    ``--fresh`` to retrain it if its data may differ. ``data_ids`` caches the subsets' hashes."""
+    import warnings
+
+    unrecorded: list[Path] = []
     for arch in cfg.model.architectures:
         want = _training_signature(cfg, arch)
         for train_name in trains:
@@ -219,6 +273,23 @@ def _check_resumable(out: Path, cfg: PatchExperimentConfig, trains: list[str]) -
                         f"{ck_path} was trained with {key}={value!r} but the config asks for {want[key]!r}: "
                         "pass --fresh to retrain, or write the run to another -o folder"
                     )
+            trained_on = have.get(_DATA_KEY)
+            if trained_on is None:
+                unrecorded.append(ck_path)
+                continue
+            data_id = _training_data_id(root, cfg, train_name, data_ids)
+            if trained_on != data_id:
+                raise ConfigError(
+                    f"{ck_path} was trained on other data than the subset '{train_name}' at {root / train_name} "
+                    f"(training files SHA-256 {trained_on[:12]}... there, {data_id[:12]}... here): pass "
+                    "--fresh to retrain on this data, write the run to another -o folder, or point "
+                    "--data-root / data.root at the data it was trained on"
+                )
+    if unrecorded:  # one line for the run, not one per checkpoint
+        what = (f"{unrecorded[0]} does not record which data it was" if len(unrecorded) == 1 else
+                f"{len(unrecorded)} checkpoints ({unrecorded[0]}, ...) do not record which data they were")
+        warnings.warn(f"{what} trained on (written by an older dmlkit): reused as trained on the subsets "
+                      f"under {root}; pass --fresh to retrain if the data differ", UserWarning, stacklevel=2)
 
 
 def _check_match_file(folder: Path, num_pairs: int | None, key: str) -> None:
@@ -281,8 +352,9 @@ def run_patch_protocol(
     device = _device(cfg.training.device)  # cuda without a GPU: refused before the run is written
     out = Path(out_dir)
     trains = list(dict.fromkeys(a for a, _ in cfg.data.combinations))
+    data_ids: dict[str, str] = {}  # training subsets' content hashes, computed once each
     if resume:
-        _check_resumable(out, cfg, trains)
+        _check_resumable(out, cfg, trains, root, data_ids)
     out.mkdir(parents=True, exist_ok=True)
     atomic_write_text(out / "config.yaml", yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
     write_provenance(out / "provenance.json", cfg.seed)
@@ -314,7 +386,8 @@ def run_patch_protocol(
                 atomic_torch_save(
                     {"arch": arch, "patch_size": cfg.model.patch_size, "width": cfg.model.width,
                      "state_dict": {k: v.cpu() for k, v in model.state_dict().items()}, "train": train_name, "history": history,
-                     "train_seconds": secs, "settings": _training_signature(cfg, arch)},
+                     "train_seconds": secs,
+                     "settings": _training_signature(cfg, arch, _training_data_id(root, cfg, train_name, data_ids))},
                     ck,
                 )
                 say(f"{arch} trained on {train_name} in {secs:.0f} s (final loss {history[-1]['loss']:.3f})")

@@ -40,9 +40,11 @@ def hinge_embedding_loss(d: torch.Tensor, y: torch.Tensor, margin: float = 1.0) 
 class PatchTrainingSettings(StrictNumbers):
     """Budget and optimiser of a patch network's training, checked on construction: the one
     home of these values and their limits (``training`` of ``configs/patches*.yaml`` adds the
-    device and threads, :class:`TrainSettings` the seed and logging)."""
+    device and threads, :class:`TrainSettings` the seed and logging). Numbers must be finite:
+    ``lr``, ``weight_decay`` or ``l2_margin`` of ``inf`` were accepted and failed mid-run with a
+    hint to lower the learning rate."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     epochs: int = Field(2, ge=1)
     batch_size: int = Field(128, ge=4)

@@ -36,6 +36,7 @@ import numpy as np
 from dmlkit.apps.tracking.datasets import Sequence
 from dmlkit.exceptions import ConfigError, require
 from dmlkit.utils import atomic_write_json, atomic_write_text
+from dmlkit.validation import check_seed
 
 TRAIN_OBJECTS = ("astronaut", "motorcycle_left", "immunohistochemistry", "retina")
 TRAIN_BACKGROUNDS = ("brick", "grass", "camera", "moon")
@@ -218,7 +219,10 @@ def _paste(frame: np.ndarray, patch: np.ndarray, centre: np.ndarray) -> tuple[in
 
 def offline_specs(split: str, count: int, num_frames: int, seed: int = 0,
                   frame_size: tuple[int, int] = (320, 240)) -> list[SequenceSpec]:
-    """The specs of ``count`` sequences of the ``train`` or ``test`` split (disjoint photos)."""
+    """The specs of ``count`` sequences of the ``train`` or ``test`` split (disjoint photos).
+    ``seed``: an integer in ``[0, 2**32)`` (:func:`dmlkit.validation.check_seed`; numpy's
+    ``default_rng`` refuses negative ones with a traceback), else one :class:`ConfigError` line."""
+    seed = check_seed(seed)
     if split not in ("train", "test"):
         raise ConfigError(f"split must be 'train' or 'test', got {split!r}")
     objects, backgrounds = (TRAIN_OBJECTS, TRAIN_BACKGROUNDS) if split == "train" else (
@@ -263,7 +267,11 @@ def build_offline_dataset(
     test_frames: int = 80, seed: int = 0, frame_size: tuple[int, int] = (320, 240),
     progress: bool = False,
 ) -> dict:
-    """Write ``out/train`` (GOT-10k layout) and ``out/test`` (OTB layout) and ``out/meta.json``."""
+    """Write ``out/train`` (GOT-10k layout) and ``out/test`` (OTB layout) and ``out/meta.json``.
+
+    ``seed`` is checked (:func:`dmlkit.validation.check_seed`) before anything is written: a
+    negative one ended in numpy's ValueError traceback."""
+    seed = check_seed(seed)
     out = Path(out)
     photos: dict[str, np.ndarray] = {}
     plan = [("train", s) for s in offline_specs("train", num_train, train_frames, seed, frame_size)]

@@ -43,6 +43,21 @@ def annotate(frames: Iterable[np.ndarray], boxes: np.ndarray,
 
 #: Video containers :func:`write_frames` writes (with imageio + PyAV).
 VIDEO_OUT_SUFFIXES = (".mp4", ".avi", ".mov", ".mkv", ".webm")
+#: The codec of each container (WebM holds only VP8 / VP9 / AV1: mpeg4 was refused there).
+_VIDEO_CODECS = {".mp4": "libx264", ".mkv": "libx264", ".mov": "libx264", ".avi": "mpeg4",
+                 ".webm": "libvpx-vp9"}
+
+#: Slowest frame rate :func:`write_frames` writes: one frame per 100 s (a GIF frame's delay is
+#: at most 655.35 s, 16 bits of hundredths of a second; 0.001 overflowed Pillow's field).
+MIN_FPS = 0.01
+#: Fastest frame rate of a GIF: its delays are whole hundredths of a second (Pillow writes
+#: ``duration // 10``), so above 100 fps the delay became 0, which viewers play at their own
+#: default speed.
+MAX_GIF_FPS = 100.0
+#: Fastest frame rate of a video: PyAV (through imageio) stores the rate and its time base as
+#: fractions with denominators up to 65535, and ``.avi`` (mpeg4) silently wrote 600 fps for
+#: 10000; 1000 fps covers high-speed cameras and is stored exactly by every container here.
+MAX_VIDEO_FPS = 1000.0
 
 
 def check_output(out: str | Path) -> Path:
@@ -59,15 +74,40 @@ def check_output(out: str | Path) -> Path:
     return out
 
 
+def fps_limits(out: str | Path | None) -> tuple[float, float]:
+    """The frame rates ``out`` (:func:`check_output`) can store: ``[MIN_FPS, MAX_GIF_FPS]`` for a
+    ``.gif``, ``[MIN_FPS, MAX_VIDEO_FPS]`` for a video, a folder of frames or no output."""
+    is_gif = out is not None and Path(out).suffix.lower() == ".gif"
+    return MIN_FPS, MAX_GIF_FPS if is_gif else MAX_VIDEO_FPS
+
+
+def check_fps(fps: float, out: str | Path | None, name: str = "fps") -> float:
+    """``fps`` as a float if ``out`` can store it (:func:`fps_limits`), else one
+    :class:`ConfigError` line naming ``name`` and the range. Called before any frame is tracked:
+    ``inf`` or ``0.001`` ended in an OverflowError after the whole video, and ``inf`` wrote a GIF
+    whose frames have no delay."""
+    lo, hi = fps_limits(out)
+    try:
+        value = float(fps)
+    except (TypeError, ValueError):
+        raise ConfigError(f"{name} must be a number of frames per second, got {fps!r}") from None
+    if not lo <= value <= hi:  # also refuses NaN; 0 must not quietly mean "the default"
+        suffix = Path(out).suffix.lower() if out is not None else ""
+        kind = (f" for a GIF ({out})" if suffix == ".gif" else f" for a video ({out})"
+                if suffix in VIDEO_OUT_SUFFIXES else "")
+        raise ConfigError(f"{name} must be between {lo:g} and {hi:g} frames per second{kind}, got {fps}")
+    return value
+
+
 def write_frames(frames: Iterable[np.ndarray], out: str | Path, fps: float = 15.0) -> Path:
     """Write frames to ``out``: ``.gif`` (Pillow), ``.mp4`` / ``.avi`` / ... (imageio + PyAV),
-    or a folder (``00001.jpg`` ...) when ``out`` has no suffix (:func:`check_output`)."""
+    or a folder (``00001.jpg`` ...) when ``out`` has no suffix (:func:`check_output`). ``fps``
+    must lie in :func:`fps_limits` (:func:`check_fps`), checked before any frame is read."""
     from PIL import Image
 
     out = check_output(out)
     suffix = out.suffix.lower()
-    if fps <= 0:
-        raise ConfigError(f"fps must be positive, got {fps}")
+    fps = check_fps(fps, out)
     if suffix == "":
         out.mkdir(parents=True, exist_ok=True)
         for i, f in enumerate(frames):
@@ -93,6 +133,5 @@ def write_frames(frames: Iterable[np.ndarray], out: str | Path, fps: float = 15.
         if len(sizes) > 1:  # a video has one frame size (np.stack raised a traceback)
             raise DataError(f"cannot write {out}: the frames differ in size ({sizes[0]} and {sizes[-1]}); "
                             "write a .gif or a folder, or track frames of one size")
-        iio.imwrite(out, np.stack(arrays), fps=fps, plugin="pyav", codec="libx264"
-                    if suffix in (".mp4", ".mkv", ".mov") else "mpeg4")
+        iio.imwrite(out, np.stack(arrays), fps=fps, plugin="pyav", codec=_VIDEO_CODECS[suffix])
     return out

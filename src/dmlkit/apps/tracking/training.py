@@ -54,6 +54,7 @@ from dmlkit.utils import (
     seed_everything,
     write_provenance,
 )
+from dmlkit.validation import check_seed
 
 CHECKPOINT_FORMAT = "dmlkit-siamfc-v1"
 
@@ -67,9 +68,13 @@ def make_labels(
     ``shift`` is the target's offset ``(dy, dx)`` from the search image centre in search-image
     pixels. Position u is positive iff ``||stride * (u - centre) - shift|| <= radius``. The
     weights are ``1 / (2 #pos)`` on positives and ``1 / (2 #neg)`` on negatives (sum 1).
+    ``radius`` and ``shift`` must be finite (an infinite radius made every label +1).
     """
-    if response_size < 1 or stride < 1 or radius < 0:
-        raise ConfigError("make_labels needs response_size >= 1, stride >= 1 and radius >= 0")
+    if response_size < 1 or stride < 1 or not 0 <= radius < math.inf:
+        raise ConfigError("make_labels needs response_size >= 1, stride >= 1 and a finite radius >= 0, "
+                          f"got {response_size}, {stride}, {radius}")
+    if not all(math.isfinite(float(v)) for v in shift):
+        raise ConfigError(f"make_labels needs a finite shift, got {tuple(shift)}")
     r = torch.arange(response_size, dtype=torch.float64) - (response_size - 1) / 2.0
     dy = stride * r[:, None] - float(shift[0])
     dx = stride * r[None, :] - float(shift[1])
@@ -96,9 +101,10 @@ def logistic_loss(scores: torch.Tensor, labels: torch.Tensor, weights: torch.Ten
 
 
 class PairConfig(BaseModel):
-    """How training pairs are drawn and augmented."""
+    """How training pairs are drawn and augmented (numbers finite: ``max_shift: inf`` ended in a
+    traceback mid-run, and ``radius: inf`` trained on labels that are +1 everywhere)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
     max_frame_gap: int = Field(100, ge=0, description="T: frames a and b at most T apart")
     context: float = Field(0.5, gt=0)
     radius: float = Field(16.0, ge=0, description="R: positive radius in search-image pixels")
@@ -128,7 +134,7 @@ class SiamFCPairs(torch.utils.data.Dataset):
         counts = np.array([len(v) for v in self.valid_idx], dtype=np.float64)
         self.seq_prob = counts / counts.sum()
         self.pairs_per_epoch = int(pairs_per_epoch)
-        self.seed = int(seed)
+        self.seed = check_seed(seed)  # numpy's default_rng refuses a negative one mid-epoch
         self.epoch = 0
         self.response_size = (INSTANCE_SIZE - EXEMPLAR_SIZE) // TOTAL_STRIDE + 1
 
@@ -170,7 +176,7 @@ class SiamFCTrainConfig(StrictNumbers):
     ``lr: inf`` trained a model of NaN weights that then tracked to a confident score)."""
 
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
-    seed: int = 0
+    seed: int = Field(0, ge=0, lt=2**32)  # numpy refuses other seeds (after the run was written)
     dataset: str = Field("got10k", description="otb | got10k layout")
     data_dir: str = Field(..., description="root of the training sequences")
     split: str | None = Field(None, description="GOT-10k sub-folder (train)")
