@@ -389,7 +389,7 @@ CASES: list[tuple[str, list[str]]] = [
 
 #: What the error must be about, where another error could come first and hide it.
 EXPECT = {
-    "plot-per-class-shards": "is a shard directory; plots read one embeddings file",
+    "plot-per-class-shards": "is a shard directory (dmlkit embed --format shards); this reads one embeddings file",
     "evaluate-recall-at-0": "unknown metric 'recall_at_0'",
     "index-over-its-input": "would overwrite the input",
     "index-over-embeddings": "exists and is not a dmlkit index file",
@@ -710,3 +710,54 @@ def test_report_tables_bold_only_the_best_cell_of_each_column():
     html = table_html(["method", "P@1", "MAP@R", "n"], rows, best_columns=[1, 2])
     assert html.count('<td class="best">') == 3 and 'class="best"><td>' not in html
     assert '<td class="best">40.00</td>' in html and "<tr class" not in html
+
+
+# -- embedding files (audit of the file paths) -------------------------------------------------
+def test_a_labels_file_beyond_int64_is_one_error(tmp_path):
+    """``12345678901234567890`` (or ``1e30``) in a labels file was numpy's OverflowError."""
+    np.save(tmp_path / "e.npy", np.random.default_rng(0).normal(size=(4, 8)).astype(np.float32))
+    for big in ("12345678901234567890", "1e30"):
+        (tmp_path / "big.txt").write_text(f"7\n{big}\n7\n7\n")
+        line = check_one_error(*_run(["evaluate", str(tmp_path / "e.npy"), "--labels", str(tmp_path / "big.txt")]))
+        assert f"label '{big}' on line 2 is beyond int64's range" in line
+
+
+def test_a_shard_directory_is_named_as_one_where_one_file_is_read(tmp_path):
+    """``dmlkit fewshot SHARDS`` said "a directory without a shard manifest.json ... a shard
+    write that was interrupted (write it again)" of a complete shard directory."""
+    from dmlkit.embedding_shards import write_shards
+
+    rng = np.random.default_rng(0)
+    write_shards(tmp_path / "sh", rng.normal(size=(60, 16)).astype(np.float32), np.repeat(np.arange(10), 6),
+                 shard_rows=7)
+    for command in (["fewshot"], ["verify"]):
+        line = check_one_error(*_run([*command, str(tmp_path / "sh")]))
+        assert "is a shard directory (dmlkit embed --format shards)" in line and "interrupted" not in line
+
+
+def test_a_manifest_listing_a_shard_twice_is_refused(tmp_path):
+    """A hand-merged manifest naming one shard twice had its rows counted twice (67 queries for
+    60 rows, another MAP@R)."""
+    import json
+
+    from dmlkit.embedding_shards import write_shards
+
+    rng = np.random.default_rng(0)
+    write_shards(tmp_path / "dup", rng.normal(size=(60, 16)).astype(np.float32), np.repeat(np.arange(10), 6),
+                 shard_rows=7)
+    path = tmp_path / "dup" / "manifest.json"
+    m = json.loads(path.read_text())
+    m["shards"].append(m["shards"][0])
+    m["count"] += m["shards"][0]["rows"]
+    path.write_text(json.dumps(m))
+    line = check_one_error(*_run(["evaluate", str(tmp_path / "dup"), "-m", "map_at_r"]))
+    assert "lists the shard file embeddings-00000.npy twice" in line
+
+
+def test_float64_torch_embeddings_beyond_float32_are_named_so(tmp_path):
+    """A .pt of finite float64 values beyond float32 was cast to inf and refused as "NaN or
+    infinity ... a diverged training run"; the .npz of the same values named the range."""
+    e = torch.from_numpy(np.random.default_rng(0).normal(size=(6, 4)) * 1e300)
+    torch.save({"embeddings": e, "labels": torch.tensor([0, 0, 1, 1, 2, 2])}, tmp_path / "big.pt")
+    line = check_one_error(*_run(["evaluate", str(tmp_path / "big.pt")]))
+    assert "beyond float32's range" in line

@@ -158,6 +158,10 @@ def test_reader_detects_corruption_and_inconsistent_manifests(tmp_path):
     manifest["shards"][0]["embeddings"] = s.manifest["shards"][1]["embeddings"]  # 40 rows listed, 40 there
     manifest["shards"][2]["embeddings"] = s.manifest["shards"][0]["embeddings"]  # 20 listed, 40 there
     (tmp_path / "s" / MANIFEST).write_text(json.dumps(manifest))
+    with pytest.raises(DataError, match="lists the shard file embeddings-00001.npy twice"):
+        open_shards(tmp_path / "s")  # its rows would be read twice
+    manifest["shards"][1]["embeddings"] = s.manifest["shards"][2]["embeddings"]  # 40 listed, 20 there
+    (tmp_path / "s" / MANIFEST).write_text(json.dumps(manifest))
     with pytest.raises(DataError, match="manifest says"):
         open_shards(tmp_path / "s")
     t = write_shards(tmp_path / "t", x, y)

@@ -34,7 +34,11 @@ def read_embedding_file(path: str | os.PathLike, labels_path: str | os.PathLike 
     path = Path(path)
     if not path.exists():
         raise DataNotFoundError(f"embeddings file not found: {path}")
-    if path.is_dir():  # a shard directory with its manifest never reaches this function
+    if path.is_dir():
+        if (path / "manifest.json").is_file():  # what dmlkit embed --format shards writes
+            raise DataError(f"{path} is a shard directory (dmlkit embed --format shards); this reads one "
+                            "embeddings file: write one with `dmlkit embed ... --format npz` (dmlkit "
+                            "evaluate and dmlkit index read shard directories)")
         if (path / "config.yaml").is_file() and (path / "checkpoints").is_dir():
             raise DataError(f"{path} is a run directory of dmlkit train, not embeddings: pass its "
                             f"embeddings file ({path / 'embeddings' / 'test.npz'}, or write one with "
@@ -135,7 +139,10 @@ def _read_torch_file(path: Path) -> tuple[np.ndarray, Any]:
     def to_numpy(x: Any) -> np.ndarray:
         if isinstance(x, torch.Tensor):
             x = x.detach().cpu()
-            return (x.float() if x.dtype.is_floating_point and x.dtype != torch.float32 else x).numpy()
+            # float64 kept (as from an .npz), so validation names values beyond float32's range
+            # (they were cast to inf here and refused as "NaN or infinity")
+            wide = x.dtype.is_floating_point and x.dtype not in (torch.float32, torch.float64)
+            return (x.float() if wide else x).numpy()
         return np.asarray(x)
 
     return to_numpy(emb), None if labels is None else to_numpy(labels)
@@ -175,6 +182,10 @@ def read_labels_file(path: Path) -> np.ndarray:
             raise DataError(f"{path}: label {v!r} on line {line} is a number but not an integer; "
                             "labels are integer class ids or class names, one per line")
     if values and all(n is not None for n in numbers):
+        big = next((line for line, n in enumerate(numbers, start=1) if not -2**63 <= int(n) < 2**63), None)
+        if big is not None:  # numpy's OverflowError (a traceback) before
+            raise DataError(f"{path}: label {values[big - 1]!r} on line {big} is beyond int64's range; "
+                            "labels are integer class ids or class names, one per line")
         return np.asarray([int(n) for n in numbers], dtype=np.int64)
     return np.asarray(values)  # class names
 

@@ -511,11 +511,16 @@ def _read_manifest(directory: Path) -> dict[str, Any]:
     if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in counts):
         raise DataError(f"{path} is malformed (count, dim and each shard's rows must be whole numbers): "
                         "rewrite the shards")
+    listed: set[str] = set()
     for shard in m["shards"]:
         for key in ("embeddings", "labels", "ids"):
             name = shard.get(key) if isinstance(shard, dict) else None
             if not isinstance(name, str) or Path(name).name != name or name.startswith("."):
                 raise DataError(f"{path} lists a shard file {name!r} outside the directory: refused")
+            if name in listed:  # its rows were read twice: more queries, other metrics
+                raise DataError(f"{path} lists the shard file {name} twice (a hand-merged manifest?): "
+                                "rewrite the shards")
+            listed.add(name)
     return m
 
 

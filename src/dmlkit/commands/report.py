@@ -42,14 +42,9 @@ def report(
 def _load(path: Path):
     """``(embeddings, labels, {id: class name} or None)`` of a file, refused when not finite
     (nothing is drawn from NaN); names come from a file saved with class-name labels."""
-    from dmlkit.embedding_shards import is_shard_dir
     from dmlkit.embeddings import load_embeddings
-    from dmlkit.exceptions import DataError
     from dmlkit.validation import check_embeddings
 
-    if is_shard_dir(path):  # else "a directory without a shard manifest.json", which it has
-        raise DataError(f"{path} is a shard directory; plots read one embeddings file: write one with "
-                        "`dmlkit embed ... --format npz` (or load the shards in Python and save_embeddings)")
     emb, labels, extra = load_embeddings(path)
     check_embeddings(emb, f"embeddings in {path}")
     names = extra.get("class_names")
