@@ -298,3 +298,63 @@ def test_a_narrow_cone_is_warned_about_and_observed_bins_resolve_it():
         pos_neg_histograms(x, y)
     with pytest.raises(ConfigError, match="observed"):
         pos_neg_histograms(x, y, range="widest")
+
+
+# -- the whole-set metrics' own arguments (audit) ---------------------------------------------
+def test_histogram_arguments_are_checked_as_evaluate_checks_them():
+    """reference_labels without a reference and a third range entry were ignored; bins=True was
+    torch's TypeError and a numpy integer refused."""
+    from dmlkit.exceptions import ConfigError, ShapeError
+    from dmlkit.metrics import pos_neg_histograms
+
+    rng = np.random.default_rng(0)
+    x, y = rng.normal(size=(24, 8)).astype(np.float32), np.repeat(np.arange(4), 6)
+    with pytest.raises(ShapeError, match="reference_labels given without reference embeddings"):
+        pos_neg_histograms(x, y, None, y)
+    with pytest.raises(ConfigError, match=r"range must be \(low, high\)"):
+        pos_neg_histograms(x, y, range=(-1, 1, 5))
+    with pytest.raises(ConfigError, match="bins must be a positive integer, got True"):
+        pos_neg_histograms(x, y, bins=True)
+    assert pos_neg_histograms(x, y, bins=np.int64(10)).js == pos_neg_histograms(x, y, bins=10).js
+
+
+def test_js_of_huge_but_equal_histograms_is_zero():
+    """Counts near 1e308 overflowed the sum: the normalised histogram was all zeros (JS 0.5)."""
+    from dmlkit.metrics import js_divergence
+
+    assert js_divergence([1e308, 1e308], [1.0, 1.0]) == 0.0
+    assert js_divergence([1e308, 0.0], [0.0, 1.0]) == 1.0
+
+
+def test_kmeans_arguments_are_one_error_each():
+    """niter = -1 returned the all-zero start as a clustering; 4.0 clusters and 1-D input were
+    torch's and numpy's own errors."""
+    from dmlkit.exceptions import ConfigError, ShapeError
+    from dmlkit.metrics import kmeans_labels
+
+    x = np.random.default_rng(0).normal(size=(24, 8)).astype(np.float32)
+    with pytest.raises(ConfigError, match="niter must be an integer of at least 0, got -1"):
+        kmeans_labels(x, 4, niter=-1)
+    with pytest.raises(ConfigError, match="n_clusters must be an integer of at least 1, got 4.0"):
+        kmeans_labels(x, 4.0)
+    with pytest.raises(ShapeError):
+        kmeans_labels(x[:, 0], 4)
+
+
+def test_the_restarts_seeds_are_checked_as_a_range():
+    """seed = 2**32 - 1 with 2 restarts was refused as "got 4294967296", a seed nobody passed."""
+    from dmlkit.exceptions import ConfigError
+
+    x = np.random.default_rng(0).normal(size=(24, 8)).astype(np.float32)
+    with pytest.raises(ConfigError, match=r"2 k-means restarts use seeds 4294967295 \.\.\. 4294967296"):
+        evaluate(x, np.repeat(np.arange(4), 6), metrics=["nmi"], seed=2**32 - 1, cluster_restarts=2)
+
+
+def test_integer_scores_beyond_float64s_integers_are_refused():
+    """2^53 + 1 and 2^53 became one float64: AUC 0.5 for a perfect ranking."""
+    from dmlkit.exceptions import DataError
+    from dmlkit.metrics import roc_auc
+
+    assert roc_auc(np.array([2**53, 2**53 - 1]), np.array([1, 0])) == 1.0
+    with pytest.raises(DataError, match="integer scores beyond 2\\*\\*53"):
+        roc_auc(np.array([2**53 + 1, 2**53]), np.array([1, 0]))

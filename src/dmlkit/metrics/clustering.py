@@ -25,7 +25,13 @@ import numpy as np
 from dmlkit.distances import rounding_bound
 from dmlkit.exceptions import ConfigError, DataError
 from dmlkit.metrics._threads import full_float32_matmuls, run_threads, single_threaded_torch
-from dmlkit.validation import check_embeddings, check_labels, check_product_range, check_seed
+from dmlkit.validation import (
+    SEED_LIMIT,
+    check_embeddings,
+    check_labels,
+    check_product_range,
+    check_seed,
+)
 
 __all__ = ["CLUSTERING_METRICS", "cluster_metrics", "kmeans_labels", "pair_f1"]
 
@@ -48,7 +54,11 @@ def kmeans_labels(
     * ``"faiss"``: ``faiss.Kmeans``, best of 5 random initialisations by the k-means objective.
     * ``"sklearn"``: scikit-learn, one k-means++ initialisation.
     """
-    x = np.ascontiguousarray(embeddings, dtype=np.float32)
+    x = check_embeddings(embeddings, "embeddings").cpu().numpy()  # 1-D was numpy's ValueError
+    for name, value, least in (("n_clusters", n_clusters, 1), ("niter", niter, 0)):
+        # 4.0 clusters was torch's TypeError; niter = -1 returned the all-zero start
+        if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < least:
+            raise ConfigError(f"k-means {name} must be an integer of at least {least}, got {value!r}")
     if n_clusters < 1 or n_clusters > x.shape[0]:
         raise DataError(f"k-means needs 1 <= clusters <= samples, got {n_clusters} for {x.shape[0]} samples")
     if backend not in _KMEANS_BACKENDS:
@@ -278,6 +288,10 @@ def cluster_metrics(
     y, _ = check_labels(labels, x.shape[0], "labels")
     if not isinstance(restarts, int | np.integer) or restarts < 1:
         raise DataError(f"restarts must be at least 1, got {restarts}")
+    check_seed(seed, "the k-means seed")
+    if seed + restarts - 1 >= SEED_LIMIT:  # the error named seed + 1, which nobody passed
+        raise ConfigError(f"the {restarts} k-means restarts use seeds {seed} ... {seed + restarts - 1}, "
+                          f"beyond 2**32 - 1: pass a seed of at most {SEED_LIMIT - restarts}")
     unknown = [m for m in metrics if m not in CLUSTERING_METRICS]
     if unknown:
         raise DataError(f"unknown clustering metric {unknown[0]!r}; choose from {CLUSTERING_METRICS}")

@@ -75,8 +75,9 @@ def js_divergence(p: Any, q: Any) -> float:
     if not (np.isfinite(p).all() and np.isfinite(q).all()) or (p < 0).any() or (q < 0).any():
         # NaN, infinite or negative counts read 0.0 (the clamp below swallowed the NaN)
         raise DataError("JS divergence needs histograms of finite, non-negative counts or densities")
-    if p.shape != q.shape or p.sum() <= 0 or q.sum() <= 0:
+    if p.shape != q.shape or not p.any() or not q.any():
         raise DataError("JS divergence needs two non-empty histograms over the same bins")
+    p, q = p / p.max(), q / q.max()  # then summed: counts near 1e308 overflowed the sum to inf
     p, q = p / p.sum(), q / q.sum()
     m = (p + q) / 2
 
@@ -191,11 +192,15 @@ def pos_neg_histograms(
     bins: the divergence then reads near 0 whatever the ranking (width ``2 / bins``).
     """
     budget = check_budget(memory_budget)
-    if not isinstance(bins, int) or bins < 1:
+    # numpy integers count (as k_values and seeds do); True is no number of bins
+    if not isinstance(bins, int | np.integer) or isinstance(bins, bool) or bins < 1:
         raise ConfigError(f"bins must be a positive integer, got {bins!r}")
+    bins = int(bins)
     same = reference is None
     q = as_embeddings(query, "query embeddings")
     if same:
+        if reference_labels is not None:  # as evaluate() refuses it: it was ignored
+            raise ShapeError("reference_labels given without reference embeddings")
         ql = check_label_pair(query_labels, q.shape[0], None, 0)[0].to(q.device)
         r, rl = q, ql
     else:
@@ -237,6 +242,8 @@ def pos_neg_histograms(
     elif isinstance(range, str):
         raise ConfigError(f"range must be (low, high) or 'observed', got {range!r}")
     else:
+        if len(range) != 2:  # a third entry was ignored
+            raise ConfigError(f"range must be (low, high), got {range}")
         lo, hi = float(range[0]), float(range[1])
         # finite, and bins of a width float32 can scale by ((0, inf) gave NaN edges and js 0.0)
         if not (hi > lo and math.isfinite(hi - lo) and bins / (hi - lo) <= float(np.finfo(np.float32).max)):

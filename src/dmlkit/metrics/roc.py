@@ -40,6 +40,10 @@ def _as_scores_and_labels(scores: Any, labels: Any, higher_is_positive: bool) ->
         raise ShapeError(f"labels must have the shape of the scores {s.shape}, got {y.shape}")
     if s.dtype.kind not in "fiub":
         raise ShapeError(f"scores must be numbers, got dtype {s.dtype}")
+    if s.dtype.kind in "iu" and s.size and max(abs(int(s.min())), abs(int(s.max()))) > 2**53:
+        # float64 holds every integer up to 2^53 only: 2^53 + 1 and 2^53 became a tie (AUC 0.5)
+        raise DataError("integer scores beyond 2**53 are not all distinct in float64, where the ROC "
+                        "is computed: subtract their minimum, or pass them as floats")
     s = s.astype(np.float64)
     if not np.all(np.isfinite(s)):
         raise NonFiniteError(
