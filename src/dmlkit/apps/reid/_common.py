@@ -6,7 +6,7 @@ from typing import Any
 
 import numpy as np
 
-from dmlkit.distances import get_distance
+from dmlkit.distances import OFFSET_RATIO, get_distance
 from dmlkit.exceptions import ConfigError, NonFiniteError, ShapeError
 
 METRICS = ("euclidean", "cosine", "dot")
@@ -123,7 +123,8 @@ def _block_rows(n_cols: int, memory_budget: int) -> int:
 
 def _centred(query, gallery, rows: int = 8192):
     """``(query, gallery)`` less the gallery's mean row where that mean dominates the rows'
-    spread: ``|mean|^2 > 15 E|g - mean|^2`` (in float64, ``rows`` rows at a time); else as given.
+    spread: ``|mean|^2 > OFFSET_RATIO E|g - mean|^2`` (:data:`dmlkit.distances.OFFSET_RATIO`; in
+    float64, ``rows`` rows at a time, for galleries of any size); else as given.
 
     A translation changes no Euclidean distance, but the expanded form ``|g|^2 - 2 <q, g>``
     rounds relative to the rows' norms: features sharing an offset of 100 in 128 dimensions
@@ -144,7 +145,7 @@ def _centred(query, gallery, rows: int = 8192):
         square += float((wide * wide).sum())
     mean = total / n
     offset = float(mean @ mean)
-    if offset <= 15 * (square / n - offset):
+    if offset <= OFFSET_RATIO * (square / n - offset):
         return query, gallery
     shift = mean.float()
     return query - shift, gallery - shift
