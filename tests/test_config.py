@@ -192,3 +192,64 @@ def test_number_settings_refuse_true_and_false():
     assert config_from_dict({**BASE, "training": {"amp": True, "epochs": 3}}).training.epochs == 3
     with pytest.raises(Exception, match="must be a number"):
         SiamFCTrainConfig.model_validate({"data_dir": "x", "epochs": True})
+
+
+# -- the configuration audit: values a config file or --set can no longer slip through ---------
+def test_a_key_given_twice_in_a_yaml_file_is_refused():
+    """PyYAML kept the last value: a second ``training:`` block replaced the first whole."""
+    from dmlkit.config_yaml import load_yaml
+
+    for text, key in (("training: {epochs: 1}\ntraining: {max_steps: 1}\n", "training"),
+                      ("loss: {params: {margin: 0.1, margin: 0.2}}\n", "margin")):
+        with pytest.raises(yaml.YAMLError, match=f"the key '{key}' is given twice"):
+            load_yaml(text)
+    merged = load_yaml("base: &d {x: 1, y: 2}\nc:\n  <<: *d\n  x: 3\n")
+    assert merged["c"] == {"x": 3, "y": 2}  # a merge key still gives way to the keys beside it
+
+
+def test_a_set_key_given_twice_with_two_values_is_refused():
+    from dmlkit.config_yaml import parse_overrides
+
+    with pytest.raises(ConfigError, match=r"--set training.max_steps is given twice \(1 and 2\)"):
+        parse_overrides(["training.max_steps=1", "training.max_steps=2"])
+    assert parse_overrides(["training.max_steps=1", "training.max_steps=1"]) == {"training.max_steps": 1}
+    with pytest.raises(ConfigError) as info:
+        parse_overrides(["training.epochs=[1"])
+    assert "\n" not in str(info.value)  # PyYAML's message spans several lines
+
+
+@pytest.mark.parametrize("override", ["optimizer.trunk_lr=.inf", "optimizer.weight_decay=.nan",
+                                      "data.split.ratios=[.inf, 1, 5]"])
+def test_non_finite_numbers_are_refused_when_the_config_is_read(tmp_path, override):
+    """``trunk_lr: .inf`` trained NaN weights after the run directory was written."""
+    from dmlkit.config import load_config
+
+    path = tmp_path / "c.yaml"
+    path.write_text("name: t\ndata: {dataset: att_faces}\nloss: {name: triplet}\n")
+    with pytest.raises(ConfigError, match="finite number"):
+        load_config(path, [override])
+
+
+@pytest.mark.parametrize(("value", "message"), [(float("nan"), "must be a finite number, got nan"),
+                                                (float("inf"), "must be a finite number, got inf"),
+                                                (True, r"is a number \(default 0.2\), got true")])
+def test_loss_and_miner_numbers_are_checked_though_their_sections_are_untyped(value, message):
+    """``margin: .nan`` trained NaN losses blamed on the embeddings; ``margin: yes`` used 1.0."""
+    from dmlkit.config import LossConfig, MinerConfig
+    from dmlkit.training.builders import build_loss, build_miner
+
+    with pytest.raises(ConfigError, match=f"loss.params.margin {message}"):
+        build_loss(LossConfig(name="triplet", params={"margin": value}), 10, 16)
+    with pytest.raises(ConfigError, match="miner.params.margin"):
+        build_miner(MinerConfig(name="semi_hard", params={"margin": value}))
+
+
+def test_a_search_range_must_be_finite():
+    """``low: -.inf`` failed every trial after the bench directory was written."""
+    from pathlib import Path
+
+    from dmlkit.protocol.config import load_bench_config
+
+    path = Path(__file__).resolve().parents[1] / "configs" / "bench_quick.yaml"
+    with pytest.raises(ConfigError, match="finite number"):
+        load_bench_config(path, ["methods.0.search.loss.pos_margin.low=-.inf"])

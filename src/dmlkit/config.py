@@ -115,7 +115,8 @@ class StrictNumbers(BaseModel):
 
 
 class _Section(StrictNumbers):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    # numbers finite: lr = inf trained NaN weights after writing the run directory
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
 
 
 class SplitConfig(_Section):

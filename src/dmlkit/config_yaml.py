@@ -29,6 +29,26 @@ class YamlLoader(yaml.SafeLoader):
 
     strict_ints = False
 
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
+        """A mapping whose keys are unique: PyYAML kept a repeated key's last value and dropped
+        the first without a word (a second ``training:`` block replaced the first whole). Merge
+        keys (``<<: *defaults``) still give way to the keys written beside them."""
+        first_line: dict[Any, int] = {}
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":
+                continue
+            key = self.construct_object(key_node, deep=deep)
+            line = key_node.start_mark.line + 1
+            try:
+                if key in first_line:
+                    raise yaml.constructor.ConstructorError(
+                        None, None, f"the key {key!r} is given twice (lines {first_line[key]} and {line}): "
+                        "keep one", key_node.start_mark)
+                first_line[key] = line
+            except TypeError:  # an unhashable key: PyYAML's own error follows
+                continue
+        return super().construct_mapping(node, deep=deep)
+
 
 class YamlDumper(yaml.SafeDumper):
     """``yaml.SafeDumper`` that quotes every string :class:`YamlLoader` would read as a number."""
@@ -83,11 +103,14 @@ def parse_overrides(overrides: Iterable[str] | Mapping[str, Any] | None) -> dict
         if not key or any(not part for part in key.split(".")):
             raise ConfigError(f"override {item!r} has an empty key")
         try:
-            parsed[key] = _override_value(raw)
+            value = _override_value(raw)
         except yaml.constructor.ConstructorError as exc:
             raise ConfigError(f"override {item!r}: {exc.problem}") from None
-        except yaml.YAMLError as exc:
-            raise ConfigError(f"override {item!r}: the value is not valid YAML ({exc})") from None
+        except yaml.YAMLError as exc:  # one line (PyYAML's message spans several)
+            raise ConfigError(f"override {item!r}: the value is not valid YAML ({' '.join(str(exc).split())})") from None
+        if key in parsed and parsed[key] != value:  # the first one was dropped without a word
+            raise ConfigError(f"--set {key} is given twice ({parsed[key]!r} and {value!r}): keep one")
+        parsed[key] = value
     return parsed
 
 
