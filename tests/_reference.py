@@ -239,9 +239,9 @@ def omniglot_run_config(directory, name: str, *, train: range, val: range, file:
 def bench_entries(tmp_path, cfg, labels, centres: int,
                   methods: tuple = (("contrastive", 1.5), ("ms", 0.9))) -> dict:
     """Final-stage entries of a bench with ``methods`` (name, noise), by default ``contrastive``
-    (noisier) and ``ms`` (three seeds, one fold each): clustered test embeddings saved under
-    ``tmp_path``, evaluated with the config's metrics (for ``build_results`` in the compare /
-    report tests)."""
+    (noisier) and ``ms`` (three seeds, two folds each, as the tests' two-fold splits: a results
+    file must list every fold of a seed): clustered test embeddings saved under ``tmp_path``,
+    evaluated with the config's metrics (for ``build_results`` in the compare / report tests)."""
     import numpy as np
 
     from dmlkit.embeddings import save_embeddings
@@ -252,11 +252,12 @@ def bench_entries(tmp_path, cfg, labels, centres: int,
     for k, (name, noise) in enumerate(methods):
         runs = []
         for s in (0, 1, 2):
-            path = tmp_path / name / f"seed{s}" / "fold0" / "embeddings" / "test.npz"
-            rng = np.random.default_rng(10 * k + s)
-            x = centre[labels] + noise * rng.normal(size=(labels.size, 8))
-            save_embeddings(path, x.astype(np.float32), labels)
-            runs.append(FinalRun(name, s, 0, path.parents[1], path, path.parents[1] / "best.pt"))
+            for fold in (0, 1):
+                path = tmp_path / name / f"seed{s}" / f"fold{fold}" / "embeddings" / "test.npz"
+                rng = np.random.default_rng(10 * k + s + 100 * fold)
+                x = centre[labels] + noise * rng.normal(size=(labels.size, 8))
+                save_embeddings(path, x.astype(np.float32), labels)
+                runs.append(FinalRun(name, s, fold, path.parents[1], path, path.parents[1] / "best.pt"))
         entries[name] = {"runs": runs, "evaluation": evaluate_runs(runs, list(cfg.protocol.metrics)),
                          "best_params": {}, "loss": {"name": name}}
     return entries

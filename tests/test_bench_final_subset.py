@@ -15,7 +15,7 @@ import pytest
 import yaml
 
 from _reference import tiny_alphadigits_bench
-from dmlkit.exceptions import NonFiniteError
+from dmlkit.exceptions import DataError, NonFiniteError
 from dmlkit.protocol.config import bench_config_from_dict
 from dmlkit.protocol.results import load_results
 from dmlkit.protocol.runner import Bench
@@ -174,7 +174,10 @@ def test_a_diverged_final_run_is_recorded_and_its_seed_left_out_with_a_warning(t
 
     page = build_report(folder, tmp_path / "report.html",
                         ReportOptions(maps=(), gallery_queries=1, thumbnails=False, max_points=200))
-    assert "triplet (1/2 seeds)" in page.read_text()
+    text = page.read_text()
+    assert "triplet (1/2 seeds)" in text and "Warning: triplet: 1 final run(s) diverged" in text
+    triplet_row = text.split("<td>triplet (1/2 seeds)</td>")[1].split("</tr>")[0]
+    assert 'class="best"' not in triplet_row  # not bolded as the best, as in results.md
     # a row over fewer seeds is never the column's best (bold)
     assert "| triplet (1/2 seeds) | " in (folder / "results.md").read_text()
     assert "**" not in (folder / "results.md").read_text().split("| triplet (1/2 seeds) |")[1].split("\n")[0]
@@ -230,3 +233,39 @@ def test_a_rank_that_diverged_is_a_divergence_for_the_final_stage(tmp_path):
         launcher.run(job("NonFiniteError: the triplet loss became nan at epoch 1"), tmp_path, tmp_path)
     with pytest.raises(DistributedError, match=r"^rank 1 of 2 failed: DataError: no data"):
         launcher.run(job("DataError: no data"), tmp_path, tmp_path)
+
+
+def _minimal_results(runs: list, **method: object) -> dict:
+    cells = {m: {"mean": 0.5} for m in ("precision_at_1", "map_at_r")}
+    return {"metrics": ["precision_at_1", "map_at_r"], "split": {"folds": 2},
+            "methods": {"ms": {"concatenated": cells, "separated": cells, "runs": runs, **method}}}
+
+
+@pytest.mark.parametrize(("runs", "method", "message"), [
+    ([{"seed": "x", "fold": 0, "embeddings": "e.npz"}], {}, "integers, a path"),
+    ([{"seed": 0, "fold": None, "embeddings": "e.npz"}], {}, "integers, a path"),
+    ([{"seed": 0, "fold": 0, "embeddings": 5}], {}, "integers, a path"),
+    ([{"seed": 0, "fold": 0, "embeddings": "a.npz"}], {}, r"seed 0: 'runs' list folds \[0\], not each of 0..1 once"),
+    ([{"seed": 0, "fold": f, "embeddings": f"{f}.npz"} for f in (0, 1, 1)], {}, r"folds \[0, 1, 1\]"),
+    ([], {"seeds_failed": 3}, "'seeds_failed' must be a list"),
+    ([], {"loss": "multi_similarity"}, "'loss' must be a mapping or null"),
+])
+def test_a_hand_edited_results_file_is_one_error(tmp_path, runs, method, message):
+    """Wrong types were tracebacks in compare and report; a seed missing a fold was concatenated
+    from one 64-d fold model and compared as the 128-d concatenation (-2.91 points where the
+    table said +0.81), a repeated run counted twice."""
+    path = tmp_path / "results.json"
+    path.write_text(json.dumps(_minimal_results(runs, **method)))
+    with pytest.raises(DataError, match=message):
+        load_results(path)
+    data = _minimal_results([])
+    data["config"] = {"fixed": [1]}
+    path.write_text(json.dumps(data))
+    with pytest.raises(DataError, match="'config.fixed'"):
+        load_results(path)
+
+
+def test_a_metric_value_that_is_no_number_is_shown_as_none():
+    from dmlkit.report.builder import _fmt
+
+    assert (_fmt(True), _fmt(0.5), _fmt(float("nan")), _fmt(1)) == ("n/a", "50.00", "n/a", "100.00")

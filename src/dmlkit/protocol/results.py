@@ -36,6 +36,7 @@ __all__ = [
     "embeddings_digest",
     "load_listed_embeddings",
     "failure_notes",
+    "is_ranked",
     "format_cell",
     "load_results",
     "resolved_runs",
@@ -210,10 +211,17 @@ def build_results(config, split, entries: Mapping[str, Mapping[str, Any]], *, be
     }
 
 
+def is_ranked(name: str, row: Mapping[str, Any]) -> bool:
+    """Whether a method's row competes for the best cell of a column: not the untrained
+    ``pretrained`` row, nor a row over fewer seeds (``seeds_failed``: not comparable), in
+    results.md and the HTML report alike."""
+    return name != "pretrained" and not row.get("seeds_failed")
+
+
 def _best_by_column(results: Mapping[str, Any]) -> dict[tuple[str, str], str]:
     best: dict[tuple[str, str], tuple[float, str]] = {}
     for name, row in results["methods"].items():
-        if name == "pretrained" or row.get("seeds_failed"):  # a row over fewer seeds: not comparable
+        if not is_ranked(name, row):
             continue
         for mode in MODES:
             for m in results["metrics"]:
@@ -405,7 +413,44 @@ def _results_problem(data: Any) -> str | None:
                     return f"method {name!r}, {mode} {metric}: no numeric 'mean'"
         runs = entry.get("runs", [])
         if not isinstance(runs, list) or not all(
-            isinstance(r, dict) and {"seed", "fold", "embeddings"} <= r.keys() for r in runs
+            isinstance(r, dict) and {"seed", "fold", "embeddings"} <= r.keys()
+            and _is_int(r["seed"]) and _is_int(r["fold"]) and isinstance(r["embeddings"], str)
+            for r in runs
         ):
-            return f"method {name!r}: 'runs' must list {{seed, fold, embeddings}} entries"
+            return f"method {name!r}: 'runs' must list {{seed, fold, embeddings}} entries (integers, a path)"
+        if problem := _fold_problem(name, runs, data):
+            return problem
+        if not isinstance(entry.get("seeds_failed", []), list):
+            return f"method {name!r}: 'seeds_failed' must be a list of seeds"
+        for key in ("loss", "miner"):
+            if not isinstance(entry.get(key), dict | type(None)):
+                return f"method {name!r}: {key!r} must be a mapping or null"
+    config = data.get("config", {})
+    fixed = config.get("fixed", {}) if isinstance(config, dict) else None
+    if not (isinstance(config, dict) and isinstance(fixed, dict)
+            and isinstance(config.get("protocol", {}), dict)
+            and isinstance(fixed.get("data", {}), dict)
+            and isinstance(fixed.get("data", {}).get("options", {}), dict)):
+        return "'config', 'config.fixed', 'config.protocol' and 'config.fixed.data.options' must be mappings"
+    return None
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _fold_problem(name: str, runs: list[dict], data: Mapping[str, Any]) -> str | None:
+    """Each seed's runs must be folds ``0 .. k-1`` once each (``split.folds``, else as many as the
+    seed with the most): a seed missing a fold was concatenated from fewer fold models (one
+    64-d model scored as the 128-d concatenation) and a repeated run twice, silently."""
+    folds: dict[int, list[int]] = {}
+    for r in runs:
+        folds.setdefault(r["seed"], []).append(r["fold"])
+    split = data.get("split")
+    k = split.get("folds") if isinstance(split, dict) and _is_int(split.get("folds")) else None
+    k = k if k is not None else max((len(f) for f in folds.values()), default=0)
+    for seed, got in folds.items():
+        if sorted(got) != list(range(k)):
+            return (f"method {name!r}, seed {seed}: 'runs' list folds {sorted(got)}, not each of "
+                    f"0..{k - 1} once")
     return None

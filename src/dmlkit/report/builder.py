@@ -25,7 +25,9 @@ from dmlkit.exceptions import ConfigError, DataError, DataNotFoundError, DmlkitE
 from dmlkit.metrics import knn, per_class, per_query, pos_neg_histograms
 from dmlkit.protocol.compare import baseline_methods
 from dmlkit.protocol.results import (
+    failure_notes,
     format_cell,
+    is_ranked,
     load_listed_embeddings,
     load_results,
     metric_label,
@@ -351,7 +353,8 @@ def _run_metrics(path: Path) -> dict[str, Any]:
 
 
 def _fmt(v: Any) -> str:
-    return f"{100 * v:.2f}" if isinstance(v, (int, float)) and np.isfinite(v) else "n/a"
+    # a bool is no metric value (true was shown as 100.00)
+    return f"{100 * v:.2f}" if isinstance(v, int | float) and not isinstance(v, bool) and np.isfinite(v) else "n/a"
 
 
 # -- a training run -----------------------------------------------------------------------------
@@ -464,11 +467,13 @@ def _bench_sections(bench_dir: Path, fig_dir: Path, options: ReportOptions) -> t
         "± is the 95% confidence interval over repeated runs (n/a with a single repeat)."]
         + (["No method beat the untrained model (the 'pretrained' row) on concatenated MAP@R: the "
             "figures below show that model; train longer or search more before comparing methods."]
-           if untrained_best else []),
-        # the untrained row is shown but not ranked, as in results.md (the paper's layout)
+           if untrained_best else [])
+        + [f"Warning: {note}" for note in failure_notes(results)],  # as results.md says it
+        # neither the untrained row nor a row over fewer seeds is ranked, as in results.md (a
+        # "(3/4 seeds)" row was bolded as the best here)
         [table_html(header, [[row_label(r[0], methods[r[0]]), *r[1:]] for r in rows],  # "(2/3 seeds)"
                     best_columns=range(1, len(header)),
-                    contenders=[i for i, row in enumerate(rows) if row[0] != "pretrained"] or None)]))
+                    contenders=[i for i, row in enumerate(rows) if is_ranked(row[0], methods[row[0]])] or None)]))
     concat = {n: {"map_at_r": mean_of(r.get("concatenated", {}).get("map_at_r"))} for n, r in methods.items()}
     baselines = list(baseline_methods(methods).values())
     if baselines and any(m not in baselines for m in concat):  # something to compare with them
