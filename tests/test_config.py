@@ -253,3 +253,22 @@ def test_a_search_range_must_be_finite():
     path = Path(__file__).resolve().parents[1] / "configs" / "bench_quick.yaml"
     with pytest.raises(ConfigError, match="finite number"):
         load_bench_config(path, ["methods.0.search.loss.pos_margin.low=-.inf"])
+
+
+def test_a_new_preset_on_a_resolved_config_file_replaces_its_values(tmp_path):
+    """A run's config.yaml holds its preset's values explicitly: ``--set optimizer.preset=...``
+    on it changed only the label (Adam at 1e-3 trained as "reality_check"), where the Python
+    override starts the section afresh. A hand-written section's explicit keys still win."""
+    from dmlkit.config import apply_overrides, dump_config, load_config
+
+    base = tmp_path / "base.yaml"
+    base.write_text("name: t\ndata: {dataset: att_faces}\nloss: {name: triplet}\n")
+    quick = load_config(base, ["optimizer.preset=cpu_quick"])
+    path = tmp_path / "config.yaml"
+    dump_config(quick, path)
+    from_file = load_config(path, ["optimizer.preset=reality_check"])
+    assert from_file.optimizer == apply_overrides(quick, ["optimizer.preset=reality_check"]).optimizer
+    assert (from_file.optimizer.name, from_file.optimizer.trunk_lr) == ("rmsprop", 1e-6)
+    path.write_text(base.read_text() + "optimizer: {preset: cpu_quick, trunk_lr: 0.5}\n")
+    kept = load_config(path, ["optimizer.preset=reality_check"])
+    assert (kept.optimizer.name, kept.optimizer.trunk_lr) == ("rmsprop", 0.5)

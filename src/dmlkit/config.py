@@ -471,8 +471,20 @@ def load_config(
     if path is not None:
         source = str(path)
         data = read_yaml_mapping(path, "sections (data, model, loss, ...)", "configs/ for examples")
-    data = apply_dict_overrides(data, overrides)
+    parsed = parse_overrides(overrides)
+    section = data.get("optimizer")
+    if "optimizer.preset" in parsed and isinstance(section, dict) and _resolved_optimizer(section):
+        # a run's config.yaml holds its preset's values explicitly: switching the preset starts
+        # the section afresh, as apply_overrides does (it kept Adam 1e-3 under the new label)
+        data["optimizer"] = {}
+    data = apply_dict_overrides(data, parsed)
     return config_from_dict(data, source=source)
+
+
+def _resolved_optimizer(section: Mapping[str, Any]) -> bool:
+    """Whether an ``optimizer`` section gives every value a preset would fill (a resolved
+    config, as ``dump_config`` writes it), so its ``preset`` key is only a label."""
+    return all(key in section for preset in OPTIMIZER_PRESETS.values() for key in preset)
 
 
 def dump_config(config: ExperimentConfig, path: str | os.PathLike | None = None) -> str:
