@@ -272,3 +272,16 @@ def test_a_new_preset_on_a_resolved_config_file_replaces_its_values(tmp_path):
     path.write_text(base.read_text() + "optimizer: {preset: cpu_quick, trunk_lr: 0.5}\n")
     kept = load_config(path, ["optimizer.preset=reality_check"])
     assert (kept.optimizer.name, kept.optimizer.trunk_lr) == ("rmsprop", 0.5)
+
+
+def test_a_new_preset_on_a_resolved_bench_config_replaces_its_values(tmp_path):
+    """The bench's ``fixed.optimizer`` follows the same rule as an experiment's."""
+    from pathlib import Path
+
+    from dmlkit.protocol.config import dump_bench_config, load_bench_config
+
+    source = Path(__file__).resolve().parents[1] / "configs" / "bench_quick.yaml"
+    resolved = tmp_path / "config.yaml"
+    resolved.write_text(dump_bench_config(load_bench_config(source)))
+    switched = load_bench_config(resolved, ["fixed.optimizer.preset=reality_check"])
+    assert (switched.fixed.optimizer.name, switched.fixed.optimizer.trunk_lr) == ("rmsprop", 1e-6)

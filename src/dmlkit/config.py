@@ -54,7 +54,7 @@ __all__ = [
     "DEFAULT_EVAL_BATCH_SIZE", "DataConfig", "EvaluationConfig", "ExperimentConfig", "LossConfig",
     "MinerConfig", "ModelConfig", "OptimizerConfig", "SamplerConfig", "SplitConfig",
     "TrainingConfig", "apply_dict_overrides", "apply_overrides", "config_from_dict", "dump_config",
-    "format_validation_error", "load_config", "move_legacy_keys", "parse_overrides",
+    "format_validation_error", "fresh_preset", "load_config", "move_legacy_keys", "parse_overrides",
     "read_yaml_mapping", "load_yaml", "YamlDumper", "YamlLoader",
 ]
 
@@ -472,19 +472,26 @@ def load_config(
         source = str(path)
         data = read_yaml_mapping(path, "sections (data, model, loss, ...)", "configs/ for examples")
     parsed = parse_overrides(overrides)
-    section = data.get("optimizer")
-    if "optimizer.preset" in parsed and isinstance(section, dict) and _resolved_optimizer(section):
-        # a run's config.yaml holds its preset's values explicitly: switching the preset starts
-        # the section afresh, as apply_overrides does (it kept Adam 1e-3 under the new label)
-        data["optimizer"] = {}
-    data = apply_dict_overrides(data, parsed)
+    data = apply_dict_overrides(fresh_preset(data, parsed, "optimizer"), parsed)
     return config_from_dict(data, source=source)
 
 
-def _resolved_optimizer(section: Mapping[str, Any]) -> bool:
-    """Whether an ``optimizer`` section gives every value a preset would fill (a resolved
-    config, as ``dump_config`` writes it), so its ``preset`` key is only a label."""
-    return all(key in section for preset in OPTIMIZER_PRESETS.values() for key in preset)
+def fresh_preset(data: dict[str, Any], parsed: Mapping[str, Any], key: str) -> dict[str, Any]:
+    """``data`` with its optimizer section (at dotted ``key``) emptied when ``parsed`` overrides
+    ``KEY.preset`` and the section gives every value a preset would fill (a resolved config, as
+    ``dump_config`` writes it: its ``preset`` is only a label). Switching the preset then starts
+    the section afresh, as :func:`apply_overrides` does (a run's config.yaml kept Adam at 1e-3
+    under the new "reality_check" label); a hand-written section's explicit keys still win."""
+    parent, _, name = key.rpartition(".")
+    holder = data
+    for part in filter(None, parent.split(".")):
+        holder = holder.get(part) if isinstance(holder, dict) else None
+    section = holder.get(name) if isinstance(holder, dict) else None
+    resolved = isinstance(section, dict) and all(
+        k in section for preset in OPTIMIZER_PRESETS.values() for k in preset)
+    if f"{key}.preset" in parsed and resolved:
+        holder[name] = {}
+    return data
 
 
 def dump_config(config: ExperimentConfig, path: str | os.PathLike | None = None) -> str:

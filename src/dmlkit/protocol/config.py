@@ -53,7 +53,9 @@ from dmlkit.config import (
     check_run_name,
     config_from_dict,
     format_validation_error,
+    fresh_preset,
     move_legacy_keys,
+    parse_overrides,
     read_yaml_mapping,
 )
 from dmlkit.exceptions import ConfigError
@@ -528,7 +530,9 @@ def load_bench_config(
     Overrides address list items by index, e.g. ``methods.0.loss.params.margin=0.2``.
     """
     data = read_yaml_mapping(path, "'fixed', 'protocol' and 'methods'", "configs/bench_*.yaml")
-    return bench_config_from_dict(apply_dict_overrides(data, overrides), source=str(path))
+    parsed = parse_overrides(overrides)
+    data = apply_dict_overrides(fresh_preset(data, parsed, "fixed.optimizer"), parsed)
+    return bench_config_from_dict(data, source=str(path))
 
 
 def dump_bench_config(config: BenchConfig) -> str:
