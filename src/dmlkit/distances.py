@@ -29,7 +29,9 @@ __all__ = [
     "CosineSimilarity",
     "DotProductSimilarity",
     "LpDistance",
+    "OFFSET_RATIO",
     "SNRDistance",
+    "dominant_offset",
     "get_distance",
     "rounding_bound",
 ]
@@ -208,22 +210,39 @@ def _safe_sqrt(squared: torch.Tensor) -> torch.Tensor:
 #: Rows are moved by their mean before the expanded Euclidean form where ``|mean|^2`` exceeds
 #: this many times their spread ``E|x - mean|^2``: below it centring would gain at most 4 of
 #: float32's 24 bits and would round rows that are exact as given (small integers, whose tied
-#: distances then stay tied). :func:`_centred`; the re-id evaluation uses the same rule.
+#: distances then stay tied). :func:`dominant_offset`.
 OFFSET_RATIO = 15
 
 
+def dominant_offset(rows: torch.Tensor, block: int = 8192) -> torch.Tensor:
+    """The rows' mean where it dominates their spread (``|mean|^2 > OFFSET_RATIO E|x -
+    mean|^2``, :data:`OFFSET_RATIO`), else zeros; in ``rows``' dtype, without gradient.
+
+    A translation changes no Euclidean distance, but the expanded form ``|x|^2 + |y|^2 - 2<x,
+    y>`` rounds with the rows' norms: subtracting this offset from both sides leaves the
+    distances and makes that rounding follow the rows' spread. Sums in float64, ``block`` rows
+    at a time (galleries of any size), tensor operations only (no host synchronisation on a
+    GPU). Used by :class:`LpDistance` and the re-id evaluation."""
+    rows = rows.detach()
+    n = rows.shape[0]
+    total = torch.zeros(rows.shape[1], dtype=torch.float64, device=rows.device)
+    square = torch.zeros((), dtype=torch.float64, device=rows.device)
+    for chunk in rows.split(block):
+        wide = chunk.double()
+        total += wide.sum(0)
+        square += (wide * wide).sum()
+    mean = total / max(n, 1)
+    offset = mean @ mean
+    return (mean * (offset > OFFSET_RATIO * (square / max(n, 1) - offset))).to(rows.dtype)
+
+
 def _centred(query: torch.Tensor, reference: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``query - c`` and ``reference - c``, ``c`` the references' mean (no gradient) where it
-    dominates their spread (:data:`OFFSET_RATIO`), else 0 (exactly the rows given): the same
-    distances, whose expanded form ``|x|^2 + |y|^2 - 2<x, y>`` then rounds with the rows' spread,
-    not their offset. Rows sharing an offset (ReLU features, raw pixels; 64-d rows of 100 +
-    N(0, 1)) had distances of about 11 off by up to 0.027 (the rounding of ``|x|^2``: too large
-    for the near-zero recomputation, too small to be seen); now 1.3e-6. Tensor operations only
-    (no host synchronisation on a GPU); a self-comparison stays one tensor."""
-    rows = reference.detach()
-    mean = rows.mean(0)
-    spread = (rows - mean).pow(2).sum(1).mean()
-    shift = mean * (mean.pow(2).sum() > OFFSET_RATIO * spread).to(mean.dtype)
+    """``query - c`` and ``reference - c``, ``c`` the references' :func:`dominant_offset`: the
+    same distances, rounded with the rows' spread, not their offset. Rows sharing an offset
+    (ReLU features, raw pixels; 64-d rows of 100 + N(0, 1)) had distances of about 11 off by up
+    to 0.027 (the rounding of ``|x|^2``: too large for the near-zero recomputation, too small
+    to be seen); now 1.3e-6. A self-comparison stays one tensor."""
+    shift = dominant_offset(reference)
     moved = query - shift
     return moved, (moved if reference is query else reference - shift)
 

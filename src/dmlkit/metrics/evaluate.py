@@ -279,15 +279,21 @@ def _per_query(
                           "recall_at_k, r_precision, map_at_r, ...)")
     budget = check_budget(memory_budget)
     inp = _Inputs(query, query_labels, reference, reference_labels, distance)
-    valid = inp.r_q > 0
     fixed = embedding_independent(inp.r_q, inp.candidates, names) if means else set()
-    searched = [n for n in names if n not in fixed]
-    # NaN without a query with a positive, as evaluate() reports (no search, which a single row
-    # could not even run)
-    scores = {name: torch.full((inp.q.shape[0],), float("nan"), dtype=torch.float64) for name in names}
-    if bool(valid.any()) and searched:
-        scores.update(_retrieval_per_query(inp, searched, backend, budget))
+    scores = _searched_scores(inp, names, fixed, backend, budget)
     return per_query_arrays(scores, inp.r_q), inp.r_q.numpy(), inp
+
+
+def _searched_scores(inp: _Inputs, names: list[str], skip: set[str], backend: str,
+                     budget: int) -> dict[str, torch.Tensor]:
+    """Per-query scores of ``names``; NaN for those in ``skip`` (not searched for: their mean is
+    the same for any embeddings, and they would set the search's depth and its tie flags) and
+    for all without a query with a positive (no search, which a single row could not even run)."""
+    scores = {name: torch.full((inp.q.shape[0],), float("nan"), dtype=torch.float64) for name in names}
+    searched = [n for n in names if n not in skip]
+    if bool((inp.r_q > 0).any()) and searched:
+        scores.update(_retrieval_per_query(inp, searched, backend, budget))
+    return scores
 
 
 @full_float32_matmuls
@@ -340,10 +346,9 @@ def evaluate(
     retrieval = [n for n in names if n not in (*CLUSTERING_METRICS, "pos_neg_js")]
     if retrieval:
         fixed = warn_embedding_independent(inp.r_q, inp.candidates, retrieval)
-        ranked = [n for n in retrieval if n not in fixed]
-        scores = _retrieval_per_query(inp, ranked, backend, budget) if n_valid and ranked else {}
+        scores = _searched_scores(inp, retrieval, fixed, backend, budget)
         for name in retrieval:
-            result[name] = float(scores[name][valid].mean()) if name in scores else float("nan")
+            result[name] = float(scores[name][valid].mean()) if n_valid else float("nan")
     clustering = [n for n in names if n in CLUSTERING_METRICS]
     if clustering:
         emb = inp.distance.prepare(inp.q, "query embeddings").cpu().numpy()

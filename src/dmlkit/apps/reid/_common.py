@@ -6,7 +6,7 @@ from typing import Any
 
 import numpy as np
 
-from dmlkit.distances import OFFSET_RATIO, get_distance
+from dmlkit.distances import dominant_offset, get_distance
 from dmlkit.exceptions import ConfigError, NonFiniteError, ShapeError
 
 METRICS = ("euclidean", "cosine", "dot")
@@ -121,33 +121,17 @@ def _block_rows(n_cols: int, memory_budget: int) -> int:
     return int(max(1, min(4096, memory_budget // max(1, 8 * n_cols))))
 
 
-def _centred(query, gallery, rows: int = 8192):
-    """``(query, gallery)`` less the gallery's mean row where that mean dominates the rows'
-    spread: ``|mean|^2 > OFFSET_RATIO E|g - mean|^2`` (:data:`dmlkit.distances.OFFSET_RATIO`; in
-    float64, ``rows`` rows at a time, for galleries of any size); else as given.
+def _centred(query, gallery):
+    """``(query, gallery)`` less the gallery's :func:`dmlkit.distances.dominant_offset`; as
+    given (not copied) when it has none.
 
-    A translation changes no Euclidean distance, but the expanded form ``|g|^2 - 2 <q, g>``
-    rounds relative to the rows' norms: features sharing an offset of 100 in 128 dimensions
-    (``|g|^2`` about 1.3e6, a float32 spacing of 0.125) ranked squared distances of 0.7-0.9 at
-    random (Rank-1 0.30 for 1.00). Below the threshold centring would gain at most 4 of float32's
-    24 bits and would round features that are exact as given (small integers, whose tied
-    distances then stay tied), so they are left alone."""
-    import torch
-
-    n = gallery.shape[0]
-    if n == 0:
+    Features sharing an offset of 100 in 128 dimensions (``|g|^2`` about 1.3e6, a float32
+    spacing of 0.125) ranked squared distances of 0.7-0.9 at random (Rank-1 0.30 for 1.00)."""
+    if gallery.shape[0] == 0:
         return query, gallery
-    total = torch.zeros(gallery.shape[1], dtype=torch.float64)
-    square = 0.0
-    for chunk in gallery.split(rows):
-        wide = chunk.double()
-        total += wide.sum(0)
-        square += float((wide * wide).sum())
-    mean = total / n
-    offset = float(mean @ mean)
-    if offset <= OFFSET_RATIO * (square / n - offset):
+    shift = dominant_offset(gallery)
+    if not bool(shift.any()):  # rows without a dominating offset: exact as given
         return query, gallery
-    shift = mean.float()
     return query - shift, gallery - shift
 
 
