@@ -114,6 +114,17 @@ def deferred_scratch(side: int) -> Deferred:
                     np.empty(side + 2, np.int64))
 
 
+#: How many held entries ahead :func:`_flush_exact` prefetches what an entry reads.
+_PREFETCH_AHEAD = 8
+
+
+@numba.njit(inline="always")
+def _prefetch_lines(row: np.ndarray) -> None:
+    """Prefetch every cache line of a 1-d C-contiguous ``row``."""
+    for t in range(0, row.shape[0], 64 // row.itemsize):
+        prefetch(row, t)
+
+
 @numba.njit(nogil=True, cache=True, boundscheck=False)
 def _flush_exact(state: Counting, held: Deferred) -> None:
     """Count the held entries, each within ``tol`` of a positive's closeness, exactly.
@@ -147,10 +158,26 @@ def _flush_exact(state: Counting, held: Deferred) -> None:
         for k in range(n):
             held.order[k] = k
     for t in range(n):
+        if t + _PREFETCH_AHEAD < n:  # the reference rows come in order; the query rows do not
+            _prefetch_lines(state.query[held.query[held.order[t + _PREFETCH_AHEAD]]])
         k = held.order[t]
         held.exact[k] = _closeness64(state.query[held.query[k]], state.reference[held.ref[k]],
                                      state.euclidean)
+    lean = state.pos_val.shape[0] == 0
     for k in range(n):
+        if k + 2 * _PREFETCH_AHEAD < n:  # the state its first positive reads
+            f = held.first[k + 2 * _PREFETCH_AHEAD]
+            prefetch(state.pos_ref, f)
+            prefetch(state.up, f)
+            if not lean:
+                prefetch(state.pos_val, f)
+            prefetch(state.cnt, f + held.row[k + 2 * _PREFETCH_AHEAD])
+            prefetch(state.ref_index, held.ref[k + 2 * _PREFETCH_AHEAD])
+        if lean and k + _PREFETCH_AHEAD < n:  # the rows that recompute that positive's closeness
+            g = state.pos_ref[held.first[k + _PREFETCH_AHEAD]]
+            _prefetch_lines(state.reference[g])
+            _prefetch_lines(state.query[held.query[k + _PREFETCH_AHEAD]])
+            prefetch(state.ref_index, g)
         i = held.row[k]
         stop = state.pos_ptr[i + 1]
         e, tie = _exact_rank(state, held.query[k], held.ref[k], held.exact[k], held.value[k],
