@@ -51,7 +51,17 @@ def test_unknown_key_names_the_key():
     with pytest.raises(ConfigError) as err:
         config_from_dict({**MINIMAL, "model": {"embeding_size": 64}})
     assert "model.embeding_size" in str(err.value)
-    assert "unknown key" in str(err.value)
+    assert "unknown key (did you mean 'embedding_size'?" in str(err.value)
+    assert "valid: " in str(err.value) and "normalize" in str(err.value)
+
+
+def test_unknown_key_lists_the_valid_keys_of_nested_sections():
+    with pytest.raises(ConfigError) as err:
+        config_from_dict({**MINIMAL, "data": {**MINIMAL["data"], "split": {"kindd": "ratio"}}})
+    assert "data.split.kindd: unknown key (did you mean 'kind'? valid: kind, order, path, ratios, seed, val_fraction)" in str(err.value)
+    with pytest.raises(ConfigError) as err:
+        config_from_dict({**MINIMAL, "zzz": 1})
+    assert "zzz: unknown key (valid: data," in str(err.value)
 
 
 def test_bad_value_names_the_key_and_value():

@@ -29,6 +29,7 @@ as :class:`dmlkit.exceptions.ConfigError` naming the offending key.
 from __future__ import annotations
 
 import copy
+import difflib
 import os
 import types
 import typing
@@ -384,9 +385,53 @@ class ExperimentConfig(_Section):
 
 
 # -- loading, overrides, dumping ------------------------------------------------------------
+def _section_model(model: type[BaseModel], path: tuple) -> type[BaseModel] | None:
+    """The pydantic model that validates the mapping at ``path`` inside ``model`` (through
+    optional, list and dict fields); ``None`` where that is not one model (a free-form mapping,
+    a union of several models)."""
+    for part in path:
+        if isinstance(part, int):  # an item of a list field: its type was unwrapped already
+            continue
+        field = model.model_fields.get(str(part))
+        if field is None:
+            return None
+        annotation = field.annotation
+        while True:
+            origin = typing.get_origin(annotation)
+            if origin in (list, tuple, dict, typing.Union, types.UnionType):
+                args = [a for a in typing.get_args(annotation) if a is not type(None)]
+                if origin is dict and len(args) == 2:
+                    args = args[1:]
+                if len(args) != 1:
+                    return None
+                annotation = args[0]
+                continue
+            if origin is typing.Annotated:
+                annotation = typing.get_args(annotation)[0]
+                continue
+            break
+        if not (isinstance(annotation, type) and issubclass(annotation, BaseModel)):
+            return None
+        model = annotation
+    return model
+
+
+def _unknown_key_message(model: type[BaseModel] | None, loc: tuple) -> str:
+    """``unknown key``, with the closest valid name and every valid one of that section."""
+    section = _section_model(model, loc[:-1]) if model is not None and loc else None
+    if section is None:
+        return "unknown key (check the spelling; docs/configuration.md lists every key)"
+    valid = sorted(section.model_fields)
+    close = difflib.get_close_matches(str(loc[-1]), valid, n=1)
+    hint = f"did you mean {close[0]!r}? " if close else ""
+    return f"unknown key ({hint}valid: {', '.join(valid)})"
+
+
 def format_validation_error(exc: ValidationError, source: str | None, what: str = "experiment config",
-                            show_values: bool = True) -> str:
-    """One line per invalid key of a pydantic error: ``  key: message (got value)``.
+                            show_values: bool = True, model: type[BaseModel] | None = None) -> str:
+    """One line per invalid key of a pydantic error: ``  key: message (got value)``; an unknown
+    key names the valid ones of its section (and the closest) where ``model``, the validated
+    class, gives them.
 
     ``show_values=False`` leaves the given values out (a bench config may hold a storage URL
     with credentials)."""
@@ -395,7 +440,7 @@ def format_validation_error(exc: ValidationError, source: str | None, what: str 
         key = ".".join(str(p) for p in err.get("loc", ())) or "<root>"
         msg = err.get("msg", "invalid")
         if err.get("type") == "extra_forbidden":
-            msg = "unknown key (check the spelling; docs/configuration.md lists every key)"
+            msg = _unknown_key_message(model, tuple(err.get("loc", ())))
         elif err.get("type") == "missing":
             msg = "required key is missing"
         if msg.startswith("Value error, "):
@@ -415,7 +460,7 @@ def config_from_dict(data: Mapping[str, Any], source: str | None = None) -> Expe
     try:
         return ExperimentConfig.model_validate(move_legacy_keys(dict(data)))
     except ValidationError as exc:
-        raise ConfigError(format_validation_error(exc, source)) from None
+        raise ConfigError(format_validation_error(exc, source, model=ExperimentConfig)) from None
 
 
 #: Keys that moved: an override of the old key sets the new one.

@@ -505,7 +505,8 @@ def bench_config_from_dict(data: Mapping[str, Any], source: str | None = None) -
     try:
         config = BenchConfig.model_validate(dict(data))
     except ValidationError as exc:
-        raise ConfigError(format_validation_error(exc, source, "bench config", show_values=False)) from None
+        raise ConfigError(format_validation_error(exc, source, "bench config", show_values=False,
+                                                  model=BenchConfig)) from None
     # every method must give a valid training config (unknown loss/miner names, bad params)
     for method in config.methods:
         config.experiment(method)
