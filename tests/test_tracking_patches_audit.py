@@ -95,6 +95,28 @@ def test_a_fast_input_video_is_written_as_a_gif_at_gifs_fastest_rate(offline, tm
         assert im.info["duration"] == 10
 
 
+@pytest.mark.parametrize("fps", [15.0, 30.0, 7.0])
+def test_a_gif_plays_at_its_frame_rate(tmp_path, fps):
+    """Was: one delay of round(1000 / fps) ms for every frame, which GIF stores in whole
+    hundredths (Pillow floors it): 15 fps played at 16.7 (6 hundredths for 6.67), 30 at 33.3."""
+    from PIL import Image
+
+    from dmlkit.apps.tracking import write_frames
+
+    n = 12
+    frames = [np.full((8, 8, 3), 20 * i, np.uint8) for i in range(n)]  # all different: none merged
+    write_frames(frames, tmp_path / "o.gif", fps=fps)
+    delays = []
+    with Image.open(tmp_path / "o.gif") as im:
+        for k in range(im.n_frames):
+            im.seek(k)
+            delays.append(im.info["duration"])
+    assert len(delays) == n
+    for k in range(1, n + 1):  # every prefix ends within half a hundredth of k / fps
+        assert abs(sum(delays[:k]) - 1000 * k / fps) <= 5 + 1e-9
+    assert min(delays) >= 10
+
+
 @pytest.mark.parametrize("fps, out", [
     (math.inf, "o.gif"), (1e-3, "o.gif"), (100.5, "o.gif"), (math.inf, "o.mp4"), (math.nan, "o.mp4"),
     (1e4, "o.avi"), (0.0, "frames"),

@@ -99,6 +99,17 @@ def check_fps(fps: float, out: str | Path | None, name: str = "fps") -> float:
     return value
 
 
+def gif_delays_ms(n: int, fps: float) -> list[int]:
+    """Each of ``n`` GIF frames' delay in milliseconds, whole hundredths of a second (what a GIF
+    stores) whose running sum stays within half a hundredth of ``k / fps``: frame ``k`` waits
+    ``round(100 (k + 1) / fps) - round(100 k / fps)`` hundredths. One rounded delay for every
+    frame played 15 fps at 16.7 (6 hundredths for 6.67) and 30 fps at 33.3; these alternate
+    (7, 7, 6, ...) and keep the clip's length. ``fps`` is at most :data:`MAX_GIF_FPS`, so no
+    delay is 0."""
+    ticks = [round(100 * k / fps) for k in range(n + 1)]
+    return [10 * (b - a) for a, b in zip(ticks, ticks[1:])]
+
+
 def write_frames(frames: Iterable[np.ndarray], out: str | Path, fps: float = 15.0) -> Path:
     """Write frames to ``out``: ``.gif`` (Pillow), ``.mp4`` / ``.avi`` / ... (imageio + PyAV),
     or a folder (``00001.jpg`` ...) when ``out`` has no suffix (:func:`check_output`). ``fps``
@@ -119,7 +130,7 @@ def write_frames(frames: Iterable[np.ndarray], out: str | Path, fps: float = 15.
         if not images:
             raise ConfigError("no frames to write")
         images[0].save(out, save_all=True, append_images=images[1:], loop=0,
-                       duration=int(round(1000 / fps)), optimize=False)
+                       duration=gif_delays_ms(len(images), fps), optimize=False)
         return out
     if suffix in VIDEO_OUT_SUFFIXES:
         iio = require("imageio.v3", "tracking")
