@@ -95,6 +95,17 @@ def test_a_fast_input_video_is_written_as_a_gif_at_gifs_fastest_rate(offline, tm
         assert im.info["duration"] == 10
 
 
+@pytest.mark.parametrize("seed", ["-1", str(2**64)])
+def test_untrained_tracker_seed_out_of_range_is_one_error_line(offline, tmp_path, run_cli, seed):
+    """Was: --seed 2**64 of --method untrained ended in a ValueError traceback (torch's seed
+    overflow) and -1 was taken."""
+    code, _, err = run_cli(["track", "--frames", str(_frames_dir(offline)), "--init-box", "10,10,40,40",
+                            "--method", "untrained", f"--seed={seed}", "--out", str(tmp_path / "o.gif")])
+    line = one_error_line(code, err)
+    assert "--seed must be a non-negative integer below 2**32" in line
+    assert not (tmp_path / "o.gif").exists()
+
+
 @pytest.mark.parametrize("fps", [15.0, 30.0, 7.0])
 def test_a_gif_plays_at_its_frame_rate(tmp_path, fps):
     """Was: one delay of round(1000 / fps) ms for every frame, which GIF stores in whole

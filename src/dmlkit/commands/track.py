@@ -35,6 +35,7 @@ def _tracker(method: str, weights: Path | None, scales: int | None, seed: int, d
              width: float | None = None):
     """A tracker by name: ``siamfc`` (needs weights), ``untrained`` (seeded random SiamFC) or ``ncc``."""
     from dmlkit.exceptions import ConfigError
+    from dmlkit.validation import check_seed
 
     method = method.lower()
     if scales not in (None, 3, 5):  # for every method, ncc included (it has no scale search)
@@ -56,7 +57,7 @@ def _tracker(method: str, weights: Path | None, scales: int | None, seed: int, d
     elif method == "untrained":
         if width is None:
             width = load_siamfc(weights)[0].width if weights is not None else 1.0
-        torch.manual_seed(seed)
+        torch.manual_seed(check_seed(seed, "--seed"))
         model, cfg = SiamFC(width=width), TrackerConfig()
     else:
         raise ConfigError(f"unknown tracker {method!r}: use siamfc, untrained or ncc")
