@@ -55,3 +55,21 @@ def test_nprobe_above_the_cell_count_is_reported_as_scanned():
     assert idx.params["nprobe"] == 8
     exact = EmbeddingIndex(x).search(x[:50], 5)
     np.testing.assert_array_equal(idx.search(x[:50], 5).indices, exact.indices)  # every cell: exact
+
+
+@pytest.mark.parametrize("seed", ["-1", str(2**31), str(2**64)])
+def test_index_seed_out_of_faiss_range_is_one_error_line(tmp_path, run_cli, seed):
+    """Was: --seed -1 a ValueError traceback (numpy), 2**31 an OverflowError (faiss's C int)."""
+    save_embeddings(tmp_path / "ref.npz", _emb(), np.arange(200) % 10)
+    code, out, err = run_cli(["index", str(tmp_path / "ref.npz"), "-o", str(tmp_path / "idx"),
+                              "--kind", "ivf_flat", "--nlist", "4", f"--seed={seed}"])
+    assert code == 2 and out == ""
+    assert err.strip().splitlines() == [err.strip()]
+    assert "seed must be a non-negative integer below 2**31" in err
+    assert not (tmp_path / "idx").exists()
+
+
+def test_index_seed_at_faiss_limit_builds():
+    x = _emb()
+    index = EmbeddingIndex(x, np.arange(200) % 10, kind="ivf_flat", nlist=4, seed=2**31 - 1)
+    assert index.search(x[:3], k=1).indices.shape == (3, 1)

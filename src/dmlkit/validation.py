@@ -41,11 +41,13 @@ __all__ = [
 SEED_LIMIT = 2**32
 
 
-def check_seed(value: Any, name: str = "seed") -> int:
-    """``value`` as a seed (an integer, not a bool, in ``[0, SEED_LIMIT)``), else one
+def check_seed(value: Any, name: str = "seed", bits: int = 32) -> int:
+    """``value`` as a seed (an integer, not a bool, in ``[0, 2**bits)``; ``SEED_LIMIT`` by
+    default, 31 bits for a library that stores it in a C ``int``, such as faiss), else one
     :class:`ConfigError` line naming ``name``."""
-    if isinstance(value, bool) or not isinstance(value, int | np.integer) or not 0 <= value < SEED_LIMIT:
-        raise ConfigError(f"{name} must be a non-negative integer below 2**32, got {value!r}")
+    if (isinstance(value, bool) or not isinstance(value, int | np.integer)
+            or not 0 <= value < min(SEED_LIMIT, 2**bits)):
+        raise ConfigError(f"{name} must be a non-negative integer below 2**{min(bits, 32)}, got {value!r}")
     return int(value)
 
 

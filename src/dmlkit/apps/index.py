@@ -58,7 +58,7 @@ from dmlkit.apps.index_labels import SearchResult, encode_labels
 from dmlkit.apps.index_tuning import recall_at_k
 from dmlkit.distances import get_distance
 from dmlkit.exceptions import ConfigError, DataError, ShapeError
-from dmlkit.validation import normalize_rows
+from dmlkit.validation import check_seed, normalize_rows
 
 __all__ = ["INDEX_KINDS", "EmbeddingIndex", "SearchResult", "item_ids", "recall_at_k"]
 
@@ -99,7 +99,8 @@ class EmbeddingIndex:
         recall_k, recall_queries: ``k`` and the number of held-out queries of the recall
             measurement done at build time for approximate kinds.
         gpu: put IVF indexes on the GPU (needs a faiss build with GPU support).
-        seed: seed of the k-means training and of the recall sample.
+        seed: seed of the k-means training and of the recall sample, 0 to 2**31 - 1 (faiss keeps
+            it in a C int).
         info: free-form JSON-serialisable facts stored with the index (e.g. ``data_root``).
         normalize: L2-normalise embeddings before ``euclidean``/``dot`` (the default of
             :mod:`dmlkit.distances`, so the index agrees with the metrics: then ``dot`` ranks
@@ -155,7 +156,8 @@ class EmbeddingIndex:
         self.params: dict[str, Any] = {
             "nlist": nlist, "pq_m": pq_m, "pq_nbits": int(pq_nbits), "hnsw_m": int(hnsw_m),
             "ef_construction": int(ef_construction), "nprobe": nprobe, "rerank": int(rerank),
-            "ef_search": int(ef_search), "gpu": bool(gpu), "seed": int(seed),
+            "ef_search": int(ef_search), "gpu": bool(gpu),
+            "seed": check_seed(seed, "seed", bits=31),  # faiss keeps it in a C int
         }
         self.recall: dict[str, Any] | None = None
         self.info: dict[str, Any] = dict(info or {})
