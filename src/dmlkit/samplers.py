@@ -50,7 +50,7 @@ def _class_members(labels: np.ndarray) -> tuple[np.ndarray, list[np.ndarray]]:
 
 
 def _positive_int(name: str, value: int) -> int:
-    if int(value) != value or value < 1:
+    if isinstance(value, bool) or int(value) != value or value < 1:
         raise ConfigError(f"{name} must be a positive integer, got {value!r}")
     return int(value)
 

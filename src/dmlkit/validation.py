@@ -20,6 +20,7 @@ instead of returning silently wrong numbers (issue 11, points 2-4):
 
 from __future__ import annotations
 
+import inspect
 import math
 import warnings
 from collections.abc import Sequence
@@ -31,6 +32,7 @@ import torch
 from dmlkit.exceptions import ConfigError, NonFiniteError, ShapeError
 
 __all__ = [
+    "check_parameter_numbers",
     "SEED_LIMIT", "check_embeddings", "check_label_pair", "check_labels", "check_product_range",
     "check_seed", "concatenate_normalized", "normalize_rows", "safe_normalize",
 ]
@@ -49,6 +51,24 @@ def check_seed(value: Any, name: str = "seed", bits: int = 32) -> int:
             or not 0 <= value < min(SEED_LIMIT, 2**bits)):
         raise ConfigError(f"{name} must be a non-negative integer below 2**{min(bits, 32)}, got {value!r}")
     return int(value)
+
+
+def check_parameter_numbers(key: str, factory: Any, params: dict[str, Any]) -> None:
+    """Refuse, as :class:`ConfigError` naming ``key.NAME``, a parameter given NaN or infinity,
+    or a boolean where ``factory``'s default is a number: these sections are untyped, so
+    ``margin: .nan`` trained NaN losses (blamed on the embeddings) and ``margin: yes`` trained
+    with 1.0 without a word, where the typed sections refuse both."""
+    try:
+        defaults = {n: p.default for n, p in inspect.signature(factory).parameters.items()}
+    except (TypeError, ValueError):  # no signature to read: the numbers alone are checked
+        defaults = {}
+    for name, value in params.items():
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ConfigError(f"{key}.{name} must be a finite number, got {value}")
+        default = defaults.get(name)
+        number = isinstance(default, int | float) and not isinstance(default, bool)
+        if isinstance(value, bool) and number:
+            raise ConfigError(f"{key}.{name} is a number (default {default}), got {str(value).lower()}")
 
 
 _F32 = torch.finfo(torch.float32)

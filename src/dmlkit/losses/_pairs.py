@@ -166,9 +166,9 @@ def label_masks(
 
     ``pos_mask[i, j]`` is True when ``labels[i] == ref_labels[j]`` and ``neg_mask`` when they
     differ. With ``ref_labels=None`` the reference set is the batch, and ``i == j`` is *not* a
-    positive pair. With a separate reference set nothing is excluded (a cross-batch memory that
-    already contains the current batch should pass explicit ``indices`` instead), unless
-    ``exclude_self=True`` (a square mask whose row ``i`` and column ``i`` are the same sample).
+    positive pair. With a separate reference set nothing is excluded, unless
+    ``exclude_self=True``: reference column ``i`` is then batch row ``i`` for every row (the batch
+    itself, or a reference set that starts with it, as a cross-batch memory's does).
     """
     if exclude_self is None:
         exclude_self = ref_labels is None
@@ -176,9 +176,10 @@ def label_masks(
     same = labels.unsqueeze(1) == ref.unsqueeze(0)
     neg = ~same
     if exclude_self:
-        if same.shape[0] != same.shape[1]:
-            raise ShapeError("exclude_self needs a square mask (the batch as its own reference)")
-        same.fill_diagonal_(False)
+        if same.shape[1] < same.shape[0]:
+            raise ShapeError("exclude_self needs the batch as the first rows of the reference set, "
+                             f"got {same.shape[1]} references for {same.shape[0]} rows")
+        same[:, : same.shape[0]].fill_diagonal_(False)
     return same, neg
 
 

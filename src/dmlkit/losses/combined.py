@@ -15,6 +15,7 @@ Person Re-identification", CVPRW 2019) - in one config entry::
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -23,6 +24,7 @@ from torch import nn
 
 from dmlkit.exceptions import ConfigError, ShapeError
 from dmlkit.losses.base import LOSSES, BaseLoss, get_loss, register_loss
+from dmlkit.validation import check_parameter_numbers
 
 __all__ = ["CombinedLoss"]
 
@@ -75,12 +77,15 @@ class CombinedLoss(BaseLoss):
                 raise ConfigError(f"combined term {name!r} is not a registered loss: "
                                  f"{sorted(set(LOSSES) - {'combined'})}")
             params = dict(spec.get("params") or {})
+            # NaN, infinite or boolean numbers: refused as for a loss of its own (build_loss)
+            check_parameter_numbers(f"loss.params.losses[{len(self.terms)}].params", LOSSES[name], params)
             if getattr(LOSSES[name], "requires_num_classes", False):
                 params.update(num_classes=self.num_classes, embedding_size=self.embedding_size)
             self.terms.append(get_loss(name, **params))
-            weight = float(spec.get("weight", 1.0))
-            if weight < 0:
-                raise ConfigError(f"combined term {name!r}: weight must be >= 0, got {weight}")
+            weight = spec.get("weight", 1.0)
+            if isinstance(weight, bool) or not isinstance(weight, int | float) or not 0 <= weight < math.inf:
+                raise ConfigError(f"combined term {name!r}: weight must be a finite number >= 0, got {weight!r}")
+            weight = float(weight)
             self.weights.append(weight)
             self.use_indices.append(bool(spec.get("use_indices", True))
                                     and getattr(LOSSES[name], "accepts_indices", False))

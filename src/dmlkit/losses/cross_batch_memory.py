@@ -23,6 +23,8 @@ memory and the queue adds ``B x Q`` detached pairs.
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 from torch import nn
 
@@ -112,6 +114,11 @@ class CrossBatchMemory(BaseLoss):
         super().__init__(loss.distance)
         self.loss = loss
         self.miner = miner
+        # a dmlkit miner leaves each row's pair with its own copy among the references out
+        # before mining (a self pair counted as a positive changed what it mines); any other
+        # module is called plainly, and its self pairs are dropped after it (_remove_self)
+        accepts = miner is not None and "ref_starts_with_batch" in inspect.signature(miner.forward).parameters
+        self._miner_options = {"ref_starts_with_batch": True} if accepts else {}
         self.embedding_size = int(embedding_size)
         self.memory_size = int(memory_size)
         self.register_buffer("embedding_memory", torch.zeros(self.memory_size, self.embedding_size))
@@ -180,7 +187,7 @@ class CrossBatchMemory(BaseLoss):
         ref_labels = torch.cat([labels, mem_labels], dim=0)
 
         if self.miner is not None:
-            mined = _remove_self(tuple(self.miner(embeddings, labels, ref_emb, ref_labels)))
+            mined = _remove_self(tuple(self.miner(embeddings, labels, ref_emb, ref_labels, **self._miner_options)))
         else:
             mined = _all_pairs(labels, ref_labels)
         if indices is not None:

@@ -441,7 +441,7 @@ class MarginLoss(BaseLoss):
                 f"MarginLoss with per-class beta needs labels in [0, {self.num_classes}); "
                 "remap labels to contiguous ids or raise num_classes"
             )
-        return self.beta[anchor_labels]
+        return self.beta[anchor_labels.long()]  # a uint8 index would be a mask
 
     def compute(self, embeddings, labels, indices, ref_emb, ref_labels):
         mat = _pair_matrix(self.distance, embeddings, ref_emb)

@@ -136,6 +136,7 @@ class BaseMiner(nn.Module):
         super().__init__()
         self.distance = self.default_distance() if distance is None else get_distance(distance)
         self.stats: dict[str, int] = {}
+        self._exclude_self: bool | None = None  # set for the duration of a call (forward)
 
     @staticmethod
     def default_distance() -> BaseDistance:
@@ -153,7 +154,15 @@ class BaseMiner(nn.Module):
         labels: torch.Tensor,
         ref_emb: torch.Tensor | None = None,
         ref_labels: torch.Tensor | None = None,
+        *,
+        ref_starts_with_batch: bool = False,
     ) -> tuple[torch.Tensor, ...]:
+        """Mine ``embeddings`` against ``ref_emb`` (default: the batch itself, each row's pair
+        with itself left out). ``ref_starts_with_batch``: the first ``B`` reference rows are the
+        batch's own rows (a cross-batch memory's references), whose pairs with themselves are
+        left out too, before mining: a self pair counted as a positive changed what is mined
+        (the number of hard negatives of :class:`HardNegativePairMiner`, the negatives kept by
+        the multi-similarity rule for an anchor with no other positive)."""
         check_inputs(embeddings, labels, "embeddings")
         if (ref_emb is None) != (ref_labels is None):
             raise ShapeError("pass both ref_emb and ref_labels, or neither")
@@ -173,8 +182,15 @@ class BaseMiner(nn.Module):
             out = _empty_like(embeddings.device, 4 if self.output_type == "pair" else 3)
             self._record(out, labels.shape[0])
             return out
-        with full_precision(embeddings):  # under autocast, distances stay in float32
-            out = self.mine(embeddings.detach(), labels, ref_emb.detach(), ref_labels, same)
+        if ref_starts_with_batch and not same and ref_emb.shape[0] < embeddings.shape[0]:
+            raise ShapeError(f"ref_starts_with_batch needs at least the batch's {embeddings.shape[0]} "
+                             f"reference rows, got {ref_emb.shape[0]}")
+        self._exclude_self = same or ref_starts_with_batch
+        try:
+            with full_precision(embeddings):  # under autocast, distances stay in float32
+                out = self.mine(embeddings.detach(), labels, ref_emb.detach(), ref_labels, same)
+        finally:
+            self._exclude_self = None
         self._record(out, labels.shape[0])
         return out
 
@@ -189,6 +205,14 @@ class BaseMiner(nn.Module):
         raise NotImplementedError
 
     # -- helpers for subclasses ----------------------------------------------------------------
+    def label_masks(self, labels: torch.Tensor, ref_labels: torch.Tensor, same: bool
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(pos_mask, neg_mask)`` of this call (:func:`dmlkit.losses._pairs.label_masks`):
+        each row's pair with itself is no positive pair on the batch itself (``same``) and when
+        the call says the references start with the batch (``ref_starts_with_batch``)."""
+        exclude = same if self._exclude_self is None else self._exclude_self
+        return label_masks(labels, ref_labels, exclude_self=exclude)
+
     def farness(self, embeddings: torch.Tensor, ref_emb: torch.Tensor, same: bool) -> torch.Tensor:
         """``(B, M)`` matrix where *smaller is closer* (the distance, or minus the similarity),
         in at least float32 (mining compares values, so bfloat16 is upcast, and
@@ -229,7 +253,7 @@ class AllPairsMiner(BaseMiner):
     output_type = "pair"
 
     def mine(self, embeddings, labels, ref_emb, ref_labels, same):
-        pos, neg = label_masks(labels, ref_labels, exclude_self=same)
+        pos, neg = self.label_masks(labels, ref_labels, same)
         a1, p = torch.where(pos)
         a2, n = torch.where(neg)
         return a1, p, a2, n

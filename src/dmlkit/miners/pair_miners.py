@@ -9,7 +9,6 @@ import torch
 
 from dmlkit.distances import BaseDistance, LpDistance
 from dmlkit.exceptions import ConfigError
-from dmlkit.losses._pairs import label_masks  # the one label-mask helper of losses and miners
 from dmlkit.miners.base import (
     BaseMiner,
     _empty_like,
@@ -137,7 +136,7 @@ class DistanceWeightedMiner(BaseMiner):
 
     def _weights(self, embeddings, labels, ref_emb, ref_labels, same):
         dist = self.farness(embeddings, ref_emb, same)
-        pos, neg = label_masks(labels, ref_labels, exclude_self=same)
+        pos, neg = self.label_masks(labels, ref_labels, same)
         logw = self.log_weights(dist, embeddings.shape[1]).masked_fill(~neg, -math.inf)
         row_max = logw.amax(1, keepdim=True)
         w = torch.exp(logw - row_max.masked_fill(~torch.isfinite(row_max), 0))
@@ -198,7 +197,7 @@ class HardNegativePairMiner(BaseMiner):
 
     def mine(self, embeddings, labels, ref_emb, ref_labels, same):
         f = self.farness(embeddings, ref_emb, same)
-        pos, neg = label_masks(labels, ref_labels, exclude_self=same)
+        pos, neg = self.label_masks(labels, ref_labels, same)
         a1, p = torch.where(pos)
         num_neg = int(neg.sum())
         k = min(max(round(self.neg_pos_ratio * a1.numel()), self.min_negatives), num_neg)
@@ -234,7 +233,7 @@ class MultiSimilarityMiner(BaseMiner):
 
     def mine(self, embeddings, labels, ref_emb, ref_labels, same):
         f = self.farness(embeddings, ref_emb, same)
-        pos, neg = label_masks(labels, ref_labels, exclude_self=same)
+        pos, neg = self.label_masks(labels, ref_labels, same)
         hardest_pos = f.masked_fill(~pos, -math.inf).amax(1, keepdim=True)
         hardest_neg = f.masked_fill(~neg, math.inf).amin(1, keepdim=True)
         a1, p = torch.where(pos & (f + self.epsilon > hardest_neg))

@@ -7,7 +7,7 @@ import math
 import torch
 
 from dmlkit.exceptions import ConfigError
-from dmlkit.losses._pairs import block_elements, label_masks  # one home for losses and miners
+from dmlkit.losses._pairs import block_elements  # one home for losses and miners
 from dmlkit.miners.base import (
     BaseMiner,
     Triplets,
@@ -126,7 +126,7 @@ class AllTripletsMiner(_BandTripletMiner):
         super().__init__(distance, max_triplets)
 
     def mine(self, embeddings, labels, ref_emb, ref_labels, same):
-        pos, neg = label_masks(labels, ref_labels, exclude_self=same)
+        pos, neg = self.label_masks(labels, ref_labels, same)
         a, p = torch.where(pos)
         return self._all_negatives(a, p, neg)
 
@@ -148,7 +148,7 @@ class BatchHardMiner(BaseMiner):
 
     def mine(self, embeddings, labels, ref_emb, ref_labels, same):
         f = self.farness(embeddings, ref_emb, same)
-        pos, neg = label_masks(labels, ref_labels, exclude_self=same)
+        pos, neg = self.label_masks(labels, ref_labels, same)
         p = f.masked_fill(~pos, -math.inf).argmax(1)
         n = f.masked_fill(~neg, math.inf).argmin(1)
         keep = pos.any(1) & neg.any(1)
@@ -187,7 +187,7 @@ class BatchAllMiner(_BandTripletMiner):
         self.nonzero = bool(nonzero)
 
     def mine(self, embeddings, labels, ref_emb, ref_labels, same):
-        pos, neg = label_masks(labels, ref_labels, exclude_self=same)
+        pos, neg = self.label_masks(labels, ref_labels, same)
         a, p = torch.where(pos)
         if not self.nonzero:
             return self._all_negatives(a, p, neg)
@@ -246,7 +246,7 @@ class SemiHardMiner(_BandTripletMiner):
 
     def mine(self, embeddings, labels, ref_emb, ref_labels, same):
         f = self.farness(embeddings, ref_emb, same)
-        pos, neg = label_masks(labels, ref_labels, exclude_self=same)
+        pos, neg = self.label_masks(labels, ref_labels, same)
         a, p = torch.where(pos)
         margin = self.margin
         if self._use_blocks(a.numel(), f.shape[0]):

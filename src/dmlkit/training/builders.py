@@ -10,9 +10,7 @@ which is how they were called before the sections were separated. Bad values rai
 
 from __future__ import annotations
 
-import inspect
 import logging
-import math
 import warnings
 from pathlib import Path
 from typing import Any, TypeVar
@@ -39,6 +37,7 @@ from dmlkit.miners import MINERS, get_miner
 from dmlkit.models import TRUNKS, EmbeddingModel, build_trunk, freeze_batchnorm
 from dmlkit.samplers import MPerClassSampler
 from dmlkit.utils import data_root as resolve_data_root
+from dmlkit.validation import check_parameter_numbers
 
 __all__ = [
     "UnusedParametersWarning",
@@ -136,24 +135,6 @@ def _trunk_option_problems(m: ModelConfig, in_channels: int) -> list[tuple[str, 
     return []
 
 
-def _check_numbers(key: str, factory: Any, params: dict[str, Any]) -> None:
-    """Refuse, as :class:`ConfigError` naming ``key.NAME``, a parameter given NaN or infinity,
-    or a boolean where ``factory``'s default is a number: these sections are untyped, so
-    ``margin: .nan`` trained NaN losses (blamed on the embeddings) and ``margin: yes`` trained
-    with 1.0 without a word, where the typed sections refuse both."""
-    try:
-        defaults = {n: p.default for n, p in inspect.signature(factory).parameters.items()}
-    except (TypeError, ValueError):  # no signature to read: the numbers alone are checked
-        defaults = {}
-    for name, value in params.items():
-        if isinstance(value, float) and not math.isfinite(value):
-            raise ConfigError(f"{key}.{name} must be a finite number, got {value}")
-        default = defaults.get(name)
-        number = isinstance(default, int | float) and not isinstance(default, bool)
-        if isinstance(value, bool) and number:
-            raise ConfigError(f"{key}.{name} is a number (default {default}), got {str(value).lower()}")
-
-
 def build_miner(config: MinerConfig | ExperimentConfig | None) -> nn.Module | None:
     """The miner a ``miner`` section describes, or ``None`` (no section)."""
     m = config.miner if isinstance(config, ExperimentConfig) else config
@@ -163,7 +144,7 @@ def build_miner(config: MinerConfig | ExperimentConfig | None) -> nn.Module | No
         raise TypeError(f"expected MinerConfig (config.miner) or ExperimentConfig, got {type(m).__name__}")
     if m.name not in MINERS:
         raise ConfigError(f"miner.name {m.name!r} is unknown; available: {sorted(MINERS)}")
-    _check_numbers("miner.params", MINERS[m.name], m.params)
+    check_parameter_numbers("miner.params", MINERS[m.name], m.params)
     try:
         return get_miner(m.name, **m.params)
     except TypeError as exc:
@@ -196,7 +177,7 @@ def build_loss(
             if key in params:
                 raise ConfigError(f"loss.params.{key} is set by the trainer from the data/model; remove it")
         params.update(num_classes=num_classes, embedding_size=embedding_size)
-    _check_numbers("loss.params", LOSSES[name], params)
+    check_parameter_numbers("loss.params", LOSSES[name], params)
     try:
         loss = get_loss(name, **params)
     except TypeError as exc:
