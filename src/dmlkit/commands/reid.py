@@ -50,6 +50,9 @@ def reid(
 
     if ap_mode not in ("standard", "trapezoid"):
         raise ConfigError(f"--ap-mode must be 'standard' or 'trapezoid', got {ap_mode!r}")
+    from dmlkit.apps.reid._common import _check_metric  # lazy: CLI start-up
+
+    _check_metric(metric, "--metric")  # now, not after reading or embedding the data
     try:
         shown_ranks = [int(v) for v in listed(ranks)]
     except ValueError:

@@ -45,6 +45,9 @@ def _as_ids(x: Any, n: int, name: str, default: int | None = None) -> np.ndarray
         raise ShapeError(f"{name} must be 1-D with {n} entries, got shape {arr.shape}")
     if arr.size and not np.issubdtype(arr.dtype, np.integer):
         raise ShapeError(f"{name} must be integers, got dtype {arr.dtype}")
+    if arr.dtype.kind == "u" and arr.size and arr.max() > np.iinfo(np.int64).max:  # would wrap
+        raise ShapeError(f"{name} must fit in int64, got {int(arr.max())}: renumber them "
+                         "(e.g. np.unique(ids, return_inverse=True)[1])")
     return np.ascontiguousarray(arr, dtype=np.int64)
 
 
@@ -106,9 +109,9 @@ def check_rerank_metric(metric: str) -> None:
         raise ConfigError(f"re-ranking needs a distance: metric 'euclidean' or 'cosine', got {metric!r}")
 
 
-def _check_metric(metric: str) -> None:
+def _check_metric(metric: str, name: str = "metric") -> None:
     if metric not in METRICS:
-        raise ConfigError(f"metric must be one of {METRICS}, got {metric!r}")
+        raise ConfigError(f"{name} must be one of {', '.join(METRICS)}, got {metric!r}")
 
 
 def _check_ap_mode(ap_mode: str) -> bool:

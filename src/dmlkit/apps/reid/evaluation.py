@@ -59,6 +59,7 @@ from dmlkit.apps.reid._common import (
     _sq_norms,
 )
 from dmlkit.exceptions import ConfigError, DataError, NonFiniteError, ShapeError
+from dmlkit.validation import _describe
 
 __all__ = [
     "METRICS",
@@ -203,6 +204,41 @@ def _rank_block(scores: np.ndarray, sign: float, q_ids: np.ndarray, q_cams: np.n
     run_threads(run, range(0, b, step), threads if b > step else 1)
 
 
+def _score_blocks(scores: Any, n_q: int, n_g: int) -> Iterable[tuple[int, Any]]:
+    """``scores`` as ``(row0, block)`` pairs: one ``(0, scores)`` for an array, a tensor or a
+    list/tuple that numpy reads as a numeric 2-D array (a ``(Q, G)`` matrix as nested lists);
+    else the items of the iterable, each checked to be an ``(int row0, 2-D block)`` pair."""
+    forms = (f"scores must be a (Q, G) = ({n_q}, {n_g}) array or an iterable of (row0, block) "
+             "pairs (int row0, 2-D block) such as [(0, block)]")
+    if isinstance(scores, np.ndarray) or hasattr(scores, "detach"):
+        yield 0, scores
+        return
+    if isinstance(scores, list | tuple):
+        try:
+            arr = np.asarray(scores)
+        except (TypeError, ValueError):  # ragged: (row0, block) pairs, or a bad matrix
+            arr = None
+        if arr is not None and arr.ndim == 2 and arr.dtype.kind in "biuf":
+            yield 0, arr
+            return
+    try:
+        items = iter(scores)
+    except TypeError:
+        raise ShapeError(f"{forms}, got {_describe(scores)}") from None
+    for item in items:
+        if not (isinstance(item, tuple | list) and len(item) == 2):
+            raise ShapeError(f"{forms}, got an item of type {_describe(item)}")
+        row0, block = item
+        try:
+            dims = block.dim() if hasattr(block, "detach") else np.ndim(block)
+        except (TypeError, ValueError):  # a ragged block
+            dims = -1
+        if isinstance(row0, bool | np.bool_) or not isinstance(row0, int | np.integer) or dims != 2:
+            raise ShapeError(f"{forms}, got a pair of {_describe(row0)} and {_describe(block)} "
+                             f"with {dims} dimension(s)")
+        yield int(row0), block
+
+
 def evaluate_reid_scores(
     scores: np.ndarray | Iterable[tuple[int, np.ndarray]],
     query_ids: Any,
@@ -219,8 +255,9 @@ def evaluate_reid_scores(
     """The protocol on precomputed scores (e.g. a re-ranked distance matrix).
 
     Args:
-        scores: a ``(Q, G)`` array, or an iterable of ``(row0, block)`` row blocks (as
-            :func:`closeness_blocks` yields) so that the full matrix never exists. Float32
+        scores: a ``(Q, G)`` array (or nested lists), or an iterable of ``(row0, block)``
+            row blocks (as :func:`closeness_blocks` yields; one block: ``[(0, block)]``) so
+            that the full matrix never exists; anything else is a :class:`ShapeError`. Float32
             (and float16) scores are ranked in float32, all others in float64.
         higher_is_closer: ``False`` for distances (default), ``True`` for similarities.
         query_cams / gallery_cams: camera ids; ``None`` for both disables the same-camera rule.
@@ -249,9 +286,8 @@ def evaluate_reid_scores(
     npos = np.zeros(n_q, dtype=np.int64)
     tied = np.zeros(n_q, dtype=np.bool_)
     threads = threads or max(1, torch.get_num_threads())
-    blocks = [(0, scores)] if isinstance(scores, np.ndarray) or hasattr(scores, "detach") else scores
     covered = np.zeros(n_q, dtype=bool)  # which rows: duplicated blocks must not pass for coverage
-    for row0, block in blocks:
+    for row0, block in _score_blocks(scores, n_q, n_g):
         if hasattr(block, "detach"):
             block = block.detach().cpu()
             low = block.dtype in (torch.float32, torch.float16, torch.bfloat16)
@@ -264,7 +300,9 @@ def evaluate_reid_scores(
                 f"scores must be (Q, G) = ({n_q}, {n_g}); got a block of shape {block.shape} "
                 f"at row {row0}"
             )
-        if not np.isfinite(block.sum(dtype=np.float64)):  # NaN/inf propagate; no (Q, G) mask
+        with np.errstate(over="ignore"):  # NaN/inf propagate; no (Q, G) mask unless it overflows
+            total = block.sum(dtype=np.float64)
+        if not np.isfinite(total) and not np.isfinite(block).all():  # large finite scores may sum to inf
             raise NonFiniteError("scores contain NaN or infinity")
         sl = slice(row0, row0 + block.shape[0])
         if covered[sl].any():
@@ -362,20 +400,31 @@ def ranked_examples(
     """The ``top`` nearest gallery items of some queries, junk *included and marked* (junk as
     in :func:`evaluate_reid` with the same ``exclude_same_camera`` and ``junk_ids``).
 
-    Returns one dict per query: ``{"query": i, "gallery": [j, ...], "status": ["positive" |
-    "negative" | "junk", ...], "score": [...]}`` (closeness, larger = closer), for figures.
+    ``queries``: query rows (integers in ``[0, Q)``); ``top``: an integer >= 1 (at most ``G``
+    items are returned). Returns one dict per query: ``{"query": i, "gallery": [j, ...],
+    "status": ["positive" | "negative" | "junk", ...], "score": [...]}`` (closeness, larger =
+    closer), for figures.
     """
+    if isinstance(top, bool | np.bool_) or not isinstance(top, int | np.integer) or top < 1:
+        raise ConfigError(f"top must be an integer >= 1 (gallery items per query), got {top!r}")
     q = _as_float(query, "query embeddings")
     g = _as_float(gallery, "gallery embeddings")
     q_ids = _as_ids(query_ids, q.shape[0], "query ids")
     g_ids = _as_ids(gallery_ids, g.shape[0], "gallery ids")
     if (query_cams is None) != (gallery_cams is None):
         raise ShapeError("give camera ids for both query and gallery, or for neither")
+    sel = np.asarray(list(queries))
+    if sel.ndim != 1 or sel.size and not np.issubdtype(sel.dtype, np.integer):
+        raise ShapeError(f"queries must be a sequence of integer query rows, got values of dtype "
+                         f"{sel.dtype} and shape {sel.shape}")
+    if sel.size and (sel.min() < 0 or sel.max() >= q.shape[0]):
+        bad = sel[(sel < 0) | (sel >= q.shape[0])][0]
+        raise ShapeError(f"queries must be query rows in [0, {q.shape[0]}), got {int(bad)}")
+    sel = sel.astype(np.int64)
     cams = exclude_same_camera and query_cams is not None
     q_cams = _as_ids(query_cams, q.shape[0], "query camera ids", default=0)
     g_cams = _as_ids(gallery_cams, g.shape[0], "gallery camera ids", default=0)
     junk = _as_junk_ids(junk_ids)
-    sel = np.asarray(list(queries), dtype=np.int64)
     out: list[dict[str, Any]] = []
     for a, block in closeness_blocks(q[sel], g, metric=metric, normalize=normalize):
         for row, i in zip(block, sel[a: a + block.shape[0]]):

@@ -103,12 +103,12 @@ def neighbour_table(x, x_sq, k: int, memory_budget: int) -> tuple[np.ndarray, np
 def _reciprocal_sets(nn: np.ndarray, k1: int) -> tuple[np.ndarray, np.ndarray]:
     from dmlkit.apps.reid._kernels import expanded_reciprocal_sets  # lazy: numba, first use
 
-    k_half = int(np.around(k1 / 2.0))
-    width = (k1 + 1) * (k_half + 2)
+    k_full = min(k1 + 1, nn.shape[1])  # capped: k1 >= N - 1 takes every item, as N - 1 does
+    k_half = min(int(np.around(k1 / 2.0)) + 1, nn.shape[1])
+    width = k_full * (k_half + 1)  # R(i) and, per member, its half set (from the capped sizes)
     buf = np.empty((nn.shape[0], width), dtype=np.int64)
     lengths = np.zeros(nn.shape[0], dtype=np.int64)
-    expanded_reciprocal_sets(nn, min(k1 + 1, nn.shape[1]), min(k_half + 1, nn.shape[1]), buf,
-                             lengths)
+    expanded_reciprocal_sets(nn, k_full, k_half, buf, lengths)
     ptr = np.zeros(nn.shape[0] + 1, dtype=np.int64)
     np.cumsum(lengths, out=ptr[1:])
     cols = np.concatenate([buf[r, : lengths[r]] for r in range(nn.shape[0])])

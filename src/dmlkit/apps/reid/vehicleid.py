@@ -63,6 +63,11 @@ def draw_gallery(ids: np.ndarray, rng: np.random.Generator) -> np.ndarray:
     return mask
 
 
+def _is_rank(value: Any) -> bool:
+    """Whether ``value`` is an integer >= 1 (not a bool, not a float such as 1.7 or 2.0)."""
+    return isinstance(value, int | np.integer) and not isinstance(value, bool | np.bool_) and value >= 1
+
+
 def vehicleid_protocol(
     embeddings: Any,
     ids: Any,
@@ -80,22 +85,27 @@ def vehicleid_protocol(
     Args:
         embeddings: ``(N, D)`` embeddings of the test images (e.g. ``test_list_800.txt``).
         ids: ``(N,)`` vehicle ids.
-        repeats: gallery draws; draw ``r`` uses ``numpy.random.default_rng([seed, r])``.
-        ks: the ranks reported.
+        repeats: gallery draws (an integer >= 1); draw ``r`` uses
+            ``numpy.random.default_rng([seed, r])``.
+        ks: the ranks reported (integers >= 1; anything else is a :class:`ConfigError`).
         metric / normalize / ap_mode: as :func:`dmlkit.apps.reid.evaluate_reid`.
     """
     emb = _as_float(embeddings, "embeddings")
     lab = _as_ids(ids, emb.shape[0], "ids")
-    if repeats < 1:
-        raise ConfigError(f"repeats must be >= 1, got {repeats}")
+    if not _is_rank(repeats):
+        raise ConfigError(f"repeats must be an integer >= 1, got {repeats!r}")
     seed = check_seed(seed)
-    if not ks or min(ks) < 1:
-        raise ConfigError(f"ks must be ranks >= 1, got {list(ks)}")
+    try:
+        ranks = list(ks)
+    except TypeError:  # a bare number
+        ranks = []
+    if not ranks or not all(_is_rank(k) for k in ranks):
+        raise ConfigError(f"ks must be a non-empty sequence of integer ranks >= 1, got {ks!r}")
     uniq, counts = np.unique(lab, return_counts=True)
     if (counts > 1).sum() == 0:
         raise DataError("every identity has a single image: VehicleID needs queries (>= 2 "
                         "images for some identities)")
-    values: dict[int, list[float]] = {int(k): [] for k in ks}
+    values: dict[int, list[float]] = {int(k): [] for k in ranks}
     maps: list[float] = []
     n_queries = 0
     for r in range(repeats):
