@@ -159,7 +159,7 @@ def test_compare_pairs_benches_that_name_all_classes_differently(tmp_path):
             "name": name, "fixed": {"data": {"dataset": "omniglot"}, "model": {"embedding_size": 8}},
             "protocol": {"seeds": [0, 1, 2], "num_classes": num_classes},
             "methods": [{"name": "ms", "loss": {"name": "multi_similarity"}}]})
-        split = make_bench_split(range(60), "halves", folds=4, num_classes=num_classes)
+        split = make_bench_split(range(60), "halves", folds=2, num_classes=num_classes)
         entries = bench_entries(tmp_path / name, cfg, np.repeat(np.arange(10), 4), 10)
         return build_results(cfg, split, entries, bench_dir=tmp_path / name)
 
@@ -203,7 +203,7 @@ def test_compare_refuses_embeddings_rewritten_after_the_table(tmp_path):
         "protocol": {"seeds": [0, 1, 2]},
         "methods": [{"name": "ms", "loss": {"name": "multi_similarity"}}]})
     entries = bench_entries(tmp_path, cfg, np.repeat(np.arange(10), 4), 10)
-    results = build_results(cfg, make_bench_split(range(60), "halves", folds=4), entries, bench_dir=tmp_path)
+    results = build_results(cfg, make_bench_split(range(60), "halves", folds=2), entries, bench_dir=tmp_path)
     assert all(len(run["embeddings_sha256"]) == 64 for run in results["methods"]["ms"]["runs"])
     options = {"methods": ["ms", "contrastive"], "metrics": ["map_at_r"], "resamples": 100}
     before = compare_results([results], **options)["comparisons"][0]["diff"]

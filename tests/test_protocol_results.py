@@ -135,7 +135,7 @@ def test_compare_with_two_seeds_warns_and_never_says_significant(tmp_path):
     metrics = list(cfg.protocol.metrics)
     entries = {}
     for name, noise in [("contrastive", 1.5), ("good", 0.9)]:
-        runs = _runs(tmp_path, name, noise, seeds=(0, 1), folds=1)
+        runs = _runs(tmp_path, name, noise, seeds=(0, 1))  # every fold of the split: a complete table
         entries[name] = {"runs": runs, "evaluation": evaluate_runs(runs, metrics), "best_params": {},
                          "loss": {"name": name}}
     report = compare_results([build_results(cfg, split, entries, bench_dir=tmp_path)], resamples=200)

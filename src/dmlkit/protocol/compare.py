@@ -406,7 +406,7 @@ def significance_label(comparison: Mapping[str, Any]) -> str:
 
 def render_compare_markdown(report: Mapping[str, Any]) -> str:
     """Two Markdown tables: paired differences, and relative improvements over the baselines."""
-    conf = int(round(100 * report["confidence"]))
+    conf = f"{100 * report['confidence']:g}"  # as the terminal table: 99.5, not 100
     seeds = ", ".join(f"{n}: {k}" for n, k in report["seeds"].items())
     lines = [
         f"Hierarchical bootstrap over training seeds ({seeds}) and {report['queries']} test "

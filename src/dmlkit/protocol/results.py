@@ -155,8 +155,13 @@ def _resolve_runs(data: dict[str, Any], folder: Path) -> None:
 
 def resolved_runs(results: Mapping[str, Any]) -> dict[str, Any]:
     """A results mapping (as :func:`build_results` returns it) with absolute run paths: the
-    relative ones are relative to its ``bench_dir``. :func:`load_results` does this on reading."""
+    relative ones are relative to its ``bench_dir``. :func:`load_results` does this on reading,
+    and both refuse an incomplete table (a seed missing a fold or listing one twice would
+    score "concatenated" from fewer models and average a fold twice in "separated")."""
     data = copy.deepcopy(dict(results))
+    problem = _results_problem(data)
+    if problem:
+        raise DataError(f"the results mapping is not a complete dmlkit bench results table: {problem}")
     if data.get("bench_dir"):
         _resolve_runs(data, Path(data["bench_dir"]))
     return data

@@ -148,15 +148,15 @@ def make_bench_split(
             for i in range(folds)
         )
     elif kind == "halves":
-        if n // 2 < 2 * folds:
-            raise DataError(
-                f"{n} classes give {n // 2} cross-validation classes: too few for {folds} folds "
-                "(need at least 2 classes per fold); use more classes or fewer folds"
-            )
         parts = split_classes(ordered, (1, 0, 1), order="default")
         dev_set = set(parts.train)
         dev = [c for c in ordered if c in dev_set]
         test = [c for c in ordered if c not in dev_set]
+        if len(dev) < 2 * folds:  # the larger half of an odd count is the development half
+            raise DataError(
+                f"{n} classes give {len(dev)} cross-validation classes: too few for {folds} folds "
+                "(need at least 2 classes per fold); use more classes or fewer folds"
+            )
         blocks = kfold_class_partitions(dev, folds)
         fold_list = tuple(
             Fold(i, tuple(c for j, b in enumerate(blocks) if j != i for c in b), tuple(blocks[i]))

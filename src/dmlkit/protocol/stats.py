@@ -158,6 +158,8 @@ def paired_bootstrap(
     b = np.asarray(b, dtype=np.float64)
     if a.shape != b.shape or a.ndim != 1 or a.size == 0:
         raise ShapeError(f"paired scores must be two equal-length 1-D arrays, got {a.shape} and {b.shape}")
+    if not (np.isfinite(a).all() and np.isfinite(b).all()):
+        raise ShapeError("per-query scores must be finite")
     d = a - b
     rng = np.random.default_rng(seed)
     means = np.empty(resamples, dtype=np.float64)
