@@ -82,9 +82,26 @@ class ImageEmbedder:
         return "L" if self.in_channels == 1 else "RGB"
 
     @property
+    def fixed_size(self) -> tuple[int, int] | None:
+        """``(height, width)`` of a fixed-size export's input (``None``: the model takes other sizes)."""
+        shape = self.input_shape
+        if shape is None or len(shape) != 3 or shape[1] is None or shape[2] is None:
+            return None
+        return int(shape[1]), int(shape[2])
+
+    @property
+    def reference_size(self) -> tuple[int, int]:
+        """``(height, width)`` of an image the model takes (``dmlkit serve`` embeds one at
+        start-up): a fixed-size export's input size (a run without ``data.image_size`` exports
+        its images' size, 20x16 for binary_alphadigits), else :attr:`reference_side` squared."""
+        return self.fixed_size or (self.reference_side, self.reference_side)
+
+    @property
     def reference_side(self) -> int:
-        """The side of an image the model takes (``dmlkit serve`` embeds one at start-up)."""
-        return self.image_size or 64
+        """The side of a square image the model takes: ``image_size`` (64 without one), or the
+        shorter side of a fixed-size export's input."""
+        fixed = self.fixed_size
+        return min(fixed) if fixed is not None else self.image_size or 64
 
     def preprocess(self, images: Sequence[Any]) -> np.ndarray:
         """PIL images -> ``(N, C, H, W)`` float32 with the run's evaluation transform, each first
@@ -132,7 +149,8 @@ class ImageEmbedder:
 
     def check_input(self, x: np.ndarray) -> None:
         """Refuse, before the model runs, preprocessed images it cannot take: the wrong size for
-        a fixed-size export, or smaller than its :meth:`smallest_side` (:class:`DataError`)."""
+        a fixed-size export, or (a model that takes other sizes) smaller than its
+        :meth:`smallest_side` (:class:`DataError`)."""
         shape = tuple(int(v) for v in x.shape[1:])
         got = "x".join(map(str, shape))
         fixed = self.input_shape
@@ -140,6 +158,8 @@ class ImageEmbedder:
             takes = "x".join("any" if v is None else str(v) for v in fixed)
             raise DataError(f"the model cannot embed images preprocessed to {got} (channels x height x width): "
                             f"it takes {takes}; send an image of the size the model was trained on")
+        if self.fixed_size is not None:  # the size it takes: no blank squares to probe (they would fail)
+            return
         side = min(shape[1:])
         if side < self.reference_side and side < self.smallest_side():
             raise DataError(f"the model cannot embed images preprocessed to {got} (channels x height x width): "
@@ -397,14 +417,16 @@ def export_model(run_dir: str | os.PathLike, format: str = "onnx", output: str |
             with preprocessing and parity goes to ``<output>.json``. An existing file there is
             replaced only when it is an earlier export (:func:`_refuse_foreign_outputs`).
         parity_samples: real images of the run's test split used for the parity check (at least 12).
-        opset: the ONNX opset (default 17, which exports every dmlkit model).
+        opset: the ONNX opset (default 17, which exports every dmlkit model); ONNX only
+            (:class:`ConfigError` with ``torchscript``).
     """
     import torch
 
-    opset = _DEFAULT_OPSET if opset is None else opset
-
     if format not in FORMATS:
         raise ConfigError(f"unknown export format {format!r}: choose onnx or torchscript")
+    if opset is not None and format != "onnx":  # it was ignored: a TorchScript file has no opset
+        raise ConfigError(f"--opset applies to ONNX exports only, not --format {format}")
+    opset = _DEFAULT_OPSET if opset is None else opset
     if parity_samples < 12:
         raise ConfigError(f"parity_samples must be at least 12 (top-10 neighbours need 11 others), got {parity_samples}")
     run_dir = Path(run_dir)

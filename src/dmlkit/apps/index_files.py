@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from dmlkit import __version__
-from dmlkit.apps.index_faiss import to_gpu
+from dmlkit.apps.index_faiss import _metric, to_gpu
 from dmlkit.data import load_dataset
 from dmlkit.exceptions import DataError, DataNotFoundError, DmlkitError, require
 from dmlkit.training import load_config
@@ -248,10 +248,26 @@ def _from_parts(cls: type[EmbeddingIndex], meta: dict[str, Any], data: dict[str,
         index = faiss.deserialize_index(np.ascontiguousarray(blob, dtype=np.uint8))
         if index.ntotal != n:
             raise DataError(f"{path} is corrupt: the faiss index holds {index.ntotal} vectors, not {n}")
+        _check_metric(path, self, index)
         self._faiss_index = to_gpu(self, index)
     elif self.kind != "flat" and n:  # an empty one has no structure yet: its first add makes it
         raise DataError(f"{path} is a {self.kind} index without its faiss.index file: rebuild it")
     return self
+
+
+def _check_metric(path: Path, index: EmbeddingIndex, structure: Any) -> None:
+    """Refuse a faiss structure built for another distance than ``index.json`` names (a
+    hand-edited ``distance``: a cosine graph loaded as ``euclidean`` answered with the inner
+    product's neighbours, silently). Wrappers (``IndexIDMap2``, ...) and what they wrap are
+    each checked."""
+    faiss = require("faiss", "faiss")
+    want = _metric(index.distance)
+    while structure is not None:
+        if int(structure.metric_type) != want:
+            raise DataError(f"{path} is a damaged index (its faiss structure is not built for the {index.distance} "
+                            "distance index.json names): rebuild it with `dmlkit index`")
+        inner = getattr(structure, "index", None)
+        structure = None if inner is None else faiss.downcast_index(inner)
 
 
 def _check_rows(path: Path, index: EmbeddingIndex, next_key: int) -> None:

@@ -14,6 +14,9 @@ neighbours are then taken among the rows in the graph). Each query's own row is 
 both result lists; the approximate search drops it from its candidates before keeping as many
 as an outside query gets (IVF-PQ's ``rerank * k``), so the recall is the one a query achieves. ``recall["held_out"]`` says whether the queries were unseen; in-graph HNSW
 queries overstate recall (a query that is a node of the graph finds its neighbours easily).
+Queries the caller gives are held out unless one of them is bit-identical to an indexed vector
+(:func:`_any_indexed`): its own row is kept in both result lists (the caller's queries carry no
+row numbers), found at distance 0, and overstates recall, so ``held_out`` is ``False``.
 
 :func:`tune` walks the search settings of :func:`search_settings` in order of cost (the bytes a
 query scans: ``nprobe`` IVF cells of vectors or PQ codes plus the ``rerank * k`` re-scored
@@ -136,7 +139,28 @@ def _setup(index: EmbeddingIndex, k: int, queries: Any, num_queries: int
     exact, _ = index._exact(q, min(len(index), k + n_out))
     if outside is not None:
         exact = _drop(exact, np.isin(exact, outside), k)
-    return q, exact, None, k, True
+    return q, exact, None, k, not _any_indexed(index, q, outside)
+
+
+def _any_indexed(index: EmbeddingIndex, q: np.ndarray, outside: np.ndarray | None) -> bool:
+    """Whether any query is bit-identical to an indexed vector the structure holds (``outside``:
+    rows out of the HNSW graph, left out): such a query finds itself, at distance 0, among its
+    exact and its approximate neighbours, and the recall is overstated (not held out). Rows are
+    compared by their bytes in blocks (a hash lookup per indexed row, no distances)."""
+    row = np.dtype((np.void, 4 * index.dim))
+    wanted = set(np.ascontiguousarray(q, dtype=np.float32).view(row).ravel().tolist())
+    skip = None
+    if outside is not None:
+        skip = np.zeros(len(index), dtype=bool)
+        skip[outside] = True
+    block = max(1, RECALL_SCORE_BYTES // (4 * index.dim))
+    for r0 in range(0, len(index), block):
+        x = np.ascontiguousarray(index.embeddings[r0:r0 + block], dtype=np.float32)
+        if skip is not None:
+            x = x[~skip[r0:r0 + block]]
+        if not wanted.isdisjoint(x.view(row).ravel().tolist()):
+            return True
+    return False
 
 
 def _recall_of(index: EmbeddingIndex, q: np.ndarray, exact: np.ndarray, rows: np.ndarray | None, k: int,

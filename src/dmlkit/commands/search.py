@@ -339,7 +339,7 @@ def export(
     output: Path | None = typer.Option(None, "-o", "--output", help="File to write (default RUN_DIR/export/model.onnx|.pt)."),
     parity_samples: int = typer.Option(256, "--parity-samples", help="Real test images used for the parity check."),
     data_root: Path | None = typer.Option(None, "--data-root", help="Data root for the parity sample (overrides the run config's data.root)."),
-    opset: int | None = typer.Option(None, help="ONNX opset (default: the one dmlkit.apps.export uses, which exports every dmlkit model)."),
+    opset: int | None = typer.Option(None, help="ONNX opset (default: the one dmlkit.apps.export uses, which exports every dmlkit model); ONNX exports only."),
     as_json: bool = typer.Option(False, "--json", help="Print the result as JSON instead of a summary."),
 ) -> None:
     """Export the embedding model; check numerical and retrieval parity with PyTorch on real images."""

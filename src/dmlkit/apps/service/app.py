@@ -9,7 +9,9 @@ Endpoints (JSON unless noted; the OpenAPI schema is at ``/openapi.json``, docs a
   classes, p50/p99 latency per route over the last 1000 requests, uptime);
 * ``POST /api/query/embedding`` ``{"embedding": [...], "k": 10}``;
 * ``POST /api/query/id`` ``{"id": "...", "k": 10, "exclude_self": true}``;
-* ``POST /api/query/image`` (multipart ``file``, form ``k``): needs a model;
+* ``POST /api/query/image`` (multipart ``file``, form ``k``): needs a model (``k``
+  defaults to 10, or to ``max_k`` where that is smaller; the page reads ``max_k`` from
+  ``/api/info``);
 * ``POST /api/verify`` (multipart ``image1``, ``image2``): same/different against the
   calibrated threshold of ``dmlkit verify``;
 * ``GET /api/items/{id}`` (label, metadata) and ``GET /api/items/{id}/thumbnail`` (PNG);
@@ -216,6 +218,7 @@ def create_app(config: ServiceConfig, *, index: Any = None, embedder: Any = None
         _check_model_embeds_the_index(idx, embedder, root_path)
     metrics = _Metrics()
     max_k = int(config.max_k)
+    default_k = min(10, max_k)  # a request without k: 10 exceeded a max_k below 10 (every one a 422)
 
     app = fastapi.FastAPI(
         title="dmlkit visual search",
@@ -277,11 +280,11 @@ def create_app(config: ServiceConfig, *, index: Any = None, embedder: Any = None
     class EmbeddingQuery(BaseModel):
         embedding: list[Annotated[float, Field(allow_inf_nan=False, strict=True)]] = Field(
             ..., min_length=1, max_length=65536, description=f"a {idx.dim}-d query embedding")
-        k: int = Field(10, ge=1, strict=True, description=f"neighbours to return (at most {max_k})")
+        k: int = Field(default_k, ge=1, strict=True, description=f"neighbours to return (at most {max_k})")
 
     class IdQuery(BaseModel):
         id: str = Field(..., min_length=1, max_length=4096, description="an indexed item's id")
-        k: int = Field(10, ge=1, strict=True)
+        k: int = Field(default_k, ge=1, strict=True, description=f"neighbours to return (at most {max_k})")
         exclude_self: bool = Field(True, strict=True, description="drop the item itself from its results")
 
     class VerifyResponse(BaseModel):
@@ -377,7 +380,7 @@ def create_app(config: ServiceConfig, *, index: Any = None, embedder: Any = None
 
     @app.post("/api/query/image", response_model=SearchResponse, tags=["search"])
     async def query_image(file: UploadFile = File(..., description="an image"),
-                          k: int = Form(10, ge=1)) -> dict[str, Any]:
+                          k: int = Form(default_k, ge=1)) -> dict[str, Any]:
         """The k nearest items of an uploaded image (embedded with the served model)."""
         model = need_model()
         check_k(k)
@@ -506,10 +509,13 @@ def _check_model_embeds_the_index(idx: Any, embedder: Any, root: Path, items: in
 
 
 def _probe_image(embedder: Any) -> list[Any]:
+    """A blank image of the size the model takes
+    (:attr:`~dmlkit.apps.export.ImageEmbedder.reference_size`: a fixed-size export's own, such
+    as 20x16 for a run without ``data.image_size``; else ``image_size`` or 64, square)."""
     from PIL import Image
 
-    size = embedder.image_size or 64
-    return [Image.new(embedder.mode, (size, size), color=128)]
+    height, width = embedder.reference_size
+    return [Image.new(embedder.mode, (width, height), color=128)]
 
 
 def start_background_server(app: Any, host: str = "127.0.0.1", port: int = 0, timeout: float = 30.0

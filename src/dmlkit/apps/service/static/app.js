@@ -49,7 +49,7 @@ async function search(file) {
   grid.replaceChildren();
   const form = new FormData();
   form.append("file", file);
-  form.append("k", $("k").value || "8");
+  if ($("k").value) form.append("k", $("k").value);  // none: the service's default (10, or its max_k)
   try {
     const body = await api("/api/query/image", { method: "POST", body: form });
     grid.replaceChildren(...body.results.map(card));
@@ -103,6 +103,12 @@ function setup() {
     $("status").textContent = `${h.items} items · ${h.dim}-d ${h.kind} (${h.distance})` +
       (h.model ? ` · model: ${h.model}` : " · no model: image search disabled") +
       (h.verification ? " · verification on" : "");
+  }).catch((err) => { $("status").textContent = err.message; });
+  // the service's limit on k: the input's maximum, and its default where 8 is over it
+  api("/api/info").then((info) => {
+    const k = $("k");
+    k.max = info.max_k;
+    if (Number(k.value) > info.max_k) k.value = info.max_k;
   }).catch((err) => { $("status").textContent = err.message; });
 }
 
