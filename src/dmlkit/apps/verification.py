@@ -452,8 +452,12 @@ def verify_pair_list(embeddings: Any, pair_list: PairList, paths: Sequence[str] 
     folds (a CSV without a ``fold`` column, LFW's one-fold development lists) on ``folds``
     :func:`stratified_folds` dealt in file order. A CSV ``fold`` column that holds one value is
     :class:`ConfigError`: one given fold cannot be cross-validated, and dealing its pairs into
-    other folds would silently ignore the column.
+    other folds would silently ignore the column. A pair of one image (one embedding row) with
+    itself, or a pair listed again in either order, is a :class:`DataError` naming their 0-based
+    positions: both inflate the accuracy.
     """
+    from dmlkit.data.pairs import _refuse_repeated_pairs
+
     x = _finite_embeddings(embeddings)
     _check_distance(distance)
     _fold_count(folds)
@@ -467,6 +471,7 @@ def verify_pair_list(embeddings: Any, pair_list: PairList, paths: Sequence[str] 
             raise ShapeError(f"{len(paths)} paths for {len(x)} embeddings")
         rows = _match_rows(pair_list, paths, x)
     check_pair_list_folds(pair_list)
+    _refuse_repeated_pairs(rows[pair_list.left], rows[pair_list.right], pair_list.source)
     scores = pair_scores(x, rows[pair_list.left], rows[pair_list.right], distance)
     if pair_list.num_folds >= 2:
         result = verify_scores(scores, pair_list.same, pair_list.folds, far_targets=far_targets,

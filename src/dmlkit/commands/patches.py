@@ -136,7 +136,7 @@ def evaluate(
     max_test_pairs: int | None = typer.Option(None, min=1, help="With --rescore: at most this many test pairs."),
     figure: Path | None = typer.Option(None, "--figure", help="Write a figure of the hardest false positives/negatives (.png)."),
     arch: str | None = typer.Option(None, help="Architecture of the figure (default: the best mean FPR95)."),
-    k: int = typer.Option(8, "-k", min=1, help="Pairs per row of the figure."),
+    k: int | None = typer.Option(None, "-k", min=1, help="Pairs per row of the figure (default 8)."),
     as_json: bool = typer.Option(False, "--json", help="Print the table as JSON."),
 ) -> None:
     """Print a run's FPR95 table; optionally the figure of its hardest mistakes."""
@@ -149,9 +149,14 @@ def evaluate(
         figure = _check_figure_format(figure)
     elif arch is not None:
         raise ConfigError("--arch picks the architecture of the figure: pass --figure too")
+    elif k is not None:
+        raise ConfigError("-k sets the pairs per row of the figure: pass --figure too")
     if max_test_pairs is not None and not rescore and res_file.is_file():
         raise ConfigError(f"--max-test-pairs applies when the checkpoints are scored again: pass --rescore "
                           f"(without it the table is {res_file}, scored on the run's own test pairs)")
+    if data_root is not None and not rescore and figure is None and res_file.is_file():
+        raise ConfigError(f"--data-root locates the subsets scored again (--rescore) or drawn in the figure "
+                          f"(--figure): pass one of them (without them the table is {res_file}, read as stored)")
     rescored: dict | None = None
     if rescore or not res_file.is_file():
         rescored = {}
@@ -171,8 +176,10 @@ def evaluate(
 
     from dmlkit.apps.patches.brown import load_subset
     from dmlkit.apps.patches.protocol import (
+        _TEST_DATA_KEY,
         hardest_pairs_figure,
         load_patch_config,
+        scored_subset_id,
         subsets_root,
     )
 
@@ -184,6 +191,7 @@ def evaluate(
     cfg = load_patch_config(run_dir / "config.yaml")
     sub = load_subset(subsets_root(cfg, data_root), row["test"])
     title = f"{name}: trained on {row['train']}, tested on {row['test']}"
+    k = 8 if k is None else k
     if rescored is not None:  # the pairs just scored: the run's scores/ index the patches it was trained with
         pairs, s = rescored[(name, row["train"], row["test"])]
         fig = hardest_pairs_figure(sub.patches, pairs.left, pairs.right, pairs.label, s, k=k, title=title)
@@ -194,9 +202,25 @@ def evaluate(
         try:
             with np.load(scores_file, allow_pickle=False) as z:
                 left, right, label, scores = (z[key] for key in ("left", "right", "label", "scores"))
+                scored_on = str(z[_TEST_DATA_KEY]) if _TEST_DATA_KEY in z.files else None
         except (OSError, ValueError, EOFError, KeyError, zipfile.BadZipFile):  # damaged, or not ours
             raise DataError(f"{scores_file} is not a readable scores file of `dmlkit patches train` (damaged "
                             "or truncated): pass --rescore to score the checkpoints again") from None
+        # the file holds patch indices: drawn from another subset they show other patches
+        if scored_on is None:
+            import warnings
+
+            warnings.warn(f"{scores_file} does not record which test subset it scored (written by an older "
+                          f"dmlkit): its pairs are drawn from the patches at {sub.folder}; pass --rescore if the "
+                          "run was tested on other data", UserWarning, stacklevel=2)
+        else:
+            here = scored_subset_id(sub, sub.pairs(cfg.data.test_pairs, largest=False))
+            if here != scored_on:
+                raise DataError(
+                    f"{sub.folder} is not the test subset the run scored (files SHA-256 {scored_on[:12]}... "
+                    f"in {scores_file}, {here[:12]}... here), and its pair indices would draw other patches: "
+                    "pass --rescore to score the checkpoints on this data, or point --data-root / data.root "
+                    "at the data the run was tested on")
         fig = hardest_pairs_figure(sub.patches, left, right, label, scores, k=k, title=title)
     figure.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(figure, dpi=120)

@@ -17,7 +17,9 @@ random ones. Two formats are read:
   (:func:`dmlkit.apps.verification.verify_pair_list` then deals pairs into stratified folds).
 
 Pairs that name a missing image are refused with a :class:`~dmlkit.exceptions.DataNotFoundError`
-listing them: dropping them silently would change the benchmark.
+listing them: dropping them silently would change the benchmark. A pair of an image with itself
+and a pair listed twice (in either order) are a :class:`~dmlkit.exceptions.DataError` naming
+their lines: both inflate the accuracy (LFW's own lists hold neither).
 """
 
 from __future__ import annotations
@@ -97,11 +99,22 @@ class PairList:
 
     @classmethod
     def from_path_pairs(cls, path1: Sequence[str], path2: Sequence[str], same: Sequence[bool],
-                        folds: Sequence[int] | None, source: str) -> PairList:
-        """Build from two path columns (paths are deduplicated into :attr:`paths`)."""
+                        folds: Sequence[int] | None, source: str, *,
+                        lines: Sequence[int] | None = None) -> PairList:
+        """Build from two path columns (paths are deduplicated into :attr:`paths`).
+
+        A pair of an image with itself, or a pair listed again (in either order), is a
+        :class:`DataError` naming them by ``lines`` (the file's line of each pair) or, without
+        ``lines``, by their 0-based positions: such pairs inflate the accuracy (a self pair is a
+        trivial match, a repeat is scored twice and may sit in two folds). Two spellings of one
+        file (``a.png``, ``x/../a.png``, a symbolic link) are one image."""
         index: dict[str, int] = {}
         left = np.fromiter((index.setdefault(p, len(index)) for p in path1), np.int64, len(path1))
         right = np.fromiter((index.setdefault(p, len(index)) for p in path2), np.int64, len(path2))
+        files: dict[str, int] = {}  # each path's file, as verify_pair_list matches them (_match_rows)
+        file_of = np.fromiter((files.setdefault(os.path.normcase(os.path.realpath(p)), len(files)) for p in index),
+                              np.int64, len(index))
+        _refuse_repeated_pairs(file_of[left], file_of[right], source, lines)
         fold_arr = None if folds is None else np.asarray(folds, dtype=np.int64)
         if fold_arr is not None:
             uniq = np.unique(fold_arr)
@@ -198,14 +211,50 @@ def find_lfw_image(folder: Path, name: str, number: int) -> Path | None:
     return None
 
 
+def _first_20(items: list[str]) -> str:
+    """``items`` joined by ``; ``, the first 20 then a count of the rest."""
+    more = f"; ... and {len(items) - 20} more" if len(items) > 20 else ""
+    return "; ".join(items[:20]) + more
+
+
 def _refuse_missing(missing: list[str], total: int, source: str, where: Path) -> None:
     if missing:
-        shown = "; ".join(missing[:20])
-        more = f"; ... and {len(missing) - 20} more" if len(missing) > 20 else ""
         raise DataNotFoundError(
             f"{source}: {len(missing)} of {total} pairs name images missing under {where} "
-            f"(pass the image folder the list was made for; no pair is dropped): {shown}{more}"
+            f"(pass the image folder the list was made for; no pair is dropped): {_first_20(missing)}"
         )
+
+
+def _refuse_repeated_pairs(left: np.ndarray, right: np.ndarray, source: str,
+                           lines: Sequence[int] | None = None) -> None:
+    """A :class:`DataError` listing the pairs of an image with itself (``left == right``) and the
+    pairs that repeat an earlier one in either order, by ``lines`` (one per pair) or, without
+    them, by 0-based pair position. Random pairs are drawn distinct (``make_pairs``); a fixed
+    list holding such pairs would be scored with a trivial match, or one pair twice (in two
+    folds, perhaps: its threshold then chosen on itself), inflating the accuracy."""
+    def name(k: int) -> str:
+        return f"line {lines[k]}" if lines is not None else f"pair {k}"
+
+    selfs: list[str] = []
+    repeats: list[str] = []
+    first: dict[tuple[int, int], int] = {}
+    for k, (a, b) in enumerate(zip(left.tolist(), right.tolist())):
+        if a == b:
+            selfs.append(name(k))
+            continue
+        j = first.setdefault((min(a, b), max(a, b)), k)
+        if j != k:
+            repeats.append(f"{name(k)} repeats {name(j)}")
+    problems = []
+    if selfs:
+        problems.append(f"{len(selfs)} pair(s) of an image with itself ({_first_20(selfs)})")
+    if repeats:
+        problems.append(f"{len(repeats)} pair(s) listed again, in either order ({_first_20(repeats)})")
+    if problems:
+        counted = "" if lines is not None else " (pairs counted from 0)"
+        raise DataError(f"{source}: {' and '.join(problems)}{counted}: a self pair is a trivial match and a "
+                        "repeated pair is scored twice, both inflate the accuracy; list each pair of two "
+                        "different images once")
 
 
 def resolve_lfw_pairs(pairs: Sequence[LfwPair], image_root: str | os.PathLike, source: str = "pairs") -> PairList:
@@ -233,7 +282,8 @@ def resolve_lfw_pairs(pairs: Sequence[LfwPair], image_root: str | os.PathLike, s
     folds = [pr.fold for pr in pairs]
     if not any(folds):  # a one-fold list (header 'N': the development view) defines no folds
         folds = None
-    return PairList.from_path_pairs(p1, p2, [pr.same for pr in pairs], folds, source)
+    return PairList.from_path_pairs(p1, p2, [pr.same for pr in pairs], folds, source,
+                                    lines=[pr.line for pr in pairs])
 
 
 def _parse_same(value: str, where: str) -> bool:
@@ -303,7 +353,8 @@ def read_pair_csv(path: str | os.PathLike, image_root: str | os.PathLike | None 
             except ValueError as exc:
                 raise DataError(f"{p}:{line_no}: fold must be an integer, got {r[col['fold']]!r}") from exc
     _refuse_missing(missing, len(rows), str(p), base)
-    return PairList.from_path_pairs(p1, p2, same, folds if "fold" in col else None, str(p))
+    return PairList.from_path_pairs(p1, p2, same, folds if "fold" in col else None, str(p),
+                                    lines=[line_no for line_no, _ in rows])
 
 
 def load_pair_list(path: str | os.PathLike, image_root: str | os.PathLike | None = None) -> PairList:

@@ -204,20 +204,30 @@ def _training_data_id(root: Path, cfg: PatchExperimentConfig, train_name: str,
     """SHA-256 of the files a model trained on ``train_name`` learnt from: the subset's
     ``info.txt``, the ``m50`` file training reads (``data.train_pairs``, else the largest) and its
     patch sheets (``patches<4 digits>.bmp``, the Brown layout's names), each with its name and
-    length.
+    length (:func:`_subset_files_id`).
 
     A content hash, not a path: the same subset moved or copied to another data root keeps it,
     while another subset under the same name (a relative ``data.root`` under another
     ``--data-root``) does not; a resumed run compares it with the checkpoint's, as it does the
     settings. Reads every sheet once (about 1 s per GB); ``cache`` keeps it per subset for a run.
     """
-    import hashlib
-
     if cache is not None and train_name in cache:
         return cache[train_name]
     folder = root / train_name
     found = match_files(folder)
     m50 = found[cfg.data.train_pairs if cfg.data.train_pairs is not None else max(found)]
+    value = _subset_files_id(folder, m50, f"training subset {train_name}")
+    if cache is not None:
+        cache[train_name] = value
+    return value
+
+
+def _subset_files_id(folder: Path, m50: Path, what: str) -> str:
+    """SHA-256 of a subset folder's ``info.txt``, the ``m50`` file read and its patch sheets
+    (``patches<4 digits>.bmp``), each with its name and length; ``what`` names the subset in the
+    error of an unreadable file."""
+    import hashlib
+
     sheets = [path for _, path in sorted(numbered_sheets(folder).items())]
     digest = hashlib.sha256()
     for path in [folder / "info.txt", m50, *sheets]:
@@ -227,11 +237,22 @@ def _training_data_id(root: Path, cfg: PatchExperimentConfig, train_name: str,
                 while chunk := f.read(1 << 20):
                     digest.update(chunk)
         except OSError as exc:
-            raise DataNotFoundError(f"cannot read {path} of training subset {train_name}: {exc.strerror or exc}") from None
-    value = digest.hexdigest()
-    if cache is not None:
-        cache[train_name] = value
-    return value
+            raise DataNotFoundError(f"cannot read {path} of {what}: {exc.strerror or exc}") from None
+    return digest.hexdigest()
+
+
+#: The key of a scores file (``scores/<arch>/<train>__<test>.npz``) that identifies the test
+#: subset its pair indices point into (:func:`scored_subset_id`).
+_TEST_DATA_KEY = "test_data_sha256"
+
+
+def scored_subset_id(sub: Any, pairs: Any) -> str:
+    """SHA-256 of the test subset ``sub`` (a loaded :class:`~dmlkit.apps.patches.PatchSubset`)
+    as scored on ``pairs`` (read from its ``m50`` file ``pairs.source``): its ``info.txt``, that
+    file and its patch sheets, as :func:`_training_data_id` hashes a training subset. A run
+    stores it in each scores file, whose pair indices mean patches of this subset only: the
+    figure of ``patches evaluate`` compares it with the subset it loads."""
+    return _subset_files_id(sub.folder, sub.folder / pairs.source, f"test subset {sub.name}")
 
 
 def _training_signature(cfg: PatchExperimentConfig, arch: str, data_id: str | None = None) -> dict[str, Any]:
@@ -353,6 +374,7 @@ def run_patch_protocol(
     out = Path(out_dir)
     trains = list(dict.fromkeys(a for a, _ in cfg.data.combinations))
     data_ids: dict[str, str] = {}  # training subsets' content hashes, computed once each
+    test_ids: dict[str, str] = {}  # test subsets' content hashes (stored in the scores files)
     if resume:
         _check_resumable(out, cfg, trains, root, data_ids)
     out.mkdir(parents=True, exist_ok=True)
@@ -400,7 +422,9 @@ def run_patch_protocol(
                 res = {"fpr95": fpr95(scores, pairs.label), "roc_auc": roc_auc(scores, pairs.label)}
                 rows[(train_name, test_name)][arch] = res
                 path = out / "scores" / arch / f"{train_name}__{test_name}.npz"
-                _write_scores(path, pairs, scores)
+                if test_name not in test_ids:
+                    test_ids[test_name] = scored_subset_id(tsub, pairs)
+                _write_scores(path, pairs, scores, test_ids[test_name])
                 say(f"  {arch} {train_name} -> {test_name}: FPR95 {100 * res['fpr95']:.2f} %, AUC {res['roc_auc']:.4f}")
     results = _assemble(cfg, rows, timing)
     atomic_write_json(out / "results.json", results)
@@ -408,14 +432,16 @@ def run_patch_protocol(
     return results
 
 
-def _write_scores(path: Path, pairs: Any, scores: np.ndarray) -> None:
-    """``path``: the pair indices, labels and scores (``.npz``), written atomically: a run killed
-    while writing leaves the previous file or none, never a truncated one that ``patches
-    evaluate --figure`` reads."""
+def _write_scores(path: Path, pairs: Any, scores: np.ndarray, data_id: str) -> None:
+    """``path``: the pair indices, labels and scores (``.npz``) and ``data_id``, the SHA-256 of the
+    test subset the indices point into (:func:`scored_subset_id`, key ``test_data_sha256``), written
+    atomically: a run killed while writing leaves the previous file or none, never a truncated one
+    that ``patches evaluate --figure`` reads."""
     import io
 
     buffer = io.BytesIO()
-    np.savez(buffer, left=pairs.left, right=pairs.right, label=pairs.label, scores=scores)
+    np.savez(buffer, left=pairs.left, right=pairs.right, label=pairs.label, scores=scores,
+             **{_TEST_DATA_KEY: np.array(data_id)})
     atomic_write_bytes(path, buffer.getvalue())
 
 
