@@ -144,6 +144,19 @@ def test_a_larger_patience_continues_a_run_that_patience_stopped(tmp_path, monke
     assert (more.stop_reason, more.epochs_completed, more.steps) == ("patience", 4, 12)
 
 
+def test_more_epochs_do_not_revive_a_run_whose_patience_ran_out(tmp_path, monkeypatch):
+    """Was: a run that ended its epochs with its patience used up trained on when resumed with
+    more epochs (one epoch more than an uninterrupted run with the same settings)."""
+    val_map(monkeypatch, lambda step: 0.9 if step == 6 else 0.5)  # worse again at the last epoch
+    cfg = make_config(**{"training.epochs": 3, "training.patience": 1})
+    first = run(cfg, tmp_path / "run")
+    assert first.steps == 9
+    longer = cfg.override(["training.epochs=6"])
+    resumed = run(longer, tmp_path / "run", resume=True)
+    fresh = run(longer, tmp_path / "fresh")
+    assert (resumed.stop_reason, resumed.steps) == (fresh.stop_reason, fresh.steps) == ("patience", 9)
+
+
 # -- 3. best.pt and the best record after a kill ------------------------------------------------
 def _assert_best_agrees(run_dir):
     best = read_checkpoint(run_dir / "checkpoints" / "best.pt")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -10,6 +11,8 @@ import typer
 from dmlkit.commands._console import echo_json
 
 _COUNTS = ("num_queries", "num_queries_without_positive")
+#: ``--k``'s default (given otherwise, it needs recall_at_k or precision_at_k among the metrics).
+_DEFAULT_K = ["1,2,4,8"]
 
 
 def register(app: typer.Typer) -> None:
@@ -20,7 +23,7 @@ def register(app: typer.Typer) -> None:
         labels: Path | None = typer.Option(None, "--labels", help="Labels of a .npy query file (.npy / .txt / .csv, one per row): integer class ids or class-name strings."),
         reference_labels: Path | None = typer.Option(None, "--reference-labels", help="Labels of a .npy reference file."),
         metrics: list[str] = typer.Option(["precision_at_1,recall_at_k,r_precision,map_at_r"], "--metrics", "-m", help="Comma-separated or repeated: precision_at_1, recall_at_k, precision_at_k, r_precision, map_at_r, map, nmi, ami, pair_f1, pos_neg_js (or recall_at_<K>)."),
-        k: list[str] = typer.Option(["1,2,4,8"], "--k", help="K values of recall_at_k / precision_at_k, comma-separated or repeated."),
+        k: list[str] = typer.Option(_DEFAULT_K, "--k", help="K values of recall_at_k / precision_at_k, comma-separated or repeated."),
         distance: str = typer.Option("cosine", "--distance", "-d", help="cosine | dot | euclidean | snr."),
         backend: str = typer.Option("auto", "--backend", help="kNN backend: auto | torch | numba | faiss."),
         memory_mb: int = typer.Option(256, "--memory-mb", "--memory-budget", min=1, help="Working-memory budget of the blockwise kNN (and of the blocks read from a shard directory), MiB."),
@@ -40,14 +43,15 @@ def register(app: typer.Typer) -> None:
         from dmlkit.utils import atomic_write_json
 
         if not is_main_rank():  # under torchrun rank 0 warns for the job (each rank read the files)
-            import warnings
-
             warnings.filterwarnings("ignore")
         metrics = listed(metrics)
         try:
             k_values = [int(v) for v in listed(k)]
         except ValueError:
             raise ConfigError(f"--k must be comma-separated integers, got {','.join(k)!r}") from None
+        if k != _DEFAULT_K and not {m.strip().lower() for m in metrics} & {"recall_at_k", "precision_at_k"}:
+            raise ConfigError("--k sets the K values of recall_at_k / precision_at_k, and -m asks for "
+                              f"neither ({', '.join(metrics)}): add one, or leave --k out")
         with one_error_line_per_job():
             q, ql, r, rl, result = _compute(
                 embeddings, reference, labels, reference_labels, metrics, k_values,
@@ -136,7 +140,10 @@ def _compute(embeddings: Path, reference: Path | None, labels: Path | None,
         if not is_shard_dir(path):
             return read_embedding_file(path, labels_path)[:2]
         shards = open_shards(path)
-        return shards, (shards.labels if labels_path is None else read_labels_file(labels_path))
+        if labels_path is None:
+            return shards, shards.labels
+        warnings.warn(f"{labels_path} replaces the {shards.count} labels stored in {path}", stacklevel=2)  # as for an .npz
+        return shards, read_labels_file(labels_path)
 
     def read_all() -> tuple[Any, Any, Any, Any]:
         q, ql = read(embeddings, labels)

@@ -46,8 +46,10 @@ def _metrics_table(title: str, rows: dict[str, dict[str, float] | None]):
     def cell(values: dict[str, float], m: str) -> str:
         if m not in values:
             return "-"
-        std = values.get(f"{m}_std")
-        return f"{100 * values[m]:.2f}" + ("" if std is None else f" ± {100 * std:.2f}")
+        value, std = values[m], values.get(f"{m}_std")
+        if value is None:  # NaN, as JSON stores it (baseline.json of a resumed run)
+            return "nan"
+        return f"{100 * value:.2f}" + ("" if std is None else f" ± {100 * std:.2f}")
 
     table = Table(title=title)
     table.add_column("split")

@@ -127,6 +127,10 @@ def training_curves(
                 s, v = zip(*pts)
                 ax.plot(s, 100 * np.asarray(v, dtype=float), label=name, markersize=4,
                         markevery=max(1, len(s) // 10), **style)
+    if not any(ax.get_lines() for ax in axes):  # a blank figure is no answer: say what is missing
+        plt.close(fig)
+        raise DataError(f"the logs hold no training loss and no validation {', '.join(metrics)}: "
+                        "nothing to draw (a run logs them as it trains and evaluates)")
     axes[0].set(title="Training loss (smoothed)", xlabel="step (batches)", ylabel="loss")
     for ax, metric in zip(axes[1:], metrics):
         ax.set(title=f"Validation {_pretty(metric)}", xlabel="step (batches)", ylabel=f"{_pretty(metric)} (%)")

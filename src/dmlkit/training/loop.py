@@ -330,10 +330,14 @@ class Trainer:
             restore_rng_state(payload["rng"])
         self.run_log.truncate_after(self.state.step)
         state, training = self.state, self.config.training
-        if state.epoch < training.epochs and (state.stop_reason == "epochs" or (
-                state.stop_reason == "patience"
-                and (training.patience is None or state.bad_evals < training.patience))):
+        patience_left = training.patience is None or state.bad_evals < training.patience
+        if state.epoch < training.epochs and state.stop_reason in ("epochs", "patience") and patience_left:
             state.stop_reason = None  # extended: more epochs, or more patience than it ran out of
+        elif not patience_left and (state.stop_reason is None or (
+                state.stop_reason == "epochs" and state.epoch < training.epochs)):
+            # an uninterrupted run with this patience stopped here (more epochs do not revive
+            # a run whose patience ran out; a lowered patience stops a killed one)
+            state.stop_reason = "patience"
         self.reconcile_best()
         if self.dist.is_main:
             logger.info("resumed %s at epoch %d, step %d", self.run_dir, self.state.epoch, self.state.step)

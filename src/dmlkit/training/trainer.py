@@ -227,7 +227,8 @@ def baseline_warnings(baseline: dict[str, dict[str, float]], trained: dict[str, 
     lines = []
     for split, base in baseline.items():
         now = trained.get(split) or {}
-        if "map_at_r" in base and "map_at_r" in now and now["map_at_r"] <= base["map_at_r"]:
+        before, after = base.get("map_at_r"), now.get("map_at_r")  # None: NaN read back from JSON
+        if before is not None and after is not None and after <= before:
             lines.append(f"training did not beat the untrained model on {split}: MAP@R "
                          f"{100 * now['map_at_r']:.2f} after training vs {100 * base['map_at_r']:.2f} "
                          "at step 0; check the learning rate, the loss settings and the data")
