@@ -33,6 +33,7 @@ import numpy as np
 
 from dmlkit.data import get_transforms
 from dmlkit.data.base import ImageFileDataset
+from dmlkit.data.pairs import _refuse_repeated_pairs
 from dmlkit.distances import get_distance
 from dmlkit.embeddings import resolve_device
 from dmlkit.exceptions import ConfigError, DataError, NonFiniteError, ShapeError
@@ -456,8 +457,6 @@ def verify_pair_list(embeddings: Any, pair_list: PairList, paths: Sequence[str] 
     itself, or a pair listed again in either order, is a :class:`DataError` naming their 0-based
     positions: both inflate the accuracy.
     """
-    from dmlkit.data.pairs import _refuse_repeated_pairs
-
     x = _finite_embeddings(embeddings)
     _check_distance(distance)
     _fold_count(folds)
