@@ -424,7 +424,7 @@ def test_random_augmentation_is_the_same_with_one_or_two_ranks():
 
     from dmlkit.data.base import ArrayDataset
     from dmlkit.samplers import MPerClassSampler
-    from dmlkit.training.loop import SeededBatches, SeededItems
+    from dmlkit.training.seeding import SeededBatches, SeededItems
 
     labels = np.repeat(np.arange(6), 5)
     data = np.arange(30, dtype=np.float32).reshape(30, 1)

@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import logging
 import math
-import random
 import time
 import warnings
 from dataclasses import asdict, dataclass, field
@@ -87,6 +86,7 @@ from dmlkit.training.checkpoint import (
 )
 from dmlkit.training.preflight import refuse_degenerate_eval
 from dmlkit.training.runlog import RunLogger
+from dmlkit.training.seeding import SeededBatches, SeededItems, seed_worker
 
 __all__ = ["TrainState", "Trainer", "scalar_metrics"]
 
@@ -138,68 +138,6 @@ def scalar_metrics(metrics: dict[str, Any]) -> dict[str, float]:
         elif isinstance(v, float | np.floating):
             out[k] = float(v)
     return out
-
-
-_MASK64 = (1 << 64) - 1
-
-
-def item_seed(seed: int, epoch: int, batch: int, position: int) -> int:
-    """The augmentation seed of the item at ``position`` of global batch ``batch`` of ``epoch``.
-
-    A SplitMix64 finaliser (Steele, Lea & Flood, OOPSLA 2014) over the four numbers, so nearby
-    inputs get unrelated seeds. It depends on where the item sits in the *global* batch, not on
-    which process loads it or on any RNG state: a run draws the same augmentations with 1 or W
-    processes, with or without loader workers, and after a resume."""
-    z = 0
-    for value in (seed, epoch, batch, position):
-        z = (z + (int(value) & _MASK64) + 0x9E3779B97F4A7C15) & _MASK64
-        z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
-        z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
-        z ^= z >> 31
-    return z & ((1 << 63) - 1)
-
-
-class SeededBatches:
-    """A batch sampler yielding each batch of ``sampler`` as ``(dataset index, item seed)``
-    pairs (:func:`item_seed`); this rank's items sit at ``rank x local batch + j`` of the
-    global batch."""
-
-    def __init__(self, sampler: Any, seed: int, epoch: int) -> None:
-        self.sampler, self.seed, self.epoch = sampler, int(seed), int(epoch)
-        self.offset = int(getattr(sampler, "rank", 0)) * int(getattr(sampler, "local_batch_size", 0))
-
-    def __len__(self) -> int:
-        return len(self.sampler)
-
-    def __iter__(self):
-        for b, batch in enumerate(self.sampler):
-            yield [(i, item_seed(self.seed, self.epoch, b, self.offset + j)) for j, i in enumerate(batch)]
-
-
-class SeededItems(torch.utils.data.Dataset):
-    """``dataset[index]`` loaded under ``torch.manual_seed(item seed)`` (the process's own RNG
-    stream is left untouched), for keys ``(index, item seed)`` from :class:`SeededBatches`:
-    random augmentations are a function of the item's place in the global batch."""
-
-    def __init__(self, dataset: Any) -> None:
-        self.dataset = dataset
-
-    def __len__(self) -> int:
-        return len(self.dataset)
-
-    def __getitem__(self, key: tuple[int, int]) -> Any:
-        index, seed = key
-        with torch.random.fork_rng(devices=[]):
-            # the CPU generator alone: loading draws on it only, and torch.manual_seed would also
-            # seed every accelerator (78 us against 1 us per item, measured on the 2-core EPYC)
-            torch.default_generator.manual_seed(seed)
-            return self.dataset[index]
-
-
-def _seed_worker(worker_id: int) -> None:
-    seed = torch.initial_seed() % 2**32
-    np.random.seed(seed)
-    random.seed(seed)
 
 
 def check_class_sets(train_set, val_set) -> tuple[np.ndarray, Any]:
@@ -453,7 +391,7 @@ class Trainer:
             SeededItems(self.train_input), batch_sampler=SeededBatches(self.sampler, config.seed, state.epoch),
             num_workers=self.num_workers,
             generator=torch.Generator().manual_seed(config.seed * 100_003 + state.epoch),
-            worker_init_fn=_seed_worker if self.num_workers else None,
+            worker_init_fn=seed_worker if self.num_workers else None,
             pin_memory=self.device.type == "cuda",
         )
         self.train_module.train()
