@@ -190,7 +190,7 @@ def test_nan_embeddings_are_refused_by_verify_and_few_shot(tmp_path, capsys):
 
 @pytest.mark.parametrize("args, match", [
     (["--pairs", "0"], "at least 2"),
-    (["--folds", "1"], "folds must be at least 2"),
+    (["--folds", "1"], "folds must be an integer of at least 2"),
     (["--folds", "500", "--pairs", "100"], "exceeds the number of pairs"),
     (["--distance", "bogus"], "unknown distance 'bogus'"),
 ])

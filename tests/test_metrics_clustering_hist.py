@@ -333,9 +333,9 @@ def test_kmeans_arguments_are_one_error_each():
     from dmlkit.metrics import kmeans_labels
 
     x = np.random.default_rng(0).normal(size=(24, 8)).astype(np.float32)
-    with pytest.raises(ConfigError, match="niter must be an integer of at least 0, got -1"):
+    with pytest.raises(ConfigError, match="niter must be a non-negative integer, got -1"):
         kmeans_labels(x, 4, niter=-1)
-    with pytest.raises(ConfigError, match="n_clusters must be an integer of at least 1, got 4.0"):
+    with pytest.raises(ConfigError, match="n_clusters must be a positive integer, got 4.0"):
         kmeans_labels(x, 4.0)
     with pytest.raises(ShapeError):
         kmeans_labels(x[:, 0], 4)

@@ -111,7 +111,7 @@ def test_vehicleid_integer_ks_still_run(features) -> None:
 def test_ranked_examples_top_must_be_positive(features, top) -> None:
     """Was: top=-1 returned G - 1 items (a slice [:-1])."""
     x, ids = features
-    with pytest.raises(ConfigError, match="top must be an integer >= 1"):
+    with pytest.raises(ConfigError, match="top must be a positive integer"):
         ranked_examples(x[:3], x[3:], ids[:3], ids[3:], queries=[0], top=top)
 
 

@@ -41,6 +41,7 @@ import numpy as np
 from dmlkit.distributed import mark_every_rank
 from dmlkit.exceptions import ConfigError, DataError, DataNotFoundError, NonFiniteError, ShapeError
 from dmlkit.utils import atomic_write_json, sha256_file
+from dmlkit.validation import check_integer
 
 __all__ = [
     "MANIFEST",
@@ -108,8 +109,7 @@ class ShardWriter:
     ) -> None:
         if dtype not in _DTYPES:
             raise ConfigError(f"shard dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
-        if not isinstance(shard_rows, int | np.integer) or shard_rows < 1:
-            raise ConfigError(f"shard_rows must be a positive integer, got {shard_rows!r}")
+        check_integer(shard_rows, "shard_rows")
         self.directory = Path(directory)
         if self.directory.exists() and not self.directory.is_dir():
             raise DataError(f"{self.directory} exists and is not a directory: choose another output")

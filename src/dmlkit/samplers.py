@@ -23,7 +23,7 @@ import numpy as np
 from torch.utils.data import Sampler
 
 from dmlkit.exceptions import ConfigError, DataError
-from dmlkit.validation import check_labels, check_seed
+from dmlkit.validation import check_integer, check_labels, check_seed
 
 __all__ = ["EpisodeSampler", "MPerClassSampler", "split_episode"]
 
@@ -49,25 +49,13 @@ def _class_members(labels: np.ndarray) -> tuple[np.ndarray, list[np.ndarray]]:
     return classes, np.split(order, bounds)
 
 
-def _positive_int(name: str, value: int) -> int:
-    if isinstance(value, bool) or int(value) != value or value < 1:
-        raise ConfigError(f"{name} must be a positive integer, got {value!r}")
-    return int(value)
-
-
-def _non_negative_int(name: str, value: int) -> int:
-    if isinstance(value, bool) or int(value) != value or value < 0:
-        raise ConfigError(f"{name} must be a non-negative integer, got {value!r}")
-    return int(value)
-
-
 class _EpochSampler(Sampler[list[int]]):
     """Shared seed/epoch handling and the rank's share of each global batch."""
 
     def __init__(self, seed: int, num_replicas: int = 1, rank: int = 0) -> None:
         self.seed = check_seed(seed)  # else numpy's ValueError at the first batch
         self.epoch = 0
-        self.num_replicas = _positive_int("num_replicas", num_replicas)
+        self.num_replicas = check_integer(num_replicas, "num_replicas")
         if int(rank) != rank or not 0 <= rank < self.num_replicas:
             raise ConfigError(f"rank must be in [0, {self.num_replicas}), got {rank!r}")
         self.rank = int(rank)
@@ -98,7 +86,7 @@ class _EpochSampler(Sampler[list[int]]):
 
     def set_epoch(self, epoch: int) -> None:
         """Fix the epoch of the next iteration (the batches are a function of seed and epoch)."""
-        self.epoch = _non_negative_int("epoch", epoch)
+        self.epoch = check_integer(epoch, "epoch", least=0)
 
     def state_dict(self) -> dict[str, int]:
         return {"seed": self.seed, "epoch": self.epoch}
@@ -153,8 +141,8 @@ class MPerClassSampler(_EpochSampler):
         rank: int = 0,
     ) -> None:
         super().__init__(seed, num_replicas, rank)
-        self.samples_per_class = _positive_int("samples_per_class", samples_per_class)
-        self.classes_per_batch = _positive_int("classes_per_batch", classes_per_batch)
+        self.samples_per_class = check_integer(samples_per_class, "samples_per_class")
+        self.classes_per_batch = check_integer(classes_per_batch, "classes_per_batch")
         if small_classes not in ("replace", "drop", "error"):
             raise ConfigError(
                 f"small_classes must be 'replace', 'drop' or 'error', got {small_classes!r}"
@@ -183,7 +171,7 @@ class MPerClassSampler(_EpochSampler):
         self._members = members
         if batches_per_epoch is None:
             batches_per_epoch = max(1, len(arr) // self.batch_size)
-        self.batches_per_epoch = _positive_int("batches_per_epoch", batches_per_epoch)
+        self.batches_per_epoch = check_integer(batches_per_epoch, "batches_per_epoch")
         self._check_divisible(f"classes_per_batch x samples_per_class = "
                               f"{self.classes_per_batch} x {self.samples_per_class}")
 
@@ -276,12 +264,10 @@ class EpisodeSampler(_EpochSampler):
         rank: int = 0,
     ) -> None:
         super().__init__(seed, num_replicas, rank)
-        self.n_way = _positive_int("n_way", n_way)
-        self.k_shot = _positive_int("k_shot", k_shot)
-        if int(n_query) != n_query or n_query < 0:
-            raise ConfigError(f"n_query must be a non-negative integer, got {n_query!r}")
-        self.n_query = int(n_query)
-        self.episodes = _positive_int("episodes", episodes)
+        self.n_way = check_integer(n_way, "n_way")
+        self.k_shot = check_integer(k_shot, "k_shot")
+        self.n_query = check_integer(n_query, "n_query", least=0)
+        self.episodes = check_integer(episodes, "episodes")
         arr = _as_label_array(labels)
         classes, members = _class_members(arr)
         need = self.k_shot + self.n_query

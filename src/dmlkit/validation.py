@@ -32,7 +32,7 @@ import torch
 from dmlkit.exceptions import ConfigError, NonFiniteError, ShapeError
 
 __all__ = [
-    "check_parameter_numbers",
+    "check_integer", "check_parameter_numbers",
     "SEED_LIMIT", "check_embeddings", "check_label_pair", "check_labels", "check_product_range",
     "check_seed", "concatenate_normalized", "normalize_rows", "safe_normalize",
 ]
@@ -50,6 +50,17 @@ def check_seed(value: Any, name: str = "seed", bits: int = 32) -> int:
     if (isinstance(value, bool) or not isinstance(value, int | np.integer)
             or not 0 <= value < min(SEED_LIMIT, 2**bits)):
         raise ConfigError(f"{name} must be a non-negative integer below 2**{min(bits, 32)}, got {value!r}")
+    return int(value)
+
+
+def check_integer(value: Any, name: str, least: int = 1, hint: str = "") -> int:
+    """``value`` as an ``int`` of at least ``least``: a Python or numpy integer, not a bool (``True``
+    is no count) and not a float (``2.5`` was truncated, ``2.0`` hid a computed value), else one
+    :class:`ConfigError` line naming ``name`` (``hint``, e.g. what the number counts, follows it).
+    The one check of every count and size option of the library."""
+    if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < least:
+        what = {0: "a non-negative integer", 1: "a positive integer"}.get(least, f"an integer of at least {least}")
+        raise ConfigError(f"{name} must be {what}{hint}, got {value!r}")
     return int(value)
 
 

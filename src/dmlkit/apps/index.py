@@ -58,7 +58,7 @@ from dmlkit.apps.index_labels import SearchResult, encode_labels
 from dmlkit.apps.index_tuning import recall_at_k
 from dmlkit.distances import get_distance
 from dmlkit.exceptions import ConfigError, DataError, ShapeError
-from dmlkit.validation import check_seed, normalize_rows
+from dmlkit.validation import check_integer, check_seed, normalize_rows
 
 __all__ = ["INDEX_KINDS", "EmbeddingIndex", "SearchResult", "item_ids", "recall_at_k"]
 
@@ -478,9 +478,7 @@ class EmbeddingIndex:
         q = _to_numpy_embeddings(queries[None] if getattr(queries, "ndim", 2) == 1 else queries, "queries")
         if q.shape[1] != self.dim:
             raise ShapeError(f"queries must be (Q, {self.dim}), got shape {q.shape}")
-        if isinstance(k, bool) or not isinstance(k, int | np.integer) or k < 1:
-            raise ConfigError(f"k must be a positive integer, got {k!r}")
-        k = int(k)  # faiss's SWIG wrappers take Python ints only
+        k = check_integer(k, "k")  # an int: faiss's SWIG wrappers take Python ints only
         if len(self) == 0:
             raise DataError("the index is empty: add embeddings first")
         if self._unit and (zero := np.flatnonzero(~q.any(axis=1))).size:

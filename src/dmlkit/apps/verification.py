@@ -38,7 +38,7 @@ from dmlkit.distances import get_distance
 from dmlkit.embeddings import resolve_device
 from dmlkit.exceptions import ConfigError, DataError, NonFiniteError, ShapeError
 from dmlkit.training import embed_split, find_checkpoint, load_checkpoint
-from dmlkit.validation import check_embeddings, check_labels, check_seed
+from dmlkit.validation import check_embeddings, check_integer, check_labels, check_seed
 
 if TYPE_CHECKING:
     import torch
@@ -221,11 +221,7 @@ def _fold_count(folds: Any, pairs: int | None = None) -> int:
     """``folds`` as an integer number of folds, at least 2 (the threshold is fitted on the other
     folds) and at most ``pairs``; :class:`ConfigError` otherwise (2.5 was truncated to 2, or
     dealt as fractional fold ids)."""
-    if isinstance(folds, bool) or int(folds) != folds:
-        raise ConfigError(f"folds must be an integer, got {folds!r}")
-    k = int(folds)
-    if k < 2:
-        raise ConfigError(f"folds must be at least 2 (the threshold is fitted on the other folds), got {k}")
+    k = check_integer(folds, "folds", least=2, hint=" (the threshold is fitted on the other folds)")
     if pairs is not None and k > pairs:
         raise ConfigError(f"folds must be in [2, {pairs}] (the number of pairs), got {k}")
     return k

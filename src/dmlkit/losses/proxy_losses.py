@@ -28,6 +28,7 @@ from dmlkit.losses.classification_losses import (
     full_precision,
     reject_pairs_and_refs,
 )
+from dmlkit.validation import check_integer
 
 __all__ = ["ProxyAnchorLoss", "ProxyNCALoss", "SoftTripleLoss"]
 
@@ -199,10 +200,7 @@ class SoftTripleLoss(ProxyLoss):
         margin: float = 0.01,
     ) -> None:
         super().__init__(num_classes, embedding_size)
-        if int(centers_per_class) != centers_per_class or centers_per_class < 1:
-            raise ConfigError(
-                f"centers_per_class must be a positive integer, got {centers_per_class}"
-            )
+        centers_per_class = check_integer(centers_per_class, "centers_per_class")
         _check_positive(la=la, gamma=gamma)
         if tau < 0:
             raise ConfigError(f"tau must be >= 0, got {tau}")

@@ -28,6 +28,7 @@ from dmlkit.metrics._threads import full_float32_matmuls, run_threads, single_th
 from dmlkit.validation import (
     SEED_LIMIT,
     check_embeddings,
+    check_integer,
     check_labels,
     check_product_range,
     check_seed,
@@ -55,10 +56,9 @@ def kmeans_labels(
     * ``"sklearn"``: scikit-learn, one k-means++ initialisation.
     """
     x = check_embeddings(embeddings, "embeddings").cpu().numpy()  # 1-D was numpy's ValueError
-    for name, value, least in (("n_clusters", n_clusters, 1), ("niter", niter, 0)):
-        # 4.0 clusters was torch's TypeError; niter = -1 returned the all-zero start
-        if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < least:
-            raise ConfigError(f"k-means {name} must be an integer of at least {least}, got {value!r}")
+    # 4.0 clusters was torch's TypeError; niter = -1 returned the all-zero start
+    n_clusters = check_integer(n_clusters, "k-means n_clusters")
+    niter = check_integer(niter, "k-means niter", least=0)
     if n_clusters < 1 or n_clusters > x.shape[0]:
         raise DataError(f"k-means needs 1 <= clusters <= samples, got {n_clusters} for {x.shape[0]} samples")
     if backend not in _KMEANS_BACKENDS:

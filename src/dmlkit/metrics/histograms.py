@@ -35,7 +35,7 @@ from dmlkit.metrics._validation import (
     check_budget,
 )
 from dmlkit.metrics.knn import SMALL_SEARCH_PAIRS
-from dmlkit.validation import check_label_pair
+from dmlkit.validation import check_integer, check_label_pair
 
 __all__ = ["PosNegHistograms", "js_divergence", "pos_neg_histograms"]
 
@@ -193,9 +193,7 @@ def pos_neg_histograms(
     """
     budget = check_budget(memory_budget)
     # numpy integers count (as k_values and seeds do); True is no number of bins
-    if not isinstance(bins, int | np.integer) or isinstance(bins, bool) or bins < 1:
-        raise ConfigError(f"bins must be a positive integer, got {bins!r}")
-    bins = int(bins)
+    bins = check_integer(bins, "bins")
     same = reference is None
     q = as_embeddings(query, "query embeddings")
     if same:

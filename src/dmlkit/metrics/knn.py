@@ -51,6 +51,7 @@ from dmlkit.exceptions import ConfigError, DataError, ShapeError, require
 from dmlkit.metrics._threads import full_float32_matmuls, run_threads, single_threaded_torch
 from dmlkit.metrics._tiles import _BF16_MIN_PAIRS, _bf16_is_faster, _Tiles
 from dmlkit.metrics._validation import DEFAULT_MEMORY_BUDGET, as_embeddings, check_budget
+from dmlkit.validation import check_integer
 
 __all__ = ["KNNResult", "faiss_available", "knn"]
 
@@ -549,8 +550,7 @@ def knn(
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
     available = r.shape[0] - (1 if exclude_self else 0)
-    if not isinstance(k, int | np.integer) or k < 1:
-        raise ConfigError(f"k must be a positive integer, got {k!r}")
+    k = check_integer(k, "k")  # True was k = 1
     if available < 1:
         raise DataError("the reference set has no row other than the query itself: add references")
     k = int(min(k, available))

@@ -33,6 +33,7 @@ import numpy as np
 
 from dmlkit.exceptions import ConfigError, ShapeError
 from dmlkit.metrics import per_query
+from dmlkit.validation import check_integer
 
 __all__ = [
     "PER_QUERY_METRICS",
@@ -69,9 +70,7 @@ def check_confidence(confidence: Any) -> float:
 
 def check_resamples(resamples: Any) -> int:
     """``resamples`` as a positive integer, else one :class:`ConfigError` line."""
-    if isinstance(resamples, bool) or not isinstance(resamples, int | np.integer) or resamples < 1:
-        raise ConfigError(f"resamples must be a positive integer (the CLI's default is 1000), got {resamples!r}")
-    return int(resamples)
+    return check_integer(resamples, "resamples", hint=" (the CLI's default is 1000)")
 
 
 def mean_ci(values: Sequence[float], confidence: float = 0.95) -> tuple[float, float | None]:

@@ -8,6 +8,7 @@ import numpy as np
 
 from dmlkit.distances import dominant_offset, get_distance
 from dmlkit.exceptions import ConfigError, NonFiniteError, ShapeError
+from dmlkit.validation import check_integer
 
 METRICS = ("euclidean", "cosine", "dot")
 DEFAULT_MEMORY_BUDGET = 256 * 2**20
@@ -90,11 +91,11 @@ def _rerank_params(rerank: Any) -> dict[str, Any] | None:
 def check_rerank_value(name: str, key: str, value: Any) -> None:
     """One k-reciprocal setting (``k1``, ``k2``: positive integers; ``lambda_value``: a number in
     [0, 1]); :class:`ConfigError` naming ``name``, the value and what it accepts otherwise."""
-    if key == "lambda_value":
-        ok = isinstance(value, int | float | np.integer | np.floating) and not isinstance(value, bool | np.bool_) \
-            and 0.0 <= float(value) <= 1.0
-    else:
-        ok = isinstance(value, int | np.integer) and not isinstance(value, bool | np.bool_) and value >= 1
+    if key != "lambda_value":
+        check_integer(value, name)
+        return
+    ok = isinstance(value, int | float | np.integer | np.floating) and not isinstance(value, bool | np.bool_) \
+        and 0.0 <= float(value) <= 1.0
     if not ok:
         raise ConfigError(f"{name} must be {RERANK_KEYS[key]}, got {value!r}")
 

@@ -59,7 +59,7 @@ from dmlkit.apps.reid._common import (
     _sq_norms,
 )
 from dmlkit.exceptions import ConfigError, DataError, NonFiniteError, ShapeError
-from dmlkit.validation import _describe
+from dmlkit.validation import _describe, check_integer
 
 __all__ = [
     "METRICS",
@@ -405,8 +405,7 @@ def ranked_examples(
     "status": ["positive" | "negative" | "junk", ...], "score": [...]}`` (closeness, larger =
     closer), for figures.
     """
-    if isinstance(top, bool | np.bool_) or not isinstance(top, int | np.integer) or top < 1:
-        raise ConfigError(f"top must be an integer >= 1 (gallery items per query), got {top!r}")
+    top = check_integer(top, "top", hint=" (gallery items per query)")
     q = _as_float(query, "query embeddings")
     g = _as_float(gallery, "gallery embeddings")
     q_ids = _as_ids(query_ids, q.shape[0], "query ids")

@@ -21,7 +21,7 @@ import numpy as np
 from dmlkit.apps.reid._common import DEFAULT_MEMORY_BUDGET, _as_float, _as_ids
 from dmlkit.apps.reid.evaluation import evaluate_reid
 from dmlkit.exceptions import ConfigError, DataError
-from dmlkit.validation import check_seed
+from dmlkit.validation import check_integer, check_seed
 
 __all__ = ["VehicleIDResult", "draw_gallery", "vehicleid_protocol"]
 
@@ -63,11 +63,6 @@ def draw_gallery(ids: np.ndarray, rng: np.random.Generator) -> np.ndarray:
     return mask
 
 
-def _is_rank(value: Any) -> bool:
-    """Whether ``value`` is an integer >= 1 (not a bool, not a float such as 1.7 or 2.0)."""
-    return isinstance(value, int | np.integer) and not isinstance(value, bool | np.bool_) and value >= 1
-
-
 def vehicleid_protocol(
     embeddings: Any,
     ids: Any,
@@ -92,14 +87,13 @@ def vehicleid_protocol(
     """
     emb = _as_float(embeddings, "embeddings")
     lab = _as_ids(ids, emb.shape[0], "ids")
-    if not _is_rank(repeats):
-        raise ConfigError(f"repeats must be an integer >= 1, got {repeats!r}")
+    repeats = check_integer(repeats, "repeats")
     seed = check_seed(seed)
     try:
-        ranks = list(ks)
-    except TypeError:  # a bare number
+        ranks = [check_integer(k, "each of ks") for k in ks]
+    except (TypeError, ConfigError):  # a bare number, or a float, bool or rank < 1 in it
         ranks = []
-    if not ranks or not all(_is_rank(k) for k in ranks):
+    if not ranks:
         raise ConfigError(f"ks must be a non-empty sequence of integer ranks >= 1, got {ks!r}")
     uniq, counts = np.unique(lab, return_counts=True)
     if (counts > 1).sum() == 0:

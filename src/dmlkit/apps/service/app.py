@@ -42,6 +42,7 @@ from urllib.parse import quote
 import numpy as np
 
 from dmlkit.exceptions import ConfigError, DataError, DataNotFoundError, DmlkitError, require
+from dmlkit.validation import check_integer
 
 STATIC = Path(__file__).parent / "static"
 logger = logging.getLogger("dmlkit.service")
@@ -78,9 +79,7 @@ class ServiceConfig:
     def __post_init__(self) -> None:
         """Refuse limits no request could meet (``max_k`` 0 served a 422 to every query)."""
         for name in ("max_upload_bytes", "max_k", "max_image_pixels", "thumbnail_size"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ConfigError(f"{name} must be a positive integer, got {value!r}")
+            check_integer(getattr(self, name), name)
 
 
 class _Metrics:
