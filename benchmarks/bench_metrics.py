@@ -23,7 +23,12 @@ near-ties (R-Precision off by one neighbour, 1e-6 at N = 10k). Both sides use 2 
 Two more suites (``--suite``), same protocol (subprocess per side, alternating, medians):
 
 * ``map`` - full-ranking MAP (``evaluate -m map``) against the peer's ``mean_average_precision``
-  and, as a third side (``dmlkit-r``), dmlkit's own MAP@R path on the same data. The peer's
+  and, as third and fourth sides, dmlkit's own MAP@R path on the same data (``dmlkit-r``) and
+  that path with float32 tiles only (``dmlkit-r32``: bfloat16 products turned off, the precision
+  ``map`` must use; it separates the cost of the product's precision from the cost of counting).
+  It also prints the fraction of pairs a full ranking must place among a query's positives (the
+  negatives at or above its lowest positive, over 500 queries; MAP@R's selection keeps only its
+  R nearest). The peer's
   default ``k="max_bin_count"`` sums precision over the relevant items among the first max-R
   neighbours and divides by R: with equal class sizes that is MAP@R, a truncated AP (a
   different and cheaper number: no value check); ``--peer-map-k all`` makes it rank the whole
@@ -70,6 +75,9 @@ SUITES = {
     "map": {"map": "mean_average_precision"},
     "clustering": {"nmi": "NMI", "ami": "AMI"},
 }
+#: The sides a case runs (``--sides``): dmlkit, its MAP@R path with and without bfloat16 tiles
+#: (map suite), the peer.
+SIDES = ("dmlkit", "dmlkit-r", "dmlkit-r32", "peer")
 METRICS = tuple(SUITES["retrieval"])
 PEER_KEYS = SUITES["retrieval"]
 
@@ -100,9 +108,13 @@ def _worker(side: str, data: str, threads: int, peer_index: str = "ip", suite: s
     if dev.type == "cuda":
         torch.cuda.reset_peak_memory_stats(dev)
     keys = SUITES[suite]
-    if side == "dmlkit-r":  # dmlkit's MAP@R path on the same data (map suite)
+    if side in ("dmlkit-r", "dmlkit-r32"):  # dmlkit's MAP@R path on the same data (map suite)
         keys = {"map_at_r": "map_at_r"}
-    if side in ("dmlkit", "dmlkit-r"):
+    if side == "dmlkit-r32":  # float32 tiles only: what the kNN costs at map's product precision
+        import dmlkit.metrics.knn
+
+        dmlkit.metrics.knn._bf16_is_faster = lambda d: False
+    if side in ("dmlkit", "dmlkit-r", "dmlkit-r32"):
         from dmlkit.metrics import evaluate
 
         evaluate(x[:3000], y[:3000], metrics=list(keys))  # warm-up: loads the compiled kernels
@@ -142,6 +154,21 @@ def _peer_knn(dev, peer_index: str, threads: int):
 
     faiss.omp_set_num_threads(threads)
     return FaissKNN(index_init_fn=faiss.IndexFlatIP if peer_index == "ip" else faiss.IndexFlatL2)
+
+
+def placed_fraction(x: np.ndarray, y: np.ndarray, queries: int = 500) -> float:
+    """The fraction of (query, reference) pairs a full ranking places among the query's positives:
+    the negatives whose closeness (inner product; the rows are unit vectors) is at or above the
+    query's lowest positive, over the first ``queries`` rows as self-search queries."""
+    q, placed = min(queries, x.shape[0]), 0
+    s = x[:q].astype(np.float64) @ x.astype(np.float64).T
+    for i in range(q):
+        same = y == y[i]
+        same[i] = False
+        if same.any():
+            negative = y != y[i]
+            placed += int((s[i][negative] >= s[i][same].min()).sum())
+    return placed / (q * x.shape[0])
 
 
 def matmul_rate(d: int, tile: int = 1024) -> float:
@@ -187,8 +214,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="class counts: an integer or n/<size> (classes of that size)")
     p.add_argument("--full", action="store_true", help="N in {10k, 50k, 100k}, d in {128, 512}")
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--sides", nargs="+", default=None, choices=["dmlkit", "dmlkit-r", "peer"],
-                   help="default: dmlkit and peer (and dmlkit-r, dmlkit's MAP@R, for --suite map)")
+    p.add_argument("--sides", nargs="+", default=None, choices=list(SIDES),
+                   help="default: dmlkit and peer (and dmlkit-r, dmlkit-r32: dmlkit's MAP@R with and "
+                        "without bfloat16 tiles, for --suite map)")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--tol", type=float, default=1e-6)
     p.add_argument("--peer-index", choices=["ip", "l2"], default="ip",
@@ -203,7 +231,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--memory-budget-mb", type=int, default=256,
                    help="dmlkit's working-memory budget (evaluate's memory_budget; default 256 MiB)")
     p.add_argument("--out", type=Path, default=None, help="write all measurements as JSON")
-    p.add_argument("--worker", choices=["dmlkit", "dmlkit-r", "peer"], help=argparse.SUPPRESS)
+    p.add_argument("--worker", choices=list(SIDES), help=argparse.SUPPRESS)
     p.add_argument("--data", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.worker:
@@ -213,7 +241,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.full:
         args.n, args.d = [10_000, 50_000, 100_000], [128, 512]
     if args.sides is None:
-        args.sides = ["dmlkit", "dmlkit-r", "peer"] if args.suite == "map" else ["dmlkit", "peer"]
+        args.sides = list(SIDES) if args.suite == "map" else ["dmlkit", "peer"]
     rows, failed = [], False
     metrics = tuple(SUITES[args.suite])
     checked = args.suite == "retrieval" or (args.suite == "map" and args.peer_map_k == "all")
@@ -236,6 +264,7 @@ def main(argv: list[str] | None = None) -> int:
                     data = Path(tmp) / f"data_{n}_{d}_{c}.npz"
                     x, y = make_data(n, d, c)
                     np.savez(data, x=x, y=y)
+                    placed = placed_fraction(x, y) if args.suite == "map" else None
                     del x, y
                     runs: dict[str, list[dict]] = {s: [] for s in args.sides}
                     for rep in range(args.repeats):
@@ -278,6 +307,14 @@ def main(argv: list[str] | None = None) -> int:
                         a, r_ = med["dmlkit"], med["dmlkit-r"]
                         print(f"    map / MAP@R (dmlkit): wall {a['time_s'] / r_['time_s']:.2f}x, "
                               f"CPU {a['cpu_s'] / r_['cpu_s']:.2f}x", flush=True)
+                    if "dmlkit" in med and "dmlkit-r32" in med:
+                        a, r_ = med["dmlkit"], med["dmlkit-r32"]
+                        print(f"    map / MAP@R with float32 tiles: wall {a['time_s'] / r_['time_s']:.2f}x, "
+                              f"CPU {a['cpu_s'] / r_['cpu_s']:.2f}x", flush=True)
+                    if placed is not None:
+                        row["placed_fraction"] = placed
+                        print(f"    pairs placed among the positives (at or above a query's lowest): "
+                              f"{100 * placed:.1f} %", flush=True)
                     if rate is not None:
                         flop = n * (n + 1) / 2 * 2 * d  # the symmetric product: one triangle
                         row["matmul_floor_cpu_s"] = flop / (rate * 1e9)
