@@ -16,6 +16,7 @@ from dmlkit.embedding_shards import ShardWriter
 from dmlkit.exceptions import ConfigError
 from dmlkit.losses.proxy_losses import SoftTripleLoss
 from dmlkit.metrics.knn import knn
+from dmlkit.models import build_embedder
 from dmlkit.samplers import EpisodeSampler, MPerClassSampler
 from dmlkit.validation import check_integer
 
@@ -62,3 +63,16 @@ def test_the_library_options_use_it():
         lambda: stratified_folds(np.array([True, False] * 4), "a"))
     assert "centers_per_class must be a positive integer, got None" in _message(
         lambda: SoftTripleLoss(num_classes=2, embedding_size=4, centers_per_class=None))
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"embedding_size": 0}, "embedding_size must be a positive integer, got 0"),
+    ({"embedding_size": 2.5}, "embedding_size must be a positive integer, got 2.5"),
+    ({"feature_dim": -3}, "feature_dim must be a positive integer, got -3"),
+    ({"head": "mlp", "hidden": 0}, "hidden must be a positive integer, got 0"),
+    ({"head": "mlp", "dropout": 1.5}, r"dropout must be a probability in \[0, 1\), got 1.5"),
+])
+def test_embedding_heads_refuse_bad_sizes(kwargs, message):
+    args = {"feature_dim": 16, "embedding_size": 8, **kwargs}
+    with pytest.raises(ConfigError, match=message):
+        build_embedder(**args)

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dmlkit.exceptions import ConfigError
+from dmlkit.validation import check_integer
 
 __all__ = [
     "EmbeddingModel",
@@ -36,11 +37,18 @@ def build_embedder(feature_dim: int, embedding_size: int, head: str = "linear",
     ``mlp``: ``Linear -> BatchNorm1d -> ReLU -> (Dropout) -> Linear`` with ``hidden`` units
     (default ``feature_dim``; its BatchNorm is new, so :func:`freeze_batchnorm` leaves it
     trainable: :func:`mark_fresh_batchnorm`); ``identity``: no head (embedding = trunk feature).
+    Sizes are positive integers and ``dropout`` a probability in ``[0, 1)``, else one
+    :class:`ConfigError` line (a ``hidden`` of 0 silently became ``feature_dim``, an embedding size
+    of 0 built an empty layer, -3 or 2.5 ended in torch's traceback).
     """
+    feature_dim = check_integer(feature_dim, "feature_dim")
+    embedding_size = check_integer(embedding_size, "embedding_size")
+    if isinstance(dropout, bool) or not isinstance(dropout, int | float) or not 0 <= dropout < 1:
+        raise ConfigError(f"dropout must be a probability in [0, 1), got {dropout!r}")
     if head == "linear":
         return nn.Linear(feature_dim, embedding_size)
     if head == "mlp":
-        h = int(hidden or feature_dim)
+        h = feature_dim if hidden is None else check_integer(hidden, "hidden")
         layers: list[nn.Module] = [nn.Linear(feature_dim, h), nn.BatchNorm1d(h), nn.ReLU(inplace=True)]
         if dropout > 0:
             layers.append(nn.Dropout(dropout))
@@ -63,10 +71,6 @@ class EmbeddingModel(nn.Module):
     def __init__(self, trunk: nn.Module, feature_dim: int, embedding_size: int = 128,
                  head: str = "linear", normalize: bool = True, **head_kwargs: Any) -> None:
         super().__init__()
-        if feature_dim < 1 or embedding_size < 1:
-            raise ConfigError(
-                f"feature_dim and embedding_size must be positive, got {feature_dim}, {embedding_size}"
-            )
         self.trunk = trunk
         self.embedder = build_embedder(feature_dim, embedding_size, head, **head_kwargs)
         self.feature_dim = int(feature_dim)
