@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from rich.markup import escape
 
 from dmlkit.config import load_yaml
 from dmlkit.data.splits import default_split
@@ -269,9 +270,11 @@ class Bench:
             _say(self.console, f"[bold]{method.name}[/]: search {_progress(study, p.trials)}")
 
             def on_end(frozen, method=method, study=study) -> None:
-                value = "failed: " + str(frozen.user_attrs.get("error", "?")) if frozen.value is None else f"{frozen.value:.4f}"
-                _say(self.console, f"  {method.name} trial {frozen.number}: {frozen.params} -> {value}"
-                     f"  [{_progress(study, p.trials)}]")
+                # escaped: an error's text (gloo's "[/.../pair.cc:561]") is no rich markup
+                value = ("failed: " + escape(str(frozen.user_attrs.get("error", "?"))) if frozen.value is None
+                         else f"{frozen.value:.4f}")
+                _say(self.console, f"  {method.name} trial {frozen.number}: {escape(str(frozen.params))} -> {value}"
+                     f"  \\[{_progress(study, p.trials)}]")
 
             run_worker(study, stage.objective(method), heartbeat_interval=p.heartbeat_interval,
                        max_trials=max_trials, on_trial_end=on_end,
@@ -462,7 +465,7 @@ class Bench:
         if kept:
             _say(self.console, f"kept the rows of {', '.join(kept)}: their final runs are current")
         if left:
-            _say(self.console, f"[yellow]not in the table:[/] {'; '.join(f'{n} ({why})' for n, why in left)}; "
+            _say(self.console, f"[yellow]not in the table:[/] {escape('; '.join(f'{n} ({why})' for n, why in left))}; "
                  f"add {' '.join(f'-m {n}' for n, _ in left)} to train them")
         results = build_results(self.config, split, entries, bench_dir=self.dir,
                                 storage_url=self.storage_url)

@@ -19,6 +19,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from rich.markup import escape
 
 from dmlkit.config import dump_config, load_yaml
 from dmlkit.data import ClassSplit, get_transforms, load_dataset
@@ -261,7 +262,7 @@ class FinalStage:
                     error = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
                     atomic_write_json(run_dir / FAILED_RUN, {"error": error, "seed": seed, "fold": fold.index})
                     _say(self.console, f"  [yellow]final {method.name}: seed {seed} fold {fold.index} "
-                         f"diverged:[/] {error}")
+                         f"diverged:[/] {escape(error)}")
             if not (run_dir / "split.json").exists():  # the classes it was trained and tested on
                 ClassSplit(fold.train, fold.val, self.split.test,
                            meta={"bench": self.config.name, "fold": fold.index}
