@@ -395,7 +395,10 @@ def load_lfw(root: str | os.PathLike | None = None, download: bool = False, *, m
     exts = tuple(IMAGE_EXTENSIONS)
     files: dict[str, list[Path]] = {}
     for f in sorted(folder.rglob("*")):
-        if f.suffix.lower() not in exts or not f.is_file():
+        # hidden entries at any level (macOS "._Name_0001.jpg" stubs, ".ipynb_checkpoints"
+        # copies) are no people and no photos, as in image folders
+        if f.suffix.lower() not in exts or not f.is_file() or any(
+                part.startswith(".") for part in f.relative_to(folder).parts):
             continue
         ident = lfw_identity(f)
         if ident is not None:

@@ -30,6 +30,7 @@ import numpy as np
 
 from dmlkit.exceptions import ConfigError, DataError, DataNotFoundError
 from dmlkit.utils import atomic_write_json
+from dmlkit.validation import check_integer
 
 if TYPE_CHECKING:  # pragma: no cover
     from dmlkit.data.base import MetricDataset
@@ -248,8 +249,7 @@ def kfold_class_partitions(classes: Iterable[int], k: int = 4) -> list[list[int]
     When ``len(classes)`` is not a multiple of ``k`` the first blocks get one class more.
     """
     ids = [int(c) for c in classes]
-    if k < 2:
-        raise ConfigError(f"k must be at least 2 for cross-validation, got {k}")
+    k = check_integer(k, "k", least=2, hint=" (class folds for cross-validation)")  # 2.5 made 2
     if len(ids) < k:
         raise DataError(f"cannot make {k} class folds from {len(ids)} classes")
     if len(set(ids)) != len(ids):

@@ -342,7 +342,8 @@ def render_csv(results: Mapping[str, Any]) -> str:
                 writer.writerow([
                     name, mode, m, "" if cell["mean"] is None else f"{cell['mean']:.6f}",
                     "" if cell["ci95"] is None else f"{cell['ci95']:.6f}", cell["n"],
-                    " ".join(f"{v:.6f}" for v in cell["values"]),
+                    # a NaN seed is null in results.json: "nan" here, as when the bench wrote it
+                    " ".join("nan" if v is None else f"{v:.6f}" for v in cell["values"]),
                 ])
     return buf.getvalue()
 

@@ -473,7 +473,7 @@ def _bench_sections(bench_dir: Path, fig_dir: Path, options: ReportOptions) -> t
         # "(3/4 seeds)" row was bolded as the best here)
         [table_html(header, [[row_label(r[0], methods[r[0]]), *r[1:]] for r in rows],  # "(2/3 seeds)"
                     best_columns=range(1, len(header)),
-                    contenders=[i for i, row in enumerate(rows) if is_ranked(row[0], methods[row[0]])] or None)]))
+                    contenders=[i for i, row in enumerate(rows) if is_ranked(row[0], methods[row[0]])])]))
     concat = {n: {"map_at_r": mean_of(r.get("concatenated", {}).get("map_at_r"))} for n, r in methods.items()}
     baselines = list(baseline_methods(methods).values())
     if baselines and any(m not in baselines for m in concat):  # something to compare with them
