@@ -6,12 +6,14 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 from PIL import Image
 
 from dmlkit.data.pairs import load_lfw
 from dmlkit.data.splits import kfold_class_partitions
-from dmlkit.exceptions import ConfigError
+from dmlkit.embeddings import load_embeddings
+from dmlkit.exceptions import ConfigError, NonFiniteError
 from dmlkit.protocol.results import render_csv
 from dmlkit.report.builder import ReportOptions, build_report
 
@@ -54,3 +56,11 @@ def test_no_bold_cell_when_only_the_untrained_row_is_shown(tmp_path):
     (tmp_path / "results.json").write_text(json.dumps({"methods": methods}))
     html = build_report(tmp_path, options=ReportOptions(maps=())).read_text()
     assert "50.00 ± 1.00" in html and 'class="best"' not in html
+
+
+@pytest.mark.parametrize("value, message", [(1e39, "beyond float32's range"), (float("nan"), "NaN or infinity")])
+def test_load_embeddings_refuses_values_float32_cannot_hold(tmp_path, value, message):
+    path = tmp_path / "e.npz"
+    np.savez(path, embeddings=np.array([[value, 0.0], [1.0, 1.0]]), labels=np.array([0, 1]))
+    with pytest.raises(NonFiniteError, match=message):  # 1e39 was cast to inf with a numpy warning
+        load_embeddings(path)

@@ -41,7 +41,7 @@ from dmlkit.embedding_files import read_embedding_file
 from dmlkit.exceptions import ConfigError, NonFiniteError, ShapeError
 from dmlkit.models.placement import to_device
 from dmlkit.utils import atomic_write_bytes
-from dmlkit.validation import check_labels
+from dmlkit.validation import check_embeddings, check_labels
 
 __all__ = [
     "DEFAULT_EVAL_BATCH_SIZE",
@@ -484,6 +484,9 @@ def load_embeddings(
     emb = np.asarray(emb)
     if emb.ndim != 2:
         raise ShapeError(f"embeddings in {path} must be 2-D (N, D), got shape {emb.shape}")
+    # NaN, infinity and float64 values beyond float32's range are one error naming the file and
+    # row, as in the CLI (the cast below turned 1e39 into inf with only numpy's RuntimeWarning)
+    check_embeddings(emb, name=f"embeddings in {path}")
     # integer labels pass; fractional, NaN or mixed labels are refused (never truncated);
     # string labels become codes of their sorted names, kept in extra["class_names"] (codes are
     # per file: compare two files' classes by extra["class_names"][labels])
@@ -491,10 +494,6 @@ def load_embeddings(
     if names is not None:
         extra["class_names"] = np.asarray(names)
     return emb.astype(np.float32, copy=False), labels, extra
-
-
-
-
 
 
 def _to_numpy(x: Any) -> np.ndarray:
