@@ -109,7 +109,7 @@ class ShardWriter:
     ) -> None:
         if dtype not in _DTYPES:
             raise ConfigError(f"shard dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
-        check_integer(shard_rows, "shard_rows")
+        shard_rows = check_integer(shard_rows, "shard_rows")
         self.directory = Path(directory)
         if self.directory.exists() and not self.directory.is_dir():
             raise DataError(f"{self.directory} exists and is not a directory: choose another output")
@@ -127,7 +127,7 @@ class ShardWriter:
         self._prefix += part
         self.directory.mkdir(parents=True, exist_ok=True)
         self.dtype = dtype
-        self.shard_rows = int(shard_rows)
+        self.shard_rows = shard_rows
         self.metadata = dict(metadata or {})
         self.dim: int | None = None
         self.count = 0

@@ -59,7 +59,7 @@ def kmeans_labels(
     # 4.0 clusters was torch's TypeError; niter = -1 returned the all-zero start
     n_clusters = check_integer(n_clusters, "k-means n_clusters")
     niter = check_integer(niter, "k-means niter", least=0)
-    if n_clusters < 1 or n_clusters > x.shape[0]:
+    if n_clusters > x.shape[0]:
         raise DataError(f"k-means needs 1 <= clusters <= samples, got {n_clusters} for {x.shape[0]} samples")
     if backend not in _KMEANS_BACKENDS:
         raise ConfigError(f"unknown k-means backend {backend!r}; choose one of {list(_KMEANS_BACKENDS)}")
