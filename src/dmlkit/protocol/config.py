@@ -336,9 +336,15 @@ class ProtocolConfig(_Strict):
                 f"protocol.nproc_per_trial = {self.nproc_per_trial} needs protocol.launcher: torchrun "
                 "(the local launcher trains in the worker process itself)"
             )
-        if self.storage is not None and not self.storage.startswith(
-            ("sqlite:", "postgresql:", "postgresql+", "postgres:", "mysql")
-        ):
+        if self.storage is not None and "://" in self.storage and not self.storage.startswith(
+            SUPPORTED_STORAGE
+        ):  # named by its scheme only: the URL may hold a password
+            raise ValueError(
+                f"protocol.storage: a {self.storage.split('://', 1)[0]}:// database is not supported; "
+                "dmlkit's studies live in SQLite (sqlite:///path/study.db, or null for "
+                "BENCH_DIR/study.db) or PostgreSQL (postgresql://user@host:port/db)"
+            )
+        if self.storage is not None and not self.storage.startswith(SUPPORTED_STORAGE):
             raise ValueError(
                 f"protocol.storage {self.storage!r} must be a database URL "
                 "(sqlite:///path/study.db or postgresql://user@host:port/db) or null"
@@ -352,6 +358,11 @@ class ProtocolConfig(_Strict):
                 "mode 0600), which libpq reads"
             )
         return self
+
+
+#: The URL schemes ``protocol.storage`` accepts: the engines dmlkit supports (SQLite, and
+#: PostgreSQL for studies shared between machines).
+SUPPORTED_STORAGE = ("sqlite:", "postgresql:", "postgresql+", "postgres:")
 
 
 def _url_has_password(url: str) -> bool:
