@@ -4,11 +4,22 @@
 from __future__ import annotations
 
 import copy
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 import pytest
 
+from _reference import tiny_alphadigits_bench
 from dmlkit.exceptions import ConfigError
+from dmlkit.protocol import stages
 from dmlkit.protocol.config import bench_config_from_dict
+from dmlkit.protocol.runner import Bench
+from dmlkit.protocol.stages import release_claims
+from dmlkit.training import train
 
 BASE = {
     "name": "t",
@@ -46,3 +57,160 @@ def test_an_unsupported_database_is_refused_naming_the_supported_ones(url):
                                  "postgres://alice@db/studies", "postgresql+psycopg://alice@db/studies"])
 def test_sqlite_and_postgresql_urls_are_accepted(url):
     assert _with_storage(url).protocol.storage == url
+
+
+# -- final-run claims: a finishing runner leaves a live worker's claims alone ------------------
+#: A worker process that claims one final run (as ``FinalStage.run_method(claim=True)`` does),
+#: says so, holds it ``argv[2]`` seconds and exits without finishing it (a worker that died).
+CLAIMER = """
+import sys, time
+from pathlib import Path
+from dmlkit.protocol.stages import _claim
+assert _claim(Path(sys.argv[1]))
+print("claimed", flush=True)
+time.sleep(float(sys.argv[2]))
+"""
+
+
+def _claimer(run_dir: Path, hold_s: float) -> subprocess.Popen:
+    proc = subprocess.Popen([sys.executable, "-c", CLAIMER, str(run_dir), str(hold_s)], stdout=subprocess.PIPE,
+                            text=True, env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    assert proc.stdout.readline().strip() == "claimed"
+    return proc
+
+
+def test_release_claims_removes_only_the_claims_of_dead_processes(tmp_path):
+    live_dir = tmp_path / "final" / "m" / "seed0" / "fold0"
+    dead_dir = tmp_path / "final" / "m" / "seed0" / "fold1"
+    live = _claimer(live_dir, 30)
+    dead = _claimer(dead_dir, 0)
+    dead.wait(timeout=30)
+    try:
+        assert release_claims(tmp_path) == 1
+        assert (live_dir / ".claimed").exists() and not (dead_dir / ".claimed").exists()
+        # another process cannot take a live claim; a dead one's run is claimed again
+        assert not stages._claim(live_dir) and stages._claim(dead_dir)
+    finally:
+        live.kill()
+        live.wait()
+
+
+@pytest.mark.filterwarnings("ignore:training did not beat")
+def test_a_finishing_runner_neither_releases_nor_trains_a_live_workers_claimed_run(tmp_path, data_root,
+                                                                                   monkeypatch):
+    """Two runners on one study: a worker (``--worker --stage final``) trains final run seed 0
+    fold 0 while the coordinator reaches its final stage. The coordinator removed every claim
+    (release_claims) and trained every run without claiming, so both trained the same run at
+    once. It now trains the other runs, waits while the worker is alive, and trains the run
+    itself once the worker died without finishing it."""
+    import torch
+
+    monkeypatch.setattr(stages, "CLAIM_POLL_S", 0.2)
+    config = bench_config_from_dict(tiny_alphadigits_bench(
+        "claims", {"num_classes": 16, "folds": 2, "trials": 1, "seeds": [0], "pretrained": False,
+                   "storage": f"sqlite:///{tmp_path}/study.db"},
+        [{"name": "contrastive", "loss": {"name": "contrastive"}}],
+        model={"embedding_size": 8}, sampler={"samples_per_class": 2, "batches_per_epoch": 1}))
+    bench_dir = tmp_path / "bench"
+    claimed = bench_dir / "final" / "contrastive" / "seed0" / "fold0"
+    worker = _claimer(claimed, 6)
+    trained = []
+
+    def train_fn(cfg, run_dir, **kw):
+        trained.append((Path(run_dir), worker.poll() is not None))
+        return train(cfg, run_dir, **kw)
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        results = Bench(config, bench_dir, data_root=data_root, train_fn=train_fn).run(stage="final")
+    finally:
+        torch.set_num_threads(before)
+        worker.kill()
+        worker.wait()
+    assert [p.name for p, _ in trained] == ["fold1", "fold0"]
+    assert trained[1] == (claimed, True), "the live worker's run was trained while it was alive"
+    assert results["methods"]["contrastive"]["concatenated"]["map_at_r"]["mean"] is not None
+
+
+# -- SIGTERM stops the bench's children --------------------------------------------------------
+#: A stand-in torchrun job: a process that starts a child (a rank) and writes both pids.
+JOB = ("import os, subprocess, sys, time; "
+       "p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)']); "
+       "open(sys.argv[1] + '.tmp', 'w').write(f'{os.getpid()} {p.pid}'); "
+       "os.replace(sys.argv[1] + '.tmp', sys.argv[1]); time.sleep(120)")
+
+#: ``run_job(folder, name)``: what a bench worker does with ``launcher: torchrun``: one run as a
+#: job under :class:`TorchrunLauncher`; its own pid goes to ``folder/name.worker``.
+WORKER_MODULE = f"""
+import os, sys
+from pathlib import Path
+from dmlkit.protocol.config import TorchrunSettings
+from dmlkit.protocol.launch import TorchrunLauncher
+
+JOB = {JOB!r}
+
+
+def run_job(folder, name):
+    folder = Path(folder)
+    (folder / (name + ".worker")).write_text(str(os.getpid()))
+    TorchrunLauncher(TorchrunSettings(kill_grace_s=5), 2).run(
+        [sys.executable, "-c", JOB, str(folder / (name + ".job"))], folder, folder / name)
+"""
+
+#: The bench's side: one job in this process, or two worker processes each running a job.
+PARENT = """
+import sys
+from benchworker import run_job
+from dmlkit.protocol.processes import run_worker_processes
+folder, mode = sys.argv[1], sys.argv[2]
+if mode == "launch":
+    run_job(folder, "w0")
+else:
+    run_worker_processes(run_job, [(folder, "w0"), (folder, "w1")], ["w0", "w1"], grace_s=10)
+"""
+
+
+def _pids_of(folder: Path, names, timeout_s: float = 60.0) -> list[int]:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if all((folder / name).exists() for name in names):
+            return [int(p) for name in names for p in (folder / name).read_text().split()]
+        time.sleep(0.1)
+    raise AssertionError(f"the processes did not start in {timeout_s:g} s: {sorted(os.listdir(folder))}")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:  # a zombie (exited, not yet reaped by its parent) is not alive
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().rsplit(")", 1)[-1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+@pytest.mark.parametrize("mode", ["launch", "workers"])
+def test_sigterm_stops_every_process_the_bench_started(tmp_path, mode):
+    """SIGTERM to a bench (``kill``, a scheduler's time limit) ended it at once: its worker
+    processes and their torchrun jobs (own process sessions) ran on, orphaned. Now the bench
+    stops them, waits and exits non-zero (143)."""
+    (tmp_path / "benchworker.py").write_text(WORKER_MODULE)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), *sys.path])}
+    proc = subprocess.Popen([sys.executable, "-c", PARENT, str(tmp_path), mode], env=env)
+    try:
+        names = ["w0.worker", "w0.job"] + (["w1.worker", "w1.job"] if mode == "workers" else [])
+        children = _pids_of(tmp_path, names)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 143
+    finally:
+        proc.kill()
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and any(_alive(pid) for pid in children):
+        time.sleep(0.1)
+    survivors = [pid for pid in children if _alive(pid)]
+    for pid in survivors:
+        os.kill(pid, signal.SIGKILL)
+    assert not survivors, f"processes {survivors} outlived the bench"

@@ -54,6 +54,7 @@ from dmlkit.data import get_transforms, load_dataset
 from dmlkit.distributed import DistributedError, shutdown
 from dmlkit.exceptions import ConfigError, DataError, NonFiniteError
 from dmlkit.protocol.config import BenchConfig, TorchrunSettings
+from dmlkit.protocol.processes import exit_on_sigterm
 from dmlkit.training import train
 from dmlkit.utils import atomic_write_json
 from dmlkit.utils import data_root as resolve_data_root
@@ -219,9 +220,12 @@ class TorchrunLauncher:
         return self.collect(launch_dir, run_dir)
 
     def run(self, cmd: Sequence[str], launch_dir: Path, run_dir: Path) -> None:
-        """Start the job in its own process session and wait; a failure or timeout raises."""
+        """Start the job in its own process session and wait; a failure or timeout raises.
+        When this process is stopped meanwhile (SIGTERM, Ctrl-C), the whole job is stopped
+        (:meth:`_stop`) before the interruption goes on (SIGTERM: ``SystemExit(143)``)."""
         timeout = self.settings.timeout_s
-        with open(launch_dir / "torchrun.log", "ab") as log:
+        # SIGTERM raises SystemExit here (it ended this process at once and left the job running)
+        with open(launch_dir / "torchrun.log", "ab") as log, exit_on_sigterm():
             proc = subprocess.Popen(list(cmd), stdout=log, stderr=subprocess.STDOUT, env=self.environment(),
                                     start_new_session=True)
             try:
@@ -232,7 +236,7 @@ class TorchrunLauncher:
                     f"training run {run_dir.name} timed out after {timeout:g} s "
                     f"(protocol.torchrun.timeout_s); its {self.nproc} ranks were stopped"
                 ) from None
-            except BaseException:  # the worker itself is stopped: take the job down with it
+            except BaseException:  # the worker itself is stopped (SIGTERM, Ctrl-C): the job with it
                 self._stop(proc)
                 raise
         if rc != 0:

@@ -24,11 +24,10 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-import multiprocessing
 import os
 import time
 import warnings
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -45,6 +44,7 @@ from dmlkit.protocol.config import (
     dump_bench_config,
 )
 from dmlkit.protocol.preflight import check_bench
+from dmlkit.protocol.processes import exit_on_sigterm, run_worker_processes
 from dmlkit.protocol.results import build_results, failure_notes, write_results
 from dmlkit.protocol.splits import BenchSplit, TestClassGuard, make_bench_split
 from dmlkit.protocol.stages import (  # noqa: F401  (re-exported: the stages' old home)
@@ -444,7 +444,7 @@ class Bench:
             if method.name in chosen:
                 _, params, search_info = chosen[method.name]
                 _say(self.console, f"[bold]{method.name}[/]: final runs with {params or 'the default parameters'}")
-                runs = stage.run_method(method, params)
+                runs = stage.run_all(method, params)  # a live worker's runs: waited for
             elif not (self.dir / "final" / method.name).is_dir():
                 left.append((method.name, "no final runs"))
                 continue
@@ -526,22 +526,13 @@ class Bench:
         threads = self.threads or max(1, (os.cpu_count() or 1) // workers)
         args = (self.config.model_dump(mode="json"), str(self.dir), stage, list(methods or []),
                 None if self.data_root is None else str(self.data_root), threads)
-        # spawn, not fork: a forked copy of a process that already runs torch threads can hang
-        context = multiprocessing.get_context("spawn")
-        procs = []
-        with _environment(DMLKIT_NUM_THREADS=str(threads), OMP_NUM_THREADS=str(threads)):
-            for i in range(workers):
-                log = self.dir / f"worker{i}-{stage}.log"
-                proc = context.Process(target=_worker_main, args=(*args, str(log)), name=f"dmlkit-{stage}-{i}")
-                proc.start()
-                procs.append(proc)
-                time.sleep(0.5)
-        _say(self.console, f"{stage}: started {workers} worker processes (logs: {self.dir}/worker*-{stage}.log)")
-        failed = []
-        for proc in procs:
-            proc.join()
-            if proc.exitcode != 0:
-                failed.append(proc.exitcode)
+        _say(self.console, f"{stage}: starting {workers} worker processes (logs: {self.dir}/worker*-{stage}.log)")
+        # SIGTERM / Ctrl-C stop the workers (and their torchrun jobs) before this process exits
+        codes = run_worker_processes(_worker_main, [(*args, str(self.dir / f"worker{i}-{stage}.log"))
+                                                    for i in range(workers)],
+                                     [f"dmlkit-{stage}-{i}" for i in range(workers)],
+                                     env={"DMLKIT_NUM_THREADS": str(threads), "OMP_NUM_THREADS": str(threads)})
+        failed = [code for code in codes if code != 0]
         if failed:
             raise DmlkitError(
                 f"{len(failed)} worker(s) failed (exit codes {failed}); see {self.dir}/worker*.log, "
@@ -560,21 +551,6 @@ def _progress(study, trials: int) -> str:
     completed = count_completed(study)
     failed = count_finished(study) - completed
     return f"{completed}/{trials} trials completed" + (f", {failed} failed" if failed else "")
-
-
-@contextlib.contextmanager
-def _environment(**values: str) -> Iterator[None]:
-    """Set environment variables while worker processes start (they inherit them)."""
-    saved = {key: os.environ.get(key) for key in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
 
 
 def _worker_main(config: dict[str, Any], bench_dir: str, stage: str, methods: list[str],

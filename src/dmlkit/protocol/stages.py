@@ -12,6 +12,8 @@ import json
 import logging
 import os
 import shutil
+import socket
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -230,7 +232,8 @@ class FinalStage:
 
     def run_method(self, method: MethodConfig, params: dict[str, Any], *, claim: bool = False) -> list[FinalRun]:
         """Train (or reuse) every fold model of every seed; with ``claim``, skip runs another
-        worker process has claimed (a ``.claimed`` file created atomically in the run directory).
+        live worker process has claimed (a ``.claimed`` file created atomically in the run
+        directory, naming the host and pid of its process).
 
         A run whose training diverges (:class:`~dmlkit.exceptions.NonFiniteError`) is recorded
         in its ``failed.json`` and returned with its ``error``; the other runs go on. A recorded
@@ -270,6 +273,23 @@ class FinalStage:
                                     ).to_json(run_dir / "split.json")
             runs.append(self._run(method, seed, fold.index, run_dir))
         return runs
+
+    def run_all(self, method: MethodConfig, params: dict[str, Any]) -> list[FinalRun]:
+        """Every final run of ``method``, as :meth:`run_method` with ``claim``: trains the runs
+        no live worker has claimed, then waits (every :data:`CLAIM_POLL_S` seconds) for those
+        that other workers (``dmlkit bench --worker --stage final``) are training; a run whose
+        worker died without finishing it is trained here."""
+        expected = len(self.config.protocol.seeds or [0]) * len(self.split.folds)
+        said = False
+        while True:
+            runs = self.run_method(method, params, claim=True)
+            if len(runs) >= expected:
+                return runs
+            if not said:
+                _say(self.console, f"  final {method.name}: waiting for {expected - len(runs)} run(s) "
+                     "that other workers are training")
+                said = True
+            time.sleep(CLAIM_POLL_S)
 
     def run_pretrained(self) -> list[FinalRun]:
         """Trunk + untrained embedder, one per fold and seed (initialised as the fold models are)."""
@@ -320,7 +340,7 @@ def _recorded_failure(run_dir: Path) -> str | None:
 def _clear_run(run_dir: Path) -> None:
     """Remove what a run directory holds, except this process's claim on it."""
     for entry in run_dir.iterdir():
-        if entry.name == ".claimed":
+        if entry.name == CLAIM:
             continue
         if entry.is_dir() and not entry.is_symlink():
             shutil.rmtree(entry)
@@ -328,23 +348,76 @@ def _clear_run(run_dir: Path) -> None:
             entry.unlink()
 
 
-def _claim(run_dir: Path) -> bool:
-    run_dir.mkdir(parents=True, exist_ok=True)
+#: Seconds :meth:`FinalStage.run_all` waits between looks at the runs other workers train.
+CLAIM_POLL_S = 5.0
+CLAIM = ".claimed"
+
+
+def _claim_owner() -> str:
+    """What a claim file holds: ``host pid`` of the process that claimed the run."""
+    return f"{socket.gethostname()} {os.getpid()}"
+
+
+def _claim_is_live(path: Path) -> bool:
+    """Whether the process that wrote the claim ``path`` is alive. A claim made on another
+    machine (a shared bench directory) counts as live: its process cannot be looked at from
+    here. A claim this process holds counts as dead (nothing to wait for)."""
     try:
-        fd = os.open(run_dir / ".claimed", os.O_CREAT | os.O_EXCL | os.O_WRONLY)
-    except FileExistsError:
+        owner = path.read_text().split()
+    except FileNotFoundError:
         return False
-    os.write(fd, str(os.getpid()).encode())
-    os.close(fd)
-    return True
+    except OSError:
+        return True
+    if len(owner) == 1:  # written by an older dmlkit: the pid alone, on this machine
+        owner = [socket.gethostname(), owner[0]]
+    if len(owner) != 2 or not owner[1].isdigit():  # being written (created, not yet filled in)
+        return True
+    host, pid = owner[0], int(owner[1])
+    if host != socket.gethostname():
+        return True
+    if pid == os.getpid():
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    try:  # a zombie (exited, not reaped yet) is no worker
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().rsplit(")", 1)[-1].split()[0] != "Z"
+    except OSError:
+        return True
+
+
+def _claim(run_dir: Path) -> bool:
+    """Claim a final run for this process: create ``run_dir/.claimed`` atomically. A claim this
+    process holds already, or one whose process is gone (a killed worker), is taken over; a live
+    worker's claim is not (``False``)."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    path = run_dir / CLAIM
+    for _ in range(2):
+        try:
+            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+        except FileExistsError:
+            if _claim_is_live(path):
+                return False
+            path.unlink(missing_ok=True)  # its worker is gone (or it is this process's own)
+            continue
+        os.write(fd, _claim_owner().encode())
+        os.close(fd)
+        return True
+    return False
 
 
 def release_claims(bench_dir: Path) -> int:
-    """Remove every final-run claim (only when no worker is alive); returns how many."""
+    """Remove the final-run claims whose worker process is gone (a killed worker's runs are
+    trained again); a live worker's claims stay. Returns how many were removed."""
     n = 0
-    for path in Path(bench_dir).glob("final/*/seed*/fold*/.claimed"):
-        path.unlink(missing_ok=True)
-        n += 1
+    for path in Path(bench_dir).glob(f"final/*/seed*/fold*/{CLAIM}"):
+        if not _claim_is_live(path):
+            path.unlink(missing_ok=True)
+            n += 1
     return n
 
 
