@@ -16,7 +16,9 @@ import pytest
 from _reference import tiny_alphadigits_bench
 from dmlkit.exceptions import ConfigError
 from dmlkit.protocol import stages
+from dmlkit.distributed import DistributedError
 from dmlkit.protocol.config import bench_config_from_dict
+from dmlkit.protocol.launch import TorchrunLauncher
 from dmlkit.protocol.runner import Bench
 from dmlkit.protocol.stages import release_claims
 from dmlkit.training import train
@@ -214,3 +216,62 @@ def test_sigterm_stops_every_process_the_bench_started(tmp_path, mode):
     for pid in survivors:
         os.kill(pid, signal.SIGKILL)
     assert not survivors, f"processes {survivors} outlived the bench"
+
+
+# -- a rank that dies silently is the one the failed trial names -------------------------------
+#: The ranks of a run (``rank_main``, whose training is replaced): they join the gloo group,
+#: then rank 1 is killed (SIGKILL: the kernel's out-of-memory killer, a scheduler) while rank 0
+#: is in a collective, whose error ("Connection closed by peer") rank 0 writes.
+KILLED_RANK = """
+import os, signal, sys, time
+import torch
+import torch.distributed as dist
+import dmlkit.protocol.launch as launch
+from dmlkit.distributed import init_distributed
+
+
+def train(config, run_dir, **kw):
+    init_distributed()
+    dist.barrier()
+    if dist.get_rank() == 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    t = torch.ones(1)
+    for _ in range(600):
+        dist.all_reduce(t)
+        time.sleep(0.05)
+
+
+launch.train = train
+launch.dataset_parts = lambda *a, **k: {"train": None, "val": None, "test": None}
+sys.exit(launch.rank_main(sys.argv[1]))
+"""
+
+
+class _Classes:
+    def __init__(self, classes) -> None:
+        import numpy as np
+
+        self.classes = np.asarray(classes)
+
+
+def test_a_rank_killed_by_a_signal_is_named_not_the_rank_that_lost_it(tmp_path):
+    """Rank 1 was killed; rank 0's error is the broken collective. The trial blamed rank 0
+    ("rank 0 of 2 failed: RuntimeError: [.../pair.cc] Connection closed by peer"); it now names
+    rank 1, how it ended (torchrun's exit code, SIGKILL), and that rank 0 lost contact with it."""
+    data = copy.deepcopy(BASE)
+    data["protocol"].update({"launcher": "torchrun", "nproc_per_trial": 2,
+                             "torchrun": {"threads_per_process": 1, "timeout_s": 120}})
+    config = bench_config_from_dict(data)
+    script = tmp_path / "killed_rank.py"
+    script.write_text(KILLED_RANK)
+    launcher = TorchrunLauncher(config.protocol.torchrun, 2,
+                                env={"PYTHONPATH": os.pathsep.join(sys.path), "DMLKIT_DIST_TIMEOUT": "60"})
+    command = launcher.command
+    launcher.command = lambda spec, run_id="x": [*command(spec, run_id)[:-3], str(script), str(spec)]
+    start = time.monotonic()
+    with pytest.raises(DistributedError) as err:
+        launcher(config.experiment(config.methods[0]), tmp_path / "run", train_set=_Classes([1, 2]))
+    message = str(err.value)
+    assert time.monotonic() - start < 90
+    assert message.startswith("rank 1 of 2 died without reporting an error"), message
+    assert "SIGKILL" in message and "rank 0 of 2 failed" not in message and "\n" not in message

@@ -27,6 +27,7 @@ import datetime
 import hashlib
 import json
 import os
+import re
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -55,6 +56,8 @@ __all__ = [
     "is_main_process",
     "launched_by_torchrun",
     "leaving_alone_on_failure",
+    "lost_peer",
+    "lost_peer_reason",
     "main_process_first",
     "mark_every_rank",
     "on_main",
@@ -220,6 +223,34 @@ def leaving_alone_on_failure() -> Iterator[None]:
         if context().enabled and not raised_on_every_rank(exc):
             _LEAVING_ALONE = True
         raise
+
+
+#: What gloo and NCCL say when a collective fails because a peer rank is gone or stopped
+#: answering (torch raises some of these as a plain ``RuntimeError``).
+_LOST_PEER_TEXT = ("Connection closed by peer", "Connection reset by peer", "gloo/transport",
+                   "ProcessGroupGloo", "ProcessGroupNCCL", "NCCL communicator")
+
+
+def lost_peer(exc: BaseException) -> bool:
+    """Whether ``exc`` is a collective that failed because another rank is gone (it failed, was
+    killed or stopped answering): ``torch.distributed``'s own errors (``DistBackendError``...)
+    and gloo's / NCCL's plain ``RuntimeError``s about a closed connection or a timeout. Such an
+    error is the consequence, not the cause: the rank that is gone says why, if it could."""
+    if isinstance(exc, DmlkitError):
+        return False
+    dist_error = getattr(dist, "DistError", None)
+    if dist_error is not None and isinstance(exc, dist_error):
+        return True
+    return isinstance(exc, RuntimeError) and any(text in str(exc) for text in _LOST_PEER_TEXT)
+
+
+def lost_peer_reason(exc: BaseException) -> str:
+    """The gist of a :func:`lost_peer` error, one short line: ``Read error [127.0.0.1]:233:
+    Connection reset by peer`` (gloo's source location and its advice dropped)."""
+    text = " ".join(str(exc).split())
+    text = re.sub(r"^\[[^\]]*\]\s*", "", text)  # "[/__w/pytorch/.../pair.cc:545] "
+    text = text.split(". ", 1)[0].rstrip(".")
+    return (text[:200] + "...") if len(text) > 200 else (text or type(exc).__name__)
 
 
 def agree(fn: Callable[..., _T], *args: Any, **kwargs: Any) -> _T:

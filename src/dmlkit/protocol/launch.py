@@ -21,10 +21,13 @@ once, by the worker, whatever the number of ranks. The hand-over goes through fi
     written by rank 0 only, atomically, after training: the run's validation and test
     metrics (what the local launcher's :class:`~dmlkit.training.TrainResult` carries);
 ``error-rank<r>.json``
-    a rank that fails writes its one-line error (``ExceptionClass: first line``) and the time;
-    the launcher reports the earliest one (the cause: the other ranks' errors are usually the
-    collective timeouts or closed connections it provoked) as a :class:`DistributedError`, so
-    the search records the trial as failed with that line and goes on;
+    a rank that fails writes its one-line error (``ExceptionClass: first line``), the time and
+    ``lost_peer`` (its error is a collective broken by another rank: a consequence); the
+    launcher reports the earliest error that is not (the cause: the other ranks' errors are
+    usually the collective timeouts or closed connections it provoked), else the rank that
+    died without writing one (torchrun's summary in ``torchrun.log`` says how), as a
+    :class:`DistributedError`, so the search records the trial as failed with that line and
+    goes on;
 ``torchrun.log``
     the output of torchrun and every rank.
 
@@ -40,6 +43,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -51,7 +55,7 @@ from typing import Any
 
 from dmlkit.config import ExperimentConfig, config_from_dict
 from dmlkit.data import get_transforms, load_dataset
-from dmlkit.distributed import DistributedError, shutdown
+from dmlkit.distributed import DistributedError, lost_peer, lost_peer_reason, shutdown
 from dmlkit.exceptions import ConfigError, DataError, NonFiniteError
 from dmlkit.protocol.config import BenchConfig, TorchrunSettings
 from dmlkit.protocol.processes import exit_on_sigterm
@@ -66,6 +70,8 @@ __all__ = [
     "launcher_for",
     "rank_main",
     "read_rank_error",
+    "silent_rank_error",
+    "torchrun_exits",
 ]
 
 SPEC_FORMAT = "dmlkit-launch-spec/1"
@@ -124,19 +130,88 @@ def dataset_parts(config: ExperimentConfig, classes: Mapping[str, Sequence[int]]
     return out
 
 
-def read_rank_error(launch_dir: Path) -> tuple[int, str] | None:
-    """The earliest ``(rank, one-line error)`` the ranks of a failed run wrote, or ``None``."""
+def _rank_errors(launch_dir: Path) -> list[tuple[float, int, str, bool]]:
+    """``(time, rank, one-line error, lost_peer)`` of every ``error-rank<r>.json`` readable."""
     found = []
     for path in Path(launch_dir).glob("error-rank*.json"):
         try:
             data = json.loads(path.read_text())
-            found.append((float(data["time"]), int(data["rank"]), str(data["error"])))
-        except (OSError, ValueError, KeyError):
+            found.append((float(data["time"]), int(data["rank"]), str(data["error"]), bool(data.get("lost_peer"))))
+        except (OSError, ValueError, KeyError, TypeError):
             continue
-    if not found:
+    return found
+
+
+def read_rank_error(launch_dir: Path) -> tuple[int, str] | None:
+    """The ``(rank, one-line error)`` of a failed run's cause, or ``None``: the earliest error of
+    a rank that failed on its own; only when every rank lost a peer (a rank killed silently),
+    the earliest of those."""
+    found = _rank_errors(launch_dir)
+    own = [e for e in found if not e[3]]
+    if not (own or found):
         return None
-    _, rank, error = min(found)
+    _, rank, error, _ = min(own or found)
     return rank, error
+
+
+#: The exit of one rank in torchrun's failure summary: ``rank : 1 (local_rank: 1)`` then
+#: ``exitcode : -9 (pid: 26869)``.
+_SUMMARY_RANK = re.compile(r"rank\s*:\s*(\d+)\s*\(local_rank[^)]*\)\s*\n\s*exitcode\s*:\s*(-?\d+)")
+
+
+def torchrun_exits(log_path: Path) -> tuple[int | None, dict[int, int]]:
+    """``(root-cause rank, {rank: exit code})`` from the failure summary torchrun writes at the
+    end of ``torchrun.log`` (negative: killed by that signal); ``(None, {})`` without one."""
+    try:
+        text = Path(log_path).read_text(errors="replace")
+    except OSError:
+        return None, {}
+    root = text.rfind("Root Cause (first observed failure):")
+    if root < 0:
+        return None, {}
+    failures = text.rfind("Failures:", 0, root)
+    exits = {int(r): int(c) for r, c in _SUMMARY_RANK.findall(text, failures if failures >= 0 else root)}
+    cause = _SUMMARY_RANK.search(text, root)
+    return (int(cause.group(1)) if cause else None), exits
+
+
+def _how_it_ended(code: int | None) -> str:
+    if code is None:
+        return "its exit code is not in torchrun.log: killed? out of memory?"
+    if code < 0:
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = f"signal {-code}"
+        return f"killed by {name}: out of memory, a scheduler, by hand?"
+    return f"exit code {code}"
+
+
+def silent_rank_error(launch_dir: Path, nproc: int) -> str | None:
+    """When the ranks that reported an error only lost a peer: the line naming the rank that
+    died without reporting one (killed by a signal, out of memory), from torchrun's summary of
+    the ranks' exits; ``None`` when no such rank can be told."""
+    found = _rank_errors(launch_dir)
+    if any(not lost for *_, lost in found):
+        return None
+    reported = {rank for _, rank, _, _ in found}
+    cause, exits = torchrun_exits(launch_dir / "torchrun.log")
+    silent = [r for r in range(nproc) if r not in reported]
+    if cause in silent:
+        rank = cause
+    else:  # the ranks torchrun stopped itself (SIGTERM) are not the cause
+        dead = [r for r in silent if exits.get(r, 0) != 0 and exits[r] != -signal.SIGTERM]
+        if dead:
+            rank = dead[0]
+        elif found and len(silent) == 1 and not exits:
+            rank = silent[0]
+        else:
+            return None
+    line = f"rank {rank} of {nproc} died without reporting an error ({_how_it_ended(exits.get(rank))})"
+    if found:
+        _, lost_rank, error, _ = min(found)
+        line += f"; rank {lost_rank} lost contact with it ({error.split(': ', 1)[-1]})"
+    return line + f"; see {launch_dir}/torchrun.log"
 
 
 def _one_line(exc: BaseException) -> str:
@@ -240,6 +315,9 @@ class TorchrunLauncher:
                 self._stop(proc)
                 raise
         if rc != 0:
+            silent = silent_rank_error(launch_dir, self.nproc)
+            if silent is not None:  # not the rank that lost contact with it
+                raise DistributedError(silent)
             found = read_rank_error(launch_dir)
             if found is not None:
                 rank, error = found
@@ -336,9 +414,11 @@ def rank_main(spec_path: str | Path) -> int:
         import traceback
 
         traceback.print_exc()
+        lost = lost_peer(exc)  # a consequence: the rank that is gone is the cause
         try:
-            atomic_write_json(launch_dir / f"error-rank{rank}.json",
-                              {"rank": rank, "time": time.time(), "error": _one_line(exc)})
+            atomic_write_json(launch_dir / f"error-rank{rank}.json", {
+                "rank": rank, "time": time.time(), "lost_peer": lost,
+                "error": f"{type(exc).__name__}: {lost_peer_reason(exc)}" if lost else _one_line(exc)})
         except OSError:
             pass
         return 1
