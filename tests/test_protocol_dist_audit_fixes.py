@@ -6,17 +6,20 @@ from __future__ import annotations
 import copy
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
+import yaml
 
 from _reference import tiny_alphadigits_bench
+from dmlkit.cli import app, main
+from dmlkit.distributed import DistributedError
 from dmlkit.exceptions import ConfigError
 from dmlkit.protocol import stages
-from dmlkit.distributed import DistributedError
 from dmlkit.protocol.config import bench_config_from_dict
 from dmlkit.protocol.launch import TorchrunLauncher
 from dmlkit.protocol.runner import Bench
@@ -275,3 +278,89 @@ def test_a_rank_killed_by_a_signal_is_named_not_the_rank_that_lost_it(tmp_path):
     assert time.monotonic() - start < 90
     assert message.startswith("rank 1 of 2 died without reporting an error"), message
     assert "SIGKILL" in message and "rank 0 of 2 failed" not in message and "\n" not in message
+
+
+# -- the rank that lost a failed peer says so in one line --------------------------------------
+TRAIN = {
+    "name": "peer-fails", "seed": 3,
+    "data": {"dataset": "binary_alphadigits", "split": {"kind": "default", "val_fraction": 0.25}},
+    "model": {"trunk": "small_cnn", "trunk_options": {"widths": [8, 16]}, "pretrained": False,
+              "in_channels": 1, "embedding_size": 16},
+    "loss": {"name": "triplet", "params": {"margin": 0.2}},
+    "sampler": {"classes_per_batch": 4, "samples_per_class": 4, "batches_per_epoch": 20},
+    "optimizer": {"preset": "cpu_quick"},
+    "training": {"epochs": 1, "device": "cpu", "log_every": 1},
+}
+
+#: ``dmlkit train`` whose rank 1 meets a corrupt image at its second step (a DataError of its
+#: own) while rank 0 waits in the step's collectives.
+PEER_FAILS = """
+import os, sys
+import dmlkit.training.loop as loop
+from dmlkit.exceptions import DataError
+step = loop.Trainer.train_step
+def failing_step(self, x, y):
+    if os.environ.get("RANK") == "1" and self.state.step == 1:
+        raise DataError("cannot read image /data/x.png: simulated corrupt image on rank 1")
+    return step(self, x, y)
+loop.Trainer.train_step = failing_step
+from dmlkit.cli import main
+main(sys.argv[1:])
+"""
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_the_rank_a_failed_peer_left_prints_one_line_naming_it(tmp_path, data_root):
+    """Rank 0 printed gloo's 60-line traceback ("RuntimeError: [.../pair.cc:561] Connection
+    closed by peer"); it now prints one line naming rank 1 and its error, and exits 2."""
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump(TRAIN))
+    (tmp_path / "driver.py").write_text(PEER_FAILS)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(sys.path)}
+    env.pop("WORLD_SIZE", None)
+    logs = tmp_path / "logs"
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                           "--master-addr", "127.0.0.1", "--master-port", str(_free_port()),
+                           "--redirects", "3", "--log-dir", str(logs), str(tmp_path / "driver.py"),
+                           "train", str(tmp_path / "config.yaml"), "--run-dir", str(tmp_path / "run"),
+                           "--data-root", str(data_root), "--quiet"],
+                          capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode != 0
+    rank0 = next(logs.rglob("0/stderr.log")).read_text()
+    rank1 = next(logs.rglob("1/stderr.log")).read_text()
+    assert "simulated corrupt image on rank 1" in rank1
+    if not rank0.strip():  # torchrun stopped rank 0 (SIGTERM) before its collective failed
+        pytest.skip("rank 0 was stopped before it noticed rank 1's failure")
+    assert "Traceback" not in rank0, rank0
+    errors = [line for line in rank0.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "rank 1" in errors[0] and "simulated corrupt image" in errors[0], rank0
+
+
+def test_a_broken_collective_outside_training_is_one_line_too(capsys):
+    """A command that is not training (``dmlkit evaluate`` under torchrun) meeting gloo's
+    error: one ``error:`` line and exit code 2, not its traceback."""
+    def broken() -> None:
+        raise RuntimeError("[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:561] "
+                           "Connection closed by peer [127.0.0.1]:18821. This is typically caused by a "
+                           "remote worker crashing. GLHF!")
+
+    app.command("broken-collective")(broken)
+    try:
+        with pytest.raises(SystemExit) as exit_info:
+            main(["broken-collective"])
+    finally:
+        app.registered_commands.pop()
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and "Traceback" not in err
+    assert err.strip().count("\n") == 0 and "lost contact" in err and "Connection closed by peer" in err
+    assert "pair.cc" not in err
+    with pytest.raises(RuntimeError, match="unrelated"):  # any other error is left as it is
+        app.command("other-error")(lambda: (_ for _ in ()).throw(RuntimeError("unrelated")))
+        try:
+            main(["other-error"])
+        finally:
+            app.registered_commands.pop()

@@ -141,6 +141,17 @@ def _error(message: str) -> None:
     _err.print(Text.assemble(("error: ", "bold red"), message), soft_wrap=True)
 
 
+def _lost_peer_line(exc: Exception) -> str | None:
+    """The one line for a collective that failed because a peer rank is gone (gloo's
+    ``Connection closed by peer``, ``DistBackendError``), naming the rank that failed when it
+    left its error (:func:`dmlkit.distributed.lost_peer_error`); ``None`` for any other error."""
+    if "torch.distributed" not in sys.modules:  # no distributed job ran
+        return None
+    from dmlkit.distributed import lost_peer, lost_peer_error  # lazy: torch, only after a failure
+
+    return str(lost_peer_error(exc)) if lost_peer(exc) else None
+
+
 def main(argv: list[str] | None = None) -> None:
     """Entry point of the ``dmlkit`` console script."""
     global _COMMAND
@@ -171,6 +182,12 @@ def main(argv: list[str] | None = None) -> None:
         from dmlkit.utils import os_error_message  # numpy: not at start-up (`dmlkit --help`)
 
         _error(os_error_message(exc))
+        sys.exit(2)
+    except Exception as exc:  # under torchrun: a collective broken by a peer rank, as one line
+        line = _lost_peer_line(exc)
+        if line is None:
+            raise
+        _error(line)
         sys.exit(2)
     if code == INTERRUPTED and is_main_rank():  # under torchrun: once, by rank 0
         _err.print("interrupted: stopped by Ctrl-C (files already written are complete; "

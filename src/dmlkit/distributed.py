@@ -57,6 +57,7 @@ __all__ = [
     "launched_by_torchrun",
     "leaving_alone_on_failure",
     "lost_peer",
+    "lost_peer_error",
     "lost_peer_reason",
     "main_process_first",
     "mark_every_rank",
@@ -222,7 +223,65 @@ def leaving_alone_on_failure() -> Iterator[None]:
     except BaseException as exc:
         if context().enabled and not raised_on_every_rank(exc):
             _LEAVING_ALONE = True
+            if lost_peer(exc):  # gloo's / NCCL's traceback: one line naming the rank that failed
+                raise lost_peer_error(exc) from None
+            _record_failure(exc)
         raise
+
+
+_FAILED_KEY = "dmlkit/failed-rank/{}"
+
+
+def _store() -> Any:
+    """The process group's key-value store (torchrun's agent or rank 0 hosts it: it outlives a
+    failed rank), or ``None``."""
+    try:
+        return dist.distributed_c10d._get_default_store()
+    except Exception:  # a private helper of torch: no store, no names
+        return None
+
+
+def _record_failure(exc: BaseException) -> None:
+    """Leave this rank's one-line error in the store, for the peers that lose contact with it."""
+    store = _store()
+    if store is None:
+        return
+    first = (str(exc).strip().splitlines() or [""])[0]
+    try:
+        store.set(_FAILED_KEY.format(dist.get_rank()), f"{type(exc).__name__}: {first}"[:300])
+    except Exception:
+        pass
+
+
+def _failed_peers() -> dict[int, str]:
+    """``{rank: one-line error}`` of the peers that recorded a failure (:func:`_record_failure`)."""
+    store = _store()
+    if store is None:
+        return {}
+    found = {}
+    for rank in range(dist.get_world_size()):
+        key = _FAILED_KEY.format(rank)
+        try:
+            if rank != dist.get_rank() and store.check([key]):
+                found[rank] = store.get(key).decode(errors="replace")
+        except Exception:
+            break
+    return found
+
+
+def lost_peer_error(exc: BaseException) -> DistributedError:
+    """One line for a :func:`lost_peer` error on this rank: the rank that failed and its error
+    when that rank recorded it (a rank failing inside :func:`leaving_alone_on_failure` does),
+    else that a peer failed or was killed, with the gist of ``exc``."""
+    ctx = context()
+    failed = _failed_peers() if ctx.enabled else {}
+    if failed:
+        rank, error = min(failed.items())
+        return DistributedError(f"rank {ctx.rank} of {ctx.world_size} stopped: rank {rank} failed ({error}); "
+                                f"this rank lost contact with it ({lost_peer_reason(exc)})")
+    return DistributedError(f"rank {ctx.rank} of {ctx.world_size} lost contact with the other ranks "
+                            f"({lost_peer_reason(exc)}): a rank failed or was killed; its own error, if "
+                            "any, is printed by that rank (torchrun's summary names it)")
 
 
 #: What gloo and NCCL say when a collective fails because a peer rank is gone or stopped

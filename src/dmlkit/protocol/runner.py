@@ -44,7 +44,7 @@ from dmlkit.protocol.config import (
     dump_bench_config,
 )
 from dmlkit.protocol.preflight import check_bench
-from dmlkit.protocol.processes import exit_on_sigterm, run_worker_processes
+from dmlkit.protocol.processes import run_worker_processes
 from dmlkit.protocol.results import build_results, failure_notes, write_results
 from dmlkit.protocol.splits import BenchSplit, TestClassGuard, make_bench_split
 from dmlkit.protocol.stages import (  # noqa: F401  (re-exported: the stages' old home)
