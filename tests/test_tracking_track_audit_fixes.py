@@ -1,0 +1,40 @@
+"""Fixes from the tracking audit: crops at the image border, the exemplar size the network
+needs, OTB names, ``track evaluate`` (ground truth first, results written per method, options
+that apply), ``track train --resume``, ``build-data`` and ``--out`` folders, the docs."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from dmlkit.apps.tracking.geometry import crop_and_resize
+
+
+# ---------------------------------------------------------------- crops at the border
+
+
+def _ramp(height: int = 6, width: int = 8) -> torch.Tensor:
+    """A (3, H, W) image whose pixel (y, x) holds x + 1 (every pixel differs from the pad 0)."""
+    return (torch.arange(width, dtype=torch.float32) + 1).repeat(3, height, 1)
+
+
+def test_crop_output_pixel_wholly_outside_the_image_is_pad_not_the_border_pixel():
+    # centre x = 2, side 6: the crop covers [-1, 5) (pixel centres -0.5 .. 4.5, i.e. index
+    # centre 1.5 -/+ (6 - 1) / 2); its first column [-1, 0) lies outside the image
+    img = _ramp()
+    left = crop_and_resize(img, np.array([3.0, 2.0]), 6.0, 6, pad_value=torch.zeros(3))[0, 0]
+    torch.testing.assert_close(left, torch.tensor([0.0, 1, 2, 3, 4, 5]).repeat(6, 1))
+    # centre x = 6: [3, 9); its last column [8, 9) lies outside the 8-pixel-wide image
+    right = crop_and_resize(img, np.array([3.0, 6.0]), 6.0, 6, pad_value=torch.zeros(3))[0, 0]
+    torch.testing.assert_close(right, torch.tensor([4.0, 5, 6, 7, 8, 0]).repeat(6, 1))
+
+
+def test_crop_rows_outside_the_image_are_pad_and_inside_is_an_exact_copy():
+    g = torch.Generator().manual_seed(0)
+    img = torch.rand(3, 10, 12, generator=g) * 255
+    pad = torch.tensor([7.0, 8.0, 9.0])
+    # rows [-2, 8), columns [1, 11): the two top rows are the pad, the rest copies pixels
+    crop = crop_and_resize(img, np.array([3.0, 6.0]), 10.0, 10, pad_value=pad)[0]
+    torch.testing.assert_close(crop[:, :2], pad.view(3, 1, 1).expand(3, 2, 10))
+    torch.testing.assert_close(crop[:, 2:], img[:, 0:8, 1:11], atol=1e-3, rtol=0)
