@@ -9,6 +9,9 @@ import pytest
 import torch
 
 from dmlkit.apps.tracking.geometry import crop_and_resize
+from dmlkit.apps.tracking.model import MIN_IMAGE_SIZE, SiamFC, receptive_field
+from dmlkit.apps.tracking.tracker import SiamFCTracker, TrackerConfig, tracker_config
+from dmlkit.exceptions import ConfigError
 
 
 # ---------------------------------------------------------------- crops at the border
@@ -38,3 +41,31 @@ def test_crop_rows_outside_the_image_are_pad_and_inside_is_an_exact_copy():
     crop = crop_and_resize(img, np.array([3.0, 6.0]), 10.0, 10, pad_value=pad)[0]
     torch.testing.assert_close(crop[:, :2], pad.view(3, 1, 1).expand(3, 2, 10))
     torch.testing.assert_close(crop[:, 2:], img[:, 0:8, 1:11], atol=1e-3, rtol=0)
+
+
+# ---------------------------------------------------------------- the smallest exemplar
+
+
+def test_min_image_size_is_the_backbones_receptive_field():
+    # conv 11/2, pool 3/2, conv 5, pool 3/2, conv 3 x 3: 1 + 10 + 2*2 + 4*4 + 2*4 + 3 * 2*8 = 87
+    assert MIN_IMAGE_SIZE == 87 == receptive_field(SiamFC(width=0.25).backbone)
+    torch.manual_seed(0)
+    feats = SiamFC(width=0.25).embed(torch.zeros(1, 3, MIN_IMAGE_SIZE, MIN_IMAGE_SIZE))
+    assert feats.shape[-2:] == (1, 1)
+
+
+@pytest.mark.parametrize("size", [1, 40, 86])
+def test_exemplar_smaller_than_the_receptive_field_is_refused(size):
+    # was accepted, then embed() failed at the first frame (or, for the response size, an empty map)
+    with pytest.raises(ConfigError, match=r"exemplar_size must be at least 87.*receptive field"):
+        TrackerConfig(exemplar_size=size)
+    with pytest.raises(ConfigError, match="at least 87"):
+        tracker_config({"exemplar_size": size})
+
+
+def test_exemplar_of_the_receptive_field_tracks():
+    torch.manual_seed(0)
+    tracker = SiamFCTracker(SiamFC(width=0.125), TrackerConfig(exemplar_size=MIN_IMAGE_SIZE))
+    frame = np.random.default_rng(0).integers(0, 255, (120, 140, 3), dtype=np.uint8)
+    result = tracker.track([frame, frame], [50, 40, 30, 20])
+    assert result.boxes.shape == (2, 4) and np.isfinite(result.boxes).all()
