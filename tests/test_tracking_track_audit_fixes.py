@@ -8,10 +8,11 @@ import numpy as np
 import pytest
 import torch
 
+from dmlkit.apps.tracking.datasets import load_otb
 from dmlkit.apps.tracking.geometry import crop_and_resize
 from dmlkit.apps.tracking.model import MIN_IMAGE_SIZE, SiamFC, receptive_field
 from dmlkit.apps.tracking.tracker import SiamFCTracker, TrackerConfig, tracker_config
-from dmlkit.exceptions import ConfigError
+from dmlkit.exceptions import ConfigError, DataError
 
 
 # ---------------------------------------------------------------- crops at the border
@@ -69,3 +70,28 @@ def test_exemplar_of_the_receptive_field_tracks():
     frame = np.random.default_rng(0).integers(0, 255, (120, 140, 3), dtype=np.uint8)
     result = tracker.track([frame, frame], [50, 40, 30, 20])
     assert result.boxes.shape == (2, 4) and np.isfinite(result.boxes).all()
+
+
+# ---------------------------------------------------------------- OTB names
+
+
+def _otb_sequence(folder, boxes, gt_name="groundtruth_rect.txt", size=(24, 32)):
+    """An OTB folder: len(boxes) gray PNG frames in img/ and the boxes in ``gt_name``."""
+    from PIL import Image
+
+    (folder / "img").mkdir(parents=True, exist_ok=True)
+    for i in range(len(boxes)):
+        Image.fromarray(np.full(size, 40 * i % 255, np.uint8)).save(folder / "img" / f"{i + 1:04d}.png")
+    (folder / gt_name).write_text("\n".join(",".join(str(v) for v in b) for b in boxes) + "\n")
+    return folder
+
+
+def test_duplicate_otb_sequence_names_are_refused(tmp_path):
+    # A/groundtruth_rect.1.txt is sequence "A.1", and so is A.1/groundtruth_rect.txt: one of
+    # them was dropped from every result keyed by name (results.json, the boxes)
+    _otb_sequence(tmp_path / "A", [[1, 1, 4, 4]] * 2, "groundtruth_rect.1.txt")
+    _otb_sequence(tmp_path / "A.1", [[2, 2, 4, 4]] * 2)
+    with pytest.raises(DataError, match=r"two OTB sequences are named 'A\.1'.*groundtruth_rect\.1\.txt.*rename"):
+        load_otb(tmp_path)
+    (tmp_path / "A.1").rename(tmp_path / "B")
+    assert [s.name for s in load_otb(tmp_path)] == ["A.1", "B"]
