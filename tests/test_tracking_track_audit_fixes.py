@@ -7,12 +7,28 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from PIL import Image
 
 from dmlkit.apps.tracking.datasets import load_otb
 from dmlkit.apps.tracking.geometry import crop_and_resize
 from dmlkit.apps.tracking.model import MIN_IMAGE_SIZE, SiamFC, receptive_field
+from dmlkit.apps.tracking.render import write_frames
 from dmlkit.apps.tracking.tracker import SiamFCTracker, TrackerConfig, tracker_config
+from dmlkit.cli import main
 from dmlkit.exceptions import ConfigError, DataError
+
+
+def run_cli(argv, capsys=None):
+    """``dmlkit ARGV`` -> (exit code, stdout, stderr) with capsys, else the exit code only."""
+    code = 0
+    try:
+        main([str(a) for a in argv])
+    except SystemExit as exc:
+        code = exc.code
+    if capsys is None:
+        return code
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
 
 
 # ---------------------------------------------------------------- crops at the border
@@ -95,3 +111,29 @@ def test_duplicate_otb_sequence_names_are_refused(tmp_path):
         load_otb(tmp_path)
     (tmp_path / "A.1").rename(tmp_path / "B")
     assert [s.name for s in load_otb(tmp_path)] == ["A.1", "B"]
+
+
+# ---------------------------------------------------------------- frames written to a folder
+
+
+def _frames(n, value=0):
+    return [np.full((16, 20, 3), value + i, np.uint8) for i in range(n)]
+
+
+def test_writing_fewer_frames_into_a_folder_leaves_no_stale_frame(tmp_path):
+    out = tmp_path / "frames"
+    write_frames(_frames(5), out)
+    (out / "notes.txt").write_text("mine")
+    write_frames(_frames(3, value=100), out)
+    # was: 00004.jpg and 00005.jpg of the first render stayed after the three new ones
+    assert sorted(p.name for p in out.iterdir()) == ["00001.jpg", "00002.jpg", "00003.jpg", "notes.txt"]
+    assert int(np.asarray(Image.open(out / "00003.jpg"))[0, 0, 0]) in range(100, 106)
+
+
+def test_out_folder_that_is_the_frames_folder_is_refused(tmp_path, capsys):
+    frames = tmp_path / "f"
+    write_frames(_frames(3), frames)
+    code, out, err = run_cli(["track", "--frames", frames, "--init-box", "2,2,8,8", "--method", "ncc",
+                              "--out", tmp_path / "." / "f"], capsys)
+    assert code == 2 and "is the --frames folder" in err and len(err.strip().splitlines()) == 1
+    assert sorted(p.name for p in frames.iterdir()) == ["00001.jpg", "00002.jpg", "00003.jpg"]

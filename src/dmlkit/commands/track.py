@@ -109,6 +109,8 @@ def run(
 
     if out is not None:  # a wrong --out (e.g. boxes.txt) fails now, not after the whole video
         check_output(out)
+        if out.suffix == "" and out.resolve() == frames.resolve():  # write_frames clears its old frames
+            raise ConfigError(f"--out {out} is the --frames folder: name another folder for the frames with boxes")
     if fps_out is not None:  # finite and storable in --out (render.MIN_FPS .. MAX_GIF_FPS /
         # MAX_VIDEO_FPS), before any frame is tracked: inf or 0.001 ended in an OverflowError
         # after the whole video, inf wrote a GIF of 0-delay frames; 0 must not mean "the default"
