@@ -12,6 +12,7 @@ from PIL import Image
 from dmlkit.apps.tracking.datasets import load_otb
 from dmlkit.apps.tracking.geometry import crop_and_resize
 from dmlkit.apps.tracking.model import MIN_IMAGE_SIZE, SiamFC, receptive_field
+from dmlkit.apps.tracking.offline import build_offline_dataset
 from dmlkit.apps.tracking.render import write_frames
 from dmlkit.apps.tracking.tracker import SiamFCTracker, TrackerConfig, tracker_config
 from dmlkit.cli import main
@@ -137,3 +138,35 @@ def test_out_folder_that_is_the_frames_folder_is_refused(tmp_path, capsys):
                               "--out", tmp_path / "." / "f"], capsys)
     assert code == 2 and "is the --frames folder" in err and len(err.strip().splitlines()) == 1
     assert sorted(p.name for p in frames.iterdir()) == ["00001.jpg", "00002.jpg", "00003.jpg"]
+
+
+# ---------------------------------------------------------------- build-data into a used folder
+
+
+def _build(out, test, **kw):
+    return build_offline_dataset(out, num_train=0, num_test=test, test_frames=2, frame_size=(96, 96), **kw)
+
+
+def test_build_data_again_into_its_folder_keeps_no_stale_sequence(tmp_path):
+    _build(tmp_path / "d", 2)
+    _build(tmp_path / "d", 1, seed=3)
+    # was: the first build's second sequence stayed and was evaluated with the new one
+    assert [s.name for s in load_otb(tmp_path / "d" / "test")] == ["Chelsea01"]
+    assert sorted(p.name for p in (tmp_path / "d").iterdir()) == ["meta.json", "test"]
+
+
+@pytest.mark.parametrize("foreign", ["notes.txt", "test/MySeq"])
+def test_build_data_refuses_a_folder_with_files_it_did_not_write(tmp_path, foreign):
+    _build(tmp_path / "d", 2)
+    (tmp_path / "d" / foreign).parent.mkdir(parents=True, exist_ok=True)
+    (tmp_path / "d" / foreign).write_text("mine")
+    with pytest.raises(ConfigError, match="is not empty.*did not write.*new or empty folder"):
+        _build(tmp_path / "d", 1)
+    assert len(load_otb(tmp_path / "d" / "test")) == 2  # nothing removed
+
+
+def test_build_data_refuses_bad_sizes_before_removing_an_earlier_build(tmp_path):
+    _build(tmp_path / "d", 1)
+    with pytest.raises(ConfigError, match="at least 96"):
+        build_offline_dataset(tmp_path / "d", 0, 1, test_frames=2, frame_size=(50, 50))
+    assert len(load_otb(tmp_path / "d" / "test")) == 1
