@@ -9,14 +9,15 @@ import pytest
 import torch
 from PIL import Image
 
-from dmlkit.apps.tracking.datasets import load_otb
+from dmlkit.apps.tracking.datasets import Sequence, load_otb
 from dmlkit.apps.tracking.geometry import crop_and_resize
 from dmlkit.apps.tracking.model import MIN_IMAGE_SIZE, SiamFC, receptive_field
-from dmlkit.apps.tracking.offline import build_offline_dataset
+from dmlkit.apps.tracking.offline import build_offline_dataset, make_sequence, offline_specs
 from dmlkit.apps.tracking.render import write_frames
 from dmlkit.apps.tracking.tracker import SiamFCTracker, TrackerConfig, tracker_config
+from dmlkit.apps.tracking.training import SiamFCTrainConfig, train_siamfc
 from dmlkit.cli import main
-from dmlkit.exceptions import ConfigError, DataError
+from dmlkit.exceptions import CheckpointError, ConfigError, DataError
 
 
 def run_cli(argv, capsys=None):
@@ -170,3 +171,66 @@ def test_build_data_refuses_bad_sizes_before_removing_an_earlier_build(tmp_path)
     with pytest.raises(ConfigError, match="at least 96"):
         build_offline_dataset(tmp_path / "d", 0, 1, test_frames=2, frame_size=(50, 50))
     assert len(load_otb(tmp_path / "d" / "test")) == 1
+
+
+# ---------------------------------------------------------------- train --resume
+
+
+@pytest.fixture(scope="module")
+def train_seq():
+    spec = offline_specs("train", 1, num_frames=4, seed=3, frame_size=(96, 96))[0]
+    return make_sequence(spec)
+
+
+def _cfg(tmp_path, **kw):
+    base = dict(data_dir=str(tmp_path), width=0.0625, epochs=2, pairs_per_epoch=1, batch_size=1,
+                lr=0.01, lr_end=0.005)
+    return SiamFCTrainConfig(**{**base, **kw})
+
+
+@pytest.fixture(scope="module")
+def one_epoch(tmp_path_factory, train_seq):
+    """A run directory of one finished epoch (of two) and its config."""
+    root = tmp_path_factory.mktemp("resume")
+    cfg = _cfg(root)
+    train_siamfc(cfg, root / "run", sequences=[train_seq], progress=False, max_epochs=1)
+    return root / "run", cfg
+
+
+@pytest.mark.parametrize("layout", ["missing", "empty", "no-checkpoint"])
+def test_resume_with_nothing_to_resume_is_refused(tmp_path, train_seq, layout):
+    run_dir = tmp_path / "run"
+    if layout != "missing":
+        run_dir.mkdir()
+    if layout == "no-checkpoint":
+        (run_dir / "config.yaml").write_text("data_dir: x\n")
+    # was: a fresh run from scratch, silently (a misspelt --run-dir)
+    with pytest.raises(CheckpointError, match="nothing to resume in .*train without --resume"):
+        train_siamfc(_cfg(tmp_path), run_dir, sequences=[train_seq], progress=False, resume=True)
+    assert layout != "missing" or not run_dir.exists()
+
+
+def test_resume_with_another_config_names_the_differing_keys(one_epoch, train_seq):
+    run_dir, cfg = one_epoch
+    other = cfg.model_copy(update={"lr": 0.02, "seed": 5,
+                                   "pairs": cfg.pairs.model_copy(update={"radius": 8.0})})
+    with pytest.raises(ConfigError, match=r"differs .* in lr, pairs\.radius, seed; resume with .*config\.yaml"):
+        train_siamfc(other, run_dir, sequences=[train_seq], progress=False, resume=True)
+    with pytest.raises(ConfigError, match="in width"):
+        train_siamfc(cfg.model_copy(update={"width": 0.125}), run_dir, sequences=[train_seq],
+                     progress=False, resume=True)
+
+
+def test_resume_on_other_training_data_is_refused(one_epoch, train_seq):
+    run_dir, cfg = one_epoch
+    moved = Sequence(train_seq.name, train_seq.frames, train_seq.boxes + 1.0)
+    with pytest.raises(ConfigError, match="training sequences differ"):
+        train_siamfc(cfg, run_dir, sequences=[moved], progress=False, resume=True)
+
+
+def test_resume_may_change_how_it_runs_and_then_finishes(tmp_path, train_seq):
+    cfg = _cfg(tmp_path)
+    train_siamfc(cfg, tmp_path / "run", sequences=[train_seq], progress=False, max_epochs=1)
+    done = train_siamfc(cfg.model_copy(update={"threads": 1, "data_dir": str(tmp_path / ".")}), tmp_path / "run",
+                        sequences=[train_seq], progress=False, resume=True)
+    assert done["epochs"] == 2
