@@ -4,12 +4,15 @@ that apply), ``track train --resume``, ``build-data`` and ``--out`` folders, the
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 import torch
 from PIL import Image
 
 from dmlkit.apps.tracking.datasets import Sequence, load_otb
+from dmlkit.apps.tracking.evaluation import run_ope
 from dmlkit.apps.tracking.geometry import crop_and_resize
 from dmlkit.apps.tracking.model import MIN_IMAGE_SIZE, SiamFC, receptive_field
 from dmlkit.apps.tracking.offline import build_offline_dataset, make_sequence, offline_specs
@@ -234,3 +237,86 @@ def test_resume_may_change_how_it_runs_and_then_finishes(tmp_path, train_seq):
     done = train_siamfc(cfg.model_copy(update={"threads": 1, "data_dir": str(tmp_path / ".")}), tmp_path / "run",
                         sequences=[train_seq], progress=False, resume=True)
     assert done["epochs"] == 2
+
+
+# ---------------------------------------------------------------- track evaluate
+
+
+GOOD = [[4, 4, 10, 8], [5, 4, 10, 8], [6, 5, 10, 8]]
+FIRST_ONLY = [[4, 4, 10, 8], ["nan"] * 4, ["nan"] * 4]  # GOT-10k test style: nothing to score
+
+
+class _Recorder:
+    """A tracker that records which sequences it was asked to track."""
+
+    def __init__(self):
+        self.tracked = []
+
+    def track(self, frames, init_box, progress=None):
+        self.tracked.append(frames.name)
+        raise AssertionError("tracked before the ground truth was checked")
+
+
+def test_run_ope_checks_every_sequence_before_tracking_any(tmp_path):
+    _otb_sequence(tmp_path / "Good", GOOD)
+    _otb_sequence(tmp_path / "Zlast", FIRST_ONLY)
+    _otb_sequence(tmp_path / "Zstart", [["nan"] * 4] + GOOD[1:])
+    tracker = _Recorder()
+    # was: Good (and Zlast) tracked first, then a ShapeError for Zlast; Zstart never reported
+    with pytest.raises(DataError, match=r"'Zlast' has no valid ground-truth box after its first frame; "
+                                        r"'Zstart' has no valid ground-truth box in its first frame"):
+        run_ope(tracker, load_otb(tmp_path))
+    assert tracker.tracked == []
+
+
+def test_evaluate_refuses_bad_ground_truth_before_tracking(tmp_path, capsys):
+    _otb_sequence(tmp_path / "data" / "Good", GOOD)
+    _otb_sequence(tmp_path / "data" / "Zlast", FIRST_ONLY)
+    code, out, err = run_cli(["track", "evaluate", tmp_path / "data", "--methods", "ncc",
+                              "--out-dir", tmp_path / "eval"], capsys)
+    assert code == 2 and "'Zlast' has no valid ground-truth box" in err
+    assert "tracking" not in err and len(err.strip().splitlines()) == 1  # no progress bar: no tracking
+    assert not (tmp_path / "eval").exists()
+
+
+def test_evaluate_writes_each_method_as_it_finishes(tmp_path, capsys, monkeypatch):
+    import dmlkit.apps.tracking as tracking
+
+    _otb_sequence(tmp_path / "data" / "Good", GOOD)
+    real, calls = tracking.run_ope, []
+
+    def crash_on_the_second(tracker, *args, **kwargs):
+        calls.append(type(tracker).__name__)
+        if len(calls) == 2:
+            raise DataError("disk gone mid-method")
+        return real(tracker, *args, **kwargs)
+
+    monkeypatch.setattr(tracking, "run_ope", crash_on_the_second)
+    code, out, err = run_cli(["track", "evaluate", tmp_path / "data", "--methods", "ncc,untrained",
+                              "--width", "0.0625", "--json", "--out-dir", tmp_path / "eval"], capsys)
+    assert code == 2 and "disk gone" in err and calls == ["NCCTracker", "SiamFCTracker"]
+    # was: nothing at all, the finished ncc run lost with the second method's failure
+    results = json.loads((tmp_path / "eval" / "results.json").read_text())
+    assert list(results) == ["ncc"] and results["ncc"]["num_frames"] == 3
+    assert (tmp_path / "eval" / "boxes" / "ncc" / "Good.txt").read_text().count("\n") == 3
+    assert (tmp_path / "eval" / "ope.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert not list((tmp_path / "eval").rglob("*.tmp*"))
+
+
+@pytest.mark.parametrize("argv, option", [
+    (["evaluate", "{data}", "--methods", "ncc", "--seed", "3"], "--seed does not apply to --methods ncc"),
+    (["evaluate", "{data}", "--methods", "ncc", "--scales", "5"], "--scales does not apply to --methods ncc"),
+    (["evaluate", "{data}", "--methods", "ncc", "--device", "cpu"], "--device does not apply"),
+    (["evaluate", "{data}", "--methods", "ncc", "--weights", "{data}"], "--weights does not apply"),
+    (["evaluate", "{data}", "--methods", "ncc,siamfc", "--weights", "{data}", "--width", "0.5"],
+     "--width does not apply to --methods ncc,siamfc"),
+    (["evaluate", "{data}", "--methods", "untrained", "--weights", "{data}", "--width", "0.5"],
+     "--weights does not apply with --width"),
+    (["--frames", "{data}/Good/img", "--init-box", "4,4,10,8", "--weights", "{data}", "--seed", "3"],
+     "--seed does not apply to --method siamfc"),
+])
+def test_options_no_chosen_tracker_uses_are_refused(tmp_path, capsys, argv, option):
+    # were silently ignored (evaluate checked none of them; track only those of --method ncc)
+    data = _otb_sequence(tmp_path / "data" / "Good", GOOD).parent
+    code, out, err = run_cli(["track", *(a.format(data=data) for a in argv)], capsys)
+    assert code == 2 and option in err and len(err.strip().splitlines()) == 1, err
