@@ -5,7 +5,9 @@ photographs bundled with scikit-image (``skimage.data``: NASA's astronaut Eileen
 Chelsea the cat, a coffee cup, a SpaceX rocket, a motorcycle, ...; textures brick / grass /
 gravel, the Hubble deep field, coins, ...). Each sequence is:
 
-* a **background**: one photograph, enlarged 1.6x, seen through a frame window (320 x 240 by
+* a **background**: one photograph, resized (aspect kept) to 1.6 times the frame's width or
+  height, whichever needs the larger scale (so it may shrink: for 320 x 240 frames every
+  bundled background becomes 512 pixels wide), seen through a frame window (320 x 240 by
   default) that pans slowly (camera motion);
 * a **target**: a rectangular crop of another photograph, pasted at an integer position and
   an integer size; its centre follows a smooth random walk that bounces off the frame
@@ -140,7 +142,7 @@ def make_sequence(spec: SequenceSpec, photos: dict[str, np.ndarray] | None = Non
     rng = np.random.default_rng(spec.seed)
     n = spec.num_frames
 
-    # background: enlarged photo, window panning slowly
+    # background: the photo at 1.6x the frame in one side (at least in the other), window panning slowly
     bg_src = photos[spec.background_photo]
     scale = max(1.6 * fw / bg_src.shape[1], 1.6 * fh / bg_src.shape[0])
     bg = _resize(bg_src, int(bg_src.shape[1] * scale), int(bg_src.shape[0] * scale))
