@@ -258,6 +258,6 @@ def test_resume_gives_the_weights_of_an_uninterrupted_run(tmp_path, small_seq):
     b, _ = load_siamfc(tmp_path / "part")
     for (name, va), vb in zip(a.state_dict().items(), b.state_dict().values()):
         torch.testing.assert_close(va, vb, msg=name)
-    with pytest.raises(CheckpointError, match="width"):
+    with pytest.raises(ConfigError, match="in width"):  # the run's config, checked on resume
         train_siamfc(cfg.model_copy(update={"width": 0.25}), tmp_path / "part",
                      sequences=[small_seq], progress=False, resume=True)

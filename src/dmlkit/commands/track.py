@@ -66,6 +66,36 @@ def _tracker(method: str, weights: Path | None, scales: int | None, seed: int, d
     return SiamFCTracker(model, cfg, device=device)
 
 
+#: Options that only some trackers use: option -> (parameter, the trackers using it, what it sets).
+_TRACKER_OPTIONS = {
+    "--weights": ("weights", ("siamfc", "untrained"), "the siamfc checkpoint (for untrained: its width)"),
+    "--scales": ("scales", ("siamfc", "untrained"), "the SiamFC scale search"),
+    "--width": ("width", ("untrained",), "the untrained network's width (siamfc has its checkpoint's)"),
+    "--seed": ("seed", ("untrained",), "the untrained network's seed"),
+    "--device": ("device", ("siamfc", "untrained"), "where the SiamFC network runs (ncc runs on the CPU)"),
+}
+
+
+def _refuse_unused_options(ctx: typer.Context, methods: list[str], flag: str) -> None:
+    """A :class:`ConfigError` for the first option given on the command line that none of
+    ``methods`` uses (:data:`_TRACKER_OPTIONS`): it was silently ignored. ``--weights`` with
+    ``untrained`` and ``--width`` counts as unused too (``--width`` replaces what it gives)."""
+    from dmlkit.commands._options import given
+    from dmlkit.exceptions import ConfigError
+
+    chosen = {m.lower() for m in methods}
+    for option, (param, users, what) in _TRACKER_OPTIONS.items():
+        if not given(ctx, param):
+            continue
+        used = chosen & set(users)
+        if option == "--weights" and used == {"untrained"} and given(ctx, "width"):
+            raise ConfigError("--weights does not apply with --width to untrained: both set the untrained "
+                              "network's width; drop one")
+        if not used:
+            raise ConfigError(f"{option} does not apply to {flag} {','.join(methods)}: it sets {what}, used only "
+                              f"by {' and '.join(users)}; drop it")
+
+
 def _set_threads(threads: int | None) -> None:
     if threads:
         import torch
@@ -109,20 +139,15 @@ def run(
 
     if out is not None:  # a wrong --out (e.g. boxes.txt) fails now, not after the whole video
         check_output(out)
+        if out.suffix == "" and out.resolve() == frames.resolve():  # write_frames clears its old frames
+            raise ConfigError(f"--out {out} is the --frames folder: name another folder for the frames with boxes")
     if fps_out is not None:  # finite and storable in --out (render.MIN_FPS .. MAX_GIF_FPS /
         # MAX_VIDEO_FPS), before any frame is tracked: inf or 0.001 ended in an OverflowError
         # after the whole video, inf wrote a GIF of 0-delay frames; 0 must not mean "the default"
         fps_out = check_fps(fps_out, out, "--fps")
     if boxes_out is not None and boxes_out.is_dir():
         raise ConfigError(f"--boxes {boxes_out} is a folder: name the text file to write")
-    if method.lower() == "ncc":  # template matching: no network, no scale search
-        from dmlkit.commands._options import given
-
-        unused = [opt for name, opt in (("scales", "--scales"), ("weights", "--weights"), ("width", "--width"),
-                                        ("seed", "--seed")) if given(ctx, name)]
-        if unused:
-            raise ConfigError(f"{unused[0]} does not apply to --method ncc (template matching has no network "
-                              "and no scale search): drop it")
+    _refuse_unused_options(ctx, [method], "--method")  # e.g. --seed with siamfc: silently unused
     _set_threads(threads)
     box = parse_box(init_box)
     tracker = _tracker(method, weights, scales, seed, device, width)  # bad options fail before reading
@@ -181,8 +206,32 @@ def train(
                f"{result['last_loss']:.4f}; checkpoint {result['checkpoint']}")
 
 
+def _write_evaluation(out_dir: Path, name: str, results: dict, boxes: dict, title: str) -> None:
+    """Write method ``name``'s boxes, then ``results.json`` and ``ope.png`` of every method
+    finished so far (``results``), each file atomically: an interrupted evaluation keeps them."""
+    import io
+
+    from dmlkit.apps.tracking import plot_ope
+    from dmlkit.utils import atomic_write_bytes, atomic_write_json, atomic_write_text
+
+    for seq_name, b in boxes.items():
+        atomic_write_text(out_dir / "boxes" / name / f"{seq_name}.txt",
+                          "\n".join(",".join(f"{v:.2f}" for v in row) for row in b) + "\n")
+    atomic_write_json(out_dir / "results.json", {n: res.to_dict() for n, res in results.items()})
+    fig = plot_ope(results, title=title)  # selects the Agg backend before pyplot is imported here
+    import matplotlib.pyplot as plt
+
+    try:
+        buffer = io.BytesIO()
+        fig.savefig(buffer, format="png", dpi=120)
+    finally:
+        plt.close(fig)
+    atomic_write_bytes(out_dir / "ope.png", buffer.getvalue())
+
+
 @track_app.command("evaluate")
 def evaluate(
+    ctx: typer.Context,
     root: Path = typer.Argument(..., help="The sequences' root folder."),
     dataset: str = typer.Option("otb", "--dataset", help="otb | got10k layout."),
     split: str | None = typer.Option(None, "--split", help="GOT-10k sub-folder (train / val)."),
@@ -197,8 +246,16 @@ def evaluate(
     threads: int | None = typer.Option(None, "--threads", min=1, help="torch CPU threads (1 is fastest on a busy shared CPU)."),
     as_json: bool = typer.Option(False, "--json", help="Print JSON."),
 ) -> None:
-    """OTB one-pass evaluation: success AUC (21 thresholds), precision at 20 px, fps; plots."""
-    from dmlkit.apps.tracking import got10k_splits, load_tracking_dataset, plot_ope, run_ope
+    """OTB one-pass evaluation: success AUC (21 thresholds), precision at 20 px, fps; plots.
+
+    The ground truth of every sequence is checked before any tracking; with --out-dir each
+    method's boxes, results.json and ope.png are written as soon as it finishes."""
+    from dmlkit.apps.tracking import (
+        check_ground_truth,
+        got10k_splits,
+        load_tracking_dataset,
+        run_ope,
+    )
     from dmlkit.commands._options import listed
     from dmlkit.exceptions import ConfigError
 
@@ -209,6 +266,7 @@ def evaluate(
     unknown = [n for n in names if n.lower() not in _METHODS]
     if unknown:  # before any data is read
         raise ConfigError(f"unknown tracker {unknown[0]!r}: use {', '.join(_METHODS)}")
+    _refuse_unused_options(ctx, names, "--methods")  # e.g. --seed without untrained: silently unused
     if out_dir is not None and out_dir.exists() and not out_dir.is_dir():  # before any tracking
         raise ConfigError(f"--out-dir {out_dir} is a file: name a folder for results.json, ope.png and the boxes")
     if split is None and dataset.lower().replace("-", "") == "got10k" and (splits := got10k_splits(root)):
@@ -216,24 +274,17 @@ def evaluate(
         raise ConfigError(f"{root} holds the GOT-10k splits {', '.join(splits)}: name the one to evaluate with "
                           "--split (val to measure a tracker; test is scored by GOT-10k's server)")
     sequences = load_tracking_dataset(dataset, root, split)[:max_sequences]  # frame paths only, no pixels
+    check_ground_truth(sequences)  # a sequence that cannot be scored failed after the others' tracking
     # every tracker before any runs: a missing --weights for the second must not fail after the first
     trackers = {name: _tracker(name, weights, scales, seed, device, width) for name in names}
-    results, boxes = {}, {}
-    for name, tracker in trackers.items():
-        results[name], boxes[name] = run_ope(tracker, sequences, progress=not as_json)
-    table = {name: res.summary() for name, res in results.items()}
     if out_dir is not None:
-        from dmlkit.utils import atomic_write_json, atomic_write_text
-
         out_dir.mkdir(parents=True, exist_ok=True)
-        atomic_write_json(out_dir / "results.json",
-                          {name: res.to_dict() for name, res in results.items()})
-        for name, per_seq in boxes.items():
-            for seq_name, b in per_seq.items():
-                atomic_write_text(out_dir / "boxes" / name / f"{seq_name}.txt",
-                                  "\n".join(",".join(f"{v:.2f}" for v in row) for row in b) + "\n")
-        fig = plot_ope(results, title=f"OPE on {Path(root).name}")
-        fig.savefig(out_dir / "ope.png", dpi=120)
+    results = {}
+    for name, tracker in trackers.items():
+        results[name], boxes = run_ope(tracker, sequences, progress=not as_json)
+        if out_dir is not None:  # now, not after every method: a crash or Ctrl-C lost them all
+            _write_evaluation(out_dir, name, results, boxes, f"OPE on {Path(root).name}")
+    table = {name: res.summary() for name, res in results.items()}
     if as_json:
         echo_json(table)
         return

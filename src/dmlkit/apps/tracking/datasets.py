@@ -179,11 +179,13 @@ def load_got10k(root: str | Path, split: str | None = None) -> list[Sequence]:
 
 
 def load_otb(root: str | Path) -> list[Sequence]:
-    """Sequences in the OTB layout: ``root/Seq/img/*.jpg`` + ``root/Seq/groundtruth_rect*.txt``."""
+    """Sequences in the OTB layout: ``root/Seq/img/*.jpg`` + ``root/Seq/groundtruth_rect*.txt``.
+    Two sequences of one name (``A/groundtruth_rect.1.txt`` and ``A.1/groundtruth_rect.txt``)
+    are a :class:`DataError` naming both files."""
     root = Path(root)
     if not root.is_dir():
         raise DataNotFoundError(f"OTB root {root} does not exist")
-    sequences = []
+    sequences, sources = [], {}
     for d in sorted(p for p in root.iterdir() if p.is_dir()):
         gts = sorted(d.glob("groundtruth_rect*.txt"),
                      key=lambda p: (p.name != "groundtruth_rect.txt", _natural_key(p)))
@@ -193,6 +195,10 @@ def load_otb(root: str | Path) -> list[Sequence]:
         for gt in gts:
             suffix = gt.name[len("groundtruth_rect"):-len(".txt")]
             name = d.name + suffix
+            if name in sources:  # one of the two was dropped from every result keyed by name
+                raise DataError(f"two OTB sequences are named {name!r}: {sources[name]} and {gt}; rename one "
+                                "of their folders so that sequence names are unique")
+            sources[name] = gt
             boxes = read_boxes(gt)
             if len(boxes) != len(frames):
                 raise DataError(

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from dmlkit.exceptions import ShapeError
+from dmlkit.exceptions import DataError, ShapeError
 
 SUCCESS_THRESHOLDS = np.linspace(0.0, 1.0, 21)
 PRECISION_THRESHOLDS = np.arange(0, 51, dtype=np.float64)
@@ -260,9 +260,32 @@ def plot_ope(results: Mapping[str, OPEResult], title: str = "OPE"):
     return fig
 
 
+def check_ground_truth(sequences) -> None:
+    """Refuse, before any tracking, sequences that one-pass evaluation cannot score: without
+    ground truth, without a valid box (finite, positive width and height) in the first frame
+    (the tracker's start) or without one after it (:func:`evaluate_sequence`). One
+    :class:`DataError` names each such sequence (the first five); it came after the tracking of
+    every earlier sequence."""
+    problems = []
+    for seq in sequences:
+        keep = None if seq.boxes is None else valid_frames(seq.boxes)
+        if keep is None:
+            problems.append(f"{seq.name!r} has no ground truth")
+        elif not keep[0]:
+            problems.append(f"{seq.name!r} has no valid ground-truth box in its first frame")
+        elif not keep[1:].any():
+            problems.append(f"{seq.name!r} has no valid ground-truth box after its first frame")
+    if problems:
+        more = f" (and {len(problems) - 5} more)" if len(problems) > 5 else ""
+        raise DataError(f"cannot evaluate: {'; '.join(problems[:5])}{more}; fix or leave out those sequences "
+                        "(GOT-10k's test split is scored by its server: evaluate on val)")
+
+
 def run_ope(tracker, sequences, progress: bool = False) -> tuple[OPEResult, dict[str, np.ndarray]]:
     """Run ``tracker`` (anything with ``track(frames, init_box)``) once over each annotated
-    sequence from its first ground-truth box; returns the OPE result and the predicted boxes."""
+    sequence from its first ground-truth box; returns the OPE result and the predicted boxes.
+    Every sequence's ground truth is checked before any is tracked (:func:`check_ground_truth`)."""
+    check_ground_truth(sequences)
     preds, gts, fps = {}, {}, {}
     bar = None
     if progress:

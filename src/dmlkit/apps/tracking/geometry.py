@@ -12,6 +12,7 @@ from collections.abc import Sequence
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 
 from dmlkit.exceptions import ShapeError
 
@@ -83,8 +84,12 @@ def crop_and_resize(
 ) -> torch.Tensor:
     """Square crops of side ``sides[k]`` (image pixels) centred on ``center`` resized to ``out_size``.
 
-    ``image`` is ``(3, H, W)`` float. Regions that leave the image are filled with
-    ``pad_value`` (default: the image's mean colour, as in SiamFC). Resampling is bilinear with
+    ``image`` is ``(3, H, W)`` float. A crop of side ``s`` covers ``[c - s / 2, c + s / 2]`` in
+    the continuous coordinates of the module docstring, i.e. pixel centres (index coordinates)
+    ``c - 1/2 -/+ (s - 1) / 2`` as SiamFC defines its crops. Regions that leave the image are
+    filled with ``pad_value`` (default: the image's mean colour, as in SiamFC): an output pixel
+    wholly outside the image is the pad, one across the border a bilinear blend of the border
+    pixel and the pad. Resampling is bilinear with
     ``torchvision.ops.roi_align``, averaging ``ceil(side / out_size)``^2 samples per output
     pixel (one when enlarging, an area average when shrinking, which anti-aliases); several
     sides (the tracker's scales) are cropped in one call.
@@ -103,7 +108,11 @@ def crop_and_resize(
         [[0.0, cx - s / 2.0, cy - s / 2.0, cx + s / 2.0, cy + s / 2.0] for s in side_list],
         dtype=image.dtype, device=image.device,
     )
-    # roi_align samples outside the image as 0; centring on the pad value makes that padding.
-    out = roi_align((image - pad)[None], rois, output_size=out_size, spatial_scale=1.0,
-                    sampling_ratio=-1, aligned=True)
+    # roi_align samples outside the image as 0, centring on the pad value makes that padding;
+    # but it reads a sample up to one pixel beyond the border as the border pixel, so an output
+    # pixel wholly outside the image copied that pixel: a one-pixel frame of zeros (the pad)
+    # around the image makes every sample beyond the border blend into, then read, the pad
+    framed = F.pad(image - pad, (1, 1, 1, 1))
+    out = roi_align(framed[None], rois + rois.new_tensor([0.0, 1.0, 1.0, 1.0, 1.0]),
+                    output_size=out_size, spatial_scale=1.0, sampling_ratio=-1, aligned=True)
     return out + pad[None]

@@ -112,6 +112,25 @@ class SiamFCBackbone(nn.Sequential):
                 nn.init.zeros_(m.bias)
 
 
+def receptive_field(layers: nn.Module) -> int:
+    """Side in input pixels of the region one output cell of ``layers`` sees: over its
+    convolutions and max-poolings in order (no dilation), ``1 + sum_l (k_l - 1) * prod_{m<l} s_m``.
+    An input smaller than this has no output cell."""
+    field, jump = 1, 1
+    for m in layers.modules():
+        if isinstance(m, nn.Conv2d | nn.MaxPool2d):
+            k = m.kernel_size if isinstance(m.kernel_size, int) else m.kernel_size[0]
+            s = m.stride if isinstance(m.stride, int) else m.stride[0]
+            field += (k - 1) * jump
+            jump *= s
+    return field
+
+
+#: The backbone's receptive field, 87 pixels: the smallest exemplar or search image it maps to a
+#: feature map (of one cell). Channel counts do not change it: measured on the narrowest network.
+MIN_IMAGE_SIZE = receptive_field(SiamFCBackbone(width=1e-3))
+
+
 class SiamFC(nn.Module):
     """The siamese tracker network: ``forward(z, x) -> score map`` (Eq. 1 of the paper).
 
@@ -138,12 +157,12 @@ class SiamFC(nn.Module):
         return self.backbone.total_stride
 
     def embed(self, images: torch.Tensor) -> torch.Tensor:
-        """phi(images): ``(B, 3, H, W) -> (B, C, (H - 87) / 8, (W - 87) / 8)``."""
+        """phi(images): ``(B, 3, H, W) -> (B, C, (H - 87) / 8 + 1, (W - 87) / 8 + 1)``."""
         if images.dim() != 4 or images.shape[1] != 3:
             raise ShapeError(f"SiamFC expects (B, 3, H, W) images, got {tuple(images.shape)}")
-        if images.shape[-1] < 87 or images.shape[-2] < 87:
+        if images.shape[-1] < MIN_IMAGE_SIZE or images.shape[-2] < MIN_IMAGE_SIZE:
             raise ShapeError(
-                f"SiamFC needs images of at least 87 x 87 pixels (its receptive field), got "
+                f"SiamFC needs images of at least {MIN_IMAGE_SIZE} x {MIN_IMAGE_SIZE} pixels (its receptive field), got "
                 f"{tuple(images.shape[-2:])}"
             )
         return self.backbone(images)

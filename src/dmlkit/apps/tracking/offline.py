@@ -5,7 +5,9 @@ photographs bundled with scikit-image (``skimage.data``: NASA's astronaut Eileen
 Chelsea the cat, a coffee cup, a SpaceX rocket, a motorcycle, ...; textures brick / grass /
 gravel, the Hubble deep field, coins, ...). Each sequence is:
 
-* a **background**: one photograph, enlarged 1.6x, seen through a frame window (320 x 240 by
+* a **background**: one photograph, resized (aspect kept) to 1.6 times the frame's width or
+  height, whichever needs the larger scale (so it may shrink: for 320 x 240 frames every
+  bundled background becomes 512 pixels wide), seen through a frame window (320 x 240 by
   default) that pans slowly (camera motion);
 * a **target**: a rectangular crop of another photograph, pasted at an integer position and
   an integer size; its centre follows a smooth random walk that bounces off the frame
@@ -28,6 +30,8 @@ is tested on objects and scenes it never saw.
 
 from __future__ import annotations
 
+import json
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -120,13 +124,17 @@ def _motion(rng: np.random.Generator, n: int, lo: np.ndarray, hi: np.ndarray,
     return out
 
 
+def _check_sizes(num_frames: int, frame_size: tuple[int, int]) -> None:
+    if num_frames < 2:
+        raise ConfigError(f"a sequence needs at least 2 frames, got {num_frames}")
+    if frame_size[0] < 96 or frame_size[1] < 96:
+        raise ConfigError(f"frame size must be at least 96 x 96, got {tuple(frame_size)}")
+
+
 def make_sequence(spec: SequenceSpec, photos: dict[str, np.ndarray] | None = None) -> Sequence:
     """Render one sequence in memory: frames ``(H, W, 3)`` uint8 and exact boxes ``(N, 4)``."""
-    if spec.num_frames < 2:
-        raise ConfigError(f"a sequence needs at least 2 frames, got {spec.num_frames}")
+    _check_sizes(spec.num_frames, spec.frame_size)
     fw, fh = spec.frame_size
-    if fw < 96 or fh < 96:
-        raise ConfigError(f"frame size must be at least 96 x 96, got {spec.frame_size}")
     photos = photos if photos is not None else {}
     for name in (spec.object_photo, spec.background_photo):
         if name not in photos:
@@ -134,7 +142,7 @@ def make_sequence(spec: SequenceSpec, photos: dict[str, np.ndarray] | None = Non
     rng = np.random.default_rng(spec.seed)
     n = spec.num_frames
 
-    # background: enlarged photo, window panning slowly
+    # background: the photo at 1.6x the frame in one side (at least in the other), window panning slowly
     bg_src = photos[spec.background_photo]
     scale = max(1.6 * fw / bg_src.shape[1], 1.6 * fh / bg_src.shape[0])
     bg = _resize(bg_src, int(bg_src.shape[1] * scale), int(bg_src.shape[0] * scale))
@@ -262,6 +270,40 @@ def write_sequence(seq: Sequence, folder: Path, layout: str, quality: int = 95) 
     return folder
 
 
+def _clear_earlier_build(out: Path) -> None:
+    """Remove what an earlier :func:`build_offline_dataset` wrote to ``out`` (the sequences its
+    ``meta.json`` lists and that file), so that its sequences do not mix with the new ones; a
+    ``out`` holding anything else is a :class:`ConfigError`, before anything is removed."""
+    if not out.exists():
+        return
+    if not out.is_dir():
+        raise ConfigError(f"{out} is a file: name a folder for the offline sequences")
+    owned: set[Path] = set()
+    meta_path = out / "meta.json"
+    try:
+        meta = json.loads(meta_path.read_text(encoding="utf-8")) if meta_path.is_file() else {}
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        meta = {}  # not ours to read: its folders count as someone else's
+    if isinstance(meta, dict) and {"train", "test"} <= set(meta):
+        owned.add(meta_path)
+        owned.update(out / split / str(name) for split in ("train", "test")
+                     if isinstance(meta[split], dict) for name in meta[split])
+    foreign = [p for p in sorted(out.iterdir()) if p.name not in ("train", "test") and p not in owned]
+    for split in ("train", "test"):
+        if (out / split).is_dir():
+            foreign += [p for p in sorted((out / split).iterdir()) if p not in owned]
+        elif (out / split).exists():
+            foreign.append(out / split)
+    if foreign:
+        raise ConfigError(f"{out} is not empty and holds {foreign[0]}, which an earlier build-data did not "
+                          f"write ({len(foreign)} such entries): name a new or empty folder, or remove them")
+    for path in sorted(owned):
+        if path.is_dir():
+            shutil.rmtree(path)
+        elif path.exists():
+            path.unlink()
+
+
 def build_offline_dataset(
     out: str | Path, num_train: int = 24, num_test: int = 9, train_frames: int = 80,
     test_frames: int = 80, seed: int = 0, frame_size: tuple[int, int] = (320, 240),
@@ -270,9 +312,15 @@ def build_offline_dataset(
     """Write ``out/train`` (GOT-10k layout) and ``out/test`` (OTB layout) and ``out/meta.json``.
 
     ``seed`` is checked (:func:`dmlkit.validation.check_seed`) before anything is written: a
-    negative one ended in numpy's ValueError traceback."""
+    negative one ended in numpy's ValueError traceback. An ``out`` that an earlier call wrote is
+    rebuilt: the sequences its ``meta.json`` lists are removed first (a smaller build kept the
+    earlier one's extra sequences, which training and evaluation then read); an ``out`` holding
+    anything else is refused (:class:`ConfigError`) before anything is written."""
     seed = check_seed(seed)
     out = Path(out)
+    for frames in (train_frames, test_frames):  # the arguments before any removal
+        _check_sizes(frames, frame_size)
+    _clear_earlier_build(out)
     photos: dict[str, np.ndarray] = {}
     plan = [("train", s) for s in offline_specs("train", num_train, train_frames, seed, frame_size)]
     plan += [("test", s) for s in offline_specs("test", num_test, test_frames, seed, frame_size)]

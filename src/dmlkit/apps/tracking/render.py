@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
@@ -40,6 +41,9 @@ def annotate(frames: Iterable[np.ndarray], boxes: np.ndarray,
             out = draw_box(out, ground_truth[i], color=(40, 220, 40))
         yield draw_box(out, boxes[i], label=f"#{i + 1}")
 
+
+#: The files :func:`write_frames` writes into a folder (and removes there before writing).
+_FRAME_NAME = re.compile(r"\d{5,}\.jpg")
 
 #: Video containers :func:`write_frames` writes (with imageio + PyAV).
 VIDEO_OUT_SUFFIXES = (".mp4", ".avi", ".mov", ".mkv", ".webm")
@@ -112,7 +116,8 @@ def gif_delays_ms(n: int, fps: float) -> list[int]:
 
 def write_frames(frames: Iterable[np.ndarray], out: str | Path, fps: float = 15.0) -> Path:
     """Write frames to ``out``: ``.gif`` (Pillow), ``.mp4`` / ``.avi`` / ... (imageio + PyAV),
-    or a folder (``00001.jpg`` ...) when ``out`` has no suffix (:func:`check_output`). ``fps``
+    or a folder (``00001.jpg`` ...) when ``out`` has no suffix (:func:`check_output`): the frames
+    an earlier call wrote there (``NNNNN.jpg``) are removed first, other files stay. ``fps``
     must lie in :func:`fps_limits` (:func:`check_fps`), checked before any frame is read."""
     from PIL import Image
 
@@ -121,6 +126,9 @@ def write_frames(frames: Iterable[np.ndarray], out: str | Path, fps: float = 15.
     fps = check_fps(fps, out)
     if suffix == "":
         out.mkdir(parents=True, exist_ok=True)
+        for old in out.iterdir():  # an earlier, longer render's frames stayed after this one's
+            if _FRAME_NAME.fullmatch(old.name) and old.is_file():
+                old.unlink()
         for i, f in enumerate(frames):
             Image.fromarray(f).save(out / f"{i + 1:05d}.jpg", quality=92)
         return out

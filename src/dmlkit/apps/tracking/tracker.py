@@ -37,7 +37,7 @@ from dmlkit.apps.tracking.geometry import (
     exemplar_side,
     image_to_tensor,
 )
-from dmlkit.apps.tracking.model import EXEMPLAR_SIZE, INSTANCE_SIZE, SiamFC
+from dmlkit.apps.tracking.model import EXEMPLAR_SIZE, INSTANCE_SIZE, MIN_IMAGE_SIZE, SiamFC
 from dmlkit.embeddings import resolve_device
 from dmlkit.exceptions import ConfigError, NonFiniteError, ShapeError, require
 from dmlkit.models import to_device
@@ -73,8 +73,12 @@ class TrackerConfig:
             raise ConfigError(f"tracker settings must be finite numbers: {bad}")
         if self.context < 0 or self.min_size < 0:
             raise ConfigError(f"context and min_size must be >= 0, got {self.context} and {self.min_size}")
-        if not 1 <= self.exemplar_size <= self.instance_size:
-            raise ConfigError(f"need 1 <= exemplar_size <= instance_size, got {self.exemplar_size} "
+        if self.exemplar_size < MIN_IMAGE_SIZE:  # embed() refused it only at the first frame
+            raise ConfigError(f"exemplar_size must be at least {MIN_IMAGE_SIZE}, the SiamFC network's receptive "
+                              f"field (a smaller exemplar has no feature cell to correlate), got "
+                              f"{self.exemplar_size}; the paper uses {EXEMPLAR_SIZE}")
+        if self.exemplar_size > self.instance_size:
+            raise ConfigError(f"need exemplar_size <= instance_size, got {self.exemplar_size} "
                               f"and {self.instance_size}")
 
     @classmethod

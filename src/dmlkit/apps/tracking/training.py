@@ -22,6 +22,7 @@ decay 5e-4, learning rate decayed geometrically from ``lr`` to ``lr_end`` (the p
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import time
@@ -265,6 +266,77 @@ def load_siamfc(path: str | Path, map_location: str = "cpu") -> tuple[SiamFC, Tr
     return model.eval(), TrackerConfig(**state.get("tracker", {}))
 
 
+#: Config keys a resumed run may change: how it runs, not what it learns.
+RESUMABLE_SETTINGS = ("threads", "num_workers", "device")
+
+
+def _flat(settings: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in settings.items():
+        if isinstance(value, dict) and value:
+            out.update(_flat(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
+def config_changes(recorded: dict[str, Any], config: SiamFCTrainConfig) -> list[str]:
+    """The keys (dotted: ``pairs.radius``) whose values differ between a run's recorded config
+    (its ``config.yaml``, defaults filled in) and ``config``, but :data:`RESUMABLE_SETTINGS`;
+    ``data_dir`` is compared as a resolved path."""
+    try:
+        recorded = SiamFCTrainConfig.model_validate(recorded).model_dump()
+    except Exception:  # a key this version no longer has: compared as written
+        pass
+    old, new = _flat(recorded), _flat(config.model_dump())
+    missing = object()
+    changed = []
+    for key in sorted(set(old) | set(new)):
+        if key.split(".")[0] in RESUMABLE_SETTINGS:
+            continue
+        a, b = old.get(key, missing), new.get(key, missing)
+        if key == "data_dir" and a is not missing and b is not missing:
+            a, b = Path(str(a)).expanduser().resolve(), Path(str(b)).expanduser().resolve()
+        if a != b:
+            changed.append(key)
+    return changed
+
+
+def data_digest(sequences: list[Sequence]) -> str:
+    """A digest of training sequences: their names, frame counts and boxes (not where they lie)."""
+    h = hashlib.sha256()
+    for seq in sequences:
+        h.update(f"{seq.name}\0{len(seq)}\0".encode())
+        if seq.boxes is not None:
+            h.update(np.ascontiguousarray(seq.boxes, dtype=np.float64).tobytes())
+    return h.hexdigest()
+
+
+def _check_resumable(run_dir: Path, state: dict[str, Any], config: SiamFCTrainConfig,
+                     sequences: list[Sequence]) -> None:
+    """A run resumes with the config and the data it was started with (:class:`ConfigError`)."""
+    import yaml
+
+    config_path = run_dir / "config.yaml"
+    try:
+        recorded = yaml.safe_load(config_path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, yaml.YAMLError):
+        recorded = None
+    if not isinstance(recorded, dict):
+        raise CheckpointError(f"{config_path} is missing or unreadable: the config this run was started with "
+                              "is unknown, so it cannot be resumed; train again without --resume")
+    changed = config_changes(recorded, config)
+    if changed:
+        raise ConfigError(f"cannot resume {run_dir}: the config differs from the one it was started with in "
+                          f"{', '.join(changed)}; resume with {config_path} (only {', '.join(RESUMABLE_SETTINGS)} "
+                          "may change) or train into a new --run-dir")
+    digest = state["train_state"].get("data_digest")
+    if digest is not None and digest != data_digest(sequences):
+        raise ConfigError(f"cannot resume {run_dir}: its training sequences differ from those it was started "
+                          f"with ({len(sequences)} now, under {config.data_dir}); resume on the same data or "
+                          "train into a new --run-dir")
+
+
 def train_siamfc(
     config: SiamFCTrainConfig, run_dir: str | Path, sequences: list[Sequence] | None = None,
     progress: bool = True, resume: bool = False, max_epochs: int | None = None,
@@ -273,7 +345,10 @@ def train_siamfc(
 
     ``checkpoints/last.pt`` is written after every epoch with the optimiser, scheduler and
     shuffling state: ``resume=True`` continues an interrupted run from its last finished epoch
-    and gives the same weights as an uninterrupted run. ``max_epochs`` stops this call after
+    and gives the same weights as an uninterrupted run. It needs that checkpoint
+    (:class:`CheckpointError` otherwise: a misspelt run directory trained from scratch), the
+    config of the run's ``config.yaml`` but :data:`RESUMABLE_SETTINGS` and the same training
+    sequences (:func:`data_digest`; a :class:`ConfigError` naming what differs). ``max_epochs`` stops this call after
     that many epochs (train a CPU budget in chunks, then resume). Returns ``{"steps", "epochs",
     "pairs", "seconds", "first_loss", "last_loss", "checkpoint"}``; the losses are means over
     the first and last 10 % of the steps so far.
@@ -282,6 +357,9 @@ def train_siamfc(
 
     run_dir = Path(run_dir)
     ckpt_path = run_dir / "checkpoints" / "last.pt"
+    if resume and not ckpt_path.is_file():  # else a fresh run, silently (a misspelt --run-dir)
+        raise CheckpointError(f"nothing to resume in {run_dir}: it holds no checkpoints/last.pt (no epoch of a "
+                              "run there has finished); train without --resume to start one")
     seed_everything(config.seed)
     if config.threads:
         torch.set_num_threads(config.threads)
@@ -304,7 +382,7 @@ def train_siamfc(
     losses: list[float] = []
     start_epoch, step, elapsed = 0, 0, 0.0
     log_path = run_dir / "log.jsonl"
-    if resume and ckpt_path.is_file():
+    if resume:
         try:
             state = torch.load(ckpt_path, map_location="cpu", weights_only=True)
         except Exception as exc:  # a truncated or foreign file: one line, not a traceback
@@ -313,6 +391,7 @@ def train_siamfc(
         if ts is None or state.get("format") != CHECKPOINT_FORMAT:
             raise CheckpointError(f"{ckpt_path} holds no training state to resume from: "
                                   "train again without --resume")
+        _check_resumable(run_dir, state, config, pairs.sequences)
         if float(state["width"]) != float(config.width):
             raise CheckpointError(f"{ckpt_path} has width {state['width']} but the config "
                                   f"says {config.width}: resume with the run's config.yaml")
@@ -336,6 +415,7 @@ def train_siamfc(
         from tqdm import tqdm
 
         bar = tqdm(total=total, initial=step, desc="siamfc", unit="step")
+    digest = data_digest(pairs.sequences)
     model.train()
     with log_path.open("a") as log:
         for epoch in range(start_epoch, end_epoch):
@@ -371,7 +451,7 @@ def train_siamfc(
             train_state = {
                 "optimizer": opt.state_dict(), "scheduler": sched.state_dict(),
                 "generator": gen.get_state(), "epoch": epoch + 1, "step": step,
-                "losses": losses, "seconds": time.perf_counter() - t_start,
+                "losses": losses, "seconds": time.perf_counter() - t_start, "data_digest": digest,
             }
             save_siamfc(ckpt_path, model, tracker_cfg,
                         {"epoch": epoch + 1, "step": step, "seed": config.seed}, train_state)
