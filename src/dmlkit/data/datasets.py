@@ -500,7 +500,8 @@ def load_csv(root: str | os.PathLike | None = None, download: bool = False, *,
     Relative paths are resolved against ``image_root`` (default: the CSV's folder). Integer
     labels are kept as class ids; other labels get ids 0..C-1 in sorted order. A ``split``
     column (``train`` / ``val`` / ``test`` per class, or ``query`` / ``gallery`` per sample)
-    defines the default split; a class listed under two of train/val/test is an error.
+    defines the default split; a class listed under two of train/val/test is an error, and so
+    is an image listed twice (the error names both lines).
     """
     csv_path = Path(path or root or "")
     if not str(path or root or "") or not csv_path.is_file():
@@ -515,7 +516,10 @@ def load_csv(root: str | os.PathLike | None = None, download: bool = False, *,
         if "path" not in fields or "label" not in fields:
             raise DataError(f"{csv_path}: the header must name columns 'path' and 'label' "
                             f"(and optionally 'split'), got {reader.fieldnames}")
-        rows = [{k.strip().lower(): (v or "").strip() for k, v in r.items() if k} for r in reader]
+        rows, lines = [], []  # lines: each row's last line in the file (blank lines counted)
+        for r in reader:
+            rows.append({k.strip().lower(): (v or "").strip() for k, v in r.items() if k})
+            lines.append(reader.line_num)
     if not rows:
         raise DataError(f"{csv_path}: no rows")
     raw_labels = [r["label"] for r in rows]
@@ -533,6 +537,7 @@ def load_csv(root: str | os.PathLike | None = None, download: bool = False, *,
         labels = [ids[s] for s in raw_labels]
         names = {i: s for s, i in ids.items()}
     paths = [Path(r["path"]) if Path(r["path"]).is_absolute() else base / r["path"] for r in rows]
+    _refuse_repeated_paths(csv_path, rows, paths, lines)
     _check_files("csv", base, paths)
     class_groups: dict[int, str] = {}
     sample_groups = None
@@ -554,3 +559,15 @@ def load_csv(root: str | os.PathLike | None = None, download: bool = False, *,
         split_groups=TRAIN_TEST, sample_groups=sample_groups, transform=transform,
         name=f"csv:{csv_path.stem}", skip_corrupt=skip_corrupt, meta={"root": str(base)},
     )
+
+
+def _refuse_repeated_paths(csv_path: Path, rows: Sequence[dict[str, str]], paths: Sequence[Path],
+                           lines: Sequence[int]) -> None:
+    """Refuse a CSV that lists one image twice (``a.png`` and ``./a.png`` too): it became two
+    items, and a query found its own copy as a positive."""
+    first: dict[str, int] = {}
+    for i, (path, line) in enumerate(zip(paths, lines)):
+        seen = first.setdefault(os.path.normpath(os.path.abspath(path)), i)
+        if seen != i:
+            raise DataError(f"{csv_path}: line {line} lists {rows[i]['path']!r}, the image of line "
+                            f"{lines[seen]} ({rows[seen]['path']!r}) again: list each image once")
