@@ -5,10 +5,14 @@ and a dataset whose every image is unreadable."""
 from __future__ import annotations
 
 import json
+import warnings
+from pathlib import Path
 
 import numpy as np
 import pytest
+from PIL import Image
 
+from dmlkit.data import ImageFileDataset, default_split, load_dataset
 from dmlkit.embeddings import load_embeddings, save_embeddings
 from dmlkit.exceptions import DataError, ShapeError
 from dmlkit.metrics import evaluate
@@ -50,3 +54,93 @@ def test_load_embeddings_refuses_a_class_table_for_integer_labels_or_a_bad_table
         load_embeddings(tmp_path / "named.npz", class_names=["a", "b", "a"])
     with pytest.raises(ShapeError, match="1-D"):
         load_embeddings(tmp_path / "named.npz", class_names=[["a", "b"]])
+
+
+# -- image files for the dataset tests ----------------------------------------------------------
+def _png(path: Path, value: int = 0) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    Image.new("L", (4, 4), value).save(path)
+    return path
+
+
+def _csv(tmp_path: Path, rows: list[str], header: str = "path,label,split") -> Path:
+    for row in filter(None, rows):
+        _png(tmp_path / row.split(",")[0])
+    path = tmp_path / "items.csv"
+    path.write_text("\n".join([header, *rows]) + "\n")
+    return path
+
+
+# -- 3. a CSV split column without test (or train) rows is an error, not the half/half split -----
+@pytest.mark.parametrize("values, lacking", [(("train", "val", "train", "val"), "'test'"),
+                                             (("train", "train", "train", "train"), "'test'"),
+                                             (("query", "gallery", "query", "gallery"), "'train'")])
+def test_default_split_refuses_a_csv_split_column_without_test_or_train_rows(tmp_path, values, lacking):
+    rows = [f"c{i}/{j}.png,c{i},{values[i]}" for i in range(4) for j in range(2)]
+    ds = load_dataset("csv", root=_csv(tmp_path, rows))
+    with pytest.raises(DataError, match=lacking) as info:
+        default_split(ds)
+    for value in set(values):  # the values the column holds are named
+        assert repr(value) in str(info.value)
+
+
+def test_default_split_still_reads_a_complete_csv_split_column(tmp_path):
+    rows = [f"c{i}/0.png,c{i},{s}" for i, s in enumerate(("train", "train", "val", "test"))]
+    split = default_split(load_dataset("csv", root=_csv(tmp_path, rows)))
+    assert (list(split.train), list(split.val), list(split.test)) == ([0, 1], [2], [3])
+
+
+# -- 4. a CSV listing the same image twice ------------------------------------------------------
+def test_csv_refuses_the_same_image_listed_twice(tmp_path):
+    rows = ["a/0.png,a", "a/1.png,a", "b/0.png,b", "./a/1.png,b"]  # line 5 names line 3's file
+    with pytest.raises(DataError, match=r"line 5 lists '\./a/1\.png', the image of line 3 \('a/1\.png'\)"):
+        load_dataset("csv", root=_csv(tmp_path, rows, header="path,label"))
+
+
+def test_csv_duplicate_line_numbers_count_blank_lines(tmp_path):
+    rows = ["a/0.png,a", "", "b/0.png,b", "a/0.png,a"]  # a blank line: the repeat is on line 5
+    with pytest.raises(DataError, match=r"line 5.*line 2"):
+        load_dataset("csv", root=_csv(tmp_path, rows, header="path,label"))
+
+
+# -- 5. an empty class folder leaves no gap in the class ids -------------------------------------
+def test_image_folder_skips_an_empty_class_folder_with_contiguous_ids(tmp_path):
+    for cls in ("a", "c"):
+        for j in range(2):
+            _png(tmp_path / cls / f"{j}.png")
+    (tmp_path / "b").mkdir()  # empty
+    (tmp_path / "d").mkdir()
+    (tmp_path / "d" / "notes.txt").write_text("no images here")
+    with pytest.warns(UserWarning, match=r"2 class folder\(s\) without images.*'b', 'd'"):
+        ds = load_dataset("image_folder", root=tmp_path)
+    assert ds.labels.tolist() == [0, 0, 1, 1]
+    assert ds.class_names == {0: "a", 1: "c"} and ds.num_classes == 2
+
+
+def test_image_folder_without_empty_folders_does_not_warn(tmp_path):
+    for cls in ("a", "b"):
+        _png(tmp_path / cls / "0.png")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        ds = load_dataset("image_folder", root=tmp_path)
+    assert ds.class_names == {0: "a", 1: "b"}
+
+
+# -- 6. skip_corrupt with every image unreadable --------------------------------------------------
+def test_skip_corrupt_with_no_readable_image_is_one_error(tmp_path):
+    for cls in ("a", "b"):
+        (tmp_path / cls).mkdir()
+        (tmp_path / cls / "0.png").write_bytes(b"not a png")
+    with pytest.raises(DataError, match=r"none of the 2 images.*could be read.*a/0\.png"):
+        load_dataset("image_folder", root=tmp_path, skip_corrupt=True)
+    with pytest.raises(DataError, match="none of the 2 images"):
+        ImageFileDataset([tmp_path / "a" / "0.png", tmp_path / "b" / "0.png"], [0, 1], skip_corrupt=True)
+
+
+def test_skip_corrupt_keeps_the_readable_images(tmp_path):
+    _png(tmp_path / "a" / "0.png")
+    (tmp_path / "b").mkdir()
+    (tmp_path / "b" / "0.png").write_bytes(b"not a png")
+    with pytest.warns(UserWarning, match="skipped 1 unreadable"):
+        ds = load_dataset("image_folder", root=tmp_path, skip_corrupt=True)
+    assert len(ds) == 1 and ds.skipped == [str(tmp_path / "b" / "0.png")]

@@ -541,6 +541,7 @@ def load_csv(root: str | os.PathLike | None = None, download: bool = False, *,
     _check_files("csv", base, paths)
     class_groups: dict[int, str] = {}
     sample_groups = None
+    meta: dict[str, Any] = {"root": str(base)}
     if "split" in fields and any(r.get("split") for r in rows):
         splits = [r.get("split", "").lower() for r in rows]
         for c, s in zip(labels, splits):
@@ -554,10 +555,11 @@ def load_csv(root: str | os.PathLike | None = None, download: bool = False, *,
                 )
         if any(s in ("query", "gallery") for s in splits):
             sample_groups = splits
+        meta["split_column"] = sorted(set(splits))  # default_split refuses one without train or test
     return ImageFileDataset(
         paths, labels, mode=mode, class_names=names, class_groups=class_groups,
         split_groups=TRAIN_TEST, sample_groups=sample_groups, transform=transform,
-        name=f"csv:{csv_path.stem}", skip_corrupt=skip_corrupt, meta={"root": str(base)},
+        name=f"csv:{csv_path.stem}", skip_corrupt=skip_corrupt, meta=meta,
     )
 
 
