@@ -444,8 +444,9 @@ def load_image_folder(root: str | os.PathLike | None = None, download: bool = Fa
                       skip_corrupt: bool = False) -> ImageFileDataset:
     """One sub-folder per class (``root/<class>/**/<image>``), as torchvision's ImageFolder.
 
-    Class ids 0..C-1 follow the sorted folder names (``ds.class_names`` maps them back). No
-    class groups: :func:`default_split` uses the first / second half of the class order.
+    Class ids 0..C-1 follow the sorted folder names (``ds.class_names`` maps them back); a
+    folder without images is no class (skipped with a warning naming it). No class groups:
+    :func:`default_split` uses the first / second half of the class order.
     """
     folder = Path(path or root or "")
     if not str(path or root or "") or not folder.is_dir():
@@ -458,9 +459,13 @@ def load_image_folder(root: str | os.PathLike | None = None, download: bool = Fa
                           f"got {extensions!r}")
     exts = tuple(e.lower() if e.startswith(".") else f".{e.lower()}" for e in extensions)
     class_dirs = sorted(d for d in folder.iterdir() if d.is_dir() and not d.name.startswith("."))
-    paths, labels, names = [], [], {}
-    for cid, d in enumerate(class_dirs):
+    paths, labels, names, empty = [], [], {}, []
+    for d in class_dirs:
         files = sorted(_class_images(d, exts))
+        if not files:  # a class id of its own left a gap: ids not 0..C-1, C one too many
+            empty.append(d.name)
+            continue
+        cid = len(names)
         names[cid] = d.name
         paths.extend(files)
         labels.extend([cid] * len(files))
@@ -468,6 +473,10 @@ def load_image_folder(root: str | os.PathLike | None = None, download: bool = Fa
         raise DataNotFoundError(
             f"image_folder: no images ({', '.join(exts)}) in class sub-folders of {folder}"
         )
+    if empty:
+        shown = ", ".join(repr(n) for n in empty[:5]) + (" ..." if len(empty) > 5 else "")
+        warnings.warn(f"image_folder:{folder.name}: skipped {len(empty)} class folder(s) without images "
+                      f"({', '.join(exts)}): {shown}", stacklevel=2)
     return ImageFileDataset(paths, labels, mode=mode, class_names=names, transform=transform,
                             name=f"image_folder:{folder.name}", skip_corrupt=skip_corrupt,
                             meta={"root": str(folder)})
