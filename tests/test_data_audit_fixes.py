@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
+from dmlkit.apps.index import item_ids
 from dmlkit.data import ImageFileDataset, default_split, load_dataset
 from dmlkit.embeddings import load_embeddings, save_embeddings
 from dmlkit.exceptions import DataError, ShapeError
@@ -144,3 +145,64 @@ def test_skip_corrupt_keeps_the_readable_images(tmp_path):
     with pytest.warns(UserWarning, match="skipped 1 unreadable"):
         ds = load_dataset("image_folder", root=tmp_path, skip_corrupt=True)
     assert len(ds) == 1 and ds.skipped == [str(tmp_path / "b" / "0.png")]
+
+
+# -- 2. a run's rows are mapped onto its dataset only while it is the same dataset ---------------
+def _run(tmp_path: Path, with_split: bool = False) -> tuple[Path, Path]:
+    """A run directory whose test embeddings hold rows 0..5 of an image folder a/0-2, b/0-2."""
+    data = tmp_path / "data" / "folder"
+    for cls in ("a", "b"):
+        for j in range(3):
+            _png(data / cls / f"{j}.png", 40 * j)
+    run = tmp_path / "run"
+    (run / "embeddings").mkdir(parents=True)
+    (run / "config.yaml").write_text(f"name: r\ndata: {{dataset: image_folder, root: {data}}}\n"
+                                     "loss: {name: triplet}\n")
+    ds = load_dataset("image_folder", root=data)
+    if with_split:
+        (run / "split.json").write_text(json.dumps({"train": [0], "test": [1], "meta": {
+            "class_names": {"0": "a", "1": "b"}}}))
+    save_embeddings(run / "embeddings" / "test.npz", np.eye(6), ds.labels, indices=np.arange(6))
+    return run / "embeddings" / "test.npz", data
+
+
+def _ids(emb: Path, data: Path):
+    with np.load(emb) as z:
+        return item_ids(emb, {"indices": z["indices"]}, data, z["labels"])[0]
+
+
+def test_item_ids_of_an_unchanged_run_are_its_files(tmp_path):
+    emb, data = _run(tmp_path, with_split=True)
+    assert _ids(emb, data).tolist() == [f"{c}/{j}.png" for c in "ab" for j in range(3)]
+
+
+def test_item_ids_refuse_a_dataset_that_lost_items(tmp_path):
+    emb, data = _run(tmp_path)
+    (data / "a" / "0.png").unlink()  # rows shift: row 0 would be a/1.png, row 5 past the end
+    with pytest.raises(DataError, match=r"changed since it was embedded \(row 5 of the file is past its 5 items\)"):
+        _ids(emb, data)
+
+
+def test_item_ids_refuse_a_dataset_whose_rows_hold_other_classes(tmp_path):
+    emb, data = _run(tmp_path)
+    (data / "b" / "0.png").rename(data / "a" / "3.png")  # same count, row 3 is now an 'a' image
+    with pytest.raises(DataError, match=r"row 3 is class 1 in the file and 0 in the data; 1 of its 6 rows differ"):
+        _ids(emb, data)
+
+
+def test_item_ids_refuse_classes_renumbered_since_the_run(tmp_path):
+    emb, data = _run(tmp_path, with_split=True)
+    for cls in ("a", "b"):  # the same items under new folder names: labels agree, classes do not
+        (data / cls).rename(data / f"z{cls}")
+    (data / "za").rename(data / "b")
+    (data / "zb").rename(data / "c")
+    with pytest.raises(DataError, match="class 0 was 'a' and is 'b'"):
+        _ids(emb, data)
+
+
+def test_dmlkit_index_refuses_a_run_whose_dataset_changed(tmp_path, run_cli):
+    emb, data = _run(tmp_path)
+    (data / "a" / "0.png").unlink()
+    code, _, err = run_cli(["index", str(emb), "-o", str(tmp_path / "index"), "--data-root", str(data)])
+    assert code == 2 and "changed since it was embedded" in err and "Traceback" not in err
+    assert not (tmp_path / "index").exists()
