@@ -24,7 +24,7 @@ import json
 import os
 import re
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -471,15 +471,24 @@ def save_embeddings(path: str | os.PathLike, embeddings: Any, labels: Any, **ext
 
 
 def load_embeddings(
-    path: str | os.PathLike, labels_path: str | os.PathLike | None = None
+    path: str | os.PathLike, labels_path: str | os.PathLike | None = None, *,
+    class_names: Sequence[str] | np.ndarray | None = None,
 ) -> tuple[np.ndarray, np.ndarray, dict[str, np.ndarray]]:
     """Read ``(embeddings, labels, extra)`` from ``.npz``, ``.npy`` or ``.pt``.
 
     ``.npz`` and ``.pt`` files hold ``embeddings`` and ``labels`` (a ``.pt`` may also be a
     ``(embeddings, labels)`` tuple). A ``.npy`` holds embeddings only: pass ``labels_path``
     (``.npy``/``.txt``/``.csv``, one integer label per row).
+
+    Class-name labels (strings, or codes with their ``class_names`` as :func:`save_embeddings`
+    writes them) are returned as int64 codes into ``extra["class_names"]``: the file's sorted
+    names, or, with ``class_names`` (e.g. the ``extra["class_names"]`` of a query file read
+    first), that table followed by the file's names it lacks, so two files' codes name the
+    same classes (each file coded alone, code 0 of one is another class than code 0 of the
+    other). ``class_names`` with integer labels is a :class:`~dmlkit.exceptions.ShapeError`.
     """
     path = Path(path)
+    table = None if class_names is None else _class_table(class_names)
     emb, labels, extra = read_embedding_file(path, labels_path)
     emb = np.asarray(emb)
     if emb.ndim != 2:
@@ -488,12 +497,26 @@ def load_embeddings(
     # row, as in the CLI (the cast below turned 1e39 into inf with only numpy's RuntimeWarning)
     check_embeddings(emb, name=f"embeddings in {path}")
     # integer labels pass; fractional, NaN or mixed labels are refused (never truncated);
-    # string labels become codes of their sorted names, kept in extra["class_names"] (codes are
-    # per file: compare two files' classes by extra["class_names"][labels])
-    labels, names = check_labels(np.asarray(labels), emb.shape[0], name=f"labels of {path}")
+    # string labels become codes of the given table (else of their sorted names), kept in
+    # extra["class_names"]
+    labels, names = check_labels(np.asarray(labels), emb.shape[0], name=f"labels of {path}",
+                                 class_names=table)
     if names is not None:
         extra["class_names"] = np.asarray(names)
     return emb.astype(np.float32, copy=False), labels, extra
+
+
+def _class_table(class_names: Sequence[str] | np.ndarray) -> list[str]:
+    """``class_names`` of :func:`load_embeddings` as a list of distinct strings."""
+    arr = np.asarray(class_names)
+    if arr.ndim != 1 or (arr.size and arr.dtype.kind != "U"):
+        raise ShapeError(f"class_names must be a 1-D list of class-name strings (e.g. another file's "
+                         f"extra['class_names']), got {arr.dtype} of shape {arr.shape}")
+    table = [str(c) for c in arr.tolist()]
+    if len(set(table)) != len(table):
+        twice = next(c for i, c in enumerate(table) if c in table[:i])
+        raise ShapeError(f"class_names holds {twice!r} twice: pass each class name once")
+    return table
 
 
 def _to_numpy(x: Any) -> np.ndarray:

@@ -24,7 +24,7 @@ import numpy as np
 
 from dmlkit import __version__
 from dmlkit.apps.index_faiss import _metric, to_gpu
-from dmlkit.data import load_dataset
+from dmlkit.data import ClassSplit, load_dataset
 from dmlkit.exceptions import DataError, DataNotFoundError, DmlkitError, require
 from dmlkit.training import load_config
 from dmlkit.utils import atomic_write_bytes, os_error_message
@@ -293,14 +293,20 @@ def _check_rows(path: Path, index: EmbeddingIndex, next_key: int) -> None:
                                 "rebuild it")
 
 
-def item_ids(path: str | os.PathLike, extra: dict[str, np.ndarray], data_root: str | os.PathLike | None = None
-             ) -> tuple[np.ndarray | None, dict[str, Any]]:
+def item_ids(path: str | os.PathLike, extra: dict[str, np.ndarray], data_root: str | os.PathLike | None = None,
+             labels: np.ndarray | None = None) -> tuple[np.ndarray | None, dict[str, Any]]:
     """Identifiers of the rows of an embeddings file, and facts for the index's ``info``.
 
     In order: the file's ``paths`` or ``ids`` array; for ``RUN_DIR/embeddings/<split>.npz``
     written by ``dmlkit train`` (which stores the dataset rows as ``indices``), the items' file
     paths from the run's dataset, relative to the data root (stable across machines); else the
     ``indices`` as strings; else ``None`` (row numbers).
+
+    The run's rows are mapped onto the dataset as it is today, so it must be the run's dataset:
+    a :class:`DataError` says so when a row is past its end, when the file's ``labels`` (pass
+    them) differ from the dataset's labels of those rows, or when the run's ``split.json``
+    names its classes otherwise (a class folder added or removed since); the results named
+    other files before.
     """
     facts: dict[str, Any] = {}
     for key in ("paths", "ids"):
@@ -323,6 +329,7 @@ def item_ids(path: str | os.PathLike, extra: dict[str, np.ndarray], data_root: s
             storage_rows = np.asarray(getattr(dataset, "_rows", np.arange(len(dataset))))
             where = np.searchsorted(storage_rows, rows)
             if np.all(where < len(storage_rows)) and np.all(storage_rows[np.minimum(where, len(storage_rows) - 1)] == rows):
+                _check_same_dataset(path, run_dir, dataset, where, labels)
                 all_paths = np.asarray(paths, dtype=object)[where]
                 root_s = os.fspath(root)
                 facts["data_root"] = str(Path(root_s).resolve())
@@ -330,4 +337,37 @@ def item_ids(path: str | os.PathLike, extra: dict[str, np.ndarray], data_root: s
                 rel = [os.path.relpath(p, root_s) if os.path.abspath(p).startswith(os.path.abspath(root_s) + os.sep)
                        else p for p in all_paths]
                 return np.asarray(rel).astype(str), facts
+            _refuse_changed(path, dataset, f"row {int(rows.max())} of the file is past its "
+                                           f"{len(storage_rows)} items")
     return rows.astype(str), facts
+
+
+def _check_same_dataset(path: str | os.PathLike, run_dir: Path, dataset: Any, where: np.ndarray,
+                        labels: np.ndarray | None) -> None:
+    """Refuse a dataset whose items at the run's rows (``where``) are not the run's: their
+    labels (integer ids, or class names) differ from the file's ``labels``, or the run's
+    ``split.json`` names a class otherwise."""
+    if labels is not None:
+        labels = np.asarray(labels)
+        now = dataset.labels[where]
+        if labels.dtype.kind in "US":  # class names (a file saved with names): compare names
+            now = np.asarray([dataset.class_names.get(int(c), str(c)) for c in now.tolist()])
+            labels = labels.astype(str)
+        if labels.shape == now.shape and labels.dtype.kind in "iuUS":
+            differ = np.flatnonzero(labels != now)
+            if differ.size:
+                i = int(differ[0])
+                _refuse_changed(path, dataset, f"row {i} is class {labels.tolist()[i]!r} in the file and "
+                                f"{now.tolist()[i]!r} in the data; {differ.size} of its {labels.size} rows differ")
+    if (run_dir / "split.json").is_file():
+        try:
+            ClassSplit.from_json(run_dir / "split.json").check(dataset)
+        except DataError as exc:  # it names the class that moved and what to do
+            raise DataError(f"{path}: {exc}") from None
+
+
+def _refuse_changed(path: str | os.PathLike, dataset: Any, why: str) -> None:
+    """The one error of :func:`item_ids` for a dataset that is not the run's any more."""
+    raise DataError(f"{path}: the run's dataset {dataset.name!r} changed since it was embedded ({why}), so "
+                    "its rows would name other files: index it with the data the run was made with "
+                    "(--data-root), or embed the run again on today's data (dmlkit embed RUN_DIR)")

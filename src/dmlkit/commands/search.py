@@ -109,7 +109,7 @@ def index(
                 changed["added"] = idx.add_blocks(open_shards(embeddings))
             else:
                 emb, labels, extra = _load_any_embeddings(embeddings)
-                ids, facts = item_ids(embeddings, extra, data_root)
+                ids, facts = item_ids(embeddings, extra, data_root, labels)
                 _refuse_other_dataset_ids(output, idx.info, embeddings, facts)
                 meta = None if idx.metadata is None else [None] * len(emb)
                 try:
@@ -143,7 +143,7 @@ def index(
     shards = open_shards(embeddings) if is_shard_dir(embeddings) else None
     if shards is None:
         emb, labels, extra = _load_any_embeddings(embeddings)
-        ids, info = item_ids(embeddings, extra, data_root)
+        ids, info = item_ids(embeddings, extra, data_root, labels)
     else:  # an empty index of the same kind, filled block by block below
         emb = labels = ids = None
         info = {"shards": True}  # ids: dataset rows (_dataset_ids)
@@ -293,10 +293,10 @@ def query(
         q = open_shards(queries)
         qids = q.ids.astype(str)
     else:
-        q, _, extra = _load_any_embeddings(queries)
+        q, qlabels, extra = _load_any_embeddings(queries)
         if len(q) == 0:  # nothing to search is a mistake on the command line, not an empty answer
             raise DataError(f"{queries} holds no query embeddings (shape {tuple(q.shape)})")
-        qids, _ = item_ids(queries, extra, data_root)
+        qids, _ = item_ids(queries, extra, data_root, qlabels)
     if exclude_self and qids is None:
         qids = _indexed_row_ids(idx, q)
         if qids is None:

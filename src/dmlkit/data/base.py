@@ -421,7 +421,7 @@ class ImageFileDataset(MetricDataset):
     ``skip_corrupt=False`` (default): an unreadable image raises :class:`DataError` naming the
     file when it is loaded. ``skip_corrupt=True``: every image is decoded once at construction
     (threads), unreadable ones are dropped and listed in ``ds.skipped`` (a warning gives the
-    count).
+    count); when none is readable that is a :class:`DataError`.
     """
 
     def __init__(self, paths: Sequence[str | os.PathLike], labels: Sequence[int] | np.ndarray, *,
@@ -436,6 +436,15 @@ class ImageFileDataset(MetricDataset):
         super().__init__(labels, **kwargs)
         if skip_corrupt and len(self):
             ok = self._check_readable(num_threads)
+            if not ok.any():  # else an empty dataset, refused later as "0 classes"
+                try:
+                    load_image(self._paths[0], None)
+                    why = ""
+                except DataError as exc:  # PIL's reason, without load_image's skip_corrupt hint
+                    why = f": {exc.__cause__ or exc}"
+                raise DataError(f"{self.name}: none of the {len(ok)} images could be read, e.g. "
+                                f"{self._paths[0]}{why}; check the files (are they images, fully "
+                                "copied?) or the data root")
             if not ok.all():
                 self.skipped = [str(p) for p in self._paths[~ok]]
                 warnings.warn(

@@ -444,8 +444,9 @@ def load_image_folder(root: str | os.PathLike | None = None, download: bool = Fa
                       skip_corrupt: bool = False) -> ImageFileDataset:
     """One sub-folder per class (``root/<class>/**/<image>``), as torchvision's ImageFolder.
 
-    Class ids 0..C-1 follow the sorted folder names (``ds.class_names`` maps them back). No
-    class groups: :func:`default_split` uses the first / second half of the class order.
+    Class ids 0..C-1 follow the sorted folder names (``ds.class_names`` maps them back); a
+    folder without images is no class (skipped with a warning naming it). No class groups:
+    :func:`default_split` uses the first / second half of the class order.
     """
     folder = Path(path or root or "")
     if not str(path or root or "") or not folder.is_dir():
@@ -458,9 +459,13 @@ def load_image_folder(root: str | os.PathLike | None = None, download: bool = Fa
                           f"got {extensions!r}")
     exts = tuple(e.lower() if e.startswith(".") else f".{e.lower()}" for e in extensions)
     class_dirs = sorted(d for d in folder.iterdir() if d.is_dir() and not d.name.startswith("."))
-    paths, labels, names = [], [], {}
-    for cid, d in enumerate(class_dirs):
+    paths, labels, names, empty = [], [], {}, []
+    for d in class_dirs:
         files = sorted(_class_images(d, exts))
+        if not files:  # a class id of its own left a gap: ids not 0..C-1, C one too many
+            empty.append(d.name)
+            continue
+        cid = len(names)
         names[cid] = d.name
         paths.extend(files)
         labels.extend([cid] * len(files))
@@ -468,6 +473,10 @@ def load_image_folder(root: str | os.PathLike | None = None, download: bool = Fa
         raise DataNotFoundError(
             f"image_folder: no images ({', '.join(exts)}) in class sub-folders of {folder}"
         )
+    if empty:
+        shown = ", ".join(repr(n) for n in empty[:5]) + (" ..." if len(empty) > 5 else "")
+        warnings.warn(f"image_folder:{folder.name}: skipped {len(empty)} class folder(s) without images "
+                      f"({', '.join(exts)}): {shown}", stacklevel=2)
     return ImageFileDataset(paths, labels, mode=mode, class_names=names, transform=transform,
                             name=f"image_folder:{folder.name}", skip_corrupt=skip_corrupt,
                             meta={"root": str(folder)})
@@ -500,7 +509,8 @@ def load_csv(root: str | os.PathLike | None = None, download: bool = False, *,
     Relative paths are resolved against ``image_root`` (default: the CSV's folder). Integer
     labels are kept as class ids; other labels get ids 0..C-1 in sorted order. A ``split``
     column (``train`` / ``val`` / ``test`` per class, or ``query`` / ``gallery`` per sample)
-    defines the default split; a class listed under two of train/val/test is an error.
+    defines the default split; a class listed under two of train/val/test is an error, and so
+    is an image listed twice (the error names both lines).
     """
     csv_path = Path(path or root or "")
     if not str(path or root or "") or not csv_path.is_file():
@@ -515,7 +525,10 @@ def load_csv(root: str | os.PathLike | None = None, download: bool = False, *,
         if "path" not in fields or "label" not in fields:
             raise DataError(f"{csv_path}: the header must name columns 'path' and 'label' "
                             f"(and optionally 'split'), got {reader.fieldnames}")
-        rows = [{k.strip().lower(): (v or "").strip() for k, v in r.items() if k} for r in reader]
+        rows, lines = [], []  # lines: each row's last line in the file (blank lines counted)
+        for r in reader:
+            rows.append({k.strip().lower(): (v or "").strip() for k, v in r.items() if k})
+            lines.append(reader.line_num)
     if not rows:
         raise DataError(f"{csv_path}: no rows")
     raw_labels = [r["label"] for r in rows]
@@ -533,9 +546,11 @@ def load_csv(root: str | os.PathLike | None = None, download: bool = False, *,
         labels = [ids[s] for s in raw_labels]
         names = {i: s for s, i in ids.items()}
     paths = [Path(r["path"]) if Path(r["path"]).is_absolute() else base / r["path"] for r in rows]
+    _refuse_repeated_paths(csv_path, rows, paths, lines)
     _check_files("csv", base, paths)
     class_groups: dict[int, str] = {}
     sample_groups = None
+    meta: dict[str, Any] = {"root": str(base)}
     if "split" in fields and any(r.get("split") for r in rows):
         splits = [r.get("split", "").lower() for r in rows]
         for c, s in zip(labels, splits):
@@ -549,8 +564,21 @@ def load_csv(root: str | os.PathLike | None = None, download: bool = False, *,
                 )
         if any(s in ("query", "gallery") for s in splits):
             sample_groups = splits
+        meta["split_column"] = sorted(set(splits))  # default_split refuses one without train or test
     return ImageFileDataset(
         paths, labels, mode=mode, class_names=names, class_groups=class_groups,
         split_groups=TRAIN_TEST, sample_groups=sample_groups, transform=transform,
-        name=f"csv:{csv_path.stem}", skip_corrupt=skip_corrupt, meta={"root": str(base)},
+        name=f"csv:{csv_path.stem}", skip_corrupt=skip_corrupt, meta=meta,
     )
+
+
+def _refuse_repeated_paths(csv_path: Path, rows: Sequence[dict[str, str]], paths: Sequence[Path],
+                           lines: Sequence[int]) -> None:
+    """Refuse a CSV that lists one image twice (``a.png`` and ``./a.png`` too): it became two
+    items, and a query found its own copy as a positive."""
+    first: dict[str, int] = {}
+    for i, (path, line) in enumerate(zip(paths, lines)):
+        seen = first.setdefault(os.path.normpath(os.path.abspath(path)), i)
+        if seen != i:
+            raise DataError(f"{csv_path}: line {line} lists {rows[i]['path']!r}, the image of line "
+                            f"{lines[seen]} ({rows[seen]['path']!r}) again: list each image once")

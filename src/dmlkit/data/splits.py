@@ -281,7 +281,8 @@ def default_split(
     Uses the dataset's class groups (``dataset.class_groups`` and ``dataset.split_groups``:
     Omniglot background -> train / evaluation -> test, CUB 1-100 / 101-200, Cars 1-98 /
     99-196, SOP and In-Shop official lists, a CSV's split column). A dataset without groups is
-    split in half by class order (the literature convention). ``val_fraction > 0`` moves the
+    split in half by class order (the literature convention). A CSV split column without
+    train or without test rows raises :class:`DataError` naming the values it holds. ``val_fraction > 0`` moves the
     last ``round(val_fraction * n_train)`` (at least one) training classes in ``order``
     (``"default"`` class order or a seeded ``"random"`` order) to the validation set.
     """
@@ -307,6 +308,15 @@ def default_split(
                 "class a group, or no groups at all for the half/half split"
             )
         meta["method"] = f"default ({train_group} / {test_group})"
+    elif dataset.meta.get("split_column"):  # a CSV's split column: never silently the halves
+        found = ", ".join(repr(v) for v in dataset.meta["split_column"])
+        lacking = " or ".join(f"{g!r} rows" + (" ('query'/'gallery' count as test)" if g == "test" else "")
+                              for g in ("train", "test") if groups.get(g) not in by_group)
+        raise DataError(
+            f"dataset {dataset.name!r}: its split column has no {lacking} (values found: {found}); "
+            "mark the classes to train on 'train' and those to test on 'test', or drop the split "
+            "column (first / second half of the classes), or choose another split (data.split.kind)"
+        )
     else:
         half = split_classes(dataset.classes.tolist(), (1, 0, 1))
         train, val, test = list(half.train), [], list(half.test)
