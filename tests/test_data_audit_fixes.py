@@ -104,6 +104,12 @@ def test_csv_duplicate_line_numbers_count_blank_lines(tmp_path):
         load_dataset("csv", root=_csv(tmp_path, rows, header="path,label"))
 
 
+def test_csv_unlabelled_row_line_numbers_count_blank_lines(tmp_path):
+    rows = ["a/0.png,a", "", "b/0.png,"]  # a blank line: the unlabelled row is on line 4
+    with pytest.raises(DataError, match=r"1 row\(s\) have no label \(line\(s\) 4\)"):
+        load_dataset("csv", root=_csv(tmp_path, rows, header="path,label"))
+
+
 # -- 5. an empty class folder leaves no gap in the class ids -------------------------------------
 def test_image_folder_skips_an_empty_class_folder_with_contiguous_ids(tmp_path):
     for cls in ("a", "c"):

@@ -534,8 +534,8 @@ def load_csv(root: str | os.PathLike | None = None, download: bool = False, *,
     raw_labels = [r["label"] for r in rows]
     unlabelled = [i for i, s in enumerate(raw_labels) if not s]
     if unlabelled:  # else one class named "" of unrelated images
-        lines = ", ".join(str(i + 2) for i in unlabelled[:10])
-        raise DataError(f"{csv_path}: {len(unlabelled)} row(s) have no label (line(s) {lines}): "
+        where = ", ".join(str(lines[i]) for i in unlabelled[:10])
+        raise DataError(f"{csv_path}: {len(unlabelled)} row(s) have no label (line(s) {where}): "
                         "give every image its class")
     if all(re.fullmatch(r"-?\d+", s) for s in raw_labels) and len({int(s) for s in raw_labels}) == len(set(raw_labels)):
         labels = [int(s) for s in raw_labels]
