@@ -9,6 +9,7 @@ images, for thumbnails) are left out with a note saying why, never faked.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import warnings
 from collections.abc import Callable, Mapping, Sequence
@@ -570,4 +571,11 @@ def mean_of(cell: Any) -> float:
 
 
 def _slug(name: str) -> str:
-    return "".join(ch if ch.isalnum() else "_" for ch in name)
+    """A file-name part for ``name``, one per name: a plain name (lowercase ASCII letters, digits,
+    ``_``) as it is, any other with each other character as ``_`` and 8 hex digits of the name's
+    SHA-256 (``ms-1`` and ``ms_1``, or ``MS`` and ``ms`` on a case-insensitive disk, wrote one
+    ``curves_ms_1.png``, shown under both methods' captions)."""
+    safe = "".join(ch if ch.isascii() and ch.isalnum() else "_" for ch in name)
+    if safe == name and name == name.lower():
+        return name
+    return f"{safe}_{hashlib.sha256(name.encode()).hexdigest()[:8]}"

@@ -1,0 +1,79 @@
+"""Report audit: figure files of methods whose names differ in punctuation, methods missing from
+results.json, ties in the best cells, the 2-D map's classes, wrongly typed results fields,
+compare's names for two benches of one name. Small synthetic benches; the figures are not drawn
+(``figures.save_figure`` writes a 2 x 2 PNG), so each test takes well under two seconds."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import matplotlib.pyplot as plt
+import numpy as np
+import pytest
+from PIL import Image
+
+from _reference import bench_entries
+from dmlkit.protocol.config import bench_config_from_dict
+from dmlkit.protocol.results import build_results, write_results
+from dmlkit.protocol.splits import make_bench_split
+from dmlkit.report import figures
+from dmlkit.report.builder import ReportOptions, build_report
+
+LABELS = np.repeat(np.arange(6), 4)
+LOSSES = {"contrastive": "contrastive", "triplet": "triplet"}
+
+
+def _bench(folder: Path, methods=(("contrastive", 1.5), ("ms", 0.9)), configured=None, name="b") -> Path:
+    """A bench directory whose results.json has final runs of ``methods`` (name, noise); the
+    config lists ``configured`` (default: the same names)."""
+    names = configured or [n for n, _ in methods]
+    cfg = bench_config_from_dict({
+        "name": name, "fixed": {"data": {"dataset": "omniglot"}, "model": {"embedding_size": 8}},
+        "protocol": {"seeds": [0, 1, 2], "trials": 1},
+        "methods": [{"name": n, "loss": {"name": LOSSES.get(n, "multi_similarity")}} for n in names]})
+    entries = bench_entries(folder, cfg, LABELS, 6, methods=tuple(methods))
+    write_results(build_results(cfg, make_bench_split(range(12), "halves", folds=2), entries,
+                                bench_dir=folder), folder)
+    return folder
+
+
+@pytest.fixture
+def no_drawing(monkeypatch):
+    """``figures.save_figure`` closes the figure and writes a tiny PNG: the bases it saved."""
+    saved: list[str] = []
+
+    def save(fig, base, formats=("png", "svg")):
+        plt.close(fig)
+        base = Path(base)
+        base.parent.mkdir(parents=True, exist_ok=True)
+        Image.new("RGB", (2, 2), (len(saved) % 256, 0, 0)).save(f"{base}.png")
+        saved.append(base.name)
+        return [Path(f"{base}.png"), None]
+
+    monkeypatch.setattr(figures, "save_figure", save)
+    return saved
+
+
+def _figure_links(html: str) -> dict[str, str]:
+    """``{caption: linked PNG}`` of the page's figures."""
+    return dict(re.findall(r'<figcaption>(.*?) \(<a href="([^"]+)">PNG</a>', html))
+
+
+# -- 1: one curves file per method, also for names differing only in punctuation -----------------
+def test_methods_differing_in_punctuation_get_their_own_curves_file(tmp_path, no_drawing):
+    d = _bench(tmp_path, methods=(("ms-1", 0.9), ("ms_1", 1.5), ("MS_1", 1.2)))
+    results = json.loads((d / "results.json").read_text())
+    for name, loss in (("ms-1", 5.0), ("ms_1", 1.0), ("MS_1", 2.0)):
+        for run in results["methods"][name]["runs"]:
+            (d / run["run_dir"] / "log.jsonl").write_text(
+                json.dumps({"event": "train", "step": 1, "loss": loss}) + "\n")
+    html = build_report(d, options=ReportOptions(maps=())).read_text()
+    links = {c: f for c, f in _figure_links(html).items() if "training curves" in c}
+    assert len(links) == 3
+    files = list(links.values())
+    # three files, and none that differs from another only in letter case (macOS, Windows)
+    assert len({f.lower() for f in files}) == 3, links
+    assert links["ms_1: training curves of the final runs"] == "figures/curves_ms_1.png"
+    assert all((d / f).is_file() for f in files)
