@@ -77,3 +77,41 @@ def test_methods_differing_in_punctuation_get_their_own_curves_file(tmp_path, no
     assert len({f.lower() for f in files}) == 3, links
     assert links["ms_1: training curves of the final runs"] == "figures/curves_ms_1.png"
     assert all((d / f).is_file() for f in files)
+
+
+# -- 3: one rule for the best cells of results.md, the terminal and the HTML report ---------------
+def _md_bold(md: str) -> set[tuple[str, int]]:
+    rows = [line.split("|")[1:-1] for line in md.splitlines() if line.startswith("| ") and "**P@1**" not in line]
+    return {(r[0].strip(), j) for r in rows[1:] for j, c in enumerate(r[1:], 1) if c.strip().startswith("**")}
+
+
+def _rich_bold(table) -> set[tuple[str, int]]:
+    names = list(table.columns[0]._cells)
+    return {(names[i], j) for j, col in enumerate(table.columns[1:], 1)
+            for i, c in enumerate(col._cells) if str(c).startswith("[bold]")}
+
+
+def _html_bold(html: str) -> set[tuple[str, int]]:
+    table = html[html.index("<table>"):html.index("</table>")]
+    out = set()
+    for row in re.findall(r"<tr>(<td.*?)</tr>", table):
+        cells = re.findall(r"<td( class=\"best\")?>(.*?)</td>", row)
+        out |= {(cells[0][1], j) for j, (best, _) in enumerate(cells) if best}
+    return out
+
+
+def test_tied_methods_are_all_bold_in_markdown_terminal_and_html(tmp_path, no_drawing):
+    from dmlkit.protocol.results import load_results, render_markdown, rich_table
+
+    d = _bench(tmp_path, methods=(("contrastive", 1.5), ("ms", 0.9), ("arcface", 0.9)))
+    data = json.loads((d / "results.json").read_text())
+    for name, p1 in (("ms", 0.61231), ("arcface", 0.61234)):  # 61.23 both, as shown
+        data["methods"][name]["concatenated"]["map_at_r"]["mean"] = 0.5  # an exact tie
+        data["methods"][name]["concatenated"]["precision_at_1"]["mean"] = p1
+    (d / "results.json").write_text(json.dumps(data))
+    results = load_results(d)
+    md, terminal = _md_bold(render_markdown(results)), _rich_bold(rich_table(results))
+    html = _html_bold(build_report(d, options=ReportOptions(maps=())).read_text())
+    assert {("ms", 1), ("arcface", 1), ("ms", 3), ("arcface", 3)} <= md
+    assert md == terminal == html
+    assert not any(name == "contrastive" for name, _ in md)

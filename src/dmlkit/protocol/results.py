@@ -3,8 +3,8 @@
 Rows are methods (``pretrained`` first), columns are ``{concatenated, separated} x {P@1, RP,
 MAP@R}`` (plus any extra metrics), each cell ``mean +- half-width`` in percent, the half-width
 being the Student-t 95 % interval over the repeats (:func:`dmlkit.protocol.stats.mean_ci`;
-``n/a`` with a single repeat). The best mean of each column (the pretrained row excluded) is in
-bold, as in the paper's tables. Written as ``results.json`` (everything, traceable),
+``n/a`` with a single repeat). The best mean of each column (the pretrained row excluded; every
+method tied at the shown precision, :func:`best_cells`) is in bold, as in the paper's tables. Written as ``results.json`` (everything, traceable),
 ``results.csv`` (one row per method x mode x metric) and ``results.md``.
 """
 
@@ -32,6 +32,7 @@ from dmlkit.validation import check_embeddings
 __all__ = [
     "METRIC_LABELS",
     "MODES",
+    "best_cells",
     "build_results",
     "embeddings_digest",
     "load_listed_embeddings",
@@ -223,19 +224,24 @@ def is_ranked(name: str, row: Mapping[str, Any]) -> bool:
     return name != "pretrained" and not row.get("seeds_failed")
 
 
-def _best_by_column(results: Mapping[str, Any]) -> dict[tuple[str, str], str]:
-    best: dict[tuple[str, str], tuple[float, str]] = {}
+def best_cells(results: Mapping[str, Any]) -> dict[tuple[str, str], set[str]]:
+    """``{(mode, metric): method names}``: the column's best cells, the one rule behind the bold
+    of results.md, the terminal table and the HTML report. Among the ranked rows
+    (:func:`is_ranked`), the highest mean as :func:`format_cell` shows it (in %, 2 decimals): the
+    methods tied there are all best (results.md bolded only the first of them, the HTML all); a
+    missing, null or NaN mean never is."""
+    shown: dict[tuple[str, str], dict[str, float]] = {}
     for name, row in results["methods"].items():
         if not is_ranked(name, row):
             continue
         for mode in MODES:
-            for m in results["metrics"]:
-                v = row[mode][m].get("mean")
-                if v is None or math.isnan(v):  # never the best (max kept a NaN first row)
+            for metric, cell in (row.get(mode) or {}).items():
+                mean = cell.get("mean") if isinstance(cell, Mapping) else None
+                if mean is None or not math.isfinite(mean):  # never the best
                     continue
-                if (mode, m) not in best or v > best[(mode, m)][0]:
-                    best[(mode, m)] = (v, name)
-    return {key: name for key, (_, name) in best.items()}
+                shown.setdefault((mode, metric), {})[name] = float(f"{mean * 100:.2f}")
+    return {key: {n for n, v in values.items() if v == max(values.values())}
+            for key, values in shown.items()}
 
 
 def _ordered_methods(results: Mapping[str, Any]) -> list[str]:
@@ -247,7 +253,7 @@ def render_markdown(results: Mapping[str, Any]) -> str:
     """The seed's two-level table as Markdown (group row, then metric row)."""
     metrics = results["metrics"]
     dims = results.get("modes", {})
-    best = _best_by_column(results)
+    best = best_cells(results)
     groups = []
     for mode in MODES:
         label = f"{mode.capitalize()} ({dims.get(mode, '?')}-dim)"
@@ -262,7 +268,7 @@ def render_markdown(results: Mapping[str, Any]) -> str:
         for mode in MODES:
             for m in metrics:
                 text = format_cell(row[mode][m])
-                cells.append(f"**{text}**" if best.get((mode, m)) == name else text)
+                cells.append(f"**{text}**" if name in best.get((mode, m), ()) else text)
         lines.append(f"| {row_label(name, row)} | " + " | ".join(cells) + " |")
     split = results.get("split", {})
     seeds = results.get("seeds", [])
@@ -354,7 +360,7 @@ def rich_table(results: Mapping[str, Any]):
 
     metrics = results["metrics"]
     dims = results.get("modes", {})
-    best = _best_by_column(results)
+    best = best_cells(results)
     table = Table(title=f"{results.get('name', 'bench')}: test accuracy (%), mean ± 95 % CI")
     table.add_column("Method")
     for mode in MODES:
@@ -367,7 +373,7 @@ def rich_table(results: Mapping[str, Any]):
         for mode in MODES:
             for m in metrics:
                 text = format_cell(row[mode][m])
-                cells.append(f"[bold]{text}[/]" if best.get((mode, m)) == name else text)
+                cells.append(f"[bold]{text}[/]" if name in best.get((mode, m), ()) else text)
         table.add_row(row_label(name, row), *cells)
     return table
 

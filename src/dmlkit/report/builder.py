@@ -26,9 +26,9 @@ from dmlkit.exceptions import ConfigError, DataError, DataNotFoundError, DmlkitE
 from dmlkit.metrics import knn, per_class, per_query, pos_neg_histograms
 from dmlkit.protocol.compare import baseline_methods
 from dmlkit.protocol.results import (
+    best_cells,
     failure_notes,
     format_cell,
-    is_ranked,
     load_listed_embeddings,
     load_results,
     metric_label,
@@ -470,11 +470,10 @@ def _bench_sections(bench_dir: Path, fig_dir: Path, options: ReportOptions) -> t
             "figures below show that model; train longer or search more before comparing methods."]
            if untrained_best else [])
         + [f"Warning: {note}" for note in failure_notes(results)],  # as results.md says it
-        # neither the untrained row nor a row over fewer seeds is ranked, as in results.md (a
-        # "(3/4 seeds)" row was bolded as the best here)
+        # results.md's bold cells, by the one rule (ties all bold; never the untrained row nor a
+        # row over fewer seeds)
         [table_html(header, [[row_label(r[0], methods[r[0]]), *r[1:]] for r in rows],  # "(2/3 seeds)"
-                    best_columns=range(1, len(header)),
-                    contenders=[i for i, row in enumerate(rows) if is_ranked(row[0], methods[row[0]])])]))
+                    bold=_bold_cells(results, rows, metrics))]))
     concat = {n: {"map_at_r": mean_of(r.get("concatenated", {}).get("map_at_r"))} for n, r in methods.items()}
     baselines = list(baseline_methods(methods).values())
     if baselines and any(m not in baselines for m in concat):  # something to compare with them
@@ -513,6 +512,16 @@ def _bench_sections(bench_dir: Path, fig_dir: Path, options: ReportOptions) -> t
             [], []))
     sections.append(_config_section(bench_dir))
     return f"dmlkit benchmark report: {bench_dir.name}", f"Benchmark directory {bench_dir.resolve()}", sections
+
+
+def _bold_cells(results: Mapping[str, Any], rows: Sequence[Sequence[str]],
+                metrics: Sequence[str]) -> set[tuple[int, int]]:
+    """``(row, column)`` of the results table's cells that :func:`best_cells` calls best (column
+    0 is the method, then each mode's ``metrics``)."""
+    best = best_cells(results)
+    columns = [(mode, m) for mode in ("concatenated", "separated") for m in metrics]
+    return {(i, j + 1) for i, row in enumerate(rows) for j, key in enumerate(columns)
+            if row[0] in best.get(key, ())}
 
 
 def _listed_runs(bench_dir: Path, method: str, entry: Mapping[str, Any]) -> list[dict[str, Any]]:
