@@ -115,3 +115,22 @@ def test_tied_methods_are_all_bold_in_markdown_terminal_and_html(tmp_path, no_dr
     assert {("ms", 1), ("arcface", 1), ("ms", 3), ("arcface", 3)} <= md
     assert md == terminal == html
     assert not any(name == "contrastive" for name, _ in md)
+
+
+# -- 2: configured methods missing from results.json are named; captions name what is drawn -------
+def test_methods_missing_from_the_table_are_named_and_captions_name_the_baselines_drawn(tmp_path, no_drawing):
+    d = _bench(tmp_path, configured=["contrastive", "ms", "triplet"])  # no final runs of triplet
+    md = (d / "results.md").read_text()
+    assert "triplet" in md and "Not in this table: triplet" in md, md
+    html = build_report(d, options=ReportOptions(maps=())).read_text()
+    body = html.split("Configuration and provenance</h2>")[0]  # not the raw config dump
+    assert "Not in this table: triplet" in body
+    caption = next(c for c in _figure_links(html) if c.startswith("Relative improvement"))
+    assert caption == "Relative improvement over contrastive"
+    section = body[body.index(">Papers versus reality</h2>"):]
+    section = section[:section.index("<figure>")]
+    assert "triplet" not in section.replace("no triplet row", ""), section
+    assert "no triplet row" in section
+    # every configured method in the table: no such line
+    full = _bench(tmp_path / "full", configured=["contrastive", "ms"])
+    assert "Not in this table" not in (full / "results.md").read_text()

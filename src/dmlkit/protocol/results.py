@@ -40,6 +40,8 @@ __all__ = [
     "is_ranked",
     "format_cell",
     "load_results",
+    "missing_methods",
+    "missing_note",
     "resolved_runs",
     "render_csv",
     "render_markdown",
@@ -286,6 +288,8 @@ def render_markdown(results: Mapping[str, Any]) -> str:
         "mean ± 95 % CI (Student t over seeds), in %."
     )
     lines += [f"\nWarning: {note}" for note in failure_notes(results)]
+    if missing := missing_note(results):
+        lines.append(f"\n{missing}")
     return "\n".join(lines) + "\n"
 
 
@@ -314,6 +318,26 @@ def failure_notes(results: Mapping[str, Any]) -> list[str]:
         notes.append(f"{name}: {len(failed)} final run(s) diverged, in seed(s) {lost} (seed {first['seed']} "
                      f"fold {first['fold']}: {first['error']}); {over}")
     return notes
+
+
+def missing_methods(results: Mapping[str, Any]) -> list[str]:
+    """The methods of the recorded config (``config.methods``) that have no row: a final stage
+    of some methods (``--stage final -m A``) leaves out those without current final runs."""
+    config = results.get("config")
+    listed = config.get("methods") if isinstance(config, Mapping) else None
+    names = [m.get("name") for m in listed if isinstance(m, Mapping)] if isinstance(listed, list) else []
+    return [n for n in names if isinstance(n, str) and n not in results["methods"]]
+
+
+def missing_note(results: Mapping[str, Any]) -> str | None:
+    """``Not in this table: triplet (...)``, naming :func:`missing_methods` and how to add their
+    rows, as results.md and the HTML report say it; ``None`` when every method has a row."""
+    missing = missing_methods(results)
+    if not missing:
+        return None
+    return (f"Not in this table: {', '.join(missing)} (in the config, but without current final "
+            f"runs when this table was written); `dmlkit bench CONFIG --stage final "
+            f"{' '.join(f'-m {n}' for n in missing)}` adds {'its row' if len(missing) == 1 else 'their rows'}.")
 
 
 def _search_counts(results: Mapping[str, Any]) -> str:

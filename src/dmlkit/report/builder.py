@@ -24,7 +24,7 @@ from dmlkit.data import load_image
 from dmlkit.embeddings import embed_split, load_embeddings
 from dmlkit.exceptions import ConfigError, DataError, DataNotFoundError, DmlkitError
 from dmlkit.metrics import knn, per_class, per_query, pos_neg_histograms
-from dmlkit.protocol.compare import baseline_methods
+from dmlkit.protocol.compare import BASELINES, baseline_methods
 from dmlkit.protocol.results import (
     best_cells,
     failure_notes,
@@ -32,6 +32,7 @@ from dmlkit.protocol.results import (
     load_listed_embeddings,
     load_results,
     metric_label,
+    missing_note,
     row_label,
 )
 from dmlkit.report import figures
@@ -469,20 +470,27 @@ def _bench_sections(bench_dir: Path, fig_dir: Path, options: ReportOptions) -> t
         + (["No method beat the untrained model (the 'pretrained' row) on concatenated MAP@R: the "
             "figures below show that model; train longer or search more before comparing methods."]
            if untrained_best else [])
-        + [f"Warning: {note}" for note in failure_notes(results)],  # as results.md says it
+        + [f"Warning: {note}" for note in failure_notes(results)]  # as results.md says them
+        + [note for note in [missing_note(results)] if note],
         # results.md's bold cells, by the one rule (ties all bold; never the untrained row nor a
         # row over fewer seeds)
         [table_html(header, [[row_label(r[0], methods[r[0]]), *r[1:]] for r in rows],  # "(2/3 seeds)"
                     bold=_bold_cells(results, rows, metrics))]))
     concat = {n: {"map_at_r": mean_of(r.get("concatenated", {}).get("map_at_r"))} for n, r in methods.items()}
-    baselines = list(baseline_methods(methods).values())
+    found = baseline_methods(methods)
+    baselines = list(found.values())
     if baselines and any(m not in baselines for m in concat):  # something to compare with them
         png = figures.save_figure(figures.relative_improvement(concat, baselines),
                                   fig_dir / "relative_improvement")
+        # name only the baselines drawn ("over contrastive and triplet" with no triplet row)
+        over = " and ".join(b if n == b else f"{b} ({n})" for b, n in found.items())
+        absent = [b for b in BASELINES if b not in found]
+        losses = "losses" if len(found) > 1 else "loss"
         sections.append(Section("Papers versus reality", [
-            "Relative improvement of each method's concatenated MAP@R over contrastive and triplet "
-            "loss under identical settings; the dashed line is no improvement."], [],
-            [Figure(png[0], "Relative improvement over contrastive and triplet", png[1])]))
+            f"Relative improvement of each method's concatenated MAP@R over the {over} {losses} "
+            "under identical settings; the dashed line is no improvement."
+            + (f" The benchmark has no {' or '.join(absent)} row." if absent else "")], [],
+            [Figure(png[0], f"Relative improvement over {over}", png[1])]))
     curve_figs = []
     for name, entry in methods.items():
         logs = {}  # the runs results.json lists, not every seed folder left on disk
