@@ -134,3 +134,25 @@ def test_methods_missing_from_the_table_are_named_and_captions_name_the_baseline
     # every configured method in the table: no such line
     full = _bench(tmp_path / "full", configured=["contrastive", "ms"])
     assert "Not in this table" not in (full / "results.md").read_text()
+
+
+# -- 4: the 2-D maps draw whole classes, and the caption counts what is drawn ---------------------
+@pytest.mark.parametrize("options, classes", [
+    (ReportOptions(maps=("pca",), max_points=10, thumbnails=False), [0, 1]),  # 3 would make 12
+    (ReportOptions(maps=("pca",), map_classes=3, thumbnails=False), [0, 1, 2]),
+    (ReportOptions(maps=("pca",), thumbnails=False), [0, 1, 2, 3, 4, 5]),
+])
+def test_maps_draw_whole_classes_and_the_caption_counts_them(tmp_path, no_drawing, monkeypatch, options, classes):
+    from dmlkit.report.sections import _embedding_sections, _Split
+
+    drawn = []
+    real = figures.embedding_map
+    monkeypatch.setattr(figures, "embedding_map", lambda pts, labels, *a, **k: drawn.append(labels) or real(pts, labels, *a, **k))
+    x = np.random.default_rng(0).normal(size=(LABELS.size, 8)).astype(np.float32)
+    sections = _embedding_sections(_Split("test", x, LABELS), None, {}, tmp_path, options, "the model")
+    labels = np.asarray(drawn[0])
+    assert sorted(set(labels.tolist())) == classes
+    assert all((labels == c).sum() == (LABELS == c).sum() for c in classes)  # no class cut
+    caption = next(f.caption for s in sections for f in s.figures if " map of " in f.caption)
+    told = f"{len(classes)} of the 6 test classes" if len(classes) < 6 else "6 test classes"
+    assert f"({told}, {labels.size} samples)" in caption, caption

@@ -27,9 +27,10 @@ class ReportOptions:
 
     Attributes:
         maps: 2-D projections to draw (``umap``, ``tsne``, ``pca``).
-        map_classes: classes shown in the 2-D maps (the first ones in test order).
+        map_classes: classes shown in the 2-D maps (the first ones in test order, as many of them
+            as ``max_points`` holds).
         max_points: samples per split used for the histograms and maps (whole classes, at
-            least two of them).
+            least two of them; the maps' caption counts the classes and samples drawn).
         gallery_queries: random and worst queries in the retrieval gallery (each).
         gallery_k: neighbours per gallery row.
         thumbnails: draw image thumbnails where the data are images and can be loaded.
@@ -81,6 +82,24 @@ def _sample_rows(labels: np.ndarray, max_points: int, seed: int) -> np.ndarray:
         total += len(members)
     return np.sort(np.concatenate(rows))
 
+
+
+def _map_rows(labels: np.ndarray, map_classes: int, max_points: int) -> tuple[np.ndarray, np.ndarray]:
+    """The rows the 2-D maps draw and their classes: whole classes, the first ``map_classes`` in
+    test order, as many as ``max_points`` samples hold (at least two classes, as the histograms:
+    ``sel[:max_points]`` drew 3 of 6 classes, one of them cut in half, captioned "6 classes")."""
+    rows: list[np.ndarray] = []
+    total = 0
+    for c in np.unique(labels)[:map_classes]:
+        members = np.flatnonzero(labels == c)
+        if total + len(members) > max_points and len(rows) >= 2:
+            break
+        rows.append(members)
+        total += len(members)
+    if not rows:
+        return np.arange(0), np.unique(labels)[:0]
+    sel = np.sort(np.concatenate(rows))
+    return sel, np.unique(labels[sel])
 
 
 def _embedding_sections(test: _Split, before: _Split | None, others: Mapping[str, _Split],
@@ -139,9 +158,10 @@ def _embedding_sections(test: _Split, before: _Split | None, others: Mapping[str
         hist_figs,
     ))
     # 2-D maps
-    classes = np.unique(test.labels)[: options.map_classes]
-    sel = np.flatnonzero(np.isin(test.labels, classes))
-    sel = sel[: options.max_points]
+    sel, classes = _map_rows(test.labels, options.map_classes, options.max_points)
+    all_classes = len(np.unique(test.labels))
+    shown = (f"{len(classes)} of the {all_classes} test classes" if len(classes) < all_classes
+             else f"{all_classes} test classes") + f", {len(sel)} samples"
     map_figs = []
     map_notes = []
     for method in options.maps:
@@ -163,7 +183,7 @@ def _embedding_sections(test: _Split, before: _Split | None, others: Mapping[str
         fig = figures.embedding_map(pts, test.labels[sel], f"{drawn} of test embeddings", thumbs,
                                     class_names=test.class_names)
         png = figures.save_figure(fig, fig_dir / f"map_{method}")
-        map_figs.append(Figure(png[0], f"{drawn} map of {what} ({len(classes)} test classes)", png[1]))
+        map_figs.append(Figure(png[0], f"{drawn} map of {what} ({shown})", png[1]))
     sections.append(Section("Maps of the test embeddings", [
         "Each point is a test sample, coloured and shaped by class; thumbnails show a sample of the "
         "images where the data are images. UMAP and t-SNE preserve neighbourhoods, not distances; "
