@@ -156,3 +156,34 @@ def test_maps_draw_whole_classes_and_the_caption_counts_them(tmp_path, no_drawin
     caption = next(f.caption for s in sections for f in s.figures if " map of " in f.caption)
     told = f"{len(classes)} of the 6 test classes" if len(classes) < 6 else "6 test classes"
     assert f"({told}, {labels.size} samples)" in caption, caption
+
+
+# -- 5: wrongly typed results fields are one DataError line ---------------------------------------
+def _cell(data, key, value):
+    data["methods"]["ms"]["concatenated"]["map_at_r"][key] = value
+
+
+@pytest.mark.parametrize("change, said", [
+    (lambda d: _cell(d, "ci95", "0.1"), "'ci95' must be a number or null"),
+    (lambda d: _cell(d, "ci95", True), "'ci95' must be a number or null"),
+    (lambda d: _cell(d, "mean", True), "'mean' must be a number or null"),
+    (lambda d: _cell(d, "mean", "0.5"), "'mean' must be a number or null"),
+    (lambda d: _cell(d, "values", [0.5, "x"]), "'values' must be a list of numbers"),
+    (lambda d: _cell(d, "values", 0.5), "'values' must be a list of numbers"),
+    (lambda d: _cell(d, "n", "3"), "'n' must be an integer"),
+    (lambda d: d.__setitem__("metrics", "map_at_r"), "'metrics' must be a list of metric names"),
+    (lambda d: d.__setitem__("metrics", [1, 2]), "'metrics' must be a list of metric names"),
+])
+def test_wrongly_typed_results_fields_are_one_line(tmp_path, run_cli, change, said):
+    from dmlkit.exceptions import DataError
+    from dmlkit.protocol.results import load_results
+
+    d = _bench(tmp_path)
+    data = json.loads((d / "results.json").read_text())
+    change(data)
+    (d / "results.json").write_text(json.dumps(data))
+    with pytest.raises(DataError, match=re.escape(said)) as info:
+        load_results(d)
+    assert "\n" not in str(info.value)
+    code, out, err = run_cli(["report", str(d), "--maps", "pca", "-q"])
+    assert code == 2 and "Traceback" not in err and said in " ".join(err.split()), err

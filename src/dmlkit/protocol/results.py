@@ -438,6 +438,11 @@ def _results_problem(data: Any) -> str | None:
     """What makes ``data`` unusable as a results file (``None`` when it is fine)."""
     if not isinstance(data, dict) or not isinstance(data.get("methods"), dict) or not data["methods"]:
         return "no 'methods' table"
+    metrics = data.get("metrics")
+    if "metrics" in data and not (isinstance(metrics, list) and metrics
+                                  and all(isinstance(m, str) for m in metrics)):
+        # a string was one column per character
+        return f"'metrics' must be a list of metric names, not {_shown_json(metrics)}"
     for name, entry in data["methods"].items():
         if not isinstance(entry, dict):
             return f"method {name!r} is not a mapping"
@@ -445,8 +450,8 @@ def _results_problem(data: Any) -> str | None:
             if not isinstance(entry.get(mode), dict):
                 return f"method {name!r} has no {mode!r} results"
             for metric, cell in entry[mode].items():
-                if not isinstance(cell, dict) or not isinstance(cell.get("mean"), (int, float, type(None))):
-                    return f"method {name!r}, {mode} {metric}: no numeric 'mean'"
+                if problem := _cell_problem(cell):
+                    return f"method {name!r}, {mode} {metric}: {problem}"
         runs = entry.get("runs", [])
         if not isinstance(runs, list) or not all(
             isinstance(r, dict) and {"seed", "fold", "embeddings"} <= r.keys()
@@ -473,6 +478,35 @@ def _results_problem(data: Any) -> str | None:
 
 def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: Any) -> bool:
+    """An int or float, never a bool (``true`` read as 1 showed as 100.00)."""
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def _shown_json(value: Any) -> str:
+    """``the string "0.1"`` / ``true``: a wrong value as the JSON file has it, cut to 40 characters."""
+    text = json.dumps(value, default=str)
+    text = text if len(text) <= 40 else text[:37] + "..."
+    return f"the string {text}" if isinstance(value, str) else text
+
+
+def _cell_problem(cell: Any) -> str | None:
+    """What is wrong with one table cell's types (``mean`` and ``ci95`` numbers or null, ``values``
+    a list of numbers or nulls, ``n`` an integer), ``None`` when nothing is: a string ``ci95``
+    made `dmlkit report` end in a TypeError traceback."""
+    if not isinstance(cell, dict):
+        return f"the cell must be an object of mean, ci95, values, not {_shown_json(cell)}"
+    for key in ("mean", "ci95"):
+        if cell.get(key) is not None and not _is_number(cell[key]):
+            return f"{key!r} must be a number or null, not {_shown_json(cell[key])}"
+    values = cell.get("values", [])
+    if not isinstance(values, list) or not all(v is None or _is_number(v) for v in values):
+        return f"'values' must be a list of numbers (null for NaN), not {_shown_json(values)}"
+    if "n" in cell and not _is_int(cell["n"]):
+        return f"'n' must be an integer, not {_shown_json(cell['n'])}"
+    return None
 
 
 def _fold_problem(name: str, runs: list[dict], data: Mapping[str, Any]) -> str | None:
