@@ -187,3 +187,24 @@ def test_wrongly_typed_results_fields_are_one_line(tmp_path, run_cli, change, sa
     assert "\n" not in str(info.value)
     code, out, err = run_cli(["report", str(d), "--maps", "pca", "-q"])
     assert code == 2 and "Traceback" not in err and said in " ".join(err.split()), err
+
+
+# -- 7: compare names a method of a second bench of one name by where it came from ----------------
+def test_compare_names_methods_of_two_benches_of_one_name_by_their_folders(tmp_path, run_cli):
+    from dmlkit.protocol.compare import _merge
+    from dmlkit.protocol.results import load_results
+
+    first, second = _bench(tmp_path / "first"), _bench(tmp_path / "second")  # both named "b"
+    merged, origin = _merge([load_results(first), load_results(second)])
+    assert list(merged) == ["contrastive", "ms", "contrastive@second", "ms@second"]
+    assert origin["ms@second"] == 1
+    # folders of one name too: as many parent folders as tell them apart
+    a, b = _bench(tmp_path / "runA" / "b"), _bench(tmp_path / "runB" / "b")
+    assert list(_merge([load_results(a), load_results(b)])[0])[2:] == ["contrastive@runB/b", "ms@runB/b"]
+    # benches of different names keep the bench name
+    other = _bench(tmp_path / "third", name="c")
+    assert list(_merge([load_results(first), load_results(other)])[0])[2:] == ["contrastive@c", "ms@c"]
+    code, out, err = run_cli(["compare", str(first), str(second), "-m", "ms", "-m", "ms@second",
+                              "--metric", "map_at_r", "--mode", "separated", "-B", "100"])
+    assert code == 0, err
+    assert "ms@second" in out
