@@ -15,11 +15,20 @@ import pytest
 from PIL import Image
 
 from _reference import bench_entries
+from dmlkit.exceptions import DataError
+from dmlkit.protocol.compare import _merge
 from dmlkit.protocol.config import bench_config_from_dict
-from dmlkit.protocol.results import build_results, write_results
+from dmlkit.protocol.results import (
+    build_results,
+    load_results,
+    render_markdown,
+    rich_table,
+    write_results,
+)
 from dmlkit.protocol.splits import make_bench_split
 from dmlkit.report import figures
 from dmlkit.report.builder import ReportOptions, build_report
+from dmlkit.report.sections import _embedding_sections, _Split
 
 LABELS = np.repeat(np.arange(6), 4)
 LOSSES = {"contrastive": "contrastive", "triplet": "triplet"}
@@ -101,8 +110,6 @@ def _html_bold(html: str) -> set[tuple[str, int]]:
 
 
 def test_tied_methods_are_all_bold_in_markdown_terminal_and_html(tmp_path, no_drawing):
-    from dmlkit.protocol.results import load_results, render_markdown, rich_table
-
     d = _bench(tmp_path, methods=(("contrastive", 1.5), ("ms", 0.9), ("arcface", 0.9)))
     data = json.loads((d / "results.json").read_text())
     for name, p1 in (("ms", 0.61231), ("arcface", 0.61234)):  # 61.23 both, as shown
@@ -143,8 +150,6 @@ def test_methods_missing_from_the_table_are_named_and_captions_name_the_baseline
     (ReportOptions(maps=("pca",), thumbnails=False), [0, 1, 2, 3, 4, 5]),
 ])
 def test_maps_draw_whole_classes_and_the_caption_counts_them(tmp_path, no_drawing, monkeypatch, options, classes):
-    from dmlkit.report.sections import _embedding_sections, _Split
-
     drawn = []
     real = figures.embedding_map
     monkeypatch.setattr(figures, "embedding_map", lambda pts, labels, *a, **k: drawn.append(labels) or real(pts, labels, *a, **k))
@@ -175,9 +180,6 @@ def _cell(data, key, value):
     (lambda d: d.__setitem__("metrics", [1, 2]), "'metrics' must be a list of metric names"),
 ])
 def test_wrongly_typed_results_fields_are_one_line(tmp_path, run_cli, change, said):
-    from dmlkit.exceptions import DataError
-    from dmlkit.protocol.results import load_results
-
     d = _bench(tmp_path)
     data = json.loads((d / "results.json").read_text())
     change(data)
@@ -191,9 +193,6 @@ def test_wrongly_typed_results_fields_are_one_line(tmp_path, run_cli, change, sa
 
 # -- 7: compare names a method of a second bench of one name by where it came from ----------------
 def test_compare_names_methods_of_two_benches_of_one_name_by_their_folders(tmp_path, run_cli):
-    from dmlkit.protocol.compare import _merge
-    from dmlkit.protocol.results import load_results
-
     first, second = _bench(tmp_path / "first"), _bench(tmp_path / "second")  # both named "b"
     merged, origin = _merge([load_results(first), load_results(second)])
     assert list(merged) == ["contrastive", "ms", "contrastive@second", "ms@second"]
