@@ -701,15 +701,14 @@ def test_plot_per_class_of_a_file_with_class_names_shows_the_names(files, monkey
     assert shown and shown <= {f"class_{c}" for c in range(N_CLASSES)}
 
 
-def test_report_tables_bold_only_the_best_cell_of_each_column():
-    from dmlkit.report.html import best_cells, table_html
+def test_report_tables_bold_only_the_given_cells():
+    from dmlkit.report.html import table_html
 
     rows = [["a", "61.20 ± 1.00", "n/a", "3"], ["b", "60.00 ± 2.00", "40.00", "5"], ["c", "61.20", "39.00", "5"]]
-    assert best_cells(rows, [1, 2, 3]) == {(0, 1), (2, 1), (1, 2), (1, 3), (2, 3)}
-    assert best_cells(rows, [3], higher_is_better=False) == {(0, 3)}
-    html = table_html(["method", "P@1", "MAP@R", "n"], rows, best_columns=[1, 2])
+    html = table_html(["method", "P@1", "MAP@R", "n"], rows, bold={(0, 1), (2, 1), (1, 2)})
     assert html.count('<td class="best">') == 3 and 'class="best"><td>' not in html
     assert '<td class="best">40.00</td>' in html and "<tr class" not in html
+    assert '<td class="best">61.20</td>' in html and "<td>39.00</td>" in html
 
 
 # -- embedding files (audit of the file paths) -------------------------------------------------

@@ -69,18 +69,51 @@ BASELINES: tuple[str, ...] = ("contrastive", "triplet")
 
 
 def _merge(results_list: Sequence[Mapping[str, Any]]) -> tuple[dict[str, dict[str, Any]], dict[str, int]]:
-    """``{method name: entry}`` over every results file (names made unique with the bench
-    name), and ``{method name: index of its results file}``."""
+    """``{method name: entry}`` over every results file, and ``{method name: index of its results
+    file}``. A name an earlier file already gave is made unique with its source
+    (:func:`_source_labels`): ``ms@<bench name>``, or ``ms@<bench folder>`` where two of the files
+    share the bench name (``ms`` and ``ms@b`` did not say which file each came from)."""
+    sources = _source_labels(results_list)
     merged: dict[str, dict[str, Any]] = {}
     origin: dict[str, int] = {}
     for i, res in enumerate(results_list):
         for name, entry in res["methods"].items():
-            key = name if name not in merged else f"{name}@{res.get('name', 'bench')}"
-            if key in merged:
-                key = f"{name}@{res.get('_path', len(merged))}"
+            key = name if name not in merged else f"{name}@{sources[i]}"
+            if key in merged:  # a method named "ms@b" in the first file
+                key = f"{name}@{sources[i]}#{i + 1}"
             merged[key] = entry
             origin[key] = i
     return merged, origin
+
+
+def _source_labels(results_list: Sequence[Mapping[str, Any]]) -> list[str]:
+    """What tells each results file apart: its bench ``name`` when no other file has that name,
+    else its folder (a ``results.json``'s bench directory, any other file's own name) with as
+    many parent folders as tell the files of that name apart (``second``, ``runB/b``); the
+    position among the files (``b#2``) where nothing else does (one file given twice)."""
+    names = [str(res.get("name") or "bench") for res in results_list]
+    labels = list(names)
+    for bench in set(names):
+        same = [i for i, n in enumerate(names) if n == bench]
+        if len(same) < 2:
+            continue
+        parts = [_source_path(results_list[i]).parts for i in same]
+        longest = max((len(p) for p in parts), default=0)
+        tails = next((tails for k in range(1, longest + 1)
+                      if len(set(tails := ["/".join(p[-k:]) for p in parts])) == len(same)), None)
+        for j, i in enumerate(same):
+            labels[i] = tails[j] if tails else f"{bench}#{i + 1}"
+    return labels
+
+
+def _source_path(results: Mapping[str, Any]) -> Path:
+    """The bench directory of a ``results.json`` (``load_results`` records its ``_path``; a
+    mapping its ``bench_dir``), or the path of a results file of another name."""
+    path = results.get("_path")
+    if path:
+        path = Path(str(path))
+        return path.parent if path.name == "results.json" else path
+    return Path(str(results.get("bench_dir") or ""))
 
 
 #: Dataset options that say where or how the data is read, not which items it holds (like

@@ -3,8 +3,8 @@
 Rows are methods (``pretrained`` first), columns are ``{concatenated, separated} x {P@1, RP,
 MAP@R}`` (plus any extra metrics), each cell ``mean +- half-width`` in percent, the half-width
 being the Student-t 95 % interval over the repeats (:func:`dmlkit.protocol.stats.mean_ci`;
-``n/a`` with a single repeat). The best mean of each column (the pretrained row excluded) is in
-bold, as in the paper's tables. Written as ``results.json`` (everything, traceable),
+``n/a`` with a single repeat). The best mean of each column (the pretrained row excluded; every
+method tied at the shown precision, :func:`best_cells`) is in bold, as in the paper's tables. Written as ``results.json`` (everything, traceable),
 ``results.csv`` (one row per method x mode x metric) and ``results.md``.
 """
 
@@ -32,6 +32,7 @@ from dmlkit.validation import check_embeddings
 __all__ = [
     "METRIC_LABELS",
     "MODES",
+    "best_cells",
     "build_results",
     "embeddings_digest",
     "load_listed_embeddings",
@@ -39,6 +40,8 @@ __all__ = [
     "is_ranked",
     "format_cell",
     "load_results",
+    "missing_methods",
+    "missing_note",
     "resolved_runs",
     "render_csv",
     "render_markdown",
@@ -223,19 +226,24 @@ def is_ranked(name: str, row: Mapping[str, Any]) -> bool:
     return name != "pretrained" and not row.get("seeds_failed")
 
 
-def _best_by_column(results: Mapping[str, Any]) -> dict[tuple[str, str], str]:
-    best: dict[tuple[str, str], tuple[float, str]] = {}
+def best_cells(results: Mapping[str, Any]) -> dict[tuple[str, str], set[str]]:
+    """``{(mode, metric): method names}``: the column's best cells, the one rule behind the bold
+    of results.md, the terminal table and the HTML report. Among the ranked rows
+    (:func:`is_ranked`), the highest mean as :func:`format_cell` shows it (in %, 2 decimals): the
+    methods tied there are all best (results.md bolded only the first of them, the HTML all); a
+    missing, null or NaN mean never is."""
+    shown: dict[tuple[str, str], dict[str, float]] = {}
     for name, row in results["methods"].items():
         if not is_ranked(name, row):
             continue
         for mode in MODES:
-            for m in results["metrics"]:
-                v = row[mode][m].get("mean")
-                if v is None or math.isnan(v):  # never the best (max kept a NaN first row)
+            for metric, cell in (row.get(mode) or {}).items():
+                mean = cell.get("mean") if isinstance(cell, Mapping) else None
+                if mean is None or not math.isfinite(mean):  # never the best
                     continue
-                if (mode, m) not in best or v > best[(mode, m)][0]:
-                    best[(mode, m)] = (v, name)
-    return {key: name for key, (_, name) in best.items()}
+                shown.setdefault((mode, metric), {})[name] = float(f"{mean * 100:.2f}")
+    return {key: {n for n, v in values.items() if v == max(values.values())}
+            for key, values in shown.items()}
 
 
 def _ordered_methods(results: Mapping[str, Any]) -> list[str]:
@@ -247,7 +255,7 @@ def render_markdown(results: Mapping[str, Any]) -> str:
     """The seed's two-level table as Markdown (group row, then metric row)."""
     metrics = results["metrics"]
     dims = results.get("modes", {})
-    best = _best_by_column(results)
+    best = best_cells(results)
     groups = []
     for mode in MODES:
         label = f"{mode.capitalize()} ({dims.get(mode, '?')}-dim)"
@@ -262,7 +270,7 @@ def render_markdown(results: Mapping[str, Any]) -> str:
         for mode in MODES:
             for m in metrics:
                 text = format_cell(row[mode][m])
-                cells.append(f"**{text}**" if best.get((mode, m)) == name else text)
+                cells.append(f"**{text}**" if name in best.get((mode, m), ()) else text)
         lines.append(f"| {row_label(name, row)} | " + " | ".join(cells) + " |")
     split = results.get("split", {})
     seeds = results.get("seeds", [])
@@ -280,6 +288,8 @@ def render_markdown(results: Mapping[str, Any]) -> str:
         "mean ± 95 % CI (Student t over seeds), in %."
     )
     lines += [f"\nWarning: {note}" for note in failure_notes(results)]
+    if missing := missing_note(results):
+        lines.append(f"\n{missing}")
     return "\n".join(lines) + "\n"
 
 
@@ -308,6 +318,26 @@ def failure_notes(results: Mapping[str, Any]) -> list[str]:
         notes.append(f"{name}: {len(failed)} final run(s) diverged, in seed(s) {lost} (seed {first['seed']} "
                      f"fold {first['fold']}: {first['error']}); {over}")
     return notes
+
+
+def missing_methods(results: Mapping[str, Any]) -> list[str]:
+    """The methods of the recorded config (``config.methods``) that have no row: a final stage
+    of some methods (``--stage final -m A``) leaves out those without current final runs."""
+    config = results.get("config")
+    listed = config.get("methods") if isinstance(config, Mapping) else None
+    names = [m.get("name") for m in listed if isinstance(m, Mapping)] if isinstance(listed, list) else []
+    return [n for n in names if isinstance(n, str) and n not in results["methods"]]
+
+
+def missing_note(results: Mapping[str, Any]) -> str | None:
+    """``Not in this table: triplet (...)``, naming :func:`missing_methods` and how to add their
+    rows, as results.md and the HTML report say it; ``None`` when every method has a row."""
+    missing = missing_methods(results)
+    if not missing:
+        return None
+    return (f"Not in this table: {', '.join(missing)} (in the config, but without current final "
+            f"runs when this table was written); `dmlkit bench CONFIG --stage final "
+            f"{' '.join(f'-m {n}' for n in missing)}` adds {'its row' if len(missing) == 1 else 'their rows'}.")
 
 
 def _search_counts(results: Mapping[str, Any]) -> str:
@@ -354,7 +384,7 @@ def rich_table(results: Mapping[str, Any]):
 
     metrics = results["metrics"]
     dims = results.get("modes", {})
-    best = _best_by_column(results)
+    best = best_cells(results)
     table = Table(title=f"{results.get('name', 'bench')}: test accuracy (%), mean ± 95 % CI")
     table.add_column("Method")
     for mode in MODES:
@@ -367,7 +397,7 @@ def rich_table(results: Mapping[str, Any]):
         for mode in MODES:
             for m in metrics:
                 text = format_cell(row[mode][m])
-                cells.append(f"[bold]{text}[/]" if best.get((mode, m)) == name else text)
+                cells.append(f"[bold]{text}[/]" if name in best.get((mode, m), ()) else text)
         table.add_row(row_label(name, row), *cells)
     return table
 
@@ -408,6 +438,11 @@ def _results_problem(data: Any) -> str | None:
     """What makes ``data`` unusable as a results file (``None`` when it is fine)."""
     if not isinstance(data, dict) or not isinstance(data.get("methods"), dict) or not data["methods"]:
         return "no 'methods' table"
+    metrics = data.get("metrics")
+    if "metrics" in data and not (isinstance(metrics, list) and metrics
+                                  and all(isinstance(m, str) for m in metrics)):
+        # a string was one column per character
+        return f"'metrics' must be a list of metric names, not {_shown_json(metrics)}"
     for name, entry in data["methods"].items():
         if not isinstance(entry, dict):
             return f"method {name!r} is not a mapping"
@@ -415,8 +450,8 @@ def _results_problem(data: Any) -> str | None:
             if not isinstance(entry.get(mode), dict):
                 return f"method {name!r} has no {mode!r} results"
             for metric, cell in entry[mode].items():
-                if not isinstance(cell, dict) or not isinstance(cell.get("mean"), (int, float, type(None))):
-                    return f"method {name!r}, {mode} {metric}: no numeric 'mean'"
+                if problem := _cell_problem(cell):
+                    return f"method {name!r}, {mode} {metric}: {problem}"
         runs = entry.get("runs", [])
         if not isinstance(runs, list) or not all(
             isinstance(r, dict) and {"seed", "fold", "embeddings"} <= r.keys()
@@ -443,6 +478,35 @@ def _results_problem(data: Any) -> str | None:
 
 def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: Any) -> bool:
+    """An int or float, never a bool (``true`` read as 1 showed as 100.00)."""
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def _shown_json(value: Any) -> str:
+    """``the string "0.1"`` / ``true``: a wrong value as the JSON file has it, cut to 40 characters."""
+    text = json.dumps(value, default=str)
+    text = text if len(text) <= 40 else text[:37] + "..."
+    return f"the string {text}" if isinstance(value, str) else text
+
+
+def _cell_problem(cell: Any) -> str | None:
+    """What is wrong with one table cell's types (``mean`` and ``ci95`` numbers or null, ``values``
+    a list of numbers or nulls, ``n`` an integer), ``None`` when nothing is: a string ``ci95``
+    made `dmlkit report` end in a TypeError traceback."""
+    if not isinstance(cell, dict):
+        return f"the cell must be an object of mean, ci95, values, not {_shown_json(cell)}"
+    for key in ("mean", "ci95"):
+        if cell.get(key) is not None and not _is_number(cell[key]):
+            return f"{key!r} must be a number or null, not {_shown_json(cell[key])}"
+    values = cell.get("values", [])
+    if not isinstance(values, list) or not all(v is None or _is_number(v) for v in values):
+        return f"'values' must be a list of numbers (null for NaN), not {_shown_json(values)}"
+    if "n" in cell and not _is_int(cell["n"]):
+        return f"'n' must be an integer, not {_shown_json(cell['n'])}"
+    return None
 
 
 def _fold_problem(name: str, runs: list[dict], data: Mapping[str, Any]) -> str | None:

@@ -9,10 +9,10 @@ images, for thumbnails) are left out with a note saying why, never faked.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import warnings
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -22,19 +22,27 @@ from dmlkit.config import load_config
 from dmlkit.data import load_image
 from dmlkit.embeddings import embed_split, load_embeddings
 from dmlkit.exceptions import ConfigError, DataError, DataNotFoundError, DmlkitError
-from dmlkit.metrics import knn, per_class, per_query, pos_neg_histograms
-from dmlkit.protocol.compare import baseline_methods
+from dmlkit.protocol.compare import BASELINES, baseline_methods
 from dmlkit.protocol.results import (
+    best_cells,
     failure_notes,
     format_cell,
-    is_ranked,
     load_listed_embeddings,
     load_results,
     metric_label,
+    missing_note,
     row_label,
 )
 from dmlkit.report import figures
 from dmlkit.report.html import Figure, Section, render_page, table_html
+from dmlkit.report.sections import (
+    ReportOptions,
+    _embedding_sections,
+    _file_class_names,
+    _sample_rows,
+    _Split,
+    hist_dict,
+)
 from dmlkit.training import build_datasets, build_model, load_checkpoint, read_log
 from dmlkit.training.trainer import with_run_split
 from dmlkit.utils import atomic_write_text, os_error_message, read_json_object, seed_everything
@@ -43,33 +51,6 @@ from dmlkit.validation import concatenate_normalized
 __all__ = ["ReportOptions", "build_report", "hist_dict", "mean_of", "read_jsonl"]
 
 _MAIN_METRICS = ("precision_at_1", "r_precision", "map_at_r")
-
-
-@dataclass
-class ReportOptions:
-    """What to draw and how much of it.
-
-    Attributes:
-        maps: 2-D projections to draw (``umap``, ``tsne``, ``pca``).
-        map_classes: classes shown in the 2-D maps (the first ones in test order).
-        max_points: samples per split used for the histograms and maps (whole classes, at
-            least two of them).
-        gallery_queries: random and worst queries in the retrieval gallery (each).
-        gallery_k: neighbours per gallery row.
-        thumbnails: draw image thumbnails where the data are images and can be loaded.
-        data_root: where the run's dataset lives (default: the run's config / ``$DMLKIT_DATA``).
-        seed: for every random choice (sampled queries, classes, projections).
-    """
-
-    maps: Sequence[str] = ("umap", "tsne", "pca")
-    map_classes: int = 20
-    max_points: int = 2000
-    gallery_queries: int = 4
-    gallery_k: int = 6
-    thumbnails: bool = True
-    data_root: str | os.PathLike | None = None
-    seed: int = 0
-    progress: Callable[[str], None] = field(default=lambda message: None)
 
 
 def build_report(path: str | os.PathLike, out: str | os.PathLike | None = None,
@@ -104,22 +85,6 @@ def build_report(path: str | os.PathLike, out: str | os.PathLike | None = None,
 
 
 # -- embeddings of a run ------------------------------------------------------------------------
-@dataclass
-class _Split:
-    name: str
-    embeddings: np.ndarray
-    labels: np.ndarray
-    image_of: Callable[[int], np.ndarray] | None = None
-    #: ``{class id: name}`` (folder names of an image folder) for the figures; None: show ids
-    class_names: Mapping[int, str] | None = None
-
-
-def _file_class_names(extra: Mapping[str, np.ndarray]) -> dict[int, str] | None:
-    """``{code: name}`` of an embeddings file saved with class-name labels, else None."""
-    names = extra.get("class_names")
-    return None if names is None else {i: str(n) for i, n in enumerate(np.asarray(names).tolist())}
-
-
 def _dataset_class_names(dataset) -> dict[int, str] | None:
     """``{class id: name}`` of a dataset whose names say more than its ids, else None."""
     names = getattr(dataset, "class_names", None)
@@ -127,24 +92,6 @@ def _dataset_class_names(dataset) -> dict[int, str] | None:
         return None
     names = {int(c): str(n) for c, n in dict(names).items()}
     return None if all(n == str(c) for c, n in names.items()) else names
-
-
-def _sample_rows(labels: np.ndarray, max_points: int, seed: int) -> np.ndarray:
-    """Rows of whole classes (so every sample keeps its positives), up to ``max_points``, and at
-    least two classes (one class has no negative pair: ``--max-points 10`` on classes of 10 or
-    more images drew no histogram at all)."""
-    if len(labels) <= max_points:
-        return np.arange(len(labels))
-    rng = np.random.default_rng(seed)
-    rows: list[np.ndarray] = []
-    total = 0
-    for c in rng.permutation(np.unique(labels)):
-        members = np.flatnonzero(labels == c)
-        if total + len(members) > max_points and len(rows) >= 2:
-            break
-        rows.append(members)
-        total += len(members)
-    return np.sort(np.concatenate(rows))
 
 
 def _image_getter(dataset) -> Callable[[int], np.ndarray] | None:
@@ -199,132 +146,6 @@ def _run_embeddings(run_dir: Path, options: ReportOptions, notes: list[str]) -> 
             emb0, lab0 = embed_split(initial, sub, config, device="cpu")
             untrained[name] = _Split(name, emb0, lab0, getter, names)
     return trained, untrained
-
-
-# -- sections shared by runs and benchmarks ------------------------------------------------------
-def _embedding_sections(test: _Split, before: _Split | None, others: Mapping[str, _Split],
-                        fig_dir: Path, options: ReportOptions, what: str,
-                        state: str = "after training") -> list[Section]:
-    """Histograms, maps, gallery and per-class chart of ``test`` (labelled ``test, <state>``)."""
-    sections: list[Section] = []
-    # histograms: before/after and train/val/test
-    panels: dict[str, Any] = {}
-    hist_rows = []
-    rows = _sample_rows(test.labels, options.max_points, options.seed)
-    def histogram(split: _Split, rows: np.ndarray):
-        # bins over the observed similarity range of the drawn rows, so that a model whose
-        # similarities all lie in, say, [0.95, 1] still gets a readable histogram; the table also
-        # gives pos_neg_js (the metric's fixed bins over [-1, 1]) of every row of the split, the
-        # value metrics.json and `dmlkit evaluate` give for these embeddings (not the sample's)
-        drawn = pos_neg_histograms(split.embeddings[rows], split.labels[rows], bins=60, range="observed")
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # the resolution warning: the drawn bins answer it
-            metric = pos_neg_histograms(split.embeddings, split.labels).js
-        return drawn, metric
-
-    candidates: list[tuple[str, _Split, np.ndarray]] = []
-    if before is not None:
-        candidates.append(("test, before training", before, rows))
-    candidates.append((f"test, {state}", test, rows))
-    for name, split in others.items():
-        candidates.append((f"{name}, after training", split,
-                           _sample_rows(split.labels, options.max_points, options.seed)))
-    for title, split, r in candidates:
-        try:
-            panels[title] = histogram(split, r)
-        except DmlkitError as exc:  # e.g. one class: no negative pair -- say why, draw the rest
-            hist_rows.append([title, "n/a", "n/a", "n/a", f"not drawn: {exc}"])
-    for title, (h, metric) in panels.items():
-        hist_rows.append([title, f"{h.js:.4f}", f"{metric:.4f}", h.num_positive_pairs, h.num_negative_pairs])
-    hist_figs = []
-    if panels:
-        png = figures.save_figure(figures.similarity_histograms({k: hist_dict(v) for k, (v, _) in panels.items()}),
-                                  fig_dir / "histograms")
-        hist_figs.append(Figure(png[0], f"Similarity histograms of {what}", png[1]))
-    sections.append(Section(
-        "Positive and negative pair similarities",
-        ["Histograms of the cosine similarities of all positive (same-class) and all negative pairs, "
-         "each normalised to area 1 (Oi et al.), with 60 bins over each panel's observed range. The "
-         "Jensen-Shannon divergence (base 2) measures how well they separate: 0 = identical "
-         "distributions, 1 = disjoint. It depends on the bins: the table gives it over the drawn "
-         "bins and as the metric pos_neg_js (100 bins over [-1, 1], shared by every model), which "
-         "reads near 0 when every similarity falls in a few of its bins. The panels draw the pairs "
-         f"of at most {options.max_points} samples a split (whole classes; the pair counts are "
-         "theirs); pos_neg_js is over every sample of the split (train and val: the sample the "
-         "report embeds), the value `dmlkit evaluate` and metrics.json give for the test "
-         "embeddings. A split without both kinds of pair has no histogram."],
-        [table_html(["split", "JS, drawn bins", "pos_neg_js", "positive pairs drawn",
-                     "negative pairs drawn"], hist_rows)],
-        hist_figs,
-    ))
-    # 2-D maps
-    classes = np.unique(test.labels)[: options.map_classes]
-    sel = np.flatnonzero(np.isin(test.labels, classes))
-    sel = sel[: options.max_points]
-    map_figs = []
-    map_notes = []
-    for method in options.maps:
-        options.progress(f"{method} map")
-        if len(sel) < 4:
-            map_notes.append(f"No {method.upper()} map: {len(sel)} test samples are too few to project.")
-            continue
-        try:
-            pts = figures.project_2d(test.embeddings[sel], method, seed=options.seed)
-        except (DmlkitError, ValueError) as exc:  # e.g. t-SNE's perplexity above the sample count
-            map_notes.append(f"No {method.upper()} map: {exc}")
-            continue
-        thumbs = None
-        if test.image_of is not None:
-            rng = np.random.default_rng(options.seed)
-            picks = rng.choice(len(sel), size=min(12, len(sel)), replace=False)
-            thumbs = {int(p): test.image_of(int(sel[p])) for p in picks}
-        drawn = figures.projection_title(method, len(sel), test.embeddings.shape[1])  # PCA may stand in
-        fig = figures.embedding_map(pts, test.labels[sel], f"{drawn} of test embeddings", thumbs,
-                                    class_names=test.class_names)
-        png = figures.save_figure(fig, fig_dir / f"map_{method}")
-        map_figs.append(Figure(png[0], f"{drawn} map of {what} ({len(classes)} test classes)", png[1]))
-    sections.append(Section("Maps of the test embeddings", [
-        "Each point is a test sample, coloured and shaped by class; thumbnails show a sample of the "
-        "images where the data are images. UMAP and t-SNE preserve neighbourhoods, not distances; "
-        "PCA is linear and fast.", *map_notes], [], map_figs))
-    # gallery and per-class
-    scores, r_q = per_query(test.embeddings, test.labels, metrics=["map_at_r"])
-    ap = scores["map_at_r"]
-    rng = np.random.default_rng(options.seed)
-    valid = np.flatnonzero(r_q > 0)
-    if len(valid):
-        random_q = rng.choice(valid, size=min(options.gallery_queries, len(valid)), replace=False)
-        worst_q = valid[np.argsort(ap[valid], kind="stable")[: options.gallery_queries]]
-        chosen = [(int(q), "random") for q in random_q] + [(int(q), "worst") for q in worst_q]
-        nn = knn(test.embeddings[[q for q, _ in chosen]], test.embeddings, k=options.gallery_k + 1)
-        rows_g = []
-        for (q, kind), neigh in zip(chosen, nn.indices.numpy()):
-            neigh = [int(n) for n in neigh if n != q][: options.gallery_k]
-            rows_g.append({"query": q, "query_label": int(test.labels[q]), "neighbors": neigh,
-                           "neighbor_labels": [int(test.labels[n]) for n in neigh],
-                           "caption": f"{kind}\nAP@R={100 * ap[q]:.0f}%"})
-        png = figures.save_figure(figures.retrieval_gallery(rows_g, test.image_of, "Test retrieval",
-                                                            class_names=test.class_names),
-                                  fig_dir / "gallery")
-        sections.append(Section("Retrieval gallery", [
-            f"{options.gallery_queries} random and the {options.gallery_queries} worst-scoring test queries "
-            "(by average precision at R) with their nearest neighbours; green solid frames are correct "
-            "(same class), red dashed frames are wrong."], [], [Figure(png[0], "Retrieval gallery", png[1])]))
-    pc = per_class(test.embeddings, test.labels, metrics=["map_at_r"])
-    values = {c: row["map_at_r"] for c, row in pc.items() if np.isfinite(row["map_at_r"])}
-    if len(values) >= 2:
-        png = figures.save_figure(figures.per_class_bars(values, "map_at_r", class_names=test.class_names),
-                                  fig_dir / "per_class")
-        sections.append(Section("Per-class MAP@R", [
-            f"MAP@R of each test class (mean over its queries); {len(values)} classes."], [],
-            [Figure(png[0], "Best and worst test classes by MAP@R", png[1])]))
-    return sections
-
-
-def hist_dict(h) -> dict[str, Any]:
-    """A :func:`dmlkit.metrics.pos_neg_histograms` result as the mapping the figures take."""
-    return {"bin_edges": h.edges, "positive_density": h.pos_density,
-            "negative_density": h.neg_density, "js_divergence": h.js}
 
 
 def read_jsonl(path: Path) -> list[dict[str, Any]]:
@@ -468,21 +289,27 @@ def _bench_sections(bench_dir: Path, fig_dir: Path, options: ReportOptions) -> t
         + (["No method beat the untrained model (the 'pretrained' row) on concatenated MAP@R: the "
             "figures below show that model; train longer or search more before comparing methods."]
            if untrained_best else [])
-        + [f"Warning: {note}" for note in failure_notes(results)],  # as results.md says it
-        # neither the untrained row nor a row over fewer seeds is ranked, as in results.md (a
-        # "(3/4 seeds)" row was bolded as the best here)
+        + [f"Warning: {note}" for note in failure_notes(results)]  # as results.md says them
+        + [note for note in [missing_note(results)] if note],
+        # results.md's bold cells, by the one rule (ties all bold; never the untrained row nor a
+        # row over fewer seeds)
         [table_html(header, [[row_label(r[0], methods[r[0]]), *r[1:]] for r in rows],  # "(2/3 seeds)"
-                    best_columns=range(1, len(header)),
-                    contenders=[i for i, row in enumerate(rows) if is_ranked(row[0], methods[row[0]])])]))
+                    bold=_bold_cells(results, rows, metrics))]))
     concat = {n: {"map_at_r": mean_of(r.get("concatenated", {}).get("map_at_r"))} for n, r in methods.items()}
-    baselines = list(baseline_methods(methods).values())
+    found = baseline_methods(methods)
+    baselines = list(found.values())
     if baselines and any(m not in baselines for m in concat):  # something to compare with them
         png = figures.save_figure(figures.relative_improvement(concat, baselines),
                                   fig_dir / "relative_improvement")
+        # name only the baselines drawn ("over contrastive and triplet" with no triplet row)
+        over = " and ".join(b if n == b else f"{b} ({n})" for b, n in found.items())
+        absent = [b for b in BASELINES if b not in found]
+        losses = "losses" if len(found) > 1 else "loss"
         sections.append(Section("Papers versus reality", [
-            "Relative improvement of each method's concatenated MAP@R over contrastive and triplet "
-            "loss under identical settings; the dashed line is no improvement."], [],
-            [Figure(png[0], "Relative improvement over contrastive and triplet", png[1])]))
+            f"Relative improvement of each method's concatenated MAP@R over the {over} {losses} "
+            "under identical settings; the dashed line is no improvement."
+            + (f" The benchmark has no {' or '.join(absent)} row." if absent else "")], [],
+            [Figure(png[0], f"Relative improvement over {over}", png[1])]))
     curve_figs = []
     for name, entry in methods.items():
         logs = {}  # the runs results.json lists, not every seed folder left on disk
@@ -512,6 +339,16 @@ def _bench_sections(bench_dir: Path, fig_dir: Path, options: ReportOptions) -> t
             [], []))
     sections.append(_config_section(bench_dir))
     return f"dmlkit benchmark report: {bench_dir.name}", f"Benchmark directory {bench_dir.resolve()}", sections
+
+
+def _bold_cells(results: Mapping[str, Any], rows: Sequence[Sequence[str]],
+                metrics: Sequence[str]) -> set[tuple[int, int]]:
+    """``(row, column)`` of the results table's cells that :func:`best_cells` calls best (column
+    0 is the method, then each mode's ``metrics``)."""
+    best = best_cells(results)
+    columns = [(mode, m) for mode in ("concatenated", "separated") for m in metrics]
+    return {(i, j + 1) for i, row in enumerate(rows) for j, key in enumerate(columns)
+            if row[0] in best.get(key, ())}
 
 
 def _listed_runs(bench_dir: Path, method: str, entry: Mapping[str, Any]) -> list[dict[str, Any]]:
@@ -570,4 +407,11 @@ def mean_of(cell: Any) -> float:
 
 
 def _slug(name: str) -> str:
-    return "".join(ch if ch.isalnum() else "_" for ch in name)
+    """A file-name part for ``name``, one per name: a plain name (lowercase ASCII letters, digits,
+    ``_``) as it is, any other with each other character as ``_`` and 8 hex digits of the name's
+    SHA-256 (``ms-1`` and ``ms_1``, or ``MS`` and ``ms`` on a case-insensitive disk, wrote one
+    ``curves_ms_1.png``, shown under both methods' captions)."""
+    safe = "".join(ch if ch.isascii() and ch.isalnum() else "_" for ch in name)
+    if safe == name and name == name.lower():
+        return name
+    return f"{safe}_{hashlib.sha256(name.encode()).hexdigest()[:8]}"

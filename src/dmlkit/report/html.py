@@ -11,8 +11,7 @@ from __future__ import annotations
 import base64
 import html
 import io
-import re
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -61,37 +60,10 @@ class Section:
         return "".join(ch if ch.isalnum() else "-" for ch in self.title.lower()).strip("-")
 
 
-_NUMBER = re.compile(r"^\s*([-+]?\d+(?:\.\d*)?(?:[eE][-+]?\d+)?)")
-
-
-def _leading_number(cell: object) -> float | None:
-    """The number a cell starts with (``"61.20 ± 1.02"`` -> 61.2), or ``None`` (``"n/a"``)."""
-    match = _NUMBER.match(str(cell))
-    return float(match.group(1)) if match else None
-
-
-def best_cells(rows: Sequence[Sequence[object]], columns: Sequence[int],
-               higher_is_better: bool = True, contenders: Sequence[int] | None = None) -> set[tuple[int, int]]:
-    """``(row, column)`` of the best cell of each of ``columns``, by the number each cell starts
-    with (ties as displayed are all best; cells without a number never are), among the rows
-    ``contenders`` (default all: a benchmark's untrained baseline row is shown, not ranked)."""
-    best: set[tuple[int, int]] = set()
-    ranked = set(range(len(rows)) if contenders is None else contenders)
-    for j in columns:
-        values = {i: v for i, row in enumerate(rows) if i in ranked and j < len(row)
-                  and (v := _leading_number(row[j])) is not None}
-        if values:
-            top = max(values.values()) if higher_is_better else min(values.values())
-            best |= {(i, j) for i, v in values.items() if v == top}
-    return best
-
-
 def table_html(header: Sequence[str], rows: Sequence[Sequence[object]],
-               best_columns: Sequence[int] = (), higher_is_better: bool = True,
-               contenders: Sequence[int] | None = None) -> str:
-    """An HTML table with escaped cells; in each of ``best_columns`` only the best cell (of the
-    ``contenders`` rows, :func:`best_cells`) is bold (class ``best``), never a whole row."""
-    bold = best_cells(rows, best_columns, higher_is_better, contenders)
+               bold: Collection[tuple[int, int]] = ()) -> str:
+    """An HTML table with escaped cells; the cells ``(row, column)`` in ``bold`` (a benchmark's
+    best cells, :func:`dmlkit.protocol.results.best_cells`) have class ``best``, never a whole row."""
     out = ["<table>", "<tr>" + "".join(f"<th>{html.escape(str(h))}</th>" for h in header) + "</tr>"]
     best_td = '<td class="best">'
     for i, row in enumerate(rows):
