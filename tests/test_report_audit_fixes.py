@@ -21,6 +21,7 @@ from dmlkit.protocol.config import bench_config_from_dict
 from dmlkit.protocol.results import (
     build_results,
     load_results,
+    render_csv,
     render_markdown,
     rich_table,
     write_results,
@@ -122,6 +123,29 @@ def test_tied_methods_are_all_bold_in_markdown_terminal_and_html(tmp_path, no_dr
     assert {("ms", 1), ("arcface", 1), ("ms", 3), ("arcface", 3)} <= md
     assert md == terminal == html
     assert not any(name == "contrastive" for name, _ in md)
+
+
+def _html_rows(html: str) -> list[list[str]]:
+    table = html[html.index("<table>"):html.index("</table>")]
+    return [re.findall(r"<td(?: class=\"best\")?>(.*?)</td>", row) for row in re.findall(r"<tr>(<td.*?)</tr>", table)]
+
+
+def test_every_table_orders_rows_alike_and_shows_a_missing_cell_as_na(tmp_path, no_drawing):
+    d = _bench(tmp_path, methods=(("contrastive", 1.5), ("ms", 0.9), ("arcface", 2.0)))
+    data = json.loads((d / "results.json").read_text())
+    data["methods"]["pretrained"] = data["methods"].pop("arcface")  # listed last in the file
+    del data["methods"]["ms"]["separated"]["map_at_r"]  # a metric this method was not scored on
+    (d / "results.json").write_text(json.dumps(data))
+    results = load_results(d)
+    md_rows = [line.split("|")[1].strip() for line in render_markdown(results).splitlines()
+               if line.startswith("| ") and "**P@1**" not in line][1:]
+    html_rows = _html_rows(build_report(d, options=ReportOptions(maps=())).read_text())
+    assert md_rows == [r[0] for r in html_rows] == ["pretrained", "contrastive", "ms"]  # one order
+    ms_md = next(line for line in render_markdown(results).splitlines() if line.startswith("| ms "))
+    assert ms_md.rstrip(" |").endswith("n/a")  # the last column: separated MAP@R
+    assert html_rows[2][-1] == "n/a"
+    assert "ms,separated,map_at_r,,,," in render_csv(results)
+    assert "n/a" in str(list(rich_table(results).columns[-1]._cells))
 
 
 # -- 2: configured methods missing from results.json are named; captions name what is drawn -------

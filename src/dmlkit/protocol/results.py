@@ -34,6 +34,7 @@ __all__ = [
     "MODES",
     "best_cells",
     "build_results",
+    "cell_of",
     "embeddings_digest",
     "load_listed_embeddings",
     "failure_notes",
@@ -42,6 +43,7 @@ __all__ = [
     "load_results",
     "missing_methods",
     "missing_note",
+    "ordered_methods",
     "resolved_runs",
     "render_csv",
     "render_markdown",
@@ -109,10 +111,18 @@ def summarize(values: Sequence[float]) -> dict[str, Any]:
     return {"mean": mean, "ci95": ci, "values": [float(v) for v in values], "n": len(values)}
 
 
-def format_cell(cell: Mapping[str, Any], scale: float = 100.0, digits: int = 2) -> str:
-    """``"68.13 ± 0.31"`` (``"51.05 ± n/a"`` with one repeat; ``"n/a"`` without a mean: a NaN
-    mean is stored as null)."""
-    if cell.get("mean") is None or math.isnan(cell["mean"]):
+def cell_of(row: Mapping[str, Any], mode: str, metric: str) -> Mapping[str, Any] | None:
+    """A method's cell of ``mode`` x ``metric``, or ``None`` where its row has none (a metric the
+    table lists that this method was not scored on)."""
+    cells = row.get(mode)
+    cell = cells.get(metric) if isinstance(cells, Mapping) else None
+    return cell if isinstance(cell, Mapping) else None
+
+
+def format_cell(cell: Mapping[str, Any] | None, scale: float = 100.0, digits: int = 2) -> str:
+    """``"68.13 ± 0.31"`` (``"51.05 ± n/a"`` with one repeat; ``"n/a"`` without a cell or a
+    mean: a NaN mean is stored as null)."""
+    if cell is None or cell.get("mean") is None or math.isnan(cell["mean"]):
         return "n/a"
     mean = cell["mean"] * scale
     ci = cell.get("ci95")
@@ -246,7 +256,9 @@ def best_cells(results: Mapping[str, Any]) -> dict[tuple[str, str], set[str]]:
             for key, values in shown.items()}
 
 
-def _ordered_methods(results: Mapping[str, Any]) -> list[str]:
+def ordered_methods(results: Mapping[str, Any]) -> list[str]:
+    """The table's row order, one for ``results.md``, the terminal, the CSV and the HTML report:
+    ``pretrained`` first, then the methods as ``results.json`` lists them."""
     names = list(results["methods"])
     return (["pretrained"] if "pretrained" in names else []) + [n for n in names if n != "pretrained"]
 
@@ -264,12 +276,12 @@ def render_markdown(results: Mapping[str, Any]) -> str:
     sep = "|---|" + "|".join(["---:"] * (len(metrics) * len(MODES))) + "|"
     sub = "| | " + " | ".join(f"**{metric_label(m)}**" for _ in MODES for m in metrics) + " |"
     lines = [header, sep, sub]
-    for name in _ordered_methods(results):
+    for name in ordered_methods(results):
         row = results["methods"][name]
         cells = []
         for mode in MODES:
             for m in metrics:
-                text = format_cell(row[mode][m])
+                text = format_cell(cell_of(row, mode, m))
                 cells.append(f"**{text}**" if name in best.get((mode, m), ()) else text)
         lines.append(f"| {row_label(name, row)} | " + " | ".join(cells) + " |")
     split = results.get("split", {})
@@ -306,7 +318,7 @@ def failure_notes(results: Mapping[str, Any]) -> list[str]:
     """One line per method with diverged final runs: how many, the first error, and which
     seeds its row is computed over (``n/a`` when none finished)."""
     notes = []
-    for name in _ordered_methods(results):
+    for name in ordered_methods(results):
         row = results["methods"][name]
         failed = row.get("failed_runs") or []
         if not failed:
@@ -344,7 +356,7 @@ def _search_counts(results: Mapping[str, Any]) -> str:
     """`` (triplet 2 completed; ms 1 completed, 1 failed)``: the trials each method's best
     came from, as the search recorded them (empty for results written without the counts)."""
     parts = []
-    for name in _ordered_methods(results):
+    for name in ordered_methods(results):
         search = results["methods"][name].get("search")
         if name == "pretrained" or not isinstance(search, Mapping):
             continue
@@ -364,11 +376,14 @@ def render_csv(results: Mapping[str, Any]) -> str:
     buf = io.StringIO()
     writer = csv.writer(buf)
     writer.writerow(["method", "mode", "metric", "mean", "ci95", "n", "values"])
-    for name in _ordered_methods(results):
+    for name in ordered_methods(results):
         row = results["methods"][name]
         for mode in MODES:
             for m in results["metrics"]:
-                cell = row[mode][m]
+                cell = cell_of(row, mode, m)
+                if cell is None:  # not scored: the row says so with empty fields
+                    writer.writerow([name, mode, m, "", "", "", ""])
+                    continue
                 writer.writerow([
                     name, mode, m, "" if cell["mean"] is None else f"{cell['mean']:.6f}",
                     "" if cell["ci95"] is None else f"{cell['ci95']:.6f}", cell["n"],
@@ -391,12 +406,12 @@ def rich_table(results: Mapping[str, Any]):
         for i, m in enumerate(metrics):
             head = f"{mode[:6]}. ({dims.get(mode, '?')}-d)\n" if i == 0 else "\n"
             table.add_column(head + metric_label(m), justify="right")
-    for name in _ordered_methods(results):
+    for name in ordered_methods(results):
         row = results["methods"][name]
         cells = []
         for mode in MODES:
             for m in metrics:
-                text = format_cell(row[mode][m])
+                text = format_cell(cell_of(row, mode, m))
                 cells.append(f"[bold]{text}[/]" if name in best.get((mode, m), ()) else text)
         table.add_row(row_label(name, row), *cells)
     return table

@@ -25,12 +25,14 @@ from dmlkit.exceptions import ConfigError, DataError, DataNotFoundError, DmlkitE
 from dmlkit.protocol.compare import BASELINES, baseline_methods
 from dmlkit.protocol.results import (
     best_cells,
+    cell_of,
     failure_notes,
     format_cell,
     load_listed_embeddings,
     load_results,
     metric_label,
     missing_note,
+    ordered_methods,
     row_label,
 )
 from dmlkit.report import figures
@@ -269,13 +271,9 @@ def _bench_sections(bench_dir: Path, fig_dir: Path, options: ReportOptions) -> t
     metrics = results.get("metrics", list(_MAIN_METRICS))
     header = ["method"] + [f"{mode} {metric_label(k)}" for mode in ("concatenated", "separated") for k in metrics]
     rows = []
-    for name, res in methods.items():
-        row = [name]
-        for mode in ("concatenated", "separated"):
-            for k in metrics:
-                cell = res.get(mode, {}).get(k)
-                row.append("n/a" if cell is None else format_cell(cell))  # a null mean too
-        rows.append(row)
+    for name in ordered_methods(results):  # the order of results.md: pretrained first
+        rows.append([name] + [format_cell(cell_of(methods[name], mode, k))  # n/a: no cell or mean
+                              for mode in ("concatenated", "separated") for k in metrics])
     def concat_map(i: int) -> float:  # NaN (no value) ranks last: max() kept a NaN first row as the best
         value = mean_of(methods[rows[i][0]].get("concatenated", {}).get("map_at_r"))
         return value if np.isfinite(value) else -np.inf
