@@ -14,6 +14,7 @@ from __future__ import annotations
 import copy
 import importlib
 import json
+import os
 from collections.abc import Callable
 from pathlib import Path
 
@@ -200,6 +201,16 @@ def check_proxy_loss_errors_and_empty_batch(loss, negative_labels) -> None:
 # ------------------------------------------------------------------ tiny training runs
 #: Config sections shared by the quick training tests: a two-block CNN with a 16-d embedding
 #: on 28 x 28 grayscale images, trained with the triplet loss and the ``cpu_quick`` preset.
+#: The ``fixed`` section of the protocol tests' small Omniglot benches (one epoch, CPU preset).
+SMALL_BENCH_FIXED = {
+    "seed": 3,
+    "data": {"dataset": "omniglot"},
+    "model": {"trunk": "small_cnn", "pretrained": False, "embedding_size": 16},
+    "sampler": {"classes_per_batch": 8, "samples_per_class": 4},
+    "optimizer": {"preset": "cpu_quick"},
+    "training": {"epochs": 1},
+}
+
 TINY_MODEL = {"trunk": "small_cnn", "trunk_options": {"widths": [8, 16]}, "pretrained": False,
               "in_channels": 1, "embedding_size": 16, "freeze_batchnorm": False}
 TINY_LOSS = {"name": "triplet", "params": {"margin": 0.2}}
@@ -341,3 +352,16 @@ def tiny_alphadigits_bench(name: str, protocol: dict, methods: list, **fixed: di
     for section, values in fixed.items():
         config["fixed"].setdefault(section, {}).update(values)
     return config
+
+
+def process_alive(pid: int) -> bool:
+    """Whether process ``pid`` runs (a zombie, exited but not yet reaped by its parent, does not)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().rsplit(")", 1)[-1].split()[0] != "Z"
+    except OSError:
+        return False

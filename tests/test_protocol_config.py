@@ -7,20 +7,14 @@ import copy
 import pytest
 import yaml
 
+from _reference import SMALL_BENCH_FIXED
 from dmlkit.exceptions import ConfigError
 from dmlkit.protocol.config import bench_config_from_dict, load_bench_config
 
 BASE = {
     "name": "t",
-    "fixed": {
-        "seed": 3,
-        "data": {"dataset": "omniglot"},
-        "model": {"trunk": "small_cnn", "pretrained": False, "embedding_size": 16},
-        "sampler": {"classes_per_batch": 8, "samples_per_class": 4},
-        "classification_sampler": {"classes_per_batch": 32, "samples_per_class": 1},
-        "optimizer": {"preset": "cpu_quick"},
-        "training": {"epochs": 1},
-    },
+    "fixed": {**copy.deepcopy(SMALL_BENCH_FIXED),
+              "classification_sampler": {"classes_per_batch": 32, "samples_per_class": 1}},
     "protocol": {"trials": 3},
     "methods": [
         {"name": "contrastive", "loss": {"name": "contrastive", "params": {}},

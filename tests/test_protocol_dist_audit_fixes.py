@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from _reference import tiny_alphadigits_bench
+from _reference import SMALL_BENCH_FIXED, process_alive, tiny_alphadigits_bench
 from dmlkit.cli import app, main
 from dmlkit.distributed import DistributedError
 from dmlkit.exceptions import ConfigError
@@ -28,14 +28,7 @@ from dmlkit.training import train
 
 BASE = {
     "name": "t",
-    "fixed": {
-        "seed": 3,
-        "data": {"dataset": "omniglot"},
-        "model": {"trunk": "small_cnn", "pretrained": False, "embedding_size": 16},
-        "sampler": {"classes_per_batch": 8, "samples_per_class": 4},
-        "optimizer": {"preset": "cpu_quick"},
-        "training": {"epochs": 1},
-    },
+    "fixed": copy.deepcopy(SMALL_BENCH_FIXED),
     "protocol": {"trials": 3},
     "methods": [{"name": "triplet", "loss": {"name": "triplet"},
                  "search": {"loss.margin": {"low": 0.01, "high": 1.0}}}],
@@ -185,17 +178,6 @@ def _pids_of(folder: Path, names, timeout_s: float = 60.0) -> list[int]:
     raise AssertionError(f"the processes did not start in {timeout_s:g} s: {sorted(os.listdir(folder))}")
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    try:  # a zombie (exited, not yet reaped by its parent) is not alive
-        with open(f"/proc/{pid}/stat") as fh:
-            return fh.read().rsplit(")", 1)[-1].split()[0] != "Z"
-    except OSError:
-        return False
-
 
 @pytest.mark.parametrize("mode", ["launch", "workers"])
 def test_sigterm_stops_every_process_the_bench_started(tmp_path, mode):
@@ -213,9 +195,9 @@ def test_sigterm_stops_every_process_the_bench_started(tmp_path, mode):
     finally:
         proc.kill()
     deadline = time.monotonic() + 10
-    while time.monotonic() < deadline and any(_alive(pid) for pid in children):
+    while time.monotonic() < deadline and any(process_alive(pid) for pid in children):
         time.sleep(0.1)
-    survivors = [pid for pid in children if _alive(pid)]
+    survivors = [pid for pid in children if process_alive(pid)]
     for pid in survivors:
         os.kill(pid, signal.SIGKILL)
     assert not survivors, f"processes {survivors} outlived the bench"

@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from _reference import process_alive
 from dmlkit.distributed import DistributedError
 from dmlkit.exceptions import ConfigError
 from dmlkit.protocol.config import BenchConfig, TorchrunSettings, bench_config_from_dict
@@ -161,21 +162,10 @@ def test_timeout_stops_the_whole_job(tmp_path):
     assert time.monotonic() - start < 60
     child = int(pid_file.read_text())
     deadline = time.monotonic() + 10
-    while time.monotonic() < deadline and _alive(child):
+    while time.monotonic() < deadline and process_alive(child):
         time.sleep(0.1)
-    assert not _alive(child), "the job's child process outlived the timeout"
+    assert not process_alive(child), "the job's child process outlived the timeout"
 
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    try:  # a zombie (exited, not yet reaped by its parent) is not alive
-        with open(f"/proc/{pid}/stat") as fh:
-            return fh.read().split(")")[-1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 def test_nonzero_exit_without_rank_error_reports_the_log_tail(tmp_path):
