@@ -137,6 +137,7 @@ class ShardWriter:
         self._buf_ids = np.empty(self.shard_rows, np.int64)
         self._fill = 0
         self._closed = False
+        self._f16_small = 0  # values below float16's smallest normal, over every batch
 
     def _old_files(self) -> set[str]:
         """The shard files of the directory's current data, removed once the new manifest is in
@@ -184,12 +185,7 @@ class ShardWriter:
                                  "or normalise them")
         if self.dtype == "float16" and n:
             mag = np.abs(emb)
-            small = int(np.count_nonzero((mag > 0) & (mag < _F16_TINY)))
-            if small:
-                warnings.warn(f"{small} embedding values are below float16's smallest normal "
-                              f"({_F16_TINY:.2g}) and lose precision (or become 0) in float16 "
-                              "shards: write float32 shards (--dtype float32) or rescale them",
-                              stacklevel=2)
+            self._f16_small += int(np.count_nonzero((mag > 0) & (mag < _F16_TINY)))  # warned once, by finish
         start = 0
         while start < n:
             take = min(n - start, self.shard_rows - self._fill)
@@ -222,11 +218,17 @@ class ShardWriter:
         self._fill = 0
 
     def finish(self) -> list[dict[str, Any]]:
-        """Write the last shard and return this writer's shard records, without a manifest."""
+        """Write the last shard and return this writer's shard records, without a manifest.
+        Values that fell below float16's smallest normal, in any batch, give one warning here."""
         if not self._closed:
             self._flush()
             self._closed = True
             self._buf = None
+            if self._f16_small:
+                warnings.warn(f"{self._f16_small} of {self.count * (self.dim or 0)} embedding values are below "
+                              f"float16's smallest normal ({_F16_TINY:.2g}) and lose precision (or become 0) "
+                              "in float16 shards: write float32 shards (--dtype float32) or rescale them",
+                              stacklevel=2)
         return self.shards
 
     def close(self) -> Path:
