@@ -275,6 +275,7 @@ def test_cli_index_query_with_target_recall_exclude_self_and_bounded_output(tmp_
     assert res.exit_code == 0, res.output
     lines = res.output.strip().splitlines()
     assert len(lines) == 22 and "1980 more queries not shown" in lines[-2]  # 20 shown by default
+    assert "-o FILE writes" not in lines[-2]  # it did: no hint to give the option already given
     assert lines[0].startswith("query 0 (p0): ") and "p0 " not in lines[0]
     written = json.loads((tmp_path / "out.json").read_text())
     assert len(written) == len(x) and written[5]["query"] == "p5"

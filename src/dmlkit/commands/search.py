@@ -327,8 +327,8 @@ def query(
         )
         typer.echo(f"{name}: {items}")
     if len(records) > len(shown):
-        typer.echo(f"... {len(records) - len(shown)} more queries not shown (--limit 0 shows all; --json or -o FILE "
-                   "writes every result)")
+        hint = "--limit 0 shows all" + ("" if output is not None else "; --json or -o FILE writes every result")
+        typer.echo(f"... {len(records) - len(shown)} more queries not shown ({hint})")
     if output is not None:
         typer.echo(f"wrote {len(records)} results to {output}")
 
