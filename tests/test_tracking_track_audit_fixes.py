@@ -307,6 +307,7 @@ def test_evaluate_writes_each_method_as_it_finishes(tmp_path, capsys, monkeypatc
     (["evaluate", "{data}", "--methods", "ncc", "--seed", "3"], "--seed does not apply to --methods ncc"),
     (["evaluate", "{data}", "--methods", "ncc", "--scales", "5"], "--scales does not apply to --methods ncc"),
     (["evaluate", "{data}", "--methods", "ncc", "--device", "cpu"], "--device does not apply"),
+    (["evaluate", "{data}", "--methods", "ncc", "--threads", "1"], "--threads does not apply"),
     (["evaluate", "{data}", "--methods", "ncc", "--weights", "{data}"], "--weights does not apply"),
     (["evaluate", "{data}", "--methods", "ncc,siamfc", "--weights", "{data}", "--width", "0.5"],
      "--width does not apply to --methods ncc,siamfc"),

@@ -73,6 +73,7 @@ _TRACKER_OPTIONS = {
     "--width": ("width", ("untrained",), "the untrained network's width (siamfc has its checkpoint's)"),
     "--seed": ("seed", ("untrained",), "the untrained network's seed"),
     "--device": ("device", ("siamfc", "untrained"), "where the SiamFC network runs (ncc runs on the CPU)"),
+    "--threads": ("threads", ("siamfc", "untrained"), "torch's CPU threads (ncc runs scikit-image code)"),
 }
 
 
