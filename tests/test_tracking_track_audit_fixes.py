@@ -303,6 +303,22 @@ def test_evaluate_writes_each_method_as_it_finishes(tmp_path, capsys, monkeypatc
     assert not list((tmp_path / "eval").rglob("*.tmp*"))
 
 
+def test_evaluate_into_a_used_folder_keeps_no_earlier_boxes(tmp_path, capsys):
+    _otb_sequence(tmp_path / "data" / "Good", GOOD)
+    out = tmp_path / "eval"
+    (out / "boxes" / "untrained").mkdir(parents=True)  # an earlier evaluation's method ...
+    (out / "boxes" / "untrained" / "Good.txt").write_text("1,1,1,1\n")
+    (out / "boxes" / "ncc").mkdir()
+    (out / "boxes" / "ncc" / "Gone.txt").write_text("1,1,1,1\n")  # ... and sequence
+    (out / "notes.md").write_text("mine")
+    code, _, err = run_cli(["track", "evaluate", tmp_path / "data", "--methods", "ncc", "--json",
+                            "--out-dir", out], capsys)
+    assert code == 0, err
+    assert list(json.loads((out / "results.json").read_text())) == ["ncc"]
+    assert sorted(p.relative_to(out / "boxes").as_posix() for p in (out / "boxes").rglob("*")) == ["ncc", "ncc/Good.txt"]
+    assert (out / "notes.md").read_text() == "mine"  # not the evaluation's: kept
+
+
 @pytest.mark.parametrize("argv, option", [
     (["evaluate", "{data}", "--methods", "ncc", "--seed", "3"], "--seed does not apply to --methods ncc"),
     (["evaluate", "{data}", "--methods", "ncc", "--scales", "5"], "--scales does not apply to --methods ncc"),

@@ -207,6 +207,21 @@ def train(
                f"{result['last_loss']:.4f}; checkpoint {result['checkpoint']}")
 
 
+def _clear_earlier_boxes(out_dir: Path) -> None:
+    """Remove the ``boxes/<method>/<sequence>.txt`` an earlier evaluation wrote into ``out_dir``
+    (and the folders they leave empty): ``results.json`` is rewritten for this evaluation's
+    methods and sequences, and the boxes of another method or sequence left beside it were not
+    its. Other files stay."""
+    boxes = out_dir / "boxes"
+    if not boxes.is_dir():
+        return
+    for folder in [p for p in boxes.iterdir() if p.is_dir()]:
+        for old in folder.glob("*.txt"):
+            old.unlink()
+        if not any(folder.iterdir()):
+            folder.rmdir()
+
+
 def _write_evaluation(out_dir: Path, name: str, results: dict, boxes: dict, title: str) -> None:
     """Write method ``name``'s boxes, then ``results.json`` and ``ope.png`` of every method
     finished so far (``results``), each file atomically: an interrupted evaluation keeps them."""
@@ -280,6 +295,7 @@ def evaluate(
     trackers = {name: _tracker(name, weights, scales, seed, device, width) for name in names}
     if out_dir is not None:
         out_dir.mkdir(parents=True, exist_ok=True)
+        _clear_earlier_boxes(out_dir)
     results = {}
     for name, tracker in trackers.items():
         results[name], boxes = run_ope(tracker, sequences, progress=not as_json)
