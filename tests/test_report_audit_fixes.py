@@ -202,6 +202,9 @@ def _cell(data, key, value):
     (lambda d: _cell(d, "n", "3"), "'n' must be an integer"),
     (lambda d: d.__setitem__("metrics", "map_at_r"), "'metrics' must be a list of metric names"),
     (lambda d: d.__setitem__("metrics", [1, 2]), "'metrics' must be a list of metric names"),
+    (lambda d: d.__setitem__("split", "halves"), "'split' must be a mapping"),
+    (lambda d: d.__setitem__("modes", [128, 64]), "'modes' must be a mapping"),
+    (lambda d: d.__setitem__("seeds", 3), "'seeds' must be a list"),
 ])
 def test_wrongly_typed_results_fields_are_one_line(tmp_path, run_cli, change, said):
     d = _bench(tmp_path)

@@ -481,6 +481,9 @@ def _results_problem(data: Any) -> str | None:
         for key in ("loss", "miner"):
             if not isinstance(entry.get(key), dict | type(None)):
                 return f"method {name!r}: {key!r} must be a mapping or null"
+    for key, kind, what in (("split", dict, "a mapping"), ("modes", dict, "a mapping"), ("seeds", list, "a list")):
+        if key in data and not isinstance(data[key], kind):  # the tables read them: an AttributeError
+            return f"{key!r} must be {what}, not {_shown_json(data[key])}"
     config = data.get("config", {})
     fixed = config.get("fixed", {}) if isinstance(config, dict) else None
     if not (isinstance(config, dict) and isinstance(fixed, dict)
