@@ -14,7 +14,7 @@ from PIL import Image
 from dmlkit.apps.tracking.datasets import Sequence, load_otb
 from dmlkit.apps.tracking.evaluation import run_ope
 from dmlkit.apps.tracking.geometry import crop_and_resize
-from dmlkit.apps.tracking.model import MIN_IMAGE_SIZE, SiamFC, receptive_field
+from dmlkit.apps.tracking.model import MIN_IMAGE_SIZE, SiamFC, receptive_field, score_map_size
 from dmlkit.apps.tracking.offline import build_offline_dataset, make_sequence, offline_specs
 from dmlkit.apps.tracking.render import write_frames
 from dmlkit.apps.tracking.tracker import SiamFCTracker, TrackerConfig, tracker_config
@@ -83,6 +83,28 @@ def test_exemplar_smaller_than_the_receptive_field_is_refused(size):
         TrackerConfig(exemplar_size=size)
     with pytest.raises(ConfigError, match="at least 87"):
         tracker_config({"exemplar_size": size})
+
+
+@pytest.mark.parametrize("settings", [{"exemplar_size": 123}, {"instance_size": 251}, {"exemplar_size": 90}])
+def test_crop_sizes_off_the_network_stride_are_refused(settings):
+    # were accepted: the network drops a crop's last (size - 87) % 8 rows and columns, so the
+    # response map's centre is off the crop's (and its size may differ from response_size)
+    with pytest.raises(ConfigError, match=r"must be 87 plus a multiple of the network's stride 8"):
+        TrackerConfig(**settings)
+
+
+def test_an_exemplar_off_the_stride_gives_another_response_size():  # why the sizes are refused
+    model = SiamFC(width=0.125)
+    side = model.score(model.embed(torch.zeros(1, 3, 123, 123)), model.embed(torch.zeros(1, 3, 255, 255))).shape[-1]
+    assert side == 18 != score_map_size(123, 255) == 17
+
+
+@pytest.mark.parametrize("ex, inst", [(127, 255), (95, 191), (87, 87)])
+def test_crop_sizes_on_the_network_stride_give_the_response_size(ex, inst):
+    model = SiamFC(width=0.125)
+    tracker = SiamFCTracker(model, TrackerConfig(exemplar_size=ex, instance_size=inst))
+    side = model.score(model.embed(torch.zeros(1, 3, ex, ex)), model.embed(torch.zeros(1, 3, inst, inst))).shape[-1]
+    assert side == tracker.response_size == score_map_size(ex, inst)
 
 
 def test_exemplar_of_the_receptive_field_tracks():

@@ -37,7 +37,13 @@ from dmlkit.apps.tracking.geometry import (
     exemplar_side,
     image_to_tensor,
 )
-from dmlkit.apps.tracking.model import EXEMPLAR_SIZE, INSTANCE_SIZE, MIN_IMAGE_SIZE, SiamFC
+from dmlkit.apps.tracking.model import (
+    EXEMPLAR_SIZE,
+    INSTANCE_SIZE,
+    MIN_IMAGE_SIZE,
+    TOTAL_STRIDE,
+    SiamFC,
+)
 from dmlkit.embeddings import resolve_device
 from dmlkit.exceptions import ConfigError, NonFiniteError, ShapeError, require
 from dmlkit.models import to_device
@@ -80,6 +86,14 @@ class TrackerConfig:
         if self.exemplar_size > self.instance_size:
             raise ConfigError(f"need exemplar_size <= instance_size, got {self.exemplar_size} "
                               f"and {self.instance_size}")
+        for name in ("exemplar_size", "instance_size"):
+            size = getattr(self, name)
+            if (size - MIN_IMAGE_SIZE) % TOTAL_STRIDE:  # the response map's centre and size were off
+                raise ConfigError(
+                    f"{name} must be {MIN_IMAGE_SIZE} plus a multiple of the network's stride {TOTAL_STRIDE} "
+                    f"(e.g. {EXEMPLAR_SIZE} and {INSTANCE_SIZE}), got {size}: the network drops the last "
+                    f"{(size - MIN_IMAGE_SIZE) % TOTAL_STRIDE} pixel rows and columns of such a crop, which moves "
+                    "the response map's centre off the crop's and changes the map's size")
 
     @classmethod
     def five_scales(cls) -> TrackerConfig:
