@@ -31,6 +31,7 @@ __all__ = [
     "atomic_write_json",
     "atomic_write_text",
     "directory_lock",
+    "dotted_items",
     "atomic_torch_save",
     "data_root",
     "json_text",
@@ -346,3 +347,15 @@ def sha256_file(path: str | os.PathLike) -> str:
     """Hex SHA-256 of a file's bytes, read in chunks (:func:`hashlib.file_digest`)."""
     with open(path, "rb") as fh:
         return hashlib.file_digest(fh, "sha256").hexdigest()
+
+
+def dotted_items(data: Any, prefix: str = "") -> dict[str, Any]:
+    """Nested mappings as one level of dotted keys, ``{"a": {"b": 1}} -> {"a.b": 1}`` (an empty
+    mapping adds no key): the form in which two configs are compared key by key."""
+    if isinstance(data, Mapping):
+        out: dict[str, Any] = {}
+        for key, value in data.items():
+            out.update(dotted_items(value, f"{prefix}{key}."))
+        return out
+    return {prefix[:-1]: data}
+

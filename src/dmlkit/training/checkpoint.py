@@ -39,7 +39,7 @@ from dmlkit.exceptions import CheckpointError
 from dmlkit.models.placement import to_device
 from dmlkit.models.trunks import load_failure_reason
 from dmlkit.training.builders import build_model
-from dmlkit.utils import atomic_torch_save, os_error_message
+from dmlkit.utils import atomic_torch_save, dotted_items, os_error_message
 
 __all__ = [
     "CHECKPOINT_FORMAT",
@@ -85,21 +85,12 @@ RESUMABLE_CHANGES = frozenset({
 })
 
 
-def _flatten(data: Any, prefix: str = "") -> dict[str, Any]:
-    if isinstance(data, dict):
-        out: dict[str, Any] = {}
-        for k, v in data.items():
-            out.update(_flatten(v, f"{prefix}{k}."))
-        return out
-    return {prefix[:-1]: data}
-
-
 def training_changes(saved: dict[str, Any], config: ExperimentConfig, source: str = "the checkpoint") -> list[str]:
     """The settings in which ``config`` trains differently from ``saved`` (a run's config as
     plain data), as ``key (old -> new)``: every difference but :data:`RESUMABLE_CHANGES`."""
     # validate the saved config too, so keys renamed since it was written compare equal
-    old = _flatten(config_from_dict(saved, source=source).model_dump(mode="json"))
-    new = _flatten(config.model_dump(mode="json"))
+    old = dotted_items(config_from_dict(saved, source=source).model_dump(mode="json"))
+    new = dotted_items(config.model_dump(mode="json"))
     return [f"{k} ({old.get(k)!r} -> {new.get(k)!r})" for k in sorted(set(old) | set(new))
             if old.get(k) != new.get(k) and k not in RESUMABLE_CHANGES]
 

@@ -52,6 +52,7 @@ from dmlkit.utils import (
     atomic_torch_save,
     atomic_write_json,
     atomic_write_text,
+    dotted_items,
     seed_everything,
     write_provenance,
 )
@@ -270,16 +271,6 @@ def load_siamfc(path: str | Path, map_location: str = "cpu") -> tuple[SiamFC, Tr
 RESUMABLE_SETTINGS = ("threads", "num_workers", "device")
 
 
-def _flat(settings: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for key, value in settings.items():
-        if isinstance(value, dict) and value:
-            out.update(_flat(value, f"{prefix}{key}."))
-        else:
-            out[f"{prefix}{key}"] = value
-    return out
-
-
 def config_changes(recorded: dict[str, Any], config: SiamFCTrainConfig) -> list[str]:
     """The keys (dotted: ``pairs.radius``) whose values differ between a run's recorded config
     (its ``config.yaml``, defaults filled in) and ``config``, but :data:`RESUMABLE_SETTINGS`;
@@ -288,7 +279,7 @@ def config_changes(recorded: dict[str, Any], config: SiamFCTrainConfig) -> list[
         recorded = SiamFCTrainConfig.model_validate(recorded).model_dump()
     except Exception:  # a key this version no longer has: compared as written
         pass
-    old, new = _flat(recorded), _flat(config.model_dump())
+    old, new = dotted_items(recorded), dotted_items(config.model_dump())
     missing = object()
     changed = []
     for key in sorted(set(old) | set(new)):
