@@ -14,7 +14,6 @@ from __future__ import annotations
 import copy
 import importlib
 import json
-import os
 from collections.abc import Callable
 from pathlib import Path
 
@@ -352,16 +351,3 @@ def tiny_alphadigits_bench(name: str, protocol: dict, methods: list, **fixed: di
     for section, values in fixed.items():
         config["fixed"].setdefault(section, {}).update(values)
     return config
-
-
-def process_alive(pid: int) -> bool:
-    """Whether process ``pid`` runs (a zombie, exited but not yet reaped by its parent, does not)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    try:
-        with open(f"/proc/{pid}/stat") as fh:
-            return fh.read().rsplit(")", 1)[-1].split()[0] != "Z"
-    except OSError:
-        return False

@@ -14,7 +14,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from _reference import process_alive
 from dmlkit.distributed import DistributedError
 from dmlkit.exceptions import ConfigError
 from dmlkit.protocol.config import BenchConfig, TorchrunSettings, bench_config_from_dict
@@ -26,7 +25,7 @@ from dmlkit.protocol.launch import (
     read_rank_error,
 )
 from dmlkit.protocol.runner import Bench
-from dmlkit.utils import atomic_write_json
+from dmlkit.utils import atomic_write_json, process_alive
 
 TINY = {
     "name": "tiny-torchrun",

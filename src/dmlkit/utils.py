@@ -36,6 +36,7 @@ __all__ = [
     "data_root",
     "json_text",
     "os_error_message",
+    "process_alive",
     "provenance",
     "read_json",
     "read_json_object",
@@ -358,4 +359,20 @@ def dotted_items(data: Any, prefix: str = "") -> dict[str, Any]:
             out.update(dotted_items(value, f"{prefix}{key}."))
         return out
     return {prefix[:-1]: data}
+
+
+def process_alive(pid: int) -> bool:
+    """Whether process ``pid`` runs on this machine: it exists and is no zombie (exited, not yet
+    reaped by its parent); another user's process counts as running."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # another user's process
+        return True
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().rsplit(")", 1)[-1].split()[0] != "Z"
+    except OSError:  # no /proc (macOS): it exists
+        return True
 

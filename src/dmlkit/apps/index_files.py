@@ -27,7 +27,7 @@ from dmlkit.apps.index_faiss import _metric, to_gpu
 from dmlkit.data import ClassSplit, load_dataset
 from dmlkit.exceptions import DataError, DataNotFoundError, DmlkitError, require
 from dmlkit.training import load_config
-from dmlkit.utils import atomic_write_bytes, os_error_message
+from dmlkit.utils import atomic_write_bytes, os_error_message, process_alive
 from dmlkit.utils import data_root as resolve_root
 
 if TYPE_CHECKING:
@@ -134,15 +134,7 @@ def _recover_interrupted_save(path: Path) -> None:
 
 def _pid_alive(pid: str) -> bool:
     """Whether process ``pid`` (text) runs on this machine (a name that is no pid: not ours)."""
-    if not pid.isdigit():
-        return True
-    try:
-        os.kill(int(pid), 0)
-    except ProcessLookupError:
-        return False
-    except OSError:  # another user's process
-        return True
-    return True
+    return not pid.isdigit() or process_alive(int(pid))
 
 def _random_access(vectors: np.ndarray) -> np.ndarray:
     """Tell the kernel that a memory-mapped matrix is read at random rows (``MADV_RANDOM``):

@@ -38,7 +38,7 @@ from dmlkit.protocol.space import suggest
 from dmlkit.protocol.splits import BenchSplit, TestClassGuard
 from dmlkit.training import build_model, train
 from dmlkit.training.checkpoint import training_changes
-from dmlkit.utils import atomic_write_json, atomic_write_text, seed_everything
+from dmlkit.utils import atomic_write_json, atomic_write_text, process_alive, seed_everything
 from dmlkit.utils import data_root as resolve_data_root
 from dmlkit.validation import concatenate_normalized
 
@@ -375,19 +375,7 @@ def _claim_is_live(path: Path) -> bool:
     host, pid = owner[0], int(owner[1])
     if host != socket.gethostname():
         return True
-    if pid == os.getpid():
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's process
-        return True
-    try:  # a zombie (exited, not reaped yet) is no worker
-        with open(f"/proc/{pid}/stat") as fh:
-            return fh.read().rsplit(")", 1)[-1].split()[0] != "Z"
-    except OSError:
-        return True
+    return pid != os.getpid() and process_alive(pid)  # a zombie (exited, not reaped) is no worker
 
 
 def _claim(run_dir: Path) -> bool:
