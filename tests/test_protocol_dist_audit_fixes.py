@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from _reference import SMALL_BENCH_FIXED, process_alive, tiny_alphadigits_bench
+from _reference import SMALL_BENCH_FIXED, tiny_alphadigits_bench
 from dmlkit.cli import app, main
 from dmlkit.distributed import DistributedError
 from dmlkit.exceptions import ConfigError
@@ -25,6 +25,7 @@ from dmlkit.protocol.launch import TorchrunLauncher
 from dmlkit.protocol.runner import Bench
 from dmlkit.protocol.stages import release_claims
 from dmlkit.training import train
+from dmlkit.utils import process_alive
 
 BASE = {
     "name": "t",
@@ -305,8 +306,11 @@ def test_the_rank_a_failed_peer_left_prints_one_line_naming_it(tmp_path, data_ro
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(sys.path)}
     env.pop("WORLD_SIZE", None)
     logs = tmp_path / "logs"
+    # torchrun looks at its workers every 5 s, not every 0.1 s: it must not stop rank 0 (SIGTERM)
+    # before rank 0's collective has failed on rank 1's exit and rank 0 has said so
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
                            "--master-addr", "127.0.0.1", "--master-port", str(_free_port()),
+                           "--monitor-interval", "5",
                            "--redirects", "3", "--log-dir", str(logs), str(tmp_path / "driver.py"),
                            "train", str(tmp_path / "config.yaml"), "--run-dir", str(tmp_path / "run"),
                            "--data-root", str(data_root), "--quiet"],
@@ -315,8 +319,7 @@ def test_the_rank_a_failed_peer_left_prints_one_line_naming_it(tmp_path, data_ro
     rank0 = next(logs.rglob("0/stderr.log")).read_text()
     rank1 = next(logs.rglob("1/stderr.log")).read_text()
     assert "simulated corrupt image on rank 1" in rank1
-    if not rank0.strip():  # torchrun stopped rank 0 (SIGTERM) before its collective failed
-        pytest.skip("rank 0 was stopped before it noticed rank 1's failure")
+    assert rank0.strip(), "torchrun stopped rank 0 before its collective failed"
     assert "Traceback" not in rank0, rank0
     errors = [line for line in rank0.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and "rank 1" in errors[0] and "simulated corrupt image" in errors[0], rank0
