@@ -336,15 +336,13 @@ class ProtocolConfig(_Strict):
                 f"protocol.nproc_per_trial = {self.nproc_per_trial} needs protocol.launcher: torchrun "
                 "(the local launcher trains in the worker process itself)"
             )
-        if self.storage is not None and "://" in self.storage and not self.storage.startswith(
-            SUPPORTED_STORAGE
-        ):  # named by its scheme only: the URL may hold a password
-            raise ValueError(
-                f"protocol.storage: a {self.storage.split('://', 1)[0]}:// database is not supported; "
-                "dmlkit's studies live in SQLite (sqlite:///path/study.db, or null for "
-                "BENCH_DIR/study.db) or PostgreSQL (postgresql://user@host:port/db)"
-            )
         if self.storage is not None and not self.storage.startswith(SUPPORTED_STORAGE):
+            if "://" in self.storage:  # another database: named by its scheme only (a password?)
+                raise ValueError(
+                    f"protocol.storage: a {self.storage.split('://', 1)[0]}:// database is not supported; "
+                    "dmlkit's studies live in SQLite (sqlite:///path/study.db, or null for "
+                    "BENCH_DIR/study.db) or PostgreSQL (postgresql://user@host:port/db)"
+                )
             raise ValueError(
                 f"protocol.storage {self.storage!r} must be a database URL "
                 "(sqlite:///path/study.db or postgresql://user@host:port/db) or null"

@@ -252,8 +252,11 @@ def best_cells(results: Mapping[str, Any]) -> dict[tuple[str, str], set[str]]:
                 if mean is None or not math.isfinite(mean):  # never the best
                     continue
                 shown.setdefault((mode, metric), {})[name] = float(f"{mean * 100:.2f}")
-    return {key: {n for n, v in values.items() if v == max(values.values())}
-            for key, values in shown.items()}
+    best = {}
+    for key, values in shown.items():
+        top = max(values.values())
+        best[key] = {n for n, v in values.items() if v == top}
+    return best
 
 
 def ordered_methods(results: Mapping[str, Any]) -> list[str]:
