@@ -468,6 +468,8 @@ class ShardedEmbeddings:
             return np.load(path, mmap_mode="r", allow_pickle=False)
         except FileNotFoundError:
             raise DataNotFoundError(f"shard file missing: {path} (listed in {self.directory / MANIFEST})") from None
+        except EOFError:  # numpy's error for a 0-byte file (the CLI read it as Ctrl-C: exit 130)
+            raise DataError(f"cannot read shard {path}: the file is empty (0 bytes); rewrite the shards") from None
         except (OSError, ValueError) as exc:
             raise DataError(f"cannot read shard {path}: {' '.join(str(exc).split())[:200]}") from None
 

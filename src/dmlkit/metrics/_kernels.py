@@ -37,7 +37,8 @@ from numba import types
 from numba.extending import intrinsic, overload
 
 __all__ = [
-    "LOWEST_KEY", "histogram_tile", "pack_keys", "pair_scores64", "scan_tile", "select_rows",
+    "EDGE_COSINE", "EDGE_EUCLIDEAN", "EDGE_IP", "EDGE_NONE", "EDGE_SQUARED", "LOWEST_KEY", "exact_bin",
+    "histogram_tile", "pack_keys", "pair_scores64", "scan_tile", "select_rows",
     "unpack_rows", "unpack_values",
 ]
 
@@ -339,6 +340,30 @@ def pair_scores64(
     return out
 
 
+#: How :func:`histogram_tile` re-bins a pair whose float32 value lies near a bin edge
+#: (:class:`dmlkit.metrics.histograms.EdgeRule`): not at all, by the float64 inner product,
+#: squared Euclidean distance, or Euclidean distance of the prepared rows, or the float64
+#: cosine of the rows as given.
+EDGE_NONE, EDGE_IP, EDGE_SQUARED, EDGE_EUCLIDEAN, EDGE_COSINE = 0, 1, 2, 3, 4
+
+
+@numba.njit(inline="always")
+def exact_bin(a: np.ndarray, b: np.ndarray, mode: int, low: float, scale: float, last: int) -> int:
+    """The bin ``floor((v - low) * scale)``, clamped to ``[0, last]``, of the float64 value ``v``
+    of rows ``a`` and ``b`` (``mode``: :data:`EDGE_IP`, :data:`EDGE_COSINE`,
+    :data:`EDGE_SQUARED` or :data:`EDGE_EUCLIDEAN`)."""
+    if mode == EDGE_IP:
+        v = _dot64(a, b)
+    elif mode == EDGE_COSINE:  # a zero row's cosine is 0, as its normalised row is zero
+        den = _dot64(a, a) * _dot64(b, b)
+        v = _dot64(a, b) / math.sqrt(den) if den > 0 else 0.0
+    else:
+        v = _sqdist64(a, b)
+        if mode == EDGE_EUCLIDEAN:
+            v = math.sqrt(v)
+    return min(max(np.int64(math.floor((v - low) * scale)), 0), last)
+
+
 @numba.njit(nogil=True, cache=True, boundscheck=False)
 def histogram_tile(
     values: np.ndarray,
@@ -349,19 +374,37 @@ def histogram_tile(
     scale: np.float32,
     positive: np.ndarray,
     total: np.ndarray,
+    edge: tuple,
 ) -> None:
     """Add a tile of pair values to the positive-pair and all-pair histograms.
 
     Bin ``floor((v - low) * scale)`` in float32 arithmetic, clamped to ``[0, bins - 1]`` (the
     same bins as :func:`dmlkit.metrics.histograms._bin_index`); with ``upper_only`` (a diagonal
-    tile of a self-search) only entries above the diagonal count.
+    tile of a self-search) only entries above the diagonal count. ``edge`` is ``(mode,
+    query_rows, reference_rows, row0, col0, margin, low64, scale64)``: a value whose position
+    ``t`` (in bins) lies within ``margin[k]`` of an inner edge ``k`` (``floor(t)`` or the next)
+    takes the bin of its float64
+    value from the prepared rows ``query_rows[row0 + r]`` and ``reference_rows[col0 + c]``
+    (:func:`exact_bin`), so the bin does not depend on the float32 product's summation order.
     """
+    mode, q_rows, r_rows, row0, col0, margin, low64, scale64 = edge
     last = total.shape[0] - 1
+    # the widest margin in float32, rounded up: one comparison a pair before the exact test
+    widest = np.float32(min(margin.max(), 1.0)) * np.float32(1 + 2**-20) if mode != EDGE_NONE else np.float32(-1)
     for r in range(values.shape[0]):
         label = query_labels[r]
         for c in range(r + 1 if upper_only else 0, values.shape[1]):
-            b = np.int64(math.floor((values[r, c] - low) * scale))
-            b = min(max(b, 0), last)
+            t = (values[r, c] - low) * scale
+            below = np.floor(t)
+            b = min(max(np.int64(below), 0), last)
+            part = t - below  # exact: t and its floor share the exponent or less
+            if part <= widest or np.float32(1) - part <= widest:
+                # near edge floor(t) or the next (infinite margins: every pair)
+                f = np.int64(below)
+                t64 = np.float64(t)
+                if (1 <= f <= last and t64 - f <= margin[f]) or \
+                        (0 <= f < last and f + 1 - t64 <= margin[f + 1]):
+                    b = exact_bin(q_rows[row0 + r], r_rows[col0 + c], mode, low64, scale64, last)
             total[b] += 1
             if reference_labels[c] == label:
                 positive[b] += 1

@@ -70,7 +70,9 @@ def kmeans_labels(
         import faiss
 
         # faiss initialises at random points (no k-means++): keep the best of a few inits
-        km = faiss.Kmeans(x.shape[1], n_clusters, niter=niter, seed=int(seed) + 1, verbose=False, nredo=5,
+        # faiss takes a C int: seeds from 2**31 - 1 overflowed it (any seed is accepted above)
+        faiss_seed = int(seed) % (2**31 - 1) + 1
+        km = faiss.Kmeans(x.shape[1], n_clusters, niter=niter, seed=faiss_seed, verbose=False, nredo=5,
                           max_points_per_centroid=max(256, x.shape[0]), min_points_per_centroid=1)
         km.train(x)
         _, assign = km.index.search(x, 1)
@@ -292,6 +294,9 @@ def cluster_metrics(
     if seed + restarts - 1 >= SEED_LIMIT:  # the error named seed + 1, which nobody passed
         raise ConfigError(f"the {restarts} k-means restarts use seeds {seed} ... {seed + restarts - 1}, "
                           f"beyond 2**32 - 1: pass a seed of at most {SEED_LIMIT - restarts}")
+    if isinstance(metrics, str):  # "nmi" iterated as "n", "m", "i"
+        metrics = (metrics,)
+    metrics = tuple(dict.fromkeys(metrics))  # a repeated name scored each restart twice (its std)
     unknown = [m for m in metrics if m not in CLUSTERING_METRICS]
     if unknown:
         raise DataError(f"unknown clustering metric {unknown[0]!r}; choose from {CLUSTERING_METRICS}")

@@ -26,7 +26,14 @@ from typing import Any
 import numpy as np
 import torch
 
-from dmlkit.distances import BaseDistance, CosineSimilarity, get_distance
+from dmlkit.distances import (
+    BaseDistance,
+    CosineSimilarity,
+    DotProductSimilarity,
+    LpDistance,
+    get_distance,
+    rounding_bound,
+)
 from dmlkit.exceptions import ConfigError, DataError, ShapeError
 from dmlkit.metrics._threads import full_float32_matmuls, run_threads, single_threaded_torch
 from dmlkit.metrics._validation import (
@@ -88,10 +95,120 @@ def js_divergence(p: Any, q: Any) -> float:
     return float(min(1.0, max(0.0, (kl(p) + kl(q)) / 2)))
 
 
-def _bin_index(values: torch.Tensor, lo: float, hi: float, bins: int) -> torch.Tensor:
-    """``floor((v - lo) / width)`` clamped to ``[0, bins - 1]`` (``hi`` falls in the last bin)."""
-    idx = ((values - lo) * (bins / (hi - lo))).floor_()
-    return idx.clamp_(0, bins - 1).to(torch.int64)
+def _bin_index(values: torch.Tensor, lo: float, hi: float, bins: int,
+               rule: EdgeRule | None = None, row0: int = 0, col0: int = 0) -> torch.Tensor:
+    """``floor((v - lo) / width)`` clamped to ``[0, bins - 1]`` (``hi`` falls in the last bin);
+    with ``rule``, a value near an inner edge takes the bin of its float64 value
+    (:meth:`EdgeRule.rebin`; ``values`` is the tile of query rows from ``row0`` and reference
+    rows from ``col0``)."""
+    position = (values - lo) * (bins / (hi - lo))
+    idx = position.floor().clamp_(0, bins - 1).to(torch.int64)
+    if rule is not None:
+        rule.rebin(position, idx, row0, col0)
+    return idx
+
+
+@dataclass(frozen=True)
+class EdgeRule:
+    """Which bin a pair near a bin edge falls in: that of its float64 value.
+
+    A pair's value is computed in float32 (one matrix product a tile), within the rounding
+    bound ``tol`` of the float64 value of the same prepared rows
+    (:func:`dmlkit.distances.rounding_bound`), and the float32 product's summation order
+    (BLAS, CPU, GPU) moves it within that bound. Where ``t = (v - lo) * bins / (hi - lo)`` lies
+    within ``margin[k]`` of an inner edge ``k`` (``tol`` in bins plus the float32 binning's own
+    rounding), the pair is re-scored in float64 from the prepared rows and binned from that
+    value: the histogram is that of the float64 values, the same on every device (binary
+    codes put every pair on an edge: their split over two bins moved ``pos_neg_js`` by half).
+    ``kind``: ``"cosine"`` (the float64 cosine of the rows as given: pairs whose cosines are
+    equal share a bin, whatever their norms), ``"ip"`` (dot product), ``"squared"`` or
+    ``"euclidean"`` (L2 of the prepared rows, squared or not).
+    """
+
+    kind: str
+    query: torch.Tensor  #: the query rows it re-scores (as given for cosine, else prepared)
+    reference: torch.Tensor  #: the reference rows it re-scores
+    margin: torch.Tensor  #: float64, per edge ``0..bins``: how near ``t`` may come to it
+    low: float
+    scale: float  #: bins per unit of value, float64
+    bins: int
+    #: pairs re-scored at once (bounds the float64 copies of their rows)
+    chunk: int = 1 << 16
+
+    @property
+    def everything(self) -> bool:
+        """Whether a margin reaches a whole bin (bins narrower than the rounding): every pair is
+        then re-scored."""
+        return bool(self.margin.max() >= 1)
+
+    def rebin(self, position: torch.Tensor, idx: torch.Tensor, row0: int, col0: int) -> None:
+        """Overwrite, in ``idx``, the bins of the entries of ``position`` near an inner edge
+        (``floor(t)`` or the next; every entry where a margin reaches a whole bin)."""
+        if self.everything:
+            near = torch.ones_like(position, dtype=torch.bool)
+        else:
+            below = position.floor()
+            at = below.clamp(0, self.bins).to(torch.int64)
+            t = position.to(torch.float64)
+            near = (below >= 1) & (below <= self.bins - 1) & (t - below <= self.margin[at])
+            above = (at + 1).clamp_max(self.bins)
+            near |= (below + 1 >= 1) & (below + 1 <= self.bins - 1) & (below + 1 - t <= self.margin[above])
+        rows, cols = near.nonzero(as_tuple=True)
+        for k in range(0, rows.shape[0], self.chunk):
+            r, c = rows[k : k + self.chunk], cols[k : k + self.chunk]
+            idx[r, c] = self.exact_bins(self.query[r + row0], self.reference[c + col0])
+
+    def exact_bins(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        """The bins of the float64 values of row pairs ``(a[p], b[p])``."""
+        a, b = a.to(torch.float64), b.to(torch.float64)
+        if self.kind == "ip":
+            v = (a * b).sum(1)
+        elif self.kind == "cosine":  # a zero row's cosine is 0, as its normalised row is zero
+            den = (a * a).sum(1) * (b * b).sum(1)
+            v = (a * b).sum(1) / den.masked_fill(den == 0, 1).sqrt()
+        else:
+            v = (a - b).pow(2).sum(1)
+            if self.kind == "euclidean":
+                v = v.sqrt()
+        return ((v - self.low) * self.scale).floor().clamp(0, self.bins - 1).to(torch.int64)
+
+
+def edge_rule(dist: BaseDistance, q: torch.Tensor, r: torch.Tensor, lo: float, hi: float,
+              bins: int) -> EdgeRule | None:
+    """The :class:`EdgeRule` of ``dist``'s values binned over ``[lo, hi]``: for an inner product
+    (cosine, dot) or the L2 distance; ``None`` for other distances (their float32 values bin as
+    they are)."""
+    if isinstance(dist, DotProductSimilarity):
+        kind = "cosine" if dist.normalize_embeddings else "ip"
+    elif isinstance(dist, LpDistance) and dist.p == 2:
+        kind = "squared" if dist.power == 2 else "euclidean"
+    else:
+        return None
+    qp = dist.prepare(q)
+    rp = qp if r is q else dist.prepare(r)
+    q_norm, r_norm = float(qp.norm(dim=1).max()), float(rp.norm(dim=1).max())
+    d = q.shape[1]
+    scale = bins / (hi - lo)
+    edges = lo + torch.arange(bins + 1, dtype=torch.float64) / scale
+    if kind == "cosine":  # the given rows' cosine: the normalised rows' entries are within an
+        # ulp (relative 2^-24) of the exact ones, which moves their product by up to 2.01 2^-24
+        tol = torch.full_like(edges, rounding_bound("ip", d, q_norm, r_norm) + 2.01 * 2.0**-24)
+        qp, rp = q, r
+    elif kind == "ip":
+        tol = torch.full_like(edges, rounding_bound("ip", d, q_norm, r_norm))
+    else:
+        # the expanded form |x|^2 + |y|^2 - 2<x, y>, of rows moved by the references' mean
+        # unless normalised (at most |x| + |y| from it either way): the squared distance's bound
+        sq_tol = rounding_bound("centred_l2", d, q_norm + r_norm, 2 * r_norm)
+        tol = torch.full_like(edges, sq_tol)
+        if kind == "euclidean":  # sqrt(s +- tol) - sqrt(s) at the edge e = sqrt(s), and its rounding
+            e = edges.clamp_min(0)
+            below = (e.pow(2) - sq_tol).clamp_min(0).sqrt()
+            tol = sq_tol / (e + below).clamp_min(math.sqrt(sq_tol)) + e * 2.0**-23
+    # the float32 binning's own rounding: lo, the scale, the difference and the product
+    arithmetic = 2.0**-21 * (scale * max(abs(lo), abs(hi)) + bins + 1)
+    margin = (tol * scale + arithmetic).to(q.device)
+    return EdgeRule(kind, qp, rp, margin, lo, scale, bins)
 
 
 def _blocks(n: int, m: int, same: bool, budget: int):
@@ -110,8 +227,9 @@ def _count_torch(
     """Positive-pair and all-pair counts with torch ops on the tensors' device (GPUs)."""
     pos = torch.zeros(bins, dtype=torch.int64, device=q.device)
     total = torch.zeros(bins, dtype=torch.int64, device=q.device)
+    rule = edge_rule(dist, q, r, lo, hi, bins)
     for a0, a1, b0, b1 in _blocks(q.shape[0], r.shape[0], same, budget):
-        idx = _bin_index(dist(q[a0:a1], r[b0:b1]).to(torch.float32), lo, hi, bins)
+        idx = _bin_index(dist(q[a0:a1], r[b0:b1]).to(torch.float32), lo, hi, bins, rule, a0, b0)
         same_class = ql[a0:a1, None] == rl[None, b0:b1]
         if same and a0 == b0:  # diagonal tile: strict upper triangle only
             upper = torch.ones_like(same_class).triu_(1)
@@ -138,6 +256,18 @@ def _count_cpu(
     counts: SimpleQueue = SimpleQueue()
     ql_np, rl_np = ql.numpy(), rl.numpy()
     low, scale = np.float32(lo), np.float32(bins / (hi - lo))
+    rule = edge_rule(dist, q, r, lo, hi, bins)
+    if rule is None:
+        no_rows = np.zeros((0, q.shape[1]), np.float32)
+        edge = (_kernels.EDGE_NONE, no_rows, no_rows, 0, 0, np.zeros(bins + 1), float(lo), 1.0)
+    else:
+        mode = {"ip": _kernels.EDGE_IP, "cosine": _kernels.EDGE_COSINE,
+                "squared": _kernels.EDGE_SQUARED, "euclidean": _kernels.EDGE_EUCLIDEAN}[rule.kind]
+        q_rows = np.ascontiguousarray(rule.query.to(torch.float32).numpy())
+        r_rows = q_rows if rule.reference is rule.query else np.ascontiguousarray(
+            rule.reference.to(torch.float32).numpy())
+        margin = np.full(bins + 1, np.inf) if rule.everything else rule.margin.cpu().numpy()
+        edge = (mode, q_rows, r_rows, 0, 0, margin, float(rule.low), float(rule.scale))
 
     def tile(block: tuple[int, int, int, int]) -> None:
         a0, a1, b0, b1 = block
@@ -145,7 +275,7 @@ def _count_cpu(
         pos, total = counts.get()
         try:
             _kernels.histogram_tile(vals, ql_np[a0:a1], rl_np[b0:b1], same and a0 == b0, low, scale,
-                                    pos, total)
+                                    pos, total, (*edge[:3], a0, b0, *edge[5:]))
         finally:
             counts.put((pos, total))
 
@@ -193,7 +323,8 @@ def pos_neg_histograms(
     """
     budget = check_budget(memory_budget)
     # numpy integers count (as k_values and seeds do); True is no number of bins
-    bins = check_integer(bins, "bins")
+    # one bin holds every pair of either kind: the divergence would read 0 whatever the embeddings
+    bins = check_integer(bins, "bins", least=2)
     same = reference is None
     q = as_embeddings(query, "query embeddings")
     if same:
@@ -269,6 +400,11 @@ def pos_neg_histograms(
             "the ranking); judge this embedding by P@1 / MAP@R, or bin over the observed range "
             "(pos_neg_histograms(..., range='observed'), as `dmlkit plot histograms` and the report draw)",
             stacklevel=3)
+    elif occupied.size == 1:  # with few bins, or a range wider than the values
+        warnings.warn(
+            f"pos_neg_js: every pair falls in one bin ({occupied[0]} of {bins} over [{lo:g}, {hi:g}]), so "
+            "the divergence is 0 whatever the ranking; use more bins or a range the values fill "
+            "(range='observed')", stacklevel=3)
     edges = np.linspace(lo, hi, bins + 1)
     width = (hi - lo) / bins
     return PosNegHistograms(

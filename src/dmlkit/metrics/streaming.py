@@ -83,7 +83,7 @@ from dmlkit.metrics.retrieval import (
     per_query_from_neighbours,
     warn_embedding_independent,
 )
-from dmlkit.validation import check_label_pair
+from dmlkit.validation import check_integer, check_label_pair
 
 __all__ = ["StreamingPlan", "evaluate_streaming", "per_query_streaming", "plan_blocks"]
 
@@ -307,7 +307,13 @@ def _stream(
         rl = ql
     else:
         ql, rl, _ = check_label_pair(qlab, nq, _labels_of(reference, reference_labels, "reference labels"), m)
-    qs, qe = (0, nq) if query_range is None else (int(query_range[0]), int(query_range[1]))
+    if query_range is None:
+        qs, qe = 0, nq
+    else:  # (0.7, 10.9) was truncated to rows 0-9 without a word
+        if len(query_range) != 2:
+            raise ConfigError(f"query_range must be (start, stop), got {query_range}")
+        qs, qe = (check_integer(v, f"query_range {name}", least=0)
+                  for v, name in zip(query_range, ("start", "stop"), strict=True))
     if not 0 <= qs < qe <= nq:
         raise ConfigError(f"query_range must satisfy 0 <= start < stop <= {nq}, got {query_range}")
     r_all = num_positives(ql, rl, exclude_self=same)
@@ -340,9 +346,7 @@ def _stream(
     compiled = compiled_scores(on_cpu, nq * m)
     q_rows, r_rows = plan.query_rows, plan.reference_rows
     if block_rows is not None:
-        if block_rows < 1:
-            raise ConfigError(f"block_rows must be positive, got {block_rows}")
-        q_rows = r_rows = int(block_rows)
+        q_rows = r_rows = check_integer(block_rows, "block_rows")
     if same:  # reference blocks cover the whole set; query blocks are their parts in the range
         r_blocks = [(b0, min(m, b0 + q_rows)) for b0 in range(0, m, q_rows)]
         q_blocks = [(max(b0, qs), min(b1, qe)) for b0, b1 in r_blocks if b0 < qe and b1 > qs]
