@@ -27,7 +27,7 @@ from dmlkit.apps.patches import (
 from dmlkit.apps.patches.brown import match_files
 from dmlkit.apps.patches.offline import OfflineSpec
 from dmlkit.apps.patches.training import TrainSettings
-from dmlkit.exceptions import CheckpointError, ConfigError, DataError, NonFiniteError
+from dmlkit.exceptions import CheckpointError, ConfigError, DataError, NonFiniteError, ShapeError
 from dmlkit.metrics import fpr95
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -115,6 +115,14 @@ def test_mutual_matches_against_brute_force_and_nan() -> None:
         mutual_matches(bad)
     with pytest.raises(NonFiniteError):
         mutual_matches(bad, ratio=0.8)
+
+
+@pytest.mark.parametrize("shape", [(0, 3), (3, 0), (0, 0)])
+def test_mutual_matches_of_an_empty_set_is_a_shape_error(shape: tuple[int, int]) -> None:
+    """Was: an empty score matrix (no patches on one side) was a raw IndexError from argmax,
+    where score_matrix refuses the same empty set with a ShapeError."""
+    with pytest.raises(ShapeError, match="both sets need patches"):
+        mutual_matches(np.zeros(shape))
 
 
 def test_ratio_test_refuses_decision_networks() -> None:
