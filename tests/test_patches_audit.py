@@ -54,6 +54,22 @@ def test_rewriting_a_subset_removes_its_old_match_files(tmp_path: Path) -> None:
         assert np.array_equal(p.label, (point_ids[p.left] == point_ids[p.right]).astype(np.int64))
 
 
+def test_rewriting_a_subset_keeps_the_users_other_files(tmp_path: Path) -> None:
+    """Was: every .bmp of the folder was removed before the new sheets were written (a user's
+    holiday_photo.bmp, Figure.BMP), though only patches<4 digits>.bmp are sheets."""
+    folder = tmp_path / "s"
+    folder.mkdir()
+    user = {"holiday_photo.bmp": b"BM user image", "Figure.BMP": b"BM another",
+            "patches0000 (copy).bmp": b"BM not a sheet", "notes.txt": b"mine"}
+    for name, data in user.items():
+        (folder / name).write_bytes(data)
+    brown_subset(folder, 200, (20,), seed=0)  # 400 patches: patches0000.bmp and patches0001.bmp
+    brown_subset(folder, 20, (12,), seed=1)  # one sheet: the earlier subset's second one is removed
+    assert {p.name: p.read_bytes() for p in folder.iterdir() if p.name in user} == user
+    assert sorted(p.name for p in folder.iterdir() if p.name not in user) == [
+        "info.txt", "m50_12_12_0.txt", "patches0000.bmp"]
+
+
 def test_bad_pairs_are_refused_before_anything_is_written(tmp_path: Path) -> None:
     """Was: a pair index past the patches was an IndexError, a negative one wrapped around, and
     the sheets and info.txt were already replaced when the pairs were found wrong."""

@@ -58,11 +58,6 @@ _MATCH_RE = re.compile(r"^m50_(\d+)_(\d+)_(\d+)\.txt$")
 _SHEET_RE = re.compile(r"^patches(\d{4})\.bmp$")
 
 
-def _sheet_files(folder: Path) -> list[Path]:
-    """Every ``.bmp`` of ``folder`` (what :func:`write_brown_subset` clears before writing)."""
-    return sorted(p for p in folder.iterdir() if p.suffix.lower() == ".bmp")
-
-
 def numbered_sheets(folder: Path) -> dict[int, Path]:
     """``{number: path}`` of the files named exactly ``patches<4 digits>.bmp``: only these are
     sheets (another ``.bmp`` beside them, such as a file manager's ``patches0000 (copy).bmp``,
@@ -289,7 +284,10 @@ def write_brown_subset(
         )
     folder.mkdir(parents=True, exist_ok=True)
     per_sheet = _PER_SIDE * _PER_SIDE
-    for old in [*_sheet_files(folder), *(f for f in folder.glob("m50_*.txt") if _MATCH_RE.match(f.name))]:
+    # only the files the layout reads (sheets patches<4 digits>.bmp, m50 files): any other file of
+    # the folder, another .bmp included, is the user's
+    old_m50 = (f for f in folder.glob("m50_*.txt") if _MATCH_RE.match(f.name))
+    for old in [*numbered_sheets(folder).values(), *old_m50]:
         old.unlink()
     for s in range(0, n, per_sheet):
         chunk = patches[s : s + per_sheet]
