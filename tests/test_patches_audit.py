@@ -22,6 +22,7 @@ from dmlkit.apps.patches import (
     prepare_patches,
     score_matrix,
     score_pairs,
+    train_patch_model,
     write_brown_subset,
 )
 from dmlkit.apps.patches.brown import match_files
@@ -169,6 +170,44 @@ def test_score_matrix_puts_a_patch_at_distance_zero_from_itself() -> None:
     assert torch.allclose(s.double(), -torch.cdist(d, d, compute_mode="donot_use_mm_for_euclid_dist"), atol=1e-5)
 
 
+@pytest.mark.parametrize("arch", ["siam-l2", "2ch"])
+@pytest.mark.parametrize("left, right", [([-1], [0]), ([0], [-2]), ([0], [5]), ([7], [0])])
+def test_pair_indices_outside_the_patches_are_refused(arch: str, left: list[int], right: list[int]) -> None:
+    """Was: score_pairs and train_patch_model took -1 as the last patch (the score of another
+    pair, silently) and an index past the patches was a raw IndexError."""
+    x = prepare_patches(np.random.default_rng(0).integers(0, 256, (5, 64, 64), dtype=np.uint8), 32)
+    torch.manual_seed(0)
+    net = build_patch_model(arch, 32, 0.125)
+    bad = PatchPairs(np.array(left * 4), np.array(right * 4), np.ones(4, np.int64))
+    with pytest.raises(DataError, match="outside the 5 patches"):
+        score_pairs(net, x, bad)
+    with pytest.raises(DataError, match="outside the 5 patches"):
+        train_patch_model(net, x, bad, np.arange(5), TrainSettings(batch_size=4, epochs=1))
+
+
+def test_pairs_of_mismatched_sides_are_refused() -> None:
+    """Was: a right side of one index was broadcast against every left one by the descriptor
+    networks (three scores of pairs nobody asked for); float indices and labels other than 1/0
+    were taken as given."""
+    one = np.array([1], np.int64)
+    three = np.array([0, 1, 2], np.int64)
+    with pytest.raises(ShapeError, match="lengths 3, 1 and 3"):
+        PatchPairs(three, one, np.array([1, 0, 0]))
+    with pytest.raises(ShapeError, match="lengths 3, 3 and 1"):
+        PatchPairs(three, three, one)
+    with pytest.raises(ShapeError, match="1-D"):
+        PatchPairs(three.reshape(3, 1), three.reshape(3, 1), np.ones((3, 1), np.int64))
+    with pytest.raises(DataError, match="integers"):
+        PatchPairs(three.astype(np.float64), three, np.ones(3, np.int64))
+    with pytest.raises(DataError, match="1 .a match. or 0"):
+        PatchPairs(three, three, np.array([1, 2, 0]))
+    x = prepare_patches(np.zeros((3, 64, 64), np.uint8), 32)
+    net = build_patch_model("hardnet", 32, 0.125)
+    with pytest.raises(ShapeError, match="point_ids"):
+        train_patch_model(net, x, PatchPairs(three, three, np.ones(3, np.int64)), np.arange(5),
+                          TrainSettings(batch_size=4))
+
+
 # -- FPR95 through the pipeline --------------------------------------------------------------------
 def _brute_fpr95_distances(d: np.ndarray, y: np.ndarray) -> float:
     """Accept ``d <= t``; the smallest threshold (over every distinct distance) reaching 95 % recall."""
@@ -311,8 +350,6 @@ def test_architectures_must_be_some_and_distinct(tiny, tmp_path: Path, run_cli, 
 
 def test_hardnet_batch_larger_than_the_points_names_batch_size(tmp_path: Path) -> None:
     """Was: the sampler's message, 'lower classes_per_batch', an option the patch settings lack."""
-    from dmlkit.apps.patches import train_patch_model
-
     point_ids = brown_subset(tmp_path / "s", 12, (40,), seed=0)
     sub = load_subset(tmp_path, "s")
     net = build_patch_model("hardnet", 32, 0.125)
