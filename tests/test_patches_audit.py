@@ -289,6 +289,30 @@ def test_resume_refuses_a_checkpoint_of_other_settings(tiny, tmp_path: Path, run
     assert code == 0, err
 
 
+def test_the_same_subset_spelled_twice_is_refused(tiny, tmp_path: Path, run_cli) -> None:
+    """Was: ``[[a, a]]`` was refused but ``[[a, a/]]`` (``./a``, an absolute path, a symlink)
+    trained and tested on the same subset: the names were compared, not the folders."""
+    import shutil
+
+    import yaml
+
+    cfg, run = tiny
+    root = cfg.parent
+    (tmp_path / "link").symlink_to(root / "a")
+    for other in ("a/", "./a", str(root / "a"), str(tmp_path / "link")):
+        combos = f"data.combinations=[[a, '{other}']]"
+        code, _, err = run_cli(["patches", "train", str(cfg), "-o", str(tmp_path / "r"), "--set", combos, "-q"])
+        line = one_error_line(code, err)
+        assert "must differ" in line and f"'{other}'" in line and not (tmp_path / "r").exists()
+    copy = tmp_path / "run"  # a run of an older dmlkit, which accepted the spelling
+    shutil.copytree(run, copy)
+    stored = yaml.safe_load((copy / "config.yaml").read_text())
+    stored["data"]["combinations"] = [["a", "a/"]]
+    (copy / "config.yaml").write_text(yaml.safe_dump(stored))
+    code, _, err = run_cli(["patches", "evaluate", str(copy), "--rescore"])
+    assert "'a/'" in one_error_line(code, err)
+
+
 def test_negative_seeds_are_config_errors(tiny, tmp_path: Path, run_cli) -> None:
     """Was: a negative seed was a numpy ValueError traceback, after the run directory was written
     (train) or before anything was built (build-data)."""

@@ -313,6 +313,17 @@ def _check_resumable(out: Path, cfg: PatchExperimentConfig, trains: list[str], r
                       f"under {root}; pass --fresh to retrain if the data differ", UserWarning, stacklevel=2)
 
 
+def _check_train_test_differ(root: Path, cfg: PatchExperimentConfig) -> None:
+    """The train and test subsets of every combination are two folders under ``root``. The
+    config compares the names as written, so ``photos`` against ``photos/`` (``./photos``, an
+    absolute path, a symlink) trained and tested on the same subset: a leak."""
+    for a, b in cfg.data.combinations:
+        folder = (root / a).resolve()
+        if folder == (root / b).resolve():
+            raise ConfigError(f"data.combinations: train and test subsets must differ, but {a!r} and {b!r} "
+                              f"are the same folder {folder}: test on another subset")
+
+
 def _check_match_file(folder: Path, num_pairs: int | None, key: str) -> None:
     """The ``m50`` file a run will read exists (found before any model trains, not after)."""
     found = match_files(folder)
@@ -364,6 +375,7 @@ def run_patch_protocol(
     root = subsets_root(cfg, data_root)
     for name in dict.fromkeys(n for pair in cfg.data.combinations for n in pair):
         subset_folder(root, name)  # every subset, training and test, before anything is written
+    _check_train_test_differ(root, cfg)
     for train_name, test_name in cfg.data.combinations:
         _check_match_file(root / train_name, cfg.data.train_pairs, "data.train_pairs")
         _check_match_file(root / test_name, cfg.data.test_pairs, "data.test_pairs")
@@ -490,7 +502,9 @@ def evaluate_patch_run(
     cfg = load_patch_config(run / "config.yaml")
     if max_test_pairs is not None:  # checked by the config's own rule (data.max_test_pairs >= 1)
         cfg = load_patch_config(run / "config.yaml", [f"data.max_test_pairs={max_test_pairs!r}"])
-    subsets = _Subsets(subsets_root(cfg, data_root), cfg.model.patch_size)
+    root = subsets_root(cfg, data_root)
+    _check_train_test_differ(root, cfg)  # a run of an older dmlkit, which compared the names only
+    subsets = _Subsets(root, cfg.model.patch_size)
     rows: dict[tuple[str, str], dict[str, dict[str, float]]] = {tuple(c): {} for c in cfg.data.combinations}
     for arch in cfg.model.architectures:
         for train_name, test_name in cfg.data.combinations:
