@@ -20,6 +20,7 @@ from dmlkit.apps.patches import (
     match_patches,
     mutual_matches,
     prepare_patches,
+    run_patch_protocol,
     score_matrix,
     score_pairs,
     train_patch_model,
@@ -311,6 +312,62 @@ def test_the_same_subset_spelled_twice_is_refused(tiny, tmp_path: Path, run_cli)
     (copy / "config.yaml").write_text(yaml.safe_dump(stored))
     code, _, err = run_cli(["patches", "evaluate", str(copy), "--rescore"])
     assert "'a/'" in one_error_line(code, err)
+
+
+def test_a_killed_rerun_leaves_no_table_of_the_run_before(tiny, tmp_path: Path, run_cli) -> None:
+    """Was: config.yaml is rewritten when a run starts and results.json / results.md when it
+    ends, so a re-run with other settings killed in between left the previous run's table, which
+    `patches evaluate` printed as the table of the new config and models."""
+    import json
+    import shutil
+
+    cfg, run = tiny
+    copy = tmp_path / "run"
+    shutil.copytree(run, copy)
+
+    def killed(message: str) -> None:
+        if message.startswith("siam-l2 trained on a"):
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        run_patch_protocol(load_patch_config(cfg, ["training.lr=0.01"]), copy, resume=False, log=killed)
+    assert not (copy / "results.json").exists() and not (copy / "results.md").exists()
+    code, out, err = run_cli(["patches", "evaluate", str(copy), "--json"])  # scores the new models
+    assert code == 0, err
+    code, rescored, err = run_cli(["patches", "evaluate", str(copy), "--rescore", "--json"])
+    assert code == 0 and json.loads(out) == json.loads(rescored), err
+
+
+def test_evaluate_refuses_a_table_of_another_config(tiny, tmp_path: Path, run_cli) -> None:
+    """Was: a results.json left by a killed re-run of an older dmlkit was printed as the table of
+    the run's config.yaml, which it was not written for; without a table, the checkpoints the
+    re-run had not retrained yet were scored as if trained with config.yaml's settings."""
+    import json
+    import shutil
+
+    import yaml
+
+    _, run = tiny
+    copy = tmp_path / "run"
+    shutil.copytree(run, copy)
+    stored = yaml.safe_load((copy / "config.yaml").read_text())
+    stored["training"]["lr"] = 0.01
+    (copy / "config.yaml").write_text(yaml.safe_dump(stored))
+    code, _, err = run_cli(["patches", "evaluate", str(copy)])
+    line = one_error_line(code, err)
+    assert "training.lr=0.001" in line and "0.01" in line and "--rescore" in line
+    results = json.loads((copy / "results.json").read_text())
+    del results["config"]
+    (copy / "results.json").write_text(json.dumps(results))
+    code, _, err = run_cli(["patches", "evaluate", str(copy)])
+    assert "no valid config" in one_error_line(code, err)
+    # no table (a run of this dmlkit killed before retraining): the checkpoint is not scored
+    # under a config it was not trained with
+    (copy / "results.json").unlink()
+    for argv in (["patches", "evaluate", str(copy)], ["patches", "evaluate", str(copy), "--rescore"]):
+        code, _, err = run_cli(argv)
+        line = one_error_line(code, err)
+        assert "lr=0.001" in line and "--fresh" in line
 
 
 def test_negative_seeds_are_config_errors(tiny, tmp_path: Path, run_cli) -> None:
