@@ -20,14 +20,16 @@ from dmlkit.apps.patches import (
     match_patches,
     mutual_matches,
     prepare_patches,
+    run_patch_protocol,
     score_matrix,
     score_pairs,
+    train_patch_model,
     write_brown_subset,
 )
 from dmlkit.apps.patches.brown import match_files
 from dmlkit.apps.patches.offline import OfflineSpec
 from dmlkit.apps.patches.training import TrainSettings
-from dmlkit.exceptions import CheckpointError, ConfigError, DataError, NonFiniteError
+from dmlkit.exceptions import CheckpointError, ConfigError, DataError, NonFiniteError, ShapeError
 from dmlkit.metrics import fpr95
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -52,6 +54,22 @@ def test_rewriting_a_subset_removes_its_old_match_files(tmp_path: Path) -> None:
     for largest in (True, False):
         p = sub.pairs(largest=largest)
         assert np.array_equal(p.label, (point_ids[p.left] == point_ids[p.right]).astype(np.int64))
+
+
+def test_rewriting_a_subset_keeps_the_users_other_files(tmp_path: Path) -> None:
+    """Was: every .bmp of the folder was removed before the new sheets were written (a user's
+    holiday_photo.bmp, Figure.BMP), though only patches<4 digits>.bmp are sheets."""
+    folder = tmp_path / "s"
+    folder.mkdir()
+    user = {"holiday_photo.bmp": b"BM user image", "Figure.BMP": b"BM another",
+            "patches0000 (copy).bmp": b"BM not a sheet", "notes.txt": b"mine"}
+    for name, data in user.items():
+        (folder / name).write_bytes(data)
+    brown_subset(folder, 200, (20,), seed=0)  # 400 patches: patches0000.bmp and patches0001.bmp
+    brown_subset(folder, 20, (12,), seed=1)  # one sheet: the earlier subset's second one is removed
+    assert {p.name: p.read_bytes() for p in folder.iterdir() if p.name in user} == user
+    assert sorted(p.name for p in folder.iterdir() if p.name not in user) == [
+        "info.txt", "m50_12_12_0.txt", "patches0000.bmp"]
 
 
 def test_bad_pairs_are_refused_before_anything_is_written(tmp_path: Path) -> None:
@@ -117,6 +135,14 @@ def test_mutual_matches_against_brute_force_and_nan() -> None:
         mutual_matches(bad, ratio=0.8)
 
 
+@pytest.mark.parametrize("shape", [(0, 3), (3, 0), (0, 0)])
+def test_mutual_matches_of_an_empty_set_is_a_shape_error(shape: tuple[int, int]) -> None:
+    """Was: an empty score matrix (no patches on one side) was a raw IndexError from argmax,
+    where score_matrix refuses the same empty set with a ShapeError."""
+    with pytest.raises(ShapeError, match="both sets need patches"):
+        mutual_matches(np.zeros(shape))
+
+
 def test_ratio_test_refuses_decision_networks() -> None:
     """Was: with a 2-channel network whose logits were all negative, Lowe's ratio test ran on the
     logits as if they were distances (the docs: the ratio test is for descriptor networks)."""
@@ -143,6 +169,44 @@ def test_score_matrix_puts_a_patch_at_distance_zero_from_itself() -> None:
     assert torch.all(s.diagonal() == 0)
     d = net.describe(x, 0).double()
     assert torch.allclose(s.double(), -torch.cdist(d, d, compute_mode="donot_use_mm_for_euclid_dist"), atol=1e-5)
+
+
+@pytest.mark.parametrize("arch", ["siam-l2", "2ch"])
+@pytest.mark.parametrize("left, right", [([-1], [0]), ([0], [-2]), ([0], [5]), ([7], [0])])
+def test_pair_indices_outside_the_patches_are_refused(arch: str, left: list[int], right: list[int]) -> None:
+    """Was: score_pairs and train_patch_model took -1 as the last patch (the score of another
+    pair, silently) and an index past the patches was a raw IndexError."""
+    x = prepare_patches(np.random.default_rng(0).integers(0, 256, (5, 64, 64), dtype=np.uint8), 32)
+    torch.manual_seed(0)
+    net = build_patch_model(arch, 32, 0.125)
+    bad = PatchPairs(np.array(left * 4), np.array(right * 4), np.ones(4, np.int64))
+    with pytest.raises(DataError, match="outside the 5 patches"):
+        score_pairs(net, x, bad)
+    with pytest.raises(DataError, match="outside the 5 patches"):
+        train_patch_model(net, x, bad, np.arange(5), TrainSettings(batch_size=4, epochs=1))
+
+
+def test_pairs_of_mismatched_sides_are_refused() -> None:
+    """Was: a right side of one index was broadcast against every left one by the descriptor
+    networks (three scores of pairs nobody asked for); float indices and labels other than 1/0
+    were taken as given."""
+    one = np.array([1], np.int64)
+    three = np.array([0, 1, 2], np.int64)
+    with pytest.raises(ShapeError, match="lengths 3, 1 and 3"):
+        PatchPairs(three, one, np.array([1, 0, 0]))
+    with pytest.raises(ShapeError, match="lengths 3, 3 and 1"):
+        PatchPairs(three, three, one)
+    with pytest.raises(ShapeError, match="1-D"):
+        PatchPairs(three.reshape(3, 1), three.reshape(3, 1), np.ones((3, 1), np.int64))
+    with pytest.raises(DataError, match="integers"):
+        PatchPairs(three.astype(np.float64), three, np.ones(3, np.int64))
+    with pytest.raises(DataError, match="1 .a match. or 0"):
+        PatchPairs(three, three, np.array([1, 2, 0]))
+    x = prepare_patches(np.zeros((3, 64, 64), np.uint8), 32)
+    net = build_patch_model("hardnet", 32, 0.125)
+    with pytest.raises(ShapeError, match="point_ids"):
+        train_patch_model(net, x, PatchPairs(three, three, np.ones(3, np.int64)), np.arange(5),
+                          TrainSettings(batch_size=4))
 
 
 # -- FPR95 through the pipeline --------------------------------------------------------------------
@@ -226,6 +290,86 @@ def test_resume_refuses_a_checkpoint_of_other_settings(tiny, tmp_path: Path, run
     assert code == 0, err
 
 
+def test_the_same_subset_spelled_twice_is_refused(tiny, tmp_path: Path, run_cli) -> None:
+    """Was: ``[[a, a]]`` was refused but ``[[a, a/]]`` (``./a``, an absolute path, a symlink)
+    trained and tested on the same subset: the names were compared, not the folders."""
+    import shutil
+
+    import yaml
+
+    cfg, run = tiny
+    root = cfg.parent
+    (tmp_path / "link").symlink_to(root / "a")
+    for other in ("a/", "./a", str(root / "a"), str(tmp_path / "link")):
+        combos = f"data.combinations=[[a, '{other}']]"
+        code, _, err = run_cli(["patches", "train", str(cfg), "-o", str(tmp_path / "r"), "--set", combos, "-q"])
+        line = one_error_line(code, err)
+        assert "must differ" in line and f"'{other}'" in line and not (tmp_path / "r").exists()
+    copy = tmp_path / "run"  # a run of an older dmlkit, which accepted the spelling
+    shutil.copytree(run, copy)
+    stored = yaml.safe_load((copy / "config.yaml").read_text())
+    stored["data"]["combinations"] = [["a", "a/"]]
+    (copy / "config.yaml").write_text(yaml.safe_dump(stored))
+    code, _, err = run_cli(["patches", "evaluate", str(copy), "--rescore"])
+    assert "'a/'" in one_error_line(code, err)
+
+
+def test_a_killed_rerun_leaves_no_table_of_the_run_before(tiny, tmp_path: Path, run_cli) -> None:
+    """Was: config.yaml is rewritten when a run starts and results.json / results.md when it
+    ends, so a re-run with other settings killed in between left the previous run's table, which
+    `patches evaluate` printed as the table of the new config and models."""
+    import json
+    import shutil
+
+    cfg, run = tiny
+    copy = tmp_path / "run"
+    shutil.copytree(run, copy)
+
+    def killed(message: str) -> None:
+        if message.startswith("siam-l2 trained on a"):
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        run_patch_protocol(load_patch_config(cfg, ["training.lr=0.01"]), copy, resume=False, log=killed)
+    assert not (copy / "results.json").exists() and not (copy / "results.md").exists()
+    code, out, err = run_cli(["patches", "evaluate", str(copy), "--json"])  # scores the new models
+    assert code == 0, err
+    code, rescored, err = run_cli(["patches", "evaluate", str(copy), "--rescore", "--json"])
+    assert code == 0 and json.loads(out) == json.loads(rescored), err
+
+
+def test_evaluate_refuses_a_table_of_another_config(tiny, tmp_path: Path, run_cli) -> None:
+    """Was: a results.json left by a killed re-run of an older dmlkit was printed as the table of
+    the run's config.yaml, which it was not written for; without a table, the checkpoints the
+    re-run had not retrained yet were scored as if trained with config.yaml's settings."""
+    import json
+    import shutil
+
+    import yaml
+
+    _, run = tiny
+    copy = tmp_path / "run"
+    shutil.copytree(run, copy)
+    stored = yaml.safe_load((copy / "config.yaml").read_text())
+    stored["training"]["lr"] = 0.01
+    (copy / "config.yaml").write_text(yaml.safe_dump(stored))
+    code, _, err = run_cli(["patches", "evaluate", str(copy)])
+    line = one_error_line(code, err)
+    assert "training.lr=0.001" in line and "0.01" in line and "--rescore" in line
+    results = json.loads((copy / "results.json").read_text())
+    del results["config"]
+    (copy / "results.json").write_text(json.dumps(results))
+    code, _, err = run_cli(["patches", "evaluate", str(copy)])
+    assert "no valid config" in one_error_line(code, err)
+    # no table (a run of this dmlkit killed before retraining): the checkpoint is not scored
+    # under a config it was not trained with
+    (copy / "results.json").unlink()
+    for argv in (["patches", "evaluate", str(copy)], ["patches", "evaluate", str(copy), "--rescore"]):
+        code, _, err = run_cli(argv)
+        line = one_error_line(code, err)
+        assert "lr=0.001" in line and "--fresh" in line
+
+
 def test_negative_seeds_are_config_errors(tiny, tmp_path: Path, run_cli) -> None:
     """Was: a negative seed was a numpy ValueError traceback, after the run directory was written
     (train) or before anything was built (build-data)."""
@@ -287,8 +431,6 @@ def test_architectures_must_be_some_and_distinct(tiny, tmp_path: Path, run_cli, 
 
 def test_hardnet_batch_larger_than_the_points_names_batch_size(tmp_path: Path) -> None:
     """Was: the sampler's message, 'lower classes_per_batch', an option the patch settings lack."""
-    from dmlkit.apps.patches import train_patch_model
-
     point_ids = brown_subset(tmp_path / "s", 12, (40,), seed=0)
     sub = load_subset(tmp_path, "s")
     net = build_patch_model("hardnet", 32, 0.125)

@@ -64,6 +64,33 @@ def _is_patch_results(results: object) -> bool:
             and all(has_fpr(mean.get(a)) for a in archs))
 
 
+def _check_results_of_config(run_dir: Path, results: dict) -> None:
+    """The stored table was written for the run's ``config.yaml``, else a one-line error naming
+    the first setting that differs and ``--rescore``. A re-run rewrites ``config.yaml`` when it
+    starts and ``results.json`` when it ends: one killed in between by an older dmlkit (which
+    left the previous table in place) paired the old table with the new config and models."""
+    from pydantic import ValidationError
+
+    from dmlkit.apps.patches.protocol import PatchExperimentConfig, load_patch_config
+    from dmlkit.exceptions import DataError
+    from dmlkit.utils import dotted_items
+
+    current = dotted_items(load_patch_config(run_dir / "config.yaml").model_dump(mode="json"))
+    try:  # validated as config.yaml is, so that defaults added since fill both alike
+        recorded = dotted_items(PatchExperimentConfig.model_validate(results.get("config")).model_dump(mode="json"))
+    except ValidationError:
+        recorded = None
+    if recorded == current:
+        return
+    if recorded is None:
+        what = "records no valid config"
+    else:
+        key = next(k for k in [*current, *recorded] if current.get(k) != recorded.get(k))
+        what = f"was written for {key}={recorded.get(key)!r}, but config.yaml says {current.get(key)!r}"
+    raise DataError(f"{run_dir / 'results.json'} {what} (a re-run that did not finish): score the run's "
+                    "checkpoints with --rescore, or rerun `dmlkit patches train`")
+
+
 def _check_figure_format(path: Path) -> Path:
     """The figure file to write: a suffix matplotlib cannot write is a one-line error, before any
     work; no suffix gets ``.png`` (matplotlib appends it anyway: the path reported was not the
@@ -167,6 +194,7 @@ def evaluate(
         if not _is_patch_results(results):
             raise DataError(f"{res_file} is not a results.json of dmlkit patches train (or is damaged): "
                             "rerun `dmlkit patches train`, or score the checkpoints with --rescore")
+        _check_results_of_config(run_dir, results)
     _print_table(results, f"FPR95 (%), {run_dir}", as_json)
     if figure is None:
         return

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import numpy as np
 
-from dmlkit.exceptions import DataError, DataNotFoundError
+from dmlkit.exceptions import DataError, DataNotFoundError, ShapeError
 from dmlkit.utils import atomic_write_bytes, atomic_write_text
 
 __all__ = [
@@ -56,11 +56,6 @@ _SHEET = 1024
 _PER_SIDE = _SHEET // PATCH_SIZE
 _MATCH_RE = re.compile(r"^m50_(\d+)_(\d+)_(\d+)\.txt$")
 _SHEET_RE = re.compile(r"^patches(\d{4})\.bmp$")
-
-
-def _sheet_files(folder: Path) -> list[Path]:
-    """Every ``.bmp`` of ``folder`` (what :func:`write_brown_subset` clears before writing)."""
-    return sorted(p for p in folder.iterdir() if p.suffix.lower() == ".bmp")
 
 
 def numbered_sheets(folder: Path) -> dict[int, Path]:
@@ -148,15 +143,49 @@ def match_files(folder: str | Path) -> dict[int, Path]:
 
 @dataclass(frozen=True)
 class PatchPairs:
-    """Pairs of patch indices and their ground truth: ``left``, ``right`` (int64), ``label`` (1/0)."""
+    """Pairs of patch indices and their ground truth: ``left``, ``right`` (integers), ``label`` (1/0).
+
+    Checked on construction (the one place every pair list passes through): three 1-D arrays of
+    one length (else a :class:`ShapeError`: a right side of one patch was broadcast against every
+    left one), integer indices and labels 1 or 0 (else a :class:`DataError`). Which patches the
+    indices may point at is known only where they are used: :meth:`check_indices`.
+    """
 
     left: np.ndarray
     right: np.ndarray
     label: np.ndarray
     source: str = ""
 
+    def __post_init__(self) -> None:
+        for name in ("left", "right", "label"):
+            value = getattr(self, name)
+            if not isinstance(value, np.ndarray) or value.ndim != 1:
+                raise ShapeError(f"PatchPairs.{name} must be a 1-D numpy array (one entry per pair), "
+                                 f"got {type(value).__name__} of shape {np.shape(value)}")
+        lengths = (self.left.shape[0], self.right.shape[0], self.label.shape[0])
+        if len(set(lengths)) > 1:
+            raise ShapeError("PatchPairs: left, right and label need one entry per pair, got lengths "
+                             f"{lengths[0]}, {lengths[1]} and {lengths[2]}")
+        for name in ("left", "right"):
+            if not np.issubdtype(getattr(self, name).dtype, np.integer):
+                raise DataError(f"PatchPairs.{name} holds patch indices: integers, got {getattr(self, name).dtype}")
+        if not np.isin(self.label, (0, 1)).all():
+            raise DataError("PatchPairs.label must be 1 (a match) or 0 for every pair")
+
     def __len__(self) -> int:
         return int(self.left.shape[0])
+
+    def check_indices(self, num_patches: int, what: str = "pairs") -> None:
+        """Every index points at one of the ``num_patches`` patches, ``[0, num_patches)``, else a
+        :class:`DataError` naming the first pair outside (numpy and torch take -1 as the last
+        patch, a silent wrong pair; an index past the end was a raw IndexError)."""
+        for name in ("left", "right"):
+            idx = getattr(self, name)
+            outside = np.flatnonzero((idx < 0) | (idx >= num_patches))
+            if outside.size:
+                k = int(outside[0])
+                raise DataError(f"{what}: pair {k} has {name} patch index {int(idx[k])}, outside the "
+                                f"{num_patches} patches [0, {num_patches}) ({outside.size} such pair(s) on that side)")
 
     def subset(self, idx: np.ndarray) -> PatchPairs:
         return PatchPairs(self.left[idx], self.right[idx], self.label[idx], self.source)
@@ -278,9 +307,7 @@ def write_brown_subset(
     for count, pp in pairs.items():
         if len(pp) != count:
             raise DataError(f"pairs[{count}] holds {len(pp)} pairs")
-        for side in (pp.left, pp.right):
-            if side.size and (side.min() < 0 or side.max() >= n):
-                raise DataError(f"pairs[{count}]: patch ids must be in [0, {n}), got {side.min()}..{side.max()}")
+        pp.check_indices(n, f"pairs[{count}]")
         pl, pr = point_ids[pp.left], point_ids[pp.right]
         if not np.array_equal(pl == pr, pp.label.astype(bool)):
             raise DataError("pair labels disagree with the 3D point ids")
@@ -289,7 +316,10 @@ def write_brown_subset(
         )
     folder.mkdir(parents=True, exist_ok=True)
     per_sheet = _PER_SIDE * _PER_SIDE
-    for old in [*_sheet_files(folder), *(f for f in folder.glob("m50_*.txt") if _MATCH_RE.match(f.name))]:
+    # only the files the layout reads (sheets patches<4 digits>.bmp, m50 files): any other file of
+    # the folder, another .bmp included, is the user's
+    old_m50 = (f for f in folder.glob("m50_*.txt") if _MATCH_RE.match(f.name))
+    for old in [*numbered_sheets(folder).values(), *old_m50]:
         old.unlink()
     for s in range(0, n, per_sheet):
         chunk = patches[s : s + per_sheet]

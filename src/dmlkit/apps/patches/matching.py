@@ -20,6 +20,13 @@ from dmlkit.exceptions import ConfigError, NonFiniteError, ShapeError
 __all__ = ["PatchMatches", "match_patches", "mutual_matches", "score_matrix"]
 
 
+def _check_both_sets(n: int, m: int) -> None:
+    """Both sets of a match hold patches: an empty one is a :class:`ShapeError` (``argmax`` over
+    an empty row or column was a raw IndexError)."""
+    if n == 0 or m == 0:
+        raise ShapeError(f"both sets need patches, got {n} and {m}")
+
+
 @torch.no_grad()
 def score_matrix(model: PatchNet, a: torch.Tensor, b: torch.Tensor, batch_size: int = 2048) -> torch.Tensor:
     """Scores of every pair ``(a_i, b_j)``, float32 ``(n, m)``, higher = match.
@@ -29,8 +36,7 @@ def score_matrix(model: PatchNet, a: torch.Tensor, b: torch.Tensor, batch_size: 
     """
     model.eval()
     n, m = a.shape[0], b.shape[0]
-    if n == 0 or m == 0:
-        raise ShapeError(f"both sets need patches, got {n} and {m}")
+    _check_both_sets(n, m)
     if getattr(model, "has_descriptor", False):
         side2 = 1 if isinstance(model, SiameseNet) and not model.shared else 0
         da = torch.cat([model.describe(a[i : i + batch_size], 0) for i in range(0, n, batch_size)])
@@ -74,6 +80,7 @@ def mutual_matches(scores: torch.Tensor | np.ndarray, ratio: float | None = None
     s = torch.as_tensor(scores, dtype=torch.float64)
     if s.dim() != 2:
         raise ShapeError(f"scores must be (n, m), got {tuple(s.shape)}")
+    _check_both_sets(*s.shape)
     if not bool(torch.isfinite(s).all()):  # argmax takes NaN as the best score
         raise NonFiniteError(
             f"{int((~torch.isfinite(s)).sum())} score(s) are NaN or infinite: the network diverged; retrain it"

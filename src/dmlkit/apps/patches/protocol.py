@@ -281,19 +281,11 @@ def _check_resumable(out: Path, cfg: PatchExperimentConfig, trains: list[str], r
 
     unrecorded: list[Path] = []
     for arch in cfg.model.architectures:
-        want = _training_signature(cfg, arch)
         for train_name in trains:
             ck_path = out / "models" / arch / f"{train_name}.pt"
             if not ck_path.is_file():
                 continue
-            ck = _read_checkpoint(ck_path)
-            have = ck.get("settings") or {k: ck.get(k) for k in ("arch", "patch_size", "width")}
-            for key, value in have.items():
-                if key in want and want[key] != value:
-                    raise ConfigError(
-                        f"{ck_path} was trained with {key}={value!r} but the config asks for {want[key]!r}: "
-                        "pass --fresh to retrain, or write the run to another -o folder"
-                    )
+            have = _checked_settings(ck_path, cfg, arch, "pass --fresh to retrain, or write the run to another -o folder")
             trained_on = have.get(_DATA_KEY)
             if trained_on is None:
                 unrecorded.append(ck_path)
@@ -311,6 +303,30 @@ def _check_resumable(out: Path, cfg: PatchExperimentConfig, trains: list[str], r
                 f"{len(unrecorded)} checkpoints ({unrecorded[0]}, ...) do not record which data they were")
         warnings.warn(f"{what} trained on (written by an older dmlkit): reused as trained on the subsets "
                       f"under {root}; pass --fresh to retrain if the data differ", UserWarning, stacklevel=2)
+
+
+def _checked_settings(ck_path: Path, cfg: PatchExperimentConfig, arch: str, fix: str) -> dict[str, Any]:
+    """The settings the checkpoint ``ck_path`` of ``arch`` records (:func:`_training_signature`;
+    an older one: its model only), or a :class:`ConfigError` naming the first that ``cfg`` asks
+    otherwise and ``fix``: its weights would be scored under a config they were not trained with."""
+    want = _training_signature(cfg, arch)
+    ck = _read_checkpoint(ck_path)
+    have = ck.get("settings") or {k: ck.get(k) for k in ("arch", "patch_size", "width")}
+    for key, value in have.items():
+        if key in want and want[key] != value:
+            raise ConfigError(f"{ck_path} was trained with {key}={value!r} but the config asks for {want[key]!r}: {fix}")
+    return have
+
+
+def _check_train_test_differ(root: Path, cfg: PatchExperimentConfig) -> None:
+    """The train and test subsets of every combination are two folders under ``root``. The
+    config compares the names as written, so ``photos`` against ``photos/`` (``./photos``, an
+    absolute path, a symlink) trained and tested on the same subset: a leak."""
+    for a, b in cfg.data.combinations:
+        folder = (root / a).resolve()
+        if folder == (root / b).resolve():
+            raise ConfigError(f"data.combinations: train and test subsets must differ, but {a!r} and {b!r} "
+                              f"are the same folder {folder}: test on another subset")
 
 
 def _check_match_file(folder: Path, num_pairs: int | None, key: str) -> None:
@@ -342,6 +358,11 @@ def _test_pairs(sub, cfg: PatchExperimentConfig, seed: int):
     return pairs
 
 
+#: The table of a run, written when every model is scored (removed when a run starts: one killed
+#: part-way left the previous run's table beside the new config.yaml and checkpoints).
+_RESULTS_JSON, _RESULTS_MD = "results.json", "results.md"
+
+
 def run_patch_protocol(
     cfg: PatchExperimentConfig,
     out_dir: str | Path,
@@ -355,7 +376,9 @@ def run_patch_protocol(
     Writes ``OUT/config.yaml``, ``OUT/provenance.json``, ``OUT/models/<arch>/<train>.pt``,
     ``OUT/scores/<arch>/<train>__<test>.npz`` (pair indices, labels, scores) and
     ``OUT/results.json`` / ``results.md`` (the table). With ``resume`` a model whose
-    checkpoint exists is loaded instead of retrained.
+    checkpoint exists is loaded instead of retrained. The table of an earlier run in ``OUT`` is
+    removed before ``config.yaml`` is written and the new one written when every model is scored,
+    so a killed run leaves no table rather than the previous run's.
     """
     import torch
     import yaml
@@ -364,6 +387,7 @@ def run_patch_protocol(
     root = subsets_root(cfg, data_root)
     for name in dict.fromkeys(n for pair in cfg.data.combinations for n in pair):
         subset_folder(root, name)  # every subset, training and test, before anything is written
+    _check_train_test_differ(root, cfg)
     for train_name, test_name in cfg.data.combinations:
         _check_match_file(root / train_name, cfg.data.train_pairs, "data.train_pairs")
         _check_match_file(root / test_name, cfg.data.test_pairs, "data.test_pairs")
@@ -378,6 +402,8 @@ def run_patch_protocol(
     if resume:
         _check_resumable(out, cfg, trains, root, data_ids)
     out.mkdir(parents=True, exist_ok=True)
+    for stale in (_RESULTS_JSON, _RESULTS_MD):  # before config.yaml: never a new config beside an old table
+        (out / stale).unlink(missing_ok=True)
     atomic_write_text(out / "config.yaml", yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
     write_provenance(out / "provenance.json", cfg.seed)
     if cfg.training.threads:
@@ -427,8 +453,8 @@ def run_patch_protocol(
                 _write_scores(path, pairs, scores, test_ids[test_name])
                 say(f"  {arch} {train_name} -> {test_name}: FPR95 {100 * res['fpr95']:.2f} %, AUC {res['roc_auc']:.4f}")
     results = _assemble(cfg, rows, timing)
-    atomic_write_json(out / "results.json", results)
-    atomic_write_text(out / "results.md", results_table(results, markdown=True))
+    atomic_write_json(out / _RESULTS_JSON, results)
+    atomic_write_text(out / _RESULTS_MD, results_table(results, markdown=True))
     return results
 
 
@@ -490,11 +516,17 @@ def evaluate_patch_run(
     cfg = load_patch_config(run / "config.yaml")
     if max_test_pairs is not None:  # checked by the config's own rule (data.max_test_pairs >= 1)
         cfg = load_patch_config(run / "config.yaml", [f"data.max_test_pairs={max_test_pairs!r}"])
-    subsets = _Subsets(subsets_root(cfg, data_root), cfg.model.patch_size)
+    root = subsets_root(cfg, data_root)
+    _check_train_test_differ(root, cfg)  # a run of an older dmlkit, which compared the names only
+    subsets = _Subsets(root, cfg.model.patch_size)
     rows: dict[tuple[str, str], dict[str, dict[str, float]]] = {tuple(c): {} for c in cfg.data.combinations}
     for arch in cfg.model.architectures:
         for train_name, test_name in cfg.data.combinations:
-            model = load_patch_model(run / "models" / arch / f"{train_name}.pt").to(_device(cfg.training.device))
+            ck_path = run / "models" / arch / f"{train_name}.pt"
+            if ck_path.is_file():  # a re-run with other settings killed part-way left the old models
+                _checked_settings(ck_path, cfg, arch, "a re-run that did not finish? finish it with "
+                                  "`dmlkit patches train --fresh`")
+            model = load_patch_model(ck_path).to(_device(cfg.training.device))
             tsub, tinputs = subsets.get(test_name)
             pairs = _test_pairs(tsub, cfg, cfg.seed)
             s = score_pairs(model, tinputs, pairs)

@@ -16,7 +16,7 @@ from torch import nn
 from dmlkit.apps.patches.brown import PatchPairs
 from dmlkit.apps.patches.models import HardNetDescriptor, PatchNet, SiameseNet
 from dmlkit.config import StrictNumbers
-from dmlkit.exceptions import ConfigError, DataError, NonFiniteError
+from dmlkit.exceptions import ConfigError, DataError, NonFiniteError, ShapeError
 from dmlkit.losses import get_loss
 from dmlkit.miners import get_miner
 from dmlkit.samplers import MPerClassSampler
@@ -106,6 +106,10 @@ def train_patch_model(
     for :class:`dmlkit.losses` ``triplet``. Every architecture gets the same number of steps:
     ``epochs * ceil(len(pairs) / batch_size)``.
     """
+    pairs.check_indices(inputs.shape[0], "training pairs")
+    if np.shape(point_ids) != (inputs.shape[0],):  # hardnet draws patches by these ids
+        raise ShapeError(f"point_ids need one 3D point id per patch: {inputs.shape[0]} patches, "
+                         f"point_ids of shape {np.shape(point_ids)}")
     gen = torch.Generator().manual_seed(settings.seed)
     torch.manual_seed(settings.seed)
     rng = np.random.default_rng(settings.seed)
@@ -184,8 +188,10 @@ def score_pairs(model: PatchNet, inputs: torch.Tensor, pairs: PatchPairs, batch_
     """Score of every pair (higher = match), float64 ``(len(pairs),)``.
 
     Networks with descriptors describe each distinct patch once and score pairs from the
-    descriptors (``n + m`` branch passes); 2-channel networks run once per pair.
+    descriptors (``n + m`` branch passes); 2-channel networks run once per pair. Every pair
+    index must point at a patch of ``inputs`` (:meth:`PatchPairs.check_indices`).
     """
+    pairs.check_indices(inputs.shape[0], "pairs to score")
     model.eval()
     dev = next(model.parameters()).device
     left = torch.from_numpy(pairs.left)
