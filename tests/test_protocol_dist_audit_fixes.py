@@ -94,6 +94,41 @@ def test_release_claims_removes_only_the_claims_of_dead_processes(tmp_path):
         live.wait()
 
 
+#: A worker that finds the claim of a dead worker slowly (its look at the claim takes
+#: ``argv[2]`` seconds), takes the run over if it can, says so and stays alive ``argv[3]``
+#: seconds (so that its own claim stays live while the other contender looks).
+SLOW_TAKEOVER = """
+import sys, time
+from pathlib import Path
+from dmlkit.protocol import stages
+look = stages._claim_is_live
+def slow_look(path):
+    live = look(path)
+    time.sleep(float(sys.argv[2]))
+    return live
+stages._claim_is_live = slow_look
+print("took" if stages._claim(Path(sys.argv[1])) else "lost", flush=True)
+time.sleep(float(sys.argv[3]))
+"""
+
+
+def test_two_workers_never_both_take_over_a_dead_workers_claim(tmp_path):
+    """Both looked at the dead claim, then the first removed it and made its own, and the
+    second removed *that* claim and made its own: two workers trained one run."""
+    run_dir = tmp_path / "final" / "m" / "seed0" / "fold0"
+    _claimer(run_dir, 0).wait(timeout=30)  # a worker that claimed the run and died
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    workers = [subprocess.Popen([sys.executable, "-c", SLOW_TAKEOVER, str(run_dir), "1.0", "4"],
+                                stdout=subprocess.PIPE, text=True, env=env) for _ in range(2)]
+    try:
+        said = sorted(w.stdout.readline().strip() for w in workers)
+    finally:
+        for w in workers:
+            w.kill()
+            w.wait()
+    assert said == ["lost", "took"]
+
+
 @pytest.mark.filterwarnings("ignore:training did not beat")
 def test_a_finishing_runner_neither_releases_nor_trains_a_live_workers_claimed_run(tmp_path, data_root,
                                                                                    monkeypatch):

@@ -7,6 +7,7 @@ final runs). :class:`dmlkit.protocol.runner.Bench` orchestrates them.
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import logging
@@ -378,24 +379,40 @@ def _claim_is_live(path: Path) -> bool:
     return pid != os.getpid() and process_alive(pid)  # a zombie (exited, not reaped) is no worker
 
 
+#: The lock file (beside the run directories of a seed) that serialises claim takeovers.
+CLAIM_TAKEOVER = ".claim-takeover"
+
+
+def _create_claim(path: Path) -> bool:
+    """Create the claim ``path`` for this process if no file is there (atomically)."""
+    try:
+        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+    except FileExistsError:
+        return False
+    os.write(fd, _claim_owner().encode())
+    os.close(fd)
+    return True
+
+
 def _claim(run_dir: Path) -> bool:
     """Claim a final run for this process: create ``run_dir/.claimed`` atomically. A claim this
     process holds already, or one whose process is gone (a killed worker), is taken over; a live
-    worker's claim is not (``False``)."""
+    worker's claim is not (``False``).
+
+    A takeover (look at the claim, remove it, create ours) runs under an ``flock`` on
+    :data:`CLAIM_TAKEOVER`: two workers that both found a dead worker's claim could otherwise
+    both take the run (the second removing the first one's new claim). Only claims made on this
+    machine are ever taken over (:func:`_claim_is_live`), so a lock local to it suffices."""
     run_dir.mkdir(parents=True, exist_ok=True)
     path = run_dir / CLAIM
-    for _ in range(2):
-        try:
-            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
-        except FileExistsError:
-            if _claim_is_live(path):
-                return False
-            path.unlink(missing_ok=True)  # its worker is gone (or it is this process's own)
-            continue
-        os.write(fd, _claim_owner().encode())
-        os.close(fd)
+    if _create_claim(path):
         return True
-    return False
+    with open(run_dir.parent / CLAIM_TAKEOVER, "a") as lock:  # never written: the lock is the state
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released by the kernel if this process dies
+        if _claim_is_live(path):
+            return False
+        path.unlink(missing_ok=True)  # its worker is gone (or it is this process's own)
+        return _create_claim(path)
 
 
 def release_claims(bench_dir: Path) -> int:
