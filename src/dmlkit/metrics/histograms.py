@@ -143,17 +143,22 @@ class EdgeRule:
 
     def rebin(self, position: torch.Tensor, idx: torch.Tensor, row0: int, col0: int) -> None:
         """Overwrite, in ``idx``, the bins of the entries of ``position`` near an inner edge
-        (``floor(t)`` or the next; every entry where a margin reaches a whole bin)."""
+        (``floor(t)`` or the next; every entry where a margin reaches a whole bin). One float32
+        and two boolean tiles of scratch: the widest margin picks the few candidates first."""
         if self.everything:
-            near = torch.ones_like(position, dtype=torch.bool)
+            rows, cols = torch.ones_like(position, dtype=torch.bool).nonzero(as_tuple=True)
         else:
-            below = position.floor()
-            at = below.clamp(0, self.bins).to(torch.int64)
-            t = position.to(torch.float64)
-            near = (below >= 1) & (below <= self.bins - 1) & (t - below <= self.margin[at])
-            above = (at + 1).clamp_max(self.bins)
-            near |= (below + 1 >= 1) & (below + 1 <= self.bins - 1) & (below + 1 - t <= self.margin[above])
-        rows, cols = near.nonzero(as_tuple=True)
+            widest = float(self.margin.max()) * (1 + 2.0**-20)
+            part = position - position.floor()  # exact in float32
+            rows, cols = ((part <= widest) | (part >= 1 - widest)).nonzero(as_tuple=True)
+            del part
+            t = position[rows, cols].to(torch.float64)
+            f = t.floor()
+            k = f.to(torch.int64)
+            last = self.bins - 1
+            near = (k >= 1) & (k <= last) & (t - f <= self.margin[k.clamp(0, self.bins)])
+            near |= (k >= 0) & (k < last) & (f + 1 - t <= self.margin[(k + 1).clamp(0, self.bins)])
+            rows, cols = rows[near], cols[near]
         for k in range(0, rows.shape[0], self.chunk):
             r, c = rows[k : k + self.chunk], cols[k : k + self.chunk]
             idx[r, c] = self.exact_bins(self.query[r + row0], self.reference[c + col0])
