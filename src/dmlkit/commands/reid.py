@@ -60,7 +60,7 @@ def reid(
     if not shown_ranks or min(shown_ranks) < 1:  # checked now, not after the evaluation
         raise ConfigError(f"--ranks must be ranks >= 1, got {','.join(ranks)!r}")
     _refuse_unused(ctx, rerank, vehicleid=None)  # --k1/--k2/--lambda without --rerank: now
-    if not source.is_dir():  # an embeddings file: nothing to read from a dataset or to embed
+    if source.is_file():  # an embeddings file: nothing to read from a dataset or to embed
         from dmlkit.commands._options import given
 
         for name, opt in (("data_root", "--data-root"), ("device", "--device")):
@@ -99,7 +99,8 @@ def reid(
     q, g = data["query"], data["gallery"]
     cams = (q["cams"], g["cams"])  # on one side only: refused (the camera rule needs both)
     result["camera_rule"] = not no_camera_rule and q["cams"] is not None and g["cams"] is not None
-    kw: dict[str, Any] = dict(exclude_same_camera=not no_camera_rule, ap_mode=ap_mode, **common)
+    kw: dict[str, Any] = dict(exclude_same_camera=not no_camera_rule, ap_mode=ap_mode,
+                              junk_ids=_junk_codes(g), **common)
     t0 = time.perf_counter()
     res = evaluate_reid(q["emb"], g["emb"], q["ids"], g["ids"], *cams, **kw)
     result.update(protocol="market1501", seconds=time.perf_counter() - t0,
@@ -125,7 +126,8 @@ def reid(
         valid = np.flatnonzero(res.valid)
         chosen = np.sort(rng.choice(valid, size=min(examples, valid.size), replace=False))
         ex = ranked_examples(q["emb"], g["emb"], q["ids"], g["ids"], *cams, queries=chosen,
-                             metric=metric, normalize=normalize, exclude_same_camera=not no_camera_rule)
+                             metric=metric, normalize=normalize, exclude_same_camera=not no_camera_rule,
+                             junk_ids=kw["junk_ids"])
         for e in ex:
             e["query_id"] = _identity(q, e["query"])
             e["gallery_ids"] = [_identity(g, j) for j in e["gallery"]]
@@ -230,6 +232,15 @@ def _npz(path: Path) -> dict[str, Any]:
             raise ShapeError(f"{path}: '{name}' has {len(values)} values for {len(emb)} embeddings: "
                              "give one per row")
     return {"emb": emb, "ids": ids, "names": extra.get("class_names"), **found}
+
+
+def _junk_codes(d: dict[str, Any]) -> tuple[int, ...]:
+    """The ids of junk images (Market-1501's ``-1``) as the source codes them: ``-1`` itself, or
+    the code of the name ``"-1"`` where the file gave identity names (the rule compared codes
+    0..C-1 with -1 and matched nothing: junk was scored as a wrong match)."""
+    if d.get("names") is None:
+        return (-1,)
+    return tuple(int(code) for code, name in enumerate(d["names"]) if str(name).strip() == "-1")
 
 
 def _identity(d: dict[str, Any], row: int) -> int | str:

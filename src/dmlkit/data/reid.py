@@ -11,7 +11,7 @@ request or withdrawn, so the error says where to put a local copy.
 
 | name | layout under the data root | train / query / gallery |
 | --- | --- | --- |
-| ``market1501`` | ``Market-1501-v15.09.15/{bounding_box_train,query,bounding_box_test}/0002_c1s1_000451_03.jpg`` | 751 ids 12,936 / 3,368 / 15,913 (19,732 with junk -1 and distractors 0 in the gallery) |
+| ``market1501`` | ``Market-1501-v15.09.15/{bounding_box_train,query,bounding_box_test}/0002_c1s1_000451_03.jpg`` | 751 ids 12,936 / 3,368 / 15,913 (19,732 with the 3,819 junk -1 images; distractors 0 are in both) |
 | ``dukemtmc_reid`` | ``DukeMTMC-reID/{bounding_box_train,query,bounding_box_test}/0001_c2_f0046182.jpg`` | 702 ids 16,522 / 2,228 / 17,661 |
 | ``msmt17`` | ``MSMT17_V1/{train,test}/`` (V2: ``mask_{train,test}_v2/``) + ``list_{train,val,query,gallery}.txt`` | 1,041 ids 32,621 / 11,659 / 82,161 |
 | ``cuhk03`` | ``cuhk03-np/{detected,labeled}/{bounding_box_train,query,bounding_box_test}/`` (the new 767/700 protocol of Zhong et al. 2017) | 767 ids 7,365 / 1,400 / 5,332 (detected) |
@@ -43,6 +43,7 @@ from dmlkit.data.datasets import (
     register_dataset,
 )
 from dmlkit.exceptions import ConfigError, DataError, DataNotFoundError, ShapeError
+from dmlkit.validation import check_integer
 
 __all__ = [
     "MSMT17_TEST_OFFSET",
@@ -91,6 +92,8 @@ def parse_reid_name(name: str) -> tuple[int, int]:
         raise DataError(
             f"file name {name!r} does not start with '<id>_c<camera>' (e.g. 0002_c1s1_000451_03.jpg)"
         )
+    if int(m.group(2)) < 1:  # cameras are numbered from c1 (c0 became camera -1)
+        raise DataError(f"file name {name!r} names camera c{m.group(2)}: cameras are numbered from c1")
     return int(m.group(1)), int(m.group(2)) - 1
 
 
@@ -108,7 +111,10 @@ def _scan(folder: Path) -> list[tuple[Path, int, int]]:
     out = []
     for f in sorted(folder.iterdir()):
         if f.suffix.lower() in _IMAGE_SUFFIXES:
-            pid, cam = parse_reid_name(f.name)
+            try:
+                pid, cam = parse_reid_name(f.name)
+            except DataError as exc:
+                raise DataError(f"{folder}: {exc}") from None
             out.append((f, pid, cam))
     if not out:
         raise DataError(f"no images in {folder}")
@@ -283,8 +289,11 @@ def load_veri776(root: str | os.PathLike | None = None, download: bool = False, 
     parts: dict[str, list[tuple[Path, int, int]]] = {}
     for group, split in (("train", "train"), ("query", "query"), ("gallery", "test")):
         items = []
-        for row in _read_list(folder / f"name_{split}.txt"):
-            pid, cam = parse_reid_name(row[0])
+        for line, row in enumerate(_read_list(folder / f"name_{split}.txt"), 1):
+            try:
+                pid, cam = parse_reid_name(row[0])
+            except DataError as exc:
+                raise DataError(f"{folder / f'name_{split}.txt'}, entry {line}: {exc}") from None
             items.append((folder / f"image_{split}" / row[0], pid, cam))
         parts[group] = items
     for group, n in {"train": 37778, "query": 1678, "gallery": 11579}.items():
@@ -346,10 +355,12 @@ def load_att_faces_reid(root: str | os.PathLike | None = None, download: bool = 
     queries and the other 8 the gallery, so each query has one same-camera (junk) picture and
     7 positives. Train subjects' pictures are in group ``train``.
     """
-    if pictures_per_camera < 1:
-        raise ConfigError(f"pictures_per_camera must be >= 1, got {pictures_per_camera}")
+    # integers: 2.5 gave 4 "cameras", [1.5, 6.7] pictures 1 and 6, "2,7" a traceback
+    pictures_per_camera = check_integer(pictures_per_camera, "pictures_per_camera")
+    if isinstance(query_pictures, str | bytes) or not isinstance(query_pictures, Sequence | np.ndarray):
+        raise ConfigError(f"query_pictures must be a list of picture numbers 1..10, got {query_pictures!r}")
+    queries = {check_integer(p, "each of query_pictures") for p in query_pictures}
     base = load_att_faces(root, verify=verify)
-    queries = {int(p) for p in query_pictures}
     if not queries or not queries <= set(range(1, 11)):
         raise ConfigError(f"query_pictures must be among 1..10, got {sorted(queries)}")
     parts: dict[str, list[tuple[Path, int, int]]] = {"train": [], "query": [], "gallery": []}
