@@ -513,8 +513,9 @@ def candidate_scores(x: np.ndarray, q: np.ndarray, pos: np.ndarray, distance: st
         if inverse_norms is None:
             raise ValueError("unit distances need the rows' inverse norms")
         qn = normalize_rows(q) if q_unit is None else q_unit
-        cos = _gathered_dots(x, qn, safe) * inverse_norms.of(safe)
-        s = _unit_distance(x, q, safe, cos) if distance == "euclidean" else cos
+        inverse = inverse_norms.of(safe)
+        cos = _gathered_dots(x, qn, safe) * inverse
+        s = _unit_distance(x, q, safe, cos, inverse > 0) if distance == "euclidean" else cos
     elif distance == "euclidean":  # direct squared differences: no cancellation for close pairs
         s = np.sqrt(_gathered_dots(x, q, safe, l2=True))
     else:
@@ -530,12 +531,16 @@ def candidate_scores(x: np.ndarray, q: np.ndarray, pos: np.ndarray, distance: st
 NEAR_UNIT = 1e-2
 
 
-def _unit_distance(x: np.ndarray, q: np.ndarray, rows: np.ndarray, cos: np.ndarray) -> np.ndarray:
+def _unit_distance(x: np.ndarray, q: np.ndarray, rows: np.ndarray, cos: np.ndarray,
+                   nonzero: np.ndarray) -> np.ndarray:
     """``|q/|q| - x/|x||`` from the float32 cosines, ``sqrt(2 - 2 cos)``, except where that is
     below :data:`NEAR_UNIT`: there from the float64 difference of the unit rows. In float32,
     ``2 - 2 cos`` of near duplicates came in steps of about 1.2e-7 (distances in steps of
-    3.5e-4, an identical row at 3.5e-4 and rows 1e-4 apart in either order)."""
-    sq = np.maximum(2 - 2 * cos, 0)
+    3.5e-4, an identical row at 3.5e-4 and rows 1e-4 apart in either order). A zero row
+    (``nonzero`` false) stays zero when normalised, so its distance is ``|q/|q|| = 1``, as the
+    flat search and :mod:`dmlkit.distances` score it (``sqrt(2 - 2 cos)`` assumed a unit row
+    and gave it sqrt(2), behind every row at less than 90 degrees)."""
+    sq = np.maximum(np.where(nonzero, 2 - 2 * cos, 1), 0)
     qi, cj = np.nonzero(sq < NEAR_UNIT)
     if qi.size:
         r = x[rows[qi, cj]].astype(np.float64)
