@@ -8,7 +8,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from dmlkit.apps import EmbeddingIndex
+from dmlkit.apps import EmbeddingIndex, index_tuning
+from dmlkit.embeddings import save_embeddings
+from dmlkit.exceptions import ConfigError, DataError
 
 faiss = pytest.importorskip("faiss")
 
@@ -41,3 +43,57 @@ def test_a_zero_row_is_at_distance_one_from_every_query_in_every_kind(kind):
     np.testing.assert_allclose(res.scores[at], 1.0, atol=1e-6)
     np.testing.assert_array_equal(np.argwhere(at), np.argwhere(flat.indices == 7))
 
+
+
+@pytest.mark.parametrize("method", ["measure_recall", "tune"])
+def test_the_recall_measurement_refuses_zero_queries_as_search_does(method):
+    """All-zero queries on a cosine index measured a perfect, held-out recall (every item as
+    close as any other), so tune() kept the cheapest setting as meeting any target."""
+    x = _emb(2000, 16)
+    idx = EmbeddingIndex(x, kind="ivf_flat", recall_queries=100)
+    zeros = np.zeros((50, 16), np.float32)
+    with pytest.raises(DataError, match=r"^query row 0 is all zeros \(50 such row\(s\)\): a cosine index"):
+        getattr(idx, method)(queries=zeros)
+    with pytest.raises(DataError, match=r"^query row 0 is all zeros"):
+        idx.search(zeros, 5)
+    raw = EmbeddingIndex(x, kind="ivf_flat", distance="dot", normalize=False, recall_queries=100)
+    assert raw.measure_recall(queries=zeros)["num_queries"] == 50  # raw dot products: zero is a vector
+
+
+def test_the_recall_sample_leaves_out_zero_rows_of_a_cosine_index():
+    x = _emb(2000, 16)
+    x[::3] = 0
+    idx = EmbeddingIndex(x, kind="ivf_flat", recall_queries=200)
+    rows = index_tuning.recall_sample(idx, 200, 0)
+    assert rows.size == 200 and x[rows].any(axis=1).all()
+    assert idx.recall["num_queries"] == 200
+
+
+@pytest.mark.parametrize(("kwargs", "message"), [
+    ({"k": 2.5}, r"^recall_k must be a positive integer \(the k of recall@k: --recall-k.*got 2\.5$"),
+    ({"k": 0}, r"^recall_k must be a positive integer .*got 0$"),
+    ({"k": True}, r"^recall_k must be a positive integer .*got True$"),
+    ({"num_queries": 0}, r"^recall_queries must be a positive integer \(queries sampled .*got 0$"),
+    ({"num_queries": -5}, r"^recall_queries must be a positive integer .*got -5$"),
+])
+def test_recall_settings_are_checked_in_one_place(kwargs, message):
+    idx = EmbeddingIndex(_emb(600, 8), kind="ivf_flat", recall_queries=50)
+    for call in (idx.measure_recall, lambda **kw: idx.tune(0.9, **kw)):
+        with pytest.raises(ConfigError, match=message):
+            call(**kwargs)
+    built = {"recall_k": kwargs["k"]} if "k" in kwargs else {"recall_queries": kwargs["num_queries"]}
+    with pytest.raises(ConfigError, match=message):
+        EmbeddingIndex(_emb(600, 8), kind="ivf_flat", **built)
+
+
+@pytest.mark.parametrize(("option", "name"), [("--recall-queries", "recall_queries"), ("--recall-k", "recall_k")])
+def test_cli_retune_after_remove_refuses_bad_recall_settings_in_one_line(tmp_path, run_cli, option, name):
+    """The --add/--remove path skips the constructor: 0 queries was a ValueError traceback, k 0
+    blamed the index size."""
+    save_embeddings(tmp_path / "ref.npz", _emb(500, 16), np.arange(500) % 5)
+    code, _, err = run_cli(["index", str(tmp_path / "ref.npz"), "-o", str(tmp_path / "ivf"), "--kind", "ivf_flat"])
+    assert code == 0, err
+    code, out, err = run_cli(["index", "-o", str(tmp_path / "ivf"), "--remove", "1", "--target-recall", "0.9",
+                              option, "0"])
+    assert code == 2 and out == ""
+    assert len(err.strip().splitlines()) == 1 and f"{name} must be a positive integer" in err

@@ -143,15 +143,16 @@ class EmbeddingIndex:
         if gpu and kind not in ("ivf_flat", "ivf_pq"):
             raise ConfigError(f"gpu=True needs an IVF index (faiss has no GPU {kind}); use ivf_flat or ivf_pq")
         for name, value in (("pq_nbits", pq_nbits), ("hnsw_m", hnsw_m), ("ef_construction", ef_construction),
-                            ("rerank", rerank), ("ef_search", ef_search), ("recall_k", recall_k),
-                            ("recall_queries", recall_queries), ("nlist", nlist), ("pq_m", pq_m),
+                            ("rerank", rerank), ("ef_search", ef_search),
+                            ("nlist", nlist), ("pq_m", pq_m),
                             ("nprobe", nprobe)):  # None (the last three): the default
             if value is not None and int(value) < 1:
                 raise ConfigError(f"{name} must be at least 1, got {value}")
+        recall_k, recall_queries = index_tuning.check_recall_settings(recall_k, recall_queries)
         self.distance = distance
         self.kind = kind
         self.normalize = bool(normalize)
-        self._recall_reserve = int(recall_queries)
+        self._recall_reserve = recall_queries
         self._unit = distance == "cosine" or self.normalize
         self.params: dict[str, Any] = {
             "nlist": nlist, "pq_m": pq_m, "pq_nbits": int(pq_nbits), "hnsw_m": int(hnsw_m),
@@ -462,6 +463,17 @@ class EmbeddingIndex:
         return exact_search(self.embeddings, q, k, self.distance, self._unit, self._row_norms())
 
     # -- search --------------------------------------------------------------------------------
+    def refuse_zero_queries(self, q: np.ndarray) -> None:
+        """A :class:`DataError` naming the first all-zero row of the queries ``q (Q, D)`` when the
+        index compares directions (cosine, or normalised embeddings): a zero vector has none,
+        every item would score alike, and the "nearest" were the first rows (the recall
+        measurement counted every one of them as found). :meth:`search`, :meth:`measure_recall`
+        and :meth:`tune` check their queries with it."""
+        if self._unit and (zero := np.flatnonzero(~q.any(axis=1))).size:
+            raise DataError(f"query row {zero[0]} is all zeros ({zero.size} such row(s)): a {self.distance} "
+                            f"index{' of normalised embeddings' if self.normalize and self.distance != 'cosine' else ''} "
+                            "compares directions, and a zero vector has none; send the query's embedding")
+
     def search(self, queries: Any, k: int = 10, *, exclude_ids: Sequence[str] | None = None,
                exact: bool = False) -> SearchResult:
         """The ``k`` nearest references of each query, closest first.
@@ -481,11 +493,7 @@ class EmbeddingIndex:
         k = check_integer(k, "k")  # an int: faiss's SWIG wrappers take Python ints only
         if len(self) == 0:
             raise DataError("the index is empty: add embeddings first")
-        if self._unit and (zero := np.flatnonzero(~q.any(axis=1))).size:
-            # no direction: every item would score 0, and the "nearest" were the first rows
-            raise DataError(f"query row {zero[0]} is all zeros ({zero.size} such row(s)): a {self.distance} "
-                            f"index{' of normalised embeddings' if self.normalize and self.distance != 'cosine' else ''} "
-                            "compares directions, and a zero vector has none; send the query's embedding")
+        self.refuse_zero_queries(q)
         if exclude_ids is not None:
             exclude = np.asarray(exclude_ids).astype(str)
             if exclude.shape != (q.shape[0],):
