@@ -5,6 +5,9 @@ input that float32 cannot hold."""
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
 import numpy as np
 import pytest
 
@@ -97,3 +100,29 @@ def test_cli_retune_after_remove_refuses_bad_recall_settings_in_one_line(tmp_pat
                               option, "0"])
     assert code == 2 and out == ""
     assert len(err.strip().splitlines()) == 1 and f"{name} must be a positive integer" in err
+
+
+def test_saving_a_directory_flushes_every_file_and_folder_around_the_renames(tmp_path, monkeypatch):
+    """Each file and the temporary folder are fsynced before the rename that makes them the
+    index, and the parent folder after it (nothing was: a power loss could leave index.json
+    beside empty vectors, the old index deleted)."""
+    events: list[tuple[str, str]] = []
+    real_fsync, real_rename = os.fsync, os.rename
+    monkeypatch.setattr(os, "fsync", lambda fd: (events.append(("fsync", os.readlink(f"/proc/self/fd/{fd}"))),
+                                                 real_fsync(fd))[1])
+    monkeypatch.setattr(os, "rename", lambda a, b: (events.append(("rename", str(Path(b).resolve()))),
+                                                    real_rename(a, b))[1])
+    target = (tmp_path / "idx").resolve()
+    idx = EmbeddingIndex(_emb(300, 8), np.arange(300) % 3, kind="ivf_flat", recall_queries=20,
+                         metadata=[{"i": i} for i in range(300)])
+    for _ in range(2):  # a new index, then one replacing it
+        events.clear()
+        idx.save(target)
+        into_place = events.index(("rename", str(target)))
+        flushed = {Path(p).name for kind, p in events[:into_place] if kind == "fsync"}
+        written = {p.name for p in target.iterdir()} - {"index.json"} | {".index.json.part"}  # renamed after
+        assert len(written) == 8 and written <= flushed
+        tmp_flush = [i for i, (kind, p) in enumerate(events) if kind == "fsync" and Path(p).name.startswith(".idx.tmp-")]
+        assert tmp_flush and tmp_flush[-1] < into_place
+        assert ("fsync", str(tmp_path.resolve())) in events[into_place:]
+    assert EmbeddingIndex.load(target).search(_emb(2, 8), 3).indices.shape == (2, 3)
