@@ -126,3 +126,20 @@ def test_saving_a_directory_flushes_every_file_and_folder_around_the_renames(tmp
         assert tmp_flush and tmp_flush[-1] < into_place
         assert ("fsync", str(tmp_path.resolve())) in events[into_place:]
     assert EmbeddingIndex.load(target).search(_emb(2, 8), 3).indices.shape == (2, 3)
+
+
+@pytest.mark.filterwarnings("ignore:nprobe=")
+@pytest.mark.parametrize(("kind", "settings"), [
+    ("ivf_flat", {"nprobe": 10**6}), ("hnsw", {"ef_search": 3000}), ("ivf_pq", {"nprobe": 10**6, "rerank": 1000}),
+])
+def test_approximate_kinds_order_exact_ties_by_row_as_flat_does(kind, settings):
+    """Rows 1000..1099 duplicate rows 0..99: the smaller row first (faiss's order put the later
+    copy first for nearly every query, IVF-PQ after its exact re-ranking too)."""
+    rng = np.random.default_rng(3)
+    x = rng.normal(size=(1000, 16)).astype(np.float32)
+    x = np.concatenate([x, x[:100]])
+    q = x[:100] + np.float32(0.001) * rng.normal(size=(100, 16)).astype(np.float32)
+    flat = EmbeddingIndex(x).search(q, 4)
+    res = EmbeddingIndex(x, kind=kind, recall_queries=50, **settings).search(q, 4)
+    np.testing.assert_array_equal(res.indices[:, :2], flat.indices[:, :2])
+    assert (res.indices[:, 1] - res.indices[:, 0] == 1000).all()

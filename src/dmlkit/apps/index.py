@@ -446,11 +446,13 @@ class EmbeddingIndex:
         if rerank:  # exact re-ranking of the candidates on the stored vectors
             scores = candidate_scores(self.embeddings, q, pos, self.distance, self._unit, self._inverse_norms(),
                                       q_unit=qp if self._unit else None)
-            order = np.argsort(-scores if self.higher_is_closer else scores, axis=1, kind="stable")[:, :k]
-            rows = np.arange(pos.shape[0])[:, None]
-            pos, scores = pos[rows, order], scores[rows, order]
         else:
             scores = np.sqrt(np.maximum(dist, 0.0)) if self.distance == "euclidean" else dist
+        # by (score, row) as the flat search and the metrics order ties (faiss's own order put an
+        # exact duplicate's later row first); rows not found last
+        key = np.where(pos < 0, np.inf, -scores if self.higher_is_closer else scores)
+        order = np.lexsort((pos, key), axis=1)[:, :k]
+        pos, scores = np.take_along_axis(pos, order, axis=1), np.take_along_axis(scores, order, axis=1)
         if pos.min() < 0:  # faiss found fewer than k: NaN scores there
             scores = np.where(pos < 0, np.float32(np.nan), scores.astype(np.float32))
         if pos.shape[1] < k:  # fewer references than k
