@@ -143,3 +143,25 @@ def test_approximate_kinds_order_exact_ties_by_row_as_flat_does(kind, settings):
     res = EmbeddingIndex(x, kind=kind, recall_queries=50, **settings).search(q, 4)
     np.testing.assert_array_equal(res.indices[:, :2], flat.indices[:, :2])
     assert (res.indices[:, 1] - res.indices[:, 0] == 1000).all()
+
+
+@pytest.mark.parametrize(("settings", "message"), [
+    ({"kind": "ivf_flat", "nprobe": 1.7}, r"^nprobe must be a positive integer, got 1\.7$"),
+    ({"kind": "hnsw", "hnsw_m": 2.9}, r"^hnsw_m must be a positive integer, got 2\.9$"),
+    ({"kind": "ivf_flat", "nlist": 2.5}, r"^nlist must be a positive integer, got 2\.5$"),
+    ({"kind": "ivf_pq", "pq_m": 2.0}, r"^pq_m must be a positive integer, got 2\.0$"),
+    ({"kind": "hnsw", "ef_search": "abc"}, r"^ef_search must be a positive integer, got 'abc'$"),
+    ({"kind": "ivf_pq", "rerank": True}, r"^rerank must be a positive integer, got True$"),
+    ({"kind": "hnsw", "target_recall": "high"}, r"^target_recall must be a number in \(0, 1\], got 'high'$"),
+    ({"kind": "flat", "target_recall": 0.99}, r"^target_recall does not apply to flat indexes \(exact search"),
+])
+def test_settings_must_be_whole_numbers_and_apply_to_the_kind(settings, message):
+    """nprobe=1.7 was stored and reported while faiss searched 1 cell, hnsw_m=2.9 built M = 2,
+    nlist=2.5 / pq_m=2.0 were SWIG TypeErrors, and a flat index ignored its target_recall."""
+    with pytest.raises(ConfigError, match=message):
+        EmbeddingIndex(_emb(600, 8), recall_queries=20, **settings)
+
+
+def test_numpy_integer_settings_are_whole_numbers():
+    idx = EmbeddingIndex(_emb(600, 8), kind="ivf_pq", pq_m=np.int64(2), nprobe=np.int32(4), recall_queries=20)
+    assert idx.params["pq_m"] == 2 and idx.params["nprobe"] == 4 and type(idx.params["nprobe"]) is int

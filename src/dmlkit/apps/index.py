@@ -138,16 +138,21 @@ class EmbeddingIndex:
             raise ConfigError(f"index distance must be cosine, euclidean or dot, got {distance!r}")
         if kind not in INDEX_KINDS:
             raise ConfigError(f"unknown index kind {kind!r}: choose one of {', '.join(INDEX_KINDS)}")
-        if target_recall is not None and not 0 < target_recall <= 1:
-            raise ConfigError(f"target_recall must be in (0, 1], got {target_recall}")
+        if target_recall is not None:
+            index_tuning.check_target_recall(target_recall)
+            if kind == "flat":  # exact: the target was silently ignored (the CLI refuses it alike)
+                raise ConfigError("target_recall does not apply to flat indexes (exact search, recall 1.0): "
+                                  "leave it out, or pick an approximate kind (ivf_flat, ivf_pq, hnsw)")
         if gpu and kind not in ("ivf_flat", "ivf_pq"):
             raise ConfigError(f"gpu=True needs an IVF index (faiss has no GPU {kind}); use ivf_flat or ivf_pq")
-        for name, value in (("pq_nbits", pq_nbits), ("hnsw_m", hnsw_m), ("ef_construction", ef_construction),
-                            ("rerank", rerank), ("ef_search", ef_search),
-                            ("nlist", nlist), ("pq_m", pq_m),
-                            ("nprobe", nprobe)):  # None (the last three): the default
-            if value is not None and int(value) < 1:
-                raise ConfigError(f"{name} must be at least 1, got {value}")
+        # whole numbers only (check_integer): nprobe=1.7 was stored and reported while faiss
+        # searched 1 cell, hnsw_m=2.9 built M = 2, nlist=2.5 failed in faiss's SWIG wrapper
+        pq_nbits, hnsw_m, ef_construction, rerank, ef_search = (
+            check_integer(value, name) for name, value in (
+                ("pq_nbits", pq_nbits), ("hnsw_m", hnsw_m), ("ef_construction", ef_construction),
+                ("rerank", rerank), ("ef_search", ef_search)))
+        nlist, pq_m, nprobe = (None if value is None else check_integer(value, name)  # None: the default
+                               for name, value in (("nlist", nlist), ("pq_m", pq_m), ("nprobe", nprobe)))
         recall_k, recall_queries = index_tuning.check_recall_settings(recall_k, recall_queries)
         self.distance = distance
         self.kind = kind
@@ -155,14 +160,14 @@ class EmbeddingIndex:
         self._recall_reserve = recall_queries
         self._unit = distance == "cosine" or self.normalize
         self.params: dict[str, Any] = {
-            "nlist": nlist, "pq_m": pq_m, "pq_nbits": int(pq_nbits), "hnsw_m": int(hnsw_m),
-            "ef_construction": int(ef_construction), "nprobe": nprobe, "rerank": int(rerank),
-            "ef_search": int(ef_search), "gpu": bool(gpu),
+            "nlist": nlist, "pq_m": pq_m, "pq_nbits": pq_nbits, "hnsw_m": hnsw_m,
+            "ef_construction": ef_construction, "nprobe": nprobe, "rerank": rerank,
+            "ef_search": ef_search, "gpu": bool(gpu),
             "seed": check_seed(seed, "seed", bits=31),  # faiss keeps it in a C int
         }
         self.recall: dict[str, Any] | None = None
         self.info: dict[str, Any] = dict(info or {})
-        self.embeddings = np.empty((0, int(dim or 0)), dtype=np.float32)
+        self.embeddings = np.empty((0, 0 if dim is None else check_integer(dim, "dim")), dtype=np.float32)
         self.labels: np.ndarray | None = None
         self.class_names: np.ndarray | None = None  # names of the label codes (string labels)
         self.ids = np.empty((0,), dtype=str)

@@ -41,7 +41,7 @@ from dmlkit.validation import check_integer
 if TYPE_CHECKING:
     from dmlkit.apps.index import EmbeddingIndex
 
-__all__ = ["check_recall_settings", "measure_recall", "recall_at_k", "search_settings", "tune"]
+__all__ = ["check_recall_settings", "check_target_recall", "measure_recall", "recall_at_k", "search_settings", "tune"]
 
 RERANK_FACTORS = (1, 2, 4, 8, 16, 32, 64)
 #: Float64 bytes of one block of gathered neighbours scored by :func:`as_close_as_kth` (32 MiB).
@@ -103,6 +103,15 @@ def check_recall_settings(k: Any, num_queries: Any) -> tuple[int, int]:
     return (check_integer(k, "recall_k", hint=" (the k of recall@k: --recall-k, or k of measure_recall/tune)"),
             check_integer(num_queries, "recall_queries",
                           hint=" (queries sampled to measure recall: --recall-queries, or num_queries)"))
+
+
+def check_target_recall(target_recall: Any) -> float:
+    """``target_recall`` as a float in (0, 1], else one :class:`ConfigError` line (a string was
+    a TypeError from the comparison, NaN compared false everywhere)."""
+    if isinstance(target_recall, bool) or not isinstance(target_recall, int | float | np.integer | np.floating) \
+            or not 0 < target_recall <= 1:
+        raise ConfigError(f"target_recall must be a number in (0, 1], got {target_recall!r}")
+    return float(target_recall)
 
 
 def recall_sample(index: EmbeddingIndex, num_queries: int, seed: int) -> np.ndarray:
@@ -244,8 +253,7 @@ def tune(index: EmbeddingIndex, target_recall: float = 0.95, k: int = 10, querie
 
     When none reaches the target, the most accurate one is kept and ``recall["met"]`` is ``False``.
     """
-    if not 0 < target_recall <= 1:
-        raise ConfigError(f"target_recall must be in (0, 1], got {target_recall}")
+    target_recall = check_target_recall(target_recall)
     q, exact, rows, k, held_out = _setup(index, k, queries, num_queries)
     tried = []
     chosen = None
