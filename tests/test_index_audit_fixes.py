@@ -13,7 +13,8 @@ import pytest
 
 from dmlkit.apps import EmbeddingIndex, index_tuning
 from dmlkit.embeddings import save_embeddings
-from dmlkit.exceptions import ConfigError, DataError
+from dmlkit.exceptions import ConfigError, DataError, NonFiniteError
+from dmlkit.validation import check_embeddings
 
 faiss = pytest.importorskip("faiss")
 
@@ -165,3 +166,42 @@ def test_settings_must_be_whole_numbers_and_apply_to_the_kind(settings, message)
 def test_numpy_integer_settings_are_whole_numbers():
     idx = EmbeddingIndex(_emb(600, 8), kind="ivf_pq", pq_m=np.int64(2), nprobe=np.int32(4), recall_queries=20)
     assert idx.params["pq_m"] == 2 and idx.params["nprobe"] == 4 and type(idx.params["nprobe"]) is int
+
+
+def test_float64_rows_below_float32s_normal_range_are_refused_not_changed():
+    """Queries at 1e-43 (float64) became subnormal float32 (other neighbours), at 1e-300 zero
+    ("all zeros"); a row whose largest value is normal converts within float32's rounding and
+    passes, whatever its tiny entries, and so does a tiny row that float32 holds exactly."""
+    x = _emb(200, 8)
+    q = np.random.default_rng(1).normal(size=(20, 8))
+    idx = EmbeddingIndex(x)
+    for scale in (1e-40, 1e-43, 1e-300):
+        with pytest.raises(NonFiniteError, match=r"^queries hold 20 float64 row\(s\) below float32's smallest "
+                                                 r"normal number \(1\.2e-38\) that float32 cannot hold, first row 0: "):
+            idx.search(q * scale, 5)
+    assert (idx.search(q * 1e-30, 5).indices == idx.search(q, 5).indices).all()
+    mixed = q.copy()
+    mixed[:, 1:] = 1e-320  # subnormal entries beside a normal one: within float32's rounding of the row
+    mixed[3] = 0.0  # a zero row stays exactly zero (refused by the cosine index as all zeros, not here)
+    mixed[4] = [2.0**-133, -(2.0**-140), 0, 0, 0, 0, 0, 0]  # subnormal, but exact in float32
+    out = check_embeddings(mixed).numpy()
+    assert (out[:, 0] == mixed[:, 0].astype(np.float32)).all() and (out[4] == mixed[4]).all()
+    with pytest.raises(NonFiniteError, match=r"\(s\) below .* first row 7:"):
+        check_embeddings(np.where(np.arange(20)[:, None] == 7, q * 1e-39, q), "queries")
+
+
+def test_the_service_says_which_float32_limit_an_embedding_passes():
+    """JSON numbers above 3.4e38 were cast to inf here and blamed on NaN ("check the model
+    output"); the search's own check now names float32's range, above and below."""
+    pytest.importorskip("fastapi")
+    from fastapi.testclient import TestClient
+
+    from dmlkit.apps.service import ServiceConfig, create_app
+
+    idx = EmbeddingIndex(_emb(20, 4), ids=[f"i{j}" for j in range(20)])
+    client = TestClient(create_app(ServiceConfig(index="unused"), index=idx))
+    for embedding, words in (([1e39, 0.5, 0.5, 0.5], "beyond float32's range"),
+                             ([1e-300, -2e-300, 0.0, 5e-301], "below float32's smallest normal number")):
+        r = client.post("/api/query/embedding", json={"embedding": embedding, "k": 3})
+        assert r.status_code == 422 and words in r.json()["detail"], r.text
+    assert client.post("/api/query/embedding", json={"embedding": [1e-30, 0, 0, 0], "k": 3}).status_code == 200
