@@ -145,8 +145,7 @@ class EmbeddingIndex:
                                   "leave it out, or pick an approximate kind (ivf_flat, ivf_pq, hnsw)")
         if gpu and kind not in ("ivf_flat", "ivf_pq"):
             raise ConfigError(f"gpu=True needs an IVF index (faiss has no GPU {kind}); use ivf_flat or ivf_pq")
-        # whole numbers only (check_integer): nprobe=1.7 was stored and reported while faiss
-        # searched 1 cell, hnsw_m=2.9 built M = 2, nlist=2.5 failed in faiss's SWIG wrapper
+        # whole numbers (nprobe=1.7 was reported while faiss scanned 1 cell, hnsw_m=2.9 built M = 2)
         pq_nbits, hnsw_m, ef_construction, rerank, ef_search = (
             check_integer(value, name) for name, value in (
                 ("pq_nbits", pq_nbits), ("hnsw_m", hnsw_m), ("ef_construction", ef_construction),
@@ -471,11 +470,9 @@ class EmbeddingIndex:
 
     # -- search --------------------------------------------------------------------------------
     def refuse_zero_queries(self, q: np.ndarray) -> None:
-        """A :class:`DataError` naming the first all-zero row of the queries ``q (Q, D)`` when the
-        index compares directions (cosine, or normalised embeddings): a zero vector has none,
-        every item would score alike, and the "nearest" were the first rows (the recall
-        measurement counted every one of them as found). :meth:`search`, :meth:`measure_recall`
-        and :meth:`tune` check their queries with it."""
+        """A :class:`DataError` naming the first all-zero query row when the index compares
+        directions (cosine, or normalised embeddings): a zero vector has none, every item is as
+        close as any other. :meth:`search`, :meth:`measure_recall` and :meth:`tune` check with it."""
         if self._unit and (zero := np.flatnonzero(~q.any(axis=1))).size:
             raise DataError(f"query row {zero[0]} is all zeros ({zero.size} such row(s)): a {self.distance} "
                             f"index{' of normalised embeddings' if self.normalize and self.distance != 'cosine' else ''} "
