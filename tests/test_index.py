@@ -205,7 +205,7 @@ def test_an_approximate_search_never_returns_a_short_list(data, kind):
 def test_index_errors(tmp_path, data):
     x, _ = data
     for name in ("nprobe", "nlist"):
-        with pytest.raises(ConfigError, match=f"{name} must be at least 1"):
+        with pytest.raises(ConfigError, match=f"^{name} must be a positive integer, got 0$"):
             EmbeddingIndex(x[:100], kind="ivf_flat", **{name: 0})
     with pytest.raises(ConfigError, match="unknown index kind"):
         EmbeddingIndex(x, kind="lsh")

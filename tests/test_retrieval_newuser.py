@@ -207,8 +207,10 @@ def test_service_refuses_an_all_zero_embedding_on_a_cosine_index():
         assert res.status_code == zero_status, res.json()
         if zero_status == 422:
             assert "all zeros" in res.json()["detail"]
-        tiny = client.post("/api/query/embedding", json={"embedding": [1e-40, 0.0, 0.0, 0.0], "k": 3})
-        assert tiny.status_code == 200  # tiny is not zero: it has a direction
+        # tiny is not zero: it has a direction (a float32 subnormal held exactly; 1e-40 itself is
+        # not, and float64 rows float32 cannot hold are refused: test_index_audit_fixes.py)
+        tiny = client.post("/api/query/embedding", json={"embedding": [2.0**-133, 0.0, 0.0, 0.0], "k": 3})
+        assert tiny.status_code == 200
 
 
 def test_serve_refuses_a_model_the_index_was_not_built_with(tmp_path_factory, data_root):

@@ -118,6 +118,20 @@ def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> Path:
     return path
 
 
+def fsync_path(path: str | os.PathLike) -> None:
+    """Flush ``path`` to disk: a file's data, or a directory's entries (the names created,
+    renamed or removed in it: a rename is durable once its directory is flushed). For writes
+    made through other handles (``np.save`` to a path); POSIX (a directory cannot be opened
+    on Windows, where nothing is done)."""
+    if os.name == "nt":
+        return
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def refuse_overwriting_inputs(output: str | os.PathLike, *inputs: str | os.PathLike | None) -> None:
     """Raise :class:`~dmlkit.exceptions.DataError` when ``output`` is one of ``inputs`` (the same
     file or directory, any spelling) or lies inside an input directory: a command's result

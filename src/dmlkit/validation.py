@@ -116,8 +116,9 @@ def check_embeddings(x: Any, name: str = "embeddings", first_row: int | None = N
     of any real dtype (integers are cast). Raises :class:`~dmlkit.exceptions.ShapeError` for
     non-numeric data (strings, objects, booleans, complex numbers), a shape other than
     ``(N, D)`` or an empty array, and :class:`~dmlkit.exceptions.NonFiniteError` for NaN or
-    infinite values, values beyond float32's range (``|x| > 3.4e38``) or rows whose L2 norm
-    exceeds it. Float32 inputs are not copied.
+    infinite values, values beyond float32's range (``|x| > 3.4e38``), rows whose L2 norm
+    exceeds it, and float64 rows wholly below float32's smallest normal number that float32
+    cannot hold to its precision (:func:`_refuse_underflow`). Float32 inputs are not copied.
     """
     if isinstance(x, torch.Tensor):
         t = x.detach()
@@ -161,6 +162,8 @@ def check_embeddings(x: Any, name: str = "embeddings", first_row: int | None = N
             f"{name} contain NaN or infinity in {bad} row(s) of {rows}, first row {first}: "
             "check the model output (e.g. a diverged training run) and drop or fix those rows"
         )
+    if wide is not None:
+        _refuse_underflow(wide, t, name, first_row)
     # |x|_2 <= sqrt(D) max|x|: only rows that large can overflow; compute their norms in float64
     limit = float(_F32.max) / math.sqrt(t.shape[1])
     if peak > limit:
@@ -173,6 +176,30 @@ def check_embeddings(x: Any, name: str = "embeddings", first_row: int | None = N
                 "rescale them (e.g. divide by their largest norm)"
             )
     return t
+
+
+def _refuse_underflow(wide: torch.Tensor, t: torch.Tensor, name: str, first_row: int | None) -> None:
+    """Refuse float64 rows that float32 cannot hold to its precision. The rule: a row whose
+    largest ``|value|`` (``peak``) is below float32's smallest normal number (1.2e-38) is
+    refused when its conversion ``t`` moves an entry by more than ``2^-24 peak`` (float32's
+    own rounding of the peak). Subnormal numbers are spaced 1.4e-45 apart, so such a row loses
+    digits (another direction: 1e-43-scale queries changed neighbours) or becomes zero (1e-300
+    was "all zeros"); one whose entries are exact in float32 (``[2^-133, 0, ...]``) passes.
+    A row whose peak is normal always converts within it (a subnormal entry is off by at most
+    ``2^-150 = 2^-24 tiny``), so only rows wholly below float32's range are looked at."""
+    low = torch.maximum(t.amax(dim=1), -t.amin(dim=1)) < float(_F32.tiny)
+    if not bool(low.any()):
+        return
+    rows = low.nonzero().squeeze(1)
+    w = wide[rows]
+    lost = (t[rows].double() - w).abs().amax(dim=1) > w.abs().amax(dim=1) * float(_F32.eps) / 2
+    if bool(lost.any()):
+        first = int(rows[lost][0]) + (first_row or 0)
+        raise NonFiniteError(
+            f"{name} hold {int(lost.sum())} float64 row(s) below float32's smallest normal number "
+            f"(1.2e-38) that float32 cannot hold, first row {first}: converted they would lose digits "
+            "or become zero; rescale them (one common factor, or L2-normalise the rows)"
+        )
 
 
 def safe_normalize(x: torch.Tensor, dim: int = -1) -> torch.Tensor:

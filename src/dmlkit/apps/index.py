@@ -138,30 +138,35 @@ class EmbeddingIndex:
             raise ConfigError(f"index distance must be cosine, euclidean or dot, got {distance!r}")
         if kind not in INDEX_KINDS:
             raise ConfigError(f"unknown index kind {kind!r}: choose one of {', '.join(INDEX_KINDS)}")
-        if target_recall is not None and not 0 < target_recall <= 1:
-            raise ConfigError(f"target_recall must be in (0, 1], got {target_recall}")
+        if target_recall is not None:
+            index_tuning.check_target_recall(target_recall)
+            if kind == "flat":  # exact: the target was silently ignored (the CLI refuses it alike)
+                raise ConfigError("target_recall does not apply to flat indexes (exact search, recall 1.0): "
+                                  "leave it out, or pick an approximate kind (ivf_flat, ivf_pq, hnsw)")
         if gpu and kind not in ("ivf_flat", "ivf_pq"):
             raise ConfigError(f"gpu=True needs an IVF index (faiss has no GPU {kind}); use ivf_flat or ivf_pq")
-        for name, value in (("pq_nbits", pq_nbits), ("hnsw_m", hnsw_m), ("ef_construction", ef_construction),
-                            ("rerank", rerank), ("ef_search", ef_search), ("recall_k", recall_k),
-                            ("recall_queries", recall_queries), ("nlist", nlist), ("pq_m", pq_m),
-                            ("nprobe", nprobe)):  # None (the last three): the default
-            if value is not None and int(value) < 1:
-                raise ConfigError(f"{name} must be at least 1, got {value}")
+        # whole numbers (nprobe=1.7 was reported while faiss scanned 1 cell, hnsw_m=2.9 built M = 2)
+        pq_nbits, hnsw_m, ef_construction, rerank, ef_search = (
+            check_integer(value, name) for name, value in (
+                ("pq_nbits", pq_nbits), ("hnsw_m", hnsw_m), ("ef_construction", ef_construction),
+                ("rerank", rerank), ("ef_search", ef_search)))
+        nlist, pq_m, nprobe = (None if value is None else check_integer(value, name)  # None: the default
+                               for name, value in (("nlist", nlist), ("pq_m", pq_m), ("nprobe", nprobe)))
+        recall_k, recall_queries = index_tuning.check_recall_settings(recall_k, recall_queries)
         self.distance = distance
         self.kind = kind
         self.normalize = bool(normalize)
-        self._recall_reserve = int(recall_queries)
+        self._recall_reserve = recall_queries
         self._unit = distance == "cosine" or self.normalize
         self.params: dict[str, Any] = {
-            "nlist": nlist, "pq_m": pq_m, "pq_nbits": int(pq_nbits), "hnsw_m": int(hnsw_m),
-            "ef_construction": int(ef_construction), "nprobe": nprobe, "rerank": int(rerank),
-            "ef_search": int(ef_search), "gpu": bool(gpu),
+            "nlist": nlist, "pq_m": pq_m, "pq_nbits": pq_nbits, "hnsw_m": hnsw_m,
+            "ef_construction": ef_construction, "nprobe": nprobe, "rerank": rerank,
+            "ef_search": ef_search, "gpu": bool(gpu),
             "seed": check_seed(seed, "seed", bits=31),  # faiss keeps it in a C int
         }
         self.recall: dict[str, Any] | None = None
         self.info: dict[str, Any] = dict(info or {})
-        self.embeddings = np.empty((0, int(dim or 0)), dtype=np.float32)
+        self.embeddings = np.empty((0, 0 if dim is None else check_integer(dim, "dim")), dtype=np.float32)
         self.labels: np.ndarray | None = None
         self.class_names: np.ndarray | None = None  # names of the label codes (string labels)
         self.ids = np.empty((0,), dtype=str)
@@ -445,11 +450,13 @@ class EmbeddingIndex:
         if rerank:  # exact re-ranking of the candidates on the stored vectors
             scores = candidate_scores(self.embeddings, q, pos, self.distance, self._unit, self._inverse_norms(),
                                       q_unit=qp if self._unit else None)
-            order = np.argsort(-scores if self.higher_is_closer else scores, axis=1, kind="stable")[:, :k]
-            rows = np.arange(pos.shape[0])[:, None]
-            pos, scores = pos[rows, order], scores[rows, order]
         else:
             scores = np.sqrt(np.maximum(dist, 0.0)) if self.distance == "euclidean" else dist
+        # by (score, row) as the flat search and the metrics order ties (faiss's own order put an
+        # exact duplicate's later row first); rows not found last
+        key = np.where(pos < 0, np.inf, -scores if self.higher_is_closer else scores)
+        order = np.lexsort((pos, key), axis=1)[:, :k]
+        pos, scores = np.take_along_axis(pos, order, axis=1), np.take_along_axis(scores, order, axis=1)
         if pos.min() < 0:  # faiss found fewer than k: NaN scores there
             scores = np.where(pos < 0, np.float32(np.nan), scores.astype(np.float32))
         if pos.shape[1] < k:  # fewer references than k
@@ -462,6 +469,15 @@ class EmbeddingIndex:
         return exact_search(self.embeddings, q, k, self.distance, self._unit, self._row_norms())
 
     # -- search --------------------------------------------------------------------------------
+    def refuse_zero_queries(self, q: np.ndarray) -> None:
+        """A :class:`DataError` naming the first all-zero query row when the index compares
+        directions (cosine, or normalised embeddings): a zero vector has none, every item is as
+        close as any other. :meth:`search`, :meth:`measure_recall` and :meth:`tune` check with it."""
+        if self._unit and (zero := np.flatnonzero(~q.any(axis=1))).size:
+            raise DataError(f"query row {zero[0]} is all zeros ({zero.size} such row(s)): a {self.distance} "
+                            f"index{' of normalised embeddings' if self.normalize and self.distance != 'cosine' else ''} "
+                            "compares directions, and a zero vector has none; send the query's embedding")
+
     def search(self, queries: Any, k: int = 10, *, exclude_ids: Sequence[str] | None = None,
                exact: bool = False) -> SearchResult:
         """The ``k`` nearest references of each query, closest first.
@@ -481,11 +497,7 @@ class EmbeddingIndex:
         k = check_integer(k, "k")  # an int: faiss's SWIG wrappers take Python ints only
         if len(self) == 0:
             raise DataError("the index is empty: add embeddings first")
-        if self._unit and (zero := np.flatnonzero(~q.any(axis=1))).size:
-            # no direction: every item would score 0, and the "nearest" were the first rows
-            raise DataError(f"query row {zero[0]} is all zeros ({zero.size} such row(s)): a {self.distance} "
-                            f"index{' of normalised embeddings' if self.normalize and self.distance != 'cosine' else ''} "
-                            "compares directions, and a zero vector has none; send the query's embedding")
+        self.refuse_zero_queries(q)
         if exclude_ids is not None:
             exclude = np.asarray(exclude_ids).astype(str)
             if exclude.shape != (q.shape[0],):

@@ -1,31 +1,43 @@
 """Exact scoring on an :class:`~dmlkit.apps.index.EmbeddingIndex`'s stored float32 vectors.
 
-* :func:`exact_search`: the exact ``k`` nearest rows, closest first, ties by row (as
-  :func:`dmlkit.metrics.knn`). Candidates come from a float32 scan, ``2k + 16`` of them, and
-  are ordered by their float64 scores. The scan is faiss's brute-force kNN
-  (``faiss.knn``: SIMD inner products or L2 with a heap per query, BLAS for 20+ queries; no
-  copy of the vectors) when faiss is installed and the scan ranks like the distance: raw
-  vectors for ``dot`` / ``euclidean`` without normalisation, and rows already of unit norm
-  (within float32 rounding) for the normalised distances. Otherwise a numpy matmul with the
-  cached ``1/|x|`` factors picks the candidates (few queries) or :func:`dmlkit.metrics.knn`
-  searches blockwise (many).
+* :func:`exact_search`: the exact ``k`` nearest rows, closest first, ties by row: the ranking
+  by the float64 closeness :mod:`dmlkit.metrics` orders by (:func:`closeness64`), so the same
+  neighbours as its near-tie-settled results. A float32 scan picks ``2k + 16`` candidates,
+  float64 scores order them, and a proven error bound checks that no other row can be among
+  the ``k`` (below). The scan is faiss's brute-force kNN (``faiss.knn``: SIMD inner products
+  or L2 with a heap per query, BLAS for 20+ queries; no copy of the vectors) when faiss is
+  installed and the scan ranks like the distance: raw vectors for ``dot`` / ``euclidean``
+  without normalisation, and rows unit-norm within float32 rounding (:func:`unit_tolerance`)
+  for the normalised distances. Otherwise a numpy matmul with the cached ``1/|x|`` factors
+  picks the candidates (few queries) or :func:`dmlkit.metrics.knn` searches blockwise (many).
 * :func:`candidate_scores`: the scores of given candidate rows (IVF-PQ's exact re-ranking of
   its ``rerank * k`` candidates, "re-ranking with source coding", Jegou et al., ICASSP 2011).
 
 Scores: cosine ``<q, x> / (|q| |x|)``; dot ``<q, x>``; euclidean ``|q - x|``; with
 ``unit=True`` (cosine, or ``normalize=True``) both sides are L2-normalised first.
+
+**Completeness.** Every scan value lies within a bound ``e`` of its row's float64 closeness
+(:func:`_scan_error`: :func:`dmlkit.distances.rounding_bound` of the float32 product in any
+summation order, the rows' deviation from unit norm for a raw inner-product scan of unit
+distances, and the roundings of normalisation and conversion). A row the scan left out has a
+scan value of at most the last candidate's, so a float64 closeness of at most that plus
+``e``: when this is below the ``k``-th float64 closeness among the candidates, no row left out
+belongs to the ``k`` (the argument of :func:`dmlkit.metrics.near_ties.settle_near_ties`).
+Otherwise (near-duplicates, ties) the query is searched again, exactly: every row whose float32
+closeness is within ``e`` of that ``k``-th value is re-scored (:func:`_complete`). A fixed
+``2k + 16`` alone missed the nearest row behind 40 rows of norm ``1 + 4.5e-6`` that a raw
+inner product ranked ahead of it, and near-duplicates came out of float64 order.
 """
 
 from __future__ import annotations
 
 import functools
-import math
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from dmlkit.distances import get_distance
+from dmlkit.distances import get_distance, rounding_bound
 from dmlkit.exceptions import DataError, DependencyError, ShapeError, require
 from dmlkit.validation import check_embeddings, normalize_rows
 
@@ -36,7 +48,16 @@ __all__ = [
 
 SMALL_EXACT = 2**22  # numpy path: Q x M <= this many scores in one matmul, else the blockwise kNN
 CANDIDATE_MARGIN = 16  # candidates = 2k + this; the float64 scores order them
-UNIT_TOLERANCE = 1e-5  # max | |x|^2 - 1 | of rows that count as unit-norm for the scan
+U32 = 2.0**-24  # float32's unit roundoff
+#: The largest norm of a row normalised in float64 and rounded to float32
+#: (:func:`dmlkit.validation.normalize_rows`: each entry within ``u`` of ``x / |x|``).
+UNIT_NORM = 1 + 2 * U32
+#: What separate normalisations and the scans' last roundings add to a unit distance's scan
+#: error, in units of the closeness (at most ~8 u on every path; :func:`_candidates`): the
+#: same row normalised by two calls (an entry may round either way, 2 u per side), the
+#: ``1/|x|`` factor and its product (2 u), and for ``euclidean`` the unit rows' ``|x|^2`` being
+#: 1 only within 2 u (``1 - |a - b|^2 / 2 = <a, b> + (2 - |a|^2 - |b|^2) / 2``).
+NORMALISATION_SLACK = 10 * U32
 #: Magnitudes within which a float32 scan neither underflows nor overflows (float32 holds
 #: 1.2e-38 to 3.4e38): the products ``|q| |x|`` of a scan of unit distances, and the nonzero
 #: row norms (a unit query's products are about ``|x|``). Rows beyond it are searched by
@@ -65,14 +86,17 @@ def to_numpy_embeddings(x: Any, name: str) -> np.ndarray:
 @dataclass(frozen=True)
 class RowNorms:
     """Per-row facts of the stored vectors: ``sq = |x|^2`` (float64), ``factor`` (float32:
-    ``1/|x|`` for unit distances, else ``|x|^2 / 2``), whether every row is unit-norm, and the
-    smallest and largest nonzero row norms (1 when there are none)."""
+    ``1/|x|`` for unit distances, else ``|x|^2 / 2``), whether every row is unit-norm within
+    float32 rounding (:func:`unit_tolerance`), the smallest and largest nonzero row norms (1
+    when there are none) and the largest deviation of a norm from 1."""
 
     sq: np.ndarray
     factor: np.ndarray
     unit_rows: bool
     low: float = 1.0
     high: float = 1.0
+    #: ``max | |x| - 1 |`` over the rows (what a raw inner-product scan adds to its error)
+    deviation: float = 0.0
 
     @property
     def scan_safe(self) -> bool:
@@ -99,31 +123,28 @@ def _inverse_norm(sq: np.ndarray) -> np.ndarray:
     return np.minimum(inv, np.finfo(np.float32).max)
 
 
+def unit_tolerance(d: int) -> float:
+    """The largest ``| |x|^2 - 1 |`` of a ``d``-dimensional row that counts as unit-norm for the
+    raw inner-product scan: what normalising in float32 leaves. A norm summed in float32 in any
+    order is within ``gamma_d ~ d u`` of ``|x|^2`` (relative), its square root and the division
+    round once each (``u``), so the result's ``|x|^2`` is within ``(d + 4) u`` of 1 to first
+    order: :func:`dmlkit.distances.rounding_bound` of the row with itself (``1.01 (d + 4) u``,
+    1.2e-6 at d = 16, 7.9e-6 at d = 128). Rows further off are scanned with their ``1/|x|``
+    factors (the fixed 1e-5 let rows of norm ``1 + 4.5e-6`` at d = 16 through, whose raw
+    inner products outranked the nearest row)."""
+    return rounding_bound("ip", d, 1.0, 1.0)
+
+
 def row_norms(x: np.ndarray, unit: bool) -> RowNorms:
     """:class:`RowNorms` of ``x`` (one pass over the vectors)."""
     sq = np.einsum("ij,ij->i", x, x, dtype=np.float64)
     _refuse_damaged(~np.isfinite(sq), np.arange(x.shape[0]))
     factor = _inverse_norm(sq) if unit else sq / 2
-    unit_rows = bool(sq.size == 0 or np.abs(sq - 1).max() <= UNIT_TOLERANCE)
+    unit_rows = bool(sq.size == 0 or np.abs(sq - 1).max() <= unit_tolerance(x.shape[1]))
+    deviation = float(np.abs(np.sqrt(sq) - 1).max()) if sq.size else 0.0
     nonzero = np.sqrt(sq[sq > 0])
     low, high = (float(nonzero.min()), float(nonzero.max())) if nonzero.size else (1.0, 1.0)
-    return RowNorms(sq, factor.astype(np.float32), unit_rows, low, high)
-
-
-def _scan_queries(q: np.ndarray, unit: bool, norms: RowNorms) -> np.ndarray:
-    """The queries the float32 candidate scan multiplies: for unit distances, L2-normalised
-    when their products with the rows could leave :data:`SCAN_NORMS` (same ranking; the
-    products of 1e-30-scale embeddings underflowed to 0, those of 1e20-scale ones overflowed
-    to inf, and the scan picked arbitrary candidates); else as they are (the common case pays
-    one pass for the check, not a normalisation)."""
-    if not unit or q.size == 0:
-        return q
-    peak = np.abs(q).max(axis=1)
-    peak = peak[peak > 0]
-    if peak.size and (float(peak.min()) * norms.low < SCAN_NORMS[0]
-                      or float(peak.max()) * math.sqrt(q.shape[1]) * norms.high > SCAN_NORMS[1]):
-        return normalize_rows(q)
-    return q
+    return RowNorms(sq, factor.astype(np.float32), unit_rows, low, high, deviation)
 
 
 class InverseNorms:
@@ -176,7 +197,9 @@ def _scan_metric(x: np.ndarray, distance: str, unit: bool, norms: RowNorms) -> i
 
 def exact_search(x: np.ndarray, q: np.ndarray, k: int, distance: str, unit: bool, norms: RowNorms
                  ) -> tuple[np.ndarray, np.ndarray]:
-    """Exact ``(rows, scores)`` of the ``k`` nearest rows of ``x`` for each query, ``(Q, k)`` each.
+    """Exact ``(rows, scores)`` of the ``k`` nearest rows of ``x`` for each query, ``(Q, k)`` each:
+    the float64 closeness order (:func:`closeness64`), ties by row (see the module for why the
+    candidates are complete).
 
     Args:
         x: ``(M, D)`` float32 stored vectors; q: ``(Q, D)`` float32 queries.
@@ -186,28 +209,165 @@ def exact_search(x: np.ndarray, q: np.ndarray, k: int, distance: str, unit: bool
     m = x.shape[0]
     k = min(k, m)
     c = min(m, 2 * k + CANDIDATE_MARGIN)
-    if not unit and not _raw_scan_safe(q, distance, norms):
-        return _rescore(x, q, _float64_candidates(x, q, c, distance), k, distance, unit)
+    if not unit and not _raw_scan_safe(q, distance, norms):  # a float64 scan: no float32 bound needed
+        pos, score = _rescore(x, q, _float64_candidates(x, q, c, distance), k, distance, unit)
+        return pos, _to_values(score, distance)
+    found = _candidates(x, q, c, distance, unit, norms)
+    pos, score = _rescore(x, q, found.rows, k, distance, unit)
+    if c < m:
+        kth = bound_units(score[:, -1], distance, unit)
+        open_rows = np.flatnonzero(found.last + found.error >= kth)  # a row left out may belong
+        if open_rows.size:
+            pos[open_rows], score[open_rows] = _complete(x, q[open_rows], kth[open_rows], k, distance, unit,
+                                                         norms)
+    return pos, _to_values(score, distance)
+
+
+@dataclass(frozen=True)
+class _Candidates:
+    """A float32 scan's ``(Q, c)`` candidate rows and, per query, the scan closeness of its worst
+    candidate (``last``) and the bound on | scan closeness - float64 closeness | of every row
+    (``error``), both in :func:`bound_units`."""
+
+    rows: np.ndarray
+    last: np.ndarray
+    error: np.ndarray
+
+
+def bound_units(score: np.ndarray, distance: str, unit: bool) -> np.ndarray:
+    """:func:`closeness64` values (larger = closer) in the units the scans' error bounds are in:
+    the inner product for ``cosine`` / ``dot``; for ``euclidean`` ``1 - |a - b|^2 / 2`` of unit
+    rows (an inner product of unit rows) and ``-|q - x|^2`` of raw ones. Increasing in the
+    closeness, so the order is the same."""
+    if distance != "euclidean":
+        return score.astype(np.float64)
+    sq = np.square(score, dtype=np.float64)
+    return 1 - sq / 2 if unit else -sq
+
+
+def _scan_error(kind: str, d: int, qn: Any, xn: float, extra: Any = 0.0) -> np.ndarray:
+    """Bound on | scan closeness - float64 closeness |: :func:`dmlkit.distances.rounding_bound`
+    of the float32 scan (any summation order), the same in float64 (:func:`closeness64`'s own
+    rounding and the conversions of :func:`bound_units`) and ``extra``; ``qn`` the query norms
+    (per query or one), ``xn`` the largest row norm."""
+    qn = np.asarray(qn, dtype=np.float64)
+    return rounding_bound(kind, d, qn, xn) + rounding_bound(kind, d, qn, xn, 2.0**-52) + extra
+
+
+def _candidates(x: np.ndarray, q: np.ndarray, c: int, distance: str, unit: bool, norms: RowNorms
+                ) -> _Candidates:
+    """The ``c`` best rows per query by a float32 scan, with the scan's error bound. Unit
+    distances scan with the normalised queries (the closeness's own scale; no product of
+    tiny or huge queries under- or overflows) and count in inner products of unit rows."""
+    m, d = x.shape
+    euclid = distance == "euclidean"
+    scan_q = normalize_rows(q) if unit else q
+    qn = UNIT_NORM if unit else np.sqrt(np.einsum("ij,ij->i", q, q, dtype=np.float64))
     metric = _scan_metric(x, distance, unit, norms)
-    scan_q = _scan_queries(q, unit, norms)  # the scores are re-computed from q in float64 (_rescore)
     if metric is not None:
-        _, cand = _faiss_or_none().knn(scan_q, x, c, metric)
-        return _rescore(x, q, cand, k, distance, unit)
-    if q.shape[0] * m <= SMALL_EXACT and (norms.scan_safe or not unit):
+        dist, rows = _faiss_or_none().knn(scan_q, x, c, metric)
+        last = dist[:, -1].astype(np.float64)
+        if unit:  # <q, x> of rows within unit_tolerance: off <q, x/|x|> by |q| | |x| - 1 |
+            error = _scan_error("ip", d, qn, norms.high, qn * norms.deviation + NORMALISATION_SLACK)
+        elif euclid:  # faiss's squared distances
+            last, error = -last, _scan_error("l2", d, qn, norms.high)
+        else:
+            error = _scan_error("ip", d, qn, norms.high)
+    elif q.shape[0] * m <= SMALL_EXACT and (norms.scan_safe or not unit):
         s = scan_q @ x.T
-        if unit:  # <q, x / |x|> orders like cosine and like -|q/|q| - x/|x||
+        if unit:  # <q, x / |x|>; zero rows of unit euclidean are 1 from every query: 1/2 in these units
             s *= norms.factor
-        elif distance == "euclidean":
+            if euclid and not norms.sq.all():
+                s[:, norms.sq == 0] = 0.5
+        elif euclid:
             s -= norms.factor  # <q, x> - |x|^2 / 2 orders like -|q - x|^2
-        cand = _top_rows(s, c) if c < m else np.tile(np.arange(m), (q.shape[0], 1))
-        return _rescore(x, q, cand, k, distance, unit)
+        rows = _top_rows(s, c) if c < m else np.tile(np.arange(m), (q.shape[0], 1))
+        last = np.take_along_axis(s, rows, axis=1).min(axis=1).astype(np.float64)
+        if unit:
+            error = _scan_error("ip", d, qn, UNIT_NORM, NORMALISATION_SLACK)
+        elif euclid:  # 2 <q, x> - |x|^2 - |q|^2 with the roundings of both terms: within the l2 bound
+            last, error = 2 * last - qn * qn, _scan_error("l2", d, qn, norms.high)
+        else:
+            error = _scan_error("ip", d, qn, norms.high)
+    else:
+        rows, last, error = _knn_candidates(x, q, c, distance, unit, qn, norms)
+    return _Candidates(np.asarray(rows, dtype=np.int64), last,
+                       np.broadcast_to(error, (q.shape[0],)))
+
+
+def _knn_candidates(x: np.ndarray, q: np.ndarray, c: int, distance: str, unit: bool, qn: Any,
+                    norms: RowNorms) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """:func:`_candidates` by :func:`dmlkit.metrics.knn` (blockwise, many queries): inner
+    products, or squared Euclidean distances (``power=2``: no square root to undo)."""
     from dmlkit.metrics import knn  # lazy: numba kernels load only when a large exact search runs
 
-    # candidates, re-scored like the other scans: knn's own float32 order put exactly tied rows
-    # out of row order, so a query's answer depended on how many queries came with it (143 of
-    # 900 integer-valued queries, non-unit rows, against each alone)
-    res = knn(q, x, k=c, distance=get_distance(distance, normalize_embeddings=unit), exclude_self=False)
-    return _rescore(x, q, res.indices.numpy().astype(np.int64), k, distance, unit)
+    euclid = distance == "euclidean"
+    dist = get_distance(distance, normalize_embeddings=unit, **({"power": 2} if euclid else {}))
+    res = knn(q, x, k=c, distance=dist, exclude_self=False)
+    last = res.values[:, -1].numpy().astype(np.float64)
+    rows, d, xn = res.indices.numpy(), x.shape[1], UNIT_NORM if unit else norms.high
+    if not euclid:
+        return rows, last, _scan_error("ip", d, qn, xn, NORMALISATION_SLACK if unit else 0.0)
+    if unit:  # 1 - |a - b|^2 / 2: half the squared distance's bound
+        return rows, 1 - last / 2, _scan_error("l2", d, qn, xn) / 2 + NORMALISATION_SLACK
+    return rows, -last, _scan_error("l2", d, qn, xn)
+
+
+#: Stored rows per block of :func:`_complete`'s scan, and queries per chunk of it.
+COMPLETE_ROWS = 16384
+COMPLETE_QUERIES = 256
+
+
+def _complete(x: np.ndarray, q: np.ndarray, floor: np.ndarray, k: int, distance: str, unit: bool,
+              norms: RowNorms) -> tuple[np.ndarray, np.ndarray]:
+    """The exact top ``k`` ``(rows, float64 closeness)`` of queries whose scan candidates were not
+    provably complete. ``floor``: their ``k``-th float64 closeness among the candidates
+    (:func:`bound_units`); the true ``k`` nearest all have at least that closeness, so a float32
+    closeness of at least ``floor - e`` (``e`` this scan's bound): every such row is re-scored
+    in float64 and the best ``k`` kept after each block of rows (memory bounded however many
+    rows tie: all of them, for duplicated rows)."""
+    m, d = x.shape
+    euclid = distance == "euclidean"
+    scan_q = normalize_rows(q) if unit else q
+    q_sq = np.einsum("ij,ij->i", q, q, dtype=np.float64)
+    qn = UNIT_NORM if unit else np.sqrt(q_sq)
+    if unit:
+        error = _scan_error("ip", d, qn, UNIT_NORM, NORMALISATION_SLACK)
+    else:
+        error = _scan_error("l2" if euclid else "ip", d, qn, norms.high)
+    low = floor - error
+    out_r = np.empty((q.shape[0], k), np.int64)
+    out_s = np.empty((q.shape[0], k), np.float64)
+    for a in range(0, q.shape[0], COMPLETE_QUERIES):
+        sl = slice(a, a + COMPLETE_QUERIES)
+        best_r = np.empty((q[sl].shape[0], 0), np.int64)
+        best_s = np.empty(best_r.shape, np.float64)
+        for b in range(0, m, COMPLETE_ROWS):
+            xb = np.asarray(x[b:b + COMPLETE_ROWS], dtype=np.float32)
+            if unit:
+                xb = normalize_rows(xb)
+                g = (scan_q[sl] @ xb.T).astype(np.float64)
+                if euclid:  # zero rows: 1 from every query
+                    g[:, ~xb.any(axis=1)] = 0.5
+            else:
+                g = (scan_q[sl] @ xb.T).astype(np.float64)
+                if euclid:
+                    g = 2 * g - q_sq[sl, None] - np.einsum("ij,ij->i", xb, xb, dtype=np.float64)
+            keep = g >= low[sl, None]
+            width = int(keep.sum(axis=1).max())
+            if not width:
+                continue
+            order = np.argsort(~keep, axis=1, kind="stable")[:, :width]
+            rows, s = _rescore(x, q[sl], order + b, width, distance, unit,
+                               valid=np.take_along_axis(keep, order, axis=1))
+            rows, s = np.concatenate([best_r, rows], 1), np.concatenate([best_s, s], 1)
+            pick = np.lexsort((rows, -s), axis=1)[:, :k]
+            best_r, best_s = np.take_along_axis(rows, pick, 1), np.take_along_axis(s, pick, 1)
+        if best_s.shape[1] < k or bool(np.isneginf(best_s[:, -1]).any()):
+            # cannot happen with the bound above; never return a short row
+            raise RuntimeError("exact index search found fewer candidates than neighbours: please report")
+        out_r[sl], out_s[sl] = best_r, best_s
+    return out_r, out_s
 
 
 #: How far past the largest stored norm a raw Euclidean query may lie for the float32 scan: its
@@ -287,22 +447,30 @@ def _top_rows(s: np.ndarray, c: int) -> np.ndarray:
     return cand
 
 
-def _rescore(x: np.ndarray, q: np.ndarray, cand: np.ndarray, k: int, distance: str, unit: bool
-             ) -> tuple[np.ndarray, np.ndarray]:
-    """Order candidate rows ``cand (Q, C)`` by float64 scores, ties by row; keep ``k``."""
+def _rescore(x: np.ndarray, q: np.ndarray, cand: np.ndarray, k: int, distance: str, unit: bool,
+             valid: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """Order candidate rows ``cand (Q, C)`` by float64 closeness (:func:`closeness64`), ties by
+    row; keep ``k``. ``valid``: which candidates count (the others score ``-inf``)."""
+    k = min(k, cand.shape[1])
     pos_out = np.empty((q.shape[0], k), dtype=np.int64)
-    val_out = np.empty((q.shape[0], k), dtype=np.float32)
+    val_out = np.empty((q.shape[0], k), dtype=np.float64)
     # queries per block: a large k on wide vectors made 1024 x (2k + 16) x D float64 (8 GB at
     # k = 500, D = 512) and as much again in temporaries
     block = max(1, min(RESCORE_BLOCK, RESCORE_BYTES // (8 * max(1, cand.shape[1] * x.shape[1]))))
     for a in range(0, q.shape[0], block):
         c = cand[a:a + block]
         score = closeness64(x, q[a:a + block], c, distance, unit)
+        if valid is not None:
+            score[~valid[a:a + block]] = -np.inf
         order = np.lexsort((c, -score), axis=1)[:, :k]
         pos_out[a:a + block] = np.take_along_axis(c, order, axis=1)
-        val = np.take_along_axis(score, order, axis=1)
-        val_out[a:a + block] = -val if distance == "euclidean" else val
+        val_out[a:a + block] = np.take_along_axis(score, order, axis=1)
     return pos_out, val_out
+
+
+def _to_values(score: np.ndarray, distance: str) -> np.ndarray:
+    """Float64 closeness as the index's float32 scores (the Euclidean distance is ``-closeness``)."""
+    return (-score if distance == "euclidean" else score).astype(np.float32)
 
 
 def closeness64(x: np.ndarray, q: np.ndarray, rows: np.ndarray, distance: str, unit: bool) -> np.ndarray:
@@ -345,8 +513,9 @@ def candidate_scores(x: np.ndarray, q: np.ndarray, pos: np.ndarray, distance: st
         if inverse_norms is None:
             raise ValueError("unit distances need the rows' inverse norms")
         qn = normalize_rows(q) if q_unit is None else q_unit
-        cos = _gathered_dots(x, qn, safe) * inverse_norms.of(safe)
-        s = _unit_distance(x, q, safe, cos) if distance == "euclidean" else cos
+        inverse = inverse_norms.of(safe)
+        cos = _gathered_dots(x, qn, safe) * inverse
+        s = _unit_distance(x, q, safe, cos, inverse > 0) if distance == "euclidean" else cos
     elif distance == "euclidean":  # direct squared differences: no cancellation for close pairs
         s = np.sqrt(_gathered_dots(x, q, safe, l2=True))
     else:
@@ -362,12 +531,16 @@ def candidate_scores(x: np.ndarray, q: np.ndarray, pos: np.ndarray, distance: st
 NEAR_UNIT = 1e-2
 
 
-def _unit_distance(x: np.ndarray, q: np.ndarray, rows: np.ndarray, cos: np.ndarray) -> np.ndarray:
+def _unit_distance(x: np.ndarray, q: np.ndarray, rows: np.ndarray, cos: np.ndarray,
+                   nonzero: np.ndarray) -> np.ndarray:
     """``|q/|q| - x/|x||`` from the float32 cosines, ``sqrt(2 - 2 cos)``, except where that is
     below :data:`NEAR_UNIT`: there from the float64 difference of the unit rows. In float32,
     ``2 - 2 cos`` of near duplicates came in steps of about 1.2e-7 (distances in steps of
-    3.5e-4, an identical row at 3.5e-4 and rows 1e-4 apart in either order)."""
-    sq = np.maximum(2 - 2 * cos, 0)
+    3.5e-4, an identical row at 3.5e-4 and rows 1e-4 apart in either order). A zero row
+    (``nonzero`` false) stays zero when normalised, so its distance is ``|q/|q|| = 1``, as the
+    flat search and :mod:`dmlkit.distances` score it (``sqrt(2 - 2 cos)`` assumed a unit row
+    and gave it sqrt(2), behind every row at less than 90 degrees)."""
+    sq = np.maximum(np.where(nonzero, 2 - 2 * cos, 1), 0)
     qi, cj = np.nonzero(sq < NEAR_UNIT)
     if qi.size:
         r = x[rows[qi, cj]].astype(np.float64)

@@ -27,7 +27,7 @@ from dmlkit.apps.index_faiss import _metric, to_gpu
 from dmlkit.data import ClassSplit, load_dataset
 from dmlkit.exceptions import DataError, DataNotFoundError, DmlkitError, require
 from dmlkit.training import load_config
-from dmlkit.utils import atomic_write_bytes, os_error_message, process_alive
+from dmlkit.utils import atomic_write_bytes, fsync_path, os_error_message, process_alive
 from dmlkit.utils import data_root as resolve_root
 
 if TYPE_CHECKING:
@@ -66,7 +66,11 @@ def save_index(self: EmbeddingIndex, path: str | os.PathLike) -> Path:
     ``vectors.npy``, ``keys.npy``, ``ids.npy``, ``labels.npy``, ``class_names.npy`` (string
     labels: the names of the label codes), ``trained_keys.npy`` (IVF
     kinds: the keys of the rows the quantiser was trained on), ``metadata.jsonl`` and
-    ``faiss.index``; it is written beside the target and renamed into place.
+    ``faiss.index``; it is written beside the target, every file and the folder flushed to
+    disk (fsync), renamed into place, and the parent folder flushed before the old index is
+    deleted: after a crash or power loss the path holds the old index or the complete new one
+    (before, nothing was flushed, and a renamed folder could hold ``index.json`` beside empty
+    vectors while the old index was gone).
     """
     path = Path(path)
     arrays: dict[str, np.ndarray] = {"vectors": self.embeddings, "keys": self._keys, "ids": self.ids}
@@ -106,7 +110,10 @@ def save_index(self: EmbeddingIndex, path: str | os.PathLike) -> Path:
             (tmp / "metadata.jsonl").write_text(meta_lines + "\n")
         # index.json last, renamed into place: a folder holding it is a complete index
         (tmp / ".index.json.part").write_text(json.dumps(index_meta(self), indent=2))
+        for part in tmp.iterdir():  # on disk before any rename can make them the index
+            fsync_path(part)
         (tmp / ".index.json.part").rename(tmp / "index.json")
+        fsync_path(tmp)
     except OSError as exc:  # a full or read-only disk: nothing half-written is left behind
         shutil.rmtree(tmp, ignore_errors=True)
         raise DataError(os_error_message(exc, path, writing=True)) from None
@@ -114,6 +121,7 @@ def save_index(self: EmbeddingIndex, path: str | os.PathLike) -> Path:
     if path.exists():
         path.rename(old)
     tmp.rename(path)
+    fsync_path(path.parent)  # the renames, before the old index is deleted
     shutil.rmtree(old, ignore_errors=True)
     return path
 

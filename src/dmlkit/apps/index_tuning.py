@@ -36,11 +36,12 @@ import numpy as np
 from dmlkit.apps.index_exact import closeness64, first_kept, to_numpy_embeddings
 from dmlkit.apps.index_faiss import flush_graph_reserve
 from dmlkit.exceptions import ConfigError, DataError, ShapeError
+from dmlkit.validation import check_integer
 
 if TYPE_CHECKING:
     from dmlkit.apps.index import EmbeddingIndex
 
-__all__ = ["measure_recall", "recall_at_k", "search_settings", "tune"]
+__all__ = ["check_recall_settings", "check_target_recall", "measure_recall", "recall_at_k", "search_settings", "tune"]
 
 RERANK_FACTORS = (1, 2, 4, 8, 16, 32, 64)
 #: Float64 bytes of one block of gathered neighbours scored by :func:`as_close_as_kth` (32 MiB).
@@ -93,17 +94,43 @@ def _drop(found: np.ndarray, drop: np.ndarray, k: int) -> np.ndarray:
     return np.where(gone, -1, np.take_along_axis(found, order, axis=1))
 
 
+def check_recall_settings(k: Any, num_queries: Any) -> tuple[int, int]:
+    """The recall measurement's ``k`` and number of sampled queries as positive ints
+    (:func:`dmlkit.validation.check_integer`): the one check of both, for the constructor's
+    ``recall_k`` / ``recall_queries``, :func:`measure_recall` and :func:`tune` (so the CLI's
+    ``--add``/``--remove`` re-tuning too). ``k=2.5`` was a TypeError, 0 queries a ValueError
+    traceback, and ``k=0`` blamed the index size."""
+    return (check_integer(k, "recall_k", hint=" (the k of recall@k: --recall-k, or k of measure_recall/tune)"),
+            check_integer(num_queries, "recall_queries",
+                          hint=" (queries sampled to measure recall: --recall-queries, or num_queries)"))
+
+
+def check_target_recall(target_recall: Any) -> float:
+    """``target_recall`` as a float in (0, 1], else one :class:`ConfigError` line (a string was
+    a TypeError from the comparison, NaN compared false everywhere)."""
+    if isinstance(target_recall, bool) or not isinstance(target_recall, int | float | np.integer | np.floating) \
+            or not 0 < target_recall <= 1:
+        raise ConfigError(f"target_recall must be a number in (0, 1], got {target_recall!r}")
+    return float(target_recall)
+
+
 def recall_sample(index: EmbeddingIndex, num_queries: int, seed: int) -> np.ndarray:
     """Rows for the recall measurement: rows an HNSW graph holds out, else rows the quantiser
-    was not trained on where there are enough, else any indexed rows."""
+    was not trained on where there are enough, else any indexed rows; never an all-zero row
+    of an index that compares directions (:meth:`~dmlkit.apps.index.EmbeddingIndex.refuse_zero_queries`:
+    every item is as close to it as any other, and each one was counted as found)."""
     rng = np.random.default_rng(seed + 1)
     n = len(index)
+    nonzero = index._row_norms().sq > 0 if index._unit else np.ones(n, dtype=bool)
     if index._graph_reserve.size:
         pool = np.sort(index._rows_of_keys(index._graph_reserve))
+        pool = pool[nonzero[pool]]
     else:
         trained = index._trained_keys
-        held = np.flatnonzero(~np.isin(index._keys, trained)) if trained.size else np.arange(n)
-        pool = held if held.size >= min(num_queries, n) else np.arange(n)
+        held = np.flatnonzero(~np.isin(index._keys, trained) & nonzero) if trained.size else np.flatnonzero(nonzero)
+        pool = held if held.size >= min(num_queries, n) else np.flatnonzero(nonzero)
+    if not pool.size:
+        raise DataError("every indexed row is all zeros: there is no query with a direction to measure recall with")
     take = min(num_queries, pool.size)
     return np.sort(rng.choice(pool, size=take, replace=False))
 
@@ -111,6 +138,7 @@ def recall_sample(index: EmbeddingIndex, num_queries: int, seed: int) -> np.ndar
 def _setup(index: EmbeddingIndex, k: int, queries: Any, num_queries: int
            ) -> tuple[np.ndarray, np.ndarray, np.ndarray | None, int, bool]:
     """``(queries, exact neighbours, query rows or None, k, held_out)`` of a recall measurement."""
+    k, num_queries = check_recall_settings(k, num_queries)
     if index.kind == "flat":
         raise ConfigError("a flat index is exact (recall 1.0): measure or tune an approximate kind")
     if len(index) < 2:
@@ -135,6 +163,7 @@ def _setup(index: EmbeddingIndex, k: int, queries: Any, num_queries: int
     q = to_numpy_embeddings(queries, "queries")
     if q.shape[1] != index.dim:
         raise ShapeError(f"queries must be (Q, {index.dim}), got shape {q.shape}")
+    index.refuse_zero_queries(q)
     k = min(k, len(index) - n_out)
     exact, _ = index._exact(q, min(len(index), k + n_out))
     if outside is not None:
@@ -224,8 +253,7 @@ def tune(index: EmbeddingIndex, target_recall: float = 0.95, k: int = 10, querie
 
     When none reaches the target, the most accurate one is kept and ``recall["met"]`` is ``False``.
     """
-    if not 0 < target_recall <= 1:
-        raise ConfigError(f"target_recall must be in (0, 1], got {target_recall}")
+    target_recall = check_target_recall(target_recall)
     q, exact, rows, k, held_out = _setup(index, k, queries, num_queries)
     tried = []
     chosen = None

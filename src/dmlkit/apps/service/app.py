@@ -363,8 +363,9 @@ def create_app(config: ServiceConfig, *, index: Any = None, embedder: Any = None
     @app.post("/api/query/embedding", response_model=SearchResponse, tags=["search"])
     def query_embedding(q: EmbeddingQuery) -> dict[str, Any]:
         """The k nearest items of an embedding."""
-        with np.errstate(over="ignore"):  # beyond float32: refused as non-finite (422)
-            vec = np.asarray(q.embedding, dtype=np.float32)[None]
+        # as sent (JSON numbers are float64): the search's check says "beyond float32's range"
+        # or "below float32's smallest normal" (cast here, 1e39 became inf, blamed on NaN)
+        vec = np.asarray(q.embedding, dtype=np.float64)[None]
         return results(vec, check_k(q.k))  # an all-zero one on a cosine index: refused by search (422)
 
     @app.post("/api/query/id", response_model=SearchResponse, tags=["search"])
