@@ -26,7 +26,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+import yaml
 
+from dmlkit.apps.patches.protocol import PatchExperimentConfig
 from dmlkit.cli import app, main
 from dmlkit.exceptions import CheckpointError
 
@@ -661,9 +663,11 @@ def test_piped_tables_keep_whole_method_names(tmp_path, monkeypatch):
     arch = "a_rather_long_architecture_name_that_does_not_fit_in_eighty_columns_x" * 2
     run = tmp_path / "patch_run"
     run.mkdir()
+    config = PatchExperimentConfig().model_dump(mode="json")  # the run's config.yaml and its table's
+    (run / "config.yaml").write_text(yaml.safe_dump(config))
     (run / "results.json").write_text(json.dumps({
         "architectures": [arch], "rows": [{"train": "liberty", "test": "notredame", arch: {"fpr95": 0.1234}}],
-        "mean": {arch: {"fpr95": 0.1234}}}))
+        "mean": {arch: {"fpr95": 0.1234}}, "config": config}))
     code, out, err = _run(["patches", "evaluate", str(run)])
     assert code == 0, err
     assert arch in out  # one line, not cut with "…" and not folded
