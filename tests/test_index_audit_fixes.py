@@ -205,3 +205,29 @@ def test_the_service_says_which_float32_limit_an_embedding_passes():
         r = client.post("/api/query/embedding", json={"embedding": embedding, "k": 3})
         assert r.status_code == 422 and words in r.json()["detail"], r.text
     assert client.post("/api/query/embedding", json={"embedding": [1e-30, 0, 0, 0], "k": 3}).status_code == 200
+
+
+def test_an_atomic_write_flushes_its_folder_after_the_rename(tmp_path, monkeypatch):
+    """The file was flushed and renamed into place, but the folder never: after a power loss the
+    new name (a checkpoint's, an index .npz's) could be missing. A folder that cannot be flushed
+    (some network file systems) leaves the write standing."""
+    from dmlkit.utils import atomic_write_bytes
+
+    events: list[tuple[str, str]] = []
+    real_fsync, real_replace = os.fsync, os.replace
+    monkeypatch.setattr(os, "fsync", lambda fd: (events.append(("fsync", os.readlink(f"/proc/self/fd/{fd}"))),
+                                                 real_fsync(fd))[1])
+    monkeypatch.setattr(os, "replace", lambda a, b: (events.append(("replace", str(b))), real_replace(a, b))[1])
+    target = tmp_path / "out.bin"
+    atomic_write_bytes(target, b"data")
+    kinds = [kind for kind, _ in events]
+    assert kinds == ["fsync", "replace", "fsync"] and events[-1][1] == str(tmp_path.resolve())
+
+    def refuse_folders(fd):
+        if os.path.isdir(os.readlink(f"/proc/self/fd/{fd}")):
+            raise OSError(22, "Invalid argument")
+        return real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", refuse_folders)
+    atomic_write_bytes(target, b"more")
+    assert target.read_bytes() == b"more"

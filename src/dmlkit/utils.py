@@ -91,7 +91,8 @@ def data_root(explicit: str | os.PathLike | None = None) -> Path:
 
 # -- atomic writes --------------------------------------------------------------------------
 def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> Path:
-    """Write ``data`` to ``path`` atomically (temporary file in the same folder, fsync, rename).
+    """Write ``data`` to ``path`` atomically (temporary file in the same folder, fsync, rename,
+    fsync of the folder).
 
     A symbolic link is written through (its target is replaced, the link kept); an existing
     path that is not a regular file (a directory, a device such as ``/dev/full``, a pipe) is
@@ -115,6 +116,8 @@ def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> Path:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+    with contextlib.suppress(OSError):  # the rename is durable once the folder is flushed (some
+        fsync_path(path.parent)  # network file systems cannot flush a folder: the write stands)
     return path
 
 
