@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from dmlkit.config import dump_config, load_config
 from dmlkit.exceptions import CheckpointError, ConfigError
 from dmlkit.models import build_trunk
 
@@ -27,3 +28,17 @@ def test_timm_weights_file_missing_layers_or_other_architecture_is_refused(tmp_p
     (tmp_path / "cut.pth").write_bytes(data[: len(data) // 2])  # a local file: no "download" advice
     with pytest.raises(CheckpointError, match="cannot load weights file .*cut.pth"):
         build_trunk("timm:resnet18", pretrained=False, weights=tmp_path / "cut.pth")
+
+
+# -- 2. naming the preset a config already has keeps its explicit learning rates -----------------
+def test_same_optimizer_preset_override_keeps_explicit_values(tmp_path):
+    config = load_config(None, {"data.dataset": "omniglot", "loss.name": "triplet",
+                                "optimizer.preset": "cpu_quick", "optimizer.trunk_lr": 0.003})
+    run_yaml = tmp_path / "config.yaml"
+    dump_config(config, run_yaml)  # a run's config.yaml: every optimizer key written out
+    assert load_config(run_yaml, ["optimizer.preset=cpu_quick"]).optimizer.trunk_lr == 0.003
+    assert config.override(["optimizer.preset=cpu_quick"]).optimizer.trunk_lr == 0.003
+    # another preset still starts the section afresh; explicit keys given with it win
+    switched = config.override(["optimizer.preset=reality_check", "optimizer.loss_lr=0.01"]).optimizer
+    assert (switched.name, switched.trunk_lr, switched.loss_lr) == ("rmsprop", 1e-6, 0.01)
+    assert load_config(run_yaml, ["optimizer.preset=reality_check"]).optimizer.trunk_lr == 1e-6

@@ -500,7 +500,7 @@ def apply_overrides(
     """A new validated config with ``key.sub=value`` overrides (or a ``{key: value}`` mapping)."""
     base = config.model_dump(mode="json") if isinstance(config, BaseModel) else copy.deepcopy(dict(config))
     parsed = parse_overrides(overrides)
-    if isinstance(config, BaseModel) and "optimizer.preset" in parsed:
+    if isinstance(config, BaseModel) and _switches_preset(base["optimizer"], parsed, "optimizer"):
         # a resolved config holds the old preset's values explicitly: switching the preset
         # starts the optimiser section afresh (other optimizer.* overrides still apply)
         base["optimizer"] = {}
@@ -526,7 +526,8 @@ def fresh_preset(data: dict[str, Any], parsed: Mapping[str, Any], key: str) -> d
     ``KEY.preset`` and the section gives every value a preset would fill (a resolved config, as
     ``dump_config`` writes it: its ``preset`` is only a label). Switching the preset then starts
     the section afresh, as :func:`apply_overrides` does (a run's config.yaml kept Adam at 1e-3
-    under the new "reality_check" label); a hand-written section's explicit keys still win."""
+    under the new "reality_check" label); a hand-written section's explicit keys still win.
+    Naming the preset the section already has changes nothing (its explicit values stay)."""
     parent, _, name = key.rpartition(".")
     holder = data
     for part in filter(None, parent.split(".")):
@@ -534,9 +535,15 @@ def fresh_preset(data: dict[str, Any], parsed: Mapping[str, Any], key: str) -> d
     section = holder.get(name) if isinstance(holder, dict) else None
     resolved = isinstance(section, dict) and all(
         k in section for preset in OPTIMIZER_PRESETS.values() for k in preset)
-    if f"{key}.preset" in parsed and resolved:
+    if resolved and _switches_preset(section, parsed, key):
         holder[name] = {}
     return data
+
+
+def _switches_preset(section: Mapping[str, Any], parsed: Mapping[str, Any], key: str) -> bool:
+    """Whether ``parsed`` sets ``KEY.preset`` to another preset than ``section``'s."""
+    return f"{key}.preset" in parsed and \
+        parsed[f"{key}.preset"] != section.get("preset", DEFAULT_OPTIMIZER_PRESET)
 
 
 def dump_config(config: ExperimentConfig, path: str | os.PathLike | None = None) -> str:
