@@ -2,12 +2,24 @@
 
 from __future__ import annotations
 
+import os
+import socket
+import time
+from pathlib import Path
+
+import numpy as np
 import pytest
 import torch
+import torch.multiprocessing as mp
 
-from dmlkit.config import dump_config, load_config
+from dmlkit.config import config_from_dict, dump_config, load_config
+from dmlkit.distributed import init_distributed, shutdown
 from dmlkit.exceptions import CheckpointError, ConfigError
-from dmlkit.models import build_trunk
+from dmlkit.models import build_trunk, freeze_batchnorm
+from dmlkit.models.sync_batchnorm import convert_sync_batchnorm
+from dmlkit.training.builders import build_model
+from dmlkit.training.loop import Trainer
+from dmlkit.utils import seed_everything
 
 
 # -- 1. timm trunks load a weights file strictly ---------------------------------------------------
@@ -42,3 +54,72 @@ def test_same_optimizer_preset_override_keeps_explicit_values(tmp_path):
     switched = config.override(["optimizer.preset=reality_check", "optimizer.loss_lr=0.01"]).optimizer
     assert (switched.name, switched.trunk_lr, switched.loss_lr) == ("rmsprop", 1e-6, 0.01)
     assert load_config(run_yaml, ["optimizer.preset=reality_check"]).optimizer.trunk_lr == 1e-6
+
+
+# -- 3. 2 gloo processes: freeze_batchnorm leaves a fresh (head / neck) BatchNorm training --------
+FRESH_BN = config_from_dict({
+    "name": "fresh-bn", "seed": 5, "data": {"dataset": "binary_alphadigits"},
+    "model": {"trunk": "small_cnn", "trunk_options": {"widths": [4, 8], "bn_neck": True},
+              "pretrained": False, "in_channels": 1, "embedding_size": 8, "head": "mlp",
+              "freeze_batchnorm": True},
+    "loss": {"name": "triplet"},
+    "sampler": {"classes_per_batch": 4, "samples_per_class": 4, "batches_per_epoch": 2},
+    "optimizer": {"preset": "cpu_quick"}, "training": {"epochs": 1, "device": "cpu"},
+})
+
+
+class _Images(torch.utils.data.Dataset):
+    """Fixed random 1 x 8 x 8 images of 6 classes."""
+
+    def __init__(self) -> None:
+        g = torch.Generator().manual_seed(0)
+        self.labels = np.repeat(np.arange(6), 8)
+        self.x = torch.randn(48, 1, 8, 8, generator=g)
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def __getitem__(self, i: int):
+        return self.x[i], int(self.labels[i])
+
+
+def _fresh_bn_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {name: m.weight.detach().clone() for name, m in model.named_modules()
+            if name in ("trunk.neck", "embedder.1")}
+
+
+def _fresh_bn_worker(rank: int, world: int, port: int, out_dir: str) -> None:
+    os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
+                       "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank)})
+    torch.set_num_threads(1)
+    init_distributed("cpu", timeout_s=60)
+    seed_everything(FRESH_BN.seed)
+    trainer = Trainer(FRESH_BN, Path(out_dir) / "run", _Images(), None, device="cpu")
+    before = _fresh_bn_weights(trainer.model)
+    trainer.run_epoch(time.perf_counter())  # freezes BatchNorm at its start, after DDP was built
+    trainer.run_log.close()
+    torch.save({"before": before, "after": _fresh_bn_weights(trainer.model)},
+               Path(out_dir) / f"rank{rank}.pt")
+    shutdown()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_conversion_for_distributed_training_keeps_the_fresh_batchnorm_mark():
+    model = convert_sync_batchnorm(build_model(FRESH_BN.model), "cpu")
+    freeze_batchnorm(model)
+    fresh = [m for name, m in model.named_modules() if name in ("trunk.neck", "embedder.1")]
+    assert len(fresh) == 2 and all(m.weight.requires_grad and m.training for m in fresh)
+
+
+def test_two_gloo_ranks_train_a_fresh_batchnorm_with_frozen_trunk_batchnorm(tmp_path):
+    mp.spawn(_fresh_bn_worker, args=(2, _free_port(), str(tmp_path)), nprocs=2, join=True)
+    for rank in range(2):
+        result = torch.load(tmp_path / f"rank{rank}.pt", weights_only=True)
+        assert result["before"].keys() == {"trunk.neck", "embedder.1"}
+        for name, weight in result["before"].items():  # the fresh layers trained
+            assert not torch.equal(weight, result["after"][name]), (rank, name)
