@@ -14,7 +14,8 @@ import torch.multiprocessing as mp
 
 from dmlkit.config import config_from_dict, dump_config, load_config
 from dmlkit.distributed import init_distributed, shutdown
-from dmlkit.exceptions import CheckpointError, ConfigError
+from dmlkit.embeddings import load_embeddings
+from dmlkit.exceptions import CheckpointError, ConfigError, DataError
 from dmlkit.models import build_trunk, freeze_batchnorm
 from dmlkit.models.sync_batchnorm import convert_sync_batchnorm
 from dmlkit.training.builders import build_model
@@ -123,3 +124,15 @@ def test_two_gloo_ranks_train_a_fresh_batchnorm_with_frozen_trunk_batchnorm(tmp_
         assert result["before"].keys() == {"trunk.neck", "embedder.1"}
         for name, weight in result["before"].items():  # the fresh layers trained
             assert not torch.equal(weight, result["after"][name]), (rank, name)
+
+
+# -- 4. an .npz class_names table naming two codes alike is refused ----------------------------
+def test_npz_class_names_with_a_repeated_name_is_refused(tmp_path):
+    emb = np.eye(6, 3, dtype=np.float32)
+    np.savez(tmp_path / "dup.npz", embeddings=emb, labels=np.array([0, 0, 1, 1, 2, 2]),
+             class_names=np.array(["a", "a", "b"]))
+    with pytest.raises(DataError, match="class_names holds 'a' twice"):
+        load_embeddings(tmp_path / "dup.npz")
+    np.savez(tmp_path / "ok.npz", embeddings=emb, labels=np.array([0, 0, 1, 1, 2, 2]),
+             class_names=np.array(["a", "b", "c"]))
+    assert load_embeddings(tmp_path / "ok.npz")[1].tolist() == [0, 0, 1, 1, 2, 2]

@@ -37,7 +37,7 @@ from torch.utils.data import DataLoader, Dataset
 from dmlkit.config import DEFAULT_EVAL_BATCH_SIZE, ExperimentConfig
 from dmlkit.data.base import ArrayDataset, MetricDataset
 from dmlkit.distributed import all_gather_unequal, context, shard_bounds
-from dmlkit.embedding_files import read_embedding_file
+from dmlkit.embedding_files import read_embedding_file, repeated_name
 from dmlkit.exceptions import ConfigError, NonFiniteError, ShapeError
 from dmlkit.models.placement import to_device
 from dmlkit.utils import atomic_write_bytes
@@ -513,8 +513,8 @@ def _class_table(class_names: Sequence[str] | np.ndarray) -> list[str]:
         raise ShapeError(f"class_names must be a 1-D list of class-name strings (e.g. another file's "
                          f"extra['class_names']), got {arr.dtype} of shape {arr.shape}")
     table = [str(c) for c in arr.tolist()]
-    if len(set(table)) != len(table):
-        twice = next(c for i, c in enumerate(table) if c in table[:i])
+    twice = repeated_name(table)
+    if twice is not None:
         raise ShapeError(f"class_names holds {twice!r} twice: pass each class name once")
     return table
 
