@@ -13,6 +13,7 @@ import torch
 import torch.multiprocessing as mp
 
 from dmlkit.config import config_from_dict, dump_config, load_config
+from dmlkit.data.base import ArrayDataset
 from dmlkit.distributed import init_distributed, shutdown
 from dmlkit.embeddings import load_embeddings
 from dmlkit.exceptions import CheckpointError, ConfigError, DataError
@@ -20,6 +21,7 @@ from dmlkit.models import build_trunk, freeze_batchnorm
 from dmlkit.models.sync_batchnorm import convert_sync_batchnorm
 from dmlkit.training.builders import build_model
 from dmlkit.training.loop import Trainer
+from dmlkit.training.preflight import PreflightError, preflight
 from dmlkit.utils import seed_everything
 
 
@@ -136,3 +138,21 @@ def test_npz_class_names_with_a_repeated_name_is_refused(tmp_path):
     np.savez(tmp_path / "ok.npz", embeddings=emb, labels=np.array([0, 0, 1, 1, 2, 2]),
              class_names=np.array(["a", "b", "c"]))
     assert load_embeddings(tmp_path / "ok.npz")[1].tolist() == [0, 0, 1, 1, 2, 2]
+
+
+# -- 5. model.in_channels against the data's own samples when there is no transform --------------
+@pytest.mark.parametrize("transform", [None, "none"])
+def test_in_channels_is_checked_against_the_samples_without_a_transform(transform):
+    rng = np.random.default_rng(0)
+    gray = ArrayDataset(rng.standard_normal((48, 8, 8)).astype(np.float32), np.repeat(np.arange(8), 6),
+                        name="gray")
+    config = config_from_dict({
+        "data": {"dataset": "gray", "transform": transform, "split": {"kind": "ratio", "ratios": [4, 2, 2]}},
+        "model": {"trunk": "small_cnn", "pretrained": False, "in_channels": 3, "embedding_size": 8},
+        "loss": {"name": "triplet"}, "sampler": {"classes_per_batch": 2, "samples_per_class": 2},
+    })
+    with pytest.raises(PreflightError) as info:
+        preflight(config, dataset=gray)
+    [problem] = [p for p in info.value.problems if p.key == "model.in_channels"]
+    assert problem.fit == 1 and "1-channel" in problem.message
+    assert not preflight(config.override(["model.in_channels=1"]), dataset=gray).errors
