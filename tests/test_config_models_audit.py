@@ -15,7 +15,7 @@ import torch.multiprocessing as mp
 from dmlkit.config import config_from_dict, dump_config, load_config
 from dmlkit.data.base import ArrayDataset
 from dmlkit.distributed import init_distributed, shutdown
-from dmlkit.embeddings import load_embeddings
+from dmlkit.embeddings import extract_features, load_embeddings
 from dmlkit.exceptions import CheckpointError, ConfigError, DataError
 from dmlkit.models import build_trunk, freeze_batchnorm
 from dmlkit.models.sync_batchnorm import convert_sync_batchnorm
@@ -156,3 +156,20 @@ def test_in_channels_is_checked_against_the_samples_without_a_transform(transfor
     [problem] = [p for p in info.value.problems if p.key == "model.in_channels"]
     assert problem.fit == 1 and "1-channel" in problem.message
     assert not preflight(config.override(["model.in_channels=1"]), dataset=gray).errors
+
+
+# -- 6. a damaged feature-cache file is recomputed -------------------------------------------------
+@pytest.mark.parametrize("damage", ["truncated", "flipped byte"])
+def test_a_damaged_feature_cache_file_is_recomputed_and_rewritten(tmp_path, damage):
+    torch.manual_seed(0)
+    trunk, _ = build_trunk("small_cnn", in_channels=1, widths=[4, 8])
+    images = (np.random.default_rng(0).random((6, 16, 16)) * 255).astype(np.uint8)
+    ds = ArrayDataset(images, [0, 0, 1, 1, 2, 2])
+    first = extract_features(trunk, ds, cache_dir=tmp_path)
+    path = Path(first.meta["cache_file"])
+    raw = path.read_bytes()
+    path.write_bytes(raw[: len(raw) // 2] if damage == "truncated"
+                     else raw[:200] + bytes([raw[200] ^ 0xFF]) + raw[201:])
+    again = extract_features(trunk, ds, cache_dir=tmp_path)
+    assert not again.meta["cache_hit"] and np.array_equal(again.data, first.data)
+    assert extract_features(trunk, ds, cache_dir=tmp_path).meta["cache_hit"]  # rewritten whole

@@ -24,6 +24,7 @@ import json
 import os
 import re
 import warnings
+import zipfile
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -270,8 +271,8 @@ def extract_features(
                 with np.load(cache_file, allow_pickle=False) as data:
                     if np.array_equal(data["labels"], dataset.labels):
                         feats, hit = data["features"], True
-            except (OSError, ValueError, KeyError):
-                feats = None  # unreadable cache: recompute and overwrite
+            except (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile):
+                feats = None  # unreadable cache (truncated, a bad CRC): recompute and overwrite
     if feats is None:
         feats, _ = embed(trunk, dataset, batch_size, device, num_workers=num_workers, amp=amp,
                          progress=progress, desc=f"features {dataset.name}")
