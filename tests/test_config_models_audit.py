@@ -173,3 +173,18 @@ def test_a_damaged_feature_cache_file_is_recomputed_and_rewritten(tmp_path, dama
     again = extract_features(trunk, ds, cache_dir=tmp_path)
     assert not again.meta["cache_hit"] and np.array_equal(again.data, first.data)
     assert extract_features(trunk, ds, cache_dir=tmp_path).meta["cache_hit"]  # rewritten whole
+
+
+# -- 7. an explicit optimizer.momentum that Adam / AdamW would ignore is refused ------------------
+def test_momentum_with_adam_is_refused_unless_it_is_the_presets():
+    base = {"data": {"dataset": "omniglot"}, "loss": {"name": "triplet"}}
+    for optimizer in ({"preset": None, "name": "adam", "momentum": 0.5},
+                      {"preset": "cpu_quick", "momentum": 0.9},
+                      {"preset": "reality_check", "name": "adamw", "momentum": 0.5}):
+        with pytest.raises(ConfigError, match="optimizer.momentum .* rmsprop and sgd only.*beta1"):
+            config_from_dict({**base, "optimizer": optimizer})
+    # the preset's value (a run's config.yaml repeats it) and the optimisers that read it load
+    quick = config_from_dict({**base, "optimizer": {"preset": "cpu_quick"}})
+    assert config_from_dict({**base, "optimizer": quick.optimizer.model_dump()}).optimizer.momentum == 0.0
+    assert config_from_dict({**base, "optimizer": {"preset": "reality_check", "name": "adam"}})
+    assert config_from_dict({**base, "optimizer": {"name": "sgd", "momentum": 0.5}}).optimizer.momentum == 0.5

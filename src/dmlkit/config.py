@@ -226,6 +226,8 @@ class OptimizerConfig(_Section):
 
     ``preset`` fills every key not given explicitly (default: ``reality_check``, the seed's
     RMSprop at 1e-6). ``loss_lr = 0`` leaves a loss's own weights untrained (the trainer warns).
+    ``momentum`` is read by ``rmsprop`` and ``sgd`` only: another value than the preset's (or
+    the default's) with ``adam``/``adamw`` is refused rather than ignored.
     """
 
     preset: Literal["reality_check", "cpu_quick"] | None = DEFAULT_OPTIMIZER_PRESET
@@ -243,10 +245,26 @@ class OptimizerConfig(_Section):
             return data
         preset = data.get("preset", DEFAULT_OPTIMIZER_PRESET)
         if preset is None:
+            cls._check_momentum_read(data, data, cls.model_fields["momentum"].default)
             return data
         if preset not in OPTIMIZER_PRESETS:
             return data  # the Literal check names the allowed presets
-        return {**OPTIMIZER_PRESETS[preset], **data}
+        merged = {**OPTIMIZER_PRESETS[preset], **data}
+        cls._check_momentum_read(data, merged, OPTIMIZER_PRESETS[preset]["momentum"])
+        return merged
+
+    @classmethod
+    def _check_momentum_read(cls, given: Mapping[str, Any], merged: Mapping[str, Any],
+                             filled: float) -> None:
+        """Refuse a ``momentum`` the optimiser would ignore: given (not the value ``filled`` by
+        the preset or the default, which a resolved config.yaml repeats) for Adam or AdamW."""
+        momentum, name = given.get("momentum"), merged.get("name", cls.model_fields["name"].default)
+        if name in ("adam", "adamw") and isinstance(momentum, int | float) \
+                and not isinstance(momentum, bool) and momentum != filled:
+            raise ValueError(
+                f"optimizer.momentum ({momentum}) is read by rmsprop and sgd only, but the optimizer "
+                f"is {name!r}, whose momentum is its first-moment decay beta1 (torch's default 0.9): "
+                "drop optimizer.momentum, or use name: sgd or rmsprop")
 
 
 class TrainingConfig(_Section):
