@@ -15,8 +15,8 @@ import torch.multiprocessing as mp
 from dmlkit.config import config_from_dict, dump_config, load_config
 from dmlkit.data.base import ArrayDataset
 from dmlkit.distributed import init_distributed, shutdown
-from dmlkit.embeddings import extract_features, load_embeddings
-from dmlkit.exceptions import CheckpointError, ConfigError, DataError
+from dmlkit.embeddings import extract_features, load_embeddings, save_embeddings
+from dmlkit.exceptions import CheckpointError, ConfigError, DataError, ShapeError
 from dmlkit.models import build_trunk, freeze_batchnorm
 from dmlkit.models.sync_batchnorm import convert_sync_batchnorm
 from dmlkit.training.builders import build_model
@@ -188,3 +188,17 @@ def test_momentum_with_adam_is_refused_unless_it_is_the_presets():
     assert config_from_dict({**base, "optimizer": quick.optimizer.model_dump()}).optimizer.momentum == 0.0
     assert config_from_dict({**base, "optimizer": {"preset": "reality_check", "name": "adam"}})
     assert config_from_dict({**base, "optimizer": {"name": "sgd", "momentum": 0.5}}).optimizer.momentum == 0.5
+
+
+# -- 8. save_embeddings writes no extra that its readers refuse ----------------------------------
+def test_save_embeddings_stores_paths_as_strings_and_refuses_object_extras(tmp_path):
+    emb, labels = np.eye(4, dtype=np.float32), [0, 0, 1, 1]
+    paths = [Path(f"img{i}.png") for i in range(4)]
+    save_embeddings(tmp_path / "p.npz", emb, labels, paths=paths, root=tmp_path)
+    extra = load_embeddings(tmp_path / "p.npz")[2]
+    assert extra["paths"].tolist() == [f"img{i}.png" for i in range(4)]
+    assert extra["root"].item() == str(tmp_path)
+    for key, value in (("meta", {"model": "r18"}), ("missing", [None, 1, 2, 3]), ("ragged", [[1], [1, 2]])):
+        with pytest.raises(ShapeError, match=f"extra '{key}' is not an array of numbers or strings"):
+            save_embeddings(tmp_path / f"{key}.npz", emb, labels, **{key: value})
+        assert not (tmp_path / f"{key}.npz").exists()

@@ -467,8 +467,26 @@ def save_embeddings(path: str | os.PathLike, embeddings: Any, labels: Any, **ext
                              "as labels, or integer codes with their class_names")
         extra["class_names"] = np.asarray(names)
     buffer = io.BytesIO()
-    np.savez(buffer, embeddings=emb, labels=lab, **{k: np.asarray(v) for k, v in extra.items()})
+    np.savez(buffer, embeddings=emb, labels=lab, **{k: _extra_array(k, v) for k, v in extra.items()})
     return atomic_write_bytes(path, buffer.getvalue())
+
+
+def _extra_array(key: str, value: Any) -> np.ndarray:
+    """An extra of :func:`save_embeddings` as an array every reader loads (``np.load`` with
+    ``allow_pickle=False``): paths become strings; what numpy could only store as pickled
+    Python objects (``None``, a dict, mixed or ragged items) is refused, naming the key."""
+    if isinstance(value, os.PathLike):
+        value = os.fspath(value)
+    elif isinstance(value, list | tuple):
+        value = [os.fspath(v) if isinstance(v, os.PathLike) else v for v in value]
+    try:
+        arr = np.asarray(value)
+    except ValueError:  # ragged sequences
+        arr = np.empty(0, dtype=object)
+    if arr.dtype.hasobject:
+        raise ShapeError(f"extra {key!r} is not an array of numbers or strings (numpy would pickle it, "
+                         "and no reader loads pickled data): save numbers or strings, e.g. str() of each item")
+    return arr
 
 
 def load_embeddings(
