@@ -19,7 +19,7 @@ from dmlkit.embeddings import extract_features, load_embeddings, save_embeddings
 from dmlkit.exceptions import CheckpointError, ConfigError, DataError, ShapeError
 from dmlkit.models import build_trunk, freeze_batchnorm
 from dmlkit.models.sync_batchnorm import convert_sync_batchnorm
-from dmlkit.training.builders import build_model
+from dmlkit.training.builders import build_model, model_setting_problems
 from dmlkit.training.loop import Trainer
 from dmlkit.training.preflight import PreflightError, preflight
 from dmlkit.utils import seed_everything
@@ -202,3 +202,14 @@ def test_save_embeddings_stores_paths_as_strings_and_refuses_object_extras(tmp_p
         with pytest.raises(ShapeError, match=f"extra '{key}' is not an array of numbers or strings"):
             save_embeddings(tmp_path / f"{key}.npz", emb, labels, **{key: value})
         assert not (tmp_path / f"{key}.npz").exists()
+
+
+# -- 9. trunk options whose features the head refuses are found before the run dir is written ----
+def test_trunk_options_giving_zero_features_are_a_setting_problem():
+    config = config_from_dict({
+        "data": {"dataset": "omniglot"}, "loss": {"name": "triplet"},
+        "model": {"trunk": "small_cnn", "pretrained": False, "in_channels": 1,
+                  "trunk_options": {"widths": [8, 0]}}})
+    [(key, message)] = model_setting_problems(config)
+    assert key == "model.trunk_options" and "head, for the trunk's 0 features" in message
+    assert model_setting_problems(config.override({"model.trunk_options.widths": [8, 4]})) == []
