@@ -202,7 +202,7 @@ def test_singleton_test_classes_warn_but_the_run_goes_on(tmp_path):
     root = make_folder(tmp_path / "f", {"jay": 1})
     cfg = config_from_dict(user_config(root, sampler={"classes_per_batch": 3, "samples_per_class": 2},
                                        data={"dataset": "image_folder", "root": str(root),
-                                             "split": {"val_fraction": 0.4}}))
+                                             "transform": "grayscale", "split": {"val_fraction": 0.4}}))
     with pytest.warns(PreflightWarning, match="jay"):
         check = preflight(cfg)
     assert not check.errors

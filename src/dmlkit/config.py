@@ -226,6 +226,8 @@ class OptimizerConfig(_Section):
 
     ``preset`` fills every key not given explicitly (default: ``reality_check``, the seed's
     RMSprop at 1e-6). ``loss_lr = 0`` leaves a loss's own weights untrained (the trainer warns).
+    ``momentum`` is read by ``rmsprop`` and ``sgd`` only: another value than the preset's (or
+    the default's) with ``adam``/``adamw`` is refused rather than ignored.
     """
 
     preset: Literal["reality_check", "cpu_quick"] | None = DEFAULT_OPTIMIZER_PRESET
@@ -243,10 +245,26 @@ class OptimizerConfig(_Section):
             return data
         preset = data.get("preset", DEFAULT_OPTIMIZER_PRESET)
         if preset is None:
+            cls._check_momentum_read(data, data, cls.model_fields["momentum"].default)
             return data
         if preset not in OPTIMIZER_PRESETS:
             return data  # the Literal check names the allowed presets
-        return {**OPTIMIZER_PRESETS[preset], **data}
+        merged = {**OPTIMIZER_PRESETS[preset], **data}
+        cls._check_momentum_read(data, merged, OPTIMIZER_PRESETS[preset]["momentum"])
+        return merged
+
+    @classmethod
+    def _check_momentum_read(cls, given: Mapping[str, Any], merged: Mapping[str, Any],
+                             filled: float) -> None:
+        """Refuse a ``momentum`` the optimiser would ignore: given (not the value ``filled`` by
+        the preset or the default, which a resolved config.yaml repeats) for Adam or AdamW."""
+        momentum, name = given.get("momentum"), merged.get("name", cls.model_fields["name"].default)
+        if name in ("adam", "adamw") and isinstance(momentum, int | float) \
+                and not isinstance(momentum, bool) and momentum != filled:
+            raise ValueError(
+                f"optimizer.momentum ({momentum}) is read by rmsprop and sgd only, but the optimizer "
+                f"is {name!r}, whose momentum is its first-moment decay beta1 (torch's default 0.9): "
+                "drop optimizer.momentum, or use name: sgd or rmsprop")
 
 
 class TrainingConfig(_Section):
@@ -500,7 +518,7 @@ def apply_overrides(
     """A new validated config with ``key.sub=value`` overrides (or a ``{key: value}`` mapping)."""
     base = config.model_dump(mode="json") if isinstance(config, BaseModel) else copy.deepcopy(dict(config))
     parsed = parse_overrides(overrides)
-    if isinstance(config, BaseModel) and "optimizer.preset" in parsed:
+    if isinstance(config, BaseModel) and _switches_preset(base["optimizer"], parsed, "optimizer"):
         # a resolved config holds the old preset's values explicitly: switching the preset
         # starts the optimiser section afresh (other optimizer.* overrides still apply)
         base["optimizer"] = {}
@@ -526,7 +544,8 @@ def fresh_preset(data: dict[str, Any], parsed: Mapping[str, Any], key: str) -> d
     ``KEY.preset`` and the section gives every value a preset would fill (a resolved config, as
     ``dump_config`` writes it: its ``preset`` is only a label). Switching the preset then starts
     the section afresh, as :func:`apply_overrides` does (a run's config.yaml kept Adam at 1e-3
-    under the new "reality_check" label); a hand-written section's explicit keys still win."""
+    under the new "reality_check" label); a hand-written section's explicit keys still win.
+    Naming the preset the section already has changes nothing (its explicit values stay)."""
     parent, _, name = key.rpartition(".")
     holder = data
     for part in filter(None, parent.split(".")):
@@ -534,9 +553,15 @@ def fresh_preset(data: dict[str, Any], parsed: Mapping[str, Any], key: str) -> d
     section = holder.get(name) if isinstance(holder, dict) else None
     resolved = isinstance(section, dict) and all(
         k in section for preset in OPTIMIZER_PRESETS.values() for k in preset)
-    if f"{key}.preset" in parsed and resolved:
+    if resolved and _switches_preset(section, parsed, key):
         holder[name] = {}
     return data
+
+
+def _switches_preset(section: Mapping[str, Any], parsed: Mapping[str, Any], key: str) -> bool:
+    """Whether ``parsed`` sets ``KEY.preset`` to another preset than ``section``'s."""
+    return f"{key}.preset" in parsed and \
+        parsed[f"{key}.preset"] != section.get("preset", DEFAULT_OPTIMIZER_PRESET)
 
 
 def dump_config(config: ExperimentConfig, path: str | os.PathLike | None = None) -> str:

@@ -22,7 +22,7 @@ import numpy as np
 
 from dmlkit.exceptions import DataError, DataNotFoundError
 
-__all__ = ["check_numpy_file", "read_embedding_file", "read_labels_file"]
+__all__ = ["check_numpy_file", "read_embedding_file", "read_labels_file", "repeated_name"]
 
 
 def read_embedding_file(path: str | os.PathLike, labels_path: str | os.PathLike | None = None,
@@ -110,11 +110,26 @@ def _named_labels(path: Path, labels: np.ndarray, names: np.ndarray) -> np.ndarr
     'd' of one file matched 'e' of the other); labels that are not such codes are refused."""
     if labels.dtype.kind not in "iu" or names.ndim != 1:
         return labels  # names already, or not a code table: validation decides
+    twice = repeated_name(names.tolist())
+    if twice is not None:  # two codes would read as one class
+        raise DataError(f"{path}: its class_names holds {twice!r} twice, so two classes would merge; "
+                        "save each class name once")
     if labels.size and (int(labels.min()) < 0 or int(labels.max()) >= names.shape[0]):
         raise DataError(f"{path}: its labels (from {int(labels.min())} to {int(labels.max())}) are not "
                         f"codes into its {names.shape[0]} class_names; save the labels as names, or "
                         "drop class_names")
     return names[labels]
+
+
+def repeated_name(names: list[Any]) -> Any | None:
+    """The first entry of ``names`` that an earlier one repeats (as strings), or ``None``: a
+    class-name table naming two codes alike would merge their classes."""
+    seen: set[str] = set()
+    for name in names:
+        if str(name) in seen:
+            return name
+        seen.add(str(name))
+    return None
 
 
 def _read_torch_file(path: Path) -> tuple[np.ndarray, Any]:

@@ -24,6 +24,7 @@ import json
 import os
 import re
 import warnings
+import zipfile
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -37,7 +38,7 @@ from torch.utils.data import DataLoader, Dataset
 from dmlkit.config import DEFAULT_EVAL_BATCH_SIZE, ExperimentConfig
 from dmlkit.data.base import ArrayDataset, MetricDataset
 from dmlkit.distributed import all_gather_unequal, context, shard_bounds
-from dmlkit.embedding_files import read_embedding_file
+from dmlkit.embedding_files import read_embedding_file, repeated_name
 from dmlkit.exceptions import ConfigError, NonFiniteError, ShapeError
 from dmlkit.models.placement import to_device
 from dmlkit.utils import atomic_write_bytes
@@ -270,8 +271,8 @@ def extract_features(
                 with np.load(cache_file, allow_pickle=False) as data:
                     if np.array_equal(data["labels"], dataset.labels):
                         feats, hit = data["features"], True
-            except (OSError, ValueError, KeyError):
-                feats = None  # unreadable cache: recompute and overwrite
+            except (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile):
+                feats = None  # unreadable cache (truncated, a bad CRC): recompute and overwrite
     if feats is None:
         feats, _ = embed(trunk, dataset, batch_size, device, num_workers=num_workers, amp=amp,
                          progress=progress, desc=f"features {dataset.name}")
@@ -466,8 +467,26 @@ def save_embeddings(path: str | os.PathLike, embeddings: Any, labels: Any, **ext
                              "as labels, or integer codes with their class_names")
         extra["class_names"] = np.asarray(names)
     buffer = io.BytesIO()
-    np.savez(buffer, embeddings=emb, labels=lab, **{k: np.asarray(v) for k, v in extra.items()})
+    np.savez(buffer, embeddings=emb, labels=lab, **{k: _extra_array(k, v) for k, v in extra.items()})
     return atomic_write_bytes(path, buffer.getvalue())
+
+
+def _extra_array(key: str, value: Any) -> np.ndarray:
+    """An extra of :func:`save_embeddings` as an array every reader loads (``np.load`` with
+    ``allow_pickle=False``): paths become strings; what numpy could only store as pickled
+    Python objects (``None``, a dict, mixed or ragged items) is refused, naming the key."""
+    if isinstance(value, os.PathLike):
+        value = os.fspath(value)
+    elif isinstance(value, list | tuple):
+        value = [os.fspath(v) if isinstance(v, os.PathLike) else v for v in value]
+    try:
+        arr = np.asarray(value)
+    except ValueError:  # ragged sequences
+        arr = np.empty(0, dtype=object)
+    if arr.dtype.hasobject:
+        raise ShapeError(f"extra {key!r} is not an array of numbers or strings (numpy would pickle it, "
+                         "and no reader loads pickled data): save numbers or strings, e.g. str() of each item")
+    return arr
 
 
 def load_embeddings(
@@ -513,8 +532,8 @@ def _class_table(class_names: Sequence[str] | np.ndarray) -> list[str]:
         raise ShapeError(f"class_names must be a 1-D list of class-name strings (e.g. another file's "
                          f"extra['class_names']), got {arr.dtype} of shape {arr.shape}")
     table = [str(c) for c in arr.tolist()]
-    if len(set(table)) != len(table):
-        twice = next(c for i, c in enumerate(table) if c in table[:i])
+    twice = repeated_name(table)
+    if twice is not None:
         raise ShapeError(f"class_names holds {twice!r} twice: pass each class name once")
     return table
 

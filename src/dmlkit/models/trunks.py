@@ -372,20 +372,35 @@ def _torchvision_weight_kwargs(name: str, tv_weights: Any, given: dict[str, Any]
 # -- timm ---------------------------------------------------------------------------------------------
 def _timm_trunk(name: str, pretrained: bool, weights: str | os.PathLike | None,
                 in_channels: int, **kwargs: Any) -> tuple[nn.Module, int]:
+    """A timm model without its classifier (``num_classes=0``).
+
+    A ``weights`` file is loaded here, strictly, not by timm: timm loads a file non-strictly
+    when ``num_classes`` differs from the file's and only logs the missing keys, so an empty
+    file or another architecture's weights would leave the trunk partly random.
+    """
     timm = require("timm", "timm")
-    extra: dict[str, Any] = dict(kwargs)
-    if weights is not None:
-        extra["pretrained_cfg_overlay"] = {"file": str(Path(weights).expanduser())}
     try:
-        model = timm.create_model(name, pretrained=bool(pretrained or weights), num_classes=0,
-                                  in_chans=in_channels, **extra)
+        model = timm.create_model(name, pretrained=bool(pretrained and weights is None),
+                                  num_classes=0, in_chans=in_channels, **kwargs)
     except RuntimeError as exc:
         if "Unknown model" in str(exc):
             raise ConfigError(f"unknown timm model {name!r}: see timm.list_models()") from exc
         raise _download_error(f"timm:{name}", None, exc) from exc
     except OSError as exc:
         raise _download_error(f"timm:{name}", None, exc) from exc
+    if weights is not None:
+        _load_into(model, load_weights_file(weights), str(weights),
+                   ignore=_timm_classifier_prefixes(model))
     return model, int(model.num_features)
+
+
+def _timm_classifier_prefixes(model: nn.Module) -> tuple[str, ...]:
+    """The key prefixes of the classifier(s) ``num_classes=0`` removed (timm's
+    ``pretrained_cfg["classifier"]``: ``fc``, ``head.fc``, ``("head", "head_dist")``)."""
+    names = (getattr(model, "pretrained_cfg", None) or {}).get("classifier") or ()
+    if isinstance(names, str):
+        names = (names,)
+    return tuple(f"{n}." for n in names)
 
 
 # -- BN-Inception -----------------------------------------------------------------------------------

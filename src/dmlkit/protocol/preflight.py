@@ -152,7 +152,7 @@ def check_bench(config: BenchConfig, dataset: Any, *, root: str | Path | None = 
                        and config.fixed.classification_sampler is not None else "fixed.sampler")
         found = batch_problems(cfg, worst, sampler_key=sampler_key, loss_key=f"methods.{i}.loss")
         found += build_problems(cfg, worst.num_classes, loss_key=f"methods.{i}.loss",
-                                miner_key=f"methods.{i}.miner")
+                                miner_key=f"methods.{i}.miner", dataset=dataset)
         if not found:  # the fixed settings build: now the searched ones, at their corners
             found += _search_problems(config, method, i, worst.num_classes)
         for prob in found:

@@ -124,14 +124,21 @@ def model_setting_problems(config: ExperimentConfig) -> list[tuple[str, str]]:
 
 
 def _trunk_option_problems(m: ModelConfig, in_channels: int) -> list[tuple[str, str]]:
-    """``model.trunk_options`` the trunk refuses, found by building it on the ``meta`` device
-    (shapes only: no memory, no weights read or downloaded)."""
+    """``model.trunk_options`` the trunk refuses, or whose features the head refuses (e.g.
+    ``widths: [8, 0]``: 0 features), found by building both on the ``meta`` device (shapes
+    only: no memory, no weights read or downloaded)."""
+    what = f"trunk {m.trunk!r}"
     try:
-        with torch.device("meta"):
-            build_trunk(m.trunk, pretrained=False, in_channels=in_channels, **m.trunk_options)
+        with torch.device("meta"), warnings.catch_warnings():
+            # torch's "Initializing zero-element tensors is a no-op": the refusal says more
+            warnings.filterwarnings("ignore", message="Initializing zero-element tensors")
+            trunk, feature_dim = build_trunk(m.trunk, pretrained=False, in_channels=in_channels,
+                                             **m.trunk_options)
+            what = f"the {m.head} head, for the trunk's {feature_dim} features"
+            EmbeddingModel(trunk, feature_dim, m.embedding_size, head=m.head, normalize=m.normalize)
     except (DmlkitError, ValueError, KeyError, TypeError, RuntimeError) as exc:
         reason = " ".join(str(exc).split())[:300] or type(exc).__name__
-        return [("model.trunk_options", f"{m.trunk_options} is refused by trunk {m.trunk!r}: {reason}")]
+        return [("model.trunk_options", f"{m.trunk_options} is refused by {what}: {reason}")]
     return []
 
 

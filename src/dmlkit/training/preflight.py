@@ -45,20 +45,21 @@ import warnings
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import numpy as np
 
 from dmlkit.config import DataConfig, ExperimentConfig, SplitConfig
 from dmlkit.data import ClassSplit
 from dmlkit.distributed import context as distributed_context
-from dmlkit.exceptions import ConfigError, DataNotFoundError, DmlkitError
+from dmlkit.exceptions import DataNotFoundError, DmlkitError
 from dmlkit.losses import LOSSES
 from dmlkit.losses.sharding import check_shardable
 from dmlkit.miners import MINERS
 from dmlkit.training import builders
 from dmlkit.training.builders import build_loss, build_miner, build_split, model_setting_problems
 from dmlkit.training.data_root import load_config_dataset
+from dmlkit.training.problems import NO_FIT, PreflightError, PreflightWarning, Problem, format_value
 from dmlkit.utils import data_root as resolve_data_root
 
 __all__ = [
@@ -78,56 +79,6 @@ __all__ = [
 ]
 
 logger = logging.getLogger("dmlkit.training")
-Severity = Literal["error", "warning"]
-_NO_FIT = object()
-
-
-class PreflightError(ConfigError):
-    """A config does not fit its data; ``problems`` lists every violation (with fitting values)."""
-
-    def __init__(self, message: str, problems: Sequence[Problem] = ()) -> None:
-        super().__init__(message)
-        self.problems = list(problems)
-
-
-class PreflightWarning(UserWarning):
-    """The run is meaningful but weaker than the config suggests (e.g. singleton classes)."""
-
-
-def format_value(value: Any) -> str:
-    """``value`` as ``--set`` parses it back (YAML): ``true``, ``0.4``, ``[4, 2, 4]``, ``auto``."""
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if value is None:
-        return "null"
-    if isinstance(value, list | tuple):
-        return "[" + ",".join(format_value(v) for v in value) + "]"  # no space: one shell word
-    return str(value)
-
-
-@dataclass(frozen=True)
-class Problem:
-    """One violated constraint: the config ``key`` (CLI spelling), what is wrong, and a value
-    of that key that fits (``fit``; absent when no single value does, then ``hint`` says what to do)."""
-
-    key: str
-    message: str
-    fit: Any = _NO_FIT
-    severity: Severity = "error"
-    hint: str | None = None
-
-    @property
-    def has_fit(self) -> bool:
-        return self.fit is not _NO_FIT
-
-    @property
-    def fix(self) -> str | None:
-        """``--set key=value`` with the fitting value, or ``None``."""
-        return f"--set {self.key}={format_value(self.fit)}" if self.has_fit else None
-
-    def line(self) -> str:
-        todo = self.fix or self.hint
-        return f"{self.key}: {self.message}" + (f": {todo}" if todo else "")
 
 
 @dataclass(frozen=True)
@@ -229,7 +180,7 @@ class TrainStats:
                    min(s.min_class_size for s in stats), where=where)
 
 
-def eval_split_problems(labels: Any, split: str, key: str, fit: Any = _NO_FIT, *,
+def eval_split_problems(labels: Any, split: str, key: str, fit: Any = NO_FIT, *,
                         hint: str | None = None, names: dict[int, str] | None = None) -> list[Problem]:
     """Problems of an evaluation split (validation or test) with these labels.
 
@@ -245,7 +196,7 @@ def eval_split_problems(labels: Any, split: str, key: str, fit: Any = _NO_FIT, *
         return []
     names = names or {}
     problems = []
-    todo = {"fit": fit} if fit is not _NO_FIT else {}
+    todo = {"fit": fit} if fit is not NO_FIT else {}
     if ids.size == 1:
         only = names.get(int(ids[0]), str(int(ids[0])))
         problems.append(Problem(key, f"the {split} split has one class ({only}): every model scores "
@@ -351,9 +302,11 @@ def batch_problems(config: ExperimentConfig, stats: TrainStats, *, sampler_key: 
 
 
 def build_problems(config: ExperimentConfig, num_classes: int, *, loss_key: str = "loss",
-                   miner_key: str = "miner") -> list[Problem]:
+                   miner_key: str = "miner", dataset: Any = None) -> list[Problem]:
     """Build the miner and the loss once with the config's parameters (for ``num_classes``
-    training classes): a parameter name or value they refuse is reported with the others."""
+    training classes): a parameter name or value they refuse is reported with the others.
+    ``model.in_channels`` is checked against the images of ``data.transform`` (without a
+    transform, against ``dataset``'s first sample, when given)."""
     problems = []
     miner = None
     try:
@@ -380,11 +333,26 @@ def build_problems(config: ExperimentConfig, num_classes: int, *, loss_key: str 
         problems.append(Problem("model.pretrained", "is false with model.frozen_trunk: the head would "
                                 "train on a randomly initialised trunk that never learns", fit=True,
                                 severity="warning"))
-    channels = _TRANSFORM_CHANNELS.get(config.data.transform)
+    channels, source = input_channels(config.data.transform, dataset)
     if channels is not None and config.model.in_channels != channels:  # else a traceback at step 1
-        problems.append(Problem("model.in_channels", f"is {config.model.in_channels} but data.transform "
-                                f"{config.data.transform!r} gives {channels}-channel images", fit=channels))
+        problems.append(Problem("model.in_channels", f"is {config.model.in_channels} but {source} "
+                                f"{channels}-channel images", fit=channels))
     return problems
+
+
+def input_channels(transform: str | None, dataset: Any = None) -> tuple[int | None, str]:
+    """The channels of the images the model gets, and what says so (``"... gives"``): the
+    ``transform`` preset, or with none (``None``, ``"none"``) ``dataset``'s first sample as
+    training reads it (``None`` when unknown: no dataset, or a sample that is not ``(C, H, W)``)."""
+    if transform in _TRANSFORM_CHANNELS:
+        return _TRANSFORM_CHANNELS[transform], f"data.transform {transform!r} gives"
+    if transform not in (None, "none") or dataset is None or len(dataset) == 0:
+        return None, ""
+    if transform == "none" and hasattr(dataset, "with_transform"):
+        dataset = dataset.with_transform(None)  # as build_datasets does for "none"
+    shape = getattr(dataset[0][0], "shape", ())
+    return (int(shape[0]), "the dataset's own samples (no data.transform) are") \
+        if len(shape) == 3 else (None, "")
 
 
 def _build_problem(exc: Exception, key: str, kind: str, known_name: bool) -> Problem:
@@ -571,7 +539,7 @@ def check_experiment(config: ExperimentConfig, dataset: Any, *, root: str | Path
             severity="warning"))
     train = TrainStats.of(labels[np.isin(labels, split.train)])
     report.problems += batch_problems(config, train, world_size=world_size)
-    report.problems += build_problems(config, train.num_classes)
+    report.problems += build_problems(config, train.num_classes, dataset=dataset)
     return report
 
 
