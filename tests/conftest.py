@@ -74,3 +74,15 @@ def run_cli(capsys):
         return code, out.out, out.err
 
     return run
+
+
+@pytest.fixture(scope="module")
+def one_faiss_thread():
+    """One faiss OpenMP thread for a whole module (use with ``pytestmark =
+    pytest.mark.usefixtures("one_faiss_thread")``): tiny indexes only spin-wait on a busy
+    machine, with the same results either way."""
+    faiss = pytest.importorskip("faiss")
+    before = faiss.omp_get_max_threads()
+    faiss.omp_set_num_threads(1)
+    yield
+    faiss.omp_set_num_threads(before)

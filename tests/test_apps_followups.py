@@ -9,9 +9,10 @@ import pytest
 
 from dmlkit.apps import EmbeddingIndex
 from dmlkit.apps.index_tuning import recall_at_k, recall_sample
-from test_index import _blobs, _one_faiss_thread  # noqa: F401 - one faiss thread (a module fixture)
+from test_index import _blobs
 
 faiss = pytest.importorskip("faiss")
+pytestmark = pytest.mark.usefixtures("one_faiss_thread")
 
 
 def _without(index: EmbeddingIndex, item: str) -> EmbeddingIndex:

@@ -21,13 +21,7 @@ faiss = pytest.importorskip("faiss")
 ANN = [k for k in INDEX_KINDS if k != "flat"]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_faiss_thread():
-    """Tiny indexes: OpenMP threads only spin-wait on a busy machine (same results either way)."""
-    before = faiss.omp_get_max_threads()
-    faiss.omp_set_num_threads(1)
-    yield
-    faiss.omp_set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_faiss_thread")
 
 
 def _blobs(n=3000, d=16, centres=30, noise=0.6, seed=0):

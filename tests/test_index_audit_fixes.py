@@ -19,12 +19,7 @@ from dmlkit.validation import check_embeddings
 faiss = pytest.importorskip("faiss")
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_faiss_thread():
-    before = faiss.omp_get_max_threads()
-    faiss.omp_set_num_threads(1)
-    yield
-    faiss.omp_set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_faiss_thread")
 
 
 def _emb(n: int = 400, d: int = 8, seed: int = 0) -> np.ndarray:

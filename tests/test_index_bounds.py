@@ -18,12 +18,7 @@ from dmlkit.validation import normalize_rows
 faiss = pytest.importorskip("faiss")
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_faiss_thread():
-    before = faiss.omp_get_max_threads()
-    faiss.omp_set_num_threads(1)
-    yield
-    faiss.omp_set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_faiss_thread")
 
 
 def _float64_ranking(x: np.ndarray, q: np.ndarray, k: int, distance: str, unit: bool) -> np.ndarray:
