@@ -63,6 +63,7 @@ __all__ = [
     "mark_every_rank",
     "on_main",
     "raised_on_every_rank",
+    "ranks_by_value",
     "shard_bounds",
     "shutdown",
     "timeout_seconds",
@@ -513,13 +514,19 @@ def config_digest(config: Any) -> str:
     return hashlib.sha256(json.dumps(data, sort_keys=True, default=str).encode()).hexdigest()
 
 
+def ranks_by_value(value: Any) -> dict[Any, list[int]]:
+    """Every rank's (picklable, hashable) ``value``, gathered: ``{value: [ranks that hold it]}``,
+    in the order of the lowest rank holding each; one entry when the ranks agree (and alone)."""
+    groups: dict[Any, list[int]] = {}
+    for rank, held in enumerate(all_gather_object(value)):
+        groups.setdefault(held, []).append(rank)
+    return groups
+
+
 def check_same_config(config: Any, what: str = "config") -> None:
     """Refuse to start when the ranks were given different configs (one clear line)."""
-    digests = all_gather_object(config_digest(config))
-    if len(set(digests)) > 1:
-        groups: dict[str, list[int]] = {}
-        for rank, d in enumerate(digests):
-            groups.setdefault(d, []).append(rank)
+    groups = ranks_by_value(config_digest(config))
+    if len(groups) > 1:
         listing = "; ".join(f"ranks {r} have {d[:12]}" for d, r in groups.items())
         raise ConfigError(f"the ranks were started with different {what}s ({listing}): start "
                           "every rank with the same config file and --set overrides")
