@@ -7,6 +7,12 @@ test shard from its own files: the job exited 0 with a ``metrics.json`` that mix
 (``MetricDataset.portable_fingerprint``: labels, class names, file paths relative to the data and
 their sizes), and refuses a mismatch with one error line on every rank before the run directory
 is touched.
+
+Nothing to train in the model: a frozen trunk with an identity head under a proxy loss trains
+the loss's proxies alone. One process trained; under torchrun every rank died in
+``DistributedDataParallel``'s constructor (it refuses a module without a parameter that
+requires a gradient). The trainer now leaves such a module unwrapped, and the proxies train as
+in one process.
 """
 
 from __future__ import annotations
@@ -28,7 +34,7 @@ from dmlkit.data.base import ArrayDataset
 from dmlkit.data.datasets import load_dataset
 from dmlkit.distributed import init_distributed, raised_on_every_rank, shutdown
 from dmlkit.exceptions import DataError
-from dmlkit.training import train
+from dmlkit.training import read_checkpoint, read_log, train
 from dmlkit.training.builders import build_datasets
 from dmlkit.training.same_inputs import check_same_data
 
@@ -135,3 +141,34 @@ def test_ranks_that_loaded_different_data_are_refused_before_training(tmp_path):
     assert "rank 1: 23 samples of 6 classes" in message and "val split" not in message
     assert "test split" not in message and "--data-root" in message
     assert not (tmp_path / "run").exists()  # refused before the run directory is touched
+
+
+#: Only the loss trains: frozen trunk, identity head (the trunk's 8 features are the embedding).
+LOSS_ONLY = {**CONFIG, "model": {**CONFIG["model"], "frozen_trunk": True, "freeze_batchnorm": True,
+                                 "head": "identity"},
+             "loss": {"name": "proxy_anchor", "params": {}}, "miner": None}
+
+
+def _loss_only_worker(rank: int, port: int, out_dir: str) -> None:
+    os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
+                       "WORLD_SIZE": "2", "LOCAL_RANK": str(rank)})
+    torch.set_num_threads(1)
+    init_distributed("cpu", timeout_s=120)
+    try:
+        train(LOSS_ONLY, Path(out_dir) / "two", data_root=Path(out_dir) / "data", progress=False)
+    finally:
+        shutdown()
+
+
+@pytest.mark.filterwarnings("ignore")
+def test_a_model_with_nothing_to_train_trains_its_proxies_as_one_process(tmp_path):
+    _image_folder(tmp_path / "data")
+    mp.spawn(_loss_only_worker, args=(_free_port(), str(tmp_path)), nprocs=2, join=True)
+    train(LOSS_ONLY, tmp_path / "one", data_root=tmp_path / "data", progress=False)
+    one, two = (read_checkpoint(tmp_path / run / "checkpoints" / "last.pt") for run in ("one", "two"))
+    losses = [[r["loss"] for r in read_log(tmp_path / run / "log.jsonl") if r["event"] == "train"] for run in ("one", "two")]
+    assert len(losses[0]) == 2 and losses[0][0] != losses[0][1]  # the proxies trained
+    np.testing.assert_allclose(losses[1], losses[0], rtol=1e-5)
+    proxies = one["loss"]["proxies"]
+    diff = float((two["loss"]["proxies"] - proxies).norm())
+    assert diff <= 1e-5 * float(proxies.norm()), diff
