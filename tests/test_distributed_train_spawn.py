@@ -13,6 +13,10 @@ the loss's proxies alone. One process trained; under torchrun every rank died in
 ``DistributedDataParallel``'s constructor (it refuses a module without a parameter that
 requires a gradient). The trainer now leaves such a module unwrapped, and the proxies train as
 in one process.
+
+An OSError rank 0 met inside ``on_main`` (a file where the run's ``checkpoints`` folder goes) is
+re-raised on every rank: every rank printed it. It is printed once, by rank 0, as dmlkit's own
+errors are (``dmlkit train`` under a real ``torchrun``).
 """
 
 from __future__ import annotations
@@ -21,12 +25,15 @@ import json
 import os
 import shutil
 import socket
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 import torch.multiprocessing as mp
+import yaml
 from PIL import Image
 
 from dmlkit.config import config_from_dict
@@ -172,3 +179,20 @@ def test_a_model_with_nothing_to_train_trains_its_proxies_as_one_process(tmp_pat
     proxies = one["loss"]["proxies"]
     diff = float((two["loss"]["proxies"] - proxies).norm())
     assert diff <= 1e-5 * float(proxies.norm()), diff
+
+
+def test_an_os_error_every_rank_meets_is_printed_once(tmp_path):
+    _image_folder(tmp_path / "data")
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump(CONFIG))
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "checkpoints").touch()  # a file where the run's folder goes
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env.pop("WORLD_SIZE", None)
+    done = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr",
+         "127.0.0.1", "--master-port", str(_free_port()), "-m", "dmlkit", "train",
+         str(tmp_path / "config.yaml"), "--run-dir", str(tmp_path / "run"), "--data-root",
+         str(tmp_path / "data"), "-q"], capture_output=True, text=True, env=env, timeout=300)
+    lines = [line for line in (done.stdout + done.stderr).splitlines() if line.startswith("error:")]
+    assert done.returncode != 0 and len(lines) == 1, done.stderr
+    assert "checkpoints" in lines[0] and "Not a directory" in lines[0]
