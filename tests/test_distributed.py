@@ -11,7 +11,9 @@ norm). The ranks are real processes (``torch.multiprocessing.spawn``).
 
 from __future__ import annotations
 
+import math
 import os
+import re
 import socket
 from pathlib import Path
 
@@ -20,7 +22,14 @@ import pytest
 import torch
 from torch import nn
 
-from dmlkit.distributed import all_gather_with_grad, context
+from dmlkit.distributed import (
+    MAX_TIMEOUT_S,
+    DistributedError,
+    all_gather_with_grad,
+    context,
+    init_distributed,
+    timeout_seconds,
+)
 from dmlkit.samplers import EpisodeSampler, MPerClassSampler
 
 CASES = ["contrastive+batch_hard", "multi_similarity+miner", "arcface", "proxy_anchor",
@@ -194,6 +203,19 @@ def test_missing_launcher_variables_are_one_clear_error(monkeypatch):
     monkeypatch.delenv("MASTER_PORT", raising=False)
     with pytest.raises(DistributedError, match="MASTER_ADDR, MASTER_PORT not set: start the job with `torchrun"):
         init_distributed("cpu")
+
+
+@pytest.mark.parametrize("raw", ["nan", "inf", "-inf", "1e30", str(MAX_TIMEOUT_S + 1), "0", "-5", "ten"])
+def test_a_collective_timeout_that_is_not_a_finite_positive_number_is_refused(raw):
+    """nan passed the old `<= 0` check (a misleading "could not join" line later); inf and 1e30
+    overflowed converting to a timedelta (a traceback on every rank)."""
+    with pytest.raises(DistributedError, match=rf"^DMLKIT_DIST_TIMEOUT='{re.escape(raw)}' must be a "
+                                               rf"number of seconds above 0 and at most {MAX_TIMEOUT_S}"):
+        timeout_seconds({"DMLKIT_DIST_TIMEOUT": raw})
+    assert timeout_seconds({"DMLKIT_DIST_TIMEOUT": str(MAX_TIMEOUT_S)}) == MAX_TIMEOUT_S
+    assert timeout_seconds({"DMLKIT_DIST_TIMEOUT": "2.5"}) == 2.5 and timeout_seconds({}) == 600
+    with pytest.raises(DistributedError, match="^timeout_s=inf must be"):
+        init_distributed("cpu", timeout_s=math.inf)
 
 
 def _one_rank_fails(rank: int, world: int, port: int, out_dir: str) -> None:

@@ -20,7 +20,7 @@ from rich.text import Text
 from typer.exceptions import TyperException
 
 import dmlkit.commands
-from dmlkit.commands._ranks import is_main_rank
+from dmlkit.commands._ranks import OS_ERROR_EXIT_CODE, is_main_rank
 from dmlkit.exceptions import DmlkitError
 
 app = typer.Typer(
@@ -182,7 +182,7 @@ def main(argv: list[str] | None = None) -> None:
         from dmlkit.utils import os_error_message  # numpy: not at start-up (`dmlkit --help`)
 
         _error(os_error_message(exc))
-        sys.exit(2)
+        sys.exit(OS_ERROR_EXIT_CODE)
     except Exception as exc:  # under torchrun: a collective broken by a peer rank, as one line
         line = _lost_peer_line(exc)
         if line is None:

@@ -26,6 +26,7 @@ from __future__ import annotations
 import datetime
 import hashlib
 import json
+import math
 import os
 import re
 from collections.abc import Callable, Iterator, Mapping
@@ -63,6 +64,7 @@ __all__ = [
     "mark_every_rank",
     "on_main",
     "raised_on_every_rank",
+    "ranks_by_value",
     "shard_bounds",
     "shutdown",
     "timeout_seconds",
@@ -71,6 +73,9 @@ __all__ = [
 #: Seconds a collective may wait for the other ranks before the job fails (default 10 min;
 #: ``$DMLKIT_DIST_TIMEOUT`` overrides it, e.g. when rank 0 evaluates a very large split alone).
 DEFAULT_TIMEOUT_S = 600
+#: The longest collective timeout accepted: 2**31 milliseconds (about 24.8 days). Larger values
+#: (``inf``, ``1e30``) overflowed in the conversion to a ``timedelta``: a traceback on every rank.
+MAX_TIMEOUT_S = 2**31 // 1000
 _T = TypeVar("_T")
 _TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
@@ -128,10 +133,17 @@ def timeout_seconds(env: Mapping[str, str] | None = None) -> float:
     try:
         value = float(raw)
     except ValueError:
-        value = -1.0
-    if value <= 0:
-        raise DistributedError(f"DMLKIT_DIST_TIMEOUT={raw!r} must be a positive number of seconds")
-    return value
+        value = math.nan
+    return _checked_timeout(value, f"DMLKIT_DIST_TIMEOUT={raw!r}")
+
+
+def _checked_timeout(value: float, what: str) -> float:
+    """``value`` when it is a number of seconds above 0 and at most :data:`MAX_TIMEOUT_S`, else a
+    :class:`DistributedError` naming ``what`` (``nan`` passed every comparison before)."""
+    if not 0 < value <= MAX_TIMEOUT_S:  # False for nan
+        raise DistributedError(f"{what} must be a number of seconds above 0 and at most "
+                               f"{MAX_TIMEOUT_S} (about 24 days)")
+    return float(value)
 
 
 def _local_rank() -> int:
@@ -153,8 +165,7 @@ def init_distributed(device: str | torch.device | None = None, *, backend: str |
     Missing or malformed launcher variables raise :class:`DistributedError` naming them and
     the command that sets them.
     """
-    if timeout_s is None:
-        timeout_s = timeout_seconds()
+    timeout_s = timeout_seconds() if timeout_s is None else _checked_timeout(timeout_s, f"timeout_s={timeout_s!r}")
     if dist.is_available() and dist.is_initialized():
         return context()
     if not launched_by_torchrun():
@@ -513,13 +524,19 @@ def config_digest(config: Any) -> str:
     return hashlib.sha256(json.dumps(data, sort_keys=True, default=str).encode()).hexdigest()
 
 
+def ranks_by_value(value: Any) -> dict[Any, list[int]]:
+    """Every rank's (picklable, hashable) ``value``, gathered: ``{value: [ranks that hold it]}``,
+    in the order of the lowest rank holding each; one entry when the ranks agree (and alone)."""
+    groups: dict[Any, list[int]] = {}
+    for rank, held in enumerate(all_gather_object(value)):
+        groups.setdefault(held, []).append(rank)
+    return groups
+
+
 def check_same_config(config: Any, what: str = "config") -> None:
     """Refuse to start when the ranks were given different configs (one clear line)."""
-    digests = all_gather_object(config_digest(config))
-    if len(set(digests)) > 1:
-        groups: dict[str, list[int]] = {}
-        for rank, d in enumerate(digests):
-            groups.setdefault(d, []).append(rank)
+    groups = ranks_by_value(config_digest(config))
+    if len(groups) > 1:
         listing = "; ".join(f"ranks {r} have {d[:12]}" for d, r in groups.items())
         raise ConfigError(f"the ranks were started with different {what}s ({listing}): start "
                           "every rank with the same config file and --set overrides")

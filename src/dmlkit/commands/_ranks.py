@@ -8,7 +8,10 @@ its code, after rank 0 (they meet at the exit barrier of :func:`dmlkit.distribut
 An error met before the ranks joined cannot be agreed on: a rank other than 0 waits
 :data:`UNJOINED_DELAY_S` seconds first (rank 0, failing the same way, prints it and torchrun
 stops this rank meanwhile), then prints its own line: its arguments differ from rank 0's.
-An error of one rank alone is printed by that rank.
+An error of one rank alone is printed by that rank. The rule covers dmlkit's errors and the
+:class:`OSError` of a file a command reads or writes (which :mod:`dmlkit.cli` prints as one line
+too): one that rank 0 met inside :func:`dmlkit.distributed.on_main` is re-raised, marked, on
+every rank.
 """
 
 from __future__ import annotations
@@ -22,6 +25,8 @@ import typer
 
 #: Seconds a rank other than 0 waits before printing an error met before the ranks joined.
 UNJOINED_DELAY_S = 2.0
+#: The exit code of an :class:`OSError` (:mod:`dmlkit.cli` prints it as one line, exit 2).
+OS_ERROR_EXIT_CODE = 2
 
 
 def is_main_rank() -> bool:
@@ -31,18 +36,19 @@ def is_main_rank() -> bool:
 
 @contextlib.contextmanager
 def one_error_line_per_job() -> Iterator[None]:
-    """Apply the module's rule to :class:`dmlkit.exceptions.DmlkitError` raised in the block."""
+    """Apply the module's rule to a :class:`dmlkit.exceptions.DmlkitError` or an
+    :class:`OSError` raised in the block."""
     from dmlkit.exceptions import DmlkitError
 
     try:
         yield
-    except DmlkitError as exc:
+    except (DmlkitError, OSError) as exc:
         if is_main_rank():
             raise
         from dmlkit.distributed import context, raised_on_every_rank
 
         if raised_on_every_rank(exc):
-            raise typer.Exit(exc.exit_code) from None
+            raise typer.Exit(getattr(exc, "exit_code", OS_ERROR_EXIT_CODE)) from None
         if not context().enabled:
             time.sleep(UNJOINED_DELAY_S)
         raise

@@ -10,7 +10,8 @@
   :func:`dmlkit.data.default_split`; ``ds.split_groups`` names which group is train/test;
 - ``ds.sample_groups``: optional per-sample partition (In-Shop's ``train/query/gallery``);
 - ``ds.subset_classes(ids)``, ``ds.subset(indices)``, ``ds.with_transform(t)``,
-  ``ds.fingerprint()`` (stable string for caches), ``ds.paths`` (or ``None``),
+  ``ds.fingerprint()`` (stable string for caches), ``ds.portable_fingerprint()`` (the same for
+  a copy of the data elsewhere), ``ds.paths`` (or ``None``),
   ``ds.thumbnail(i)`` (a PIL image of the raw sample, for reports).
 
 Two storage back-ends share the interface: :class:`ArrayDataset` (images or feature vectors
@@ -132,6 +133,11 @@ class MetricDataset(Dataset):
     def _storage_fingerprint(self) -> str:  # pragma: no cover - abstract
         raise NotImplementedError
 
+    def _portable_samples_fingerprint(self) -> str:
+        """The selected samples' content without where the data lies (default: the storage's
+        fingerprint and the selected rows)."""
+        return self._storage_fingerprint() + self._rows.tobytes().hex()
+
     @property
     def paths(self) -> list[str] | None:
         """File paths of the samples (in order), or ``None`` for in-memory data."""
@@ -206,6 +212,25 @@ class MetricDataset(Dataset):
             h.update(self.labels.tobytes())
             self._fingerprint = h.hexdigest()[:32]
         return self._fingerprint
+
+    def portable_fingerprint(self) -> str:
+        """A hex string identifying the samples and labels wherever the data lies: equal for two
+        copies of a dataset in different folders or on different machines.
+
+        Unlike :meth:`fingerprint` (a cache key for this copy: absolute paths, modification
+        times, inodes), it hashes what a copy keeps of the selected samples: their content as
+        the storage gives it without a location (:meth:`_portable_samples_fingerprint`: array
+        bytes; image files' paths relative to their common folder and their sizes, no image is
+        read), their labels and the classes' names. It depends on these samples alone, so a
+        difference elsewhere in the storage leaves another split's fingerprint as it is. The
+        ranks of a distributed job compare it, each having read its own copy of the data.
+        """
+        h = hashlib.sha256()
+        h.update(type(self).__name__.encode())
+        h.update(self._portable_samples_fingerprint().encode())
+        h.update(self.labels.tobytes())
+        h.update(repr(sorted(self.class_names.items())).encode())
+        return h.hexdigest()[:32]
 
     def thumbnail(self, index: int, size: int | None = 96):
         """The raw sample ``index`` as a PIL image (for reports), at most ``size`` pixels wide."""
@@ -315,6 +340,16 @@ class ArrayDataset(MetricDataset):
         h.update(np.ascontiguousarray(self.data).view(np.uint8).reshape(-1).data)
         self._storage_cache["fingerprint"] = h.hexdigest()
         return self._storage_cache["fingerprint"]
+
+    def _portable_samples_fingerprint(self) -> str:
+        """The selected rows' bytes (in blocks of rows: no copy of the whole split), with the
+        kind, dtype, sample shape and ``invert``."""
+        h = hashlib.sha256()
+        h.update(str((self.kind, self.data.shape[1:], str(self.data.dtype), self.invert)).encode())
+        for start in range(0, len(self._rows), 4096):
+            block = np.ascontiguousarray(self.data[self._rows[start:start + 4096]])
+            h.update(block.view(np.uint8).reshape(-1).data)
+        return h.hexdigest()
 
     @property
     def arrays(self) -> np.ndarray:
@@ -512,4 +547,22 @@ class ImageFileDataset(MetricDataset):
                 h.update(f"{st.st_size}:{st.st_mtime_ns}:{st.st_ino}:{st.st_ctime_ns}".encode())
             except OSError:
                 h.update(b"missing")
+        return h.hexdigest()
+
+    def _portable_samples_fingerprint(self) -> str:
+        """The selected files' paths relative to the folder that holds every file of the storage,
+        and their sizes (the bytes are not read: a file replaced by another of the same size goes
+        unnoticed); the same for a copy of the data under another root."""
+        h = hashlib.sha256()
+        h.update(str(self.mode).encode())
+        try:
+            base = os.path.commonpath([os.path.dirname(p) for p in self._paths]) if len(self._paths) else ""
+        except ValueError:  # absolute and relative paths mixed: compare them as given
+            base = ""
+        for p in self._paths[self._rows]:
+            h.update(os.path.relpath(p, base).encode() if base else str(p).encode())
+            try:
+                h.update(f":{os.stat(p).st_size}\n".encode())
+            except OSError:
+                h.update(b":missing\n")
         return h.hexdigest()

@@ -228,7 +228,9 @@ class Trainer:
         self.train_module: nn.Module = self.step_module
         self.loss_params = [p for m in (self.loss_fn, self.miner) if m is not None
                             for p in m.parameters() if p.requires_grad]
-        if self.dist.enabled:
+        if self.dist.enabled and any(p.requires_grad for p in self.step_module.parameters()):
+            # (DDP refuses a module with nothing to train: a frozen trunk with an identity head
+            # under a proxy loss trains the loss's parameters alone, kept equal as they are)
             gpu = (self.device.index if self.device.index is not None else torch.cuda.current_device()
                    ) if self.device.type == "cuda" else None  # init_distributed set LOCAL_RANK's GPU
             self.train_module = DistributedDataParallel(

@@ -37,7 +37,6 @@ from dmlkit.config import ExperimentConfig, config_from_dict, dump_config
 from dmlkit.distributed import (
     agree,
     barrier,
-    check_same_config,
     context,
     init_distributed,
     launched_by_torchrun,
@@ -80,6 +79,7 @@ from dmlkit.training.checkpoint import (
 from dmlkit.training.data_root import with_data_root
 from dmlkit.training.loop import Trainer, TrainState
 from dmlkit.training.preflight import preflight, refuse_degenerate_eval
+from dmlkit.training.same_inputs import check_same_config_on_ranks, check_same_data
 from dmlkit.utils import (
     atomic_write_json,
     directory_lock,
@@ -320,16 +320,21 @@ def join_process_group(device: torch.device):
 def _train(config: ExperimentConfig, run_dir: Path, device: torch.device, *, train_set, val_set,
            test_set, resume: bool, progress: bool, allow_world_size_change: bool) -> TrainResult:
     """:func:`train` once the process group (if any) is joined."""
-    try:  # ranks started with different configs (paths that differ per machine are allowed)
-        check_same_config(_same_everywhere(config))
-    except ConfigError as exc:
-        raise mark_every_rank(exc) from None
-    checked = None
-    if train_set is None:  # every size constraint against the data, before the run dir is touched
-        checked = agree(preflight, config)  # reads each rank's data root
+    check_same_config_on_ranks(config)  # per-machine paths may differ
+    # every size constraint against the data, before the run dir is touched
+    checked = agree(preflight, config) if train_set is None else None  # each rank's data root
     if test_set is not None:  # an explicit test set, as preflight checks the config's: one class
         # scored MAP@R = P@1 = 100 % in metrics.json for any model (the baseline skipped it)
         agree(refuse_degenerate_eval, test_set.labels, "test")
+    split = None
+    if checked is not None:
+        sets = build_datasets(config, ("train", "val", "test"), dataset=checked.dataset)
+        # with the classes' names: a later change to the data is caught, not embedded
+        split = sets["split"].naming(checked.dataset.class_names)
+        train_set = sets["train"]
+        val_set = sets["val"] if val_set is None else val_set
+        test_set = sets["test"] if test_set is None else test_set
+    check_same_data({"train": train_set, "val": val_set, "test": test_set})  # each rank's own copy
     with contextlib.ExitStack() as held:  # rank 0 locks the run directory for the whole run
 
         def lock() -> None:
@@ -341,25 +346,21 @@ def _train(config: ExperimentConfig, run_dir: Path, device: torch.device, *, tra
         # a refusal here leaves nothing: the lock removes its file and the folders it made
         payload = on_main(open_run_dir, run_dir, config, resume, world_size=context().world_size,
                           allow_world_size_change=allow_world_size_change)
-        return _train_in_dir(config, run_dir, device, checked, payload, train_set=train_set,
+        return _train_in_dir(config, run_dir, device, split, payload, train_set=train_set,
                              val_set=val_set, test_set=test_set, progress=progress)
 
 
-def _train_in_dir(config: ExperimentConfig, run_dir: Path, device: torch.device, checked,
+def _train_in_dir(config: ExperimentConfig, run_dir: Path, device: torch.device, split,
                   payload: dict[str, Any] | None, *, train_set, val_set, test_set,
                   progress: bool) -> TrainResult:
     """:func:`train` in its locked run directory (:data:`_RUN_LOCK`: a second ``train`` there is
     refused instead of interleaving its log and checkpoints), opened by :func:`open_run_dir`
-    (``payload``: the checkpoint a resume continues from)."""
+    (``payload``: the checkpoint a resume continues from; ``split``: the class split of datasets
+    built from the config, written to ``split.json``)."""
     ctx = context()
     seed_everything(config.seed)
-    if train_set is None:
-        sets = build_datasets(config, ("train", "val", "test"), dataset=checked.dataset)
-        if ctx.is_main:  # with the classes' names: a later change to the data is caught, not embedded
-            sets["split"].naming(checked.dataset.class_names).to_json(run_dir / "split.json")
-        train_set = sets["train"]
-        val_set = sets["val"] if val_set is None else val_set
-        test_set = sets["test"] if test_set is None else test_set
+    if split is not None and ctx.is_main:
+        split.to_json(run_dir / "split.json")
     if progress:
         logger.info("%s: %d train samples / %d classes, %d val classes, %d test classes -> %s%s",
                     config.name, 0 if train_set is None else len(train_set),
@@ -405,18 +406,6 @@ def _read_baseline(path: Path) -> dict[str, Any]:
     """The step-0 numbers a resumed run reports (``baseline.json``; none if it is missing): a
     damaged file is one :class:`DataError` naming it."""
     return read_json_object(path, "baseline.json of dmlkit train") if path.exists() else {}
-
-
-#: Config keys that may differ between the ranks of one job: per-machine paths.
-_PER_MACHINE_KEYS = (("data", "root"), ("model", "feature_cache_dir"))
-
-
-def _same_everywhere(config: ExperimentConfig) -> dict[str, Any]:
-    """The part of ``config`` every rank must share (all but per-machine paths)."""
-    data = config.model_dump(mode="json")
-    for section, key in _PER_MACHINE_KEYS:
-        data.get(section, {}).pop(key, None)
-    return data
 
 
 def check_world_size_change(payload: dict[str, Any], world_size: int, run_dir: Path,
