@@ -135,9 +135,9 @@ def bench_kind(kind: str, x: np.ndarray, queries: np.ndarray, exact: np.ndarray,
     from dmlkit.apps.index import recall_at_k
 
     _set_threads(args.build_threads)
-    idx = EmbeddingIndex(None, dim=x.shape[1], kind=kind, recall_queries=args.recall_queries,
-                         nlist=args.nlist if kind.startswith("ivf") else None,
-                         ef_construction=args.ef_construction)
+    settings = ({"nlist": args.nlist} if kind.startswith("ivf") else
+                {"ef_construction": args.ef_construction} if kind == "hnsw" else {})  # each kind's own
+    idx = EmbeddingIndex(None, dim=x.shape[1], kind=kind, recall_queries=args.recall_queries, **settings)
     t0 = time.perf_counter()
     idx.add(x)  # the same path as EmbeddingIndex(x, ...): add (IVF: train first), then tune
     add_s = time.perf_counter() - t0

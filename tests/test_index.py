@@ -117,7 +117,8 @@ def test_ann_scores_are_exact_scores(data, distance, normalize):
     x = x[:600] * np.linspace(0.5, 2.0, 600, dtype=np.float32)[:, None]  # varied norms
     q = x[:5] + 0.01
     for kind in ANN:
-        idx = EmbeddingIndex(x, kind=kind, distance=distance, normalize=normalize, recall_queries=30, nlist=8)
+        cells = {} if kind == "hnsw" else {"nlist": 8}
+        idx = EmbeddingIndex(x, kind=kind, distance=distance, normalize=normalize, recall_queries=30, **cells)
         res = idx.search(q, 5)
         ref, qq = x[res.indices], q[:, None, :]
         if normalize:  # dmlkit.distances' default: L2-normalised embeddings

@@ -226,3 +226,19 @@ def test_an_atomic_write_flushes_its_folder_after_the_rename(tmp_path, monkeypat
     monkeypatch.setattr(os, "fsync", refuse_folders)
     atomic_write_bytes(target, b"more")
     assert target.read_bytes() == b"more"
+
+
+@pytest.mark.parametrize(("kind", "settings", "named"), [
+    ("hnsw", {"nprobe": 16}, "nprobe=16"),
+    ("flat", {"hnsw_m": 8, "rerank": 2}, "hnsw_m=8, rerank=2"),
+    ("ivf_flat", {"pq_nbits": 4}, "pq_nbits=4"),
+    ("hnsw", {"gpu": True}, "gpu=True"),
+])
+def test_the_api_refuses_settings_the_kind_does_not_use(kind, settings, named):
+    """EmbeddingIndex(kind="hnsw", nprobe=16) built a graph and ignored nprobe (the CLI refused
+    the same options)."""
+    with pytest.raises(ConfigError, match=f"{named} do(es)? not apply to {kind} indexes"):
+        EmbeddingIndex(_emb(300, 8), np.arange(300) % 3, kind=kind, **settings)
+    # the settings of the kind itself, and defaults passed explicitly, are accepted
+    EmbeddingIndex(_emb(300, 8), np.arange(300) % 3, kind="ivf_pq", nprobe=4, rerank=2, pq_nbits=8,
+                   hnsw_m=32, recall_queries=20)

@@ -49,6 +49,7 @@ from dmlkit.apps.index_faiss import (
     add_to_structure,
     flush_graph_reserve,
     new_faiss_index,
+    refuse_unused_settings,
     search_params,
     to_gpu,
 )
@@ -143,8 +144,6 @@ class EmbeddingIndex:
             if kind == "flat":  # exact: the target was silently ignored (the CLI refuses it alike)
                 raise ConfigError("target_recall does not apply to flat indexes (exact search, recall 1.0): "
                                   "leave it out, or pick an approximate kind (ivf_flat, ivf_pq, hnsw)")
-        if gpu and kind not in ("ivf_flat", "ivf_pq"):
-            raise ConfigError(f"gpu=True needs an IVF index (faiss has no GPU {kind}); use ivf_flat or ivf_pq")
         # whole numbers (nprobe=1.7 was reported while faiss scanned 1 cell, hnsw_m=2.9 built M = 2)
         pq_nbits, hnsw_m, ef_construction, rerank, ef_search = (
             check_integer(value, name) for name, value in (
@@ -164,6 +163,7 @@ class EmbeddingIndex:
             "ef_search": ef_search, "gpu": bool(gpu),
             "seed": check_seed(seed, "seed", bits=31),  # faiss keeps it in a C int
         }
+        refuse_unused_settings(kind, self.params)
         self.recall: dict[str, Any] | None = None
         self.info: dict[str, Any] = dict(info or {})
         self.embeddings = np.empty((0, 0 if dim is None else check_integer(dim, "dim")), dtype=np.float32)

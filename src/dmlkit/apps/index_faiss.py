@@ -28,8 +28,8 @@ if TYPE_CHECKING:
     from dmlkit.apps.index import EmbeddingIndex
 
 __all__ = [
-    "add_to_structure", "default_nlist", "default_pq_m", "faiss_module", "flush_graph_reserve", "new_faiss_index",
-    "search_params", "to_gpu",
+    "KIND_SETTINGS", "SETTING_DEFAULTS", "add_to_structure", "default_nlist", "default_pq_m", "faiss_module",
+    "flush_graph_reserve", "new_faiss_index", "refuse_unused_settings", "search_params", "to_gpu",
 ]
 
 
@@ -154,6 +154,28 @@ def flush_graph_reserve(index: EmbeddingIndex) -> None:
         return
     index._graph_reserve = np.empty((0,), dtype=np.int64)
     index._faiss_index.add_with_ids(index._prepare(index.embeddings[index._rows_of_keys(held)]), held)
+
+
+#: The build and search settings each kind uses, and their defaults in
+#: :class:`~dmlkit.apps.index.EmbeddingIndex` (``None``: chosen from the data).
+#: (faiss has no GPU flat-with-ids or HNSW index: ``gpu`` is for the IVF kinds.)
+KIND_SETTINGS = {"flat": (), "ivf_flat": ("nlist", "nprobe", "gpu"), "hnsw": ("hnsw_m", "ef_construction", "ef_search"),
+                 "ivf_pq": ("nlist", "pq_m", "pq_nbits", "nprobe", "rerank", "gpu")}
+SETTING_DEFAULTS = {"nlist": None, "pq_m": None, "pq_nbits": 8, "hnsw_m": 32, "ef_construction": 40,
+                    "nprobe": None, "rerank": 4, "ef_search": 64, "gpu": False}
+
+
+def refuse_unused_settings(kind: str, settings: dict[str, Any]) -> None:
+    """Refuse a setting ``kind`` does not use, given a value other than its default
+    (``EmbeddingIndex(kind="hnsw", nprobe=16)`` built an HNSW graph and ignored it; the CLI
+    refused the same options): one :class:`ConfigError` naming them."""
+    unused = [f"{name}={settings[name]!r}" for name, default in SETTING_DEFAULTS.items()
+              if name not in KIND_SETTINGS[kind] and settings[name] != default]
+    if unused:
+        users = sorted({k for name in unused for k, uses in KIND_SETTINGS.items() if name.split("=")[0] in uses})
+        raise ConfigError(f"{', '.join(unused)} {'do' if len(unused) > 1 else 'does'} not apply to {kind} indexes: "
+                          f"leave {'them' if len(unused) > 1 else 'it'} out, or pick a kind that uses "
+                          f"{'them' if len(unused) > 1 else 'it'} ({', '.join(users)})")
 
 
 def search_params(kind: str, setting: dict[str, Any]) -> Any:

@@ -190,24 +190,19 @@ def _refuse_other_dataset_ids(output: Path, info: dict[str, Any], source: Path, 
                         "from (a run's .npz, or shards)")
 
 
-#: The build settings each kind uses (the recall options: every approximate kind).
-_KIND_SETTINGS = {
-    "flat": (),
-    "ivf_flat": ("--nlist", "--nprobe", "--gpu", "--seed"),
-    "ivf_pq": ("--nlist", "--pq-m", "--pq-nbits", "--nprobe", "--gpu", "--seed"),
-    "hnsw": ("--hnsw-m", "--ef-construction", "--ef-search", "--seed"),
-}
-
-
 def _refuse_settings_of_other_kinds(kind: str, given: dict[str, Any], target_recall: float | None) -> None:
     """Refuse build settings the ``kind`` does not use (``--kind hnsw --nprobe 16``, a flat index
     with ``--target-recall``, a fixed ``--nprobe``/``--ef-search`` that ``--target-recall``
-    replaces): each was silently ignored. Unknown kinds are left to the index's own error."""
-    from dmlkit.exceptions import ConfigError  # lazy: the CLI imports its modules on use
+    replaces): each was silently ignored. The settings of each kind are
+    :data:`dmlkit.apps.index_faiss.KIND_SETTINGS` (the seed and the recall options: every
+    approximate kind). Unknown kinds are left to the index's own error."""
+    from dmlkit.apps.index_faiss import KIND_SETTINGS  # lazy: the CLI imports its modules on use
+    from dmlkit.exceptions import ConfigError
 
-    if kind not in _KIND_SETTINGS:
+    if kind not in KIND_SETTINGS:
         return
-    uses = set(_KIND_SETTINGS[kind]) | ({"--recall-k", "--recall-queries"} if kind != "flat" else set())
+    uses = {"--" + name.replace("_", "-") for name in KIND_SETTINGS[kind]}
+    uses |= {"--seed", "--recall-k", "--recall-queries"} if kind != "flat" else set()
     unused = [name for name, value in given.items() if value is not None and name not in uses]
     if kind == "flat" and target_recall is not None:
         unused.insert(0, "--target-recall")
