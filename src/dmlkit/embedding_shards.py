@@ -39,6 +39,7 @@ from typing import Any
 import numpy as np
 
 from dmlkit.distributed import mark_every_rank
+from dmlkit.embedding_files import check_numpy_file
 from dmlkit.exceptions import ConfigError, DataError, DataNotFoundError, NonFiniteError, ShapeError
 from dmlkit.utils import atomic_write_json, sha256_file
 from dmlkit.validation import check_integer
@@ -465,11 +466,12 @@ class ShardedEmbeddings:
     def _map(self, shard: Mapping[str, Any], key: str) -> np.ndarray:
         path = self.directory / shard[key]
         try:
+            # an empty file was numpy's EOFError (the CLI read it as Ctrl-C: exit 130), a cut
+            # header "pickled data": the one check of .npy/.npz first bytes says what is wrong
+            check_numpy_file(path, ".npy", "a shard")
             return np.load(path, mmap_mode="r", allow_pickle=False)
         except FileNotFoundError:
             raise DataNotFoundError(f"shard file missing: {path} (listed in {self.directory / MANIFEST})") from None
-        except EOFError:  # numpy's error for a 0-byte file (the CLI read it as Ctrl-C: exit 130)
-            raise DataError(f"cannot read shard {path}: the file is empty (0 bytes); rewrite the shards") from None
         except (OSError, ValueError) as exc:
             raise DataError(f"cannot read shard {path}: {' '.join(str(exc).split())[:200]}") from None
 
