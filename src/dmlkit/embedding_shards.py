@@ -466,13 +466,13 @@ class ShardedEmbeddings:
     def _map(self, shard: Mapping[str, Any], key: str) -> np.ndarray:
         path = self.directory / shard[key]
         try:
-            # an empty file was numpy's EOFError (the CLI read it as Ctrl-C: exit 130), a cut
-            # header "pickled data": the one check of .npy/.npz first bytes says what is wrong
-            check_numpy_file(path, ".npy", "a shard")
             return np.load(path, mmap_mode="r", allow_pickle=False)
         except FileNotFoundError:
             raise DataNotFoundError(f"shard file missing: {path} (listed in {self.directory / MANIFEST})") from None
-        except (OSError, ValueError) as exc:
+        except (OSError, ValueError, EOFError) as exc:
+            # an empty file was numpy's EOFError (the CLI read it as Ctrl-C: exit 130), a cut
+            # header "pickled data": the one check of .npy/.npz first bytes says what is wrong
+            check_numpy_file(path, ".npy", "a shard")
             raise DataError(f"cannot read shard {path}: {' '.join(str(exc).split())[:200]}") from None
 
     def _concat(self, key: str) -> np.ndarray:
