@@ -375,22 +375,25 @@ def histogram_tile(
     positive: np.ndarray,
     total: np.ndarray,
     edge: tuple,
+    row0: int,
+    col0: int,
 ) -> None:
     """Add a tile of pair values to the positive-pair and all-pair histograms.
 
     Bin ``floor((v - low) * scale)`` in float32 arithmetic, clamped to ``[0, bins - 1]`` (the
     same bins as :func:`dmlkit.metrics.histograms._bin_index`); with ``upper_only`` (a diagonal
-    tile of a self-search) only entries above the diagonal count. ``edge`` is ``(mode,
-    query_rows, reference_rows, row0, col0, margin, low64, scale64)``: a value whose position
-    ``t`` (in bins) lies within ``margin[k]`` of an inner edge ``k`` (``floor(t)`` or the next)
-    takes the bin of its float64
-    value from the prepared rows ``query_rows[row0 + r]`` and ``reference_rows[col0 + c]``
-    (:func:`exact_bin`), so the bin does not depend on the float32 product's summation order.
+    tile of a self-search) only entries above the diagonal count.
+
+    ``edge`` is ``(mode, query_rows, reference_rows, margin, widest, low64, scale64)``
+    (:class:`dmlkit.metrics.histograms.EdgeRule`; ``widest``, the widest margin as a float32,
+    picks the pairs to test, -1 none) and the tile holds query rows from ``row0`` and reference
+    rows from ``col0``: a value whose position ``t`` (in bins) lies within ``margin[k]`` of an
+    inner edge ``k`` (``floor(t)`` or the next) takes the bin of its float64 value from the rows
+    ``query_rows[row0 + r]`` and ``reference_rows[col0 + c]`` (:func:`exact_bin`), so the bin
+    does not depend on the float32 product's summation order.
     """
-    mode, q_rows, r_rows, row0, col0, margin, low64, scale64 = edge
+    mode, q_rows, r_rows, margin, widest, low64, scale64 = edge
     last = total.shape[0] - 1
-    # the widest margin in float32, rounded up: one comparison a pair before the exact test
-    widest = np.float32(min(margin.max(), 1.0)) * np.float32(1 + 2**-20) if mode != EDGE_NONE else np.float32(-1)
     for r in range(values.shape[0]):
         label = query_labels[r]
         for c in range(r + 1 if upper_only else 0, values.shape[1]):

@@ -132,6 +132,8 @@ class EdgeRule:
     low: float
     scale: float  #: bins per unit of value, float64
     bins: int
+    #: the widest margin, rounded up: one comparison a pair picks the candidates
+    widest: float
     #: pairs re-scored at once (bounds the float64 copies of their rows)
     chunk: int = 1 << 16
 
@@ -139,7 +141,7 @@ class EdgeRule:
     def everything(self) -> bool:
         """Whether a margin reaches a whole bin (bins narrower than the rounding): every pair is
         then re-scored."""
-        return bool(self.margin.max() >= 1)
+        return self.widest >= 1
 
     def rebin(self, position: torch.Tensor, idx: torch.Tensor, row0: int, col0: int) -> None:
         """Overwrite, in ``idx``, the bins of the entries of ``position`` near an inner edge
@@ -148,9 +150,8 @@ class EdgeRule:
         if self.everything:
             rows, cols = torch.ones_like(position, dtype=torch.bool).nonzero(as_tuple=True)
         else:
-            widest = float(self.margin.max()) * (1 + 2.0**-20)
             part = position - position.floor()  # exact in float32
-            rows, cols = ((part <= widest) | (part >= 1 - widest)).nonzero(as_tuple=True)
+            rows, cols = ((part <= self.widest) | (part >= 1 - self.widest)).nonzero(as_tuple=True)
             del part
             t = position[rows, cols].to(torch.float64)
             f = t.floor()
@@ -189,17 +190,19 @@ def edge_rule(dist: BaseDistance, q: torch.Tensor, r: torch.Tensor, lo: float, h
         kind = "squared" if dist.power == 2 else "euclidean"
     else:
         return None
-    qp = dist.prepare(q)
-    rp = qp if r is q else dist.prepare(r)
-    q_norm, r_norm = float(qp.norm(dim=1).max()), float(rp.norm(dim=1).max())
     d = q.shape[1]
     scale = bins / (hi - lo)
     edges = lo + torch.arange(bins + 1, dtype=torch.float64) / scale
-    if kind == "cosine":  # the given rows' cosine: the normalised rows' entries are within an
-        # ulp (relative 2^-24) of the exact ones, which moves their product by up to 2.01 2^-24
-        tol = torch.full_like(edges, rounding_bound("ip", d, q_norm, r_norm) + 2.01 * 2.0**-24)
-        qp, rp = q, r
-    elif kind == "ip":
+    if kind == "cosine":  # the given rows' cosine, re-scored from them: the tiles multiply rows
+        # normalised to within an ulp (relative 2^-24) of unit, which moves a product by up to
+        # 2.01 2^-24 beyond the float32 product's own bound (rows of norm 1 + 2^-23 at most)
+        tol = torch.full_like(edges, rounding_bound("ip", d, 1 + 2.0**-23, 1 + 2.0**-23) + 2.01 * 2.0**-24)
+        margin = (tol * scale + _binning_error(lo, hi, bins)).to(q.device)
+        return EdgeRule(kind, q, r, margin, lo, scale, bins, _widest(margin))
+    qp = dist.prepare(q)
+    rp = qp if r is q else dist.prepare(r)
+    q_norm, r_norm = float(qp.norm(dim=1).max()), float(rp.norm(dim=1).max())
+    if kind == "ip":
         tol = torch.full_like(edges, rounding_bound("ip", d, q_norm, r_norm))
     else:
         # the expanded form |x|^2 + |y|^2 - 2<x, y>, of rows moved by the references' mean
@@ -210,10 +213,19 @@ def edge_rule(dist: BaseDistance, q: torch.Tensor, r: torch.Tensor, lo: float, h
             e = edges.clamp_min(0)
             below = (e.pow(2) - sq_tol).clamp_min(0).sqrt()
             tol = sq_tol / (e + below).clamp_min(math.sqrt(sq_tol)) + e * 2.0**-23
-    # the float32 binning's own rounding: lo, the scale, the difference and the product
-    arithmetic = 2.0**-21 * (scale * max(abs(lo), abs(hi)) + bins + 1)
-    margin = (tol * scale + arithmetic).to(q.device)
-    return EdgeRule(kind, qp, rp, margin, lo, scale, bins)
+    margin = (tol * scale + _binning_error(lo, hi, bins)).to(q.device)
+    return EdgeRule(kind, qp, rp, margin, lo, scale, bins, _widest(margin))
+
+
+def _binning_error(lo: float, hi: float, bins: int) -> float:
+    """Bound, in bins, on the float32 binning's own rounding (``lo``, the scale, the difference
+    and the product)."""
+    return 2.0**-21 * (bins / (hi - lo) * max(abs(lo), abs(hi)) + bins + 1)
+
+
+def _widest(margin: torch.Tensor) -> float:
+    """The widest margin, rounded up past float32's comparison (one host read, not one a tile)."""
+    return float(margin.max()) * (1 + 2.0**-20)
 
 
 def _blocks(n: int, m: int, same: bool, budget: int):
@@ -264,15 +276,15 @@ def _count_cpu(
     rule = edge_rule(dist, q, r, lo, hi, bins)
     if rule is None:
         no_rows = np.zeros((0, q.shape[1]), np.float32)
-        edge = (_kernels.EDGE_NONE, no_rows, no_rows, 0, 0, np.zeros(bins + 1), float(lo), 1.0)
+        edge = (_kernels.EDGE_NONE, no_rows, no_rows, np.zeros(bins + 1), np.float32(-1), float(lo), 1.0)
     else:
         mode = {"ip": _kernels.EDGE_IP, "cosine": _kernels.EDGE_COSINE,
                 "squared": _kernels.EDGE_SQUARED, "euclidean": _kernels.EDGE_EUCLIDEAN}[rule.kind]
-        q_rows = np.ascontiguousarray(rule.query.to(torch.float32).numpy())
-        r_rows = q_rows if rule.reference is rule.query else np.ascontiguousarray(
-            rule.reference.to(torch.float32).numpy())
-        margin = np.full(bins + 1, np.inf) if rule.everything else rule.margin.cpu().numpy()
-        edge = (mode, q_rows, r_rows, 0, 0, margin, float(rule.low), float(rule.scale))
+        q_rows = np.ascontiguousarray(rule.query.numpy())
+        r_rows = q_rows if rule.reference is rule.query else np.ascontiguousarray(rule.reference.numpy())
+        margin = np.full(bins + 1, np.inf) if rule.everything else rule.margin.numpy()
+        edge = (mode, q_rows, r_rows, margin, np.float32(min(rule.widest, 1.0)), float(rule.low),
+                float(rule.scale))
 
     def tile(block: tuple[int, int, int, int]) -> None:
         a0, a1, b0, b1 = block
@@ -280,7 +292,7 @@ def _count_cpu(
         pos, total = counts.get()
         try:
             _kernels.histogram_tile(vals, ql_np[a0:a1], rl_np[b0:b1], same and a0 == b0, low, scale,
-                                    pos, total, (*edge[:3], a0, b0, *edge[5:]))
+                                    pos, total, edge, a0, b0)
         finally:
             counts.put((pos, total))
 
