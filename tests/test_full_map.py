@@ -521,3 +521,44 @@ def test_self_search_state_between_half_and_whole_budget_takes_symmetric_tiles(
     assert len(scans) > 1
     want = brute_force_ap(q, ql, r, rl, euclidean=isinstance(distance, LpDistance))
     np.testing.assert_allclose(got, want, rtol=0, atol=1e-12)
+
+
+
+def _one_ulp_up(q: np.ndarray, axis: int) -> np.ndarray:
+    out = q.copy()
+    out[axis] = np.nextafter(out[axis], np.float32(np.inf))
+    return out
+
+
+#: a row, and for each distance the positive's and the negative's coordinate nudged one ulp up
+#: (the negative's coordinate is smaller: it is nearer, exactly and in the row form)
+_ULP_CASES = [
+    (LpDistance(normalize_embeddings=False),
+     [-0.9118091464042664, 0.12279684841632843, 1.605928897857666, 5.243561744689941,
+      -2.5270700454711914, -5.418397903442383, -1.452256441116333, 0.2697852849960327]),
+    ("euclidean",
+     [1.539156436920166, -0.8927521109580994, -1.5900251865386963, -0.7084639072418213,
+      5.449427604675293, -0.1494029015302658, 0.25985780358314514, -4.46121883392334]),
+]
+
+
+@pytest.mark.parametrize(("distance", "row"), _ULP_CASES)
+def test_small_path_ranks_rows_an_ulp_apart_by_their_distance(distance, row):
+    """The expanded Euclidean form cancels to an error of about |x|^2 d 2^-53, more than the
+    squared distance of rows an ulp apart: the small-input path ranked the positive (nudged in
+    a large coordinate) before the nearer negative (a small one): map 1.0 beside P@1 0."""
+    q = np.array(row, np.float32)
+    ref = np.stack([_one_ulp_up(q, 0), _one_ulp_up(q, 1), -q])
+    got = per_query(q[None], [0], ref, [0, 1, 2], metrics=["precision_at_1", "map"], distance=distance)[0]
+    assert got["precision_at_1"][0] == 0.0
+    assert got["map"][0] == 0.5
+
+
+@pytest.mark.parametrize("distance", ["euclidean", "cosine"])
+def test_small_path_map_is_the_same_at_every_budget(distance):
+    """Exact ties between distinct rows (integer rows of equal norm) were ordered by the float64
+    product's rounding, which depends on the block's shape, so the budget moved ``map``."""
+    x, y = _tied(300, 21, 75, 8)  # moved at 1 MiB (Euclidean)
+    maps = [_map(x, y, distance=distance, memory_budget=b) for b in (256 * 2**20, 3 * 2**20, 2**20)]
+    for other in maps[1:]:
+        np.testing.assert_array_equal(other, maps[0])

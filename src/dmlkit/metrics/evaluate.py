@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from dmlkit.distances import BaseDistance, get_distance
+from dmlkit.distances import BaseDistance, get_distance, rounding_bound
 from dmlkit.exceptions import ConfigError, ShapeError
 from dmlkit.metrics._threads import full_float32_matmuls
 from dmlkit.metrics._validation import (
@@ -30,6 +30,7 @@ from dmlkit.metrics.near_ties import (
     PairScorer,
     Settled,
     identical_rows,
+    rescore_near_positives,
     settle_near_ties,
     warn_tie_ruled,
 )
@@ -205,36 +206,49 @@ def _full_map(inp: _Inputs, budget: int) -> tuple[torch.Tensor, torch.Tensor]:
     m = r.shape[0]
     if scorer.symmetric and q.device.type == "cpu" and q.shape[0] * m >= SMALL_SEARCH_PAIRS:
         return full_ranking_map(scorer, q, None if inp.same else r, inp.ql, inp.rl, budget)
-    # a float64 matrix product gives bit-identical rows values an ulp apart by column (MKL):
-    # each reference's column is overwritten by that of its first identical row, so copies tie
-    copies = identical_rows(r)
+    margin = None
+    if scorer.symmetric:  # where the product could rank otherwise, the pair function decides
+        pair = PairScorer(q, r, scorer.kind == "l2", compiled=False)
+        margin = 2.0 * rounding_bound(scorer.kind, q.shape[1], float(q.norm(dim=1).max()),
+                                      float(r.norm(dim=1).max()), unit_roundoff=2.0**-53)
+        copies = None
+    else:
+        # a float64 matrix product gives bit-identical rows values an ulp apart by column (MKL):
+        # each reference's column is overwritten by that of its first identical row, so copies tie
+        copies = identical_rows(r)
     q, r = q.double(), r.double()
     nq_, nr_ = scorer.sq_norms(q), scorer.sq_norms(r)
     ql, rl, r_q = inp.ql.to(q.device), inp.rl.to(q.device), inp.r_q.to(q.device)
     r_max = int(r_q.max()) if r_q.numel() else 0  # every row's finite positives: at most R_q
     rows = max(1, budget // (m * _MAP_BYTES_PER_SCORE))
 
-    def scores(a0: int, a1: int) -> torch.Tensor:
+    def scores(a0: int, a1: int, exact: bool = False) -> torch.Tensor:
         s = scorer.block(q[a0:a1], r, None if nq_ is None else nq_[a0:a1], nr_)
         if copies is not None:
             s[:, copies[0]] = s[:, copies[1]]
         if inp.same:
             _mask_self(s, a0, 0)
+        if exact and margin is not None:
+            rescore_near_positives(s, rl[None, :] == ql[a0:a1, None], a0, pair, margin)
         return s
 
     # no host synchronisation inside the loop (a GPU queues every block); blocks whose rows hold
-    # equal positives are redone with exact tie runs at the end
+    # equal positives, or a negative whose product value lies within twice ``margin`` of a
+    # positive's (only there can the product and the pair function rank them apart), are redone
+    # at the end: re-scored near the positives, with exact tie runs
     starts = range(0, q.shape[0], rows)
     ap = torch.empty(q.shape[0], dtype=torch.float64, device=q.device)
     tied = torch.zeros(q.shape[0], dtype=torch.bool, device=q.device)
-    repeated = torch.zeros(len(starts), dtype=torch.bool, device=q.device)
+    redo = torch.zeros(len(starts), dtype=torch.bool, device=q.device)
+    near = None if margin is None else 2.0 * margin
     for i, a0 in enumerate(starts):
         a1 = min(q.shape[0], a0 + rows)
-        ap[a0:a1], repeated[i], tied[a0:a1] = full_ranking_ap_block(scores(a0, a1), ql[a0:a1], rl,
-                                                                    r_q[a0:a1], r_max)
-    for i in repeated.nonzero().flatten().tolist():
+        ap[a0:a1], redo[i], tied[a0:a1] = full_ranking_ap_block(scores(a0, a1), ql[a0:a1], rl,
+                                                                r_q[a0:a1], r_max, near=near)
+    for i in redo.nonzero().flatten().tolist():
         a0, a1 = starts[i], min(q.shape[0], starts[i] + rows)
-        ap[a0:a1] = full_ranking_ap_block(scores(a0, a1), ql[a0:a1], rl, r_q[a0:a1], r_max, tie_runs=True)[0]
+        ap[a0:a1], _, tied[a0:a1] = full_ranking_ap_block(scores(a0, a1, exact=True), ql[a0:a1], rl,
+                                                          r_q[a0:a1], r_max, tie_runs=True)
     return ap.cpu(), tied.cpu()
 
 

@@ -37,6 +37,7 @@ P@1 / MAP@R differed from the float64 ranking by up to 0.04 / 0.012
 
 from __future__ import annotations
 
+import math
 import warnings
 from collections.abc import Callable, Iterable, Sequence
 from typing import NamedTuple
@@ -50,7 +51,7 @@ from dmlkit.metrics.average_precision import closeness_tolerance
 from dmlkit.metrics.knn import SMALL_SEARCH_PAIRS, _Scorer, exact_topk
 
 __all__ = ["EXTRA_NEIGHBOURS", "PairScorer", "Settled", "closeness_of", "compiled_scores", "identical_rows",
-           "settle_near_ties", "tie_gap",
+           "rescore_near_positives", "settle_near_ties", "tie_gap",
            "warn_tie_ruled"]
 
 #: Neighbours a caller asks for beyond the positions its metrics read: a reference the search
@@ -111,6 +112,41 @@ def _score64(q: torch.Tensor, r: torch.Tensor, rows: torch.Tensor, refs: torch.T
         a, b = q[rows[c0 : c0 + 2**16]].double(), r[refs[c0 : c0 + 2**16]].double()
         out[c0 : c0 + 2**16] = -(a - b).pow(2).sum(1) if euclidean else (a * b).sum(1)
     return out
+
+
+def rescore_near_positives(s: torch.Tensor, positive: torch.Tensor, row0: int, score: PairScorer,
+                           margin: float) -> None:
+    """Make a block of float64 matrix-product closeness rank as the pair function ``score`` does
+    wherever a full ranking reads it, in place: every finite positive (``positive[i, j]``) and
+    every other finite entry within ``margin`` of one of its row's positives becomes
+    ``score(row0 + i, j)``.
+
+    ``margin`` bounds the difference between a product's value and the pair function's (twice
+    :func:`dmlkit.distances.rounding_bound` in float64: both are within one bound of the exact
+    value). An entry farther than ``margin`` from every positive's re-scored value then lies on
+    the same side of each as its pair-function value, so the ranking's counts are those of the
+    pair function, whatever the block's shape (the product's rounding moved with the memory
+    budget) and however small the distances: the expanded Euclidean form cancels to an error of
+    about ``|x|^2 d 2^-53``, larger than the squared distance of rows an ulp apart, and ranked
+    such rows by that noise. Bit-identical rows get equal values wherever it matters (a copy of
+    a positive lies within ``margin`` of it). Costs one host synchronisation a block.
+    """
+    positive = positive & torch.isfinite(s)
+    i, j = positive.nonzero(as_tuple=True)
+    s[i, j] = score(i + row0, j)
+    width = int(positive.sum(1).max()) if positive.numel() else 0
+    if width == 0:
+        return
+    # each row's positives, ascending (padded at the front with -inf)
+    val = torch.where(positive, s, -math.inf).topk(width, dim=1, sorted=True).values.flip(1)
+    at = torch.searchsorted(val, s)  # val[at - 1] < s <= val[at]
+    below = val.gather(1, (at - 1).clamp_min(0))
+    above = val.gather(1, at.clamp_max(width - 1))
+    near = ((at > 0) & (s - below <= margin)) | ((at < width) & (above - s <= margin))
+    near &= ~positive & torch.isfinite(s)
+    i, j = near.nonzero(as_tuple=True)
+    if i.numel():
+        s[i, j] = score(i + row0, j)
 
 
 def compiled_scores(on_cpu: bool, pairs: int) -> bool:

@@ -209,10 +209,14 @@ def full_ranking_ap_block(
     r: torch.Tensor,
     r_max: int,
     tie_runs: bool = False,
+    near: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """:func:`full_ranking_ap` of one block without a host synchronisation: ``(ap, repeated,
     tied)``, ``tied`` per row: a finite negative ties a positive exactly (the tie rule, not the
-    embeddings, orders them: :func:`dmlkit.metrics.near_ties.warn_tie_ruled`).
+    embeddings, orders them: :func:`dmlkit.metrics.near_ties.warn_tie_ruled`). With ``near``,
+    ``repeated`` is also set when a finite negative lies within ``near`` of one of its row's
+    positives (values a caller ranks again more exactly: :func:`dmlkit.metrics.near_ties.
+    rescore_near_positives`).
 
     ``r`` is each row's count of finite positives (``R_q``; the query itself, if excluded, at
     ``-inf``) and ``r_max >= r.max()``. A reference tied in float64 with a positive is settled
@@ -249,11 +253,22 @@ def full_ranking_ap_block(
     ref = torch.arange(m, device=dev)
     # j ties the positive just at or below it (the -inf padding can tie an excluded reference,
     # -inf: that only lowers at(j) <= r_max - r)
-    tied = val_before.gather(1, at) == s
+    below = val_before.gather(1, at)
+    tied = below == s
     first = tied & (col_before.gather(1, at) < ref)
     # a positive ties itself; -inf (the query itself, the padding) is no reference's closeness
-    tie_ruled = (tied & ~same_label & torch.isfinite(s)).any(1)
+    negative = ~same_label & torch.isfinite(s)
     del same_label
+    tie_ruled = (tied & negative).any(1)
+    if near is not None:  # the positive at or below j, or the one above it (+inf past the last)
+        close = (s - below) <= near
+        val_after = torch.cat([val, val.new_full((b, 1), math.inf)], 1)
+        torch.gather(val_after, 1, at, out=below)  # ``below`` is not read again
+        close |= below.sub_(s) <= near
+        close &= negative
+        repeated = repeated | close.any()
+        del close
+    del below, negative
     if tie_runs:  # further down each run of equal positives
         tied &= torch.isfinite(s)  # not along the padding
         step, further = at.clone(), torch.zeros_like(at)
