@@ -33,8 +33,9 @@ from torch import nn
 
 from dmlkit.distances import BaseDistance, CosineSimilarity, get_distance
 from dmlkit.exceptions import ConfigError, NonFiniteError, ShapeError
-from dmlkit.losses._pairs import upcast
+from dmlkit.losses._pairs import upcast_pair
 from dmlkit.utils import registering
+from dmlkit.validation import check_float_matrix
 
 __all__ = ["LOSSES", "BaseLoss", "ProxyLoss", "get_loss", "register_loss"]
 
@@ -88,12 +89,7 @@ class BaseLoss(nn.Module):
             raise ShapeError("pass both ref_emb and ref_labels, or neither")
         if ref_emb is not None:
             check_inputs(ref_emb, ref_labels, name="ref_emb", finite=False)
-        embeddings = upcast(embeddings)
-        if ref_emb is not None:  # one dtype for both (float32 embeddings, float64 references
-            # raised torch's "mat1 and mat2 must have the same dtype")
-            ref_emb = upcast(ref_emb)
-            common = torch.promote_types(embeddings.dtype, ref_emb.dtype)
-            embeddings, ref_emb = embeddings.to(common), ref_emb.to(common)
+        embeddings, ref_emb = upcast_pair(embeddings, ref_emb)  # one dtype for both
         with full_precision(embeddings):
             loss = self.compute(embeddings, labels, indices, ref_emb, ref_labels)
         check_finite_loss(self, loss, embeddings, ref_emb)
@@ -198,12 +194,7 @@ def check_inputs(embeddings: torch.Tensor, labels: torch.Tensor, name: str = "em
     """Validate ``embeddings (B, D)`` float and ``labels (B,)`` integer tensors, and that the
     embeddings are finite unless ``finite=False`` (:func:`check_finite_loss` checks them then,
     with the loss)."""
-    if not isinstance(embeddings, torch.Tensor):
-        raise ShapeError(f"{name} must be a (B, D) tensor, got {type(embeddings).__name__}")
-    if embeddings.dim() != 2:
-        raise ShapeError(f"{name} must be (B, D), got shape {tuple(embeddings.shape)}")
-    if not embeddings.is_floating_point():
-        raise ShapeError(f"{name} must be a floating-point tensor, got {embeddings.dtype}")
+    check_float_matrix(embeddings, name)
     if not isinstance(labels, torch.Tensor):
         raise ShapeError(f"labels must be a (B,) tensor with B = {embeddings.shape[0]}, got "
                          f"{type(labels).__name__}: pass torch.as_tensor(labels)")

@@ -11,7 +11,7 @@ from torch import nn
 
 from dmlkit.distances import BaseDistance, CosineSimilarity, get_distance
 from dmlkit.exceptions import ConfigError, ShapeError
-from dmlkit.losses._pairs import label_masks  # the one label-mask helper of losses and miners
+from dmlkit.losses._pairs import label_masks, upcast_pair  # the helpers losses and miners share
 from dmlkit.losses.base import check_inputs, full_precision  # one input check for losses and miners
 from dmlkit.utils import registering
 
@@ -216,10 +216,10 @@ class BaseMiner(nn.Module):
     def farness(self, embeddings: torch.Tensor, ref_emb: torch.Tensor, same: bool) -> torch.Tensor:
         """``(B, M)`` matrix where *smaller is closer* (the distance, or minus the similarity),
         in at least float32 (mining compares values, so bfloat16 is upcast, and
-        :meth:`forward` disables autocast around :meth:`mine`)."""
-        if embeddings.dtype in (torch.float16, torch.bfloat16):
-            embeddings, ref_emb = embeddings.float(), ref_emb.float()
-        mat = self.distance(embeddings, None if same else ref_emb)
+        :meth:`forward` disables autocast around :meth:`mine`), the batch and the references
+        in one dtype (:func:`~dmlkit.losses._pairs.upcast_pair`, as every loss)."""
+        embeddings, ref_emb = upcast_pair(embeddings, None if same else ref_emb)  # as a loss does
+        mat = self.distance(embeddings, ref_emb)
         return -mat if self.distance.higher_is_closer else mat
 
     def _record(self, out: tuple[torch.Tensor, ...], batch: int) -> None:

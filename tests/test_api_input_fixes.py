@@ -1,0 +1,41 @@
+"""Public-API input types and layouts (audit s37/apifuzz): losses, miners and distances treat
+mixed float dtypes and zero-width embeddings as every other entry point does."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dmlkit.distances import CosineSimilarity, LpDistance
+from dmlkit.exceptions import ShapeError
+from dmlkit.losses.prototypical import prototypical_loss
+from dmlkit.miners import MINERS, get_miner
+
+
+def _batch_and_references() -> tuple[torch.Tensor, ...]:
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(12, 8, generator=g)
+    r = torch.randn(10, 8, generator=g, dtype=torch.float64)
+    return x, torch.arange(12) % 4, r, torch.arange(10) % 4
+
+
+def test_mixed_float_dtypes_are_promoted_by_miners_distances_and_prototypical_loss():
+    # float32 embeddings with a float64 (or bfloat16) reference set raised torch's "mat1 and mat2
+    # must have the same dtype" from 6 miners, every distance and prototypical_loss; losses
+    # already promoted both to one dtype, which is what the float64 computation gives
+    x, y, r, ry = _batch_and_references()
+    for name in sorted(MINERS):
+        mixed = get_miner(name)(x, y, r, ry)
+        wide = get_miner(name)(x.double(), y, r, ry)
+        assert all(torch.equal(a, b) for a, b in zip(mixed, wide)), name
+    half = r.bfloat16()
+    assert all(torch.equal(a, b) for a, b in zip(get_miner("batch_hard")(x, y, half, ry),
+                                                 get_miner("batch_hard")(x, y, half.float(), ry)))
+    for dist in (CosineSimilarity(), LpDistance()):
+        assert torch.equal(dist(x, r), dist(x.double(), r))
+        assert torch.equal(dist.paired(x[:10], r), dist.paired(x[:10].double(), r))
+        with pytest.raises(ShapeError, match="torch tensor"):
+            dist(x.numpy())
+        with pytest.raises(ShapeError, match="floating-point"):
+            dist((x * 3).long())
+    assert torch.equal(prototypical_loss(x, y, r, ry), prototypical_loss(x.double(), y, r, ry))
