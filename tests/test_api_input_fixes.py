@@ -8,6 +8,7 @@ import torch
 
 from dmlkit.distances import CosineSimilarity, LpDistance
 from dmlkit.exceptions import ShapeError
+from dmlkit.losses import LOSSES, BaseLoss, get_loss
 from dmlkit.losses.prototypical import prototypical_loss
 from dmlkit.miners import MINERS, get_miner
 
@@ -17,6 +18,14 @@ def _batch_and_references() -> tuple[torch.Tensor, ...]:
     x = torch.randn(12, 8, generator=g)
     r = torch.randn(10, 8, generator=g, dtype=torch.float64)
     return x, torch.arange(12) % 4, r, torch.arange(10) % 4
+
+
+def _loss(name: str) -> BaseLoss:
+    """Every registered loss, for 4 classes of 8-d embeddings where it needs them."""
+    if not getattr(LOSSES[name], "requires_num_classes", False):
+        return get_loss(name)
+    extra = {"losses": [{"name": "triplet"}, {"name": "arcface"}]} if name == "combined" else {}
+    return get_loss(name, num_classes=4, embedding_size=8, **extra)
 
 
 def test_mixed_float_dtypes_are_promoted_by_miners_distances_and_prototypical_loss():
@@ -39,3 +48,12 @@ def test_mixed_float_dtypes_are_promoted_by_miners_distances_and_prototypical_lo
         with pytest.raises(ShapeError, match="floating-point"):
             dist((x * 3).long())
     assert torch.equal(prototypical_loss(x, y, r, ry), prototypical_loss(x.double(), y, r, ry))
+
+
+@pytest.mark.parametrize("name", sorted(LOSSES))
+def test_every_loss_refuses_a_reference_set_of_another_width(name):
+    # checked once in BaseLoss.forward: AngularLoss normalises by itself, without the distance
+    # object's width check, and raised torch's size mismatch
+    x, y, r, ry = _batch_and_references()
+    with pytest.raises(ShapeError, match="ref_emb has 7 features but embeddings have 8"):
+        _loss(name)(x, y, ref_emb=r[:, :7].float(), ref_labels=ry)

@@ -85,10 +85,7 @@ class BaseLoss(nn.Module):
         ref_labels: torch.Tensor | None = None,
     ) -> torch.Tensor:
         check_inputs(embeddings, labels, finite=False)
-        if (ref_emb is None) != (ref_labels is None):
-            raise ShapeError("pass both ref_emb and ref_labels, or neither")
-        if ref_emb is not None:
-            check_inputs(ref_emb, ref_labels, name="ref_emb", finite=False)
+        check_references(embeddings, ref_emb, ref_labels, finite=False)
         embeddings, ref_emb = upcast_pair(embeddings, ref_emb)  # one dtype for both
         with full_precision(embeddings):
             loss = self.compute(embeddings, labels, indices, ref_emb, ref_labels)
@@ -206,6 +203,21 @@ def check_inputs(embeddings: torch.Tensor, labels: torch.Tensor, name: str = "em
         raise ShapeError(f"labels must be integers, got {labels.dtype}")
     if finite and not torch.isfinite(embeddings).all():
         raise _nonfinite_input(name)
+
+
+def check_references(embeddings: torch.Tensor, ref_emb: torch.Tensor | None,
+                     ref_labels: torch.Tensor | None, finite: bool = True) -> None:
+    """Validate an optional reference set against checked ``embeddings``: both of ``ref_emb``
+    and ``ref_labels`` or neither, :func:`check_inputs` on them, and as many features as the
+    embeddings (a loss that normalises by itself, AngularLoss, raised torch's size mismatch)."""
+    if (ref_emb is None) != (ref_labels is None):
+        raise ShapeError("pass both ref_emb and ref_labels, or neither")
+    if ref_emb is None:
+        return
+    check_inputs(ref_emb, ref_labels, name="ref_emb", finite=finite)
+    if ref_emb.shape[1] != embeddings.shape[1]:
+        raise ShapeError(f"ref_emb has {ref_emb.shape[1]} features but embeddings have "
+                         f"{embeddings.shape[1]}: pass a reference set of the same width")
 
 
 def _nonfinite_input(name: str) -> NonFiniteError:
