@@ -57,3 +57,16 @@ def test_every_loss_refuses_a_reference_set_of_another_width(name):
     x, y, r, ry = _batch_and_references()
     with pytest.raises(ShapeError, match="ref_emb has 7 features but embeddings have 8"):
         _loss(name)(x, y, ref_emb=r[:, :7].float(), ref_labels=ry)
+
+
+@pytest.mark.parametrize(("kind", "name"), [("loss", n) for n in sorted(LOSSES)]
+                         + [("miner", n) for n in sorted(MINERS)] + [("prototypical_loss", "")])
+def test_zero_width_embeddings_are_refused_by_every_loss_and_miner(kind, name):
+    # (B, 0) embeddings (emb[:, 128:] of a 128-d output) gave a loss value (contrastive 1.0,
+    # ntxent 2.3026) and mined triplets; evaluate refuses them as empty
+    x = torch.zeros(12, 0, requires_grad=True)
+    y = torch.arange(12) % 4
+    call = {"loss": lambda: _loss(name)(x, y), "miner": lambda: get_miner(name)(x.detach(), y),
+            "prototypical_loss": lambda: prototypical_loss(x, y, x, y)}[kind]
+    with pytest.raises(ShapeError, match=r"have no features \(shape \(12, 0\)\)"):
+        call()

@@ -188,10 +188,15 @@ def check_finite_loss(
 
 def check_inputs(embeddings: torch.Tensor, labels: torch.Tensor, name: str = "embeddings",
                  finite: bool = True) -> None:
-    """Validate ``embeddings (B, D)`` float and ``labels (B,)`` integer tensors, and that the
-    embeddings are finite unless ``finite=False`` (:func:`check_finite_loss` checks them then,
-    with the loss)."""
+    """Validate ``embeddings (B, D)`` float, ``D >= 1``, and ``labels (B,)`` integer tensors,
+    and that the embeddings are finite unless ``finite=False`` (:func:`check_finite_loss`
+    checks them then, with the loss). ``B = 0`` is an empty batch (a zero loss); ``D = 0`` is
+    refused, as :func:`dmlkit.validation.check_embeddings` does (every loss returned a number
+    and miners mined triplets from embeddings without a feature)."""
     check_float_matrix(embeddings, name)
+    if embeddings.shape[1] == 0:
+        raise ShapeError(f"{name} have no features (shape {tuple(embeddings.shape)}): pass at "
+                         "least one column")
     if not isinstance(labels, torch.Tensor):
         raise ShapeError(f"labels must be a (B,) tensor with B = {embeddings.shape[0]}, got "
                          f"{type(labels).__name__}: pass torch.as_tensor(labels)")
