@@ -240,6 +240,21 @@ def test_bfloat16_and_batch_larger_than_memory():
     assert xbm.num_stored == 5 and xbm.embedding_memory.dtype == torch.float32
 
 
+def test_a_queue_widened_under_inference_mode_still_trains():
+    # the first float64 call (a validation loss under torch.inference_mode()) re-typed the queue
+    # as an inference tensor; every later training call's enqueue then raised "Inplace update
+    # to inference tensor outside InferenceMode"
+    g = torch.Generator().manual_seed(0)
+    x, labels = torch.randn(12, 8, generator=g, dtype=torch.float64), torch.arange(12) % 4
+    xbm = CrossBatchMemory(TinyContrastive(), embedding_size=8, memory_size=30)
+    with torch.inference_mode():
+        xbm(x, labels)
+    assert xbm.embedding_memory.dtype == torch.float64 and not xbm.embedding_memory.is_inference()
+    emb = x.clone().requires_grad_()
+    xbm(emb, labels).backward()
+    assert xbm.num_stored == 24 and torch.isfinite(emb.grad).all()
+
+
 def test_no_pairs_gives_zero_with_gradient():
     xbm = CrossBatchMemory(TinyContrastive(), embedding_size=2, memory_size=4)
     x = torch.randn(1, 2, requires_grad=True)

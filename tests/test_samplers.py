@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
-from dmlkit.exceptions import ConfigError, DataError
+from dmlkit.exceptions import ConfigError, DataError, ShapeError
 from dmlkit.samplers import EpisodeSampler, MPerClassSampler, split_episode
 
 
@@ -167,3 +167,16 @@ def test_episode_sampler_determinism_and_errors():
     assert {int(few[i]) for ep in EpisodeSampler(few, 2, 2, 2, 5) for i in ep} == {1, 2}
     with pytest.raises(ConfigError):
         EpisodeSampler(few, 0, 1, 1, 1)
+
+
+def test_samplers_refuse_a_list_mixing_int_and_string_labels():
+    # np.asarray turned [1, "1", ...] into strings before check_labels saw it, so 1 and "1"
+    # were one class; check_labels refuses the list itself
+    labels = [1, "1", 2, "2"] * 4
+    with pytest.raises(ShapeError, match="all integer class ids or all class-name strings"):
+        MPerClassSampler(labels, samples_per_class=4, classes_per_batch=2, batches_per_epoch=1)
+    with pytest.raises(ShapeError, match="all integer class ids or all class-name strings"):
+        EpisodeSampler(tuple(labels), n_way=2, k_shot=2, n_query=2, episodes=1)
+    names = ["1", "2"] * 8  # one kind in a list is still fine
+    assert len(list(MPerClassSampler(names, samples_per_class=4, classes_per_batch=2,
+                                     batches_per_epoch=1))[0]) == 8

@@ -22,7 +22,13 @@ import math
 import torch
 
 from dmlkit.exceptions import ConfigError, NonFiniteError, ShapeError
-from dmlkit.validation import check_product_range, normalize_rows, safe_normalize
+from dmlkit.validation import (
+    check_float_matrix,
+    check_product_range,
+    common_float,
+    normalize_rows,
+    safe_normalize,
+)
 
 __all__ = [
     "BaseDistance",
@@ -118,16 +124,20 @@ class BaseDistance:
     def _prepare(
         self, query: torch.Tensor, reference: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        if query.dim() != 2:
-            raise ShapeError(f"embeddings must be (N, D), got shape {tuple(query.shape)}")
+        """Both inputs checked (2-D floating-point tensors of one width), in one dtype
+        (:func:`~dmlkit.validation.common_float`), then :meth:`prepare`-d."""
         if reference is None:
+            check_float_matrix(query)
             query = self.prepare(query)
             return query, query
-        if reference.dim() != 2 or reference.shape[1] != query.shape[1]:
+        check_float_matrix(query, "query embeddings")
+        check_float_matrix(reference, "reference embeddings")
+        if reference.shape[1] != query.shape[1]:
             raise ShapeError(
                 f"query {tuple(query.shape)} and reference {tuple(reference.shape)} must both be "
                 "(N, D) with the same D"
             )
+        query, reference = common_float(query, reference)
         return self.prepare(query, "query embeddings"), self.prepare(reference, "reference embeddings")
 
 

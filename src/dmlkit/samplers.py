@@ -29,6 +29,8 @@ __all__ = ["EpisodeSampler", "MPerClassSampler", "split_episode"]
 
 
 def _as_label_array(labels: Any) -> np.ndarray:
+    """``labels`` (a tensor, array, list or tuple) as a 1-D numpy array, checked by
+    :func:`dmlkit.validation.check_labels` (:class:`~dmlkit.exceptions.DataError` if empty)."""
     if hasattr(labels, "detach"):  # torch tensor
         labels = labels.detach().cpu().numpy()
     arr = np.asarray(labels)
@@ -37,8 +39,9 @@ def _as_label_array(labels: Any) -> np.ndarray:
     if arr.size == 0:
         raise DataError("labels are empty: the dataset has no items")
     # integer ids or class names; None, NaN, fractions or a mix gave numpy's TypeError (or were
-    # grouped as classes)
-    check_labels(arr, arr.shape[0], "sampler labels")
+    # grouped as classes). A list or tuple is checked as given: np.asarray turned [1, "1"] into
+    # strings, one class, which check_labels refuses in the list itself
+    check_labels(labels if isinstance(labels, list | tuple) else arr, arr.shape[0], "sampler labels")
     return arr
 
 

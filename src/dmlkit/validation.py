@@ -13,6 +13,9 @@ instead of returning silently wrong numbers (issue 11, points 2-4):
 * :func:`safe_normalize` - ``x / ||x||_2`` computed as ``(x / max|x|) / ||x / max|x| ||``:
   the same vector, but the sum of squares can neither overflow (``|x| ~ 1e19``) nor underflow
   (``|x| ~ 1e-20``), so cosine similarity is scale-invariant across the float32 range.
+* :func:`check_float_matrix` / :func:`common_float` - the tensors every loss, miner and
+  distance takes: 2-D floating-point torch tensors, a query and a reference set brought to one
+  dtype (``torch.promote_types``) before they are multiplied.
 * :func:`check_product_range` - for distances that do *not* normalise (dot product, Euclidean,
   SNR): refuses embeddings whose squared norms overflow float32 (the products would be
   infinite or NaN) or are so small that the products lose their precision to underflow.
@@ -33,8 +36,8 @@ from dmlkit.exceptions import ConfigError, NonFiniteError, ShapeError
 
 __all__ = [
     "check_integer", "check_parameter_numbers",
-    "SEED_LIMIT", "check_embeddings", "check_label_pair", "check_labels", "check_product_range",
-    "check_seed", "concatenate_normalized", "normalize_rows", "safe_normalize",
+    "SEED_LIMIT", "check_embeddings", "check_float_matrix", "check_label_pair", "check_labels",
+    "check_product_range", "check_seed", "common_float", "concatenate_normalized", "normalize_rows", "safe_normalize",
 ]
 
 #: Seeds are ``0 <= seed < SEED_LIMIT``: what numpy's legacy seeding, scikit-learn's
@@ -281,6 +284,29 @@ def concatenate_normalized(parts: Sequence[np.ndarray]) -> np.ndarray:
     normalisation changes nothing, while ``model.normalize: false`` would weigh each part by
     its raw norm)."""
     return normalize_rows(np.concatenate([normalize_rows(p) for p in parts], axis=1))
+
+def check_float_matrix(x: Any, name: str = "embeddings") -> None:
+    """Raise :class:`~dmlkit.exceptions.ShapeError` unless ``x`` is a 2-D floating-point torch
+    tensor: the input of every loss, miner and distance (a numpy array raised AttributeError and
+    an integer tensor torch's RuntimeError deep inside a distance)."""
+    if not isinstance(x, torch.Tensor):
+        raise ShapeError(f"{name} must be a (N, D) floating-point torch tensor, got "
+                         f"{type(x).__name__}: pass torch.as_tensor(x, dtype=torch.float32)")
+    if x.dim() != 2:
+        raise ShapeError(f"{name} must be (N, D), got shape {tuple(x.shape)}")
+    if not x.is_floating_point():
+        raise ShapeError(f"{name} must be a floating-point tensor, got {x.dtype}: convert it "
+                         "with .float()")
+
+
+def common_float(x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x`` and ``y`` in one dtype, the ``torch.promote_types`` of theirs (float32 and float64
+    give float64, bfloat16 and float32 give float32): a product of the two needs one dtype
+    (float32 embeddings with a float64 reference set raised torch's "mat1 and mat2 must have
+    the same dtype"). Tensors already in that dtype are returned as they are (no copy)."""
+    common = torch.promote_types(x.dtype, y.dtype)
+    return x.to(common), y.to(common)
+
 
 def check_product_range(x: torch.Tensor, name: str = "embeddings", what: str = "this distance") -> None:
     """Refuse embeddings whose inner products or squared distances are not representable in

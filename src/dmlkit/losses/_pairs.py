@@ -22,7 +22,8 @@ Public (stable) API, used by every pair/triplet loss module:
 * :func:`compact_mask` - the column indices of the ``True`` entries of each row, padded to the
   largest row count, with a validity mask (e.g. the positives of each anchor).
 * :func:`compute_dtype` / :func:`upcast` - losses compute in float32 when given half precision
-  (bfloat16/float16) so that sums, cumulative sums and ``acos`` stay accurate.
+  (bfloat16/float16) so that sums, cumulative sums and ``acos`` stay accurate;
+  :func:`upcast_pair` - a batch and its reference set in that dtype, promoted to one.
 * :func:`block_elements` - how many elements a blocked (checkpointed) computation puts in one
   block on a device: small on a CPU (cache), large on a GPU (kernel launches).
 * :func:`as_distance` - a "larger is farther" view of a distance/similarity matrix.
@@ -57,6 +58,7 @@ __all__ = [
     "safe_normalize",
     "to_pair_indices",
     "upcast",
+    "upcast_pair",
 ]
 
 Indices = tuple[torch.Tensor, ...]
@@ -70,6 +72,16 @@ def compute_dtype(dtype: torch.dtype) -> torch.dtype:
 def upcast(x: torch.Tensor) -> torch.Tensor:
     """``x`` in :func:`compute_dtype` (a no-op for float32/float64)."""
     return x.to(compute_dtype(x.dtype))
+
+
+def upcast_pair(x: torch.Tensor, y: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``x`` and ``y`` (when given) in the one dtype a loss or miner computes in: each
+    :func:`upcast`, then both in the wider of the two (:func:`dmlkit.validation.common_float`),
+    so a float32 batch with a float64 or bfloat16 reference set works as either alone does."""
+    x = upcast(x)
+    if y is None:
+        return x, None
+    return validation.common_float(x, upcast(y))
 
 
 #: Norms in ``[2^-60, 2^60]`` are computed directly (their squares cannot overflow or lose

@@ -33,8 +33,9 @@ from torch import nn
 
 from dmlkit.distances import BaseDistance, CosineSimilarity, get_distance
 from dmlkit.exceptions import ConfigError, NonFiniteError, ShapeError
-from dmlkit.losses._pairs import upcast
+from dmlkit.losses._pairs import upcast_pair
 from dmlkit.utils import registering
+from dmlkit.validation import check_float_matrix
 
 __all__ = ["LOSSES", "BaseLoss", "ProxyLoss", "get_loss", "register_loss"]
 
@@ -84,16 +85,8 @@ class BaseLoss(nn.Module):
         ref_labels: torch.Tensor | None = None,
     ) -> torch.Tensor:
         check_inputs(embeddings, labels, finite=False)
-        if (ref_emb is None) != (ref_labels is None):
-            raise ShapeError("pass both ref_emb and ref_labels, or neither")
-        if ref_emb is not None:
-            check_inputs(ref_emb, ref_labels, name="ref_emb", finite=False)
-        embeddings = upcast(embeddings)
-        if ref_emb is not None:  # one dtype for both (float32 embeddings, float64 references
-            # raised torch's "mat1 and mat2 must have the same dtype")
-            ref_emb = upcast(ref_emb)
-            common = torch.promote_types(embeddings.dtype, ref_emb.dtype)
-            embeddings, ref_emb = embeddings.to(common), ref_emb.to(common)
+        check_references(embeddings, ref_emb, ref_labels, finite=False)
+        embeddings, ref_emb = upcast_pair(embeddings, ref_emb)  # one dtype for both
         with full_precision(embeddings):
             loss = self.compute(embeddings, labels, indices, ref_emb, ref_labels)
         check_finite_loss(self, loss, embeddings, ref_emb)
@@ -195,15 +188,15 @@ def check_finite_loss(
 
 def check_inputs(embeddings: torch.Tensor, labels: torch.Tensor, name: str = "embeddings",
                  finite: bool = True) -> None:
-    """Validate ``embeddings (B, D)`` float and ``labels (B,)`` integer tensors, and that the
-    embeddings are finite unless ``finite=False`` (:func:`check_finite_loss` checks them then,
-    with the loss)."""
-    if not isinstance(embeddings, torch.Tensor):
-        raise ShapeError(f"{name} must be a (B, D) tensor, got {type(embeddings).__name__}")
-    if embeddings.dim() != 2:
-        raise ShapeError(f"{name} must be (B, D), got shape {tuple(embeddings.shape)}")
-    if not embeddings.is_floating_point():
-        raise ShapeError(f"{name} must be a floating-point tensor, got {embeddings.dtype}")
+    """Validate ``embeddings (B, D)`` float, ``D >= 1``, and ``labels (B,)`` integer tensors,
+    and that the embeddings are finite unless ``finite=False`` (:func:`check_finite_loss`
+    checks them then, with the loss). ``B = 0`` is an empty batch (a zero loss); ``D = 0`` is
+    refused, as :func:`dmlkit.validation.check_embeddings` does (every loss returned a number
+    and miners mined triplets from embeddings without a feature)."""
+    check_float_matrix(embeddings, name)
+    if embeddings.shape[1] == 0:
+        raise ShapeError(f"{name} have no features (shape {tuple(embeddings.shape)}): pass at "
+                         "least one column")
     if not isinstance(labels, torch.Tensor):
         raise ShapeError(f"labels must be a (B,) tensor with B = {embeddings.shape[0]}, got "
                          f"{type(labels).__name__}: pass torch.as_tensor(labels)")
@@ -215,6 +208,21 @@ def check_inputs(embeddings: torch.Tensor, labels: torch.Tensor, name: str = "em
         raise ShapeError(f"labels must be integers, got {labels.dtype}")
     if finite and not torch.isfinite(embeddings).all():
         raise _nonfinite_input(name)
+
+
+def check_references(embeddings: torch.Tensor, ref_emb: torch.Tensor | None,
+                     ref_labels: torch.Tensor | None, finite: bool = True) -> None:
+    """Validate an optional reference set against checked ``embeddings``: both of ``ref_emb``
+    and ``ref_labels`` or neither, :func:`check_inputs` on them, and as many features as the
+    embeddings (a loss that normalises by itself, AngularLoss, raised torch's size mismatch)."""
+    if (ref_emb is None) != (ref_labels is None):
+        raise ShapeError("pass both ref_emb and ref_labels, or neither")
+    if ref_emb is None:
+        return
+    check_inputs(ref_emb, ref_labels, name="ref_emb", finite=finite)
+    if ref_emb.shape[1] != embeddings.shape[1]:
+        raise ShapeError(f"ref_emb has {ref_emb.shape[1]} features but embeddings have "
+                         f"{embeddings.shape[1]}: pass a reference set of the same width")
 
 
 def _nonfinite_input(name: str) -> NonFiniteError:

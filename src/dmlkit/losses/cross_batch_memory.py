@@ -160,6 +160,25 @@ class CrossBatchMemory(BaseLoss):
         self.queue_ptr.fill_((int(self.queue_ptr) + b) % self.memory_size)
         self.queue_count.fill_(min(self.memory_size, int(self.queue_count) + b))
 
+    def _follow(self, embeddings: torch.Tensor) -> None:
+        """Move the queue to the batch's device and widen it to its dtype where needed.
+
+        The queue is stored in at least float32 (bf16/fp16 batches are upcast when stored,
+        float64 batches upgrade it) and read back in the batch's dtype. The new buffers are
+        made outside inference mode: made under it (a validation loss inside
+        ``torch.inference_mode()``), they were inference tensors, and every later training
+        call's in-place write into them raised "Inplace update to inference tensor".
+        """
+        store_dtype = torch.promote_types(self.embedding_memory.dtype, embeddings.dtype)
+        if (
+            self.embedding_memory.device == embeddings.device
+            and self.embedding_memory.dtype == store_dtype
+        ):
+            return
+        with torch.inference_mode(False):
+            self.embedding_memory = self.embedding_memory.to(embeddings.device, store_dtype)
+            self.label_memory = self.label_memory.to(embeddings.device)
+
     # -- loss ---------------------------------------------------------------------------------
     def forward(self, embeddings, labels, indices=None, ref_emb=None, ref_labels=None):
         if ref_emb is not None or ref_labels is not None:
@@ -172,15 +191,7 @@ class CrossBatchMemory(BaseLoss):
         return super().forward(embeddings, labels, indices)
 
     def compute(self, embeddings, labels, indices, ref_emb, ref_labels):
-        # The queue is stored in at least float32 (bf16/fp16 batches are upcast when stored,
-        # float64 batches upgrade it) and read back in the batch's dtype.
-        store_dtype = torch.promote_types(self.embedding_memory.dtype, embeddings.dtype)
-        if (
-            self.embedding_memory.device != embeddings.device
-            or self.embedding_memory.dtype != store_dtype
-        ):
-            self.embedding_memory = self.embedding_memory.to(embeddings.device, store_dtype)
-            self.label_memory = self.label_memory.to(embeddings.device)
+        self._follow(embeddings)
         labels = labels.to(torch.long)
         mem_emb, mem_labels = self.memory()
         ref_emb = torch.cat([embeddings, mem_emb.detach().to(embeddings.dtype)], dim=0)

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 
 from dmlkit.distances import BaseDistance, CosineSimilarity, LpDistance, get_distance
 from dmlkit.exceptions import ConfigError, DataError, ShapeError
-from dmlkit.losses._pairs import safe_normalize, upcast
+from dmlkit.losses._pairs import safe_normalize, upcast_pair
 from dmlkit.losses.base import BaseLoss, check_inputs, register_loss
 
 __all__ = [
@@ -98,10 +98,9 @@ def _episode_loss(
     query_labels: torch.Tensor,
 ) -> tuple[torch.Tensor, int]:
     """Mean cross-entropy of the queries over prototypes; returns (loss, number of prototypes)."""
+    support, query = upcast_pair(support, query)  # one dtype, as in every loss
     if distance.normalize_embeddings:
-        support, query = safe_normalize(upcast(support)), safe_normalize(upcast(query))
-    else:
-        support, query = upcast(support), upcast(query)
+        support, query = safe_normalize(support), safe_normalize(query)
     classes, prototypes, _ = class_means(support, support_labels)
     target = torch.searchsorted(classes, query_labels.contiguous())  # (a strided view warns)
     found = target < len(classes)

@@ -41,19 +41,43 @@ def _one_thread_here() -> None:
     torch.set_num_threads(1)
 
 
+def _callers_autograd_modes() -> Callable[[], contextlib.ExitStack]:
+    """A factory of contexts that put a worker thread in the calling thread's inference and
+    grad modes.
+
+    Both modes are thread-local: a new thread starts outside ``torch.inference_mode()`` and with
+    gradients enabled, whatever its caller set. Workers writing (``out=``, in place) into
+    buffers their caller allocated under inference mode then raised torch's "Inplace update to
+    inference tensor outside InferenceMode" (``evaluate`` inside a user's
+    ``torch.inference_mode()`` on the threaded CPU paths).
+    """
+    inference, grad = torch.is_inference_mode_enabled(), torch.is_grad_enabled()
+
+    def enter() -> contextlib.ExitStack:
+        stack = contextlib.ExitStack()
+        stack.enter_context(torch.inference_mode(inference))
+        stack.enter_context(torch.set_grad_enabled(grad))
+        return stack
+
+    return enter
+
+
 def run_threads(fn: Callable[[Any], None], items: Iterable[Any], workers: int) -> None:
     """``fn(item)`` for every item on ``workers`` threads pulling from one shared iterator
-    (cheaper than a future per item for ~10^4 small items); the first error is re-raised."""
+    (cheaper than a future per item for ~10^4 small items), each thread in the caller's
+    inference and grad modes (:func:`_callers_autograd_modes`); the first error is re-raised."""
     it = iter(list(items))  # a list iterator, unlike a generator, may be shared by threads
     errors: list[BaseException] = []
+    callers_modes = _callers_autograd_modes()
 
     def loop() -> None:
         try:
             _one_thread_here()
-            for item in it:  # next() on a list iterator is atomic under the GIL
-                if errors:
-                    return
-                fn(item)
+            with callers_modes():
+                for item in it:  # next() on a list iterator is atomic under the GIL
+                    if errors:
+                        return
+                    fn(item)
         except BaseException as exc:  # re-raised in the caller's thread
             errors.append(exc)
 

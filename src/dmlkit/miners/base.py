@@ -11,8 +11,12 @@ from torch import nn
 
 from dmlkit.distances import BaseDistance, CosineSimilarity, get_distance
 from dmlkit.exceptions import ConfigError, ShapeError
-from dmlkit.losses._pairs import label_masks  # the one label-mask helper of losses and miners
-from dmlkit.losses.base import check_inputs, full_precision  # one input check for losses and miners
+from dmlkit.losses._pairs import label_masks, upcast_pair  # the helpers losses and miners share
+from dmlkit.losses.base import (  # one input check for losses and miners
+    check_inputs,
+    check_references,
+    full_precision,
+)
 from dmlkit.utils import registering
 
 MINERS: dict[str, type[BaseMiner]] = {}
@@ -164,18 +168,10 @@ class BaseMiner(nn.Module):
         (the number of hard negatives of :class:`HardNegativePairMiner`, the negatives kept by
         the multi-similarity rule for an anchor with no other positive)."""
         check_inputs(embeddings, labels, "embeddings")
-        if (ref_emb is None) != (ref_labels is None):
-            raise ShapeError("pass both ref_emb and ref_labels, or neither")
+        check_references(embeddings, ref_emb, ref_labels)
         same = ref_emb is None or (ref_emb is embeddings and ref_labels is labels)
         if ref_emb is None:
             ref_emb, ref_labels = embeddings, labels
-        else:
-            check_inputs(ref_emb, ref_labels, "ref_emb")
-            if ref_emb.shape[1] != embeddings.shape[1]:
-                raise ShapeError(
-                    f"ref_emb has {ref_emb.shape[1]} features but embeddings have "
-                    f"{embeddings.shape[1]}"
-                )
         labels = labels.to(embeddings.device)
         ref_labels = ref_labels.to(embeddings.device)
         if embeddings.shape[0] == 0 or ref_emb.shape[0] == 0:  # nothing to mine (as a loss gives 0)
@@ -216,10 +212,10 @@ class BaseMiner(nn.Module):
     def farness(self, embeddings: torch.Tensor, ref_emb: torch.Tensor, same: bool) -> torch.Tensor:
         """``(B, M)`` matrix where *smaller is closer* (the distance, or minus the similarity),
         in at least float32 (mining compares values, so bfloat16 is upcast, and
-        :meth:`forward` disables autocast around :meth:`mine`)."""
-        if embeddings.dtype in (torch.float16, torch.bfloat16):
-            embeddings, ref_emb = embeddings.float(), ref_emb.float()
-        mat = self.distance(embeddings, None if same else ref_emb)
+        :meth:`forward` disables autocast around :meth:`mine`), the batch and the references
+        in one dtype (:func:`~dmlkit.losses._pairs.upcast_pair`, as every loss)."""
+        embeddings, ref_emb = upcast_pair(embeddings, None if same else ref_emb)  # as a loss does
+        mat = self.distance(embeddings, ref_emb)
         return -mat if self.distance.higher_is_closer else mat
 
     def _record(self, out: tuple[torch.Tensor, ...], batch: int) -> None:
