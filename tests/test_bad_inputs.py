@@ -113,6 +113,11 @@ def build_inputs(d: Path) -> Path:
     (d / "adir.yaml").mkdir()
     # results / logs
     (d / "corrupt.json").write_text('{"methods": {"a": ')
+    # inputs that a command is asked to write its output over (each its own: before the guard,
+    # the case destroyed it)
+    for name in ("victim_evaluate.npz", "victim_reid.npz"):
+        shutil.copy(good, d / name)
+    (d / "victim_results.json").write_text('{"methods": {}}')
     (d / "list.json").write_text("[1, 2, 3]")
     (d / "badutf8.json").write_bytes(b'{"methods": "\xff"}')
     (d / "nan_results.json").write_text('{"methods": {"a": {"concatenated": {"map_at_r": NaN}}}}')
@@ -221,6 +226,10 @@ CASES: list[tuple[str, list[str]]] = [
     ("index-over-its-input", ["index", "{d}/good.npz", "-o", "{d}/good.npz"]),
     ("index-over-embeddings", ["index", "{d}/good.npz", "-o", "{d}/wide.npz"]),
     ("index-add-its-own-file", ["index", "{d}/index.npz", "-o", "{d}/index.npz", "--add"]),
+    ("evaluate-per-class-over-its-input", ["evaluate", "{d}/victim_evaluate.npz", "--per-class", "{d}/victim_evaluate.npz"]),
+    ("evaluate-empty-k", ["evaluate", "{d}/good.npz", "--k", ","]),
+    ("reid-output-over-its-input", ["reid", "{d}/victim_reid.npz", "-o", "{d}/victim_reid.npz"]),
+    ("compare-output-over-its-results", ["compare", "{d}/victim_results.json", "-o", "{d}/victim_results.json"]),
     ("query-output-over-its-queries", ["query", "{d}/index.npz", "{d}/good.npz", "-o", "{d}/good.npz"]),
     ("query-output-over-its-index", ["query", "{d}/index.npz", "{d}/good.npz", "-o", "{d}/index.npz"]),
     ("query-k0", ["query", "{d}/index.npz", "{d}/good.npz", "-k", "0"]),
@@ -397,6 +406,10 @@ EXPECT = {
     "index-over-embeddings": "exists and is not a dmlkit index file",
     "index-add-its-own-file": "would overwrite the input",
     "query-output-over-its-queries": "would overwrite the input",
+    "evaluate-per-class-over-its-input": "would overwrite the input",
+    "evaluate-empty-k": "--k must list at least one integer",
+    "reid-output-over-its-input": "would overwrite the input",
+    "compare-output-over-its-results": "would overwrite the input",
     "query-output-over-its-index": "would overwrite the input",
     "oneshot-truncated-checkpoint": "checkpoint",
     "oneshot-garbage-checkpoint": "checkpoint",

@@ -239,3 +239,11 @@ def test_observed_range_of_equal_huge_values_is_one_bin():
     h = pos_neg_histograms(x, [0, 0, 1, 1], distance=DotProductSimilarity(normalize_embeddings=False), bins=10)
     assert h.js == 0.0 and h.pos_counts[0] == 2 and h.neg_counts[0] == 4
     assert np.isfinite(h.edges).all() and h.edges[-1] > h.edges[0]
+
+
+@pytest.mark.parametrize("metric", ["recall_at_k", "precision_at_k"])
+def test_an_empty_k_values_is_refused_not_dropped(metric):
+    """recall_at_k over k_values=() expanded to no metric: dropped from the defaults without a word."""
+    x, y = _small()
+    with pytest.raises(ConfigError, match=f"{metric} needs at least one K"):
+        evaluate(x, y, metrics=["precision_at_1", metric], k_values=())

@@ -39,10 +39,12 @@ def register(app: typer.Typer) -> None:
         )
         from dmlkit.protocol.results import MODES, metric_label
         from dmlkit.protocol.stats import PER_QUERY_METRICS
-        from dmlkit.utils import atomic_write_json, atomic_write_text
+        from dmlkit.utils import atomic_write_json, atomic_write_text, refuse_overwriting_inputs
 
         if out is not None and out.suffix not in (".json", ".md"):  # before the bootstrap's work
             raise ConfigError(f"--out {out}: name a .json or .md file (the report's format follows the suffix)")
+        if out is not None:  # never over a results file it reads
+            refuse_overwriting_inputs(out, *(p / "results.json" if p.is_dir() else p for p in results))
         report = compare_results(
             results, methods=method or None, baseline=baseline,
             metrics=metric or list(PER_QUERY_METRICS), modes=mode or list(MODES),

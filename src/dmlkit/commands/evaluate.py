@@ -40,7 +40,7 @@ def register(app: typer.Typer) -> None:
         from dmlkit.commands._ranks import is_main_rank, one_error_line_per_job
         from dmlkit.exceptions import ConfigError
         from dmlkit.metrics import per_class
-        from dmlkit.utils import atomic_write_json
+        from dmlkit.utils import atomic_write_json, refuse_overwriting_inputs
 
         if not is_main_rank():  # under torchrun rank 0 warns for the job (each rank read the files)
             warnings.filterwarnings("ignore")
@@ -49,9 +49,13 @@ def register(app: typer.Typer) -> None:
             k_values = [int(v) for v in listed(k)]
         except ValueError:
             raise ConfigError(f"--k must be comma-separated integers, got {','.join(k)!r}") from None
+        if not k_values:
+            raise ConfigError(f"--k must list at least one integer, got {','.join(k)!r}")
         if k != _DEFAULT_K and not {m.strip().lower() for m in metrics} & {"recall_at_k", "precision_at_k"}:
             raise ConfigError("--k sets the K values of recall_at_k / precision_at_k, and -m asks for "
                               f"neither ({', '.join(metrics)}): add one, or leave --k out")
+        if per_class_out is not None:  # never over the data it reads
+            refuse_overwriting_inputs(per_class_out, embeddings, reference, labels, reference_labels)
         with one_error_line_per_job():
             q, ql, r, rl, result = _compute(
                 embeddings, reference, labels, reference_labels, metrics, k_values,

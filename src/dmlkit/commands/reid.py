@@ -77,6 +77,11 @@ def reid(
         check_rerank_value("--lambda", "lambda_value", lambda_value)
     if out is not None and out.exists() and not out.is_file():  # before the evaluation, not after it
         raise ConfigError(f"--out {out} is a folder: name the JSON file to write (e.g. {out / 'reid.json'})")
+    if out is not None:  # never over the embeddings it reads (a run's saved test embeddings included)
+        from dmlkit.utils import refuse_overwriting_inputs  # lazy: CLI start-up
+
+        read = source / "embeddings" / "test.npz" if source.is_dir() else source
+        refuse_overwriting_inputs(out, read, gallery)
     data = _load_source(source, gallery, data_root, device)
     common: dict[str, Any] = dict(metric=metric, normalize=normalize,
                                   memory_budget=memory_mb * 2**20)

@@ -89,6 +89,8 @@ def expand_metric_names(metrics: Sequence[str] | None, k_values: Sequence[int] =
     for m in metrics:
         m = m.strip().lower()
         if m in ("recall_at_k", "precision_at_k"):
+            if not ks:  # expanded over no K, it was dropped without a word
+                raise ConfigError(f"{m} needs at least one K: k_values is empty")
             expanded = [f"{m[:-2]}_{k}" for k in ks]
         elif m in METRIC_NAMES or _AT_K.match(m):
             expanded = [m]
