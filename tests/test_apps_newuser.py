@@ -393,12 +393,13 @@ def test_patches_train_with_fewer_pairs_than_a_batch_fails_before_writing(tmp_pa
 
 
 # -- --device cuda without a GPU (or an unknown device) is one line, not torch's traceback ------
-def _tiny_checkpoint(path: Path) -> Path:
+def _tiny_checkpoint(path: Path, data_root: Path | None = None) -> Path:
     from dmlkit.config import config_from_dict
     from dmlkit.training import build_model
     from dmlkit.training.checkpoint import save_checkpoint
 
-    config = config_from_dict({"name": "tiny", "data": {"dataset": "omniglot", "image_size": 28},
+    root = None if data_root is None else str(data_root)
+    config = config_from_dict({"name": "tiny", "data": {"dataset": "omniglot", "image_size": 28, "root": root},
                                "model": {"trunk": "small_cnn", "pretrained": False, "in_channels": 1,
                                          "embedding_size": 8, "freeze_batchnorm": False},
                                "loss": {"name": "contrastive"}})
@@ -426,6 +427,18 @@ def test_verify_checkpoint_device_is_checked(tmp_path, run_cli, device, message)
         embed_image_files(ckpt, [str(tmp_path / "lfw" / "P0" / "P0_0001.png")], device=device)
     with pytest.raises(ConfigError, match=message):
         checkpoint_image_embedder(ckpt, device=device)
+
+
+def test_oneshot_reads_the_runs_under_the_runs_recorded_data_root(tmp_path, run_cli, monkeypatch):
+    """``dmlkit oneshot RUN_DIR`` looked under $DMLKIT_DATA (or ~/.cache) only, where ``embed``
+    on the same run finds the data through its recorded data.root; --data-root still wins."""
+    recorded, env, explicit = (tmp_path / name for name in ("recorded", "env", "explicit"))
+    ckpt = _tiny_checkpoint(tmp_path / "best.pt", data_root=recorded)
+    monkeypatch.setenv("DMLKIT_DATA", str(env))
+    code, _, err = run_cli(["oneshot", str(ckpt)])
+    assert code == 2 and f"not found under {recorded}:" in err
+    code, _, err = run_cli(["oneshot", str(ckpt), "--data-root", str(explicit)])
+    assert code == 2 and f"not found under {explicit}:" in err
 
 
 def test_patches_train_on_cuda_without_a_gpu_writes_nothing(tmp_path, run_cli):

@@ -123,8 +123,12 @@ def test_oneshot_table_marks_its_percent(run_cli, monkeypatch):
     marked (%) (docs/metrics.md); JSON keeps the documented error_percent key."""
     import dmlkit.apps
     import dmlkit.apps.fewshot
+    import dmlkit.training
+    from dmlkit.config import config_from_dict
 
-    monkeypatch.setattr(dmlkit.apps.fewshot, "checkpoint_image_embedder", lambda checkpoint: None)
+    config = config_from_dict({"data": {"dataset": "omniglot"}, "loss": {"name": "contrastive"}})
+    monkeypatch.setattr(dmlkit.training, "load_checkpoint", lambda checkpoint: (None, config))
+    monkeypatch.setattr(dmlkit.apps.fewshot, "model_image_embedder", lambda model, config: None)
     monkeypatch.setattr(dmlkit.apps, "load_omniglot_one_shot_runs", lambda root: [])
     monkeypatch.setattr(dmlkit.apps, "omniglot_one_shot_error", lambda embedder, runs, distance: {
         "error_percent": 77.25, "per_run_error_percent": [77.25] * 20, "runs": 20})

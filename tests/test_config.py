@@ -234,14 +234,52 @@ def test_non_finite_numbers_are_refused_when_the_config_is_read(tmp_path, overri
                                                 (float("inf"), "must be a finite number, got inf"),
                                                 (True, r"is a number \(default 0.2\), got true")])
 def test_loss_and_miner_numbers_are_checked_though_their_sections_are_untyped(value, message):
-    """``margin: .nan`` trained NaN losses blamed on the embeddings; ``margin: yes`` used 1.0."""
+    """``margin: .nan`` trained NaN losses blamed on the embeddings; ``margin: yes`` used 1.0.
+    The builders check too, for sections made without validation (``model_construct``)."""
     from dmlkit.config import LossConfig, MinerConfig
     from dmlkit.training.builders import build_loss, build_miner
 
     with pytest.raises(ConfigError, match=f"loss.params.margin {message}"):
-        build_loss(LossConfig(name="triplet", params={"margin": value}), 10, 16)
+        build_loss(LossConfig.model_construct(name="triplet", params={"margin": value}), 10, 16)
     with pytest.raises(ConfigError, match="miner.params.margin"):
-        build_miner(MinerConfig(name="semi_hard", params={"margin": value}))
+        build_miner(MinerConfig.model_construct(name="semi_hard", params={"margin": value}))
+
+
+@pytest.mark.parametrize(("overrides", "message"), [
+    (["loss.name=ranked_list", "loss.params={alpha: .nan}", "miner=null"], "loss.params.alpha must be a finite number, got nan"),
+    (["loss.params.margin=.nan"], "loss.params.margin must be a finite number, got nan"),
+    (["miner.params.margin=-.inf"], "miner.params.margin must be a finite number, got -inf"),
+    (["loss.params.margin=true"], r"loss.params.margin is a number \(default 0.2\), got true"),
+])
+def test_loss_and_miner_numbers_are_refused_when_the_config_is_read(tmp_path, overrides, message):
+    """docs/configuration.md: such parameters "are refused when the config is read". They were
+    read, and the next override's JSON dump turned NaN into None: the loss's default trained."""
+    path = tmp_path / "c.yaml"
+    path.write_text("data: {dataset: omniglot}\nloss: {name: triplet}\nminer: {name: semi_hard}\n")
+    with pytest.raises(ConfigError, match=message):
+        load_config(path, overrides)
+
+
+def test_an_override_keeps_every_value_as_given():
+    """``config.override`` (what ``train(data_root=...)`` does) and ``with_method`` rewrote a NaN
+    parameter put into a read config as None; the copy must hold it and so refuse it."""
+    config = config_from_dict(BASE)
+    config.loss.params["margin"] = float("nan")  # a dict: not re-validated on assignment
+    with pytest.raises(ConfigError, match="loss.params.margin must be a finite number, got nan"):
+        config.override({"data.root": "/elsewhere"})
+    with pytest.raises(ConfigError, match="loss.params.margin must be a finite number, got nan"):
+        config_from_dict(BASE).with_method(config.loss)
+
+
+def test_a_bench_method_parameter_must_be_finite():
+    """A method's miner parameter is checked when the bench config is read (not turned into None)."""
+    from pathlib import Path
+
+    from dmlkit.protocol.config import load_bench_config
+
+    path = Path(__file__).resolve().parents[1] / "configs" / "bench_quick.yaml"
+    with pytest.raises(ConfigError, match="miner.params.margin must be a finite number, got nan"):
+        load_bench_config(path, ["methods.1.miner.params.margin=.nan"])
 
 
 def test_a_search_range_must_be_finite():

@@ -177,6 +177,27 @@ def test_index_refuses_settings_its_kind_would_ignore(tmp_path, run_cli, options
     assert not (tmp_path / "idx").exists()
 
 
+@pytest.mark.parametrize(("options", "words"), [
+    (["--kind", "flat", "--hnsw-m", "32"], "--hnsw-m does not apply to flat"),
+    (["--kind", "ivf_flat", "--ef-search", "64"], "--ef-search does not apply to ivf_flat"),
+    (["--kind", "hnsw", "--ef-search", "64", "--target-recall", "0.95"], "--ef-search fixes the search setting"),
+    (["--kind", "flat", "--recall-k", "10"], "--recall-k does not apply to flat"),
+])
+def test_index_refuses_a_setting_given_at_its_default_value(tmp_path, run_cli, options, words):
+    """docs/search.md: these are refused, not ignored. Given at the default value they were
+    accepted: the CLI told "given" from the value, not from the command line."""
+    import numpy as np
+
+    np.save(tmp_path / "emb.npy", np.random.default_rng(0).normal(size=(120, 8)).astype(np.float32))
+    code, out, err = run_cli(["index", str(tmp_path / "emb.npy"), "-o", str(tmp_path / "idx"), *options])
+    assert code == 2 and out == "" and words in err and len(err.strip().splitlines()) == 1
+    assert not (tmp_path / "idx").exists()
+    code, _, _ = run_cli(["index", str(tmp_path / "emb.npy"), "-o", str(tmp_path / "idx")])
+    assert code == 0
+    code, _, err = run_cli(["index", "-o", str(tmp_path / "idx"), "--remove", "0", "--pq-nbits", "8"])
+    assert code == 2 and "--pq-nbits sets how an index is built" in err
+
+
 def test_index_accepts_every_setting_of_its_own_kind(tmp_path, run_cli):
     import numpy as np
 

@@ -48,7 +48,10 @@ from dmlkit.config_yaml import (  # also public here, as before the split
     set_dotted,
 )
 from dmlkit.exceptions import ConfigError
+from dmlkit.losses import LOSSES
+from dmlkit.miners import MINERS
 from dmlkit.utils import atomic_write_text
+from dmlkit.validation import check_parameter_numbers
 
 __all__ = [
     "check_run_name", "FIXED_SECTIONS", "LEGACY_KEYS", "OPTIMIZER_PRESETS",
@@ -201,12 +204,24 @@ class LossConfig(_Section):
     params: dict[str, Any] = Field(default_factory=dict)
     cross_batch_memory: int | None = Field(None, gt=0)
 
+    @model_validator(mode="after")
+    def _check_numbers(self) -> LossConfig:
+        # untyped params: refuse NaN/inf/booleans here, not only when the loss is built
+        check_parameter_numbers("loss.params", LOSSES.get(self.name), self.params)
+        return self
+
 
 class MinerConfig(_Section):
     """A registered miner (``dmlkit.miners.get_miner(name, **params)``)."""
 
     name: str
     params: dict[str, Any] = Field(default_factory=dict)
+
+    @model_validator(mode="after")
+    def _check_numbers(self) -> MinerConfig:
+        # untyped params: refuse NaN/inf/booleans here, not only when the miner is built
+        check_parameter_numbers("miner.params", MINERS.get(self.name), self.params)
+        return self
 
 
 class SamplerConfig(_Section):
@@ -384,11 +399,14 @@ class ExperimentConfig(_Section):
     def with_method(
         self, loss: LossConfig | Mapping[str, Any], miner: MinerConfig | Mapping[str, Any] | None = None
     ) -> ExperimentConfig:
-        """The same fixed settings with another loss/miner (the fair protocol's only variable)."""
-        data = self.model_dump(mode="json")
-        data["loss"] = loss.model_dump(mode="json") if isinstance(loss, BaseModel) else dict(loss)
+        """The same fixed settings with another loss/miner (the fair protocol's only variable).
+
+        Python-mode dumps keep every value as given (JSON mode wrote a NaN parameter as ``None``,
+        which then trained with the loss's default instead of being refused)."""
+        data = self.model_dump()
+        data["loss"] = loss.model_dump() if isinstance(loss, BaseModel) else dict(loss)
         data["miner"] = (
-            miner.model_dump(mode="json") if isinstance(miner, BaseModel) else (None if miner is None else dict(miner))
+            miner.model_dump() if isinstance(miner, BaseModel) else (None if miner is None else dict(miner))
         )
         return config_from_dict(data)
 
@@ -515,8 +533,11 @@ def apply_dict_overrides(data: dict[str, Any], overrides: Iterable[str] | Mappin
 def apply_overrides(
     config: ExperimentConfig | Mapping[str, Any], overrides: Iterable[str] | Mapping[str, Any] | None
 ) -> ExperimentConfig:
-    """A new validated config with ``key.sub=value`` overrides (or a ``{key: value}`` mapping)."""
-    base = config.model_dump(mode="json") if isinstance(config, BaseModel) else copy.deepcopy(dict(config))
+    """A new validated config with ``key.sub=value`` overrides (or a ``{key: value}`` mapping).
+
+    The config is dumped in Python mode, so that no value changes on the way (JSON mode turned
+    a NaN loss parameter into ``None``: the loss's default, where the NaN must be refused)."""
+    base = config.model_dump() if isinstance(config, BaseModel) else copy.deepcopy(dict(config))
     parsed = parse_overrides(overrides)
     if isinstance(config, BaseModel) and _switches_preset(base["optimizer"], parsed, "optimizer"):
         # a resolved config holds the old preset's values explicitly: switching the preset

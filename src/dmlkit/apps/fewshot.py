@@ -35,6 +35,8 @@ from dmlkit.validation import check_embeddings, check_labels
 if TYPE_CHECKING:
     import torch
 
+    from dmlkit.config import ExperimentConfig
+
 __all__ = [
     "OneShotRun",
     "few_shot_accuracy",
@@ -234,6 +236,14 @@ def checkpoint_image_embedder(checkpoint: str | os.PathLike, device: str | torch
     (``device`` checked by :func:`dmlkit.embeddings.resolve_device`)."""
     device = resolve_device(device)
     model, config = load_checkpoint(Path(checkpoint), device=device)
+    return model_image_embedder(model, config, device)
+
+
+def model_image_embedder(model: torch.nn.Module, config: ExperimentConfig,
+                         device: str | torch.device = "cpu") -> Callable[[np.ndarray], np.ndarray]:
+    """``images -> embeddings`` with ``model`` (on ``device``, in eval mode, as
+    :func:`dmlkit.training.load_checkpoint` returns it) and ``config``'s evaluation transform;
+    for a caller that needs the checkpoint's config too (``dmlkit oneshot``: its data root)."""
 
     def embed(images: np.ndarray) -> np.ndarray:
         ds = ArrayDataset(images, np.zeros(len(images), dtype=np.int64), kind="image", invert=True)

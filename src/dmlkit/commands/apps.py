@@ -169,15 +169,21 @@ def fewshot(
 
 def oneshot(
     checkpoint: Path = typer.Argument(..., help="A run directory or checkpoint trained on Omniglot."),
-    data_root: Path | None = typer.Option(None, "--data-root", help="Holds omniglot/one_shot_all_runs.zip."),
+    data_root: Path | None = typer.Option(None, "--data-root", help="Holds omniglot/one_shot_all_runs.zip (default: the run's data.root, else $DMLKIT_DATA or ~/.cache/dmlkit/data)."),
     distance: str = typer.Option("cosine"),
     as_json: bool = typer.Option(False, "--json", help="Print the result as JSON instead of a summary."),
 ) -> None:
-    """Error on the 20 official Omniglot 20-way one-shot runs (Lake et al. 2015)."""
-    from dmlkit.apps import load_omniglot_one_shot_runs, omniglot_one_shot_error
-    from dmlkit.apps.fewshot import checkpoint_image_embedder
+    """Error on the 20 official Omniglot 20-way one-shot runs (Lake et al. 2015).
 
-    embedder = checkpoint_image_embedder(checkpoint)  # a bad checkpoint fails before the data load
-    runs = load_omniglot_one_shot_runs(data_root)
+    The runs are read from --data-root, else the run's recorded data.root, else $DMLKIT_DATA
+    (as ``dmlkit embed`` finds a run's data)."""
+    from dmlkit.apps import load_omniglot_one_shot_runs, omniglot_one_shot_error
+    from dmlkit.apps.fewshot import model_image_embedder
+    from dmlkit.training import load_checkpoint
+    from dmlkit.training.data_root import run_data_root
+
+    model, config = load_checkpoint(checkpoint)  # a bad checkpoint fails before the data load
+    runs = load_omniglot_one_shot_runs(run_data_root(config.data.root, data_root))
+    embedder = model_image_embedder(model, config)
     result = omniglot_one_shot_error(embedder, runs, distance)
     _print(result, as_json, "Omniglot 20-way one-shot runs")

@@ -10,8 +10,15 @@ import typer
 from dmlkit.commands._console import echo_json
 
 _KINDS = "flat (exact), ivf_flat, ivf_pq or hnsw"
-#: Defaults of `dmlkit index`'s build settings (a value other than these was given on purpose).
+#: Defaults of `dmlkit index`'s build settings (``index_faiss.SETTING_DEFAULTS``, and the recall
+#: measurement's): whether one was given is read from the command line (:func:`given`), never
+#: from its value, so an explicit ``--ef-search 64`` is refused where it does not apply.
 _PQ_NBITS, _HNSW_M, _EF_CONSTRUCTION, _EF_SEARCH, _RECALL_K, _RECALL_QUERIES = 8, 32, 40, 64, 10, 1000
+#: `dmlkit index`'s options that set how an index is built or its recall measured: parameter names.
+_BUILD_OPTIONS = {"--nlist": "nlist", "--pq-m": "pq_m", "--nprobe": "nprobe", "--gpu": "gpu",
+                  "--pq-nbits": "pq_nbits", "--hnsw-m": "hnsw_m", "--ef-construction": "ef_construction",
+                  "--ef-search": "ef_search", "--seed": "seed", "--recall-k": "recall_k",
+                  "--recall-queries": "recall_queries"}
 
 
 def register(app: typer.Typer) -> None:
@@ -38,6 +45,7 @@ def _load_any_embeddings(path: Path):
 
 
 def index(
+    ctx: typer.Context,
     embeddings: Path | None = typer.Argument(None, help="Reference embeddings (.npz from `dmlkit train`/`embed`, .npy, .pt, or a shard directory from `dmlkit embed --format shards`, added block by block)."),
     output: Path = typer.Option(..., "-o", "--output", help="Index to write: a directory, or one file ending in .npz."),
     add: bool = typer.Option(False, "--add", help="Add EMBEDDINGS to the existing index OUTPUT (same kind and training)."),
@@ -66,26 +74,22 @@ def index(
     """
     from dmlkit.apps import EmbeddingIndex
     from dmlkit.apps.index import item_ids
+    from dmlkit.commands._options import given
     from dmlkit.embedding_shards import is_shard_dir, open_shards
     from dmlkit.exceptions import ConfigError, DataError
     from dmlkit.utils import refuse_overwriting_inputs
 
-    # the build settings given (a value other than the default): each applies to some kinds only
-    structure = {"--nlist": nlist, "--pq-m": pq_m, "--nprobe": nprobe, "--gpu": gpu or None,
-                 "--pq-nbits": None if pq_nbits == _PQ_NBITS else pq_nbits,
-                 "--hnsw-m": None if hnsw_m == _HNSW_M else hnsw_m,
-                 "--ef-construction": None if ef_construction == _EF_CONSTRUCTION else ef_construction,
-                 "--ef-search": None if ef_search == _EF_SEARCH else ef_search, "--seed": seed or None,
-                 "--recall-k": None if recall_k == _RECALL_K else recall_k,
-                 "--recall-queries": None if recall_queries == _RECALL_QUERIES else recall_queries}
+    # the build settings given on the command line (even at their default value: an explicit
+    # --ef-search 64 for an IVF index was accepted and ignored): each applies to some kinds only
+    structure = [option for option, param in _BUILD_OPTIONS.items() if given(ctx, param)]
     if remove or add:
         # build settings of the structure an existing index keeps: given with --add/--remove they
         # were silently ignored (--target-recall too, which now re-tunes the changed index; the
         # recall measurement's settings go with it)
-        given = [name for name, value in structure.items() if value is not None
-                 and not (target_recall is not None and name in ("--recall-k", "--recall-queries"))]
-        if given:
-            raise ConfigError(f"{', '.join(given)} {'set' if len(given) > 1 else 'sets'} how an index is built or measured; {output} keeps its own "
+        kept = [name for name in structure
+                if not (target_recall is not None and name in ("--recall-k", "--recall-queries"))]
+        if kept:
+            raise ConfigError(f"{', '.join(kept)} {'set' if len(kept) > 1 else 'sets'} how an index is built or measured; {output} keeps its own "
                               "with --add/--remove: build a new index (or pass --target-recall R to re-tune this one)")
         idx = EmbeddingIndex.load(output)
         # an existing index keeps its kind and distance: a different one asked for is an error,
@@ -190,8 +194,9 @@ def _refuse_other_dataset_ids(output: Path, info: dict[str, Any], source: Path, 
                         "from (a run's .npz, or shards)")
 
 
-def _refuse_settings_of_other_kinds(kind: str, given: dict[str, Any], target_recall: float | None) -> None:
-    """Refuse build settings the ``kind`` does not use (``--kind hnsw --nprobe 16``, a flat index
+def _refuse_settings_of_other_kinds(kind: str, options: list[str], target_recall: float | None) -> None:
+    """Refuse build ``options`` given on the command line (at any value, the default's
+    included) that the ``kind`` does not use (``--kind hnsw --nprobe 16``, a flat index
     with ``--target-recall``, a fixed ``--nprobe``/``--ef-search`` that ``--target-recall``
     replaces): each was silently ignored. The settings of each kind are
     :data:`dmlkit.apps.index_faiss.KIND_SETTINGS` (the seed and the recall options: every
@@ -203,14 +208,14 @@ def _refuse_settings_of_other_kinds(kind: str, given: dict[str, Any], target_rec
         return
     uses = {"--" + name.replace("_", "-") for name in KIND_SETTINGS[kind]}
     uses |= {"--seed", "--recall-k", "--recall-queries"} if kind != "flat" else set()
-    unused = [name for name, value in given.items() if value is not None and name not in uses]
+    unused = [name for name in options if name not in uses]
     if kind == "flat" and target_recall is not None:
         unused.insert(0, "--target-recall")
     if unused:
         raise ConfigError(f"{', '.join(unused)} {'do' if len(unused) > 1 else 'does'} not apply to {kind} indexes"
                           + (" (exact search, recall 1.0)" if kind == "flat" else "")
                           + ": leave it out, or pick the --kind it belongs to")
-    fixed = [name for name in ("--nprobe", "--ef-search") if given.get(name) is not None]
+    fixed = [name for name in ("--nprobe", "--ef-search") if name in options]
     if fixed and target_recall is not None:
         raise ConfigError(f"{fixed[0]} fixes the search setting that --target-recall tunes: give one of them")
 

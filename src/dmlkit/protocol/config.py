@@ -468,8 +468,8 @@ class BenchConfig(_Strict):
             data["loss"] = {"name": "contrastive", "params": {}}
             data["miner"] = None
             return config_from_dict(data, source="bench config (pretrained)")
-        data["loss"] = method.loss.model_dump(mode="json")
-        data["miner"] = None if method.miner is None else method.miner.model_dump(mode="json")
+        data["loss"] = method.loss.model_dump()  # python mode: values as given
+        data["miner"] = None if method.miner is None else method.miner.model_dump()
         if cls_sampler is not None and _is_classification_loss(method.loss.name):
             data["sampler"] = cls_sampler
         for key, value in (params or {}).items():

@@ -36,7 +36,7 @@ from dmlkit.losses import LOSSES, CombinedLoss, CrossBatchMemory, ProxyLoss, get
 from dmlkit.miners import MINERS, get_miner
 from dmlkit.models import TRUNKS, EmbeddingModel, build_trunk, freeze_batchnorm
 from dmlkit.samplers import MPerClassSampler
-from dmlkit.utils import data_root as resolve_data_root
+from dmlkit.training.data_root import run_data_root
 from dmlkit.validation import check_parameter_numbers
 
 __all__ = [
@@ -401,7 +401,7 @@ def build_datasets(
         augment_train = not (isinstance(config, ExperimentConfig) and config.model.frozen_trunk)
     d = _section(config, "data", DataConfig)
     if dataset is None:
-        root = resolve_data_root(data_root if data_root is not None else d.root)
+        root = run_data_root(d.root, data_root)
         try:
             dataset = load_dataset(d.dataset, root=root, **d.options)
         except TypeError as exc:

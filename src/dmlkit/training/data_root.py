@@ -10,7 +10,7 @@ from dmlkit.data import load_dataset
 from dmlkit.exceptions import ConfigError
 from dmlkit.utils import data_root as resolve_data_root
 
-__all__ = ["load_config_dataset", "merge_data_root", "with_data_root"]
+__all__ = ["load_config_dataset", "merge_data_root", "run_data_root", "with_data_root"]
 
 def merge_data_root(config_root: str | None, data_root: str | Path | None, key: str = "data.root") -> str | None:
     """The data root of a run: the config's ``data.root`` or ``--data-root``, whichever is given.
@@ -31,6 +31,15 @@ def merge_data_root(config_root: str | None, data_root: str | Path | None, key: 
             f"with --set {key}={data_root}"
         )
     return config_root
+
+
+def run_data_root(config_root: str | None, data_root: str | Path | None) -> Path:
+    """The folder a command on a trained run reads data from: ``data_root`` (``--data-root``)
+    where given, else the run config's ``data.root``, else ``$DMLKIT_DATA``, else
+    ``~/.cache/dmlkit/data``. The run's recorded root lets ``embed``, ``oneshot``, ... find the
+    data from any working directory; ``--data-root`` replaces it (the data may have moved since
+    training, where :func:`merge_data_root` refuses two folders for a new run)."""
+    return resolve_data_root(data_root if data_root is not None else config_root)
 
 
 def with_data_root(config: ExperimentConfig, data_root: str | Path | None) -> ExperimentConfig:
