@@ -285,6 +285,7 @@ def concatenate_normalized(parts: Sequence[np.ndarray]) -> np.ndarray:
     its raw norm)."""
     return normalize_rows(np.concatenate([normalize_rows(p) for p in parts], axis=1))
 
+
 def check_float_matrix(x: Any, name: str = "embeddings") -> None:
     """Raise :class:`~dmlkit.exceptions.ShapeError` unless ``x`` is a 2-D floating-point torch
     tensor: the input of every loss, miner and distance (a numpy array raised AttributeError and
