@@ -1,0 +1,63 @@
+"""Crash safety of the tracking application: ``track train`` started afresh into a folder that
+holds a run, ``track build-data`` interrupted part-way, and renders interrupted while written.
+Interruptions are simulated by an exception raised at the point a kill would hit."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import yaml
+from PIL import Image
+
+from dmlkit.apps.tracking import offline as offline_module
+from dmlkit.apps.tracking.datasets import load_got10k, load_otb
+from dmlkit.apps.tracking.offline import build_offline_dataset, make_sequence, offline_specs
+from dmlkit.apps.tracking.render import write_frames
+from dmlkit.apps.tracking.training import SiamFCTrainConfig, train_siamfc
+from dmlkit.exceptions import CheckpointError, DataError
+
+
+class Killed(Exception):
+    """Stands for a SIGKILL at the point it is raised."""
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """One torch thread: on a busy shared CPU two spin-waiting threads were 5x slower."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+# ---------------------------------------------------------------- track train into a used folder
+
+
+@pytest.fixture(scope="module")
+def train_seq():
+    spec = offline_specs("train", 1, num_frames=4, seed=3, frame_size=(96, 96))[0]
+    return make_sequence(spec)
+
+
+def _cfg(tmp_path, **kw):
+    base = dict(data_dir=str(tmp_path), width=0.0625, epochs=1, pairs_per_epoch=1, batch_size=1,
+                lr=0.01, lr_end=0.005)
+    return SiamFCTrainConfig(**{**base, **kw})
+
+
+def test_fresh_train_into_a_run_is_refused_and_a_checkpoint_of_another_config_not_resumed(tmp_path, train_seq):
+    run_dir, old = tmp_path / "run", _cfg(tmp_path)
+    train_siamfc(old, run_dir, sequences=[train_seq], progress=False)
+    config_before, log_before = (run_dir / "config.yaml").read_text(), (run_dir / "log.jsonl").read_text()
+    new = _cfg(tmp_path, lr=0.001, lr_end=0.001, epochs=2)
+    # was: config.yaml rewritten and log.jsonl emptied at once, the old last.pt and metrics.json
+    # kept until the first epoch ended; a kill, then --resume, continued the OLD weights
+    with pytest.raises(CheckpointError, match="already holds a run .*pass --resume .*another run directory"):
+        train_siamfc(new, run_dir, sequences=[train_seq], progress=False)
+    assert (run_dir / "config.yaml").read_text() == config_before
+    assert (run_dir / "log.jsonl").read_text() == log_before and (run_dir / "metrics.json").is_file()
+    # a folder an older version left so (new config.yaml, old checkpoint): resume is refused
+    (run_dir / "config.yaml").write_text(yaml.safe_dump(new.model_dump(), sort_keys=False))
+    with pytest.raises(CheckpointError, match="last.pt was trained with another config .*differ in epochs, lr"):
+        train_siamfc(new, run_dir, sequences=[train_seq], progress=False, resume=True)
