@@ -61,3 +61,59 @@ def test_fresh_train_into_a_run_is_refused_and_a_checkpoint_of_another_config_no
     (run_dir / "config.yaml").write_text(yaml.safe_dump(new.model_dump(), sort_keys=False))
     with pytest.raises(CheckpointError, match="last.pt was trained with another config .*differ in epochs, lr"):
         train_siamfc(new, run_dir, sequences=[train_seq], progress=False, resume=True)
+
+
+# ---------------------------------------------------------------- renders interrupted while written
+
+
+def _moving(n, value=40):
+    frames = []
+    for i in range(n):
+        a = np.full((48, 64, 3), value, np.uint8)
+        a[10 + i:20 + i, 10 + i:20 + i] = 230
+        frames.append(a)
+    return frames
+
+
+def _interrupt_call(monkeypatch, owner, name, at):
+    """Make ``owner.name`` raise :class:`Killed` on its ``at``-th call."""
+    real, calls = getattr(owner, name), []
+
+    def interrupted(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == at:
+            raise Killed
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(owner, name, interrupted)
+
+
+def _first_pixel(path):
+    """The first frame's top-left red value and the number of frames of an image file."""
+    with Image.open(path) as im:
+        return int(np.asarray(im.convert("RGB"))[0, 0, 0]), getattr(im, "n_frames", 1)
+
+
+def test_an_interrupted_render_leaves_the_earlier_gif_and_frames_whole(tmp_path, monkeypatch):
+    from PIL import ImageFile
+
+    gif, folder = tmp_path / "out.gif", tmp_path / "frames"
+    write_frames(_moving(6), gif)
+    write_frames(_moving(6), folder)
+    _interrupt_call(monkeypatch, ImageFile, "_save", 3)  # inside the GIF's third frame
+    with pytest.raises(Killed):
+        write_frames(_moving(6, value=90), gif)
+    # was: the GIF written in place, a shorter one that still opens (2 frames of the new render)
+    value, count = _first_pixel(gif)
+    assert count == 6 and value < 60
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no temporary left
+    monkeypatch.undo()
+    _interrupt_call(monkeypatch, Image.Image, "save", 3)
+    with pytest.raises(Killed):
+        write_frames(_moving(4, value=90), folder)
+    # was: the earlier frames removed first, then two new ones: a shorter render that reads as whole
+    assert sorted(p.name for p in folder.iterdir()) == [f"{i:05d}.jpg" for i in range(1, 7)]
+    assert _first_pixel(folder / "00001.jpg")[0] < 60
+    monkeypatch.undo()
+    write_frames(_moving(4, value=90), folder)
+    assert sorted(p.name for p in folder.iterdir()) == [f"{i:05d}.jpg" for i in range(1, 5)]
