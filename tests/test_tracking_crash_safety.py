@@ -10,7 +10,6 @@ import torch
 import yaml
 from PIL import Image
 
-from dmlkit.apps.tracking import offline as offline_module
 from dmlkit.apps.tracking.datasets import load_got10k, load_otb
 from dmlkit.apps.tracking.offline import build_offline_dataset, make_sequence, offline_specs
 from dmlkit.apps.tracking.render import write_frames
@@ -20,6 +19,19 @@ from dmlkit.exceptions import CheckpointError, DataError
 
 class Killed(Exception):
     """Stands for a SIGKILL at the point it is raised."""
+
+
+def _interrupt_call(monkeypatch, owner, name, at):
+    """Make ``owner.name`` raise :class:`Killed` on its ``at``-th call."""
+    real, calls = getattr(owner, name), []
+
+    def interrupted(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == at:
+            raise Killed
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(owner, name, interrupted)
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -63,6 +75,34 @@ def test_fresh_train_into_a_run_is_refused_and_a_checkpoint_of_another_config_no
         train_siamfc(new, run_dir, sequences=[train_seq], progress=False, resume=True)
 
 
+# ---------------------------------------------------------------- build-data interrupted part-way
+
+
+def _build(out):
+    return build_offline_dataset(out, num_train=2, num_test=1, train_frames=2, test_frames=2,
+                                 frame_size=(96, 96))
+
+
+def test_an_interrupted_build_is_refused_by_the_loaders_and_cleared_by_a_rerun(tmp_path, monkeypatch):
+    out = tmp_path / "d"
+    _interrupt_call(monkeypatch, Image.Image, "save", 4)  # the 2nd training sequence's 2nd frame
+    with pytest.raises(Killed):
+        _build(out)
+    monkeypatch.undo()
+    assert sorted(p.name for p in (out / "train").iterdir()) == ["GOT-10k_Train_000001", "GOT-10k_Train_000002"]
+    # was: the one complete sequence read without a word (the half-written one has no groundtruth.txt)
+    for load in (lambda: load_got10k(out / "train"), lambda: load_got10k(out), lambda: load_otb(out / "test")):
+        with pytest.raises(DataError, match="unfinished `dmlkit track build-data`.*run the same build-data"):
+            load()
+    # was: refused, the folder said to hold sequences "an earlier build-data did not write"
+    _build(out)
+    assert [s.name for s in load_got10k(out)] == ["GOT-10k_Train_000001", "GOT-10k_Train_000002"]
+    assert len(load_otb(out / "test")) == 1
+    (out / "test" / "Chelsea01").rename(out / "test" / "Mine")
+    with pytest.raises(DataError, match="does not match .*meta.json: it lacks 1 of the sequences"):
+        load_otb(out / "test")
+
+
 # ---------------------------------------------------------------- renders interrupted while written
 
 
@@ -73,19 +113,6 @@ def _moving(n, value=40):
         a[10 + i:20 + i, 10 + i:20 + i] = 230
         frames.append(a)
     return frames
-
-
-def _interrupt_call(monkeypatch, owner, name, at):
-    """Make ``owner.name`` raise :class:`Killed` on its ``at``-th call."""
-    real, calls = getattr(owner, name), []
-
-    def interrupted(*args, **kwargs):
-        calls.append(1)
-        if len(calls) == at:
-            raise Killed
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(owner, name, interrupted)
 
 
 def _first_pixel(path):
