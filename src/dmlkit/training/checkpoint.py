@@ -184,6 +184,29 @@ def sweep_orphan_temporaries(run_dir: str | os.PathLike) -> list[Path]:
     return removed
 
 
+def refuse_fresh_start(run_dir: str | os.PathLike, outputs: tuple[str, ...]) -> None:
+    """Refuse a fresh start (no ``--resume``) into ``run_dir`` before anything there is written
+    or removed (:class:`CheckpointError`): when it holds a run (``checkpoints/last.pt``: a new
+    config.yaml beside the old checkpoint let ``--resume`` continue the old weights under the
+    new config), or when it holds any of ``outputs`` (the files the caller will remove as left
+    by an attempt killed before its first checkpoint) or ``config.yaml`` but no
+    ``provenance.json``, which every attempt writes first: then they are the user's own files."""
+    run_dir = Path(run_dir)
+    last_path = run_dir / "checkpoints" / "last.pt"
+    if last_path.exists():
+        raise CheckpointError(
+            f"{run_dir} already holds a run ({last_path}): pass --resume (resume=True) to continue "
+            "it, or choose another run directory"
+        )
+    found = [name for name in (*outputs, "config.yaml") if (run_dir / name).exists()]
+    if found and not (run_dir / "provenance.json").is_file():
+        # without provenance.json they are the user's own files (a project folder's log.csv,
+        # metrics.json or config.yaml, whose comments the resolved config replaced), removed unasked
+        raise CheckpointError(
+            f"{run_dir} holds {', '.join(found)} but no dmlkit run (no provenance.json): a new "
+            "run would replace them; choose another run directory (--run-dir), or move them")
+
+
 def save_checkpoint(payload: dict[str, Any], path: str | os.PathLike) -> Path:
     """Write a checkpoint atomically (never a half-written file, even if killed), with the
     :func:`content_digest` that :func:`read_checkpoint` verifies."""

@@ -74,6 +74,7 @@ from dmlkit.training.checkpoint import (
     find_checkpoint,
     load_checkpoint,
     read_checkpoint,
+    refuse_fresh_start,
     sweep_orphan_temporaries,
 )
 from dmlkit.training.data_root import with_data_root
@@ -174,21 +175,9 @@ def open_run_dir(run_dir: Path, config: ExperimentConfig, resume: bool, *, world
         check_world_size_change(payload, world_size, run_dir, allow_world_size_change)
         sweep_orphan_temporaries(run_dir)  # left by a kill during an atomic write
         stale = _FINAL_OUTPUTS  # they describe a state the resumed run moves past
-    elif last_path.exists():
-        raise CheckpointError(
-            f"{run_dir} already holds a run ({last_path}): pass --resume (resume=True) to continue "
-            "it, or choose another run directory"
-        )
     else:  # a fresh start: what is there comes from an attempt killed before its first checkpoint
         stale = _FINAL_OUTPUTS + _ATTEMPT_OUTPUTS
-        found = [name for name in (*stale, "config.yaml") if (run_dir / name).exists()]
-        if found and not (run_dir / "provenance.json").is_file():
-            # every attempt writes provenance.json before any of these: without it they are the
-            # user's own files (a project folder's log.csv, metrics.json or config.yaml, whose
-            # comments the resolved config replaced), removed unasked
-            raise CheckpointError(
-                f"{run_dir} holds {', '.join(found)} but no dmlkit run (no provenance.json): a new "
-                "run would replace them; choose another run directory (--run-dir), or move them")
+        refuse_fresh_start(run_dir, stale)
     for name in stale:
         (run_dir / name).unlink(missing_ok=True)
     run_dir.mkdir(parents=True, exist_ok=True)

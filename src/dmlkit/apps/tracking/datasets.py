@@ -13,6 +13,7 @@ Frames are read lazily (``seq.frame(i)`` is an ``(H, W, 3)`` uint8 RGB array).
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -125,6 +126,35 @@ class Sequence:
         return np.isfinite(b).all(axis=1) & (b[:, 2] > 0) & (b[:, 3] > 0)
 
 
+def check_offline_build(folder: str | Path) -> None:
+    """Refuse (:class:`DataError`) a ``train`` or ``test`` folder of ``dmlkit track build-data``
+    whose ``meta.json`` (beside it) says the build did not finish, or lists other sequences than
+    the folder holds: an interrupted build left complete sequences, a half-written one and none of
+    the rest, and training read the complete ones without a word. Any other folder passes."""
+    folder = Path(folder)
+    meta_path = folder.parent / "meta.json"
+    if folder.name not in ("train", "test") or not meta_path.is_file():
+        return
+    try:
+        meta = json.loads(meta_path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return  # not the meta.json of a build
+    if not isinstance(meta, dict) or not all(isinstance(meta.get(k), dict) for k in ("train", "test")):
+        return
+    if meta.get("complete") is False:  # absent in builds of older versions, which wrote it last
+        raise DataError(f"{folder.parent} is an unfinished `dmlkit track build-data` (it was interrupted): "
+                        "run the same build-data command again to rebuild it")
+    listed = set(meta[folder.name])
+    found = ({p.name for p in folder.iterdir() if p.is_dir() and not p.name.startswith(".")}
+             if folder.is_dir() else set())
+    if found != listed:
+        missing, extra = sorted(listed - found), sorted(found - listed)
+        what = (f"it lacks {len(missing)} of the sequences listed there ({missing[0]} ...)" if missing
+                else f"it holds {len(extra)} sequences not listed there ({extra[0]} ...)")
+        raise DataError(f"{folder} does not match {meta_path}: {what}; rebuild it with `dmlkit track "
+                        "build-data`, or remove meta.json to read the folder as it is")
+
+
 def _got10k_dirs(root: Path, split: str | None, named: bool = False) -> list[Path]:
     """The sequence folders of ``root/split`` (of ``root`` itself when that split folder is
     absent, unless the split was ``named`` by the user: a misspelt one is an error, not the root)."""
@@ -154,8 +184,11 @@ def got10k_splits(root: str | Path) -> list[str]:
 
 def load_got10k(root: str | Path, split: str | None = None) -> list[Sequence]:
     """Sequences in the GOT-10k layout: the ``split`` sub-folder, which must exist when named;
-    unnamed, ``train`` if it exists, else ``root`` itself."""
+    unnamed, ``train`` if it exists, else ``root`` itself (the ``train`` folder of a finished
+    ``build-data``: :func:`check_offline_build`)."""
     root = Path(root)
+    for folder in (root, root / (split or "train")):  # a build-data's train folder, or the build
+        check_offline_build(folder)
     if not root.is_dir():
         raise DataNotFoundError(f"GOT-10k root {root} does not exist")
     sequences = []
@@ -179,10 +212,12 @@ def load_got10k(root: str | Path, split: str | None = None) -> list[Sequence]:
 
 
 def load_otb(root: str | Path) -> list[Sequence]:
-    """Sequences in the OTB layout: ``root/Seq/img/*.jpg`` + ``root/Seq/groundtruth_rect*.txt``.
+    """Sequences in the OTB layout: ``root/Seq/img/*.jpg`` + ``root/Seq/groundtruth_rect*.txt``
+    (the ``test`` folder of a finished ``build-data``: :func:`check_offline_build`).
     Two sequences of one name (``A/groundtruth_rect.1.txt`` and ``A.1/groundtruth_rect.txt``)
     are a :class:`DataError` naming both files."""
     root = Path(root)
+    check_offline_build(root)
     if not root.is_dir():
         raise DataNotFoundError(f"OTB root {root} does not exist")
     sequences, sources = [], {}

@@ -273,12 +273,14 @@ def write_sequence(seq: Sequence, folder: Path, layout: str, quality: int = 95) 
 def _clear_earlier_build(out: Path) -> None:
     """Remove what an earlier :func:`build_offline_dataset` wrote to ``out`` (the sequences its
     ``meta.json`` lists and that file), so that its sequences do not mix with the new ones; a
-    ``out`` holding anything else is a :class:`ConfigError`, before anything is removed."""
+    ``out`` holding anything else is a :class:`ConfigError`, before anything is removed. An
+    unfinished build is cleared too: its ``meta.json``, written first, lists every sequence it
+    was to write."""
     if not out.exists():
         return
     if not out.is_dir():
         raise ConfigError(f"{out} is a file: name a folder for the offline sequences")
-    owned: set[Path] = set()
+    owned: set[Path] = set(out.glob(".meta.json.*.tmp"))  # a write of meta.json killed part-way
     meta_path = out / "meta.json"
     try:
         meta = json.loads(meta_path.read_text(encoding="utf-8")) if meta_path.is_file() else {}
@@ -297,8 +299,8 @@ def _clear_earlier_build(out: Path) -> None:
     if foreign:
         raise ConfigError(f"{out} is not empty and holds {foreign[0]}, which an earlier build-data did not "
                           f"write ({len(foreign)} such entries): name a new or empty folder, or remove them")
-    for path in sorted(owned):
-        if path.is_dir():
+    for path in sorted(owned, key=lambda p: p == meta_path):  # meta.json last: a rerun after a
+        if path.is_dir():  # kill here still knows which sequences are its own
             shutil.rmtree(path)
         elif path.exists():
             path.unlink()
@@ -315,7 +317,10 @@ def build_offline_dataset(
     negative one ended in numpy's ValueError traceback. An ``out`` that an earlier call wrote is
     rebuilt: the sequences its ``meta.json`` lists are removed first (a smaller build kept the
     earlier one's extra sequences, which training and evaluation then read); an ``out`` holding
-    anything else is refused (:class:`ConfigError`) before anything is written."""
+    anything else is refused (:class:`ConfigError`) before anything is written. ``meta.json`` is
+    written first with ``"complete": false`` and rewritten with ``true`` once every sequence is:
+    the loaders refuse an unfinished build (:func:`~dmlkit.apps.tracking.datasets.check_offline_build`),
+    and running the same call again replaces it."""
     seed = check_seed(seed)
     out = Path(out)
     for frames in (train_frames, test_frames):  # the arguments before any removal
@@ -329,20 +334,25 @@ def build_offline_dataset(
         from tqdm import tqdm
 
         bar = tqdm(total=len(plan), desc="sequences")
-    meta = {"seed": seed, "frame_size": list(frame_size), "train": {}, "test": {}}
+    meta = {"seed": seed, "frame_size": list(frame_size), "complete": False, "train": {}, "test": {}}
     for split, spec in plan:
-        seq = make_sequence(spec, photos)
-        layout, sub = ("got10k", out / "train" / spec.name) if split == "train" else (
-            "otb", out / "test" / spec.name)
-        write_sequence(seq, sub, layout)
         meta[split][spec.name] = {
             "object": spec.object_photo, "background": spec.background_photo,
             "frames": spec.num_frames, "seed": spec.seed, "occlusions": spec.occlusions,
             "max_speed": spec.max_speed,
         }
+    # first: marks the build unfinished (the loaders refuse it) and names every sequence it will
+    # write (a rerun after an interruption clears them as its own)
+    atomic_write_json(out / "meta.json", meta)
+    for split, spec in plan:
+        seq = make_sequence(spec, photos)
+        layout, sub = ("got10k", out / "train" / spec.name) if split == "train" else (
+            "otb", out / "test" / spec.name)
+        write_sequence(seq, sub, layout)
         if bar is not None:
             bar.update(1)
     if bar is not None:
         bar.close()
+    meta["complete"] = True
     atomic_write_json(out / "meta.json", meta)
     return meta

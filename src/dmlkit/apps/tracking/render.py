@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import io
+import os
 import re
+import shutil
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
@@ -10,6 +13,7 @@ import numpy as np
 
 from dmlkit.apps.tracking.datasets import read_image
 from dmlkit.exceptions import ConfigError, DataError, require
+from dmlkit.utils import atomic_write_bytes
 
 
 def draw_box(frame: np.ndarray, box, color=(255, 40, 40), width: int = 2,
@@ -44,6 +48,9 @@ def annotate(frames: Iterable[np.ndarray], boxes: np.ndarray,
 
 #: The files :func:`write_frames` writes into a folder (and removes there before writing).
 _FRAME_NAME = re.compile(r"\d{5,}\.jpg")
+#: The hidden sub-folder of an output folder where :func:`write_frames` encodes the new frames
+#: before they replace the earlier ones (one a killed render left is removed by the next).
+_PENDING_FRAMES = ".frames.tmp"
 
 #: Video containers :func:`write_frames` writes (with imageio + PyAV).
 VIDEO_OUT_SUFFIXES = (".mp4", ".avi", ".mov", ".mkv", ".webm")
@@ -114,31 +121,54 @@ def gif_delays_ms(n: int, fps: float) -> list[int]:
     return [10 * (b - a) for a, b in zip(ticks, ticks[1:])]
 
 
+def _write_frame_folder(frames: Iterable[np.ndarray], out: Path) -> Path:
+    """Write ``out/00001.jpg`` ... in place of the frames an earlier call wrote there (an earlier,
+    longer render's frames stayed after this one's); other files stay. The frames are encoded
+    into :data:`_PENDING_FRAMES` first and moved in once all are written, so an interrupted render
+    leaves the earlier frames, not a shorter sequence of new ones that reads as complete."""
+    from PIL import Image
+
+    pending = out / _PENDING_FRAMES
+    if pending.is_dir():  # left by a render killed while encoding
+        shutil.rmtree(pending)
+    pending.mkdir(parents=True)
+    try:
+        for i, f in enumerate(frames):
+            Image.fromarray(f).save(pending / f"{i + 1:05d}.jpg", quality=92)
+        new = sorted(p.name for p in pending.iterdir())
+        for name in new:
+            os.replace(pending / name, out / name)
+        for old in out.iterdir():
+            if _FRAME_NAME.fullmatch(old.name) and old.is_file() and old.name not in new:
+                old.unlink()
+    finally:
+        shutil.rmtree(pending, ignore_errors=True)
+    return out
+
+
 def write_frames(frames: Iterable[np.ndarray], out: str | Path, fps: float = 15.0) -> Path:
     """Write frames to ``out``: ``.gif`` (Pillow), ``.mp4`` / ``.avi`` / ... (imageio + PyAV),
     or a folder (``00001.jpg`` ...) when ``out`` has no suffix (:func:`check_output`): the frames
-    an earlier call wrote there (``NNNNN.jpg``) are removed first, other files stay. ``fps``
-    must lie in :func:`fps_limits` (:func:`check_fps`), checked before any frame is read."""
+    an earlier call wrote there (``NNNNN.jpg``) are replaced, other files stay
+    (:func:`_write_frame_folder`). A GIF or video is encoded in memory and written atomically
+    (:func:`~dmlkit.utils.atomic_write_bytes`): one interrupted while saved left a shorter file that
+    still played. ``fps`` must lie in :func:`fps_limits` (:func:`check_fps`), checked before any
+    frame is read."""
     from PIL import Image
 
     out = check_output(out)
     suffix = out.suffix.lower()
     fps = check_fps(fps, out)
     if suffix == "":
-        out.mkdir(parents=True, exist_ok=True)
-        for old in out.iterdir():  # an earlier, longer render's frames stayed after this one's
-            if _FRAME_NAME.fullmatch(old.name) and old.is_file():
-                old.unlink()
-        for i, f in enumerate(frames):
-            Image.fromarray(f).save(out / f"{i + 1:05d}.jpg", quality=92)
-        return out
-    out.parent.mkdir(parents=True, exist_ok=True)
+        return _write_frame_folder(frames, out)
     if suffix == ".gif":
         images = [Image.fromarray(f) for f in frames]
         if not images:
             raise ConfigError("no frames to write")
-        images[0].save(out, save_all=True, append_images=images[1:], loop=0,
+        buffer = io.BytesIO()
+        images[0].save(buffer, format="GIF", save_all=True, append_images=images[1:], loop=0,
                        duration=gif_delays_ms(len(images), fps), optimize=False)
+        atomic_write_bytes(out, buffer.getvalue())
         return out
     if suffix in VIDEO_OUT_SUFFIXES:
         iio = require("imageio.v3", "tracking")
@@ -152,5 +182,7 @@ def write_frames(frames: Iterable[np.ndarray], out: str | Path, fps: float = 15.
         if len(sizes) > 1:  # a video has one frame size (np.stack raised a traceback)
             raise DataError(f"cannot write {out}: the frames differ in size ({sizes[0]} and {sizes[-1]}); "
                             "write a .gif or a folder, or track frames of one size")
-        iio.imwrite(out, np.stack(arrays), fps=fps, plugin="pyav", codec=_VIDEO_CODECS[suffix])
+        data = iio.imwrite("<bytes>", np.stack(arrays), extension=suffix, fps=fps, plugin="pyav",
+                           codec=_VIDEO_CODECS[suffix])
+        atomic_write_bytes(out, data)
     return out

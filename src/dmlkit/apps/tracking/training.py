@@ -48,6 +48,7 @@ from dmlkit.embeddings import resolve_device
 from dmlkit.exceptions import CheckpointError, ConfigError, DataError, NonFiniteError, ShapeError
 from dmlkit.models import to_device
 from dmlkit.models.trunks import load_failure_reason
+from dmlkit.training.checkpoint import refuse_fresh_start
 from dmlkit.utils import (
     atomic_torch_save,
     atomic_write_json,
@@ -269,6 +270,9 @@ def load_siamfc(path: str | Path, map_location: str = "cpu") -> tuple[SiamFC, Tr
 
 #: Config keys a resumed run may change: how it runs, not what it learns.
 RESUMABLE_SETTINGS = ("threads", "num_workers", "device")
+#: What a run writes besides its checkpoint, config.yaml and provenance.json: removed when a run
+#: starts afresh in a folder an attempt killed before its first checkpoint left.
+RUN_OUTPUTS = ("log.jsonl", "metrics.json")
 
 
 def config_changes(recorded: dict[str, Any], config: SiamFCTrainConfig) -> list[str]:
@@ -305,7 +309,8 @@ def data_digest(sequences: list[Sequence]) -> str:
 
 def _check_resumable(run_dir: Path, state: dict[str, Any], config: SiamFCTrainConfig,
                      sequences: list[Sequence]) -> None:
-    """A run resumes with the config and the data it was started with (:class:`ConfigError`)."""
+    """A run resumes with the config and the data it was started with (:class:`ConfigError`),
+    and with a checkpoint trained under that config (:class:`CheckpointError`)."""
     import yaml
 
     config_path = run_dir / "config.yaml"
@@ -321,6 +326,11 @@ def _check_resumable(run_dir: Path, state: dict[str, Any], config: SiamFCTrainCo
         raise ConfigError(f"cannot resume {run_dir}: the config differs from the one it was started with in "
                           f"{', '.join(changed)}; resume with {config_path} (only {', '.join(RESUMABLE_SETTINGS)} "
                           "may change) or train into a new --run-dir")
+    trained_with = state["train_state"].get("config")  # absent in checkpoints of older versions
+    changed = config_changes(trained_with, config) if isinstance(trained_with, dict) else []
+    if changed:
+        raise CheckpointError(f"cannot resume {run_dir}: its checkpoints/last.pt was trained with another config "
+                              f"than {config_path} (they differ in {', '.join(changed)}); train into a new --run-dir")
     digest = state["train_state"].get("data_digest")
     if digest is not None and digest != data_digest(sequences):
         raise ConfigError(f"cannot resume {run_dir}: its training sequences differ from those it was started "
@@ -339,7 +349,10 @@ def train_siamfc(
     and gives the same weights as an uninterrupted run. It needs that checkpoint
     (:class:`CheckpointError` otherwise: a misspelt run directory trained from scratch), the
     config of the run's ``config.yaml`` but :data:`RESUMABLE_SETTINGS` and the same training
-    sequences (:func:`data_digest`; a :class:`ConfigError` naming what differs). ``max_epochs`` stops this call after
+    sequences (:func:`data_digest`; a :class:`ConfigError` naming what differs), and a checkpoint
+    that records that config. Without ``resume`` a ``run_dir`` that holds a run is refused, as
+    ``dmlkit train`` refuses it (:func:`~dmlkit.training.checkpoint.refuse_fresh_start`): a new
+    config.yaml beside the old checkpoint would pair the two. ``max_epochs`` stops this call after
     that many epochs (train a CPU budget in chunks, then resume). Returns ``{"steps", "epochs",
     "pairs", "seconds", "first_loss", "last_loss", "checkpoint"}``; the losses are means over
     the first and last 10 % of the steps so far.
@@ -351,6 +364,8 @@ def train_siamfc(
     if resume and not ckpt_path.is_file():  # else a fresh run, silently (a misspelt --run-dir)
         raise CheckpointError(f"nothing to resume in {run_dir}: it holds no checkpoints/last.pt (no epoch of a "
                               "run there has finished); train without --resume to start one")
+    if not resume:
+        refuse_fresh_start(run_dir, RUN_OUTPUTS)
     seed_everything(config.seed)
     if config.threads:
         torch.set_num_threads(config.threads)
@@ -398,6 +413,7 @@ def train_siamfc(
         atomic_write_text(run_dir / "config.yaml",
                           yaml.safe_dump(config.model_dump(), sort_keys=False))
         write_provenance(run_dir / "provenance.json", config.seed)
+        (run_dir / "metrics.json").unlink(missing_ok=True)  # an earlier attempt's, if any
         log_path.write_text("")
     end_epoch = config.epochs if max_epochs is None else min(config.epochs, start_epoch + max_epochs)
     t_start = time.perf_counter() - elapsed
@@ -443,6 +459,7 @@ def train_siamfc(
                 "optimizer": opt.state_dict(), "scheduler": sched.state_dict(),
                 "generator": gen.get_state(), "epoch": epoch + 1, "step": step,
                 "losses": losses, "seconds": time.perf_counter() - t_start, "data_digest": digest,
+                "config": config.model_dump(),
             }
             save_siamfc(ckpt_path, model, tracker_cfg,
                         {"epoch": epoch + 1, "step": step, "seed": config.seed}, train_state)
