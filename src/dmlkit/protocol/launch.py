@@ -60,8 +60,8 @@ from dmlkit.exceptions import ConfigError, DataError, NonFiniteError
 from dmlkit.protocol.config import BenchConfig, TorchrunSettings
 from dmlkit.protocol.processes import exit_on_sigterm
 from dmlkit.training import train
+from dmlkit.training.data_root import run_data_root
 from dmlkit.utils import atomic_write_json
-from dmlkit.utils import data_root as resolve_data_root
 
 __all__ = [
     "LaunchResult",
@@ -111,7 +111,7 @@ def dataset_parts(config: ExperimentConfig, classes: Mapping[str, Sequence[int]]
     frozen), so a run trains on the same rows whichever launcher starts it.
     """
     d = config.data
-    root = resolve_data_root(data_root if data_root is not None else d.root)
+    root = run_data_root(d.root, data_root)
     try:
         full = load_dataset(d.dataset, root=root, **d.options)
     except TypeError as exc:

@@ -78,10 +78,9 @@ from dmlkit.protocol.study import (
     storage_lock,
     study_summary,
 )
-from dmlkit.training.data_root import merge_data_root
+from dmlkit.training.data_root import merge_data_root, run_data_root
 from dmlkit.training.preflight import Preflight
 from dmlkit.utils import atomic_write_text, directory_lock, write_provenance
-from dmlkit.utils import data_root as resolve_data_root
 
 __all__ = ["Bench", "FinalStage", "SearchStage", "run_seed", "trial_sampler_seed"]
 
@@ -224,7 +223,7 @@ class Bench:
         class counts, all at once (:func:`dmlkit.protocol.preflight.check_bench`): one error
         listing every violation with a value that fits, before the first trial and before
         anything is written."""
-        root = resolve_data_root(self.data_root if self.data_root is not None else self.config.fixed.data.root)
+        root = run_data_root(self.config.fixed.data.root, self.data_root)
         report = check_bench(self.config, self.full_dataset(), root=root,
                              methods=None if not methods else [m.name for m in self._methods(methods)])
         report.dataset = None  # keep no reference to the test classes

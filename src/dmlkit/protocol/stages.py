@@ -39,8 +39,8 @@ from dmlkit.protocol.space import suggest
 from dmlkit.protocol.splits import BenchSplit, TestClassGuard
 from dmlkit.training import build_model, train
 from dmlkit.training.checkpoint import training_changes
+from dmlkit.training.data_root import run_data_root
 from dmlkit.utils import atomic_write_json, atomic_write_text, process_alive, seed_everything
-from dmlkit.utils import data_root as resolve_data_root
 from dmlkit.validation import concatenate_normalized
 
 logger = logging.getLogger(__name__)
@@ -89,7 +89,7 @@ def load_full_dataset(config: BenchConfig, data_root: str | Path | None = None):
     """Every class of the configured dataset (``dmlkit.data.load_dataset``); the data root is
     ``data_root`` (``--data-root``), else ``fixed.data.root``, else ``$DMLKIT_DATA``."""
     d = config.fixed.data
-    root = resolve_data_root(data_root if data_root is not None else d.root)
+    root = run_data_root(d.root, data_root)
     try:
         return load_dataset(d.dataset, root=root, **d.options)
     except TypeError as exc:

@@ -12,6 +12,7 @@ from dmlkit.utils import data_root as resolve_data_root
 
 __all__ = ["load_config_dataset", "merge_data_root", "run_data_root", "with_data_root"]
 
+
 def merge_data_root(config_root: str | None, data_root: str | Path | None, key: str = "data.root") -> str | None:
     """The data root of a run: the config's ``data.root`` or ``--data-root``, whichever is given.
 
