@@ -339,9 +339,29 @@ def os_error_message(exc: OSError, path: str | os.PathLike | None = None, *, wri
              errno.EISDIR: "a directory is in the way: pass a file path",
              errno.ENOTDIR: "a file is in the way where a directory is needed",
              errno.ENOENT: "no such file or directory: check the path"}
-    reason = exc.strerror or str(exc) or type(exc).__name__
-    hint = hints.get(exc.errno)
+    code = errno.ENOTDIR if _mkdir_blocked_by_file(exc) else exc.errno
+    reason = os.strerror(code) if code != exc.errno else exc.strerror or str(exc) or type(exc).__name__
+    hint = hints.get(code)
     return f"{what}: {reason}" + (f" ({hint})" if hint else "")
+
+
+def _mkdir_blocked_by_file(exc: OSError) -> bool:
+    """Whether ``exc`` is the ``EEXIST`` of creating a directory where a file stands (the
+    ``Path.mkdir(parents=True, exist_ok=True)`` or ``os.makedirs`` of ``afile`` for an output
+    ``afile/out.json``): a file in the way, as the ``ENOTDIR`` of a path further below a file
+    says, not "File exists". The ``EEXIST`` of any other call (an exclusive create) keeps its
+    own words."""
+    if exc.errno != errno.EEXIST or exc.__traceback__ is None:
+        return False
+    if not isinstance(exc.filename, str | bytes | os.PathLike):
+        return False
+    tb = exc.__traceback__
+    while tb.tb_next is not None:  # the innermost Python frame: the function that raised it
+        tb = tb.tb_next
+    if tb.tb_frame.f_code.co_name not in ("mkdir", "makedirs"):
+        return False
+    path = Path(os.fsdecode(exc.filename))
+    return path.exists() and not path.is_dir()
 
 
 # -- moved names --------------------------------------------------------------------------
