@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import hashlib
+import io
 import json
 import os
 import platform
@@ -28,6 +29,7 @@ from dmlkit.exceptions import CheckpointError, DataError, DataNotFoundError, Dml
 
 __all__ = [
     "atomic_write_bytes",
+    "atomic_write_figure",
     "atomic_write_json",
     "atomic_write_text",
     "directory_lock",
@@ -119,6 +121,24 @@ def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> Path:
     with contextlib.suppress(OSError):  # the rename is durable once the folder is flushed (some
         fsync_path(path.parent)  # network file systems cannot flush a folder: the write stands)
     return path
+
+
+def atomic_write_figure(fig: Any, path: str | os.PathLike, **savefig: Any) -> Path:
+    """Write the matplotlib figure ``fig`` to ``path`` in the format its suffix names (``.png``,
+    ``.svg``, ...; none: PNG), with ``fig.savefig``'s options ``savefig``.
+
+    The figure is rendered in memory first and the bytes written by :func:`atomic_write_bytes`:
+    ``savefig(path)`` truncated the file before drawing into it, so a kill left a 0-byte figure
+    where a complete one stood, and a full disk a truncated one. A failed write (full disk, no
+    permission, a file in the way) is one :class:`~dmlkit.exceptions.DataError` line that names
+    ``path`` (a ``write`` error carries no file name) and leaves the old file as it was."""
+    path = Path(path)
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format=path.suffix[1:].lower() or "png", **savefig)
+    try:
+        return atomic_write_bytes(path, buffer.getvalue())
+    except OSError as exc:
+        raise DataError(os_error_message(exc, path, writing=True)) from None
 
 
 def fsync_path(path: str | os.PathLike) -> None:
