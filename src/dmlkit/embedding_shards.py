@@ -139,17 +139,15 @@ class ShardWriter:
         self._buf_labels = np.empty(self.shard_rows, np.int64)
         self._buf_ids = np.empty(self.shard_rows, np.int64)
         self._fill = 0
-        self._written: set[str] = set()  # names of the shard files this writer wrote
+        self._written: set[str] = set()  # this writer's shard (and .tmp) file names
         self._closed = False
         self._f16_small = 0  # values below float16's smallest normal, over every batch
 
     def _old_files(self) -> set[str]:
-        """The files an overwrite replaces, removed once the new manifest is in place: those
-        the current manifest lists and every other file named like a shard or a shard being
-        written (``embeddings-*.npy``, ``labels-*.npy``, ``ids-*.npy``, ``.<shard>.tmp``): the
-        leftovers of an earlier overwrite that was killed, which no manifest lists and which
-        stayed in the directory for good."""
-        return (_manifest_files(self.directory) or set()) | {
+        """The files an overwrite replaces, removed once the new manifest is in place: those the
+        manifest lists and every other shard-named file (``embeddings-*.npy``, ``labels-*.npy``,
+        ``ids-*.npy``, ``.<shard>.tmp``), the leftovers of a killed overwrite (kept for good)."""
+        return _manifest_files(self.directory) | {
             p.name for key in _SHARD_KEYS for pattern in (f"{key}-*.npy", f".{key}-*.npy.tmp")
             for p in self.directory.glob(pattern)}
 
@@ -159,15 +157,9 @@ class ShardWriter:
     def __exit__(self, exc_type, exc, tb) -> None:
         if exc_type is None:
             self.close()
-        else:
-            self._closed = True  # no manifest: the directory stays visibly incomplete
-            self._remove_own_files()
-
-    def _remove_own_files(self) -> None:
-        """Remove the shard files this writer wrote (a write that failed or was interrupted),
-        except those a manifest lists (written by :func:`write_manifest` before the failure):
-        they were left in the directory, unreferenced, for good."""
-        for name in self._written - (_manifest_files(self.directory) or set()):
+            return
+        self._closed = True  # no manifest (visibly incomplete), and no own file a manifest does not list
+        for name in self._written - _manifest_files(self.directory):
             (self.directory / name).unlink(missing_ok=True)
 
     def append(self, embeddings: Any, labels: Any, ids: Any | None = None) -> None:
@@ -220,13 +212,9 @@ class ShardWriter:
         for key, name in names.items():
             path = self.directory / name
             tmp = path.with_name(f".{name}.tmp")
-            self._written.add(name)  # before the file exists: a failure removes it (__exit__)
-            try:
-                with open(tmp, "wb") as fh:
-                    np.save(fh, arrays[key], allow_pickle=False)
-            except BaseException:
-                tmp.unlink(missing_ok=True)
-                raise
+            self._written.update((name, tmp.name))  # before they exist: a failure removes them
+            with open(tmp, "wb") as fh:
+                np.save(fh, arrays[key], allow_pickle=False)
             os.replace(tmp, path)
             digests[name] = sha256_file(path)
         self.shards.append({"rows": self._fill, **names, "sha256": digests})
@@ -258,15 +246,14 @@ class ShardWriter:
         return self.directory
 
 
-def _manifest_files(directory: Path) -> set[str] | None:
-    """The shard file names ``directory``'s manifest lists (plain names only); ``None`` when
-    there is no readable manifest."""
+def _manifest_files(directory: Path) -> set[str]:
+    """The shard file names ``directory``'s manifest lists (plain names; none if unreadable)."""
     try:
         manifest = json.loads((directory / MANIFEST).read_text(encoding="utf-8"))
         return {name for shard in manifest["shards"] for key in _SHARD_KEYS
                 if isinstance(name := shard.get(key), str) and name and Path(name).name == name}
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
-        return None
+        return set()
 
 
 def write_manifest(directory: str | os.PathLike, shards: list[dict[str, Any]], *, dim: int, dtype: str,
