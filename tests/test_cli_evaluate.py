@@ -185,3 +185,15 @@ def test_device_option(emb_files, capsys, monkeypatch):
     write_shards(tmp / "shards", *[np.asarray(a) for a in emb_files[1:3]])
     code, _, err = run(["evaluate", str(tmp / "shards"), "--device", "cuda"], capsys)
     assert code == 2 and "streamed through the CPU" in err
+
+
+def test_per_class_under_a_file_says_a_file_is_in_the_way(emb_files, capsys):
+    """`--per-class afile/pc.json` with afile a file: "cannot access afile: File exists" (the
+    folder's EEXIST, no hint) became the "a file is in the way" line of the other outputs."""
+    tmp, *_ = emb_files
+    (tmp / "afile").write_text("")
+    with pytest.raises(SystemExit) as exit_info:
+        main(["evaluate", str(tmp / "q.npz"), "--per-class", str(tmp / "afile" / "pc.json")])
+    err = capsys.readouterr().err.strip()
+    assert exit_info.value.code == 2 and len(err.splitlines()) == 1
+    assert "afile: Not a directory (a file is in the way where a directory is needed)" in err

@@ -3,7 +3,9 @@
 
 from __future__ import annotations
 
+import errno
 import json
+import os
 
 import numpy as np
 import pytest
@@ -121,6 +123,38 @@ def test_an_interrupted_overwrite_keeps_the_old_shards_readable(tmp_path):
     (tmp_path / "s" / MANIFEST).write_text("{not json")
     assert len(write_shards(tmp_path / "s", x[:7], y[:7], shard_rows=10, overwrite=True)) == 7
     assert len(list((tmp_path / "s").glob("embeddings-*.npy"))) == 1
+
+
+def test_a_failed_or_killed_overwrite_leaves_no_orphan_shard_files(tmp_path, monkeypatch):
+    """`embed --format shards --overwrite` that failed (here: the disk full while its fourth
+    file is saved) or was killed left its new shard files (and a `.embeddings-*.npy.tmp`) in the
+    directory for good: the next overwrite removed only the files the old manifest listed. A
+    failed writer removes its own files; an overwrite removes every shard-named file its
+    manifest does not list (the leftovers of a killed one)."""
+    x, y = _data(50)
+    d = tmp_path / "s"
+    write_shards(d, x, y, shard_rows=10)
+    before = sorted(os.listdir(d))
+    real_save, saves = np.save, []
+
+    def disk_full_on_the_fourth(fh, arr, **kwargs):
+        saves.append(1)
+        if len(saves) == 4:
+            fh.write(b"\x93NUMPY")  # part of the file, then the disk is full
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        real_save(fh, arr, **kwargs)
+
+    monkeypatch.setattr(np, "save", disk_full_on_the_fourth)
+    with pytest.raises(OSError):
+        write_shards(d, x[:30] + 1, y[:30], shard_rows=10, overwrite=True)
+    monkeypatch.setattr(np, "save", real_save)
+    assert sorted(os.listdir(d)) == before
+    assert len(open_shards(d, verify=True)) == 50
+    for name in ("embeddings-dead0-00000.npy", "ids-dead0-00000.npy", ".labels-dead0-00001.npy.tmp"):
+        (d / name).write_bytes(b"left by a killed --overwrite")
+    new = write_shards(d, x[:7], y[:7], shard_rows=10, overwrite=True)
+    listed = {shard[key] for shard in new.manifest["shards"] for key in ("embeddings", "labels", "ids")}
+    assert set(os.listdir(d)) == listed | {MANIFEST}
 
 
 def test_an_interrupted_write_leaves_no_manifest_and_is_refused(tmp_path):

@@ -8,9 +8,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from dmlkit.apps.patches import OFFLINE_SUBSETS, OfflineSpec, load_subset
-from dmlkit.apps.patches.offline import build_offline_subset
-from dmlkit.exceptions import ConfigError
+from dmlkit.apps.patches import OFFLINE_SUBSETS, OfflineSpec, brown, load_subset
+from dmlkit.apps.patches.offline import build_offline_dataset, build_offline_subset
+from dmlkit.exceptions import ConfigError, DataError
 
 SPEC = OfflineSpec(points_per_subset=60, views=3, train_pairs=300, test_pairs=120, seed=3)
 
@@ -78,3 +78,34 @@ def test_bad_spec() -> None:
         build_offline_subset("/nonexistent", "liberty")
     with pytest.raises(ConfigError, match="skimage.data"):
         build_offline_subset("/nonexistent", "photos", SPEC, sources=("no_such_image",))
+
+
+def test_an_interrupted_build_leaves_no_half_built_subset_in_use(tmp_path: Path, monkeypatch) -> None:
+    """`patches build-data` killed between a subset's two match files left the subset half-built
+    in place (its old test file deleted, the new one not written), and `patches train` used it
+    without a word: the test list fell back to the smallest m50 file there, the 300-pair
+    training file. The subset is now built beside its folder and moved in once complete, and
+    the manifest (which lists a subset only while its files are complete) gates the readers."""
+    root = tmp_path / "o"
+    small = OfflineSpec(points_per_subset=20, views=2, train_pairs=40, test_pairs=20, seed=1)
+    build_offline_dataset(root, small, ("photos",))
+    before = {p.name: p.read_bytes() for p in (root / "photos").iterdir()}
+    real_write = brown.atomic_write_text
+
+    def killed_before_the_test_pairs(path, text):
+        if Path(path).name == "m50_20_20_0.txt":
+            raise KeyboardInterrupt  # the kill, between the two match files
+        return real_write(path, text)
+
+    monkeypatch.setattr(brown, "atomic_write_text", killed_before_the_test_pairs)
+    with pytest.raises(KeyboardInterrupt):
+        build_offline_dataset(root, OfflineSpec(points_per_subset=20, views=2, train_pairs=40, test_pairs=20,
+                                                seed=2), ("photos",))
+    assert {p.name: p.read_bytes() for p in (root / "photos").iterdir()} == before  # the old subset, whole
+    assert sorted(p.name for p in root.iterdir()) == ["manifest.json", "photos"]  # nothing half-built beside it
+    # a build that did not finish is not in the manifest: its subset is refused, not read
+    with pytest.raises(DataError, match=r"photos.* is not listed in .*manifest\.json.*did not finish"):
+        load_subset(root, "photos")
+    monkeypatch.setattr(brown, "atomic_write_text", real_write)
+    build_offline_dataset(root, small, ("photos",))  # built again: read as before
+    assert sorted(load_subset(root, "photos").matches) == [20, 40]

@@ -1,8 +1,16 @@
 """The report's figure functions on small synthetic inputs: they draw what they are given."""
 
-import numpy as np
-import pytest
+import errno
+import io
+import os
+from pathlib import Path
 
+import numpy as np
+import PIL.Image
+import pytest
+from matplotlib.figure import Figure
+
+import dmlkit.utils
 from dmlkit.exceptions import DataError, ShapeError
 from dmlkit.report import figures
 
@@ -46,6 +54,57 @@ def test_figures_save_png_and_svg(tmp_path):
     assert {p.suffix for p in written} == {".png", ".svg"}
     assert all(p.stat().st_size > 1000 for p in written)
     assert (tmp_path / "map.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def _small_map():
+    x, y = _clustered()
+    return figures.embedding_map(figures.project_2d(x, "pca"), y, "PCA")
+
+
+def test_an_interrupted_save_keeps_the_earlier_figures(tmp_path, monkeypatch):
+    """`dmlkit plot` / `report` drew into the open file (`savefig(path)`): a kill while saving
+    turned a complete map.png / map.svg into a 0-byte or truncated file. The figure is rendered
+    in memory and renamed into place, so an interruption (here a KeyboardInterrupt mid-render
+    for the SVG, mid-write for the PNG) leaves the earlier file as it was."""
+    figures.save_figure(_small_map(), tmp_path / "map")
+    before = {f: (tmp_path / f"map.{f}").read_bytes() for f in ("png", "svg")}
+    real_draw, real_save = Figure.draw, PIL.Image.Image.save
+
+    def draw_then_killed(self, renderer):
+        real_draw(self, renderer)
+        raise KeyboardInterrupt  # the SVG backend draws into the open file
+
+    def half_written_then_killed(self, fp, *args, **kwargs):
+        data = io.BytesIO()
+        real_save(self, data, *args, **kwargs)
+        cut = data.getvalue()[:100]
+        if isinstance(fp, str | os.PathLike):
+            Path(fp).write_bytes(cut)
+        else:
+            fp.write(cut)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(Figure, "draw", draw_then_killed)
+    with pytest.raises(KeyboardInterrupt):
+        figures.save_figure(_small_map(), tmp_path / "map", formats=("svg",))
+    monkeypatch.setattr(Figure, "draw", real_draw)
+    monkeypatch.setattr(PIL.Image.Image, "save", half_written_then_killed)
+    with pytest.raises(KeyboardInterrupt):
+        figures.save_figure(_small_map(), tmp_path / "map", formats=("png",))
+    assert {f: (tmp_path / f"map.{f}").read_bytes() for f in ("png", "svg")} == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["map.png", "map.svg"]
+
+
+def test_a_failed_figure_write_names_the_file(tmp_path, monkeypatch):
+    """Disk full while saving said "file error: No space left on device" (a write error carries
+    no file name) and left a truncated SVG: now one DataError line naming the figure, and no file."""
+    def disk_full(fd):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(dmlkit.utils.os, "fsync", disk_full)
+    with pytest.raises(DataError, match=r"cannot write .*map\.svg: No space left.*disk is full"):
+        figures.save_figure(_small_map(), tmp_path / "map", formats=("svg",))
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_histogram_panel_titles_show_js():

@@ -5,10 +5,12 @@ from __future__ import annotations
 import json
 import math
 import os
+from pathlib import Path
 
 import numpy as np
+import pytest
 
-from dmlkit.utils import atomic_write_json, atomic_write_text
+from dmlkit.utils import atomic_write_json, atomic_write_text, os_error_message
 
 
 def test_result_files_respect_the_umask(tmp_path):
@@ -93,3 +95,22 @@ def test_atomic_writes_refuse_non_regular_files_and_write_through_links(tmp_path
     link.symlink_to(real)
     atomic_write_json(link, {"a": 1})
     assert link.is_symlink() and json.loads(real.read_text()) == {"a": 1}
+
+
+@pytest.mark.parametrize("make_dir", [lambda p: Path(p).mkdir(parents=True, exist_ok=True),
+                                      lambda p: os.makedirs(p, exist_ok=True)],
+                         ids=["Path.mkdir", "os.makedirs"])
+def test_a_file_where_an_output_folder_goes_is_named_as_in_the_way(tmp_path, make_dir):
+    """`evaluate --per-class afile/pc.json`, `export -o afile/m.onnx`, `embed -o afile/e.npz` said
+    "cannot access afile: File exists" (the EEXIST of creating the folder afile) where
+    train / index / report say "Not a directory (a file is in the way ...)": the same words now.
+    An exclusive create of an existing file keeps "File exists"."""
+    afile = tmp_path / "afile"
+    afile.write_text("")
+    with pytest.raises(FileExistsError) as blocked:
+        make_dir(afile)
+    message = os_error_message(blocked.value, writing=True)
+    assert message == f"cannot write {afile}: Not a directory (a file is in the way where a directory is needed)"
+    with pytest.raises(FileExistsError) as exclusive:
+        os.close(os.open(afile, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+    assert os_error_message(exclusive.value) == f"cannot access {afile}: File exists"

@@ -65,6 +65,8 @@ _F16_TINY = float(np.finfo(np.float16).tiny)  # smallest normal, ~6.1e-5
 _F32_MAX = float(np.finfo(np.float32).max)
 #: Default rows per shard: 256 MiB of float32 at D = 128 per 512k rows; 64k rows is ~16-32 MiB.
 DEFAULT_SHARD_ROWS = 65536
+#: The files of one shard, by manifest key (``<key>-<part><number>.npy``).
+_SHARD_KEYS = ("embeddings", "labels", "ids")
 
 
 class RowIndexError(ShapeError, IndexError):
@@ -137,20 +139,17 @@ class ShardWriter:
         self._buf_labels = np.empty(self.shard_rows, np.int64)
         self._buf_ids = np.empty(self.shard_rows, np.int64)
         self._fill = 0
+        self._written: set[str] = set()  # this writer's shard (and .tmp) file names
         self._closed = False
         self._f16_small = 0  # values below float16's smallest normal, over every batch
 
     def _old_files(self) -> set[str]:
-        """The shard files of the directory's current data, removed once the new manifest is in
-        place: those its manifest lists, or, where it cannot be read, every file named like a
-        shard (``embeddings-*.npy``, ``labels-*.npy``, ``ids-*.npy``)."""
-        try:
-            old = json.loads((self.directory / MANIFEST).read_text(encoding="utf-8"))
-            return {name for shard in old["shards"] for key in ("embeddings", "labels", "ids")
-                    if isinstance(name := shard.get(key), str) and name and Path(name).name == name}
-        except (OSError, ValueError, KeyError, TypeError, AttributeError):
-            return {p.name for pattern in ("embeddings-*.npy", "labels-*.npy", "ids-*.npy")
-                    for p in self.directory.glob(pattern)}
+        """The files an overwrite replaces, removed once the new manifest is in place: those the
+        manifest lists and every other shard-named file (``embeddings-*.npy``, ``labels-*.npy``,
+        ``ids-*.npy``, ``.<shard>.tmp``), the leftovers of a killed overwrite (kept for good)."""
+        return _manifest_files(self.directory) | {
+            p.name for key in _SHARD_KEYS for pattern in (f"{key}-*.npy", f".{key}-*.npy.tmp")
+            for p in self.directory.glob(pattern)}
 
     def __enter__(self) -> ShardWriter:
         return self
@@ -158,8 +157,10 @@ class ShardWriter:
     def __exit__(self, exc_type, exc, tb) -> None:
         if exc_type is None:
             self.close()
-        else:
-            self._closed = True  # no manifest: the directory stays visibly incomplete
+            return
+        self._closed = True  # no manifest (visibly incomplete), and no own file a manifest does not list
+        for name in self._written - _manifest_files(self.directory):
+            (self.directory / name).unlink(missing_ok=True)
 
     def append(self, embeddings: Any, labels: Any, ids: Any | None = None) -> None:
         """Add a batch: ``(B, D)`` embeddings, ``(B,)`` integer labels, optional ``(B,)`` int ids
@@ -204,13 +205,14 @@ class ShardWriter:
         if self._fill == 0:
             return
         i = len(self.shards)
-        names = {key: f"{key}-{self._prefix}{i:05d}.npy" for key in ("embeddings", "labels", "ids")}
+        names = {key: f"{key}-{self._prefix}{i:05d}.npy" for key in _SHARD_KEYS}
         arrays = {"embeddings": self._buf[: self._fill], "labels": self._buf_labels[: self._fill],
                   "ids": self._buf_ids[: self._fill]}
         digests = {}
         for key, name in names.items():
             path = self.directory / name
             tmp = path.with_name(f".{name}.tmp")
+            self._written.update((name, tmp.name))  # before they exist: a failure removes them
             with open(tmp, "wb") as fh:
                 np.save(fh, arrays[key], allow_pickle=False)
             os.replace(tmp, path)
@@ -244,6 +246,16 @@ class ShardWriter:
         return self.directory
 
 
+def _manifest_files(directory: Path) -> set[str]:
+    """The shard file names ``directory``'s manifest lists (plain names; none if unreadable)."""
+    try:
+        manifest = json.loads((directory / MANIFEST).read_text(encoding="utf-8"))
+        return {name for shard in manifest["shards"] for key in _SHARD_KEYS
+                if isinstance(name := shard.get(key), str) and name and Path(name).name == name}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return set()
+
+
 def write_manifest(directory: str | os.PathLike, shards: list[dict[str, Any]], *, dim: int, dtype: str,
                    shard_rows: int, metadata: Mapping[str, Any] | None = None,
                    replaced: set[str] | None = None) -> None:
@@ -256,7 +268,7 @@ def write_manifest(directory: str | os.PathLike, shards: list[dict[str, Any]], *
                 "dtype": dtype, "label_dtype": "int64", "id_dtype": "int64",
                 "shard_rows": int(shard_rows), "shards": shards, "metadata": dict(metadata or {})}
     atomic_write_json(directory / MANIFEST, manifest)
-    kept = {shard[key] for shard in shards for key in ("embeddings", "labels", "ids")}
+    kept = {shard[key] for shard in shards for key in _SHARD_KEYS}
     for name in (replaced or set()) - kept:  # the replaced data, now unreferenced
         (directory / name).unlink(missing_ok=True)
 

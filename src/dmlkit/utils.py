@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import hashlib
+import io
 import json
 import os
 import platform
@@ -28,6 +29,7 @@ from dmlkit.exceptions import CheckpointError, DataError, DataNotFoundError, Dml
 
 __all__ = [
     "atomic_write_bytes",
+    "atomic_write_figure",
     "atomic_write_json",
     "atomic_write_text",
     "directory_lock",
@@ -119,6 +121,24 @@ def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> Path:
     with contextlib.suppress(OSError):  # the rename is durable once the folder is flushed (some
         fsync_path(path.parent)  # network file systems cannot flush a folder: the write stands)
     return path
+
+
+def atomic_write_figure(fig: Any, path: str | os.PathLike, **savefig: Any) -> Path:
+    """Write the matplotlib figure ``fig`` to ``path`` in the format its suffix names (``.png``,
+    ``.svg``, ...; none: PNG), with ``fig.savefig``'s options ``savefig``.
+
+    The figure is rendered in memory first and the bytes written by :func:`atomic_write_bytes`:
+    ``savefig(path)`` truncated the file before drawing into it, so a kill left a 0-byte figure
+    where a complete one stood, and a full disk a truncated one. A failed write (full disk, no
+    permission, a file in the way) is one :class:`~dmlkit.exceptions.DataError` line that names
+    ``path`` (a ``write`` error carries no file name) and leaves the old file as it was."""
+    path = Path(path)
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format=path.suffix[1:].lower() or "png", **savefig)
+    try:
+        return atomic_write_bytes(path, buffer.getvalue())
+    except OSError as exc:
+        raise DataError(os_error_message(exc, path, writing=True)) from None
 
 
 def fsync_path(path: str | os.PathLike) -> None:
@@ -339,9 +359,29 @@ def os_error_message(exc: OSError, path: str | os.PathLike | None = None, *, wri
              errno.EISDIR: "a directory is in the way: pass a file path",
              errno.ENOTDIR: "a file is in the way where a directory is needed",
              errno.ENOENT: "no such file or directory: check the path"}
-    reason = exc.strerror or str(exc) or type(exc).__name__
-    hint = hints.get(exc.errno)
+    code = errno.ENOTDIR if _mkdir_blocked_by_file(exc) else exc.errno
+    reason = os.strerror(code) if code != exc.errno else exc.strerror or str(exc) or type(exc).__name__
+    hint = hints.get(code)
     return f"{what}: {reason}" + (f" ({hint})" if hint else "")
+
+
+def _mkdir_blocked_by_file(exc: OSError) -> bool:
+    """Whether ``exc`` is the ``EEXIST`` of creating a directory where a file stands (the
+    ``Path.mkdir(parents=True, exist_ok=True)`` or ``os.makedirs`` of ``afile`` for an output
+    ``afile/out.json``): a file in the way, as the ``ENOTDIR`` of a path further below a file
+    says, not "File exists". The ``EEXIST`` of any other call (an exclusive create) keeps its
+    own words."""
+    if exc.errno != errno.EEXIST or exc.__traceback__ is None:
+        return False
+    if not isinstance(exc.filename, str | bytes | os.PathLike):
+        return False
+    tb = exc.__traceback__
+    while tb.tb_next is not None:  # the innermost Python frame: the function that raised it
+        tb = tb.tb_next
+    if tb.tb_frame.f_code.co_name not in ("mkdir", "makedirs"):
+        return False
+    path = Path(os.fsdecode(exc.filename))
+    return path.exists() and not path.is_dir()
 
 
 # -- moved names --------------------------------------------------------------------------

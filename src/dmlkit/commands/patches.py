@@ -210,6 +210,7 @@ def evaluate(
         scored_subset_id,
         subsets_root,
     )
+    from dmlkit.utils import atomic_write_figure
 
     archs = results["architectures"]
     name = arch or min(archs, key=lambda a: results["mean"][a]["fpr95"])
@@ -250,6 +251,5 @@ def evaluate(
                     "pass --rescore to score the checkpoints on this data, or point --data-root / data.root "
                     "at the data the run was tested on")
         fig = hardest_pairs_figure(sub.patches, left, right, label, scores, k=k, title=title)
-    figure.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(figure, dpi=120)
+    atomic_write_figure(fig, figure, dpi=120)  # a killed or failed save keeps the earlier file
     typer.echo(f"figure -> {figure}")

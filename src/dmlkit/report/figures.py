@@ -40,6 +40,7 @@ from matplotlib.figure import Figure
 
 from dmlkit.exceptions import ConfigError, DataError, ShapeError
 from dmlkit.protocol.compare import relative_percent
+from dmlkit.utils import atomic_write_figure
 from dmlkit.validation import check_embeddings
 
 __all__ = [
@@ -79,18 +80,16 @@ def save_figure(fig: Figure, path_without_suffix: str | os.PathLike, formats: Se
 
     A ``.png``/``.svg`` ending of ``path`` is dropped; any other dot stays part of the name
     (``lr0.001`` -> ``lr0.001.png``: replacing the "suffix" wrote ``lr0.png``, and ``lr0.01``
-    then overwrote it)."""
+    then overwrote it). Each file is written atomically (:func:`~dmlkit.utils.atomic_write_figure`):
+    a killed or failed save leaves the earlier figure or none, never a truncated one."""
     base = Path(path_without_suffix)
     if base.suffix.lower() in (".png", ".svg"):
         base = base.with_suffix("")
-    base.parent.mkdir(parents=True, exist_ok=True)
-    written = []
-    for fmt in formats:
-        out = base.parent / f"{base.name}.{fmt}"
-        fig.savefig(out, bbox_inches="tight")
-        written.append(out)
-    plt.close(fig)
-    return written
+    try:
+        return [atomic_write_figure(fig, base.parent / f"{base.name}.{fmt}", bbox_inches="tight")
+                for fmt in formats]
+    finally:
+        plt.close(fig)
 
 
 # -- training curves -------------------------------------------------------------------------

@@ -20,7 +20,12 @@ Zagoruyko & Komodakis (CVPR 2015): train on one subset, test on the 100k pairs o
 
 from __future__ import annotations
 
+import contextlib
+import json
+import os
 import re
+import shutil
+import uuid
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,7 +33,7 @@ from pathlib import Path
 import numpy as np
 
 from dmlkit.exceptions import DataError, DataNotFoundError, ShapeError
-from dmlkit.utils import atomic_write_bytes, atomic_write_text
+from dmlkit.utils import atomic_write_bytes, atomic_write_text, fsync_path
 
 __all__ = [
     "BROWN_SUBSETS",
@@ -266,7 +271,32 @@ def subset_folder(root: str | Path, name: str) -> Path:
             else "build it with `dmlkit patches build-data`"
         )
         raise DataNotFoundError(f"patch subset '{name}' not found at {folder}: {hint}")
+    _check_build_finished(folder, name)
     return folder
+
+
+#: The record of ``dmlkit patches build-data`` beside the subsets it built.
+BUILD_MANIFEST = "manifest.json"
+
+
+def _check_build_finished(folder: Path, name: str) -> None:
+    """Refuse a subset folder beside a ``manifest.json`` of ``dmlkit patches build-data`` that
+    the manifest does not list: the build records a subset only once all its files are written
+    (and drops it before rebuilding it), so the folder is a build that was killed or failed
+    part-way; read anyway, a subset without its test ``m50`` file was tested on its training
+    pairs without a word. No manifest (the Brown data, a folder written otherwise): no check."""
+    real = folder.resolve()
+    manifest = real.parent / BUILD_MANIFEST
+    try:
+        built = json.loads(manifest.read_text(encoding="utf-8"))["subsets"]
+    except (OSError, ValueError, KeyError, TypeError):  # none, or not build-data's
+        return
+    if isinstance(built, dict) and real.name not in built:
+        raise DataError(
+            f"patch subset '{name}' at {folder} is not listed in {manifest}: its `dmlkit patches build-data` "
+            f"did not finish (killed or failed part-way); build it again with `dmlkit patches build-data "
+            f"-o {real.parent} --subset {real.name}` (and its settings), or move a subset that build-data "
+            f"did not make out of {real.parent}")
 
 
 def load_subset(root: str | Path, name: str) -> PatchSubset:
@@ -288,13 +318,14 @@ def write_brown_subset(
 
     ``patches``: uint8 ``(N, 64, 64)``; sheets ``patches%04d.bmp`` of 16 x 16 patches, the last
     one padded with black. ``pairs[n]`` is written to ``m50_<n>_<n>_0.txt`` (``n == len``).
-    Everything is checked before the folder is touched; the sheets and ``m50`` files of an
-    earlier subset in ``folder`` are removed (stale pair files would be read as this subset's).
+    Everything is checked before the folder is touched. The files are written into a hidden
+    sibling folder (``.<name>.building-*``) and moved into place when all are there: a write
+    killed part-way left a half-built subset (the training ``m50`` file without the test one,
+    which the protocol then silently replaced by the training file) and now leaves the earlier
+    subset or none. The sheets and ``m50`` files of an earlier subset in ``folder`` are removed
+    (stale pair files would be read as this subset's); any other file there is the user's and
+    stays.
     """
-    import io
-
-    from PIL import Image
-
     folder = Path(folder)
     patches = np.asarray(patches)
     point_ids, image_ids = np.asarray(point_ids), np.asarray(image_ids)
@@ -314,14 +345,32 @@ def write_brown_subset(
         files[f"m50_{count}_{count}_0.txt"] = "".join(
             f"{a} {b} 0 {c} {d} 0 0\n" for a, b, c, d in zip(pp.left.tolist(), pl.tolist(), pp.right.tolist(), pr.tolist())
         )
-    folder.mkdir(parents=True, exist_ok=True)
+    if folder.exists() and not folder.is_dir():
+        raise DataError(f"{folder} is a file, not a subset folder: choose another path")
+    target = folder.resolve() if folder.is_symlink() else folder  # a linked folder stays where it is
+    target.parent.mkdir(parents=True, exist_ok=True)
+    building = f".{target.name}.building-"
+    for stale in [p for p in target.parent.iterdir() if p.name.startswith(building)]:  # a killed write's
+        shutil.rmtree(stale, ignore_errors=True)
+    staging = target.parent / f"{building}{uuid.uuid4().hex[:12]}"
+    staging.mkdir()  # the mode a new folder gets (mkdtemp's 0700 would become the subset's)
+    try:
+        _write_layout(staging, patches, point_ids, image_ids, files)
+        _move_into_place(staging, target)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)  # gone once moved; a failed write's files
+    return folder
+
+
+def _write_layout(folder: Path, patches: np.ndarray, point_ids: np.ndarray, image_ids: np.ndarray,
+                  match_texts: dict[str, str]) -> None:
+    """The sheets, ``info.txt`` and the ``m50`` files (``{name: text}``) into the empty ``folder``."""
+    import io
+
+    from PIL import Image
+
     per_sheet = _PER_SIDE * _PER_SIDE
-    # only the files the layout reads (sheets patches<4 digits>.bmp, m50 files): any other file of
-    # the folder, another .bmp included, is the user's
-    old_m50 = (f for f in folder.glob("m50_*.txt") if _MATCH_RE.match(f.name))
-    for old in [*numbered_sheets(folder).values(), *old_m50]:
-        old.unlink()
-    for s in range(0, n, per_sheet):
+    for s in range(0, len(patches), per_sheet):
         chunk = patches[s : s + per_sheet]
         full = np.zeros((per_sheet, PATCH_SIZE, PATCH_SIZE), np.uint8)
         full[: len(chunk)] = chunk
@@ -330,6 +379,39 @@ def write_brown_subset(
         Image.fromarray(sheet.reshape(_SHEET, _SHEET), mode="L").save(buf, format="BMP")
         atomic_write_bytes(folder / f"patches{s // per_sheet:04d}.bmp", buf.getvalue())
     atomic_write_text(folder / "info.txt", "".join(f"{p} {i}\n" for p, i in zip(point_ids.tolist(), image_ids.tolist())))
-    for name, lines in files.items():
+    for name, lines in match_texts.items():
         atomic_write_text(folder / name, lines)
-    return folder
+
+
+def _layout_files(folder: Path) -> list[Path]:
+    """The files of ``folder`` that the layout reads: sheets ``patches<4 digits>.bmp``,
+    ``info.txt`` and ``m50`` files. Any other file (another ``.bmp`` included) is the user's."""
+    m50 = [f for f in folder.glob("m50_*.txt") if _MATCH_RE.match(f.name)]
+    info = [folder / "info.txt"] if (folder / "info.txt").is_file() else []
+    return [*numbered_sheets(folder).values(), *info, *m50]
+
+
+def _move_into_place(staging: Path, folder: Path) -> None:
+    """Make the complete subset in ``staging`` the subset at ``folder``. A new folder, or one
+    holding only an earlier subset's files, is swapped whole (two renames: a kill leaves the old
+    subset, or no folder); a folder that also holds the user's files keeps them, and only the
+    layout's files are replaced there, one rename each."""
+    if folder.exists() and {p.name for p in folder.iterdir()} != {p.name for p in _layout_files(folder)}:
+        for old in _layout_files(folder):
+            old.unlink()
+        for new in sorted(staging.iterdir(), key=lambda p: p.name.startswith("m50_")):  # pairs last
+            os.replace(new, folder / new.name)
+    else:
+        old_subset = staging.with_name(staging.name + ".old")  # matched by the stale-folder sweep
+        if folder.exists():
+            folder.rename(old_subset)
+        try:
+            staging.rename(folder)
+        except BaseException:
+            if old_subset.exists():
+                old_subset.rename(folder)  # the earlier subset back where it was
+            raise
+        shutil.rmtree(old_subset, ignore_errors=True)
+    with contextlib.suppress(OSError):  # the renames are durable once the folders are flushed
+        fsync_path(folder)
+        fsync_path(folder.parent)

@@ -39,7 +39,7 @@ from pathlib import Path
 
 import numpy as np
 
-from dmlkit.apps.patches.brown import PATCH_SIZE, PatchPairs, write_brown_subset
+from dmlkit.apps.patches.brown import BUILD_MANIFEST, PATCH_SIZE, PatchPairs, write_brown_subset
 from dmlkit.exceptions import ConfigError, DataError, require
 from dmlkit.utils import atomic_write_json
 from dmlkit.validation import check_seed
@@ -297,7 +297,10 @@ def build_offline_dataset(root: str | Path, spec: OfflineSpec | None = None, sub
     ``root/manifest.json``: each subset's settings, scikit-image version, points per source and
     file digests. Subsets built earlier into the same root and not rebuilt now keep their
     records (with their own settings), so building one subset at a time loses nothing; the
-    top-level ``spec`` and ``scikit_image`` are this build's."""
+    top-level ``spec`` and ``scikit_image`` are this build's. The manifest is the completion
+    record: written without a subset before that subset is touched and with it once its files
+    are all written, so it never lists a subset being (re)built; the subset of a killed build
+    is refused by :func:`~dmlkit.apps.patches.brown.subset_folder`."""
     skimage = require("skimage", "patches")
 
     spec = spec or OfflineSpec()
@@ -309,8 +312,12 @@ def build_offline_dataset(root: str | Path, spec: OfflineSpec | None = None, sub
         if name not in OFFLINE_SUBSETS:
             raise ConfigError(f"unknown offline subset '{name}': choose one of {', '.join(OFFLINE_SUBSETS)}")
     summary: dict = {"spec": asdict(spec), "scikit_image": skimage.__version__,
-                     "subsets": _earlier_subsets(root, names)}
+                     "subsets": _earlier_subsets(root)}
     for name in names:
+        # before the subset is touched: the manifest lists a subset only while its files are
+        # complete, and `patches train` / `evaluate` refuse a built folder it does not list
+        summary["subsets"].pop(name, None)
+        atomic_write_json(root / BUILD_MANIFEST, summary)
         info = build_offline_subset(root / name, name, spec)
         info["spec"], info["scikit_image"] = asdict(spec), skimage.__version__
         info["sha256"] = {
@@ -318,18 +325,17 @@ def build_offline_dataset(root: str | Path, spec: OfflineSpec | None = None, sub
         }
         summary["subsets"][name] = info
         # after every subset: a later failure leaves a manifest that describes the files on disk
-        atomic_write_json(root / "manifest.json", summary)
+        atomic_write_json(root / BUILD_MANIFEST, summary)
     return summary
 
 
-def _earlier_subsets(root: Path, rebuilt: tuple[str, ...]) -> dict:
-    """The records of ``root/manifest.json`` for subsets still on disk and not ``rebuilt``, each
+def _earlier_subsets(root: Path) -> dict:
+    """The records of ``root/manifest.json`` for subsets still on disk, each
     with the settings it was built with (a record from before per-subset settings takes the
     manifest's); nothing from a missing or unreadable manifest."""
     try:
-        earlier = json.loads((root / "manifest.json").read_text(encoding="utf-8"))
-        kept = {name: dict(info) for name, info in earlier["subsets"].items()
-                if name not in rebuilt and (root / name).is_dir()}
+        earlier = json.loads((root / BUILD_MANIFEST).read_text(encoding="utf-8"))
+        kept = {name: dict(info) for name, info in earlier["subsets"].items() if (root / name).is_dir()}
         for info in kept.values():
             info.setdefault("spec", earlier.get("spec"))
             info.setdefault("scikit_image", earlier.get("scikit_image"))
