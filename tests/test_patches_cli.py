@@ -76,6 +76,14 @@ def test_train_then_evaluate(data: Path, tmp_path: Path, capsys) -> None:
     code, out, err = _run(["patches", "evaluate", str(run), "--figure", str(fig), "--arch", "2ch", "-k", "4"], capsys)
     assert code == 0, err
     assert fig.stat().st_size > 1000 and "2ch" in out and "mean" in out
+    # a figure that cannot be written: one error line and nothing on stdout (the table came first)
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    code, out, err = _run(["patches", "evaluate", str(run), "--figure", str(blocker / "hard.png")], capsys)
+    assert code == 2 and out == "" and "a_file" in err
+    # --json: stdout is the JSON alone (the figure's line goes to stderr)
+    code, out, err = _run(["patches", "evaluate", str(run), "--figure", str(fig), "--json"], capsys)
+    assert code == 0 and json.loads(out)["rows"] == table["rows"] and "figure ->" in err
     # resuming loads the checkpoints instead of training again
     code, _, err = _run(["patches", "train", str(cfg), "-o", str(run)], capsys)
     assert code == 0 and "loaded" in err

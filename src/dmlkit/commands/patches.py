@@ -195,8 +195,8 @@ def evaluate(
             raise DataError(f"{res_file} is not a results.json of dmlkit patches train (or is damaged): "
                             "rerun `dmlkit patches train`, or score the checkpoints with --rescore")
         _check_results_of_config(run_dir, results)
-    _print_table(results, f"FPR95 (%), {run_dir}", as_json)
     if figure is None:
+        _print_table(results, f"FPR95 (%), {run_dir}", as_json)
         return
     import zipfile
 
@@ -252,4 +252,6 @@ def evaluate(
                     "at the data the run was tested on")
         fig = hardest_pairs_figure(sub.patches, left, right, label, scores, k=k, title=title)
     atomic_write_figure(fig, figure, dpi=120)  # a killed or failed save keeps the earlier file
-    typer.echo(f"figure -> {figure}")
+    # the table after the figure: a figure that cannot be written leaves nothing on stdout
+    _print_table(results, f"FPR95 (%), {run_dir}", as_json)
+    typer.echo(f"figure -> {figure}", err=as_json)  # stdout holds only the JSON

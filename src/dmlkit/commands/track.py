@@ -225,10 +225,8 @@ def _clear_earlier_boxes(out_dir: Path) -> None:
 def _write_evaluation(out_dir: Path, name: str, results: dict, boxes: dict, title: str) -> None:
     """Write method ``name``'s boxes, then ``results.json`` and ``ope.png`` of every method
     finished so far (``results``), each file atomically: an interrupted evaluation keeps them."""
-    import io
-
     from dmlkit.apps.tracking import plot_ope
-    from dmlkit.utils import atomic_write_bytes, atomic_write_json, atomic_write_text
+    from dmlkit.utils import atomic_write_figure, atomic_write_json, atomic_write_text
 
     for seq_name, b in boxes.items():
         atomic_write_text(out_dir / "boxes" / name / f"{seq_name}.txt",
@@ -238,11 +236,9 @@ def _write_evaluation(out_dir: Path, name: str, results: dict, boxes: dict, titl
     import matplotlib.pyplot as plt
 
     try:
-        buffer = io.BytesIO()
-        fig.savefig(buffer, format="png", dpi=120)
+        atomic_write_figure(fig, out_dir / "ope.png", dpi=120)
     finally:
         plt.close(fig)
-    atomic_write_bytes(out_dir / "ope.png", buffer.getvalue())
 
 
 @track_app.command("evaluate")
