@@ -77,6 +77,18 @@ def run_cli(capsys):
 
 
 @pytest.fixture(scope="module")
+def one_torch_thread():
+    """One torch intra-op thread for a whole module (use with ``pytestmark =
+    pytest.mark.usefixtures("one_torch_thread")``), restored afterwards: on tiny tensors OpenMP
+    hand-offs stall for tens of milliseconds an op on a busy shared CPU (two spin-waiting
+    threads made the tracking tests 5x slower), with the same results either way."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
 def one_faiss_thread():
     """One faiss OpenMP thread for a whole module (use with ``pytestmark =
     pytest.mark.usefixtures("one_faiss_thread")``): tiny indexes only spin-wait on a busy

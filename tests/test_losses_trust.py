@@ -43,14 +43,7 @@ PARAMS = {
 NAMES = sorted(LOSSES)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """The batches here are tiny: one intra-op thread avoids OpenMP hand-offs that stall for
-    tens of milliseconds per op on a shared, busy CPU (restored afterwards)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def make(name: str) -> BaseLoss:

@@ -29,14 +29,7 @@ from dmlkit.apps.tracking import (
 from dmlkit.apps.tracking.evaluation import SUCCESS_THRESHOLDS
 from dmlkit.exceptions import ConfigError, ShapeError
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """One torch thread: on a busy shared CPU two spin-waiting threads were 5x slower."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 # ---------------------------------------------------------------- model
 

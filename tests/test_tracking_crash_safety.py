@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-import torch
 import yaml
 from PIL import Image
 
@@ -34,13 +33,7 @@ def _interrupt_call(monkeypatch, owner, name, at):
     monkeypatch.setattr(owner, name, interrupted)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """One torch thread: on a busy shared CPU two spin-waiting threads were 5x slower."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 # ---------------------------------------------------------------- track train into a used folder
