@@ -26,8 +26,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+import typer
 import yaml
 
+from dmlkit import cli
 from dmlkit.apps.patches.protocol import PatchExperimentConfig
 from dmlkit.cli import app, main
 from dmlkit.exceptions import CheckpointError
@@ -143,6 +145,8 @@ def build_inputs(d: Path) -> Path:
     (d / "frames").mkdir()
     for i in range(2):
         Image.fromarray(rng.integers(0, 255, (32, 32, 3), dtype=np.uint8)).save(d / "frames" / f"{i:04d}.png")
+    clip = [Image.fromarray(rng.integers(0, 255, (32, 32, 3), dtype=np.uint8)) for _ in range(2)]
+    clip[0].save(d / "victim_clip.gif", save_all=True, append_images=clip[1:])  # a video to track
     run = d / "run_trunc_ckpt"
     (run / "checkpoints").mkdir(parents=True)
     shutil.copy(REPO / "configs" / "quickstart.yaml", run / "config.yaml")
@@ -154,6 +158,8 @@ def build_inputs(d: Path) -> Path:
     # an index to query
     _run(["index", str(good), "-o", str(d / "index.npz")])
     (d / "garbage_index.npz").write_bytes(rng.bytes(512))
+    _run(["index", str(good), "-o", str(d / "damaged_index_dir")])
+    (d / "damaged_index_dir" / "vectors.npy").write_bytes(rng.bytes(512))
     return d
 
 
@@ -171,6 +177,9 @@ def _run(argv: list[str]) -> tuple[int, str, str]:
             code = 0 if exc.code is None else exc.code
     return code, out.getvalue(), err.getvalue()
 
+
+#: A count no option may take (10**23 - 1): every count option has an upper bound.
+HUGE = "99999999999999999999999"
 
 # (id, argv); "{d}" is the fixture directory. Every command of `dmlkit --help` appears.
 CASES: list[tuple[str, list[str]]] = [
@@ -395,6 +404,43 @@ CASES: list[tuple[str, list[str]]] = [
                                         "--methods", "ncc"]),
     ("track-evaluate-unknown-method", ["track", "evaluate", "{d}/emptydir", "--methods", "bogus"]),
     ("track-build-data-bad-size", ["track", "build-data", "{d}/runs/td", "--size", "big"]),
+    # files that are no video (imageio's numpy plugin reads .npz: an empty one was "aborted", exit 130)
+    ("track-frames-empty-npz", ["track", "--frames", "{d}/empty.npz", "--init-box", "1,2,3,4", "--method", "ncc"]),
+    ("track-frames-garbage-npz", ["track", "--frames", "{d}/garbage.npz", "--init-box", "1,2,3,4", "--method", "ncc"]),
+    ("track-frames-embeddings-npz", ["track", "--frames", "{d}/good.npz", "--init-box", "1,2,3,4", "--method", "ncc"]),
+    ("track-output-over-its-video", ["track", "--frames", "{d}/victim_clip.gif", "--init-box", "1,2,3,4",
+                                     "--method", "ncc", "-o", "{d}/victim_clip.gif"]),
+    ("track-boxes-over-its-video", ["track", "--frames", "{d}/victim_clip.gif", "--init-box", "1,2,3,4",
+                                    "--method", "ncc", "--boxes", "{d}/victim_clip.gif"]),
+    # counts beyond dmlkit.limits (or a module's own bound): tracebacks, allocations or endless loops
+    ("bench-threads-huge", ["bench", "configs/bench_quick.yaml", "-o", "{d}/runs/b", "--threads", HUGE]),
+    ("track-threads-huge", ["track", "--frames", "{d}/frames", "--init-box", "1,2,3,4", "--method", "untrained",
+                            "--threads", HUGE]),
+    ("track-evaluate-threads-huge", ["track", "evaluate", "{d}/emptydir", "--methods", "ncc", "--threads", HUGE]),
+    ("track-train-threads-huge", ["track", "train", "configs/siamfc_offline.yaml", "-o", "{d}/runs/s",
+                                  "--data-dir", "{d}/emptydir", "--set", f"threads={HUGE}"]),
+    ("patches-train-threads-huge", ["patches", "train", "configs/patches_offline.yaml", "-o", "{d}/runs/p",
+                                    "--data-root", "{d}/emptydir", "--set", f"training.threads={HUGE}"]),
+    ("compare-resamples-huge", ["compare", "{d}/nan_results.json", "-B", "10000000000"]),
+    ("plot-histograms-bins-huge", ["plot", "histograms", "{d}/good.npz", "--bins", HUGE, "-o", "{d}/fig"]),
+    ("patches-build-data-pairs-huge", ["patches", "build-data", "-o", "{d}/runs/pd", "--train-pairs", HUGE]),
+    ("patches-build-data-views-huge", ["patches", "build-data", "-o", "{d}/runs/pd", "--views", HUGE]),
+    ("track-build-data-frames-huge", ["track", "build-data", "{d}/runs/td", "--frames", HUGE]),
+    ("track-build-data-train-huge", ["track", "build-data", "{d}/runs/td", "--train", HUGE]),
+    ("export-opset-huge", ["export", "{d}/run_trunc_ckpt", "--opset", HUGE]),
+    ("export-opset-0", ["export", "{d}/run_trunc_ckpt", "--opset", "0"]),
+    ("fewshot-episodes-huge", ["fewshot", "{d}/good.npz", "--episodes", HUGE]),
+    # a damaged index: np.load's "pickled (object) data ... allow_pickle" sent users after a setting
+    ("index-add-to-corrupt-index", ["index", "{d}/good.npz", "-o", "{d}/garbage_index.npz", "--add"]),
+    ("query-corrupt-index-directory", ["query", "{d}/damaged_index_dir", "{d}/good.npz"]),
+    # options that would be silently unused or mean a default
+    ("evaluate-restarts-without-clustering", ["evaluate", "{d}/good.npz", "-m", "map_at_r", "--restarts", "7"]),
+    ("evaluate-seed-without-clustering", ["evaluate", "{d}/good.npz", "-m", "map_at_r", "--seed", "5"]),
+    ("index-empty-kind", ["index", "{d}/good.npz", "-o", "{d}/out_index.npz", "--kind", ""]),
+    ("index-empty-distance", ["index", "{d}/good.npz", "-o", "{d}/out_index.npz", "--distance", ""]),
+    # refused before the embedding work, not after it
+    ("report-output-a-folder", ["report", "{d}/run_trunc_ckpt", "-o", "{d}/emptydir", "--data-root", "{d}/emptydir"]),
+    ("report-output-empty", ["report", "{d}/run_trunc_ckpt", "-o", "", "--data-root", "{d}/emptydir"]),
 ]
 
 
@@ -442,6 +488,35 @@ EXPECT = {
     "evaluate-shard-manifest-without-dim": "malformed",
     "index-shard-manifest-without-dim": "malformed",
     "embed-dtype-without-shards": "--format shards",
+    "query-corrupt-index": "not a readable .npz file",
+    "serve-corrupt-index": "not a readable .npz file",
+    "index-add-to-corrupt-index": "not a readable .npz file",
+    "query-corrupt-index-directory": "not a readable .npy file",
+    "track-frames-empty-npz": "the file is empty",
+    "track-frames-garbage-npz": "not a readable .npz file",
+    "track-frames-embeddings-npz": "is not a video",
+    "track-output-over-its-video": "would overwrite the input",
+    "track-boxes-over-its-video": "would overwrite the input",
+    "bench-threads-huge": "'--threads': Input should be less than or equal to 1024",
+    "track-threads-huge": "'--threads': Input should be less than or equal to 1024",
+    "track-evaluate-threads-huge": "'--threads': Input should be less than or equal to 1024",
+    "track-train-threads-huge": "less than or equal to 1024",
+    "patches-train-threads-huge": "less than or equal to 1024",
+    "compare-resamples-huge": "less than or equal to 1000000",
+    "plot-histograms-bins-huge": "less than or equal to 1000000",
+    "patches-build-data-pairs-huge": "train_pairs (--train-pairs) must be at most 10000000",
+    "patches-build-data-views-huge": "views (--views) must be at most 32",
+    "track-build-data-frames-huge": "at most 10000 frames (--frames)",
+    "track-build-data-train-huge": "at most 10000 sequences per split (--train)",
+    "export-opset-huge": "--opset must be an integer from",
+    "export-opset-0": "--opset must be an integer from",
+    "fewshot-episodes-huge": "less than or equal to 10000000",
+    "evaluate-restarts-without-clustering": "--restarts sets the k-means runs",
+    "evaluate-seed-without-clustering": "--seed sets the k-means runs",
+    "index-empty-kind": "--kind is empty",
+    "index-empty-distance": "--distance is empty",
+    "report-output-a-folder": "is a folder",
+    "report-output-empty": "is a folder",
 }
 
 
@@ -581,6 +656,32 @@ def test_a_probe_command_writing_provenance_on_a_full_disk(tmp_path, monkeypatch
     code, out, err = _run(["write-provenance"])
     check_one_error(code, out, err)
     assert "provenance.json" in err and "disk is full" in err
+
+
+def test_an_input_that_ends_early_is_an_error_not_an_abort(monkeypatch):
+    """typer turns an EOFError into an abort: a file that ended early (numpy reading an empty
+    file) printed "aborted" and exited 130, as if the user had pressed Ctrl-C."""
+    probe = typer.Typer()
+
+    @probe.command("read")
+    def _read() -> None:
+        raise EOFError("No data left in file")
+
+    @probe.command("other")
+    def _other() -> None:
+        pass
+
+    monkeypatch.setattr(cli, "app", probe)
+    code, out, err = _run(["read"])
+    assert "ended unexpectedly (No data left in file)" in check_one_error(code, out, err)
+
+
+def test_a_thread_count_beyond_the_bound_in_the_environment_is_one_error(files, monkeypatch):
+    """``$DMLKIT_NUM_THREADS`` stands in for ``bench --threads`` and has its bound: 10**23
+    overflowed ``torch.set_num_threads`` with a traceback."""
+    monkeypatch.setenv("DMLKIT_NUM_THREADS", HUGE)
+    code, out, err = _run(["bench", "configs/bench_quick.yaml", "-o", str(files / "runs" / "b")])
+    assert "at most 1024 threads" in check_one_error(code, out, err)
 
 
 # -- hints, units, warnings (item 22) -------------------------------------------------------------

@@ -14,9 +14,12 @@ import pytest
 from dmlkit.apps.verification import stratified_folds
 from dmlkit.embedding_shards import ShardWriter
 from dmlkit.exceptions import ConfigError
+from dmlkit.limits import MAX_BINS, MAX_EPISODES, MAX_RESAMPLES
 from dmlkit.losses.proxy_losses import SoftTripleLoss
+from dmlkit.metrics import pos_neg_histograms
 from dmlkit.metrics.knn import knn
 from dmlkit.models import build_embedder
+from dmlkit.protocol.stats import hierarchical_bootstrap, paired_bootstrap
 from dmlkit.samplers import EpisodeSampler, MPerClassSampler
 from dmlkit.validation import check_integer
 
@@ -41,6 +44,29 @@ def test_accepts_python_and_numpy_integers_as_int():
         assert out == 3 and type(out) is int
     assert check_integer(0, "n", least=0) == 0
     assert "(rows)" in _message(lambda: check_integer(0, "n", hint=" (rows)"))
+
+
+def test_an_upper_bound_is_part_of_the_one_line():
+    assert check_integer(4, "n", most=4) == 4
+    assert "n must be an integer from 1 to 4, got 5" in _message(lambda: check_integer(5, "n", most=4))
+    assert "n must be an integer from 0 to 4 (rows), got -1" in _message(
+        lambda: check_integer(-1, "n", least=0, most=4, hint=" (rows)"))
+
+
+def test_the_bounded_counts_of_the_library_refuse_a_huge_value():
+    """dmlkit.limits: 10**10 resamples allocated 75 GiB, 10**23 bins overflowed torch and 10**23
+    episodes iterated for ever; each is one ConfigError line naming the count."""
+    x = np.eye(4, dtype=np.float32)
+    labels = np.array([0, 0, 1, 1])
+    scores = np.array([[0.5, 0.25, 1.0]])
+    assert f"resamples must be an integer from 1 to {MAX_RESAMPLES}" in _message(
+        lambda: hierarchical_bootstrap(scores, scores, resamples=MAX_RESAMPLES + 1))
+    assert f"resamples must be an integer from 1 to {MAX_RESAMPLES}" in _message(
+        lambda: paired_bootstrap(scores[0], scores[0], resamples=10**10))
+    assert f"bins must be an integer from 2 to {MAX_BINS}" in _message(
+        lambda: pos_neg_histograms(x, labels, bins=10**23))
+    assert f"episodes must be an integer from 1 to {MAX_EPISODES}" in _message(
+        lambda: EpisodeSampler(labels, n_way=2, k_shot=1, n_query=1, episodes=10**23))
 
 
 def _message(call) -> str:

@@ -152,6 +152,15 @@ def _lost_peer_line(exc: Exception) -> str | None:
     return str(lost_peer_error(exc)) if lost_peer(exc) else None
 
 
+def _eof_line(exc: EOFError) -> str:
+    """The one line for an :class:`EOFError` that reached the command line: typer turns it into
+    an abort ("aborted", exit 130, as if the user had stopped the command), but it comes from a
+    file or stream that ended early (numpy reading an empty file, ``input()`` on a closed stdin)."""
+    reason = " ".join(str(exc).split()) or "EOFError"
+    return (f"an input ended unexpectedly ({reason}): a file the command reads is empty or "
+            "truncated, or its standard input is closed")
+
+
 def main(argv: list[str] | None = None) -> None:
     """Entry point of the ``dmlkit`` console script."""
     global _COMMAND
@@ -166,7 +175,10 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(exc.exit_code)
     except typer.Exit as exc:
         sys.exit(exc.exit_code)
-    except typer.Abort:
+    except typer.Abort as exc:
+        if isinstance(exc.__cause__, EOFError):  # not Ctrl-C (typer's Exit(130)): an input ended early
+            _error(_eof_line(exc.__cause__))
+            sys.exit(2)
         _err.print("aborted")
         sys.exit(130)
     except TyperException as exc:  # usage errors: bad options, missing arguments

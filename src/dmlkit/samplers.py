@@ -23,6 +23,7 @@ import numpy as np
 from torch.utils.data import Sampler
 
 from dmlkit.exceptions import ConfigError, DataError
+from dmlkit.limits import MAX_EPISODES
 from dmlkit.validation import check_integer, check_labels, check_seed
 
 __all__ = ["EpisodeSampler", "MPerClassSampler", "split_episode"]
@@ -248,7 +249,8 @@ class EpisodeSampler(_EpochSampler):
     so a batch reshaped to ``(n_way, k_shot + n_query, ...)`` has the support in ``[:, :K]``
     and the queries in ``[:, K:]``; :func:`split_episode` (or :meth:`split`) does that cut.
     Classes are drawn uniformly without replacement among those with at least
-    ``k_shot + n_query`` items; items within a class are distinct.
+    ``k_shot + n_query`` items; items within a class are distinct. ``episodes`` (per epoch) is
+    at most :data:`~dmlkit.limits.MAX_EPISODES` (``10**23`` iterated for ever).
 
     Raises :class:`~dmlkit.exceptions.DataError` when fewer than ``n_way`` classes have enough
     items. ``num_replicas``/``rank``: distributed training, this rank's contiguous share of each
@@ -270,7 +272,7 @@ class EpisodeSampler(_EpochSampler):
         self.n_way = check_integer(n_way, "n_way")
         self.k_shot = check_integer(k_shot, "k_shot")
         self.n_query = check_integer(n_query, "n_query", least=0)
-        self.episodes = check_integer(episodes, "episodes")
+        self.episodes = check_integer(episodes, "episodes", most=MAX_EPISODES)
         arr = _as_label_array(labels)
         classes, members = _class_members(arr)
         need = self.k_shot + self.n_query

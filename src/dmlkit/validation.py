@@ -56,13 +56,18 @@ def check_seed(value: Any, name: str = "seed", bits: int = 32) -> int:
     return int(value)
 
 
-def check_integer(value: Any, name: str, least: int = 1, hint: str = "") -> int:
-    """``value`` as an ``int`` of at least ``least``: a Python or numpy integer, not a bool (``True``
-    is no count) and not a float (``2.5`` was truncated, ``2.0`` hid a computed value), else one
-    :class:`ConfigError` line naming ``name`` (``hint``, e.g. what the number counts, follows it).
-    The one check of every count and size option of the library."""
-    if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < least:
+def check_integer(value: Any, name: str, least: int = 1, hint: str = "", most: int | None = None) -> int:
+    """``value`` as an ``int`` of at least ``least`` (and at most ``most``, when given): a Python
+    or numpy integer, not a bool (``True`` is no count) and not a float (``2.5`` was truncated,
+    ``2.0`` hid a computed value), else one :class:`ConfigError` line naming ``name`` (``hint``,
+    e.g. what the number counts, follows it). The one check of every count and size option of
+    the library; ``most`` (:mod:`dmlkit.limits`) keeps a huge count from overflowing torch or
+    numpy, or from running for ever."""
+    if (isinstance(value, bool) or not isinstance(value, int | np.integer) or value < least
+            or (most is not None and value > most)):
         what = {0: "a non-negative integer", 1: "a positive integer"}.get(least, f"an integer of at least {least}")
+        if most is not None:
+            what = f"an integer from {least} to {most}"
         raise ConfigError(f"{name} must be {what}{hint}, got {value!r}")
     return int(value)
 

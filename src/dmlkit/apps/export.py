@@ -41,6 +41,7 @@ from dmlkit.exceptions import (
 from dmlkit.metrics import evaluate, knn
 from dmlkit.training import build_datasets, load_checkpoint
 from dmlkit.utils import atomic_write_json, os_error_message, read_json_object, sha256_file
+from dmlkit.validation import check_integer
 
 __all__ = ["EmbedderFailure", "ImageEmbedder", "export_model", "load_embedder", "parity_report"]
 
@@ -49,6 +50,23 @@ _SUFFIX = {"onnx": ".onnx", "torchscript": ".pt"}
 _MANIFEST_FORMAT = "dmlkit-export-v1"
 #: The ONNX opset of an export unless the caller picks another.
 _DEFAULT_OPSET = 17
+#: The opsets ``torch.onnx.export`` takes when its private table cannot be read (torch 2.x).
+_FALLBACK_OPSETS = (7, 20)
+
+
+def _check_opset(opset: Any) -> int:
+    """``opset`` as an integer in the range this torch's ONNX exporter supports
+    (``torch.onnx._constants``), else one :class:`ConfigError` line before any work: outside it
+    torch failed after the checkpoint and the images were loaded, ``10**23`` with a TypeError
+    traceback."""
+    try:
+        from torch.onnx import _constants
+
+        low, high = int(_constants.ONNX_MIN_OPSET), int(_constants.ONNX_MAX_OPSET)
+    except (ImportError, AttributeError):  # a private module: a torch release may move it
+        low, high = _FALLBACK_OPSETS
+    return check_integer(opset, "--opset", least=low, most=high,
+                         hint=f" (the default {_DEFAULT_OPSET} exports every dmlkit model)")
 
 
 class EmbedderFailure(RuntimeError):
@@ -417,8 +435,9 @@ def export_model(run_dir: str | os.PathLike, format: str = "onnx", output: str |
             with preprocessing and parity goes to ``<output>.json``. An existing file there is
             replaced only when it is an earlier export (:func:`_refuse_foreign_outputs`).
         parity_samples: real images of the run's test split used for the parity check (at least 12).
-        opset: the ONNX opset (default 17, which exports every dmlkit model); ONNX only
-            (:class:`ConfigError` with ``torchscript``).
+        opset: the ONNX opset (default 17, which exports every dmlkit model), within the range
+            torch's exporter supports (7 to 23 with torch 2.14); ONNX only (:class:`ConfigError`
+            with ``torchscript``).
     """
     import torch
 
@@ -426,7 +445,7 @@ def export_model(run_dir: str | os.PathLike, format: str = "onnx", output: str |
         raise ConfigError(f"unknown export format {format!r}: choose onnx or torchscript")
     if opset is not None and format != "onnx":  # it was ignored: a TorchScript file has no opset
         raise ConfigError(f"--opset applies to ONNX exports only, not --format {format}")
-    opset = _DEFAULT_OPSET if opset is None else opset
+    opset = _DEFAULT_OPSET if opset is None else _check_opset(opset)
     if parity_samples < 12:
         raise ConfigError(f"parity_samples must be at least 12 (top-10 neighbours need 11 others), got {parity_samples}")
     run_dir = Path(run_dir)

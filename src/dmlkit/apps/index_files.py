@@ -25,6 +25,7 @@ import numpy as np
 from dmlkit import __version__
 from dmlkit.apps.index_faiss import _metric, to_gpu
 from dmlkit.data import ClassSplit, load_dataset
+from dmlkit.embedding_files import check_numpy_file
 from dmlkit.exceptions import DataError, DataNotFoundError, DmlkitError, require
 from dmlkit.training import load_config
 from dmlkit.utils import atomic_write_bytes, fsync_path, os_error_message, process_alive
@@ -173,6 +174,15 @@ def load_index(cls: type[EmbeddingIndex], path: str | os.PathLike, *, mmap: bool
         raise DataError(f"{path} is a damaged index ({reason}): rebuild it with `dmlkit index`") from None
 
 
+def _check_index_file(path: Path, suffix: str) -> None:
+    """Refuse an index file that is no ``suffix`` file (:func:`check_numpy_file`) as damaged:
+    ``np.load`` took it for a pickle and told the user to load it with ``allow_pickle``."""
+    try:
+        check_numpy_file(path, suffix, "a dmlkit index")
+    except DataError as exc:
+        raise DataError(f"{exc}; rebuild it with `dmlkit index`") from None
+
+
 def _load_index(cls: type[EmbeddingIndex], path: Path, mmap: bool) -> EmbeddingIndex:
     """:func:`load_index` of an existing path."""
     if path.is_dir():
@@ -185,6 +195,7 @@ def _load_index(cls: type[EmbeddingIndex], path: Path, mmap: bool) -> EmbeddingI
             f = path / f"{name}.npy"
             if not f.exists():
                 return None
+            _check_index_file(f, ".npy")
             if mmap and name == "vectors":
                 return _random_access(np.load(f, allow_pickle=False, mmap_mode="r"))
             return np.load(f, allow_pickle=False)
@@ -195,6 +206,7 @@ def _load_index(cls: type[EmbeddingIndex], path: Path, mmap: bool) -> EmbeddingI
         ffile = path / "faiss.index"
         blob = np.fromfile(ffile, dtype=np.uint8) if ffile.exists() else None
     else:
+        _check_index_file(path, ".npz")
         try:
             npz = np.load(path, allow_pickle=False)
         except (OSError, ValueError) as exc:

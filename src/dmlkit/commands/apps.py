@@ -9,6 +9,7 @@ import typer
 
 from dmlkit.commands._console import echo_json
 from dmlkit.commands._options import given
+from dmlkit.limits import MAX_EPISODES
 
 
 def register(app: typer.Typer) -> None:
@@ -149,7 +150,7 @@ def fewshot(
     way: int = typer.Option(5, help="Classes per episode (N-way, at least 2)."),
     shot: int = typer.Option(1, help="Support items per class (K-shot)."),
     queries: int = typer.Option(5, help="Query items per class."),
-    episodes: int = typer.Option(1000),
+    episodes: int = typer.Option(1000, max=MAX_EPISODES, help=f"Random episodes averaged (at most {MAX_EPISODES:,})."),
     distance: str = typer.Option("euclidean", help="euclidean (prototypical networks) or cosine."),
     seed: int = typer.Option(0),
     as_json: bool = typer.Option(False, "--json", help="Print the result as JSON instead of a summary."),

@@ -6,6 +6,8 @@ from pathlib import Path
 
 import typer
 
+from dmlkit.limits import MAX_THREADS
+
 
 def register(app: typer.Typer) -> None:
     @app.command("bench")
@@ -26,8 +28,8 @@ def register(app: typer.Typer) -> None:
             None, "--data-root", help="Data root (default: the config's fixed.data.root, else "
             "$DMLKIT_DATA or ~/.cache/dmlkit/data); refused when fixed.data.root names another folder."),
         threads: int | None = typer.Option(
-            None, "--threads", min=1, help="torch CPU threads per process (default: torch's; with "
-            "--workers N: cores / N). On a busy machine 1 is often fastest."
+            None, "--threads", min=1, max=MAX_THREADS, help="torch CPU threads per process, 1 to "
+            f"{MAX_THREADS} (default: torch's; with --workers N: cores / N). On a busy machine 1 is often fastest."
         ),
         max_trials: int | None = typer.Option(
             None, "--max-trials", min=1, help="With --worker: run at most N search trials per method, "
@@ -83,6 +85,8 @@ def register(app: typer.Typer) -> None:
             except ValueError:
                 raise ConfigError(f"DMLKIT_NUM_THREADS={env_threads!r} is not a whole number of "
                                   "threads") from None
+            if n_threads > MAX_THREADS:  # as --threads: torch.set_num_threads overflowed
+                raise ConfigError(f"DMLKIT_NUM_THREADS={env_threads!r}: at most {MAX_THREADS} threads")
         if n_threads is not None:
             import torch
 

@@ -6,6 +6,8 @@ from pathlib import Path
 
 import typer
 
+from dmlkit.limits import MAX_RESAMPLES
+
 
 def register(app: typer.Typer) -> None:
     @app.command("compare")
@@ -15,7 +17,7 @@ def register(app: typer.Typer) -> None:
         baseline: str | None = typer.Option(None, "--baseline", help="Compare every method against this one only."),
         metric: list[str] = typer.Option(None, "--metric", help="precision_at_1 | r_precision | map_at_r (default: all three)."),
         mode: list[str] = typer.Option(None, "--mode", help="concatenated | separated (default: both)."),
-        resamples: int = typer.Option(1000, "--resamples", "-B", min=100, help="Bootstrap resamples."),
+        resamples: int = typer.Option(1000, "--resamples", "-B", min=100, max=MAX_RESAMPLES, help=f"Bootstrap resamples (100 to {MAX_RESAMPLES:,})."),
         seed: int = typer.Option(0, "--seed", min=0, max=2**32 - 1, help="Bootstrap seed (0 to 2**32 - 1)."),
         confidence: float = typer.Option(0.95, "--confidence", help="Confidence level of the CIs and the significance test, a fraction (0.95: 95 % CIs, Holm-adjusted p < 0.05)."),
         out: Path | None = typer.Option(None, "--out", "-o", help="Also write the report (.json or .md)."),

@@ -18,6 +18,7 @@ _DEFAULT_K = ["1,2,4,8"]
 def register(app: typer.Typer) -> None:
     @app.command("evaluate")
     def evaluate_command(
+        ctx: typer.Context,
         embeddings: Path = typer.Argument(..., help="Query embeddings: .npz / .pt (embeddings + labels), .npy, or a shard directory (`dmlkit embed --format shards`; streamed, retrieval metrics only)."),
         reference: Path | None = typer.Option(None, "--reference", "-r", help="Separate reference set (same formats); default: the query set, each query excluded from its own neighbours."),
         labels: Path | None = typer.Option(None, "--labels", help="Labels of a .npy query file (.npy / .txt / .csv, one per row): integer class ids or class-name strings."),
@@ -36,10 +37,11 @@ def register(app: typer.Typer) -> None:
         """Evaluate embeddings: P@1, Recall@K, R-Precision, MAP@R, NMI/AMI/F1, pos/neg JS divergence.
 
         Under torchrun (CPU ranks) each rank scores its share of the queries; rank 0 prints."""
-        from dmlkit.commands._options import listed
+        from dmlkit.commands._options import given, listed
         from dmlkit.commands._ranks import is_main_rank, one_error_line_per_job
         from dmlkit.exceptions import ConfigError
         from dmlkit.metrics import per_class
+        from dmlkit.metrics.clustering import CLUSTERING_METRICS
         from dmlkit.utils import atomic_write_json, refuse_overwriting_inputs
 
         if not is_main_rank():  # under torchrun rank 0 warns for the job (each rank read the files)
@@ -54,6 +56,10 @@ def register(app: typer.Typer) -> None:
         if k != _DEFAULT_K and not {m.strip().lower() for m in metrics} & {"recall_at_k", "precision_at_k"}:
             raise ConfigError("--k sets the K values of recall_at_k / precision_at_k, and -m asks for "
                               f"neither ({', '.join(metrics)}): add one, or leave --k out")
+        for option in ("restarts", "seed"):  # as --k: given without a clustering metric, silently unused
+            if given(ctx, option) and not {m.lower() for m in metrics} & set(CLUSTERING_METRICS):
+                raise ConfigError(f"--{option} sets the k-means runs of {' / '.join(CLUSTERING_METRICS)}, and -m "
+                                  f"asks for none of them ({', '.join(metrics)}): add one, or leave --{option} out")
         if per_class_out is not None:  # never over the data it reads
             refuse_overwriting_inputs(per_class_out, embeddings, reference, labels, reference_labels)
         with one_error_line_per_job():

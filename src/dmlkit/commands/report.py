@@ -6,6 +6,8 @@ from pathlib import Path
 
 import typer
 
+from dmlkit.limits import MAX_BINS
+
 plot_app = typer.Typer(help="Make one figure from embeddings files or logs (PNG + SVG).", no_args_is_help=True)
 
 
@@ -110,7 +112,7 @@ def plot_map(
 @plot_app.command("histograms")
 def plot_histograms(
     embeddings: list[Path] = typer.Argument(..., help="One or more embeddings files, one panel each."),
-    bins: int = typer.Option(100, min=2, help="Number of bins (at least 2: one bin has no shape)."),
+    bins: int = typer.Option(100, min=2, max=MAX_BINS, help=f"Number of bins (2 to {MAX_BINS:,}: one bin has no shape)."),
     fixed: bool = typer.Option(False, "--fixed-range", help="Bins over [-1, 1], as the pos_neg_js metric (default: over the observed range, readable when all similarities lie close together)."),
     output: Path | None = typer.Option(None, "-o", "--output"),
 ) -> None:

@@ -79,6 +79,9 @@ def index(
     from dmlkit.exceptions import ConfigError, DataError
     from dmlkit.utils import refuse_overwriting_inputs
 
+    for option, value, choices in (("--kind", kind, _KINDS), ("--distance", distance, "cosine, euclidean or dot")):
+        if value is not None and not value.strip():  # '' silently meant the default (flat, cosine)
+            raise ConfigError(f"{option} is empty: name one ({choices}), or leave {option} out for the default")
     # the build settings given on the command line (even at their default value: an explicit
     # --ef-search 64 for an IVF index was accepted and ignored): each applies to some kinds only
     structure = [option for option, param in _BUILD_OPTIONS.items() if given(ctx, param)]
@@ -339,7 +342,7 @@ def export(
     output: Path | None = typer.Option(None, "-o", "--output", help="File to write (default RUN_DIR/export/model.onnx|.pt)."),
     parity_samples: int = typer.Option(256, "--parity-samples", help="Real test images used for the parity check."),
     data_root: Path | None = typer.Option(None, "--data-root", help="Data root for the parity sample (overrides the run config's data.root)."),
-    opset: int | None = typer.Option(None, help="ONNX opset (default: the one dmlkit.apps.export uses, which exports every dmlkit model); ONNX exports only."),
+    opset: int | None = typer.Option(None, help="ONNX opset, within the range torch's exporter supports (default: the one dmlkit.apps.export uses, which exports every dmlkit model); ONNX exports only."),
     as_json: bool = typer.Option(False, "--json", help="Print the result as JSON instead of a summary."),
 ) -> None:
     """Export the embedding model; check numerical and retrieval parity with PyTorch on real images."""

@@ -14,6 +14,7 @@ from pathlib import Path
 import typer
 
 from dmlkit.commands._console import echo_json
+from dmlkit.limits import MAX_THREADS
 
 track_app = typer.Typer(
     name="track",
@@ -119,7 +120,7 @@ def run(
     device: str = typer.Option("cpu", "--device", help="cpu or cuda."),
     seed: int = typer.Option(0, "--seed", help="Seed of the untrained network."),
     width: float | None = typer.Option(None, "--width", help="Width of the untrained network (default: the checkpoint's, else 1.0)."),
-    threads: int | None = typer.Option(None, "--threads", min=1, help="torch CPU threads (1 is fastest on a busy shared CPU)."),
+    threads: int | None = typer.Option(None, "--threads", min=1, max=MAX_THREADS, help=f"torch CPU threads, 1 to {MAX_THREADS} (1 is fastest on a busy shared CPU)."),
     as_json: bool = typer.Option(False, "--json", help="Print JSON."),
 ) -> None:
     """Track one object through a folder of frames or a video, from its box in the first frame."""
@@ -137,6 +138,7 @@ def run(
     from dmlkit.apps.tracking import annotate, parse_box, read_video, write_frames
     from dmlkit.apps.tracking.datasets import Sequence
     from dmlkit.apps.tracking.render import check_fps, check_output, fps_limits
+    from dmlkit.utils import refuse_overwriting_inputs
 
     if out is not None:  # a wrong --out (e.g. boxes.txt) fails now, not after the whole video
         check_output(out)
@@ -148,6 +150,9 @@ def run(
         fps_out = check_fps(fps_out, out, "--fps")
     if boxes_out is not None and boxes_out.is_dir():
         raise ConfigError(f"--boxes {boxes_out} is a folder: name the text file to write")
+    for written in (out, boxes_out):  # `--frames clip.mp4 -o clip.mp4` replaced the video
+        if written is not None:
+            refuse_overwriting_inputs(written, frames)
     _refuse_unused_options(ctx, [method], "--method")  # e.g. --seed with siamfc: silently unused
     _set_threads(threads)
     box = parse_box(init_box)
@@ -255,7 +260,7 @@ def evaluate(
     device: str = typer.Option("cpu", "--device"),
     seed: int = typer.Option(0, "--seed", help="Seed of the untrained network."),
     width: float | None = typer.Option(None, "--width", help="Width of the untrained network (default: the checkpoint's, else 1.0)."),
-    threads: int | None = typer.Option(None, "--threads", min=1, help="torch CPU threads (1 is fastest on a busy shared CPU)."),
+    threads: int | None = typer.Option(None, "--threads", min=1, max=MAX_THREADS, help=f"torch CPU threads, 1 to {MAX_THREADS} (1 is fastest on a busy shared CPU)."),
     as_json: bool = typer.Option(False, "--json", help="Print JSON."),
 ) -> None:
     """OTB one-pass evaluation: success AUC (21 thresholds), precision at 20 px, fps; plots.

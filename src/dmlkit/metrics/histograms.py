@@ -35,6 +35,7 @@ from dmlkit.distances import (
     rounding_bound,
 )
 from dmlkit.exceptions import ConfigError, DataError, ShapeError
+from dmlkit.limits import MAX_BINS
 from dmlkit.metrics._threads import full_float32_matmuls, run_threads, single_threaded_torch
 from dmlkit.metrics._validation import (
     DEFAULT_MEMORY_BUDGET,
@@ -326,7 +327,7 @@ def pos_neg_histograms(
         query, query_labels: ``(N, D)`` embeddings and ``(N,)`` labels.
         reference, reference_labels: another set; ``None`` uses the pairs within ``query``.
         distance: pairs are valued by this distance (default cosine similarity, as in the paper).
-        bins: number of equal-width bins.
+        bins: number of equal-width bins, 2 to :data:`~dmlkit.limits.MAX_BINS`.
         range: ``(low, high)`` of the bins (a pair outside it is counted in the first or last
             bin, so every pair is counted, unlike ``numpy.histogram``, which drops it);
             ``"observed"``: the pairs' minimum and maximum
@@ -341,7 +342,7 @@ def pos_neg_histograms(
     budget = check_budget(memory_budget)
     # numpy integers count (as k_values and seeds do); True is no number of bins
     # one bin holds every pair of either kind: the divergence would read 0 whatever the embeddings
-    bins = check_integer(bins, "bins", least=2)
+    bins = check_integer(bins, "bins", least=2, most=MAX_BINS)
     same = reference is None
     q = as_embeddings(query, "query embeddings")
     if same:

@@ -59,6 +59,7 @@ from dmlkit.config import (
     read_yaml_mapping,
 )
 from dmlkit.exceptions import ConfigError
+from dmlkit.limits import MAX_THREADS
 from dmlkit.losses import LOSSES
 from dmlkit.miners import MINERS
 
@@ -241,7 +242,7 @@ class TorchrunSettings(_Strict):
 
     rdzv_backend: Literal["c10d"] = "c10d"
     rdzv_endpoint: str | None = None
-    threads_per_process: int | None = Field(None, ge=1)
+    threads_per_process: int | None = Field(None, ge=1, le=MAX_THREADS)
     timeout_s: float | None = Field(None, gt=0)
     kill_grace_s: float = Field(30.0, gt=0)
     extra_args: list[str] = Field(default_factory=list)

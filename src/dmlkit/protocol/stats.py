@@ -32,6 +32,7 @@ from typing import Any
 import numpy as np
 
 from dmlkit.exceptions import ConfigError, ShapeError
+from dmlkit.limits import MAX_RESAMPLES
 from dmlkit.metrics import per_query
 from dmlkit.validation import check_integer
 
@@ -69,8 +70,9 @@ def check_confidence(confidence: Any) -> float:
 
 
 def check_resamples(resamples: Any) -> int:
-    """``resamples`` as a positive integer, else one :class:`ConfigError` line."""
-    return check_integer(resamples, "resamples", hint=" (the CLI's default is 1000)")
+    """``resamples`` as an integer from 1 to :data:`~dmlkit.limits.MAX_RESAMPLES`, else one
+    :class:`ConfigError` line (10^10 resamples failed allocating 75 GiB with a traceback)."""
+    return check_integer(resamples, "resamples", hint=" (the CLI's default is 1000)", most=MAX_RESAMPLES)
 
 
 def mean_ci(values: Sequence[float], confidence: float = 0.95) -> tuple[float, float | None]:

@@ -58,7 +58,8 @@ _MAIN_METRICS = ("precision_at_1", "r_precision", "map_at_r")
 def build_report(path: str | os.PathLike, out: str | os.PathLike | None = None,
                  options: ReportOptions | None = None) -> Path:
     """Write ``report.html`` (+ ``figures/``; another page name ``out``: ``<name>_figures/``) for a
-    run or benchmark directory; return its path."""
+    run or benchmark directory; return its path. An ``out`` that is a folder is refused
+    (:class:`ConfigError`) before any work."""
     src = Path(path)
     if not src.is_dir():
         raise DataNotFoundError(f"{src} is not a directory: pass a run directory (dmlkit train) "
@@ -68,6 +69,9 @@ def build_report(path: str | os.PathLike, out: str | os.PathLike | None = None,
     if unknown:
         raise ConfigError(f"unknown 2-D map(s) {', '.join(unknown)}: use {', '.join(figures.PROJECTIONS)}")
     page = Path(out) if out is not None else src / "report.html"
+    if page.is_dir():  # checked now: writing the page failed only after every split was embedded
+        raise ConfigError(f"the report page {page} is a folder: name the HTML file to write "
+                          f"(e.g. {page / 'report.html'})")
     # report.html keeps figures/; any other page name its own <name>_figures/, so that pages
     # written into one folder do not overwrite (and then link) each other's figures
     fig_dir = page.parent / ("figures" if page.name == "report.html" else f"{page.stem}_figures")

@@ -52,6 +52,12 @@ OFFLINE_SUBSETS: dict[str, tuple[str, ...]] = {
     "photos": ("chelsea", "coffee", "rocket", "astronaut", "camera"),
     "textures": ("moon", "coins", "brick", "grass", "gravel"),
 }
+#: Most views per point (``--views``): 2000 points x 32 views of 64 x 64 bytes hold 250 MiB;
+#: ``10**23`` views ran for ever.
+MAX_VIEWS = 32
+#: Most pairs in a match file (``--train-pairs``/``--test-pairs``): 20x Brown's largest file
+#: (500k pairs); ``10**23`` ended in numpy's OverflowError traceback.
+MAX_PAIRS = 10**7
 
 
 @dataclass(frozen=True)
@@ -81,6 +87,11 @@ class OfflineSpec:
         if small:
             raise ConfigError("points_per_subset, train_pairs and test_pairs must be at least 10, got "
                               + ", ".join(f"{name} = {value}" for name, value in small.items()))
+        for name, value, most in (("views (--views)", self.views, MAX_VIEWS),
+                                  ("train_pairs (--train-pairs)", self.train_pairs, MAX_PAIRS),
+                                  ("test_pairs (--test-pairs)", self.test_pairs, MAX_PAIRS)):
+            if value > most:
+                raise ConfigError(f"{name} must be at most {most}, got {value}")
         check_seed(self.seed)
 
 

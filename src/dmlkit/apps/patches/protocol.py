@@ -26,6 +26,7 @@ from dmlkit.apps.patches.training import (
 )
 from dmlkit.config import StrictNumbers, apply_dict_overrides, read_yaml_mapping
 from dmlkit.exceptions import CheckpointError, ConfigError, DataNotFoundError
+from dmlkit.limits import MAX_THREADS
 from dmlkit.metrics.roc import fpr95, roc_auc
 from dmlkit.models import to_device
 from dmlkit.models.trunks import load_failure_reason
@@ -98,7 +99,7 @@ class PatchTrainingConfig(PatchTrainingSettings):
     """``training``: :class:`PatchTrainingSettings` plus where it runs; every value checked when
     the config is read, before a run directory is written."""
 
-    threads: int | None = Field(None, ge=1)
+    threads: int | None = Field(None, ge=1, le=MAX_THREADS)  # a huge count overflowed torch.set_num_threads
     device: Literal["auto", "cpu", "cuda"] = "auto"  # auto: cuda when available
 
 

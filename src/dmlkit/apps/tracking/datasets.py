@@ -21,6 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
+from dmlkit.embedding_files import check_numpy_file
 from dmlkit.exceptions import ConfigError, DataError, DataNotFoundError, require
 
 IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".bmp", ".pgm", ".ppm", ".tif", ".tiff")
@@ -262,6 +263,28 @@ def load_tracking_dataset(kind: str, root: str | Path, split: str | None = None)
     raise DataError(f"unknown tracking dataset layout {kind!r}: use 'otb' or 'got10k'")
 
 
+#: What imageio's plugins raise on a file that is no video they can read: it picks a plugin by the
+#: file's content, and each has its own errors (an empty ``.npz``: numpy's EOFError, which the
+#: CLI took for an abort; random bytes: a ValueError about pickles).
+_DECODER_ERRORS = (OSError, EOFError, ValueError, KeyError, TypeError, RuntimeError)
+
+
+def _video_frame(source: Path, index: int, arr: np.ndarray) -> np.ndarray:
+    """Frame ``index`` of a decoded video as ``(H, W, 3)`` uint8 (gray repeated, alpha dropped);
+    an array that is no 8-bit image (imageio's numpy plugin reads an ``.npz`` as arrays of any
+    shape and dtype) is a :class:`DataError` naming ``source``, not an IndexError traceback nor
+    numbers cast to pixels."""
+    if arr.ndim == 3 and arr.shape[2] == 1:
+        arr = arr[:, :, 0]
+    if arr.ndim == 2:
+        arr = np.repeat(arr[:, :, None], 3, axis=2)
+    if arr.dtype != np.uint8 or arr.ndim != 3 or arr.shape[2] not in (3, 4) or min(arr.shape[:2]) == 0:
+        raise DataError(f"{source} is not a video: its frame {index} is an array of shape {arr.shape} and "
+                        f"dtype {arr.dtype}, not an 8-bit image (pass a video file, e.g. .mp4, .avi or .gif, "
+                        "or a folder of frames)")
+    return np.ascontiguousarray(arr[:, :, :3])
+
+
 def read_video(source: str | Path, max_frames: int | None = None) -> tuple[list, float | None]:
     """Frames of a folder of images (paths, read lazily) or a video file (decoded arrays).
 
@@ -276,6 +299,8 @@ def read_video(source: str | Path, max_frames: int | None = None) -> tuple[list,
         raise DataNotFoundError(f"{source} is neither a folder of frames nor a video file")
     if source.suffix.lower() in IMAGE_SUFFIXES:
         raise DataError(f"{source} is a single image: pass the folder that holds the frames")
+    if source.suffix.lower() in (".npy", ".npz"):  # imageio's numpy plugin: a damaged one gave np.load's
+        check_numpy_file(source, source.suffix.lower(), "video frames")  # "pickled data ... allow_pickle"
     iio = require("imageio.v3", "tracking")
     fps = None
     try:
@@ -286,15 +311,13 @@ def read_video(source: str | Path, max_frames: int | None = None) -> tuple[list,
     frames = []
     try:
         for frame in iio.imiter(source):
-            arr = np.asarray(frame)
-            if arr.ndim == 2:
-                arr = np.repeat(arr[:, :, None], 3, axis=2)
-            frames.append(np.ascontiguousarray(arr[:, :, :3]).astype(np.uint8, copy=False))
+            frames.append(_video_frame(source, len(frames), np.asarray(frame)))
             if max_frames and len(frames) >= max_frames:
                 break
-    except OSError as exc:  # imageio's message spans lines: the CLI prints one
-        reason = " ".join(line.strip() for line in str(exc).splitlines() if line.strip())
-        raise DataError(f"cannot decode video {source}: {reason}") from None
+    except _DECODER_ERRORS as exc:  # imageio's message spans lines: the CLI prints one
+        reason = " ".join(line.strip() for line in str(exc).splitlines() if line.strip()) or type(exc).__name__
+        raise DataError(f"cannot decode video {source}: {reason} (a damaged file, or no video: pass a video "
+                        "file, e.g. .mp4, .avi or .gif, or a folder of frames)") from None
     if not frames:
         raise DataError(f"video {source} has no frames")
     return frames, (float(fps) if fps else None)

@@ -46,6 +46,12 @@ TRAIN_OBJECTS = ("astronaut", "motorcycle_left", "immunohistochemistry", "retina
 TRAIN_BACKGROUNDS = ("brick", "grass", "camera", "moon")
 TEST_OBJECTS = ("chelsea", "coffee", "rocket")
 TEST_BACKGROUNDS = ("gravel", "hubble_deep_field", "coins")
+#: Most sequences of a split (``--train``/``--test``): GOT-10k's training split has 9,335.
+MAX_SEQUENCES = 10_000
+#: Most frames of a sequence (``--frames``; OTB-100's longest has 3,872), and the largest frame
+#: side (``--size``): a sequence is rendered in memory, frames x W x H x 3 bytes (10,000 frames
+#: of 320 x 240: 2.3 GB). Larger values ran for ever or ended in a numpy traceback.
+MAX_FRAMES, MAX_SIDE = 10_000, 4096
 
 
 def load_photo(name: str) -> np.ndarray:
@@ -125,10 +131,13 @@ def _motion(rng: np.random.Generator, n: int, lo: np.ndarray, hi: np.ndarray,
 
 
 def _check_sizes(num_frames: int, frame_size: tuple[int, int]) -> None:
-    if num_frames < 2:
-        raise ConfigError(f"a sequence needs at least 2 frames, got {num_frames}")
-    if frame_size[0] < 96 or frame_size[1] < 96:
-        raise ConfigError(f"frame size must be at least 96 x 96, got {tuple(frame_size)}")
+    """2 to :data:`MAX_FRAMES` frames of 96 to :data:`MAX_SIDE` pixels a side, else one
+    :class:`ConfigError` line."""
+    if not 2 <= num_frames <= MAX_FRAMES:
+        raise ConfigError(f"a sequence needs at least 2 and at most {MAX_FRAMES} frames (--frames), got {num_frames}")
+    if not (96 <= frame_size[0] <= MAX_SIDE and 96 <= frame_size[1] <= MAX_SIDE):
+        raise ConfigError(f"frame size (--size) must be at least 96 x 96 and at most {MAX_SIDE} x {MAX_SIDE}, "
+                          f"got {tuple(frame_size)}")
 
 
 def make_sequence(spec: SequenceSpec, photos: dict[str, np.ndarray] | None = None) -> Sequence:
@@ -325,6 +334,9 @@ def build_offline_dataset(
     out = Path(out)
     for frames in (train_frames, test_frames):  # the arguments before any removal
         _check_sizes(frames, frame_size)
+    for option, count in (("--train", num_train), ("--test", num_test)):
+        if count > MAX_SEQUENCES:  # 10**23 sequences were planned for ever
+            raise ConfigError(f"at most {MAX_SEQUENCES} sequences per split ({option}), got {count}")
     _clear_earlier_build(out)
     photos: dict[str, np.ndarray] = {}
     plan = [("train", s) for s in offline_specs("train", num_train, train_frames, seed, frame_size)]

@@ -46,6 +46,7 @@ from dmlkit.apps.tracking.tracker import TrackerConfig, tracker_config
 from dmlkit.config import StrictNumbers, apply_dict_overrides, read_yaml_mapping
 from dmlkit.embeddings import resolve_device
 from dmlkit.exceptions import CheckpointError, ConfigError, DataError, NonFiniteError, ShapeError
+from dmlkit.limits import MAX_THREADS
 from dmlkit.models import to_device
 from dmlkit.models.trunks import load_failure_reason
 from dmlkit.training.checkpoint import refuse_fresh_start
@@ -192,7 +193,7 @@ class SiamFCTrainConfig(StrictNumbers):
     momentum: float = Field(0.9, ge=0, lt=1)
     weight_decay: float = Field(5e-4, ge=0)
     num_workers: int = Field(0, ge=0)
-    threads: int | None = Field(None, ge=1, description="torch CPU threads (None: torch's default)")
+    threads: int | None = Field(None, ge=1, le=MAX_THREADS, description="torch CPU threads (None: torch's default)")
     device: str = Field("cpu", pattern=r"^(auto|cpu|cuda(:\d+)?)$", description="auto, cpu, cuda or cuda:N")
     pairs: PairConfig = Field(default_factory=PairConfig)
     tracker: dict[str, Any] = Field(default_factory=dict, description="TrackerConfig overrides")
