@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import copy
 
+import numpy as np
 import pytest
 import yaml
 
 from _reference import SMALL_BENCH_FIXED
 from dmlkit.exceptions import ConfigError
+from dmlkit.losses import needs_pair_batches
 from dmlkit.protocol.config import bench_config_from_dict, load_bench_config
+from dmlkit.training.preflight import TrainStats, batch_problems
 
 BASE = {
     "name": "t",
@@ -185,3 +188,24 @@ def test_a_password_in_the_storage_url_is_refused_before_anything_is_written(url
 def test_a_storage_url_without_password_is_accepted():
     cfg = make(lambda d: d["protocol"].update({"storage": "postgresql://alice@db:5432/studies"}))
     assert cfg.protocol.storage == "postgresql://alice@db:5432/studies"
+
+
+@pytest.mark.parametrize(("terms", "batch"), [
+    ([{"name": "triplet"}, {"name": "softmax"}], (8, 4)),  # the re-id recipe: pairs needed
+    ([{"name": "contrastive"}, {"name": "triplet"}], (8, 4)),
+    ([{"name": "softmax"}, {"name": "arcface"}], (32, 1)),  # classification alone
+])
+def test_a_combined_loss_gets_the_embedding_sampler_when_a_term_learns_from_pairs(terms, batch):
+    """Seed 000: C = 8, M = 4 for embedding losses, 32 x 1 for classification losses. Every
+    ``combined`` loss got 32 x 1 (it needs num_classes when one term does), so its triplet term
+    saw no positive pair on any batch; and the training preflight did not flag M = 1 for it."""
+    def add(data):
+        data["methods"].append({"name": "mix", "loss": {"name": "combined", "params": {"losses": terms}}})
+
+    cfg = make(add)
+    exp = cfg.experiment(cfg.method("mix"))
+    assert (exp.sampler.classes_per_batch, exp.sampler.samples_per_class) == batch
+    assert needs_pair_batches("combined", {"losses": terms}) == (batch == (8, 4))
+    one_per_class = exp.override({"sampler.classes_per_batch": 32, "sampler.samples_per_class": 1})
+    flagged = [p.key for p in batch_problems(one_per_class, TrainStats.of(np.repeat(np.arange(40), 5)))]
+    assert ("sampler.samples_per_class" in flagged) == (batch == (8, 4))

@@ -31,7 +31,7 @@ from dmlkit.losses.classification_losses import (
     SoftmaxLoss,
     SphereFaceLoss,
 )
-from dmlkit.losses.combined import CombinedLoss
+from dmlkit.losses.combined import CombinedLoss, needs_pair_batches
 from dmlkit.losses.cross_batch_memory import CrossBatchMemory
 from dmlkit.losses.fastap import FastAPLoss
 from dmlkit.losses.pair_losses import (
@@ -68,6 +68,7 @@ __all__ = [
     "BaseLoss",
     "CircleLoss",
     "CombinedLoss",
+    "needs_pair_batches",
     "ContrastiveLoss",
     "CosFaceLoss",
     "CosineSimilarityLoss",

@@ -26,10 +26,25 @@ from dmlkit.exceptions import ConfigError, ShapeError
 from dmlkit.losses.base import LOSSES, BaseLoss, get_loss, register_loss
 from dmlkit.validation import check_parameter_numbers
 
-__all__ = ["CombinedLoss"]
+__all__ = ["CombinedLoss", "needs_pair_batches"]
 
 _KEYS = {"name", "params", "weight", "bn_neck", "use_indices"}
 
+
+
+def needs_pair_batches(name: str, params: Mapping[str, Any] | None = None) -> bool:
+    """Whether loss ``name`` (with ``params``) learns from pairs inside a batch, so that a batch
+    needs several classes and several samples of a class (C x M batches, M >= 2): a pair or
+    triplet loss, or a ``combined`` loss with such a term. A classification loss alone learns
+    from single samples (seed 000's protocol: "C = 8 and M = 4 for embedding losses, and C = 32
+    and M = 1 for classification losses"); ``combined`` needs ``num_classes`` whenever one of
+    its terms does, which made a bench train triplet + softmax on 32 x 1 batches (no positive
+    pair: the triplet term was empty on every batch)."""
+    if name == "combined":
+        terms = (params or {}).get("losses") or ()
+        return any(isinstance(t, Mapping) and needs_pair_batches(str(t.get("name")), t.get("params"))
+                   for t in terms if not (isinstance(t, Mapping) and t.get("name") == "combined"))
+    return not bool(getattr(LOSSES.get(name), "requires_num_classes", False))
 
 @register_loss("combined")
 class CombinedLoss(BaseLoss):

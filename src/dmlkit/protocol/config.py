@@ -60,7 +60,7 @@ from dmlkit.config import (
 )
 from dmlkit.exceptions import ConfigError
 from dmlkit.limits import MAX_THREADS
-from dmlkit.losses import LOSSES
+from dmlkit.losses import LOSSES, needs_pair_batches
 from dmlkit.miners import MINERS
 
 __all__ = [
@@ -471,7 +471,7 @@ class BenchConfig(_Strict):
             return config_from_dict(data, source="bench config (pretrained)")
         data["loss"] = method.loss.model_dump()  # python mode: values as given
         data["miner"] = None if method.miner is None else method.miner.model_dump()
-        if cls_sampler is not None and _is_classification_loss(method.loss.name):
+        if cls_sampler is not None and not needs_pair_batches(method.loss.name, method.loss.params):
             data["sampler"] = cls_sampler
         for key, value in (params or {}).items():
             section, _, param = key.partition(".")
@@ -500,11 +500,6 @@ class BenchConfig(_Strict):
         fixed["data"]["root"] = None
         fixed["model"]["feature_cache_dir"] = None
         return fixed
-
-
-def _is_classification_loss(name: str) -> bool:
-    cls = LOSSES.get(name)
-    return bool(getattr(cls, "requires_num_classes", False))
 
 
 # -- loading -----------------------------------------------------------------------------------

@@ -32,7 +32,7 @@ import numpy as np
 
 from dmlkit.data.splits import default_split
 from dmlkit.exceptions import DmlkitError
-from dmlkit.losses import LOSSES
+from dmlkit.losses import needs_pair_batches
 from dmlkit.protocol.config import BenchConfig
 from dmlkit.protocol.space import search_corners
 from dmlkit.protocol.splits import BenchSplit, make_bench_split
@@ -147,7 +147,7 @@ def check_bench(config: BenchConfig, dataset: Any, *, root: str | Path | None = 
     selected = [(i, m) for i, m in enumerate(config.methods) if methods is None or m.name in methods]
     for i, method in selected:
         cfg = config.experiment(method)
-        classification = bool(getattr(LOSSES.get(method.loss.name), "requires_num_classes", False))
+        classification = not needs_pair_batches(method.loss.name, method.loss.params)
         sampler_key = ("fixed.classification_sampler" if classification
                        and config.fixed.classification_sampler is not None else "fixed.sampler")
         found = batch_problems(cfg, worst, sampler_key=sampler_key, loss_key=f"methods.{i}.loss")

@@ -53,7 +53,7 @@ from dmlkit.config import DataConfig, ExperimentConfig, SplitConfig
 from dmlkit.data import ClassSplit
 from dmlkit.distributed import context as distributed_context
 from dmlkit.exceptions import DataNotFoundError, DmlkitError
-from dmlkit.losses import LOSSES
+from dmlkit.losses import LOSSES, needs_pair_batches
 from dmlkit.losses.sharding import check_shardable
 from dmlkit.miners import MINERS
 from dmlkit.training import builders
@@ -228,10 +228,6 @@ def refuse_degenerate_eval(labels: Any, split: str = "validation") -> None:
 
 
 # -- constraints on training batches ----------------------------------------------------------------
-def _is_classification(loss_name: str) -> bool:
-    return bool(getattr(LOSSES.get(loss_name), "requires_num_classes", False))
-
-
 def batch_problems(config: ExperimentConfig, stats: TrainStats, *, sampler_key: str = "sampler",
                    loss_key: str = "loss", world_size: int = 1) -> list[Problem]:
     """Problems of ``config``'s batches and loss against a training split (``stats``).
@@ -244,7 +240,7 @@ def batch_problems(config: ExperimentConfig, stats: TrainStats, *, sampler_key: 
         return problems  # reported with the split
     s = config.sampler
     c, m = s.classes_per_batch, s.samples_per_class
-    pairs = not _is_classification(config.loss.name)
+    pairs = needs_pair_batches(config.loss.name, config.loss.params)
     xbm = config.loss.cross_batch_memory
     where = stats.where
     if c > n:
