@@ -85,7 +85,7 @@ def test_too_small_num_classes_hints_at_num_classes(tmp_path, data_root):
 @pytest.mark.parametrize(("options", "message"), [
     ({"confidence": 95}, "confidence must be a fraction strictly between 0 and 1"),
     ({"confidence": 0.0}, "confidence must be a fraction strictly between 0 and 1"),
-    ({"resamples": 0}, "resamples must be a positive integer"),
+    ({"resamples": 0}, "resamples must be an integer from 1 to 1000000"),
     ({"seed": -1}, "the bootstrap seed must be a non-negative integer"),
     ({"metrics": []}, "metrics must list at least one name"),
     ({"modes": []}, "modes must list at least one name"),
@@ -116,7 +116,7 @@ def test_mean_ci_and_bootstraps_refuse_a_percentage_as_confidence():
         mean_ci(values, confidence=95)
     with pytest.raises(ConfigError, match="confidence must be a fraction"):
         hierarchical_bootstrap(np.ones((3, 4)), np.zeros((3, 4)), confidence=95)
-    with pytest.raises(ConfigError, match="resamples must be a positive integer"):
+    with pytest.raises(ConfigError, match="resamples must be an integer from 1 to 1000000"):
         paired_bootstrap([1.0, 2.0], [1.0, 3.0], resamples=0)
 
 
