@@ -54,6 +54,9 @@ __all__ = [
 ]
 
 _SLOTS_ATTR = "dmlkit_slots"
+# libpq's connect_timeout (seconds) for a PostgreSQL URL that gives none: a host that accepts the
+# TCP connection but never answers otherwise made `dmlkit bench` hang for ever
+_CONNECT_TIMEOUT_S = 10
 
 
 def resolve_storage_url(storage: str | None, bench_dir: str | Path) -> str:
@@ -103,6 +106,8 @@ def make_storage(url: str, *, heartbeat_interval: int = 30, grace_period: int = 
         engine_kwargs = {"connect_args": {"timeout": 120}}
     else:
         engine_kwargs = {"pool_pre_ping": True}
+        if url.startswith("postgresql") and "connect_timeout=" not in url:
+            engine_kwargs["connect_args"] = {"connect_timeout": _CONNECT_TIMEOUT_S}
     last_exc: Exception | None = None
     for attempt in range(6):
         try:

@@ -1,0 +1,75 @@
+"""PostgreSQL study storage: a silent server is an error, not a hang."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+
+import pytest
+
+from dmlkit.exceptions import ConfigError
+from dmlkit.protocol import study as study_mod
+from dmlkit.protocol.study import make_storage, resolve_storage_url
+
+
+def test_a_server_that_never_answers_is_an_error_not_a_hang(tmp_path, monkeypatch):
+    """A host that accepts the TCP connection and stays silent: make_storage gives up after
+    libpq's connect_timeout with the one-line storage error (it waited for ever)."""
+    pytest.importorskip("psycopg")
+    monkeypatch.setattr(study_mod, "_CONNECT_TIMEOUT_S", 2)  # libpq's minimum
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(8)
+    accepted: list[socket.socket] = []
+    stop = threading.Event()
+
+    def accept_and_stay_silent() -> None:
+        server.settimeout(0.2)
+        while not stop.is_set():
+            try:
+                accepted.append(server.accept()[0])
+            except OSError:
+                continue
+
+    thread = threading.Thread(target=accept_and_stay_silent, daemon=True)
+    thread.start()
+    url = resolve_storage_url(f"postgresql://u@127.0.0.1:{server.getsockname()[1]}/db", tmp_path)
+    result: list[BaseException] = []
+
+    def open_it() -> None:
+        try:
+            make_storage(url)
+        except BaseException as exc:  # noqa: BLE001  (handed to the main thread)
+            result.append(exc)
+
+    opener = threading.Thread(target=open_it, daemon=True)
+    start = time.monotonic()
+    opener.start()
+    opener.join(timeout=20)
+    try:
+        assert not opener.is_alive(), "make_storage still waits for a silent server after 20 s"
+        assert time.monotonic() - start < 20
+        assert len(result) == 1 and isinstance(result[0], ConfigError), result
+        assert "cannot open the study storage" in str(result[0])
+    finally:
+        stop.set()
+        thread.join(timeout=5)
+        for conn in accepted:
+            conn.close()
+        server.close()
+
+
+def test_a_connect_timeout_in_the_url_is_kept(monkeypatch):
+    """The URL's own connect_timeout wins over dmlkit's default."""
+    seen: dict = {}
+
+    class FakeStorage:
+        def __init__(self, url, engine_kwargs, **_):
+            seen.update(engine_kwargs)
+
+    monkeypatch.setattr("optuna.storages.RDBStorage", FakeStorage)
+    make_storage("postgresql+psycopg://u@h/db?connect_timeout=3")
+    assert "connect_args" not in seen
+    make_storage("postgresql+psycopg://u@h/db")
+    assert seen["connect_args"] == {"connect_timeout": study_mod._CONNECT_TIMEOUT_S}
