@@ -64,6 +64,7 @@ from dmlkit.protocol.stages import (  # noqa: F401  (re-exported: the stages' ol
 )
 from dmlkit.protocol.study import (
     check_sqlite_folder,
+    completed_and_failed,
     count_completed,
     count_finished,
     counted_trials,
@@ -547,8 +548,7 @@ def trial_sampler_seed(sampler_seed: int, number: int) -> int:
 
 def _progress(study, trials: int) -> str:
     """``"2/3 trials completed, 1 failed"``: only COMPLETE trials count as completed."""
-    completed = count_completed(study)
-    failed = count_finished(study) - completed
+    completed, failed = completed_and_failed(study)
     return f"{completed}/{trials} trials completed" + (f", {failed} failed" if failed else "")
 
 

@@ -42,6 +42,7 @@ from dmlkit.exceptions import ConfigError, DmlkitError, require
 
 __all__ = [
     "claim_waiting_trial",
+    "completed_and_failed",
     "count_completed",
     "count_finished",
     "in_memory_storage",
@@ -251,7 +252,7 @@ def open_study(
     return study
 
 
-def counted_trials(study) -> list:
+def counted_trials(study, trials: list | None = None) -> list:
     """Trials that used up their slot: COMPLETE + PRUNED + FAIL, without interrupted ones
     (those are retried). Only the COMPLETE ones are *completed* (:func:`count_completed`).
 
@@ -260,7 +261,7 @@ def counted_trials(study) -> list:
     reached ``trials`` and the final stage refused it for ever as "not over"."""
     from optuna.trial import TrialState
 
-    trials = study.get_trials(deepcopy=False)
+    trials = study.get_trials(deepcopy=False) if trials is None else trials
     skip = interrupted_numbers(trials)
     return [t for t in trials if t.state in (TrialState.COMPLETE, TrialState.PRUNED)
             or (t.state == TrialState.FAIL and t.number not in skip)]
@@ -280,6 +281,16 @@ def count_completed(study) -> int:
     return len(study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)))
 
 
+def completed_and_failed(study, trials: list | None = None) -> tuple[int, int]:
+    """``(completed, failed)`` trials, both counted from one snapshot of the study's trials:
+    counted in two queries, a trial another worker completed between them was shown "failed"."""
+    from optuna.trial import TrialState
+
+    trials = study.get_trials(deepcopy=False) if trials is None else trials
+    completed = sum(t.state == TrialState.COMPLETE for t in trials)
+    return completed, len(counted_trials(study, trials)) - completed
+
+
 def study_summary(study) -> dict[str, Any]:
     from optuna.trial import TrialState
 
@@ -288,10 +299,9 @@ def study_summary(study) -> dict[str, Any]:
     for t in trials:
         states[t.state.name] += 1
     interrupted = len(interrupted_numbers(trials))
-    completed = count_completed(study)
+    completed, failed = completed_and_failed(study, trials)
     # "finished" counts COMPLETE trials only: a failed trial is no result
-    return {"finished": completed, "failed": count_finished(study) - completed, "states": states,
-            "interrupted": interrupted}
+    return {"finished": completed, "failed": failed, "states": states, "interrupted": interrupted}
 
 
 def fail_running_trials(study) -> int:

@@ -1,4 +1,5 @@
-"""PostgreSQL study storage: a silent server is an error, not a hang."""
+"""A study shared by workers (PostgreSQL): a silent server is an error, not a hang; progress
+counts come from one snapshot."""
 
 from __future__ import annotations
 
@@ -6,11 +7,13 @@ import socket
 import threading
 import time
 
+import optuna
 import pytest
 
 from dmlkit.exceptions import ConfigError
 from dmlkit.protocol import study as study_mod
-from dmlkit.protocol.study import make_storage, resolve_storage_url
+from dmlkit.protocol.runner import _progress
+from dmlkit.protocol.study import make_storage, resolve_storage_url, study_summary
 
 
 def test_a_server_that_never_answers_is_an_error_not_a_hang(tmp_path, monkeypatch):
@@ -73,3 +76,28 @@ def test_a_connect_timeout_in_the_url_is_kept(monkeypatch):
     assert "connect_args" not in seen
     make_storage("postgresql+psycopg://u@h/db")
     assert seen["connect_args"] == {"connect_timeout": study_mod._CONNECT_TIMEOUT_S}
+
+
+def _study_completed_by_another_worker_between_queries():
+    """Three RUNNING trials; after every ``get_trials`` query another worker completes one."""
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    study = optuna.create_study(direction="maximize")
+    running = [study.ask() for _ in range(3)]
+    original = study.get_trials
+
+    def get_trials(*args, **kwargs):
+        out = original(*args, **kwargs)
+        if running:
+            study.tell(running.pop(0), 0.5)  # the other worker, right after this query
+        return out
+
+    study.get_trials = get_trials
+    return study
+
+
+def test_progress_counts_no_failed_trial_when_none_failed():
+    """No trial ever fails, yet two separate queries showed a trial completed between them
+    as "1 failed"."""
+    assert _progress(_study_completed_by_another_worker_between_queries(), 3) == "0/3 trials completed"
+    summary = study_summary(_study_completed_by_another_worker_between_queries())
+    assert (summary["finished"], summary["failed"]) == (0, 0), summary
