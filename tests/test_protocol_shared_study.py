@@ -1,11 +1,13 @@
 """A study shared by workers (PostgreSQL): a silent server is an error, not a hang; progress
-counts come from one snapshot."""
+counts come from one snapshot; workers raising protocol.trials at once add each slot once."""
 
 from __future__ import annotations
 
+import multiprocessing
 import socket
 import threading
 import time
+from threading import BrokenBarrierError
 
 import optuna
 import pytest
@@ -13,7 +15,8 @@ import pytest
 from dmlkit.exceptions import ConfigError
 from dmlkit.protocol import study as study_mod
 from dmlkit.protocol.runner import _progress
-from dmlkit.protocol.study import make_storage, resolve_storage_url, study_summary
+from dmlkit.protocol.study import make_storage, open_study, resolve_storage_url, study_summary
+from test_protocol_study import postgres_url  # noqa: F401  (the throwaway PostgreSQL fixture)
 
 
 def test_a_server_that_never_answers_is_an_error_not_a_hang(tmp_path, monkeypatch):
@@ -101,3 +104,47 @@ def test_progress_counts_no_failed_trial_when_none_failed():
     assert _progress(_study_completed_by_another_worker_between_queries(), 3) == "0/3 trials completed"
     summary = study_summary(_study_completed_by_another_worker_between_queries())
     assert (summary["finished"], summary["failed"]) == (0, 0), summary
+
+
+def _grow(url: str, barrier) -> None:
+    """A worker started with a larger protocol.trials. Its first enqueue waits (1 s at most)
+    for the other worker's: without a lock both have read the old slot count by then."""
+    original = optuna.Study.enqueue_trial
+    waited = []
+
+    def enqueue_trial(self, *args, **kwargs):
+        if not waited:
+            waited.append(True)
+            try:
+                barrier.wait(timeout=1.0)
+            except BrokenBarrierError:  # the other worker waits for our lock: as it should
+                pass
+        return original(self, *args, **kwargs)
+
+    optuna.Study.enqueue_trial = enqueue_trial
+    open_study(make_storage(url), "grow/m", 6, fingerprint={"sha256": "x"})
+
+
+def _two_workers_grow(url: str) -> int:
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    open_study(make_storage(url), "grow/m", 4, fingerprint={"sha256": "x"})  # the first search
+    ctx = multiprocessing.get_context("fork")
+    barrier = ctx.Barrier(2)
+    procs = [ctx.Process(target=_grow, args=(url, barrier)) for _ in range(2)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=60)
+    assert [p.exitcode for p in procs] == [0, 0]
+    study = optuna.load_study(storage=make_storage(url), study_name="grow/m")
+    assert study.user_attrs["dmlkit_slots"] == 6
+    return len(study.get_trials(deepcopy=False))
+
+
+def test_two_workers_raising_trials_at_once_add_each_slot_once_sqlite(tmp_path):
+    assert _two_workers_grow(resolve_storage_url(None, tmp_path)) == 6
+
+
+@pytest.mark.postgres
+def test_two_workers_raising_trials_at_once_add_each_slot_once_postgres(postgres_url, tmp_path):  # noqa: F811
+    assert _two_workers_grow(resolve_storage_url(postgres_url, tmp_path)) == 6

@@ -217,18 +217,12 @@ def open_study(
     if created:
         if fingerprint is not None:
             study.set_user_attr("dmlkit_fingerprint", fingerprint)
-        for _ in range(trials):
-            study.enqueue_trial({}, skip_if_exists=False)
-        study.set_user_attr(_SLOTS_ATTR, trials)
+        grow_slots(study, trials)
         return study
     deadline = time.monotonic() + wait_s
     while _SLOTS_ATTR not in study.user_attrs:  # another worker is creating it right now
         if time.monotonic() > deadline:
-            # the creator died before enqueueing: enqueue the missing slots now
-            existing = len(study.get_trials(deepcopy=False))
-            for _ in range(max(0, trials - existing)):
-                study.enqueue_trial({}, skip_if_exists=False)
-            study.set_user_attr(_SLOTS_ATTR, trials)
+            grow_slots(study, trials)  # the creator died before enqueueing: enqueue the rest
             break
         time.sleep(0.5)
     if fingerprint is not None:
@@ -240,9 +234,7 @@ def open_study(
             )
     slots = int(study.user_attrs[_SLOTS_ATTR])
     if trials > slots:  # the user asked for more trials: add slots
-        for _ in range(trials - slots):
-            study.enqueue_trial({}, skip_if_exists=False)
-        study.set_user_attr(_SLOTS_ATTR, trials)
+        grow_slots(study, trials)
     elif trials < slots:
         raise ConfigError(
             f"study {name!r} already has {slots} trial slots; protocol.trials = {trials} cannot shrink it: "
@@ -250,6 +242,47 @@ def open_study(
             f"{trials} trials with --stage final"
         )
     return study
+
+
+def grow_slots(study, trials: int) -> None:
+    """Bring the study to ``trials`` enqueued slots, atomically across workers.
+
+    Under :func:`_slots_lock` the slot count is read afresh (the ``dmlkit_slots`` attribute, or
+    the trials a creator that died got to enqueue) and only the missing slots are added: two
+    workers raising ``protocol.trials`` at once each read the old count and both added the
+    difference, leaving more slots than asked for.
+    """
+    with _slots_lock(study):
+        slots = study._storage.get_study_user_attrs(study._study_id).get(_SLOTS_ATTR)
+        current = len(study.get_trials(deepcopy=False)) if slots is None else int(slots)
+        if trials <= current:
+            return
+        for _ in range(trials - current):
+            study.enqueue_trial({}, skip_if_exists=False)
+        study.set_user_attr(_SLOTS_ATTR, trials)
+
+
+# the first key of the PostgreSQL advisory lock on a study's slots ("dmlk"); the second is its id
+_SLOTS_LOCK_NAMESPACE = 0x646D6C6B
+_SLOTS_THREAD_LOCK = threading.Lock()
+
+
+@contextlib.contextmanager
+def _slots_lock(study) -> Iterator[None]:
+    """Serialise changes of a study's slots: between threads of this process, between processes
+    sharing a SQLite file (:func:`storage_lock`), and on PostgreSQL through a transaction-level
+    advisory lock on the study's id, held on a connection of its own until the change is done."""
+    with _SLOTS_THREAD_LOCK, storage_lock(study._storage):
+        engine = _storage_attr(study._storage, "engine")
+        if engine is None or engine.dialect.name != "postgresql":
+            yield
+            return
+        from sqlalchemy import text
+
+        with engine.connect() as conn, conn.begin():
+            conn.execute(text("SELECT pg_advisory_xact_lock(:ns, :id)"),
+                         {"ns": _SLOTS_LOCK_NAMESPACE, "id": int(study._study_id)})
+            yield
 
 
 def counted_trials(study, trials: list | None = None) -> list:
@@ -384,12 +417,18 @@ def _storage_url(storage) -> str:
     (``_backend``); only the latter has the ``url``. (Reading the wrapper alone gave "" and
     silently turned the SQLite lock off: two workers could claim the same trial.)
     """
+    url = _storage_attr(storage, "url")
+    return str(url) if url else ""
+
+
+def _storage_attr(storage, name: str) -> Any:
+    """Attribute ``name`` of an Optuna storage or of the storage it wraps (``_backend``), or None."""
     while storage is not None:
-        url = getattr(storage, "url", None)
-        if url:
-            return str(url)
+        value = getattr(storage, name, None)
+        if value:
+            return value
         storage = getattr(storage, "_backend", None)
-    return ""
+    return None
 
 
 @contextlib.contextmanager
