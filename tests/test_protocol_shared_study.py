@@ -1,8 +1,11 @@
 """A study shared by workers (PostgreSQL): a silent server is an error, not a hang; progress
-counts come from one snapshot; workers raising protocol.trials at once add each slot once."""
+counts come from one snapshot; workers raising protocol.trials at once add each slot once;
+a worker with other sampler or heartbeat settings, or another bench directory's config, is refused."""
 
 from __future__ import annotations
 
+import hashlib
+import json
 import multiprocessing
 import socket
 import threading
@@ -11,12 +14,14 @@ from threading import BrokenBarrierError
 
 import optuna
 import pytest
+import yaml
 
 from dmlkit.exceptions import ConfigError
 from dmlkit.protocol import study as study_mod
-from dmlkit.protocol.runner import _progress
+from dmlkit.protocol.runner import Bench, _progress, method_fingerprint
 from dmlkit.protocol.study import make_storage, open_study, resolve_storage_url, study_summary
 from test_protocol_study import postgres_url  # noqa: F401  (the throwaway PostgreSQL fixture)
+from test_protocol_two_workers import TINY, _Classes, _config
 
 
 def test_a_server_that_never_answers_is_an_error_not_a_hang(tmp_path, monkeypatch):
@@ -148,3 +153,44 @@ def test_two_workers_raising_trials_at_once_add_each_slot_once_sqlite(tmp_path):
 @pytest.mark.postgres
 def test_two_workers_raising_trials_at_once_add_each_slot_once_postgres(postgres_url, tmp_path):  # noqa: F811
     assert _two_workers_grow(resolve_storage_url(postgres_url, tmp_path)) == 6
+
+
+def test_the_sampler_settings_are_part_of_the_study_key(tmp_path):
+    """A worker with another protocol.sampler, sampler_seed or n_startup_trials joined the study
+    and sampled other points; with the defaults the key is the one earlier versions wrote."""
+    bench = Bench(_config(), tmp_path / "A")
+    split = bench.split(_Classes(range(100, 140)))
+    method = bench.config.methods[0]
+    key = method_fingerprint(bench.config, method, split)
+    for setting, value in (("sampler", "random"), ("sampler_seed", 7), ("n_startup_trials", 3)):
+        other = bench.config.model_copy(deep=True)
+        setattr(other.protocol, setting, value)
+        assert method_fingerprint(other, method, split) != key, setting
+    default = bench.config.model_copy(deep=True)
+    default.protocol.n_startup_trials = 10  # TINY sets 1; all three at their defaults:
+    old_blob = json.dumps({"fixed": default.fixed_fingerprint(), "method": method.model_dump(mode="json"),
+                           "split": split.to_dict()}, sort_keys=True)
+    assert method_fingerprint(default, method, split) == {"sha256": hashlib.sha256(old_blob.encode()).hexdigest()}
+
+
+def test_a_worker_with_other_heartbeat_settings_is_refused(tmp_path):
+    """A worker whose grace period is shorter than another's heartbeat interval failed that
+    worker's live trials: the study keeps its creator's values and refuses others."""
+    storage = make_storage(resolve_storage_url(None, tmp_path))
+    beat = {"heartbeat_interval": 1, "grace_period": 4}
+    open_study(storage, "hb/m", 2, heartbeat=beat)
+    open_study(storage, "hb/m", 2, heartbeat=dict(beat))  # the same values: joins
+    with pytest.raises(ConfigError, match="--set protocol.grace_period=4 --set protocol.heartbeat_interval=1"):
+        open_study(storage, "hb/m", 2, heartbeat={"heartbeat_interval": 1, "grace_period": 60})
+    open_study(storage, "old/m", 2)  # a study from before the values were recorded accepts any
+    open_study(storage, "old/m", 2, heartbeat={"heartbeat_interval": 1, "grace_period": 60})
+
+
+def test_worker_refuses_a_bench_directory_of_another_config(run_cli, tmp_path):
+    """`--worker` compares the bench directory's config.yaml as a coordinator does."""
+    Bench(_config(), tmp_path / "bench").prepare()
+    other = {**TINY, "protocol": {**TINY["protocol"], "sampler_seed": 5}}
+    (tmp_path / "other.yaml").write_text(yaml.safe_dump(other))
+    code, _, err = run_cli(["bench", str(tmp_path / "other.yaml"), "--worker", "--out", str(tmp_path / "bench")])
+    assert code == 2, err
+    assert "holds a benchmark with another config" in err

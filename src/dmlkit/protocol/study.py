@@ -55,6 +55,7 @@ __all__ = [
 ]
 
 _SLOTS_ATTR = "dmlkit_slots"
+_HEARTBEAT_ATTR = "dmlkit_heartbeat"
 # libpq's connect_timeout (seconds) for a PostgreSQL URL that gives none: a host that accepts the
 # TCP connection but never answers otherwise made `dmlkit bench` hang for ever
 _CONNECT_TIMEOUT_S = 10
@@ -190,12 +191,15 @@ def make_sampler(kind: str, seed: int, n_startup_trials: int):
 
 def open_study(
     storage, name: str, trials: int, *, sampler: str = "tpe", seed: int = 0, n_startup_trials: int = 10,
-    fingerprint: dict[str, Any] | None = None, wait_s: float = 120.0,
+    fingerprint: dict[str, Any] | None = None, heartbeat: dict[str, int] | None = None,
+    wait_s: float = 120.0,
 ):
     """Create or load study ``name`` (maximising) with exactly ``trials`` slots enqueued once.
 
-    ``fingerprint`` (the method's search space and fixed settings) must match a loaded study's:
-    resuming a study with another search space would mix incomparable trials.
+    ``fingerprint`` (the method's search space, sampler and fixed settings) must match a loaded
+    study's: resuming a study with another search space would mix incomparable trials.
+    ``heartbeat`` (``heartbeat_interval``, ``grace_period``) must match too: a worker with a
+    shorter grace period than another's heartbeat interval failed that worker's live trials.
     """
     import optuna
 
@@ -217,6 +221,8 @@ def open_study(
     if created:
         if fingerprint is not None:
             study.set_user_attr("dmlkit_fingerprint", fingerprint)
+        if heartbeat is not None:
+            study.set_user_attr(_HEARTBEAT_ATTR, heartbeat)
         grow_slots(study, trials)
         return study
     deadline = time.monotonic() + wait_s
@@ -229,9 +235,11 @@ def open_study(
         old = study.user_attrs.get("dmlkit_fingerprint")
         if old is not None and old != fingerprint:
             raise ConfigError(
-                f"study {name!r} was created with another search space or fixed settings; "
-                "use a new bench directory (or study_prefix) instead of resuming it"
+                f"study {name!r} was created with another search space or fixed settings (or "
+                "protocol.sampler, sampler_seed, n_startup_trials); use a new bench directory "
+                "(or study_prefix) instead of resuming it"
             )
+    _check_heartbeat(study, name, heartbeat)
     slots = int(study.user_attrs[_SLOTS_ATTR])
     if trials > slots:  # the user asked for more trials: add slots
         grow_slots(study, trials)
@@ -242,6 +250,21 @@ def open_study(
             f"{trials} trials with --stage final"
         )
     return study
+
+
+def _check_heartbeat(study, name: str, heartbeat: dict[str, int] | None) -> None:
+    """Refuse a worker whose heartbeat settings differ from those the study was created with
+    (studies created before they were recorded accept any)."""
+    old = study.user_attrs.get(_HEARTBEAT_ATTR)
+    if heartbeat is None or old is None or old == heartbeat:
+        return
+    def show(values: dict[str, int], sep: str, prefix: str = "") -> str:
+        return sep.join(f"{prefix}{k}={v}" for k, v in sorted(values.items()))
+
+    raise ConfigError(f"study {name!r} was created with protocol {show(old, ', ')}; this worker has "
+                      f"{show(heartbeat, ', ')}: every worker must use the study's values (a shorter "
+                      f"grace period fails other workers' live trials); start it with "
+                      f"{show(old, ' ', '--set protocol.')}")
 
 
 def grow_slots(study, trials: int) -> None:
