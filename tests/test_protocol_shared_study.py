@@ -51,7 +51,7 @@ def test_a_server_that_never_answers_is_an_error_not_a_hang(tmp_path, monkeypatc
     def open_it() -> None:
         try:
             make_storage(url)
-        except BaseException as exc:  # noqa: BLE001  (handed to the main thread)
+        except BaseException as exc:  # handed to the main thread
             result.append(exc)
 
     opener = threading.Thread(target=open_it, daemon=True)
