@@ -98,6 +98,7 @@ def register(app: typer.Typer) -> None:
                       config_path=config, overrides=set_ or [], threads=threads)
         if worker:
             bench.check_shared_storage()
+            bench.check_config_dir()  # a bench directory of another config is refused, as without --worker
             # the selected methods against the fold class counts, before anything is written
             bench.validate(method or None)
             bench.dir.mkdir(parents=True, exist_ok=True)

@@ -302,6 +302,15 @@ class ProtocolConfig(_Strict):
     nproc_per_trial: int = Field(1, ge=1)
     torchrun: TorchrunSettings = Field(default_factory=TorchrunSettings)
 
+    def search_fingerprint(self) -> dict[str, Any] | None:
+        """The sampler settings (``sampler``, ``sampler_seed``, ``n_startup_trials``) that decide
+        which points a study samples, or None where all are the defaults: studies created
+        before these were part of the key used the defaults mostly, and still resume (as
+        :meth:`BenchConfig.fixed_fingerprint` keeps ``cluster_restarts`` out at its default)."""
+        keys = ("sampler", "sampler_seed", "n_startup_trials")
+        values = {k: getattr(self, k) for k in keys}
+        return None if all(values[k] == type(self).model_fields[k].default for k in keys) else values
+
     @model_validator(mode="after")
     def _resolve(self) -> ProtocolConfig:
         if self.folds is None:

@@ -64,6 +64,7 @@ from dmlkit.protocol.stages import (  # noqa: F401  (re-exported: the stages' ol
 )
 from dmlkit.protocol.study import (
     check_sqlite_folder,
+    completed_and_failed,
     count_completed,
     count_finished,
     counted_trials,
@@ -146,6 +147,15 @@ class Bench:
         prefix = self.config.protocol.study_prefix or self.config.name
         return f"{prefix}/{method.name}"
 
+    def _open_study(self, method: MethodConfig, split: BenchSplit):
+        """Open ``method``'s study with this config's trials, sampler, key and heartbeat."""
+        p = self.config.protocol
+        return open_study(self.storage, self.study_name(method), p.trials, sampler=p.sampler,
+                          seed=p.sampler_seed, n_startup_trials=p.n_startup_trials,
+                          fingerprint=method_fingerprint(self.config, method, split),
+                          heartbeat={"heartbeat_interval": p.heartbeat_interval,
+                                     "grace_period": p.grace_period})
+
     def split(self, full_dataset=None) -> BenchSplit:
         """The protocol's split (``split.json`` if it exists, else computed from the dataset)."""
         if self._split is not None:
@@ -178,8 +188,18 @@ class Bench:
     def prepare(self) -> None:
         """Write config/provenance; refuse a directory made by a different config."""
         self.dir.mkdir(parents=True, exist_ok=True)
+        self.check_config_dir()
+        atomic_write_text(self.dir / "config.yaml", dump_bench_config(self.config))
+        prov_path = self.dir / "provenance.json"
+        if not prov_path.exists():
+            write_provenance(prov_path, self.config.fixed.seed, extra={
+                "bench_dir": str(self.dir.resolve()), "config_path": str(self.config_path),
+                "overrides": self.overrides})
+
+    def check_config_dir(self) -> None:
+        """Refuse a bench directory whose ``config.yaml`` holds another config (settings that
+        may change on resume aside); a directory without one is accepted."""
         cfg_path = self.dir / "config.yaml"
-        text = dump_bench_config(self.config)
         if cfg_path.exists():
             old = bench_config_from_dict(load_yaml(cfg_path.read_text(encoding="utf-8")))
             a, b = old.model_dump(mode="json"), self.config.model_dump(mode="json")
@@ -201,12 +221,6 @@ class Bench:
                     f"{self.dir} holds a benchmark with another config ({cfg_path}); "
                     "use a new --out directory, or rerun with the same config to resume"
                 )
-        atomic_write_text(cfg_path, text)
-        prov_path = self.dir / "provenance.json"
-        if not prov_path.exists():
-            write_provenance(prov_path, self.config.fixed.seed, extra={
-                "bench_dir": str(self.dir.resolve()), "config_path": str(self.config_path),
-                "overrides": self.overrides})
 
     def check_shared_storage(self) -> None:
         """Refuse an in-memory study database where other processes (workers, a later
@@ -257,11 +271,7 @@ class Bench:
             if not method.search:
                 summary[method.name] = {"finished": 0, "note": "no searched hyperparameters"}
                 continue
-            study = open_study(
-                self.storage, self.study_name(method), p.trials, sampler=p.sampler,
-                seed=p.sampler_seed, n_startup_trials=p.n_startup_trials,
-                fingerprint=method_fingerprint(self.config, method, split),
-            )
+            study = self._open_study(method, split)
             if exclusive:
                 n = fail_running_trials(study)
                 if n:
@@ -516,12 +526,7 @@ class Bench:
         for method in self._methods(methods) if reset else []:
             if not method.search:
                 continue
-            p = self.config.protocol
-            dev_split = self.split()
-            study = open_study(self.storage, self.study_name(method), p.trials, sampler=p.sampler,
-                               seed=p.sampler_seed, n_startup_trials=p.n_startup_trials,
-                               fingerprint=method_fingerprint(self.config, method, dev_split))
-            fail_running_trials(study)
+            fail_running_trials(self._open_study(method, self.split()))
         threads = self.threads or max(1, (os.cpu_count() or 1) // workers)
         args = (self.config.model_dump(mode="json"), str(self.dir), stage, list(methods or []),
                 None if self.data_root is None else str(self.data_root), threads)
@@ -547,8 +552,7 @@ def trial_sampler_seed(sampler_seed: int, number: int) -> int:
 
 def _progress(study, trials: int) -> str:
     """``"2/3 trials completed, 1 failed"``: only COMPLETE trials count as completed."""
-    completed = count_completed(study)
-    failed = count_finished(study) - completed
+    completed, failed = completed_and_failed(study)
     return f"{completed}/{trials} trials completed" + (f", {failed} failed" if failed else "")
 
 

@@ -158,12 +158,14 @@ class SearchStage:
 
 
 def method_fingerprint(config: BenchConfig, method: MethodConfig, split: BenchSplit) -> dict[str, Any]:
-    """What a study depends on: resuming with a different one is refused."""
-    blob = json.dumps({
-        "fixed": config.fixed_fingerprint(),
-        "method": method.model_dump(mode="json"),
-        "split": split.to_dict(),
-    }, sort_keys=True)
+    """What a study depends on: resuming with a different one is refused. The sampler settings
+    are in it where they are not the defaults (:meth:`ProtocolConfig.search_fingerprint`)."""
+    key = {"fixed": config.fixed_fingerprint(), "method": method.model_dump(mode="json"),
+           "split": split.to_dict()}
+    search = config.protocol.search_fingerprint()
+    if search is not None:
+        key["search"] = search
+    blob = json.dumps(key, sort_keys=True)
     return {"sha256": hashlib.sha256(blob.encode()).hexdigest()}
 
 

@@ -42,6 +42,7 @@ from dmlkit.exceptions import ConfigError, DmlkitError, require
 
 __all__ = [
     "claim_waiting_trial",
+    "completed_and_failed",
     "count_completed",
     "count_finished",
     "in_memory_storage",
@@ -54,6 +55,10 @@ __all__ = [
 ]
 
 _SLOTS_ATTR = "dmlkit_slots"
+_HEARTBEAT_ATTR = "dmlkit_heartbeat"
+# libpq's connect_timeout (seconds) for a PostgreSQL URL that gives none: a host that accepts the
+# TCP connection but never answers otherwise made `dmlkit bench` hang for ever
+_CONNECT_TIMEOUT_S = 10
 
 
 def resolve_storage_url(storage: str | None, bench_dir: str | Path) -> str:
@@ -103,6 +108,8 @@ def make_storage(url: str, *, heartbeat_interval: int = 30, grace_period: int = 
         engine_kwargs = {"connect_args": {"timeout": 120}}
     else:
         engine_kwargs = {"pool_pre_ping": True}
+        if url.startswith("postgresql") and "connect_timeout=" not in url:
+            engine_kwargs["connect_args"] = {"connect_timeout": _CONNECT_TIMEOUT_S}
     last_exc: Exception | None = None
     for attempt in range(6):
         try:
@@ -184,12 +191,15 @@ def make_sampler(kind: str, seed: int, n_startup_trials: int):
 
 def open_study(
     storage, name: str, trials: int, *, sampler: str = "tpe", seed: int = 0, n_startup_trials: int = 10,
-    fingerprint: dict[str, Any] | None = None, wait_s: float = 120.0,
+    fingerprint: dict[str, Any] | None = None, heartbeat: dict[str, int] | None = None,
+    wait_s: float = 120.0,
 ):
     """Create or load study ``name`` (maximising) with exactly ``trials`` slots enqueued once.
 
-    ``fingerprint`` (the method's search space and fixed settings) must match a loaded study's:
-    resuming a study with another search space would mix incomparable trials.
+    ``fingerprint`` (the method's search space, sampler and fixed settings) must match a loaded
+    study's: resuming a study with another search space would mix incomparable trials.
+    ``heartbeat`` (``heartbeat_interval``, ``grace_period``) must match too: a worker with a
+    shorter grace period than another's heartbeat interval failed that worker's live trials.
     """
     import optuna
 
@@ -211,32 +221,28 @@ def open_study(
     if created:
         if fingerprint is not None:
             study.set_user_attr("dmlkit_fingerprint", fingerprint)
-        for _ in range(trials):
-            study.enqueue_trial({}, skip_if_exists=False)
-        study.set_user_attr(_SLOTS_ATTR, trials)
+        if heartbeat is not None:
+            study.set_user_attr(_HEARTBEAT_ATTR, heartbeat)
+        grow_slots(study, trials)
         return study
     deadline = time.monotonic() + wait_s
     while _SLOTS_ATTR not in study.user_attrs:  # another worker is creating it right now
         if time.monotonic() > deadline:
-            # the creator died before enqueueing: enqueue the missing slots now
-            existing = len(study.get_trials(deepcopy=False))
-            for _ in range(max(0, trials - existing)):
-                study.enqueue_trial({}, skip_if_exists=False)
-            study.set_user_attr(_SLOTS_ATTR, trials)
+            grow_slots(study, trials)  # the creator died before enqueueing: enqueue the rest
             break
         time.sleep(0.5)
     if fingerprint is not None:
         old = study.user_attrs.get("dmlkit_fingerprint")
         if old is not None and old != fingerprint:
             raise ConfigError(
-                f"study {name!r} was created with another search space or fixed settings; "
-                "use a new bench directory (or study_prefix) instead of resuming it"
+                f"study {name!r} was created with another search space or fixed settings (or "
+                "protocol.sampler, sampler_seed, n_startup_trials); use a new bench directory "
+                "(or study_prefix) instead of resuming it"
             )
+    _check_heartbeat(study, name, heartbeat)
     slots = int(study.user_attrs[_SLOTS_ATTR])
     if trials > slots:  # the user asked for more trials: add slots
-        for _ in range(trials - slots):
-            study.enqueue_trial({}, skip_if_exists=False)
-        study.set_user_attr(_SLOTS_ATTR, trials)
+        grow_slots(study, trials)
     elif trials < slots:
         raise ConfigError(
             f"study {name!r} already has {slots} trial slots; protocol.trials = {trials} cannot shrink it: "
@@ -246,7 +252,63 @@ def open_study(
     return study
 
 
-def counted_trials(study) -> list:
+def _check_heartbeat(study, name: str, heartbeat: dict[str, int] | None) -> None:
+    """Refuse a worker whose heartbeat settings differ from those the study was created with
+    (studies created before they were recorded accept any)."""
+    old = study.user_attrs.get(_HEARTBEAT_ATTR)
+    if heartbeat is None or old is None or old == heartbeat:
+        return
+    def show(values: dict[str, int], sep: str, prefix: str = "") -> str:
+        return sep.join(f"{prefix}{k}={v}" for k, v in sorted(values.items()))
+
+    raise ConfigError(f"study {name!r} was created with protocol {show(old, ', ')}; this worker has "
+                      f"{show(heartbeat, ', ')}: every worker must use the study's values (a shorter "
+                      f"grace period fails other workers' live trials); start it with "
+                      f"{show(old, ' ', '--set protocol.')}")
+
+
+def grow_slots(study, trials: int) -> None:
+    """Bring the study to ``trials`` enqueued slots, atomically across workers.
+
+    Under :func:`_slots_lock` the slot count is read afresh (the ``dmlkit_slots`` attribute, or
+    the trials a creator that died got to enqueue) and only the missing slots are added: two
+    workers raising ``protocol.trials`` at once each read the old count and both added the
+    difference, leaving more slots than asked for.
+    """
+    with _slots_lock(study):
+        slots = study._storage.get_study_user_attrs(study._study_id).get(_SLOTS_ATTR)
+        current = len(study.get_trials(deepcopy=False)) if slots is None else int(slots)
+        if trials <= current:
+            return
+        for _ in range(trials - current):
+            study.enqueue_trial({}, skip_if_exists=False)
+        study.set_user_attr(_SLOTS_ATTR, trials)
+
+
+# the first key of the PostgreSQL advisory lock on a study's slots ("dmlk"); the second is its id
+_SLOTS_LOCK_NAMESPACE = 0x646D6C6B
+_SLOTS_THREAD_LOCK = threading.Lock()
+
+
+@contextlib.contextmanager
+def _slots_lock(study) -> Iterator[None]:
+    """Serialise changes of a study's slots: between threads of this process, between processes
+    sharing a SQLite file (:func:`storage_lock`), and on PostgreSQL through a transaction-level
+    advisory lock on the study's id, held on a connection of its own until the change is done."""
+    with _SLOTS_THREAD_LOCK, storage_lock(study._storage):
+        engine = _storage_attr(study._storage, "engine")
+        if engine is None or engine.dialect.name != "postgresql":
+            yield
+            return
+        from sqlalchemy import text
+
+        with engine.connect() as conn, conn.begin():
+            conn.execute(text("SELECT pg_advisory_xact_lock(:ns, :id)"),
+                         {"ns": _SLOTS_LOCK_NAMESPACE, "id": int(study._study_id)})
+            yield
+
+
+def counted_trials(study, trials: list | None = None) -> list:
     """Trials that used up their slot: COMPLETE + PRUNED + FAIL, without interrupted ones
     (those are retried). Only the COMPLETE ones are *completed* (:func:`count_completed`).
 
@@ -255,7 +317,7 @@ def counted_trials(study) -> list:
     reached ``trials`` and the final stage refused it for ever as "not over"."""
     from optuna.trial import TrialState
 
-    trials = study.get_trials(deepcopy=False)
+    trials = study.get_trials(deepcopy=False) if trials is None else trials
     skip = interrupted_numbers(trials)
     return [t for t in trials if t.state in (TrialState.COMPLETE, TrialState.PRUNED)
             or (t.state == TrialState.FAIL and t.number not in skip)]
@@ -275,6 +337,16 @@ def count_completed(study) -> int:
     return len(study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)))
 
 
+def completed_and_failed(study, trials: list | None = None) -> tuple[int, int]:
+    """``(completed, failed)`` trials, both counted from one snapshot of the study's trials:
+    counted in two queries, a trial another worker completed between them was shown "failed"."""
+    from optuna.trial import TrialState
+
+    trials = study.get_trials(deepcopy=False) if trials is None else trials
+    completed = sum(t.state == TrialState.COMPLETE for t in trials)
+    return completed, len(counted_trials(study, trials)) - completed
+
+
 def study_summary(study) -> dict[str, Any]:
     from optuna.trial import TrialState
 
@@ -283,10 +355,9 @@ def study_summary(study) -> dict[str, Any]:
     for t in trials:
         states[t.state.name] += 1
     interrupted = len(interrupted_numbers(trials))
-    completed = count_completed(study)
+    completed, failed = completed_and_failed(study, trials)
     # "finished" counts COMPLETE trials only: a failed trial is no result
-    return {"finished": completed, "failed": count_finished(study) - completed, "states": states,
-            "interrupted": interrupted}
+    return {"finished": completed, "failed": failed, "states": states, "interrupted": interrupted}
 
 
 def fail_running_trials(study) -> int:
@@ -369,12 +440,18 @@ def _storage_url(storage) -> str:
     (``_backend``); only the latter has the ``url``. (Reading the wrapper alone gave "" and
     silently turned the SQLite lock off: two workers could claim the same trial.)
     """
+    url = _storage_attr(storage, "url")
+    return str(url) if url else ""
+
+
+def _storage_attr(storage, name: str) -> Any:
+    """Attribute ``name`` of an Optuna storage or of the storage it wraps (``_backend``), or None."""
     while storage is not None:
-        url = getattr(storage, "url", None)
-        if url:
-            return str(url)
+        value = getattr(storage, name, None)
+        if value:
+            return value
         storage = getattr(storage, "_backend", None)
-    return ""
+    return None
 
 
 @contextlib.contextmanager
