@@ -200,7 +200,10 @@ def _full_map(inp: _Inputs, budget: int) -> tuple[torch.Tensor, torch.Tensor]:
     (no sort; exact in float64 near ties). Small CPU searches, other distances and devices:
     float64 scores in blocks of rows, each reference placed among its row's sorted positives
     (:func:`dmlkit.metrics.retrieval.full_ranking_ap_block`, O(N M log R)), so that a GPU ranks
-    exactly as the CPU kernels do (float64 matrix products cost little there).
+    exactly as the CPU kernels do (float64 matrix products cost little there). Where a product
+    value lies too near a positive's for its rounding to decide (the expanded Euclidean form
+    cancels for rows an ulp apart), the block is redone with those entries scored by the pair
+    function (:func:`dmlkit.metrics.near_ties.rescore_near_positives`).
     """
     scorer = _Scorer(inp.distance)
     q = scorer.prepare(inp.q, "query embeddings")
