@@ -6,7 +6,8 @@ comparison. Classification/proxy losses (``test_losses_classification.py``,
 ``test_losses_proxy.py``): a loop dot product, the optional peer library, and the checks that
 both families must pass (loop reference with parameter gradients, gradcheck, bfloat16, large
 scales, API errors and empty batches). Training tests (``test_training.py``,
-``test_cli_train.py``): the tiny model, loss and optimiser sections of their configs.
+``test_cli_train.py``): the tiny model, loss and optimiser sections of their configs. SiamFC
+training tests (``test_tracking_*.py``): a one-sequence training set and a tiny config.
 """
 
 from __future__ import annotations
@@ -21,6 +22,9 @@ import pytest
 import torch
 from torch.func import functional_call
 
+from dmlkit.apps.tracking.datasets import Sequence
+from dmlkit.apps.tracking.offline import make_sequence, offline_specs
+from dmlkit.apps.tracking.training import SiamFCTrainConfig
 from dmlkit.distances import CosineSimilarity, LpDistance
 from dmlkit.exceptions import ConfigError, ShapeError
 
@@ -351,3 +355,17 @@ def tiny_alphadigits_bench(name: str, protocol: dict, methods: list, **fixed: di
     for section, values in fixed.items():
         config["fixed"].setdefault(section, {}).update(values)
     return config
+
+
+# ------------------------------------------------------------------ SiamFC training
+def siamfc_train_sequence() -> Sequence:
+    """One generated 4-frame 96 x 96 training sequence (seed 3)."""
+    spec = offline_specs("train", 1, num_frames=4, seed=3, frame_size=(96, 96))[0]
+    return make_sequence(spec)
+
+
+def tiny_siamfc_config(data_dir: Path, epochs: int, **overrides) -> SiamFCTrainConfig:
+    """A SiamFC config that trains in a second: a 1/16-width network, one pair an epoch."""
+    base = dict(data_dir=str(data_dir), width=0.0625, epochs=epochs, pairs_per_epoch=1,
+                batch_size=1, lr=0.01, lr_end=0.005)
+    return SiamFCTrainConfig(**{**base, **overrides})

@@ -9,10 +9,11 @@ import pytest
 import yaml
 from PIL import Image
 
+from _reference import siamfc_train_sequence, tiny_siamfc_config
 from dmlkit.apps.tracking.datasets import load_got10k, load_otb
-from dmlkit.apps.tracking.offline import build_offline_dataset, make_sequence, offline_specs
+from dmlkit.apps.tracking.offline import build_offline_dataset
 from dmlkit.apps.tracking.render import write_frames
-from dmlkit.apps.tracking.training import SiamFCTrainConfig, train_siamfc
+from dmlkit.apps.tracking.training import train_siamfc
 from dmlkit.exceptions import CheckpointError, DataError
 
 
@@ -41,14 +42,11 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 @pytest.fixture(scope="module")
 def train_seq():
-    spec = offline_specs("train", 1, num_frames=4, seed=3, frame_size=(96, 96))[0]
-    return make_sequence(spec)
+    return siamfc_train_sequence()
 
 
-def _cfg(tmp_path, **kw):
-    base = dict(data_dir=str(tmp_path), width=0.0625, epochs=1, pairs_per_epoch=1, batch_size=1,
-                lr=0.01, lr_end=0.005)
-    return SiamFCTrainConfig(**{**base, **kw})
+def _cfg(tmp_path, epochs=1, **kw):
+    return tiny_siamfc_config(tmp_path, epochs, **kw)
 
 
 def test_fresh_train_into_a_run_is_refused_and_a_checkpoint_of_another_config_not_resumed(tmp_path, train_seq):

@@ -11,14 +11,15 @@ import pytest
 import torch
 from PIL import Image
 
+from _reference import siamfc_train_sequence, tiny_siamfc_config
 from dmlkit.apps.tracking.datasets import Sequence, load_otb
 from dmlkit.apps.tracking.evaluation import run_ope
 from dmlkit.apps.tracking.geometry import crop_and_resize
 from dmlkit.apps.tracking.model import MIN_IMAGE_SIZE, SiamFC, receptive_field, score_map_size
-from dmlkit.apps.tracking.offline import build_offline_dataset, make_sequence, offline_specs
+from dmlkit.apps.tracking.offline import build_offline_dataset
 from dmlkit.apps.tracking.render import write_frames
 from dmlkit.apps.tracking.tracker import SiamFCTracker, TrackerConfig, tracker_config
-from dmlkit.apps.tracking.training import SiamFCTrainConfig, train_siamfc
+from dmlkit.apps.tracking.training import train_siamfc
 from dmlkit.cli import main
 from dmlkit.exceptions import CheckpointError, ConfigError, DataError
 
@@ -203,14 +204,11 @@ def test_build_data_refuses_bad_sizes_before_removing_an_earlier_build(tmp_path)
 
 @pytest.fixture(scope="module")
 def train_seq():
-    spec = offline_specs("train", 1, num_frames=4, seed=3, frame_size=(96, 96))[0]
-    return make_sequence(spec)
+    return siamfc_train_sequence()
 
 
-def _cfg(tmp_path, **kw):
-    base = dict(data_dir=str(tmp_path), width=0.0625, epochs=2, pairs_per_epoch=1, batch_size=1,
-                lr=0.01, lr_end=0.005)
-    return SiamFCTrainConfig(**{**base, **kw})
+def _cfg(tmp_path, epochs=2, **kw):
+    return tiny_siamfc_config(tmp_path, epochs, **kw)
 
 
 @pytest.fixture(scope="module")
