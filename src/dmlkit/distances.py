@@ -226,13 +226,20 @@ OFFSET_RATIO = 15
 
 def dominant_offset(rows: torch.Tensor, block: int = 8192) -> torch.Tensor:
     """The rows' mean where it dominates their spread (``|mean|^2 > OFFSET_RATIO E|x -
-    mean|^2``, :data:`OFFSET_RATIO`), else zeros; in ``rows``' dtype, without gradient.
+    mean|^2``, :data:`OFFSET_RATIO`), else zeros; in ``rows``' dtype, without gradient. The mean
+    is rounded to a multiple of ``q = 2^floor(log2 s)``, ``s^2 = E|x - mean|^2 / D`` the spread
+    of one coordinate (of ``2^-23`` times its largest coordinate where the rows are all equal).
 
     A translation changes no Euclidean distance, but the expanded form ``|x|^2 + |y|^2 - 2<x,
     y>`` rounds with the rows' norms: subtracting this offset from both sides leaves the
-    distances and makes that rounding follow the rows' spread. Sums in float64, ``block`` rows
-    at a time (galleries of any size), tensor operations only (no host synchronisation on a
-    GPU). Used by :class:`LpDistance` and the re-id evaluation."""
+    distances and makes that rounding follow the rows' spread. Rounded to ``q``, the offset
+    leaves rows that are multiples of ``q`` (integers, quantised features) multiples of it, so
+    the subtraction and the expanded form stay exact for them and their tied distances stay
+    tied (the unrounded mean, a fraction, turned ties of integer rows into rounding noise that
+    the tie rule never saw); what is left of the mean, at most ``q/2`` a coordinate, is below
+    the spread. Sums in float64, ``block`` rows at a time (galleries of any size), tensor
+    operations only (no host synchronisation on a GPU). Used by :class:`LpDistance` and the
+    re-id evaluation."""
     rows = rows.detach()
     n = rows.shape[0]
     total = torch.zeros(rows.shape[1], dtype=torch.float64, device=rows.device)
@@ -242,7 +249,12 @@ def dominant_offset(rows: torch.Tensor, block: int = 8192) -> torch.Tensor:
         square += chunk.pow(2).sum(dtype=torch.float64)
     mean = total / max(n, 1)
     offset = mean @ mean
-    return (mean * (offset > OFFSET_RATIO * (square / max(n, 1) - offset))).to(rows.dtype)
+    spread = (square / max(n, 1) - offset).clamp(min=0.0)
+    per_coordinate = (spread / max(rows.shape[1], 1)).sqrt()
+    step = torch.where(per_coordinate > 0, per_coordinate, mean.abs().max() * 2.0**-23)
+    quantum = torch.exp2(torch.floor(torch.log2(step.clamp(min=torch.finfo(torch.float64).tiny))))
+    mean = torch.round(mean / quantum) * quantum
+    return (mean * (offset > OFFSET_RATIO * spread)).to(rows.dtype)
 
 
 def _centred(query: torch.Tensor, reference: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
