@@ -115,6 +115,20 @@ def test_flat_folder_with_lfw_names(tmp_path, lfw):
     assert lfw_identity("x/Jean-Pierre_Raffarin_0012.jpg") == ("Jean-Pierre_Raffarin", 12)
 
 
+def test_pair_list_finds_upper_case_suffixes_as_the_lfw_loader(tmp_path, lfw):
+    # load_dataset("lfw") read Name_0001.JPG (suffixes in any case) but the pair list tried the
+    # lower-case names only and called every image of the list missing
+    for person, k, suffix in ((1, 1, ".JPG"), (1, 2, ".Png"), (2, 1, ".jpeg")):
+        stem = f"{_name(person)}_{k:04d}"
+        (tmp_path / "lfw" / _name(person)).mkdir(parents=True, exist_ok=True)
+        (tmp_path / "lfw" / _name(person) / f"{stem}{suffix}").write_bytes((lfw / "lfw" / _name(person) / f"{stem}.jpg").read_bytes())
+    (tmp_path / "pairs.txt").write_text(f"1\n{_name(1)}\t1\t2\n{_name(1)}\t2\t{_name(2)}\t1\n")
+    loaded = sorted(load_dataset("lfw", root=tmp_path).paths)
+    listed = sorted(set(load_pair_list(tmp_path / "pairs.txt", tmp_path).paths))
+    assert listed == [str(p) for p in loaded] and len(listed) == 3
+    assert find_lfw_image(tmp_path / "lfw", _name(1), 4) is None
+
+
 def test_missing_images_are_refused_and_listed(lfw, tmp_path):
     text = (lfw / "pairs.txt").read_text().splitlines()
     text[1] = f"{_name(1)}\t1\t11"  # image 11 does not exist

@@ -23,6 +23,7 @@ from dmlkit.data.datasets import (
     register_dataset,
     verify_sha256,
 )
+from dmlkit.data.folders import load_csv, load_image_folder  # registers image_folder and csv
 from dmlkit.data.pairs import load_lfw  # registers the lfw loader
 from dmlkit.data.reid import REID_DATASETS, ReidDataset  # registers the re-id loaders
 from dmlkit.data.retrieval_benchmarks import (  # registers them
@@ -48,7 +49,9 @@ __all__ = [
     "ArrayDataset",
     "canonical_dataset_name",
     "load_cars196",
+    "load_csv",
     "load_cub200",
+    "load_image_folder",
     "load_inshop",
     "load_lfw",
     "load_sop",

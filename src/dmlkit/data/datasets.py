@@ -17,6 +17,8 @@ carries give the literature's split (:func:`dmlkit.data.default_split`).
 | ``lfw`` | ``lfw/<Name>/<Name>_0001.jpg`` (or a flat folder); pair lists: :mod:`dmlkit.data.pairs` | first half / second half |
 | ``csv`` | a CSV file ``path,label[,split]`` | the split column, else halves |
 
+``image_folder`` and ``csv`` live in :mod:`dmlkit.data.folders`.
+
 ``root`` defaults to :func:`dmlkit.utils.data_root` (``--data-root`` > ``$DMLKIT_DATA`` >
 ``~/.cache/dmlkit/data``).
 """
@@ -41,7 +43,11 @@ from dmlkit.utils import data_root, sha256_file
 
 __all__ = ["DATASETS", "IMAGE_EXTENSIONS", "canonical_dataset_name", "load_dataset", "register_dataset", "verify_sha256"]
 
-IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".pgm", ".ppm", ".tif", ".tiff", ".webp", ".gif")
+#: The suffixes (any case) the image loaders read: what Pillow opens of common image files,
+#: ``.jfif``/``.jpe`` (JPEGs as browsers and Windows save them) and ``.avif`` too (where Pillow reads it:
+#: ``PIL.features.check("avif")``).
+IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".jpe", ".jfif", ".png", ".bmp", ".pgm", ".ppm", ".pbm", ".pnm", ".tif",
+                    ".tiff", ".webp", ".gif", ".avif")
 
 DatasetFactory = Callable[..., MetricDataset]
 DATASETS: dict[str, DatasetFactory] = {}
@@ -434,151 +440,3 @@ def load_binary_alphadigits(root: str | os.PathLike | None = None, download: boo
         class_groups=_groups_by_range(range(n_cls), n_cls // 2 - 1), split_groups=TRAIN_TEST,
         transform=transform, name="binary_alphadigits", meta={"root": str(folder)},
     )
-
-
-# -- generic: image folder and CSV --------------------------------------------------------------
-@register_dataset("image_folder")
-def load_image_folder(root: str | os.PathLike | None = None, download: bool = False, *,
-                      path: str | os.PathLike | None = None, mode: str | None = "RGB",
-                      extensions: Sequence[str] = IMAGE_EXTENSIONS, transform=None,
-                      skip_corrupt: bool = False) -> ImageFileDataset:
-    """One sub-folder per class (``root/<class>/**/<image>``), as torchvision's ImageFolder.
-
-    Class ids 0..C-1 follow the sorted folder names (``ds.class_names`` maps them back); a
-    folder without images is no class (skipped with a warning naming it). No class groups:
-    :func:`default_split` uses the first / second half of the class order.
-    """
-    folder = Path(path or root or "")
-    if not str(path or root or "") or not folder.is_dir():
-        raise DataNotFoundError(
-            f"image_folder: folder {folder} not found; pass root=<folder> with one sub-folder "
-            "per class holding its images"
-        )
-    if isinstance(extensions, str) or not all(isinstance(e, str) for e in extensions):
-        raise ConfigError(f"image_folder: extensions must be a list of suffixes like ['.png', '.jpg'], "
-                          f"got {extensions!r}")
-    exts = tuple(e.lower() if e.startswith(".") else f".{e.lower()}" for e in extensions)
-    class_dirs = sorted(d for d in folder.iterdir() if d.is_dir() and not d.name.startswith("."))
-    paths, labels, names, empty = [], [], {}, []
-    for d in class_dirs:
-        files = sorted(_class_images(d, exts))
-        if not files:  # a class id of its own left a gap: ids not 0..C-1, C one too many
-            empty.append(d.name)
-            continue
-        cid = len(names)
-        names[cid] = d.name
-        paths.extend(files)
-        labels.extend([cid] * len(files))
-    if not paths:
-        raise DataNotFoundError(
-            f"image_folder: no images ({', '.join(exts)}) in class sub-folders of {folder}"
-        )
-    if empty:
-        shown = ", ".join(repr(n) for n in empty[:5]) + (" ..." if len(empty) > 5 else "")
-        warnings.warn(f"image_folder:{folder.name}: skipped {len(empty)} class folder(s) without images "
-                      f"({', '.join(exts)}): {shown}", stacklevel=2)
-    return ImageFileDataset(paths, labels, mode=mode, class_names=names, transform=transform,
-                            name=f"image_folder:{folder.name}", skip_corrupt=skip_corrupt,
-                            meta={"root": str(folder)})
-
-
-
-
-def _class_images(folder: Path, exts: tuple[str, ...]) -> list[Path]:
-    """The images under one class folder, at any depth: hidden entries (``.ipynb_checkpoints``
-    copies, macOS ``._x.jpg`` forks) skipped at every level, symlinked sub-folders followed
-    (each real folder once)."""
-    found, seen = [], set()
-    for top, dirs, files in os.walk(folder, followlinks=True):
-        real = os.path.realpath(top)
-        if real in seen:  # a link back up the tree
-            dirs[:] = []
-            continue
-        seen.add(real)
-        dirs[:] = [d for d in dirs if not d.startswith(".")]
-        found += [Path(top) / f for f in files if not f.startswith(".") and Path(f).suffix.lower() in exts]
-    return found
-
-
-@register_dataset("csv")
-def load_csv(root: str | os.PathLike | None = None, download: bool = False, *,
-             path: str | os.PathLike | None = None, image_root: str | os.PathLike | None = None,
-             mode: str | None = "RGB", transform=None, skip_corrupt: bool = False) -> ImageFileDataset:
-    """A CSV with a header and columns ``path,label[,split]``.
-
-    Relative paths are resolved against ``image_root`` (default: the CSV's folder). Integer
-    labels are kept as class ids; other labels get ids 0..C-1 in sorted order. A ``split``
-    column (``train`` / ``val`` / ``test`` per class, or ``query`` / ``gallery`` per sample)
-    defines the default split; a class listed under two of train/val/test is an error, and so
-    is an image listed twice (the error names both lines).
-    """
-    csv_path = Path(path or root or "")
-    if not str(path or root or "") or not csv_path.is_file():
-        raise DataNotFoundError(
-            f"csv: file {csv_path} not found; pass root=<file.csv> with a header line "
-            "'path,label[,split]'"
-        )
-    base = Path(image_root) if image_root is not None else csv_path.parent
-    with open(csv_path, newline="", encoding="utf-8-sig") as fh:  # Excel's "CSV UTF-8" starts with a BOM
-        reader = _csv.DictReader(fh)
-        fields = [f.strip().lower() for f in (reader.fieldnames or [])]
-        if "path" not in fields or "label" not in fields:
-            raise DataError(f"{csv_path}: the header must name columns 'path' and 'label' "
-                            f"(and optionally 'split'), got {reader.fieldnames}")
-        rows, lines = [], []  # lines: each row's last line in the file (blank lines counted)
-        for r in reader:
-            rows.append({k.strip().lower(): (v or "").strip() for k, v in r.items() if k})
-            lines.append(reader.line_num)
-    if not rows:
-        raise DataError(f"{csv_path}: no rows")
-    raw_labels = [r["label"] for r in rows]
-    unlabelled = [i for i, s in enumerate(raw_labels) if not s]
-    if unlabelled:  # else one class named "" of unrelated images
-        where = ", ".join(str(lines[i]) for i in unlabelled[:10])
-        raise DataError(f"{csv_path}: {len(unlabelled)} row(s) have no label (line(s) {where}): "
-                        "give every image its class")
-    if all(re.fullmatch(r"-?\d+", s) for s in raw_labels) and len({int(s) for s in raw_labels}) == len(set(raw_labels)):
-        labels = [int(s) for s in raw_labels]
-        names = {c: str(c) for c in set(labels)}
-    else:
-        uniq = sorted(set(raw_labels))
-        ids = {s: i for i, s in enumerate(uniq)}
-        labels = [ids[s] for s in raw_labels]
-        names = {i: s for s, i in ids.items()}
-    paths = [Path(r["path"]) if Path(r["path"]).is_absolute() else base / r["path"] for r in rows]
-    _refuse_repeated_paths(csv_path, rows, paths, lines)
-    _check_files("csv", base, paths)
-    class_groups: dict[int, str] = {}
-    sample_groups = None
-    meta: dict[str, Any] = {"root": str(base)}
-    if "split" in fields and any(r.get("split") for r in rows):
-        splits = [r.get("split", "").lower() for r in rows]
-        for c, s in zip(labels, splits):
-            g = "test" if s in ("query", "gallery") else s
-            if g not in ("train", "val", "test"):
-                raise DataError(f"{csv_path}: split must be train/val/test/query/gallery, got {s!r}")
-            if class_groups.setdefault(c, g) != g:
-                raise DataError(
-                    f"{csv_path}: class {names[c]!r} appears in both {class_groups[c]} and {g}; "
-                    "splits must be class-disjoint"
-                )
-        if any(s in ("query", "gallery") for s in splits):
-            sample_groups = splits
-        meta["split_column"] = sorted(set(splits))  # default_split refuses one without train or test
-    return ImageFileDataset(
-        paths, labels, mode=mode, class_names=names, class_groups=class_groups,
-        split_groups=TRAIN_TEST, sample_groups=sample_groups, transform=transform,
-        name=f"csv:{csv_path.stem}", skip_corrupt=skip_corrupt, meta=meta,
-    )
-
-
-def _refuse_repeated_paths(csv_path: Path, rows: Sequence[dict[str, str]], paths: Sequence[Path],
-                           lines: Sequence[int]) -> None:
-    """Refuse a CSV that lists one image twice (``a.png`` and ``./a.png`` too): it became two
-    items, and a query found its own copy as a positive."""
-    first: dict[str, int] = {}
-    for i, (path, line) in enumerate(zip(paths, lines)):
-        seen = first.setdefault(os.path.normpath(os.path.abspath(path)), i)
-        if seen != i:
-            raise DataError(f"{csv_path}: line {line} lists {rows[i]['path']!r}, the image of line "
-                            f"{lines[seen]} ({rows[seen]['path']!r}) again: list each image once")

@@ -10,7 +10,7 @@ random ones. Two formats are read:
   Matched lines are ``name n1 n2``, mismatched lines ``name1 n1 name2 n2``; image ``n`` of
   ``name`` is the file ``<name>/<name>_<nnnn>.jpg`` (four digits) under the image folder, or
   ``<name>_<nnnn>.jpg`` directly in it (any image extension of
-  :data:`dmlkit.data.IMAGE_EXTENSIONS`). CALFW/CPLFW-style lists in the same format work too.
+  :data:`dmlkit.data.IMAGE_EXTENSIONS`, in any case). CALFW/CPLFW-style lists in the same format work too.
 * **CSV**: ``path1,path2,same[,fold]`` with or without that header; ``same`` is
   ``1``/``0``, ``true``/``false`` or ``yes``/``no``; relative paths are resolved against the
   image folder (default: the CSV's folder). Without a ``fold`` column the list has no folds
@@ -25,6 +25,7 @@ their lines: both inflate the accuracy (LFW's own lists hold neither).
 from __future__ import annotations
 
 import csv as _csv
+import glob
 import os
 import re
 from collections.abc import Sequence
@@ -201,12 +202,19 @@ def lfw_folder(root: str | os.PathLike) -> Path:
 
 
 def find_lfw_image(folder: Path, name: str, number: int) -> Path | None:
-    """``folder/<name>/<name>_<nnnn>.<ext>`` or ``folder/<name>_<nnnn>.<ext>``, else ``None``."""
+    """``folder/<name>/<name>_<nnnn>.<ext>`` or ``folder/<name>_<nnnn>.<ext>``, else ``None``.
+
+    ``<ext>`` is matched in any case (``.JPG``, ``.Png``), as :func:`load_lfw` reads the files:
+    the pair list named images the dataset had loaded "missing". The lower-case names are tried
+    first (one ``stat`` each); only then is the folder listed for the stem."""
     stem = f"{name}_{number:04d}"
     for d in (folder / name, folder):
         for ext in IMAGE_EXTENSIONS:
             candidate = d / f"{stem}{ext}"
             if candidate.is_file():
+                return candidate
+        for candidate in sorted(d.glob(f"{glob.escape(stem)}.*")):
+            if candidate.suffix.lower() in IMAGE_EXTENSIONS and candidate.is_file():
                 return candidate
     return None
 

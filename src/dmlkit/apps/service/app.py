@@ -32,6 +32,7 @@ import logging
 import math
 import threading
 import time
+import warnings
 from collections import defaultdict, deque
 from dataclasses import dataclass
 from functools import lru_cache
@@ -406,9 +407,10 @@ def create_app(config: ServiceConfig, *, index: Any = None, embedder: Any = None
         if not p.is_absolute():
             if root_path is None:
                 raise HTTPException(404, f"no image for {item_id!r}: start the server with --data-root")
-            p = (root_path / p).resolve()
-            if root_path not in p.parents:
+            inside = _file_under_root(root_path, name)
+            if inside is None:
                 raise HTTPException(404, f"{item_id!r} points outside the data root")
+            p = inside
         if not p.is_file():
             raise HTTPException(404, f"the image of {item_id!r} is not at {p}")
         return p
@@ -482,16 +484,18 @@ def _check_model_embeds_the_index(idx: Any, embedder: Any, root: Path, items: in
     """Refuse (:class:`ConfigError`) a model that embeds indexed images differently from the
     index's vectors: image queries would be searched in another model's space and answered with
     unrelated items, silently (the start-up check of the embedding size passes any model of the
-    same size). Compares up to ``items`` indexed files found under the data root; an index
-    without files there (ids that are not paths) is not checked."""
+    same size). Compares up to ``items`` indexed files found under the data root (of the first
+    64 ids); an index without files there (ids that are not paths, another data root) is not
+    checked, with a warning saying so: the check was skipped without a word."""
     from PIL import Image
 
-    checked = 0
-    for pos in range(len(idx)):
-        if checked == items or pos >= 64:
+    checked = tried = 0
+    for pos in range(min(len(idx), 64)):
+        if checked == items:
             break
-        path = (root / str(idx.ids[pos])).resolve()
-        if root not in path.parents or not path.is_file():
+        tried += 1
+        path = _file_under_root(root, str(idx.ids[pos]))
+        if path is None or not path.is_file():
             continue
         try:
             with Image.open(path) as img:
@@ -506,6 +510,24 @@ def _check_model_embeds_the_index(idx: Any, embedder: Any, root: Path, items: in
                               "vector: the index was built with another model (or checkpoint); serve the model the "
                               "index was built with, or rebuild the index with `dmlkit embed` + `dmlkit index`")
         checked += 1
+    if tried and not checked:
+        warnings.warn(f"serve: the model was not checked against the index: none of its first {tried} ids is an "
+                      f"image file under the data root {root}; image queries are searched in the index's space "
+                      "whatever model is served (pass --data-root with the folder the index was built from)",
+                      stacklevel=3)
+
+
+def _file_under_root(root: Path, name: str) -> Path | None:
+    """``root / name`` for a relative ``name`` without ``..`` parts, else ``None`` (outside).
+
+    Checked on the path as written, not the resolved one: in a data root of symlinked class
+    folders (the layout docs/configuration.md shows) every file resolves outside the root, and
+    every thumbnail was refused and the model check skipped. Ids are limited to the indexed
+    items, so ``..`` and absolute names are the only way out of the root."""
+    path = Path(name)
+    if path.is_absolute() or ".." in path.parts:
+        return None
+    return root / path
 
 
 def _probe_image(embedder: Any) -> list[Any]:
@@ -546,7 +568,6 @@ def run_server(config: ServiceConfig, host: str = "127.0.0.1", port: int = 8000)
     """
     import signal
     import socket
-    import warnings
 
     uvicorn = require("uvicorn", "serve")
     app = create_app(config)
