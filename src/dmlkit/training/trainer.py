@@ -49,6 +49,7 @@ from dmlkit.embedding_shards import DEFAULT_SHARD_ROWS, ShardedEmbeddings, embed
 from dmlkit.embeddings import (
     HeadOnly,
     InferenceOptions,
+    dataset_items,
     dataset_rows,
     embed_model,
     embed_sharded,
@@ -77,7 +78,7 @@ from dmlkit.training.checkpoint import (
     refuse_fresh_start,
     sweep_orphan_temporaries,
 )
-from dmlkit.training.data_root import with_data_root
+from dmlkit.training.data_root import run_data_root, with_data_root
 from dmlkit.training.loop import Trainer, TrainState
 from dmlkit.training.preflight import preflight, refuse_degenerate_eval
 from dmlkit.training.same_inputs import check_same_config_on_ranks, check_same_data
@@ -232,7 +233,8 @@ def evaluate_test_set(trainer: Trainer, test_set) -> dict[str, float]:
                                                       progress=trainer.progress), test_set)
     metrics = trainer.metrics_of(emb, lab)
     if context().is_main:
-        save_embeddings(trainer.run_dir / "embeddings" / "test.npz", emb, lab, indices=dataset_rows(test_set))
+        save_embeddings(trainer.run_dir / "embeddings" / "test.npz", emb, lab,
+                        **dataset_items(test_set, run_data_root(trainer.config.data.root, None)))
     return metrics
 
 
@@ -436,7 +438,8 @@ def embed_run(
     transform, no augmentation). Writes ``output`` (default ``RUN_DIR/embeddings/<split>.npz``
     for ``best.pt``, ``RUN_DIR/embeddings/<split>-<checkpoint stem>.npz`` for another checkpoint,
     e.g. ``test-last.npz``: :func:`default_embeddings_name`), with the dataset rows as
-    ``indices``, and returns ``(path, embeddings, labels, config)``.
+    ``indices`` and their files relative to the data root as ``paths``
+    (:func:`~dmlkit.embeddings.dataset_items`), and returns ``(path, embeddings, labels, config)``.
 
     Under ``torchrun`` each rank embeds its shard of the split (:func:`embed_sharded`), every
     rank returns the whole split in dataset order, and rank 0 alone writes ``output``.
@@ -454,7 +457,7 @@ def embed_run(
                                      progress=progress and job.ctx.is_main), job.dataset)
         path = Path(output if output is not None else job.default_output(".npz"))
         if job.ctx.is_main:
-            path = save_embeddings(path, emb, labels, indices=dataset_rows(job.dataset))
+            path = save_embeddings(path, emb, labels, **dataset_items(job.dataset, job.root))
         barrier()  # the file exists before any rank returns
     return path, emb, labels, job.config
 
@@ -541,6 +544,7 @@ class _EmbeddingJob:
         self.ctx, self.device = join_process_group(resolve_device(device))
         self.split = split
         self.checkpoint, self.model, self.config, self.dataset = agree(_load_split, checkpoint, split, data_root)
+        self.root = run_data_root(self.config.data.root, data_root)  # where the split's files are
 
     def default_output(self, suffix: str) -> Path:
         """``RUN_DIR/embeddings/<split><suffix>`` for the best checkpoint, else
