@@ -6,7 +6,8 @@ cross-validation folds), runs a :class:`~dmlkit.training.loop.Trainer`, then emb
 classes with the best checkpoint. It writes the same run directory as ``dmlkit train``::
 
     config.yaml, provenance.json, split.json (datasets from the config), log.jsonl,
-    checkpoints/{last,best}.pt, embeddings/test.npz, metrics.json
+    checkpoints/{last,best}.pt, embeddings/test.npz, metrics.json (skipped.txt: the images
+    data.options.skip_corrupt left out, with why)
 
 Under ``torchrun`` (``WORLD_SIZE`` > 1) :func:`train` joins the process group itself, checks
 that every rank got the same config and that the world size divides the global batch, and
@@ -34,6 +35,7 @@ import numpy as np
 import torch
 
 from dmlkit.config import ExperimentConfig, config_from_dict, dump_config
+from dmlkit.data.skipped import SKIPPED_FILE, holding_skip_warnings, record_skipped
 from dmlkit.distributed import (
     agree,
     barrier,
@@ -150,7 +152,7 @@ class TrainResult:
 _FINAL_OUTPUTS = ("metrics.json", "embeddings/test.npz")
 #: Written from step 0 on: removed when a run starts afresh in a directory without a checkpoint
 #: (left by an attempt killed before its first one; the log would interleave the two attempts).
-_ATTEMPT_OUTPUTS = ("log.jsonl", "log.csv", "baseline.json", "checkpoints/best.pt")
+_ATTEMPT_OUTPUTS = ("log.jsonl", "log.csv", "baseline.json", "checkpoints/best.pt", SKIPPED_FILE)
 #: The lock file of a run directory: one ``train`` at a time.
 _RUN_LOCK = "train.lock"
 
@@ -313,7 +315,8 @@ def _train(config: ExperimentConfig, run_dir: Path, device: torch.device, *, tra
     """:func:`train` once the process group (if any) is joined."""
     check_same_config_on_ranks(config)  # per-machine paths may differ
     # every size constraint against the data, before the run dir is touched
-    checked = agree(preflight, config) if train_set is None else None  # each rank's data root
+    with holding_skip_warnings():  # said with the list's place once the run directory exists
+        checked = agree(preflight, config) if train_set is None else None  # each rank's data root
     if test_set is not None:  # an explicit test set, as preflight checks the config's: one class
         # scored MAP@R = P@1 = 100 % in metrics.json for any model (the baseline skipped it)
         agree(refuse_degenerate_eval, test_set.labels, "test")
@@ -337,6 +340,8 @@ def _train(config: ExperimentConfig, run_dir: Path, device: torch.device, *, tra
         # a refusal here leaves nothing: the lock removes its file and the folders it made
         payload = on_main(open_run_dir, run_dir, config, resume, world_size=context().world_size,
                           allow_world_size_change=allow_world_size_change)
+        if checked is not None:  # every image skip_corrupt left out, with why: RUN_DIR/skipped.txt
+            on_main(record_skipped, checked.dataset, run_dir, stacklevel=3)
         return _train_in_dir(config, run_dir, device, split, payload, train_set=train_set,
                              val_set=val_set, test_set=test_set, progress=progress)
 
