@@ -48,12 +48,14 @@ __all__ = [
     "DEFAULT_EVAL_BATCH_SIZE",
     "HeadOnly",
     "InferenceOptions",
+    "dataset_items",
     "dataset_rows",
     "default_feature_cache_dir",
     "embed",
     "embed_model",
     "embed_sharded",
     "rank_share",
+    "relative_paths",
     "embed_split",
     "iter_embed",
     "iter_embed_model",
@@ -444,6 +446,27 @@ def dataset_rows(dataset: Dataset) -> np.ndarray:
     """Row numbers of a (subset) dataset in its full dataset, for ``embeddings/*.npz``."""
     rows = getattr(dataset, "_rows", None)
     return np.asarray(rows, dtype=np.int64) if rows is not None else np.arange(len(dataset), dtype=np.int64)
+
+
+def relative_paths(paths: Sequence[str], root: str | os.PathLike) -> np.ndarray:
+    """``paths`` relative to the data root ``root`` (a path outside it stays as given): the
+    ids of a run's items, the same on every machine that holds the data under its own root."""
+    base = os.path.abspath(os.fspath(root))
+    return np.asarray([os.path.relpath(p, base) if os.path.abspath(p).startswith(base + os.sep) else os.fspath(p)
+                       for p in paths], dtype=str)
+
+
+def dataset_items(dataset: Dataset, root: str | os.PathLike) -> dict[str, np.ndarray]:
+    """What a run's ``embeddings/*.npz`` records of its rows: ``indices`` (the dataset rows,
+    :func:`dataset_rows`) and, for data held in files, ``paths`` (each row's file relative to
+    the data root ``root``, :func:`relative_paths`). With the paths, ``dmlkit index``/``query``
+    name the files that were embedded, and refuse data that changed since (a file added to or
+    renamed in a class folder shifted the rows onto other files without an error)."""
+    items = {"indices": dataset_rows(dataset)}
+    paths = getattr(dataset, "paths", None)
+    if paths is not None:
+        items["paths"] = relative_paths(paths, root)
+    return items
 
 
 # -- embeddings files -------------------------------------------------------------------------

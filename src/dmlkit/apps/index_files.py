@@ -16,6 +16,7 @@ import json
 import mmap as mmap_module
 import os
 import shutil
+import warnings
 import zipfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -26,6 +27,7 @@ from dmlkit import __version__
 from dmlkit.apps.index_faiss import _metric, to_gpu
 from dmlkit.data import ClassSplit, load_dataset
 from dmlkit.embedding_files import check_numpy_file
+from dmlkit.embeddings import relative_paths
 from dmlkit.exceptions import DataError, DataNotFoundError, DmlkitError, require
 from dmlkit.training import load_config
 from dmlkit.utils import atomic_write_bytes, fsync_path, os_error_message, process_alive
@@ -309,53 +311,93 @@ def item_ids(path: str | os.PathLike, extra: dict[str, np.ndarray], data_root: s
              labels: np.ndarray | None = None) -> tuple[np.ndarray | None, dict[str, Any]]:
     """Identifiers of the rows of an embeddings file, and facts for the index's ``info``.
 
-    In order: the file's ``paths`` or ``ids`` array; for ``RUN_DIR/embeddings/<split>.npz``
-    written by ``dmlkit train`` (which stores the dataset rows as ``indices``), the items' file
-    paths from the run's dataset, relative to the data root (stable across machines); else the
-    ``indices`` as strings; else ``None`` (row numbers).
-
-    The run's rows are mapped onto the dataset as it is today, so it must be the run's dataset:
-    a :class:`DataError` says so when a row is past its end, when the file's ``labels`` (pass
-    them) differ from the dataset's labels of those rows, or when the run's ``split.json``
-    names its classes otherwise (a class folder added or removed since); the results named
-    other files before.
+    For ``RUN_DIR/embeddings/<split>.npz`` written by ``dmlkit train``/``embed`` (dataset rows
+    as ``indices``): the items' file paths relative to the data root (stable across machines),
+    :func:`_run_item_ids`. Else the file's ``paths`` or ``ids`` array; else the ``indices`` as
+    strings; else ``None`` (row numbers).
     """
-    facts: dict[str, Any] = {}
+    run_dir = Path(path).resolve().parent.parent
+    if "indices" in extra and (run_dir / "config.yaml").exists():
+        return _run_item_ids(path, run_dir, extra, data_root, labels)
     for key in ("paths", "ids"):
         if key in extra:
-            return np.asarray(extra[key]).astype(str), facts
+            return np.asarray(extra[key]).astype(str), {}
     if "indices" not in extra:
-        return None, facts
+        return None, {}
+    return np.asarray(extra["indices"], dtype=np.int64).astype(str), {}
+
+
+def _run_item_ids(path: str | os.PathLike, run_dir: Path, extra: dict[str, np.ndarray],
+                  data_root: str | os.PathLike | None, labels: np.ndarray | None) -> tuple[np.ndarray, dict[str, Any]]:
+    """:func:`item_ids` of a run's embeddings file: the files its rows (``indices``) are in the
+    run's dataset today, relative to the data root (``data_root``, else the run's ``data.root``).
+
+    The file's own ``paths`` (the files it embedded, :func:`dmlkit.embeddings.dataset_items`)
+    must be those files: a :class:`DataError` says which row changed when the data under the root differs
+    (a file added to or renamed in a class folder shifted the rows onto other files, silently);
+    without the data they are the ids as they are. A file without ``paths`` (older runs) is
+    checked as far as it can be, with a warning that it cannot be checked fully: a row past
+    the dataset's end, its ``labels`` (pass them) differing from the dataset's labels of those
+    rows, or the run's ``split.json`` naming its classes otherwise are refused; a file renamed
+    within a class is not seen. Data held in memory (no paths): the rows as strings.
+    """
     rows = np.asarray(extra["indices"], dtype=np.int64)
-    run_dir = Path(path).resolve().parent.parent
-    if (run_dir / "config.yaml").exists():
-        config = load_config(run_dir / "config.yaml")
-        root = resolve_root(data_root if data_root is not None else config.data.root)
-        facts["run_dir"] = str(run_dir)
-        try:
-            dataset = load_dataset(config.data.dataset, root=root, **config.data.options)
-        except DataNotFoundError:
-            return rows.astype(str), facts  # data not here: stable row ids still work
-        paths = dataset.paths
-        if paths is not None:
-            storage_rows = np.asarray(getattr(dataset, "_rows", np.arange(len(dataset))))
-            where = np.searchsorted(storage_rows, rows)
-            if np.all(where < len(storage_rows)) and np.all(storage_rows[np.minimum(where, len(storage_rows) - 1)] == rows):
-                _check_same_dataset(path, run_dir, dataset, where, labels)
-                all_paths = np.asarray(paths, dtype=object)[where]
-                root_s = os.fspath(root)
-                facts["data_root"] = str(Path(root_s).resolve())
-                facts["dataset"] = config.data.dataset
-                rel = [os.path.relpath(p, root_s) if os.path.abspath(p).startswith(os.path.abspath(root_s) + os.sep)
-                       else p for p in all_paths]
-                return np.asarray(rel).astype(str), facts
-            _refuse_changed(path, dataset, f"row {int(rows.max())} of the file is past its "
-                                           f"{len(storage_rows)} items")
-    return rows.astype(str), facts
+    stored = None if "paths" not in extra else np.asarray(extra["paths"]).astype(str)
+    if stored is not None and stored.shape != rows.shape:
+        raise DataError(f"{path} is damaged: {stored.size} paths for {rows.size} rows; re-embed it "
+                        f"with `dmlkit embed {run_dir}`")
+    config = load_config(run_dir / "config.yaml")
+    root = resolve_root(data_root if data_root is not None else config.data.root)
+    facts: dict[str, Any] = {"run_dir": str(run_dir)}
+    files = {"data_root": str(Path(root).resolve()), "dataset": config.data.dataset}
+    try:
+        dataset = load_dataset(config.data.dataset, root=root, **config.data.options)
+    except DataNotFoundError:  # data not here: the stored files, else the stable row numbers
+        return (rows.astype(str), facts) if stored is None else (_under(stored, root), {**facts, **files})
+    if dataset.paths is None:
+        return rows.astype(str), facts
+    storage_rows = np.asarray(getattr(dataset, "_rows", np.arange(len(dataset))))
+    where = np.minimum(np.searchsorted(storage_rows, rows), len(storage_rows) - 1)
+    today = relative_paths(dataset.paths, root)
+    if not (storage_rows.size and np.all(storage_rows[where] == rows)):
+        _refuse_changed(path, run_dir, dataset, root, f"row {int(rows.max())} of the file is past its "
+                                                      f"{len(storage_rows)} items")
+    if stored is not None:
+        _check_same_files(path, run_dir, dataset, root, _under(stored, root), today[where])
+    else:
+        _check_same_dataset(path, run_dir, dataset, root, where, labels)
+        warnings.warn(f"{path} does not record the files it embedded (an older run): its ids are today's files "
+                      f"at its rows under {root}, which cannot be checked (a file added or renamed in a class "
+                      f"folder goes unnoticed); re-embed it with `dmlkit embed {run_dir}` to record them",
+                      stacklevel=3)
+    return today[where], {**facts, **files}
 
 
-def _check_same_dataset(path: str | os.PathLike, run_dir: Path, dataset: Any, where: np.ndarray,
-                        labels: np.ndarray | None) -> None:
+def _under(stored: np.ndarray, root: str | os.PathLike) -> np.ndarray:
+    """A run's stored ``paths`` relative to ``root``: those stored absolute (files outside the
+    run's recorded data root, e.g. a bench run given its data with ``--data-root``) made
+    relative where ``root`` holds them."""
+    absolute = np.asarray([os.path.isabs(p) for p in stored.tolist()], dtype=bool)
+    if not absolute.any():
+        return stored
+    out = stored.astype(object)
+    out[absolute] = relative_paths(stored[absolute].tolist(), root)
+    return out.astype(str)
+
+
+def _check_same_files(path: str | os.PathLike, run_dir: Path, dataset: Any, root: str | os.PathLike,
+                      stored: np.ndarray, today: np.ndarray) -> None:
+    """Refuse data whose files at the run's rows (``today``) are not the files the run embedded
+    (``stored``)."""
+    differ = np.flatnonzero(stored != today)
+    if differ.size:
+        i = int(differ[0])
+        _refuse_changed(path, run_dir, dataset, root, f"row {i} was {stored[i]} and is {today[i]}; "
+                        f"{differ.size} of its {stored.size} rows differ")
+
+
+def _check_same_dataset(path: str | os.PathLike, run_dir: Path, dataset: Any, root: str | os.PathLike,
+                        where: np.ndarray, labels: np.ndarray | None) -> None:
     """Refuse a dataset whose items at the run's rows (``where``) are not the run's: their
     labels (integer ids, or class names) differ from the file's ``labels``, or the run's
     ``split.json`` names a class otherwise."""
@@ -369,7 +411,7 @@ def _check_same_dataset(path: str | os.PathLike, run_dir: Path, dataset: Any, wh
             differ = np.flatnonzero(labels != now)
             if differ.size:
                 i = int(differ[0])
-                _refuse_changed(path, dataset, f"row {i} is class {labels.tolist()[i]!r} in the file and "
+                _refuse_changed(path, run_dir, dataset, root, f"row {i} is class {labels.tolist()[i]!r} in the file and "
                                 f"{now.tolist()[i]!r} in the data; {differ.size} of its {labels.size} rows differ")
     if (run_dir / "split.json").is_file():
         try:
@@ -378,8 +420,8 @@ def _check_same_dataset(path: str | os.PathLike, run_dir: Path, dataset: Any, wh
             raise DataError(f"{path}: {exc}") from None
 
 
-def _refuse_changed(path: str | os.PathLike, dataset: Any, why: str) -> None:
-    """The one error of :func:`item_ids` for a dataset that is not the run's any more."""
-    raise DataError(f"{path}: the run's dataset {dataset.name!r} changed since it was embedded ({why}), so "
-                    "its rows would name other files: index it with the data the run was made with "
-                    "(--data-root), or embed the run again on today's data (dmlkit embed RUN_DIR)")
+def _refuse_changed(path: str | os.PathLike, run_dir: Path, dataset: Any, root: str | os.PathLike, why: str) -> None:
+    """The one error of :func:`item_ids` for data that is not the run's any more."""
+    raise DataError(f"{path}: the run's dataset {dataset.name!r} under {root} changed since it was embedded ({why}), "
+                    "so its rows would name other files: index it with the data the run was embedded from "
+                    f"(--data-root), or re-embed the run on today's data with `dmlkit embed {run_dir}`")

@@ -34,6 +34,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
+from dmlkit.data.skipped import SkippedImagesWarning
 from dmlkit.exceptions import DataError, ShapeError
 
 __all__ = ["HIGH_DEPTH_MODES", "ArrayDataset", "ImageFileDataset", "MetricDataset", "load_image", "to_8bit"]
@@ -455,8 +456,10 @@ class ImageFileDataset(MetricDataset):
 
     ``skip_corrupt=False`` (default): an unreadable image raises :class:`DataError` naming the
     file when it is loaded. ``skip_corrupt=True``: every image is decoded once at construction
-    (threads), unreadable ones are dropped and listed in ``ds.skipped`` (a warning gives the
-    count); when none is readable that is a :class:`DataError`.
+    (threads), unreadable ones are dropped and listed in ``ds.skipped``, with the reason of each
+    in ``ds.skip_reasons`` (a :class:`~dmlkit.data.skipped.SkippedImagesWarning` gives the count
+    and one of them; ``dmlkit train``/``bench`` write them all to ``skipped.txt``); when none is
+    readable that is a :class:`DataError`.
     """
 
     def __init__(self, paths: Sequence[str | os.PathLike], labels: Sequence[int] | np.ndarray, *,
@@ -468,9 +471,11 @@ class ImageFileDataset(MetricDataset):
         self.mode = mode
         self.skip_corrupt = skip_corrupt
         self.skipped: list[str] = []
+        self.skip_reasons: dict[str, str] = {}
         super().__init__(labels, **kwargs)
         if skip_corrupt and len(self):
-            ok = self._check_readable(num_threads)
+            reasons = self._check_readable(num_threads)
+            ok = np.asarray([r is None for r in reasons], dtype=bool)
             if not ok.any():  # else an empty dataset, refused later as "0 classes"
                 try:
                     load_image(self._paths[0], None)
@@ -482,9 +487,11 @@ class ImageFileDataset(MetricDataset):
                                 "copied?) or the data root")
             if not ok.all():
                 self.skipped = [str(p) for p in self._paths[~ok]]
+                self.skip_reasons = {str(p): r for p, r in zip(self._paths.tolist(), reasons, strict=True) if r}
                 warnings.warn(
                     f"{self.name}: skipped {len(self.skipped)} unreadable image(s), e.g. "
-                    f"{self.skipped[0]}",
+                    f"{self.skipped[0]} (ds.skipped lists them all)",
+                    SkippedImagesWarning,
                     stacklevel=2,
                 )
                 self._keep_storage(ok)
@@ -502,17 +509,17 @@ class ImageFileDataset(MetricDataset):
         self._rows = np.arange(int(keep.sum()), dtype=np.int64)
         self._refresh()
 
-    def _check_readable(self, num_threads: int) -> np.ndarray:
-        def readable(p: str) -> bool:
+    def _check_readable(self, num_threads: int) -> list[str | None]:
+        """Why each file cannot be read (PIL's reason), ``None`` for a readable one."""
+        def why_unreadable(p: str) -> str | None:
             try:
                 load_image(p, None)
-            except DataError:
-                return False
-            return True
+            except DataError as exc:  # PIL's reason, without load_image's skip_corrupt hint
+                return " ".join(str(exc.__cause__ or exc).split())
+            return None
 
         with ThreadPoolExecutor(max_workers=max(1, num_threads)) as pool:
-            return np.fromiter(pool.map(readable, self._paths.tolist()), dtype=bool,
-                               count=len(self._paths))
+            return list(pool.map(why_unreadable, self._paths.tolist()))
 
     def _raw(self, row: int) -> Any:
         return load_image(self._paths[row], self.mode)

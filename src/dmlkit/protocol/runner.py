@@ -35,6 +35,7 @@ import torch
 from rich.markup import escape
 
 from dmlkit.config import load_yaml
+from dmlkit.data.skipped import holding_skip_warnings, record_skipped
 from dmlkit.data.splits import default_split
 from dmlkit.exceptions import ConfigError, DmlkitError
 from dmlkit.protocol.config import (
@@ -493,8 +494,10 @@ class Bench:
         if workers > 1 or stage != "all":
             self.check_shared_storage()
         check_sqlite_folder(self.config.protocol.storage)  # before anything is written
-        self.validate(methods)  # before anything is written: a refused config leaves no trace
+        with holding_skip_warnings():  # said with the list's place once the bench directory exists
+            self.validate(methods)  # before anything is written: a refused config leaves no trace
         self.prepare()
+        record_skipped(self.full_dataset(), self.dir)  # every image skip_corrupt left out, with why
         with _bench_lock(self.dir) if self.config.protocol.storage is None else contextlib.nullcontext():
             if stage in ("all", "search"):
                 if workers > 1:

@@ -26,7 +26,7 @@ from rich.markup import escape
 
 from dmlkit.config import dump_config, load_yaml
 from dmlkit.data import ClassSplit, get_transforms, load_dataset
-from dmlkit.embeddings import dataset_rows, embed_split, load_embeddings, save_embeddings
+from dmlkit.embeddings import dataset_items, embed_split, load_embeddings, save_embeddings
 from dmlkit.exceptions import ConfigError, DataError, DmlkitError, NonFiniteError
 from dmlkit.metrics import evaluate
 from dmlkit.protocol.config import (
@@ -307,8 +307,9 @@ class FinalStage:
                     model = build_model(cfg.model)
                     with torch.no_grad():
                         emb, lab = embed_split(model, self.test, cfg, cfg.training.device)
-                    # the dataset rows, as the trained runs' files hold them: compare pairs by them
-                    save_embeddings(emb_path, emb, lab, indices=dataset_rows(self.test))
+                    # the dataset rows and their files, as the trained runs' files hold them:
+                    # compare pairs by the rows
+                    save_embeddings(emb_path, emb, lab, **dataset_items(self.test, run_data_root(cfg.data.root, None)))
                     atomic_write_text(run_dir / "config.yaml", dump_config(cfg))
                 runs.append(FinalRun(PRETRAINED, seed, fold.index, run_dir, emb_path, None))
         return runs

@@ -6,7 +6,8 @@ cross-validation folds), runs a :class:`~dmlkit.training.loop.Trainer`, then emb
 classes with the best checkpoint. It writes the same run directory as ``dmlkit train``::
 
     config.yaml, provenance.json, split.json (datasets from the config), log.jsonl,
-    checkpoints/{last,best}.pt, embeddings/test.npz, metrics.json
+    checkpoints/{last,best}.pt, embeddings/test.npz, metrics.json (skipped.txt: the images
+    data.options.skip_corrupt left out, with why)
 
 Under ``torchrun`` (``WORLD_SIZE`` > 1) :func:`train` joins the process group itself, checks
 that every rank got the same config and that the world size divides the global batch, and
@@ -34,6 +35,7 @@ import numpy as np
 import torch
 
 from dmlkit.config import ExperimentConfig, config_from_dict, dump_config
+from dmlkit.data.skipped import SKIPPED_FILE, holding_skip_warnings, record_skipped
 from dmlkit.distributed import (
     agree,
     barrier,
@@ -49,6 +51,7 @@ from dmlkit.embedding_shards import DEFAULT_SHARD_ROWS, ShardedEmbeddings, embed
 from dmlkit.embeddings import (
     HeadOnly,
     InferenceOptions,
+    dataset_items,
     dataset_rows,
     embed_model,
     embed_sharded,
@@ -77,7 +80,7 @@ from dmlkit.training.checkpoint import (
     refuse_fresh_start,
     sweep_orphan_temporaries,
 )
-from dmlkit.training.data_root import with_data_root
+from dmlkit.training.data_root import run_data_root, with_data_root
 from dmlkit.training.loop import Trainer, TrainState
 from dmlkit.training.preflight import preflight, refuse_degenerate_eval
 from dmlkit.training.same_inputs import check_same_config_on_ranks, check_same_data
@@ -149,7 +152,7 @@ class TrainResult:
 _FINAL_OUTPUTS = ("metrics.json", "embeddings/test.npz")
 #: Written from step 0 on: removed when a run starts afresh in a directory without a checkpoint
 #: (left by an attempt killed before its first one; the log would interleave the two attempts).
-_ATTEMPT_OUTPUTS = ("log.jsonl", "log.csv", "baseline.json", "checkpoints/best.pt")
+_ATTEMPT_OUTPUTS = ("log.jsonl", "log.csv", "baseline.json", "checkpoints/best.pt", SKIPPED_FILE)
 #: The lock file of a run directory: one ``train`` at a time.
 _RUN_LOCK = "train.lock"
 
@@ -232,7 +235,8 @@ def evaluate_test_set(trainer: Trainer, test_set) -> dict[str, float]:
                                                       progress=trainer.progress), test_set)
     metrics = trainer.metrics_of(emb, lab)
     if context().is_main:
-        save_embeddings(trainer.run_dir / "embeddings" / "test.npz", emb, lab, indices=dataset_rows(test_set))
+        save_embeddings(trainer.run_dir / "embeddings" / "test.npz", emb, lab,
+                        **dataset_items(test_set, run_data_root(trainer.config.data.root, None)))
     return metrics
 
 
@@ -311,7 +315,8 @@ def _train(config: ExperimentConfig, run_dir: Path, device: torch.device, *, tra
     """:func:`train` once the process group (if any) is joined."""
     check_same_config_on_ranks(config)  # per-machine paths may differ
     # every size constraint against the data, before the run dir is touched
-    checked = agree(preflight, config) if train_set is None else None  # each rank's data root
+    with holding_skip_warnings():  # said with the list's place once the run directory exists
+        checked = agree(preflight, config) if train_set is None else None  # each rank's data root
     if test_set is not None:  # an explicit test set, as preflight checks the config's: one class
         # scored MAP@R = P@1 = 100 % in metrics.json for any model (the baseline skipped it)
         agree(refuse_degenerate_eval, test_set.labels, "test")
@@ -335,6 +340,8 @@ def _train(config: ExperimentConfig, run_dir: Path, device: torch.device, *, tra
         # a refusal here leaves nothing: the lock removes its file and the folders it made
         payload = on_main(open_run_dir, run_dir, config, resume, world_size=context().world_size,
                           allow_world_size_change=allow_world_size_change)
+        if checked is not None:  # every image skip_corrupt left out, with why: RUN_DIR/skipped.txt
+            on_main(record_skipped, checked.dataset, run_dir, stacklevel=3)
         return _train_in_dir(config, run_dir, device, split, payload, train_set=train_set,
                              val_set=val_set, test_set=test_set, progress=progress)
 
@@ -436,7 +443,8 @@ def embed_run(
     transform, no augmentation). Writes ``output`` (default ``RUN_DIR/embeddings/<split>.npz``
     for ``best.pt``, ``RUN_DIR/embeddings/<split>-<checkpoint stem>.npz`` for another checkpoint,
     e.g. ``test-last.npz``: :func:`default_embeddings_name`), with the dataset rows as
-    ``indices``, and returns ``(path, embeddings, labels, config)``.
+    ``indices`` and their files relative to the data root as ``paths``
+    (:func:`~dmlkit.embeddings.dataset_items`), and returns ``(path, embeddings, labels, config)``.
 
     Under ``torchrun`` each rank embeds its shard of the split (:func:`embed_sharded`), every
     rank returns the whole split in dataset order, and rank 0 alone writes ``output``.
@@ -454,7 +462,7 @@ def embed_run(
                                      progress=progress and job.ctx.is_main), job.dataset)
         path = Path(output if output is not None else job.default_output(".npz"))
         if job.ctx.is_main:
-            path = save_embeddings(path, emb, labels, indices=dataset_rows(job.dataset))
+            path = save_embeddings(path, emb, labels, **dataset_items(job.dataset, job.root))
         barrier()  # the file exists before any rank returns
     return path, emb, labels, job.config
 
@@ -541,6 +549,7 @@ class _EmbeddingJob:
         self.ctx, self.device = join_process_group(resolve_device(device))
         self.split = split
         self.checkpoint, self.model, self.config, self.dataset = agree(_load_split, checkpoint, split, data_root)
+        self.root = run_data_root(self.config.data.root, data_root)  # where the split's files are
 
     def default_output(self, suffix: str) -> Path:
         """``RUN_DIR/embeddings/<split><suffix>`` for the best checkpoint, else
