@@ -223,3 +223,37 @@ def test_train_with_the_recipe_then_evaluate_the_run(tmp_path, capsys):
     saved = json.loads((tmp_path / "run" / "reid.json").read_text())
     assert saved["examples"][0]["query_path"].endswith(".jpg")
     assert "junk" in {s for e in saved["examples"] for s in e["status"]}
+
+
+def test_a_run_s_saved_embeddings_are_reused_only_for_the_files_they_embedded(tmp_path, capsys, monkeypatch):
+    import warnings
+
+    import dmlkit.training
+    from dmlkit.training import train
+
+    _market_fixture(tmp_path)
+    config = {
+        "name": "reid_reuse", "seed": 0,
+        "data": {"dataset": "market1501", "root": str(tmp_path), "options": {"strict": False},
+                 "split": {"kind": "default", "val_fraction": 0.2}, "transform": "grayscale",
+                 "image_size": 28},
+        "model": {"trunk": "small_cnn", "pretrained": False, "in_channels": 1, "embedding_size": 8},
+        "loss": {"name": "triplet", "params": {"margin": 0.3}}, "miner": None,
+        "sampler": {"classes_per_batch": 4, "samples_per_class": 2, "batches_per_epoch": 1},
+        "optimizer": {"preset": "cpu_quick"},
+        "training": {"epochs": 1, "device": "cpu"},
+    }
+    embedded = []
+    real = dmlkit.training.embed_split
+    monkeypatch.setattr(dmlkit.training, "embed_split", lambda *a, **k: embedded.append(1) or real(*a, **k))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        train(config, tmp_path / "run", progress=False)
+        embedded.clear()
+        assert run(["reid", str(tmp_path / "run"), "--json"], capsys)[0] in (0, None)
+        assert embedded == []  # the saved test.npz: the same files
+        gallery = tmp_path / "Market-1501-v15.09.15" / "bounding_box_test"
+        # same identity, camera, count and order of rows: only the file is another one
+        (gallery / "0011_c2s1_000201_00.jpg").rename(gallery / "0011_c2s1_000201_01.jpg")
+        assert run(["reid", str(tmp_path / "run"), "--json"], capsys)[0] in (0, None)
+    assert embedded == [1]  # was: the saved rows reused for another file

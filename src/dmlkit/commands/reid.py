@@ -309,9 +309,10 @@ def _embed_run(run_dir: Path, data_root: Path | None, device: str) -> dict[str, 
     """The run's test split: embeddings (saved ones when they match), ids, cams, groups."""
     import numpy as np
 
-    from dmlkit.embeddings import dataset_rows, load_embeddings, resolve_device
+    from dmlkit.embeddings import dataset_items, load_embeddings, resolve_device
     from dmlkit.exceptions import DataError, DataNotFoundError
     from dmlkit.training import build_datasets, embed_split, load_checkpoint, load_config
+    from dmlkit.training.data_root import run_data_root
 
     cfg_path = run_dir / "config.yaml"
     if not cfg_path.exists():
@@ -321,13 +322,13 @@ def _embed_run(run_dir: Path, data_root: Path | None, device: str) -> dict[str, 
     if test is None or test.sample_groups is None:
         raise DataError(f"the run's dataset {config.data.dataset!r} has no query/gallery groups: "
                         "use a re-id dataset (e.g. market1501, att_faces_reid)")
-    rows = dataset_rows(test)
+    items = dataset_items(test, run_data_root(config.data.root, data_root))
     saved = run_dir / "embeddings" / "test.npz"
     emb = None
-    if saved.exists():
+    if saved.exists():  # reused only where it embedded these very files (rows, labels, paths)
         e, labels, extra = load_embeddings(saved)
-        idx = extra.get("indices")
-        if idx is not None and np.array_equal(idx, rows) and np.array_equal(labels, test.labels):
+        same = all(key in extra and np.array_equal(extra[key], items[key]) for key in items)
+        if same and np.array_equal(labels, test.labels):
             emb = e
     if emb is None:
         target = resolve_device(device)  # cuda without a GPU: one line, not torch's traceback
