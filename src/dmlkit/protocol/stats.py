@@ -182,7 +182,9 @@ class DifferenceTest:
     def variance(self) -> str:
         if min(self.seeds) > 1:
             return "seeds and queries"
-        return "queries and the seeds of a method with several (one seed shows no seed variance)"
+        if max(self.seeds) > 1:
+            return "seeds and queries, less the seed variance of the one-seed method (unknown)"
+        return "queries only (one seed each: the seed variance is unknown)"
 
     @property
     def significant(self) -> bool | None:
