@@ -97,7 +97,7 @@ def test_a_final_stage_for_one_method_keeps_the_other_current_rows(full_bench, t
         assert after["methods"][name]["runs"][0]["embeddings_sha256"]
     assert "| contrastive |" in (folder / "results.md").read_text()
     report = compare_results([folder], methods=["contrastive", "triplet"], metrics=["map_at_r"],
-                             modes=["separated"], resamples=50)
+                             modes=["separated"])
     assert len(report["comparisons"]) == 1
 
 
@@ -165,7 +165,7 @@ def test_a_diverged_final_run_is_recorded_and_its_seed_left_out_with_a_warning(t
     from dmlkit.protocol.compare import compare_results
 
     report = compare_results([folder], methods=["contrastive", "triplet"], metrics=["map_at_r"],
-                             modes=["separated"], resamples=50)
+                             modes=["separated"])
     assert report["seeds"] == {"contrastive": 2, "triplet": 1}  # the finished seeds, said
     assert "triplet: the final runs of seed(s) [1] diverged; it is compared over its 1 finished seed(s)" \
         in report["warnings"]
@@ -209,7 +209,7 @@ def test_every_final_run_diverging_writes_the_table_and_exits_2(tmp_path, data_r
     from dmlkit.protocol.compare import compare_results
 
     with pytest.raises(DataError, match="every final run of method 'triplet' diverged"):
-        compare_results([out], methods=["pretrained", "triplet"], resamples=10)
+        compare_results([out], methods=["pretrained", "triplet"])
 
 
 def test_a_rank_that_diverged_is_a_divergence_for_the_final_stage(tmp_path):

@@ -85,15 +85,13 @@ def test_too_small_num_classes_hints_at_num_classes(tmp_path, data_root):
 @pytest.mark.parametrize(("options", "message"), [
     ({"confidence": 95}, "confidence must be a fraction strictly between 0 and 1"),
     ({"confidence": 0.0}, "confidence must be a fraction strictly between 0 and 1"),
-    ({"resamples": 0}, "resamples must be an integer from 1 to 1000000"),
-    ({"seed": -1}, "the bootstrap seed must be a non-negative integer"),
     ({"metrics": []}, "metrics must list at least one name"),
     ({"modes": []}, "modes must list at least one name"),
     ({"metrics": "map_at_r"}, r"metrics must be a list of names \(\['map_at_r'\]\)"),
 ])
 def test_compare_results_refuses_unusable_options_in_one_line(tmp_path, options, message):
     """`compare_results(..., confidence=95)` (a percentage) failed inside numpy; confidence=0
-    called a difference with Welch p = 0.6 significant (p < 1 - 0); no resamples, metrics or
+    called a difference with Welch p = 0.6 significant (p < 1 - 0); no metrics or
     modes failed with IndexError / UnboundLocalError."""
     from dmlkit.protocol.compare import compare_results
 
@@ -106,7 +104,7 @@ def test_mean_ci_and_bootstraps_refuse_a_percentage_as_confidence():
     bootstraps failed inside numpy. The 95 % half-width itself matches t_{0.975, n-1} s / sqrt(n)."""
     import numpy as np
 
-    from dmlkit.protocol.stats import hierarchical_bootstrap, mean_ci, paired_bootstrap
+    from dmlkit.protocol.stats import mean_ci, paired_bootstrap, seed_query_t_test
 
     values = [0.31, 0.35, 0.30, 0.36]
     mean, half = mean_ci(values)
@@ -115,7 +113,7 @@ def test_mean_ci_and_bootstraps_refuse_a_percentage_as_confidence():
     with pytest.raises(ConfigError, match="confidence must be a fraction"):
         mean_ci(values, confidence=95)
     with pytest.raises(ConfigError, match="confidence must be a fraction"):
-        hierarchical_bootstrap(np.ones((3, 4)), np.zeros((3, 4)), confidence=95)
+        seed_query_t_test(np.ones((3, 4)), np.zeros((3, 4)), confidence=95)
     with pytest.raises(ConfigError, match="resamples must be an integer from 1 to 1000000"):
         paired_bootstrap([1.0, 2.0], [1.0, 3.0], resamples=0)
 
@@ -133,12 +131,12 @@ def test_a_smaller_trial_budget_says_how_to_go_on(tmp_path):
         open_study(storage, "tiny/m", 2)
 
 
-def test_the_package_exports_the_bootstrap_compare_uses():
+def test_the_package_exports_the_test_compare_uses():
     """`dmlkit.protocol` exported only `paired_bootstrap` (queries only) and described compare as
-    that; compare uses `hierarchical_bootstrap` (seeds and queries)."""
+    that; compare uses `seed_query_t_test` (seeds and queries)."""
     import dmlkit.protocol as protocol
 
-    assert "hierarchical_bootstrap" in protocol.__all__
+    assert "seed_query_t_test" in protocol.__all__
     assert "paired bootstrap over queries" not in (protocol.__doc__ or "")
 
 
@@ -164,10 +162,10 @@ def test_compare_pairs_benches_that_name_all_classes_differently(tmp_path):
         return build_results(cfg, split, entries, bench_dir=tmp_path / name)
 
     report = compare_results([results("a", None), results("b", 60)], methods=["ms", "ms@b"],
-                             metrics=["map_at_r"], modes=["separated"], resamples=100)
+                             metrics=["map_at_r"], modes=["separated"])
     assert report["comparisons"][0]["diff"] == pytest.approx(0.0, abs=1e-12)
     with pytest.raises(DataError, match="protocol.num_classes 60 vs 30"):
-        compare_results([results("a", None), results("c", 30)], methods=["ms", "ms@c"], resamples=100)
+        compare_results([results("a", None), results("c", 30)], methods=["ms", "ms@c"])
 
 
 def test_an_out_path_that_is_a_file_is_one_clear_line(tmp_path, run_cli):
@@ -205,7 +203,7 @@ def test_compare_refuses_embeddings_rewritten_after_the_table(tmp_path):
     entries = bench_entries(tmp_path, cfg, np.repeat(np.arange(10), 4), 10)
     results = build_results(cfg, make_bench_split(range(60), "halves", folds=2), entries, bench_dir=tmp_path)
     assert all(len(run["embeddings_sha256"]) == 64 for run in results["methods"]["ms"]["runs"])
-    options = {"methods": ["ms", "contrastive"], "metrics": ["map_at_r"], "resamples": 100}
+    options = {"methods": ["ms", "contrastive"], "metrics": ["map_at_r"]}
     before = compare_results([results], **options)["comparisons"][0]["diff"]
     path = entries["ms"]["runs"][0].embeddings  # seed 0 "retrained": other embeddings, same items
     emb, labels, _ = load_embeddings(path)

@@ -19,7 +19,7 @@ from dmlkit.losses.proxy_losses import SoftTripleLoss
 from dmlkit.metrics import pos_neg_histograms
 from dmlkit.metrics.knn import knn
 from dmlkit.models import build_embedder
-from dmlkit.protocol.stats import hierarchical_bootstrap, paired_bootstrap
+from dmlkit.protocol.stats import paired_bootstrap
 from dmlkit.samplers import EpisodeSampler, MPerClassSampler
 from dmlkit.validation import check_integer
 
@@ -60,7 +60,7 @@ def test_the_bounded_counts_of_the_library_refuse_a_huge_value():
     labels = np.array([0, 0, 1, 1])
     scores = np.array([[0.5, 0.25, 1.0]])
     assert f"resamples must be an integer from 1 to {MAX_RESAMPLES}" in _message(
-        lambda: hierarchical_bootstrap(scores, scores, resamples=MAX_RESAMPLES + 1))
+        lambda: paired_bootstrap(scores[0], scores[0], resamples=MAX_RESAMPLES + 1))
     assert f"resamples must be an integer from 1 to {MAX_RESAMPLES}" in _message(
         lambda: paired_bootstrap(scores[0], scores[0], resamples=10**10))
     assert f"bins must be an integer from 2 to {MAX_BINS}" in _message(

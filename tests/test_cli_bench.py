@@ -194,7 +194,7 @@ def test_compare_cli(bench_run, tmp_path):
     out = bench_run["out"]
     report = tmp_path / "cmp.json"
     r = subprocess.run(_cli("compare", str(out / "results.json"), "-m", "triplet", "-m", "contrastive",
-                            "-m", "pretrained", "-B", "200", "-o", str(report)),
+                            "-m", "pretrained", "-o", str(report)),
                        capture_output=True, text=True, env=_env(), timeout=300)
     assert r.returncode == 0, r.stdout + r.stderr
     data = json.loads(report.read_text())

@@ -1,6 +1,6 @@
 """``dmlkit compare`` over many methods tested every pair at the nominal level: with four equal
-methods, six pairs, one was called "significant" up to a quarter of the time. The seeds' t-test
-is now Holm-corrected over the pairs of each metric and mode."""
+methods, six pairs, one was called "significant" up to a quarter of the time. The t-test over
+seeds and queries is now Holm-corrected over the pairs of each metric and mode."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import dmlkit.protocol.compare as compare_module
 from _reference import bench_entries
 from dmlkit.protocol.compare import compare_results, render_compare_markdown
 from dmlkit.protocol.config import bench_config_from_dict
-from dmlkit.protocol.stats import BootstrapResult, holm_adjusted
+from dmlkit.protocol.stats import DifferenceTest, holm_adjusted
 
 BASE = {"name": "holm", "fixed": {"data": {"dataset": "omniglot"}, "model": {"embedding_size": 8}}}
 
@@ -44,12 +44,11 @@ def test_compare_calls_significant_only_what_survives_holm(tmp_path, monkeypatch
     raw = iter([0.04, 0.001, 0.03, 0.012, 0.009, 0.02])  # the six pairs, in the report's order
 
     def fake(a, b, **kwargs):  # every CI excludes 0; only the p-values differ
-        return BootstrapResult(0.05, 0.01, 0.09, 100, 0.95, seeds=(3, 3), seed_test_p=next(raw))
+        return DifferenceTest(0.05, 0.01, 0.09, next(raw), 0.02, 10.0, 0.95, (3, 3), 48)
 
-    monkeypatch.setattr(compare_module, "hierarchical_bootstrap", fake)
-    report = compare_results([results], methods=names, metrics=["map_at_r"], modes=["separated"],
-                             resamples=100)
-    got = [(c["seed_test_p"], c["seed_test_p_holm"], c["significant"]) for c in report["comparisons"]]
+    monkeypatch.setattr(compare_module, "seed_query_t_test", fake)
+    report = compare_results([results], methods=names, metrics=["map_at_r"], modes=["separated"])
+    got = [(c["p"], c["p_holm"], c["significant"]) for c in report["comparisons"]]
     assert [g[0] for g in got] == [0.04, 0.001, 0.03, 0.012, 0.009, 0.02]
     assert [g[2] for g in got] == [False, True, False, True, True, False]  # raw p < 0.05 everywhere
     assert [g[1] for g in got] == pytest.approx([0.06, 0.006, 0.06, 0.048, 0.045, 0.06])
@@ -68,19 +67,18 @@ def test_compare_cli_shows_the_corrected_p_of_each_pair(tmp_path, run_cli):
                             bench_entries(tmp_path, cfg, labels, 12), bench_dir=tmp_path)
     atomic_write_json(tmp_path / "results.json", results)
     code, out, err = run_cli(["compare", str(tmp_path / "results.json"), "--metric", "map_at_r",
-                              "--mode", "separated", "-B", "100", "-o", str(tmp_path / "cmp.json")])
+                              "--mode", "separated", "-o", str(tmp_path / "cmp.json")])
     assert code == 0, err
-    assert "95 % CI" in out and "seeds' p (Holm)" in out
+    assert "95 % CI" in out and "p (Holm)" in out
     report = json.loads((tmp_path / "cmp.json").read_text())
     (c,) = report["comparisons"]
-    assert c["seed_test_p_holm"] == pytest.approx(c["seed_test_p"])  # one pair: nothing to correct
-    assert f"{c['seed_test_p_holm']:.3g}" in out
+    assert c["p_holm"] == pytest.approx(c["p"])  # one pair: nothing to correct
+    assert f"{c['p_holm']:.3g}" in out
 
 
 def test_compare_cli_takes_the_confidence_level(tmp_path, run_cli):
-    """``--confidence`` reaches the bootstrap: a 90 % CI lies inside the 99 % one of the same
-    resamples (same seed), the table and the report name the level, and a percentage is refused
-    in one line."""
+    """``--confidence`` reaches the test: a 90 % CI lies inside the 99 % one, the table and the
+    report name the level, and a percentage is refused in one line."""
     from dmlkit.protocol.results import build_results
     from dmlkit.protocol.splits import make_bench_split
     from dmlkit.utils import atomic_write_json
@@ -95,7 +93,7 @@ def test_compare_cli_takes_the_confidence_level(tmp_path, run_cli):
     reports = {}
     for level in ("0.9", "0.99"):
         code, out, err = run_cli(["compare", str(tmp_path / "results.json"), "--metric", "map_at_r",
-                                  "--mode", "separated", "-B", "200", "--confidence", level,
+                                  "--mode", "separated", "--confidence", level,
                                   "-o", str(tmp_path / f"cmp{level}.json")])
         assert code == 0, err
         assert f"{100 * float(level):g} % CI" in out

@@ -125,10 +125,10 @@ def test_compare_and_plot_improvement_read_a_null_mean_as_n_a(tmp_path, run_cli,
     from dmlkit.protocol.compare import compare_results
 
     path = _results(tmp_path)
-    report = compare_results([path], metrics=["map_at_r"], modes=["separated"], resamples=100)
+    report = compare_results([path], metrics=["map_at_r"], modes=["separated"])
     rel = report["relative_improvement"]["contrastive"]["relative_percent"]["ms"]
     assert rel["concatenated"]["map_at_r"] is None and rel["separated"]["map_at_r"] is not None
-    code, out, err = run_cli(["compare", str(path), "--metric", "map_at_r", "-B", "100"])
+    code, out, err = run_cli(["compare", str(path), "--metric", "map_at_r"])
     assert code == 0, err
     assert "n/a" in out
     calls = _capture(monkeypatch, "relative_improvement")
@@ -172,7 +172,7 @@ def test_compare_names_the_run_file_that_holds_nan(tmp_path, run_cli):
     emb, labels, _ = load_embeddings(bad)
     emb[3, 0] = np.nan
     save_embeddings(bad, emb, labels)
-    code, _, err = run_cli(["compare", str(path), "--metric", "map_at_r", "-B", "100"])
+    code, _, err = run_cli(["compare", str(path), "--metric", "map_at_r"])
     assert code == 2 and str(bad) in err and "NaN" in err, err
 
 
@@ -196,7 +196,7 @@ def test_compare_prints_names_with_brackets_as_text(tmp_path, run_cli):
     other = tmp_path / "other.json"
     other.write_text(json.dumps(data))
     code, out, err = run_cli(["compare", str(path), str(other), "-m", "ms", "-m", "ms@cub[v2]",
-                              "--metric", "map_at_r", "--mode", "separated", "-B", "100"])
+                              "--metric", "map_at_r", "--mode", "separated"])
     assert code == 0, err
     assert "ms@cub[v2]" in out
 

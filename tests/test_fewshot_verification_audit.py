@@ -8,6 +8,7 @@ import warnings
 
 import numpy as np
 import pytest
+from scipy import stats
 from sklearn.metrics import roc_auc_score
 
 from dmlkit.apps.fewshot import few_shot_accuracy
@@ -76,7 +77,8 @@ def test_few_shot_accuracy_and_ci_match_brute_force():
         d = ((x[query].astype(np.float64)[:, None] - protos[None]) ** 2).sum(-1)
         accs.append(float((labels[ep[:, 0]][d.argmin(1)] == labels[query]).mean()))
     assert res["accuracy"] == pytest.approx(np.mean(accs))
-    assert res["ci95"] == pytest.approx(1.96 * np.std(accs, ddof=1) / np.sqrt(len(accs)))
+    t = stats.t.ppf(0.975, len(accs) - 1)  # 2.023 at 40 episodes (1.96 covered 80 % at 3)
+    assert res["ci95"] == pytest.approx(t * np.std(accs, ddof=1) / np.sqrt(len(accs)))
     assert few_shot_accuracy(x, labels, n, k, q, episodes=40, seed=7) == res
 
 
@@ -276,3 +278,21 @@ def test_an_image_with_two_different_embeddings_is_refused(tmp_path):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         assert verify_pair_list(emb, pl, paths).roc_auc == verify_pair_list(emb[:4], pl, paths[:4]).roc_auc == 1.0
+
+
+def test_few_shot_ci_is_a_t_interval_and_a_zero_width_one_is_flagged():
+    """Was: ``1.96 s / sqrt(E)``, which covered the true accuracy 80 % of the time at 3 episodes,
+    and 3 episodes of well-separated classes that all scored 100 % printed "ci95 0.00" without a
+    word though the accuracy is 97.4 %. Now ``t_{0.975, E-1} s / sqrt(E)`` (checked against
+    brute force above) and a warning."""
+    rng = np.random.default_rng(0)
+    x = (rng.normal(0, 2.2, (30, 1, 8)) + rng.normal(0, 1, (30, 20, 8))).reshape(-1, 8).astype(np.float32)
+    y = np.repeat(np.arange(30), 20)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # an interval with a spread: no warning
+        assert few_shot_accuracy(x, y, 5, 1, 5, episodes=3, seed=0)["ci95"] > 0
+    with pytest.warns(UserWarning, match="all 3 episodes scored the same, so the 95 % CI has zero width"):
+        flat = few_shot_accuracy(x, y, 5, 1, 5, episodes=3, seed=7)
+    assert flat["accuracy"] == 1.0 and flat["ci95"] == 0.0
+    with pytest.warns(UserWarning, match="one episode gives no 95 % CI"):
+        assert np.isnan(few_shot_accuracy(x, y, 5, 1, 5, episodes=1, seed=0)["ci95"])

@@ -53,11 +53,11 @@ def test_compare_refuses_an_incomplete_results_mapping_as_it_refuses_the_file(re
     """Was: a mapping went through unchecked: a seed missing a fold scored "concatenated" from
     one model, a fold listed twice counted twice in "separated" (the same file was refused)."""
     with pytest.raises(DataError, match="seed [0-9]+: 'runs' list(s)? folds"):
-        compare_results([damage(results)], resamples=20, metrics=["map_at_r"], modes=["separated"])
+        compare_results([damage(results)], metrics=["map_at_r"], modes=["separated"])
 
 
 def test_compare_of_a_complete_mapping_equals_that_of_its_file(results):
-    kwargs = dict(resamples=20, metrics=["map_at_r"], modes=["separated"])
+    kwargs = dict(metrics=["map_at_r"], modes=["separated"])
     from_map = compare_results([results], **kwargs)
     from_file = compare_results([load_results(results["bench_dir"])], **kwargs)
     assert from_map["comparisons"] == from_file["comparisons"]
@@ -66,7 +66,7 @@ def test_compare_of_a_complete_mapping_equals_that_of_its_file(results):
 @pytest.mark.parametrize("confidence, shown", [(0.995, "99.5 % CI"), (0.925, "92.5 % CI"), (0.95, "95 % CI")])
 def test_saved_comparison_names_its_confidence_level(results, confidence, shown):
     """Was: int(round(100 c)): 0.995 printed "100 % CI", 0.925 "92 % CI"."""
-    report = compare_results([results], resamples=20, metrics=["map_at_r"], modes=["separated"],
+    report = compare_results([results], metrics=["map_at_r"], modes=["separated"],
                              confidence=confidence)
     assert shown in render_compare_markdown(report)
 

@@ -105,27 +105,27 @@ def test_format_cell():
     assert format_cell({"mean": 0.5105, "ci95": None}) == "51.05 ± n/a"
 
 
-def test_compare_paired_bootstrap(results):
-    report = compare_results([results], methods=["good", "contrastive", "triplet"], resamples=300, seed=1)
+def test_compare_paired_t_test(results):
+    report = compare_results([results], methods=["good", "contrastive", "triplet"])
     assert report["queries"] == LABELS.size
     by = {(c["a"], c["b"], c["mode"], c["metric"]): c for c in report["comparisons"]}
     c = by[("good", "contrastive", "concatenated", "map_at_r")]
     assert c["diff"] > 0 and c["excludes_zero"] and c["ci_low"] <= c["diff"] <= c["ci_high"]
-    assert c["significant"] is True and c["resampling"] == "seeds and queries"  # 3 seeds each
+    assert c["significant"] is True and c["variance"] == "seeds and queries"  # 3 seeds each
     assert report["seeds"] == {"good": 3, "contrastive": 3, "triplet": 3} and not report["warnings"]
-    # the bootstrap is seeded
-    again = compare_results([results], methods=["good", "contrastive", "triplet"], resamples=300, seed=1)
+    # deterministic
+    again = compare_results([results], methods=["good", "contrastive", "triplet"])
     assert again["comparisons"] == report["comparisons"]
     md = render_compare_markdown(report)
     assert "| good | contrastive | concatenated | MAP@R |" in md
     assert "Relative improvement over contrastive" in md and "Relative improvement over triplet" in md
-    base = compare_results([results], methods=["good", "triplet"], baseline="triplet", resamples=200)
+    base = compare_results([results], methods=["good", "triplet"], baseline="triplet")
     assert {(c["a"], c["b"]) for c in base["comparisons"]} == {("good", "triplet")}
 
 
 def test_compare_same_method_twice_is_not_significant(results, tmp_path):
     other = {**results, "name": "copy", "methods": {"contrastive": results["methods"]["contrastive"]}}
-    report = compare_results([results, other], methods=["contrastive", "contrastive@copy"], resamples=300)
+    report = compare_results([results, other], methods=["contrastive", "contrastive@copy"])
     assert all(c["diff"] == 0 and not c["excludes_zero"] for c in report["comparisons"])
 
 
@@ -138,7 +138,7 @@ def test_compare_with_two_seeds_warns_and_never_says_significant(tmp_path):
         runs = _runs(tmp_path, name, noise, seeds=(0, 1))  # every fold of the split: a complete table
         entries[name] = {"runs": runs, "evaluation": evaluate_runs(runs, metrics), "best_params": {},
                          "loss": {"name": name}}
-    report = compare_results([build_results(cfg, split, entries, bench_dir=tmp_path)], resamples=200)
+    report = compare_results([build_results(cfg, split, entries, bench_dir=tmp_path)])
     assert len(report["warnings"]) == 2 and "too few" in report["warnings"][0]
     big = [c for c in report["comparisons"] if c["excludes_zero"]]
     assert big and all(c["significant"] is None for c in report["comparisons"])

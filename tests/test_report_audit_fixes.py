@@ -231,6 +231,6 @@ def test_compare_names_methods_of_two_benches_of_one_name_by_their_folders(tmp_p
     other = _bench(tmp_path / "third", name="c")
     assert list(_merge([load_results(first), load_results(other)])[0])[2:] == ["contrastive@c", "ms@c"]
     code, out, err = run_cli(["compare", str(first), str(second), "-m", "ms", "-m", "ms@second",
-                              "--metric", "map_at_r", "--mode", "separated", "-B", "100"])
+                              "--metric", "map_at_r", "--mode", "separated"])
     assert code == 0, err
     assert "ms@second" in out

@@ -3,8 +3,9 @@
 * :func:`relative_improvement_figure`: the seed's "papers versus reality" panels (Musgrave et
   al. 2020, Fig. 4: relative improvement over the contrastive and over the triplet loss), with
   what dmlkit's library figure (:func:`dmlkit.report.figures.relative_improvement`) leaves out:
-  the 95 % CI of each difference (the hierarchical bootstrap of ``dmlkit compare``, divided by
-  the baseline's mean) and both evaluation modes.
+  the 95 % CI of each difference (``dmlkit compare``'s: a t interval over seeds and queries,
+  or the hierarchical bootstrap of the comparisons run before it, as the JSON's ``test`` says;
+  divided by the baseline's mean) and both evaluation modes.
 * :func:`jsd_figures`: seed 004's figures (Oi et al.): per-epoch JSD / P@1 / MAP@R of the train,
   validation and test splits (their Fig. 4), mean positive and negative cosine (Fig. 2), test
   histograms before and after training (Fig. 3), and JSD against MAP@R over all epochs and
@@ -43,7 +44,8 @@ def relative_improvement_figure(results_json: Path, out: Path, *, title: str = "
     """Two panels, vs contrastive and vs triplet: relative ``metric`` improvement (%) per method.
 
     Bars: ``100 * (m - base) / base`` from the results' means, concatenated and separated; whiskers:
-    the bootstrap CI of ``m - base`` from ``<name>_vs_<base>.json`` (``dmlkit compare``) / base.
+    the CI of ``m - base`` from ``<name>_vs_<base>.json`` (``dmlkit compare``) / base, named in
+    the title by the JSON's ``test``.
     """
     results = json.loads(Path(results_json).read_text())["methods"]
     stem = Path(results_json).stem
@@ -55,8 +57,11 @@ def relative_improvement_figure(results_json: Path, out: Path, *, title: str = "
         shown = [m for m in methods if m != base]
         cmp_path = Path(results_json).with_name(f"{stem}_vs_{base}.json")
         cis: dict[tuple[str, str], tuple[float, float]] = {}
+        ci_name = "CI"
         if cmp_path.exists():
-            for c in json.loads(cmp_path.read_text())["comparisons"]:
+            report = json.loads(cmp_path.read_text())
+            ci_name = "bootstrap CI" if "bootstrap" in report.get("test", "") else "CI, t over seeds and queries"
+            for c in report["comparisons"]:
                 if c["b"] == base and c["metric"] == metric:
                     cis[(c["a"], c["mode"])] = (c["ci_low"], c["ci_high"])
         x = np.arange(len(shown))
@@ -72,7 +77,7 @@ def relative_improvement_figure(results_json: Path, out: Path, *, title: str = "
         ax.axhline(0, color="black", linewidth=1, linestyle="--")
         ax.set_xticks(x, shown, rotation=30, ha="right")
         ax.set(ylabel=f"relative {'MAP@R' if metric == 'map_at_r' else metric} improvement (%)",
-               title=f"{title}: vs {base} (95 % bootstrap CI)")
+               title=f"{title}: vs {base} (95 % {ci_name})")
         ax.legend(fontsize=8)
     fig.tight_layout()
     return _save(fig, out)

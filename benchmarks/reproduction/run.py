@@ -1,7 +1,7 @@
 """Driver of the "A Metric Learning Reality Check" reproduction (issue 17), one command per dataset.
 
 Everything goes through dmlkit's own commands: ``dmlkit bench`` (search + final runs, resumable
-through the study's SQLite file), ``dmlkit compare`` (hierarchical paired bootstrap) and
+through the study's SQLite file), ``dmlkit compare`` (t-test over seeds and queries) and
 ``dmlkit report`` (HTML). The driver only orders the work so that a run cut short still leaves
 complete, usable results:
 
@@ -11,7 +11,7 @@ complete, usable results:
   are reused).
 * ``collect NAME``: the results table of every method whose final runs are all present
   (``dmlkit bench --stage final`` on those; nothing is retrained), copied small into
-  ``benchmarks/reproduction/results/NAME.json``/``.md``; the paired bootstrap against contrastive
+  ``benchmarks/reproduction/results/NAME.json``/``.md``; the paired comparison against contrastive
   and triplet (``dmlkit compare``) and the relative-improvement figure.
 * ``report NAME``: ``dmlkit report OUT -o OUT/report.html`` (copied to
   ``benchmarks/reproduction/reports/NAME.html`` when under 2 MiB).
@@ -125,7 +125,7 @@ def cmd_collect(a: argparse.Namespace) -> int:
     for ref in FIRST:
         if ref in done and len(done) > 1:
             for suffix in ("json", "md"):
-                dmlkit("compare", str(out), "--baseline", ref, "-B", str(a.resamples),
+                dmlkit("compare", str(out), "--baseline", ref,
                        "-o", str(results_dir / f"{a.name}_vs_{ref}.{suffix}"))
     summary = compact_comparison(results_dir, a.name)
     if summary:
@@ -202,7 +202,6 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument("--threads", type=int, default=1, help="torch threads per process")
         p.add_argument("--workers", type=int, default=1, help="dmlkit bench --workers")
         p.add_argument("--method", "-m", action="append", help="only these methods (study)")
-        p.add_argument("--resamples", type=int, default=1000, help="dmlkit compare -B")
         p.add_argument("--maps", default="pca", help="dmlkit report --maps (umap/t-SNE are slow on a CPU)")
     a = parser.parse_args(argv)
     return {"study": cmd_study, "collect": cmd_collect, "report": cmd_report}[a.command](a)

@@ -15,7 +15,7 @@ __all__ = ["MAX_BINS", "MAX_EPISODES", "MAX_RESAMPLES", "MAX_THREADS"]
 #: ``torchrun.threads_per_process`` of a bench, ``$DMLKIT_NUM_THREADS``). A fixed number, not
 #: this machine's core count, so that a config valid on one host is valid on every other.
 MAX_THREADS = 1024
-#: Bootstrap resamples of ``dmlkit compare -B`` and :mod:`dmlkit.protocol.stats` (1000 is the
+#: Bootstrap resamples of :func:`dmlkit.protocol.stats.paired_bootstrap` (1000 is the
 #: default; 10^6 resamples hold 8 MB of means).
 MAX_RESAMPLES = 10**6
 #: Histogram bins of ``dmlkit plot histograms --bins`` and

@@ -3,9 +3,8 @@
 ``dmlkit bench CONFIG.yaml`` = :class:`Bench`: class-disjoint split, cross-validated Bayesian
 search per method (Optuna, SQLite/PostgreSQL storage, resumable, shared by workers), final
 fold models over several seeds, separated/concatenated test accuracy with 95 % CIs, and the
-results table. ``dmlkit compare`` = :func:`compare_results` (hierarchical bootstrap over
-training seeds and test queries, :func:`hierarchical_bootstrap`, with Welch's t-test over the
-seeds' means).
+results table. ``dmlkit compare`` = :func:`compare_results` (a t-test over training seeds and
+test queries, :func:`seed_query_t_test`, Holm-corrected over the pairs).
 """
 
 from __future__ import annotations
@@ -36,10 +35,10 @@ from dmlkit.protocol.splits import (
     make_bench_split,
 )
 from dmlkit.protocol.stats import (
-    hierarchical_bootstrap,
     mean_ci,
     paired_bootstrap,
     per_query_scores,
+    seed_query_t_test,
 )
 
 __all__ = [
@@ -60,7 +59,6 @@ __all__ = [
     "compare_results",
     "evaluate_runs",
     "format_cell",
-    "hierarchical_bootstrap",
     "load_bench_config",
     "load_results",
     "make_bench_split",
@@ -72,4 +70,5 @@ __all__ = [
     "render_markdown",
     "rich_table",
     "run_seed",
+    "seed_query_t_test",
 ]

@@ -1,19 +1,20 @@
 """Honest comparisons between benchmarked methods (``dmlkit compare``).
 
-* Hierarchical bootstrap of metric differences over training seeds and test queries: every
-  method's per-query P@1 / R-Precision / MAP@R are recomputed from its saved test embeddings
-  per seed (concatenated: the seed's fold models' embeddings, each L2-normalised, concatenated
-  and L2-normalised, :func:`dmlkit.validation.concatenate_normalized`;
-  separated: each fold model's own embeddings, averaged over the folds), and the mean
-  difference between two methods gets a percentile bootstrap CI that resamples each method's
-  seeds and, inside, the same test queries for both (seeded; see
-  :func:`dmlkit.protocol.stats.hierarchical_bootstrap`). A difference is called significant
-  only when that CI excludes zero, Welch's t-test over the seeds' means gives p below
-  ``1 - confidence`` after Holm's correction over the method pairs compared on each metric and
-  mode, *and* each method has at least
+* A t-test of metric differences over training seeds and test queries: every method's
+  per-query P@1 / R-Precision / MAP@R are recomputed from its saved test embeddings per seed
+  (concatenated: the seed's fold models' embeddings, each L2-normalised, concatenated and
+  L2-normalised, :func:`dmlkit.validation.concatenate_normalized`; separated: each fold
+  model's own embeddings, averaged over the folds), and the mean difference between two
+  methods gets the t interval and p-value of
+  :func:`dmlkit.protocol.stats.seed_query_t_test` (standard error from both methods'
+  seed-to-seed variance and the variance of their per-query difference, Welch-Satterthwaite
+  degrees of freedom). A difference is called significant only when that p-value, after
+  Holm's correction over the method pairs compared on each metric and mode, is below
+  ``1 - confidence``, *and* each method has at least
   :data:`~dmlkit.protocol.stats.MIN_SEEDS_FOR_SIGNIFICANCE` seeds; with fewer the report says
-  "too few seeds to tell" and warns: a bootstrap over queries alone ignores how much a method
-  moves between training runs, which is usually the larger part.
+  "too few seeds to tell" and warns: a test over queries alone ignores how much a method
+  moves between training runs, which is usually the larger part. The interval is each pair's
+  own (not adjusted for the other pairs): one that excludes 0 may still not be significant.
 * "Papers versus reality" (Musgrave et al. 2020, figure 4): each method's relative improvement
   over the contrastive and the triplet loss, ``100 * (m - base) / base``
   (:func:`relative_percent`, which the report's figure uses too).
@@ -46,17 +47,17 @@ from dmlkit.protocol.stats import (
     MIN_SEEDS_FOR_SIGNIFICANCE,
     PER_QUERY_METRICS,
     check_confidence,
-    check_resamples,
-    hierarchical_bootstrap,
     holm_adjusted,
     per_query_scores,
+    seed_query_t_test,
 )
-from dmlkit.validation import check_seed, concatenate_normalized
+from dmlkit.validation import concatenate_normalized
 
 __all__ = [
     "BASELINES",
     "baseline_methods",
     "compare_results",
+    "format_p",
     "method_per_query",
     "method_per_seed_query",
     "relative_improvements",
@@ -66,6 +67,14 @@ __all__ = [
 ]
 
 BASELINES: tuple[str, ...] = ("contrastive", "triplet")
+
+#: What ``compare`` tests, as its JSON report's ``test`` says it.
+TEST_DESCRIPTION = (
+    "t-test over training seeds and test queries: se^2 = var(seed means of A)/S_A + var(seed means "
+    "of B)/S_B + var(per-query difference of the seed-mean scores)/Q, Welch-Satterthwaite df; the CI "
+    "is each pair's own, significant = p < 1 - confidence after Holm's correction over the method "
+    "pairs of each metric and mode"
+)
 
 
 def _merge(results_list: Sequence[Mapping[str, Any]]) -> tuple[dict[str, dict[str, Any]], dict[str, int]]:
@@ -307,15 +316,15 @@ def compare_results(
     baseline: str | None = None,
     metrics: Sequence[str] = PER_QUERY_METRICS,
     modes: Sequence[str] = MODES,
-    resamples: int = 1000,
-    seed: int = 0,
     confidence: float = 0.95,
 ) -> dict[str, Any]:
     """Compare two or more methods from one or more ``results.json`` files.
 
-    Pairs are every pair of the selected methods, or each method against ``baseline``.
+    Pairs are every pair of the selected methods, or each method against ``baseline``; each
+    difference gets :func:`dmlkit.protocol.stats.seed_query_t_test`, Holm-corrected over the
+    pairs of each metric and mode (:func:`_correct_for_multiple_pairs`).
     """
-    _check_bootstrap_options(resamples, seed, confidence, metrics, modes)
+    _check_options(confidence, metrics, modes)
     results_list = [resolved_runs(r) if isinstance(r, Mapping) else load_results(r) for r in paths_or_results]
     merged, origin = _merge(results_list)
     # a method, metric or mode given twice is compared once (in the order first given)
@@ -374,24 +383,20 @@ def compare_results(
     for a, b in pairs:
         for mode in modes:
             for m in metrics:
-                res = hierarchical_bootstrap(per_query[(a, mode)][m], per_query[(b, mode)][m],
-                                             resamples=resamples, confidence=confidence, seed=seed)
+                res = seed_query_t_test(per_query[(a, mode)][m], per_query[(b, mode)][m],
+                                        confidence=confidence)
                 comparisons.append({"a": a, "b": b, "mode": mode, "metric": m, **res.to_dict()})
     _correct_for_multiple_pairs(comparisons, confidence)
     table_metrics = [m for m in metrics if all(m in merged[n]["separated"] for n in names)]
     return {
         "methods": names,
-        "test": "hierarchical percentile bootstrap over training seeds and test queries (the CI); "
-                "significant when it excludes 0 and Welch's t-test over the seeds' means rejects equal means, "
-                "Holm-corrected over the method pairs of each metric and mode",
+        "test": TEST_DESCRIPTION,
         "queries": int(next(iter(per_query.values()))[metrics[0]].shape[1]),
         "seeds": seeds,
         "min_seeds_for_significance": MIN_SEEDS_FOR_SIGNIFICANCE,
         "warnings": warnings,
         # how the test queries were matched: by the files' dataset rows, or by labels alone
         "paired_by": "labels" if labels_only else "indices",
-        "resamples": resamples,
-        "seed": seed,
         "confidence": confidence,
         "comparisons": comparisons,
         "relative_improvement": relative_improvements({n: merged[n] for n in names}, table_metrics),
@@ -399,36 +404,40 @@ def compare_results(
 
 
 def _correct_for_multiple_pairs(comparisons: list[dict[str, Any]], confidence: float) -> None:
-    """Holm's correction of the seeds' t-test over the method pairs of each metric and mode
+    """Holm's correction of the t-tests over the method pairs of each metric and mode
     (:func:`dmlkit.protocol.stats.holm_adjusted`): with four equal methods, six raw tests at 5 %
     call at least one pair "significant" up to ``1 - 0.95^6`` = 26 % of the time. Each
-    comparison keeps its raw ``seed_test_p`` and gets ``seed_test_p_holm`` (over the pairs that
-    have enough seeds to be tested); ``significant`` then needs the CI to exclude 0 and the
-    adjusted p below ``1 - confidence``."""
+    comparison keeps its raw ``p`` and gets ``p_holm`` (over the pairs that have enough seeds
+    to be tested); ``significant`` is then ``p_holm < 1 - confidence``. The interval stays each
+    pair's own: ``significant`` implies that it excludes 0, not the reverse."""
     families: dict[tuple[str, str], list[dict[str, Any]]] = {}
     for c in comparisons:
-        c["seed_test_p_holm"] = None
-        if c["significant"] is not None and c["seed_test_p"] is not None:
+        c["p_holm"] = None
+        if c["significant"] is not None:
             families.setdefault((c["mode"], c["metric"]), []).append(c)
     for family in families.values():
-        for c, p in zip(family, holm_adjusted([c["seed_test_p"] for c in family])):
-            c["seed_test_p_holm"] = float(p)
-            c["significant"] = bool(c["excludes_zero"] and p < 1.0 - confidence)
+        for c, p in zip(family, holm_adjusted([c["p"] for c in family])):
+            c["p_holm"] = float(p)
+            # p_holm >= p, and p < 1 - confidence is the CI excluding 0 (one t statistic); the
+            # check of the CI only keeps a rounding tie from printing "yes" beside a CI over 0
+            c["significant"] = bool(p < 1.0 - confidence and c["excludes_zero"])
 
 
-def _check_bootstrap_options(resamples: Any, seed: Any, confidence: Any, metrics: Sequence[str],
-                             modes: Sequence[str]) -> None:
+def _check_options(confidence: Any, metrics: Sequence[str], modes: Sequence[str]) -> None:
     """One :class:`ConfigError` line for options :func:`compare_results` cannot use: a
-    percentage as ``confidence`` (95) failed inside numpy, ``confidence=0`` called every
-    difference significant, no resamples, metrics or modes failed with an IndexError."""
-    check_resamples(resamples)
-    check_seed(seed, "the bootstrap seed")
+    percentage as ``confidence`` (95) gave NaN intervals, ``confidence=0`` called every
+    difference significant, no metrics or modes failed with an IndexError."""
     check_confidence(confidence)
     for what, given in (("metrics", metrics), ("modes", modes)):
         if isinstance(given, str):
             raise ConfigError(f"{what} must be a list of names ([{given!r}]), got the string {given!r}")
         if not list(given):
             raise ConfigError(f"{what} must list at least one name, got {given!r}")
+
+
+def format_p(p: float | None) -> str:
+    """A p-value as the compare tables show it (3 significant digits; ``-`` where untested)."""
+    return "-" if p is None else f"{p:.3g}"
 
 
 def significance_label(comparison: Mapping[str, Any]) -> str:
@@ -442,22 +451,22 @@ def render_compare_markdown(report: Mapping[str, Any]) -> str:
     conf = f"{100 * report['confidence']:g}"  # as the terminal table: 99.5, not 100
     seeds = ", ".join(f"{n}: {k}" for n, k in report["seeds"].items())
     lines = [
-        f"Hierarchical bootstrap over training seeds ({seeds}) and {report['queries']} test "
-        f"queries ({report['resamples']} resamples, seed {report['seed']}); differences in "
-        f"percentage points, {conf} % CI; significant = the CI excludes 0 and Welch's t-test over "
-        f"the seeds' means gives p < {1 - report['confidence']:.2g} after Holm's correction over the "
-        f"method pairs of each metric and mode, with at least "
-        f"{report['min_seeds_for_significance']} seeds per method.",
+        f"t-test over training seeds ({seeds}) and {report['queries']} test queries (standard "
+        f"error from each method's seed-to-seed variance and the variance of the per-query "
+        f"difference, Welch-Satterthwaite degrees of freedom); differences in percentage points, "
+        f"{conf} % CI of each pair (not adjusted for the others); significant = p < "
+        f"{1 - report['confidence']:.2g} after Holm's correction over the method pairs of each "
+        f"metric and mode, with at least {report['min_seeds_for_significance']} seeds per method.",
         *[f"\nWarning: {w}." for w in report["warnings"]],
         "",
-        "| A | B | mode | metric | A − B | CI | significant |",
-        "|---|---|---|---|---:|---|:---:|",
+        f"| A | B | mode | metric | A − B | {conf} % CI | p | p (Holm) | significant |",
+        "|---|---|---|---|---:|---|---:|---:|:---:|",
     ]
     for c in report["comparisons"]:
         lines.append(
             f"| {c['a']} | {c['b']} | {c['mode']} | {metric_label(c['metric'])} | "
             f"{100 * c['diff']:+.2f} | [{100 * c['ci_low']:+.2f}, {100 * c['ci_high']:+.2f}] | "
-            f"{significance_label(c)} |"
+            f"{format_p(c.get('p'))} | {format_p(c.get('p_holm'))} | {significance_label(c)} |"
         )
     for base, info in report["relative_improvement"].items():
         rows = info["relative_percent"]
