@@ -73,6 +73,25 @@ def test_a_run_of_a_method_on_other_rows_is_refused(tmp_path):
         _compare([a], methods=["ms", "contrastive"])
 
 
+def test_same_rows_of_other_files_are_refused(tmp_path):
+    # the data changed between two benches: a file renamed in a class folder puts another image
+    # at the same row, with the same label
+    paths = np.asarray([f"c{label}/img{k}.png" for k, label in enumerate(LABELS)])
+    renamed = paths.astype("U32")
+    renamed[5] = "c1/img5-new.png"
+    benches = []
+    for name, files in (("a", paths), ("b", renamed)):
+        results = _bench(tmp_path, name)
+        for npz in (tmp_path / name).rglob("test.npz"):
+            emb, lab, extra = load_embeddings(npz)
+            save_embeddings(npz, emb, lab, indices=extra["indices"], paths=files)
+        benches.append(results)
+    assert _compare([benches[0], tmp_path / "a" / "results.json"], methods=["ms", "contrastive"])
+    with pytest.raises(DataError, match=r"different test items \(the same rows, other files: row 5 is "
+                                        r"c1/img5.png in one and c1/img5-new.png in the other\)"):
+        _compare(benches, methods=["ms", "ms@b"])
+
+
 # -- same test items: compared ----------------------------------------------------------------
 def test_same_rows_are_compared_by_indices(tmp_path):
     report = _compare([_bench(tmp_path, "a"), _bench(tmp_path, "b")], methods=["ms", "ms@b"])

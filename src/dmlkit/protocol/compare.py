@@ -188,21 +188,30 @@ def _bench_label(results: Mapping[str, Any]) -> str:
 
 @dataclass
 class _TestItems:
-    """The test queries a method's embedding files hold: the first file, its labels and the
-    dataset rows (``indices``) of the first file that has them; ``labels_only``: some file
-    holds no ``indices`` (written before they were saved), so it was matched by labels only."""
+    """The test queries a method's embedding files hold: the first file, its labels, the
+    dataset rows (``indices``) and the files they were (``paths``, relative to the data root)
+    of the first file that has them; ``labels_only``: some file holds no ``indices`` (written
+    before they were saved), so it was matched by labels only."""
 
     path: Path
     labels: np.ndarray
     indices: np.ndarray | None
     labels_only: bool
+    paths: np.ndarray | None = None
 
 
-def _same_items(ref: _TestItems, path: Path, labels: np.ndarray, indices: np.ndarray | None) -> str | None:
-    """Why the queries of ``path`` are not those of ``ref`` (``None`` when they are)."""
+def _same_items(ref: _TestItems, path: Path, labels: np.ndarray, indices: np.ndarray | None,
+                paths: np.ndarray | None = None) -> str | None:
+    """Why the queries of ``path`` are not those of ``ref`` (``None`` when they are): other
+    dataset rows, other files at the same rows (the data changed between the two runs), or
+    other labels."""
     if indices is not None and ref.indices is not None and not np.array_equal(ref.indices, indices):
         same = ", same labels" if np.array_equal(ref.labels, labels) else ""
         return f"different test items (other dataset rows{same})"
+    if paths is not None and ref.paths is not None and not np.array_equal(ref.paths, paths):
+        row = int(np.flatnonzero(ref.paths != paths)[0]) if ref.paths.shape == paths.shape else 0
+        return (f"different test items (the same rows, other files: row {row} is "
+                f"{ref.paths[row]} in one and {paths[row]} in the other)")
     if not np.array_equal(ref.labels, labels):
         return "different test queries (other labels)"
     return None
@@ -228,18 +237,21 @@ def _method_scores(entry: Mapping[str, Any], mode: str, name: str = "the method"
         for r in fold_runs:
             path = Path(r["embeddings"])
             emb, lab, extra = load_listed_embeddings(r, name)
-            rows_of = extra.get("indices")
+            rows_of, paths_of = extra.get("indices"), extra.get("paths")
             indices = None if rows_of is None else np.asarray(rows_of).reshape(-1)
+            paths = None if paths_of is None else np.asarray(paths_of).astype(str).reshape(-1)
             if items is None:
-                items = _TestItems(path, lab, indices, indices is None)
+                items = _TestItems(path, lab, indices, indices is None, paths)
             else:
-                why = _same_items(items, path, lab, indices)
+                why = _same_items(items, path, lab, indices, paths)
                 if why:
                     raise DataError(f"{path} and {items.path} ({name}) hold {why}: a paired comparison "
                                     "needs the same test set")
                 items.labels_only |= indices is None
                 if items.indices is None and indices is not None:
                     items.indices = indices
+                if items.paths is None and paths is not None:
+                    items.paths = paths
             embs.append(emb)
         sets = [concatenate_normalized(embs)] if mode == "concatenated" else embs
         per_set = [per_query_scores(emb, items.labels)[0] for emb in sets]
@@ -355,7 +367,7 @@ def compare_results(
             if first is None:
                 first = (name, items)
             elif mode == modes[0]:  # the same files in every mode
-                why = _same_items(first[1], items.path, items.labels, items.indices)
+                why = _same_items(first[1], items.path, items.labels, items.indices, items.paths)
                 if why:
                     raise DataError(f"methods {first[0]!r} ({first[1].path}) and {name!r} ({items.path}) "
                                     f"were tested on {why}: a paired comparison needs the same test set")
