@@ -1,0 +1,148 @@
+"""Two writers on one output (the concurrency audit): `track build-data`, shard directories
+(`embed --format shards`, :class:`ShardWriter`), `index --add/--remove`, `patches build-data` and
+`track train` each hold :func:`dmlkit.utils.directory_lock` on their output while they write.
+
+A second writer is started at a controlled point of the first (a monkeypatched step calls it),
+never by timing: it must be refused with one line naming the command, the process that holds
+the lock and what to do, and the first must end with its own output intact. A lock left by a
+killed process (the kernel drops a dead holder's ``flock``) blocks nothing.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from _reference import one_error_line, siamfc_train_sequence, tiny_siamfc_config
+from dmlkit.apps import EmbeddingIndex
+from dmlkit.apps.patches import offline as patches_offline
+from dmlkit.apps.patches.brown import _check_build_finished
+from dmlkit.apps.tracking import offline as tracking_offline
+from dmlkit.apps.tracking import training as tracking_training
+from dmlkit.apps.tracking.datasets import load_got10k, load_otb
+from dmlkit.cli import main
+from dmlkit.embedding_shards import ShardWriter, open_shards, write_shards
+from dmlkit.embeddings import save_embeddings
+from dmlkit.exceptions import DmlkitError
+from dmlkit.utils import directory_lock
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+#: What every refusal names: the process holding the lock (this one, when it is the first writer).
+HELD_HERE = f"held by process {os.getpid()} on "
+
+
+def _cli(argv: list, capsys) -> tuple[int, str]:
+    """``dmlkit ARGV`` in this process -> (exit code, stderr)."""
+    code = 0
+    try:
+        main([str(a) for a in argv])
+    except SystemExit as exc:
+        code = int(exc.code or 0)
+    return code, capsys.readouterr().err
+
+
+def _kill_a_holder(lock_file: Path) -> None:
+    """A process that takes ``lock_file``'s lock as :func:`directory_lock` does (writing its pid)
+    and is killed while it holds it: the file stays behind, as after a SIGKILL of a writer."""
+    lock_file.parent.mkdir(parents=True, exist_ok=True)
+    code = ("import fcntl, os, sys; f = open(sys.argv[1], 'a+'); fcntl.flock(f, fcntl.LOCK_EX); "
+            "f.truncate(0); f.write(f'{os.getpid()} host\\n'); f.flush(); print('locked', flush=True); sys.stdin.read()")
+    holder = subprocess.Popen([sys.executable, "-c", code, str(lock_file)], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline() == "locked\n"
+        with pytest.raises(DmlkitError, match=f"busy \\(held by process {holder.pid} on host\\)"):
+            with directory_lock(lock_file.parent, lock_file.name, "busy"):
+                pass
+    finally:
+        holder.send_signal(signal.SIGKILL)
+        holder.wait()
+    assert lock_file.is_file()
+
+
+def _second_writer_at(monkeypatch, owner, name: str, second) -> list:
+    """Make the first call of ``owner.name`` run ``second()`` first; returns ``[its error]``."""
+    real, refused, calls = getattr(owner, name), [], []
+
+    def first_then_second(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 1:  # the first writer's first call (a second writer let in calls it again)
+            with pytest.raises(DmlkitError) as exc:
+                second()
+            refused.append(str(exc.value))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(owner, name, first_then_second)
+    return refused
+
+
+# ---------------------------------------------------------------- track build-data
+def _track_build(out: Path, seed: int, frames: int = 2) -> dict:
+    return tracking_offline.build_offline_dataset(out, num_train=1, num_test=1, train_frames=frames,
+                                                  test_frames=frames, seed=seed, frame_size=(96, 96))
+
+
+def _files(folder: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*"))
+            if p.is_file() and p.suffix != ".lock"}
+
+
+def test_a_second_track_build_into_a_folder_in_use_is_refused(tmp_path, monkeypatch, capsys):
+    """Two `track build-data` into one folder both exited 0 and left a mix of both builds under
+    one "complete" meta.json, which the loaders accepted."""
+    out, ref = tmp_path / "bd", tmp_path / "ref"
+    _track_build(ref, seed=0)
+    refused = _second_writer_at(monkeypatch, tracking_offline, "write_sequence",
+                                lambda: _track_build(out, seed=1, frames=3))
+    meta = _track_build(out, seed=0)
+    assert len(refused) == 1 and "another `dmlkit track build-data` is writing" in refused[0]
+    assert HELD_HERE in refused[0] and "wait for it to end" in refused[0]
+    assert meta["complete"] and meta["seed"] == 0
+    assert _files(out) == _files(ref)  # exactly the first build
+    assert len(load_got10k(out)) == 1 and len(load_otb(out / "test")) == 1
+    monkeypatch.undo()
+    _kill_a_holder(out / "build.lock")  # a killed build's lock blocks nothing
+    _track_build(out, seed=0)
+    with directory_lock(out, "build.lock", "busy"):  # the CLI: one line, exit 2
+        code, err = _cli(["track", "build-data", out, "--train", "1", "--test", "1", "--frames", "2",
+                          "--size", "96x96"], capsys)
+    assert code == 2 and "another `dmlkit track build-data` is writing" in one_error_line(code, err)
+    assert _files(out) == _files(ref)
+
+
+# ---------------------------------------------------------------- track train
+def test_a_second_track_train_into_a_run_directory_in_use_is_refused(tmp_path, monkeypatch):
+    """Two `track train` into one --run-dir both exited 0: log.jsonl interleaved both runs'
+    steps, and last.pt, config.yaml and metrics.json came from either."""
+    run_dir = tmp_path / "run"
+    seq = [siamfc_train_sequence()]
+    cfg = tiny_siamfc_config(tmp_path, epochs=3)
+    seconds: list[str] = []
+
+    def other_runs():  # a fresh start and a resume, while the first is in its first epoch
+        for resume in (False, True):
+            with pytest.raises(DmlkitError) as exc:
+                tracking_training.train_siamfc(cfg, run_dir, seq, progress=False, resume=resume)
+            seconds.append(str(exc.value))
+        raise DmlkitError("stop")
+
+    _second_writer_at(monkeypatch, tracking_training, "save_siamfc", other_runs)
+    result = tracking_training.train_siamfc(cfg, run_dir, seq, progress=False, max_epochs=2)
+    assert len(seconds) == 2
+    for message in seconds:
+        assert f"another `dmlkit track train` is using {run_dir}" in message and HELD_HERE in message
+    steps = [json.loads(line)["step"] for line in (run_dir / "log.jsonl").read_text().splitlines()]
+    assert steps == [1, 2] and result["epochs"] == 2
+    assert json.loads((run_dir / "metrics.json").read_text())["epochs"] == 2
+    monkeypatch.undo()
+    _kill_a_holder(run_dir / "train.lock")  # released; a killed run's lock blocks nothing
+    more = tracking_training.train_siamfc(cfg, run_dir, seq, progress=False, resume=True)  # released: resumable
+    assert more["epochs"] == 3 and more["steps"] == 3
