@@ -118,6 +118,53 @@ def test_a_second_track_build_into_a_folder_in_use_is_refused(tmp_path, monkeypa
     assert _files(out) == _files(ref)
 
 
+# ---------------------------------------------------------------- shard directories
+def _rows(seed: int, n: int = 40) -> tuple[np.ndarray, np.ndarray]:
+    return np.random.default_rng(seed).standard_normal((n, 6)).astype(np.float32), np.repeat(np.arange(8), n // 8)
+
+
+@pytest.mark.parametrize("existing", [False, True], ids=["fresh", "overwrite"])
+def test_a_second_shard_writer_on_a_directory_in_use_is_refused(tmp_path, existing):
+    """Two fresh writers into one new directory wrote the same file names (a silent mix of both
+    writers' embeddings); two --overwrite writers removed each other's new shards."""
+    d = tmp_path / "s"
+    if existing:
+        write_shards(d, *_rows(9), shard_rows=10)
+    x, y = _rows(1)
+    with ShardWriter(d, shard_rows=10, overwrite=existing) as first:
+        first.append(x[:20], y[:20])  # two shards on disk
+        for overwrite in (False, True):
+            with pytest.raises(DmlkitError, match="another shard writer .* is writing") as refused:
+                ShardWriter(d, shard_rows=10, overwrite=overwrite)
+            assert HELD_HERE in str(refused.value) and "\n" not in str(refused.value)
+        first.append(x[20:], y[20:])
+    got = open_shards(d, verify=True)
+    assert np.array_equal(got.to_numpy(), x) and got.labels.tolist() == y.tolist()
+    listed = {shard[key] for shard in got.manifest["shards"] for key in ("embeddings", "labels", "ids")}
+    assert {p.name for p in d.iterdir()} == listed | {"manifest.json", "shards.lock"}  # nothing else left
+    _kill_a_holder(d / "shards.lock")  # released at close; a killed writer's lock blocks nothing
+    assert write_shards(d, *_rows(2), shard_rows=10, overwrite=True).shape == (40, 6)
+
+
+def test_an_overwrite_removes_only_the_leftovers_of_writers_no_longer_running(tmp_path):
+    """Every writer names its files after its process: an overwrite removed every shard-named
+    file, a running writer's new shards included (the lock keeps a second writer out; where a
+    file system ignores it, a live process's files are still not taken for leftovers)."""
+    d = tmp_path / "s"
+    write_shards(d, *_rows(9), shard_rows=10)
+    ended = subprocess.Popen([sys.executable, "-c", "pass"])
+    ended.wait()
+    live = os.getppid()  # the process that started this test: running
+    for pid in (ended.pid, live):
+        (d / f"embeddings-{pid}.0a0b0-00000.npy").write_bytes(b"a writer's shard")
+    (d / "labels-00003.npy").write_bytes(b"an untagged one (an older version's): a leftover")
+    got = write_shards(d, *_rows(1), shard_rows=10, overwrite=True)
+    listed = {shard[key] for shard in got.manifest["shards"] for key in ("embeddings", "labels", "ids")}
+    assert all(name.startswith(("embeddings", "labels", "ids")) and f"-{os.getpid()}." in name for name in listed)
+    assert {p.name for p in d.iterdir()} == listed | {"manifest.json", "shards.lock",
+                                                      f"embeddings-{live}.0a0b0-00000.npy"}
+
+
 # ---------------------------------------------------------------- track train
 def test_a_second_track_train_into_a_run_directory_in_use_is_refused(tmp_path, monkeypatch):
     """Two `track train` into one --run-dir both exited 0: log.jsonl interleaved both runs'
