@@ -165,6 +165,41 @@ def test_an_overwrite_removes_only_the_leftovers_of_writers_no_longer_running(tm
                                                       f"embeddings-{live}.0a0b0-00000.npy"}
 
 
+# ---------------------------------------------------------------- dmlkit index --add/--remove
+def _batch(path: Path, start: int, n: int) -> Path:
+    rng = np.random.default_rng(start)
+    save_embeddings(path, rng.standard_normal((n, 8)).astype(np.float32), np.arange(n) % 4,
+                    indices=np.arange(start, start + n))
+    return path
+
+
+def test_a_second_index_change_while_one_runs_is_refused(tmp_path, monkeypatch, capsys):
+    """Two `index NEW -o IDX --add` at once both exited 0 and the index held one batch: each
+    loaded the index, added its own and saved it over the other's."""
+    idx = tmp_path / "idx"
+    base, add1, add2 = _batch(tmp_path / "b.npz", 0, 30), _batch(tmp_path / "a1.npz", 30, 5), _batch(tmp_path / "a2.npz", 35, 5)
+    assert _cli(["index", base, "-o", idx], capsys)[0] == 0
+    seconds: list[tuple[int, str]] = []
+
+    def other_commands():  # while the first --add is between its load and its save
+        seconds.extend(_cli(argv, capsys) for argv in (["index", add2, "-o", idx, "--add"],
+                                                       ["index", "-o", idx, "--remove", "0"],
+                                                       ["index", add2, "-o", idx]))
+        raise DmlkitError("stop")
+
+    refused = _second_writer_at(monkeypatch, EmbeddingIndex, "save", other_commands)
+    code, err = _cli(["index", add1, "-o", idx, "--add"], capsys)
+    assert code == 0 and refused == ["stop"]
+    for code, err in seconds:
+        line = one_error_line(code, err)
+        assert code == 2 and f"another `dmlkit index` is writing {idx}" in line and HELD_HERE in line
+    assert sorted(map(int, EmbeddingIndex.load(idx).ids)) == list(range(35))  # base + the first batch
+    monkeypatch.undo()
+    _kill_a_holder(tmp_path / ".idx.lock")  # released; a killed command's lock blocks nothing
+    assert _cli(["index", add2, "-o", idx, "--add"], capsys)[0] == 0  # the retry adds its batch
+    assert len(EmbeddingIndex.load(idx)) == 40
+
+
 # ---------------------------------------------------------------- track train
 def test_a_second_track_train_into_a_run_directory_in_use_is_refused(tmp_path, monkeypatch):
     """Two `track train` into one --run-dir both exited 0: log.jsonl interleaved both runs'
