@@ -200,6 +200,32 @@ def test_a_second_index_change_while_one_runs_is_refused(tmp_path, monkeypatch, 
     assert len(EmbeddingIndex.load(idx)) == 40
 
 
+# ---------------------------------------------------------------- patches build-data
+def test_a_second_patches_build_into_a_root_in_use_is_refused(tmp_path, monkeypatch, capsys):
+    """Two `patches build-data -o ROOT` at once: manifest.json lost the first's subsets (read by
+    both at the start, rewritten by each), and the second removed the first's staging folders."""
+    root = tmp_path / "pd"
+    spec = patches_offline.OfflineSpec(points_per_subset=20, views=2, train_pairs=40, test_pairs=20, seed=0)
+    other = patches_offline.OfflineSpec(points_per_subset=20, views=2, train_pairs=40, test_pairs=20, seed=1)
+    refused = _second_writer_at(monkeypatch, patches_offline, "build_offline_subset",
+                                lambda: patches_offline.build_offline_dataset(root, other, ("photos",)))
+    summary = patches_offline.build_offline_dataset(root, spec, ("photos", "textures"))
+    assert len(refused) == 1 and "another `dmlkit patches build-data` is writing" in refused[0]
+    assert HELD_HERE in refused[0]
+    manifest = json.loads((root / "manifest.json").read_text())
+    assert manifest == json.loads(json.dumps(summary)) and sorted(manifest["subsets"]) == ["photos", "textures"]
+    for name in ("photos", "textures"):
+        _check_build_finished(root / name, name)
+        assert manifest["subsets"][name]["spec"]["seed"] == 0
+    monkeypatch.undo()
+    with directory_lock(root, "build.lock", "busy"):  # the CLI: one line, exit 2
+        code, err = _cli(["patches", "build-data", "-o", root, "--subset", "photos"], capsys)
+    assert code == 2 and "another `dmlkit patches build-data` is writing" in one_error_line(code, err)
+    assert json.loads((root / "manifest.json").read_text()) == manifest
+    _kill_a_holder(root / "build.lock")  # a killed build's lock blocks nothing
+    assert sorted(patches_offline.build_offline_dataset(root, other, ("photos",))["subsets"]) == ["photos", "textures"]
+
+
 # ---------------------------------------------------------------- track train
 def test_a_second_track_train_into_a_run_directory_in_use_is_refused(tmp_path, monkeypatch):
     """Two `track train` into one --run-dir both exited 0: log.jsonl interleaved both runs'
