@@ -13,12 +13,16 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
+import torch.multiprocessing as mp
+from torch import nn
 
 from _reference import one_error_line, siamfc_train_sequence, tiny_siamfc_config
 from dmlkit.apps import EmbeddingIndex
@@ -28,8 +32,10 @@ from dmlkit.apps.tracking import offline as tracking_offline
 from dmlkit.apps.tracking import training as tracking_training
 from dmlkit.apps.tracking.datasets import load_got10k, load_otb
 from dmlkit.cli import main
-from dmlkit.embedding_shards import ShardWriter, open_shards, write_shards
-from dmlkit.embeddings import save_embeddings
+from dmlkit.data.base import ArrayDataset
+from dmlkit.distributed import init_distributed, shutdown
+from dmlkit.embedding_shards import ShardWriter, embed_to_shards, open_shards, write_shards
+from dmlkit.embeddings import InferenceOptions, save_embeddings
 from dmlkit.exceptions import DmlkitError
 from dmlkit.utils import directory_lock
 
@@ -163,6 +169,38 @@ def test_an_overwrite_removes_only_the_leftovers_of_writers_no_longer_running(tm
     assert all(name.startswith(("embeddings", "labels", "ids")) and f"-{os.getpid()}." in name for name in listed)
     assert {p.name for p in d.iterdir()} == listed | {"manifest.json", "shards.lock",
                                                       f"embeddings-{live}.0a0b0-00000.npy"}
+
+
+def _ranks_meet_a_directory_in_use(rank: int, world: int, port: int, out_dir: str) -> None:
+    """One rank of a gloo job embedding 4 rows (2 a rank) as shards into ``out_dir``; a refusal
+    is written to ``refused-<rank>.txt`` beside it."""
+    os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
+                       "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank)})
+    torch.set_num_threads(1)
+    init_distributed("cpu", timeout_s=120)
+    feats = np.arange(24, dtype=np.float32).reshape(4, 6)
+    try:
+        embed_to_shards(nn.Linear(6, 4), ArrayDataset(feats, np.array([0, 0, 1, 1]), kind="features"), out_dir,
+                        InferenceOptions(batch_size=8, device="cpu"))
+    except DmlkitError as exc:
+        (Path(out_dir).parent / f"refused-{rank}.txt").write_text(str(exc))
+    shutdown()
+
+
+def test_every_rank_of_a_job_is_refused_a_directory_in_use(tmp_path):
+    """Under torchrun rank 0 takes the lock before any rank writes, and its refusal ends every
+    rank (none waits for it in a collective, none writes a file)."""
+    d = tmp_path / "s"
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    with directory_lock(d, "shards.lock", "busy"):
+        mp.spawn(_ranks_meet_a_directory_in_use, args=(2, port, str(d)), nprocs=2, join=True)
+    for rank in (0, 1):
+        message = (tmp_path / f"refused-{rank}.txt").read_text()
+        assert message.startswith(f"another shard writer (`dmlkit embed --format shards`) is writing {d}")
+        assert HELD_HERE in message
+    assert [p.name for p in d.iterdir()] == ["shards.lock"]
 
 
 # ---------------------------------------------------------------- dmlkit index --add/--remove

@@ -8,10 +8,10 @@ Layout of a shard directory (everything numpy can read without dmlkit)::
                                "shards": [{"rows", "embeddings", "labels", "ids",
                                            "sha256": {file: digest}}, ...],
                                "metadata": {...}}
-      embeddings-00000.npy    (rows, D) float16 / float32
-      labels-00000.npy        (rows,) int64 class ids
-      ids-00000.npy           (rows,) int64 item ids (default: the row number)
-      ...
+      embeddings-W-00000.npy  (rows, D) float16 / float32 (W: the writer, ``<pid>.<5 hex digits>``)
+      labels-W-00000.npy      (rows,) int64 class ids
+      ids-W-00000.npy         (rows,) int64 item ids (default: the row number)
+      ...                     and shards.lock, held by the writer while it writes
 
 The manifest is written last, atomically: a directory without one is an interrupted write and
 is refused by the reader. :class:`ShardWriter` appends batches and holds at most one shard
