@@ -15,6 +15,7 @@ from torch import nn
 from dmlkit.data.base import ArrayDataset
 from dmlkit.embedding_shards import (
     MANIFEST,
+    SHARD_LOCK,
     ShardWriter,
     embed_to_shards,
     is_shard_dir,
@@ -154,7 +155,7 @@ def test_a_failed_or_killed_overwrite_leaves_no_orphan_shard_files(tmp_path, mon
         (d / name).write_bytes(b"left by a killed --overwrite")
     new = write_shards(d, x[:7], y[:7], shard_rows=10, overwrite=True)
     listed = {shard[key] for shard in new.manifest["shards"] for key in ("embeddings", "labels", "ids")}
-    assert set(os.listdir(d)) == listed | {MANIFEST}
+    assert set(os.listdir(d)) == listed | {MANIFEST, SHARD_LOCK}
 
 
 def test_an_interrupted_write_leaves_no_manifest_and_is_refused(tmp_path):
@@ -192,7 +193,7 @@ def test_reader_detects_corruption_and_inconsistent_manifests(tmp_path):
     manifest["shards"][0]["embeddings"] = s.manifest["shards"][1]["embeddings"]  # 40 rows listed, 40 there
     manifest["shards"][2]["embeddings"] = s.manifest["shards"][0]["embeddings"]  # 20 listed, 40 there
     (tmp_path / "s" / MANIFEST).write_text(json.dumps(manifest))
-    with pytest.raises(DataError, match="lists the shard file embeddings-00001.npy twice"):
+    with pytest.raises(DataError, match=rf"lists the shard file {s.manifest['shards'][1]['embeddings']} twice"):
         open_shards(tmp_path / "s")  # its rows would be read twice
     manifest["shards"][1]["embeddings"] = s.manifest["shards"][2]["embeddings"]  # 40 listed, 20 there
     (tmp_path / "s" / MANIFEST).write_text(json.dumps(manifest))
@@ -340,6 +341,6 @@ def test_fewer_rows_than_ranks_are_written_once_by_rank_0(tmp_path):
     torch.manual_seed(0)
     want = nn.Linear(6, 4)(torch.arange(12, dtype=torch.float32).reshape(2, 6)).detach().numpy()
     np.testing.assert_allclose(s.to_numpy(), want, rtol=1e-6)
-    listed = {MANIFEST} | {shard[key] for shard in s.manifest["shards"] for key in ("embeddings", "labels", "ids")
+    listed = {MANIFEST, SHARD_LOCK} | {shard[key] for shard in s.manifest["shards"] for key in ("embeddings", "labels", "ids")
                            if key in shard}
     assert {p.name for p in (tmp_path / "s").iterdir()} == listed  # no orphaned files

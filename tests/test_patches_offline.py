@@ -102,7 +102,7 @@ def test_an_interrupted_build_leaves_no_half_built_subset_in_use(tmp_path: Path,
         build_offline_dataset(root, OfflineSpec(points_per_subset=20, views=2, train_pairs=40, test_pairs=20,
                                                 seed=2), ("photos",))
     assert {p.name: p.read_bytes() for p in (root / "photos").iterdir()} == before  # the old subset, whole
-    assert sorted(p.name for p in root.iterdir()) == ["manifest.json", "photos"]  # nothing half-built beside it
+    assert sorted(p.name for p in root.iterdir()) == ["build.lock", "manifest.json", "photos"]  # nothing half-built
     # a build that did not finish is not in the manifest: its subset is refused, not read
     with pytest.raises(DataError, match=r"photos.* is not listed in .*manifest\.json.*did not finish"):
         load_subset(root, "photos")

@@ -179,7 +179,7 @@ def test_build_data_again_into_its_folder_keeps_no_stale_sequence(tmp_path):
     _build(tmp_path / "d", 1, seed=3)
     # was: the first build's second sequence stayed and was evaluated with the new one
     assert [s.name for s in load_otb(tmp_path / "d" / "test")] == ["Chelsea01"]
-    assert sorted(p.name for p in (tmp_path / "d").iterdir()) == ["meta.json", "test"]
+    assert sorted(p.name for p in (tmp_path / "d").iterdir()) == ["build.lock", "meta.json", "test"]
 
 
 @pytest.mark.parametrize("foreign", ["notes.txt", "test/MySeq"])

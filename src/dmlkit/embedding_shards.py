@@ -8,10 +8,10 @@ Layout of a shard directory (everything numpy can read without dmlkit)::
                                "shards": [{"rows", "embeddings", "labels", "ids",
                                            "sha256": {file: digest}}, ...],
                                "metadata": {...}}
-      embeddings-00000.npy    (rows, D) float16 / float32
-      labels-00000.npy        (rows,) int64 class ids
-      ids-00000.npy           (rows,) int64 item ids (default: the row number)
-      ...
+      embeddings-W-00000.npy  (rows, D) float16 / float32 (W: the writer, ``<pid>.<5 hex digits>``)
+      labels-W-00000.npy      (rows,) int64 class ids
+      ids-W-00000.npy         (rows,) int64 item ids (default: the row number)
+      ...                     and shards.lock, held by the writer while it writes
 
 The manifest is written last, atomically: a directory without one is an interrupted write and
 is refused by the reader. :class:`ShardWriter` appends batches and holds at most one shard
@@ -28,8 +28,10 @@ on the float32 values the shards decode to.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import re
 import time
 import warnings
 from collections.abc import Iterator, Mapping
@@ -41,8 +43,8 @@ import numpy as np
 from dmlkit.distributed import mark_every_rank
 from dmlkit.embedding_files import check_numpy_file
 from dmlkit.exceptions import ConfigError, DataError, DataNotFoundError, NonFiniteError, ShapeError
-from dmlkit.utils import atomic_write_json, sha256_file
-from dmlkit.validation import check_integer
+from dmlkit.utils import atomic_write_json, directory_lock, process_alive, sha256_file
+from dmlkit.validation import check_integer, check_shard_batch, check_shard_vector
 
 __all__ = [
     "MANIFEST",
@@ -65,8 +67,12 @@ _F16_TINY = float(np.finfo(np.float16).tiny)  # smallest normal, ~6.1e-5
 _F32_MAX = float(np.finfo(np.float32).max)
 #: Default rows per shard: 256 MiB of float32 at D = 128 per 512k rows; 64k rows is ~16-32 MiB.
 DEFAULT_SHARD_ROWS = 65536
-#: The files of one shard, by manifest key (``<key>-<part><number>.npy``).
+#: The files of one shard, by manifest key (``<key>-<writer>-<part><number>.npy``).
 _SHARD_KEYS = ("embeddings", "labels", "ids")
+#: The lock file a :class:`ShardWriter` holds in its directory from its start to its close, and
+#: the writer tag of a shard file's name (``<pid>.<5 hex digits>-``): the process that wrote it.
+SHARD_LOCK = "shards.lock"
+_WRITER_TAG = re.compile(r"\.?(?:embeddings|labels|ids)-(\d+)\.[0-9a-f]{5}-")
 
 
 class RowIndexError(ShapeError, IndexError):
@@ -91,13 +97,17 @@ class ShardWriter:
         shard_rows: rows per shard file; the writer buffers one shard (``shard_rows x D``).
         overwrite: replace an existing shard directory's files.
         metadata: JSON-serialisable extra information stored in the manifest.
-        part: a tag in this writer's file names (``embeddings-<part>00000.npy``), so that
-            several writers (the ranks of a distributed job) fill one directory side by side;
-            each then ends with :meth:`finish` and one of them writes the manifest of all their
-            shards (:func:`write_manifest`).
+        part: a tag in this writer's file names (``embeddings-<writer>-<part>00000.npy``), so
+            that several writers (the ranks of a distributed job) fill one directory side by
+            side; each then ends with :meth:`finish` and one of them writes the manifest of all
+            their shards (:func:`write_manifest`).
+        lock: hold the directory's lock (``shards.lock``, :func:`~dmlkit.utils.directory_lock`)
+            until :meth:`close`, so that a second writer is refused; ``False`` for the ranks of a
+            distributed job but the one that writes the manifest (and holds it).
 
     Use it as a context manager: the manifest is written by :meth:`close` when the block ends
-    without an exception, so a crashed write never looks complete.
+    without an exception, so a crashed write never looks complete. Every writer names its files
+    after its process (``<writer>`` = ``<pid>.<5 hex digits>``).
     """
 
     def __init__(
@@ -109,6 +119,7 @@ class ShardWriter:
         overwrite: bool = False,
         metadata: Mapping[str, Any] | None = None,
         part: str = "",
+        lock: bool = True,
     ) -> None:
         if dtype not in _DTYPES:
             raise ConfigError(f"shard dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
@@ -116,18 +127,19 @@ class ShardWriter:
         self.directory = Path(directory)
         if self.directory.exists() and not self.directory.is_dir():
             raise DataError(f"{self.directory} exists and is not a directory: choose another output")
-        # an overwrite writes its shards under new names and replaces the old manifest only when
-        # it closes: until then the old shards stay readable, and a killed rerun loses nothing
-        self._replaced: set[str] | None = None
-        self._prefix = ""
-        if (self.directory / MANIFEST).exists():
-            if not overwrite:  # every rank of a torchrun job sees it: one line, from rank 0
-                raise mark_every_rank(DataError(
-                    f"{self.directory} already holds embedding shards: pass overwrite=True "
-                    "(--overwrite) or choose another directory"))
-            self._replaced = self._old_files()
-            self._prefix = f"{os.getpid():x}{time.time_ns() % 2**20:05x}-"
-        self._prefix += part
+        with contextlib.ExitStack() as held:  # a refusal releases the lock (and removes its file)
+            if lock:
+                held.enter_context(directory_lock(
+                    self.directory, SHARD_LOCK, f"another shard writer (`dmlkit embed --format shards`) "
+                    f"is writing {self.directory}: wait for it to end, or choose another directory"))
+            existing = (self.directory / MANIFEST).exists()
+            if existing and not overwrite:  # every rank of a torchrun job sees it: one line, from rank 0
+                raise mark_every_rank(DataError(f"{self.directory} already holds embedding shards: pass "
+                                                "overwrite=True (--overwrite) or choose another directory"))
+            # an overwrite's old shards stay readable until its manifest replaces theirs, at close
+            self._replaced = self._old_files() if existing else None
+            self._lock = held.pop_all()  # held until close
+        self._prefix = f"{os.getpid()}.{time.time_ns() % 2**20:05x}-{part}"
         self.directory.mkdir(parents=True, exist_ok=True)
         self.dtype = dtype
         self.shard_rows = shard_rows
@@ -145,11 +157,13 @@ class ShardWriter:
 
     def _old_files(self) -> set[str]:
         """The files an overwrite replaces, removed once the new manifest is in place: those the
-        manifest lists and every other shard-named file (``embeddings-*.npy``, ``labels-*.npy``,
-        ``ids-*.npy``, ``.<shard>.tmp``), the leftovers of a killed overwrite (kept for good)."""
-        return _manifest_files(self.directory) | {
-            p.name for key in _SHARD_KEYS for pattern in (f"{key}-*.npy", f".{key}-*.npy.tmp")
-            for p in self.directory.glob(pattern)}
+        manifest lists and the leftovers of writers no longer running (a killed overwrite's,
+        kept for good): shard-named files (``embeddings-*.npy``, ``labels-*.npy``, ``ids-*.npy``,
+        ``.<shard>.tmp``) whose writer tag names no other running process of this machine."""
+        pids = {p.name: int(m.group(1)) if (m := _WRITER_TAG.match(p.name)) else 0 for key in _SHARD_KEYS
+                for pattern in (f"{key}-*.npy", f".{key}-*.npy.tmp") for p in self.directory.glob(pattern)}
+        return _manifest_files(self.directory) | {  # this process's: writers that ended (the lock is ours)
+            name for name, pid in pids.items() if pid in (0, os.getpid()) or not process_alive(pid)}
 
     def __enter__(self) -> ShardWriter:
         return self
@@ -159,19 +173,20 @@ class ShardWriter:
             self.close()
             return
         self._closed = True  # no manifest (visibly incomplete), and no own file a manifest does not list
-        for name in self._written - _manifest_files(self.directory):
-            (self.directory / name).unlink(missing_ok=True)
+        with self._lock:  # released once they are gone
+            for name in self._written - _manifest_files(self.directory):
+                (self.directory / name).unlink(missing_ok=True)
 
     def append(self, embeddings: Any, labels: Any, ids: Any | None = None) -> None:
         """Add a batch: ``(B, D)`` embeddings, ``(B,)`` integer labels, optional ``(B,)`` int ids
         (default: the running row number)."""
         if self._closed:
             raise DataError("this ShardWriter is closed: open a new one to write more")
-        emb = _as_float_batch(embeddings)
+        emb = check_shard_batch(embeddings)
         n = emb.shape[0]
-        lab = _as_int_vector(labels, n, "labels")
+        lab = check_shard_vector(labels, n, "labels")
         idv = (np.arange(self.count, self.count + n, dtype=np.int64) if ids is None
-               else _as_int_vector(ids, n, "ids"))
+               else check_shard_vector(ids, n, "ids"))
         if self.dim is None:
             self.dim = int(emb.shape[1])
             self._buf = np.empty((self.shard_rows, self.dim), _DTYPES[self.dtype])
@@ -235,14 +250,16 @@ class ShardWriter:
         return self.shards
 
     def close(self) -> Path:
-        """Write the last shard and the manifest; returns the directory."""
-        if self._closed:
-            return self.directory
-        self.finish()
-        if self.dim is None:
-            raise DataError("no embeddings were written: append at least one batch before closing")
-        write_manifest(self.directory, self.shards, dim=self.dim, dtype=self.dtype,
-                       shard_rows=self.shard_rows, metadata=self.metadata, replaced=self._replaced)
+        """Write the last shard and the manifest (unless :meth:`finish` ended this writer);
+        returns the directory. The directory's lock is released here."""
+        with self._lock:
+            if self._closed:
+                return self.directory
+            self.finish()
+            if self.dim is None:
+                raise DataError("no embeddings were written: append at least one batch before closing")
+            write_manifest(self.directory, self.shards, dim=self.dim, dtype=self.dtype,
+                           shard_rows=self.shard_rows, metadata=self.metadata, replaced=self._replaced)
         return self.directory
 
 
@@ -296,29 +313,6 @@ def write_shards(
             writer.append(embeddings[a0:a1], np.asarray(labels)[a0:a1],
                           None if ids is None else np.asarray(ids)[a0:a1])
     return ShardedEmbeddings(directory)
-
-
-def _as_float_batch(x: Any) -> np.ndarray:
-    if hasattr(x, "detach"):  # a torch tensor, without importing torch here
-        x = x.detach().cpu().float().numpy()
-    arr = np.asarray(x)
-    if arr.dtype.kind not in "iuf":
-        raise ShapeError(f"embeddings must be real numbers (B, D), got dtype {arr.dtype}")
-    if arr.ndim != 2 or arr.shape[1] == 0:
-        raise ShapeError(f"embeddings must be 2-D (B, D) with D > 0, got shape {arr.shape}")
-    return arr
-
-
-def _as_int_vector(x: Any, n: int, name: str) -> np.ndarray:
-    if hasattr(x, "detach"):
-        x = x.detach().cpu().numpy()
-    arr = np.asarray(x)
-    if arr.shape != (n,):
-        raise ShapeError(f"{name} must have shape ({n},) to match the embeddings, got {arr.shape}")
-    if arr.dtype.kind not in "iu":
-        raise DataError(f"shard {name} must be integers, got dtype {arr.dtype}: encode class names "
-                        "as integer ids (keep the names in the manifest's metadata)")
-    return arr.astype(np.int64, copy=False)
 
 
 # -- reading ------------------------------------------------------------------------------------
@@ -570,10 +564,11 @@ def embed_to_shards(
     than ranks) and writes its own shard files (``r<rank>-`` in their names) into ``directory``,
     which must be one directory every rank sees (a shared file system across machines); rank 0 then writes the manifest of all of them in dataset order, and every
     rank returns the whole set. A rank that fails leaves no manifest: the directory reads as
-    interrupted. Progress is shown by rank 0 alone.
+    interrupted. Rank 0 holds the directory's lock (:class:`ShardWriter`) for the whole write,
+    taken before any rank writes: a refusal ends every rank. Progress is shown by rank 0 alone.
     """
     # lazy: torch and the process group's helpers load only when a model is embedded
-    from dmlkit.distributed import all_gather_object, barrier, context
+    from dmlkit.distributed import all_gather_object, barrier, context, on_main
 
     # lazy: the same for the inference loop
     from dmlkit.embeddings import dataset_rows, iter_embed_model, rank_share
@@ -581,9 +576,15 @@ def embed_to_shards(
     rows = dataset_rows(dataset)
     share, start, _, split = rank_share(dataset)
     ctx = context()
-    if split or ctx.is_main:  # fewer rows than ranks: rank 0 writes them all, alone
-        with ShardWriter(directory, dtype=dtype, shard_rows=shard_rows, overwrite=overwrite,
-                         metadata=metadata, part=f"r{ctx.rank:03d}-" if split else "") as writer:
+    settings = {"dtype": dtype, "shard_rows": shard_rows, "overwrite": overwrite, "metadata": metadata,
+                "part": f"r{ctx.rank:03d}-" if split else ""}
+    opened: list[ShardWriter] = []
+    # rank 0's writer first (it holds the lock), before any rank writes: its refusal ends every rank
+    on_main(lambda: opened.append(ShardWriter(directory, **settings)))
+    if split and not ctx.is_main:
+        opened.append(ShardWriter(directory, **settings, lock=False))
+    for writer in opened:  # fewer rows than ranks: rank 0 writes them all, alone
+        with writer:
             done = start
             for emb, labels in iter_embed_model(model, share, options, progress=progress and ctx.is_main):
                 writer.append(emb, labels, rows[done:done + len(labels)])

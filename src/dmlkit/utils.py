@@ -171,8 +171,10 @@ def refuse_overwriting_inputs(output: str | os.PathLike, *inputs: str | os.PathL
 @contextlib.contextmanager
 def directory_lock(directory: str | os.PathLike, name: str, busy: str) -> Iterator[None]:
     """Hold an exclusive lock on ``directory`` (the file ``directory/name``, ``flock``: released
-    by the kernel if the process dies) for the block; raise :class:`DmlkitError` with the
-    message ``busy`` when another process holds it. The directory is created if need be.
+    by the kernel if the process dies, so a killed holder never blocks the next command) for the
+    block; raise :class:`DmlkitError` with the message ``busy`` and the holder (its process id
+    and host, which the holder writes into the file) when another process holds it. The
+    directory is created if need be.
 
     When the block raises, the lock file and the folders this call created are removed (folders
     only if still empty; while the lock is held): a refused command (``train --resume`` of a
@@ -186,12 +188,13 @@ def directory_lock(directory: str | os.PathLike, name: str, busy: str) -> Iterat
             break
         created.append(folder)
     directory.mkdir(parents=True, exist_ok=True)
-    fh = open(directory / name, "a")  # never written: the lock, not the file, is the state
+    fh = open(directory / name, "a+")  # the lock, not the file, is the state: it names the holder
     try:
         try:
             fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            raise DmlkitError(busy) from None
+            raise DmlkitError(busy + _lock_holder(fh)) from None
+        _name_lock_holder(fh)
         try:
             yield
         except BaseException:
@@ -203,6 +206,25 @@ def directory_lock(directory: str | os.PathLike, name: str, busy: str) -> Iterat
         with contextlib.suppress(OSError):
             fcntl.flock(fh, fcntl.LOCK_UN)
         fh.close()
+
+
+def _name_lock_holder(fh: io.TextIOBase) -> None:
+    """Write ``PID HOST`` of this process into the lock file ``fh`` it holds, for the message of
+    a command it refuses (:func:`_lock_holder`); the same holder again leaves the file as it is."""
+    fh.seek(0)
+    holder = f"{os.getpid()} {platform.node() or '?'}\n"
+    if fh.read(200) != holder:
+        fh.truncate(0)
+        fh.write(holder)
+        fh.flush()
+
+
+def _lock_holder(fh: io.TextIOBase) -> str:
+    """`` (held by process PID on HOST)`` from the lock file ``fh`` another process holds; empty
+    when it names none (a holder of an older version, or one that has not written it yet)."""
+    fh.seek(0)
+    holder = fh.readline(200).split()
+    return f" (held by process {holder[0]} on {holder[1]})" if len(holder) == 2 and holder[0].isdigit() else ""
 
 
 def atomic_write_text(path: str | os.PathLike, text: str) -> Path:

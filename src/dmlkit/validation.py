@@ -19,6 +19,8 @@ instead of returning silently wrong numbers (issue 11, points 2-4):
 * :func:`check_product_range` - for distances that do *not* normalise (dot product, Euclidean,
   SNR): refuses embeddings whose squared norms overflow float32 (the products would be
   infinite or NaN) or are so small that the products lose their precision to underflow.
+* :func:`check_shard_batch` / :func:`check_shard_vector` - the batches a shard writer stores
+  (:class:`dmlkit.embedding_shards.ShardWriter`): a real ``(B, D)`` array and integer vectors.
 """
 
 from __future__ import annotations
@@ -32,12 +34,12 @@ from typing import Any
 import numpy as np
 import torch
 
-from dmlkit.exceptions import ConfigError, NonFiniteError, ShapeError
+from dmlkit.exceptions import ConfigError, DataError, NonFiniteError, ShapeError
 
 __all__ = [
     "check_integer", "check_parameter_numbers",
     "SEED_LIMIT", "check_embeddings", "check_float_matrix", "check_label_pair", "check_labels",
-    "check_product_range", "check_seed", "common_float", "concatenate_normalized", "normalize_rows", "safe_normalize",
+    "check_product_range", "check_seed", "check_shard_batch", "check_shard_vector", "common_float", "concatenate_normalized", "normalize_rows", "safe_normalize",
 ]
 
 #: Seeds are ``0 <= seed < SEED_LIMIT``: what numpy's legacy seeding, scikit-learn's
@@ -475,3 +477,30 @@ def check_label_pair(
         raise ShapeError(f"{names[1]} are class-name strings but the {names[0]} are numbers: use the "
                          "same kind of labels for both")
     return torch.from_numpy(ql), torch.from_numpy(rl), ref_names
+
+
+def check_shard_batch(x: Any) -> np.ndarray:
+    """A batch of embeddings to store (a shard writer's input) as a real ``(B, D)`` numpy array,
+    ``D > 0`` (a torch tensor is moved to the CPU as float32); :class:`ShapeError` otherwise."""
+    if isinstance(x, torch.Tensor):
+        x = x.detach().cpu().float().numpy()
+    arr = np.asarray(x)
+    if arr.dtype.kind not in "iuf":
+        raise ShapeError(f"embeddings must be real numbers (B, D), got dtype {arr.dtype}")
+    if arr.ndim != 2 or arr.shape[1] == 0:
+        raise ShapeError(f"embeddings must be 2-D (B, D) with D > 0, got shape {arr.shape}")
+    return arr
+
+
+def check_shard_vector(x: Any, n: int, name: str) -> np.ndarray:
+    """``n`` integer labels or ids to store beside a batch of ``n`` embeddings, as int64;
+    :class:`ShapeError` (another shape) or :class:`DataError` (not integers) otherwise."""
+    if isinstance(x, torch.Tensor):
+        x = x.detach().cpu().numpy()
+    arr = np.asarray(x)
+    if arr.shape != (n,):
+        raise ShapeError(f"{name} must have shape ({n},) to match the embeddings, got {arr.shape}")
+    if arr.dtype.kind not in "iu":
+        raise DataError(f"shard {name} must be integers, got dtype {arr.dtype}: encode class names "
+                        "as integer ids (keep the names in the manifest's metadata)")
+    return arr.astype(np.int64, copy=False)

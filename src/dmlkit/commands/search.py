@@ -72,6 +72,29 @@ def index(
     Items keep their labels and ids: the file's `paths`/`ids`, or, for a run's
     embeddings/<split>.npz, the dataset files' paths relative to the data root.
     """
+    with _index_lock(output):  # from load (or build) to save: two at once lost one's changes
+        _index(ctx, embeddings, output, add, remove, kind, distance, target_recall, recall_k, recall_queries,
+               nlist, pq_m, pq_nbits, hnsw_m, ef_construction, nprobe, ef_search, gpu, seed, data_root, as_json)
+
+
+def _index_lock(output: Path):
+    """The lock a build, ``--add`` or ``--remove`` of the index ``output`` holds (the file
+    ``.<name>.lock`` beside it, :func:`~dmlkit.utils.directory_lock`: a directory index is replaced
+    as a whole when saved): a second one meanwhile is refused, where it silently lost the first's
+    items (both loaded the index, each saved its own change)."""
+    from dmlkit.utils import directory_lock  # lazy: the CLI imports its modules on use
+
+    return directory_lock(output.parent, f".{output.name}.lock",
+                          f"another `dmlkit index` is writing {output}: wait for it to end, then run this "
+                          "command again")
+
+
+def _index(ctx: typer.Context, embeddings: Path | None, output: Path, add: bool, remove: list[str] | None,
+           kind: str | None, distance: str | None, target_recall: float | None, recall_k: int,
+           recall_queries: int, nlist: int | None, pq_m: int | None, pq_nbits: int, hnsw_m: int,
+           ef_construction: int, nprobe: int | None, ef_search: int, gpu: bool, seed: int,
+           data_root: Path | None, as_json: bool) -> None:
+    """:func:`index` with the lock of ``output`` held."""
     from dmlkit.apps import EmbeddingIndex
     from dmlkit.apps.index import item_ids
     from dmlkit.commands._options import given

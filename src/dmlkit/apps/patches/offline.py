@@ -41,10 +41,13 @@ import numpy as np
 
 from dmlkit.apps.patches.brown import BUILD_MANIFEST, PATCH_SIZE, PatchPairs, write_brown_subset
 from dmlkit.exceptions import ConfigError, DataError, require
-from dmlkit.utils import atomic_write_json
+from dmlkit.utils import atomic_write_json, directory_lock
 from dmlkit.validation import check_seed
 
 __all__ = ["OFFLINE_SUBSETS", "OfflineSpec", "build_offline_dataset", "build_offline_subset"]
+
+#: The lock file a build holds in its root (:func:`build_offline_dataset`).
+BUILD_LOCK = "build.lock"
 
 #: Source images of each subset (``skimage.data`` names; ``stereo_motorcycle`` is the stereo pair).
 OFFLINE_SUBSETS: dict[str, tuple[str, ...]] = {
@@ -311,7 +314,9 @@ def build_offline_dataset(root: str | Path, spec: OfflineSpec | None = None, sub
     top-level ``spec`` and ``scikit_image`` are this build's. The manifest is the completion
     record: written without a subset before that subset is touched and with it once its files
     are all written, so it never lists a subset being (re)built; the subset of a killed build
-    is refused by :func:`~dmlkit.apps.patches.brown.subset_folder`."""
+    is refused by :func:`~dmlkit.apps.patches.brown.subset_folder`. The build holds
+    ``root/build.lock`` (:func:`~dmlkit.utils.directory_lock`) throughout: a second build into
+    ``root`` meanwhile is refused (:class:`~dmlkit.exceptions.DmlkitError`)."""
     skimage = require("skimage", "patches")
 
     spec = spec or OfflineSpec()
@@ -322,7 +327,18 @@ def build_offline_dataset(root: str | Path, spec: OfflineSpec | None = None, sub
     for name in names:  # every name before the first subset is rebuilt
         if name not in OFFLINE_SUBSETS:
             raise ConfigError(f"unknown offline subset '{name}': choose one of {', '.join(OFFLINE_SUBSETS)}")
-    summary: dict = {"spec": asdict(spec), "scikit_image": skimage.__version__,
+    if root.exists() and not root.is_dir():
+        raise ConfigError(f"{root} is a file: name a folder for the offline subsets")
+    # one build at a time: a second one read manifest.json before the first rewrote it (a
+    # subset built and reported lost its record) and removed the first's staging folders
+    with directory_lock(root, BUILD_LOCK, f"another `dmlkit patches build-data` is writing {root}: wait "
+                        "for it to end, then run this one again, or build into another folder (-o)"):
+        return _build_subsets(root, names, spec, skimage.__version__)
+
+
+def _build_subsets(root: Path, names: tuple[str, ...], spec: OfflineSpec, skimage_version: str) -> dict:
+    """:func:`build_offline_dataset` of ``names`` under ``root``, whose lock the caller holds."""
+    summary: dict = {"spec": asdict(spec), "scikit_image": skimage_version,
                      "subsets": _earlier_subsets(root)}
     for name in names:
         # before the subset is touched: the manifest lists a subset only while its files are
@@ -330,7 +346,7 @@ def build_offline_dataset(root: str | Path, spec: OfflineSpec | None = None, sub
         summary["subsets"].pop(name, None)
         atomic_write_json(root / BUILD_MANIFEST, summary)
         info = build_offline_subset(root / name, name, spec)
-        info["spec"], info["scikit_image"] = asdict(spec), skimage.__version__
+        info["spec"], info["scikit_image"] = asdict(spec), skimage_version
         info["sha256"] = {
             p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted((root / name).iterdir()) if p.is_file()
         }

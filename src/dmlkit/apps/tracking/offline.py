@@ -39,7 +39,7 @@ import numpy as np
 
 from dmlkit.apps.tracking.datasets import Sequence
 from dmlkit.exceptions import ConfigError, require
-from dmlkit.utils import atomic_write_json, atomic_write_text
+from dmlkit.utils import atomic_write_json, atomic_write_text, directory_lock
 from dmlkit.validation import check_seed
 
 TRAIN_OBJECTS = ("astronaut", "motorcycle_left", "immunohistochemistry", "retina")
@@ -52,6 +52,8 @@ MAX_SEQUENCES = 10_000
 #: side (``--size``): a sequence is rendered in memory, frames x W x H x 3 bytes (10,000 frames
 #: of 320 x 240: 2.3 GB). Larger values ran for ever or ended in a numpy traceback.
 MAX_FRAMES, MAX_SIDE = 10_000, 4096
+#: The lock file a build holds in its output folder (:func:`build_offline_dataset`).
+BUILD_LOCK = "build.lock"
 
 
 def load_photo(name: str) -> np.ndarray:
@@ -287,8 +289,6 @@ def _clear_earlier_build(out: Path) -> None:
     was to write."""
     if not out.exists():
         return
-    if not out.is_dir():
-        raise ConfigError(f"{out} is a file: name a folder for the offline sequences")
     owned: set[Path] = set(out.glob(".meta.json.*.tmp"))  # a write of meta.json killed part-way
     meta_path = out / "meta.json"
     try:
@@ -299,7 +299,7 @@ def _clear_earlier_build(out: Path) -> None:
         owned.add(meta_path)
         owned.update(out / split / str(name) for split in ("train", "test")
                      if isinstance(meta[split], dict) for name in meta[split])
-    foreign = [p for p in sorted(out.iterdir()) if p.name not in ("train", "test") and p not in owned]
+    foreign = [p for p in sorted(out.iterdir()) if p.name not in ("train", "test", BUILD_LOCK) and p not in owned]
     for split in ("train", "test"):
         if (out / split).is_dir():
             foreign += [p for p in sorted((out / split).iterdir()) if p not in owned]
@@ -329,7 +329,9 @@ def build_offline_dataset(
     anything else is refused (:class:`ConfigError`) before anything is written. ``meta.json`` is
     written first with ``"complete": false`` and rewritten with ``true`` once every sequence is:
     the loaders refuse an unfinished build (:func:`~dmlkit.apps.tracking.datasets.check_offline_build`),
-    and running the same call again replaces it."""
+    and running the same call again replaces it. The build holds ``out/build.lock``
+    (:func:`~dmlkit.utils.directory_lock`) from the clearing to the end: a second build into
+    ``out`` meanwhile is refused (:class:`~dmlkit.exceptions.DmlkitError`), not mixed into it."""
     seed = check_seed(seed)
     out = Path(out)
     for frames in (train_frames, test_frames):  # the arguments before any removal
@@ -337,7 +339,19 @@ def build_offline_dataset(
     for option, count in (("--train", num_train), ("--test", num_test)):
         if count > MAX_SEQUENCES:  # 10**23 sequences were planned for ever
             raise ConfigError(f"at most {MAX_SEQUENCES} sequences per split ({option}), got {count}")
-    _clear_earlier_build(out)
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"{out} is a file: name a folder for the offline sequences")
+    # one build at a time: a second one into ``out`` cleared or rewrote the first's sequences as
+    # it wrote them, and the folder then mixed both builds under one "complete" meta.json
+    with directory_lock(out, BUILD_LOCK, f"another `dmlkit track build-data` is writing {out}: wait for "
+                        "it to end, or build into another folder"):
+        _clear_earlier_build(out)
+        return _write_build(out, num_train, num_test, train_frames, test_frames, seed, frame_size, progress)
+
+
+def _write_build(out: Path, num_train: int, num_test: int, train_frames: int, test_frames: int, seed: int,
+                 frame_size: tuple[int, int], progress: bool) -> dict:
+    """:func:`build_offline_dataset` into the cleared ``out``, whose lock the caller holds."""
     photos: dict[str, np.ndarray] = {}
     plan = [("train", s) for s in offline_specs("train", num_train, train_frames, seed, frame_size)]
     plan += [("test", s) for s in offline_specs("test", num_test, test_frames, seed, frame_size)]

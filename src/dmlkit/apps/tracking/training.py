@@ -54,6 +54,7 @@ from dmlkit.utils import (
     atomic_torch_save,
     atomic_write_json,
     atomic_write_text,
+    directory_lock,
     dotted_items,
     seed_everything,
     write_provenance,
@@ -274,6 +275,8 @@ RESUMABLE_SETTINGS = ("threads", "num_workers", "device")
 #: What a run writes besides its checkpoint, config.yaml and provenance.json: removed when a run
 #: starts afresh in a folder an attempt killed before its first checkpoint left.
 RUN_OUTPUTS = ("log.jsonl", "metrics.json")
+#: The lock a run holds in its run directory: the name ``dmlkit train``'s lock has.
+RUN_LOCK = "train.lock"
 
 
 def config_changes(recorded: dict[str, Any], config: SiamFCTrainConfig) -> list[str]:
@@ -356,11 +359,22 @@ def train_siamfc(
     config.yaml beside the old checkpoint would pair the two. ``max_epochs`` stops this call after
     that many epochs (train a CPU budget in chunks, then resume). Returns ``{"steps", "epochs",
     "pairs", "seconds", "first_loss", "last_loss", "checkpoint"}``; the losses are means over
-    the first and last 10 % of the steps so far.
+    the first and last 10 % of the steps so far. A fresh start and a resume hold
+    ``run_dir/train.lock`` (:func:`~dmlkit.utils.directory_lock`) for the whole run: a second
+    ``train_siamfc`` into ``run_dir`` meanwhile is refused, as a second ``dmlkit train`` is.
     """
+    run_dir = Path(run_dir)
+    # two runs at once interleaved log.jsonl and mixed last.pt, config.yaml and metrics.json
+    with directory_lock(run_dir, RUN_LOCK, f"another `dmlkit track train` is using {run_dir}: wait for it "
+                        "to end, or choose another run directory (--run-dir)"):
+        return _train_in_dir(config, run_dir, sequences, progress, resume, max_epochs)
+
+
+def _train_in_dir(config: SiamFCTrainConfig, run_dir: Path, sequences: list[Sequence] | None,
+                  progress: bool, resume: bool, max_epochs: int | None) -> dict[str, Any]:
+    """:func:`train_siamfc` in ``run_dir``, whose lock the caller holds."""
     import yaml
 
-    run_dir = Path(run_dir)
     ckpt_path = run_dir / "checkpoints" / "last.pt"
     if resume and not ckpt_path.is_file():  # else a fresh run, silently (a misspelt --run-dir)
         raise CheckpointError(f"nothing to resume in {run_dir}: it holds no checkpoints/last.pt (no epoch of a "
