@@ -20,7 +20,12 @@ from rich.text import Text
 from typer.exceptions import TyperException
 
 import dmlkit.commands
-from dmlkit.commands._ranks import OS_ERROR_EXIT_CODE, is_main_rank
+from dmlkit.commands._ranks import (
+    OS_ERROR_EXIT_CODE,
+    is_main_rank,
+    one_error_line_per_job,
+    refuse_under_torchrun,
+)
 from dmlkit.exceptions import DmlkitError
 
 app = typer.Typer(
@@ -44,11 +49,15 @@ def _version_callback(value: bool) -> None:
 
 @app.callback()
 def _root(
+    ctx: typer.Context,
     version: bool = typer.Option(
         False, "--version", callback=_version_callback, is_eager=True, help="Print the version."
     ),
 ) -> None:
     """Deep metric learning done right: train, evaluate and fairly benchmark embeddings."""
+    if ctx.invoked_subcommand is not None:  # once for every command: most run as one process
+        with one_error_line_per_job():
+            refuse_under_torchrun(ctx.invoked_subcommand)
 
 
 for _info in sorted(pkgutil.iter_modules(dmlkit.commands.__path__), key=lambda m: m.name):

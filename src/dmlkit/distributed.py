@@ -146,14 +146,35 @@ def _checked_timeout(value: float, what: str) -> float:
     return float(value)
 
 
-def _local_rank() -> int:
-    """``$LOCAL_RANK`` (0 when unset); a value that is not a whole number is one error line."""
-    raw = os.environ.get("LOCAL_RANK") or "0"
+def _env_int(name: str, default: int = 0) -> int:
+    """``$name`` as a whole number (``default`` when unset); anything else is one error line."""
+    raw = os.environ.get(name) or str(default)
     try:
         return int(raw)
     except ValueError:
-        raise DistributedError(f"LOCAL_RANK={raw!r} is not an integer (torchrun sets it: start the job "
+        raise DistributedError(f"{name}={raw!r} is not an integer (torchrun sets it: start the job "
                                "with `torchrun --nproc-per-node N dmlkit ...`)") from None
+
+
+def _local_rank() -> int:
+    """``$LOCAL_RANK`` (0 when unset); a value that is not a whole number is one error line."""
+    return _env_int("LOCAL_RANK")
+
+
+def _check_ranks() -> None:
+    """Refuse, in one line, a ``RANK`` outside ``[0, WORLD_SIZE)`` or a ``LOCAL_RANK`` outside
+    ``[0, LOCAL_WORLD_SIZE)`` (``WORLD_SIZE`` when unset), or either not a whole number: gloo
+    refused them with a C++ assertion ("invalid literal for int()" for ``RANK=abc``) while rank
+    0 waited the 10-minute timeout for the process that never came."""
+    world = _env_int("WORLD_SIZE", 1)
+    local_size = "LOCAL_WORLD_SIZE" if os.environ.get("LOCAL_WORLD_SIZE") else "WORLD_SIZE"
+    for name, size_name in (("RANK", "WORLD_SIZE"), ("LOCAL_RANK", local_size)):
+        value, size = _env_int(name), _env_int(size_name, world)
+        if not 0 <= value < size:
+            raise DistributedError(f"{name}={value} is outside 0..{size - 1} ({size_name}={size}): each "
+                                   f"process of the job needs its own {name} from 0 to {size_name} - 1 "
+                                   "(torchrun sets them: start the job with `torchrun --nproc-per-node N "
+                                   "dmlkit ...`)")
 
 
 def init_distributed(device: str | torch.device | None = None, *, backend: str | None = None,
@@ -179,6 +200,7 @@ def init_distributed(device: str | torch.device | None = None, *, backend: str |
             "job with `torchrun --nproc-per-node N dmlkit ...` (several machines: add --nnodes "
             "and --rdzv-endpoint HOST:PORT), which sets them"
         )
+    _check_ranks()
     dev = torch.device(device) if device is not None else None
     use_cuda = dev is not None and dev.type == "cuda"
     backend = backend or ("nccl" if use_cuda else "gloo")

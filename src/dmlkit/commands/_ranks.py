@@ -23,6 +23,12 @@ from collections.abc import Iterator
 
 import typer
 
+#: The commands that run under torchrun, every rank its share (docs/distributed.md); every other
+#: command is one process and refuses ``WORLD_SIZE`` > 1 (:func:`refuse_under_torchrun`).
+TORCHRUN_COMMANDS = frozenset({"train", "embed", "evaluate"})
+#: What to run instead, for a command with a multi-process mode of its own.
+_INSTEAD = {"bench": "to train each trial on several processes, start one `dmlkit bench` (no torchrun) "
+                     "with protocol.launcher: torchrun and protocol.nproc_per_trial: N in its config"}
 #: Seconds a rank other than 0 waits before printing an error met before the ranks joined.
 UNJOINED_DELAY_S = 2.0
 #: The exit code of an :class:`OSError` (:mod:`dmlkit.cli` prints it as one line, exit 2).
@@ -32,6 +38,24 @@ OS_ERROR_EXIT_CODE = 2
 def is_main_rank() -> bool:
     """Rank 0 of a torchrun job, or a process started alone (no ``$RANK``)."""
     return os.environ.get("RANK", "0") in ("", "0")
+
+
+def refuse_under_torchrun(command: str) -> None:
+    """Refuse, in one line, a command outside :data:`TORCHRUN_COMMANDS` started with
+    ``WORLD_SIZE`` > 1 (under torchrun): each rank ran it as a separate process, e.g. two
+    ``dmlkit bench`` processes racing for one bench directory, the loser saying that "another
+    ``dmlkit bench`` is running". Raised before anything is read (every rank meets it; rank 0
+    prints it: :func:`one_error_line_per_job`)."""
+    if command in TORCHRUN_COMMANDS or os.environ.get("WORLD_SIZE", "1") in ("", "1"):
+        return  # (torch is not imported for a plain start)
+    from dmlkit.distributed import launched_by_torchrun  # lazy: torch, only under a launcher
+    from dmlkit.exceptions import ConfigError
+
+    if launched_by_torchrun():
+        instead = _INSTEAD.get(command, "start it as one process, without torchrun")
+        raise ConfigError(f"`dmlkit {command}` runs as one process, and this one was started as one of "
+                          f"WORLD_SIZE={os.environ['WORLD_SIZE']} (torchrun): {instead}; of the commands, "
+                          f"only {', '.join(sorted(TORCHRUN_COMMANDS))} run under torchrun")
 
 
 @contextlib.contextmanager

@@ -1,4 +1,4 @@
-"""What the ranks of one ``torchrun`` job must share before training: the config and the data.
+"""What the ranks of one ``torchrun`` job must share: the config, the data, the checkpoint.
 
 Each rank reads its own config file and its own data root: per-machine paths may differ
 (``docs/distributed.md``), what they hold may not. A rank whose copy of the data lacks an image
@@ -8,13 +8,16 @@ split from its own files, so the job's ``metrics.json`` mixed two datasets witho
 :func:`check_same_data` what each rank loaded, split by split
 (:meth:`dmlkit.data.base.MetricDataset.portable_fingerprint`: rows, labels, class names, file
 paths relative to the data and their sizes; no image is read). Either mismatch is one error line,
-raised on every rank, before anything trains.
+raised on every rank, before anything trains. ``dmlkit embed`` compares the checkpoint each rank
+loaded (:func:`check_same_checkpoint`) and the split; ``dmlkit evaluate`` its options and inputs,
+through :func:`differences_across_ranks`.
 """
 
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Mapping
+from collections.abc import Callable, Hashable, Mapping
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -22,8 +25,10 @@ import numpy as np
 from dmlkit.config import ExperimentConfig
 from dmlkit.distributed import check_same_config, context, mark_every_rank, ranks_by_value
 from dmlkit.exceptions import ConfigError, DataError
+from dmlkit.utils import sha256_file
 
-__all__ = ["check_same_config_on_ranks", "check_same_data", "same_everywhere", "split_summary"]
+__all__ = ["check_same_checkpoint", "check_same_config_on_ranks", "check_same_data",
+           "differences_across_ranks", "same_everywhere", "split_summary"]
 
 #: Config keys that may differ between the ranks of one job: per-machine paths.
 PER_MACHINE_KEYS = (("data", "root"), ("model", "feature_cache_dir"))
@@ -63,35 +68,66 @@ def split_summary(dataset: Any) -> Summary:
     return len(dataset), int(np.unique(labels).size), digest
 
 
+def differences_across_ranks(values: Mapping[str, Hashable],
+                             describe: Callable[[Any], str] = str) -> dict[str, str]:
+    """``{name: "rank 0: ..., ranks 1, 2: ..."}`` for each entry of ``values`` (this rank's
+    picklable, hashable values by name: the same names on every rank) that differs between
+    ranks, each value as ``describe`` writes it; empty when the ranks agree, and for one process.
+    One collective (:func:`dmlkit.distributed.ranks_by_value`)."""
+    if not context().enabled:
+        return {}
+    names = list(values)
+    groups = ranks_by_value(tuple(values[name] for name in names))
+    if len(groups) == 1:
+        return {}
+    differing = {}
+    for i, name in enumerate(names):
+        held: dict[Any, list[int]] = {}
+        for gathered, ranks in groups.items():
+            held.setdefault(gathered[i], []).extend(ranks)
+        if len(held) > 1:
+            differing[name] = ", ".join(f"{_who(sorted(ranks))}: {describe(value)}" for value, ranks in held.items())
+    return differing
+
+
 def check_same_data(sets: Mapping[str, Any]) -> None:
     """Refuse to train when the ranks loaded different data: ``sets`` maps a split's name to its
     dataset (or ``None``). Every rank all-gathers the :func:`split_summary` of each split (one
     collective); a mismatch is one :class:`DataError` on every rank naming each split that
     differs and what each rank holds. A no-op for one process."""
+    differing = differences_across_ranks({f"{name} split": split_summary(ds) for name, ds in sets.items()},
+                                         _described)
+    if not differing:
+        return
+    raise mark_every_rank(DataError(
+        f"the ranks loaded different data ({'; '.join(f'{k}: {v}' for k, v in differing.items())}): every "
+        "rank must read an identical copy of the dataset (its --data-root / data.root / $DMLKIT_DATA may "
+        "differ between machines, what is under it may not); copy the data again where it differs"))
+
+
+def check_same_checkpoint(path: str | Path) -> None:
+    """Refuse ranks that loaded different checkpoint files (a stale ``best.pt`` on one machine
+    mixed two models in one embeddings file): every rank compares the SHA-256 of the file it
+    read (its weights and its config; copies of one file are byte-identical wherever they lie),
+    one :class:`DataError` on every rank naming what each holds. A no-op for one process."""
     if not context().enabled:
         return
-    names = list(sets)
-    groups = ranks_by_value(tuple(split_summary(sets[name]) for name in names))
-    if len(groups) == 1:
-        return
-    differing = []
-    for i, name in enumerate(names):
-        held: dict[Summary, list[int]] = {}
-        for summaries, ranks in groups.items():
-            held.setdefault(summaries[i], []).extend(ranks)
-        if len(held) > 1:
-            differing.append(f"{name} split: " + ", ".join(
-                _holding(sorted(ranks), summary) for summary, ranks in held.items()))
-    raise mark_every_rank(DataError(
-        f"the ranks loaded different data ({'; '.join(differing)}): every rank must read an "
-        "identical copy of the dataset (its --data-root / data.root / $DMLKIT_DATA may differ "
-        "between machines, what is under it may not); copy the data again where it differs"))
+    differing = differences_across_ranks({"checkpoint": sha256_file(path)}, lambda digest: f"sha256 {digest[:12]}")
+    if differing:
+        raise mark_every_rank(DataError(
+            f"the ranks loaded different checkpoints ({differing['checkpoint']}; rank {context().rank} read "
+            f"{path}): every rank must read an identical copy of the checkpoint (its path may differ "
+            "between machines); copy it again where it differs"))
 
 
-def _holding(ranks: list[int], summary: Summary) -> str:
-    """``ranks 0, 2: 24 samples of 4 classes (digest 9f8e7d6c5b4a)``."""
-    who = f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}"
+def _who(ranks: list[int]) -> str:
+    """``rank 1`` / ``ranks 0, 2``."""
+    return f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}"
+
+
+def _described(summary: Summary) -> str:
+    """``24 samples of 4 classes (digest 9f8e7d6c5b4a)``, or ``no samples``."""
     if summary is None:
-        return f"{who}: no samples"
+        return "no samples"
     samples, classes, digest = summary
-    return f"{who}: {samples} samples of {classes} classes (digest {digest[:12]})"
+    return f"{samples} samples of {classes} classes (digest {digest[:12]})"

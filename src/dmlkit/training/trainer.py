@@ -83,7 +83,11 @@ from dmlkit.training.checkpoint import (
 from dmlkit.training.data_root import run_data_root, with_data_root
 from dmlkit.training.loop import Trainer, TrainState
 from dmlkit.training.preflight import preflight, refuse_degenerate_eval
-from dmlkit.training.same_inputs import check_same_config_on_ranks, check_same_data
+from dmlkit.training.same_inputs import (
+    check_same_checkpoint,
+    check_same_config_on_ranks,
+    check_same_data,
+)
 from dmlkit.utils import (
     atomic_write_json,
     directory_lock,
@@ -542,13 +546,17 @@ class _EmbeddingJob:
     """What embedding a split of a trained run needs: the process group joined (under
     torchrun), the rank's device, the best checkpoint's model and config, and the split's
     dataset (evaluation transform). What each rank reads is agreed on (:func:`agree`): an
-    error is one line for the job, and no rank is left waiting for another that failed."""
+    error is one line for the job, and no rank is left waiting for another that failed. Then the
+    ranks compare the checkpoint files and the split they loaded (a stale copy on one machine
+    mixed two models or two datasets in one embeddings file): one error line, nothing written."""
 
     def __init__(self, checkpoint: str | Path, split: str, data_root: str | Path | None,
                  device: str) -> None:
         self.ctx, self.device = join_process_group(resolve_device(device))
         self.split = split
         self.checkpoint, self.model, self.config, self.dataset = agree(_load_split, checkpoint, split, data_root)
+        check_same_checkpoint(self.checkpoint)
+        check_same_data({split: self.dataset})
         self.root = run_data_root(self.config.data.root, data_root)  # where the split's files are
 
     def default_output(self, suffix: str) -> Path:
