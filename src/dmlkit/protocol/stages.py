@@ -157,12 +157,16 @@ class SearchStage:
         return objective
 
 
-def method_fingerprint(config: BenchConfig, method: MethodConfig, split: BenchSplit) -> dict[str, Any]:
+def method_fingerprint(config: BenchConfig, method: MethodConfig, split: BenchSplit, *,
+                       legacy: bool = False) -> dict[str, Any]:
     """What a study depends on: resuming with a different one is refused. The sampler settings
-    are in it where they are not the defaults (:meth:`ProtocolConfig.search_fingerprint`)."""
+    are in it where they are not the defaults (:meth:`ProtocolConfig.search_fingerprint`);
+    ``legacy`` leaves them out, as a dmlkit before them computed it (stored without
+    :data:`~dmlkit.protocol.study.FINGERPRINT_VERSION`; :func:`open_study` accepts it only where
+    the sampler settings are shown to be the same)."""
     key = {"fixed": config.fixed_fingerprint(), "method": method.model_dump(mode="json"),
            "split": split.to_dict()}
-    search = config.protocol.search_fingerprint()
+    search = None if legacy else config.protocol.search_fingerprint()
     if search is not None:
         key["search"] = search
     blob = json.dumps(key, sort_keys=True)
