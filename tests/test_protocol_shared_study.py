@@ -10,6 +10,7 @@ import multiprocessing
 import socket
 import threading
 import time
+import warnings
 from threading import BrokenBarrierError
 
 import optuna
@@ -17,6 +18,7 @@ import pytest
 import yaml
 
 from dmlkit.exceptions import ConfigError
+from dmlkit.metrics.scoring import scoring_stamp
 from dmlkit.protocol import study as study_mod
 from dmlkit.protocol.runner import Bench, _progress, method_fingerprint
 from dmlkit.protocol.study import make_storage, open_study, resolve_storage_url, study_summary
@@ -250,3 +252,26 @@ def test_an_older_study_is_refused_where_its_sampler_settings_cannot_be_shown(tm
     recent = Bench(_config(), tmp_path / "B")
     _legacy_study(recent, recent.split(_Classes(range(100, 140))), key_has_sampler=True)
     assert recent._open_study(method, split).user_attrs["dmlkit_fingerprint_version"] == 2
+
+
+def test_a_search_resumed_over_trials_another_dmlkit_scored_warns(tmp_path):
+    """A study searched by an older dmlkit and resumed by this one mixed objective values of two
+    versions of the metric code (validation MAP@R differed in the 5th digit), so a near tie
+    could flip the best parameters silently: a resume with trials left says so, once."""
+    bench = Bench(_config(), tmp_path / "A")
+    split = bench.split(_Classes(range(100, 140)))
+    method = bench.config.methods[0]
+    study = bench._open_study(method, split)
+    study.tell(study.ask(), 0.5)  # scored by an older dmlkit: no "dmlkit_scoring"
+    with pytest.warns(UserWarning, match=r"earlier trials were scored by an older dmlkit, which did not "
+                      r"record its version, new ones by this dmlkit \(dmlkit .*, scoring revision 1\).*"
+                      r"A new bench directory avoids mixing them \(or `--stage final --set protocol.trials=1`"):
+        bench._open_study(method, split)
+    current = Bench(_config(), tmp_path / "B")
+    study = current._open_study(method, split)
+    trial = study.ask()
+    trial.set_user_attr("dmlkit_scoring", scoring_stamp())  # as the search objective records it
+    study.tell(trial, 0.5)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        current._open_study(method, split)  # scored by this dmlkit: nothing to say

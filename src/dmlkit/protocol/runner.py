@@ -62,6 +62,7 @@ from dmlkit.protocol.stages import (  # noqa: F401  (re-exported: the stages' ol
     method_fingerprint,
     release_claims,
     run_seed,
+    warn_mixed_scoring,
 )
 from dmlkit.protocol.study import (
     check_sqlite_folder,
@@ -152,15 +153,18 @@ class Bench:
         return f"{prefix}/{method.name}"
 
     def _open_study(self, method: MethodConfig, split: BenchSplit):
-        """Open ``method``'s study with this config's trials, sampler, key and heartbeat."""
+        """Open ``method``'s study with this config's trials, sampler, key and heartbeat; warn
+        where its earlier trials were scored by another dmlkit (:func:`warn_mixed_scoring`)."""
         p = self.config.protocol
-        return open_study(self.storage, self.study_name(method), p.trials, sampler=p.sampler,
-                          seed=p.sampler_seed, n_startup_trials=p.n_startup_trials,
-                          fingerprint=method_fingerprint(self.config, method, split),
-                          heartbeat={"heartbeat_interval": p.heartbeat_interval,
-                                     "grace_period": p.grace_period},
-                          legacy_fingerprint=method_fingerprint(self.config, method, split, legacy=True),
-                          legacy_checked=self._sampler_settings_checked)
+        study = open_study(self.storage, self.study_name(method), p.trials, sampler=p.sampler,
+                           seed=p.sampler_seed, n_startup_trials=p.n_startup_trials,
+                           fingerprint=method_fingerprint(self.config, method, split),
+                           heartbeat={"heartbeat_interval": p.heartbeat_interval,
+                                      "grace_period": p.grace_period},
+                           legacy_fingerprint=method_fingerprint(self.config, method, split, legacy=True),
+                           legacy_checked=self._sampler_settings_checked)
+        warn_mixed_scoring(study, self.study_name(method), p.trials)
+        return study
 
     def split(self, full_dataset=None) -> BenchSplit:
         """The protocol's split (``split.json`` if it exists, else computed from the dataset)."""
