@@ -3,15 +3,20 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import numpy as np
 import pytest
 
 from dmlkit.embeddings import save_embeddings
+from dmlkit.exceptions import DataNotFoundError
 from dmlkit.protocol.compare import compare_results, relative_improvements, render_compare_markdown
 from dmlkit.protocol.config import bench_config_from_dict
 from dmlkit.protocol.results import (
     build_results,
     format_cell,
+    load_results,
     render_csv,
     render_markdown,
     rich_table,
@@ -185,3 +190,33 @@ def test_a_corrupt_results_file_is_one_clear_error(tmp_path, content, capsys):
     err = capsys.readouterr().err
     assert info.value.code == 2 and "Traceback" not in err, err
     assert len([line for line in err.splitlines() if line.strip()]) == 1, err
+
+
+def test_an_older_results_file_is_read_from_any_folder(tmp_path, monkeypatch):
+    """An older dmlkit stored run paths relative to the folder `dmlkit bench` ran in
+    (``sub/bench/final/...``, with ``-o sub/bench``) beside the absolute bench_dir: read from
+    another folder they became ``bench/sub/bench/final/...`` (not found, and `report` called
+    present files missing). They are found under the results file's folder; a file found
+    nowhere is one line that says why."""
+    bench = tmp_path / "work" / "sub" / "bench"
+    cfg = bench_config_from_dict(CFG)
+    entries = {}
+    for name, noise in [("contrastive", 1.5), ("good", 0.9)]:
+        runs = _runs(bench / "final", name, noise)
+        entries[name] = {"runs": runs, "evaluation": evaluate_runs(runs, list(cfg.protocol.metrics)),
+                         "best_params": {}}
+    results = build_results(cfg, make_bench_split(range(60), "halves", folds=4), entries, bench_dir=bench)
+    for row in results["methods"].values():  # as the older dmlkit wrote them, from tmp_path/work
+        for run in row["runs"]:
+            run.update({k: f"sub/bench/{run[k]}" for k in ("run_dir", "checkpoint", "embeddings")})
+    (bench / "results.json").write_text(json.dumps(results))
+    monkeypatch.chdir(bench.parent)
+    loaded = load_results("bench")
+    first = loaded["methods"]["good"]["runs"][0]
+    assert Path(first["embeddings"]).resolve() == (bench / "final" / "good" / "seed0" / "fold0" / "embeddings" / "test.npz").resolve()
+    assert compare_results([loaded], metrics=["map_at_r"])["methods"]
+    (bench / "final" / "good" / "seed0" / "fold0" / "embeddings" / "test.npz").unlink()
+    with pytest.raises(DataNotFoundError, match="written by an older dmlkit, with run paths relative to the "
+                       "folder `dmlkit bench` ran in") as err:
+        compare_results([load_results("bench")], metrics=["map_at_r"])
+    assert "bench/sub/bench" not in str(err.value) and "\n" not in str(err.value)

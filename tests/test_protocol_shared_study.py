@@ -10,6 +10,7 @@ import multiprocessing
 import socket
 import threading
 import time
+import warnings
 from threading import BrokenBarrierError
 
 import optuna
@@ -17,6 +18,7 @@ import pytest
 import yaml
 
 from dmlkit.exceptions import ConfigError
+from dmlkit.metrics.scoring import scoring_stamp
 from dmlkit.protocol import study as study_mod
 from dmlkit.protocol.runner import Bench, _progress, method_fingerprint
 from dmlkit.protocol.study import make_storage, open_study, resolve_storage_url, study_summary
@@ -194,3 +196,82 @@ def test_worker_refuses_a_bench_directory_of_another_config(run_cli, tmp_path):
     code, _, err = run_cli(["bench", str(tmp_path / "other.yaml"), "--worker", "--out", str(tmp_path / "bench")])
     assert code == 2, err
     assert "holds a benchmark with another config" in err
+
+
+def _legacy_study(bench: Bench, split, *, key_has_sampler: bool = False) -> optuna.Study:
+    """The study of ``bench``'s first method as a dmlkit before commit e8532d0 made it: its key
+    without the sampler settings (or, ``key_has_sampler``, as e8532d0 made it: with them), no
+    fingerprint version."""
+    method = bench.config.methods[0]
+    key = {"fixed": bench.config.fixed_fingerprint(), "method": method.model_dump(mode="json"),
+           "split": split.to_dict()}
+    if key_has_sampler:
+        key["search"] = bench.config.protocol.search_fingerprint()
+    study = optuna.create_study(storage=bench.storage, study_name=bench.study_name(method), direction="maximize")
+    study.set_user_attr("dmlkit_fingerprint",
+                        {"sha256": hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()})
+    study_mod.grow_slots(study, bench.config.protocol.trials)
+    return study
+
+
+def test_an_older_study_with_other_than_default_sampler_settings_resumes_in_its_bench_directory(tmp_path):
+    """A study made by a dmlkit whose key left the sampler settings out (n_startup_trials: 1
+    here, 2 in bench_quick.yaml) was refused as "another search space" after the upgrade: its
+    bench directory's config.yaml shows the settings are the same, so it resumes, with this
+    dmlkit's key recorded from then on (other settings are then refused)."""
+    old = Bench(_config(), tmp_path / "A")
+    old.prepare()  # the older run's config.yaml
+    split = old.split(_Classes(range(100, 140)))
+    _legacy_study(old, split)
+    bench = Bench(_config(), tmp_path / "A")
+    bench.check_config_dir()
+    method = bench.config.methods[0]
+    study = bench._open_study(method, split)
+    assert study.user_attrs["dmlkit_fingerprint"] == method_fingerprint(bench.config, method, split)
+    assert study.user_attrs["dmlkit_fingerprint_version"] == study_mod.FINGERPRINT_VERSION
+    other = bench.config.model_copy(deep=True)
+    other.protocol.n_startup_trials = 10
+    with pytest.raises(ConfigError, match="another search space"):
+        open_study(bench.storage, bench.study_name(method), 2, fingerprint=method_fingerprint(other, method, split),
+                   legacy_fingerprint=method_fingerprint(other, method, split, legacy=True), legacy_checked=True)
+
+
+def test_an_older_study_is_refused_where_its_sampler_settings_cannot_be_shown(tmp_path):
+    """Without a bench directory's config.yaml for its study.db nothing shows the older study
+    was sampled with these settings: refused, naming that cause (not another search space);
+    a study whose unversioned key holds the settings (e8532d0) resumes."""
+    bench = Bench(_config(), tmp_path / "A")
+    split = bench.split(_Classes(range(100, 140)))
+    method = bench.config.methods[0]
+    _legacy_study(bench, split)
+    with pytest.raises(ConfigError, match="older dmlkit, which did not record protocol.sampler") as err:
+        bench._open_study(method, split)
+    assert "another search space" not in str(err.value)
+    assert "dmlkit_fingerprint_version" not in optuna.load_study(
+        storage=bench.storage, study_name=bench.study_name(method)).user_attrs
+    recent = Bench(_config(), tmp_path / "B")
+    _legacy_study(recent, recent.split(_Classes(range(100, 140))), key_has_sampler=True)
+    assert recent._open_study(method, split).user_attrs["dmlkit_fingerprint_version"] == 2
+
+
+def test_a_search_resumed_over_trials_another_dmlkit_scored_warns(tmp_path):
+    """A study searched by an older dmlkit and resumed by this one mixed objective values of two
+    versions of the metric code (validation MAP@R differed in the 5th digit), so a near tie
+    could flip the best parameters silently: a resume with trials left says so, once."""
+    bench = Bench(_config(), tmp_path / "A")
+    split = bench.split(_Classes(range(100, 140)))
+    method = bench.config.methods[0]
+    study = bench._open_study(method, split)
+    study.tell(study.ask(), 0.5)  # scored by an older dmlkit: no "dmlkit_scoring"
+    with pytest.warns(UserWarning, match=r"earlier trials were scored by an older dmlkit, which did not "
+                      r"record its version, new ones by this dmlkit \(dmlkit .*, scoring revision 1\).*"
+                      r"A new bench directory avoids mixing them \(or `--stage final --set protocol.trials=1`"):
+        bench._open_study(method, split)
+    current = Bench(_config(), tmp_path / "B")
+    study = current._open_study(method, split)
+    trial = study.ask()
+    trial.set_user_attr("dmlkit_scoring", scoring_stamp())  # as the search objective records it
+    study.tell(trial, 0.5)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        current._open_study(method, split)  # scored by this dmlkit: nothing to say

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from dmlkit.data.base import ArrayDataset
+from dmlkit.metrics.scoring import SCORING_REVISION, scoring_stamp
 from dmlkit.miners.pair_miners import DistanceWeightedMiner
 from dmlkit.training import config_from_dict, read_checkpoint, read_log, train
 from dmlkit.training.checkpoint import save_checkpoint
@@ -130,6 +131,26 @@ def test_a_checkpoint_without_the_miners_generator_still_resumes(tmp_path):
     save_checkpoint(payload, last)
     result = run(cfg.override(["training.epochs=2"]), tmp_path / "run", resume=True)
     assert result.epochs_completed == 2 and result.steps == 6
+
+
+def test_a_resume_of_a_best_scored_by_another_dmlkit_warns(tmp_path, recwarn):
+    """The resumed best validation MAP@R, which the coming evaluations must beat, was scored by
+    an older dmlkit (no "scoring" in last.pt): its metric code may differ in the last digits, so
+    a resume says so once (and goes on); one this dmlkit scored says nothing."""
+    cfg = make_config(**{"training.epochs": 1})
+    run(cfg, tmp_path / "run")
+    run(cfg.override(["training.epochs=2"]), tmp_path / "run", resume=True)
+    assert not [w for w in recwarn if "scored by" in str(w.message)]
+    last = tmp_path / "run" / "checkpoints" / "last.pt"
+    payload = read_checkpoint(last)
+    assert payload.pop("scoring") == scoring_stamp()
+    payload.pop("format")
+    save_checkpoint(payload, last)  # as an older dmlkit wrote it
+    result = run(cfg.override(["training.epochs=3"]), tmp_path / "run", resume=True)
+    said = [str(w.message) for w in recwarn if "scored by" in str(w.message)]
+    assert result.epochs_completed == 3 and len(said) == 1, said
+    assert "scored by an older dmlkit, which did not record its version" in said[0]
+    assert f"scoring revision {SCORING_REVISION}" in said[0]
 
 
 # -- 2. more patience on resume ----------------------------------------------------------------

@@ -81,6 +81,11 @@ def load_listed_embeddings(run: Mapping[str, Any], owner: str) -> tuple[np.ndarr
     or its :func:`embeddings_digest` is not the recorded ``embeddings_sha256``: it is not the
     file the table was computed on. ``owner`` names the method or results file in the message."""
     path = Path(run["embeddings"])
+    if run.get(_STORED_FROM_CWD) and not path.exists():
+        raise DataNotFoundError(
+            f"embeddings file not found: {path} ({owner}): its results.json was written by an older "
+            "dmlkit, with run paths relative to the folder `dmlkit bench` ran in; run this from "
+            "that folder, or rewrite it with `dmlkit bench CONFIG --stage final`")
     emb, lab, extra = load_embeddings(path)
     check_embeddings(emb, f"embeddings in {path}")
     recorded = run.get("embeddings_sha256")
@@ -155,15 +160,38 @@ def _in_bench(path: str | Path, bench_dir: Path) -> str:
 
 def _resolve_runs(data: dict[str, Any], folder: Path) -> None:
     """Make the run paths of a loaded results file absolute: relative ones are relative to its
-    folder; files written before that (relative to the folder `dmlkit bench` ran in) keep a path
-    that exists from the current folder."""
+    folder. Files written before that hold them relative to the folder `dmlkit bench` ran in
+    (``sub/bench/final/...`` beside the absolute ``bench_dir``): found under ``folder`` once the
+    leading part naming the bench directory is stripped, else from the current folder; one found
+    nowhere keeps its stored path, marked for :func:`load_listed_embeddings` to explain."""
+    bench_parts = Path(data.get("bench_dir") or "").parts
     for entry in (data.get("methods") or {}).values():
         for run in entry.get("runs", []) if isinstance(entry, dict) else []:
             for key in _RUN_PATHS:
                 value = run.get(key)
                 if isinstance(value, str) and value and not Path(value).is_absolute():
-                    inside = folder / value
-                    run[key] = str(inside if inside.exists() or not Path(value).exists() else Path(value).resolve())
+                    inside, legacy = folder / value, _legacy_run_paths(value, bench_parts, folder)
+                    found = next((p for p in (inside, *legacy, Path(value).resolve()) if p.exists()), None)
+                    run[key] = str(found or (value if legacy else inside))
+                    if found is None and legacy:
+                        run[_STORED_FROM_CWD] = True
+
+
+#: A run entry whose paths an older dmlkit stored relative to the folder it ran in, found nowhere.
+_STORED_FROM_CWD = "_stored_relative_to_bench_cwd"
+
+
+def _legacy_run_paths(value: str, bench_parts: tuple[str, ...], folder: Path) -> list[Path]:
+    """Where an older dmlkit's run path ``value`` (relative to the folder `dmlkit bench` ran
+    in) lies under the results file's ``folder``: each way of reading its leading components
+    (``..`` aside) as the tail of the recorded bench directory, the longest first."""
+    parts = Path(value).parts
+    paths = []
+    for i in range(len(parts) - 1, 0, -1):
+        named = [p for p in parts[:i] if p not in (".", "..")]
+        if named and tuple(named) == bench_parts[len(bench_parts) - len(named):]:
+            paths.append(folder.joinpath(*parts[i:]))
+    return paths
 
 
 def resolved_runs(results: Mapping[str, Any]) -> dict[str, Any]:

@@ -62,6 +62,7 @@ from dmlkit.protocol.stages import (  # noqa: F401  (re-exported: the stages' ol
     method_fingerprint,
     release_claims,
     run_seed,
+    warn_mixed_scoring,
 )
 from dmlkit.protocol.study import (
     check_sqlite_folder,
@@ -118,6 +119,9 @@ class Bench:
         self.overrides = list(overrides)
         self.threads = threads
         self._storage = None
+        # check_config_dir compared this directory's own study.db's config.yaml: the sampler
+        # settings an older dmlkit left out of a study's key are shown to be the same
+        self._sampler_settings_checked = False
         import optuna
 
         optuna.logging.set_verbosity(optuna.logging.WARNING)
@@ -149,13 +153,18 @@ class Bench:
         return f"{prefix}/{method.name}"
 
     def _open_study(self, method: MethodConfig, split: BenchSplit):
-        """Open ``method``'s study with this config's trials, sampler, key and heartbeat."""
+        """Open ``method``'s study with this config's trials, sampler, key and heartbeat; warn
+        where its earlier trials were scored by another dmlkit (:func:`warn_mixed_scoring`)."""
         p = self.config.protocol
-        return open_study(self.storage, self.study_name(method), p.trials, sampler=p.sampler,
-                          seed=p.sampler_seed, n_startup_trials=p.n_startup_trials,
-                          fingerprint=method_fingerprint(self.config, method, split),
-                          heartbeat={"heartbeat_interval": p.heartbeat_interval,
-                                     "grace_period": p.grace_period})
+        study = open_study(self.storage, self.study_name(method), p.trials, sampler=p.sampler,
+                           seed=p.sampler_seed, n_startup_trials=p.n_startup_trials,
+                           fingerprint=method_fingerprint(self.config, method, split),
+                           heartbeat={"heartbeat_interval": p.heartbeat_interval,
+                                      "grace_period": p.grace_period},
+                           legacy_fingerprint=method_fingerprint(self.config, method, split, legacy=True),
+                           legacy_checked=self._sampler_settings_checked)
+        warn_mixed_scoring(study, self.study_name(method), p.trials)
+        return study
 
     def split(self, full_dataset=None) -> BenchSplit:
         """The protocol's split (``split.json`` if it exists, else computed from the dataset)."""
@@ -199,7 +208,9 @@ class Bench:
 
     def check_config_dir(self) -> None:
         """Refuse a bench directory whose ``config.yaml`` holds another config (settings that
-        may change on resume aside); a directory without one is accepted."""
+        may change on resume aside); a directory without one is accepted. One that matches
+        shows the sampler settings of the directory's own ``study.db`` (protocol.storage left
+        out), which an older dmlkit left out of the study's key."""
         cfg_path = self.dir / "config.yaml"
         if cfg_path.exists():
             old = bench_config_from_dict(load_yaml(cfg_path.read_text(encoding="utf-8")))
@@ -222,6 +233,7 @@ class Bench:
                     f"{self.dir} holds a benchmark with another config ({cfg_path}); "
                     "use a new --out directory, or rerun with the same config to resume"
                 )
+            self._sampler_settings_checked = self.config.protocol.storage is old.protocol.storage is None
 
     def check_shared_storage(self) -> None:
         """Refuse an in-memory study database where other processes (workers, a later

@@ -15,6 +15,7 @@ import os
 import shutil
 import socket
 import time
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,6 +30,7 @@ from dmlkit.data import ClassSplit, get_transforms, load_dataset
 from dmlkit.embeddings import dataset_items, embed_split, load_embeddings, save_embeddings
 from dmlkit.exceptions import ConfigError, DataError, DmlkitError, NonFiniteError
 from dmlkit.metrics import evaluate
+from dmlkit.metrics.scoring import scored_elsewhere, scoring_stamp, this_scorer
 from dmlkit.protocol.config import (
     RUN_SEED_STRIDE,
     BenchConfig,
@@ -133,6 +135,7 @@ class SearchStage:
         def objective(trial) -> float:
             params = suggest(trial, method.search)
             trial.set_user_attr("params", params)
+            trial.set_user_attr(SCORING_ATTR, scoring_stamp())  # a resume by another dmlkit warns
             values = []
             for fold in self.split.folds:
                 train_set, val_set = self.fold_sets(fold.index)
@@ -157,16 +160,44 @@ class SearchStage:
         return objective
 
 
-def method_fingerprint(config: BenchConfig, method: MethodConfig, split: BenchSplit) -> dict[str, Any]:
+def method_fingerprint(config: BenchConfig, method: MethodConfig, split: BenchSplit, *,
+                       legacy: bool = False) -> dict[str, Any]:
     """What a study depends on: resuming with a different one is refused. The sampler settings
-    are in it where they are not the defaults (:meth:`ProtocolConfig.search_fingerprint`)."""
+    are in it where they are not the defaults (:meth:`ProtocolConfig.search_fingerprint`);
+    ``legacy`` leaves them out, as a dmlkit before them computed it (stored without
+    :data:`~dmlkit.protocol.study.FINGERPRINT_VERSION`; :func:`open_study` accepts it only where
+    the sampler settings are shown to be the same)."""
     key = {"fixed": config.fixed_fingerprint(), "method": method.model_dump(mode="json"),
            "split": split.to_dict()}
-    search = config.protocol.search_fingerprint()
+    search = None if legacy else config.protocol.search_fingerprint()
     if search is not None:
         key["search"] = search
     blob = json.dumps(key, sort_keys=True)
     return {"sha256": hashlib.sha256(blob.encode()).hexdigest()}
+
+
+#: The trial user attribute naming the dmlkit that scored its value (:func:`warn_mixed_scoring`).
+SCORING_ATTR = "dmlkit_scoring"
+
+
+def warn_mixed_scoring(study, name: str, trials: int) -> None:
+    """Warn where study ``name`` has trials left to run (of ``trials``) and completed ones whose
+    value another dmlkit scored (:func:`dmlkit.metrics.scoring.scored_elsewhere`): the new
+    trials' values may differ in the last digits, which decides a near tie for the best
+    parameters. Not refused: the trials are valid, and the user chooses."""
+    from optuna.trial import TrialState
+
+    done = [t for t in study.get_trials(deepcopy=False) if t.state.is_finished()]
+    others = {scored_elsewhere(t.user_attrs.get(SCORING_ATTR)) for t in done if t.state == TrialState.COMPLETE}
+    others.discard(None)
+    if len(done) >= trials or not others:
+        return
+    warnings.warn(
+        f"study {name!r}: earlier trials were scored by {' and by '.join(sorted(others))}, new ones "
+        f"by this dmlkit ({this_scorer()}); their validation MAP@R may differ in the last digits, "
+        "which can decide the best parameters on a near tie. A new bench directory avoids mixing "
+        f"them (or `--stage final --set protocol.trials={len(done)}`, which keeps the earlier trials "
+        "and searches no more)", stacklevel=3)
 
 
 # -- final runs -----------------------------------------------------------------------------------

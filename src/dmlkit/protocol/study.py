@@ -41,6 +41,7 @@ from typing import Any
 from dmlkit.exceptions import ConfigError, DmlkitError, require
 
 __all__ = [
+    "FINGERPRINT_VERSION",
     "claim_waiting_trial",
     "completed_and_failed",
     "count_completed",
@@ -56,6 +57,13 @@ __all__ = [
 
 _SLOTS_ATTR = "dmlkit_slots"
 _HEARTBEAT_ATTR = "dmlkit_heartbeat"
+_FINGERPRINT_ATTR = "dmlkit_fingerprint"
+#: How the stored ``dmlkit_fingerprint`` was computed (in ``dmlkit_fingerprint_version``, beside
+#: it, so an older dmlkit still reads the fingerprint): 2 holds the sampler settings where not
+#: the defaults. A study without it was created by a dmlkit that did not record it, whose key
+#: may leave them out (:func:`dmlkit.protocol.stages.method_fingerprint` ``legacy``).
+FINGERPRINT_VERSION = 2
+_FINGERPRINT_VERSION_ATTR = "dmlkit_fingerprint_version"
 # libpq's connect_timeout (seconds) for a PostgreSQL URL that gives none: a host that accepts the
 # TCP connection but never answers otherwise made `dmlkit bench` hang for ever
 _CONNECT_TIMEOUT_S = 10
@@ -192,7 +200,7 @@ def make_sampler(kind: str, seed: int, n_startup_trials: int):
 def open_study(
     storage, name: str, trials: int, *, sampler: str = "tpe", seed: int = 0, n_startup_trials: int = 10,
     fingerprint: dict[str, Any] | None = None, heartbeat: dict[str, int] | None = None,
-    wait_s: float = 120.0,
+    wait_s: float = 120.0, legacy_fingerprint: dict[str, Any] | None = None, legacy_checked: bool = False,
 ):
     """Create or load study ``name`` (maximising) with exactly ``trials`` slots enqueued once.
 
@@ -200,6 +208,9 @@ def open_study(
     study's: resuming a study with another search space would mix incomparable trials.
     ``heartbeat`` (``heartbeat_interval``, ``grace_period``) must match too: a worker with a
     shorter grace period than another's heartbeat interval failed that worker's live trials.
+    ``legacy_fingerprint`` is the key an older dmlkit stored without the sampler settings;
+    ``legacy_checked`` says the caller has shown them to be the ones the study was made with
+    (:func:`_check_fingerprint`).
     """
     import optuna
 
@@ -220,7 +231,8 @@ def open_study(
             time.sleep(0.2 * (attempt + 1))
     if created:
         if fingerprint is not None:
-            study.set_user_attr("dmlkit_fingerprint", fingerprint)
+            study.set_user_attr(_FINGERPRINT_ATTR, fingerprint)
+            study.set_user_attr(_FINGERPRINT_VERSION_ATTR, FINGERPRINT_VERSION)
         if heartbeat is not None:
             study.set_user_attr(_HEARTBEAT_ATTR, heartbeat)
         grow_slots(study, trials)
@@ -231,14 +243,7 @@ def open_study(
             grow_slots(study, trials)  # the creator died before enqueueing: enqueue the rest
             break
         time.sleep(0.5)
-    if fingerprint is not None:
-        old = study.user_attrs.get("dmlkit_fingerprint")
-        if old is not None and old != fingerprint:
-            raise ConfigError(
-                f"study {name!r} was created with another search space or fixed settings (or "
-                "protocol.sampler, sampler_seed, n_startup_trials); use a new bench directory "
-                "(or study_prefix) instead of resuming it"
-            )
+    _check_fingerprint(study, name, fingerprint, legacy_fingerprint, legacy_checked)
     _check_heartbeat(study, name, heartbeat)
     slots = int(study.user_attrs[_SLOTS_ATTR])
     if trials > slots:  # the user asked for more trials: add slots
@@ -250,6 +255,34 @@ def open_study(
             f"{trials} trials with --stage final"
         )
     return study
+
+
+def _check_fingerprint(study, name: str, fingerprint: dict[str, Any] | None,
+                       legacy: dict[str, Any] | None, legacy_checked: bool) -> None:
+    """Refuse a study whose key is not ``fingerprint``; a study without a recorded key accepts any.
+
+    A study without :data:`FINGERPRINT_VERSION` may hold the key of a dmlkit whose key left out
+    the sampler settings (``legacy``): accepted only where ``legacy_checked``, as nothing else
+    shows they were the same. An unversioned study that is accepted gets this dmlkit's key."""
+    old = study.user_attrs.get(_FINGERPRINT_ATTR)
+    if fingerprint is None or old is None:
+        return
+    versioned = _FINGERPRINT_VERSION_ATTR in study.user_attrs
+    if old != fingerprint and (versioned or legacy is None or old != legacy):
+        raise ConfigError(
+            f"study {name!r} was created with another search space or fixed settings (or "
+            "protocol.sampler, sampler_seed, n_startup_trials); use a new bench directory "
+            "(or study_prefix) instead of resuming it")
+    if old != fingerprint and not legacy_checked:
+        raise ConfigError(
+            f"study {name!r} was created by an older dmlkit, which did not record "
+            "protocol.sampler, sampler_seed and n_startup_trials; this config sets them to other "
+            "than the defaults, and only a study in its bench directory's own study.db (checked "
+            "against that directory's config.yaml) shows they are the same; use a new bench "
+            "directory (or study_prefix) instead of resuming it")
+    if not versioned:  # this dmlkit's key from now on (an older dmlkit refuses other settings)
+        study.set_user_attr(_FINGERPRINT_ATTR, fingerprint)
+        study.set_user_attr(_FINGERPRINT_VERSION_ATTR, FINGERPRINT_VERSION)
 
 
 def _check_heartbeat(study, name: str, heartbeat: dict[str, int] | None) -> None:

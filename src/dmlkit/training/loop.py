@@ -67,6 +67,7 @@ from dmlkit.embeddings import (
 from dmlkit.exceptions import CheckpointError, DataError, NonFiniteError
 from dmlkit.losses.sharding import check_shardable, sharded_loss
 from dmlkit.metrics import evaluate
+from dmlkit.metrics.scoring import scored_elsewhere, scoring_stamp, this_scorer
 from dmlkit.models import freeze_batchnorm, to_device
 from dmlkit.models.sync_batchnorm import convert_sync_batchnorm
 from dmlkit.training.builders import (
@@ -94,7 +95,7 @@ logger = logging.getLogger("dmlkit.training")
 
 #: What ``best.pt`` keeps: what inference needs (no optimiser/RNG state).
 BEST_KEYS = ("config", "model", "trunk_file", "loss", "epoch", "step", "trainer", "train_classes",
-             "embedding_size", INPUT_TRANSFORM_BY_NAME)
+             "embedding_size", INPUT_TRANSFORM_BY_NAME, "scoring")
 
 
 @dataclass
@@ -279,8 +280,22 @@ class Trainer:
             # a run whose patience ran out; a lowered patience stops a killed one)
             state.stop_reason = "patience"
         self.reconcile_best()
+        self.warn_scored_elsewhere(payload.get("scoring"))
         if self.dist.is_main:
             logger.info("resumed %s at epoch %d, step %d", self.run_dir, self.state.epoch, self.state.step)
+
+    def warn_scored_elsewhere(self, recorded: Any) -> None:
+        """Warn where the resumed best validation MAP@R, which the coming evaluations must beat,
+        was scored by another dmlkit (``recorded``: the checkpoint's ``"scoring"``,
+        :func:`dmlkit.metrics.scoring.scored_elsewhere`): the two may differ in the last digits."""
+        who, state = scored_elsewhere(recorded), self.state
+        if who is None or state.stop_reason is not None or not math.isfinite(state.best_map) or not self.dist.is_main:
+            return
+        warnings.warn(f"{self.run_dir}: its best validation MAP@R so far ({state.best_map:.4f}, epoch "
+                      f"{state.best_epoch}) was scored by {who}, the coming evaluations by this dmlkit "
+                      f"({this_scorer()}); they may differ in the last digits, which can decide the best "
+                      "model on a near tie. Training the run again from scratch avoids mixing them",
+                      stacklevel=3)
 
     def payload(self) -> dict[str, Any]:
         """Everything ``last.pt`` holds (``best.pt`` keeps :data:`BEST_KEYS` of it).
@@ -307,6 +322,7 @@ class Trainer:
             "epoch": self.state.epoch,
             "step": self.state.step,
             "trainer": self.state.trainer_record(),
+            "scoring": scoring_stamp(),  # what scored trainer's best_map (a resume by another warns)
             "train_classes": torch.as_tensor(self.train_classes),
             "embedding_size": self.embedding_size, INPUT_TRANSFORM_BY_NAME: True,
         }
