@@ -19,7 +19,7 @@ def register(app: typer.Typer) -> None:
 def report(
     directory: Path = typer.Argument(..., help="A run directory (dmlkit train) or benchmark directory (dmlkit bench)."),
     output: Path | None = typer.Option(None, "-o", "--output", help="The HTML file (default DIRECTORY/report.html)."),
-    data_root: Path | None = typer.Option(None, "--data-root", help="Dataset root (default $DMLKIT_DATA)."),
+    data_root: Path | None = typer.Option(None, "--data-root", help="Dataset root (default: the run's data.root, else $DMLKIT_DATA or ~/.cache/dmlkit/data)."),
     maps: list[str] = typer.Option(["umap,tsne,pca"], "--maps", help="2-D maps to draw, comma-separated or repeated (umap, tsne, pca)."),
     max_points: int = typer.Option(2000, min=10, help="Samples per split for the histograms and maps (at least 10)."),
     no_thumbnails: bool = typer.Option(False, "--no-thumbnails", help="Do not draw image thumbnails."),

@@ -144,11 +144,14 @@ def _count_check(name: str, what: str, found: int, expected: int, strict: bool) 
     warnings.warn(msg + " (using what is there)", stacklevel=3)
 
 
+#: The last sentence of a dataset's not-found message: where the data root comes from when no
+#: config names one (:func:`dmlkit.training.data_root.load_dataset_at` replaces it where a
+#: config's recorded ``data.root`` was used, so ``$DMLKIT_DATA`` did not apply).
+DATA_ROOT_HINT = "Use --data-root / $DMLKIT_DATA to point at another data root."
+
+
 def _missing(name: str, root: Path, expected: str, how: str) -> DataNotFoundError:
-    return DataNotFoundError(
-        f"{name} not found: expected {expected} under {root}. {how} "
-        "Use --data-root / $DMLKIT_DATA to point at another data root."
-    )
+    return DataNotFoundError(f"{name} not found: expected {expected} under {root}. {how} {DATA_ROOT_HINT}")
 
 
 def _download(url: str, root: Path, md5: str | None = None, filename: str | None = None) -> None:

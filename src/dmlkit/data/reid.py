@@ -35,6 +35,7 @@ import numpy as np
 
 from dmlkit.data.base import ImageFileDataset
 from dmlkit.data.datasets import (
+    DATA_ROOT_HINT,
     TRAIN_TEST,
     _count_check,
     _find_dir,
@@ -100,8 +101,7 @@ def parse_reid_name(name: str) -> tuple[int, int]:
 def _missing(name: str, base: Path, expected: str) -> DataNotFoundError:
     return DataNotFoundError(
         f"{name} not found: expected {expected} under {base}. The dataset is distributed by its "
-        "authors on request (no public download); extract your copy there, or point "
-        "--data-root / $DMLKIT_DATA at the folder that holds it."
+        f"authors on request (no public download); extract your copy there. {DATA_ROOT_HINT}"
     )
 
 

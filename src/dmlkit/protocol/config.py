@@ -64,6 +64,7 @@ from dmlkit.losses import LOSSES, needs_pair_batches
 from dmlkit.miners import MINERS
 
 __all__ = [
+    "DATA_ROOT_FIX",
     "DEFAULT_METRICS",
     "METHOD_KEYS",
     "RUN_SEED_STRIDE",
@@ -383,6 +384,11 @@ def _url_has_password(url: str) -> bool:
     except ValueError:  # an unparsable netloc: look for user:pw@ by hand
         in_userinfo = ":" in parts.netloc.rpartition("@")[0]
     return in_userinfo or any(k.lower() == "password" for k in parse_qs(parts.query))
+
+
+#: How to point a bench at its data when ``fixed.data.root`` names the wrong folder (``--data-root``
+#: naming another folder is refused, so the config's root is what to change).
+DATA_ROOT_FIX = "point it at the data with --set fixed.data.root=PATH"
 
 
 class BenchConfig(_Strict):

@@ -54,13 +54,13 @@ from pathlib import Path
 from typing import Any
 
 from dmlkit.config import ExperimentConfig, config_from_dict
-from dmlkit.data import get_transforms, load_dataset
+from dmlkit.data import get_transforms
 from dmlkit.distributed import DistributedError, lost_peer, lost_peer_reason, shutdown
 from dmlkit.exceptions import ConfigError, DataError, NonFiniteError
-from dmlkit.protocol.config import BenchConfig, TorchrunSettings
+from dmlkit.protocol.config import DATA_ROOT_FIX, BenchConfig, TorchrunSettings
 from dmlkit.protocol.processes import exit_on_sigterm
 from dmlkit.training import train
-from dmlkit.training.data_root import run_data_root
+from dmlkit.training.data_root import load_dataset_at
 from dmlkit.utils import atomic_write_json
 
 __all__ = [
@@ -111,11 +111,7 @@ def dataset_parts(config: ExperimentConfig, classes: Mapping[str, Sequence[int]]
     frozen), so a run trains on the same rows whichever launcher starts it.
     """
     d = config.data
-    root = run_data_root(d.root, data_root)
-    try:
-        full = load_dataset(d.dataset, root=root, **d.options)
-    except TypeError as exc:
-        raise ConfigError(f"fixed.data.options for {d.dataset!r}: {exc}") from exc
+    full = load_dataset_at(d, data_root, fix=DATA_ROOT_FIX, key="fixed.data")
     out: dict[str, Any] = {}
     for part in PARTS:
         ids = [int(c) for c in classes.get(part) or []]

@@ -26,12 +26,13 @@ import torch
 from rich.markup import escape
 
 from dmlkit.config import dump_config, load_yaml
-from dmlkit.data import ClassSplit, get_transforms, load_dataset
+from dmlkit.data import ClassSplit, get_transforms
 from dmlkit.embeddings import dataset_items, embed_split, load_embeddings, save_embeddings
-from dmlkit.exceptions import ConfigError, DataError, DmlkitError, NonFiniteError
+from dmlkit.exceptions import DataError, DmlkitError, NonFiniteError
 from dmlkit.metrics import evaluate
 from dmlkit.metrics.scoring import scored_elsewhere, scoring_stamp, this_scorer
 from dmlkit.protocol.config import (
+    DATA_ROOT_FIX,
     RUN_SEED_STRIDE,
     BenchConfig,
     MethodConfig,
@@ -41,7 +42,7 @@ from dmlkit.protocol.space import suggest
 from dmlkit.protocol.splits import BenchSplit, TestClassGuard
 from dmlkit.training import build_model, train
 from dmlkit.training.checkpoint import training_changes
-from dmlkit.training.data_root import run_data_root
+from dmlkit.training.data_root import load_dataset_at, run_data_root
 from dmlkit.utils import atomic_write_json, atomic_write_text, process_alive, seed_everything
 from dmlkit.validation import concatenate_normalized
 
@@ -90,12 +91,7 @@ def _with_transform(dataset, config: BenchConfig, train: bool):
 def load_full_dataset(config: BenchConfig, data_root: str | Path | None = None):
     """Every class of the configured dataset (``dmlkit.data.load_dataset``); the data root is
     ``data_root`` (``--data-root``), else ``fixed.data.root``, else ``$DMLKIT_DATA``."""
-    d = config.fixed.data
-    root = run_data_root(d.root, data_root)
-    try:
-        return load_dataset(d.dataset, root=root, **d.options)
-    except TypeError as exc:
-        raise ConfigError(f"fixed.data.options for {d.dataset!r}: {exc}") from exc
+    return load_dataset_at(config.fixed.data, data_root, fix=DATA_ROOT_FIX, key="fixed.data")
 
 
 # -- search ---------------------------------------------------------------------------------------

@@ -29,14 +29,14 @@ from dmlkit.config import (
     SamplerConfig,
     SplitConfig,
 )
-from dmlkit.data import ClassSplit, default_split, get_transforms, load_dataset, split_classes
+from dmlkit.data import ClassSplit, default_split, get_transforms, split_classes
 from dmlkit.data.transforms import PRESETS as TRANSFORM_PRESETS
 from dmlkit.exceptions import ConfigError, DmlkitError
 from dmlkit.losses import LOSSES, CombinedLoss, CrossBatchMemory, ProxyLoss, get_loss
 from dmlkit.miners import MINERS, get_miner
 from dmlkit.models import TRUNKS, EmbeddingModel, build_trunk, freeze_batchnorm
 from dmlkit.samplers import MPerClassSampler
-from dmlkit.training.data_root import run_data_root
+from dmlkit.training.data_root import load_dataset_at
 from dmlkit.validation import check_parameter_numbers
 
 __all__ = [
@@ -401,11 +401,7 @@ def build_datasets(
         augment_train = not (isinstance(config, ExperimentConfig) and config.model.frozen_trunk)
     d = _section(config, "data", DataConfig)
     if dataset is None:
-        root = run_data_root(d.root, data_root)
-        try:
-            dataset = load_dataset(d.dataset, root=root, **d.options)
-        except TypeError as exc:
-            raise ConfigError(f"data.options for {d.dataset!r}: {exc}") from exc
+        dataset = load_dataset_at(d, data_root, fix="use --data-root to point at the data")
     split = build_split(d, dataset)
     out: dict[str, Any] = {"split": split}
     for name in splits:

@@ -4,13 +4,15 @@ never two), and the dataset a config's ``data`` section names loaded from it."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 from dmlkit.config import DataConfig, ExperimentConfig
 from dmlkit.data import load_dataset
-from dmlkit.exceptions import ConfigError
+from dmlkit.data.datasets import DATA_ROOT_HINT
+from dmlkit.exceptions import ConfigError, DataNotFoundError
 from dmlkit.utils import data_root as resolve_data_root
 
-__all__ = ["load_config_dataset", "merge_data_root", "run_data_root", "with_data_root"]
+__all__ = ["load_config_dataset", "load_dataset_at", "merge_data_root", "run_data_root", "with_data_root"]
 
 
 def merge_data_root(config_root: str | None, data_root: str | Path | None, key: str = "data.root") -> str | None:
@@ -61,10 +63,31 @@ def with_data_root(config: ExperimentConfig, data_root: str | Path | None) -> Ex
     return config.override({"data.root": root})
 
 
-def load_config_dataset(data: DataConfig, data_root: str | Path | None = None, key: str = "data"):
-    """Every class of the dataset a ``data`` section names (as ``build_datasets`` loads it)."""
-    root = resolve_data_root(merge_data_root(data.root, data_root, f"{key}.root"))
+def load_dataset_at(data: DataConfig, data_root: str | Path | None, *, fix: str, key: str = "data") -> Any:
+    """Every class of the dataset ``data`` names, read from :func:`run_data_root`'s folder.
+
+    Bad ``data.options`` raise a :class:`ConfigError`. Where the config's recorded ``data.root``
+    was used (no ``data_root``), a :class:`DataNotFoundError` says so and how to ``fix`` it
+    instead of the loaders' generic hint: ``$DMLKIT_DATA`` did not apply, pointing it elsewhere
+    would change nothing."""
     try:
-        return load_dataset(data.dataset, root=root, **data.options), root
+        return load_dataset(data.dataset, root=run_data_root(data.root, data_root), **data.options)
     except TypeError as exc:
         raise ConfigError(f"{key}.options for {data.dataset!r}: {exc}") from exc
+    except DataNotFoundError as exc:
+        if data_root is not None or data.root is None:
+            raise
+        said = str(exc).replace(DATA_ROOT_HINT, "").rstrip()
+        raise DataNotFoundError(f"{said} The config records {key}.root = {data.root} ($DMLKIT_DATA "
+                                f"does not apply): {fix}.") from exc
+
+
+def load_config_dataset(data: DataConfig, data_root: str | Path | None = None, key: str = "data"):
+    """Every class of the dataset a ``data`` section names (as ``build_datasets`` loads it), for
+    a new run: ``data_root`` (``--data-root``) and the config's ``data.root`` must agree."""
+    root = merge_data_root(data.root, data_root, f"{key}.root")
+    fix = (f"point it at the data with --data-root PATH, or --set {key}.root=PATH where the config "
+           "file sets it")
+    # the config's own root (--data-root, if given, names the same folder) or --data-root alone
+    given = None if data.root is not None else root
+    return load_dataset_at(data, given, fix=fix, key=key), resolve_data_root(root)
