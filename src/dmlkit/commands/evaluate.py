@@ -14,7 +14,7 @@ import typer
 from dmlkit.commands._console import echo_json
 
 _COUNTS = ("num_queries", "num_queries_without_positive")
-#: ``--k``'s default (given otherwise, it needs recall_at_k or precision_at_k among the metrics).
+#: ``--k``'s default (given, even at this value, it needs recall_at_k or precision_at_k among the metrics).
 _DEFAULT_K = ["1,2,4,8"]
 
 
@@ -56,7 +56,7 @@ def register(app: typer.Typer) -> None:
             raise ConfigError(f"--k must be comma-separated integers, got {','.join(k)!r}") from None
         if not k_values:
             raise ConfigError(f"--k must list at least one integer, got {','.join(k)!r}")
-        if k != _DEFAULT_K and not {m.strip().lower() for m in metrics} & {"recall_at_k", "precision_at_k"}:
+        if given(ctx, "k") and not {m.strip().lower() for m in metrics} & {"recall_at_k", "precision_at_k"}:
             raise ConfigError("--k sets the K values of recall_at_k / precision_at_k, and -m asks for "
                               f"neither ({', '.join(metrics)}): add one, or leave --k out")
         for option in ("restarts", "seed"):  # as --k: given without a clustering metric, silently unused

@@ -127,6 +127,7 @@ def register(app: typer.Typer) -> None:
 
     @app.command("embed")
     def embed_command(
+        ctx: typer.Context,
         checkpoint: Path = typer.Argument(..., help="A checkpoint (.pt) or a run directory (uses checkpoints/best.pt)."),
         split: str = typer.Option("test", "--split", help="Which classes to embed: test, val or train."),
         output: Path | None = typer.Option(None, "--output", "-o", help="Output .npz (default: RUN_DIR/embeddings/<split>.npz for best.pt, <split>-<checkpoint>.npz for another checkpoint, e.g. test-last.npz) or shard directory (default: RUN_DIR/embeddings/<split>-shards, <split>-<checkpoint>-shards)."),
@@ -144,13 +145,15 @@ def register(app: typer.Typer) -> None:
         for checkpoints/last.pt): embeddings/test.npz stays the best checkpoint's, which the
         run's metrics.json describes.
         """
+        from dmlkit.commands._options import given
         from dmlkit.exceptions import ConfigError
 
         if fmt not in ("npz", "shards"):
             raise ConfigError(f"--format must be npz or shards, got {fmt!r}")
-        if fmt == "npz" and (dtype != "float32" or shard_rows != 65536):  # never silently ignored
-            raise ConfigError("--dtype and --shard-rows apply to --format shards; an .npz holds float32 "
-                              "embeddings")
+        shard_only = [f"--{n.replace('_', '-')}" for n in ("dtype", "shard_rows", "overwrite") if given(ctx, n)]
+        if fmt == "npz" and shard_only:  # never silently ignored, even at their default values
+            raise ConfigError(f"{', '.join(shard_only)} apply to --format shards only (an .npz holds float32 "
+                              "embeddings and is replaced as a whole): add --format shards, or leave them out")
         from dmlkit.commands._ranks import is_main_rank, one_error_line_per_job
 
         main_rank = is_main_rank()  # under torchrun: each rank a share
