@@ -51,7 +51,7 @@ def prototype_predict(support: Any, support_labels: Any, query: Any, distance: s
     """Predicted label of each query: the class whose prototype (support mean) is closest.
 
     ``distance="euclidean"`` is the squared-Euclidean rule of prototypical networks;
-    ``"cosine"`` compares directions. Prototypes and distances are computed in float64 from the
+    ``"cosine"`` compares directions (either in any case; other names are refused). Prototypes and distances are computed in float64 from the
     float32 embeddings (:func:`_prototype_closeness`); a query equally close to two prototypes
     takes the class that sorts first (ties by index, as in the kNN metrics).
     """
@@ -94,15 +94,17 @@ def _tie_ruled_answers(classes: np.ndarray, closeness: np.ndarray, truth: np.nda
 
 
 def _distance(distance: str):
-    """``euclidean``: squared Euclidean on raw embeddings (prototypical networks); others by name
-    (:func:`dmlkit.distances.get_distance`, which reads names in any case: ``Euclidean`` is
-    ``euclidean`` here too, not that function's normalised Euclidean)."""
-    if isinstance(distance, str) and distance.strip().lower() == "euclidean":
+    """``euclidean``: squared Euclidean on raw embeddings (prototypical networks); ``cosine``
+    compares directions. Read in any case. Any other name is refused: ``dot`` or ``snr`` would
+    score otherwise than the documented rules, and :func:`dmlkit.distances.get_distance`'s ``lp``
+    is the *normalised* Euclidean, which is ``cosine``'s ranking, not ``euclidean``'s."""
+    name = distance.strip().lower() if isinstance(distance, str) else None
+    if name == "euclidean":
         return LpDistance(power=2, normalize_embeddings=False)
-    try:
-        return get_distance(distance)
-    except ValueError as exc:
-        raise ConfigError(f"{exc} (few-shot: 'euclidean' is the prototypical-network rule)") from None
+    if name == "cosine":
+        return get_distance(name)
+    raise ConfigError(f"unknown distance {distance!r} for few-shot classification (--distance): use "
+                      "'euclidean' (squared Euclidean of the raw embeddings, prototypical networks) or 'cosine'")
 
 
 #: How ``dmlkit fewshot`` spells the arguments of :func:`few_shot_accuracy` (for its messages).
@@ -126,7 +128,8 @@ def few_shot_accuracy(embeddings: Any, labels: Any, n_way: int = 5, k_shot: int 
     classes were skipped (the accuracy then describes the larger classes only). ``n_way < 2``
     is refused (one class per episode: every query is right). Embeddings with NaN/infinite rows
     are refused (:mod:`dmlkit.validation`), as by ``evaluate``, instead of scoring them as if
-    they were wrong answers.
+    they were wrong answers. ``distance``: ``"euclidean"`` (squared, raw embeddings: the
+    prototypical-network rule) or ``"cosine"``, in any case (:func:`prototype_predict`).
     """
     x = check_embeddings(embeddings).cpu().numpy()
     y, _ = check_labels(labels, len(x))
@@ -231,7 +234,8 @@ def load_omniglot_one_shot_runs(root: str | os.PathLike | None = None) -> list[O
 def omniglot_one_shot_error(embed: Callable[[np.ndarray], np.ndarray], runs: list[OneShotRun],
                             distance: str = "cosine") -> dict[str, Any]:
     """Classification error (%) on the one-shot runs: each test image takes the class of its
-    nearest training image. ``embed`` maps ``(n, 105, 105)`` bool images to ``(n, D)``."""
+    nearest training image. ``embed`` maps ``(n, 105, 105)`` bool images to ``(n, D)``;
+    ``distance`` is ``"cosine"`` or ``"euclidean"`` (:func:`prototype_predict`)."""
     _distance(distance)
     if not runs:
         raise DataError("no one-shot runs to score")

@@ -151,7 +151,7 @@ def fewshot(
     shot: int = typer.Option(1, help="Support items per class (K-shot)."),
     queries: int = typer.Option(5, help="Query items per class."),
     episodes: int = typer.Option(1000, max=MAX_EPISODES, help=f"Random episodes averaged (at most {MAX_EPISODES:,})."),
-    distance: str = typer.Option("euclidean", help="euclidean (prototypical networks) or cosine."),
+    distance: str = typer.Option("euclidean", help="euclidean (squared, raw embeddings: prototypical networks) or cosine, in any case; other names are refused."),
     seed: int = typer.Option(0),
     as_json: bool = typer.Option(False, "--json", help="Print the result as JSON instead of a summary."),
 ) -> None:
@@ -171,7 +171,7 @@ def fewshot(
 def oneshot(
     checkpoint: Path = typer.Argument(..., help="A run directory or checkpoint trained on Omniglot."),
     data_root: Path | None = typer.Option(None, "--data-root", help="Holds omniglot/one_shot_all_runs.zip (default: the run's data.root, else $DMLKIT_DATA or ~/.cache/dmlkit/data)."),
-    distance: str = typer.Option("cosine"),
+    distance: str = typer.Option("cosine", help="cosine or euclidean (as `dmlkit fewshot --distance`)."),
     as_json: bool = typer.Option(False, "--json", help="Print the result as JSON instead of a summary."),
 ) -> None:
     """Error on the 20 official Omniglot 20-way one-shot runs (Lake et al. 2015).
