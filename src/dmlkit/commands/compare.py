@@ -15,15 +15,15 @@ def register(app: typer.Typer) -> None:
         baseline: str | None = typer.Option(None, "--baseline", help="Compare every method against this one only."),
         metric: list[str] = typer.Option(None, "--metric", help="precision_at_1 | r_precision | map_at_r (default: all three)."),
         mode: list[str] = typer.Option(None, "--mode", help="concatenated | separated (default: both)."),
-        confidence: float = typer.Option(0.95, "--confidence", help="Confidence level of the CIs and the significance test, a fraction (0.95: 95 % CIs, Holm-adjusted p < 0.05)."),
+        confidence: float = typer.Option(0.95, "--confidence", help="Confidence level of the CIs and the significance test, a fraction (0.95: 95 % CIs; significant = Holm-adjusted p < 1 - confidence)."),
         out: Path | None = typer.Option(None, "--out", "-o", help="Also write the report (.json or .md)."),
     ) -> None:
         """Differences between methods per metric, with CIs (95 % by default) over seeds and test queries.
 
         A t-test over training seeds and test queries (per-query scores recomputed from the
         saved embeddings; Welch-Satterthwaite degrees of freedom) gives each pair's CI and p;
-        "significant" = p < 0.05 after Holm's correction over the pairs, with >= 3 seeds per
-        method. Also relative improvements over contrastive/triplet."""
+        "significant" = p < 1 - confidence (0.05 by default) after Holm's correction over
+        the pairs, with >= 3 seeds per method. Also relative improvements over contrastive/triplet."""
         import warnings
 
         from rich.markup import escape

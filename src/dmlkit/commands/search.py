@@ -397,7 +397,7 @@ def serve(
     threshold: float | None = typer.Option(None, help="Verification threshold (the `threshold` of `dmlkit verify`)."),
     verification: Path | None = typer.Option(None, "--verification", help="JSON from `dmlkit verify --json` holding the threshold."),
     data_root: Path | None = typer.Option(None, "--data-root", help="Where the indexed files' thumbnails are read."),
-    max_upload_mb: float = typer.Option(8.0, "--max-upload-mb", help="Largest request body accepted."),
+    max_upload_mb: float = typer.Option(8.0, "--max-upload-mb", help="Largest request body accepted, in MiB (2^20 bytes: 8 = 8,388,608 bytes)."),
     max_k: int = typer.Option(100, "--max-k", help="Largest k a request may ask for."),
 ) -> None:
     """An HTTP search service with a web page: query by image, embedding or id; verify two images."""
@@ -407,7 +407,7 @@ def serve(
     from dmlkit.exceptions import ConfigError
 
     if not math.isfinite(max_upload_mb) or max_upload_mb * 2**20 < 1:  # int(nan) and int(inf) raised a traceback
-        raise ConfigError(f"--max-upload-mb must be a positive number of megabytes, got {max_upload_mb}")
+        raise ConfigError(f"--max-upload-mb must be a positive number of MiB (2^20 bytes, at least one byte), got {max_upload_mb}")
     run_server(ServiceConfig(index=index_path, model=model, threshold=threshold, verification=verification,
                              data_root=data_root, max_upload_bytes=int(max_upload_mb * 2**20), max_k=max_k),
                host=host, port=port)
