@@ -7,7 +7,8 @@ comparison. Classification/proxy losses (``test_losses_classification.py``,
 both families must pass (loop reference with parameter gradients, gradcheck, bfloat16, large
 scales, API errors and empty batches). Training tests (``test_training.py``,
 ``test_cli_train.py``): the tiny model, loss and optimiser sections of their configs. SiamFC
-training tests (``test_tracking_*.py``): a one-sequence training set and a tiny config.
+training tests (``test_tracking_*.py``): a one-sequence training set and a tiny config. Distributed training tests: a grey image folder and a tiny
+config that trains on it.
 """
 
 from __future__ import annotations
@@ -18,8 +19,10 @@ import json
 from collections.abc import Callable
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
+from PIL import Image
 from torch.func import functional_call
 
 from dmlkit.apps.tracking.datasets import Sequence
@@ -369,3 +372,32 @@ def tiny_siamfc_config(data_dir: Path, epochs: int, **overrides) -> SiamFCTrainC
     base = dict(data_dir=str(data_dir), width=0.0625, epochs=epochs, pairs_per_epoch=1,
                 batch_size=1, lr=0.01, lr_end=0.005)
     return SiamFCTrainConfig(**{**base, **overrides})
+
+
+# ------------------------------------------------------------------ image-folder training
+def tiny_image_folder_config(name: str, val_fraction: float) -> dict:
+    """A config that trains a 4/8-wide grayscale CNN on an ``image_folder`` for two steps."""
+    return {
+        "name": name,
+        "seed": 3,
+        "data": {"dataset": "image_folder", "split": {"kind": "default", "val_fraction": val_fraction},
+                 "transform": "grayscale"},
+        "model": {"trunk": "small_cnn", "trunk_options": {"widths": [4, 8]}, "pretrained": False,
+                  "in_channels": 1, "embedding_size": 8},
+        "loss": {"name": "triplet", "params": {"margin": 0.2}},
+        "miner": {"name": "batch_hard"},
+        "sampler": {"classes_per_batch": 2, "samples_per_class": 2, "batches_per_epoch": 2},
+        "optimizer": {"preset": "cpu_quick"},
+        "training": {"epochs": 1, "device": "cpu", "log_every": 1},
+    }
+
+
+def grey_image_folder(root: Path, classes: int = 16, per_class: int = 4) -> Path:
+    """``root/classNN/i.png``: random 8 x 8 grayscale images (seed 0)."""
+    rng = np.random.default_rng(0)
+    for c in range(classes):
+        folder = root / f"class{c:02d}"
+        folder.mkdir(parents=True)
+        for i in range(per_class):
+            Image.fromarray(rng.integers(0, 256, (8, 8), dtype=np.uint8), "L").save(folder / f"{i}.png")
+    return root

@@ -27,8 +27,8 @@ import numpy as np
 import pytest
 import torch
 import torch.multiprocessing as mp
-from PIL import Image
 
+from _reference import grey_image_folder, tiny_image_folder_config
 from dmlkit.commands import _ranks
 from dmlkit.distributed import DistributedError, init_distributed, raised_on_every_rank, shutdown
 from dmlkit.embedding_shards import write_shards
@@ -185,28 +185,7 @@ def test_a_warning_is_printed_once_by_rank_0(data, two_ranks, capsys, monkeypatc
 
 
 # -- dmlkit embed ---------------------------------------------------------------------------------
-EMBED_CONFIG = {
-    "name": "same-embed",
-    "seed": 3,
-    "data": {"dataset": "image_folder", "split": {"kind": "default", "val_fraction": 0.5},
-             "transform": "grayscale"},
-    "model": {"trunk": "small_cnn", "trunk_options": {"widths": [4, 8]}, "pretrained": False,
-              "in_channels": 1, "embedding_size": 8},
-    "loss": {"name": "triplet", "params": {"margin": 0.2}},
-    "miner": {"name": "batch_hard"},
-    "sampler": {"classes_per_batch": 2, "samples_per_class": 2, "batches_per_epoch": 2},
-    "optimizer": {"preset": "cpu_quick"},
-    "training": {"epochs": 1, "device": "cpu", "log_every": 1},
-}
-
-
-def _image_folder(root: Path, classes: int = 8, per_class: int = 4) -> Path:
-    rng = np.random.default_rng(0)
-    for c in range(classes):
-        (root / f"class{c:02d}").mkdir(parents=True)
-        for i in range(per_class):
-            Image.fromarray(rng.integers(0, 256, (8, 8), dtype=np.uint8), "L").save(root / f"class{c:02d}" / f"{i}.png")
-    return root
+EMBED_CONFIG = tiny_image_folder_config("same-embed", val_fraction=0.5)
 
 
 def _embed_worker(rank: int, port: int, out_dir: str) -> None:
@@ -236,7 +215,7 @@ def _embed_worker(rank: int, port: int, out_dir: str) -> None:
 
 @pytest.mark.filterwarnings("ignore")
 def test_embed_refuses_ranks_with_other_data_or_another_checkpoint(tmp_path):
-    _image_folder(tmp_path / "data")
+    grey_image_folder(tmp_path / "data", classes=8)
     train(EMBED_CONFIG, tmp_path / "run", data_root=tmp_path / "data", progress=False)
     copy = tmp_path / "copy"
     shutil.copytree(tmp_path / "data", copy / "data")

@@ -34,8 +34,8 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 import yaml
-from PIL import Image
 
+from _reference import grey_image_folder, tiny_image_folder_config
 from dmlkit.config import config_from_dict
 from dmlkit.data.base import ArrayDataset
 from dmlkit.data.datasets import load_dataset
@@ -45,30 +45,7 @@ from dmlkit.training import read_checkpoint, read_log, train
 from dmlkit.training.builders import build_datasets
 from dmlkit.training.same_inputs import check_same_data
 
-CONFIG = {
-    "name": "same-data",
-    "seed": 3,
-    "data": {"dataset": "image_folder", "split": {"kind": "default", "val_fraction": 0.25},
-             "transform": "grayscale"},
-    "model": {"trunk": "small_cnn", "trunk_options": {"widths": [4, 8]}, "pretrained": False,
-              "in_channels": 1, "embedding_size": 8},
-    "loss": {"name": "triplet", "params": {"margin": 0.2}},
-    "miner": {"name": "batch_hard"},
-    "sampler": {"classes_per_batch": 2, "samples_per_class": 2, "batches_per_epoch": 2},
-    "optimizer": {"preset": "cpu_quick"},
-    "training": {"epochs": 1, "device": "cpu", "log_every": 1},
-}
-
-
-def _image_folder(root: Path, classes: int = 16, per_class: int = 4) -> Path:
-    """``root/classNN/i.png``: small grayscale images of different sizes on disk."""
-    rng = np.random.default_rng(0)
-    for c in range(classes):
-        folder = root / f"class{c:02d}"
-        folder.mkdir(parents=True)
-        for i in range(per_class):
-            Image.fromarray(rng.integers(0, 256, (8, 8), dtype=np.uint8), "L").save(folder / f"{i}.png")
-    return root
+CONFIG = tiny_image_folder_config("same-data", val_fraction=0.25)
 
 
 def _splits(root: Path) -> dict:
@@ -81,7 +58,7 @@ def _fingerprints(root: Path) -> dict[str, str]:
 
 
 def test_a_copy_elsewhere_has_the_same_portable_fingerprint_and_a_changed_split_another(tmp_path):
-    original = _image_folder(tmp_path / "a")
+    original = grey_image_folder(tmp_path / "a")
     copy = Path(shutil.copytree(original, tmp_path / "elsewhere" / "b"))
     assert load_dataset("image_folder", root=original).fingerprint() != \
         load_dataset("image_folder", root=copy).fingerprint()  # the cache key knows the place
@@ -134,7 +111,7 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
 @pytest.mark.filterwarnings("ignore")
 def test_ranks_that_loaded_different_data_are_refused_before_training(tmp_path):
     for name in ("same0", "data0"):
-        _image_folder(tmp_path / name)
+        grey_image_folder(tmp_path / name)
     shutil.copytree(tmp_path / "same0", tmp_path / "same1")
     shutil.copytree(tmp_path / "data0", tmp_path / "data1")
     (tmp_path / "data1" / "class00" / "3.png").unlink()  # rank 1's copy lacks a training image
@@ -169,7 +146,7 @@ def _loss_only_worker(rank: int, port: int, out_dir: str) -> None:
 
 @pytest.mark.filterwarnings("ignore")
 def test_a_model_with_nothing_to_train_trains_its_proxies_as_one_process(tmp_path):
-    _image_folder(tmp_path / "data")
+    grey_image_folder(tmp_path / "data")
     mp.spawn(_loss_only_worker, args=(_free_port(), str(tmp_path)), nprocs=2, join=True)
     train(LOSS_ONLY, tmp_path / "one", data_root=tmp_path / "data", progress=False)
     one, two = (read_checkpoint(tmp_path / run / "checkpoints" / "last.pt") for run in ("one", "two"))
@@ -182,7 +159,7 @@ def test_a_model_with_nothing_to_train_trains_its_proxies_as_one_process(tmp_pat
 
 
 def test_an_os_error_every_rank_meets_is_printed_once(tmp_path):
-    _image_folder(tmp_path / "data")
+    grey_image_folder(tmp_path / "data")
     (tmp_path / "config.yaml").write_text(yaml.safe_dump(CONFIG))
     (tmp_path / "run").mkdir()
     (tmp_path / "run" / "checkpoints").touch()  # a file where the run's folder goes

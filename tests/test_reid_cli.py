@@ -192,27 +192,31 @@ def _market_fixture(root):
             save("bounding_box_test", pid, 1 + k, 200 + k)  # camera 1 = junk for the query
 
 
+def _market_config(root, name: str, *, batches: int, model: dict, loss: dict) -> dict:
+    """A one-epoch grayscale small-CNN run on :func:`_market_fixture`'s data under ``root``."""
+    return {
+        "name": name, "seed": 0,
+        "data": {"dataset": "market1501", "root": str(root), "options": {"strict": False},
+                 "split": {"kind": "default", "val_fraction": 0.2}, "transform": "grayscale",
+                 "image_size": 28},
+        "model": {"trunk": "small_cnn", "pretrained": False, "in_channels": 1, **model},
+        "loss": loss, "miner": None,
+        "sampler": {"classes_per_batch": 4, "samples_per_class": 2, "batches_per_epoch": batches},
+        "optimizer": {"preset": "cpu_quick"},
+        "training": {"epochs": 1, "device": "cpu"},
+    }
+
+
 def test_train_with_the_recipe_then_evaluate_the_run(tmp_path, capsys):
     import warnings
 
     from dmlkit.training import train
 
     _market_fixture(tmp_path)
-    config = {
-        "name": "reid_smoke", "seed": 0,
-        "data": {"dataset": "market1501", "root": str(tmp_path), "options": {"strict": False},
-                 "split": {"kind": "default", "val_fraction": 0.2}, "transform": "grayscale",
-                 "image_size": 28},
-        "model": {"trunk": "small_cnn", "pretrained": False, "in_channels": 1,
-                  "embedding_size": 16, "freeze_batchnorm": False},
-        "loss": {"name": "combined", "params": {"losses": [
-            {"name": "triplet", "params": {"margin": 0.3, "reduction": "batch_hard"}},
-            {"name": "softmax", "bn_neck": True, "params": {"bias": False}}]}},
-        "miner": None,
-        "sampler": {"classes_per_batch": 4, "samples_per_class": 2, "batches_per_epoch": 3},
-        "optimizer": {"preset": "cpu_quick"},
-        "training": {"epochs": 1, "device": "cpu"},
-    }
+    config = _market_config(tmp_path, "reid_smoke", batches=3, model={"embedding_size": 16, "freeze_batchnorm": False},
+                            loss={"name": "combined", "params": {"losses": [
+                                {"name": "triplet", "params": {"margin": 0.3, "reduction": "batch_hard"}},
+                                {"name": "softmax", "bn_neck": True, "params": {"bias": False}}]}})
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         train(config, tmp_path / "run", progress=False)
@@ -232,17 +236,8 @@ def test_a_run_s_saved_embeddings_are_reused_only_for_the_files_they_embedded(tm
     from dmlkit.training import train
 
     _market_fixture(tmp_path)
-    config = {
-        "name": "reid_reuse", "seed": 0,
-        "data": {"dataset": "market1501", "root": str(tmp_path), "options": {"strict": False},
-                 "split": {"kind": "default", "val_fraction": 0.2}, "transform": "grayscale",
-                 "image_size": 28},
-        "model": {"trunk": "small_cnn", "pretrained": False, "in_channels": 1, "embedding_size": 8},
-        "loss": {"name": "triplet", "params": {"margin": 0.3}}, "miner": None,
-        "sampler": {"classes_per_batch": 4, "samples_per_class": 2, "batches_per_epoch": 1},
-        "optimizer": {"preset": "cpu_quick"},
-        "training": {"epochs": 1, "device": "cpu"},
-    }
+    config = _market_config(tmp_path, "reid_reuse", batches=1, model={"embedding_size": 8},
+                            loss={"name": "triplet", "params": {"margin": 0.3}})
     embedded = []
     real = dmlkit.training.embed_split
     monkeypatch.setattr(dmlkit.training, "embed_split", lambda *a, **k: embedded.append(1) or real(*a, **k))
