@@ -395,12 +395,23 @@ def _knn_numba(
     """The numba backend. ``floor`` (float32 per query row, the tile's closeness units): only
     references at least that close are wanted (a running k-th closeness from other references,
     :mod:`dmlkit.metrics.streaming`); each row's scan starts from it, and a row with fewer than
-    ``k`` of them is padded with closeness ``-inf`` and index ``-1``."""
+    ``k`` of them is padded with closeness ``-inf`` and index ``-1``.
+
+    Each query row holds ``max(2k, k + 32)`` int64 keys until its last tile: against separate
+    references the queries go in groups whose keys fit half the budget (at least 1024 rows; 500k
+    queries at k = 1 took 247 MiB at a 1 MiB budget before); a self-search's symmetric tiles fill
+    two row blocks at once, so there every row keeps its keys to the end (docs/guide.md)."""
     from queue import SimpleQueue
 
     # lazy: the numba kernels load only when a compiled path runs
     from dmlkit.metrics import _kernels
 
+    cap = max(2 * k, k + 32)
+    group = max(1024, budget // (2 * 8 * cap))
+    if r is not None and not exclude_self and q.shape[0] > group:
+        parts = [_knn_numba(scorer, q[g:g + group], r, k, False, budget, None if floor is None else floor[g:g + group])
+                 for g in range(0, q.shape[0], group)]
+        return torch.cat([v for v, _ in parts]), torch.cat([i for _, i in parts])
     same = r is None
     ref = q if same else r
     nq, m = q.shape[0], ref.shape[0]
@@ -410,7 +421,6 @@ def _knn_numba(
         # one tile per worker in the budget, at most 1024 x 1024 (measured faster than 512 on a
         # 2-core EPYC: fewer calls, a slightly faster matmul; the scan reads it from L3)
         tile = int(max(64, min(1024, math.isqrt(budget // (4 * workers)))))
-        cap = max(2 * k, k + 32)
         blocks = [(a0, min(nq, a0 + tile)) for a0 in range(0, nq, tile)]
         ref_blocks = blocks if same else [(b0, min(m, b0 + tile)) for b0 in range(0, m, tile)]
         guess = floor if floor is not None else _guess_thresholds(tiles, k, exclude_self, budget, workers)
@@ -523,7 +533,9 @@ def knn(
             value, so duplicates of a query still count). Default: ``True`` when
             ``reference`` is ``None`` (or is the query object itself), else ``False``.
         backend: ``"auto"``, ``"torch"``, ``"numba"`` or ``"faiss"`` (see the module docstring).
-        memory_budget: working memory in bytes for the tiles (the ``N x k`` result is extra).
+        memory_budget: working memory in bytes for the tiles (the ``N x k`` result, a
+            prepared copy of the inputs and, on a numba self-search, 8 ``max(2k, k + 32)``
+            bytes a query row are extra).
         order: optional permutation of the query rows used by the faiss backend on a
             self-search to process similar rows together (speed only, same result).
 
