@@ -17,6 +17,7 @@ import random
 import subprocess
 import sys
 import tempfile
+import warnings
 from collections.abc import Callable, Iterator, Mapping, MutableMapping
 from datetime import UTC, datetime
 from importlib import metadata
@@ -33,6 +34,7 @@ __all__ = [
     "atomic_write_json",
     "atomic_write_text",
     "directory_lock",
+    "holding_warnings",
     "dotted_items",
     "atomic_torch_save",
     "data_root",
@@ -166,6 +168,30 @@ def refuse_overwriting_inputs(output: str | os.PathLike, *inputs: str | os.PathL
         src = Path(source).expanduser().resolve()
         if out == src or (src.is_dir() and src in out.parents):
             raise DataError(f"the output {output} would overwrite the input {source}: choose another output path")
+
+
+@contextlib.contextmanager
+def holding_warnings(
+    select: Callable[[list[warnings.WarningMessage], bool], list[warnings.WarningMessage]],
+    always: tuple[type[Warning], ...] = (),
+) -> Iterator[None]:
+    """Hold the warnings of the block and give, when it ends (the caller's filters and display
+    restored, also when it failed), those ``select(held, failed)`` keeps, in their order;
+    ``always``: categories recorded every time they are raised (not once per place)."""
+    held: list[warnings.WarningMessage] = []
+    failed = True
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            for category in always:
+                warnings.simplefilter("always", category)
+            try:
+                yield
+            finally:
+                held = list(caught)
+        failed = False
+    finally:
+        for w in select(held, failed):
+            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno, source=w.source)
 
 
 @contextlib.contextmanager

@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import warnings
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -265,22 +264,20 @@ def _content(x: Any) -> str:
     return f"{' x '.join(map(str, shape))} {dtype} (sha256 {h.hexdigest()[:16]})"
 
 
-@contextlib.contextmanager
-def _each_warning_once() -> Iterator[None]:
+def _each_warning_once() -> contextlib.AbstractContextManager[None]:
     """Give each warning of the block (by category and text) once, when the block ends: under
     torchrun rank 0 runs the full-ranking metrics and its share of the streamed ones, and both
     check the same inputs (rank 0 printed "... also appear, identical, in the reference set"
     twice; one process prints it once)."""
-    held: list[warnings.WarningMessage] = []
-    try:
-        with warnings.catch_warnings(record=True) as caught:
-            try:
-                yield
-            finally:
-                held = list(caught)
-    finally:  # given also when the block failed, once the filters are the caller's again
+    from dmlkit.utils import holding_warnings  # lazy: numpy-free start-up of the command line
+
+    def first_of_each(held: list[warnings.WarningMessage], failed: bool) -> list[warnings.WarningMessage]:
         seen: set[tuple[type, str]] = set()
+        kept = []
         for w in held:
             if (w.category, str(w.message)) not in seen:
                 seen.add((w.category, str(w.message)))
-                warnings.warn_explicit(w.message, w.category, w.filename, w.lineno, source=w.source)
+                kept.append(w)
+        return kept
+
+    return holding_warnings(first_of_each)

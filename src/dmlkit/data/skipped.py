@@ -14,11 +14,10 @@ from __future__ import annotations
 import contextlib
 import os
 import warnings
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from dmlkit.utils import atomic_write_text
+from dmlkit.utils import atomic_write_text, holding_warnings
 
 __all__ = ["SKIPPED_FILE", "SkippedImagesWarning", "holding_skip_warnings", "record_skipped"]
 
@@ -32,26 +31,14 @@ class SkippedImagesWarning(UserWarning):
     """A dataset loaded with ``skip_corrupt=True`` left out unreadable images (``ds.skipped``)."""
 
 
-@contextlib.contextmanager
-def holding_skip_warnings() -> Iterator[None]:
+def holding_skip_warnings() -> contextlib.AbstractContextManager[None]:
     """Hold back the :class:`SkippedImagesWarning` of datasets loaded inside (every other warning
     is given as usual): the command says it once it has written the list
     (:func:`record_skipped`). If the block fails, the held warnings are given as they were, so
     that the skipped images are not kept from a user whose command stopped before its folder."""
-    held: list[warnings.WarningMessage] = []
-    failed = True
-    try:
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always", SkippedImagesWarning)
-            try:
-                yield
-            finally:
-                held = list(caught)
-        failed = False
-    finally:  # once the filters and the display are the caller's again
-        for w in held:
-            if failed or not issubclass(w.category, SkippedImagesWarning):
-                warnings.warn_explicit(w.message, w.category, w.filename, w.lineno, source=w.source)
+    return holding_warnings(
+        lambda held, failed: [w for w in held if failed or not issubclass(w.category, SkippedImagesWarning)],
+        always=(SkippedImagesWarning,))
 
 
 def record_skipped(dataset: Any, directory: str | os.PathLike, *, stacklevel: int = 2) -> Path | None:
