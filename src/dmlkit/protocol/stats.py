@@ -104,20 +104,26 @@ def per_query_scores(embeddings: Any, labels: Any) -> tuple[dict[str, np.ndarray
 
 
 @dataclass(frozen=True)
-class BootstrapResult:
-    """Mean difference ``a - b`` of paired per-query scores with its percentile bootstrap CI
-    (:func:`paired_bootstrap`). It resamples the test queries only: how much a method moves
-    between training runs is not in it, so it never says "significant" (``None``)."""
+class _Difference:
+    """A mean difference ``a - b`` and its interval ``[low, high]``."""
 
     diff: float
     low: float
     high: float
-    resamples: int
-    confidence: float
 
     @property
     def excludes_zero(self) -> bool:
         return self.low > 0 or self.high < 0
+
+
+@dataclass(frozen=True)
+class BootstrapResult(_Difference):
+    """Mean difference ``a - b`` of paired per-query scores with its percentile bootstrap CI
+    (:func:`paired_bootstrap`). It resamples the test queries only: how much a method moves
+    between training runs is not in it, so it never says "significant" (``None``)."""
+
+    resamples: int
+    confidence: float
 
     @property
     def significant(self) -> None:
@@ -153,7 +159,7 @@ def paired_bootstrap(
 
 
 @dataclass(frozen=True)
-class DifferenceTest:
+class DifferenceTest(_Difference):
     """Mean difference ``a - b`` of two methods over training seeds and test queries, with the
     interval and the p-value of one t statistic (:func:`seed_query_t_test`).
 
@@ -164,19 +170,12 @@ class DifferenceTest:
     least :data:`MIN_SEEDS_FOR_SIGNIFICANCE` seeds, and ``None`` ("too few seeds to tell")
     otherwise. ``variance`` names what the interval holds."""
 
-    diff: float
-    low: float
-    high: float
     p: float
     se: float
     df: float | None
     confidence: float
     seeds: tuple[int, int]
     queries: int
-
-    @property
-    def excludes_zero(self) -> bool:
-        return self.low > 0 or self.high < 0
 
     @property
     def variance(self) -> str:
