@@ -64,6 +64,26 @@ def test_unknown_key_lists_the_valid_keys_of_nested_sections():
     assert "zzz: unknown key (valid: data," in str(err.value)
 
 
+def test_application_configs_report_keys_as_the_experiment_config_does(tmp_path):
+    """The patch and SiamFC configs, and the patch training settings, go through the same
+    formatter: a misspelt key gets the closest valid name, a missing file one line."""
+    from dmlkit.apps.patches.protocol import load_patch_config
+    from dmlkit.apps.patches.training import TrainSettings
+    from dmlkit.apps.tracking.training import SiamFCTrainConfig
+
+    path = tmp_path / "typo.yaml"
+    path.write_text("training:\n  epoch: 1\n")
+    with pytest.raises(ConfigError, match=r"training.epoch: unknown key \(did you mean 'epochs'\?"):
+        load_patch_config(path)
+    with pytest.raises(ConfigError, match=r"training: unknown key \(valid: batch_size, data_dir,"):
+        SiamFCTrainConfig.from_yaml(path)
+    with pytest.raises(ConfigError, match=r"epochs: Input should be greater than or equal to 1 \(got 0\)"):
+        TrainSettings(epochs=0)
+    for load in (load_patch_config, SiamFCTrainConfig.from_yaml):
+        with pytest.raises(ConfigError, match="config file not found: .*missing.yaml"):
+            load(tmp_path / "missing.yaml")
+
+
 def test_bad_value_names_the_key_and_value():
     with pytest.raises(ConfigError) as err:
         config_from_dict({**MINIMAL, "optimizer": {"name": "adagrad"}})

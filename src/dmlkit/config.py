@@ -34,7 +34,7 @@ import os
 import types
 import typing
 from collections.abc import Iterable, Mapping
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -59,7 +59,7 @@ __all__ = [
     "MinerConfig", "ModelConfig", "OptimizerConfig", "SamplerConfig", "SplitConfig",
     "TrainingConfig", "apply_dict_overrides", "apply_overrides", "config_from_dict", "dump_config",
     "format_validation_error", "fresh_preset", "load_config", "move_legacy_keys", "parse_overrides",
-    "read_yaml_mapping", "load_yaml", "YamlDumper", "YamlLoader",
+    "read_yaml_mapping", "load_yaml", "validate_settings", "YamlDumper", "YamlLoader",
 ]
 
 #: Sections that the fair protocol keeps identical across methods.
@@ -465,7 +465,8 @@ def _unknown_key_message(model: type[BaseModel] | None, loc: tuple) -> str:
 
 def format_validation_error(exc: ValidationError, source: str | None, what: str = "experiment config",
                             show_values: bool = True, model: type[BaseModel] | None = None) -> str:
-    """One line per invalid key of a pydantic error: ``  key: message (got value)``; an unknown
+    """One line per invalid key of a pydantic error: ``  key: message (got value)`` (after the
+    header on its line; a single problem is one line with the header); an unknown
     key names the valid ones of its section (and the closest) where ``model``, the validated
     class, gives them.
 
@@ -486,17 +487,30 @@ def format_validation_error(exc: ValidationError, source: str | None, what: str 
         shown = "" if hidden else f" (got {given!r})"
         lines.append(f"  {key}: {msg}{shown}")
     where = f" in {source}" if source else ""
+    if len(lines) == 1:  # one problem, one line (the CLI's "error: ..." stays one line)
+        return f"invalid {what}{where}: {lines[0].strip()}"
     return f"invalid {what}{where}:\n" + "\n".join(lines)
+
+
+_Model = TypeVar("_Model", bound=BaseModel)
+
+
+def validate_settings(model: type[_Model], data: Any, what: str, source: str | None = None, *,
+                      show_values: bool = True) -> _Model:
+    """``model.model_validate(data)``, or a :class:`ConfigError` of
+    :func:`format_validation_error` (one line per invalid key, valid names for an unknown one):
+    the one way every config of dmlkit (experiment, bench, patches, tracking) reports itself."""
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        raise ConfigError(format_validation_error(exc, source, what, show_values, model=model)) from None
 
 
 def config_from_dict(data: Mapping[str, Any], source: str | None = None) -> ExperimentConfig:
     """Validate a plain mapping into an :class:`ExperimentConfig` (errors -> ConfigError)."""
     if not isinstance(data, Mapping):
         raise ConfigError(f"an experiment config must be a mapping, got {type(data).__name__}")
-    try:
-        return ExperimentConfig.model_validate(move_legacy_keys(dict(data)))
-    except ValidationError as exc:
-        raise ConfigError(format_validation_error(exc, source, model=ExperimentConfig)) from None
+    return validate_settings(ExperimentConfig, move_legacy_keys(dict(data)), "experiment config", source)
 
 
 #: Keys that moved: an override of the old key sets the new one.

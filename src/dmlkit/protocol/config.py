@@ -34,7 +34,7 @@ from collections.abc import Iterable, Mapping
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import ConfigDict, Field, field_validator, model_validator
 
 from dmlkit.config import (
     DataConfig,
@@ -52,11 +52,11 @@ from dmlkit.config import (
     check_metric_names,
     check_run_name,
     config_from_dict,
-    format_validation_error,
     fresh_preset,
     move_legacy_keys,
     parse_overrides,
     read_yaml_mapping,
+    validate_settings,
 )
 from dmlkit.exceptions import ConfigError
 from dmlkit.limits import MAX_THREADS
@@ -522,11 +522,7 @@ def bench_config_from_dict(data: Mapping[str, Any], source: str | None = None) -
     """Validate a mapping into a :class:`BenchConfig`; every problem is a :class:`ConfigError`."""
     if not isinstance(data, Mapping):
         raise ConfigError(f"a bench config must be a mapping, got {type(data).__name__}")
-    try:
-        config = BenchConfig.model_validate(dict(data))
-    except ValidationError as exc:
-        raise ConfigError(format_validation_error(exc, source, "bench config", show_values=False,
-                                                  model=BenchConfig)) from None
+    config = validate_settings(BenchConfig, dict(data), "bench config", source, show_values=False)
     # every method must give a valid training config (unknown loss/miner names, bad params)
     for method in config.methods:
         config.experiment(method)

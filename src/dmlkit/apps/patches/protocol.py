@@ -24,7 +24,7 @@ from dmlkit.apps.patches.training import (
     score_pairs,
     train_patch_model,
 )
-from dmlkit.config import StrictNumbers, apply_dict_overrides, read_yaml_mapping
+from dmlkit.config import StrictNumbers, apply_dict_overrides, read_yaml_mapping, validate_settings
 from dmlkit.exceptions import CheckpointError, ConfigError, DataNotFoundError
 from dmlkit.limits import MAX_THREADS
 from dmlkit.metrics.roc import fpr95, roc_auc
@@ -114,18 +114,9 @@ class PatchExperimentConfig(_Strict):
 
 def load_patch_config(path: str | Path, overrides: list[str] | None = None) -> PatchExperimentConfig:
     """Read a YAML config; ``overrides`` like ``training.epochs=1`` (YAML values)."""
-    from pydantic import ValidationError
-
-    path = Path(path)
-    if not path.is_file():
-        raise DataNotFoundError(f"config {path} not found")
     raw = read_yaml_mapping(path, "patch experiment settings", "configs/patches_offline.yaml")
-    raw = apply_dict_overrides(raw, overrides)
-    try:
-        return PatchExperimentConfig.model_validate(raw)
-    except ValidationError as exc:
-        problems = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())
-        raise ConfigError(f"invalid patch config {path}: {problems}") from exc
+    return validate_settings(PatchExperimentConfig, apply_dict_overrides(raw, overrides),
+                             "patch config", str(path))
 
 
 def subsets_root(cfg: PatchExperimentConfig, data_root: str | Path | None) -> Path:

@@ -15,7 +15,7 @@ from torch import nn
 
 from dmlkit.apps.patches.brown import PatchPairs
 from dmlkit.apps.patches.models import HardNetDescriptor, PatchNet, SiameseNet
-from dmlkit.config import StrictNumbers
+from dmlkit.config import StrictNumbers, format_validation_error
 from dmlkit.exceptions import ConfigError, DataError, NonFiniteError, ShapeError
 from dmlkit.losses import get_loss
 from dmlkit.miners import get_miner
@@ -71,8 +71,8 @@ class TrainSettings(PatchTrainingSettings):
         try:
             super().__init__(**values)
         except ValidationError as exc:
-            problems = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())
-            raise ConfigError(f"invalid patch training settings: {problems}") from None
+            raise ConfigError(format_validation_error(exc, None, "patch training settings",
+                                                      model=type(self))) from None
 
 
 def _dihedral(x: torch.Tensor, k: int) -> torch.Tensor:

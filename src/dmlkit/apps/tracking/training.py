@@ -43,7 +43,7 @@ from dmlkit.apps.tracking.geometry import (
 )
 from dmlkit.apps.tracking.model import EXEMPLAR_SIZE, INSTANCE_SIZE, TOTAL_STRIDE, SiamFC
 from dmlkit.apps.tracking.tracker import TrackerConfig, tracker_config
-from dmlkit.config import StrictNumbers, apply_dict_overrides, read_yaml_mapping
+from dmlkit.config import StrictNumbers, apply_dict_overrides, read_yaml_mapping, validate_settings
 from dmlkit.embeddings import resolve_device
 from dmlkit.exceptions import CheckpointError, ConfigError, DataError, NonFiniteError, ShapeError
 from dmlkit.limits import MAX_THREADS
@@ -214,18 +214,8 @@ class SiamFCTrainConfig(StrictNumbers):
 
     @classmethod
     def from_yaml(cls, path: str | Path, overrides: list[str] | None = None) -> SiamFCTrainConfig:
-        from pydantic import ValidationError
-
-        path = Path(path)
-        if not path.is_file():
-            raise ConfigError(f"config file {path} does not exist")
         data = read_yaml_mapping(path, "SiamFC training settings", "configs/siamfc_offline.yaml")
-        data = apply_dict_overrides(data, overrides)
-        try:
-            return cls.model_validate(data)
-        except ValidationError as exc:
-            problems = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())
-            raise ConfigError(f"invalid SiamFC config {path}: {problems}") from None
+        return validate_settings(cls, apply_dict_overrides(data, overrides), "SiamFC config", str(path))
 
 
 def save_siamfc(path: str | Path, model: SiamFC, tracker: TrackerConfig | None = None,
