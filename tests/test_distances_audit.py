@@ -9,7 +9,13 @@ import numpy as np
 import pytest
 import torch
 
-from dmlkit.distances import SNRDistance
+from dmlkit.distances import (
+    CosineSimilarity,
+    DotProductSimilarity,
+    LpDistance,
+    SNRDistance,
+)
+from dmlkit.exceptions import NonFiniteError
 
 
 def _snr_oracle(q: np.ndarray, r: np.ndarray) -> np.ndarray:
@@ -45,3 +51,25 @@ def test_snr_anchor_variance_stays_on_the_raw_rows():
     got = SNRDistance()(torch.from_numpy(q), torch.from_numpy(r)).double().numpy()
     expected = _snr_oracle(q, r)
     assert np.abs(got - expected).max() / np.abs(expected).max() < 1e-5
+
+
+NORMALISING = [CosineSimilarity(), LpDistance(), LpDistance(p=1), LpDistance(power=2),
+               DotProductSimilarity(), SNRDistance(normalize_embeddings=True)]
+
+
+@pytest.mark.parametrize("distance", NORMALISING, ids=repr)
+@pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf])
+def test_normalising_distances_refuse_nonfinite_rows(distance, bad):
+    """A NaN or infinite row normalised to NaN values (Lp p=2 even gave finite 0.0 entries)
+    where every un-normalised distance raised NonFiniteError: now all of them raise it."""
+    x = torch.randn(4, 3, generator=torch.Generator().manual_seed(0))
+    x[1, 0] = bad
+    clean = torch.randn(5, 3, generator=torch.Generator().manual_seed(1))
+    with pytest.raises(NonFiniteError, match="query embeddings contain NaN or infinity"):
+        distance(x, clean)
+    with pytest.raises(NonFiniteError, match="reference embeddings contain NaN or infinity"):
+        distance(clean, x)
+    with pytest.raises(NonFiniteError, match="embeddings contain NaN or infinity"):
+        distance(x)
+    with pytest.raises(NonFiniteError, match="embeddings contain NaN or infinity"):
+        distance.paired(x, clean[:4])

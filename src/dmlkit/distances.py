@@ -18,11 +18,15 @@ Available:
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 
 import torch
 
 from dmlkit.exceptions import ConfigError, NonFiniteError, ShapeError
 from dmlkit.validation import (
+    check_finite,
     check_float_matrix,
     check_product_range,
     common_float,
@@ -39,8 +43,27 @@ __all__ = [
     "SNRDistance",
     "dominant_offset",
     "get_distance",
+    "inputs_checked",
     "rounding_bound",
 ]
+
+
+#: True inside :func:`inputs_checked`.
+_INPUTS_CHECKED: ContextVar[bool] = ContextVar("dmlkit_distance_inputs_checked", default=False)
+
+
+@contextmanager
+def inputs_checked() -> Iterator[None]:
+    """Within the block, a normalising distance skips its NaN/infinity check of its inputs
+    (:meth:`BaseDistance.prepare`): the caller has checked them already
+    (:class:`~dmlkit.miners.base.BaseMiner`), or checks them with its result in one read from
+    the device (:class:`~dmlkit.losses.base.BaseLoss`). Each read makes a GPU's host wait, and
+    a training step pays for every one."""
+    token = _INPUTS_CHECKED.set(True)
+    try:
+        yield
+    finally:
+        _INPUTS_CHECKED.reset(token)
 
 
 class BaseDistance:
@@ -52,9 +75,10 @@ class BaseDistance:
             same result).
 
     Call the object as ``distance(query, reference=None)``; ``reference=None`` compares the
-    query set with itself. Without normalisation, inputs whose squared norms overflow (or
-    underflow) the floating type raise :class:`~dmlkit.exceptions.NonFiniteError` instead of
-    returning infinite, NaN or meaningless values (:meth:`prepare`).
+    query set with itself. Inputs holding NaN or infinity, and (without normalisation) inputs
+    whose squared norms overflow (or underflow) the floating type raise
+    :class:`~dmlkit.exceptions.NonFiniteError` instead of returning infinite, NaN or
+    meaningless values (:meth:`prepare`).
     """
 
     higher_is_closer: bool = False
@@ -103,11 +127,17 @@ class BaseDistance:
         return safe_normalize(x, dim=-1)
 
     def prepare(self, x: torch.Tensor, name: str = "embeddings") -> torch.Tensor:
-        """:meth:`normalize`, then (without normalisation) a check that the products this
-        distance forms stay representable (:func:`dmlkit.validation.check_product_range`)."""
-        x = self.normalize(x)
-        if not self.normalize_embeddings:
-            check_product_range(x, name, f"the {self.name} distance without normalisation")
+        """``x`` checked and :meth:`normalize`-d. Every distance refuses NaN or infinity
+        (:class:`~dmlkit.exceptions.NonFiniteError`): with normalisation
+        (:func:`dmlkit.validation.check_finite`: such a row normalised to NaN values, silently;
+        skipped within :func:`inputs_checked`), without it as part of the check that the
+        products this distance forms stay representable
+        (:func:`dmlkit.validation.check_product_range`)."""
+        if self.normalize_embeddings:
+            if not _INPUTS_CHECKED.get():
+                check_finite(x, name)
+            return self.normalize(x)
+        check_product_range(x, name, f"the {self.name} distance without normalisation")
         return x
 
     def __repr__(self) -> str:

@@ -37,7 +37,7 @@ import torch
 from dmlkit.exceptions import ConfigError, DataError, NonFiniteError, ShapeError
 
 __all__ = [
-    "check_integer", "check_parameter_numbers",
+    "check_finite", "check_integer", "check_parameter_numbers",
     "SEED_LIMIT", "check_embeddings", "check_float_matrix", "check_label_pair", "check_labels",
     "check_product_range", "check_seed", "check_shard_batch", "check_shard_vector", "common_float", "concatenate_normalized", "normalize_rows", "safe_normalize",
 ]
@@ -316,6 +316,22 @@ def common_float(x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.
     return x.to(common), y.to(common)
 
 
+def check_finite(x: torch.Tensor, name: str = "embeddings") -> float:
+    """The largest ``|value|`` of a floating-point tensor ``x`` (0 for an empty one), or
+    :class:`~dmlkit.exceptions.NonFiniteError` when it holds NaN or infinity: the one
+    finiteness check of every distance's inputs (a normalising distance turned such a row into
+    NaN values without a word). One read from the device (NaN propagates through ``aminmax``,
+    so both ends are finite exactly when every entry is)."""
+    if x.numel() == 0:
+        return 0.0
+    with torch.no_grad():
+        low, high = torch.stack(torch.aminmax(x.detach())).tolist()
+    peak = max(abs(low), abs(high))
+    if not math.isfinite(peak):
+        raise NonFiniteError(f"{name} contain NaN or infinity: check the model output")
+    return peak
+
+
 def check_product_range(x: torch.Tensor, name: str = "embeddings", what: str = "this distance") -> None:
     """Refuse embeddings whose inner products or squared distances are not representable in
     ``x``'s floating type (used by distances that do not normalise).
@@ -328,11 +344,9 @@ def check_product_range(x: torch.Tensor, name: str = "embeddings", what: str = "
         return
     info = torch.finfo(x.dtype)
     big, small = float(info.max) / 8, float(info.tiny) / float(info.eps)
+    p = check_finite(x, name)
     with torch.no_grad():
         xd = x.detach()
-        p = max(abs(float(xd.amax())), abs(float(xd.amin())))
-        if not math.isfinite(p):
-            raise NonFiniteError(f"{name} contain NaN or infinity: check the model output")
         if p == 0.0:
             return
         # the largest squared norm lies in [p^2, D p^2]: compute it only when that range

@@ -31,7 +31,7 @@ from typing import TypeVar
 import torch
 from torch import nn
 
-from dmlkit.distances import BaseDistance, CosineSimilarity, get_distance
+from dmlkit.distances import BaseDistance, CosineSimilarity, get_distance, inputs_checked
 from dmlkit.exceptions import ConfigError, NonFiniteError, ShapeError
 from dmlkit.losses._pairs import upcast_pair
 from dmlkit.utils import registering
@@ -87,7 +87,7 @@ class BaseLoss(nn.Module):
         check_inputs(embeddings, labels, finite=False)
         check_references(embeddings, ref_emb, ref_labels, finite=False)
         embeddings, ref_emb = upcast_pair(embeddings, ref_emb)  # one dtype for both
-        with full_precision(embeddings):
+        with full_precision(embeddings), inputs_checked():  # checked below, with the loss
             loss = self.compute(embeddings, labels, indices, ref_emb, ref_labels)
         check_finite_loss(self, loss, embeddings, ref_emb)
         return loss

@@ -47,6 +47,7 @@ from dataclasses import dataclass
 
 import torch
 
+from dmlkit.distances import inputs_checked
 from dmlkit.distributed import all_reduce_sum, shard_bounds
 from dmlkit.exceptions import ConfigError, ShapeError
 from dmlkit.losses._pairs import (
@@ -255,7 +256,7 @@ def local_share(loss_fn: BaseLoss, embeddings: torch.Tensor, labels: torch.Tenso
     if indices is not None:
         check_indices(indices, n, n)
         indices = local_indices(indices, start, stop)
-    with full_precision(embeddings):
+    with full_precision(embeddings), inputs_checked():  # finite: check_inputs above
         ref = upcast(embeddings)
         return _SHARES[type(loss_fn)](loss_fn, ref[start:stop], ref, labels[start:stop], labels,
                                       indices, start)

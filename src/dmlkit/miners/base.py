@@ -9,7 +9,7 @@ from typing import ClassVar, TypeVar
 import torch
 from torch import nn
 
-from dmlkit.distances import BaseDistance, CosineSimilarity, get_distance
+from dmlkit.distances import BaseDistance, CosineSimilarity, get_distance, inputs_checked
 from dmlkit.exceptions import ConfigError, ShapeError
 from dmlkit.losses._pairs import label_masks, upcast_pair  # the helpers losses and miners share
 from dmlkit.losses.base import (  # one input check for losses and miners
@@ -183,7 +183,8 @@ class BaseMiner(nn.Module):
                              f"reference rows, got {ref_emb.shape[0]}")
         self._exclude_self = same or ref_starts_with_batch
         try:
-            with full_precision(embeddings):  # under autocast, distances stay in float32
+            # under autocast, distances stay in float32; the inputs' finiteness is checked above
+            with full_precision(embeddings), inputs_checked():
                 out = self.mine(embeddings.detach(), labels, ref_emb.detach(), ref_labels, same)
         finally:
             self._exclude_self = None
