@@ -31,7 +31,9 @@ class _BandTripletMiner(BaseMiner):
       when anchors have many positives (few classes per batch).
 
     ``strategy="auto"`` (default) takes ``"blocks"`` when ``P <= 8 B``. Triplets are grouped by
-    positive pair; the order of the negatives within a pair is not specified.
+    positive pair; the order of the negatives within a pair is not specified. Where one
+    negative is chosen among negatives at an equal distance, it is the smaller index, with
+    either strategy.
     """
 
     def __init__(
@@ -99,7 +101,10 @@ class _BandTripletMiner(BaseMiner):
     # -- sort strategy ---------------------------------------------------------------------
     @staticmethod
     def _sorted_negatives(f: torch.Tensor, neg: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return torch.sort(f.masked_fill(~neg, math.inf), dim=1)
+        """Each row's values sorted, non-negatives (``inf``) last, and the column order; stable,
+        so tied negatives stay in index order and a band's first one is the smaller index (the
+        tie rule of the ``"blocks"`` strategy: an unstable sort picked any of them)."""
+        return torch.sort(f.masked_fill(~neg, math.inf), dim=1, stable=True)
 
     def _band(self, a, p, lo, hi, order) -> Triplets:
         """Triplets ``(a, p, order[a, lo + k])`` for ``k < hi - lo``."""
@@ -223,7 +228,8 @@ class SemiHardMiner(_BandTripletMiner):
       pytorch-metric-learning's ``TripletMarginMiner(type_of_triplets="semihard")`` returns);
       ``fallback`` is not used.
 
-    ``strategy`` as for :class:`BatchAllMiner` (same triplets either way).
+    ``strategy`` as for :class:`BatchAllMiner` (same triplets either way: of negatives at an
+    equal distance, the chosen one is the smaller index).
     """
 
     def __init__(
@@ -260,15 +266,26 @@ class SemiHardMiner(_BandTripletMiner):
         hi = torch.searchsorted(sorted_f, f + margin, side="left")[a, p]
         if self.negatives == "all":
             return self._band(a, p, lo, hi, order)
-        num_neg = neg.sum(1)[a]
+        num_neg = neg.sum(1)
         n = order[a, lo.clamp_max(order.shape[1] - 1)]
         keep = lo < hi
         if self.fallback != "none":
-            all_hard = (lo >= num_neg) & (num_neg > 0)
-            col = num_neg - 1 if self.fallback == "easiest" else torch.zeros_like(num_neg)
-            n = torch.where(all_hard, order[a, col.clamp_min(0)], n)
+            all_hard = (lo >= num_neg[a]) & (num_neg[a] > 0)
+            col = self._fallback_columns(sorted_f, num_neg)[a]
+            n = torch.where(all_hard, order[a, col], n)
             keep = keep | all_hard
         return a[keep], p[keep], n[keep]
+
+    def _fallback_columns(self, sorted_f: torch.Tensor, num_neg: torch.Tensor) -> torch.Tensor:
+        """Per anchor row, the column of the stably sorted negatives that ``fallback`` takes:
+        the first (closest, smallest index among ties) for ``"hardest"``; for ``"easiest"`` the
+        first of the values equal to the largest, so a tied farthest negative is the smaller
+        index too, as ``argmax`` gives it in the ``"blocks"`` strategy (the last column was the
+        largest index)."""
+        if self.fallback == "hardest":
+            return torch.zeros_like(num_neg)
+        last = (num_neg - 1).clamp_min(0).unsqueeze(1)
+        return torch.searchsorted(sorted_f, sorted_f.gather(1, last), side="left").squeeze(1)
 
     def _hardest_blocks(self, a, p, f, neg) -> Triplets:
         if self.fallback != "none":
