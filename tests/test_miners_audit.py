@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dmlkit.miners import SemiHardMiner
+from dmlkit.miners import HardNegativePairMiner, SemiHardMiner
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -70,3 +70,27 @@ def test_semi_hard_easiest_fallback_takes_the_smaller_tied_index():
         assert list(zip(a.tolist(), p.tolist(), n.tolist())) == [
             (0, 1, 2), (1, 0, 2), (2, 3, 0), (3, 2, 0)], strategy
 
+
+@pytest.mark.parametrize("ratio", [0.5, 1.0, 1.7])
+@pytest.mark.parametrize("use_ref", [False, True])
+def test_hard_negative_pairs_cut_ties_by_the_smaller_index(ratio, use_ref):
+    """The k hardest negative pairs, hardest first, of equal distances the smaller row-major
+    index first and at the cut (torch.topk chose any of them)."""
+    emb, labels = _duplicate_batch(3, size=24)
+    ref_emb, ref_labels = _duplicate_batch(4, size=20) if use_ref else (None, None)
+    miner = HardNegativePairMiner(neg_pos_ratio=ratio, min_negatives=3)
+    refs = emb if ref_emb is None else ref_emb
+    f = miner.farness(emb, refs, not use_ref).tolist()
+    _, neg = miner.label_masks(labels, labels if ref_labels is None else ref_labels, not use_ref)
+    a1, p, a2, n = miner(emb, labels, ref_emb, ref_labels)
+    pairs = sorted((f[i][j], i * len(refs) + j, i, j) for i, j in neg.nonzero().tolist())
+    assert list(zip(a2.tolist(), n.tolist())) == [(i, j) for *_, i, j in pairs[: a2.numel()]]
+    assert a2.numel() == min(max(round(ratio * a1.numel()), 3), len(pairs))
+
+
+def test_hard_negative_pairs_on_an_all_tied_batch_take_the_first_pairs():
+    emb = torch.ones(6, 3)
+    labels = torch.tensor([0, 0, 0, 1, 1, 1])
+    _, _, a2, n = HardNegativePairMiner()(emb, labels)
+    expected = [(i, j) for i in range(6) for j in range(6) if labels[i] != labels[j]][:12]
+    assert list(zip(a2.tolist(), n.tolist())) == expected
