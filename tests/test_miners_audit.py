@@ -4,10 +4,22 @@ line, and the stats the docstring promises."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
-from dmlkit.miners import HardNegativePairMiner, SemiHardMiner
+from dmlkit.config import MinerConfig
+from dmlkit.exceptions import ConfigError
+from dmlkit.miners import (
+    AllTripletsMiner,
+    BatchAllMiner,
+    DistanceWeightedMiner,
+    HardNegativePairMiner,
+    MultiSimilarityMiner,
+    SemiHardMiner,
+)
+from dmlkit.training.builders import build_miner
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -94,3 +106,37 @@ def test_hard_negative_pairs_on_an_all_tied_batch_take_the_first_pairs():
     _, _, a2, n = HardNegativePairMiner()(emb, labels)
     expected = [(i, j) for i in range(6) for j in range(6) if labels[i] != labels[j]][:12]
     assert list(zip(a2.tolist(), n.tolist())) == expected
+
+
+@pytest.mark.parametrize(("make", "message"), [
+    (lambda: SemiHardMiner(margin=math.nan), "margin must be a finite number, got nan"),
+    (lambda: BatchAllMiner(margin=math.inf), "margin must be a finite number, got inf"),
+    (lambda: BatchAllMiner(margin="0.2"), "margin must be a finite number"),
+    (lambda: MultiSimilarityMiner(epsilon=math.nan), "epsilon must be a finite number"),
+    (lambda: HardNegativePairMiner(neg_pos_ratio=math.nan), "neg_pos_ratio must be a finite number of at least 0"),
+    (lambda: HardNegativePairMiner(neg_pos_ratio=-1.0), "neg_pos_ratio must be a finite number of at least 0"),
+    (lambda: HardNegativePairMiner(min_negatives=2.7), "min_negatives must be a non-negative integer, got 2.7"),
+    (lambda: HardNegativePairMiner(min_negatives=True), "min_negatives must be a non-negative integer"),
+    (lambda: DistanceWeightedMiner(seed=-1), "seed must be a non-negative integer"),
+    (lambda: DistanceWeightedMiner(seed=1.5), "seed must be a non-negative integer"),
+    (lambda: DistanceWeightedMiner(seed=2**64), "seed must be a non-negative integer"),
+    (lambda: AllTripletsMiner(max_triplets=2.5), "max_triplets must be a non-negative integer or None"),
+], ids=range(12))
+def test_miner_parameters_are_refused_at_construction(make, message):
+    """NaN margins and epsilons mined nothing or anything without a word, a fractional count
+    was truncated, a bad seed raised Python's ValueError at the first call: one ConfigError
+    line, when the miner is made."""
+    with pytest.raises(ConfigError, match=f"^{message}"):
+        make()
+
+
+def test_config_miner_parameters_are_checked_or_work():
+    """Through the config: a 2**64 seed is one ConfigError line; a ratio of 1e308 (which
+    overflowed to OverflowError at the first call) asks for every negative pair."""
+    with pytest.raises(ConfigError, match="seed must be a non-negative integer"):
+        build_miner(MinerConfig(name="distance_weighted", params={"seed": 2**64}))
+    miner = build_miner(MinerConfig(name="hard_negative_pairs", params={"neg_pos_ratio": 1e308}))
+    labels = torch.arange(12) % 3
+    emb = torch.randn(12, 4, generator=torch.Generator().manual_seed(0))
+    _, _, a2, _ = miner(emb, labels)
+    assert a2.numel() == int((labels[:, None] != labels[None]).sum())

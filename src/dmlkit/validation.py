@@ -37,7 +37,7 @@ import torch
 from dmlkit.exceptions import ConfigError, DataError, NonFiniteError, ShapeError
 
 __all__ = [
-    "check_finite", "check_integer", "check_parameter_numbers",
+    "check_finite", "check_integer", "check_number", "check_parameter_numbers",
     "SEED_LIMIT", "check_embeddings", "check_float_matrix", "check_label_pair", "check_labels",
     "check_product_range", "check_seed", "check_shard_batch", "check_shard_vector", "common_float", "concatenate_normalized", "normalize_rows", "safe_normalize",
 ]
@@ -72,6 +72,23 @@ def check_integer(value: Any, name: str, least: int = 1, hint: str = "", most: i
             what = f"an integer from {least} to {most}"
         raise ConfigError(f"{name} must be {what}{hint}, got {value!r}")
     return int(value)
+
+
+def check_number(value: Any, name: str, least: float | None = None) -> float:
+    """``value`` as a finite ``float`` (of at least ``least``, when given): a Python or numpy
+    real number, not a bool and not NaN or infinity, else one :class:`ConfigError` line naming
+    ``name``. The check of every real-valued option of the Python API (a NaN margin mined
+    nothing without a word, a NaN ratio failed at the first call with Python's ValueError)."""
+    number = math.nan
+    if not isinstance(value, bool) and isinstance(value, int | float | np.integer | np.floating):
+        try:
+            number = float(value)
+        except OverflowError:  # an int beyond float's range
+            number = math.inf
+    if not math.isfinite(number) or (least is not None and number < least):
+        what = "a finite number" + ("" if least is None else f" of at least {least:g}")
+        raise ConfigError(f"{name} must be {what}, got {value!r}")
+    return number
 
 
 def check_parameter_numbers(key: str, factory: Any, params: dict[str, Any]) -> None:

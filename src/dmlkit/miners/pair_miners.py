@@ -14,6 +14,7 @@ from dmlkit.miners.base import (
     _empty_like,
     register_miner,
 )
+from dmlkit.validation import check_integer, check_number, check_seed
 
 
 @register_miner("distance_weighted")
@@ -64,7 +65,7 @@ class DistanceWeightedMiner(BaseMiner):
             )
         self.cutoff = float(cutoff)
         self.nonzero_loss_cutoff = float(nonzero_loss_cutoff)
-        self.seed = int(seed)
+        self.seed = check_seed(seed)  # torch's generators refuse negative and 64-bit seeds
         self._generators: dict[str, torch.Generator] = {}
         #: saved states of devices whose generator is not created yet (set on first use)
         self._pending_states: dict[str, torch.Tensor] = {}
@@ -193,17 +194,16 @@ class HardNegativePairMiner(BaseMiner):
 
     def __init__(self, neg_pos_ratio: float = 1.0, min_negatives: int = 0, distance=None) -> None:
         super().__init__(distance)
-        if neg_pos_ratio < 0 or min_negatives < 0:
-            raise ConfigError("neg_pos_ratio and min_negatives must be >= 0")
-        self.neg_pos_ratio = float(neg_pos_ratio)
-        self.min_negatives = int(min_negatives)
+        self.neg_pos_ratio = check_number(neg_pos_ratio, "neg_pos_ratio", least=0)
+        self.min_negatives = check_integer(min_negatives, "min_negatives", least=0)
 
     def mine(self, embeddings, labels, ref_emb, ref_labels, same):
         f = self.farness(embeddings, ref_emb, same)
         pos, neg = self.label_masks(labels, ref_labels, same)
         a1, p = torch.where(pos)
         num_neg = int(neg.sum())
-        k = min(max(round(self.neg_pos_ratio * a1.numel()), self.min_negatives), num_neg)
+        wanted = self.neg_pos_ratio * a1.numel()  # a huge ratio overflows to inf: every negative
+        k = min(max(round(wanted) if wanted < num_neg else num_neg, self.min_negatives), num_neg)
         idx = _smallest(f.masked_fill(~neg, math.inf).flatten(), k)
         cols = f.shape[1]
         return a1, p, idx // cols, idx % cols
@@ -249,7 +249,7 @@ class MultiSimilarityMiner(BaseMiner):
 
     def __init__(self, epsilon: float = 0.1, distance=None) -> None:
         super().__init__(distance)
-        self.epsilon = float(epsilon)
+        self.epsilon = check_number(epsilon, "epsilon")
 
     def mine(self, embeddings, labels, ref_emb, ref_labels, same):
         f = self.farness(embeddings, ref_emb, same)

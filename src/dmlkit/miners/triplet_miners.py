@@ -15,6 +15,7 @@ from dmlkit.miners.base import (
     _expand,
     register_miner,
 )
+from dmlkit.validation import check_integer, check_number
 
 
 class _BandTripletMiner(BaseMiner):
@@ -40,8 +41,8 @@ class _BandTripletMiner(BaseMiner):
         self, distance=None, max_triplets: int | None = None, strategy: str = "auto"
     ) -> None:
         super().__init__(distance)
-        if max_triplets is not None and max_triplets < 0:
-            raise ConfigError(f"max_triplets must be >= 0 or None, got {max_triplets}")
+        if max_triplets is not None:
+            check_integer(max_triplets, "max_triplets", least=0, hint=" or None")
         if strategy not in ("auto", "blocks", "sort"):
             raise ConfigError(f"strategy must be 'auto', 'blocks' or 'sort', got {strategy!r}")
         self.max_triplets = max_triplets
@@ -188,7 +189,7 @@ class BatchAllMiner(_BandTripletMiner):
         strategy: str = "auto",
     ) -> None:
         super().__init__(distance, max_triplets, strategy)
-        self.margin = float(margin)
+        self.margin = check_number(margin, "margin")
         self.nonzero = bool(nonzero)
 
     def mine(self, embeddings, labels, ref_emb, ref_labels, same):
@@ -246,7 +247,7 @@ class SemiHardMiner(_BandTripletMiner):
             raise ConfigError(f"negatives must be 'hardest' or 'all', got {negatives!r}")
         if fallback not in ("easiest", "hardest", "none"):
             raise ConfigError(f"fallback must be 'easiest', 'hardest' or 'none', got {fallback!r}")
-        self.margin = float(margin)
+        self.margin = check_number(margin, "margin")
         self.negatives = negatives
         self.fallback = fallback
 
