@@ -190,7 +190,7 @@ def test_a_world_size_that_does_not_divide_the_batch_is_refused():
 
     with pytest.raises(ConfigError, match="cannot be split evenly over 3 processes"):
         MPerClassSampler(np.repeat(np.arange(10), 4), 4, 5, num_replicas=3, rank=0)
-    with pytest.raises(ConfigError, match="rank must be in"):
+    with pytest.raises(ConfigError, match="rank must be an integer from 0 to 1"):
         MPerClassSampler(np.repeat(np.arange(10), 4), 4, 4, num_replicas=2, rank=2)
 
 

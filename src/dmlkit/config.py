@@ -48,6 +48,7 @@ from dmlkit.config_yaml import (  # also public here, as before the split
     set_dotted,
 )
 from dmlkit.exceptions import ConfigError
+from dmlkit.limits import MAX_BATCHES_PER_EPOCH
 from dmlkit.losses import LOSSES
 from dmlkit.miners import MINERS
 from dmlkit.utils import atomic_write_text
@@ -229,7 +230,7 @@ class SamplerConfig(_Section):
 
     classes_per_batch: int = Field(8, gt=0)
     samples_per_class: int = Field(4, gt=0)
-    batches_per_epoch: int | None = Field(None, gt=0)
+    batches_per_epoch: int | None = Field(None, gt=0, le=MAX_BATCHES_PER_EPOCH)
 
     @property
     def batch_size(self) -> int:

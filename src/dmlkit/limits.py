@@ -9,7 +9,7 @@ with one, it is one ``error:`` line and exit 2. Each bound lies far above any re
 
 from __future__ import annotations
 
-__all__ = ["MAX_BINS", "MAX_EPISODES", "MAX_RESAMPLES", "MAX_THREADS"]
+__all__ = ["MAX_BATCHES_PER_EPOCH", "MAX_BINS", "MAX_EPISODES", "MAX_RESAMPLES", "MAX_THREADS"]
 
 #: torch CPU threads (``--threads``, ``threads`` of the tracking and patch configs,
 #: ``torchrun.threads_per_process`` of a bench, ``$DMLKIT_NUM_THREADS``). A fixed number, not
@@ -24,3 +24,7 @@ MAX_BINS = 10**6
 #: Few-shot episodes of ``dmlkit fewshot --episodes`` and
 #: :class:`dmlkit.samplers.EpisodeSampler` (1000 is the default; 600 the usual paper count).
 MAX_EPISODES = 10**7
+#: Batches per epoch of :class:`dmlkit.samplers.MPerClassSampler` and the config's
+#: ``sampler.batches_per_epoch`` (default: the dataset's size over the batch's; 10^19 raised
+#: OverflowError at ``len()``, beyond a C ``ssize_t``). At 1 ms a batch, 11 days an epoch.
+MAX_BATCHES_PER_EPOCH = 10**9

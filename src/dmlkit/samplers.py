@@ -16,14 +16,14 @@ without it, each new iteration moves to the next epoch by itself. ``state_dict()
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
 from torch.utils.data import Sampler
 
-from dmlkit.exceptions import ConfigError, DataError
-from dmlkit.limits import MAX_EPISODES
+from dmlkit.exceptions import CheckpointError, ConfigError, DataError
+from dmlkit.limits import MAX_BATCHES_PER_EPOCH, MAX_EPISODES
 from dmlkit.validation import check_integer, check_labels, check_seed
 
 __all__ = ["EpisodeSampler", "MPerClassSampler", "split_episode"]
@@ -32,13 +32,15 @@ __all__ = ["EpisodeSampler", "MPerClassSampler", "split_episode"]
 def _as_label_array(labels: Any) -> np.ndarray:
     """``labels`` (a tensor, array, list or tuple) as a 1-D numpy array, checked by
     :func:`dmlkit.validation.check_labels` (:class:`~dmlkit.exceptions.DataError` if empty)."""
-    if hasattr(labels, "detach"):  # torch tensor
-        labels = labels.detach().cpu().numpy()
-    arr = np.asarray(labels)
+    tensor = hasattr(labels, "detach")
+    arr = labels.detach().cpu() if tensor else np.asarray(labels)
     if arr.ndim != 1:
-        raise DataError(f"labels must be one-dimensional, got shape {arr.shape}")
-    if arr.size == 0:
+        raise DataError(f"labels must be one-dimensional, got shape {tuple(arr.shape)}")
+    if arr.shape[0] == 0:
         raise DataError("labels are empty: the dataset has no items")
+    if tensor:  # numbers only, read by check_labels as int64 ids whatever the dtype (bfloat16,
+        # which has no numpy twin, raised TypeError in .numpy())
+        return check_labels(arr, arr.shape[0], "sampler labels")[0]
     # integer ids or class names; None, NaN, fractions or a mix gave numpy's TypeError (or were
     # grouped as classes). A list or tuple is checked as given: np.asarray turned [1, "1"] into
     # strings, one class, which check_labels refuses in the list itself
@@ -60,9 +62,8 @@ class _EpochSampler(Sampler[list[int]]):
         self.seed = check_seed(seed)  # else numpy's ValueError at the first batch
         self.epoch = 0
         self.num_replicas = check_integer(num_replicas, "num_replicas")
-        if int(rank) != rank or not 0 <= rank < self.num_replicas:
-            raise ConfigError(f"rank must be in [0, {self.num_replicas}), got {rank!r}")
-        self.rank = int(rank)
+        self.rank = check_integer(rank, "rank", least=0, most=self.num_replicas - 1,
+                                  hint=f" (this process among num_replicas={self.num_replicas})")
 
     @property
     def batch_size(self) -> int:  # the global batch
@@ -95,9 +96,22 @@ class _EpochSampler(Sampler[list[int]]):
     def state_dict(self) -> dict[str, int]:
         return {"seed": self.seed, "epoch": self.epoch}
 
-    def load_state_dict(self, state: dict[str, int]) -> None:
-        self.seed = int(state["seed"])
-        self.epoch = int(state["epoch"])
+    def load_state_dict(self, state: Mapping[str, int]) -> None:
+        """Continue from a :meth:`state_dict`: its ``seed`` and ``epoch``, checked as the
+        constructor and :meth:`set_epoch` check them, else one
+        :class:`~dmlkit.exceptions.CheckpointError` line (``{}`` raised KeyError, a seed of -5
+        numpy's ValueError at the first batch; a seed of ``2**40`` and an epoch of 1.7 were
+        taken, the epoch truncated)."""
+        if not isinstance(state, Mapping) or set(state) != {"seed", "epoch"}:
+            got = sorted(map(str, state)) if isinstance(state, Mapping) else type(state).__name__
+            raise CheckpointError(f"a sampler state holds exactly 'seed' and 'epoch' (from "
+                                  f"state_dict()), got {got}")
+        try:
+            seed = check_seed(state["seed"], "sampler state seed")
+            epoch = check_integer(state["epoch"], "sampler state epoch", least=0)
+        except ConfigError as exc:
+            raise CheckpointError(str(exc)) from None
+        self.seed, self.epoch = seed, epoch
 
     def _next_rng(self) -> np.random.Generator:
         rng = np.random.default_rng([self.seed, self.epoch])
@@ -121,7 +135,8 @@ class MPerClassSampler(_EpochSampler):
         labels: one label per dataset item (array-like or tensor of hashable ids).
         samples_per_class: M.
         classes_per_batch: C (batch size = C x M).
-        batches_per_epoch: fixed epoch length; default ``len(labels) // (C * M)`` (at least 1).
+        batches_per_epoch: fixed epoch length; default ``len(labels) // (C * M)`` (at least 1);
+            at most :data:`~dmlkit.limits.MAX_BATCHES_PER_EPOCH`.
         seed: base seed; batches depend only on ``(seed, epoch)``.
         small_classes: what to do with classes that have fewer than M items: ``"replace"``
             (default; use all their items and fill up by sampling them again, so the batch
@@ -175,7 +190,8 @@ class MPerClassSampler(_EpochSampler):
         self._members = members
         if batches_per_epoch is None:
             batches_per_epoch = max(1, len(arr) // self.batch_size)
-        self.batches_per_epoch = check_integer(batches_per_epoch, "batches_per_epoch")
+        self.batches_per_epoch = check_integer(batches_per_epoch, "batches_per_epoch",
+                                               most=MAX_BATCHES_PER_EPOCH)
         self._check_divisible(f"classes_per_batch x samples_per_class = "
                               f"{self.classes_per_batch} x {self.samples_per_class}")
 
