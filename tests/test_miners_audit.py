@@ -5,6 +5,7 @@ line, and the stats the docstring promises."""
 from __future__ import annotations
 
 import math
+import re
 
 import pytest
 import torch
@@ -12,7 +13,9 @@ import torch
 from dmlkit.config import MinerConfig
 from dmlkit.exceptions import ConfigError
 from dmlkit.miners import (
+    MINERS,
     AllTripletsMiner,
+    BaseMiner,
     BatchAllMiner,
     DistanceWeightedMiner,
     HardNegativePairMiner,
@@ -140,3 +143,19 @@ def test_config_miner_parameters_are_checked_or_work():
     emb = torch.randn(12, 4, generator=torch.Generator().manual_seed(0))
     _, _, a2, _ = miner(emb, labels)
     assert a2.numel() == int((labels[:, None] != labels[None]).sum())
+
+
+def test_the_stats_are_those_the_docstring_names():
+    """BaseMiner's docstring promised ``num_anchors`` in ``stats``, which no miner set: every
+    name it lists is set by some miner, and every miner sets only names it lists."""
+    documented = set(re.findall(r"``(num_\w+)``", BaseMiner.__doc__))
+    emb, labels = _duplicate_batch(5, size=12)
+    seen: set[str] = set()
+    for name, cls in MINERS.items():
+        miner = cls()
+        miner(torch.randn(12, 8, generator=torch.Generator().manual_seed(0)), labels)
+        assert set(miner.stats) <= documented, name
+        out = miner(emb, labels)
+        assert miner.num_mined == out[0].numel() + (out[2].numel() if len(out) == 4 else 0), name
+        seen |= set(miner.stats)
+    assert seen == documented

@@ -129,8 +129,9 @@ class BaseMiner(nn.Module):
         distance: a :class:`~dmlkit.distances.BaseDistance` or its name; default cosine
             similarity (the Reality Check's L2-normalised embeddings).
 
-    After each call, :attr:`stats` holds what was mined for logging (``num_pos_pairs`` /
-    ``num_neg_pairs`` or ``num_triplets``, and ``num_anchors``) and :attr:`num_mined` the total.
+    After each call, :attr:`stats` holds what was mined for logging (``num_pos_pairs`` and
+    ``num_neg_pairs``, or ``num_triplets``; counts of the output, read without waiting for the
+    device) and :attr:`num_mined` their total.
     Subclasses implement :meth:`mine` on a precomputed ``(B, M)`` matrix.
     """
 
@@ -149,7 +150,7 @@ class BaseMiner(nn.Module):
     @property
     def num_mined(self) -> int:
         """Pairs (positive + negative) or triplets returned by the last call."""
-        return sum(v for k, v in self.stats.items() if k.startswith("num_") and k != "num_anchors")
+        return sum(self.stats.values())
 
     @torch.no_grad()
     def forward(
@@ -176,7 +177,7 @@ class BaseMiner(nn.Module):
         ref_labels = ref_labels.to(embeddings.device)
         if embeddings.shape[0] == 0 or ref_emb.shape[0] == 0:  # nothing to mine (as a loss gives 0)
             out = _empty_like(embeddings.device, 4 if self.output_type == "pair" else 3)
-            self._record(out, labels.shape[0])
+            self._record(out)
             return out
         if ref_starts_with_batch and not same and ref_emb.shape[0] < embeddings.shape[0]:
             raise ShapeError(f"ref_starts_with_batch needs at least the batch's {embeddings.shape[0]} "
@@ -188,7 +189,7 @@ class BaseMiner(nn.Module):
                 out = self.mine(embeddings.detach(), labels, ref_emb.detach(), ref_labels, same)
         finally:
             self._exclude_self = None
-        self._record(out, labels.shape[0])
+        self._record(out)
         return out
 
     def mine(
@@ -219,7 +220,8 @@ class BaseMiner(nn.Module):
         mat = self.distance(embeddings, ref_emb)
         return -mat if self.distance.higher_is_closer else mat
 
-    def _record(self, out: tuple[torch.Tensor, ...], batch: int) -> None:
+    def _record(self, out: tuple[torch.Tensor, ...]) -> None:
+        """Set :attr:`stats` from a call's output (``numel``: no read from the device)."""
         if self.output_type == "pair":
             self.stats = {
                 "num_pos_pairs": int(out[0].numel()),
