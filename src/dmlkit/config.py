@@ -29,23 +29,24 @@ as :class:`dmlkit.exceptions.ConfigError` naming the offending key.
 from __future__ import annotations
 
 import copy
-import difflib
 import os
 import types
 import typing
 from collections.abc import Iterable, Mapping
-from typing import Any, Literal, TypeVar
+from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from dmlkit.config_yaml import (  # also public here, as before the split
     YamlDumper,
     YamlLoader,
+    format_validation_error,
     load_yaml,
     parse_overrides,
     read_yaml_mapping,
     set_dotted,
+    validate_settings,
 )
 from dmlkit.exceptions import ConfigError
 from dmlkit.limits import MAX_BATCHES_PER_EPOCH
@@ -422,91 +423,6 @@ class ExperimentConfig(_Section):
 
 
 # -- loading, overrides, dumping ------------------------------------------------------------
-def _section_model(model: type[BaseModel], path: tuple) -> type[BaseModel] | None:
-    """The pydantic model that validates the mapping at ``path`` inside ``model`` (through
-    optional, list and dict fields); ``None`` where that is not one model (a free-form mapping,
-    a union of several models)."""
-    for part in path:
-        if isinstance(part, int):  # an item of a list field: its type was unwrapped already
-            continue
-        field = model.model_fields.get(str(part))
-        if field is None:
-            return None
-        annotation = field.annotation
-        while True:
-            origin = typing.get_origin(annotation)
-            if origin in (list, tuple, dict, typing.Union, types.UnionType):
-                args = [a for a in typing.get_args(annotation) if a is not type(None)]
-                if origin is dict and len(args) == 2:
-                    args = args[1:]
-                if len(args) != 1:
-                    return None
-                annotation = args[0]
-                continue
-            if origin is typing.Annotated:
-                annotation = typing.get_args(annotation)[0]
-                continue
-            break
-        if not (isinstance(annotation, type) and issubclass(annotation, BaseModel)):
-            return None
-        model = annotation
-    return model
-
-
-def _unknown_key_message(model: type[BaseModel] | None, loc: tuple) -> str:
-    """``unknown key``, with the closest valid name and every valid one of that section."""
-    section = _section_model(model, loc[:-1]) if model is not None and loc else None
-    if section is None:
-        return "unknown key (check the spelling; docs/configuration.md lists every key)"
-    valid = sorted(section.model_fields)
-    close = difflib.get_close_matches(str(loc[-1]), valid, n=1)
-    hint = f"did you mean {close[0]!r}? " if close else ""
-    return f"unknown key ({hint}valid: {', '.join(valid)})"
-
-
-def format_validation_error(exc: ValidationError, source: str | None, what: str = "experiment config",
-                            show_values: bool = True, model: type[BaseModel] | None = None) -> str:
-    """One line per invalid key of a pydantic error: ``  key: message (got value)`` (after the
-    header on its line; a single problem is one line with the header); an unknown
-    key names the valid ones of its section (and the closest) where ``model``, the validated
-    class, gives them.
-
-    ``show_values=False`` leaves the given values out (a bench config may hold a storage URL
-    with credentials)."""
-    lines = []
-    for err in exc.errors():
-        key = ".".join(str(p) for p in err.get("loc", ())) or "<root>"
-        msg = err.get("msg", "invalid")
-        if err.get("type") == "extra_forbidden":
-            msg = _unknown_key_message(model, tuple(err.get("loc", ())))
-        elif err.get("type") == "missing":
-            msg = "required key is missing"
-        if msg.startswith("Value error, "):
-            msg = msg[len("Value error, "):]
-        given = err.get("input")
-        hidden = not show_values or err.get("type") in ("missing", "extra_forbidden") or isinstance(given, dict)
-        shown = "" if hidden else f" (got {given!r})"
-        lines.append(f"  {key}: {msg}{shown}")
-    where = f" in {source}" if source else ""
-    if len(lines) == 1:  # one problem, one line (the CLI's "error: ..." stays one line)
-        return f"invalid {what}{where}: {lines[0].strip()}"
-    return f"invalid {what}{where}:\n" + "\n".join(lines)
-
-
-_Model = TypeVar("_Model", bound=BaseModel)
-
-
-def validate_settings(model: type[_Model], data: Any, what: str, source: str | None = None, *,
-                      show_values: bool = True) -> _Model:
-    """``model.model_validate(data)``, or a :class:`ConfigError` of
-    :func:`format_validation_error` (one line per invalid key, valid names for an unknown one):
-    the one way every config of dmlkit (experiment, bench, patches, tracking) reports itself."""
-    try:
-        return model.model_validate(data)
-    except ValidationError as exc:
-        raise ConfigError(format_validation_error(exc, source, what, show_values, model=model)) from None
-
-
 def config_from_dict(data: Mapping[str, Any], source: str | None = None) -> ExperimentConfig:
     """Validate a plain mapping into an :class:`ExperimentConfig` (errors -> ConfigError)."""
     if not isinstance(data, Mapping):

@@ -3,23 +3,30 @@
 :func:`load_yaml` parses with YAML 1.2-core numbers (:class:`YamlLoader`; :class:`YamlDumper`
 writes strings that would read as numbers quoted), :func:`read_yaml_mapping` reads a config
 file into a mapping with one-line errors, and :func:`parse_overrides` turns ``key.sub=value``
-strings into values (parsed as YAML) that :func:`set_dotted` places in nested mappings. What the
-keys mean, and which old names they had, is :mod:`dmlkit.config`'s.
+strings into values (parsed as YAML) that :func:`set_dotted` places in nested mappings;
+:func:`validate_settings` validates a mapping into a pydantic model with the errors of
+:func:`format_validation_error` (every config of dmlkit reports itself that way). What the keys
+mean, and which old names they had, is :mod:`dmlkit.config`'s.
 """
 
 from __future__ import annotations
 
+import difflib
 import os
 import re
+import types
+import typing
 from collections.abc import Iterable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import yaml
+from pydantic import BaseModel, ValidationError
 
 from dmlkit.exceptions import ConfigError
 
-__all__ = ["YamlDumper", "YamlLoader", "load_yaml", "parse_overrides", "read_yaml_mapping", "set_dotted"]
+__all__ = ["YamlDumper", "YamlLoader", "format_validation_error", "load_yaml", "parse_overrides",
+           "read_yaml_mapping", "set_dotted", "validate_settings"]
 
 
 class YamlLoader(yaml.SafeLoader):
@@ -171,3 +178,88 @@ def read_yaml_mapping(path: str | os.PathLike, holds: str, examples: str) -> dic
     if not isinstance(data, dict):
         raise ConfigError(f"{path} must hold a mapping of {holds}")
     return data
+
+
+def _section_model(model: type[BaseModel], path: tuple) -> type[BaseModel] | None:
+    """The pydantic model that validates the mapping at ``path`` inside ``model`` (through
+    optional, list and dict fields); ``None`` where that is not one model (a free-form mapping,
+    a union of several models)."""
+    for part in path:
+        if isinstance(part, int):  # an item of a list field: its type was unwrapped already
+            continue
+        field = model.model_fields.get(str(part))
+        if field is None:
+            return None
+        annotation = field.annotation
+        while True:
+            origin = typing.get_origin(annotation)
+            if origin in (list, tuple, dict, typing.Union, types.UnionType):
+                args = [a for a in typing.get_args(annotation) if a is not type(None)]
+                if origin is dict and len(args) == 2:
+                    args = args[1:]
+                if len(args) != 1:
+                    return None
+                annotation = args[0]
+                continue
+            if origin is typing.Annotated:
+                annotation = typing.get_args(annotation)[0]
+                continue
+            break
+        if not (isinstance(annotation, type) and issubclass(annotation, BaseModel)):
+            return None
+        model = annotation
+    return model
+
+
+def _unknown_key_message(model: type[BaseModel] | None, loc: tuple) -> str:
+    """``unknown key``, with the closest valid name and every valid one of that section."""
+    section = _section_model(model, loc[:-1]) if model is not None and loc else None
+    if section is None:
+        return "unknown key (check the spelling; docs/configuration.md lists every key)"
+    valid = sorted(section.model_fields)
+    close = difflib.get_close_matches(str(loc[-1]), valid, n=1)
+    hint = f"did you mean {close[0]!r}? " if close else ""
+    return f"unknown key ({hint}valid: {', '.join(valid)})"
+
+
+def format_validation_error(exc: ValidationError, source: str | None, what: str = "experiment config",
+                            show_values: bool = True, model: type[BaseModel] | None = None) -> str:
+    """One line per invalid key of a pydantic error: ``  key: message (got value)`` (after the
+    header on its line; a single problem is one line with the header); an unknown
+    key names the valid ones of its section (and the closest) where ``model``, the validated
+    class, gives them.
+
+    ``show_values=False`` leaves the given values out (a bench config may hold a storage URL
+    with credentials)."""
+    lines = []
+    for err in exc.errors():
+        key = ".".join(str(p) for p in err.get("loc", ())) or "<root>"
+        msg = err.get("msg", "invalid")
+        if err.get("type") == "extra_forbidden":
+            msg = _unknown_key_message(model, tuple(err.get("loc", ())))
+        elif err.get("type") == "missing":
+            msg = "required key is missing"
+        if msg.startswith("Value error, "):
+            msg = msg[len("Value error, "):]
+        given = err.get("input")
+        hidden = not show_values or err.get("type") in ("missing", "extra_forbidden") or isinstance(given, dict)
+        shown = "" if hidden else f" (got {given!r})"
+        lines.append(f"  {key}: {msg}{shown}")
+    where = f" in {source}" if source else ""
+    if len(lines) == 1:  # one problem, one line (the CLI's "error: ..." stays one line)
+        return f"invalid {what}{where}: {lines[0].strip()}"
+    return f"invalid {what}{where}:\n" + "\n".join(lines)
+
+
+_Model = TypeVar("_Model", bound=BaseModel)
+
+
+def validate_settings(model: type[_Model], data: Any, what: str, source: str | None = None, *,
+                      show_values: bool = True) -> _Model:
+    """``model.model_validate(data)``, or a :class:`ConfigError` of
+    :func:`format_validation_error` (one line per invalid key, valid names for an unknown one):
+    the one way every config of dmlkit (experiment, bench, patches, tracking) reports itself."""
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        raise ConfigError(format_validation_error(exc, source, what, show_values, model=model)) from None
