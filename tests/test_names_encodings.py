@@ -5,6 +5,10 @@ pins a silent wrong number or a traceback with a tiny real-format fixture."""
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -13,7 +17,9 @@ from PIL import Image
 
 from dmlkit.data import load_dataset
 from dmlkit.embedding_files import read_labels_file
+from dmlkit.embeddings import dataset_items
 from dmlkit.exceptions import DataError
+from dmlkit.utils import local_path
 from dmlkit.validation import check_labels
 
 
@@ -65,3 +71,50 @@ def test_labels_with_a_nul_character_are_refused(tmp_path):
     (tmp_path / "l.txt").write_text("a\x00\na\n", encoding="utf-8")
     with pytest.raises(DataError, match="line 1: the label 'a\\\\x00' holds a NUL"):
         read_labels_file(tmp_path / "l.txt")
+
+
+# -- F1: file names that are not UTF-8, and the C locale ------------------------------------------
+def _latin1_folder(root: Path) -> Path:
+    """Two classes: ``café`` in UTF-8 (``c3 a9``) and ``c1``, whose files' names hold Latin-1's
+    ``é`` (the byte ``e9``, not UTF-8: what an old zip unpacks)."""
+    for cls in (b"caf\xc3\xa9", b"c1"):
+        folder = os.path.join(os.fsencode(root), cls)
+        os.makedirs(folder)
+        for i in range(2):
+            name = os.path.join(folder, b"x\xe9%d.png" % i if cls == b"c1" else b"%d.png" % i)
+            Image.new("L", (4, 4)).save(os.fsdecode(name))
+    return root
+
+
+def test_file_names_that_are_not_utf8_are_fingerprinted(tmp_path):
+    """str.encode() of 'x\\udce90.png' raised UnicodeEncodeError: `dmlkit train` ended in a
+    traceback for one such file."""
+    ds = load_dataset("image_folder", root=_latin1_folder(tmp_path / "data"))
+    assert len(ds.fingerprint()) == 32 and len(ds.portable_fingerprint()) == 32
+    ids = dataset_items(ds, tmp_path / "data")["paths"].tolist()
+    assert sorted(ids) == ["c1/x\udce90.png", "c1/x\udce91.png", "caf\u00e9/0.png", "caf\u00e9/1.png"]
+    assert {local_path(i) for i in ids} == {os.path.relpath(p, tmp_path / "data") for p in ds.paths}
+
+
+C_LOCALE = {**os.environ, "LC_ALL": "C", "PYTHONUTF8": "0", "PYTHONCOERCECLOCALE": "0"}
+IDS_PROBE = """
+import json, sys
+from dmlkit.data import load_dataset
+from dmlkit.embeddings import dataset_items
+ds = load_dataset("image_folder", root=sys.argv[1])
+print(json.dumps([sys.getfilesystemencoding(), ds.portable_fingerprint(),
+                  dataset_items(ds, sys.argv[1])["paths"].tolist()]))
+"""
+
+
+def test_run_ids_are_the_same_under_the_c_locale(tmp_path):
+    """Under LC_ALL=C (file-system encoding ASCII) Python spells 'café' 'caf\\udcc3\\udca9': a run
+    embedded in one locale was refused as "changed since it was embedded" in the other."""
+    root = _latin1_folder(tmp_path / "data")
+    out = subprocess.run([sys.executable, "-c", IDS_PROBE, str(root)], env=C_LOCALE, capture_output=True,
+                         text=True, timeout=120, check=False)
+    assert out.returncode == 0, out.stderr
+    encoding, portable, ids = json.loads(out.stdout)
+    ds = load_dataset("image_folder", root=root)
+    assert encoding == "ascii"  # the probe really ran with another spelling of 'café'
+    assert ids == dataset_items(ds, root)["paths"].tolist() and portable == ds.portable_fingerprint()

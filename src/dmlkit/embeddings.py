@@ -41,7 +41,7 @@ from dmlkit.distributed import all_gather_unequal, context, shard_bounds
 from dmlkit.embedding_files import read_embedding_file, repeated_name
 from dmlkit.exceptions import ConfigError, NonFiniteError, ShapeError
 from dmlkit.models.placement import to_device
-from dmlkit.utils import atomic_write_bytes
+from dmlkit.utils import atomic_write_bytes, portable_path
 from dmlkit.validation import check_embeddings, check_labels
 
 __all__ = [
@@ -449,10 +449,11 @@ def dataset_rows(dataset: Dataset) -> np.ndarray:
 
 
 def relative_paths(paths: Sequence[str], root: str | os.PathLike) -> np.ndarray:
-    """``paths`` relative to the data root ``root`` (a path outside it stays as given): the
-    ids of a run's items, the same on every machine that holds the data under its own root."""
+    """``paths`` relative to the data root ``root`` (a path outside it stays as given), spelled
+    as a UTF-8 system spells them (:func:`dmlkit.utils.portable_path`): the ids of a run's
+    items, the same on every machine that holds the data under its own root, in any locale."""
     base = os.path.abspath(os.fspath(root))
-    return np.asarray([os.path.relpath(p, base) if os.path.abspath(p).startswith(base + os.sep) else os.fspath(p)
+    return np.asarray([portable_path(os.path.relpath(p, base) if os.path.abspath(p).startswith(base + os.sep) else p)
                        for p in paths], dtype=str)
 
 

@@ -30,7 +30,7 @@ from dmlkit.embedding_files import check_numpy_file
 from dmlkit.embeddings import relative_paths
 from dmlkit.exceptions import DataError, DataNotFoundError, DmlkitError, require
 from dmlkit.training import load_config
-from dmlkit.utils import atomic_write_bytes, fsync_path, os_error_message, process_alive
+from dmlkit.utils import atomic_write_bytes, fsync_path, local_path, os_error_message, process_alive
 from dmlkit.utils import data_root as resolve_root
 
 if TYPE_CHECKING:
@@ -381,7 +381,7 @@ def _under(stored: np.ndarray, root: str | os.PathLike) -> np.ndarray:
     if not absolute.any():
         return stored
     out = stored.astype(object)
-    out[absolute] = relative_paths(stored[absolute].tolist(), root)
+    out[absolute] = relative_paths([local_path(p) for p in stored[absolute].tolist()], root)
     return out.astype(str)
 
 
