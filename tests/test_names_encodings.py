@@ -16,6 +16,7 @@ import pytest
 from PIL import Image
 
 from dmlkit.data import load_dataset
+from dmlkit.data.pairs import load_pair_list
 from dmlkit.embedding_files import read_labels_file
 from dmlkit.embeddings import dataset_items
 from dmlkit.exceptions import DataError
@@ -118,3 +119,26 @@ def test_run_ids_are_the_same_under_the_c_locale(tmp_path):
     ds = load_dataset("image_folder", root=root)
     assert encoding == "ascii"  # the probe really ran with another spelling of 'café'
     assert ids == dataset_items(ds, root)["paths"].tolist() and portable == ds.portable_fingerprint()
+
+
+# -- F2: a dataset CSV that is not UTF-8 ---------------------------------------------------------
+def test_dataset_csv_in_windows_1252_is_one_error_naming_the_byte(tmp_path):
+    """Excel's plain "CSV" on Windows (cp1252 'café') ended in a UnicodeDecodeError traceback."""
+    _pngs(tmp_path, ["0.png", "1.png"])
+    (tmp_path / "list.csv").write_bytes("path,label\n0.png,caf\u00e9\n1.png,b\n".encode("cp1252"))
+    with pytest.raises(DataError, match=r"list.csv is not UTF-8 text: byte 20 \(line 2\) is 0xe9, 'é' in "
+                                        r"Windows-1252; save it as \"CSV UTF-8\""):
+        load_dataset("csv", root=tmp_path / "list.csv")
+
+
+def test_non_utf8_byte_offset_is_into_the_file(tmp_path):
+    """The offset counts the byte-order mark and is not an offset into a chunk of the file (the
+    pair CSV, read in chunks, named byte 9817 of this one as byte 1625)."""
+    labels = tmp_path / "labels.txt"
+    labels.write_bytes(b"\xef\xbb\xbfcat\n\x81\n")
+    with pytest.raises(DataError, match=r"byte 7 \(line 2\) is 0x81; save the labels as UTF-8"):
+        read_labels_file(labels)
+    pairs = tmp_path / "pairs.csv"
+    pairs.write_bytes(b"path1,path2,same\n" + b"a.png,b.png,1\n" * 700 + b"\xe9.png,b.png,0\n")
+    with pytest.raises(DataError, match=r"byte 9817 \(line 702\) is 0xe9"):
+        load_pair_list(pairs)

@@ -22,6 +22,7 @@ import numpy as np
 
 from dmlkit.exceptions import DataError, DataNotFoundError
 from dmlkit.label_text import clean_labels, integer_ids
+from dmlkit.utils import read_utf8_text
 
 __all__ = ["check_numpy_file", "read_embedding_file", "read_labels_file", "repeated_name"]
 
@@ -180,9 +181,9 @@ def read_labels_file(path: Path) -> np.ndarray:
         if path.suffix.lower() == ".npy":
             check_numpy_file(path, ".npy", "labels")
             return np.load(path, allow_pickle=False)
-        # utf-8-sig: a byte-order mark (Notepad, Excel) is not part of the first label
-        text = path.read_text(encoding="utf-8-sig")
-    except (OSError, ValueError) as exc:  # UnicodeDecodeError is a ValueError
+        # a byte-order mark (Notepad, Excel) is not part of the first label
+        text = read_utf8_text(path, "save the labels as UTF-8 text")
+    except (OSError, ValueError) as exc:
         raise DataError(f"cannot read labels from {path}: {' '.join(str(exc).split())[:200]}") from None
     if path.suffix.lower() == ".csv":
         try:

@@ -6,6 +6,7 @@ stay importable from here, with a ``DeprecationWarning``).
 
 from __future__ import annotations
 
+import codecs
 import contextlib
 import errno
 import hashlib
@@ -44,6 +45,7 @@ __all__ = [
     "path_bytes",
     "portable_path",
     "process_alive",
+    "read_utf8_text",
     "provenance",
     "read_json",
     "read_json_object",
@@ -110,6 +112,25 @@ def local_path(portable: str) -> str:
     """The inverse of :func:`portable_path`: this system's spelling of a stored id's file (the
     id itself on a UTF-8 system)."""
     return os.fsdecode(portable.encode("utf-8", "surrogateescape"))
+
+
+def read_utf8_text(path: str | os.PathLike, fix: str) -> str:
+    """The text of the UTF-8 file ``path``, without the byte-order mark that Notepad and
+    Excel's "CSV UTF-8" write. A file in another encoding (Excel's plain "CSV" on Windows is
+    Windows-1252) is one :class:`DataError` naming the file, the offset and line of its first
+    byte that is not UTF-8 and what it reads as in Windows-1252, and then ``fix`` (what to do):
+    a decoding error while a file is read in chunks gave an offset into the chunk, in a
+    traceback."""
+    data = Path(path).read_bytes()
+    bom = len(codecs.BOM_UTF8) if data.startswith(codecs.BOM_UTF8) else 0
+    try:
+        return data[bom:].decode("utf-8")
+    except UnicodeDecodeError as exc:
+        at = bom + exc.start
+        byte, line = data[at:at + 1], data.count(b"\n", 0, at) + 1
+        char = byte.decode("cp1252", "replace")
+        seen = "" if char == "\ufffd" else f", {char!r} in Windows-1252"
+        raise DataError(f"{path} is not UTF-8 text: byte {at} (line {line}) is 0x{byte.hex()}{seen}; {fix}") from None
 
 
 def data_root(explicit: str | os.PathLike | None = None) -> Path:

@@ -15,6 +15,7 @@ in the root, in no class folder.
 from __future__ import annotations
 
 import csv as _csv
+import io
 import os
 import re
 import warnings
@@ -28,6 +29,7 @@ from dmlkit.data.base import ImageFileDataset
 from dmlkit.data.datasets import IMAGE_EXTENSIONS, TRAIN_TEST, _check_files, register_dataset
 from dmlkit.exceptions import ConfigError, DataError, DataNotFoundError
 from dmlkit.label_text import clean_labels, integer_ids
+from dmlkit.utils import read_utf8_text
 
 __all__ = ["load_csv", "load_image_folder"]
 
@@ -192,20 +194,7 @@ def load_csv(root: str | os.PathLike | None = None, download: bool = False, *,
             "'path,label[,split]'"
         )
     base = Path(image_root) if image_root is not None else csv_path.parent
-    with open(csv_path, newline="", encoding="utf-8-sig") as fh:  # Excel's "CSV UTF-8" starts with a BOM
-        reader = _csv.DictReader(fh)
-        fields = [f.strip().lower() for f in (reader.fieldnames or [])]
-        if "path" not in fields or "label" not in fields:
-            raise DataError(f"{csv_path}: the header must name columns 'path' and 'label' "
-                            f"(and optionally 'split'), got {reader.fieldnames}")
-        rows, lines, raw = [], [], []  # lines: each row's last line in the file (blank lines counted)
-        for r in reader:
-            row = {k.strip().lower(): v or "" for k, v in r.items() if k}
-            raw.append(row["label"])  # stripped below, where a merge of two labels is refused
-            rows.append({k: v.strip() for k, v in row.items()})
-            lines.append(reader.line_num)
-    if not rows:
-        raise DataError(f"{csv_path}: no rows")
+    fields, rows, lines, raw = _read_csv_rows(csv_path)
     raw_labels = clean_labels(raw, str(csv_path), lines)
     unlabelled = [i for i, s in enumerate(raw_labels) if not s]
     if unlabelled:  # else one class named "" of unrelated images
@@ -246,6 +235,29 @@ def load_csv(root: str | os.PathLike | None = None, download: bool = False, *,
         split_groups=TRAIN_TEST, sample_groups=sample_groups, transform=transform,
         name=f"csv:{csv_path.stem}", skip_corrupt=skip_corrupt, meta=meta,
     )
+
+
+def _read_csv_rows(csv_path: Path) -> tuple[list[str], list[dict[str, str]], list[int], list[str]]:
+    """A dataset CSV's ``(columns, rows, lines, raw labels)``: the lower-cased header, each row
+    ``{column: stripped value}``, each row's last line in the file (blank lines counted) and its
+    label as written (:func:`dmlkit.label_text.clean_labels` strips it, refusing a merge). A file
+    that is not UTF-8 (Excel's plain "CSV" on Windows) is one :class:`DataError` line."""
+    text = read_utf8_text(csv_path, 'save it as "CSV UTF-8" (Excel: Save As, "CSV UTF-8 (Comma '
+                                    'delimited)") and load it again')
+    reader = _csv.DictReader(io.StringIO(text, newline=""))
+    fields = [f.strip().lower() for f in (reader.fieldnames or [])]
+    if "path" not in fields or "label" not in fields:
+        raise DataError(f"{csv_path}: the header must name columns 'path' and 'label' "
+                        f"(and optionally 'split'), got {reader.fieldnames}")
+    rows, lines, raw = [], [], []
+    for r in reader:
+        row = {k.strip().lower(): v or "" for k, v in r.items() if k}
+        raw.append(row["label"])
+        rows.append({k: v.strip() for k, v in row.items()})
+        lines.append(reader.line_num)
+    if not rows:
+        raise DataError(f"{csv_path}: no rows")
+    return fields, rows, lines, raw
 
 
 def _refuse_repeated_paths(csv_path: Path, rows: Sequence[dict[str, str]], paths: Sequence[Path],
