@@ -7,21 +7,39 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 from PIL import Image
 
+from _reference import tiny_sections
+from dmlkit.apps.index import item_ids
+from dmlkit.cli import main
 from dmlkit.data import load_dataset
 from dmlkit.data.pairs import load_pair_list
 from dmlkit.embedding_files import read_labels_file
 from dmlkit.embeddings import dataset_items
 from dmlkit.exceptions import DataError
+from dmlkit.training import train
 from dmlkit.utils import local_path
 from dmlkit.validation import check_labels
+
+
+def _main(capsys, *args: str) -> tuple[int, str, str]:
+    """``dmlkit ARGS``: (exit code, stdout, stderr)."""
+    try:
+        main(list(args))
+        code = 0
+    except SystemExit as exc:
+        code = int(exc.code or 0)
+    out = capsys.readouterr()
+    return code, out.out, out.err
 
 
 def _pngs(folder: Path, names: list[str]) -> None:
@@ -142,3 +160,64 @@ def test_non_utf8_byte_offset_is_into_the_file(tmp_path):
     pairs.write_bytes(b"path1,path2,same\n" + b"a.png,b.png,1\n" * 700 + b"\xe9.png,b.png,0\n")
     with pytest.raises(DataError, match=r"byte 9817 \(line 702\) is 0xe9"):
         load_pair_list(pairs)
+
+
+# -- F4, F5: a csv run's ids, and verify with a run's paths ---------------------------------------
+@pytest.fixture(scope="module")
+def csv_run(tmp_path_factory) -> tuple[Path, Path]:
+    """A one-step run on a dataset CSV whose images lie in ``imgs/`` beside it:
+    ``(run_dir, csv)``."""
+    base = tmp_path_factory.mktemp("csvrun")
+    _pngs(base / "data" / "imgs", [f"{c}_{i}.png" for c in range(4) for i in range(3)])
+    rows = "".join(f"imgs/{c}_{i}.png,class {c}\n" for c in range(4) for i in range(3))
+    (base / "data" / "list.csv").write_text("path,label\n" + rows)
+    config = {"name": "csvrun", "seed": 0, "data": {"dataset": "csv", "transform": "grayscale", "image_size": 8},
+              **tiny_sections(), "sampler": {"classes_per_batch": 2, "samples_per_class": 2, "batches_per_epoch": 1},
+              "training": {"epochs": 1, "device": "cpu"}}
+    torch.set_num_threads(1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # a one-step run may not beat its baseline
+        train(config, base / "run", data_root=base / "data" / "list.csv", progress=False)
+    return base / "run", base / "data" / "list.csv"
+
+
+def test_csv_run_ids_are_relative_to_the_lists_image_folder(csv_run, tmp_path):
+    """The ids were absolute paths of this machine ('relative to' the CSV file itself): an
+    identical copy of the data was refused as "changed since it was embedded"."""
+    run_dir, csv_file = csv_run
+    emb = run_dir / "embeddings" / "test.npz"
+    with np.load(emb) as z:
+        extra = dict(z)
+    assert extra["paths"].tolist() == [f"imgs/{c}_{i}.png" for c in (2, 3) for i in range(3)]
+    copy = Path(shutil.copytree(csv_file.parent, tmp_path / "copy"))
+    ids, facts = item_ids(emb, extra, copy / "list.csv", extra["labels"])
+    assert ids.tolist() == extra["paths"].tolist() and facts["data_root"] == str(copy.resolve())
+    # a csv run embedded before: its absolute ids are the same files
+    old = {**extra, "paths": np.asarray([str(csv_file.parent / p) for p in extra["paths"].tolist()])}
+    assert item_ids(emb, old, csv_file, extra["labels"])[0].tolist() == extra["paths"].tolist()
+
+
+def _pair_csv(run_dir: Path, path: Path) -> Path:
+    """Every pair of the run's test images, as the run names them."""
+    with np.load(run_dir / "embeddings" / "test.npz") as z:
+        paths, labels = z["paths"].tolist(), z["labels"]
+    pairs = [(paths[i], paths[j], int(labels[i] == labels[j])) for i in range(len(paths))
+             for j in range(i + 1, len(paths))]
+    path.write_text("path1,path2,same\n" + "".join(f"{a},{b},{s}\n" for a, b, s in pairs))
+    return path
+
+
+def test_verify_finds_a_runs_paths_under_its_data_root_from_any_folder(csv_run, tmp_path, capsys, monkeypatch):
+    """`dmlkit verify RUN/embeddings/test.npz --pair-list` resolved the run's paths against the
+    current folder: from anywhere but the data root, every image 'had no embedding'."""
+    run_dir, csv_file = csv_run
+    pairs = _pair_csv(run_dir, csv_file.parent / "pairs.csv")
+    monkeypatch.chdir(tmp_path)
+    emb = str(run_dir / "embeddings" / "test.npz")
+    code, out, err = _main(capsys, "verify", emb, "--pair-list", str(pairs), "--folds", "3", "--json")
+    assert code == 0, err
+    first = json.loads(out)["accuracy"]
+    copy = Path(shutil.copytree(csv_file.parent, tmp_path / "copy"))  # --images: the data elsewhere
+    code, out, err = _main(capsys, "verify", emb, "--pair-list", str(copy / "pairs.csv"), "--images", str(copy),
+                           "--folds", "3", "--json")
+    assert code == 0 and json.loads(out)["accuracy"] == first, err
