@@ -5,13 +5,16 @@ pins a silent wrong number or a traceback with a tiny real-format fixture."""
 
 from __future__ import annotations
 
+import html
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
 import warnings
 from pathlib import Path
+from urllib.parse import unquote, urljoin, urlparse
 
 import numpy as np
 import pytest
@@ -26,6 +29,7 @@ from dmlkit.data.pairs import load_pair_list
 from dmlkit.embedding_files import read_labels_file
 from dmlkit.embeddings import dataset_items
 from dmlkit.exceptions import DataError
+from dmlkit.report.html import Figure, Section, render_page
 from dmlkit.training import train
 from dmlkit.utils import local_path
 from dmlkit.validation import check_labels
@@ -221,3 +225,20 @@ def test_verify_finds_a_runs_paths_under_its_data_root_from_any_folder(csv_run, 
     code, out, err = _main(capsys, "verify", emb, "--pair-list", str(copy / "pairs.csv"), "--images", str(copy),
                            "--folds", "3", "--json")
     assert code == 0 and json.loads(out)["accuracy"] == first, err
+
+
+# -- F6: report figure links -------------------------------------------------------------------------
+@pytest.mark.parametrize("name", ["r#1.html", "r%41.html", "r?x.html", "a b.html", "plain.html"])
+def test_report_figure_links_reach_their_files(tmp_path, name):
+    """The links were the relative paths unencoded: for a page named 'r#1.html' the href
+    'r#1_figures/curves.png' is the page itself ('#' begins a fragment; '%41' decodes to 'A',
+    '?' begins a query), so every figure link of such a report was dead."""
+    page = tmp_path / name
+    figures = tmp_path / f"{page.stem}_figures"
+    figures.mkdir()
+    Image.new("L", (4, 4)).save(figures / "curves.png")
+    text = render_page("t", "s", [Section("Curves", figures=[Figure(figures / "curves.png", "c")])], page)
+    hrefs = re.findall(r'<a href="([^"#][^"]*)"', text)
+    assert len(hrefs) == 1
+    target = urlparse(urljoin(page.resolve().as_uri(), html.unescape(hrefs[0])))
+    assert not target.fragment and not target.query and Path(unquote(target.path)) == (figures / "curves.png").resolve()
