@@ -24,6 +24,7 @@ from PIL import Image
 from _reference import tiny_sections
 from dmlkit.apps.index import item_ids
 from dmlkit.cli import main
+from dmlkit.config import config_from_dict
 from dmlkit.data import load_dataset
 from dmlkit.data.pairs import load_pair_list
 from dmlkit.embedding_files import read_labels_file
@@ -31,6 +32,7 @@ from dmlkit.embeddings import dataset_items
 from dmlkit.exceptions import DataError
 from dmlkit.report.html import Figure, Section, render_page
 from dmlkit.training import train
+from dmlkit.training.preflight import PreflightError, preflight
 from dmlkit.utils import local_path
 from dmlkit.validation import check_labels
 
@@ -242,3 +244,17 @@ def test_report_figure_links_reach_their_files(tmp_path, name):
     assert len(hrefs) == 1
     target = urlparse(urljoin(page.resolve().as_uri(), html.unescape(hrefs[0])))
     assert not target.fragment and not target.query and Path(unquote(target.path)) == (figures / "curves.png").resolve()
+
+
+# -- a class name holding a newline in the preflight error -------------------------------------------
+def test_preflight_error_shows_a_class_name_with_a_newline_on_one_line(tmp_path):
+    """A class folder named 'a\\nb' split the error's first line in two."""
+    for cls in ("a\nb", "c", "d"):
+        _pngs(tmp_path / cls, ["0.png", "1.png", "2.png"])
+    config = config_from_dict({"name": "nl", "data": {"dataset": "image_folder", "transform": "grayscale",
+                                                      "split": {"kind": "default", "val_fraction": 0.34}},
+                               **tiny_sections(), "training": {"epochs": 1, "device": "cpu"}})
+    with pytest.raises(PreflightError) as err:
+        preflight(config, data_root=tmp_path, emit_warnings=False)
+    first = str(err.value).splitlines()[0]  # the whole summary line, up to its count of problems
+    assert "3 classes ('a\\nb', c, d), 9 items" in first and first.endswith("problems:")
