@@ -21,6 +21,8 @@ from typing import Any
 import numpy as np
 
 from dmlkit.exceptions import DataError, DataNotFoundError
+from dmlkit.label_text import clean_labels, integer_ids
+from dmlkit.utils import read_utf8_text
 
 __all__ = ["check_numpy_file", "read_embedding_file", "read_labels_file", "repeated_name"]
 
@@ -164,28 +166,33 @@ def _read_torch_file(path: Path) -> tuple[np.ndarray, Any]:
 
 
 def read_labels_file(path: Path) -> np.ndarray:
-    """Labels from ``.npy`` or a text file with one label per line: the whole line in a
-    ``.txt`` (a class name may hold commas and spaces), the first field in a ``.csv``
-    (:mod:`csv` quoting). Integers stay integers (``3.0`` counts as 3, as for float labels in an
-    ``.npz``); a number that is not an integer is refused; otherwise every line is a class name.
-    Blank lines at the end are ignored; a blank line before the last label is refused."""
+    """Labels from ``.npy`` or a text file with one label per line: the line in a ``.txt``
+    (a class name may hold commas and inner spaces), the first field in a ``.csv`` (:mod:`csv`
+    quoting), without the whitespace around it (:func:`dmlkit.label_text.clean_labels`: two
+    labels that differ only in it are refused). The labels are integer ids (``3.0`` counts as
+    3, as for float labels in an ``.npz``) when every one is an integer and no two different
+    lines read as one (:func:`dmlkit.label_text.integer_ids`, the dataset CSV's rule: ``1`` and
+    ``01`` are two class names); a number that is not an integer is refused; otherwise every
+    line is a class name. Blank lines at the end are ignored; a blank line before the last
+    label is refused."""
     if not path.exists():
         raise DataNotFoundError(f"labels file not found: {path}")
     try:
         if path.suffix.lower() == ".npy":
             check_numpy_file(path, ".npy", "labels")
             return np.load(path, allow_pickle=False)
-        # utf-8-sig: a byte-order mark (Notepad, Excel) is not part of the first label
-        text = path.read_text(encoding="utf-8-sig")
-    except (OSError, ValueError) as exc:  # UnicodeDecodeError is a ValueError
+        # a byte-order mark (Notepad, Excel) is not part of the first label
+        text = read_utf8_text(path, "save the labels as UTF-8 text")
+    except (OSError, ValueError) as exc:
         raise DataError(f"cannot read labels from {path}: {' '.join(str(exc).split())[:200]}") from None
     if path.suffix.lower() == ".csv":
         try:
-            values = [row[0].strip() if row else "" for row in csv.reader(io.StringIO(text))]
+            raw = [row[0] if row else "" for row in csv.reader(io.StringIO(text))]
         except csv.Error as exc:
             raise DataError(f"{path} is not a valid CSV file: {exc}") from None
     else:
-        values = [line.strip() for line in text.splitlines()]
+        raw = text.splitlines()
+    values = clean_labels(raw, str(path))
     while values and not values[-1]:
         values.pop()
     if "" in values:
@@ -196,12 +203,13 @@ def read_labels_file(path: Path) -> np.ndarray:
         if n is not None and not float(n).is_integer():  # 0.5, nan, inf: never truncated
             raise DataError(f"{path}: label {v!r} on line {line} is a number but not an integer; "
                             "labels are integer class ids or class names, one per line")
-    if values and all(n is not None for n in numbers):
-        big = next((line for line, n in enumerate(numbers, start=1) if not -2**63 <= int(n) < 2**63), None)
+    ids = integer_ids(values, [None if n is None else int(n) for n in numbers])
+    if ids is not None:
+        big = next((line for line, n in enumerate(ids, start=1) if not -2**63 <= n < 2**63), None)
         if big is not None:  # numpy's OverflowError (a traceback) before
             raise DataError(f"{path}: label {values[big - 1]!r} on line {big} is beyond int64's range; "
                             "labels are integer class ids or class names, one per line")
-        return np.asarray([int(n) for n in numbers], dtype=np.int64)
+        return np.asarray(ids, dtype=np.int64)
     return np.asarray(values)  # class names
 
 

@@ -41,7 +41,7 @@ from dmlkit.distributed import all_gather_unequal, context, shard_bounds
 from dmlkit.embedding_files import read_embedding_file, repeated_name
 from dmlkit.exceptions import ConfigError, NonFiniteError, ShapeError
 from dmlkit.models.placement import to_device
-from dmlkit.utils import atomic_write_bytes
+from dmlkit.utils import atomic_write_bytes, portable_path
 from dmlkit.validation import check_embeddings, check_labels
 
 __all__ = [
@@ -55,6 +55,7 @@ __all__ = [
     "embed_model",
     "embed_sharded",
     "rank_share",
+    "items_base",
     "relative_paths",
     "embed_split",
     "iter_embed",
@@ -449,23 +450,39 @@ def dataset_rows(dataset: Dataset) -> np.ndarray:
 
 
 def relative_paths(paths: Sequence[str], root: str | os.PathLike) -> np.ndarray:
-    """``paths`` relative to the data root ``root`` (a path outside it stays as given): the
-    ids of a run's items, the same on every machine that holds the data under its own root."""
+    """``paths`` relative to the data root ``root`` (a path outside it stays as given), spelled
+    as a UTF-8 system spells them (:func:`dmlkit.utils.portable_path`): the ids of a run's
+    items, the same on every machine that holds the data under its own root, in any locale."""
     base = os.path.abspath(os.fspath(root))
-    return np.asarray([os.path.relpath(p, base) if os.path.abspath(p).startswith(base + os.sep) else os.fspath(p)
+    return np.asarray([portable_path(os.path.relpath(p, base) if os.path.abspath(p).startswith(base + os.sep) else p)
                        for p in paths], dtype=str)
+
+
+def items_base(dataset: Any, root: str | os.PathLike) -> str:
+    """The folder a run's item ids (its ``paths``) are relative to: the data root ``root``,
+    except where the root is a file (a ``csv`` dataset's list): there, the folder the list's
+    relative paths are resolved against (the dataset's ``meta["root"]``: ``image_root``, else
+    the list's folder). Relative to the file itself no path was inside it, and every id was an
+    absolute path of this machine: an identical copy of the data elsewhere was "changed"."""
+    root = os.fspath(root)
+    if not os.path.isfile(root):
+        return root
+    meta = getattr(dataset, "meta", None)
+    base = meta.get("root") if isinstance(meta, dict) else None
+    return os.fspath(base) if base else os.path.dirname(os.path.abspath(root))
 
 
 def dataset_items(dataset: Dataset, root: str | os.PathLike) -> dict[str, np.ndarray]:
     """What a run's ``embeddings/*.npz`` records of its rows: ``indices`` (the dataset rows,
     :func:`dataset_rows`) and, for data held in files, ``paths`` (each row's file relative to
-    the data root ``root``, :func:`relative_paths`). With the paths, ``dmlkit index``/``query``
-    name the files that were embedded, and refuse data that changed since (a file added to or
-    renamed in a class folder shifted the rows onto other files without an error)."""
+    the data root ``root``, or to a ``csv`` list's image folder: :func:`items_base`,
+    :func:`relative_paths`). With the paths, ``dmlkit index``/``query`` name the files that were
+    embedded, and refuse data that changed since (a file added to or renamed in a class folder
+    shifted the rows onto other files without an error)."""
     items = {"indices": dataset_rows(dataset)}
     paths = getattr(dataset, "paths", None)
     if paths is not None:
-        items["paths"] = relative_paths(paths, root)
+        items["paths"] = relative_paths(paths, items_base(dataset, root))
     return items
 
 

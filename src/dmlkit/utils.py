@@ -6,6 +6,7 @@ stay importable from here, with a ``DeprecationWarning``).
 
 from __future__ import annotations
 
+import codecs
 import contextlib
 import errno
 import hashlib
@@ -39,8 +40,12 @@ __all__ = [
     "atomic_torch_save",
     "data_root",
     "json_text",
+    "local_path",
     "os_error_message",
+    "path_bytes",
+    "portable_path",
     "process_alive",
+    "read_utf8_text",
     "provenance",
     "read_json",
     "read_json_object",
@@ -81,6 +86,51 @@ def seed_everything(seed: int, deterministic: bool = False) -> None:
     torch.manual_seed(seed)
     if deterministic:
         torch.use_deterministic_algorithms(True, warn_only=True)
+
+
+def path_bytes(path: str | os.PathLike) -> bytes:
+    """A file name's bytes, for hashing it: :func:`os.fsencode` (a name that is not UTF-8,
+    Latin-1's ``é`` from an old zip, comes back as the byte it was, where ``str.encode`` raised
+    ``UnicodeEncodeError``), else, for a name the file-system encoding cannot spell (a UTF-8 name
+    typed in a CSV, read under the C locale, whose file-system encoding is ASCII), its UTF-8."""
+    try:
+        return os.fsencode(path)
+    except UnicodeEncodeError:
+        return os.fspath(path).encode("utf-8", "surrogateescape")
+
+
+def portable_path(path: str | os.PathLike) -> str:
+    """``path`` spelled as a UTF-8 system spells it: its bytes (:func:`path_bytes`) read as
+    UTF-8, a byte that is not UTF-8 as Python's surrogate escape. The ids a run stores for its
+    files, so that they are the same under every locale (under ``LC_ALL=C`` Python spells
+    ``café`` as ``caf\\udcc3\\udca9``, and a run embedded in one locale was "changed" in the
+    other); :func:`local_path` turns one back into a name this system opens."""
+    return path_bytes(path).decode("utf-8", "surrogateescape")
+
+
+def local_path(portable: str) -> str:
+    """The inverse of :func:`portable_path`: this system's spelling of a stored id's file (the
+    id itself on a UTF-8 system)."""
+    return os.fsdecode(portable.encode("utf-8", "surrogateescape"))
+
+
+def read_utf8_text(path: str | os.PathLike, fix: str) -> str:
+    """The text of the UTF-8 file ``path``, without the byte-order mark that Notepad and
+    Excel's "CSV UTF-8" write. A file in another encoding (Excel's plain "CSV" on Windows is
+    Windows-1252) is one :class:`DataError` naming the file, the offset and line of its first
+    byte that is not UTF-8 and what it reads as in Windows-1252, and then ``fix`` (what to do):
+    a decoding error while a file is read in chunks gave an offset into the chunk, in a
+    traceback."""
+    data = Path(path).read_bytes()
+    bom = len(codecs.BOM_UTF8) if data.startswith(codecs.BOM_UTF8) else 0
+    try:
+        return data[bom:].decode("utf-8")
+    except UnicodeDecodeError as exc:
+        at = bom + exc.start
+        byte, line = data[at:at + 1], data.count(b"\n", 0, at) + 1
+        char = byte.decode("cp1252", "replace")
+        seen = "" if char == "\ufffd" else f", {char!r} in Windows-1252"
+        raise DataError(f"{path} is not UTF-8 text: byte {at} (line {line}) is 0x{byte.hex()}{seen}; {fix}") from None
 
 
 def data_root(explicit: str | os.PathLike | None = None) -> Path:

@@ -35,6 +35,7 @@ import numpy as np
 import torch
 
 from dmlkit.exceptions import ConfigError, DataError, NonFiniteError, ShapeError
+from dmlkit.label_text import refuse_nul
 
 __all__ = [
     "check_finite", "check_integer", "check_number", "check_parameter_numbers",
@@ -404,6 +405,8 @@ def check_labels(
       (``class_names[codes[i]] == labels[i]``). Pass the ``class_names`` of a first set (e.g.
       the query labels) to encode a second set (the reference labels) with the same codes;
       names new to the second set are appended after the sorted ones.
+    * A class name holding a NUL character (``"a\\x00"``, which numpy's string arrays would
+      merge with ``"a"``) raises :class:`~dmlkit.exceptions.DataError`.
     * Anything else (booleans, complex, mixed or other objects, not 1-D, length != ``n``)
       raises :class:`~dmlkit.exceptions.ShapeError` with one line saying what to pass.
     """
@@ -427,6 +430,7 @@ def check_labels(
         if not kinds:  # an empty list
             arr, kind = arr.astype(np.int64), "i"
         elif all(issubclass(k, str) for k in kinds):
+            _refuse_nul_names(arr.tolist(), name)  # before numpy's str array drops trailing NULs
             arr, kind = arr.astype(str), "U"
         elif kinds and all(issubclass(k, int | np.integer) and not issubclass(k, bool | np.bool_) for k in kinds):
             try:
@@ -449,15 +453,15 @@ def check_labels(
         except UnicodeDecodeError:
             raise ShapeError(f"{name} are bytes that are not UTF-8 text: decode them first") from None
     if kind == "U":
+        uniq, inverse = np.unique(arr, return_inverse=True)
+        _refuse_nul_names(uniq.tolist(), name)
         if class_names is not None:
             vocab = {c: i for i, c in enumerate(class_names)}
-            new = sorted(set(np.unique(arr).tolist()) - vocab.keys())
+            new = sorted(set(uniq.tolist()) - vocab.keys())
             names = [*class_names, *new]
             vocab.update({c: len(class_names) + j for j, c in enumerate(new)})
-            uniq, inverse = np.unique(arr, return_inverse=True)
             codes = np.asarray([vocab[c] for c in uniq.tolist()], dtype=np.int64)[inverse]
             return codes.reshape(-1), names
-        uniq, inverse = np.unique(arr, return_inverse=True)
         return inverse.astype(np.int64).reshape(-1), [str(c) for c in uniq.tolist()]
     if class_names is not None:
         raise ShapeError(
@@ -490,6 +494,13 @@ def check_labels(
         f"{name} must be integer class ids or class-name strings, got dtype {arr.dtype}: "
         "pass an int array or strings"
     )
+
+
+def _refuse_nul_names(names: list[str], what: str) -> None:
+    """Refuse class names holding a NUL character: numpy's string arrays drop trailing NULs,
+    so ``"a\\x00"`` and ``"a"`` were one class."""
+    for label in names:
+        refuse_nul(label, what)
 
 
 def check_label_pair(

@@ -6,7 +6,8 @@
   files still load, as do v2 files written before ``trained_keys`` was saved (an IVF index
   then counts every row as a training row, so its re-measured recall is not held-out).
 * :func:`item_ids`: the ids of an embeddings file's rows (their dataset paths when the file
-  comes from a run), so query results map back to files.
+  comes from a run), so query results map back to files; :func:`run_item_files`: those files
+  on this machine.
 """
 
 from __future__ import annotations
@@ -27,16 +28,16 @@ from dmlkit import __version__
 from dmlkit.apps.index_faiss import _metric, to_gpu
 from dmlkit.data import ClassSplit, load_dataset
 from dmlkit.embedding_files import check_numpy_file
-from dmlkit.embeddings import relative_paths
+from dmlkit.embeddings import items_base, relative_paths
 from dmlkit.exceptions import DataError, DataNotFoundError, DmlkitError, require
 from dmlkit.training import load_config
-from dmlkit.utils import atomic_write_bytes, fsync_path, os_error_message, process_alive
+from dmlkit.utils import atomic_write_bytes, fsync_path, local_path, os_error_message, process_alive
 from dmlkit.utils import data_root as resolve_root
 
 if TYPE_CHECKING:
     from dmlkit.apps.index import EmbeddingIndex
 
-__all__ = ["FORMAT", "index_meta", "item_ids", "load_index", "save_index"]
+__all__ = ["FORMAT", "index_meta", "item_ids", "load_index", "run_item_files", "save_index"]
 
 FORMAT_V1 = "dmlkit-index-v1"
 FORMAT = "dmlkit-index-v2"
@@ -327,6 +328,26 @@ def item_ids(path: str | os.PathLike, extra: dict[str, np.ndarray], data_root: s
     return np.asarray(extra["indices"], dtype=np.int64).astype(str), {}
 
 
+def run_item_files(path: str | os.PathLike, paths: list[str], images: str | os.PathLike | None = None) -> list[str]:
+    """The files named by the ``paths`` of an embeddings file, to open them: those of a run's
+    ``embeddings/<split>.npz`` are relative to the run's data root (:func:`item_ids`), joined
+    here with ``images`` (``--images``) where given, else with the run's data root (a ``csv``
+    list's image folder, :func:`dmlkit.embeddings.items_base`); they were opened relative to
+    the current directory, from where none was found. Other files' paths stay as written."""
+    run_dir = Path(path).resolve().parent.parent
+    if not (run_dir / "config.yaml").is_file():
+        return paths
+    if images is not None:
+        base = os.fspath(images)
+    else:
+        config = load_config(run_dir / "config.yaml")
+        root = resolve_root(config.data.root)
+        # a file root (a csv list) needs its dataset to say where the list's images lie
+        base = items_base(load_dataset(config.data.dataset, root=root, **config.data.options), root) \
+            if os.path.isfile(root) else os.fspath(root)
+    return [p if os.path.isabs(p) else os.path.join(base, local_path(p)) for p in paths]
+
+
 def _run_item_ids(path: str | os.PathLike, run_dir: Path, extra: dict[str, np.ndarray],
                   data_root: str | os.PathLike | None, labels: np.ndarray | None) -> tuple[np.ndarray, dict[str, Any]]:
     """:func:`item_ids` of a run's embeddings file: the files its rows (``indices``) are in the
@@ -358,12 +379,14 @@ def _run_item_ids(path: str | os.PathLike, run_dir: Path, extra: dict[str, np.nd
         return rows.astype(str), facts
     storage_rows = np.asarray(getattr(dataset, "_rows", np.arange(len(dataset))))
     where = np.minimum(np.searchsorted(storage_rows, rows), len(storage_rows) - 1)
-    today = relative_paths(dataset.paths, root)
+    base = items_base(dataset, root)  # a csv list's image folder, not the list itself
+    files["data_root"] = str(Path(base).resolve())  # where serve finds the ids' thumbnails
+    today = relative_paths(dataset.paths, base)
     if not (storage_rows.size and np.all(storage_rows[where] == rows)):
         _refuse_changed(path, run_dir, dataset, root, f"row {int(rows.max())} of the file is past its "
                                                       f"{len(storage_rows)} items")
     if stored is not None:
-        _check_same_files(path, run_dir, dataset, root, _under(stored, root), today[where])
+        _check_same_files(path, run_dir, dataset, root, _under(stored, base), today[where])
     else:
         _check_same_dataset(path, run_dir, dataset, root, where, labels)
         warnings.warn(f"{path} does not record the files it embedded (an older run): its ids are today's files "
@@ -375,13 +398,14 @@ def _run_item_ids(path: str | os.PathLike, run_dir: Path, extra: dict[str, np.nd
 
 def _under(stored: np.ndarray, root: str | os.PathLike) -> np.ndarray:
     """A run's stored ``paths`` relative to ``root``: those stored absolute (files outside the
-    run's recorded data root, e.g. a bench run given its data with ``--data-root``) made
+    run's recorded data root, e.g. a bench run given its data with ``--data-root``, or a
+    ``csv`` run embedded before its ids were relative to the list's image folder) made
     relative where ``root`` holds them."""
     absolute = np.asarray([os.path.isabs(p) for p in stored.tolist()], dtype=bool)
     if not absolute.any():
         return stored
     out = stored.astype(object)
-    out[absolute] = relative_paths(stored[absolute].tolist(), root)
+    out[absolute] = relative_paths([local_path(p) for p in stored[absolute].tolist()], root)
     return out.astype(str)
 
 

@@ -97,7 +97,10 @@ def verify(
             emb = embed_image_files(checkpoint, plist.paths, device=device, progress=not quiet)
             paths = None
         else:
+            from dmlkit.apps.index_files import run_item_files
+
             emb, paths = _embeddings_with_paths(embeddings)
+            paths = run_item_files(embeddings, paths, images)  # a run's paths: under its data root
         result = verify_pair_list(emb, plist, paths, distance=distance, folds=folds).to_dict()
         title = f"Verification on {pair_list.name} ({result['fold_source']} folds)"
     result.pop("fold_accuracies")

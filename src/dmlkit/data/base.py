@@ -36,6 +36,7 @@ from torch.utils.data import Dataset
 
 from dmlkit.data.skipped import SkippedImagesWarning
 from dmlkit.exceptions import DataError, ShapeError
+from dmlkit.utils import path_bytes, portable_path
 
 __all__ = ["HIGH_DEPTH_MODES", "ArrayDataset", "ImageFileDataset", "MetricDataset", "load_image", "to_8bit"]
 
@@ -207,7 +208,7 @@ class MetricDataset(Dataset):
         if self._fingerprint is None:
             h = hashlib.sha256()
             h.update(type(self).__name__.encode())
-            h.update(self.name.encode())
+            h.update(path_bytes(self.name))  # a folder's name need not be UTF-8
             h.update(self._storage_fingerprint().encode())
             h.update(self._rows.tobytes())
             h.update(self.labels.tobytes())
@@ -224,13 +225,16 @@ class MetricDataset(Dataset):
         bytes; image files' paths relative to their common folder and their sizes, no image is
         read), their labels and the classes' names. It depends on these samples alone, so a
         difference elsewhere in the storage leaves another split's fingerprint as it is. The
-        ranks of a distributed job compare it, each having read its own copy of the data.
+        ranks of a distributed job compare it, each having read its own copy of the data. Names
+        read from the file system (class folders) are hashed as a UTF-8 system spells them
+        (:func:`dmlkit.utils.portable_path`), so the fingerprint is the same in every locale.
         """
         h = hashlib.sha256()
         h.update(type(self).__name__.encode())
         h.update(self._portable_samples_fingerprint().encode())
         h.update(self.labels.tobytes())
-        h.update(repr(sorted(self.class_names.items())).encode())
+        names = sorted((c, portable_path(n) if isinstance(n, str) else n) for c, n in self.class_names.items())
+        h.update(repr(names).encode())
         return h.hexdigest()[:32]
 
     def thumbnail(self, index: int, size: int | None = 96):
@@ -546,7 +550,7 @@ class ImageFileDataset(MetricDataset):
         h = hashlib.sha256()
         h.update(str(self.mode).encode())
         for p in self._paths[self._rows]:
-            h.update(str(p).encode())
+            h.update(path_bytes(p))
             try:
                 st = Path(p).stat()
                 # nanosecond mtime, inode and ctime: an edit within the same second that keeps
@@ -567,7 +571,7 @@ class ImageFileDataset(MetricDataset):
         except ValueError:  # absolute and relative paths mixed: compare them as given
             base = ""
         for p in self._paths[self._rows]:
-            h.update(os.path.relpath(p, base).encode() if base else str(p).encode())
+            h.update(path_bytes(os.path.relpath(p, base) if base else p))
             try:
                 h.update(f":{os.stat(p).st_size}\n".encode())
             except OSError:

@@ -15,6 +15,7 @@ in the root, in no class folder.
 from __future__ import annotations
 
 import csv as _csv
+import io
 import os
 import re
 import warnings
@@ -27,6 +28,8 @@ from typing import Any
 from dmlkit.data.base import ImageFileDataset
 from dmlkit.data.datasets import IMAGE_EXTENSIONS, TRAIN_TEST, _check_files, register_dataset
 from dmlkit.exceptions import ConfigError, DataError, DataNotFoundError
+from dmlkit.label_text import clean_labels, integer_ids
+from dmlkit.utils import read_utf8_text
 
 __all__ = ["load_csv", "load_image_folder"]
 
@@ -175,8 +178,11 @@ def load_csv(root: str | os.PathLike | None = None, download: bool = False, *,
              mode: str | None = "RGB", transform=None, skip_corrupt: bool = False) -> ImageFileDataset:
     """A CSV with a header and columns ``path,label[,split]``.
 
-    Relative paths are resolved against ``image_root`` (default: the CSV's folder). Integer
-    labels are kept as class ids; other labels get ids 0..C-1 in sorted order. A ``split``
+    Relative paths are resolved against ``image_root`` (default: the CSV's folder). Labels
+    lose the whitespace around them (two that differ only in it are refused:
+    :func:`dmlkit.label_text.clean_labels`); integer labels (``-?[0-9]+``) are kept as class ids
+    unless two different labels read as one integer (``1`` and ``01``: then all are names,
+    :func:`dmlkit.label_text.integer_ids`); other labels get ids 0..C-1 in sorted order. A ``split``
     column (``train`` / ``val`` / ``test`` per class, or ``query`` / ``gallery`` per sample)
     defines the default split; a class listed under two of train/val/test is an error, and so
     is an image listed twice, under any spelling or through a link (the error names both lines).
@@ -188,26 +194,16 @@ def load_csv(root: str | os.PathLike | None = None, download: bool = False, *,
             "'path,label[,split]'"
         )
     base = Path(image_root) if image_root is not None else csv_path.parent
-    with open(csv_path, newline="", encoding="utf-8-sig") as fh:  # Excel's "CSV UTF-8" starts with a BOM
-        reader = _csv.DictReader(fh)
-        fields = [f.strip().lower() for f in (reader.fieldnames or [])]
-        if "path" not in fields or "label" not in fields:
-            raise DataError(f"{csv_path}: the header must name columns 'path' and 'label' "
-                            f"(and optionally 'split'), got {reader.fieldnames}")
-        rows, lines = [], []  # lines: each row's last line in the file (blank lines counted)
-        for r in reader:
-            rows.append({k.strip().lower(): (v or "").strip() for k, v in r.items() if k})
-            lines.append(reader.line_num)
-    if not rows:
-        raise DataError(f"{csv_path}: no rows")
-    raw_labels = [r["label"] for r in rows]
+    fields, rows, lines, raw = _read_csv_rows(csv_path)
+    raw_labels = clean_labels(raw, str(csv_path), lines)
     unlabelled = [i for i, s in enumerate(raw_labels) if not s]
     if unlabelled:  # else one class named "" of unrelated images
         where = ", ".join(str(lines[i]) for i in unlabelled[:10])
         raise DataError(f"{csv_path}: {len(unlabelled)} row(s) have no label (line(s) {where}): "
                         "give every image its class")
-    if all(re.fullmatch(r"-?\d+", s) for s in raw_labels) and len({int(s) for s in raw_labels}) == len(set(raw_labels)):
-        labels = [int(s) for s in raw_labels]
+    ids = integer_ids(raw_labels, [int(s) if re.fullmatch(r"-?\d+", s) else None for s in raw_labels])
+    if ids is not None:
+        labels = ids
         names = {c: str(c) for c in set(labels)}
     else:
         uniq = sorted(set(raw_labels))
@@ -239,6 +235,29 @@ def load_csv(root: str | os.PathLike | None = None, download: bool = False, *,
         split_groups=TRAIN_TEST, sample_groups=sample_groups, transform=transform,
         name=f"csv:{csv_path.stem}", skip_corrupt=skip_corrupt, meta=meta,
     )
+
+
+def _read_csv_rows(csv_path: Path) -> tuple[list[str], list[dict[str, str]], list[int], list[str]]:
+    """A dataset CSV's ``(columns, rows, lines, raw labels)``: the lower-cased header, each row
+    ``{column: stripped value}``, each row's last line in the file (blank lines counted) and its
+    label as written (:func:`dmlkit.label_text.clean_labels` strips it, refusing a merge). A file
+    that is not UTF-8 (Excel's plain "CSV" on Windows) is one :class:`DataError` line."""
+    text = read_utf8_text(csv_path, 'save it as "CSV UTF-8" (Excel: Save As, "CSV UTF-8 (Comma '
+                                    'delimited)") and load it again')
+    reader = _csv.DictReader(io.StringIO(text, newline=""))
+    fields = [f.strip().lower() for f in (reader.fieldnames or [])]
+    if "path" not in fields or "label" not in fields:
+        raise DataError(f"{csv_path}: the header must name columns 'path' and 'label' "
+                        f"(and optionally 'split'), got {reader.fieldnames}")
+    rows, lines, raw = [], [], []
+    for r in reader:
+        row = {k.strip().lower(): v or "" for k, v in r.items() if k}
+        raw.append(row["label"])
+        rows.append({k: v.strip() for k, v in row.items()})
+        lines.append(reader.line_num)
+    if not rows:
+        raise DataError(f"{csv_path}: no rows")
+    return fields, rows, lines, raw
 
 
 def _refuse_repeated_paths(csv_path: Path, rows: Sequence[dict[str, str]], paths: Sequence[Path],

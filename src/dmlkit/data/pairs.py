@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import csv as _csv
 import glob
+import io
 import os
 import re
 from collections.abc import Sequence
@@ -37,7 +38,7 @@ import numpy as np
 from dmlkit.data.base import ImageFileDataset
 from dmlkit.data.datasets import IMAGE_EXTENSIONS, register_dataset
 from dmlkit.exceptions import DataError, DataNotFoundError
-from dmlkit.utils import data_root
+from dmlkit.utils import data_root, read_utf8_text
 
 __all__ = [
     "LfwPair",
@@ -317,8 +318,9 @@ def read_pair_csv(path: str | os.PathLike, image_root: str | os.PathLike | None 
     if not p.is_file():
         raise DataNotFoundError(f"pair list not found: {p}")
     base = Path(image_root) if image_root is not None else p.parent
-    with open(p, newline="", encoding="utf-8-sig") as fh:  # Excel's "CSV UTF-8" starts with a BOM
-        rows = [(k + 1, [c.strip() for c in r]) for k, r in enumerate(_csv.reader(fh)) if any(c.strip() for c in r)]
+    text = read_utf8_text(p, 'save it as "CSV UTF-8"')  # a byte offset into the file, not into a chunk of it
+    rows = [(k + 1, [c.strip() for c in r]) for k, r in enumerate(_csv.reader(io.StringIO(text, newline="")))
+            if any(c.strip() for c in r)]
     if not rows:
         raise DataError(f"{p}: empty pair list")
     columns = ["path1", "path2", "same", "fold"]

@@ -14,6 +14,9 @@ import io
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from urllib.parse import quote
+
+from dmlkit.utils import path_bytes
 
 __all__ = ["Figure", "Section", "render_page", "screen_png", "table_html"]
 
@@ -129,7 +132,11 @@ def render_page(title: str, subtitle: str, sections: Sequence[Section], page_pat
 
 
 def _relative(path: Path, start: Path) -> str:
+    """A link to ``path`` from a page in ``start``: the relative path as a URL (percent-encoded:
+    in ``r#1_figures/curves.png`` a ``#`` began a fragment, and ``%``/``?`` broke it too, so
+    every figure link of a page named ``r#1.html`` led to the page itself), else a file URI."""
     try:
-        return path.resolve().relative_to(start.resolve()).as_posix()
+        rel = path.resolve().relative_to(start.resolve()).as_posix()
     except ValueError:
         return path.resolve().as_uri()
+    return quote(path_bytes(rel))  # bytes: a file name that is not UTF-8 keeps its own

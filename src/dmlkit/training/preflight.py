@@ -94,14 +94,21 @@ class DataSummary:
     @classmethod
     def of(cls, dataset: Any, name: str, root: str | Path) -> DataSummary:
         names = dataset.class_names
-        shown = tuple(names.get(int(c), str(c)) for c in dataset.classes[:5].tolist())
+        shown = tuple(_one_line(names.get(int(c), str(c))) for c in dataset.classes[:5].tolist())
         where = dataset.meta.get("root") if isinstance(getattr(dataset, "meta", None), dict) else None
-        return cls(name, str(where or root), int(dataset.classes.size), len(dataset), shown)
+        return cls(name, _one_line(str(where or root)), int(dataset.classes.size), len(dataset), shown)
 
     def describe(self) -> str:
         more = ", ..." if self.num_classes > len(self.names) else ""
         return (f"{self.dataset} at {self.root}: {self.num_classes} classes "
                 f"({', '.join(self.names)}{more}), {self.num_items} items")
+
+
+def _one_line(name: Any) -> str:
+    """``name`` as written, or its ``repr`` where it holds a newline or another character that
+    does not print (a class folder named ``a\\nb`` split the error's one line in two)."""
+    text = str(name)
+    return text if text.isprintable() else repr(text)
 
 
 @dataclass
@@ -194,7 +201,7 @@ def eval_split_problems(labels: Any, split: str, key: str, fit: Any = NO_FIT, *,
     ids, counts = np.unique(np.asarray(labels), return_counts=True)
     if ids.size == 0:
         return []
-    names = names or {}
+    names = {c: _one_line(n) for c, n in (names or {}).items()}
     problems = []
     todo = {"fit": fit} if fit is not NO_FIT else {}
     if ids.size == 1:

@@ -43,6 +43,7 @@ from urllib.parse import quote
 import numpy as np
 
 from dmlkit.exceptions import ConfigError, DataError, DataNotFoundError, DmlkitError, require
+from dmlkit.utils import local_path
 from dmlkit.validation import check_integer
 
 STATIC = Path(__file__).parent / "static"
@@ -523,8 +524,9 @@ def _file_under_root(root: Path, name: str) -> Path | None:
     Checked on the path as written, not the resolved one: in a data root of symlinked class
     folders (the layout docs/configuration.md shows) every file resolves outside the root, and
     every thumbnail was refused and the model check skipped. Ids are limited to the indexed
-    items, so ``..`` and absolute names are the only way out of the root."""
-    path = Path(name)
+    items, so ``..`` and absolute names are the only way out of the root. ``name`` is an id as
+    a run stores it (:func:`dmlkit.utils.portable_path`), spelled here as this system spells it."""
+    path = Path(local_path(name))
     if path.is_absolute() or ".." in path.parts:
         return None
     return root / path
