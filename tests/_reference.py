@@ -329,6 +329,19 @@ def tiny_patch_run(root: Path) -> tuple[Path, Path]:
     return path, run
 
 
+def run_cli(capsys, *args: str) -> tuple[int, str, str]:
+    """``dmlkit ARGS`` in this process: (exit code, stdout, stderr) as captured by ``capsys``."""
+    from dmlkit.cli import main
+
+    try:
+        main(list(args))
+        code = 0
+    except SystemExit as exc:
+        code = int(exc.code or 0)
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
 def one_error_line(code: int, err: str) -> str:
     """The one ``error: ...`` line of a refused command (exit code 2, nothing else on stderr)."""
     assert code == 2, err

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 from typer.testing import CliRunner
 
+from _reference import run_cli
 from dmlkit.apps import (
     EmbeddingIndex,
     few_shot_accuracy,
@@ -159,15 +160,8 @@ def test_cli_index_query_verify_fewshot(tmp_path):
 
 # -- user errors: one line, exit 2 (issue 11, points 4 and 9) ----------------------------------
 def _main(capsys, *args: str) -> tuple[int, str]:
-    from dmlkit.cli import main
-
-    try:
-        main(list(args))
-        code = 0
-    except SystemExit as exc:
-        code = int(exc.code or 0)
-    out = capsys.readouterr()
-    return code, out.out + out.err
+    code, out, err = run_cli(capsys, *args)
+    return code, out + err
 
 
 def test_nan_embeddings_are_refused_by_verify_and_few_shot(tmp_path, capsys):

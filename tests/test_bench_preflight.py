@@ -12,7 +12,7 @@ import optuna
 import pytest
 import yaml
 
-from dmlkit.cli import main
+from _reference import run_cli
 from dmlkit.exceptions import ConfigError, DmlkitError
 from dmlkit.protocol import Bench, bench_config_from_dict
 from dmlkit.protocol.preflight import check_bench
@@ -58,13 +58,8 @@ def bench_dict(root: Path) -> dict:
 
 
 def _run(capsys, *args: str) -> tuple[int, str]:
-    try:
-        main(list(args))
-        code = 0
-    except SystemExit as exc:
-        code = int(exc.code or 0)
-    out = capsys.readouterr()
-    return code, out.out + out.err
+    code, out, err = run_cli(capsys, *args)
+    return code, out + err
 
 
 def test_every_violation_in_one_error_then_the_corrected_bench_runs(folder, tmp_path, capsys):

@@ -19,8 +19,7 @@ import pytest
 import torch
 import yaml
 
-from _reference import omniglot_run_config
-from dmlkit.cli import main
+from _reference import omniglot_run_config, run_cli
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -43,13 +42,8 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _run_main(capsys, *args: str) -> tuple[int, str]:
-    try:
-        main(list(args))
-        code = 0
-    except SystemExit as exc:
-        code = int(exc.code or 0)
-    out = capsys.readouterr()
-    return code, " ".join((out.out + out.err).split())  # rich wraps long lines
+    code, out, err = run_cli(capsys, *args)
+    return code, " ".join((out + err).split())  # rich wraps long lines
 
 
 def test_bad_config_is_reported_without_traceback(tmp_path, capsys):

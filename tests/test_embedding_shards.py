@@ -239,8 +239,7 @@ def test_cli_embed_shards_then_evaluate_the_directory(tmp_path, capsys, data_roo
     """`dmlkit embed --format shards --dtype float16` on a trained Omniglot run, then `dmlkit
     evaluate SHARD_DIR` equals evaluate() on the values the shards hold."""
 
-    from _reference import omniglot_run_config
-    from dmlkit.cli import main
+    from _reference import omniglot_run_config, run_cli
     from dmlkit.metrics import evaluate
 
     omniglot_run_config(tmp_path, "shards", train=range(0, 8), val=range(20, 24), file="c.yaml",
@@ -248,13 +247,8 @@ def test_cli_embed_shards_then_evaluate_the_directory(tmp_path, capsys, data_roo
                         training={"epochs": 1, "device": "cpu"})
 
     def run(*args):
-        try:
-            main(list(args))
-            code = 0
-        except SystemExit as exc:
-            code = int(exc.code or 0)
-        out = capsys.readouterr()
-        return code, " ".join((out.out + out.err).split())
+        code, out, err = run_cli(capsys, *args)
+        return code, " ".join((out + err).split())
 
     code, out = run("train", str(tmp_path / "c.yaml"), "--run-dir", str(tmp_path / "run"),
                     "--data-root", str(data_root), "--quiet")

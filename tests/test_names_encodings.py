@@ -21,9 +21,8 @@ import pytest
 import torch
 from PIL import Image
 
-from _reference import tiny_sections
+from _reference import run_cli, tiny_sections
 from dmlkit.apps.index import item_ids
-from dmlkit.cli import main
 from dmlkit.config import config_from_dict
 from dmlkit.data import load_dataset
 from dmlkit.data.pairs import load_pair_list
@@ -39,13 +38,7 @@ from dmlkit.validation import check_labels
 
 def _main(capsys, *args: str) -> tuple[int, str, str]:
     """``dmlkit ARGS``: (exit code, stdout, stderr)."""
-    try:
-        main(list(args))
-        code = 0
-    except SystemExit as exc:
-        code = int(exc.code or 0)
-    out = capsys.readouterr()
-    return code, out.out, out.err
+    return run_cli(capsys, *args)
 
 
 def _pngs(folder: Path, names: list[str]) -> None:

@@ -15,8 +15,7 @@ import pytest
 import yaml
 from PIL import Image
 
-from _reference import tiny_sections
-from dmlkit.cli import main
+from _reference import run_cli, tiny_sections
 from dmlkit.config import config_from_dict
 from dmlkit.data import load_dataset
 from dmlkit.exceptions import ConfigError
@@ -72,13 +71,8 @@ def user_config(root: Path | None, **sections) -> dict:
 
 
 def _run(capsys, *args: str) -> tuple[int, str]:
-    try:
-        main(list(args))
-        code = 0
-    except SystemExit as exc:
-        code = int(exc.code or 0)
-    out = capsys.readouterr()
-    return code, out.out + out.err
+    code, out, err = run_cli(capsys, *args)
+    return code, out + err
 
 
 def _fixes(text: str) -> list[str]:
