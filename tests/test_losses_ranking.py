@@ -318,6 +318,27 @@ def test_dbl_negative_at_zero_distance_is_finite():
     assert torch.isfinite(out) and out > 10 and torch.isfinite(x.grad).all()
 
 
+@pytest.mark.parametrize("min_distance", [1e-6, 0.5, 2.0])
+@pytest.mark.parametrize("d", [0.25, 1.0, 3.0])
+def test_dbl_min_distance_clamps_every_term(min_distance, d):
+    """A negative pair at distance ``d`` costs -log(1 - p(max(d, min_distance))) (float64
+    oracle): never negative, and flat (zero gradient) below the clamp."""
+    m = 1.0
+    loss = DistanceLogisticLoss(
+        margin=m, min_distance=min_distance, distance=LpDistance(normalize_embeddings=False)
+    )
+    x = torch.tensor([[0.0], [d]], dtype=torch.float64, requires_grad=True)
+    out = loss(x, torch.tensor([0, 1]))
+    (grad,) = torch.autograd.grad(out, x)
+    d_c = max(d, min_distance)
+    p = (1 + math.exp(-m)) / (1 + math.exp(d_c - m))
+    assert float(out) == pytest.approx(-math.log1p(-p), rel=1e-10)
+    if d < min_distance:
+        assert float(grad[1, 0]) == 0.0
+    else:
+        assert float(grad[1, 0]) < 0.0  # pushes the negative away
+
+
 # ------------------------------------------------------------------ miner indices and ref_emb
 
 MINED_PAIRS = (

@@ -460,8 +460,9 @@ class DistanceLogisticLoss(_PairMatrixLoss):
 
     in log space: ``log p = softplus(-m) - softplus(D - m)`` and
     ``log(1 - p) = -m + log(expm1(D)) - softplus(D - m)``. ``D`` is the Euclidean distance by
-    default; ``D`` is clamped below at ``min_distance`` so a negative pair at distance 0 gives
-    a large finite loss rather than ``inf``. Averaged over all pairs (``"mean"``) or as the mean
+    default; in ``log(1 - p)`` ``D`` is clamped below at ``min_distance`` (in every term, so
+    a negative pair closer than that gets the loss of one at ``min_distance``, with zero
+    gradient) so a negative pair at distance 0 gives a large finite loss rather than ``inf``. Averaged over all pairs (``"mean"``) or as the mean
     of the positive-pair and negative-pair means (``"balanced"``).
 
     Args:
@@ -501,12 +502,13 @@ class DistanceLogisticLoss(_PairMatrixLoss):
             return self.zero_loss(embeddings)
         m = self.margin
         sp_m = math.log1p(math.exp(-m)) if m > -30 else -m  # softplus(-m)
-        sp = F.softplus(mat - m)
         # -log p on the whole matrix, -log(1 - p) = m - log(expm1(D)) + softplus(D - m) with
-        # log(expm1(D)) = D + log(-expm1(-D)); selected per entry, masked entries get 0
+        # log(expm1(D)) = D + log(-expm1(-D)); selected per entry, masked entries get 0.
+        # -log(1 - p) uses the clamped D in all three terms: it is -log(1 - p(max(D, min_d))),
+        # flat (zero gradient) below the clamp and never negative
         d_c = mat.clamp_min(self.min_distance)
-        neg_loss = sp + (m - d_c) - torch.log(-torch.expm1(-d_c))
-        per_pair = torch.where(pos, sp - sp_m, neg_loss)
+        neg_loss = F.softplus(d_c - m) + (m - d_c) - torch.log(-torch.expm1(-d_c))
+        per_pair = torch.where(pos, F.softplus(mat - m) - sp_m, neg_loss)
         num_pos, num_neg = pos.sum(), neg.sum()
         if self.reduction == "mean":
             return torch.where(pos | neg, per_pair, 0.0).sum() / (num_pos + num_neg)
