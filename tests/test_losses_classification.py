@@ -150,7 +150,7 @@ CASES = [
     ("cosface", {}),
     ("cosface", {"margin": 0.2, "scale": 8.0}),
     ("arcface", {}),
-    ("arcface", {"margin": 2.8, "scale": 4.0}),
+    ("arcface", {"margin": 2.3, "scale": 4.0}),
     ("arcface", {"easy_margin": True, "scale": 4.0}),
 ]
 
@@ -185,6 +185,22 @@ def test_psi_is_continuous_and_decreasing():
         assert (psi.diff() <= 1e-12).all(), (m1, m2, m3)
         assert psi.diff().abs().max() < 0.05  # no jumps
         assert torch.allclose(psi[0], torch.tensor(math.cos(m2) - m3, dtype=torch.float64))
+
+
+def test_arcface_target_logit_is_monotone_up_to_its_margin_limit_and_larger_is_refused():
+    """cos(theta) - m sin(m) continues cos(theta + m) without an upward jump at theta = pi - m
+    exactly while cos m + m sin m >= 1; above that root the margin is refused."""
+    m = 2.3311223704144224  # the root, to float64 precision
+    assert math.cos(m) + m * math.sin(m) == pytest.approx(1.0, abs=1e-14)
+    theta = torch.linspace(0, math.pi, 4001, dtype=torch.float64)
+    for margin in (0.5, 2.0, m):
+        logit = ArcFaceLoss(2, 3, margin=margin).target_logit(torch.cos(theta))
+        assert (logit.diff() <= 1e-12).all(), margin
+    for margin in (2.34, 3.0, math.pi - 1e-6):
+        with pytest.raises(ConfigError, match="at most 2.3311"):
+            ArcFaceLoss(2, 3, margin=margin)
+        with pytest.raises(ConfigError, match="at most 2.3311"):
+            get_loss("arcface", num_classes=2, embedding_size=3, margin=margin, easy_margin=True)
 
 
 def test_presets_are_the_family():
@@ -245,8 +261,8 @@ def test_bfloat16_under_autocast():
 
 
 STRESS = [
-    ("arcface", {"margin": 3.1, "scale": 64.0}),
-    ("arcface", {"margin": 3.1, "scale": 64.0, "easy_margin": True}),
+    ("arcface", {"margin": 2.33, "scale": 64.0}),
+    ("arcface", {"margin": 2.33, "scale": 64.0, "easy_margin": True}),
     ("cosface", {"margin": 3.0, "scale": 64.0}),
     ("large_margin_softmax", {"m1": 4.0, "m2": 3.1, "m3": 3.0, "scale": 64.0}),
     ("sphereface", {"margin": 4}),
@@ -284,8 +300,8 @@ def _pml_pairs():
             "W",
         ),
         (
-            ArcFaceLoss(7, 16, margin=2.5),
-            lambda: pml_losses.ArcFaceLoss(7, 16, margin=math.degrees(2.5), scale=64),
+            ArcFaceLoss(7, 16, margin=2.3),
+            lambda: pml_losses.ArcFaceLoss(7, 16, margin=math.degrees(2.3), scale=64),
             "W",
         ),
         (SphereFaceLoss(7, 16), lambda: pml_losses.SphereFaceLoss(7, 16, margin=4, scale=1), "W"),

@@ -44,6 +44,12 @@ __all__ = [
 #: Cosines are clamped to [-1 + eps, 1 - eps] before ``acos`` so its gradient stays finite.
 _ACOS_EPS = {torch.float64: 1e-12, torch.float32: 1e-6}
 
+#: The largest ArcFace margin (radians) whose target logit is monotone in the angle: the root
+#: of ``cos m + m sin m = 1`` in ``(0, pi)``. At ``theta = pi - m`` the logit falls to
+#: ``cos(pi) = -1`` and the fallback continues from ``-cos m - m sin m``, which is <= -1 (no
+#: upward jump) exactly while ``m`` is at most this root.
+ARCFACE_MAX_MARGIN = 2.3311223704144224
+
 
 # --------------------------------------------------------------------------- shared helpers
 def compute_dtype(*tensors: torch.Tensor) -> torch.dtype:
@@ -391,9 +397,14 @@ class ArcFaceLoss(LargeMarginSoftmaxLoss):
 
     Deng, Guo, Xue, Zafeiriou, "ArcFace: Additive Angular Margin Loss for Deep Face
     Recognition", CVPR 2019. Paper defaults ``s = 64``, ``m = 0.5``. Where ``theta + m > pi``
-    the target logit is made monotone as in the paper's code (InsightFace):
-    ``cos theta - m sin m`` when ``cos theta <= cos(pi - m)``; with ``easy_margin=True`` the
-    margin is applied only where ``cos theta > 0`` (plain ``cos theta`` elsewhere).
+    the target logit is ``cos theta - m sin m`` (when ``cos theta <= cos(pi - m)``), as in the
+    paper's code (InsightFace). That keeps it decreasing in ``theta`` only for
+    ``m <= ARCFACE_MAX_MARGIN`` (2.3311 rad, the root of ``cos m + m sin m = 1``): above it the
+    fallback jumps up at ``theta = pi - m``, so larger margins are refused (use
+    ``LargeMarginSoftmaxLoss(m2=m)``, whose extension is monotone for any ``m2 < pi``). With
+    ``easy_margin=True`` the margin is applied only where ``cos theta > 0`` (plain
+    ``cos theta`` elsewhere); that logit jumps up by ``sin m`` at ``theta = pi / 2`` by design
+    (InsightFace's easy margin), so it is not monotone.
 
     With ``easy_margin=False`` this equals pytorch-metric-learning ``ArcFaceLoss(num_classes,
     embedding_size, margin=degrees(m), scale=s)`` (pml takes degrees) with ``W_pml = W.T``.
@@ -408,6 +419,13 @@ class ArcFaceLoss(LargeMarginSoftmaxLoss):
         easy_margin: bool = False,
     ) -> None:
         super().__init__(num_classes, embedding_size, m2=margin, scale=scale)
+        if self.m2 > ARCFACE_MAX_MARGIN:
+            raise ConfigError(
+                f"arcface margin must be at most {ARCFACE_MAX_MARGIN:.4f} rad, got {margin}: above "
+                "it (the root of cos m + m sin m = 1) the paper code's fallback cos(theta) - m "
+                "sin(m) jumps up at theta = pi - m, so the loss is not monotone in the angle; use "
+                "a smaller margin, or large_margin_softmax with m2 for a monotone large margin"
+            )
         self.margin = self.m2
         self.easy_margin = bool(easy_margin)
         self.threshold = math.cos(math.pi - self.m2)
