@@ -260,6 +260,22 @@ def test_loss_and_miner_numbers_are_refused_when_the_config_is_read(tmp_path, ov
         load_config(path, overrides)
 
 
+@pytest.mark.parametrize("value", ["False", "false", 0, 1, None])
+def test_a_boolean_loss_parameter_takes_only_a_boolean(tmp_path, value):
+    """``swap: "False"`` (a quoted boolean, a non-empty string) trained with the swap on; a
+    boolean parameter of the untyped loss and miner sections takes true or false only."""
+    from dmlkit.config import LossConfig
+    from dmlkit.training.builders import build_loss
+
+    with pytest.raises(ConfigError, match=r"loss.params.swap is true or false \(default false\)"):
+        build_loss(LossConfig.model_construct(name="triplet", params={"swap": value}), 10, 16)
+    path = tmp_path / "c.yaml"
+    path.write_text("data: {dataset: omniglot}\nloss: {name: triplet}\n")
+    with pytest.raises(ConfigError, match="loss.params.swap is true or false"):
+        load_config(path, [f"loss.params.swap={yaml.safe_dump(value).splitlines()[0]}"])
+    assert build_loss(LossConfig(name="triplet", params={"swap": True}), 10, 16).swap is True
+
+
 def test_an_override_keeps_every_value_as_given():
     """``config.override`` (what ``train(data_root=...)`` does) and ``with_method`` rewrote a NaN
     parameter put into a read config as None; the copy must hold it and so refuse it."""

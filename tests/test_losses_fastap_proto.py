@@ -153,6 +153,17 @@ def test_fastap_config_errors():
     assert isinstance(get_loss("fastap", num_bins=20), FastAPLoss)
 
 
+@pytest.mark.parametrize("value", [2.9, 37.95, 5.0, True])
+def test_fractional_counts_are_refused_not_truncated(value):
+    """num_bins=37.95 trained with 37 bins (int() truncation) while a search recorded 37.95;
+    a count is an integer (dmlkit.validation.check_integer), never rounded silently."""
+    with pytest.raises(ConfigError, match=f"num_bins must be a positive integer, got {value!r}"):
+        FastAPLoss(num_bins=value)
+    with pytest.raises(ConfigError, match=f"k_shot must be a positive integer or None, got {value!r}"):
+        PrototypicalLoss(k_shot=value)
+    assert FastAPLoss(num_bins=37).num_bins == 37 and PrototypicalLoss(k_shot=3).k_shot == 3
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("num_bins", [10, 25])
 def test_fastap_equals_pytorch_metric_learning(dtype, num_bins):

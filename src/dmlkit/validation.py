@@ -94,9 +94,11 @@ def check_number(value: Any, name: str, least: float | None = None) -> float:
 
 def check_parameter_numbers(key: str, factory: Any, params: dict[str, Any]) -> None:
     """Refuse, as :class:`ConfigError` naming ``key.NAME``, a parameter given NaN or infinity,
-    or a boolean where ``factory``'s default is a number: these sections are untyped, so
-    ``margin: .nan`` trained NaN losses (blamed on the embeddings) and ``margin: yes`` trained
-    with 1.0 without a word, where the typed sections refuse both."""
+    a boolean where ``factory``'s default is a number, or anything but a boolean where the
+    default is a boolean: these sections are untyped, so ``margin: .nan`` trained NaN losses
+    (blamed on the embeddings), ``margin: yes`` trained with 1.0 and ``swap: "False"`` (a
+    non-empty string, so true) trained with the swap on, all without a word, where the typed
+    sections refuse them."""
     try:
         defaults = {n: p.default for n, p in inspect.signature(factory).parameters.items()}
     except (TypeError, ValueError):  # no signature to read: the numbers alone are checked
@@ -108,6 +110,11 @@ def check_parameter_numbers(key: str, factory: Any, params: dict[str, Any]) -> N
         number = isinstance(default, int | float) and not isinstance(default, bool)
         if isinstance(value, bool) and number:
             raise ConfigError(f"{key}.{name} is a number (default {default}), got {str(value).lower()}")
+        if isinstance(default, bool) and not isinstance(value, bool | np.bool_):
+            raise ConfigError(
+                f"{key}.{name} is true or false (default {str(default).lower()}), got {value!r}: "
+                "write the boolean unquoted"
+            )
 
 
 _F32 = torch.finfo(torch.float32)

@@ -26,6 +26,7 @@ from dmlkit.distances import BaseDistance, LpDistance
 from dmlkit.exceptions import ConfigError
 from dmlkit.losses._pairs import pair_masks, pair_matrix
 from dmlkit.losses.base import BaseLoss, register_loss
+from dmlkit.validation import check_integer
 
 __all__ = ["FastAPLoss", "soft_histograms"]
 
@@ -88,9 +89,7 @@ class FastAPLoss(BaseLoss):
                 "fastap needs the Euclidean distance on L2-normalised embeddings (bounded range): "
                 f"use LpDistance(power=2) or LpDistance(power=1), got {d!r}"
             )
-        if int(num_bins) < 1:
-            raise ConfigError(f"num_bins must be >= 1, got {num_bins}")
-        self.num_bins = int(num_bins)
+        self.num_bins = check_integer(num_bins, "num_bins")
 
     @staticmethod
     def default_distance() -> BaseDistance:

@@ -30,6 +30,7 @@ from dmlkit.distances import BaseDistance, CosineSimilarity, LpDistance, get_dis
 from dmlkit.exceptions import ConfigError, DataError, ShapeError
 from dmlkit.losses._pairs import safe_normalize, upcast_pair
 from dmlkit.losses.base import BaseLoss, check_inputs, register_loss
+from dmlkit.validation import check_integer
 
 __all__ = [
     "PrototypicalLoss",
@@ -178,9 +179,7 @@ class PrototypicalLoss(BaseLoss):
         self, k_shot: int | None = None, distance: BaseDistance | str | None = None
     ) -> None:
         super().__init__(distance)
-        if k_shot is not None and int(k_shot) < 1:
-            raise ConfigError(f"k_shot must be >= 1 or None, got {k_shot}")
-        self.k_shot = None if k_shot is None else int(k_shot)
+        self.k_shot = None if k_shot is None else check_integer(k_shot, "k_shot", hint=" or None")
 
     @staticmethod
     def default_distance() -> BaseDistance:
