@@ -501,6 +501,21 @@ def test_invalid_configs():
         MarginLoss(num_classes=0)
 
 
+@pytest.mark.parametrize(("name", "param", "bad", "message"), [
+    ("circle", "gamma", (0.0, -80.0, math.inf), "gamma must be a positive finite number"),
+    ("tuplet_margin", "scale", (0.0, -64.0, math.inf), "scale must be a positive finite number"),
+    ("margin", "nu", (-2.0, -1e-9, math.nan), "nu must be a finite number of at least 0"),
+])
+def test_scales_and_regulariser_weights_refuse_a_wrong_sign(name, param, bad, message):
+    """A negative scale turned the objective upside down (lower loss on a batch with scrambled
+    labels), 0 made it constant, nu < 0 made the loss unbounded below in beta; all were
+    accepted, unlike the sibling scales and temperatures."""
+    for value in bad:
+        with pytest.raises(ConfigError, match=message):
+            get_loss(name, **{param: value})
+    get_loss(name, **{param: 0.0 if param == "nu" else 1.0})  # the boundary that is allowed
+
+
 # ------------------------------------------------------------------ pytorch-metric-learning
 pml = pytest.importorskip("pytorch_metric_learning")
 

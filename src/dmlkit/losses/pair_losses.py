@@ -31,6 +31,8 @@ from dmlkit.losses._pairs import (
     to_pair_indices,
 )
 from dmlkit.losses.base import BaseLoss, register_loss
+from dmlkit.losses.classification_losses import _check_positive
+from dmlkit.validation import check_number
 
 __all__ = [
     "CircleLoss",
@@ -419,7 +421,7 @@ class MarginLoss(BaseLoss):
         if num_classes is not None and num_classes < 1:
             raise ConfigError(f"num_classes must be positive, got {num_classes}")
         self.margin = float(margin)
-        self.nu = float(nu)
+        self.nu = check_number(nu, "nu", least=0.0)  # nu < 0 rewards beta without bound
         self.num_classes = num_classes
         init = torch.full((num_classes or 1,), float(beta))
         if learn_beta:
@@ -502,6 +504,7 @@ class CircleLoss(BaseLoss):
     ) -> None:
         super().__init__(distance)
         _require_similarity("CircleLoss", self.distance)
+        _check_positive(gamma=gamma)  # <= 0 turns the objective upside down or off
         self.m = float(m)
         self.gamma = float(gamma)
 

@@ -40,6 +40,7 @@ from dmlkit.losses._pairs import (
     upcast,
 )
 from dmlkit.losses.base import BaseLoss, register_loss
+from dmlkit.losses.classification_losses import _check_positive
 
 __all__ = ["AngularLoss", "NPairsLoss", "TripletMarginLoss", "TupletMarginLoss"]
 
@@ -418,6 +419,7 @@ class TupletMarginLoss(BaseLoss):
         super().__init__(distance)
         if not (self.distance.higher_is_closer and self.distance.normalize_embeddings):
             raise ConfigError("TupletMarginLoss needs distance='cosine' (the default)")
+        _check_positive(scale=scale)  # <= 0 turns the objective upside down or off
         self.margin = float(margin)
         self.scale = float(scale)
 
