@@ -6,6 +6,7 @@ COMPLETE trials count as finished."""
 from __future__ import annotations
 
 import copy
+import re
 from pathlib import Path
 
 import optuna
@@ -15,7 +16,9 @@ import yaml
 from _reference import run_cli
 from dmlkit.exceptions import ConfigError, DmlkitError
 from dmlkit.protocol import Bench, bench_config_from_dict
+from dmlkit.protocol.config import SearchParam
 from dmlkit.protocol.preflight import check_bench
+from dmlkit.protocol.space import search_samples
 from dmlkit.protocol.study import (
     count_completed,
     count_finished,
@@ -178,6 +181,49 @@ def test_only_the_selected_methods_are_checked_and_searched_ranges_are_built(fol
     report = check_bench(bench_config_from_dict(data), dataset, methods=["ms"])
     assert [p.key for p in report.errors] == ["methods.0.search"]
     assert "loss.beta=-2.0" in report.errors[0].message and "positive" in report.errors[0].message
+
+
+def test_search_samples_are_fixed_points_optuna_could_sample():
+    """Fixed seed (the same points each check), ints on their grid, stepped floats on theirs
+    (ending at the last grid point, as Optuna does), log ranges within their ends, choices."""
+    space = {"loss.k": SearchParam(type="int", low=1, high=10, step=4),
+             "loss.m": SearchParam(type="float", low=0.1, high=1.0, step=0.4),
+             "loss.t": SearchParam(type="float", low=1e-4, high=1.0, log=True),
+             "loss.n": SearchParam(type="int", low=1, high=1000, log=True),
+             "loss.swap": SearchParam(type="categorical", choices=[True, False])}
+    points = search_samples(space, 32)
+    assert points == search_samples(space, 32) and len(points) == 32
+    assert {p["loss.k"] for p in points} == {1, 5, 9} and all(type(p["loss.k"]) is int for p in points)
+    assert {round(p["loss.m"], 9) for p in points} == {0.1, 0.5, 0.9}
+    assert all(1e-4 <= p["loss.t"] <= 1.0 and 1 <= p["loss.n"] <= 1000 for p in points)
+    assert sum(p["loss.t"] < 1e-2 for p in points) >= 8  # log-uniform: half below 1e-2
+    assert {p["loss.swap"] for p in points} == {True, False}
+
+
+def test_a_constraint_coupling_two_searched_ranges_is_found_at_random_points(folder):
+    """distance_weighted needs cutoff < nonzero_loss_cutoff: both corners of these overlapping
+    ranges build, yet ~16% of the points a trial samples are refused (each one a FAIL trial).
+    The preflight builds fixed random points too and reports one with its values."""
+    from dmlkit.data import load_dataset
+
+    data = bench_dict(folder)
+    data["protocol"]["folds"] = 2
+    data["fixed"]["sampler"] = {"classes_per_batch": 2, "samples_per_class": 4}
+    data["methods"][0]["miner"] = {"name": "distance_weighted"}
+    data["methods"][0]["search"] = {"miner.cutoff": {"low": 0.1, "high": 1.0},
+                                    "miner.nonzero_loss_cutoff": {"low": 0.5, "high": 1.4}}
+    dataset = load_dataset("image_folder", root=folder)
+    report = check_bench(bench_config_from_dict(data), dataset, methods=["triplet"])
+    assert [p.key for p in report.errors] == ["methods.0.search"]
+    message = report.errors[0].message
+    match = re.search(r"with miner\.cutoff=([\d.]+), miner\.nonzero_loss_cutoff=([\d.]+): .*cutoff < "
+                      r"nonzero_loss_cutoff.* \((\d+) of 32 random points", message)
+    assert match, message
+    assert float(match[1]) >= float(match[2]) and int(match[3]) >= 1  # a refused point, shown
+    assert "every combination" in report.errors[0].hint
+    assert check_bench(bench_config_from_dict(data), dataset, methods=["triplet"]).errors[0].message == message
+    data["methods"][0]["search"]["miner.nonzero_loss_cutoff"]["low"] = 1.0  # no overlap: accepted
+    assert check_bench(bench_config_from_dict(data), dataset, methods=["triplet"]).errors == []
 
 
 def test_an_in_memory_study_is_refused_where_other_processes_must_read_it(folder, tmp_path):

@@ -6,13 +6,15 @@ Keys are ``loss.<param>``, ``miner.<param>`` or ``optimizer.loss_lr`` (validated
 
 from __future__ import annotations
 
+import math
+import random
 import warnings
 from collections.abc import Mapping
 from typing import Any
 
 from dmlkit.protocol.config import SearchParam
 
-__all__ = ["distributions", "search_corners", "suggest"]
+__all__ = ["distributions", "search_corners", "search_samples", "suggest"]
 
 
 def suggest(trial: Any, space: Mapping[str, SearchParam]) -> dict[str, Any]:
@@ -57,11 +59,7 @@ def search_corners(space: Mapping[str, SearchParam]) -> list[dict[str, Any]]:
     not in every trial). A stepped range ends at its last grid point, as Optuna samples it."""
     if not space:
         return []
-    # a stepped range's high end as Optuna samples it: the last point of the grid (1..10 step 4
-    # samples 9, never 10, so a loss refusing 10 must not fail the check)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # Optuna's "not divisible by step": the trials warn it
-        grid = distributions(space)
+    grid = _sampled_distributions(space)
     low = {k: (spec.choices or [None])[0] if spec.type == "categorical" else spec.low for k, spec in space.items()}
     high = {k: (spec.choices or [None])[-1] if spec.type == "categorical" else grid[k].high
             for k, spec in space.items()}
@@ -76,3 +74,41 @@ def search_corners(space: Mapping[str, SearchParam]) -> list[dict[str, Any]]:
             elif spec.type == "float":
                 point[key] = float(point[key])
     return points
+
+
+def search_samples(space: Mapping[str, SearchParam], count: int = 32, seed: int = 0) -> list[dict[str, Any]]:
+    """``count`` points of ``space`` drawn from a fixed ``seed`` (so a check is reproducible):
+    each range uniformly (log-uniformly when ``log``, on its grid when stepped), each choice
+    uniformly, independently of the others, as Optuna's trials may sample them. The corners
+    (:func:`search_corners`) miss a constraint that couples two searched parameters (a miner's
+    ``cutoff < nonzero_loss_cutoff`` over overlapping ranges); these points find it with a
+    probability that grows with the share of the space it refuses."""
+    if not space:
+        return []
+    grid = _sampled_distributions(space)
+    rng = random.Random(seed)
+    return [{key: _sample(space[key], grid[key], rng) for key in sorted(space)} for _ in range(count)]
+
+
+def _sampled_distributions(space: Mapping[str, SearchParam]) -> dict[str, Any]:
+    """:func:`distributions`, whose stepped ranges end at their last grid point as Optuna
+    samples them (1..10 step 4 samples 9, never 10, so a loss refusing 10 must not fail a
+    check)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # Optuna's "not divisible by step": the trials warn it
+        return distributions(space)
+
+
+def _sample(spec: SearchParam, dist: Any, rng: random.Random) -> Any:
+    """One value of ``spec`` (its Optuna distribution ``dist``) drawn with ``rng``."""
+    if spec.type == "categorical":
+        return rng.choice(list(spec.choices or []))
+    low, high = dist.low, dist.high
+    if spec.log:
+        value = math.exp(rng.uniform(math.log(low), math.log(high)))
+    elif dist.step is not None:
+        value = low + dist.step * rng.randint(0, round((high - low) / dist.step))
+    else:
+        value = rng.uniform(low, high)
+    value = min(max(value, low), high)
+    return int(round(value)) if spec.type == "int" else float(value)
