@@ -45,8 +45,13 @@ from dmlkit.report.sections import (
     _Split,
     hist_dict,
 )
-from dmlkit.training import build_datasets, build_model, load_checkpoint, read_log
-from dmlkit.training.trainer import with_run_split
+from dmlkit.training import build_datasets, build_model, read_log
+from dmlkit.training.run_identity import (
+    data_differences,
+    load_run_checkpoint,
+    read_run_split,
+    with_run_split,
+)
 from dmlkit.utils import atomic_write_text, os_error_message, read_json_object, seed_everything
 from dmlkit.validation import concatenate_normalized
 
@@ -116,13 +121,20 @@ def _image_getter(dataset) -> Callable[[int], np.ndarray] | None:
 
 
 def _run_embeddings(run_dir: Path, options: ReportOptions, notes: list[str]) -> tuple[dict[str, _Split], dict[str, _Split]]:
-    """``(trained, untrained)`` embeddings per split; falls back to ``embeddings/test.npz``."""
+    """``(trained, untrained)`` embeddings per split; falls back to ``embeddings/test.npz`` (with
+    a note and a warning) when the run's data or checkpoint cannot be loaded, when the checkpoint
+    is another run's (:func:`~dmlkit.training.run_identity.load_run_checkpoint`), or when the data
+    read now are not those the run recorded in ``split.json``: the model-based figures beside this
+    run's ``metrics.json`` would show another model or other data."""
     trained: dict[str, _Split] = {}
     untrained: dict[str, _Split] = {}
     try:
         config = with_run_split(load_config(run_dir / "config.yaml"), run_dir)
         datasets = build_datasets(config, ("train", "val", "test"), data_root=options.data_root)
-        model, _ = load_checkpoint(run_dir)
+        _, model, _ = load_run_checkpoint(run_dir)
+        differences = data_differences(read_run_split(run_dir), {k: v for k, v in datasets.items() if k != "split"})
+        if differences:
+            raise DataError(f"the data read now are not those the run was trained on: {'; '.join(differences)}")
         seed_everything(config.seed)
         initial = build_model(config).eval()
     except DmlkitError as exc:

@@ -386,6 +386,7 @@ def build_datasets(
     data_root: str | Path | None = None,
     augment_train: bool | None = None,
     dataset: Any = None,
+    split: ClassSplit | None = None,
 ) -> dict[str, Any]:
     """``{split name: MetricDataset or None}`` from a ``data`` section, with its transforms.
 
@@ -396,13 +397,19 @@ def build_datasets(
     augmentation could not vary); every other split gets the evaluation transform.
     The split object is under key ``"split"``. ``dataset``: the config's dataset already
     loaded (e.g. by :func:`dmlkit.training.preflight.preflight`), so it is not read twice.
+    ``split``: the class split to apply instead of the one ``data.split`` describes (a resumed
+    run's own ``split.json``), checked against the dataset (:meth:`ClassSplit.check`: its
+    classes must be there, under the names it recorded).
     """
     if augment_train is None:
         augment_train = not (isinstance(config, ExperimentConfig) and config.model.frozen_trunk)
     d = _section(config, "data", DataConfig)
     if dataset is None:
         dataset = load_dataset_at(d, data_root, fix="use --data-root to point at the data")
-    split = build_split(d, dataset)
+    if split is None:
+        split = build_split(d, dataset)
+    else:
+        split.check(dataset)
     out: dict[str, Any] = {"split": split}
     for name in splits:
         ids = [int(c) for c in getattr(split, name)]

@@ -50,6 +50,7 @@ __all__ = [
     "check_resumable",
     "find_checkpoint",
     "load_checkpoint",
+    "model_from_payload",
     "read_checkpoint",
     "restore_rng_state",
     "save_checkpoint",
@@ -310,7 +311,12 @@ def load_checkpoint(path: str | os.PathLike, device: str | torch.device = "cpu")
     The model is rebuilt from the stored config without downloading pretrained weights (the
     checkpoint holds every weight) and moved to ``device``.
     """
-    payload = read_checkpoint(path)
+    return model_from_payload(read_checkpoint(path), path, device)
+
+
+def model_from_payload(payload: dict[str, Any], path: str | os.PathLike,
+                       device: str | torch.device = "cpu"):
+    """:func:`load_checkpoint` of a payload already read (``path``: the file it came from)."""
     config = config_from_dict(payload["config"], source=str(path))
     model_config = config.model
     if (model_config.trunk.strip().removeprefix("torchvision:") in _TRANSFORMING_TRUNKS

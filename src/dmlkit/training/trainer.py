@@ -14,15 +14,15 @@ that every rank got the same config and that the world size divides the global b
 lets rank 0 alone write the run directory; see ``docs/distributed.md``.
 
 The builders live in :mod:`dmlkit.training.builders`, the loop in :mod:`dmlkit.training.loop`,
-checkpoints and resume checks in :mod:`dmlkit.training.checkpoint` and inference in
-:mod:`dmlkit.embeddings`; their public names stay importable from here.
+checkpoints and resume checks in :mod:`dmlkit.training.checkpoint`, what keeps a run
+directory's data, checkpoints and embeddings one run's in :mod:`dmlkit.training.run_identity`
+and inference in :mod:`dmlkit.embeddings`; their public names stay importable from here.
 """
 
 from __future__ import annotations
 
 import atexit
 import contextlib
-import json
 import logging
 import os
 import random
@@ -74,8 +74,6 @@ from dmlkit.training.builders import (
 from dmlkit.training.checkpoint import (
     RESUMABLE_CHANGES,
     check_resumable,
-    find_checkpoint,
-    load_checkpoint,
     read_checkpoint,
     refuse_fresh_start,
     sweep_orphan_temporaries,
@@ -83,6 +81,18 @@ from dmlkit.training.checkpoint import (
 from dmlkit.training.data_root import run_data_root, with_data_root
 from dmlkit.training.loop import Trainer, TrainState
 from dmlkit.training.preflight import preflight, refuse_degenerate_eval
+from dmlkit.training.run_identity import (
+    check_resumed_data,
+    data_differences,
+    default_embeddings_name,
+    load_run_checkpoint,
+    read_run_split,
+    recording_data,
+    refuse_other_data_in_run,
+    refuse_replacing_run_test_embeddings,
+    run_dir_of,
+    with_run_split,
+)
 from dmlkit.training.same_inputs import (
     check_same_checkpoint,
     check_same_config_on_ranks,
@@ -324,15 +334,20 @@ def _train(config: ExperimentConfig, run_dir: Path, device: torch.device, *, tra
     if test_set is not None:  # an explicit test set, as preflight checks the config's: one class
         # scored MAP@R = P@1 = 100 % in metrics.json for any model (the baseline skipped it)
         agree(refuse_degenerate_eval, test_set.labels, "test")
-    split = None
-    if checked is not None:
-        sets = build_datasets(config, ("train", "val", "test"), dataset=checked.dataset)
+    split = recorded = None
+    if checked is not None:  # a resume applies the run's own split.json (its names checked)
+        recorded = on_main(read_run_split, run_dir) if resume else None
+        sets = build_datasets(config, ("train", "val", "test"), dataset=checked.dataset, split=recorded)
         # with the classes' names: a later change to the data is caught, not embedded
         split = sets["split"].naming(checked.dataset.class_names)
         train_set = sets["train"]
         val_set = sets["val"] if val_set is None else val_set
         test_set = sets["test"] if test_set is None else test_set
-    check_same_data({"train": train_set, "val": val_set, "test": test_set})  # each rank's own copy
+    used = {"train": train_set, "val": val_set, "test": test_set}
+    check_same_data(used)  # each rank's own copy
+    if recorded is not None:  # the data it started on (a moved copy is the same), else refused
+        check_resumed_data(run_dir, recorded, used, run_data_root(config.data.root, None))
+    split = split if recorded is None else None  # split.json is written when a run starts
     with contextlib.ExitStack() as held:  # rank 0 locks the run directory for the whole run
 
         def lock() -> None:
@@ -356,11 +371,13 @@ def _train_in_dir(config: ExperimentConfig, run_dir: Path, device: torch.device,
     """:func:`train` in its locked run directory (:data:`_RUN_LOCK`: a second ``train`` there is
     refused instead of interleaving its log and checkpoints), opened by :func:`open_run_dir`
     (``payload``: the checkpoint a resume continues from; ``split``: the class split of datasets
-    built from the config, written to ``split.json``)."""
+    built from the config, written to ``split.json`` with the data's fingerprints; ``None`` on
+    resume, which keeps the file)."""
     ctx = context()
     seed_everything(config.seed)
-    if split is not None and ctx.is_main:
-        split.to_json(run_dir / "split.json")
+    if split is not None and ctx.is_main:  # with the fingerprints of the data, which a resume,
+        # `dmlkit embed` and `dmlkit report` compare theirs with
+        recording_data(split, {"train": train_set, "val": val_set, "test": test_set}).to_json(run_dir / "split.json")
     if progress:
         logger.info("%s: %d train samples / %d classes, %d val classes, %d test classes -> %s%s",
                     config.name, 0 if train_set is None else len(train_set),
@@ -459,29 +476,17 @@ def embed_run(
                           "directory of .npy shards")
     job = _EmbeddingJob(checkpoint, split, data_root, device)
     if output is not None:
-        _refuse_replacing_run_test_embeddings(Path(output), job.checkpoint, split)
+        refuse_replacing_run_test_embeddings(Path(output), job.checkpoint, split)
+    path = Path(output if output is not None else job.default_output(".npz"))
+    job.check_output(path)
     with leaving_alone_on_failure():
         emb, labels = embed_sharded(
             lambda part: embed_split(job.model, part, job.config, job.device,
                                      progress=progress and job.ctx.is_main), job.dataset)
-        path = Path(output if output is not None else job.default_output(".npz"))
         if job.ctx.is_main:
             path = save_embeddings(path, emb, labels, **dataset_items(job.dataset, job.root))
         barrier()  # the file exists before any rank returns
     return path, emb, labels, job.config
-
-
-def _refuse_replacing_run_test_embeddings(output: Path, checkpoint: Path, split: str) -> None:
-    """Refuse ``-o RUN/embeddings/test.npz`` (what ``metrics.json`` describes, and ``compare``/
-    ``report`` read) for another split or checkpoint than the test split of ``best.pt``."""
-    run_dir = _run_dir_of(checkpoint)
-    if ((split, checkpoint.name) == ("test", "best.pt") or not (run_dir / "metrics.json").is_file()
-            or output.resolve() != (run_dir / "embeddings" / "test.npz").resolve()):
-        return
-    raise mark_every_rank(ConfigError(
-        f"--output {output} is the run's own test embeddings (of checkpoints/best.pt, described by "
-        f"{run_dir / 'metrics.json'}): refusing to write the {split} split of {checkpoint.name} over "
-        f"it; leave out -o (writes embeddings/{default_embeddings_name(checkpoint, split)})"))
 
 
 def embed_run_to_shards(
@@ -503,6 +508,7 @@ def embed_run_to_shards(
     writes its share of the rows and rank 0 writes the manifest; every rank returns the set."""
     job = _EmbeddingJob(checkpoint, split, data_root, device)
     directory = output if output is not None else job.default_output("-shards")
+    job.check_output(directory)
     with leaving_alone_on_failure():
         shards = embed_to_shards(
             job.model, job.dataset, directory, InferenceOptions.from_config(job.config, job.device),
@@ -512,34 +518,18 @@ def embed_run_to_shards(
     return shards, job.config
 
 
-def with_run_split(config: ExperimentConfig, run_dir: str | Path) -> ExperimentConfig:
-    """``config`` reading its classes from the run's own ``split.json`` when it has one: the
-    classes the run was trained and tested on. A bench's final run trains on its fold's classes,
-    which its config's ``data.split`` (the dataset's default) does not describe: the report of
-    such a run embedded the dataset's published test split instead of the bench's."""
-    split = Path(run_dir) / "split.json"
-    if not split.is_file():
-        return config
-    return config.override([f"data.split={{kind: file, path: {json.dumps(str(split.resolve()))}}}"])
-
-
-def _run_dir_of(checkpoint: Path) -> Path:
-    """The run directory of a checkpoint file (``RUN_DIR/checkpoints/best.pt``, or a file beside
-    the run's files)."""
-    return checkpoint.parent.parent if checkpoint.parent.name == "checkpoints" else checkpoint.parent
-
-
 def _load_split(checkpoint: str | Path, split: str, data_root: str | Path | None) -> tuple:
-    """``(checkpoint file, model, config, dataset)`` of ``split`` of a trained run."""
+    """``(checkpoint file, model, config, dataset, differences)`` of ``split`` of a trained run
+    (a checkpoint of another run refused); ``differences``: how the dataset differs from the
+    data the run recorded (:func:`~dmlkit.training.run_identity.data_differences`)."""
     if split not in ("train", "val", "test"):
         raise ConfigError(f"the split must be train, val or test, got {split!r}")
-    found = find_checkpoint(checkpoint)
-    model, config = load_checkpoint(found)
-    config = with_run_split(config, _run_dir_of(found))
+    found, model, config = load_run_checkpoint(checkpoint)
+    config = with_run_split(config, run_dir_of(found))
     dataset = build_datasets(config, (split,), data_root=data_root, augment_train=False)[split]
     if dataset is None:
         raise DataError(f"the config's class split has no {split} classes")
-    return found, model, config, dataset
+    return found, model, config, dataset, data_differences(read_run_split(run_dir_of(found)), {split: dataset})
 
 
 class _EmbeddingJob:
@@ -548,35 +538,28 @@ class _EmbeddingJob:
     dataset (evaluation transform). What each rank reads is agreed on (:func:`agree`): an
     error is one line for the job, and no rank is left waiting for another that failed. Then the
     ranks compare the checkpoint files and the split they loaded (a stale copy on one machine
-    mixed two models or two datasets in one embeddings file): one error line, nothing written."""
+    mixed two models or two datasets in one embeddings file): one error line, nothing written.
+    :meth:`check_output` refuses to write embeddings of other data than the run's into the run."""
 
     def __init__(self, checkpoint: str | Path, split: str, data_root: str | Path | None,
                  device: str) -> None:
         self.ctx, self.device = join_process_group(resolve_device(device))
         self.split = split
-        self.checkpoint, self.model, self.config, self.dataset = agree(_load_split, checkpoint, split, data_root)
+        self.checkpoint, self.model, self.config, self.dataset, self.differences = agree(
+            _load_split, checkpoint, split, data_root)
         check_same_checkpoint(self.checkpoint)
         check_same_data({split: self.dataset})
         self.root = run_data_root(self.config.data.root, data_root)  # where the split's files are
 
+    def check_output(self, output: str | Path) -> None:
+        """Refuse ``output`` inside the run directory when the split is not the run's data."""
+        refuse_other_data_in_run(Path(output), self.checkpoint, self.split, self.differences)
+
     def default_output(self, suffix: str) -> Path:
         """``RUN_DIR/embeddings/<split><suffix>`` for the best checkpoint, else
         ``RUN_DIR/embeddings/<split>-<checkpoint name><suffix>`` (:func:`default_embeddings_name`)."""
-        return _run_dir_of(self.checkpoint) / "embeddings" / default_embeddings_name(
+        return run_dir_of(self.checkpoint) / "embeddings" / default_embeddings_name(
             self.checkpoint, self.split, suffix)
-
-
-def default_embeddings_name(checkpoint: str | Path, split: str, suffix: str = ".npz") -> str:
-    """The file ``dmlkit embed`` writes in ``RUN_DIR/embeddings`` without ``-o``.
-
-    ``best.pt`` embeds as ``<split><suffix>`` (``test.npz``): the checkpoint training embedded
-    the test classes with, so the file is the one ``metrics.json`` describes (same weights, same
-    classes from ``split.json``, same evaluation transform). Any other checkpoint gets its own
-    ``<split>-<stem><suffix>`` (``test-last.npz``): it never replaces the best checkpoint's
-    embeddings that ``dmlkit evaluate``/``compare``/``report`` read beside ``metrics.json``.
-    """
-    stem = Path(checkpoint).stem
-    return f"{split}{suffix}" if Path(checkpoint).name == "best.pt" else f"{split}-{stem}{suffix}"
 
 
 def __getattr__(name: str) -> Any:
