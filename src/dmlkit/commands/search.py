@@ -15,8 +15,8 @@ _KINDS = "flat (exact), ivf_flat, ivf_pq or hnsw"
 #: from its value, so an explicit ``--ef-search 64`` is refused where it does not apply.
 _PQ_NBITS, _HNSW_M, _EF_CONSTRUCTION, _EF_SEARCH, _RECALL_K, _RECALL_QUERIES = 8, 32, 40, 64, 10, 1000
 #: What ``--allow-other-source`` lets ``index --add`` and ``query`` take (refused by default).
-_OTHER_SOURCE = ("another run (model) or data root than the index's, e.g. a copy of the run moved "
-                 "elsewhere or a deliberate merge (ids and vectors taken as they are)")
+_OTHER_SOURCE = ("another run (model) or dataset than the index's, or other vectors under its ids: "
+                 "a deliberate merge (ids and vectors taken as they are)")
 #: `dmlkit index`'s options that set how an index is built or its recall measured: parameter names.
 _BUILD_OPTIONS = {"--nlist": "nlist", "--pq-m": "pq_m", "--nprobe": "nprobe", "--gpu": "gpu",
                   "--pq-nbits": "pq_nbits", "--hnsw-m": "hnsw_m", "--ef-construction": "ef_construction",
@@ -235,7 +235,7 @@ def _refuse_other_dataset_ids(output: Path, info: dict[str, Any], source: Path, 
 def _refuse_other_source(index_path: Path, idx: Any, source: Path, facts: dict[str, Any], ids: Any, vectors: Any,
                          allow: bool, *, adding: bool) -> None:
     """Refuse queries (``adding=False``) or new items (``adding=True``) of another source than
-    the index's, unless ``allow`` (``--allow-other-source``): another run or data root than
+    the index's, unless ``allow`` (``--allow-other-source``): another run or dataset than
     its ``info`` records (:func:`dmlkit.apps.index_sources.source_differences`; the same ids
     and dimension passed, and another model's vectors were searched in the index's space, or
     another dataset's files matched its items by name), and ids the index holds whose vectors
