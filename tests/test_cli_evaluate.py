@@ -197,3 +197,56 @@ def test_per_class_under_a_file_says_a_file_is_in_the_way(emb_files, capsys):
     err = capsys.readouterr().err.strip()
     assert exit_info.value.code == 2 and len(err.splitlines()) == 1
     assert "afile: Not a directory (a file is in the way where a directory is needed)" in err
+
+
+# -- query items that the reference set holds too (by the paths both files record) -------------
+def _same_items(tmp_path, shift: float = 1e-5):
+    """Query and reference files of the same 24 items (one path each), the reference's
+    vectors moved by ``shift`` (another device's, or another model's, embeddings of them)."""
+    rng = np.random.default_rng(0)
+    y = np.repeat(np.arange(6), 4)
+    x = rng.normal(size=(24, 8)).astype(np.float32)
+    paths = np.asarray([f"c{c}/{i}.png" for c in range(6) for i in range(4)])
+    save_embeddings(tmp_path / "q.npz", x, y, paths=paths)
+    ref = (x + shift * rng.normal(size=x.shape)).astype(np.float32)
+    save_embeddings(tmp_path / "r.npz", ref, y, paths=paths)
+    return x, ref, y, paths
+
+
+def test_query_items_in_the_reference_set_are_refused_not_counted(tmp_path, run_cli):
+    """Each query found its own image's other embedding at rank 1: P@1 100 % (16.7 % left out of
+    its own neighbours) with exit 0 and no warning, as the rows were not bit-identical."""
+    x, _, y, _ = _same_items(tmp_path)
+    code, out, err = run_cli(["evaluate", str(tmp_path / "q.npz"), "-r", str(tmp_path / "r.npz"),
+                              "-m", "precision_at_1", "--json"])
+    assert code == 2 and out == "", out
+    line = err.strip()
+    assert line.startswith("error: 24 of the 24 query items are also in the reference set") and "\n" not in line
+    assert "'c0/0.png'" in line and "--shared-items drop" in line and "--shared-items keep" in line
+    # drop: nothing would be left; keep: the number as it was, with the count said
+    code, _, err = run_cli(["evaluate", str(tmp_path / "q.npz"), "-r", str(tmp_path / "r.npz"),
+                            "-m", "precision_at_1", "--shared-items", "drop"])
+    assert code == 2 and "every reference item is one of them" in err
+    code, out, err = run_cli(["evaluate", str(tmp_path / "q.npz"), "-r", str(tmp_path / "r.npz"),
+                              "-m", "precision_at_1", "--json", "--shared-items", "keep"])
+    assert code == 0 and json.loads(out)["precision_at_1"] == 1.0
+    assert err.startswith("warning: 24 of the 24 query items") and "(--shared-items keep)" in err
+
+
+def test_shared_items_drop_leaves_them_out_of_the_reference_set(tmp_path, run_cli):
+    x, ref, y, paths = _same_items(tmp_path, shift=0.5)
+    save_embeddings(tmp_path / "q10.npz", x[:10], y[:10], paths=paths[:10])  # a gallery holding the queries
+    code, out, err = run_cli(["evaluate", str(tmp_path / "q10.npz"), "-r", str(tmp_path / "r.npz"),
+                              "-m", "precision_at_1,map_at_r", "--json", "--shared-items", "drop"])
+    assert code == 0, err
+    assert "left the 10 reference items that are query items out of" in err
+    want = evaluate(x[:10], y[:10], ref[10:], y[10:], metrics=["precision_at_1", "map_at_r"])
+    assert json.loads(out) == pytest.approx(want)
+    # a reference file without paths: nothing to match (no error), and --shared-items is refused as unused
+    save_embeddings(tmp_path / "plain.npz", ref, y)
+    code, out, _ = run_cli(["evaluate", str(tmp_path / "q10.npz"), "-r", str(tmp_path / "plain.npz"),
+                            "-m", "precision_at_1", "--json"])
+    assert code == 0 and json.loads(out)["num_queries"] == 10
+    code, _, err = run_cli(["evaluate", str(tmp_path / "q10.npz"), "-r", str(tmp_path / "plain.npz"),
+                            "--shared-items", "drop"])
+    assert code == 2 and "do not both record them: drop --shared-items" in err

@@ -18,6 +18,7 @@ flattened to ``(N, D)`` float32, non-finite output refused. Around it:
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import io
 import json
@@ -46,6 +47,7 @@ from dmlkit.validation import check_embeddings, check_labels
 
 __all__ = [
     "DEFAULT_EVAL_BATCH_SIZE",
+    "FILE_SIZES",
     "HeadOnly",
     "InferenceOptions",
     "dataset_items",
@@ -62,6 +64,7 @@ __all__ = [
     "iter_embed_model",
     "extract_features",
     "feature_cache_key",
+    "file_sizes",
     "load_embeddings",
     "resolve_device",
     "save_embeddings",
@@ -450,20 +453,18 @@ def dataset_rows(dataset: Dataset) -> np.ndarray:
 
 
 def relative_paths(paths: Sequence[str], root: str | os.PathLike) -> np.ndarray:
-    """``paths`` relative to the data root ``root`` (a path outside it stays as given), spelled
-    as a UTF-8 system spells them (:func:`dmlkit.utils.portable_path`): the ids of a run's
-    items, the same on every machine that holds the data under its own root, in any locale."""
+    """``paths`` relative to the data root ``root`` (one outside it as given), spelled as a UTF-8
+    system spells them (:func:`dmlkit.utils.portable_path`): a run's item ids, in any locale."""
     base = os.path.abspath(os.fspath(root))
     return np.asarray([portable_path(os.path.relpath(p, base) if os.path.abspath(p).startswith(base + os.sep) else p)
                        for p in paths], dtype=str)
 
 
 def items_base(dataset: Any, root: str | os.PathLike) -> str:
-    """The folder a run's item ids (its ``paths``) are relative to: the data root ``root``,
-    except where the root is a file (a ``csv`` dataset's list): there, the folder the list's
-    relative paths are resolved against (the dataset's ``meta["root"]``: ``image_root``, else
-    the list's folder). Relative to the file itself no path was inside it, and every id was an
-    absolute path of this machine: an identical copy of the data elsewhere was "changed"."""
+    """The folder a run's item ids (its ``paths``) are relative to: the data root ``root``, or
+    for a file root (a ``csv`` dataset's list) the folder its relative paths are resolved
+    against (``meta["root"]``: ``image_root``, else the list's folder). Relative to the file no
+    path was inside it: every id was absolute, and a copy of the data elsewhere "changed"."""
     root = os.fspath(root)
     if not os.path.isfile(root):
         return root
@@ -472,18 +473,30 @@ def items_base(dataset: Any, root: str | os.PathLike) -> str:
     return os.fspath(base) if base else os.path.dirname(os.path.abspath(root))
 
 
+FILE_SIZES = "file_sizes"  #: the key of each row's file size in a run's embeddings file
+
+
 def dataset_items(dataset: Dataset, root: str | os.PathLike) -> dict[str, np.ndarray]:
-    """What a run's ``embeddings/*.npz`` records of its rows: ``indices`` (the dataset rows,
-    :func:`dataset_rows`) and, for data held in files, ``paths`` (each row's file relative to
-    the data root ``root``, or to a ``csv`` list's image folder: :func:`items_base`,
-    :func:`relative_paths`). With the paths, ``dmlkit index``/``query`` name the files that were
-    embedded, and refuse data that changed since (a file added to or renamed in a class folder
-    shifted the rows onto other files without an error)."""
+    """What a run's ``embeddings/*.npz`` records of its rows: ``indices`` (:func:`dataset_rows`)
+    and, for data in files, ``paths`` (relative to the data root ``root`` or a ``csv`` list's
+    image folder: :func:`items_base`, :func:`relative_paths`) and ``file_sizes``, so ``dmlkit
+    index``/``query``/``verify`` refuse data changed since (a file added to or renamed in a class
+    folder shifted the rows; other images under the same names passed; two of one size still do)."""
     items = {"indices": dataset_rows(dataset)}
     paths = getattr(dataset, "paths", None)
     if paths is not None:
         items["paths"] = relative_paths(paths, items_base(dataset, root))
+        items[FILE_SIZES] = file_sizes(paths)
     return items
+
+
+def file_sizes(paths: Sequence[str | os.PathLike]) -> np.ndarray:
+    """Each file's size in bytes (int64; -1: unreadable), per row: rows sliced keep theirs."""
+    out = np.full(len(paths), -1, dtype=np.int64)
+    for i, p in enumerate(paths):
+        with contextlib.suppress(OSError):
+            out[i] = os.stat(p).st_size
+    return out
 
 
 # -- embeddings files -------------------------------------------------------------------------

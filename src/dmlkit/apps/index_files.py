@@ -6,8 +6,10 @@
   files still load, as do v2 files written before ``trained_keys`` was saved (an IVF index
   then counts every row as a training row, so its re-measured recall is not held-out).
 * :func:`item_ids`: the ids of an embeddings file's rows (their dataset paths when the file
-  comes from a run), so query results map back to files; :func:`run_item_files`: those files
-  on this machine.
+  comes from a run), so query results map back to files, and the facts of their source (the
+  run, :func:`run_facts`; the data root); :func:`run_item_files`: those files on this machine,
+  :func:`check_embedded_files`: that they are the files it embedded (their sizes);
+  :func:`file_under_root`: an id as a file under a data root.
 """
 
 from __future__ import annotations
@@ -28,16 +30,24 @@ from dmlkit import __version__
 from dmlkit.apps.index_faiss import _metric, to_gpu
 from dmlkit.data import ClassSplit, load_dataset
 from dmlkit.embedding_files import check_numpy_file
-from dmlkit.embeddings import items_base, relative_paths
+from dmlkit.embeddings import FILE_SIZES, file_sizes, items_base, relative_paths
 from dmlkit.exceptions import DataError, DataNotFoundError, DmlkitError, require
 from dmlkit.training import load_config
-from dmlkit.utils import atomic_write_bytes, fsync_path, local_path, os_error_message, process_alive
+from dmlkit.utils import (
+    atomic_write_bytes,
+    fsync_path,
+    local_path,
+    os_error_message,
+    process_alive,
+    sha256_file,
+)
 from dmlkit.utils import data_root as resolve_root
 
 if TYPE_CHECKING:
     from dmlkit.apps.index import EmbeddingIndex
 
-__all__ = ["FORMAT", "index_meta", "item_ids", "load_index", "run_item_files", "save_index"]
+__all__ = ["FORMAT", "check_embedded_files", "file_under_root", "index_meta", "item_ids", "load_index",
+           "run_facts", "run_identity", "run_item_files", "save_index"]
 
 FORMAT_V1 = "dmlkit-index-v1"
 FORMAT = "dmlkit-index-v2"
@@ -328,6 +338,72 @@ def item_ids(path: str | os.PathLike, extra: dict[str, np.ndarray], data_root: s
     return np.asarray(extra["indices"], dtype=np.int64).astype(str), {}
 
 
+def run_identity(run_dir: str | os.PathLike) -> str | None:
+    """The digest of a run's ``provenance.json`` (written once when the run starts: its time,
+    seed and first folder), ``None`` without one: equal for a copy of the run in another
+    folder or on another machine, different for any other run."""
+    try:
+        return sha256_file(Path(run_dir) / "provenance.json")[:16]
+    except OSError:
+        return None
+
+
+def run_facts(run_dir: str | os.PathLike) -> dict[str, Any]:
+    """``{"run_dir", "run"}`` of a run directory (one holding ``config.yaml``; ``run``:
+    :func:`run_identity`, where the run has one), else ``{}``: which model a file's vectors
+    come from, as an index's ``info`` records it."""
+    run_dir = Path(run_dir).resolve()
+    if not (run_dir / "config.yaml").is_file():
+        return {}
+    identity = run_identity(run_dir)
+    return {"run_dir": str(run_dir), **({"run": identity} if identity else {})}
+
+
+def check_embedded_files(path: str | os.PathLike, files: list[str], extra: dict[str, np.ndarray]) -> None:
+    """Refuse an embeddings file whose rows' ``files`` (as found: :func:`run_item_files`, under
+    ``dmlkit verify --images`` or the run's data root) are not the files it embedded, by the
+    sizes it records (``file_sizes``): other images under the same names were scored with its
+    embeddings. Files not there are left to their reader; a file without sizes (an older run,
+    your own ``.npz``) is not checked."""
+    found = _size_difference(path, extra, files, skip_missing=True)
+    if found is not None:
+        i, now, count = found
+        raise DataError(f"{path}: {files[i]} holds {now} bytes, and the file it embedded as row {i} held "
+                        f"{int(extra[FILE_SIZES][i])} ({count} of its {len(files)} files differ): other images under "
+                        "the same names; give the images it was embedded from (--images), or embed these")
+
+
+def _size_difference(path: str | os.PathLike, extra: dict[str, np.ndarray], files: Any, *,
+                     skip_missing: bool = False) -> tuple[int, int, int] | None:
+    """``(first row, its size now, rows that differ)`` where the ``files`` of the rows of the
+    embeddings file ``path`` are not of the sizes it records (``extra["file_sizes"]``), else
+    ``None`` (also without recorded sizes); ``skip_missing``: files not found are not compared."""
+    recorded = extra.get(FILE_SIZES)
+    if recorded is None:
+        return None
+    recorded = np.asarray(recorded)
+    if recorded.shape != (len(files),):
+        raise DataError(f"{path} is damaged: {recorded.size} file sizes for {len(files)} rows; embed it again")
+    now = file_sizes(list(files))
+    differ = (recorded != now) & ((now >= 0) if skip_missing else True)
+    rows = np.flatnonzero(differ)
+    return None if not rows.size else (int(rows[0]), int(now[rows[0]]), int(rows.size))
+
+
+def file_under_root(root: Path, name: str) -> Path | None:
+    """``root / name`` for a relative ``name`` without ``..`` parts, else ``None`` (outside).
+
+    Checked on the path as written, not the resolved one: in a data root of symlinked class
+    folders (the layout docs/configuration.md shows) every file resolves outside the root, and
+    every thumbnail was refused and the model check skipped. Ids are limited to the indexed
+    items, so ``..`` and absolute names are the only way out of the root. ``name`` is an id as
+    a run stores it (:func:`dmlkit.utils.portable_path`), spelled here as this system spells it."""
+    path = Path(local_path(name))
+    if path.is_absolute() or ".." in path.parts:
+        return None
+    return root / path
+
+
 def run_item_files(path: str | os.PathLike, paths: list[str], images: str | os.PathLike | None = None) -> list[str]:
     """The files named by the ``paths`` of an embeddings file, to open them: those of a run's
     ``embeddings/<split>.npz`` are relative to the run's data root (:func:`item_ids`), joined
@@ -369,7 +445,7 @@ def _run_item_ids(path: str | os.PathLike, run_dir: Path, extra: dict[str, np.nd
                         f"with `dmlkit embed {run_dir}`")
     config = load_config(run_dir / "config.yaml")
     root = resolve_root(data_root if data_root is not None else config.data.root)
-    facts: dict[str, Any] = {"run_dir": str(run_dir)}
+    facts: dict[str, Any] = run_facts(run_dir)
     files = {"data_root": str(Path(root).resolve()), "dataset": config.data.dataset}
     try:
         dataset = load_dataset(config.data.dataset, root=root, **config.data.options)
@@ -387,6 +463,12 @@ def _run_item_ids(path: str | os.PathLike, run_dir: Path, extra: dict[str, np.nd
                                                       f"{len(storage_rows)} items")
     if stored is not None:
         _check_same_files(path, run_dir, dataset, root, _under(stored, base), today[where])
+        found = _size_difference(path, extra, np.asarray(dataset.paths)[where])
+        if found is not None:
+            i, now, count = found
+            _refuse_changed(path, run_dir, dataset, root, f"row {i}, {today[where][i]}, held {int(extra[FILE_SIZES][i])} "
+                            f"bytes and holds {now}: other images under the same names; {count} of its {where.size} "
+                            "rows differ")
     else:
         _check_same_dataset(path, run_dir, dataset, root, where, labels)
         warnings.warn(f"{path} does not record the files it embedded (an older run): its ids are today's files "
@@ -447,5 +529,5 @@ def _check_same_dataset(path: str | os.PathLike, run_dir: Path, dataset: Any, ro
 def _refuse_changed(path: str | os.PathLike, run_dir: Path, dataset: Any, root: str | os.PathLike, why: str) -> None:
     """The one error of :func:`item_ids` for data that is not the run's any more."""
     raise DataError(f"{path}: the run's dataset {dataset.name!r} under {root} changed since it was embedded ({why}), "
-                    "so its rows would name other files: index it with the data the run was embedded from "
-                    f"(--data-root), or re-embed the run on today's data with `dmlkit embed {run_dir}`")
+                    "so its rows would name other files: give the data the run was embedded from (--data-root; "
+                    f"verify: --images), or re-embed the run on today's data with `dmlkit embed {run_dir}`")

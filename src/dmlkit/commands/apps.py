@@ -97,14 +97,19 @@ def verify(
             emb = embed_image_files(checkpoint, plist.paths, device=device, progress=not quiet)
             paths = None
         else:
-            from dmlkit.apps.index_files import run_item_files
+            from dmlkit.apps.index_files import check_embedded_files, run_item_files
 
-            emb, paths = _embeddings_with_paths(embeddings)
+            emb, paths, extra = _embeddings_with_paths(embeddings)
             paths = run_item_files(embeddings, paths, images)  # a run's paths: under its data root
+            check_embedded_files(embeddings, paths, extra)  # which must hold the files it embedded
         result = verify_pair_list(emb, plist, paths, distance=distance, folds=folds).to_dict()
         title = f"Verification on {pair_list.name} ({result['fold_source']} folds)"
     result.pop("fold_accuracies")
     result.pop("fold_thresholds")
+    if as_json:  # what the threshold was chosen on: `dmlkit serve --verification` compares it with its index
+        from dmlkit.apps.index_sources import verification_source
+
+        result["source"] = verification_source(embeddings, checkpoint)
     _print(result, as_json, title)
 
 
@@ -126,7 +131,8 @@ def _refuse_unused(ctx: typer.Context, with_list: bool, with_checkpoint: bool) -
 
 
 def _embeddings_with_paths(path: Path) -> tuple:
-    """``(embeddings, paths)`` of an ``.npz`` holding ``embeddings`` and ``paths`` (labels optional)."""
+    """``(embeddings, paths, its arrays but the embeddings)`` of an ``.npz`` holding ``embeddings`` and
+    ``paths`` (labels optional)."""
     import numpy as np
 
     from dmlkit.embedding_files import check_numpy_file
@@ -143,7 +149,8 @@ def _embeddings_with_paths(path: Path) -> tuple:
         with np.load(path, allow_pickle=False) as data:
             if "embeddings" not in data or "paths" not in data:
                 raise DataError(f"{path} needs 'embeddings' and 'paths' arrays (has {sorted(data.files)}); {hint}")
-            return data["embeddings"], [str(p) for p in data["paths"].tolist()]
+            extra = {k: data[k] for k in data.files if k != "embeddings"}
+            return data["embeddings"], [str(p) for p in data["paths"].tolist()], extra
     except (OSError, ValueError) as exc:
         raise DataError(f"cannot read embeddings from {path}: {exc}") from exc
 

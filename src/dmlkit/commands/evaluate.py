@@ -34,6 +34,7 @@ def register(app: typer.Typer) -> None:
         seed: int = typer.Option(0, "--seed", help="First k-means seed."),
         device: str = typer.Option("cpu", "--device", help="cpu | cuda | auto: where the retrieval metrics run (a GPU gives the CPU's numbers; k-means runs on the CPU)."),
         per_class_out: Path | None = typer.Option(None, "--per-class", help="Also write the requested retrieval metrics per class to this JSON file (clustering metrics and pos_neg_js have no per-class value)."),
+        shared_items: str | None = typer.Option(None, "--shared-items", help="Query items also in --reference (the same file in both files' 'paths'), refused by default: drop (leave them out of the reference set) or keep (count them, each can find its own image)."),
         as_json: bool = typer.Option(False, "--json", help="Print JSON instead of a table."),
     ) -> None:
         """Evaluate embeddings: P@1, Recall@K, R-Precision, MAP@R, NMI/AMI/F1, pos/neg JS divergence.
@@ -68,7 +69,7 @@ def register(app: typer.Typer) -> None:
             q, ql, r, rl, result = _compute(
                 embeddings, reference, labels, reference_labels, metrics, k_values,
                 per_class_out=per_class_out, device=device, restarts=restarts, seed=seed,
-                progress=not as_json, distance=distance, backend=backend,
+                progress=not as_json, shared_items=shared_items, distance=distance, backend=backend,
                 memory_budget=memory_mb * 2**20)
         if not is_main_rank():
             return
@@ -108,7 +109,7 @@ def register(app: typer.Typer) -> None:
 def _compute(embeddings: Path, reference: Path | None, labels: Path | None,
              reference_labels: Path | None, metrics: list[str], k_values: list[int], *,
              per_class_out: Path | None, device: str, restarts: int, seed: int, progress: bool,
-             **kwargs: Any) -> tuple[Any, Any, Any, Any, dict[str, Any]]:
+             shared_items: str | None = None, **kwargs: Any) -> tuple[Any, Any, Any, Any, dict[str, Any]]:
     """``(query, query labels, reference, reference labels, metrics)`` of ``dmlkit evaluate``.
 
     One process: in memory (:func:`dmlkit.metrics.evaluate`), or streamed from a shard
@@ -121,7 +122,7 @@ def _compute(embeddings: Path, reference: Path | None, labels: Path | None,
     from dmlkit.distributed import agree, launched_by_torchrun, on_main
     from dmlkit.embedding_files import read_embedding_file, read_labels_file
     from dmlkit.embedding_shards import is_shard_dir, open_shards
-    from dmlkit.exceptions import ConfigError
+    from dmlkit.exceptions import ConfigError, DataError
     from dmlkit.metrics import evaluate
     from dmlkit.metrics.clustering import CLUSTERING_METRICS
     from dmlkit.metrics.evaluate import expand_metric_names
@@ -147,20 +148,31 @@ def _compute(embeddings: Path, reference: Path | None, labels: Path | None,
         if streamed and per_class_out is not None:
             raise ConfigError("--per-class needs in-memory embeddings: save an .npz (dmlkit embed) "
                               "or leave --per-class out for a shard directory")
+        if shared_items is not None and (reference is None or shared_items not in ("drop", "keep")):
+            raise ConfigError(f"--shared-items {shared_items}: " + ("choose drop or keep" if reference is not None else
+                              "it says what to do with query items also in --reference, and there is none"))
         return streamable_names(metrics, k_values) if streamed else expand_metric_names(metrics, k_values)
 
-    def read(path: Path, labels_path: Path | None) -> tuple[Any, Any]:
+    def read(path: Path, labels_path: Path | None) -> tuple[Any, Any, Any]:
+        """``(embeddings, labels, the items' paths or None)`` of one file."""
         if not is_shard_dir(path):
-            return read_embedding_file(path, labels_path)[:2]
+            emb, lab, extra = read_embedding_file(path, labels_path)
+            paths = extra.get("paths")
+            if paths is not None and paths.shape != (len(emb),):  # its items cannot be named
+                raise DataError(f"{path} is damaged: {paths.size} paths for {len(emb)} embeddings; write it again")
+            return emb, lab, paths
         shards = open_shards(path)
         if labels_path is None:
-            return shards, shards.labels
+            return shards, shards.labels, None
         warnings.warn(f"{labels_path} replaces the {shards.count} labels stored in {path}", stacklevel=2)  # as for an .npz
-        return shards, read_labels_file(labels_path)
+        return shards, read_labels_file(labels_path), None
 
     def read_all() -> tuple[Any, Any, Any, Any]:
-        q, ql = read(embeddings, labels)
-        r, rl = (None, None) if reference is None else read(reference, reference_labels)
+        q, ql, q_paths = read(embeddings, labels)
+        if reference is None:
+            return q, ql, None, None
+        r, rl, r_paths = read(reference, reference_labels)
+        r, rl = _without_shared_items(q_paths, r, rl, r_paths, shared_items, reference)
         return q, ql, r, rl
 
     if across:
@@ -205,6 +217,47 @@ def _compute(embeddings: Path, reference: Path | None, labels: Path | None,
         return q, ql, r, rl, evaluate_streaming(q, ql, r, rl, metrics=names, progress=progress, **kwargs)
     return q, ql, r, rl, evaluate(q, ql, r, rl, metrics=names, cluster_restarts=restarts, seed=seed,
                                   **kwargs)
+
+
+def _without_shared_items(q_paths: Any, r: Any, rl: Any, r_paths: Any, shared_items: str | None,
+                          reference: Path) -> tuple[Any, Any]:
+    """The reference set and its labels, without the items the query set holds too where
+    ``shared_items`` is ``drop``: items by the ``paths`` both files record (a run's embeddings
+    files; shard directories record none). Each such query can retrieve another embedding of
+    its own image (another model's, another device's, a copy's), which the check for
+    bit-identical rows does not see: P@1 read 100 %. Without ``--shared-items`` they are
+    refused (one line naming the count and the ways out); ``keep`` counts them, with a
+    warning."""
+    import numpy as np  # lazy: the command line starts without numpy
+
+    from dmlkit.exceptions import ConfigError, DataError
+
+    if q_paths is None or r_paths is None:
+        if shared_items is not None:
+            raise ConfigError("--shared-items matches query and reference items by the 'paths' both files record, "
+                              "and they do not both record them: drop --shared-items")
+        return r, rl
+    in_query = np.isin(np.asarray(r_paths).astype(str), np.asarray(q_paths).astype(str))
+    shared = int(np.isin(np.asarray(q_paths).astype(str), np.asarray(r_paths).astype(str)).sum())
+    if not shared:
+        return r, rl
+    example = str(np.asarray(r_paths)[in_query][0])
+    said = (f"{shared} of the {len(q_paths)} query items are also in the reference set {reference} (the same "
+            f"files by the paths both files record, e.g. {example!r}): each can retrieve another embedding of "
+            "its own image, which inflates every retrieval metric (P@1 up to 100 %)")
+    if shared_items is None:
+        raise DataError(f"{said}; evaluate the query file alone (each query left out of its own neighbours), "
+                        "or pass --shared-items drop (leave them out of the reference set) or --shared-items keep "
+                        "(count them as they are)")
+    if shared_items == "keep":
+        warnings.warn(f"{said}; counted as they are (--shared-items keep)", stacklevel=2)
+        return r, rl
+    if in_query.all():
+        raise DataError(f"{said}, and every reference item is one of them: --shared-items drop leaves no "
+                        "reference; evaluate the query file alone (each query left out of its own neighbours)")
+    warnings.warn(f"left the {int(in_query.sum())} reference items that are query items out of {reference} "
+                  "(--shared-items drop)", stacklevel=2)
+    return np.asarray(r)[~in_query], np.asarray(rl)[~in_query]
 
 
 #: The rows of ``_check_same_job`` that name inputs (the others are options).

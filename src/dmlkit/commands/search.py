@@ -14,6 +14,9 @@ _KINDS = "flat (exact), ivf_flat, ivf_pq or hnsw"
 #: measurement's): whether one was given is read from the command line (:func:`given`), never
 #: from its value, so an explicit ``--ef-search 64`` is refused where it does not apply.
 _PQ_NBITS, _HNSW_M, _EF_CONSTRUCTION, _EF_SEARCH, _RECALL_K, _RECALL_QUERIES = 8, 32, 40, 64, 10, 1000
+#: What ``--allow-other-source`` lets ``index --add`` and ``query`` take (refused by default).
+_OTHER_SOURCE = ("another run (model) or dataset than the index's, or other vectors under its ids: "
+                 "a deliberate merge (ids and vectors taken as they are)")
 #: `dmlkit index`'s options that set how an index is built or its recall measured: parameter names.
 _BUILD_OPTIONS = {"--nlist": "nlist", "--pq-m": "pq_m", "--nprobe": "nprobe", "--gpu": "gpu",
                   "--pq-nbits": "pq_nbits", "--hnsw-m": "hnsw_m", "--ef-construction": "ef_construction",
@@ -65,6 +68,7 @@ def index(
     gpu: bool = typer.Option(False, "--gpu", help="Put IVF indexes on the GPU (faiss with GPU support)."),
     seed: int = typer.Option(0),
     data_root: Path | None = typer.Option(None, "--data-root", help="Resolve a run's dataset paths as ids."),
+    allow_other_source: bool = typer.Option(False, "--allow-other-source", help=f"With --add: accept embeddings of {_OTHER_SOURCE}."),
     as_json: bool = typer.Option(False, "--json", help="Print the index summary as JSON."),
 ) -> None:
     """Build a searchable index; approximate kinds measure (and can tune) their recall@k.
@@ -74,7 +78,8 @@ def index(
     """
     with _index_lock(output):  # from load (or build) to save: two at once lost one's changes
         _index(ctx, embeddings, output, add, remove, kind, distance, target_recall, recall_k, recall_queries,
-               nlist, pq_m, pq_nbits, hnsw_m, ef_construction, nprobe, ef_search, gpu, seed, data_root, as_json)
+               nlist, pq_m, pq_nbits, hnsw_m, ef_construction, nprobe, ef_search, gpu, seed, data_root,
+               allow_other_source, as_json)
 
 
 def _index_lock(output: Path):
@@ -93,15 +98,17 @@ def _index(ctx: typer.Context, embeddings: Path | None, output: Path, add: bool,
            kind: str | None, distance: str | None, target_recall: float | None, recall_k: int,
            recall_queries: int, nlist: int | None, pq_m: int | None, pq_nbits: int, hnsw_m: int,
            ef_construction: int, nprobe: int | None, ef_search: int, gpu: bool, seed: int,
-           data_root: Path | None, as_json: bool) -> None:
+           data_root: Path | None, allow_other_source: bool, as_json: bool) -> None:
     """:func:`index` with the lock of ``output`` held."""
     from dmlkit.apps import EmbeddingIndex
     from dmlkit.apps.index import item_ids
     from dmlkit.commands._options import given
     from dmlkit.embedding_shards import is_shard_dir, open_shards
     from dmlkit.exceptions import ConfigError, DataError
-    from dmlkit.utils import refuse_overwriting_inputs
+    from dmlkit.utils import refuse_overwriting_inputs, sha256_file
 
+    if allow_other_source and not add:
+        raise ConfigError("--allow-other-source applies to --add (embeddings added to an existing index): drop it")
     for option, value, choices in (("--kind", kind, _KINDS), ("--distance", distance, "cosine, euclidean or dot")):
         if value is not None and not value.strip():  # '' silently meant the default (flat, cosine)
             raise ConfigError(f"{option} is empty: name one ({choices}), or leave {option} out for the default")
@@ -136,11 +143,14 @@ def _index(ctx: typer.Context, embeddings: Path | None, output: Path, add: bool,
             refuse_overwriting_inputs(output, embeddings)
             if is_shard_dir(embeddings):  # streamed in blocks, ids and labels from the shards
                 _refuse_other_dataset_ids(output, idx.info, embeddings, {"shards": True})
-                changed["added"] = idx.add_blocks(open_shards(embeddings))
+                shards = open_shards(embeddings)
+                _refuse_other_source(output, idx, embeddings, {}, shards.ids, shards, allow_other_source, adding=True)
+                changed["added"] = idx.add_blocks(shards)
             else:
                 emb, labels, extra = _load_any_embeddings(embeddings)
                 ids, facts = item_ids(embeddings, extra, data_root, labels)
                 _refuse_other_dataset_ids(output, idx.info, embeddings, facts)
+                _refuse_other_source(output, idx, embeddings, facts, ids, emb, allow_other_source, adding=True)
                 meta = None if idx.metadata is None else [None] * len(emb)
                 try:
                     idx.add(emb, labels, ids, meta)
@@ -178,6 +188,8 @@ def _index(ctx: typer.Context, embeddings: Path | None, output: Path, add: bool,
         emb = labels = ids = None
         info = {"shards": True}  # ids: dataset rows (_dataset_ids)
     info["source"] = str(embeddings)
+    if shards is None:  # which file: `dmlkit serve --verification` knows a threshold chosen on it
+        info["source_sha256"] = sha256_file(embeddings)
     idx = EmbeddingIndex(
         emb, labels, ids, dim=None if shards is None else shards.dim, distance=distance, kind=kind, nlist=nlist, pq_m=pq_m, pq_nbits=pq_nbits,
         hnsw_m=hnsw_m, ef_construction=ef_construction, nprobe=nprobe, ef_search=ef_search,
@@ -218,6 +230,30 @@ def _refuse_other_dataset_ids(output: Path, info: dict[str, Any], source: Path, 
         raise DataError(f"{output} identifies a run's items by {names[have]} but {source} by {names[new]}: the same "
                         f"images would be indexed twice under two ids; add the same kind of file the index was built "
                         "from (a run's .npz, or shards)")
+
+
+def _refuse_other_source(index_path: Path, idx: Any, source: Path, facts: dict[str, Any], ids: Any, vectors: Any,
+                         allow: bool, *, adding: bool) -> None:
+    """Refuse queries (``adding=False``) or new items (``adding=True``) of another source than
+    the index's, unless ``allow`` (``--allow-other-source``): another run or dataset than
+    its ``info`` records (:func:`dmlkit.apps.index_sources.source_differences`; the same ids
+    and dimension passed, and another model's vectors were searched in the index's space, or
+    another dataset's files matched its items by name), and ids the index holds whose vectors
+    are not its own (:func:`dmlkit.apps.index_sources.check_shared_vectors`, ``serve``'s test)."""
+    from dmlkit.apps.index_sources import check_shared_vectors, source_differences
+    from dmlkit.exceptions import DataError
+
+    if allow:
+        return
+    what = ("would be mixed into one index" if adding else
+            "would be searched in the index's space (and their ids matched to its items by name)")
+    fix = (f"{'add' if adding else 'query with'} embeddings of the index's run and data, or pass "
+           "--allow-other-source if they belong together (a copy of the run, a deliberate merge)")
+    differ = source_differences(idx.info, facts)
+    if differ:
+        raise DataError(f"{source} holds embeddings of {'; '.join(differ)} (the index {index_path}'s): another model's "
+                        f"vectors, or another dataset's files, {what}; {fix}")
+    check_shared_vectors(idx, ids, vectors, source, fix)
 
 
 def _refuse_settings_of_other_kinds(kind: str, options: list[str], target_recall: float | None) -> None:
@@ -293,6 +329,7 @@ def query(
     limit: int = typer.Option(20, "--limit", help="Queries shown in the table (0: all); --json and -o hold all."),
     output: Path | None = typer.Option(None, "-o", "--output", help="Write every result as JSON to this file."),
     data_root: Path | None = typer.Option(None, "--data-root", help="Resolve a run's dataset paths as query ids."),
+    allow_other_source: bool = typer.Option(False, "--allow-other-source", help=f"Accept queries of {_OTHER_SOURCE}."),
     as_json: bool = typer.Option(False, "--json", help="Print every result as JSON."),
 ) -> None:
     """The k nearest references of each query, with scores, labels and ids."""
@@ -310,6 +347,8 @@ def query(
         raise ConfigError(f"--limit must be 0 (all) or positive, got {limit}")
     if (queries is None) == (not item_id):
         raise ConfigError("pass QUERIES (an embeddings file) or --id ITEM, not both or neither")
+    if allow_other_source and queries is None:
+        raise ConfigError("--allow-other-source applies to QUERIES (an embeddings file); --id queries are the index's own items")
     idx = EmbeddingIndex.load(index_path, mmap=True)  # pages of the vectors load as searches touch them
     if queries is None:
         qids = np.asarray(item_id).astype(str)
@@ -318,11 +357,13 @@ def query(
     elif is_shard_dir(queries):  # searched block by block below
         q = open_shards(queries)
         qids = q.ids.astype(str)
+        _refuse_other_source(index_path, idx, queries, {}, qids, q, allow_other_source, adding=False)
     else:
         q, qlabels, extra = _load_any_embeddings(queries)
         if len(q) == 0:  # nothing to search is a mistake on the command line, not an empty answer
             raise DataError(f"{queries} holds no query embeddings (shape {tuple(q.shape)})")
-        qids, _ = item_ids(queries, extra, data_root, qlabels)
+        qids, facts = item_ids(queries, extra, data_root, qlabels)
+        _refuse_other_source(index_path, idx, queries, facts, qids, q, allow_other_source, adding=False)
     if exclude_self and qids is None:
         qids = _indexed_row_ids(idx, q)
         if qids is None:

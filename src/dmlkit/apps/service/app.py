@@ -43,7 +43,6 @@ from urllib.parse import quote
 import numpy as np
 
 from dmlkit.exceptions import ConfigError, DataError, DataNotFoundError, DmlkitError, require
-from dmlkit.utils import local_path
 from dmlkit.validation import check_integer
 
 STATIC = Path(__file__).parent / "static"
@@ -159,7 +158,11 @@ class _BodyLimit:
         await self.app(scope, replay, send)
 
 
-def _load_threshold(config: ServiceConfig) -> tuple[float | None, str | None]:
+def _load_threshold(config: ServiceConfig, info: dict[str, Any]) -> tuple[float | None, str | None]:
+    """``(threshold, its distance)`` of ``--threshold`` or ``--verification`` (``None``s without);
+    a verification file must name its distance, and its recorded source (``dmlkit verify
+    --json``'s ``source``) must be the index's run
+    (:func:`dmlkit.apps.index_sources.check_threshold_source`)."""
     if config.threshold is not None and config.verification is not None:
         raise ConfigError("pass --threshold or --verification, not both")
     if config.threshold is not None:
@@ -181,6 +184,9 @@ def _load_threshold(config: ServiceConfig) -> tuple[float | None, str | None]:
         # a threshold is a score on one distance: another one's scores would be judged by it
         raise DataError(f"{path} does not say which distance its threshold {threshold} is on: write it again with "
                         "`dmlkit verify ... --json > FILE` (it records the distance), or pass --threshold")
+    from dmlkit.apps.index_sources import check_threshold_source  # lazy: as the index
+
+    check_threshold_source(path, data.get("source"), info)
     return threshold, distance
 
 
@@ -194,6 +200,8 @@ def create_app(config: ServiceConfig, *, index: Any = None, embedder: Any = None
     from pydantic import BaseModel, Field
 
     from dmlkit.apps.index import EmbeddingIndex  # lazy: faiss and numpy load when an app is built
+    from dmlkit.apps.index_files import file_under_root  # lazy: as the index
+    from dmlkit.apps.index_sources import check_model_embeds_index  # lazy: as the index
     from dmlkit.apps.verification import pair_scores  # lazy: torch loads when an app is built
 
     idx = index if index is not None else EmbeddingIndex.load(config.index, mmap=True)
@@ -211,12 +219,12 @@ def create_app(config: ServiceConfig, *, index: Any = None, embedder: Any = None
         if probe_dim != idx.dim:
             raise ConfigError(f"the model gives {probe_dim}-d embeddings but the index "
                               f"holds {idx.dim}-d ones: serve the model the index was built with")
-    threshold, verify_distance = _load_threshold(config)
+    threshold, verify_distance = _load_threshold(config, idx.info)
     verify_distance = verify_distance or idx.distance
     root = config.data_root or idx.info.get("data_root")
     root_path = Path(root).resolve() if root else None
     if embedder is not None and idx.dim and root_path is not None:
-        _check_model_embeds_the_index(idx, embedder, root_path)
+        check_model_embeds_index(idx, embedder, root_path)
     metrics = _Metrics()
     max_k = int(config.max_k)
     default_k = min(10, max_k)  # a request without k: 10 exceeded a max_k below 10 (every one a 422)
@@ -408,7 +416,7 @@ def create_app(config: ServiceConfig, *, index: Any = None, embedder: Any = None
         if not p.is_absolute():
             if root_path is None:
                 raise HTTPException(404, f"no image for {item_id!r}: start the server with --data-root")
-            inside = _file_under_root(root_path, name)
+            inside = file_under_root(root_path, name)
             if inside is None:
                 raise HTTPException(404, f"{item_id!r} points outside the data root")
             p = inside
@@ -474,62 +482,6 @@ def create_app(config: ServiceConfig, *, index: Any = None, embedder: Any = None
 
     app.state.index, app.state.embedder, app.state.metrics = idx, embedder, metrics
     return app
-
-
-#: Largest relative difference ``|f(image) - stored| / |stored|`` between the served model's
-#: embedding of an indexed image and the index's vector (exports and devices differ by ~1e-6).
-MODEL_INDEX_TOLERANCE = 1e-2
-
-
-def _check_model_embeds_the_index(idx: Any, embedder: Any, root: Path, items: int = 4) -> None:
-    """Refuse (:class:`ConfigError`) a model that embeds indexed images differently from the
-    index's vectors: image queries would be searched in another model's space and answered with
-    unrelated items, silently (the start-up check of the embedding size passes any model of the
-    same size). Compares up to ``items`` indexed files found under the data root (of the first
-    64 ids); an index without files there (ids that are not paths, another data root) is not
-    checked, with a warning saying so: the check was skipped without a word."""
-    from PIL import Image
-
-    checked = tried = 0
-    for pos in range(min(len(idx), 64)):
-        if checked == items:
-            break
-        tried += 1
-        path = _file_under_root(root, str(idx.ids[pos]))
-        if path is None or not path.is_file():
-            continue
-        try:
-            with Image.open(path) as img:
-                img.load()
-                got = embedder([img.copy()])[0].astype(np.float64)
-        except (OSError, DmlkitError):  # not an image the model takes: nothing to compare
-            continue
-        stored = np.asarray(idx.embeddings[pos], dtype=np.float64)
-        change = float(np.linalg.norm(got - stored) / max(np.linalg.norm(stored), 1e-30))
-        if change > MODEL_INDEX_TOLERANCE:
-            raise ConfigError(f"the model embeds the indexed image {idx.ids[pos]} {change:.1%} away from the index's "
-                              "vector: the index was built with another model (or checkpoint); serve the model the "
-                              "index was built with, or rebuild the index with `dmlkit embed` + `dmlkit index`")
-        checked += 1
-    if tried and not checked:
-        warnings.warn(f"serve: the model was not checked against the index: none of its first {tried} ids is an "
-                      f"image file under the data root {root}; image queries are searched in the index's space "
-                      "whatever model is served (pass --data-root with the folder the index was built from)",
-                      stacklevel=3)
-
-
-def _file_under_root(root: Path, name: str) -> Path | None:
-    """``root / name`` for a relative ``name`` without ``..`` parts, else ``None`` (outside).
-
-    Checked on the path as written, not the resolved one: in a data root of symlinked class
-    folders (the layout docs/configuration.md shows) every file resolves outside the root, and
-    every thumbnail was refused and the model check skipped. Ids are limited to the indexed
-    items, so ``..`` and absolute names are the only way out of the root. ``name`` is an id as
-    a run stores it (:func:`dmlkit.utils.portable_path`), spelled here as this system spells it."""
-    path = Path(local_path(name))
-    if path.is_absolute() or ".." in path.parts:
-        return None
-    return root / path
 
 
 def _probe_image(embedder: Any) -> list[Any]:
