@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 from typer.testing import CliRunner
 
+from dmlkit.apps.index_files import run_item_files
 from dmlkit.apps.verification import (
     _best_threshold,
     stratified_folds,
@@ -345,3 +346,24 @@ def test_tar_at_a_far_the_pairs_cannot_resolve_is_said_so():
     _, messages = run(5)
     assert len(messages) == 1 and messages[0].startswith("TAR at FAR 0.1 %, 1 %, 10 %: 5 mismatched")
     assert "steps of 20 %, so these are" in messages[0] and messages[0].endswith("at least 1000 mismatched pairs for them")
+
+
+@pytest.mark.parametrize("stored_under", ["parent", "lfw"])
+@pytest.mark.parametrize("images_at", ["parent", "lfw"])
+def test_run_item_files_under_either_documented_images_folder(tmp_path, stored_under, images_at):
+    # docs/verification.md: --images is the folder of the person folders or its parent holding
+    # lfw/; a run's ids (relative to its data root, either of the two) were pasted onto
+    # --images as given, so `--images d/lfw` missed every `lfw/<Name>/...` id of a run on `d`
+    people = tmp_path / "d" / "lfw"
+    for name in ("Ann_A", "Bob_B"):
+        (people / name).mkdir(parents=True)
+        (people / name / f"{name}_0001.jpg").write_bytes(b"x")
+    run = tmp_path / "run"
+    (run / "embeddings").mkdir(parents=True)
+    (run / "config.yaml").write_text("name: r\n")  # a run's file: its ids are relative
+    ids = [f"{name}/{name}_0001.jpg" for name in ("Ann_A", "Bob_B")]
+    if stored_under == "parent":
+        ids = [f"lfw/{i}" for i in ids]
+    images = people if images_at == "lfw" else people.parent
+    files = run_item_files(run / "embeddings" / "test.npz", ids, images)
+    assert [Path(f).resolve() for f in files] == [(people / n / f"{n}_0001.jpg").resolve() for n in ("Ann_A", "Bob_B")]

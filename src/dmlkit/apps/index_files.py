@@ -29,6 +29,7 @@ import numpy as np
 from dmlkit import __version__
 from dmlkit.apps.index_faiss import _metric, to_gpu
 from dmlkit.data import ClassSplit, load_dataset
+from dmlkit.data.pairs import lfw_folder
 from dmlkit.embedding_files import check_numpy_file
 from dmlkit.embeddings import FILE_SIZES, file_sizes, items_base, relative_paths
 from dmlkit.exceptions import DataError, DataNotFoundError, DmlkitError, require
@@ -407,21 +408,56 @@ def file_under_root(root: Path, name: str) -> Path | None:
 def run_item_files(path: str | os.PathLike, paths: list[str], images: str | os.PathLike | None = None) -> list[str]:
     """The files named by the ``paths`` of an embeddings file, to open them: those of a run's
     ``embeddings/<split>.npz`` are relative to the run's data root (:func:`item_ids`), joined
-    here with ``images`` (``--images``) where given, else with the run's data root (a ``csv``
-    list's image folder, :func:`dmlkit.embeddings.items_base`); they were opened relative to
-    the current directory, from where none was found. Other files' paths stay as written."""
+    here with ``images`` (``--images``, :func:`_images_base`) where given, else with the folder
+    the run's ids are relative to (:func:`_ids_base`); they were opened relative to the current
+    directory, from where none was found. Other files' paths stay as written."""
     run_dir = Path(path).resolve().parent.parent
     if not (run_dir / "config.yaml").is_file():
         return paths
+    relative = [p for p in paths if not os.path.isabs(p)]
     if images is not None:
-        base = os.fspath(images)
+        base = _images_base(Path(images), relative)
     else:
-        config = load_config(run_dir / "config.yaml")
-        root = resolve_root(config.data.root)
-        # a file root (a csv list) needs its dataset to say where the list's images lie
-        base = items_base(load_dataset(config.data.dataset, root=root, **config.data.options), root) \
-            if os.path.isfile(root) else os.fspath(root)
+        base = _ids_base(*_run_config_root(run_dir))
     return [p if os.path.isabs(p) else os.path.join(base, local_path(p)) for p in paths]
+
+
+def _run_config_root(run_dir: Path, data_root: str | os.PathLike | None = None) -> tuple[Any, str]:
+    """A run's config and data root (``data_root``, else the config's ``data.root``)."""
+    config = load_config(run_dir / "config.yaml")
+    return config, resolve_root(data_root if data_root is not None else config.data.root)
+
+
+def _ids_base(config: Any, root: str | os.PathLike, dataset: Any = None) -> str:
+    """The folder a run's item ids are relative to under the data root ``root``: the root, or
+    for a file root (a ``csv`` list) its image folder (:func:`items_base`), for which the run's
+    dataset is loaded unless given (the list's folder when its data is not here)."""
+    if dataset is None and os.path.isfile(root):
+        try:
+            dataset = load_dataset(config.data.dataset, root=root, **config.data.options)
+        except DataNotFoundError:
+            pass
+    return items_base(dataset, root)
+
+
+#: Ids checked per candidate folder by :func:`_images_base` (an existence test each).
+_IDS_PROBED = 64
+
+
+def _images_base(images: Path, ids: list[str]) -> str:
+    """The folder under ``images`` (``verify --images``) that a run's relative ``ids`` are
+    relative to: docs/verification.md lets ``--images`` be the folder of LFW's person folders
+    or its parent holding ``lfw/``, and the run's data root (its ids' base) may be either, so
+    ``images``, the person-folder folder in it (:func:`dmlkit.data.pairs.lfw_folder`) and its
+    parent are tried; the one under which most of the first ids exist wins (``images`` on a tie,
+    and where none holds any: the error then names the files looked for)."""
+    candidates = [images]
+    if images.is_dir():
+        candidates.append(lfw_folder(images))
+    candidates.append(images.parent)
+    probe = [local_path(p) for p in ids[:_IDS_PROBED]]
+    found = [sum(os.path.isfile(os.path.join(c, p)) for p in probe) for c in candidates]
+    return os.fspath(candidates[found.index(max(found))])
 
 
 def _run_item_ids(path: str | os.PathLike, run_dir: Path, extra: dict[str, np.ndarray],
@@ -443,19 +479,18 @@ def _run_item_ids(path: str | os.PathLike, run_dir: Path, extra: dict[str, np.nd
     if stored is not None and stored.shape != rows.shape:
         raise DataError(f"{path} is damaged: {stored.size} paths for {rows.size} rows; re-embed it "
                         f"with `dmlkit embed {run_dir}`")
-    config = load_config(run_dir / "config.yaml")
-    root = resolve_root(data_root if data_root is not None else config.data.root)
+    config, root = _run_config_root(run_dir, data_root)
     facts: dict[str, Any] = run_facts(run_dir)
     files = {"data_root": str(Path(root).resolve()), "dataset": config.data.dataset}
     try:
         dataset = load_dataset(config.data.dataset, root=root, **config.data.options)
     except DataNotFoundError:  # data not here: the stored files, else the stable row numbers
-        return (rows.astype(str), facts) if stored is None else (_under(stored, root), {**facts, **files})
+        return (rows.astype(str), facts) if stored is None else (_under(stored, _ids_base(config, root)), {**facts, **files})
     if dataset.paths is None:
         return rows.astype(str), facts
     storage_rows = np.asarray(getattr(dataset, "_rows", np.arange(len(dataset))))
     where = np.minimum(np.searchsorted(storage_rows, rows), len(storage_rows) - 1)
-    base = items_base(dataset, root)  # a csv list's image folder, not the list itself
+    base = _ids_base(config, root, dataset)  # a csv list's image folder, not the list itself
     files["data_root"] = str(Path(base).resolve())  # where serve finds the ids' thumbnails
     today = relative_paths(dataset.paths, base)
     if not (storage_rows.size and np.all(storage_rows[where] == rows)):

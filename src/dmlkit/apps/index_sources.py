@@ -30,6 +30,7 @@ import numpy as np
 from dmlkit.apps.index_files import file_under_root, run_facts, run_identity
 from dmlkit.exceptions import ConfigError, DataError, DmlkitError
 from dmlkit.training import find_checkpoint
+from dmlkit.training.run_identity import run_dir_of
 from dmlkit.utils import sha256_file
 
 __all__ = ["MODEL_INDEX_TOLERANCE", "check_model_embeds_index", "check_shared_vectors",
@@ -143,8 +144,7 @@ def verification_source(embeddings: str | os.PathLike | None = None,
         path = Path(embeddings).resolve()
         return {"embeddings": str(path), "sha256": sha256_file(path), **run_facts(path.parent.parent)}
     file = find_checkpoint(Path(checkpoint)).resolve()  # type: ignore[arg-type]
-    run_dir = file.parent.parent if file.parent.name == "checkpoints" else file.parent
-    return {"checkpoint": str(file), "checkpoint_sha256": sha256_file(file), **run_facts(run_dir)}
+    return {"checkpoint": str(file), "checkpoint_sha256": sha256_file(file), **run_facts(run_dir_of(file))}
 
 
 def check_threshold_source(path: str | os.PathLike, source: Any, info: Mapping[str, Any]) -> None:
