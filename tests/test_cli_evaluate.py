@@ -233,6 +233,30 @@ def test_query_items_in_the_reference_set_are_refused_not_counted(tmp_path, run_
     assert err.startswith("warning: 24 of the 24 query items") and "(--shared-items keep)" in err
 
 
+def test_items_are_shared_by_path_and_label_not_by_path_alone(tmp_path, run_cli):
+    """Two data sets with the same ``cN/i.png`` layout (other classes under those folders, other
+    vectors) were refused as sharing every item, by their relative paths alone."""
+    rng = np.random.default_rng(1)
+    y = np.repeat(np.arange(6), 4)
+    paths = np.asarray([f"c{c}/{i}.png" for c in range(6) for i in range(4)])
+    x, other = (rng.normal(size=(24, 8)).astype(np.float32) for _ in range(2))
+    save_embeddings(tmp_path / "q.npz", x, y, paths=paths)
+    save_embeddings(tmp_path / "b.npz", other, (y + 1) % 6, paths=paths)  # ids: other classes at those paths
+    names = np.asarray([f"n{c}" for c in range(6)])
+    save_embeddings(tmp_path / "qn.npz", x, names[y], paths=paths)
+    save_embeddings(tmp_path / "bn.npz", other, names[(y + 1) % 6], paths=paths)  # names: likewise
+    for query, ref in (("q", "b"), ("qn", "bn")):
+        code, out, err = run_cli(["evaluate", str(tmp_path / f"{query}.npz"), "-r", str(tmp_path / f"{ref}.npz"),
+                                  "-m", "precision_at_1", "--json"])
+        assert code == 0 and "query items" not in err, err
+        assert json.loads(out)["num_queries"] == 24
+    # the same items under another code table of the same names: shared (names, not codes, compared)
+    save_embeddings(tmp_path / "rn.npz", other, (5 - y).astype(np.int64), paths=paths, class_names=names[::-1])
+    code, _, err = run_cli(["evaluate", str(tmp_path / "qn.npz"), "-r", str(tmp_path / "rn.npz"),
+                            "-m", "precision_at_1"])
+    assert code == 2 and "24 of the 24 query items are also in the reference set" in err, err
+
+
 def test_shared_items_drop_leaves_them_out_of_the_reference_set(tmp_path, run_cli):
     x, ref, y, paths = _same_items(tmp_path, shift=0.5)
     save_embeddings(tmp_path / "q10.npz", x[:10], y[:10], paths=paths[:10])  # a gallery holding the queries

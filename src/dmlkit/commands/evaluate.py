@@ -172,7 +172,7 @@ def _compute(embeddings: Path, reference: Path | None, labels: Path | None,
         if reference is None:
             return q, ql, None, None
         r, rl, r_paths = read(reference, reference_labels)
-        r, rl = _without_shared_items(q_paths, r, rl, r_paths, shared_items, reference)
+        r, rl = _without_shared_items(q_paths, ql, r, rl, r_paths, shared_items, reference)
         return q, ql, r, rl
 
     if across:
@@ -219,15 +219,15 @@ def _compute(embeddings: Path, reference: Path | None, labels: Path | None,
                                   **kwargs)
 
 
-def _without_shared_items(q_paths: Any, r: Any, rl: Any, r_paths: Any, shared_items: str | None,
+def _without_shared_items(q_paths: Any, ql: Any, r: Any, rl: Any, r_paths: Any, shared_items: str | None,
                           reference: Path) -> tuple[Any, Any]:
     """The reference set and its labels, without the items the query set holds too where
-    ``shared_items`` is ``drop``: items by the ``paths`` both files record (a run's embeddings
-    files; shard directories record none). Each such query can retrieve another embedding of
-    its own image (another model's, another device's, a copy's), which the check for
-    bit-identical rows does not see: P@1 read 100 %. Without ``--shared-items`` they are
-    refused (one line naming the count and the ways out); ``keep`` counts them, with a
-    warning."""
+    ``shared_items`` is ``drop``: items by the ``paths`` and labels both files record
+    (:func:`_item_keys`; a run's embeddings files; shard directories record none). Each such
+    query can retrieve another embedding of its own image (another model's, another device's, a
+    copy's), which the check for bit-identical rows does not see: P@1 read 100 %. Without
+    ``--shared-items`` they are refused (one line naming the count and the ways out); ``keep``
+    counts them, with a warning."""
     import numpy as np  # lazy: the command line starts without numpy
 
     from dmlkit.exceptions import ConfigError, DataError
@@ -237,13 +237,14 @@ def _without_shared_items(q_paths: Any, r: Any, rl: Any, r_paths: Any, shared_it
             raise ConfigError("--shared-items matches query and reference items by the 'paths' both files record, "
                               "and they do not both record them: drop --shared-items")
         return r, rl
-    in_query = np.isin(np.asarray(r_paths).astype(str), np.asarray(q_paths).astype(str))
-    shared = int(np.isin(np.asarray(q_paths).astype(str), np.asarray(r_paths).astype(str)).sum())
+    q_keys, r_keys = _item_keys(q_paths, ql), _item_keys(r_paths, rl)
+    in_query = np.isin(r_keys, q_keys)
+    shared = int(np.isin(q_keys, r_keys).sum())
     if not shared:
         return r, rl
     example = str(np.asarray(r_paths)[in_query][0])
     said = (f"{shared} of the {len(q_paths)} query items are also in the reference set {reference} (the same "
-            f"files by the paths both files record, e.g. {example!r}): each can retrieve another embedding of "
+            f"items by the paths and labels both files record, e.g. {example!r}): each can retrieve another embedding of "
             "its own image, which inflates every retrieval metric (P@1 up to 100 %)")
     if shared_items is None:
         raise DataError(f"{said}; evaluate the query file alone (each query left out of its own neighbours), "
@@ -258,6 +259,18 @@ def _without_shared_items(q_paths: Any, r: Any, rl: Any, r_paths: Any, shared_it
     warnings.warn(f"left the {int(in_query.sum())} reference items that are query items out of {reference} "
                   "(--shared-items drop)", stacklevel=2)
     return np.asarray(r)[~in_query], np.asarray(rl)[~in_query]
+
+
+def _item_keys(paths: Any, labels: Any) -> Any:
+    """One string per item, its path and its label: the same relative path (``class06/0.png``)
+    names another item in another data set with the same layout, so an item counts as shared
+    only where its label matches too (as read: the class names of a file that records them,
+    :func:`dmlkit.embedding_files.read_embedding_file`; else the ids, integers compared as such)."""
+    import numpy as np  # lazy: the command line starts without numpy
+
+    labels = np.asarray(labels)
+    text = (labels.astype(np.int64) if labels.dtype.kind in "iub" else labels).astype(str)
+    return np.char.add(np.char.add(np.asarray(paths).astype(str), "\x1f"), text)
 
 
 #: The rows of ``_check_same_job`` that name inputs (the others are options).
