@@ -256,6 +256,7 @@ def _from_parts(cls: type[EmbeddingIndex], meta: dict[str, Any], data: dict[str,
     if metadata is not None and len(metadata) != n:
         raise DataError(f"{path} is corrupt: {len(metadata)} metadata lines for {n} items")
     self.embeddings, self._keys, self.ids = vectors, np.asarray(keys, dtype=np.int64), ids.astype(str)
+    self.ids, self.info = _as_run_ids(self.ids, self.info)
     _check_rows(path, self, int(meta["next_key"]))
     self.labels = None if data["labels"] is None else np.asarray(data["labels"], dtype=np.int64)
     names = data["class_names"]
@@ -431,8 +432,9 @@ def _run_config_root(run_dir: Path, data_root: str | os.PathLike | None = None) 
 def _ids_base(config: Any, root: str | os.PathLike, dataset: Any = None) -> str:
     """The folder a run's item ids are relative to under the data root ``root``: the root, or
     for a file root (a ``csv`` list) its image folder (:func:`items_base`), for which the run's
-    dataset is loaded unless given (the list's folder when its data is not here)."""
-    if dataset is None and os.path.isfile(root):
+    dataset is loaded unless given (the list's folder when its data is not here, or without
+    the run's ``config``)."""
+    if dataset is None and config is not None and os.path.isfile(root):
         try:
             dataset = load_dataset(config.data.dataset, root=root, **config.data.options)
         except DataNotFoundError:
@@ -524,6 +526,20 @@ def _under(stored: np.ndarray, root: str | os.PathLike) -> np.ndarray:
     out = stored.astype(object)
     out[absolute] = relative_paths([local_path(p) for p in stored[absolute].tolist()], root)
     return out.astype(str)
+
+
+def _as_run_ids(ids: np.ndarray, info: Any) -> tuple[np.ndarray, Any]:
+    """An index's ``ids`` and ``info`` as :func:`item_ids` spells a run's today. An older
+    dmlkit's index of a ``csv`` run (its ``info`` names the run, and as ``data_root`` the list
+    file) holds absolute ids, which the run's files now name relative to the list's image
+    folder (:func:`_ids_base`): ``index --add`` of the very file the index was built from added
+    every item again, ``query --exclude-self`` and ``--id`` found none. Such ids are read
+    relative (:func:`_under`), and ``data_root`` as that folder, as a newer index records them."""
+    if not isinstance(info, dict) or "run_dir" not in info or not os.path.isfile(str(info.get("data_root", ""))):
+        return ids, info
+    config = Path(info["run_dir"]) / "config.yaml"
+    base = _ids_base(load_config(config) if config.is_file() else None, info["data_root"])
+    return _under(ids, base), {**info, "data_root": str(Path(base).resolve())}
 
 
 def _check_same_files(path: str | os.PathLike, run_dir: Path, dataset: Any, root: str | os.PathLike,

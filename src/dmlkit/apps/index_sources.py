@@ -51,25 +51,28 @@ def relative_changes(vectors: Any, stored: Any) -> np.ndarray:
     return np.linalg.norm(v - s, axis=1) / np.maximum(np.linalg.norm(s, axis=1), 1e-30)
 
 
-def _same_run(a: Mapping[str, Any], b: Mapping[str, Any]) -> bool:
+def _same_run(a: Mapping[str, Any], b: Mapping[str, Any]) -> bool | None:
     """Whether two sets of facts name one run: by ``run`` (the provenance digest) where both
-    have it, else by folder (an index built before ``run`` was recorded: its folder's
-    provenance when still there)."""
+    have it (an index built before ``run`` was recorded: its folder's provenance when still
+    there), else by folder; ``None`` (cannot tell) where the folders differ and a side has no
+    digest: an older index whose run was moved (or copied to another machine) with it named
+    its own run's files "another run" by their new folder alone."""
     ra = a.get("run") or run_identity(a["run_dir"])
     rb = b.get("run") or run_identity(b["run_dir"])
     if ra and rb:
         return ra == rb
-    return os.path.realpath(a["run_dir"]) == os.path.realpath(b["run_dir"])
+    return True if os.path.realpath(a["run_dir"]) == os.path.realpath(b["run_dir"]) else None
 
 
 def source_differences(have: Mapping[str, Any], new: Mapping[str, Any]) -> list[str]:
     """What differs between the source ``have`` (an index's ``info``) and ``new`` (a file's
-    facts): the run (the model) and the dataset; a fact only one side records is not compared.
+    facts): the run (the model) and the dataset; a fact only one side records is not compared,
+    nor runs that cannot be told apart (:func:`_same_run`; the vectors of shared ids still are).
     The data root is not: a moved copy of the data is the same data (its rows' file sizes are
     checked where it is given, :func:`dmlkit.apps.index_files.item_ids`), and other images under
     the same names are caught by their vectors (:func:`check_shared_vectors`)."""
     out = []
-    if "run_dir" in have and "run_dir" in new and not _same_run(have, new):
+    if "run_dir" in have and "run_dir" in new and _same_run(have, new) is False:
         out.append(f"the run {new['run_dir']}, not {have['run_dir']}")
     if "dataset" in have and "dataset" in new and have["dataset"] != new["dataset"]:
         out.append(f"the dataset {new['dataset']!r}, not {have['dataset']!r}")
@@ -153,8 +156,9 @@ def check_threshold_source(path: str | os.PathLike, source: Any, info: Mapping[s
     ``info``: the index's): a threshold is a score in one model's space, and another model's
     scores were judged by it without a word. The same embeddings file as the index's (by
     digest) passes; a file without the record (an older dmlkit), or another file where the
-    source or the index names no run, cannot be checked: a warning says so. Runs are compared,
-    not checkpoints."""
+    source or the index names no run, or runs that cannot be told apart (:func:`_same_run`: an
+    older index of a moved run), cannot be checked: a warning says so. Runs are compared, not
+    checkpoints."""
     if not isinstance(source, Mapping):
         warnings.warn(f"{path} does not record which embeddings its threshold was chosen on (written by an older "
                       "dmlkit), so it is not checked against the index; write it again with `dmlkit verify ... "
@@ -166,6 +170,12 @@ def check_threshold_source(path: str | os.PathLike, source: Any, info: Mapping[s
         warnings.warn(f"{path}: its threshold was chosen on {source.get('embeddings') or source.get('checkpoint')}, "
                       "which is not the index's embeddings file and names no run to compare with the index's: "
                       "it is not checked against the index", stacklevel=3)
+        return
+    if _same_run(info, source) is None:
+        warnings.warn(f"{path}: its threshold was chosen on embeddings of the run {source['run_dir']}, and the "
+                      f"index's run {info['run_dir']} records no identity to compare it with (an index of an older "
+                      "dmlkit, its run since moved): it is not checked against the index; rebuild the index with "
+                      "`dmlkit index` to have it checked", stacklevel=3)
         return
     differ = source_differences(info, source)  # the run: a source records no data root
     if differ:

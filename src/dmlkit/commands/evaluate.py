@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import os
 import warnings
 from pathlib import Path
 from typing import Any
@@ -13,6 +14,8 @@ import typer
 from dmlkit.commands._console import echo_json
 
 _COUNTS = ("num_queries", "num_queries_without_positive")
+#: Between an item's path and its label in :func:`_item_keys` (no path or label holds it).
+_KEY_SEP = "\x1f"
 #: ``--k``'s default (given, even at this value, it needs recall_at_k or precision_at_k among the metrics).
 _DEFAULT_K = ["1,2,4,8"]
 
@@ -238,6 +241,7 @@ def _without_shared_items(q_paths: Any, ql: Any, r: Any, rl: Any, r_paths: Any, 
                               "and they do not both record them: drop --shared-items")
         return r, rl
     q_keys, r_keys = _item_keys(q_paths, ql), _item_keys(r_paths, rl)
+    q_keys, r_keys = _as_relative(q_keys, r_keys), _as_relative(r_keys, q_keys)
     in_query = np.isin(r_keys, q_keys)
     shared = int(np.isin(q_keys, r_keys).sum())
     if not shared:
@@ -270,7 +274,26 @@ def _item_keys(paths: Any, labels: Any) -> Any:
 
     labels = np.asarray(labels)
     text = (labels.astype(np.int64) if labels.dtype.kind in "iub" else labels).astype(str)
-    return np.char.add(np.char.add(np.asarray(paths).astype(str), "\x1f"), text)
+    return np.char.add(np.char.add(np.asarray(paths).astype(str), _KEY_SEP), text)
+
+
+def _as_relative(keys: Any, other: Any) -> Any:
+    """``keys`` (:func:`_item_keys`) with each absolute path spelled as the longest relative
+    path of the ``other`` file's keys that it ends with (after a separator), labels equal: an
+    older ``csv`` run's file stores absolute paths, a newer one's the same items relative to the
+    list's image folder, and they were compared as text (no item shared: P@1 read 100 %)."""
+    import numpy as np  # lazy: the command line starts without numpy
+
+    keys = np.asarray(keys).astype(str).astype(object)
+    relative = {k for k in np.asarray(other).astype(str).tolist() if not os.path.isabs(k)}
+    absolute = [i for i, k in enumerate(keys.tolist()) if os.path.isabs(k)] if relative else []
+    for i in absolute:
+        path, _, label = keys[i].rpartition(_KEY_SEP)
+        for cut in (j for j, c in enumerate(path) if c == os.sep):  # longest suffix first
+            if f"{path[cut + 1:]}{_KEY_SEP}{label}" in relative:
+                keys[i] = f"{path[cut + 1:]}{_KEY_SEP}{label}"
+                break
+    return keys.astype(str)
 
 
 #: The rows of ``_check_same_job`` that name inputs (the others are options).
