@@ -342,6 +342,41 @@ def run_cli(capsys, *args: str) -> tuple[int, str, str]:
     return code, out.out, out.err
 
 
+#: Four class folders for the run-file tests: a and b train, c and d are the test classes.
+FOLDER_CLASSES = ("a_cat", "b_astro", "c_coffee", "d_rocket")
+#: The test split's files of :func:`four_class_folder`, in the order a run embeds them.
+FOLDER_TEST_FILES = [f"{c}/img{j}.png" for c in FOLDER_CLASSES[2:] for j in range(3)]
+
+
+def four_class_folder(root: Path) -> Path:
+    """:data:`FOLDER_CLASSES` as class folders of three 16 x 16 grayscale PNGs each."""
+    rng = np.random.default_rng(0)
+    for i, name in enumerate(FOLDER_CLASSES):
+        (root / name).mkdir(parents=True)
+        for j in range(3):
+            img = np.clip(40 + 50 * i + rng.normal(0, 20, (16, 16)), 0, 255).astype(np.uint8)
+            Image.fromarray(img, mode="L").save(root / name / f"img{j}.png")
+    return root
+
+
+def one_step_run(name: str, dataset: str, run_dir: Path, data_root: Path, seed: int = 0) -> Path:
+    """A one-step run of :func:`tiny_sections` on 16-pixel grayscale images of ``dataset``
+    (``image_folder`` or ``csv``) under ``data_root``; its baseline warning is silenced."""
+    import warnings
+
+    from dmlkit.training import train
+
+    config = {"name": name, "seed": seed,
+              "data": {"dataset": dataset, "transform": "grayscale", "image_size": 16},
+              **tiny_sections(),
+              "sampler": {"classes_per_batch": 2, "samples_per_class": 2, "batches_per_epoch": 1},
+              "training": {"epochs": 1, "device": "cpu"}}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # a one-step run may not beat its baseline
+        train(config, run_dir, data_root=data_root, progress=False)
+    return run_dir
+
+
 def one_error_line(code: int, err: str) -> str:
     """The one ``error: ...`` line of a refused command (exit code 2, nothing else on stderr)."""
     assert code == 2, err

@@ -18,28 +18,20 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from _reference import tiny_sections
+from _reference import (
+    FOLDER_CLASSES,
+    FOLDER_TEST_FILES,
+    four_class_folder,
+    one_step_run,
+)
 from dmlkit.apps.service import ServiceConfig, create_app
 from dmlkit.embeddings import save_embeddings
 from dmlkit.exceptions import DataError
-from dmlkit.training import train
 from dmlkit.training.trainer import embed_run
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-CLASSES = ("a_cat", "b_astro", "c_coffee", "d_rocket")  # a, b: training; c, d: test classes
-TEST_FILES = [f"{c}/img{j}.png" for c in CLASSES[2:] for j in range(3)]
-
-
-def _folder(root: Path) -> Path:
-    """Four class folders of three 16 x 16 grayscale PNGs each."""
-    rng = np.random.default_rng(0)
-    for i, name in enumerate(CLASSES):
-        (root / name).mkdir(parents=True)
-        for j in range(3):
-            img = np.clip(40 + 50 * i + rng.normal(0, 20, (16, 16)), 0, 255).astype(np.uint8)
-            Image.fromarray(img, mode="L").save(root / name / f"img{j}.png")
-    return root
+CLASSES, TEST_FILES = FOLDER_CLASSES, FOLDER_TEST_FILES
 
 
 @pytest.fixture(scope="module")
@@ -47,21 +39,13 @@ def runs(tmp_path_factory) -> dict[str, Path]:
     """Runs A and B (seeds 0 and 1) trained on one folder, that folder, and a copy of it whose
     test images were replaced by other images under the same names (other file sizes)."""
     base = tmp_path_factory.mktemp("mixed")
-    data = _folder(base / "data")
+    data = four_class_folder(base / "data")
     other = Path(shutil.copytree(data, base / "other"))
     for name in TEST_FILES:  # flat grey: another image, a much smaller file
         Image.fromarray(np.full((16, 16), 90, np.uint8), mode="L").save(other / name)
     out = {"data": data, "other": other}
     for name, seed in (("A", 0), ("B", 1)):
-        config = {"name": f"mixed{name}", "seed": seed,
-                  "data": {"dataset": "image_folder", "transform": "grayscale", "image_size": 16},
-                  **tiny_sections(),
-                  "sampler": {"classes_per_batch": 2, "samples_per_class": 2, "batches_per_epoch": 1},
-                  "training": {"epochs": 1, "device": "cpu"}}
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # a one-step run may not beat its baseline
-            train(config, base / f"run{name}", data_root=data, progress=False)
-        out[name] = base / f"run{name}"
+        out[name] = one_step_run(f"mixed{name}", "image_folder", base / f"run{name}", data, seed)
     return out
 
 

@@ -11,46 +11,29 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from PIL import Image
 
-from _reference import tiny_sections
+from _reference import (
+    FOLDER_CLASSES,
+    FOLDER_TEST_FILES,
+    four_class_folder,
+    one_step_run,
+)
 from dmlkit.apps.index import item_ids
 from dmlkit.embeddings import save_embeddings
 from dmlkit.exceptions import DataError
-from dmlkit.training import train
 from dmlkit.training.trainer import embed_run
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-CLASSES = ("a_cat", "b_astro", "c_coffee", "d_rocket")  # a, b: training; c, d: test classes
-TEST_FILES = [f"{c}/img{j}.png" for c in CLASSES[2:] for j in range(3)]
-
-
-def _folder(root: Path) -> Path:
-    """Four class folders of three 16 x 16 grayscale PNGs each."""
-    rng = np.random.default_rng(0)
-    for i, name in enumerate(CLASSES):
-        (root / name).mkdir(parents=True)
-        for j in range(3):
-            img = np.clip(40 + 50 * i + rng.normal(0, 20, (16, 16)), 0, 255).astype(np.uint8)
-            Image.fromarray(img, mode="L").save(root / name / f"img{j}.png")
-    return root
+CLASSES, TEST_FILES = FOLDER_CLASSES, FOLDER_TEST_FILES
 
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory) -> tuple[Path, Path]:
     """A one-step run trained on the folder: ``(run_dir, data folder)``."""
     base = tmp_path_factory.mktemp("shift")
-    data = _folder(base / "data")
-    config = {"name": "shift", "seed": 0,
-              "data": {"dataset": "image_folder", "transform": "grayscale", "image_size": 16},
-              **tiny_sections(),
-              "sampler": {"classes_per_batch": 2, "samples_per_class": 2, "batches_per_epoch": 1},
-              "training": {"epochs": 1, "device": "cpu"}}
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # a one-step run may not beat its baseline
-        train(config, base / "run", data_root=data, progress=False)
-    return base / "run", data
+    data = four_class_folder(base / "data")
+    return one_step_run("shift", "image_folder", base / "run", data), data
 
 
 def _ids(run_dir: Path, data: Path):

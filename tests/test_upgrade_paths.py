@@ -11,22 +11,20 @@ from __future__ import annotations
 
 import json
 import shutil
-import warnings
 from pathlib import Path
 
 import numpy as np
 import pytest
 from PIL import Image
 
-from _reference import tiny_sections
+from _reference import FOLDER_CLASSES, one_step_run
 from dmlkit.apps.service import ServiceConfig, create_app
 from dmlkit.embeddings import save_embeddings
-from dmlkit.training import train
 from dmlkit.training.trainer import embed_run
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-CLASSES = ("a_cat", "b_astro", "c_coffee", "d_rocket")  # a, b: training; c, d: test classes
+CLASSES = FOLDER_CLASSES
 
 
 @pytest.fixture(scope="module")
@@ -43,15 +41,7 @@ def csv_run(tmp_path_factory) -> tuple[Path, Path]:
             Image.fromarray(img, mode="L").save(data / "imgs" / name / f"img{j}.png")
             rows.append(f"imgs/{name}/img{j}.png,{name}")
     (data / "list.csv").write_text("\n".join(rows) + "\n")
-    config = {"name": "upgrade", "seed": 0,
-              "data": {"dataset": "csv", "transform": "grayscale", "image_size": 16},
-              **tiny_sections(),
-              "sampler": {"classes_per_batch": 2, "samples_per_class": 2, "batches_per_epoch": 1},
-              "training": {"epochs": 1, "device": "cpu"}}
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # a one-step run may not beat its baseline
-        train(config, base / "run", data_root=data / "list.csv", progress=False)
-    return base / "run", data
+    return one_step_run("upgrade", "csv", base / "run", data / "list.csv"), data
 
 
 def _older_run(csv_run: tuple[Path, Path], tmp_path: Path) -> Path:
