@@ -80,6 +80,21 @@ def test_a_copy_elsewhere_has_the_same_portable_fingerprint_and_a_changed_split_
     assert arrays.subset_classes([2]).portable_fingerprint() != other.subset_classes([2]).portable_fingerprint()
 
 
+def test_the_portable_fingerprint_is_computed_once_per_selection_of_rows(monkeypatch):
+    """A run's start reads it several times (ranks compared, split.json written): one pass over
+    the storage per selection, a new one after the rows change."""
+    data = np.arange(6 * 4, dtype=np.uint8).reshape(6, 2, 2)
+    arrays = ArrayDataset(data, [0, 0, 1, 1, 2, 2])
+    passes = []
+    read = ArrayDataset._portable_samples_fingerprint
+    monkeypatch.setattr(ArrayDataset, "_portable_samples_fingerprint", lambda self: passes.append(1) or read(self))
+    first = arrays.portable_fingerprint()
+    assert arrays.portable_fingerprint() == first and len(passes) == 1
+    part = arrays.subset([0, 1, 2, 3])
+    assert part.portable_fingerprint() != first and len(passes) == 2
+    assert arrays.with_transform(None).portable_fingerprint() == first and len(passes) == 2
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

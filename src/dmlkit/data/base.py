@@ -82,11 +82,14 @@ class MetricDataset(Dataset):
             )
         self._all_class_names = {int(k): str(v) for k, v in (class_names or {}).items()}
         self._all_class_groups = {int(k): str(v) for k, v in (class_groups or {}).items()}
-        self._fingerprint: str | None = None
         self._refresh()
 
     # -- bookkeeping -----------------------------------------------------------------------
     def _refresh(self) -> None:
+        """The selected rows' labels, classes and groups, after any change of ``_rows``; the
+        cached fingerprints (:meth:`fingerprint`, :meth:`portable_fingerprint`) are dropped."""
+        self._fingerprint: str | None = None
+        self._portable: str | None = None
         self.labels: np.ndarray = self._all_labels[self._rows]
         self.classes: np.ndarray = np.unique(self.labels)
         present = set(self.classes.tolist())
@@ -160,7 +163,6 @@ class MetricDataset(Dataset):
             raise IndexError(f"subset indices out of range for a dataset of {len(self)} samples")
         new = copy.copy(self)
         new._rows = self._rows[idx]
-        new._fingerprint = None
         new._refresh()
         return new
 
@@ -228,14 +230,18 @@ class MetricDataset(Dataset):
         ranks of a distributed job compare it, each having read its own copy of the data. Names
         read from the file system (class folders) are hashed as a UTF-8 system spells them
         (:func:`dmlkit.utils.portable_path`), so the fingerprint is the same in every locale.
+        Computed once per selection of rows (a run's start compares it across ranks and records
+        it in ``split.json``: each a pass over every file's size).
         """
-        h = hashlib.sha256()
-        h.update(type(self).__name__.encode())
-        h.update(self._portable_samples_fingerprint().encode())
-        h.update(self.labels.tobytes())
-        names = sorted((c, portable_path(n) if isinstance(n, str) else n) for c, n in self.class_names.items())
-        h.update(repr(names).encode())
-        return h.hexdigest()[:32]
+        if self._portable is None:
+            h = hashlib.sha256()
+            h.update(type(self).__name__.encode())
+            h.update(self._portable_samples_fingerprint().encode())
+            h.update(self.labels.tobytes())
+            names = sorted((c, portable_path(n) if isinstance(n, str) else n) for c, n in self.class_names.items())
+            h.update(repr(names).encode())
+            self._portable = h.hexdigest()[:32]
+        return self._portable
 
     def thumbnail(self, index: int, size: int | None = 96):
         """The raw sample ``index`` as a PIL image (for reports), at most ``size`` pixels wide."""
