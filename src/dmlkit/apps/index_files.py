@@ -487,7 +487,7 @@ def _run_item_ids(path: str | os.PathLike, run_dir: Path, extra: dict[str, np.nd
     try:
         dataset = load_dataset(config.data.dataset, root=root, **config.data.options)
     except DataNotFoundError:  # data not here: the stored files, else the stable row numbers
-        return (rows.astype(str), facts) if stored is None else (_under(stored, _ids_base(config, root)), {**facts, **files})
+        return (rows.astype(str), facts) if stored is None else (_under(stored, _ids_base(None, root)), {**facts, **files})
     if dataset.paths is None:
         return rows.astype(str), facts
     storage_rows = np.asarray(getattr(dataset, "_rows", np.arange(len(dataset))))

@@ -46,6 +46,7 @@ from dmlkit.training.preflight import (
     batch_problems,
     build_problems,
     eval_split_problems,
+    loss_miner_problems,
 )
 
 __all__ = ["check_bench"]
@@ -185,7 +186,7 @@ def _search_problems(config: BenchConfig, method: Any, index: int, num_classes: 
     :data:`SEARCH_SAMPLES` fixed random points of it (a constraint coupling two searched
     parameters holds at both corners), as one problem: the first refused point with its values,
     and how many were refused. (A constraint on one parameter is an interval: its ends decide,
-    and ``optimizer.loss_lr`` builds nothing; each build of a ``small_cnn`` config takes ~10 ms.)"""
+    and ``optimizer.loss_lr`` builds nothing.)"""
     problems: dict[str, Problem] = {}
     hint = ("every combination of values of the searched ranges must be one the loss and miner "
             "accept (the check builds them at the ranges' ends and at "
@@ -210,8 +211,9 @@ def _search_problems(config: BenchConfig, method: Any, index: int, num_classes: 
 
 def _refusals(config: BenchConfig, method: Any, index: int, num_classes: int,
               params: dict[str, Any]) -> list[str]:
-    """The messages of what the loss or miner refuses with the searched ``params``."""
-    return [prob.message for prob in build_problems(
+    """The messages of what the loss or miner refuses with the searched ``params`` (built
+    alone: the model's settings, the same at every point, were checked with the fixed ones)."""
+    return [prob.message for prob in loss_miner_problems(
         config.experiment(method, params), num_classes,
         loss_key=f"methods.{index}.loss", miner_key=f"methods.{index}.miner")]
 

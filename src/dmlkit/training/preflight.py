@@ -74,6 +74,7 @@ __all__ = [
     "check_experiment",
     "eval_split_problems",
     "format_value",
+    "loss_miner_problems",
     "preflight",
     "refuse_degenerate_eval",
 ]
@@ -307,9 +308,29 @@ def batch_problems(config: ExperimentConfig, stats: TrainStats, *, sampler_key: 
 def build_problems(config: ExperimentConfig, num_classes: int, *, loss_key: str = "loss",
                    miner_key: str = "miner", dataset: Any = None) -> list[Problem]:
     """Build the miner and the loss once with the config's parameters (for ``num_classes``
-    training classes): a parameter name or value they refuse is reported with the others.
-    ``model.in_channels`` is checked against the images of ``data.transform`` (without a
-    transform, against ``dataset``'s first sample, when given)."""
+    training classes, :func:`loss_miner_problems`): a parameter name or value they refuse is
+    reported with the others. The model's settings are checked too, and ``model.in_channels``
+    against the images of ``data.transform`` (without a transform, against ``dataset``'s first
+    sample, when given)."""
+    problems = loss_miner_problems(config, num_classes, loss_key=loss_key, miner_key=miner_key)
+    problems += [Problem(key, message) for key, message in model_setting_problems(config)]
+    m = config.model
+    if m.frozen_trunk and not m.pretrained and m.weights is None:  # features of random weights
+        problems.append(Problem("model.pretrained", "is false with model.frozen_trunk: the head would "
+                                "train on a randomly initialised trunk that never learns", fit=True,
+                                severity="warning"))
+    channels, source = input_channels(config.data.transform, dataset)
+    if channels is not None and config.model.in_channels != channels:  # else a traceback at step 1
+        problems.append(Problem("model.in_channels", f"is {config.model.in_channels} but {source} "
+                                f"{channels}-channel images", fit=channels))
+    return problems
+
+
+def loss_miner_problems(config: ExperimentConfig, num_classes: int, *, loss_key: str = "loss",
+                        miner_key: str = "miner") -> list[Problem]:
+    """What the miner and the loss refuse when built with the config's parameters (for
+    ``num_classes`` training classes), and their pairing: the part of :func:`build_problems`
+    that a bench's searched parameters change (the model's settings do not: checked once)."""
     problems = []
     miner = None
     try:
@@ -330,16 +351,6 @@ def build_problems(config: ExperimentConfig, num_classes: int, *, loss_key: str 
                 check_shardable(loss, config.loss.name)
             except DmlkitError as exc:
                 problems.append(Problem("training.distributed_loss", str(exc), fit="replicated"))
-    problems += [Problem(key, message) for key, message in model_setting_problems(config)]
-    m = config.model
-    if m.frozen_trunk and not m.pretrained and m.weights is None:  # features of random weights
-        problems.append(Problem("model.pretrained", "is false with model.frozen_trunk: the head would "
-                                "train on a randomly initialised trunk that never learns", fit=True,
-                                severity="warning"))
-    channels, source = input_channels(config.data.transform, dataset)
-    if channels is not None and config.model.in_channels != channels:  # else a traceback at step 1
-        problems.append(Problem("model.in_channels", f"is {config.model.in_channels} but {source} "
-                                f"{channels}-channel images", fit=channels))
     return problems
 
 
