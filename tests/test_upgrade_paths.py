@@ -92,6 +92,19 @@ def test_evaluate_matches_an_absolute_path_to_a_relative_one_of_the_same_label(t
 
 
 # -- finding 2: an older csv run's index (absolute ids) --------------------------------------------
+def _as_older_index(index: Path, info: dict, ids=None) -> None:
+    """Rewrite the index file ``index`` as an older dmlkit wrote it: ``info`` as its source
+    record, and its ids through ``ids`` (a function of the list of ids) where given."""
+    with np.load(index) as z:
+        arrays = dict(z)
+    meta = json.loads(str(arrays["meta"]))
+    meta["info"] = info
+    arrays["meta"] = np.array(json.dumps(meta))
+    if ids is not None:
+        arrays["ids"] = np.asarray(ids(arrays["ids"].tolist()))
+    np.savez(index, **arrays)
+
+
 def _older_csv_index(run_cli, csv_run: tuple[Path, Path], tmp_path: Path) -> str:
     """An index of the run's test file as an older dmlkit wrote it: absolute ids, the list
     file as ``data_root``, no ``run`` digest nor ``source_sha256``."""
@@ -99,14 +112,9 @@ def _older_csv_index(run_cli, csv_run: tuple[Path, Path], tmp_path: Path) -> str
     index = tmp_path / "old_idx.npz"
     code, _, err = run_cli(["index", str(run / "embeddings" / "test.npz"), "-o", str(index)])
     assert code == 0, err
-    with np.load(index) as z:
-        arrays = dict(z)
-    meta = json.loads(str(arrays["meta"]))
-    meta["info"] = {"run_dir": str(run.resolve()), "data_root": str((data / "list.csv").resolve()),
-                    "dataset": "csv", "source": str(run / "embeddings" / "test.npz")}
-    arrays["meta"] = np.array(json.dumps(meta))
-    arrays["ids"] = np.asarray([str(data.resolve() / p) for p in arrays["ids"].tolist()])
-    np.savez(index, **arrays)
+    _as_older_index(index, {"run_dir": str(run.resolve()), "data_root": str((data / "list.csv").resolve()),
+                            "dataset": "csv", "source": str(run / "embeddings" / "test.npz")},
+                    lambda ids: [str(data.resolve() / p) for p in ids])
     return str(index)
 
 
@@ -131,12 +139,9 @@ def _moved_run_index(run_cli, csv_run: tuple[Path, Path], tmp_path: Path) -> tup
     code, _, err = run_cli(["index", str(run / "embeddings" / "test.npz"), "-o", str(index)])
     assert code == 0, err
     with np.load(index) as z:
-        arrays = dict(z)
-    meta = json.loads(str(arrays["meta"]))
-    meta["info"] = {k: v for k, v in meta["info"].items() if k not in ("run", "source_sha256")}
-    meta["info"]["run_dir"] = str(tmp_path / "before-the-move")
-    arrays["meta"] = np.array(json.dumps(meta))
-    np.savez(index, **arrays)
+        info = json.loads(str(z["meta"]))["info"]
+    _as_older_index(index, {**{k: v for k, v in info.items() if k not in ("run", "source_sha256")},
+                            "run_dir": str(tmp_path / "before-the-move")})
     return run, str(index)
 
 
