@@ -340,6 +340,17 @@ def interleaved_worker(spec_key: str, batches: list[int], repeats: int, threads:
                           "min_ratio": low["dmlkit"] / low["pml"]}), flush=True)
 
 
+def _failure_line(proc: subprocess.CompletedProcess) -> str:
+    """Why a worker failed, in one table cell: its last stderr line, or the signal that killed it
+    (a worker killed for memory prints nothing)."""
+    last = proc.stderr.strip().splitlines()[-1:] if proc.stderr else []
+    if last:
+        return last[0][:80]
+    if proc.returncode < 0:
+        return f"killed by signal {-proc.returncode} (out of memory?)"
+    return f"exit status {proc.returncode}, no message"
+
+
 def run_interleaved(specs: list[Spec], args) -> str:
     """``--interleaved``: one subprocess per spec running :func:`interleaved_worker`."""
     import torch
@@ -365,7 +376,8 @@ def run_interleaved(specs: list[Spec], args) -> str:
                 print(row, flush=True)
                 lines.append(row)
         if proc.returncode:
-            lines.append(f"| {s.key} | - | failed: {proc.stderr.strip().splitlines()[-1][:80]} | | | |")
+            lines.append(f"| {s.key} | - | failed: {_failure_line(proc)} | | | |")
+            print(lines[-1], flush=True)
     return "\n".join(lines) + "\n"
 
 

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
 
+from dmlkit import validation
 from dmlkit.distances import CosineSimilarity, DotProductSimilarity, LpDistance, SNRDistance
 from dmlkit.exceptions import NonFiniteError, ShapeError
 from dmlkit.metrics import evaluate, knn, per_class, pos_neg_histograms
@@ -163,6 +166,38 @@ def test_safe_normalize_equals_f_normalize_bitwise_at_ordinary_scale_and_its_gra
     (g2,) = torch.autograd.grad((F.normalize(x, dim=-1) * w).sum(), x)
     torch.testing.assert_close(g1, g2)
     assert torch.equal(safe_normalize(torch.zeros(2, 3)), torch.zeros(2, 3))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_safe_normalize_plain_path_equals_the_rescaled_one_bitwise(monkeypatch, dtype):
+    """On the CPU, rows whose peaks lie in PLAIN_NORMALIZE_RANGE skip the power-of-two
+    rescaling: the values and gradients must be the rescaled path's bit for bit, at every scale
+    of the range (and rows outside it must take the rescaled path)."""
+    gen = torch.Generator().manual_seed(5)
+    low, high = validation.PLAIN_NORMALIZE_RANGE
+    # randn rows peak in [0.5, 4]: exponents 2 inside the range's ends keep every peak within it
+    exponents = torch.randint(int(math.log2(low)) + 2, int(math.log2(high)) - 2, (300, 1),
+                              generator=gen)
+    x = (torch.randn(300, 24, generator=gen, dtype=torch.float64) * 2.0 ** exponents).to(dtype)
+    w = torch.randn(300, 24, generator=gen, dtype=torch.float64).to(dtype)
+
+    def value_and_gradient():
+        leaf = x.clone().requires_grad_(True)
+        out = safe_normalize(leaf)
+        (out * w).sum().backward()
+        return out.detach(), leaf.grad
+
+    calls = []
+    real = validation._plain_normalize_is_safe
+    monkeypatch.setattr(validation, "_plain_normalize_is_safe",
+                        lambda *a: calls.append(real(*a)) or calls[-1])
+    plain = value_and_gradient()
+    assert calls == [True]
+    monkeypatch.setattr(validation, "_plain_normalize_is_safe", lambda *a: False)
+    rescaled = value_and_gradient()
+    assert torch.equal(plain[0], rescaled[0]) and torch.equal(plain[1], rescaled[1])
+    for outside in (high * 4, low / 4, 0.0):
+        assert not real(x, torch.tensor([[1.0], [outside]], dtype=dtype))
 
 
 @pytest.mark.parametrize("backend", ["torch", "numba"])
