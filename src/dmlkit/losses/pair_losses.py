@@ -72,6 +72,14 @@ def _require_similarity(loss: str, distance: BaseDistance) -> None:
         )
 
 
+def _check_choice(name: str, value: object, choices: tuple[str, ...]) -> None:
+    """One :class:`ConfigError` line listing ``choices`` unless ``value`` is one of them (the
+    check of the string options of the pair, triplet and NCA losses)."""
+    if value not in choices:
+        listed = ", ".join(map(repr, choices))
+        raise ConfigError(f"{name} must be one of {listed}; got {value!r}")
+
+
 def _mean_nonzero(values: torch.Tensor) -> torch.Tensor:
     """Mean of the strictly positive entries of ``values`` (0 with a gradient when none)."""
     count = torch.count_nonzero(values)  # values are >= 0 (hinges)
@@ -102,13 +110,32 @@ class ContrastiveLoss(BaseLoss):
         distance: a :class:`~dmlkit.distances.BaseDistance` or name (default ``LpDistance()``).
         distance_power: 1 = on the distance, 2 = on the squared distance (distances only).
         hinge_power: 1 = hinge, 2 = squared hinge (Hadsell's form).
-        reduction: ``"mean_nonzero"`` (default; mean of the non-zero positive terms plus mean of
-            the non-zero negative terms, pml's ``AvgNonZeroReducer``) or ``"mean"`` (mean of the
-            positive terms plus mean of the negative terms).
+        reduction: how the positive terms ``P`` and negative terms ``N`` are averaged::
+
+            "mean_nonzero" (default):  sum(P) / #{P > 0}  +  sum(N) / #{N > 0}
+                                       (pml's ``AvgNonZeroReducer``)
+            "mean":                    sum(P) / |P|  +  sum(N) / |N|
+                                       (each kind weighs the same, whatever its count)
+            "pooled":                  (sum(P) + sum(N)) / (|P| + |N|)
+                                       (one mean over all pairs: seed 003's online
+                                       contrastive loss, ``torch.cat([pos, neg]).mean()``)
+
+            Note: contrastive's ``"mean"`` is not the ``"mean"`` of ``cosine_similarity`` and
+            ``distance_logistic``, which is the pooled mean (their ``"balanced"`` is half of
+            this ``"mean"``). A part with no pair (``|P| = 0`` or ``|N| = 0``) adds 0.
+
+    Seed 003's online contrastive loss (all pairs of a batch, ``d^2`` for positives and
+    ``[m - d]_+^2`` for negatives, one mean over the ``n (n - 1) / 2`` terms, on raw
+    embeddings) is ``ContrastiveLoss(neg_margin=m, hinge_power=2, reduction="pooled",
+    distance=LpDistance(normalize_embeddings=False))`` without ``indices`` (every ordered pair
+    counts twice, which leaves the mean unchanged) or with ``miner:all_pairs``.
 
     Without ``indices`` every pair of the batch is used (``i != j``); with ``indices`` the
     mined pairs (triplets give ``(a, p)`` and ``(a, n)``, duplicates kept).
     """
+
+    #: The values of ``reduction``.
+    REDUCTIONS = ("mean_nonzero", "mean", "pooled")
 
     accepts_indices = True
 
@@ -128,8 +155,7 @@ class ContrastiveLoss(BaseLoss):
             raise ConfigError(
                 "distance_power=2 squares a distance; with a similarity use distance_power=1"
             )
-        if reduction not in ("mean_nonzero", "mean"):
-            raise ConfigError(f"reduction must be 'mean_nonzero' or 'mean', got {reduction!r}")
+        _check_choice("reduction", reduction, self.REDUCTIONS)
         self.pos_margin = float(pos_margin)
         self.neg_margin = float(neg_margin)
         self.distance_power = distance_power
@@ -163,10 +189,19 @@ class ContrastiveLoss(BaseLoss):
         v = v.masked_fill_(same, 0.0).relu_()
         return v * v if self.hinge_power == 2 else v
 
-    def _reduce(self, terms: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
+    def _reduce(
+        self,
+        pos_terms: torch.Tensor,
+        n_pos: torch.Tensor,
+        neg_terms: torch.Tensor,
+        n_neg: torch.Tensor,
+    ) -> torch.Tensor:
+        """The loss from the positive and negative terms and their pair counts (``reduction``)."""
+        if self.reduction == "pooled":
+            return (pos_terms.sum() + neg_terms.sum()) / (n_pos + n_neg).clamp_min(1)
         if self.reduction == "mean_nonzero":
-            return _mean_nonzero(terms)
-        return terms.sum() / count.clamp_min(1)
+            return _mean_nonzero(pos_terms) + _mean_nonzero(neg_terms)
+        return pos_terms.sum() / n_pos.clamp_min(1) + neg_terms.sum() / n_neg.clamp_min(1)
 
     def compute(self, embeddings, labels, indices, ref_emb, ref_labels):
         if indices is None:
@@ -183,7 +218,7 @@ class ContrastiveLoss(BaseLoss):
             pos_terms = torch.where(valid, self._terms(mat.gather(1, cols), True), 0.0)
             same = cls_q.unsqueeze(1) == cls_r.unsqueeze(0)
             neg_terms = self._dense_negative_terms(mat, same)
-            return self._reduce(pos_terms, n_pos) + self._reduce(neg_terms, n_neg)
+            return self._reduce(pos_terms, n_pos, neg_terms, n_neg)
         mat = _pair_matrix(self.distance, embeddings, ref_emb)
         check_indices(indices, embeddings.shape[0], mat.shape[1])
         a1, p, a2, n = to_pair_indices(indices)
@@ -193,7 +228,7 @@ class ContrastiveLoss(BaseLoss):
         neg_terms = self._terms(mat[a2, n], False)
         n_pos = torch.tensor(a1.numel(), device=mat.device)
         n_neg = torch.tensor(a2.numel(), device=mat.device)
-        return self._reduce(pos_terms, n_pos) + self._reduce(neg_terms, n_neg)
+        return self._reduce(pos_terms, n_pos, neg_terms, n_neg)
 
 
 # --------------------------------------------------------------------------------------------
@@ -207,9 +242,13 @@ class CosineSimilarityLoss(BaseLoss):
         y = 1 for a same-class pair, y = negative_target (default 0) otherwise
         L = mean over the pairs
 
-    Seed 003 (J. Serrat, "Deep Metric Learning", the "Cosine distance" slide), with its labels
-    ``y in {1, 0}``: similar pairs are pulled to cosine 1, dissimilar ones to cosine 0
-    (orthogonal), so dissimilar pairs are not pushed to opposite directions. The loss is bounded
+    Seed 003 (J. Serrat, "Deep Metric Learning", the "Cosine distance" slide). The slide does
+    not define ``y``; its neighbouring slides (contrastive, distance-based logistic) use
+    ``y = 0`` for a *similar* pair and ``y = 1`` for a dissimilar one, and read that way this
+    formula would pull similar pairs to cosine 0 and dissimilar ones to cosine 1. dmlkit
+    deliberately inverts that convention here: ``y = 1`` for a similar (same-class) pair and
+    ``y = 0`` for a dissimilar one, so similar pairs are pulled to cosine 1 and dissimilar ones
+    to cosine 0 (orthogonal), not pushed to opposite directions. The loss is bounded
     (``cos in [-1, 1]``), so no pair produces an extreme gradient. ``negative_target=-1``
     gives ``+-1`` labels; only then is it half of the contrastive loss on cosine similarity
     with squared hinges and margins ``pos_margin=1, neg_margin=-1`` pair by pair (the hinges
@@ -221,7 +260,8 @@ class CosineSimilarityLoss(BaseLoss):
     ``(a, p)`` and ``(a, n)``, duplicates kept).
 
     Args:
-        negative_target: ``y`` of a different-class pair, in ``[-1, 1)`` (default 0, the seed's).
+        negative_target: ``y`` of a different-class pair, in ``[-1, 1)`` (default 0: with
+            ``y = 1`` for same-class pairs, the seed's two label values, 1 meaning similar).
         reduction: ``"mean"`` (default, over all pairs as in the seed) or ``"balanced"`` (the
             mean of the positive-pair mean and the negative-pair mean, for batches with far
             more negative than positive pairs).
@@ -233,8 +273,7 @@ class CosineSimilarityLoss(BaseLoss):
         super().__init__(CosineSimilarity())
         if not -1.0 <= negative_target < 1.0:
             raise ConfigError(f"negative_target must be in [-1, 1), got {negative_target}")
-        if reduction not in ("mean", "balanced"):
-            raise ConfigError(f"reduction must be 'mean' or 'balanced', got {reduction!r}")
+        _check_choice("reduction", reduction, ("mean", "balanced"))
         self.negative_target = float(negative_target)
         self.reduction = reduction
 
@@ -302,10 +341,23 @@ class LiftedStructureLoss(_LiftedStructureBase):
 
         J_ij = log( sum_{k in N_i} exp(m_neg - d_ik) + sum_{l in N_j} exp(m_neg - d_jl) )
                + d_ij - m_pos
-        L    = 1 / (2 |P|) * sum_{(i, j) in P} [J_ij]_+ ^ 2
+        hinge_power=2 (default):  L = 1 / (2 |P|) * sum_{(i, j) in P} [J_ij]_+ ^ 2
+        hinge_power=1:            L = 1 / |P|     * sum_{(i, j) in P} [J_ij]_+
 
     Oh Song, Xiang, Jegelka, Savarese, "Deep Metric Learning via Lifted Structured Feature
-    Embedding", CVPR 2016 (``m_neg = alpha = 1``, ``m_pos = 0``). The sum is over ordered
+    Embedding", CVPR 2016, eq. 4 (``m_neg = alpha = 1``, ``m_pos = 0``) is the squared hinge.
+    ``hinge_power=1`` is the plain hinge that seed 003 writes, both for the smooth bound
+    (``J = sum_P max(0, J_ij)``) and for Hermans, Beyer, Leibe's "lifted embedding loss for
+    triplets" (arXiv:1703.07737, "Lifted 1-pos." in their table)::
+
+        L_L = sum_{i=1..B} [ d(a_i, p_i) + log sum_{n != a_i, p_i} (e^{m - d(a_i, n)}
+                                                                   + e^{m - d(p_i, n)}) ]_+
+
+    whose inner sum runs, for each anchor-positive pair, over the negatives of both ends
+    (seed 003: "negatives are all but the anchor and positive", in batches where every other
+    sample has another identity): that is ``J_ij`` with ``m_neg = m``, ``m_pos = 0``. The
+    seed's sum over its ``B`` pairs is averaged here over the positive pairs (Hermans et al.
+    average every loss), which changes the scale only. The sum is over ordered
     pairs, which gives the same mean as over unordered ones. The log-sum-exp is computed once
     per row (``O(B R)``), never as a (positive pairs x negative pairs) mask. Equal to
     ``pml.losses.LiftedStructureLoss(neg_margin=1, pos_margin=0)`` without indices.
@@ -319,7 +371,20 @@ class LiftedStructureLoss(_LiftedStructureBase):
     Args:
         neg_margin, pos_margin: ``m_neg`` (the paper's ``alpha``) and ``m_pos``.
         distance: default ``LpDistance()`` (Euclidean on L2-normalised embeddings).
+        hinge_power: 2 (default, Oh Song's squared hinge, pml's) or 1 (seed 003's plain hinge).
     """
+
+    def __init__(
+        self,
+        neg_margin: float = 1.0,
+        pos_margin: float = 0.0,
+        distance: BaseDistance | str | None = None,
+        hinge_power: int = 2,
+    ) -> None:
+        super().__init__(neg_margin, pos_margin, distance)
+        if isinstance(hinge_power, bool) or hinge_power not in (1, 2):
+            raise ConfigError(f"hinge_power must be 1 or 2, got {hinge_power!r}")
+        self.hinge_power = int(hinge_power)
 
     def _neg_lse(self, mat: torch.Tensor, neg_mask: torch.Tensor) -> torch.Tensor:
         floor = torch.finfo(mat.dtype).min
@@ -343,7 +408,8 @@ class LiftedStructureLoss(_LiftedStructureBase):
         any_neg = neg_mask.any(1).unsqueeze(1) | ref_has_neg.unsqueeze(0)
         lse = torch.where(any_neg, lse, 0.0)
         j = lse + _pos_violation(self.distance, mat, self.pos_margin)
-        terms = torch.where(pos_mask, F.relu(j).pow(2) / 2, 0.0)
+        hinge = F.relu(j).pow(2) / 2 if self.hinge_power == 2 else F.relu(j)
+        terms = torch.where(pos_mask, hinge, 0.0)
         return terms.sum() / torch.count_nonzero(pos_mask)
 
 

@@ -1,6 +1,9 @@
 """Pair-weighting and softmax-over-pairs losses: multi-similarity, NT-Xent, supervised
 contrastive, SNR contrastive, NCA, distance-based logistic, ranked list and coupled clusters.
 
+NCA lives in :mod:`dmlkit.losses.nca` and is re-exported here (``NCALoss`` imports from this
+module as before).
+
 (This module was ``dmlkit.losses.ranking_losses``; that path still works, with a
 ``DeprecationWarning``.)
 
@@ -42,6 +45,7 @@ from dmlkit.losses._pairs import (
     upcast,
 )
 from dmlkit.losses.base import BaseLoss, register_loss
+from dmlkit.losses.nca import NCALoss
 from dmlkit.losses.prototypical import class_means, distance_to_centres
 
 __all__ = [
@@ -348,105 +352,6 @@ class SNRContrastiveLoss(_PairMatrixLoss):
                 neg_loss.mean() if neg_loss.numel() else zero
             )
         return loss if reg is None else loss + reg
-
-
-# -- NCA ------------------------------------------------------------------------------------------
-@register_loss("nca")
-class NCALoss(_PairMatrixLoss):
-    """Neighbourhood components analysis (Goldberger, Roweis, Hinton, Salakhutdinov, NIPS 2004 /
-    NeurIPS 2005), the log-likelihood form used for deep embeddings::
-
-        p_ij = exp(-s d_ij) / sum_{k != i} exp(-s d_ik)      (softmax over the others, p_ii = 0)
-        p_i  = sum_{j in C_i} p_ij                            (prob. of picking a same-class one)
-        L    = mean_{i: C_i non-empty} -log p_i
-             = mean_i [ logsumexp_{k != i}(-s d_ik) - logsumexp_{j in C_i}(-s d_ij) ]
-
-    ``d`` is the squared Euclidean distance by default (on L2-normalised embeddings, as
-    ``LpDistance(power=2)``); a similarity is used as ``+s * sim``. With miner indices the
-    softmax runs over each anchor's mined positives and negatives and ``C_i`` = its mined
-    positives. Equivalent to ``pml.losses.NCALoss(softmax_scale=scale)`` without a miner
-    (pml drops anchors whose ``p_i`` underflows to 0; dmlkit keeps them, finite, via
-    log-sum-exp).
-
-    Args:
-        scale: ``s``, the softmax scale (paper 1).
-    """
-
-    def __init__(self, scale: float = 1.0, distance: BaseDistance | str | None = None) -> None:
-        super().__init__(distance)
-        if scale <= 0:
-            raise ConfigError(f"scale must be positive, got {scale}")
-        self.scale = float(scale)
-
-    @staticmethod
-    def default_distance() -> BaseDistance:
-        return LpDistance(power=2)
-
-    def _logits(self, embeddings, ref_emb):
-        """``scale * closeness`` up to a per-row constant (which cancels in the row softmax).
-
-        For the squared Euclidean distance ``-s |x_i - r_j|^2 = 2 s <x_i, r_j> - s |r_j|^2 -
-        s |x_i|^2``: the last term is dropped and the rest is one ``addmm``.
-        """
-        x = upcast(embeddings)
-        ref = None if ref_emb is None else upcast(ref_emb)
-        d = self.distance
-        if d.normalize_embeddings:
-            x = safe_normalize(x)
-            ref = None if ref is None else safe_normalize(ref)
-        if isinstance(d, LpDistance) and d.p == 2 and d.power == 2:
-            x, r = d._prepare(x, ref)
-            sq_norms = r.pow(2).sum(1)
-            return torch.addmm(sq_norms.unsqueeze(0), x, r.T, beta=-self.scale, alpha=2 * self.scale)
-        mat = d(x, ref)
-        return mat * (self.scale if d.higher_is_closer else -self.scale)
-
-    def compute(self, embeddings, labels, indices, ref_emb, ref_labels):
-        if indices is None:
-            return self._compute_labels(embeddings, labels, ref_emb, ref_labels)
-        pos, neg = pair_masks(labels, indices, ref_labels)
-        has_pos = pos.any(1)
-        if not bool(has_pos.any()):
-            return self.zero_loss(embeddings)
-        logits = self._logits(embeddings, ref_emb)
-        allowed = pos | neg
-        per_row = masked_logsumexp(logits, allowed) - masked_logsumexp(logits, pos)
-        return per_row[has_pos].mean()
-
-    def _compute_labels(self, embeddings, labels, ref_emb, ref_labels):
-        """All pairs from labels, without any ``B x R`` mask: the softmax over the row (minus
-        the diagonal) is summed per reference class with ``index_add`` into ``(B, K)``."""
-        same_set = ref_labels is None
-        ref_labels = labels if same_set else ref_labels
-        num_classes, cls_q, cls_r, counts = class_codes(labels, ref_labels)
-        counts = counts[cls_q] - int(same_set)
-        has_pos = counts > 0
-        if not bool(has_pos.any()):
-            return self.zero_loss(embeddings)
-        logits = self._logits(embeddings, ref_emb)
-        if same_set:
-            logits = logits.clone()
-            logits.fill_diagonal_(float("-inf"))
-        prob = torch.softmax(logits, 1)  # p_ii = 0
-        per_class = prob.new_zeros(prob.shape[0], num_classes).index_add(1, cls_r, prob)
-        p_i = per_class.gather(1, cls_q.unsqueeze(1)).squeeze(1)
-        rows = has_pos.nonzero(as_tuple=True)[0]
-        p_i = p_i[rows]
-        # rows whose same-class probability underflows: exact masked log-sum-exp on those rows
-        under = p_i < torch.finfo(p_i.dtype).tiny ** 0.5
-        per_row = -torch.log(torch.where(under, torch.ones_like(p_i), p_i))
-        if bool(under.any()):
-            r = rows[under]
-            pos = cls_q[r].unsqueeze(1) == cls_r.unsqueeze(0)
-            allowed = torch.ones_like(pos)
-            if same_set:
-                pos[torch.arange(len(r)), r] = False
-                allowed[torch.arange(len(r)), r] = False
-            exact = masked_logsumexp(logits[r].masked_fill(~allowed, 0), allowed) - masked_logsumexp(
-                logits[r].masked_fill(~allowed, 0), pos
-            )
-            per_row = per_row.masked_scatter(under, exact)
-        return per_row.mean()
 
 
 # -- distance-based logistic ----------------------------------------------------------------------

@@ -41,6 +41,7 @@ from dmlkit.losses._pairs import (
 )
 from dmlkit.losses.base import BaseLoss, register_loss
 from dmlkit.losses.classification_losses import _check_positive
+from dmlkit.losses.pair_losses import _check_choice
 
 __all__ = ["AngularLoss", "NPairsLoss", "TripletMarginLoss", "TupletMarginLoss"]
 
@@ -70,12 +71,19 @@ def _maybe_checkpoint(fn, *args, single_block: bool = False):
 
 
 def hinge_triplet_sums(
-    dist: torch.Tensor, pos_mask: torch.Tensor, neg_mask: torch.Tensor, margin: float
+    dist: torch.Tensor,
+    pos_mask: torch.Tensor,
+    neg_mask: torch.Tensor,
+    margin: float,
+    ratio: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-anchor ``sum_{p, n} [d_ap - d_an + m]_+`` and the count of non-zero terms.
+    """Per-anchor ``sum_{p, n} [d_ap - d_an + m]_+`` and the count of non-zero terms; with
+    ``ratio`` the sum of ``[1 - d_an / (m + d_ap)]_+`` (``m > 0``, ``d >= 0``).
 
     ``dist`` is ``(B, R)`` with larger = farther. Sorting-based (see module docstring); no
-    ``B x B x B`` tensor. Returns ``(sums (B,), counts (B,))``.
+    ``B x B x B`` tensor. Both forms are non-zero for the same negatives, ``d_an < d_ap + m``
+    (the ``c`` smallest), so a positive's ratio sum is ``c - (sum of those d_an) / (m + d_ap)``.
+    Returns ``(sums (B,), counts (B,))``.
     """
     inf = torch.tensor(float("inf"), dtype=dist.dtype, device=dist.device)
     neg_sorted, _ = torch.sort(torch.where(neg_mask, dist, inf), dim=1)
@@ -85,7 +93,10 @@ def hinge_triplet_sums(
     csum = torch.cumsum(neg_sorted.to(torch.float64), dim=1)
     csum = torch.cat([torch.zeros_like(csum[:, :1]), csum], dim=1)
     prefix = csum.gather(1, counts)
-    per_pair = counts.to(torch.float64) * thresholds.to(torch.float64) - prefix
+    if ratio:
+        per_pair = counts.to(torch.float64) - prefix / thresholds.to(torch.float64)
+    else:
+        per_pair = counts.to(torch.float64) * thresholds.to(torch.float64) - prefix
     per_pair = torch.where(pos_mask, per_pair, 0.0)
     return per_pair.sum(1).to(dist.dtype), counts.sum(1)
 
@@ -97,9 +108,11 @@ def blocked_triplet_sums(
     margin: float,
     soft: bool = True,
     swap_dist: torch.Tensor | None = None,
+    ratio: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-anchor ``sum_{p, n} l(d_ap - d_an + m)`` and the count of non-zero terms, with
-    ``l = softplus`` (``soft``) or ``relu``.
+    ``l = softplus`` (``soft``) or ``relu``; with ``ratio`` (not ``soft``) the terms are
+    ``[1 - d_an / (m + d_ap)]_+``.
 
     Blocks of anchors over ``(block, K, R)`` with ``K`` the largest number of positives of an
     anchor; when there is more than one block each is checkpointed so that the backward pass
@@ -116,7 +129,8 @@ def blocked_triplet_sums(
         dn = dn.unsqueeze(1)
         if sd is not None:
             dn = torch.minimum(dn, sd[c])  # (block, K, R): d_pn of each positive
-        x = dp.unsqueeze(2) - dn + margin
+        dp = dp.unsqueeze(2)
+        x = 1 - dn / (dp + margin) if ratio else dp - dn + margin
         keep = v.unsqueeze(2) & nm.unsqueeze(1)
         terms = torch.where(keep, term(x), 0.0)
         return terms.sum((1, 2)), torch.count_nonzero(terms, dim=(1, 2))  # terms >= 0
@@ -139,12 +153,24 @@ def blocked_triplet_sums(
 # --------------------------------------------------------------------------------------------
 @register_loss("triplet")
 class TripletMarginLoss(BaseLoss):
-    r"""Triplet margin loss, hard or soft margin, over all or mined triplets.
+    r"""Triplet margin loss, hard or soft margin, difference or ratio form, over all or mined
+    triplets.
 
     For a triplet ``(a, p, n)``::
 
         hard margin:  l = [d_ap - d_an + m]_+            (Schroff et al., FaceNet, CVPR 2015)
         soft margin:  l = softplus(d_ap - d_an + m)      (Hermans et al. 2017 use m = 0)
+        ratio form:   l = [1 - d_an / (m + d_ap)]_+      (form="ratio"; seed 003)
+
+    The ratio form is the second triplet loss of seed 003's "Triplet loss" slide,
+    ``L = max{0, 1 - d(a, n) / (m + d(a, p))}``, with ``d`` the Euclidean distance or the
+    cosine distance ``1 - cos``: with ``distance="cosine"`` it uses ``d = 1 - s`` (floored at
+    0), with a distance ``d`` as is (it must be >= 0; a similarity other than cosine is
+    refused). It is non-zero for exactly the triplets the hinge is non-zero for
+    (``d_an < d_ap + m``), so every reduction, the miners and ``swap`` work unchanged (the
+    hardest triplet of an anchor is still its farthest positive and nearest negative). It
+    needs ``m > 0``: identical anchor and positive (``d_ap = 0``) would divide by ``m``;
+    soft margin is refused (it is defined for the difference form only).
 
     Reductions (Hermans, Beyer, Leibe, "In Defense of the Triplet Loss for Person
     Re-Identification", arXiv:1703.07737; seed 003):
@@ -175,12 +201,17 @@ class TripletMarginLoss(BaseLoss):
     (``O(block x K x R)`` memory) instead of the sorting path.
 
     Defaults: ``margin = 0.2`` (FaceNet), Euclidean distance on L2-normalised embeddings
-    (``distance=LpDistance()``; ``LpDistance(power=2)`` for FaceNet's squared distance).
+    (``distance=LpDistance()``; ``LpDistance(power=2)`` for FaceNet's squared distance),
+    ``form="difference"``.
     pml equivalent: ``pml.losses.TripletMarginLoss(margin=m, swap=swap, smooth_loss=soft_margin)``
-    with its default ``AvgNonZeroReducer`` = ``reduction="batch_all_nonzero"``.
+    with its default ``AvgNonZeroReducer`` = ``reduction="batch_all_nonzero"`` (none for the
+    ratio form).
     """
 
     accepts_indices = True
+    #: The values of ``reduction`` and of ``form``.
+    REDUCTIONS = ("batch_all", "batch_all_nonzero", "batch_hard")
+    FORMS = ("difference", "ratio")
 
     def __init__(
         self,
@@ -189,17 +220,28 @@ class TripletMarginLoss(BaseLoss):
         soft_margin: bool = False,
         reduction: str = "batch_all_nonzero",
         swap: bool = False,
+        form: str = "difference",
     ) -> None:
         super().__init__(distance)
-        if reduction not in ("batch_all", "batch_all_nonzero", "batch_hard"):
-            raise ConfigError(
-                "reduction must be 'batch_all', 'batch_all_nonzero' or 'batch_hard', "
-                f"got {reduction!r}"
-            )
+        _check_choice("reduction", reduction, self.REDUCTIONS)
+        _check_choice("form", form, self.FORMS)
+        if form == "ratio":
+            if soft_margin:
+                raise ConfigError("soft_margin is for form='difference'; form='ratio' is a hinge")
+            if not margin > 0:
+                raise ConfigError(
+                    f"form='ratio' needs margin > 0 (it divides by margin + d_ap), got {margin}"
+                )
+            if self.distance.higher_is_closer and not isinstance(self.distance, CosineSimilarity):
+                raise ConfigError(
+                    "form='ratio' needs a distance >= 0 or distance='cosine' (d = 1 - cos), "
+                    f"got {self.distance!r}"
+                )
         self.margin = float(margin)
         self.soft_margin = soft_margin
         self.reduction = reduction
         self.swap = bool(swap)
+        self.form = form
 
     @staticmethod
     def default_distance() -> BaseDistance:
@@ -208,14 +250,27 @@ class TripletMarginLoss(BaseLoss):
     def _term(self, x: torch.Tensor) -> torch.Tensor:
         return F.softplus(x) if self.soft_margin else F.relu(x)
 
+    def _triplet_term(self, d_ap: torch.Tensor, d_an: torch.Tensor) -> torch.Tensor:
+        """``l`` of triplets with these distances (larger = farther, :meth:`_dist`)."""
+        if self.form == "ratio":
+            return F.relu(1 - d_an / (self.margin + d_ap))
+        return self._term(d_ap - d_an + self.margin)
+
+    def _dist(self, values: torch.Tensor) -> torch.Tensor:
+        """Distances or similarities as the form's distance: larger = farther (``-s`` for a
+        similarity in the difference form, ``1 - cos`` floored at 0 in the ratio form)."""
+        if self.form == "ratio" and self.distance.higher_is_closer:
+            return (1 - values).clamp_min(0)
+        return as_distance(values, self.distance)
+
     def _ref_dist(self, dist: torch.Tensor, ref_emb: torch.Tensor | None) -> torch.Tensor:
         """The ``(R, R)`` reference-to-reference distances (larger = farther) for the swap."""
         if ref_emb is None:
             return dist
-        return as_distance(_matrix(self.distance, ref_emb, None), self.distance)
+        return self._dist(_matrix(self.distance, ref_emb, None))
 
     def compute(self, embeddings, labels, indices, ref_emb, ref_labels):
-        dist = as_distance(_matrix(self.distance, embeddings, ref_emb), self.distance)
+        dist = self._dist(_matrix(self.distance, embeddings, ref_emb))
         if indices is not None and indices_kind(indices) == "triplet":
             return self._from_triplets(embeddings, dist, indices, ref_emb)
         pos_mask, neg_mask = pair_masks(labels, indices, ref_labels)
@@ -229,9 +284,13 @@ class TripletMarginLoss(BaseLoss):
             if self.swap:
                 d_pn = self._ref_dist(dist, ref_emb)[p_idx, n_idx]
                 hardest_neg = torch.minimum(hardest_neg, d_pn)
-            terms = self._term(hardest_pos - hardest_neg + self.margin)
+            # masked rows hold -inf / inf (their d_ap + m is never a divisor: zeroed below)
+            hardest_pos = torch.where(valid, hardest_pos, 0.0)
+            hardest_neg = torch.where(valid, hardest_neg, 0.0)
+            terms = self._triplet_term(hardest_pos, hardest_neg)
             return torch.where(valid, terms, 0.0).sum() / valid.sum()
         max_pos = int(torch.count_nonzero(pos_mask, dim=1).max())
+        ratio = self.form == "ratio"
         if self.swap or self.soft_margin or max_pos <= SORT_ABOVE_POSITIVES:
             sums, counts = blocked_triplet_sums(
                 dist,
@@ -240,9 +299,10 @@ class TripletMarginLoss(BaseLoss):
                 self.margin,
                 soft=self.soft_margin,
                 swap_dist=self._ref_dist(dist, ref_emb) if self.swap else None,
+                ratio=ratio,
             )
         else:
-            sums, counts = hinge_triplet_sums(dist, pos_mask, neg_mask, self.margin)
+            sums, counts = hinge_triplet_sums(dist, pos_mask, neg_mask, self.margin, ratio=ratio)
         if self.reduction == "batch_all":
             n_triplets = (
                 torch.count_nonzero(pos_mask, dim=1) * torch.count_nonzero(neg_mask, dim=1)
@@ -259,8 +319,8 @@ class TripletMarginLoss(BaseLoss):
         if self.swap:
             ref = embeddings if ref_emb is None else ref_emb
             d_pn = self.distance.paired(upcast(ref[p]), upcast(ref[n]))
-            d_an = torch.minimum(d_an, as_distance(d_pn, self.distance))
-        terms = self._term(dist[a, p] - d_an + self.margin)
+            d_an = torch.minimum(d_an, self._dist(d_pn))
+        terms = self._triplet_term(dist[a, p], d_an)
         if self.reduction == "batch_all":
             return terms.mean()
         if self.reduction == "batch_all_nonzero":
