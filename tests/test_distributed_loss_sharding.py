@@ -37,6 +37,12 @@ SHARE_CASES = [
                      "neg_margin": 0.3}, None),
     ("contrastive", {"distance_power": 2, "hinge_power": 2}, "batch_hard"),
     ("contrastive", {}, "multi_similarity"),
+    ("contrastive", {"reduction": "pooled", "hinge_power": 2}, None),
+    ("contrastive", {"reduction": "pooled"}, "batch_hard"),
+    ("triplet", {"form": "ratio"}, None),  # the sorting path
+    ("triplet", {"form": "ratio", "reduction": "batch_hard", "swap": True}, None),
+    ("triplet", {"form": "ratio", "distance": "cosine", "swap": True}, None),
+    ("triplet", {"form": "ratio", "reduction": "batch_all"}, "all_triplets"),
     ("triplet", {}, None),  # > 8 positives per anchor: the sorting path
     ("triplet", {"reduction": "batch_all"}, None),
     ("triplet", {"reduction": "batch_hard", "swap": True}, None),

@@ -10,8 +10,9 @@ here by class name. The modules:
   margin, circle;
 * :mod:`~dmlkit.losses.triplet_losses` - triplet margin, angular, N-pairs, tuplet margin;
 * :mod:`~dmlkit.losses.pair_weighting_losses` - multi-similarity, NT-Xent, SupCon, SNR
-  contrastive, NCA, distance-based logistic, coupled clusters (formerly
-  ``ranking_losses``, still importable under that name with a deprecation warning);
+  contrastive, distance-based logistic, coupled clusters (formerly ``ranking_losses``, still
+  importable under that name with a deprecation warning);
+* :mod:`~dmlkit.losses.nca` - NCA (also importable from ``pair_weighting_losses``);
 * :mod:`~dmlkit.losses.ranked_list` - the Ranked List loss;
 * :mod:`~dmlkit.losses.fastap`, :mod:`~dmlkit.losses.prototypical`;
 * :mod:`~dmlkit.losses.classification_losses` - softmax, normalised softmax, SphereFace,

@@ -25,9 +25,10 @@ is exactly the one-process gradient of ``L``. The logged loss is ``sum_r L_r`` (
 Supported (exact, the formulas of the loss classes themselves):
 
 * ``contrastive`` (:class:`~dmlkit.losses.ContrastiveLoss`): ``S_pos/N_pos + S_neg/N_neg``,
-  ``N`` = number of pairs (``mean``) or of non-zero terms (``mean_nonzero``);
+  ``N`` = number of pairs (``mean``) or of non-zero terms (``mean_nonzero``), or
+  ``(S_pos + S_neg) / (N_pos + N_neg)`` (``pooled``);
 * ``triplet`` (:class:`~dmlkit.losses.TripletMarginLoss`), every reduction, hard/soft margin,
-  swap, all triplets or a miner's triplets/pairs: ``N`` = triplets (``batch_all``), non-zero
+  difference or ratio form, swap, all triplets or a miner's triplets/pairs: ``N`` = triplets (``batch_all``), non-zero
   triplets (``batch_all_nonzero``), or anchors with a positive and a negative (``batch_hard``);
 * ``multi_similarity`` (:class:`~dmlkit.losses.MultiSimilarityLoss`): ``N = B`` anchors.
 
@@ -51,7 +52,6 @@ from dmlkit.distances import inputs_checked
 from dmlkit.distributed import all_reduce_sum, shard_bounds
 from dmlkit.exceptions import ConfigError, ShapeError
 from dmlkit.losses._pairs import (
-    as_distance,
     check_indices,
     class_columns,
     indices_kind,
@@ -148,20 +148,23 @@ def _contrastive(loss: ContrastiveLoss, x, ref, labels_l, ref_labels, idx, start
         pos_terms = torch.where(valid, loss._terms(mat.gather(1, cols), True), 0.0)
         neg_terms = loss._dense_negative_terms(mat, cls_q.unsqueeze(1) == cls_r.unsqueeze(0))
         n_pos, n_neg = int(valid.sum()), int((ref_labels.shape[0] - counts[cls_q]).sum())
+    if loss.reduction == "pooled":  # one mean over all pairs
+        return LossShare([pos_terms.sum() + neg_terms.sum()], _counts(n_pos + n_neg))
     if loss.reduction == "mean_nonzero":  # terms are hinges (>= 0)
         n_pos, n_neg = int(torch.count_nonzero(pos_terms)), int(torch.count_nonzero(neg_terms))
     return LossShare([pos_terms.sum(), neg_terms.sum()], _counts(n_pos, n_neg))
 
 
 def _triplet(loss: TripletMarginLoss, x, ref, labels_l, ref_labels, idx, start) -> LossShare:
-    dist = as_distance(pair_matrix(loss.distance, x, ref), loss.distance)
+    dist = loss._dist(pair_matrix(loss.distance, x, ref))
+    ratio = loss.form == "ratio"
     if idx is not None and indices_kind(idx) == "triplet":
         a, p, n = idx
         d_an = dist[a, n]
         if loss.swap:
             d_pn = loss.distance.paired(upcast(ref[p]), upcast(ref[n]))
-            d_an = torch.minimum(d_an, as_distance(d_pn, loss.distance))
-        terms = loss._term(dist[a, p] - d_an + loss.margin)
+            d_an = torch.minimum(d_an, loss._dist(d_pn))
+        terms = loss._triplet_term(dist[a, p], d_an)
         if loss.reduction == "batch_all":
             return LossShare([terms.sum()], _counts(a.numel()))
         if loss.reduction == "batch_all_nonzero":
@@ -179,19 +182,21 @@ def _triplet(loss: TripletMarginLoss, x, ref, labels_l, ref_labels, idx, start) 
         hardest_pos, p_idx = dist.masked_fill(~pos_mask, float("-inf")).max(1)
         hardest_neg, n_idx = dist.masked_fill(~neg_mask, float("inf")).min(1)
         if loss.swap:
-            d_pn = as_distance(loss.distance.paired(upcast(ref[p_idx]), upcast(ref[n_idx])), loss.distance)
+            d_pn = loss._dist(loss.distance.paired(upcast(ref[p_idx]), upcast(ref[n_idx])))
             hardest_neg = torch.minimum(hardest_neg, d_pn)
-        terms = loss._term(hardest_pos - hardest_neg + loss.margin)
+        hardest_pos = torch.where(valid, hardest_pos, 0.0)  # no inf / inf in the ratio form
+        hardest_neg = torch.where(valid, hardest_neg, 0.0)
+        terms = loss._triplet_term(hardest_pos, hardest_neg)
         return LossShare([torch.where(valid, terms, 0.0).sum()], _counts(int(valid.sum())))
     if not valid.any():
         return LossShare([dist.sum() * 0], _counts(0))
     max_pos = int(torch.count_nonzero(pos_mask, dim=1).max())
     if loss.swap or loss.soft_margin or max_pos <= SORT_ABOVE_POSITIVES:
-        swap_dist = as_distance(pair_matrix(loss.distance, ref), loss.distance) if loss.swap else None
+        swap_dist = loss._dist(pair_matrix(loss.distance, ref)) if loss.swap else None
         sums, counts = blocked_triplet_sums(dist, pos_mask, neg_mask, loss.margin,
-                                            soft=loss.soft_margin, swap_dist=swap_dist)
+                                            soft=loss.soft_margin, swap_dist=swap_dist, ratio=ratio)
     else:
-        sums, counts = hinge_triplet_sums(dist, pos_mask, neg_mask, loss.margin)
+        sums, counts = hinge_triplet_sums(dist, pos_mask, neg_mask, loss.margin, ratio=ratio)
     if loss.reduction == "batch_all":
         n = int((torch.count_nonzero(pos_mask, dim=1) * torch.count_nonzero(neg_mask, dim=1)).sum())
         return LossShare([sums.sum()], _counts(n))

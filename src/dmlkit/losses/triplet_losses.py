@@ -349,8 +349,10 @@ class AngularLoss(BaseLoss):
 
     Positive pairs: all of the batch, or the mined ones (pairs, or a triplet's ``(a, p)``,
     duplicates kept); negatives: every reference whose label differs from the anchor's (as
-    ``pml.losses.AngularLoss(alpha=40)``, which this equals, except on mined pairs without a
-    negative pair: pml then returns 0, although it too ignores which negatives were mined).
+    ``pml.losses.AngularLoss(alpha=40)``, which this equals on L2-normalised inputs - pml forms
+    its products with the raw reference rows, so on other inputs the two differ - except on mined
+    pairs without a negative pair: pml then returns 0, although it too ignores which negatives
+    were mined).
     """
 
     accepts_indices = True
