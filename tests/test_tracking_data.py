@@ -50,10 +50,11 @@ def _write_frames(folder, frames, digits):
 def test_otb_layout_reader(tmp_path, small_seq):
     seq_dir = tmp_path / "Walker"
     _write_frames(seq_dir / "img", small_seq.frames[:4], 4)
-    rows = ["\t".join(str(int(v)) for v in b) for b in small_seq.boxes[:4]]
+    one_based = small_seq.boxes[:4] + [1, 1, 0, 0]  # OTB's files are 1-based (MATLAB)
+    rows = ["\t".join(str(int(v)) for v in b) for b in one_based]
     (seq_dir / "groundtruth_rect.txt").write_text("\n".join(rows) + "\n")
     (seq_dir / "groundtruth_rect.2.txt").write_text(
-        "\n".join(" ".join(str(int(v)) for v in b) for b in small_seq.boxes[:4]))
+        "\n".join(" ".join(str(int(v)) for v in b) for b in one_based))
     (tmp_path / "notes").mkdir()  # folders that are not sequences are ignored
     seqs = load_otb(tmp_path)
     assert [s.name for s in seqs] == ["Walker", "Walker.2"]

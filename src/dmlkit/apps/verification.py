@@ -18,6 +18,17 @@ Pairs come from three places:
 * :func:`verify_pair_list` scores a fixed list (LFW ``pairs.txt`` or a CSV, read by
   :func:`dmlkit.data.pairs.load_pair_list`) on the list's own folds;
 * :func:`verify_scores` evaluates any pair scores with given or generated folds.
+
+Distances (``distance=``, :data:`VERIFY_DISTANCES`): a pair's score is the similarity, or the
+negated distance, of its two embeddings. ``cosine`` (the default); ``euclidean`` and ``dot``
+compare **L2-normalised** embeddings, as :mod:`dmlkit.distances` builds them by default and
+``dmlkit evaluate``, ``dmlkit index`` and ``dmlkit serve`` use them (``euclidean`` is then
+``sqrt(2 - 2 cos)`` and ``dot`` is ``cos``: both give cosine's accuracy, AUC and EER, on
+another threshold scale); ``raw-euclidean`` and ``raw-dot`` compare the embeddings as they are
+(the Euclidean distance ``dmlkit fewshot --distance euclidean`` and ``dmlkit reid --metric
+euclidean`` rank by, squared there, which ranks alike); ``snr`` (raw, Yuan et al. 2019). A
+result records its distance under that name, so a saved threshold is judged on the distance
+it was chosen on (``dmlkit serve --verification`` scores pairs with :func:`pair_scores`).
 """
 
 from __future__ import annotations
@@ -46,6 +57,7 @@ if TYPE_CHECKING:
     from dmlkit.data.pairs import PairList
 
 __all__ = [
+    "VERIFY_DISTANCES",
     "VerificationResult",
     "check_pair_list_folds",
     "embed_image_files",
@@ -60,9 +72,17 @@ __all__ = [
 
 DEFAULT_FAR_TARGETS = (1e-3, 1e-2, 1e-1)
 
+#: The distances of :func:`pair_scores` (module docstring): ``euclidean`` and ``dot`` on
+#: L2-normalised embeddings, ``raw-euclidean`` and ``raw-dot`` on the embeddings as they are.
+VERIFY_DISTANCES = ("cosine", "euclidean", "dot", "snr", "raw-euclidean", "raw-dot")
+
+#: The raw distances: their name without ``raw-``, built without normalisation.
+_RAW_DISTANCES = {"raw-euclidean": "euclidean", "raw-dot": "dot"}
+
 
 def make_pairs(labels: Any, num_pairs: int = 6000, seed: int = 0) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Balanced pairs ``(i, j, same)``: ``num_pairs // 2`` positive and as many negative pairs.
+    """Balanced pairs ``(i, j, same)``: ``num_pairs / 2`` positive and as many negative pairs
+    (``num_pairs``: an even number, at least 2, else :class:`ConfigError`: 41 drew 40 silently).
 
     Positives are drawn uniformly without replacement among all same-class pairs ``i < j``;
     negatives uniformly without replacement among the distinct unordered different-class pairs
@@ -81,6 +101,9 @@ def make_pairs(labels: Any, num_pairs: int = 6000, seed: int = 0) -> tuple[np.nd
         raise ShapeError(f"labels must be (N,) with N >= 2, got {len(y)} label(s)")
     if int(num_pairs) < 2:
         raise ConfigError(f"the number of pairs must be at least 2 (one positive, one negative), got {num_pairs}")
+    if int(num_pairs) % 2:  # half matched, half mismatched: an odd count silently lost a pair
+        raise ConfigError(f"the number of pairs (--pairs / num_pairs) must be even, half matched and half "
+                          f"mismatched, got {num_pairs}: use {int(num_pairs) - 1} or {int(num_pairs) + 1}")
     rng = np.random.default_rng(check_seed(seed))
     pos_i, pos_j = [], []
     for c in np.unique(y):
@@ -152,11 +175,26 @@ def _negative_pairs(y: np.ndarray, need: int, rng: np.random.Generator) -> tuple
     return keys // n, keys % n
 
 
+def _distance_name(distance: str) -> str:
+    """``distance``'s name as a result records it: stripped, lower case, ``raw_`` spelt ``raw-``;
+    an unknown name is one :class:`ConfigError` line listing :data:`VERIFY_DISTANCES`."""
+    name = distance.strip().lower() if isinstance(distance, str) else None
+    if name is not None and name.startswith("raw_"):
+        name = "raw-" + name[4:]
+    if name not in VERIFY_DISTANCES and name != "lp":  # lp: dmlkit.distances' other name of euclidean
+        raise ConfigError(f"unknown distance {distance!r}; choose one of {list(VERIFY_DISTANCES)} (euclidean and "
+                          "dot compare L2-normalised embeddings, raw-euclidean and raw-dot the embeddings as they are)")
+    return name
+
+
 def _check_distance(distance: str):
-    try:
-        return get_distance(distance)
-    except ValueError as exc:  # an unknown name: a user error, one line
-        raise ConfigError(str(exc)) from None
+    """The :class:`~dmlkit.distances.BaseDistance` of a :data:`VERIFY_DISTANCES` name: the
+    library's default build (``euclidean``/``dot`` normalise), or for ``raw-*`` the same
+    distance without normalisation."""
+    name = _distance_name(distance)
+    if name in _RAW_DISTANCES:
+        return get_distance(_RAW_DISTANCES[name], normalize_embeddings=False)
+    return get_distance(name)
 
 
 def _finite_embeddings(embeddings: Any) -> np.ndarray:
@@ -181,7 +219,9 @@ def _pair_rows(rows: Any, n: int, name: str) -> np.ndarray:
 
 def pair_scores(embeddings: Any, i: np.ndarray, j: np.ndarray, distance: str = "cosine") -> np.ndarray:
     """Scores of pairs ``(i[p], j[p])`` of embedding rows, larger = more likely the same
-    (distances are negated). Rows outside ``[0, N)`` are refused (:class:`ShapeError`)."""
+    (distances are negated); ``distance`` one of :data:`VERIFY_DISTANCES` (``euclidean`` and
+    ``dot`` on L2-normalised rows, ``raw-euclidean`` / ``raw-dot`` on the rows as they are).
+    Rows outside ``[0, N)`` are refused (:class:`ShapeError`)."""
     import torch
 
     dist = _check_distance(distance)
@@ -377,6 +417,8 @@ def verify(embeddings: Any, labels: Any, *, num_pairs: int = 6000, folds: int = 
            seed: int = 0) -> VerificationResult:
     """Balanced random pairs from ``labels``, k-fold threshold accuracy, ROC AUC, EER, TAR@FAR.
 
+    ``distance``: one of :data:`VERIFY_DISTANCES` (``euclidean`` and ``dot`` on L2-normalised
+    embeddings; ``raw-euclidean`` for the raw Euclidean distance). ``num_pairs``: even.
     ``folds`` must lie in ``[2, number of pairs]``; NaN/infinite embeddings are refused
     (:class:`~dmlkit.exceptions.NonFiniteError`).
     """
@@ -391,7 +433,7 @@ def verify(embeddings: Any, labels: Any, *, num_pairs: int = 6000, folds: int = 
         raise ConfigError(f"folds ({folds}) exceeds the number of pairs ({len(same)}): lower --folds")
     scores = pair_scores(x, i, j, distance)
     result = verify_scores(scores, same, int(folds), far_targets=far_targets, fold_source="contiguous")
-    return replace(result, distance=distance)
+    return replace(result, distance=_distance_name(distance))
 
 
 def _match_rows(pair_list: PairList, paths: Sequence[str], x: np.ndarray) -> np.ndarray:
@@ -474,7 +516,7 @@ def verify_pair_list(embeddings: Any, pair_list: PairList, paths: Sequence[str] 
     else:
         result = verify_scores(scores, pair_list.same, stratified_folds(pair_list.same, int(folds)),
                                far_targets=far_targets, fold_source="stratified")
-    return replace(result, distance=distance)
+    return replace(result, distance=_distance_name(distance))
 
 
 def embed_image_files(checkpoint: str | os.PathLike, paths: Sequence[str | os.PathLike], *,

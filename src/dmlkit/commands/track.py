@@ -109,12 +109,12 @@ def _set_threads(threads: int | None) -> None:
 def run(
     ctx: typer.Context,
     frames: Path | None = typer.Option(None, "--frames", "--video", help="A folder of frames (natural order) or a video file."),
-    init_box: str | None = typer.Option(None, "--init-box", help="The target in the first frame: x,y,w,h (pixels)."),
+    init_box: str | None = typer.Option(None, "--init-box", help="The target in the first frame: x,y,w,h (pixels, 0-based: x, y of its top-left pixel counted from 0, as image viewers show)."),
     out: Path | None = typer.Option(None, "--out", "-o", help="Write the frames with boxes: .gif, .mp4/.avi, or a folder."),
     weights: Path | None = typer.Option(None, "--weights", "-w", help="SiamFC checkpoint or run directory from `dmlkit track train`."),
     method: str = typer.Option("siamfc", "--method", help="siamfc | untrained | ncc (template matching baseline)."),
     scales: int | None = typer.Option(None, "--scales", help="Search scales: 3 (SiamFC-3s) or 5 (SiamFC-5s); default: the checkpoint's, else 3."),
-    boxes_out: Path | None = typer.Option(None, "--boxes", help="Write the boxes, one x,y,w,h per line (OTB format)."),
+    boxes_out: Path | None = typer.Option(None, "--boxes", help="Write the boxes, one x,y,w,h per line, 0-based as --init-box (OTB's and GOT-10k's files are 1-based: add 1 to x and y)."),
     max_frames: int | None = typer.Option(None, "--max-frames", min=2, help="Track at most this many frames."),
     fps_out: float | None = typer.Option(None, "--fps", help="Frame rate of the written video/GIF: 0.01 to 1000 (a GIF: to 100; default: the input's, else 15)."),
     device: str = typer.Option("cpu", "--device", help="cpu or cuda."),
@@ -227,16 +227,23 @@ def _clear_earlier_boxes(out_dir: Path) -> None:
             folder.rmdir()
 
 
-def _write_evaluation(out_dir: Path, name: str, results: dict, boxes: dict, title: str) -> None:
+def _write_evaluation(out_dir: Path, name: str, results: dict, boxes: dict, title: str, base: int) -> None:
     """Write method ``name``'s boxes, then ``results.json`` and ``ope.png`` of every method
-    finished so far (``results``), each file atomically: an interrupted evaluation keeps them."""
+    finished so far (``results``), each file atomically: an interrupted evaluation keeps them.
+    The boxes (0-based in memory) are written in the index ``base`` of the ground-truth files
+    they answer (1 for OTB and GOT-10k: ``x + 1, y + 1, w, h``), which ``results.json`` records
+    per method (``box_index_base``), so that they compare with those files line by line."""
+    import numpy as np
+
     from dmlkit.apps.tracking import plot_ope
     from dmlkit.utils import atomic_write_figure, atomic_write_json, atomic_write_text
 
+    shift = np.array([base, base, 0.0, 0.0])
     for seq_name, b in boxes.items():
         atomic_write_text(out_dir / "boxes" / name / f"{seq_name}.txt",
-                          "\n".join(",".join(f"{v:.2f}" for v in row) for row in b) + "\n")
-    atomic_write_json(out_dir / "results.json", {n: res.to_dict() for n, res in results.items()})
+                          "\n".join(",".join(f"{v:.2f}" for v in row) for row in np.asarray(b) + shift) + "\n")
+    atomic_write_json(out_dir / "results.json",
+                      {n: {**res.to_dict(), "box_index_base": base} for n, res in results.items()})
     fig = plot_ope(results, title=title)  # selects the Agg backend before pyplot is imported here
     import matplotlib.pyplot as plt
 
@@ -261,6 +268,8 @@ def evaluate(
     seed: int = typer.Option(0, "--seed", help="Seed of the untrained network."),
     width: float | None = typer.Option(None, "--width", help="Width of the untrained network (default: the checkpoint's, else 1.0)."),
     threads: int | None = typer.Option(None, "--threads", min=1, max=MAX_THREADS, help=f"torch CPU threads, 1 to {MAX_THREADS} (1 is fastest on a busy shared CPU)."),
+    absent_frames: str = typer.Option("drop", "--absent-frames", help="Frames without a valid ground-truth box: drop (left out of the averages) or otb (kept as the OTB toolkit and pysot keep them: a failure for success, a success for precision; the rule of published OTB numbers)."),
+    index_base: int | None = typer.Option(None, "--index-base", help="Index of the first pixel in the ground-truth files: 1 for OTB and GOT-10k; default: 1, or what a build-data folder's meta.json records (0 for builds of older dmlkit)."),
     as_json: bool = typer.Option(False, "--json", help="Print JSON."),
 ) -> None:
     """OTB one-pass evaluation: success AUC (21 thresholds), precision at 20 px, fps; plots.
@@ -273,9 +282,13 @@ def evaluate(
         load_tracking_dataset,
         run_ope,
     )
+    from dmlkit.apps.tracking.datasets import check_index_base
+    from dmlkit.apps.tracking.evaluation import check_absent_frames
     from dmlkit.commands._options import listed
     from dmlkit.exceptions import ConfigError
 
+    absent_frames = check_absent_frames(absent_frames)  # before any data is read
+    check_index_base(index_base)
     _set_threads(threads)
     names = listed(methods)
     if not names:
@@ -290,7 +303,7 @@ def evaluate(
         # loading would take train, the split trackers learn from: a score nobody asked for
         raise ConfigError(f"{root} holds the GOT-10k splits {', '.join(splits)}: name the one to evaluate with "
                           "--split (val to measure a tracker; test is scored by GOT-10k's server)")
-    sequences = load_tracking_dataset(dataset, root, split)[:max_sequences]  # frame paths only, no pixels
+    sequences = load_tracking_dataset(dataset, root, split, index_base)[:max_sequences]  # frame paths only
     check_ground_truth(sequences)  # a sequence that cannot be scored failed after the others' tracking
     # every tracker before any runs: a missing --weights for the second must not fail after the first
     trackers = {name: _tracker(name, weights, scales, seed, device, width) for name in names}
@@ -299,9 +312,10 @@ def evaluate(
         _clear_earlier_boxes(out_dir)
     results = {}
     for name, tracker in trackers.items():
-        results[name], boxes = run_ope(tracker, sequences, progress=not as_json)
+        results[name], boxes = run_ope(tracker, sequences, progress=not as_json, absent_frames=absent_frames)
         if out_dir is not None:  # now, not after every method: a crash or Ctrl-C lost them all
-            _write_evaluation(out_dir, name, results, boxes, f"OPE on {Path(root).name}")
+            base = sequences[0].index_base if sequences and sequences[0].index_base is not None else 1
+            _write_evaluation(out_dir, name, results, boxes, f"OPE on {Path(root).name}", base)
     table = {name: res.summary() for name, res in results.items()}
     if as_json:
         echo_json(table)
@@ -310,7 +324,7 @@ def evaluate(
 
     from dmlkit.commands._console import output_console
 
-    t = Table(title=f"OTB one-pass evaluation: {len(sequences)} sequences in {root}")
+    t = Table(title=f"OTB one-pass evaluation: {len(sequences)} sequences in {root} (absent frames: {absent_frames})")
     for col in ("tracker", "success AUC (%)", "precision@20 (%)", "frames", "fps"):
         t.add_column(col, justify="left" if col == "tracker" else "right")
     for name, row in sorted(table.items(), key=lambda kv: -kv[1]["success_auc"]):

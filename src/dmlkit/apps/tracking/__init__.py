@@ -10,6 +10,7 @@
 
 from dmlkit.apps.tracking.datasets import (
     Sequence,
+    box_index_base,
     got10k_splits,
     load_got10k,
     load_otb,
@@ -18,6 +19,7 @@ from dmlkit.apps.tracking.datasets import (
     read_video,
 )
 from dmlkit.apps.tracking.evaluation import (
+    ABSENT_FRAMES,
     PRECISION_THRESHOLDS,
     SUCCESS_THRESHOLDS,
     OPEResult,
@@ -55,6 +57,7 @@ from dmlkit.apps.tracking.training import (
 )
 
 __all__ = [
+    "ABSENT_FRAMES",
     "PRECISION_THRESHOLDS",
     "SUCCESS_THRESHOLDS",
     "BaseTracker",
@@ -71,6 +74,7 @@ __all__ = [
     "TrackResult",
     "TrackerConfig",
     "annotate",
+    "box_index_base",
     "build_offline_dataset",
     "center_error",
     "check_ground_truth",

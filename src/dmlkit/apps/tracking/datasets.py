@@ -8,6 +8,16 @@
   (``x,y,w,h`` separated by commas, tabs or spaces). Sequences with several targets have
   ``groundtruth_rect.1.txt``, ``groundtruth_rect.2.txt``...: each becomes ``Seq.1``, ``Seq.2``.
 
+**Index base.** Both benchmarks write **1-based** boxes (MATLAB's convention: the image's
+top-left pixel is ``(1, 1)``, so a target whose top-left pixel has 0-based column 40 and row 30
+is written ``41,31,w,h``; GOT-10k's authors state it in got-10k/toolkit issue #6, and the OTB
+toolkit computes centres as ``x + (w - 1) / 2`` in those coordinates). dmlkit works in 0-based
+coordinates (:mod:`dmlkit.apps.tracking.geometry`), so the loaders subtract ``index_base`` from
+``x`` and ``y`` (width and height are unchanged): ``index_base=None`` (the default) reads a
+``dmlkit track build-data`` folder in the base its ``meta.json`` records (``box_index_base``;
+builds of dmlkit before it was recorded wrote 0-based boxes and are read so) and any other
+folder as 1-based; pass 0 for files written 0-based (:func:`box_index_base`).
+
 Frames are read lazily (``seq.frame(i)`` is an ``(H, W, 3)`` uint8 RGB array).
 """
 
@@ -88,13 +98,17 @@ def read_boxes(path: str | Path) -> np.ndarray:
 class Sequence:
     """One annotated (or unannotated) video: frame files and a box per frame.
 
-    ``boxes`` is ``(N, 4)`` ``x, y, w, h`` (NaN rows where the target is absent) or ``None``
-    for an unannotated video; ``frames`` are paths, or in-memory ``(H, W, 3)`` uint8 arrays.
+    ``boxes`` is ``(N, 4)`` ``x, y, w, h`` in 0-based pixel coordinates (NaN rows where the
+    target is absent) or ``None`` for an unannotated video; ``frames`` are paths, or in-memory
+    ``(H, W, 3)`` uint8 arrays.
     """
 
     name: str
     frames: list
     boxes: np.ndarray | None = None
+    #: the index base of the ground-truth file the boxes were read from (they are 0-based
+    #: in memory; ``None``: not read from a file): what result files beside it are written in
+    index_base: int | None = None
 
     def __post_init__(self) -> None:
         if not self.frames:
@@ -127,21 +141,31 @@ class Sequence:
         return np.isfinite(b).all(axis=1) & (b[:, 2] > 0) & (b[:, 3] > 0)
 
 
+def _build_meta(folder: Path) -> dict | None:
+    """The ``meta.json`` of the ``dmlkit track build-data`` whose ``train`` or ``test`` folder
+    ``folder`` is, else ``None`` (another folder, or a ``meta.json`` that is not a build's)."""
+    meta_path = folder.parent / "meta.json"
+    if folder.name not in ("train", "test") or not meta_path.is_file():
+        return None
+    try:
+        meta = json.loads(meta_path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return None  # not the meta.json of a build
+    if not isinstance(meta, dict) or not all(isinstance(meta.get(k), dict) for k in ("train", "test")):
+        return None
+    return meta
+
+
 def check_offline_build(folder: str | Path) -> None:
     """Refuse (:class:`DataError`) a ``train`` or ``test`` folder of ``dmlkit track build-data``
     whose ``meta.json`` (beside it) says the build did not finish, or lists other sequences than
     the folder holds: an interrupted build left complete sequences, a half-written one and none of
     the rest, and training read the complete ones without a word. Any other folder passes."""
     folder = Path(folder)
+    meta = _build_meta(folder)
+    if meta is None:
+        return
     meta_path = folder.parent / "meta.json"
-    if folder.name not in ("train", "test") or not meta_path.is_file():
-        return
-    try:
-        meta = json.loads(meta_path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
-        return  # not the meta.json of a build
-    if not isinstance(meta, dict) or not all(isinstance(meta.get(k), dict) for k in ("train", "test")):
-        return
     if meta.get("complete") is False:  # absent in builds of older versions, which wrote it last
         raise DataError(f"{folder.parent} is an unfinished `dmlkit track build-data` (it was interrupted): "
                         "run the same build-data command again to rebuild it")
@@ -153,7 +177,47 @@ def check_offline_build(folder: str | Path) -> None:
         what = (f"it lacks {len(missing)} of the sequences listed there ({missing[0]} ...)" if missing
                 else f"it holds {len(extra)} sequences not listed there ({extra[0]} ...)")
         raise DataError(f"{folder} does not match {meta_path}: {what}; rebuild it with `dmlkit track "
-                        "build-data`, or remove meta.json to read the folder as it is")
+                        "build-data`, or remove meta.json to read the folder as it is (its boxes are then "
+                        "read as 1-based: pass index_base / --index-base if they are not)")
+
+
+#: The index base of GOT-10k's and OTB's ground truth, and of what ``build-data`` writes now.
+BENCHMARK_INDEX_BASE = 1
+
+
+def check_index_base(index_base: int | None) -> int | None:
+    """``index_base`` if it is ``None`` (read what the folder says), 0 or 1, else one
+    :class:`ConfigError` line."""
+    if index_base is None or (isinstance(index_base, int | np.integer) and not isinstance(index_base, bool)
+                              and int(index_base) in (0, 1)):
+        return None if index_base is None else int(index_base)
+    raise ConfigError(f"the index base of ground-truth boxes (index_base, --index-base) is 0 or 1 (the "
+                      f"first pixel's index: 1 for GOT-10k and OTB), got {index_base!r}")
+
+
+def box_index_base(folder: str | Path, index_base: int | None = None) -> int:
+    """The index base of the ground-truth files of the sequence folders in ``folder``: ``index_base``
+    where given (0 or 1); for the ``train`` / ``test`` folder of a ``dmlkit track build-data``, the
+    ``box_index_base`` its ``meta.json`` records, 0 where it records none (builds of older dmlkit
+    wrote 0-based boxes); else 1, the GOT-10k and OTB convention (:data:`BENCHMARK_INDEX_BASE`)."""
+    index_base = check_index_base(index_base)
+    if index_base is not None:
+        return index_base
+    meta = _build_meta(Path(folder))
+    if meta is None:
+        return BENCHMARK_INDEX_BASE
+    recorded = meta.get("box_index_base", 0)
+    if recorded not in (0, 1) or isinstance(recorded, bool):
+        raise DataError(f"{Path(folder).parent / 'meta.json'}: box_index_base must be 0 or 1, got {recorded!r}")
+    return int(recorded)
+
+
+def _zero_based(boxes: np.ndarray, index_base: int) -> np.ndarray:
+    """``boxes`` ``(N, 4)`` read from a file of ``index_base`` in dmlkit's 0-based coordinates:
+    ``x - index_base, y - index_base, w, h`` (NaN rows stay NaN)."""
+    out = np.array(boxes, dtype=np.float64)
+    out[:, :2] -= index_base
+    return out
 
 
 def _got10k_dirs(root: Path, split: str | None, named: bool = False) -> list[Path]:
@@ -183,11 +247,13 @@ def got10k_splits(root: str | Path) -> list[str]:
                   and any((s / "groundtruth.txt").is_file() for s in p.iterdir() if s.is_dir()))
 
 
-def load_got10k(root: str | Path, split: str | None = None) -> list[Sequence]:
+def load_got10k(root: str | Path, split: str | None = None, index_base: int | None = None) -> list[Sequence]:
     """Sequences in the GOT-10k layout: the ``split`` sub-folder, which must exist when named;
     unnamed, ``train`` if it exists, else ``root`` itself (the ``train`` folder of a finished
-    ``build-data``: :func:`check_offline_build`)."""
+    ``build-data``: :func:`check_offline_build`). Boxes in 0-based coordinates: the file's
+    ``x`` and ``y`` less :func:`box_index_base` (1 for GOT-10k's own files)."""
     root = Path(root)
+    index_base = check_index_base(index_base)
     for folder in (root, root / (split or "train")):  # a build-data's train folder, or the build
         check_offline_build(folder)
     if not root.is_dir():
@@ -208,19 +274,24 @@ def load_got10k(root: str | Path, split: str | None = None) -> list[Sequence]:
                 raise DataError(f"{absence} has {len(flags)} flags but the sequence has {len(boxes)} "
                                 "frames: one flag per frame (1 = target absent)")
             boxes[flags] = np.nan
-        sequences.append(Sequence(d.name, frames, boxes))
+        base = box_index_base(d.parent, index_base)
+        sequences.append(Sequence(d.name, frames, _zero_based(boxes, base), base))
     return sequences
 
 
-def load_otb(root: str | Path) -> list[Sequence]:
+def load_otb(root: str | Path, index_base: int | None = None) -> list[Sequence]:
     """Sequences in the OTB layout: ``root/Seq/img/*.jpg`` + ``root/Seq/groundtruth_rect*.txt``
     (the ``test`` folder of a finished ``build-data``: :func:`check_offline_build`).
-    Two sequences of one name (``A/groundtruth_rect.1.txt`` and ``A.1/groundtruth_rect.txt``)
-    are a :class:`DataError` naming both files."""
+    Boxes in 0-based coordinates: the file's ``x`` and ``y`` less :func:`box_index_base` (1 for
+    OTB's own, MATLAB-written files: ``41,31,w,h`` is the target whose top-left pixel is 0-based
+    ``(40, 30)``). Two sequences of one name (``A/groundtruth_rect.1.txt`` and
+    ``A.1/groundtruth_rect.txt``) are a :class:`DataError` naming both files."""
     root = Path(root)
+    index_base = check_index_base(index_base)
     check_offline_build(root)
     if not root.is_dir():
         raise DataNotFoundError(f"OTB root {root} does not exist")
+    base = box_index_base(root, index_base)
     sequences, sources = [], {}
     for d in sorted(p for p in root.iterdir() if p.is_dir()):
         gts = sorted(d.glob("groundtruth_rect*.txt"),
@@ -241,7 +312,7 @@ def load_otb(root: str | Path) -> list[Sequence]:
                     f"OTB sequence {name}: {len(frames)} frames in {d / 'img'} but {len(boxes)} "
                     f"boxes in {gt.name}; keep only the annotated frames in img/"
                 )
-            sequences.append(Sequence(name, frames, boxes))
+            sequences.append(Sequence(name, frames, _zero_based(boxes, base), base))
     if not sequences:
         raise DataNotFoundError(
             f"no OTB sequences under {root}: expected {root}/<Seq>/img/0001.jpg ... and "
@@ -250,16 +321,17 @@ def load_otb(root: str | Path) -> list[Sequence]:
     return sequences
 
 
-def load_tracking_dataset(kind: str, root: str | Path, split: str | None = None) -> list[Sequence]:
+def load_tracking_dataset(kind: str, root: str | Path, split: str | None = None,
+                          index_base: int | None = None) -> list[Sequence]:
     """``kind`` is ``otb`` (no ``split``) or ``got10k`` (:func:`load_got10k`: a named ``split`` must
-    exist)."""
+    exist); ``index_base`` as there (``None``: 1, or what a build's ``meta.json`` records)."""
     kind = kind.lower().replace("-", "")
     if kind == "otb":
         if split is not None:  # else silently the whole benchmark, not the sub-folder asked for
             raise ConfigError(f"OTB has no splits (got split {split!r}): leave --split out")
-        return load_otb(root)
+        return load_otb(root, index_base)
     if kind == "got10k":
-        return load_got10k(root, split)
+        return load_got10k(root, split, index_base)
     raise DataError(f"unknown tracking dataset layout {kind!r}: use 'otb' or 'got10k'")
 
 

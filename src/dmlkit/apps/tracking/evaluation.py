@@ -15,8 +15,25 @@ the error) are those of the OTB toolkit. Over a dataset each sequence's curve is
 first and the curves are averaged with equal weight per sequence (as in the OTB toolkit and
 the GOT-10k toolkit's OTB experiment).
 
-Frames whose ground truth is missing (NaN) or empty (w <= 0 or h <= 0, e.g. target absent)
-are left out of the averages of their sequence; the first frame is counted.
+Frames whose ground truth is missing or absent, two rules (``absent_frames``):
+
+* ``"drop"`` (the default): frames whose ground truth is not finite (NaN) or empty (w <= 0 or
+  h <= 0) are left out of their sequence's averages (``n`` counts the others), as the GOT-10k
+  toolkit leaves out frames whose target is not visible (``covers > 0``);
+* ``"otb"``: the OTB toolkit's rule (``calcSeqErrRobust.m`` + ``perfPlot.m`` of
+  jwlim/tracker_benchmark; pysot-toolkit's OPE follows it): a frame's ground truth is valid when
+  all four numbers of the 1-based file are positive (``rect_anno > 0``), i.e. in dmlkit's
+  0-based boxes ``x > -1, y > -1, w > 0, h > 0`` (NaN fails); every other frame stays in ``n``
+  with overlap -1 (a failure at every overlap threshold) and centre error -1 (a success at every
+  error threshold). This is the rule behind published OTB numbers; the two rules agree on
+  sequences whose every frame has a valid box.
+
+The first frame is counted (its prediction is the given start). A predicted box that is not
+finite or has no area (w <= 0 or h <= 0) in a frame that is scored is refused
+(:class:`ShapeError` naming the sequence and frame): its overlap (0) and centre error
+(infinite, or from the negative width) measure nothing; the OTB toolkit replaces such a box
+with the previous frame's, which a caller can do before evaluating. dmlkit's trackers never
+output one.
 """
 
 from __future__ import annotations
@@ -26,7 +43,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from dmlkit.exceptions import DataError, ShapeError
+from dmlkit.exceptions import ConfigError, DataError, ShapeError
+
+#: The rules for frames without a valid ground-truth box (module docstring).
+ABSENT_FRAMES = ("drop", "otb")
 
 SUCCESS_THRESHOLDS = np.linspace(0.0, 1.0, 21)
 PRECISION_THRESHOLDS = np.arange(0, 51, dtype=np.float64)
@@ -50,10 +70,40 @@ def _pair(pred: np.ndarray | Sequence, gt: np.ndarray | Sequence) -> tuple[np.nd
     return p, g
 
 
-def valid_frames(gt: np.ndarray | Sequence) -> np.ndarray:
-    """Mask of frames with a usable ground truth: finite values and positive width and height."""
+def check_absent_frames(absent_frames: str) -> str:
+    """``absent_frames`` (``"drop"`` or ``"otb"``, any case), else one :class:`ConfigError` line."""
+    rule = absent_frames.strip().lower() if isinstance(absent_frames, str) else None
+    if rule not in ABSENT_FRAMES:
+        raise ConfigError(f"absent_frames (--absent-frames) must be 'drop' (leave frames without ground truth "
+                          f"out) or 'otb' (the OTB toolkit's rule), got {absent_frames!r}")
+    return rule
+
+
+def valid_frames(gt: np.ndarray | Sequence, absent_frames: str = "drop") -> np.ndarray:
+    """Mask of frames with a usable ground truth: finite values and positive width and height;
+    with ``absent_frames="otb"`` also ``x > -1`` and ``y > -1`` (the OTB toolkit's
+    ``rect_anno > 0`` on its 1-based numbers, in dmlkit's 0-based boxes)."""
     g = _boxes(gt, "ground-truth boxes")
-    return np.isfinite(g).all(axis=1) & (g[:, 2] > 0) & (g[:, 3] > 0)
+    with np.errstate(invalid="ignore"):
+        ok = np.isfinite(g).all(axis=1) & (g[:, 2] > 0) & (g[:, 3] > 0)
+        if check_absent_frames(absent_frames) == "otb":
+            ok &= (g[:, 0] > -1) & (g[:, 1] > -1)
+    return ok
+
+
+def check_predictions(pred: np.ndarray | Sequence, scored: np.ndarray, name: str = "seq") -> None:
+    """Refuse (:class:`ShapeError`, one line naming the sequence and the first such frame) a
+    predicted box that is not finite or has no area (w <= 0 or h <= 0) in a ``scored`` frame:
+    its overlap is 0 and its centre error infinite or taken from the negative width. The OTB
+    toolkit carries the previous frame's box over such a frame instead."""
+    p = _boxes(pred, "predicted boxes")
+    with np.errstate(invalid="ignore"):
+        bad = scored & ~(np.isfinite(p).all(axis=1) & (p[:, 2] > 0) & (p[:, 3] > 0))
+    if bad.any():
+        t = int(np.flatnonzero(bad)[0])
+        raise ShapeError(f"sequence {name!r}: {int(bad.sum())} predicted box(es) are not finite or have no area, "
+                         f"first frame {t} (0-based): {p[t].tolist()}; every scored frame needs a box with finite "
+                         "x, y and positive w, h (the OTB toolkit carries the previous frame's box over such frames)")
 
 
 def overlap(pred: np.ndarray | Sequence, gt: np.ndarray | Sequence) -> np.ndarray:
@@ -143,6 +193,8 @@ class OPEResult:
     """A tracker's one-pass evaluation over a set of sequences."""
 
     sequences: list[SequenceResult]
+    #: the rule for frames without valid ground truth the curves were computed under
+    absent_frames: str = "drop"
     success: np.ndarray = field(init=False)
     precision: np.ndarray = field(init=False)
 
@@ -173,9 +225,10 @@ class OPEResult:
             return None
         return float(sum(s.updates for s in rates) / sum(s.updates / s.fps for s in rates))
 
-    def summary(self) -> dict[str, float | int | None]:
+    def summary(self) -> dict[str, float | int | str | None]:
         """Success AUC, precision at 20 px, the sequence count, ``num_frames`` (frames tracked)
-        and ``num_scored_frames`` (those with valid ground truth, which the curves average), fps."""
+        and ``num_scored_frames`` (the frames the curves average: those with valid ground truth,
+        every frame under ``absent_frames="otb"``), fps, and the ``absent_frames`` rule."""
         return {
             "success_auc": self.auc,
             "precision_at_20": self.precision_at_20,
@@ -183,6 +236,7 @@ class OPEResult:
             "num_frames": int(sum(s.tracked_frames for s in self.sequences)),
             "num_scored_frames": int(sum(s.scored_frames for s in self.sequences)),
             "fps": self.fps,
+            "absent_frames": self.absent_frames,
         }
 
     def to_dict(self) -> dict:
@@ -202,35 +256,49 @@ class OPEResult:
 
 def evaluate_sequence(
     pred: np.ndarray | Sequence, gt: np.ndarray | Sequence, name: str = "seq",
-    fps: float | None = None,
+    fps: float | None = None, absent_frames: str = "drop",
 ) -> SequenceResult:
-    """One-pass measures of one sequence (frames with invalid ground truth left out). A
-    sequence needs a valid box after the first frame, which is the tracker's given start (GOT-10k's
-    test split annotates only that one: every tracker scored about 0.95 on it)."""
+    """One-pass measures of one sequence; frames with invalid ground truth left out
+    (``absent_frames="drop"``) or kept as the OTB toolkit keeps them (``"otb"``: their overlap
+    and centre error are its code -1, in ``ious`` and ``center_errors`` too). A sequence needs a
+    valid box after the first frame, which is the tracker's given start (GOT-10k's test split
+    annotates only that one: every tracker scored about 0.95 on it). Invalid predictions in
+    scored frames are refused (:func:`check_predictions`)."""
+    rule = check_absent_frames(absent_frames)
     p, g = _pair(pred, gt)
-    keep = valid_frames(g)
-    if not keep[1:].any():
+    if not valid_frames(g)[1:].any():
         raise ShapeError(f"sequence {name!r} has no valid ground-truth box after its first frame (the "
                          "given start): nothing to measure (GOT-10k's test split is scored by its server; "
                          "evaluate on val)")
-    ious = overlap(p[keep], g[keep])
-    errs = center_error(p[keep], g[keep])
+    keep = valid_frames(g, rule)
+    check_predictions(p, keep, name)
+    if rule == "drop":
+        ious = overlap(p[keep], g[keep])
+        errs = center_error(p[keep], g[keep])
+    else:  # calcSeqErrRobust.m: errCoverage(~idx) = -1, errCenter(~idx) = -1, over all frames
+        ious, errs = np.full(len(g), -1.0), np.full(len(g), -1.0)
+        ious[keep] = overlap(p[keep], g[keep])
+        errs[keep] = center_error(p[keep], g[keep])
     return SequenceResult(name, ious, errs, success_curve(ious), precision_curve(errs), fps, len(p))
 
 
 def evaluate_ope(
     predictions: Mapping[str, np.ndarray], ground_truth: Mapping[str, np.ndarray],
-    fps: Mapping[str, float] | None = None,
+    fps: Mapping[str, float] | None = None, absent_frames: str = "drop",
 ) -> OPEResult:
-    """OTB one-pass evaluation of ``{sequence: (N, 4) boxes}`` against the ground truth."""
+    """OTB one-pass evaluation of ``{sequence: (N, 4) boxes}`` against the ground truth (both
+    0-based, :mod:`~dmlkit.apps.tracking.geometry`). ``absent_frames``: ``"drop"`` leaves frames
+    without a valid ground-truth box out, ``"otb"`` keeps them as the OTB toolkit does (the rule
+    of published OTB numbers; module docstring)."""
+    rule = check_absent_frames(absent_frames)
     missing = sorted(set(ground_truth) - set(predictions))
     if missing:
         raise ShapeError(f"no predictions for sequences {missing[:5]}: run the tracker on them")
     fps = fps or {}
     return OPEResult([
-        evaluate_sequence(predictions[name], ground_truth[name], name, fps.get(name))
+        evaluate_sequence(predictions[name], ground_truth[name], name, fps.get(name), rule)
         for name in ground_truth
-    ])
+    ], absent_frames=rule)
 
 
 def plot_ope(results: Mapping[str, OPEResult], title: str = "OPE"):
@@ -281,10 +349,13 @@ def check_ground_truth(sequences) -> None:
                         "(GOT-10k's test split is scored by its server: evaluate on val)")
 
 
-def run_ope(tracker, sequences, progress: bool = False) -> tuple[OPEResult, dict[str, np.ndarray]]:
+def run_ope(tracker, sequences, progress: bool = False,
+            absent_frames: str = "drop") -> tuple[OPEResult, dict[str, np.ndarray]]:
     """Run ``tracker`` (anything with ``track(frames, init_box)``) once over each annotated
-    sequence from its first ground-truth box; returns the OPE result and the predicted boxes.
-    Every sequence's ground truth is checked before any is tracked (:func:`check_ground_truth`)."""
+    sequence from its first ground-truth box; returns the OPE result (``absent_frames`` as in
+    :func:`evaluate_ope`) and the predicted boxes. Every sequence's ground truth is checked
+    before any is tracked (:func:`check_ground_truth`)."""
+    absent_frames = check_absent_frames(absent_frames)
     check_ground_truth(sequences)
     preds, gts, fps = {}, {}, {}
     bar = None
@@ -300,4 +371,4 @@ def run_ope(tracker, sequences, progress: bool = False) -> tuple[OPEResult, dict
         preds[seq.name], gts[seq.name], fps[seq.name] = result.boxes, seq.boxes, result.fps
     if bar is not None:
         bar.close()
-    return evaluate_ope(preds, gts, fps), preds
+    return evaluate_ope(preds, gts, fps, absent_frames), preds

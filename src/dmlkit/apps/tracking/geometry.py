@@ -1,8 +1,21 @@
 """Boxes, crops and the SiamFC context rule.
 
-Boxes are ``(x, y, w, h)``: top-left corner, width and height in pixels (the OTB and GOT-10k
-convention). Centres are ``(cx, cy) = (x + w / 2, y + h / 2)`` in continuous pixel coordinates
-where pixel ``i`` covers ``[i, i + 1)``.
+Boxes are ``(x, y, w, h)``: top-left corner, width and height in pixels, **0-based**: ``x`` is
+the column of the box's leftmost pixel counted from 0 (as numpy indexes an image, and as
+Pillow, OpenCV and image viewers report positions). Centres are
+``(cx, cy) = (x + w / 2, y + h / 2)`` in continuous pixel coordinates where pixel ``i`` covers
+``[i, i + 1)``, so the box covers ``[x, x + w)`` and pixel ``i``'s centre is ``i + 1/2``.
+
+The benchmarks' files are **1-based** (MATLAB): OTB's ``groundtruth_rect.txt`` and GOT-10k's
+``groundtruth.txt`` write the target whose top-left pixel is 0-based ``(40, 30)`` as
+``41,31,w,h`` (got-10k/toolkit issue #6: "All coordinate values are 1-based"; the OTB toolkit's
+centre ``x + (w - 1) / 2`` is that pixel grid's; siamfc-pytorch converts with
+``x - 1 + (w - 1) / 2`` to 0-based pixel-centre coordinates, which is ``x - 1 + w / 2`` here).
+:mod:`dmlkit.apps.tracking.datasets` subtracts 1 from ``x`` and ``y`` when it reads them and
+``dmlkit track build-data`` / ``track evaluate`` add it back when they write such files.
+Overlap and centre error do not change when both boxes shift alike, but the exemplar a
+tracker cuts from the first box does: read unconverted, it was centred one pixel right and
+down of the target.
 """
 
 from __future__ import annotations

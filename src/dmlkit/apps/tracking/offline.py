@@ -22,7 +22,8 @@ gravel, the Hubble deep field, coins, ...). Each sequence is:
   with ``A`` in [0.2, 0.4] (clipped to [0, 255]).
 
 The ground truth ``x, y, w, h`` is the pasted rectangle itself, hence exact (occluded
-frames keep the full box, as in OTB). Every random draw comes from
+frames keep the full box, as in OTB); the files hold it 1-based, as GOT-10k and OTB write
+theirs (``meta.json``'s ``box_index_base``), and the loaders read back the 0-based box. Every random draw comes from
 ``numpy.random.default_rng([seed, split, index])``: the same seed gives the same pixels.
 Training and test sequences use disjoint photographs for targets and backgrounds, so a tracker
 is tested on objects and scenes it never saw.
@@ -37,7 +38,7 @@ from pathlib import Path
 
 import numpy as np
 
-from dmlkit.apps.tracking.datasets import Sequence
+from dmlkit.apps.tracking.datasets import BENCHMARK_INDEX_BASE, Sequence, check_index_base
 from dmlkit.exceptions import ConfigError, require
 from dmlkit.utils import atomic_write_json, atomic_write_text, directory_lock
 from dmlkit.validation import check_seed
@@ -262,8 +263,13 @@ def offline_specs(split: str, count: int, num_frames: int, seed: int = 0,
     return specs
 
 
-def write_sequence(seq: Sequence, folder: Path, layout: str, quality: int = 95) -> Path:
-    """Write frames (JPEG) and ground truth in the ``otb`` or ``got10k`` layout."""
+def write_sequence(seq: Sequence, folder: Path, layout: str, quality: int = 95,
+                   index_base: int = BENCHMARK_INDEX_BASE) -> Path:
+    """Write frames (JPEG) and ground truth in the ``otb`` or ``got10k`` layout.
+
+    The boxes (0-based in memory) are written with ``index_base`` added to ``x`` and ``y``: 1, as
+    both benchmarks write theirs (MATLAB's convention), so that the loaders, which subtract the
+    base, read back exactly the boxes written."""
     from PIL import Image
 
     folder = Path(folder)
@@ -276,9 +282,20 @@ def write_sequence(seq: Sequence, folder: Path, layout: str, quality: int = 95) 
     img_dir.mkdir(parents=True, exist_ok=True)
     for i in range(len(seq)):
         Image.fromarray(seq.frame(i)).save(img_dir / f"{i + 1:0{digits}d}.jpg", quality=quality)
-    lines = "\n".join(",".join(f"{v:g}" for v in box) for box in seq.boxes) + "\n"
+    index_base = check_index_base(index_base)
+    if index_base is None:
+        raise ConfigError("write_sequence needs the index base to write the boxes in: 0 or 1")
+    shifted = np.asarray(seq.boxes, dtype=np.float64) + np.array([index_base, index_base, 0.0, 0.0])
+    lines = "\n".join(",".join(_number(v) for v in box) for box in shifted) + "\n"
     atomic_write_text(folder / gt_name, lines)
     return folder
+
+
+def _number(v: float) -> str:
+    """``v`` as written in a ground-truth file: an integer without decimals (``41``), any other
+    value as Python's shortest round-trip form (``f"{v:g}"`` kept six digits: 1234567 -> 1.23457e+06)."""
+    v = float(v)
+    return str(int(v)) if v.is_integer() and abs(v) < 2**53 else repr(v)
 
 
 def _clear_earlier_build(out: Path) -> None:
@@ -360,7 +377,10 @@ def _write_build(out: Path, num_train: int, num_test: int, train_frames: int, te
         from tqdm import tqdm
 
         bar = tqdm(total=len(plan), desc="sequences")
-    meta = {"seed": seed, "frame_size": list(frame_size), "complete": False, "train": {}, "test": {}}
+    # box_index_base: the boxes are written 1-based, as GOT-10k's and OTB's (builds of older
+    # dmlkit wrote 0-based boxes and recorded no base: the loaders read those as 0-based)
+    meta = {"seed": seed, "frame_size": list(frame_size), "complete": False,
+            "box_index_base": BENCHMARK_INDEX_BASE, "train": {}, "test": {}}
     for split, spec in plan:
         meta[split][spec.name] = {
             "object": spec.object_photo, "background": spec.background_photo,

@@ -185,6 +185,8 @@ class SiamFCTrainConfig(StrictNumbers):
     dataset: str = Field("got10k", description="otb | got10k layout")
     data_dir: str = Field(..., description="root of the training sequences")
     split: str | None = Field(None, description="GOT-10k sub-folder (train)")
+    index_base: int | None = Field(None, ge=0, le=1, description="index of the first pixel in the ground-truth "
+                                   "files: 1 for GOT-10k and OTB; None: 1, or what a build-data's meta.json records")
     width: float = Field(1.0, gt=0, le=4, description="backbone channel multiplier (1 = paper)")
     epochs: int = Field(1, ge=1)
     pairs_per_epoch: int = Field(1000, ge=1)
@@ -301,6 +303,13 @@ def data_digest(sequences: list[Sequence]) -> str:
     return h.hexdigest()
 
 
+def _unconverted(sequences: list[Sequence]) -> list[Sequence]:
+    """``sequences`` with the boxes as their files hold them (dmlkit before the 1-based
+    conversion read them so): the index base added back to ``x`` and ``y``."""
+    return [Sequence(s.name, s.frames, None if s.boxes is None else s.boxes + ([s.index_base or 0] * 2 + [0, 0]))
+            for s in sequences]
+
+
 def _check_resumable(run_dir: Path, state: dict[str, Any], config: SiamFCTrainConfig,
                      sequences: list[Sequence]) -> None:
     """A run resumes with the config and the data it was started with (:class:`ConfigError`),
@@ -326,6 +335,10 @@ def _check_resumable(run_dir: Path, state: dict[str, Any], config: SiamFCTrainCo
         raise CheckpointError(f"cannot resume {run_dir}: its checkpoints/last.pt was trained with another config "
                               f"than {config_path} (they differ in {', '.join(changed)}); train into a new --run-dir")
     digest = state["train_state"].get("data_digest")
+    if digest is not None and digest != data_digest(sequences) and digest == data_digest(_unconverted(sequences)):
+        raise ConfigError(f"cannot resume {run_dir}: it was started by an older dmlkit, which read the 1-based boxes "
+                          f"of the files under {config.data_dir} as 0-based (every exemplar one pixel off): train "
+                          "it again into a new --run-dir")
     if digest is not None and digest != data_digest(sequences):
         raise ConfigError(f"cannot resume {run_dir}: its training sequences differ from those it was started "
                           f"with ({len(sequences)} now, under {config.data_dir}); resume on the same data or "
@@ -375,7 +388,7 @@ def _train_in_dir(config: SiamFCTrainConfig, run_dir: Path, sequences: list[Sequ
     if config.threads:
         torch.set_num_threads(config.threads)
     if sequences is None:
-        sequences = load_tracking_dataset(config.dataset, config.data_dir, config.split)
+        sequences = load_tracking_dataset(config.dataset, config.data_dir, config.split, config.index_base)
     tracker_cfg = tracker_config(config.tracker)
     pairs = SiamFCPairs(sequences, config.pairs_per_epoch, config.pairs, seed=config.seed)
     device = resolve_device(config.device)
