@@ -39,16 +39,21 @@ VIDEO_SUFFIXES = (".mp4", ".avi", ".mov", ".mkv", ".webm", ".gif", ".mpg", ".mpe
 
 
 def read_image(path: str | Path) -> np.ndarray:
-    """An image file as an ``(H, W, 3)`` uint8 RGB array (Pillow)."""
-    from PIL import Image
+    """An image file as an ``(H, W, 3)`` uint8 RGB array, decoded as every other command decodes
+    images (:func:`dmlkit.data.base.load_image`: turned upright by its EXIF orientation, 16-bit
+    and float frames scaled to 8 bits, never clipped; Pillow's ``convert("RGB")`` alone left a
+    16-bit frame 98 % white and a camera frame sideways, and the tracker drifted off the target
+    without a word). An unreadable frame is a :class:`DataError` naming it, a decompression bomb
+    included."""
+    from dmlkit.data.base import load_image  # lazy: PIL and the data layer load on first frame
 
     try:
-        with Image.open(path) as im:
-            return np.asarray(im.convert("RGB"))
-    except FileNotFoundError:
-        raise DataNotFoundError(f"frame {path} does not exist") from None
-    except OSError as exc:
-        raise DataError(f"cannot read frame {path}: {exc}") from None
+        return np.asarray(load_image(path, "RGB"))
+    except DataError as exc:
+        cause = exc.__cause__
+        if isinstance(cause, FileNotFoundError):
+            raise DataNotFoundError(f"frame {path} does not exist") from None
+        raise DataError(f"cannot read frame {path}: {cause if cause is not None else exc}") from None
 
 
 def _natural_key(path: Path) -> tuple:
