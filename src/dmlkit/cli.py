@@ -98,12 +98,28 @@ _LIBRARY_SPELLINGS: tuple[tuple[re.Pattern[str], str, str, str], ...] = (
 )
 #: Commands whose config takes ``--set KEY=VALUE``, with the prefix of their dataset section.
 _SET_PREFIX = {"train": "", "bench": "fixed."}
+#: ``skip_corrupt=True`` hints under the other commands, which cannot skip an unreadable image:
+#: a run's data options are its checkpoint's (``embed``, ``reid``, ``export``, ... refuse a
+#: ``config.yaml`` edited to skip: "not a checkpoint of the run"), ``verify --pair-list``
+#: reads no config. (pattern, replacement): the whole clause of :func:`dmlkit.data.load_image`'s
+#: "Replace or delete the file, or load the dataset with skip_corrupt=True to skip unreadable
+#: images" goes, leaving "Replace or delete the file"; any other mention says it cannot skip.
+_NO_SKIP_ROUTE: tuple[tuple[re.Pattern[str], str], ...] = (
+    (re.compile(r", or load the dataset with skip_corrupt=True to skip unreadable images"), ""),
+    (re.compile(r"(?:load the dataset )?with skip_corrupt=True"),
+     "not possible under this command: replace or delete the unreadable files"),
+)
 
 
 def cli_spelling(message: str, command: str | None) -> str:
     """``message`` with library spellings (``skip_corrupt=True``, ``download=True``) in the
     command line's: ``--set data.options.skip_corrupt=true`` for ``train`` (``fixed.data...``
-    for ``bench``), else the key to set in the config file the command reads."""
+    for ``bench``), else the key to set in the config file the command reads; a hint to skip
+    unreadable images is dropped under commands that cannot (:data:`_NO_SKIP_ROUTE`): the
+    message says to replace or delete the file."""
+    if command not in _SET_PREFIX:
+        for pattern, replacement in _NO_SKIP_ROUTE:
+            message = pattern.sub(replacement, message)
     for pattern, key, value, rest in _LIBRARY_SPELLINGS:
         if command in _SET_PREFIX:
             replacement = f"pass --set {_SET_PREFIX[command]}{key}={value}{rest}"

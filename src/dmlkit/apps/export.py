@@ -124,7 +124,10 @@ class ImageEmbedder:
     def preprocess(self, images: Sequence[Any]) -> np.ndarray:
         """PIL images -> ``(N, C, H, W)`` float32 with the run's evaluation transform, each first
         read as the datasets read theirs (:func:`dmlkit.data.upright_8bit`: EXIF orientation;
-        16-bit and float images scaled, which PIL's conversion clips to a blank image)."""
+        16-bit and float images scaled, which PIL's conversion clips to a blank image; a
+        16-bit colour file at full depth only when passed undecoded, or read with
+        :func:`dmlkit.data.decode_8bit` first, as ``dmlkit serve`` does). An image's errors
+        name its file (``Image.open``'s ``filename``), else its place in ``images`` (``#0``)."""
         import torch
 
         if not images:
@@ -132,7 +135,7 @@ class ImageEmbedder:
         t = get_transforms(self.transform or "none", train=False, image_size=self.image_size)
         out = []
         for i, img in enumerate(images):
-            img = upright_8bit(img, f"#{i}")
+            img = upright_8bit(img, getattr(img, "filename", None) or f"#{i}")
             x = t(img.convert(self.mode)) if t is not None else None
             if not isinstance(x, torch.Tensor):
                 arr = np.asarray(img.convert(self.mode), dtype=np.float32) / 255.0

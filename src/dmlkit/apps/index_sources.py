@@ -101,16 +101,22 @@ def check_shared_vectors(index: Any, ids: Any, vectors: Any, source: Any, fix: s
                         f"of other images under the same names; {fix}")
 
 
-def check_model_embeds_index(index: Any, embedder: Any, root: Path, items: int = 4) -> None:
+def check_model_embeds_index(index: Any, embedder: Any, root: Path, items: int = 4,
+                             max_pixels: int | None = None) -> None:
     """Refuse (:class:`ConfigError`) a model that embeds indexed images differently from the
     index's vectors: image queries would be searched in another model's space and answered with
     unrelated items, silently (the start-up check of the embedding size passes any model of the
     same size). Compares up to ``items`` indexed files found under the data root (of the first
-    64 ids); an index without files there (ids that are not paths, another data root) is not
-    checked, with a warning saying so: the check was skipped without a word."""
+    64 ids), decoded as the datasets decode them (:func:`dmlkit.data.decode_8bit`); a file
+    larger than ``max_pixels`` (the service's upload limit, read from the header: it is not
+    decoded) or unreadable (truncated, beyond PIL's decompression-bomb limit, refused as
+    blank) is passed over. An index without such files there (ids that are not paths, another
+    data root) is not checked, with a warning saying so: the check was skipped without a word."""
     from PIL import Image  # lazy: imaging loads when a model is served
 
-    checked = tried = 0
+    from dmlkit.data import decode_8bit  # lazy: as PIL
+
+    checked = tried = too_large = unreadable = 0
     for pos in range(min(len(index), 64)):
         if checked == items:
             break
@@ -120,9 +126,14 @@ def check_model_embeds_index(index: Any, embedder: Any, root: Path, items: int =
             continue
         try:
             with Image.open(path) as img:
-                img.load()
-                got = embedder([img.copy()])[:1]
-        except (OSError, DmlkitError):  # not an image the model takes: nothing to compare
+                w, h = img.size
+                if max_pixels is not None and w * h > max_pixels:
+                    too_large += 1
+                    continue
+                got = embedder([decode_8bit(img, path)])[:1]
+        # not an image the model takes (a decompression bomb raised a traceback at start-up)
+        except (OSError, ValueError, Image.DecompressionBombError, DmlkitError):
+            unreadable += 1
             continue
         change = float(relative_changes(got, index.embeddings[pos:pos + 1])[0])
         if change > MODEL_INDEX_TOLERANCE:
@@ -131,10 +142,13 @@ def check_model_embeds_index(index: Any, embedder: Any, root: Path, items: int =
                               "index was built with, or rebuild the index with `dmlkit embed` + `dmlkit index`")
         checked += 1
     if tried and not checked:
-        warnings.warn(f"serve: the model was not checked against the index: none of its first {tried} ids is an "
-                      f"image file under the data root {root}; image queries are searched in the index's space "
-                      "whatever model is served (pass --data-root with the folder the index was built from)",
-                      stacklevel=3)
+        passed = [f"{n} {what}" for n, what in ((too_large, f"larger than {max_pixels} pixels"),
+                                                (unreadable, "unreadable")) if n]
+        why = f" ({', '.join(passed)})" if passed else ""
+        warnings.warn(f"serve: the model was not checked against the index: none of its first {tried} ids is a "
+                      f"readable image file under the data root {root}{why}; image queries are searched in the "
+                      "index's space whatever model is served (pass --data-root with the folder the index was "
+                      "built from)", stacklevel=3)
 
 
 def verification_source(embeddings: str | os.PathLike | None = None,

@@ -6,15 +6,7 @@
 >>> parts = split.apply(ds)                            # doctest: +SKIP
 """
 
-from dmlkit.data.base import (
-    ArrayDataset,
-    ImageFileDataset,
-    MetricDataset,
-    load_image,
-    to_8bit,
-    upright_8bit,
-    upright_image,
-)
+from dmlkit.data.base import ArrayDataset, ImageFileDataset, MetricDataset, load_image
 from dmlkit.data.datasets import (
     DATASETS,
     IMAGE_EXTENSIONS,
@@ -24,6 +16,7 @@ from dmlkit.data.datasets import (
     verify_sha256,
 )
 from dmlkit.data.folders import load_csv, load_image_folder  # registers image_folder and csv
+from dmlkit.data.imaging import decode_8bit, full_depth, to_8bit, upright_8bit, upright_image
 from dmlkit.data.pairs import load_lfw  # registers the lfw loader
 from dmlkit.data.reid import REID_DATASETS, ReidDataset  # registers the re-id loaders
 from dmlkit.data.retrieval_benchmarks import (  # registers them
@@ -48,6 +41,8 @@ __all__ = [
     "IMAGE_EXTENSIONS",
     "ArrayDataset",
     "canonical_dataset_name",
+    "decode_8bit",
+    "full_depth",
     "load_cars196",
     "load_csv",
     "load_cub200",

@@ -34,11 +34,13 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
+from dmlkit.data.imaging import HIGH_DEPTH_MODES, full_depth, to_8bit, upright_8bit, upright_image
 from dmlkit.data.skipped import SkippedImagesWarning
 from dmlkit.exceptions import DataError, ShapeError
 from dmlkit.utils import path_bytes, portable_path
 
-__all__ = ["HIGH_DEPTH_MODES", "ArrayDataset", "ImageFileDataset", "MetricDataset", "load_image", "to_8bit"]
+__all__ = ["HIGH_DEPTH_MODES", "ArrayDataset", "ImageFileDataset", "MetricDataset", "load_image", "to_8bit",
+           "upright_8bit", "upright_image"]
 
 Transform = Callable[[Any], Any]
 
@@ -336,8 +338,9 @@ class ArrayDataset(MetricDataset):
             raise DataError("a feature dataset has no images to show; use the image dataset")
         if arr.dtype == np.uint16:  # 16-bit images: scale the full range, never clip
             arr = np.rint(arr / 257.0).astype(np.uint8)
-        elif arr.dtype != np.uint8:
-            arr = np.clip(arr * 255.0, 0, 255).astype(np.uint8)
+        elif arr.dtype != np.uint8:  # rounded, as to_8bit rounds a float image file (truncation
+            # put 504 of 1024 random pixels one level low)
+            arr = np.rint(np.clip(arr * 255.0, 0, 255)).astype(np.uint8)
         if arr.ndim == 3 and arr.shape[2] == 1:
             arr = arr[:, :, 0]
         return Image.fromarray(arr)
@@ -369,84 +372,22 @@ class ArrayDataset(MetricDataset):
 
 
 # -- image files -----------------------------------------------------------------------------
-#: PIL modes with more than 8 bits per sample; ``Image.convert("L"/"RGB")`` *clips* them
-#: (a 16-bit PNG becomes almost solid white, a float image in [0, 1] black).
-HIGH_DEPTH_MODES = ("I;16", "I;16L", "I;16B", "I;16N", "I", "F")
-#: Fewer 8-bit grey levels than this from a non-constant source counts as "blank".
-_MIN_LEVELS = 4
-
-
-def to_8bit(img: Any, source: str | os.PathLike | None = None):
-    """A high-bit-depth PIL image (:data:`HIGH_DEPTH_MODES`) as 8-bit ``"L"``, by *scaling*.
-
-    Integer modes (16-bit PNG/TIFF: ``I;16``; ``I``) must hold values in ``[0, 65535]`` and are
-    scaled by ``255 / 65535`` (the full 16-bit range maps to the full 8-bit range, as OpenCV
-    and torchvision's ``decode_png`` do); float images (``F``) must lie in ``[0, 1]`` and are
-    scaled by 255. Other modes are returned unchanged. Raises :class:`DataError` (never returns
-    a blank image) when values fall outside that range, or when a non-constant image would keep
-    fewer than 4 grey levels (e.g. a 16-bit file using only values 0..700).
-    """
-    from PIL import Image
-
-    mode = getattr(img, "mode", None)
-    if not isinstance(mode, str) or not (mode in HIGH_DEPTH_MODES or mode.startswith("I;")):
-        return img
-    name = f"image {source}" if source is not None else "the image"
-    arr = np.asarray(img)
-    if arr.dtype.kind == "f":
-        lo, hi, top = float(np.nanmin(arr)), float(np.nanmax(arr)), 1.0
-        if not np.isfinite(arr).all() or lo < 0.0 or hi > 1.0:
-            raise DataError(f"{name} is a float image (mode F) with values outside [0, 1] (or NaN): "
-                            "rescale it to [0, 1] or save it as 8- or 16-bit")
-    else:
-        lo, hi, top = int(arr.min()), int(arr.max()), 65535.0
-        if lo < 0 or hi > 65535:
-            raise DataError(f"{name} ({img.mode}) holds values {lo}..{hi} outside the 16-bit range "
-                            "0..65535: rescale it or save it as an 8- or 16-bit image")
-    out = np.rint(arr.astype(np.float64) * (255.0 / top)).astype(np.uint8)
-    if hi > lo and int(out.max()) - int(out.min()) < _MIN_LEVELS:
-        raise DataError(
-            f"{name} ({img.mode}) uses only values {lo:g}..{hi:g} of 0..{top:g}: scaled to 8 bits it "
-            "would be blank; stretch it to the full range (or convert it to 8-bit) before training"
-        )
-    return Image.fromarray(out, mode="L")
-
-
-#: The EXIF tag of the camera's orientation (1 = as stored).
-_EXIF_ORIENTATION = 0x0112
-
-
-def upright_image(img: Any):
-    """``img`` turned as its EXIF orientation says (a phone photo is stored sideways with a tag
-    that every viewer applies); the image itself when it has no such tag (no copy)."""
-    from PIL import ImageOps
-
-    try:
-        orientation = img.getexif().get(_EXIF_ORIENTATION, 1)
-    except (OSError, ValueError, SyntaxError):  # a damaged EXIF block: the pixels as stored
-        return img
-    return img if orientation in (0, 1) else ImageOps.exif_transpose(img)
-
-
-def upright_8bit(img: Any, source: str | os.PathLike | None = None):
-    """``img`` as every reader here takes it: turned upright (:func:`upright_image`) and scaled to
-    8 bits (:func:`to_8bit`); the image itself when neither applies."""
-    return to_8bit(upright_image(img), source)
-
-
 def load_image(path: str | os.PathLike, mode: str | None = "RGB"):
     """Open an image with PIL, fully decoded, converted to ``mode`` (``None``: keep).
 
     Turned upright by its EXIF orientation (:func:`upright_image`); 16-bit and float images
-    are scaled to 8 bits first (:func:`to_8bit`), never clipped. Raises :class:`DataError` naming the file when it is missing, truncated or not an image.
+    are scaled to 8 bits first, never clipped (:func:`to_8bit`; multi-channel 16-bit files are
+    decoded at full depth, :func:`~dmlkit.data.imaging.full_depth`). Alpha is dropped, not
+    composited. Raises :class:`DataError` naming the file when it is missing, truncated, not an
+    image, beyond PIL's decompression-bomb limit (``Image.MAX_IMAGE_PIXELS`` x 2) or would be
+    blank at 8 bits.
     """
     from PIL import Image, UnidentifiedImageError
 
     try:
         with Image.open(path) as img:
-            img.load()
-            out = upright_8bit(img, path)
-            if out is img:  # neither turned nor rescaled: detached from the file
+            out = upright_8bit(full_depth(img, path), path)
+            if out is img:  # neither decoded anew, turned nor rescaled: detached from the file
                 out = img.convert(mode) if mode is not None and img.mode != mode else img.copy()
             elif mode is not None and out.mode != mode:
                 out = out.convert(mode)

@@ -24,7 +24,7 @@ standardised with ``mean = std = 0.5`` (so values lie in ``[-1, 1]``).
 ``none`` returns ``None``: the dataset's default tensor conversion.
 
 All presets accept PIL images of any mode (converted to RGB or L first; 16-bit and float
-images are scaled to 8 bits by :func:`dmlkit.data.base.to_8bit`, not clipped) and have a stable
+images are scaled to 8 bits by :func:`dmlkit.data.imaging.to_8bit`, not clipped) and have a stable
 ``repr`` used by the feature cache.
 """
 
@@ -32,7 +32,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from dmlkit.data.base import to_8bit
+from dmlkit.data.imaging import to_8bit
 from dmlkit.exceptions import ConfigError
 
 __all__ = ["IMAGENET_MEAN", "IMAGENET_STD", "MAX_ASPECT", "PRESETS", "ToMode", "get_transforms"]

@@ -224,7 +224,7 @@ def create_app(config: ServiceConfig, *, index: Any = None, embedder: Any = None
     root = config.data_root or idx.info.get("data_root")
     root_path = Path(root).resolve() if root else None
     if embedder is not None and idx.dim and root_path is not None:
-        check_model_embeds_index(idx, embedder, root_path)
+        check_model_embeds_index(idx, embedder, root_path, max_pixels=config.max_image_pixels)
     metrics = _Metrics()
     max_k = int(config.max_k)
     default_k = min(10, max_k)  # a request without k: 10 exceeded a max_k below 10 (every one a 422)
@@ -320,7 +320,12 @@ def create_app(config: ServiceConfig, *, index: Any = None, embedder: Any = None
         return {"results": rows, "k": k, "took_ms": (time.perf_counter() - t0) * 1000}
 
     async def read_image(upload: UploadFile) -> Any:
+        """The upload decoded as the datasets decode their files (:func:`dmlkit.data.decode_8bit`:
+        16-bit colour at full depth, EXIF orientation, 16-bit/float scaled), its errors naming
+        the upload's file name (they said ``image #0``)."""
         from PIL import Image, UnidentifiedImageError
+
+        from dmlkit.data import decode_8bit  # lazy: imaging loads when an image is queried
 
         data = await upload.read()
         if not data:
@@ -331,8 +336,7 @@ def create_app(config: ServiceConfig, *, index: Any = None, embedder: Any = None
                 if w * h > config.max_image_pixels:
                     raise HTTPException(413, f"the image has {w}x{h} pixels, more than the limit of "
                                              f"{config.max_image_pixels}: send a smaller image")
-                img.load()
-                return img.copy()
+                return decode_8bit(img, upload.filename or "(the upload)")
         except HTTPException:
             raise
         except Image.DecompressionBombError as exc:  # PIL refuses to open beyond twice its own limit
@@ -432,6 +436,9 @@ def create_app(config: ServiceConfig, *, index: Any = None, embedder: Any = None
 
         try:
             with Image.open(path) as img:
+                w, h = img.size
+                if w * h > config.max_image_pixels:  # an upload's limit: decoding it ties up the server
+                    raise DataError(f"it has {w}x{h} pixels, more than the limit of {config.max_image_pixels}")
                 img = upright_8bit(img, path).convert("RGB")
                 img.thumbnail((config.thumbnail_size, config.thumbnail_size))
                 buf = io.BytesIO()
