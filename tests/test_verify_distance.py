@@ -80,36 +80,60 @@ def test_the_cli_records_the_raw_distance_and_says_what_euclidean_is(tmp_path, r
     assert code == 0 and "L2-normalised" in " ".join(out.split()) and "raw-euclidean" in out
 
 
-def test_serve_judges_a_raw_euclidean_threshold_on_the_raw_distance(tmp_path):
+class _MeanColour:
+    """A stand-in model: an image's raw mean colour (its brightness is in the norm)."""
+
+    mode = "RGB"
+    reference_size = (8, 8)
+
+    def __call__(self, images):
+        return np.stack([np.asarray(im.convert("RGB"), np.float32).reshape(-1, 3).mean(0) for im in images])
+
+
+def _verify_client(tmp_path, index_normalize: bool = True, **config):
     pytest.importorskip("fastapi")
     pytest.importorskip("httpx")
     from fastapi.testclient import TestClient
-    from PIL import Image
 
     from dmlkit.apps import EmbeddingIndex
     from dmlkit.apps.service import ServiceConfig, create_app
 
-    class MeanColour:
-        """A stand-in model: an image's raw mean colour (its brightness is in the norm)."""
-
-        mode = "RGB"
-        reference_size = (8, 8)
-
-        def __call__(self, images):
-            return np.stack([np.asarray(im.convert("RGB"), np.float32).reshape(-1, 3).mean(0) for im in images])
-
-    (tmp_path / "v.json").write_text(json.dumps({"threshold": -50.0, "distance": "raw-euclidean"}))
-    idx = EmbeddingIndex(np.eye(3, dtype=np.float32), ids=["a", "b", "c"])
+    idx = EmbeddingIndex(np.eye(3, dtype=np.float32), ids=["a", "b", "c"], distance="euclidean",
+                         normalize=index_normalize)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the start-up model check has no files to compare here
-        client = TestClient(create_app(ServiceConfig(index="unused", verification=tmp_path / "v.json"),
-                                       index=idx, embedder=MeanColour()))
+        return TestClient(create_app(ServiceConfig(index="unused", **config), index=idx, embedder=_MeanColour()))
+
+
+def _two_uploads(tmp_path):
+    from PIL import Image
+
     files = {}
     for name, colour in (("image1", (200, 30, 30)), ("image2", (100, 15, 15))):  # one direction, two norms
         path = tmp_path / f"{name}.png"
         Image.new("RGB", (8, 8), colour).save(path)
         files[name] = (path.name, path.read_bytes(), "image/png")
-    r = client.post("/api/verify", files=files)
+    return files
+
+
+@pytest.mark.parametrize("normalize, distance", [(False, "raw-euclidean"), (True, "euclidean")])
+def test_serve_threshold_alone_scores_pairs_as_the_index_compares_them(tmp_path, normalize, distance):
+    """``--threshold T`` without a verification file takes the index's distance: an index of raw
+    embeddings scored the pair on normalised rows (score 0 for this pair, "same")."""
+    client = _verify_client(tmp_path, index_normalize=normalize, threshold=-50.0)
+    r = client.post("/api/verify", files=_two_uploads(tmp_path))
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["distance"] == distance
+    want = -np.linalg.norm([100, 15, 15]) if not normalize else 0.0
+    assert body["score"] == pytest.approx(want, rel=1e-5, abs=1e-6)
+    assert body["same"] is (normalize is True)
+
+
+def test_serve_judges_a_raw_euclidean_threshold_on_the_raw_distance(tmp_path):
+    (tmp_path / "v.json").write_text(json.dumps({"threshold": -50.0, "distance": "raw-euclidean"}))
+    client = _verify_client(tmp_path, verification=tmp_path / "v.json")
+    r = client.post("/api/verify", files=_two_uploads(tmp_path))
     assert r.status_code == 200, r.text
     body = r.json()
     assert body["distance"] == "raw-euclidean"

@@ -158,6 +158,16 @@ class _BodyLimit:
         await self.app(scope, replay, send)
 
 
+def _index_verify_distance(idx: Any) -> str:
+    """The :data:`~dmlkit.apps.verification.VERIFY_DISTANCES` name that scores pairs as the
+    index compares them, for ``--threshold`` given alone: an index of raw (unnormalised)
+    ``euclidean``/``dot`` embeddings is ``raw-euclidean``/``raw-dot`` (its bare name would score
+    the pair on normalised rows, another scale than the one the threshold was chosen on)."""
+    if idx.distance != "cosine" and not idx.normalize:
+        return f"raw-{idx.distance}"
+    return str(idx.distance)
+
+
 def _load_threshold(config: ServiceConfig, info: dict[str, Any]) -> tuple[float | None, str | None]:
     """``(threshold, its distance)`` of ``--threshold`` or ``--verification`` (``None``s without);
     a verification file must name its distance, and its recorded source (``dmlkit verify
@@ -220,7 +230,7 @@ def create_app(config: ServiceConfig, *, index: Any = None, embedder: Any = None
             raise ConfigError(f"the model gives {probe_dim}-d embeddings but the index "
                               f"holds {idx.dim}-d ones: serve the model the index was built with")
     threshold, verify_distance = _load_threshold(config, idx.info)
-    verify_distance = verify_distance or idx.distance
+    verify_distance = verify_distance or _index_verify_distance(idx)
     root = config.data_root or idx.info.get("data_root")
     root_path = Path(root).resolve() if root else None
     if embedder is not None and idx.dim and root_path is not None:
