@@ -1,0 +1,162 @@
+"""The bench protocol against "A Metric Learning Reality Check" (seed 000): the triplet margin.
+
+The triplet method of every bench preset paired the searched ``loss.margin`` with a miner that
+keeps only the triplets inside its *own* fixed margin (``batch_all`` 0.1 in the paper-scale
+presets, ``semi_hard`` 0.2 in bench_quick and the reproduction). Past the miner's reach every
+mined triplet is inside the hinge, so different margins trained bit-identical models and most
+of the search range was flat. The seed's triplet row has no miner; the presets now have none,
+and the bench preflight warns about the combination.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from _reference import grey_image_folder
+from dmlkit.protocol import Bench, bench_config_from_dict, load_bench_config
+from dmlkit.training.builders import build_loss, build_miner
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+REPO = Path(__file__).resolve().parents[1]
+PRESETS = [REPO / "configs" / f"bench_{n}.yaml" for n in ("cub200", "cars196", "sop", "quick")] + [
+    REPO / "benchmarks" / "reproduction" / f"{n}.yaml" for n in ("omniglot", "alphadigits")]
+OLD_BATCH_ALL = "{name: batch_all, params: {margin: 0.1}}"  # the paper-scale presets' miner
+OLD_SEMI_HARD = "{name: semi_hard}"                           # bench_quick's and the reproduction's
+
+
+def _bench(method: dict, **protocol) -> dict:
+    return {"name": "t", "fixed": {"data": {"dataset": "omniglot"}, "model": {"embedding_size": 8}},
+            "protocol": {"seeds": [0], "trials": 2, **protocol}, "methods": [method]}
+
+
+TRIPLET = {"name": "triplet", "loss": {"name": "triplet"},
+           "search": {"loss.margin": {"low": 0.0, "high": 1.0}}}
+
+
+def _tiny_bench(root: Path, method: dict, **protocol) -> dict:
+    return {
+        "name": "seeds",
+        "fixed": {"data": {"dataset": "image_folder", "root": str(root), "transform": "grayscale",
+                           "image_size": 8},
+                  "model": {"trunk": "small_cnn", "trunk_options": {"widths": [4, 8]}, "pretrained": False,
+                            "in_channels": 1, "embedding_size": 8, "freeze_batchnorm": False},
+                  "sampler": {"classes_per_batch": 2, "samples_per_class": 2, "batches_per_epoch": 1},
+                  "optimizer": {"preset": "cpu_quick"}, "training": {"epochs": 1, "device": "cpu"}},
+        "protocol": {"folds": 2, "seeds": [0, 1], "trials": 1, "n_startup_trials": 1, **protocol},
+        "methods": [method],
+    }
+
+
+# -- 1. the triplet margin and a margin miner ------------------------------------------------------
+@pytest.mark.parametrize(("miner", "reach"), [
+    ({"name": "batch_all", "params": {"margin": 0.1}}, "0.447"),  # sqrt(2 * 0.1): cosine vs Euclidean
+    ({"name": "semi_hard"}, "0.632"),                               # its default margin 0.2
+    ({"name": "semi_hard", "params": {"distance": "euclidean", "margin": 0.3}}, "0.3"),
+])
+def test_a_searched_triplet_margin_with_a_margin_miner_warns_in_one_line(miner, reach):
+    from dmlkit.protocol.preflight import inert_margin_problems
+
+    cfg = bench_config_from_dict(_bench({**TRIPLET, "miner": miner}))
+    (problem,) = inert_margin_problems(cfg, cfg.methods[0], 0)
+    line = problem.line()
+    assert problem.severity == "warning" and "\n" not in line
+    assert line.startswith("methods.0.miner: method 'triplet' searches loss.margin over 0.0-1.0")
+    assert f"its miner {miner['name']}" in line and f"above {reach} " in line and "remove the miner" in line
+
+
+@pytest.mark.parametrize("change", [
+    {"miner": None},                                                      # the seed's triplet
+    {"miner": {"name": "batch_hard"}},                                   # no margin of its own
+    {"miner": {"name": "batch_all", "params": {"nonzero": False}}},      # keeps every triplet
+    {"miner": {"name": "semi_hard"}, "loss": {"name": "triplet", "params": {"soft_margin": True}}},
+    {"miner": {"name": "semi_hard"}, "search": {}},                      # the margin is not searched
+])
+def test_no_warning_where_the_loss_margin_stays_live(change):
+    from dmlkit.protocol.preflight import inert_margin_problems
+
+    cfg = bench_config_from_dict(_bench({**TRIPLET, **change}))
+    assert inert_margin_problems(cfg, cfg.methods[0], 0) == []
+
+
+def test_the_bench_preflight_reports_the_warning(tmp_path):
+    """``check_bench`` (what ``dmlkit bench`` runs before the first trial) lists it among its
+    warnings; the config still runs (nothing refused)."""
+    from dmlkit.protocol.preflight import check_bench
+
+    cfg = bench_config_from_dict(_tiny_bench(grey_image_folder(tmp_path / "data"),
+                                             {**TRIPLET, "miner": {"name": "semi_hard"}}))
+    report = check_bench(cfg, Bench(cfg, tmp_path / "b").full_dataset())
+    assert not report.errors
+    assert [p.key for p in report.warnings] == ["methods.0.miner"]
+    assert "keeps only the triplets inside its own margin 0.2" in report.warnings[0].line()
+
+
+@pytest.mark.parametrize("path", PRESETS, ids=lambda p: p.stem)
+def test_the_shipped_presets_do_not_warn(path):
+    from dmlkit.protocol.preflight import inert_margin_problems
+
+    cfg = load_bench_config(path)
+    assert [p.line() for i, m in enumerate(cfg.methods) for p in inert_margin_problems(cfg, m, i)] == []
+    assert cfg.method("triplet").miner is None  # the seed's triplet row has no miner
+
+
+def _triplet_gradients(cfg, margins) -> dict[float, torch.Tensor]:
+    """The gradient of the preset's triplet method (loss and miner as built for training) on one
+    fixed batch of 8 classes x 4, clustered 32-d unit embeddings, for each loss margin."""
+    g = torch.Generator().manual_seed(0)
+    labels = torch.arange(8).repeat_interleave(4)
+    centres = torch.randn(8, 32, generator=g)
+    emb = torch.nn.functional.normalize((centres[labels] + torch.randn(32, 32, generator=g)) / math.sqrt(32), dim=1)
+    method = cfg.method("triplet")
+    grads = {}
+    for margin in margins:
+        e = cfg.experiment(method, {"loss.margin": margin})
+        miner = build_miner(e)
+        loss = build_loss(e, 8, 32, miner=miner)
+        x = emb.clone().requires_grad_(True)
+        if miner is None:
+            loss(x, labels).backward()
+        else:
+            loss(x, labels, miner(x, labels)).backward()
+        grads[margin] = x.grad
+    return grads
+
+
+def test_without_the_miner_the_triplet_margin_changes_the_gradient():
+    """The search of loss.margin is live: margins 0.5, 0.7 and 1.0 give three different
+    gradients on the same batch (the shipped preset, no miner) ..."""
+    cfg = load_bench_config(REPO / "configs" / "bench_cub200.yaml")
+    grads = _triplet_gradients(cfg, (0.5, 0.7, 1.0))
+    assert not torch.equal(grads[0.5], grads[0.7]) and not torch.equal(grads[0.7], grads[1.0])
+    assert (grads[0.5] - grads[1.0]).norm() > 0.01 * grads[1.0].norm()  # not a rounding difference
+
+
+@pytest.mark.parametrize("miner", [OLD_BATCH_ALL, OLD_SEMI_HARD])
+def test_with_the_old_miners_the_triplet_margin_changed_nothing(miner):
+    """... while with the miner the presets had, the same margins gave bit-identical, non-zero
+    gradients: every mined triplet was inside the hinge, so the trials trained the same model."""
+    cfg = load_bench_config(REPO / "configs" / "bench_cub200.yaml", [f"methods.1.miner={miner}"])
+    grads = _triplet_gradients(cfg, (0.7, 1.0))
+    assert torch.equal(grads[0.7], grads[1.0]) and grads[1.0].norm() > 0
+
+
+@pytest.mark.parametrize("miner", ["batch_all", "semi_hard"])
+def test_no_mined_triplet_is_beyond_the_reach_the_warning_states(miner):
+    """The reach ``sqrt(2 mu)`` (cosine miner, Euclidean loss): the largest ``d_an - d_ap`` of a
+    mined triplet stays below it on batches from tight to loose clusters."""
+    from dmlkit.miners import get_miner
+
+    g = torch.Generator().manual_seed(1)
+    labels = torch.arange(8).repeat_interleave(4)
+    for spread in (0.05, 0.3, 1.0, 3.0):
+        centres = torch.randn(8, 16, generator=g)
+        emb = torch.nn.functional.normalize(centres[labels] + spread * torch.randn(32, 16, generator=g), dim=1)
+        a, p, n = get_miner(miner, margin=0.1)(emb, labels)
+        d = torch.cdist(emb.double(), emb.double())
+        if a.numel():
+            assert float((d[a, n] - d[a, p]).max()) < math.sqrt(2 * 0.1)
