@@ -1,23 +1,33 @@
-"""The bench protocol against "A Metric Learning Reality Check" (seed 000): the triplet margin.
+"""Two ways the bench protocol quietly departed from "A Metric Learning Reality Check" (seed 000).
 
-The triplet method of every bench preset paired the searched ``loss.margin`` with a miner that
-keeps only the triplets inside its *own* fixed margin (``batch_all`` 0.1 in the paper-scale
-presets, ``semi_hard`` 0.2 in bench_quick and the reproduction). Past the miner's reach every
-mined triplet is inside the hinge, so different margins trained bit-identical models and most
-of the search range was flat. The seed's triplet row has no miner; the presets now have none,
-and the bench preflight warns about the combination.
+1. The triplet method of every bench preset paired the searched ``loss.margin`` with a miner
+   that keeps only the triplets inside its *own* fixed margin (``batch_all`` 0.1 in the
+   paper-scale presets, ``semi_hard`` 0.2 in bench_quick and the reproduction). Past the
+   miner's reach every mined triplet is inside the hinge, so different margins trained
+   bit-identical models and most of the search range was flat. The seed's triplet row has no
+   miner; the presets now have none, and the bench preflight warns about the combination.
+2. Final run (seed s, fold f) trained with ``1000 s + f`` and search fold f with
+   ``fixed.seed + f``: with ``fixed.seed: 0`` the final seed-0 models *were* the winning
+   trial's, bit for bit, so one of the seeds behind each CI was selected on validation. Final
+   runs now train with ``fixed.seed + folds (s + 1) + f``, disjoint from the search by
+   construction; a bench directory with final runs trained with the old seeds retrains them.
 """
 
 from __future__ import annotations
 
+import copy
 import math
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
+import yaml
 
 from _reference import grey_image_folder
+from dmlkit.config import dump_config
 from dmlkit.protocol import Bench, bench_config_from_dict, load_bench_config
+from dmlkit.protocol.stages import FinalStage, run_seed
 from dmlkit.training.builders import build_loss, build_miner
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -160,3 +170,99 @@ def test_no_mined_triplet_is_beyond_the_reach_the_warning_states(miner):
         d = torch.cdist(emb.double(), emb.double())
         if a.numel():
             assert float((d[a, n] - d[a, p]).max()) < math.sqrt(2 * 0.1)
+
+
+# -- 2. final-run seeds never repeat a search seed --------------------------------------------------
+@pytest.mark.parametrize("folds", [1, 2, 3, 4, 10])
+def test_search_and_final_training_seeds_never_coincide(folds):
+    """For every fixed.seed, number of folds and list of seeds tried, the training seeds of the
+    search (every trial trains fold f with the same seed) and of the final runs are disjoint,
+    and no two final runs share one. (With the old ``1000 s + f``, fixed.seed 0 gave final
+    seed 0 the search's seeds.)"""
+    split = {"split": "ratio_4_1_5"} if folds == 1 else {"folds": folds}
+    for fixed_seed in (0, 1, 2, 3, 4, 5, 7, 999, 1000, 1001, 4000, 2**20, 2**31):
+        for seeds in ([0, 1, 2, 3, 4], [0], [1, 3], [7, 1000, 12345], list(range(20))):
+            data = _bench(TRIPLET, seeds=seeds, **split)
+            data["fixed"]["seed"] = fixed_seed
+            cfg = bench_config_from_dict(data)
+            search = {cfg.search_seed(f) for f in range(folds)}
+            final = [run_seed(cfg, s, f) for s in seeds for f in range(folds)]
+            assert len(search) == folds and len(set(final)) == len(final)
+            assert not search & set(final), (fixed_seed, folds, seeds)
+            assert final == [fixed_seed + folds * (s + 1) + f for s in seeds for f in range(folds)]
+
+
+class Said:
+    """A console that keeps what the bench prints."""
+
+    def __init__(self) -> None:
+        self.lines: list[str] = []
+
+    def print(self, message: str) -> None:
+        from rich.text import Text
+
+        self.lines.append(Text.from_markup(str(message)).plain)
+
+    @property
+    def text(self) -> str:
+        return "\n".join(self.lines)
+
+
+def test_final_runs_and_pretrained_row_made_with_the_old_seeds_are_stale(tmp_path):
+    """A bench directory whose final runs (and pretrained row) an earlier dmlkit made with seed
+    ``1000 s + f``: its runs are reported as trained with other settings, never mixed with
+    new-seed runs; the final stage trains them again, and embeds the pretrained row again, with
+    the new seeds, which the pretrained row and the trained runs share."""
+    cfg = bench_config_from_dict(_tiny_bench(grey_image_folder(tmp_path / "data"), {**TRIPLET, "search": {}}))
+    trained: list[tuple[str, int]] = []
+
+    def fake_train(config, run_dir, **_):
+        trained.append(("/".join(run_dir.parts[-2:]), config.seed))
+        run_dir.mkdir(parents=True, exist_ok=True)
+        dump_config(config, run_dir / "config.yaml")
+        (run_dir / "metrics.json").write_text("{}")
+        (run_dir / "embeddings").mkdir(exist_ok=True)
+        (run_dir / "embeddings" / "test.npz").write_bytes(b"")
+
+    bench = Bench(cfg, tmp_path / "b", train_fn=fake_train)
+    full = bench.full_dataset()
+    said = Said()
+    stage = FinalStage(cfg, bench.split(full), full, bench.dir, train_fn=fake_train, console=said)
+    method = cfg.methods[0]
+    # what the earlier dmlkit left: every final run finished, with seed 1000 s + f
+    for s in (0, 1):
+        for f in (0, 1):
+            fake_train(cfg.experiment(method, {}, seed=1000 * s + f), bench.dir / "final" / "triplet" / f"seed{s}" / f"fold{f}")
+    old_pretrained = stage.run_pretrained()
+    for run in old_pretrained:
+        saved = yaml.safe_load((run.run_dir / "config.yaml").read_text())
+        saved["seed"] = 1000 * run.seed + run.fold
+        (run.run_dir / "config.yaml").write_text(yaml.safe_dump(saved))
+        np.savez(run.embeddings, stale=np.zeros(1))  # not what the new seed embeds
+    trained.clear()
+
+    assert stage.current_runs(method, {}) == "seed 0 fold 0 was trained with other settings (seed (0 -> 2))"
+    runs = stage.run_method(method, {})
+    assert trained == [("seed0/fold0", 2), ("seed0/fold1", 3), ("seed1/fold0", 4), ("seed1/fold1", 5)]
+    assert "final triplet: seed 1 fold 1 was trained with other settings (seed (1001 -> 5)): training it " \
+        "again" in said.text
+    assert isinstance(stage.current_runs(method, {}), list) and len(runs) == 4
+
+    pretrained = stage.run_pretrained()
+    assert "pretrained: seed 0 fold 1 was embedded with other settings (seed (1 -> 3)): embedding it " \
+        "again" in said.text
+    seeds = [yaml.safe_load((r.run_dir / "config.yaml").read_text())["seed"] for r in pretrained]
+    assert seeds == [2, 3, 4, 5]  # the trained runs' seeds
+    fresh = FinalStage(cfg, bench.split(full), full, tmp_path / "fresh").run_pretrained()
+    for again, new in zip(pretrained, fresh, strict=True):
+        with np.load(again.embeddings) as a, np.load(new.embeddings) as b:
+            assert "stale" not in a.files and np.array_equal(a["embeddings"], b["embeddings"])
+
+
+def test_the_final_seeds_depend_on_fixed_seed_and_folds_only():
+    """The formula depends on fixed.seed and protocol.folds only (not on the method)."""
+    data = _bench(TRIPLET, seeds=[0, 3], folds=4)
+    data["fixed"]["seed"] = 10
+    cfg = bench_config_from_dict(data)
+    other = bench_config_from_dict({**copy.deepcopy(data), "methods": [{"name": "c", "loss": {"name": "contrastive"}}]})
+    assert [run_seed(cfg, 3, f) for f in range(4)] == [run_seed(other, 3, f) for f in range(4)] == [26, 27, 28, 29]
