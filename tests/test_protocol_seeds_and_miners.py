@@ -266,3 +266,21 @@ def test_the_final_seeds_depend_on_fixed_seed_and_folds_only():
     cfg = bench_config_from_dict(data)
     other = bench_config_from_dict({**copy.deepcopy(data), "methods": [{"name": "c", "loss": {"name": "contrastive"}}]})
     assert [run_seed(cfg, 3, f) for f in range(4)] == [run_seed(other, 3, f) for f in range(4)] == [26, 27, 28, 29]
+
+
+# -- 3. the presets search the learning rate of a loss's own weights -----------------------------
+@pytest.mark.parametrize("path", PRESETS, ids=lambda p: p.stem)
+def test_every_preset_searches_the_lr_of_a_loss_with_its_own_weights(path):
+    """The seed leaves the lr of a loss's own weights (ArcFace, ...) "as a hyperparameter to be
+    optimized"; bench_quick kept it at its Adam 1e-3 for normalized_softmax, arcface and
+    proxy_anchor. Every method whose loss has trainable weights searches optimizer.loss_lr,
+    and no other method does."""
+    cfg = load_bench_config(path)
+    wrong = []
+    for method in cfg.methods:
+        e = cfg.experiment(method)
+        loss = build_loss(e, 10, cfg.fixed.model.embedding_size, miner=build_miner(e))
+        owns = any(p.requires_grad for p in loss.parameters())
+        if owns != ("optimizer.loss_lr" in method.search):
+            wrong.append(method.name)
+    assert wrong == []
