@@ -104,6 +104,25 @@ def test_the_bench_preflight_reports_the_warning(tmp_path):
     assert not report.errors
     assert [p.key for p in report.warnings] == ["methods.0.miner"]
     assert "keeps only the triplets inside its own margin 0.2" in report.warnings[0].line()
+    # said beside the errors of a config that does not fit (in the error's "also (warnings)")
+    data = _tiny_bench(tmp_path / "data", {**TRIPLET, "miner": {"name": "semi_hard"}})
+    data["fixed"]["sampler"]["classes_per_batch"] = 20
+    cfg = bench_config_from_dict(data)
+    report = check_bench(cfg, Bench(cfg, tmp_path / "b").full_dataset())
+    assert [p.key for p in report.errors] == ["fixed.sampler.classes_per_batch"]
+    assert "also (warnings): methods.0.miner: method 'triplet'" in report.message()
+
+
+def test_a_bench_without_a_console_says_it_as_a_python_warning(tmp_path):
+    """``dmlkit bench --quiet`` and ``Bench(...)`` from Python have no console: the preflight's
+    warnings come as :class:`PreflightWarning` (one line each) instead of not at all."""
+    from dmlkit.training.problems import PreflightWarning
+
+    cfg = bench_config_from_dict(_tiny_bench(grey_image_folder(tmp_path / "data"),
+                                             {**TRIPLET, "miner": {"name": "batch_all", "params": {"margin": 0.1}}}))
+    with pytest.warns(PreflightWarning, match=r"^methods\.0\.miner: method 'triplet' searches loss\.margin"):
+        Bench(cfg, tmp_path / "b").validate()
+    assert not (tmp_path / "b").exists()
 
 
 @pytest.mark.parametrize("path", PRESETS, ids=lambda p: p.stem)

@@ -165,8 +165,7 @@ def check_bench(config: BenchConfig, dataset: Any, *, root: str | Path | None = 
                                 miner_key=f"methods.{i}.miner", dataset=dataset)
         if not found:  # the fixed settings build: now the searched ones, corners and samples
             found += _search_problems(config, method, i, worst.num_classes)
-        if not found:
-            found += inert_margin_problems(config, method, i)
+        found += inert_margin_problems(config, method, i)  # whatever else is found: said with it
         for prob in found:
             k = (prob.key, prob.message, prob.fit if prob.has_fit else None)
             by_key.setdefault(k, []).append(method.name)
