@@ -294,8 +294,8 @@ def test_a_bench_method_parameter_must_be_finite():
     from dmlkit.protocol.config import load_bench_config
 
     path = Path(__file__).resolve().parents[1] / "configs" / "bench_quick.yaml"
-    with pytest.raises(ConfigError, match="miner.params.margin must be a finite number, got nan"):
-        load_bench_config(path, ["methods.1.miner.params.margin=.nan"])
+    with pytest.raises(ConfigError, match="miner.params.epsilon must be a finite number, got nan"):
+        load_bench_config(path, ["methods.2.miner.params.epsilon=.nan"])  # ms+miner
 
 
 def test_a_search_range_must_be_finite():

@@ -292,7 +292,8 @@ def test_a_pruned_trial_uses_up_its_slot_and_the_study_ends(tmp_path):
 # -- 8. training seeds the protocol derives stay in numpy's range -------------------------------
 @pytest.mark.parametrize(("fixed_seed", "seeds", "key"), [
     (2**32 - 1, [0], "fixed.seed"),         # the search's fold 1 trains with seed 2**32
-    (0, [2**32 - 1], "protocol.seeds"),    # the final runs train with 1000 * seed + fold
+    (0, [2**32 - 1], "protocol.seeds"),    # the final runs train with fixed.seed + 4 (s + 1) + f
+    (2**32 - 5, [0], "lower fixed.seed"),  # the search fits, final seed 0 does not
 ])
 def test_seeds_whose_run_seeds_overflow_are_refused_up_front(fixed_seed, seeds, key):
     """Accepted, they failed every search trial past fold 0, or the final stage after the whole
@@ -303,18 +304,23 @@ def test_seeds_whose_run_seeds_overflow_are_refused_up_front(fixed_seed, seeds, 
 
 
 def test_the_largest_accepted_seeds_give_run_seeds_training_accepts():
-    from dmlkit.protocol.config import RUN_SEED_STRIDE
     from dmlkit.protocol.stages import run_seed
 
-    assert run_seed(3, 2) == 3000 + 2 and RUN_SEED_STRIDE == 1000  # the stride the docs state
     folds = 4
-    top = (2**32 - 1 - (folds - 1)) // 1000
-    cfg = bench_config_from_dict({**_bench(seeds=[top]), "fixed": {**BASE["fixed"], "seed": 2**32 - folds}})
+    cfg = bench_config_from_dict({**_bench(seeds=[3]), "fixed": {**BASE["fixed"], "seed": 7}})
+    assert run_seed(cfg, 3, 2) == 7 + folds * (3 + 1) + 2  # the formula the docs state
+    assert [cfg.search_seed(f) for f in range(folds)] == [7, 8, 9, 10]
+    top = 2**32 // folds - 2  # fixed.seed 0: its last final seed is 2**32 - 1
+    cfg = bench_config_from_dict(_bench(seeds=[top]))
     method = cfg.methods[0]
-    cfg.experiment(method, seed=cfg.fixed.seed + folds - 1)  # the search's last fold
-    cfg.experiment(method, seed=run_seed(top, folds - 1))    # the final stage's last run
-    with pytest.raises(ConfigError, match=r"protocol\.seeds"):
+    cfg.experiment(method, seed=run_seed(cfg, top, folds - 1))  # the final stage's last run
+    assert run_seed(cfg, top, folds - 1) == 2**32 - 1
+    with pytest.raises(ConfigError, match=rf"protocol\.seeds .* use seeds up to {top}"):
         bench_config_from_dict(_bench(seeds=[top + 1]))
+    fixed = {**BASE["fixed"], "seed": 2**32 - 2 * folds}  # the largest fixed.seed with seed 0
+    cfg = bench_config_from_dict({**_bench(seeds=[0]), "fixed": fixed})
+    cfg.experiment(method, seed=cfg.search_seed(folds - 1))  # the search's last fold
+    cfg.experiment(method, seed=run_seed(cfg, 0, folds - 1))
 
 
 # -- 9. a resumed search reproduces the uninterrupted one ---------------------------------------

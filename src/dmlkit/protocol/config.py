@@ -67,7 +67,6 @@ __all__ = [
     "DATA_ROOT_FIX",
     "DEFAULT_METRICS",
     "METHOD_KEYS",
-    "RUN_SEED_STRIDE",
     "SEARCHABLE_OPTIMIZER_KEYS",
     "BenchConfig",
     "FixedSettings",
@@ -87,9 +86,6 @@ SEARCHABLE_OPTIMIZER_KEYS: frozenset[str] = frozenset({"loss_lr"})
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.+-]*$")
 #: A seed numpy accepts: 0 <= seed < 2**32 (a negative or larger one crashed mid-run).
 Seed = Annotated[int, Field(ge=0, lt=2**32, strict=True)]
-#: The final runs' training seed is ``RUN_SEED_STRIDE * seed + fold``
-#: (:func:`dmlkit.protocol.stages.run_seed`, which reads it here).
-RUN_SEED_STRIDE = 1000
 
 
 class _Strict(StrictNumbers):
@@ -423,21 +419,22 @@ class BenchConfig(_Strict):
 
     @model_validator(mode="after")
     def _run_seeds_fit(self) -> BenchConfig:
-        """Every training seed the protocol derives must be below ``2**32`` (numpy's range, as
-        the training config requires): the search trains fold ``f`` with ``fixed.seed + f`` and
-        the final runs with ``1000 * seed + f`` (:func:`dmlkit.protocol.stages.run_seed`), for
-        ``f < protocol.folds``. Accepted, a too large seed failed every search trial past fold 0,
-        or the final stage after the whole search."""
-        last = int(self.protocol.folds or 1) - 1
-        if self.fixed.seed + last >= 2**32:
+        """Every training seed the protocol derives (:meth:`search_seed`, :meth:`final_seed`)
+        must be below ``2**32`` (numpy's range, as the training config requires). Accepted, a
+        too large seed failed every search trial past fold 0, or the final stage after the
+        whole search."""
+        k, top = int(self.protocol.folds or 1), max(self.protocol.seeds or [0])
+        if self.search_seed(k - 1) >= 2**32:
             raise ValueError(f"fixed.seed = {self.fixed.seed}: the search trains fold f with seed "
-                             f"fixed.seed + f, up to {self.fixed.seed + last}, past numpy's 2**32 - 1; "
-                             f"use at most {2**32 - 1 - last}")
-        top = max(self.protocol.seeds or [0])
-        if RUN_SEED_STRIDE * top + last >= 2**32:
-            raise ValueError(f"protocol.seeds holds {top}: final run f of seed s trains with seed "
-                             f"{RUN_SEED_STRIDE} * s + f, past numpy's 2**32 - 1; use seeds up to "
-                             f"{(2**32 - 1 - last) // RUN_SEED_STRIDE}")
+                             f"fixed.seed + f, up to {self.search_seed(k - 1)}, past numpy's 2**32 - 1; "
+                             f"use at most {2**32 - k}")
+        last = self.final_seed(top, k - 1)
+        if last >= 2**32:
+            fits = (2**32 - self.fixed.seed) // k - 2
+            raise ValueError(
+                f"protocol.seeds holds {top}: final run f of seed s trains with seed fixed.seed + "
+                f"folds * (s + 1) + f, up to {last}, past numpy's 2**32 - 1; "
+                + (f"use seeds up to {fits}" if fits >= 0 else f"lower fixed.seed (at most {2**32 - 2 * k})"))
         return self
 
     @model_validator(mode="after")
@@ -457,6 +454,21 @@ class BenchConfig(_Strict):
         return self
 
     # -- derived -------------------------------------------------------------------------
+    def search_seed(self, fold: int) -> int:
+        """The training seed of fold ``fold`` in every search trial: ``fixed.seed + fold``."""
+        return self.fixed.seed + int(fold)
+
+    def final_seed(self, seed: int, fold: int) -> int:
+        """The training seed of final run ``fold`` of ``seed`` (one of ``protocol.seeds``), and of
+        the pretrained row's model of that fold and seed: ``fixed.seed + folds * (seed + 1) +
+        fold``. The seeds come in blocks of ``folds`` consecutive integers from ``fixed.seed``:
+        block 0 is the search's (:meth:`search_seed`), block ``seed + 1`` the final runs' of
+        ``seed``. So no final run trains with a search run's seed, whatever ``fixed.seed``,
+        ``folds`` and ``seeds`` are (an earlier dmlkit used ``1000 * seed + fold``: with
+        ``fixed.seed: 0`` the final runs of seed 0 were the winning trial's models, bit for
+        bit), and no two final runs share one."""
+        return self.fixed.seed + int(self.protocol.folds or 1) * (int(seed) + 1) + int(fold)
+
     def method(self, name: str) -> MethodConfig:
         for m in self.methods:
             if m.name == name:

@@ -17,7 +17,10 @@ each of its trials the same way:
   (:func:`~dmlkit.training.preflight.batch_problems`), with ``fixed.classification_sampler``
   for classification losses when it is set;
 * the loss and miner build at the corners of each method's search space and at
-  ``SEARCH_SAMPLES`` fixed random points of it (a refused point would be a FAIL trial).
+  ``SEARCH_SAMPLES`` fixed random points of it (a refused point would be a FAIL trial);
+* warning: a triplet loss's margin is searched while a miner keeps only the triplets inside its
+  own margin (:func:`inert_margin_problems`): past the miner's reach the loss margin changes
+  nothing, and those trials train the same model.
 
 When the folds do not fit, the later checks use the fitting number of folds, so the fixes
 work together.
@@ -26,6 +29,7 @@ work together.
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -33,11 +37,13 @@ from typing import Any
 import numpy as np
 
 from dmlkit.data.splits import default_split
+from dmlkit.distances import CosineSimilarity, LpDistance
 from dmlkit.exceptions import DmlkitError
 from dmlkit.losses import needs_pair_batches
-from dmlkit.protocol.config import BenchConfig
+from dmlkit.protocol.config import BenchConfig, MethodConfig
 from dmlkit.protocol.space import search_corners, search_samples
 from dmlkit.protocol.splits import BenchSplit, make_bench_split
+from dmlkit.training.builders import build_loss, build_miner
 from dmlkit.training.preflight import (
     DataSummary,
     Preflight,
@@ -49,7 +55,7 @@ from dmlkit.training.preflight import (
     loss_miner_problems,
 )
 
-__all__ = ["check_bench"]
+__all__ = ["check_bench", "inert_margin_problems"]
 
 
 def _make_split(config: BenchConfig, classes: list[int], dataset: Any, folds: int,
@@ -159,6 +165,7 @@ def check_bench(config: BenchConfig, dataset: Any, *, root: str | Path | None = 
                                 miner_key=f"methods.{i}.miner", dataset=dataset)
         if not found:  # the fixed settings build: now the searched ones, corners and samples
             found += _search_problems(config, method, i, worst.num_classes)
+        found += inert_margin_problems(config, method, i)  # whatever else is found: said with it
         for prob in found:
             k = (prob.key, prob.message, prob.fit if prob.has_fit else None)
             by_key.setdefault(k, []).append(method.name)
@@ -222,3 +229,69 @@ def _shown(params: dict[str, Any]) -> str:
     """``key=value, ...`` of searched ``params``, sorted by key."""
     return ", ".join(f"{k}={v!r}" for k, v in sorted(params.items()))
 
+
+#: Losses whose hinge is ``[d_ap - d_an + margin]_+`` on the triplets they are given: the loss
+#: name and its margin parameter (a soft margin, ``soft_margin: true``, has no hinge).
+TRIPLET_HINGE_MARGINS = {"triplet": "margin"}
+
+
+def inert_margin_problems(config: BenchConfig, method: MethodConfig, index: int) -> list[Problem]:
+    """A warning where ``method`` searches the margin of a triplet hinge loss
+    (:data:`TRIPLET_HINGE_MARGINS`) while its miner keeps only the triplets inside the miner's
+    own margin ``mu`` (``batch_all`` with ``nonzero``, ``semi_hard``, or any miner with a
+    ``margin``: pytorch-metric-learning's ``TripletMarginMiner`` is ``batch_all``).
+
+    Every mined triplet then has ``d_an - d_ap < R``, the miner's reach in the loss's distance
+    (:func:`_miner_reach`; ``semi_hard``'s fallback negatives are closer than the positive).
+    For a loss margin ``m >= R`` every mined triplet is inside the hinge, whose gradient
+    ``d(d_ap - d_an)`` does not depend on ``m``, and the reduction averages the same triplets:
+    the trials train bit-identical models, and the search of ``m`` is flat there (measured on
+    the shipped presets before the miner was removed: ``batch_all(margin=0.1)`` gave the same
+    gradient for m = 0.1 ... 1.0). On real batches few triplets reach ``R`` (a positive at
+    distance 0), so ``m`` goes flat well below it."""
+    param = TRIPLET_HINGE_MARGINS.get(method.loss.name)
+    searched = method.search.get(f"loss.{param}")
+    if searched is None or method.miner is None or method.loss.params.get("soft_margin") is True:
+        return []
+    mu_search = method.search.get("miner.margin")
+    try:
+        cfg = config.experiment(method, {} if mu_search is None else {"miner.margin": mu_search.high})
+        miner = build_miner(cfg)
+        loss = build_loss(cfg, 2, config.fixed.model.embedding_size, miner=miner)
+    except DmlkitError:  # reported by the other checks
+        return []
+    mu = getattr(miner, "margin", None)
+    if not isinstance(mu, int | float) or not getattr(miner, "nonzero", True):
+        return []
+    reach = _miner_reach(miner.distance, float(mu), getattr(loss, "distance", None))
+    above = (f"above {reach:.3g} (the miner's reach in the loss's distance; on real batches from well "
+             "below it)") if reach is not None else "beyond the miner's reach"
+    own = f"searched up to {mu}" if mu_search is not None else f"{mu}"
+    return [Problem(
+        f"methods.{index}.miner",
+        f"method {method.name!r} searches loss.{param} over {searched.low}-{searched.high}, but its miner "
+        f"{method.miner.name} keeps only the triplets inside its own margin {own} (in "
+        f"{type(miner.distance).__name__}), so any loss.{param} {above} finds every mined triplet "
+        "inside its hinge and trains the same model",
+        severity="warning",
+        hint=f"remove the miner (the triplet loss's default reduction batch_all_nonzero already "
+             f"averages only the triplets with a non-zero loss), or fix loss.{param} and search "
+             "miner.margin")]
+
+
+def _miner_reach(miner_distance: Any, mu: float, loss_distance: Any) -> float | None:
+    """The largest ``d_an - d_ap`` (in ``loss_distance``) of a triplet that a miner keeping
+    ``farness(a, n) - farness(a, p) < mu`` in ``miner_distance`` can return, or ``None`` where
+    it is not worked out here. The same distance: ``mu``. Cosine similarity (the miners'
+    default) against the Euclidean distance of normalised embeddings (the triplet loss's):
+    with ``d = sqrt(2 - 2 s)``, ``sqrt(2 - 2 s_an) - sqrt(2 - 2 s_ap)`` under
+    ``s_ap - s_an < mu`` is largest at ``s_ap = 1``: ``sqrt(2 mu)`` (at most 2, the diameter)."""
+    if loss_distance is None:
+        return None
+    if repr(miner_distance) == repr(loss_distance):
+        return mu
+    euclidean = (isinstance(loss_distance, LpDistance) and loss_distance.p == 2 and loss_distance.power == 1
+                 and loss_distance.normalize_embeddings)
+    if isinstance(miner_distance, CosineSimilarity) and euclidean:
+        return min(math.sqrt(2 * max(mu, 0.0)), 2.0)
+    return None

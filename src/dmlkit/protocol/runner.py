@@ -257,6 +257,8 @@ class Bench:
         report.raise_errors()
         for problem in report.warnings:
             _say(self.console, f"[yellow]warning:[/] {problem.line()}")
+        if self.console is None:  # --quiet, and Python: each as a PreflightWarning (one line)
+            report.emit_warnings()
         return report
 
     # -- search -----------------------------------------------------------------------------

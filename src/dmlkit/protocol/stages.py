@@ -31,12 +31,7 @@ from dmlkit.embeddings import dataset_items, embed_split, load_embeddings, save_
 from dmlkit.exceptions import DataError, DmlkitError, NonFiniteError
 from dmlkit.metrics import evaluate
 from dmlkit.metrics.scoring import scored_elsewhere, scoring_stamp, this_scorer
-from dmlkit.protocol.config import (
-    DATA_ROOT_FIX,
-    RUN_SEED_STRIDE,
-    BenchConfig,
-    MethodConfig,
-)
+from dmlkit.protocol.config import DATA_ROOT_FIX, BenchConfig, MethodConfig
 from dmlkit.protocol.results import embeddings_digest
 from dmlkit.protocol.space import suggest
 from dmlkit.protocol.splits import BenchSplit, TestClassGuard
@@ -64,14 +59,17 @@ DIVERGED_HINT = (
     "runs' directories to train them again")
 
 
-def run_seed(seed: int, fold: int) -> int:
-    """The training seed of fold ``fold`` in repeat ``seed``: ``1000 * seed + fold``
-    (:data:`dmlkit.protocol.config.RUN_SEED_STRIDE`, which the config's seed bounds use).
+def run_seed(config: BenchConfig, seed: int, fold: int) -> int:
+    """The training seed of fold ``fold`` in repeat ``seed`` of the final runs (and of the
+    pretrained row, which uses the same seeds): ``fixed.seed + folds * (seed + 1) + fold``
+    (:meth:`BenchConfig.final_seed`). The search trains fold ``f`` with ``fixed.seed + f``
+    (:meth:`BenchConfig.search_seed`), the first block of ``folds`` seeds, so the final runs
+    never repeat a search run's seed.
 
     Fold models of one repeat start from different initialisations (as the seed's four
-    independent models do); the pretrained row uses the same seeds.
+    independent models do).
     """
-    return RUN_SEED_STRIDE * int(seed) + int(fold)
+    return config.final_seed(seed, fold)
 
 
 def _say(console: Any, message: str) -> None:
@@ -136,7 +134,7 @@ class SearchStage:
             for fold in self.split.folds:
                 train_set, val_set = self.fold_sets(fold.index)
                 cfg = self.config.experiment(
-                    method, params, seed=self.config.fixed.seed + fold.index,
+                    method, params, seed=self.config.search_seed(fold.index),
                     name=f"{self.config.name}-{method.name}-trial{trial.number}-fold{fold.index}",
                 )
                 run_dir = self.bench_dir / "search" / method.name / f"trial{trial.number}" / f"fold{fold.index}"
@@ -237,7 +235,7 @@ class FinalStage:
             for fold in self.split.folds:
                 run_dir = self.bench_dir / "final" / method.name / f"seed{seed}" / f"fold{fold.index}"
                 cfg = self.config.experiment(
-                    method, params, seed=run_seed(seed, fold.index),
+                    method, params, seed=run_seed(self.config, seed, fold.index),
                     name=f"{self.config.name}-{method.name}-seed{seed}-fold{fold.index}",
                 )
                 yield seed, fold, run_dir, cfg, _stale_changes(run_dir, cfg)
@@ -322,14 +320,20 @@ class FinalStage:
             time.sleep(CLAIM_POLL_S)
 
     def run_pretrained(self) -> list[FinalRun]:
-        """Trunk + untrained embedder, one per fold and seed (initialised as the fold models are)."""
+        """Trunk + untrained embedder, one per fold and seed (initialised as the fold models are,
+        :func:`run_seed`). Embeddings made with other settings (their ``config.yaml``: another
+        seed, from a dmlkit with the earlier seed formula) are made again."""
         runs = []
         for seed in self.config.protocol.seeds or [0]:
             for fold in self.split.folds:
                 run_dir = self.bench_dir / "final" / PRETRAINED / f"seed{seed}" / f"fold{fold.index}"
                 emb_path = run_dir / "embeddings" / "test.npz"
-                if not emb_path.exists():
-                    cfg = self.config.experiment(None, seed=run_seed(seed, fold.index))
+                cfg = self.config.experiment(None, seed=run_seed(self.config, seed, fold.index))
+                stale = emb_path.exists() and _stale_changes(run_dir, cfg)
+                if stale:
+                    _say(self.console, f"  pretrained: seed {seed} fold {fold.index} was embedded with other "
+                         f"settings ({'; '.join(stale)}): embedding it again")
+                if stale or not emb_path.exists():
                     seed_everything(cfg.seed)
                     model = build_model(cfg.model)
                     with torch.no_grad():
