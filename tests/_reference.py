@@ -449,3 +449,31 @@ def grey_image_folder(root: Path, classes: int = 16, per_class: int = 4) -> Path
         for i in range(per_class):
             Image.fromarray(rng.integers(0, 256, (8, 8), dtype=np.uint8), "L").save(folder / f"{i}.png")
     return root
+
+
+class Said:
+    """A console that keeps what the bench prints (``.lines``, ``.text``: the plain text)."""
+
+    def __init__(self) -> None:
+        self.lines: list[str] = []
+
+    def print(self, message: str) -> None:
+        from rich.text import Text
+
+        self.lines.append(Text.from_markup(str(message)).plain)
+
+    @property
+    def text(self) -> str:
+        return "\n".join(self.lines)
+
+
+def write_fake_final_run(config, run_dir: Path) -> None:
+    """What a finished final run leaves for the bench's bookkeeping (its config, metrics and an
+    empty test file), without training: for tests of which runs a stage trains again."""
+    from dmlkit.config import dump_config  # lazy: only the bench tests need it
+
+    run_dir.mkdir(parents=True, exist_ok=True)
+    dump_config(config, run_dir / "config.yaml")
+    (run_dir / "metrics.json").write_text("{}")
+    (run_dir / "embeddings").mkdir(exist_ok=True)
+    (run_dir / "embeddings" / "test.npz").write_bytes(b"")

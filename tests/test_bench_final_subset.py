@@ -14,7 +14,7 @@ import shutil
 import pytest
 import yaml
 
-from _reference import tiny_alphadigits_bench
+from _reference import Said, tiny_alphadigits_bench
 from dmlkit.exceptions import DataError, NonFiniteError
 from dmlkit.protocol.config import bench_config_from_dict
 from dmlkit.protocol.results import load_results
@@ -30,21 +30,6 @@ TINY = tiny_alphadigits_bench(
     model={"embedding_size": 8}, sampler={"samples_per_class": 2, "batches_per_epoch": 1},
 )
 
-
-class Said:
-    """A console that keeps what the bench prints."""
-
-    def __init__(self) -> None:
-        self.lines: list[str] = []
-
-    def print(self, message: str) -> None:
-        from rich.text import Text
-
-        self.lines.append(Text.from_markup(str(message)).plain)
-
-    @property
-    def text(self) -> str:
-        return "\n".join(self.lines)
 
 
 def _config(**protocol):

@@ -16,6 +16,8 @@ import numpy as np
 import pytest
 import yaml
 
+from _reference import write_fake_final_run
+
 TINY = {
     "name": "tiny",
     "fixed": {
@@ -292,7 +294,6 @@ def test_final_runs_trained_with_an_earlier_best_are_trained_again(tmp_path, dat
     best must not be reused (their test numbers would be reported under the new parameters)."""
     import yaml
 
-    from dmlkit.config import dump_config
     from dmlkit.protocol import Bench, bench_config_from_dict
     from dmlkit.protocol.stages import FinalStage
 
@@ -304,11 +305,7 @@ def test_final_runs_trained_with_an_earlier_best_are_trained_again(tmp_path, dat
 
     def fake_train(config, run_dir, **_):
         trained.append((run_dir.name, config.loss.params["neg_margin"]))
-        run_dir.mkdir(parents=True, exist_ok=True)
-        dump_config(config, run_dir / "config.yaml")
-        (run_dir / "metrics.json").write_text("{}")
-        (run_dir / "embeddings").mkdir(exist_ok=True)
-        (run_dir / "embeddings" / "test.npz").write_bytes(b"")
+        write_fake_final_run(config, run_dir)
 
     bench = Bench(cfg, tmp_path / "b", train_fn=fake_train)
     full = bench.full_dataset()

@@ -24,8 +24,7 @@ import pytest
 import torch
 import yaml
 
-from _reference import grey_image_folder
-from dmlkit.config import dump_config
+from _reference import Said, grey_image_folder, write_fake_final_run
 from dmlkit.protocol import Bench, bench_config_from_dict, load_bench_config
 from dmlkit.protocol.stages import FinalStage, run_seed
 from dmlkit.training.builders import build_loss, build_miner
@@ -211,21 +210,6 @@ def test_search_and_final_training_seeds_never_coincide(folds):
             assert final == [fixed_seed + folds * (s + 1) + f for s in seeds for f in range(folds)]
 
 
-class Said:
-    """A console that keeps what the bench prints."""
-
-    def __init__(self) -> None:
-        self.lines: list[str] = []
-
-    def print(self, message: str) -> None:
-        from rich.text import Text
-
-        self.lines.append(Text.from_markup(str(message)).plain)
-
-    @property
-    def text(self) -> str:
-        return "\n".join(self.lines)
-
 
 def test_final_runs_and_pretrained_row_made_with_the_old_seeds_are_stale(tmp_path):
     """A bench directory whose final runs (and pretrained row) an earlier dmlkit made with seed
@@ -237,11 +221,7 @@ def test_final_runs_and_pretrained_row_made_with_the_old_seeds_are_stale(tmp_pat
 
     def fake_train(config, run_dir, **_):
         trained.append(("/".join(run_dir.parts[-2:]), config.seed))
-        run_dir.mkdir(parents=True, exist_ok=True)
-        dump_config(config, run_dir / "config.yaml")
-        (run_dir / "metrics.json").write_text("{}")
-        (run_dir / "embeddings").mkdir(exist_ok=True)
-        (run_dir / "embeddings" / "test.npz").write_bytes(b"")
+        write_fake_final_run(config, run_dir)
 
     bench = Bench(cfg, tmp_path / "b", train_fn=fake_train)
     full = bench.full_dataset()

@@ -97,9 +97,8 @@ def _one_config_error(match: str, name: str, **params) -> None:
 
 
 # ------------------------------------------------------------------ F1: online contrastive
-def online_contrastive(x: np.ndarray, labels: np.ndarray, m: float) -> float:
-    """Seed 003's ``OnlineContrastiveLoss`` with ``AllPairsSelector``: every pair ``i < j``,
-    ``d^2`` for a positive, ``relu(m - d)^2`` for a negative, ``torch.cat([pos, neg]).mean()``."""
+def _contrastive_terms(x: np.ndarray, labels: np.ndarray, m: float) -> tuple[list[float], list[float]]:
+    """Every pair ``i < j``: ``d^2`` for a positive, ``relu(m - d)^2`` for a negative."""
     pos, neg = [], []
     for i, j in itertools.combinations(range(len(x)), 2):
         d = _euclid(x[i], x[j])
@@ -107,18 +106,19 @@ def online_contrastive(x: np.ndarray, labels: np.ndarray, m: float) -> float:
             pos.append(d * d)
         else:
             neg.append(max(0.0, m - d) ** 2)
+    return pos, neg
+
+
+def online_contrastive(x: np.ndarray, labels: np.ndarray, m: float) -> float:
+    """Seed 003's ``OnlineContrastiveLoss`` with ``AllPairsSelector``: the pair terms of
+    :func:`_contrastive_terms`, ``torch.cat([pos, neg]).mean()``."""
+    pos, neg = _contrastive_terms(x, labels, m)
     return float(np.mean(pos + neg))
 
 
 def contrastive_sum_of_means(x: np.ndarray, labels: np.ndarray, m: float) -> float:
     """dmlkit's ``reduction="mean"``: mean of the positive terms plus mean of the negative ones."""
-    pos, neg = [], []
-    for i, j in itertools.combinations(range(len(x)), 2):
-        d = _euclid(x[i], x[j])
-        if labels[i] == labels[j]:
-            pos.append(d * d)
-        else:
-            neg.append(max(0.0, m - d) ** 2)
+    pos, neg = _contrastive_terms(x, labels, m)
     return float(np.mean(pos) + np.mean(neg))
 
 
