@@ -32,18 +32,30 @@ def _print_table(results: dict, title: str, as_json: bool) -> None:
     table.add_column("Test")
     for a in archs:
         table.add_column(a, justify="right")
-    best = {}
-    for r in results["rows"]:
-        best[(r["train"], r["test"])] = min(r[a]["fpr95"] for a in archs)
-    for r in results["rows"]:
-        cells = []
-        for a in archs:
-            v = f"{100 * r[a]['fpr95']:.2f}"
-            cells.append(f"[bold]{v}[/bold]" if r[a]["fpr95"] == best[(r["train"], r["test"])] else v)
-        table.add_row(r["train"], r["test"], *cells)
-    means = [results["mean"][a]["fpr95"] for a in archs]
-    table.add_row("mean", "", *[(f"[bold]{100 * m:.2f}[/bold]" if m == min(means) else f"{100 * m:.2f}") for m in means])
+    lines = [(r["train"], r["test"], {a: r[a]["fpr95"] for a in archs}) for r in results["rows"]]
+    lines.append(("mean", "", {a: results["mean"][a]["fpr95"] for a in archs}))
+    best = _lowest_shown([values for _, _, values in lines])
+    for (train, test, values), bold in zip(lines, best):
+        cells = [f"{100 * values[a]:.2f}" for a in archs]
+        table.add_row(train, test, *[f"[bold]{c}[/bold]" if a in bold else c for a, c in zip(archs, cells)])
     output_console().print(table)
+
+
+def _lowest_shown(rows: list[dict[str, float]]) -> list[set[str]]:
+    """Per row of ``{architecture: FPR95}``, the architectures with the lowest FPR95 as the table
+    shows it (in %, 2 decimals), by the bench tables' one rule
+    (:func:`dmlkit.protocol.results.best_cells`, on the negated rates: lower is better): every
+    architecture tied at the shown decimals is bold, and a NaN never is nor hides the others.
+    The raw minimum bolded one of two cells that both read 5.00, and a NaN in a row's first cell
+    made ``min()`` NaN, which bolded nothing in that row."""
+    from dmlkit.protocol.results import best_cells
+
+    columns = [f"row{i}" for i in range(len(rows))]
+    as_results = {"methods": {arch: {"concatenated": {col: {"mean": -float(row[arch])}
+                                                      for col, row in zip(columns, rows) if arch in row}}
+                              for arch in {a for row in rows for a in row}}}
+    best = best_cells(as_results)
+    return [best.get(("concatenated", col), set()) for col in columns]
 
 
 def _is_patch_results(results: object) -> bool:

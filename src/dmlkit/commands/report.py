@@ -42,15 +42,27 @@ def report(
 
 
 def _load(path: Path):
-    """``(embeddings, labels, {id: class name} or None)`` of a file, refused when not finite
-    (nothing is drawn from NaN); names come from a file saved with class-name labels."""
+    """``(embeddings, labels, extra)`` of a file, refused when not finite (nothing is drawn
+    from NaN)."""
     from dmlkit.embeddings import load_embeddings
     from dmlkit.validation import check_embeddings
 
     emb, labels, extra = load_embeddings(path)
     check_embeddings(emb, f"embeddings in {path}")
-    names = extra.get("class_names")
-    return emb, labels, None if names is None else dict(enumerate(str(n) for n in names.tolist()))
+    return emb, labels, extra
+
+
+def _figure_data(path: Path, labels, extra, thumbnails: bool):
+    """The class names (and thumbnails) of a file's rows, as the report finds them
+    (:func:`dmlkit.report.saved.saved_figure_data`: the file's own names, its run's
+    ``split.json``, the run's dataset): a run's ``embeddings/test.npz`` stores class ids only,
+    and its figures showed ids. What cannot be had is said on stderr, one ``note:`` line each."""
+    from dmlkit.report.saved import saved_figure_data
+
+    found = saved_figure_data(path, labels, extra, thumbnails=thumbnails)
+    for note in found.notes:
+        typer.echo(f"note: {path}: {note}", err=True)
+    return found
 
 
 def _distinct_names(paths: list[Path], name_of) -> list[str]:
@@ -93,18 +105,25 @@ def plot_map(
     classes: int = typer.Option(20, min=1, help="Number of classes to show."),
     output: Path | None = typer.Option(None, "-o", "--output", help="Output path (PNG and SVG are written)."),
     seed: int = typer.Option(0, min=0, max=2**32 - 1, help="Seed (0 to 2**32 - 1)."),
+    no_thumbnails: bool = typer.Option(False, "--no-thumbnails", help="Do not draw image thumbnails (drawn where the file is a run's and its images load)."),
 ) -> None:
-    """A 2-D map of embeddings coloured by class."""
+    """A 2-D map of embeddings coloured by class, named by class where the names are known
+    (the file's run records them), with thumbnails where its images load."""
     import numpy as np
 
     from dmlkit.report import figures
 
-    emb, labels, names = _load(embeddings)
-    keep = np.isin(labels, np.unique(labels)[:classes])
+    emb, labels, extra = _load(embeddings)
+    found = _figure_data(embeddings, labels, extra, thumbnails=not no_thumbnails)
+    keep = np.flatnonzero(np.isin(labels, np.unique(labels)[:classes]))
     pts = figures.project_2d(emb[keep], method, seed=seed)
+    thumbs = None
+    if found.image_of is not None:  # as the report: 12 random points of the map
+        picks = np.random.default_rng(seed).choice(len(keep), size=min(12, len(keep)), replace=False)
+        thumbs = {int(p): found.image_of(int(keep[p])) for p in picks}
     # the title names what was drawn: PCA stands in for UMAP without umap-learn (was titled UMAP)
-    title = f"{figures.projection_title(method, int(keep.sum()), emb.shape[1])} of {embeddings.name}"
-    fig = figures.embedding_map(pts, labels[keep], title, class_names=names)
+    title = f"{figures.projection_title(method, len(keep), emb.shape[1])} of {embeddings.name}"
+    fig = figures.embedding_map(pts, labels[keep], title, thumbs, class_names=found.class_names)
     written = figures.save_figure(fig, _out(output, f"map_{method}"))
     typer.echo("\n".join(map(str, written)))
 
@@ -141,7 +160,8 @@ def plot_per_class(
     from dmlkit.metrics import per_class
     from dmlkit.report import figures
 
-    emb, labels, names = _load(embeddings)
+    emb, labels, extra = _load(embeddings)
+    names = _figure_data(embeddings, labels, extra, thumbnails=False).class_names
     values = {c: r["map_at_r"] for c, r in per_class(emb, labels, metrics=["map_at_r"]).items()
               if not math.isnan(r["map_at_r"])}
     written = figures.save_figure(figures.per_class_bars(values, "map_at_r", top, class_names=names),
@@ -161,14 +181,17 @@ def plot_gallery(
     k: int = typer.Option(6, min=1, max=_GALLERY_MAX, help=f"Neighbours per query (at most {_GALLERY_MAX}: one thumbnail each)."),
     output: Path | None = typer.Option(None, "-o", "--output"),
     seed: int = typer.Option(0, min=0, max=2**32 - 1, help="Seed (0 to 2**32 - 1)."),
+    no_thumbnails: bool = typer.Option(False, "--no-thumbnails", help="Draw class names, not the images (drawn where the file is a run's and its images load)."),
 ) -> None:
-    """Random queries with their nearest neighbours (class labels; correct ones marked)."""
+    """Random queries with their nearest neighbours (images where the file's run has them, else
+    class names; correct ones marked)."""
     import numpy as np
 
     from dmlkit.metrics import knn
     from dmlkit.report import figures
 
-    emb, labels, names = _load(embeddings)
+    emb, labels, extra = _load(embeddings)
+    found = _figure_data(embeddings, labels, extra, thumbnails=not no_thumbnails)
     rng = np.random.default_rng(seed)
     chosen = rng.choice(len(emb), size=min(queries, len(emb)), replace=False)
     result = knn(emb[chosen], emb, k=k + 1)
@@ -177,7 +200,8 @@ def plot_gallery(
         neigh = [int(n) for n in neigh if n != q][:k]
         rows.append({"query": int(q), "query_label": int(labels[q]), "neighbors": neigh,
                      "neighbor_labels": [int(labels[n]) for n in neigh], "caption": f"query {q}"})
-    written = figures.save_figure(figures.retrieval_gallery(rows, None, class_names=names), _out(output, "gallery"))
+    written = figures.save_figure(figures.retrieval_gallery(rows, found.image_of, class_names=found.class_names),
+                                  _out(output, "gallery"))
     typer.echo("\n".join(map(str, written)))
 
 
@@ -233,6 +257,6 @@ def plot_improvement(
     if not any(math.isfinite(v[metric]) for v in values.values()):
         raise DataError(f"{results} holds no finite {mode} {metric!r} value for any method: nothing to draw")
     baselines = list(baseline_methods(methods).values())
-    written = figures.save_figure(figures.relative_improvement(values, baselines, metric=metric),
+    written = figures.save_figure(figures.relative_improvement(values, baselines, metric=metric, mode=mode),
                                   _out(output, "improvement"))
     typer.echo("\n".join(map(str, written)))

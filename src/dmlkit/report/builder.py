@@ -4,7 +4,8 @@
 ``dmlkit bench``), a run directory has ``config.yaml`` and ``log.jsonl`` (written by
 ``dmlkit train``). It writes ``report.html`` and ``figures/*.png|svg`` into the directory (or
 ``out``) and returns the page's path. Figures that need data which is not available (e.g. the
-images, for thumbnails) are left out with a note saying why, never faked.
+images, for thumbnails) are left out with a note saying why, never faked; so are the class
+names and thumbnails of figures drawn from saved embeddings files (:mod:`dmlkit.report.saved`).
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from __future__ import annotations
 import hashlib
 import os
 import warnings
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +38,7 @@ from dmlkit.protocol.results import (
 )
 from dmlkit.report import figures
 from dmlkit.report.html import Figure, Section, render_page, table_html
+from dmlkit.report.saved import dataset_class_names, image_getter, saved_figure_data
 from dmlkit.report.sections import (
     ReportOptions,
     _embedding_sections,
@@ -52,6 +54,7 @@ from dmlkit.training.run_identity import (
     read_run_split,
     with_run_split,
 )
+from dmlkit.training.trainer import baseline_warnings
 from dmlkit.utils import atomic_write_text, os_error_message, read_json_object, seed_everything
 from dmlkit.validation import concatenate_normalized
 
@@ -96,30 +99,6 @@ def build_report(path: str | os.PathLike, out: str | os.PathLike | None = None,
 
 
 # -- embeddings of a run ------------------------------------------------------------------------
-def _dataset_class_names(dataset) -> dict[int, str] | None:
-    """``{class id: name}`` of a dataset whose names say more than its ids, else None."""
-    names = getattr(dataset, "class_names", None)
-    if not names:
-        return None
-    names = {int(c): str(n) for c, n in dict(names).items()}
-    return None if all(n == str(c) for c, n in names.items()) else names
-
-
-def _image_getter(dataset) -> Callable[[int], np.ndarray] | None:
-    if dataset is None or not hasattr(dataset, "thumbnail"):
-        return None
-
-    def image_of(i: int) -> np.ndarray:
-        img = np.asarray(dataset.thumbnail(int(i), size=64), dtype=np.float32)
-        return img / 255.0 if img.max() > 1 else img
-
-    try:
-        image_of(0)
-    except Exception:  # features or unreadable images: no thumbnails
-        return None
-    return image_of
-
-
 def _run_embeddings(run_dir: Path, options: ReportOptions, notes: list[str]) -> tuple[dict[str, _Split], dict[str, _Split]]:
     """``(trained, untrained)`` embeddings per split; falls back to ``embeddings/test.npz`` (with
     a note and a warning) when the run's data or checkpoint cannot be loaded, when the checkpoint
@@ -144,9 +123,11 @@ def _run_embeddings(run_dir: Path, options: ReportOptions, notes: list[str]) -> 
         warnings.warn(f"{run_dir}: the run's data or checkpoint could not be loaded ({exc}); the "
                       "report's figures use the saved test embeddings only", stacklevel=2)
         saved = run_dir / "embeddings" / "test.npz"
-        if saved.exists():
+        if saved.exists():  # names from split.json, thumbnails where the data still load
             emb, lab, extra = load_embeddings(saved)
-            trained["test"] = _Split("test", emb, lab, class_names=_file_class_names(extra))
+            found = saved_figure_data(saved, lab, extra, run_dir, data_root=options.data_root,
+                                      thumbnails=options.thumbnails)
+            trained["test"] = _Split("test", emb, lab, found.image_of, found.class_names, found.notes)
         return trained, untrained
     for name in ("train", "val", "test"):
         ds = datasets.get(name)
@@ -157,9 +138,11 @@ def _run_embeddings(run_dir: Path, options: ReportOptions, notes: list[str]) -> 
         rows = np.arange(len(labels)) if name == "test" else _sample_rows(labels, options.max_points, options.seed)
         sub = ds.subset(rows) if len(rows) < len(labels) else ds
         emb, lab = embed_split(model, sub, config, device="cpu")
-        getter = _image_getter(sub) if options.thumbnails else None
-        names = _dataset_class_names(ds)
-        trained[name] = _Split(name, emb, lab, getter, names)
+        getter = image_getter(sub) if options.thumbnails else None
+        names = dataset_class_names(ds)
+        lacking = ["No thumbnails: the run's data are not images that can be read."] \
+            if options.thumbnails and getter is None else []
+        trained[name] = _Split(name, emb, lab, getter, names, lacking)
         if name == "test":
             emb0, lab0 = embed_split(initial, sub, config, device="cpu")
             untrained[name] = _Split(name, emb0, lab0, getter, names)
@@ -212,6 +195,8 @@ def _run_sections(run_dir: Path, fig_dir: Path, options: ReportOptions) -> tuple
         if base:  # the number training had to beat
             rows.append([f"{split}, step 0 (untrained)"] + [_fmt(base.get(k)) for k in _MAIN_METRICS])
     results_html = [table_html(["split", "P@1 (%)", "R-Precision (%)", "MAP@R (%)"], rows)] if rows else []
+    # the warning `dmlkit train` prints, on the page too (the CLI said it, the page did not)
+    notes += [f"Warning: {line}." for line in _baseline_lines(metrics)]
     if not metrics.get("val") and not metrics.get("test"):
         notes.append("metrics.json has no results yet (the run may still be going or was interrupted)"
                      + ("; the table shows the step-0 numbers." if rows else "."))
@@ -237,6 +222,21 @@ def _run_sections(run_dir: Path, fig_dir: Path, options: ReportOptions) -> tuple
     if notes:
         sections.insert(0, Section("Notes", notes))
     return f"dmlkit run report: {run_dir.name}", f"Run directory {run_dir.resolve()}", sections
+
+
+def _baseline_lines(metrics: Mapping[str, Any]) -> list[str]:
+    """:func:`~dmlkit.training.trainer.baseline_warnings` of a ``metrics.json``: a line per
+    split whose trained MAP@R is not above the step-0 model's (numbers only: a hand-edited
+    value is no comparison)."""
+    def numeric(section: Any) -> dict[str, float]:
+        value = section.get("map_at_r") if isinstance(section, dict) else None
+        ok = isinstance(value, int | float) and not isinstance(value, bool) and np.isfinite(value)
+        return {"map_at_r": float(value)} if ok else {}
+
+    baseline = metrics.get("baseline") if isinstance(metrics.get("baseline"), dict) else {}
+    base = {split: numeric(baseline.get(split)) for split in ("val", "test")}
+    trained = {split: numeric(metrics.get(split)) for split in ("val", "test")}
+    return baseline_warnings({k: v for k, v in base.items() if v}, trained)
 
 
 def _reid_section(path: Path, fig_dir: Path) -> Section:
@@ -313,7 +313,7 @@ def _bench_sections(bench_dir: Path, fig_dir: Path, options: ReportOptions) -> t
     found = baseline_methods(methods)
     baselines = list(found.values())
     if baselines and any(m not in baselines for m in concat):  # something to compare with them
-        png = figures.save_figure(figures.relative_improvement(concat, baselines),
+        png = figures.save_figure(figures.relative_improvement(concat, baselines, mode="concatenated"),
                                   fig_dir / "relative_improvement")
         # name only the baselines drawn ("over contrastive and triplet" with no triplet row)
         over = " and ".join(b if n == b else f"{b} ({n})" for b, n in found.items())
@@ -338,13 +338,21 @@ def _bench_sections(bench_dir: Path, fig_dir: Path, options: ReportOptions) -> t
     if curve_figs:
         sections.append(Section("Training curves", ["One line per fold model and seed."], [], curve_figs))
     best_name = rows[best][0]
-    test, missing = _concatenated_test(_listed_runs(bench_dir, best_name, methods[best_name]), best_name)
+    best_runs = _listed_runs(bench_dir, best_name, methods[best_name])
+    test, missing = _concatenated_test(best_runs, best_name, options)
     before = (_concatenated_test(_listed_runs(bench_dir, "pretrained", methods["pretrained"]), "pretrained")[0]
               if best_name != "pretrained" and "pretrained" in methods else None)
     if test is not None:
+        seeds = sorted({int(r["seed"]) for r in best_runs})
+        # the figures are one seed's models, the table the mean over seeds: said, not left to guess
+        seed_note = (f"The figures below show {best_name}'s fold models of seed {seeds[0]} only (the first "
+                     f"seed results.json lists), concatenated; the table above is the mean over "
+                     f"{len(seeds)} seeds." if len(seeds) > 1 else
+                     f"The figures below show {best_name}'s fold models of seed {seeds[0]}, concatenated.")
         sections += _embedding_sections(test, before, {}, fig_dir, options,
-                                        f"{best_name} (concatenated fold models)",
-                                        "untrained" if best_name == "pretrained" else "after training")
+                                        f"{best_name} (concatenated fold models of seed {seeds[0]})",
+                                        "untrained" if best_name == "pretrained" else "after training",
+                                        notes=[seed_note])
     elif missing:  # a part of the concatenation would be drawn as the whole
         sections.append(Section("Embeddings", [
             f"No embedding figures for {best_name}: the concatenated fold models need every fold's "
@@ -382,14 +390,19 @@ def _listed_runs(bench_dir: Path, method: str, entry: Mapping[str, Any]) -> list
     return sorted(runs, key=lambda r: (int(r["seed"]), int(r["fold"])))
 
 
-def _concatenated_test(runs: Sequence[Mapping[str, Any]], method: str) -> tuple[_Split | None, list[Path]]:
+def _concatenated_test(runs: Sequence[Mapping[str, Any]], method: str,
+                       options: ReportOptions | None = None) -> tuple[_Split | None, list[Path]]:
     """The first seed's (the smallest, as a number: seed2 before seed10) fold models' test
     embeddings that ``results.json`` lists for ``method``, concatenated as the benchmark scores
     them (:func:`dmlkit.validation.concatenate_normalized`: each part normalised, then the whole),
     and the fold files that are missing: with any missing there is no concatenation (a part of
     it, drawn as the whole, was captioned as the concatenated model). A file whose digest is not
     the one ``results.json`` recorded (:func:`load_listed_embeddings`, as ``dmlkit compare``
-    checks) is refused: it is not what the table was computed on."""
+    checks) is refused: it is not what the table was computed on.
+
+    With ``options`` the split also gets the class names and thumbnails of the first fold's
+    file (:func:`~dmlkit.report.saved.saved_figure_data`: the fold run's ``split.json``, its
+    dataset where it loads), and notes of what is missing; the files store class ids only."""
     if not runs:
         return None, []
     first = min(int(r["seed"]) for r in runs)
@@ -400,16 +413,20 @@ def _concatenated_test(runs: Sequence[Mapping[str, Any]], method: str) -> tuple[
         return None, missing
     parts = []
     labels = None
-    names = None
+    first_extra: Mapping[str, np.ndarray] = {}
     for run, f in zip(fold_runs, files):
         emb, lab, extra = load_listed_embeddings(run, method)
-        names = names or _file_class_names(extra)
         if labels is not None and not np.array_equal(lab, labels):
             raise DataError(f"{f}: test labels differ between folds; cannot concatenate")
-        labels = lab
+        labels, first_extra = lab, first_extra or extra
         parts.append(emb)
     emb = concatenate_normalized(parts)
-    return _Split("test", emb, labels, class_names=names), []
+    if options is None:  # the names of a file saved with class-name labels, no more
+        return _Split("test", emb, labels, class_names=_file_class_names(first_extra)), []
+    run0 = fold_runs[0]
+    found = saved_figure_data(files[0], labels, first_extra, Path(run0.get("run_dir") or files[0].parents[1]),
+                              data_root=options.data_root, thumbnails=options.thumbnails)
+    return _Split("test", emb, labels, found.image_of, found.class_names, found.notes), []
 
 
 def mean_of(cell: Any) -> float:

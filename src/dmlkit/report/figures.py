@@ -2,7 +2,9 @@
 
 Every figure is print quality: labelled axes with units, a title, line styles and hatching
 that stay readable in greyscale, and no dependence on colour alone for meaning (markers and
-line styles differ too). Save them with :func:`save_figure` (PNG + SVG).
+line styles differ too). Save them with :func:`save_figure` (PNG + SVG). Each is built and
+saved in dmlkit's matplotlib settings (:mod:`dmlkit.report.style`: names drawn literally, never
+as mathtext), which leave the caller's own settings as they were.
 
 Figures:
 
@@ -40,6 +42,7 @@ from matplotlib.figure import Figure
 
 from dmlkit.exceptions import ConfigError, DataError, ShapeError
 from dmlkit.protocol.compare import relative_percent
+from dmlkit.report.style import styled
 from dmlkit.utils import atomic_write_figure
 from dmlkit.validation import check_embeddings
 
@@ -49,6 +52,7 @@ __all__ = [
     "embedding_map",
     "per_class_bars",
     "project_2d",
+    "projection_name",
     "projection_title",
     "reid_strip",
     "relative_improvement",
@@ -62,19 +66,7 @@ _LINESTYLES = ["-", "--", "-.", ":"]
 _MARKERS = ["o", "s", "^", "D", "v", "P", "X", "*"]
 _HATCHES = ["", "//", "..", "xx", "\\\\", "++", "oo", "--"]
 
-plt.rcParams.update(
-    {
-        "figure.dpi": 110,
-        "savefig.dpi": 200,
-        "font.size": 10,
-        "axes.titlesize": 11,
-        "axes.grid": True,
-        "grid.alpha": 0.3,
-        "legend.fontsize": 8,
-    }
-)
-
-
+@styled
 def save_figure(fig: Figure, path_without_suffix: str | os.PathLike, formats: Sequence[str] = ("png", "svg")) -> list[Path]:
     """Save ``fig`` as ``<path>.png`` and ``<path>.svg`` (print quality) and close it.
 
@@ -93,6 +85,7 @@ def save_figure(fig: Figure, path_without_suffix: str | os.PathLike, formats: Se
 
 
 # -- training curves -------------------------------------------------------------------------
+@styled
 def training_curves(
     runs: Mapping[str, Sequence[Mapping[str, Any]]],
     metrics: Sequence[str] = ("map_at_r", "precision_at_1"),
@@ -236,11 +229,20 @@ def drawn_projection(method: str, rows: int, dim: int) -> str:
     return method
 
 
+#: How titles and captions spell each projection (t-SNE as its authors write it, not "TSNE").
+_PROJECTION_NAMES = {"umap": "UMAP", "tsne": "t-SNE", "pca": "PCA"}
+
+
+def projection_name(method: str) -> str:
+    """``"UMAP"``, ``"t-SNE"`` or ``"PCA"`` for a :data:`PROJECTIONS` name."""
+    return _PROJECTION_NAMES.get(method, method.upper())
+
+
 def projection_title(method: str, rows: int, dim: int) -> str:
     """``"UMAP"``, or what was drawn instead (``"PCA (UMAP needs umap-learn and 4 points)"``)."""
     drawn = drawn_projection(method, rows, dim)
     if drawn == method:
-        return method.upper()
+        return projection_name(method)
     if drawn == "2-d":
         return "2-D embeddings (not projected)"
     return f"PCA (UMAP needs umap-learn and at least {_UMAP_MIN_ROWS} points)"
@@ -263,22 +265,31 @@ def _as_int(value: Any) -> int | None:
         return None
 
 
+@styled
 def embedding_map(
     points_2d: np.ndarray,
     labels: np.ndarray,
     title: str,
     thumbnails: Mapping[int, np.ndarray] | None = None,
-    max_legend_classes: int = 12,
+    max_legend_classes: int = 40,
     class_names: Mapping[Any, str] | None = None,
 ) -> Figure:
     """Scatter of 2-D points coloured (and shaped) by class, with optional thumbnails.
+
+    The legend stands beside the axes, where it covers no point, and names every class (two
+    columns above 20) up to ``max_legend_classes``; with more, the title says that the classes
+    are not named. (The legend was drawn for at most 12 classes, so the report's default map of
+    20 classes named none, and said nothing.) Thumbnails are drawn beside their points, offset
+    away from the map's centre with a line to the point, and under every point: drawn on their
+    points, 12 thumbnails hid whole clusters of a 20-class UMAP.
 
     Args:
         points_2d: ``(N, 2)`` from :func:`project_2d`.
         labels: ``(N,)`` class ids.
         title: e.g. ``"UMAP of test embeddings"``.
-        thumbnails: ``{row index: image array (H, W) or (H, W, 3) in [0, 1]}`` drawn at
+        thumbnails: ``{row index: image array (H, W) or (H, W, 3) in [0, 1]}`` drawn beside
             their points.
+        max_legend_classes: the most classes the legend names.
         class_names: ``{id: name}``: the legend shows names (:func:`class_label`).
     """
     from matplotlib.offsetbox import AnnotationBbox, OffsetImage
@@ -288,30 +299,57 @@ def embedding_map(
     if pts.shape != (len(labels), 2):
         raise ShapeError(f"points must be (N, 2) matching labels, got {pts.shape} and {labels.shape}")
     classes = np.unique(labels)
-    fig, ax = plt.subplots(figsize=(6.5, 6.0))
+    named = len(classes) <= max_legend_classes
+    columns = 1 if len(classes) <= 20 else 2
+    fig, ax = plt.subplots(figsize=(6.5 + (1.8 * columns if named else 0.0), 6.0))
     cmap = plt.get_cmap("tab20" if len(classes) > 10 else "tab10")
     for i, c in enumerate(classes):
         sel = labels == c
         ax.scatter(
             pts[sel, 0], pts[sel, 1], s=10, alpha=0.75, color=cmap(i % cmap.N),
-            marker=_MARKERS[i % len(_MARKERS)],
-            label=class_label(c, class_names) if i < max_legend_classes else None,
-            linewidths=0,
+            marker=_MARKERS[i % len(_MARKERS)], label=class_label(c, class_names) if named else None,
+            linewidths=0, zorder=_POINTS_Z,
         )
     if thumbnails:
+        ax.margins(0.12)  # room for the thumbnails of the outermost points
         for idx, image in thumbnails.items():
             img = np.asarray(image)
             zoom = 24.0 / max(img.shape[:2])
             box = OffsetImage(img, zoom=zoom, cmap="gray" if img.ndim == 2 else None)
-            ax.add_artist(AnnotationBbox(box, tuple(pts[idx]), frameon=True, pad=0.1))
-    ax.set(title=f"{title} ({len(classes)} classes, {len(labels)} points)", xlabel="component 1 (a.u.)", ylabel="component 2 (a.u.)")
-    if len(classes) <= max_legend_classes:
-        ax.legend(title="class", markerscale=2, loc="best")
+            ax.add_artist(AnnotationBbox(
+                box, tuple(pts[idx]), xybox=_thumbnail_offset(pts, int(idx)), boxcoords="offset points",
+                frameon=True, pad=0.1, zorder=_POINTS_Z - 0.5,
+                arrowprops={"arrowstyle": "-", "color": "0.35", "linewidth": 0.6}))
+    shown = f"{len(classes)} classes, {len(labels)} points" + ("" if named else "; too many classes to name")
+    ax.set(title=f"{title} ({shown})", xlabel="component 1 (a.u.)", ylabel="component 2 (a.u.)")
+    if named:
+        ax.legend(title="class", markerscale=2, loc="upper left", bbox_to_anchor=(1.02, 1.0),
+                  borderaxespad=0.0, ncol=columns)
     fig.tight_layout()
     return fig
 
 
+#: The points' layer: above the grid (1.5 with ``axes.axisbelow: line``) and the thumbnails.
+_POINTS_Z = 2.0
+#: How far (points) a thumbnail's centre sits from its point: half a 24-point thumbnail and a gap.
+_THUMBNAIL_OFFSET = 30.0
+
+
+def _thumbnail_offset(pts: np.ndarray, idx: int) -> tuple[float, float]:
+    """Where the thumbnail of row ``idx`` goes, in points from its point: :data:`_THUMBNAIL_OFFSET`
+    away from the median of ``pts``, in axes-scaled units (so that a map much wider than tall
+    still pushes outwards); straight up for the median point itself."""
+    span = np.ptp(pts, axis=0)
+    span[span == 0] = 1.0
+    d = (pts[idx] - np.median(pts, axis=0)) / span
+    norm = float(np.hypot(*d))
+    if norm < 1e-9:
+        return (0.0, _THUMBNAIL_OFFSET)
+    return (float(_THUMBNAIL_OFFSET * d[0] / norm), float(_THUMBNAIL_OFFSET * d[1] / norm))
+
+
 # -- similarity histograms --------------------------------------------------------------------
+@styled
 def similarity_histograms(panels: Mapping[str, Mapping[str, Any]]) -> Figure:
     """Positive vs negative pair similarity histograms, each normalised to area 1.
 
@@ -341,6 +379,7 @@ def similarity_histograms(panels: Mapping[str, Mapping[str, Any]]) -> Figure:
 
 
 # -- retrieval gallery ------------------------------------------------------------------------
+@styled
 def retrieval_gallery(
     rows: Sequence[Mapping[str, Any]],
     image_of: Any = None,
@@ -396,10 +435,13 @@ def retrieval_gallery(
 
 
 # -- per-class metric -------------------------------------------------------------------------
+@styled
 def per_class_bars(values: Mapping[Any, float], metric: str = "map_at_r", top: int = 10,
                    class_names: Mapping[Any, str] | None = None) -> Figure:
     """The ``top`` best and worst classes by a per-class metric, as horizontal bars, named by
-    ``class_names`` (``{id: name}``) where given."""
+    ``class_names`` (``{id: name}``) where given. The dotted line is the mean over the classes
+    (each class counts once), labelled so: with classes of unequal size it is not the metric
+    over all queries that a results table gives."""
     if len(values) < 2:  # one class: a lone bar (100 % with only itself to find) ranks nothing
         raise DataError(f"a best/worst chart needs at least 2 classes with a value, got {len(values)}")
     items = sorted(values.items(), key=lambda kv: kv[1])
@@ -416,17 +458,19 @@ def per_class_bars(values: Mapping[Any, float], metric: str = "map_at_r", top: i
         ax.set(title=f"{top} {name} classes", xlabel=f"{_pretty(metric)} (%)", ylabel="class")
     mean = 100 * float(np.mean(list(values.values())))
     for ax in axes:
-        ax.axvline(mean, color="black", linestyle=":", label=f"mean {mean:.1f}%")
+        ax.axvline(mean, color="black", linestyle=":", label=f"mean over classes {mean:.1f}%")
         ax.legend(loc="lower right")
     fig.tight_layout()
     return fig
 
 
 # -- relative improvement ---------------------------------------------------------------------
+@styled
 def relative_improvement(
     results: Mapping[str, Mapping[str, float]],
     baselines: Sequence[str] = ("contrastive", "triplet"),
     metric: str = "map_at_r",
+    mode: str | None = None,
 ) -> Figure:
     """Relative improvement ``100 * (m - m_base) / m_base`` of each method over each baseline
     (:func:`dmlkit.protocol.compare.relative_percent`; n/a for a missing, NaN or zero value).
@@ -434,6 +478,8 @@ def relative_improvement(
     Args:
         results: ``{method: {metric: value}}`` (e.g. the concatenated MAP@R of a benchmark).
         baselines: methods to compare against; those absent from ``results`` are skipped.
+        mode: the benchmark's mode the values are of (``concatenated`` / ``separated``), named
+            in the title (the two modes' figures were titled alike).
     """
     present = [b for b in baselines if b in results]
     if not present:
@@ -458,7 +504,7 @@ def relative_improvement(
                      fontsize=7, padding=2)
     ax.axhline(0, color="black", linewidth=1.2, linestyle="--", label="no improvement")
     ax.set_xticks(x, methods, rotation=20, ha="right")
-    ax.set(title=f"Relative improvement in {_pretty(metric)}", ylabel="relative improvement (%)", xlabel="method")
+    ax.set(title=f"Relative improvement in {_pretty(metric)}" + (f" ({mode})" if mode else ""), ylabel="relative improvement (%)", xlabel="method")
     ax.legend()
     fig.tight_layout()
     return fig
@@ -486,6 +532,7 @@ def _pretty(metric: str) -> str:
 
 
 # -- re-identification ------------------------------------------------------------------------
+@styled
 def cmc_curve(curves: Mapping[str, Sequence[float]], title: str = "CMC curve",
               max_rank: int = 50) -> Figure:
     """Cumulative matching characteristic: ``{name: [CMC(1), CMC(2), ...]}`` in ``[0, 1]``."""
@@ -504,6 +551,7 @@ def cmc_curve(curves: Mapping[str, Sequence[float]], title: str = "CMC curve",
     return fig
 
 
+@styled
 def reid_strip(examples: Sequence[Mapping[str, Any]], image_of_path: Any = None,
                title: str = "Re-id ranking") -> Figure:
     """Queries and their ranked gallery, junk included: positive (green, solid), negative

@@ -4,6 +4,7 @@ pair-similarity histograms, 2-D maps, the retrieval gallery and per-class MAP@R;
 
 from __future__ import annotations
 
+import html
 import os
 import warnings
 from collections.abc import Callable, Mapping, Sequence
@@ -57,6 +58,8 @@ class _Split:
     image_of: Callable[[int], np.ndarray] | None = None
     #: ``{class id: name}`` (folder names of an image folder) for the figures; None: show ids
     class_names: Mapping[int, str] | None = None
+    #: what the figures lack and why (no class names, no thumbnails), a sentence each for the page
+    notes: Sequence[str] = ()
 
 
 def _file_class_names(extra: Mapping[str, np.ndarray]) -> dict[int, str] | None:
@@ -104,8 +107,9 @@ def _map_rows(labels: np.ndarray, map_classes: int, max_points: int) -> tuple[np
 
 def _embedding_sections(test: _Split, before: _Split | None, others: Mapping[str, _Split],
                         fig_dir: Path, options: ReportOptions, what: str,
-                        state: str = "after training") -> list[Section]:
-    """Histograms, maps, gallery and per-class chart of ``test`` (labelled ``test, <state>``)."""
+                        state: str = "after training", notes: Sequence[str] = ()) -> list[Section]:
+    """Histograms, maps, gallery and per-class chart of ``test`` (labelled ``test, <state>``);
+    ``notes`` (e.g. which models the figures show) open the first section."""
     sections: list[Section] = []
     # histograms: before/after and train/val/test
     panels: dict[str, Any] = {}
@@ -117,10 +121,14 @@ def _embedding_sections(test: _Split, before: _Split | None, others: Mapping[str
         # gives pos_neg_js (the metric's fixed bins over [-1, 1]) of every row of the split, the
         # value metrics.json and `dmlkit evaluate` give for these embeddings (not the sample's)
         drawn = pos_neg_histograms(split.embeddings[rows], split.labels[rows], bins=60, range="observed")
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # the resolution warning: the drawn bins answer it
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
             metric = pos_neg_histograms(split.embeddings, split.labels).js
-        return drawn, metric
+        # the metric's resolution warning (every pair in a few of its bins: it reads near 0
+        # whatever the ranking) marks its cell: suppressed, 0.0000 read as "no separation"
+        said = [str(w.message).removeprefix("pos_neg_js: ") for w in caught
+                if str(w.message).startswith("pos_neg_js")]
+        return drawn, metric, said
 
     candidates: list[tuple[str, _Split, np.ndarray]] = []
     if before is not None:
@@ -129,21 +137,30 @@ def _embedding_sections(test: _Split, before: _Split | None, others: Mapping[str
     for name, split in others.items():
         candidates.append((f"{name}, after training", split,
                            _sample_rows(split.labels, options.max_points, options.seed)))
+    failed: list[tuple[str, str]] = []
     for title, split, r in candidates:
         try:
             panels[title] = histogram(split, r)
         except DmlkitError as exc:  # e.g. one class: no negative pair -- say why, draw the rest
-            hist_rows.append([title, "n/a", "n/a", "n/a", f"not drawn: {exc}"])
-    for title, (h, metric) in panels.items():
-        hist_rows.append([title, f"{h.js:.4f}", f"{metric:.4f}", h.num_positive_pairs, h.num_negative_pairs])
+            failed.append((title, str(exc)))
+    hist_notes: list[str] = []
+    for title, (h, metric, said) in panels.items():
+        js = f"{metric:.4f}" + (" (unreliable: see the note below)" if said else "")
+        hist_notes += [f"pos_neg_js of {title}: {line}" for line in said]
+        hist_rows.append([title, f"{h.js:.4f}", js, h.num_positive_pairs, h.num_negative_pairs])
+    # a panel that could not be drawn: after the drawn ones, its reason in a note (it stood
+    # first, with the reason in the "negative pairs drawn" column)
+    for title, why in failed:
+        hist_rows.append([title, "not drawn", "n/a", "n/a", "n/a"])
+        hist_notes.append(f"{title}: not drawn: {why}")
     hist_figs = []
     if panels:
-        png = figures.save_figure(figures.similarity_histograms({k: hist_dict(v) for k, (v, _) in panels.items()}),
+        png = figures.save_figure(figures.similarity_histograms({k: hist_dict(v) for k, (v, _, _) in panels.items()}),
                                   fig_dir / "histograms")
         hist_figs.append(Figure(png[0], f"Similarity histograms of {what}", png[1]))
     sections.append(Section(
         "Positive and negative pair similarities",
-        ["Histograms of the cosine similarities of all positive (same-class) and all negative pairs, "
+        [*notes, "Histograms of the cosine similarities of all positive (same-class) and all negative pairs, "
          "each normalised to area 1 (Oi et al.), with 60 bins over each panel's observed range. The "
          "Jensen-Shannon divergence (base 2) measures how well they separate: 0 = identical "
          "distributions, 1 = disjoint. It depends on the bins: the table gives it over the drawn "
@@ -154,7 +171,8 @@ def _embedding_sections(test: _Split, before: _Split | None, others: Mapping[str
          "report embeds), the value `dmlkit evaluate` and metrics.json give for the test "
          "embeddings. A split without both kinds of pair has no histogram."],
         [table_html(["split", "JS, drawn bins", "pos_neg_js", "positive pairs drawn",
-                     "negative pairs drawn"], hist_rows)],
+                     "negative pairs drawn"], hist_rows),
+         *(f'<p class="note">{html.escape(n)}</p>' for n in hist_notes)],
         hist_figs,
     ))
     # 2-D maps
@@ -166,13 +184,14 @@ def _embedding_sections(test: _Split, before: _Split | None, others: Mapping[str
     map_notes = []
     for method in options.maps:
         options.progress(f"{method} map")
+        name = figures.projection_name(method)
         if len(sel) < 4:
-            map_notes.append(f"No {method.upper()} map: {len(sel)} test samples are too few to project.")
+            map_notes.append(f"No {name} map: {len(sel)} test samples are too few to project.")
             continue
         try:
             pts = figures.project_2d(test.embeddings[sel], method, seed=options.seed)
         except (DmlkitError, ValueError) as exc:  # e.g. t-SNE's perplexity above the sample count
-            map_notes.append(f"No {method.upper()} map: {exc}")
+            map_notes.append(f"No {name} map: {exc}")
             continue
         thumbs = None
         if test.image_of is not None:
@@ -185,9 +204,10 @@ def _embedding_sections(test: _Split, before: _Split | None, others: Mapping[str
         png = figures.save_figure(fig, fig_dir / f"map_{method}")
         map_figs.append(Figure(png[0], f"{drawn} map of {what} ({shown})", png[1]))
     sections.append(Section("Maps of the test embeddings", [
-        "Each point is a test sample, coloured and shaped by class; thumbnails show a sample of the "
-        "images where the data are images. UMAP and t-SNE preserve neighbourhoods, not distances; "
-        "PCA is linear and fast.", *map_notes], [], map_figs))
+        "Each point is a test sample, coloured and shaped by class (the legend beside the map names "
+        "the classes, up to 40); thumbnails show a sample of the images where the data are images, each beside "
+        "its point with a line to it. UMAP and t-SNE preserve neighbourhoods, not distances; "
+        "PCA is linear and fast.", *test.notes, *map_notes], [], map_figs))
     # gallery and per-class
     scores, r_q = per_query(test.embeddings, test.labels, metrics=["map_at_r"])
     ap = scores["map_at_r"]
@@ -210,14 +230,18 @@ def _embedding_sections(test: _Split, before: _Split | None, others: Mapping[str
         sections.append(Section("Retrieval gallery", [
             f"{options.gallery_queries} random and the {options.gallery_queries} worst-scoring test queries "
             "(by average precision at R) with their nearest neighbours; green solid frames are correct "
-            "(same class), red dashed frames are wrong."], [], [Figure(png[0], "Retrieval gallery", png[1])]))
+            "(same class), red dashed frames are wrong.", *test.notes], [],
+            [Figure(png[0], "Retrieval gallery", png[1])]))
     pc = per_class(test.embeddings, test.labels, metrics=["map_at_r"])
     values = {c: row["map_at_r"] for c, row in pc.items() if np.isfinite(row["map_at_r"])}
     if len(values) >= 2:
         png = figures.save_figure(figures.per_class_bars(values, "map_at_r", class_names=test.class_names),
                                   fig_dir / "per_class")
         sections.append(Section("Per-class MAP@R", [
-            f"MAP@R of each test class (mean over its queries); {len(values)} classes."], [],
+            f"MAP@R of each test class (mean over its queries); {len(values)} classes. The dotted line "
+            "is the mean over classes (each class counts once): with classes of unequal size it is not "
+            "the MAP@R over all queries of the Results table.",
+            *[n for n in test.notes if n.startswith("Classes")]], [],
             [Figure(png[0], "Best and worst test classes by MAP@R", png[1])]))
     return sections
 

@@ -531,6 +531,13 @@ def evaluate_patch_run(
 def hardest_pairs_figure(patches: np.ndarray, left, right, label, scores, k: int = 8, title: str = ""):
     """The ``k`` highest-scoring non-matches (false positives) and ``k`` lowest-scoring matches
     (false negatives), each pair drawn as two patches side by side with its score."""
+    from dmlkit.report.style import figure_style  # lazy: matplotlib loads only to draw
+
+    with figure_style():  # dmlkit's settings: the title's names drawn literally, never as mathtext
+        return _hardest_pairs_figure(patches, left, right, label, scores, k, title)
+
+
+def _hardest_pairs_figure(patches: np.ndarray, left, right, label, scores, k: int, title: str):
     from matplotlib.figure import Figure
 
     label = np.asarray(label).astype(bool)

@@ -312,6 +312,13 @@ def plot_ope(results: Mapping[str, OPEResult], title: str = "OPE"):
     matplotlib.use("Agg", force=False)
     import matplotlib.pyplot as plt
 
+    from dmlkit.report.style import figure_style  # lazy: matplotlib loads only to draw
+
+    with figure_style():  # dmlkit's settings: tracker names drawn literally, never as mathtext
+        return _plot_ope(plt, results, title)
+
+
+def _plot_ope(plt, results: Mapping[str, OPEResult], title: str):
     fig, (ax_s, ax_p) = plt.subplots(1, 2, figsize=(10, 4.2))
     for name, res in sorted(results.items(), key=lambda kv: -kv[1].auc):
         ax_s.plot(SUCCESS_THRESHOLDS, res.success, label=f"{name} [{res.auc:.3f}]")
