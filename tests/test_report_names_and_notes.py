@@ -259,6 +259,9 @@ def test_compare_terminal_marks_a_ci_over_queries_only_and_states_the_threshold(
     assert "significant = Holm-adjusted p < 0.05" in out
     assert out.count("[-2.00, +4.00] (queries only)") == 1 and out.count("[-2.00, +4.00]") == 2
     assert "(queries only): the CI holds the variance of queries only (one seed each" in out
+    markdown = compare.render_compare_markdown({**report, "min_seeds_for_significance": 3})
+    assert markdown.count("[-2.00, +4.00] (queries only)") == 1 and markdown.count("[-2.00, +4.00]") == 2
+    assert "A CI marked (queries only) holds the variance of queries only (one seed each" in markdown
 
 
 # -- F5: the patches table bolds the lowest FPR95 as shown --------------------------------------

@@ -7,21 +7,6 @@ from pathlib import Path
 import typer
 
 
-def _variance_marks(comparisons: list[dict]) -> dict[str, str]:
-    """``{variance: mark}`` of the comparisons whose CI does not hold both sources of variance
-    (``variance`` other than ``"seeds and queries"``, :class:`dmlkit.protocol.stats.DifferenceTest`):
-    ``(queries only)`` with one seed per method, ``(partly seeds)`` where one method has one
-    seed. Their cells were shown as the plain "95 % CI" the title describes as over seeds,
-    far narrower than an interval over retrained models."""
-    marks: dict[str, str] = {}
-    for c in comparisons:
-        variance = c.get("variance")
-        if variance and variance != "seeds and queries" and variance not in marks:
-            marks[variance] = ("(queries only)" if variance.startswith("queries only") else
-                               "(partly seeds)" if variance.startswith("seeds and queries") else "(see below)")
-    return marks
-
-
 def register(app: typer.Typer) -> None:
     @app.command("compare")
     def compare_command(
@@ -51,6 +36,7 @@ def register(app: typer.Typer) -> None:
             format_p,
             render_compare_markdown,
             significance_label,
+            variance_marks,
         )
         from dmlkit.protocol.results import MODES, metric_label
         from dmlkit.protocol.stats import PER_QUERY_METRICS
@@ -80,7 +66,7 @@ def register(app: typer.Typer) -> None:
         table.add_column("p", justify="right")
         table.add_column("p (Holm)", justify="right")
         table.add_column("significant", justify="center")
-        marks = _variance_marks(report["comparisons"])
+        marks = variance_marks(report["comparisons"], other="(see below)")
         for c in report["comparisons"]:
             mark = " " + marks[c["variance"]] if c.get("variance") in marks else ""
             table.add_row(escape(c["a"]), escape(c["b"]), c["mode"], metric_label(c["metric"]), f"{100 * c['diff']:+.2f}",

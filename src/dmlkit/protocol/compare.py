@@ -64,6 +64,7 @@ __all__ = [
     "relative_percent",
     "render_compare_markdown",
     "significance_label",
+    "variance_marks",
 ]
 
 BASELINES: tuple[str, ...] = ("contrastive", "triplet")
@@ -458,17 +459,37 @@ def significance_label(comparison: Mapping[str, Any]) -> str:
     return "too few seeds" if value is None else ("yes" if value else "no")
 
 
+def variance_marks(comparisons: Sequence[Mapping[str, Any]], other: str = "(see above)") -> dict[str, str]:
+    """``{variance: mark}`` of the comparisons whose CI does not hold both sources of variance
+    (``variance`` other than ``"seeds and queries"``, :class:`~dmlkit.protocol.stats.DifferenceTest`):
+    ``(queries only)`` with one seed per method, ``(partly seeds)`` where one of the two has one
+    seed, ``other`` for any other partial variance (where the text that explains it stands). The
+    markdown and the terminal mark those cells: shown as the plain CI the header describes as
+    over seeds, they looked far tighter than an interval over retrained models."""
+    marks: dict[str, str] = {}
+    for c in comparisons:
+        variance = c.get("variance")
+        if variance and variance != "seeds and queries" and variance not in marks:
+            marks[variance] = ("(queries only)" if variance.startswith("queries only") else
+                               "(partly seeds)" if variance.startswith("seeds and queries") else other)
+    return marks
+
+
 def render_compare_markdown(report: Mapping[str, Any]) -> str:
     """Two Markdown tables: paired differences, and relative improvements over the baselines."""
     conf = f"{100 * report['confidence']:g}"  # as the terminal table: 99.5, not 100
     seeds = ", ".join(f"{n}: {k}" for n, k in report["seeds"].items())
+    marks = variance_marks(report["comparisons"])
     lines = [
         f"t-test over training seeds ({seeds}) and {report['queries']} test queries (standard "
         f"error from each method's seed-to-seed variance and the variance of the per-query "
         f"difference, Welch-Satterthwaite degrees of freedom); differences in percentage points, "
         f"{conf} % CI of each pair (not adjusted for the others); significant = p < "
         f"{1 - report['confidence']:.2g} after Holm's correction over the method pairs of each "
-        f"metric and mode, with at least {report['min_seeds_for_significance']} seeds per method.",
+        f"metric and mode, with at least {report['min_seeds_for_significance']} seeds per method."
+        # a method with one seed has no seed variance: its CIs hold less than the sentence says
+        + "".join(f" A CI marked {m} holds the variance of {v}, not of seeds and queries: it does "
+                  "not show how much the methods move when trained again." for v, m in marks.items()),
         *[f"\nWarning: {w}." for w in report["warnings"]],
         "",
         f"| A | B | mode | metric | A − B | {conf} % CI | p | p (Holm) | significant |",
@@ -477,7 +498,8 @@ def render_compare_markdown(report: Mapping[str, Any]) -> str:
     for c in report["comparisons"]:
         lines.append(
             f"| {c['a']} | {c['b']} | {c['mode']} | {metric_label(c['metric'])} | "
-            f"{100 * c['diff']:+.2f} | [{100 * c['ci_low']:+.2f}, {100 * c['ci_high']:+.2f}] | "
+            f"{100 * c['diff']:+.2f} | [{100 * c['ci_low']:+.2f}, {100 * c['ci_high']:+.2f}]"
+            f"{' ' + marks[c['variance']] if c.get('variance') in marks else ''} | "
             f"{format_p(c.get('p'))} | {format_p(c.get('p_holm'))} | {significance_label(c)} |"
         )
     for base, info in report["relative_improvement"].items():
