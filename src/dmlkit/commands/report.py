@@ -113,6 +113,7 @@ def plot_map(
 
     from dmlkit.report import figures
 
+    figures.check_projection(method)  # before any note about the file: a bad option is the one line
     emb, labels, extra = _load(embeddings)
     found = _figure_data(embeddings, labels, extra, thumbnails=not no_thumbnails)
     keep = np.flatnonzero(np.isin(labels, np.unique(labels)[:classes]))

@@ -47,19 +47,9 @@ from dmlkit.utils import atomic_write_figure
 from dmlkit.validation import check_embeddings
 
 __all__ = [
-    "cmc_curve",
-    "drawn_projection",
-    "embedding_map",
-    "per_class_bars",
-    "project_2d",
-    "projection_name",
-    "projection_title",
-    "reid_strip",
-    "relative_improvement",
-    "retrieval_gallery",
-    "save_figure",
-    "similarity_histograms",
-    "training_curves",
+    "check_projection", "cmc_curve", "drawn_projection", "embedding_map", "per_class_bars",
+    "project_2d", "projection_name", "projection_title", "reid_strip", "relative_improvement",
+    "retrieval_gallery", "save_figure", "similarity_histograms", "training_curves",
 ]
 
 _LINESTYLES = ["-", "--", "-.", ":"]
@@ -178,6 +168,12 @@ PROJECTIONS = ("umap", "tsne", "pca")
 _UMAP_MIN_ROWS = 4
 
 
+def check_projection(method: str) -> None:
+    """Refuse a projection name :func:`project_2d` does not know (:class:`ConfigError`)."""
+    if method not in PROJECTIONS:
+        raise ConfigError(f"unknown projection {method!r}: use {', '.join(PROJECTIONS)}")
+
+
 def project_2d(embeddings: np.ndarray, method: str = "umap", seed: int = 0) -> np.ndarray:
     """Project ``(N, D)`` embeddings to ``(N, 2)`` with ``umap``, ``tsne`` or ``pca``.
 
@@ -185,8 +181,7 @@ def project_2d(embeddings: np.ndarray, method: str = "umap", seed: int = 0) -> n
     scikit-learn) use cosine geometry since dmlkit embeddings are L2-normalised; PCA is the
     fast fallback. UMAP falls back to PCA when umap-learn is not installed or for fewer than 4 rows.
     """
-    if method not in PROJECTIONS:
-        raise ConfigError(f"unknown projection {method!r}: use {', '.join(PROJECTIONS)}")
+    check_projection(method)
     x = check_embeddings(embeddings).cpu().numpy()  # (N, D), finite: NaN is refused, not drawn
     n = len(x)
     if n < 3:
