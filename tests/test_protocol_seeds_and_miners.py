@@ -84,6 +84,8 @@ def test_a_searched_triplet_margin_with_a_margin_miner_warns_in_one_line(miner, 
     {"miner": {"name": "batch_all", "params": {"nonzero": False}}},      # keeps every triplet
     {"miner": {"name": "semi_hard"}, "loss": {"name": "triplet", "params": {"soft_margin": True}}},
     {"miner": {"name": "semi_hard"}, "search": {}},                      # the margin is not searched
+    {"miner": {"name": "batch_all", "params": {"margin": 0.1}},           # the ratio form: m in its gradient
+     "loss": {"name": "triplet", "params": {"form": "ratio"}}},
 ])
 def test_no_warning_where_the_loss_margin_stays_live(change):
     from dmlkit.protocol.preflight import inert_margin_problems

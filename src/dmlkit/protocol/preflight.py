@@ -231,7 +231,8 @@ def _shown(params: dict[str, Any]) -> str:
 
 
 #: Losses whose hinge is ``[d_ap - d_an + margin]_+`` on the triplets they are given: the loss
-#: name and its margin parameter (a soft margin, ``soft_margin: true``, has no hinge).
+#: name and its margin parameter (a soft margin, ``soft_margin: true``, has no hinge; the ratio
+#: form ``[1 - d_an / (m + d_ap)]_+``, ``form: ratio``, keeps ``m`` in its gradient).
 TRIPLET_HINGE_MARGINS = {"triplet": "margin"}
 
 
@@ -252,6 +253,8 @@ def inert_margin_problems(config: BenchConfig, method: MethodConfig, index: int)
     param = TRIPLET_HINGE_MARGINS.get(method.loss.name)
     searched = method.search.get(f"loss.{param}")
     if searched is None or method.miner is None or method.loss.params.get("soft_margin") is True:
+        return []
+    if method.loss.params.get("form", "difference") == "ratio":  # [1 - d_an / (m + d_ap)]_+: m in every gradient
         return []
     mu_search = method.search.get("miner.margin")
     try:
