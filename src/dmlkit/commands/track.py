@@ -282,7 +282,7 @@ def evaluate(
         load_tracking_dataset,
         run_ope,
     )
-    from dmlkit.apps.tracking.datasets import check_index_base
+    from dmlkit.apps.tracking.datasets import BENCHMARK_INDEX_BASE, check_index_base
     from dmlkit.apps.tracking.evaluation import check_absent_frames
     from dmlkit.commands._options import listed
     from dmlkit.exceptions import ConfigError
@@ -314,7 +314,8 @@ def evaluate(
     for name, tracker in trackers.items():
         results[name], boxes = run_ope(tracker, sequences, progress=not as_json, absent_frames=absent_frames)
         if out_dir is not None:  # now, not after every method: a crash or Ctrl-C lost them all
-            base = sequences[0].index_base if sequences and sequences[0].index_base is not None else 1
+            base = (sequences[0].index_base if sequences and sequences[0].index_base is not None
+                    else BENCHMARK_INDEX_BASE)
             _write_evaluation(out_dir, name, results, boxes, f"OPE on {Path(root).name}", base)
     table = {name: res.summary() for name, res in results.items()}
     if as_json:

@@ -75,7 +75,9 @@ def list_frames(folder: str | Path) -> list[Path]:
 
 
 def read_boxes(path: str | Path) -> np.ndarray:
-    """A ground-truth file: one box ``x,y,w,h`` per line (commas, tabs or spaces) -> ``(N, 4)``."""
+    """A ground-truth file: one box ``x,y,w,h`` per line (commas, tabs or spaces) -> ``(N, 4)``,
+    the numbers as the file holds them (OTB's and GOT-10k's are 1-based: :func:`load_otb` and
+    :func:`load_got10k` return them 0-based, :func:`box_index_base`)."""
     path = Path(path)
     if not path.is_file():
         raise DataNotFoundError(f"ground-truth file {path} does not exist")
@@ -263,7 +265,8 @@ def load_got10k(root: str | Path, split: str | None = None, index_base: int | No
         check_offline_build(folder)
     if not root.is_dir():
         raise DataNotFoundError(f"GOT-10k root {root} does not exist")
-    sequences = []
+    sequences: list[Sequence] = []
+    bases: dict[Path, int] = {}
     for d in _got10k_dirs(root, split or "train", named=split is not None):
         frames = list_frames(d)
         boxes = read_boxes(d / "groundtruth.txt")
@@ -279,7 +282,9 @@ def load_got10k(root: str | Path, split: str | None = None, index_base: int | No
                 raise DataError(f"{absence} has {len(flags)} flags but the sequence has {len(boxes)} "
                                 "frames: one flag per frame (1 = target absent)")
             boxes[flags] = np.nan
-        base = box_index_base(d.parent, index_base)
+        if d.parent not in bases:  # once a folder: meta.json was read and parsed per sequence
+            bases[d.parent] = box_index_base(d.parent, index_base)
+        base = bases[d.parent]
         sequences.append(Sequence(d.name, frames, _zero_based(boxes, base), base))
     return sequences
 

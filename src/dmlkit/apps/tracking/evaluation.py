@@ -260,7 +260,8 @@ def evaluate_sequence(
 ) -> SequenceResult:
     """One-pass measures of one sequence; frames with invalid ground truth left out
     (``absent_frames="drop"``) or kept as the OTB toolkit keeps them (``"otb"``: their overlap
-    and centre error are its code -1, in ``ious`` and ``center_errors`` too). A sequence needs a
+    and centre error are its code -1, in ``ious`` and ``center_errors`` too; and the first
+    frame's prediction replaced by its ground truth, as the toolkit does). A sequence needs a
     valid box after the first frame, which is the tracker's given start (GOT-10k's test split
     annotates only that one: every tracker scored about 0.95 on it). Invalid predictions in
     scored frames are refused (:func:`check_predictions`)."""
@@ -271,6 +272,9 @@ def evaluate_sequence(
                          "given start): nothing to measure (GOT-10k's test split is scored by its server; "
                          "evaluate on val)")
     keep = valid_frames(g, rule)
+    if rule == "otb":  # calcSeqErrRobust.m: results(1,:) = rect_anno(1,:), the given start scores 1
+        p = p.copy()
+        p[0] = g[0]
     check_predictions(p, keep, name)
     if rule == "drop":
         ious = overlap(p[keep], g[keep])
