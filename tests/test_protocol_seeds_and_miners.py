@@ -212,6 +212,14 @@ def test_search_and_final_training_seeds_never_coincide(folds):
             assert final == [fixed_seed + folds * (s + 1) + f for s in seeds for f in range(folds)]
 
 
+def test_the_old_run_seed_call_is_refused_in_one_line():
+    """``run_seed(seed, fold)`` (before the seeds were made disjoint) would be a confusing
+    TypeError from inside the function: it says what changed."""
+    with pytest.raises(TypeError, match=r"takes the bench config first .*no longer 1000 \* seed \+ fold") as info:
+        run_seed(0, 1)
+    assert "\n" not in str(info.value)
+
+
 
 def test_final_runs_and_pretrained_row_made_with_the_old_seeds_are_stale(tmp_path):
     """A bench directory whose final runs (and pretrained row) an earlier dmlkit made with seed

@@ -325,6 +325,9 @@ def test_lifted_hinge_power_default_and_refusals():
     _finite_at_zero_distance(get_loss("lifted_structure", hinge_power=1))
     for bad in (0, 3, True):
         _one_config_error(r"hinge_power must be 1 or 2", "lifted_structure", hinge_power=bad)
+        # contrastive's two powers by the same rule (it took True as 1)
+        _one_config_error(r"hinge_power must be 1 or 2", "contrastive", hinge_power=bad)
+        _one_config_error(r"distance_power and hinge_power must be 1 or 2", "contrastive", distance_power=bad)
 
 
 # ------------------------------------------------------------------ the docs name these calls

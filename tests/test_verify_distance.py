@@ -57,6 +57,7 @@ def test_raw_euclidean_scores_the_raw_distance_and_euclidean_the_normalised_one(
     assert by["raw-euclidean"].roc_auc != pytest.approx(by["cosine"].roc_auc, abs=1e-3)
     assert results["raw-euclidean"].distance == "raw-euclidean"
     assert verify(x, y, num_pairs=40, seed=3, distance="RAW_Euclidean").distance == "raw-euclidean"
+    assert verify(x, y, num_pairs=40, seed=3, distance="lp").distance == "euclidean"  # one name, one record
     assert results["euclidean"].distance == "euclidean"
     from dmlkit.apps.verification import VERIFY_DISTANCES
 

@@ -181,7 +181,9 @@ def _distance_name(distance: str) -> str:
     name = distance.strip().lower() if isinstance(distance, str) else None
     if name is not None and name.startswith("raw_"):
         name = "raw-" + name[4:]
-    if name not in VERIFY_DISTANCES and name != "lp":  # lp: dmlkit.distances' other name of euclidean
+    if name == "lp":  # dmlkit.distances' other name of euclidean: recorded as euclidean
+        name = "euclidean"
+    if name not in VERIFY_DISTANCES:
         raise ConfigError(f"unknown distance {distance!r}; choose one of {list(VERIFY_DISTANCES)} (euclidean and "
                           "dot compare L2-normalised embeddings, raw-euclidean and raw-dot the embeddings as they are)")
     return name

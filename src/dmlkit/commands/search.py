@@ -435,7 +435,7 @@ def serve(
     model: Path | None = typer.Option(None, "--model", help="Run directory or exported model (.onnx/.pt) for image queries."),
     host: str = typer.Option("127.0.0.1", help="Address to bind (default loopback only)."),
     port: int = typer.Option(8000, min=0, max=65535, help="Port to listen on (0: any free port)."),
-    threshold: float | None = typer.Option(None, help="Verification threshold (the `threshold` of `dmlkit verify`)."),
+    threshold: float | None = typer.Option(None, help="Verification threshold, on the index's own distance (cosine; euclidean/dot of normalised rows; raw-euclidean/raw-dot for an index built without normalisation): the `threshold` of `dmlkit verify --distance` of that name. --verification records its distance instead."),
     verification: Path | None = typer.Option(None, "--verification", help="JSON from `dmlkit verify --json` holding the threshold."),
     data_root: Path | None = typer.Option(None, "--data-root", help="Where the indexed files' thumbnails are read."),
     max_upload_mb: float = typer.Option(8.0, "--max-upload-mb", help="Largest request body accepted, in MiB (2^20 bytes: 8 = 8,388,608 bytes)."),

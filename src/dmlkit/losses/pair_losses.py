@@ -149,8 +149,9 @@ class ContrastiveLoss(BaseLoss):
         reduction: str = "mean_nonzero",
     ) -> None:
         super().__init__(distance)
-        if distance_power not in (1, 2) or hinge_power not in (1, 2):
-            raise ConfigError("distance_power and hinge_power must be 1 or 2")
+        if any(isinstance(v, bool) or v not in (1, 2) for v in (distance_power, hinge_power)):
+            raise ConfigError(f"distance_power and hinge_power must be 1 or 2, got {distance_power!r} "
+                              f"and {hinge_power!r}")
         if distance_power == 2 and self.distance.higher_is_closer:
             raise ConfigError(
                 "distance_power=2 squares a distance; with a similarity use distance_power=1"

@@ -59,7 +59,7 @@ DIVERGED_HINT = (
     "runs' directories to train them again")
 
 
-def run_seed(config: BenchConfig, seed: int, fold: int) -> int:
+def run_seed(config: BenchConfig, seed: int, fold: int | None = None) -> int:
     """The training seed of fold ``fold`` in repeat ``seed`` of the final runs (and of the
     pretrained row, which uses the same seeds): ``fixed.seed + folds * (seed + 1) + fold``
     (:meth:`BenchConfig.final_seed`). The search trains fold ``f`` with ``fixed.seed + f``
@@ -67,8 +67,12 @@ def run_seed(config: BenchConfig, seed: int, fold: int) -> int:
     never repeat a search run's seed.
 
     Fold models of one repeat start from different initialisations (as the seed's four
-    independent models do).
+    independent models do). Before 29 Nov 2026 this was ``run_seed(seed, fold) = 1000 seed +
+    fold``, whose seed 0 repeated the search's seeds; a call of that form is refused.
     """
+    if fold is None or not hasattr(config, "final_seed"):  # the old two-number call
+        raise TypeError(f"run_seed(config, seed, fold) takes the bench config first (got {config!r}): "
+                        "final seeds are fixed.seed + folds * (seed + 1) + fold, no longer 1000 * seed + fold")
     return config.final_seed(seed, fold)
 
 

@@ -345,8 +345,8 @@ def _bench_sections(bench_dir: Path, fig_dir: Path, options: ReportOptions) -> t
     if test is not None:
         seeds = sorted({int(r["seed"]) for r in best_runs})
         # the figures are one seed's models, the table the mean over seeds: said, not left to guess
-        seed_note = (f"The figures below show {best_name}'s fold models of seed {seeds[0]} only (the first "
-                     f"seed results.json lists), concatenated; the table above is the mean over "
+        seed_note = (f"The figures below show {best_name}'s fold models of seed {seeds[0]} only (the "
+                     f"smallest seed number), concatenated; the table above is the mean over "
                      f"{len(seeds)} seeds." if len(seeds) > 1 else
                      f"The figures below show {best_name}'s fold models of seed {seeds[0]}, concatenated.")
         sections += _embedding_sections(test, before, {}, fig_dir, options,

@@ -57,8 +57,12 @@ class ServiceConfig:
         index: an index directory/file from ``dmlkit index``.
         model: run directory or exported model for image queries (``None``: embedding and id
             queries only).
-        threshold: verification threshold on the score (``same`` when ``score >= threshold``).
-        verification: JSON of ``dmlkit verify --json`` (its ``threshold``; ``distance`` if present).
+        threshold: verification threshold on the score (``same`` when ``score >= threshold``),
+            the score of the index's own distance (``cosine``; ``euclidean``/``dot`` on the
+            normalised rows, or ``raw-euclidean``/``raw-dot`` for an index built without
+            normalisation: ``dmlkit verify --distance`` of the same name gives such thresholds).
+        verification: JSON of ``dmlkit verify --json`` (its ``threshold`` and the ``distance`` it
+            was chosen on, which scores the pairs; a file without the distance is refused).
         data_root: where relative item ids (dataset paths) are found for thumbnails (default:
             the ``data_root`` recorded in the index).
         max_upload_bytes: largest request body; larger ones get 413.
