@@ -215,9 +215,13 @@ def test_search_and_final_training_seeds_never_coincide(folds):
 def test_the_old_run_seed_call_is_refused_in_one_line():
     """``run_seed(seed, fold)`` (before the seeds were made disjoint) would be a confusing
     TypeError from inside the function: it says what changed."""
-    with pytest.raises(TypeError, match=r"takes the bench config first .*no longer 1000 \* seed \+ fold") as info:
+    with pytest.raises(TypeError, match=r"takes the bench config, a seed and a fold \(got a int .*no longer 1000 \* seed \+ fold") as info:
         run_seed(0, 1)
     assert "\n" not in str(info.value)
+    cfg = bench_config_from_dict(_bench(TRIPLET))
+    with pytest.raises(TypeError, match=r"got a BenchConfig and 2 arguments") as info:
+        run_seed(cfg, 0)  # the fold left out: named briefly, not the config's whole repr
+    assert len(str(info.value)) < 300
 
 
 

@@ -210,6 +210,11 @@ def test_absent_frames_drop_and_otb_against_the_reports_oracle_numbers():
     assert otb.auc == pytest.approx(16 / 35, abs=1e-15) and otb.precision[0] == pytest.approx(6 / 10)
     assert drop.summary()["num_scored_frames"] == 7 and otb.summary()["num_scored_frames"] == 10
     assert drop.absent_frames == "drop" and otb.summary()["absent_frames"] == "otb"
+    # as the docs first wrote the call: the rule in fps's place was an AttributeError deep inside
+    with pytest.raises(TypeError):
+        evaluate_ope({"s": p}, {"s": g}, "otb")
+    with pytest.raises(ConfigError, match="fps must map sequence names"):
+        evaluate_ope({"s": p}, {"s": g}, fps="otb")
     for rule, res in (("drop", drop), ("otb", otb)):
         s, pr = _otb_oracle([p], [g], rule)
         np.testing.assert_array_equal(res.success, s)

@@ -396,7 +396,7 @@ def load_image(path: str | os.PathLike, mode: str | None = "RGB"):
     except (UnidentifiedImageError, Image.DecompressionBombError, OSError, ValueError,
             SyntaxError) as exc:
         raise DataError(
-            f"cannot read image {path}: {exc}. Replace or delete the file, or load the dataset "
+            f"cannot read image {path}: {str(exc).rstrip('.')}. Replace or delete the file, or load the dataset "
             "with skip_corrupt=True to skip unreadable images"
         ) from exc
     return out

@@ -49,7 +49,8 @@ _GRAY_ALPHA_16 = "LA;16B"
 
 def _scaled(arr: np.ndarray, top: float, name: str, what: str, alpha: bool = False) -> np.ndarray:
     """``rint(arr * 255 / top)`` as uint8; :class:`DataError` when the colour samples (all but
-    the last channel when ``alpha``) vary but would keep fewer than :data:`_MIN_LEVELS` levels.
+    the last channel when ``alpha``) vary but would span fewer than :data:`_MIN_LEVELS` levels
+    (``max - min`` of the 8-bit values).
     ``what`` names the source's depth in the message (``I;16``, ``16-bit RGB``)."""
     out = np.rint(arr.astype(np.float64) * (255.0 / top)).astype(np.uint8)
     src, got = (arr[..., :-1], out[..., :-1]) if alpha else (arr, out)
@@ -71,8 +72,8 @@ def to_8bit(img: Any, source: str | os.PathLike | None = None):
     0..16); float images (``F``) must lie in ``[0, 1]`` and are scaled by 255. Other modes are
     returned unchanged (multi-channel 16-bit files: :func:`full_depth`). Raises
     :class:`DataError` (never returns a blank image) when values fall outside that range, or
-    when a non-constant image would keep fewer than 4 grey levels (e.g. a 16-bit file using
-    only values 0..700).
+    when a non-constant image's 8-bit values would span fewer than 4 levels (``max - min < 4``,
+    e.g. a 16-bit file using only values 0..700, which scale to 0..3).
     """
     from PIL import Image
 
@@ -152,8 +153,8 @@ def full_depth(img: Any, source: str | os.PathLike | None = None):
     order, which gives each sample's low byte (gray + alpha: once, with the 8-bit raw mode of
     the same 4 bytes a pixel); the 16-bit samples ``v`` are scaled as :func:`to_8bit` scales
     gray ones, ``rint(v * 255 / 65535)`` (OpenCV's and torchvision's ``decode_png`` scale), and
-    refused (:class:`DataError`) when the colour samples of a non-constant image would keep
-    fewer than 4 levels. The result is a new 8-bit image of the file's channels (``LA`` for
+    refused (:class:`DataError`) when the colour samples of a non-constant image would span
+    fewer than 4 levels at 8 bits (``max - min < 4``). The result is a new 8-bit image of the file's channels (``LA`` for
     gray + alpha: 2 channels, as an 8-bit gray + alpha file) with its EXIF orientation. A raw
     mode whose other byte order Pillow cannot decode keeps Pillow's 8-bit decoding.
     """

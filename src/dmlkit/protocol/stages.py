@@ -71,8 +71,9 @@ def run_seed(config: BenchConfig, seed: int, fold: int | None = None) -> int:
     fold``, whose seed 0 repeated the search's seeds; a call of that form is refused.
     """
     if fold is None or not hasattr(config, "final_seed"):  # the old two-number call
-        raise TypeError(f"run_seed(config, seed, fold) takes the bench config first (got {config!r}): "
-                        "final seeds are fixed.seed + folds * (seed + 1) + fold, no longer 1000 * seed + fold")
+        raise TypeError(f"run_seed(config, seed, fold) takes the bench config, a seed and a fold (got a "
+                        f"{type(config).__name__} and {2 if fold is None else 3} arguments): final seeds are "
+                        "fixed.seed + folds * (seed + 1) + fold, no longer 1000 * seed + fold")
     return config.final_seed(seed, fold)
 
 

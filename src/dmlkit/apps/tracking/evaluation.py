@@ -287,7 +287,7 @@ def evaluate_sequence(
 
 
 def evaluate_ope(
-    predictions: Mapping[str, np.ndarray], ground_truth: Mapping[str, np.ndarray],
+    predictions: Mapping[str, np.ndarray], ground_truth: Mapping[str, np.ndarray], *,
     fps: Mapping[str, float] | None = None, absent_frames: str = "drop",
 ) -> OPEResult:
     """OTB one-pass evaluation of ``{sequence: (N, 4) boxes}`` against the ground truth (both
@@ -295,6 +295,8 @@ def evaluate_ope(
     without a valid ground-truth box out, ``"otb"`` keeps them as the OTB toolkit does (the rule
     of published OTB numbers; module docstring)."""
     rule = check_absent_frames(absent_frames)
+    if fps is not None and not isinstance(fps, Mapping):
+        raise ConfigError(f"fps must map sequence names to frames per second, got {type(fps).__name__}")
     missing = sorted(set(ground_truth) - set(predictions))
     if missing:
         raise ShapeError(f"no predictions for sequences {missing[:5]}: run the tracker on them")
@@ -382,4 +384,4 @@ def run_ope(tracker, sequences, progress: bool = False,
         preds[seq.name], gts[seq.name], fps[seq.name] = result.boxes, seq.boxes, result.fps
     if bar is not None:
         bar.close()
-    return evaluate_ope(preds, gts, fps, absent_frames), preds
+    return evaluate_ope(preds, gts, fps=fps, absent_frames=absent_frames), preds
