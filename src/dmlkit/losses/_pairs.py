@@ -329,6 +329,16 @@ def class_codes(labels: torch.Tensor, ref_labels: torch.Tensor
     return len(classes), cls_q, cls_r, torch.bincount(cls_r, minlength=len(classes))
 
 
+def anchor_positives(labels: torch.Tensor, ref_labels: torch.Tensor | None
+                     ) -> tuple[bool, int, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(same_set, K, cls_q, cls_r, num_pos)``: :func:`class_codes` of ``labels`` against
+    ``ref_labels`` (``None``: the batch itself, ``same_set``) and each anchor's number of
+    positives (its class's references, less itself on the same set)."""
+    same_set = ref_labels is None
+    num_classes, cls_q, cls_r, counts = class_codes(labels, labels if same_set else ref_labels)
+    return same_set, num_classes, cls_q, cls_r, counts[cls_q] - int(same_set)
+
+
 def class_columns(
     labels: torch.Tensor, ref_labels: torch.Tensor, same_set: bool
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -13,7 +13,13 @@ import torch
 
 from dmlkit.distances import BaseDistance, LpDistance
 from dmlkit.exceptions import ConfigError
-from dmlkit.losses._pairs import class_codes, masked_logsumexp, pair_masks, safe_normalize, upcast
+from dmlkit.losses._pairs import (
+    anchor_positives,
+    masked_logsumexp,
+    pair_masks,
+    safe_normalize,
+    upcast,
+)
 from dmlkit.losses.base import BaseLoss, register_loss
 from dmlkit.losses.pair_losses import _check_choice
 
@@ -112,11 +118,8 @@ class NCALoss(BaseLoss):
     def _compute_labels(self, embeddings, labels, ref_emb, ref_labels):
         """All pairs from labels, without any ``B x R`` mask: the softmax over the row (minus
         the diagonal) is summed per reference class with ``index_add`` into ``(B, K)``."""
-        same_set = ref_labels is None
-        ref_labels = labels if same_set else ref_labels
-        num_classes, cls_q, cls_r, counts = class_codes(labels, ref_labels)
-        counts = counts[cls_q] - int(same_set)
-        has_pos = counts > 0
+        same_set, num_classes, cls_q, cls_r, num_pos = anchor_positives(labels, ref_labels)
+        has_pos = num_pos > 0
         if not bool(has_pos.any()):
             return self.zero_loss(embeddings)
         logits = self._logits(embeddings, ref_emb)

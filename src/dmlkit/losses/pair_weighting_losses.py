@@ -36,7 +36,7 @@ import torch.nn.functional as F
 from dmlkit.distances import BaseDistance, LpDistance, SNRDistance
 from dmlkit.exceptions import ConfigError
 from dmlkit.losses._pairs import (
-    class_codes,
+    anchor_positives,
     class_columns,
     masked_logsumexp,
     pair_masks,
@@ -227,10 +227,7 @@ class SupConLoss(_TemperatureLoss):
     def _compute_labels(self, embeddings, labels, ref_emb, ref_labels):
         """All pairs from labels without a ``B x R`` mask: ``A(i)`` is the whole row (minus the
         diagonal), and the positives' logits are summed per class with ``index_add``."""
-        same_set = ref_labels is None
-        ref_labels = labels if same_set else ref_labels
-        num_classes, cls_q, cls_r, counts = class_codes(labels, ref_labels)
-        num_pos = counts[cls_q] - int(same_set)
+        same_set, num_classes, cls_q, cls_r, num_pos = anchor_positives(labels, ref_labels)
         has_pos = num_pos > 0
         if not bool(has_pos.any()):
             return self.zero_loss(embeddings)
