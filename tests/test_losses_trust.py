@@ -153,6 +153,17 @@ def test_nonfinite_embeddings_are_refused_by_every_loss(name, bad):
                 make(name)(x, labels)
 
 
+@pytest.mark.parametrize("name", ["contrastive", "triplet", "normalized_softmax"])
+def test_finite_embeddings_whose_sum_overflows_are_not_refused(name):
+    """The finiteness check reads one sum per input (a NaN or infinity makes it non-finite);
+    finite entries whose sum overflows float32 must go to the exact test, not be refused."""
+    labels = torch.tensor(LABELS["several"])
+    x = embeddings(len(labels), 1.0)
+    x[:, 0] = 3e38  # every row finite; the column's sum is beyond float32's range
+    assert not torch.isfinite(x.sum()) and torch.isfinite(x).all()
+    assert torch.isfinite(make(name)(x, labels))
+
+
 def test_a_nonfinite_batch_leaves_the_cross_batch_memory_as_it_was():
     """The finiteness check runs after the computation, but before the queue takes the batch."""
     from dmlkit.losses import CrossBatchMemory

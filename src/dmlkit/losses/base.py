@@ -170,10 +170,14 @@ def check_finite_loss(
     """
     inputs = {"embeddings": embeddings, "ref_emb": ref_emb}
     inputs = {name: x for name, x in inputs.items() if x is not None}
-    flags = torch.stack([torch.isfinite(x.detach()).all() for x in inputs.values()]
+    # a finite sum means finite entries (a NaN or an infinity makes the sum NaN or infinite): one
+    # vectorised reduction, 12 us against 250 for isfinite().all() on 1024 x 128 (one thread),
+    # a tenth of a 2 ms loss step; a sum that is not finite (a NaN, or finite entries whose sum
+    # overflows) is settled by the exact test
+    flags = torch.stack([torch.isfinite(x.detach().sum()) for x in inputs.values()]
                         + [torch.isfinite(loss.detach()).all()]).tolist()
-    for name, finite in zip(inputs, flags):
-        if not finite:
+    for (name, x), finite in zip(inputs.items(), flags):
+        if not finite and not bool(torch.isfinite(x.detach()).all()):
             raise _nonfinite_input(name)
     if flags[-1]:
         return
