@@ -38,11 +38,15 @@ from dmlkit.protocol.results import (
 )
 from dmlkit.report import figures
 from dmlkit.report.html import Figure, Section, render_page, table_html
-from dmlkit.report.saved import dataset_class_names, image_getter, saved_figure_data
+from dmlkit.report.saved import (
+    dataset_class_names,
+    file_class_names,
+    image_getter,
+    saved_figure_data,
+)
 from dmlkit.report.sections import (
     ReportOptions,
     _embedding_sections,
-    _file_class_names,
     _sample_rows,
     _Split,
     hist_dict,
@@ -422,7 +426,7 @@ def _concatenated_test(runs: Sequence[Mapping[str, Any]], method: str,
         parts.append(emb)
     emb = concatenate_normalized(parts)
     if options is None:  # the names of a file saved with class-name labels, no more
-        return _Split("test", emb, labels, class_names=_file_class_names(first_extra)), []
+        return _Split("test", emb, labels, class_names=file_class_names(first_extra)), []
     run0 = fold_runs[0]
     found = saved_figure_data(files[0], labels, first_extra, Path(run0.get("run_dir") or files[0].parents[1]),
                               data_root=options.data_root, thumbnails=options.thumbnails)

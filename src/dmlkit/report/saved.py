@@ -36,7 +36,8 @@ from dmlkit.exceptions import DmlkitError
 from dmlkit.training.data_root import load_dataset_at, run_data_root
 from dmlkit.training.run_identity import read_run_split
 
-__all__ = ["FigureData", "dataset_class_names", "image_getter", "run_dir_of_file", "saved_figure_data"]
+__all__ = ["FigureData", "dataset_class_names", "file_class_names", "image_getter", "run_dir_of_file",
+           "saved_figure_data"]
 
 
 @dataclass
@@ -62,6 +63,13 @@ def dataset_class_names(dataset: Any) -> dict[int, str] | None:
 def _telling(names: dict[int, str]) -> dict[int, str] | None:
     """``names``, or None where every name is its id (the ids are the names)."""
     return None if all(n == str(c) for c, n in names.items()) else names
+
+
+def file_class_names(extra: Mapping[str, Any]) -> dict[int, str] | None:
+    """``{code: name}`` of an embeddings file saved with class-name labels (its
+    ``class_names``), None without them or where every name is its code."""
+    names = extra.get("class_names")
+    return None if names is None else _telling({i: str(n) for i, n in enumerate(np.asarray(names).tolist())})
 
 
 def image_getter(dataset: Any) -> Callable[[int], np.ndarray] | None:
@@ -156,7 +164,7 @@ def saved_figure_data(path: str | os.PathLike, labels: Any, extra: Mapping[str, 
     out = FigureData()
     run = Path(run_dir) if run_dir is not None else run_dir_of_file(path)
     if extra.get("class_names") is not None:  # a file saved with class-name labels: codes
-        out.class_names = _telling({i: str(n) for i, n in enumerate(np.asarray(extra["class_names"]).tolist())})
+        out.class_names = file_class_names(extra)
         return _with_images(out, run, labels, extra, data_root, thumbnails, names_known=True)
     names_known = False
     if run is not None:

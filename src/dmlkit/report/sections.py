@@ -62,12 +62,6 @@ class _Split:
     notes: Sequence[str] = ()
 
 
-def _file_class_names(extra: Mapping[str, np.ndarray]) -> dict[int, str] | None:
-    """``{code: name}`` of an embeddings file saved with class-name labels, else None."""
-    names = extra.get("class_names")
-    return None if names is None else {i: str(n) for i, n in enumerate(np.asarray(names).tolist())}
-
-
 def _sample_rows(labels: np.ndarray, max_points: int, seed: int) -> np.ndarray:
     """Rows of whole classes (so every sample keeps its positives), up to ``max_points``, and at
     least two classes (one class has no negative pair: ``--max-points 10`` on classes of 10 or
