@@ -79,6 +79,13 @@ def read_patch_sheets(folder: str | Path, n: int | None = None) -> np.ndarray:
     numbered from 0000 with no gap up to the last one ``n`` needs (``ceil(n / 256)`` sheets of
     1024 x 1024; sheets past it are not read), else a :class:`DataError` names the first
     missing one. A sheet PIL cannot decode (a truncated file) is a :class:`DataError` naming it.
+
+    Every sheet read must be exactly 1024 x 1024, the last one too, else a :class:`DataError`
+    names the file and its size: patch ``k`` is sheet ``k // 256``, row ``k % 256 // 16``,
+    column ``k % 16`` (Brown's data page: "1024x1024 bitmap (.bmp) images, each containing a
+    16x16 array of image patches"; the last sheet is padded, as :func:`write_brown_subset`
+    writes it). A smaller sheet (any multiple of 64 was read) gave fewer patches and shifted
+    every later patch index, and so every ``m50`` pair past it, without a word.
     """
     from PIL import Image
 
@@ -107,9 +114,10 @@ def read_patch_sheets(folder: str | Path, n: int | None = None) -> np.ndarray:
         except (OSError, ValueError, SyntaxError, Image.DecompressionBombError) as exc:
             raise DataError(f"{f}: cannot read this patch sheet ({exc}); unpack the subset again") from None
         h, w = a.shape
-        if h % PATCH_SIZE or w % PATCH_SIZE:
-            raise DataError(f"{f}: sheet of {w}x{h} pixels is not a grid of {PATCH_SIZE}x{PATCH_SIZE} patches")
-        grid = a.reshape(h // PATCH_SIZE, PATCH_SIZE, w // PATCH_SIZE, PATCH_SIZE).transpose(0, 2, 1, 3)
+        if (h, w) != (_SHEET, _SHEET):  # patch k is sheet k // 256 only if every sheet holds 256
+            raise DataError(f"{f}: sheet of {w} x {h} pixels, expected {_SHEET} x {_SHEET} (16 x 16 patches of "
+                            f"{PATCH_SIZE} x {PATCH_SIZE}; the last sheet is padded, not smaller); unpack the subset again")
+        grid = a.reshape(_PER_SIDE, PATCH_SIZE, _PER_SIDE, PATCH_SIZE).transpose(0, 2, 1, 3)
         out.append(grid.reshape(-1, PATCH_SIZE, PATCH_SIZE))
         total += out[-1].shape[0]
     patches = np.concatenate(out)
@@ -196,19 +204,40 @@ class PatchPairs:
         return PatchPairs(self.left[idx], self.right[idx], self.label[idx], self.source)
 
 
-def read_matches(path: str | Path, num_patches: int | None = None) -> PatchPairs:
+def read_matches(path: str | Path, num_patches: int | None = None, *,
+                 point_ids: np.ndarray | None = None) -> PatchPairs:
     """Pairs from an ``m50_*`` file: columns 0 and 3 are patch ids, 1 and 4 their 3D points.
 
-    A file named ``m50_<n>_<n>_0.txt`` must hold exactly ``n`` lines (a cut file is refused)."""
+    Each line has exactly 7 integer columns, ``patch1 point1 unused patch2 point2 unused unused``
+    (Brown's format; ``torchvision.datasets.PhotoTour`` reads columns 0, 1, 3 and 4); a pair
+    matches when ``point1 == point2``. An empty file, another number of columns, a negative
+    patch id or one past ``num_patches`` is a :class:`DataError`. A file named
+    ``m50_<n>_<n>_0.txt`` must hold exactly ``n`` lines (a cut file is refused).
+
+    ``point_ids`` (``info.txt``'s first column; :meth:`PatchSubset.pairs` passes it; its length
+    bounds the patch ids as ``num_patches`` does): every line's ``point1`` and ``point2`` must
+    equal ``point_ids[patch1]`` and ``point_ids[patch2]``, else a :class:`DataError` names the
+    first line that disagrees. Refused rather than warned about: the label comes from the file's point
+    ids (as in PhotoTour) while the patches come from the sheets that ``info.txt`` describes, so a
+    disagreement means the file and ``info.txt`` are not of one subset (a mixed-up or damaged
+    copy) and either label would be a guess; the official files agree, and
+    :func:`write_brown_subset` refuses to write a file that does not.
+    """
     path = Path(path)
     if not path.is_file():
         raise DataNotFoundError(f"{path} is missing: expected a Brown match file m50_<n>_<n>_0.txt")
     try:
-        t = np.loadtxt(path, dtype=np.int64, ndmin=2)
+        with warnings.catch_warnings():  # an empty file: the error below, not numpy's warning
+            warnings.simplefilter("ignore", UserWarning)
+            t = np.loadtxt(path, dtype=np.int64, ndmin=2)
     except ValueError as exc:
         raise DataError(f"{path}: expected 7 integer columns per line: {exc}") from exc
-    if t.shape[1] < 5:
-        raise DataError(f"{path}: expected 7 integer columns per line, got {t.shape[1]}")
+    if t.size == 0:
+        raise DataError(f"{path} is empty: expected one line 'patch1 point1 unused patch2 point2 unused "
+                        f"unused' per pair; unpack the subset again")
+    if t.shape[1] != 7:  # 5 columns were read (the last two are unused, but the format has 7)
+        raise DataError(f"{path}: expected 7 integer columns per line ('patch1 point1 unused patch2 point2 "
+                        f"unused unused'), got {t.shape[1]}")
     m = _MATCH_RE.match(path.name)
     if m and t.shape[0] != int(m.group(1)):  # a cut file was read as a smaller pair list
         raise DataError(f"{path}: expected {int(m.group(1))} pairs (the number in its name), found "
@@ -217,9 +246,26 @@ def read_matches(path: str | Path, num_patches: int | None = None) -> PatchPairs
     negative = np.flatnonzero((left < 0) | (right < 0))
     if negative.size:  # numpy would index from the end: a silent wrong pair
         raise DataError(f"{path}: line {int(negative[0]) + 1} holds a negative patch id")
+    if point_ids is not None:  # ids past info.txt have no point to compare with
+        num_patches = len(point_ids) if num_patches is None else min(num_patches, len(point_ids))
     if num_patches is not None and (left.max(initial=0) >= num_patches or right.max(initial=0) >= num_patches):
         raise DataError(f"{path}: patch ids go beyond the {num_patches} patches of info.txt")
+    if point_ids is not None:
+        _check_point_ids(path, t, np.asarray(point_ids))
     return PatchPairs(left, right, (t[:, 1] == t[:, 4]).astype(np.int64), source=path.name)
+
+
+def _check_point_ids(path: Path, t: np.ndarray, point_ids: np.ndarray) -> None:
+    """Columns 1 and 4 of the m50 table ``t`` equal ``point_ids`` of the patches in columns 0
+    and 3, else a :class:`DataError` naming the first line that disagrees."""
+    bad = np.flatnonzero((point_ids[t[:, 0]] != t[:, 1]) | (point_ids[t[:, 3]] != t[:, 4]))
+    if bad.size:
+        k = int(bad[0])
+        a, b = int(t[k, 0]), int(t[k, 3])
+        raise DataError(f"{path}: line {k + 1} gives patches {a} and {b} the 3D points {int(t[k, 1])} and "
+                        f"{int(t[k, 4])}, info.txt gives {int(point_ids[a])} and {int(point_ids[b])} "
+                        f"({bad.size} such line(s)): the match file and info.txt are not of one subset; "
+                        f"unpack the subset again")
 
 
 @dataclass
@@ -240,7 +286,7 @@ class PatchSubset:
         """Pairs of the ``m50_<num_pairs>_*`` file (a number or a file name); ``None``: the largest
         file (``largest=True``, training) or the test list: ``m50_100000_100000_0.txt`` when present
         (the protocol's test pairs; the Brown subsets ship files of 1k to 500k pairs), else the
-        smallest file."""
+        smallest file. The file's 3D point ids must agree with ``info.txt`` (:func:`read_matches`)."""
         if not self.matches:
             raise DataNotFoundError(f"{self.folder}: no m50_<n>_<n>_0.txt match file")
         if num_pairs is None:
@@ -257,7 +303,7 @@ class PatchSubset:
                     f"{self.folder}: no match file with {num_pairs} pairs; found {sorted(self.matches)}"
                 )
             path = self.matches[int(num_pairs)]
-        return read_matches(path, len(self))
+        return read_matches(path, len(self), point_ids=self.point_ids)
 
 
 def subset_folder(root: str | Path, name: str) -> Path:
