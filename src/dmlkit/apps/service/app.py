@@ -14,27 +14,28 @@ Endpoints (JSON unless noted; the OpenAPI schema is at ``/openapi.json``, docs a
   ``/api/info``);
 * ``POST /api/verify`` (multipart ``image1``, ``image2``): same/different against the
   calibrated threshold of ``dmlkit verify``;
+  both decode and embed in image workers off the event loop, a bounded number at a time
+  (:class:`~dmlkit.apps.service.middleware.ImageWork`: 503 when they and their queue are full);
 * ``GET /api/items/{id}`` (label, metadata) and ``GET /api/items/{id}/thumbnail`` (PNG);
 * ``GET /`` the web page (``static/index.html`` + ``static/app.js``).
 
 Bad input gets a 4xx with ``{"detail": "<what to do>"}``: 400 not an image, 404 unknown id,
-409 the service lacks a model or threshold, 413 body over the limit or image too large, 422
-wrong embedding size, non-finite values, k out of range or an image the model cannot embed
-(checked before the model runs: :meth:`dmlkit.apps.export.ImageEmbedder.check_input`). A model
-that fails on an image it takes (out of memory, a broken ONNX session) is a 500 whose cause is
-logged (``dmlkit.service``) and not sent.
+409 the service lacks a model or threshold, 413 body over the limit (the JSON queries': 64 KiB
++ 64 bytes per dimension) or image too large, 422 wrong embedding size, non-finite values, k
+out of range or not written as an integer, a form with two parts of one name, or an image the
+model cannot embed (checked before the model runs:
+:meth:`dmlkit.apps.export.ImageEmbedder.check_input`); 503 every image worker busy and their
+queue full (``Retry-After: 1``). A model that fails on an image it takes (out of memory, a
+broken ONNX session) is a 500 whose cause is logged (``dmlkit.service``) and not sent.
 """
 
 
 import io
-import json
 import logging
-import math
+import re
 import threading
 import time
 import warnings
-from collections import defaultdict, deque
-from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 from typing import Annotated, Any
@@ -42,166 +43,25 @@ from urllib.parse import quote
 
 import numpy as np
 
-from dmlkit.exceptions import ConfigError, DataError, DataNotFoundError, DmlkitError, require
-from dmlkit.validation import check_integer
+from dmlkit.apps.service.config import (
+    ServiceConfig,
+    index_verify_distance,
+    load_threshold,
+    public_info,
+)
+from dmlkit.apps.service.middleware import (
+    BodyLimit,
+    ImageWork,
+    Metrics,
+    Record,
+    ServiceBusy,
+    default_image_workers,
+    json_body_limit,
+)
+from dmlkit.exceptions import ConfigError, DataError, DmlkitError, require
 
 STATIC = Path(__file__).parent / "static"
 logger = logging.getLogger("dmlkit.service")
-
-
-@dataclass
-class ServiceConfig:
-    """What ``dmlkit serve`` serves.
-
-    Args:
-        index: an index directory/file from ``dmlkit index``.
-        model: run directory or exported model for image queries (``None``: embedding and id
-            queries only).
-        threshold: verification threshold on the score (``same`` when ``score >= threshold``),
-            the score of the index's own distance (``cosine``; ``euclidean``/``dot`` on the
-            normalised rows, or ``raw-euclidean``/``raw-dot`` for an index built without
-            normalisation: ``dmlkit verify --distance`` of the same name gives such thresholds).
-        verification: JSON of ``dmlkit verify --json`` (its ``threshold`` and the ``distance`` it
-            was chosen on, which scores the pairs; a file without the distance is refused).
-        data_root: where relative item ids (dataset paths) are found for thumbnails (default:
-            the ``data_root`` recorded in the index).
-        max_upload_bytes: largest request body; larger ones get 413.
-        max_k: largest ``k`` a request may ask for.
-        max_image_pixels: decoded images larger than this get 413 (decompression bombs).
-    """
-
-    index: Path | str
-    model: Path | str | None = None
-    threshold: float | None = None
-    verification: Path | str | None = None
-    data_root: Path | str | None = None
-    max_upload_bytes: int = 8 * 2**20
-    max_k: int = 100
-    max_image_pixels: int = 40_000_000
-    device: str = "cpu"
-    thumbnail_size: int = 160
-
-    def __post_init__(self) -> None:
-        """Refuse limits no request could meet (``max_k`` 0 served a 422 to every query)."""
-        for name in ("max_upload_bytes", "max_k", "max_image_pixels", "thumbnail_size"):
-            check_integer(getattr(self, name), name)
-
-
-class _Metrics:
-    """Thread-safe request counters and a latency window per route."""
-
-    def __init__(self, window: int = 1000) -> None:
-        self.started = time.time()
-        self.lock = threading.Lock()
-        self.counts: dict[str, int] = defaultdict(int)
-        self.status: dict[str, int] = defaultdict(int)
-        self.latency: dict[str, deque[float]] = defaultdict(lambda: deque(maxlen=window))
-
-    def record(self, route: str, status: int, seconds: float) -> None:
-        with self.lock:
-            self.counts[route] += 1
-            self.status[f"{status // 100}xx"] += 1
-            self.latency[route].append(seconds * 1000)
-
-    def snapshot(self) -> dict[str, Any]:
-        with self.lock:
-            lat = {r: {"count": len(v), "p50_ms": float(np.percentile(list(v), 50)),
-                       "p99_ms": float(np.percentile(list(v), 99))} for r, v in self.latency.items() if v}
-            return {"uptime_s": time.time() - self.started, "requests": dict(self.counts),
-                    "status": dict(self.status), "latency": lat}
-
-
-class _BodyLimit:
-    """ASGI middleware: buffer request bodies up to ``max_bytes``; answer 413 beyond."""
-
-    def __init__(self, app: Any, max_bytes: int) -> None:
-        self.app, self.max_bytes = app, max_bytes
-
-    async def _reject(self, send: Any, size: str) -> None:
-        body = json.dumps({"detail": f"request body {size} exceeds the limit of {self.max_bytes} bytes: "
-                                     "send a smaller image (or start the server with a larger --max-upload-mb)"}).encode()
-        await send({"type": "http.response.start", "status": 413,
-                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
-        await send({"type": "http.response.body", "body": body})
-
-    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        headers = dict(scope.get("headers") or [])
-        length = headers.get(b"content-length")
-        if length is not None:
-            try:
-                declared = int(length)
-            except ValueError:
-                declared = -1
-            if declared > self.max_bytes:
-                await self._reject(send, f"of {declared} bytes")
-                return
-        chunks, total, more = [], 0, True
-        while more:
-            message = await receive()
-            if message["type"] == "http.disconnect":
-                return
-            chunk = message.get("body", b"")
-            total += len(chunk)
-            if total > self.max_bytes:
-                await self._reject(send, f"of more than {self.max_bytes} bytes")
-                return
-            chunks.append(chunk)
-            more = message.get("more_body", False)
-        body, sent = b"".join(chunks), False
-
-        async def replay() -> dict[str, Any]:
-            nonlocal sent
-            if not sent:
-                sent = True
-                return {"type": "http.request", "body": body, "more_body": False}
-            return await receive()
-
-        await self.app(scope, replay, send)
-
-
-def _index_verify_distance(idx: Any) -> str:
-    """The :data:`~dmlkit.apps.verification.VERIFY_DISTANCES` name that scores pairs as the
-    index compares them, for ``--threshold`` given alone: an index of raw (unnormalised)
-    ``euclidean``/``dot`` embeddings is ``raw-euclidean``/``raw-dot`` (its bare name would score
-    the pair on normalised rows, another scale than the one the threshold was chosen on)."""
-    if idx.distance != "cosine" and not idx.normalize:
-        return f"raw-{idx.distance}"
-    return str(idx.distance)
-
-
-def _load_threshold(config: ServiceConfig, info: dict[str, Any]) -> tuple[float | None, str | None]:
-    """``(threshold, its distance)`` of ``--threshold`` or ``--verification`` (``None``s without);
-    a verification file must name its distance, and its recorded source (``dmlkit verify
-    --json``'s ``source``) must be the index's run
-    (:func:`dmlkit.apps.index_sources.check_threshold_source`)."""
-    if config.threshold is not None and config.verification is not None:
-        raise ConfigError("pass --threshold or --verification, not both")
-    if config.threshold is not None:
-        if not math.isfinite(config.threshold):
-            raise ConfigError(f"the threshold must be a finite number, got {config.threshold}")
-        return float(config.threshold), None
-    if config.verification is None:
-        return None, None
-    path = Path(config.verification)
-    if not path.is_file():
-        raise DataNotFoundError(f"verification file not found: {path} (write it with `dmlkit verify ... --json > FILE`)")
-    try:
-        data = json.loads(path.read_text())
-        threshold = float(data["threshold"])
-    except (ValueError, KeyError, TypeError) as exc:
-        raise DataError(f"{path} holds no 'threshold': write it with `dmlkit verify ... --json > FILE`") from exc
-    distance = data.get("distance")
-    if not isinstance(distance, str) or not math.isfinite(threshold):
-        # a threshold is a score on one distance: another one's scores would be judged by it
-        raise DataError(f"{path} does not say which distance its threshold {threshold} is on: write it again with "
-                        "`dmlkit verify ... --json > FILE` (it records the distance), or pass --threshold")
-    from dmlkit.apps.index_sources import check_threshold_source  # lazy: as the index
-
-    check_threshold_source(path, data.get("source"), info)
-    return threshold, distance
 
 
 def create_app(config: ServiceConfig, *, index: Any = None, embedder: Any = None) -> Any:
@@ -233,15 +93,17 @@ def create_app(config: ServiceConfig, *, index: Any = None, embedder: Any = None
         if probe_dim != idx.dim:
             raise ConfigError(f"the model gives {probe_dim}-d embeddings but the index "
                               f"holds {idx.dim}-d ones: serve the model the index was built with")
-    threshold, verify_distance = _load_threshold(config, idx.info)
-    verify_distance = verify_distance or _index_verify_distance(idx)
+    threshold, verify_distance = load_threshold(config, idx.info)
+    verify_distance = verify_distance or index_verify_distance(idx)
     root = config.data_root or idx.info.get("data_root")
     root_path = Path(root).resolve() if root else None
     if embedder is not None and idx.dim and root_path is not None:
         check_model_embeds_index(idx, embedder, root_path, max_pixels=config.max_image_pixels)
-    metrics = _Metrics()
+    metrics = Metrics()
     max_k = int(config.max_k)
     default_k = min(10, max_k)  # a request without k: 10 exceeded a max_k below 10 (every one a 422)
+    workers = config.image_workers or default_image_workers()
+    image_work = ImageWork(workers, 4 * workers if config.image_queue is None else config.image_queue)
 
     app = fastapi.FastAPI(
         title="dmlkit visual search",
@@ -251,16 +113,14 @@ def create_app(config: ServiceConfig, *, index: Any = None, embedder: Any = None
     )
 
     # the body limit inside the recorder (the last middleware added is the outermost), so
-    # /api/metrics counts the 413s it answers too
-    app.add_middleware(_BodyLimit, max_bytes=int(config.max_upload_bytes))
-
-    @app.middleware("http")
-    async def _record(request: Request, call_next: Any) -> Any:
-        t0 = time.perf_counter()
-        response = await call_next(request)
-        route = request.scope.get("route")
-        metrics.record(getattr(route, "path", "other"), response.status_code, time.perf_counter() - t0)
-        return response
+    # /api/metrics counts the 413s it answers too; the JSON queries have a limit of their own
+    # (one vector: an 8 MiB body of numbers held the event loop for 1.3 s in json.loads)
+    json_limit = json_body_limit(idx.dim or 0, config.max_upload_bytes)
+    json_fix = (f"a JSON query is one {idx.dim}-d embedding or one id (its limit: 64 KiB + 64 bytes per "
+                "dimension; --max-upload-mb applies to image uploads)")
+    app.add_middleware(BodyLimit, max_bytes=int(config.max_upload_bytes),
+                       path_limits={p: (json_limit, json_fix) for p in ("/api/query/embedding", "/api/query/id")})
+    app.add_middleware(Record, metrics=metrics)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError) -> Any:
@@ -333,15 +193,17 @@ def create_app(config: ServiceConfig, *, index: Any = None, embedder: Any = None
                          "thumbnail": f"/api/items/{quote(rec['id'], safe='')}/thumbnail"})
         return {"results": rows, "k": k, "took_ms": (time.perf_counter() - t0) * 1000}
 
-    async def read_image(upload: UploadFile) -> Any:
+    def read_image(upload: UploadFile) -> Any:
         """The upload decoded as the datasets decode their files (:func:`dmlkit.data.decode_8bit`:
         16-bit colour at full depth, EXIF orientation, 16-bit/float scaled), its errors naming
-        the upload's file name (they said ``image #0``)."""
+        the upload's file name (they said ``image #0``). Blocking: called in an image worker
+        (:class:`~dmlkit.apps.service.middleware.ImageWork`), never on the event loop."""
         from PIL import Image, UnidentifiedImageError
 
         from dmlkit.data import decode_8bit  # lazy: imaging loads when an image is queried
 
-        data = await upload.read()
+        upload.file.seek(0)
+        data = upload.file.read()  # the spooled upload (on disk beyond 1 MiB): read in the worker
         if not data:
             raise HTTPException(400, f"{upload.filename or 'the upload'} is empty: send an image file")
         try:
@@ -361,6 +223,36 @@ def create_app(config: ServiceConfig, *, index: Any = None, embedder: Any = None
             raise HTTPException(400, f"{upload.filename or 'the upload'} is not an image PIL can read "
                                      f"(PNG, JPEG, PGM, ...){why}") from exc
 
+    async def off_loop(fn: Any, *args: Any) -> Any:
+        """``fn(*args)`` (decode + embed + search) in an image worker; 503 when all are busy."""
+        try:
+            return await image_work.run(fn, *args)
+        except ServiceBusy as exc:
+            raise HTTPException(503, str(exc), headers={"Retry-After": "1"}) from exc
+
+    async def form_parts(request: Request, names: tuple[str, ...]) -> None:
+        """Refuse a form with two parts of one name (the last one was used without a word)."""
+        form = await request.form()  # parsed once: FastAPI's own read, cached on the request
+        for name in names:
+            if len(form.getlist(name)) > 1:
+                raise HTTPException(422, f"the form has {len(form.getlist(name))} {name!r} parts: send one")
+
+    def form_k(text: str | None) -> int:
+        """The form's ``k`` by the rule of the JSON queries' (an integer as JSON writes one:
+        ``3``, not ``3.0``, `` 3``, ``+3`` or ``03``; int() took the last three and FastAPI
+        the first); none (or empty) is the default."""
+        if text is None or text == "":
+            return default_k
+        if not re.fullmatch(r"-?(0|[1-9][0-9]*)", text):
+            raise HTTPException(422, f"k must be a whole number of neighbours written as digits (3, not 3.0), "
+                                     f"got {text[:20]!r}")
+        if text.startswith("-") or text == "0":
+            raise HTTPException(422, f"k must be at least 1, got {text[:20]}")
+        if len(text) > 18:  # beyond any limit (Python's int() refuses thousands of digits)
+            raise HTTPException(422, f"k={text[:20]}... is larger than this service's limit of {max_k}")
+        k = int(text)
+        return check_k(k)
+
     def need_model() -> Any:
         if embedder is None:
             raise HTTPException(409, "this service has no model: start it with --model RUN_DIR or an export "
@@ -379,6 +271,7 @@ def create_app(config: ServiceConfig, *, index: Any = None, embedder: Any = None
         d = idx.describe()
         if d.get("recall"):
             d["recall"] = {k: v for k, v in d["recall"].items() if k != "tried"}
+        d["info"] = public_info(d.get("info"))
         return {"index": d, "threshold": threshold, "verify_distance": verify_distance, "max_k": max_k,
                 "max_upload_bytes": config.max_upload_bytes,
                 "model": None if embedder is None else embedder.runtime}
@@ -407,29 +300,59 @@ def create_app(config: ServiceConfig, *, index: Any = None, embedder: Any = None
         return results(np.asarray(vec, dtype=np.float32), q.k, exclude=q.id if q.exclude_self else None)
 
     @app.post("/api/query/image", response_model=SearchResponse, tags=["search"])
-    async def query_image(file: UploadFile = File(..., description="an image"),
-                          k: int = Form(default_k, ge=1)) -> dict[str, Any]:
+    async def query_image(request: Request, file: UploadFile = File(..., description="an image"),
+                          k: str | None = Form(None, description=f"neighbours to return, 1 to {max_k} "
+                                                                 f"(default {default_k}), as digits")
+                          ) -> dict[str, Any]:
         """The k nearest items of an uploaded image (embedded with the served model)."""
         model = need_model()
-        check_k(k)
-        img = await read_image(file)
-        return results(model([img]), k)
+        await form_parts(request, ("file", "k"))
+        n = form_k(k)
+        # async only to read the form: decoding and embedding block, so they run in an image
+        # worker (on the event loop six 40 Mpx uploads held /api/health for 11.9 s)
+        return await off_loop(lambda: results(model([read_image(file)]), n))
 
     @app.post("/api/verify", response_model=VerifyResponse, tags=["verification"])
-    async def verify(image1: UploadFile = File(...), image2: UploadFile = File(...)) -> dict[str, Any]:
+    async def verify(request: Request, image1: UploadFile = File(...), image2: UploadFile = File(...)) -> dict[str, Any]:
         """Same or different identity/class: ``score >= threshold`` (threshold of `dmlkit verify`)."""
         model = need_model()
         if threshold is None:
             raise HTTPException(409, "this service has no verification threshold: start it with --threshold T or "
                                      "--verification FILE (the JSON of `dmlkit verify --json`)")
-        a, b = await read_image(image1), await read_image(image2)
-        emb = model([a, b])
-        score = float(pair_scores(emb, np.array([0]), np.array([1]), distance=verify_distance)[0])
-        return {"same": score >= threshold, "score": score, "threshold": threshold, "distance": verify_distance}
+        await form_parts(request, ("image1", "image2"))
+
+        def score() -> float:
+            emb = model([read_image(image1), read_image(image2)])
+            return float(pair_scores(emb, np.array([0]), np.array([1]), distance=verify_distance)[0])
+
+        s = await off_loop(score)
+        return {"same": s >= threshold, "score": s, "threshold": threshold, "distance": verify_distance}
+
+    def indexed(name: str) -> bool:
+        try:
+            idx.positions([name])
+        except DataError:
+            return False
+        return True
+
+    logged_missing: set[str] = set()
+    roots = [] if root_path is None else [root_path, Path(str(root)).absolute()]  # as resolved, as given
+
+    def missing(item_id: str, why: str, path: Any = None) -> HTTPException:
+        """A 404 naming the id, not the server's files (the path, if any, goes to the log)."""
+        if path is not None and item_id not in logged_missing:
+            logged_missing.add(item_id)  # once per item: a client cannot fill the log
+            logger.warning("no thumbnail for %r: %s (%s)", item_id, why, path)
+        return HTTPException(404, f"no image for {item_id!r}: {why}")
 
     def item_file(item_id: str) -> Path:
+        """The image file of an indexed item: its metadata ``path``, else its id; a relative
+        name under the data root (no ``..`` part), an absolute one only when it is an indexed id
+        or lies under the data root (docs/search.md). The metadata path was taken as it was:
+        ``{"path": "/etc/shadow"}`` made the server open that file."""
         meta = idx.metadata[idx.positions([item_id])[0]] if idx.metadata is not None else None
-        name = (meta or {}).get("path") or item_id
+        given = (meta or {}).get("path")
+        name = given if isinstance(given, str) and given else item_id
         p = Path(name)
         if not p.is_absolute():
             if root_path is None:
@@ -438,12 +361,16 @@ def create_app(config: ServiceConfig, *, index: Any = None, embedder: Any = None
             if inside is None:
                 raise HTTPException(404, f"{item_id!r} points outside the data root")
             p = inside
+        elif not (name == item_id or indexed(name)
+                  or (".." not in p.parts and any(p.is_relative_to(r) for r in roots))):
+            raise missing(item_id, "its metadata path is outside the data root and not an indexed id", p)
         if not p.is_file():
-            raise HTTPException(404, f"the image of {item_id!r} is not at {p}")
+            raise missing(item_id, "its file is missing (the server's log names it)", p)
         return p
 
     @lru_cache(maxsize=4096)
-    def thumbnail_bytes(path: str) -> bytes:
+    def thumbnail_bytes(path: str, item_id: str) -> bytes:
+        """A PNG thumbnail of the file at ``path``; errors name ``item_id``, not the path."""
         from PIL import Image
 
         from dmlkit.data import upright_8bit  # lazy: imaging loads when a thumbnail is made
@@ -453,7 +380,7 @@ def create_app(config: ServiceConfig, *, index: Any = None, embedder: Any = None
                 w, h = img.size
                 if w * h > config.max_image_pixels:  # an upload's limit: decoding it ties up the server
                     raise DataError(f"it has {w}x{h} pixels, more than the limit of {config.max_image_pixels}")
-                img = upright_8bit(img, path).convert("RGB")
+                img = upright_8bit(img, repr(item_id)).convert("RGB")
                 img.thumbnail((config.thumbnail_size, config.thumbnail_size))
                 buf = io.BytesIO()
                 img.save(buf, format="PNG")
@@ -474,10 +401,14 @@ def create_app(config: ServiceConfig, *, index: Any = None, embedder: Any = None
         if not request.scope.get("raw_path", b"/thumbnail").endswith(b"/thumbnail"):
             return item(f"{item_id}/thumbnail")  # the id "a/thumbnail" sent as a%2Fthumbnail
         known(item_id)
+        path = item_file(item_id)
         try:
-            data = thumbnail_bytes(str(item_file(item_id)))
-        except (OSError, DataError) as exc:
+            data = thumbnail_bytes(str(path), item_id)
+        except DataError as exc:  # ours (too large, blank at 8 bits): they name the id
             raise HTTPException(404, f"the image of {item_id!r} cannot be read: {exc}") from exc
+        except OSError as exc:  # PIL's and the system's texts name the file: to the log only
+            raise missing(item_id, f"its file cannot be read as an image ({type(exc).__name__}; the server's "
+                                   "log says more)", f"{path}: {exc}") from exc
         return Response(content=data, media_type="image/png", headers={"Cache-Control": "max-age=3600"})
 
     @app.get("/api/items/{item_id:path}", tags=["items"])
@@ -502,6 +433,7 @@ def create_app(config: ServiceConfig, *, index: Any = None, embedder: Any = None
         return FileResponse(files[name])
 
     app.state.index, app.state.embedder, app.state.metrics = idx, embedder, metrics
+    app.state.image_work = image_work
     return app
 
 
