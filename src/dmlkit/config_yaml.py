@@ -2,7 +2,8 @@
 
 :func:`load_yaml` parses with YAML 1.2-core numbers (:class:`YamlLoader`; :class:`YamlDumper`
 writes strings that would read as numbers quoted), :func:`read_yaml_mapping` reads a config
-file into a mapping with one-line errors, and :func:`parse_overrides` turns ``key.sub=value``
+file (or a packaged preset by name: :func:`resolve_config_path`) into a mapping with one-line
+errors, and :func:`parse_overrides` turns ``key.sub=value``
 strings into values (parsed as YAML) that :func:`set_dotted` places in nested mappings;
 :func:`validate_settings` validates a mapping into a pydantic model with the errors of
 :func:`format_validation_error` (every config of dmlkit reports itself that way). What the keys
@@ -25,8 +26,9 @@ from pydantic import BaseModel, ValidationError
 
 from dmlkit.exceptions import ConfigError
 
-__all__ = ["YamlDumper", "YamlLoader", "format_validation_error", "load_yaml", "parse_overrides",
-           "read_yaml_mapping", "set_dotted", "validate_settings"]
+__all__ = ["PRESET_DIR", "YamlDumper", "YamlLoader", "format_validation_error", "load_yaml",
+           "packaged_presets", "parse_overrides", "read_yaml_mapping", "resolve_config_path",
+           "set_dotted", "validate_settings"]
 
 
 class YamlLoader(yaml.SafeLoader):
@@ -159,11 +161,44 @@ def set_dotted(data: dict[str, Any], key: str, value: Any) -> None:
         node, i = child, j
 
 
-def read_yaml_mapping(path: str | os.PathLike, holds: str, examples: str) -> dict[str, Any]:
-    """The mapping in a YAML file, or a :class:`ConfigError` saying what is wrong with it."""
+#: The YAML presets shipped inside the package (``src/dmlkit/configs``; the repository's
+#: ``configs/`` is a link to it): ``dmlkit train quickstart`` works from a pip install.
+PRESET_DIR = Path(__file__).resolve().parent / "configs"
+
+
+def packaged_presets() -> list[str]:
+    """The names of the packaged YAML presets (``quickstart``, ``bench_quick``, ...), sorted."""
+    try:
+        return sorted(p.stem for p in PRESET_DIR.glob("*.yaml") if p.is_file())
+    except OSError:
+        return []
+
+
+def resolve_config_path(path: str | os.PathLike) -> Path:
+    """The file a config argument names: ``path`` itself when it exists or has a directory part
+    (``configs/quickstart.yaml``, ``./my.yaml``), else the packaged preset of that name
+    (``quickstart`` or ``quickstart.yaml``: :func:`packaged_presets`), else ``path`` unchanged.
+    A local file of the same name wins over the preset."""
+    raw = os.fspath(path)
     path = Path(path)
+    if path.exists() or os.path.dirname(raw) or not raw:
+        return path
+    name = raw if raw.endswith(".yaml") else f"{raw}.yaml"
+    preset = PRESET_DIR / name
+    return preset if Path(name).stem in packaged_presets() else path
+
+
+def read_yaml_mapping(path: str | os.PathLike, holds: str, examples: str) -> dict[str, Any]:
+    """The mapping in a YAML file, or a :class:`ConfigError` saying what is wrong with it.
+
+    ``path`` may also name a packaged preset (:func:`resolve_config_path`); a path that is
+    neither a file nor a preset is one error listing the presets."""
+    path = resolve_config_path(path)
     if not path.exists():
-        raise ConfigError(f"config file not found: {path} (see {examples})")
+        presets = packaged_presets()
+        hint = (f"pass a YAML file or a packaged preset: {', '.join(presets)}" if presets
+                else f"see {examples}")
+        raise ConfigError(f"config file not found: {path} ({hint})")
     if path.is_dir():
         raise ConfigError(f"{path} is a directory: pass a YAML config file (see {examples})")
     try:

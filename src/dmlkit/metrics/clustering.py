@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 
 from dmlkit.distances import rounding_bound
-from dmlkit.exceptions import ConfigError, DataError
+from dmlkit.exceptions import ConfigError, DataError, require
 from dmlkit.metrics._threads import full_float32_matmuls, run_threads, single_threaded_torch
 from dmlkit.validation import (
     SEED_LIMIT,
@@ -67,7 +67,7 @@ def kmeans_labels(
     if backend in ("auto", "dmlkit"):
         return _kmeans_lloyd(x, n_clusters, seed, niter)
     if backend == "faiss":
-        import faiss
+        faiss = require("faiss", "faiss")  # a bare ModuleNotFoundError named no extra
 
         # faiss initialises at random points (no k-means++): keep the best of a few inits
         # faiss takes a C int: seeds from 2**31 - 1 overflowed it (any seed is accepted above)

@@ -397,6 +397,8 @@ def read_video(source: str | Path, max_frames: int | None = None) -> tuple[list,
             if max_frames and len(frames) >= max_frames:
                 break
     except _DECODER_ERRORS as exc:  # imageio's message spans lines: the CLI prints one
+        if source.suffix.lower() not in (".gif", ".npy", ".npz"):  # no PyAV: name the extra, not "damaged"
+            require("av", "tracking")
         reason = " ".join(line.strip() for line in str(exc).splitlines() if line.strip()) or type(exc).__name__
         raise DataError(f"cannot decode video {source}: {reason} (a damaged file, or no video: pass a video "
                         "file, e.g. .mp4, .avi or .gif, or a folder of frames)") from None

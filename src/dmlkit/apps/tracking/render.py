@@ -172,6 +172,7 @@ def write_frames(frames: Iterable[np.ndarray], out: str | Path, fps: float = 15.
         return out
     if suffix in VIDEO_OUT_SUFFIXES:
         iio = require("imageio.v3", "tracking")
+        require("av", "tracking")  # imageio's "pyav" plugin: without it a 40-line traceback
         arrays = []
         for f in frames:  # even sizes for yuv420p codecs
             h, w = f.shape[0] // 2 * 2, f.shape[1] // 2 * 2
