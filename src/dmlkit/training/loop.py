@@ -68,7 +68,7 @@ from dmlkit.exceptions import CheckpointError, DataError, NonFiniteError
 from dmlkit.losses.sharding import check_shardable, sharded_loss
 from dmlkit.metrics import evaluate
 from dmlkit.metrics.scoring import scored_elsewhere, scoring_stamp, this_scorer
-from dmlkit.models import freeze_batchnorm, to_device
+from dmlkit.models import to_device
 from dmlkit.models.sync_batchnorm import convert_sync_batchnorm
 from dmlkit.training.builders import (
     build_loss,
@@ -257,7 +257,14 @@ class Trainer:
         if not np.array_equal(payload["train_classes"].numpy(), self.train_classes):
             raise CheckpointError("cannot resume: the training classes differ from the checkpoint's")
         self.model.load_state_dict(payload["model"])
-        self.optimizer.load_state_dict(payload["optimizer"])
+        try:
+            self.optimizer.load_state_dict(payload["optimizer"])
+        except ValueError as exc:  # torch: "... parameter group that doesn't match the size ..."
+            raise CheckpointError(
+                "cannot resume: the checkpoint's optimiser state trains other parameters than this "
+                f"dmlkit does with its config ({' '.join(str(exc).split())}); e.g. a run from before "
+                "model.freeze_batchnorm spared a randomly initialised trunk's BatchNorm. Start a new "
+                "run directory") from None
         self.loss_fn.load_state_dict(payload["loss"])
         if self.miner is not None and payload.get("miner") is not None:
             self.miner.load_state_dict(payload["miner"])
@@ -412,9 +419,7 @@ class Trainer:
             worker_init_fn=seed_worker if self.num_workers else None,
             pin_memory=self.device.type == "cuda",
         )
-        self.train_module.train()
-        if config.model.freeze_batchnorm:
-            freeze_batchnorm(self.model)
+        self.train_module.train()  # frozen BatchNorm (build_model) stays in eval mode
         bar = None
         if self.progress:
             from tqdm.auto import tqdm
