@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from dmlkit.config import config_from_dict
+from dmlkit.embeddings import autocast_dtype, embed
 from dmlkit.exceptions import CheckpointError
 from dmlkit.models import trunk_loads_weights
 from dmlkit.models.embedder import _FrozenBNMixin
@@ -159,3 +160,30 @@ def test_resuming_an_optimiser_of_other_parameters_is_one_line(tmp_path):
     with pytest.raises(CheckpointError, match="cannot resume: the checkpoint's optimiser"):
         other.restore(payload)
     other.run_log.close()
+
+
+# -- F3: one autocast dtype for training and inference ----------------------------------------------
+def test_autocast_dtype_is_one_rule(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: True)
+    assert autocast_dtype("cuda") == autocast_dtype(torch.device("cuda", 0)) == torch.bfloat16
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: False)
+    assert autocast_dtype("cuda") == torch.float16
+    assert autocast_dtype("cpu") == torch.bfloat16
+    with torch.autocast("cpu", dtype=autocast_dtype("cpu")):  # a dtype CPU autocast takes
+        assert nn.Linear(3, 2)(torch.ones(1, 3)).dtype == torch.bfloat16
+
+
+def test_training_and_inference_autocast_to_the_same_dtype(tmp_path, monkeypatch):
+    trainer = Trainer(_config(), tmp_path / "run", _Images(), None, device="cpu")
+    trainer.run_log.close()
+    assert trainer.amp_dtype == autocast_dtype(trainer.device)
+    seen: list[torch.dtype | None] = []
+    real = torch.autocast
+
+    def recording(*args, **kwargs):
+        seen.append(kwargs.get("dtype"))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "autocast", recording)
+    embed(trainer.model, _Images(), batch_size=16, device="cpu", amp=True)
+    assert seen and set(seen) == {trainer.amp_dtype}

@@ -59,6 +59,7 @@ from dmlkit.distributed import (
 from dmlkit.embeddings import (
     HeadOnly,
     InferenceOptions,
+    autocast_dtype,
     embed,
     embed_sharded,
     resolve_device,
@@ -240,7 +241,7 @@ class Trainer:
         if config.training.amp and not self.use_amp:
             logger.info("training.amp is on but the device is %s: mixed precision is CUDA-only, "
                         "using float32", self.device)
-        self.amp_dtype = torch.bfloat16 if self.use_amp and torch.cuda.is_bf16_supported() else torch.float16
+        self.amp_dtype = autocast_dtype(self.device)  # the dtype every inference autocasts to
         self.scaler = torch.amp.GradScaler("cuda", enabled=self.use_amp and self.amp_dtype == torch.float16)
         self.classes_t = torch.as_tensor(self.train_classes, device=self.device)
         self.run_log: RunLogger | QuietRunLog = (
