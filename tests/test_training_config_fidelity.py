@@ -187,3 +187,24 @@ def test_training_and_inference_autocast_to_the_same_dtype(tmp_path, monkeypatch
     monkeypatch.setattr(torch, "autocast", recording)
     embed(trainer.model, _Images(), batch_size=16, device="cpu", amp=True)
     assert seen and set(seen) == {trainer.amp_dtype}
+
+
+# -- F4: a part with learning rate 0 is fixed, BatchNorm statistics included -----------------------
+def test_trunk_lr_0_keeps_the_trunk_batchnorm_statistics(tmp_path):
+    config = _config({"pretrained": False, "freeze_batchnorm": False}, {"trunk_lr": 0.0})
+    trainer, before, after = _trained(config, tmp_path)
+    assert not any(m.training for m in trainer.model.trunk.modules())
+    assert trainer.model.embedder.training
+    for key in before:
+        assert torch.equal(before[key], after[key]), key
+
+
+def test_embedder_lr_0_keeps_the_head_batchnorm_statistics(tmp_path):
+    config = _config({"pretrained": False, "head": "mlp"}, {"embedder_lr": 0.0})
+    torch.manual_seed(config.seed)
+    trainer = Trainer(config, tmp_path / "run", _Images(), None, device="cpu")
+    head, trunk = _bn_state(trainer.model, "embedder"), _bn_state(trainer.model)
+    trainer.run_epoch(time.perf_counter())
+    trainer.run_log.close()
+    assert head and all(torch.equal(v, _bn_state(trainer.model, "embedder")[k]) for k, v in head.items())
+    assert not torch.equal(trunk["features.1.running_mean"], _bn_state(trainer.model)["features.1.running_mean"])

@@ -191,6 +191,11 @@ class Trainer:
         if self.dist.enabled:  # BatchNorm that trains normalises over the global batch
             self.model = convert_sync_batchnorm(self.model, self.device)
         self.frozen = config.model.frozen_trunk
+        #: the parts whose weights no optimiser changes (build_optimizer: lr 0 or a frozen trunk)
+        #: run in eval mode, as in inference, so their BatchNorm running statistics stay fixed too
+        self.fixed_parts: list[nn.Module] = [
+            part for part, fixed in ((self.model.trunk, self.frozen or config.optimizer.trunk_lr == 0),
+                                     (self.model.embedder, config.optimizer.embedder_lr == 0)) if fixed]
         if self.frozen:
             for p in self.model.trunk.parameters():
                 p.requires_grad_(False)
@@ -421,6 +426,8 @@ class Trainer:
             pin_memory=self.device.type == "cuda",
         )
         self.train_module.train()  # frozen BatchNorm (build_model) stays in eval mode
+        for part in self.fixed_parts:  # no BatchNorm statistics drift under fixed weights
+            part.eval()
         bar = None
         if self.progress:
             from tqdm.auto import tqdm
