@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from dmlkit.config import config_from_dict
+from dmlkit.data import get_transforms
 from dmlkit.embeddings import autocast_dtype, embed
 from dmlkit.exceptions import CheckpointError
 from dmlkit.models import trunk_loads_weights
@@ -208,3 +209,35 @@ def test_embedder_lr_0_keeps_the_head_batchnorm_statistics(tmp_path):
     trainer.run_log.close()
     assert head and all(torch.equal(v, _bn_state(trainer.model, "embedder")[k]) for k, v in head.items())
     assert not torch.equal(trunk["features.1.running_mean"], _bn_state(trainer.model)["features.1.running_mean"])
+
+
+# -- F2: the imagenet evaluation resize scales with the crop ----------------------------------------
+@pytest.mark.parametrize(("image_size", "short"), [(None, 256), (227, 256), (64, 72), (112, 126), (320, 361)])
+def test_imagenet_eval_resize_scales_with_image_size(image_size, short):
+    from torchvision import transforms as T
+
+    def resize(train: bool) -> int:
+        steps = get_transforms("imagenet", train=train, image_size=image_size).transforms
+        return next(s.size for s in steps if isinstance(s, T.Resize))
+
+    assert resize(False) == short
+    crop = image_size or 227
+    assert abs(crop / short - 227 / 256) < 0.01  # the centre crop's share of the shorter side
+    assert resize(True) == max(256, crop)  # training's source for its random crop is unchanged
+    explicit = get_transforms("imagenet", train=False, image_size=64, resize=256).transforms
+    assert next(s.size for s in explicit if isinstance(s, T.Resize)) == 256
+
+
+def test_imagenet_eval_at_64_sees_what_227_sees():
+    """The same photo-like image at crop 64 and 227: the 64 px view is the 227 px view shrunk
+    (same field of view), not its middle quarter."""
+    from PIL import Image
+
+    rng = np.random.default_rng(0)
+    coarse = rng.integers(0, 256, (8, 12, 3), dtype=np.uint8)  # smooth content: 8 x 12 blocks
+    image = Image.fromarray(coarse).resize((600, 400), Image.BILINEAR)
+    big = get_transforms("imagenet", train=False, image_size=227)(image)
+    small = get_transforms("imagenet", train=False, image_size=64)(image)
+    shrunk = torch.nn.functional.interpolate(big[None], size=(64, 64), mode="bilinear",
+                                             antialias=True, align_corners=False)[0]
+    assert (small - shrunk).abs().mean() < 0.1 * big.std()
