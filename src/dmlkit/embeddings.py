@@ -50,6 +50,7 @@ __all__ = [
     "FILE_SIZES",
     "HeadOnly",
     "InferenceOptions",
+    "autocast_dtype",
     "dataset_items",
     "dataset_rows",
     "default_feature_cache_dir",
@@ -90,6 +91,14 @@ def resolve_device(device: str | torch.device | None = "auto") -> torch.device:
         raise ConfigError(f"unknown device {device!r}: use 'auto', 'cpu', 'cuda' or 'cuda:N'") from None
 
 
+def autocast_dtype(device: str | torch.device) -> torch.dtype:
+    """The ``torch.autocast`` dtype of ``training.amp`` on ``device``, one rule for training and
+    every inference: bfloat16 where the GPU supports it (float32's range; no gradient scaler),
+    else float16 (with a scaler in training); bfloat16 on the CPU, where dmlkit never autocasts."""
+    cuda = torch.device(device).type == "cuda"
+    return torch.float16 if cuda and not torch.cuda.is_bf16_supported() else torch.bfloat16
+
+
 # -- the one inference loop -------------------------------------------------------------------
 def embed(
     model: nn.Module | Callable[[torch.Tensor], torch.Tensor],
@@ -102,22 +111,15 @@ def embed(
     progress: bool = False,
     desc: str = "embed",
 ) -> tuple[np.ndarray, np.ndarray]:
-    """``(outputs float32 (N, D), labels int64 (N,))`` of every sample of ``dataset``, in order.
-
-    ``model`` runs in eval mode without gradients; every sub-module's train/eval mode is
-    restored afterwards. Outputs are flattened to ``(N, D)``. ``amp`` uses ``torch.autocast``
-    on CUDA only. Labels are the dataset's own (original) class ids. The batches come from
-    :func:`iter_embed`.
-    """
-    out: list[np.ndarray] = []
-    labels: list[np.ndarray] = []
-    for e, y in iter_embed(model, dataset, batch_size, device, num_workers=num_workers, amp=amp,
-                           progress=progress, desc=desc):
-        out.append(e)
-        labels.append(y)
-    if not out:
+    """``(outputs float32 (N, D), labels int64 (N,))`` of every sample of ``dataset``, in order
+    (:func:`iter_embed`'s batches): ``model`` runs in eval mode without gradients, every
+    sub-module's train/eval mode restored afterwards; outputs flattened to ``(N, D)``; the
+    dataset's own (original) class ids. ``amp``: autocast on CUDA only, in training's dtype."""
+    batches = list(iter_embed(model, dataset, batch_size, device, num_workers=num_workers, amp=amp,
+                              progress=progress, desc=desc))
+    if not batches:
         return np.zeros((0, 0), dtype=np.float32), np.zeros((0,), dtype=np.int64)
-    return np.concatenate(out), np.concatenate(labels)
+    return np.concatenate([e for e, _ in batches]), np.concatenate([y for _, y in batches])
 
 
 def iter_embed(
@@ -133,9 +135,9 @@ def iter_embed(
 ) -> Iterator[tuple[np.ndarray, np.ndarray]]:
     """The inference loop of :func:`embed`, one ``(float32 (B, D), int64 (B,))`` batch at a
     time in dataset order, so a caller can write outputs away (e.g. as embedding shards)
-    without holding ``N x D``. A batch with NaN/inf outputs raises
-    :class:`~dmlkit.exceptions.NonFiniteError`; modes are restored when the iteration ends.
-    A module is placed by :func:`dmlkit.models.to_device` (moved, and on CPU or CUDA stored
+    without holding ``N x D``. NaN/inf outputs raise :class:`~dmlkit.exceptions.NonFiniteError`;
+    modes are restored when the iteration ends. ``amp`` autocasts in :func:`autocast_dtype`. A
+    module is placed by :func:`dmlkit.models.to_device` (moved, and on CPU or CUDA stored
     channels-last if it has convolutions), in place, as training and checkpoint loads place it."""
     dev = resolve_device(device)
     modes: dict[nn.Module, bool] = {}
@@ -150,11 +152,11 @@ def iter_embed(
         from tqdm.auto import tqdm
 
         iterator = tqdm(loader, desc=desc, leave=False, unit="batch")
-    use_amp = amp and dev.type == "cuda"
+    use_amp, amp_dtype = amp and dev.type == "cuda", autocast_dtype(dev)  # training's dtype
     try:
         for x, y in iterator:
             x = x.to(dev, non_blocking=True)
-            with torch.no_grad(), torch.autocast(device_type=dev.type, enabled=use_amp):
+            with torch.no_grad(), torch.autocast(device_type=dev.type, dtype=amp_dtype, enabled=use_amp):
                 e = model(x)
             e = e.float().reshape(e.shape[0], -1).cpu().numpy().astype(np.float32, copy=False)
             if not np.isfinite(e).all():
@@ -173,8 +175,7 @@ def state_dict_digest(module: nn.Module) -> str:
         h.update(name.encode())
         h.update(str((tuple(t.shape), str(t.dtype))).encode())
         tc = t.detach().cpu().contiguous()
-        if tc.dtype == torch.bfloat16:
-            tc = tc.float()
+        tc = tc.float() if tc.dtype == torch.bfloat16 else tc
         h.update(tc.numpy().tobytes() if tc.numel() else b"")
     return h.hexdigest()
 
@@ -594,7 +595,6 @@ def _class_table(class_names: Sequence[str] | np.ndarray) -> list[str]:
 def _to_numpy(x: Any) -> np.ndarray:
     if isinstance(x, torch.Tensor):
         x = x.detach().cpu()
-        if x.dtype.is_floating_point and x.dtype != torch.float32:
-            x = x.float()
+        x = x.float() if x.dtype.is_floating_point else x  # a no-op for float32
         return x.numpy()
     return np.asarray(x)

@@ -8,6 +8,13 @@
   227 x 227), horizontal flip with p = 0.5, ImageNet normalisation;
 - eval: resize the shorter side to 256, centre crop 227, ImageNet normalisation.
 
+Another ``image_size`` (the crop) scales the evaluation resize with it, to
+``round(image_size * 256 / 227)``: the centre crop keeps 227/256 of the shorter side at the
+scale the training crops see (the Reality Check's geometry). A fixed 256 showed a 64 px crop
+the middle quarter of the shorter side, objects 1.6-4x larger than in any training view.
+Training keeps its 256 (a larger source for the random crop; where the crop falls is a
+fraction of the image, whatever its resolution).
+
 The resize caps the longer side at :data:`MAX_ASPECT` times the shorter (4096 px for 256):
 without it a 2 x 6000 px strip became a 256 x 768,000 image (1.5 GB, 17 s a load); no image
 under 16:1 is affected (a longer strip is scaled to that cap, the crop padded with zeros).
@@ -42,6 +49,8 @@ IMAGENET_STD = (0.229, 0.224, 0.225)
 PRESETS = ("imagenet", "imagenet_resize", "grayscale", "none")
 #: The longest side ``imagenet``'s resize makes, as a multiple of its shorter side.
 MAX_ASPECT = 16
+#: The Reality Check's ``imagenet`` geometry: crop 227 of a shorter side resized to 256.
+CROP, RESIZE = 227, 256
 
 
 class ToMode:
@@ -59,13 +68,14 @@ class ToMode:
 
 
 def get_transforms(preset: str, train: bool, image_size: int | None = None, *,
-                   resize: int = 256, scale: tuple[float, float] = (0.16, 1.0),
+                   resize: int | None = None, scale: tuple[float, float] = (0.16, 1.0),
                    ratio: tuple[float, float] = (3 / 4, 4 / 3), flip: float = 0.5,
                    augment: bool = True, normalize: bool = True):
     """The transform of ``preset`` for training (``train=True``) or evaluation.
 
     ``imagenet``: ``image_size`` is the crop (default 227) and ``resize`` the shorter side
-    before cropping (default 256, raised to ``image_size`` if smaller). ``imagenet_resize``:
+    before cropping (raised to ``image_size`` if smaller); by default 256 for training and
+    ``round(image_size * 256 / 227)`` for evaluation (256 at 227). ``imagenet_resize``:
     ``image_size`` is the square output (default 224). ``grayscale``:
     ``image_size`` resizes to a square (default: keep the size); ``augment=False`` turns the
     training jitter off. ``none``: ``None``.
@@ -76,7 +86,9 @@ def get_transforms(preset: str, train: bool, image_size: int | None = None, *,
     if name == "none":
         return None
     if name == "imagenet":
-        crop = int(image_size or 227)
+        crop = int(image_size or CROP)
+        if resize is None:  # evaluation: the crop's share of the shorter side stays 227/256
+            resize = RESIZE if train else round(crop * RESIZE / CROP)
         short = max(int(resize), crop)
         norm = [T.Normalize(IMAGENET_MEAN, IMAGENET_STD)] if normalize else []
         if train:

@@ -1,8 +1,9 @@
 """Trunks, embedder heads and frozen BatchNorm (cached trunk features: :mod:`dmlkit.embeddings`).
 
 >>> from dmlkit.models import build_trunk, EmbeddingModel, freeze_batchnorm
->>> trunk, dim = build_trunk("resnet18", pretrained=False)
->>> model = freeze_batchnorm(EmbeddingModel(trunk, dim, 128))
+>>> trunk, dim = build_trunk("resnet18", pretrained=False)  # random weights: BatchNorm trains
+>>> model = EmbeddingModel(trunk, dim, 128)
+>>> pretrained = freeze_batchnorm(EmbeddingModel(*build_trunk("resnet18"), 128))  # loaded statistics
 """
 
 from dmlkit.models import features as _features
@@ -27,6 +28,7 @@ from dmlkit.models.trunks import (
     build_trunk,
     load_weights_file,
     register_trunk,
+    trunk_loads_weights,
     trunk_names,
 )
 
@@ -49,6 +51,7 @@ __all__ = [
     "load_weights_file",
     "register_trunk",
     "to_device",
+    "trunk_loads_weights",
     "trunk_names",
     "unfreeze_batchnorm",
 ]

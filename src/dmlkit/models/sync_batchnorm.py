@@ -84,9 +84,9 @@ def _to_global(bn: nn.modules.batchnorm._BatchNorm) -> nn.Module:
 
 def _convert(module: nn.Module, make) -> nn.Module:
     """``module`` with every training BatchNorm replaced by ``make(bn)``. The replacement keeps
-    a :func:`~dmlkit.models.mark_fresh_batchnorm` mark, so that ``freeze_batchnorm`` (called
-    again at every epoch start) still leaves a fresh head's or neck's BatchNorm training: frozen
-    after ``DistributedDataParallel`` was built, its parameters would get no gradient."""
+    a :func:`~dmlkit.models.mark_fresh_batchnorm` mark, so that ``freeze_batchnorm`` (called on
+    the converted model) still leaves a fresh head's, neck's or random trunk's BatchNorm
+    training: frozen after ``DistributedDataParallel`` was built, it would get no gradient."""
     if (isinstance(module, nn.modules.batchnorm._BatchNorm)
             and not isinstance(module, (_FrozenBNMixin, GlobalBatchNorm, nn.SyncBatchNorm))):
         new = make(module)

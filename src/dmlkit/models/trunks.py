@@ -55,20 +55,38 @@ __all__ = [
     "load_failure_reason",
     "load_weights_file",
     "register_trunk",
+    "trunk_loads_weights",
 ]
 
 TrunkFactory = Callable[..., tuple[nn.Module, int]]
 TRUNKS: dict[str, TrunkFactory] = {}
+#: Registered trunks without published weights: ``pretrained`` loads nothing for them.
+_NO_PUBLISHED_WEIGHTS: set[str] = set()
 
 
-def register_trunk(name: str) -> Callable[[TrunkFactory], TrunkFactory]:
-    """Decorator: ``fn(pretrained, weights, in_channels, **kw) -> (module, feature_dim)``."""
+def register_trunk(name: str, *,
+                   published_weights: bool = True) -> Callable[[TrunkFactory], TrunkFactory]:
+    """Decorator: ``fn(pretrained, weights, in_channels, **kw) -> (module, feature_dim)``.
+    ``published_weights=False``: the trunk ignores ``pretrained`` (only a ``weights`` file
+    loads weights), so :func:`trunk_loads_weights` calls it random without one."""
 
     def deco(fn: TrunkFactory) -> TrunkFactory:
         TRUNKS[name] = fn
+        if published_weights:
+            _NO_PUBLISHED_WEIGHTS.discard(name)
+        else:
+            _NO_PUBLISHED_WEIGHTS.add(name)
         return fn
 
     return deco
+
+
+def trunk_loads_weights(name: str, pretrained: bool, weights: str | os.PathLike | None) -> bool:
+    """Whether ``build_trunk(name, pretrained, weights)`` starts from loaded weights (a
+    ``weights`` file, or published pretrained weights) rather than a random initialisation:
+    ``weights is not None or (pretrained and the trunk publishes weights)``. Only BatchNorm
+    statistics loaded this way are worth freezing (:func:`dmlkit.training.build_model`)."""
+    return weights is not None or (bool(pretrained) and name.strip() not in _NO_PUBLISHED_WEIGHTS)
 
 
 def build_trunk(name: str, pretrained: bool = True, weights: str | os.PathLike | None = None,
@@ -531,7 +549,7 @@ class SmallCNN(nn.Module):
         return self.dropout(self.neck(self.pool(self.features(x)).flatten(1)))
 
 
-@register_trunk("small_cnn")
+@register_trunk("small_cnn", published_weights=False)
 def _small_cnn(pretrained: bool = False, weights: str | os.PathLike | None = None,
                in_channels: int = 1, widths: Sequence[int] = (32, 64, 128, 128),
                dropout: float = 0.0, bn_neck: bool = False) -> tuple[nn.Module, int]:

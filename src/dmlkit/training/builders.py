@@ -34,7 +34,14 @@ from dmlkit.data.transforms import PRESETS as TRANSFORM_PRESETS
 from dmlkit.exceptions import ConfigError, DmlkitError
 from dmlkit.losses import LOSSES, CombinedLoss, CrossBatchMemory, ProxyLoss, get_loss
 from dmlkit.miners import MINERS, get_miner
-from dmlkit.models import TRUNKS, EmbeddingModel, build_trunk, freeze_batchnorm
+from dmlkit.models import (
+    TRUNKS,
+    EmbeddingModel,
+    build_trunk,
+    freeze_batchnorm,
+    mark_fresh_batchnorm,
+    trunk_loads_weights,
+)
 from dmlkit.samplers import MPerClassSampler
 from dmlkit.training.data_root import load_dataset_at
 from dmlkit.validation import check_parameter_numbers
@@ -49,6 +56,7 @@ __all__ = [
     "build_sampler",
     "build_split",
     "check_world_size",
+    "loaded_trunk",
     "pairing_problems",
     "split_parameters",
     "without_memory",
@@ -78,6 +86,10 @@ def build_model(
 
     ``pretrained=False`` skips loading pretrained weights (used when a checkpoint supplies them).
     The built model owns ``model.embedding_size`` (the trunk's width for an ``identity`` head).
+    ``model.freeze_batchnorm`` freezes the trunk's BatchNorm only where its statistics were
+    loaded (:func:`loaded_trunk`); a randomly initialised trunk's BatchNorm is marked fresh
+    (:func:`dmlkit.models.mark_fresh_batchnorm`) and trains, since frozen at mean 0,
+    variance 1 it would be the identity (docs/guide.md, "Trunks and the embedding model").
     """
     m = _section(config, "model", ModelConfig)
     try:
@@ -95,9 +107,20 @@ def build_model(
         first = " ".join(str(exc).split())[:300]
         raise ConfigError(f"model.trunk {m.trunk!r} (model.trunk_options {m.trunk_options}): {first}") from None
     model = EmbeddingModel(trunk, feature_dim, m.embedding_size, head=m.head, normalize=m.normalize)
-    if m.freeze_batchnorm:
-        freeze_batchnorm(model.trunk)  # the trunk's pretrained BatchNorm (not small_cnn's bn_neck)
+    # decided by the config, not by ``pretrained``: a checkpoint's rebuild is the trained model
+    if not loaded_trunk(m):
+        mark_fresh_batchnorm(model.trunk)  # any later freeze_batchnorm(model) leaves it training
+    elif m.freeze_batchnorm:
+        freeze_batchnorm(model.trunk)  # loaded statistics (not small_cnn's fresh bn_neck)
     return model
+
+
+def loaded_trunk(config: ModelConfig | ExperimentConfig) -> bool:
+    """Whether the ``model`` section's trunk starts from loaded weights (``model.weights``, or
+    published weights with ``model.pretrained``): :func:`dmlkit.models.trunk_loads_weights`.
+    ``model.freeze_batchnorm`` applies to such a trunk only (:func:`build_model`)."""
+    m = _section(config, "model", ModelConfig)
+    return trunk_loads_weights(m.trunk, m.pretrained, m.weights)
 
 
 def model_setting_problems(config: ExperimentConfig) -> list[tuple[str, str]]:

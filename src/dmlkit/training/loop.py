@@ -59,6 +59,7 @@ from dmlkit.distributed import (
 from dmlkit.embeddings import (
     HeadOnly,
     InferenceOptions,
+    autocast_dtype,
     embed,
     embed_sharded,
     resolve_device,
@@ -68,7 +69,7 @@ from dmlkit.exceptions import CheckpointError, DataError, NonFiniteError
 from dmlkit.losses.sharding import check_shardable, sharded_loss
 from dmlkit.metrics import evaluate
 from dmlkit.metrics.scoring import scored_elsewhere, scoring_stamp, this_scorer
-from dmlkit.models import freeze_batchnorm, to_device
+from dmlkit.models import to_device
 from dmlkit.models.sync_batchnorm import convert_sync_batchnorm
 from dmlkit.training.builders import (
     build_loss,
@@ -190,6 +191,11 @@ class Trainer:
         if self.dist.enabled:  # BatchNorm that trains normalises over the global batch
             self.model = convert_sync_batchnorm(self.model, self.device)
         self.frozen = config.model.frozen_trunk
+        #: the parts whose weights no optimiser changes (build_optimizer: lr 0 or a frozen trunk)
+        #: run in eval mode, as in inference, so their BatchNorm running statistics stay fixed too
+        self.fixed_parts: list[nn.Module] = [
+            part for part, fixed in ((self.model.trunk, self.frozen or config.optimizer.trunk_lr == 0),
+                                     (self.model.embedder, config.optimizer.embedder_lr == 0)) if fixed]
         if self.frozen:
             for p in self.model.trunk.parameters():
                 p.requires_grad_(False)
@@ -240,7 +246,7 @@ class Trainer:
         if config.training.amp and not self.use_amp:
             logger.info("training.amp is on but the device is %s: mixed precision is CUDA-only, "
                         "using float32", self.device)
-        self.amp_dtype = torch.bfloat16 if self.use_amp and torch.cuda.is_bf16_supported() else torch.float16
+        self.amp_dtype = autocast_dtype(self.device)  # the dtype every inference autocasts to
         self.scaler = torch.amp.GradScaler("cuda", enabled=self.use_amp and self.amp_dtype == torch.float16)
         self.classes_t = torch.as_tensor(self.train_classes, device=self.device)
         self.run_log: RunLogger | QuietRunLog = (
@@ -257,7 +263,14 @@ class Trainer:
         if not np.array_equal(payload["train_classes"].numpy(), self.train_classes):
             raise CheckpointError("cannot resume: the training classes differ from the checkpoint's")
         self.model.load_state_dict(payload["model"])
-        self.optimizer.load_state_dict(payload["optimizer"])
+        try:
+            self.optimizer.load_state_dict(payload["optimizer"])
+        except ValueError as exc:  # torch: "... parameter group that doesn't match the size ..."
+            raise CheckpointError(
+                "cannot resume: the checkpoint's optimiser state trains other parameters than this "
+                f"dmlkit does with its config ({' '.join(str(exc).split())}); e.g. a run from before "
+                "model.freeze_batchnorm spared a randomly initialised trunk's BatchNorm. Start a new "
+                "run directory") from None
         self.loss_fn.load_state_dict(payload["loss"])
         if self.miner is not None and payload.get("miner") is not None:
             self.miner.load_state_dict(payload["miner"])
@@ -412,9 +425,9 @@ class Trainer:
             worker_init_fn=seed_worker if self.num_workers else None,
             pin_memory=self.device.type == "cuda",
         )
-        self.train_module.train()
-        if config.model.freeze_batchnorm:
-            freeze_batchnorm(self.model)
+        self.train_module.train()  # frozen BatchNorm (build_model) stays in eval mode
+        for part in self.fixed_parts:  # no BatchNorm statistics drift under fixed weights
+            part.eval()
         bar = None
         if self.progress:
             from tqdm.auto import tqdm
