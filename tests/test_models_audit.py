@@ -149,14 +149,16 @@ def test_weights_with_other_shapes_give_config_error(tmp_path):
 
 
 # -- 9. freeze_batchnorm leaves fresh BatchNorm (head, neck) trainable ------------------------------
-def test_freeze_batchnorm_spares_head_and_neck():
-    cfg = ModelConfig(trunk="small_cnn", pretrained=False, in_channels=1, head="mlp",
+def test_freeze_batchnorm_spares_head_and_neck(tmp_path):
+    weights = tmp_path / "trunk.pt"  # loaded statistics: the trunk's BatchNorm is frozen
+    torch.save(build_trunk("small_cnn", in_channels=1, bn_neck=True)[0].state_dict(), weights)
+    cfg = ModelConfig(trunk="small_cnn", in_channels=1, head="mlp", weights=str(weights),
                       embedding_size=8, trunk_options={"bn_neck": True})
     model = build_model(cfg)
     assert isinstance(model.trunk.features[1], FrozenBatchNorm2d)
     for bn in (model.embedder[1], model.trunk.neck):
         assert not isinstance(bn, FrozenBatchNorm1d) and bn.weight.requires_grad
-    freeze_batchnorm(model)  # the training loop freezes the whole model again each epoch
+    freeze_batchnorm(model)  # freezing the whole model again spares the marked layers
     model.train()
     assert model.embedder[1].training and model.trunk.neck.training
     assert not model.trunk.features[1].training

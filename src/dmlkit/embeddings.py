@@ -92,11 +92,11 @@ def resolve_device(device: str | torch.device | None = "auto") -> torch.device:
 
 
 def autocast_dtype(device: str | torch.device) -> torch.dtype:
-    """The ``torch.autocast`` dtype of ``training.amp`` on ``device``, one rule for training and
-    every inference: bfloat16 where the GPU supports it (float32's range; no gradient scaler),
-    else float16 (with a scaler in training); bfloat16 on the CPU, where dmlkit never autocasts."""
+    """The ``torch.autocast`` dtype of ``training.amp`` on ``device`` (training and inference):
+    bfloat16 where the GPU has it natively (no scaler), else float16 (a T4 or V100 only emulates
+    bfloat16, slowly; a scaler in training); bfloat16 on the CPU, where dmlkit never autocasts."""
     cuda = torch.device(device).type == "cuda"
-    return torch.float16 if cuda and not torch.cuda.is_bf16_supported() else torch.bfloat16
+    return torch.float16 if cuda and not torch.cuda.is_bf16_supported(including_emulation=False) else torch.bfloat16
 
 
 # -- the one inference loop -------------------------------------------------------------------

@@ -319,12 +319,6 @@ def build_problems(config: ExperimentConfig, num_classes: int, *, loss_key: str 
         problems.append(Problem("model.pretrained", "is false with model.frozen_trunk: the head would "
                                 "train on a randomly initialised trunk that never learns", fit=True,
                                 severity="warning"))
-    elif (m.freeze_batchnorm and "freeze_batchnorm" in m.model_fields_set and not m.frozen_trunk
-          and not builders.loaded_trunk(m)):  # said explicitly: say it does not apply here
-        problems.append(Problem("model.freeze_batchnorm", "is true but the trunk starts from random "
-                                "weights (no published pretrained weights, no model.weights): only "
-                                "loaded BatchNorm is frozen, so the trunk's BatchNorm trains", fit=False,
-                                severity="warning"))
     channels, source = input_channels(config.data.transform, dataset)
     if channels is not None and config.model.in_channels != channels:  # else a traceback at step 1
         problems.append(Problem("model.in_channels", f"is {config.model.in_channels} but {source} "
