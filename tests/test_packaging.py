@@ -217,3 +217,17 @@ def test_a_local_file_wins_over_the_preset(tmp_path, monkeypatch):
     assert load_config("quickstart").training.epochs != 3  # no local "quickstart": the preset
     with pytest.raises(ConfigError, match="not found"):  # a path with a folder is never a preset
         load_config("sub/quickstart.yaml")
+
+
+def test_a_missing_timm_is_named_not_blamed_on_the_trunk_options(monkeypatch):
+    """Hidden timm with trunk options set: the
+    preflight said "model.trunk_options ... is refused by trunk ..."; the missing extra is named."""
+    from dmlkit.config import ExperimentConfig
+    from dmlkit.training.builders import model_setting_problems
+
+    _hide(monkeypatch, "timm")
+    config = ExperimentConfig.model_validate({
+        "data": {"dataset": "image_folder"}, "loss": {"name": "contrastive"},
+        "model": {"trunk": "timm:resnet18", "pretrained": False, "trunk_options": {"drop_rate": 0.1}}})
+    with pytest.raises(DependencyError, match=r"dmlkit\[timm\]"):
+        model_setting_problems(config)

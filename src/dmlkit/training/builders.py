@@ -31,7 +31,7 @@ from dmlkit.config import (
 )
 from dmlkit.data import ClassSplit, default_split, get_transforms, split_classes
 from dmlkit.data.transforms import PRESETS as TRANSFORM_PRESETS
-from dmlkit.exceptions import ConfigError, DmlkitError
+from dmlkit.exceptions import ConfigError, DependencyError, DmlkitError
 from dmlkit.losses import LOSSES, CombinedLoss, CrossBatchMemory, ProxyLoss, get_loss
 from dmlkit.miners import MINERS, get_miner
 from dmlkit.models import (
@@ -159,6 +159,8 @@ def _trunk_option_problems(m: ModelConfig, in_channels: int) -> list[tuple[str, 
                                              **m.trunk_options)
             what = f"the {m.head} head, for the trunk's {feature_dim} features"
             EmbeddingModel(trunk, feature_dim, m.embedding_size, head=m.head, normalize=m.normalize)
+    except DependencyError:  # a missing extra (timm, efficientnet) is not the options' fault
+        raise
     except (DmlkitError, ValueError, KeyError, TypeError, RuntimeError) as exc:
         reason = " ".join(str(exc).split())[:300] or type(exc).__name__
         return [("model.trunk_options", f"{m.trunk_options} is refused by {what}: {reason}")]
