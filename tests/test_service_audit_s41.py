@@ -28,6 +28,7 @@ from fastapi.testclient import TestClient
 from dmlkit.apps import EmbeddingIndex
 from dmlkit.apps.export import ImageEmbedder
 from dmlkit.apps.service import ServiceConfig, create_app, start_background_server
+from dmlkit.exceptions import ConfigError
 
 DIM = 4
 WAIT = 30.0  # the longest any step may take (a bound, never a figure to meet)
@@ -365,3 +366,56 @@ def test_raw_integer_ties_and_exact_duplicates_come_by_row_as_the_docs_say():
     flat = " ".join(text.split())
     assert "(duplicates, integer or quantised embeddings) come by row" not in flat
     assert re.search(r"raw-\*|normalize=False", flat) and "float64 value" in flat
+
+
+# -- the Host header: no DNS rebinding of a loopback server -------------------------------------
+def test_allowed_hosts_refuse_a_foreign_host_header():
+    """A page of another site that re-points its name at 127.0.0.1 sends that name as Host; a
+    loopback server answered it (the audit's F7 note). With ``allowed_hosts`` it gets 400."""
+    from dmlkit.apps.service.config import LOOPBACK_HOSTS
+
+    c = TestClient(_app(allowed_hosts=(*LOOPBACK_HOSTS, "Proxy.Example")), base_url="http://127.0.0.1:8000")
+    assert c.get("/api/health").status_code == 200
+    for host in ("localhost:8000", "[::1]:8000", "proxy.example", "127.0.0.1"):
+        assert c.get("/api/health", headers={"host": host}).status_code == 200, host
+    for host in ("evil.example:8000", "127.0.0.1.evil.example", "", "[::1"):
+        assert c.get("/api/health", headers={"host": host}).status_code == 400, host
+    anyone = TestClient(_app(allowed_hosts=("*",)))  # base_url http://testserver
+    assert anyone.get("/api/health").status_code == 200
+    assert TestClient(_app()).get("/api/health").status_code == 200  # None: the app alone checks nothing
+    for bad in ((), ("",), (" x",), (3,)):
+        with pytest.raises(ConfigError, match="allowed_hosts"):
+            ServiceConfig(index="unused", allowed_hosts=bad)
+
+
+def test_cli_serve_on_loopback_answers_loopback_names_and_allowed_hosts_only(tmp_path):
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    _index().save(tmp_path / "index")
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "dmlkit", "serve", "--index", str(tmp_path / "index"),
+                             "--port", "0", "--allowed-host", "proxy.example"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        line = proc.stdout.readline()  # printed once the socket listens
+        assert line.startswith("dmlkit serve: "), line + proc.stderr.read()
+        url = line.split()[-4].rstrip("/")
+        port = url.rsplit(":", 1)[1]
+        deadline = time.time() + 60
+        while time.time() < deadline:
+            try:
+                if httpx.get(f"{url}/api/health", timeout=5).status_code == 200:
+                    break
+            except httpx.TransportError:
+                time.sleep(0.1)
+        codes = {host: httpx.get(f"{url}/api/health", headers={"host": f"{host}:{port}"}, timeout=10).status_code
+                 for host in ("127.0.0.1", "localhost", "proxy.example", "evil.example")}
+        assert codes == {"127.0.0.1": 200, "localhost": 200, "proxy.example": 200, "evil.example": 400}
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=60) == 130
+    finally:
+        if proc.poll() is None:
+            proc.kill()

@@ -440,6 +440,7 @@ def serve(
     data_root: Path | None = typer.Option(None, "--data-root", help="Where the indexed files' thumbnails are read."),
     max_upload_mb: float = typer.Option(8.0, "--max-upload-mb", help="Largest request body accepted, in MiB (2^20 bytes: 8 = 8,388,608 bytes)."),
     max_k: int = typer.Option(100, "--max-k", help="Largest k a request may ask for."),
+    allowed_host: list[str] | None = typer.Option(None, "--allowed-host", help="A Host header name the service answers (repeat for more; '*': any). Default: on a loopback address 127.0.0.1, localhost and [::1] only, against DNS rebinding (add the name a local reverse proxy forwards); elsewhere any."),
 ) -> None:
     """An HTTP search service with a web page: query by image, embedding or id; verify two images."""
     import math
@@ -449,6 +450,12 @@ def serve(
 
     if not math.isfinite(max_upload_mb) or max_upload_mb * 2**20 < 1:  # int(nan) and int(inf) raised a traceback
         raise ConfigError(f"--max-upload-mb must be a positive number of MiB (2^20 bytes, at least one byte), got {max_upload_mb}")
+    hosts = None
+    if allowed_host:  # added to the loopback names (a proxy's name), or to nothing off loopback
+        from dmlkit.apps.service.config import LOOPBACK_HOSTS
+
+        hosts = (*LOOPBACK_HOSTS, *allowed_host)
     run_server(ServiceConfig(index=index_path, model=model, threshold=threshold, verification=verification,
-                             data_root=data_root, max_upload_bytes=int(max_upload_mb * 2**20), max_k=max_k),
+                             data_root=data_root, max_upload_bytes=int(max_upload_mb * 2**20), max_k=max_k,
+                             allowed_hosts=hosts),
                host=host, port=port)

@@ -30,6 +30,7 @@ broken ONNX session) is a 500 whose cause is logged (``dmlkit.service``) and not
 """
 
 
+import dataclasses
 import io
 import logging
 import re
@@ -44,6 +45,7 @@ from urllib.parse import quote
 import numpy as np
 
 from dmlkit.apps.service.config import (
+    LOOPBACK_HOSTS,
     ServiceConfig,
     index_verify_distance,
     load_threshold,
@@ -121,6 +123,10 @@ def create_app(config: ServiceConfig, *, index: Any = None, embedder: Any = None
     app.add_middleware(BodyLimit, max_bytes=int(config.max_upload_bytes),
                        path_limits={p: (json_limit, json_fix) for p in ("/api/query/embedding", "/api/query/id")})
     app.add_middleware(Record, metrics=metrics)
+    if config.allowed_hosts is not None:  # outermost: a foreign Host gets 400 before anything runs
+        from starlette.middleware.trustedhost import TrustedHostMiddleware
+
+        app.add_middleware(TrustedHostMiddleware, allowed_hosts=list(config.allowed_hosts))
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError) -> Any:
@@ -477,6 +483,8 @@ def run_server(config: ServiceConfig, host: str = "127.0.0.1", port: int = 8000)
     import socket
 
     uvicorn = require("uvicorn", "serve")
+    if config.allowed_hosts is None and host in ("127.0.0.1", "localhost", "::1"):
+        config = dataclasses.replace(config, allowed_hosts=LOOPBACK_HOSTS)  # no DNS rebinding
     app = create_app(config)
     if host not in ("127.0.0.1", "localhost", "::1"):
         warnings.warn(f"serving on {host}: reachable from other machines; put it behind a proxy with "

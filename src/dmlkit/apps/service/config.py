@@ -12,6 +12,10 @@ from dmlkit.exceptions import ConfigError, DataError, DataNotFoundError
 from dmlkit.validation import check_integer
 
 
+#: The ``Host`` names of a loopback server (``allowed_hosts``' default in ``run_server``).
+LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "[::1]")
+
+
 @dataclass
 class ServiceConfig:
     """What ``dmlkit serve`` serves.
@@ -39,6 +43,11 @@ class ServiceConfig:
         image_queue: image requests that may wait for a worker (``None``: 4 per worker); one
             beyond gets 503 with ``Retry-After: 1`` at once
             (:class:`~dmlkit.apps.service.middleware.ImageWork`).
+        allowed_hosts: the names a request's ``Host`` header may give (any port); another gets
+            400. A loopback server is otherwise open to DNS rebinding: a page of another site
+            whose name it re-points at 127.0.0.1 reads the service through the visitor's
+            browser. ``None``: any host, except that :func:`~dmlkit.apps.service.app.run_server`
+            on a loopback address answers :data:`LOOPBACK_HOSTS` only; ``"*"`` allows any.
     """
 
     index: Path | str
@@ -53,6 +62,7 @@ class ServiceConfig:
     thumbnail_size: int = 160
     image_workers: int | None = None
     image_queue: int | None = None
+    allowed_hosts: tuple[str, ...] | None = None
 
     def __post_init__(self) -> None:
         """Refuse limits no request could meet (``max_k`` 0 served a 422 to every query)."""
@@ -62,6 +72,11 @@ class ServiceConfig:
             check_integer(self.image_workers, "image_workers")
         if self.image_queue is not None:
             check_integer(self.image_queue, "image_queue", least=0)
+        if self.allowed_hosts is not None:
+            hosts = (self.allowed_hosts,) if isinstance(self.allowed_hosts, str) else tuple(self.allowed_hosts)
+            if not hosts or not all(isinstance(h, str) and h.strip() and h == h.strip() for h in hosts):
+                raise ConfigError(f"allowed_hosts must be host names (or '*'), got {self.allowed_hosts!r}")
+            self.allowed_hosts = tuple(h.lower() for h in hosts)
 
 
 def index_verify_distance(idx: Any) -> str:
