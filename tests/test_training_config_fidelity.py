@@ -31,7 +31,6 @@ from dmlkit.models import trunk_loads_weights
 from dmlkit.models.embedder import _FrozenBNMixin
 from dmlkit.training import build_model
 from dmlkit.training.loop import Trainer
-from dmlkit.training.preflight import build_problems
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -11,7 +11,6 @@ from typing import Any
 from dmlkit.exceptions import ConfigError, DataError, DataNotFoundError
 from dmlkit.validation import check_integer
 
-
 #: The ``Host`` names of a loopback server (``allowed_hosts``' default in ``run_server``).
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "[::1]")
 
