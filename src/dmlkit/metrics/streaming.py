@@ -12,11 +12,10 @@ Algorithm, for each query block ``Q_i`` (rows ``a0:a1``):
 1. for each reference block ``G_j``: the exact top-``k`` of ``Q_i`` among ``G_j`` with the
    library's kNN (:func:`dmlkit.metrics.knn`, any backend; the diagonal block of a self-search
    is a self-search, so the query itself is excluded by index), merged into a running top-``k``
-   by :func:`dmlkit.metrics.knn.exact_topk` (closeness descending, ties by the smaller global
-   reference index, exactly as the in-memory search orders them). Once a query holds ``k``
-   neighbours, only references at least as close as its running ``k``-th can still enter, so
-   for cosine and dot the compiled scan of the next blocks starts from that value
-   (:func:`knn_above_floor`) and discards almost every entry at once;
+   once they hold ``k`` columns (:func:`_merge_top`: closeness descending, ties by the smaller
+   global reference index, exactly as the in-memory search orders them). Once ``k`` are held, only
+   references at least as close as a query's running ``k``-th can still enter, so for cosine and dot
+   the compiled scan of the next blocks starts from that value (:func:`knn_above_floor`);
 2. :func:`dmlkit.metrics.near_ties.settle_near_ties`, as in :func:`dmlkit.metrics.evaluate`:
    runs of near-tied neighbours that mix relevances are re-scored in float64 (just their rows
    read back), and a row whose last neighbours tie with those its metrics read is searched
@@ -32,15 +31,20 @@ neighbours) plus ``O(N)`` for labels and per-query scores.
 Cost: with the query set as the reference set the in-memory kNN computes each off-diagonal
 tile once for both of its row blocks; streaming cannot keep every row's running top-``k``
 within the budget, so it computes each tile product twice (2x the in-memory matrix products
-when there are many blocks), while the running floor makes its scans cheaper than the
-in-memory ones. Time grows as ``N^2 d``, memory as the budget plus ``O(N)``.
+when there are many blocks). Each pair of blocks also costs a kNN call, reads and a merge, so
+small blocks cost more than their products (1600 quantised rows, ``block_rows=200``: 2.3x the
+in-memory time, benchmarks/README.md), and the floor saves little where many references tie
+with it. Time grows as ``N^2 d``, memory as the budget plus ``O(N)``. The loop runs on one
+torch thread, but for a large search's kNN calls and near-tie re-search: on a busy machine its
+many small operations each waited for a descheduled thread (13x the in-memory time above).
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 import warnings
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -50,7 +54,7 @@ import torch
 from dmlkit.distances import BaseDistance, get_distance
 from dmlkit.distributed import agree, all_gather_unequal, context, is_main_process, shard_bounds
 from dmlkit.exceptions import ConfigError, DataError, ShapeError
-from dmlkit.metrics._threads import full_float32_matmuls
+from dmlkit.metrics._threads import full_float32_matmuls, single_threaded_torch
 from dmlkit.metrics._validation import (
     DEFAULT_MEMORY_BUDGET,
     as_embeddings,
@@ -204,7 +208,9 @@ def _resolve_block(
 
     def ref_blocks():
         for b0, b1 in r_blocks:
-            yield b0, scorer.prepare(_read(reference, b0, b1, "reference embeddings"), "reference embeddings")
+            with _torch_threads(1):  # reading and checking: as in _stream
+                blk = scorer.prepare(_read(reference, b0, b1, "reference embeddings"), "reference embeddings")
+            yield b0, blk
 
     return settle_near_ties(
         idx, values, scorer, q, ql_blk, rl, r_norm=r_norm, score=score, compiled=compiled,
@@ -214,9 +220,20 @@ def _resolve_block(
     )
 
 
+@contextlib.contextmanager
+def _torch_threads(n: int) -> Iterator[None]:
+    """Run torch on ``n`` threads inside the block, then restore the count."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
 def knn_above_floor(
     query: torch.Tensor, reference: torch.Tensor, k: int, floor: np.ndarray | None, *,
-    distance: BaseDistance, backend: str, memory_budget: int,
+    distance: BaseDistance, backend: str, memory_budget: int, threads: int | None = None,
 ) -> KNNResult:
     """:func:`dmlkit.metrics.knn.knn` (no self-exclusion) for queries that only need references
     at least as close as their ``floor`` (float32 per query, in the distance's closeness: cosine
@@ -225,16 +242,53 @@ def knn_above_floor(
     The numba scan then starts from the floor instead of from nothing, and a row with fewer than
     ``k`` such references is padded with ``-inf`` and index ``-1``. Without a floor, and for
     other distances and backends, it is :func:`knn` in full (the floor only saves time).
+    ``threads``: torch threads for the search (default: the current count); the rows are
+    checked and prepared on the current ones.
     """
     scorer = _Scorer(distance)
+    threads = torch.get_num_threads() if threads is None else threads
     if floor is None or backend != "numba" or scorer.kind != "ip":
-        return knn(query, reference, k, distance=distance, exclude_self=False, backend=backend,
-                   memory_budget=memory_budget)
+        with _torch_threads(threads):
+            return knn(query, reference, k, distance=distance, exclude_self=False, backend=backend,
+                       memory_budget=memory_budget)
     qp = scorer.prepare(as_embeddings(query, "query embeddings"), "query embeddings")
     rp = scorer.prepare(as_embeddings(reference, "reference embeddings"), "reference embeddings")
-    closeness, idx = _knn_numba(scorer, qp, rp, min(k, rp.shape[0]), False, check_budget(memory_budget),
-                                floor=np.asarray(floor, dtype=np.float32))
+    with _torch_threads(threads):
+        closeness, idx = _knn_numba(scorer, qp, rp, min(k, rp.shape[0]), False, check_budget(memory_budget),
+                                    floor=np.asarray(floor, dtype=np.float32))
     return KNNResult(indices=idx, values=scorer.to_values(closeness), higher_is_closer=distance.higher_is_closer)
+
+
+def _keys(c: torch.Tensor, i: torch.Tensor) -> torch.Tensor:
+    """Int64 keys in ranking order (float32 closeness ``c`` descending, index ``i >= -1``
+    ascending): the numba kernels' ``key(v, j)`` (:mod:`dmlkit.metrics._kernels`), the float's
+    bits made monotone (``-0.0`` as ``+0.0``, as ``==`` reads it) above ``2^32 - 2 - j``."""
+    b = (c + 0.0).view(torch.int32).to(torch.int64)
+    b = torch.where(b < 0, b ^ 0x7FFFFFFF, b)
+    return (b << 32) | (0xFFFFFFFE - i)
+
+
+def _merge_top(run_c: torch.Tensor | None, run_i: torch.Tensor | None,
+               parts: list[tuple[torch.Tensor, torch.Tensor]], k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The running top-``k`` (closeness, global index) merged with the block results ``parts``:
+    the ``k`` first of their union by closeness descending, ties by the smaller index, which is
+    :func:`dmlkit.metrics.knn.exact_topk` of the union (a top-``k`` of top-``k`` lists is the
+    union's, so how many blocks wait changes no entry).
+
+    The caller lets blocks wait until they hold ``k`` columns: merging at every block cost
+    ``rows x (k + B)`` a reference block of ``B`` rows, ``N^3 / B`` in all where ``k`` grows
+    with ``N`` (R-based metrics, a large class); waiting makes it about ``2 rows x N``. Float32
+    closeness is merged by one ``topk`` of distinct packed keys (:func:`_keys`), not by
+    ``exact_topk``'s two stable sorts of every tied row."""
+    if run_c is None and len(parts) == 1:
+        return parts[0]
+    pieces = parts if run_c is None or run_i is None else [(run_c, run_i), *parts]
+    cat_c, cat_i = torch.cat([c for c, _ in pieces], 1), torch.cat([i for _, i in pieces], 1)
+    k = min(k, cat_c.shape[1])
+    if cat_c.dtype != torch.float32 or bool(torch.isnan(cat_c).any()):  # a generic distance
+        return exact_topk(cat_c, k, indices=cat_i)
+    pos = _keys(cat_c, cat_i).topk(k, dim=1, sorted=True).indices
+    return cat_c.gather(1, pos), cat_i.gather(1, pos)
 
 
 def _drop_self(res: KNNResult, first: int) -> KNNResult:
@@ -369,48 +423,51 @@ def _stream(
             seen.add(b0)
             r_norm = max(r_norm, float(scorer.prepare(blk, "reference embeddings").norm(dim=1).max()))
 
-    for a0, a1 in iterator:
-        q_blk = _read(query, a0, a1, "query embeddings")
-        run_c = run_i = None
-        for b0, b1 in r_blocks:
-            if same and (b0, b1) == (a0, a1):  # the diagonal block: a self-search
-                note(b0, q_blk)
-                if a1 - a0 < 2:
-                    continue
-                res = knn(q_blk, None, min(need, a1 - a0 - 1), distance=dist, backend=backend,
-                          memory_budget=plan.knn_budget)
-            elif same and b0 <= a0 < b1:  # part of a block: one more neighbour, then drop self
-                g_blk = _read(ref, b0, b1, "reference embeddings")
-                note(b0, g_blk)
-                if b1 - b0 < 2:
-                    continue
-                res = _drop_self(knn(q_blk, g_blk, min(need, b1 - b0 - 1) + 1, distance=dist,
-                                     exclude_self=False, backend=backend, memory_budget=plan.knn_budget),
-                                 a0 - b0)
-                del g_blk
-            else:  # once every query holds k neighbours, only what beats its k-th can enter
-                g_blk = _read(ref, b0, b1, "reference embeddings")
-                note(b0, g_blk)
-                floor = run_c[:, -1].numpy() if run_c is not None and run_c.shape[1] == need else None
-                res = knn_above_floor(q_blk, g_blk, min(need, b1 - b0), floor, distance=dist,
-                                      backend=backend, memory_budget=plan.knn_budget)
-                del g_blk
-            c = res.values if higher else -res.values
-            i = res.indices + b0
-            if run_c is None:
-                run_c, run_i = c, i
-            else:
-                cat_c, cat_i = torch.cat([run_c, c], 1), torch.cat([run_i, i], 1)
-                run_c, run_i = exact_topk(cat_c, min(need, cat_c.shape[1]), indices=cat_i)
-                del cat_c, cat_i
-        assert run_c is not None and run_i is not None  # available >= 1 guarantees a block
-        ql_blk = ql[a0:a1]
-        neighbours, tie_ruled[a0 - qs:a1 - qs] = _resolve_block(
-            q_blk, ql_blk, run_i, run_c if higher else -run_c, ref, rl, scorer, r_blocks, r_norm,
-            available, a0 if same else None, plan.knn_budget, read[a0 - qs:a1 - qs], compiled)
-        block_scores = per_query_from_neighbours(neighbours, rl, ql_blk, r_q[a0 - qs:a1 - qs], searched)
-        for n in searched:
-            scores[n][a0 - qs:a1 - qs] = block_scores[n]
+    # one torch thread but in a large search's searches and re-search (module docstring)
+    with single_threaded_torch() as threads:
+        workers = threads if (qe - qs) * m >= SMALL_SEARCH_PAIRS else 1
+        for a0, a1 in iterator:
+            q_blk = _read(query, a0, a1, "query embeddings")
+            run_c = run_i = None
+            parts: list[tuple[torch.Tensor, torch.Tensor]] = []  # block results not merged yet
+            for b0, b1 in r_blocks:
+                if same and (b0, b1) == (a0, a1):  # the diagonal block: a self-search
+                    note(b0, q_blk)
+                    if a1 - a0 < 2:
+                        continue
+                    with _torch_threads(workers):
+                        res = knn(q_blk, None, min(need, a1 - a0 - 1), distance=dist, backend=backend,
+                                  memory_budget=plan.knn_budget)
+                elif same and b0 <= a0 < b1:  # part of a block: one more neighbour, then drop self
+                    g_blk = _read(ref, b0, b1, "reference embeddings")
+                    note(b0, g_blk)
+                    if b1 - b0 < 2:
+                        continue
+                    res = knn_above_floor(q_blk, g_blk, min(need, b1 - b0 - 1) + 1, None, distance=dist,
+                                          backend=backend, memory_budget=plan.knn_budget, threads=workers)
+                    res = _drop_self(res, a0 - b0)
+                    del g_blk
+                else:  # once every query holds k neighbours, only what beats its k-th can enter
+                    g_blk = _read(ref, b0, b1, "reference embeddings")
+                    note(b0, g_blk)
+                    floor = run_c[:, -1].numpy() if run_c is not None and run_c.shape[1] == need else None
+                    res = knn_above_floor(q_blk, g_blk, min(need, b1 - b0), floor, distance=dist,
+                                          backend=backend, memory_budget=plan.knn_budget, threads=workers)
+                    del g_blk
+                parts.append((res.values if higher else -res.values, res.indices + b0))
+                if sum(c.shape[1] for c, _ in parts) >= need:
+                    run_c, run_i, parts = *_merge_top(run_c, run_i, parts, need), []
+            if parts:
+                run_c, run_i = _merge_top(run_c, run_i, parts, need)
+            assert run_c is not None and run_i is not None  # available >= 1 guarantees a block
+            ql_blk = ql[a0:a1]
+            with _torch_threads(workers):  # the re-search's products
+                neighbours, tie_ruled[a0 - qs:a1 - qs] = _resolve_block(
+                    q_blk, ql_blk, run_i, run_c if higher else -run_c, ref, rl, scorer, r_blocks, r_norm,
+                    available, a0 if same else None, plan.knn_budget, read[a0 - qs:a1 - qs], compiled)
+            block_scores = per_query_from_neighbours(neighbours, rl, ql_blk, r_q[a0 - qs:a1 - qs], searched)
+            for n in searched:
+                scores[n][a0 - qs:a1 - qs] = block_scores[n]
     return scores, r_q, names, tie_ruled
 
 
