@@ -373,4 +373,4 @@ def test_cli_serve_ctrl_c_is_130_and_a_busy_port_is_one_line(served, tmp_path):
     err = proc.stderr.read()
     assert code == 130, err
     assert [ln for ln in err.splitlines() if ln.strip()] == [
-        "interrupted: stopped by Ctrl-C (files already written are complete; a training run continues with --resume)"]
+        "interrupted: stopped by Ctrl-C (the server is shut down)"]  # no --resume: serve has none

@@ -7,19 +7,23 @@ function; they are discovered here so that adding a command touches one file. Us
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import inspect
 import pkgutil
 import re
+import signal
 import sys
+import threading
 import warnings
+from collections.abc import Iterator
 
 import typer
-from rich.console import Console
 from rich.text import Text
 from typer.exceptions import TyperException
 
 import dmlkit.commands
+from dmlkit.commands._console import DiscardedOutput, output_console, prepare_standard_streams
 from dmlkit.commands._ranks import (
     OS_ERROR_EXIT_CODE,
     is_main_rank,
@@ -35,8 +39,15 @@ app = typer.Typer(
     add_completion=False,
     pretty_exceptions_enable=False,
 )
-_err = Console(stderr=True)
+_err = output_console(stderr=True)  # a $COLUMNS of 0 is no width of 0: error lines stay
 INTERRUPTED = 130  # the shell's exit code for SIGINT
+#: Signals that stop a command as Ctrl-C does (its clean-up runs: an atomic write removes its
+#: temporary file), with the shell's exit code 128 + N: a batch scheduler's time limit and
+#: ``kill`` (SIGTERM, 143), a closed terminal or SSH session (SIGHUP, 129).
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
+#: The exit code of a command whose printed output was lost to a closed standard output
+#: (``>&-``), as for a broken pipe (rich's and click's exit code for it).
+LOST_OUTPUT = 1
 
 
 def _version_callback(value: bool) -> None:
@@ -141,7 +152,8 @@ def _show_warning(message: Warning | str, category: type[Warning], filename: str
                   file: object = None, line: str | None = None) -> None:
     """Warnings as one readable line (``warning: ...``), not Python's ``path:line: Category``."""
     text = cli_spelling(" ".join(str(message).split()), _COMMAND)
-    _err.print(Text.assemble(("warning: ", "bold yellow"), text), soft_wrap=True)
+    with contextlib.suppress(OSError):  # stderr gone mid-run (a full disk): the command goes on
+        _err.print(Text.assemble(("warning: ", "bold yellow"), text), soft_wrap=True)
 
 
 #: How torch's ``ExceptionWrapper`` re-raises an error from a ``DataLoader`` worker: the same
@@ -163,7 +175,8 @@ def _error_line(message: str) -> str:
 
 def _error(message: str) -> None:
     """``error: MESSAGE`` on stderr, never wrapped (a pipe or log file gets whole lines)."""
-    _err.print(Text.assemble(("error: ", "bold red"), message), soft_wrap=True)
+    with contextlib.suppress(OSError):  # stderr gone mid-run: the exit code still tells
+        _err.print(Text.assemble(("error: ", "bold red"), message), soft_wrap=True)
 
 
 def _lost_peer_line(exc: Exception) -> str | None:
@@ -186,11 +199,112 @@ def _eof_line(exc: EOFError) -> str:
             "truncated, or its standard input is closed")
 
 
+def _raise_stop(signum: int, frame: object) -> None:
+    raise SystemExit(128 + signum)
+
+
+@contextlib.contextmanager
+def _stopped_like_ctrl_c() -> Iterator[None]:
+    """:data:`STOP_SIGNALS` raise ``SystemExit(128 + N)`` while the block runs, as
+    :func:`dmlkit.protocol.processes.exit_on_sigterm` does for a bench (imported there, it would
+    cost ``dmlkit --help`` a second and a half): Python's default action ended the process at
+    once, so an atomic write killed by SIGTERM left its ``.NAME.XXXX.tmp`` (a 25 MB index, a
+    checkpoint) where Ctrl-C removed it. A signal ignored when the command started (``nohup``)
+    stays ignored; only the main thread takes signals (elsewhere this does nothing)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = {sig: signal.getsignal(sig) for sig in STOP_SIGNALS}
+    for sig, handler in previous.items():
+        if handler is not signal.SIG_IGN:
+            signal.signal(sig, _raise_stop)
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            if handler is not None:
+                signal.signal(sig, handler)
+
+
+def _command_words(argv: list[str]) -> tuple[str, ...]:
+    """The first two words of ``argv`` that are not options (a command and its sub-command)."""
+    return tuple(a for a in argv if not a.startswith("-"))[:2]
+
+
+#: What the ``interrupted:`` line adds for a command that continues where it stopped.
+_CONTINUES = {"train": "the run continues with --resume",
+              "track train": "the run continues with --resume",
+              "patches train": "the same command continues the run",
+              "bench": "the same command continues the bench"}
+
+
+def _interrupted_line(code: int, argv: list[str]) -> str:
+    """The one line of a command stopped by Ctrl-C (``code`` 130) or a :data:`STOP_SIGNALS`
+    signal (128 + N): what stopped it and what stands (only a command that can continue says
+    how: :data:`_CONTINUES`)."""
+    how = "Ctrl-C" if code == INTERRUPTED else signal.Signals(code - 128).name
+    words = _command_words(argv)
+    if words[:1] == ("serve",):
+        return f"interrupted: stopped by {how} (the server is shut down)"
+    more = next((_CONTINUES[k] for k in (" ".join(words), words[0] if words else "") if k in _CONTINUES), None)
+    return f"interrupted: stopped by {how} (files already written are complete{'; ' + more if more else ''})"
+
+
+#: Commands whose product is what they print (no file holds it unless ``-o`` names one).
+_STDOUT_PRODUCTS = frozenset({"evaluate", "verify", "fewshot", "oneshot", "compare", "query"})
+
+
+def _output_was_the_product(argv: list[str]) -> bool:
+    """Whether the command of ``argv`` gives its result on standard output: help, the version,
+    and :data:`_STDOUT_PRODUCTS` without an output file (``-o``, ``--out``, ``--output``)."""
+    if any(a in ("--help", "--version") for a in argv) or _command(argv) is None:
+        return True
+    to_file = any(a in ("-o", "--out", "--output") or a.startswith(("--out=", "--output="))
+                  or (a.startswith("-o") and not a.startswith("--")) for a in argv)
+    return _command(argv) in _STDOUT_PRODUCTS and not to_file
+
+
+def _refuse_lost_output(lost: DiscardedOutput | None, argv: list[str]) -> None:
+    """Exit :data:`LOST_OUTPUT` with one line when the command's product went to a closed
+    standard output (``>&-``; it exited 0 with the output lost). A command whose product is
+    files (``train``, ``index``, ...) drops its summary without an error."""
+    if lost is None:
+        return
+    with contextlib.suppress(OSError, ValueError):
+        sys.stdout.flush()
+    if lost.size and _output_was_the_product(argv):
+        what = _command(argv) or ("--version" if "--version" in argv else "--help")
+        _error(f"standard output is closed: the output of `dmlkit {what}` ({lost.size} bytes) was "
+               "lost; run it with its standard output open (a file, a pipe, or /dev/null to discard it)")
+        sys.exit(LOST_OUTPUT)
+
+
 def main(argv: list[str] | None = None) -> None:
-    """Entry point of the ``dmlkit`` console script."""
+    """Entry point of the ``dmlkit`` console script.
+
+    Before the command runs: a closed or unwritable stderr or stdout becomes ``os.devnull``
+    (a closed stdout is remembered: :func:`_refuse_lost_output`) and both streams write a
+    character their encoding lacks as ``\\uXXXX``
+    (:func:`dmlkit.commands._console.prepare_standard_streams`); SIGTERM and SIGHUP stop the
+    command as Ctrl-C does (:func:`_stopped_like_ctrl_c`)."""
     global _COMMAND
-    _COMMAND = _command(sys.argv[1:] if argv is None else argv)
+    lost = prepare_standard_streams()
+    args = sys.argv[1:] if argv is None else list(argv)
+    _COMMAND = _command(args)
     warnings.showwarning = _show_warning
+    try:
+        with _stopped_like_ctrl_c():
+            _run(argv, args)
+    except SystemExit as exc:
+        if exc.code in (0, None):
+            _refuse_lost_output(lost, args)
+        raise
+    _refuse_lost_output(lost, args)
+
+
+def _run(argv: list[str] | None, args: list[str]) -> None:
+    """The command of ``argv`` (``args``: the same, from ``sys.argv`` when ``argv`` is None),
+    its errors as one line and exit code 2, an interruption as one line and 128 + N."""
     try:
         # Non-standalone typer returns (not raises) the code of a ``typer.Exit`` and turns
         # Ctrl-C into ``Exit(130)``: the code must reach the shell, not be dropped.
@@ -204,7 +318,8 @@ def main(argv: list[str] | None = None) -> None:
         if isinstance(exc.__cause__, EOFError):  # not Ctrl-C (typer's Exit(130)): an input ended early
             _error(_eof_line(exc.__cause__))
             sys.exit(2)
-        _err.print("aborted")
+        with contextlib.suppress(OSError):
+            _err.print("aborted")
         sys.exit(130)
     except TyperException as exc:  # usage errors: bad options, missing arguments
         ctx = getattr(exc, "ctx", None)
@@ -215,6 +330,10 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(getattr(exc, "exit_code", 2))
     except KeyboardInterrupt:
         code = INTERRUPTED
+    except SystemExit as exc:  # SIGTERM, SIGHUP (_stopped_like_ctrl_c; a bench's own exit_on_sigterm)
+        if exc.code not in tuple(128 + s for s in STOP_SIGNALS):
+            raise
+        code = exc.code
     except OSError as exc:  # a file the command reads or writes: disk full, permissions, ...
         from dmlkit.utils import os_error_message  # numpy: not at start-up (`dmlkit --help`)
 
@@ -226,9 +345,10 @@ def main(argv: list[str] | None = None) -> None:
             raise
         _error(line)
         sys.exit(2)
-    if code == INTERRUPTED and is_main_rank():  # under torchrun: once, by rank 0
-        _err.print("interrupted: stopped by Ctrl-C (files already written are complete; "
-                    "a training run continues with --resume)", soft_wrap=True)
+    interrupted = code == INTERRUPTED or code in tuple(128 + s for s in STOP_SIGNALS)
+    if interrupted and is_main_rank():  # under torchrun: once, by rank 0
+        with contextlib.suppress(OSError):  # SIGHUP: the terminal may be gone
+            _err.print(_interrupted_line(code, args), soft_wrap=True)
     if isinstance(code, int) and code != 0:
         sys.exit(code)
 

@@ -15,6 +15,7 @@ import json
 import os
 import platform
 import random
+import stat
 import subprocess
 import sys
 import tempfile
@@ -42,6 +43,7 @@ __all__ = [
     "data_root",
     "json_text",
     "local_path",
+    "one_line",
     "os_error_message",
     "path_bytes",
     "portable_path",
@@ -134,6 +136,12 @@ def read_utf8_text(path: str | os.PathLike, fix: str) -> str:
         raise DataError(f"{path} is not UTF-8 text: byte {at} (line {line}) is 0x{byte.hex()}{seen}; {fix}") from None
 
 
+def one_line(text: str) -> str:
+    """``text`` with each character that does not print (a newline in a folder name) written as
+    in a Python string literal (``\\n``, ``\\x1b``), so that a message stays one line."""
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
+
+
 def data_root(explicit: str | os.PathLike | None = None) -> Path:
     """The data root: ``explicit``, else ``$DMLKIT_DATA``, else ``~/.cache/dmlkit/data``."""
     if explicit is not None:
@@ -150,16 +158,20 @@ def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> Path:
     fsync of the folder).
 
     A symbolic link is written through (its target is replaced, the link kept); an existing
-    path that is not a regular file (a directory, a device such as ``/dev/full``, a pipe) is
-    refused with :class:`~dmlkit.exceptions.DataError` instead of being renamed over."""
+    path that is not a regular file (a directory, a device such as ``/dev/full``, a pipe, also
+    through a link: ``/dev/stdout`` into a pipe) is refused with
+    :class:`~dmlkit.exceptions.DataError` instead of being renamed over. An ``OSError`` once the
+    folder exists (a full disk, a read-only file system) names ``path``, not the temporary file
+    (a ``write`` error names no file at all), and reads "cannot write PATH"
+    (:func:`os_error_message`)."""
     path = Path(path)
+    _refuse_special_file(path)
     if path.is_symlink():
         path = path.resolve()
-    if path.exists() and not path.is_file():
-        raise DataError(f"{path} exists and is not a regular file: choose another output path")
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    tmp = None
     try:
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
         with os.fdopen(fd, "wb") as fh:
             # mkstemp creates 0600; a result file gets the mode open() would give it (0666
             # less the umask), so teammates and a results web server can read runs
@@ -168,12 +180,29 @@ def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> Path:
             fh.flush()
             os.fsync(fh.fileno())
         os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
+    except BaseException as exc:
+        if tmp is not None:
+            Path(tmp).unlink(missing_ok=True)
+        if isinstance(exc, OSError):  # the file the user named, as a write
+            exc.filename, exc.filename2 = os.fspath(path), None
+            exc.dmlkit_writing = True  # type: ignore[attr-defined]
         raise
     with contextlib.suppress(OSError):  # the rename is durable once the folder is flushed (some
         fsync_path(path.parent)  # network file systems cannot flush a folder: the write stands)
     return path
+
+
+def _refuse_special_file(path: Path) -> None:
+    """:class:`DataError` when ``path`` (a link followed) exists and is not a regular file."""
+    try:
+        mode = os.stat(path).st_mode
+    except (OSError, ValueError):  # missing, a dangling link, a file in the way of a folder
+        return
+    if stat.S_ISREG(mode):
+        return
+    kind = ("a directory" if stat.S_ISDIR(mode) else "a pipe" if stat.S_ISFIFO(mode)
+            else "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode) else "not a file")
+    raise DataError(f"{path} exists and is not a regular file ({kind}): choose another output path")
 
 
 def atomic_write_figure(fig: Any, path: str | os.PathLike, **savefig: Any) -> Path:
@@ -472,9 +501,11 @@ def write_provenance(path: str | os.PathLike, seed: int | None = None,
 
 def os_error_message(exc: OSError, path: str | os.PathLike | None = None, *, writing: bool = False) -> str:
     """One line for an ``OSError`` on ``path`` (default: the error's own file names): what
-    failed and what to do (``ENOSPC``: free disk space; ``EACCES``: choose another place)."""
+    failed and what to do (``ENOSPC``: free disk space; ``EACCES``: choose another place).
+    "cannot write" when ``writing`` or the error comes from :func:`atomic_write_bytes`."""
     if path is None:
         path = exc.filename2 if exc.filename2 is not None else exc.filename
+    writing = writing or getattr(exc, "dmlkit_writing", False)  # set by atomic_write_bytes
     what = f"cannot {'write' if writing else 'access'} {path}" if path is not None else "file error"
     hints = {errno.ENOSPC: "the disk is full: free space or write to another disk",
              errno.EDQUOT: "the disk quota is exhausted: free space or write elsewhere",

@@ -85,12 +85,14 @@ def register(app: typer.Typer) -> None:
             except ValueError:
                 raise ConfigError(f"DMLKIT_NUM_THREADS={env_threads!r} is not a whole number of "
                                   "threads") from None
-            if n_threads > MAX_THREADS:  # as --threads: torch.set_num_threads overflowed
-                raise ConfigError(f"DMLKIT_NUM_THREADS={env_threads!r}: at most {MAX_THREADS} threads")
+            if not 1 <= n_threads <= MAX_THREADS:  # as --threads: 10**23 overflowed torch, 0 and -1
+                # were silently taken as 1
+                raise ConfigError(f"DMLKIT_NUM_THREADS={env_threads!r}: at least 1 and at most "
+                                  f"{MAX_THREADS} threads, as --threads")
         if n_threads is not None:
             import torch
 
-            torch.set_num_threads(max(1, n_threads))
+            torch.set_num_threads(n_threads)
         cfg = load_bench_config(config, set_ or [])
         bench_dir = out if out is not None else Path("runs") / "bench" / cfg.name
         console = output_console()

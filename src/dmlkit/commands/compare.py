@@ -53,6 +53,11 @@ def register(app: typer.Typer) -> None:
         )
         for message in report["warnings"]:
             warnings.warn(message, stacklevel=1)
+        if out is not None:  # before the tables: a file that cannot be written prints no table
+            if out.suffix == ".md":
+                atomic_write_text(out, render_compare_markdown(report))
+            else:
+                atomic_write_json(out, report)
         console = output_console()
         # names are text, not rich markup: "ms@cub[v2]" (a bench name) printed as "ms@cub"
         seeds = escape(", ".join(f"{n}: {k}" for n, k in report["seeds"].items()))
@@ -61,7 +66,7 @@ def register(app: typer.Typer) -> None:
                             f"CI of each pair, significant = Holm-adjusted p < {1 - report['confidence']:.2g}")
         for col in ("A", "B", "mode", "metric"):
             table.add_column(col)
-        table.add_column("A − B", justify="right")
+        table.add_column("A - B", justify="right")  # ASCII: any stdout encoding
         table.add_column(f"{100 * report['confidence']:g} % CI", justify="right")
         table.add_column("p", justify="right")
         table.add_column("p (Holm)", justify="right")
@@ -93,9 +98,5 @@ def register(app: typer.Typer) -> None:
                                     for m_ in MODES for met in metrics])
             console.print(rel)
         if out is not None:
-            if out.suffix == ".md":
-                atomic_write_text(out, render_compare_markdown(report))
-            else:
-                atomic_write_json(out, report)
             console.print(f"written: {out}")
 

@@ -13,13 +13,16 @@ def _setup_logging(quiet: bool) -> None:
     alone (a failed or interrupted run prints nothing there, docs/errors.md)."""
     import logging
 
-    from rich.console import Console
     from rich.logging import RichHandler
+
+    from dmlkit.commands._console import output_console
 
     log = logging.getLogger("dmlkit")
     if not any(isinstance(h, RichHandler) for h in log.handlers):
-        handler = RichHandler(console=Console(stderr=True), show_path=False, show_time=False,
-                              markup=False)
+        # 80 columns off a terminal, as rich's default (the handler pads its lines to the width);
+        # a $COLUMNS of 0 is no width of 0 (the log lines vanished)
+        handler = RichHandler(console=output_console(stderr=True, pipe_width=80), show_path=False,
+                              show_time=False, markup=False)
         handler.setFormatter(logging.Formatter("%(message)s"))
         log.addHandler(handler)
     log.setLevel(logging.WARNING if quiet else logging.INFO)

@@ -39,7 +39,7 @@ import numpy as np
 
 from dmlkit.data.base import ArrayDataset, ImageFileDataset, MetricDataset
 from dmlkit.exceptions import ConfigError, DataError, DataNotFoundError
-from dmlkit.utils import data_root, sha256_file
+from dmlkit.utils import data_root, one_line, sha256_file
 
 __all__ = ["DATASETS", "IMAGE_EXTENSIONS", "canonical_dataset_name", "load_dataset", "register_dataset", "verify_sha256"]
 
@@ -151,7 +151,8 @@ DATA_ROOT_HINT = "Use --data-root / $DMLKIT_DATA to point at another data root."
 
 
 def _missing(name: str, root: Path, expected: str, how: str) -> DataNotFoundError:
-    return DataNotFoundError(f"{name} not found: expected {expected} under {root}. {how} {DATA_ROOT_HINT}")
+    # one line also for a data root holding a newline (printed as \n: one_line)
+    return DataNotFoundError(one_line(f"{name} not found: expected {expected} under {root}. {how} {DATA_ROOT_HINT}"))
 
 
 def _download(url: str, root: Path, md5: str | None = None, filename: str | None = None) -> None:

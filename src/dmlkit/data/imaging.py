@@ -58,7 +58,7 @@ def _scaled(arr: np.ndarray, top: float, name: str, what: str, alpha: bool = Fal
     if hi > lo and int(got.max()) - int(got.min()) < _MIN_LEVELS:
         raise DataError(
             f"{name} ({what}) uses only values {lo:g}..{hi:g} of 0..{top:g}: scaled to 8 bits it "
-            "would be blank; stretch it to the full range (or convert it to 8-bit) before training"
+            "would be blank; stretch it to the full range (or convert it to 8-bit) first"
         )
     return out
 

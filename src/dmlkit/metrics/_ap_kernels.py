@@ -60,6 +60,7 @@ import numpy as np
 
 from dmlkit.metrics._ap_positives import band_top
 from dmlkit.metrics._kernels import _closeness64
+from dmlkit.metrics._numba_cache import CACHE
 from dmlkit.metrics._simd import COMPRESS_TABLE, compress8, compress8_peel, prefetch, transpose8
 
 __all__ = [
@@ -125,7 +126,7 @@ def _prefetch_lines(row: np.ndarray) -> None:
         prefetch(row, t)
 
 
-@numba.njit(nogil=True, cache=True, boundscheck=False)
+@numba.njit(nogil=True, cache=CACHE, boundscheck=False)
 def _flush_exact(state: Counting, held: Deferred) -> None:
     """Count the held entries, each within ``tol`` of a positive's closeness, exactly.
 
@@ -189,7 +190,7 @@ def _flush_exact(state: Counting, held: Deferred) -> None:
     held.count[0] = 0
 
 
-@numba.njit(nogil=True, cache=True, boundscheck=False)
+@numba.njit(nogil=True, cache=CACHE, boundscheck=False)
 def _exact_rank(state: Counting, gi: int, j: int, v: float, x: np.float32, first: int,
                 stop: int, band: np.float32) -> tuple[int, bool]:
     """Where reference ``j`` (tile value ``x``, float64 closeness ``v``) ranks for query ``gi``
@@ -262,7 +263,7 @@ def _peel_lowest(vals: np.ndarray, refs: np.ndarray, n: int, up: np.ndarray, p0:
     return kept
 
 
-@numba.njit(nogil=True, cache=True, boundscheck=False)
+@numba.njit(nogil=True, cache=CACHE, boundscheck=False)
 def _place(
     vals: np.ndarray,
     refs: np.ndarray,
@@ -350,7 +351,7 @@ def _append(vals: np.ndarray, refs: np.ndarray, k: int, n: int, x: np.float32, r
     return n + (x >= low)
 
 
-@numba.njit(nogil=True, cache=True, boundscheck=False)
+@numba.njit(nogil=True, cache=CACHE, boundscheck=False)
 def count_rows(
     s: np.ndarray,
     row0: int,
@@ -396,7 +397,7 @@ def count_rows(
     _flush_exact(state, held)
 
 
-@numba.njit(nogil=True, cache=True, boundscheck=False)
+@numba.njit(nogil=True, cache=CACHE, boundscheck=False)
 def count_columns(
     s: np.ndarray,
     row0: int,
@@ -480,7 +481,7 @@ def counting_scratch_bytes(side: int) -> int:
                for part in counting_scratch(side))
 
 
-@numba.njit(nogil=True, cache=True)
+@numba.njit(nogil=True, cache=CACHE)
 def ap_from_counts(pos_ptr: np.ndarray, cnt: np.ndarray, out: np.ndarray) -> None:
     """``AP = (1/R) sum_p (p + 1) / rank_p`` with ``rank_p = sum_{e <= p} (cnt[e] + 1)`` (0 for
     R = 0): ``cnt`` counts the negatives, and positive ``e`` itself ranks after ``e`` positives.

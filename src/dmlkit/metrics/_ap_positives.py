@@ -19,6 +19,7 @@ import numba
 import numpy as np
 
 from dmlkit.metrics._kernels import _bits_float, _closeness64, _float_bits
+from dmlkit.metrics._numba_cache import CACHE
 
 __all__ = [
     "band_top", "band_widths", "bounds", "build_tables", "gather_positives", "positive_scores",
@@ -31,7 +32,7 @@ __all__ = [
 _CROWDED_BUCKET = 16
 
 
-@numba.njit(nogil=True, cache=True, boundscheck=False)
+@numba.njit(nogil=True, cache=CACHE, boundscheck=False)
 def sort_positives(pos_ptr: np.ndarray, pos_val: np.ndarray, pos_ref: np.ndarray) -> None:
     """Sort each row's positives by closeness, descending, in place; the input references are
     ascending within a row and the sort is stable, so ties stay ordered by index.
@@ -96,7 +97,7 @@ def sort_positives(pos_ptr: np.ndarray, pos_val: np.ndarray, pos_ref: np.ndarray
             ref[m] = r
 
 
-@numba.njit(nogil=True, cache=True)
+@numba.njit(nogil=True, cache=CACHE)
 def gather_positives(
     row0: int,
     pos_first: np.ndarray,
@@ -117,7 +118,7 @@ def gather_positives(
             out += 1
 
 
-@numba.njit(nogil=True, cache=True, boundscheck=False)
+@numba.njit(nogil=True, cache=CACHE, boundscheck=False)
 def positive_scores(
     query: np.ndarray, reference: np.ndarray, order: np.ndarray, row0: int, pos_ptr: np.ndarray,
     pos_ref: np.ndarray, euclidean: bool, pos_val: np.ndarray,
@@ -157,7 +158,7 @@ def _round_up32(b: float) -> np.float32:
     return _bits_float(np.int32(out))
 
 
-@numba.njit(nogil=True, cache=True)
+@numba.njit(nogil=True, cache=CACHE)
 def bounds(pos_val: np.ndarray, tol: float, up: np.ndarray, dn: np.ndarray) -> None:
     """``up = round_down(v - tol)`` and ``dn = round_up(v + tol)``: the largest float32 at or
     below, and the smallest at or above, each float64 (one pass, no temporaries; the rounding
@@ -176,7 +177,7 @@ def band_top(up: np.float32, band: np.float32) -> np.float32:
     return up + band if band < np.inf else np.float32(np.inf)
 
 
-@numba.njit(nogil=True, cache=True)
+@numba.njit(nogil=True, cache=CACHE)
 def band_widths(pos_ptr: np.ndarray, up: np.ndarray, dn: np.ndarray, band: np.ndarray) -> None:
     """Per row, a float32 ``band`` with ``band_top(up[p], band) >= dn[p]`` for every positive
     ``p`` of the row (the widest ``dn - up`` rounded up, then widened an ulp at a time until it
@@ -223,7 +224,7 @@ def _first_reaching(base: float, step: float, inverse: float, shift: int, level:
     return b
 
 
-@numba.njit(nogil=True, cache=True)
+@numba.njit(nogil=True, cache=CACHE)
 def build_tables(
     pos_ptr: np.ndarray, up: np.ndarray, dn: np.ndarray, lo: np.ndarray, scale: np.ndarray,
     table: np.ndarray,

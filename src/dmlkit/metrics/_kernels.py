@@ -36,6 +36,8 @@ from llvmlite import ir
 from numba import types
 from numba.extending import intrinsic, overload
 
+from dmlkit.metrics._numba_cache import CACHE  # before the first kernel: a writable cache, or none
+
 __all__ = [
     "EDGE_COSINE", "EDGE_EUCLIDEAN", "EDGE_IP", "EDGE_NONE", "EDGE_SQUARED", "LOWEST_KEY", "exact_bin",
     "histogram_tile", "pack_keys", "pair_scores64", "scan_tile", "select_rows",
@@ -90,7 +92,7 @@ def _value(key: np.int64) -> np.float32:
     return _bits_float(np.int32(b))
 
 
-@numba.njit(nogil=True, cache=True, boundscheck=False)
+@numba.njit(nogil=True, cache=CACHE, boundscheck=False)
 def pack_keys(values: np.ndarray, index: int) -> np.ndarray:
     """``key(v, index)`` for every ``v`` of a float32 vector (thresholds: ``index = 2^32 - 1``)."""
     out = np.empty(values.shape[0], np.int64)
@@ -99,7 +101,7 @@ def pack_keys(values: np.ndarray, index: int) -> np.ndarray:
     return out
 
 
-@numba.njit(nogil=True, cache=True, boundscheck=False)
+@numba.njit(nogil=True, cache=CACHE, boundscheck=False)
 def unpack_values(keys: np.ndarray) -> np.ndarray:
     """The float32 closeness packed in each key of a vector."""
     out = np.empty(keys.shape[0], np.float32)
@@ -156,7 +158,7 @@ def _compact(buf: np.ndarray, n: int, k: int) -> np.int64:
     return low
 
 
-@numba.njit(nogil=True, cache=True, boundscheck=False)
+@numba.njit(nogil=True, cache=CACHE, boundscheck=False)
 def _compact_row(buf, thr_key, thr, row, k) -> int:
     """Cut ``row``'s full reservoir to its ``k`` largest keys and raise its threshold."""
     low = _compact(buf[row], buf.shape[1], k)
@@ -184,7 +186,7 @@ def _tile_float_overload(x):
     return lambda x: x
 
 
-@numba.njit(nogil=True, cache=True, boundscheck=False, fastmath=True)
+@numba.njit(nogil=True, cache=CACHE, boundscheck=False, fastmath=True)
 def _dot64(a: np.ndarray, b: np.ndarray) -> np.float64:
     """``sum_t a_t b_t`` accumulated in float64 (any summation order: far below float32 ulps)."""
     acc = 0.0
@@ -193,7 +195,7 @@ def _dot64(a: np.ndarray, b: np.ndarray) -> np.float64:
     return acc
 
 
-@numba.njit(nogil=True, cache=True, boundscheck=False)
+@numba.njit(nogil=True, cache=CACHE, boundscheck=False)
 def scan_tile(
     s: np.ndarray,
     row0: int,
@@ -283,7 +285,7 @@ def scan_tile(
                         counts_b[c] = n
 
 
-@numba.njit(nogil=True, cache=True, boundscheck=False)
+@numba.njit(nogil=True, cache=CACHE, boundscheck=False)
 def select_rows(buf: np.ndarray, counts: np.ndarray, k: int) -> None:
     """Move each row's ``k`` largest keys to the front of its reservoir (unordered).
 
@@ -295,7 +297,7 @@ def select_rows(buf: np.ndarray, counts: np.ndarray, k: int) -> None:
             _select_largest(buf[r], counts[r], k)
 
 
-@numba.njit(nogil=True, cache=True, boundscheck=False)
+@numba.njit(nogil=True, cache=CACHE, boundscheck=False)
 def unpack_rows(keys: np.ndarray, out_values: np.ndarray, out_indices: np.ndarray) -> None:
     """Rows of keys sorted ascending, unpacked closest first into values and indices."""
     k = keys.shape[1]
@@ -306,7 +308,7 @@ def unpack_rows(keys: np.ndarray, out_values: np.ndarray, out_indices: np.ndarra
             out_indices[r, i] = _ID_MASK - (key & _ID_MASK)
 
 
-@numba.njit(nogil=True, cache=True, boundscheck=False, fastmath=True)
+@numba.njit(nogil=True, cache=CACHE, boundscheck=False, fastmath=True)
 def _sqdist64(a: np.ndarray, b: np.ndarray) -> np.float64:
     """``sum_t (a_t - b_t)^2`` accumulated in float64 (any summation order, as :func:`_dot64`:
     vectorised: 20 ns at d = 128 against 118 in order)."""
@@ -327,7 +329,7 @@ def _closeness64(a: np.ndarray, b: np.ndarray, euclidean: bool) -> np.float64:
     return _dot64(a, b)
 
 
-@numba.njit(nogil=True, cache=True, boundscheck=False)
+@numba.njit(nogil=True, cache=CACHE, boundscheck=False)
 def pair_scores64(
     query: np.ndarray, reference: np.ndarray, rows: np.ndarray, refs: np.ndarray, euclidean: bool
 ) -> np.ndarray:
@@ -364,7 +366,7 @@ def exact_bin(a: np.ndarray, b: np.ndarray, mode: int, low: float, scale: float,
     return min(max(np.int64(math.floor((v - low) * scale)), 0), last)
 
 
-@numba.njit(nogil=True, cache=True, boundscheck=False)
+@numba.njit(nogil=True, cache=CACHE, boundscheck=False)
 def histogram_tile(
     values: np.ndarray,
     query_labels: np.ndarray,
@@ -414,7 +416,7 @@ def histogram_tile(
 
 
 # -- expected mutual information (AMI) ----------------------------------------------------------
-@numba.njit(nogil=True, cache=True)
+@numba.njit(nogil=True, cache=CACHE)
 def expected_mutual_information(
     sizes_a: np.ndarray, count_a: np.ndarray, sizes_b: np.ndarray, count_b: np.ndarray, n: int
 ) -> float:
@@ -450,7 +452,7 @@ def expected_mutual_information(
 
 
 # -- k-means++ seeding ----------------------------------------------------------------------------
-@numba.njit(nogil=True, cache=True, boundscheck=False, fastmath=True)
+@numba.njit(nogil=True, cache=CACHE, boundscheck=False, fastmath=True)
 def _sq_dist(a: np.ndarray, b: np.ndarray) -> np.float32:
     """Squared distance in float32 (SIMD; seeding needs no more precision)."""
     acc = np.float32(0.0)
@@ -460,7 +462,7 @@ def _sq_dist(a: np.ndarray, b: np.ndarray) -> np.float32:
     return acc
 
 
-@numba.njit(nogil=True, cache=True, boundscheck=False)
+@numba.njit(nogil=True, cache=CACHE, boundscheck=False)
 def kmeans_plusplus(x: np.ndarray, first: int, uniforms: np.ndarray) -> np.ndarray:
     """k-means++ seeding (Arthur and Vassilvitskii, SODA 2007): row ``first``, then each next
     centre drawn with probability proportional to its squared distance to the nearest centre
@@ -498,7 +500,7 @@ def kmeans_plusplus(x: np.ndarray, first: int, uniforms: np.ndarray) -> np.ndarr
 
 
 # -- nearest centroid (k-means assignment) ------------------------------------------------------
-@numba.njit(nogil=True, cache=True, boundscheck=False)
+@numba.njit(nogil=True, cache=CACHE, boundscheck=False)
 def argmax_rows(
     s: np.ndarray, row0: int, slack: np.float32, query: np.ndarray, reference: np.ndarray, out: np.ndarray
 ) -> None:
@@ -544,7 +546,7 @@ def argmax_rows(
         out[row0 + r] = pick
 
 
-@numba.njit(nogil=True, cache=True, boundscheck=False)
+@numba.njit(nogil=True, cache=CACHE, boundscheck=False)
 def cluster_sums(x: np.ndarray, assign: np.ndarray, sums: np.ndarray, counts: np.ndarray) -> None:
     """Add every row of ``x`` to ``sums[assign[i]]`` (float64) and count it."""
     for i in range(x.shape[0]):

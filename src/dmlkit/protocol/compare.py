@@ -492,7 +492,7 @@ def render_compare_markdown(report: Mapping[str, Any]) -> str:
                   "not show how much the methods move when trained again." for v, m in marks.items()),
         *[f"\nWarning: {w}." for w in report["warnings"]],
         "",
-        f"| A | B | mode | metric | A − B | {conf} % CI | p | p (Holm) | significant |",
+        f"| A | B | mode | metric | A - B | {conf} % CI | p | p (Holm) | significant |",
         "|---|---|---|---|---:|---|---:|---:|:---:|",
     ]
     for c in report["comparisons"]:

@@ -216,7 +216,7 @@ def save_checkpoint(payload: dict[str, Any], path: str | os.PathLike) -> Path:
     try:
         return atomic_torch_save(payload, path)
     except OSError as exc:
-        raise CheckpointError(f"cannot write checkpoint {path}: {exc} (check free disk space)") from exc
+        raise CheckpointError(os_error_message(exc, path, writing=True)) from exc
 
 
 def find_checkpoint(path: str | os.PathLike) -> Path:
@@ -302,7 +302,7 @@ def save_trunk(trunk_state: dict[str, Any], path: str | os.PathLike) -> Path:
     try:
         return atomic_torch_save({"format": CHECKPOINT_FORMAT, "trunk": trunk_state}, path)
     except OSError as exc:
-        raise CheckpointError(f"cannot write {path}: {exc} (check free disk space)") from exc
+        raise CheckpointError(os_error_message(exc, path, writing=True)) from exc
 
 
 def load_checkpoint(path: str | os.PathLike, device: str | torch.device = "cpu"):

@@ -8,10 +8,12 @@ from __future__ import annotations
 import numba
 import numpy as np
 
+from dmlkit.metrics._numba_cache import CACHE  # a writable cache folder, or none (no crash)
+
 __all__ = ["jaccard_rows", "rank_rows"]
 
 
-@numba.njit(nogil=True, cache=True, boundscheck=False)
+@numba.njit(nogil=True, cache=CACHE, boundscheck=False)
 def rank_rows(scores, row0, row1, sign, q_ids, q_cams, q_lo, q_hi, by_id, g_ids, g_cams, g_junk,
               same_cam, trapezoid, first, ap, inp, npos, tied):  # pragma: no cover - compiled
     """Ranks of the positives of query rows ``row0 .. row1 - 1`` of a score block.
@@ -91,7 +93,7 @@ def rank_rows(scores, row0, row1, sign, q_ids, q_cams, q_lo, q_hi, by_id, g_ids,
         inp[r] = k / (rank + 1.0)
 
 
-@numba.njit(nogil=True, cache=True, boundscheck=False)
+@numba.njit(nogil=True, cache=CACHE, boundscheck=False)
 def jaccard_rows(row0, row1, q_ptr, q_col, q_val, inv_ptr, inv_row, inv_val, col0, n_cols,
                  out):  # pragma: no cover - compiled
     """``out[r - row0, c] = sum_k min(V[r, k], V[col0 + c, k])`` for rows ``row0 .. row1 - 1``.
@@ -113,7 +115,7 @@ def jaccard_rows(row0, row1, q_ptr, q_col, q_val, inv_ptr, inv_row, inv_val, col
                 acc[c] += v if v < w else w
 
 
-@numba.njit(nogil=True, cache=True, boundscheck=False)
+@numba.njit(nogil=True, cache=CACHE, boundscheck=False)
 def _reciprocal(nn, i, k, out):  # pragma: no cover - compiled
     """``R(i)``: the items ``j`` of ``nn[i, :k]`` with ``i`` in ``nn[j, :k]``; returns the count."""
     n = 0
@@ -127,7 +129,7 @@ def _reciprocal(nn, i, k, out):  # pragma: no cover - compiled
     return n
 
 
-@numba.njit(nogil=True, cache=True, boundscheck=False)
+@numba.njit(nogil=True, cache=CACHE, boundscheck=False)
 def expanded_reciprocal_sets(nn, k_full, k_half, buf, lengths):  # pragma: no cover - compiled
     """Expanded k-reciprocal sets ``R*(i)`` (Zhong et al. 2017, Eq. 6), sorted, into ``buf``.
 
