@@ -383,7 +383,7 @@ def test_allowed_hosts_refuse_a_foreign_host_header():
     anyone = TestClient(_app(allowed_hosts=("*",)))  # base_url http://testserver
     assert anyone.get("/api/health").status_code == 200
     assert TestClient(_app()).get("/api/health").status_code == 200  # None: the app alone checks nothing
-    for bad in ((), ("",), (" x",), (3,)):
+    for bad in ((), ("",), (" x",), (3,), ("*foo",), ("a*b",), ("proxy.lan:8080",), ("[::1",)):
         with pytest.raises(ConfigError, match="allowed_hosts"):
             ServiceConfig(index="unused", allowed_hosts=bad)
 
@@ -419,3 +419,12 @@ def test_cli_serve_on_loopback_answers_loopback_names_and_allowed_hosts_only(tmp
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+def test_every_loopback_address_gets_the_host_check():
+    """127.0.0.2 is loopback too (the check covered three spellings only); off loopback: none."""
+    from dmlkit.apps.service.app import loopback_hosts
+
+    assert loopback_hosts("127.0.0.2") == ("127.0.0.1", "localhost", "[::1]", "127.0.0.2")
+    assert loopback_hosts("::1") == loopback_hosts("LOCALHOST") == ("127.0.0.1", "localhost", "[::1]")
+    assert loopback_hosts("0.0.0.0") == loopback_hosts("192.168.1.2") == loopback_hosts("example.com") == ()

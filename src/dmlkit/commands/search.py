@@ -452,9 +452,9 @@ def serve(
         raise ConfigError(f"--max-upload-mb must be a positive number of MiB (2^20 bytes, at least one byte), got {max_upload_mb}")
     hosts = None
     if allowed_host:  # added to the loopback names (a proxy's name), or to nothing off loopback
-        from dmlkit.apps.service.config import LOOPBACK_HOSTS
+        from dmlkit.apps.service.app import loopback_hosts
 
-        hosts = (*LOOPBACK_HOSTS, *allowed_host)
+        hosts = (*loopback_hosts(host), *allowed_host)
     run_server(ServiceConfig(index=index_path, model=model, threshold=threshold, verification=verification,
                              data_root=data_root, max_upload_bytes=int(max_upload_mb * 2**20), max_k=max_k,
                              allowed_hosts=hosts),

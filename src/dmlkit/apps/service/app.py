@@ -32,6 +32,7 @@ broken ONNX session) is a 500 whose cause is logged (``dmlkit.service``) and not
 
 import dataclasses
 import io
+import ipaddress
 import logging
 import re
 import threading
@@ -472,6 +473,18 @@ def start_background_server(app: Any, host: str = "127.0.0.1", port: int = 0, ti
     return server, thread, f"http://{bound[0]}:{bound[1]}"
 
 
+def loopback_hosts(host: str) -> tuple[str, ...]:
+    """The ``Host`` names a server bound to ``host`` answers by default: on ``localhost`` or a
+    loopback address (all of 127.0.0.0/8, ``::1``) :data:`LOOPBACK_HOSTS` and the address
+    itself; elsewhere none, i.e. no check (``()``)."""
+    try:
+        loopback = host.lower() == "localhost" or ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return ()
+    named = f"[{host.strip('[]')}]" if ":" in host else host
+    return tuple(dict.fromkeys((*LOOPBACK_HOSTS, named.lower()))) if loopback else ()
+
+
 def run_server(config: ServiceConfig, host: str = "127.0.0.1", port: int = 8000) -> None:
     """Serve until interrupted (uvicorn, warnings and errors only: ``/api/metrics`` counts requests).
 
@@ -483,10 +496,10 @@ def run_server(config: ServiceConfig, host: str = "127.0.0.1", port: int = 8000)
     import socket
 
     uvicorn = require("uvicorn", "serve")
-    if config.allowed_hosts is None and host in ("127.0.0.1", "localhost", "::1"):
-        config = dataclasses.replace(config, allowed_hosts=LOOPBACK_HOSTS)  # no DNS rebinding
+    if config.allowed_hosts is None and loopback_hosts(host):  # no DNS rebinding
+        config = dataclasses.replace(config, allowed_hosts=loopback_hosts(host))
     app = create_app(config)
-    if host not in ("127.0.0.1", "localhost", "::1"):
+    if not loopback_hosts(host):
         warnings.warn(f"serving on {host}: reachable from other machines; put it behind a proxy with "
                       "authentication for anything but a trusted network", stacklevel=2)
     try:

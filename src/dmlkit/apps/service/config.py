@@ -11,6 +11,19 @@ from typing import Any
 from dmlkit.exceptions import ConfigError, DataError, DataNotFoundError
 from dmlkit.validation import check_integer
 
+def _host_pattern(name: str) -> bool:
+    """Whether ``name`` is a ``Host`` pattern starlette's ``TrustedHostMiddleware`` can match (it
+    checks them only at the first request: ``*foo`` failed every request with a 500): ``*``,
+    ``*.domain``, a bracketed IPv6 address or a name without ``*``, ``:`` (a port never matches:
+    the header's port is stripped first), ``/`` or blanks."""
+    if name == "*":
+        return True
+    body = name[2:] if name.startswith("*.") else name
+    if body.startswith("[") and body.endswith("]"):
+        return body is name and len(body) > 2 and all(c in "0123456789abcdefABCDEF:." for c in body[1:-1])
+    return bool(body) and not any(c in body for c in "*:/ \t") and body == body.strip()
+
+
 #: The ``Host`` names of a loopback server (``allowed_hosts``' default in ``run_server``).
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "[::1]")
 
@@ -73,8 +86,9 @@ class ServiceConfig:
             check_integer(self.image_queue, "image_queue", least=0)
         if self.allowed_hosts is not None:
             hosts = (self.allowed_hosts,) if isinstance(self.allowed_hosts, str) else tuple(self.allowed_hosts)
-            if not hosts or not all(isinstance(h, str) and h.strip() and h == h.strip() for h in hosts):
-                raise ConfigError(f"allowed_hosts must be host names (or '*'), got {self.allowed_hosts!r}")
+            if not hosts or not all(isinstance(h, str) and _host_pattern(h) for h in hosts):
+                raise ConfigError(f"allowed_hosts must be host names without a port ('proxy.lan', "
+                                  f"'[::1]'), '*.domain' or '*', got {self.allowed_hosts!r}")
             self.allowed_hosts = tuple(h.lower() for h in hosts)
 
 
