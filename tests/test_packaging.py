@@ -214,7 +214,9 @@ def test_a_local_file_wins_over_the_preset(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     (tmp_path / "quickstart.yaml").write_text("data: {dataset: omniglot}\nloss: {name: triplet}\ntraining: {epochs: 3}\n")
     assert load_config("quickstart.yaml").training.epochs == 3
-    assert load_config("quickstart").training.epochs != 3  # no local "quickstart": the preset
+    # the README's promise: the bare name reads the edited local copy too (it read the preset)
+    assert load_config("quickstart").training.epochs == 3
+    assert load_config("cub200").model.trunk == "bn_inception"  # no local cub200.yaml: the preset
     with pytest.raises(ConfigError, match="not found"):  # a path with a folder is never a preset
         load_config("sub/quickstart.yaml")
 

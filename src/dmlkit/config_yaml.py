@@ -178,12 +178,15 @@ def resolve_config_path(path: str | os.PathLike) -> Path:
     """The file a config argument names: ``path`` itself when it exists or has a directory part
     (``configs/quickstart.yaml``, ``./my.yaml``), else the packaged preset of that name
     (``quickstart`` or ``quickstart.yaml``: :func:`packaged_presets`), else ``path`` unchanged.
-    A local file of the same name wins over the preset."""
+    A local file of the same name wins over the preset: ``quickstart`` reads an existing
+    ``./quickstart.yaml`` (an edited copy) before the packaged one."""
     raw = os.fspath(path)
     path = Path(path)
     if path.exists() or os.path.dirname(raw) or not raw:
         return path
     name = raw if raw.endswith(".yaml") else f"{raw}.yaml"
+    if Path(name).is_file():
+        return Path(name)
     preset = PRESET_DIR / name
     return preset if Path(name).stem in packaged_presets() else path
 
