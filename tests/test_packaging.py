@@ -233,3 +233,12 @@ def test_a_missing_timm_is_named_not_blamed_on_the_trunk_options(monkeypatch):
         "model": {"trunk": "timm:resnet18", "pretrained": False, "trunk_options": {"drop_rate": 0.1}}})
     with pytest.raises(DependencyError, match=r"dmlkit\[timm\]"):
         model_setting_problems(config)
+
+
+def test_a_training_preset_given_to_bench_says_so(tmp_path, monkeypatch, run_cli):
+    """``dmlkit bench sop`` read the training preset sop.yaml: "data, loss, ... at the top
+    level" without saying that the file is a training config and which presets bench takes."""
+    monkeypatch.chdir(tmp_path)
+    code, _, err = run_cli(["bench", "sop", "--stage", "search"])
+    assert code == 2
+    assert "a training config, for `dmlkit train`?" in err and "bench_sop" in err

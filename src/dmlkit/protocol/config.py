@@ -58,6 +58,7 @@ from dmlkit.config import (
     read_yaml_mapping,
     validate_settings,
 )
+from dmlkit.config_yaml import packaged_presets
 from dmlkit.exceptions import ConfigError
 from dmlkit.limits import MAX_THREADS
 from dmlkit.losses import LOSSES, needs_pair_batches
@@ -403,9 +404,12 @@ class BenchConfig(_Strict):
         if isinstance(data, Mapping):
             stray = sorted(set(data) & {"data", "model", "sampler", "optimizer", "training", "loss", "miner", "seed"})
             if stray:
+                bench = [p for p in packaged_presets() if p.startswith("bench_")]
                 raise ValueError(
                     f"{', '.join(stray)} at the top level: fixed settings go under 'fixed', "
                     "losses/miners under 'methods'"
+                    + ("" if "fixed" in data or "methods" in data else
+                       f" (a training config, for `dmlkit train`? the bench presets: {', '.join(bench)})")
                 )
         return data
 
