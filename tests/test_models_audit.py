@@ -46,6 +46,22 @@ def test_feature_cache_key_includes_non_persistent_buffers():
     assert feature_cache_key(a, ds) != before
 
 
+def test_feature_cache_key_includes_the_forward_precision(monkeypatch, tmp_path):
+    """``amp`` features (float16 or bfloat16 on CUDA) and float32 ones shared one cache file."""
+    import dmlkit.embeddings as emb
+
+    torch.manual_seed(0)
+    a, _ = build_trunk("small_cnn", in_channels=3)
+    ds = _tiny_rgb()
+    keys = {feature_cache_key(a, ds, precision=p) for p in (torch.float32, torch.float16, torch.bfloat16)}
+    assert len(keys) == 3 and feature_cache_key(a, ds) == feature_cache_key(a, ds, precision=torch.float32)
+    seen = []  # extract_features keys by the precision the forward runs in: float32 without CUDA
+    monkeypatch.setattr(emb, "feature_cache_key", lambda *args, **kw: seen.append(args[3]) or "0" * 64)
+    monkeypatch.setattr(emb, "embed", lambda *args, **kw: (np.zeros((4, 2), np.float32), None))
+    extract_features(a, ds, cache_dir=tmp_path, amp=True)
+    assert seen == [torch.float32]
+
+
 # -- 2. googlenet / inception_v3 transform_input from the trunk name -------------------------------
 def test_googlenet_transform_input_whatever_the_weights(tmp_path):
     random_init, _ = build_trunk("googlenet", pretrained=False)

@@ -74,7 +74,7 @@ __all__ = [
     "trunk_features_sharded",
 ]
 
-_CACHE_VERSION = "2"  # 2: trunk options and non-persistent buffers in the key
+_CACHE_VERSION = "3"  # 2: trunk options and non-persistent buffers in the key; 3: the precision
 
 
 def resolve_device(device: str | torch.device | None = "auto") -> torch.device:
@@ -201,19 +201,19 @@ def uncacheable_transform(transform: object) -> bool:
     return "Lambda(" in text or " object at 0x" in text
 
 
-def feature_cache_key(trunk: nn.Module, dataset: MetricDataset, key: str | None = None) -> str:
-    """The cache key of ``trunk`` features of ``dataset`` (with its current transform).
-
-    It hashes the trunk's name, its recorded build options (``dmlkit_options``: trunk options
-    such as ``input_space``, ``global_pool`` or ``transform_input`` change the outputs, not the
-    weights), its state dict, its non-persistent buffers, the dataset fingerprint and the
-    transform's repr.
-    """
+def feature_cache_key(trunk: nn.Module, dataset: MetricDataset, key: str | None = None,
+                      precision: torch.dtype = torch.float32) -> str:
+    """The cache key of ``trunk`` features of ``dataset`` (with its current transform): a hash of
+    the trunk's name, its recorded build options (``dmlkit_options``: ``input_space``,
+    ``global_pool``, ... change the outputs, not the weights), its state dict, its
+    non-persistent buffers, the dataset fingerprint, the transform's repr and the ``precision``
+    of the forward (float32, or the autocast dtype of ``amp`` on CUDA: float16 features were
+    reused for a bfloat16 or float32 run)."""
     name = key or getattr(trunk, "dmlkit_name", None) or type(trunk).__name__
     options = json.dumps(getattr(trunk, "dmlkit_options", None), sort_keys=True, default=repr)
     h = hashlib.sha256()
-    for part in (_CACHE_VERSION, str(name), options, state_dict_digest(trunk),
-                 _buffers_digest(trunk), dataset.fingerprint(), repr(dataset.transform)):
+    for part in (_CACHE_VERSION, str(name), options, state_dict_digest(trunk), _buffers_digest(trunk),
+                 dataset.fingerprint(), repr(dataset.transform), str(precision)):
         h.update(part.encode())
         h.update(b"\0")
     return h.hexdigest()
@@ -240,11 +240,9 @@ def extract_features(
 
     On a CPU a pretrained trunk costs ~0.1 s per 224 x 224 image, so running it inside every
     training step is impractical: this runs it once (through :func:`embed`) and caches the
-    ``(N, D)`` float32 features in ``cache_dir`` under
-    ``sha256(trunk name and options, state-dict bytes, non-persistent buffers, dataset
-    fingerprint, transform repr, version)``, so a different trunk, trunk option, weights,
-    dataset subset or transform never reuses a stale file. A transform whose repr does not say
-    what it does (a ``Lambda``, an object's default repr) is not cached (a warning says so).
+    ``(N, D)`` float32 features in ``cache_dir`` under :func:`feature_cache_key` (no stale file
+    for another trunk, option, weights, subset, transform or precision). A transform whose repr
+    does not say what it does (a ``Lambda``, a default object repr) is not cached (a warning).
 
     Args:
         trunk: the frozen feature extractor (run in eval mode under ``no_grad``; its train/eval
@@ -270,7 +268,9 @@ def extract_features(
                       "or a default object repr) does not identify what it does", stacklevel=2)
         cache_dir = None
     if cache_dir is not None:
-        digest = feature_cache_key(trunk, dataset, key)
+        dev = resolve_device(device)
+        digest = feature_cache_key(trunk, dataset, key, autocast_dtype(dev) if amp and dev.type == "cuda"
+                                   else torch.float32)
         safe = re.sub(r"[^A-Za-z0-9_.-]+", "_", dataset.name)[:60]
         cache_file = Path(cache_dir).expanduser() / f"{safe}-{digest[:24]}.npz"
         if cache_file.exists():
