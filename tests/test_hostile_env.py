@@ -447,3 +447,19 @@ def test_missing_glyphs_are_one_warning_per_process():
     assert texts.count("another warning") == 3
     glyphs = [t for t in texts if "glyph" in t.lower()]
     assert len(glyphs) == 1 and "日 本" in glyphs[0] and "Glyph 26085" not in glyphs[0]
+
+
+def test_a_figure_that_fails_keeps_its_warnings():
+    """figure_style re-emitted the block's warnings only when it ended normally: a figure that
+    raised lost the warning that might say why (diff review s41)."""
+    import warnings
+
+    from dmlkit.report.style import figure_style
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with pytest.raises(RuntimeError, match="figure failed"):
+            with figure_style():
+                warnings.warn("a warning from inside the figure", UserWarning)
+                raise RuntimeError("figure failed")
+    assert [str(w.message) for w in caught] == ["a warning from inside the figure"]

@@ -47,30 +47,42 @@ _F = TypeVar("_F", bound=Callable[..., Any])
 _MISSING_GLYPH = re.compile(r"Glyph (\d+) .*missing from font")
 #: The characters this process has already warned about.
 _missing_said: set[str] = set()
+#: The registry of the warnings re-emitted after a figure (``warn_explicit``'s once-a-place).
+_reemitted: dict[Any, Any] = {}
 
 
 @contextlib.contextmanager
 def _one_glyph_warning() -> Iterator[None]:
     """matplotlib's "Glyph N missing from font(s)" warnings of the block as one warning naming
     the characters not named before in this process; every other warning as it came."""
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.filterwarnings("always", message=_MISSING_GLYPH.pattern, category=UserWarning)
-        try:
-            yield
-        finally:
-            held = list(caught)
+    held: list[warnings.WarningMessage] = []
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.filterwarnings("always", message=_MISSING_GLYPH.pattern, category=UserWarning)
+            try:
+                yield
+            finally:
+                held = list(caught)
+    finally:  # also when the figure failed: its warnings may say why
+        _reemit(held)
+
+
+def _reemit(held: list[warnings.WarningMessage]) -> None:
+    """The held warnings as they came (shown once a place, as the default filter would), the
+    missing glyphs as one."""
     missing: list[str] = []
     for w in held:
         match = _MISSING_GLYPH.match(str(w.message))
         if match is None:
-            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno, source=w.source)
+            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno, source=w.source,
+                                   registry=_reemitted)
         elif (char := chr(int(match.group(1)))) not in _missing_said and char not in missing:
             missing.append(char)
     if missing:
         _missing_said.update(missing)
         warnings.warn(f"the figures' font has no glyph for {' '.join(missing)}: those characters are drawn "
                       "as empty boxes (install a font that has them, e.g. Noto Sans CJK, and name it "
-                      "in matplotlib's font.sans-serif)", UserWarning, stacklevel=3)
+                      "in matplotlib's font.sans-serif)", UserWarning, stacklevel=4)
 
 
 @contextlib.contextmanager
