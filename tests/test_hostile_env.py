@@ -232,7 +232,7 @@ def test_a_closed_stdout_fails_a_command_whose_output_is_its_result(emb):
     res = dmlkit(["evaluate", "e.npz"], emb, **closed)
     assert res.returncode == 1
     (line,) = _lines(res.stderr)
-    assert line.startswith("error: standard output is closed: the output of `dmlkit evaluate`")
+    assert line.startswith("error: standard output is closed or cannot be written: the output of `dmlkit evaluate`")
     res = dmlkit(["index", "e.npz", "-o", "idx.npz"], emb, **closed)
     assert res.returncode == 0 and res.stderr == "" and (emb / "idx.npz").is_file()
 
@@ -463,3 +463,16 @@ def test_a_figure_that_fails_keeps_its_warnings():
                 warnings.warn("a warning from inside the figure", UserWarning)
                 raise RuntimeError("figure failed")
     assert [str(w.message) for w in caught] == ["a warning from inside the figure"]
+
+
+def test_which_commands_give_their_result_on_stdout():
+    """reid, patches evaluate and track evaluate print their results too (a closed stdout lost
+    them with exit 0); an output file or folder makes the printed part a summary."""
+    from dmlkit.cli import _output_was_the_product as product
+
+    for argv in (["reid", "--run-dir", "r"], ["patches", "evaluate", "x"], ["track", "evaluate", "d"],
+                 ["evaluate", "e.npz"], ["--help"]):
+        assert product(argv), argv
+    for argv in (["reid", "-o", "r.json"], ["track", "evaluate", "d", "--out-dir", "o"],
+                 ["patches", "train", "c.yaml"], ["train", "quickstart"], ["evaluate", "e.npz", "--out=x"]):
+        assert not product(argv), argv

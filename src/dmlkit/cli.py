@@ -251,7 +251,8 @@ def _interrupted_line(code: int, argv: list[str]) -> str:
 
 
 #: Commands whose product is what they print (no file holds it unless ``-o`` names one).
-_STDOUT_PRODUCTS = frozenset({"evaluate", "verify", "fewshot", "oneshot", "compare", "query"})
+_STDOUT_PRODUCTS = frozenset({"evaluate", "verify", "fewshot", "oneshot", "compare", "query", "reid",
+                              "patches evaluate", "track evaluate"})
 
 
 def _output_was_the_product(argv: list[str]) -> bool:
@@ -259,9 +260,11 @@ def _output_was_the_product(argv: list[str]) -> bool:
     and :data:`_STDOUT_PRODUCTS` without an output file (``-o``, ``--out``, ``--output``)."""
     if any(a in ("--help", "--version") for a in argv) or _command(argv) is None:
         return True
-    to_file = any(a in ("-o", "--out", "--output") or a.startswith(("--out=", "--output="))
+    to_file = any(a in ("-o", "--out", "--output", "--out-dir")
+                  or a.startswith(("--out=", "--output=", "--out-dir="))
                   or (a.startswith("-o") and not a.startswith("--")) for a in argv)
-    return _command(argv) in _STDOUT_PRODUCTS and not to_file
+    named = (_command(argv), " ".join(_command_words(argv)))
+    return any(n in _STDOUT_PRODUCTS for n in named) and not to_file
 
 
 def _refuse_lost_output(lost: DiscardedOutput | None, argv: list[str]) -> None:
@@ -274,7 +277,7 @@ def _refuse_lost_output(lost: DiscardedOutput | None, argv: list[str]) -> None:
         sys.stdout.flush()
     if lost.size and _output_was_the_product(argv):
         what = _command(argv) or ("--version" if "--version" in argv else "--help")
-        _error(f"standard output is closed: the output of `dmlkit {what}` ({lost.size} bytes) was "
+        _error(f"standard output is closed or cannot be written: the output of `dmlkit {what}` ({lost.size} bytes) was "
                "lost; run it with its standard output open (a file, a pipe, or /dev/null to discard it)")
         sys.exit(LOST_OUTPUT)
 
