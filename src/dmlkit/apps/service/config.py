@@ -11,6 +11,7 @@ from typing import Any
 from dmlkit.exceptions import ConfigError, DataError, DataNotFoundError
 from dmlkit.validation import check_integer
 
+
 def _host_pattern(name: str) -> bool:
     """Whether ``name`` is a ``Host`` pattern starlette's ``TrustedHostMiddleware`` can match (it
     checks them only at the first request: ``*foo`` failed every request with a 500): ``*``,
