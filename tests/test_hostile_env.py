@@ -460,7 +460,7 @@ def test_a_figure_that_fails_keeps_its_warnings():
         warnings.simplefilter("always")
         with pytest.raises(RuntimeError, match="figure failed"):
             with figure_style():
-                warnings.warn("a warning from inside the figure", UserWarning)
+                warnings.warn("a warning from inside the figure", UserWarning, stacklevel=1)
                 raise RuntimeError("figure failed")
     assert [str(w.message) for w in caught] == ["a warning from inside the figure"]
 
