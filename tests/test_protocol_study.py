@@ -11,6 +11,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import warnings
 from pathlib import Path
@@ -227,13 +228,15 @@ def _free_port() -> int:
 
 
 @pytest.fixture
-def postgres_url(tmp_path_factory):
+def postgres_url():
     """A throwaway PostgreSQL cluster on a free localhost port (skips without the binaries)."""
     pytest.importorskip("psycopg")
     bindir = _pg_bin()
     if bindir is None:
         pytest.skip("PostgreSQL binaries (initdb, pg_ctl) not found: apt-get install postgresql")
-    base = Path(tempfile_dir := str(tmp_path_factory.mktemp("pg")))
+    # not under pytest's /tmp/pytest-of-USER: another pytest starting meanwhile sets that back to
+    # 0700, and the postgres user could no longer reach the cluster (pg_ctl: Permission denied)
+    base = Path(tempfile_dir := tempfile.mkdtemp(prefix="dmlkit-pg-"))
     datadir = base / "data"
     prefix: list[str] = []
     if os.geteuid() == 0:  # initdb refuses to run as root: use the postgres system user
@@ -268,6 +271,7 @@ def postgres_url(tmp_path_factory):
         yield f"postgresql://dmlkit@127.0.0.1:{port}/studies"
     finally:
         run(str(bindir / "pg_ctl"), "-D", str(datadir), "-m", "immediate", "-w", "stop")
+        shutil.rmtree(base, ignore_errors=True)
 
 
 @pytest.mark.postgres
