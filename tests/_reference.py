@@ -477,3 +477,18 @@ def write_fake_final_run(config, run_dir: Path) -> None:
     (run_dir / "metrics.json").write_text("{}")
     (run_dir / "embeddings").mkdir(exist_ok=True)
     (run_dir / "embeddings" / "test.npz").write_bytes(b"")
+
+
+class SixClassImages(torch.utils.data.Dataset):
+    """Fixed random 1 x 8 x 8 images of 6 classes, 8 each."""
+
+    def __init__(self) -> None:
+        g = torch.Generator().manual_seed(0)
+        self.labels = np.repeat(np.arange(6), 8)
+        self.x = torch.randn(48, 1, 8, 8, generator=g)
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def __getitem__(self, i: int):
+        return self.x[i], int(self.labels[i])

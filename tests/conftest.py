@@ -46,6 +46,15 @@ def _threads():
     yield
 
 
+@pytest.fixture
+def two_threads():
+    """Two intra-op torch threads for one test (the count restored after it)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="module")
 def one_thread():
     """One intra-op torch thread for a whole module (use with

@@ -12,6 +12,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
+from _reference import SixClassImages
 from dmlkit.config import config_from_dict, dump_config, load_config
 from dmlkit.data.base import ArrayDataset
 from dmlkit.distributed import init_distributed, shutdown
@@ -71,21 +72,6 @@ FRESH_BN = config_from_dict({
 })
 
 
-class _Images(torch.utils.data.Dataset):
-    """Fixed random 1 x 8 x 8 images of 6 classes."""
-
-    def __init__(self) -> None:
-        g = torch.Generator().manual_seed(0)
-        self.labels = np.repeat(np.arange(6), 8)
-        self.x = torch.randn(48, 1, 8, 8, generator=g)
-
-    def __len__(self) -> int:
-        return len(self.labels)
-
-    def __getitem__(self, i: int):
-        return self.x[i], int(self.labels[i])
-
-
 def _fresh_bn_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {name: m.weight.detach().clone() for name, m in model.named_modules()
             if name in ("trunk.neck", "embedder.1")}
@@ -97,7 +83,7 @@ def _fresh_bn_worker(rank: int, world: int, port: int, out_dir: str) -> None:
     torch.set_num_threads(1)
     init_distributed("cpu", timeout_s=60)
     seed_everything(FRESH_BN.seed)
-    trainer = Trainer(FRESH_BN, Path(out_dir) / "run", _Images(), None, device="cpu")
+    trainer = Trainer(FRESH_BN, Path(out_dir) / "run", SixClassImages(), None, device="cpu")
     before = _fresh_bn_weights(trainer.model)
     trainer.run_epoch(time.perf_counter())  # freezes BatchNorm at its start, after DDP was built
     trainer.run_log.close()

@@ -10,14 +10,6 @@ from dmlkit.metrics import evaluate, per_query
 from dmlkit.metrics._threads import run_threads, single_threaded_torch
 
 
-@pytest.fixture
-def two_threads():
-    before = torch.get_num_threads()
-    torch.set_num_threads(2)
-    yield
-    torch.set_num_threads(before)
-
-
 def test_workers_use_one_thread_and_the_caller_keeps_its_count(two_threads):
     seen = []
     run_threads(lambda _: seen.append(torch.get_num_threads()), range(6), 2)

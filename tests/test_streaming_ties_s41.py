@@ -88,14 +88,6 @@ def test_tied_rows_give_the_in_memory_per_query_scores_bit_for_bit(monkeypatch, 
                 assert got[name].tobytes() == want[name].tobytes(), (name, rows)
 
 
-@pytest.fixture
-def two_threads():
-    before = torch.get_num_threads()
-    torch.set_num_threads(2)
-    yield
-    torch.set_num_threads(before)
-
-
 @pytest.mark.parametrize("large", [False, True], ids=["small-search", "large-search"])
 def test_the_loop_runs_on_one_thread_and_a_large_search_on_the_callers(monkeypatch, two_threads, large):
     """The per-block bookkeeping (here: the per-query scores) sees one torch thread; the kNN of a

@@ -23,6 +23,7 @@ import pytest
 import torch
 from torch import nn
 
+from _reference import SixClassImages
 from dmlkit.config import config_from_dict
 from dmlkit.data import get_transforms
 from dmlkit.embeddings import autocast_dtype, embed
@@ -33,21 +34,6 @@ from dmlkit.training import build_model
 from dmlkit.training.loop import Trainer
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-
-
-class _Images(torch.utils.data.Dataset):
-    """Fixed random 1 x 8 x 8 images of 6 classes, 8 each."""
-
-    def __init__(self) -> None:
-        g = torch.Generator().manual_seed(0)
-        self.labels = np.repeat(np.arange(6), 8)
-        self.x = torch.randn(48, 1, 8, 8, generator=g)
-
-    def __len__(self) -> int:
-        return len(self.labels)
-
-    def __getitem__(self, i: int):
-        return self.x[i], int(self.labels[i])
 
 
 def _config(model: dict | None = None, optimizer: dict | None = None):
@@ -79,7 +65,7 @@ def _bn_state(model: nn.Module, part: str = "trunk") -> dict[str, torch.Tensor]:
 def _trained(config, tmp_path) -> tuple[Trainer, dict, dict]:
     """A trainer of ``config`` after one epoch (2 steps), its trunk BatchNorm state before and after."""
     torch.manual_seed(config.seed)
-    trainer = Trainer(config, tmp_path / "run", _Images(), None, device="cpu")
+    trainer = Trainer(config, tmp_path / "run", SixClassImages(), None, device="cpu")
     before = _bn_state(trainer.model)
     trainer.run_epoch(time.perf_counter())
     trainer.run_log.close()
@@ -141,12 +127,12 @@ def test_which_trunks_load_weights():
 
 
 def test_resuming_an_optimiser_of_other_parameters_is_one_line(tmp_path):
-    trainer = Trainer(_config(), tmp_path / "run", _Images(), None, device="cpu")
+    trainer = Trainer(_config(), tmp_path / "run", SixClassImages(), None, device="cpu")
     payload = trainer.payload()
     trainer.run_log.close()
     group = payload["optimizer"]["param_groups"][0]  # the trunk's, as when its BatchNorm was frozen
     group["params"] = group["params"][:-4]
-    other = Trainer(_config(), tmp_path / "run2", _Images(), None, device="cpu")
+    other = Trainer(_config(), tmp_path / "run2", SixClassImages(), None, device="cpu")
     with pytest.raises(CheckpointError, match="cannot resume: the checkpoint's optimiser"):
         other.restore(payload)
     other.run_log.close()
@@ -168,7 +154,7 @@ def test_autocast_dtype_is_one_rule(monkeypatch):
 
 
 def test_training_and_inference_autocast_to_the_same_dtype(tmp_path, monkeypatch):
-    trainer = Trainer(_config(), tmp_path / "run", _Images(), None, device="cpu")
+    trainer = Trainer(_config(), tmp_path / "run", SixClassImages(), None, device="cpu")
     trainer.run_log.close()
     assert trainer.amp_dtype == autocast_dtype(trainer.device)
     seen: list[torch.dtype | None] = []
@@ -179,7 +165,7 @@ def test_training_and_inference_autocast_to_the_same_dtype(tmp_path, monkeypatch
         return real(*args, **kwargs)
 
     monkeypatch.setattr(torch, "autocast", recording)
-    embed(trainer.model, _Images(), batch_size=16, device="cpu", amp=True)
+    embed(trainer.model, SixClassImages(), batch_size=16, device="cpu", amp=True)
     assert seen and set(seen) == {trainer.amp_dtype}
 
 
@@ -196,7 +182,7 @@ def test_trunk_lr_0_keeps_the_trunk_batchnorm_statistics(tmp_path):
 def test_embedder_lr_0_keeps_the_head_batchnorm_statistics(tmp_path):
     config = _config({"pretrained": False, "head": "mlp"}, {"embedder_lr": 0.0})
     torch.manual_seed(config.seed)
-    trainer = Trainer(config, tmp_path / "run", _Images(), None, device="cpu")
+    trainer = Trainer(config, tmp_path / "run", SixClassImages(), None, device="cpu")
     head, trunk = _bn_state(trainer.model, "embedder"), _bn_state(trainer.model)
     trainer.run_epoch(time.perf_counter())
     trainer.run_log.close()
