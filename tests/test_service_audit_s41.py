@@ -428,3 +428,17 @@ def test_every_loopback_address_gets_the_host_check():
     assert loopback_hosts("127.0.0.2") == ("127.0.0.1", "localhost", "[::1]", "127.0.0.2")
     assert loopback_hosts("::1") == loopback_hosts("LOCALHOST") == ("127.0.0.1", "localhost", "[::1]")
     assert loopback_hosts("0.0.0.0") == loopback_hosts("192.168.1.2") == loopback_hosts("example.com") == ()
+
+
+def test_cli_serve_passes_the_image_pool_and_host_options(monkeypatch, run_cli):
+    import dmlkit.apps.service as service
+
+    seen = {}
+    monkeypatch.setattr(service, "run_server", lambda config, host, port: seen.update(config=config, host=host))
+    code, _, err = run_cli(["serve", "--index", "idx", "--image-workers", "2", "--image-queue", "0",
+                            "--allowed-host", "proxy.lan", "--host", "127.0.0.2"])
+    assert code == 0, err
+    config = seen["config"]
+    assert (config.image_workers, config.image_queue) == (2, 0)
+    assert config.allowed_hosts == ("127.0.0.1", "localhost", "[::1]", "127.0.0.2", "proxy.lan")
+    assert run_cli(["serve", "--index", "idx", "--image-workers", "0"])[0] == 2

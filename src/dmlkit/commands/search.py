@@ -440,6 +440,8 @@ def serve(
     data_root: Path | None = typer.Option(None, "--data-root", help="Where the indexed files' thumbnails are read."),
     max_upload_mb: float = typer.Option(8.0, "--max-upload-mb", help="Largest request body accepted, in MiB (2^20 bytes: 8 = 8,388,608 bytes)."),
     max_k: int = typer.Option(100, "--max-k", help="Largest k a request may ask for."),
+    image_workers: int | None = typer.Option(None, "--image-workers", min=1, help="Image queries decoded and embedded at once, off the event loop (default: the CPU count, at most 4)."),
+    image_queue: int | None = typer.Option(None, "--image-queue", min=0, help="Image queries that may wait for a worker (default: 4 per worker); one more gets 503 with Retry-After."),
     allowed_host: list[str] | None = typer.Option(None, "--allowed-host", help="A Host header name the service answers (repeat for more; '*': any). Default: on a loopback address 127.0.0.1, localhost and [::1] only, against DNS rebinding (add the name a local reverse proxy forwards); elsewhere any."),
 ) -> None:
     """An HTTP search service with a web page: query by image, embedding or id; verify two images."""
@@ -457,5 +459,5 @@ def serve(
         hosts = (*loopback_hosts(host), *allowed_host)
     run_server(ServiceConfig(index=index_path, model=model, threshold=threshold, verification=verification,
                              data_root=data_root, max_upload_bytes=int(max_upload_mb * 2**20), max_k=max_k,
-                             allowed_hosts=hosts),
+                             image_workers=image_workers, image_queue=image_queue, allowed_hosts=hosts),
                host=host, port=port)
