@@ -322,11 +322,11 @@ def test_the_interrupted_line_fits_the_command():
 
 def test_an_ignored_sighup_stays_ignored():
     """``nohup dmlkit train ...`` ignores SIGHUP: the command must not start taking it."""
-    from dmlkit.cli import _stopped_like_ctrl_c
+    from dmlkit.signals import exit_on_signals
 
     before = signal.signal(signal.SIGHUP, signal.SIG_IGN)
     try:
-        with _stopped_like_ctrl_c():
+        with exit_on_signals():
             assert signal.getsignal(signal.SIGHUP) is signal.SIG_IGN
             assert signal.getsignal(signal.SIGTERM) not in (signal.SIG_DFL, signal.SIG_IGN)
         assert signal.getsignal(signal.SIGHUP) is signal.SIG_IGN

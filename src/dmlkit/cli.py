@@ -14,9 +14,7 @@ import pkgutil
 import re
 import signal
 import sys
-import threading
 import warnings
-from collections.abc import Iterator
 
 import typer
 from rich.text import Text
@@ -31,6 +29,7 @@ from dmlkit.commands._ranks import (
     refuse_under_torchrun,
 )
 from dmlkit.exceptions import DmlkitError
+from dmlkit.signals import STOP_CODES, exit_on_signals
 
 app = typer.Typer(
     name="dmlkit",
@@ -41,10 +40,6 @@ app = typer.Typer(
 )
 _err = output_console(stderr=True)  # a $COLUMNS of 0 is no width of 0: error lines stay
 INTERRUPTED = 130  # the shell's exit code for SIGINT
-#: Signals that stop a command as Ctrl-C does (its clean-up runs: an atomic write removes its
-#: temporary file), with the shell's exit code 128 + N: a batch scheduler's time limit and
-#: ``kill`` (SIGTERM, 143), a closed terminal or SSH session (SIGHUP, 129).
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
 #: The exit code of a command whose printed output was lost to a closed standard output
 #: (``>&-``), as for a broken pipe (rich's and click's exit code for it).
 LOST_OUTPUT = 1
@@ -199,33 +194,6 @@ def _eof_line(exc: EOFError) -> str:
             "truncated, or its standard input is closed")
 
 
-def _raise_stop(signum: int, frame: object) -> None:
-    raise SystemExit(128 + signum)
-
-
-@contextlib.contextmanager
-def _stopped_like_ctrl_c() -> Iterator[None]:
-    """:data:`STOP_SIGNALS` raise ``SystemExit(128 + N)`` while the block runs, as
-    :func:`dmlkit.protocol.processes.exit_on_sigterm` does for a bench (imported there, it would
-    cost ``dmlkit --help`` a second and a half): Python's default action ended the process at
-    once, so an atomic write killed by SIGTERM left its ``.NAME.XXXX.tmp`` (a 25 MB index, a
-    checkpoint) where Ctrl-C removed it. A signal ignored when the command started (``nohup``)
-    stays ignored; only the main thread takes signals (elsewhere this does nothing)."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    previous = {sig: signal.getsignal(sig) for sig in STOP_SIGNALS}
-    for sig, handler in previous.items():
-        if handler is not signal.SIG_IGN:
-            signal.signal(sig, _raise_stop)
-    try:
-        yield
-    finally:
-        for sig, handler in previous.items():
-            if handler is not None:
-                signal.signal(sig, handler)
-
-
 def _command_words(argv: list[str]) -> tuple[str, ...]:
     """The first two words of ``argv`` that are not options (a command and its sub-command)."""
     return tuple(a for a in argv if not a.startswith("-"))[:2]
@@ -239,8 +207,8 @@ _CONTINUES = {"train": "the run continues with --resume",
 
 
 def _interrupted_line(code: int, argv: list[str]) -> str:
-    """The one line of a command stopped by Ctrl-C (``code`` 130) or a :data:`STOP_SIGNALS`
-    signal (128 + N): what stopped it and what stands (only a command that can continue says
+    """The one line of a command stopped by Ctrl-C (``code`` 130) or a stop signal
+    (:data:`dmlkit.signals.STOP_CODES`: 128 + N): what stopped it and what stands (only a command that can continue says
     how: :data:`_CONTINUES`)."""
     how = "Ctrl-C" if code == INTERRUPTED else signal.Signals(code - 128).name
     words = _command_words(argv)
@@ -289,14 +257,14 @@ def main(argv: list[str] | None = None) -> None:
     (a closed stdout is remembered: :func:`_refuse_lost_output`) and both streams write a
     character their encoding lacks as ``\\uXXXX``
     (:func:`dmlkit.commands._console.prepare_standard_streams`); SIGTERM and SIGHUP stop the
-    command as Ctrl-C does (:func:`_stopped_like_ctrl_c`)."""
+    command as Ctrl-C does (:func:`dmlkit.signals.exit_on_signals`)."""
     global _COMMAND
     lost = prepare_standard_streams()
     args = sys.argv[1:] if argv is None else list(argv)
     _COMMAND = _command(args)
     warnings.showwarning = _show_warning
     try:
-        with _stopped_like_ctrl_c():
+        with exit_on_signals():
             _run(argv, args)
     except SystemExit as exc:
         if exc.code in (0, None):
@@ -333,8 +301,8 @@ def _run(argv: list[str] | None, args: list[str]) -> None:
         sys.exit(getattr(exc, "exit_code", 2))
     except KeyboardInterrupt:
         code = INTERRUPTED
-    except SystemExit as exc:  # SIGTERM, SIGHUP (_stopped_like_ctrl_c; a bench's own exit_on_sigterm)
-        if exc.code not in tuple(128 + s for s in STOP_SIGNALS):
+    except SystemExit as exc:  # SIGTERM, SIGHUP (dmlkit.signals.exit_on_signals)
+        if exc.code not in STOP_CODES:
             raise
         code = exc.code
     except OSError as exc:  # a file the command reads or writes: disk full, permissions, ...
@@ -348,7 +316,7 @@ def _run(argv: list[str] | None, args: list[str]) -> None:
             raise
         _error(line)
         sys.exit(2)
-    interrupted = code == INTERRUPTED or code in tuple(128 + s for s in STOP_SIGNALS)
+    interrupted = code == INTERRUPTED or code in STOP_CODES
     if interrupted and is_main_rank():  # under torchrun: once, by rank 0
         with contextlib.suppress(OSError):  # SIGHUP: the terminal may be gone
             _err.print(_interrupted_line(code, args), soft_wrap=True)

@@ -58,7 +58,7 @@ from dmlkit.data import get_transforms
 from dmlkit.distributed import DistributedError, lost_peer, lost_peer_reason, shutdown
 from dmlkit.exceptions import ConfigError, DataError, NonFiniteError
 from dmlkit.protocol.config import DATA_ROOT_FIX, BenchConfig, TorchrunSettings
-from dmlkit.protocol.processes import exit_on_sigterm
+from dmlkit.signals import exit_on_signals
 from dmlkit.training import train
 from dmlkit.training.data_root import load_dataset_at
 from dmlkit.utils import atomic_write_json
@@ -296,7 +296,7 @@ class TorchrunLauncher:
         (:meth:`_stop`) before the interruption goes on (SIGTERM: ``SystemExit(143)``)."""
         timeout = self.settings.timeout_s
         # SIGTERM raises SystemExit here (it ended this process at once and left the job running)
-        with open(launch_dir / "torchrun.log", "ab") as log, exit_on_sigterm():
+        with open(launch_dir / "torchrun.log", "ab") as log, exit_on_signals():
             proc = subprocess.Popen(list(cmd), stdout=log, stderr=subprocess.STDOUT, env=self.environment(),
                                     start_new_session=True)
             try:

@@ -3,10 +3,11 @@ training run's torchrun job (``protocol.launcher: torchrun``).
 
 Python ends a process on SIGTERM at once, without running ``finally`` blocks: a ``dmlkit
 bench`` sent SIGTERM (``kill``, a batch scheduler's time limit) left its worker processes and
-their torchrun jobs running, orphaned. While :func:`exit_on_sigterm` is active, SIGTERM raises
-``SystemExit(143)`` instead, like Ctrl-C raises ``KeyboardInterrupt``: the code that waits for
-children (:func:`run_worker_processes`, :meth:`dmlkit.protocol.launch.TorchrunLauncher.run`)
-stops them, waits for them, and the process exits non-zero.
+their torchrun jobs running, orphaned. Under :func:`dmlkit.signals.exit_on_signals` SIGTERM
+raises ``SystemExit(143)`` instead, like Ctrl-C raises ``KeyboardInterrupt``: the code that
+waits for children (:func:`run_worker_processes`,
+:meth:`dmlkit.protocol.launch.TorchrunLauncher.run`) stops them, waits for them, and the
+process exits non-zero.
 """
 
 from __future__ import annotations
@@ -15,36 +16,18 @@ import contextlib
 import multiprocessing
 import os
 import signal
-import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
-__all__ = ["TERMINATED", "environment", "exit_on_sigterm", "run_worker_processes"]
+from dmlkit.signals import exit_on_signals
+
+__all__ = ["TERMINATED", "environment", "run_worker_processes"]
 
 #: The exit code of a process stopped by SIGTERM (the shell's 128 + 15).
 TERMINATED = 128 + signal.SIGTERM
 #: Seconds the worker processes get to stop their own children after SIGTERM, before SIGKILL.
 STOP_GRACE_S = 30.0
-
-
-def _raise_exit(signum: int, frame: Any) -> None:
-    raise SystemExit(128 + signum)
-
-
-@contextlib.contextmanager
-def exit_on_sigterm() -> Iterator[None]:
-    """SIGTERM raises ``SystemExit(143)`` in this process while the block runs, so that the
-    block's clean-up stops the processes it started. Only the main thread can take signals:
-    elsewhere this does nothing."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    previous = signal.signal(signal.SIGTERM, _raise_exit)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
 
 
 @contextlib.contextmanager
@@ -75,7 +58,7 @@ def run_worker_processes(target: Callable[..., Any], args: Sequence[tuple], name
     # spawn, not fork: a forked copy of a process that already runs torch threads can hang
     context = multiprocessing.get_context("spawn")
     procs: list[Any] = []
-    with exit_on_sigterm():
+    with exit_on_signals():
         try:
             with environment(**(env or {})):
                 for worker_args, name in zip(args, names):
