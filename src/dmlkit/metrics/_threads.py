@@ -15,18 +15,24 @@ from typing import Any, TypeVar
 
 import torch
 
-__all__ = ["full_float32_matmuls", "run_threads", "single_threaded_torch"]
+__all__ = ["full_float32_matmuls", "run_threads", "single_threaded_torch", "torch_threads"]
 
 
 @contextlib.contextmanager
-def single_threaded_torch() -> Iterator[int]:
-    """Run torch ops on one thread inside the block; yields the thread count to use instead."""
+def torch_threads(n: int) -> Iterator[int]:
+    """Run torch ops on ``n`` threads inside the block (the count restored after it); yields
+    the count it replaced."""
     threads = torch.get_num_threads()
-    torch.set_num_threads(1)
+    torch.set_num_threads(n)
     try:
         yield max(1, threads)
     finally:
         torch.set_num_threads(threads)
+
+
+def single_threaded_torch() -> contextlib.AbstractContextManager[int]:
+    """Run torch ops on one thread inside the block; yields the thread count to use instead."""
+    return torch_threads(1)
 
 
 def _one_thread_here() -> None:

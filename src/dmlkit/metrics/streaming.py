@@ -41,10 +41,9 @@ many small operations each waited for a descheduled thread (13x the in-memory ti
 
 from __future__ import annotations
 
-import contextlib
 import math
 import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -54,7 +53,7 @@ import torch
 from dmlkit.distances import BaseDistance, get_distance
 from dmlkit.distributed import agree, all_gather_unequal, context, is_main_process, shard_bounds
 from dmlkit.exceptions import ConfigError, DataError, ShapeError
-from dmlkit.metrics._threads import full_float32_matmuls, single_threaded_torch
+from dmlkit.metrics._threads import full_float32_matmuls, single_threaded_torch, torch_threads
 from dmlkit.metrics._validation import (
     DEFAULT_MEMORY_BUDGET,
     as_embeddings,
@@ -208,7 +207,7 @@ def _resolve_block(
 
     def ref_blocks():
         for b0, b1 in r_blocks:
-            with _torch_threads(1):  # reading and checking: as in _stream
+            with torch_threads(1):  # reading and checking: as in _stream
                 blk = scorer.prepare(_read(reference, b0, b1, "reference embeddings"), "reference embeddings")
             yield b0, blk
 
@@ -218,17 +217,6 @@ def _resolve_block(
         complete=idx.shape[1] >= available, budget=budget,
         query_index=None if first is None else torch.arange(first, first + q.shape[0]), read=read,
     )
-
-
-@contextlib.contextmanager
-def _torch_threads(n: int) -> Iterator[None]:
-    """Run torch on ``n`` threads inside the block, then restore the count."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(n)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
 
 
 def knn_above_floor(
@@ -248,12 +236,12 @@ def knn_above_floor(
     scorer = _Scorer(distance)
     threads = torch.get_num_threads() if threads is None else threads
     if floor is None or backend != "numba" or scorer.kind != "ip":
-        with _torch_threads(threads):
+        with torch_threads(threads):
             return knn(query, reference, k, distance=distance, exclude_self=False, backend=backend,
                        memory_budget=memory_budget)
     qp = scorer.prepare(as_embeddings(query, "query embeddings"), "query embeddings")
     rp = scorer.prepare(as_embeddings(reference, "reference embeddings"), "reference embeddings")
-    with _torch_threads(threads):
+    with torch_threads(threads):
         closeness, idx = _knn_numba(scorer, qp, rp, min(k, rp.shape[0]), False, check_budget(memory_budget),
                                     floor=np.asarray(floor, dtype=np.float32))
     return KNNResult(indices=idx, values=scorer.to_values(closeness), higher_is_closer=distance.higher_is_closer)
@@ -435,7 +423,7 @@ def _stream(
                     note(b0, q_blk)
                     if a1 - a0 < 2:
                         continue
-                    with _torch_threads(workers):
+                    with torch_threads(workers):
                         res = knn(q_blk, None, min(need, a1 - a0 - 1), distance=dist, backend=backend,
                                   memory_budget=plan.knn_budget)
                 elif same and b0 <= a0 < b1:  # part of a block: one more neighbour, then drop self
@@ -461,7 +449,7 @@ def _stream(
                 run_c, run_i = _merge_top(run_c, run_i, parts, need)
             assert run_c is not None and run_i is not None  # available >= 1 guarantees a block
             ql_blk = ql[a0:a1]
-            with _torch_threads(workers):  # the re-search's products
+            with torch_threads(workers):  # the re-search's products
                 neighbours, tie_ruled[a0 - qs:a1 - qs] = _resolve_block(
                     q_blk, ql_blk, run_i, run_c if higher else -run_c, ref, rl, scorer, r_blocks, r_norm,
                     available, a0 if same else None, plan.knn_budget, read[a0 - qs:a1 - qs], compiled)
