@@ -58,6 +58,7 @@ __all__ = [
     "baseline_methods",
     "compare_results",
     "format_p",
+    "markdown_text",
     "method_per_query",
     "method_per_seed_query",
     "relative_improvements",
@@ -475,10 +476,29 @@ def variance_marks(comparisons: Sequence[Mapping[str, Any]], other: str = "(see 
     return marks
 
 
+#: Markdown's active characters written literally: the backslash (an escape of its own), ``|``
+#: (a table's cell border), the backtick, ``*``, ``[`` and ``]`` (code, emphasis, links, images)
+#: as backslash escapes (CommonMark 0.31, 2.4: any ASCII punctuation may be escaped); ``&``,
+#: ``<`` and ``>`` as entities (raw HTML passes through CommonMark 4.6 and GFM otherwise).
+_MARKDOWN_ESCAPES = str.maketrans({"\\": "\\\\", "|": "\\|", "`": "\\`", "*": "\\*", "[": "\\[",
+                                   "]": "\\]", "&": "&amp;", "<": "&lt;", ">": "&gt;"})
+
+
+def markdown_text(text: object) -> str:
+    """``text`` as one line of literal Markdown text, safe in a table cell: line breaks (every
+    separator :meth:`str.splitlines` knows) become spaces, and ``\\ | ` * [ ] & < >`` are escaped
+    (:data:`_MARKDOWN_ESCAPES`). A method name read from a hand-edited ``results.json``
+    (``<script>...</script>|=cmd``) once went into ``compare -o x.md`` raw: HTML in the page
+    and a row with more cells than the header."""
+    return " ".join(str(text).splitlines()).translate(_MARKDOWN_ESCAPES)
+
+
 def render_compare_markdown(report: Mapping[str, Any]) -> str:
-    """Two Markdown tables: paired differences, and relative improvements over the baselines."""
+    """Two Markdown tables: paired differences, and relative improvements over the baselines.
+    Every text that comes from the results files (method names, seeds, warnings) goes through
+    :func:`markdown_text`."""
     conf = f"{100 * report['confidence']:g}"  # as the terminal table: 99.5, not 100
-    seeds = ", ".join(f"{n}: {k}" for n, k in report["seeds"].items())
+    seeds = markdown_text(", ".join(f"{n}: {k}" for n, k in report["seeds"].items()))
     marks = variance_marks(report["comparisons"])
     lines = [
         f"t-test over training seeds ({seeds}) and {report['queries']} test queries (standard "
@@ -490,14 +510,14 @@ def render_compare_markdown(report: Mapping[str, Any]) -> str:
         # a method with one seed has no seed variance: its CIs hold less than the sentence says
         + "".join(f" A CI marked {m} holds the variance of {v}, not of seeds and queries: it does "
                   "not show how much the methods move when trained again." for v, m in marks.items()),
-        *[f"\nWarning: {w}." for w in report["warnings"]],
+        *[f"\nWarning: {markdown_text(w)}." for w in report["warnings"]],
         "",
         f"| A | B | mode | metric | A - B | {conf} % CI | p | p (Holm) | significant |",
         "|---|---|---|---|---:|---|---:|---:|:---:|",
     ]
     for c in report["comparisons"]:
         lines.append(
-            f"| {c['a']} | {c['b']} | {c['mode']} | {metric_label(c['metric'])} | "
+            f"| {markdown_text(c['a'])} | {markdown_text(c['b'])} | {c['mode']} | {metric_label(c['metric'])} | "
             f"{100 * c['diff']:+.2f} | [{100 * c['ci_low']:+.2f}, {100 * c['ci_high']:+.2f}]"
             f"{' ' + marks[c['variance']] if c.get('variance') in marks else ''} | "
             f"{format_p(c.get('p'))} | {format_p(c.get('p_holm'))} | {significance_label(c)} |"
@@ -507,7 +527,7 @@ def render_compare_markdown(report: Mapping[str, Any]) -> str:
         if not rows:
             continue
         metrics = list(next(iter(rows.values()))["concatenated"])
-        lines += ["", f"Relative improvement over {base} ({info['method']}), %:", "",
+        lines += ["", f"Relative improvement over {base} ({markdown_text(info['method'])}), %:", "",
                   "| method | " + " | ".join(f"{mode[:6]}. {metric_label(m)}" for mode in MODES for m in metrics) + " |",
                   "|---|" + "|".join(["---:"] * (len(metrics) * len(MODES))) + "|"]
         for name, modes in rows.items():
@@ -516,5 +536,5 @@ def render_compare_markdown(report: Mapping[str, Any]) -> str:
                 for m in metrics:
                     v = modes[mode].get(m)
                     cells.append("n/a" if v is None else f"{v:+.1f}")
-            lines.append(f"| {name} | " + " | ".join(cells) + " |")
+            lines.append(f"| {markdown_text(name)} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
