@@ -86,3 +86,59 @@ def test_markdown_text_leaves_plain_method_names_alone():
 
     for name in ("multi_similarity", "ms+miner", "arcface.v2", "proxy-anchor"):
         assert markdown_text(name) == name
+
+
+# -- F7: YAML alias bombs --------------------------------------------------------------------------
+
+def _laughs(levels: int, fan: int = 10, indent: str = "") -> str:
+    """A "billion laughs": anchor ``l0`` and ``levels`` levels of ``fan`` aliases each."""
+    return f"{indent}l0: &l0 [lol]\n" + "".join(
+        f"{indent}l{i}: &l{i} [" + ", ".join([f"*l{i - 1}"] * fan) + "]\n" for i in range(1, levels + 1))
+
+
+def test_a_yaml_alias_bomb_is_refused_in_one_line(tmp_path):
+    """Was: 1 KB of YAML with 10^9 leaves loaded (shared objects) and then ran for minutes
+    where pydantic's ``model_dump`` copied them (a_yaml.py)."""
+    from dmlkit.config_yaml import load_yaml, read_yaml_mapping
+
+    bomb = tmp_path / "bomb.yaml"
+    bomb.write_text("name: x\nloss:\n  name: triplet\n  params:\n" + _laughs(9, indent="    "))
+    with pytest.raises(ConfigError, match=r"bomb.yaml is not valid YAML: .*its aliases \(\*name\) would copy "
+                                          r"\d+ nodes, more than the 10000") as info:
+        read_yaml_mapping(bomb, "settings", "docs/configuration.md")
+    assert "\n" not in str(info.value)
+    for text in ("a: &a [*a]\n", "a: &a {b: [1, *a]}\n"):  # a node inside itself
+        with pytest.raises(yaml.YAMLError, match="an alias names a node that contains it"):
+            load_yaml(text)
+
+
+def test_the_train_command_refuses_an_alias_bomb_in_a_free_form_section(tmp_path, run_cli):
+    """10^5 leaves in ``loss.params``: one line and exit 2, before the config is validated
+    (the 10^9 of a_yaml.py ran past 60 s)."""
+    config = tmp_path / "c.yaml"
+    config.write_text("name: x\nloss:\n  name: triplet\n  params:\n    margin: 0.2\n" + _laughs(5, indent="    "))
+    code, out, err = run_cli(["train", str(config), "--run-dir", str(tmp_path / "run")])
+    assert code == 2 and "its aliases (*name) would copy" in err and len(err.strip().splitlines()) == 1, err
+    assert not (tmp_path / "run").exists()
+
+
+def test_shared_sections_presets_and_documented_configs_still_load():
+    from dmlkit.config_yaml import MAX_ALIAS_EXPANSION, PRESET_DIR, load_yaml, read_yaml_mapping
+
+    text = ("base: &d {x: 1, y: [1, 2, 3]}\nc:\n  <<: *d\n  x: 3\nd: *d\n" + _laughs(3))  # 1,110 copies
+    data = load_yaml(text)
+    assert data["c"] == {"x": 3, "y": [1, 2, 3]} and data["d"] == data["base"] and len(data["l3"]) == 10
+    assert MAX_ALIAS_EXPANSION == 10_000
+    presets = sorted(PRESET_DIR.glob("*.yaml"))
+    assert len(presets) >= 10
+    for path in presets:
+        assert read_yaml_mapping(path, "settings", "docs")
+    blocks = [b for doc in sorted((REPO / "docs").glob("*.md")) + [REPO / "README.md"]
+              for b in re.findall(r"```ya?ml\n(.*?)```", doc.read_text(encoding="utf-8"), re.S)]
+    assert blocks
+    for block in blocks:
+        try:
+            expected = yaml.safe_load(block)
+        except yaml.YAMLError:  # an excerpt with "..." in it: not a whole file
+            continue
+        assert load_yaml(block) is not None or expected is None

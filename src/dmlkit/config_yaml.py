@@ -26,17 +26,78 @@ from pydantic import BaseModel, ValidationError
 
 from dmlkit.exceptions import ConfigError
 
-__all__ = ["PRESET_DIR", "YamlDumper", "YamlLoader", "format_validation_error", "load_yaml",
+__all__ = ["MAX_ALIAS_EXPANSION", "PRESET_DIR", "YamlDumper", "YamlLoader", "check_alias_expansion",
+           "format_validation_error", "load_yaml",
            "packaged_presets", "parse_overrides", "read_yaml_mapping", "resolve_config_path",
            "set_dotted", "validate_settings"]
+
+
+#: The most nodes aliases (``*name``, merge keys ``<<: *name``) may add to a YAML document when
+#: each is counted as a full copy of what it names. PyYAML builds one shared object per anchor,
+#: but pydantic's ``model_dump`` and JSON copy it at every alias: a 1 KB "billion laughs" config
+#: (9 levels of 10 aliases, 10^9 leaves) in a free-form mapping (``loss.params``,
+#: ``data.options``) kept ``dmlkit train`` busy for minutes; 10^6 leaves cost 5 s. No packaged
+#: preset or documented example uses an alias; a few shared sections stay far below the bound.
+MAX_ALIAS_EXPANSION = 10_000
+
+
+def _children(node: yaml.Node) -> list[yaml.Node]:
+    """The nodes a composed node holds: a sequence's items, a mapping's keys and values."""
+    if isinstance(node, yaml.SequenceNode):
+        return list(node.value)
+    if isinstance(node, yaml.MappingNode):
+        return [n for pair in node.value for n in pair]
+    return []
+
+
+def check_alias_expansion(root: yaml.Node, limit: int = MAX_ALIAS_EXPANSION) -> None:
+    """Refuse a composed document whose aliases would copy more than ``limit`` nodes, or that
+    holds a node inside itself (``&a [*a]``: a recursive structure no config can mean).
+
+    The expanded size is ``size(n) = 1 + sum(size(c) for c in children(n))`` over the node
+    graph (an alias is the node it names, so a node named ``k`` times counts ``k`` times),
+    computed once per distinct node (memoised, iterative): linear in the document, whatever
+    the expansion. What aliases add is that size minus the number of distinct nodes."""
+    sizes: dict[int, int] = {}
+    on_path: set[int] = set()  # the ancestors of the node being visited (depth-first)
+    stack: list[tuple[yaml.Node, bool]] = [(root, False)]
+    while stack:
+        node, finished = stack.pop()
+        key = id(node)
+        if finished:
+            on_path.discard(key)
+            sizes[key] = 1 + sum(sizes[id(child)] for child in _children(node))
+            continue
+        if key in sizes:
+            continue
+        if key in on_path:
+            raise yaml.composer.ComposerError(
+                None, None, "an alias names a node that contains it (a recursive structure): "
+                "a config cannot hold one; write the value out", node.start_mark)
+        on_path.add(key)
+        stack.append((node, True))
+        stack.extend((child, False) for child in _children(node) if id(child) not in sizes)
+    added = sizes[id(root)] - len(sizes)
+    if added > limit:
+        raise yaml.composer.ComposerError(
+            None, None, f"its aliases (*name) would copy {added} nodes, more than the {limit} a config "
+            "may hold (a YAML 'billion laughs'); write the values out or use fewer aliases")
 
 
 class YamlLoader(yaml.SafeLoader):
     """``yaml.SafeLoader`` with YAML 1.2-core numbers: ``010`` is 10 (not octal 8), ``1e-3`` a float
     (not a string), ``0o17`` / ``0x1f`` octal / hex. ``strict_ints`` (``--set`` values) refuses a
-    leading-zero integer instead of guessing what it meant."""
+    leading-zero integer instead of guessing what it meant. A document whose aliases would
+    expand past :data:`MAX_ALIAS_EXPANSION` nodes, or that contains itself, is refused
+    (:func:`check_alias_expansion`) before anything is constructed."""
 
     strict_ints = False
+
+    def compose_document(self) -> yaml.Node:
+        """PyYAML's composed document, checked by :func:`check_alias_expansion`."""
+        node = super().compose_document()
+        check_alias_expansion(node)
+        return node
 
     def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
         """A mapping whose keys are unique: PyYAML kept a repeated key's last value and dropped
