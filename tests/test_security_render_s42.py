@@ -142,3 +142,199 @@ def test_shared_sections_presets_and_documented_configs_still_load():
         except yaml.YAMLError:  # an excerpt with "..." in it: not a whole file
             continue
         assert load_yaml(block) is not None or expected is None
+
+
+# -- F10: thumbnails of files PIL refuses ------------------------------------------------------------
+
+def _png(*chunks: tuple[bytes, bytes]) -> bytes:
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data) & 0xFFFFFFFF)
+
+    header = struct.pack(">IIBBBBB", 4, 4, 8, 0, 0, 0, 0)
+    pixels = zlib.compress(b"\x00\x80\x80\x80\x80" * 4)
+    return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + b"".join(chunk(k, d) for k, d in chunks)
+            + chunk(b"IDAT", pixels) + chunk(b"IEND", b""))
+
+
+@pytest.fixture()
+def served_files(tmp_path):
+    pytest.importorskip("fastapi")
+    from PIL import Image
+
+    from dmlkit.apps import EmbeddingIndex
+
+    root = tmp_path / "root"
+    root.mkdir()
+    Image.new("L", (20, 20), 128).save(root / "ok.png")
+    text_bomb = b"k\x00\x00" + zlib.compress(b"A" * 2 * 2**20)  # 2 MB of text, PIL's limit is 1 MB
+    (root / "ztxt.png").write_bytes(_png((b"zTXt", text_bomb)))
+    (root / "iccp.png").write_bytes(_png((b"iCCP", text_bomb)))
+    ids = ["ok.png", "ztxt.png", "iccp.png"]
+    x = np.random.default_rng(0).normal(size=(len(ids), 8)).astype(np.float32)
+    return EmbeddingIndex(x, labels=np.arange(len(ids)), ids=ids), root
+
+
+def _client(index, root):
+    from fastapi.testclient import TestClient
+
+    from dmlkit.apps.service import ServiceConfig, create_app
+
+    return TestClient(create_app(ServiceConfig(index="unused", data_root=root), index=index),
+                      raise_server_exceptions=False)
+
+
+def test_a_thumbnail_pil_refuses_with_valueerror_is_a_404_with_one_log_line(served_files, caplog):
+    """Was: PIL's ``ValueError`` (a zTXt or iCCP chunk that decompresses past its limit) answered
+    500 and logged a traceback (e_serve.py)."""
+    c = _client(*served_files)
+    assert c.get("/api/items/ok.png/thumbnail").status_code == 200
+    with caplog.at_level(logging.WARNING):
+        for item in ("ztxt.png", "iccp.png"):
+            r = c.get(f"/api/items/{item}/thumbnail")
+            assert r.status_code == 404, r.text
+            assert r.json()["detail"] == (f"no image for {item!r}: its file cannot be read as an image "
+                                          "(ValueError; the server's log says more)")
+    assert [r.levelname for r in caplog.records] == ["WARNING", "WARNING"]
+    assert all(r.exc_info is None and "\n" not in r.getMessage() for r in caplog.records)
+
+
+def test_a_thumbnail_pil_refuses_with_syntaxerror_is_a_404(served_files, monkeypatch, caplog):
+    """PIL raises ``SyntaxError`` for some damaged files while it decodes them."""
+    import dmlkit.data
+
+    def broken(img, what):
+        raise SyntaxError("broken PNG file")
+
+    monkeypatch.setattr(dmlkit.data, "upright_8bit", broken)
+    c = _client(*served_files)
+    with caplog.at_level(logging.WARNING):
+        r = c.get("/api/items/ok.png/thumbnail")
+    assert r.status_code == 404 and "SyntaxError" in r.json()["detail"], r.text
+    assert all(r.exc_info is None for r in caplog.records)
+
+
+# -- F12: security headers and no CDN docs -----------------------------------------------------------
+
+def test_every_response_has_nosniff_and_a_restrictive_csp_and_docs_load_no_cdn(served_files):
+    """Was: no ``X-Content-Type-Options`` or CSP header, and ``/docs`` loaded Swagger UI from
+    cdn.jsdelivr.net."""
+    from dmlkit.apps.service.middleware import CONTENT_SECURITY_POLICY
+
+    c = _client(*served_files)
+    for path, status in (("/", 200), ("/static/app.js", 200), ("/api/health", 200), ("/openapi.json", 200),
+                         ("/api/items/ok.png/thumbnail", 200), ("/api/items/nope/thumbnail", 404)):
+        r = c.get(path)
+        assert r.status_code == status, path
+        assert r.headers["x-content-type-options"] == "nosniff"
+        assert r.headers["content-security-policy"] == CONTENT_SECURITY_POLICY
+        assert r.headers["referrer-policy"] == "no-referrer"
+    for directive in ("default-src 'none'", "script-src 'self';", "frame-ancestors 'none'", "base-uri 'none'"):
+        assert directive in CONTENT_SECURITY_POLICY
+    assert "unsafe-eval" not in CONTENT_SECURITY_POLICY and "http" not in CONTENT_SECURITY_POLICY
+    for path in ("/docs", "/redoc"):
+        r = c.get(path)
+        assert r.status_code == 404 and "cdn" not in r.text
+    assert c.get("/openapi.json").json()["info"]["title"] == "dmlkit visual search"
+    # the page itself links nothing outside the service
+    page = c.get("/").text + c.get("/static/app.js").text
+    assert not re.search(r"(src|href)=\"(https?:)?//", page)
+    r = c.get("/", headers={"host": "evil.example"})  # the host check's answer carries them too
+    assert r.headers["x-content-type-options"] == "nosniff"
+
+
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+
+
+@pytest.mark.browser
+@pytest.mark.skipif(CHROMIUM is None, reason="headless Chromium is not installed (apt-get install chromium)")
+def test_the_page_works_under_its_csp_which_blocks_inline_script(served_files, tmp_path):
+    """The page in headless Chromium: its script, styles, API calls, thumbnails and previews of
+    picked files load under the policy, with no violation; an inline script does not run."""
+    sync_api = pytest.importorskip("playwright.sync_api", reason="playwright is not installed")
+    from PIL import Image
+
+    from dmlkit.apps.service import ServiceConfig, create_app, start_background_server
+
+    index, root = served_files
+    srv, thread, url = start_background_server(create_app(ServiceConfig(index="unused", data_root=root),
+                                                          index=index))
+    picked = tmp_path / "pick.png"
+    Image.new("RGB", (30, 20), (200, 10, 10)).save(picked)
+    errors: list[str] = []
+    try:
+        with sync_api.sync_playwright() as pw:
+            browser = pw.chromium.launch(
+                executable_path=CHROMIUM,
+                args=["--no-sandbox", "--disable-gpu", "--disable-background-networking",
+                      "--disable-component-update", "--disable-sync", "--no-first-run"])
+            try:
+                page = browser.new_page()
+                page.on("console", lambda m: errors.append(m.text) if m.type == "error" else None)
+                page.on("pageerror", lambda e: errors.append(str(e)))
+                page.on("requestfailed", lambda r: errors.append(f"failed request {r.url}"))
+                page.add_init_script("window.__violations = [];"
+                                     "document.addEventListener('securitypolicyviolation',"
+                                     " e => window.__violations.push(e.violatedDirective + ' ' + e.blockedURI));")
+                page.goto(url + "/")
+                # predicates as functions: Playwright evals a polled string in the page, which the
+                # policy (no 'unsafe-eval') refuses
+                page.wait_for_function("() => document.getElementById('status').textContent.includes('items')",
+                                       timeout=20000)
+                assert "3 items" in page.inner_text("#status")
+                page.wait_for_function("() => document.getElementById('k').max !== ''", timeout=20000)  # /api/info
+                # the inline <style> block and the style attribute apply
+                assert page.eval_on_selector("header", "e => getComputedStyle(e).backgroundColor") == "rgb(29, 35, 48)"
+                assert page.eval_on_selector("#k", "e => e.style.width") == "4em"
+                # a picked file's preview (blob:) and a thumbnail (the service) load
+                page.set_input_files("#verify-file-1", str(picked))
+                page.wait_for_function("() => { const i = document.getElementById('verify-preview-1');"
+                                       " return !i.hidden && i.complete && i.naturalWidth === 30; }",
+                                       timeout=20000)
+                page.evaluate("(() => { const i = document.createElement('img'); i.id = 'thumb';"
+                              f" i.src = '/api/items/{quote('ok.png', safe='')}/thumbnail';"
+                              " document.body.append(i); })()")
+                page.wait_for_function("() => document.getElementById('thumb').complete"
+                                       " && document.getElementById('thumb').naturalWidth > 0", timeout=20000)
+                assert page.evaluate("window.__violations") == []
+                # markup that slipped into the page could not run script
+                page.evaluate("(() => { const s = document.createElement('script');"
+                              " s.textContent = 'window.__ran = 1'; document.body.append(s); })()")
+                page.wait_for_function("() => window.__violations.length > 0", timeout=10000)
+                assert page.evaluate("window.__ran") is None
+                assert any("script-src" in v for v in page.evaluate("window.__violations"))
+            finally:
+                browser.close()
+    finally:
+        srv.should_exit = True
+        thread.join(timeout=10)
+    # the one error expected: Chromium's console line for the inline script it refused
+    assert [e for e in errors if "Content Security Policy" not in e] == [], errors
+    assert len(errors) == 1 and "inline script" in errors[0], errors
+
+
+# -- F4: a TorchScript export is code --------------------------------------------------------------
+
+def test_serve_notes_that_a_torchscript_export_is_a_program(tmp_path, capsys):
+    """``serve --model x.pt`` (TorchScript) says in one line that the file is a program to
+    trust; the port here is out of range, so the server stops right after."""
+    pytest.importorskip("fastapi")
+    torch = pytest.importorskip("torch")
+    from dmlkit.apps import EmbeddingIndex
+    from dmlkit.apps.service import ServiceConfig
+    from dmlkit.apps.service.app import run_server
+
+    torch.manual_seed(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.jit.script(torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(64, 4))).save(str(tmp_path / "m.pt"))
+    (tmp_path / "m.pt.json").write_text(json.dumps(
+        {"format": "torchscript", "preprocessing": {"transform": None, "image_size": 8, "in_channels": 1}}))
+    EmbeddingIndex(np.random.default_rng(0).normal(size=(3, 4)).astype(np.float32), labels=np.arange(3),
+                   ids=["a", "b", "c"]).save(tmp_path / "idx")
+    with pytest.raises(ConfigError, match="cannot listen"):
+        run_server(ServiceConfig(index=tmp_path / "idx", model=tmp_path / "m.pt"), port=70000)
+    notes = [line for line in capsys.readouterr().err.splitlines() if line.startswith("note:")]
+    assert notes == [f"note: {tmp_path / 'm.pt'} is a TorchScript export: a program, run as it is loaded and "
+                     "called (it can read the server's files); serve only exports you made, ONNX for models "
+                     "from others"]
+    assert "TorchScript export is a program" in (REPO / "docs" / "search.md").read_text(encoding="utf-8")

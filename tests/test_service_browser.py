@@ -61,13 +61,15 @@ def test_upload_shows_the_results_grid_and_verify_shows_the_decision(server, tmp
             page.on("pageerror", lambda e: errors.append(str(e)))
             page.on("requestfailed", lambda r: errors.append(f"failed request {r.url}"))
             page.goto(server["url"] + "/")
-            page.wait_for_function("document.getElementById('status').textContent.includes('items')", timeout=20000)
+            # predicates as functions: Playwright evals a polled string in the page, which the
+            # service's Content-Security-Policy (no 'unsafe-eval') refuses
+            page.wait_for_function("() => document.getElementById('status').textContent.includes('items')", timeout=20000)
             assert f"{len(idx)} items" in page.inner_text("#status")
 
             page.set_input_files("#query-file", str(query))
-            page.wait_for_function("document.querySelectorAll('#results .card').length === 8", timeout=30000)
+            page.wait_for_function("() => document.querySelectorAll('#results .card').length === 8", timeout=30000)
             page.wait_for_function(
-                "[...document.querySelectorAll('#results .card img')].every(i => i.complete && i.naturalWidth > 0)",
+                "() => [...document.querySelectorAll('#results .card img')].every(i => i.complete && i.naturalWidth > 0)",
                 timeout=30000)
             cards = page.eval_on_selector_all("#results .card", "els => els.map(e => e.innerText)")
             assert item in cards[0] and "#1" in cards[0]
@@ -76,13 +78,13 @@ def test_upload_shows_the_results_grid_and_verify_shows_the_decision(server, tmp
             page.set_input_files("#verify-file-1", str(query))
             page.set_input_files("#verify-file-2", str(query))
             page.click("#verify-button")
-            page.wait_for_function("document.getElementById('verify-result').className !== ''", timeout=30000)
+            page.wait_for_function("() => document.getElementById('verify-result').className !== ''", timeout=30000)
             result = page.inner_text("#verify-result")
             assert page.get_attribute("#verify-result", "class") == "same"
             assert "threshold" in result and "score 1.0000" in result
 
             page.set_input_files("#query-file", {"name": "notes.png", "mimeType": "image/png", "buffer": b"not an image"})
-            page.wait_for_function("document.getElementById('query-message').className === 'error'", timeout=30000)
+            page.wait_for_function("() => document.getElementById('query-message').className === 'error'", timeout=30000)
             assert "400" in page.inner_text("#query-message")
             shot = tmp_path / "page.png"
             page.screenshot(path=str(shot), full_page=True)

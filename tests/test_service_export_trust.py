@@ -172,10 +172,12 @@ def test_the_page_takes_its_k_limit_from_the_service(tmp_path):
             try:
                 page = browser.new_page()
                 page.goto(url + "/")
-                page.wait_for_function("document.getElementById('k').max === '5'", timeout=20000)
+                # predicates as functions: Playwright evals a polled string in the page, which the
+                # service's Content-Security-Policy (no 'unsafe-eval') refuses
+                page.wait_for_function("() => document.getElementById('k').max === '5'", timeout=20000)
                 assert page.get_attribute("#k", "max") == "5" and page.input_value("#k") == "5"  # was max 100, value 8
                 page.set_input_files("#query-file", str(query))
-                page.wait_for_function("document.getElementById('query-message').textContent.includes('nearest')"
+                page.wait_for_function("() => document.getElementById('query-message').textContent.includes('nearest')"
                                        " || document.getElementById('query-message').className === 'error'",
                                        timeout=30000)
                 assert page.inner_text("#query-message").startswith("5 nearest items"), page.inner_text("#query-message")

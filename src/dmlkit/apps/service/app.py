@@ -3,7 +3,8 @@
 (No ``from __future__ import annotations`` here: FastAPI reads the endpoint annotations, which
 name models defined inside :func:`create_app`.)
 
-Endpoints (JSON unless noted; the OpenAPI schema is at ``/openapi.json``, docs at ``/docs``):
+Endpoints (JSON unless noted; the OpenAPI schema is at ``/openapi.json``; no interactive docs at
+``/docs`` or ``/redoc``: FastAPI's load their scripts from a CDN, docs/search.md):
 
 * ``GET /api/health``, ``GET /api/info``, ``GET /api/metrics`` (request counts, status
   classes, p50/p99 latency per route over the last 1000 requests, uptime);
@@ -27,6 +28,11 @@ model cannot embed (checked before the model runs:
 :meth:`dmlkit.apps.export.ImageEmbedder.check_input`); 503 every image worker busy and their
 queue full (``Retry-After: 1``). A model that fails on an image it takes (out of memory, a
 broken ONNX session) is a 500 whose cause is logged (``dmlkit.service``) and not sent.
+
+Every response carries ``X-Content-Type-Options: nosniff``, a Content-Security-Policy that lets
+the page load only its own script, styles, images and API
+(:data:`~dmlkit.apps.service.middleware.CONTENT_SECURITY_POLICY`) and
+``Referrer-Policy: no-referrer``.
 """
 
 
@@ -35,6 +41,7 @@ import io
 import ipaddress
 import logging
 import re
+import sys
 import threading
 import time
 import warnings
@@ -57,6 +64,7 @@ from dmlkit.apps.service.middleware import (
     ImageWork,
     Metrics,
     Record,
+    SecurityHeaders,
     ServiceBusy,
     default_image_workers,
     json_body_limit,
@@ -111,6 +119,10 @@ def create_app(config: ServiceConfig, *, index: Any = None, embedder: Any = None
     app = fastapi.FastAPI(
         title="dmlkit visual search",
         version="1",
+        # no Swagger UI / ReDoc: FastAPI's pages load their script and CSS from cdn.jsdelivr.net
+        # (a third party's code next to the service's API); /openapi.json stays
+        docs_url=None,
+        redoc_url=None,
         description="Nearest-neighbour search over a trained embedding: query by image, embedding or id; "
                     "verify two images against a calibrated threshold.",
     )
@@ -124,10 +136,11 @@ def create_app(config: ServiceConfig, *, index: Any = None, embedder: Any = None
     app.add_middleware(BodyLimit, max_bytes=int(config.max_upload_bytes),
                        path_limits={p: (json_limit, json_fix) for p in ("/api/query/embedding", "/api/query/id")})
     app.add_middleware(Record, metrics=metrics)
-    if config.allowed_hosts is not None:  # outermost: a foreign Host gets 400 before anything runs
+    if config.allowed_hosts is not None:  # outside the app: a foreign Host gets 400 before anything runs
         from starlette.middleware.trustedhost import TrustedHostMiddleware
 
         app.add_middleware(TrustedHostMiddleware, allowed_hosts=list(config.allowed_hosts))
+    app.add_middleware(SecurityHeaders)  # outermost: the host check's 400s carry the headers too
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError) -> Any:
@@ -413,7 +426,10 @@ def create_app(config: ServiceConfig, *, index: Any = None, embedder: Any = None
             data = thumbnail_bytes(str(path), item_id)
         except DataError as exc:  # ours (too large, blank at 8 bits): they name the id
             raise HTTPException(404, f"the image of {item_id!r} cannot be read: {exc}") from exc
-        except OSError as exc:  # PIL's and the system's texts name the file: to the log only
+        except (OSError, ValueError, SyntaxError) as exc:  # their texts name the file: to the log only
+            # PIL refuses some damaged files with ValueError (a zTXt/iCCP chunk that decompresses
+            # past its 1 MB limit) or SyntaxError (a broken chunk while loading): they answered 500
+            # with a traceback in the log; now the one-line 404 of any unreadable file
             raise missing(item_id, f"its file cannot be read as an image ({type(exc).__name__}; the server's "
                                    "log says more)", f"{path}: {exc}") from exc
         return Response(content=data, media_type="image/png", headers={"Cache-Control": "max-age=3600"})
@@ -499,6 +515,10 @@ def run_server(config: ServiceConfig, host: str = "127.0.0.1", port: int = 8000)
     if config.allowed_hosts is None and loopback_hosts(host):  # no DNS rebinding
         config = dataclasses.replace(config, allowed_hosts=loopback_hosts(host))
     app = create_app(config)
+    if getattr(app.state.embedder, "runtime", None) == "torchscript":  # docs/search.md, "Trusting a model"
+        print(f"note: {config.model} is a TorchScript export: a program, run as it is loaded and called "
+              "(it can read the server's files); serve only exports you made, ONNX for models from others",
+              file=sys.stderr, flush=True)
     if not loopback_hosts(host):
         warnings.warn(f"serving on {host}: reachable from other machines; put it behind a proxy with "
                       "authentication for anything but a trusted network", stacklevel=2)
@@ -510,7 +530,7 @@ def run_server(config: ServiceConfig, host: str = "127.0.0.1", port: int = 8000)
         raise ConfigError(f"cannot listen on {host}:{port}: {reason} (choose another --port or --host)") from None
     bound_port = sock.getsockname()[1]
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
-    print(f"dmlkit serve: {len(app.state.index)} items on http://{host}:{bound_port}/ (API docs: /docs)", flush=True)
+    print(f"dmlkit serve: {len(app.state.index)} items on http://{host}:{bound_port}/ (API schema: /openapi.json)", flush=True)
     # Ctrl-C before uvicorn's loop starts leaves its coroutine unawaited: not worth a warning line
     warnings.filterwarnings("ignore", message="coroutine 'Server.serve' was never awaited", category=RuntimeWarning)
     with sock:

@@ -1,8 +1,9 @@
-"""The plumbing of ``dmlkit serve`` below the endpoints: request metrics, body limits and the
-bounded pool that decodes and embeds uploaded images off the event loop.
+"""The plumbing of ``dmlkit serve`` below the endpoints: request metrics, body limits, security
+headers and the bounded pool that decodes and embeds uploaded images off the event loop.
 
-Pure ASGI (no FastAPI import here): :class:`Record` and :class:`BodyLimit` wrap the app's
-``receive``/``send``; :class:`ImageWork` runs blocking image work in threads of its own.
+Pure ASGI (no FastAPI import here): :class:`Record`, :class:`BodyLimit` and
+:class:`SecurityHeaders` wrap the app's ``receive``/``send``; :class:`ImageWork` runs blocking
+image work in threads of its own.
 """
 
 from __future__ import annotations
@@ -36,6 +37,49 @@ def json_body_limit(dim: int, max_upload_bytes: int) -> int:
     event loop before any field is checked: at the upload limit (8 MiB) one bad body held the
     loop for 1.3 s and 8 concurrent ones delayed a good query 8.6 s (audit s41 F2)."""
     return min(int(max_upload_bytes), JSON_BODY_SLACK + JSON_BYTES_PER_VALUE * max(int(dim), 1))
+
+
+#: The Content-Security-Policy of every response (only a page, ``/``, has anything to restrict):
+#: nothing by default; scripts only from the service itself (``/static/app.js``; no inline or
+#: eval'd script, so text that slipped into the page as markup could not run); the page's own
+#: ``<style>`` block and one ``style`` attribute (CSS only: no script); images from the
+#: service (thumbnails), ``blob:`` (the previews of picked files) and ``data:`` (the empty
+#: favicon); ``fetch`` to the service only; no ``<base>``, no form posting elsewhere, no framing
+#: by another site (clickjacking). CSP Level 3, https://www.w3.org/TR/CSP3/.
+CONTENT_SECURITY_POLICY = ("default-src 'none'; script-src 'self'; style-src 'self' 'unsafe-inline'; "
+                           "img-src 'self' blob: data:; connect-src 'self'; base-uri 'none'; "
+                           "form-action 'none'; frame-ancestors 'none'")
+#: Headers :class:`SecurityHeaders` adds to every response: ``nosniff`` stops a browser from
+#: running a response as another type than it is sent as (a thumbnail or JSON guessed to be
+#: HTML or script); the referrer of the page's requests is not sent to anyone.
+SECURITY_HEADERS: tuple[tuple[bytes, bytes], ...] = (
+    (b"x-content-type-options", b"nosniff"),
+    (b"content-security-policy", CONTENT_SECURITY_POLICY.encode()),
+    (b"referrer-policy", b"no-referrer"),
+)
+
+
+class SecurityHeaders:
+    """ASGI middleware: :data:`SECURITY_HEADERS` on every response (an endpoint's own value of
+    one of them is kept). Outermost, so the 400s of the host check and the 413s of
+    :class:`BodyLimit` carry them too."""
+
+    def __init__(self, app: Any, headers: tuple[tuple[bytes, bytes], ...] = SECURITY_HEADERS) -> None:
+        self.app, self.headers = app, tuple(headers)
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+
+        async def send_with_headers(message: dict[str, Any]) -> None:
+            if message["type"] == "http.response.start":
+                given = list(message.get("headers") or [])
+                names = {bytes(name).lower() for name, _ in given}
+                message = {**message, "headers": given + [h for h in self.headers if h[0] not in names]}
+            await send(message)
+
+        await self.app(scope, receive, send_with_headers)
 
 
 class Metrics:
