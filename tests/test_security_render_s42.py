@@ -312,6 +312,45 @@ def test_the_page_works_under_its_csp_which_blocks_inline_script(served_files, t
     assert len(errors) == 1 and "inline script" in errors[0], errors
 
 
+# -- F11: rich markup in file names ------------------------------------------------------------------
+
+MARKUP_NAME = "emb[red]HIDDEN[blink]"
+
+
+@pytest.fixture()
+def markup_embeddings(tmp_path):
+    from dmlkit.embeddings import save_embeddings
+
+    rng = np.random.default_rng(0)
+    y = np.repeat(np.arange(6), 6)
+    x = (rng.normal(size=(6, 5))[y] + 0.5 * rng.normal(size=(36, 5))).astype(np.float32)
+    path = tmp_path / f"{MARKUP_NAME}.npz"
+    save_embeddings(path, x, y)
+    return path
+
+
+def test_evaluate_and_fewshot_print_file_names_as_text(markup_embeddings, run_cli):
+    """Was: ``evaluate 'emb[red]HIDDEN[blink].npz'`` titled its table ``embHIDDEN.npz`` (and
+    ``fewshot`` the same)."""
+    code, out, err = run_cli(["evaluate", str(markup_embeddings), "-m", "precision_at_1"])
+    assert code == 0, err
+    assert f"{MARKUP_NAME}.npz (leave-one-out)" in " ".join(out.split())  # the title wraps at the table's width
+    code, out, err = run_cli(["fewshot", str(markup_embeddings), "--way", "3", "--episodes", "5"])
+    assert code == 0, err
+    assert f"3-way 1-shot: {MARKUP_NAME}.npz" in " ".join(out.split())
+
+
+def test_track_evaluate_prints_its_root_as_text(tmp_path, run_cli):
+    from dmlkit.apps.tracking import build_offline_dataset
+
+    root = tmp_path / "d[/x][red]R"
+    build_offline_dataset(root, num_train=1, num_test=1, train_frames=2, test_frames=3, seed=1,
+                          frame_size=(96, 96))
+    code, out, err = run_cli(["track", "evaluate", str(root / "test"), "--dataset", "otb", "--methods", "ncc"])
+    assert code == 0, err
+    assert "d[/x][red]R" in "".join(out.split()), out
+
+
 # -- F4: a TorchScript export is code --------------------------------------------------------------
 
 def test_serve_notes_that_a_torchscript_export_is_a_program(tmp_path, capsys):
@@ -338,3 +377,4 @@ def test_serve_notes_that_a_torchscript_export_is_a_program(tmp_path, capsys):
                      "called (it can read the server's files); serve only exports you made, ONNX for models "
                      "from others"]
     assert "TorchScript export is a program" in (REPO / "docs" / "search.md").read_text(encoding="utf-8")
+

@@ -24,32 +24,39 @@ _PERCENT = {"accuracy", "accuracy_std", "accuracy_sem", "roc_auc", "eer", "ci95"
 
 def _print(data: dict, as_json: bool, title: str) -> None:
     """JSON (fractions as computed), or a table in the units of every dmlkit table: rates in
-    percent, marked ``(%)``."""
+    percent, marked ``(%)``. The title and every cell are text, not rich markup (escaped): a
+    file ``emb[red]HIDDEN[blink].npz`` was titled ``embHIDDEN.npz``, one with ``[/x]`` raised
+    ``MarkupError``."""
     if as_json:
         echo_json(data)
         return
+    from rich.markup import escape
     from rich.table import Table
 
     from dmlkit.commands._console import output_console
 
-    table = Table(title=title)
+    table = Table(title=escape(title))
     table.add_column("measure")
     table.add_column("value", justify="right")
+
+    def row(key: str, value: str) -> None:
+        table.add_row(escape(key), escape(value))
+
     for key, value in data.items():
         if key in _PERCENT and isinstance(value, float):
-            table.add_row(f"{key} (%)", f"{100 * value:.2f}")
+            row(f"{key} (%)", f"{100 * value:.2f}")
         elif key.endswith("_percent") and isinstance(value, float):  # already percent (oneshot)
-            table.add_row(f"{key.removesuffix('_percent')} (%)", f"{value:.2f}")
+            row(f"{key.removesuffix('_percent')} (%)", f"{value:.2f}")
         elif key == "tar_at_far" and isinstance(value, dict):
             for far, tar in value.items():
-                table.add_row(f"TAR at FAR {100 * float(far):g} % (%)", f"{100 * tar:.2f}")
+                row(f"TAR at FAR {100 * float(far):g} % (%)", f"{100 * tar:.2f}")
         elif isinstance(value, float):
-            table.add_row(key, f"{value:.4f}")
+            row(key, f"{value:.4f}")
         elif isinstance(value, list | dict):
             shown = value if not isinstance(value, list) or len(value) < 8 else f"{len(value)} values"
-            table.add_row(key, json.dumps(shown))
+            row(key, json.dumps(shown))
         else:
-            table.add_row(key, str(value))
+            row(key, str(value))
     output_console().print(table)
 
 

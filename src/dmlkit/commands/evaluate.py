@@ -86,12 +86,14 @@ def register(app: typer.Typer) -> None:
         if as_json:
             echo_json(result)
             return
+        from rich.markup import escape
         from rich.table import Table
 
         from dmlkit.commands._console import output_console
 
+        # file names are text, not rich markup: "emb[red]X[blink].npz" was titled "embX.npz"
         title = f"{embeddings.name}" + (f" vs {reference.name}" if reference else " (leave-one-out)")
-        out = Table(title=title)
+        out = Table(title=escape(title))
         out.add_column("metric")
         out.add_column("value (%)", justify="right")
         for name, value in result.items():
@@ -99,7 +101,7 @@ def register(app: typer.Typer) -> None:
                 continue
             spread = result.get(f"{name}_std")
             shown = f"{100 * value:.2f}" + ("" if spread is None else f" ± {100 * spread:.2f}")
-            out.add_row(name, shown)
+            out.add_row(escape(name), shown)
         output_console().print(out)
         if any(name.endswith("_std") for name in result):
             typer.echo(f"clustering metrics: mean ± standard deviation over {restarts} k-means run(s)")

@@ -321,15 +321,18 @@ def evaluate(
     if as_json:
         echo_json(table)
         return
+    from rich.markup import escape
     from rich.table import Table
 
     from dmlkit.commands._console import output_console
 
-    t = Table(title=f"OTB one-pass evaluation: {len(sequences)} sequences in {root} (absent frames: {absent_frames})")
+    # the root and the trackers' names are text, not rich markup ("[/x]" in a path raised MarkupError)
+    t = Table(title=escape(f"OTB one-pass evaluation: {len(sequences)} sequences in {root} "
+                           f"(absent frames: {absent_frames})"))
     for col in ("tracker", "success AUC (%)", "precision@20 (%)", "frames", "fps"):
         t.add_column(col, justify="left" if col == "tracker" else "right")
     for name, row in sorted(table.items(), key=lambda kv: -kv[1]["success_auc"]):
-        t.add_row(name, f"{100 * row['success_auc']:.2f}", f"{100 * row['precision_at_20']:.2f}",
+        t.add_row(escape(name), f"{100 * row['success_auc']:.2f}", f"{100 * row['precision_at_20']:.2f}",
                   str(row["num_frames"]), f"{row['fps']:.1f}" if row["fps"] else "-")
     output_console().print(t)
     if out_dir is not None:
