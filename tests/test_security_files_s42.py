@@ -15,12 +15,15 @@ the folder it works on, and hostile JSON is one error line.
 
 from __future__ import annotations
 
+import io
 import json
+import tarfile
+import zipfile
 from pathlib import Path
 
 import pytest
 
-from dmlkit.exceptions import ConfigError
+from dmlkit.exceptions import ConfigError, DataError
 
 DEEP = '{"a":' * 100_000 + "1" + "}" * 100_000
 
@@ -101,3 +104,110 @@ def test_build_data_rebuild_still_replaces_its_own_build(tmp_path):
     build_offline_dataset(out, num_train=2, num_test=1, train_frames=2, test_frames=2, frame_size=(96, 96))
     build_offline_dataset(out, num_train=1, num_test=1, train_frames=2, test_frames=2, frame_size=(96, 96))
     assert len(list((out / "train").iterdir())) == 1
+
+
+# -- F2: archive extraction stays inside the root --------------------------------------------
+def _add(tar: tarfile.TarFile, name: str, payload: bytes = b"x", **attrs) -> None:
+    info = tarfile.TarInfo(name)
+    for key, value in attrs.items():
+        setattr(info, key, value)
+    if info.type == tarfile.REGTYPE:
+        info.size = len(payload)
+        tar.addfile(info, io.BytesIO(payload))
+    else:
+        tar.addfile(info)
+
+
+def _hostile_tgz(path: Path, outside: Path, kind: str) -> None:
+    with tarfile.open(path, "w:gz") as tar:
+        _add(tar, "car_ims/000001.jpg", b"\xff\xd8")
+        if kind == "dotdot":
+            _add(tar, "../../OUTSIDE/dotdot.txt")
+        elif kind == "absolute":
+            _add(tar, str(outside / "abs.txt"))
+        else:  # a link out of the root, then a file written through it
+            _add(tar, "link_out", type=tarfile.SYMTYPE, linkname=str(outside))
+            _add(tar, "link_out/via_link.txt")
+
+
+@pytest.mark.parametrize("kind", ["dotdot", "absolute", "symlink"])
+def test_hostile_tar_is_refused_before_anything_is_extracted(tmp_path, kind):
+    from dmlkit.data.datasets import extract_archive
+
+    outside = tmp_path / "OUTSIDE"
+    outside.mkdir()
+    root = tmp_path / "data" / "cars196"
+    root.mkdir(parents=True)
+    _hostile_tgz(tmp_path / "car_ims.tgz", outside, kind)
+    with pytest.raises(DataError, match="outside") as refused:
+        extract_archive(tmp_path / "car_ims.tgz", root)
+    assert "\n" not in str(refused.value)
+    assert list(outside.iterdir()) == [] and list(root.iterdir()) == []
+
+
+def test_cars196_download_extracts_safely(tmp_path, monkeypatch):
+    """The download path itself (torchvision's fetch replaced by a local copy: no network): the
+    archive is extracted by dmlkit, which refuses it; nothing lands outside the data root."""
+    import shutil
+
+    import torchvision.datasets.utils as tv_utils
+
+    import dmlkit.data.retrieval_benchmarks as rb
+
+    outside = tmp_path / "OUTSIDE"
+    outside.mkdir()
+    served = tmp_path / "srv"
+    served.mkdir()
+    _hostile_tgz(served / "car_ims.tgz", outside, "symlink")
+    (served / "cars_annos.mat").write_bytes(b"not a mat")
+
+    def fake_download_url(url, root, filename=None, md5=None, **kw):
+        Path(root).mkdir(parents=True, exist_ok=True)
+        shutil.copy(served / Path(url).name, Path(root) / (filename or Path(url).name))
+
+    monkeypatch.setattr(tv_utils, "download_url", fake_download_url)
+    with pytest.raises(DataError) as refused:
+        rb.load_cars196(root=tmp_path / "data", download=True)
+    assert list(outside.iterdir()) == []  # was: via_link.txt, written through the link member
+    assert "outside" in str(refused.value)
+    assert not (tmp_path / "data" / "cars196" / "link_out").is_symlink()
+    assert rb.CARS_URL.startswith("https://") and rb.CARS_ANNOS_URL.startswith("https://")
+
+
+def test_tar_without_the_data_filter_is_refused(tmp_path, monkeypatch):
+    from dmlkit.data.datasets import extract_archive
+
+    with tarfile.open(tmp_path / "a.tgz", "w:gz") as tar:
+        _add(tar, "d/ok.txt")
+    monkeypatch.delattr(tarfile, "data_filter")
+    with pytest.raises(DataError, match="cannot extract .* safely.*3.11.4"):
+        extract_archive(tmp_path / "a.tgz", tmp_path / "root")
+    assert not (tmp_path / "root" / "d").exists()
+
+
+def test_safe_archives_extract(tmp_path):
+    from dmlkit.data.datasets import extract_archive
+
+    with tarfile.open(tmp_path / "a.tgz", "w:gz") as tar:
+        _add(tar, "d/ok.txt", b"tar")
+        _add(tar, "d/inner_link", type=tarfile.SYMTYPE, linkname="ok.txt")  # a link inside: kept
+    extract_archive(tmp_path / "a.tgz", tmp_path / "t")
+    assert (tmp_path / "t" / "d" / "ok.txt").read_bytes() == b"tar"
+    assert (tmp_path / "t" / "d" / "inner_link").read_bytes() == b"tar"
+    with zipfile.ZipFile(tmp_path / "a.zip", "w") as zf:
+        zf.writestr("Stanford_Online_Products/Ebay_train.txt", "zip")
+    extract_archive(tmp_path / "a.zip", tmp_path / "z")
+    assert (tmp_path / "z" / "Stanford_Online_Products" / "Ebay_train.txt").read_text() == "zip"
+
+
+@pytest.mark.parametrize("name", ["../escape.txt", "/abs/escape.txt", "a/../../escape.txt"])
+def test_zip_member_outside_the_root_is_refused(tmp_path, name):
+    from dmlkit.data.datasets import extract_archive
+
+    with zipfile.ZipFile(tmp_path / "a.zip", "w") as zf:
+        zf.writestr("ok.txt", "ok")
+        zf.writestr(zipfile.ZipInfo(name), "bad")
+    root = tmp_path / "r" / "root"
+    with pytest.raises(DataError, match="outside"):
+        extract_archive(tmp_path / "a.zip", root)
+    assert list(root.iterdir()) == []
