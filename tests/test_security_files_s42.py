@@ -17,10 +17,12 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import tarfile
 import zipfile
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from dmlkit.exceptions import ConfigError, DataError
@@ -211,3 +213,88 @@ def test_zip_member_outside_the_root_is_refused(tmp_path, name):
     with pytest.raises(DataError, match="outside"):
         extract_archive(tmp_path / "a.zip", root)
     assert list(root.iterdir()) == []
+
+
+# -- F3: writes inside a run directory never go through a link out of it ----------------------
+def test_a_link_out_of_its_folder_is_not_written_through(tmp_path):
+    from dmlkit.utils import atomic_write_figure, atomic_write_text
+
+    victim = tmp_path / "victim_bashrc"
+    victim.write_text("# my shell settings\n")
+    run = tmp_path / "run"
+    (run / "figures").mkdir(parents=True)
+    (run / "report.html").symlink_to(victim)
+    (run / "figures" / "curves.png").symlink_to(tmp_path / "victim.png")  # dangling: made, not written
+    with pytest.raises(DataError, match="symbolic link .* outside its folder") as refused:
+        atomic_write_text(run / "report.html", "<!DOCTYPE html>\n  touch PWNED\n")
+    assert "\n" not in str(refused.value)
+    assert victim.read_text() == "# my shell settings\n" and (run / "report.html").is_symlink()
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig = plt.figure()
+    try:
+        with pytest.raises(DataError, match="outside its folder"):
+            atomic_write_figure(fig, run / "figures" / "curves.png")
+    finally:
+        plt.close(fig)
+    assert not (tmp_path / "victim.png").exists()
+
+
+def test_a_link_inside_its_folder_is_still_written_through(tmp_path):
+    from dmlkit.utils import atomic_write_text
+
+    (tmp_path / "real.txt").write_text("old")
+    (tmp_path / "link.txt").symlink_to("real.txt")
+    atomic_write_text(tmp_path / "link.txt", "new")
+    assert (tmp_path / "link.txt").is_symlink() and (tmp_path / "real.txt").read_text() == "new"
+
+
+def test_shard_manifest_is_not_written_through_a_planted_link(tmp_path):
+    from dmlkit.embedding_shards import write_shards
+
+    victim = tmp_path / "victim.json"
+    victim.write_text("keep")
+    (tmp_path / "shards").mkdir()
+    (tmp_path / "shards" / "manifest.json").symlink_to(victim)
+    with pytest.raises(DataError, match="outside its folder"):
+        write_shards(tmp_path / "shards", np.zeros((4, 3), np.float32), np.arange(4), overwrite=True)
+    assert victim.read_text() == "keep"
+
+
+def test_run_log_is_not_appended_through_a_planted_link(tmp_path):
+    from dmlkit.training.runlog import RunLogger
+
+    victim = tmp_path / "victim.txt"
+    victim.write_text("keep\n")
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "log.jsonl").symlink_to(victim)
+    logger = RunLogger(run)
+    with pytest.raises(DataError, match="outside its folder"):
+        logger.log({"event": "train", "step": 1})
+    assert victim.read_text() == "keep\n"
+    (run / "log.jsonl").unlink()
+    logger.log({"event": "train", "step": 1})  # a plain log.jsonl appends as before
+    logger.close()
+    assert json.loads((run / "log.jsonl").read_text())["step"] == 1
+
+
+def test_a_lock_file_planted_as_a_link_is_not_truncated(tmp_path, run_cli):
+    """``directory_lock`` opened ``RUN/train.lock`` (``build.lock``, ``bench.lock``, ...) with
+    ``open("a+")`` and wrote its ``PID HOST`` over whatever a planted link named."""
+    from dmlkit.utils import directory_lock
+
+    victim = tmp_path / "victim.txt"
+    victim.write_text("precious\n")
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "build.lock").symlink_to(victim)
+    code, _, err = run_cli(["track", "build-data", str(out), "--train", "1", "--test", "1",
+                            "--frames", "2", "--size", "96x96"])
+    assert code == 2 and "outside its folder" in err and len(err.strip().splitlines()) == 1, err
+    assert victim.read_text() == "precious\n"
+    with directory_lock(tmp_path / "run", "train.lock", "busy"):  # a plain lock names its holder
+        assert (tmp_path / "run" / "train.lock").read_text().startswith(f"{os.getpid()} ")
