@@ -24,8 +24,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
-from dmlkit.exceptions import ConfigError, DataError
+from dmlkit.exceptions import CheckpointError, ConfigError, DataError
 
 DEEP = '{"a":' * 100_000 + "1" + "}" * 100_000
 
@@ -298,3 +299,42 @@ def test_a_lock_file_planted_as_a_link_is_not_truncated(tmp_path, run_cli):
     assert victim.read_text() == "precious\n"
     with directory_lock(tmp_path / "run", "train.lock", "busy"):  # a plain lock names its holder
         assert (tmp_path / "run" / "train.lock").read_text().startswith(f"{os.getpid()} ")
+
+
+# -- F5: a checkpoint's trunk_file is a plain name beside it ----------------------------------
+def _checkpoint(path: Path, trunk_file: str) -> Path:
+    from dmlkit.training.checkpoint import CHECKPOINT_FORMAT, content_digest
+
+    payload = {"format": CHECKPOINT_FORMAT, "model": {"head.weight": torch.ones(2)},
+               "trunk_file": trunk_file, "step": 1}
+    payload["digest"] = content_digest(payload)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    torch.save(payload, path)
+    return path
+
+
+@pytest.mark.parametrize("how", ["absolute", "dotdot"])
+def test_trunk_file_outside_the_checkpoint_folder_is_refused(tmp_path, how):
+    from dmlkit.training.checkpoint import read_checkpoint
+
+    outside = tmp_path / "OUTSIDE_secret.pt"
+    name = str(outside) if how == "absolute" else "../../OUTSIDE_secret.pt"
+    ckpt = _checkpoint(tmp_path / "run" / "checkpoints" / "best.pt", name)
+    messages = []
+    for exists in (True, False):  # the same error whether the outside file exists or not
+        if exists:
+            torch.save({"trunk": {"w": torch.zeros(1)}}, outside)
+        else:
+            outside.unlink()
+        with pytest.raises(CheckpointError, match="not a file name beside it") as refused:
+            read_checkpoint(ckpt)
+        messages.append(str(refused.value))
+    assert messages[0] == messages[1] and "\n" not in messages[0]
+
+
+def test_trunk_file_beside_the_checkpoint_still_loads(tmp_path):
+    from dmlkit.training.checkpoint import read_checkpoint
+
+    ckpt = _checkpoint(tmp_path / "checkpoints" / "best.pt", "trunk.pt")
+    torch.save({"trunk": {"w": torch.zeros(1)}}, tmp_path / "checkpoints" / "trunk.pt")
+    assert set(read_checkpoint(ckpt)["model"]) == {"trunk.w", "head.weight"}
