@@ -338,3 +338,46 @@ def test_trunk_file_beside_the_checkpoint_still_loads(tmp_path):
     ckpt = _checkpoint(tmp_path / "checkpoints" / "best.pt", "trunk.pt")
     torch.save({"trunk": {"w": torch.zeros(1)}}, tmp_path / "checkpoints" / "trunk.pt")
     assert set(read_checkpoint(ckpt)["model"]) == {"trunk.w", "head.weight"}
+
+
+# -- F8: deeply nested JSON is one error line -----------------------------------------------
+def test_read_json_of_deeply_nested_json_is_a_data_error(tmp_path):
+    from dmlkit.utils import read_json
+
+    (tmp_path / "m.json").write_text(DEEP)
+    with pytest.raises(DataError, match="is not a valid metrics file: nested too deeply"):
+        read_json(tmp_path / "m.json", "metrics file")
+
+
+def test_compare_of_deeply_nested_results_is_one_line(tmp_path, run_cli):
+    (tmp_path / "bench").mkdir()
+    (tmp_path / "bench" / "results.json").write_text(DEEP)
+    code, _, err = run_cli(["compare", str(tmp_path / "bench")])
+    assert code == 2 and len(err.strip().splitlines()) == 1, err
+    assert "is not a results file" in err
+
+
+def test_deeply_nested_shard_manifest_is_a_data_error(tmp_path):
+    from dmlkit.embedding_shards import open_shards, write_shards
+
+    write_shards(tmp_path / "s", np.zeros((4, 3), np.float32), np.arange(4))
+    (tmp_path / "s" / "manifest.json").write_text(DEEP)
+    with pytest.raises(DataError, match="cannot read"):
+        open_shards(tmp_path / "s")
+    # an overwrite reads the old manifest too: an unreadable one lists no files of its own
+    write_shards(tmp_path / "s", np.ones((2, 3), np.float32), np.arange(2), overwrite=True)
+    assert len(open_shards(tmp_path / "s")) == 2
+
+
+def test_deeply_nested_log_line_and_build_meta(tmp_path):
+    from dmlkit.apps.tracking.offline import _clear_earlier_build
+    from dmlkit.training.runlog import read_log
+
+    (tmp_path / "log.jsonl").write_text(DEEP + "\n" + json.dumps({"event": "train", "step": 2}) + "\n")
+    assert [r["step"] for r in read_log(tmp_path / "log.jsonl")] == [2]
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "meta.json").write_text(DEEP)
+    with pytest.raises(ConfigError, match="earlier build-data did not"):
+        _clear_earlier_build(out)
+    assert os.path.exists(out / "meta.json")

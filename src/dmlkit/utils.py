@@ -373,9 +373,9 @@ def read_json(path: str | os.PathLike, what: str = "JSON file") -> Any:
         return json.loads(path.read_text(encoding="utf-8"))
     except UnicodeDecodeError as exc:
         raise DataError(f"{path} is not a {what}: not UTF-8 text (byte {exc.start})") from None
-    except json.JSONDecodeError as exc:
-        raise DataError(f"{path} is not a valid {what}: {exc.msg} at line {exc.lineno}, column "
-                        f"{exc.colno} (a truncated or hand-edited file?)") from None
+    except (json.JSONDecodeError, RecursionError) as exc:  # RecursionError: nested ~100,000 deep
+        where = f"{exc.msg} at line {exc.lineno}, column {exc.colno}" if isinstance(exc, ValueError) else "nested too deeply"
+        raise DataError(f"{path} is not a valid {what}: {where} (a truncated or hand-edited file?)") from None
     except OSError as exc:
         raise DataError(os_error_message(exc, path)) from None
 

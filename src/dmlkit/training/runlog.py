@@ -44,7 +44,7 @@ def read_log(path: str | Path) -> list[dict[str, Any]]:
             continue
         try:
             record = json.loads(line)
-        except json.JSONDecodeError:
+        except (json.JSONDecodeError, RecursionError):  # RecursionError: a line nested ~100,000 deep
             if number == last:  # torn by a kill mid-write: expected, silent
                 continue
             record = None
