@@ -269,7 +269,7 @@ def _manifest_files(directory: Path) -> set[str]:
         manifest = json.loads((directory / MANIFEST).read_text(encoding="utf-8"))
         return {name for shard in manifest["shards"] for key in _SHARD_KEYS
                 if isinstance(name := shard.get(key), str) and name and Path(name).name == name}
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError):
         return set()
 
 
@@ -510,7 +510,7 @@ def _read_manifest(directory: Path) -> dict[str, Any]:
                         "interrupted (write it again)")
     try:
         m = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as exc:
+    except (OSError, ValueError, RecursionError) as exc:  # RecursionError: JSON nested ~100,000 deep
         raise DataError(f"cannot read {path}: {' '.join(str(exc).split())[:200]}") from None
     if not isinstance(m, dict) or m.get("format") != SHARD_FORMAT:
         raise DataError(f"{path} is not a {SHARD_FORMAT} manifest")

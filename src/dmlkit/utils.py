@@ -157,17 +157,15 @@ def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> Path:
     """Write ``data`` to ``path`` atomically (temporary file in the same folder, fsync, rename,
     fsync of the folder).
 
-    A symbolic link is written through (its target is replaced, the link kept); an existing
-    path that is not a regular file (a directory, a device such as ``/dev/full``, a pipe, also
-    through a link: ``/dev/stdout`` into a pipe) is refused with
+    A symbolic link is written through only to a file in its folder (:func:`link_target_inside`);
+    an existing path that is not a regular file (a directory, a device such as ``/dev/full``, a
+    pipe, also through a link: ``/dev/stdout`` into a pipe) is refused with
     :class:`~dmlkit.exceptions.DataError` instead of being renamed over. An ``OSError`` once the
     folder exists (a full disk, a read-only file system) names ``path``, not the temporary file
-    (a ``write`` error names no file at all), and reads "cannot write PATH"
-    (:func:`os_error_message`)."""
+    (a ``write`` error names no file at all), and reads "cannot write PATH" (:func:`os_error_message`)."""
     path = Path(path)
     _refuse_special_file(path)
-    if path.is_symlink():
-        path = path.resolve()
+    path = link_target_inside(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = None
     try:
@@ -190,6 +188,17 @@ def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> Path:
     with contextlib.suppress(OSError):  # the rename is durable once the folder is flushed (some
         fsync_path(path.parent)  # network file systems cannot flush a folder: the write stands)
     return path
+
+
+def link_target_inside(path: Path) -> Path:
+    """``path``, or the file its symbolic link names in the link's folder (or below); a link elsewhere is a
+    :class:`DataError` (``RUN/report.html -> ~/.bashrc`` in a received run: ``report`` overwrote it)."""
+    if not path.is_symlink():
+        return path
+    if not (target := path.resolve()).is_relative_to(path.parent.resolve()):
+        raise DataError(one_line(f"{path} is a symbolic link to {target}, outside its folder: dmlkit does not "
+                                 "write through it; remove the link or choose another output path"))
+    return target
 
 
 def _refuse_special_file(path: Path) -> None:
@@ -294,7 +303,8 @@ def directory_lock(directory: str | os.PathLike, name: str, busy: str) -> Iterat
             break
         created.append(folder)
     directory.mkdir(parents=True, exist_ok=True)
-    fh = open(directory / name, "a+")  # the lock, not the file, is the state: it names the holder
+    flags = os.O_RDWR | os.O_APPEND | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0)  # never through a link out
+    fh = open(os.open(link_target_inside(directory / name), flags, 0o666), "a+")  # the lock is the state: it names the holder
     try:
         try:
             fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -363,9 +373,9 @@ def read_json(path: str | os.PathLike, what: str = "JSON file") -> Any:
         return json.loads(path.read_text(encoding="utf-8"))
     except UnicodeDecodeError as exc:
         raise DataError(f"{path} is not a {what}: not UTF-8 text (byte {exc.start})") from None
-    except json.JSONDecodeError as exc:
-        raise DataError(f"{path} is not a valid {what}: {exc.msg} at line {exc.lineno}, column "
-                        f"{exc.colno} (a truncated or hand-edited file?)") from None
+    except (json.JSONDecodeError, RecursionError) as exc:  # RecursionError: nested ~100,000 deep
+        where = f"{exc.msg} at line {exc.lineno}, column {exc.colno}" if isinstance(exc, ValueError) else "nested too deeply"
+        raise DataError(f"{path} is not a valid {what}: {where} (a truncated or hand-edited file?)") from None
     except OSError as exc:
         raise DataError(os_error_message(exc, path)) from None
 
@@ -399,8 +409,6 @@ def _current_umask() -> int:
 
 def atomic_torch_save(obj: Any, path: str | os.PathLike) -> Path:
     """``torch.save`` that never leaves a half-written file behind."""
-    import io
-
     import torch
 
     buffer = io.BytesIO()

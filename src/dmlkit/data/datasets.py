@@ -28,11 +28,15 @@ from __future__ import annotations
 import csv as _csv
 import io
 import os
+import platform
 import re
+import tarfile
+import urllib.parse
 import warnings
 import zipfile
+import zlib
 from collections.abc import Callable, Iterable, Sequence
-from pathlib import Path
+from pathlib import Path, PurePosixPath, PureWindowsPath
 from typing import Any
 
 import numpy as np
@@ -156,16 +160,70 @@ def _missing(name: str, root: Path, expected: str, how: str) -> DataNotFoundErro
 
 
 def _download(url: str, root: Path, md5: str | None = None, filename: str | None = None) -> None:
-    """Download and extract an archive with torchvision's helper (needs internet)."""
-    from torchvision.datasets.utils import download_and_extract_archive
+    """Download an archive into ``root`` with torchvision's ``download_url`` (needs internet;
+    checked against ``md5`` when one is published) and extract it there with
+    :func:`extract_archive`. torchvision's own extraction was used before: ``tarfile.extractall``
+    with no filter, which wrote ``../`` and absolute members, and files through link members,
+    outside ``root`` (a tampered archive on an ``http://`` URL)."""
+    from torchvision.datasets.utils import download_url
 
+    filename = filename or Path(urllib.parse.urlparse(url).path).name
     try:
-        download_and_extract_archive(url, download_root=str(root), filename=filename, md5=md5)
+        download_url(url, str(root), filename=filename, md5=md5)
     except Exception as exc:  # network errors come in many types
         raise DataNotFoundError(
             f"download of {url} failed ({type(exc).__name__}: {exc}); download it by hand and "
             f"extract it into {root}"
         ) from exc
+    extract_archive(root / filename, root)
+
+
+def extract_archive(archive: str | os.PathLike, root: str | os.PathLike) -> None:
+    """Extract the tar (``.tar``, ``.tgz``, ...) or zip ``archive`` into ``root``. A member that
+    would land outside ``root`` (an absolute or ``../`` name, a link pointing out of ``root``, a
+    device) is one :class:`DataError` before anything is extracted. Tar files are extracted with
+    Python's ``filter="data"`` (PEP 706: Python 3.11.4 or later; an older Python refuses to
+    extract rather than extract unsafely); zip members are checked by name (``zipfile`` writes
+    no links)."""
+    archive, root = Path(archive), Path(root)
+    is_zip = zipfile.is_zipfile(archive)
+    if not is_zip and not hasattr(tarfile, "data_filter"):
+        raise DataError(one_line(
+            f"cannot extract {archive} safely: Python {platform.python_version()} has no tarfile "
+            f"'data' filter (Python 3.11.4 or later has it): upgrade Python, or extract it into {root} by hand"))
+    root.mkdir(parents=True, exist_ok=True)
+    dest = root.resolve()
+    escaped = f"{archive} holds a member that would be written outside {root}"
+    refused = "; nothing was extracted: it is not the official archive, delete it"
+    try:
+        if is_zip:
+            with zipfile.ZipFile(archive) as zf:
+                bad = next((n for n in zf.namelist() if not _stays_inside(dest, n)), None)
+                if bad is not None:
+                    raise DataError(one_line(f"{escaped} ({bad!r}){refused}"))
+                zf.extractall(root)
+            return
+        with tarfile.open(archive) as tar:
+            members = tar.getmembers()
+            for member in members:  # all checked before any is written
+                try:
+                    if not _stays_inside(dest, member.name):
+                        raise DataError(one_line(f"{escaped} ({member.name!r}){refused}"))
+                    tarfile.data_filter(member, str(dest))
+                except tarfile.TarError as exc:  # FilterError: a link out of root, a device
+                    raise DataError(one_line(f"{escaped} ({exc}){refused}")) from None
+            tar.extractall(root, members=members, filter="data")  # checks each member again
+    except (tarfile.TarError, zipfile.BadZipFile, EOFError, zlib.error) as exc:
+        raise DataError(one_line(f"cannot extract {archive} ({exc}): delete it and download it again")) from None
+
+
+def _stays_inside(dest: Path, name: str) -> bool:
+    """Whether archive member ``name`` lands inside the resolved folder ``dest``: not absolute,
+    no ``..`` part (``\\`` read as ``/``), and not through a link already in ``dest``."""
+    parts = PurePosixPath(name.replace("\\", "/"))
+    if parts.is_absolute() or ".." in parts.parts or PureWindowsPath(name).drive:
+        return False
+    return (dest / parts).resolve().is_relative_to(dest)
 
 
 def _download_file(url: str, root: Path) -> None:
@@ -248,7 +306,6 @@ def _omniglot_read_zip(zpath: Path):
 
     A truncated or damaged zip (a partial download) is one :class:`DataError` naming it: it was
     ``zipfile.BadZipFile`` (no central directory) or ``zlib.error`` / a bad CRC (a cut member)."""
-    import zlib
 
     try:
         with zipfile.ZipFile(zpath) as zf:

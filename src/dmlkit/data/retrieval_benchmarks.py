@@ -130,8 +130,11 @@ def load_cub200(root: str | os.PathLike | None = None, download: bool = False, *
 
 
 # -- Cars196 -----------------------------------------------------------------------------------
-CARS_URL = "http://ai.stanford.edu/~jkrause/car196/car_ims.tgz"
-CARS_ANNOS_URL = "http://ai.stanford.edu/~jkrause/car196/cars_annos.mat"
+# https (the site serves it; torchvision's StanfordCars reads car196/ over https). No checksum of
+# these two files is published: a download is unverified; its extraction refuses members that
+# would land outside the data root (:func:`~dmlkit.data.datasets.extract_archive`).
+CARS_URL = "https://ai.stanford.edu/~jkrause/car196/car_ims.tgz"
+CARS_ANNOS_URL = "https://ai.stanford.edu/~jkrause/car196/cars_annos.mat"
 
 
 @register_dataset("cars196")
@@ -194,6 +197,8 @@ def load_cars196(root: str | os.PathLike | None = None, download: bool = False, 
 
 
 # -- Stanford Online Products ------------------------------------------------------------------
+# The project page's link (ftp, no https copy, no published checksum): a download is unverified;
+# its extraction refuses members that would land outside the data root.
 SOP_URL = "ftp://cs.stanford.edu/cs/cvgl/Stanford_Online_Products.zip"
 SOP_HEADER = "image_id class_id super_class_id path"
 

@@ -466,7 +466,7 @@ def load_results(path: str | Path) -> dict[str, Any]:
         raise DataNotFoundError(f"results not found: {path} (run `dmlkit bench` first)")
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as exc:  # ~100,000 deep: RecursionError
         raise DataError(f"{path} is not a results file (not valid UTF-8 JSON: {exc}); "
                         "point to the results.json that `dmlkit bench` wrote") from None
     except OSError as exc:

@@ -7,7 +7,8 @@ strings, lists, tuples and dicts only). Keys::
     config            the resolved ExperimentConfig as plain data
     model             the EmbeddingModel state dict (trunk + head). In frozen-trunk runs the
                       fixed trunk is stored once in ``trunk.pt`` beside the checkpoint
-                      (``trunk_file``) and :func:`read_checkpoint` merges it back, so
+                      (``trunk_file``: a plain file name in the checkpoint's folder, any
+                      other is refused) and :func:`read_checkpoint` merges it back, so
                       ``payload["model"]`` is always complete
     optimizer, scaler optimiser / GradScaler state
     loss, miner       their state dicts (learnable weights, cross-batch memory buffers, ...)
@@ -265,7 +266,14 @@ def read_checkpoint(path: str | os.PathLike, map_location: str | torch.device = 
                               "or retrain")
     trunk_file = payload.get("trunk_file")
     if trunk_file and "model" in payload:
-        # frozen-trunk runs store the (fixed) trunk once, beside the checkpoints
+        # frozen-trunk runs store the (fixed) trunk once, beside the checkpoints: a plain file
+        # name there ("trunk.pt"); an absolute or ../ one had any file outside the run loaded,
+        # and the error then told whether that file existed
+        if (not isinstance(trunk_file, str) or Path(trunk_file).name != trunk_file
+                or trunk_file in ("..", ".") or "\0" in trunk_file):
+            raise CheckpointError(f"{path} names its frozen trunk's weights {trunk_file!r:.80}, "
+                                  "which is not a file name beside it (dmlkit writes 'trunk.pt'): the "
+                                  "checkpoint is damaged or was edited; retrain or use another checkpoint")
         trunk_path = path.parent / trunk_file
         if not trunk_path.is_file():
             raise CheckpointError(

@@ -15,12 +15,13 @@ import csv
 import io
 import json
 import logging
+import os
 import time
 from pathlib import Path
 from typing import Any
 
 from dmlkit.exceptions import CheckpointError, require
-from dmlkit.utils import atomic_write_text, os_error_message
+from dmlkit.utils import atomic_write_text, link_target_inside, os_error_message
 
 __all__ = ["RunLogger", "read_log"]
 
@@ -43,7 +44,7 @@ def read_log(path: str | Path) -> list[dict[str, Any]]:
             continue
         try:
             record = json.loads(line)
-        except json.JSONDecodeError:
+        except (json.JSONDecodeError, RecursionError):  # RecursionError: a line nested ~100,000 deep
             if number == last:  # torn by a kill mid-write: expected, silent
                 continue
             record = None
@@ -79,11 +80,17 @@ class RunLogger:
         atomic_write_text(self.path, "".join(json.dumps(r) + "\n" for r in kept))
 
     def log(self, record: dict[str, Any]) -> None:
+        """Append ``record`` (with ``wall``) to ``log.jsonl``. A ``log.jsonl`` that is a symbolic
+        link to a file outside the run directory's folder is a :class:`DataError`
+        (:func:`~dmlkit.utils.link_target_inside`), never appended to; the file is opened with
+        ``O_NOFOLLOW``, so a link planted after that check is an error too."""
         record = {**record, "wall": round(time.time(), 3)}
         try:
             if self._fh is None:
                 self.path.parent.mkdir(parents=True, exist_ok=True)
-                self._fh = open(self.path, "a", encoding="utf-8")
+                flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0)
+                fd = os.open(link_target_inside(self.path), flags, 0o666)
+                self._fh = open(fd, "a", encoding="utf-8")
             self._fh.write(json.dumps(record) + "\n")
             self._fh.flush()
         except OSError as exc:  # disk full: one clear error, as for checkpoints

@@ -303,19 +303,30 @@ def _clear_earlier_build(out: Path) -> None:
     ``meta.json`` lists and that file), so that its sequences do not mix with the new ones; a
     ``out`` holding anything else is a :class:`ConfigError`, before anything is removed. An
     unfinished build is cleared too: its ``meta.json``, written first, lists every sequence it
-    was to write."""
+    was to write.
+
+    Only plain sequence names are removed: a ``meta.json`` listing ``../x`` or an absolute path
+    (a planted file, in a shared or received folder) is a :class:`ConfigError` before anything
+    is removed (it made ``shutil.rmtree`` remove folders outside ``out``), and a listed sequence
+    that is a symbolic link loses the link, never what it points to."""
     if not out.exists():
         return
     owned: set[Path] = set(out.glob(".meta.json.*.tmp"))  # a write of meta.json killed part-way
     meta_path = out / "meta.json"
     try:
         meta = json.loads(meta_path.read_text(encoding="utf-8")) if meta_path.is_file() else {}
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError):
         meta = {}  # not ours to read: its folders count as someone else's
     if isinstance(meta, dict) and {"train", "test"} <= set(meta):
         owned.add(meta_path)
-        owned.update(out / split / str(name) for split in ("train", "test")
-                     if isinstance(meta[split], dict) for name in meta[split])
+        names = [(split, str(name)) for split in ("train", "test") if isinstance(meta[split], dict)
+                 for name in meta[split]]
+        bad = [name for _, name in names if Path(name).name != name or name in ("", "..") or "\0" in name]
+        if bad:
+            raise ConfigError(f"{meta_path} lists the sequence {bad[0]!r}, which is not a plain folder name "
+                              "(an earlier build-data writes none such): nothing was removed; remove that "
+                              "meta.json or name a new or empty folder")
+        owned.update(out / split / name for split, name in names)
     foreign = [p for p in sorted(out.iterdir()) if p.name not in ("train", "test", BUILD_LOCK) and p not in owned]
     for split in ("train", "test"):
         if (out / split).is_dir():
@@ -325,8 +336,16 @@ def _clear_earlier_build(out: Path) -> None:
     if foreign:
         raise ConfigError(f"{out} is not empty and holds {foreign[0]}, which an earlier build-data did not "
                           f"write ({len(foreign)} such entries): name a new or empty folder, or remove them")
+    inside = out.resolve()  # train/ or test/ a link out of ``out``: refused before any removal
+    outside = [p for p in owned if not p.parent.resolve().is_relative_to(inside)
+               or not (p.is_symlink() or p.resolve().is_relative_to(inside))]
+    if outside:
+        raise ConfigError(f"{outside[0]} lies outside {out} (through a symbolic link): nothing was removed; "
+                          "name a new or empty folder")
     for path in sorted(owned, key=lambda p: p == meta_path):  # meta.json last: a rerun after a
-        if path.is_dir():  # kill here still knows which sequences are its own
+        if path.is_symlink():  # kill here still knows which sequences are its own
+            path.unlink()  # the link, not what it points to
+        elif path.is_dir():
             shutil.rmtree(path)
         elif path.exists():
             path.unlink()
