@@ -5,10 +5,13 @@ a byte budget, and per-row arrays of an embeddings file that do not hold one val
 from __future__ import annotations
 
 import tracemalloc
+import warnings
 
 import numpy as np
 import pytest
 
+from dmlkit.apps import verification
+from dmlkit.apps.verification import make_pairs
 from dmlkit.distances import get_distance
 from dmlkit.metrics.histograms import pos_neg_histograms
 from dmlkit.metrics.knn import SMALL_SEARCH_PAIRS
@@ -54,3 +57,89 @@ def test_the_exact_rebinning_clamps_before_converting_too():
     row = np.array([1e10], np.float32)
     assert _kernels.exact_bin(row, row, _kernels.EDGE_IP, -1.0, 50.0, 99) == 99
     assert _kernels.exact_bin(row, -row, _kernels.EDGE_IP, -1.0, 50.0, 99) == 0
+
+
+# -- verification pairs -----------------------------------------------------------------------
+def _listed_pairs(y: np.ndarray, num_pairs: int, seed: int) -> tuple[np.ndarray, ...]:
+    """The pairs as listing drew them before (every same-class pair, and for the negatives every
+    pair, listed then sampled), for label sets small enough to list: the reference."""
+    rng = np.random.default_rng(seed)
+    pos_i, pos_j = [], []
+    for c in np.unique(y):
+        members = np.flatnonzero(y == c)
+        a, b = np.triu_indices(len(members), k=1)
+        pos_i.append(members[a])
+        pos_j.append(members[b])
+    pi, pj = np.concatenate(pos_i), np.concatenate(pos_j)
+    a, b = np.triu_indices(len(y), k=1)
+    ok = y[a] != y[b]
+    n_pos = min(num_pairs // 2, len(pi), int(ok.sum()))
+    pick = rng.choice(len(pi), size=n_pos, replace=False)
+    neg = np.sort(rng.choice(int(ok.sum()), size=n_pos, replace=False))
+    i = np.concatenate([pi[pick], a[ok][neg]])
+    j = np.concatenate([pj[pick], b[ok][neg]])
+    same = np.r_[np.ones(n_pos, bool), np.zeros(n_pos, bool)]
+    order = rng.permutation(len(i))
+    return i[order], j[order], same[order]
+
+
+def _label_sets() -> list[np.ndarray]:
+    rng = np.random.default_rng(42)
+    sets = [np.repeat(np.arange(5), 7), np.r_[np.zeros(60, int), 1], np.array([3, 1, 3, 2, 1, 1]),
+            np.array(["b", "a", "b", "c", "a", "c", "a"])]
+    for _ in range(12):
+        y = rng.integers(0, int(rng.integers(2, 9)), int(rng.integers(5, 200)))
+        if len(np.unique(y)) > 1 and np.bincount(y).max() > 1:
+            sets.append(y)
+    return sets
+
+
+@pytest.mark.parametrize("num_pairs", [2, 40, 6000])
+def test_drawn_pairs_are_the_pairs_listing_drew(num_pairs):
+    """The same seed draws the same pairs as listing every pair did (the same positions of the
+    same lists, decoded instead of looked up), scarce kinds included."""
+    for y in _label_sets():
+        for seed in (0, 3):
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # scarce pairs warn
+                got = make_pairs(y, num_pairs, seed)
+            want = _listed_pairs(y, num_pairs, seed)
+            assert all(np.array_equal(g, w) for g, w in zip(got, want)), (y, seed)
+
+
+def test_same_class_positions_decode_in_a_large_class():
+    """Positions in a class of 70,000 (2.4e9 pairs; the float root needs its integer check)."""
+    m = 70_000
+    y = np.r_[np.zeros(m, int), np.ones(2, int)]
+    count = m * (m - 1) // 2
+    picks = np.array([0, 1, m - 2, m - 1, 2 * m - 4, 12_345_678, 2**31, count // 2, count - 2, count - 1])
+    i, j = verification._same_class_pairs(y, picks)
+    for p, a, b in zip(picks.tolist(), i.tolist(), j.tolist()):
+        row = int(((2 * m - 1) - np.sqrt((2 * m - 1) ** 2 - 8 * p)) // 2)
+        while row * (2 * m - row - 1) // 2 > p:
+            row -= 1
+        while (row + 1) * (2 * m - row - 2) // 2 <= p:
+            row += 1
+        assert (a, b) == (row, row + 1 + p - row * (2 * m - row - 1) // 2), p
+    i, j = verification._same_class_pairs(y, [count])  # the other class's one pair
+    assert (i.tolist(), j.tolist()) == ([m], [m + 1])
+
+
+def test_positive_pairs_are_drawn_without_listing_them():
+    """4 classes of 4,000 hold 32M same-class pairs: listing them to draw 3,000 took 1.1 GiB."""
+    y = np.repeat(np.arange(4), 4000)
+    (i, j, same), peak = _peak_bytes(make_pairs, y, 6000, seed=0)
+    assert peak < 50 * MiB, f"{peak / MiB:.0f} MiB"
+    assert same.sum() == (~same).sum() == 3000
+    assert ((y[i] == y[j]) == same).all() and (i < j).all()
+    assert len(set(zip(i.tolist(), j.tolist()))) == 6000
+
+
+def test_negative_pairs_are_drawn_without_listing_every_pair():
+    """A class of 8,000 and one other sample: its 8,000 different-class pairs were drawn from a
+    list of all 32M pairs (np.triu_indices: over 0.5 GiB)."""
+    y = np.r_[np.zeros(8000, int), 1]
+    (i, j, same), peak = _peak_bytes(make_pairs, y, 16_000, seed=0)
+    assert peak < 50 * MiB, f"{peak / MiB:.0f} MiB"
+    assert ((y[i] == y[j]) == same).all() and (i < j).all()
+    assert sorted(i[~same].tolist()) == list(range(8000)) and (j[~same] == 8000).all()
