@@ -13,6 +13,9 @@ import pytest
 from dmlkit.apps import verification
 from dmlkit.apps.verification import make_pairs
 from dmlkit.distances import get_distance
+from dmlkit.embedding_files import read_embedding_file
+from dmlkit.embeddings import save_embeddings
+from dmlkit.exceptions import DataError
 from dmlkit.metrics.histograms import pos_neg_histograms
 from dmlkit.metrics.knn import SMALL_SEARCH_PAIRS
 from dmlkit.protocol.stats import paired_bootstrap
@@ -189,3 +192,38 @@ def test_bootstrap_of_more_queries_than_a_slab_sums_the_same_draws():
     assert res.diff == diff
     assert res.low == pytest.approx(low, rel=1e-12, abs=1e-15)
     assert res.high == pytest.approx(high, rel=1e-12, abs=1e-15)
+
+
+# -- per-row arrays of an embeddings file -----------------------------------------------------
+@pytest.mark.parametrize("key, value, says", [
+    ("paths", np.array([f"c{k % 2}/{k}.jpg" for k in range(9)]), "'paths' has 9 values for 10 embeddings"),
+    ("indices", np.arange(11), "'indices' has 11 values for 10 embeddings"),
+    ("file_sizes", np.int64(5), "'file_sizes' is one value for 10 embeddings"),
+])
+def test_an_embeddings_file_whose_row_arrays_miss_rows_is_refused(tmp_path, run_cli, key, value, says):
+    """A hand-edited file whose ``paths`` lost a row was read, its paths zipped with the labels
+    (the report named the classes of the rows they still covered)."""
+    x = np.random.default_rng(0).normal(size=(10, 3)).astype(np.float32)
+    path = save_embeddings(tmp_path / "e.npz", x, np.arange(10) % 2, **{key: value})
+    with pytest.raises(DataError, match=says):
+        read_embedding_file(path)
+    code, _, err = run_cli(["verify", str(path), "--pairs", "4", "--folds", "2"])
+    assert code == 2 and says in err and err.strip().count("\n") == 0, err
+
+
+def test_a_file_with_one_path_per_row_still_reads(tmp_path):
+    x = np.zeros((4, 2), np.float32)
+    paths = np.array(["a/1.jpg", "a/2.jpg", "b/3.jpg", "b/4.jpg"])
+    path = save_embeddings(tmp_path / "e.npz", x, [0, 0, 1, 1], paths=paths, indices=np.arange(4),
+                           class_names_note=np.array("not per row"))
+    _, _, extra = read_embedding_file(path)
+    assert extra["paths"].tolist() == paths.tolist()
+
+
+def test_folder_names_need_one_path_per_row():
+    from dmlkit.report.saved import _folder_names
+
+    labels = np.array([0, 0, 1, 1])
+    paths = np.array(["a/1.jpg", "a/2.jpg", "b/3.jpg", "b/4.jpg"])
+    assert _folder_names(paths, labels) == {0: "a", 1: "b"}
+    assert _folder_names(paths[:2], labels) is None  # named class 0 only
