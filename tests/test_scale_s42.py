@@ -149,6 +149,29 @@ def test_negative_pairs_are_drawn_without_listing_every_pair():
     assert sorted(i[~same].tolist()) == list(range(8000)) and (j[~same] == 8000).all()
 
 
+class _CountingRng:
+    """A generator that fails after ``most`` calls of ``integers`` (rounds of rejection)."""
+
+    def __init__(self, seed: int, most: int) -> None:
+        self.rng, self.most, self.rounds = np.random.default_rng(seed), most, 0
+
+    def integers(self, *args, **kwargs):
+        self.rounds += 1
+        assert self.rounds <= self.most, "rejection sampling crawls"
+        return self.rng.integers(*args, **kwargs)
+
+    def choice(self, *args, **kwargs):
+        return self.rng.choice(*args, **kwargs)
+
+
+def test_negatives_beside_one_dominant_class_are_drawn_by_position():
+    """A class of 100,000 and one other sample: 1 random pair in 100,000 is a different-class
+    one, so rejection took ~0.6 pairs a round (31 s for 3,000 beside a class of 20,000)."""
+    y = np.r_[np.zeros(100_000, int), 1]
+    i, j = verification._negative_pairs(y, 3000, _CountingRng(0, most=20))
+    assert len(set(i.tolist())) == 3000 and (j == 100_000).all() and (np.diff(i) > 0).all()
+
+
 # -- paired bootstrap -------------------------------------------------------------------------
 def _bootstrap_before(a, b, resamples, seed, chunk=100):
     """The bootstrap of fixed 100-resample chunks (the reference: the same draws)."""

@@ -210,10 +210,10 @@ def _negative_pair_count(y: np.ndarray) -> int:
 
 def _negative_pairs(y: np.ndarray, need: int, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
     """``need`` distinct unordered different-class pairs ``(i, j)``, ``i < j``, drawn uniformly
-    without replacement: by position among all of them (sorted positions, decoded by
-    :func:`_different_class_pairs`, never listed) when there are few (or ``need`` is most of
-    them), else random draws keyed on ``(min, max)`` with repeats rejected. Memory
-    ``O(N + need)`` either way."""
+    without replacement: by position among all of them (sorted, decoded by
+    :func:`_different_class_pairs`, never listed) when there are few, ``need`` is most of them,
+    or under 1 random pair in 4 is one (rejection crawled: 31 s for 3,000 beside a class of
+    20,000), else random draws keyed on ``(min, max)``, repeats rejected. Memory ``O(N + need)``."""
     n = len(y)
     available = _negative_pair_count(y)
     if need > available:
@@ -221,7 +221,7 @@ def _negative_pairs(y: np.ndarray, need: int, rng: np.random.Generator) -> tuple
             f"{2 * need} pairs need {need} distinct negative (different-class) pairs but the labels "
             f"have only {available}: ask for at most {2 * available} pairs (--pairs / num_pairs)"
         )
-    if n * (n - 1) // 2 <= _ENUMERATE_PAIRS or 2 * need >= available:
+    if n * (n - 1) // 2 <= _ENUMERATE_PAIRS or 2 * need >= available or 8 * available < n * n:
         return _different_class_pairs(y, np.sort(rng.choice(available, size=need, replace=False)))
     keys = np.empty((0,), dtype=np.int64)  # min * n + max of the pairs taken, in draw order
     while keys.size < need:
