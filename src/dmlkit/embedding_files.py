@@ -24,7 +24,7 @@ from dmlkit.exceptions import DataError, DataNotFoundError
 from dmlkit.label_text import clean_labels, integer_ids
 from dmlkit.utils import read_utf8_text
 
-__all__ = ["check_numpy_file", "read_embedding_file", "read_labels_file", "repeated_name"]
+__all__ = ["ROW_ARRAYS", "check_numpy_file", "read_embedding_file", "read_labels_file", "repeated_name"]
 
 
 def read_embedding_file(path: str | os.PathLike, labels_path: str | os.PathLike | None = None,
@@ -71,6 +71,7 @@ def read_embedding_file(path: str | os.PathLike, labels_path: str | os.PathLike 
                         "damaged or truncated zip archive)") from None
     except (OSError, ValueError, EOFError) as exc:
         raise DataError(f"cannot read embeddings from {path}: {' '.join(str(exc).split())[:200]}") from None
+    _check_row_arrays(path, emb, extra)
     if labels_path is not None:
         if labels is not None:  # said, not silent: the file's own labels are not the ones used
             warnings.warn(f"{labels_path} replaces the {np.size(labels)} labels stored in {path}",
@@ -81,6 +82,27 @@ def read_embedding_file(path: str | os.PathLike, labels_path: str | os.PathLike 
     if labels is None and labels_required:
         raise DataError(f"{path} has no labels: save an .npz with 'embeddings' and 'labels', or pass a labels file")
     return np.asarray(emb), None if labels is None else np.asarray(labels), extra
+
+
+#: Extra arrays of an ``.npz`` that hold one value per embedding row (what ``dmlkit train`` /
+#: ``embed`` write: :func:`dmlkit.embeddings.dataset_items`; ``dmlkit reid``'s camera ids and
+#: query/gallery groups; an index's item ids).
+ROW_ARRAYS = ("indices", "paths", "file_sizes", "ids", "cams", "camids", "groups")
+
+
+def _check_row_arrays(path: Path, emb: Any, extra: dict[str, np.ndarray]) -> None:
+    """Refuse, in one line, a per-row extra array (:data:`ROW_ARRAYS`) without one value per
+    embedding row: which value belongs to which row is then unknown (a hand-edited file whose
+    ``paths`` lost rows had the report name only the classes of the rows it still covered)."""
+    n = np.shape(emb)[0] if np.ndim(emb) else None
+    for key in ROW_ARRAYS:
+        if n is None or key not in extra:
+            continue
+        values = extra[key]
+        if values.ndim == 0 or values.shape[0] != n:
+            has = "is one value" if values.ndim == 0 else f"has {values.shape[0]} values"
+            raise DataError(f"{path}: '{key}' {has} for {n} embeddings: give one per row (in the "
+                            f"order of the embedding rows), or drop '{key}'")
 
 
 _ZIP_MAGIC = (b"PK\x03\x04", b"PK\x05\x06")  # a zip's first entry, or an empty zip

@@ -84,16 +84,20 @@ def make_pairs(labels: Any, num_pairs: int = 6000, seed: int = 0) -> tuple[np.nd
     """Balanced pairs ``(i, j, same)``: ``num_pairs / 2`` positive and as many negative pairs
     (``num_pairs``: an even number, at least 2, else :class:`ConfigError`: 41 drew 40 silently).
 
-    Positives are drawn uniformly without replacement among all same-class pairs ``i < j``;
-    negatives uniformly without replacement among the distinct unordered different-class pairs
-    ``i < j`` (:func:`_negative_pairs`), as many as positives: no pair is scored twice, in
-    either order. Where the labels hold fewer same-class or fewer different-class pairs than
-    ``num_pairs // 2``, all of the scarcer kind are used, as many of the other, with a warning
-    (a class of 100 and a class of 1 give 100 different-class pairs: 200 pairs, not an error).
-    One class is refused first (no negative pair). Labels are validated by
-    :func:`dmlkit.validation.check_labels` (integer ids or class-name strings; NaN or fractional
-    labels are refused: a NaN label never equals another, so its rows made only "different"
-    pairs, even with each other), and ``seed`` by :func:`dmlkit.validation.check_seed`
+    Positives are drawn uniformly without replacement among all ``P = sum_c C(n_c, 2)``
+    same-class pairs ``i < j``: ``rng.choice(P, num_pairs / 2, replace=False)`` picks positions
+    in their list (classes sorted, a class's pairs in row-major order), each decoded to its pair
+    (:func:`_same_class_pairs`) without building the list: memory ``O(N + num_pairs)`` (listing
+    took 36 bytes a pair, 1.1 GiB for 4 classes of 4,000; a seed draws the pairs it drew then).
+    Negatives are drawn uniformly without replacement among the distinct unordered
+    different-class pairs ``i < j`` (:func:`_negative_pairs`), as many as positives: no pair is
+    scored twice, in either order. Where the labels hold fewer same-class or fewer
+    different-class pairs than ``num_pairs // 2``, all of the scarcer kind are used, as many of
+    the other, with a warning (a class of 100 and a class of 1 give 100 different-class pairs:
+    200 pairs, not an error). One class is refused first (no negative pair). Labels are
+    validated by :func:`dmlkit.validation.check_labels` (integer ids or class-name strings; NaN
+    or fractional labels are refused: a NaN label never equals another, so its rows made only
+    "different" pairs, even with each other), and ``seed`` by :func:`dmlkit.validation.check_seed`
     (``None`` drew different pairs on every call).
     """
     y, _ = check_labels(labels)
@@ -105,26 +109,21 @@ def make_pairs(labels: Any, num_pairs: int = 6000, seed: int = 0) -> tuple[np.nd
         raise ConfigError(f"the number of pairs (--pairs / num_pairs) must be even, half matched and half "
                           f"mismatched, got {num_pairs}: use {int(num_pairs) - 1} or {int(num_pairs) + 1}")
     rng = np.random.default_rng(check_seed(seed))
-    pos_i, pos_j = [], []
-    for c in np.unique(y):
-        members = np.flatnonzero(y == c)
-        if len(members) > 1:
-            a, b = np.triu_indices(len(members), k=1)
-            pos_i.append(members[a])
-            pos_j.append(members[b])
-    if not pos_i:
+    _, _, sizes = _class_groups(y)
+    n_same = int((sizes * (sizes - 1) // 2).sum())
+    if n_same == 0:
         raise DataError("no class has two samples: verification needs positive pairs")
-    if len(np.unique(y)) < 2:
+    if len(sizes) < 2:
         raise DataError("all samples share one class: verification needs negative pairs")
-    pi, pj = np.concatenate(pos_i), np.concatenate(pos_j)
     n_neg = _negative_pair_count(y)
-    n_pos = min(num_pairs // 2, len(pi), n_neg)
+    n_pos = min(num_pairs // 2, n_same, n_neg)
     if n_pos < num_pairs // 2:  # asked for more than the labels hold: say so, never silently fewer
-        scarce = f"{len(pi)} same-class" if len(pi) <= n_neg else f"{n_neg} different-class"
+        scarce = f"{n_same} same-class" if n_same <= n_neg else f"{n_neg} different-class"
         warnings.warn(f"{num_pairs} pairs asked for, but the labels give only {scarce} pairs: "
                       f"using {2 * n_pos} ({n_pos} same, {n_pos} different)", stacklevel=2)
-    pick = rng.choice(len(pi), size=n_pos, replace=False)
-    pi, pj = pi[pick], pj[pick]
+    # numpy draws in O(n_pos) memory (Floyd's algorithm), or shuffles an arange(n_same) where
+    # n_pos > n_same / 50: O(num_pairs) either way
+    pi, pj = _same_class_pairs(y, rng.choice(n_same, size=n_pos, replace=False))
     ni_a, nj_a = _negative_pairs(y, n_pos, rng)
     i = np.concatenate([pi, ni_a])
     j = np.concatenate([pj, nj_a])
@@ -133,22 +132,88 @@ def make_pairs(labels: Any, num_pairs: int = 6000, seed: int = 0) -> tuple[np.nd
     return i[order], j[order], same[order]
 
 
-#: Label sets with at most this many unordered pairs have their negative pairs listed outright.
+#: Label sets with at most this many unordered pairs have their negative pairs drawn by
+#: position among all of them (:func:`_different_class_pairs`), not by rejection.
 _ENUMERATE_PAIRS = 2_000_000
+
+
+def _class_groups(y: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``(order, starts, sizes)``: class ``c``'s rows (``np.unique`` order) ascending are
+    ``order[starts[c]:starts[c] + sizes[c]]``."""
+    order = np.argsort(y, kind="stable")
+    _, starts, sizes = np.unique(y[order], return_index=True, return_counts=True)
+    return order, starts.astype(np.int64), sizes.astype(np.int64)
+
+
+def _row_start(a: np.ndarray, m: np.ndarray) -> np.ndarray:
+    """Pairs before row ``a`` of the row-major upper triangle of ``m`` items: ``a (2m - a - 1) / 2``."""
+    return a * (2 * m - a - 1) // 2
+
+
+def _same_class_pairs(y: np.ndarray, picks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The same-class pairs ``(i, j)``, ``i < j``, at positions ``picks`` of their list (classes
+    in ``np.unique`` order, a class's pairs as ``np.triu_indices`` orders its rows) without
+    building it: ``O(N + len(picks))`` memory. A position's class comes from the cumulative
+    counts ``C(n_c, 2)``; its offset ``r`` in the class's ``m``-item triangle lies in row ``a``,
+    the largest with ``a (2m - a - 1) / 2 <= r`` (the smaller root of that quadratic, corrected
+    in integers), column ``b = a + 1 + r - a (2m - a - 1) / 2``."""
+    order, starts, sizes = _class_groups(y)
+    per = sizes * (sizes - 1) // 2
+    ends = np.cumsum(per)
+    picks = np.asarray(picks, dtype=np.int64)
+    c = np.searchsorted(ends, picks, side="right")
+    r, m = picks - (ends[c] - per[c]), sizes[c]
+    root = ((2 * m - 1) - np.sqrt(np.maximum((2.0 * m - 1) ** 2 - 8.0 * r, 0.0))) / 2
+    a = np.clip(np.floor(root).astype(np.int64), 0, np.maximum(m - 2, 0))
+    while True:  # float rounding may leave the row off by one (or two) for a large class
+        down = _row_start(a, m) > r
+        up = (a + 1 <= m - 2) & (_row_start(a + 1, m) <= r)
+        if not (down.any() or up.any()):
+            break
+        a += up.astype(np.int64) - down.astype(np.int64)
+    b = a + 1 + r - _row_start(a, m)
+    return order[starts[c] + a], order[starts[c] + b]
+
+
+def _different_class_pairs(y: np.ndarray, picks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The different-class pairs ``(a, j)``, ``a < j``, at positions ``picks`` of their list in
+    row-major order (``np.triu_indices(N, 1)`` less the same-class pairs) without building it:
+    ``O(N + len(picks))`` memory (``triu_indices`` of a class of 20,000 and one other sample
+    took 3.2 GB). Row ``a`` holds ``N - 1 - a`` pairs less the ``n_c - 1 - t`` rows of its class
+    after it (``t``: ``a``'s rank in its class ``c``); a position's row comes from the cumulative
+    row counts, and its offset ``o`` in the row gives ``j = a + 1 + o + s``, ``s`` the rows of
+    class ``c`` passed over: the largest ``s >= 0`` with ``M[t + s] - (t + s) <= o + a - t``
+    (``M``: the class's rows ascending, so ``M[u] - u`` never decreases)."""
+    n = len(y)
+    order, starts, sizes = _class_groups(y)
+    cls = np.repeat(np.arange(len(sizes), dtype=np.int64), sizes)  # class of order[k]
+    rank_sorted = np.arange(n, dtype=np.int64) - starts[cls]
+    rank, row_class = np.empty(n, np.int64), np.empty(n, np.int64)
+    rank[order], row_class[order] = rank_sorted, cls
+    count = (n - 1 - np.arange(n, dtype=np.int64)) - (sizes[row_class] - 1 - rank)
+    ends = np.cumsum(count)
+    picks = np.asarray(picks, dtype=np.int64)
+    a = np.searchsorted(ends, picks, side="right")
+    o = picks - (ends[a] - count[a])
+    c, t = row_class[a], rank[a]
+    key = cls * n + (order - rank_sorted)  # per class M[u] - u (in [0, n)), classes apart
+    s = np.searchsorted(key, c * n + o + a - t, side="right") - 1 - (starts[c] + t)
+    return a, a + 1 + o + s
 
 
 def _negative_pair_count(y: np.ndarray) -> int:
     """The distinct unordered different-class pairs of labels ``y``: all pairs less each
     class's own, ``(N (N - 1) - sum_c n_c (n_c - 1)) / 2``."""
-    n = len(y)
-    _, counts = np.unique(y, return_counts=True)
-    return (n * (n - 1) - int((counts * (counts - 1)).sum())) // 2
+    n, sizes = len(y), _class_groups(y)[2]
+    return (n * (n - 1) - int((sizes * (sizes - 1)).sum())) // 2
 
 
 def _negative_pairs(y: np.ndarray, need: int, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
     """``need`` distinct unordered different-class pairs ``(i, j)``, ``i < j``, drawn uniformly
-    without replacement: all of them listed and sampled when there are few (or ``need`` is
-    most of them), else random draws keyed on ``(min, max)`` with repeats rejected."""
+    without replacement: by position among all of them (sorted, decoded by
+    :func:`_different_class_pairs`, never listed) when there are few, ``need`` is most of them,
+    or under 1 random pair in 4 is one (rejection crawled: 31 s for 3,000 beside a class of
+    20,000), else random draws keyed on ``(min, max)``, repeats rejected. Memory ``O(N + need)``."""
     n = len(y)
     available = _negative_pair_count(y)
     if need > available:
@@ -156,11 +221,8 @@ def _negative_pairs(y: np.ndarray, need: int, rng: np.random.Generator) -> tuple
             f"{2 * need} pairs need {need} distinct negative (different-class) pairs but the labels "
             f"have only {available}: ask for at most {2 * available} pairs (--pairs / num_pairs)"
         )
-    if n * (n - 1) // 2 <= _ENUMERATE_PAIRS or 2 * need >= available:
-        a, b = np.triu_indices(n, k=1)
-        ok = y[a] != y[b]
-        pick = np.sort(rng.choice(available, size=need, replace=False))
-        return a[ok][pick], b[ok][pick]
+    if n * (n - 1) // 2 <= _ENUMERATE_PAIRS or 2 * need >= available or 8 * available < n * n:
+        return _different_class_pairs(y, np.sort(rng.choice(available, size=need, replace=False)))
     keys = np.empty((0,), dtype=np.int64)  # min * n + max of the pairs taken, in draw order
     while keys.size < need:
         draw = 2 * (need - keys.size)

@@ -350,8 +350,23 @@ EDGE_NONE, EDGE_IP, EDGE_SQUARED, EDGE_EUCLIDEAN, EDGE_COSINE = 0, 1, 2, 3, 4
 
 
 @numba.njit(inline="always")
+def clamped_bin(position: float, least: int, most: int) -> int:
+    """``position`` (a whole number or +-inf, a bin's floor) clamped to ``[least, most]`` *before*
+    it becomes an integer: converting a float beyond the int64 range is undefined (x86 gives
+    INT64_MIN, so a pair far above the range landed in the first bin; AArch64 saturates), as
+    ``torch``'s ``floor().clamp_()`` then ``to(int64)`` (:func:`dmlkit.metrics.histograms._bin_index`)
+    clamps first. NaN gives ``least``."""
+    if position >= most:
+        return most
+    if position > least:
+        return np.int64(position)
+    return least
+
+
+@numba.njit(inline="always")
 def exact_bin(a: np.ndarray, b: np.ndarray, mode: int, low: float, scale: float, last: int) -> int:
-    """The bin ``floor((v - low) * scale)``, clamped to ``[0, last]``, of the float64 value ``v``
+    """The bin ``floor((v - low) * scale)``, clamped to ``[0, last]`` as a float
+    (:func:`clamped_bin`; numba's ``math.floor`` converts to int64 first), of the float64 value ``v``
     of rows ``a`` and ``b`` (``mode``: :data:`EDGE_IP`, :data:`EDGE_COSINE`,
     :data:`EDGE_SQUARED` or :data:`EDGE_EUCLIDEAN`)."""
     if mode == EDGE_IP:
@@ -363,7 +378,7 @@ def exact_bin(a: np.ndarray, b: np.ndarray, mode: int, low: float, scale: float,
         v = _sqdist64(a, b)
         if mode == EDGE_EUCLIDEAN:
             v = math.sqrt(v)
-    return min(max(np.int64(math.floor((v - low) * scale)), 0), last)
+    return clamped_bin(np.floor((v - low) * scale), 0, last)
 
 
 @numba.njit(nogil=True, cache=CACHE, boundscheck=False)
@@ -382,9 +397,10 @@ def histogram_tile(
 ) -> None:
     """Add a tile of pair values to the positive-pair and all-pair histograms.
 
-    Bin ``floor((v - low) * scale)`` in float32 arithmetic, clamped to ``[0, bins - 1]`` (the
-    same bins as :func:`dmlkit.metrics.histograms._bin_index`); with ``upper_only`` (a diagonal
-    tile of a self-search) only entries above the diagonal count.
+    Bin ``floor((v - low) * scale)`` in float32 arithmetic, clamped to ``[0, bins - 1]`` while
+    still a float (:func:`clamped_bin`: a pair far outside the range, even at ``t = +inf``,
+    takes the first or last bin; the same bins as :func:`dmlkit.metrics.histograms._bin_index`);
+    with ``upper_only`` (a diagonal tile of a self-search) only entries above the diagonal count.
 
     ``edge`` is ``(mode, query_rows, reference_rows, margin, widest, low64, scale64)``
     (:class:`dmlkit.metrics.histograms.EdgeRule`; ``widest``, the widest margin as a float32,
@@ -401,11 +417,11 @@ def histogram_tile(
         for c in range(r + 1 if upper_only else 0, values.shape[1]):
             t = (values[r, c] - low) * scale
             below = np.floor(t)
-            b = min(max(np.int64(below), 0), last)
+            b = clamped_bin(below, 0, last)
             part = t - below  # exact: t and its floor share the exponent or less
             if part <= widest or np.float32(1) - part <= widest:
                 # near edge floor(t) or the next (infinite margins: every pair)
-                f = np.int64(below)
+                f = clamped_bin(below, -1, last + 1)  # beyond both tests below, as before
                 t64 = np.float64(t)
                 if (1 <= f <= last and t64 - f <= margin[f]) or \
                         (0 <= f < last and f + 1 - t64 <= margin[f + 1]):

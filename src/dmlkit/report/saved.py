@@ -113,7 +113,10 @@ def _split_names(run_dir: Path) -> dict[int, str] | None:
 
 def _folder_names(paths: np.ndarray, labels: np.ndarray) -> dict[int, str] | None:
     """``{class id: folder}`` when every row of a class lies in one folder (the last one of its
-    path) and no two classes share one (class folders); else None."""
+    path) and no two classes share one (class folders); else None, also where ``paths`` is
+    not one per row (:func:`dmlkit.embedding_files.read_embedding_file` refuses such a file)."""
+    if len(paths) != len(labels):  # zip() named only the classes of the rows paths covered
+        return None
     folders: dict[int, set[str]] = {}
     for label, path in zip(labels.tolist(), paths.tolist()):
         folders.setdefault(int(label), set()).add(PurePosixPath(str(path).replace(os.sep, "/")).parent.name)
