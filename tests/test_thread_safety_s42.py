@@ -3,12 +3,16 @@ searches, faiss ids the index never issued, the report's random numbers, matplot
 
 from __future__ import annotations
 
+import random
+import sys
 import threading
 import time
+import warnings
 from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 from dmlkit.apps.index import EmbeddingIndex
 from dmlkit.exceptions import DataError
@@ -107,3 +111,149 @@ def test_ivf_lists_naming_other_keys_are_one_data_error():
     idx._keys = idx._keys + 1000  # the lists hold keys 0-399, which no item has now
     with pytest.raises(DataError, match="which is no item's"):
         idx.search(x[:3], 5)
+
+
+# -- F2: the report's random numbers ------------------------------------------------------------------
+def _draws() -> tuple[float, float, float]:
+    return float(np.random.random()), float(torch.rand(1)), random.random()
+
+
+def _seed_caller() -> None:
+    np.random.seed(12345)
+    torch.manual_seed(12345)
+    random.seed(12345)
+
+
+class _OtherThread:
+    """A thread drawing from the global torch RNG (a training loop, an augmentation) meanwhile."""
+
+    def __enter__(self):
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._draw)
+        self.before = sys.getswitchinterval()
+        sys.setswitchinterval(1e-4)  # switch often: the draws interleave with the report's
+        self.thread.start()
+        return self
+
+    def _draw(self) -> None:
+        while not self.stop.is_set():
+            torch.rand(16)
+
+    def __exit__(self, *exc):
+        self.stop.set()
+        self.thread.join()
+        sys.setswitchinterval(self.before)
+
+
+def _state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.clone() for k, v in model.state_dict().items()}
+
+
+def test_thread_random_draws_what_the_seeded_global_generator_draws():
+    """:class:`_ThreadRandom` routes a model's initialisation, a DataLoader's base seed and
+    torchvision's random transforms to its generator: the draws of ``torch.manual_seed(s)``,
+    whatever another thread draws meanwhile, and the caller's generator is left untouched."""
+    import torchvision.transforms as T
+
+    from dmlkit.config import ModelConfig
+    from dmlkit.report.builder import _ThreadRandom
+    from dmlkit.training import build_model
+    from dmlkit.utils import seed_everything
+
+    config = ModelConfig(trunk="small_cnn", pretrained=False, embedding_size=16, in_channels=1)
+    crop = T.Compose([T.RandomResizedCrop(8, scale=(0.5, 1.0)), T.RandomHorizontalFlip()])
+    image = torch.arange(3 * 12 * 12, dtype=torch.float32).reshape(3, 12, 12)
+
+    def draw_all():  # each draw after the earlier ones: one missed would shift the rest
+        model = build_model(config)
+        list(torch.utils.data.DataLoader(list(range(6)), batch_size=2))  # draws its base seed
+        return (_state(model), crop(image), torch.randn(3), torch.randint(0, 100, (4,)), torch.randperm(5),
+                torch.empty(3).uniform_(), torch.rand(2))
+
+    seed_everything(3)
+    expected = draw_all()
+    _seed_caller()
+    caller = _draws()
+    _seed_caller()
+    with _OtherThread():
+        with _ThreadRandom(torch.Generator().manual_seed(3)):
+            got = draw_all()
+    assert _draws()[1] != caller[1]  # the other thread drew from the global generator ...
+    _seed_caller()
+    with _ThreadRandom(torch.Generator().manual_seed(3)):
+        again = draw_all()
+    assert _draws() == caller  # ... this thread's draws did not
+    for a, b, c in zip(expected, got, again):
+        if isinstance(a, dict):
+            assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) and torch.equal(a[k], c[k]) for k in a)
+        elif isinstance(a, torch.Tensor):
+            assert torch.equal(a, b) and torch.equal(a, c)
+        else:
+            assert a == b == c
+
+
+TINY_RUN = {
+    "name": "thread-report",
+    "seed": 3,
+    "data": {"dataset": "att_faces", "split": {"kind": "default", "val_fraction": 0.2},
+             "transform": "grayscale", "image_size": 32},
+    "model": {"trunk": "small_cnn", "pretrained": False, "embedding_size": 16, "in_channels": 1},
+    "loss": {"name": "contrastive", "params": {}},
+    "miner": None,
+    "sampler": {"classes_per_batch": 4, "samples_per_class": 4, "batches_per_epoch": 2},
+    "optimizer": {"name": "adam", "trunk_lr": 1e-3, "embedder_lr": 1e-3},
+    "training": {"epochs": 1, "eval_every_epochs": 1, "log_every": 1},
+}
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory, data_root) -> Path:
+    import yaml
+    from typer.testing import CliRunner
+
+    from dmlkit.cli import app
+
+    base = tmp_path_factory.mktemp("thread_report")
+    (base / "tiny.yaml").write_text(yaml.safe_dump(TINY_RUN))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "training did not beat the untrained model": 2 steps
+        res = CliRunner().invoke(app, ["train", str(base / "tiny.yaml"), "--run-dir", str(base / "run"),
+                                       "--data-root", str(data_root), "--quiet"])
+    assert res.exit_code == 0, res.output
+    return base / "run"
+
+
+def test_report_embeddings_leave_the_caller_rngs_and_ignore_other_threads(run_dir, data_root):
+    """The report's embeddings (the figures' and tables' numbers) are the run's step-0 model's and
+    the trained model's, the same with a thread drawing from the global torch RNG meanwhile, and
+    the caller's next Python, numpy and torch draws are those it would have made without the call
+    (``seed_everything(config.seed)`` reset all three to the run's seed)."""
+    from dmlkit.config import load_config
+    from dmlkit.embeddings import embed_split
+    from dmlkit.report import ReportOptions
+    from dmlkit.report.builder import _run_embeddings
+    from dmlkit.training import build_datasets, build_model
+    from dmlkit.training.run_identity import with_run_split
+    from dmlkit.utils import seed_everything
+
+    options = ReportOptions(maps=("pca",), data_root=data_root, max_points=40, thumbnails=False)
+    _seed_caller()
+    expected = _draws()
+    _seed_caller()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trained, untrained = _run_embeddings(run_dir, options, [])
+        assert _draws() == expected
+        with _OtherThread():
+            trained2, untrained2 = _run_embeddings(run_dir, options, [])
+    for a, b in ((trained, trained2), (untrained, untrained2)):
+        assert a.keys() == b.keys() and a
+        for name in a:
+            np.testing.assert_array_equal(a[name].embeddings, b[name].embeddings, err_msg=name)
+    # the untrained model is the one `dmlkit train` starts from: seeded with the run's seed
+    config = with_run_split(load_config(run_dir / "config.yaml"), run_dir)
+    seed_everything(config.seed)
+    step0 = build_model(config).eval()
+    test = build_datasets(config, ("test",), data_root=data_root)["test"]
+    emb0, _ = embed_split(step0, test, config, device="cpu")
+    np.testing.assert_array_equal(untrained["test"].embeddings, emb0)
