@@ -3,7 +3,9 @@ searches, faiss ids the index never issued, the report's random numbers, matplot
 
 from __future__ import annotations
 
+import json
 import random
+import subprocess
 import sys
 import threading
 import time
@@ -18,6 +20,8 @@ from dmlkit.apps.index import EmbeddingIndex
 from dmlkit.exceptions import DataError
 
 faiss = pytest.importorskip("faiss")
+
+SRC = Path(__file__).resolve().parents[1] / "src"
 
 
 # -- F1: concurrent first searches of an HNSW graph -----------------------------------------------
@@ -257,3 +261,44 @@ def test_report_embeddings_leave_the_caller_rngs_and_ignore_other_threads(run_di
     test = build_datasets(config, ("test",), data_root=data_root)["test"]
     emb0, _ = embed_split(step0, test, config, device="cpu")
     np.testing.assert_array_equal(untrained["test"].embeddings, emb0)
+
+
+# -- F6: matplotlib's backend ------------------------------------------------------------------------
+_BACKEND_CHILD = r"""
+import json, os, sys
+os.environ.pop("MPLBACKEND", None)
+import matplotlib
+matplotlib.use("svg")
+import matplotlib.pyplot as plt
+plt.figure()
+seen = [(matplotlib.get_backend(), os.environ.get("MPLBACKEND"))]
+import dmlkit.report
+from dmlkit.report import figures
+seen.append((matplotlib.get_backend(), os.environ.get("MPLBACKEND")))
+fig = figures.cmc_curve({"a": [0.5, 0.75, 1.0]})
+figures.save_figure(fig, sys.argv[1] + "/cmc")
+from dmlkit.apps.tracking import plot_ope
+from dmlkit.apps.tracking.evaluation import evaluate_ope
+import numpy as np
+gt = np.array([[0, 0, 10, 10]] * 3, float)
+ope = plot_ope({"t": evaluate_ope({"s": gt}, {"s": gt})})
+seen.append((matplotlib.get_backend(), os.environ.get("MPLBACKEND")))
+print(json.dumps({"seen": seen, "figs": plt.get_fignums(), "axes": len(ope.axes)}))
+"""
+
+
+def test_importing_and_drawing_leave_the_matplotlib_backend_and_environment(tmp_path):
+    """``import dmlkit.report`` set ``MPLBACKEND=Agg`` and switched a program's backend (svg here,
+    a notebook's inline one) to Agg, and ``plot_ope`` did on every call; the figures are drawn on
+    their own Agg canvas now, the PNG saved all the same."""
+    import os
+
+    env = {**os.environ, "PYTHONPATH": str(SRC)}
+    env.pop("MPLBACKEND", None)
+    out = subprocess.run([sys.executable, "-c", _BACKEND_CHILD, str(tmp_path)], capture_output=True, text=True,
+                         env=env, timeout=300)
+    assert out.returncode == 0, out.stderr
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert got["seen"] == [["svg", None]] * 3
+    assert got["figs"] == [1] and got["axes"] == 2  # the program's own figure only
+    assert (tmp_path / "cmc.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and (tmp_path / "cmc.svg").exists()
