@@ -28,6 +28,7 @@ rebuilt) and save/load.
 from __future__ import annotations
 
 import os
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -50,6 +51,7 @@ from dmlkit.apps.index_faiss import (
     flush_graph_reserve,
     new_faiss_index,
     refuse_unused_settings,
+    rows_of_keys,
     search_params,
     to_gpu,
 )
@@ -176,6 +178,7 @@ class EmbeddingIndex:
         self._faiss_index: Any = None
         self._trained_keys = np.empty((0,), dtype=np.int64)
         self._graph_reserve = np.empty((0,), dtype=np.int64)  # HNSW rows kept out of the graph
+        self._graph_lock = threading.Lock()  # held while a search inserts them (index_faiss)
         self._planned_rows = 0  # rows add_blocks is adding: an IVF trained on its first block sizes its cells for all
         self._id_pos: dict[str, int] | None = None
         self._norm_cache: RowNorms | None = None
@@ -419,13 +422,8 @@ class EmbeddingIndex:
         return self._norm_cache
 
     def _rows_of_keys(self, keys: np.ndarray) -> np.ndarray:
-        """Row positions of faiss keys (``-1`` stays ``-1``). Keys strictly increase, so when the
-        first is 0 and the last ``n - 1`` (nothing removed) they are the rows themselves."""
-        own = self._keys
-        if own.size and own[0] == 0 and own[-1] == own.size - 1:
-            return keys
-        found = keys >= 0
-        return np.where(found, np.searchsorted(own, np.where(found, keys, 0)), -1)
+        """Row positions of faiss keys, ``-1`` for none (:func:`~dmlkit.apps.index_faiss.rows_of_keys`)."""
+        return rows_of_keys(self._keys, keys)
 
     def _ann(self, q: np.ndarray, k: int, setting: dict[str, Any], exclude: np.ndarray | None = None
              ) -> tuple[np.ndarray, np.ndarray]:

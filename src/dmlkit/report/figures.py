@@ -26,18 +26,14 @@ from __future__ import annotations
 
 import math
 import os
+import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-
-os.environ.setdefault("MPLBACKEND", "Agg")
-
-import matplotlib
-
-matplotlib.use("Agg", force=False)
-import matplotlib.pyplot as plt
+from matplotlib import colormaps
+from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
 from dmlkit.exceptions import ConfigError, DataError, ShapeError
@@ -47,7 +43,7 @@ from dmlkit.utils import atomic_write_figure
 from dmlkit.validation import check_embeddings
 
 __all__ = [
-    "check_projection", "cmc_curve", "drawn_projection", "embedding_map", "per_class_bars",
+    "check_projection", "cmc_curve", "drawn_projection", "embedding_map", "new_figure", "per_class_bars",
     "project_2d", "projection_name", "projection_title", "reid_strip", "relative_improvement",
     "retrieval_gallery", "save_figure", "similarity_histograms", "training_curves",
 ]
@@ -55,6 +51,16 @@ __all__ = [
 _LINESTYLES = ["-", "--", "-.", ":"]
 _MARKERS = ["o", "s", "^", "D", "v", "P", "X", "*"]
 _HATCHES = ["", "//", "..", "xx", "\\\\", "++", "oo", "--"]
+
+def new_figure(nrows: int = 1, ncols: int = 1, *, figsize: tuple[float, float] | None = None,
+               **subplots: Any) -> tuple[Figure, Any]:
+    """``(figure, axes)`` as ``pyplot.subplots`` returns them, without pyplot: a ``Figure`` on its own
+    ``FigureCanvasAgg``; the program's backend and ``MPLBACKEND`` stay as they were (set to Agg at
+    import, a notebook's inline plots stopped showing, and child processes inherited the variable)."""
+    fig = Figure(figsize=figsize)
+    FigureCanvasAgg(fig)
+    return fig, fig.subplots(nrows, ncols, **subplots)
+
 
 @styled
 def save_figure(fig: Figure, path_without_suffix: str | os.PathLike, formats: Sequence[str] = ("png", "svg")) -> list[Path]:
@@ -70,8 +76,9 @@ def save_figure(fig: Figure, path_without_suffix: str | os.PathLike, formats: Se
     try:
         return [atomic_write_figure(fig, base.parent / f"{base.name}.{fmt}", bbox_inches="tight")
                 for fmt in formats]
-    finally:
-        plt.close(fig)
+    finally:  # a pyplot figure (the caller's) is closed there; new_figure's have no manager
+        if (pyplot := sys.modules.get("matplotlib.pyplot")) is not None:
+            pyplot.close(fig)
 
 
 # -- training curves -------------------------------------------------------------------------
@@ -90,7 +97,7 @@ def training_curves(
     """
     if not runs:
         raise DataError("no training logs to plot")
-    fig, axes = plt.subplots(1, 1 + len(metrics), figsize=(4.2 * (1 + len(metrics)), 3.4))
+    fig, axes = new_figure(1, 1 + len(metrics), figsize=(4.2 * (1 + len(metrics)), 3.4))
     axes = np.atleast_1d(axes)
     for i, (name, records) in enumerate(runs.items()):
         # markers every tenth point by count: a fractional markevery draws none on a one-point
@@ -110,7 +117,6 @@ def training_curves(
                 ax.plot(s, 100 * np.asarray(v, dtype=float), label=name, markersize=4,
                         markevery=max(1, len(s) // 10), **style)
     if not any(ax.get_lines() for ax in axes):  # a blank figure is no answer: say what is missing
-        plt.close(fig)
         raise DataError(f"the logs hold no training loss and no validation {', '.join(metrics)}: "
                         "nothing to draw (a run logs them as it trains and evaluates)")
     axes[0].set(title="Training loss (smoothed)", xlabel="step (batches)", ylabel="loss")
@@ -296,8 +302,8 @@ def embedding_map(
     classes = np.unique(labels)
     named = len(classes) <= max_legend_classes
     columns = 1 if len(classes) <= 20 else 2
-    fig, ax = plt.subplots(figsize=(6.5 + (1.8 * columns if named else 0.0), 6.0))
-    cmap = plt.get_cmap("tab20" if len(classes) > 10 else "tab10")
+    fig, ax = new_figure(figsize=(6.5 + (1.8 * columns if named else 0.0), 6.0))
+    cmap = colormaps["tab20" if len(classes) > 10 else "tab10"]
     for i, c in enumerate(classes):
         sel = labels == c
         ax.scatter(
@@ -356,7 +362,7 @@ def similarity_histograms(panels: Mapping[str, Mapping[str, Any]]) -> Figure:
     if not panels:
         raise DataError("no histograms to plot")
     n = len(panels)
-    fig, axes = plt.subplots(1, n, figsize=(4.0 * n, 3.3), sharey=False)
+    fig, axes = new_figure(1, n, figsize=(4.0 * n, 3.3), sharey=False)
     axes = np.atleast_1d(axes)
     for ax, (title, h) in zip(axes, panels.items()):
         edges = np.asarray(h["bin_edges"], dtype=float)
@@ -392,7 +398,7 @@ def retrieval_gallery(
     if not rows:
         raise DataError("no queries for the gallery")
     k = max(len(r["neighbors"]) for r in rows)
-    fig, axes = plt.subplots(len(rows), k + 1, figsize=(1.25 * (k + 1), 1.45 * len(rows)), squeeze=False)
+    fig, axes = new_figure(len(rows), k + 1, figsize=(1.25 * (k + 1), 1.45 * len(rows)), squeeze=False)
     for i, row in enumerate(rows):
         cells = [(row["query"], row["query_label"], None)] + [
             (n, lab, lab == row["query_label"]) for n, lab in zip(row["neighbors"], row["neighbor_labels"])
@@ -443,7 +449,7 @@ def per_class_bars(values: Mapping[Any, float], metric: str = "map_at_r", top: i
     top = min(top, len(items))  # the titles count the bars drawn
     worst = items[:top]
     best = items[-top:][::-1]
-    fig, axes = plt.subplots(1, 2, figsize=(9, 0.32 * max(len(best), len(worst)) + 1.4))
+    fig, axes = new_figure(1, 2, figsize=(9, 0.32 * max(len(best), len(worst)) + 1.4))
     for ax, chosen, name, hatch in ((axes[0], best, "best", ""), (axes[1], worst, "worst", "//")):
         labels = [class_label(c, class_names) for c, _ in chosen][::-1]
         if len(set(labels)) < len(labels):  # two classes with one name: keep the bars apart
@@ -482,7 +488,7 @@ def relative_improvement(
     methods = [m for m in results if m not in present and m != "pretrained"] or [m for m in results if m not in present]
     if not methods:  # an empty figure with a legend read as a result
         raise DataError(f"no method besides the baselines {present} to compare with them")
-    fig, ax = plt.subplots(figsize=(max(5.0, 1.1 * len(methods) + 2), 3.6))
+    fig, ax = new_figure(figsize=(max(5.0, 1.1 * len(methods) + 2), 3.6))
     width = 0.8 / len(present)
     x = np.arange(len(methods))
     for i, base in enumerate(present):
@@ -533,7 +539,7 @@ def cmc_curve(curves: Mapping[str, Sequence[float]], title: str = "CMC curve",
     """Cumulative matching characteristic: ``{name: [CMC(1), CMC(2), ...]}`` in ``[0, 1]``."""
     if not curves:
         raise DataError("no CMC curve to draw")
-    fig, ax = plt.subplots(figsize=(5.5, 3.8))
+    fig, ax = new_figure(figsize=(5.5, 3.8))
     for i, (name, cmc) in enumerate(curves.items()):
         y = 100 * np.asarray(cmc, dtype=float)[:max_rank]
         ax.plot(np.arange(1, y.size + 1), y, _LINESTYLES[i % 4], marker=_MARKERS[i % 8],
@@ -561,7 +567,7 @@ def reid_strip(examples: Sequence[Mapping[str, Any]], image_of_path: Any = None,
     if not examples:
         raise DataError("no re-id examples to draw")
     k = max(len(e["status"]) for e in examples)
-    fig, axes = plt.subplots(len(examples), k + 1, figsize=(1.1 * (k + 1), 1.55 * len(examples)),
+    fig, axes = new_figure(len(examples), k + 1, figsize=(1.1 * (k + 1), 1.55 * len(examples)),
                              squeeze=False)
     style = {"query": ("black", "-", 2.5), "positive": ("tab:green", "-", 3.0),
              "negative": ("tab:red", "--", 1.0), "junk": ("tab:gray", ":", 1.5)}

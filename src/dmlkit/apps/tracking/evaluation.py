@@ -40,6 +40,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -311,21 +312,19 @@ def plot_ope(results: Mapping[str, OPEResult], title: str = "OPE"):
     """Success and precision plots (matplotlib figure, two axes) of several trackers.
 
     Legends carry the ranking scores as in the OTB paper: AUC for success, precision at
-    20 pixels for precision.
+    20 pixels for precision. The figure is drawn without pyplot
+    (:func:`dmlkit.report.figures.new_figure`): the program's matplotlib backend and
+    ``MPLBACKEND`` stay as they were (each call switched them to Agg).
     """
-    import matplotlib
-
-    matplotlib.use("Agg", force=False)
-    import matplotlib.pyplot as plt
-
+    from dmlkit.report.figures import new_figure  # lazy: matplotlib loads only to draw
     from dmlkit.report.style import figure_style  # lazy: matplotlib loads only to draw
 
     with figure_style():  # dmlkit's settings: tracker names drawn literally, never as mathtext
-        return _plot_ope(plt, results, title)
+        return _plot_ope(new_figure, results, title)
 
 
-def _plot_ope(plt, results: Mapping[str, OPEResult], title: str):
-    fig, (ax_s, ax_p) = plt.subplots(1, 2, figsize=(10, 4.2))
+def _plot_ope(new_figure: Any, results: Mapping[str, OPEResult], title: str):
+    fig, (ax_s, ax_p) = new_figure(1, 2, figsize=(10, 4.2))
     for name, res in sorted(results.items(), key=lambda kv: -kv[1].auc):
         ax_s.plot(SUCCESS_THRESHOLDS, res.success, label=f"{name} [{res.auc:.3f}]")
     for name, res in sorted(results.items(), key=lambda kv: -kv[1].precision_at_20):
