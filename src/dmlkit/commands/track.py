@@ -244,13 +244,8 @@ def _write_evaluation(out_dir: Path, name: str, results: dict, boxes: dict, titl
                           "\n".join(",".join(f"{v:.2f}" for v in row) for row in np.asarray(b) + shift) + "\n")
     atomic_write_json(out_dir / "results.json",
                       {n: {**res.to_dict(), "box_index_base": base} for n, res in results.items()})
-    fig = plot_ope(results, title=title)  # selects the Agg backend before pyplot is imported here
-    import matplotlib.pyplot as plt
-
-    try:
-        atomic_write_figure(fig, out_dir / "ope.png", dpi=120)
-    finally:
-        plt.close(fig)
+    # a figure on its own canvas (no pyplot state to close)
+    atomic_write_figure(plot_ope(results, title=title), out_dir / "ope.png", dpi=120)
 
 
 @track_app.command("evaluate")
