@@ -1,0 +1,201 @@
+"""Process-wide state that dmlkit changes for a while stays right when threads call dmlkit at once
+(audit s42_threads F3, F4, F5, F7).
+
+torch's default thread count and float32 product precision, the warnings' filters and display,
+and matplotlib's rcParams belong to the whole process. Each call saved and restored them on its
+own, so overlapping calls restored each other's values: after four threads evaluated at once,
+every thread started later ran torch on 1 thread; a call computed under the caller's ``"high"``
+that another call had put back; figures drawn at once left dmlkit's rcParams in place and the
+warnings' display pointing at a finished figure's list (every later warning dropped).
+
+The threads here are staged, not raced: thread ``i + 1`` starts once thread ``i`` is inside the
+section under test, and they leave first in, first out (the order that leaked). Where a lock
+keeps thread ``i + 1`` out, the stage moves on after a short wait (nothing here depends on how
+long things take: the outcome is checked, the wait only keeps a serialised run short).
+"""
+
+from __future__ import annotations
+
+import importlib
+import threading
+from collections.abc import Callable
+
+import pytest
+import torch
+
+from dmlkit.metrics import _threads, knn
+
+knn_module = importlib.import_module("dmlkit.metrics.knn")
+
+THREADS = 4
+
+
+def _in_new_thread(fn: Callable[[], object]) -> object:
+    out: list[object] = []
+    t = threading.Thread(target=lambda: out.append(fn()))
+    t.start()
+    t.join()
+    return out[0]
+
+
+def _default_threads() -> int:
+    """What a new thread starts with: torch's process-wide default thread count."""
+    return int(_in_new_thread(torch.get_num_threads))  # type: ignore[arg-type]
+
+
+class _Stages:
+    """``inside(i)``, called by thread ``i`` from within the section under test, tells the main
+    thread it is in and waits there until the main thread lets it leave."""
+
+    def __init__(self, n: int) -> None:
+        self.arrived = [threading.Event() for _ in range(n)]
+        self.go = [threading.Event() for _ in range(n)]
+        self.index: dict[int, int] = {}
+
+    def inside(self, i: int | None = None) -> None:
+        i = self.index[threading.get_ident()] if i is None else i
+        self.arrived[i].set()
+        assert self.go[i].wait(60), "the main thread never let it leave"
+
+    def run(self, body: Callable[[int], object], locked_out_wait: float = 30.0) -> list[object]:
+        """``body(i)`` in thread ``i``; returns the results in thread order (an error re-raised).
+
+        ``locked_out_wait``: how long the main thread waits for thread ``i + 1`` to get in
+        before it lets thread ``i`` leave (a lock may hold it back until then)."""
+        results: list[object] = [None] * len(self.go)
+        errors: list[BaseException] = []
+
+        def target(i: int) -> None:
+            self.index[threading.get_ident()] = i
+            try:
+                results[i] = body(i)
+            except BaseException as exc:
+                errors.append(exc)
+                self.arrived[i].set()
+
+        pool = [threading.Thread(target=target, args=(i,)) for i in range(len(self.go))]
+        for i, t in enumerate(pool):
+            t.start()
+            self.arrived[i].wait(30.0 if i == 0 else locked_out_wait)
+        for go, t in zip(self.go, pool, strict=True):  # first in, first out
+            go.set()
+            t.join()
+        if errors:
+            raise errors[0]
+        return results
+
+
+# -- F4 / F5: torch's default thread count and float32 product precision ------------------------
+def test_overlapping_holds_put_the_default_thread_count_back(two_threads):
+    """A thread that started while another held 1 thread saved that 1 and put it back as the
+    process default: every thread started later ran torch on 1 thread."""
+    assert _default_threads() == 2
+    stages = _Stages(THREADS)
+    seen = []
+
+    def body(i: int) -> None:
+        with _threads.single_threaded_torch() as workers:
+            stages.inside(i)
+            seen.append((workers, torch.get_num_threads()))
+
+    stages.run(body)
+    assert _default_threads() == 2
+    assert torch.get_num_threads() == 2
+    assert all(count == 1 for _, count in seen)  # each call kept its 1 thread to the end
+
+
+def test_a_worker_keeps_its_one_thread_when_the_default_changes(two_threads):
+    """torch sets a thread's count from the process default at its first call that reads it: a
+    worker's 1, set before, became whatever the default was by then (another call may have put
+    the caller's count back)."""
+    ready, changed, seen = threading.Event(), threading.Event(), []
+
+    def worker() -> None:
+        _threads._one_thread_here()
+        ready.set()
+        changed.wait(30)
+        seen.append(torch.get_num_threads())
+
+    t = threading.Thread(target=worker)
+    t.start()
+    ready.wait(30)
+    torch.set_num_threads(2)  # the default back to 2, as a call that finished would
+    changed.set()
+    t.join()
+    assert seen == [1]
+
+
+def test_overlapping_matmul_precision_holds_keep_highest_to_the_end():
+    """A second call saw the first call's "highest" as its caller's and did not switch; the first
+    then put the caller's "high" back while the second still computed."""
+    before = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("high")
+    try:
+        stages = _Stages(THREADS)
+        seen = []
+
+        @_threads.full_float32_matmuls
+        def body(i: int) -> None:
+            stages.inside(i)
+            seen.append(torch.get_float32_matmul_precision())
+
+        stages.run(body)
+        assert seen == ["highest"] * THREADS
+        assert torch.get_float32_matmul_precision() == "high"
+    finally:
+        torch.set_float32_matmul_precision(before)
+
+
+def test_concurrent_knn_calls_leave_threads_and_precision_as_they_were(two_threads, monkeypatch):
+    """Four ``knn`` calls (numba backend: single-threaded torch, worker threads, full float32
+    products) staged to overlap: same neighbours as alone, each computed on one torch thread in
+    full float32 to its end, and afterwards a new thread starts with the caller's 2 threads and
+    the caller has its "high" back."""
+    g = torch.Generator().manual_seed(0)
+    xs = [torch.randn(300 + 40 * i, 16, generator=g) for i in range(THREADS)]
+    alone = [knn(x, k=5, backend="numba") for x in xs]
+    stages = _Stages(THREADS)
+    real = knn_module.run_threads
+    waited: set[int] = set()
+    during = []
+
+    def run_threads(fn, items, workers):  # the first of each call's thread runs, in its hold
+        if threading.get_ident() not in waited:
+            waited.add(threading.get_ident())
+            stages.inside()
+            during.append((torch.get_num_threads(), torch.get_float32_matmul_precision()))
+        return real(fn, items, workers)
+
+    monkeypatch.setattr(knn_module, "run_threads", run_threads)
+    before = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("high")
+    try:
+        got = stages.run(lambda i: knn(xs[i], k=5, backend="numba"))
+        assert torch.get_float32_matmul_precision() == "high"
+    finally:
+        torch.set_float32_matmul_precision(before)
+    assert during == [(1, "highest")] * THREADS
+    assert _default_threads() == 2 and torch.get_num_threads() == 2
+    for a, b in zip(alone, got, strict=True):
+        assert torch.equal(a.indices, b.indices) and torch.equal(a.values, b.values)
+
+
+def test_faiss_pool_workers_run_on_one_thread(two_threads, monkeypatch):
+    """The faiss backend's product workers set their own count (they took the process default,
+    which another call may have put back meanwhile); the count is back after."""
+    pytest.importorskip("faiss")
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(500, 16, generator=g)
+    seen = set()
+    real = knn_module._Scorer.block
+
+    def block(self, *args, **kwargs):
+        seen.add(torch.get_num_threads())
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(knn_module._Scorer, "block", block)
+    torch.set_num_threads(2)
+    got = knn(x, k=4, backend="faiss")
+    assert seen == {1}
+    assert torch.equal(got.indices, knn(x, k=4, backend="torch").indices)
+    assert torch.get_num_threads() == 2 and _default_threads() == 2
