@@ -18,12 +18,18 @@ from __future__ import annotations
 
 import importlib
 import threading
+import warnings
 from collections.abc import Callable
 
+import matplotlib
+import matplotlib.pyplot as plt
 import pytest
 import torch
 
 from dmlkit.metrics import _threads, knn
+from dmlkit.report import figures
+from dmlkit.report.style import styled
+from dmlkit.utils import holding_warnings
 
 knn_module = importlib.import_module("dmlkit.metrics.knn")
 
@@ -199,3 +205,70 @@ def test_faiss_pool_workers_run_on_one_thread(two_threads, monkeypatch):
     assert seen == {1}
     assert torch.equal(got.indices, knn(x, k=4, backend="torch").indices)
     assert torch.get_num_threads() == 2 and _default_threads() == 2
+
+
+# -- F3: warnings and rcParams around figures and held warnings ---------------------------------
+def _warnings_state() -> tuple:
+    return (list(warnings.filters), warnings.showwarning, warnings._showwarnmsg_impl)  # type: ignore[attr-defined]
+
+
+def test_figures_drawn_from_threads_leave_warnings_and_rcparams_as_they_were(tmp_path):
+    """Each thread builds and saves a figure; with the figures overlapping, the last to leave
+    restored the warnings' display to a finished figure's list (every later warning of the
+    process dropped) and rcParams to dmlkit's."""
+    user_rc = dict(matplotlib.rcParams)
+    state = _warnings_state()
+    stages = _Stages(THREADS)
+
+    @styled
+    def draw(i: int) -> None:
+        fig = figures.per_class_bars({c: 0.1 * c for c in range(6)}, class_names={c: f"class {c}" for c in range(6)})
+        stages.inside(i)
+        figures.save_figure(fig, tmp_path / f"f{i}", formats=("png",))
+        plt.close(fig)
+
+    stages.run(draw, locked_out_wait=0.3)
+    assert _warnings_state() == state
+    assert dict(matplotlib.rcParams) == user_rc
+    assert sorted(p.name for p in tmp_path.iterdir()) == [f"f{i}.png" for i in range(THREADS)]
+    with pytest.warns(UserWarning, match="still shown"):
+        warnings.warn("still shown", UserWarning, stacklevel=1)
+
+
+def test_held_warnings_from_threads_are_each_given_and_the_state_restored():
+    """``holding_warnings`` blocks in four threads: each block's warning is given once when it
+    ends, and the warnings' filters and display are the caller's after."""
+    stages = _Stages(THREADS)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        state = _warnings_state()
+
+        def body(i: int) -> None:
+            with holding_warnings(lambda held, failed: held):
+                warnings.warn(f"held {i}", UserWarning, stacklevel=1)
+                stages.inside(i)
+
+        stages.run(body, locked_out_wait=0.3)
+        assert _warnings_state() == state
+        warnings.warn("after", UserWarning, stacklevel=1)
+    assert sorted(str(w.message) for w in caught) == ["after", *(f"held {i}" for i in range(THREADS))]
+
+
+def test_locked_sections_nest_in_one_thread(tmp_path):
+    """Held warnings around a figure function that calls two others (build, save): one thread
+    takes the lock again (re-entrant, no deadlock), and the held warnings come out after."""
+    user_rc = dict(matplotlib.rcParams)
+
+    @styled
+    def outer() -> None:
+        fig = figures.cmc_curve({"a": [0.5, 0.75, 1.0]})
+        figures.save_figure(fig, tmp_path / "nested", formats=("png",))
+        warnings.warn("inside the figure", UserWarning, stacklevel=1)
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with holding_warnings(lambda held, failed: held):
+            outer()
+            assert caught == []  # held until the block ends
+    assert [str(w.message) for w in caught] == ["inside the figure"]
+    assert dict(matplotlib.rcParams) == user_rc and (tmp_path / "nested.png").exists()
