@@ -23,6 +23,7 @@ from collections.abc import Callable
 
 import matplotlib
 import matplotlib.pyplot as plt
+import numpy as np
 import pytest
 import torch
 
@@ -272,3 +273,33 @@ def test_locked_sections_nest_in_one_thread(tmp_path):
             assert caught == []  # held until the block ends
     assert [str(w.message) for w in caught] == ["inside the figure"]
     assert dict(matplotlib.rcParams) == user_rc and (tmp_path / "nested.png").exists()
+
+
+# -- F7: read-only inputs without a warnings filter ---------------------------------------------
+def test_read_only_inputs_are_viewed_without_touching_the_warnings_filters(monkeypatch):
+    """A read-only array (a memory-mapped index or shard) was wrapped in
+    ``warnings.catch_warnings()``, which swaps the process's filter list: a filter another
+    thread added meanwhile was lost, or the "ignore" one left installed."""
+    from dmlkit import validation
+
+    filters = warnings.filters
+    swapped = []
+    real = torch.from_numpy
+
+    def from_numpy(arr: np.ndarray) -> torch.Tensor:
+        swapped.append(warnings.filters is not filters)
+        return real(arr)
+
+    monkeypatch.setattr(validation.torch, "from_numpy", from_numpy)
+    x = np.random.default_rng(0).standard_normal((64, 8)).astype(np.float32)
+    ro = x.copy()
+    ro.flags.writeable = False
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # torch's "not writable" warning would raise
+        filters = warnings.filters
+        t_ro = validation.check_embeddings(ro)
+        t_rw = validation.check_embeddings(x)
+    assert swapped == [False, False]
+    assert t_ro.data_ptr() == ro.ctypes.data and t_rw.data_ptr() == x.ctypes.data  # no copy
+    assert torch.equal(t_ro, t_rw)
+    assert not ro.flags.writeable
