@@ -303,3 +303,15 @@ def test_read_only_inputs_are_viewed_without_touching_the_warnings_filters(monke
     assert t_ro.data_ptr() == ro.ctypes.data and t_rw.data_ptr() == x.ctypes.data  # no copy
     assert torch.equal(t_ro, t_rw)
     assert not ro.flags.writeable
+
+
+def test_faiss_backend_runs_in_the_callers_inference_mode():
+    """The faiss backend's product workers wrote into tiles allocated under the caller's
+    ``torch.inference_mode()`` from outside it: "Inplace update to inference tensor outside
+    InferenceMode" (as ``run_threads``' workers did before they took the caller's modes)."""
+    pytest.importorskip("faiss")
+    x = torch.randn(400, 16, generator=torch.Generator().manual_seed(2))
+    plain = knn(x, k=3, backend="faiss")
+    with torch.inference_mode():
+        got = knn(x, k=3, backend="faiss")
+    assert torch.equal(got.indices, plain.indices) and torch.equal(got.values, plain.values)

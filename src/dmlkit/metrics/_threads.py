@@ -20,7 +20,7 @@ import contextlib
 import functools
 import threading
 from collections.abc import Callable, Iterable, Iterator
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from types import TracebackType
 from typing import Any, TypeVar
 
@@ -187,17 +187,24 @@ def _join_through_interrupts(pool: list[threading.Thread]) -> None:
 
 
 @contextlib.contextmanager
-def single_threaded_pool(workers: int, faiss: Any = None) -> Iterator[ThreadPoolExecutor]:
-    """A pool of ``workers`` threads, each on one torch thread (:func:`_one_thread_here`), with
-    the calling thread on one torch thread and, given the ``faiss`` module, one faiss OpenMP
-    thread (a per-thread count, put back after) while the pool runs."""
+def single_threaded_pool(workers: int, faiss: Any = None) -> Iterator[Callable[..., Future]]:
+    """``submit(fn, *args)`` of a pool of ``workers`` threads, each on one torch thread
+    (:func:`_one_thread_here`) and running ``fn`` in the caller's inference and grad modes
+    (:func:`_callers_autograd_modes`); the calling thread is on one torch thread and, given the
+    ``faiss`` module, one faiss OpenMP thread (a per-thread count, put back after) meanwhile."""
+    callers_modes = _callers_autograd_modes()
+
+    def in_callers_modes(fn: Callable[..., Any], *args: Any) -> Any:
+        with callers_modes():
+            return fn(*args)
+
     with single_threaded_torch():
         before = faiss.omp_get_max_threads() if faiss is not None else 0
         if faiss is not None:
             faiss.omp_set_num_threads(1)
         try:
             with ThreadPoolExecutor(max_workers=workers, initializer=_one_thread_here) as pool:
-                yield pool
+                yield functools.partial(pool.submit, in_callers_modes)
         finally:
             if faiss is not None:
                 faiss.omp_set_num_threads(before)

@@ -303,7 +303,7 @@ def _knn_faiss(
 
     from collections import deque
 
-    with single_threaded_pool(workers, faiss) as pool:  # the caller and each worker on 1 thread
+    with single_threaded_pool(workers, faiss) as submit:  # the caller and each worker on 1 thread
         pending: deque = deque()
 
         def consume() -> None:
@@ -316,7 +316,7 @@ def _knn_faiss(
         for n_task, (a0, a1, b0, b1, both) in enumerate(tasks()):
             if len(pending) == inflight:
                 consume()  # frees the slot that this task reuses
-            fut = pool.submit(compute, n_task % inflight, a0, a1, b0, b1, both)
+            fut = submit(compute, n_task % inflight, a0, a1, b0, b1, both)
             pending.append(((a0, a1, b0, b1, both), fut))
         while pending:
             consume()
