@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import os
 import threading
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -33,6 +34,8 @@ __all__ = [
 
 #: Guards the holder counts and every change of the settings they cover.
 _LOCK = threading.Lock()
+if hasattr(os, "register_at_fork"):  # a child forked while another thread held it: free it
+    os.register_at_fork(after_in_child=_LOCK._at_fork_reinit)  # type: ignore[attr-defined]
 
 
 class _Held:
@@ -204,7 +207,11 @@ def single_threaded_pool(workers: int, faiss: Any = None) -> Iterator[Callable[.
             faiss.omp_set_num_threads(1)
         try:
             with ThreadPoolExecutor(max_workers=workers, initializer=_one_thread_here) as pool:
-                yield functools.partial(pool.submit, in_callers_modes)
+
+                def submit(fn: Callable[..., Any], *args: Any) -> Future:
+                    return pool.submit(in_callers_modes, fn, *args)
+
+                yield submit
         finally:
             if faiss is not None:
                 faiss.omp_set_num_threads(before)
