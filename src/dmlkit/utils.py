@@ -19,6 +19,7 @@ import stat
 import subprocess
 import sys
 import tempfile
+import threading
 import tomllib
 import warnings
 from collections.abc import Callable, Iterator, Mapping, MutableMapping
@@ -259,6 +260,9 @@ def refuse_overwriting_inputs(output: str | os.PathLike, *inputs: str | os.PathL
             raise DataError(f"the output {output} would overwrite the input {source}: choose another output path")
 
 
+PROCESS_STATE_LOCK = threading.RLock()  #: held by swaps of process-wide state (catch_warnings, rcParams)
+
+
 @contextlib.contextmanager
 def holding_warnings(
     select: Callable[[list[warnings.WarningMessage], bool], list[warnings.WarningMessage]],
@@ -266,21 +270,23 @@ def holding_warnings(
 ) -> Iterator[None]:
     """Hold the warnings of the block and give, when it ends (the caller's filters and display
     restored, also when it failed), those ``select(held, failed)`` keeps, in their order;
-    ``always``: categories recorded every time they are raised (not once per place)."""
+    ``always``: categories recorded every time they are raised (not once per place); one block
+    at a time in the process (:data:`PROCESS_STATE_LOCK`)."""
     held: list[warnings.WarningMessage] = []
     failed = True
-    try:
-        with warnings.catch_warnings(record=True) as caught:
-            for category in always:
-                warnings.simplefilter("always", category)
-            try:
-                yield
-            finally:
-                held = list(caught)
-        failed = False
-    finally:
-        for w in select(held, failed):
-            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno, source=w.source)
+    with PROCESS_STATE_LOCK:  # given before another block can hold them
+        try:
+            with warnings.catch_warnings(record=True) as caught:
+                for category in always:
+                    warnings.simplefilter("always", category)
+                try:
+                    yield
+                finally:
+                    held = list(caught)
+            failed = False
+        finally:
+            for w in select(held, failed):
+                warnings.warn_explicit(w.message, w.category, w.filename, w.lineno, source=w.source)
 
 
 @contextlib.contextmanager

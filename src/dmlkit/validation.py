@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import inspect
 import math
-import warnings
 from collections.abc import Sequence
 from typing import Any
 
@@ -131,14 +130,23 @@ def _describe(x: Any) -> str:
     return f"{type(x).__name__}" + (f" of dtype {dtype}" if dtype is not None else "")
 
 
+class _WritableView:
+    """A read-only array's memory through numpy's array interface with its read-only flag off
+    (``data = (address, read_only)``): ``np.asarray`` of it is a writable view of the same
+    memory, and it keeps the array alive."""
+
+    def __init__(self, arr: np.ndarray) -> None:
+        self.array = arr
+        self.__array_interface__ = {**arr.__array_interface__, "data": (arr.ctypes.data, False)}
+
+
 def _as_tensor_view(arr: np.ndarray) -> torch.Tensor:
-    """``torch.from_numpy(arr)``, quiet for a read-only array (a memory-mapped index or shard):
-    torch warns that writing to it is undefined, and nothing here writes to its inputs."""
-    if arr.flags.writeable:
-        return torch.from_numpy(arr)
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
-        return torch.from_numpy(arr)
+    """``torch.from_numpy(arr)`` without a copy, quiet for a read-only array (a memory-mapped
+    index or shard, ``np.frombuffer``): torch warns that writing to it is undefined, and nothing
+    here writes to its inputs. The view goes through :class:`_WritableView`: silencing the
+    warning with ``warnings.catch_warnings()`` swapped the process's filter list, so calls in
+    other threads meanwhile could leave its filter installed or drop one the user added."""
+    return torch.from_numpy(arr if arr.flags.writeable else np.asarray(_WritableView(arr)))
 
 
 def check_embeddings(x: Any, name: str = "embeddings", first_row: int | None = None) -> torch.Tensor:

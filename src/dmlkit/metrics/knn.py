@@ -48,7 +48,12 @@ import torch
 
 from dmlkit.distances import BaseDistance, DotProductSimilarity, LpDistance, get_distance
 from dmlkit.exceptions import ConfigError, DataError, ShapeError, require
-from dmlkit.metrics._threads import full_float32_matmuls, run_threads, single_threaded_torch
+from dmlkit.metrics._threads import (
+    full_float32_matmuls,
+    run_threads,
+    single_threaded_pool,
+    single_threaded_torch,
+)
 from dmlkit.metrics._tiles import _BF16_MIN_PAIRS, _bf16_is_faster, _Tiles
 from dmlkit.metrics._validation import DEFAULT_MEMORY_BUDGET, as_embeddings, check_budget
 from dmlkit.validation import check_integer
@@ -297,32 +302,24 @@ def _knn_faiss(
         heaps.addn(block.shape[1], faiss.swig_ptr(block.numpy()), col0, row0, block.shape[0])
 
     from collections import deque
-    from concurrent.futures import ThreadPoolExecutor
 
-    threads, faiss_threads = torch.get_num_threads(), faiss.omp_get_max_threads()
-    torch.set_num_threads(1)
-    faiss.omp_set_num_threads(1)
-    try:
-        with ThreadPoolExecutor(max_workers=workers) as pool:
-            pending: deque = deque()
+    with single_threaded_pool(workers, faiss) as submit:  # the caller and each worker on 1 thread
+        pending: deque = deque()
 
-            def consume() -> None:
-                (a0, _, b0, _, _), fut = pending.popleft()
-                s, st = fut.result()
-                add(s, a0, b0)
-                if st is not None:
-                    add(st, b0, a0)
+        def consume() -> None:
+            (a0, _, b0, _, _), fut = pending.popleft()
+            s, st = fut.result()
+            add(s, a0, b0)
+            if st is not None:
+                add(st, b0, a0)
 
-            for n_task, (a0, a1, b0, b1, both) in enumerate(tasks()):
-                if len(pending) == inflight:
-                    consume()  # frees the slot that this task reuses
-                fut = pool.submit(compute, n_task % inflight, a0, a1, b0, b1, both)
-                pending.append(((a0, a1, b0, b1, both), fut))
-            while pending:
-                consume()
-    finally:
-        torch.set_num_threads(threads)
-        faiss.omp_set_num_threads(faiss_threads)
+        for n_task, (a0, a1, b0, b1, both) in enumerate(tasks()):
+            if len(pending) == inflight:
+                consume()  # frees the slot that this task reuses
+            fut = submit(compute, n_task % inflight, a0, a1, b0, b1, both)
+            pending.append(((a0, a1, b0, b1, both), fut))
+        while pending:
+            consume()
     heaps.reorder()
     top_c = torch.from_numpy(dist)
     top_i = torch.from_numpy(ids)

@@ -4,7 +4,8 @@
 (``matplotlib.rc_context``), and :func:`styled` wraps a figure function in it. The settings hold
 only there: importing dmlkit changes no global matplotlib state of the program that imports it
 (an ``rcParams.update`` at import switched every later figure of that program to dmlkit's style,
-math parsing included).
+math parsing included), and neither do figures drawn from several threads at once (one
+:func:`figure_style` block at a time).
 
 ``text.parse_math`` is off: the names a figure draws are user text (class folder names, file
 names, run folder names, method names), and matplotlib parsed a pair of ``$`` in them as
@@ -27,6 +28,8 @@ import re
 import warnings
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
+
+from dmlkit.utils import PROCESS_STATE_LOCK
 
 __all__ = ["RC", "figure_style", "styled"]
 
@@ -89,10 +92,16 @@ def _reemit(held: list[warnings.WarningMessage]) -> None:
 def figure_style() -> Iterator[None]:
     """dmlkit's :data:`RC` for the figures built (and saved) inside the ``with`` block; the
     caller's rcParams are restored after it; missing glyphs are one warning (module docstring). A text object keeps the ``text.parse_math`` it was
-    created with, so a figure built here draws its names literally wherever it is saved."""
+    created with, so a figure built here draws its names literally wherever it is saved.
+
+    One block at a time in the process (:data:`dmlkit.utils.PROCESS_STATE_LOCK`, re-entrant, so
+    a figure function may call another): ``rc_context`` and ``catch_warnings`` save and restore
+    process-wide state, and figures drawn at once from several threads left dmlkit's RC in the
+    caller's rcParams and the warnings' display pointing at a finished figure's list (every
+    later warning of the process dropped)."""
     import matplotlib  # the caller chose the backend; matplotlib is imported only to draw
 
-    with _one_glyph_warning(), matplotlib.rc_context(RC):
+    with PROCESS_STATE_LOCK, _one_glyph_warning(), matplotlib.rc_context(RC):
         yield
 
 
