@@ -634,7 +634,7 @@ def test_a_probe_command_writing_provenance_on_a_full_disk(tmp_path, monkeypatch
     """The CLI turns the provenance writer's error into one line (no chained tracebacks)."""
     import typer
 
-    from dmlkit import cli, utils
+    from dmlkit import cli, provenance, utils
 
     def full(path, data):
         raise _enospc(path)
@@ -643,7 +643,7 @@ def test_a_probe_command_writing_provenance_on_a_full_disk(tmp_path, monkeypatch
 
     @probe.command("write-provenance")
     def _write() -> None:
-        utils.write_provenance(tmp_path / "provenance.json", seed=0)
+        provenance.write_provenance(tmp_path / "provenance.json", seed=0)
 
     @probe.command("other")
     def _other() -> None:

@@ -69,7 +69,7 @@ def _repo_with(tmp_path: Path, files: dict[str, str]) -> Path:
 def test_git_commit_is_none_for_an_installed_copy_inside_a_users_repository(tmp_path):
     """dmlkit installed into ``.venv/`` inside a user's git project: git walked up from
     site-packages and provenance recorded the *user's* HEAD as dmlkit's commit."""
-    from dmlkit.utils import _git_commit
+    from dmlkit.provenance import _git_commit
 
     site = ".venv/lib/python3.11/site-packages/dmlkit"
     repo = _repo_with(tmp_path, {"pyproject.toml": '[project]\nname = "userapp"\n',
@@ -80,7 +80,7 @@ def test_git_commit_is_none_for_an_installed_copy_inside_a_users_repository(tmp_
 
 @needs_git
 def test_git_commit_is_none_when_src_dmlkit_belongs_to_another_project(tmp_path):
-    from dmlkit.utils import _git_commit
+    from dmlkit.provenance import _git_commit
 
     repo = _repo_with(tmp_path, {"pyproject.toml": '[project]\nname = "other"\n',
                                  "src/dmlkit/__init__.py": ""})
@@ -89,7 +89,7 @@ def test_git_commit_is_none_when_src_dmlkit_belongs_to_another_project(tmp_path)
 
 @needs_git
 def test_git_commit_of_a_dmlkit_source_checkout(tmp_path):
-    from dmlkit.utils import _git_commit
+    from dmlkit.provenance import _git_commit
 
     repo = _repo_with(tmp_path, {"pyproject.toml": '[project]\nname = "dmlkit"\n',
                                  "src/dmlkit/__init__.py": ""})

@@ -315,3 +315,32 @@ def test_faiss_backend_runs_in_the_callers_inference_mode():
     with torch.inference_mode():
         got = knn(x, k=3, backend="faiss")
     assert torch.equal(got.indices, plain.indices) and torch.equal(got.values, plain.values)
+
+
+# -- F8: warnings point at the caller's line ----------------------------------------------------
+def test_evaluate_and_per_class_warnings_point_at_the_callers_line():
+    """The full-float32 wrapper added a frame their stacklevels did not count: the warnings were
+    attributed to dmlkit/metrics/_threads.py, at any matmul precision."""
+    from dmlkit.metrics import evaluate, per_class, per_query
+
+    g = torch.Generator().manual_seed(0)
+    x, one, five = torch.randn(50, 8, generator=g), torch.zeros(50, dtype=torch.int64), torch.arange(50) % 5
+    before = torch.get_float32_matmul_precision()
+    try:
+        for precision in ("highest", "high"):
+            torch.set_float32_matmul_precision(precision)
+            calls = [  # one class: NaN with a warning; the reference set is the query set
+                lambda: evaluate(x, one, metrics=["precision_at_1", "pos_neg_js"]),
+                lambda: per_class(x, one),
+                lambda: evaluate(x, five, x, five),
+                lambda: per_class(x, five, x.clone(), five),
+                lambda: per_query(x, five, x, five),
+            ]
+            for call in calls:
+                with warnings.catch_warnings(record=True) as caught:
+                    warnings.simplefilter("always")
+                    call()
+                assert caught, precision
+                assert {w.filename for w in caught} == {__file__}, [(w.filename, w.lineno) for w in caught]
+    finally:
+        torch.set_float32_matmul_precision(before)

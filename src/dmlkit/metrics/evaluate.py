@@ -13,7 +13,7 @@ import torch
 
 from dmlkit.distances import BaseDistance, get_distance, rounding_bound
 from dmlkit.exceptions import ConfigError, ShapeError
-from dmlkit.metrics._threads import full_float32_matmuls
+from dmlkit.metrics._threads import float32_matmuls_in_full
 from dmlkit.metrics._validation import (
     DEFAULT_MEMORY_BUDGET,
     as_embeddings,
@@ -106,9 +106,10 @@ def expand_metric_names(metrics: Sequence[str] | None, k_values: Sequence[int] =
 
 
 class _Inputs:
-    """Validated query/reference tensors and labels."""
+    """Validated query/reference tensors and labels; ``stacklevel``: of its warnings, the frames
+    up to the public function's caller (4 under a helper of the public function, 3 directly)."""
 
-    def __init__(self, query, query_labels, reference, reference_labels, distance) -> None:
+    def __init__(self, query, query_labels, reference, reference_labels, distance, stacklevel: int = 4) -> None:
         self.same = reference is None
         self.q = as_embeddings(query, "query embeddings")
         if self.same:
@@ -128,9 +129,9 @@ class _Inputs:
                     f"query has {self.q.shape[1]} dimensions but reference has {self.r.shape[1]}"
                 )
             if self.r.shape == self.q.shape and torch.equal(self.r, self.q):
-                warnings.warn(REFERENCE_IS_QUERY, stacklevel=4)
+                warnings.warn(REFERENCE_IS_QUERY, stacklevel=stacklevel)
             elif (shared := shared_rows_warning(row_hashes(self.q), row_hashes(self.r))) is not None:
-                warnings.warn(shared, stacklevel=4)
+                warnings.warn(shared, stacklevel=stacklevel)
         try:
             self.distance: BaseDistance = get_distance(distance)
         except ValueError as exc:
@@ -258,7 +259,6 @@ def _full_map(inp: _Inputs, budget: int) -> tuple[torch.Tensor, torch.Tensor]:
     return ap.cpu(), tied.cpu()
 
 
-@full_float32_matmuls
 def per_query(
     query: Any,
     query_labels: Any,
@@ -275,11 +275,12 @@ def per_query(
 
     Only retrieval metrics (not clustering or histogram ones) have per-query values.
     """
-    out, r_q, _ = _per_query(
-        query, query_labels, reference, reference_labels, metrics, distance=distance,
-        k_values=k_values, backend=backend, memory_budget=memory_budget,
-    )
-    return out, r_q
+    with float32_matmuls_in_full():  # inline, not a decorator: warnings keep their stacklevel
+        out, r_q, _ = _per_query(
+            query, query_labels, reference, reference_labels, metrics, distance=distance,
+            k_values=k_values, backend=backend, memory_budget=memory_budget,
+        )
+        return out, r_q
 
 
 def _per_query(
@@ -316,7 +317,6 @@ def _searched_scores(inp: _Inputs, names: list[str], skip: set[str], backend: st
     return scores
 
 
-@full_float32_matmuls
 def evaluate(
     query: Any,
     query_labels: Any,
@@ -357,29 +357,30 @@ def evaluate(
     are means over ``cluster_restarts`` k-means runs; each comes with ``<metric>_std``, their
     standard deviation over the restarts (after the counts).
     """
-    names = expand_metric_names(metrics, k_values)
-    budget = check_budget(memory_budget)
-    inp = _Inputs(query, query_labels, reference, reference_labels, distance)
-    result: dict[str, float | int] = {}
-    valid = inp.r_q > 0
-    n_valid = int(valid.sum())
-    retrieval = [n for n in names if n not in (*CLUSTERING_METRICS, "pos_neg_js")]
-    if retrieval:
-        fixed = warn_embedding_independent(inp.r_q, inp.candidates, retrieval)
-        scores = _searched_scores(inp, retrieval, fixed, backend, budget)
-        for name in retrieval:
-            result[name] = float(scores[name][valid].mean()) if n_valid else float("nan")
-    clustering = [n for n in names if n in CLUSTERING_METRICS]
-    if clustering:
-        emb = inp.distance.prepare(inp.q, "query embeddings").cpu().numpy()
-        result.update(cluster_metrics(emb, inp.ql.numpy(), clustering, restarts=cluster_restarts,
-                                      seed=seed, spread=True))
-    if "pos_neg_js" in names:
-        result["pos_neg_js"] = _pos_neg_js(inp, bins, budget)
-    result["num_queries"] = int(inp.q.shape[0])
-    result["num_queries_without_positive"] = int(inp.q.shape[0] - n_valid)
-    spreads = [f"{n}_std" for n in clustering]
-    return {n: result[n] for n in [*names, "num_queries", "num_queries_without_positive", *spreads]}
+    with float32_matmuls_in_full():  # inline, not a decorator: warnings keep their stacklevel
+        names = expand_metric_names(metrics, k_values)
+        budget = check_budget(memory_budget)
+        inp = _Inputs(query, query_labels, reference, reference_labels, distance, stacklevel=3)
+        result: dict[str, float | int] = {}
+        valid = inp.r_q > 0
+        n_valid = int(valid.sum())
+        retrieval = [n for n in names if n not in (*CLUSTERING_METRICS, "pos_neg_js")]
+        if retrieval:
+            fixed = warn_embedding_independent(inp.r_q, inp.candidates, retrieval)
+            scores = _searched_scores(inp, retrieval, fixed, backend, budget)
+            for name in retrieval:
+                result[name] = float(scores[name][valid].mean()) if n_valid else float("nan")
+        clustering = [n for n in names if n in CLUSTERING_METRICS]
+        if clustering:
+            emb = inp.distance.prepare(inp.q, "query embeddings").cpu().numpy()
+            result.update(cluster_metrics(emb, inp.ql.numpy(), clustering, restarts=cluster_restarts,
+                                          seed=seed, spread=True))
+        if "pos_neg_js" in names:
+            result["pos_neg_js"] = _pos_neg_js(inp, bins, budget)
+        result["num_queries"] = int(inp.q.shape[0])
+        result["num_queries_without_positive"] = int(inp.q.shape[0] - n_valid)
+        spreads = [f"{n}_std" for n in clustering]
+        return {n: result[n] for n in [*names, "num_queries", "num_queries_without_positive", *spreads]}
 
 
 def _pos_neg_js(inp: _Inputs, bins: int, budget: int) -> float:
@@ -404,7 +405,6 @@ def _pos_neg_js(inp: _Inputs, bins: int, budget: int) -> float:
     return hist.js
 
 
-@full_float32_matmuls
 def per_class(
     query: Any,
     query_labels: Any,
@@ -424,22 +424,23 @@ def per_class(
     class, with a warning); keyword arguments are those of :func:`per_query`. Integer labels
     key the result by id, string labels (class names) by name.
     """
-    scores, r_q, inp = _per_query(
-        query, query_labels, reference, reference_labels, metrics, distance=distance,
-        k_values=k_values, backend=backend, memory_budget=memory_budget, means=True,
-    )
-    labels = inp.ql.numpy()
-    names = inp.class_names
-    fixed = warn_embedding_independent(inp.r_q, inp.candidates, list(scores))
-    out: dict[int | str, dict[str, float | int]] = {}
-    for c in np.unique(labels):
-        sel = labels == c
-        ok = sel & (r_q > 0)
-        row: dict[str, float | int] = {
-            name: float(v[ok].mean()) if ok.any() and name not in fixed else float("nan")
-            for name, v in scores.items()
-        }
-        row["num_queries"] = int(sel.sum())
-        row["num_queries_without_positive"] = int((sel & (r_q <= 0)).sum())
-        out[int(c) if names is None else names[int(c)]] = row
-    return out
+    with float32_matmuls_in_full():  # inline, not a decorator: warnings keep their stacklevel
+        scores, r_q, inp = _per_query(
+            query, query_labels, reference, reference_labels, metrics, distance=distance,
+            k_values=k_values, backend=backend, memory_budget=memory_budget, means=True,
+        )
+        labels = inp.ql.numpy()
+        names = inp.class_names
+        fixed = warn_embedding_independent(inp.r_q, inp.candidates, list(scores))
+        out: dict[int | str, dict[str, float | int]] = {}
+        for c in np.unique(labels):
+            sel = labels == c
+            ok = sel & (r_q > 0)
+            row: dict[str, float | int] = {
+                name: float(v[ok].mean()) if ok.any() and name not in fixed else float("nan")
+                for name, v in scores.items()
+            }
+            row["num_queries"] = int(sel.sum())
+            row["num_queries_without_positive"] = int((sel & (r_q <= 0)).sum())
+            out[int(c) if names is None else names[int(c)]] = row
+        return out

@@ -26,7 +26,8 @@ from dmlkit.embeddings import load_embeddings
 from dmlkit.exceptions import DataError, DataNotFoundError
 from dmlkit.protocol.stats import mean_ci
 from dmlkit.protocol.study import _redact
-from dmlkit.utils import atomic_write_json, atomic_write_text, provenance
+from dmlkit.provenance import provenance
+from dmlkit.utils import atomic_write_json, atomic_write_text
 from dmlkit.validation import check_embeddings
 
 __all__ = [

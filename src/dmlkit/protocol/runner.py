@@ -81,9 +81,10 @@ from dmlkit.protocol.study import (
     storage_lock,
     study_summary,
 )
+from dmlkit.provenance import write_provenance
 from dmlkit.training.data_root import merge_data_root, run_data_root
 from dmlkit.training.preflight import Preflight
-from dmlkit.utils import atomic_write_text, directory_lock, write_provenance
+from dmlkit.utils import atomic_write_text, directory_lock
 
 __all__ = ["Bench", "FinalStage", "SearchStage", "run_seed", "trial_sampler_seed"]
 

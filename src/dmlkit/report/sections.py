@@ -18,6 +18,7 @@ from dmlkit.exceptions import DmlkitError
 from dmlkit.metrics import knn, per_class, per_query, pos_neg_histograms
 from dmlkit.report import figures
 from dmlkit.report.html import Figure, Section, table_html
+from dmlkit.utils import PROCESS_STATE_LOCK
 
 __all__ = ["ReportOptions", "hist_dict"]
 
@@ -115,7 +116,7 @@ def _embedding_sections(test: _Split, before: _Split | None, others: Mapping[str
         # gives pos_neg_js (the metric's fixed bins over [-1, 1]) of every row of the split, the
         # value metrics.json and `dmlkit evaluate` give for these embeddings (not the sample's)
         drawn = pos_neg_histograms(split.embeddings[rows], split.labels[rows], bins=60, range="observed")
-        with warnings.catch_warnings(record=True) as caught:
+        with PROCESS_STATE_LOCK, warnings.catch_warnings(record=True) as caught:  # one filter swap at a time
             warnings.simplefilter("always")
             metric = pos_neg_histograms(split.embeddings, split.labels).js
         # the metric's resolution warning (every pair in a few of its bins: it reads near 0

@@ -61,6 +61,7 @@ from dmlkit.embeddings import (
 )
 from dmlkit.embeddings import trunk_features as _trunk_features
 from dmlkit.exceptions import CheckpointError, ConfigError, DataError
+from dmlkit.provenance import write_provenance
 from dmlkit.training.builders import (
     UnusedParametersWarning,
     build_datasets,
@@ -103,7 +104,6 @@ from dmlkit.utils import (
     directory_lock,
     read_json_object,
     seed_everything,
-    write_provenance,
 )
 
 __all__ = [

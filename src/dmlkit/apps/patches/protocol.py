@@ -30,13 +30,13 @@ from dmlkit.limits import MAX_THREADS
 from dmlkit.metrics.roc import fpr95, roc_auc
 from dmlkit.models import to_device
 from dmlkit.models.trunks import load_failure_reason
+from dmlkit.provenance import write_provenance
 from dmlkit.utils import (
     atomic_torch_save,
     atomic_write_bytes,
     atomic_write_json,
     atomic_write_text,
     seed_everything,
-    write_provenance,
 )
 from dmlkit.utils import data_root as default_root
 

@@ -49,6 +49,7 @@ from dmlkit.exceptions import CheckpointError, ConfigError, DataError, NonFinite
 from dmlkit.limits import MAX_THREADS
 from dmlkit.models import to_device
 from dmlkit.models.trunks import load_failure_reason
+from dmlkit.provenance import write_provenance
 from dmlkit.training.checkpoint import refuse_fresh_start
 from dmlkit.utils import (
     atomic_torch_save,
@@ -57,7 +58,6 @@ from dmlkit.utils import (
     directory_lock,
     dotted_items,
     seed_everything,
-    write_provenance,
 )
 from dmlkit.validation import check_seed
 
