@@ -7,6 +7,7 @@ import json
 
 import numpy as np
 import pytest
+
 from dmlkit.embeddings import load_embeddings, save_embeddings
 from dmlkit.metrics import evaluate
 
