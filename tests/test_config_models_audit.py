@@ -123,7 +123,8 @@ def test_npz_class_names_with_a_repeated_name_is_refused(tmp_path):
         load_embeddings(tmp_path / "dup.npz")
     np.savez(tmp_path / "ok.npz", embeddings=emb, labels=np.array([0, 0, 1, 1, 2, 2]),
              class_names=np.array(["a", "b", "c"]))
-    assert load_embeddings(tmp_path / "ok.npz")[1].tolist() == [0, 0, 1, 1, 2, 2]
+    assert load_embeddings(tmp_path / "ok.npz")[1].tolist() == ["a", "a", "b", "b", "c", "c"]
+    assert load_embeddings(tmp_path / "ok.npz", codes=True)[1].tolist() == [0, 0, 1, 1, 2, 2]
 
 
 # -- 5. model.in_channels against the data's own samples when there is no transform --------------

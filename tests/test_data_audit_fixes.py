@@ -35,7 +35,7 @@ def _named_files(tmp_path):
 
 def test_load_embeddings_codes_a_second_file_against_the_first_files_class_names(tmp_path, run_cli):
     qpath, rpath, ql, rl = _named_files(tmp_path)
-    q, qcodes, qextra = load_embeddings(qpath)
+    q, qcodes, qextra = load_embeddings(qpath, codes=True)  # codes, as the reference
     r, rcodes, rextra = load_embeddings(rpath, class_names=qextra["class_names"])
     names = rextra["class_names"]
     assert names.tolist() == ["b", "c", "d", "e", "a"]  # the query's table, then the new name

@@ -90,6 +90,8 @@ def test_load_embeddings_never_truncates_labels_and_reads_names(tmp_path):
         load_embeddings(tmp_path / "e.npy", tmp_path / "frac.txt")
     (tmp_path / "names.txt").write_text("cat\ndog\ncat\n")
     _, labels, extra = load_embeddings(tmp_path / "e.npy", tmp_path / "names.txt")
+    assert labels.tolist() == ["cat", "dog", "cat"] and "class_names" not in extra
+    _, labels, extra = load_embeddings(tmp_path / "e.npy", tmp_path / "names.txt", codes=True)
     assert labels.tolist() == [0, 1, 0] and extra["class_names"].tolist() == ["cat", "dog"]
     np.savez(tmp_path / "f.npz", embeddings=np.ones((3, 2)), labels=np.array([0.1, 0.2, 0.3]))
     with pytest.raises(ShapeError, match="fractional"):

@@ -20,11 +20,12 @@ from typing import Any
 
 import numpy as np
 
-from dmlkit.exceptions import DataError, DataNotFoundError
+from dmlkit.exceptions import ConfigError, DataError, DataNotFoundError
 from dmlkit.label_text import clean_labels, integer_ids
 from dmlkit.utils import read_utf8_text
 
-__all__ = ["ROW_ARRAYS", "check_numpy_file", "read_embedding_file", "read_labels_file", "repeated_name"]
+__all__ = ["DATASET_ID", "ROW_ARRAYS", "check_numpy_file", "read_embedding_file", "read_labels_file",
+           "repeated_name", "shared_items", "without_shared_items"]
 
 
 def read_embedding_file(path: str | os.PathLike, labels_path: str | os.PathLike | None = None,
@@ -253,3 +254,103 @@ def _as_number(text: str) -> int | float | None:
         return float(text)
 
 
+
+
+#: The key of the data set a run's ``indices`` number (:func:`dmlkit.embeddings.dataset_items`):
+#: the same index means the same item only in the same data set.
+DATASET_ID = "dataset_id"
+#: Between an item's id and its label in :func:`_item_keys` (no path or label holds it).
+_KEY_SEP = "\x1f"
+
+
+def shared_items(query_labels: Any, query_extra: dict[str, Any], reference_labels: Any,
+                 reference_extra: dict[str, Any]) -> tuple[np.ndarray, np.ndarray] | None:
+    """``(query rows also in the reference, reference rows also in the query)`` as boolean masks,
+    or ``None`` where the two files' items cannot be matched. An item is its ``paths`` entry
+    (an absolute path as the other file's relative path that it ends with, :func:`_as_relative`),
+    else, where both files record :data:`DATASET_ID` alike, its ``indices`` entry (a row of that
+    data set), **and** its label (a path or row of another data set with the same layout names
+    another item). ``labels`` as :func:`read_embedding_file` / ``load_embeddings`` return them."""
+    key = "paths" if all(e.get("paths") is not None for e in (query_extra, reference_extra)) else None
+    if key is None and all(e.get("indices") is not None and e.get(DATASET_ID) is not None
+                           for e in (query_extra, reference_extra)):
+        same = str(np.asarray(query_extra[DATASET_ID])) == str(np.asarray(reference_extra[DATASET_ID]))
+        key = "indices" if same else None
+        if not same:  # two data sets: no row of one is a row of the other
+            return np.zeros(len(query_labels), bool), np.zeros(len(reference_labels), bool)
+    if key is None:
+        return None
+    q_keys, r_keys = (_item_keys(e[key], lab) for e, lab in ((query_extra, query_labels),
+                                                             (reference_extra, reference_labels)))
+    if key == "paths":
+        q_keys, r_keys = _as_relative(q_keys, r_keys), _as_relative(r_keys, q_keys)
+    return np.isin(q_keys, r_keys), np.isin(r_keys, q_keys)
+
+
+def without_shared_items(query_labels: Any, query_extra: dict[str, Any], reference: Any, reference_labels: Any,
+                         reference_extra: dict[str, Any], shared: str | None = None, *,
+                         reference_name: str = "the reference set", spell: str = 'shared_items="{}"',
+                         ) -> tuple[Any, Any]:
+    """``(reference, reference_labels)`` checked for query items they hold too
+    (:func:`shared_items`): each such query can retrieve another embedding of its own item
+    (another model's, device's, a copy's; 1e-5 apart: P@1 100 % against 50 % left out), which
+    inflates every retrieval metric. ``shared=None`` refuses them (:class:`DataError`, naming
+    the count, an example and the ways out); ``"keep"`` counts them, with a warning; ``"drop"``
+    leaves them out of the reference (refused where nothing is left). Files whose items cannot
+    be matched pass unchanged (``shared`` given then: :class:`ConfigError`, it would be
+    unused). ``spell``: how messages write an option value (``dmlkit evaluate``: its flag)."""
+    if shared not in (None, "drop", "keep"):
+        raise ConfigError(f"{spell.format(shared)}: choose drop or keep")
+    found = shared_items(query_labels, query_extra, reference_labels, reference_extra)
+    if found is None:
+        if shared is not None:
+            name = spell.split("{")[0].strip(' ="')
+            raise ConfigError(f"{name} matches query and reference items by the 'paths' (or the 'indices' and "
+                              f"'{DATASET_ID}') both files record, and they do not both record them: drop {name}")
+        return reference, reference_labels
+    in_query, in_reference = found
+    if not in_query.any():
+        return reference, reference_labels
+    by = "paths" if query_extra.get("paths") is not None and reference_extra.get("paths") is not None else "indices"
+    example = str(np.asarray(reference_extra[by])[in_reference][0])
+    said = (f"{int(in_query.sum())} of the {len(in_query)} query items are also in {reference_name} (the same items by "
+            f"the {by} and labels both files record, e.g. {example!r}): each can retrieve another embedding of its own "
+            "image, which inflates every retrieval metric (P@1 up to 100 %)")
+    if shared is None:
+        raise DataError(f"{said}; evaluate the query file alone (each query left out of its own neighbours), or pass "
+                        f"{spell.format('drop')} (leave them out of the reference set) or {spell.format('keep')} "
+                        "(count them as they are)")
+    if shared == "keep":
+        warnings.warn(f"{said}; counted as they are ({spell.format('keep')})", stacklevel=2)
+        return reference, reference_labels
+    if in_reference.all():
+        raise DataError(f"{said}, and every reference item is one of them: {spell.format('drop')} leaves no "
+                        "reference; evaluate the query file alone (each query left out of its own neighbours)")
+    warnings.warn(f"left the {int(in_reference.sum())} reference items that are query items out of {reference_name} "
+                  f"({spell.format('drop')})", stacklevel=2)
+    return np.asarray(reference)[~in_reference], np.asarray(reference_labels)[~in_reference]
+
+
+def _item_keys(items: Any, labels: Any) -> np.ndarray:
+    """One string per item, its id (path or row) and its label (as read: the class names of a
+    file that records them, else the ids, integers compared as such)."""
+    labels = np.asarray(labels)
+    text = (labels.astype(np.int64) if labels.dtype.kind in "iub" else labels).astype(str)
+    return np.char.add(np.char.add(np.asarray(items).astype(str), _KEY_SEP), text)
+
+
+def _as_relative(keys: Any, other: Any) -> np.ndarray:
+    """``keys`` (:func:`_item_keys`) with each absolute path spelled as the longest relative
+    path of the ``other`` file's keys that it ends with (after a separator), labels equal: an
+    older ``csv`` run's file stores absolute paths, a newer one's the same items relative to the
+    list's image folder, and they were compared as text (no item shared: P@1 read 100 %)."""
+    keys = np.asarray(keys).astype(str).astype(object)
+    relative = {k for k in np.asarray(other).astype(str).tolist() if not os.path.isabs(k)}
+    absolute = [i for i, k in enumerate(keys.tolist()) if os.path.isabs(k)] if relative else []
+    for i in absolute:
+        path, _, label = keys[i].rpartition(_KEY_SEP)
+        for cut in (j for j, c in enumerate(path) if c == os.sep):  # longest suffix first
+            if f"{path[cut + 1:]}{_KEY_SEP}{label}" in relative:
+                keys[i] = f"{path[cut + 1:]}{_KEY_SEP}{label}"
+                break
+    return keys.astype(str)

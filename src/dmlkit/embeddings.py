@@ -39,7 +39,7 @@ from torch.utils.data import DataLoader, Dataset
 from dmlkit.config import DEFAULT_EVAL_BATCH_SIZE, ExperimentConfig
 from dmlkit.data.base import ArrayDataset, MetricDataset
 from dmlkit.distributed import all_gather_unequal, context, shard_bounds
-from dmlkit.embedding_files import read_embedding_file, repeated_name
+from dmlkit.embedding_files import DATASET_ID, read_embedding_file, repeated_name
 from dmlkit.exceptions import ConfigError, NonFiniteError, ShapeError
 from dmlkit.models.placement import to_device
 from dmlkit.utils import atomic_write_bytes, portable_path
@@ -482,9 +482,12 @@ def dataset_items(dataset: Dataset, root: str | os.PathLike) -> dict[str, np.nda
     and, for data in files, ``paths`` (relative to the data root ``root`` or a ``csv`` list's
     image folder: :func:`items_base`, :func:`relative_paths`) and ``file_sizes``, so ``dmlkit
     index``/``query``/``verify`` refuse data changed since (a file added to or renamed in a class
-    folder shifted the rows; other images under the same names passed; two of one size still do)."""
+    folder shifted the rows; other images under the same names passed; two of one size still do);
+    in-memory data ``dataset_id``, its whole storage's digest (same id + index: the same item)."""
     items = {"indices": dataset_rows(dataset)}
-    paths = getattr(dataset, "paths", None)
+    paths, storage = getattr(dataset, "paths", None), getattr(dataset, "_storage_fingerprint", None)
+    if paths is None and storage is not None:  # the whole data set's fingerprint, not the rows'
+        items[DATASET_ID] = np.asarray(hashlib.sha256(f"{type(dataset).__name__}:{storage()}".encode()).hexdigest()[:32])
     if paths is not None:
         items["paths"] = relative_paths(paths, items_base(dataset, root))
         items[FILE_SIZES] = file_sizes(paths)
@@ -545,21 +548,19 @@ def _extra_array(key: str, value: Any) -> np.ndarray:
 
 def load_embeddings(
     path: str | os.PathLike, labels_path: str | os.PathLike | None = None, *,
-    class_names: Sequence[str] | np.ndarray | None = None,
+    class_names: Sequence[str] | np.ndarray | None = None, codes: bool = False,
 ) -> tuple[np.ndarray, np.ndarray, dict[str, np.ndarray]]:
     """Read ``(embeddings, labels, extra)`` from ``.npz``, ``.npy`` or ``.pt``.
 
     ``.npz`` and ``.pt`` files hold ``embeddings`` and ``labels`` (a ``.pt`` may also be a
     ``(embeddings, labels)`` tuple). A ``.npy`` holds embeddings only: pass ``labels_path``
-    (``.npy``/``.txt``/``.csv``, one integer label per row).
-
-    Class-name labels (strings, or codes with their ``class_names`` as :func:`save_embeddings`
-    writes them) are returned as int64 codes into ``extra["class_names"]``: the file's sorted
-    names, or, with ``class_names`` (e.g. the ``extra["class_names"]`` of a query file read
-    first), that table followed by the file's names it lacks, so two files' codes name the
-    same classes (each file coded alone, code 0 of one is another class than code 0 of the
-    other). ``class_names`` with integer labels is a :class:`~dmlkit.exceptions.ShapeError`.
-    """
+    (``.npy``/``.txt``/``.csv``, one label per row). Integer labels come back as int64.
+    Class-name labels (strings, or codes with their ``class_names``, as :func:`save_embeddings`
+    writes them) come back as names (no ``extra["class_names"]``), as ``dmlkit evaluate`` reads
+    them, so two files match by name in :func:`dmlkit.metrics.evaluate` (per-file codes matched
+    code 0 of one file with code 0 of the other: P@1 0.016, not 0.995). ``codes=True``: int64
+    codes into the file's sorted names, ``extra["class_names"]``; ``class_names``: codes into
+    that table followed by the file's names it lacks (with integer labels: :class:`ShapeError`)."""
     path = Path(path)
     table = None if class_names is None else _class_table(class_names)
     emb, labels, extra = read_embedding_file(path, labels_path)
@@ -569,13 +570,12 @@ def load_embeddings(
     # NaN, infinity and float64 values beyond float32's range are one error naming the file and
     # row, as in the CLI (the cast below turned 1e39 into inf with only numpy's RuntimeWarning)
     check_embeddings(emb, name=f"embeddings in {path}")
-    # integer labels pass; fractional, NaN or mixed labels are refused (never truncated);
-    # string labels become codes of the given table (else of their sorted names), kept in
-    # extra["class_names"]
+    # integer labels pass; fractional, NaN or mixed labels are refused (never truncated)
     labels, names = check_labels(np.asarray(labels), emb.shape[0], name=f"labels of {path}",
                                  class_names=table)
-    if names is not None:
+    if names is not None:  # names: no table beside them (save_embeddings(**extra) refused both)
         extra["class_names"] = np.asarray(names)
+        labels = labels if codes or table is not None else extra.pop("class_names")[labels]
     return emb.astype(np.float32, copy=False), labels, extra
 
 

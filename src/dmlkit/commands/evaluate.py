@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import os
 import warnings
 from pathlib import Path
 from typing import Any
@@ -14,8 +13,6 @@ import typer
 from dmlkit.commands._console import echo_json
 
 _COUNTS = ("num_queries", "num_queries_without_positive")
-#: Between an item's path and its label in :func:`_item_keys` (no path or label holds it).
-_KEY_SEP = "\x1f"
 #: ``--k``'s default (given, even at this value, it needs recall_at_k or precision_at_k among the metrics).
 _DEFAULT_K = ["1,2,4,8"]
 
@@ -125,9 +122,9 @@ def _compute(embeddings: Path, reference: Path | None, labels: Path | None,
     (:func:`dmlkit.distributed.on_main`); every rank gets the same numbers as one process.
     """
     from dmlkit.distributed import agree, launched_by_torchrun, on_main
-    from dmlkit.embedding_files import read_embedding_file, read_labels_file
+    from dmlkit.embedding_files import read_embedding_file, read_labels_file, without_shared_items
     from dmlkit.embedding_shards import is_shard_dir, open_shards
-    from dmlkit.exceptions import ConfigError, DataError
+    from dmlkit.exceptions import ConfigError
     from dmlkit.metrics import evaluate
     from dmlkit.metrics.clustering import CLUSTERING_METRICS
     from dmlkit.metrics.evaluate import expand_metric_names
@@ -158,26 +155,23 @@ def _compute(embeddings: Path, reference: Path | None, labels: Path | None,
                               "it says what to do with query items also in --reference, and there is none"))
         return streamable_names(metrics, k_values) if streamed else expand_metric_names(metrics, k_values)
 
-    def read(path: Path, labels_path: Path | None) -> tuple[Any, Any, Any]:
-        """``(embeddings, labels, the items' paths or None)`` of one file."""
+    def read(path: Path, labels_path: Path | None) -> tuple[Any, Any, dict[str, Any]]:
+        """``(embeddings, labels, the file's other arrays)`` of one file (a shard directory: none)."""
         if not is_shard_dir(path):
-            emb, lab, extra = read_embedding_file(path, labels_path)
-            paths = extra.get("paths")
-            if paths is not None and paths.shape != (len(emb),):  # its items cannot be named
-                raise DataError(f"{path} is damaged: {paths.size} paths for {len(emb)} embeddings; write it again")
-            return emb, lab, paths
+            return read_embedding_file(path, labels_path)
         shards = open_shards(path)
         if labels_path is None:
-            return shards, shards.labels, None
+            return shards, shards.labels, {}
         warnings.warn(f"{labels_path} replaces the {shards.count} labels stored in {path}", stacklevel=2)  # as for an .npz
-        return shards, read_labels_file(labels_path), None
+        return shards, read_labels_file(labels_path), {}
 
     def read_all() -> tuple[Any, Any, Any, Any]:
-        q, ql, q_paths = read(embeddings, labels)
+        q, ql, q_extra = read(embeddings, labels)
         if reference is None:
             return q, ql, None, None
-        r, rl, r_paths = read(reference, reference_labels)
-        r, rl = _without_shared_items(q_paths, ql, r, rl, r_paths, shared_items, reference)
+        r, rl, r_extra = read(reference, reference_labels)
+        r, rl = without_shared_items(ql, q_extra, r, rl, r_extra, shared_items,
+                                     reference_name=f"the reference set {reference}", spell="--shared-items {}")
         return q, ql, r, rl
 
     if across:
@@ -222,80 +216,6 @@ def _compute(embeddings: Path, reference: Path | None, labels: Path | None,
         return q, ql, r, rl, evaluate_streaming(q, ql, r, rl, metrics=names, progress=progress, **kwargs)
     return q, ql, r, rl, evaluate(q, ql, r, rl, metrics=names, cluster_restarts=restarts, seed=seed,
                                   **kwargs)
-
-
-def _without_shared_items(q_paths: Any, ql: Any, r: Any, rl: Any, r_paths: Any, shared_items: str | None,
-                          reference: Path) -> tuple[Any, Any]:
-    """The reference set and its labels, without the items the query set holds too where
-    ``shared_items`` is ``drop``: items by the ``paths`` and labels both files record
-    (:func:`_item_keys`; a run's embeddings files; shard directories record none). Each such
-    query can retrieve another embedding of its own image (another model's, another device's, a
-    copy's), which the check for bit-identical rows does not see: P@1 read 100 %. Without
-    ``--shared-items`` they are refused (one line naming the count and the ways out); ``keep``
-    counts them, with a warning."""
-    import numpy as np  # lazy: the command line starts without numpy
-
-    from dmlkit.exceptions import ConfigError, DataError
-
-    if q_paths is None or r_paths is None:
-        if shared_items is not None:
-            raise ConfigError("--shared-items matches query and reference items by the 'paths' both files record, "
-                              "and they do not both record them: drop --shared-items")
-        return r, rl
-    q_keys, r_keys = _item_keys(q_paths, ql), _item_keys(r_paths, rl)
-    q_keys, r_keys = _as_relative(q_keys, r_keys), _as_relative(r_keys, q_keys)
-    in_query = np.isin(r_keys, q_keys)
-    shared = int(np.isin(q_keys, r_keys).sum())
-    if not shared:
-        return r, rl
-    example = str(np.asarray(r_paths)[in_query][0])
-    said = (f"{shared} of the {len(q_paths)} query items are also in the reference set {reference} (the same "
-            f"items by the paths and labels both files record, e.g. {example!r}): each can retrieve another embedding of "
-            "its own image, which inflates every retrieval metric (P@1 up to 100 %)")
-    if shared_items is None:
-        raise DataError(f"{said}; evaluate the query file alone (each query left out of its own neighbours), "
-                        "or pass --shared-items drop (leave them out of the reference set) or --shared-items keep "
-                        "(count them as they are)")
-    if shared_items == "keep":
-        warnings.warn(f"{said}; counted as they are (--shared-items keep)", stacklevel=2)
-        return r, rl
-    if in_query.all():
-        raise DataError(f"{said}, and every reference item is one of them: --shared-items drop leaves no "
-                        "reference; evaluate the query file alone (each query left out of its own neighbours)")
-    warnings.warn(f"left the {int(in_query.sum())} reference items that are query items out of {reference} "
-                  "(--shared-items drop)", stacklevel=2)
-    return np.asarray(r)[~in_query], np.asarray(rl)[~in_query]
-
-
-def _item_keys(paths: Any, labels: Any) -> Any:
-    """One string per item, its path and its label: the same relative path (``class06/0.png``)
-    names another item in another data set with the same layout, so an item counts as shared
-    only where its label matches too (as read: the class names of a file that records them,
-    :func:`dmlkit.embedding_files.read_embedding_file`; else the ids, integers compared as such)."""
-    import numpy as np  # lazy: the command line starts without numpy
-
-    labels = np.asarray(labels)
-    text = (labels.astype(np.int64) if labels.dtype.kind in "iub" else labels).astype(str)
-    return np.char.add(np.char.add(np.asarray(paths).astype(str), _KEY_SEP), text)
-
-
-def _as_relative(keys: Any, other: Any) -> Any:
-    """``keys`` (:func:`_item_keys`) with each absolute path spelled as the longest relative
-    path of the ``other`` file's keys that it ends with (after a separator), labels equal: an
-    older ``csv`` run's file stores absolute paths, a newer one's the same items relative to the
-    list's image folder, and they were compared as text (no item shared: P@1 read 100 %)."""
-    import numpy as np  # lazy: the command line starts without numpy
-
-    keys = np.asarray(keys).astype(str).astype(object)
-    relative = {k for k in np.asarray(other).astype(str).tolist() if not os.path.isabs(k)}
-    absolute = [i for i, k in enumerate(keys.tolist()) if os.path.isabs(k)] if relative else []
-    for i in absolute:
-        path, _, label = keys[i].rpartition(_KEY_SEP)
-        for cut in (j for j, c in enumerate(path) if c == os.sep):  # longest suffix first
-            if f"{path[cut + 1:]}{_KEY_SEP}{label}" in relative:
-                keys[i] = f"{path[cut + 1:]}{_KEY_SEP}{label}"
-                break
-    return keys.astype(str)
 
 
 #: The rows of ``_check_same_job`` that name inputs (the others are options).

@@ -226,7 +226,7 @@ def _npz(path: Path) -> dict[str, Any]:
     from dmlkit.embeddings import load_embeddings
     from dmlkit.exceptions import ShapeError
 
-    emb, ids, extra = load_embeddings(path)
+    emb, ids, extra = load_embeddings(path, codes=True)  # codes into extra["class_names"]
     cams = extra.get("cams", extra.get("camids"))
     found = {"cams": cams, "paths": extra.get("paths"), "groups": extra.get("groups")}
     for name, values in found.items():  # one per embedding row, or a wrong row would be selected

@@ -47,7 +47,7 @@ def _load(path: Path):
     from dmlkit.embeddings import load_embeddings
     from dmlkit.validation import check_embeddings
 
-    emb, labels, extra = load_embeddings(path)
+    emb, labels, extra = load_embeddings(path, codes=True)  # codes into extra["class_names"]
     check_embeddings(emb, f"embeddings in {path}")
     return emb, labels, extra
 
