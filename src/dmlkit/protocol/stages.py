@@ -38,7 +38,13 @@ from dmlkit.protocol.splits import BenchSplit, TestClassGuard
 from dmlkit.training import build_model, train
 from dmlkit.training.checkpoint import training_changes
 from dmlkit.training.data_root import load_dataset_at, run_data_root
-from dmlkit.utils import atomic_write_json, atomic_write_text, process_alive, seed_everything
+from dmlkit.utils import (
+    atomic_write_json,
+    atomic_write_text,
+    process_alive,
+    read_json,
+    seed_everything,
+)
 from dmlkit.validation import concatenate_normalized
 
 logger = logging.getLogger(__name__)
@@ -372,8 +378,8 @@ def _recorded_failure(run_dir: Path) -> str | None:
     if not path.exists():
         return None
     try:
-        return str(json.loads(path.read_text(encoding="utf-8"))["error"])
-    except (OSError, ValueError, KeyError, TypeError):
+        return str(read_json(path, FAILED_RUN)["error"])
+    except (OSError, DataError, KeyError, TypeError):  # DataError: corrupt or nested ~100,000 deep
         return f"diverged (its {FAILED_RUN} is unreadable)"
 
 

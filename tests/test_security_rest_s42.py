@@ -1,0 +1,108 @@
+"""Security audit s42, the sites the first fixers did not own (F8 finished):
+
+* F8: JSON nested 100,000 deep raised ``RecursionError`` (a traceback, or a crash where a
+  corrupt file is skipped) in ``serve --verification``, a bench's ``split.json``, a class split
+  file, the files of ``track build-data`` / ``patches build-data``, torchrun's rank files and a
+  final run's ``failed.json``: each now reads it as it reads corrupt JSON.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from dmlkit.exceptions import DataError
+
+DEEP = '{"a":' * 100_000 + "1" + "}" * 100_000
+
+
+def _deep(path: Path) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(DEEP)
+    return path
+
+
+# -- F8: deeply nested JSON reads as corrupt JSON ----------------------------------------------
+def test_serve_verification_file_nested_too_deeply_is_one_data_error(tmp_path):
+    from dmlkit.apps.service.config import ServiceConfig, load_threshold
+
+    config = ServiceConfig(index=tmp_path / "index", verification=_deep(tmp_path / "v.json"))
+    with pytest.raises(DataError, match=r"v\.json is not a valid verification file: nested too deeply"):
+        load_threshold(config, {})
+    (tmp_path / "v.json").write_text("{not json")  # corrupt: the same kind of line
+    with pytest.raises(DataError, match=r"v\.json is not a valid verification file: Expecting"):
+        load_threshold(config, {})
+
+
+def test_bench_split_json_nested_too_deeply_is_one_data_error(tmp_path):
+    from _reference import tiny_alphadigits_bench
+    from dmlkit.protocol import Bench, bench_config_from_dict
+
+    config = bench_config_from_dict(tiny_alphadigits_bench(
+        "deep", {"num_classes": 16, "folds": 2, "trials": 1, "seeds": [0]},
+        [{"name": "contrastive", "loss": {"name": "contrastive"}}]))
+    bench = Bench(config, tmp_path / "b", data_root=tmp_path / "no-data")
+    _deep(tmp_path / "b" / "split.json")
+    with pytest.raises(DataError, match=r"split\.json is not a valid bench split file: nested too deeply"):
+        bench.split()
+
+
+def test_class_split_file_nested_too_deeply_is_one_data_error(tmp_path):
+    from dmlkit.data import ClassSplit
+
+    with pytest.raises(DataError, match="is not valid JSON: nested too deeply"):
+        ClassSplit.from_json(_deep(tmp_path / "split.json"))
+
+
+def test_rank_error_file_nested_too_deeply_is_skipped_as_a_corrupt_one(tmp_path):
+    from dmlkit.protocol.launch import read_rank_error
+
+    _deep(tmp_path / "error-rank1.json")
+    (tmp_path / "error-rank0.json").write_text(json.dumps({"time": 1.0, "rank": 0, "error": "E: x"}))
+    assert read_rank_error(tmp_path) == (0, "E: x")
+
+
+def test_rank_result_and_spec_nested_too_deeply_are_one_data_error(tmp_path):
+    from dmlkit.protocol.config import TorchrunSettings
+    from dmlkit.protocol.launch import TorchrunLauncher, rank_main
+
+    _deep(tmp_path / "result.json")
+    with pytest.raises(DataError, match=r"result\.json is not a valid rank 0 result file: nested too deeply"):
+        TorchrunLauncher(TorchrunSettings(), 2).collect(tmp_path, tmp_path)
+    spec = _deep(tmp_path / "spec" / "spec.json")
+    assert rank_main(spec) == 1  # the rank's one error line, as for a corrupt spec
+    error = json.loads((spec.parent / "error-rank0.json").read_text())["error"]
+    assert "is not a valid dmlkit launch spec: nested too deeply" in error
+
+
+def test_failed_json_nested_too_deeply_reads_as_unreadable(tmp_path):
+    from dmlkit.protocol.stages import FAILED_RUN, _recorded_failure
+
+    _deep(tmp_path / FAILED_RUN)
+    assert _recorded_failure(tmp_path) == f"diverged (its {FAILED_RUN} is unreadable)"
+
+
+def test_patch_build_manifest_nested_too_deeply_reads_as_not_a_build(tmp_path):
+    from dmlkit.apps.patches.brown import BUILD_MANIFEST, _check_build_finished
+
+    (tmp_path / "liberty").mkdir()
+    _deep(tmp_path / BUILD_MANIFEST)
+    _check_build_finished(tmp_path / "liberty", "liberty")  # no manifest of a build: no check
+
+
+def test_patch_rebuild_reads_a_manifest_nested_too_deeply_as_none(tmp_path):
+    from dmlkit.apps.patches.offline import BUILD_MANIFEST, _earlier_subsets
+
+    (tmp_path / "liberty").mkdir()
+    _deep(tmp_path / BUILD_MANIFEST)
+    assert _earlier_subsets(tmp_path) == {}
+
+
+def test_track_build_meta_nested_too_deeply_reads_as_not_a_build(tmp_path):
+    from dmlkit.apps.tracking.datasets import check_offline_build
+
+    (tmp_path / "train").mkdir()
+    _deep(tmp_path / "meta.json")
+    check_offline_build(tmp_path / "train")  # not a build's meta.json: passes
