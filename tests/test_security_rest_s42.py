@@ -1,9 +1,11 @@
-"""Security audit s42, the sites the first fixers did not own (F8 finished):
+"""Security audit s42, the sites the first fixers did not own (F3, F8 finished):
 
 * F8: JSON nested 100,000 deep raised ``RecursionError`` (a traceback, or a crash where a
   corrupt file is skipped) in ``serve --verification``, a bench's ``split.json``, a class split
   file, the files of ``track build-data`` / ``patches build-data``, torchrun's rank files and a
   final run's ``failed.json``: each now reads it as it reads corrupt JSON.
+* F3: the shard writer's ``.<shard>.tmp``, SiamFC's ``log.jsonl`` and the final-run and Optuna
+  lock files were opened through a symbolic link planted out of their folder.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from dmlkit.exceptions import DataError
@@ -106,3 +109,63 @@ def test_track_build_meta_nested_too_deeply_reads_as_not_a_build(tmp_path):
     (tmp_path / "train").mkdir()
     _deep(tmp_path / "meta.json")
     check_offline_build(tmp_path / "train")  # not a build's meta.json: passes
+
+
+# -- F3: no write or lock through a link planted out of the folder ----------------------------
+def test_shard_tmp_file_is_not_written_through_a_planted_link(tmp_path):
+    from dmlkit.embedding_shards import ShardWriter, open_shards
+
+    victim = tmp_path / "victim.bin"
+    victim.write_bytes(b"precious")
+    nowhere = tmp_path / "created-outside.bin"
+    writer = ShardWriter(tmp_path / "s", shard_rows=4)
+    planted = [tmp_path / "s" / f".{key}-{writer._prefix}00000.npy.tmp" for key in ("embeddings", "labels")]
+    planted[0].symlink_to(victim)
+    planted[1].symlink_to(nowhere)  # dangling: not created either
+    writer.append(np.ones((4, 3), np.float32), np.arange(4))
+    writer.close()
+    assert victim.read_bytes() == b"precious" and not nowhere.exists()
+    shards = open_shards(tmp_path / "s")
+    assert len(shards) == 4 and not any(p.is_symlink() for p in (tmp_path / "s").iterdir())
+
+
+@pytest.mark.usefixtures("one_torch_thread")
+def test_siamfc_log_is_not_written_through_a_planted_link(tmp_path):
+    from _reference import siamfc_train_sequence, tiny_siamfc_config
+    from dmlkit.apps.tracking.training import train_siamfc
+
+    run = tmp_path / "run"
+    run.mkdir()
+    victim = tmp_path / "victim.txt"
+    victim.write_text("precious")
+    (run / "provenance.json").write_text("{}")  # a received run folder
+    (run / "log.jsonl").symlink_to(victim)
+    with pytest.raises(DataError, match="is a symbolic link to .*outside its folder"):
+        train_siamfc(tiny_siamfc_config(tmp_path, 1), run, sequences=[siamfc_train_sequence()], progress=False)
+    assert victim.read_text() == "precious"
+
+
+def test_final_run_claim_takeover_lock_is_not_opened_through_a_link(tmp_path):
+    from dmlkit.protocol.stages import CLAIM_TAKEOVER, _claim
+
+    run = tmp_path / "final" / "seed0"
+    assert _claim(run)  # the claim exists now: a second claim takes the takeover lock
+    outside = tmp_path / "outside.lock"
+    (run.parent / CLAIM_TAKEOVER).symlink_to(outside)
+    with pytest.raises(DataError, match="outside its folder"):
+        _claim(run)
+    assert not outside.exists()
+
+
+def test_optuna_sqlite_lock_is_not_opened_through_a_link(tmp_path):
+    from dmlkit.protocol.study import _sqlite_file_lock
+
+    (tmp_path / "b").mkdir()
+    outside = tmp_path / "outside.lock"
+    (tmp_path / "b" / "study.lock").symlink_to(outside)
+    with pytest.raises(DataError, match="outside its folder"), _sqlite_file_lock(f"sqlite:///{tmp_path}/b/study.db"):
+        pass
+    assert not outside.exists()
+    (tmp_path / "b" / "study.lock").unlink()
+    with _sqlite_file_lock(f"sqlite:///{tmp_path}/b/study.db"):  # a plain lock file: as before
+        assert (tmp_path / "b" / "study.lock").is_file()

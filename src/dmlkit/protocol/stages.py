@@ -41,6 +41,7 @@ from dmlkit.training.data_root import load_dataset_at, run_data_root
 from dmlkit.utils import (
     atomic_write_json,
     atomic_write_text,
+    link_target_inside,
     process_alive,
     read_json,
     seed_everything,
@@ -452,7 +453,8 @@ def _claim(run_dir: Path) -> bool:
     path = run_dir / CLAIM
     if _create_claim(path):
         return True
-    with open(run_dir.parent / CLAIM_TAKEOVER, "a") as lock:  # never written: the lock is the state
+    flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0)  # never through a link out
+    with open(os.open(link_target_inside(run_dir.parent / CLAIM_TAKEOVER), flags, 0o666), "a") as lock:  # never written: the lock is the state
         fcntl.flock(lock, fcntl.LOCK_EX)  # released by the kernel if this process dies
         if _claim_is_live(path):
             return False

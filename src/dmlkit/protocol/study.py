@@ -30,6 +30,7 @@ Failures and interruptions
 from __future__ import annotations
 
 import contextlib
+import os
 import threading
 import time
 import traceback
@@ -39,6 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from dmlkit.exceptions import ConfigError, DmlkitError, require
+from dmlkit.utils import link_target_inside
 
 __all__ = [
     "FINGERPRINT_VERSION",
@@ -495,7 +497,8 @@ def _sqlite_file_lock(url: str) -> Iterator[None]:
     import fcntl
 
     lock_path = Path(url[len("sqlite:///"):]).with_suffix(".lock")
-    with open(lock_path, "a") as fh:
+    flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0)  # never through a link out
+    with open(os.open(link_target_inside(lock_path), flags, 0o666), "a") as fh:
         fcntl.flock(fh, fcntl.LOCK_EX)
         try:
             yield

@@ -25,6 +25,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -56,6 +57,7 @@ from dmlkit.utils import (
     atomic_write_text,
     directory_lock,
     dotted_items,
+    link_target_inside,
     seed_everything,
     write_provenance,
 )
@@ -426,13 +428,13 @@ def _train_in_dir(config: SiamFCTrainConfig, run_dir: Path, sequences: list[Sequ
         start_epoch, step = int(ts["epoch"]), int(ts["step"])
         losses, elapsed = [float(v) for v in ts["losses"]], float(ts["seconds"])
         lines = log_path.read_text().splitlines() if log_path.is_file() else []
-        log_path.write_text("".join(line + "\n" for line in lines[:step]))
+        atomic_write_text(log_path, "".join(line + "\n" for line in lines[:step]))  # never through a link out of RUN
     else:
         atomic_write_text(run_dir / "config.yaml",
                           yaml.safe_dump(config.model_dump(), sort_keys=False))
         write_provenance(run_dir / "provenance.json", config.seed)
         (run_dir / "metrics.json").unlink(missing_ok=True)  # an earlier attempt's, if any
-        log_path.write_text("")
+        atomic_write_text(log_path, "")  # a planted link out of RUN: refused (link_target_inside)
     end_epoch = config.epochs if max_epochs is None else min(config.epochs, start_epoch + max_epochs)
     t_start = time.perf_counter() - elapsed
     bar = None
@@ -442,7 +444,8 @@ def _train_in_dir(config: SiamFCTrainConfig, run_dir: Path, sequences: list[Sequ
         bar = tqdm(total=total, initial=step, desc="siamfc", unit="step")
     digest = data_digest(pairs.sequences)
     model.train()
-    with log_path.open("a") as log:
+    append = os.O_WRONLY | os.O_APPEND | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0)  # as RunLogger.log
+    with open(os.open(link_target_inside(log_path), append, 0o666), "a", encoding="utf-8") as log:
         for epoch in range(start_epoch, end_epoch):
             pairs.set_epoch(epoch)
             loader = torch.utils.data.DataLoader(
