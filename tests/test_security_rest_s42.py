@@ -1,4 +1,4 @@
-"""Security audit s42, the sites the first fixers did not own (F3, F8 finished):
+"""Security audit s42, the sites the first fixers did not own (F3, F6, F8 finished):
 
 * F8: JSON nested 100,000 deep raised ``RecursionError`` (a traceback, or a crash where a
   corrupt file is skipped) in ``serve --verification``, a bench's ``split.json``, a class split
@@ -6,11 +6,14 @@
   final run's ``failed.json``: each now reads it as it reads corrupt JSON.
 * F3: the shard writer's ``.<shard>.tmp``, SiamFC's ``log.jsonl`` and the final-run and Optuna
   lock files were opened through a symbolic link planted out of their folder.
+* F6: ``results.md`` wrote method names, metric names, split notes and warnings raw.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import re
 from pathlib import Path
 
 import numpy as np
@@ -169,3 +172,45 @@ def test_optuna_sqlite_lock_is_not_opened_through_a_link(tmp_path):
     (tmp_path / "b" / "study.lock").unlink()
     with _sqlite_file_lock(f"sqlite:///{tmp_path}/b/study.db"):  # a plain lock file: as before
         assert (tmp_path / "b" / "study.lock").is_file()
+
+
+# -- F6: results.md writes what the results hold as literal markdown ---------------------------
+HOSTILE = ["<script>alert(8)</script>|=cmd", "two\nlines|x", "[x](javascript:alert(1))"]
+
+
+def _hostile_results() -> dict:
+    cell = {"mean": 0.5, "ci95": 0.01, "n": 1, "values": [0.5]}
+    row = {mode: {"map_at_r": cell, "<b>m|x</b>": cell} for mode in ("concatenated", "separated")}
+    methods = {name: dict(row) for name in ["pretrained", *HOSTILE]}
+    methods[HOSTILE[0]] |= {"seeds": [0], "seeds_failed": [1],
+                            "failed_runs": [{"seed": 1, "fold": 0, "error": "nan <img src=x> | cell"}]}
+    return {"metrics": ["map_at_r", "<b>m|x</b>"], "trials": 1, "seeds": [0, "<i>|"],
+            "modes": {"concatenated": "<u>|", "separated": 8},
+            "split": {"kind": "<s>|", "order": "sorted"}, "methods": methods,
+            "config": {"methods": [{"name": "gone<script>|"}]}}
+
+
+def test_results_md_keeps_every_text_of_the_results_literal():
+    """Was: render_markdown wrote names, metric names, split notes and warnings raw: a
+    ``<script>`` element in results.md and rows of more cells than the header."""
+    from dmlkit.protocol.results import markdown_text, render_markdown
+
+    md = render_markdown(_hostile_results())
+    assert not re.search(r"<[a-z/]", md), md  # no raw tag at all
+    lines = md.splitlines()
+    table = [line for line in lines if line.startswith("|")]
+    cells = [len(re.split(r"(?<!\\)\|", row)) for row in table]
+    assert len(table) == 3 + 1 + len(HOSTILE) and len(set(cells)) == 1, table
+    for name in HOSTILE:
+        assert any(row.startswith(f"| {markdown_text(name)}") for row in table), name
+    assert "Not in this table: gone&lt;script&gt;\\|" in md
+    assert "Warning: " + markdown_text(HOSTILE[0]) + ": 1 final run(s) diverged" in md
+
+
+def test_markdown_text_has_one_home():
+    from dmlkit.protocol import compare, results
+
+    assert compare.markdown_text is results.markdown_text
+    assert results.missing_note({"methods": {}, "config": {"methods": [{"name": "a<b"}]}}).startswith(
+        "Not in this table: a<b ")  # the HTML report escapes it itself
+    assert os.path.basename(results.__file__) == "results.py"
