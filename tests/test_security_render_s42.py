@@ -82,7 +82,7 @@ def test_compare_markdown_keeps_method_names_as_text_in_their_cells():
 
 
 def test_markdown_text_leaves_plain_method_names_alone():
-    from dmlkit.protocol.compare import markdown_text
+    from dmlkit.protocol.results import markdown_text
 
     for name in ("multi_similarity", "ms+miner", "arcface.v2", "proxy-anchor"):
         assert markdown_text(name) == name

@@ -221,15 +221,15 @@ class ShardWriter:
             return
         i = len(self.shards)
         names = {key: f"{key}-{self._prefix}{i:05d}.npy" for key in _SHARD_KEYS}
-        arrays = {"embeddings": self._buf[: self._fill], "labels": self._buf_labels[: self._fill],
-                  "ids": self._buf_ids[: self._fill]}
+        arrays = {"embeddings": self._buf, "labels": self._buf_labels, "ids": self._buf_ids}
         digests = {}
         for key, name in names.items():
             path = self.directory / name
             tmp = path.with_name(f".{name}.tmp")
             self._written.update((name, tmp.name))  # before they exist: a failure removes them
-            with open(tmp, "wb") as fh:
-                np.save(fh, arrays[key], allow_pickle=False)
+            tmp.unlink(missing_ok=True)  # a leftover, or a planted link: removed, never written through
+            with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666), "wb") as fh:  # O_EXCL: no link
+                np.save(fh, arrays[key][: self._fill], allow_pickle=False)
             os.replace(tmp, path)
             digests[name] = sha256_file(path)
         self.shards.append({"rows": self._fill, **names, "sha256": digests})

@@ -40,6 +40,7 @@ __all__ = [
     "json_text",
     "local_path",
     "one_line",
+    "open_appending",
     "os_error_message",
     "path_bytes",
     "portable_path",
@@ -195,6 +196,14 @@ def link_target_inside(path: Path) -> Path:
     return target
 
 
+def open_appending(path: Path, mode: str = "a", encoding: str | None = None) -> Any:
+    """``open(path, mode)`` for appending (``"a"``, ``"a+"``), created if missing, never through a
+    symbolic link out of its folder (:func:`link_target_inside`; ``O_NOFOLLOW`` also refuses a link
+    planted after that check): logs and lock files inside run, bench and build folders."""
+    flags = (os.O_RDWR if "+" in mode else os.O_WRONLY) | os.O_APPEND | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0)
+    return open(os.open(link_target_inside(path), flags, 0o666), mode, encoding=encoding)
+
+
 def _refuse_special_file(path: Path) -> None:
     """:class:`DataError` when ``path`` (a link followed) exists and is not a regular file."""
     try:
@@ -302,8 +311,7 @@ def directory_lock(directory: str | os.PathLike, name: str, busy: str) -> Iterat
             break
         created.append(folder)
     directory.mkdir(parents=True, exist_ok=True)
-    flags = os.O_RDWR | os.O_APPEND | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0)  # never through a link out
-    fh = open(os.open(link_target_inside(directory / name), flags, 0o666), "a+")  # the lock is the state: it names the holder
+    fh = open_appending(directory / name, "a+")  # the lock is the state: it names the holder
     try:
         try:
             fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)

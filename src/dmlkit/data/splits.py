@@ -134,9 +134,10 @@ class ClassSplit:
         if not path.exists():
             raise DataNotFoundError(f"split file not found: {path}")
         try:
-            data = json.loads(path.read_text())
-        except json.JSONDecodeError as exc:
-            raise DataError(f"split file {path} is not valid JSON: {exc}") from exc
+            data = json.loads(path.read_text(encoding="utf-8"))
+        except (ValueError, RecursionError) as exc:  # RecursionError: nested ~100,000 deep
+            raise DataError(f"split file {path} is not valid JSON: "
+                            f"{exc if isinstance(exc, ValueError) else 'nested too deeply'}") from None
         return cls.from_dict(data)
 
     # -- use -------------------------------------------------------------------------------

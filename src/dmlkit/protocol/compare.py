@@ -40,6 +40,7 @@ from dmlkit.protocol.results import (
     MODES,
     load_listed_embeddings,
     load_results,
+    markdown_text,
     metric_label,
     resolved_runs,
 )
@@ -58,7 +59,6 @@ __all__ = [
     "baseline_methods",
     "compare_results",
     "format_p",
-    "markdown_text",
     "method_per_query",
     "method_per_seed_query",
     "relative_improvements",
@@ -474,23 +474,6 @@ def variance_marks(comparisons: Sequence[Mapping[str, Any]], other: str = "(see 
             marks[variance] = ("(queries only)" if variance.startswith("queries only") else
                                "(partly seeds)" if variance.startswith("seeds and queries") else other)
     return marks
-
-
-#: Markdown's active characters written literally: the backslash (an escape of its own), ``|``
-#: (a table's cell border), the backtick, ``*``, ``[`` and ``]`` (code, emphasis, links, images)
-#: as backslash escapes (CommonMark 0.31, 2.4: any ASCII punctuation may be escaped); ``&``,
-#: ``<`` and ``>`` as entities (raw HTML passes through CommonMark 4.6 and GFM otherwise).
-_MARKDOWN_ESCAPES = str.maketrans({"\\": "\\\\", "|": "\\|", "`": "\\`", "*": "\\*", "[": "\\[",
-                                   "]": "\\]", "&": "&amp;", "<": "&lt;", ">": "&gt;"})
-
-
-def markdown_text(text: object) -> str:
-    """``text`` as one line of literal Markdown text, safe in a table cell: line breaks (every
-    separator :meth:`str.splitlines` knows) become spaces, and ``\\ | ` * [ ] & < >`` are escaped
-    (:data:`_MARKDOWN_ESCAPES`). A method name read from a hand-edited ``results.json``
-    (``<script>...</script>|=cmd``) once went into ``compare -o x.md`` raw: HTML in the page
-    and a row with more cells than the header."""
-    return " ".join(str(text).splitlines()).translate(_MARKDOWN_ESCAPES)
 
 
 def render_compare_markdown(report: Mapping[str, Any]) -> str:

@@ -40,7 +40,6 @@ timeout message.
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import re
@@ -61,7 +60,7 @@ from dmlkit.protocol.config import DATA_ROOT_FIX, BenchConfig, TorchrunSettings
 from dmlkit.signals import exit_on_signals
 from dmlkit.training import train
 from dmlkit.training.data_root import load_dataset_at
-from dmlkit.utils import atomic_write_json
+from dmlkit.utils import atomic_write_json, read_json, read_json_object
 
 __all__ = [
     "LaunchResult",
@@ -131,9 +130,9 @@ def _rank_errors(launch_dir: Path) -> list[tuple[float, int, str, bool]]:
     found = []
     for path in Path(launch_dir).glob("error-rank*.json"):
         try:
-            data = json.loads(path.read_text())
+            data = read_json(path, "rank error file")
             found.append((float(data["time"]), int(data["rank"]), str(data["error"]), bool(data.get("lost_peer"))))
-        except (OSError, ValueError, KeyError, TypeError):
+        except (OSError, DataError, ValueError, KeyError, TypeError):  # DataError: corrupt or nested too deeply
             continue
     return found
 
@@ -352,7 +351,7 @@ class TorchrunLauncher:
                 f"the ranks of {run_dir.name} exited cleanly but rank 0 wrote no {path.name}; "
                 f"see {launch_dir}/torchrun.log"
             )
-        data = json.loads(path.read_text())
+        data = read_json_object(path, "rank 0 result file")  # corrupt or nested too deeply: one DataError line
 
         def metrics(values: Mapping[str, Any] | None) -> dict[str, float] | None:
             if values is None:
@@ -390,7 +389,7 @@ def rank_main(spec_path: str | Path) -> int:
     rank = int(os.environ.get("RANK", "0"))
     world = int(os.environ.get("WORLD_SIZE", "1"))
     try:
-        spec = json.loads(spec_path.read_text())
+        spec = read_json_object(spec_path, "dmlkit launch spec")
         if spec.get("format") != SPEC_FORMAT:
             raise ConfigError(f"{spec_path} is not a dmlkit launch spec ({SPEC_FORMAT})")
         torch.set_num_threads(max(1, int(spec.get("threads") or 1)))

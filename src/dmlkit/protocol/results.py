@@ -16,7 +16,7 @@ import hashlib
 import io
 import json
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +42,7 @@ __all__ = [
     "is_ranked",
     "format_cell",
     "load_results",
+    "markdown_text",
     "missing_methods",
     "missing_note",
     "ordered_methods",
@@ -96,6 +97,24 @@ def load_listed_embeddings(run: Mapping[str, Any], owner: str) -> tuple[np.ndarr
             "rewritten since (a later final stage trained this run again, or the file was "
             "replaced); rerun `dmlkit bench CONFIG --stage final` to rewrite results.json")
     return emb, lab, extra
+
+
+#: Markdown's active characters written literally: the backslash (an escape of its own), ``|``
+#: (a table's cell border), the backtick, ``*``, ``[`` and ``]`` (code, emphasis, links, images)
+#: as backslash escapes (CommonMark 0.31, 2.4: any ASCII punctuation may be escaped); ``&``,
+#: ``<`` and ``>`` as entities (raw HTML passes through CommonMark 4.6 and GFM otherwise).
+_MARKDOWN_ESCAPES = str.maketrans({"\\": "\\\\", "|": "\\|", "`": "\\`", "*": "\\*", "[": "\\[",
+                                   "]": "\\]", "&": "&amp;", "<": "&lt;", ">": "&gt;"})
+
+
+def markdown_text(text: object) -> str:
+    """``text`` as one line of literal Markdown text, safe in a table cell: line breaks (every
+    separator :meth:`str.splitlines` knows) become spaces, and ``\\ | ` * [ ] & < >`` are escaped
+    (:data:`_MARKDOWN_ESCAPES`). A method name read from a hand-edited ``results.json``
+    (``<script>...</script>|=cmd``) once went into ``compare -o x.md`` raw: HTML in the page
+    and a row with more cells than the header. ``results.md`` (:func:`render_markdown`) writes
+    every text from the results through it too."""
+    return " ".join(str(text).splitlines()).translate(_MARKDOWN_ESCAPES)
 
 
 def metric_label(metric: str) -> str:
@@ -296,17 +315,20 @@ def ordered_methods(results: Mapping[str, Any]) -> list[str]:
 
 
 def render_markdown(results: Mapping[str, Any]) -> str:
-    """The seed's two-level table as Markdown (group row, then metric row)."""
+    """The seed's two-level table as Markdown (group row, then metric row). Every text from the
+    results (method names, metric names, split, seeds, warnings) is literal Markdown
+    (:func:`markdown_text`): ``render_markdown(load_results(...))`` of a hand-edited file wrote a
+    ``<script>`` element and rows of more cells than the header."""
     metrics = results["metrics"]
     dims = results.get("modes", {})
     best = best_cells(results)
     groups = []
     for mode in MODES:
-        label = f"{mode.capitalize()} ({dims.get(mode, '?')}-dim)"
+        label = markdown_text(f"{mode.capitalize()} ({dims.get(mode, '?')}-dim)")
         groups += [label] + [""] * (len(metrics) - 1)
     header = "| Method | " + " | ".join(groups) + " |"
     sep = "|---|" + "|".join(["---:"] * (len(metrics) * len(MODES))) + "|"
-    sub = "| | " + " | ".join(f"**{metric_label(m)}**" for _ in MODES for m in metrics) + " |"
+    sub = "| | " + " | ".join(f"**{markdown_text(metric_label(m))}**" for _ in MODES for m in metrics) + " |"
     lines = [header, sep, sub]
     for name in ordered_methods(results):
         row = results["methods"][name]
@@ -315,7 +337,7 @@ def render_markdown(results: Mapping[str, Any]) -> str:
             for m in metrics:
                 text = format_cell(cell_of(row, mode, m))
                 cells.append(f"**{text}**" if name in best.get((mode, m), ()) else text)
-        lines.append(f"| {row_label(name, row)} | " + " | ".join(cells) + " |")
+        lines.append(f"| {markdown_text(row_label(name, row))} | " + " | ".join(cells) + " |")
     split = results.get("split", {})
     seeds = results.get("seeds", [])
     lines.append("")
@@ -323,16 +345,16 @@ def render_markdown(results: Mapping[str, Any]) -> str:
     dev = (f"{split.get('dev_classes')} training + validation classes in one fixed split"
            if split.get("kind") == "ratio_4_1_5" else
            f"{split.get('dev_classes')} cross-validation classes in {split.get('folds')} folds")
-    lines.append(
+    lines.append(markdown_text(
         f"Split: {split.get('kind')} ({dev}, {split.get('test_classes')} test classes), class order "
         f"{split.get('order')}"
         + (f" (seed {split.get('order_seed')})" if split.get("order") == "random" else "")
         + f"; {results.get('trials')} search trials per method{_search_counts(results)}; "
         f"{len(seeds)} seed(s) {seeds}; "
         "mean ± 95 % CI (Student t over seeds), in %."
-    )
-    lines += [f"\nWarning: {note}" for note in failure_notes(results)]
-    if missing := missing_note(results):
+    ))
+    lines += [f"\nWarning: {markdown_text(note)}" for note in failure_notes(results)]
+    if missing := missing_note(results, name=markdown_text):
         lines.append(f"\n{missing}")
     return "\n".join(lines) + "\n"
 
@@ -373,10 +395,12 @@ def missing_methods(results: Mapping[str, Any]) -> list[str]:
     return [n for n in names if isinstance(n, str) and n not in results["methods"]]
 
 
-def missing_note(results: Mapping[str, Any]) -> str | None:
+def missing_note(results: Mapping[str, Any], name: Callable[[str], str] = str) -> str | None:
     """``Not in this table: triplet (...)``, naming :func:`missing_methods` and how to add their
-    rows, as results.md and the HTML report say it; ``None`` when every method has a row."""
-    missing = missing_methods(results)
+    rows, as results.md and the HTML report say it; ``None`` when every method has a row. Each
+    method name is written as ``name`` returns it (:func:`markdown_text` for results.md: the
+    names come from the recorded config, which a hand-edited results.json can hold anything in)."""
+    missing = [name(n) for n in missing_methods(results)]
     if not missing:
         return None
     return (f"Not in this table: {', '.join(missing)} (in the config, but without current final "

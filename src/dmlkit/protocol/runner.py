@@ -22,7 +22,6 @@ Directory layout (``docs/architecture.md``)::
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import os
 import time
@@ -84,7 +83,7 @@ from dmlkit.protocol.study import (
 from dmlkit.provenance import write_provenance
 from dmlkit.training.data_root import merge_data_root, run_data_root
 from dmlkit.training.preflight import Preflight
-from dmlkit.utils import atomic_write_text, directory_lock
+from dmlkit.utils import atomic_write_text, directory_lock, read_json_object
 
 __all__ = ["Bench", "FinalStage", "SearchStage", "run_seed", "trial_sampler_seed"]
 
@@ -174,7 +173,7 @@ class Bench:
         path = self.dir / "split.json"
         p = self.config.protocol
         if path.exists():
-            data = json.loads(path.read_text())
+            data = read_json_object(path, "bench split file")  # corrupt or nested ~100,000 deep: one DataError line
             split = BenchSplit.from_dict(data["meta"])
             if (split.kind, split.order, split.order_seed, len(split.folds)) != (p.split, p.order, p.order_seed, p.folds):
                 raise ConfigError(

@@ -38,7 +38,14 @@ from dmlkit.protocol.splits import BenchSplit, TestClassGuard
 from dmlkit.training import build_model, train
 from dmlkit.training.checkpoint import training_changes
 from dmlkit.training.data_root import load_dataset_at, run_data_root
-from dmlkit.utils import atomic_write_json, atomic_write_text, process_alive, seed_everything
+from dmlkit.utils import (
+    atomic_write_json,
+    atomic_write_text,
+    open_appending,
+    process_alive,
+    read_json,
+    seed_everything,
+)
 from dmlkit.validation import concatenate_normalized
 
 logger = logging.getLogger(__name__)
@@ -372,8 +379,8 @@ def _recorded_failure(run_dir: Path) -> str | None:
     if not path.exists():
         return None
     try:
-        return str(json.loads(path.read_text(encoding="utf-8"))["error"])
-    except (OSError, ValueError, KeyError, TypeError):
+        return str(read_json(path, FAILED_RUN)["error"])
+    except (OSError, DataError, KeyError, TypeError):  # DataError: corrupt or nested ~100,000 deep
         return f"diverged (its {FAILED_RUN} is unreadable)"
 
 
@@ -446,7 +453,7 @@ def _claim(run_dir: Path) -> bool:
     path = run_dir / CLAIM
     if _create_claim(path):
         return True
-    with open(run_dir.parent / CLAIM_TAKEOVER, "a") as lock:  # never written: the lock is the state
+    with open_appending(run_dir.parent / CLAIM_TAKEOVER) as lock:  # never written: the lock is the state
         fcntl.flock(lock, fcntl.LOCK_EX)  # released by the kernel if this process dies
         if _claim_is_live(path):
             return False

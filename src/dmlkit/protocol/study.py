@@ -39,6 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from dmlkit.exceptions import ConfigError, DmlkitError, require
+from dmlkit.utils import open_appending
 
 __all__ = [
     "FINGERPRINT_VERSION",
@@ -495,7 +496,7 @@ def _sqlite_file_lock(url: str) -> Iterator[None]:
     import fcntl
 
     lock_path = Path(url[len("sqlite:///"):]).with_suffix(".lock")
-    with open(lock_path, "a") as fh:
+    with open_appending(lock_path) as fh:
         fcntl.flock(fh, fcntl.LOCK_EX)
         try:
             yield

@@ -15,13 +15,12 @@ import csv
 import io
 import json
 import logging
-import os
 import time
 from pathlib import Path
 from typing import Any
 
 from dmlkit.exceptions import CheckpointError, require
-from dmlkit.utils import atomic_write_text, link_target_inside, os_error_message
+from dmlkit.utils import atomic_write_text, open_appending, os_error_message
 
 __all__ = ["RunLogger", "read_log"]
 
@@ -88,9 +87,7 @@ class RunLogger:
         try:
             if self._fh is None:
                 self.path.parent.mkdir(parents=True, exist_ok=True)
-                flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0)
-                fd = os.open(link_target_inside(self.path), flags, 0o666)
-                self._fh = open(fd, "a", encoding="utf-8")
+                self._fh = open_appending(self.path, encoding="utf-8")
             self._fh.write(json.dumps(record) + "\n")
             self._fh.flush()
         except OSError as exc:  # disk full: one clear error, as for checkpoints

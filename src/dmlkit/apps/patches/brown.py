@@ -21,7 +21,6 @@ Zagoruyko & Komodakis (CVPR 2015): train on one subset, test on the 100k pairs o
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import re
 import shutil
@@ -33,7 +32,7 @@ from pathlib import Path
 import numpy as np
 
 from dmlkit.exceptions import DataError, DataNotFoundError, ShapeError
-from dmlkit.utils import atomic_write_bytes, atomic_write_text, fsync_path
+from dmlkit.utils import atomic_write_bytes, atomic_write_text, fsync_path, read_json
 
 __all__ = [
     "BROWN_SUBSETS",
@@ -334,8 +333,8 @@ def _check_build_finished(folder: Path, name: str) -> None:
     real = folder.resolve()
     manifest = real.parent / BUILD_MANIFEST
     try:
-        built = json.loads(manifest.read_text(encoding="utf-8"))["subsets"]
-    except (OSError, ValueError, KeyError, TypeError):  # none, or not build-data's
+        built = read_json(manifest, BUILD_MANIFEST)["subsets"]
+    except (OSError, DataError, KeyError, TypeError):  # none, or not build-data's (corrupt, nested too deeply)
         return
     if isinstance(built, dict) and real.name not in built:
         raise DataError(

@@ -33,7 +33,6 @@ of points per source image and a SHA-256 of every file.
 from __future__ import annotations
 
 import hashlib
-import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -41,7 +40,7 @@ import numpy as np
 
 from dmlkit.apps.patches.brown import BUILD_MANIFEST, PATCH_SIZE, PatchPairs, write_brown_subset
 from dmlkit.exceptions import ConfigError, DataError, require
-from dmlkit.utils import atomic_write_json, directory_lock
+from dmlkit.utils import atomic_write_json, directory_lock, read_json
 from dmlkit.validation import check_seed
 
 __all__ = ["OFFLINE_SUBSETS", "OfflineSpec", "build_offline_dataset", "build_offline_subset"]
@@ -361,11 +360,11 @@ def _earlier_subsets(root: Path) -> dict:
     with the settings it was built with (a record from before per-subset settings takes the
     manifest's); nothing from a missing or unreadable manifest."""
     try:
-        earlier = json.loads((root / BUILD_MANIFEST).read_text(encoding="utf-8"))
+        earlier = read_json(root / BUILD_MANIFEST, BUILD_MANIFEST)
         kept = {name: dict(info) for name, info in earlier["subsets"].items() if (root / name).is_dir()}
         for info in kept.values():
             info.setdefault("spec", earlier.get("spec"))
             info.setdefault("scikit_image", earlier.get("scikit_image"))
         return kept
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+    except (OSError, DataError, KeyError, TypeError, AttributeError):  # DataError: corrupt or nested too deeply
         return {}

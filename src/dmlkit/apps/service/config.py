@@ -1,7 +1,6 @@
 """What ``dmlkit serve`` serves (:class:`ServiceConfig`) and the facts the app reads from
 files at start (the verification threshold) or shows of them (the index's ``info``)."""
 
-import json
 import math
 import os
 from dataclasses import dataclass
@@ -9,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from dmlkit.exceptions import ConfigError, DataError, DataNotFoundError
+from dmlkit.utils import read_json
 from dmlkit.validation import check_integer
 
 
@@ -119,8 +119,8 @@ def load_threshold(config: ServiceConfig, info: dict[str, Any]) -> tuple[float |
     path = Path(config.verification)
     if not path.is_file():
         raise DataNotFoundError(f"verification file not found: {path} (write it with `dmlkit verify ... --json > FILE`)")
+    data = read_json(path, "verification file")  # corrupt, non-UTF-8 or nested ~100,000 deep: one DataError line
     try:
-        data = json.loads(path.read_text())
         threshold = float(data["threshold"])
     except (ValueError, KeyError, TypeError) as exc:
         raise DataError(f"{path} holds no 'threshold': write it with `dmlkit verify ... --json > FILE`") from exc

@@ -23,7 +23,6 @@ Frames are read lazily (``seq.frame(i)`` is an ``(H, W, 3)`` uint8 RGB array).
 
 from __future__ import annotations
 
-import json
 import re
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -33,6 +32,7 @@ import numpy as np
 
 from dmlkit.embedding_files import check_numpy_file
 from dmlkit.exceptions import ConfigError, DataError, DataNotFoundError, require
+from dmlkit.utils import read_json
 
 IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".bmp", ".pgm", ".ppm", ".tif", ".tiff")
 VIDEO_SUFFIXES = (".mp4", ".avi", ".mov", ".mkv", ".webm", ".gif", ".mpg", ".mpeg", ".m4v")
@@ -155,8 +155,8 @@ def _build_meta(folder: Path) -> dict | None:
     if folder.name not in ("train", "test") or not meta_path.is_file():
         return None
     try:
-        meta = json.loads(meta_path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        meta = read_json(meta_path, "build-data meta.json")
+    except (OSError, DataError):  # unreadable, corrupt or nested ~100,000 deep
         return None  # not the meta.json of a build
     if not isinstance(meta, dict) or not all(isinstance(meta.get(k), dict) for k in ("train", "test")):
         return None

@@ -57,6 +57,7 @@ from dmlkit.utils import (
     atomic_write_text,
     directory_lock,
     dotted_items,
+    open_appending,
     seed_everything,
 )
 from dmlkit.validation import check_seed
@@ -426,13 +427,13 @@ def _train_in_dir(config: SiamFCTrainConfig, run_dir: Path, sequences: list[Sequ
         start_epoch, step = int(ts["epoch"]), int(ts["step"])
         losses, elapsed = [float(v) for v in ts["losses"]], float(ts["seconds"])
         lines = log_path.read_text().splitlines() if log_path.is_file() else []
-        log_path.write_text("".join(line + "\n" for line in lines[:step]))
+        atomic_write_text(log_path, "".join(line + "\n" for line in lines[:step]))  # never through a link out of RUN
     else:
         atomic_write_text(run_dir / "config.yaml",
                           yaml.safe_dump(config.model_dump(), sort_keys=False))
         write_provenance(run_dir / "provenance.json", config.seed)
         (run_dir / "metrics.json").unlink(missing_ok=True)  # an earlier attempt's, if any
-        log_path.write_text("")
+        atomic_write_text(log_path, "")  # a planted link out of RUN: refused (link_target_inside)
     end_epoch = config.epochs if max_epochs is None else min(config.epochs, start_epoch + max_epochs)
     t_start = time.perf_counter() - elapsed
     bar = None
@@ -442,7 +443,7 @@ def _train_in_dir(config: SiamFCTrainConfig, run_dir: Path, sequences: list[Sequ
         bar = tqdm(total=total, initial=step, desc="siamfc", unit="step")
     digest = data_digest(pairs.sequences)
     model.train()
-    with log_path.open("a") as log:
+    with open_appending(log_path, encoding="utf-8") as log:
         for epoch in range(start_epoch, end_epoch):
             pairs.set_epoch(epoch)
             loader = torch.utils.data.DataLoader(
