@@ -1,6 +1,7 @@
 """Applications of a trained embedding: retrieval index, verification and few-shot learning."""
 
 from dmlkit.apps.fewshot import (
+    checkpoint_image_embedder,
     few_shot_accuracy,
     load_omniglot_one_shot_runs,
     omniglot_one_shot_error,
@@ -22,6 +23,7 @@ __all__ = [
     "ReidResult",
     "SearchResult",
     "VerificationResult",
+    "checkpoint_image_embedder",
     "evaluate_reid",
     "few_shot_accuracy",
     "k_reciprocal_distances",

@@ -41,7 +41,7 @@ from dmlkit.exceptions import (
 from dmlkit.metrics import evaluate, knn
 from dmlkit.training import build_datasets, load_checkpoint
 from dmlkit.utils import atomic_write_json, os_error_message, read_json_object, sha256_file
-from dmlkit.validation import check_integer
+from dmlkit.validation import check_integer, check_number
 
 __all__ = ["EmbedderFailure", "ImageEmbedder", "export_model", "load_embedder", "parity_report"]
 
@@ -353,12 +353,28 @@ def _knn_top(emb: np.ndarray, k: int) -> np.ndarray:
     return knn(emb, None, k=min(k, len(emb) - 1), distance="cosine").indices.numpy()
 
 
+def _check_tolerance(value: Any, name: str, positive: bool = True) -> float:
+    """``value`` as a finite float (:func:`dmlkit.validation.check_number`), > 0 (``positive``)
+    or >= 0, else one :class:`ConfigError`. ``atol=inf`` passed any export, NaN failed every
+    one and a negative value could never pass; none was refused."""
+    what = "a finite number " + ("> 0" if positive else ">= 0")
+    try:
+        number = check_number(value, name, least=0.0)
+    except ConfigError:
+        raise ConfigError(f"{name} must be {what}, got {value!r}") from None
+    if positive and number == 0.0:
+        raise ConfigError(f"{name} must be {what}, got {value!r}")
+    return number
+
+
 def parity_report(reference: np.ndarray, exported: np.ndarray, labels: np.ndarray, *,
                   atol: float = 1e-4, map_tol: float = 1e-3) -> dict[str, Any]:
     """Numerical and retrieval parity of two embeddings of the same images (see the module doc).
 
-    ``passed`` when ``max_abs_diff <= atol`` and ``|MAP@R_ref - MAP@R_export| <= map_tol``.
+    ``passed`` when ``max_abs_diff <= atol`` and ``|MAP@R_ref - MAP@R_export| <= map_tol``
+    (``atol``: finite, > 0; ``map_tol``: finite, >= 0; else :class:`ConfigError`).
     """
+    atol, map_tol = _check_tolerance(atol, "atol"), _check_tolerance(map_tol, "map_tol", positive=False)
     if reference.shape != exported.shape:
         raise DataError(f"exported model gives shape {exported.shape}, PyTorch {reference.shape}")
     diff = float(np.max(np.abs(reference.astype(np.float64) - exported.astype(np.float64))))
@@ -441,9 +457,12 @@ def export_model(run_dir: str | os.PathLike, format: str = "onnx", output: str |
         opset: the ONNX opset (default 17, which exports every dmlkit model), within the range
             torch's exporter supports (7 to 23 with torch 2.14); ONNX only (:class:`ConfigError`
             with ``torchscript``).
+        atol: the largest absolute embedding difference that passes (a finite number > 0;
+            else :class:`ConfigError`), checked before any work.
     """
     import torch
 
+    atol = _check_tolerance(atol, "atol")
     if format not in FORMATS:
         raise ConfigError(f"unknown export format {format!r}: choose onnx or torchscript")
     if opset is not None and format != "onnx":  # it was ignored: a TorchScript file has no opset

@@ -40,8 +40,10 @@ if TYPE_CHECKING:
 
 __all__ = [
     "OneShotRun",
+    "checkpoint_image_embedder",
     "few_shot_accuracy",
     "load_omniglot_one_shot_runs",
+    "model_image_embedder",
     "omniglot_one_shot_error",
     "prototype_predict",
 ]

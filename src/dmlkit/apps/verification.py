@@ -57,17 +57,9 @@ if TYPE_CHECKING:
     from dmlkit.data.pairs import PairList
 
 __all__ = [
-    "VERIFY_DISTANCES",
-    "VerificationResult",
-    "check_pair_list_folds",
-    "embed_image_files",
-    "kfold_threshold_accuracy",
-    "make_pairs",
-    "pair_scores",
-    "stratified_folds",
-    "verify",
-    "verify_pair_list",
-    "verify_scores",
+    "ARRAYS_SOURCE", "VERIFY_DISTANCES", "VerificationResult", "check_pair_list_folds",
+    "embed_image_files", "kfold_threshold_accuracy", "make_pairs", "pair_scores",
+    "stratified_folds", "verify", "verify_pair_list", "verify_scores"
 ]
 
 DEFAULT_FAR_TARGETS = (1e-3, 1e-2, 1e-1)
@@ -262,8 +254,7 @@ def _check_distance(distance: str):
 
 
 def _finite_embeddings(embeddings: Any) -> np.ndarray:
-    """``(N, D)`` float32 with every value finite, else :class:`NonFiniteError` (the one
-    validation path of :mod:`dmlkit.validation`, shared with ``evaluate``/``index``/``query``)."""
+    """``(N, D)`` finite float32, else :class:`NonFiniteError` (:func:`dmlkit.validation.check_embeddings`)."""
     return check_embeddings(embeddings).cpu().numpy()
 
 
@@ -395,6 +386,10 @@ def kfold_threshold_accuracy(scores: Any, same: Any, folds: int | Sequence[int] 
             "threshold": float(np.mean(thresholds)), "fold_accuracies": accs, "fold_thresholds": thresholds}
 
 
+#: ``source`` of a result of arrays without a file: ``serve --verification`` says it cannot check it.
+ARRAYS_SOURCE = {"embeddings": "arrays given to the Python API (no file recorded)"}
+
+
 @dataclass
 class VerificationResult:
     """Verification scores of one embedding set (fractions in [0, 1]).
@@ -422,9 +417,12 @@ class VerificationResult:
     accuracy_sem: float = 0.0
     #: the distance the scores (and so ``threshold``) are on; ``None`` for bare scores
     distance: str | None = None
+    #: the file the embeddings came from (:func:`~dmlkit.apps.index_sources.verification_source`)
+    source: dict[str, Any] | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        """The fields; ``source`` ``None`` as :data:`ARRAYS_SOURCE` (serve said "an older dmlkit")."""
+        return {**asdict(self), "source": self.source or dict(ARRAYS_SOURCE)}
 
 
 def _warn_unresolved_far(far_targets: Sequence[float], n_neg: int) -> None:
@@ -484,8 +482,7 @@ def verify(embeddings: Any, labels: Any, *, num_pairs: int = 6000, folds: int = 
     ``distance``: one of :data:`VERIFY_DISTANCES` (``euclidean`` and ``dot`` on L2-normalised
     embeddings; ``raw-euclidean`` for the raw Euclidean distance). ``num_pairs``: even.
     ``folds`` must lie in ``[2, number of pairs]``; NaN/infinite embeddings are refused
-    (:class:`~dmlkit.exceptions.NonFiniteError`).
-    """
+    (:class:`~dmlkit.exceptions.NonFiniteError`)."""
     x = _finite_embeddings(embeddings)
     y = np.asarray(labels)
     if y.ndim != 1 or len(y) != len(x):
@@ -533,10 +530,13 @@ def _match_rows(pair_list: PairList, paths: Sequence[str], x: np.ndarray) -> np.
     return np.fromiter((row[key(p)] for p in pair_list.paths), np.int64, len(pair_list.paths))
 
 
-def check_pair_list_folds(pair_list: PairList) -> None:
-    """Refuse a pair list whose own folds are one (a CSV ``fold`` column holding one value) with
-    :class:`ConfigError`: a single given fold cannot be cross-validated, and dealing its pairs
-    into other folds would silently ignore the column. A list without folds passes."""
+def check_pair_list_folds(pair_list: PairList, folds: int | None = None, option: str = "folds") -> None:
+    """:class:`ConfigError` for a pair list whose own folds are one (a CSV ``fold`` column of one
+    value: not cross-validated; dealing its pairs anew ignored the column), or ``folds`` (``option``)
+    given for a list with its own folds (the protocol's: it went unused). No folds passes."""
+    if folds is not None and pair_list.num_folds >= 2:
+        raise ConfigError(f"{option} does not apply here ({Path(pair_list.source).name} has its own "
+                          f"{pair_list.num_folds} folds, which the protocol uses): drop it")
     if pair_list.num_folds == 1:
         raise ConfigError(f"{pair_list.source}: every pair is in the same fold, and a single given fold "
                           "cannot be cross-validated (each threshold is chosen on the other folds): give "
@@ -545,7 +545,7 @@ def check_pair_list_folds(pair_list: PairList) -> None:
 
 
 def verify_pair_list(embeddings: Any, pair_list: PairList, paths: Sequence[str] | None = None, *,
-                     distance: str = "cosine", folds: int = 10,
+                     distance: str = "cosine", folds: int | None = None,
                      far_targets: Sequence[float] = DEFAULT_FAR_TARGETS) -> VerificationResult:
     """Verification on a fixed pair list, on the list's own folds.
 
@@ -553,15 +553,16 @@ def verify_pair_list(embeddings: Any, pair_list: PairList, paths: Sequence[str] 
     own ``pair_list.paths``, e.g. from :func:`embed_image_files`). A list with two or more folds
     (LFW ``pairs.txt``: 10 folds of 300 + 300 pairs) is scored on those folds; a list without
     folds (a CSV without a ``fold`` column, LFW's one-fold development lists) on ``folds``
-    :func:`stratified_folds` dealt in file order. A CSV ``fold`` column that holds one value is
+    (``None``: 10) :func:`stratified_folds` dealt in file order; ``folds`` given with a list that
+    has its own folds is a :class:`ConfigError`, as ``dmlkit verify --folds``. A CSV ``fold`` column that holds one value is
     :class:`ConfigError`: one given fold cannot be cross-validated, and dealing its pairs into
     other folds would silently ignore the column. A pair of one image (one embedding row) with
     itself, or a pair listed again in either order, is a :class:`DataError` naming their 0-based
-    positions: both inflate the accuracy.
-    """
+    positions: both inflate the accuracy."""
     x = _finite_embeddings(embeddings)
     _check_distance(distance)
-    _fold_count(folds)
+    check_pair_list_folds(pair_list, folds)  # before the folds' own check, as dmlkit verify
+    folds = 10 if folds is None else _fold_count(folds)
     if paths is None:
         if len(x) != len(pair_list.paths):
             raise ShapeError(f"{len(x)} embeddings for a pair list of {len(pair_list.paths)} images: "
@@ -571,14 +572,13 @@ def verify_pair_list(embeddings: Any, pair_list: PairList, paths: Sequence[str] 
         if len(paths) != len(x):
             raise ShapeError(f"{len(paths)} paths for {len(x)} embeddings")
         rows = _match_rows(pair_list, paths, x)
-    check_pair_list_folds(pair_list)
     _refuse_repeated_pairs(rows[pair_list.left], rows[pair_list.right], pair_list.source)
     scores = pair_scores(x, rows[pair_list.left], rows[pair_list.right], distance)
     if pair_list.num_folds >= 2:
         result = verify_scores(scores, pair_list.same, pair_list.folds, far_targets=far_targets,
                                fold_source="list")
     else:
-        result = verify_scores(scores, pair_list.same, stratified_folds(pair_list.same, int(folds)),
+        result = verify_scores(scores, pair_list.same, stratified_folds(pair_list.same, folds),
                                far_targets=far_targets, fold_source="stratified")
     return replace(result, distance=_distance_name(distance))
 

@@ -96,10 +96,8 @@ def verify(
         from dmlkit.data.pairs import load_pair_list
 
         plist = load_pair_list(pair_list, images)
-        check_pair_list_folds(plist)  # before the images are embedded
-        if plist.num_folds >= 2 and given(ctx, "folds"):  # else silently the list's own folds
-            raise ConfigError(f"--folds does not apply here ({pair_list.name} has its own {plist.num_folds} "
-                              "folds, which the protocol uses): drop it")
+        list_folds = folds if given(ctx, "folds") else None  # given with a list's own folds: refused
+        check_pair_list_folds(plist, list_folds, "--folds")  # before the images are embedded
         if checkpoint is not None:
             emb = embed_image_files(checkpoint, plist.paths, device=device, progress=not quiet)
             paths = None
@@ -109,10 +107,10 @@ def verify(
             emb, paths, extra = _embeddings_with_paths(embeddings)
             paths = run_item_files(embeddings, paths, images)  # a run's paths: under its data root
             check_embedded_files(embeddings, paths, extra)  # which must hold the files it embedded
-        result = verify_pair_list(emb, plist, paths, distance=distance, folds=folds).to_dict()
+        result = verify_pair_list(emb, plist, paths, distance=distance, folds=list_folds).to_dict()
         title = f"Verification on {pair_list.name} ({result['fold_source']} folds)"
-    result.pop("fold_accuracies")
-    result.pop("fold_thresholds")
+    for key in ("fold_accuracies", "fold_thresholds", "source"):  # source: the file's, below
+        result.pop(key)
     if as_json:  # what the threshold was chosen on: `dmlkit serve --verification` compares it with its index
         from dmlkit.apps.index_sources import verification_source
 

@@ -323,7 +323,7 @@ def query(
     index_path: Path = typer.Argument(..., help="An index from `dmlkit index` (directory or .npz)."),
     queries: Path | None = typer.Argument(None, help="Query embeddings (.npz/.npy/.pt or a shard directory, searched block by block); or use --id."),
     item_id: list[str] | None = typer.Option(None, "--id", help="Query by indexed item id (repeatable); the item itself is excluded."),
-    k: int = typer.Option(5, "-k", help="Neighbours per query."),
+    k: int = typer.Option(10, "-k", help="Neighbours per query (10, as EmbeddingIndex.search and the service)."),
     exclude_self: bool = typer.Option(False, "--exclude-self", help="Drop each query's own item (same id) from its results."),
     exact: bool = typer.Option(False, "--exact", help="Exact search on an approximate index."),
     limit: int = typer.Option(20, "--limit", help="Queries shown in the table (0: all); --json and -o hold all."),

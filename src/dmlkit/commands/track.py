@@ -138,6 +138,7 @@ def run(
     from dmlkit.apps.tracking import annotate, parse_box, read_video, write_frames
     from dmlkit.apps.tracking.datasets import Sequence
     from dmlkit.apps.tracking.render import check_fps, check_output, fps_limits
+    from dmlkit.apps.tracking.tracker import check_box_in_frame, frame_size
     from dmlkit.utils import refuse_overwriting_inputs
 
     if out is not None:  # a wrong --out (e.g. boxes.txt) fails now, not after the whole video
@@ -164,9 +165,7 @@ def run(
         fps_out = min(max(video_fps if video_fps and math.isfinite(video_fps) else 15.0, lo), hi)
     seq = Sequence(Path(frames).stem, frame_list)
     first = seq.frame(0)
-    h, w = first.shape[:2]
-    if box[0] >= w or box[1] >= h or box[0] + box[2] <= 0 or box[1] + box[3] <= 0:
-        raise ConfigError(f"--init-box {init_box} lies outside the first frame ({w} x {h})")
+    check_box_in_frame(box, *frame_size(first), f"--init-box {init_box}")  # the CLI's name for it
     from rich.progress import Progress
 
     with Progress(transient=True, disable=as_json) as bar:

@@ -288,8 +288,9 @@ def cluster_metrics(
 
     x = check_embeddings(embeddings, "embeddings").cpu().numpy()
     y, _ = check_labels(labels, x.shape[0], "labels")
-    if not isinstance(restarts, int | np.integer) or restarts < 1:
-        raise DataError(f"restarts must be at least 1, got {restarts}")
+    if isinstance(restarts, bool) or not isinstance(restarts, int | np.integer) or restarts < 1:
+        # a bool is no count: True ran 1 restart (evaluate's k_values=[True] is refused)
+        raise DataError(f"restarts must be an integer of at least 1, got {restarts!r}")
     check_seed(seed, "the k-means seed")
     if seed + restarts - 1 >= SEED_LIMIT:  # the error named seed + 1, which nobody passed
         raise ConfigError(f"the {restarts} k-means restarts use seeds {seed} ... {seed + restarts - 1}, "

@@ -339,6 +339,8 @@ def compare_results(
     pairs of each metric and mode (:func:`_correct_for_multiple_pairs`).
     """
     _check_options(confidence, metrics, modes)
+    if isinstance(methods, str):  # "triplet" was split into the methods 't', 'r', 'i', ...
+        raise ConfigError(f"methods must be a list of names ([{methods!r}]), got the string {methods!r}")
     results_list = [resolved_runs(r) if isinstance(r, Mapping) else load_results(r) for r in paths_or_results]
     merged, origin = _merge(results_list)
     # a method, metric or mode given twice is compared once (in the order first given)

@@ -285,13 +285,17 @@ def train(
             checked against the data first (:func:`dmlkit.training.preflight.preflight`).
         allow_world_size_change: resume a checkpoint written by another number of processes
             (refused by default: the continuation is then statistically the same run but not
-            bit-identical, see ``docs/distributed.md``).
+            bit-identical, see ``docs/distributed.md``); without ``resume`` a
+            :class:`~dmlkit.exceptions.ConfigError`.
 
     Distributed: started by ``torchrun`` (``WORLD_SIZE`` > 1 in the environment) this joins
     the process group (NCCL on CUDA, gloo on CPU), which stays joined for later calls and is
     left when the process exits; a process group the caller started is used as it is. Every
     rank returns the same result; rank 0 alone writes files.
     """
+    if allow_world_size_change and not resume:  # never silently ignored, as the CLI's flags
+        raise ConfigError("allow_world_size_change applies with resume=True (--allow-world-size-change with "
+                          "--resume): a new run has no earlier number of processes")
     if not isinstance(config, ExperimentConfig):
         config = config_from_dict(config)
     # before joining (no rank waits for others to report a bad batch; rank 0 prints the line,

@@ -41,7 +41,7 @@ import numpy as np
 from dmlkit.apps.patches.brown import BUILD_MANIFEST, PATCH_SIZE, PatchPairs, write_brown_subset
 from dmlkit.exceptions import ConfigError, DataError, require
 from dmlkit.utils import atomic_write_json, directory_lock, read_json
-from dmlkit.validation import check_seed
+from dmlkit.validation import check_integer, check_number, check_seed
 
 __all__ = ["OFFLINE_SUBSETS", "OfflineSpec", "build_offline_dataset", "build_offline_subset"]
 
@@ -79,6 +79,20 @@ class OfflineSpec:
     seed: int = 0
 
     def __post_init__(self) -> None:
+        """Every field checked, one :class:`ConfigError` naming it: ``views=2.5`` was a raw
+        ``TypeError``, ``max_rotation_deg=nan`` a raw ``OverflowError``, and ``hard_neighbours=0``
+        or ``min_distance=0`` were taken (no hard negative; keypoints on adjacent pixels)."""
+        for name, value in (("points_per_subset (--points)", self.points_per_subset), ("views (--views)", self.views),
+                            ("train_pairs (--train-pairs)", self.train_pairs),
+                            ("test_pairs (--test-pairs)", self.test_pairs)):
+            if isinstance(value, bool) or not isinstance(value, int | np.integer):
+                raise ConfigError(f"{name} must be a whole number, got {value!r}")
+        check_integer(self.hard_neighbours, "hard_neighbours", hint=" (the nearest keypoints hard negatives come from)")
+        check_integer(self.min_distance, "min_distance", hint=" (pixels between keypoints)")
+        for name in ("hard_fraction", "harris_threshold_rel", "max_rotation_deg", "max_log2_scale"):
+            check_number(getattr(self, name), name, least=0.0)
+        if self.harris_threshold_rel > 1.0:
+            raise ConfigError(f"harris_threshold_rel must be in [0, 1] (of the strongest corner), got {self.harris_threshold_rel}")
         if self.views < 2:
             raise ConfigError(f"views (--views) must be >= 2 (a positive pair needs two views), got {self.views}")
         if not 0.0 <= self.hard_fraction <= 1.0:

@@ -8,6 +8,7 @@ import numpy as np
 
 from dmlkit.distances import dominant_offset, get_distance
 from dmlkit.exceptions import ConfigError, NonFiniteError, ShapeError
+from dmlkit.limits import MAX_THREADS
 from dmlkit.validation import check_integer
 
 METRICS = ("euclidean", "cosine", "dot")
@@ -119,6 +120,23 @@ def _check_ap_mode(ap_mode: str) -> bool:
     if ap_mode not in ("standard", "trapezoid"):
         raise ConfigError(f"ap_mode must be 'standard' or 'trapezoid', got {ap_mode!r}")
     return ap_mode == "trapezoid"
+
+
+def check_memory_budget(memory_budget: Any) -> int:
+    """``memory_budget`` (bytes of working memory per block) as an ``int`` of at least 1:
+    :func:`dmlkit.validation.check_integer`, else one :class:`ConfigError`. 0, -5, 0.5 or
+    ``True`` were clamped to one row per block without a word (``dmlkit reid --memory-mb 0`` is
+    refused). 1 byte is allowed: it means one query row per block."""
+    return check_integer(memory_budget, "memory_budget", hint=" (bytes of working memory)")
+
+
+def check_threads(threads: Any) -> int | None:
+    """``threads`` as ``None`` (torch's thread count) or an ``int`` from 1 to
+    :data:`dmlkit.limits.MAX_THREADS`, else one :class:`ConfigError` (``-1`` was taken as a
+    count and ``0`` as "the default" without a word)."""
+    if threads is None:
+        return None
+    return check_integer(threads, "threads", hint=" (None: torch's thread count)", most=MAX_THREADS)
 
 
 def _block_rows(n_cols: int, memory_budget: int) -> int:

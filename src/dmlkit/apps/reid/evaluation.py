@@ -57,8 +57,10 @@ from dmlkit.apps.reid._common import (
     _prepared,
     _rerank_params,
     _sq_norms,
+    check_memory_budget,
+    check_threads,
 )
-from dmlkit.exceptions import ConfigError, DataError, NonFiniteError, ShapeError
+from dmlkit.exceptions import DataError, NonFiniteError, ShapeError
 from dmlkit.validation import _describe, check_integer
 
 __all__ = [
@@ -126,9 +128,11 @@ class ReidResult:
         return np.cumsum(hits[: self.num_gallery]) / self.num_valid_queries
 
     def rank(self, k: int) -> float:
-        """``CMC(k)`` (Rank-k accuracy); ranks past the gallery size give ``CMC(G)``."""
-        if k < 1:
-            raise ConfigError(f"ranks start at 1, got {k}")
+        """``CMC(k)`` (Rank-k accuracy); ranks past the gallery size give ``CMC(G)``.
+
+        ``k`` is an integer of at least 1 (a float such as 1.5, a bool or 0 is one
+        :class:`ConfigError`; 1.5 was a raw numpy ``IndexError``)."""
+        k = check_integer(k, "the rank k", hint=" (ranks start at 1)")
         cmc = self.cmc
         return float(cmc[min(k, cmc.size) - 1])
 
@@ -167,6 +171,7 @@ def closeness_blocks(query: Any, gallery: Any, *, metric: str = "euclidean",
     import torch
 
     _check_metric(metric)
+    memory_budget = check_memory_budget(memory_budget)
     q = torch.from_numpy(_as_float(query, "query embeddings"))
     g = torch.from_numpy(_as_float(gallery, "gallery embeddings"))
     if q.shape[1] != g.shape[1]:
@@ -268,6 +273,7 @@ def evaluate_reid_scores(
     import torch
 
     trapezoid = _check_ap_mode(ap_mode)
+    threads = check_threads(threads)
     q_ids = _as_ids(query_ids, len(query_ids), "query ids")
     n_q = q_ids.shape[0]
     g_ids = _as_ids(gallery_ids, len(gallery_ids), "gallery ids")
@@ -356,6 +362,8 @@ def evaluate_reid(
         >>> r = evaluate_reid(qf, gf, q_pids, g_pids, q_camids, g_camids)   # doctest: +SKIP
         >>> r.rank(1), r.mAP, r.mINP, r.num_valid_queries                    # doctest: +SKIP
     """
+    memory_budget = check_memory_budget(memory_budget)  # before any work, as the CLI's --memory-mb
+    threads = check_threads(threads)
     q = _as_float(query, "query embeddings")
     g = _as_float(gallery, "gallery embeddings")
     if q.shape[0] == 0 or g.shape[0] == 0:

@@ -41,7 +41,7 @@ import numpy as np
 from dmlkit.apps.tracking.datasets import BENCHMARK_INDEX_BASE, Sequence, check_index_base
 from dmlkit.exceptions import ConfigError, require
 from dmlkit.utils import atomic_write_json, atomic_write_text, directory_lock
-from dmlkit.validation import check_seed
+from dmlkit.validation import check_integer, check_seed
 
 TRAIN_OBJECTS = ("astronaut", "motorcycle_left", "immunohistochemistry", "retina")
 TRAIN_BACKGROUNDS = ("brick", "grass", "camera", "moon")
@@ -372,7 +372,8 @@ def build_offline_dataset(
     out = Path(out)
     for frames in (train_frames, test_frames):  # the arguments before any removal
         _check_sizes(frames, frame_size)
-    for option, count in (("--train", num_train), ("--test", num_test)):
+    for name, option, count in (("num_train", "--train", num_train), ("num_test", "--test", num_test)):
+        check_integer(count, f"{name} ({option})", least=0)  # -1 built no sequence without a word
         if count > MAX_SEQUENCES:  # 10**23 sequences were planned for ever
             raise ConfigError(f"at most {MAX_SEQUENCES} sequences per split ({option}), got {count}")
     if out.exists() and not out.is_dir():

@@ -144,6 +144,24 @@ class TrackResult:
         return (len(self.seconds) - 1) / t if t > 0 else float("nan")
 
 
+def frame_size(frame: np.ndarray | torch.Tensor) -> tuple[int, int]:
+    """``(width, height)`` of an ``(H, W[, C])`` array or a ``(3, H, W)`` tensor (see ``image_to_tensor``)."""
+    if isinstance(frame, torch.Tensor) and frame.dim() == 3 and frame.shape[0] == 3:
+        return int(frame.shape[2]), int(frame.shape[1])
+    return int(frame.shape[1]), int(frame.shape[0])
+
+
+def check_box_in_frame(box: np.ndarray, width: int, height: int, name: str) -> None:
+    """Refuse a box ``(x, y, w, h)`` wholly outside a ``width x height`` first frame.
+
+    Outside means ``x >= W or y >= H or x + w <= 0 or y + h <= 0`` (no pixel of the box in the
+    frame): SiamFC then tracked padding without a word. ``name`` starts the message (the CLI
+    passes ``--init-box x,y,w,h``). Raises :class:`ShapeError`.
+    """
+    if box[0] >= width or box[1] >= height or box[0] + box[2] <= 0 or box[1] + box[3] <= 0:
+        raise ShapeError(f"{name} lies outside the first frame ({width} x {height})")
+
+
 class BaseTracker:
     """``init(frame, box)`` then ``update(frame) -> box``; ``track(frames, box)`` runs a video."""
 
@@ -169,7 +187,9 @@ class BaseTracker:
             if not isinstance(frame, np.ndarray | torch.Tensor):
                 frame = read_image(frame)
             t0 = time.perf_counter()
-            if i == 0:
+            if i == 0:  # every tracker refuses a start box with no pixel in the frame, as the CLI does
+                check_box_in_frame(box0, *frame_size(frame),
+                                   f"the initial box {','.join(f'{v:g}' for v in box0)}")
                 self.init(frame, box0)
                 box = box0.copy()
             else:
