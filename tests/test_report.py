@@ -9,24 +9,14 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
+from _reference import TINY_ATT_FACES_RUN
 from dmlkit.cli import app
 from dmlkit.exceptions import DataError, DataNotFoundError
 from dmlkit.report import ReportOptions, build_report
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 
-TINY_RUN = {
-    "name": "report-test",
-    "seed": 0,
-    "data": {"dataset": "att_faces", "split": {"kind": "default", "val_fraction": 0.2},
-             "transform": "grayscale", "image_size": 32},
-    "model": {"trunk": "small_cnn", "pretrained": False, "embedding_size": 16, "in_channels": 1},
-    "loss": {"name": "contrastive", "params": {}},
-    "miner": None,
-    "sampler": {"classes_per_batch": 4, "samples_per_class": 4, "batches_per_epoch": 3},
-    "optimizer": {"name": "adam", "trunk_lr": 1e-3, "embedder_lr": 1e-3},
-    "training": {"epochs": 1, "eval_every_epochs": 1, "log_every": 1},
-}
+TINY_RUN = TINY_ATT_FACES_RUN
 
 
 @pytest.fixture(scope="module")

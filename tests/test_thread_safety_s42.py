@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 import torch
 
+from _reference import TINY_ATT_FACES_RUN
 from dmlkit.apps.index import EmbeddingIndex
 from dmlkit.exceptions import DataError
 
@@ -196,18 +197,7 @@ def test_thread_random_draws_what_the_seeded_global_generator_draws():
             assert a == b == c
 
 
-TINY_RUN = {
-    "name": "thread-report",
-    "seed": 3,
-    "data": {"dataset": "att_faces", "split": {"kind": "default", "val_fraction": 0.2},
-             "transform": "grayscale", "image_size": 32},
-    "model": {"trunk": "small_cnn", "pretrained": False, "embedding_size": 16, "in_channels": 1},
-    "loss": {"name": "contrastive", "params": {}},
-    "miner": None,
-    "sampler": {"classes_per_batch": 4, "samples_per_class": 4, "batches_per_epoch": 2},
-    "optimizer": {"name": "adam", "trunk_lr": 1e-3, "embedder_lr": 1e-3},
-    "training": {"epochs": 1, "eval_every_epochs": 1, "log_every": 1},
-}
+TINY_RUN = {**TINY_ATT_FACES_RUN, "name": "thread-report", "seed": 3}
 
 
 @pytest.fixture(scope="module")
