@@ -22,9 +22,12 @@ from torch.utils.data import DataLoader, Dataset, TensorDataset
 from _reference import grey_image_folder, one_error_line, tiny_image_folder_config
 from dmlkit import cli, embeddings
 from dmlkit.exceptions import DataError
+from dmlkit.protocol.config import TorchrunSettings
+from dmlkit.protocol.launch import TorchrunLauncher
 from dmlkit.signals import exit_on_signals, ignore_stop_signals, signals_deferred, stop_code
 from dmlkit.training import loop
 from dmlkit.training.seeding import seed_worker
+from dmlkit.utils import process_alive
 
 STOPS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
@@ -307,3 +310,89 @@ def test_a_stopped_training_with_loader_workers_exits_128_plus_n_with_one_line(t
     assert proc.returncode == 128 + sig, err[-3000:]
     assert [ln for ln in err.splitlines() if ln.strip()] == [
         f"interrupted: stopped by {name} (files already written are complete; the run continues with --resume)"]
+
+
+# -- F3: a SIGKILLed bench takes its worker processes and torchrun jobs with it ---------------
+#: A stand-in job (what torchrun would be): writes its pid, then sleeps.
+JOB = ("import os, sys, time; open(sys.argv[1] + '.tmp', 'w').write(str(os.getpid())); "
+       "os.replace(sys.argv[1] + '.tmp', sys.argv[1]); time.sleep(120)")
+
+#: The bench's side: a torchrun job in this process, or two worker processes each in a job.
+PARENT = f"""
+import os, sys
+from pathlib import Path
+from dmlkit.protocol.config import TorchrunSettings
+from dmlkit.protocol.launch import TorchrunLauncher
+from dmlkit.protocol.processes import run_worker_processes
+
+WORKER = '''
+import os, sys
+from pathlib import Path
+from dmlkit.protocol.config import TorchrunSettings
+from dmlkit.protocol.launch import TorchrunLauncher
+folder, name = Path({{folder!r}}), {{name!r}}
+(folder / (name + ".worker")).write_text(str(os.getpid()))
+TorchrunLauncher(TorchrunSettings(kill_grace_s=5), 2).run(
+    [sys.executable, "-c", {JOB!r}, str(folder / (name + ".job"))], folder, folder / name)
+'''
+folder, mode = sys.argv[1], sys.argv[2]
+if mode == "launch":
+    exec(WORKER.format(folder=folder, name="w0"))
+else:
+    run_worker_processes(exec, [(WORKER.format(folder=folder, name=n), {{}}) for n in ("w0", "w1")],
+                         ["w0", "w1"], stagger_s=0)
+"""
+
+
+def _pids_of(folder: Path, names, timeout_s: float = 60.0) -> list[int]:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if all((folder / name).exists() for name in names):
+            return [int((folder / name).read_text()) for name in names]
+        time.sleep(0.1)
+    raise AssertionError(f"the processes did not start in {timeout_s:g} s: {sorted(os.listdir(folder))}")
+
+
+@pytest.mark.parametrize("mode", ["launch", pytest.param("workers", marks=pytest.mark.slow)])
+def test_a_sigkilled_bench_takes_its_workers_and_jobs_with_it(tmp_path, mode):
+    """The OOM killer or ``kill -9`` on a bench: its 2 workers ran on for 110 s and finished the
+    whole search stage beside a rerun; a torchrun job outlived it by its fold."""
+    proc = subprocess.Popen([sys.executable, "-c", PARENT, str(tmp_path), mode])
+    children: list[int] = []
+    try:
+        names = ["w0.worker", "w0.job"] + (["w1.worker", "w1.job"] if mode == "workers" else [])
+        children = _pids_of(tmp_path, names)
+        if mode == "launch":
+            children.remove(proc.pid)  # the bench itself started the job
+        proc.kill()
+        proc.wait(timeout=10)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and any(process_alive(pid) for pid in children):
+            time.sleep(0.1)
+        survivors = [pid for pid in children if process_alive(pid)]
+    finally:
+        proc.kill()
+        proc.wait()
+        for pid in children:
+            if process_alive(pid):
+                os.kill(pid, signal.SIGKILL)
+    assert not survivors, f"processes {survivors} outlived the SIGKILLed bench"
+
+
+# -- F5: torchelastic's log folders go beside the run, not into $TMPDIR ----------------------
+def test_torchrun_leaves_nothing_in_tmpdir(tmp_path, monkeypatch):
+    """Torch's default ``--log-dir``: an empty ``torchelastic_*`` tree in ``$TMPDIR`` for every
+    training run, kept (hundreds for a bench)."""
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    monkeypatch.setenv("TMPDIR", str(tmp))
+    launch_dir = tmp_path / "run" / "launch"
+    launch_dir.mkdir(parents=True)
+    script = tmp_path / "rank.py"
+    script.write_text("print('rank ran')\n")
+    launcher = TorchrunLauncher(TorchrunSettings(), 1)
+    cmd = launcher.command(launch_dir / "spec.json")  # its script replaced by one that prints
+    launcher.run([*cmd[:cmd.index("-m", 3)], str(script)], launch_dir, tmp_path / "run")
+    assert "rank ran" in (launch_dir / "torchrun.log").read_text()
+    assert sorted(os.listdir(tmp)) == [], "torchrun left files in $TMPDIR"
+    assert (launch_dir / "torchelastic").is_dir()
