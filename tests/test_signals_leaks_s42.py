@@ -11,8 +11,10 @@ import signal
 import subprocess
 import sys
 import time
+import warnings
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 import typer
@@ -377,6 +379,47 @@ def test_a_sigkilled_bench_takes_its_workers_and_jobs_with_it(tmp_path, mode):
             if process_alive(pid):
                 os.kill(pid, signal.SIGKILL)
     assert not survivors, f"processes {survivors} outlived the SIGKILLed bench"
+
+
+# -- F4: a truncated 16-bit RGB PNG ------------------------------------------------------------
+def _truncated_rgb16_png(path: Path) -> Path:
+    import struct
+    import zlib
+
+    rows = np.random.default_rng(0).integers(0, 65535, (64, 64, 3)).astype(">u2")
+    raw = b"".join(b"\0" + row.tobytes() for row in rows)
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+    png = (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", 64, 64, 16, 2, 0, 0, 0))
+           + chunk(b"IDAT", zlib.compress(raw)) + chunk(b"IEND", b""))
+    path.write_bytes(png[: len(png) // 2])
+    return path
+
+
+def test_a_truncated_16_bit_rgb_png_leaves_no_open_file(tmp_path):
+    """The second handle full_depth opens (to decode the other byte order) stayed open when the
+    first decode failed: one file descriptor per read while the errors are kept."""
+    import gc
+
+    from dmlkit.data import load_image
+
+    path = _truncated_rgb16_png(tmp_path / "rgb16_trunc.png")
+    fds = Path("/proc/self/fd")
+    before = len(os.listdir(fds)) if fds.exists() else 0
+    kept = []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(20):
+            with pytest.raises(DataError) as info:
+                load_image(path)
+            kept.append(info.value)  # e.g. a skip list holding the errors
+        held = len(os.listdir(fds)) - before if fds.exists() else 0
+        kept.clear()
+        gc.collect()
+    assert held == 0, f"{held} files left open by 20 failed reads"
+    assert not [w for w in caught if issubclass(w.category, ResourceWarning)]
 
 
 # -- F5: torchelastic's log folders go beside the run, not into $TMPDIR ----------------------
