@@ -351,26 +351,28 @@ def test_cli_serve_ctrl_c_is_130_and_a_busy_port_is_one_line(served, tmp_path):
                              timeout=120, env=env)
     assert out.returncode == 2 and out.stdout == ""
     assert out.stderr.strip().startswith("error: cannot listen on 127.0.0.1:") and len(out.stderr.splitlines()) == 1
-    proc = subprocess.Popen([*cmd, "--port", "0"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-    try:
-        line = proc.stdout.readline()  # printed once the socket listens
-        assert line.startswith("dmlkit serve: ") and "http://127.0.0.1:" in line, line + proc.stderr.read()
-        url = line.split()[-4].rstrip("/")
-        import httpx
+    # ``with``: its pipes are closed at the end (they were left open: a ResourceWarning)
+    with subprocess.Popen([*cmd, "--port", "0"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                          env=env) as proc:
+        try:
+            line = proc.stdout.readline()  # printed once the socket listens
+            assert line.startswith("dmlkit serve: ") and "http://127.0.0.1:" in line, line + proc.stderr.read()
+            url = line.split()[-4].rstrip("/")
+            import httpx
 
-        deadline = time.time() + 60
-        while time.time() < deadline:  # serving, so the signal reaches uvicorn's handler
-            try:
-                if httpx.get(f"{url}/api/health", timeout=5).status_code == 200:
-                    break
-            except httpx.TransportError:
-                time.sleep(0.1)
-        proc.send_signal(signal.SIGINT)
-        code = proc.wait(timeout=60)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    err = proc.stderr.read()
+            deadline = time.time() + 60
+            while time.time() < deadline:  # serving, so the signal reaches uvicorn's handler
+                try:
+                    if httpx.get(f"{url}/api/health", timeout=5).status_code == 200:
+                        break
+                except httpx.TransportError:
+                    time.sleep(0.1)
+            proc.send_signal(signal.SIGINT)
+            code = proc.wait(timeout=60)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+        err = proc.stderr.read()
     assert code == 130, err
     assert [ln for ln in err.splitlines() if ln.strip()] == [
         "interrupted: stopped by Ctrl-C (the server is shut down)"]  # no --resume: serve has none

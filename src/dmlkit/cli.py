@@ -29,7 +29,7 @@ from dmlkit.commands._ranks import (
     refuse_under_torchrun,
 )
 from dmlkit.exceptions import DmlkitError
-from dmlkit.signals import STOP_CODES, exit_on_signals
+from dmlkit.signals import STOP_CODES, exit_on_signals, stop_code
 
 app = typer.Typer(
     name="dmlkit",
@@ -273,13 +273,29 @@ def main(argv: list[str] | None = None) -> None:
     _refuse_lost_output(lost, args)
 
 
+def _app_code(argv: list[str] | None) -> int | None:
+    """The exit code of ``app``; an error raised while a stop unwinds (after Ctrl-C, SIGTERM or
+    SIGHUP: :func:`dmlkit.signals.stop_code`) is that stop's 128 + N. A group's SIGTERM during
+    training with loader workers gave torch's "DataLoader worker ... is killed by signal"
+    traceback and exit 1, not the one ``interrupted`` line and 143."""
+    try:
+        # Non-standalone typer returns (not raises) the code of a ``typer.Exit`` and turns
+        # Ctrl-C into ``Exit(130)``: the code must reach the shell, not be dropped.
+        return app(args=argv, standalone_mode=False, prog_name="dmlkit")
+    except (typer.Exit, typer.Abort, TyperException, KeyboardInterrupt):
+        raise
+    except (Exception, SystemExit) as exc:
+        code = stop_code(exc)
+        if code is None:
+            raise
+        return code
+
+
 def _run(argv: list[str] | None, args: list[str]) -> None:
     """The command of ``argv`` (``args``: the same, from ``sys.argv`` when ``argv`` is None),
     its errors as one line and exit code 2, an interruption as one line and 128 + N."""
     try:
-        # Non-standalone typer returns (not raises) the code of a ``typer.Exit`` and turns
-        # Ctrl-C into ``Exit(130)``: the code must reach the shell, not be dropped.
-        code = app(args=argv, standalone_mode=False, prog_name="dmlkit")
+        code = _app_code(argv)
     except DmlkitError as exc:
         _error(cli_spelling(_error_line(str(exc)), _COMMAND))
         sys.exit(exc.exit_code)

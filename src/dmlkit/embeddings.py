@@ -42,6 +42,7 @@ from dmlkit.distributed import all_gather_unequal, context, shard_bounds
 from dmlkit.embedding_files import DATASET_ID, read_embedding_file, repeated_name
 from dmlkit.exceptions import ConfigError, NonFiniteError, ShapeError
 from dmlkit.models.placement import to_device
+from dmlkit.signals import ignore_stop_signals, signals_deferred
 from dmlkit.utils import atomic_write_bytes, portable_path
 from dmlkit.validation import check_embeddings, check_labels
 
@@ -146,15 +147,16 @@ def iter_embed(
         model.eval()
         to_device(model, dev)  # in place; CPU / CUDA convolutions channels-last (faster forwards)
     loader = DataLoader(dataset, batch_size=batch_size, shuffle=False, num_workers=num_workers,
-                        pin_memory=dev.type == "cuda")
-    iterator: Any = loader
-    if progress:
-        from tqdm.auto import tqdm
-
-        iterator = tqdm(loader, desc=desc, leave=False, unit="batch")
+                        worker_init_fn=ignore_stop_signals, pin_memory=dev.type == "cuda")
     use_amp, amp_dtype = amp and dev.type == "cuda", autocast_dtype(dev)  # training's dtype
     try:
-        for x, y in iterator:
+        with signals_deferred():  # a Ctrl-C / SIGTERM while the workers fork is not lost
+            batches: Any = iter(loader)
+        if progress:
+            from tqdm.auto import tqdm
+
+            batches = tqdm(batches, desc=desc, leave=False, unit="batch")
+        for x, y in batches:
             x = x.to(dev, non_blocking=True)
             with torch.no_grad(), torch.autocast(device_type=dev.type, dtype=amp_dtype, enabled=use_amp):
                 e = model(x)
@@ -381,8 +383,7 @@ def embed_model(model: nn.Module, dataset: MetricDataset, options: InferenceOpti
     """A model's ``(embeddings, labels)`` of ``dataset`` as its run saw it.
 
     With ``options.frozen_trunk`` the trunk's (cached) features go through the model's head
-    (:class:`HeadOnly`), exactly as in training; otherwise the whole model runs on the images.
-    """
+    (:class:`HeadOnly`), exactly as in training; otherwise the whole model runs on the images."""
     options = options or InferenceOptions()
     if options.frozen_trunk:
         feats = trunk_features(model, dataset, options, progress=progress)
@@ -418,8 +419,7 @@ def embed_sharded(
     exactly once (no :class:`~torch.utils.data.DistributedSampler` padding to drop); the
     shares are concatenated in rank order, which restores the dataset order. Every rank ends
     up with the whole ``(N, D)`` array: the gather costs ``N x D`` floats per rank.
-    Datasets with fewer rows than ranks are embedded whole on every rank.
-    """
+    Datasets with fewer rows than ranks are embedded whole on every rank."""
     shard, _, _, split = rank_share(dataset)
     if not split:
         return fn(dataset)

@@ -138,7 +138,11 @@ def _reopen(img: Any) -> Any:
         again = Image.open(io.BytesIO(data))
     frame = img.tell()
     if frame:
-        again.seek(frame)
+        try:
+            again.seek(frame)
+        except BaseException:
+            again.close()
+            raise
     return again
 
 
@@ -172,14 +176,14 @@ def full_depth(img: Any, source: str | os.PathLike | None = None):
         arr, mode = np.stack([b[..., 0] << 8 | b[..., 1], b[..., 2] << 8 | b[..., 3]], axis=-1), "LA"
     else:
         other = _reopen(img)  # before img.load() closes the file
-        img.load()
-        try:
-            with other:
+        with other:  # closed when img.load() fails too (a truncated file: one fd leaked a read)
+            img.load()
+            try:
                 _with_raw_mode(other, f"{multi.group(1)};16{_OTHER_ORDER[multi.group(2)]}")
                 other.load()
                 low = np.asarray(other)
-        except ValueError:  # no decoder for the other byte order: Pillow's 8-bit pixels
-            return img
+            except ValueError:  # no decoder for the other byte order: Pillow's 8-bit pixels
+                return img
         arr, mode = np.asarray(img).astype(np.uint16) << 8 | low.astype(np.uint16), img.mode
     out = Image.fromarray(_scaled(arr, 65535.0, name, f"16-bit {mode}", alpha=mode in ("RGBA", "LA")), mode=mode)
     try:  # a TIFF's orientation is applied by load() (and dropped from its EXIF)

@@ -5,7 +5,7 @@ trial, one final fold model) in its own process. With ``torchrun`` each run beco
 single-node job of ``protocol.nproc_per_trial`` processes started by PyTorch's own launcher::
 
     python -m torch.distributed.run --standalone --nnodes 1 --nproc-per-node N --max-restarts 0 \\
-        -m dmlkit.protocol.launch RUN_DIR/launch/spec.json
+        --log-dir RUN_DIR/launch/torchelastic -m dmlkit.protocol.launch RUN_DIR/launch/spec.json
 
 The worker keeps everything that touches the study (claiming the trial, Optuna's sampler, the
 heartbeat, recording the objective): the ranks only train, so a trial's objective is recorded
@@ -29,13 +29,16 @@ once, by the worker, whatever the number of ranks. The hand-over goes through fi
     :class:`DistributedError`, so the search records the trial as failed with that line and
     goes on;
 ``torchrun.log``
-    the output of torchrun and every rank.
+    the output of torchrun and every rank;
+``torchelastic/``
+    torchrun's log folders (by default it left one in ``$TMPDIR`` per run).
 
 Torchrun never restarts a failed run (``--max-restarts 0``): retrying is the bench's job
 (failed trials are recorded; an interrupted final run resumes from its checkpoint).
 ``protocol.torchrun.timeout_s`` bounds a run's wall time: the whole job (its own process
 session) is sent SIGTERM, then SIGKILL after ``kill_grace_s``, and the trial fails with a
-timeout message.
+timeout message. The job also gets SIGTERM when the process that started it dies, even by
+SIGKILL (``PR_SET_PDEATHSIG``: :func:`dmlkit.protocol.processes.die_with_parent`).
 """
 
 from __future__ import annotations
@@ -57,6 +60,7 @@ from dmlkit.data import get_transforms
 from dmlkit.distributed import DistributedError, lost_peer, lost_peer_reason, shutdown
 from dmlkit.exceptions import ConfigError, DataError, NonFiniteError
 from dmlkit.protocol.config import DATA_ROOT_FIX, BenchConfig, TorchrunSettings
+from dmlkit.protocol.processes import die_with_parent
 from dmlkit.signals import exit_on_signals
 from dmlkit.training import train
 from dmlkit.training.data_root import load_dataset_at
@@ -254,6 +258,8 @@ class TorchrunLauncher:
             cmd.append("--standalone")  # c10d rendezvous on localhost, a free port per run
         else:
             cmd += ["--rdzv-backend", s.rdzv_backend, "--rdzv-endpoint", s.rdzv_endpoint, "--rdzv-id", run_id]
+        # torchelastic's log folders go beside the run (by default one per run in $TMPDIR, kept)
+        cmd += ["--log-dir", str(Path(spec_path).parent / "torchelastic")]
         cmd += [*s.extra_args, "-m", "dmlkit.protocol.launch", str(spec_path)]
         return cmd
 
@@ -296,8 +302,10 @@ class TorchrunLauncher:
         timeout = self.settings.timeout_s
         # SIGTERM raises SystemExit here (it ended this process at once and left the job running)
         with open(launch_dir / "torchrun.log", "ab") as log, exit_on_signals():
+            # its own session (a timeout stops the whole job); SIGTERM when this process dies,
+            # even by SIGKILL (PR_SET_PDEATHSIG: torchrun then stops its ranks)
             proc = subprocess.Popen(list(cmd), stdout=log, stderr=subprocess.STDOUT, env=self.environment(),
-                                    start_new_session=True)
+                                    start_new_session=True, preexec_fn=die_with_parent())
             try:
                 rc = proc.wait(timeout=timeout)
             except subprocess.TimeoutExpired:

@@ -71,6 +71,7 @@ from dmlkit.metrics import evaluate
 from dmlkit.metrics.scoring import scored_elsewhere, scoring_stamp, this_scorer
 from dmlkit.models import to_device
 from dmlkit.models.sync_batchnorm import convert_sync_batchnorm
+from dmlkit.signals import signals_deferred
 from dmlkit.training.builders import (
     build_loss,
     build_miner,
@@ -436,7 +437,9 @@ class Trainer:
                        leave=False)
         batches = 0
         try:
-            for x, y in loader:
+            with signals_deferred():  # a Ctrl-C / SIGTERM while the workers fork is not lost
+                started = iter(loader)
+            for x, y in started:
                 value = self.train_step(x, y)
                 batches += 1
                 if state.step % config.training.log_every == 0 or state.step == 1:

@@ -10,6 +10,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from dmlkit.signals import ignore_stop_signals
+
 __all__ = ["SeededBatches", "SeededItems", "item_seed", "seed_worker"]
 
 _MASK64 = (1 << 64) - 1
@@ -69,7 +71,10 @@ class SeededItems(torch.utils.data.Dataset):
 
 
 def seed_worker(worker_id: int) -> None:
-    """A DataLoader worker's numpy and ``random`` streams from its torch seed."""
+    """A training DataLoader worker's ``worker_init_fn``: numpy and ``random`` streams from its
+    torch seed, and Ctrl-C, SIGTERM and SIGHUP ignored (:func:`dmlkit.signals.ignore_stop_signals`:
+    the main process stops its workers)."""
+    ignore_stop_signals(worker_id)
     seed = torch.initial_seed() % 2**32
     np.random.seed(seed)
     random.seed(seed)
