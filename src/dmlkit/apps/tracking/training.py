@@ -50,6 +50,7 @@ from dmlkit.limits import MAX_THREADS
 from dmlkit.models import to_device
 from dmlkit.models.trunks import load_failure_reason
 from dmlkit.provenance import write_provenance
+from dmlkit.signals import ignore_stop_signals, signals_deferred
 from dmlkit.training.checkpoint import refuse_fresh_start
 from dmlkit.utils import (
     atomic_torch_save,
@@ -448,9 +449,11 @@ def _train_in_dir(config: SiamFCTrainConfig, run_dir: Path, sequences: list[Sequ
             pairs.set_epoch(epoch)
             loader = torch.utils.data.DataLoader(
                 pairs, batch_size=config.batch_size, shuffle=True, generator=gen,
-                num_workers=config.num_workers, drop_last=False,
+                num_workers=config.num_workers, drop_last=False, worker_init_fn=ignore_stop_signals,
             )
-            for z, x, labels, weights in loader:
+            with signals_deferred():  # a Ctrl-C / SIGTERM while the workers fork is not lost
+                batches = iter(loader)
+            for z, x, labels, weights in batches:
                 z, x = z.to(device), x.to(device)
                 labels, weights = labels.to(device), weights.to(device)
                 loss = logistic_loss(model(z, x), labels, weights)
