@@ -256,3 +256,14 @@ def test_a_verification_written_from_python_records_a_source():
 
     assert replace(res, source=mine).to_dict()["source"] == mine
 
+
+
+@pytest.mark.parametrize("budget", [0, -5, 0.5, True])
+def test_k_reciprocal_distances_refuse_a_bad_memory_budget(budget):
+    from dmlkit.apps.reid.rerank import k_reciprocal_distances
+    from dmlkit.exceptions import ConfigError
+
+    rng = np.random.default_rng(0)
+    with pytest.raises(ConfigError, match="memory_budget"):
+        k_reciprocal_distances(rng.normal(size=(4, 3)), rng.normal(size=(6, 3)), k1=2, k2=1,
+                               memory_budget=budget)

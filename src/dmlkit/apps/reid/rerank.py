@@ -42,6 +42,7 @@ from dmlkit.apps.reid._common import (
     _centred,
     _prepared,
     _sq_norms,
+    check_memory_budget,
     check_rerank_metric,
     check_rerank_value,
 )
@@ -160,6 +161,7 @@ def k_reciprocal_blocks(
 
     for key, value in (("k1", k1), ("k2", k2), ("lambda_value", lambda_value)):
         check_rerank_value(key, key, value)
+    memory_budget = check_memory_budget(memory_budget)  # 0 or 0.5 were clamped without a word
     x, x_sq = _prepare(query, gallery, metric)
     n_q = len(query)
     n = x.shape[0]
